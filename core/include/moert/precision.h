@@ -1,0 +1,56 @@
+/* Precision recipe plugin ABI v1: the experts' grouped GEMMs (forward, dgrad, wgrad) in some number format. */
+#ifndef MOERT_PRECISION_H
+#define MOERT_PRECISION_H
+
+#include "moert/plugin.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Which expert weight a GEMM uses, so a recipe can keep per-weight state (e.g. cached FP8 copies). */
+typedef enum moert_gemm_weight {
+    MOERT_GEMM_FC1 = 0, /* [E_local, H, 2F] */
+    MOERT_GEMM_FC2 = 1  /* [E_local, F, H] */
+} moert_gemm_weight;
+
+typedef enum moert_gemm_pass {
+    MOERT_GEMM_FORWARD = 0, /* output[rows of e]      = input[rows of e] @ weight[e]         */
+    MOERT_GEMM_DGRAD = 1,   /* grad_input[rows of e]  = grad_output[rows of e] @ weight[e]^T */
+    MOERT_GEMM_WGRAD = 2    /* grad_weight[e]        += input[rows of e]^T @ grad_output[rows of e] */
+} moert_gemm_pass;
+
+/*
+ * One grouped GEMM over the local experts. Rows of the activations are grouped by expert:
+ * expert e owns tokens_per_expert[e] consecutive rows, starting after the rows of experts < e.
+ * Rows past the sum (padding up to capacity) are left untouched.
+ */
+typedef struct moert_grouped_gemm_args {
+    uint32_t struct_size;
+    moert_gemm_weight which;
+    moert_gemm_pass pass;
+    const moert_tensor *tokens_per_expert;     /* [E_local] int64, on the layer device */
+    const int64_t *tokens_per_expert_host;     /* the same on the host, or NULL */
+    const moert_tensor *input;       /* [rows, K_in]   FORWARD, WGRAD */
+    const moert_tensor *weight;      /* [E_local, K_in, N_out] FORWARD, DGRAD */
+    const moert_tensor *grad_output; /* [rows, N_out]  DGRAD, WGRAD */
+    moert_tensor *output;            /* [rows, N_out]  FORWARD (overwritten) */
+    moert_tensor *grad_input;        /* [rows, K_in]   DGRAD (overwritten) */
+    moert_tensor *grad_weight;       /* [E_local, K_in, N_out] WGRAD (accumulated into) */
+} moert_grouped_gemm_args;
+
+typedef struct moert_precision_v1 {
+    moert_plugin_header header; /* kind MOERT_KIND_PRECISION */
+    moert_result (*init)(void **ctx, const moert_host *host, const moert_layer_info *layer);
+    void (*finalize)(void *ctx);
+    moert_result (*grouped_gemm)(void *ctx, moert_stream stream, const moert_grouped_gemm_args *args);
+    /* Once per optimizer step, after the weights changed: drop caches derived from them. */
+    moert_result (*end_step)(void *ctx, moert_stream stream);
+} moert_precision_v1;
+
+#define MOERT_PRECISION_V1_SYMBOL "moert_precision_v1"
+
+#ifdef __cplusplus
+}
+#endif
+#endif

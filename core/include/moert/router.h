@@ -1,0 +1,60 @@
+/* Router plugin ABI v1: scores, top-k selection, balancing losses, and their backward. */
+#ifndef MOERT_ROUTER_H
+#define MOERT_ROUTER_H
+
+#include "moert/plugin.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Balancing losses of one forward, on the host, already multiplied by their coefficients. */
+typedef struct moert_router_losses {
+    double total;    /* what enters the training loss: the sum of the enabled terms below */
+    double aux_loss; /* aux_loss, seq_aux_loss or global_aux_loss, whichever is enabled */
+    double z_loss;
+} moert_router_losses;
+
+typedef struct moert_router_forward_args {
+    uint32_t struct_size;
+    const moert_tensor *x;            /* [T,H] activations */
+    const moert_tensor *weight;       /* [E,H] router weight, fp32 or fp64 */
+    moert_tensor *topk_idx;           /* out [T,K] int32 expert ids; -1 where a copy was dropped (capacity) */
+    moert_tensor *topk_probs;         /* out [T,K] routing weights (0 where dropped), dtype of weight */
+    moert_tensor *tokens_per_expert;  /* out [E] int64: copies kept per expert from this rank's tokens */
+    moert_router_losses *losses;      /* out, host */
+    int64_t seq_length;               /* tokens per sequence, for seq_aux_loss (0: one sequence) */
+} moert_router_forward_args;
+
+typedef struct moert_router_backward_args {
+    uint32_t struct_size;
+    const moert_tensor *x;            /* [T,H] as given to forward */
+    const moert_tensor *weight;       /* [E,H] as given to forward */
+    const moert_tensor *d_topk_probs; /* [T,K] gradient of the loss with respect to topk_probs */
+    double loss_scale;                /* gradient of the training loss with respect to losses.total (1) */
+    moert_tensor *d_x;                /* [T,H] accumulated into (+=) */
+    moert_tensor *d_weight;           /* [E,H] accumulated into (+=) */
+} moert_router_backward_args;
+
+typedef struct moert_router_v1 {
+    moert_plugin_header header; /* kind MOERT_KIND_ROUTER */
+    /* Creates one instance for one layer on one rank; reads its options through host. */
+    moert_result (*init)(void **ctx, const moert_host *host, const moert_layer_info *layer);
+    void (*finalize)(void *ctx);
+    /* Routes T tokens; keeps what backward needs in ctx (one forward in flight per instance). */
+    moert_result (*forward)(void *ctx, moert_stream stream, const moert_router_forward_args *args);
+    /* Gradients of the last forward: through the probs and the balancing losses. */
+    moert_result (*backward)(void *ctx, moert_stream stream, const moert_router_backward_args *args);
+    /* Once per optimizer step, after backward: e.g. the aux-loss-free expert-bias update. */
+    moert_result (*end_step)(void *ctx, moert_stream stream);
+    /* The expert bias ([E], fp32 or fp64) or NULL where the router keeps none; for reports and tests. */
+    const moert_tensor *(*expert_bias)(void *ctx);
+} moert_router_v1;
+
+/* The symbol a router plugin exports. */
+#define MOERT_ROUTER_V1_SYMBOL "moert_router_v1"
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,1 @@
+/* comm: written next. */

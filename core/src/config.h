@@ -1,0 +1,91 @@
+/* Config: the parsed JSON file, typed sections with JSON-path errors and unknown-key checks. */
+#ifndef MOERT_CORE_CONFIG_H
+#define MOERT_CORE_CONFIG_H
+
+#include <jansson.h>
+#include <stdbool.h>
+
+#include "moert/moert.h"
+
+/* The four plugin slots of a config, in the order the executor calls them. */
+typedef enum moert_slot {
+    MOERT_SLOT_ROUTER = 0,
+    MOERT_SLOT_DISPATCHER = 1,
+    MOERT_SLOT_PRECISION = 2,
+    MOERT_SLOT_MEMORY_POLICY = 3,
+    MOERT_SLOT_COUNT
+} moert_slot;
+
+/* "router", "dispatcher", "precision", "memory_policy": the config key of each slot. */
+const char *moert_slot_key(moert_slot slot);
+moert_plugin_kind moert_slot_kind(moert_slot slot);
+
+/* Plain values of the core's own sections, filled by moert_config_parse(). */
+typedef struct moert_model_config {
+    int64_t hidden, ffn_hidden, num_experts, topk, num_layers;
+    moert_dtype dtype; /* activation storage: fp32, bf16 or fp64 */
+} moert_model_config;
+
+typedef struct moert_parallel_config {
+    int64_t ranks;     /* expert-parallel group size */
+    int device;        /* 0 auto, 1 cpu, 2 cuda */
+    double timeout_s;  /* a collective waits this long for a stalled peer */
+} moert_parallel_config;
+
+typedef struct moert_train_config {
+    int64_t steps, tokens_per_rank, seq_length, seed, log_every;
+    double lr, weight_decay, bias_update_rate_unused;
+    double teacher_scale;
+} moert_train_config;
+
+struct moert_config {
+    json_t *root;
+    char source[512];          /* file name or the name given to load_string */
+    char name[128];            /* $.name, or the file's base name */
+    moert_model_config model;
+    moert_parallel_config parallel;
+    moert_train_config train;
+    char plugin[MOERT_SLOT_COUNT][512]; /* $.<slot>.plugin, a name or a path */
+};
+
+/* Fills the typed fields from root; every error names the JSON path. Called by the load functions. */
+moert_result moert_config_parse(moert_config *cfg);
+
+/* ---- sections: one JSON object read through typed accessors ---- */
+
+typedef struct moert_option_desc {
+    char key[64];
+    char type[16];       /* "int", "float", "bool", "string", "enum" */
+    char def[64];        /* the default, as text */
+    char range[192];     /* "[min, max]" or "a|b|c" */
+    char help[192];
+} moert_option_desc;
+
+typedef struct moert_section moert_section;
+
+/* Opens object `obj` (borrowed; may be NULL for "all defaults") whose JSON path is `path`, e.g. "$.router". */
+moert_section *moert_section_create(json_t *obj, const char *path);
+void moert_section_free(moert_section *sec);
+/* Marks a key as known without reading it (e.g. "plugin"). */
+void moert_section_allow(moert_section *sec, const char *key);
+/* In describe mode the accessors also record each option (key, type, default, range, help). */
+void moert_section_set_describe(moert_section *sec, bool on);
+int moert_section_option_count(const moert_section *sec);
+const moert_option_desc *moert_section_option(const moert_section *sec, int i);
+
+moert_result moert_section_int(moert_section *sec, const char *key, int64_t def, int64_t min, int64_t max,
+                               const char *help, int64_t *out);
+moert_result moert_section_float(moert_section *sec, const char *key, double def, double min, double max,
+                                 const char *help, double *out);
+moert_result moert_section_bool(moert_section *sec, const char *key, bool def, const char *help, bool *out);
+moert_result moert_section_string(moert_section *sec, const char *key, const char *def, const char *help,
+                                  const char **out);
+moert_result moert_section_enum(moert_section *sec, const char *key, const char *const *choices, int def,
+                                const char *help, int *out);
+/* Fails on the first key never read nor allowed, naming its path and the nearest known key. */
+moert_result moert_section_check_unknown(const moert_section *sec);
+
+/* The nearest of `known` to `word` by edit distance, or NULL if none is close. */
+const char *moert_nearest_name(const char *word, const char *const *known, int count);
+
+#endif

@@ -1,0 +1,1 @@
+/* error: written next. */

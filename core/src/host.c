@@ -1,0 +1,1 @@
+/* host: written next. */

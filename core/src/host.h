@@ -1,0 +1,28 @@
+/* Host services: builds the moert_host table handed to one plugin instance. */
+#ifndef MOERT_CORE_HOST_H
+#define MOERT_CORE_HOST_H
+
+#include "comm.h"
+#include "config.h"
+#include "moert/moert.h"
+
+/* Receives the metrics a plugin reports (per instance); NULL to drop them. */
+typedef void (*moert_metric_sink)(void *user, const char *name, double value, const char *unit);
+
+typedef struct moert_host_setup {
+    const char *who;             /* "router[topk] layer 0 rank 1", prefixes log lines and errors */
+    moert_section *options;      /* the plugin's JSON object; borrowed */
+    moert_comm_group *comm;      /* may be NULL for a world of one */
+    int rank, world_size;
+    moert_device device;
+    moert_metric_sink metric;
+    void *metric_user;
+} moert_host_setup;
+
+/* A host table for one instance; free with moert_host_free. */
+moert_result moert_host_create(const moert_host_setup *setup, moert_host **out);
+void moert_host_free(moert_host *h);
+/* The message a plugin set with host->set_error since the last call ("" if none); clears it. */
+const char *moert_host_take_error(moert_host *h);
+
+#endif

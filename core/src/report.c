@@ -1,0 +1,1 @@
+/* report: written next. */

@@ -1,0 +1,1 @@
+/* tensor_ops: written next. */

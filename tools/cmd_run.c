@@ -1,0 +1,1 @@
+/* cmd_run: written next. */

@@ -1,0 +1,1 @@
+/* moert: written next. */
