@@ -1,1 +1,662 @@
-/* runtime: written next. */
+/* Runtime: loads the configured plugins, runs one thread per rank, and trains the layer stack. */
+#include "runtime.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "error.h"
+#include "host.h"
+#include "log.h"
+#include "tensor_ops.h"
+
+/* Everything one rank owns. */
+struct moert_rank {
+    moert_runtime *rt;
+    int rank;
+    json_t *empty_options;
+    moert_section *core_section;
+    moert_host *core_host;
+    moert_layer *layers;                 /* [num_layers] */
+    moert_section **sections;            /* [num_layers * MOERT_SLOT_COUNT] */
+    moert_host **hosts;                  /* [num_layers * MOERT_SLOT_COUNT] */
+    moert_tensor *acts;                  /* [num_layers + 1] residual stream; acts[0] is the input */
+    moert_tensor grad_a, grad_b, target; /* [T,H] on the device */
+    moert_tensor x_host, target_host;    /* [T,H] on the host, fp64 */
+    /* per step */
+    double mse_sum, router_loss;
+    int64_t *counts;                     /* [num_layers * E] */
+    /* outcome of the phase running on this rank */
+    moert_result rc;
+    int fail_order;
+    char error[2048];
+};
+
+static const char *const device_names[] = {"auto", "cpu", "cuda"};
+
+static double now_seconds(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* ---- running a phase on every rank ---- */
+
+typedef moert_result (*rank_phase_fn)(moert_rank *r, void *arg);
+
+typedef struct phase_call {
+    moert_rank *r;
+    rank_phase_fn fn;
+    void *arg;
+    atomic_int *fail_counter;
+} phase_call;
+
+static void *phase_main(void *p)
+{
+    phase_call *c = p;
+    moert_rank *r = c->r;
+    moert_error_clear();
+    r->rc = c->fn(r, c->arg);
+    if (r->rc != MOERT_OK) {
+        r->fail_order = atomic_fetch_add(c->fail_counter, 1);
+        snprintf(r->error, sizeof r->error, "%s", moert_error_message());
+        /* release peers waiting for this rank in a collective */
+        if (r->rt->comm) moert_comm_abort(r->rt->comm, r->rank, r->error);
+    }
+    return NULL;
+}
+
+/* Runs fn on every rank, one thread each; the first rank to fail gives the error. */
+static moert_result run_on_ranks(moert_runtime *rt, rank_phase_fn fn, void *arg)
+{
+    atomic_int fail_counter = 0;
+    phase_call calls[64];
+    pthread_t threads[64];
+    for (int i = 0; i < rt->world; i++) {
+        calls[i] = (phase_call){&rt->ranks[i], fn, arg, &fail_counter};
+        rt->ranks[i].rc = MOERT_OK;
+        rt->ranks[i].fail_order = -1;
+    }
+    if (rt->world == 1) {
+        phase_main(&calls[0]);
+    } else {
+        for (int i = 0; i < rt->world; i++)
+            if (pthread_create(&threads[i], NULL, phase_main, &calls[i]) != 0)
+                return moert_error(MOERT_ERR_INTERNAL, "pthread_create for rank %d failed", i);
+        for (int i = 0; i < rt->world; i++) pthread_join(threads[i], NULL);
+    }
+    for (int i = 0; i < rt->world; i++)
+        if (rt->ranks[i].fail_order == 0) {
+            if (rt->world == 1) return moert_error(rt->ranks[i].rc, "%s", rt->ranks[i].error);
+            return moert_error(rt->ranks[i].rc, "rank %d: %s", i, rt->ranks[i].error);
+        }
+    return MOERT_OK;
+}
+
+/* ---- creation ---- */
+
+static moert_result choose_device(moert_runtime *rt)
+{
+    int want = rt->cfg->parallel.device;
+    if (want == 2)
+        return moert_error(MOERT_ERR_UNSUPPORTED,
+                           "config error at $.parallel.device: \"cuda\" is not available in this build or on this "
+                           "machine; use \"cpu\" or \"auto\"");
+    rt->device_type = MOERT_DEVICE_CPU;
+    snprintf(rt->device_name, sizeof rt->device_name, "cpu (%d rank%s as threads)", rt->world, rt->world > 1 ? "s" : "");
+    (void)device_names;
+    return MOERT_OK;
+}
+
+static moert_layer_info layer_info(const moert_runtime *rt, int rank, int layer)
+{
+    const moert_model_config *m = &rt->cfg->model;
+    int64_t local = m->num_experts / rt->world;
+    moert_layer_info info = {
+        .struct_size = sizeof info, .layer_index = layer, .num_layers = (int32_t)m->num_layers, .hidden = m->hidden,
+        .ffn_hidden = m->ffn_hidden, .num_experts = m->num_experts, .topk = m->topk, .num_local_experts = local,
+        .first_local_expert = local * rank, .max_tokens = rt->cfg->train.tokens_per_rank, .dtype = m->dtype,
+        .device = {rt->device_type, rt->device_type == MOERT_DEVICE_CUDA ? rank : 0}};
+    return info;
+}
+
+static moert_instance *slot_instance(moert_layer *L, moert_slot s)
+{
+    switch (s) {
+    case MOERT_SLOT_ROUTER: return &L->router;
+    case MOERT_SLOT_DISPATCHER: return &L->dispatcher;
+    case MOERT_SLOT_PRECISION: return &L->precision;
+    default: return &L->memory;
+    }
+}
+
+/* Creates this rank's services and one instance of every plugin per layer. */
+static moert_result rank_init(moert_rank *r, void *arg)
+{
+    (void)arg;
+    moert_result rc = MOERT_OK;
+    moert_runtime *rt = r->rt;
+    const moert_config *cfg = rt->cfg;
+    int nl = (int)cfg->model.num_layers;
+    char who[256];
+
+    r->empty_options = json_object();
+    MOERT_CHECK_ALLOC(r->empty_options);
+    r->core_section = moert_section_create(r->empty_options, "$");
+    MOERT_CHECK_ALLOC(r->core_section);
+    moert_layer_info info0 = layer_info(rt, r->rank, 0);
+    snprintf(who, sizeof who, "core (rank %d)", r->rank);
+    moert_host_setup core_setup = {.who = who, .options = r->core_section, .comm = rt->comm, .rank = r->rank,
+                                   .world_size = rt->world, .device = info0.device};
+    MOERT_CHECK(moert_host_create(&core_setup, &r->core_host));
+
+    r->layers = calloc((size_t)nl, sizeof *r->layers);
+    r->sections = calloc((size_t)nl * MOERT_SLOT_COUNT, sizeof *r->sections);
+    r->hosts = calloc((size_t)nl * MOERT_SLOT_COUNT, sizeof *r->hosts);
+    r->acts = calloc((size_t)nl + 1, sizeof *r->acts);
+    r->counts = calloc((size_t)nl * (size_t)cfg->model.num_experts, sizeof *r->counts);
+    MOERT_CHECK_ALLOC(r->layers);
+    MOERT_CHECK_ALLOC(r->sections);
+    MOERT_CHECK_ALLOC(r->hosts);
+    MOERT_CHECK_ALLOC(r->acts);
+    MOERT_CHECK_ALLOC(r->counts);
+
+    for (int l = 0; l < nl; l++) {
+        moert_layer *L = &r->layers[l];
+        L->info = layer_info(rt, r->rank, l);
+        L->core_host = r->core_host;
+        L->stream = NULL;
+        L->param_dtype = cfg->model.dtype == MOERT_F64 ? MOERT_F64 : MOERT_F32;
+        for (int s = 0; s < MOERT_SLOT_COUNT; s++) {
+            const char *key = moert_slot_key((moert_slot)s);
+            char path[64];
+            snprintf(path, sizeof path, "$.%s", key);
+            moert_section *sec = moert_section_create(json_object_get(cfg->root, key), path);
+            MOERT_CHECK_ALLOC(sec);
+            r->sections[l * MOERT_SLOT_COUNT + s] = sec;
+            moert_section_allow(sec, "plugin");
+            snprintf(who, sizeof who, "%s \"%s\" (layer %d, rank %d)", moert_kind_name(rt->plugins[s].kind),
+                     rt->plugins[s].header->name, l, r->rank);
+            moert_host_setup setup = {.who = who, .options = sec, .comm = rt->comm, .rank = r->rank,
+                                      .world_size = rt->world, .device = L->info.device};
+            MOERT_CHECK(moert_host_create(&setup, &r->hosts[l * MOERT_SLOT_COUNT + s]));
+            moert_instance *inst = slot_instance(L, (moert_slot)s);
+            inst->plugin = &rt->plugins[s];
+            inst->host = r->hosts[l * MOERT_SLOT_COUNT + s];
+            MOERT_CHECK(moert_plugin_init(inst->plugin, &inst->ctx, inst->host, &L->info));
+            /* options are the same for every layer and rank: checking the first instance is enough */
+            if (l == 0) MOERT_CHECK(moert_section_check_unknown(sec));
+        }
+    }
+    return MOERT_OK;
+fail:
+    return rc;
+}
+
+static moert_result rank_finalize(moert_rank *r, void *arg)
+{
+    (void)arg;
+    moert_runtime *rt = r->rt;
+    int nl = (int)rt->cfg->model.num_layers;
+    if (r->layers) {
+        for (int l = 0; l < nl; l++) {
+            moert_layer *L = &r->layers[l];
+            if (r->core_host) moert_layer_free(L);
+            for (int s = MOERT_SLOT_COUNT - 1; s >= 0; s--) {
+                moert_instance *inst = slot_instance(L, (moert_slot)s);
+                if (inst->ctx) moert_plugin_finalize(inst->plugin, inst->ctx);
+                inst->ctx = NULL;
+            }
+        }
+    }
+    if (r->acts && r->core_host)
+        for (int l = 0; l <= nl; l++)
+            if (r->acts[l].data) r->core_host->free(r->core_host, r->acts[l].device, r->acts[l].data);
+    moert_tensor *bufs[3] = {&r->grad_a, &r->grad_b, &r->target};
+    for (int i = 0; i < 3; i++)
+        if (bufs[i]->data && r->core_host) r->core_host->free(r->core_host, bufs[i]->device, bufs[i]->data);
+    free(r->x_host.data);
+    free(r->target_host.data);
+    if (r->hosts)
+        for (int i = 0; i < nl * MOERT_SLOT_COUNT; i++)
+            if (r->hosts[i]) moert_host_free(r->hosts[i]);
+    if (r->sections)
+        for (int i = 0; i < nl * MOERT_SLOT_COUNT; i++)
+            if (r->sections[i]) moert_section_free(r->sections[i]);
+    if (r->core_host) moert_host_free(r->core_host);
+    if (r->core_section) moert_section_free(r->core_section);
+    if (r->empty_options) json_decref(r->empty_options);
+    free(r->layers);
+    free(r->hosts);
+    free(r->sections);
+    free(r->acts);
+    free(r->counts);
+    return MOERT_OK;
+}
+
+moert_result moert_runtime_create(const moert_config *cfg, moert_runtime **out)
+{
+    moert_result rc = MOERT_OK;
+    *out = NULL;
+    moert_runtime *rt = calloc(1, sizeof *rt);
+    MOERT_CHECK_ALLOC(rt);
+    rt->cfg = cfg;
+    rt->world = (int)cfg->parallel.ranks;
+    MOERT_CHECK(choose_device(rt));
+    for (int s = 0; s < MOERT_SLOT_COUNT; s++) {
+        rc = moert_plugin_load(moert_slot_kind((moert_slot)s), cfg->plugin[s], &rt->plugins[s]);
+        if (rc != MOERT_OK) {
+            moert_error_prefix("config error at $.%s.plugin", moert_slot_key((moert_slot)s));
+            goto fail;
+        }
+    }
+    if (rt->world > 1) MOERT_CHECK(moert_comm_group_create(rt->world, cfg->parallel.timeout_s, &rt->comm));
+    rt->ranks = calloc((size_t)rt->world, sizeof *rt->ranks);
+    MOERT_CHECK_ALLOC(rt->ranks);
+    for (int i = 0; i < rt->world; i++) {
+        rt->ranks[i].rt = rt;
+        rt->ranks[i].rank = i;
+    }
+    MOERT_CHECK(run_on_ranks(rt, rank_init, NULL));
+    *out = rt;
+    return MOERT_OK;
+fail:
+    if (rt) {
+        char saved[4096];
+        snprintf(saved, sizeof saved, "%s", moert_error_message());
+        moert_runtime_destroy(rt);
+        moert_error(rc, "%s", saved);
+    }
+    return rc;
+}
+
+void moert_runtime_destroy(moert_runtime *rt)
+{
+    if (!rt) return;
+    if (rt->ranks) {
+        /* finalize on one thread per rank too: a plugin may tie resources to its rank's thread */
+        run_on_ranks(rt, rank_finalize, NULL);
+    }
+    if (rt->comm) moert_comm_group_free(rt->comm);
+    for (int s = 0; s < MOERT_SLOT_COUNT; s++)
+        if (rt->plugins[s].dl) moert_plugin_unload(&rt->plugins[s]);
+    moert_teacher_free(rt->teacher);
+    free(rt->ranks);
+    free(rt->records);
+    free(rt->final_counts);
+    free(rt->final_bias);
+    free(rt->bias_start);
+    free(rt);
+}
+
+/* ---- the training step ---- */
+
+static moert_result rank_alloc_tensor(moert_rank *r, moert_tensor *t, moert_dtype dtype, int64_t rows, int64_t cols)
+{
+    moert_device dev = r->layers[0].info.device;
+    *t = moert_tensor_2d(NULL, dev, dtype, rows, cols);
+    moert_result rc = r->core_host->alloc(r->core_host, dev, moert_tensor_bytes(t), &t->data);
+    if (rc != MOERT_OK) return moert_error(rc, "allocating activations: %s", moert_host_take_error(r->core_host));
+    return MOERT_OK;
+}
+
+/* Parameters, optimizer state and step buffers of one rank. */
+static moert_result rank_prepare(moert_rank *r, void *arg)
+{
+    (void)arg;
+    moert_result rc = MOERT_OK;
+    const moert_config *cfg = r->rt->cfg;
+    int64_t t = cfg->train.tokens_per_rank, h = cfg->model.hidden;
+    for (int l = 0; l < cfg->model.num_layers; l++) MOERT_CHECK(moert_layer_init_params(&r->layers[l], (uint64_t)cfg->train.seed));
+    for (int l = 0; l <= cfg->model.num_layers; l++) MOERT_CHECK(rank_alloc_tensor(r, &r->acts[l], cfg->model.dtype, t, h));
+    MOERT_CHECK(rank_alloc_tensor(r, &r->grad_a, cfg->model.dtype, t, h));
+    MOERT_CHECK(rank_alloc_tensor(r, &r->grad_b, cfg->model.dtype, t, h));
+    MOERT_CHECK(rank_alloc_tensor(r, &r->target, cfg->model.dtype, t, h));
+    r->x_host = moert_tensor_2d(calloc((size_t)(t * h), sizeof(double)), moert_cpu(), MOERT_F64, t, h);
+    r->target_host = moert_tensor_2d(calloc((size_t)(t * h), sizeof(double)), moert_cpu(), MOERT_F64, t, h);
+    MOERT_CHECK_ALLOC(r->x_host.data);
+    MOERT_CHECK_ALLOC(r->target_host.data);
+fail:
+    return rc;
+}
+
+/* Estimated bytes of parameters and optimizer state per rank, to refuse runs that cannot fit. */
+static double param_bytes_per_rank(const moert_runtime *rt)
+{
+    const moert_model_config *m = &rt->cfg->model;
+    double local = (double)(m->num_experts / rt->world);
+    double per_layer = (double)(m->num_experts * m->hidden) + local * 3.0 * (double)(m->hidden * m->ffn_hidden);
+    return per_layer * (double)m->num_layers * 4.0 /* value, grad, m, v */ * (m->dtype == MOERT_F64 ? 8.0 : 4.0);
+}
+
+static moert_result ensure_params(moert_runtime *rt)
+{
+    if (rt->params_ready) return MOERT_OK;
+    if (rt->device_type == MOERT_DEVICE_CPU) {
+        double need = param_bytes_per_rank(rt) * rt->world;
+        double have = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE);
+        if (need > 0.5 * have)
+            return moert_error(MOERT_ERR_OUT_OF_MEMORY,
+                               "config \"%s\": parameters and Adam state need %.1f GiB on the CPU, more than half of "
+                               "this machine's %.1f GiB; run it on GPUs ($.parallel.device \"cuda\") or shrink $.model",
+                               rt->cfg->name, need / 1073741824.0, have / 1073741824.0);
+    }
+    moert_result rc = moert_teacher_create(rt->cfg->model.hidden, (uint64_t)rt->cfg->train.seed + 7777,
+                                           rt->cfg->train.teacher_scale, &rt->teacher);
+    if (rc != MOERT_OK) return rc;
+    rc = run_on_ranks(rt, rank_prepare, NULL);
+    if (rc == MOERT_OK) rt->params_ready = true;
+    return rc;
+}
+
+/* Step data: this rank's slice of the step's global tokens, and the teacher's targets. */
+static moert_result load_batch(moert_rank *r, int64_t step)
+{
+    const moert_config *cfg = r->rt->cfg;
+    int64_t t = cfg->train.tokens_per_rank, h = cfg->model.hidden;
+    uint64_t first = ((uint64_t)step * (uint64_t)r->rt->world * (uint64_t)t + (uint64_t)r->rank * (uint64_t)t) *
+                     (uint64_t)h;
+    moert_fill_normal(&r->x_host, (uint64_t)cfg->train.seed, MOERT_STREAM_INPUT, first, 1.0);
+    moert_teacher_apply(r->rt->teacher, &r->x_host, &r->target_host);
+    /* round through the storage dtype on the host, then copy */
+    moert_result rc = MOERT_OK;
+    moert_tensor src[2] = {r->x_host, r->target_host};
+    moert_tensor *dst[2] = {&r->acts[0], &r->target};
+    for (int i = 0; i < 2; i++) {
+        moert_tensor staged = *dst[i];
+        staged.device = moert_cpu();
+        staged.data = malloc(moert_tensor_bytes(dst[i]));
+        if (!staged.data) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "staging the batch");
+        moert_copy(NULL, &src[i], &staged);
+        rc = r->core_host->memcpy_async(r->core_host, dst[i]->data, dst[i]->device, staged.data, staged.device,
+                                        moert_tensor_bytes(dst[i]), NULL);
+        free(staged.data);
+        if (rc != MOERT_OK) return moert_error(rc, "copying the batch: %s", moert_host_take_error(r->core_host));
+    }
+    return MOERT_OK;
+}
+
+static moert_result allreduce(moert_rank *r, void *buf, size_t count, moert_dtype dtype)
+{
+    moert_result rc = r->core_host->allreduce_sum(r->core_host, buf, count, dtype, moert_cpu(), NULL);
+    if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(r->core_host));
+    return MOERT_OK;
+}
+
+/* Forward and backward of the stack on one rank; fills mse_sum, router_loss and counts. */
+static moert_result rank_forward_backward(moert_rank *r, int64_t step)
+{
+    moert_result rc = MOERT_OK;
+    const moert_config *cfg = r->rt->cfg;
+    int nl = (int)cfg->model.num_layers;
+    int64_t e = cfg->model.num_experts;
+    double global_elems = (double)r->rt->world * (double)cfg->train.tokens_per_rank * (double)cfg->model.hidden;
+
+    MOERT_CHECK(load_batch(r, step));
+    r->router_loss = 0.0;
+    for (int l = 0; l < nl; l++) {
+        MOERT_CHECK(moert_layer_zero_grad(&r->layers[l]));
+        MOERT_CHECK(moert_layer_forward(&r->layers[l], &r->acts[l], &r->acts[l + 1]));
+        r->router_loss += r->layers[l].losses.total;
+        /* tokens per expert: copy the router's counts to the host */
+        moert_tensor *c = &r->layers[l].tokens_per_expert;
+        rc = r->core_host->memcpy_async(r->core_host, r->counts + (size_t)l * (size_t)e, moert_cpu(), c->data,
+                                        c->device, (size_t)e * sizeof(int64_t), NULL);
+        if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(r->core_host));
+    }
+    MOERT_CHECK(moert_squared_error(NULL, &r->acts[nl], &r->target, 1.0 / global_elems, &r->mse_sum, &r->grad_a));
+    moert_tensor *d_y = &r->grad_a, *d_x = &r->grad_b;
+    for (int l = nl - 1; l >= 0; l--) {
+        MOERT_CHECK(moert_layer_backward(&r->layers[l], d_y, d_x, 1.0 / r->rt->world));
+        moert_tensor *tmp = d_y;
+        d_y = d_x;
+        d_x = tmp;
+    }
+    /* the router weight is replicated: its gradient is the sum of every rank's share */
+    for (int l = 0; l < nl && r->rt->world > 1; l++) {
+        moert_tensor *g = &r->layers[l].params[MOERT_PARAM_ROUTER].grad;
+        rc = r->core_host->allreduce_sum(r->core_host, g->data, (size_t)moert_tensor_numel(g), g->dtype, g->device, NULL);
+        if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(r->core_host));
+    }
+    /* figures over all ranks */
+    double sums[2] = {r->mse_sum, r->router_loss};
+    MOERT_CHECK(allreduce(r, sums, 2, MOERT_F64));
+    r->mse_sum = sums[0];
+    r->router_loss = sums[1] / r->rt->world;
+    MOERT_CHECK(allreduce(r, r->counts, (size_t)nl * (size_t)e, MOERT_I64));
+fail:
+    return rc;
+}
+
+static moert_result rank_optimizer_step(moert_rank *r, int64_t step)
+{
+    moert_result rc = MOERT_OK;
+    const moert_config *cfg = r->rt->cfg;
+    moert_adam opt = {.lr = cfg->train.lr, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
+                      .weight_decay = cfg->train.weight_decay, .step = step};
+    for (int l = 0; l < cfg->model.num_layers; l++) {
+        moert_layer *L = &r->layers[l];
+        for (int p = 0; p < MOERT_PARAM_COUNT; p++)
+            MOERT_CHECK(moert_adam_update(L->stream, &opt, &L->params[p].value, &L->params[p].grad, &L->params[p].m,
+                                          &L->params[p].v));
+        const moert_router_v1 *router = (const moert_router_v1 *)L->router.plugin->header;
+        rc = router->end_step(L->router.ctx, L->stream);
+        if (rc != MOERT_OK)
+            return moert_error(rc, "router \"%s\" end_step failed (layer %d): %s", router->header.name, l,
+                               moert_host_take_error(L->router.host));
+        const moert_precision_v1 *prec = (const moert_precision_v1 *)L->precision.plugin->header;
+        rc = prec->end_step(L->precision.ctx, L->stream);
+        if (rc != MOERT_OK)
+            return moert_error(rc, "precision \"%s\" end_step failed (layer %d): %s", prec->header.name, l,
+                               moert_host_take_error(L->precision.host));
+    }
+fail:
+    return rc;
+}
+
+/* max/mean of tokens per expert for one layer's all-rank counts. */
+static double imbalance_of(const int64_t *counts, int64_t e)
+{
+    int64_t max = 0, sum = 0;
+    for (int64_t i = 0; i < e; i++) {
+        sum += counts[i];
+        if (counts[i] > max) max = counts[i];
+    }
+    return sum > 0 ? (double)max * (double)e / (double)sum : 0.0;
+}
+
+static void fill_record(moert_runtime *rt, int64_t step, double seconds, moert_step_record *rec)
+{
+    moert_rank *r0 = &rt->ranks[0];
+    const moert_config *cfg = rt->cfg;
+    int nl = (int)cfg->model.num_layers;
+    int64_t e = cfg->model.num_experts;
+    memset(rec, 0, sizeof *rec);
+    rec->step = step;
+    rec->mse = r0->mse_sum / ((double)rt->world * (double)cfg->train.tokens_per_rank * (double)cfg->model.hidden);
+    rec->router_loss = r0->router_loss;
+    rec->loss = rec->mse + rec->router_loss;
+    for (int l = 0; l < nl; l++) {
+        double imb = imbalance_of(r0->counts + (size_t)l * (size_t)e, e);
+        rec->imbalance += imb / nl;
+        if (imb > rec->imbalance_max) rec->imbalance_max = imb;
+        for (int s = 0; s < MOERT_STAGE_COUNT; s++) rec->stage_seconds[s] += r0->layers[l].stage_seconds[s];
+    }
+    rec->seconds = seconds;
+}
+
+typedef struct train_arg {
+    int64_t steps;
+    FILE *progress;
+} train_arg;
+
+static void print_progress(moert_runtime *rt, const moert_step_record *rec, int64_t steps, FILE *f)
+{
+    fprintf(f, "step %*lld/%lld  loss %.6f (mse %.6f, router %.2e)  load max/mean %.3f (worst layer %.3f)  %.1f ms\n",
+            (int)snprintf(NULL, 0, "%lld", (long long)steps), (long long)rec->step, (long long)steps, rec->loss,
+            rec->mse, rec->router_loss, rec->imbalance, rec->imbalance_max, rec->seconds * 1e3);
+    fflush(f);
+    (void)rt;
+}
+
+/* Copies the routers' expert biases ([layers, E]) to the host, or leaves *out NULL if the router keeps none. */
+static moert_result snapshot_bias(moert_runtime *rt, double **out)
+{
+    moert_rank *r0 = &rt->ranks[0];
+    const moert_config *cfg = rt->cfg;
+    int64_t e = cfg->model.num_experts;
+    free(*out);
+    *out = NULL;
+    for (int l = 0; l < cfg->model.num_layers; l++) {
+        moert_layer *L = &r0->layers[l];
+        const moert_router_v1 *router = (const moert_router_v1 *)L->router.plugin->header;
+        const moert_tensor *b = router->expert_bias ? router->expert_bias(L->router.ctx) : NULL;
+        if (!b) return MOERT_OK;
+        if (!*out) *out = calloc((size_t)(cfg->model.num_layers * e), sizeof(double));
+        if (!*out) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "bias snapshot");
+        moert_tensor host = *b;
+        host.device = moert_cpu();
+        host.data = malloc(moert_tensor_bytes(b));
+        if (!host.data) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "bias snapshot");
+        moert_result rc = r0->core_host->memcpy_async(r0->core_host, host.data, host.device, b->data, b->device,
+                                                      moert_tensor_bytes(b), NULL);
+        for (int64_t i = 0; i < e && rc == MOERT_OK; i++) (*out)[l * e + i] = moert_load(&host, i);
+        free(host.data);
+        if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(r0->core_host));
+    }
+    return MOERT_OK;
+}
+
+static moert_result rank_train(moert_rank *r, void *arg)
+{
+    moert_result rc = MOERT_OK;
+    train_arg *ta = arg;
+    moert_runtime *rt = r->rt;
+    int log_every = (int)(rt->cfg->train.log_every > 0 ? rt->cfg->train.log_every : 1);
+    for (int64_t step = 1; step <= ta->steps; step++) {
+        double t0 = now_seconds();
+        MOERT_CHECK(rank_forward_backward(r, step));
+        MOERT_CHECK(rank_optimizer_step(r, step));
+        if (r->rank == 0) {
+            moert_step_record *rec = &rt->records[rt->record_count++];
+            fill_record(rt, step, now_seconds() - t0, rec);
+            if (ta->progress && (step % log_every == 0 || step == 1 || step == ta->steps))
+                print_progress(rt, rec, ta->steps, ta->progress);
+        }
+    }
+fail:
+    return rc;
+}
+
+static moert_result rank_forward_backward_phase(moert_rank *r, void *arg)
+{
+    return rank_forward_backward(r, *(int64_t *)arg);
+}
+
+moert_result moert_runtime_forward_backward(moert_runtime *rt, int64_t step, double *loss)
+{
+    moert_result rc = ensure_params(rt);
+    if (rc != MOERT_OK) return rc;
+    rc = run_on_ranks(rt, rank_forward_backward_phase, &step);
+    if (rc != MOERT_OK) return rc;
+    moert_step_record rec;
+    fill_record(rt, step, 0.0, &rec);
+    *loss = rec.loss;
+    return MOERT_OK;
+}
+
+moert_result moert_runtime_train(moert_runtime *rt, const moert_train_options *opts)
+{
+    moert_result rc = ensure_params(rt);
+    if (rc != MOERT_OK) return rc;
+    const moert_config *cfg = rt->cfg;
+    train_arg ta = {.steps = opts && opts->steps > 0 ? opts->steps : cfg->train.steps,
+                    .progress = opts ? opts->progress : NULL};
+    free(rt->records);
+    rt->records = calloc((size_t)(ta.steps > 0 ? ta.steps : 1), sizeof *rt->records);
+    rt->record_count = 0;
+    if (!rt->records) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "step records");
+    if (ta.progress)
+        fprintf(ta.progress, "moert %s: \"%s\" on %s; %lld layer%s, H=%lld F=%lld E=%lld K=%lld, %lld tokens per rank, "
+                "%s storage; router %s, dispatcher %s, precision %s, memory policy %s\n",
+                MOERT_VERSION_STRING, cfg->name, rt->device_name, (long long)cfg->model.num_layers,
+                cfg->model.num_layers > 1 ? "s" : "", (long long)cfg->model.hidden, (long long)cfg->model.ffn_hidden,
+                (long long)cfg->model.num_experts, (long long)cfg->model.topk, (long long)cfg->train.tokens_per_rank,
+                moert_dtype_name(cfg->model.dtype), rt->plugins[0].header->name, rt->plugins[1].header->name,
+                rt->plugins[2].header->name, rt->plugins[3].header->name);
+    rc = snapshot_bias(rt, &rt->bias_start);
+    if (rc != MOERT_OK) return rc;
+    double t0 = now_seconds();
+    rc = run_on_ranks(rt, rank_train, &ta);
+    rt->total_seconds = now_seconds() - t0;
+    if (rc != MOERT_OK) return rc;
+
+    int nl = (int)cfg->model.num_layers;
+    int64_t e = cfg->model.num_experts;
+    free(rt->final_counts);
+    rt->final_counts = malloc(sizeof(int64_t) * (size_t)(nl * e));
+    if (!rt->final_counts) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "report");
+    memcpy(rt->final_counts, rt->ranks[0].counts, sizeof(int64_t) * (size_t)(nl * e));
+    memset(rt->activation_bytes, 0, sizeof rt->activation_bytes);
+    rt->kept_bytes = 0;
+    for (int l = 0; l < nl; l++) {
+        for (int a = 0; a < MOERT_ACT_COUNT; a++) rt->activation_bytes[a] += rt->ranks[0].layers[l].saved_bytes[a];
+        rt->kept_bytes += rt->ranks[0].layers[l].kept_bytes_peak;
+    }
+    rc = snapshot_bias(rt, &rt->final_bias);
+    if (rc != MOERT_OK) return rc;
+    if (ta.progress && rt->record_count > 0) {
+        const moert_step_record *first = &rt->records[0], *last = &rt->records[rt->record_count - 1];
+        fprintf(ta.progress, "done: %lld steps in %.2f s; loss %.6f -> %.6f (%.1f%% lower); load max/mean %.3f -> %.3f\n",
+                (long long)rt->record_count, rt->total_seconds, first->loss, last->loss,
+                first->loss > 0 ? 100.0 * (first->loss - last->loss) / first->loss : 0.0, first->imbalance,
+                last->imbalance);
+    }
+    return MOERT_OK;
+}
+
+/* ---- parameter access for tests ---- */
+
+int64_t moert_runtime_param_numel(const moert_runtime *rt, moert_param_id which)
+{
+    const moert_model_config *m = &rt->cfg->model;
+    switch (which) {
+    case MOERT_PARAM_ROUTER: return m->num_experts * m->hidden;
+    case MOERT_PARAM_FC1: return m->num_experts * m->hidden * 2 * m->ffn_hidden;
+    case MOERT_PARAM_FC2: return m->num_experts * m->ffn_hidden * m->hidden;
+    default: return 0;
+    }
+}
+
+moert_result moert_runtime_param(moert_runtime *rt, int layer, moert_param_id which, int64_t index,
+                                 moert_param_access access, double *value, double *grad)
+{
+    moert_result rc = ensure_params(rt);
+    if (rc != MOERT_OK) return rc;
+    if (layer < 0 || layer >= rt->cfg->model.num_layers || index < 0 || index >= moert_runtime_param_numel(rt, which))
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "parameter %d[%lld] of layer %d does not exist", (int)which,
+                           (long long)index, layer);
+    if (rt->device_type != MOERT_DEVICE_CPU)
+        return moert_error(MOERT_ERR_UNSUPPORTED, "parameter access is for CPU runs");
+    int64_t per_rank = moert_runtime_param_numel(rt, which) / rt->world;
+    for (int i = 0; i < rt->world; i++) {
+        moert_param *p = &rt->ranks[i].layers[layer].params[which];
+        int64_t local = index;
+        if (which != MOERT_PARAM_ROUTER) {
+            if (index / per_rank != i) continue;
+            local = index % per_rank;
+        }
+        if (access == MOERT_PARAM_WRITE) {
+            moert_store(&p->value, local, *value);
+        } else {
+            if (value) *value = moert_load(&p->value, local);
+            if (grad) *grad = moert_load(&p->grad, local);
+            break;
+        }
+    }
+    return MOERT_OK;
+}

@@ -1,1 +1,87 @@
-/* task: written next. */
+/* Synthetic task: counter-based random numbers and the teacher function. */
+#include "task.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+#include "error.h"
+
+/* splitmix64 finaliser: a good 64-bit mix of a counter. */
+static uint64_t mix64(uint64_t z)
+{
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static double uniform_open(uint64_t bits) { return ((double)(bits >> 11) + 0.5) * (1.0 / 9007199254740992.0); }
+
+double moert_random_normal(uint64_t seed, uint64_t stream, uint64_t index)
+{
+    uint64_t key = mix64(seed * 0x9e3779b97f4a7c15ull + stream);
+    uint64_t h1 = mix64(key ^ mix64(2 * index + 1));
+    uint64_t h2 = mix64(key + mix64(2 * index + 2));
+    double u1 = uniform_open(h1), u2 = uniform_open(h2);
+    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2); /* Box-Muller */
+}
+
+void moert_fill_normal(moert_tensor *t, uint64_t seed, uint64_t stream, uint64_t first_index, double std)
+{
+    int64_t n = moert_tensor_numel(t);
+    for (int64_t i = 0; i < n; i++) moert_store(t, i, std * moert_random_normal(seed, stream, first_index + (uint64_t)i));
+}
+
+moert_result moert_teacher_create(int64_t hidden, uint64_t seed, double scale, moert_teacher **out)
+{
+    moert_result rc = MOERT_OK;
+    moert_teacher *t = calloc(1, sizeof *t);
+    MOERT_CHECK_ALLOC(t);
+    t->hidden = hidden;
+    t->width = 2 * hidden;
+    t->scale = scale;
+    t->a = malloc(sizeof(double) * (size_t)(hidden * 2 * t->width));
+    t->b = malloc(sizeof(double) * (size_t)(t->width * hidden));
+    MOERT_CHECK_ALLOC(t->a);
+    MOERT_CHECK_ALLOC(t->b);
+    for (int64_t i = 0; i < hidden * 2 * t->width; i++)
+        t->a[i] = moert_random_normal(seed, MOERT_STREAM_TEACHER, (uint64_t)i) / sqrt((double)hidden);
+    for (int64_t i = 0; i < t->width * hidden; i++)
+        t->b[i] = moert_random_normal(seed, MOERT_STREAM_TEACHER + 1, (uint64_t)i) / sqrt((double)t->width);
+    *out = t;
+    return MOERT_OK;
+fail:
+    moert_teacher_free(t);
+    return rc;
+}
+
+void moert_teacher_free(moert_teacher *t)
+{
+    if (!t) return;
+    free(t->a);
+    free(t->b);
+    free(t);
+}
+
+void moert_teacher_apply(const moert_teacher *t, const moert_tensor *x, moert_tensor *target)
+{
+    int64_t h = t->hidden, w = t->width, rows = x->shape[0];
+    double *xr = malloc(sizeof(double) * (size_t)h), *act = malloc(sizeof(double) * (size_t)w);
+    double *u = malloc(sizeof(double) * (size_t)(2 * w));
+    if (!xr || !act || !u) goto exit;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < h; i++) xr[i] = moert_load(x, r * h + i);
+        for (int64_t j = 0; j < 2 * w; j++) u[j] = 0.0;
+        for (int64_t i = 0; i < h; i++)
+            for (int64_t j = 0; j < 2 * w; j++) u[j] += xr[i] * t->a[i * 2 * w + j];
+        for (int64_t j = 0; j < w; j++) act[j] = u[j] / (1.0 + exp(-u[j])) * u[w + j];
+        for (int64_t i = 0; i < h; i++) {
+            double acc = 0.0;
+            for (int64_t j = 0; j < w; j++) acc += act[j] * t->b[j * h + i];
+            moert_store(target, r * h + i, xr[i] + t->scale * acc);
+        }
+    }
+exit:
+    free(xr);
+    free(act);
+    free(u);
+}

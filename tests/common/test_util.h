@@ -9,6 +9,7 @@
 
 #include "comm.h"
 #include "config.h"
+#include "error.h"
 #include "host.h"
 #include "loader.h"
 #include "moert/moert.h"

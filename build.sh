@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One command from a fresh Debian/Ubuntu machine: installs what is missing, configures, builds, then
+#   ./build.sh run    runs the main job (configs/demo-cpu.json on the CPU; the GPU demo where GPUs answer)
+#   ./build.sh test   runs the test suites (meson test)
+#   ./build.sh        only builds
+set -euo pipefail
+cd "$(dirname "$0")"
+BUILD_DIR=${MOERT_BUILD_DIR:-build}
+
+need=()
+command -v meson >/dev/null || need+=(meson)
+command -v ninja >/dev/null || need+=(ninja-build)
+command -v pkg-config >/dev/null || need+=(pkg-config)
+command -v cc >/dev/null || need+=(gcc libc6-dev)
+pkg-config --exists jansson 2>/dev/null || need+=(libjansson-dev)
+command -v valgrind >/dev/null || need+=(valgrind)
+command -v make >/dev/null || need+=(make)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "build.sh: installing ${need[*]}"
+  sudo_cmd=""
+  [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${need[@]}"
+fi
+
+if [ ! -f "$BUILD_DIR/build.ninja" ]; then
+  meson setup "$BUILD_DIR"
+fi
+meson compile -C "$BUILD_DIR"
+
+case "${1:-build}" in
+  run)
+    shift
+    config=configs/demo-cpu.json
+    if [ -x tests/gpu/have_gpu.sh ] && tests/gpu/have_gpu.sh >/dev/null 2>&1 && [ -f configs/demo-gpu.json ]; then
+      config=configs/demo-gpu.json
+    fi
+    exec "$BUILD_DIR/tools/moert" run "$config" --report "$BUILD_DIR/report.json" "$@"
+    ;;
+  test)
+    shift
+    exec meson test -C "$BUILD_DIR" --print-errorlogs "$@"
+    ;;
+  build) ;;
+  *) echo "usage: ./build.sh [run|test|build]" >&2; exit 2 ;;
+esac

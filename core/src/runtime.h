@@ -1,0 +1,58 @@
+/* Runtime internals: the layer stack on every rank, the training loop, and what tests reach into. */
+#ifndef MOERT_CORE_RUNTIME_H
+#define MOERT_CORE_RUNTIME_H
+
+#include "comm.h"
+#include "config.h"
+#include "executor.h"
+#include "loader.h"
+#include "task.h"
+
+/* What one step produced, for the progress line and the report. */
+typedef struct moert_step_record {
+    int64_t step;
+    double loss;        /* mse + router losses */
+    double mse;
+    double router_loss; /* sum over layers, averaged over ranks */
+    double imbalance;   /* max/mean of tokens per expert, averaged over layers */
+    double imbalance_max; /* the worst layer's max/mean */
+    double seconds;     /* wall time of the step on rank 0 */
+    double stage_seconds[MOERT_STAGE_COUNT]; /* rank 0, summed over layers */
+} moert_step_record;
+
+typedef struct moert_rank moert_rank;
+
+struct moert_runtime {
+    const moert_config *cfg;
+    int world;
+    moert_device_type device_type;
+    char device_name[128];
+    moert_plugin plugins[MOERT_SLOT_COUNT];
+    moert_comm_group *comm;
+    moert_rank *ranks;
+    moert_teacher *teacher;
+    bool params_ready;
+
+    /* the last run */
+    moert_step_record *records;
+    int64_t record_count;
+    int64_t *final_counts;  /* [num_layers, num_experts] tokens per expert of the last step, all ranks */
+    double *final_bias;     /* [num_layers, num_experts] expert bias after the run, or NULL */
+    double *bias_start;     /* [num_layers, num_experts] expert bias before the run, or NULL */
+    int64_t activation_bytes[MOERT_ACT_COUNT]; /* rank 0, summed over layers, last step */
+    int64_t kept_bytes;     /* rank 0, activations held from forward to backward, summed over layers */
+    double total_seconds;
+};
+
+/* One step's forward and backward on every rank without the optimizer (parameter gradients are left in
+ * place, router gradients summed over ranks). loss gets the global loss. For tests and `moert ab`. */
+moert_result moert_runtime_forward_backward(moert_runtime *rt, int64_t step, double *loss);
+
+/* A parameter element by its global index (router [E,H], fc1 [E,H,2F], fc2 [E,F,H] over all experts):
+ * reads value and gradient (from the rank owning it), or writes value (on every rank holding it). */
+typedef enum moert_param_access { MOERT_PARAM_READ = 0, MOERT_PARAM_WRITE = 1 } moert_param_access;
+moert_result moert_runtime_param(moert_runtime *rt, int layer, moert_param_id which, int64_t index,
+                                 moert_param_access access, double *value, double *grad);
+int64_t moert_runtime_param_numel(const moert_runtime *rt, moert_param_id which);
+
+#endif

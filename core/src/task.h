@@ -1,0 +1,33 @@
+/* The synthetic training task: reproducible random data and a fixed random teacher to regress onto. */
+#ifndef MOERT_CORE_TASK_H
+#define MOERT_CORE_TASK_H
+
+#include "moert/moert.h"
+
+/* A standard normal number that depends only on (seed, stream, index): any split over ranks sees the same. */
+double moert_random_normal(uint64_t seed, uint64_t stream, uint64_t index);
+
+/* Fills a host tensor with std * N(0,1), element i taking index first_index + i. */
+void moert_fill_normal(moert_tensor *t, uint64_t seed, uint64_t stream, uint64_t first_index, double std);
+
+/* Random streams of the task, so parameters and data never share numbers. */
+enum {
+    MOERT_STREAM_INPUT = 1,
+    MOERT_STREAM_TEACHER = 2,
+    MOERT_STREAM_PARAM = 16 /* + 4 * layer + which */
+};
+
+/* target = x + scale * (silu(x A1) * (x A2)) B: a dense SwiGLU MLP with a residual, fixed by the seed. */
+typedef struct moert_teacher {
+    int64_t hidden, width;
+    double scale;
+    double *a; /* [H, 2W] */
+    double *b; /* [W, H] */
+} moert_teacher;
+
+moert_result moert_teacher_create(int64_t hidden, uint64_t seed, double scale, moert_teacher **out);
+void moert_teacher_free(moert_teacher *t);
+/* x and target are host tensors [T, H] of any float dtype. */
+void moert_teacher_apply(const moert_teacher *t, const moert_tensor *x, moert_tensor *target);
+
+#endif

@@ -1,0 +1,31 @@
+/* Element-wise work the executor does itself: SwiGLU, residual adds, the loss, the optimizer. */
+#ifndef MOERT_CORE_TENSOR_OPS_H
+#define MOERT_CORE_TENSOR_OPS_H
+
+#include "moert/moert.h"
+
+/* out[r, j] = silu(in[r, j]) * in[r, F + j] * prob[r] for the first `rows` rows; in is [rows, 2F]. */
+moert_result moert_swiglu_forward(moert_stream s, const moert_tensor *in, const moert_tensor *prob, int64_t rows,
+                                  moert_tensor *out);
+/* Gradients of the above: d_in [rows, 2F] overwritten, d_prob [rows] overwritten. */
+moert_result moert_swiglu_backward(moert_stream s, const moert_tensor *d_out, const moert_tensor *in,
+                                   const moert_tensor *prob, int64_t rows, moert_tensor *d_in,
+                                   moert_tensor *d_prob);
+/* y = a + b, element-wise (same shape; y may alias a). */
+moert_result moert_add(moert_stream s, const moert_tensor *a, const moert_tensor *b, moert_tensor *y);
+/* dst = src, converting dtype if they differ. */
+moert_result moert_copy(moert_stream s, const moert_tensor *src, moert_tensor *dst);
+moert_result moert_zero(moert_stream s, moert_tensor *t);
+/* Sum of (pred - target)^2 (in double), and grad = scale * 2 * (pred - target). */
+moert_result moert_squared_error(moert_stream s, const moert_tensor *pred, const moert_tensor *target, double scale,
+                                 double *sum, moert_tensor *grad);
+
+/* Adam (with decoupled weight decay) on one parameter tensor. step counts from 1. */
+typedef struct moert_adam {
+    double lr, beta1, beta2, eps, weight_decay;
+    int64_t step;
+} moert_adam;
+moert_result moert_adam_update(moert_stream s, const moert_adam *opt, moert_tensor *param, const moert_tensor *grad,
+                               moert_tensor *m, moert_tensor *v);
+
+#endif
