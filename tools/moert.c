@@ -1,1 +1,46 @@
-/* moert: written next. */
+/* The `moert` command: run, check, plugins and ab subcommands. */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli_common.h"
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: moert COMMAND [ARGS]\n"
+            "commands:\n"
+            "  run CONFIG [--set KEY=VALUE]...     train the MoE layer stack CONFIG describes\n"
+            "  check CONFIG [--set KEY=VALUE]...   load CONFIG and every plugin it names, check all options\n"
+            "  plugins [--options]                 list the plugins found (and each plugin's options)\n"
+            "  ab CONFIG_A CONFIG_B [...]          compare two configs\n"
+            "options:\n"
+            "  --help, -h       this text ('moert COMMAND --help' for a command's own)\n"
+            "  --version        the version of moert and of its plugin ABI\n"
+            "environment:\n"
+            "  MOERT_PLUGIN_PATH   ':'-separated directories searched for plugins before the built-in ones\n"
+            "  MOERT_LOG           error, warn (default), info or debug\n");
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        usage(stderr);
+        return 2;
+    }
+    const char *command = argv[1];
+    if (!strcmp(command, "--help") || !strcmp(command, "-h") || !strcmp(command, "help")) {
+        usage(stdout);
+        return 0;
+    }
+    if (!strcmp(command, "--version") || !strcmp(command, "-V")) {
+        printf("moert %s (plugin ABI %d.%d)\n", moert_version(), MOERT_ABI_MAJOR, MOERT_ABI_MINOR);
+        return 0;
+    }
+    if (!strcmp(command, "run")) return moert_cmd_run(argc - 2, argv + 2);
+    if (!strcmp(command, "check")) return moert_cmd_check(argc - 2, argv + 2);
+    if (!strcmp(command, "plugins")) return moert_cmd_plugins(argc - 2, argv + 2);
+    if (!strcmp(command, "ab")) return moert_cmd_ab(argc - 2, argv + 2);
+    fprintf(stderr, "moert: unknown command \"%s\"\n", command);
+    usage(stderr);
+    return 2;
+}

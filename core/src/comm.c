@@ -1,1 +1,273 @@
-/* comm: written next. */
+/* Communicator of the expert-parallel group: ranks are threads of one process sharing memory.
+ *
+ * Every collective has the same shape: each rank posts what it offers in its slot, waits at a barrier,
+ * reads what its peers posted, and waits at a second barrier so that no rank reuses its slot (or frees
+ * the memory it offered) while a peer still reads it. The mutex taken by every barrier orders the writes
+ * before it against the reads after it. The barrier counts generations, so it can be reused at once.
+ * A rank that does not arrive within timeout_s, or a call to moert_comm_abort, fails the group: every
+ * waiting rank returns at once with the same message, and so does every later collective.
+ */
+#include "comm.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "error.h"
+
+/* What one rank offers in the current collective. */
+typedef struct comm_slot {
+    const void *send;
+    const size_t *send_bytes;
+    const size_t *send_offsets;
+    void *pointer;
+} comm_slot;
+
+struct moert_comm_group {
+    int world;
+    double timeout_s;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    unsigned long generation; /* barriers completed */
+    int arrived;              /* ranks waiting in the current barrier */
+    bool *present;            /* [world] which ranks are in the current barrier */
+    bool failed;
+    moert_result failure_code;
+    char failure[1024];       /* the message every rank returns once the group failed */
+    comm_slot *slots;         /* [world] */
+};
+
+/* A group of world ranks whose collectives wait at most timeout_s for a peer. */
+moert_result moert_comm_group_create(int world, double timeout_s, moert_comm_group **out)
+{
+    moert_result rc = MOERT_OK;
+    *out = NULL;
+    if (world < 1) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "comm: world size %d, expected >= 1", world);
+    if (!(timeout_s > 0)) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "comm: timeout %g s, expected > 0", timeout_s);
+    moert_comm_group *g = calloc(1, sizeof *g);
+    MOERT_CHECK_ALLOC(g);
+    g->present = calloc((size_t)world, sizeof *g->present);
+    g->slots = calloc((size_t)world, sizeof *g->slots);
+    if (!g->present || !g->slots) {
+        free(g->present);
+        free(g->slots);
+        free(g);
+        return moert_error(MOERT_ERR_OUT_OF_MEMORY, "comm: out of memory for %d ranks", world);
+    }
+    g->world = world;
+    g->timeout_s = timeout_s;
+    pthread_mutex_init(&g->lock, NULL);
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(&g->cond, &attr);
+    pthread_condattr_destroy(&attr);
+    *out = g;
+fail:
+    return rc;
+}
+
+void moert_comm_group_free(moert_comm_group *g)
+{
+    if (!g) return;
+    pthread_cond_destroy(&g->cond);
+    pthread_mutex_destroy(&g->lock);
+    free(g->present);
+    free(g->slots);
+    free(g);
+}
+
+int moert_comm_group_size(const moert_comm_group *g) { return g->world; }
+
+/* Marks the group failed with message (the lock is held) and wakes every waiting rank. */
+static void fail_group_locked(moert_comm_group *g, moert_result code, const char *message)
+{
+    if (g->failed) return; /* the first failure is the one reported */
+    g->failed = true;
+    g->failure_code = code;
+    snprintf(g->failure, sizeof g->failure, "%s", message);
+    pthread_cond_broadcast(&g->cond);
+}
+
+/* Makes every waiting peer (and every later collective) fail with why. */
+void moert_comm_abort(moert_comm_group *g, int rank, const char *why)
+{
+    if (!g) return;
+    char message[1024];
+    snprintf(message, sizeof message, "rank %d aborted the group: %s", rank, why ? why : "(no reason given)");
+    pthread_mutex_lock(&g->lock);
+    fail_group_locked(g, MOERT_ERR_TIMEOUT, message);
+    pthread_mutex_unlock(&g->lock);
+}
+
+/* "rank 2" or "ranks 1, 3": the ranks not yet in the current barrier (the lock is held). */
+static void missing_ranks_locked(const moert_comm_group *g, char *buf, size_t size)
+{
+    int missing = 0;
+    for (int r = 0; r < g->world; r++) missing += !g->present[r];
+    snprintf(buf, size, "%s", missing == 1 ? "rank " : "ranks ");
+    bool first = true;
+    for (int r = 0; r < g->world; r++) {
+        if (g->present[r]) continue;
+        size_t used = strlen(buf);
+        snprintf(buf + used, size - used, "%s%d", first ? "" : ", ", r);
+        first = false;
+    }
+}
+
+/* The deadline timeout_s from now on the monotonic clock. */
+static struct timespec deadline_after(double seconds)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    long long whole = (long long)seconds;
+    long long nanos = t.tv_nsec + (long long)((seconds - (double)whole) * 1e9);
+    t.tv_sec += (time_t)whole + (time_t)(nanos / 1000000000LL);
+    t.tv_nsec = (long)(nanos % 1000000000LL);
+    return t;
+}
+
+/* Waits until every rank arrived; fails the whole group if one does not within the timeout. */
+moert_result moert_comm_barrier(moert_comm_group *g, int rank, const char *what)
+{
+    if (rank < 0 || rank >= g->world)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: rank %d outside the group of %d", what, rank, g->world);
+    pthread_mutex_lock(&g->lock);
+    if (g->failed) goto failed;
+    unsigned long generation = g->generation;
+    g->present[rank] = true;
+    g->arrived++;
+    if (g->arrived == g->world) {
+        g->arrived = 0;
+        memset(g->present, 0, (size_t)g->world * sizeof *g->present);
+        g->generation++;
+        pthread_cond_broadcast(&g->cond);
+        pthread_mutex_unlock(&g->lock);
+        return MOERT_OK;
+    }
+    struct timespec deadline = deadline_after(g->timeout_s);
+    while (g->generation == generation && !g->failed) {
+        int wait = pthread_cond_timedwait(&g->cond, &g->lock, &deadline);
+        if (wait == ETIMEDOUT && g->generation == generation && !g->failed) {
+            char missing[512], message[1024];
+            missing_ranks_locked(g, missing, sizeof missing);
+            snprintf(message, sizeof message, "%s: %s did not arrive within %.1f s", what, missing, g->timeout_s);
+            fail_group_locked(g, MOERT_ERR_TIMEOUT, message);
+        }
+    }
+    if (g->generation != generation) { /* completed, even if the group failed just after */
+        pthread_mutex_unlock(&g->lock);
+        return MOERT_OK;
+    }
+failed:;
+    char message[1024];
+    moert_result code = g->failure_code;
+    snprintf(message, sizeof message, "%s", g->failure);
+    pthread_mutex_unlock(&g->lock);
+    if (strncmp(message, "rank ", 5) == 0) return moert_error(code, "%s: %s", what, message);
+    return moert_error(code, "%s", message);
+}
+
+/* Every rank gets every rank's `bytes` bytes, in rank order. */
+moert_result moert_comm_allgather(moert_comm_group *g, int rank, const void *send, void *recv, size_t bytes)
+{
+    moert_result rc;
+    g->slots[rank].send = send;
+    MOERT_CHECK(moert_comm_barrier(g, rank, "allgather"));
+    for (int r = 0; r < g->world; r++)
+        if (bytes) memcpy((char *)recv + (size_t)r * bytes, g->slots[r].send, bytes);
+    MOERT_CHECK(moert_comm_barrier(g, rank, "allgather"));
+fail:
+    return rc;
+}
+
+/* Sums element i of every rank's buffer in rank order (so every rank gets the same bits) into out. */
+static void sum_in_rank_order(const moert_comm_group *g, size_t count, moert_dtype dtype, void *out)
+{
+    for (size_t i = 0; i < count; i++) {
+        if (dtype == MOERT_I64) {
+            int64_t s = 0;
+            for (int r = 0; r < g->world; r++) s += ((const int64_t *)g->slots[r].pointer)[i];
+            ((int64_t *)out)[i] = s;
+        } else if (dtype == MOERT_F64) {
+            double s = 0.0;
+            for (int r = 0; r < g->world; r++) s += ((const double *)g->slots[r].pointer)[i];
+            ((double *)out)[i] = s;
+        } else {
+            double s = 0.0;
+            for (int r = 0; r < g->world; r++) s += ((const float *)g->slots[r].pointer)[i];
+            ((float *)out)[i] = (float)s;
+        }
+    }
+}
+
+/* In-place element-wise sum over ranks (fp32, fp64, int64). */
+moert_result moert_comm_allreduce_sum(moert_comm_group *g, int rank, void *buf, size_t count, moert_dtype dtype)
+{
+    moert_result rc = MOERT_OK;
+    void *sum = NULL;
+    if (dtype != MOERT_F32 && dtype != MOERT_F64 && dtype != MOERT_I64) {
+        /* every rank makes the same call, so every rank fails here alike: the group stays usable */
+        return moert_error(MOERT_ERR_UNSUPPORTED, "allreduce_sum: dtype %s, expected fp32, fp64 or int64",
+                           moert_dtype_name(dtype));
+    }
+    size_t bytes = count * moert_dtype_size(dtype);
+    sum = malloc(bytes ? bytes : 1);
+    if (!sum) {
+        moert_comm_abort(g, rank, "allreduce_sum: out of memory");
+        return moert_error(MOERT_ERR_OUT_OF_MEMORY, "allreduce_sum: out of memory for %zu bytes", bytes);
+    }
+    g->slots[rank].pointer = buf;
+    MOERT_CHECK(moert_comm_barrier(g, rank, "allreduce_sum"));
+    sum_in_rank_order(g, count, dtype, sum);
+    MOERT_CHECK(moert_comm_barrier(g, rank, "allreduce_sum"));
+    if (bytes) memcpy(buf, sum, bytes);
+fail:
+    free(sum);
+    return rc;
+}
+
+/* Each rank copies what every peer sends it; sizes must agree on both sides. */
+moert_result moert_comm_alltoallv(moert_comm_group *g, int rank, const void *send, const size_t *send_bytes,
+                                  const size_t *send_offsets, void *recv, const size_t *recv_bytes,
+                                  const size_t *recv_offsets)
+{
+    moert_result rc = MOERT_OK;
+    g->slots[rank].send = send;
+    g->slots[rank].send_bytes = send_bytes;
+    g->slots[rank].send_offsets = send_offsets;
+    MOERT_CHECK(moert_comm_barrier(g, rank, "alltoallv"));
+    int bad_peer = -1;
+    for (int p = 0; p < g->world; p++) {
+        const comm_slot *s = &g->slots[p];
+        size_t n = s->send_bytes[rank];
+        if (n != recv_bytes[p]) {
+            if (bad_peer < 0) bad_peer = p;
+            continue;
+        }
+        if (n) memcpy((char *)recv + recv_offsets[p], (const char *)s->send + s->send_offsets[rank], n);
+    }
+    size_t sent = bad_peer >= 0 ? g->slots[bad_peer].send_bytes[rank] : 0; /* read before peers may move on */
+    MOERT_CHECK(moert_comm_barrier(g, rank, "alltoallv"));
+    if (bad_peer >= 0)
+        rc = moert_error(MOERT_ERR_INVALID_ARGUMENT, "alltoallv: rank %d sends %zu bytes to rank %d, which expects %zu",
+                         bad_peer, sent, rank, recv_bytes[bad_peer]);
+fail:
+    return rc;
+}
+
+/* peers[r] = the pointer rank r offered. */
+moert_result moert_comm_exchange_pointers(moert_comm_group *g, int rank, void *local, void **peers)
+{
+    moert_result rc;
+    g->slots[rank].pointer = local;
+    MOERT_CHECK(moert_comm_barrier(g, rank, "exchange_pointers"));
+    for (int r = 0; r < g->world; r++) peers[r] = g->slots[r].pointer;
+    MOERT_CHECK(moert_comm_barrier(g, rank, "exchange_pointers"));
+fail:
+    return rc;
+}

@@ -1,1 +1,676 @@
-/* config: written next. */
+/* Config: JSON files read with jansson, typed sections with JSON-path errors and unknown-key checks. */
+#include "config.h"
+
+#include <errno.h>
+#include <float.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "error.h"
+
+/*
+ * Every error this file reports starts with "config error at <JSON path>: " and then says what was found
+ * and what was expected, e.g.
+ *   config error at $.model.topk: got 9, expected an integer in [1, 8]
+ *   config error at $.model.hiden: unknown key (did you mean "hidden"?)
+ * docs/config.md lists them.
+ */
+
+/* ---- sections ---- */
+
+#define SECTION_VALUE_TEXT 96
+
+struct moert_section {
+    json_t *obj;        /* borrowed; NULL: every key takes its default */
+    char path[256];     /* "$.router" */
+    char **known;       /* keys read or allowed, for the unknown-key check and its suggestion */
+    int known_count, known_cap;
+    bool describe;
+    moert_option_desc *options;
+    int option_count, option_cap;
+    pthread_mutex_t lock; /* instances of one plugin on several rank threads may share a section */
+};
+
+/* Opens a section over obj (borrowed, may be NULL) whose JSON path is path. */
+moert_section *moert_section_create(json_t *obj, const char *path)
+{
+    moert_section *sec = calloc(1, sizeof *sec);
+    if (!sec) return NULL;
+    sec->obj = json_is_object(obj) ? obj : NULL;
+    snprintf(sec->path, sizeof sec->path, "%s", path ? path : "$");
+    pthread_mutex_init(&sec->lock, NULL);
+    return sec;
+}
+
+/* Frees the section (not the JSON object it reads). */
+void moert_section_free(moert_section *sec)
+{
+    if (!sec) return;
+    for (int i = 0; i < sec->known_count; i++) free(sec->known[i]);
+    free(sec->known);
+    free(sec->options);
+    pthread_mutex_destroy(&sec->lock);
+    free(sec);
+}
+
+/* Adds key to the known keys once; the caller holds the lock. */
+static void note_known_locked(moert_section *sec, const char *key)
+{
+    for (int i = 0; i < sec->known_count; i++)
+        if (strcmp(sec->known[i], key) == 0) return;
+    if (sec->known_count == sec->known_cap) {
+        int cap = sec->known_cap ? sec->known_cap * 2 : 16;
+        char **grown = realloc(sec->known, (size_t)cap * sizeof *grown);
+        if (!grown) return; /* the key may later be reported unknown: a message, not a crash */
+        sec->known = grown;
+        sec->known_cap = cap;
+    }
+    char *copy = strdup(key);
+    if (copy) sec->known[sec->known_count++] = copy;
+}
+
+/* Marks a key as known without reading it. */
+void moert_section_allow(moert_section *sec, const char *key)
+{
+    pthread_mutex_lock(&sec->lock);
+    note_known_locked(sec, key);
+    pthread_mutex_unlock(&sec->lock);
+}
+
+/* Turns on recording of option descriptors. */
+void moert_section_set_describe(moert_section *sec, bool on) { sec->describe = on; }
+
+int moert_section_option_count(const moert_section *sec) { return sec->option_count; }
+
+const moert_option_desc *moert_section_option(const moert_section *sec, int i)
+{
+    return (i >= 0 && i < sec->option_count) ? &sec->options[i] : NULL;
+}
+
+/* In describe mode, records one option (the first description of a key wins); the caller holds the lock. */
+static void describe_locked(moert_section *sec, const char *key, const char *type, const char *def,
+                            const char *range, const char *help)
+{
+    if (!sec->describe) return;
+    for (int i = 0; i < sec->option_count; i++)
+        if (strcmp(sec->options[i].key, key) == 0) return;
+    if (sec->option_count == sec->option_cap) {
+        int cap = sec->option_cap ? sec->option_cap * 2 : 16;
+        moert_option_desc *grown = realloc(sec->options, (size_t)cap * sizeof *grown);
+        if (!grown) return;
+        sec->options = grown;
+        sec->option_cap = cap;
+    }
+    moert_option_desc *d = &sec->options[sec->option_count++];
+    memset(d, 0, sizeof *d);
+    snprintf(d->key, sizeof d->key, "%s", key);
+    snprintf(d->type, sizeof d->type, "%s", type);
+    snprintf(d->def, sizeof d->def, "%s", def ? def : "");
+    snprintf(d->range, sizeof d->range, "%s", range ? range : "");
+    snprintf(d->help, sizeof d->help, "%s", help ? help : "");
+}
+
+/* The value as compact JSON text, shortened to fit a message. */
+static void value_text(const json_t *value, char *buf, size_t size)
+{
+    char *text = json_dumps(value, JSON_ENCODE_ANY | JSON_COMPACT);
+    if (!text) {
+        snprintf(buf, size, "(unprintable)");
+        return;
+    }
+    if (strlen(text) < size) {
+        snprintf(buf, size, "%s", text);
+    } else {
+        snprintf(buf, size, "%.*s...", (int)size - 4, text);
+    }
+    free(text);
+}
+
+/* Reports a bad value: "config error at PATH.key: got VALUE, expected WHAT". */
+static moert_result bad_value(const moert_section *sec, const char *key, const json_t *value, const char *expected)
+{
+    char got[SECTION_VALUE_TEXT];
+    value_text(value, got, sizeof got);
+    return moert_error(MOERT_ERR_CONFIG, "config error at %s.%s: got %s, expected %s", sec->path, key, got,
+                       expected);
+}
+
+/* Text of an integer range: "any integer", "an integer >= 1", "an integer in [1, 8]". */
+static void int_range_text(int64_t min, int64_t max, char *buf, size_t size, bool with_article)
+{
+    const char *a = with_article ? "an integer " : "";
+    if (min == INT64_MIN && max == INT64_MAX)
+        snprintf(buf, size, "%s", with_article ? "an integer" : "any");
+    else if (max == INT64_MAX)
+        snprintf(buf, size, "%s>= %" PRId64, a, min);
+    else if (min == INT64_MIN)
+        snprintf(buf, size, "%s<= %" PRId64, a, max);
+    else
+        snprintf(buf, size, "%s[%" PRId64 ", %" PRId64 "]", with_article ? "an integer in " : "", min, max);
+}
+
+/* Text of a float range, like int_range_text; infinite or +-DBL_MAX bounds count as open. */
+static void float_range_text(double min, double max, char *buf, size_t size, bool with_article)
+{
+    bool no_min = min <= -DBL_MAX, no_max = max >= DBL_MAX;
+    const char *a = with_article ? "a number " : "";
+    if (no_min && no_max)
+        snprintf(buf, size, "%s", with_article ? "a number" : "any");
+    else if (no_max)
+        snprintf(buf, size, "%s>= %g", a, min);
+    else if (no_min)
+        snprintf(buf, size, "%s<= %g", a, max);
+    else
+        snprintf(buf, size, "%s[%g, %g]", with_article ? "a number in " : "", min, max);
+}
+
+/* Notes key as known and returns its value (NULL if absent). */
+static json_t *section_lookup(moert_section *sec, const char *key)
+{
+    note_known_locked(sec, key);
+    return sec->obj ? json_object_get(sec->obj, key) : NULL;
+}
+
+/* An integer option in [min, max]; a missing key gives def. */
+moert_result moert_section_int(moert_section *sec, const char *key, int64_t def, int64_t min, int64_t max,
+                               const char *help, int64_t *out)
+{
+    char range[96], expected[128], deftext[32];
+    int_range_text(min, max, range, sizeof range, false);
+    int_range_text(min, max, expected, sizeof expected, true);
+    snprintf(deftext, sizeof deftext, "%" PRId64, def);
+    pthread_mutex_lock(&sec->lock);
+    describe_locked(sec, key, "int", deftext, range, help);
+    json_t *v = section_lookup(sec, key);
+    pthread_mutex_unlock(&sec->lock);
+    if (!v) {
+        *out = def;
+        return MOERT_OK;
+    }
+    if (!json_is_integer(v)) return bad_value(sec, key, v, expected);
+    int64_t x = (int64_t)json_integer_value(v);
+    if (x < min || x > max) return bad_value(sec, key, v, expected);
+    *out = x;
+    return MOERT_OK;
+}
+
+/* A number option in [min, max] (integers are accepted); a missing key gives def. */
+moert_result moert_section_float(moert_section *sec, const char *key, double def, double min, double max,
+                                 const char *help, double *out)
+{
+    char range[96], expected[128], deftext[32];
+    float_range_text(min, max, range, sizeof range, false);
+    float_range_text(min, max, expected, sizeof expected, true);
+    snprintf(deftext, sizeof deftext, "%g", def);
+    pthread_mutex_lock(&sec->lock);
+    describe_locked(sec, key, "float", deftext, range, help);
+    json_t *v = section_lookup(sec, key);
+    pthread_mutex_unlock(&sec->lock);
+    if (!v) {
+        *out = def;
+        return MOERT_OK;
+    }
+    if (!json_is_number(v)) return bad_value(sec, key, v, expected);
+    double x = json_number_value(v);
+    if (!(x >= min && x <= max)) return bad_value(sec, key, v, expected);
+    *out = x;
+    return MOERT_OK;
+}
+
+/* A boolean option (true or false); a missing key gives def. */
+moert_result moert_section_bool(moert_section *sec, const char *key, bool def, const char *help, bool *out)
+{
+    pthread_mutex_lock(&sec->lock);
+    describe_locked(sec, key, "bool", def ? "true" : "false", "true|false", help);
+    json_t *v = section_lookup(sec, key);
+    pthread_mutex_unlock(&sec->lock);
+    if (!v) {
+        *out = def;
+        return MOERT_OK;
+    }
+    if (!json_is_boolean(v)) return bad_value(sec, key, v, "true or false");
+    *out = json_is_true(v);
+    return MOERT_OK;
+}
+
+/* A string option; *out is borrowed from the JSON (or def). */
+moert_result moert_section_string(moert_section *sec, const char *key, const char *def, const char *help,
+                                  const char **out)
+{
+    pthread_mutex_lock(&sec->lock);
+    describe_locked(sec, key, "string", def ? def : "", "", help);
+    json_t *v = section_lookup(sec, key);
+    pthread_mutex_unlock(&sec->lock);
+    if (!v) {
+        *out = def;
+        return MOERT_OK;
+    }
+    if (!json_is_string(v)) return bad_value(sec, key, v, "a string");
+    *out = json_string_value(v);
+    return MOERT_OK;
+}
+
+/* One of choices (NULL-terminated); *out gets its index; a missing key gives def. */
+moert_result moert_section_enum(moert_section *sec, const char *key, const char *const *choices, int def,
+                                const char *help, int *out)
+{
+    char range[192] = "", expected[224];
+    int count = 0;
+    for (; choices[count]; count++) {
+        size_t used = strlen(range);
+        snprintf(range + used, sizeof range - used, "%s%s", count ? "|" : "", choices[count]);
+    }
+    snprintf(expected, sizeof expected, "one of %s", range);
+    pthread_mutex_lock(&sec->lock);
+    describe_locked(sec, key, "enum", (def >= 0 && def < count) ? choices[def] : "", range, help);
+    json_t *v = section_lookup(sec, key);
+    pthread_mutex_unlock(&sec->lock);
+    if (!v) {
+        *out = def;
+        return MOERT_OK;
+    }
+    if (json_is_string(v)) {
+        for (int i = 0; i < count; i++) {
+            if (strcmp(json_string_value(v), choices[i]) == 0) {
+                *out = i;
+                return MOERT_OK;
+            }
+        }
+    }
+    return bad_value(sec, key, v, expected);
+}
+
+/* Fails on the first key that was neither read nor allowed, suggesting the nearest known one. */
+moert_result moert_section_check_unknown(const moert_section *sec)
+{
+    if (!sec->obj) return MOERT_OK;
+    moert_section *s = (moert_section *)sec;
+    moert_result rc = MOERT_OK;
+    pthread_mutex_lock(&s->lock);
+    const char *key;
+    json_t *value;
+    json_object_foreach(sec->obj, key, value) {
+        bool known = false;
+        for (int i = 0; i < sec->known_count && !known; i++) known = strcmp(sec->known[i], key) == 0;
+        if (known) continue;
+        const char *near = moert_nearest_name(key, (const char *const *)sec->known, sec->known_count);
+        if (near) {
+            rc = moert_error(MOERT_ERR_CONFIG, "config error at %s.%s: unknown key (did you mean \"%s\"?)", sec->path,
+                             key, near);
+        } else {
+            char list[1024] = "";
+            for (int i = 0; i < sec->known_count; i++) {
+                size_t used = strlen(list);
+                snprintf(list + used, sizeof list - used, "%s%s", i ? ", " : "", sec->known[i]);
+            }
+            if (sec->known_count)
+                rc = moert_error(MOERT_ERR_CONFIG, "config error at %s.%s: unknown key (known keys: %s)", sec->path,
+                                 key, list);
+            else
+                rc = moert_error(MOERT_ERR_CONFIG, "config error at %s.%s: unknown key (this section takes no keys)",
+                                 sec->path, key);
+        }
+        break;
+    }
+    pthread_mutex_unlock(&s->lock);
+    return rc;
+}
+
+/* Levenshtein distance between two short words (longer ones are cut at 127 characters). */
+static int edit_distance(const char *a, const char *b)
+{
+    int la = (int)strnlen(a, 127), lb = (int)strnlen(b, 127);
+    int prev[128], cur[128];
+    for (int j = 0; j <= lb; j++) prev[j] = j;
+    for (int i = 1; i <= la; i++) {
+        cur[0] = i;
+        for (int j = 1; j <= lb; j++) {
+            int substitute = prev[j - 1] + (a[i - 1] != b[j - 1]);
+            int remove = prev[j] + 1, insert = cur[j - 1] + 1;
+            int best = substitute < remove ? substitute : remove;
+            cur[j] = best < insert ? best : insert;
+        }
+        memcpy(prev, cur, (size_t)(lb + 1) * sizeof prev[0]);
+    }
+    return prev[lb];
+}
+
+/* The nearest known name within max(2, len/3) edits of word, or NULL. Ties go to the earlier name. */
+const char *moert_nearest_name(const char *word, const char *const *known, int count)
+{
+    int len = (int)strlen(word);
+    int limit = len / 3 > 2 ? len / 3 : 2;
+    const char *best = NULL;
+    int best_distance = INT_MAX;
+    for (int i = 0; i < count; i++) {
+        if (!known[i]) continue;
+        int d = edit_distance(word, known[i]);
+        if (d <= limit && d < best_distance) {
+            best = known[i];
+            best_distance = d;
+        }
+    }
+    return best;
+}
+
+/* ---- the config file ---- */
+
+static const char *const slot_keys[MOERT_SLOT_COUNT] = {"router", "dispatcher", "precision", "memory_policy"};
+static const char *const slot_defaults[MOERT_SLOT_COUNT] = {"topk", "alltoall", "bf16", "default"};
+
+const char *moert_slot_key(moert_slot slot)
+{
+    return (slot >= 0 && slot < MOERT_SLOT_COUNT) ? slot_keys[slot] : "unknown";
+}
+
+moert_plugin_kind moert_slot_kind(moert_slot slot)
+{
+    switch (slot) {
+    case MOERT_SLOT_ROUTER: return MOERT_KIND_ROUTER;
+    case MOERT_SLOT_DISPATCHER: return MOERT_KIND_DISPATCHER;
+    case MOERT_SLOT_PRECISION: return MOERT_KIND_PRECISION;
+    case MOERT_SLOT_MEMORY_POLICY: return MOERT_KIND_MEMORY_POLICY;
+    default: return (moert_plugin_kind)0;
+    }
+}
+
+/* A sub-object of root at key: NULL when absent; an error when present but not an object. */
+static moert_result sub_object(json_t *root, const char *key, const char *hint, json_t **out)
+{
+    json_t *v = json_object_get(root, key);
+    *out = NULL;
+    if (!v) return MOERT_OK;
+    if (!json_is_object(v)) {
+        char got[SECTION_VALUE_TEXT];
+        value_text(v, got, sizeof got);
+        return moert_error(MOERT_ERR_CONFIG, "config error at $.%s: got %s, expected an object%s", key, got,
+                           hint ? hint : "");
+    }
+    *out = v;
+    return MOERT_OK;
+}
+
+/* A number > 0 (an exclusive bound, which moert_section_float cannot express). */
+static moert_result section_positive(moert_section *sec, const char *key, double def, const char *help, double *out)
+{
+    moert_result rc = moert_section_float(sec, key, def, -DBL_MAX, DBL_MAX, help, out);
+    if (rc != MOERT_OK || !(*out > 0)) return bad_value(sec, key, json_object_get(sec->obj, key), "a number > 0");
+    return MOERT_OK;
+}
+
+/* $.model */
+static moert_result parse_model(moert_config *cfg, json_t *obj)
+{
+    static const char *const dtypes[] = {"fp32", "bf16", "fp64", NULL};
+    static const moert_dtype dtype_values[] = {MOERT_F32, MOERT_BF16, MOERT_F64};
+    moert_model_config *m = &cfg->model;
+    moert_result rc = MOERT_OK;
+    int dtype = 0;
+    moert_section *sec = moert_section_create(obj, "$.model");
+    MOERT_CHECK_ALLOC(sec);
+    MOERT_CHECK(moert_section_int(sec, "hidden", 64, 1, INT64_MAX, "H, the model width", &m->hidden));
+    MOERT_CHECK(moert_section_int(sec, "ffn_hidden", 128, 1, INT64_MAX, "F, each expert's FFN width",
+                                  &m->ffn_hidden));
+    MOERT_CHECK(moert_section_int(sec, "num_experts", 8, 1, INT64_MAX, "E, experts over all ranks",
+                                  &m->num_experts));
+    MOERT_CHECK(moert_section_int(sec, "topk", 2, 1, m->num_experts, "K, experts per token", &m->topk));
+    MOERT_CHECK(moert_section_int(sec, "num_layers", 2, 1, 1024, "MoE layers in the stack", &m->num_layers));
+    MOERT_CHECK(moert_section_enum(sec, "dtype", dtypes, 0, "activation storage dtype", &dtype));
+    m->dtype = dtype_values[dtype];
+    MOERT_CHECK(moert_section_check_unknown(sec));
+fail:
+    moert_section_free(sec);
+    return rc;
+}
+
+/* $.parallel (after $.model: ranks must divide num_experts) */
+static moert_result parse_parallel(moert_config *cfg, json_t *obj)
+{
+    static const char *const devices[] = {"auto", "cpu", "cuda", NULL};
+    moert_parallel_config *p = &cfg->parallel;
+    moert_result rc = MOERT_OK;
+    moert_section *sec = moert_section_create(obj, "$.parallel");
+    MOERT_CHECK_ALLOC(sec);
+    MOERT_CHECK(moert_section_int(sec, "ranks", 1, 1, 64, "expert-parallel ranks", &p->ranks));
+    if (cfg->model.num_experts % p->ranks != 0) {
+        rc = moert_error(MOERT_ERR_CONFIG,
+                         "config error at $.parallel.ranks: got %" PRId64 ", expected a divisor of "
+                         "$.model.num_experts (%" PRId64 "): every rank holds the same number of experts",
+                         p->ranks, cfg->model.num_experts);
+        goto fail;
+    }
+    MOERT_CHECK(moert_section_enum(sec, "device", devices, 0, "where ranks run: auto picks cuda if present",
+                                   &p->device));
+    MOERT_CHECK(section_positive(sec, "timeout_s", 60.0, "seconds a collective waits for a stalled rank",
+                                 &p->timeout_s));
+    MOERT_CHECK(moert_section_check_unknown(sec));
+fail:
+    moert_section_free(sec);
+    return rc;
+}
+
+/* $.train */
+static moert_result parse_train(moert_config *cfg, json_t *obj)
+{
+    moert_train_config *t = &cfg->train;
+    moert_result rc = MOERT_OK;
+    moert_section *sec = moert_section_create(obj, "$.train");
+    MOERT_CHECK_ALLOC(sec);
+    MOERT_CHECK(moert_section_int(sec, "steps", 100, 0, INT64_MAX, "optimizer steps", &t->steps));
+    MOERT_CHECK(moert_section_int(sec, "tokens_per_rank", 256, 1, INT64_MAX, "tokens per rank per step",
+                                  &t->tokens_per_rank));
+    MOERT_CHECK(moert_section_int(sec, "seq_length", 0, 0, INT64_MAX, "tokens per sequence (0: one per rank)",
+                                  &t->seq_length));
+    MOERT_CHECK(moert_section_int(sec, "seed", 1, 0, INT64_MAX, "seed of weights and data", &t->seed));
+    MOERT_CHECK(moert_section_int(sec, "log_every", 1, 1, INT64_MAX, "steps between progress lines",
+                                  &t->log_every));
+    MOERT_CHECK(section_positive(sec, "lr", 1e-3, "learning rate", &t->lr));
+    MOERT_CHECK(moert_section_float(sec, "weight_decay", 0.0, 0.0, DBL_MAX, "decoupled weight decay",
+                                    &t->weight_decay));
+    MOERT_CHECK(moert_section_float(sec, "teacher_scale", 1.0, 0.0, DBL_MAX,
+                                    "size of the teacher's output relative to its input", &t->teacher_scale));
+    MOERT_CHECK(moert_section_check_unknown(sec));
+fail:
+    moert_section_free(sec);
+    return rc;
+}
+
+/* $.router, $.dispatcher, ...: only "plugin" is read here; the plugin's own keys are checked by the runtime. */
+static moert_result parse_slot(moert_config *cfg, moert_slot slot)
+{
+    json_t *obj = NULL;
+    char hint[96];
+    snprintf(hint, sizeof hint, " like {\"plugin\": \"%s\"}", slot_defaults[slot]);
+    moert_result rc = sub_object(cfg->root, slot_keys[slot], hint, &obj);
+    if (rc != MOERT_OK) return rc;
+    json_t *v = obj ? json_object_get(obj, "plugin") : NULL;
+    const char *name = slot_defaults[slot];
+    if (v) {
+        if (!json_is_string(v) || json_string_length(v) == 0) {
+            char got[SECTION_VALUE_TEXT];
+            value_text(v, got, sizeof got);
+            return moert_error(MOERT_ERR_CONFIG,
+                               "config error at $.%s.plugin: got %s, expected a plugin name or a path to a .so",
+                               slot_keys[slot], got);
+        }
+        name = json_string_value(v);
+    }
+    if (strlen(name) >= sizeof cfg->plugin[slot])
+        return moert_error(MOERT_ERR_CONFIG, "config error at $.%s.plugin: the value is longer than %zu characters",
+                           slot_keys[slot], sizeof cfg->plugin[slot] - 1);
+    snprintf(cfg->plugin[slot], sizeof cfg->plugin[slot], "%s", name);
+    return MOERT_OK;
+}
+
+/* The base name of path without directory and without ".json". */
+static void base_name(const char *path, char *buf, size_t size)
+{
+    const char *slash = strrchr(path, '/');
+    const char *base = slash ? slash + 1 : path;
+    size_t n = strlen(base);
+    if (n > 5 && strcmp(base + n - 5, ".json") == 0) n -= 5;
+    if (n >= size) n = size - 1;
+    memcpy(buf, base, n);
+    buf[n] = '\0';
+}
+
+/* Fills the typed fields from cfg->root. */
+moert_result moert_config_parse(moert_config *cfg)
+{
+    moert_result rc = MOERT_OK;
+    json_t *model = NULL, *parallel = NULL, *train = NULL;
+    const char *name = NULL, *description = NULL;
+    moert_section *top = NULL;
+    if (!json_is_object(cfg->root)) {
+        char got[SECTION_VALUE_TEXT];
+        value_text(cfg->root, got, sizeof got);
+        return moert_error(MOERT_ERR_CONFIG, "config error at $: got %s, expected an object", got);
+    }
+    top = moert_section_create(cfg->root, "$");
+    MOERT_CHECK_ALLOC(top);
+    MOERT_CHECK(moert_section_string(top, "name", NULL, "a name for reports", &name));
+    MOERT_CHECK(moert_section_string(top, "description", "", "one line about the config", &description));
+    const char *sections[] = {"model", "parallel", "train"};
+    for (int i = 0; i < 3; i++) moert_section_allow(top, sections[i]);
+    for (int s = 0; s < MOERT_SLOT_COUNT; s++) moert_section_allow(top, slot_keys[s]);
+    MOERT_CHECK(moert_section_check_unknown(top));
+
+    char default_name[sizeof cfg->name];
+    base_name(cfg->source, default_name, sizeof default_name);
+    snprintf(cfg->name, sizeof cfg->name, "%s", name ? name : default_name);
+
+    MOERT_CHECK(sub_object(cfg->root, "model", NULL, &model));
+    MOERT_CHECK(sub_object(cfg->root, "parallel", NULL, &parallel));
+    MOERT_CHECK(sub_object(cfg->root, "train", NULL, &train));
+    MOERT_CHECK(parse_model(cfg, model));
+    MOERT_CHECK(parse_parallel(cfg, parallel));
+    MOERT_CHECK(parse_train(cfg, train));
+    for (int s = 0; s < MOERT_SLOT_COUNT; s++) MOERT_CHECK(parse_slot(cfg, (moert_slot)s));
+fail:
+    moert_section_free(top);
+    return rc;
+}
+
+/* Takes ownership of root, parses it, and returns the config (or frees everything on error). */
+static moert_result config_from_json(json_t *root, const char *source, moert_config **out)
+{
+    moert_result rc = MOERT_OK;
+    *out = NULL;
+    moert_config *cfg = calloc(1, sizeof *cfg);
+    if (!cfg) {
+        json_decref(root);
+        return moert_error(MOERT_ERR_OUT_OF_MEMORY, "config: out of memory");
+    }
+    cfg->root = root;
+    snprintf(cfg->source, sizeof cfg->source, "%s", source);
+    MOERT_CHECK(moert_config_parse(cfg));
+    *out = cfg;
+    return MOERT_OK;
+fail:
+    moert_config_free(cfg);
+    return rc;
+}
+
+/* Reads and parses a JSON file; a syntax error names file:line:column and jansson's text. */
+moert_result moert_config_load_file(const char *path, moert_config **out)
+{
+    json_error_t jerr;
+    *out = NULL;
+    FILE *f = fopen(path, "rb");
+    if (!f) return moert_error(MOERT_ERR_IO, "%s: cannot open config: %s", path, strerror(errno));
+    json_t *root = json_loadf(f, JSON_REJECT_DUPLICATES, &jerr);
+    fclose(f);
+    if (!root) return moert_error(MOERT_ERR_CONFIG, "%s:%d:%d: invalid JSON: %s", path, jerr.line, jerr.column, jerr.text);
+    return config_from_json(root, path, out);
+}
+
+/* Parses JSON text; source_name stands for the file name in messages and the default name. */
+moert_result moert_config_load_string(const char *json_text, const char *source_name, moert_config **out)
+{
+    json_error_t jerr;
+    const char *source = source_name ? source_name : "<string>";
+    *out = NULL;
+    if (!json_text) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: no JSON text", source);
+    json_t *root = json_loads(json_text, JSON_REJECT_DUPLICATES, &jerr);
+    if (!root)
+        return moert_error(MOERT_ERR_CONFIG, "%s:%d:%d: invalid JSON: %s", source, jerr.line, jerr.column, jerr.text);
+    return config_from_json(root, source, out);
+}
+
+/* Sets dotted_key (e.g. "train.steps") to the JSON value in root, creating missing objects on the way. */
+static moert_result set_in_json(json_t *root, const char *dotted_key, json_t *value)
+{
+    char path[512], seen[520] = "$";
+    if (strlen(dotted_key) >= sizeof path)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "config --set: key \"%s\" is too long", dotted_key);
+    snprintf(path, sizeof path, "%s", dotted_key);
+    json_t *obj = root;
+    char *part = path;
+    for (;;) {
+        char *dot = strchr(part, '.');
+        if (dot) *dot = '\0';
+        if (*part == '\0')
+            return moert_error(MOERT_ERR_INVALID_ARGUMENT, "config --set: key \"%s\" has an empty part", dotted_key);
+        if (!dot) return json_object_set(obj, part, value) == 0
+                             ? MOERT_OK
+                             : moert_error(MOERT_ERR_OUT_OF_MEMORY, "config --set: out of memory");
+        size_t used = strlen(seen);
+        snprintf(seen + used, sizeof seen - used, ".%s", part);
+        json_t *next = json_object_get(obj, part);
+        if (!next) {
+            next = json_object();
+            if (!next || json_object_set_new(obj, part, next) != 0)
+                return moert_error(MOERT_ERR_OUT_OF_MEMORY, "config --set: out of memory");
+        } else if (!json_is_object(next)) {
+            char got[SECTION_VALUE_TEXT];
+            value_text(next, got, sizeof got);
+            return moert_error(MOERT_ERR_CONFIG, "config error at %s: cannot set %s: got %s, expected an object",
+                               seen, dotted_key, got);
+        }
+        obj = next;
+        part = dot + 1;
+    }
+}
+
+/* Replaces one value (JSON text; text that is not JSON is taken as a string) and parses the config again.
+ * On error the config is left as it was. */
+moert_result moert_config_set(moert_config *cfg, const char *dotted_key, const char *json_value)
+{
+    json_error_t jerr;
+    json_t *value = json_loads(json_value, JSON_DECODE_ANY, &jerr);
+    if (!value) value = json_string(json_value); /* --set router.plugin=deepep */
+    if (!value) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "config --set %s: value is not valid UTF-8", dotted_key);
+    json_t *copy = json_deep_copy(cfg->root);
+    if (!copy) {
+        json_decref(value);
+        return moert_error(MOERT_ERR_OUT_OF_MEMORY, "config --set: out of memory");
+    }
+    moert_result rc = set_in_json(copy, dotted_key, value);
+    json_decref(value);
+    if (rc != MOERT_OK) {
+        json_decref(copy);
+        return rc;
+    }
+    moert_config trial = *cfg;
+    trial.root = copy;
+    rc = moert_config_parse(&trial);
+    if (rc != MOERT_OK) {
+        json_decref(copy);
+        return rc;
+    }
+    json_decref(cfg->root);
+    *cfg = trial;
+    return MOERT_OK;
+}
+
+void moert_config_free(moert_config *cfg)
+{
+    if (!cfg) return;
+    json_decref(cfg->root);
+    free(cfg);
+}

@@ -34,8 +34,8 @@ typedef struct moert_parallel_config {
 
 typedef struct moert_train_config {
     int64_t steps, tokens_per_rank, seq_length, seed, log_every;
-    double lr, weight_decay, bias_update_rate_unused;
-    double teacher_scale;
+    double lr, weight_decay;
+    double teacher_scale; /* size of the teacher's output relative to its input */
 } moert_train_config;
 
 struct moert_config {

@@ -288,7 +288,7 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
     moert_router_forward_args ra = {.struct_size = sizeof ra, .x = x, .weight = &L->params[MOERT_PARAM_ROUTER].value,
                                     .topk_idx = &L->topk_idx, .topk_probs = &L->topk_probs,
                                     .tokens_per_expert = &L->tokens_per_expert, .losses = &L->losses,
-                                    .seq_length = 0};
+                                    .seq_length = L->seq_length};
     PLUGIN_CALL(L->router, "forward", ROUTER(L)->forward(L->router.ctx, L->stream, &ra));
     double t1 = now_seconds();
     L->stage_seconds[MOERT_STAGE_ROUTER] = t1 - t0;

@@ -41,6 +41,7 @@ typedef struct moert_layer {
     moert_instance router, dispatcher, precision, memory;
     moert_param params[MOERT_PARAM_COUNT]; /* router [E,H], fc1 [El,H,2F], fc2 [El,F,H] */
     moert_dtype param_dtype;          /* fp32, or fp64 in fp64 mode */
+    int64_t seq_length;               /* tokens per sequence (batch-major), 0 = one sequence */
 
     /* saved by forward for backward */
     moert_tensor x;                   /* borrowed: the layer input */

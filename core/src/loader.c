@@ -1,1 +1,357 @@
-/* loader: written next. */
+/* Loader: finds plugin .so files by name or path, dlopens them, and checks their vtable header. */
+#include "loader.h"
+
+#include <dirent.h>
+#include <dlfcn.h>
+#include <glob.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "error.h"
+#include "host.h"
+
+#ifndef MOERT_BUILD_ROOT
+#define MOERT_BUILD_ROOT ""
+#endif
+#ifndef MOERT_INSTALL_PLUGIN_DIR
+#define MOERT_INSTALL_PLUGIN_DIR "/usr/local/lib/moert/plugins"
+#endif
+
+/* What the loader knows about each kind: names, the exported symbol, the size of its v1 vtable. */
+typedef struct kind_info {
+    moert_plugin_kind kind;
+    const char *name;      /* "dispatcher" */
+    const char *file_part; /* "dispatch" */
+    const char *symbol;    /* "moert_dispatcher_v1" (newest first once there are several versions) */
+    size_t v1_size;
+} kind_info;
+
+static const kind_info kinds[] = {
+    {MOERT_KIND_ROUTER, "router", "router", MOERT_ROUTER_V1_SYMBOL, sizeof(moert_router_v1)},
+    {MOERT_KIND_DISPATCHER, "dispatcher", "dispatch", MOERT_DISPATCHER_V1_SYMBOL, sizeof(moert_dispatcher_v1)},
+    {MOERT_KIND_PRECISION, "precision", "precision", MOERT_PRECISION_V1_SYMBOL, sizeof(moert_precision_v1)},
+    {MOERT_KIND_MEMORY_POLICY, "memory_policy", "memory", MOERT_MEMORY_POLICY_V1_SYMBOL,
+     sizeof(moert_memory_policy_v1)},
+};
+#define KIND_COUNT ((int)(sizeof kinds / sizeof kinds[0]))
+
+static const kind_info *find_kind(moert_plugin_kind kind)
+{
+    for (int i = 0; i < KIND_COUNT; i++)
+        if (kinds[i].kind == kind) return &kinds[i];
+    return NULL;
+}
+
+const char *moert_kind_name(moert_plugin_kind kind)
+{
+    const kind_info *k = find_kind(kind);
+    return k ? k->name : "unknown";
+}
+
+const char *moert_kind_file_part(moert_plugin_kind kind)
+{
+    const kind_info *k = find_kind(kind);
+    return k ? k->file_part : "unknown";
+}
+
+/* ---- the search path ---- */
+
+typedef struct dir_list {
+    char **dirs;
+    int count, cap;
+} dir_list;
+
+/* Adds dir (without a trailing '/') unless it is empty or already listed. */
+static void dir_list_add(dir_list *l, const char *dir)
+{
+    size_t n = strlen(dir);
+    while (n > 1 && dir[n - 1] == '/') n--;
+    if (n == 0) return;
+    for (int i = 0; i < l->count; i++)
+        if (strlen(l->dirs[i]) == n && strncmp(l->dirs[i], dir, n) == 0) return;
+    if (l->count == l->cap) {
+        int cap = l->cap ? l->cap * 2 : 16;
+        char **grown = realloc(l->dirs, (size_t)cap * sizeof *grown);
+        if (!grown) return;
+        l->dirs = grown;
+        l->cap = cap;
+    }
+    char *copy = strndup(dir, n);
+    if (copy) l->dirs[l->count++] = copy;
+}
+
+static void dir_list_free(dir_list *l)
+{
+    for (int i = 0; i < l->count; i++) free(l->dirs[i]);
+    free(l->dirs);
+    memset(l, 0, sizeof *l);
+}
+
+/* MOERT_PLUGIN_PATH, then the build tree (plugins/<each>/ and tests/fixtures/), then the install dir. */
+static void collect_search_dirs(dir_list *l)
+{
+    const char *env = getenv("MOERT_PLUGIN_PATH");
+    if (env && *env) {
+        char *copy = strdup(env);
+        char *save = NULL;
+        for (char *dir = copy ? strtok_r(copy, ":", &save) : NULL; dir; dir = strtok_r(NULL, ":", &save))
+            dir_list_add(l, dir);
+        free(copy);
+    }
+    if (MOERT_BUILD_ROOT[0]) {
+        glob_t g;
+        if (glob(MOERT_BUILD_ROOT "/plugins/*/", GLOB_ONLYDIR, NULL, &g) == 0) {
+            for (size_t i = 0; i < g.gl_pathc; i++) dir_list_add(l, g.gl_pathv[i]);
+            globfree(&g);
+        }
+        dir_list_add(l, MOERT_BUILD_ROOT "/tests/fixtures");
+    }
+    dir_list_add(l, MOERT_INSTALL_PLUGIN_DIR);
+}
+
+/* The directories searched, ':'-joined. */
+void moert_plugin_search_path(char *buf, size_t size)
+{
+    dir_list l = {0};
+    collect_search_dirs(&l);
+    if (size) buf[0] = '\0';
+    for (int i = 0; i < l.count; i++) {
+        size_t used = strlen(buf);
+        if (used + 1 >= size) break;
+        snprintf(buf + used, size - used, "%s%s", i ? ":" : "", l.dirs[i]);
+    }
+    dir_list_free(&l);
+}
+
+/* ---- loading and checking one file ---- */
+
+/* Finds the vtable of kind in an open library; on failure explains what the file is instead. */
+static moert_result find_vtable(void *dl, const kind_info *want, const char *where, const moert_plugin_header **out)
+{
+    *out = dlsym(dl, want->symbol);
+    if (*out) return MOERT_OK;
+    for (int i = 0; i < KIND_COUNT; i++) {
+        if (&kinds[i] == want) continue;
+        if (dlsym(dl, kinds[i].symbol))
+            return moert_error(MOERT_ERR_ABI_MISMATCH, "%s is a %s plugin, expected a %s", where, kinds[i].name,
+                               want->name);
+    }
+    return moert_error(MOERT_ERR_NOT_FOUND, "%s exports no %s symbol: not a %s plugin for ABI %d.x", where, want->symbol,
+                       want->name, MOERT_ABI_MAJOR);
+}
+
+/* The init and finalize members, which every vtable has right after its header. */
+typedef struct vtable_prefix {
+    moert_plugin_header header;
+    moert_result (*init)(void **ctx, const moert_host *host, const moert_layer_info *layer);
+    void (*finalize)(void *ctx);
+} vtable_prefix;
+
+/* Checks ABI major, kind and size of a vtable header. */
+static moert_result check_header(const moert_plugin_header *h, const kind_info *want, const char *where)
+{
+    uint32_t major = MOERT_ABI_VERSION_MAJOR(h->abi_version), minor = MOERT_ABI_VERSION_MINOR(h->abi_version);
+    if (major != MOERT_ABI_MAJOR)
+        return moert_error(MOERT_ERR_ABI_MISMATCH, "%s was built for ABI %u.%u, this moert supports ABI %d.x", where,
+                           major, minor, MOERT_ABI_MAJOR);
+    if (h->kind != (uint32_t)want->kind) {
+        const kind_info *actual = find_kind((moert_plugin_kind)h->kind);
+        if (actual)
+            return moert_error(MOERT_ERR_ABI_MISMATCH, "%s is a %s plugin, expected a %s", where, actual->name,
+                               want->name);
+        return moert_error(MOERT_ERR_ABI_MISMATCH, "%s has unknown kind %u in its header, expected a %s (%d)", where,
+                           h->kind, want->name, (int)want->kind);
+    }
+    if (h->struct_size < want->v1_size)
+        return moert_error(MOERT_ERR_ABI_MISMATCH,
+                           "%s has a %u-byte vtable, smaller than the %zu bytes of %s (ABI %d.%d)", where,
+                           h->struct_size, want->v1_size, want->symbol, MOERT_ABI_MAJOR, MOERT_ABI_MINOR);
+    if (!h->name || !h->name[0])
+        return moert_error(MOERT_ERR_ABI_MISMATCH, "%s has no name in its header", where);
+    const vtable_prefix *v = (const vtable_prefix *)h;
+    if (!v->init || !v->finalize)
+        return moert_error(MOERT_ERR_ABI_MISMATCH, "%s has no %s function", where,
+                           v->init ? "finalize" : "init");
+    return MOERT_OK;
+}
+
+/* dlopens path and checks it as a plugin of kind; `label` names it in messages, followed by the path
+ * unless the label shows it already. */
+static moert_result open_checked(const kind_info *want, const char *label, const char *path, moert_plugin *out)
+{
+    moert_result rc;
+    const moert_plugin_header *h = NULL;
+    char where[3200];
+    if (strstr(label, path))
+        snprintf(where, sizeof where, "%s", label);
+    else
+        snprintf(where, sizeof where, "%s (%s)", label, path);
+    void *dl = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!dl) {
+        const char *why = dlerror();
+        return moert_error(MOERT_ERR_NOT_FOUND, "cannot load %s: %s", where, why ? why : "dlopen failed");
+    }
+    MOERT_CHECK(find_vtable(dl, want, where, &h));
+    MOERT_CHECK(check_header(h, want, where));
+    memset(out, 0, sizeof *out);
+    out->dl = dl;
+    out->header = h;
+    out->kind = want->kind;
+    snprintf(out->path, sizeof out->path, "%s", path);
+    return MOERT_OK;
+fail:
+    dlclose(dl);
+    return rc;
+}
+
+/* Appends text to a message under construction, cutting what does not fit. */
+static void append(char *buf, size_t size, const char *text)
+{
+    size_t used = strlen(buf);
+    if (used + 1 >= size) return;
+    snprintf(buf + used, size - used, "%s", text);
+}
+
+/* Loads a plugin by name (along the search path) or by path (a spec with '/'). */
+moert_result moert_plugin_load(moert_plugin_kind kind, const char *spec, moert_plugin *out)
+{
+    const kind_info *want = find_kind(kind);
+    memset(out, 0, sizeof *out);
+    if (!want) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_plugin_load: unknown plugin kind %d", (int)kind);
+    if (!spec || !spec[0]) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "no %s plugin named (empty name)", want->name);
+    char label[1100];
+    snprintf(label, sizeof label, "%s plugin \"%s\"", want->name, spec);
+
+    if (strchr(spec, '/')) {
+        if (access(spec, F_OK) != 0)
+            return moert_error(MOERT_ERR_NOT_FOUND, "no %s plugin \"%s\": tried %s (no such file)", want->name, spec,
+                               spec);
+        return open_checked(want, label, spec, out);
+    }
+
+    char file[600];
+    snprintf(file, sizeof file, "libmoert-%s-%s.so", want->file_part, spec);
+    dir_list dirs = {0};
+    collect_search_dirs(&dirs);
+    char tried[3072] = "";
+    moert_result rc = MOERT_ERR_NOT_FOUND;
+    bool found = false;
+    for (int i = 0; i < dirs.count && !found; i++) {
+        char path[2048];
+        snprintf(path, sizeof path, "%s/%s", dirs.dirs[i], file);
+        if (tried[0]) append(tried, sizeof tried, ", ");
+        append(tried, sizeof tried, path);
+        if (access(path, F_OK) != 0) continue;
+        void *probe = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+        if (!probe) { /* a file that exists but does not load: say why, and go on searching */
+            const char *why = dlerror();
+            append(tried, sizeof tried, " (exists but failed to load: ");
+            append(tried, sizeof tried, why ? why : "dlopen failed");
+            append(tried, sizeof tried, ")");
+            continue;
+        }
+        dlclose(probe);
+        found = true;
+        rc = open_checked(want, label, path, out);
+    }
+    dir_list_free(&dirs);
+    if (!found)
+        return moert_error(MOERT_ERR_NOT_FOUND,
+                           "no %s plugin \"%s\": tried %s (set MOERT_PLUGIN_PATH or give a path to the .so)",
+                           want->name, spec, tried[0] ? tried : "no directories");
+    return rc;
+}
+
+void moert_plugin_unload(moert_plugin *p)
+{
+    if (!p) return;
+    if (p->dl) dlclose(p->dl);
+    memset(p, 0, sizeof *p);
+}
+
+/* Calls the plugin's init; a failure comes back with the plugin's message, prefixed with its kind and name. */
+moert_result moert_plugin_init(const moert_plugin *p, void **ctx, moert_host *host, const moert_layer_info *layer)
+{
+    *ctx = NULL;
+    if (!p || !p->header)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_plugin_init: the plugin is not loaded");
+    const vtable_prefix *v = (const vtable_prefix *)p->header;
+    moert_host_take_error(host); /* forget anything set before */
+    moert_result rc = v->init(ctx, host, layer);
+    if (rc == MOERT_OK) return MOERT_OK;
+    const char *msg = moert_host_take_error(host);
+    *ctx = NULL;
+    if (msg[0])
+        return moert_error(rc, "%s plugin \"%s\": %s", moert_kind_name(p->kind), p->header->name, msg);
+    return moert_error(rc, "%s plugin \"%s\": init failed (%s) without a message", moert_kind_name(p->kind),
+                       p->header->name, moert_result_name(rc));
+}
+
+void moert_plugin_finalize(const moert_plugin *p, void *ctx)
+{
+    if (!p || !p->header) return;
+    const vtable_prefix *v = (const vtable_prefix *)p->header;
+    v->finalize(ctx);
+}
+
+/* The kind a file name libmoert-<part>-<name>.so says it has, or 0. */
+static moert_plugin_kind kind_from_file_name(const char *file)
+{
+    for (int i = 0; i < KIND_COUNT; i++) {
+        char prefix[64];
+        snprintf(prefix, sizeof prefix, "libmoert-%s-", kinds[i].file_part);
+        if (strncmp(file, prefix, strlen(prefix)) == 0) return kinds[i].kind;
+    }
+    return (moert_plugin_kind)0;
+}
+
+/* Sorts file names so listings are stable. */
+static int compare_names(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+/* Visits every libmoert-*.so along the search path (each directory once). */
+int moert_plugin_scan(moert_plugin_visit_fn fn, void *user)
+{
+    dir_list dirs = {0};
+    collect_search_dirs(&dirs);
+    int seen = 0;
+    for (int i = 0; i < dirs.count; i++) {
+        DIR *d = opendir(dirs.dirs[i]);
+        if (!d) continue;
+        dir_list files = {0}; /* file names, sorted below */
+        struct dirent *e;
+        while ((e = readdir(d)) != NULL) {
+            size_t n = strlen(e->d_name);
+            if (strncmp(e->d_name, "libmoert-", 9) == 0 && n > 3 && strcmp(e->d_name + n - 3, ".so") == 0)
+                dir_list_add(&files, e->d_name);
+        }
+        closedir(d);
+        if (files.count > 1) qsort(files.dirs, (size_t)files.count, sizeof files.dirs[0], compare_names);
+        for (int f = 0; f < files.count; f++) {
+            char path[2048];
+            snprintf(path, sizeof path, "%s/%s", dirs.dirs[i], files.dirs[f]);
+            seen++;
+            moert_plugin_kind kind = kind_from_file_name(files.dirs[f]);
+            if (!kind) {
+                moert_error(MOERT_ERR_NOT_FOUND, "%s: the name does not say a kind (libmoert-router|dispatch|"
+                            "precision|memory-<name>.so)", path);
+                fn(user, NULL, path, MOERT_ERR_NOT_FOUND, moert_error_message());
+                continue;
+            }
+            moert_plugin p;
+            char label[2100];
+            snprintf(label, sizeof label, "%s plugin %s", moert_kind_name(kind), path);
+            moert_result rc = open_checked(find_kind(kind), label, path, &p);
+            if (rc == MOERT_OK) {
+                fn(user, &p, path, rc, "");
+                moert_plugin_unload(&p);
+            } else {
+                fn(user, NULL, path, rc, moert_error_message());
+            }
+        }
+        dir_list_free(&files);
+    }
+    dir_list_free(&dirs);
+    return seen;
+}

@@ -1,1 +1,58 @@
-/* log: written next. */
+/* Core logging: lines "moert[level] who: message" on stderr, filtered by MOERT_LOG. */
+#include "log.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+static const char *const level_names[] = {"error", "warn", "info", "debug"};
+
+static moert_log_level current_level = MOERT_LOG_WARN;
+static pthread_once_t level_once = PTHREAD_ONCE_INIT;
+
+/* Reads MOERT_LOG once; an unknown value keeps the default (warn). */
+static void read_level_from_env(void)
+{
+    const char *env = getenv("MOERT_LOG");
+    if (!env || !*env) return;
+    for (int i = 0; i < 4; i++) {
+        if (strcasecmp(env, level_names[i]) == 0) {
+            current_level = (moert_log_level)i;
+            return;
+        }
+    }
+    if (strcasecmp(env, "warning") == 0) current_level = MOERT_LOG_WARN;
+}
+
+/* The level in force: messages above it are dropped. */
+moert_log_level moert_log_level_current(void)
+{
+    pthread_once(&level_once, read_level_from_env);
+    return current_level;
+}
+
+/* Writes one line for `who` (may be NULL) if level is enabled; one fprintf so threads do not interleave. */
+void moert_logv(moert_log_level level, const char *who, const char *fmt, va_list ap)
+{
+    if (level > moert_log_level_current()) return;
+    char text[2048];
+    vsnprintf(text, sizeof text, fmt, ap);
+    size_t n = strlen(text);
+    while (n > 0 && text[n - 1] == '\n') text[--n] = '\0';
+    const char *name = (level >= MOERT_LOG_ERROR && level <= MOERT_LOG_DEBUG) ? level_names[level] : "log";
+    if (who && *who)
+        fprintf(stderr, "moert[%s] %s: %s\n", name, who, text);
+    else
+        fprintf(stderr, "moert[%s] core: %s\n", name, text);
+}
+
+/* Core messages: who is "core". */
+void moert_log(moert_log_level level, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    moert_logv(level, "core", fmt, ap);
+    va_end(ap);
+}

@@ -171,6 +171,7 @@ static moert_result rank_init(moert_rank *r, void *arg)
         L->core_host = r->core_host;
         L->stream = NULL;
         L->param_dtype = cfg->model.dtype == MOERT_F64 ? MOERT_F64 : MOERT_F32;
+        L->seq_length = cfg->train.seq_length;
         for (int s = 0; s < MOERT_SLOT_COUNT; s++) {
             const char *key = moert_slot_key((moert_slot)s);
             char path[64];
@@ -360,7 +361,7 @@ static moert_result load_batch(moert_rank *r, int64_t step)
     int64_t t = cfg->train.tokens_per_rank, h = cfg->model.hidden;
     uint64_t first = ((uint64_t)step * (uint64_t)r->rt->world * (uint64_t)t + (uint64_t)r->rank * (uint64_t)t) *
                      (uint64_t)h;
-    moert_fill_normal(&r->x_host, (uint64_t)cfg->train.seed, MOERT_STREAM_INPUT, first, 1.0);
+    moert_teacher_sample_inputs(r->rt->teacher, &r->x_host, (uint64_t)cfg->train.seed, first);
     moert_teacher_apply(r->rt->teacher, &r->x_host, &r->target_host);
     /* round through the storage dtype on the host, then copy */
     moert_result rc = MOERT_OK;

@@ -43,6 +43,9 @@ moert_result moert_teacher_create(int64_t hidden, uint64_t seed, double scale, m
     t->b = malloc(sizeof(double) * (size_t)(t->width * hidden));
     MOERT_CHECK_ALLOC(t->a);
     MOERT_CHECK_ALLOC(t->b);
+    t->input_mean = malloc(sizeof(double) * (size_t)hidden);
+    MOERT_CHECK_ALLOC(t->input_mean);
+    for (int64_t i = 0; i < hidden; i++) t->input_mean[i] = 0.5 * moert_random_normal(seed, MOERT_STREAM_TEACHER + 2, (uint64_t)i);
     for (int64_t i = 0; i < hidden * 2 * t->width; i++)
         t->a[i] = moert_random_normal(seed, MOERT_STREAM_TEACHER, (uint64_t)i) / sqrt((double)hidden);
     for (int64_t i = 0; i < t->width * hidden; i++)
@@ -59,7 +62,15 @@ void moert_teacher_free(moert_teacher *t)
     if (!t) return;
     free(t->a);
     free(t->b);
+    free(t->input_mean);
     free(t);
+}
+
+void moert_teacher_sample_inputs(const moert_teacher *t, moert_tensor *x, uint64_t seed, uint64_t first_index)
+{
+    int64_t n = moert_tensor_numel(x);
+    for (int64_t i = 0; i < n; i++)
+        moert_store(x, i, t->input_mean[i % t->hidden] + moert_random_normal(seed, MOERT_STREAM_INPUT, first_index + (uint64_t)i));
 }
 
 void moert_teacher_apply(const moert_teacher *t, const moert_tensor *x, moert_tensor *target)

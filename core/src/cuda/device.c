@@ -1,0 +1,260 @@
+/* CUDA devices, streams, events, pinned memory and copies (see device.h). */
+#include "device.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "cuda_check.h"
+
+/* Whether a cudaGetDeviceCount answer means "this machine has no usable GPU" rather than a fault. */
+static bool means_no_gpu(cudaError_t err)
+{
+    switch (err) {
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver:
+    case cudaErrorStubLibrary:
+    case cudaErrorInitializationError:
+    case cudaErrorSystemDriverMismatch:
+    case cudaErrorCompatNotSupportedOnDevice:
+    case cudaErrorDevicesUnavailable:
+    case cudaErrorSystemNotReady:
+    case cudaErrorCallRequiresNewerDriver:
+        return true;
+    default:
+        return false;
+    }
+}
+
+moert_result moert_cuda_device_count(int *out)
+{
+    moert_result rc = MOERT_OK;
+    int n = 0;
+    *out = 0;
+    cudaError_t err = cudaGetDeviceCount(&n);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        if (means_no_gpu(err)) return MOERT_OK;
+        MOERT_CUDA_CHECK(err);
+    }
+    *out = n;
+fail:
+    return rc;
+}
+
+/* Makes `device` current, remembering the previous one in *prev for restore_device. */
+static moert_result enter_device(int device, int *prev)
+{
+    moert_result rc = MOERT_OK;
+    MOERT_CUDA_CHECK(cudaGetDevice(prev));
+    if (*prev != device) MOERT_CUDA_CHECK(cudaSetDevice(device));
+fail:
+    return rc;
+}
+
+static void restore_device(int device, int prev)
+{
+    if (prev != device) (void)cudaSetDevice(prev);
+}
+
+moert_result moert_cuda_device_info_get(int device, moert_cuda_device_info *out)
+{
+    moert_result rc = MOERT_OK;
+    struct cudaDeviceProp prop;
+    int prev = device;
+    memset(out, 0, sizeof *out);
+    MOERT_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+    out->id = device;
+    snprintf(out->name, sizeof out->name, "%s", prop.name);
+    out->cc_major = prop.major;
+    out->cc_minor = prop.minor;
+    out->sm_count = prop.multiProcessorCount;
+    out->total_bytes = prop.totalGlobalMem;
+    out->l2_bytes = prop.l2CacheSize;
+    out->smem_per_block_optin = prop.sharedMemPerBlockOptin;
+    out->pci_bus = prop.pciBusID;
+    out->pci_device = prop.pciDeviceID;
+    MOERT_CUDA_CHECK(cudaDriverGetVersion(&out->driver_version));
+    MOERT_CUDA_CHECK(cudaRuntimeGetVersion(&out->runtime_version));
+    MOERT_CHECK(enter_device(device, &prev));
+    size_t free_bytes = 0, total_bytes = 0;
+    cudaError_t err = cudaMemGetInfo(&free_bytes, &total_bytes);
+    restore_device(device, prev);
+    MOERT_CUDA_CHECK(err);
+    out->free_bytes = free_bytes;
+fail:
+    return rc;
+}
+
+moert_result moert_cuda_set_device(int device)
+{
+    moert_result rc = MOERT_OK;
+    MOERT_CUDA_CHECK(cudaSetDevice(device));
+fail:
+    return rc;
+}
+
+moert_result moert_cuda_device_synchronize(int device)
+{
+    moert_result rc = MOERT_OK;
+    int prev = device;
+    MOERT_CHECK(enter_device(device, &prev));
+    cudaError_t err = cudaDeviceSynchronize();
+    restore_device(device, prev);
+    MOERT_CUDA_CHECK(err);
+fail:
+    return rc;
+}
+
+moert_result moert_cuda_stream_create(int device, moert_stream *out)
+{
+    moert_result rc = MOERT_OK;
+    cudaStream_t s = NULL;
+    int prev = device;
+    *out = NULL;
+    MOERT_CHECK(enter_device(device, &prev));
+    cudaError_t err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    restore_device(device, prev);
+    MOERT_CUDA_CHECK(err);
+    *out = (moert_stream)s;
+fail:
+    return rc;
+}
+
+void moert_cuda_stream_destroy(moert_stream s)
+{
+    if (s) (void)cudaStreamDestroy((cudaStream_t)s);
+}
+
+moert_result moert_cuda_stream_synchronize(moert_stream s)
+{
+    moert_result rc = MOERT_OK;
+    MOERT_CUDA_CHECK(cudaStreamSynchronize((cudaStream_t)s));
+fail:
+    return rc;
+}
+
+moert_result moert_cuda_stream_query(moert_stream s, bool *done)
+{
+    moert_result rc = MOERT_OK;
+    cudaError_t err = cudaStreamQuery((cudaStream_t)s);
+    *done = (err == cudaSuccess);
+    if (err == cudaErrorNotReady) {
+        (void)cudaGetLastError();
+        err = cudaSuccess;
+    }
+    MOERT_CUDA_CHECK(err);
+fail:
+    return rc;
+}
+
+moert_result moert_cuda_event_create(int device, bool timing, moert_event *out)
+{
+    moert_result rc = MOERT_OK;
+    cudaEvent_t e = NULL;
+    int prev = device;
+    *out = NULL;
+    MOERT_CHECK(enter_device(device, &prev));
+    cudaError_t err = cudaEventCreateWithFlags(&e, timing ? cudaEventDefault : cudaEventDisableTiming);
+    restore_device(device, prev);
+    MOERT_CUDA_CHECK(err);
+    *out = (moert_event)e;
+fail:
+    return rc;
+}
+
+void moert_cuda_event_destroy(moert_event e)
+{
+    if (e) (void)cudaEventDestroy((cudaEvent_t)e);
+}
+
+moert_result moert_cuda_event_record(moert_event e, moert_stream s)
+{
+    moert_result rc = MOERT_OK;
+    MOERT_CUDA_CHECK(cudaEventRecord((cudaEvent_t)e, (cudaStream_t)s));
+fail:
+    return rc;
+}
+
+moert_result moert_cuda_stream_wait_event(moert_stream s, moert_event e)
+{
+    moert_result rc = MOERT_OK;
+    MOERT_CUDA_CHECK(cudaStreamWaitEvent((cudaStream_t)s, (cudaEvent_t)e, 0));
+fail:
+    return rc;
+}
+
+moert_result moert_cuda_event_synchronize(moert_event e)
+{
+    moert_result rc = MOERT_OK;
+    MOERT_CUDA_CHECK(cudaEventSynchronize((cudaEvent_t)e));
+fail:
+    return rc;
+}
+
+moert_result moert_cuda_event_query(moert_event e, bool *done)
+{
+    moert_result rc = MOERT_OK;
+    cudaError_t err = cudaEventQuery((cudaEvent_t)e);
+    *done = (err == cudaSuccess);
+    if (err == cudaErrorNotReady) {
+        (void)cudaGetLastError();
+        err = cudaSuccess;
+    }
+    MOERT_CUDA_CHECK(err);
+fail:
+    return rc;
+}
+
+moert_result moert_cuda_event_elapsed_ms(moert_event start, moert_event stop, float *ms)
+{
+    moert_result rc = MOERT_OK;
+    *ms = 0.0f;
+    MOERT_CUDA_CHECK(cudaEventElapsedTime(ms, (cudaEvent_t)start, (cudaEvent_t)stop));
+fail:
+    return rc;
+}
+
+moert_result moert_cuda_host_alloc(size_t bytes, void **out)
+{
+    moert_result rc = MOERT_OK;
+    void *p = NULL;
+    *out = NULL;
+    MOERT_CUDA_CHECK(cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocPortable));
+    *out = p;
+fail:
+    return rc;
+}
+
+void moert_cuda_host_free(void *ptr)
+{
+    if (ptr) (void)cudaFreeHost(ptr);
+}
+
+moert_result moert_cuda_memcpy_async(void *dst, const void *src, size_t bytes, moert_stream s)
+{
+    moert_result rc = MOERT_OK;
+    if (bytes == 0) return MOERT_OK;
+    MOERT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, (cudaStream_t)s));
+fail:
+    return rc;
+}
+
+moert_result moert_cuda_memset_async(void *dst, int value, size_t bytes, moert_stream s)
+{
+    moert_result rc = MOERT_OK;
+    if (bytes == 0) return MOERT_OK;
+    MOERT_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, (cudaStream_t)s));
+fail:
+    return rc;
+}
+
+moert_result moert_cuda_pointer_device(const void *ptr, int *device_or_minus_one)
+{
+    moert_result rc = MOERT_OK;
+    struct cudaPointerAttributes attr;
+    *device_or_minus_one = -1;
+    MOERT_CUDA_CHECK(cudaPointerGetAttributes(&attr, ptr));
+    if (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged) *device_or_minus_one = attr.device;
+fail:
+    return rc;
+}

@@ -1,0 +1,85 @@
+/*
+ * CUDA kernels of the core's MoE executor: SwiGLU with the routing prob fused (forward and backward) and
+ * small element-wise helpers (fill, axpby, convert, sum of squares, Adam). Plain C interfaces; every call
+ * is enqueued on the given stream and returns without waiting; errors set the core's message
+ * (moert_error) naming the kernel or CUDA call and return MOERT_ERR_CUDA / MOERT_ERR_INVALID_ARGUMENT.
+ * Pointers are device pointers; element counts are host integers; n == 0 enqueues nothing.
+ * Supported storage dtypes: fp32 and bf16 (arithmetic in fp32), and fp64 where noted.
+ * 16-byte vector loads are used when the pointers and row lengths allow; any alignment works.
+ */
+#ifndef MOERT_CORE_CUDA_KERNELS_H
+#define MOERT_CORE_CUDA_KERNELS_H
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "moert/plugin.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/*
+ * SwiGLU forward with the routing prob: in [rows, 2F] holds per row a = in[:, 0:F] and g = in[:, F:2F];
+ * out[r, j] = silu(a[r, j]) * g[r, j] * prob[r], computed in fp32, stored in dtype (fp32 or bf16).
+ * prob: [rows] fp32, or NULL for prob 1.
+ */
+moert_result moert_cuda_swiglu_forward(cudaStream_t stream, moert_dtype dtype, int64_t rows, int64_t ffn,
+                                       const void *in, const float *prob, void *out);
+
+/*
+ * SwiGLU backward: from d_out [rows, F], in [rows, 2F] and prob [rows] (NULL: 1), writes
+ * d_in [rows, 2F] (overwritten: d_a in the first half, d_g in the second) and, when d_prob is not NULL,
+ * d_prob[r] = sum_j d_out[r, j] * silu(a[r, j]) * g[r, j] (fp32, overwritten; a deterministic per-row sum).
+ */
+moert_result moert_cuda_swiglu_backward(cudaStream_t stream, moert_dtype dtype, int64_t rows, int64_t ffn,
+                                        const void *in, const float *prob, const void *d_out, void *d_in,
+                                        float *d_prob);
+
+/* x[i] = value for i < n; dtype fp32, bf16, fp64, int32 or int64. */
+moert_result moert_cuda_fill(cudaStream_t stream, moert_dtype dtype, int64_t n, double value, void *x);
+
+/* y[i] = a * x[i] + b * y[i] in fp32 (fp64 when either is fp64); x and y each fp32, bf16 or fp64.
+ * b == 0 does not read y (so y may hold garbage or NaN). */
+moert_result moert_cuda_axpby(cudaStream_t stream, int64_t n, double a, moert_dtype x_dtype, const void *x, double b,
+                              moert_dtype y_dtype, void *y);
+
+/* y[i] += a * x[i]: moert_cuda_axpby with b = 1. */
+moert_result moert_cuda_axpy(cudaStream_t stream, int64_t n, double a, moert_dtype x_dtype, const void *x,
+                             moert_dtype y_dtype, void *y);
+
+/* dst[i] = src[i] converted (round to nearest even for bf16); fp32, bf16, fp64 either way. */
+moert_result moert_cuda_convert(cudaStream_t stream, int64_t n, moert_dtype src_dtype, const void *src,
+                                moert_dtype dst_dtype, void *dst);
+
+/* Bytes of device workspace moert_cuda_sum_squares needs. */
+#define MOERT_CUDA_SUM_SQUARES_WORKSPACE_BYTES ((size_t)(1024 * sizeof(float)))
+
+/*
+ * *result = sum_i (x[i] - y[i])^2 (y NULL: sum_i x[i]^2), both of dtype (fp32 or bf16), accumulated in fp32
+ * with a fixed reduction tree: the same inputs give the same bits on every run and every GPU.
+ * result: one fp32 on the device. workspace: MOERT_CUDA_SUM_SQUARES_WORKSPACE_BYTES of device memory.
+ */
+moert_result moert_cuda_sum_squares(cudaStream_t stream, moert_dtype dtype, int64_t n, const void *x, const void *y,
+                                    float *result, void *workspace);
+
+/* Adam / AdamW settings. */
+typedef struct moert_cuda_adam_config {
+    double lr, beta1, beta2, eps;
+    double weight_decay; /* decoupled (AdamW): param -= lr * weight_decay * param; 0 for plain Adam */
+    double grad_scale;   /* the gradient is multiplied by this first (e.g. 1/loss_scale); 0 is taken as 1 */
+} moert_cuda_adam_config;
+
+/*
+ * One Adam step over n fp32 params, step counting from 1 (for the bias corrections 1 - beta^step):
+ *   g = grad * grad_scale; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+ *   param = param * (1 - lr wd) - lr * (m / (1-b1^step)) / (sqrt(v / (1-b2^step)) + eps).
+ * grad: fp32 or bf16; m, v: fp32 state, zero before the first step.
+ */
+moert_result moert_cuda_adam(cudaStream_t stream, int64_t n, int64_t step, const moert_cuda_adam_config *cfg,
+                             float *param, moert_dtype grad_dtype, const void *grad, float *m, float *v);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,632 @@
+/* The "alltoall" dispatcher plugin: Megatron's all-to-all token dispatcher over the host's communicator.
+ * This file: vtable, options, argument checks, buffers and communication; the algorithm over plain arrays
+ * is in dispatch_alltoall_cpu.c. */
+#include <math.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dispatch_alltoall_cpu.h"
+#include "moert/dispatcher.h"
+
+/* A buffer on the layer's device, grown on demand and reused across steps. */
+typedef struct a2a_buffer {
+    void *data;
+    size_t bytes;
+} a2a_buffer;
+
+typedef struct alltoall_ctx {
+    const moert_host *host;
+    moert_layer_info layer;
+    int world, rank;
+    bool pad_to_capacity;
+    double capacity_factor;
+
+    bool prepared;              /* prepare() succeeded since init */
+    a2a_plan plan;              /* this step's routing; its arrays point into the buffers below */
+    int64_t *exchange_row;      /* [E+2] this rank's copies per expert, then T, then a failure flag */
+    int64_t *gathered;          /* [world][E+2] every rank's exchange_row */
+    int64_t *all_counts;        /* [world][E] copies from rank s to expert e */
+    size_t *send_bytes, *send_offsets, *recv_bytes, *recv_offsets; /* [world] for alltoallv */
+
+    a2a_buffer copy_send_row;   /* int64 [T*K] */
+    a2a_buffer recv_final_row;  /* int64 [num_recv] */
+    a2a_buffer send_rows;       /* rows in send order (copy order) */
+    a2a_buffer staging_rows;    /* rows in receive order */
+    a2a_buffer send_probs;      /* double, in send order */
+    a2a_buffer staging_probs;   /* double, in receive order */
+    a2a_buffer acc;             /* double [H] scratch of the reductions */
+} alltoall_ctx;
+
+/* "cpu", "cuda:1", ... for messages. */
+static const char *device_name(moert_device dev, char *buf, size_t size)
+{
+    const char *type = dev.type == MOERT_DEVICE_CPU ? "cpu"
+                       : dev.type == MOERT_DEVICE_CUDA ? "cuda"
+                       : dev.type == MOERT_DEVICE_CUDA_HOST ? "cuda_host" : "unknown";
+    if (dev.type == MOERT_DEVICE_CUDA) snprintf(buf, size, "%s:%d", type, (int)dev.id);
+    else snprintf(buf, size, "%s", type);
+    return buf;
+}
+
+/* "[12, 64]" for messages. */
+static const char *shape_text(const moert_tensor *t, char *buf, size_t size)
+{
+    size_t used = (size_t)snprintf(buf, size, "[");
+    for (int i = 0; i < t->ndim && used < size; i++)
+        used += (size_t)snprintf(buf + used, size - used, "%s%lld", i ? ", " : "", (long long)t->shape[i]);
+    if (used < size) snprintf(buf + used, size - used, "]");
+    return buf;
+}
+
+/* Reports a figure for this step's report, if the host is new enough to take it. */
+static void report_metric(const alltoall_ctx *c, const char *name, double value, const char *unit)
+{
+    const moert_host *h = c->host;
+    if (h->struct_size >= offsetof(moert_host, metric) + sizeof h->metric && h->metric)
+        h->metric(h, name, value, unit);
+}
+
+/* Sets the instance's error message and returns code, so checks can `return fail(...)`. */
+static moert_result fail(const alltoall_ctx *c, moert_result code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static moert_result fail(const alltoall_ctx *c, moert_result code, const char *fmt, ...)
+{
+    char text[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof text, fmt, ap);
+    va_end(ap);
+    c->host->set_error(c->host, "%s", text);
+    return code;
+}
+
+/* Makes buf at least `bytes` long on the layer's device (contents not kept). */
+static moert_result buffer_reserve(alltoall_ctx *c, a2a_buffer *buf, size_t bytes)
+{
+    if (bytes < 64) bytes = 64; /* never hand a NULL pointer to the communicator */
+    if (buf->bytes >= bytes) return MOERT_OK;
+    if (buf->data) c->host->free(c->host, c->layer.device, buf->data);
+    buf->data = NULL;
+    buf->bytes = 0;
+    size_t grown = bytes + bytes / 2; /* some slack: routing changes from step to step */
+    moert_result rc = c->host->alloc(c->host, c->layer.device, grown, &buf->data);
+    if (rc != MOERT_OK) return rc;
+    buf->bytes = grown;
+    return MOERT_OK;
+}
+
+static void buffer_release(alltoall_ctx *c, a2a_buffer *buf)
+{
+    if (buf->data) c->host->free(c->host, c->layer.device, buf->data);
+    buf->data = NULL;
+    buf->bytes = 0;
+}
+
+/* True for the dtypes the reductions can read and write (moert_load / moert_store). */
+static bool is_float_dtype(moert_dtype t)
+{
+    return t == MOERT_F32 || t == MOERT_F64 || t == MOERT_BF16 || t == MOERT_F16;
+}
+
+/*
+ * Checks one tensor argument: present, on the layer's device, contiguous, a float dtype (or `need_dtype`
+ * when >= 0), ndim dims, shape[0] == rows (or >= rows when rows_at_least), shape[1] == cols when ndim is 2.
+ * `rows_what` explains where the expected row count comes from.
+ */
+static moert_result check_tensor(const alltoall_ctx *c, const char *call, const char *name, const moert_tensor *t,
+                                 int ndim, int64_t rows, bool rows_at_least, int64_t cols, const char *rows_what,
+                                 int need_dtype)
+{
+    const moert_host *h = c->host;
+    char a[64], b[64];
+    if (!t) {
+        h->set_error(h, "%s: %s is NULL", call, name);
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+    if (t->device.type != MOERT_DEVICE_CPU) {
+        h->set_error(h, "%s: %s is on %s, but the alltoall dispatcher only has a CPU path so far", call, name,
+                     device_name(t->device, a, sizeof a));
+        return MOERT_ERR_UNSUPPORTED;
+    }
+    if (need_dtype >= 0 && t->dtype != (moert_dtype)need_dtype) {
+        h->set_error(h, "%s: %s has dtype %s, expected %s", call, name, moert_dtype_name(t->dtype),
+                     moert_dtype_name((moert_dtype)need_dtype));
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+    if (need_dtype < 0 && !is_float_dtype(t->dtype)) {
+        h->set_error(h, "%s: %s has dtype %s, expected fp32, fp64, bf16 or fp16", call, name,
+                     moert_dtype_name(t->dtype));
+        return MOERT_ERR_UNSUPPORTED;
+    }
+    bool shape_ok = t->ndim == ndim && (rows_at_least ? t->shape[0] >= rows : t->shape[0] == rows) &&
+                    (ndim == 1 || t->shape[1] == cols);
+    if (!shape_ok) {
+        if (ndim == 1)
+            snprintf(b, sizeof b, "[%s%lld]", rows_at_least ? ">= " : "", (long long)rows);
+        else
+            snprintf(b, sizeof b, "[%s%lld, %lld]", rows_at_least ? ">= " : "", (long long)rows, (long long)cols);
+        h->set_error(h, "%s: %s has shape %s, expected %s (%s)", call, name, shape_text(t, a, sizeof a), b,
+                     rows_what);
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+    if (!moert_tensor_is_contiguous(t)) {
+        h->set_error(h, "%s: %s must be contiguous (row-major)", call, name);
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+    if (!t->data && moert_tensor_numel(t) > 0) {
+        h->set_error(h, "%s: %s has shape %s but no data", call, name, shape_text(t, a, sizeof a));
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+    return MOERT_OK;
+}
+
+/* Checks an args struct's size (the caller sets it to sizeof the struct it was built with). */
+static moert_result check_struct_size(const alltoall_ctx *c, const char *call, const char *what, uint32_t got,
+                                      size_t need)
+{
+    if (got >= need) return MOERT_OK;
+    c->host->set_error(c->host, "%s: %s.struct_size is %u, expected at least %zu (set it to sizeof the struct)",
+                       call, what, got, need);
+    return MOERT_ERR_INVALID_ARGUMENT;
+}
+
+/* Fails when prepare() has not run (every other step call uses its plan). */
+static moert_result check_prepared(const alltoall_ctx *c, const char *call)
+{
+    if (c->prepared) return MOERT_OK;
+    c->host->set_error(c->host, "%s: called before a successful prepare()", call);
+    return MOERT_ERR_INVALID_ARGUMENT;
+}
+
+/*
+ * Moves rows between ranks: send_rows[r] rows of row_bytes from `send` (packed in rank order) to rank r,
+ * recv_rows[r] rows from rank r into `recv` (packed in rank order).
+ */
+static moert_result exchange(alltoall_ctx *c, const void *send, const int64_t *send_rows, void *recv,
+                             const int64_t *recv_rows, size_t row_bytes)
+{
+    if (c->world == 1) {
+        memcpy(recv, send, (size_t)send_rows[0] * row_bytes);
+        return MOERT_OK;
+    }
+    size_t send_at = 0, recv_at = 0;
+    for (int r = 0; r < c->world; r++) {
+        c->send_bytes[r] = (size_t)send_rows[r] * row_bytes;
+        c->send_offsets[r] = send_at;
+        send_at += c->send_bytes[r];
+        c->recv_bytes[r] = (size_t)recv_rows[r] * row_bytes;
+        c->recv_offsets[r] = recv_at;
+        recv_at += c->recv_bytes[r];
+    }
+    return c->host->alltoallv(c->host, send, c->send_bytes, c->send_offsets, recv, c->recv_bytes, c->recv_offsets,
+                              c->layer.device, NULL);
+}
+
+/* Bytes this rank sends to other ranks as rows of row_bytes (rows kept on this rank not counted). */
+static double bytes_to_peers(const alltoall_ctx *c, size_t row_bytes)
+{
+    double total = 0;
+    for (int r = 0; r < c->world; r++)
+        if (r != c->rank) total += (double)c->plan.send_rows[r] * (double)row_bytes;
+    return total;
+}
+
+static void alltoall_finalize(void *ctx);
+
+/* Creates one instance: reads the options, checks the layer, allocates the fixed-size arrays. */
+static moert_result alltoall_init(void **out, const moert_host *host, const moert_layer_info *layer)
+{
+    *out = NULL;
+    char dev[32];
+    if (layer->device.type != MOERT_DEVICE_CPU) {
+        host->set_error(host, "the alltoall dispatcher has only a CPU path so far; the layer is on %s",
+                        device_name(layer->device, dev, sizeof dev));
+        return MOERT_ERR_UNSUPPORTED;
+    }
+    if (layer->num_experts <= 0 || layer->topk <= 0 || layer->hidden <= 0 || host->world_size <= 0) {
+        host->set_error(host, "bad layer: num_experts %lld, topk %lld, hidden %lld, world_size %d",
+                        (long long)layer->num_experts, (long long)layer->topk, (long long)layer->hidden,
+                        (int)host->world_size);
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+    if (layer->num_experts % host->world_size != 0 ||
+        layer->num_local_experts != layer->num_experts / host->world_size ||
+        layer->first_local_expert != layer->num_local_experts * host->rank) {
+        host->set_error(host,
+                        "the alltoall dispatcher needs num_experts (%lld) divisible by world_size (%d), with rank r "
+                        "owning experts [r*E/world, (r+1)*E/world); got num_local_experts %lld, "
+                        "first_local_expert %lld on rank %d",
+                        (long long)layer->num_experts, (int)host->world_size, (long long)layer->num_local_experts,
+                        (long long)layer->first_local_expert, (int)host->rank);
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+
+    alltoall_ctx *c = calloc(1, sizeof *c);
+    if (!c) {
+        host->set_error(host, "out of memory for the dispatcher state");
+        return MOERT_ERR_OUT_OF_MEMORY;
+    }
+    c->host = host;
+    c->layer = *layer;
+    c->world = host->world_size;
+    c->rank = host->rank;
+
+    moert_result rc = host->option_bool(host, "pad_to_capacity", false,
+                                        "pad every local expert's rows to ceil(T*K/E*capacity_factor)*world_size "
+                                        "(static shapes)",
+                                        &c->pad_to_capacity);
+    if (rc == MOERT_OK)
+        rc = host->option_float(host, "capacity_factor", 1.0, 1e-3, 1e3,
+                                "capacity per expert and source rank, in units of T*K/E (with pad_to_capacity)",
+                                &c->capacity_factor);
+    if (rc != MOERT_OK) {
+        free(c);
+        return rc;
+    }
+
+    const int64_t E = layer->num_experts, El = layer->num_local_experts, W = c->world;
+    c->exchange_row = calloc((size_t)(E + 2), sizeof(int64_t));
+    c->gathered = calloc((size_t)(W * (E + 2)), sizeof(int64_t));
+    c->all_counts = calloc((size_t)(W * E), sizeof(int64_t));
+    c->send_bytes = calloc((size_t)W, sizeof(size_t));
+    c->send_offsets = calloc((size_t)W, sizeof(size_t));
+    c->recv_bytes = calloc((size_t)W, sizeof(size_t));
+    c->recv_offsets = calloc((size_t)W, sizeof(size_t));
+    c->plan.send_rows = calloc((size_t)W, sizeof(int64_t));
+    c->plan.recv_rows = calloc((size_t)W, sizeof(int64_t));
+    c->plan.expert_rows = calloc((size_t)El, sizeof(int64_t));
+    c->plan.tokens_per_expert = calloc((size_t)El, sizeof(int64_t));
+    c->plan.group_start = calloc((size_t)El, sizeof(int64_t));
+    c->plan.cursor = calloc((size_t)E, sizeof(int64_t));
+    if (!c->exchange_row || !c->gathered || !c->all_counts || !c->send_bytes || !c->send_offsets ||
+        !c->recv_bytes || !c->recv_offsets || !c->plan.send_rows || !c->plan.recv_rows || !c->plan.expert_rows ||
+        !c->plan.tokens_per_expert || !c->plan.group_start || !c->plan.cursor) {
+        alltoall_finalize(c);
+        host->set_error(host, "out of memory for the dispatcher state");
+        return MOERT_ERR_OUT_OF_MEMORY;
+    }
+    c->plan.world = c->world;
+    c->plan.rank = c->rank;
+    c->plan.num_experts = E;
+    c->plan.num_local_experts = El;
+    c->plan.topk = layer->topk;
+    *out = c;
+    return MOERT_OK;
+}
+
+/* Frees everything the instance owns. */
+static void alltoall_finalize(void *ctx)
+{
+    alltoall_ctx *c = ctx;
+    if (!c) return;
+    buffer_release(c, &c->copy_send_row);
+    buffer_release(c, &c->recv_final_row);
+    buffer_release(c, &c->send_rows);
+    buffer_release(c, &c->staging_rows);
+    buffer_release(c, &c->send_probs);
+    buffer_release(c, &c->staging_probs);
+    buffer_release(c, &c->acc);
+    free(c->exchange_row);
+    free(c->gathered);
+    free(c->all_counts);
+    free(c->send_bytes);
+    free(c->send_offsets);
+    free(c->recv_bytes);
+    free(c->recv_offsets);
+    free(c->plan.send_rows);
+    free(c->plan.recv_rows);
+    free(c->plan.expert_rows);
+    free(c->plan.tokens_per_expert);
+    free(c->plan.group_start);
+    free(c->plan.cursor);
+    free(c);
+}
+
+/* Checks topk_idx and counts this rank's copies per expert into exchange_row; sets the message on failure. */
+static moert_result count_local(alltoall_ctx *c, const moert_tensor *topk_idx, int64_t *num_tokens)
+{
+    const char *call = "prepare()";
+    const moert_host *h = c->host;
+    char a[64];
+    if (!topk_idx) {
+        h->set_error(h, "%s: topk_idx is NULL", call);
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+    if (topk_idx->ndim != 2 || topk_idx->shape[1] != c->layer.topk) {
+        h->set_error(h, "%s: topk_idx has shape %s, expected [T, %lld] (T tokens, topk)", call,
+                     shape_text(topk_idx, a, sizeof a), (long long)c->layer.topk);
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+    moert_result rc = check_tensor(c, call, "topk_idx", topk_idx, 2, topk_idx->shape[0], false, c->layer.topk,
+                                   "T tokens, topk", MOERT_I32);
+    if (rc != MOERT_OK) return rc;
+    *num_tokens = topk_idx->shape[0];
+    int64_t bad = a2a_count_copies(topk_idx->data, *num_tokens, c->layer.topk, c->layer.num_experts,
+                                   c->exchange_row);
+    if (bad >= 0) {
+        h->set_error(h, "%s: topk_idx[%lld][%lld] is %d, expected an expert id in [0, %lld) or -1 (dropped)", call,
+                     (long long)(bad / c->layer.topk), (long long)(bad % c->layer.topk),
+                     (int)((const int32_t *)topk_idx->data)[bad], (long long)c->layer.num_experts);
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+    return MOERT_OK;
+}
+
+/*
+ * Counts copies per expert, allgathers the [world x E] count matrix (every rank takes part even when its
+ * own input was bad, so all ranks fail together instead of waiting for each other), and plans the step.
+ */
+static moert_result alltoall_prepare(void *ctx, moert_stream stream, const moert_tensor *topk_idx,
+                                     moert_dispatch_layout *layout)
+{
+    alltoall_ctx *c = ctx;
+    const moert_host *h = c->host;
+    const int64_t E = c->layer.num_experts, El = c->layer.num_local_experts, K = c->layer.topk;
+    c->prepared = false;
+
+    int64_t num_tokens = 0;
+    memset(c->exchange_row, 0, (size_t)(E + 2) * sizeof(int64_t));
+    moert_result local_rc = MOERT_OK;
+    if (!layout)
+        local_rc = fail(c, MOERT_ERR_INVALID_ARGUMENT, "prepare(): layout is NULL");
+    else
+        local_rc = check_struct_size(c, "prepare()", "layout", layout->struct_size, sizeof *layout);
+    if (local_rc == MOERT_OK) local_rc = count_local(c, topk_idx, &num_tokens);
+    if (local_rc != MOERT_OK) memset(c->exchange_row, 0, (size_t)E * sizeof(int64_t));
+    c->exchange_row[E] = num_tokens;
+    c->exchange_row[E + 1] = local_rc;
+
+    moert_result rc = MOERT_OK;
+    if (c->world == 1)
+        memcpy(c->gathered, c->exchange_row, (size_t)(E + 2) * sizeof(int64_t));
+    else
+        rc = h->allgather(h, c->exchange_row, c->gathered, (size_t)(E + 2) * sizeof(int64_t), c->layer.device,
+                          stream);
+    if (rc != MOERT_OK) return rc;
+    if (local_rc != MOERT_OK) return local_rc;
+
+    int64_t max_tokens = 0;
+    for (int s = 0; s < c->world; s++) {
+        const int64_t *row = c->gathered + (int64_t)s * (E + 2);
+        if (row[E + 1] != MOERT_OK) {
+            h->set_error(h, "prepare(): rank %d failed its prepare() (see its error), so this step cannot dispatch",
+                         s);
+            return MOERT_ERR_INVALID_ARGUMENT;
+        }
+        memcpy(c->all_counts + (int64_t)s * E, row, (size_t)E * sizeof(int64_t));
+        if (row[E] > max_tokens) max_tokens = row[E];
+    }
+
+    /* Padding: every rank computes the same group size from the largest T, so all agree on overflow. */
+    int64_t group_rows = 0;
+    if (c->pad_to_capacity) {
+        int64_t per_source = (int64_t)ceil((double)max_tokens * (double)K / (double)E * c->capacity_factor);
+        group_rows = per_source * c->world;
+        int64_t rows = 0;
+        int64_t e = a2a_find_overflow(c->all_counts, c->world, E, group_rows, &rows);
+        if (e >= 0) {
+            h->set_error(h,
+                         "prepare(): expert %lld (on rank %lld) receives %lld rows, more than its padded capacity "
+                         "%lld = ceil(T*K/E*capacity_factor) = %lld per source rank x world_size %d; the router "
+                         "must drop copies beyond capacity (its capacity_factor <= this dispatcher's %g)",
+                         (long long)e, (long long)(e / El), (long long)rows, (long long)group_rows,
+                         (long long)per_source, c->world, c->capacity_factor);
+            return MOERT_ERR_INVALID_ARGUMENT;
+        }
+    }
+
+    a2a_plan *p = &c->plan;
+    p->num_tokens = num_tokens;
+    a2a_plan_sizes(p, c->all_counts, group_rows);
+    rc = buffer_reserve(c, &c->copy_send_row, (size_t)(num_tokens * K) * sizeof(int64_t));
+    if (rc == MOERT_OK) rc = buffer_reserve(c, &c->recv_final_row, (size_t)p->num_recv * sizeof(int64_t));
+    if (rc != MOERT_OK) return rc;
+    p->copy_send_row = c->copy_send_row.data;
+    p->recv_final_row = c->recv_final_row.data;
+    a2a_plan_send_order(p, topk_idx->data, c->all_counts + (int64_t)c->rank * E);
+    a2a_plan_recv_order(p, c->all_counts);
+
+    layout->num_recv = p->num_recv;
+    layout->capacity = p->capacity;
+    layout->tokens_per_expert = moert_tensor_1d(p->tokens_per_expert, c->layer.device, MOERT_I64, El);
+    layout->tokens_per_expert_host = p->tokens_per_expert;
+    c->prepared = true;
+    report_metric(c, "dispatch.recv_tokens", (double)p->num_recv, "tokens");
+    h->log(h, MOERT_LOG_DEBUG, "prepare: T %lld, send %lld rows, receive %lld rows, capacity %lld",
+           (long long)num_tokens, (long long)p->num_send, (long long)p->num_recv, (long long)p->capacity);
+    return MOERT_OK;
+}
+
+/* Sends each kept token copy (row and routing weight) to the rank owning its expert, grouped by local expert. */
+static moert_result alltoall_dispatch(void *ctx, moert_stream stream, const moert_dispatch_args *args)
+{
+    alltoall_ctx *c = ctx;
+    const char *call = "dispatch()";
+    const a2a_plan *p = &c->plan;
+    const int64_t H = c->layer.hidden, T = p->num_tokens, K = c->layer.topk;
+    moert_result rc = check_prepared(c, call);
+    if (rc == MOERT_OK && !args)
+        rc = fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: args is NULL", call);
+    if (rc == MOERT_OK) rc = check_struct_size(c, call, "args", args->struct_size, sizeof *args);
+    if (rc == MOERT_OK)
+        rc = check_tensor(c, call, "x", args->x, 2, T, false, H, "T from prepare(), hidden", -1);
+    if (rc == MOERT_OK)
+        rc = check_tensor(c, call, "recv_x", args->recv_x, 2, p->capacity, true, H,
+                          "capacity from prepare(), hidden", args->x->dtype);
+    if (rc == MOERT_OK && (args->topk_probs == NULL) != (args->recv_probs == NULL))
+        rc = fail(c, MOERT_ERR_INVALID_ARGUMENT,
+                  "%s: topk_probs and recv_probs must be given together (or both NULL)", call);
+    if (rc == MOERT_OK && args->topk_probs)
+        rc = check_tensor(c, call, "topk_probs", args->topk_probs, 2, T, false, K, "T from prepare(), topk", -1);
+    if (rc == MOERT_OK && args->recv_probs)
+        rc = check_tensor(c, call, "recv_probs", args->recv_probs, 1, p->capacity, true, 0,
+                          "capacity from prepare()", -1);
+    if (rc != MOERT_OK) return rc;
+
+    const size_t row_bytes = (size_t)H * moert_dtype_size(args->x->dtype);
+    rc = buffer_reserve(c, &c->send_rows, (size_t)p->num_send * row_bytes);
+    if (rc == MOERT_OK) rc = buffer_reserve(c, &c->staging_rows, (size_t)p->num_recv * row_bytes);
+    if (rc != MOERT_OK) return rc;
+    a2a_pack_rows(p, args->x->data, row_bytes, c->send_rows.data);
+    rc = exchange(c, c->send_rows.data, p->send_rows, c->staging_rows.data, p->recv_rows, row_bytes);
+    if (rc != MOERT_OK) return rc;
+    a2a_scatter_rows(p, c->staging_rows.data, row_bytes, args->recv_x->data);
+    a2a_zero_padding(p, args->recv_x->data, row_bytes);
+    double sent = bytes_to_peers(c, row_bytes);
+
+    if (args->topk_probs) {
+        rc = buffer_reserve(c, &c->send_probs, (size_t)p->num_send * sizeof(double));
+        if (rc == MOERT_OK) rc = buffer_reserve(c, &c->staging_probs, (size_t)p->num_recv * sizeof(double));
+        if (rc != MOERT_OK) return rc;
+        a2a_pack_probs(p, args->topk_probs->data, args->topk_probs->dtype, c->send_probs.data);
+        rc = exchange(c, c->send_probs.data, p->send_rows, c->staging_probs.data, p->recv_rows, sizeof(double));
+        if (rc != MOERT_OK) return rc;
+        a2a_scatter_probs(p, c->staging_probs.data, args->recv_probs->data, args->recv_probs->dtype);
+        sent += bytes_to_peers(c, sizeof(double));
+    }
+    report_metric(c, "dispatch.bytes_sent", sent, "bytes");
+    (void)stream;
+    return MOERT_OK;
+}
+
+/* Brings expert output rows back to the ranks of their tokens and sums each token's copies (in double). */
+static moert_result alltoall_combine(void *ctx, moert_stream stream, const moert_combine_args *args)
+{
+    alltoall_ctx *c = ctx;
+    const char *call = "combine()";
+    const a2a_plan *p = &c->plan;
+    const int64_t H = c->layer.hidden;
+    moert_result rc = check_prepared(c, call);
+    if (rc == MOERT_OK && !args)
+        rc = fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: args is NULL", call);
+    if (rc == MOERT_OK) rc = check_struct_size(c, call, "args", args->struct_size, sizeof *args);
+    if (rc == MOERT_OK)
+        rc = check_tensor(c, call, "y_expert", args->y_expert, 2, p->capacity, true, H,
+                          "capacity from prepare(), hidden", -1);
+    if (rc == MOERT_OK) rc = check_tensor(c, call, "y", args->y, 2, p->num_tokens, false, H,
+                                          "T from prepare(), hidden", -1);
+    if (rc != MOERT_OK) return rc;
+
+    const size_t row_bytes = (size_t)H * moert_dtype_size(args->y_expert->dtype);
+    rc = buffer_reserve(c, &c->send_rows, (size_t)p->num_send * row_bytes);
+    if (rc == MOERT_OK) rc = buffer_reserve(c, &c->staging_rows, (size_t)p->num_recv * row_bytes);
+    if (rc == MOERT_OK) rc = buffer_reserve(c, &c->acc, (size_t)H * sizeof(double));
+    if (rc != MOERT_OK) return rc;
+    a2a_gather_rows(p, args->y_expert->data, row_bytes, c->staging_rows.data);
+    rc = exchange(c, c->staging_rows.data, p->recv_rows, c->send_rows.data, p->send_rows, row_bytes);
+    if (rc != MOERT_OK) return rc;
+    a2a_sum_copies(p, c->send_rows.data, args->y_expert->dtype, H, 0, args->y->data, args->y->dtype, c->acc.data);
+    (void)stream;
+    return MOERT_OK;
+}
+
+/* The adjoint of combine: every received row gets its token's gradient (a dispatch of d_y without probs). */
+static moert_result alltoall_combine_backward(void *ctx, moert_stream stream, const moert_combine_backward_args *args)
+{
+    alltoall_ctx *c = ctx;
+    const char *call = "combine_backward()";
+    const a2a_plan *p = &c->plan;
+    const int64_t H = c->layer.hidden;
+    moert_result rc = check_prepared(c, call);
+    if (rc == MOERT_OK && !args)
+        rc = fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: args is NULL", call);
+    if (rc == MOERT_OK) rc = check_struct_size(c, call, "args", args->struct_size, sizeof *args);
+    if (rc == MOERT_OK)
+        rc = check_tensor(c, call, "d_y", args->d_y, 2, p->num_tokens, false, H, "T from prepare(), hidden", -1);
+    if (rc == MOERT_OK)
+        rc = check_tensor(c, call, "d_y_expert", args->d_y_expert, 2, p->capacity, true, H,
+                          "capacity from prepare(), hidden", args->d_y->dtype);
+    if (rc != MOERT_OK) return rc;
+
+    const size_t row_bytes = (size_t)H * moert_dtype_size(args->d_y->dtype);
+    rc = buffer_reserve(c, &c->send_rows, (size_t)p->num_send * row_bytes);
+    if (rc == MOERT_OK) rc = buffer_reserve(c, &c->staging_rows, (size_t)p->num_recv * row_bytes);
+    if (rc != MOERT_OK) return rc;
+    a2a_pack_rows(p, args->d_y->data, row_bytes, c->send_rows.data);
+    rc = exchange(c, c->send_rows.data, p->send_rows, c->staging_rows.data, p->recv_rows, row_bytes);
+    if (rc != MOERT_OK) return rc;
+    a2a_scatter_rows(p, c->staging_rows.data, row_bytes, args->d_y_expert->data);
+    a2a_zero_padding(p, args->d_y_expert->data, row_bytes);
+    (void)stream;
+    return MOERT_OK;
+}
+
+/* The adjoint of dispatch: row gradients summed into their tokens (+=), weight gradients to their slots. */
+static moert_result alltoall_dispatch_backward(void *ctx, moert_stream stream,
+                                               const moert_dispatch_backward_args *args)
+{
+    alltoall_ctx *c = ctx;
+    const char *call = "dispatch_backward()";
+    const a2a_plan *p = &c->plan;
+    const int64_t H = c->layer.hidden, T = p->num_tokens, K = c->layer.topk;
+    moert_result rc = check_prepared(c, call);
+    if (rc == MOERT_OK && !args)
+        rc = fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: args is NULL", call);
+    if (rc == MOERT_OK) rc = check_struct_size(c, call, "args", args->struct_size, sizeof *args);
+    if (rc == MOERT_OK)
+        rc = check_tensor(c, call, "d_recv_x", args->d_recv_x, 2, p->capacity, true, H,
+                          "capacity from prepare(), hidden", -1);
+    if (rc == MOERT_OK)
+        rc = check_tensor(c, call, "d_x", args->d_x, 2, T, false, H, "T from prepare(), hidden", -1);
+    if (rc == MOERT_OK && (args->d_recv_probs == NULL) != (args->d_topk_probs == NULL))
+        rc = fail(c, MOERT_ERR_INVALID_ARGUMENT,
+                  "%s: d_recv_probs and d_topk_probs must be given together (or both NULL)",
+                           call);
+    if (rc == MOERT_OK && args->d_recv_probs)
+        rc = check_tensor(c, call, "d_recv_probs", args->d_recv_probs, 1, p->capacity, true, 0,
+                          "capacity from prepare()", -1);
+    if (rc == MOERT_OK && args->d_topk_probs)
+        rc = check_tensor(c, call, "d_topk_probs", args->d_topk_probs, 2, T, false, K, "T from prepare(), topk",
+                          -1);
+    if (rc != MOERT_OK) return rc;
+
+    const size_t row_bytes = (size_t)H * moert_dtype_size(args->d_recv_x->dtype);
+    rc = buffer_reserve(c, &c->send_rows, (size_t)p->num_send * row_bytes);
+    if (rc == MOERT_OK) rc = buffer_reserve(c, &c->staging_rows, (size_t)p->num_recv * row_bytes);
+    if (rc == MOERT_OK) rc = buffer_reserve(c, &c->acc, (size_t)H * sizeof(double));
+    if (rc != MOERT_OK) return rc;
+    a2a_gather_rows(p, args->d_recv_x->data, row_bytes, c->staging_rows.data);
+    rc = exchange(c, c->staging_rows.data, p->recv_rows, c->send_rows.data, p->send_rows, row_bytes);
+    if (rc != MOERT_OK) return rc;
+    a2a_sum_copies(p, c->send_rows.data, args->d_recv_x->dtype, H, 1, args->d_x->data, args->d_x->dtype,
+                   c->acc.data);
+
+    if (args->d_recv_probs) {
+        rc = buffer_reserve(c, &c->send_probs, (size_t)p->num_send * sizeof(double));
+        if (rc == MOERT_OK) rc = buffer_reserve(c, &c->staging_probs, (size_t)p->num_recv * sizeof(double));
+        if (rc != MOERT_OK) return rc;
+        a2a_gather_probs(p, args->d_recv_probs->data, args->d_recv_probs->dtype, c->staging_probs.data);
+        rc = exchange(c, c->staging_probs.data, p->recv_rows, c->send_probs.data, p->send_rows, sizeof(double));
+        if (rc != MOERT_OK) return rc;
+        a2a_unpack_probs(p, c->send_probs.data, args->d_topk_probs->data, args->d_topk_probs->dtype);
+    }
+    (void)stream;
+    return MOERT_OK;
+}
+
+/* The one exported symbol. Its name equals the vtable's typedef name, which C does not allow for an object in the
+ * same scope, so the object gets a private C name and its linker name through an asm label. */
+MOERT_PLUGIN_EXPORT const moert_dispatcher_v1 alltoall_vtable __asm__(MOERT_DISPATCHER_V1_SYMBOL) = {
+    .header = {
+        .abi_version = MOERT_ABI_CURRENT,
+        .struct_size = sizeof(moert_dispatcher_v1),
+        .kind = MOERT_KIND_DISPATCHER,
+        .name = "alltoall",
+        .version = "0.1.0",
+        .description = "Megatron-style all-to-all token dispatcher (count exchange, alltoallv, regroup by expert)",
+        .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU),
+        .dtypes = MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) |
+                  MOERT_CAP_DTYPE(MOERT_F16),
+        .flags = MOERT_CAP_NEEDS_HOST_SYNC,
+    },
+    .init = alltoall_init,
+    .finalize = alltoall_finalize,
+    .prepare = alltoall_prepare,
+    .dispatch = alltoall_dispatch,
+    .combine = alltoall_combine,
+    .combine_backward = alltoall_combine_backward,
+    .dispatch_backward = alltoall_dispatch_backward,
+};

@@ -1,0 +1,81 @@
+/* The "default" memory policy plugin: a fixed action per saved activation, read from the config. */
+#include <stdlib.h>
+
+#include "moert/memory_policy.h"
+
+typedef struct policy_ctx {
+    const moert_host *host;
+    moert_memory_action action[MOERT_ACT_COUNT]; /* by moert_activation */
+} policy_ctx;
+
+/* Config names of the actions, in moert_memory_action order. */
+static const char *const action_choices[] = {"keep", "recompute", "offload", NULL};
+
+/* Creates one instance: one option per activation, each keep|recompute|offload (keep by default). */
+static moert_result policy_init(void **out, const moert_host *host, const moert_layer_info *layer)
+{
+    static const char *const help[MOERT_ACT_COUNT] = {
+        "tokens after dispatch (input of fc1): keep, recompute (dispatch again) or offload to pinned host memory",
+        "fc1 output (input of SwiGLU): keep, recompute (fc1 again) or offload to pinned host memory",
+        "SwiGLU output times prob (input of fc2): keep, recompute or offload to pinned host memory",
+    };
+    *out = NULL;
+    (void)layer;
+    policy_ctx *c = calloc(1, sizeof *c);
+    if (!c) {
+        host->set_error(host, "out of memory for the memory policy state");
+        return MOERT_ERR_OUT_OF_MEMORY;
+    }
+    c->host = host;
+    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
+        int choice = MOERT_MEMORY_KEEP;
+        moert_result rc = host->option_enum(host, moert_activation_name((moert_activation)a), action_choices,
+                                            MOERT_MEMORY_KEEP, help[a], &choice);
+        if (rc != MOERT_OK) {
+            free(c);
+            return rc;
+        }
+        c->action[a] = (moert_memory_action)choice;
+    }
+    *out = c;
+    return MOERT_OK;
+}
+
+static void policy_finalize(void *ctx) { free(ctx); }
+
+/* The configured action for one saved activation. */
+static moert_result policy_decide(void *ctx, const moert_activation_info *info, moert_memory_action *action)
+{
+    policy_ctx *c = ctx;
+    if (!info || !action) {
+        c->host->set_error(c->host, "decide(): %s is NULL", !info ? "info" : "action");
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+    if (info->activation < 0 || info->activation >= MOERT_ACT_COUNT) {
+        c->host->set_error(c->host, "decide(): activation is %d, expected 0 (dispatched_x), 1 (fc1_out) or "
+                           "2 (swiglu_out)", (int)info->activation);
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+    *action = c->action[info->activation];
+    return MOERT_OK;
+}
+
+/* The one exported symbol. Its name equals the vtable's typedef name, which C does not allow for an object in the
+ * same scope, so the object gets a private C name and its linker name through an asm label. */
+MOERT_PLUGIN_EXPORT const moert_memory_policy_v1 policy_vtable __asm__(MOERT_MEMORY_POLICY_V1_SYMBOL) = {
+    .header = {
+        .abi_version = MOERT_ABI_CURRENT,
+        .struct_size = sizeof(moert_memory_policy_v1),
+        .kind = MOERT_KIND_MEMORY_POLICY,
+        .name = "default",
+        .version = "0.1.0",
+        .description = "a fixed keep/recompute/offload action per saved activation, from the config",
+        .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU) | MOERT_CAP_DEVICE(MOERT_DEVICE_CUDA),
+        .dtypes = MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) |
+                  MOERT_CAP_DTYPE(MOERT_F16) | MOERT_CAP_DTYPE(MOERT_F8E4M3) | MOERT_CAP_DTYPE(MOERT_F8E5M2),
+        .flags = MOERT_CAP_GRAPH_CAPTURABLE,
+    },
+    .init = policy_init,
+    .finalize = policy_finalize,
+    .decide = policy_decide,
+};

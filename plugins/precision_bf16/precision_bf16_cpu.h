@@ -1,0 +1,37 @@
+/* The bf16 precision recipe's CPU reference: grouped GEMMs emulating a bf16 tensor-core GEMM (or fp32, fp64). */
+#ifndef MOERT_PRECISION_BF16_CPU_H
+#define MOERT_PRECISION_BF16_CPU_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "moert/precision.h"
+
+/* How the GEMMs compute: the option "mode" after "auto" was resolved. */
+typedef enum bf16_mode {
+    BF16_MODE_BF16 = 0, /* operands rounded to bf16, products accumulated in fp32 */
+    BF16_MODE_FP32 = 1, /* operands as fp32, fp32 accumulation */
+    BF16_MODE_FP64 = 2  /* everything in fp64 */
+} bf16_mode;
+
+/* Work buffers reused across calls (grown on demand); 8-byte elements so both float and double fit. */
+typedef struct bf16_scratch {
+    double *a, *b, *c;
+    size_t a_elems, b_elems, c_elems;
+} bf16_scratch;
+
+/* The shape of one grouped GEMM, checked by the caller: expert e owns counts[e] rows, starting at first[e]. */
+typedef struct bf16_gemm_shape {
+    int64_t num_experts; /* E_local */
+    int64_t k_in;        /* columns of input / grad_input, rows of each weight */
+    int64_t n_out;       /* columns of output / grad_output and of each weight */
+    const int64_t *counts;
+} bf16_gemm_shape;
+
+/* Runs args->pass for every expert. Returns MOERT_ERR_OUT_OF_MEMORY if scratch cannot grow, else MOERT_OK. */
+moert_result bf16_cpu_grouped_gemm(const moert_grouped_gemm_args *args, const bf16_gemm_shape *shape,
+                                   bf16_mode mode, bf16_scratch *scratch);
+
+void bf16_scratch_free(bf16_scratch *scratch);
+
+#endif

@@ -1,0 +1,650 @@
+/*
+ * The "topk" router plugin: options, state, tensor checks and the moert_router_v1 vtable. The math is in
+ * router_cpu.c (CPU reference); docs/plugins/router.md describes every option and formula.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moert/router.h"
+#include "router_cpu.h"
+
+#define ROUTER_NAME "topk"
+
+/* True when the host table is new enough to have `member` and it is set. */
+#define HOST_HAS(h, member)                                                                                  \
+    ((h)->struct_size >= offsetof(moert_host, member) + sizeof((h)->member) && (h)->member != NULL)
+
+typedef struct router_ctx {
+    const moert_host *host;
+    int64_t hidden, num_experts, topk;
+    router_params params;
+    bool use_expert_bias;
+    double bias_update_rate;
+    double aux_loss_coeff;
+    double z_loss_coeff;
+
+    /* work buffers, sized for buffer_tokens tokens */
+    int64_t buffer_tokens;
+    double *x;             /* [T,H] x widened to double */
+    double *w;             /* [E,H] */
+    double *logits;        /* [T,E] kept for backward */
+    double *aux_scores;    /* [T,E] P of the balancing losses, kept for backward */
+    double *aux_f;         /* [T*E] at most: f of the balancing loss, per sequence, kept for backward */
+    double *probs;         /* [T,K] probs before capacity */
+    double *d_probs;       /* [T,K] */
+    double *d_logits;      /* [T,E] */
+    double *d_x;           /* [T,H] */
+    double *d_w;           /* [E,H] */
+    double *route_scratch; /* router_cpu_route_scratch_doubles */
+    double *k_scratch;     /* [K] */
+    int32_t *sel_idx;      /* [T,K] selection before capacity, kept for backward */
+    int32_t *aux_idx;      /* [K] */
+    unsigned char *kept;   /* [T,K] kept for backward */
+    unsigned char *bytes;  /* [E + num_groups] */
+    int64_t *cap_scratch;  /* router_cpu_capacity_scratch_ints */
+    int64_t *counts;       /* [E+1] int64 counts for all-reduces */
+
+    /* the last forward, for backward */
+    bool have_forward;
+    int64_t fwd_tokens;
+    bool fwd_aux;          /* a balancing loss contributed */
+    int64_t fwd_aux_seq;   /* S of the balancing loss */
+    double fwd_aux_scale;  /* A of the balancing loss */
+
+    /* aux-loss-free balancing */
+    double *expert_bias;    /* [E] */
+    moert_tensor bias_tensor;
+    int64_t *bias_counts;   /* [E] copies kept per expert since the last end_step, this rank */
+
+    /* global_aux_loss: all-reduced counts summed over the forwards since the last end_step */
+    double *global_counts;  /* [E] */
+    int64_t global_forwards;
+} router_ctx;
+
+/* "cpu", "cuda:1", ... for messages. */
+static const char *device_name(moert_device d, char *buf, size_t size)
+{
+    switch (d.type) {
+    case MOERT_DEVICE_CPU: snprintf(buf, size, "cpu"); break;
+    case MOERT_DEVICE_CUDA: snprintf(buf, size, "cuda:%d", d.id); break;
+    case MOERT_DEVICE_CUDA_HOST: snprintf(buf, size, "cuda_host"); break;
+    default: snprintf(buf, size, "device type %d", d.type); break;
+    }
+    return buf;
+}
+
+/* Reports a metric when the host has the service. */
+static void report_metric(const router_ctx *c, const char *name, double value, const char *unit)
+{
+    if (HOST_HAS(c->host, metric)) c->host->metric(c->host, name, value, unit);
+}
+
+/* Frees the work buffers (not the bias or the accumulated counts). */
+static void free_buffers(router_ctx *c)
+{
+    free(c->x); free(c->w); free(c->logits); free(c->aux_scores); free(c->aux_f); free(c->probs);
+    free(c->d_probs); free(c->d_logits); free(c->d_x); free(c->d_w); free(c->route_scratch);
+    free(c->k_scratch); free(c->sel_idx); free(c->aux_idx); free(c->kept); free(c->bytes);
+    free(c->cap_scratch); free(c->counts);
+    c->x = c->w = c->logits = c->aux_scores = c->aux_f = c->probs = c->d_probs = c->d_logits = NULL;
+    c->d_x = c->d_w = c->route_scratch = c->k_scratch = NULL;
+    c->sel_idx = c->aux_idx = NULL;
+    c->kept = c->bytes = NULL;
+    c->cap_scratch = c->counts = NULL;
+    c->buffer_tokens = 0;
+}
+
+/* Makes every work buffer large enough for T tokens (grows only; keeps nothing of the old contents). */
+static moert_result ensure_buffers(router_ctx *c, int64_t T)
+{
+    if (c->logits != NULL && T <= c->buffer_tokens) return MOERT_OK;
+    free_buffers(c);
+    int64_t n = T > 0 ? T : 1;
+    int64_t H = c->hidden, E = c->num_experts, K = c->topk;
+    size_t d = sizeof(double);
+    c->x = malloc((size_t)(n * H) * d);
+    c->w = malloc((size_t)(E * H) * d);
+    c->logits = malloc((size_t)(n * E) * d);
+    c->aux_scores = malloc((size_t)(n * E) * d);
+    c->aux_f = malloc((size_t)(n * E) * d);
+    c->probs = malloc((size_t)(n * K) * d);
+    c->d_probs = malloc((size_t)(n * K) * d);
+    c->d_logits = malloc((size_t)(n * E) * d);
+    c->d_x = malloc((size_t)(n * H) * d);
+    c->d_w = malloc((size_t)(E * H) * d);
+    c->route_scratch = malloc((size_t)router_cpu_route_scratch_doubles(&c->params, n) * d);
+    c->k_scratch = malloc((size_t)K * d);
+    c->sel_idx = malloc((size_t)(n * K) * sizeof(int32_t));
+    c->aux_idx = malloc((size_t)K * sizeof(int32_t));
+    c->kept = malloc((size_t)(n * K));
+    c->bytes = malloc((size_t)(E + c->params.num_groups));
+    c->cap_scratch = malloc((size_t)router_cpu_capacity_scratch_ints(n, K, E) * sizeof(int64_t));
+    c->counts = malloc((size_t)(E + 1) * sizeof(int64_t));
+    if (!c->x || !c->w || !c->logits || !c->aux_scores || !c->aux_f || !c->probs || !c->d_probs ||
+        !c->d_logits || !c->d_x || !c->d_w || !c->route_scratch || !c->k_scratch || !c->sel_idx ||
+        !c->aux_idx || !c->kept || !c->bytes || !c->cap_scratch || !c->counts) {
+        free_buffers(c);
+        c->host->set_error(c->host, "router '%s': out of memory for work buffers of %lld tokens", ROUTER_NAME,
+                           (long long)T);
+        return MOERT_ERR_OUT_OF_MEMORY;
+    }
+    c->buffer_tokens = n;
+    return MOERT_OK;
+}
+
+/* Reads every option (so the core knows them all), then checks the combinations. */
+static moert_result read_options(router_ctx *c, const moert_host *h)
+{
+    static const char *const score_choices[] = {"softmax", "sigmoid", NULL};
+    static const char *const balancing_choices[] = {"none", "aux_loss", "seq_aux_loss", "global_aux_loss",
+                                                    "sinkhorn", NULL};
+    static const char *const drop_choices[] = {"probs", "position", NULL};
+    router_params *p = &c->params;
+    moert_result rc;
+    int score = 0, balancing = 0, drop = 0;
+    bool pre_softmax = false;
+    int64_t num_groups = 0, group_topk = 0;
+    double scaling = 1.0, capacity = 0.0;
+
+    rc = h->option_enum(h, "score_function", score_choices, 0,
+                        "how logits become scores: softmax over the experts, or one sigmoid per expert", &score);
+    if (rc != MOERT_OK) return rc;
+    rc = h->option_bool(h, "pre_softmax", false,
+                        "softmax over all experts before top-k, probs not renormalised (softmax only)",
+                        &pre_softmax);
+    if (rc != MOERT_OK) return rc;
+    rc = h->option_int(h, "num_groups", 0, 0, 1 << 20,
+                       "expert groups of group-limited top-k (0: off); must divide the number of experts",
+                       &num_groups);
+    if (rc != MOERT_OK) return rc;
+    rc = h->option_int(h, "group_topk", 0, 0, 1 << 20,
+                       "groups a token may take experts from (group-limited top-k); must divide topk", &group_topk);
+    if (rc != MOERT_OK) return rc;
+    rc = h->option_float(h, "scaling_factor", 1.0, 1e-6, 1e6, "multiplies the routing probs last (DeepSeek-V3: 2.5)",
+                         &scaling);
+    if (rc != MOERT_OK) return rc;
+    rc = h->option_bool(h, "expert_bias", false,
+                        "aux-loss-free balancing: a per-expert bias moves the selection (sigmoid only)",
+                        &c->use_expert_bias);
+    if (rc != MOERT_OK) return rc;
+    rc = h->option_float(h, "bias_update_rate", 1e-3, 0.0, 1.0,
+                         "expert_bias step: bias += rate * sign(mean count - count) at end_step",
+                         &c->bias_update_rate);
+    if (rc != MOERT_OK) return rc;
+    rc = h->option_enum(h, "load_balancing", balancing_choices, 0,
+                        "balancing: none, a switch aux loss (per batch, per sequence, global) or sinkhorn",
+                        &balancing);
+    if (rc != MOERT_OK) return rc;
+    rc = h->option_float(h, "aux_loss_coeff", 0.0, 0.0, 1e6, "coefficient of the aux loss chosen by load_balancing",
+                         &c->aux_loss_coeff);
+    if (rc != MOERT_OK) return rc;
+    rc = h->option_float(h, "z_loss_coeff", 0.0, 0.0, 1e6, "coefficient of the router z-loss (0: off)",
+                         &c->z_loss_coeff);
+    if (rc != MOERT_OK) return rc;
+    rc = h->option_float(h, "capacity_factor", 0.0, 0.0, 1e6,
+                         "expert capacity ceil(T*K/E * factor) per expert on this rank (0: no capacity)", &capacity);
+    if (rc != MOERT_OK) return rc;
+    rc = h->option_enum(h, "drop_policy", drop_choices, 0,
+                        "over capacity, keep the highest-prob copies (probs) or the earliest tokens (position)",
+                        &drop);
+    if (rc != MOERT_OK) return rc;
+
+    p->num_experts = c->num_experts;
+    p->topk = c->topk;
+    p->score_function = (router_score_function)score;
+    p->pre_softmax = pre_softmax;
+    p->num_groups = num_groups;
+    p->group_topk = group_topk;
+    p->scaling_factor = scaling;
+    p->balancing = (router_balancing)balancing;
+    p->capacity_factor = capacity;
+    p->drop_policy = (router_drop_policy)drop;
+
+    /* combinations */
+    int64_t E = c->num_experts, K = c->topk;
+    if (pre_softmax && p->score_function != ROUTER_SCORE_SOFTMAX) {
+        h->set_error(h, "option pre_softmax: applies to score_function softmax only (score_function is sigmoid)");
+        return MOERT_ERR_CONFIG;
+    }
+    if (c->use_expert_bias && p->score_function != ROUTER_SCORE_SIGMOID) {
+        h->set_error(h, "option expert_bias: needs score_function sigmoid (score_function is softmax)");
+        return MOERT_ERR_CONFIG;
+    }
+    if ((num_groups > 0) != (group_topk > 0)) {
+        h->set_error(h, "options num_groups and group_topk: set both for group-limited top-k, or neither "
+                        "(num_groups %lld, group_topk %lld)", (long long)num_groups, (long long)group_topk);
+        return MOERT_ERR_CONFIG;
+    }
+    if (num_groups > 0) {
+        if (E % num_groups != 0) {
+            h->set_error(h, "option num_groups: %lld does not divide the %lld experts", (long long)num_groups,
+                         (long long)E);
+            return MOERT_ERR_CONFIG;
+        }
+        if (group_topk > num_groups) {
+            h->set_error(h, "option group_topk: %lld is more than num_groups %lld", (long long)group_topk,
+                         (long long)num_groups);
+            return MOERT_ERR_CONFIG;
+        }
+        if (K % group_topk != 0) {
+            h->set_error(h, "option group_topk: %lld does not divide topk %lld", (long long)group_topk, (long long)K);
+            return MOERT_ERR_CONFIG;
+        }
+        if (K / group_topk > E / num_groups) {
+            h->set_error(h, "option group_topk: topk/group_topk = %lld is more than the %lld experts of a group",
+                         (long long)(K / group_topk), (long long)(E / num_groups));
+            return MOERT_ERR_CONFIG;
+        }
+    }
+    if (p->balancing == ROUTER_BALANCE_SINKHORN) {
+        const char *clash = NULL;
+        if (p->score_function != ROUTER_SCORE_SOFTMAX) clash = "score_function sigmoid";
+        else if (pre_softmax) clash = "pre_softmax";
+        else if (num_groups > 0) clash = "num_groups";
+        else if (c->use_expert_bias) clash = "expert_bias";
+        else if (scaling != 1.0) clash = "scaling_factor";
+        if (clash) {
+            h->set_error(h, "option load_balancing: sinkhorn does not combine with %s (sinkhorn picks its own "
+                            "activation: softmax for topk > 1, sigmoid for topk 1)", clash);
+            return MOERT_ERR_CONFIG;
+        }
+    }
+    bool aux_kind = p->balancing == ROUTER_BALANCE_AUX_LOSS || p->balancing == ROUTER_BALANCE_SEQ_AUX_LOSS ||
+                    p->balancing == ROUTER_BALANCE_GLOBAL_AUX_LOSS;
+    if (c->aux_loss_coeff > 0.0 && !aux_kind) {
+        h->set_error(h, "option aux_loss_coeff: %g has no effect with load_balancing %s (choose aux_loss, "
+                        "seq_aux_loss or global_aux_loss)", c->aux_loss_coeff, balancing_choices[balancing]);
+        return MOERT_ERR_CONFIG;
+    }
+    if (aux_kind && c->aux_loss_coeff == 0.0)
+        h->log(h, MOERT_LOG_WARN, "load_balancing %s with aux_loss_coeff 0: the loss is 0",
+               balancing_choices[balancing]);
+    return MOERT_OK;
+}
+
+/* init: one instance for one layer on one rank. */
+static moert_result router_init(void **ctx, const moert_host *host, const moert_layer_info *layer)
+{
+    char dev[32];
+    *ctx = NULL;
+    if (layer->device.type != MOERT_DEVICE_CPU) {
+        host->set_error(host, "router '%s': device %s is not supported yet (this plugin has a CPU path only)",
+                        ROUTER_NAME, device_name(layer->device, dev, sizeof dev));
+        return MOERT_ERR_UNSUPPORTED;
+    }
+    if (layer->hidden < 1 || layer->num_experts < 1 || layer->topk < 1 || layer->topk > layer->num_experts) {
+        host->set_error(host, "router '%s': layer needs hidden >= 1 and 1 <= topk <= num_experts "
+                              "(hidden %lld, num_experts %lld, topk %lld)", ROUTER_NAME, (long long)layer->hidden,
+                        (long long)layer->num_experts, (long long)layer->topk);
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+    router_ctx *c = calloc(1, sizeof *c);
+    if (!c) {
+        host->set_error(host, "router '%s': out of memory", ROUTER_NAME);
+        return MOERT_ERR_OUT_OF_MEMORY;
+    }
+    c->host = host;
+    c->hidden = layer->hidden;
+    c->num_experts = layer->num_experts;
+    c->topk = layer->topk;
+    moert_result rc = read_options(c, host);
+    if (rc != MOERT_OK) {
+        free(c);
+        return rc;
+    }
+    int64_t E = c->num_experts;
+    c->bias_counts = calloc((size_t)E, sizeof(int64_t));
+    c->global_counts = calloc((size_t)E, sizeof(double));
+    if (c->use_expert_bias) c->expert_bias = calloc((size_t)E, sizeof(double));
+    if (!c->bias_counts || !c->global_counts || (c->use_expert_bias && !c->expert_bias)) {
+        free(c->bias_counts);
+        free(c->global_counts);
+        free(c->expert_bias);
+        free(c);
+        host->set_error(host, "router '%s': out of memory", ROUTER_NAME);
+        return MOERT_ERR_OUT_OF_MEMORY;
+    }
+    if (c->use_expert_bias) c->bias_tensor = moert_tensor_1d(c->expert_bias, moert_cpu(), MOERT_F64, E);
+    if (layer->max_tokens > 0) {
+        rc = ensure_buffers(c, layer->max_tokens);
+        if (rc != MOERT_OK) {
+            free(c->bias_counts);
+            free(c->global_counts);
+            free(c->expert_bias);
+            free(c);
+            return rc;
+        }
+    }
+    host->log(host, MOERT_LOG_DEBUG,
+              "router '%s': E=%lld K=%lld score_function=%s pre_softmax=%d groups=%lld/%lld scaling=%g "
+              "expert_bias=%d load_balancing=%d capacity_factor=%g",
+              ROUTER_NAME, (long long)E, (long long)c->topk,
+              c->params.score_function == ROUTER_SCORE_SOFTMAX ? "softmax" : "sigmoid", c->params.pre_softmax,
+              (long long)c->params.num_groups, (long long)c->params.group_topk, c->params.scaling_factor,
+              c->use_expert_bias, (int)c->params.balancing, c->params.capacity_factor);
+    *ctx = c;
+    return MOERT_OK;
+}
+
+/* finalize: frees the instance. */
+static void router_finalize(void *ctx)
+{
+    router_ctx *c = ctx;
+    if (!c) return;
+    free_buffers(c);
+    free(c->bias_counts);
+    free(c->global_counts);
+    free(c->expert_bias);
+    free(c);
+}
+
+/* What a tensor argument may hold: any float dtype the CPU path reads, or one integer dtype. */
+enum tensor_class { CLASS_FLOAT, CLASS_I32, CLASS_I64 };
+
+static bool dtype_in_class(moert_dtype t, enum tensor_class cls)
+{
+    switch (cls) {
+    case CLASS_FLOAT: return t == MOERT_F32 || t == MOERT_F64 || t == MOERT_BF16 || t == MOERT_F16;
+    case CLASS_I32: return t == MOERT_I32;
+    case CLASS_I64: return t == MOERT_I64;
+    }
+    return false;
+}
+
+/* The dtypes of a class, for messages. */
+static const char *class_name(enum tensor_class cls)
+{
+    return cls == CLASS_FLOAT ? "fp32/fp64/bf16/fp16" : cls == CLASS_I32 ? "int32" : "int64";
+}
+
+/* Checks one tensor argument: present, host memory, contiguous, the expected shape (d1 < 0: 1-D) and dtype. */
+static moert_result check_tensor(const router_ctx *c, const char *call, const char *name, const moert_tensor *t,
+                                 int64_t d0, int64_t d1, enum tensor_class cls)
+{
+    const moert_host *h = c->host;
+    char dev[32];
+    int ndim = d1 < 0 ? 1 : 2;
+    if (!t || (!t->data && d0 * (d1 < 0 ? 1 : d1) > 0)) {
+        h->set_error(h, "router '%s' %s: %s is missing", ROUTER_NAME, call, name);
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+    if (t->device.type != MOERT_DEVICE_CPU && t->device.type != MOERT_DEVICE_CUDA_HOST) {
+        h->set_error(h, "router '%s' %s: %s is on %s; only host memory is supported yet (CPU path only)",
+                     ROUTER_NAME, call, name, device_name(t->device, dev, sizeof dev));
+        return MOERT_ERR_UNSUPPORTED;
+    }
+    bool shape_ok = t->ndim == ndim && t->shape[0] == d0 && (ndim == 1 || t->shape[1] == d1);
+    if (!shape_ok || !dtype_in_class(t->dtype, cls)) {
+        char want[64], got[64];
+        if (ndim == 1) snprintf(want, sizeof want, "[%lld]", (long long)d0);
+        else snprintf(want, sizeof want, "[%lld, %lld]", (long long)d0, (long long)d1);
+        int n = snprintf(got, sizeof got, "[");
+        for (int i = 0; i < t->ndim && i < MOERT_MAX_DIMS && n < (int)sizeof got - 24; i++)
+            n += snprintf(got + n, sizeof got - (size_t)n, "%s%lld", i ? ", " : "", (long long)t->shape[i]);
+        snprintf(got + n, sizeof got - (size_t)n, "]");
+        h->set_error(h, "router '%s' %s: %s must be %s %s, got %s %s", ROUTER_NAME, call, name, want,
+                     class_name(cls), got, moert_dtype_name(t->dtype));
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+    if (!moert_tensor_is_contiguous(t)) {
+        h->set_error(h, "router '%s' %s: %s must be contiguous", ROUTER_NAME, call, name);
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+    return MOERT_OK;
+}
+
+/* Widens n elements of a float tensor to doubles. */
+static void load_all(const moert_tensor *t, int64_t n, double *out)
+{
+    for (int64_t i = 0; i < n; i++) out[i] = moert_load(t, i);
+}
+
+/* The balancing losses and the z-loss of one forward; fills losses and keeps what backward needs. */
+static moert_result compute_losses(router_ctx *c, int64_t T, int64_t seq_length, moert_router_losses *losses)
+{
+    const moert_host *h = c->host;
+    int64_t E = c->num_experts, K = c->topk;
+    router_balancing b = c->params.balancing;
+    losses->aux_loss = 0.0;
+    losses->z_loss = 0.0;
+    c->fwd_aux = false;
+
+    bool aux_kind = b == ROUTER_BALANCE_AUX_LOSS || b == ROUTER_BALANCE_SEQ_AUX_LOSS ||
+                    b == ROUTER_BALANCE_GLOBAL_AUX_LOSS;
+    if (aux_kind && c->aux_loss_coeff > 0.0) {
+        int64_t S = T;
+        if (b == ROUTER_BALANCE_SEQ_AUX_LOSS && seq_length > 0) {
+            if (T % seq_length != 0) {
+                h->set_error(h, "router '%s' forward: seq_aux_loss needs whole sequences: seq_length %lld does not "
+                                "divide the %lld tokens", ROUTER_NAME, (long long)seq_length, (long long)T);
+                return MOERT_ERR_INVALID_ARGUMENT;
+            }
+            S = seq_length;
+        }
+        if (T > 0) {
+            router_cpu_aux_scores(c->params.score_function, c->logits, T, E, c->aux_scores);
+            router_cpu_aux_counts(c->aux_scores, T, E, K, S, c->aux_idx, c->aux_f);
+        }
+        double A = 0.0;
+        if (b == ROUTER_BALANCE_GLOBAL_AUX_LOSS) {
+            /* f: counts all-reduced over ranks, averaged over the forwards since the last end_step */
+            for (int64_t e = 0; e < E; e++) c->counts[e] = T > 0 ? (int64_t)c->aux_f[e] : 0;
+            c->counts[E] = T;
+            moert_result rc = h->allreduce_sum(h, c->counts, (size_t)(E + 1), MOERT_I64, moert_cpu(), NULL);
+            if (rc != MOERT_OK) return rc;
+            c->global_forwards++;
+            for (int64_t e = 0; e < E; e++) {
+                c->global_counts[e] += (double)c->counts[e];
+                c->aux_f[e] = c->global_counts[e] / (double)c->global_forwards;
+            }
+            double total_tokens = (double)c->counts[E];
+            if (total_tokens > 0) A = c->aux_loss_coeff * (double)E / ((double)K * total_tokens * total_tokens);
+        } else if (T > 0) {
+            double B = (double)(T / S);
+            A = c->aux_loss_coeff * (double)E / ((double)K * (double)S * (double)S * B);
+        }
+        if (T > 0) {
+            losses->aux_loss = router_cpu_aux_loss(c->aux_scores, c->aux_f, T, E, S, A);
+            c->fwd_aux = true;
+            c->fwd_aux_seq = S;
+            c->fwd_aux_scale = A;
+        }
+    }
+    if (c->z_loss_coeff > 0.0 && T > 0) losses->z_loss = router_cpu_z_loss(c->logits, T, E, c->z_loss_coeff);
+    losses->total = losses->aux_loss + losses->z_loss;
+    return MOERT_OK;
+}
+
+/* forward: logits, selection, probs, capacity, counts and losses of T tokens. */
+static moert_result router_forward(void *ctx, moert_stream stream, const moert_router_forward_args *a)
+{
+    router_ctx *c = ctx;
+    const moert_host *h = c->host;
+    int64_t H = c->hidden, E = c->num_experts, K = c->topk;
+    moert_result rc;
+    c->have_forward = false;
+    if (!a || !a->x || !a->losses) {
+        h->set_error(h, "router '%s' forward: args, x and losses are required", ROUTER_NAME);
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+    int64_t T = a->x->ndim == 2 ? a->x->shape[0] : -1;
+    if ((rc = check_tensor(c, "forward", "x", a->x, T < 0 ? 0 : T, H, CLASS_FLOAT)) != MOERT_OK) return rc;
+    if ((rc = check_tensor(c, "forward", "weight", a->weight, E, H, CLASS_FLOAT)) != MOERT_OK) return rc;
+    if ((rc = check_tensor(c, "forward", "topk_idx", a->topk_idx, T, K, CLASS_I32)) != MOERT_OK) return rc;
+    if ((rc = check_tensor(c, "forward", "topk_probs", a->topk_probs, T, K, CLASS_FLOAT)) != MOERT_OK) return rc;
+    if ((rc = check_tensor(c, "forward", "tokens_per_expert", a->tokens_per_expert, E, -1, CLASS_I64)) != MOERT_OK)
+        return rc;
+    /* a caller built before seq_length existed passes a shorter struct: one sequence */
+    int64_t seq_length = a->struct_size >= offsetof(moert_router_forward_args, seq_length) + sizeof a->seq_length
+                             ? a->seq_length
+                             : 0;
+    if (seq_length < 0) {
+        h->set_error(h, "router '%s' forward: seq_length %lld is negative", ROUTER_NAME, (long long)seq_length);
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+    if ((rc = ensure_buffers(c, T)) != MOERT_OK) return rc;
+
+    load_all(a->x, T * H, c->x);
+    load_all(a->weight, E * H, c->w);
+    router_cpu_logits(c->x, c->w, T, H, E, c->logits);
+    for (int64_t i = 0; i < T * E; i++) {
+        if (!isfinite(c->logits[i])) {
+            h->set_error(h, "router '%s' forward: logit of token %lld, expert %lld is %g (check x and weight)",
+                         ROUTER_NAME, (long long)(i / E), (long long)(i % E), c->logits[i]);
+            return MOERT_ERR_INVALID_ARGUMENT;
+        }
+    }
+
+    router_scratch scratch = {c->route_scratch, c->bytes};
+    if (T > 0) {
+        int64_t iters = router_cpu_route(&c->params, c->logits, c->use_expert_bias ? c->expert_bias : NULL, T,
+                                         &scratch, c->sel_idx, c->probs);
+        if (iters < 0) h->log(h, MOERT_LOG_WARN, "router '%s': sinkhorn did not converge", ROUTER_NAME);
+    }
+
+    int64_t dropped = 0;
+    if (c->params.capacity_factor > 0.0 && T > 0) {
+        int64_t cap = router_cpu_capacity(T, K, E, c->params.capacity_factor);
+        dropped = router_cpu_apply_capacity(c->sel_idx, c->probs, T, K, E, cap, c->params.drop_policy, c->cap_scratch,
+                                            c->kept);
+    } else {
+        memset(c->kept, 1, (size_t)(T * K));
+    }
+
+    int64_t *tpe = a->tokens_per_expert->data;
+    int32_t *out_idx = a->topk_idx->data;
+    for (int64_t e = 0; e < E; e++) tpe[e] = 0;
+    for (int64_t i = 0; i < T * K; i++) {
+        if (c->kept[i]) {
+            out_idx[i] = c->sel_idx[i];
+            moert_store(a->topk_probs, i, c->probs[i]);
+            tpe[c->sel_idx[i]]++;
+        } else {
+            out_idx[i] = -1;
+            moert_store(a->topk_probs, i, 0.0);
+        }
+    }
+    if (c->use_expert_bias)
+        for (int64_t e = 0; e < E; e++) c->bias_counts[e] += tpe[e];
+
+    if ((rc = compute_losses(c, T, seq_length, a->losses)) != MOERT_OK) return rc;
+
+    /* figures for the step report */
+    if (c->fwd_aux) report_metric(c, "router.aux_loss", a->losses->aux_loss, "");
+    if (c->z_loss_coeff > 0.0) report_metric(c, "router.z_loss", a->losses->z_loss, "");
+    if (c->params.capacity_factor > 0.0) report_metric(c, "router.dropped_copies", (double)dropped, "tokens");
+    if (T > 0) {
+        int64_t max_count = 0;
+        for (int64_t e = 0; e < E; e++)
+            if (tpe[e] > max_count) max_count = tpe[e];
+        report_metric(c, "router.max_load_ratio", (double)max_count / ((double)(T * K) / (double)E), "");
+    }
+
+    c->fwd_tokens = T;
+    c->have_forward = true;
+    return MOERT_OK;
+}
+
+/* backward: gradients of sum(d_topk_probs * topk_probs) + loss_scale * losses.total into d_x and d_weight. */
+static moert_result router_backward(void *ctx, moert_stream stream, const moert_router_backward_args *a)
+{
+    router_ctx *c = ctx;
+    const moert_host *h = c->host;
+    int64_t H = c->hidden, E = c->num_experts, K = c->topk;
+    moert_result rc;
+    if (!a) {
+        h->set_error(h, "router '%s' backward: args are required", ROUTER_NAME);
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+    if (!c->have_forward) {
+        h->set_error(h, "router '%s' backward: no forward to differentiate (call forward first)", ROUTER_NAME);
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+    int64_t T = c->fwd_tokens;
+    if ((rc = check_tensor(c, "backward", "x", a->x, T, H, CLASS_FLOAT)) != MOERT_OK) return rc;
+    if ((rc = check_tensor(c, "backward", "weight", a->weight, E, H, CLASS_FLOAT)) != MOERT_OK) return rc;
+    if ((rc = check_tensor(c, "backward", "d_topk_probs", a->d_topk_probs, T, K, CLASS_FLOAT)) != MOERT_OK) return rc;
+    if ((rc = check_tensor(c, "backward", "d_x", a->d_x, T, H, CLASS_FLOAT)) != MOERT_OK) return rc;
+    if ((rc = check_tensor(c, "backward", "d_weight", a->d_weight, E, H, CLASS_FLOAT)) != MOERT_OK) return rc;
+    if (T == 0) return MOERT_OK;
+
+    memset(c->d_logits, 0, (size_t)(T * E) * sizeof(double));
+    load_all(a->d_topk_probs, T * K, c->d_probs);
+    router_cpu_probs_backward(&c->params, c->logits, c->sel_idx, c->kept, c->d_probs, T, c->k_scratch, c->d_logits);
+    if (c->fwd_aux)
+        router_cpu_aux_loss_backward(c->params.score_function, c->logits, c->aux_scores, c->aux_f, T, E,
+                                     c->fwd_aux_seq, c->fwd_aux_scale, a->loss_scale, c->d_logits);
+    if (c->z_loss_coeff > 0.0)
+        router_cpu_z_loss_backward(c->logits, T, E, c->z_loss_coeff, a->loss_scale, c->d_logits);
+
+    load_all(a->x, T * H, c->x);
+    load_all(a->weight, E * H, c->w);
+    memset(c->d_x, 0, (size_t)(T * H) * sizeof(double));
+    memset(c->d_w, 0, (size_t)(E * H) * sizeof(double));
+    router_cpu_linear_backward(c->d_logits, c->x, c->w, T, H, E, c->d_x, c->d_w);
+    for (int64_t i = 0; i < T * H; i++) moert_store(a->d_x, i, moert_load(a->d_x, i) + c->d_x[i]);
+    for (int64_t i = 0; i < E * H; i++) moert_store(a->d_weight, i, moert_load(a->d_weight, i) + c->d_w[i]);
+    return MOERT_OK;
+}
+
+/* end_step: the expert-bias update from the counts of every forward since the last call; resets the
+ * global_aux_loss accumulation. Collective when expert_bias is on. */
+static moert_result router_end_step(void *ctx, moert_stream stream)
+{
+    router_ctx *c = ctx;
+    const moert_host *h = c->host;
+    int64_t E = c->num_experts;
+    if (c->use_expert_bias) {
+        moert_result rc = h->allreduce_sum(h, c->bias_counts, (size_t)E, MOERT_I64, moert_cpu(), NULL);
+        if (rc != MOERT_OK) return rc;
+        double total = 0.0;
+        for (int64_t e = 0; e < E; e++) total += (double)c->bias_counts[e];
+        double mean = total / (double)E;
+        double max_abs = 0.0;
+        for (int64_t e = 0; e < E; e++) {
+            double offset = mean - (double)c->bias_counts[e];
+            double sign = offset > 0.0 ? 1.0 : offset < 0.0 ? -1.0 : 0.0;
+            c->expert_bias[e] += c->bias_update_rate * sign;
+            if (fabs(c->expert_bias[e]) > max_abs) max_abs = fabs(c->expert_bias[e]);
+            c->bias_counts[e] = 0;
+        }
+        report_metric(c, "router.expert_bias_absmax", max_abs, "");
+    }
+    for (int64_t e = 0; e < E; e++) c->global_counts[e] = 0.0;
+    c->global_forwards = 0;
+    return MOERT_OK;
+}
+
+/* The expert bias for reports and tests, or NULL without expert_bias. */
+static const moert_tensor *router_expert_bias(void *ctx)
+{
+    router_ctx *c = ctx;
+    return c->use_expert_bias ? &c->bias_tensor : NULL;
+}
+
+/* The one exported symbol. C cannot name a variable like its type, so the symbol name comes from an asm label. */
+MOERT_PLUGIN_EXPORT const moert_router_v1 topk_router_vtable __asm__(MOERT_ROUTER_V1_SYMBOL) = {
+    .header =
+        {
+            .abi_version = MOERT_ABI_CURRENT,
+            .struct_size = sizeof(moert_router_v1),
+            .kind = MOERT_KIND_ROUTER,
+            .name = ROUTER_NAME,
+            .version = "0.1.0",
+            .description = "top-k router: softmax/sigmoid scores, group-limited top-k, aux/seq/global aux loss, "
+                           "z-loss, sinkhorn, expert bias, capacity",
+            .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU),
+            .dtypes = MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) |
+                      MOERT_CAP_DTYPE(MOERT_F16),
+            .flags = 0,
+        },
+    .init = router_init,
+    .finalize = router_finalize,
+    .forward = router_forward,
+    .backward = router_backward,
+    .end_step = router_end_step,
+    .expert_bias = router_expert_bias,
+};

@@ -1,0 +1,435 @@
+/* CUDA router: one warp per token; lane l holds experts l, l+32, ... (8 slots for E <= 256). */
+#include "router_cuda.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+
+#define WARPS_PER_BLOCK 4
+#define SLOTS (MOERT_ROUTER_CUDA_MAX_EXPERTS / 32)
+#define MAXK MOERT_ROUTER_CUDA_MAX_TOPK
+#define FULL_MASK 0xffffffffu
+#define NORMALIZE_EPS 1e-20f
+
+/* Formats a message and hands it to the host (plugins never print). Returns code. */
+static moert_result report(const moert_host *host, moert_result code, const char *fmt, ...)
+{
+    char text[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof text, fmt, ap);
+    va_end(ap);
+    if (host && host->set_error) host->set_error(host, "%s", text);
+    return code;
+}
+
+/* Checked CUDA runtime call: on failure reports the call and the CUDA message, and returns. */
+#define CUDA_CHECK(host, call)                                                                               \
+    do {                                                                                                     \
+        cudaError_t err_ = (call);                                                                           \
+        if (err_ != cudaSuccess)                                                                             \
+            return report((host), MOERT_ERR_CUDA, "%s failed: %s (%s:%d)", #call, cudaGetErrorString(err_),  \
+                          __FILE__, __LINE__);                                                               \
+    } while (0)
+
+#define LAUNCH_CHECK(host, name)                                                                             \
+    do {                                                                                                     \
+        cudaError_t err_ = cudaGetLastError();                                                               \
+        if (err_ != cudaSuccess)                                                                             \
+            return report((host), MOERT_ERR_CUDA, "launch of %s failed: %s (%s:%d)", name,                  \
+                          cudaGetErrorString(err_), __FILE__, __LINE__);                                     \
+    } while (0)
+
+/* The parameters the kernels read, checked and narrowed on the host. */
+typedef struct kernel_params {
+    int tokens, experts, topk, score, groups, group_topk, normalize;
+    float scale;
+} kernel_params;
+
+/* Strict order of candidates: higher value first, then lower index; index < 0 is "none". */
+__device__ __forceinline__ bool better(float v, int i, float best_v, int best_i)
+{
+    if (i < 0) return false;
+    if (best_i < 0) return true;
+    return v > best_v || (v == best_v && i < best_i);
+}
+
+/* Warp-wide best of (value, index, payload); every lane gets the same answer. */
+__device__ __forceinline__ void warp_best(float &v, int &i, float &payload)
+{
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(FULL_MASK, v, o);
+        int oi = __shfl_xor_sync(FULL_MASK, i, o);
+        float op = __shfl_xor_sync(FULL_MASK, payload, o);
+        if (better(ov, oi, v, i)) {
+            v = ov;
+            i = oi;
+            payload = op;
+        }
+    }
+}
+
+__device__ __forceinline__ float warp_max(float x)
+{
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(FULL_MASK, x, o));
+    return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x)
+{
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(FULL_MASK, x, o);
+    return x;
+}
+
+/* Loads a token's logits into the lane's slots (-inf past E). */
+__device__ __forceinline__ void load_logits(const float *row, int experts, int lane, float (&l)[SLOTS])
+{
+#pragma unroll
+    for (int j = 0; j < SLOTS; j++) {
+        int e = j * 32 + lane;
+        l[j] = e < experts ? row[e] : -INFINITY;
+    }
+}
+
+/* Full softmax over the experts, in place (slots past E get 0). */
+__device__ __forceinline__ void softmax_slots(int experts, int lane, const float (&l)[SLOTS], float (&s)[SLOTS])
+{
+    float m = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < SLOTS; j++) m = fmaxf(m, l[j]);
+    m = warp_max(m);
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < SLOTS; j++) {
+        s[j] = (j * 32 + lane < experts) ? expf(l[j] - m) : 0.0f;
+        sum += s[j];
+    }
+    sum = warp_sum(sum);
+    const float inv = 1.0f / sum;
+#pragma unroll
+    for (int j = 0; j < SLOTS; j++) s[j] *= inv;
+}
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* Group-limited selection: the bit mask (bit j: slot j of this lane) of experts in the best Kg groups. */
+__device__ unsigned group_allowed_mask(const kernel_params &p, int lane, const float (&sel)[SLOTS], float *stage,
+                                       unsigned allowed)
+{
+#pragma unroll
+    for (int j = 0; j < SLOTS; j++) {
+        int e = j * 32 + lane;
+        if (e < p.experts) stage[e] = sel[j];
+    }
+    __syncwarp();
+    const int group_size = p.experts / p.groups, per_group = p.topk / p.group_topk;
+    /* lane g: sum of the top per_group scores of group g, walking the (value desc, index asc) order */
+    float group_score = -INFINITY;
+    int group_id = -1;
+    if (lane < p.groups) {
+        const float *g = stage + lane * group_size;
+        float prev_v = INFINITY, sum = 0.0f;
+        int prev_i = -1;
+        for (int r = 0; r < per_group; r++) {
+            float bv = 0.0f;
+            int bi = -1;
+            for (int i = 0; i < group_size; i++) {
+                const bool after = g[i] < prev_v || (g[i] == prev_v && i > prev_i);
+                if (after && better(g[i], i, bv, bi)) {
+                    bv = g[i];
+                    bi = i;
+                }
+            }
+            sum += bv;
+            prev_v = bv;
+            prev_i = bi;
+        }
+        group_score = sum;
+        group_id = lane;
+    }
+    __syncwarp(); /* stage is rewritten by the next token */
+    unsigned groups_kept = 0;
+    for (int r = 0; r < p.group_topk; r++) {
+        float v = group_score, unused = 0.0f;
+        int i = ((groups_kept >> lane) & 1u) ? -1 : group_id;
+        warp_best(v, i, unused);
+        if (i >= 0) groups_kept |= 1u << i;
+    }
+    unsigned mask = 0;
+#pragma unroll
+    for (int j = 0; j < SLOTS; j++) {
+        int e = j * 32 + lane;
+        if (((allowed >> j) & 1u) && ((groups_kept >> (e / group_size)) & 1u)) mask |= 1u << j;
+    }
+    return mask;
+}
+
+__global__ void router_forward_kernel(const kernel_params p, const float *__restrict__ logits,
+                                      const float *__restrict__ bias, int32_t *__restrict__ idx_out,
+                                      float *__restrict__ probs_out, unsigned long long *__restrict__ counts,
+                                      float *__restrict__ scores_out)
+{
+    __shared__ float stage[WARPS_PER_BLOCK][MOERT_ROUTER_CUDA_MAX_EXPERTS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens; t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
+        float l[SLOTS], s[SLOTS], sel[SLOTS];
+        load_logits(logits + t * p.experts, p.experts, lane, l);
+        if (p.score == MOERT_ROUTER_CUDA_SIGMOID) {
+#pragma unroll
+            for (int j = 0; j < SLOTS; j++) s[j] = (j * 32 + lane < p.experts) ? sigmoid(l[j]) : 0.0f;
+        } else {
+            softmax_slots(p.experts, lane, l, s);
+        }
+        unsigned allowed = 0;
+#pragma unroll
+        for (int j = 0; j < SLOTS; j++) {
+            int e = j * 32 + lane;
+            if (e < p.experts) allowed |= 1u << j;
+            if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_POST) sel[j] = l[j];
+            else if (p.score == MOERT_ROUTER_CUDA_SIGMOID && bias) sel[j] = e < p.experts ? s[j] + bias[e] : -INFINITY;
+            else sel[j] = s[j];
+            if (scores_out && e < p.experts) scores_out[t * p.experts + e] = s[j];
+        }
+        if (p.groups > 1) allowed = group_allowed_mask(p, lane, sel, stage[warp], allowed);
+
+        /* top-k: K rounds of a warp-wide best over the lanes' allowed, untaken slots */
+        int top_idx[MAXK];
+        float top_pay[MAXK];
+        unsigned taken = 0;
+#pragma unroll
+        for (int k = 0; k < MAXK; k++) {
+            top_idx[k] = -1;
+            top_pay[k] = 0.0f;
+            if (k >= p.topk) continue;
+            float bv = 0.0f, bp = 0.0f;
+            int bi = -1;
+#pragma unroll
+            for (int j = 0; j < SLOTS; j++) {
+                const int e = j * 32 + lane;
+                const bool open = ((allowed >> j) & 1u) && !((taken >> j) & 1u);
+                if (open && better(sel[j], e, bv, bi)) {
+                    bv = sel[j];
+                    bi = e;
+                    bp = p.score == MOERT_ROUTER_CUDA_SOFTMAX_POST ? l[j] : s[j];
+                }
+            }
+            warp_best(bv, bi, bp);
+            top_idx[k] = bi;
+            top_pay[k] = bp;
+            if (bi >= 0 && (bi & 31) == lane) taken |= 1u << (bi >> 5);
+        }
+
+        /* probs from the payloads: logits (softmax post) or scores */
+        float prob[MAXK];
+        if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_POST) {
+            float m = -INFINITY, sum = 0.0f;
+#pragma unroll
+            for (int k = 0; k < MAXK; k++)
+                if (top_idx[k] >= 0) m = fmaxf(m, top_pay[k]);
+#pragma unroll
+            for (int k = 0; k < MAXK; k++) {
+                prob[k] = top_idx[k] >= 0 ? expf(top_pay[k] - m) : 0.0f;
+                sum += prob[k];
+            }
+#pragma unroll
+            for (int k = 0; k < MAXK; k++) prob[k] /= sum;
+        } else {
+            float sum = 0.0f;
+#pragma unroll
+            for (int k = 0; k < MAXK; k++) {
+                prob[k] = top_idx[k] >= 0 ? top_pay[k] : 0.0f;
+                sum += prob[k];
+            }
+            if (p.normalize && p.topk > 1) {
+#pragma unroll
+                for (int k = 0; k < MAXK; k++) prob[k] /= (sum + NORMALIZE_EPS);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < MAXK; k++) {
+            if (k < p.topk && lane == k) {
+                idx_out[t * p.topk + k] = top_idx[k];
+                probs_out[t * p.topk + k] = prob[k] * p.scale;
+                if (counts && top_idx[k] >= 0) atomicAdd(&counts[top_idx[k]], 1ull);
+            }
+        }
+    }
+}
+
+/* The value of the slot that holds expert e in the lane that owns it, broadcast to the warp. */
+__device__ __forceinline__ float value_of_expert(const float (&v)[SLOTS], int e)
+{
+    float mine = 0.0f;
+    const int slot = e >= 0 ? (e >> 5) : 0;
+#pragma unroll
+    for (int j = 0; j < SLOTS; j++)
+        if (j == slot) mine = v[j];
+    return __shfl_sync(FULL_MASK, mine, e >= 0 ? (e & 31) : 0);
+}
+
+__global__ void router_backward_kernel(const kernel_params p, const float *__restrict__ logits,
+                                       const int32_t *__restrict__ idx_in, const float *__restrict__ d_probs,
+                                       float *__restrict__ d_logits, int accumulate)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens; t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
+        float l[SLOTS], s[SLOTS];
+        load_logits(logits + t * p.experts, p.experts, lane, l);
+        if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_PRE) softmax_slots(p.experts, lane, l, s);
+        int idx[MAXK];
+        float q[MAXK], dp[MAXK], dq[MAXK];
+#pragma unroll
+        for (int k = 0; k < MAXK; k++) {
+            idx[k] = k < p.topk ? idx_in[t * p.topk + k] : -1;
+            if (idx[k] >= p.experts) idx[k] = -1;
+            dp[k] = idx[k] >= 0 ? d_probs[t * p.topk + k] * p.scale : 0.0f;
+            /* idx[k] is the same in every lane, so these branches (and their shuffles) are warp-uniform */
+            float lk = value_of_expert(l, idx[k]);
+            q[k] = 0.0f;
+            if (idx[k] >= 0) {
+                if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_POST) q[k] = lk;
+                else if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_PRE) q[k] = value_of_expert(s, idx[k]);
+                else q[k] = sigmoid(lk);
+            }
+        }
+        /* dq: gradient with respect to the selected logits (post) or selected scores (pre, sigmoid) */
+        if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_POST) {
+            float m = -INFINITY, sum = 0.0f, prob[MAXK], dot = 0.0f;
+#pragma unroll
+            for (int k = 0; k < MAXK; k++)
+                if (idx[k] >= 0) m = fmaxf(m, q[k]);
+#pragma unroll
+            for (int k = 0; k < MAXK; k++) {
+                prob[k] = idx[k] >= 0 ? expf(q[k] - m) : 0.0f;
+                sum += prob[k];
+            }
+#pragma unroll
+            for (int k = 0; k < MAXK; k++) {
+                prob[k] = sum > 0.0f ? prob[k] / sum : 0.0f;
+                dot += prob[k] * dp[k];
+            }
+#pragma unroll
+            for (int k = 0; k < MAXK; k++) dq[k] = prob[k] * (dp[k] - dot);
+        } else if (p.normalize && p.topk > 1) {
+            float sum = 0.0f, dot = 0.0f;
+#pragma unroll
+            for (int k = 0; k < MAXK; k++) {
+                sum += q[k];
+                dot += dp[k] * q[k];
+            }
+            const float Q = sum + NORMALIZE_EPS;
+#pragma unroll
+            for (int k = 0; k < MAXK; k++) dq[k] = idx[k] >= 0 ? dp[k] / Q - dot / (Q * Q) : 0.0f;
+        } else {
+#pragma unroll
+            for (int k = 0; k < MAXK; k++) dq[k] = dp[k];
+        }
+        /* softmax pre: the chain through the full softmax needs sum_k dq_k q_k */
+        float dq_dot_q = 0.0f;
+#pragma unroll
+        for (int k = 0; k < MAXK; k++) dq_dot_q += dq[k] * q[k];
+#pragma unroll
+        for (int j = 0; j < SLOTS; j++) {
+            const int e = j * 32 + lane;
+            if (e >= p.experts) continue;
+            float ds = 0.0f;
+#pragma unroll
+            for (int k = 0; k < MAXK; k++)
+                if (idx[k] == e) ds += dq[k];
+            float g;
+            if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_POST) {
+                g = ds;
+            } else if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_PRE) {
+                g = s[j] * (ds - dq_dot_q);
+            } else {
+                const float sg = sigmoid(l[j]);
+                g = ds * sg * (1.0f - sg);
+            }
+            float *out = d_logits + t * p.experts + e;
+            *out = accumulate ? *out + g : g;
+        }
+    }
+}
+
+/* Checks the parameters against the kernels' limits and narrows them. */
+static moert_result check_params(const moert_host *host, const moert_router_cuda_params *p, kernel_params *kp)
+{
+    if (!p) return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda: params are required");
+    if (p->tokens < 0 || p->tokens > INT32_MAX || p->num_experts < 1 || p->topk < 1 || p->topk > p->num_experts)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda: bad sizes (tokens %lld, experts %lld, topk %lld)",
+                      (long long)p->tokens, (long long)p->num_experts, (long long)p->topk);
+    if (p->num_experts > MOERT_ROUTER_CUDA_MAX_EXPERTS || p->topk > MOERT_ROUTER_CUDA_MAX_TOPK)
+        return report(host, MOERT_ERR_UNSUPPORTED, "router cuda: %lld experts, top-%lld exceed the limits (%d experts, top-%d)",
+                      (long long)p->num_experts, (long long)p->topk, MOERT_ROUTER_CUDA_MAX_EXPERTS,
+                      MOERT_ROUTER_CUDA_MAX_TOPK);
+    if (p->score != MOERT_ROUTER_CUDA_SOFTMAX_POST && p->score != MOERT_ROUTER_CUDA_SOFTMAX_PRE &&
+        p->score != MOERT_ROUTER_CUDA_SIGMOID)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda: unknown score function %d", (int)p->score);
+    const int64_t groups = p->num_groups > 1 ? p->num_groups : 1;
+    if (groups > 1) {
+        if (groups > MOERT_ROUTER_CUDA_MAX_GROUPS || p->num_experts % groups != 0 || p->group_topk < 1 ||
+            p->group_topk > groups || p->topk % p->group_topk != 0 ||
+            p->topk / p->group_topk > p->num_experts / groups)
+            return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                          "router cuda: group-limited top-k needs groups <= %d dividing %lld experts, 1 <= group_topk "
+                          "<= groups and topk a multiple of group_topk (groups %lld, group_topk %lld, topk %lld)",
+                          MOERT_ROUTER_CUDA_MAX_GROUPS, (long long)p->num_experts, (long long)groups,
+                          (long long)p->group_topk, (long long)p->topk);
+    }
+    kp->tokens = (int)p->tokens;
+    kp->experts = (int)p->num_experts;
+    kp->topk = (int)p->topk;
+    kp->score = (int)p->score;
+    kp->groups = (int)groups;
+    kp->group_topk = groups > 1 ? (int)p->group_topk : 1;
+    kp->normalize = p->normalize ? 1 : 0;
+    kp->scale = p->scaling_factor != 0.0 ? (float)p->scaling_factor : 1.0f;
+    return MOERT_OK;
+}
+
+static int grid_for_tokens(int64_t tokens)
+{
+    int64_t blocks = (tokens + WARPS_PER_BLOCK - 1) / WARPS_PER_BLOCK;
+    return (int)(blocks < 16384 ? (blocks > 0 ? blocks : 1) : 16384);
+}
+
+/* Scores, top-k, probs and counts; see router_cuda.h. */
+extern "C" moert_result moert_router_cuda_forward(const moert_host *host, cudaStream_t stream,
+                                                  const moert_router_cuda_params *p, const float *logits,
+                                                  const float *expert_bias, int32_t *topk_idx, float *topk_probs,
+                                                  int64_t *tokens_per_expert, float *scores)
+{
+    kernel_params kp;
+    moert_result rc = check_params(host, p, &kp);
+    if (rc != MOERT_OK) return rc;
+    if (tokens_per_expert)
+        CUDA_CHECK(host, cudaMemsetAsync(tokens_per_expert, 0, (size_t)kp.experts * sizeof(int64_t), stream));
+    if (kp.tokens == 0) return MOERT_OK;
+    if (!logits || !topk_idx || !topk_probs)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda forward: logits, topk_idx and topk_probs are required");
+    router_forward_kernel<<<grid_for_tokens(kp.tokens), WARPS_PER_BLOCK * 32, 0, stream>>>(
+        kp, logits, kp.score == MOERT_ROUTER_CUDA_SIGMOID ? expert_bias : NULL, topk_idx, topk_probs,
+        (unsigned long long *)tokens_per_expert, scores);
+    LAUNCH_CHECK(host, "router_forward_kernel");
+    return MOERT_OK;
+}
+
+/* d_logits from d_topk_probs; see router_cuda.h. */
+extern "C" moert_result moert_router_cuda_backward(const moert_host *host, cudaStream_t stream,
+                                                   const moert_router_cuda_params *p, const float *logits,
+                                                   const int32_t *topk_idx, const float *d_topk_probs,
+                                                   float *d_logits, int accumulate)
+{
+    kernel_params kp;
+    moert_result rc = check_params(host, p, &kp);
+    if (rc != MOERT_OK) return rc;
+    if (kp.tokens == 0) return MOERT_OK;
+    if (!logits || !topk_idx || !d_topk_probs || !d_logits)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                      "router cuda backward: logits, topk_idx, d_topk_probs and d_logits are required");
+    router_backward_kernel<<<grid_for_tokens(kp.tokens), WARPS_PER_BLOCK * 32, 0, stream>>>(kp, logits, topk_idx,
+                                                                                           d_topk_probs, d_logits,
+                                                                                           accumulate);
+    LAUNCH_CHECK(host, "router_backward_kernel");
+    return MOERT_OK;
+}

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# The `moert` command: help, version, unknown commands, `plugins`, and `check` on good and broken configs.
+# Usage: test_cli.sh PATH/TO/moert   (meson test runs it with MOERT_TEST_SOURCE_ROOT set)
+set -u
+moert="$1"
+src="${MOERT_TEST_SOURCE_ROOT:-$(cd "$(dirname "$0")/../.." && pwd)}"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+
+fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
+
+# run NAME EXPECTED_STATUS ARGS...: runs moert, keeps stdout/stderr in $tmp/NAME.out/.err
+run() {
+    local name="$1" want="$2"
+    shift 2
+    "$moert" "$@" >"$tmp/$name.out" 2>"$tmp/$name.err"
+    local got=$?
+    if [ "$got" != "$want" ]; then
+        fail "$name: moert $* exited $got, expected $want"
+        sed 's/^/  | /' "$tmp/$name.out" "$tmp/$name.err" >&2
+    fi
+}
+# expect_line NAME FILE(out|err) EXACT_LINE
+expect_line() {
+    grep -qxF -- "$3" "$tmp/$1.$2" || { fail "$1: $2 lacks the line: $3"; sed 's/^/  | /' "$tmp/$1.$2" >&2; }
+}
+# expect_match NAME FILE(out|err) EXTENDED_REGEX
+expect_match() {
+    grep -qE -- "$3" "$tmp/$1.$2" || { fail "$1: $2 does not match: $3"; sed 's/^/  | /' "$tmp/$1.$2" >&2; }
+}
+
+# help, version, usage errors
+run help 0 --help
+expect_line help out "usage: moert COMMAND [ARGS]"
+expect_match help out "^  check CONFIG"
+run version 0 --version
+expect_line version out "moert 0.1.0 (plugin ABI 1.0)"
+run bogus 2 bogus
+expect_line bogus err 'moert: unknown command "bogus"'
+expect_line bogus err "usage: moert COMMAND [ARGS]"
+run noargs 2
+run check_noargs 2 check
+expect_line check_noargs err "usage: moert check CONFIG [--set KEY=VALUE]..."
+
+# plugins: the four built-in ones, each with its kind, version, devices and path
+run plugins 0 plugins
+expect_match plugins out "^KIND +NAME +VERSION +DEVICES +DTYPES +FLAGS +PATH$"
+expect_match plugins out "^router +topk +[0-9.]+ +[a-z_,]*cpu.* /.*/libmoert-router-topk\.so$"
+expect_match plugins out "^dispatcher +alltoall +[0-9.]+ +[a-z_,]*cpu.* /.*/libmoert-dispatch-alltoall\.so$"
+expect_match plugins out "^precision +bf16 +[0-9.]+ +[a-z_,]*cpu.* /.*/libmoert-precision-bf16\.so$"
+expect_match plugins out "^memory_policy +default +[0-9.]+ +[a-z_,]*cpu.* /.*/libmoert-memory-default\.so$"
+expect_match plugins out "fixture-bad-abi\.so was built for ABI 2\.0, this moert supports ABI 1\.x$"
+run plugins_options 0 plugins --options
+expect_match plugins_options out "^router topk \(/.*/libmoert-router-topk\.so\)$"
+expect_match plugins_options out "^  OPTION +TYPE +DEFAULT +RANGE +HELP$"
+expect_match plugins_options out "^  reason +string +it is a test fixture +- +what the refusal says$"
+expect_match plugins_options out "^  fail +bool +true +true\|false +refuse to start$"
+run plugins_bad 2 plugins --bogus
+
+# check: a good config (the CPU demo, or a small one of our own)
+good="$src/configs/demo-cpu.json"
+if [ ! -f "$good" ]; then
+    good="$tmp/demo-cpu.json"
+    echo '{"model": {"num_layers": 1}, "parallel": {"ranks": 2}, "router": {"plugin": "topk"}}' >"$good"
+fi
+run check_good 0 check "$good"
+expect_match check_good out "^$good: ok \(router topk, dispatcher alltoall, precision bf16, memory_policy default; layers [0-9]+, ranks [0-9]+\)$"
+run check_set 0 check "$good" --set train.steps=3 --set model.num_layers=1
+expect_match check_set out "^$good: ok \(.*; layers 1, ranks [0-9]+\)$"
+
+# check: broken configs fail with the message and exit status 1
+echo '{"model": {"hiden": 32}}' >"$tmp/typo.json"
+run check_typo 1 check "$tmp/typo.json"
+expect_line check_typo err "moert check: $tmp/typo.json: config error at \$.model.hiden: unknown key (did you mean \"hidden\"?)"
+printf '{\n  "model": {"hidden": 32,}\n}\n' >"$tmp/syntax.json"
+run check_syntax 1 check "$tmp/syntax.json"
+expect_line check_syntax err "moert check: $tmp/syntax.json:2:26: invalid JSON: string or '}' expected near '}'"
+run check_set_bad 1 check "$good" --set model.topk=99
+expect_match check_set_bad err "^moert check: --set model.topk=99: config error at \\\$\.model\.topk: got 99, expected an integer in \[1, [0-9]+\]$"
+run check_set_form 1 check "$good" --set novalue
+expect_line check_set_form err 'moert check: --set expects KEY=VALUE (e.g. train.steps=10), got "novalue"'
+echo '{"router": {"plugin": "nope"}}' >"$tmp/missing.json"
+run check_missing 1 check "$tmp/missing.json"
+expect_match check_missing err "^moert check: $tmp/missing.json: .*no router plugin \"nope\": tried /.*/libmoert-router-nope\.so, "
+echo '{"router": {"plugin": "topk", "capacity_facter": 1.0}}' >"$tmp/option.json"
+run check_option 1 check "$tmp/option.json"
+expect_match check_option err "config error at \\\$\.router\.capacity_facter: unknown key \(did you mean \"capacity_factor\"\?\)$"
+run check_nofile 1 check "$tmp/none.json"
+expect_line check_nofile err "moert check: $tmp/none.json: cannot open config: No such file or directory"
+
+if [ "$failures" -ne 0 ]; then
+    echo "test_cli: $failures check(s) failed" >&2
+    exit 1
+fi
+echo "test_cli: all checks passed"

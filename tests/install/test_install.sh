@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Installs moert into a temporary prefix (a fresh `meson setup --prefix` of this source tree), builds the
+# out-of-tree example plugin with its Makefile through pkg-config, and uses it with the installed `moert`:
+# `check` on a config naming the .so by path, and by name through MOERT_PLUGIN_PATH, `plugins`, and a
+# short `run`. The fresh build tree is deleted before the installed files are used, so nothing is found
+# there by accident. Also compiles and runs a small program against libmoert through pkg-config.
+set -eu
+src="${MOERT_TEST_SOURCE_ROOT:-$(cd "$(dirname "$0")/../.." && pwd)}"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+prefix="$tmp/prefix"
+unset MOERT_PLUGIN_PATH
+
+step() { echo "== $*"; }
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+step "configure, build and install into $prefix"
+meson setup "$tmp/build" "$src" --prefix="$prefix" -Dcuda=disabled -Dbuildtype=debugoptimized >"$tmp/setup.log" 2>&1 ||
+    { cat "$tmp/setup.log"; fail "meson setup"; }
+# only what is installed: the library, the command and the plugins
+targets=$(cd "$tmp/build" && ninja -t targets all | sed -n 's/^\(core\/libmoert\.so[^:]*\|tools\/moert\|plugins\/[^:]*\.so\): .*/\1/p')
+ninja -C "$tmp/build" $targets >"$tmp/build.log" 2>&1 || { tail -40 "$tmp/build.log"; fail "build"; }
+meson install -C "$tmp/build" --no-rebuild >"$tmp/install.log" 2>&1 || { tail -40 "$tmp/install.log"; fail "install"; }
+rm -rf "$tmp/build"
+
+pc=$(find "$prefix" -name moert.pc | head -1)
+[ -n "$pc" ] || fail "no moert.pc under $prefix"
+export PKG_CONFIG_PATH="$(dirname "$pc")"
+libdir="$(pkg-config --variable=libdir moert)"
+plugindir="$(pkg-config --variable=plugindir moert)"
+[ "$libdir" = "$(dirname "$(dirname "$pc")")" ] || fail "pkg-config libdir $libdir is not where moert.pc is"
+for h in moert.h tensor.h plugin.h router.h dispatcher.h precision.h memory_policy.h; do
+    [ -f "$prefix/include/moert/$h" ] || fail "header moert/$h not installed"
+done
+for p in router-topk dispatch-alltoall precision-bf16 memory-default; do
+    [ -f "$plugindir/libmoert-$p.so" ] || fail "plugin libmoert-$p.so not installed in $plugindir"
+done
+moert="$prefix/bin/moert"
+[ -x "$moert" ] || fail "no $moert"
+
+step "build the example plugin out of tree"
+cp -r "$src/examples/vendor_plugin" "$tmp/vendor"
+make -C "$tmp/vendor" >"$tmp/make.log" 2>&1 || { cat "$tmp/make.log"; fail "make"; }
+so="$tmp/vendor/libmoert-router-roundrobin.so"
+[ -f "$so" ] || fail "make did not produce $so"
+nm -D --defined-only "$so" | grep -q ' moert_router_v1$' || fail "$so does not export moert_router_v1"
+if nm -D --defined-only "$so" | grep -v ' moert_router_v1$' | grep -q ' [TDR] '; then
+    fail "$so exports more than moert_router_v1"
+fi
+
+step "moert check with the plugin given by path"
+cat >"$tmp/vendor.json" <<JSON
+{"model": {"hidden": 16, "ffn_hidden": 32, "num_experts": 4, "topk": 2, "num_layers": 1},
+ "parallel": {"ranks": 2, "device": "cpu"},
+ "train": {"steps": 2, "tokens_per_rank": 32},
+ "router": {"plugin": "$so", "offset": 1}}
+JSON
+out=$("$moert" check "$tmp/vendor.json") || fail "moert check: $out"
+[ "$out" = "$tmp/vendor.json: ok (router $so, dispatcher alltoall, precision bf16, memory_policy default; layers 1, ranks 2)" ] ||
+    fail "unexpected check output: $out"
+
+step "moert check with an option the plugin does not have"
+sed 's/"offset": 1/"ofset": 1/' "$tmp/vendor.json" >"$tmp/typo.json"
+if out=$("$moert" check "$tmp/typo.json" 2>&1); then fail "check accepted a misspelt option"; fi
+case "$out" in
+*'config error at $.router.ofset: unknown key (did you mean "offset"?)') ;;
+*) fail "unexpected message: $out" ;;
+esac
+
+step "moert plugins and check by name with MOERT_PLUGIN_PATH"
+listing=$(MOERT_PLUGIN_PATH="$tmp/vendor" "$moert" plugins)
+echo "$listing" | grep -qE "^router +roundrobin +1\.0\.0 +cpu +fp32,fp64,bf16 +- +$so$" ||
+    { echo "$listing"; fail "moert plugins does not list roundrobin"; }
+echo "$listing" | grep -qE "^router +topk .* $plugindir/libmoert-router-topk\.so$" ||
+    { echo "$listing"; fail "moert plugins does not list the installed topk router"; }
+sed "s|\"plugin\": \"$so\"|\"plugin\": \"roundrobin\"|" "$tmp/vendor.json" >"$tmp/byname.json"
+out=$(MOERT_PLUGIN_PATH="$tmp/vendor" "$moert" check "$tmp/byname.json") || fail "check by name: $out"
+if "$moert" check "$tmp/byname.json" >/dev/null 2>"$tmp/err"; then fail "found roundrobin without MOERT_PLUGIN_PATH"; fi
+grep -qF "no router plugin \"roundrobin\": tried " "$tmp/err" || { cat "$tmp/err"; fail "unexpected not-found message"; }
+grep -qF "$plugindir/libmoert-router-roundrobin.so" "$tmp/err" || { cat "$tmp/err"; fail "install dir not searched"; }
+
+step "moert run with the plugin"
+"$moert" run "$tmp/vendor.json" >"$tmp/run.log" 2>&1 || { cat "$tmp/run.log"; fail "moert run"; }
+
+step "make install puts the plugin in plugindir, where it is found by name"
+make -C "$tmp/vendor" install >/dev/null || fail "make install"
+[ -f "$plugindir/libmoert-router-roundrobin.so" ] || fail "make install did not copy the plugin"
+"$moert" check "$tmp/byname.json" >/dev/null || fail "roundrobin not found in the install dir"
+
+step "a program linked against libmoert through pkg-config"
+cat >"$tmp/user.c" <<'C'
+#include <moert/moert.h>
+#include <string.h>
+int main(void)
+{
+    moert_config *cfg = NULL;
+    if (strcmp(moert_version(), MOERT_VERSION_STRING) != 0) return 1;
+    if (moert_config_load_string("{\"model\": {\"hiden\": 1}}", "x", &cfg) != MOERT_ERR_CONFIG) return 2;
+    if (!strstr(moert_last_error(), "did you mean \"hidden\"")) return 3;
+    if (moert_config_load_string("{}", "x", &cfg) != MOERT_OK) return 4;
+    moert_runtime *rt = NULL;
+    if (moert_runtime_create(cfg, &rt) != MOERT_OK) return 5; /* plugins from the install dir */
+    moert_runtime_destroy(rt);
+    moert_config_free(cfg);
+    return 0;
+}
+C
+cc -std=c11 "$tmp/user.c" $(pkg-config --cflags --libs moert) -o "$tmp/user" || fail "compiling against libmoert"
+LD_LIBRARY_PATH="$libdir" "$tmp/user" || fail "the program linked against libmoert failed ($?)"
+
+echo "test_install: all checks passed"

@@ -1,0 +1,383 @@
+/* Config: defaults, typed values, exact error messages, --set overrides, sections and suggestions. */
+#include <float.h>
+#include <stdint.h>
+#include <unistd.h>
+
+#include "error.h"
+#include "test_util.h"
+
+/* Loads text that must be refused with exactly `message`. */
+static void expect_config_error(const char *text, moert_result code, const char *message)
+{
+    moert_config *cfg = NULL;
+    moert_result rc = moert_config_load_string(text, "t.json", &cfg);
+    EXPECT_EQ_INT(rc, code);
+    EXPECT(cfg == NULL);
+    if (strcmp(moert_error_message(), message) != 0) {
+        fprintf(stderr, "config %s\n  message:  %s\n  expected: %s\n", text, moert_error_message(), message);
+        test_failures++;
+    }
+    moert_config_free(cfg);
+}
+
+/* An empty object gives every documented default. */
+static void test_defaults(void)
+{
+    moert_config *cfg = NULL;
+    EXPECT_OK(moert_config_load_string("{}", "configs/my-demo.json", &cfg));
+    if (!cfg) return;
+    EXPECT(strcmp(cfg->name, "my-demo") == 0);
+    EXPECT(strcmp(cfg->source, "configs/my-demo.json") == 0);
+    EXPECT_EQ_INT(cfg->model.hidden, 64);
+    EXPECT_EQ_INT(cfg->model.ffn_hidden, 128);
+    EXPECT_EQ_INT(cfg->model.num_experts, 8);
+    EXPECT_EQ_INT(cfg->model.topk, 2);
+    EXPECT_EQ_INT(cfg->model.num_layers, 2);
+    EXPECT_EQ_INT(cfg->model.dtype, MOERT_F32);
+    EXPECT_EQ_INT(cfg->parallel.ranks, 1);
+    EXPECT_EQ_INT(cfg->parallel.device, 0);
+    EXPECT_NEAR(cfg->parallel.timeout_s, 60.0, 0, 0);
+    EXPECT_EQ_INT(cfg->train.steps, 100);
+    EXPECT_EQ_INT(cfg->train.tokens_per_rank, 256);
+    EXPECT_EQ_INT(cfg->train.seq_length, 0);
+    EXPECT_EQ_INT(cfg->train.seed, 1);
+    EXPECT_EQ_INT(cfg->train.log_every, 1);
+    EXPECT_NEAR(cfg->train.lr, 1e-3, 0, 0);
+    EXPECT_NEAR(cfg->train.weight_decay, 0.0, 0, 0);
+    EXPECT_NEAR(cfg->train.teacher_scale, 1.0, 0, 0);
+    EXPECT(strcmp(cfg->plugin[MOERT_SLOT_ROUTER], "topk") == 0);
+    EXPECT(strcmp(cfg->plugin[MOERT_SLOT_DISPATCHER], "alltoall") == 0);
+    EXPECT(strcmp(cfg->plugin[MOERT_SLOT_PRECISION], "bf16") == 0);
+    EXPECT(strcmp(cfg->plugin[MOERT_SLOT_MEMORY_POLICY], "default") == 0);
+    moert_config_free(cfg);
+}
+
+/* Every key read into its typed field; plugin sections keep their own keys unchecked. */
+static void test_values(void)
+{
+    const char *text =
+        "{\"name\": \"big\", \"description\": \"d\",\n"
+        " \"model\": {\"hidden\": 32, \"ffn_hidden\": 48, \"num_experts\": 16, \"topk\": 4, \"num_layers\": 3,"
+        " \"dtype\": \"bf16\"},\n"
+        " \"parallel\": {\"ranks\": 4, \"device\": \"cuda\", \"timeout_s\": 2.5},\n"
+        " \"train\": {\"steps\": 0, \"tokens_per_rank\": 64, \"seq_length\": 16, \"seed\": 7, \"log_every\": 5,"
+        " \"lr\": 0.01, \"weight_decay\": 0.1, \"teacher_scale\": 2},\n"
+        " \"router\": {\"plugin\": \"/opt/x/libmoert-router-mine.so\", \"anything\": [1, 2]},\n"
+        " \"dispatcher\": {\"plugin\": \"deepep\"}, \"precision\": {}, \"memory_policy\": {\"plugin\": \"lean\"}}";
+    moert_config *cfg = NULL;
+    EXPECT_OK(moert_config_load_string(text, "t.json", &cfg));
+    if (!cfg) return;
+    EXPECT(strcmp(cfg->name, "big") == 0);
+    EXPECT_EQ_INT(cfg->model.hidden, 32);
+    EXPECT_EQ_INT(cfg->model.ffn_hidden, 48);
+    EXPECT_EQ_INT(cfg->model.num_experts, 16);
+    EXPECT_EQ_INT(cfg->model.topk, 4);
+    EXPECT_EQ_INT(cfg->model.num_layers, 3);
+    EXPECT_EQ_INT(cfg->model.dtype, MOERT_BF16);
+    EXPECT_EQ_INT(cfg->parallel.ranks, 4);
+    EXPECT_EQ_INT(cfg->parallel.device, 2);
+    EXPECT_NEAR(cfg->parallel.timeout_s, 2.5, 0, 0);
+    EXPECT_EQ_INT(cfg->train.steps, 0);
+    EXPECT_EQ_INT(cfg->train.tokens_per_rank, 64);
+    EXPECT_EQ_INT(cfg->train.seq_length, 16);
+    EXPECT_EQ_INT(cfg->train.seed, 7);
+    EXPECT_EQ_INT(cfg->train.log_every, 5);
+    EXPECT_NEAR(cfg->train.lr, 0.01, 0, 0);
+    EXPECT_NEAR(cfg->train.weight_decay, 0.1, 0, 0);
+    EXPECT_NEAR(cfg->train.teacher_scale, 2.0, 0, 0);
+    EXPECT(strcmp(cfg->plugin[MOERT_SLOT_ROUTER], "/opt/x/libmoert-router-mine.so") == 0);
+    EXPECT(strcmp(cfg->plugin[MOERT_SLOT_DISPATCHER], "deepep") == 0);
+    EXPECT(strcmp(cfg->plugin[MOERT_SLOT_PRECISION], "bf16") == 0);
+    EXPECT(strcmp(cfg->plugin[MOERT_SLOT_MEMORY_POLICY], "lean") == 0);
+    moert_config_free(cfg);
+
+    EXPECT_OK(moert_config_load_string("{\"model\": {\"dtype\": \"fp64\"}, \"parallel\": {\"device\": \"cpu\"}}",
+                                       "t.json", &cfg));
+    if (cfg) {
+        EXPECT_EQ_INT(cfg->model.dtype, MOERT_F64);
+        EXPECT_EQ_INT(cfg->parallel.device, 1);
+    }
+    moert_config_free(cfg);
+}
+
+/* Bad values: the message names the JSON path, the value and what was expected. */
+static void test_errors(void)
+{
+    expect_config_error("{\"model\": {\"hidden\": 64,}}", MOERT_ERR_CONFIG,
+                        "t.json:1:25: invalid JSON: string or '}' expected near '}'");
+    expect_config_error("{\n  \"model\": {\n    \"hidden\" 64\n  }\n}", MOERT_ERR_CONFIG,
+                        "t.json:3:15: invalid JSON: ':' expected near '64'");
+    expect_config_error("{\"a\": 1, \"a\": 2}", MOERT_ERR_CONFIG,
+                        "t.json:1:12: invalid JSON: duplicate object key near '\"a\"'");
+    expect_config_error("[1, 2]", MOERT_ERR_CONFIG, "config error at $: got [1,2], expected an object");
+    expect_config_error("{\"model\": {\"hiden\": 32}}", MOERT_ERR_CONFIG,
+                        "config error at $.model.hiden: unknown key (did you mean \"hidden\"?)");
+    expect_config_error("{\"modle\": {}}", MOERT_ERR_CONFIG,
+                        "config error at $.modle: unknown key (did you mean \"model\"?)");
+    expect_config_error("{\"train\": {\"learning_rate\": 0.1}}", MOERT_ERR_CONFIG,
+                        "config error at $.train.learning_rate: unknown key (known keys: steps, tokens_per_rank, "
+                        "seq_length, seed, log_every, lr, weight_decay, teacher_scale)");
+    expect_config_error("{\"model\": {\"hidden\": \"64\"}}", MOERT_ERR_CONFIG,
+                        "config error at $.model.hidden: got \"64\", expected an integer >= 1");
+    expect_config_error("{\"model\": {\"hidden\": 64.5}}", MOERT_ERR_CONFIG,
+                        "config error at $.model.hidden: got 64.5, expected an integer >= 1");
+    expect_config_error("{\"model\": {\"hidden\": 0}}", MOERT_ERR_CONFIG,
+                        "config error at $.model.hidden: got 0, expected an integer >= 1");
+    expect_config_error("{\"model\": {\"topk\": 9}}", MOERT_ERR_CONFIG,
+                        "config error at $.model.topk: got 9, expected an integer in [1, 8]");
+    expect_config_error("{\"model\": {\"num_experts\": 4, \"topk\": 5}}", MOERT_ERR_CONFIG,
+                        "config error at $.model.topk: got 5, expected an integer in [1, 4]");
+    expect_config_error("{\"model\": {\"num_layers\": 1025}}", MOERT_ERR_CONFIG,
+                        "config error at $.model.num_layers: got 1025, expected an integer in [1, 1024]");
+    expect_config_error("{\"model\": {\"dtype\": \"fp16\"}}", MOERT_ERR_CONFIG,
+                        "config error at $.model.dtype: got \"fp16\", expected one of fp32|bf16|fp64");
+    expect_config_error("{\"model\": 5}", MOERT_ERR_CONFIG, "config error at $.model: got 5, expected an object");
+    expect_config_error("{\"parallel\": {\"ranks\": 3}}", MOERT_ERR_CONFIG,
+                        "config error at $.parallel.ranks: got 3, expected a divisor of $.model.num_experts (8): "
+                        "every rank holds the same number of experts");
+    expect_config_error("{\"parallel\": {\"ranks\": 65}}", MOERT_ERR_CONFIG,
+                        "config error at $.parallel.ranks: got 65, expected an integer in [1, 64]");
+    expect_config_error("{\"parallel\": {\"device\": \"gpu\"}}", MOERT_ERR_CONFIG,
+                        "config error at $.parallel.device: got \"gpu\", expected one of auto|cpu|cuda");
+    expect_config_error("{\"parallel\": {\"timeout_s\": 0}}", MOERT_ERR_CONFIG,
+                        "config error at $.parallel.timeout_s: got 0, expected a number > 0");
+    expect_config_error("{\"train\": {\"lr\": \"fast\"}}", MOERT_ERR_CONFIG,
+                        "config error at $.train.lr: got \"fast\", expected a number > 0");
+    expect_config_error("{\"train\": {\"steps\": -1}}", MOERT_ERR_CONFIG,
+                        "config error at $.train.steps: got -1, expected an integer >= 0");
+    expect_config_error("{\"train\": {\"weight_decay\": -0.5}}", MOERT_ERR_CONFIG,
+                        "config error at $.train.weight_decay: got -0.5, expected a number >= 0");
+    expect_config_error("{\"train\": {\"log_every\": true}}", MOERT_ERR_CONFIG,
+                        "config error at $.train.log_every: got true, expected an integer >= 1");
+    expect_config_error("{\"name\": 3}", MOERT_ERR_CONFIG, "config error at $.name: got 3, expected a string");
+    expect_config_error("{\"router\": \"topk\"}", MOERT_ERR_CONFIG,
+                        "config error at $.router: got \"topk\", expected an object like {\"plugin\": \"topk\"}");
+    expect_config_error("{\"dispatcher\": {\"plugin\": 5}}", MOERT_ERR_CONFIG,
+                        "config error at $.dispatcher.plugin: got 5, expected a plugin name or a path to a .so");
+    expect_config_error("{\"precision\": {\"plugin\": \"\"}}", MOERT_ERR_CONFIG,
+                        "config error at $.precision.plugin: got \"\", expected a plugin name or a path to a .so");
+}
+
+/* Files: syntax errors name file:line:column; a missing file is an I/O error. */
+static void test_files(void)
+{
+    char dir[] = "/tmp/moert-test-config-XXXXXX";
+    EXPECT(mkdtemp(dir) != NULL);
+    char path[256];
+    snprintf(path, sizeof path, "%s/broken.json", dir);
+    FILE *f = fopen(path, "w");
+    EXPECT(f != NULL);
+    if (!f) return;
+    fputs("{\n  \"train\": {\"steps\": 5},\n  \"model\": {\"hidden\": }\n}\n", f);
+    fclose(f);
+    moert_config *cfg = NULL;
+    EXPECT_EQ_INT(moert_config_load_file(path, &cfg), MOERT_ERR_CONFIG);
+    char expected[512];
+    snprintf(expected, sizeof expected, "%s:3:23: invalid JSON: unexpected token near '}'", path);
+    if (strcmp(moert_last_error(), expected) != 0) {
+        fprintf(stderr, "message %s\nexpected %s\n", moert_last_error(), expected);
+        test_failures++;
+    }
+    f = fopen(path, "w");
+    fputs("{\"train\": {\"steps\": 5}}\n", f);
+    fclose(f);
+    EXPECT_OK(moert_config_load_file(path, &cfg));
+    if (cfg) {
+        EXPECT(strcmp(cfg->name, "broken") == 0);
+        EXPECT_EQ_INT(cfg->train.steps, 5);
+    }
+    moert_config_free(cfg);
+    unlink(path);
+    rmdir(dir);
+
+    snprintf(path, sizeof path, "%s/none.json", dir);
+    EXPECT_EQ_INT(moert_config_load_file(path, &cfg), MOERT_ERR_IO);
+    snprintf(expected, sizeof expected, "%s: cannot open config: No such file or directory", path);
+    EXPECT(strcmp(moert_last_error(), expected) == 0);
+}
+
+/* --set: replaces a value, creates objects on the way, and keeps the config as it was on error. */
+static void test_set(void)
+{
+    moert_config *cfg = NULL;
+    EXPECT_OK(moert_config_load_string("{\"train\": {\"steps\": 100}}", "t.json", &cfg));
+    if (!cfg) return;
+    EXPECT_OK(moert_config_set(cfg, "train.steps", "10"));
+    EXPECT_EQ_INT(cfg->train.steps, 10);
+    EXPECT_OK(moert_config_set(cfg, "model.num_experts", "16"));
+    EXPECT_EQ_INT(cfg->model.num_experts, 16);
+    EXPECT_OK(moert_config_set(cfg, "router.capacity_factor", "1.5"));
+    json_t *cf = json_object_get(json_object_get(cfg->root, "router"), "capacity_factor");
+    EXPECT(json_is_real(cf) && json_real_value(cf) == 1.5);
+    EXPECT_OK(moert_config_set(cfg, "dispatcher.plugin", "deepep")); /* not JSON: taken as a string */
+    EXPECT(strcmp(cfg->plugin[MOERT_SLOT_DISPATCHER], "deepep") == 0);
+    EXPECT_OK(moert_config_set(cfg, "precision.plugin", "\"fp8\""));
+    EXPECT(strcmp(cfg->plugin[MOERT_SLOT_PRECISION], "fp8") == 0);
+
+    EXPECT_EQ_INT(moert_config_set(cfg, "model.topk", "17"), MOERT_ERR_CONFIG);
+    EXPECT(strcmp(moert_error_message(), "config error at $.model.topk: got 17, expected an integer in [1, 16]") == 0);
+    EXPECT_EQ_INT(cfg->model.topk, 2);
+    EXPECT(json_object_get(json_object_get(cfg->root, "model"), "topk") == NULL);
+    EXPECT_EQ_INT(moert_config_set(cfg, "train.stepz", "3"), MOERT_ERR_CONFIG);
+    EXPECT(strcmp(moert_error_message(), "config error at $.train.stepz: unknown key (did you mean \"steps\"?)") == 0);
+    EXPECT_EQ_INT(cfg->train.steps, 10);
+    EXPECT_EQ_INT(moert_config_set(cfg, "train.steps.inner", "3"), MOERT_ERR_CONFIG);
+    EXPECT(strcmp(moert_error_message(),
+                  "config error at $.train.steps: cannot set train.steps.inner: got 10, expected an object") == 0);
+    EXPECT_EQ_INT(moert_config_set(cfg, "train..steps", "3"), MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT(strcmp(moert_error_message(), "config --set: key \"train..steps\" has an empty part") == 0);
+    EXPECT_EQ_INT(cfg->train.steps, 10);
+    moert_config_free(cfg);
+}
+
+/* Sections: typed accessors, allowed keys, describe mode, concise error text. */
+static void test_sections(void)
+{
+    json_error_t jerr;
+    json_t *obj = json_loads("{\"plugin\": \"x\", \"count\": 3, \"scale\": 2, \"on\": false, \"mode\": \"b\","
+                             " \"label\": \"hi\"}", 0, &jerr);
+    moert_section *sec = moert_section_create(obj, "$.router");
+    moert_section_allow(sec, "plugin");
+    moert_section_set_describe(sec, true);
+    static const char *const modes[] = {"a", "b", "c", NULL};
+    int64_t count = 0, missing = 0;
+    double scale = 0;
+    bool on = true;
+    int mode = -1;
+    const char *label = NULL, *other = NULL;
+    EXPECT_OK(moert_section_int(sec, "count", 1, 0, 10, "how many", &count));
+    EXPECT_OK(moert_section_int(sec, "missing", 42, INT64_MIN, INT64_MAX, "absent", &missing));
+    EXPECT_OK(moert_section_float(sec, "scale", 1.0, 0.5, 4.0, "a factor", &scale));
+    EXPECT_OK(moert_section_bool(sec, "on", true, "switch", &on));
+    EXPECT_OK(moert_section_enum(sec, "mode", modes, 0, "which", &mode));
+    EXPECT_OK(moert_section_string(sec, "label", "none", "a label", &label));
+    EXPECT_OK(moert_section_string(sec, "other", "dflt", "another", &other));
+    EXPECT_EQ_INT(count, 3);
+    EXPECT_EQ_INT(missing, 42);
+    EXPECT_NEAR(scale, 2.0, 0, 0);
+    EXPECT(!on);
+    EXPECT_EQ_INT(mode, 1);
+    EXPECT(label && strcmp(label, "hi") == 0);
+    EXPECT(other && strcmp(other, "dflt") == 0);
+    EXPECT_OK(moert_section_check_unknown(sec));
+
+    EXPECT_EQ_INT(moert_section_option_count(sec), 7);
+    const moert_option_desc *d = moert_section_option(sec, 0);
+    EXPECT(d && strcmp(d->key, "count") == 0 && strcmp(d->type, "int") == 0 && strcmp(d->def, "1") == 0 &&
+           strcmp(d->range, "[0, 10]") == 0 && strcmp(d->help, "how many") == 0);
+    d = moert_section_option(sec, 1);
+    EXPECT(d && strcmp(d->range, "any") == 0 && strcmp(d->def, "42") == 0);
+    d = moert_section_option(sec, 2);
+    EXPECT(d && strcmp(d->type, "float") == 0 && strcmp(d->range, "[0.5, 4]") == 0 && strcmp(d->def, "1") == 0);
+    d = moert_section_option(sec, 3);
+    EXPECT(d && strcmp(d->type, "bool") == 0 && strcmp(d->def, "true") == 0);
+    d = moert_section_option(sec, 4);
+    EXPECT(d && strcmp(d->type, "enum") == 0 && strcmp(d->range, "a|b|c") == 0 && strcmp(d->def, "a") == 0);
+    EXPECT(moert_section_option(sec, 7) == NULL);
+
+    /* a second read of the same key is not a second option */
+    EXPECT_OK(moert_section_int(sec, "count", 1, 0, 10, "how many", &count));
+    EXPECT_EQ_INT(moert_section_option_count(sec), 7);
+
+    EXPECT_EQ_INT(moert_section_int(sec, "count", 1, 5, 10, "how many", &count), MOERT_ERR_CONFIG);
+    EXPECT(strcmp(moert_error_message(), "config error at $.router.count: got 3, expected an integer in [5, 10]") == 0);
+    EXPECT_EQ_INT(moert_section_float(sec, "scale", 1.0, 3.0, 4.0, "", &scale), MOERT_ERR_CONFIG);
+    EXPECT(strcmp(moert_error_message(), "config error at $.router.scale: got 2, expected a number in [3, 4]") == 0);
+    EXPECT_EQ_INT(moert_section_bool(sec, "count", false, "", &on), MOERT_ERR_CONFIG);
+    EXPECT(strcmp(moert_error_message(), "config error at $.router.count: got 3, expected true or false") == 0);
+    moert_section_free(sec);
+
+    /* a key nobody read */
+    sec = moert_section_create(obj, "$.router");
+    moert_section_allow(sec, "plugin");
+    EXPECT_OK(moert_section_int(sec, "counts", 1, 0, 10, "", &count));
+    EXPECT_OK(moert_section_float(sec, "scale", 1, 0, 10, "", &scale));
+    EXPECT_EQ_INT(moert_section_check_unknown(sec), MOERT_ERR_CONFIG);
+    EXPECT(strcmp(moert_error_message(), "config error at $.router.count: unknown key (did you mean \"counts\"?)") == 0);
+    moert_section_free(sec);
+
+    sec = moert_section_create(obj, "$.x");
+    EXPECT_EQ_INT(moert_section_check_unknown(sec), MOERT_ERR_CONFIG);
+    EXPECT(strcmp(moert_error_message(), "config error at $.x.plugin: unknown key (this section takes no keys)") == 0);
+    moert_section_free(sec);
+
+    /* no object: every option takes its default and nothing is unknown */
+    sec = moert_section_create(NULL, "$.router");
+    EXPECT_OK(moert_section_int(sec, "count", 5, 0, 10, "", &count));
+    EXPECT_EQ_INT(count, 5);
+    EXPECT_OK(moert_section_check_unknown(sec));
+    EXPECT_EQ_INT(moert_section_option_count(sec), 0); /* not in describe mode */
+    moert_section_free(sec);
+    json_decref(obj);
+}
+
+/* Suggestions: Levenshtein distance within max(2, len/3). */
+static void test_nearest(void)
+{
+    const char *const known[] = {"hidden", "ffn_hidden", "num_experts", "topk", "capacity_factor"};
+    EXPECT(strcmp(moert_nearest_name("hiden", known, 5), "hidden") == 0);
+    EXPECT(strcmp(moert_nearest_name("top_k", known, 5), "topk") == 0);
+    EXPECT(moert_nearest_name("experts", known, 5) == NULL); /* 4 edits from num_experts; limit max(2, 7/3) = 2 */
+    EXPECT(strcmp(moert_nearest_name("capacityfactr", known, 5), "capacity_factor") == 0); /* 2 edits */
+    EXPECT(moert_nearest_name("cpcityfactr", known, 5) == NULL); /* 4 edits; limit max(2, 11/3) = 3 */
+    EXPECT(strcmp(moert_nearest_name("capcityfactr", known, 5), "capacity_factor") == 0); /* 3 edits; limit 4 */
+    EXPECT(moert_nearest_name("zzz", known, 5) == NULL);
+    EXPECT(moert_nearest_name("hidden", known, 0) == NULL);
+    EXPECT(strcmp(moert_nearest_name("ffn_hiden", known, 5), "ffn_hidden") == 0);
+}
+
+/* Slot names and kinds. */
+static void test_slots(void)
+{
+    EXPECT(strcmp(moert_slot_key(MOERT_SLOT_ROUTER), "router") == 0);
+    EXPECT(strcmp(moert_slot_key(MOERT_SLOT_DISPATCHER), "dispatcher") == 0);
+    EXPECT(strcmp(moert_slot_key(MOERT_SLOT_PRECISION), "precision") == 0);
+    EXPECT(strcmp(moert_slot_key(MOERT_SLOT_MEMORY_POLICY), "memory_policy") == 0);
+    EXPECT_EQ_INT(moert_slot_kind(MOERT_SLOT_ROUTER), MOERT_KIND_ROUTER);
+    EXPECT_EQ_INT(moert_slot_kind(MOERT_SLOT_DISPATCHER), MOERT_KIND_DISPATCHER);
+    EXPECT_EQ_INT(moert_slot_kind(MOERT_SLOT_PRECISION), MOERT_KIND_PRECISION);
+    EXPECT_EQ_INT(moert_slot_kind(MOERT_SLOT_MEMORY_POLICY), MOERT_KIND_MEMORY_POLICY);
+}
+
+/* Error helpers, result names and the version. */
+static void test_error_module(void)
+{
+    EXPECT_EQ_INT(moert_error(MOERT_ERR_IO, "disk %d", 3), MOERT_ERR_IO);
+    EXPECT(strcmp(moert_last_error(), "disk 3") == 0);
+    moert_error_prefix("while %s", "saving");
+    EXPECT(strcmp(moert_error_message(), "while saving: disk 3") == 0);
+    moert_error(MOERT_ERR_IO, "%s and more", moert_error_message()); /* its own message as an argument */
+    EXPECT(strcmp(moert_error_message(), "while saving: disk 3 and more") == 0);
+    moert_error_clear();
+    EXPECT(strcmp(moert_error_message(), "") == 0);
+    moert_error_prefix("context");
+    EXPECT(strcmp(moert_error_message(), "context") == 0);
+    EXPECT(strcmp(moert_result_name(MOERT_OK), "ok") == 0);
+    EXPECT(strcmp(moert_result_name(MOERT_ERR_TIMEOUT), "timeout") == 0);
+    EXPECT(strcmp(moert_result_name(MOERT_ERR_ABI_MISMATCH), "ABI mismatch") == 0);
+    EXPECT(strcmp(moert_result_name((moert_result)99), "unknown result") == 0);
+    for (int r = 0; r < MOERT_RESULT_COUNT; r++) EXPECT(strcmp(moert_result_name((moert_result)r), "unknown result") != 0);
+    EXPECT(strcmp(moert_version(), MOERT_VERSION_STRING) == 0);
+    char big[6000];
+    memset(big, 'x', sizeof big - 1);
+    big[sizeof big - 1] = '\0';
+    moert_error(MOERT_ERR_IO, "%s", big); /* cut to the 4 KiB buffer, still terminated */
+    EXPECT_EQ_INT(strlen(moert_error_message()), 4095);
+    moert_error_prefix("p");
+    EXPECT_EQ_INT(strlen(moert_error_message()), 4095);
+    EXPECT(strncmp(moert_error_message(), "p: xxx", 6) == 0);
+}
+
+int main(void)
+{
+    test_defaults();
+    test_values();
+    test_errors();
+    test_files();
+    test_set();
+    test_sections();
+    test_nearest();
+    test_slots();
+    test_error_module();
+    return test_finish("test_config");
+}

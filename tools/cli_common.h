@@ -1,0 +1,30 @@
+/* Shared by the `moert` subcommands: loading a config with --set overrides, and the subcommand entry points. */
+#ifndef MOERT_CLI_COMMON_H
+#define MOERT_CLI_COMMON_H
+
+#include <stdio.h>
+
+#include "moert/moert.h"
+
+/* The most --set options one command line takes. */
+#define MOERT_CLI_MAX_SETS 64
+
+/* Loads path, then applies each "KEY=VALUE" of sets in order (VALUE is JSON; text that is not JSON is taken
+ * as a string). On error prints "PROG: message" to stderr and returns the code; *out is NULL then. */
+moert_result moert_cli_load_config(const char *prog, const char *path, const char *const *sets, int nsets,
+                                   moert_config **out);
+
+/* Prints "PROG: PATH: message" to stderr, leaving out PATH where the message starts with it (JSON syntax errors). */
+void moert_cli_print_error(const char *prog, const char *path, const char *message);
+
+/* Applies one "KEY=VALUE" override; prints "PROG: ..." on error. */
+moert_result moert_cli_apply_set(const char *prog, moert_config *cfg, const char *assignment);
+
+/* Subcommands: argv holds the arguments after the subcommand's name; each returns the exit status
+ * (0 ok, 1 the work failed, 2 a usage error). */
+int moert_cmd_run(int argc, char **argv);     /* tools/cmd_run.c */
+int moert_cmd_ab(int argc, char **argv);      /* tools/cmd_run.c */
+int moert_cmd_check(int argc, char **argv);   /* tools/cmd_check.c */
+int moert_cmd_plugins(int argc, char **argv); /* tools/cmd_plugins.c */
+
+#endif
