@@ -172,10 +172,19 @@ failed:;
     return moert_error(code, "%s", message);
 }
 
+/* Refuses a rank outside the group before it touches a slot. */
+static moert_result check_rank(const moert_comm_group *g, int rank, const char *what)
+{
+    if (rank < 0 || rank >= g->world)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: rank %d outside the group of %d", what, rank, g->world);
+    return MOERT_OK;
+}
+
 /* Every rank gets every rank's `bytes` bytes, in rank order. */
 moert_result moert_comm_allgather(moert_comm_group *g, int rank, const void *send, void *recv, size_t bytes)
 {
     moert_result rc;
+    MOERT_CHECK(check_rank(g, rank, "allgather"));
     g->slots[rank].send = send;
     MOERT_CHECK(moert_comm_barrier(g, rank, "allgather"));
     for (int r = 0; r < g->world; r++)
@@ -210,6 +219,7 @@ moert_result moert_comm_allreduce_sum(moert_comm_group *g, int rank, void *buf, 
 {
     moert_result rc = MOERT_OK;
     void *sum = NULL;
+    MOERT_CHECK(check_rank(g, rank, "allreduce_sum"));
     if (dtype != MOERT_F32 && dtype != MOERT_F64 && dtype != MOERT_I64) {
         /* every rank makes the same call, so every rank fails here alike: the group stays usable */
         return moert_error(MOERT_ERR_UNSUPPORTED, "allreduce_sum: dtype %s, expected fp32, fp64 or int64",
@@ -237,6 +247,7 @@ moert_result moert_comm_alltoallv(moert_comm_group *g, int rank, const void *sen
                                   const size_t *recv_offsets)
 {
     moert_result rc = MOERT_OK;
+    MOERT_CHECK(check_rank(g, rank, "alltoallv"));
     g->slots[rank].send = send;
     g->slots[rank].send_bytes = send_bytes;
     g->slots[rank].send_offsets = send_offsets;
@@ -264,6 +275,7 @@ fail:
 moert_result moert_comm_exchange_pointers(moert_comm_group *g, int rank, void *local, void **peers)
 {
     moert_result rc;
+    MOERT_CHECK(check_rank(g, rank, "exchange_pointers"));
     g->slots[rank].pointer = local;
     MOERT_CHECK(moert_comm_barrier(g, rank, "exchange_pointers"));
     for (int r = 0; r < g->world; r++) peers[r] = g->slots[r].pointer;

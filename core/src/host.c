@@ -1,8 +1,8 @@
 /* Host services: the moert_host table handed to one plugin instance.
  *
- * Device-specific work goes through the small device_* functions below; the CPU (and pinned host memory,
- * which on the CPU is plain memory) is served here, a CUDA device gets MOERT_ERR_UNSUPPORTED until the
- * CUDA helpers add their path.
+ * Device-specific work goes through the small device_* functions below: the CPU (and pinned host memory,
+ * which on the CPU is plain memory) is served directly; CUDA devices through core/src/cuda (the caching
+ * pool, streams and events, and NCCL for collectives on device buffers).
  */
 #include "host.h"
 
@@ -13,6 +13,11 @@
 
 #include "error.h"
 #include "log.h"
+#ifdef MOERT_HAVE_CUDA
+#include "cuda/comm_nccl.h"
+#include "cuda/device.h"
+#include "cuda/pool.h"
+#endif
 
 #define HOST_MESSAGE_SIZE 4096
 #define HOST_ALIGNMENT 64
@@ -26,6 +31,9 @@ typedef struct host_impl {
     moert_device device;
     moert_metric_sink metric;
     void *metric_user;
+    struct moert_cuda_pool *pool;  /* CUDA ranks: device memory */
+    struct moert_nccl_comm *nccl;  /* CUDA ranks: collectives on device buffers */
+    moert_stream stream;           /* CUDA ranks: the stream allocations are ordered on */
     char error[HOST_MESSAGE_SIZE];
     char taken[HOST_MESSAGE_SIZE];
 } host_impl;
@@ -63,6 +71,11 @@ static bool device_is_host(moert_device dev)
 static moert_result device_unsupported(host_impl *impl, const char *what, moert_device dev)
 {
     const char *type = dev.type == MOERT_DEVICE_CUDA ? "cuda" : "unknown";
+#ifdef MOERT_HAVE_CUDA
+    if (dev.type == MOERT_DEVICE_CUDA)
+        return host_fail(impl, MOERT_ERR_UNSUPPORTED, "%s: cuda:%d is not this instance's device, or the runtime "
+                         "runs on the CPU", what, (int)dev.id);
+#endif
     return host_fail(impl, MOERT_ERR_UNSUPPORTED, "%s: %s:%d is not supported by this host (CPU only)", what, type,
                      (int)dev.id);
 }
@@ -71,6 +84,12 @@ static moert_result device_unsupported(host_impl *impl, const char *what, moert_
 static moert_result device_alloc(host_impl *impl, moert_device dev, size_t bytes, void **out)
 {
     *out = NULL;
+#ifdef MOERT_HAVE_CUDA
+    if (dev.type == MOERT_DEVICE_CUDA && impl->pool)
+        return host_keep_error(impl, moert_cuda_pool_alloc(impl->pool, bytes ? bytes : 1, impl->stream, out));
+    if (dev.type == MOERT_DEVICE_CUDA_HOST && impl->device.type == MOERT_DEVICE_CUDA)
+        return host_keep_error(impl, moert_cuda_host_alloc(bytes ? bytes : 1, out));
+#endif
     if (!device_is_host(dev)) return device_unsupported(impl, "alloc", dev);
     size_t rounded = (bytes + HOST_ALIGNMENT - 1) / HOST_ALIGNMENT * HOST_ALIGNMENT;
     if (rounded == 0) rounded = HOST_ALIGNMENT;
@@ -84,6 +103,16 @@ static moert_result device_alloc(host_impl *impl, moert_device dev, size_t bytes
 
 static void device_free(host_impl *impl, moert_device dev, void *ptr)
 {
+#ifdef MOERT_HAVE_CUDA
+    if (dev.type == MOERT_DEVICE_CUDA && impl->pool) {
+        if (ptr) moert_cuda_pool_free(impl->pool, ptr, impl->stream);
+        return;
+    }
+    if (dev.type == MOERT_DEVICE_CUDA_HOST && impl->device.type == MOERT_DEVICE_CUDA) {
+        moert_cuda_host_free(ptr);
+        return;
+    }
+#endif
     if (device_is_host(dev)) free(ptr);
 }
 
@@ -91,6 +120,11 @@ static void device_free(host_impl *impl, moert_device dev, void *ptr)
 static moert_result device_memcpy(host_impl *impl, void *dst, moert_device dst_dev, const void *src,
                                   moert_device src_dev, size_t bytes, moert_stream stream)
 {
+#ifdef MOERT_HAVE_CUDA
+    if (impl->device.type == MOERT_DEVICE_CUDA &&
+        (dst_dev.type != MOERT_DEVICE_CPU || src_dev.type != MOERT_DEVICE_CPU))
+        return bytes ? host_keep_error(impl, moert_cuda_memcpy_async(dst, src, bytes, stream)) : MOERT_OK;
+#endif
     if (!device_is_host(dst_dev)) return device_unsupported(impl, "memcpy_async", dst_dev);
     if (!device_is_host(src_dev)) return device_unsupported(impl, "memcpy_async", src_dev);
     if (bytes) memmove(dst, src, bytes);
@@ -101,6 +135,10 @@ static moert_result device_memcpy(host_impl *impl, void *dst, moert_device dst_d
 static moert_result device_stream_create(host_impl *impl, moert_stream *out)
 {
     *out = NULL;
+#ifdef MOERT_HAVE_CUDA
+    if (impl->device.type == MOERT_DEVICE_CUDA)
+        return host_keep_error(impl, moert_cuda_stream_create(impl->device.id, out));
+#endif
     if (!device_is_host(impl->device)) return device_unsupported(impl, "stream_create", impl->device);
     return MOERT_OK;
 }
@@ -108,6 +146,10 @@ static moert_result device_stream_create(host_impl *impl, moert_stream *out)
 static moert_result device_event_create(host_impl *impl, moert_event *out)
 {
     *out = NULL;
+#ifdef MOERT_HAVE_CUDA
+    if (impl->device.type == MOERT_DEVICE_CUDA)
+        return host_keep_error(impl, moert_cuda_event_create(impl->device.id, false, out));
+#endif
     if (!device_is_host(impl->device)) return device_unsupported(impl, "event_create", impl->device);
     return MOERT_OK;
 }
@@ -211,27 +253,56 @@ static moert_result host_stream_create(const moert_host *h, moert_stream *out)
     return device_stream_create(impl_of(h), out);
 }
 
-static void host_stream_destroy(const moert_host *h, moert_stream s) {}
+static void host_stream_destroy(const moert_host *h, moert_stream s)
+{
+#ifdef MOERT_HAVE_CUDA
+    host_impl *impl = impl_of(h);
+    if (impl->device.type == MOERT_DEVICE_CUDA && s) {
+        if (impl->pool) moert_cuda_pool_forget_stream(impl->pool, s);
+        moert_cuda_stream_destroy(s);
+    }
+#endif
+}
 
 static moert_result host_event_create(const moert_host *h, moert_event *out)
 {
     return device_event_create(impl_of(h), out);
 }
 
-static void host_event_destroy(const moert_host *h, moert_event e) {}
+static void host_event_destroy(const moert_host *h, moert_event e)
+{
+#ifdef MOERT_HAVE_CUDA
+    if (impl_of(h)->device.type == MOERT_DEVICE_CUDA && e) moert_cuda_event_destroy(e);
+#endif
+}
 
 static moert_result host_event_record(const moert_host *h, moert_event e, moert_stream s)
 {
+#ifdef MOERT_HAVE_CUDA
+    if (impl_of(h)->device.type == MOERT_DEVICE_CUDA) return host_keep_error(impl_of(h), moert_cuda_event_record(e, s));
+#endif
     return device_stream_op(impl_of(h), "event_record");
 }
 
 static moert_result host_stream_wait_event(const moert_host *h, moert_stream s, moert_event e)
 {
+#ifdef MOERT_HAVE_CUDA
+    if (impl_of(h)->device.type == MOERT_DEVICE_CUDA)
+        return host_keep_error(impl_of(h), moert_cuda_stream_wait_event(s, e));
+#endif
     return device_stream_op(impl_of(h), "stream_wait_event");
 }
 
 static moert_result host_stream_synchronize(const moert_host *h, moert_stream s)
 {
+#ifdef MOERT_HAVE_CUDA
+    host_impl *impl = impl_of(h);
+    if (impl->device.type == MOERT_DEVICE_CUDA) {
+        /* bounded when a communicator is there: a stalled peer's collective must not hang the host */
+        if (impl->nccl) return host_keep_error(impl, moert_nccl_stream_wait(impl->nccl, s, "stream_synchronize"));
+        return host_keep_error(impl, moert_cuda_stream_synchronize(s));
+    }
+#endif
     return device_stream_op(impl_of(h), "stream_synchronize");
 }
 
@@ -239,6 +310,10 @@ static moert_result host_allgather(const moert_host *h, const void *send, void *
                                    moert_device dev, moert_stream s)
 {
     host_impl *impl = impl_of(h);
+#ifdef MOERT_HAVE_CUDA
+    if (dev.type == MOERT_DEVICE_CUDA && impl->nccl)
+        return host_keep_error(impl, moert_nccl_allgather(impl->nccl, send, recv, bytes_per_rank, s));
+#endif
     moert_result rc = device_check_comm(impl, "allgather", dev);
     if (rc != MOERT_OK) return rc;
     if (!impl->comm) {
@@ -252,6 +327,10 @@ static moert_result host_allreduce_sum(const moert_host *h, void *buf, size_t co
                                        moert_device dev, moert_stream s)
 {
     host_impl *impl = impl_of(h);
+#ifdef MOERT_HAVE_CUDA
+    if (dev.type == MOERT_DEVICE_CUDA && impl->nccl)
+        return host_keep_error(impl, moert_nccl_allreduce_sum(impl->nccl, buf, count, dtype, s));
+#endif
     moert_result rc = device_check_comm(impl, "allreduce_sum", dev);
     if (rc != MOERT_OK) return rc;
     if (!impl->comm) {
@@ -268,6 +347,11 @@ static moert_result host_alltoallv(const moert_host *h, const void *send, const 
                                    const size_t *recv_offsets, moert_device dev, moert_stream s)
 {
     host_impl *impl = impl_of(h);
+#ifdef MOERT_HAVE_CUDA
+    if (dev.type == MOERT_DEVICE_CUDA && impl->nccl)
+        return host_keep_error(impl, moert_nccl_alltoallv(impl->nccl, send, send_bytes, send_offsets, recv, recv_bytes,
+                                                          recv_offsets, s));
+#endif
     moert_result rc = device_check_comm(impl, "alltoallv", dev);
     if (rc != MOERT_OK) return rc;
     if (!impl->comm) {
@@ -294,6 +378,10 @@ static moert_result host_exchange_peer_buffers(const moert_host *h, void *local,
                                                void **peers)
 {
     host_impl *impl = impl_of(h);
+#ifdef MOERT_HAVE_CUDA
+    if (dev.type == MOERT_DEVICE_CUDA && impl->nccl)
+        return host_keep_error(impl, moert_nccl_exchange_peer_buffers(impl->nccl, local, bytes, peers));
+#endif
     moert_result rc = device_check_comm(impl, "exchange_peer_buffers", dev);
     if (rc != MOERT_OK) return rc;
     if (!impl->comm) {
@@ -339,6 +427,9 @@ moert_result moert_host_create(const moert_host_setup *setup, moert_host **out)
     impl->device = setup->device;
     impl->metric = setup->metric;
     impl->metric_user = setup->metric_user;
+    impl->pool = setup->cuda_pool;
+    impl->nccl = setup->nccl;
+    impl->stream = setup->stream;
 
     moert_host *h = &impl->table;
     h->struct_size = sizeof(moert_host);

@@ -17,6 +17,11 @@ typedef struct moert_host_setup {
     moert_device device;
     moert_metric_sink metric;
     void *metric_user;
+    /* CUDA ranks only (NULL on the CPU): the rank's memory pool, its NCCL communicator for device buffers
+     * (host buffers still go through `comm`), and the stream allocations are ordered on. */
+    struct moert_cuda_pool *cuda_pool;
+    struct moert_nccl_comm *nccl;
+    moert_stream stream;
 } moert_host_setup;
 
 /* A host table for one instance; free with moert_host_free. */

@@ -12,6 +12,11 @@
 #include "host.h"
 #include "log.h"
 #include "tensor_ops.h"
+#ifdef MOERT_HAVE_CUDA
+#include "cuda/comm_nccl.h"
+#include "cuda/device.h"
+#include "cuda/pool.h"
+#endif
 
 /* Everything one rank owns. */
 struct moert_rank {
@@ -26,6 +31,10 @@ struct moert_rank {
     moert_tensor *acts;                  /* [num_layers + 1] residual stream; acts[0] is the input */
     moert_tensor grad_a, grad_b, target; /* [T,H] on the device */
     moert_tensor x_host, target_host;    /* [T,H] on the host, fp64 */
+    void *workspace;                     /* MOERT_SQUARED_ERROR_WORKSPACE_BYTES on the device */
+    moert_stream stream;                 /* the rank's compute stream (NULL on the CPU) */
+    struct moert_cuda_pool *pool;        /* CUDA ranks */
+    struct moert_nccl_comm *nccl;        /* CUDA ranks */
     /* per step */
     double mse_sum, router_loss;
     int64_t *counts;                     /* [num_layers * E] */
@@ -35,7 +44,6 @@ struct moert_rank {
     char error[2048];
 };
 
-static const char *const device_names[] = {"auto", "cpu", "cuda"};
 
 static double now_seconds(void)
 {
@@ -60,12 +68,24 @@ static void *phase_main(void *p)
     phase_call *c = p;
     moert_rank *r = c->r;
     moert_error_clear();
+#ifdef MOERT_HAVE_CUDA
+    if (r->rt->device_type == MOERT_DEVICE_CUDA) {
+        r->rc = moert_cuda_set_device(r->rank);
+        if (r->rc == MOERT_OK) r->rc = c->fn(r, c->arg);
+    } else {
+        r->rc = c->fn(r, c->arg);
+    }
+#else
     r->rc = c->fn(r, c->arg);
+#endif
     if (r->rc != MOERT_OK) {
         r->fail_order = atomic_fetch_add(c->fail_counter, 1);
         snprintf(r->error, sizeof r->error, "%s", moert_error_message());
         /* release peers waiting for this rank in a collective */
         if (r->rt->comm) moert_comm_abort(r->rt->comm, r->rank, r->error);
+#ifdef MOERT_HAVE_CUDA
+        if (r->nccl) moert_nccl_comm_abort(r->nccl, r->error);
+#endif
     }
     return NULL;
 }
@@ -99,16 +119,40 @@ static moert_result run_on_ranks(moert_runtime *rt, rank_phase_fn fn, void *arg)
 
 /* ---- creation ---- */
 
+/* "auto": the GPUs when this build has CUDA and enough of them answer, else the CPU. */
 static moert_result choose_device(moert_runtime *rt)
 {
-    int want = rt->cfg->parallel.device;
-    if (want == 2)
+    int want = rt->cfg->parallel.device; /* 0 auto, 1 cpu, 2 cuda */
+    int gpus = 0;
+#ifdef MOERT_HAVE_CUDA
+    if (want != 1 && moert_cuda_device_count(&gpus) != MOERT_OK) gpus = 0;
+#endif
+    if (want == 2 && gpus == 0)
         return moert_error(MOERT_ERR_UNSUPPORTED,
-                           "config error at $.parallel.device: \"cuda\" is not available in this build or on this "
-                           "machine; use \"cpu\" or \"auto\"");
+                           "config error at $.parallel.device: \"cuda\" asked for, but %s; use \"cpu\" or \"auto\"",
+#ifdef MOERT_HAVE_CUDA
+                           "no GPU answers on this machine"
+#else
+                           "this build has no CUDA (configure with -Dcuda=enabled)"
+#endif
+        );
+    if (want == 2 && gpus < rt->world)
+        return moert_error(MOERT_ERR_CONFIG, "config error at $.parallel.ranks: %d ranks on \"cuda\" need %d GPUs, "
+                           "this machine has %d", rt->world, rt->world, gpus);
+    if (gpus >= rt->world && want != 1) {
+        rt->device_type = MOERT_DEVICE_CUDA;
+#ifdef MOERT_HAVE_CUDA
+        moert_cuda_device_info info;
+        if (moert_cuda_device_info_get(0, &info) == MOERT_OK)
+            snprintf(rt->device_name, sizeof rt->device_name, "cuda (%d x %s, a thread per GPU)", rt->world, info.name);
+        else
+#endif
+            snprintf(rt->device_name, sizeof rt->device_name, "cuda (%d GPUs, a thread per GPU)", rt->world);
+        return MOERT_OK;
+    }
     rt->device_type = MOERT_DEVICE_CPU;
-    snprintf(rt->device_name, sizeof rt->device_name, "cpu (%d rank%s as threads)", rt->world, rt->world > 1 ? "s" : "");
-    (void)device_names;
+    snprintf(rt->device_name, sizeof rt->device_name, "cpu (%d rank%s as threads%s)", rt->world,
+             rt->world > 1 ? "s" : "", gpus > 0 ? "; fewer GPUs than ranks" : "");
     return MOERT_OK;
 }
 
@@ -149,10 +193,19 @@ static moert_result rank_init(moert_rank *r, void *arg)
     r->core_section = moert_section_create(r->empty_options, "$");
     MOERT_CHECK_ALLOC(r->core_section);
     moert_layer_info info0 = layer_info(rt, r->rank, 0);
+#ifdef MOERT_HAVE_CUDA
+    if (rt->device_type == MOERT_DEVICE_CUDA) {
+        MOERT_CHECK(moert_cuda_pool_create(r->rank, &r->pool));
+        MOERT_CHECK(moert_cuda_stream_create(r->rank, &r->stream));
+        MOERT_CHECK(moert_nccl_comm_init_thread(rt->nccl_group, r->rank, r->rank, &r->nccl));
+    }
+#endif
     snprintf(who, sizeof who, "core (rank %d)", r->rank);
     moert_host_setup core_setup = {.who = who, .options = r->core_section, .comm = rt->comm, .rank = r->rank,
-                                   .world_size = rt->world, .device = info0.device};
+                                   .world_size = rt->world, .device = info0.device, .cuda_pool = r->pool,
+                                   .nccl = r->nccl, .stream = r->stream};
     MOERT_CHECK(moert_host_create(&core_setup, &r->core_host));
+    MOERT_CHECK(r->core_host->alloc(r->core_host, info0.device, MOERT_SQUARED_ERROR_WORKSPACE_BYTES, &r->workspace));
 
     r->layers = calloc((size_t)nl, sizeof *r->layers);
     r->sections = calloc((size_t)nl * MOERT_SLOT_COUNT, sizeof *r->sections);
@@ -169,7 +222,7 @@ static moert_result rank_init(moert_rank *r, void *arg)
         moert_layer *L = &r->layers[l];
         L->info = layer_info(rt, r->rank, l);
         L->core_host = r->core_host;
-        L->stream = NULL;
+        L->stream = r->stream;
         L->param_dtype = cfg->model.dtype == MOERT_F64 ? MOERT_F64 : MOERT_F32;
         L->seq_length = cfg->train.seq_length;
         for (int s = 0; s < MOERT_SLOT_COUNT; s++) {
@@ -183,7 +236,8 @@ static moert_result rank_init(moert_rank *r, void *arg)
             snprintf(who, sizeof who, "%s \"%s\" (layer %d, rank %d)", moert_kind_name(rt->plugins[s].kind),
                      rt->plugins[s].header->name, l, r->rank);
             moert_host_setup setup = {.who = who, .options = sec, .comm = rt->comm, .rank = r->rank,
-                                      .world_size = rt->world, .device = L->info.device};
+                                      .world_size = rt->world, .device = L->info.device, .cuda_pool = r->pool,
+                                      .nccl = r->nccl, .stream = r->stream};
             MOERT_CHECK(moert_host_create(&setup, &r->hosts[l * MOERT_SLOT_COUNT + s]));
             moert_instance *inst = slot_instance(L, (moert_slot)s);
             inst->plugin = &rt->plugins[s];
@@ -220,6 +274,7 @@ static moert_result rank_finalize(moert_rank *r, void *arg)
     moert_tensor *bufs[3] = {&r->grad_a, &r->grad_b, &r->target};
     for (int i = 0; i < 3; i++)
         if (bufs[i]->data && r->core_host) r->core_host->free(r->core_host, bufs[i]->device, bufs[i]->data);
+    if (r->workspace && r->core_host) r->core_host->free(r->core_host, r->layers ? r->layers[0].info.device : moert_cpu(), r->workspace);
     free(r->x_host.data);
     free(r->target_host.data);
     if (r->hosts)
@@ -229,6 +284,15 @@ static moert_result rank_finalize(moert_rank *r, void *arg)
         for (int i = 0; i < nl * MOERT_SLOT_COUNT; i++)
             if (r->sections[i]) moert_section_free(r->sections[i]);
     if (r->core_host) moert_host_free(r->core_host);
+#ifdef MOERT_HAVE_CUDA
+    if (r->stream) moert_cuda_stream_synchronize(r->stream);
+    if (r->pool) moert_cuda_pool_destroy(r->pool);
+    if (r->stream) moert_cuda_stream_destroy(r->stream);
+    if (r->nccl) moert_nccl_comm_free(r->nccl);
+    r->pool = NULL;
+    r->stream = NULL;
+    r->nccl = NULL;
+#endif
     if (r->core_section) moert_section_free(r->core_section);
     if (r->empty_options) json_decref(r->empty_options);
     free(r->layers);
@@ -256,6 +320,10 @@ moert_result moert_runtime_create(const moert_config *cfg, moert_runtime **out)
         }
     }
     if (rt->world > 1) MOERT_CHECK(moert_comm_group_create(rt->world, cfg->parallel.timeout_s, &rt->comm));
+#ifdef MOERT_HAVE_CUDA
+    if (rt->device_type == MOERT_DEVICE_CUDA)
+        MOERT_CHECK(moert_nccl_group_create(rt->world, cfg->parallel.timeout_s, &rt->nccl_group));
+#endif
     rt->ranks = calloc((size_t)rt->world, sizeof *rt->ranks);
     MOERT_CHECK_ALLOC(rt->ranks);
     for (int i = 0; i < rt->world; i++) {
@@ -283,6 +351,9 @@ void moert_runtime_destroy(moert_runtime *rt)
         run_on_ranks(rt, rank_finalize, NULL);
     }
     if (rt->comm) moert_comm_group_free(rt->comm);
+#ifdef MOERT_HAVE_CUDA
+    if (rt->nccl_group) moert_nccl_group_free(rt->nccl_group);
+#endif
     for (int s = 0; s < MOERT_SLOT_COUNT; s++)
         if (rt->plugins[s].dl) moert_plugin_unload(&rt->plugins[s]);
     moert_teacher_free(rt->teacher);
@@ -374,7 +445,9 @@ static moert_result load_batch(moert_rank *r, int64_t step)
         if (!staged.data) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "staging the batch");
         moert_copy(NULL, &src[i], &staged);
         rc = r->core_host->memcpy_async(r->core_host, dst[i]->data, dst[i]->device, staged.data, staged.device,
-                                        moert_tensor_bytes(dst[i]), NULL);
+                                        moert_tensor_bytes(dst[i]), r->stream);
+        /* the staging buffer is pageable: the copy must be done before it is freed */
+        if (rc == MOERT_OK) rc = r->core_host->stream_synchronize(r->core_host, r->stream);
         free(staged.data);
         if (rc != MOERT_OK) return moert_error(rc, "copying the batch: %s", moert_host_take_error(r->core_host));
     }
@@ -406,10 +479,14 @@ static moert_result rank_forward_backward(moert_rank *r, int64_t step)
         /* tokens per expert: copy the router's counts to the host */
         moert_tensor *c = &r->layers[l].tokens_per_expert;
         rc = r->core_host->memcpy_async(r->core_host, r->counts + (size_t)l * (size_t)e, moert_cpu(), c->data,
-                                        c->device, (size_t)e * sizeof(int64_t), NULL);
+                                        c->device, (size_t)e * sizeof(int64_t), r->stream);
         if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(r->core_host));
     }
-    MOERT_CHECK(moert_squared_error(NULL, &r->acts[nl], &r->target, 1.0 / global_elems, &r->mse_sum, &r->grad_a));
+    MOERT_CHECK(r->core_host->stream_synchronize(r->core_host, r->stream) == MOERT_OK
+                    ? MOERT_OK
+                    : moert_error(MOERT_ERR_CUDA, "%s", moert_host_take_error(r->core_host)));
+    MOERT_CHECK(moert_squared_error(r->stream, &r->acts[nl], &r->target, 1.0 / global_elems, r->workspace, &r->mse_sum,
+                                  &r->grad_a));
     moert_tensor *d_y = &r->grad_a, *d_x = &r->grad_b;
     for (int l = nl - 1; l >= 0; l--) {
         MOERT_CHECK(moert_layer_backward(&r->layers[l], d_y, d_x, 1.0 / r->rt->world));
@@ -420,7 +497,8 @@ static moert_result rank_forward_backward(moert_rank *r, int64_t step)
     /* the router weight is replicated: its gradient is the sum of every rank's share */
     for (int l = 0; l < nl && r->rt->world > 1; l++) {
         moert_tensor *g = &r->layers[l].params[MOERT_PARAM_ROUTER].grad;
-        rc = r->core_host->allreduce_sum(r->core_host, g->data, (size_t)moert_tensor_numel(g), g->dtype, g->device, NULL);
+        rc = r->core_host->allreduce_sum(r->core_host, g->data, (size_t)moert_tensor_numel(g), g->dtype, g->device,
+                                         r->stream);
         if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(r->core_host));
     }
     /* figures over all ranks */
@@ -524,7 +602,8 @@ static moert_result snapshot_bias(moert_runtime *rt, double **out)
         host.data = malloc(moert_tensor_bytes(b));
         if (!host.data) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "bias snapshot");
         moert_result rc = r0->core_host->memcpy_async(r0->core_host, host.data, host.device, b->data, b->device,
-                                                      moert_tensor_bytes(b), NULL);
+                                                      moert_tensor_bytes(b), r0->stream);
+        if (rc == MOERT_OK) rc = r0->core_host->stream_synchronize(r0->core_host, r0->stream);
         for (int64_t i = 0; i < e && rc == MOERT_OK; i++) (*out)[l * e + i] = moert_load(&host, i);
         free(host.data);
         if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(r0->core_host));

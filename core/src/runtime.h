@@ -26,9 +26,10 @@ struct moert_runtime {
     const moert_config *cfg;
     int world;
     moert_device_type device_type;
-    char device_name[128];
+    char device_name[400];
     moert_plugin plugins[MOERT_SLOT_COUNT];
-    moert_comm_group *comm;
+    moert_comm_group *comm;          /* host-memory collectives (ranks as threads) */
+    struct moert_nccl_group *nccl_group; /* CUDA: device-memory collectives */
     moert_rank *ranks;
     moert_teacher *teacher;
     bool params_ready;

@@ -4,6 +4,10 @@
 #include <math.h>
 
 #include "error.h"
+#ifdef MOERT_HAVE_CUDA
+#include "cuda/device.h"
+#include "cuda/kernels.h"
+#endif
 
 static moert_result require_cpu(const moert_tensor *t, const char *what)
 {
@@ -13,15 +17,34 @@ static moert_result require_cpu(const moert_tensor *t, const char *what)
     return MOERT_OK;
 }
 
+#ifdef MOERT_HAVE_CUDA
+static bool on_cuda(const moert_tensor *t) { return t->device.type == MOERT_DEVICE_CUDA; }
+
+/* The CUDA kernels take fp32 routing probs and fp32 optimizer state. */
+static moert_result require_f32(const moert_tensor *t, const char *what)
+{
+    if (t->dtype != MOERT_F32)
+        return moert_error(MOERT_ERR_UNSUPPORTED, "%s on CUDA: %s tensor given, the kernels take fp32", what,
+                           moert_dtype_name(t->dtype));
+    return MOERT_OK;
+}
+#endif
+
 static double silu(double a) { return a / (1.0 + exp(-a)); }
 
 moert_result moert_swiglu_forward(moert_stream s, const moert_tensor *in, const moert_tensor *prob, int64_t rows,
                                   moert_tensor *out)
 {
-    (void)s;
+    int64_t f = out->shape[1];
+#ifdef MOERT_HAVE_CUDA
+    if (on_cuda(in)) {
+        moert_result rc = require_f32(prob, "swiglu_forward");
+        if (rc != MOERT_OK) return rc;
+        return moert_cuda_swiglu_forward(s, in->dtype, rows, f, in->data, prob->data, out->data);
+    }
+#endif
     moert_result rc = require_cpu(in, "swiglu_forward");
     if (rc != MOERT_OK) return rc;
-    int64_t f = out->shape[1];
     if (in->shape[1] != 2 * f)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "swiglu_forward: input has %lld columns, expected 2*%lld",
                            (long long)in->shape[1], (long long)f);
@@ -39,10 +62,18 @@ moert_result moert_swiglu_backward(moert_stream s, const moert_tensor *d_out, co
                                    const moert_tensor *prob, int64_t rows, moert_tensor *d_in,
                                    moert_tensor *d_prob)
 {
-    (void)s;
+    int64_t f = d_out->shape[1];
+#ifdef MOERT_HAVE_CUDA
+    if (on_cuda(in)) {
+        moert_result rc = require_f32(prob, "swiglu_backward");
+        if (rc == MOERT_OK) rc = require_f32(d_prob, "swiglu_backward");
+        if (rc != MOERT_OK) return rc;
+        return moert_cuda_swiglu_backward(s, in->dtype, rows, f, in->data, prob->data, d_out->data, d_in->data,
+                                          d_prob->data);
+    }
+#endif
     moert_result rc = require_cpu(in, "swiglu_backward");
     if (rc != MOERT_OK) return rc;
-    int64_t f = d_out->shape[1];
     for (int64_t r = 0; r < rows; r++) {
         double p = moert_load(prob, r), dp = 0.0;
         for (int64_t j = 0; j < f; j++) {
@@ -62,7 +93,15 @@ moert_result moert_swiglu_backward(moert_stream s, const moert_tensor *d_out, co
 
 moert_result moert_add(moert_stream s, const moert_tensor *a, const moert_tensor *b, moert_tensor *y)
 {
-    (void)s;
+#ifdef MOERT_HAVE_CUDA
+    if (on_cuda(y)) {
+        int64_t n = moert_tensor_numel(y);
+        moert_result rc = MOERT_OK;
+        if (y->data != a->data) rc = moert_copy(s, a, y);
+        if (rc == MOERT_OK) rc = moert_cuda_axpy(s, n, 1.0, b->dtype, b->data, y->dtype, y->data);
+        return rc;
+    }
+#endif
     moert_result rc = require_cpu(y, "add");
     if (rc != MOERT_OK) return rc;
     int64_t n = moert_tensor_numel(y);
@@ -72,10 +111,15 @@ moert_result moert_add(moert_stream s, const moert_tensor *a, const moert_tensor
 
 moert_result moert_copy(moert_stream s, const moert_tensor *src, moert_tensor *dst)
 {
-    (void)s;
+    int64_t n = moert_tensor_numel(dst);
+#ifdef MOERT_HAVE_CUDA
+    if (on_cuda(dst)) {
+        if (src->dtype == dst->dtype) return moert_cuda_memcpy_async(dst->data, src->data, moert_tensor_bytes(dst), s);
+        return moert_cuda_convert(s, n, src->dtype, src->data, dst->dtype, dst->data);
+    }
+#endif
     moert_result rc = require_cpu(dst, "copy");
     if (rc != MOERT_OK) return rc;
-    int64_t n = moert_tensor_numel(dst);
     if (src->dtype == dst->dtype) {
         memmove(dst->data, src->data, (size_t)n * moert_dtype_size(dst->dtype));
         return MOERT_OK;
@@ -86,17 +130,44 @@ moert_result moert_copy(moert_stream s, const moert_tensor *src, moert_tensor *d
 
 moert_result moert_zero(moert_stream s, moert_tensor *t)
 {
-    (void)s;
+#ifdef MOERT_HAVE_CUDA
+    if (on_cuda(t)) return moert_cuda_memset_async(t->data, 0, moert_tensor_bytes(t), s);
+#endif
     moert_result rc = require_cpu(t, "zero");
     if (rc != MOERT_OK) return rc;
     memset(t->data, 0, moert_tensor_bytes(t));
     return MOERT_OK;
 }
 
-moert_result moert_squared_error(moert_stream s, const moert_tensor *pred, const moert_tensor *target, double scale,
-                                 double *sum, moert_tensor *grad)
+#ifdef MOERT_HAVE_CUDA
+/* On CUDA: the sum comes back to the host (one sync); grad = 2*scale*pred - 2*scale*target. */
+static moert_result cuda_squared_error(moert_stream s, const moert_tensor *pred, const moert_tensor *target,
+                                       double scale, void *work, double *sum, moert_tensor *grad)
 {
-    (void)s;
+    moert_result rc = MOERT_OK;
+    int64_t n = moert_tensor_numel(pred);
+    float result = 0.0f;
+    float *dev_result = (float *)((char *)work + MOERT_CUDA_SUM_SQUARES_WORKSPACE_BYTES);
+    MOERT_CHECK(moert_cuda_sum_squares(s, pred->dtype, n, pred->data, target->data, dev_result, work));
+    MOERT_CHECK(moert_cuda_memcpy_async(&result, dev_result, sizeof result, s));
+    MOERT_CHECK(moert_cuda_stream_synchronize(s));
+    *sum = result;
+    if (grad) {
+        MOERT_CHECK(moert_cuda_axpby(s, n, 2.0 * scale, pred->dtype, pred->data, 0.0, grad->dtype, grad->data));
+        MOERT_CHECK(moert_cuda_axpy(s, n, -2.0 * scale, target->dtype, target->data, grad->dtype, grad->data));
+    }
+fail:
+    return rc;
+}
+#endif
+
+moert_result moert_squared_error(moert_stream s, const moert_tensor *pred, const moert_tensor *target, double scale,
+                                 void *workspace, double *sum, moert_tensor *grad)
+{
+    (void)workspace;
+#ifdef MOERT_HAVE_CUDA
+    if (on_cuda(pred)) return cuda_squared_error(s, pred, target, scale, workspace, sum, grad);
+#endif
     moert_result rc = require_cpu(pred, "squared_error");
     if (rc != MOERT_OK) return rc;
     int64_t n = moert_tensor_numel(pred);
@@ -113,7 +184,18 @@ moert_result moert_squared_error(moert_stream s, const moert_tensor *pred, const
 moert_result moert_adam_update(moert_stream s, const moert_adam *opt, moert_tensor *param, const moert_tensor *grad,
                                moert_tensor *m, moert_tensor *v)
 {
-    (void)s;
+#ifdef MOERT_HAVE_CUDA
+    if (on_cuda(param)) {
+        moert_result rc = require_f32(param, "adam_update");
+        if (rc == MOERT_OK) rc = require_f32(m, "adam_update");
+        if (rc == MOERT_OK) rc = require_f32(v, "adam_update");
+        if (rc != MOERT_OK) return rc;
+        moert_cuda_adam_config cfg = {.lr = opt->lr, .beta1 = opt->beta1, .beta2 = opt->beta2, .eps = opt->eps,
+                                      .weight_decay = opt->weight_decay, .grad_scale = 1.0};
+        return moert_cuda_adam(s, moert_tensor_numel(param), opt->step, &cfg, param->data, grad->dtype, grad->data,
+                               m->data, v->data);
+    }
+#endif
     moert_result rc = require_cpu(param, "adam_update");
     if (rc != MOERT_OK) return rc;
     int64_t n = moert_tensor_numel(param);

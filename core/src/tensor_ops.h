@@ -16,9 +16,11 @@ moert_result moert_add(moert_stream s, const moert_tensor *a, const moert_tensor
 /* dst = src, converting dtype if they differ. */
 moert_result moert_copy(moert_stream s, const moert_tensor *src, moert_tensor *dst);
 moert_result moert_zero(moert_stream s, moert_tensor *t);
-/* Sum of (pred - target)^2 (in double), and grad = scale * 2 * (pred - target). */
+/* Sum of (pred - target)^2 (in double on the CPU, fp32 on CUDA), and grad = scale * 2 * (pred - target).
+ * workspace: MOERT_SQUARED_ERROR_WORKSPACE_BYTES on the tensors' device (unused on the CPU). */
+#define MOERT_SQUARED_ERROR_WORKSPACE_BYTES 8192
 moert_result moert_squared_error(moert_stream s, const moert_tensor *pred, const moert_tensor *target, double scale,
-                                 double *sum, moert_tensor *grad);
+                                 void *workspace, double *sum, moert_tensor *grad);
 
 /* Adam (with decoupled weight decay) on one parameter tensor. step counts from 1. */
 typedef struct moert_adam {

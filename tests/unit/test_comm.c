@@ -145,6 +145,9 @@ static void test_world_of_one(void)
     EXPECT_OK(moert_comm_barrier(g, 0, "x")); /* still usable after a refused call */
     EXPECT_EQ_INT(moert_comm_barrier(g, 1, "x"), MOERT_ERR_INVALID_ARGUMENT);
     EXPECT(strcmp(moert_error_message(), "x: rank 1 outside the group of 1") == 0);
+    EXPECT_EQ_INT(moert_comm_allgather(g, 3, &a, &b, sizeof a), MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT(strcmp(moert_error_message(), "allgather: rank 3 outside the group of 1") == 0);
+    EXPECT_EQ_INT(moert_comm_alltoallv(g, -1, &a, NULL, NULL, &b, NULL, NULL), MOERT_ERR_INVALID_ARGUMENT);
     moert_comm_group_free(g);
     EXPECT_EQ_INT(moert_comm_group_create(0, 1.0, &g), MOERT_ERR_INVALID_ARGUMENT);
     EXPECT_EQ_INT(moert_comm_group_create(2, 0.0, &g), MOERT_ERR_INVALID_ARGUMENT);

@@ -1,0 +1,285 @@
+/* Grouped expert GEMM benchmark: the bf16 precision plugin's CUDA path (cuBLASLt per-expert loop and the
+ * cublasGemmGroupedBatchedEx grouped mode) on the expert shapes of the presets, against one dense cuBLASLt
+ * GEMM of the same total shape (same FLOPs). FORWARD, DGRAD and WGRAD; CUDA events, warm-up, the three
+ * variants interleaved, median of 20; random inputs. Prints a table and, given a path, writes JSON.
+ *
+ *   gemm_bench [out.json]      environment: MOERT_BENCH_MACHINE (e.g. nvidia-h100-x1), MOERT_BENCH_GIT,
+ *                              MOERT_BENCH_REPEATS (default 20), MOERT_BENCH_ONLY (substring of a preset name)
+ */
+#include <cuda_runtime_api.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "precision_bf16_cuda.h"
+
+#define CK(call)                                                                                             \
+    do {                                                                                                     \
+        cudaError_t e_ = (call);                                                                             \
+        if (e_ != cudaSuccess) {                                                                             \
+            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));    \
+            exit(1);                                                                                         \
+        }                                                                                                    \
+    } while (0)
+
+static char host_error[1024];
+
+static void bench_log(const moert_host *h, moert_log_level level, const char *fmt, ...)
+{
+    (void)h;
+    (void)level;
+    (void)fmt;
+}
+
+static void bench_set_error(const moert_host *h, const char *fmt, ...)
+{
+    (void)h;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(host_error, sizeof host_error, fmt, ap);
+    va_end(ap);
+}
+
+static moert_host bench_host = {.struct_size = sizeof(moert_host), .log = bench_log, .set_error = bench_set_error};
+
+#define MOK(call)                                                                                            \
+    do {                                                                                                     \
+        moert_result r_ = (call);                                                                            \
+        if (r_ != MOERT_OK) {                                                                                \
+            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, host_error);                \
+            exit(1);                                                                                         \
+        }                                                                                                    \
+    } while (0)
+
+/* One expert GEMM shape of a preset (per rank). */
+typedef struct bench_shape {
+    const char *name;
+    int64_t rows, experts, k_in, n_out;
+} bench_shape;
+
+static const bench_shape shapes[] = {
+    {"deepseek-v3 fc1", 32768, 64, 7168, 4096},
+    {"deepseek-v3 fc2", 32768, 64, 2048, 7168},
+    {"qwen3-30b-a3b fc1", 16384, 32, 2048, 1536},
+    {"qwen3-30b-a3b fc2", 16384, 32, 768, 2048},
+    {"mixtral-8x7b fc1", 16384, 2, 4096, 28672},
+    {"mixtral-8x7b fc2", 16384, 2, 14336, 4096},
+};
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+
+/* splitmix64 -> [0, 1) */
+static double rnd(void)
+{
+    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return (double)(z >> 11) / 9007199254740992.0;
+}
+
+/* bf16 from float, round to nearest even (no NaN inputs here). */
+static uint16_t to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* A device buffer of n bf16 values uniform in [-1, 1): a random 8M-element block, tiled. */
+static void *random_bf16(int64_t n)
+{
+    const int64_t block = (int64_t)8 << 20;
+    static uint16_t *host_block;
+    if (!host_block) {
+        host_block = malloc((size_t)block * 2);
+        for (int64_t i = 0; i < block; i++) host_block[i] = to_bf16((float)(2 * rnd() - 1));
+    }
+    void *d = NULL;
+    CK(cudaMalloc(&d, (size_t)n * 2));
+    /* a different start in the block per buffer, so buffers differ */
+    int64_t start = (int64_t)(rnd() * (double)(block / 2));
+    for (int64_t at = 0; at < n; at += block - start) {
+        int64_t len = n - at < block - start ? n - at : block - start;
+        CK(cudaMemcpy((char *)d + at * 2, host_block + start, (size_t)len * 2, cudaMemcpyHostToDevice));
+    }
+    return d;
+}
+
+/* Rows per expert: random weights in [0.5, 1.5), scaled to the total (an imbalanced but full spread). */
+static void spread_rows(int64_t rows, int64_t experts, int64_t *counts)
+{
+    double w[256], sum = 0;
+    for (int64_t e = 0; e < experts; e++) sum += (w[e] = 0.5 + rnd());
+    int64_t given = 0;
+    for (int64_t e = 0; e < experts; e++) {
+        counts[e] = (int64_t)floor(rows * w[e] / sum);
+        given += counts[e];
+    }
+    for (int64_t e = 0; given < rows; e = (e + 1) % experts, given++) counts[e]++;
+}
+
+static int cmp_float(const void *a, const void *b)
+{
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+typedef struct bench_result {
+    char shape[48], pass[8], variant[16];
+    double median_ms, tflops, ratio_to_dense, host_ms;
+} bench_result;
+
+static bench_result results[64];
+static int result_count;
+
+int main(int argc, char **argv)
+{
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+        fprintf(stderr, "gemm_bench: no CUDA device\n");
+        return 77;
+    }
+    const char *out_path = argc > 1 ? argv[1] : NULL;
+    const char *only = getenv("MOERT_BENCH_ONLY");
+    int repeats = getenv("MOERT_BENCH_REPEATS") ? atoi(getenv("MOERT_BENCH_REPEATS")) : 20;
+    if (repeats < 1) repeats = 1;
+    const int warmup = 3;
+    struct cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    cudaStream_t stream;
+    CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    moert_bf16_cuda *g = NULL;
+    MOK(moert_bf16_cuda_create(&bench_host, NULL, 0, MOERT_BF16_CUDA_EXPERT_LOOP, &g));
+    cudaEvent_t ev0, ev1;
+    CK(cudaEventCreate(&ev0));
+    CK(cudaEventCreate(&ev1));
+    static const char *const pass_names[3] = {"fwd", "dgrad", "wgrad"};
+    static const char *const variant_names[3] = {"loop", "grouped", "dense"};
+
+    printf("device: %s, %d SMs; bf16 storage, fp32 accumulation; median of %d after %d warm-up runs\n", prop.name,
+           prop.multiProcessorCount, repeats, warmup);
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const bench_shape *s = &shapes[si];
+        if (only && !strstr(s->name, only)) continue;
+        int64_t counts[256], dense_counts[1] = {s->rows};
+        spread_rows(s->rows, s->experts, counts);
+        const int64_t K = s->k_in, N = s->n_out, R = s->rows, E = s->experts;
+        void *x = random_bf16(R * K), *w = random_bf16(E * K * N), *dy = random_bf16(R * N);
+        void *y = NULL, *dx = NULL, *dw = NULL;
+        CK(cudaMalloc(&y, (size_t)(R * N) * 2));
+        CK(cudaMalloc(&dx, (size_t)(R * K) * 2));
+        CK(cudaMalloc(&dw, (size_t)(E * K * N) * 2));
+        CK(cudaMemset(dw, 0, (size_t)(E * K * N) * 2));
+        const double flops = 2.0 * (double)R * (double)K * (double)N;
+        for (int pass = 0; pass < 3; pass++) {
+            float *times[3];
+            double host_total[3] = {0, 0, 0};
+            for (int v = 0; v < 3; v++) times[v] = malloc((size_t)repeats * sizeof(float));
+            moert_bf16_cuda_gemm gm = {.pass = (moert_gemm_pass)pass, .dtype = MOERT_BF16, .k_in = K, .n_out = N,
+                                       .input = x, .weight = w, .grad_output = dy, .output = y, .grad_input = dx,
+                                       .grad_weight = dw, .accumulate = 1};
+            for (int it = -warmup; it < repeats; it++)
+                for (int v = 0; v < 3; v++) { /* interleaved: loop, grouped, dense */
+                    gm.num_experts = v == 2 ? 1 : E;
+                    gm.rows_per_expert = v == 2 ? dense_counts : counts;
+                    MOK(moert_bf16_cuda_set_mode(g, v == 1 ? MOERT_BF16_CUDA_GROUPED : MOERT_BF16_CUDA_EXPERT_LOOP));
+                    CK(cudaEventRecord(ev0, stream));
+                    double h0 = now_ms();
+                    MOK(moert_bf16_cuda_grouped_gemm(g, stream, &gm));
+                    double h1 = now_ms();
+                    CK(cudaEventRecord(ev1, stream));
+                    CK(cudaEventSynchronize(ev1));
+                    float ms = 0;
+                    CK(cudaEventElapsedTime(&ms, ev0, ev1));
+                    if (it >= 0) {
+                        times[v][it] = ms;
+                        host_total[v] += h1 - h0;
+                    }
+                }
+            double median[3];
+            for (int v = 0; v < 3; v++) {
+                qsort(times[v], (size_t)repeats, sizeof(float), cmp_float);
+                median[v] = repeats % 2 ? times[v][repeats / 2]
+                                        : 0.5 * (times[v][repeats / 2 - 1] + times[v][repeats / 2]);
+            }
+            for (int v = 0; v < 3; v++) {
+                bench_result *r = &results[result_count++];
+                snprintf(r->shape, sizeof r->shape, "%s", s->name);
+                snprintf(r->pass, sizeof r->pass, "%s", pass_names[pass]);
+                snprintf(r->variant, sizeof r->variant, "%s", variant_names[v]);
+                r->median_ms = median[v];
+                r->tflops = flops / (median[v] * 1e-3) / 1e12;
+                r->ratio_to_dense = median[2] / median[v]; /* > 1: faster than the dense GEMM */
+                r->host_ms = host_total[v] / repeats;
+                free(times[v]);
+            }
+        }
+        CK(cudaFree(x));
+        CK(cudaFree(w));
+        CK(cudaFree(dy));
+        CK(cudaFree(y));
+        CK(cudaFree(dx));
+        CK(cudaFree(dw));
+    }
+    int64_t queries = 0, hits = 0;
+    moert_bf16_cuda_plan_stats(g, &queries, &hits);
+    moert_bf16_cuda_destroy(g);
+
+    printf("\n%-20s %-6s %-8s %10s %10s %12s %10s\n", "shape", "pass", "variant", "median ms", "TFLOP/s",
+           "vs dense", "enqueue ms");
+    for (int i = 0; i < result_count; i++) {
+        const bench_result *r = &results[i];
+        printf("%-20s %-6s %-8s %10.3f %10.1f %11.2fx %10.3f\n", r->shape, r->pass, r->variant, r->median_ms, r->tflops,
+               r->ratio_to_dense, r->host_ms);
+    }
+    printf("cuBLASLt heuristic queries %lld, plan cache hits %lld\n", (long long)queries, (long long)hits);
+
+    if (out_path) {
+        FILE *f = fopen(out_path, "w");
+        if (!f) {
+            fprintf(stderr, "gemm_bench: cannot write %s\n", out_path);
+            return 1;
+        }
+        time_t t = time(NULL);
+        char date[32];
+        strftime(date, sizeof date, "%Y-%m-%d", gmtime(&t));
+        const char *machine = getenv("MOERT_BENCH_MACHINE"), *git = getenv("MOERT_BENCH_GIT");
+        fprintf(f, "{\n  \"command\": \"%s%s%s\",\n", argv[0], out_path ? " " : "", out_path);
+        fprintf(f, "  \"machine\": \"%s\",\n  \"gpus\": 1,\n  \"device\": \"%s\",\n", machine ? machine : "unknown",
+                prop.name);
+        fprintf(f, "  \"git\": \"%s\",\n  \"date\": \"%s\",\n  \"repeats\": %d,\n", git ? git : "unknown", date, repeats);
+        fprintf(f, "  \"note\": \"bf16 storage, fp32 accumulation; rows spread over experts with weights 0.5..1.5; "
+                   "dense = one cuBLASLt GEMM of the same total shape; ratio_to_dense > 1 is faster\",\n");
+        fprintf(f, "  \"results\": [\n");
+        for (int i = 0; i < result_count; i++) {
+            const bench_result *r = &results[i];
+            const bench_shape *s = NULL;
+            for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++)
+                if (!strcmp(shapes[k].name, r->shape)) s = &shapes[k];
+            fprintf(f,
+                    "    {\"name\": \"gemm %s %s %s\", \"value\": %.4f, \"unit\": \"TFLOP/s\", \"median_ms\": %.5f, "
+                    "\"ratio_to_dense\": %.4f, \"enqueue_ms\": %.5f, \"config\": {\"rows\": %lld, \"experts\": %lld, "
+                    "\"k_in\": %lld, \"n_out\": %lld, \"pass\": \"%s\", \"variant\": \"%s\"}}%s\n",
+                    r->shape, r->pass, r->variant, r->tflops, r->median_ms, r->ratio_to_dense, r->host_ms,
+                    (long long)s->rows, (long long)s->experts, (long long)s->k_in, (long long)s->n_out, r->pass,
+                    r->variant, i + 1 < result_count ? "," : "");
+        }
+        fprintf(f, "  ]\n}\n");
+        fclose(f);
+        printf("wrote %s\n", out_path);
+    }
+    return 0;
+}
