@@ -71,11 +71,6 @@ static bool device_is_host(moert_device dev)
 static moert_result device_unsupported(host_impl *impl, const char *what, moert_device dev)
 {
     const char *type = dev.type == MOERT_DEVICE_CUDA ? "cuda" : "unknown";
-#ifdef MOERT_HAVE_CUDA
-    if (dev.type == MOERT_DEVICE_CUDA)
-        return host_fail(impl, MOERT_ERR_UNSUPPORTED, "%s: cuda:%d is not this instance's device, or the runtime "
-                         "runs on the CPU", what, (int)dev.id);
-#endif
     return host_fail(impl, MOERT_ERR_UNSUPPORTED, "%s: %s:%d is not supported by this host (CPU only)", what, type,
                      (int)dev.id);
 }
@@ -87,7 +82,7 @@ static moert_result device_alloc(host_impl *impl, moert_device dev, size_t bytes
 #ifdef MOERT_HAVE_CUDA
     if (dev.type == MOERT_DEVICE_CUDA && impl->pool)
         return host_keep_error(impl, moert_cuda_pool_alloc(impl->pool, bytes ? bytes : 1, impl->stream, out));
-    if (dev.type == MOERT_DEVICE_CUDA_HOST && impl->device.type == MOERT_DEVICE_CUDA)
+    if (dev.type == MOERT_DEVICE_CUDA_HOST && impl->pool)
         return host_keep_error(impl, moert_cuda_host_alloc(bytes ? bytes : 1, out));
 #endif
     if (!device_is_host(dev)) return device_unsupported(impl, "alloc", dev);
@@ -108,7 +103,7 @@ static void device_free(host_impl *impl, moert_device dev, void *ptr)
         if (ptr) moert_cuda_pool_free(impl->pool, ptr, impl->stream);
         return;
     }
-    if (dev.type == MOERT_DEVICE_CUDA_HOST && impl->device.type == MOERT_DEVICE_CUDA) {
+    if (dev.type == MOERT_DEVICE_CUDA_HOST && impl->pool) {
         moert_cuda_host_free(ptr);
         return;
     }
@@ -121,8 +116,7 @@ static moert_result device_memcpy(host_impl *impl, void *dst, moert_device dst_d
                                   moert_device src_dev, size_t bytes, moert_stream stream)
 {
 #ifdef MOERT_HAVE_CUDA
-    if (impl->device.type == MOERT_DEVICE_CUDA &&
-        (dst_dev.type != MOERT_DEVICE_CPU || src_dev.type != MOERT_DEVICE_CPU))
+    if (impl->pool && (dst_dev.type != MOERT_DEVICE_CPU || src_dev.type != MOERT_DEVICE_CPU))
         return bytes ? host_keep_error(impl, moert_cuda_memcpy_async(dst, src, bytes, stream)) : MOERT_OK;
 #endif
     if (!device_is_host(dst_dev)) return device_unsupported(impl, "memcpy_async", dst_dev);
@@ -136,8 +130,7 @@ static moert_result device_stream_create(host_impl *impl, moert_stream *out)
 {
     *out = NULL;
 #ifdef MOERT_HAVE_CUDA
-    if (impl->device.type == MOERT_DEVICE_CUDA)
-        return host_keep_error(impl, moert_cuda_stream_create(impl->device.id, out));
+    if (impl->pool) return host_keep_error(impl, moert_cuda_stream_create(impl->device.id, out));
 #endif
     if (!device_is_host(impl->device)) return device_unsupported(impl, "stream_create", impl->device);
     return MOERT_OK;
@@ -147,8 +140,7 @@ static moert_result device_event_create(host_impl *impl, moert_event *out)
 {
     *out = NULL;
 #ifdef MOERT_HAVE_CUDA
-    if (impl->device.type == MOERT_DEVICE_CUDA)
-        return host_keep_error(impl, moert_cuda_event_create(impl->device.id, false, out));
+    if (impl->pool) return host_keep_error(impl, moert_cuda_event_create(impl->device.id, false, out));
 #endif
     if (!device_is_host(impl->device)) return device_unsupported(impl, "event_create", impl->device);
     return MOERT_OK;
@@ -257,8 +249,8 @@ static void host_stream_destroy(const moert_host *h, moert_stream s)
 {
 #ifdef MOERT_HAVE_CUDA
     host_impl *impl = impl_of(h);
-    if (impl->device.type == MOERT_DEVICE_CUDA && s) {
-        if (impl->pool) moert_cuda_pool_forget_stream(impl->pool, s);
+    if (impl->pool && s) {
+        moert_cuda_pool_forget_stream(impl->pool, s);
         moert_cuda_stream_destroy(s);
     }
 #endif
@@ -272,14 +264,14 @@ static moert_result host_event_create(const moert_host *h, moert_event *out)
 static void host_event_destroy(const moert_host *h, moert_event e)
 {
 #ifdef MOERT_HAVE_CUDA
-    if (impl_of(h)->device.type == MOERT_DEVICE_CUDA && e) moert_cuda_event_destroy(e);
+    if (impl_of(h)->pool && e) moert_cuda_event_destroy(e);
 #endif
 }
 
 static moert_result host_event_record(const moert_host *h, moert_event e, moert_stream s)
 {
 #ifdef MOERT_HAVE_CUDA
-    if (impl_of(h)->device.type == MOERT_DEVICE_CUDA) return host_keep_error(impl_of(h), moert_cuda_event_record(e, s));
+    if (impl_of(h)->pool) return host_keep_error(impl_of(h), moert_cuda_event_record(e, s));
 #endif
     return device_stream_op(impl_of(h), "event_record");
 }
@@ -287,8 +279,7 @@ static moert_result host_event_record(const moert_host *h, moert_event e, moert_
 static moert_result host_stream_wait_event(const moert_host *h, moert_stream s, moert_event e)
 {
 #ifdef MOERT_HAVE_CUDA
-    if (impl_of(h)->device.type == MOERT_DEVICE_CUDA)
-        return host_keep_error(impl_of(h), moert_cuda_stream_wait_event(s, e));
+    if (impl_of(h)->pool) return host_keep_error(impl_of(h), moert_cuda_stream_wait_event(s, e));
 #endif
     return device_stream_op(impl_of(h), "stream_wait_event");
 }
@@ -297,7 +288,7 @@ static moert_result host_stream_synchronize(const moert_host *h, moert_stream s)
 {
 #ifdef MOERT_HAVE_CUDA
     host_impl *impl = impl_of(h);
-    if (impl->device.type == MOERT_DEVICE_CUDA) {
+    if (impl->pool) {
         /* bounded when a communicator is there: a stalled peer's collective must not hang the host */
         if (impl->nccl) return host_keep_error(impl, moert_nccl_stream_wait(impl->nccl, s, "stream_synchronize"));
         return host_keep_error(impl, moert_cuda_stream_synchronize(s));

@@ -360,7 +360,8 @@ __global__ void combine_rows_kernel(int64_t tokens, int topk, int64_t hidden, co
 #pragma unroll
                 for (int i = 0; i < VEC; i++) acc[i] = 0.0f;
             }
-            for (int k = 0; k < topk; k++) {
+#pragma unroll 4
+            for (int k = 0; k < topk; k++) { /* unrolled: several copies' loads in flight */
                 const int32_t r = my_rows[k];
                 if (r < 0) continue;
                 vec_t<T, VEC> x = *reinterpret_cast<const vec_t<T, VEC> *>(rows + (int64_t)r * hidden + j);
