@@ -10,7 +10,7 @@ torch._grouped_mm alone with the routed counts, and a raw all-to-all of the disp
 Launch (one process per GPU):
     torchrun --nproc-per-node 4 bench/torch_baseline.py --preset all --out FILE.json
 Check the logic on a CPU (gloo, shapes divided by --shrink):
-    torchrun --nproc-per-node 4 bench/torch_baseline.py --cpu --shrink 16 --preset all
+    torchrun --nproc-per-node 4 bench/torch_baseline.py --cpu --shrink 16 --iters 3 --warmup 1
 """
 
 import argparse

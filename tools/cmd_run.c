@@ -3,10 +3,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cli_common.h"
 #include "moert/moert.h"
-
-int moert_cmd_run(int argc, char **argv);
-int moert_cmd_ab(int argc, char **argv);
 
 static void run_usage(FILE *f)
 {
@@ -21,32 +19,12 @@ static void run_usage(FILE *f)
             "  --quiet           no progress lines\n");
 }
 
-/* Applies one --set KEY=JSON; a bare word that is not JSON is taken as a string. */
-static moert_result apply_set(moert_config *cfg, const char *arg)
-{
-    const char *eq = strchr(arg, '=');
-    if (!eq || eq == arg) {
-        fprintf(stderr, "moert run: --set expects KEY=VALUE, got \"%s\"\n", arg);
-        return MOERT_ERR_INVALID_ARGUMENT;
-    }
-    char key[256];
-    snprintf(key, sizeof key, "%.*s", (int)(eq - arg), arg);
-    moert_result rc = moert_config_set(cfg, key, eq + 1);
-    if (rc == MOERT_OK) return rc;
-    /* not JSON: retry as a string */
-    char quoted[1024];
-    snprintf(quoted, sizeof quoted, "\"%s\"", eq + 1);
-    if (!strpbrk(eq + 1, "\"\\")) rc = moert_config_set(cfg, key, quoted);
-    if (rc != MOERT_OK) fprintf(stderr, "moert run: --set %s: %s\n", arg, moert_last_error());
-    return rc;
-}
-
 int moert_cmd_run(int argc, char **argv)
 {
     const char *config_path = NULL, *report_path = NULL;
     long long steps = 0;
     int quiet = 0, status = 1;
-    const char *sets[64];
+    const char *sets[MOERT_CLI_MAX_SETS];
     int nsets = 0;
     for (int i = 0; i < argc; i++) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
@@ -62,8 +40,8 @@ int moert_cmd_run(int argc, char **argv)
         } else if (!strcmp(argv[i], "--report") && i + 1 < argc) {
             report_path = argv[++i];
         } else if (!strcmp(argv[i], "--set") && i + 1 < argc) {
-            if (nsets == 64) {
-                fprintf(stderr, "moert run: at most 64 --set options\n");
+            if (nsets == MOERT_CLI_MAX_SETS) {
+                fprintf(stderr, "moert run: at most %d --set options\n", MOERT_CLI_MAX_SETS);
                 return 2;
             }
             sets[nsets++] = argv[++i];
@@ -87,12 +65,7 @@ int moert_cmd_run(int argc, char **argv)
 
     moert_config *cfg = NULL;
     moert_runtime *rt = NULL;
-    if (moert_config_load_file(config_path, &cfg) != MOERT_OK) {
-        fprintf(stderr, "moert run: %s\n", moert_last_error());
-        goto exit;
-    }
-    for (int i = 0; i < nsets; i++)
-        if (apply_set(cfg, sets[i]) != MOERT_OK) goto exit;
+    if (moert_cli_load_config("moert run", config_path, sets, nsets, &cfg) != MOERT_OK) goto exit;
     if (moert_runtime_create(cfg, &rt) != MOERT_OK) {
         fprintf(stderr, "moert run: %s\n", moert_last_error());
         goto exit;

@@ -7,6 +7,9 @@
 
 #include "error.h"
 #include "host.h"
+#ifdef MOERT_HAVE_CUDA
+#include "cuda/device.h"
+#endif
 #include "task.h"
 #include "tensor_ops.h"
 
@@ -22,6 +25,51 @@ static double now_seconds(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Marks: 0 forward start, 1..7 after router, permute, dispatch, fc1, act, fc2, combine; 8 and 9 backward. */
+enum { MARK_BACKWARD_START = MOERT_STAGE_COUNT, MARK_BACKWARD_END = MOERT_STAGE_COUNT + 1, MARK_COUNT };
+
+static moert_result stage_mark(moert_layer *L, int mark)
+{
+#ifdef MOERT_HAVE_CUDA
+    if (L->info.device.type == MOERT_DEVICE_CUDA) {
+        if (!L->mark_events[mark]) {
+            moert_result rc = moert_cuda_event_create(L->info.device.id, true, &L->mark_events[mark]);
+            if (rc != MOERT_OK) return rc;
+        }
+        return moert_cuda_event_record(L->mark_events[mark], L->stream);
+    }
+#endif
+    L->mark_seconds[mark] = now_seconds();
+    return MOERT_OK;
+}
+
+/* Seconds between two marks. */
+static moert_result mark_interval(moert_layer *L, int from, int to, double *out)
+{
+#ifdef MOERT_HAVE_CUDA
+    if (L->info.device.type == MOERT_DEVICE_CUDA) {
+        float ms = 0.0f;
+        moert_result rc = moert_cuda_event_elapsed_ms(L->mark_events[from], L->mark_events[to], &ms);
+        *out = 1e-3 * ms;
+        return rc;
+    }
+#endif
+    *out = L->mark_seconds[to] - L->mark_seconds[from];
+    return MOERT_OK;
+}
+
+moert_result moert_layer_collect_times(moert_layer *L)
+{
+    moert_result rc = MOERT_OK;
+#ifdef MOERT_HAVE_CUDA
+    if (L->info.device.type == MOERT_DEVICE_CUDA) MOERT_CHECK(moert_cuda_event_synchronize(L->mark_events[MARK_BACKWARD_END]));
+#endif
+    for (int s = 0; s < MOERT_STAGE_COUNT - 1; s++) MOERT_CHECK(mark_interval(L, s, s + 1, &L->stage_seconds[s]));
+    MOERT_CHECK(mark_interval(L, MARK_BACKWARD_START, MARK_BACKWARD_END, &L->stage_seconds[MOERT_STAGE_BACKWARD]));
+fail:
+    return rc;
 }
 
 /* Turns a plugin's failure into a core error naming the plugin, the call, the layer and the rank. */
@@ -131,6 +179,11 @@ static void release_saved(moert_layer *L)
 void moert_layer_free(moert_layer *L)
 {
     release_saved(L);
+#ifdef MOERT_HAVE_CUDA
+    for (int m = 0; m < MARK_COUNT; m++)
+        if (L->mark_events[m]) moert_cuda_event_destroy(L->mark_events[m]);
+#endif
+    memset(L->mark_events, 0, sizeof L->mark_events);
     for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
         tensor_release(L, &L->params[p].value);
         tensor_release(L, &L->params[p].grad);
@@ -278,9 +331,7 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
     moert_tensor y_expert = {0}, moe_out = {0};
     release_saved(L);
     L->x = *x;
-    for (int s = 0; s < MOERT_STAGE_COUNT; s++) L->stage_seconds[s] = 0.0;
-
-    double t0 = now_seconds();
+    MOERT_CHECK(stage_mark(L, 0));
     MOERT_CHECK(tensor_alloc(L, &L->topk_idx, MOERT_I32, 2, t, in->topk, 0));
     MOERT_CHECK(tensor_alloc(L, &L->topk_probs, L->param_dtype, 2, t, in->topk, 0));
     MOERT_CHECK(tensor_alloc(L, &L->tokens_per_expert, MOERT_I64, 1, in->num_experts, 0, 0));
@@ -290,44 +341,38 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
                                     .tokens_per_expert = &L->tokens_per_expert, .losses = &L->losses,
                                     .seq_length = L->seq_length};
     PLUGIN_CALL(L->router, "forward", ROUTER(L)->forward(L->router.ctx, L->stream, &ra));
-    double t1 = now_seconds();
-    L->stage_seconds[MOERT_STAGE_ROUTER] = t1 - t0;
+    MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_ROUTER));
 
     memset(&L->layout, 0, sizeof L->layout);
     L->layout.struct_size = sizeof L->layout;
     PLUGIN_CALL(L->dispatcher, "prepare", DISPATCHER(L)->prepare(L->dispatcher.ctx, L->stream, &L->topk_idx, &L->layout));
-    double t2 = now_seconds();
-    L->stage_seconds[MOERT_STAGE_PERMUTE] = t2 - t1;
+    MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_PERMUTE));
 
     MOERT_CHECK(alloc_activation(L, MOERT_ACT_DISPATCHED_X));
     MOERT_CHECK(tensor_alloc(L, &L->recv_probs, L->param_dtype, 1, L->layout.capacity, 0, 0));
     MOERT_CHECK(run_dispatch(L));
-    double t3 = now_seconds();
-    L->stage_seconds[MOERT_STAGE_DISPATCH] = t3 - t2;
+    MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_DISPATCH));
 
     MOERT_CHECK(alloc_activation(L, MOERT_ACT_FC1_OUT));
     MOERT_CHECK(run_fc1(L));
     MOERT_CHECK(apply_policy(L, MOERT_ACT_DISPATCHED_X));
-    double t4 = now_seconds();
-    L->stage_seconds[MOERT_STAGE_FC1] = t4 - t3;
+    MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_FC1));
 
     MOERT_CHECK(alloc_activation(L, MOERT_ACT_SWIGLU_OUT));
     MOERT_CHECK(run_act(L));
     MOERT_CHECK(apply_policy(L, MOERT_ACT_FC1_OUT));
-    double t5 = now_seconds();
-    L->stage_seconds[MOERT_STAGE_ACT] = t5 - t4;
+    MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_ACT));
 
     MOERT_CHECK(tensor_alloc(L, &y_expert, in->dtype, 2, L->layout.capacity, in->hidden, 0));
     MOERT_CHECK(run_gemm(L, MOERT_GEMM_FC2, MOERT_GEMM_FORWARD, &L->saved[MOERT_ACT_SWIGLU_OUT], NULL, &y_expert, NULL));
     MOERT_CHECK(apply_policy(L, MOERT_ACT_SWIGLU_OUT));
-    double t6 = now_seconds();
-    L->stage_seconds[MOERT_STAGE_FC2] = t6 - t5;
+    MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_FC2));
 
     MOERT_CHECK(tensor_alloc(L, &moe_out, in->dtype, 2, t, in->hidden, 0));
     moert_combine_args ca = {.struct_size = sizeof ca, .y_expert = &y_expert, .y = &moe_out};
     PLUGIN_CALL(L->dispatcher, "combine", DISPATCHER(L)->combine(L->dispatcher.ctx, L->stream, &ca));
     MOERT_CHECK(moert_add(L->stream, x, &moe_out, y));
-    L->stage_seconds[MOERT_STAGE_COMBINE] = now_seconds() - t6;
+    MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_COMBINE));
 
     int64_t kept = 0;
     for (int a = 0; a < MOERT_ACT_COUNT; a++)
@@ -345,7 +390,7 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
     const moert_layer_info *in = &L->info;
     int64_t t = d_y->shape[0], cap = L->layout.capacity;
     moert_tensor d_y_expert = {0}, d_act = {0}, d_fc1 = {0}, d_recv_probs = {0}, d_recv_x = {0}, d_probs = {0};
-    double t0 = now_seconds();
+    MOERT_CHECK(stage_mark(L, MARK_BACKWARD_START));
 
     for (int a = 0; a < MOERT_ACT_COUNT; a++) MOERT_CHECK(restore_activation(L, (moert_activation)a));
 
@@ -386,7 +431,7 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
                                      .loss_scale = loss_scale, .d_x = d_x,
                                      .d_weight = &L->params[MOERT_PARAM_ROUTER].grad};
     PLUGIN_CALL(L->router, "backward", ROUTER(L)->backward(L->router.ctx, L->stream, &rb));
-    L->stage_seconds[MOERT_STAGE_BACKWARD] = now_seconds() - t0;
+    MOERT_CHECK(stage_mark(L, MARK_BACKWARD_END));
 fail:
     tensor_release(L, &d_y_expert);
     tensor_release(L, &d_act);

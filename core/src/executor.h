@@ -53,7 +53,10 @@ typedef struct moert_layer {
     moert_memory_action action[MOERT_ACT_COUNT];
     moert_router_losses losses;
 
-    /* figures of the last step */
+    /* figures of the last step: stage boundaries are marked with the wall clock on the CPU and with CUDA
+     * events on GPUs (read by moert_layer_collect_times once the step's work is done) */
+    double mark_seconds[MOERT_STAGE_COUNT + 2];
+    moert_event mark_events[MOERT_STAGE_COUNT + 2];
     double stage_seconds[MOERT_STAGE_COUNT];
     int64_t saved_bytes[MOERT_ACT_COUNT];        /* size of each saved activation in the last forward */
     int64_t kept_bytes_peak;                     /* activation bytes held from forward to backward */
@@ -67,6 +70,8 @@ void moert_layer_free(moert_layer *L);
 moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_tensor *y);
 /* From d_y computes d_x (overwritten) and adds parameter gradients; router losses enter with loss_scale. */
 moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert_tensor *d_x, double loss_scale);
+/* Fills stage_seconds from the last forward and backward (waits for their work on GPUs). */
+moert_result moert_layer_collect_times(moert_layer *L);
 /* Zeroes the parameter gradients. */
 moert_result moert_layer_zero_grad(moert_layer *L);
 

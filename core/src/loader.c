@@ -4,6 +4,8 @@
 #include <dirent.h>
 #include <dlfcn.h>
 #include <glob.h>
+#include <limits.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,9 +14,6 @@
 #include "error.h"
 #include "host.h"
 
-#ifndef MOERT_BUILD_ROOT
-#define MOERT_BUILD_ROOT ""
-#endif
 #ifndef MOERT_INSTALL_PLUGIN_DIR
 #define MOERT_INSTALL_PLUGIN_DIR "/usr/local/lib/moert/plugins"
 #endif
@@ -89,7 +88,29 @@ static void dir_list_free(dir_list *l)
     memset(l, 0, sizeof *l);
 }
 
-/* MOERT_PLUGIN_PATH, then the build tree (plugins/<each>/ and tests/fixtures/), then the install dir. */
+/* The build tree the running code comes from: the parent of the folder holding the binary that contains
+ * this function (tools/moert, tests/test_x or core/libmoert.so), when that parent has a build.ninja. An
+ * installed moert therefore never looks into a build tree, and a build tree copied elsewhere still works. */
+static bool running_build_root(char *out, size_t size)
+{
+    Dl_info info;
+    char path[PATH_MAX];
+    if (!dladdr((void *)&running_build_root, &info) || !info.dli_fname) return false;
+    if (!realpath(info.dli_fname, path) && !realpath("/proc/self/exe", path)) return false;
+    for (int up = 0; up < 2; up++) {
+        char *slash = strrchr(path, '/');
+        if (!slash || slash == path) return false;
+        *slash = '\0';
+    }
+    char ninja[PATH_MAX + 16];
+    snprintf(ninja, sizeof ninja, "%s/build.ninja", path);
+    if (access(ninja, F_OK) != 0) return false;
+    snprintf(out, size, "%s", path);
+    return true;
+}
+
+/* MOERT_PLUGIN_PATH, then the build tree moert runs from (plugins/<each>/ and tests/fixtures/), then the
+ * install dir. */
 static void collect_search_dirs(dir_list *l)
 {
     const char *env = getenv("MOERT_PLUGIN_PATH");
@@ -100,13 +121,16 @@ static void collect_search_dirs(dir_list *l)
             dir_list_add(l, dir);
         free(copy);
     }
-    if (MOERT_BUILD_ROOT[0]) {
+    char root[PATH_MAX], pattern[PATH_MAX + 32];
+    if (running_build_root(root, sizeof root)) {
         glob_t g;
-        if (glob(MOERT_BUILD_ROOT "/plugins/*/", GLOB_ONLYDIR, NULL, &g) == 0) {
+        snprintf(pattern, sizeof pattern, "%s/plugins/*/", root);
+        if (glob(pattern, GLOB_ONLYDIR, NULL, &g) == 0) {
             for (size_t i = 0; i < g.gl_pathc; i++) dir_list_add(l, g.gl_pathv[i]);
             globfree(&g);
         }
-        dir_list_add(l, MOERT_BUILD_ROOT "/tests/fixtures");
+        snprintf(pattern, sizeof pattern, "%s/tests/fixtures", root);
+        dir_list_add(l, pattern);
     }
     dir_list_add(l, MOERT_INSTALL_PLUGIN_DIR);
 }

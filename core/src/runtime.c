@@ -111,7 +111,9 @@ static moert_result run_on_ranks(moert_runtime *rt, rank_phase_fn fn, void *arg)
     }
     for (int i = 0; i < rt->world; i++)
         if (rt->ranks[i].fail_order == 0) {
-            if (rt->world == 1) return moert_error(rt->ranks[i].rc, "%s", rt->ranks[i].error);
+            /* a config error reads the same on every rank: no rank prefix */
+            if (rt->world == 1 || rt->ranks[i].rc == MOERT_ERR_CONFIG)
+                return moert_error(rt->ranks[i].rc, "%s", rt->ranks[i].error);
             return moert_error(rt->ranks[i].rc, "rank %d: %s", i, rt->ranks[i].error);
         }
     return MOERT_OK;
@@ -501,6 +503,7 @@ static moert_result rank_forward_backward(moert_rank *r, int64_t step)
                                          r->stream);
         if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(r->core_host));
     }
+    for (int l = 0; l < nl; l++) MOERT_CHECK(moert_layer_collect_times(&r->layers[l]));
     /* figures over all ranks */
     double sums[2] = {r->mse_sum, r->router_loss};
     MOERT_CHECK(allreduce(r, sums, 2, MOERT_F64));
