@@ -474,6 +474,11 @@ static moert_result parse_train(moert_config *cfg, json_t *obj)
                                     &t->weight_decay));
     MOERT_CHECK(moert_section_float(sec, "teacher_scale", 1.0, 0.0, DBL_MAX,
                                     "size of the teacher's output relative to its input", &t->teacher_scale));
+    static const char *const data_modes[] = {"fresh", "repeat", NULL};
+    int data_mode = 0;
+    MOERT_CHECK(moert_section_enum(sec, "data", data_modes, 0,
+                                   "fresh: a new batch every step; repeat: one batch reused (benchmarks)", &data_mode));
+    t->repeat_batch = data_mode == 1;
     MOERT_CHECK(moert_section_check_unknown(sec));
 fail:
     moert_section_free(sec);

@@ -36,6 +36,7 @@ typedef struct moert_train_config {
     int64_t steps, tokens_per_rank, seq_length, seed, log_every;
     double lr, weight_decay;
     double teacher_scale; /* size of the teacher's output relative to its input */
+    bool repeat_batch;    /* "data": "repeat": draw one batch and reuse it every step (benchmarks) */
 } moert_train_config;
 
 struct moert_config {

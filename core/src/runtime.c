@@ -35,6 +35,7 @@ struct moert_rank {
     moert_stream stream;                 /* the rank's compute stream (NULL on the CPU) */
     struct moert_cuda_pool *pool;        /* CUDA ranks */
     struct moert_nccl_comm *nccl;        /* CUDA ranks */
+    bool batch_loaded;                   /* train.data "repeat": the one batch is on the device */
     /* per step */
     double mse_sum, router_loss;
     int64_t *counts;                     /* [num_layers * E] */
@@ -431,6 +432,11 @@ static moert_result ensure_params(moert_runtime *rt)
 static moert_result load_batch(moert_rank *r, int64_t step)
 {
     const moert_config *cfg = r->rt->cfg;
+    if (cfg->train.repeat_batch) {
+        if (r->batch_loaded) return MOERT_OK;
+        step = 1;
+        r->batch_loaded = true;
+    }
     int64_t t = cfg->train.tokens_per_rank, h = cfg->model.hidden;
     uint64_t first = ((uint64_t)step * (uint64_t)r->rt->world * (uint64_t)t + (uint64_t)r->rank * (uint64_t)t) *
                      (uint64_t)h;

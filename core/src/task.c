@@ -37,7 +37,7 @@ moert_result moert_teacher_create(int64_t hidden, uint64_t seed, double scale, m
     moert_teacher *t = calloc(1, sizeof *t);
     MOERT_CHECK_ALLOC(t);
     t->hidden = hidden;
-    t->width = 2 * hidden;
+    t->width = 2 * hidden < 128 ? 2 * hidden : 128; /* a narrow teacher: cheap on the CPU for big H */
     t->scale = scale;
     t->a = malloc(sizeof(double) * (size_t)(hidden * 2 * t->width));
     t->b = malloc(sizeof(double) * (size_t)(t->width * hidden));

@@ -1,5 +1,6 @@
 /* The "bf16" precision plugin: the experts' grouped GEMMs with bf16 operands and fp32 accumulation
- * (or plain fp32 / fp64). This file: vtable, options and argument checks; the math is in precision_bf16_cpu.c. */
+ * (or plain fp32 / fp64). This file: vtable, options, argument checks and the CUDA path's state (bf16 weight
+ * copies, the cuBLASLt handle); the CPU math is in precision_bf16_cpu.c, the CUDA GEMMs in precision_bf16_cuda.cu. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -7,12 +8,33 @@
 
 #include "moert/precision.h"
 #include "precision_bf16_cpu.h"
+#ifdef MOERT_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "precision_bf16_cuda.h"
+#endif
+
+#ifdef MOERT_HAVE_CUDA
+/* A bf16 copy of one fp32 expert weight, made on first use in a step and kept until end_step(). */
+typedef struct bf16_weight_copy {
+    void *data;          /* bf16 [E_local, K_in, N_out] on the layer's device */
+    size_t bytes;
+    const void *source;  /* the fp32 weight it was made from; NULL when stale (after end_step) */
+} bf16_weight_copy;
+#endif
 
 typedef struct bf16_ctx {
     const moert_host *host;
     moert_layer_info layer;
     bf16_mode mode;
     bf16_scratch scratch;
+    bool on_cuda;                     /* the layer is on a CUDA device: the CUDA path serves it */
+#ifdef MOERT_HAVE_CUDA
+    moert_bf16_cuda *gemm;            /* cuBLASLt handle, created on the layer's device */
+    void *workspace;                  /* its workspace, from the host's pool */
+    bf16_weight_copy weight_copy[2];  /* by moert_gemm_weight (FC1, FC2) */
+    int64_t *counts_host;             /* [E_local] pinned: device counts copied down when no host copy is given */
+#endif
 } bf16_ctx;
 
 static const char *const mode_choices[] = {"auto", "bf16", "fp32", "fp64", NULL};
@@ -51,15 +73,83 @@ static const char *device_name(moert_device dev, char *buf, size_t size)
     return buf;
 }
 
+static void bf16_finalize(void *ctx);
+
+#ifdef MOERT_HAVE_CUDA
+/*
+ * The CUDA path's state: checks the mode against the activation dtype (bf16 GEMMs on bf16 activations, fp32
+ * GEMMs on fp32 ones), then makes the cuBLASLt handle on the layer's device with a workspace from the host.
+ */
+static moert_result cuda_init(bf16_ctx *c, int choice)
+{
+    const moert_host *h = c->host;
+    const int id = (int)c->layer.device.id;
+    const moert_dtype act = c->layer.dtype;
+    char dev[32];
+    device_name(c->layer.device, dev, sizeof dev);
+    if (c->mode == BF16_MODE_FP64 || act == MOERT_F64)
+        return fail(c, MOERT_ERR_UNSUPPORTED, "the bf16 precision plugin has no fp64 GEMMs on CUDA (layer on %s, "
+                    "activations %s, mode "%s"): use model.dtype bf16 or fp32, or run on the CPU",
+                    dev, moert_dtype_name(act), mode_choices[choice]);
+    if (act != MOERT_BF16 && act != MOERT_F32)
+        return fail(c, MOERT_ERR_UNSUPPORTED, "the bf16 precision plugin on CUDA (%s) takes bf16 or fp32 activations, "
+                    "not %s", dev, moert_dtype_name(act));
+    const moert_dtype want = c->mode == BF16_MODE_BF16 ? MOERT_BF16 : MOERT_F32;
+    if (act != want)
+        return fail(c, MOERT_ERR_UNSUPPORTED, "option \"mode\": \"%s\" with %s activations is not supported on CUDA "
+                    "(%s): bf16 GEMMs need bf16 activations and fp32 GEMMs fp32 ones; use \"auto\"",
+                    mode_choices[choice], moert_dtype_name(act), dev);
+    int count = 0;
+    cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        count = 0;
+    }
+    if (id < 0 || id >= count)
+        return fail(c, MOERT_ERR_UNSUPPORTED, "the layer is on %s, but this process sees %d CUDA device%s (%s); "
+                    "only the CPU path can run here", dev, count, count == 1 ? "" : "s",
+                    err == cudaSuccess ? "cudaGetDeviceCount" : cudaGetErrorString(err));
+    moert_result rc = h->alloc(h, c->layer.device, MOERT_BF16_CUDA_WORKSPACE_BYTES, &c->workspace);
+    if (rc == MOERT_ERR_UNSUPPORTED)
+        return fail(c, rc, "the host serving this instance cannot allocate on %s (a CPU-only host): only the CPU path "
+                    "is usable with it", dev);
+    if (rc != MOERT_OK) return rc;
+    rc = h->alloc_pinned(h, (size_t)c->layer.num_local_experts * sizeof(int64_t), (void **)&c->counts_host);
+    if (rc != MOERT_OK) return rc;
+    int previous = -1;
+    err = cudaGetDevice(&previous);
+    if (err == cudaSuccess && previous != id) err = cudaSetDevice(id);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        return fail(c, MOERT_ERR_CUDA, "cudaSetDevice(%d) failed: %s", id, cudaGetErrorString(err));
+    }
+    rc = moert_bf16_cuda_create(h, c->workspace, MOERT_BF16_CUDA_WORKSPACE_BYTES, MOERT_BF16_CUDA_EXPERT_LOOP,
+                                &c->gemm);
+    if (previous >= 0 && previous != id) (void)cudaSetDevice(previous);
+    return rc;
+}
+#endif
+
 /* Creates one instance: reads "mode" and resolves "auto" from the layer's activation dtype. */
 static moert_result bf16_init(void **out, const moert_host *host, const moert_layer_info *layer)
 {
     *out = NULL;
     char dev[32];
     if (layer->device.type != MOERT_DEVICE_CPU) {
-        host->set_error(host, "the bf16 precision plugin has only a CPU path so far; the layer is on %s",
-                        device_name(layer->device, dev, sizeof dev));
-        return MOERT_ERR_UNSUPPORTED;
+#ifdef MOERT_HAVE_CUDA
+        if (layer->device.type != MOERT_DEVICE_CUDA) {
+#endif
+            host->set_error(host, "the bf16 precision plugin has only a CPU path%s; the layer is on %s",
+#ifdef MOERT_HAVE_CUDA
+                            " and a CUDA path",
+#else
+                            " in this build (built without CUDA)",
+#endif
+                            device_name(layer->device, dev, sizeof dev));
+            return MOERT_ERR_UNSUPPORTED;
+#ifdef MOERT_HAVE_CUDA
+        }
+#endif
     }
     int choice = 0;
     moert_result rc = host->option_enum(host, "mode", mode_choices, 0,
@@ -79,32 +169,59 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
                                                                                            : BF16_MODE_FP32;
     else
         c->mode = (bf16_mode)(choice - 1);
-    host->log(host, MOERT_LOG_DEBUG, "bf16 precision: mode %s (option \"%s\", activations %s)",
-              mode_names[c->mode], mode_choices[choice], moert_dtype_name(layer->dtype));
+    c->on_cuda = layer->device.type == MOERT_DEVICE_CUDA;
+#ifdef MOERT_HAVE_CUDA
+    if (c->on_cuda) {
+        rc = cuda_init(c, choice);
+        if (rc != MOERT_OK) {
+            bf16_finalize(c);
+            return rc;
+        }
+    }
+#endif
+    host->log(host, MOERT_LOG_DEBUG, "bf16 precision: mode %s (option \"%s\", activations %s, %s)",
+              mode_names[c->mode], mode_choices[choice], moert_dtype_name(layer->dtype),
+              device_name(layer->device, dev, sizeof dev));
     *out = c;
     return MOERT_OK;
 }
 
+/* Frees the instance: the cuBLASLt handle, weight copies and buffers (back to the host's pool, stream-ordered). */
 static void bf16_finalize(void *ctx)
 {
     bf16_ctx *c = ctx;
     if (!c) return;
+#ifdef MOERT_HAVE_CUDA
+    const moert_host *h = c->host;
+    if (c->gemm) moert_bf16_cuda_destroy(c->gemm);
+    for (int w = 0; w < 2; w++)
+        if (c->weight_copy[w].data) h->free(h, c->layer.device, c->weight_copy[w].data);
+    if (c->workspace) h->free(h, c->layer.device, c->workspace);
+    if (c->counts_host) h->free_pinned(h, c->counts_host);
+#endif
     bf16_scratch_free(&c->scratch);
     free(c);
 }
 
+/* Whether a tensor's memory is the layer's device (the same CUDA ordinal on CUDA). */
+static bool on_layer_device(const bf16_ctx *c, moert_device d)
+{
+    if (d.type != c->layer.device.type) return false;
+    return d.type != MOERT_DEVICE_CUDA || d.id == c->layer.device.id;
+}
+
 /*
- * Checks one tensor argument: present, on the CPU, a float dtype, contiguous, with data, and of shape
- * `want` (ndim dims); `why` explains where the expected sizes come from.
+ * Checks one tensor argument: present, on the layer's device, a float dtype, contiguous, with data, and of
+ * shape `want` (ndim dims); `why` explains where the expected sizes come from.
  */
 static moert_result check_tensor(const bf16_ctx *c, const char *call, const char *name, const moert_tensor *t,
                                  int ndim, const int64_t *want, const char *why)
 {
     char a[64], b[64];
     if (!t) return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: %s is NULL", call, name);
-    if (t->device.type != MOERT_DEVICE_CPU)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "%s: %s is on %s, but the bf16 precision plugin only has a CPU path",
-                    call, name, device_name(t->device, a, sizeof a));
+    if (!on_layer_device(c, t->device))
+        return fail(c, MOERT_ERR_UNSUPPORTED, "%s: %s is on %s, but the layer is on %s", call, name,
+                    device_name(t->device, a, sizeof a), device_name(c->layer.device, b, sizeof b));
     if (t->dtype != MOERT_F32 && t->dtype != MOERT_F64 && t->dtype != MOERT_BF16 && t->dtype != MOERT_F16)
         return fail(c, MOERT_ERR_UNSUPPORTED, "%s: %s has dtype %s, expected fp32, fp64, bf16 or fp16", call, name,
                     moert_dtype_name(t->dtype));
@@ -120,13 +237,17 @@ static moert_result check_tensor(const bf16_ctx *c, const char *call, const char
     return MOERT_OK;
 }
 
-/* The rows per expert, from the host array or (on the CPU) the tensor; checks length and signs. */
-static moert_result read_counts(const bf16_ctx *c, const char *call, const moert_grouped_gemm_args *args,
-                                const int64_t **counts)
+/*
+ * The rows per expert, from the host array or the tensor (on the CPU read in place; on CUDA copied down into
+ * pinned memory with a bounded wait for the stream: the one host sync, only when no host copy is given).
+ * Checks length and signs.
+ */
+static moert_result read_counts(const bf16_ctx *c, moert_stream stream, const char *call,
+                                const moert_grouped_gemm_args *args, const int64_t **counts)
 {
     const int64_t El = c->layer.num_local_experts;
     const moert_tensor *t = args->tokens_per_expert;
-    char a[64];
+    char a[64], b[64];
     if (t && (t->dtype != MOERT_I64 || t->ndim != 1 || t->shape[0] != El))
         return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: tokens_per_expert is %s %s, expected int64 [%lld] "
                     "(num_local_experts)", call, moert_dtype_name(t->dtype), dims_text(t->ndim, t->shape, a, sizeof a),
@@ -136,9 +257,19 @@ static moert_result read_counts(const bf16_ctx *c, const char *call, const moert
     } else if (!t || !t->data) {
         return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: tokens_per_expert and tokens_per_expert_host are both NULL",
                     call);
+#ifdef MOERT_HAVE_CUDA
+    } else if (c->on_cuda && on_layer_device(c, t->device)) {
+        const moert_host *h = c->host;
+        moert_result rc = h->memcpy_async(h, c->counts_host, moert_cpu(), t->data, t->device,
+                                          (size_t)El * sizeof(int64_t), stream);
+        if (rc == MOERT_OK) rc = h->stream_synchronize(h, stream);
+        if (rc != MOERT_OK) return rc;
+        *counts = c->counts_host;
+#endif
     } else if (t->device.type != MOERT_DEVICE_CPU) {
         return fail(c, MOERT_ERR_UNSUPPORTED, "%s: tokens_per_expert is on %s and tokens_per_expert_host is NULL; "
-                    "the CPU path needs the counts on the host", call, device_name(t->device, a, sizeof a));
+                    "the counts must be on the host or on the layer's device (%s)", call,
+                    device_name(t->device, a, sizeof a), device_name(c->layer.device, b, sizeof b));
     } else {
         *counts = t->data;
     }
@@ -150,8 +281,8 @@ static moert_result read_counts(const bf16_ctx *c, const char *call, const moert
 }
 
 /* Checks every argument of one grouped GEMM and fills its shape. */
-static moert_result check_args(const bf16_ctx *c, const moert_grouped_gemm_args *args, char *call, size_t call_size,
-                               bf16_gemm_shape *shape)
+static moert_result check_args(const bf16_ctx *c, moert_stream stream, const moert_grouped_gemm_args *args, char *call,
+                               size_t call_size, bf16_gemm_shape *shape)
 {
     static const char *const pass_names[] = {"forward", "dgrad", "wgrad"};
     if (!args) return fail(c, MOERT_ERR_INVALID_ARGUMENT, "grouped_gemm(): args is NULL");
@@ -175,7 +306,7 @@ static moert_result check_args(const bf16_ctx *c, const moert_grouped_gemm_args 
     const char *n_name = args->which == MOERT_GEMM_FC1 ? "2*ffn_hidden" : "hidden";
     char weight_why[96], in_why[96], out_why[96];
     snprintf(weight_why, sizeof weight_why, "num_local_experts, %s, %s", k_name, n_name);
-    moert_result rc = read_counts(c, call, args, &shape->counts);
+    moert_result rc = read_counts(c, stream, call, args, &shape->counts);
     if (rc != MOERT_OK) return rc;
     int64_t total = 0;
     for (int64_t e = 0; e < El; e++) total += shape->counts[e];
@@ -220,24 +351,136 @@ static moert_result check_args(const bf16_ctx *c, const moert_grouped_gemm_args 
     return rc;
 }
 
+#ifdef MOERT_HAVE_CUDA
+/*
+ * The bf16 copy of weight `which`, made from the fp32 `weight` on first use after end_step() (or when another
+ * weight tensor comes), by a conversion kernel on `stream`; later GEMMs of the step reuse it.
+ */
+static moert_result weight_copy_get(bf16_ctx *c, moert_stream stream, moert_gemm_weight which,
+                                    const moert_tensor *weight, const void **out)
+{
+    const moert_host *h = c->host;
+    bf16_weight_copy *wc = &c->weight_copy[which];
+    const int64_t n = moert_tensor_numel(weight);
+    const size_t bytes = (size_t)n * sizeof(uint16_t);
+    if (wc->source == weight->data && wc->bytes >= bytes) {
+        *out = wc->data;
+        return MOERT_OK;
+    }
+    wc->source = NULL;
+    if (wc->bytes < bytes) {
+        if (wc->data) h->free(h, c->layer.device, wc->data);
+        wc->data = NULL;
+        wc->bytes = 0;
+        moert_result rc = h->alloc(h, c->layer.device, bytes, &wc->data);
+        if (rc != MOERT_OK) return rc;
+        wc->bytes = bytes;
+    }
+    moert_result rc = moert_bf16_cuda_round_to_bf16(h, (cudaStream_t)stream, n, weight->data, wc->data);
+    if (rc != MOERT_OK) return rc;
+    wc->source = weight->data;
+    *out = wc->data;
+    return MOERT_OK;
+}
+
+/*
+ * One grouped GEMM on the layer's GPU, arguments already checked. bf16 mode: bf16 activations, the weight's
+ * bf16 copy (or a bf16 weight as it is), an fp32 grad_weight accumulated with fp32 C/D (or a bf16 one);
+ * fp32 mode: everything fp32.
+ */
+static moert_result cuda_grouped_gemm(bf16_ctx *c, moert_stream stream, const moert_grouped_gemm_args *args,
+                                      const bf16_gemm_shape *shape, const char *call)
+{
+    const moert_dtype act = c->mode == BF16_MODE_BF16 ? MOERT_BF16 : MOERT_F32;
+    const moert_tensor *acts[2];
+    const char *act_names[2];
+    switch (args->pass) {
+    case MOERT_GEMM_FORWARD:
+        acts[0] = args->input; act_names[0] = "input";
+        acts[1] = args->output; act_names[1] = "output";
+        break;
+    case MOERT_GEMM_DGRAD:
+        acts[0] = args->grad_output; act_names[0] = "grad_output";
+        acts[1] = args->grad_input; act_names[1] = "grad_input";
+        break;
+    default:
+        acts[0] = args->input; act_names[0] = "input";
+        acts[1] = args->grad_output; act_names[1] = "grad_output";
+        break;
+    }
+    for (int i = 0; i < 2; i++)
+        if (acts[i]->dtype != act)
+            return fail(c, MOERT_ERR_UNSUPPORTED, "%s: %s has dtype %s; on CUDA, mode %s takes %s activations", call,
+                        act_names[i], moert_dtype_name(acts[i]->dtype), mode_names[c->mode], moert_dtype_name(act));
+
+    moert_bf16_cuda_gemm gm;
+    memset(&gm, 0, sizeof gm);
+    gm.pass = args->pass;
+    gm.dtype = act;
+    gm.num_experts = shape->num_experts;
+    gm.rows_per_expert = shape->counts;
+    gm.k_in = shape->k_in;
+    gm.n_out = shape->n_out;
+    gm.accumulate = 1;
+    if (args->pass == MOERT_GEMM_WGRAD) {
+        const moert_dtype gw = args->grad_weight->dtype;
+        if (gw != act && !(act == MOERT_BF16 && gw == MOERT_F32))
+            return fail(c, MOERT_ERR_UNSUPPORTED, "%s: grad_weight has dtype %s; on CUDA, mode %s accumulates into "
+                        "%s%s", call, moert_dtype_name(gw), mode_names[c->mode], moert_dtype_name(act),
+                        act == MOERT_BF16 ? " or fp32" : "");
+        gm.output_fp32 = gw != act;
+        gm.input = args->input->data;
+        gm.grad_output = args->grad_output->data;
+        gm.grad_weight = args->grad_weight->data;
+    } else {
+        const moert_dtype wd = args->weight->dtype;
+        if (wd == act) {
+            gm.weight = args->weight->data;
+        } else if (act == MOERT_BF16 && wd == MOERT_F32) {
+            moert_result rc = weight_copy_get(c, stream, args->which, args->weight, &gm.weight);
+            if (rc != MOERT_OK) return rc;
+        } else {
+            return fail(c, MOERT_ERR_UNSUPPORTED, "%s: weight has dtype %s; on CUDA, mode %s takes %s%s weights", call,
+                        moert_dtype_name(wd), mode_names[c->mode], moert_dtype_name(act),
+                        act == MOERT_BF16 ? " or fp32" : "");
+        }
+        if (args->pass == MOERT_GEMM_FORWARD) {
+            gm.input = args->input->data;
+            gm.output = args->output->data;
+        } else {
+            gm.grad_output = args->grad_output->data;
+            gm.grad_input = args->grad_input->data;
+        }
+    }
+    return moert_bf16_cuda_grouped_gemm(c->gemm, (cudaStream_t)stream, &gm);
+}
+#endif
+
 /* One grouped GEMM (FORWARD, DGRAD or WGRAD) over the local experts. */
 static moert_result bf16_grouped_gemm(void *ctx, moert_stream stream, const moert_grouped_gemm_args *args)
 {
     bf16_ctx *c = ctx;
     char call[64] = "grouped_gemm()";
     bf16_gemm_shape shape;
-    moert_result rc = check_args(c, args, call, sizeof call, &shape);
+    moert_result rc = check_args(c, stream, args, call, sizeof call, &shape);
     if (rc != MOERT_OK) return rc;
+#ifdef MOERT_HAVE_CUDA
+    if (c->on_cuda) return cuda_grouped_gemm(c, stream, args, &shape, call);
+#endif
     rc = bf16_cpu_grouped_gemm(args, &shape, c->mode, &c->scratch);
     if (rc != MOERT_OK) return fail(c, rc, "%s: out of memory for the GEMM's work buffers", call);
-    (void)stream;
     return MOERT_OK;
 }
 
-/* Nothing is cached from the weights, so there is nothing to drop. */
+/* The weights changed: the CUDA path's bf16 weight copies are stale (the CPU path caches nothing). */
 static moert_result bf16_end_step(void *ctx, moert_stream stream)
 {
-    (void)ctx;
+    bf16_ctx *c = ctx;
+#ifdef MOERT_HAVE_CUDA
+    for (int w = 0; w < 2; w++) c->weight_copy[w].source = NULL; /* the buffers stay for the next step */
+#else
+    (void)c;
+#endif
     (void)stream;
     return MOERT_OK;
 }
@@ -252,7 +495,11 @@ MOERT_PLUGIN_EXPORT const moert_precision_v1 bf16_vtable __asm__(MOERT_PRECISION
         .name = "bf16",
         .version = "0.1.0",
         .description = "grouped GEMMs with bf16 operands and fp32 accumulation (or fp32, fp64)",
+#ifdef MOERT_HAVE_CUDA
+        .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU) | MOERT_CAP_DEVICE(MOERT_DEVICE_CUDA),
+#else
         .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU),
+#endif
         .dtypes = MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) |
                   MOERT_CAP_DTYPE(MOERT_F16),
         .flags = MOERT_CAP_NEEDS_HOST_SYNC,

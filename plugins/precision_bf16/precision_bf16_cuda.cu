@@ -14,6 +14,7 @@
 
 #include <cublasLt.h>
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -55,7 +56,7 @@ static moert_result report(const moert_host *host, moert_result code, const char
 
 /* What a cached heuristic answer is valid for. */
 typedef struct plan_key {
-    int32_t pass, dtype, accumulate;
+    int32_t pass, dtype, accumulate, output_fp32;
     int32_t align_a, align_b, align_c;
     int64_t m, n, k;
 } plan_key;
@@ -203,6 +204,15 @@ extern "C" void moert_bf16_cuda_plan_stats(const moert_bf16_cuda *g, int64_t *he
     if (cache_hits) *cache_hits = g->cache_hits;
 }
 
+/* Whether the result is fp32 while the operands are bf16. */
+static int mixed_output(const moert_bf16_cuda_gemm *gm) { return gm->dtype == MOERT_BF16 && gm->output_fp32; }
+
+/* Bytes per element of the result (output, grad_input or grad_weight). */
+static size_t output_elem_size(const moert_bf16_cuda_gemm *gm)
+{
+    return mixed_output(gm) ? sizeof(float) : moert_dtype_size(gm->dtype);
+}
+
 /* Column-major description of one expert's GEMM (see the table at the top). */
 typedef struct expert_problem {
     int64_t m, n, k;
@@ -216,6 +226,7 @@ static void expert_problem_make(const moert_bf16_cuda_gemm *gm, int64_t e, int64
                                 expert_problem *p)
 {
     const size_t es = moert_dtype_size(gm->dtype);
+    const size_t ces = output_elem_size(gm); /* the result's element size */
     const int64_t K = gm->k_in, N = gm->n_out;
     const char *w = (const char *)gm->weight + (size_t)e * (size_t)K * (size_t)N * es;
     switch (gm->pass) {
@@ -223,19 +234,19 @@ static void expert_problem_make(const moert_bf16_cuda_gemm *gm, int64_t e, int64
         p->m = N; p->n = rows; p->k = K;
         p->a = w; p->a_rows = N; p->a_cols = K; p->lda = N;
         p->b = (const char *)gm->input + (size_t)row_offset * K * es; p->b_rows = K; p->b_cols = rows; p->ldb = K;
-        p->c = (char *)gm->output + (size_t)row_offset * N * es; p->c_rows = N; p->c_cols = rows; p->ldc = N;
+        p->c = (char *)gm->output + (size_t)row_offset * N * ces; p->c_rows = N; p->c_cols = rows; p->ldc = N;
         break;
     case MOERT_GEMM_DGRAD:
         p->m = K; p->n = rows; p->k = N;
         p->a = w; p->a_rows = N; p->a_cols = K; p->lda = N;
         p->b = (const char *)gm->grad_output + (size_t)row_offset * N * es; p->b_rows = N; p->b_cols = rows; p->ldb = N;
-        p->c = (char *)gm->grad_input + (size_t)row_offset * K * es; p->c_rows = K; p->c_cols = rows; p->ldc = K;
+        p->c = (char *)gm->grad_input + (size_t)row_offset * K * ces; p->c_rows = K; p->c_cols = rows; p->ldc = K;
         break;
     default: /* WGRAD */
         p->m = N; p->n = K; p->k = rows;
         p->a = (const char *)gm->grad_output + (size_t)row_offset * N * es; p->a_rows = N; p->a_cols = rows; p->lda = N;
         p->b = (const char *)gm->input + (size_t)row_offset * K * es; p->b_rows = K; p->b_cols = rows; p->ldb = K;
-        p->c = (char *)gm->grad_weight + (size_t)e * K * N * es; p->c_rows = N; p->c_cols = K; p->ldc = N;
+        p->c = (char *)gm->grad_weight + (size_t)e * K * N * ces; p->c_rows = N; p->c_cols = K; p->ldc = N;
         break;
     }
 }
@@ -256,7 +267,8 @@ static moert_result lt_matmul_expert(moert_bf16_cuda *g, cudaStream_t stream, co
 {
     const moert_host *host = g->host;
     const int d = gm->dtype == MOERT_BF16 ? 1 : 0;
-    cublasLtMatrixLayout_t la = g->layout[d][0], lb = g->layout[d][1], lc = g->layout[d][2];
+    const int out_fp32 = mixed_output(gm);
+    cublasLtMatrixLayout_t la = g->layout[d][0], lb = g->layout[d][1], lc = g->layout[out_fp32 ? 0 : d][2];
     moert_result rc;
     if ((rc = layout_set(host, la, p->a_rows, p->a_cols, p->lda)) != MOERT_OK) return rc;
     if ((rc = layout_set(host, lb, p->b_rows, p->b_cols, p->ldb)) != MOERT_OK) return rc;
@@ -268,6 +280,7 @@ static moert_result lt_matmul_expert(moert_bf16_cuda *g, cudaStream_t stream, co
     key.pass = gm->pass;
     key.dtype = gm->dtype;
     key.accumulate = accumulate;
+    key.output_fp32 = out_fp32;
     key.align_a = pointer_alignment(p->a);
     key.align_b = pointer_alignment(p->b);
     key.align_c = pointer_alignment(p->c);
@@ -297,8 +310,9 @@ static moert_result lt_matmul_expert(moert_bf16_cuda *g, cudaStream_t stream, co
         CUBLAS_CHECK(host, cublasLtMatmulAlgoGetHeuristic(g->lt, g->desc[gm->pass], la, lb, lc, lc, g->pref, 1, &result, &found));
         if (found < 1)
             return report(host, MOERT_ERR_UNSUPPORTED,
-                          "bf16 cuda: cuBLASLt has no algorithm for %s %s expert %lld (m=%lld n=%lld k=%lld)",
-                          pass_name(gm->pass), moert_dtype_name(gm->dtype), (long long)e, (long long)p->m,
+                          "bf16 cuda: cuBLASLt has no algorithm for %s %s%s expert %lld (m=%lld n=%lld k=%lld)",
+                          pass_name(gm->pass), moert_dtype_name(gm->dtype), out_fp32 ? " (fp32 result)" : "",
+                          (long long)e, (long long)p->m,
                           (long long)p->n, (long long)p->k);
         slot->valid = 1;
         slot->key = key;
@@ -448,7 +462,7 @@ extern "C" moert_result moert_bf16_cuda_grouped_gemm(moert_bf16_cuda *g, cudaStr
 
     /* WGRAD overwriting the gradient of an expert with no rows: the product is zero. */
     if (gm->pass == MOERT_GEMM_WGRAD && !gm->accumulate) {
-        const size_t slice = (size_t)gm->k_in * (size_t)gm->n_out * moert_dtype_size(gm->dtype);
+        const size_t slice = (size_t)gm->k_in * (size_t)gm->n_out * output_elem_size(gm);
         for (int64_t e = 0; e < gm->num_experts; e++) {
             if (gm->rows_per_expert[e] != 0) continue;
             cudaError_t err = cudaMemsetAsync((char *)gm->grad_weight + (size_t)e * slice, 0, slice, stream);
@@ -460,7 +474,8 @@ extern "C" moert_result moert_bf16_cuda_grouped_gemm(moert_bf16_cuda *g, cudaStr
         }
     }
 
-    if (g->mode == MOERT_BF16_CUDA_GROUPED) {
+    /* cublasGemmGroupedBatchedEx is not documented for a bf16 x bf16 -> fp32 result: such GEMMs take the loop */
+    if (g->mode == MOERT_BF16_CUDA_GROUPED && !mixed_output(gm)) {
         rc = grouped_gemm_cublas(g, stream, gm, offsets);
     } else {
         for (int64_t e = 0; e < gm->num_experts && rc == MOERT_OK; e++) {
@@ -592,4 +607,51 @@ extern "C" moert_result moert_bf16_cuda_run(moert_bf16_cuda *g, cudaStream_t str
                       (long long)total, (long long)rows);
     gm.rows_per_expert = counts;
     return moert_bf16_cuda_grouped_gemm(g, stream, &gm);
+}
+
+/* ---- fp32 -> bf16 conversion (e.g. the bf16 copy of fp32 weights) ---- */
+
+#define CONVERT_THREADS 256
+#define CONVERT_MAX_BLOCKS 4096
+
+/* Four elements per thread and step: one 16-byte load, one 8-byte store. */
+__global__ void round_to_bf16_vec4_kernel(int64_t quads, const float4 *__restrict__ src,
+                                          __nv_bfloat162 *__restrict__ dst)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < quads; i += (int64_t)gridDim.x * blockDim.x) {
+        const float4 v = src[i];
+        dst[2 * i] = __floats2bfloat162_rn(v.x, v.y);
+        dst[2 * i + 1] = __floats2bfloat162_rn(v.z, v.w);
+    }
+}
+
+/* One element per thread and step, any alignment. */
+__global__ void round_to_bf16_kernel(int64_t n, const float *__restrict__ src, __nv_bfloat16 *__restrict__ dst)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        dst[i] = __float2bfloat16_rn(src[i]);
+}
+
+/* fp32 -> bf16, round to nearest even. */
+extern "C" moert_result moert_bf16_cuda_round_to_bf16(const moert_host *host, cudaStream_t stream, int64_t n,
+                                                      const float *src, void *dst)
+{
+    if (n < 0) return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 cuda: round_to_bf16 of %lld elements", (long long)n);
+    if (n == 0) return MOERT_OK;
+    if (!src || !dst) return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 cuda: round_to_bf16 needs src and dst");
+    const bool vec = n % 4 == 0 && (uintptr_t)src % 16 == 0 && (uintptr_t)dst % 8 == 0;
+    const int64_t work = vec ? n / 4 : n;
+    int64_t blocks = (work + CONVERT_THREADS - 1) / CONVERT_THREADS;
+    if (blocks > CONVERT_MAX_BLOCKS) blocks = CONVERT_MAX_BLOCKS;
+    if (vec)
+        round_to_bf16_vec4_kernel<<<(int)blocks, CONVERT_THREADS, 0, stream>>>(work, (const float4 *)src,
+                                                                              (__nv_bfloat162 *)dst);
+    else
+        round_to_bf16_kernel<<<(int)blocks, CONVERT_THREADS, 0, stream>>>(n, src, (__nv_bfloat16 *)dst);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess)
+        return report(host, MOERT_ERR_CUDA, "launch of %s failed: %s (%s:%d)",
+                      vec ? "round_to_bf16_vec4_kernel" : "round_to_bf16_kernel", cudaGetErrorString(err), __FILE__,
+                      __LINE__);
+    return MOERT_OK;
 }

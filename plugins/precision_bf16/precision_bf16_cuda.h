@@ -8,7 +8,8 @@
  *   output      [rows, n_out]            FORWARD: out[rows of e] = in[rows of e] @ W[e]         (overwritten)
  *   grad_input  [rows, k_in]             DGRAD:   d_in[rows of e] = d_out[rows of e] @ W[e]^T   (overwritten)
  *   grad_weight [E_local, k_in, n_out]   WGRAD:   dW[e] (+)= in[rows of e]^T @ d_out[rows of e]
- * Storage bf16 (fp32 accumulation, CUBLAS_COMPUTE_32F) or fp32 (plain fp32 arithmetic, no TF32).
+ * Storage bf16 (fp32 accumulation, CUBLAS_COMPUTE_32F) or fp32 (plain fp32 arithmetic, no TF32); with
+ * output_fp32, bf16 operands and an fp32 result (e.g. WGRAD accumulating into fp32 master gradients).
  * Expert e owns rows_per_expert[e] consecutive rows; rows past the sum are not touched.
  *
  * One handle serves one stream at a time (the workspace and the grouped-mode pointer arrays are reused in
@@ -60,6 +61,9 @@ typedef struct moert_bf16_cuda_gemm {
     void *grad_input;                /* DGRAD */
     void *grad_weight;               /* WGRAD */
     int accumulate;                  /* WGRAD: 1 adds into grad_weight (beta 1), 0 overwrites it */
+    int output_fp32;                 /* with dtype MOERT_BF16: the result (output, grad_input or grad_weight) is
+                                        fp32 (cuBLASLt's C and D in fp32, still CUBLAS_COMPUTE_32F); always the
+                                        per-expert cuBLASLt loop, whatever the mode. Ignored for MOERT_F32. */
 } moert_bf16_cuda_gemm;
 
 /* Enqueues the grouped GEMM on stream. An expert with no rows is skipped (WGRAD without accumulate zeroes
@@ -72,6 +76,13 @@ moert_result moert_bf16_cuda_grouped_gemm(moert_bf16_cuda *g, cudaStream_t strea
  * host and the stream is synchronised (a host sync).
  */
 moert_result moert_bf16_cuda_run(moert_bf16_cuda *g, cudaStream_t stream, const moert_grouped_gemm_args *args);
+
+/*
+ * dst[i] = src[i] rounded to bf16 (round to nearest even), i < n: fp32 -> bf16, e.g. a bf16 copy of fp32
+ * weights. Enqueued on stream; errors go to host->set_error (host may be NULL).
+ */
+moert_result moert_bf16_cuda_round_to_bf16(const moert_host *host, cudaStream_t stream, int64_t n, const float *src,
+                                           void *dst);
 
 /* How many cuBLASLt heuristic queries ran and how many GEMMs found a cached plan, for tests and reports. */
 void moert_bf16_cuda_plan_stats(const moert_bf16_cuda *g, int64_t *heuristic_queries, int64_t *cache_hits);

@@ -116,7 +116,7 @@ static void test_errors(void)
                         "config error at $.modle: unknown key (did you mean \"model\"?)");
     expect_config_error("{\"train\": {\"learning_rate\": 0.1}}", MOERT_ERR_CONFIG,
                         "config error at $.train.learning_rate: unknown key (known keys: steps, tokens_per_rank, "
-                        "seq_length, seed, log_every, lr, weight_decay, teacher_scale)");
+                        "seq_length, seed, log_every, lr, weight_decay, teacher_scale, data)");
     expect_config_error("{\"model\": {\"hidden\": \"64\"}}", MOERT_ERR_CONFIG,
                         "config error at $.model.hidden: got \"64\", expected an integer >= 1");
     expect_config_error("{\"model\": {\"hidden\": 64.5}}", MOERT_ERR_CONFIG,

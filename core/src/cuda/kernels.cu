@@ -385,14 +385,16 @@ extern "C" moert_result moert_cuda_sum_squares(cudaStream_t stream, moert_dtype 
 /* ---- Adam ---- */
 
 template <typename TG>
-__global__ void adam_kernel(int64_t n, float lr, float beta1, float beta2, float eps, float decay_factor,
+__global__ void adam_kernel(int64_t n, float lr, float beta1, float one_minus_beta1, float beta2,
+                            float one_minus_beta2, float eps, float decay_factor,
                             float grad_scale, float inv_bc1, float inv_sqrt_bc2, float *__restrict__ param,
                             const TG *__restrict__ grad, float *__restrict__ m, float *__restrict__ v)
 {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         float g = to_f32(grad[i]) * grad_scale;
-        float mi = beta1 * m[i] + (1.0f - beta1) * g;
-        float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+        /* 1 - beta comes from the host in double: 1.0f - 0.999f is off by 5e-5 relative */
+        float mi = beta1 * m[i] + one_minus_beta1 * g;
+        float vi = beta2 * v[i] + one_minus_beta2 * g * g;
         m[i] = mi;
         v[i] = vi;
         /* m_hat / (sqrt(v_hat) + eps), with v_hat = v / bc2: sqrt(v_hat) = sqrt(v) / sqrt(bc2) */
@@ -417,12 +419,14 @@ extern "C" moert_result moert_cuda_adam(cudaStream_t stream, int64_t n, int64_t 
     switch (grad_dtype) {
     case MOERT_F32:
         adam_kernel<float><<<grid_for(n), BLOCK_THREADS, 0, stream>>>(
-            n, (float)cfg->lr, (float)cfg->beta1, (float)cfg->beta2, (float)cfg->eps, decay, scale, inv_bc1,
+            n, (float)cfg->lr, (float)cfg->beta1, (float)(1.0 - cfg->beta1), (float)cfg->beta2,
+            (float)(1.0 - cfg->beta2), (float)cfg->eps, decay, scale, inv_bc1,
             inv_sqrt_bc2, param, (const float *)grad, m, v);
         break;
     case MOERT_BF16:
         adam_kernel<__nv_bfloat16><<<grid_for(n), BLOCK_THREADS, 0, stream>>>(
-            n, (float)cfg->lr, (float)cfg->beta1, (float)cfg->beta2, (float)cfg->eps, decay, scale, inv_bc1,
+            n, (float)cfg->lr, (float)cfg->beta1, (float)(1.0 - cfg->beta1), (float)cfg->beta2,
+            (float)(1.0 - cfg->beta2), (float)cfg->eps, decay, scale, inv_bc1,
             inv_sqrt_bc2, param, (const __nv_bfloat16 *)grad, m, v);
         break;
     default:

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Every GPU check of moert, in one go, on a GPU machine: the GPU tests (each against the CPU reference),
+# then the whole layer on the GPUs against the CPU run, and 1, 2 and 4 GPUs against each other.
+# Prints a table last; logs and reports go to OUT_DIR.
+#   usage: tests/gpu/run.sh [BUILD_DIR] [OUT_DIR]      (a build made on a CPU machine works: -Dcuda=enabled)
+set -u
+BUILD=$(realpath "${1:-build}")
+OUT=${2:-${OUT:-/tmp/moert-gpu}}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/../.."
+export NCCL_NVLS_ENABLE=0
+export MOERT_TEST_BUILD_ROOT="$BUILD" MOERT_TEST_SOURCE_ROOT="$PWD"
+MOERT="$BUILD/tools/moert"
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+echo "moert GPU checks: $gpus GPU(s), build $BUILD"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1
+
+rows=()
+record() { rows+=("$(printf '%-34s %-6s %s' "$1" "$2" "$3")"); }
+
+# 1. the GPU test binaries (exit 77: skipped)
+run_test() {
+  local name=$1; shift
+  local start=$SECONDS
+  timeout 900 "$@" >"$OUT/$name.log" 2>&1
+  local rc=$? status=FAIL
+  [ $rc -eq 0 ] && status=PASS
+  [ $rc -eq 77 ] && status=SKIP
+  record "$name" "$status" "rc $rc, $((SECONDS - start)) s, log $name.log"
+  [ $status = FAIL ] && tail -25 "$OUT/$name.log"
+}
+for t in test_kernels test_gpu_smoke test_gpu_router test_gpu_plugins; do
+  [ -x "$BUILD/tests/$t" ] && run_test "$t" "$BUILD/tests/$t"
+done
+if [ -x "$BUILD/tests/nccl_mp_driver" ]; then
+  run_test nccl_multiprocess tests/gpu/test_nccl_multiprocess.sh "$BUILD/tests/nccl_mp_driver"
+fi
+
+# 2. the whole layer stack: the demo in fp32 for 5 steps, CPU reference vs GPUs (same global batch)
+layer_run() { # name device ranks
+  local tokens=$((1024 / $3))
+  timeout 600 "$MOERT" run configs/demo-cpu.json --quiet --steps 5 --set parallel.device="$2" \
+    --set parallel.ranks="$3" --set train.tokens_per_rank=$tokens --report "$OUT/layer-$1.json" \
+    >"$OUT/layer-$1.log" 2>&1
+}
+layer_run cpu4 cpu 4
+for r in 1 2 4; do
+  [ "$r" -le "$gpus" ] && layer_run "cuda$r" cuda "$r"
+done
+compare=$(python3 - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+def losses(name):
+    p = os.path.join(out, "layer-%s.json" % name)
+    return [s["loss"] for s in json.load(open(p))["steps"]] if os.path.exists(p) else None
+ref = losses("cpu4")
+for name in ("cuda1", "cuda2", "cuda4"):
+    got = losses(name)
+    if got is None:
+        log = os.path.join(out, "layer-%s.log" % name)
+        if os.path.exists(log):
+            print("%s FAIL %s" % (name, open(log).read().strip().splitlines()[-1][:160]))
+        continue
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref)) if ref else float("nan")
+    ok = ref is not None and len(got) == len(ref) and worst <= 2e-3
+    print("%s %s losses of 5 steps vs CPU reference: worst relative difference %.2e" % (name, "PASS" if ok else "FAIL", worst))
+PY
+)
+while read -r name status rest; do
+  [ -n "$name" ] && record "layer fp32 $name vs cpu" "$status" "$rest"
+done <<<"$compare"
+
+echo
+echo "== moert GPU checks =="
+printf '%s\n' "${rows[@]}"
+! printf '%s\n' "${rows[@]}" | grep -q ' FAIL '
