@@ -195,6 +195,16 @@ extern "C" size_t moert_a2a_cuda_layout_scratch_bytes(int64_t tokens, int64_t nu
            round_up((size_t)num_experts * sizeof(int64_t), 256) + 256;
 }
 
+/* Where the layout's bad-id counter sits in its scratch (after the per-warp counts and the totals). */
+extern "C" const unsigned long long *moert_a2a_cuda_layout_bad_ids(const void *scratch, int64_t tokens,
+                                                                   int64_t num_experts)
+{
+    const int64_t num_warps = (tokens + TOKENS_PER_WARP - 1) / TOKENS_PER_WARP;
+    return (const unsigned long long *)((const char *)scratch +
+                                        round_up((size_t)(num_warps * num_experts) * sizeof(int32_t), 256) +
+                                        round_up((size_t)num_experts * 8, 256));
+}
+
 /* Layout of one step's routing: counts, offsets and the stable permutation. */
 extern "C" moert_result moert_a2a_cuda_layout(const moert_host *host, cudaStream_t stream, const int32_t *topk_idx,
                                               int64_t tokens, int64_t topk, int64_t num_experts,

@@ -53,6 +53,12 @@ moert_result moert_a2a_cuda_layout(const moert_host *host, cudaStream_t stream, 
                                    const moert_a2a_cuda_layout_buffers *out, int64_t *counts_host);
 
 /*
+ * The device counter (one unsigned long long) of expert ids outside [-1, E) that moert_a2a_cuda_layout()
+ * leaves in its scratch, so a caller can copy it down with the counts (counts_host NULL) and wait its own way.
+ */
+const unsigned long long *moert_a2a_cuda_layout_bad_ids(const void *scratch, int64_t tokens, int64_t num_experts);
+
+/*
  * dst[r, :] = src[index[r] / index_divisor, :] for r < rows (and r < *rows_limit when rows_limit, a device
  * int64, is given); a negative index writes zeros. Uses:
  *   permute (dispatch):         index = copy_of_row, divisor K, src = x [T,H]       -> send rows

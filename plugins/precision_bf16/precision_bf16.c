@@ -89,7 +89,7 @@ static moert_result cuda_init(bf16_ctx *c, int choice)
     device_name(c->layer.device, dev, sizeof dev);
     if (c->mode == BF16_MODE_FP64 || act == MOERT_F64)
         return fail(c, MOERT_ERR_UNSUPPORTED, "the bf16 precision plugin has no fp64 GEMMs on CUDA (layer on %s, "
-                    "activations %s, mode "%s"): use model.dtype bf16 or fp32, or run on the CPU",
+                    "activations %s, mode \"%s\"): use model.dtype bf16 or fp32, or run on the CPU",
                     dev, moert_dtype_name(act), mode_choices[choice]);
     if (act != MOERT_BF16 && act != MOERT_F32)
         return fail(c, MOERT_ERR_UNSUPPORTED, "the bf16 precision plugin on CUDA (%s) takes bf16 or fp32 activations, "
@@ -107,12 +107,12 @@ static moert_result cuda_init(bf16_ctx *c, int choice)
     }
     if (id < 0 || id >= count)
         return fail(c, MOERT_ERR_UNSUPPORTED, "the layer is on %s, but this process sees %d CUDA device%s (%s); "
-                    "only the CPU path can run here", dev, count, count == 1 ? "" : "s",
+                    "only a CPU path can run here", dev, count, count == 1 ? "" : "s",
                     err == cudaSuccess ? "cudaGetDeviceCount" : cudaGetErrorString(err));
     moert_result rc = h->alloc(h, c->layer.device, MOERT_BF16_CUDA_WORKSPACE_BYTES, &c->workspace);
     if (rc == MOERT_ERR_UNSUPPORTED)
-        return fail(c, rc, "the host serving this instance cannot allocate on %s (a CPU-only host): only the CPU path "
-                    "is usable with it", dev);
+        return fail(c, rc, "the host serving this instance cannot allocate on %s (a CPU-only host): only a CPU path is "
+                    "usable with it", dev);
     if (rc != MOERT_OK) return rc;
     rc = h->alloc_pinned(h, (size_t)c->layer.num_local_experts * sizeof(int64_t), (void **)&c->counts_host);
     if (rc != MOERT_OK) return rc;
@@ -135,22 +135,18 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
 {
     *out = NULL;
     char dev[32];
-    if (layer->device.type != MOERT_DEVICE_CPU) {
-#ifdef MOERT_HAVE_CUDA
-        if (layer->device.type != MOERT_DEVICE_CUDA) {
-#endif
-            host->set_error(host, "the bf16 precision plugin has only a CPU path%s; the layer is on %s",
-#ifdef MOERT_HAVE_CUDA
-                            " and a CUDA path",
-#else
-                            " in this build (built without CUDA)",
-#endif
-                            device_name(layer->device, dev, sizeof dev));
-            return MOERT_ERR_UNSUPPORTED;
-#ifdef MOERT_HAVE_CUDA
-        }
-#endif
+    if (layer->device.type != MOERT_DEVICE_CPU && layer->device.type != MOERT_DEVICE_CUDA) {
+        host->set_error(host, "the bf16 precision plugin runs on cpu and cuda devices; the layer is on %s",
+                        device_name(layer->device, dev, sizeof dev));
+        return MOERT_ERR_UNSUPPORTED;
     }
+#ifndef MOERT_HAVE_CUDA
+    if (layer->device.type == MOERT_DEVICE_CUDA) {
+        host->set_error(host, "the bf16 precision plugin has only a CPU path in this build (built without CUDA); the "
+                        "layer is on %s", device_name(layer->device, dev, sizeof dev));
+        return MOERT_ERR_UNSUPPORTED;
+    }
+#endif
     int choice = 0;
     moert_result rc = host->option_enum(host, "mode", mode_choices, 0,
                                         "GEMM arithmetic: bf16 operands with fp32 accumulation, fp32 or fp64; "

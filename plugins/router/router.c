@@ -1,6 +1,7 @@
 /*
  * The "topk" router plugin: options, state, tensor checks and the moert_router_v1 vtable. The math is in
- * router_cpu.c (CPU reference); docs/plugins/router.md describes every option and formula.
+ * router_cpu.c (CPU reference) and, for a layer on a CUDA device, router_gpu.c (cuBLASLt and the kernels of
+ * router_cuda.cu); docs/plugins/router.md describes every option and formula.
  */
 #include <math.h>
 #include <stddef.h>
@@ -10,6 +11,9 @@
 
 #include "moert/router.h"
 #include "router_cpu.h"
+#ifdef MOERT_HAVE_CUDA
+#include "router_gpu.h"
+#endif
 
 #define ROUTER_NAME "topk"
 
@@ -19,6 +23,8 @@
 
 typedef struct router_ctx {
     const moert_host *host;
+    moert_device device;   /* the layer's device: where every tensor argument must be */
+    struct router_gpu *gpu; /* the CUDA path's state when the layer is on a CUDA device; NULL on the CPU */
     int64_t hidden, num_experts, topk;
     router_params params;
     bool use_expert_bias;
@@ -270,11 +276,20 @@ static moert_result router_init(void **ctx, const moert_host *host, const moert_
 {
     char dev[32];
     *ctx = NULL;
-    if (layer->device.type != MOERT_DEVICE_CPU) {
-        host->set_error(host, "router '%s': device %s is not supported yet (this plugin has a CPU path only)",
-                        ROUTER_NAME, device_name(layer->device, dev, sizeof dev));
+    bool on_cuda = layer->device.type == MOERT_DEVICE_CUDA;
+    if (layer->device.type != MOERT_DEVICE_CPU && !on_cuda) {
+        host->set_error(host, "router '%s': device %s is not supported (cpu or cuda)", ROUTER_NAME,
+                        device_name(layer->device, dev, sizeof dev));
         return MOERT_ERR_UNSUPPORTED;
     }
+#ifndef MOERT_HAVE_CUDA
+    if (on_cuda) {
+        host->set_error(host, "router '%s': device %s is not supported by this build (the CPU path only; build "
+                              "with -Dcuda=enabled for the CUDA path)", ROUTER_NAME,
+                        device_name(layer->device, dev, sizeof dev));
+        return MOERT_ERR_UNSUPPORTED;
+    }
+#endif
     if (layer->hidden < 1 || layer->num_experts < 1 || layer->topk < 1 || layer->topk > layer->num_experts) {
         host->set_error(host, "router '%s': layer needs hidden >= 1 and 1 <= topk <= num_experts "
                               "(hidden %lld, num_experts %lld, topk %lld)", ROUTER_NAME, (long long)layer->hidden,
@@ -287,6 +302,7 @@ static moert_result router_init(void **ctx, const moert_host *host, const moert_
         return MOERT_ERR_OUT_OF_MEMORY;
     }
     c->host = host;
+    c->device = layer->device;
     c->hidden = layer->hidden;
     c->num_experts = layer->num_experts;
     c->topk = layer->topk;
@@ -296,6 +312,22 @@ static moert_result router_init(void **ctx, const moert_host *host, const moert_
         return rc;
     }
     int64_t E = c->num_experts;
+#ifdef MOERT_HAVE_CUDA
+    if (on_cuda) {
+        router_gpu_config cfg = {.name = ROUTER_NAME, .params = c->params, .use_expert_bias = c->use_expert_bias,
+                                 .bias_update_rate = c->bias_update_rate, .aux_loss_coeff = c->aux_loss_coeff,
+                                 .z_loss_coeff = c->z_loss_coeff};
+        rc = router_gpu_create(host, layer, &cfg, &c->gpu);
+        if (rc != MOERT_OK) {
+            free(c);
+            return rc;
+        }
+        host->log(host, MOERT_LOG_DEBUG, "router '%s': CUDA path on %s, E=%lld K=%lld", ROUTER_NAME,
+                  device_name(layer->device, dev, sizeof dev), (long long)E, (long long)c->topk);
+        *ctx = c;
+        return MOERT_OK;
+    }
+#endif
     c->bias_counts = calloc((size_t)E, sizeof(int64_t));
     c->global_counts = calloc((size_t)E, sizeof(double));
     if (c->use_expert_bias) c->expert_bias = calloc((size_t)E, sizeof(double));
@@ -334,6 +366,9 @@ static void router_finalize(void *ctx)
 {
     router_ctx *c = ctx;
     if (!c) return;
+#ifdef MOERT_HAVE_CUDA
+    router_gpu_destroy(c->gpu);
+#endif
     free_buffers(c);
     free(c->bias_counts);
     free(c->global_counts);
@@ -360,7 +395,8 @@ static const char *class_name(enum tensor_class cls)
     return cls == CLASS_FLOAT ? "fp32/fp64/bf16/fp16" : cls == CLASS_I32 ? "int32" : "int64";
 }
 
-/* Checks one tensor argument: present, host memory, contiguous, the expected shape (d1 < 0: 1-D) and dtype. */
+/* Checks one tensor argument: present, on the layer's device (host memory on the CPU path), contiguous, the
+ * expected shape (d1 < 0: 1-D) and dtype (the CUDA path narrows the float dtypes further). */
 static moert_result check_tensor(const router_ctx *c, const char *call, const char *name, const moert_tensor *t,
                                  int64_t d0, int64_t d1, enum tensor_class cls)
 {
@@ -371,8 +407,16 @@ static moert_result check_tensor(const router_ctx *c, const char *call, const ch
         h->set_error(h, "router '%s' %s: %s is missing", ROUTER_NAME, call, name);
         return MOERT_ERR_INVALID_ARGUMENT;
     }
-    if (t->device.type != MOERT_DEVICE_CPU && t->device.type != MOERT_DEVICE_CUDA_HOST) {
-        h->set_error(h, "router '%s' %s: %s is on %s; only host memory is supported yet (CPU path only)",
+    if (c->gpu) {
+        if (t->device.type != MOERT_DEVICE_CUDA || t->device.id != c->device.id) {
+            char layer_dev[32];
+            h->set_error(h, "router '%s' %s: %s is on %s; this instance runs on %s and needs its tensors there",
+                         ROUTER_NAME, call, name, device_name(t->device, dev, sizeof dev),
+                         device_name(c->device, layer_dev, sizeof layer_dev));
+            return MOERT_ERR_INVALID_ARGUMENT;
+        }
+    } else if (t->device.type != MOERT_DEVICE_CPU && t->device.type != MOERT_DEVICE_CUDA_HOST) {
+        h->set_error(h, "router '%s' %s: %s is on %s; this instance runs on the CPU and needs host memory",
                      ROUTER_NAME, call, name, device_name(t->device, dev, sizeof dev));
         return MOERT_ERR_UNSUPPORTED;
     }
@@ -485,6 +529,14 @@ static moert_result router_forward(void *ctx, moert_stream stream, const moert_r
         h->set_error(h, "router '%s' forward: seq_length %lld is negative", ROUTER_NAME, (long long)seq_length);
         return MOERT_ERR_INVALID_ARGUMENT;
     }
+#ifdef MOERT_HAVE_CUDA
+    if (c->gpu) {
+        if ((rc = router_gpu_forward(c->gpu, stream, a, seq_length)) != MOERT_OK) return rc;
+        c->fwd_tokens = T;
+        c->have_forward = true;
+        return MOERT_OK;
+    }
+#endif
     if ((rc = ensure_buffers(c, T)) != MOERT_OK) return rc;
 
     load_all(a->x, T * H, c->x);
@@ -569,6 +621,9 @@ static moert_result router_backward(void *ctx, moert_stream stream, const moert_
     if ((rc = check_tensor(c, "backward", "d_topk_probs", a->d_topk_probs, T, K, CLASS_FLOAT)) != MOERT_OK) return rc;
     if ((rc = check_tensor(c, "backward", "d_x", a->d_x, T, H, CLASS_FLOAT)) != MOERT_OK) return rc;
     if ((rc = check_tensor(c, "backward", "d_weight", a->d_weight, E, H, CLASS_FLOAT)) != MOERT_OK) return rc;
+#ifdef MOERT_HAVE_CUDA
+    if (c->gpu) return router_gpu_backward(c->gpu, stream, a, T);
+#endif
     if (T == 0) return MOERT_OK;
 
     memset(c->d_logits, 0, (size_t)(T * E) * sizeof(double));
@@ -597,6 +652,9 @@ static moert_result router_end_step(void *ctx, moert_stream stream)
     router_ctx *c = ctx;
     const moert_host *h = c->host;
     int64_t E = c->num_experts;
+#ifdef MOERT_HAVE_CUDA
+    if (c->gpu) return router_gpu_end_step(c->gpu, stream);
+#endif
     if (c->use_expert_bias) {
         moert_result rc = h->allreduce_sum(h, c->bias_counts, (size_t)E, MOERT_I64, moert_cpu(), NULL);
         if (rc != MOERT_OK) return rc;
@@ -622,6 +680,9 @@ static moert_result router_end_step(void *ctx, moert_stream stream)
 static const moert_tensor *router_expert_bias(void *ctx)
 {
     router_ctx *c = ctx;
+#ifdef MOERT_HAVE_CUDA
+    if (c->gpu) return router_gpu_expert_bias(c->gpu);
+#endif
     return c->use_expert_bias ? &c->bias_tensor : NULL;
 }
 
@@ -636,10 +697,18 @@ MOERT_PLUGIN_EXPORT const moert_router_v1 topk_router_vtable __asm__(MOERT_ROUTE
             .version = "0.1.0",
             .description = "top-k router: softmax/sigmoid scores, group-limited top-k, aux/seq/global aux loss, "
                            "z-loss, sinkhorn, expert bias, capacity",
+#ifdef MOERT_HAVE_CUDA
+            .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU) | MOERT_CAP_DEVICE(MOERT_DEVICE_CUDA),
+#else
             .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU),
+#endif
             .dtypes = MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) |
                       MOERT_CAP_DTYPE(MOERT_F16),
+#ifdef MOERT_HAVE_CUDA
+            .flags = MOERT_CAP_NEEDS_HOST_SYNC, /* CUDA: the loss values are copied to the host when a loss is on */
+#else
             .flags = 0,
+#endif
         },
     .init = router_init,
     .finalize = router_finalize,

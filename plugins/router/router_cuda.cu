@@ -433,3 +433,426 @@ extern "C" moert_result moert_router_cuda_backward(const moert_host *host, cudaS
     LAUNCH_CHECK(host, "router_backward_kernel");
     return MOERT_OK;
 }
+
+/* ---- helpers of the plugin's CUDA path: conversions, counts, balancing losses, bias update ---- */
+
+#define ELEMENTWISE_THREADS 256
+#define LOSS_BLOCKS (MOERT_ROUTER_CUDA_LOSS_WORKSPACE_DOUBLES / 2)
+
+/* A grid for n elements, one per thread, capped (the kernels stride over the rest). */
+static int grid_for_elements(int64_t n)
+{
+    int64_t blocks = (n + ELEMENTWISE_THREADS - 1) / ELEMENTWISE_THREADS;
+    return (int)(blocks < 65535 ? (blocks > 0 ? blocks : 1) : 65535);
+}
+
+__device__ __forceinline__ float bf16_bits_to_float(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
+
+/* fp32 -> bf16 bits, round to nearest even, NaN kept (as moert_bf16_from_float on the host). */
+__device__ __forceinline__ uint16_t float_to_bf16_bits(float f)
+{
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+__global__ void to_f32_kernel(int64_t n, int bf16, const void *__restrict__ src, float *__restrict__ dst)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        dst[i] = bf16 ? bf16_bits_to_float(((const uint16_t *)src)[i]) : ((const float *)src)[i];
+}
+
+__global__ void accumulate_kernel(int64_t n, int bf16, const float *__restrict__ src, void *__restrict__ dst)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        if (bf16) {
+            uint16_t *d = (uint16_t *)dst;
+            d[i] = float_to_bf16_bits(bf16_bits_to_float(d[i]) + src[i]);
+        } else {
+            ((float *)dst)[i] += src[i];
+        }
+    }
+}
+
+__global__ void add_counts_kernel(int64_t n, const long long *__restrict__ src, long long *__restrict__ dst)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        dst[i] += src[i];
+}
+
+/* The full score distribution P of one token in the lane's slots (0 past E). */
+__device__ __forceinline__ void aux_scores_slots(int sigmoid_scores, int experts, int lane, const float (&l)[SLOTS],
+                                                 float (&P)[SLOTS])
+{
+    if (!sigmoid_scores) {
+        softmax_slots(experts, lane, l, P);
+        return;
+    }
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < SLOTS; j++) {
+        P[j] = (j * 32 + lane < experts) ? sigmoid(l[j]) : 0.0f;
+        sum += P[j];
+    }
+    const float denom = warp_sum(sum) + NORMALIZE_EPS;
+#pragma unroll
+    for (int j = 0; j < SLOTS; j++) P[j] /= denom;
+}
+
+/* logsumexp of one token's logits, the same in every lane. */
+__device__ __forceinline__ float logsumexp_slots(int experts, int lane, const float (&l)[SLOTS])
+{
+    float m = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < SLOTS; j++) m = fmaxf(m, l[j]);
+    m = warp_max(m);
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < SLOTS; j++)
+        if (j * 32 + lane < experts) sum += expf(l[j] - m);
+    return m + logf(warp_sum(sum));
+}
+
+__device__ __forceinline__ double warp_sum_double(double x)
+{
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(FULL_MASK, x, o);
+    return x;
+}
+
+/* The loss kernels' sizes, narrowed. */
+typedef struct loss_kernel_params {
+    int tokens, experts, topk, seq, sigmoid;
+} loss_kernel_params;
+
+__global__ void aux_counts_kernel(const loss_kernel_params p, const float *__restrict__ logits,
+                                  unsigned long long *__restrict__ counts, long long *__restrict__ total_slot)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (blockIdx.x == 0 && threadIdx.x == 0) *total_slot = p.tokens;
+    for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens; t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
+        float l[SLOTS];
+        load_logits(logits + t * p.experts, p.experts, lane, l);
+        unsigned taken = 0;
+        for (int k = 0; k < p.topk; k++) {
+            float bv = 0.0f, unused = 0.0f;
+            int bi = -1;
+#pragma unroll
+            for (int j = 0; j < SLOTS; j++) {
+                const int e = j * 32 + lane;
+                if (e < p.experts && !((taken >> j) & 1u) && better(l[j], e, bv, bi)) {
+                    bv = l[j];
+                    bi = e;
+                }
+            }
+            warp_best(bv, bi, unused);
+            if (bi >= 0 && (bi & 31) == lane) {
+                taken |= 1u << (bi >> 5);
+                atomicAdd(&counts[(t / p.seq) * p.experts + bi], 1ull);
+            }
+        }
+    }
+}
+
+__global__ void aux_finish_kernel(int64_t n, const long long *__restrict__ counts, double *__restrict__ global_sum,
+                                  double forwards, double scale_value, double *__restrict__ f,
+                                  double *__restrict__ scale)
+{
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        if (global_sum) {
+            global_sum[i] += (double)counts[i];
+            f[i] = global_sum[i] / forwards;
+        } else {
+            f[i] = (double)counts[i];
+        }
+    }
+    if (threadIdx.x == 0) {
+        if (global_sum) {
+            const double tokens = (double)counts[n];
+            *scale = tokens > 0.0 ? scale_value / (tokens * tokens) : 0.0;
+        } else {
+            *scale = scale_value;
+        }
+    }
+}
+
+/* Per-block partial sums of the aux and z terms over a fixed grid (LOSS_BLOCKS blocks). */
+__global__ void loss_values_kernel(const loss_kernel_params p, const float *__restrict__ logits,
+                                   const double *__restrict__ f, int want_z, double *__restrict__ partials)
+{
+    __shared__ double block_aux[WARPS_PER_BLOCK], block_z[WARPS_PER_BLOCK];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    double aux_acc = 0.0, z_acc = 0.0;
+    for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens; t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
+        float l[SLOTS];
+        load_logits(logits + t * p.experts, p.experts, lane, l);
+        if (f) {
+            float P[SLOTS];
+            aux_scores_slots(p.sigmoid, p.experts, lane, l, P);
+            const double *ft = f + (t / p.seq) * p.experts;
+#pragma unroll
+            for (int j = 0; j < SLOTS; j++) {
+                const int e = j * 32 + lane;
+                if (e < p.experts) aux_acc += (double)P[j] * ft[e];
+            }
+        }
+        if (want_z) {
+            const double lse = (double)logsumexp_slots(p.experts, lane, l);
+            if (lane == 0) z_acc += lse * lse;
+        }
+    }
+    aux_acc = warp_sum_double(aux_acc);
+    z_acc = warp_sum_double(z_acc);
+    if (lane == 0) {
+        block_aux[warp] = aux_acc;
+        block_z[warp] = z_acc;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double a = 0.0, z = 0.0;
+        for (int w = 0; w < WARPS_PER_BLOCK; w++) {
+            a += block_aux[w];
+            z += block_z[w];
+        }
+        partials[2 * blockIdx.x] = a;
+        partials[2 * blockIdx.x + 1] = z;
+    }
+}
+
+__global__ void loss_finish_kernel(const double *__restrict__ partials, const double *__restrict__ aux_scale,
+                                   double *__restrict__ out)
+{
+    if (threadIdx.x != 0) return;
+    double a = 0.0, z = 0.0;
+    for (int b = 0; b < LOSS_BLOCKS; b++) {
+        a += partials[2 * b];
+        z += partials[2 * b + 1];
+    }
+    out[0] = aux_scale ? a * *aux_scale : 0.0;
+    out[1] = z;
+}
+
+__global__ void loss_backward_kernel(const loss_kernel_params p, const float *__restrict__ logits,
+                                     const double *__restrict__ f, const double *__restrict__ aux_scale,
+                                     double aux_grad_scale, float z_grad, float *__restrict__ d_logits)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const float aux_coeff = f ? (float)(aux_grad_scale * *aux_scale) : 0.0f;
+    for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens; t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
+        float l[SLOTS], g[SLOTS];
+        load_logits(logits + t * p.experts, p.experts, lane, l);
+#pragma unroll
+        for (int j = 0; j < SLOTS; j++) g[j] = 0.0f;
+        if (f) {
+            /* dP_e = scale * A * f_e; dot = sum_e dP_e P_e */
+            const double *ft = f + (t / p.seq) * p.experts;
+            float dP[SLOTS], P[SLOTS], s[SLOTS], dot = 0.0f, denom = 1.0f;
+            if (p.sigmoid) {
+                float sum = 0.0f;
+#pragma unroll
+                for (int j = 0; j < SLOTS; j++) {
+                    s[j] = (j * 32 + lane < p.experts) ? sigmoid(l[j]) : 0.0f;
+                    sum += s[j];
+                }
+                denom = warp_sum(sum) + NORMALIZE_EPS;
+#pragma unroll
+                for (int j = 0; j < SLOTS; j++) P[j] = s[j] / denom;
+            } else {
+                softmax_slots(p.experts, lane, l, P);
+            }
+#pragma unroll
+            for (int j = 0; j < SLOTS; j++) {
+                const int e = j * 32 + lane;
+                dP[j] = e < p.experts ? aux_coeff * (float)ft[e] : 0.0f;
+                dot += dP[j] * P[j];
+            }
+            dot = warp_sum(dot);
+#pragma unroll
+            for (int j = 0; j < SLOTS; j++) {
+                if (p.sigmoid) g[j] += (dP[j] - dot) / denom * s[j] * (1.0f - s[j]);
+                else g[j] += P[j] * (dP[j] - dot);
+            }
+        }
+        if (z_grad != 0.0f) {
+            float m = -INFINITY;
+#pragma unroll
+            for (int j = 0; j < SLOTS; j++) m = fmaxf(m, l[j]);
+            m = warp_max(m);
+            float ex[SLOTS], sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < SLOTS; j++) {
+                ex[j] = (j * 32 + lane < p.experts) ? expf(l[j] - m) : 0.0f;
+                sum += ex[j];
+            }
+            sum = warp_sum(sum);
+            const float gz = z_grad * (m + logf(sum));
+#pragma unroll
+            for (int j = 0; j < SLOTS; j++) g[j] += gz * ex[j] / sum;
+        }
+#pragma unroll
+        for (int j = 0; j < SLOTS; j++) {
+            const int e = j * 32 + lane;
+            if (e < p.experts) d_logits[t * p.experts + e] += g[j];
+        }
+    }
+}
+
+#define BIAS_THREADS 1024
+
+__global__ void bias_update_kernel(int experts, long long *__restrict__ counts, double rate, float *__restrict__ bias)
+{
+    __shared__ long long partial[BIAS_THREADS];
+    long long mine = 0;
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) mine += counts[e];
+    partial[threadIdx.x] = mine;
+    __syncthreads();
+    for (int half = blockDim.x / 2; half > 0; half >>= 1) {
+        if ((int)threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
+        __syncthreads();
+    }
+    const double mean = (double)partial[0] / (double)experts;
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+        const double offset = mean - (double)counts[e];
+        const double sign = offset > 0.0 ? 1.0 : offset < 0.0 ? -1.0 : 0.0;
+        bias[e] = (float)((double)bias[e] + rate * sign);
+        counts[e] = 0;
+    }
+}
+
+/* Checks and narrows the loss kernels' sizes. */
+static moert_result check_loss_params(const moert_host *host, const moert_router_cuda_loss_params *p,
+                                      loss_kernel_params *kp)
+{
+    if (!p) return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda loss: params are required");
+    if (p->tokens < 0 || p->tokens > INT32_MAX || p->num_experts < 1 || p->topk < 1 || p->topk > p->num_experts ||
+        p->seq_length < 1 || (p->tokens > 0 && p->tokens % p->seq_length != 0))
+        return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                      "router cuda loss: bad sizes (tokens %lld, experts %lld, topk %lld, seq_length %lld)",
+                      (long long)p->tokens, (long long)p->num_experts, (long long)p->topk, (long long)p->seq_length);
+    if (p->num_experts > MOERT_ROUTER_CUDA_MAX_EXPERTS || p->topk > MOERT_ROUTER_CUDA_MAX_TOPK)
+        return report(host, MOERT_ERR_UNSUPPORTED, "router cuda: %lld experts, top-%lld exceed the limits (%d experts, top-%d)",
+                      (long long)p->num_experts, (long long)p->topk, MOERT_ROUTER_CUDA_MAX_EXPERTS,
+                      MOERT_ROUTER_CUDA_MAX_TOPK);
+    kp->tokens = (int)p->tokens;
+    kp->experts = (int)p->num_experts;
+    kp->topk = (int)p->topk;
+    kp->seq = p->seq_length > INT32_MAX ? INT32_MAX : (int)p->seq_length;
+    kp->sigmoid = p->sigmoid ? 1 : 0;
+    return MOERT_OK;
+}
+
+/* bf16/fp32 -> fp32; see router_cuda.h. */
+extern "C" moert_result moert_router_cuda_to_f32(const moert_host *host, cudaStream_t stream, moert_dtype src_dtype,
+                                                 int64_t n, const void *src, float *dst)
+{
+    if (src_dtype != MOERT_BF16 && src_dtype != MOERT_F32)
+        return report(host, MOERT_ERR_UNSUPPORTED, "router cuda: cannot convert %s to fp32 (bf16 or fp32 only)",
+                      moert_dtype_name(src_dtype));
+    if (n <= 0) return MOERT_OK;
+    to_f32_kernel<<<grid_for_elements(n), ELEMENTWISE_THREADS, 0, stream>>>(n, src_dtype == MOERT_BF16, src, dst);
+    LAUNCH_CHECK(host, "to_f32_kernel");
+    return MOERT_OK;
+}
+
+/* dst += src; see router_cuda.h. */
+extern "C" moert_result moert_router_cuda_accumulate(const moert_host *host, cudaStream_t stream, moert_dtype dst_dtype,
+                                                     int64_t n, const float *src, void *dst)
+{
+    if (dst_dtype != MOERT_BF16 && dst_dtype != MOERT_F32)
+        return report(host, MOERT_ERR_UNSUPPORTED, "router cuda: cannot accumulate into %s (bf16 or fp32 only)",
+                      moert_dtype_name(dst_dtype));
+    if (n <= 0) return MOERT_OK;
+    accumulate_kernel<<<grid_for_elements(n), ELEMENTWISE_THREADS, 0, stream>>>(n, dst_dtype == MOERT_BF16, src, dst);
+    LAUNCH_CHECK(host, "accumulate_kernel");
+    return MOERT_OK;
+}
+
+/* dst += src, int64; see router_cuda.h. */
+extern "C" moert_result moert_router_cuda_add_counts(const moert_host *host, cudaStream_t stream, int64_t n,
+                                                     const int64_t *src, int64_t *dst)
+{
+    if (n <= 0) return MOERT_OK;
+    add_counts_kernel<<<grid_for_elements(n), ELEMENTWISE_THREADS, 0, stream>>>(n, (const long long *)src,
+                                                                                (long long *)dst);
+    LAUNCH_CHECK(host, "add_counts_kernel");
+    return MOERT_OK;
+}
+
+/* Plain top-K counts per sequence; see router_cuda.h. */
+extern "C" moert_result moert_router_cuda_aux_counts(const moert_host *host, cudaStream_t stream,
+                                                     const moert_router_cuda_loss_params *p, const float *logits,
+                                                     int64_t *counts)
+{
+    loss_kernel_params kp;
+    moert_result rc = check_loss_params(host, p, &kp);
+    if (rc != MOERT_OK) return rc;
+    const int64_t rows = kp.tokens > 0 ? kp.tokens / kp.seq : 1;
+    const int64_t slots = rows * kp.experts;
+    CUDA_CHECK(host, cudaMemsetAsync(counts, 0, (size_t)(slots + 1) * sizeof(int64_t), stream));
+    aux_counts_kernel<<<grid_for_tokens(kp.tokens), WARPS_PER_BLOCK * 32, 0, stream>>>(
+        kp, logits, (unsigned long long *)counts, (long long *)counts + slots);
+    LAUNCH_CHECK(host, "aux_counts_kernel");
+    return MOERT_OK;
+}
+
+/* f and A of the balancing loss; see router_cuda.h. */
+extern "C" moert_result moert_router_cuda_aux_finish(const moert_host *host, cudaStream_t stream, int64_t n,
+                                                     const int64_t *counts, double *global_sum, double forwards,
+                                                     double scale_value, double *f, double *scale)
+{
+    if (n < 1 || (global_sum && !(forwards > 0.0)))
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda aux finish: n %lld, forwards %g", (long long)n,
+                      forwards);
+    aux_finish_kernel<<<1, ELEMENTWISE_THREADS, 0, stream>>>(n, (const long long *)counts, global_sum, forwards,
+                                                             scale_value, f, scale);
+    LAUNCH_CHECK(host, "aux_finish_kernel");
+    return MOERT_OK;
+}
+
+/* Loss values over a fixed grid; see router_cuda.h. */
+extern "C" moert_result moert_router_cuda_loss_values(const moert_host *host, cudaStream_t stream,
+                                                      const moert_router_cuda_loss_params *p, const float *logits,
+                                                      const double *f, const double *aux_scale, int want_z,
+                                                      double *workspace, double *out)
+{
+    loss_kernel_params kp;
+    moert_result rc = check_loss_params(host, p, &kp);
+    if (rc != MOERT_OK) return rc;
+    if (f && !aux_scale)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda loss values: f needs aux_scale");
+    loss_values_kernel<<<LOSS_BLOCKS, WARPS_PER_BLOCK * 32, 0, stream>>>(kp, logits, f, want_z, workspace);
+    LAUNCH_CHECK(host, "loss_values_kernel");
+    loss_finish_kernel<<<1, 32, 0, stream>>>(workspace, f ? aux_scale : NULL, out);
+    LAUNCH_CHECK(host, "loss_finish_kernel");
+    return MOERT_OK;
+}
+
+/* Loss gradients into d_logits; see router_cuda.h. */
+extern "C" moert_result moert_router_cuda_loss_backward(const moert_host *host, cudaStream_t stream,
+                                                        const moert_router_cuda_loss_params *p, const float *logits,
+                                                        const double *f, const double *aux_scale,
+                                                        double aux_grad_scale, double z_grad, float *d_logits)
+{
+    loss_kernel_params kp;
+    moert_result rc = check_loss_params(host, p, &kp);
+    if (rc != MOERT_OK) return rc;
+    if (f && !aux_scale)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda loss backward: f needs aux_scale");
+    if (kp.tokens == 0 || (!f && z_grad == 0.0)) return MOERT_OK;
+    loss_backward_kernel<<<grid_for_tokens(kp.tokens), WARPS_PER_BLOCK * 32, 0, stream>>>(
+        kp, logits, f, aux_scale, aux_grad_scale, (float)z_grad, d_logits);
+    LAUNCH_CHECK(host, "loss_backward_kernel");
+    return MOERT_OK;
+}
+
+/* Aux-loss-free bias update; see router_cuda.h. */
+extern "C" moert_result moert_router_cuda_bias_update(const moert_host *host, cudaStream_t stream, int64_t num_experts,
+                                                      int64_t *counts, double rate, float *bias)
+{
+    if (num_experts < 1 || num_experts > BIAS_THREADS)
+        return report(host, MOERT_ERR_UNSUPPORTED, "router cuda bias update: %lld experts (at most %d)",
+                      (long long)num_experts, BIAS_THREADS);
+    bias_update_kernel<<<1, BIAS_THREADS, 0, stream>>>((int)num_experts, (long long *)counts, rate, bias);
+    LAUNCH_CHECK(host, "bias_update_kernel");
+    return MOERT_OK;
+}

@@ -27,6 +27,14 @@ moert_result test_instance_open(test_instance *ti, moert_plugin_kind kind, const
                                 const char *options_json, const moert_layer_info *layer, moert_comm_group *comm,
                                 int rank, int world)
 {
+    return test_instance_open_cuda(ti, kind, spec, options_json, layer, comm, rank, world, NULL, NULL, NULL);
+}
+
+moert_result test_instance_open_cuda(test_instance *ti, moert_plugin_kind kind, const char *spec,
+                                     const char *options_json, const moert_layer_info *layer, moert_comm_group *comm,
+                                     int rank, int world, struct moert_cuda_pool *pool, struct moert_nccl_comm *nccl,
+                                     moert_stream stream)
+{
     memset(ti, 0, sizeof *ti);
     moert_result rc = moert_plugin_load(kind, spec, &ti->plugin);
     if (rc != MOERT_OK) return rc;
@@ -37,7 +45,8 @@ moert_result test_instance_open(test_instance *ti, moert_plugin_kind kind, const
     moert_section_allow(ti->section, "plugin");
     moert_host_setup setup = {
         .who = spec, .options = ti->section, .comm = comm, .rank = rank, .world_size = world,
-        .device = layer->device, .metric = NULL, .metric_user = NULL};
+        .device = layer->device, .metric = NULL, .metric_user = NULL, .cuda_pool = pool, .nccl = nccl,
+        .stream = stream};
     rc = moert_host_create(&setup, &ti->host);
     if (rc != MOERT_OK) return rc;
     return instance_init(ti, layer);

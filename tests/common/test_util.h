@@ -81,6 +81,12 @@ typedef struct test_instance {
 moert_result test_instance_open(test_instance *ti, moert_plugin_kind kind, const char *spec,
                                 const char *options_json, const moert_layer_info *layer, moert_comm_group *comm,
                                 int rank, int world);
+/* The same on a CUDA rank: the host gets the rank's memory pool, NCCL communicator (may be NULL for a world
+ * of one) and stream, as the runtime's rank_init gives them (core/src/host.h). No CUDA header needed. */
+moert_result test_instance_open_cuda(test_instance *ti, moert_plugin_kind kind, const char *spec,
+                                     const char *options_json, const moert_layer_info *layer, moert_comm_group *comm,
+                                     int rank, int world, struct moert_cuda_pool *pool, struct moert_nccl_comm *nccl,
+                                     moert_stream stream);
 void test_instance_close(test_instance *ti);
 
 /* Runs fn(rank, user) on `world` threads and waits for them. */

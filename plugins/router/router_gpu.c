@@ -1,0 +1,679 @@
+/*
+ * The router plugin's CUDA path (see router_gpu.h and docs/plugins/router.md, "CUDA path").
+ *
+ * The linear layer in fp32 through cuBLASLt (CUBLAS_COMPUTE_32F: plain fp32, no TF32). A bf16 x is first
+ * widened to fp32 by a small kernel (exact), because cuBLASLt has no bf16 x fp32 operand pair; the logits
+ * are then those of fp32 arithmetic on the exact inputs, like the CPU reference's up to fp32 rounding.
+ * Row-major to column-major: a row-major X[r,c] is a column-major [c,r] with ld c, so (m, n, k below are
+ * cuBLASLt's column-major sizes):
+ *   LOGITS  logits[T,E]  = x[T,H] @ W[E,H]^T      m=E n=T k=H  A=W  [H,E] ld H op T, B=x        [H,T] ld H op N
+ *   DGRAD   dx[T,H]     (+)= d_logits[T,E] @ W     m=H n=T k=E  A=W  [H,E] ld H op N, B=d_logits [E,T] ld E op N
+ *   WGRAD   dW[E,H]      += d_logits^T @ x         m=H n=E k=T  A=x  [H,T] ld H op N, B=d_logits [E,T] ld E op T
+ * The heuristic's algorithm is cached per GEMM for its last shape and pointer alignments, so steady-state
+ * steps (the same T) query no heuristics.
+ */
+#include "router_gpu.h"
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "router_cuda.h"
+
+#define GEMM_WORKSPACE_BYTES ((size_t)4 << 20)
+
+/* True when the host table is new enough to have `member` and it is set. */
+#define HOST_HAS(h, member)                                                                                  \
+    ((h)->struct_size >= offsetof(moert_host, member) + sizeof((h)->member) && (h)->member != NULL)
+
+typedef enum gemm_kind { GEMM_LOGITS = 0, GEMM_DGRAD = 1, GEMM_WGRAD = 2, GEMM_KINDS = 3 } gemm_kind;
+
+/* One GEMM's descriptors and the algorithm chosen for its last shape. */
+typedef struct gemm_plan {
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t a, b, c;
+    cublasLtMatmulAlgo_t algo;
+    bool ready;
+    int64_t m, n, k;
+    uint32_t align_a, align_b, align_c;
+    int beta_one;
+} gemm_plan;
+
+struct router_gpu {
+    const moert_host *host;
+    router_gpu_config cfg;
+    moert_device device;
+    int64_t hidden, num_experts, topk;
+    int world_size;
+    bool aux_on;   /* an aux / seq-aux / global-aux loss with a coefficient > 0 */
+    bool z_on;
+
+    cublasLtHandle_t lt;
+    cublasLtMatmulPreference_t pref;
+    gemm_plan plans[GEMM_KINDS];
+    void *workspace;
+
+    /* per-token buffers, sized for buffer_tokens tokens */
+    int64_t buffer_tokens;
+    float *logits;        /* [T,E] kept for backward */
+    float *d_logits;      /* [T,E] */
+    int32_t *sel_idx;     /* [T,K] the selection, kept for backward */
+    float *x32;           /* [T,H] x widened to fp32 (bf16 x), or the fp32 d_x product before it is added */
+    int64_t x32_tokens;
+    const void *x32_source; /* the x whose fp32 copy x32 holds now; NULL when it holds something else */
+
+    /* balancing losses */
+    int64_t *aux_counts;  /* [aux_slots + 1]: top-K counts per sequence and expert, then T */
+    double *aux_f;        /* [aux_slots] f of the loss, kept for backward */
+    int64_t aux_slots;
+    double *aux_scale;    /* [1] A of the loss, kept for backward */
+    double *loss_workspace; /* [MOERT_ROUTER_CUDA_LOSS_WORKSPACE_DOUBLES] */
+    double *loss_out;     /* [2] aux value, sum of lse^2 */
+    double *global_sum;   /* [E] global_aux_loss: all-reduced counts summed since the last end_step */
+    int64_t global_forwards;
+    double *loss_host;    /* pinned [2] */
+    int64_t *counts_host; /* pinned [E] */
+
+    /* aux-loss-free balancing */
+    float *bias;          /* [E] */
+    int64_t *bias_counts; /* [E] copies kept per expert since the last end_step, this rank */
+    moert_tensor bias_tensor;
+
+    /* the last forward, for backward */
+    bool fwd_aux;
+    int64_t fwd_aux_seq;
+};
+
+/* Sets the instance's message, prefixed with the plugin and device, and returns code. */
+static moert_result gpu_fail(const router_gpu *g, moert_result code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static moert_result gpu_fail(const router_gpu *g, moert_result code, const char *fmt, ...)
+{
+    char text[768];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof text, fmt, ap);
+    va_end(ap);
+    g->host->set_error(g->host, "router '%s' on cuda:%d: %s", g->cfg.name, (int)g->device.id, text);
+    return code;
+}
+
+/* Checked CUDA runtime call inside a function returning moert_result. */
+#define GPU_CUDA(g, call)                                                                                    \
+    do {                                                                                                     \
+        cudaError_t e_ = (call);                                                                             \
+        if (e_ != cudaSuccess) {                                                                             \
+            (void)cudaGetLastError();                                                                        \
+            return gpu_fail((g), e_ == cudaErrorMemoryAllocation ? MOERT_ERR_OUT_OF_MEMORY : MOERT_ERR_CUDA,  \
+                            "%s failed: %s (%s:%d)", #call, cudaGetErrorString(e_), __FILE__, __LINE__);     \
+        }                                                                                                    \
+    } while (0)
+
+/* Checked cuBLASLt call. */
+#define GPU_CUBLAS(g, call)                                                                                  \
+    do {                                                                                                     \
+        cublasStatus_t s_ = (call);                                                                          \
+        if (s_ != CUBLAS_STATUS_SUCCESS)                                                                     \
+            return gpu_fail((g), s_ == CUBLAS_STATUS_ALLOC_FAILED ? MOERT_ERR_OUT_OF_MEMORY : MOERT_ERR_CUDA, \
+                            "%s failed: %s (%s:%d)", #call, cublasLtGetStatusString(s_), __FILE__, __LINE__); \
+    } while (0)
+
+/* A call returning moert_result whose message is already set. */
+#define GPU_TRY(call)                                                                                        \
+    do {                                                                                                     \
+        moert_result r_ = (call);                                                                            \
+        if (r_ != MOERT_OK) return r_;                                                                       \
+    } while (0)
+
+/* Reports a metric when the host has the service. */
+static void report_metric(const router_gpu *g, const char *name, double value, const char *unit)
+{
+    if (HOST_HAS(g->host, metric)) g->host->metric(g->host, name, value, unit);
+}
+
+/* ---- device memory (the host's pool, stream-ordered on the rank's stream) ---- */
+
+static moert_result device_alloc(router_gpu *g, size_t bytes, void **out)
+{
+    *out = NULL;
+    return g->host->alloc(g->host, g->device, bytes ? bytes : 1, out);
+}
+
+static void device_free(router_gpu *g, void *ptr)
+{
+    if (ptr) g->host->free(g->host, g->device, ptr);
+}
+
+/* Makes the per-token buffers (logits, d_logits, selection) hold T tokens (grows only). */
+static moert_result ensure_token_buffers(router_gpu *g, int64_t T)
+{
+    if (g->logits && T <= g->buffer_tokens) return MOERT_OK;
+    int64_t n = T > 0 ? T : 1;
+    int64_t E = g->num_experts, K = g->topk;
+    device_free(g, g->logits);
+    device_free(g, g->d_logits);
+    device_free(g, g->sel_idx);
+    g->logits = g->d_logits = NULL;
+    g->sel_idx = NULL;
+    g->buffer_tokens = 0;
+    GPU_TRY(device_alloc(g, (size_t)(n * E) * sizeof(float), (void **)&g->logits));
+    GPU_TRY(device_alloc(g, (size_t)(n * E) * sizeof(float), (void **)&g->d_logits));
+    GPU_TRY(device_alloc(g, (size_t)(n * K) * sizeof(int32_t), (void **)&g->sel_idx));
+    g->buffer_tokens = n;
+    return MOERT_OK;
+}
+
+/* Makes the fp32 [T,H] scratch hold T tokens (grows only; allocated on first need: bf16 x or bf16 d_x). */
+static moert_result ensure_x32(router_gpu *g, int64_t T)
+{
+    if (g->x32 && T <= g->x32_tokens) return MOERT_OK;
+    int64_t n = T > 0 ? T : 1;
+    device_free(g, g->x32);
+    g->x32 = NULL;
+    g->x32_tokens = 0;
+    g->x32_source = NULL;
+    GPU_TRY(device_alloc(g, (size_t)(n * g->hidden) * sizeof(float), (void **)&g->x32));
+    g->x32_tokens = n;
+    return MOERT_OK;
+}
+
+/* Makes the balancing-loss buffers hold `slots` (sequences x experts) counts (grows only). */
+static moert_result ensure_aux_buffers(router_gpu *g, int64_t slots)
+{
+    if (g->aux_counts && slots <= g->aux_slots) return MOERT_OK;
+    device_free(g, g->aux_counts);
+    device_free(g, g->aux_f);
+    g->aux_counts = NULL;
+    g->aux_f = NULL;
+    g->aux_slots = 0;
+    GPU_TRY(device_alloc(g, (size_t)(slots + 1) * sizeof(int64_t), (void **)&g->aux_counts));
+    GPU_TRY(device_alloc(g, (size_t)slots * sizeof(double), (void **)&g->aux_f));
+    g->aux_slots = slots;
+    return MOERT_OK;
+}
+
+/* ---- cuBLASLt ---- */
+
+/* Largest power of two (<= 256) dividing the address: what cuBLASLt may assume about a pointer. */
+static uint32_t pointer_alignment(const void *p)
+{
+    uintptr_t a = (uintptr_t)p;
+    uint32_t align = 256;
+    while (align > 1 && (a % align) != 0) align /= 2;
+    return align;
+}
+
+/* Sets one layout's rows, columns and leading dimension (column-major fp32). */
+static moert_result layout_set(router_gpu *g, cublasLtMatrixLayout_t l, int64_t rows, int64_t cols)
+{
+    uint64_t r = (uint64_t)rows, c = (uint64_t)cols;
+    int64_t ld = rows;
+    GPU_CUBLAS(g, cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_ROWS, &r, sizeof r));
+    GPU_CUBLAS(g, cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_COLS, &c, sizeof c));
+    GPU_CUBLAS(g, cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_LD, &ld, sizeof ld));
+    return MOERT_OK;
+}
+
+/* The stored (column-major) sizes of a GEMM's operands from its m, n, k (see the table at the top). */
+static void gemm_operand_sizes(gemm_kind kind, int64_t m, int64_t n, int64_t k, int64_t sizes[3][2])
+{
+    switch (kind) {
+    case GEMM_LOGITS: /* A = W [k=H, m=E] op T; B = x [H, n=T] */
+        sizes[0][0] = k; sizes[0][1] = m;
+        sizes[1][0] = k; sizes[1][1] = n;
+        break;
+    case GEMM_DGRAD: /* A = W [m=H, k=E]; B = d_logits [E, n=T] */
+        sizes[0][0] = m; sizes[0][1] = k;
+        sizes[1][0] = k; sizes[1][1] = n;
+        break;
+    default: /* WGRAD: A = x [m=H, k=T]; B = d_logits [n=E, T] op T */
+        sizes[0][0] = m; sizes[0][1] = k;
+        sizes[1][0] = n; sizes[1][1] = k;
+        break;
+    }
+    sizes[2][0] = m;
+    sizes[2][1] = n;
+}
+
+static const char *gemm_name(gemm_kind kind)
+{
+    return kind == GEMM_LOGITS ? "logits = x W^T" : kind == GEMM_DGRAD ? "d_x = d_logits W" : "d_W += d_logits^T x";
+}
+
+/* C (+)= op(A) op(B) in fp32 on stream; the algorithm is looked up again only when the shape changes. */
+static moert_result gemm_run(router_gpu *g, cudaStream_t stream, gemm_kind kind, int64_t m, int64_t n, int64_t k,
+                             const float *A, const float *B, float *C, int beta_one)
+{
+    gemm_plan *p = &g->plans[kind];
+    uint32_t aa = pointer_alignment(A), ab = pointer_alignment(B), ac = pointer_alignment(C);
+    if (!p->ready || p->m != m || p->n != n || p->k != k || p->align_a != aa || p->align_b != ab ||
+        p->align_c != ac || p->beta_one != beta_one) {
+        int64_t sizes[3][2];
+        gemm_operand_sizes(kind, m, n, k, sizes);
+        p->ready = false;
+        GPU_TRY(layout_set(g, p->a, sizes[0][0], sizes[0][1]));
+        GPU_TRY(layout_set(g, p->b, sizes[1][0], sizes[1][1]));
+        GPU_TRY(layout_set(g, p->c, sizes[2][0], sizes[2][1]));
+        GPU_CUBLAS(g, cublasLtMatmulPreferenceSetAttribute(g->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aa,
+                                                           sizeof aa));
+        GPU_CUBLAS(g, cublasLtMatmulPreferenceSetAttribute(g->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ab,
+                                                           sizeof ab));
+        GPU_CUBLAS(g, cublasLtMatmulPreferenceSetAttribute(g->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ac,
+                                                           sizeof ac));
+        GPU_CUBLAS(g, cublasLtMatmulPreferenceSetAttribute(g->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ac,
+                                                           sizeof ac));
+        cublasLtMatmulHeuristicResult_t result;
+        int found = 0;
+        memset(&result, 0, sizeof result);
+        GPU_CUBLAS(g, cublasLtMatmulAlgoGetHeuristic(g->lt, p->desc, p->a, p->b, p->c, p->c, g->pref, 1, &result,
+                                                     &found));
+        if (found < 1)
+            return gpu_fail(g, MOERT_ERR_UNSUPPORTED, "cuBLASLt has no fp32 algorithm for %s (m=%lld n=%lld k=%lld)",
+                            gemm_name(kind), (long long)m, (long long)n, (long long)k);
+        p->algo = result.algo;
+        p->m = m;
+        p->n = n;
+        p->k = k;
+        p->align_a = aa;
+        p->align_b = ab;
+        p->align_c = ac;
+        p->beta_one = beta_one;
+        p->ready = true;
+    }
+    const float alpha = 1.0f, beta = beta_one ? 1.0f : 0.0f;
+    GPU_CUBLAS(g, cublasLtMatmul(g->lt, p->desc, &alpha, A, p->a, B, p->b, &beta, C, p->c, C, p->c, &p->algo,
+                                 g->workspace, GEMM_WORKSPACE_BYTES, stream));
+    return MOERT_OK;
+}
+
+/* The handle, the preference (workspace size) and each GEMM's descriptor and layouts. */
+static moert_result gemm_setup(router_gpu *g)
+{
+    GPU_CUBLAS(g, cublasLtCreate(&g->lt));
+    GPU_CUBLAS(g, cublasLtMatmulPreferenceCreate(&g->pref));
+    uint64_t ws = GEMM_WORKSPACE_BYTES;
+    GPU_CUBLAS(g, cublasLtMatmulPreferenceSetAttribute(g->pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                                       sizeof ws));
+    for (int kind = 0; kind < GEMM_KINDS; kind++) {
+        gemm_plan *p = &g->plans[kind];
+        cublasOperation_t ta = kind == GEMM_LOGITS ? CUBLAS_OP_T : CUBLAS_OP_N;
+        cublasOperation_t tb = kind == GEMM_WGRAD ? CUBLAS_OP_T : CUBLAS_OP_N;
+        GPU_CUBLAS(g, cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+        GPU_CUBLAS(g, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+        GPU_CUBLAS(g, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+        GPU_CUBLAS(g, cublasLtMatrixLayoutCreate(&p->a, CUDA_R_32F, 1, 1, 1));
+        GPU_CUBLAS(g, cublasLtMatrixLayoutCreate(&p->b, CUDA_R_32F, 1, 1, 1));
+        GPU_CUBLAS(g, cublasLtMatrixLayoutCreate(&p->c, CUDA_R_32F, 1, 1, 1));
+    }
+    return MOERT_OK;
+}
+
+/* ---- create and destroy ---- */
+
+/* The first option the CUDA path cannot serve yet, written into `why`, or false when all can run. */
+static bool cpu_only_option(const router_gpu_config *cfg, const moert_layer_info *layer, char *why, size_t size)
+{
+    const router_params *p = &cfg->params;
+    if (p->balancing == ROUTER_BALANCE_SINKHORN) {
+        snprintf(why, size, "load_balancing sinkhorn runs on the CPU path only for now");
+    } else if (p->capacity_factor > 0.0) {
+        snprintf(why, size, "capacity_factor %g (token dropping) runs on the CPU path only for now; use 0 on CUDA",
+                 p->capacity_factor);
+    } else if (layer->num_experts > MOERT_ROUTER_CUDA_MAX_EXPERTS) {
+        snprintf(why, size, "num_experts %lld is more than the CUDA kernels' %d (the CPU path has no limit)",
+                 (long long)layer->num_experts, MOERT_ROUTER_CUDA_MAX_EXPERTS);
+    } else if (layer->topk > MOERT_ROUTER_CUDA_MAX_TOPK) {
+        snprintf(why, size, "topk %lld is more than the CUDA kernels' %d (the CPU path has no limit)",
+                 (long long)layer->topk, MOERT_ROUTER_CUDA_MAX_TOPK);
+    } else if (p->num_groups > MOERT_ROUTER_CUDA_MAX_GROUPS) {
+        snprintf(why, size, "option num_groups %lld is more than the CUDA kernels' %d (the CPU path has no limit)",
+                 (long long)p->num_groups, MOERT_ROUTER_CUDA_MAX_GROUPS);
+    } else if (layer->max_tokens > INT32_MAX) {
+        snprintf(why, size, "max_tokens %lld is more than the CUDA kernels' %d", (long long)layer->max_tokens,
+                 INT32_MAX);
+    } else {
+        return false;
+    }
+    return true;
+}
+
+/* Everything create allocates, in an order destroy can unwind from any point. */
+static moert_result create_state(router_gpu *g, const moert_layer_info *layer)
+{
+    const moert_host *h = g->host;
+    int64_t E = g->num_experts;
+    int count = 0;
+    cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess || count <= g->device.id) {
+        (void)cudaGetLastError();
+        char reason[160];
+        if (err != cudaSuccess) snprintf(reason, sizeof reason, "no usable CUDA device (%s)", cudaGetErrorString(err));
+        else snprintf(reason, sizeof reason, "%d CUDA device(s) visible", count);
+        h->set_error(h, "router '%s': device cuda:%d is not supported here: %s", g->cfg.name, (int)g->device.id,
+                     reason);
+        return MOERT_ERR_UNSUPPORTED;
+    }
+    GPU_CUDA(g, cudaSetDevice(g->device.id));
+    moert_result rc = device_alloc(g, GEMM_WORKSPACE_BYTES, &g->workspace);
+    if (rc == MOERT_ERR_UNSUPPORTED) {
+        h->set_error(h, "router '%s': device cuda:%d is not supported by this host (its alloc service has no CUDA "
+                        "memory: a CUDA rank's host needs the rank's memory pool)", g->cfg.name, (int)g->device.id);
+        return rc;
+    }
+    if (rc != MOERT_OK) return rc;
+    GPU_TRY(gemm_setup(g));
+    GPU_TRY(device_alloc(g, sizeof(double), (void **)&g->aux_scale));
+    GPU_TRY(device_alloc(g, MOERT_ROUTER_CUDA_LOSS_WORKSPACE_DOUBLES * sizeof(double), (void **)&g->loss_workspace));
+    GPU_TRY(device_alloc(g, 2 * sizeof(double), (void **)&g->loss_out));
+    GPU_TRY(device_alloc(g, (size_t)E * sizeof(double), (void **)&g->global_sum));
+    GPU_TRY(device_alloc(g, (size_t)E * sizeof(float), (void **)&g->bias));
+    GPU_TRY(device_alloc(g, (size_t)E * sizeof(int64_t), (void **)&g->bias_counts));
+    if (!HOST_HAS(h, alloc_pinned) || !HOST_HAS(h, free_pinned))
+        return gpu_fail(g, MOERT_ERR_UNSUPPORTED, "the host has no pinned memory service");
+    GPU_TRY(h->alloc_pinned(h, 2 * sizeof(double), (void **)&g->loss_host));
+    GPU_TRY(h->alloc_pinned(h, (size_t)E * sizeof(int64_t), (void **)&g->counts_host));
+    /* The state that starts at zero. init has no stream: wait for the device (so no earlier user of these pool
+     * blocks has work pending on any stream), zero them on the legacy stream and wait for that. Once, here;
+     * nothing in a step waits like this. */
+    GPU_CUDA(g, cudaDeviceSynchronize());
+    GPU_CUDA(g, cudaMemsetAsync(g->global_sum, 0, (size_t)E * sizeof(double), 0));
+    GPU_CUDA(g, cudaMemsetAsync(g->bias, 0, (size_t)E * sizeof(float), 0));
+    GPU_CUDA(g, cudaMemsetAsync(g->bias_counts, 0, (size_t)E * sizeof(int64_t), 0));
+    GPU_CUDA(g, cudaStreamSynchronize(0));
+    if (layer->max_tokens > 0) GPU_TRY(ensure_token_buffers(g, layer->max_tokens));
+    g->bias_tensor = moert_tensor_1d(g->bias, g->device, MOERT_F32, E);
+    return MOERT_OK;
+}
+
+moert_result router_gpu_create(const moert_host *host, const moert_layer_info *layer, const router_gpu_config *cfg,
+                               router_gpu **out)
+{
+    *out = NULL;
+    char why[256];
+    if (cpu_only_option(cfg, layer, why, sizeof why)) {
+        host->set_error(host, "router '%s' on cuda:%d: %s (the CPU path has it: place the layer on the CPU)",
+                        cfg->name, (int)layer->device.id, why);
+        return MOERT_ERR_UNSUPPORTED;
+    }
+    router_gpu *g = calloc(1, sizeof *g);
+    if (!g) {
+        host->set_error(host, "router '%s': out of memory", cfg->name);
+        return MOERT_ERR_OUT_OF_MEMORY;
+    }
+    g->host = host;
+    g->cfg = *cfg;
+    g->device = layer->device;
+    g->hidden = layer->hidden;
+    g->num_experts = layer->num_experts;
+    g->topk = layer->topk;
+    g->world_size = host->world_size;
+    router_balancing b = cfg->params.balancing;
+    g->aux_on = (b == ROUTER_BALANCE_AUX_LOSS || b == ROUTER_BALANCE_SEQ_AUX_LOSS ||
+                 b == ROUTER_BALANCE_GLOBAL_AUX_LOSS) && cfg->aux_loss_coeff > 0.0;
+    g->z_on = cfg->z_loss_coeff > 0.0;
+    moert_result rc = create_state(g, layer);
+    if (rc != MOERT_OK) {
+        router_gpu_destroy(g);
+        return rc;
+    }
+    *out = g;
+    return MOERT_OK;
+}
+
+void router_gpu_destroy(router_gpu *g)
+{
+    if (!g) return;
+    const moert_host *h = g->host;
+    for (int kind = 0; kind < GEMM_KINDS; kind++) {
+        gemm_plan *p = &g->plans[kind];
+        if (p->a) cublasLtMatrixLayoutDestroy(p->a);
+        if (p->b) cublasLtMatrixLayoutDestroy(p->b);
+        if (p->c) cublasLtMatrixLayoutDestroy(p->c);
+        if (p->desc) cublasLtMatmulDescDestroy(p->desc);
+    }
+    if (g->pref) cublasLtMatmulPreferenceDestroy(g->pref);
+    if (g->lt) cublasLtDestroy(g->lt);
+    void *device_buffers[] = {g->workspace, g->logits,    g->d_logits,       g->sel_idx,  g->x32,
+                              g->aux_counts, g->aux_f,    g->aux_scale,      g->loss_out, g->loss_workspace,
+                              g->global_sum, g->bias,     g->bias_counts};
+    for (size_t i = 0; i < sizeof device_buffers / sizeof device_buffers[0]; i++) device_free(g, device_buffers[i]);
+    if (g->loss_host) h->free_pinned(h, g->loss_host);
+    if (g->counts_host) h->free_pinned(h, g->counts_host);
+    free(g);
+}
+
+/* ---- forward ---- */
+
+/* The kernel parameters of the router's selection and probs. */
+static moert_router_cuda_params route_params(const router_gpu *g, int64_t T)
+{
+    const router_params *p = &g->cfg.params;
+    moert_router_cuda_params rp;
+    memset(&rp, 0, sizeof rp);
+    rp.tokens = T;
+    rp.num_experts = g->num_experts;
+    rp.topk = g->topk;
+    rp.score = p->score_function == ROUTER_SCORE_SIGMOID ? MOERT_ROUTER_CUDA_SIGMOID
+               : p->pre_softmax                          ? MOERT_ROUTER_CUDA_SOFTMAX_PRE
+                                                         : MOERT_ROUTER_CUDA_SOFTMAX_POST;
+    rp.num_groups = p->num_groups;
+    rp.group_topk = p->group_topk;
+    /* as the CPU reference: sigmoid probs are normalised over the K selected (K > 1), pre-softmax ones not */
+    rp.normalize = p->score_function == ROUTER_SCORE_SIGMOID ? 1 : 0;
+    rp.scaling_factor = p->scaling_factor;
+    return rp;
+}
+
+/* The loss kernels' sizes for T tokens in sequences of S. */
+static moert_router_cuda_loss_params loss_params(const router_gpu *g, int64_t T, int64_t S)
+{
+    moert_router_cuda_loss_params lp;
+    memset(&lp, 0, sizeof lp);
+    lp.tokens = T;
+    lp.num_experts = g->num_experts;
+    lp.topk = g->topk;
+    lp.seq_length = S > 0 ? S : 1;
+    lp.sigmoid = g->cfg.params.score_function == ROUTER_SCORE_SIGMOID;
+    return lp;
+}
+
+/* A float tensor's dtype is one of the two the CUDA path takes (fp32, or also bf16). */
+static moert_result check_dtype(router_gpu *g, const char *call, const char *name, const moert_tensor *t,
+                                bool bf16_too)
+{
+    if (t->dtype == MOERT_F32 || (bf16_too && t->dtype == MOERT_BF16)) return MOERT_OK;
+    return gpu_fail(g, MOERT_ERR_UNSUPPORTED, "%s: %s is %s; the CUDA path takes %s", call, name,
+                    moert_dtype_name(t->dtype), bf16_too ? "fp32 or bf16" : "fp32");
+}
+
+/* The fp32 x for the GEMMs: x itself, or its widened copy in x32. Forward always converts (the caller may
+ * reuse x's memory from step to step); backward reuses the forward's copy when x32 still holds it. */
+static moert_result x_as_f32(router_gpu *g, cudaStream_t stream, const moert_tensor *x, int64_t T, bool convert,
+                             const float **out)
+{
+    if (x->dtype == MOERT_F32) {
+        *out = (const float *)x->data;
+        return MOERT_OK;
+    }
+    GPU_TRY(ensure_x32(g, T));
+    if (convert || g->x32_source != x->data) {
+        GPU_TRY(moert_router_cuda_to_f32(g->host, stream, x->dtype, T * g->hidden, x->data, g->x32));
+        g->x32_source = x->data;
+    }
+    *out = g->x32;
+    return MOERT_OK;
+}
+
+/* The balancing loss's counts, f and A of this forward (on the device); sets fwd_aux. */
+static moert_result forward_aux(router_gpu *g, cudaStream_t stream, int64_t T, int64_t seq_length)
+{
+    int64_t E = g->num_experts, K = g->topk;
+    router_balancing b = g->cfg.params.balancing;
+    int64_t S = T;
+    if (b == ROUTER_BALANCE_SEQ_AUX_LOSS && seq_length > 0) S = seq_length;
+    if (b == ROUTER_BALANCE_GLOBAL_AUX_LOSS) {
+        /* f: counts all-reduced over ranks, averaged over the forwards since the last end_step; collective,
+         * so every rank takes part even without tokens */
+        moert_router_cuda_loss_params lp = loss_params(g, T, T);
+        GPU_TRY(ensure_aux_buffers(g, E));
+        GPU_TRY(moert_router_cuda_aux_counts(g->host, stream, &lp, g->logits, g->aux_counts));
+        if (g->world_size > 1)
+            GPU_TRY(g->host->allreduce_sum(g->host, g->aux_counts, (size_t)(E + 1), MOERT_I64, g->device, stream));
+        g->global_forwards++;
+        GPU_TRY(moert_router_cuda_aux_finish(g->host, stream, E, g->aux_counts, g->global_sum,
+                                             (double)g->global_forwards,
+                                             g->cfg.aux_loss_coeff * (double)E / (double)K, g->aux_f, g->aux_scale));
+    } else if (T > 0) {
+        int64_t B = T / S;
+        double A = g->cfg.aux_loss_coeff * (double)E / ((double)K * (double)S * (double)S * (double)B);
+        moert_router_cuda_loss_params lp = loss_params(g, T, S);
+        GPU_TRY(ensure_aux_buffers(g, B * E));
+        GPU_TRY(moert_router_cuda_aux_counts(g->host, stream, &lp, g->logits, g->aux_counts));
+        GPU_TRY(moert_router_cuda_aux_finish(g->host, stream, B * E, g->aux_counts, NULL, 0.0, A, g->aux_f,
+                                             g->aux_scale));
+    }
+    if (T > 0) {
+        g->fwd_aux = true;
+        g->fwd_aux_seq = S;
+    }
+    return MOERT_OK;
+}
+
+/* The loss values: computed on the device, copied to the host with the counts (the one host sync). */
+static moert_result forward_losses(router_gpu *g, cudaStream_t stream, int64_t T, const moert_tensor *counts,
+                                   moert_router_losses *losses)
+{
+    int64_t E = g->num_experts, K = g->topk;
+    const moert_host *h = g->host;
+    bool z = g->z_on && T > 0;
+    if (!g->fwd_aux && !z) return MOERT_OK;
+    moert_router_cuda_loss_params lp = loss_params(g, T, g->fwd_aux ? g->fwd_aux_seq : T);
+    GPU_TRY(moert_router_cuda_loss_values(h, stream, &lp, g->logits, g->fwd_aux ? g->aux_f : NULL, g->aux_scale,
+                                          z ? 1 : 0, g->loss_workspace, g->loss_out));
+    moert_device pinned = {MOERT_DEVICE_CUDA_HOST, 0};
+    GPU_TRY(h->memcpy_async(h, g->loss_host, pinned, g->loss_out, g->device, 2 * sizeof(double), stream));
+    GPU_TRY(h->memcpy_async(h, g->counts_host, pinned, counts->data, g->device, (size_t)E * sizeof(int64_t), stream));
+    GPU_TRY(h->stream_synchronize(h, stream));
+    if (g->fwd_aux) losses->aux_loss = g->loss_host[0];
+    if (z) losses->z_loss = g->cfg.z_loss_coeff * g->loss_host[1] / (double)T;
+    int64_t max_count = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (g->counts_host[e] > max_count) max_count = g->counts_host[e];
+    report_metric(g, "router.max_load_ratio", (double)max_count / ((double)(T * K) / (double)E), "");
+    return MOERT_OK;
+}
+
+moert_result router_gpu_forward(router_gpu *g, moert_stream s, const moert_router_forward_args *a, int64_t seq_length)
+{
+    cudaStream_t stream = (cudaStream_t)s;
+    const moert_host *h = g->host;
+    int64_t T = a->x->shape[0], H = g->hidden, E = g->num_experts, K = g->topk;
+    g->fwd_aux = false;
+    GPU_TRY(check_dtype(g, "forward", "x", a->x, true));
+    GPU_TRY(check_dtype(g, "forward", "weight", a->weight, false));
+    GPU_TRY(check_dtype(g, "forward", "topk_probs", a->topk_probs, false));
+    if (g->cfg.params.balancing == ROUTER_BALANCE_SEQ_AUX_LOSS && g->aux_on && seq_length > 0 && T % seq_length != 0) {
+        h->set_error(h, "router '%s' forward: seq_aux_loss needs whole sequences: seq_length %lld does not divide the "
+                        "%lld tokens", g->cfg.name, (long long)seq_length, (long long)T);
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+    if (T > INT32_MAX) return gpu_fail(g, MOERT_ERR_UNSUPPORTED, "forward: %lld tokens (at most %d)", (long long)T, INT32_MAX);
+    GPU_TRY(ensure_token_buffers(g, T));
+
+    /* logits = x W^T in fp32 */
+    if (T > 0) {
+        const float *x32 = NULL;
+        GPU_TRY(x_as_f32(g, stream, a->x, T, true, &x32));
+        GPU_TRY(gemm_run(g, stream, GEMM_LOGITS, E, T, H, (const float *)a->weight->data, x32, g->logits, 0));
+    }
+
+    /* selection, probs, counts; the selection is kept for backward */
+    moert_router_cuda_params rp = route_params(g, T);
+    int64_t *tpe = a->tokens_per_expert->data;
+    GPU_TRY(moert_router_cuda_forward(h, stream, &rp, g->logits, g->cfg.use_expert_bias ? g->bias : NULL, g->sel_idx,
+                                      (float *)a->topk_probs->data, tpe, NULL));
+    if (T > 0)
+        GPU_CUDA(g, cudaMemcpyAsync(a->topk_idx->data, g->sel_idx, (size_t)(T * K) * sizeof(int32_t),
+                                    cudaMemcpyDeviceToDevice, stream));
+    if (g->cfg.use_expert_bias) GPU_TRY(moert_router_cuda_add_counts(h, stream, E, tpe, g->bias_counts));
+
+    /* losses */
+    moert_router_losses *losses = a->losses;
+    losses->aux_loss = 0.0;
+    losses->z_loss = 0.0;
+    if (g->aux_on) GPU_TRY(forward_aux(g, stream, T, seq_length));
+    GPU_TRY(forward_losses(g, stream, T, a->tokens_per_expert, losses));
+    losses->total = losses->aux_loss + losses->z_loss;
+    if (g->fwd_aux) report_metric(g, "router.aux_loss", losses->aux_loss, "");
+    if (g->z_on) report_metric(g, "router.z_loss", losses->z_loss, "");
+    return MOERT_OK;
+}
+
+/* ---- backward ---- */
+
+moert_result router_gpu_backward(router_gpu *g, moert_stream s, const moert_router_backward_args *a, int64_t T)
+{
+    cudaStream_t stream = (cudaStream_t)s;
+    const moert_host *h = g->host;
+    int64_t H = g->hidden, E = g->num_experts;
+    GPU_TRY(check_dtype(g, "backward", "x", a->x, true));
+    GPU_TRY(check_dtype(g, "backward", "weight", a->weight, false));
+    GPU_TRY(check_dtype(g, "backward", "d_topk_probs", a->d_topk_probs, false));
+    GPU_TRY(check_dtype(g, "backward", "d_x", a->d_x, true));
+    GPU_TRY(check_dtype(g, "backward", "d_weight", a->d_weight, false));
+    if (T == 0) return MOERT_OK;
+
+    /* d_logits: through the probs (overwrites), then the losses (adds), times loss_scale */
+    moert_router_cuda_params rp = route_params(g, T);
+    GPU_TRY(moert_router_cuda_backward(h, stream, &rp, g->logits, g->sel_idx, (const float *)a->d_topk_probs->data,
+                                       g->d_logits, 0));
+    double z_grad = g->z_on ? a->loss_scale * 2.0 * g->cfg.z_loss_coeff / (double)T : 0.0;
+    if (g->fwd_aux || z_grad != 0.0) {
+        moert_router_cuda_loss_params lp = loss_params(g, T, g->fwd_aux ? g->fwd_aux_seq : T);
+        GPU_TRY(moert_router_cuda_loss_backward(h, stream, &lp, g->logits, g->fwd_aux ? g->aux_f : NULL, g->aux_scale,
+                                                a->loss_scale, z_grad, g->d_logits));
+    }
+
+    /* d_weight += d_logits^T x (fp32, beta 1) */
+    const float *x32 = NULL;
+    GPU_TRY(x_as_f32(g, stream, a->x, T, false, &x32));
+    GPU_TRY(gemm_run(g, stream, GEMM_WGRAD, H, E, T, x32, g->d_logits, (float *)a->d_weight->data, 1));
+
+    /* d_x += d_logits W: straight into an fp32 d_x; through the fp32 scratch and an add for bf16 */
+    const float *w = (const float *)a->weight->data;
+    if (a->d_x->dtype == MOERT_F32) {
+        GPU_TRY(gemm_run(g, stream, GEMM_DGRAD, H, T, E, w, g->d_logits, (float *)a->d_x->data, 1));
+    } else {
+        GPU_TRY(ensure_x32(g, T));
+        g->x32_source = NULL; /* overwritten below (after the WGRAD above has read it: stream order) */
+        GPU_TRY(gemm_run(g, stream, GEMM_DGRAD, H, T, E, w, g->d_logits, g->x32, 0));
+        GPU_TRY(moert_router_cuda_accumulate(h, stream, a->d_x->dtype, T * H, g->x32, a->d_x->data));
+    }
+    return MOERT_OK;
+}
+
+/* ---- end_step and the bias ---- */
+
+moert_result router_gpu_end_step(router_gpu *g, moert_stream s)
+{
+    cudaStream_t stream = (cudaStream_t)s;
+    const moert_host *h = g->host;
+    int64_t E = g->num_experts;
+    if (g->cfg.use_expert_bias) {
+        if (g->world_size > 1)
+            GPU_TRY(h->allreduce_sum(h, g->bias_counts, (size_t)E, MOERT_I64, g->device, stream));
+        GPU_TRY(moert_router_cuda_bias_update(h, stream, E, g->bias_counts, g->cfg.bias_update_rate, g->bias));
+    }
+    GPU_CUDA(g, cudaMemsetAsync(g->global_sum, 0, (size_t)E * sizeof(double), stream));
+    g->global_forwards = 0;
+    return MOERT_OK;
+}
+
+const moert_tensor *router_gpu_expert_bias(router_gpu *g)
+{
+    return g->cfg.use_expert_bias ? &g->bias_tensor : NULL;
+}
