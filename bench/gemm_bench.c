@@ -1,10 +1,22 @@
-/* Grouped expert GEMM benchmark: the bf16 precision plugin's CUDA path (cuBLASLt per-expert loop and the
- * cublasGemmGroupedBatchedEx grouped mode) on the expert shapes of the presets, against one dense cuBLASLt
- * GEMM of the same total shape (same FLOPs). FORWARD, DGRAD and WGRAD; CUDA events, warm-up, the three
+/* Grouped expert GEMM benchmark: the bf16 precision plugin's CUDA path on the expert shapes of the presets, against
+ * one dense cuBLASLt GEMM of the same total shape (same FLOPs). FORWARD, DGRAD and WGRAD; CUDA events, warm-up, the
  * variants interleaved, median of 20; random inputs. Prints a table and, given a path, writes JSON.
  *
+ * Variants (S = MOERT_BENCH_STREAMS, default 4):
+ *   loop          per-expert cuBLASLt loop on the caller's stream (1 stream), the same counts every iteration
+ *   loop_sS       the loop spread over S streams, the same counts
+ *   loop_vary     1 stream, new random counts (same total) every iteration: shows the row-bucket plan cache
+ *   loop_sS_vary  S streams, new counts every iteration
+ *   graph_sS      S streams with CUDA graph replay (same counts and pointers: replays after the warm-up)
+ *   grouped       one cublasGemmGroupedBatchedEx call
+ *   dense         one GEMM of the whole [rows, k_in] x [k_in, n_out]
+ * "queries/it" is the cuBLASLt heuristic queries per measured iteration (0 once the buckets were seen). After the
+ * timing, the outputs of loop_sS and graph_sS are compared bit for bit with loop's (WGRAD overwriting); skip with
+ * MOERT_BENCH_CHECK=0.
+ *
  *   gemm_bench [out.json]      environment: MOERT_BENCH_MACHINE (e.g. nvidia-h100-x1), MOERT_BENCH_GIT,
- *                              MOERT_BENCH_REPEATS (default 20), MOERT_BENCH_ONLY (substring of a preset name)
+ *                              MOERT_BENCH_REPEATS (default 20), MOERT_BENCH_ONLY (substring of a preset name),
+ *                              MOERT_BENCH_STREAMS (default 4), MOERT_BENCH_CHECK (default 1)
  */
 #include <cuda_runtime_api.h>
 #include <math.h>
@@ -70,6 +82,19 @@ static const bench_shape shapes[] = {
     {"mixtral-8x7b fc2", 16384, 2, 14336, 4096},
 };
 
+/* One way of running the grouped GEMM. */
+typedef struct bench_variant {
+    char name[24];
+    int streams;  /* moert_bf16_cuda_set_streams */
+    int vary;     /* new random counts every iteration */
+    int graphs;   /* moert_bf16_cuda_set_graphs */
+    int grouped;  /* MOERT_BF16_CUDA_GROUPED */
+    int dense;    /* one expert with all rows */
+} bench_variant;
+
+#define MAX_VARIANTS 8
+#define MAX_EXPERTS 256
+
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 
 /* splitmix64 -> [0, 1) */
@@ -114,7 +139,7 @@ static void *random_bf16(int64_t n)
 /* Rows per expert: random weights in [0.5, 1.5), scaled to the total (an imbalanced but full spread). */
 static void spread_rows(int64_t rows, int64_t experts, int64_t *counts)
 {
-    double w[256], sum = 0;
+    double w[MAX_EXPERTS], sum = 0;
     for (int64_t e = 0; e < experts; e++) sum += (w[e] = 0.5 + rnd());
     int64_t given = 0;
     for (int64_t e = 0; e < experts; e++) {
@@ -138,12 +163,34 @@ static double now_ms(void)
 }
 
 typedef struct bench_result {
-    char shape[48], pass[8], variant[16];
-    double median_ms, tflops, ratio_to_dense, host_ms;
+    char shape[48], pass[8], variant[24];
+    double median_ms, tflops, ratio_to_dense, host_ms, queries_per_iter;
+    int same_bits; /* -1: not checked; 0/1: output equal bit for bit to the 1-stream loop's */
 } bench_result;
 
-static bench_result results[64];
+static bench_result results[6 * 3 * MAX_VARIANTS];
 static int result_count;
+
+/* Sets the handle up for variant v. */
+static void configure(moert_bf16_cuda *g, const bench_variant *v)
+{
+    MOK(moert_bf16_cuda_set_mode(g, v->grouped ? MOERT_BF16_CUDA_GROUPED : MOERT_BF16_CUDA_EXPERT_LOOP));
+    MOK(moert_bf16_cuda_set_streams(g, v->streams));
+    MOK(moert_bf16_cuda_set_graphs(g, v->graphs));
+}
+
+/* Runs gm with variant v (WGRAD overwriting) `calls` times and copies the result to host. */
+static void result_of(moert_bf16_cuda *g, cudaStream_t stream, const bench_variant *v, moert_bf16_cuda_gemm gm,
+                      int calls, void *host, size_t bytes)
+{
+    configure(g, v);
+    gm.accumulate = 0;
+    for (int i = 0; i < calls; i++) MOK(moert_bf16_cuda_grouped_gemm(g, stream, &gm));
+    CK(cudaStreamSynchronize(stream));
+    const void *dst = gm.pass == MOERT_GEMM_FORWARD ? gm.output
+                      : gm.pass == MOERT_GEMM_DGRAD ? (const void *)gm.grad_input : (const void *)gm.grad_weight;
+    CK(cudaMemcpy(host, dst, bytes, cudaMemcpyDeviceToHost));
+}
 
 int main(int argc, char **argv)
 {
@@ -156,7 +203,29 @@ int main(int argc, char **argv)
     const char *only = getenv("MOERT_BENCH_ONLY");
     int repeats = getenv("MOERT_BENCH_REPEATS") ? atoi(getenv("MOERT_BENCH_REPEATS")) : 20;
     if (repeats < 1) repeats = 1;
+    int streams = getenv("MOERT_BENCH_STREAMS") ? atoi(getenv("MOERT_BENCH_STREAMS")) : 4;
+    if (streams < 1 || streams > MOERT_BF16_CUDA_MAX_STREAMS) streams = 4;
+    const int check = getenv("MOERT_BENCH_CHECK") ? atoi(getenv("MOERT_BENCH_CHECK")) != 0 : 1;
     const int warmup = 3;
+
+    bench_variant variants[MAX_VARIANTS];
+    int nv = 0;
+    variants[nv++] = (bench_variant){"loop", 1, 0, 0, 0, 0};
+    bench_variant v_streams = {"", streams, 0, 0, 0, 0}, v_streams_vary = {"", streams, 1, 0, 0, 0};
+    bench_variant v_graph = {"", streams, 0, 1, 0, 0};
+    snprintf(v_streams.name, sizeof v_streams.name, "loop_s%d", streams);
+    snprintf(v_streams_vary.name, sizeof v_streams_vary.name, "loop_s%d_vary", streams);
+    snprintf(v_graph.name, sizeof v_graph.name, "graph_s%d", streams);
+    const int i_streams = nv;
+    variants[nv++] = v_streams;
+    variants[nv++] = (bench_variant){"loop_vary", 1, 1, 0, 0, 0};
+    variants[nv++] = v_streams_vary;
+    const int i_graph = nv;
+    variants[nv++] = v_graph;
+    variants[nv++] = (bench_variant){"grouped", 1, 0, 0, 1, 0};
+    const int i_dense = nv;
+    variants[nv++] = (bench_variant){"dense", 1, 0, 0, 0, 1};
+
     struct cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     cudaStream_t stream;
@@ -167,16 +236,17 @@ int main(int argc, char **argv)
     CK(cudaEventCreate(&ev0));
     CK(cudaEventCreate(&ev1));
     static const char *const pass_names[3] = {"fwd", "dgrad", "wgrad"};
-    static const char *const variant_names[3] = {"loop", "grouped", "dense"};
 
-    printf("device: %s, %d SMs; bf16 storage, fp32 accumulation; median of %d after %d warm-up runs\n", prop.name,
-           prop.multiProcessorCount, repeats, warmup);
+    printf("device: %s, %d SMs; bf16 storage, fp32 accumulation; median of %d after %d warm-up runs; %d streams\n",
+           prop.name, prop.multiProcessorCount, repeats, warmup, streams);
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         const bench_shape *s = &shapes[si];
         if (only && !strstr(s->name, only)) continue;
-        int64_t counts[256], dense_counts[1] = {s->rows};
-        spread_rows(s->rows, s->experts, counts);
         const int64_t K = s->k_in, N = s->n_out, R = s->rows, E = s->experts;
+        int64_t counts[MAX_EXPERTS], dense_counts[1] = {R};
+        int64_t *vary_counts = malloc((size_t)(warmup + repeats) * MAX_EXPERTS * sizeof(int64_t));
+        spread_rows(R, E, counts);
+        for (int it = 0; it < warmup + repeats; it++) spread_rows(R, E, vary_counts + (size_t)it * MAX_EXPERTS);
         void *x = random_bf16(R * K), *w = random_bf16(E * K * N), *dy = random_bf16(R * N);
         void *y = NULL, *dx = NULL, *dw = NULL;
         CK(cudaMalloc(&y, (size_t)(R * N) * 2));
@@ -185,48 +255,82 @@ int main(int argc, char **argv)
         CK(cudaMemset(dw, 0, (size_t)(E * K * N) * 2));
         const double flops = 2.0 * (double)R * (double)K * (double)N;
         for (int pass = 0; pass < 3; pass++) {
-            float *times[3];
-            double host_total[3] = {0, 0, 0};
-            for (int v = 0; v < 3; v++) times[v] = malloc((size_t)repeats * sizeof(float));
+            float *times[MAX_VARIANTS];
+            double host_total[MAX_VARIANTS] = {0};
+            int64_t queries[MAX_VARIANTS] = {0};
+            for (int v = 0; v < nv; v++) times[v] = malloc((size_t)repeats * sizeof(float));
             moert_bf16_cuda_gemm gm = {.pass = (moert_gemm_pass)pass, .dtype = MOERT_BF16, .k_in = K, .n_out = N,
                                        .input = x, .weight = w, .grad_output = dy, .output = y, .grad_input = dx,
                                        .grad_weight = dw, .accumulate = 1};
             for (int it = -warmup; it < repeats; it++)
-                for (int v = 0; v < 3; v++) { /* interleaved: loop, grouped, dense */
-                    gm.num_experts = v == 2 ? 1 : E;
-                    gm.rows_per_expert = v == 2 ? dense_counts : counts;
-                    MOK(moert_bf16_cuda_set_mode(g, v == 1 ? MOERT_BF16_CUDA_GROUPED : MOERT_BF16_CUDA_EXPERT_LOOP));
+                for (int v = 0; v < nv; v++) { /* interleaved */
+                    const bench_variant *var = &variants[v];
+                    gm.num_experts = var->dense ? 1 : E;
+                    gm.rows_per_expert = var->dense ? dense_counts
+                                         : var->vary ? vary_counts + (size_t)(it + warmup) * MAX_EXPERTS
+                                                     : counts;
+                    configure(g, var);
+                    int64_t q0 = 0, q1 = 0;
+                    moert_bf16_cuda_plan_stats(g, &q0, NULL);
                     CK(cudaEventRecord(ev0, stream));
                     double h0 = now_ms();
                     MOK(moert_bf16_cuda_grouped_gemm(g, stream, &gm));
                     double h1 = now_ms();
                     CK(cudaEventRecord(ev1, stream));
                     CK(cudaEventSynchronize(ev1));
+                    moert_bf16_cuda_plan_stats(g, &q1, NULL);
                     float ms = 0;
                     CK(cudaEventElapsedTime(&ms, ev0, ev1));
                     if (it >= 0) {
                         times[v][it] = ms;
                         host_total[v] += h1 - h0;
+                        queries[v] += q1 - q0;
                     }
                 }
-            double median[3];
-            for (int v = 0; v < 3; v++) {
+            double median[MAX_VARIANTS];
+            for (int v = 0; v < nv; v++) {
                 qsort(times[v], (size_t)repeats, sizeof(float), cmp_float);
                 median[v] = repeats % 2 ? times[v][repeats / 2]
                                         : 0.5 * (times[v][repeats / 2 - 1] + times[v][repeats / 2]);
             }
-            for (int v = 0; v < 3; v++) {
+
+            /* bit-for-bit: the S-stream loop and the graph replay against the 1-stream loop */
+            int same_streams = -1, same_graph = -1;
+            if (check) {
+                const int64_t elems = pass == 0 ? R * N : pass == 1 ? R * K : E * K * N;
+                const size_t bytes = (size_t)elems * 2;
+                void *ref = malloc(bytes), *got = malloc(bytes);
+                if (!ref || !got) {
+                    fprintf(stderr, "gemm_bench: out of host memory for the bit check (%zu bytes)\n", bytes);
+                    return 1;
+                }
+                gm.num_experts = E;
+                gm.rows_per_expert = counts;
+                result_of(g, stream, &variants[0], gm, 1, ref, bytes);
+                result_of(g, stream, &variants[i_streams], gm, 1, got, bytes);
+                same_streams = memcmp(ref, got, bytes) == 0;
+                memset(got, 0, bytes);
+                result_of(g, stream, &variants[i_graph], gm, 3, got, bytes); /* seen, captured, replayed */
+                same_graph = memcmp(ref, got, bytes) == 0;
+                free(ref);
+                free(got);
+            }
+
+            for (int v = 0; v < nv; v++) {
                 bench_result *r = &results[result_count++];
                 snprintf(r->shape, sizeof r->shape, "%s", s->name);
                 snprintf(r->pass, sizeof r->pass, "%s", pass_names[pass]);
-                snprintf(r->variant, sizeof r->variant, "%s", variant_names[v]);
+                snprintf(r->variant, sizeof r->variant, "%.23s", variants[v].name);
                 r->median_ms = median[v];
                 r->tflops = flops / (median[v] * 1e-3) / 1e12;
-                r->ratio_to_dense = median[2] / median[v]; /* > 1: faster than the dense GEMM */
+                r->ratio_to_dense = median[i_dense] / median[v]; /* > 1: faster than the dense GEMM */
                 r->host_ms = host_total[v] / repeats;
+                r->queries_per_iter = (double)queries[v] / repeats;
+                r->same_bits = v == i_streams ? same_streams : v == i_graph ? same_graph : -1;
                 free(times[v]);
             }
         }
+        free(vary_counts);
         CK(cudaFree(x));
         CK(cudaFree(w));
         CK(cudaFree(dy));
@@ -234,18 +338,25 @@ int main(int argc, char **argv)
         CK(cudaFree(dx));
         CK(cudaFree(dw));
     }
-    int64_t queries = 0, hits = 0;
-    moert_bf16_cuda_plan_stats(g, &queries, &hits);
+    moert_bf16_cuda_stats stats;
+    moert_bf16_cuda_get_stats(g, &stats);
     moert_bf16_cuda_destroy(g);
 
-    printf("\n%-20s %-6s %-8s %10s %10s %12s %10s\n", "shape", "pass", "variant", "median ms", "TFLOP/s",
-           "vs dense", "enqueue ms");
+    printf("\n%-20s %-6s %-13s %10s %10s %10s %10s %10s %6s\n", "shape", "pass", "variant", "median ms", "TFLOP/s",
+           "vs dense", "enqueue ms", "queries/it", "bits");
     for (int i = 0; i < result_count; i++) {
         const bench_result *r = &results[i];
-        printf("%-20s %-6s %-8s %10.3f %10.1f %11.2fx %10.3f\n", r->shape, r->pass, r->variant, r->median_ms, r->tflops,
-               r->ratio_to_dense, r->host_ms);
+        printf("%-20s %-6s %-13s %10.3f %10.1f %9.2fx %10.3f %10.2f %6s\n", r->shape, r->pass, r->variant,
+               r->median_ms, r->tflops, r->ratio_to_dense, r->host_ms, r->queries_per_iter,
+               r->same_bits < 0 ? "" : r->same_bits ? "same" : "DIFF");
     }
-    printf("cuBLASLt heuristic queries %lld, plan cache hits %lld\n", (long long)queries, (long long)hits);
+    printf("cuBLASLt heuristic queries %lld, plan cache hits %lld, exact-shape fallbacks %lld; graphs: %lld replays, "
+           "%lld updates, %lld instantiations\n",
+           (long long)stats.heuristic_queries, (long long)stats.cache_hits, (long long)stats.exact_fallbacks,
+           (long long)stats.graph_replays, (long long)stats.graph_updates, (long long)stats.graph_instantiations);
+    int differ = 0;
+    for (int i = 0; i < result_count; i++) differ |= results[i].same_bits == 0;
+    if (differ) printf("WARNING: some outputs differ bit for bit from the 1-stream loop (column bits)\n");
 
     if (out_path) {
         FILE *f = fopen(out_path, "w");
@@ -261,8 +372,11 @@ int main(int argc, char **argv)
         fprintf(f, "  \"machine\": \"%s\",\n  \"gpus\": 1,\n  \"device\": \"%s\",\n", machine ? machine : "unknown",
                 prop.name);
         fprintf(f, "  \"git\": \"%s\",\n  \"date\": \"%s\",\n  \"repeats\": %d,\n", git ? git : "unknown", date, repeats);
-        fprintf(f, "  \"note\": \"bf16 storage, fp32 accumulation; rows spread over experts with weights 0.5..1.5; "
-                   "dense = one cuBLASLt GEMM of the same total shape; ratio_to_dense > 1 is faster\",\n");
+        fprintf(f, "  \"note\": \"bf16 storage, fp32 accumulation; rows spread over experts with weights 0.5..1.5 "
+                   "(_vary: new counts, same total, every iteration); loop_sN: N streams; graph_sN: CUDA graph replay; "
+                   "dense = one cuBLASLt GEMM of the same total shape; ratio_to_dense > 1 is faster; "
+                   "queries_per_iter: cuBLASLt heuristic queries per measured iteration; same_bits: output equal bit "
+                   "for bit to the 1-stream loop's (null: not checked)\",\n");
         fprintf(f, "  \"results\": [\n");
         for (int i = 0; i < result_count; i++) {
             const bench_result *r = &results[i];
@@ -271,9 +385,11 @@ int main(int argc, char **argv)
                 if (!strcmp(shapes[k].name, r->shape)) s = &shapes[k];
             fprintf(f,
                     "    {\"name\": \"gemm %s %s %s\", \"value\": %.4f, \"unit\": \"TFLOP/s\", \"median_ms\": %.5f, "
-                    "\"ratio_to_dense\": %.4f, \"enqueue_ms\": %.5f, \"config\": {\"rows\": %lld, \"experts\": %lld, "
-                    "\"k_in\": %lld, \"n_out\": %lld, \"pass\": \"%s\", \"variant\": \"%s\"}}%s\n",
+                    "\"ratio_to_dense\": %.4f, \"enqueue_ms\": %.5f, \"queries_per_iter\": %.3f, \"same_bits\": %s, "
+                    "\"config\": {\"rows\": %lld, \"experts\": %lld, \"k_in\": %lld, \"n_out\": %lld, \"pass\": \"%s\", "
+                    "\"variant\": \"%s\"}}%s\n",
                     r->shape, r->pass, r->variant, r->tflops, r->median_ms, r->ratio_to_dense, r->host_ms,
+                    r->queries_per_iter, r->same_bits < 0 ? "null" : r->same_bits ? "true" : "false",
                     (long long)s->rows, (long long)s->experts, (long long)s->k_in, (long long)s->n_out, r->pass,
                     r->variant, i + 1 < result_count ? "," : "");
         }

@@ -29,6 +29,8 @@ typedef struct bf16_ctx {
     bf16_mode mode;
     bf16_scratch scratch;
     bool on_cuda;                     /* the layer is on a CUDA device: the CUDA path serves it */
+    int gemm_streams;                 /* option: streams of the CUDA per-expert loop (1: the caller's only) */
+    bool gemm_graphs;                 /* option: CUDA graph replay of repeated count vectors */
 #ifdef MOERT_HAVE_CUDA
     moert_bf16_cuda *gemm;            /* cuBLASLt handle, created on the layer's device */
     void *workspace;                  /* its workspace, from the host's pool */
@@ -78,7 +80,8 @@ static void bf16_finalize(void *ctx);
 #ifdef MOERT_HAVE_CUDA
 /*
  * The CUDA path's state: checks the mode against the activation dtype (bf16 GEMMs on bf16 activations, fp32
- * GEMMs on fp32 ones), then makes the cuBLASLt handle on the layer's device with a workspace from the host.
+ * GEMMs on fp32 ones), then makes the cuBLASLt handle on the layer's device with a workspace from the host
+ * (one slice per stream of the per-expert loop), its internal streams and, if asked, graph replay.
  */
 static moert_result cuda_init(bf16_ctx *c, int choice)
 {
@@ -109,7 +112,8 @@ static moert_result cuda_init(bf16_ctx *c, int choice)
         return fail(c, MOERT_ERR_UNSUPPORTED, "the layer is on %s, but this process sees %d CUDA device%s (%s); "
                     "only a CPU path can run here", dev, count, count == 1 ? "" : "s",
                     err == cudaSuccess ? "cudaGetDeviceCount" : cudaGetErrorString(err));
-    moert_result rc = h->alloc(h, c->layer.device, MOERT_BF16_CUDA_WORKSPACE_BYTES, &c->workspace);
+    const size_t workspace_bytes = (size_t)c->gemm_streams * MOERT_BF16_CUDA_STREAM_WORKSPACE_BYTES;
+    moert_result rc = h->alloc(h, c->layer.device, workspace_bytes, &c->workspace);
     if (rc == MOERT_ERR_UNSUPPORTED)
         return fail(c, rc, "the host serving this instance cannot allocate on %s (a CPU-only host): only a CPU path is "
                     "usable with it", dev);
@@ -123,14 +127,16 @@ static moert_result cuda_init(bf16_ctx *c, int choice)
         (void)cudaGetLastError();
         return fail(c, MOERT_ERR_CUDA, "cudaSetDevice(%d) failed: %s", id, cudaGetErrorString(err));
     }
-    rc = moert_bf16_cuda_create(h, c->workspace, MOERT_BF16_CUDA_WORKSPACE_BYTES, MOERT_BF16_CUDA_EXPERT_LOOP,
-                                &c->gemm);
+    rc = moert_bf16_cuda_create(h, c->workspace, workspace_bytes, MOERT_BF16_CUDA_EXPERT_LOOP, &c->gemm);
+    if (rc == MOERT_OK) rc = moert_bf16_cuda_set_streams(c->gemm, c->gemm_streams);
+    if (rc == MOERT_OK && c->gemm_graphs) rc = moert_bf16_cuda_set_graphs(c->gemm, 1);
     if (previous >= 0 && previous != id) (void)cudaSetDevice(previous);
     return rc;
 }
 #endif
 
-/* Creates one instance: reads "mode" and resolves "auto" from the layer's activation dtype. */
+/* Creates one instance: reads the options ("mode", resolving "auto" from the layer's activation dtype, and the
+ * CUDA path's "gemm_streams" and "gemm_graphs", read on every device so the keys are known; unused on the CPU). */
 static moert_result bf16_init(void **out, const moert_host *host, const moert_layer_info *layer)
 {
     *out = NULL;
@@ -153,6 +159,18 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
                                         "auto follows the activation dtype",
                                         &choice);
     if (rc != MOERT_OK) return rc;
+    int64_t gemm_streams = 4; /* at most 8: MOERT_BF16_CUDA_MAX_STREAMS (its header is in CUDA builds only) */
+    rc = host->option_int(host, "gemm_streams", 4, 1, 8,
+                          "CUDA: streams the per-expert GEMMs are spread over (1: the caller's stream only); "
+                          "each takes a 32 MiB cuBLASLt workspace",
+                          &gemm_streams);
+    if (rc != MOERT_OK) return rc;
+    bool gemm_graphs = false;
+    rc = host->option_bool(host, "gemm_graphs", false,
+                           "CUDA: replay a grouped GEMM from a CUDA graph when its count vector repeats "
+                           "(benchmarks, repeated batches)",
+                           &gemm_graphs);
+    if (rc != MOERT_OK) return rc;
     bf16_ctx *c = calloc(1, sizeof *c);
     if (!c) {
         host->set_error(host, "out of memory for the precision state");
@@ -166,6 +184,8 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
     else
         c->mode = (bf16_mode)(choice - 1);
     c->on_cuda = layer->device.type == MOERT_DEVICE_CUDA;
+    c->gemm_streams = (int)gemm_streams;
+    c->gemm_graphs = gemm_graphs;
 #ifdef MOERT_HAVE_CUDA
     if (c->on_cuda) {
         rc = cuda_init(c, choice);

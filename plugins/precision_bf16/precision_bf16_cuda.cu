@@ -9,6 +9,21 @@
  *   DGRAD    din[R,K]  = dout[R,N] @ W[K,N]^T  -> m=K, n=R, k=N: A=W   [N,K] ld N op T, B=dout [N,R] ld N op N
  *   WGRAD    dW[K,N]  += in[R,K]^T @ dout[R,N] -> m=N, n=K, k=R: A=dout[N,R] ld N op N, B=in   [K,R] ld K op T
  * (shapes here are the column-major [rows, cols] of the stored buffers).
+ *
+ * The per-expert loop, steady state (host work per expert, the loop is host-bound for small experts):
+ * - Plans: the heuristic's algorithm is cached per (pass, dtypes, pointer alignments, the two fixed sizes, the row
+ *   bucket of the expert's row count), chosen once for the bucket's upper end (moert_bf16_cuda_row_bucket) and used
+ *   for every row count in it. cuBLASLt checks the algorithm again on every cublasLtMatmul (on the host, before
+ *   anything is enqueued); if it refuses one for the actual shape, an exact-shape plan is queried, cached and used
+ *   (an exact fallback, counted). So counts that change every step make no heuristic query once their buckets
+ *   were seen, and the algorithm of a GEMM depends only on its key, not on the stream it runs on.
+ * - Layouts: one layout object per (dtype, operand); only the attributes that differ from what it holds are
+ *   written (per expert, the column count of the two row-sized operands, and only when the row count changes).
+ * - No allocation, no lock: the scratch arrays live in the handle and grow only with the expert count.
+ * - Streams: with S > 1 streams the caller's stream is forked with an event into S - 1 internal streams, the
+ *   experts are issued largest first, each to the stream with the fewest rows so far, each stream with its own
+ *   workspace slice, and the internal streams are joined back with events.
+ * - Graphs (optional): a call whose counts were seen before is captured once into a CUDA graph and replayed.
  */
 #include "precision_bf16_cuda.h"
 
@@ -16,13 +31,15 @@
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define PLAN_CACHE_SLOTS 4096     /* cache of heuristic results, by shape and alignment */
+#define PLAN_CACHE_SLOTS 4096     /* cache of heuristic results, by shape bucket and alignment */
 #define PLAN_CACHE_PROBES 8
 #define GROUPED_CHUNK 256         /* experts per cublasGemmGroupedBatchedEx call (pointer kernel's by-value list) */
+#define GRAPH_CACHE_SLOTS 16      /* kept count vectors (and their executable graphs), least recently used out */
 
 /* Formats a message and hands it to the host (plugins never print). Returns code. */
 static moert_result report(const moert_host *host, moert_result code, const char *fmt, ...)
@@ -54,10 +71,12 @@ static moert_result report(const moert_host *host, moert_result code, const char
                           __FILE__, __LINE__);                                                               \
     } while (0)
 
-/* What a cached heuristic answer is valid for. */
+/* What a cached heuristic answer is valid for. The row-sized dimension (n for FORWARD and DGRAD, k for WGRAD)
+ * holds the row bucket, or the exact row count in an exact-fallback entry. */
 typedef struct plan_key {
     int32_t pass, dtype, accumulate, output_fp32;
     int32_t align_a, align_b, align_c;
+    int32_t exact;
     int64_t m, n, k;
 } plan_key;
 
@@ -67,6 +86,24 @@ typedef struct plan_entry {
     cublasLtMatmulAlgo_t algo;
 } plan_entry;
 
+/* One matrix layout object and the sizes last written into it. */
+typedef struct layout_state {
+    cublasLtMatrixLayout_t layout;
+    int64_t rows, cols, ld;
+} layout_state;
+
+/* A count vector seen before, and the executable graph of its call once it came a second time. */
+typedef struct graph_entry {
+    int valid;
+    int32_t pass, dtype, accumulate, output_fp32, mode, streams;
+    int64_t num_experts, k_in, n_out;
+    int64_t *counts;          /* [counts_cap], the first num_experts used */
+    int64_t counts_cap;
+    const void *ptrs[6];      /* input, weight, grad_output, output, grad_input, grad_weight of the capture */
+    cudaGraphExec_t exec;     /* NULL: seen once, not captured yet */
+    uint64_t last_used;
+} graph_entry;
+
 struct moert_bf16_cuda {
     const moert_host *host;
     moert_bf16_cuda_mode mode;
@@ -75,14 +112,28 @@ struct moert_bf16_cuda {
     void *workspace;
     size_t workspace_bytes;
     int owns_workspace;
+    int streams;                                           /* lanes of the loop; lane 0 is the caller's stream */
+    cudaStream_t lane_stream[MOERT_BF16_CUDA_MAX_STREAMS]; /* [1, streams): internal, created on first need */
+    cudaEvent_t join_event[MOERT_BF16_CUDA_MAX_STREAMS];   /* [1, streams): recorded on lane i, waited by lane 0 */
+    cudaEvent_t fork_event;                                /* recorded on lane 0, waited by the others */
     cublasLtMatmulDesc_t desc[3];            /* per pass: transposes set once */
-    cublasLtMatrixLayout_t layout[2][3];     /* [fp32, bf16][A, B, C]: dims set per expert */
+    layout_state layout[2][3];               /* [fp32, bf16][A, B, C] */
     cublasLtMatmulPreference_t pref;
+    int32_t pref_align[3];                   /* alignments last written into pref (A, B, C and D); 0: none */
     plan_entry *cache;
-    int64_t heuristic_queries, cache_hits;
+    plan_entry *last_plan;                   /* the previous expert's plan: a repeat key skips the hash */
+    moert_bf16_cuda_stats stats;
+    int64_t *offsets;                        /* [scratch_len] row offset of each expert */
+    int32_t *order;                          /* [scratch_len] non-empty experts in issue order */
+    uint64_t *sort_keys;                     /* [scratch_len] */
+    int64_t scratch_len;
     void **grouped_ptrs;                     /* device [3 * GROUPED_CHUNK]: A, B, C pointer arrays */
     int64_t *host_counts;                    /* for moert_bf16_cuda_run without host counts */
     int64_t host_counts_len;
+    int graphs;                              /* CUDA graph replay on */
+    cudaStream_t capture_stream;
+    graph_entry graph[GRAPH_CACHE_SLOTS];
+    uint64_t graph_clock;
 };
 
 static const char *pass_name(moert_gemm_pass p)
@@ -112,6 +163,18 @@ static uint64_t plan_hash(const plan_key *k)
     return h;
 }
 
+/* The row count a plan is chosen for (see the header): few buckets, each a modest range of row counts. */
+extern "C" int64_t moert_bf16_cuda_row_bucket(int64_t rows)
+{
+    if (rows <= 128) return rows <= 32 ? 32 : (rows + 31) / 32 * 32;
+    if (rows <= 1024) return (rows + 127) / 128 * 128;
+    for (int64_t p = 1024; p <= INT64_MAX / 4; p *= 2) {
+        if (rows <= p + p / 2) return p + p / 2;
+        if (rows <= 2 * p) return 2 * p;
+    }
+    return rows;
+}
+
 /* Creates the handle: cuBLASLt handle, descriptors, layouts, preference, plan cache, workspace. */
 extern "C" moert_result moert_bf16_cuda_create(const moert_host *host, void *workspace, size_t workspace_bytes,
                                                moert_bf16_cuda_mode mode, moert_bf16_cuda **out)
@@ -124,6 +187,7 @@ extern "C" moert_result moert_bf16_cuda_create(const moert_host *host, void *wor
     if (!g) return report(host, MOERT_ERR_OUT_OF_MEMORY, "bf16 cuda: out of host memory for the handle");
     g->host = host;
     g->mode = mode;
+    g->streams = 1;
     g->cache = (plan_entry *)calloc(PLAN_CACHE_SLOTS, sizeof *g->cache);
     moert_result rc = MOERT_OK;
     if (!g->cache) {
@@ -154,10 +218,13 @@ extern "C" moert_result moert_bf16_cuda_create(const moert_host *host, void *wor
             CUBLAS_CHECK(host, cublasLtMatmulDescSetAttribute(g->desc[p], CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
         }
         for (int d = 0; d < 2; d++)
-            for (int i = 0; i < 3; i++)
-                CUBLAS_CHECK(host, cublasLtMatrixLayoutCreate(&g->layout[d][i], d ? CUDA_R_16BF : CUDA_R_32F, 1, 1, 1));
+            for (int i = 0; i < 3; i++) {
+                layout_state *s = &g->layout[d][i];
+                CUBLAS_CHECK(host, cublasLtMatrixLayoutCreate(&s->layout, d ? CUDA_R_16BF : CUDA_R_32F, 1, 1, 1));
+                s->rows = s->cols = s->ld = 1;
+            }
         CUBLAS_CHECK(host, cublasLtMatmulPreferenceCreate(&g->pref));
-        uint64_t ws = g->workspace_bytes;
+        uint64_t ws = MOERT_BF16_CUDA_STREAM_WORKSPACE_BYTES; /* per stream: plans do not depend on the streams */
         CUBLAS_CHECK(host, cublasLtMatmulPreferenceSetAttribute(g->pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                                 &ws, sizeof ws));
         return MOERT_OK;
@@ -170,14 +237,25 @@ fail:
     return rc;
 }
 
-/* Releases everything the handle created (not a caller's workspace). Waits for nothing. */
+/* Releases everything the handle created (not a caller's workspace). Waits for nothing: streams, events and
+ * graphs still in use by the GPU are released by CUDA when their work completes. */
 extern "C" void moert_bf16_cuda_destroy(moert_bf16_cuda *g)
 {
     if (!g) return;
+    for (int i = 0; i < GRAPH_CACHE_SLOTS; i++) {
+        if (g->graph[i].exec) cudaGraphExecDestroy(g->graph[i].exec);
+        free(g->graph[i].counts);
+    }
+    if (g->capture_stream) cudaStreamDestroy(g->capture_stream);
+    for (int i = 1; i < MOERT_BF16_CUDA_MAX_STREAMS; i++) {
+        if (g->lane_stream[i]) cudaStreamDestroy(g->lane_stream[i]);
+        if (g->join_event[i]) cudaEventDestroy(g->join_event[i]);
+    }
+    if (g->fork_event) cudaEventDestroy(g->fork_event);
     if (g->pref) cublasLtMatmulPreferenceDestroy(g->pref);
     for (int d = 0; d < 2; d++)
         for (int i = 0; i < 3; i++)
-            if (g->layout[d][i]) cublasLtMatrixLayoutDestroy(g->layout[d][i]);
+            if (g->layout[d][i].layout) cublasLtMatrixLayoutDestroy(g->layout[d][i].layout);
     for (int p = 0; p < 3; p++)
         if (g->desc[p]) cublasLtMatmulDescDestroy(g->desc[p]);
     if (g->lt) cublasLtDestroy(g->lt);
@@ -185,6 +263,9 @@ extern "C" void moert_bf16_cuda_destroy(moert_bf16_cuda *g)
     if (g->grouped_ptrs) cudaFree(g->grouped_ptrs);
     if (g->owns_workspace && g->workspace) cudaFree(g->workspace);
     free(g->host_counts);
+    free(g->offsets);
+    free(g->order);
+    free(g->sort_keys);
     free(g->cache);
     free(g);
 }
@@ -198,10 +279,58 @@ extern "C" moert_result moert_bf16_cuda_set_mode(moert_bf16_cuda *g, moert_bf16_
     return MOERT_OK;
 }
 
+/* Sets the loop's stream count; creates the missing internal streams and events, grows an owned workspace. */
+extern "C" moert_result moert_bf16_cuda_set_streams(moert_bf16_cuda *g, int streams)
+{
+    const moert_host *host = g->host;
+    if (streams < 1 || streams > MOERT_BF16_CUDA_MAX_STREAMS)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 cuda: %d streams asked for, expected 1 to %d", streams,
+                      MOERT_BF16_CUDA_MAX_STREAMS);
+    const size_t need = (size_t)streams * MOERT_BF16_CUDA_STREAM_WORKSPACE_BYTES;
+    if (g->workspace_bytes < need) {
+        if (!g->owns_workspace)
+            return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                          "bf16 cuda: %d streams need a workspace of %zu bytes (%zu per stream), the handle was given %zu",
+                          streams, need, MOERT_BF16_CUDA_STREAM_WORKSPACE_BYTES, g->workspace_bytes);
+        void *grown = NULL;
+        cudaError_t e = cudaMalloc(&grown, need);
+        if (e != cudaSuccess)
+            return report(host, MOERT_ERR_OUT_OF_MEMORY, "cudaMalloc(workspace, %zu) failed: %s", need,
+                          cudaGetErrorString(e));
+        CUDA_CHECK(host, cudaFree(g->workspace)); /* waits for the device: a setup call, not a per-step one */
+        g->workspace = grown;
+        g->workspace_bytes = need;
+        for (int i = 0; i < GRAPH_CACHE_SLOTS; i++) { /* kept graphs point into the old workspace */
+            if (g->graph[i].exec) cudaGraphExecDestroy(g->graph[i].exec);
+            g->graph[i].exec = NULL;
+            g->graph[i].valid = 0;
+        }
+    }
+    if (streams > 1 && !g->fork_event)
+        CUDA_CHECK(host, cudaEventCreateWithFlags(&g->fork_event, cudaEventDisableTiming));
+    for (int i = 1; i < streams; i++) {
+        if (!g->lane_stream[i]) CUDA_CHECK(host, cudaStreamCreateWithFlags(&g->lane_stream[i], cudaStreamNonBlocking));
+        if (!g->join_event[i]) CUDA_CHECK(host, cudaEventCreateWithFlags(&g->join_event[i], cudaEventDisableTiming));
+    }
+    g->streams = streams;
+    return MOERT_OK;
+}
+
+/* Turns graph replay on or off; the first time on, creates the capture stream. */
+extern "C" moert_result moert_bf16_cuda_set_graphs(moert_bf16_cuda *g, int enabled)
+{
+    if (enabled && !g->capture_stream)
+        CUDA_CHECK(g->host, cudaStreamCreateWithFlags(&g->capture_stream, cudaStreamNonBlocking));
+    g->graphs = enabled != 0;
+    return MOERT_OK;
+}
+
+extern "C" void moert_bf16_cuda_get_stats(const moert_bf16_cuda *g, moert_bf16_cuda_stats *out) { *out = g->stats; }
+
 extern "C" void moert_bf16_cuda_plan_stats(const moert_bf16_cuda *g, int64_t *heuristic_queries, int64_t *cache_hits)
 {
-    if (heuristic_queries) *heuristic_queries = g->heuristic_queries;
-    if (cache_hits) *cache_hits = g->cache_hits;
+    if (heuristic_queries) *heuristic_queries = g->stats.heuristic_queries;
+    if (cache_hits) *cache_hits = g->stats.cache_hits;
 }
 
 /* Whether the result is fp32 while the operands are bf16. */
@@ -251,42 +380,89 @@ static void expert_problem_make(const moert_bf16_cuda_gemm *gm, int64_t e, int64
     }
 }
 
-/* Sets one layout's rows, columns and leading dimension. */
-static moert_result layout_set(const moert_host *host, cublasLtMatrixLayout_t l, int64_t rows, int64_t cols, int64_t ld)
+/* Makes a layout describe rows x cols with leading dimension ld, writing only the attributes that differ. */
+static moert_result layout_fit(const moert_host *host, layout_state *s, int64_t rows, int64_t cols, int64_t ld)
 {
-    uint64_t r = (uint64_t)rows, c = (uint64_t)cols;
-    CUBLAS_CHECK(host, cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_ROWS, &r, sizeof r));
-    CUBLAS_CHECK(host, cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_COLS, &c, sizeof c));
-    CUBLAS_CHECK(host, cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_LD, &ld, sizeof ld));
+    if (s->rows != rows) {
+        uint64_t v = (uint64_t)rows;
+        CUBLAS_CHECK(host, cublasLtMatrixLayoutSetAttribute(s->layout, CUBLASLT_MATRIX_LAYOUT_ROWS, &v, sizeof v));
+        s->rows = rows;
+    }
+    if (s->cols != cols) {
+        uint64_t v = (uint64_t)cols;
+        CUBLAS_CHECK(host, cublasLtMatrixLayoutSetAttribute(s->layout, CUBLASLT_MATRIX_LAYOUT_COLS, &v, sizeof v));
+        s->cols = cols;
+    }
+    if (s->ld != ld) {
+        CUBLAS_CHECK(host, cublasLtMatrixLayoutSetAttribute(s->layout, CUBLASLT_MATRIX_LAYOUT_LD, &ld, sizeof ld));
+        s->ld = ld;
+    }
     return MOERT_OK;
 }
 
-/* One expert's matmul through cuBLASLt, with the heuristic answer cached per shape and alignment. */
-static moert_result lt_matmul_expert(moert_bf16_cuda *g, cudaStream_t stream, const moert_bf16_cuda_gemm *gm,
-                                     int64_t e, const expert_problem *p)
+/* The three layouts of one call: A, B and C (= D). */
+typedef struct call_layouts {
+    layout_state *a, *b, *c;
+} call_layouts;
+
+/* Fits the call's layouts to problem p. */
+static moert_result layouts_fit(const moert_host *host, const call_layouts *l, const expert_problem *p)
+{
+    moert_result rc;
+    if ((rc = layout_fit(host, l->a, p->a_rows, p->a_cols, p->lda)) != MOERT_OK) return rc;
+    if ((rc = layout_fit(host, l->b, p->b_rows, p->b_cols, p->ldb)) != MOERT_OK) return rc;
+    return layout_fit(host, l->c, p->c_rows, p->c_cols, p->ldc);
+}
+
+/* Writes the minimum pointer alignments into the preference, the ones that changed only. */
+static moert_result pref_align_set(moert_bf16_cuda *g, const plan_key *key)
 {
     const moert_host *host = g->host;
-    const int d = gm->dtype == MOERT_BF16 ? 1 : 0;
-    const int out_fp32 = mixed_output(gm);
-    cublasLtMatrixLayout_t la = g->layout[d][0], lb = g->layout[d][1], lc = g->layout[out_fp32 ? 0 : d][2];
-    moert_result rc;
-    if ((rc = layout_set(host, la, p->a_rows, p->a_cols, p->lda)) != MOERT_OK) return rc;
-    if ((rc = layout_set(host, lb, p->b_rows, p->b_cols, p->ldb)) != MOERT_OK) return rc;
-    if ((rc = layout_set(host, lc, p->c_rows, p->c_cols, p->ldc)) != MOERT_OK) return rc;
+    const int32_t want[3] = {key->align_a, key->align_b, key->align_c};
+    static const cublasLtMatmulPreferenceAttributes_t attr[3] = {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                                                 CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                                                 CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES};
+    for (int i = 0; i < 3; i++) {
+        if (g->pref_align[i] == want[i]) continue;
+        g->pref_align[i] = 0;
+        uint32_t v = (uint32_t)want[i];
+        CUBLAS_CHECK(host, cublasLtMatmulPreferenceSetAttribute(g->pref, attr[i], &v, sizeof v));
+        if (i == 2)
+            CUBLAS_CHECK(host, cublasLtMatmulPreferenceSetAttribute(g->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                                                                    &v, sizeof v));
+        g->pref_align[i] = want[i];
+    }
+    return MOERT_OK;
+}
 
-    const int accumulate = gm->pass == MOERT_GEMM_WGRAD && gm->accumulate;
+/*
+ * The plan of expert e's matmul p (rows rows from row_offset): from the previous expert, the cache, or a heuristic
+ * query for the bucket's upper end (exact = 0) or for the exact shape (exact = 1). May leave the layouts fit to the
+ * queried shape; the caller fits them to p afterwards.
+ */
+static moert_result plan_get(moert_bf16_cuda *g, const moert_bf16_cuda_gemm *gm, const call_layouts *l, int64_t e,
+                             int64_t row_offset, int64_t rows, const expert_problem *p, int exact, plan_entry **out)
+{
+    const moert_host *host = g->host;
+    const int64_t queried_rows = exact ? rows : moert_bf16_cuda_row_bucket(rows);
     plan_key key;
     memset(&key, 0, sizeof key); /* the hash reads padding bytes too */
     key.pass = gm->pass;
     key.dtype = gm->dtype;
-    key.accumulate = accumulate;
-    key.output_fp32 = out_fp32;
+    key.accumulate = gm->pass == MOERT_GEMM_WGRAD && gm->accumulate;
+    key.output_fp32 = mixed_output(gm);
     key.align_a = pointer_alignment(p->a);
     key.align_b = pointer_alignment(p->b);
     key.align_c = pointer_alignment(p->c);
+    key.exact = exact;
     key.m = p->m;
-    key.n = p->n;
-    key.k = p->k;
+    key.n = gm->pass == MOERT_GEMM_WGRAD ? p->n : queried_rows;
+    key.k = gm->pass == MOERT_GEMM_WGRAD ? queried_rows : p->k;
+    if (g->last_plan && g->last_plan->valid && memcmp(&g->last_plan->key, &key, sizeof key) == 0) {
+        g->stats.cache_hits++;
+        *out = g->last_plan;
+        return MOERT_OK;
+    }
     /* open addressing: look PLAN_CACHE_PROBES slots on; a miss fills the first free one (or the home slot) */
     const uint64_t home = plan_hash(&key) % PLAN_CACHE_SLOTS;
     plan_entry *slot = NULL, *free_slot = NULL;
@@ -296,32 +472,137 @@ static moert_result lt_matmul_expert(moert_bf16_cuda *g, cudaStream_t stream, co
         else if (!s->valid && !free_slot) free_slot = s;
     }
     if (slot) {
-        g->cache_hits++;
-    } else {
-        slot = free_slot ? free_slot : &g->cache[home];
-        uint32_t aa = (uint32_t)key.align_a, ab = (uint32_t)key.align_b, ac = (uint32_t)key.align_c;
-        CUBLAS_CHECK(host, cublasLtMatmulPreferenceSetAttribute(g->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aa, sizeof aa));
-        CUBLAS_CHECK(host, cublasLtMatmulPreferenceSetAttribute(g->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ab, sizeof ab));
-        CUBLAS_CHECK(host, cublasLtMatmulPreferenceSetAttribute(g->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ac, sizeof ac));
-        CUBLAS_CHECK(host, cublasLtMatmulPreferenceSetAttribute(g->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ac, sizeof ac));
-        cublasLtMatmulHeuristicResult_t result;
-        int found = 0;
-        g->heuristic_queries++;
-        CUBLAS_CHECK(host, cublasLtMatmulAlgoGetHeuristic(g->lt, g->desc[gm->pass], la, lb, lc, lc, g->pref, 1, &result, &found));
-        if (found < 1)
-            return report(host, MOERT_ERR_UNSUPPORTED,
-                          "bf16 cuda: cuBLASLt has no algorithm for %s %s%s expert %lld (m=%lld n=%lld k=%lld)",
-                          pass_name(gm->pass), moert_dtype_name(gm->dtype), out_fp32 ? " (fp32 result)" : "",
-                          (long long)e, (long long)p->m,
-                          (long long)p->n, (long long)p->k);
-        slot->valid = 1;
-        slot->key = key;
-        slot->algo = result.algo;
+        g->stats.cache_hits++;
+        g->last_plan = slot;
+        *out = slot;
+        return MOERT_OK;
     }
-    const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-    CUBLAS_CHECK(host, cublasLtMatmul(g->lt, g->desc[gm->pass], &alpha, p->a, la, p->b, lb, &beta, p->c, lc, p->c, lc,
-                                      &slot->algo, g->workspace, g->workspace_bytes, stream));
+    slot = free_slot ? free_slot : &g->cache[home];
+    slot->valid = 0;
+    if (g->last_plan == slot) g->last_plan = NULL;
+    expert_problem q; /* the queried shape: only its sizes matter, no memory is touched */
+    expert_problem_make(gm, e, row_offset, queried_rows, &q);
+    moert_result rc;
+    if ((rc = layouts_fit(host, l, &q)) != MOERT_OK) return rc;
+    if ((rc = pref_align_set(g, &key)) != MOERT_OK) return rc;
+    cublasLtMatmulHeuristicResult_t result;
+    int found = 0;
+    g->stats.heuristic_queries++;
+    CUBLAS_CHECK(host, cublasLtMatmulAlgoGetHeuristic(g->lt, g->desc[gm->pass], l->a->layout, l->b->layout,
+                                                      l->c->layout, l->c->layout, g->pref, 1, &result, &found));
+    if (found < 1)
+        return report(host, MOERT_ERR_UNSUPPORTED,
+                      "bf16 cuda: cuBLASLt has no algorithm for %s %s%s expert %lld (m=%lld n=%lld k=%lld)",
+                      pass_name(gm->pass), moert_dtype_name(gm->dtype), key.output_fp32 ? " (fp32 result)" : "",
+                      (long long)e, (long long)q.m, (long long)q.n, (long long)q.k);
+    slot->key = key;
+    slot->algo = result.algo;
+    slot->valid = 1;
+    g->last_plan = slot;
+    *out = slot;
     return MOERT_OK;
+}
+
+/*
+ * One expert's matmul through cuBLASLt on stream with a workspace slice, with its bucket's plan; if cuBLASLt
+ * refuses that plan for this exact shape, with an exact-shape plan.
+ */
+static moert_result lt_matmul_expert(moert_bf16_cuda *g, cudaStream_t stream, void *workspace,
+                                     const moert_bf16_cuda_gemm *gm, const call_layouts *l, int64_t e,
+                                     int64_t row_offset, int64_t rows)
+{
+    const moert_host *host = g->host;
+    expert_problem p;
+    expert_problem_make(gm, e, row_offset, rows, &p);
+    const float alpha = 1.0f, beta = (gm->pass == MOERT_GEMM_WGRAD && gm->accumulate) ? 1.0f : 0.0f;
+    cublasStatus_t st = CUBLAS_STATUS_NOT_SUPPORTED;
+    for (int exact = 0; exact < 2; exact++) {
+        plan_entry *plan = NULL;
+        moert_result rc = plan_get(g, gm, l, e, row_offset, rows, &p, exact, &plan);
+        if (rc != MOERT_OK) return rc;
+        if ((rc = layouts_fit(host, l, &p)) != MOERT_OK) return rc;
+        st = cublasLtMatmul(g->lt, g->desc[gm->pass], &alpha, p.a, l->a->layout, p.b, l->b->layout, &beta, p.c,
+                            l->c->layout, p.c, l->c->layout, &plan->algo, workspace,
+                            MOERT_BF16_CUDA_STREAM_WORKSPACE_BYTES, stream);
+        if (st == CUBLAS_STATUS_SUCCESS) return MOERT_OK;
+        if (exact || (st != CUBLAS_STATUS_NOT_SUPPORTED && st != CUBLAS_STATUS_INVALID_VALUE)) break;
+        g->stats.exact_fallbacks++; /* the bucket's algorithm does not fit this shape: query this one */
+    }
+    return report(host, MOERT_ERR_CUDA, "cublasLtMatmul(%s expert %lld, m=%lld n=%lld k=%lld) failed: %s (%s:%d)",
+                  pass_name(gm->pass), (long long)e, (long long)p.m, (long long)p.n, (long long)p.k,
+                  cublasLtGetStatusString(st), __FILE__, __LINE__);
+}
+
+/* Descending order of packed (rows, expert) keys; ties: the lower expert first. */
+static int cmp_desc_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x < y) - (x > y);
+}
+
+/* Records the fork event on the caller's stream and makes lanes 1 .. lanes-1 wait for it. */
+static moert_result lanes_fork(moert_bf16_cuda *g, cudaStream_t stream, int lanes)
+{
+    CUDA_CHECK(g->host, cudaEventRecord(g->fork_event, stream));
+    for (int i = 1; i < lanes; i++) CUDA_CHECK(g->host, cudaStreamWaitEvent(g->lane_stream[i], g->fork_event, 0));
+    return MOERT_OK;
+}
+
+/* Makes the caller's stream wait for lanes 1 .. lanes-1. host: where an error goes (NULL: keep an earlier one). */
+static moert_result lanes_join(moert_bf16_cuda *g, const moert_host *host, cudaStream_t stream, int lanes)
+{
+    moert_result rc = MOERT_OK;
+    for (int i = 1; i < lanes; i++) {
+        cudaError_t err = cudaEventRecord(g->join_event[i], g->lane_stream[i]);
+        if (err == cudaSuccess) err = cudaStreamWaitEvent(stream, g->join_event[i], 0);
+        if (err != cudaSuccess && rc == MOERT_OK)
+            rc = report(host, MOERT_ERR_CUDA, "joining internal stream %d back failed: %s (%s:%d)", i,
+                        cudaGetErrorString(err), __FILE__, __LINE__);
+    }
+    return rc;
+}
+
+/*
+ * The per-expert cuBLASLt loop over the non-empty experts. One stream: in expert order on the caller's stream.
+ * More: largest expert first, each to the lane with the fewest rows so far (round robin for equal experts).
+ */
+static moert_result lt_loop(moert_bf16_cuda *g, cudaStream_t stream, const moert_bf16_cuda_gemm *gm,
+                            const int64_t *offsets)
+{
+    const int d = gm->dtype == MOERT_BF16 ? 1 : 0;
+    const call_layouts l = {&g->layout[d][0], &g->layout[d][1], &g->layout[mixed_output(gm) ? 0 : d][2]};
+    int32_t active = 0;
+    for (int64_t e = 0; e < gm->num_experts; e++)
+        if (gm->rows_per_expert[e] > 0) g->order[active++] = (int32_t)e;
+    if (active == 0) return MOERT_OK;
+    const int lanes = g->streams < active ? g->streams : (int)active;
+    if (lanes > 1) {
+        for (int32_t i = 0; i < active; i++) {
+            const int32_t e = g->order[i];
+            g->sort_keys[i] = ((uint64_t)gm->rows_per_expert[e] << 24) | (uint64_t)(0xFFFFFF - e);
+        }
+        qsort(g->sort_keys, (size_t)active, sizeof *g->sort_keys, cmp_desc_u64);
+        for (int32_t i = 0; i < active; i++) g->order[i] = 0xFFFFFF - (int32_t)(g->sort_keys[i] & 0xFFFFFF);
+        moert_result rc = lanes_fork(g, stream, lanes);
+        if (rc != MOERT_OK) return rc;
+    }
+    int64_t load[MOERT_BF16_CUDA_MAX_STREAMS] = {0};
+    moert_result rc = MOERT_OK;
+    for (int32_t i = 0; i < active && rc == MOERT_OK; i++) {
+        const int32_t e = g->order[i];
+        int lane = 0;
+        for (int s = 1; s < lanes; s++)
+            if (load[s] < load[lane]) lane = s;
+        load[lane] += gm->rows_per_expert[e];
+        void *ws = (char *)g->workspace + (size_t)lane * MOERT_BF16_CUDA_STREAM_WORKSPACE_BYTES;
+        rc = lt_matmul_expert(g, lane ? g->lane_stream[lane] : stream, ws, gm, &l, e, offsets[e],
+                              gm->rows_per_expert[e]);
+    }
+    if (lanes > 1) {
+        moert_result join = lanes_join(g, rc == MOERT_OK ? g->host : NULL, stream, lanes);
+        if (rc == MOERT_OK) rc = join;
+    }
+    return rc;
 }
 
 /* The A, B, C pointers of up to GROUPED_CHUNK experts, passed by value to a one-block kernel. */
@@ -420,7 +701,187 @@ static moert_result grouped_gemm_cublas(moert_bf16_cuda *g, cudaStream_t stream,
     return MOERT_OK;
 }
 
-/* Validates the raw description, then runs the per-expert loop or the grouped call. */
+/* Grows the handle's per-expert scratch arrays to hold experts entries (no allocation in the steady state). */
+static moert_result scratch_reserve(moert_bf16_cuda *g, int64_t experts)
+{
+    if (g->scratch_len >= experts) return MOERT_OK;
+    int64_t *offsets = (int64_t *)realloc(g->offsets, (size_t)experts * sizeof *offsets);
+    if (offsets) g->offsets = offsets;
+    int32_t *order = (int32_t *)realloc(g->order, (size_t)experts * sizeof *order);
+    if (order) g->order = order;
+    uint64_t *keys = (uint64_t *)realloc(g->sort_keys, (size_t)experts * sizeof *keys);
+    if (keys) g->sort_keys = keys;
+    if (!offsets || !order || !keys)
+        return report(g->host, MOERT_ERR_OUT_OF_MEMORY, "bf16 cuda: out of host memory for %lld experts' offsets",
+                      (long long)experts);
+    g->scratch_len = experts;
+    return MOERT_OK;
+}
+
+/* Everything one grouped GEMM enqueues on stream: the zeroed slices of empty experts (WGRAD without
+ * accumulate), then the grouped call or the per-expert loop. */
+static moert_result enqueue_gemm(moert_bf16_cuda *g, cudaStream_t stream, const moert_bf16_cuda_gemm *gm,
+                                 const int64_t *offsets)
+{
+    const moert_host *host = g->host;
+    /* WGRAD overwriting the gradient of an expert with no rows: the product is zero. */
+    if (gm->pass == MOERT_GEMM_WGRAD && !gm->accumulate) {
+        const size_t slice = (size_t)gm->k_in * (size_t)gm->n_out * output_elem_size(gm);
+        for (int64_t e = 0; e < gm->num_experts; e++) {
+            if (gm->rows_per_expert[e] != 0) continue;
+            cudaError_t err = cudaMemsetAsync((char *)gm->grad_weight + (size_t)e * slice, 0, slice, stream);
+            if (err != cudaSuccess)
+                return report(host, MOERT_ERR_CUDA, "cudaMemsetAsync(grad_weight of expert %lld) failed: %s",
+                              (long long)e, cudaGetErrorString(err));
+        }
+    }
+    /* cublasGemmGroupedBatchedEx is not documented for a bf16 x bf16 -> fp32 result: such GEMMs take the loop */
+    if (g->mode == MOERT_BF16_CUDA_GROUPED && !mixed_output(gm)) return grouped_gemm_cublas(g, stream, gm, offsets);
+    return lt_loop(g, stream, gm, offsets);
+}
+
+/* The six operand pointers of a call, in graph_entry's order. */
+static void gemm_pointers(const moert_bf16_cuda_gemm *gm, const void *ptrs[6])
+{
+    ptrs[0] = gm->input;
+    ptrs[1] = gm->weight;
+    ptrs[2] = gm->grad_output;
+    ptrs[3] = gm->output;
+    ptrs[4] = gm->grad_input;
+    ptrs[5] = gm->grad_weight;
+}
+
+/* Whether a kept entry is for this call's work (all but the pointers). */
+static int graph_entry_matches(const moert_bf16_cuda *g, const graph_entry *ge, const moert_bf16_cuda_gemm *gm)
+{
+    if (!ge->valid || ge->pass != (int32_t)gm->pass || ge->dtype != (int32_t)gm->dtype ||
+        ge->accumulate != (gm->pass == MOERT_GEMM_WGRAD && gm->accumulate) || ge->output_fp32 != mixed_output(gm) ||
+        ge->mode != (int32_t)g->mode || ge->streams != g->streams || ge->num_experts != gm->num_experts ||
+        ge->k_in != gm->k_in || ge->n_out != gm->n_out)
+        return 0;
+    return gm->num_experts == 0 ||
+           memcmp(ge->counts, gm->rows_per_expert, (size_t)gm->num_experts * sizeof(int64_t)) == 0;
+}
+
+/* Takes a free entry, or the least recently used one (its graph destroyed), and makes it this call's key. */
+static moert_result graph_entry_claim(moert_bf16_cuda *g, const moert_bf16_cuda_gemm *gm, graph_entry **out)
+{
+    graph_entry *ge = &g->graph[0];
+    for (int i = 0; i < GRAPH_CACHE_SLOTS; i++) {
+        if (!g->graph[i].valid) {
+            ge = &g->graph[i];
+            break;
+        }
+        if (g->graph[i].last_used < ge->last_used) ge = &g->graph[i];
+    }
+    if (ge->exec) cudaGraphExecDestroy(ge->exec); /* an in-flight launch finishes first */
+    ge->exec = NULL;
+    ge->valid = 0;
+    if (ge->counts_cap < gm->num_experts) {
+        int64_t *grown = (int64_t *)realloc(ge->counts, (size_t)gm->num_experts * sizeof(int64_t));
+        if (!grown) return report(g->host, MOERT_ERR_OUT_OF_MEMORY, "bf16 cuda: out of host memory for a graph key");
+        ge->counts = grown;
+        ge->counts_cap = gm->num_experts;
+    }
+    if (gm->num_experts > 0) memcpy(ge->counts, gm->rows_per_expert, (size_t)gm->num_experts * sizeof(int64_t));
+    ge->pass = (int32_t)gm->pass;
+    ge->dtype = (int32_t)gm->dtype;
+    ge->accumulate = gm->pass == MOERT_GEMM_WGRAD && gm->accumulate;
+    ge->output_fp32 = mixed_output(gm);
+    ge->mode = (int32_t)g->mode;
+    ge->streams = g->streams;
+    ge->num_experts = gm->num_experts;
+    ge->k_in = gm->k_in;
+    ge->n_out = gm->n_out;
+    gemm_pointers(gm, ge->ptrs);
+    ge->valid = 1;
+    *out = ge;
+    return MOERT_OK;
+}
+
+/* Captures the call's work on the capture stream into *graph. */
+static moert_result graph_capture(moert_bf16_cuda *g, const moert_bf16_cuda_gemm *gm, const int64_t *offsets,
+                                  cudaGraph_t *graph)
+{
+    *graph = NULL;
+    CUDA_CHECK(g->host, cudaStreamBeginCapture(g->capture_stream, cudaStreamCaptureModeThreadLocal));
+    moert_result rc = enqueue_gemm(g, g->capture_stream, gm, offsets);
+    cudaError_t err = cudaStreamEndCapture(g->capture_stream, graph); /* always ended, even after an error */
+    if (rc != MOERT_OK || err != cudaSuccess) {
+        if (*graph) cudaGraphDestroy(*graph);
+        *graph = NULL;
+        (void)cudaGetLastError();
+        if (rc == MOERT_OK)
+            rc = report(g->host, MOERT_ERR_CUDA, "cudaStreamEndCapture failed: %s (%s:%d)", cudaGetErrorString(err),
+                        __FILE__, __LINE__);
+    }
+    return rc;
+}
+
+/*
+ * The call through the graph cache: a count vector seen for the first time is remembered and enqueued directly
+ * (which also warms the plan cache); seen again, it is captured and instantiated; with the same pointers as its
+ * capture it is replayed; with other pointers it is captured again and the executable updated in place.
+ */
+static moert_result graph_run(moert_bf16_cuda *g, cudaStream_t stream, const moert_bf16_cuda_gemm *gm,
+                              const int64_t *offsets)
+{
+    const moert_host *host = g->host;
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return enqueue_gemm(g, stream, gm, offsets);
+    }
+    if (status != cudaStreamCaptureStatusNone) return enqueue_gemm(g, stream, gm, offsets); /* the caller captures */
+    const void *ptrs[6];
+    gemm_pointers(gm, ptrs);
+    graph_entry *ge = NULL;
+    for (int i = 0; i < GRAPH_CACHE_SLOTS && !ge; i++)
+        if (graph_entry_matches(g, &g->graph[i], gm)) ge = &g->graph[i];
+    const uint64_t now = ++g->graph_clock;
+    if (!ge) {
+        moert_result rc = graph_entry_claim(g, gm, &ge);
+        if (rc != MOERT_OK) return rc;
+        ge->last_used = now;
+        return enqueue_gemm(g, stream, gm, offsets);
+    }
+    ge->last_used = now;
+    if (ge->exec && memcmp(ge->ptrs, ptrs, sizeof ptrs) == 0) {
+        CUDA_CHECK(host, cudaGraphLaunch(ge->exec, stream));
+        g->stats.graph_replays++;
+        return MOERT_OK;
+    }
+    cudaGraph_t graph = NULL;
+    moert_result rc = graph_capture(g, gm, offsets, &graph);
+    if (rc != MOERT_OK) return rc;
+    if (ge->exec) {
+        cudaGraphExecUpdateResultInfo info;
+        if (cudaGraphExecUpdate(ge->exec, graph, &info) == cudaSuccess) {
+            g->stats.graph_updates++;
+        } else { /* the topology changed (e.g. an exact fallback): a new executable */
+            (void)cudaGetLastError();
+            cudaGraphExecDestroy(ge->exec);
+            ge->exec = NULL;
+        }
+    }
+    if (!ge->exec) {
+        cudaError_t err = cudaGraphInstantiate(&ge->exec, graph, 0);
+        if (err != cudaSuccess) {
+            ge->exec = NULL;
+            ge->valid = 0;
+            cudaGraphDestroy(graph);
+            return report(host, MOERT_ERR_CUDA, "cudaGraphInstantiate failed: %s (%s:%d)", cudaGetErrorString(err),
+                          __FILE__, __LINE__);
+        }
+        g->stats.graph_instantiations++;
+    }
+    cudaGraphDestroy(graph);
+    memcpy(ge->ptrs, ptrs, sizeof ptrs);
+    CUDA_CHECK(host, cudaGraphLaunch(ge->exec, stream));
+    return MOERT_OK;
+}
+
+/* Validates the raw description, then runs the per-expert loop or the grouped call (through a graph when on). */
 extern "C" moert_result moert_bf16_cuda_grouped_gemm(moert_bf16_cuda *g, cudaStream_t stream,
                                                      const moert_bf16_cuda_gemm *gm)
 {
@@ -430,7 +891,8 @@ extern "C" moert_result moert_bf16_cuda_grouped_gemm(moert_bf16_cuda *g, cudaStr
                       moert_dtype_name(gm->dtype));
     if (gm->pass != MOERT_GEMM_FORWARD && gm->pass != MOERT_GEMM_DGRAD && gm->pass != MOERT_GEMM_WGRAD)
         return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 cuda: unknown GEMM pass %d", (int)gm->pass);
-    if (gm->num_experts < 0 || gm->k_in <= 0 || gm->n_out <= 0 || (gm->num_experts > 0 && !gm->rows_per_expert))
+    if (gm->num_experts < 0 || gm->num_experts > 0xFFFFFF || gm->k_in <= 0 || gm->n_out <= 0 ||
+        (gm->num_experts > 0 && !gm->rows_per_expert))
         return report(host, MOERT_ERR_INVALID_ARGUMENT,
                       "bf16 cuda: bad GEMM sizes (experts %lld, k_in %lld, n_out %lld, rows %s)",
                       (long long)gm->num_experts, (long long)gm->k_in, (long long)gm->n_out,
@@ -443,51 +905,20 @@ extern "C" moert_result moert_bf16_cuda_grouped_gemm(moert_bf16_cuda *g, cudaStr
     if (!need1 || !need2 || !dst)
         return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 cuda: %s needs its two operands and its output",
                       pass_name(gm->pass));
+    moert_result rc = scratch_reserve(g, gm->num_experts);
+    if (rc != MOERT_OK) return rc;
 
-    /* Row offsets of each expert (host prefix sum), small: E_local entries. */
-    int64_t stack_offsets[512];
-    int64_t *offsets = gm->num_experts <= 512 ? stack_offsets : (int64_t *)malloc((size_t)gm->num_experts * sizeof(int64_t));
-    if (!offsets) return report(host, MOERT_ERR_OUT_OF_MEMORY, "bf16 cuda: out of host memory for row offsets");
+    /* Row offsets of each expert (host prefix sum). */
     int64_t total = 0;
-    moert_result rc = MOERT_OK;
     for (int64_t e = 0; e < gm->num_experts; e++) {
-        if (gm->rows_per_expert[e] < 0) {
-            rc = report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 cuda: expert %lld has %lld rows", (long long)e,
-                        (long long)gm->rows_per_expert[e]);
-            goto exit;
-        }
-        offsets[e] = total;
+        if (gm->rows_per_expert[e] < 0)
+            return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 cuda: expert %lld has %lld rows", (long long)e,
+                          (long long)gm->rows_per_expert[e]);
+        g->offsets[e] = total;
         total += gm->rows_per_expert[e];
     }
-
-    /* WGRAD overwriting the gradient of an expert with no rows: the product is zero. */
-    if (gm->pass == MOERT_GEMM_WGRAD && !gm->accumulate) {
-        const size_t slice = (size_t)gm->k_in * (size_t)gm->n_out * output_elem_size(gm);
-        for (int64_t e = 0; e < gm->num_experts; e++) {
-            if (gm->rows_per_expert[e] != 0) continue;
-            cudaError_t err = cudaMemsetAsync((char *)gm->grad_weight + (size_t)e * slice, 0, slice, stream);
-            if (err != cudaSuccess) {
-                rc = report(host, MOERT_ERR_CUDA, "cudaMemsetAsync(grad_weight of expert %lld) failed: %s",
-                            (long long)e, cudaGetErrorString(err));
-                goto exit;
-            }
-        }
-    }
-
-    /* cublasGemmGroupedBatchedEx is not documented for a bf16 x bf16 -> fp32 result: such GEMMs take the loop */
-    if (g->mode == MOERT_BF16_CUDA_GROUPED && !mixed_output(gm)) {
-        rc = grouped_gemm_cublas(g, stream, gm, offsets);
-    } else {
-        for (int64_t e = 0; e < gm->num_experts && rc == MOERT_OK; e++) {
-            if (gm->rows_per_expert[e] == 0) continue;
-            expert_problem p;
-            expert_problem_make(gm, e, offsets[e], gm->rows_per_expert[e], &p);
-            rc = lt_matmul_expert(g, stream, gm, e, &p);
-        }
-    }
-exit:
-    if (offsets != stack_offsets) free(offsets);
-    return rc;
+    if (g->graphs) return graph_run(g, stream, gm, g->offsets);
+    return enqueue_gemm(g, stream, gm, g->offsets);
 }
 
 /* Checks that t is a contiguous CUDA tensor of dtype with ndim dimensions; names it in the message. */

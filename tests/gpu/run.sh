@@ -22,7 +22,7 @@ record() { rows+=("$(printf '%-34s %-6s %s' "$1" "$2" "$3")"); }
 run_test() {
   local name=$1; shift
   local start=$SECONDS
-  timeout 900 "$@" >"$OUT/$name.log" 2>&1
+  timeout "${MOERT_GPU_TEST_TIMEOUT:-240}" stdbuf -oL -eL "$@" >"$OUT/$name.log" 2>&1
   local rc=$? status=FAIL
   [ $rc -eq 0 ] && status=PASS
   [ $rc -eq 77 ] && status=SKIP
@@ -39,7 +39,7 @@ fi
 # 2. the whole layer stack: the demo in fp32 for 5 steps, CPU reference vs GPUs (same global batch)
 layer_run() { # name device ranks
   local tokens=$((1024 / $3))
-  timeout 600 "$MOERT" run configs/demo-cpu.json --quiet --steps 5 --set parallel.device="$2" \
+  timeout "${MOERT_GPU_TEST_TIMEOUT:-240}" "$MOERT" run configs/demo-cpu.json --quiet --steps 5 --set parallel.device="$2" \
     --set parallel.ranks="$3" --set train.tokens_per_rank=$tokens --report "$OUT/layer-$1.json" \
     >"$OUT/layer-$1.log" 2>&1
 }

@@ -472,6 +472,7 @@ static void check_mode(const router_mode *m, moert_dtype dtype, const gpu_rank *
 {
     char what[160];
     test_instance cpu, gpu;
+    fprintf(stderr, "gpu_router: %s, %s x\n", m->name, moert_dtype_name(dtype)); /* progress, unbuffered */
     moert_layer_info layer = test_layer(m->H, 4, m->E, m->K, m->T, 1, 0, dtype);
     moert_layer_info glayer = layer;
     glayer.device.type = MOERT_DEVICE_CUDA;
