@@ -18,6 +18,11 @@
 #define MOERT_INSTALL_PLUGIN_DIR "/usr/local/lib/moert/plugins"
 #endif
 
+/* Plugins stay mapped once loaded (RTLD_NODELETE): a plugin with CUDA kernels that is unloaded and loaded
+ * again registers its kernels a second time with the CUDA runtime, which then launches stale handles (seen
+ * on H100: a hang, or a crash in __cudaGetKernel). Unloading is cheap to give up; a second load is free. */
+#define PLUGIN_DLOPEN_FLAGS (RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE)
+
 /* What the loader knows about each kind: names, the exported symbol, the size of its v1 vtable. */
 typedef struct kind_info {
     moert_plugin_kind kind;
@@ -212,7 +217,7 @@ static moert_result open_checked(const kind_info *want, const char *label, const
         snprintf(where, sizeof where, "%s", label);
     else
         snprintf(where, sizeof where, "%s (%s)", label, path);
-    void *dl = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    void *dl = dlopen(path, PLUGIN_DLOPEN_FLAGS);
     if (!dl) {
         const char *why = dlerror();
         return moert_error(MOERT_ERR_NOT_FOUND, "cannot load %s: %s", where, why ? why : "dlopen failed");
@@ -268,7 +273,7 @@ moert_result moert_plugin_load(moert_plugin_kind kind, const char *spec, moert_p
         if (tried[0]) append(tried, sizeof tried, ", ");
         append(tried, sizeof tried, path);
         if (access(path, F_OK) != 0) continue;
-        void *probe = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+        void *probe = dlopen(path, PLUGIN_DLOPEN_FLAGS);
         if (!probe) { /* a file that exists but does not load: say why, and go on searching */
             const char *why = dlerror();
             append(tried, sizeof tried, " (exists but failed to load: ");
