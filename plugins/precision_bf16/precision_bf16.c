@@ -15,11 +15,12 @@
 #endif
 
 #ifdef MOERT_HAVE_CUDA
-/* A bf16 copy of one fp32 expert weight, made on first use in a step and kept until end_step(). */
+/* A bf16 copy of one fp32 expert weight: made on first use, remade by end_step() after each optimizer step. */
 typedef struct bf16_weight_copy {
     void *data;          /* bf16 [E_local, K_in, N_out] on the layer's device */
     size_t bytes;
-    const void *source;  /* the fp32 weight it was made from; NULL when stale (after end_step) */
+    const void *source;  /* the fp32 weight it was made from; NULL when stale */
+    int64_t numel;       /* elements converted from source */
 } bf16_weight_copy;
 #endif
 
@@ -395,6 +396,7 @@ static moert_result weight_copy_get(bf16_ctx *c, moert_stream stream, moert_gemm
     moert_result rc = moert_bf16_cuda_round_to_bf16(h, (cudaStream_t)stream, n, weight->data, wc->data);
     if (rc != MOERT_OK) return rc;
     wc->source = weight->data;
+    wc->numel = n;
     *out = wc->data;
     return MOERT_OK;
 }
@@ -488,16 +490,27 @@ static moert_result bf16_grouped_gemm(void *ctx, moert_stream stream, const moer
     return MOERT_OK;
 }
 
-/* The weights changed: the CUDA path's bf16 weight copies are stale (the CPU path caches nothing). */
+/* The weights changed (the optimizer has just run): the CUDA path remakes its bf16 weight copies now, on the
+ * step's stream, so the cast belongs to the optimizer step and not to the next forward's fc1 (as in Megatron,
+ * where the optimizer writes the bf16 parameters). The CPU path caches nothing. */
 static moert_result bf16_end_step(void *ctx, moert_stream stream)
 {
     bf16_ctx *c = ctx;
 #ifdef MOERT_HAVE_CUDA
-    for (int w = 0; w < 2; w++) c->weight_copy[w].source = NULL; /* the buffers stay for the next step */
+    for (int w = 0; w < 2; w++) {
+        bf16_weight_copy *wc = &c->weight_copy[w];
+        if (!wc->source || !wc->data) continue;
+        moert_result rc = moert_bf16_cuda_round_to_bf16(c->host, (cudaStream_t)stream, wc->numel, wc->source,
+                                                        wc->data);
+        if (rc != MOERT_OK) {
+            wc->source = NULL; /* remade on first use instead */
+            return rc;
+        }
+    }
 #else
     (void)c;
-#endif
     (void)stream;
+#endif
     return MOERT_OK;
 }
 
