@@ -10,35 +10,9 @@
 #define ROW_WARPS 8           /* warps per block in the row kernels: one warp per row */
 #define MAX_GRID_BLOCKS 8192
 
-/* Formats a message and hands it to the host (plugins never print). Returns code. */
-static moert_result report(const moert_host *host, moert_result code, const char *fmt, ...)
-{
-    char text[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(text, sizeof text, fmt, ap);
-    va_end(ap);
-    if (host && host->set_error) host->set_error(host, "%s", text);
-    return code;
-}
+#include "../common/plugin_cuda_check.h"
 
-/* Checked CUDA runtime call: on failure reports the call and the CUDA message, and returns. */
-#define CUDA_CHECK(host, call)                                                                               \
-    do {                                                                                                     \
-        cudaError_t err_ = (call);                                                                           \
-        if (err_ != cudaSuccess)                                                                             \
-            return report((host), MOERT_ERR_CUDA, "%s failed: %s (%s:%d)", #call, cudaGetErrorString(err_),  \
-                          __FILE__, __LINE__);                                                               \
-    } while (0)
 
-/* Checks the launch just made, naming the kernel. */
-#define LAUNCH_CHECK(host, name)                                                                             \
-    do {                                                                                                     \
-        cudaError_t err_ = cudaGetLastError();                                                               \
-        if (err_ != cudaSuccess)                                                                             \
-            return report((host), MOERT_ERR_CUDA, "launch of %s failed: %s (%s:%d)", name,                  \
-                          cudaGetErrorString(err_), __FILE__, __LINE__);                                     \
-    } while (0)
 
 template <typename T, int N> struct alignas(sizeof(T) * N) vec_t {
     T v[N];

@@ -41,26 +41,8 @@
 #define GROUPED_CHUNK 256         /* experts per cublasGemmGroupedBatchedEx call (pointer kernel's by-value list) */
 #define GRAPH_CACHE_SLOTS 16      /* kept count vectors (and their executable graphs), least recently used out */
 
-/* Formats a message and hands it to the host (plugins never print). Returns code. */
-static moert_result report(const moert_host *host, moert_result code, const char *fmt, ...)
-{
-    char text[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(text, sizeof text, fmt, ap);
-    va_end(ap);
-    if (host && host->set_error) host->set_error(host, "%s", text);
-    return code;
-}
+#include "../common/plugin_cuda_check.h"
 
-/* Checked CUDA runtime call: on failure reports the call, the CUDA message and the line, and returns. */
-#define CUDA_CHECK(host, call)                                                                               \
-    do {                                                                                                     \
-        cudaError_t err_ = (call);                                                                           \
-        if (err_ != cudaSuccess)                                                                             \
-            return report((host), MOERT_ERR_CUDA, "%s failed: %s (%s:%d)", #call, cudaGetErrorString(err_),  \
-                          __FILE__, __LINE__);                                                               \
-    } while (0)
 
 /* Checked cuBLASLt / cuBLAS call. */
 #define CUBLAS_CHECK(host, call)                                                                             \

@@ -11,34 +11,9 @@
 #define FULL_MASK 0xffffffffu
 #define NORMALIZE_EPS 1e-20f
 
-/* Formats a message and hands it to the host (plugins never print). Returns code. */
-static moert_result report(const moert_host *host, moert_result code, const char *fmt, ...)
-{
-    char text[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(text, sizeof text, fmt, ap);
-    va_end(ap);
-    if (host && host->set_error) host->set_error(host, "%s", text);
-    return code;
-}
+#include "../common/plugin_cuda_check.h"
 
-/* Checked CUDA runtime call: on failure reports the call and the CUDA message, and returns. */
-#define CUDA_CHECK(host, call)                                                                               \
-    do {                                                                                                     \
-        cudaError_t err_ = (call);                                                                           \
-        if (err_ != cudaSuccess)                                                                             \
-            return report((host), MOERT_ERR_CUDA, "%s failed: %s (%s:%d)", #call, cudaGetErrorString(err_),  \
-                          __FILE__, __LINE__);                                                               \
-    } while (0)
 
-#define LAUNCH_CHECK(host, name)                                                                             \
-    do {                                                                                                     \
-        cudaError_t err_ = cudaGetLastError();                                                               \
-        if (err_ != cudaSuccess)                                                                             \
-            return report((host), MOERT_ERR_CUDA, "launch of %s failed: %s (%s:%d)", name,                  \
-                          cudaGetErrorString(err_), __FILE__, __LINE__);                                     \
-    } while (0)
 
 /* The parameters the kernels read, checked and narrowed on the host. */
 typedef struct kernel_params {

@@ -1,0 +1,42 @@
+/* Error reporting shared by the plugins' CUDA files: a plugin never prints, it hands a message to its host
+ * (host->set_error) and returns a result code. Header-only: plugins do not link libmoert. */
+#ifndef MOERT_PLUGIN_CUDA_CHECK_H
+#define MOERT_PLUGIN_CUDA_CHECK_H
+
+#include <cuda_runtime.h>
+#include <stdarg.h>
+#include <stdio.h>
+
+#include "moert/plugin.h"
+
+/* Formats a message and hands it to the host. Returns code. */
+static inline moert_result report(const moert_host *host, moert_result code, const char *fmt, ...)
+{
+    char text[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof text, fmt, ap);
+    va_end(ap);
+    if (host && host->set_error) host->set_error(host, "%s", text);
+    return code;
+}
+
+/* Checked CUDA runtime call: on failure reports the call, the CUDA message and the line, and returns. */
+#define CUDA_CHECK(host, call)                                                                               \
+    do {                                                                                                     \
+        cudaError_t err_ = (call);                                                                           \
+        if (err_ != cudaSuccess)                                                                             \
+            return report((host), MOERT_ERR_CUDA, "%s failed: %s (%s:%d)", #call, cudaGetErrorString(err_),  \
+                          __FILE__, __LINE__);                                                               \
+    } while (0)
+
+/* Checks the kernel launch just made, naming the kernel. */
+#define LAUNCH_CHECK(host, name)                                                                             \
+    do {                                                                                                     \
+        cudaError_t err_ = cudaGetLastError();                                                               \
+        if (err_ != cudaSuccess)                                                                             \
+            return report((host), MOERT_ERR_CUDA, "launch of %s failed: %s (%s:%d)", name,                  \
+                          cudaGetErrorString(err_), __FILE__, __LINE__);                                     \
+    } while (0)
+
+#endif
