@@ -10,7 +10,8 @@ static json_t *plugin_json(const moert_plugin *p)
                      p->header->version ? p->header->version : "", "path", p->path);
 }
 
-static json_t *step_json(const moert_step_record *r)
+/* One step's figures as a JSON object (declared in runtime.h: `moert ab` writes them too). */
+json_t *moert_report_step_json(const moert_step_record *r)
 {
     json_t *stages = json_object();
     for (int s = 0; s < MOERT_STAGE_COUNT; s++)
@@ -48,7 +49,7 @@ moert_result moert_runtime_write_report(const moert_runtime *rt, const char *pat
     json_t *root = json_object(), *plugins = json_array(), *steps = json_array(), *medians = json_object();
     json_t *layers = json_array(), *memory = json_object();
     for (int s = 0; s < MOERT_SLOT_COUNT; s++) json_array_append_new(plugins, plugin_json(&rt->plugins[s]));
-    for (int64_t i = 0; i < rt->record_count; i++) json_array_append_new(steps, step_json(&rt->records[i]));
+    for (int64_t i = 0; i < rt->record_count; i++) json_array_append_new(steps, moert_report_step_json(&rt->records[i]));
     json_object_set_new(medians, "step", json_real(median_ms(rt, -1)));
     for (int s = 0; s < MOERT_STAGE_COUNT; s++)
         json_object_set_new(medians, moert_stage_name((moert_stage)s), json_real(median_ms(rt, s)));

@@ -620,6 +620,19 @@ static moert_result snapshot_bias(moert_runtime *rt, double **out)
     return MOERT_OK;
 }
 
+/* One training step on one rank: forward and backward, the optimizer, the plugins' end_step. Rank 0 fills
+ * *rec (its wall time included); the step's gradients and output stay in place until the next step. */
+static moert_result rank_train_step(moert_rank *r, int64_t step, moert_step_record *rec)
+{
+    moert_result rc = MOERT_OK;
+    double t0 = now_seconds();
+    MOERT_CHECK(rank_forward_backward(r, step));
+    MOERT_CHECK(rank_optimizer_step(r, step));
+    if (r->rank == 0) fill_record(r->rt, step, now_seconds() - t0, rec);
+fail:
+    return rc;
+}
+
 static moert_result rank_train(moert_rank *r, void *arg)
 {
     moert_result rc = MOERT_OK;
@@ -627,18 +640,78 @@ static moert_result rank_train(moert_rank *r, void *arg)
     moert_runtime *rt = r->rt;
     int log_every = (int)(rt->cfg->train.log_every > 0 ? rt->cfg->train.log_every : 1);
     for (int64_t step = 1; step <= ta->steps; step++) {
-        double t0 = now_seconds();
-        MOERT_CHECK(rank_forward_backward(r, step));
-        MOERT_CHECK(rank_optimizer_step(r, step));
+        MOERT_CHECK(rank_train_step(r, step, r->rank == 0 ? &rt->records[rt->record_count] : NULL));
         if (r->rank == 0) {
             moert_step_record *rec = &rt->records[rt->record_count++];
-            fill_record(rt, step, now_seconds() - t0, rec);
             if (ta->progress && (step % log_every == 0 || step == 1 || step == ta->steps))
                 print_progress(rt, rec, ta->steps, ta->progress);
         }
     }
 fail:
     return rc;
+}
+
+typedef struct step_arg {
+    int64_t step;
+    moert_step_record *rec;
+} step_arg;
+
+static moert_result rank_train_step_phase(moert_rank *r, void *arg)
+{
+    step_arg *sa = arg;
+    return rank_train_step(r, sa->step, sa->rec);
+}
+
+/* Activation figures of the last step (rank 0, summed over layers) and, on GPUs, rank 0's pool peak. */
+static void collect_memory(moert_runtime *rt)
+{
+    int nl = (int)rt->cfg->model.num_layers;
+    memset(rt->activation_bytes, 0, sizeof rt->activation_bytes);
+    rt->kept_bytes = 0;
+    for (int l = 0; l < nl; l++) {
+        for (int a = 0; a < MOERT_ACT_COUNT; a++) rt->activation_bytes[a] += rt->ranks[0].layers[l].saved_bytes[a];
+        rt->kept_bytes += rt->ranks[0].layers[l].kept_bytes_peak;
+    }
+    rt->device_peak_bytes = 0;
+#ifdef MOERT_HAVE_CUDA
+    if (rt->ranks[0].pool) {
+        moert_cuda_pool_stats stats;
+        moert_cuda_pool_get_stats(rt->ranks[0].pool, &stats);
+        rt->device_peak_bytes = (int64_t)stats.peak_bytes_in_use;
+    }
+#endif
+}
+
+moert_result moert_runtime_step(moert_runtime *rt, int64_t step, moert_step_record *record)
+{
+    if (step < 1) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_runtime_step: step %lld, expected >= 1",
+                                     (long long)step);
+    moert_result rc = ensure_params(rt);
+    if (rc != MOERT_OK) return rc;
+    moert_step_record rec;
+    step_arg sa = {.step = step, .rec = &rec};
+    rc = run_on_ranks(rt, rank_train_step_phase, &sa);
+    if (rc != MOERT_OK) return rc;
+    collect_memory(rt);
+    if (record) *record = rec;
+    return MOERT_OK;
+}
+
+moert_result moert_runtime_output(const moert_runtime *rt, int64_t index, double *value)
+{
+    const moert_config *cfg = rt->cfg;
+    int64_t per_rank = cfg->train.tokens_per_rank * cfg->model.hidden;
+    if (!rt->params_ready || rt->device_type != MOERT_DEVICE_CPU)
+        return moert_error(MOERT_ERR_UNSUPPORTED, "the stack's output is readable after a step of a CPU run");
+    if (index < 0 || index >= per_rank * rt->world)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "output element %lld does not exist", (long long)index);
+    *value = moert_load(&rt->ranks[index / per_rank].acts[cfg->model.num_layers], index % per_rank);
+    return MOERT_OK;
+}
+
+int64_t moert_runtime_output_numel(const moert_runtime *rt)
+{
+    return (int64_t)rt->world * rt->cfg->train.tokens_per_rank * rt->cfg->model.hidden;
 }
 
 static moert_result rank_forward_backward_phase(moert_rank *r, void *arg)
@@ -690,12 +763,7 @@ moert_result moert_runtime_train(moert_runtime *rt, const moert_train_options *o
     rt->final_counts = malloc(sizeof(int64_t) * (size_t)(nl * e));
     if (!rt->final_counts) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "report");
     memcpy(rt->final_counts, rt->ranks[0].counts, sizeof(int64_t) * (size_t)(nl * e));
-    memset(rt->activation_bytes, 0, sizeof rt->activation_bytes);
-    rt->kept_bytes = 0;
-    for (int l = 0; l < nl; l++) {
-        for (int a = 0; a < MOERT_ACT_COUNT; a++) rt->activation_bytes[a] += rt->ranks[0].layers[l].saved_bytes[a];
-        rt->kept_bytes += rt->ranks[0].layers[l].kept_bytes_peak;
-    }
+    collect_memory(rt);
     rc = snapshot_bias(rt, &rt->final_bias);
     if (rc != MOERT_OK) return rc;
     if (ta.progress && rt->record_count > 0) {

@@ -42,12 +42,28 @@ struct moert_runtime {
     double *bias_start;     /* [num_layers, num_experts] expert bias before the run, or NULL */
     int64_t activation_bytes[MOERT_ACT_COUNT]; /* rank 0, summed over layers, last step */
     int64_t kept_bytes;     /* rank 0, activations held from forward to backward, summed over layers */
+    int64_t device_peak_bytes; /* CUDA: rank 0's memory pool, peak bytes in use since creation; 0 on the CPU */
     double total_seconds;
 };
 
 /* One step's forward and backward on every rank without the optimizer (parameter gradients are left in
  * place, router gradients summed over ranks). loss gets the global loss. For tests and `moert ab`. */
 moert_result moert_runtime_forward_backward(moert_runtime *rt, int64_t step, double *loss);
+
+/* One training step on every rank: forward, backward, the optimizer (Adam step number `step`, >= 1) and the
+ * plugins' end_step, as one step of moert_runtime_train. Fills *record (may be NULL) and the runtime's
+ * activation figures (activation_bytes, kept_bytes, device_peak_bytes); rt->records is left alone. The step's
+ * parameter gradients and output stay in place until the next step (moert_runtime_param, moert_runtime_output).
+ * Step s draws the same data in every runtime of the same seed, so two runtimes can be stepped in turn. */
+moert_result moert_runtime_step(moert_runtime *rt, int64_t step, moert_step_record *record);
+
+/* Element `index` of the stack's output in the last step, over all ranks ([ranks * tokens_per_rank, hidden],
+ * rank-major). CPU runs only. */
+moert_result moert_runtime_output(const moert_runtime *rt, int64_t index, double *value);
+int64_t moert_runtime_output_numel(const moert_runtime *rt);
+
+/* One step's figures as a JSON object, as in the run report's "steps" (core/src/report.c). */
+json_t *moert_report_step_json(const moert_step_record *record);
 
 /* A parameter element by its global index (router [E,H], fc1 [E,H,2F], fc2 [E,F,H] over all experts):
  * reads value and gradient (from the rank owning it), or writes value (on every rank holding it). */
