@@ -160,6 +160,64 @@ static moert_result device_check_comm(host_impl *impl, const char *what, moert_d
     return MOERT_OK;
 }
 
+#ifdef MOERT_HAVE_CUDA
+/* One rank per process (no threads communicator): collectives on host buffers go through NCCL by way of
+ * device staging buffers from the pool, on the instance's stream, and wait for the copy back (bounded). */
+static bool staged_comm(const host_impl *impl, const moert_host *h, moert_device dev)
+{
+    return device_is_host(dev) && !impl->comm && impl->nccl && impl->pool && h->world_size > 1;
+}
+
+typedef enum staged_op { STAGED_ALLGATHER, STAGED_ALLREDUCE, STAGED_ALLTOALLV } staged_op;
+
+typedef struct staged_args {
+    staged_op op;
+    const void *send;
+    void *recv;
+    size_t send_bytes, recv_bytes; /* extents of the host regions */
+    size_t bytes_per_rank;         /* allgather */
+    size_t count;                  /* allreduce */
+    moert_dtype dtype;
+    const size_t *sb, *so, *rb, *ro; /* alltoallv */
+} staged_args;
+
+static moert_result staged_collective(host_impl *impl, const staged_args *a)
+{
+    moert_result rc = MOERT_OK;
+    void *d_send = NULL, *d_recv = NULL;
+    MOERT_CHECK(moert_cuda_pool_alloc(impl->pool, a->send_bytes ? a->send_bytes : 1, impl->stream, &d_send));
+    MOERT_CHECK(moert_cuda_pool_alloc(impl->pool, a->recv_bytes ? a->recv_bytes : 1, impl->stream, &d_recv));
+    if (a->send_bytes) MOERT_CHECK(moert_cuda_memcpy_async(d_send, a->send, a->send_bytes, impl->stream));
+    switch (a->op) {
+    case STAGED_ALLGATHER:
+        MOERT_CHECK(moert_nccl_allgather(impl->nccl, d_send, d_recv, a->bytes_per_rank, impl->stream));
+        break;
+    case STAGED_ALLREDUCE:
+        MOERT_CHECK(moert_nccl_allreduce_sum(impl->nccl, d_send, a->count, a->dtype, impl->stream));
+        MOERT_CHECK(moert_cuda_memcpy_async(d_recv, d_send, a->recv_bytes, impl->stream));
+        break;
+    case STAGED_ALLTOALLV:
+        MOERT_CHECK(moert_nccl_alltoallv(impl->nccl, d_send, a->sb, a->so, d_recv, a->rb, a->ro, impl->stream));
+        break;
+    }
+    if (a->recv_bytes) MOERT_CHECK(moert_cuda_memcpy_async(a->recv, d_recv, a->recv_bytes, impl->stream));
+    MOERT_CHECK(moert_nccl_stream_wait(impl->nccl, impl->stream, "a collective on host buffers"));
+fail:
+    if (d_send) moert_cuda_pool_free(impl->pool, d_send, impl->stream);
+    if (d_recv) moert_cuda_pool_free(impl->pool, d_recv, impl->stream);
+    return host_keep_error(impl, rc);
+}
+
+/* The end of the furthest region of an alltoallv side. */
+static size_t region_extent(int world, const size_t *bytes, const size_t *offsets)
+{
+    size_t end = 0;
+    for (int r = 0; r < world; r++)
+        if (bytes[r] && offsets[r] + bytes[r] > end) end = offsets[r] + bytes[r];
+    return end;
+}
+#endif
+
 /* ---- the table's members ---- */
 
 static void host_log(const moert_host *h, moert_log_level level, const char *fmt, ...)
@@ -305,6 +363,13 @@ static moert_result host_allgather(const moert_host *h, const void *send, void *
     if (dev.type == MOERT_DEVICE_CUDA && impl->nccl)
         return host_keep_error(impl, moert_nccl_allgather(impl->nccl, send, recv, bytes_per_rank, s));
 #endif
+#ifdef MOERT_HAVE_CUDA
+    if (staged_comm(impl, h, dev)) {
+        staged_args a = {.op = STAGED_ALLGATHER, .send = send, .recv = recv, .send_bytes = bytes_per_rank,
+                         .recv_bytes = bytes_per_rank * (size_t)h->world_size, .bytes_per_rank = bytes_per_rank};
+        return staged_collective(impl, &a);
+    }
+#endif
     moert_result rc = device_check_comm(impl, "allgather", dev);
     if (rc != MOERT_OK) return rc;
     if (!impl->comm) {
@@ -321,6 +386,14 @@ static moert_result host_allreduce_sum(const moert_host *h, void *buf, size_t co
 #ifdef MOERT_HAVE_CUDA
     if (dev.type == MOERT_DEVICE_CUDA && impl->nccl)
         return host_keep_error(impl, moert_nccl_allreduce_sum(impl->nccl, buf, count, dtype, s));
+#endif
+#ifdef MOERT_HAVE_CUDA
+    if (staged_comm(impl, h, dev)) {
+        size_t bytes = count * moert_dtype_size(dtype);
+        staged_args a = {.op = STAGED_ALLREDUCE, .send = buf, .recv = buf, .send_bytes = bytes, .recv_bytes = bytes,
+                         .count = count, .dtype = dtype};
+        return staged_collective(impl, &a);
+    }
 #endif
     moert_result rc = device_check_comm(impl, "allreduce_sum", dev);
     if (rc != MOERT_OK) return rc;
@@ -343,6 +416,15 @@ static moert_result host_alltoallv(const moert_host *h, const void *send, const 
         return host_keep_error(impl, moert_nccl_alltoallv(impl->nccl, send, send_bytes, send_offsets, recv, recv_bytes,
                                                           recv_offsets, s));
 #endif
+#ifdef MOERT_HAVE_CUDA
+    if (staged_comm(impl, h, dev)) {
+        staged_args a = {.op = STAGED_ALLTOALLV, .send = send, .recv = recv,
+                         .send_bytes = region_extent(h->world_size, send_bytes, send_offsets),
+                         .recv_bytes = region_extent(h->world_size, recv_bytes, recv_offsets),
+                         .sb = send_bytes, .so = send_offsets, .rb = recv_bytes, .ro = recv_offsets};
+        return staged_collective(impl, &a);
+    }
+#endif
     moert_result rc = device_check_comm(impl, "alltoallv", dev);
     if (rc != MOERT_OK) return rc;
     if (!impl->comm) {
@@ -361,6 +443,10 @@ static moert_result host_alltoallv(const moert_host *h, const void *send, const 
 static moert_result host_barrier(const moert_host *h)
 {
     host_impl *impl = impl_of(h);
+#ifdef MOERT_HAVE_CUDA
+    if (!impl->comm && impl->nccl && h->world_size > 1)
+        return host_keep_error(impl, moert_nccl_barrier(impl->nccl, "barrier"));
+#endif
     if (!impl->comm) return MOERT_OK;
     return host_keep_error(impl, moert_comm_barrier(impl->comm, h->rank, "barrier"));
 }
@@ -373,6 +459,9 @@ static moert_result host_exchange_peer_buffers(const moert_host *h, void *local,
     if (dev.type == MOERT_DEVICE_CUDA && impl->nccl)
         return host_keep_error(impl, moert_nccl_exchange_peer_buffers(impl->nccl, local, bytes, peers));
 #endif
+    if (device_is_host(dev) && !impl->comm && h->world_size > 1)
+        return host_fail(impl, MOERT_ERR_UNSUPPORTED, "exchange_peer_buffers: host memory cannot be shared between "
+                         "ranks that are separate processes; offer a device buffer");
     moert_result rc = device_check_comm(impl, "exchange_peer_buffers", dev);
     if (rc != MOERT_OK) return rc;
     if (!impl->comm) {
@@ -396,7 +485,7 @@ moert_result moert_host_create(const moert_host_setup *setup, moert_host **out)
     *out = NULL;
     if (setup->world_size < 1 || setup->rank < 0 || setup->rank >= setup->world_size)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "host: rank %d of world %d", setup->rank, setup->world_size);
-    if (!setup->comm && setup->world_size != 1)
+    if (!setup->comm && !setup->nccl && setup->world_size != 1)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "host: a world of %d ranks needs a communicator",
                            setup->world_size);
     if (setup->comm && moert_comm_group_size(setup->comm) != setup->world_size)
