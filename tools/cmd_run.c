@@ -88,12 +88,3 @@ exit:
     moert_config_free(cfg);
     return status;
 }
-
-int moert_cmd_ab(int argc, char **argv)
-{
-    (void)argc;
-    (void)argv;
-    fprintf(stderr, "moert ab: A/B comparison is not part of this version yet; run `moert run` on each config "
-                    "with --report and compare the reports\n");
-    return 2;
-}

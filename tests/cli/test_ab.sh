@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# `moert ab`: keep vs recompute+offload agree bit for bit and B keeps fewer bytes; a different model is
+# refused naming the key; the JSON report holds both sides and the ratios; the plot is a valid PNG.
+# Usage: test_ab.sh PATH/TO/moert
+set -u
+moert="$1"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+
+fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
+
+# run NAME EXPECTED_STATUS ARGS...: runs moert, keeps stdout/stderr in $tmp/NAME.out/.err
+run() {
+    local name="$1" want="$2"
+    shift 2
+    "$moert" "$@" >"$tmp/$name.out" 2>"$tmp/$name.err"
+    local got=$?
+    if [ "$got" != "$want" ]; then
+        fail "$name: moert $* exited $got, expected $want"
+        sed 's/^/  | /' "$tmp/$name.out" "$tmp/$name.err" >&2
+    fi
+}
+expect_line() {
+    grep -qxF -- "$3" "$tmp/$1.$2" || { fail "$1: $2 lacks the line: $3"; sed 's/^/  | /' "$tmp/$1.$2" >&2; }
+}
+expect_match() {
+    grep -qE -- "$3" "$tmp/$1.$2" || { fail "$1: $2 does not match: $3"; sed 's/^/  | /' "$tmp/$1.$2" >&2; }
+}
+
+# A tiny model: two configs that differ only in the memory policy (and the name)
+model='"model": {"hidden": 16, "ffn_hidden": 24, "num_experts": 4, "topk": 2, "num_layers": 2},
+ "parallel": {"ranks": 2}, "train": {"tokens_per_rank": 32, "seed": 3, "lr": 0.01, "steps": 6}'
+echo "{\"name\": \"keep\", $model}" >"$tmp/keep.json"
+echo "{\"name\": \"saver\", $model, \"memory_policy\": {\"dispatched_x\": \"offload\", \"fc1_out\": \"recompute\",
+ \"swiglu_out\": \"recompute\"}}" >"$tmp/saver.json"
+
+# keep vs recompute+offload: identical losses, fewer bytes kept by B
+run policy 0 ab "$tmp/keep.json" "$tmp/saver.json" --warmup 2 --report "$tmp/report.json" --plot "$tmp/plot.png"
+expect_match policy out '^moert ab: A "keep" \(.*/keep\.json\) vs B "saver" \(.*/saver\.json\)$'
+expect_match policy out '^  same in both: router topk, dispatcher alltoall, precision bf16$'
+expect_match policy out '^  differs: memory_policy: A \{"plugin":"default"\}, B \{.*"fc1_out":"recompute".*\}$'
+expect_line policy out "  2 warm-up steps, then 6 measured steps, interleaved A, B, A, B..."
+expect_match policy out '^figure +A median \[p10-p90\] +B median \[p10-p90\] +B/A$'
+expect_match policy out '^layer fwd\+bwd \(ms\) +[0-9.]+ \[[0-9.]+-[0-9.]+\] +[0-9.]+ \[[0-9.]+-[0-9.]+\] +[0-9.]+$'
+expect_match policy out '^kept fwd->bwd \(rank 0\) +[0-9.]+ KiB +0 B +0\.000$'
+expect_match policy out '^outputs agree: yes \(max relative loss difference 0\.0e\+00 over 8 steps, identical; first step: output 0\.0e\+00, gradients 0\.0e\+00; rtol 1e-03\)$'
+expect_match policy out '^summary: B/A step time [0-9.]+x.*activations kept 0\.00x; outputs agree$'
+[ -f "$tmp/report.md" ] || fail "policy: no Markdown report beside the JSON"
+grep -qF '| figure | A median [p10-p90] | B median [p10-p90] | B/A |' "$tmp/report.md" 2>/dev/null ||
+    fail "policy: report.md lacks the table header"
+
+# the JSON report: both sides, every step, the ratios and the verdict
+python3 - "$tmp/report.json" <<'EOF' || fail "policy: the JSON report is not as expected"
+import json, sys
+r = json.load(open(sys.argv[1]))
+figures = ["step", "router", "permute", "dispatch", "fc1", "act", "fc2", "combine", "backward", "layer"]
+ok = True
+def check(cond, what):
+    global ok
+    if not cond:
+        print("report:", what, file=sys.stderr)
+        ok = False
+check(r["warmup_steps"] == 2 and r["measured_steps"] == 6, "step counts")
+check(r["differing_plugin_sections"] == ["memory_policy"], "differing sections")
+for side in ("a", "b"):
+    s = r[side]
+    check(len(s["steps"]) == 8 and [x["warmup"] for x in s["steps"]] == [True] * 2 + [False] * 6, side + " steps")
+    check(all(f in s["ms"] and s["ms"][f]["p10"] <= s["ms"][f]["median"] <= s["ms"][f]["p90"] for f in figures),
+          side + " medians and spreads")
+check(r["a"]["name"] == "keep" and r["b"]["name"] == "saver", "names")
+check(r["b"]["plugins"]["memory_policy"]["fc1_out"] == "recompute", "B's memory policy")
+check([x["loss"] for x in r["a"]["steps"]] == [x["loss"] for x in r["b"]["steps"]], "losses equal")
+ka = r["a"]["activation_bytes_rank0"]["kept_from_forward_to_backward"]
+kb = r["b"]["activation_bytes_rank0"]["kept_from_forward_to_backward"]
+check(ka > 0 and kb < ka, "kept bytes %d (A) vs %d (B)" % (ka, kb))
+check(all(f in r["b_over_a"] for f in figures), "ratios")
+m = r["a"]["ms"]["step"]["median"]
+check(m > 0 and abs(r["b_over_a"]["step"] - r["b"]["ms"]["step"]["median"] / m) < 1e-6 * r["b_over_a"]["step"],
+      "step ratio is B's median over A's")
+check(r["b_over_a"]["kept_from_forward_to_backward"] == kb / ka, "kept ratio")
+ag = r["agreement"]
+check(ag["agree"] is True and ag["losses_identical"] is True and ag["loss_max_relative_difference"] == 0, "agreement")
+check(ag["first_step"]["compared"] is True and ag["first_step"]["gradient_max_relative_difference"] == 0, "first step")
+sys.exit(0 if ok else 1)
+EOF
+
+# the plot: PNG signature, an IHDR of 900 x 640 RGB, and (decoded) chunk CRCs and pixel data of that size
+if [ -f "$tmp/plot.png" ]; then
+    [ "$(od -An -tx1 -N16 "$tmp/plot.png" | tr -d ' \n')" = "89504e470d0a1a0a0000000d49484452" ] ||
+        fail "plot: no PNG signature followed by an IHDR chunk"
+    [ "$(od -An -tx1 -j16 -N10 "$tmp/plot.png" | tr -d ' \n')" = "00000384000002800802" ] ||
+        fail "plot: IHDR is not 900 x 640, 8-bit RGB"
+    python3 - "$tmp/plot.png" <<'EOF' || fail "plot: not a valid PNG"
+import struct, sys, zlib
+d = open(sys.argv[1], "rb").read()
+i, idat, types = 8, b"", []
+while i < len(d):
+    n, = struct.unpack(">I", d[i:i + 4])
+    kind, body = d[i + 4:i + 8], d[i + 8:i + 8 + n]
+    assert zlib.crc32(kind + body) & 0xFFFFFFFF == struct.unpack(">I", d[i + 8 + n:i + 12 + n])[0], kind
+    types.append(kind)
+    if kind == b"IHDR": w, h = struct.unpack(">II", body[:8])
+    if kind == b"IDAT": idat += body
+    i += 12 + n
+assert types[0] == b"IHDR" and types[-1] == b"IEND", types
+raw = zlib.decompress(idat)
+assert len(raw) == h * (1 + 3 * w), len(raw)
+pixels = {raw[r * (1 + 3 * w) + 1 + 3 * x: r * (1 + 3 * w) + 4 + 3 * x] for r in range(h) for x in range(0, w, 7)}
+assert bytes((31, 119, 180)) in pixels and bytes((255, 127, 14)) in pixels, "no line of A or B"
+EOF
+else
+    fail "plot: no PNG written"
+fi
+
+# a different model is not an A/B: every differing key is named with both values, exit status 2
+run model 2 ab "$tmp/keep.json" "$tmp/saver.json" --set-b model.hidden=32 --set-b train.seed=4
+expect_line model err 'moert ab: not an A/B: $.model.hidden is 16 in A and 32 in B'
+expect_line model err 'moert ab: not an A/B: $.train.seed is 3 in A and 4 in B'
+[ -s "$tmp/model.out" ] && fail "model: a refused A/B printed on stdout"
+# --set applies to both sides: the same change on both is still an A/B
+run both 0 ab "$tmp/keep.json" "$tmp/saver.json" --set model.hidden=8 --warmup 0 --steps 1 --quiet
+expect_match both out '^outputs agree: yes'
+# a differing learning rate is allowed, said in the header, and the losses then differ
+run lr 0 ab "$tmp/keep.json" "$tmp/saver.json" --set-b train.lr=0.05 --warmup 1 --steps 3
+expect_line lr out "  differs: train.lr 0.01 in A, 0.05 in B"
+expect_match lr out '^outputs agree: no \(max relative loss difference [0-9.]+e-[0-9]+ \(step [2-4]\) over 4 steps; first step: output 0\.0e\+00, gradients 0\.0e\+00; rtol 1e-03\)$'
+
+# usage errors
+run one_config 2 ab "$tmp/keep.json"
+expect_line one_config err "usage: moert ab CONFIG_A CONFIG_B [options]"
+run bad_steps 2 ab "$tmp/keep.json" "$tmp/saver.json" --steps 0
+expect_line bad_steps err 'moert ab: --steps expects an integer >= 1, got "0"'
+run bad_set 1 ab "$tmp/keep.json" "$tmp/saver.json" --set-b model.topk=9
+expect_line bad_set err 'moert ab (B): --set model.topk=9: config error at $.model.topk: got 9, expected an integer in [1, 4]'
+
+if [ "$failures" -ne 0 ]; then
+    echo "test_ab.sh: $failures failure(s)" >&2
+    exit 1
+fi
+echo "test_ab.sh: all passed"

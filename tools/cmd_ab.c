@@ -1,0 +1,771 @@
+/* `moert ab A.json B.json`: trains two configs of the same model side by side in one process, steps
+ * interleaved A, B, A, B..., and compares step and stage times, activation memory and the losses. */
+#include <jansson.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ab_plot.h"
+#include "cli_common.h"
+#include "config.h"
+#include "runtime.h"
+
+#define PROG "moert ab"
+#define DEFAULT_WARMUP 3
+#define DEFAULT_MAX_STEPS 50
+
+static void ab_usage(FILE *f)
+{
+    fprintf(f,
+            "usage: moert ab CONFIG_A CONFIG_B [options]\n"
+            "  Trains A and B on the same model, data and seed in one process, one step of A then one of B,\n"
+            "  and prints per figure (step time, each stage, activation memory) A's and B's median with its\n"
+            "  p10-p90 spread and the ratio B/A, and whether the two agree on the loss of every step.\n"
+            "  A and B may differ in their plugin sections and in train.steps, lr, weight_decay, teacher_scale\n"
+            "  and log_every; any other difference ($.model, $.parallel.ranks, $.train.tokens_per_rank,\n"
+            "  seq_length, seed, data) is refused with exit status 2.\n"
+            "options:\n"
+            "  --set KEY=JSON     override a value of both configs (repeatable)\n"
+            "  --set-a KEY=JSON   override a value of A only (repeatable)\n"
+            "  --set-b KEY=JSON   override a value of B only (repeatable)\n"
+            "  --warmup N         unmeasured steps first (default %d)\n"
+            "  --steps N          measured steps (default A's train.steps, at most %d)\n"
+            "  --rtol X           relative tolerance of the agreement check (default 1e-3)\n"
+            "  --report FILE      write every figure as JSON to FILE and a Markdown table beside it (.md)\n"
+            "  --plot FILE.png    draw step time and loss of both over the steps\n"
+            "  --quiet            no progress lines\n",
+            DEFAULT_WARMUP, DEFAULT_MAX_STEPS);
+}
+
+/* ---- figures ---- */
+
+/* The timed figures, in ms: the step, each stage of the executor, and the stages' sum. */
+enum { FIGURE_STEP = 0, FIGURE_FIRST_STAGE = 1, FIGURE_LAYER = 1 + MOERT_STAGE_COUNT, FIGURE_COUNT };
+
+static const char *figure_name(int f)
+{
+    if (f == FIGURE_STEP) return "step";
+    if (f == FIGURE_LAYER) return "layer";
+    return moert_stage_name((moert_stage)(f - FIGURE_FIRST_STAGE));
+}
+
+/* What the table calls the figure. */
+static const char *figure_label(int f)
+{
+    if (f == FIGURE_STEP) return "step";
+    if (f == FIGURE_LAYER) return "layer fwd+bwd";
+    return figure_name(f);
+}
+
+static double figure_ms(const moert_step_record *r, int f)
+{
+    if (f == FIGURE_STEP) return r->seconds * 1e3;
+    if (f != FIGURE_LAYER) return r->stage_seconds[f - FIGURE_FIRST_STAGE] * 1e3;
+    double sum = 0.0;
+    for (int s = 0; s < MOERT_STAGE_COUNT; s++) sum += r->stage_seconds[s];
+    return sum * 1e3;
+}
+
+/* The median and the 10th and 90th percentiles of a sample. */
+typedef struct spread {
+    double median, p10, p90;
+} spread;
+
+static int compare_doubles(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Quantile q of sorted[n] by linear interpolation between the nearest ranks. */
+static double quantile(const double *sorted, int64_t n, double q)
+{
+    double pos = q * (double)(n - 1);
+    int64_t i = (int64_t)floor(pos);
+    if (i >= n - 1) return sorted[n - 1];
+    return sorted[i] + (pos - (double)i) * (sorted[i + 1] - sorted[i]);
+}
+
+static spread spread_of(double *values, int64_t n)
+{
+    spread s = {0, 0, 0};
+    if (n == 0) return s;
+    qsort(values, (size_t)n, sizeof *values, compare_doubles);
+    s.median = quantile(values, n, 0.5);
+    s.p10 = quantile(values, n, 0.1);
+    s.p90 = quantile(values, n, 0.9);
+    return s;
+}
+
+/* ---- one side of the comparison ---- */
+
+typedef struct ab_side {
+    const char *path;
+    char letter;                 /* 'A' or 'B' */
+    moert_config *cfg;
+    moert_runtime *rt;
+    moert_step_record *records;  /* [warmup + steps], every step */
+    spread figures[FIGURE_COUNT]; /* over the measured steps */
+} ab_side;
+
+/* What agreement means here: the loss of every step, and on the CPU the first step's output and gradients. */
+typedef struct ab_agreement {
+    double rtol;
+    double loss_diff;          /* max over steps of |loss_A - loss_B| / max(|loss_A|, |loss_B|) */
+    int64_t loss_worst_step;
+    bool losses_identical;     /* bit for bit, every step */
+    bool first_step_compared;  /* CPU runs */
+    double output_diff;        /* max |out_A - out_B| / max |out| over the first step's output */
+    double gradient_diff;      /* the same per parameter tensor, the largest over tensors */
+    char gradient_worst[64];   /* that tensor, e.g. "layer 0 fc1" */
+    bool agree;
+} ab_agreement;
+
+/* The relative difference of two numbers: |a - b| / max(|a|, |b|); NaN against anything is infinite. */
+static double relative_difference(double a, double b)
+{
+    if (isnan(a) || isnan(b)) return INFINITY;
+    if (a == b) return 0.0;
+    return fabs(a - b) / fmax(fabs(a), fabs(b));
+}
+
+/* Tracks max |a - b| and max(|a|, |b|) over a tensor's elements; their quotient is the tensor's difference. */
+typedef struct tensor_diff {
+    double max_diff, max_abs;
+} tensor_diff;
+
+static void tensor_diff_add(tensor_diff *d, double a, double b)
+{
+    double diff = (isnan(a) || isnan(b)) ? INFINITY : fabs(a - b);
+    if (diff > d->max_diff) d->max_diff = diff;
+    if (fabs(a) > d->max_abs) d->max_abs = fabs(a);
+    if (fabs(b) > d->max_abs) d->max_abs = fabs(b);
+}
+
+static double tensor_diff_value(const tensor_diff *d)
+{
+    if (d->max_diff == 0.0) return 0.0;
+    return d->max_abs > 0.0 ? d->max_diff / d->max_abs : INFINITY;
+}
+
+/* After the first step: compares the stack's output and every parameter gradient of A and B (CPU only). */
+static moert_result compare_first_step(ab_side *a, ab_side *b, ab_agreement *agr)
+{
+    moert_result rc = MOERT_OK;
+    static const char *const param_names[MOERT_PARAM_COUNT] = {"router", "fc1", "fc2"};
+    if (a->rt->device_type != MOERT_DEVICE_CPU) return MOERT_OK;
+    tensor_diff out = {0, 0};
+    for (int64_t i = 0; i < moert_runtime_output_numel(a->rt); i++) {
+        double va = 0, vb = 0;
+        if ((rc = moert_runtime_output(a->rt, i, &va)) != MOERT_OK) return rc;
+        if ((rc = moert_runtime_output(b->rt, i, &vb)) != MOERT_OK) return rc;
+        tensor_diff_add(&out, va, vb);
+    }
+    agr->output_diff = tensor_diff_value(&out);
+    agr->gradient_diff = 0.0;
+    for (int l = 0; l < a->cfg->model.num_layers; l++)
+        for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
+            tensor_diff grad = {0, 0};
+            for (int64_t i = 0; i < moert_runtime_param_numel(a->rt, (moert_param_id)p); i++) {
+                double ga = 0, gb = 0;
+                rc = moert_runtime_param(a->rt, l, (moert_param_id)p, i, MOERT_PARAM_READ, NULL, &ga);
+                if (rc == MOERT_OK) rc = moert_runtime_param(b->rt, l, (moert_param_id)p, i, MOERT_PARAM_READ, NULL, &gb);
+                if (rc != MOERT_OK) return rc;
+                tensor_diff_add(&grad, ga, gb);
+            }
+            double d = tensor_diff_value(&grad);
+            if (d > agr->gradient_diff) {
+                agr->gradient_diff = d;
+                snprintf(agr->gradient_worst, sizeof agr->gradient_worst, "layer %d %s", l, param_names[p]);
+            }
+        }
+    agr->first_step_compared = true;
+    return MOERT_OK;
+}
+
+/* ---- the refusal rule: A and B must be the same model, data and run ---- */
+
+static int report_int_difference(const char *key, int64_t a, int64_t b)
+{
+    if (a == b) return 0;
+    fprintf(stderr, PROG ": not an A/B: %s is %lld in A and %lld in B\n", key, (long long)a, (long long)b);
+    return 1;
+}
+
+static int report_text_difference(const char *key, const char *a, const char *b)
+{
+    if (!strcmp(a, b)) return 0;
+    fprintf(stderr, PROG ": not an A/B: %s is \"%s\" in A and \"%s\" in B\n", key, a, b);
+    return 1;
+}
+
+/* Prints a line for every key that must match and does not; returns how many differ. */
+static int check_same_run(const moert_config *a, const moert_config *b)
+{
+    int n = 0;
+    n += report_int_difference("$.model.hidden", a->model.hidden, b->model.hidden);
+    n += report_int_difference("$.model.ffn_hidden", a->model.ffn_hidden, b->model.ffn_hidden);
+    n += report_int_difference("$.model.num_experts", a->model.num_experts, b->model.num_experts);
+    n += report_int_difference("$.model.topk", a->model.topk, b->model.topk);
+    n += report_int_difference("$.model.num_layers", a->model.num_layers, b->model.num_layers);
+    n += report_text_difference("$.model.dtype", moert_dtype_name(a->model.dtype), moert_dtype_name(b->model.dtype));
+    n += report_int_difference("$.parallel.ranks", a->parallel.ranks, b->parallel.ranks);
+    n += report_int_difference("$.train.tokens_per_rank", a->train.tokens_per_rank, b->train.tokens_per_rank);
+    n += report_int_difference("$.train.seq_length", a->train.seq_length, b->train.seq_length);
+    n += report_int_difference("$.train.seed", a->train.seed, b->train.seed);
+    n += report_text_difference("$.train.data", a->train.repeat_batch ? "repeat" : "fresh",
+                                b->train.repeat_batch ? "repeat" : "fresh");
+    if (n > 0)
+        fprintf(stderr, PROG ": A and B must describe the same model and run; they may differ in their plugin "
+                        "sections and in train.steps, lr, weight_decay, teacher_scale and log_every\n");
+    return n;
+}
+
+/* A plugin section as the runtime sees it: the object with "plugin" filled in (the default when absent). */
+static json_t *plugin_section(const moert_config *cfg, moert_slot slot)
+{
+    json_t *sec = json_object_get(cfg->root, moert_slot_key(slot));
+    json_t *copy = json_is_object(sec) ? json_deep_copy(sec) : json_object();
+    if (copy) json_object_set_new(copy, "plugin", json_string(cfg->plugin[slot]));
+    return copy;
+}
+
+static bool sections_equal(const moert_config *a, const moert_config *b, moert_slot slot)
+{
+    json_t *sa = plugin_section(a, slot), *sb = plugin_section(b, slot);
+    bool same = sa && sb && json_equal(sa, sb);
+    json_decref(sa);
+    json_decref(sb);
+    return same;
+}
+
+/* Compact JSON of a plugin section, for the header. */
+static void section_text(const moert_config *cfg, moert_slot slot, char *out, size_t size)
+{
+    json_t *sec = plugin_section(cfg, slot);
+    char *text = sec ? json_dumps(sec, JSON_COMPACT | JSON_SORT_KEYS) : NULL;
+    snprintf(out, size, "%s", text ? text : "?");
+    free(text);
+    json_decref(sec);
+}
+
+/* ---- printing ---- */
+
+static void format_bytes(int64_t bytes, char *out, size_t size)
+{
+    if (bytes >= (int64_t)1 << 30) snprintf(out, size, "%.2f GiB", (double)bytes / (double)(1 << 30));
+    else if (bytes >= (int64_t)1 << 20) snprintf(out, size, "%.2f MiB", (double)bytes / (double)(1 << 20));
+    else if (bytes >= 1024) snprintf(out, size, "%.1f KiB", (double)bytes / 1024.0);
+    else snprintf(out, size, "%lld B", (long long)bytes);
+}
+
+static void format_spread(const spread *s, char *out, size_t size)
+{
+    snprintf(out, size, "%.3f [%.3f-%.3f]", s->median, s->p10, s->p90);
+}
+
+static void format_ratio(double b, double a, char *out, size_t size)
+{
+    if (a > 0.0) snprintf(out, size, "%.3f", b / a);
+    else snprintf(out, size, "%s", b == 0.0 ? "1" : "-");
+}
+
+/* The table's rows, the same for the terminal and the Markdown file: label and the three cells. */
+typedef struct table_row {
+    char label[48], a[64], b[64], ratio[32];
+} table_row;
+
+enum { MEMORY_ROWS = MOERT_ACT_COUNT + 2 };
+
+static int build_table(const ab_side *a, const ab_side *b, table_row *rows)
+{
+    int n = 0;
+    for (int f = 0; f < FIGURE_COUNT; f++, n++) {
+        snprintf(rows[n].label, sizeof rows[n].label, "%s (ms)", figure_label(f));
+        format_spread(&a->figures[f], rows[n].a, sizeof rows[n].a);
+        format_spread(&b->figures[f], rows[n].b, sizeof rows[n].b);
+        format_ratio(b->figures[f].median, a->figures[f].median, rows[n].ratio, sizeof rows[n].ratio);
+    }
+    for (int m = 0; m < MEMORY_ROWS; m++) {
+        int64_t va, vb;
+        if (m < MOERT_ACT_COUNT) {
+            snprintf(rows[n].label, sizeof rows[n].label, "%s size (rank 0)", moert_activation_name((moert_activation)m));
+            va = a->rt->activation_bytes[m];
+            vb = b->rt->activation_bytes[m];
+        } else if (m == MOERT_ACT_COUNT) {
+            snprintf(rows[n].label, sizeof rows[n].label, "kept fwd->bwd (rank 0)");
+            va = a->rt->kept_bytes;
+            vb = b->rt->kept_bytes;
+        } else {
+            if (a->rt->device_type != MOERT_DEVICE_CUDA) continue;
+            snprintf(rows[n].label, sizeof rows[n].label, "GPU pool peak (rank 0)");
+            va = a->rt->device_peak_bytes;
+            vb = b->rt->device_peak_bytes;
+        }
+        format_bytes(va, rows[n].a, sizeof rows[n].a);
+        format_bytes(vb, rows[n].b, sizeof rows[n].b);
+        format_ratio((double)vb, (double)va, rows[n].ratio, sizeof rows[n].ratio);
+        n++;
+    }
+    return n;
+}
+
+/* "outputs agree: yes (max relative loss difference 3.1e-07 over 23 steps; ...)" */
+static void format_verdict(const ab_agreement *agr, int64_t steps, char *out, size_t size)
+{
+    char first[256];
+    if (agr->first_step_compared)
+        snprintf(first, sizeof first, "first step: output %.1e, gradients %.1e%s%s%s", agr->output_diff,
+                 agr->gradient_diff, agr->gradient_worst[0] ? " (" : "", agr->gradient_worst,
+                 agr->gradient_worst[0] ? ")" : "");
+    else
+        snprintf(first, sizeof first, "first step's output and gradients not compared on GPUs");
+    char worst[64] = "";
+    if (agr->loss_diff > 0.0) snprintf(worst, sizeof worst, " (step %lld)", (long long)agr->loss_worst_step);
+    snprintf(out, size, "outputs agree: %s (max relative loss difference %.1e%s over %lld steps%s; %s; rtol %.0e)",
+             agr->agree ? "yes" : "no", agr->loss_diff, worst, (long long)steps,
+             agr->losses_identical ? ", identical" : "", first, agr->rtol);
+}
+
+/* "B/A: step 0.93x (B 7.0% faster), layer fwd+bwd 0.95x, activations kept 0.33x; outputs agree" */
+static void format_summary(const ab_side *a, const ab_side *b, const ab_agreement *agr, char *out, size_t size)
+{
+    double step = a->figures[FIGURE_STEP].median > 0 ? b->figures[FIGURE_STEP].median / a->figures[FIGURE_STEP].median : NAN;
+    double layer = a->figures[FIGURE_LAYER].median > 0
+                       ? b->figures[FIGURE_LAYER].median / a->figures[FIGURE_LAYER].median : NAN;
+    char faster[48] = "";
+    if (isfinite(step) && step != 1.0)
+        snprintf(faster, sizeof faster, " (B %.1f%% %s)", fabs(1.0 - step) * 100.0, step < 1.0 ? "faster" : "slower");
+    char kept[48];
+    if (a->rt->kept_bytes > 0) snprintf(kept, sizeof kept, "%.2fx", (double)b->rt->kept_bytes / (double)a->rt->kept_bytes);
+    else snprintf(kept, sizeof kept, "%s", b->rt->kept_bytes == 0 ? "1.00x" : "-");
+    snprintf(out, size, "summary: B/A step time %.3fx%s, layer fwd+bwd %.3fx, activations kept %s; outputs %s",
+             step, faster, layer, kept, agr->agree ? "agree" : "differ");
+}
+
+static void print_table(FILE *f, const table_row *rows, int n)
+{
+    int w0 = (int)strlen("figure"), w1 = (int)strlen("A median [p10-p90]"), w2 = (int)strlen("B median [p10-p90]");
+    for (int i = 0; i < n; i++) {
+        if ((int)strlen(rows[i].label) > w0) w0 = (int)strlen(rows[i].label);
+        if ((int)strlen(rows[i].a) > w1) w1 = (int)strlen(rows[i].a);
+        if ((int)strlen(rows[i].b) > w2) w2 = (int)strlen(rows[i].b);
+    }
+    fprintf(f, "%-*s  %-*s  %-*s  %s\n", w0, "figure", w1, "A median [p10-p90]", w2, "B median [p10-p90]", "B/A");
+    for (int i = 0; i < n; i++)
+        fprintf(f, "%-*s  %-*s  %-*s  %s\n", w0, rows[i].label, w1, rows[i].a, w2, rows[i].b, rows[i].ratio);
+}
+
+/* ---- the JSON report and its Markdown twin ---- */
+
+/* A JSON number, or null where the value is not finite (JSON has no infinity). */
+static json_t *json_number(double v)
+{
+    return isfinite(v) ? json_real(v) : json_null();
+}
+
+static json_t *spread_json(const spread *s)
+{
+    json_t *o = json_object();
+    json_object_set_new(o, "median", json_number(s->median));
+    json_object_set_new(o, "p10", json_number(s->p10));
+    json_object_set_new(o, "p90", json_number(s->p90));
+    return o;
+}
+
+static json_t *memory_json(const moert_runtime *rt)
+{
+    json_t *o = json_object();
+    for (int m = 0; m < MOERT_ACT_COUNT; m++)
+        json_object_set_new(o, moert_activation_name((moert_activation)m), json_integer(rt->activation_bytes[m]));
+    json_object_set_new(o, "kept_from_forward_to_backward", json_integer(rt->kept_bytes));
+    if (rt->device_type == MOERT_DEVICE_CUDA)
+        json_object_set_new(o, "gpu_pool_peak_bytes", json_integer(rt->device_peak_bytes));
+    return o;
+}
+
+static json_t *side_json(const ab_side *s, int64_t total_steps, int64_t warmup)
+{
+    json_t *o = json_object(), *plugins = json_object(), *steps = json_array(), *medians = json_object();
+    for (int slot = 0; slot < MOERT_SLOT_COUNT; slot++)
+        json_object_set_new(plugins, moert_slot_key((moert_slot)slot), plugin_section(s->cfg, (moert_slot)slot));
+    for (int f = 0; f < FIGURE_COUNT; f++) json_object_set_new(medians, figure_name(f), spread_json(&s->figures[f]));
+    for (int64_t i = 0; i < total_steps; i++) {
+        json_t *step = moert_report_step_json(&s->records[i]);
+        json_object_set_new(step, "warmup", json_boolean(i < warmup));
+        json_array_append_new(steps, step);
+    }
+    json_object_set_new(o, "config", json_string(s->cfg->source));
+    json_object_set_new(o, "name", json_string(s->cfg->name));
+    json_object_set_new(o, "plugins", plugins);
+    json_object_set_new(o, "train", json_pack("{s:I, s:f, s:f, s:f}", "steps", (json_int_t)s->cfg->train.steps, "lr",
+                                              s->cfg->train.lr, "weight_decay", s->cfg->train.weight_decay,
+                                              "teacher_scale", s->cfg->train.teacher_scale));
+    json_object_set_new(o, "ms", medians);
+    json_object_set_new(o, "activation_bytes_rank0", memory_json(s->rt));
+    json_object_set_new(o, "steps", steps);
+    return o;
+}
+
+/* The header lines: what is compared with what, on what. */
+typedef struct ab_header {
+    int count;
+    char lines[8 + MOERT_SLOT_COUNT][1200];
+} ab_header;
+
+static void header_add(ab_header *h, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void header_add(ab_header *h, const char *fmt, ...)
+{
+    if (h->count >= (int)(sizeof h->lines / sizeof h->lines[0])) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(h->lines[h->count++], sizeof h->lines[0], fmt, ap);
+    va_end(ap);
+}
+
+/* Appends ", KEY A in A, B in B" to out when the two differ. */
+static void train_key_difference(char *out, size_t size, const char *key, double a, double b)
+{
+    if (a == b) return;
+    size_t len = strlen(out);
+    snprintf(out + len, size - len, "%s%s %g in A, %g in B", len ? "; " : "", key, a, b);
+}
+
+static void build_header(const ab_side *a, const ab_side *b, int64_t warmup, int64_t steps, ab_header *h)
+{
+    const moert_config *ca = a->cfg, *cb = b->cfg;
+    h->count = 0;
+    header_add(h, "A \"%s\" (%s) vs B \"%s\" (%s)", ca->name, a->path, cb->name, b->path);
+    header_add(h, "on %s; %lld layer%s, H=%lld F=%lld E=%lld K=%lld, %lld tokens per rank, %s storage, seed %lld",
+               a->rt->device_name, (long long)ca->model.num_layers, ca->model.num_layers > 1 ? "s" : "",
+               (long long)ca->model.hidden, (long long)ca->model.ffn_hidden, (long long)ca->model.num_experts,
+               (long long)ca->model.topk, (long long)ca->train.tokens_per_rank, moert_dtype_name(ca->model.dtype),
+               (long long)ca->train.seed);
+    char same[512] = "";
+    for (int s = 0; s < MOERT_SLOT_COUNT; s++) {
+        if (!sections_equal(ca, cb, (moert_slot)s)) continue;
+        size_t len = strlen(same);
+        snprintf(same + len, sizeof same - len, "%s%s %s", len ? ", " : "", moert_slot_key((moert_slot)s),
+                 ca->plugin[s]);
+    }
+    if (same[0]) header_add(h, "same in both: %s", same);
+    for (int s = 0; s < MOERT_SLOT_COUNT; s++) {
+        if (sections_equal(ca, cb, (moert_slot)s)) continue;
+        char ta[500], tb[500];
+        section_text(ca, (moert_slot)s, ta, sizeof ta);
+        section_text(cb, (moert_slot)s, tb, sizeof tb);
+        header_add(h, "differs: %s: A %s, B %s", moert_slot_key((moert_slot)s), ta, tb);
+    }
+    char train[512] = "";
+    train_key_difference(train, sizeof train, "train.steps", (double)ca->train.steps, (double)cb->train.steps);
+    train_key_difference(train, sizeof train, "train.lr", ca->train.lr, cb->train.lr);
+    train_key_difference(train, sizeof train, "train.weight_decay", ca->train.weight_decay, cb->train.weight_decay);
+    train_key_difference(train, sizeof train, "train.teacher_scale", ca->train.teacher_scale, cb->train.teacher_scale);
+    train_key_difference(train, sizeof train, "train.log_every", (double)ca->train.log_every, (double)cb->train.log_every);
+    if (train[0]) header_add(h, "differs: %s", train);
+    header_add(h, "%lld warm-up step%s, then %lld measured step%s, interleaved A, B, A, B...", (long long)warmup,
+               warmup == 1 ? "" : "s", (long long)steps, steps == 1 ? "" : "s");
+}
+
+/* FILE.json -> FILE.md; any other name gets ".md" appended. */
+static void markdown_path(const char *json_path, char *out, size_t size)
+{
+    size_t len = strlen(json_path);
+    if (len > 5 && !strcmp(json_path + len - 5, ".json"))
+        snprintf(out, size, "%.*s.md", (int)(len - 5), json_path);
+    else
+        snprintf(out, size, "%s.md", json_path);
+}
+
+static int write_markdown(const char *path, const ab_header *h, const table_row *rows, int nrows,
+                          const char *verdict, const char *summary)
+{
+    FILE *f = fopen(path, "w");
+    if (!f) return -1;
+    fprintf(f, "# moert ab\n\n");
+    for (int i = 0; i < h->count; i++) fprintf(f, "- %s\n", h->lines[i]);
+    fprintf(f, "\n| figure | A median [p10-p90] | B median [p10-p90] | B/A |\n|---|---:|---:|---:|\n");
+    for (int i = 0; i < nrows; i++) fprintf(f, "| %s | %s | %s | %s |\n", rows[i].label, rows[i].a, rows[i].b, rows[i].ratio);
+    fprintf(f, "\n%s\n\n%s\n", verdict, summary);
+    return fclose(f) == 0 ? 0 : -1;
+}
+
+static moert_result write_report(const char *path, const ab_side *a, const ab_side *b, const ab_header *h,
+                                 const ab_agreement *agr, int64_t warmup, int64_t steps, const char *verdict,
+                                 const char *summary, const table_row *rows, int nrows)
+{
+    const moert_config *cfg = a->cfg;
+    json_t *root = json_object(), *ratios = json_object(), *header = json_array(), *differ = json_array();
+    for (int i = 0; i < h->count; i++) json_array_append_new(header, json_string(h->lines[i]));
+    for (int s = 0; s < MOERT_SLOT_COUNT; s++)
+        if (!sections_equal(a->cfg, b->cfg, (moert_slot)s))
+            json_array_append_new(differ, json_string(moert_slot_key((moert_slot)s)));
+    for (int f = 0; f < FIGURE_COUNT; f++)
+        json_object_set_new(ratios, figure_name(f),
+                            a->figures[f].median > 0 ? json_number(b->figures[f].median / a->figures[f].median)
+                                                     : json_null());
+    json_object_set_new(ratios, "kept_from_forward_to_backward",
+                        a->rt->kept_bytes > 0 ? json_real((double)b->rt->kept_bytes / (double)a->rt->kept_bytes)
+                                              : json_null());
+    json_t *first = json_object();
+    json_object_set_new(first, "compared", json_boolean(agr->first_step_compared));
+    if (agr->first_step_compared) {
+        json_object_set_new(first, "output_max_relative_difference", json_number(agr->output_diff));
+        json_object_set_new(first, "gradient_max_relative_difference", json_number(agr->gradient_diff));
+        json_object_set_new(first, "gradient_worst",
+                            agr->gradient_worst[0] ? json_string(agr->gradient_worst) : json_null());
+    }
+    json_t *agreement = json_object();
+    json_object_set_new(agreement, "rtol", json_real(agr->rtol));
+    json_object_set_new(agreement, "agree", json_boolean(agr->agree));
+    json_object_set_new(agreement, "losses_identical", json_boolean(agr->losses_identical));
+    json_object_set_new(agreement, "loss_max_relative_difference", json_number(agr->loss_diff));
+    json_object_set_new(agreement, "loss_worst_step",
+                        agr->loss_worst_step > 0 ? json_integer(agr->loss_worst_step) : json_null());
+    json_object_set_new(agreement, "first_step", first);
+
+    json_object_set_new(root, "moert_version", json_string(MOERT_VERSION_STRING));
+    json_object_set_new(root, "device", json_string(a->rt->device_name));
+    json_object_set_new(root, "ranks", json_integer(a->rt->world));
+    json_object_set_new(root, "model", json_pack("{s:I, s:I, s:I, s:I, s:I, s:s}", "hidden", (json_int_t)cfg->model.hidden,
+                                                 "ffn_hidden", (json_int_t)cfg->model.ffn_hidden, "num_experts",
+                                                 (json_int_t)cfg->model.num_experts, "topk", (json_int_t)cfg->model.topk,
+                                                 "num_layers", (json_int_t)cfg->model.num_layers, "dtype",
+                                                 moert_dtype_name(cfg->model.dtype)));
+    json_object_set_new(root, "tokens_per_rank", json_integer(cfg->train.tokens_per_rank));
+    json_object_set_new(root, "seed", json_integer(cfg->train.seed));
+    json_object_set_new(root, "warmup_steps", json_integer(warmup));
+    json_object_set_new(root, "measured_steps", json_integer(steps));
+    json_object_set_new(root, "header", header);
+    json_object_set_new(root, "differing_plugin_sections", differ);
+    json_object_set_new(root, "a", side_json(a, warmup + steps, warmup));
+    json_object_set_new(root, "b", side_json(b, warmup + steps, warmup));
+    json_object_set_new(root, "b_over_a", ratios);
+    json_object_set_new(root, "agreement", agreement);
+    json_object_set_new(root, "verdict", json_string(verdict));
+    json_object_set_new(root, "summary", json_string(summary));
+    int failed = json_dump_file(root, path, JSON_INDENT(1) | JSON_REAL_PRECISION(8));
+    json_decref(root);
+    if (failed) {
+        fprintf(stderr, PROG ": writing the report to %s failed\n", path);
+        return MOERT_ERR_IO;
+    }
+    char md[4096];
+    markdown_path(path, md, sizeof md);
+    if (write_markdown(md, h, rows, nrows, verdict, summary) != 0) {
+        fprintf(stderr, PROG ": writing %s failed\n", md);
+        return MOERT_ERR_IO;
+    }
+    return MOERT_OK;
+}
+
+/* ---- the command ---- */
+
+/* A --set (side -1), --set-a (0) or --set-b (1), kept in command-line order. */
+typedef struct ab_set {
+    int side;
+    const char *assignment;
+} ab_set;
+
+/* Parses a count option's value; -1 when it is not an integer >= min. */
+static long long parse_count(const char *option, const char *text, long long min)
+{
+    char *end = NULL;
+    long long v = strtoll(text, &end, 10);
+    if (!end || end == text || *end || v < min) {
+        fprintf(stderr, PROG ": %s expects an integer >= %lld, got \"%s\"\n", option, min, text);
+        return -1;
+    }
+    return v;
+}
+
+static void print_progress(const ab_side *sides, int64_t step, int64_t warmup, int64_t total)
+{
+    const moert_step_record *a = &sides[0].records[step - 1], *b = &sides[1].records[step - 1];
+    printf("step %*lld/%lld%s  A loss %.6f %8.2f ms   B loss %.6f %8.2f ms\n",
+           (int)snprintf(NULL, 0, "%lld", (long long)total), (long long)step, (long long)total,
+           step <= warmup ? " (warm-up)" : "          ", a->loss, a->seconds * 1e3, b->loss, b->seconds * 1e3);
+    fflush(stdout);
+}
+
+int moert_cmd_ab(int argc, char **argv)
+{
+    const char *paths[2] = {NULL, NULL}, *report_path = NULL, *plot_path = NULL;
+    long long warmup = DEFAULT_WARMUP, steps = 0;
+    double rtol = 1e-3;
+    int quiet = 0, status = 1;
+    ab_set sets[MOERT_CLI_MAX_SETS];
+    int nsets = 0;
+    for (int i = 0; i < argc; i++) {
+        const char *arg = argv[i];
+        bool has_value = i + 1 < argc;
+        if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
+            ab_usage(stdout);
+            return 0;
+        } else if ((!strcmp(arg, "--set") || !strcmp(arg, "--set-a") || !strcmp(arg, "--set-b")) && has_value) {
+            if (nsets == MOERT_CLI_MAX_SETS) {
+                fprintf(stderr, PROG ": at most %d --set, --set-a and --set-b options\n", MOERT_CLI_MAX_SETS);
+                return 2;
+            }
+            sets[nsets].side = !strcmp(arg, "--set") ? -1 : !strcmp(arg, "--set-a") ? 0 : 1;
+            sets[nsets++].assignment = argv[++i];
+        } else if (!strcmp(arg, "--warmup") && has_value) {
+            if ((warmup = parse_count(arg, argv[++i], 0)) < 0) return 2;
+        } else if (!strcmp(arg, "--steps") && has_value) {
+            if ((steps = parse_count(arg, argv[++i], 1)) < 0) return 2;
+        } else if (!strcmp(arg, "--rtol") && has_value) {
+            char *end = NULL;
+            rtol = strtod(argv[++i], &end);
+            if (!end || end == argv[i] || *end || !(rtol >= 0.0) || !isfinite(rtol)) {
+                fprintf(stderr, PROG ": --rtol expects a number >= 0, got \"%s\"\n", argv[i]);
+                return 2;
+            }
+        } else if (!strcmp(arg, "--report") && has_value) {
+            report_path = argv[++i];
+        } else if (!strcmp(arg, "--plot") && has_value) {
+            plot_path = argv[++i];
+        } else if (!strcmp(arg, "--quiet")) {
+            quiet = 1;
+        } else if (arg[0] == '-') {
+            fprintf(stderr, PROG ": unknown or incomplete option \"%s\"\n", arg);
+            ab_usage(stderr);
+            return 2;
+        } else if (!paths[0] || !paths[1]) {
+            paths[paths[0] ? 1 : 0] = arg;
+        } else {
+            fprintf(stderr, PROG ": two configs expected, got \"%s\" too\n", arg);
+            return 2;
+        }
+    }
+    if (!paths[0] || !paths[1]) {
+        ab_usage(stderr);
+        return 2;
+    }
+
+    ab_side sides[2] = {{.path = paths[0], .letter = 'A'}, {.path = paths[1], .letter = 'B'}};
+    ab_agreement agr = {.rtol = rtol, .losses_identical = true};
+    double *values = NULL, *series = NULL;
+    for (int s = 0; s < 2; s++) {
+        const char *mine[MOERT_CLI_MAX_SETS];
+        int nmine = 0;
+        for (int i = 0; i < nsets; i++)
+            if (sets[i].side < 0 || sets[i].side == s) mine[nmine++] = sets[i].assignment;
+        char prog[32];
+        snprintf(prog, sizeof prog, PROG " (%c)", sides[s].letter);
+        if (moert_cli_load_config(prog, sides[s].path, mine, nmine, &sides[s].cfg) != MOERT_OK) goto exit;
+    }
+    if (check_same_run(sides[0].cfg, sides[1].cfg) > 0) {
+        status = 2;
+        goto exit;
+    }
+    for (int s = 0; s < 2; s++)
+        if (moert_runtime_create(sides[s].cfg, &sides[s].rt) != MOERT_OK) {
+            fprintf(stderr, PROG ": %c (%s): %s\n", sides[s].letter, sides[s].path, moert_last_error());
+            goto exit;
+        }
+    if (sides[0].rt->device_type != sides[1].rt->device_type) {
+        fprintf(stderr, PROG ": not an A/B: $.parallel.device gives %s in A and %s in B\n", sides[0].rt->device_name,
+                sides[1].rt->device_name);
+        status = 2;
+        goto exit;
+    }
+    if (steps == 0) {
+        steps = sides[0].cfg->train.steps < DEFAULT_MAX_STEPS ? sides[0].cfg->train.steps : DEFAULT_MAX_STEPS;
+        if (steps < 1) steps = 1;
+    }
+    int64_t total = (int64_t)warmup + (int64_t)steps;
+    for (int s = 0; s < 2; s++) {
+        sides[s].records = calloc((size_t)total, sizeof *sides[s].records);
+        if (!sides[s].records) {
+            fprintf(stderr, PROG ": out of memory\n");
+            goto exit;
+        }
+    }
+    ab_header header;
+    build_header(&sides[0], &sides[1], warmup, steps, &header);
+    for (int i = 0; i < header.count; i++) printf("%s%s\n", i == 0 ? PROG ": " : "  ", header.lines[i]);
+
+    int log_every = (int)(sides[0].cfg->train.log_every > 0 ? sides[0].cfg->train.log_every : 1);
+    for (int64_t step = 1; step <= total; step++) {
+        for (int s = 0; s < 2; s++)
+            if (moert_runtime_step(sides[s].rt, step, &sides[s].records[step - 1]) != MOERT_OK) {
+                fprintf(stderr, PROG ": %c (%s), step %lld: %s\n", sides[s].letter, sides[s].path, (long long)step,
+                        moert_last_error());
+                goto exit;
+            }
+        if (step == 1 && compare_first_step(&sides[0], &sides[1], &agr) != MOERT_OK) {
+            fprintf(stderr, PROG ": comparing the first step: %s\n", moert_last_error());
+            goto exit;
+        }
+        double la = sides[0].records[step - 1].loss, lb = sides[1].records[step - 1].loss;
+        double d = relative_difference(la, lb);
+        if (d > agr.loss_diff) {
+            agr.loss_diff = d;
+            agr.loss_worst_step = step;
+        }
+        if (memcmp(&la, &lb, sizeof la) != 0) agr.losses_identical = false;
+        if (!quiet && (step % log_every == 0 || step == 1 || step == total || step == warmup))
+            print_progress(sides, step, warmup, total);
+    }
+    agr.agree = agr.loss_diff <= rtol &&
+                (!agr.first_step_compared || (agr.output_diff <= rtol && agr.gradient_diff <= rtol));
+
+    values = malloc(sizeof(double) * (size_t)steps);
+    if (!values) goto exit;
+    for (int s = 0; s < 2; s++)
+        for (int f = 0; f < FIGURE_COUNT; f++) {
+            for (int64_t i = 0; i < steps; i++) values[i] = figure_ms(&sides[s].records[warmup + i], f);
+            sides[s].figures[f] = spread_of(values, steps);
+        }
+    table_row rows[FIGURE_COUNT + MEMORY_ROWS];
+    int nrows = build_table(&sides[0], &sides[1], rows);
+    char verdict[1024], summary[512];
+    format_verdict(&agr, total, verdict, sizeof verdict);
+    format_summary(&sides[0], &sides[1], &agr, summary, sizeof summary);
+    printf("\n");
+    print_table(stdout, rows, nrows);
+    printf("\n%s\n%s\n", verdict, summary);
+
+    if (report_path) {
+        if (write_report(report_path, &sides[0], &sides[1], &header, &agr, warmup, steps, verdict, summary, rows,
+                         nrows) != MOERT_OK)
+            goto exit;
+        char md[4096];
+        markdown_path(report_path, md, sizeof md);
+        if (!quiet) printf("report written to %s and %s\n", report_path, md);
+    }
+    if (plot_path) {
+        series = malloc(sizeof(double) * 4 * (size_t)total);
+        if (!series) goto exit;
+        moert_ab_plot_data plot = {.n = total, .warmup = warmup};
+        for (int s = 0; s < 2; s++) {
+            double *ms = series + (2 * s) * total, *loss = series + (2 * s + 1) * total;
+            for (int64_t i = 0; i < total; i++) {
+                ms[i] = sides[s].records[i].seconds * 1e3;
+                loss[i] = sides[s].records[i].loss;
+            }
+            plot.step_ms[s] = ms;
+            plot.loss[s] = loss;
+            plot.label[s] = sides[s].cfg->name;
+        }
+        char err[512];
+        if (moert_ab_plot_png(plot_path, &plot, err, sizeof err) != 0) {
+            fprintf(stderr, PROG ": %s\n", err);
+            goto exit;
+        }
+        if (!quiet) printf("plot written to %s\n", plot_path);
+    }
+    status = 0;
+exit:
+    free(values);
+    free(series);
+    for (int s = 0; s < 2; s++) {
+        moert_runtime_destroy(sides[s].rt);
+        moert_config_free(sides[s].cfg);
+        free(sides[s].records);
+    }
+    return status;
+}
