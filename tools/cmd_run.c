@@ -70,12 +70,15 @@ int moert_cmd_run(int argc, char **argv)
         fprintf(stderr, "moert run: %s\n", moert_last_error());
         goto exit;
     }
-    moert_train_options opts = {.struct_size = sizeof opts, .progress = quiet ? NULL : stdout, .steps = steps};
+    /* a process per GPU: rank 0's process prints and writes the report */
+    int root = moert_runtime_rank(rt) == 0;
+    moert_train_options opts = {.struct_size = sizeof opts, .progress = quiet || !root ? NULL : stdout,
+                                .steps = steps};
     if (moert_runtime_train(rt, &opts) != MOERT_OK) {
         fprintf(stderr, "moert run: %s\n", moert_last_error());
         goto exit;
     }
-    if (report_path) {
+    if (report_path && root) {
         if (moert_runtime_write_report(rt, report_path) != MOERT_OK) {
             fprintf(stderr, "moert run: %s\n", moert_last_error());
             goto exit;

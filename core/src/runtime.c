@@ -21,7 +21,8 @@
 /* Everything one rank owns. */
 struct moert_rank {
     moert_runtime *rt;
-    int rank;
+    int rank;                            /* in the expert-parallel group */
+    int device;                          /* CUDA ordinal on this host */
     json_t *empty_options;
     moert_section *core_section;
     moert_host *core_host;
@@ -71,7 +72,7 @@ static void *phase_main(void *p)
     moert_error_clear();
 #ifdef MOERT_HAVE_CUDA
     if (r->rt->device_type == MOERT_DEVICE_CUDA) {
-        r->rc = moert_cuda_set_device(r->rank);
+        r->rc = moert_cuda_set_device(r->device);
         if (r->rc == MOERT_OK) r->rc = c->fn(r, c->arg);
     } else {
         r->rc = c->fn(r, c->arg);
@@ -97,30 +98,60 @@ static moert_result run_on_ranks(moert_runtime *rt, rank_phase_fn fn, void *arg)
     atomic_int fail_counter = 0;
     phase_call calls[64];
     pthread_t threads[64];
-    for (int i = 0; i < rt->world; i++) {
+    for (int i = 0; i < rt->nlocal; i++) {
         calls[i] = (phase_call){&rt->ranks[i], fn, arg, &fail_counter};
         rt->ranks[i].rc = MOERT_OK;
         rt->ranks[i].fail_order = -1;
     }
-    if (rt->world == 1) {
+    if (rt->nlocal == 1) {
         phase_main(&calls[0]);
     } else {
-        for (int i = 0; i < rt->world; i++)
+        for (int i = 0; i < rt->nlocal; i++)
             if (pthread_create(&threads[i], NULL, phase_main, &calls[i]) != 0)
-                return moert_error(MOERT_ERR_INTERNAL, "pthread_create for rank %d failed", i);
-        for (int i = 0; i < rt->world; i++) pthread_join(threads[i], NULL);
+                return moert_error(MOERT_ERR_INTERNAL, "pthread_create for rank %d failed", rt->ranks[i].rank);
+        for (int i = 0; i < rt->nlocal; i++) pthread_join(threads[i], NULL);
     }
-    for (int i = 0; i < rt->world; i++)
+    for (int i = 0; i < rt->nlocal; i++)
         if (rt->ranks[i].fail_order == 0) {
             /* a config error reads the same on every rank: no rank prefix */
             if (rt->world == 1 || rt->ranks[i].rc == MOERT_ERR_CONFIG)
                 return moert_error(rt->ranks[i].rc, "%s", rt->ranks[i].error);
-            return moert_error(rt->ranks[i].rc, "rank %d: %s", i, rt->ranks[i].error);
+            return moert_error(rt->ranks[i].rc, "rank %d: %s", rt->ranks[i].rank, rt->ranks[i].error);
         }
     return MOERT_OK;
 }
 
 /* ---- creation ---- */
+
+/*
+ * A launcher (torchrun, or srun with the variables exported) started one process per GPU when RANK and
+ * WORLD_SIZE are set: this process is then one rank, on GPU LOCAL_RANK, and NCCL is bootstrapped from
+ * MASTER_ADDR/MASTER_PORT (MOERT_BOOTSTRAP_PORT overrides the port). Without them, one process runs every rank
+ * as a thread.
+ */
+static moert_result detect_processes(moert_runtime *rt)
+{
+    if (!getenv("WORLD_SIZE") || !getenv("RANK")) return MOERT_OK;
+#ifdef MOERT_HAVE_CUDA
+    moert_result rc = MOERT_OK;
+    rt->dist_env = calloc(1, sizeof *rt->dist_env);
+    MOERT_CHECK_ALLOC(rt->dist_env);
+    MOERT_CHECK(moert_dist_env_read(rt->dist_env));
+    if (rt->dist_env->world_size != rt->world)
+        return moert_error(MOERT_ERR_CONFIG, "config error at $.parallel.ranks: %d ranks, but the launcher started %d "
+                           "processes (WORLD_SIZE)", rt->world, rt->dist_env->world_size);
+    if (rt->cfg->parallel.device == 1)
+        return moert_error(MOERT_ERR_CONFIG, "config error at $.parallel.device: \"cpu\", but the launcher started a "
+                           "process per rank (RANK, WORLD_SIZE set); on the CPU run moert without a launcher (ranks "
+                           "as threads)");
+    rt->processes = true;
+fail:
+    return rc;
+#else
+    return moert_error(MOERT_ERR_UNSUPPORTED, "launched as a process per rank (WORLD_SIZE=%s), but this build has "
+                       "no CUDA/NCCL; run moert without a launcher (ranks as threads)", getenv("WORLD_SIZE"));
+#endif
+}
 
 /* "auto": the GPUs when this build has CUDA and enough of them answer, else the CPU. */
 static moert_result choose_device(moert_runtime *rt)
@@ -129,6 +160,17 @@ static moert_result choose_device(moert_runtime *rt)
     int gpus = 0;
 #ifdef MOERT_HAVE_CUDA
     if (want != 1 && moert_cuda_device_count(&gpus) != MOERT_OK) gpus = 0;
+    if (rt->processes) {
+        int device = rt->dist_env->local_rank;
+        moert_cuda_device_info info;
+        if (gpus <= device)
+            return moert_error(MOERT_ERR_UNSUPPORTED, "rank %d: LOCAL_RANK %d but %d GPU%s answer on this host",
+                               rt->dist_env->rank, device, gpus, gpus == 1 ? "" : "s");
+        rt->device_type = MOERT_DEVICE_CUDA;
+        if (moert_cuda_device_info_get(device, &info) != MOERT_OK) snprintf(info.name, sizeof info.name, "GPU");
+        snprintf(rt->device_name, sizeof rt->device_name, "cuda (%d x %s, a process per GPU)", rt->world, info.name);
+        return MOERT_OK;
+    }
 #endif
     if (want == 2 && gpus == 0)
         return moert_error(MOERT_ERR_UNSUPPORTED,
@@ -159,15 +201,16 @@ static moert_result choose_device(moert_runtime *rt)
     return MOERT_OK;
 }
 
-static moert_layer_info layer_info(const moert_runtime *rt, int rank, int layer)
+static moert_layer_info layer_info(const moert_runtime *rt, const moert_rank *r, int layer)
 {
+    int rank = r->rank;
     const moert_model_config *m = &rt->cfg->model;
     int64_t local = m->num_experts / rt->world;
     moert_layer_info info = {
         .struct_size = sizeof info, .layer_index = layer, .num_layers = (int32_t)m->num_layers, .hidden = m->hidden,
         .ffn_hidden = m->ffn_hidden, .num_experts = m->num_experts, .topk = m->topk, .num_local_experts = local,
         .first_local_expert = local * rank, .max_tokens = rt->cfg->train.tokens_per_rank, .dtype = m->dtype,
-        .device = {rt->device_type, rt->device_type == MOERT_DEVICE_CUDA ? rank : 0}};
+        .device = {rt->device_type, rt->device_type == MOERT_DEVICE_CUDA ? r->device : 0}};
     return info;
 }
 
@@ -195,12 +238,15 @@ static moert_result rank_init(moert_rank *r, void *arg)
     MOERT_CHECK_ALLOC(r->empty_options);
     r->core_section = moert_section_create(r->empty_options, "$");
     MOERT_CHECK_ALLOC(r->core_section);
-    moert_layer_info info0 = layer_info(rt, r->rank, 0);
+    moert_layer_info info0 = layer_info(rt, r, 0);
 #ifdef MOERT_HAVE_CUDA
     if (rt->device_type == MOERT_DEVICE_CUDA) {
-        MOERT_CHECK(moert_cuda_pool_create(r->rank, &r->pool));
-        MOERT_CHECK(moert_cuda_stream_create(r->rank, &r->stream));
-        MOERT_CHECK(moert_nccl_comm_init_thread(rt->nccl_group, r->rank, r->rank, &r->nccl));
+        MOERT_CHECK(moert_cuda_pool_create(r->device, &r->pool));
+        MOERT_CHECK(moert_cuda_stream_create(r->device, &r->stream));
+        if (rt->processes)
+            MOERT_CHECK(moert_nccl_comm_init_env(rt->dist_env, r->device, cfg->parallel.timeout_s, &r->nccl));
+        else
+            MOERT_CHECK(moert_nccl_comm_init_thread(rt->nccl_group, r->rank, r->device, &r->nccl));
     }
 #endif
     snprintf(who, sizeof who, "core (rank %d)", r->rank);
@@ -223,7 +269,7 @@ static moert_result rank_init(moert_rank *r, void *arg)
 
     for (int l = 0; l < nl; l++) {
         moert_layer *L = &r->layers[l];
-        L->info = layer_info(rt, r->rank, l);
+        L->info = layer_info(rt, r, l);
         L->core_host = r->core_host;
         L->stream = r->stream;
         L->param_dtype = cfg->model.dtype == MOERT_F64 ? MOERT_F64 : MOERT_F32;
@@ -314,6 +360,7 @@ moert_result moert_runtime_create(const moert_config *cfg, moert_runtime **out)
     MOERT_CHECK_ALLOC(rt);
     rt->cfg = cfg;
     rt->world = (int)cfg->parallel.ranks;
+    MOERT_CHECK(detect_processes(rt));
     MOERT_CHECK(choose_device(rt));
     for (int s = 0; s < MOERT_SLOT_COUNT; s++) {
         rc = moert_plugin_load(moert_slot_kind((moert_slot)s), cfg->plugin[s], &rt->plugins[s]);
@@ -322,17 +369,27 @@ moert_result moert_runtime_create(const moert_config *cfg, moert_runtime **out)
             goto fail;
         }
     }
-    if (rt->world > 1) MOERT_CHECK(moert_comm_group_create(rt->world, cfg->parallel.timeout_s, &rt->comm));
+    /* threads: a shared-memory group for host buffers and one NCCL group; processes: NCCL from the environment */
+    if (rt->world > 1 && !rt->processes)
+        MOERT_CHECK(moert_comm_group_create(rt->world, cfg->parallel.timeout_s, &rt->comm));
 #ifdef MOERT_HAVE_CUDA
-    if (rt->device_type == MOERT_DEVICE_CUDA)
+    if (rt->device_type == MOERT_DEVICE_CUDA && !rt->processes)
         MOERT_CHECK(moert_nccl_group_create(rt->world, cfg->parallel.timeout_s, &rt->nccl_group));
 #endif
-    rt->ranks = calloc((size_t)rt->world, sizeof *rt->ranks);
+    rt->nlocal = rt->processes ? 1 : rt->world;
+    rt->ranks = calloc((size_t)rt->nlocal, sizeof *rt->ranks);
     MOERT_CHECK_ALLOC(rt->ranks);
-    for (int i = 0; i < rt->world; i++) {
+    for (int i = 0; i < rt->nlocal; i++) {
         rt->ranks[i].rt = rt;
         rt->ranks[i].rank = i;
+        rt->ranks[i].device = i;
     }
+#ifdef MOERT_HAVE_CUDA
+    if (rt->processes) {
+        rt->ranks[0].rank = rt->dist_env->rank;
+        rt->ranks[0].device = rt->dist_env->local_rank;
+    }
+#endif
     MOERT_CHECK(run_on_ranks(rt, rank_init, NULL));
     *out = rt;
     return MOERT_OK;
@@ -361,6 +418,7 @@ void moert_runtime_destroy(moert_runtime *rt)
         if (rt->plugins[s].dl) moert_plugin_unload(&rt->plugins[s]);
     moert_teacher_free(rt->teacher);
     free(rt->ranks);
+    free(rt->dist_env);
     free(rt->records);
     free(rt->final_counts);
     free(rt->final_bias);
@@ -719,6 +777,8 @@ static moert_result rank_forward_backward_phase(moert_rank *r, void *arg)
     return rank_forward_backward(r, *(int64_t *)arg);
 }
 
+int moert_runtime_rank(const moert_runtime *rt) { return rt->ranks[0].rank; }
+
 moert_result moert_runtime_forward_backward(moert_runtime *rt, int64_t step, double *loss)
 {
     moert_result rc = ensure_params(rt);
@@ -742,6 +802,8 @@ moert_result moert_runtime_train(moert_runtime *rt, const moert_train_options *o
     rt->records = calloc((size_t)(ta.steps > 0 ? ta.steps : 1), sizeof *rt->records);
     rt->record_count = 0;
     if (!rt->records) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "step records");
+    /* with a process per GPU, rank 0's process speaks for all */
+    if (rt->ranks[0].rank != 0) ta.progress = NULL;
     if (ta.progress)
         fprintf(ta.progress, "moert %s: \"%s\" on %s; %lld layer%s, H=%lld F=%lld E=%lld K=%lld, %lld tokens per rank, "
                 "%s storage; router %s, dispatcher %s, precision %s, memory policy %s\n",

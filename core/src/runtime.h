@@ -30,7 +30,10 @@ struct moert_runtime {
     moert_plugin plugins[MOERT_SLOT_COUNT];
     moert_comm_group *comm;          /* host-memory collectives (ranks as threads) */
     struct moert_nccl_group *nccl_group; /* CUDA: device-memory collectives */
-    moert_rank *ranks;
+    moert_rank *ranks;               /* the ranks this process hosts: all of them, or one per process */
+    int nlocal;                      /* how many: world with threads, 1 with a process per GPU */
+    bool processes;                  /* launched as a process per GPU (RANK, WORLD_SIZE, ... set) */
+    struct moert_dist_env *dist_env; /* the launcher's variables, in process mode */
     moert_teacher *teacher;
     bool params_ready;
 

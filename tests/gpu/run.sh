@@ -47,6 +47,14 @@ layer_run cpu4 cpu 4
 for r in 1 2 4; do
   [ "$r" -le "$gpus" ] && layer_run "cuda$r" cuda "$r"
 done
+# a process per GPU, launched by torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); NCCL's id
+# goes over MOERT_BOOTSTRAP_PORT because torchrun's own store holds MASTER_PORT
+if command -v torchrun >/dev/null 2>&1 && [ "$gpus" -ge 4 ]; then
+  MOERT_BOOTSTRAP_PORT=${MOERT_BOOTSTRAP_PORT:-29613} timeout "${MOERT_GPU_TEST_TIMEOUT:-240}" \
+    torchrun --nproc-per-node 4 --no-python "$MOERT" run configs/demo-cpu.json --quiet --steps 5 \
+    --set parallel.device=cuda --set parallel.ranks=4 --set train.tokens_per_rank=256 \
+    --report "$OUT/layer-proc4.json" >"$OUT/layer-proc4.log" 2>&1
+fi
 compare=$(python3 - "$OUT" <<'PY'
 import json, os, sys
 out = sys.argv[1]
@@ -54,7 +62,7 @@ def losses(name):
     p = os.path.join(out, "layer-%s.json" % name)
     return [s["loss"] for s in json.load(open(p))["steps"]] if os.path.exists(p) else None
 ref = losses("cpu4")
-for name in ("cuda1", "cuda2", "cuda4"):
+for name in ("cuda1", "cuda2", "cuda4", "proc4"):
     got = losses(name)
     if got is None:
         log = os.path.join(out, "layer-%s.log" % name)

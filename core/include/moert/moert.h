@@ -47,6 +47,10 @@ typedef struct moert_train_options {
     int64_t steps;    /* 0: the config's train.steps */
 } moert_train_options;
 
+/* The first rank this process runs: 0 when one process runs every rank as a thread; RANK when a launcher
+ * (torchrun, srun) started a process per GPU. Rank 0's process prints progress and writes reports. */
+int moert_runtime_rank(const moert_runtime *rt);
+
 /* Trains the layer stack on the config's synthetic task. */
 moert_result moert_runtime_train(moert_runtime *rt, const moert_train_options *opts);
 /* Writes every figure of the last run as JSON. */
