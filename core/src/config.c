@@ -479,6 +479,12 @@ static moert_result parse_train(moert_config *cfg, json_t *obj)
     MOERT_CHECK(moert_section_enum(sec, "data", data_modes, 0,
                                    "fresh: a new batch every step; repeat: one batch reused (benchmarks)", &data_mode));
     t->repeat_batch = data_mode == 1;
+    static const char *const optimizers[] = {"adam", "sgd", NULL};
+    int optimizer = MOERT_OPTIMIZER_ADAM;
+    MOERT_CHECK(moert_section_enum(sec, "optimizer", optimizers, MOERT_OPTIMIZER_ADAM,
+                                   "adam: Adam with two moment buffers per parameter; sgd: plain SGD, no state",
+                                   &optimizer));
+    t->optimizer = (moert_optimizer)optimizer;
     MOERT_CHECK(moert_section_check_unknown(sec));
 fail:
     moert_section_free(sec);

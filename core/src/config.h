@@ -32,11 +32,15 @@ typedef struct moert_parallel_config {
     double timeout_s;  /* a collective waits this long for a stalled peer */
 } moert_parallel_config;
 
+/* $.train.optimizer: Adam keeps two moment buffers per parameter; plain SGD keeps none. */
+typedef enum moert_optimizer { MOERT_OPTIMIZER_ADAM = 0, MOERT_OPTIMIZER_SGD = 1 } moert_optimizer;
+
 typedef struct moert_train_config {
     int64_t steps, tokens_per_rank, seq_length, seed, log_every;
     double lr, weight_decay;
     double teacher_scale; /* size of the teacher's output relative to its input */
     bool repeat_batch;    /* "data": "repeat": draw one batch and reuse it every step (benchmarks) */
+    moert_optimizer optimizer; /* "adam" (default) or "sgd" */
 } moert_train_config;
 
 struct moert_config {

@@ -136,6 +136,19 @@ fail:
     return rc;
 }
 
+/* Adam's first and second moments of one parameter, zeroed (pool memory is not). */
+static moert_result alloc_adam_state(moert_layer *L, moert_param *pr)
+{
+    moert_result rc = MOERT_OK;
+    const moert_tensor *v = &pr->value;
+    MOERT_CHECK(tensor_alloc(L, &pr->m, v->dtype, v->ndim, v->shape[0], v->shape[1], v->ndim > 2 ? v->shape[2] : 0));
+    MOERT_CHECK(tensor_alloc(L, &pr->v, v->dtype, v->ndim, v->shape[0], v->shape[1], v->ndim > 2 ? v->shape[2] : 0));
+    MOERT_CHECK(moert_zero(L->stream, &pr->m));
+    MOERT_CHECK(moert_zero(L->stream, &pr->v));
+fail:
+    return rc;
+}
+
 moert_result moert_layer_init_params(moert_layer *L, uint64_t seed)
 {
     moert_result rc = MOERT_OK;
@@ -150,8 +163,7 @@ moert_result moert_layer_init_params(moert_layer *L, uint64_t seed)
         moert_param *pr = &L->params[p];
         MOERT_CHECK(tensor_alloc(L, &pr->value, L->param_dtype, ndims[p], shapes[p][0], shapes[p][1], shapes[p][2]));
         MOERT_CHECK(tensor_alloc(L, &pr->grad, L->param_dtype, ndims[p], shapes[p][0], shapes[p][1], shapes[p][2]));
-        MOERT_CHECK(tensor_alloc(L, &pr->m, L->param_dtype, ndims[p], shapes[p][0], shapes[p][1], shapes[p][2]));
-        MOERT_CHECK(tensor_alloc(L, &pr->v, L->param_dtype, ndims[p], shapes[p][0], shapes[p][1], shapes[p][2]));
+        if (L->optimizer == MOERT_OPTIMIZER_ADAM) MOERT_CHECK(alloc_adam_state(L, pr));
         /* expert weights start at the first local expert's global offset */
         uint64_t first = p == MOERT_PARAM_ROUTER ? 0
                                                  : (uint64_t)(in->first_local_expert * shapes[p][1] * shapes[p][2]);
@@ -163,22 +175,95 @@ fail:
     return rc;
 }
 
-static void release_saved(moert_layer *L)
+/* A failed host service call as a core error naming what the executor was doing (and the activation, if any:
+ * a < MOERT_ACT_COUNT). */
+static moert_result host_failed(const moert_layer *L, moert_result rc, const char *what, moert_activation a)
 {
+    return moert_error(rc, "%s%s%s of layer %d (rank %d): %s", what, a < MOERT_ACT_COUNT ? " " : "",
+                       a < MOERT_ACT_COUNT ? moert_activation_name(a) : "", L->info.layer_index, L->core_host->rank,
+                       moert_host_take_error((moert_host *)L->core_host));
+}
+
+#define HOST_CALL(call, what, a)                                                                              \
+    do {                                                                                                      \
+        rc = (call);                                                                                          \
+        if (rc != MOERT_OK) {                                                                                 \
+            rc = host_failed(L, rc, what, a);                                                                 \
+            goto fail;                                                                                        \
+        }                                                                                                     \
+    } while (0)
+
+moert_result moert_layer_release_offloaded(moert_layer *L)
+{
+    moert_result rc = MOERT_OK;
+    const moert_host *h = L->core_host;
+    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
+        if (!L->offload_pending[a].data) continue;
+        /* the pool hands a block freed on the compute stream to the next compute-stream request at once: the
+         * compute stream must first wait for the D2H copy still reading it */
+        HOST_CALL(h->stream_wait_event(h, L->stream, L->offload_event[a]), "waiting for the offload copy of",
+                  (moert_activation)a);
+        tensor_release(L, &L->offload_pending[a]);
+    }
+fail:
+    return rc;
+}
+
+/* Frees what the last forward saved, stream-ordered after the copies still using it. */
+static moert_result release_saved(moert_layer *L)
+{
+    moert_result rc = MOERT_OK;
+    const moert_host *h = L->core_host;
     tensor_release(L, &L->topk_idx);
     tensor_release(L, &L->topk_probs);
     tensor_release(L, &L->tokens_per_expert);
     tensor_release(L, &L->recv_probs);
+    MOERT_CHECK(moert_layer_release_offloaded(L));
     for (int a = 0; a < MOERT_ACT_COUNT; a++) {
+        if (L->place[a] == MOERT_PLACE_LOADING)
+            HOST_CALL(h->stream_wait_event(h, L->stream, L->reload_event[a]), "waiting for the reload copy of",
+                      (moert_activation)a);
         tensor_release(L, &L->saved[a]);
-        if (L->offloaded[a]) L->core_host->free_pinned(L->core_host, L->offloaded[a]);
-        L->offloaded[a] = NULL;
+        L->place[a] = MOERT_PLACE_DEVICE;
     }
+fail:
+    return rc;
+}
+
+/* Waits for the layer's copy streams (before their buffers are freed or replaced). */
+static moert_result sync_copy_streams(moert_layer *L)
+{
+    moert_result rc = MOERT_OK;
+    const moert_host *h = L->core_host;
+    if (!L->copy_streams_ready) return MOERT_OK;
+    HOST_CALL(h->stream_synchronize(h, L->d2h_stream), "synchronizing the offload stream", MOERT_ACT_COUNT);
+    HOST_CALL(h->stream_synchronize(h, L->h2d_stream), "synchronizing the reload stream", MOERT_ACT_COUNT);
+fail:
+    return rc;
 }
 
 void moert_layer_free(moert_layer *L)
 {
-    release_saved(L);
+    const moert_host *h = L->core_host;
+    /* copies in flight read or write buffers freed below */
+    if (sync_copy_streams(L) != MOERT_OK) moert_error_clear();
+    if (release_saved(L) != MOERT_OK) moert_error_clear();
+    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
+        if (L->pinned[a]) h->free_pinned(h, L->pinned[a]);
+        L->pinned[a] = NULL;
+        L->pinned_capacity[a] = 0;
+    }
+    L->pinned_bytes = 0;
+    if (L->copy_streams_ready) {
+        for (int a = 0; a < MOERT_ACT_COUNT; a++) {
+            h->event_destroy(h, L->offload_event[a]);
+            h->event_destroy(h, L->reload_event[a]);
+        }
+        h->event_destroy(h, L->compute_event);
+        h->stream_destroy(h, L->d2h_stream);
+        h->stream_destroy(h, L->h2d_stream);
+        L->copy_streams_ready = false;
+    }
 #ifdef MOERT_HAVE_CUDA
     for (int m = 0; m < MARK_COUNT; m++)
         if (L->mark_events[m]) moert_cuda_event_destroy(L->mark_events[m]);
@@ -255,36 +340,112 @@ static moert_result alloc_activation(moert_layer *L, moert_activation a)
     return tensor_alloc(L, &L->saved[a], L->info.dtype, 2, L->layout.capacity, cols[a], 0);
 }
 
-/* After its last forward use, an activation is kept, dropped (recompute) or copied to pinned memory. */
-static moert_result apply_policy(moert_layer *L, moert_activation a)
+/* The layer's D2H and H2D streams and their events, created at the first offload through the core host. */
+static moert_result ensure_copy_streams(moert_layer *L)
 {
     moert_result rc = MOERT_OK;
+    const moert_host *h = L->core_host;
+    if (L->copy_streams_ready) return MOERT_OK;
+    /* created one by one; on failure the ones made so far are destroyed */
+    moert_stream d2h = NULL, h2d = NULL;
+    moert_event compute = NULL, offload[MOERT_ACT_COUNT] = {NULL}, reload[MOERT_ACT_COUNT] = {NULL};
+    HOST_CALL(h->stream_create(h, &d2h), "creating the offload stream", MOERT_ACT_COUNT);
+    HOST_CALL(h->stream_create(h, &h2d), "creating the reload stream", MOERT_ACT_COUNT);
+    HOST_CALL(h->event_create(h, &compute), "creating the offload events", MOERT_ACT_COUNT);
+    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
+        HOST_CALL(h->event_create(h, &offload[a]), "creating the offload events", MOERT_ACT_COUNT);
+        HOST_CALL(h->event_create(h, &reload[a]), "creating the offload events", MOERT_ACT_COUNT);
+    }
+    L->d2h_stream = d2h;
+    L->h2d_stream = h2d;
+    L->compute_event = compute;
+    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
+        L->offload_event[a] = offload[a];
+        L->reload_event[a] = reload[a];
+    }
+    L->copy_streams_ready = true;
+    return MOERT_OK;
+fail:
+    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
+        if (offload[a]) h->event_destroy(h, offload[a]);
+        if (reload[a]) h->event_destroy(h, reload[a]);
+    }
+    if (compute) h->event_destroy(h, compute);
+    if (d2h) h->stream_destroy(h, d2h);
+    if (h2d) h->stream_destroy(h, h2d);
+    return rc;
+}
+
+/* Makes copy_stream wait for everything queued on the compute stream so far. */
+static moert_result order_after_compute(moert_layer *L, moert_stream copy_stream, moert_activation a)
+{
+    moert_result rc = MOERT_OK;
+    const moert_host *h = L->core_host;
+    /* a wait takes the event's latest record at the time of the call, so one event serves every such order */
+    HOST_CALL(h->event_record(h, L->compute_event, L->stream), "ordering the copy of", a);
+    HOST_CALL(h->stream_wait_event(h, copy_stream, L->compute_event), "ordering the copy of", a);
+fail:
+    return rc;
+}
+
+/* Pinned host room for `bytes` of activation a: kept across steps, grown (by an eighth more than asked, so a
+ * step whose capacity grows a little does not allocate again) only when a step needs more. */
+static moert_result reserve_pinned(moert_layer *L, moert_activation a, size_t bytes)
+{
+    moert_result rc = MOERT_OK;
+    const moert_host *h = L->core_host;
+    if (bytes <= L->pinned_capacity[a]) return MOERT_OK;
+    if (L->pinned[a]) {
+        MOERT_CHECK(sync_copy_streams(L)); /* the old buffer may still be in a copy */
+        h->free_pinned(h, L->pinned[a]);
+        L->pinned_bytes -= (int64_t)L->pinned_capacity[a];
+        L->pinned[a] = NULL;
+        L->pinned_capacity[a] = 0;
+    }
+    size_t want = bytes + bytes / 8;
+    want = (want + 4095) / 4096 * 4096;
+    HOST_CALL(h->alloc_pinned(h, want, &L->pinned[a]), "allocating pinned host memory for", a);
+    L->pinned_capacity[a] = want;
+    L->pinned_bytes += (int64_t)want;
+    L->pinned_allocations++;
+fail:
+    return rc;
+}
+
+/* Offload: the D2H copy into the pinned buffer is issued on the layer's D2H stream as soon as the activation is
+ * produced (ordered after the compute stream's work so far), so it overlaps the activation's consumer. */
+static moert_result start_offload(moert_layer *L, moert_activation a)
+{
+    moert_result rc = MOERT_OK;
+    const moert_host *h = L->core_host;
     moert_tensor *t = &L->saved[a];
-    L->saved_bytes[a] = (int64_t)moert_tensor_bytes(t);
+    size_t bytes = moert_tensor_bytes(t);
+    MOERT_CHECK(ensure_copy_streams(L));
+    MOERT_CHECK(reserve_pinned(L, a, bytes));
+    MOERT_CHECK(order_after_compute(L, L->d2h_stream, a));
+    HOST_CALL(h->memcpy_async(h, L->pinned[a], moert_cpu(), t->data, t->device, bytes, L->d2h_stream), "offloading",
+              a);
+    HOST_CALL(h->event_record(h, L->offload_event[a], L->d2h_stream), "offloading", a);
+fail:
+    return rc;
+}
+
+/* Right after activation a is produced: asks the memory policy what to do with it, and for an offload starts the
+ * copy to pinned memory at once. */
+static moert_result decide_action(moert_layer *L, moert_activation a)
+{
+    moert_result rc = MOERT_OK;
+    L->saved_bytes[a] = (int64_t)moert_tensor_bytes(&L->saved[a]);
     moert_activation_info info = {.struct_size = sizeof info, .layer_index = L->info.layer_index, .activation = a,
                                   .bytes = L->saved_bytes[a], .device = L->info.device};
     PLUGIN_CALL(L->memory, "decide", MEMORY(L)->decide(L->memory.ctx, &info, &L->action[a]));
     switch (L->action[a]) {
     case MOERT_MEMORY_KEEP:
-        break;
     case MOERT_MEMORY_RECOMPUTE:
-        tensor_release(L, t);
         break;
-    case MOERT_MEMORY_OFFLOAD: {
-        size_t bytes = moert_tensor_bytes(t);
-        rc = L->core_host->alloc_pinned(L->core_host, bytes ? bytes : 1, &L->offloaded[a]);
-        if (rc == MOERT_OK)
-            rc = L->core_host->memcpy_async(L->core_host, L->offloaded[a], moert_cpu(), t->data, t->device, bytes,
-                                            L->stream);
-        if (rc == MOERT_OK) rc = L->core_host->stream_synchronize(L->core_host, L->stream);
-        if (rc != MOERT_OK) {
-            rc = moert_error(rc, "offloading %s of layer %d: %s", moert_activation_name(a), L->info.layer_index,
-                             moert_host_take_error((moert_host *)L->core_host));
-            goto fail;
-        }
-        tensor_release(L, t);
+    case MOERT_MEMORY_OFFLOAD:
+        MOERT_CHECK(start_offload(L, a));
         break;
-    }
     default:
         rc = moert_error(MOERT_ERR_INVALID_ARGUMENT, "memory policy \"%s\" answered action %d for %s",
                          L->memory.plugin->header->name, (int)L->action[a], moert_activation_name(a));
@@ -294,30 +455,84 @@ fail:
     return rc;
 }
 
-/* Brings activation a back for backward: from pinned memory, or by recomputing it. */
-static moert_result restore_activation(moert_layer *L, moert_activation a)
+/* After activation a's last forward use, carries the action out: keep leaves it in place, recompute frees it,
+ * offload hands the device buffer to offload_pending (freed behind its copy by moert_layer_release_offloaded). */
+static void after_last_use(moert_layer *L, moert_activation a)
+{
+    switch (L->action[a]) {
+    case MOERT_MEMORY_RECOMPUTE:
+        tensor_release(L, &L->saved[a]);
+        L->place[a] = MOERT_PLACE_DROPPED;
+        L->recompute_saved_bytes += L->saved_bytes[a];
+        break;
+    case MOERT_MEMORY_OFFLOAD:
+        L->offload_pending[a] = L->saved[a];
+        L->saved[a].data = NULL;
+        L->place[a] = MOERT_PLACE_HOST;
+        L->offload_saved_bytes += L->saved_bytes[a];
+        break;
+    default:
+        L->place[a] = MOERT_PLACE_DEVICE;
+        L->held_bytes[a] = L->saved_bytes[a];
+        break;
+    }
+}
+
+/* Issues the H2D copy of offloaded activation a into a new device buffer, after the compute stream's work so far
+ * (the pool may hand out a block that work still uses) and after its D2H copy. */
+static moert_result start_reload(moert_layer *L, moert_activation a)
 {
     moert_result rc = MOERT_OK;
-    if (L->action[a] == MOERT_MEMORY_KEEP) return MOERT_OK;
+    const moert_host *h = L->core_host;
+    MOERT_CHECK(moert_layer_release_offloaded(L));
     MOERT_CHECK(alloc_activation(L, a));
-    if (L->action[a] == MOERT_MEMORY_OFFLOAD) {
-        moert_tensor *t = &L->saved[a];
-        rc = L->core_host->memcpy_async(L->core_host, t->data, t->device, L->offloaded[a], moert_cpu(),
-                                        moert_tensor_bytes(t), L->stream);
-        if (rc != MOERT_OK) {
-            rc = moert_error(rc, "reloading %s of layer %d: %s", moert_activation_name(a), L->info.layer_index,
-                             moert_host_take_error((moert_host *)L->core_host));
-            goto fail;
-        }
-        L->core_host->free_pinned(L->core_host, L->offloaded[a]);
-        L->offloaded[a] = NULL;
+    moert_tensor *t = &L->saved[a];
+    MOERT_CHECK(order_after_compute(L, L->h2d_stream, a));
+    HOST_CALL(h->stream_wait_event(h, L->h2d_stream, L->offload_event[a]), "reloading", a);
+    HOST_CALL(h->memcpy_async(h, t->data, t->device, L->pinned[a], moert_cpu(), moert_tensor_bytes(t), L->h2d_stream),
+              "reloading", a);
+    HOST_CALL(h->event_record(h, L->reload_event[a], L->h2d_stream), "reloading", a);
+    L->place[a] = MOERT_PLACE_LOADING;
+fail:
+    return rc;
+}
+
+moert_result moert_layer_prefetch(moert_layer *L)
+{
+    moert_result rc = MOERT_OK;
+    for (int a = 0; a < MOERT_ACT_COUNT; a++)
+        if (L->place[a] == MOERT_PLACE_HOST) MOERT_CHECK(start_reload(L, (moert_activation)a));
+fail:
+    return rc;
+}
+
+/* Makes activation a usable on the compute stream for backward: waits for its reload, or recomputes it (its input,
+ * the activation before it, first). */
+static moert_result materialize(moert_layer *L, moert_activation a)
+{
+    moert_result rc = MOERT_OK;
+    const moert_host *h = L->core_host;
+    switch (L->place[a]) {
+    case MOERT_PLACE_DEVICE:
         return MOERT_OK;
-    }
-    switch (a) {
-    case MOERT_ACT_DISPATCHED_X: MOERT_CHECK(run_dispatch(L)); break;
-    case MOERT_ACT_FC1_OUT: MOERT_CHECK(run_fc1(L)); break;
-    case MOERT_ACT_SWIGLU_OUT: MOERT_CHECK(run_act(L)); break;
-    default: break;
+    case MOERT_PLACE_HOST:
+        MOERT_CHECK(start_reload(L, a));
+        /* fall through */
+    case MOERT_PLACE_LOADING:
+        HOST_CALL(h->stream_wait_event(h, L->stream, L->reload_event[a]), "waiting for the reload of", a);
+        L->place[a] = MOERT_PLACE_DEVICE;
+        return MOERT_OK;
+    case MOERT_PLACE_DROPPED:
+        if (a > MOERT_ACT_DISPATCHED_X) MOERT_CHECK(materialize(L, (moert_activation)(a - 1)));
+        MOERT_CHECK(alloc_activation(L, a));
+        switch (a) {
+        case MOERT_ACT_DISPATCHED_X: MOERT_CHECK(run_dispatch(L)); break;
+        case MOERT_ACT_FC1_OUT: MOERT_CHECK(run_fc1(L)); break;
+        case MOERT_ACT_SWIGLU_OUT: MOERT_CHECK(run_act(L)); break;
+        default: break;
+        }
+        L->place[a] = MOERT_PLACE_DEVICE;
+        return MOERT_OK;
     }
 fail:
     return rc;
@@ -329,8 +544,11 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
     const moert_layer_info *in = &L->info;
     int64_t t = x->shape[0];
     moert_tensor y_expert = {0}, moe_out = {0};
-    release_saved(L);
+    MOERT_CHECK(release_saved(L));
     L->x = *x;
+    memset(L->saved_bytes, 0, sizeof L->saved_bytes);
+    memset(L->held_bytes, 0, sizeof L->held_bytes);
+    L->kept_bytes_peak = L->recompute_saved_bytes = L->offload_saved_bytes = 0;
     MOERT_CHECK(stage_mark(L, 0));
     MOERT_CHECK(tensor_alloc(L, &L->topk_idx, MOERT_I32, 2, t, in->topk, 0));
     MOERT_CHECK(tensor_alloc(L, &L->topk_probs, L->param_dtype, 2, t, in->topk, 0));
@@ -351,33 +569,35 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
     MOERT_CHECK(alloc_activation(L, MOERT_ACT_DISPATCHED_X));
     MOERT_CHECK(tensor_alloc(L, &L->recv_probs, L->param_dtype, 1, L->layout.capacity, 0, 0));
     MOERT_CHECK(run_dispatch(L));
+    MOERT_CHECK(decide_action(L, MOERT_ACT_DISPATCHED_X));
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_DISPATCH));
 
     MOERT_CHECK(alloc_activation(L, MOERT_ACT_FC1_OUT));
     MOERT_CHECK(run_fc1(L));
-    MOERT_CHECK(apply_policy(L, MOERT_ACT_DISPATCHED_X));
+    MOERT_CHECK(decide_action(L, MOERT_ACT_FC1_OUT));
+    after_last_use(L, MOERT_ACT_DISPATCHED_X);
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_FC1));
 
     MOERT_CHECK(alloc_activation(L, MOERT_ACT_SWIGLU_OUT));
     MOERT_CHECK(run_act(L));
-    MOERT_CHECK(apply_policy(L, MOERT_ACT_FC1_OUT));
+    MOERT_CHECK(decide_action(L, MOERT_ACT_SWIGLU_OUT));
+    after_last_use(L, MOERT_ACT_FC1_OUT);
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_ACT));
 
     MOERT_CHECK(tensor_alloc(L, &y_expert, in->dtype, 2, L->layout.capacity, in->hidden, 0));
     MOERT_CHECK(run_gemm(L, MOERT_GEMM_FC2, MOERT_GEMM_FORWARD, &L->saved[MOERT_ACT_SWIGLU_OUT], NULL, &y_expert, NULL));
-    MOERT_CHECK(apply_policy(L, MOERT_ACT_SWIGLU_OUT));
+    after_last_use(L, MOERT_ACT_SWIGLU_OUT);
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_FC2));
 
     MOERT_CHECK(tensor_alloc(L, &moe_out, in->dtype, 2, t, in->hidden, 0));
     moert_combine_args ca = {.struct_size = sizeof ca, .y_expert = &y_expert, .y = &moe_out};
     PLUGIN_CALL(L->dispatcher, "combine", DISPATCHER(L)->combine(L->dispatcher.ctx, L->stream, &ca));
     MOERT_CHECK(moert_add(L->stream, x, &moe_out, y));
+    /* the compute stream waits here for D2H copies still running (counted in the combine stage) */
+    if (!L->defer_offload_release) MOERT_CHECK(moert_layer_release_offloaded(L));
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_COMBINE));
 
-    int64_t kept = 0;
-    for (int a = 0; a < MOERT_ACT_COUNT; a++)
-        if (L->action[a] == MOERT_MEMORY_KEEP) kept += L->saved_bytes[a];
-    L->kept_bytes_peak = kept;
+    for (int a = 0; a < MOERT_ACT_COUNT; a++) L->kept_bytes_peak += L->held_bytes[a];
 fail:
     tensor_release(L, &y_expert);
     tensor_release(L, &moe_out);
@@ -392,7 +612,11 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
     moert_tensor d_y_expert = {0}, d_act = {0}, d_fc1 = {0}, d_recv_probs = {0}, d_recv_x = {0}, d_probs = {0};
     MOERT_CHECK(stage_mark(L, MARK_BACKWARD_START));
 
-    for (int a = 0; a < MOERT_ACT_COUNT; a++) MOERT_CHECK(restore_activation(L, (moert_activation)a));
+    /* reloads not yet issued by a prefetch start now; each is waited for just before its first use below */
+    MOERT_CHECK(moert_layer_prefetch(L));
+    /* recomputation first, in forward order, as every rank does (dispatching again is a collective) */
+    for (int a = 0; a < MOERT_ACT_COUNT; a++)
+        if (L->place[a] == MOERT_PLACE_DROPPED) MOERT_CHECK(materialize(L, (moert_activation)a));
 
     MOERT_CHECK(tensor_alloc(L, &d_y_expert, in->dtype, 2, cap, in->hidden, 0));
     moert_combine_backward_args cb = {.struct_size = sizeof cb, .d_y = d_y, .d_y_expert = &d_y_expert};
@@ -401,12 +625,14 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
 
     MOERT_CHECK(tensor_alloc(L, &d_act, in->dtype, 2, cap, in->ffn_hidden, 0));
     MOERT_CHECK(run_gemm(L, MOERT_GEMM_FC2, MOERT_GEMM_DGRAD, NULL, &d_y_expert, NULL, &d_act));
+    MOERT_CHECK(materialize(L, MOERT_ACT_SWIGLU_OUT));
     MOERT_CHECK(run_gemm(L, MOERT_GEMM_FC2, MOERT_GEMM_WGRAD, &L->saved[MOERT_ACT_SWIGLU_OUT], &d_y_expert, NULL, NULL));
     tensor_release(L, &d_y_expert);
     tensor_release(L, &L->saved[MOERT_ACT_SWIGLU_OUT]);
 
     MOERT_CHECK(tensor_alloc(L, &d_fc1, in->dtype, 2, cap, 2 * in->ffn_hidden, 0));
     MOERT_CHECK(tensor_alloc(L, &d_recv_probs, L->param_dtype, 1, cap, 0, 0));
+    MOERT_CHECK(materialize(L, MOERT_ACT_FC1_OUT));
     MOERT_CHECK(moert_swiglu_backward(L->stream, &d_act, &L->saved[MOERT_ACT_FC1_OUT], &L->recv_probs, used_rows(L),
                                       &d_fc1, &d_recv_probs));
     tensor_release(L, &d_act);
@@ -414,6 +640,7 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
 
     MOERT_CHECK(tensor_alloc(L, &d_recv_x, in->dtype, 2, cap, in->hidden, 0));
     MOERT_CHECK(run_gemm(L, MOERT_GEMM_FC1, MOERT_GEMM_DGRAD, NULL, &d_fc1, NULL, &d_recv_x));
+    MOERT_CHECK(materialize(L, MOERT_ACT_DISPATCHED_X));
     MOERT_CHECK(run_gemm(L, MOERT_GEMM_FC1, MOERT_GEMM_WGRAD, &L->saved[MOERT_ACT_DISPATCHED_X], &d_fc1, NULL, NULL));
     tensor_release(L, &d_fc1);
     tensor_release(L, &L->saved[MOERT_ACT_DISPATCHED_X]);
@@ -439,5 +666,24 @@ fail:
     tensor_release(L, &d_recv_probs);
     tensor_release(L, &d_recv_x);
     tensor_release(L, &d_probs);
+    return rc;
+}
+
+moert_result moert_layer_optimizer_step(moert_layer *L, const moert_train_config *t, int64_t step)
+{
+    moert_result rc = MOERT_OK;
+    moert_adam adam = {.lr = t->lr, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = t->weight_decay,
+                       .step = step};
+    moert_sgd sgd = {.lr = t->lr, .weight_decay = t->weight_decay};
+    for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
+        moert_param *pr = &L->params[p];
+        if (t->optimizer == MOERT_OPTIMIZER_SGD) {
+            MOERT_CHECK(moert_sgd_update(L->stream, &sgd, &pr->value, &pr->grad));
+            continue;
+        }
+        if (!pr->m.data) MOERT_CHECK(alloc_adam_state(L, pr));
+        MOERT_CHECK(moert_adam_update(L->stream, &adam, &pr->value, &pr->grad, &pr->m, &pr->v));
+    }
+fail:
     return rc;
 }

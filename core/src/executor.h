@@ -2,6 +2,7 @@
 #ifndef MOERT_CORE_EXECUTOR_H
 #define MOERT_CORE_EXECUTOR_H
 
+#include "config.h"
 #include "loader.h"
 #include "moert/moert.h"
 
@@ -27,42 +28,76 @@ typedef struct moert_instance {
     moert_host *host;
 } moert_instance;
 
-/* A parameter with its gradient and Adam moments, on the layer's device. */
+/* A parameter with its gradient and Adam moments (NULL data with SGD), on the layer's device. */
 typedef struct moert_param {
     moert_tensor value, grad, m, v;
 } moert_param;
 
 typedef enum moert_param_id { MOERT_PARAM_ROUTER = 0, MOERT_PARAM_FC1 = 1, MOERT_PARAM_FC2 = 2, MOERT_PARAM_COUNT } moert_param_id;
 
+/* Where a saved activation is between its forward and its backward. */
+typedef enum moert_act_place {
+    MOERT_PLACE_DEVICE = 0,  /* saved[a] holds it (valid in the compute stream's order) */
+    MOERT_PLACE_DROPPED = 1, /* recompute: freed after its last forward use, recomputed in backward */
+    MOERT_PLACE_HOST = 2,    /* offload: in pinned[a] (the D2H copy may still be running) */
+    MOERT_PLACE_LOADING = 3  /* offload: the H2D copy into saved[a] is issued; wait for reload_event[a] before use */
+} moert_act_place;
+
 typedef struct moert_layer {
     moert_layer_info info;
     const moert_host *core_host;      /* the rank's own services: allocation, streams */
-    moert_stream stream;
+    moert_stream stream;              /* the rank's compute stream (NULL on the CPU) */
     moert_instance router, dispatcher, precision, memory;
     moert_param params[MOERT_PARAM_COUNT]; /* router [E,H], fc1 [El,H,2F], fc2 [El,F,H] */
     moert_dtype param_dtype;          /* fp32, or fp64 in fp64 mode */
     int64_t seq_length;               /* tokens per sequence (batch-major), 0 = one sequence */
+    moert_optimizer optimizer;        /* set before moert_layer_init_params: m and v exist only for Adam */
+    /* false (default): the device copies of offloaded activations are freed at the end of this layer's forward;
+     * true: the caller frees them later with moert_layer_release_offloaded (e.g. after the next layer's forward),
+     * so the D2H copies overlap more compute. */
+    bool defer_offload_release;
 
     /* saved by forward for backward */
     moert_tensor x;                   /* borrowed: the layer input */
     moert_tensor topk_idx, topk_probs, tokens_per_expert;
     moert_dispatch_layout layout;
     moert_tensor recv_probs;
-    moert_tensor saved[MOERT_ACT_COUNT];         /* recv_x, fc1_out, swiglu_out (data NULL when dropped) */
-    void *offloaded[MOERT_ACT_COUNT];             /* pinned copies of offloaded activations */
-    moert_memory_action action[MOERT_ACT_COUNT];
+    moert_tensor saved[MOERT_ACT_COUNT];         /* recv_x, fc1_out, swiglu_out (data NULL when not on the device) */
+    moert_memory_action action[MOERT_ACT_COUNT]; /* the memory policy's answer in the last forward */
+    moert_act_place place[MOERT_ACT_COUNT];
     moert_router_losses losses;
+
+    /* offload (docs/executor.md, "Memory"): pinned host buffers kept across steps and grown only; two copy
+     * streams of this layer and their events, created through core_host at the first offload (NULL handles on
+     * the CPU, where copies are synchronous) */
+    void *pinned[MOERT_ACT_COUNT];
+    size_t pinned_capacity[MOERT_ACT_COUNT];
+    moert_tensor offload_pending[MOERT_ACT_COUNT]; /* device copies the D2H stream may still read; freed by release */
+    bool copy_streams_ready;
+    moert_stream d2h_stream, h2d_stream;
+    moert_event compute_event;                     /* recorded on `stream` for a copy stream to wait on */
+    moert_event offload_event[MOERT_ACT_COUNT];    /* the D2H copy of activation a is done */
+    moert_event reload_event[MOERT_ACT_COUNT];     /* the H2D copy of activation a is done */
 
     /* figures of the last step: stage boundaries are marked with the wall clock on the CPU and with CUDA
      * events on GPUs (read by moert_layer_collect_times once the step's work is done) */
     double mark_seconds[MOERT_STAGE_COUNT + 2];
     moert_event mark_events[MOERT_STAGE_COUNT + 2];
     double stage_seconds[MOERT_STAGE_COUNT];
-    int64_t saved_bytes[MOERT_ACT_COUNT];        /* size of each saved activation in the last forward */
-    int64_t kept_bytes_peak;                     /* activation bytes held from forward to backward */
+    /* memory figures of the last forward (bytes; "held" = on the device from the end of forward to backward) */
+    int64_t saved_bytes[MOERT_ACT_COUNT];        /* size of each activation saved for backward */
+    int64_t held_bytes[MOERT_ACT_COUNT];         /* saved_bytes[a] when kept, 0 when recomputed or offloaded */
+    int64_t kept_bytes_peak;                     /* sum of held_bytes: activation bytes held from forward to backward */
+    int64_t recompute_saved_bytes;               /* bytes not held because recomputed (sum over those activations) */
+    int64_t offload_saved_bytes;                 /* bytes not held because offloaded to pinned host memory */
+    /* since the layer was created */
+    int64_t pinned_bytes;                        /* pinned host memory held by the offload buffers */
+    int64_t pinned_allocations;                  /* alloc_pinned calls (the first offload of each activation, and
+                                                    when a step's activation outgrows its buffer) */
 } moert_layer;
 
-/* Allocates the parameters (values from the seed, the same for any rank split) and their state. */
+/* Allocates the parameters (values from the seed, the same for any rank split) and their state (Adam's m and v,
+ * zeroed, when L->optimizer is Adam). */
 moert_result moert_layer_init_params(moert_layer *L, uint64_t seed);
 void moert_layer_free(moert_layer *L);
 
@@ -70,9 +105,22 @@ void moert_layer_free(moert_layer *L);
 moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_tensor *y);
 /* From d_y computes d_x (overwritten) and adds parameter gradients; router losses enter with loss_scale. */
 moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert_tensor *d_x, double loss_scale);
+/* Issues the copies back to the device of this layer's offloaded activations on its H2D stream, ordered after
+ * the compute stream's work so far; the backward waits for each copy just before its first use. Idempotent;
+ * nothing to do when nothing is offloaded. moert_layer_backward calls it itself; calling it one layer ahead (when
+ * the next-higher layer's backward starts) overlaps the copies with that layer's backward. */
+moert_result moert_layer_prefetch(moert_layer *L);
+/* Frees the device copies of activations offloaded in the last forward, stream-ordered after their D2H copies
+ * (the compute stream waits for the copy, then the block goes back to the pool). Done at the end of the forward
+ * unless defer_offload_release is set; prefetch, backward and the next forward do it too. */
+moert_result moert_layer_release_offloaded(moert_layer *L);
 /* Fills stage_seconds from the last forward and backward (waits for their work on GPUs). */
 moert_result moert_layer_collect_times(moert_layer *L);
 /* Zeroes the parameter gradients. */
 moert_result moert_layer_zero_grad(moert_layer *L);
+/* The optimizer step of this layer's parameters, with `t`'s optimizer, lr and weight decay: Adam (beta 0.9/0.999,
+ * eps 1e-8, decoupled weight decay; step counts from 1; m and v are allocated at the first Adam step if the layer
+ * has none) or plain SGD (param -= lr * (grad + weight_decay * param)). */
+moert_result moert_layer_optimizer_step(moert_layer *L, const moert_train_config *t, int64_t step);
 
 #endif

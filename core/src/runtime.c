@@ -274,6 +274,7 @@ static moert_result rank_init(moert_rank *r, void *arg)
         L->stream = r->stream;
         L->param_dtype = cfg->model.dtype == MOERT_F64 ? MOERT_F64 : MOERT_F32;
         L->seq_length = cfg->train.seq_length;
+        L->optimizer = cfg->train.optimizer;
         for (int s = 0; s < MOERT_SLOT_COUNT; s++) {
             const char *key = moert_slot_key((moert_slot)s);
             char path[64];
@@ -463,7 +464,8 @@ static double param_bytes_per_rank(const moert_runtime *rt)
     const moert_model_config *m = &rt->cfg->model;
     double local = (double)(m->num_experts / rt->world);
     double per_layer = (double)(m->num_experts * m->hidden) + local * 3.0 * (double)(m->hidden * m->ffn_hidden);
-    return per_layer * (double)m->num_layers * 4.0 /* value, grad, m, v */ * (m->dtype == MOERT_F64 ? 8.0 : 4.0);
+    double tensors = rt->cfg->train.optimizer == MOERT_OPTIMIZER_SGD ? 2.0 /* value, grad */ : 4.0 /* and m, v */;
+    return per_layer * (double)m->num_layers * tensors * (m->dtype == MOERT_F64 ? 8.0 : 4.0);
 }
 
 static moert_result ensure_params(moert_runtime *rt)
@@ -555,6 +557,8 @@ static moert_result rank_forward_backward(moert_rank *r, int64_t step)
                                   &r->grad_a));
     moert_tensor *d_y = &r->grad_a, *d_x = &r->grad_b;
     for (int l = nl - 1; l >= 0; l--) {
+        /* the layer below's offloaded activations come back while this layer's backward runs */
+        if (l > 0) MOERT_CHECK(moert_layer_prefetch(&r->layers[l - 1]));
         MOERT_CHECK(moert_layer_backward(&r->layers[l], d_y, d_x, 1.0 / r->rt->world));
         moert_tensor *tmp = d_y;
         d_y = d_x;
@@ -582,13 +586,9 @@ static moert_result rank_optimizer_step(moert_rank *r, int64_t step)
 {
     moert_result rc = MOERT_OK;
     const moert_config *cfg = r->rt->cfg;
-    moert_adam opt = {.lr = cfg->train.lr, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
-                      .weight_decay = cfg->train.weight_decay, .step = step};
     for (int l = 0; l < cfg->model.num_layers; l++) {
         moert_layer *L = &r->layers[l];
-        for (int p = 0; p < MOERT_PARAM_COUNT; p++)
-            MOERT_CHECK(moert_adam_update(L->stream, &opt, &L->params[p].value, &L->params[p].grad, &L->params[p].m,
-                                          &L->params[p].v));
+        MOERT_CHECK(moert_layer_optimizer_step(L, &cfg->train, step));
         const moert_router_v1 *router = (const moert_router_v1 *)L->router.plugin->header;
         rc = router->end_step(L->router.ctx, L->stream);
         if (rc != MOERT_OK)

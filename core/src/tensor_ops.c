@@ -212,3 +212,25 @@ moert_result moert_adam_update(moert_stream s, const moert_adam *opt, moert_tens
     }
     return MOERT_OK;
 }
+
+moert_result moert_sgd_update(moert_stream s, const moert_sgd *opt, moert_tensor *param, const moert_tensor *grad)
+{
+    if (moert_tensor_numel(param) != moert_tensor_numel(grad))
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "sgd_update: parameter has %lld elements, gradient %lld",
+                           (long long)moert_tensor_numel(param), (long long)moert_tensor_numel(grad));
+#ifdef MOERT_HAVE_CUDA
+    if (on_cuda(param)) /* param = (1 - lr wd) param - lr grad */
+        return moert_cuda_axpby(s, moert_tensor_numel(param), -opt->lr, grad->dtype, grad->data,
+                                1.0 - opt->lr * opt->weight_decay, param->dtype, param->data);
+#endif
+    (void)s;
+    moert_result rc = require_cpu(param, "sgd_update");
+    if (rc != MOERT_OK) return rc;
+    int64_t n = moert_tensor_numel(param);
+    for (int64_t i = 0; i < n; i++) {
+        double p = moert_load(param, i), g = moert_load(grad, i);
+        if (opt->weight_decay != 0.0) g += opt->weight_decay * p;
+        moert_store(param, i, p - opt->lr * g);
+    }
+    return MOERT_OK;
+}

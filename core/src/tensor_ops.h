@@ -30,4 +30,12 @@ typedef struct moert_adam {
 moert_result moert_adam_update(moert_stream s, const moert_adam *opt, moert_tensor *param, const moert_tensor *grad,
                                moert_tensor *m, moert_tensor *v);
 
+/* Plain SGD with weight decay on one parameter tensor: param -= lr * (grad + weight_decay * param), in double on
+ * the CPU (so with weight_decay 0 the result is exactly param - lr * grad, rounded to the storage dtype once) and
+ * as one fused axpby in fp32 (fp64 for fp64 tensors) on CUDA. No optimizer state. */
+typedef struct moert_sgd {
+    double lr, weight_decay;
+} moert_sgd;
+moert_result moert_sgd_update(moert_stream s, const moert_sgd *opt, moert_tensor *param, const moert_tensor *grad);
+
 #endif

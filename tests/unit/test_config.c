@@ -45,6 +45,7 @@ static void test_defaults(void)
     EXPECT_NEAR(cfg->train.lr, 1e-3, 0, 0);
     EXPECT_NEAR(cfg->train.weight_decay, 0.0, 0, 0);
     EXPECT_NEAR(cfg->train.teacher_scale, 1.0, 0, 0);
+    EXPECT_EQ_INT(cfg->train.optimizer, MOERT_OPTIMIZER_ADAM);
     EXPECT(strcmp(cfg->plugin[MOERT_SLOT_ROUTER], "topk") == 0);
     EXPECT(strcmp(cfg->plugin[MOERT_SLOT_DISPATCHER], "alltoall") == 0);
     EXPECT(strcmp(cfg->plugin[MOERT_SLOT_PRECISION], "bf16") == 0);
@@ -61,7 +62,7 @@ static void test_values(void)
         " \"dtype\": \"bf16\"},\n"
         " \"parallel\": {\"ranks\": 4, \"device\": \"cuda\", \"timeout_s\": 2.5},\n"
         " \"train\": {\"steps\": 0, \"tokens_per_rank\": 64, \"seq_length\": 16, \"seed\": 7, \"log_every\": 5,"
-        " \"lr\": 0.01, \"weight_decay\": 0.1, \"teacher_scale\": 2},\n"
+        " \"lr\": 0.01, \"weight_decay\": 0.1, \"teacher_scale\": 2, \"optimizer\": \"sgd\"},\n"
         " \"router\": {\"plugin\": \"/opt/x/libmoert-router-mine.so\", \"anything\": [1, 2]},\n"
         " \"dispatcher\": {\"plugin\": \"deepep\"}, \"precision\": {}, \"memory_policy\": {\"plugin\": \"lean\"}}";
     moert_config *cfg = NULL;
@@ -85,6 +86,7 @@ static void test_values(void)
     EXPECT_NEAR(cfg->train.lr, 0.01, 0, 0);
     EXPECT_NEAR(cfg->train.weight_decay, 0.1, 0, 0);
     EXPECT_NEAR(cfg->train.teacher_scale, 2.0, 0, 0);
+    EXPECT_EQ_INT(cfg->train.optimizer, MOERT_OPTIMIZER_SGD);
     EXPECT(strcmp(cfg->plugin[MOERT_SLOT_ROUTER], "/opt/x/libmoert-router-mine.so") == 0);
     EXPECT(strcmp(cfg->plugin[MOERT_SLOT_DISPATCHER], "deepep") == 0);
     EXPECT(strcmp(cfg->plugin[MOERT_SLOT_PRECISION], "bf16") == 0);
@@ -116,7 +118,9 @@ static void test_errors(void)
                         "config error at $.modle: unknown key (did you mean \"model\"?)");
     expect_config_error("{\"train\": {\"learning_rate\": 0.1}}", MOERT_ERR_CONFIG,
                         "config error at $.train.learning_rate: unknown key (known keys: steps, tokens_per_rank, "
-                        "seq_length, seed, log_every, lr, weight_decay, teacher_scale, data)");
+                        "seq_length, seed, log_every, lr, weight_decay, teacher_scale, data, optimizer)");
+    expect_config_error("{\"train\": {\"optimizer\": \"adamw\"}}", MOERT_ERR_CONFIG,
+                        "config error at $.train.optimizer: got \"adamw\", expected one of adam|sgd");
     expect_config_error("{\"model\": {\"hidden\": \"64\"}}", MOERT_ERR_CONFIG,
                         "config error at $.model.hidden: got \"64\", expected an integer >= 1");
     expect_config_error("{\"model\": {\"hidden\": 64.5}}", MOERT_ERR_CONFIG,
