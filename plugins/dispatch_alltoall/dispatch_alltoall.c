@@ -213,6 +213,16 @@ static moert_result check_prepared(const alltoall_ctx *c, const char *call)
     return MOERT_ERR_INVALID_ARGUMENT;
 }
 
+/* What every call after prepare() checks first: prepare() succeeded, args is there and big enough. */
+static moert_result check_call(alltoall_ctx *c, const char *call, const void *args, uint32_t struct_size,
+                               size_t expected_size)
+{
+    moert_result rc = check_prepared(c, call);
+    if (rc == MOERT_OK && !args) rc = fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: args is NULL", call);
+    if (rc == MOERT_OK) rc = check_struct_size(c, call, "args", struct_size, expected_size);
+    return rc;
+}
+
 /*
  * Moves rows between ranks: send_rows[r] rows of row_bytes from `send` (packed in rank order) to rank r,
  * recv_rows[r] rows from rank r into `recv` (packed in rank order). On CUDA, device buffers, queued on stream.
@@ -842,10 +852,7 @@ static moert_result alltoall_dispatch(void *ctx, moert_stream stream, const moer
     const char *call = "dispatch()";
     const a2a_plan *p = &c->plan;
     const int64_t H = c->layer.hidden, T = p->num_tokens, K = c->layer.topk;
-    moert_result rc = check_prepared(c, call);
-    if (rc == MOERT_OK && !args)
-        rc = fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: args is NULL", call);
-    if (rc == MOERT_OK) rc = check_struct_size(c, call, "args", args->struct_size, sizeof *args);
+    moert_result rc = check_call(c, call, args, args ? args->struct_size : 0, sizeof *args);
     if (rc == MOERT_OK)
         rc = check_tensor(c, call, "x", args->x, 2, T, false, H, "T from prepare(), hidden", -1);
     if (rc == MOERT_OK)
@@ -896,10 +903,7 @@ static moert_result alltoall_combine(void *ctx, moert_stream stream, const moert
     const char *call = "combine()";
     const a2a_plan *p = &c->plan;
     const int64_t H = c->layer.hidden;
-    moert_result rc = check_prepared(c, call);
-    if (rc == MOERT_OK && !args)
-        rc = fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: args is NULL", call);
-    if (rc == MOERT_OK) rc = check_struct_size(c, call, "args", args->struct_size, sizeof *args);
+    moert_result rc = check_call(c, call, args, args ? args->struct_size : 0, sizeof *args);
     if (rc == MOERT_OK)
         rc = check_tensor(c, call, "y_expert", args->y_expert, 2, p->capacity, true, H,
                           "capacity from prepare(), hidden", -1);
@@ -929,10 +933,7 @@ static moert_result alltoall_combine_backward(void *ctx, moert_stream stream, co
     const char *call = "combine_backward()";
     const a2a_plan *p = &c->plan;
     const int64_t H = c->layer.hidden;
-    moert_result rc = check_prepared(c, call);
-    if (rc == MOERT_OK && !args)
-        rc = fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: args is NULL", call);
-    if (rc == MOERT_OK) rc = check_struct_size(c, call, "args", args->struct_size, sizeof *args);
+    moert_result rc = check_call(c, call, args, args ? args->struct_size : 0, sizeof *args);
     if (rc == MOERT_OK)
         rc = check_tensor(c, call, "d_y", args->d_y, 2, p->num_tokens, false, H, "T from prepare(), hidden", -1);
     if (rc == MOERT_OK)
@@ -963,10 +964,7 @@ static moert_result alltoall_dispatch_backward(void *ctx, moert_stream stream,
     const char *call = "dispatch_backward()";
     const a2a_plan *p = &c->plan;
     const int64_t H = c->layer.hidden, T = p->num_tokens, K = c->layer.topk;
-    moert_result rc = check_prepared(c, call);
-    if (rc == MOERT_OK && !args)
-        rc = fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: args is NULL", call);
-    if (rc == MOERT_OK) rc = check_struct_size(c, call, "args", args->struct_size, sizeof *args);
+    moert_result rc = check_call(c, call, args, args ? args->struct_size : 0, sizeof *args);
     if (rc == MOERT_OK)
         rc = check_tensor(c, call, "d_recv_x", args->d_recv_x, 2, p->capacity, true, H,
                           "capacity from prepare(), hidden", -1);
