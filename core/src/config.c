@@ -256,10 +256,12 @@ moert_result moert_section_string(moert_section *sec, const char *key, const cha
 }
 
 /* One of choices (NULL-terminated); *out gets its index; a missing key gives def. */
+static int edit_distance(const char *a, const char *b);
+
 moert_result moert_section_enum(moert_section *sec, const char *key, const char *const *choices, int def,
                                 const char *help, int *out)
 {
-    char range[192] = "", expected[224];
+    char range[192] = "", expected[320];
     int count = 0;
     for (; choices[count]; count++) {
         size_t used = strlen(range);
@@ -280,6 +282,15 @@ moert_result moert_section_enum(moert_section *sec, const char *key, const char 
                 *out = i;
                 return MOERT_OK;
             }
+        }
+        /* a typo (one edit, or a few in a long word) gets a suggestion; short words are too close to guess
+         * ("gpu" is one edit from "cpu", "fp16" two from "fp32") */
+        const char *word = json_string_value(v);
+        const char *near = moert_nearest_name(word, choices, count);
+        int limit = (int)strlen(word) / 4 > 1 ? (int)strlen(word) / 4 : 1;
+        if (near && strlen(word) >= 5 && edit_distance(word, near) <= limit) {
+            size_t used = strlen(expected);
+            snprintf(expected + used, sizeof expected - used, " (did you mean \"%s\"?)", near);
         }
     }
     return bad_value(sec, key, v, expected);

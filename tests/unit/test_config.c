@@ -120,7 +120,7 @@ static void test_errors(void)
                         "config error at $.train.learning_rate: unknown key (known keys: steps, tokens_per_rank, "
                         "seq_length, seed, log_every, lr, weight_decay, teacher_scale, data, optimizer)");
     expect_config_error("{\"train\": {\"optimizer\": \"adamw\"}}", MOERT_ERR_CONFIG,
-                        "config error at $.train.optimizer: got \"adamw\", expected one of adam|sgd");
+                        "config error at $.train.optimizer: got \"adamw\", expected one of adam|sgd (did you mean \"adam\"?)");
     expect_config_error("{\"model\": {\"hidden\": \"64\"}}", MOERT_ERR_CONFIG,
                         "config error at $.model.hidden: got \"64\", expected an integer >= 1");
     expect_config_error("{\"model\": {\"hidden\": 64.5}}", MOERT_ERR_CONFIG,
