@@ -5,6 +5,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "../common/grouped_gemm_args.h"
 #include "moert/precision.h"
 
 /* How the GEMMs compute: the option "mode" after "auto" was resolved. */
@@ -20,13 +21,8 @@ typedef struct bf16_scratch {
     size_t a_elems, b_elems, c_elems;
 } bf16_scratch;
 
-/* The shape of one grouped GEMM, checked by the caller: expert e owns counts[e] rows, starting at first[e]. */
-typedef struct bf16_gemm_shape {
-    int64_t num_experts; /* E_local */
-    int64_t k_in;        /* columns of input / grad_input, rows of each weight */
-    int64_t n_out;       /* columns of output / grad_output and of each weight */
-    const int64_t *counts;
-} bf16_gemm_shape;
+/* The shape of one grouped GEMM, checked by the caller (plugins/common/grouped_gemm_args.h). */
+typedef moert_gemm_shape bf16_gemm_shape;
 
 /* Runs args->pass for every expert. Returns MOERT_ERR_OUT_OF_MEMORY if scratch cannot grow, else MOERT_OK. */
 moert_result bf16_cpu_grouped_gemm(const moert_grouped_gemm_args *args, const bf16_gemm_shape *shape,

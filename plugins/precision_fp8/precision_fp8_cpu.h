@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "fp8_convert.h"
+#include "../common/grouped_gemm_args.h"
 #include "moert/precision.h"
 
 /* The option "recipe": how scales are chosen. */
@@ -60,13 +61,8 @@ typedef struct fp8_scratch {
     size_t a_elems, b_elems, c_elems;
 } fp8_scratch;
 
-/* The shape of one grouped GEMM, checked by the caller: expert e owns counts[e] consecutive rows. */
-typedef struct fp8_gemm_shape {
-    int64_t num_experts; /* E_local */
-    int64_t k_in;        /* columns of input / grad_input, rows of each weight */
-    int64_t n_out;       /* columns of output / grad_output and of each weight */
-    const int64_t *counts;
-} fp8_gemm_shape;
+/* The shape of one grouped GEMM, checked by the caller (plugins/common/grouped_gemm_args.h). */
+typedef moert_gemm_shape fp8_gemm_shape;
 
 /* The format an operand is quantized to: E4M3, or E5M2 for gradients under "hybrid". */
 fp8_format fp8_operand_format(const fp8_settings *s, fp8_operand operand);
