@@ -36,6 +36,8 @@ static void ab_usage(FILE *f)
             "  --rtol X           relative tolerance of the agreement check (default 1e-3)\n"
             "  --report FILE      write every figure as JSON to FILE and a Markdown table beside it (.md)\n"
             "  --plot FILE.png    draw step time and loss of both over the steps\n"
+            "  --sequential       run all of A, free it, then all of B: for runs that do not fit in memory\n"
+            "                     twice (the figures then lose the interleaving's protection against drift)\n"
             "  --quiet            no progress lines\n",
             DEFAULT_WARMUP, DEFAULT_MAX_STEPS);
 }
@@ -102,11 +104,22 @@ static spread spread_of(double *values, int64_t n)
 
 /* ---- one side of the comparison ---- */
 
+/* What the report needs from a runtime, kept after it is destroyed (--sequential frees A before B starts). */
+typedef struct ab_run_facts {
+    moert_device_type device_type;
+    char device_name[400];
+    int world;
+    int64_t activation_bytes[MOERT_ACT_COUNT];
+    int64_t kept_bytes;
+    int64_t device_peak_bytes;
+} ab_run_facts;
+
 typedef struct ab_side {
     const char *path;
     char letter;                 /* 'A' or 'B' */
     moert_config *cfg;
-    moert_runtime *rt;
+    moert_runtime *rt;           /* NULL once destroyed */
+    ab_run_facts facts;          /* taken after the last step */
     moert_step_record *records;  /* [warmup + steps], every step */
     spread figures[FIGURE_COUNT]; /* over the measured steps */
 } ab_side;
@@ -117,7 +130,8 @@ typedef struct ab_agreement {
     double loss_diff;          /* max over steps of |loss_A - loss_B| / max(|loss_A|, |loss_B|) */
     int64_t loss_worst_step;
     bool losses_identical;     /* bit for bit, every step */
-    bool first_step_compared;  /* CPU runs */
+    bool first_step_compared;  /* CPU runs, interleaved */
+    bool sequential;           /* --sequential: A is gone when B runs, so only losses are compared */
     double output_diff;        /* max |out_A - out_B| / max |out| over the first step's output */
     double gradient_diff;      /* the same per parameter tensor, the largest over tensors */
     char gradient_worst[64];   /* that tensor, e.g. "layer 0 fc1" */
@@ -156,7 +170,7 @@ static moert_result compare_first_step(ab_side *a, ab_side *b, ab_agreement *agr
 {
     moert_result rc = MOERT_OK;
     static const char *const param_names[MOERT_PARAM_COUNT] = {"router", "fc1", "fc2"};
-    if (a->rt->device_type != MOERT_DEVICE_CPU) return MOERT_OK;
+    if (a->facts.device_type != MOERT_DEVICE_CPU) return MOERT_OK;
     tensor_diff out = {0, 0};
     for (int64_t i = 0; i < moert_runtime_output_numel(a->rt); i++) {
         double va = 0, vb = 0;
@@ -293,17 +307,17 @@ static int build_table(const ab_side *a, const ab_side *b, table_row *rows)
         int64_t va, vb;
         if (m < MOERT_ACT_COUNT) {
             snprintf(rows[n].label, sizeof rows[n].label, "%s size (rank 0)", moert_activation_name((moert_activation)m));
-            va = a->rt->activation_bytes[m];
-            vb = b->rt->activation_bytes[m];
+            va = a->facts.activation_bytes[m];
+            vb = b->facts.activation_bytes[m];
         } else if (m == MOERT_ACT_COUNT) {
             snprintf(rows[n].label, sizeof rows[n].label, "kept fwd->bwd (rank 0)");
-            va = a->rt->kept_bytes;
-            vb = b->rt->kept_bytes;
+            va = a->facts.kept_bytes;
+            vb = b->facts.kept_bytes;
         } else {
-            if (a->rt->device_type != MOERT_DEVICE_CUDA) continue;
+            if (a->facts.device_type != MOERT_DEVICE_CUDA) continue;
             snprintf(rows[n].label, sizeof rows[n].label, "GPU pool peak (rank 0)");
-            va = a->rt->device_peak_bytes;
-            vb = b->rt->device_peak_bytes;
+            va = a->facts.device_peak_bytes;
+            vb = b->facts.device_peak_bytes;
         }
         format_bytes(va, rows[n].a, sizeof rows[n].a);
         format_bytes(vb, rows[n].b, sizeof rows[n].b);
@@ -322,7 +336,8 @@ static void format_verdict(const ab_agreement *agr, int64_t steps, char *out, si
                  agr->gradient_diff, agr->gradient_worst[0] ? " (" : "", agr->gradient_worst,
                  agr->gradient_worst[0] ? ")" : "");
     else
-        snprintf(first, sizeof first, "first step's output and gradients not compared on GPUs");
+        snprintf(first, sizeof first, "first step's output and gradients not compared %s",
+                 agr->sequential ? "when sequential" : "on GPUs");
     char worst[64] = "";
     if (agr->loss_diff > 0.0) snprintf(worst, sizeof worst, " (step %lld)", (long long)agr->loss_worst_step);
     snprintf(out, size, "outputs agree: %s (max relative loss difference %.1e%s over %lld steps%s; %s; rtol %.0e)",
@@ -340,8 +355,8 @@ static void format_summary(const ab_side *a, const ab_side *b, const ab_agreemen
     if (isfinite(step) && step != 1.0)
         snprintf(faster, sizeof faster, " (B %.1f%% %s)", fabs(1.0 - step) * 100.0, step < 1.0 ? "faster" : "slower");
     char kept[48];
-    if (a->rt->kept_bytes > 0) snprintf(kept, sizeof kept, "%.2fx", (double)b->rt->kept_bytes / (double)a->rt->kept_bytes);
-    else snprintf(kept, sizeof kept, "%s", b->rt->kept_bytes == 0 ? "1.00x" : "-");
+    if (a->facts.kept_bytes > 0) snprintf(kept, sizeof kept, "%.2fx", (double)b->facts.kept_bytes / (double)a->facts.kept_bytes);
+    else snprintf(kept, sizeof kept, "%s", b->facts.kept_bytes == 0 ? "1.00x" : "-");
     snprintf(out, size, "summary: B/A step time %.3fx%s, layer fwd+bwd %.3fx, activations kept %s; outputs %s",
              step, faster, layer, kept, agr->agree ? "agree" : "differ");
 }
@@ -376,7 +391,7 @@ static json_t *spread_json(const spread *s)
     return o;
 }
 
-static json_t *memory_json(const moert_runtime *rt)
+static json_t *memory_json(const ab_run_facts *rt)
 {
     json_t *o = json_object();
     for (int m = 0; m < MOERT_ACT_COUNT; m++)
@@ -405,7 +420,7 @@ static json_t *side_json(const ab_side *s, int64_t total_steps, int64_t warmup)
                                               s->cfg->train.lr, "weight_decay", s->cfg->train.weight_decay,
                                               "teacher_scale", s->cfg->train.teacher_scale));
     json_object_set_new(o, "ms", medians);
-    json_object_set_new(o, "activation_bytes_rank0", memory_json(s->rt));
+    json_object_set_new(o, "activation_bytes_rank0", memory_json(&s->facts));
     json_object_set_new(o, "steps", steps);
     return o;
 }
@@ -434,13 +449,14 @@ static void train_key_difference(char *out, size_t size, const char *key, double
     snprintf(out + len, size - len, "%s%s %g in A, %g in B", len ? "; " : "", key, a, b);
 }
 
-static void build_header(const ab_side *a, const ab_side *b, int64_t warmup, int64_t steps, ab_header *h)
+static void build_header(const ab_side *a, const ab_side *b, int64_t warmup, int64_t steps, bool sequential,
+                         ab_header *h)
 {
     const moert_config *ca = a->cfg, *cb = b->cfg;
     h->count = 0;
     header_add(h, "A \"%s\" (%s) vs B \"%s\" (%s)", ca->name, a->path, cb->name, b->path);
     header_add(h, "on %s; %lld layer%s, H=%lld F=%lld E=%lld K=%lld, %lld tokens per rank, %s storage, seed %lld",
-               a->rt->device_name, (long long)ca->model.num_layers, ca->model.num_layers > 1 ? "s" : "",
+               a->facts.device_name, (long long)ca->model.num_layers, ca->model.num_layers > 1 ? "s" : "",
                (long long)ca->model.hidden, (long long)ca->model.ffn_hidden, (long long)ca->model.num_experts,
                (long long)ca->model.topk, (long long)ca->train.tokens_per_rank, moert_dtype_name(ca->model.dtype),
                (long long)ca->train.seed);
@@ -466,8 +482,9 @@ static void build_header(const ab_side *a, const ab_side *b, int64_t warmup, int
     train_key_difference(train, sizeof train, "train.teacher_scale", ca->train.teacher_scale, cb->train.teacher_scale);
     train_key_difference(train, sizeof train, "train.log_every", (double)ca->train.log_every, (double)cb->train.log_every);
     if (train[0]) header_add(h, "differs: %s", train);
-    header_add(h, "%lld warm-up step%s, then %lld measured step%s, interleaved A, B, A, B...", (long long)warmup,
-               warmup == 1 ? "" : "s", (long long)steps, steps == 1 ? "" : "s");
+    header_add(h, "%lld warm-up step%s, then %lld measured step%s, %s", (long long)warmup, warmup == 1 ? "" : "s",
+               (long long)steps, steps == 1 ? "" : "s",
+               sequential ? "sequential: all of A, then all of B (--sequential)" : "interleaved A, B, A, B...");
 }
 
 /* FILE.json -> FILE.md; any other name gets ".md" appended. */
@@ -508,7 +525,7 @@ static moert_result write_report(const char *path, const ab_side *a, const ab_si
                             a->figures[f].median > 0 ? json_number(b->figures[f].median / a->figures[f].median)
                                                      : json_null());
     json_object_set_new(ratios, "kept_from_forward_to_backward",
-                        a->rt->kept_bytes > 0 ? json_real((double)b->rt->kept_bytes / (double)a->rt->kept_bytes)
+                        a->facts.kept_bytes > 0 ? json_real((double)b->facts.kept_bytes / (double)a->facts.kept_bytes)
                                               : json_null());
     json_t *first = json_object();
     json_object_set_new(first, "compared", json_boolean(agr->first_step_compared));
@@ -528,8 +545,8 @@ static moert_result write_report(const char *path, const ab_side *a, const ab_si
     json_object_set_new(agreement, "first_step", first);
 
     json_object_set_new(root, "moert_version", json_string(MOERT_VERSION_STRING));
-    json_object_set_new(root, "device", json_string(a->rt->device_name));
-    json_object_set_new(root, "ranks", json_integer(a->rt->world));
+    json_object_set_new(root, "device", json_string(a->facts.device_name));
+    json_object_set_new(root, "ranks", json_integer(a->facts.world));
     json_object_set_new(root, "model", json_pack("{s:I, s:I, s:I, s:I, s:I, s:s}", "hidden", (json_int_t)cfg->model.hidden,
                                                  "ffn_hidden", (json_int_t)cfg->model.ffn_hidden, "num_experts",
                                                  (json_int_t)cfg->model.num_experts, "topk", (json_int_t)cfg->model.topk,
@@ -591,12 +608,72 @@ static void print_progress(const ab_side *sides, int64_t step, int64_t warmup, i
     fflush(stdout);
 }
 
+/* Copies what the report needs from a side's runtime. */
+static void take_facts(ab_side *side)
+{
+    const moert_runtime *rt = side->rt;
+    ab_run_facts *f = &side->facts;
+    f->device_type = rt->device_type;
+    snprintf(f->device_name, sizeof f->device_name, "%s", rt->device_name);
+    f->world = rt->world;
+    memcpy(f->activation_bytes, rt->activation_bytes, sizeof f->activation_bytes);
+    f->kept_bytes = rt->kept_bytes;
+    f->device_peak_bytes = rt->device_peak_bytes;
+}
+
+/* Creates a side's runtime and notes what the report needs from it. */
+static moert_result create_side(ab_side *side, bool sequential)
+{
+    moert_result rc = moert_runtime_create(side->cfg, &side->rt);
+    if (rc != MOERT_OK) {
+        fprintf(stderr, PROG ": %c (%s): %s\n", side->letter, side->path, moert_last_error());
+        if (!sequential && side->letter == 'B')
+            fprintf(stderr, PROG ": if A and B do not fit in memory together, --sequential runs A to the end, "
+                            "frees it, then runs B\n");
+        return rc;
+    }
+    take_facts(side);
+    return MOERT_OK;
+}
+
+/* One training step of a side, recorded; the memory figures are those of the last step. */
+static moert_result step_side(ab_side *side, int64_t step)
+{
+    moert_result rc = moert_runtime_step(side->rt, step, &side->records[step - 1]);
+    if (rc != MOERT_OK) {
+        fprintf(stderr, PROG ": %c (%s), step %lld: %s\n", side->letter, side->path, (long long)step,
+                moert_last_error());
+        return rc;
+    }
+    take_facts(side);
+    return MOERT_OK;
+}
+
+/* A and B must run on the same kind of device; returns 1 (and says why) when they do not. */
+static int check_same_device(const ab_side *a, const ab_side *b)
+{
+    if (a->facts.device_type == b->facts.device_type) return 0;
+    fprintf(stderr, PROG ": not an A/B: $.parallel.device gives %s in A and %s in B\n", a->facts.device_name,
+            b->facts.device_name);
+    return 1;
+}
+
+static void print_side_progress(const ab_side *side, int64_t step, int64_t warmup, int64_t total)
+{
+    const moert_step_record *r = &side->records[step - 1];
+    printf("%c step %*lld/%lld%s  loss %.6f %8.2f ms\n", side->letter,
+           (int)snprintf(NULL, 0, "%lld", (long long)total), (long long)step, (long long)total,
+           step <= warmup ? " (warm-up)" : "          ", r->loss, r->seconds * 1e3);
+    fflush(stdout);
+}
+
 int moert_cmd_ab(int argc, char **argv)
 {
     const char *paths[2] = {NULL, NULL}, *report_path = NULL, *plot_path = NULL;
     long long warmup = DEFAULT_WARMUP, steps = 0;
     double rtol = 1e-3;
     int quiet = 0, status = 1;
+    bool sequential = false;
     ab_set sets[MOERT_CLI_MAX_SETS];
     int nsets = 0;
     for (int i = 0; i < argc; i++) {
@@ -629,6 +706,8 @@ int moert_cmd_ab(int argc, char **argv)
             plot_path = argv[++i];
         } else if (!strcmp(arg, "--quiet")) {
             quiet = 1;
+        } else if (!strcmp(arg, "--sequential")) {
+            sequential = true;
         } else if (arg[0] == '-') {
             fprintf(stderr, PROG ": unknown or incomplete option \"%s\"\n", arg);
             ab_usage(stderr);
@@ -646,7 +725,7 @@ int moert_cmd_ab(int argc, char **argv)
     }
 
     ab_side sides[2] = {{.path = paths[0], .letter = 'A'}, {.path = paths[1], .letter = 'B'}};
-    ab_agreement agr = {.rtol = rtol, .losses_identical = true};
+    ab_agreement agr = {.rtol = rtol, .losses_identical = true, .sequential = sequential};
     double *values = NULL, *series = NULL;
     for (int s = 0; s < 2; s++) {
         const char *mine[MOERT_CLI_MAX_SETS];
@@ -658,17 +737,6 @@ int moert_cmd_ab(int argc, char **argv)
         if (moert_cli_load_config(prog, sides[s].path, mine, nmine, &sides[s].cfg) != MOERT_OK) goto exit;
     }
     if (check_same_run(sides[0].cfg, sides[1].cfg) > 0) {
-        status = 2;
-        goto exit;
-    }
-    for (int s = 0; s < 2; s++)
-        if (moert_runtime_create(sides[s].cfg, &sides[s].rt) != MOERT_OK) {
-            fprintf(stderr, PROG ": %c (%s): %s\n", sides[s].letter, sides[s].path, moert_last_error());
-            goto exit;
-        }
-    if (sides[0].rt->device_type != sides[1].rt->device_type) {
-        fprintf(stderr, PROG ": not an A/B: $.parallel.device gives %s in A and %s in B\n", sides[0].rt->device_name,
-                sides[1].rt->device_name);
         status = 2;
         goto exit;
     }
@@ -684,22 +752,48 @@ int moert_cmd_ab(int argc, char **argv)
             goto exit;
         }
     }
+    /* Interleaved: both runtimes live at once. Sequential: A runs to the end and is freed before B starts. */
+    for (int s = 0; s < (sequential ? 1 : 2); s++)
+        if (create_side(&sides[s], sequential) != MOERT_OK) goto exit;
     ab_header header;
-    build_header(&sides[0], &sides[1], warmup, steps, &header);
+    build_header(&sides[0], &sides[1], warmup, steps, sequential, &header);
     for (int i = 0; i < header.count; i++) printf("%s%s\n", i == 0 ? PROG ": " : "  ", header.lines[i]);
 
     int log_every = (int)(sides[0].cfg->train.log_every > 0 ? sides[0].cfg->train.log_every : 1);
-    for (int64_t step = 1; step <= total; step++) {
-        for (int s = 0; s < 2; s++)
-            if (moert_runtime_step(sides[s].rt, step, &sides[s].records[step - 1]) != MOERT_OK) {
-                fprintf(stderr, PROG ": %c (%s), step %lld: %s\n", sides[s].letter, sides[s].path, (long long)step,
-                        moert_last_error());
-                goto exit;
-            }
-        if (step == 1 && compare_first_step(&sides[0], &sides[1], &agr) != MOERT_OK) {
-            fprintf(stderr, PROG ": comparing the first step: %s\n", moert_last_error());
+    if (!sequential) {
+        if (check_same_device(&sides[0], &sides[1]) != 0) {
+            status = 2;
             goto exit;
         }
+        for (int64_t step = 1; step <= total; step++) {
+            for (int s = 0; s < 2; s++)
+                if (step_side(&sides[s], step) != MOERT_OK) goto exit;
+            if (step == 1 && compare_first_step(&sides[0], &sides[1], &agr) != MOERT_OK) {
+                fprintf(stderr, PROG ": comparing the first step: %s\n", moert_last_error());
+                goto exit;
+            }
+            if (!quiet && (step % log_every == 0 || step == 1 || step == total || step == warmup))
+                print_progress(sides, step, warmup, total);
+        }
+    } else {
+        for (int s = 0; s < 2; s++) {
+            if (s == 1) {
+                moert_runtime_destroy(sides[0].rt);
+                sides[0].rt = NULL;
+                if (create_side(&sides[1], sequential) != MOERT_OK) goto exit;
+                if (check_same_device(&sides[0], &sides[1]) != 0) {
+                    status = 2;
+                    goto exit;
+                }
+            }
+            for (int64_t step = 1; step <= total; step++) {
+                if (step_side(&sides[s], step) != MOERT_OK) goto exit;
+                if (!quiet && (step % log_every == 0 || step == 1 || step == total || step == warmup))
+                    print_side_progress(&sides[s], step, warmup, total);
+            }
+        }
+    }
+    for (int64_t step = 1; step <= total; step++) {
         double la = sides[0].records[step - 1].loss, lb = sides[1].records[step - 1].loss;
         double d = relative_difference(la, lb);
         if (d > agr.loss_diff) {
@@ -707,8 +801,6 @@ int moert_cmd_ab(int argc, char **argv)
             agr.loss_worst_step = step;
         }
         if (memcmp(&la, &lb, sizeof la) != 0) agr.losses_identical = false;
-        if (!quiet && (step % log_every == 0 || step == 1 || step == total || step == warmup))
-            print_progress(sides, step, warmup, total);
     }
     agr.agree = agr.loss_diff <= rtol &&
                 (!agr.first_step_compared || (agr.output_diff <= rtol && agr.gradient_diff <= rtol));

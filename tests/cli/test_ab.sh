@@ -126,6 +126,20 @@ run lr 0 ab "$tmp/keep.json" "$tmp/saver.json" --set-b train.lr=0.05 --warmup 1 
 expect_line lr out "  differs: train.lr 0.01 in A, 0.05 in B"
 expect_match lr out '^outputs agree: no \(max relative loss difference [0-9.]+e-[0-9]+ \(step [2-4]\) over 4 steps; first step: output 0\.0e\+00, gradients 0\.0e\+00; rtol 1e-03\)$'
 
+# --sequential: A runs to the end and is freed before B starts; the same losses, all of A's progress lines first
+run seq 0 ab "$tmp/keep.json" "$tmp/saver.json" --sequential --warmup 1 --steps 3 --report "$tmp/seq.json"
+expect_line seq out "  1 warm-up step, then 3 measured steps, sequential: all of A, then all of B (--sequential)"
+expect_match seq out '^outputs agree: yes \(max relative loss difference 0\.0e\+00 over 4 steps, identical; first step.s output and gradients not compared when sequential; rtol 1e-03\)$'
+expect_match seq out '^kept fwd->bwd \(rank 0\) +[0-9.]+ KiB +0 B +0\.000$'
+[ "$(grep -E '^[AB] step' "$tmp/seq.out" | cut -c1 | uniq | tr -d '\n')" = "AB" ] ||
+    fail "seq: progress lines are not all of A then all of B"
+python3 - "$tmp/seq.json" <<'EOF' || fail "seq: the JSON report's losses differ or lack steps"
+import json, sys
+r = json.load(open(sys.argv[1]))
+la, lb = [x["loss"] for x in r["a"]["steps"]], [x["loss"] for x in r["b"]["steps"]]
+sys.exit(0 if len(la) == 4 and la == lb and r["agreement"]["first_step"]["compared"] is False else 1)
+EOF
+
 # usage errors
 run one_config 2 ab "$tmp/keep.json"
 expect_line one_config err "usage: moert ab CONFIG_A CONFIG_B [options]"
