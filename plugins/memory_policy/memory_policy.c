@@ -1,4 +1,5 @@
 /* The "default" memory policy plugin: a fixed action per saved activation, read from the config. */
+#include <stdbool.h>
 #include <stdlib.h>
 
 #include "moert/memory_policy.h"
@@ -6,12 +7,15 @@
 typedef struct policy_ctx {
     const moert_host *host;
     moert_memory_action action[MOERT_ACT_COUNT]; /* by moert_activation */
+    bool offload_last_layer; /* false: the stack's last layer keeps what the others offload */
+    int32_t num_layers;
 } policy_ctx;
 
 /* Config names of the actions, in moert_memory_action order. */
 static const char *const action_choices[] = {"keep", "recompute", "offload", NULL};
 
-/* Creates one instance: one option per activation, each keep|recompute|offload (keep by default). */
+/* Creates one instance: one option per activation, each keep|recompute|offload (keep by default), and whether
+ * the last layer offloads too. */
 static moert_result policy_init(void **out, const moert_host *host, const moert_layer_info *layer)
 {
     static const char *const help[MOERT_ACT_COUNT] = {
@@ -20,7 +24,6 @@ static moert_result policy_init(void **out, const moert_host *host, const moert_
         "SwiGLU output times prob (input of fc2): keep, recompute or offload to pinned host memory",
     };
     *out = NULL;
-    (void)layer;
     policy_ctx *c = calloc(1, sizeof *c);
     if (!c) {
         host->set_error(host, "out of memory for the memory policy state");
@@ -37,6 +40,15 @@ static moert_result policy_init(void **out, const moert_host *host, const moert_
         }
         c->action[a] = (moert_memory_action)choice;
     }
+    moert_result rc = host->option_bool(host, "offload_last_layer", true,
+                                        "offload in the stack's last layer too; its backward follows its forward at "
+                                        "once, so the copies there cannot hide behind other work (false: keep)",
+                                        &c->offload_last_layer);
+    if (rc != MOERT_OK) {
+        free(c);
+        return rc;
+    }
+    c->num_layers = layer ? layer->num_layers : 1;
     *out = c;
     return MOERT_OK;
 }
@@ -57,6 +69,8 @@ static moert_result policy_decide(void *ctx, const moert_activation_info *info, 
         return MOERT_ERR_INVALID_ARGUMENT;
     }
     *action = c->action[info->activation];
+    if (*action == MOERT_MEMORY_OFFLOAD && !c->offload_last_layer && info->layer_index == c->num_layers - 1)
+        *action = MOERT_MEMORY_KEEP;
     return MOERT_OK;
 }
 

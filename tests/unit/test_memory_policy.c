@@ -54,6 +54,33 @@ static void check_refused(const char *options, const char *const *needles)
     test_instance_close(&ti);
 }
 
+/* offload_last_layer false: the last layer of a stack keeps what the others offload; recompute is untouched. */
+static void check_last_layer(const char *options, bool offload_last)
+{
+    for (int index = 0; index < 3; index++) {
+        moert_layer_info layer = test_layer(8, 16, 4, 2, 32, 1, 0, MOERT_F32);
+        layer.layer_index = index;
+        layer.num_layers = 3;
+        test_instance ti;
+        if (test_instance_open(&ti, MOERT_KIND_MEMORY_POLICY, PLUGIN, options, &layer, NULL, 0, 1) != MOERT_OK) {
+            fprintf(stderr, "%s: open failed: %s\n", options, moert_error_message());
+            test_failures++;
+            test_instance_close(&ti);
+            return;
+        }
+        const moert_memory_policy_v1 *vt = (const moert_memory_policy_v1 *)ti.plugin.header;
+        moert_activation_info info = {.struct_size = sizeof info, .layer_index = index,
+                                      .activation = MOERT_ACT_DISPATCHED_X, .bytes = 4096, .device = moert_cpu()};
+        moert_memory_action got = (moert_memory_action)-1;
+        EXPECT_EQ_INT(vt->decide(ti.ctx, &info, &got), MOERT_OK);
+        EXPECT_EQ_INT(got, (index == 2 && !offload_last) ? MOERT_MEMORY_KEEP : MOERT_MEMORY_OFFLOAD);
+        info.activation = MOERT_ACT_FC1_OUT;
+        EXPECT_EQ_INT(vt->decide(ti.ctx, &info, &got), MOERT_OK);
+        EXPECT_EQ_INT(got, MOERT_MEMORY_RECOMPUTE);
+        test_instance_close(&ti);
+    }
+}
+
 int main(void)
 {
     check_actions("{}", MOERT_MEMORY_KEEP, MOERT_MEMORY_KEEP, MOERT_MEMORY_KEEP);
@@ -62,6 +89,14 @@ int main(void)
                   MOERT_MEMORY_OFFLOAD, MOERT_MEMORY_KEEP, MOERT_MEMORY_RECOMPUTE);
     check_actions("{\"plugin\": \"default\", \"swiglu_out\": \"offload\"}", MOERT_MEMORY_KEEP, MOERT_MEMORY_KEEP,
                   MOERT_MEMORY_OFFLOAD);
+
+    check_last_layer("{\"dispatched_x\": \"offload\", \"fc1_out\": \"recompute\"}", true);
+    check_last_layer("{\"dispatched_x\": \"offload\", \"fc1_out\": \"recompute\", \"offload_last_layer\": true}",
+                     true);
+    check_last_layer("{\"dispatched_x\": \"offload\", \"fc1_out\": \"recompute\", \"offload_last_layer\": false}",
+                     false);
+    const char *const bad_bool[] = {"offload_last_layer", NULL};
+    check_refused("{\"offload_last_layer\": \"no\"}", bad_bool);
 
     const char *const bad_value[] = {"fc1_out", "discard", "keep", "recompute", "offload", NULL};
     check_refused("{\"fc1_out\": \"discard\"}", bad_value);
