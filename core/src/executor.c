@@ -116,26 +116,6 @@ static void tensor_release(moert_layer *L, moert_tensor *t)
     t->data = NULL;
 }
 
-/* Fills a parameter from the counter-based generator; element indices are global over experts. */
-static moert_result fill_param(moert_layer *L, moert_tensor *t, uint64_t seed, uint64_t stream, uint64_t first,
-                               double std)
-{
-    moert_result rc = MOERT_OK;
-    size_t bytes = moert_tensor_bytes(t);
-    moert_tensor host = *t;
-    host.device = moert_cpu();
-    host.data = malloc(bytes);
-    MOERT_CHECK_ALLOC(host.data);
-    moert_fill_normal(&host, seed, stream, first, std);
-    rc = L->core_host->memcpy_async(L->core_host, t->data, t->device, host.data, host.device, bytes, L->stream);
-    if (rc == MOERT_OK) rc = L->core_host->stream_synchronize(L->core_host, L->stream);
-    if (rc != MOERT_OK) rc = moert_error(rc, "copying parameters to the device: %s",
-                                         moert_host_take_error((moert_host *)L->core_host));
-fail:
-    free(host.data);
-    return rc;
-}
-
 /* Adam's first and second moments of one parameter, zeroed (pool memory is not). */
 static moert_result alloc_adam_state(moert_layer *L, moert_param *pr)
 {
@@ -167,8 +147,9 @@ moert_result moert_layer_init_params(moert_layer *L, uint64_t seed)
         /* expert weights start at the first local expert's global offset */
         uint64_t first = p == MOERT_PARAM_ROUTER ? 0
                                                  : (uint64_t)(in->first_local_expert * shapes[p][1] * shapes[p][2]);
-        MOERT_CHECK(fill_param(L, &pr->value, seed, MOERT_STREAM_PARAM + 4 * (uint64_t)in->layer_index + (uint64_t)p,
-                               first, stds[p]));
+        MOERT_CHECK(moert_fill_normal_on(L->stream, &pr->value, seed,
+                                         MOERT_STREAM_PARAM + 4 * (uint64_t)in->layer_index + (uint64_t)p, first,
+                                         stds[p]));
     }
     return MOERT_OK;
 fail:

@@ -5,24 +5,11 @@
 #include <stdlib.h>
 
 #include "error.h"
-
-/* splitmix64 finaliser: a good 64-bit mix of a counter. */
-static uint64_t mix64(uint64_t z)
-{
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-static double uniform_open(uint64_t bits) { return ((double)(bits >> 11) + 0.5) * (1.0 / 9007199254740992.0); }
+#include "random.h"
 
 double moert_random_normal(uint64_t seed, uint64_t stream, uint64_t index)
 {
-    uint64_t key = mix64(seed * 0x9e3779b97f4a7c15ull + stream);
-    uint64_t h1 = mix64(key ^ mix64(2 * index + 1));
-    uint64_t h2 = mix64(key + mix64(2 * index + 2));
-    double u1 = uniform_open(h1), u2 = uniform_open(h2);
-    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2); /* Box-Muller */
+    return moert_normal_at(seed, stream, index);
 }
 
 void moert_fill_normal(moert_tensor *t, uint64_t seed, uint64_t stream, uint64_t first_index, double std)

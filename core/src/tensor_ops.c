@@ -4,6 +4,7 @@
 #include <math.h>
 
 #include "error.h"
+#include "task.h"
 #ifdef MOERT_HAVE_CUDA
 #include "cuda/device.h"
 #include "cuda/kernels.h"
@@ -136,6 +137,18 @@ moert_result moert_zero(moert_stream s, moert_tensor *t)
     moert_result rc = require_cpu(t, "zero");
     if (rc != MOERT_OK) return rc;
     memset(t->data, 0, moert_tensor_bytes(t));
+    return MOERT_OK;
+}
+
+moert_result moert_fill_normal_on(moert_stream s, moert_tensor *t, uint64_t seed, uint64_t stream, uint64_t first,
+                                  double std)
+{
+#ifdef MOERT_HAVE_CUDA
+    if (on_cuda(t)) return moert_cuda_fill_normal(s, t->dtype, moert_tensor_numel(t), seed, stream, first, std, t->data);
+#endif
+    moert_result rc = require_cpu(t, "fill_normal");
+    if (rc != MOERT_OK) return rc;
+    moert_fill_normal(t, seed, stream, first, std);
     return MOERT_OK;
 }
 

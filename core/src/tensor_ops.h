@@ -16,6 +16,9 @@ moert_result moert_add(moert_stream s, const moert_tensor *a, const moert_tensor
 /* dst = src, converting dtype if they differ. */
 moert_result moert_copy(moert_stream s, const moert_tensor *src, moert_tensor *dst);
 moert_result moert_zero(moert_stream s, moert_tensor *t);
+/* t[i] = std * normal(seed, stream, first + i) (random.h), on the tensor's device: parameter initialisation. */
+moert_result moert_fill_normal_on(moert_stream s, moert_tensor *t, uint64_t seed, uint64_t stream, uint64_t first,
+                                  double std);
 /* Sum of (pred - target)^2 (in double on the CPU, fp32 on CUDA), and grad = scale * 2 * (pred - target).
  * workspace: MOERT_SQUARED_ERROR_WORKSPACE_BYTES on the tensors' device (unused on the CPU). */
 #define MOERT_SQUARED_ERROR_WORKSPACE_BYTES 8192

@@ -4,6 +4,7 @@
  * one hot expert, rows and widths that are not multiples of 8, misaligned pointers. Outputs are poisoned
  * (NaN bytes) before each run so an unwritten element fails. Prints a table last. Exits 77 without a GPU. */
 #include "test_util.h"
+#include "task.h"
 
 #ifndef MOERT_HAVE_CUDA
 
@@ -438,6 +439,26 @@ static void check_elementwise(void)
         for (int64_t k = 0; k < n; k++) bad += got[k] != 3.0;
         bad += got[n] == 3.0; /* one past the end untouched */
         record("fill", (double)bad, 0, "%s n %lld", moert_dtype_name(fill_types[i]), (long long)n);
+        CK(cudaFree(d));
+        free(got);
+    }
+
+    /* parameter initialisation: the GPU's normal fill against the CPU's (same counter-based generator) */
+    for (int d64 = 0; d64 < 2; d64++) {
+        moert_dtype t = d64 ? MOERT_F64 : MOERT_F32;
+        const int64_t count = 1000003;
+        void *d = dalloc((size_t)count * 8);
+        OK(moert_cuda_fill_normal(NULL, t, count, 42, 17, 123456789, 0.02, d));
+        double *got = malloc((size_t)count * sizeof(double));
+        download(got, d, count, t);
+        double worst = 0;
+        for (int64_t k = 0; k < count; k++) {
+            double want = 0.02 * moert_random_normal(42, 17, 123456789 + (uint64_t)k);
+            if (!d64) want = (double)(float)want;
+            double e = fabs(got[k] - want) / fmax(fabs(want), 1e-30);
+            if (e > worst) worst = e;
+        }
+        record("fill_normal vs CPU", worst, d64 ? 1e-13 : 1.2e-7, "%s n %lld", moert_dtype_name(t), (long long)count);
         CK(cudaFree(d));
         free(got);
     }

@@ -10,6 +10,7 @@
 extern "C" {
 #include "cuda_check.h" /* moert_cuda_fail: the core's message for a failed CUDA call */
 #include "error.h"
+#include "random.h"
 }
 
 #define BLOCK_THREADS 256
@@ -242,6 +243,37 @@ extern "C" moert_result moert_cuda_fill(cudaStream_t stream, moert_dtype dtype, 
     default:
         return moert_error(MOERT_ERR_UNSUPPORTED, "fill on CUDA: dtype %s is not supported", moert_dtype_name(dtype));
     }
+}
+
+/* ---- normal random fill: the counter-based generator of random.h, one element per thread ---- */
+
+template <typename T>
+__global__ void fill_normal_kernel(int64_t n, uint64_t seed, uint64_t stream, uint64_t first, double std, T *x)
+{
+    const int64_t step = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += step)
+        x[i] = (T)(std * moert_normal_at(seed, stream, first + (uint64_t)i));
+}
+
+/* x[i] = std * normal(seed, stream, first + i): the same numbers as moert_fill_normal on the CPU. */
+extern "C" moert_result moert_cuda_fill_normal(cudaStream_t s, moert_dtype dtype, int64_t n, uint64_t seed,
+                                               uint64_t stream, uint64_t first, double std, void *x)
+{
+    if (n < 0) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "fill_normal: negative count %lld", (long long)n);
+    if (n == 0) return MOERT_OK;
+    switch (dtype) {
+    case MOERT_F32:
+        fill_normal_kernel<float><<<grid_for(n), BLOCK_THREADS, 0, s>>>(n, seed, stream, first, std, (float *)x);
+        break;
+    case MOERT_F64:
+        fill_normal_kernel<double><<<grid_for(n), BLOCK_THREADS, 0, s>>>(n, seed, stream, first, std, (double *)x);
+        break;
+    default:
+        return moert_error(MOERT_ERR_UNSUPPORTED, "fill_normal on CUDA: dtype %s is not supported (fp32, fp64)",
+                           moert_dtype_name(dtype));
+    }
+    LAUNCH_CHECK("fill_normal_kernel");
+    return MOERT_OK;
 }
 
 /* ---- axpby and convert: element-wise over two arrays, VEC elements per access, scalar tail ---- */

@@ -39,6 +39,11 @@ moert_result moert_cuda_swiglu_backward(cudaStream_t stream, moert_dtype dtype, 
 /* x[i] = value for i < n; dtype fp32, bf16, fp64, int32 or int64. */
 moert_result moert_cuda_fill(cudaStream_t stream, moert_dtype dtype, int64_t n, double value, void *x);
 
+/* x[i] = std * normal(seed, stream, first + i) for i < n (random.h's generator, as the CPU's moert_fill_normal);
+ * dtype fp32 or fp64. */
+moert_result moert_cuda_fill_normal(cudaStream_t s, moert_dtype dtype, int64_t n, uint64_t seed, uint64_t stream,
+                                    uint64_t first, double std, void *x);
+
 /* y[i] = a * x[i] + b * y[i] in fp32 (fp64 when either is fp64); x and y each fp32, bf16 or fp64.
  * b == 0 does not read y (so y may hold garbage or NaN). */
 moert_result moert_cuda_axpby(cudaStream_t stream, int64_t n, double a, moert_dtype x_dtype, const void *x, double b,
