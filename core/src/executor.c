@@ -190,6 +190,22 @@ fail:
     return rc;
 }
 
+moert_result moert_layer_release_finished_offloads(moert_layer *L)
+{
+    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
+        if (!L->offload_pending[a].data) continue;
+        bool done = true; /* on the CPU the copy was synchronous */
+#ifdef MOERT_HAVE_CUDA
+        if (L->info.device.type == MOERT_DEVICE_CUDA) {
+            moert_result rc = moert_cuda_event_query(L->offload_event[a], &done);
+            if (rc != MOERT_OK) return rc;
+        }
+#endif
+        if (done) tensor_release(L, &L->offload_pending[a]);
+    }
+    return MOERT_OK;
+}
+
 /* Frees what the last forward saved, stream-ordered after the copies still using it. */
 static moert_result release_saved(moert_layer *L)
 {

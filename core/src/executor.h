@@ -114,6 +114,9 @@ moert_result moert_layer_prefetch(moert_layer *L);
  * (the compute stream waits for the copy, then the block goes back to the pool). Done at the end of the forward
  * unless defer_offload_release is set; prefetch, backward and the next forward do it too. */
 moert_result moert_layer_release_offloaded(moert_layer *L);
+/* Frees only the offloaded activations whose D2H copy has already finished, without making any stream wait:
+ * the runtime calls it at each layer boundary, so a slow copy delays the free, not the compute. */
+moert_result moert_layer_release_finished_offloads(moert_layer *L);
 /* Fills stage_seconds from the last forward and backward (waits for their work on GPUs). */
 moert_result moert_layer_collect_times(moert_layer *L);
 /* Zeroes the parameter gradients. */

@@ -274,7 +274,7 @@ static moert_result rank_init(moert_rank *r, void *arg)
         L->stream = r->stream;
         L->param_dtype = cfg->model.dtype == MOERT_F64 ? MOERT_F64 : MOERT_F32;
         L->seq_length = cfg->train.seq_length;
-        L->defer_offload_release = true; /* released after the next layer's forward (rank_forward_backward) */
+        L->defer_offload_release = true; /* released once their copies finish (rank_forward_backward) */
         L->optimizer = cfg->train.optimizer;
         for (int s = 0; s < MOERT_SLOT_COUNT; s++) {
             const char *key = moert_slot_key((moert_slot)s);
@@ -544,8 +544,9 @@ static moert_result rank_forward_backward(moert_rank *r, int64_t step)
     for (int l = 0; l < nl; l++) {
         MOERT_CHECK(moert_layer_zero_grad(&r->layers[l]));
         MOERT_CHECK(moert_layer_forward(&r->layers[l], &r->acts[l], &r->acts[l + 1]));
-        /* the layer below's offload copies had this layer's forward to finish behind: free their buffers now */
-        if (l > 0) MOERT_CHECK(moert_layer_release_offloaded(&r->layers[l - 1]));
+        /* offload copies of the layers below that have finished by now give their device buffers back; a copy
+         * still running keeps its buffer until a later boundary (or its reload), so the compute never waits */
+        for (int below = 0; below < l; below++) MOERT_CHECK(moert_layer_release_finished_offloads(&r->layers[below]));
         r->router_loss += r->layers[l].losses.total;
         /* tokens per expert: copy the router's counts to the host */
         moert_tensor *c = &r->layers[l].tokens_per_expert;
@@ -556,12 +557,14 @@ static moert_result rank_forward_backward(moert_rank *r, int64_t step)
     MOERT_CHECK(r->core_host->stream_synchronize(r->core_host, r->stream) == MOERT_OK
                     ? MOERT_OK
                     : moert_error(MOERT_ERR_CUDA, "%s", moert_host_take_error(r->core_host)));
-    MOERT_CHECK(moert_layer_release_offloaded(&r->layers[nl - 1]));
+    for (int l = 0; l < nl; l++) MOERT_CHECK(moert_layer_release_finished_offloads(&r->layers[l]));
     MOERT_CHECK(moert_squared_error(r->stream, &r->acts[nl], &r->target, 1.0 / global_elems, r->workspace, &r->mse_sum,
                                   &r->grad_a));
     moert_tensor *d_y = &r->grad_a, *d_x = &r->grad_b;
     for (int l = nl - 1; l >= 0; l--) {
         /* the layer below's offloaded activations come back while this layer's backward runs */
+        for (int below = 0; below + 1 < l; below++)
+            MOERT_CHECK(moert_layer_release_finished_offloads(&r->layers[below]));
         if (l > 0) MOERT_CHECK(moert_layer_prefetch(&r->layers[l - 1]));
         MOERT_CHECK(moert_layer_backward(&r->layers[l], d_y, d_x, 1.0 / r->rt->world));
         moert_tensor *tmp = d_y;

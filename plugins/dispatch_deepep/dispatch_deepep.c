@@ -1,0 +1,584 @@
+/* The "deepep" dispatcher plugin: tokens move by direct writes into the peers' buffers (exchanged once at init),
+ * the way DeepEP's intranode kernels work. This file: vtable, options, argument checks, the peer buffer, prepare()
+ * (layout pass, then the count exchange, "notify") and the calls of both paths; the CPU algorithm is in
+ * deepep_cpu.c, the CUDA kernels in deepep_cuda.cu. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "deepep_buffer.h"
+#include "deepep_cpu.h"
+#include "moert/dispatcher.h"
+#ifdef MOERT_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "deepep_cuda.h"
+#include "dispatch_alltoall_cuda.h"
+#endif
+
+/* A host or device array grown on demand and reused across steps. */
+typedef struct deepep_array {
+    void *data;
+    size_t bytes;
+} deepep_array;
+
+#define CALL_NAMES 64 /* names of recent calls by sequence number, for the CUDA path's stall messages */
+
+#ifdef MOERT_HAVE_CUDA
+/* The CUDA path's state: the layout on the device, the saved receive metadata, the stall word. */
+typedef struct deepep_cuda_state {
+    deepep_array expert_counts;   /* int64 [E] */
+    deepep_array expert_offsets;  /* int64 [E+1] */
+    deepep_array row_of_copy;     /* int32 [T*K] */
+    deepep_array copy_of_row;     /* int32 [T*K] (the layout kernel's, unused here) */
+    deepep_array layout_scratch;
+    deepep_array excl;            /* int32 [W][T+1] */
+    deepep_array tokens_to;       /* int64 [W] */
+    deepep_array upload;          /* int64 [El + E]: tokens_per_expert, then base */
+    deepep_array recv_meta;       /* int32 [W][rows_cap][K] */
+    deepep_array recv_range;      /* int64 [W][C][2] */
+    deepep_array status;          /* device: unsigned long long error word, then int abort flag */
+    int64_t *pinned;              /* [E + W + 2]: counts, tokens_to, bad ids, error word */
+    int64_t *pinned_upload;       /* [El + E] */
+} deepep_cuda_state;
+#endif
+
+typedef struct deepep_ctx {
+    const moert_host *host;
+    moert_layer_info layer;
+    int world, rank;
+    int64_t num_sms, channels, timeout_ms;
+    bool fp8;                   /* dispatch_dtype "fp8" */
+    bool on_cuda;
+    moert_result broken;        /* MOERT_OK, or the code of a stall after which the group's buffers are out of step */
+    char broken_msg[512];
+
+    bool prepared, dispatched;  /* prepare() succeeded; a dispatch-like call ran since */
+    int64_t seq;                /* sequence number of the last call through the buffers */
+    char call_names[CALL_NAMES][24];
+
+    deepep_geometry geo;
+    void *buf;                  /* this rank's peer-visible buffer on the layer's device */
+    size_t buf_bytes;
+    void *peers[DEEPEP_MAX_RANKS];
+
+    deepep_plan plan;
+    int64_t row_len;            /* entries of an exchange row: E counts, W tokens_to, T, channels, rc */
+    int64_t *exchange_row;      /* [row_len] */
+    int64_t *gathered;          /* [W][row_len] */
+    int64_t recv_rows[DEEPEP_MAX_RANKS];
+    deepep_array copy_dst, excl, recv_meta, idx; /* host arrays of the CPU path (idx: topk_idx kept from prepare) */
+#ifdef MOERT_HAVE_CUDA
+    deepep_cuda_state cu;
+#endif
+} deepep_ctx;
+
+/* "cpu", "cuda:1", ... for messages. */
+static const char *device_name(moert_device dev, char *buf, size_t size)
+{
+    if (dev.type == MOERT_DEVICE_CUDA) snprintf(buf, size, "cuda:%d", (int)dev.id);
+    else snprintf(buf, size, "%s", dev.type == MOERT_DEVICE_CPU ? "cpu" : "cuda_host");
+    return buf;
+}
+
+/* "[12, 64]" for messages. */
+static const char *shape_text(const moert_tensor *t, char *buf, size_t size)
+{
+    size_t used = (size_t)snprintf(buf, size, "[");
+    for (int i = 0; i < t->ndim && used < size; i++)
+        used += (size_t)snprintf(buf + used, size - used, "%s%lld", i ? ", " : "", (long long)t->shape[i]);
+    if (used < size) snprintf(buf + used, size - used, "]");
+    return buf;
+}
+
+static void report_metric(const deepep_ctx *c, const char *name, double value, const char *unit)
+{
+    const moert_host *h = c->host;
+    if (h->struct_size >= offsetof(moert_host, metric) + sizeof h->metric && h->metric) h->metric(h, name, value, unit);
+}
+
+/* Sets the message and returns code. */
+static moert_result fail(const deepep_ctx *c, moert_result code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static moert_result fail(const deepep_ctx *c, moert_result code, const char *fmt, ...)
+{
+    char text[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof text, fmt, ap);
+    va_end(ap);
+    c->host->set_error(c->host, "%s", text);
+    return code;
+}
+
+/* Grows a host (CPU path) or layer-device array to at least `bytes`; contents not kept. */
+static moert_result array_reserve(deepep_ctx *c, deepep_array *a, size_t bytes, bool on_device)
+{
+    if (bytes < 64) bytes = 64;
+    if (a->bytes >= bytes) return MOERT_OK;
+    const moert_device dev = on_device ? c->layer.device : moert_cpu();
+    if (a->data) c->host->free(c->host, dev, a->data);
+    a->data = NULL;
+    a->bytes = 0;
+    size_t grown = bytes + bytes / 2;
+    moert_result rc = c->host->alloc(c->host, dev, grown, &a->data);
+    if (rc != MOERT_OK) return rc;
+    a->bytes = grown;
+    return MOERT_OK;
+}
+
+static void array_release(deepep_ctx *c, deepep_array *a, bool on_device)
+{
+    if (a->data) c->host->free(c->host, on_device ? c->layer.device : moert_cpu(), a->data);
+    a->data = NULL;
+    a->bytes = 0;
+}
+
+static bool is_float_dtype(moert_dtype t)
+{
+    return t == MOERT_F32 || t == MOERT_F64 || t == MOERT_BF16 || t == MOERT_F16;
+}
+
+/* Checks one tensor: present, on the layer's device, contiguous, a float dtype (or need_dtype >= 0), ndim dims,
+ * shape[0] == rows (>= rows when rows_at_least), shape[1] == cols for 2-D. */
+static moert_result check_tensor(const deepep_ctx *c, const char *call, const char *name, const moert_tensor *t,
+                                 int ndim, int64_t rows, bool rows_at_least, int64_t cols, const char *rows_what,
+                                 int need_dtype)
+{
+    char a[64], b[64];
+    if (!t) return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: %s is NULL", call, name);
+    if (t->device.type != c->layer.device.type ||
+        (t->device.type == MOERT_DEVICE_CUDA && t->device.id != c->layer.device.id))
+        return fail(c, MOERT_ERR_UNSUPPORTED, "%s: %s is on %s, but the layer is on %s", call, name,
+                    device_name(t->device, a, sizeof a), device_name(c->layer.device, b, sizeof b));
+    if (need_dtype >= 0 && t->dtype != (moert_dtype)need_dtype)
+        return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: %s has dtype %s, expected %s", call, name,
+                    moert_dtype_name(t->dtype), moert_dtype_name((moert_dtype)need_dtype));
+    if (need_dtype < 0 && !is_float_dtype(t->dtype))
+        return fail(c, MOERT_ERR_UNSUPPORTED, "%s: %s has dtype %s, expected fp32, fp64, bf16 or fp16", call, name,
+                    moert_dtype_name(t->dtype));
+    bool shape_ok = t->ndim == ndim && (rows_at_least ? t->shape[0] >= rows : t->shape[0] == rows) &&
+                    (ndim == 1 || t->shape[1] == cols);
+    if (!shape_ok) {
+        if (ndim == 1) snprintf(b, sizeof b, "[%s%lld]", rows_at_least ? ">= " : "", (long long)rows);
+        else snprintf(b, sizeof b, "[%s%lld, %lld]", rows_at_least ? ">= " : "", (long long)rows, (long long)cols);
+        return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: %s has shape %s, expected %s (%s)", call, name,
+                    shape_text(t, a, sizeof a), b, rows_what);
+    }
+    if (!moert_tensor_is_contiguous(t))
+        return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: %s must be contiguous (row-major)", call, name);
+    if (!t->data && moert_tensor_numel(t) > 0)
+        return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: %s has shape %s but no data", call, name,
+                    shape_text(t, a, sizeof a));
+    return MOERT_OK;
+}
+
+static moert_result check_struct_size(const deepep_ctx *c, const char *call, const char *what, uint32_t got,
+                                      size_t need)
+{
+    if (got >= need) return MOERT_OK;
+    return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: %s.struct_size is %u, expected at least %zu (set it to sizeof "
+                "the struct)", call, what, got, need);
+}
+
+/* What every call after prepare() checks first. */
+static moert_result check_call(deepep_ctx *c, const char *call, const void *args, uint32_t struct_size,
+                               size_t expected_size, bool needs_dispatch)
+{
+    if (c->broken != MOERT_OK) return fail(c, c->broken, "%s: %s", call, c->broken_msg);
+    if (!c->prepared) return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: called before a successful prepare()", call);
+    if (needs_dispatch && !c->dispatched)
+        return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: called before dispatch() or combine_backward() of this step "
+                    "(the rows to combine are known from the dispatch)", call);
+    if (!args) return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: args is NULL", call);
+    return check_struct_size(c, call, "args", struct_size, expected_size);
+}
+
+/* Marks the instance broken after a stall: the ranks' sequence numbers no longer agree. */
+static moert_result mark_broken(deepep_ctx *c, const char *call, const char *why)
+{
+    c->broken = MOERT_ERR_TIMEOUT;
+    snprintf(c->broken_msg, sizeof c->broken_msg, "%s on rank %d: %s; this dispatcher instance cannot be used again",
+             call, c->rank, why);
+    return fail(c, MOERT_ERR_TIMEOUT, "%s", c->broken_msg);
+}
+
+/* The next call's sequence number, with its name remembered for stall messages. */
+static int64_t next_seq(deepep_ctx *c, const char *call)
+{
+    c->seq++;
+    snprintf(c->call_names[c->seq % CALL_NAMES], sizeof c->call_names[0], "%s", call);
+    return c->seq;
+}
+
+/* ---- the peer buffer ---- */
+
+/* Bytes per buffer row: rows of the layer's dtype on CUDA, of any dtype (8 bytes) on the CPU; FP8 rows fit. */
+static size_t buffer_row_bytes(const deepep_ctx *c)
+{
+    size_t es = c->on_cuda ? moert_dtype_size(c->layer.dtype) : 8;
+    size_t bytes = (size_t)c->layer.hidden * es;
+    if (c->fp8 && deepep_fp8_row_bytes(c->layer.hidden) > bytes) bytes = deepep_fp8_row_bytes(c->layer.hidden);
+    return bytes;
+}
+
+static void buffer_release(deepep_ctx *c)
+{
+    if (c->buf) c->host->free(c->host, c->layer.device, c->buf);
+    c->buf = NULL;
+    c->buf_bytes = 0;
+}
+
+/* Collective: allocates this rank's buffer for rows_cap rows per source, zeroes its flags, and exchanges the
+ * pointers with every rank. The sequence numbers restart at 0. */
+static moert_result buffer_setup(deepep_ctx *c, int64_t rows_cap)
+{
+    const moert_host *h = c->host;
+    buffer_release(c);
+    size_t bytes = deepep_geometry_make(&c->geo, c->world, c->layer.topk, rows_cap, buffer_row_bytes(c));
+    moert_result rc = h->alloc(h, c->layer.device, bytes, &c->buf);
+    if (rc != MOERT_OK) return rc;
+    c->buf_bytes = bytes;
+#ifdef MOERT_HAVE_CUDA
+    if (c->on_cuda) {
+        rc = deepep_cuda_zero(h, c->buf, c->geo.header_bytes);
+        if (rc != MOERT_OK) return rc;
+    }
+#endif
+    c->seq = 0;
+    if (c->world == 1) {
+        c->peers[0] = c->buf;
+        return MOERT_OK;
+    }
+    return h->exchange_peer_buffers(h, c->buf, bytes, c->layer.device, c->peers);
+}
+
+/* ---- init and finalize ---- */
+
+static void deepep_finalize(void *ctx);
+
+#ifdef MOERT_HAVE_CUDA
+static moert_result cuda_init(deepep_ctx *c);
+static void cuda_finalize(deepep_ctx *c);
+#endif
+
+static moert_result deepep_init(void **out, const moert_host *host, const moert_layer_info *layer)
+{
+    char dev[32];
+    *out = NULL;
+    if (!layer || layer->struct_size < sizeof *layer) {
+        host->set_error(host, "layer info missing or too small");
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+    if (layer->device.type != MOERT_DEVICE_CPU && layer->device.type != MOERT_DEVICE_CUDA) {
+        host->set_error(host, "the deepep dispatcher runs on the CPU or a CUDA device, not on %s",
+                        device_name(layer->device, dev, sizeof dev));
+        return MOERT_ERR_UNSUPPORTED;
+    }
+#ifndef MOERT_HAVE_CUDA
+    if (layer->device.type == MOERT_DEVICE_CUDA) {
+        host->set_error(host, "the deepep dispatcher has only a CPU path in this build (built without CUDA); the "
+                        "layer is on %s", device_name(layer->device, dev, sizeof dev));
+        return MOERT_ERR_UNSUPPORTED;
+    }
+#endif
+    if (layer->num_experts <= 0 || layer->topk <= 0 || layer->hidden <= 0 || host->world_size <= 0) {
+        host->set_error(host, "bad layer: num_experts %lld, topk %lld, hidden %lld, world_size %d",
+                        (long long)layer->num_experts, (long long)layer->topk, (long long)layer->hidden,
+                        (int)host->world_size);
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+    if (host->world_size > DEEPEP_MAX_RANKS) {
+        host->set_error(host, "the deepep dispatcher serves at most %d ranks (one NVLink domain), the group has %d",
+                        DEEPEP_MAX_RANKS, (int)host->world_size);
+        return MOERT_ERR_UNSUPPORTED;
+    }
+    if (layer->num_experts % host->world_size != 0 ||
+        layer->num_local_experts != layer->num_experts / host->world_size ||
+        layer->first_local_expert != layer->num_local_experts * host->rank) {
+        host->set_error(host, "the deepep dispatcher needs num_experts (%lld) divisible by world_size (%d), with rank "
+                        "r owning experts [r*E/world, (r+1)*E/world); got num_local_experts %lld, first_local_expert "
+                        "%lld on rank %d", (long long)layer->num_experts, (int)host->world_size,
+                        (long long)layer->num_local_experts, (long long)layer->first_local_expert, (int)host->rank);
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+
+    deepep_ctx *c = calloc(1, sizeof *c);
+    if (!c) {
+        host->set_error(host, "out of memory for the dispatcher state");
+        return MOERT_ERR_OUT_OF_MEMORY;
+    }
+    c->host = host;
+    c->layer = *layer;
+    c->world = host->world_size;
+    c->rank = host->rank;
+    c->on_cuda = layer->device.type == MOERT_DEVICE_CUDA;
+    static const char *const dtypes[] = {"bf16", "fp8", NULL};
+    int dispatch_dtype = 0;
+    moert_result rc = host->option_int(host, "num_sms", 24, 2, 2 * DEEPEP_MAX_CHANNELS,
+                                       "SMs (thread blocks) of each communication kernel: half send, half receive "
+                                       "(channels = num_sms / 2); the CPU path ignores it", &c->num_sms);
+    if (rc == MOERT_OK)
+        rc = host->option_int(host, "timeout_ms", 60000, 10, 3600000,
+                              "bound of every wait for a peer's rows or flags; a stalled peer is named in the error",
+                              &c->timeout_ms);
+    if (rc == MOERT_OK)
+        rc = host->option_enum(host, "dispatch_dtype", dtypes, 0,
+                               "what forward dispatch() sends: the rows as they are (\"bf16\"), or E4M3 with one fp32 "
+                               "scale per 1x128 block (\"fp8\"), dequantized on receipt", &dispatch_dtype);
+    if (rc != MOERT_OK) {
+        free(c);
+        return rc;
+    }
+    c->fp8 = dispatch_dtype == 1;
+    c->channels = c->num_sms / 2 < 1 ? 1 : c->num_sms / 2;
+    if (c->fp8 && layer->hidden % DEEPEP_FP8_BLOCK != 0) {
+        free(c);
+        host->set_error(host, "config error: dispatch_dtype \"fp8\" needs hidden divisible by %d (1x%d scale "
+                        "blocks); hidden is %lld", DEEPEP_FP8_BLOCK, DEEPEP_FP8_BLOCK, (long long)layer->hidden);
+        return MOERT_ERR_CONFIG;
+    }
+
+    const int64_t E = layer->num_experts, W = c->world;
+    c->row_len = E + W + 3;
+    c->exchange_row = calloc((size_t)c->row_len, sizeof(int64_t));
+    c->gathered = calloc((size_t)(W * c->row_len), sizeof(int64_t));
+    c->plan.all_counts = calloc((size_t)(W * E), sizeof(int64_t));
+    c->plan.tokens_to = calloc((size_t)(W * W), sizeof(int64_t));
+    c->plan.tokens_per_expert = calloc((size_t)layer->num_local_experts, sizeof(int64_t));
+    c->plan.group_start = calloc((size_t)layer->num_local_experts, sizeof(int64_t));
+    c->plan.base = calloc((size_t)E, sizeof(int64_t));
+    if (!c->exchange_row || !c->gathered || !c->plan.all_counts || !c->plan.tokens_to ||
+        !c->plan.tokens_per_expert || !c->plan.group_start || !c->plan.base) {
+        deepep_finalize(c);
+        host->set_error(host, "out of memory for the dispatcher state");
+        return MOERT_ERR_OUT_OF_MEMORY;
+    }
+    c->plan.world = c->world;
+    c->plan.rank = c->rank;
+    c->plan.num_experts = E;
+    c->plan.num_local_experts = layer->num_local_experts;
+    c->plan.topk = layer->topk;
+
+#ifdef MOERT_HAVE_CUDA
+    if (c->on_cuda) {
+        rc = cuda_init(c);
+        if (rc != MOERT_OK) {
+            deepep_finalize(c);
+            return rc;
+        }
+    }
+#endif
+    /* every rank's slot holds the largest max_tokens of the group (collective, as the exchange is) */
+    int64_t rows_cap = layer->max_tokens > 0 ? layer->max_tokens : 1;
+    if (c->world > 1) {
+        rc = host->allgather(host, &rows_cap, c->gathered, sizeof(int64_t), moert_cpu(), NULL);
+        if (rc != MOERT_OK) {
+            deepep_finalize(c);
+            return rc;
+        }
+        for (int r = 0; r < c->world; r++)
+            if (c->gathered[r] > rows_cap) rows_cap = c->gathered[r];
+    }
+    rc = buffer_setup(c, rows_cap);
+    if (rc != MOERT_OK) {
+        deepep_finalize(c);
+        return rc;
+    }
+    *out = c;
+    return MOERT_OK;
+}
+
+static void deepep_finalize(void *ctx)
+{
+    deepep_ctx *c = ctx;
+    if (!c) return;
+#ifdef MOERT_HAVE_CUDA
+    if (c->on_cuda) cuda_finalize(c);
+#endif
+    buffer_release(c);
+    array_release(c, &c->copy_dst, false);
+    array_release(c, &c->excl, false);
+    array_release(c, &c->recv_meta, false);
+    array_release(c, &c->idx, false);
+    free(c->exchange_row);
+    free(c->gathered);
+    free(c->plan.all_counts);
+    free(c->plan.tokens_to);
+    free(c->plan.tokens_per_expert);
+    free(c->plan.group_start);
+    free(c->plan.base);
+    free(c);
+}
+
+/* ---- prepare ---- */
+
+/* Checks topk_idx's shape and dtype (int32 [T, K] on the layer's device). */
+static moert_result check_topk_idx(const deepep_ctx *c, const moert_tensor *topk_idx)
+{
+    const char *call = "prepare()";
+    char a[64];
+    if (!topk_idx) return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: topk_idx is NULL", call);
+    if (topk_idx->ndim != 2 || topk_idx->shape[1] != c->layer.topk)
+        return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: topk_idx has shape %s, expected [T, %lld] (T tokens, topk)",
+                    call, shape_text(topk_idx, a, sizeof a), (long long)c->layer.topk);
+    return check_tensor(c, call, "topk_idx", topk_idx, 2, topk_idx->shape[0], false, c->layer.topk, "T tokens, topk",
+                        MOERT_I32);
+}
+
+/* The CPU layout pass: counts per expert and tokens per rank into exchange_row. */
+static moert_result count_local(deepep_ctx *c, const moert_tensor *topk_idx, int64_t *num_tokens)
+{
+    moert_result rc = check_topk_idx(c, topk_idx);
+    if (rc != MOERT_OK) return rc;
+    const int64_t E = c->layer.num_experts, K = c->layer.topk;
+    *num_tokens = topk_idx->shape[0];
+    int64_t bad = deepep_count(topk_idx->data, *num_tokens, K, E, c->world, c->exchange_row, c->exchange_row + E);
+    if (bad >= 0)
+        return fail(c, MOERT_ERR_INVALID_ARGUMENT,
+                    "prepare(): topk_idx[%lld][%lld] is %d, expected an expert id in [0, %lld) or -1 (dropped)",
+                    (long long)(bad / K), (long long)(bad % K), (int)((const int32_t *)topk_idx->data)[bad],
+                    (long long)E);
+    return MOERT_OK;
+}
+
+#ifdef MOERT_HAVE_CUDA
+static moert_result cuda_count_local(deepep_ctx *c, moert_stream stream, const moert_tensor *topk_idx,
+                                     int64_t *num_tokens);
+static moert_result cuda_plan(deepep_ctx *c, moert_stream stream);
+#endif
+
+/* Layout pass, then the count exchange (every rank takes part even after a local failure, so all fail together),
+ * then the plan: sizes, each copy's row on its expert's rank, and this rank's layout. */
+static moert_result deepep_prepare(void *ctx, moert_stream stream, const moert_tensor *topk_idx,
+                                   moert_dispatch_layout *layout)
+{
+    deepep_ctx *c = ctx;
+    const moert_host *h = c->host;
+    const int64_t E = c->layer.num_experts, El = c->layer.num_local_experts, K = c->layer.topk;
+    const int W = c->world;
+    c->prepared = false;
+    c->dispatched = false;
+
+    int64_t num_tokens = 0;
+    memset(c->exchange_row, 0, (size_t)c->row_len * sizeof(int64_t));
+    moert_result local_rc = MOERT_OK;
+    if (c->broken != MOERT_OK) local_rc = fail(c, c->broken, "prepare(): %s", c->broken_msg);
+    else if (!layout) local_rc = fail(c, MOERT_ERR_INVALID_ARGUMENT, "prepare(): layout is NULL");
+    else local_rc = check_struct_size(c, "prepare()", "layout", layout->struct_size, sizeof *layout);
+    if (local_rc == MOERT_OK) {
+#ifdef MOERT_HAVE_CUDA
+        if (c->on_cuda) local_rc = cuda_count_local(c, stream, topk_idx, &num_tokens);
+        else
+#endif
+            local_rc = count_local(c, topk_idx, &num_tokens);
+    }
+    if (local_rc != MOERT_OK) memset(c->exchange_row, 0, (size_t)(E + W) * sizeof(int64_t));
+    c->exchange_row[E + W] = num_tokens;
+    c->exchange_row[E + W + 1] = c->channels;
+    c->exchange_row[E + W + 2] = local_rc;
+
+    moert_result rc = MOERT_OK;
+    if (W == 1) memcpy(c->gathered, c->exchange_row, (size_t)c->row_len * sizeof(int64_t));
+    else rc = h->allgather(h, c->exchange_row, c->gathered, (size_t)c->row_len * sizeof(int64_t), moert_cpu(), NULL);
+    if (rc != MOERT_OK) return rc;
+    if (local_rc != MOERT_OK) return local_rc;
+
+    int64_t max_tokens = 0;
+    for (int s = 0; s < W; s++) {
+        const int64_t *row = c->gathered + (int64_t)s * c->row_len;
+        if (row[E + W + 2] != MOERT_OK)
+            return fail(c, MOERT_ERR_INVALID_ARGUMENT,
+                        "prepare(): rank %d failed its prepare() (see its error), so this step cannot dispatch", s);
+        if (row[E + W + 1] != c->channels)
+            return fail(c, MOERT_ERR_CONFIG, "prepare(): rank %d uses %lld channels (num_sms %lld), this rank %lld: "
+                        "every rank needs the same num_sms", s, (long long)row[E + W + 1],
+                        (long long)(2 * row[E + W + 1]), (long long)c->channels);
+        memcpy(c->plan.all_counts + (int64_t)s * E, row, (size_t)E * sizeof(int64_t));
+        memcpy(c->plan.tokens_to + (int64_t)s * W, row + E, (size_t)W * sizeof(int64_t));
+        if (row[E + W] > max_tokens) max_tokens = row[E + W];
+    }
+    if (max_tokens > c->geo.rows_cap) { /* every rank sees the same figures: all grow together */
+        h->log(h, MOERT_LOG_INFO, "prepare: %lld tokens on one rank, more than the buffer's %lld rows: growing it",
+               (long long)max_tokens, (long long)c->geo.rows_cap);
+#ifdef MOERT_HAVE_CUDA
+        if (c->on_cuda) {
+            rc = h->stream_synchronize(h, stream);
+            if (rc != MOERT_OK) return rc;
+        }
+#endif
+        rc = buffer_setup(c, max_tokens);
+        if (rc != MOERT_OK) return rc;
+    }
+
+    deepep_plan *p = &c->plan;
+    p->num_tokens = num_tokens;
+    deepep_plan_sizes(p);
+    void *tokens_per_expert_data = p->tokens_per_expert;
+#ifdef MOERT_HAVE_CUDA
+    if (c->on_cuda) {
+        rc = cuda_plan(c, stream);
+        if (rc != MOERT_OK) return rc;
+        tokens_per_expert_data = c->cu.upload.data;
+    } else
+#endif
+    {
+        rc = array_reserve(c, &c->copy_dst, (size_t)(num_tokens * K) * sizeof(int64_t), false);
+        if (rc == MOERT_OK)
+            rc = array_reserve(c, &c->excl, (size_t)(W * (num_tokens + 1)) * sizeof(int64_t), false);
+        if (rc == MOERT_OK)
+            rc = array_reserve(c, &c->recv_meta, (size_t)(W * c->geo.rows_cap * K) * sizeof(int64_t), false);
+        if (rc == MOERT_OK) rc = array_reserve(c, &c->idx, (size_t)(num_tokens * K) * sizeof(int32_t), false);
+        if (rc != MOERT_OK) return rc;
+        memcpy(c->idx.data, topk_idx->data, (size_t)(num_tokens * K) * sizeof(int32_t));
+        p->copy_dst = c->copy_dst.data;
+        p->excl = c->excl.data;
+        deepep_plan_copies(p, topk_idx->data);
+    }
+    layout->num_recv = p->num_recv;
+    layout->capacity = p->num_recv;
+    layout->tokens_per_expert = moert_tensor_1d(tokens_per_expert_data, c->layer.device, MOERT_I64, El);
+    layout->tokens_per_expert_host = p->tokens_per_expert;
+    c->prepared = true;
+    report_metric(c, "dispatch.recv_tokens", (double)p->num_recv, "tokens");
+    h->log(h, MOERT_LOG_DEBUG, "prepare: T %lld, receive %lld rows", (long long)num_tokens, (long long)p->num_recv);
+    return MOERT_OK;
+}
+
+/* Bytes this rank writes into other ranks' buffers in a dispatch-like call (rows and their metadata). */
+static double dispatch_bytes(const deepep_ctx *c, size_t row_bytes)
+{
+    double total = 0;
+    for (int d = 0; d < c->world; d++)
+        if (d != c->rank)
+            total += (double)c->plan.tokens_to[(int64_t)c->rank * c->world + d] * (double)(row_bytes + c->geo.meta_stride);
+    return total;
+}
+
+/* ---- the CPU path's calls ---- */
+
+/* The link of one CPU call. */
+static deepep_cpu_link cpu_link(deepep_ctx *c, int64_t seq, char *error, size_t error_size)
+{
+    deepep_cpu_link l = {.geo = &c->geo, .local = c->buf, .peers = c->peers, .seq = seq,
+                         .timeout_ms = c->timeout_ms, .recv_meta = c->recv_meta.data, .recv_rows = c->recv_rows,
+                         .error = error, .error_size = error_size};
+    return l;
+}
+
+/* A dispatch-like call on the CPU (dispatch, combine_backward). */
+static moert_result cpu_dispatch_like(deepep_ctx *c, const char *call, bool fp8, const moert_tensor *x,
+                                      const moert_tensor *probs, moert_tensor *out, moert_tensor *out_probs)
+{
+    char why[256] = "";
+    deepep_cpu_link l = cpu_link(c, next_seq(c, call), why, sizeof why);
+    int r = deepep_cpu_dispatch(&l, &c->plan, c->layer.hidden, fp8, c->idx.data, x->data, x->dtype,
+                                probs ? probs->data : NULL, probs ? probs->dtype : MOERT_F64, out->data, out->dtype,
+                                out_probs ? out_probs->data : NULL, out_probs ? out_probs->dtype : MOERT_F64);
+    if (r > 0) return mark_broken(c, call, why);
+    if (r < 0) return fail(c, MOERT_ERR_OUT_OF_MEMORY, "%s: %s", call, why);
+    c->dispatched = true;
+    return MOERT_OK;
+}

@@ -1,0 +1,156 @@
+/*
+ * CUDA path of the fp8 precision recipes: quantize kernels (amax, scale, cast, transpose) and the experts'
+ * grouped GEMMs through cuBLASLt FP8 matmuls (one per non-empty expert), with the same numbers as the CPU
+ * reference (precision_fp8_cpu.c): the same scales (fp32, same formula), the same FP8 bytes, so a GEMM differs
+ * from the CPU's only by the order of its fp32 accumulation.
+ *
+ * Layouts (row-major, rows grouped by expert, as in moert/precision.h):
+ *   input [rows, K], grad_output [rows, N], weight [E, K, N], output [rows, N], grad_input [rows, K],
+ *   grad_weight [E, K, N] (accumulated into). K = k_in, N = n_out.
+ * cuBLASLt FP8 on Hopper takes only "TN": both operands contiguous along the reduction. In cuBLAS's column-major
+ * terms every expert's GEMM is D[m x n] = A^T B with A stored [m][k] and B stored [n][k] (row-major), so:
+ *   FORWARD  out  = in @ W:      A = W^T as [N][K] (a transposed FP8 copy), B = in [rows][K]   m=N n=rows k=K
+ *   DGRAD    din  = dout @ W^T:  A = W   as [K][N] (an FP8 copy as stored), B = dout [rows][N] m=K n=rows k=N
+ *   WGRAD    dW  += in^T @ dout: A = dout^T [N][rows16], B = in^T [K][rows16]                 m=N n=K k=rows16
+ * where rows16 is the expert's row count rounded up to 16 (FP8 leading dimensions are multiples of 16 bytes); the
+ * padding is zeros, which add nothing. The FP8 weight copies are made once per step (first use after end_step, or
+ * at end_step itself) and reused by every GEMM of the step.
+ *
+ * Scales. Per-tensor recipes (current, delayed): one scale per operand and expert (cuBLASLt SCALAR_32F with the
+ * dequantization factor 1/scale). Blockwise: weights in 128x128 tiles (BLK128x128_32F), activations and gradients
+ * in 1x128 tiles along the reduction (VEC128_32F). Scale tensors hold 1/scale (what cuBLASLt multiplies by); for an
+ * operand stored [X][k] (X the non-reduced size) the factor of element (x, p) is at:
+ *   VEC128:     x + (p / 128) * X                           (see moert_fp8_cuda_scale_layout for the variants)
+ *   BLK128x128: (p / 128) + (x / 128) * round_up(ceil(k / 128), 4)
+ *
+ * One handle serves one caller stream at a time. Quantization runs on the caller's stream; the per-expert
+ * matmuls are spread over the handle's streams (forked from and joined back into the caller's stream).
+ * Nothing here synchronises the host.
+ */
+#ifndef MOERT_PRECISION_FP8_CUDA_H
+#define MOERT_PRECISION_FP8_CUDA_H
+
+#include <cuda_runtime.h>
+
+#include "moert/precision.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MOERT_FP8_CUDA_STREAM_WORKSPACE_BYTES ((size_t)32 << 20) /* cuBLASLt workspace per stream */
+#define MOERT_FP8_CUDA_MAX_STREAMS 8
+#define MOERT_FP8_CUDA_ROW_ALIGN 16 /* WGRAD: rows per expert padded to this (FP8 leading dimension) */
+
+/* The recipe (the same numbers as fp8_recipe in precision_fp8_cpu.h). */
+typedef enum moert_fp8_cuda_recipe {
+    MOERT_FP8_CUDA_CURRENT = 0,
+    MOERT_FP8_CUDA_DELAYED = 1,
+    MOERT_FP8_CUDA_BLOCKWISE = 2
+} moert_fp8_cuda_recipe;
+
+typedef struct moert_fp8_cuda_config {
+    moert_fp8_cuda_recipe recipe;
+    int hybrid;               /* gradients (grad_output) in E5M2, the rest E4M3; 0: all E4M3 */
+    int power_of_2;           /* scales truncated to a power of two */
+    int64_t num_experts;      /* E_local */
+    int64_t amax_history_len; /* delayed */
+    int amax_most_recent;     /* delayed: newest history entry instead of the max */
+    int64_t margin;           /* delayed */
+} moert_fp8_cuda_config;
+
+typedef struct moert_fp8_cuda moert_fp8_cuda;
+
+/*
+ * Creates a handle on the current device. host: error messages (set_error) and, when it has alloc/free for
+ * `device`, the device memory (the core's pool, stream-ordered on the rank's stream); otherwise cudaMalloc.
+ * Borrowed; must outlive the handle; may be NULL. Delayed recipe: the amax histories live on the device, every
+ * scale starts at 1.
+ */
+moert_result moert_fp8_cuda_create(const moert_host *host, moert_device device, const moert_fp8_cuda_config *cfg,
+                                   moert_fp8_cuda **out);
+void moert_fp8_cuda_destroy(moert_fp8_cuda *g);
+
+/* Streams the per-expert matmuls are spread over (1: the caller's only; at most MOERT_FP8_CUDA_MAX_STREAMS). */
+moert_result moert_fp8_cuda_set_streams(moert_fp8_cuda *g, int streams);
+
+/* One grouped GEMM by raw device pointers (see the layouts above). */
+typedef struct moert_fp8_cuda_gemm {
+    moert_gemm_weight which;         /* FC1 or FC2: whose FP8 weight copy and delayed slots */
+    moert_gemm_pass pass;
+    moert_dtype act_dtype;           /* bf16 or fp32: input, grad_output, output, grad_input */
+    moert_dtype weight_dtype;        /* fp32 or bf16 */
+    moert_dtype grad_weight_dtype;   /* fp32 or bf16 (WGRAD) */
+    int64_t num_experts;             /* the handle's */
+    const int64_t *rows_per_expert;  /* [num_experts] on the host */
+    int64_t k_in, n_out;
+    const void *input, *weight, *grad_output;
+    void *output, *grad_input, *grad_weight;
+} moert_fp8_cuda_gemm;
+
+/* Enqueues the grouped GEMM on stream (WGRAD accumulates). Experts with no rows are skipped. */
+moert_result moert_fp8_cuda_grouped_gemm(moert_fp8_cuda *g, cudaStream_t stream, const moert_fp8_cuda_gemm *gm);
+
+/*
+ * After the optimizer step: the delayed recipe appends each slot's step amax to its history and sets the next
+ * scales (on the device, as fp8_delayed_end_step does on the CPU); then the FP8 weight copies are made again from
+ * the (updated) weights they were made from, on stream.
+ */
+moert_result moert_fp8_cuda_end_step(moert_fp8_cuda *g, cudaStream_t stream);
+
+/* Forgets the FP8 weight copies (the next GEMM makes them from its weight). */
+void moert_fp8_cuda_drop_weights(moert_fp8_cuda *g);
+
+/*
+ * Where cuBLASLt reads block scales (the blockwise recipe). The default is VEC128_X_MAJOR and BLK_K_MAJOR_PAD4
+ * (as PyTorch's _scaled_mm lays them out for cuBLASLt); the others exist so a GPU test can tell which layout a
+ * cuBLASLt version reads when results disagree. Changing it drops the FP8 weight copies.
+ */
+typedef enum moert_fp8_cuda_vec_layout {
+    MOERT_FP8_VEC128_X_MAJOR = 0, /* x + kb * X */
+    MOERT_FP8_VEC128_K_MAJOR = 1  /* kb + x * KB */
+} moert_fp8_cuda_vec_layout;
+typedef enum moert_fp8_cuda_blk_layout {
+    MOERT_FP8_BLK_K_MAJOR_PAD4 = 0, /* kb + xb * round_up(KB, 4) */
+    MOERT_FP8_BLK_X_MAJOR_PAD4 = 1, /* xb + kb * round_up(XB, 4) */
+    MOERT_FP8_BLK_K_MAJOR = 2,      /* kb + xb * KB */
+    MOERT_FP8_BLK_X_MAJOR = 3       /* xb + kb * XB */
+} moert_fp8_cuda_blk_layout;
+void moert_fp8_cuda_set_scale_layout(moert_fp8_cuda *g, moert_fp8_cuda_vec_layout vec, moert_fp8_cuda_blk_layout blk);
+
+/*
+ * The quantized operands of the last grouped GEMM (device pointers into the handle's buffers, valid until the
+ * next call), for tests: A and B bytes and their scale factors (1/scale: one float per expert at [4 * e] for the
+ * per-tensor recipes; the block layouts above for blockwise), and per expert where each starts:
+ *   a_offset[e], b_offset[e]: byte offset of expert e's operand; a_scale_offset[e], b_scale_offset[e]: float
+ *   offset of its scale factors; rows16[e]: WGRAD's padded row count. Arrays have num_experts entries (host).
+ * Also the per-tensor quantization scales (not inverted) at [4 * e] of a_scale / b_scale (NULL for blockwise).
+ */
+typedef struct moert_fp8_cuda_operands {
+    const uint8_t *a, *b;
+    const float *a_scale_inv, *b_scale_inv;
+    const float *a_scale, *b_scale;
+    const int64_t *a_offset, *b_offset, *a_scale_offset, *b_scale_offset, *rows16;
+    int a_format, b_format; /* 0 E4M3, 1 E5M2 */
+} moert_fp8_cuda_operands;
+void moert_fp8_cuda_last_operands(const moert_fp8_cuda *g, moert_fp8_cuda_operands *out);
+
+/* The delayed recipe's scale of slot (which, operand 0 input / 1 weight / 2 grad_output, expert), copied to the
+ * host with a stream sync (tests). */
+moert_result moert_fp8_cuda_delayed_scale(moert_fp8_cuda *g, cudaStream_t stream, moert_gemm_weight which,
+                                          int operand, int64_t expert, float *out);
+
+/* Counters since creation, for tests and reports. */
+typedef struct moert_fp8_cuda_stats {
+    int64_t heuristic_queries;   /* cublasLtMatmulAlgoGetHeuristic calls */
+    int64_t cache_hits;          /* expert matmuls that found their plan cached */
+    int64_t exact_fallbacks;     /* bucket plans cuBLASLt refused for the actual shape */
+    int64_t weight_quantizations;/* FP8 weight copies made (each of the two layouts counts once) */
+    int64_t matmuls;             /* expert matmuls enqueued */
+} moert_fp8_cuda_stats;
+void moert_fp8_cuda_get_stats(const moert_fp8_cuda *g, moert_fp8_cuda_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
