@@ -26,7 +26,7 @@ static void ab_usage(FILE *f)
             "  p10-p90 spread and the ratio B/A, and whether the two agree on the loss of every step.\n"
             "  A and B may differ in their plugin sections and in train.steps, lr, weight_decay, teacher_scale\n"
             "  and log_every; any other difference ($.model, $.parallel.ranks, $.train.tokens_per_rank,\n"
-            "  seq_length, seed, data) is refused with exit status 2.\n"
+            "  seq_length, seed, data, input_shift) is refused with exit status 2.\n"
             "options:\n"
             "  --set KEY=JSON     override a value of both configs (repeatable)\n"
             "  --set-a KEY=JSON   override a value of A only (repeatable)\n"
@@ -232,6 +232,11 @@ static int check_same_run(const moert_config *a, const moert_config *b)
     n += report_int_difference("$.train.seed", a->train.seed, b->train.seed);
     n += report_text_difference("$.train.data", a->train.repeat_batch ? "repeat" : "fresh",
                                 b->train.repeat_batch ? "repeat" : "fresh");
+    if (a->train.input_shift != b->train.input_shift) {
+        fprintf(stderr, PROG ": not an A/B: $.train.input_shift is %g in A and %g in B\n", a->train.input_shift,
+                b->train.input_shift);
+        n++;
+    }
     if (n > 0)
         fprintf(stderr, PROG ": A and B must describe the same model and run; they may differ in their plugin "
                         "sections and in train.steps, lr, weight_decay, teacher_scale and log_every\n");

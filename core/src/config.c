@@ -485,6 +485,10 @@ static moert_result parse_train(moert_config *cfg, json_t *obj)
                                     &t->weight_decay));
     MOERT_CHECK(moert_section_float(sec, "teacher_scale", 1.0, 0.0, DBL_MAX,
                                     "size of the teacher's output relative to its input", &t->teacher_scale));
+    MOERT_CHECK(moert_section_float(sec, "input_shift", 0.5, 0.0, DBL_MAX,
+                                    "inputs are N(input_shift * m, I) for a fixed random m ~ N(0, I): 0.5 routes "
+                                    "unevenly at the start for the balancing to work on; 0 routes evenly",
+                                    &t->input_shift));
     static const char *const data_modes[] = {"fresh", "repeat", NULL};
     int data_mode = 0;
     MOERT_CHECK(moert_section_enum(sec, "data", data_modes, 0,

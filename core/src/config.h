@@ -39,6 +39,7 @@ typedef struct moert_train_config {
     int64_t steps, tokens_per_rank, seq_length, seed, log_every;
     double lr, weight_decay;
     double teacher_scale; /* size of the teacher's output relative to its input */
+    double input_shift;   /* inputs are N(input_shift * m, I), m ~ N(0, I) fixed: how unevenly routing starts */
     bool repeat_batch;    /* "data": "repeat": draw one batch and reuse it every step (benchmarks) */
     moert_optimizer optimizer; /* "adam" (default) or "sgd" */
 } moert_train_config;

@@ -482,7 +482,7 @@ static moert_result ensure_params(moert_runtime *rt)
                                rt->cfg->name, need / 1073741824.0, have / 1073741824.0);
     }
     moert_result rc = moert_teacher_create(rt->cfg->model.hidden, (uint64_t)rt->cfg->train.seed + 7777,
-                                           rt->cfg->train.teacher_scale, &rt->teacher);
+                                           rt->cfg->train.teacher_scale, rt->cfg->train.input_shift, &rt->teacher);
     if (rc != MOERT_OK) return rc;
     rc = run_on_ranks(rt, rank_prepare, NULL);
     if (rc == MOERT_OK) rt->params_ready = true;

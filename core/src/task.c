@@ -18,7 +18,7 @@ void moert_fill_normal(moert_tensor *t, uint64_t seed, uint64_t stream, uint64_t
     for (int64_t i = 0; i < n; i++) moert_store(t, i, std * moert_random_normal(seed, stream, first_index + (uint64_t)i));
 }
 
-moert_result moert_teacher_create(int64_t hidden, uint64_t seed, double scale, moert_teacher **out)
+moert_result moert_teacher_create(int64_t hidden, uint64_t seed, double scale, double input_shift, moert_teacher **out)
 {
     moert_result rc = MOERT_OK;
     moert_teacher *t = calloc(1, sizeof *t);
@@ -32,7 +32,7 @@ moert_result moert_teacher_create(int64_t hidden, uint64_t seed, double scale, m
     MOERT_CHECK_ALLOC(t->b);
     t->input_mean = malloc(sizeof(double) * (size_t)hidden);
     MOERT_CHECK_ALLOC(t->input_mean);
-    for (int64_t i = 0; i < hidden; i++) t->input_mean[i] = 0.5 * moert_random_normal(seed, MOERT_STREAM_TEACHER + 2, (uint64_t)i);
+    for (int64_t i = 0; i < hidden; i++) t->input_mean[i] = input_shift * moert_random_normal(seed, MOERT_STREAM_TEACHER + 2, (uint64_t)i);
     for (int64_t i = 0; i < hidden * 2 * t->width; i++)
         t->a[i] = moert_random_normal(seed, MOERT_STREAM_TEACHER, (uint64_t)i) / sqrt((double)hidden);
     for (int64_t i = 0; i < t->width * hidden; i++)

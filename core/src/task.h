@@ -26,7 +26,7 @@ typedef struct moert_teacher {
     double *input_mean; /* [H]: inputs are N(input_mean, I), so routing starts systematically unbalanced */
 } moert_teacher;
 
-moert_result moert_teacher_create(int64_t hidden, uint64_t seed, double scale, moert_teacher **out);
+moert_result moert_teacher_create(int64_t hidden, uint64_t seed, double scale, double input_shift, moert_teacher **out);
 void moert_teacher_free(moert_teacher *t);
 /* Fills x [T,H] with N(input_mean, I) samples; element i takes counter first_index + i. */
 void moert_teacher_sample_inputs(const moert_teacher *t, moert_tensor *x, uint64_t seed, uint64_t first_index);

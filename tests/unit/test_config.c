@@ -118,7 +118,7 @@ static void test_errors(void)
                         "config error at $.modle: unknown key (did you mean \"model\"?)");
     expect_config_error("{\"train\": {\"learning_rate\": 0.1}}", MOERT_ERR_CONFIG,
                         "config error at $.train.learning_rate: unknown key (known keys: steps, tokens_per_rank, "
-                        "seq_length, seed, log_every, lr, weight_decay, teacher_scale, data, optimizer)");
+                        "seq_length, seed, log_every, lr, weight_decay, teacher_scale, input_shift, data, optimizer)");
     expect_config_error("{\"train\": {\"optimizer\": \"adamw\"}}", MOERT_ERR_CONFIG,
                         "config error at $.train.optimizer: got \"adamw\", expected one of adam|sgd (did you mean \"adam\"?)");
     expect_config_error("{\"model\": {\"hidden\": \"64\"}}", MOERT_ERR_CONFIG,

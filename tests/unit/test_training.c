@@ -64,6 +64,28 @@ int main(void)
     } else {
         test_failures++;
     }
+    /* train.input_shift: centred inputs (0) route more evenly at the start than the default shift (0.5) */
+    double first_imbalance[2] = {0, 0};
+    for (int i = 0; i < 2; i++) {
+        char json[512];
+        snprintf(json, sizeof json,
+                 "{\"model\": {\"hidden\": 32, \"ffn_hidden\": 16, \"num_experts\": 16, \"topk\": 2},"
+                 " \"train\": {\"tokens_per_rank\": 2048, \"seed\": 5, \"input_shift\": %s}}",
+                 i == 0 ? "0" : "0.5");
+        moert_config *cfg = NULL;
+        moert_runtime *rt = NULL;
+        EXPECT_OK(moert_config_load_string(json, "input-shift-test", &cfg));
+        if (cfg) EXPECT_OK(moert_runtime_create(cfg, &rt));
+        moert_train_options opts = {.struct_size = sizeof opts, .progress = NULL, .steps = 1};
+        if (rt) EXPECT_OK(moert_runtime_train(rt, &opts));
+        if (rt && rt->record_count == 1) first_imbalance[i] = rt->records[0].imbalance;
+        moert_runtime_destroy(rt);
+        moert_config_free(cfg);
+    }
+    printf("first-step load max/mean: %.3f with input_shift 0, %.3f with 0.5\n", first_imbalance[0],
+           first_imbalance[1]);
+    EXPECT(first_imbalance[0] > 0 && first_imbalance[0] < first_imbalance[1]);
+
     moert_runtime_destroy(with_bias);
     moert_runtime_destroy(no_bias);
     moert_runtime_destroy(policy);
