@@ -39,7 +39,8 @@ struct moert_rank {
     bool batch_loaded;                   /* train.data "repeat": the one batch is on the device */
     /* per step */
     double mse_sum, router_loss;
-    int64_t *counts;                     /* [num_layers * E] */
+    int64_t *counts;                     /* [num_layers * E], pinned: copied into while copy streams are busy */
+    float *loss_result;                  /* pinned: the loss sum comes back through it */
     /* outcome of the phase running on this rank */
     moert_result rc;
     int fail_order;
@@ -260,12 +261,20 @@ static moert_result rank_init(moert_rank *r, void *arg)
     r->sections = calloc((size_t)nl * MOERT_SLOT_COUNT, sizeof *r->sections);
     r->hosts = calloc((size_t)nl * MOERT_SLOT_COUNT, sizeof *r->hosts);
     r->acts = calloc((size_t)nl + 1, sizeof *r->acts);
-    r->counts = calloc((size_t)nl * (size_t)cfg->model.num_experts, sizeof *r->counts);
+    /* Pinned, so the small device-to-host copies of the step never wait behind an offload copy of
+     * the copy engines as pageable copies do (the host thread would block and the GPU idle). */
+    MOERT_CHECK(r->core_host->alloc_pinned(r->core_host, (size_t)nl * (size_t)cfg->model.num_experts * sizeof *r->counts,
+                                           (void **)&r->counts) == MOERT_OK
+                    ? MOERT_OK
+                    : moert_error(MOERT_ERR_OUT_OF_MEMORY, "%s", moert_host_take_error(r->core_host)));
+    memset(r->counts, 0, (size_t)nl * (size_t)cfg->model.num_experts * sizeof *r->counts);
+    MOERT_CHECK(r->core_host->alloc_pinned(r->core_host, sizeof *r->loss_result, (void **)&r->loss_result) == MOERT_OK
+                    ? MOERT_OK
+                    : moert_error(MOERT_ERR_OUT_OF_MEMORY, "%s", moert_host_take_error(r->core_host)));
     MOERT_CHECK_ALLOC(r->layers);
     MOERT_CHECK_ALLOC(r->sections);
     MOERT_CHECK_ALLOC(r->hosts);
     MOERT_CHECK_ALLOC(r->acts);
-    MOERT_CHECK_ALLOC(r->counts);
 
     for (int l = 0; l < nl; l++) {
         moert_layer *L = &r->layers[l];
@@ -326,6 +335,8 @@ static moert_result rank_finalize(moert_rank *r, void *arg)
     for (int i = 0; i < 3; i++)
         if (bufs[i]->data && r->core_host) r->core_host->free(r->core_host, bufs[i]->device, bufs[i]->data);
     if (r->workspace && r->core_host) r->core_host->free(r->core_host, r->layers ? r->layers[0].info.device : moert_cpu(), r->workspace);
+    if (r->counts && r->core_host) r->core_host->free_pinned(r->core_host, r->counts);
+    if (r->loss_result && r->core_host) r->core_host->free_pinned(r->core_host, r->loss_result);
     free(r->x_host.data);
     free(r->target_host.data);
     if (r->hosts)
@@ -350,7 +361,6 @@ static moert_result rank_finalize(moert_rank *r, void *arg)
     free(r->hosts);
     free(r->sections);
     free(r->acts);
-    free(r->counts);
     return MOERT_OK;
 }
 
@@ -558,7 +568,7 @@ static moert_result rank_forward_backward(moert_rank *r, int64_t step)
                     ? MOERT_OK
                     : moert_error(MOERT_ERR_CUDA, "%s", moert_host_take_error(r->core_host)));
     for (int l = 0; l < nl; l++) MOERT_CHECK(moert_layer_release_finished_offloads(&r->layers[l]));
-    MOERT_CHECK(moert_squared_error(r->stream, &r->acts[nl], &r->target, 1.0 / global_elems, r->workspace, &r->mse_sum,
+    MOERT_CHECK(moert_squared_error(r->stream, &r->acts[nl], &r->target, 1.0 / global_elems, r->workspace, r->loss_result, &r->mse_sum,
                                   &r->grad_a));
     moert_tensor *d_y = &r->grad_a, *d_x = &r->grad_b;
     for (int l = nl - 1; l >= 0; l--) {

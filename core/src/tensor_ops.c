@@ -155,16 +155,17 @@ moert_result moert_fill_normal_on(moert_stream s, moert_tensor *t, uint64_t seed
 #ifdef MOERT_HAVE_CUDA
 /* On CUDA: the sum comes back to the host (one sync); grad = 2*scale*pred - 2*scale*target. */
 static moert_result cuda_squared_error(moert_stream s, const moert_tensor *pred, const moert_tensor *target,
-                                       double scale, void *work, double *sum, moert_tensor *grad)
+                                       double scale, void *work, float *pinned_result, double *sum,
+                                       moert_tensor *grad)
 {
     moert_result rc = MOERT_OK;
     int64_t n = moert_tensor_numel(pred);
-    float result = 0.0f;
+    float stack_result = 0.0f, *result = pinned_result ? pinned_result : &stack_result;
     float *dev_result = (float *)((char *)work + MOERT_CUDA_SUM_SQUARES_WORKSPACE_BYTES);
     MOERT_CHECK(moert_cuda_sum_squares(s, pred->dtype, n, pred->data, target->data, dev_result, work));
-    MOERT_CHECK(moert_cuda_memcpy_async(&result, dev_result, sizeof result, s));
+    MOERT_CHECK(moert_cuda_memcpy_async(result, dev_result, sizeof *result, s));
     MOERT_CHECK(moert_cuda_stream_synchronize(s));
-    *sum = result;
+    *sum = *result;
     if (grad) {
         MOERT_CHECK(moert_cuda_axpby(s, n, 2.0 * scale, pred->dtype, pred->data, 0.0, grad->dtype, grad->data));
         MOERT_CHECK(moert_cuda_axpy(s, n, -2.0 * scale, target->dtype, target->data, grad->dtype, grad->data));
@@ -175,11 +176,12 @@ fail:
 #endif
 
 moert_result moert_squared_error(moert_stream s, const moert_tensor *pred, const moert_tensor *target, double scale,
-                                 void *workspace, double *sum, moert_tensor *grad)
+                                 void *workspace, float *pinned_result, double *sum, moert_tensor *grad)
 {
     (void)workspace;
+    (void)pinned_result;
 #ifdef MOERT_HAVE_CUDA
-    if (on_cuda(pred)) return cuda_squared_error(s, pred, target, scale, workspace, sum, grad);
+    if (on_cuda(pred)) return cuda_squared_error(s, pred, target, scale, workspace, pinned_result, sum, grad);
 #endif
     moert_result rc = require_cpu(pred, "squared_error");
     if (rc != MOERT_OK) return rc;

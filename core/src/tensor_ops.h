@@ -20,10 +20,11 @@ moert_result moert_zero(moert_stream s, moert_tensor *t);
 moert_result moert_fill_normal_on(moert_stream s, moert_tensor *t, uint64_t seed, uint64_t stream, uint64_t first,
                                   double std);
 /* Sum of (pred - target)^2 (in double on the CPU, fp32 on CUDA), and grad = scale * 2 * (pred - target).
- * workspace: MOERT_SQUARED_ERROR_WORKSPACE_BYTES on the tensors' device (unused on the CPU). */
+ * workspace: MOERT_SQUARED_ERROR_WORKSPACE_BYTES on the tensors' device (unused on the CPU); pinned_result: a pinned
+ * float the CUDA sum comes back through (NULL: a pageable one, whose copy may wait behind other copies). */
 #define MOERT_SQUARED_ERROR_WORKSPACE_BYTES 8192
 moert_result moert_squared_error(moert_stream s, const moert_tensor *pred, const moert_tensor *target, double scale,
-                                 void *workspace, double *sum, moert_tensor *grad);
+                                 void *workspace, float *pinned_result, double *sum, moert_tensor *grad);
 
 /* Adam (with decoupled weight decay) on one parameter tensor. step counts from 1. */
 typedef struct moert_adam {
