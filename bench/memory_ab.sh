@@ -4,16 +4,19 @@
 #   offload of dispatched_x (<= 5% step time; the last layer keeps it: offload_last_layer false).
 # Two runtimes of 4 such layers (28 GB of weights, grads and bf16 copy per layer and rank) do not fit in one
 # H200 together, so the A/Bs run --sequential, with plain SGD (no Adam moments).
-#   usage: bench/memory_ab.sh BUILD_DIR OUT_DIR [LAYERS]
+#   usage: bench/memory_ab.sh BUILD_DIR OUT_DIR [LAYERS [--set KEY=JSON ...]]
+#   e.g. --set train.input_shift=0 for routing as even as a balanced model's (the default input shift sends
+#   rank 0 ~4x the mean rows at the start, and offload copies scale with rank 0's rows)
 set -u
 BUILD=$(realpath "${1:-build}")
 OUT=${2:-/tmp/moert-memory-ab}
 LAYERS=${3:-4}
+shift 3 2>/dev/null || shift $#
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0
 common=(--sequential --warmup 2 --steps 8 --set parallel.device=cuda --set "model.num_layers=$LAYERS"
-        --set 'train.optimizer="sgd"' --set train.log_every=5)
+        --set 'train.optimizer="sgd"' --set train.log_every=5 "$@")
 run_ab() { # name, B's --set-b options...
   local name=$1; shift
   echo "== $name: moert ab configs/deepseek-v3.json configs/deepseek-v3.json ${common[*]} $*"
