@@ -149,6 +149,14 @@ static void release_slot(const deepep_cpu_link *link, int me, int s)
     __atomic_store_n(&header_of(link->peers[s])->consumed[me][0], link->seq, __ATOMIC_RELEASE);
 }
 
+int deepep_cpu_wait_released(void *local, int world, int64_t seq, int64_t timeout_ms)
+{
+    deepep_header *mine = header_of(local);
+    for (int d = 0; d < world; d++)
+        if (!wait_at_least(&mine->consumed[d][0], seq, timeout_ms)) return d;
+    return -1;
+}
+
 float deepep_fp8_quantize_block(const float *v, uint8_t *q)
 {
     float amax = 0.0f;

@@ -78,4 +78,8 @@ int deepep_cpu_combine(const deepep_cpu_link *link, const deepep_plan *plan, int
                        const void *rows, moert_dtype rows_dtype, const void *row_probs, moert_dtype row_probs_dtype,
                        void *out, moert_dtype out_dtype, bool accumulate, void *out_probs, moert_dtype out_probs_dtype);
 
+/* Before a buffer is freed: waits (at most timeout_ms) until every rank has released what this rank wrote into it in
+ * call seq, its last write into this buffer. Returns -1 when done, else the rank that did not. */
+int deepep_cpu_wait_released(void *local, int world, int64_t seq, int64_t timeout_ms);
+
 #endif

@@ -39,6 +39,7 @@ typedef struct deepep_cuda_state {
     deepep_array upload;          /* int64 [El + E]: tokens_per_expert, then base */
     deepep_array recv_meta;       /* int32 [W][rows_cap][K] */
     deepep_array recv_range;      /* int64 [W][C][2] */
+    deepep_array topk_idx;        /* int32 [T*K]: prepare()'s routing, kept for the step */
     deepep_array status;          /* device: unsigned long long error word, then int abort flag */
     int64_t *pinned;              /* [E + W + 2]: counts, tokens_to, bad ids, error word */
     int64_t *pinned_upload;       /* [El + E] */
@@ -224,8 +225,21 @@ static size_t buffer_row_bytes(const deepep_ctx *c)
     return bytes;
 }
 
+/* Frees this rank's buffer once every peer has stopped writing into it (its release stamp of the last call is the
+ * last thing a peer writes here); a peer that does not within timeout_ms is logged and the buffer freed anyway. */
 static void buffer_release(deepep_ctx *c)
 {
+    if (c->buf && c->seq > 0 && c->broken == MOERT_OK) {
+        int late = -1;
+#ifdef MOERT_HAVE_CUDA
+        if (c->on_cuda) late = deepep_cuda_wait_released(c->buf, c->world, (int)c->channels, c->seq, c->timeout_ms);
+        else
+#endif
+            late = deepep_cpu_wait_released(c->buf, c->world, c->seq, c->timeout_ms);
+        if (late >= 0)
+            c->host->log(c->host, MOERT_LOG_WARN, "rank %d did not release this rank's rows of call %lld within %lld ms; "
+                         "freeing the buffer anyway", late, (long long)c->seq, (long long)c->timeout_ms);
+    }
     if (c->buf) c->host->free(c->host, c->layer.device, c->buf);
     c->buf = NULL;
     c->buf_bytes = 0;
@@ -317,9 +331,16 @@ static moert_result deepep_init(void **out, const moert_host *host, const moert_
     c->on_cuda = layer->device.type == MOERT_DEVICE_CUDA;
     static const char *const dtypes[] = {"bf16", "fp8", NULL};
     int dispatch_dtype = 0;
-    moert_result rc = host->option_int(host, "num_sms", 24, 2, 2 * DEEPEP_MAX_CHANNELS,
+    moert_result rc = host->option_int(host, "num_sms", 0, 0, 2 * DEEPEP_MAX_CHANNELS,
                                        "SMs (thread blocks) of each communication kernel: half send, half receive "
-                                       "(channels = num_sms / 2); the CPU path ignores it", &c->num_sms);
+                                       "(channels = num_sms / 2); 0: every SM of the device (at most 132), what a "
+                                       "layer wants when nothing else runs beside dispatch and combine; the CPU path "
+                                       "ignores it", &c->num_sms);
+    if (rc == MOERT_OK && c->num_sms == 1) {
+        host->set_error(host, "config error: num_sms is 1, expected 0 (every SM of the device) or 2..%d (half of them "
+                        "send, half receive)", 2 * DEEPEP_MAX_CHANNELS);
+        rc = MOERT_ERR_CONFIG;
+    }
     if (rc == MOERT_OK)
         rc = host->option_int(host, "timeout_ms", 60000, 10, 3600000,
                               "bound of every wait for a peer's rows or flags; a stalled peer is named in the error",
@@ -333,7 +354,7 @@ static moert_result deepep_init(void **out, const moert_host *host, const moert_
         return rc;
     }
     c->fp8 = dispatch_dtype == 1;
-    c->channels = c->num_sms / 2 < 1 ? 1 : c->num_sms / 2;
+    c->channels = c->num_sms / 2 < 1 ? 1 : c->num_sms / 2; /* 0 (every SM) is resolved by cuda_init() */
     if (c->fp8 && layer->hidden % DEEPEP_FP8_BLOCK != 0) {
         free(c);
         host->set_error(host, "config error: dispatch_dtype \"fp8\" needs hidden divisible by %d (1x%d scale "
@@ -582,3 +603,383 @@ static moert_result cpu_dispatch_like(deepep_ctx *c, const char *call, bool fp8,
     c->dispatched = true;
     return MOERT_OK;
 }
+
+/* A combine-like call on the CPU (combine, dispatch_backward). */
+static moert_result cpu_combine_like(deepep_ctx *c, const char *call, const moert_tensor *rows,
+                                     const moert_tensor *row_probs, moert_tensor *out, bool accumulate,
+                                     moert_tensor *out_probs)
+{
+    char why[256] = "";
+    deepep_cpu_link l = cpu_link(c, next_seq(c, call), why, sizeof why);
+    int r = deepep_cpu_combine(&l, &c->plan, c->layer.hidden, c->idx.data, rows->data, rows->dtype,
+                               row_probs ? row_probs->data : NULL, row_probs ? row_probs->dtype : MOERT_F64, out->data,
+                               out->dtype, accumulate, out_probs ? out_probs->data : NULL,
+                               out_probs ? out_probs->dtype : MOERT_F64);
+    if (r > 0) return mark_broken(c, call, why);
+    if (r < 0) return fail(c, MOERT_ERR_OUT_OF_MEMORY, "%s: %s", call, why);
+    return MOERT_OK;
+}
+
+#ifdef MOERT_HAVE_CUDA
+/* ---- the CUDA path ---- */
+
+static moert_result cuda_init(deepep_ctx *c)
+{
+    const moert_host *h = c->host;
+    const int64_t E = c->layer.num_experts, El = c->layer.num_local_experts, W = c->world;
+    const int id = (int)c->layer.device.id;
+    char dev[32];
+    device_name(c->layer.device, dev, sizeof dev);
+    int count = 0;
+    cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        count = 0;
+    }
+    if (id < 0 || id >= count)
+        return fail(c, MOERT_ERR_UNSUPPORTED, "the layer is on %s, but this process sees %d CUDA device%s (%s): "
+                    "only a CPU path can run here", dev, count, count == 1 ? "" : "s",
+                    err == cudaSuccess ? "cudaGetDeviceCount" : cudaGetErrorString(err));
+    if (E > MOERT_A2A_CUDA_MAX_EXPERTS)
+        return fail(c, MOERT_ERR_UNSUPPORTED, "the deepep dispatcher's CUDA path takes at most %d experts, the layer "
+                    "has %lld", MOERT_A2A_CUDA_MAX_EXPERTS, (long long)E);
+    if (c->layer.topk > 32)
+        return fail(c, MOERT_ERR_UNSUPPORTED, "the deepep dispatcher's CUDA path takes topk <= 32 (a warp's lanes), "
+                    "the layer has %lld", (long long)c->layer.topk);
+    if (c->layer.dtype != MOERT_BF16 && c->layer.dtype != MOERT_F32)
+        return fail(c, MOERT_ERR_UNSUPPORTED, "the deepep dispatcher's CUDA path moves bf16 or fp32 rows, the layer is "
+                    "%s", moert_dtype_name(c->layer.dtype));
+    if (c->fp8 && c->layer.dtype != MOERT_BF16)
+        return fail(c, MOERT_ERR_UNSUPPORTED, "dispatch_dtype \"fp8\" on CUDA quantizes bf16 rows, the layer is %s",
+                    moert_dtype_name(c->layer.dtype));
+    if (c->num_sms == 0) { /* every SM of the device: channels = SMs / 2, at most DEEPEP_MAX_CHANNELS */
+        int sms = 0;
+        err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, id);
+        if (err != cudaSuccess) {
+            (void)cudaGetLastError();
+            return fail(c, MOERT_ERR_CUDA, "num_sms 0 (every SM): cudaDeviceGetAttribute(MultiProcessorCount) on %s "
+                        "failed: %s", dev, cudaGetErrorString(err));
+        }
+        c->channels = sms / 2 < 1 ? 1 : sms / 2 > DEEPEP_MAX_CHANNELS ? DEEPEP_MAX_CHANNELS : sms / 2;
+    }
+    deepep_cuda_state *cu = &c->cu;
+    moert_result rc = array_reserve(c, &cu->status, 64, true);
+    if (rc == MOERT_ERR_UNSUPPORTED)
+        return fail(c, rc, "the host serving this instance cannot allocate on %s (a CPU-only host): only a CPU path "
+                    "can run here", dev);
+    if (rc == MOERT_OK) rc = deepep_cuda_zero(h, cu->status.data, cu->status.bytes);
+    if (rc == MOERT_OK) rc = array_reserve(c, &cu->upload, (size_t)(El + E) * sizeof(int64_t), true);
+    if (rc == MOERT_OK) rc = h->alloc_pinned(h, (size_t)(E + W + 2) * sizeof(int64_t), (void **)&cu->pinned);
+    if (rc == MOERT_OK) rc = h->alloc_pinned(h, (size_t)(El + E) * sizeof(int64_t), (void **)&cu->pinned_upload);
+    return rc;
+}
+
+static void cuda_finalize(deepep_ctx *c)
+{
+    deepep_cuda_state *cu = &c->cu;
+    deepep_array *arrays[] = {&cu->expert_counts, &cu->expert_offsets, &cu->row_of_copy, &cu->copy_of_row,
+                              &cu->layout_scratch, &cu->excl, &cu->tokens_to, &cu->upload, &cu->recv_meta,
+                              &cu->recv_range, &cu->status, &cu->topk_idx};
+    for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) array_release(c, arrays[i], true);
+    if (cu->pinned) c->host->free_pinned(c->host, cu->pinned);
+    if (cu->pinned_upload) c->host->free_pinned(c->host, cu->pinned_upload);
+    cu->pinned = cu->pinned_upload = NULL;
+}
+
+/* The message of a stall a kernel recorded: which call, which peer, which wait. */
+static moert_result cuda_report_stall(deepep_ctx *c, unsigned long long word)
+{
+    const int64_t seq = (int64_t)(word >> 16);
+    const int kind = (int)((word >> 8) & 0xff), peer = (int)(word & 0xff);
+    char why[256];
+    if (kind == DEEPEP_WAIT_ARRIVAL)
+        snprintf(why, sizeof why, "rank %d did not deliver its rows within %lld ms (timeout_ms)", peer,
+                 (long long)c->timeout_ms);
+    else
+        snprintf(why, sizeof why, "rank %d did not read the rows of the previous call within %lld ms (timeout_ms)",
+                 peer, (long long)c->timeout_ms);
+    char call[64];
+    snprintf(call, sizeof call, "%s (call %lld)", c->call_names[seq % CALL_NAMES], (long long)seq);
+    return mark_broken(c, call, why);
+}
+
+/* prepare()'s local part on CUDA: the layout kernels (counts per expert, each copy's place among its expert's
+ * copies, each token's position per destination rank), then one bounded wait for the counts, the bad-id counter
+ * and the stall word of earlier calls. */
+static moert_result cuda_count_local(deepep_ctx *c, moert_stream stream, const moert_tensor *topk_idx,
+                                     int64_t *num_tokens)
+{
+    const moert_host *h = c->host;
+    const int64_t E = c->layer.num_experts, K = c->layer.topk, W = c->world;
+    moert_result rc = check_topk_idx(c, topk_idx);
+    if (rc != MOERT_OK) return rc;
+    const int64_t T = topk_idx->shape[0];
+    if (T * K > INT32_MAX)
+        return fail(c, MOERT_ERR_UNSUPPORTED, "prepare(): %lld token copies (T*K), the CUDA path takes at most %d",
+                    (long long)(T * K), INT32_MAX);
+    deepep_cuda_state *cu = &c->cu;
+    rc = array_reserve(c, &cu->expert_counts, (size_t)E * sizeof(int64_t), true);
+    if (rc == MOERT_OK) rc = array_reserve(c, &cu->expert_offsets, (size_t)(E + 1) * sizeof(int64_t), true);
+    if (rc == MOERT_OK) rc = array_reserve(c, &cu->row_of_copy, (size_t)(T * K) * sizeof(int32_t), true);
+    if (rc == MOERT_OK) rc = array_reserve(c, &cu->copy_of_row, (size_t)(T * K) * sizeof(int32_t), true);
+    if (rc == MOERT_OK) rc = array_reserve(c, &cu->layout_scratch, moert_a2a_cuda_layout_scratch_bytes(T, E), true);
+    if (rc == MOERT_OK) rc = array_reserve(c, &cu->excl, (size_t)(W * (T + 1)) * sizeof(int32_t), true);
+    if (rc == MOERT_OK) rc = array_reserve(c, &cu->tokens_to, (size_t)W * sizeof(int64_t), true);
+    if (rc == MOERT_OK) rc = array_reserve(c, &cu->topk_idx, (size_t)(T * K) * sizeof(int32_t), true);
+    if (rc == MOERT_OK && T > 0)
+        rc = h->memcpy_async(h, cu->topk_idx.data, c->layer.device, topk_idx->data, c->layer.device,
+                             (size_t)(T * K) * sizeof(int32_t), stream);
+    if (rc != MOERT_OK) return rc;
+    moert_a2a_cuda_layout_buffers bufs = {.tokens_per_expert = cu->expert_counts.data,
+                                          .expert_offsets = cu->expert_offsets.data,
+                                          .row_of_copy = cu->row_of_copy.data,
+                                          .copy_of_row = cu->copy_of_row.data,
+                                          .scratch = cu->layout_scratch.data};
+    rc = moert_a2a_cuda_layout(h, (cudaStream_t)stream, topk_idx->data, T, K, E, &bufs, NULL);
+    if (rc == MOERT_OK)
+        rc = deepep_cuda_token_ranks(h, (cudaStream_t)stream, topk_idx->data, T, K, c->layer.num_local_experts, E,
+                                     c->world, cu->excl.data, cu->tokens_to.data);
+    const moert_device dev = c->layer.device, cpu = moert_cpu();
+    if (rc == MOERT_OK)
+        rc = h->memcpy_async(h, cu->pinned, cpu, cu->expert_counts.data, dev, (size_t)E * sizeof(int64_t), stream);
+    if (rc == MOERT_OK)
+        rc = h->memcpy_async(h, cu->pinned + E, cpu, cu->tokens_to.data, dev, (size_t)W * sizeof(int64_t), stream);
+    if (rc == MOERT_OK)
+        rc = h->memcpy_async(h, cu->pinned + E + W, cpu, moert_a2a_cuda_layout_bad_ids(cu->layout_scratch.data, T, E),
+                             dev, sizeof(int64_t), stream);
+    if (rc == MOERT_OK)
+        rc = h->memcpy_async(h, cu->pinned + E + W + 1, cpu, cu->status.data, dev, sizeof(int64_t), stream);
+    if (rc == MOERT_OK) rc = h->stream_synchronize(h, stream);
+    if (rc != MOERT_OK) return rc;
+    unsigned long long stall = 0, bad = 0;
+    memcpy(&stall, cu->pinned + E + W + 1, sizeof stall);
+    memcpy(&bad, cu->pinned + E + W, sizeof bad);
+    if (stall) return cuda_report_stall(c, stall);
+    if (bad)
+        return fail(c, MOERT_ERR_INVALID_ARGUMENT,
+                    "prepare(): %llu entries of topk_idx are outside [0, %lld) and not -1 (dropped); expected expert ids",
+                    bad, (long long)E);
+    memcpy(c->exchange_row, cu->pinned, (size_t)(E + W) * sizeof(int64_t));
+    *num_tokens = T;
+    return MOERT_OK;
+}
+
+/* prepare()'s plan on CUDA: uploads tokens_per_expert and base (no wait), sizes the saved receive metadata. */
+static moert_result cuda_plan(deepep_ctx *c, moert_stream stream)
+{
+    const moert_host *h = c->host;
+    const int64_t E = c->layer.num_experts, El = c->layer.num_local_experts, K = c->layer.topk, W = c->world;
+    deepep_cuda_state *cu = &c->cu;
+    if (c->plan.num_recv > INT32_MAX)
+        return fail(c, MOERT_ERR_UNSUPPORTED, "prepare(): %lld rows to receive, the CUDA path takes at most %d",
+                    (long long)c->plan.num_recv, INT32_MAX);
+    memcpy(cu->pinned_upload, c->plan.tokens_per_expert, (size_t)El * sizeof(int64_t));
+    memcpy(cu->pinned_upload + El, c->plan.base, (size_t)E * sizeof(int64_t));
+    moert_result rc = h->memcpy_async(h, cu->upload.data, c->layer.device, cu->pinned_upload, moert_cpu(),
+                                      (size_t)(El + E) * sizeof(int64_t), stream);
+    if (rc == MOERT_OK) rc = array_reserve(c, &cu->recv_meta, (size_t)(W * c->geo.rows_cap * K) * sizeof(int32_t), true);
+    if (rc == MOERT_OK)
+        rc = array_reserve(c, &cu->recv_range, (size_t)(W * c->channels * 2) * sizeof(int64_t), true);
+    return rc;
+}
+
+/* The kernels' view of this step and call. */
+static deepep_cuda_call cuda_call(deepep_ctx *c, int64_t seq)
+{
+    deepep_cuda_state *cu = &c->cu;
+    deepep_cuda_call k;
+    memset(&k, 0, sizeof k);
+    k.geo = c->geo;
+    k.local = c->buf;
+    for (int r = 0; r < c->world; r++) k.peers[r] = c->peers[r];
+    k.rank = c->rank;
+    k.channels = (int)c->channels;
+    k.seq = seq;
+    k.timeout_ns = c->timeout_ms * 1000000;
+    k.tokens = c->plan.num_tokens;
+    k.topk = c->layer.topk;
+    k.hidden = c->layer.hidden;
+    k.local_experts = c->layer.num_local_experts;
+    k.topk_idx = cu->topk_idx.data;
+    k.excl = cu->excl.data;
+    k.row_of_copy = cu->row_of_copy.data;
+    k.expert_offsets = cu->expert_offsets.data;
+    k.base = (const int64_t *)cu->upload.data + c->layer.num_local_experts;
+    k.recv_meta = cu->recv_meta.data;
+    k.recv_range = cu->recv_range.data;
+    k.error_word = cu->status.data;
+    k.abort_flag = (int *)((char *)cu->status.data + 8);
+    return k;
+}
+
+/* Row tensors on CUDA: the layer's dtype; probs fp32. */
+static moert_result cuda_check_dtype(const deepep_ctx *c, const char *call, const char *name, const moert_tensor *t,
+                                     moert_dtype want)
+{
+    if (!t || t->dtype == want) return MOERT_OK;
+    return fail(c, MOERT_ERR_UNSUPPORTED, "%s: %s has dtype %s; the CUDA path takes %s here", call, name,
+                moert_dtype_name(t->dtype), moert_dtype_name(want));
+}
+
+static moert_result cuda_dispatch_like(deepep_ctx *c, moert_stream stream, const char *call, bool fp8,
+                                       const moert_tensor *x, const moert_tensor *probs, moert_tensor *out,
+                                       moert_tensor *out_probs)
+{
+    moert_result rc = cuda_check_dtype(c, call, "rows", x, c->layer.dtype);
+    if (rc == MOERT_OK) rc = cuda_check_dtype(c, call, "probs", probs, MOERT_F32);
+    if (rc == MOERT_OK) rc = cuda_check_dtype(c, call, "probs out", out_probs, MOERT_F32);
+    if (rc != MOERT_OK) return rc;
+    deepep_cuda_call k = cuda_call(c, next_seq(c, call));
+    rc = deepep_cuda_dispatch(c->host, (cudaStream_t)stream, &k, x->dtype, fp8, x->data,
+                              probs ? probs->data : NULL, out->data, out_probs ? out_probs->data : NULL);
+    if (rc == MOERT_OK) c->dispatched = true;
+    return rc;
+}
+
+static moert_result cuda_combine_like(deepep_ctx *c, moert_stream stream, const char *call, const moert_tensor *rows,
+                                      const moert_tensor *row_probs, moert_tensor *out, bool accumulate,
+                                      moert_tensor *out_probs)
+{
+    moert_result rc = cuda_check_dtype(c, call, "rows", rows, c->layer.dtype);
+    if (rc == MOERT_OK) rc = cuda_check_dtype(c, call, "out", out, c->layer.dtype);
+    if (rc == MOERT_OK) rc = cuda_check_dtype(c, call, "row probs", row_probs, MOERT_F32);
+    if (rc == MOERT_OK) rc = cuda_check_dtype(c, call, "probs out", out_probs, MOERT_F32);
+    if (rc != MOERT_OK) return rc;
+    deepep_cuda_call k = cuda_call(c, next_seq(c, call));
+    return deepep_cuda_combine(c->host, (cudaStream_t)stream, &k, rows->dtype, rows->data,
+                               row_probs ? row_probs->data : NULL, out->data, accumulate,
+                               out_probs ? out_probs->data : NULL);
+}
+#endif
+
+/* ---- the calls ---- */
+
+/* Sends each token once to every rank holding one of its experts; the receiver expands it into its copies' rows. */
+static moert_result deepep_dispatch(void *ctx, moert_stream stream, const moert_dispatch_args *args)
+{
+    deepep_ctx *c = ctx;
+    const char *call = "dispatch()";
+    const deepep_plan *p = &c->plan;
+    const int64_t H = c->layer.hidden, T = p->num_tokens, K = c->layer.topk;
+    moert_result rc = check_call(c, call, args, args ? args->struct_size : 0, sizeof *args, false);
+    if (rc == MOERT_OK) rc = check_tensor(c, call, "x", args->x, 2, T, false, H, "T from prepare(), hidden", -1);
+    if (rc == MOERT_OK)
+        rc = check_tensor(c, call, "recv_x", args->recv_x, 2, p->num_recv, true, H, "capacity from prepare(), hidden",
+                          args->x->dtype);
+    if (rc == MOERT_OK && (args->topk_probs == NULL) != (args->recv_probs == NULL))
+        rc = fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: topk_probs and recv_probs must be given together (or both NULL)",
+                  call);
+    if (rc == MOERT_OK && args->topk_probs)
+        rc = check_tensor(c, call, "topk_probs", args->topk_probs, 2, T, false, K, "T from prepare(), topk", -1);
+    if (rc == MOERT_OK && args->recv_probs)
+        rc = check_tensor(c, call, "recv_probs", args->recv_probs, 1, p->num_recv, true, 0, "capacity from prepare()",
+                          -1);
+    if (rc != MOERT_OK) return rc;
+#ifdef MOERT_HAVE_CUDA
+    if (c->on_cuda)
+        rc = cuda_dispatch_like(c, stream, call, c->fp8, args->x, args->topk_probs, args->recv_x, args->recv_probs);
+    else
+#endif
+        rc = cpu_dispatch_like(c, call, c->fp8, args->x, args->topk_probs, args->recv_x, args->recv_probs);
+    if (rc != MOERT_OK) return rc;
+    const size_t row_bytes = c->fp8 ? deepep_fp8_row_bytes(H) : (size_t)H * moert_dtype_size(args->x->dtype);
+    report_metric(c, "dispatch.bytes_sent", dispatch_bytes(c, row_bytes), "bytes");
+    return MOERT_OK;
+}
+
+/* Each expert rank sums its copies of a token into one partial row, sends it back; the token's rank sums the
+ * partials in rank order (fp32; fp64 for fp64 rows), y overwritten in the original token order. */
+static moert_result deepep_combine(void *ctx, moert_stream stream, const moert_combine_args *args)
+{
+    deepep_ctx *c = ctx;
+    const char *call = "combine()";
+    const deepep_plan *p = &c->plan;
+    const int64_t H = c->layer.hidden;
+    moert_result rc = check_call(c, call, args, args ? args->struct_size : 0, sizeof *args, true);
+    if (rc == MOERT_OK)
+        rc = check_tensor(c, call, "y_expert", args->y_expert, 2, p->num_recv, true, H,
+                          "capacity from prepare(), hidden", -1);
+    if (rc == MOERT_OK)
+        rc = check_tensor(c, call, "y", args->y, 2, p->num_tokens, false, H, "T from prepare(), hidden", -1);
+    if (rc != MOERT_OK) return rc;
+#ifdef MOERT_HAVE_CUDA
+    if (c->on_cuda) return cuda_combine_like(c, stream, call, args->y_expert, NULL, args->y, false, NULL);
+#endif
+    return cpu_combine_like(c, call, args->y_expert, NULL, args->y, false, NULL);
+}
+
+/* The adjoint of combine: a dispatch of d_y's rows (bf16 on every path, no probs). */
+static moert_result deepep_combine_backward(void *ctx, moert_stream stream, const moert_combine_backward_args *args)
+{
+    deepep_ctx *c = ctx;
+    const char *call = "combine_backward()";
+    const deepep_plan *p = &c->plan;
+    const int64_t H = c->layer.hidden;
+    moert_result rc = check_call(c, call, args, args ? args->struct_size : 0, sizeof *args, false);
+    if (rc == MOERT_OK)
+        rc = check_tensor(c, call, "d_y", args->d_y, 2, p->num_tokens, false, H, "T from prepare(), hidden", -1);
+    if (rc == MOERT_OK)
+        rc = check_tensor(c, call, "d_y_expert", args->d_y_expert, 2, p->num_recv, true, H,
+                          "capacity from prepare(), hidden", args->d_y->dtype);
+    if (rc != MOERT_OK) return rc;
+#ifdef MOERT_HAVE_CUDA
+    if (c->on_cuda) return cuda_dispatch_like(c, stream, call, false, args->d_y, NULL, args->d_y_expert, NULL);
+#endif
+    return cpu_dispatch_like(c, call, false, args->d_y, NULL, args->d_y_expert, NULL);
+}
+
+/* The adjoint of dispatch: a combine of d_recv_x added into d_x, and each row's prob gradient to its (t, k) slot. */
+static moert_result deepep_dispatch_backward(void *ctx, moert_stream stream, const moert_dispatch_backward_args *args)
+{
+    deepep_ctx *c = ctx;
+    const char *call = "dispatch_backward()";
+    const deepep_plan *p = &c->plan;
+    const int64_t H = c->layer.hidden, T = p->num_tokens, K = c->layer.topk;
+    moert_result rc = check_call(c, call, args, args ? args->struct_size : 0, sizeof *args, true);
+    if (rc == MOERT_OK)
+        rc = check_tensor(c, call, "d_recv_x", args->d_recv_x, 2, p->num_recv, true, H,
+                          "capacity from prepare(), hidden", -1);
+    if (rc == MOERT_OK) rc = check_tensor(c, call, "d_x", args->d_x, 2, T, false, H, "T from prepare(), hidden", -1);
+    if (rc == MOERT_OK && (args->d_recv_probs == NULL) != (args->d_topk_probs == NULL))
+        rc = fail(c, MOERT_ERR_INVALID_ARGUMENT,
+                  "%s: d_recv_probs and d_topk_probs must be given together (or both NULL)", call);
+    if (rc == MOERT_OK && args->d_recv_probs)
+        rc = check_tensor(c, call, "d_recv_probs", args->d_recv_probs, 1, p->num_recv, true, 0,
+                          "capacity from prepare()", -1);
+    if (rc == MOERT_OK && args->d_topk_probs)
+        rc = check_tensor(c, call, "d_topk_probs", args->d_topk_probs, 2, T, false, K, "T from prepare(), topk", -1);
+    if (rc != MOERT_OK) return rc;
+#ifdef MOERT_HAVE_CUDA
+    if (c->on_cuda)
+        return cuda_combine_like(c, stream, call, args->d_recv_x, args->d_recv_probs, args->d_x, true,
+                                 args->d_topk_probs);
+#endif
+    return cpu_combine_like(c, call, args->d_recv_x, args->d_recv_probs, args->d_x, true, args->d_topk_probs);
+}
+
+MOERT_PLUGIN_EXPORT const moert_dispatcher_v1 deepep_vtable __asm__(MOERT_DISPATCHER_V1_SYMBOL) = {
+    .header = {
+        .abi_version = MOERT_ABI_CURRENT,
+        .struct_size = sizeof(moert_dispatcher_v1),
+        .kind = MOERT_KIND_DISPATCHER,
+        .name = "deepep",
+        .version = "0.1.0",
+        .description = "NVLink dispatcher in the way of DeepEP's intranode kernels: each token written once into "
+                       "each destination rank's peer buffer, expanded there by local expert; bf16 or fp8 dispatch",
+#ifdef MOERT_HAVE_CUDA
+        .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU) | MOERT_CAP_DEVICE(MOERT_DEVICE_CUDA),
+#else
+        .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU),
+#endif
+        .dtypes = MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) |
+                  MOERT_CAP_DTYPE(MOERT_F16),
+        .flags = MOERT_CAP_NEEDS_HOST_SYNC,
+    },
+    .init = deepep_init,
+    .finalize = deepep_finalize,
+    .prepare = deepep_prepare,
+    .dispatch = deepep_dispatch,
+    .combine = deepep_combine,
+    .combine_backward = deepep_combine_backward,
+    .dispatch_backward = deepep_dispatch_backward,
+};

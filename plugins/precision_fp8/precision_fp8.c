@@ -1,7 +1,8 @@
 /* The "fp8" precision plugin: the experts' grouped GEMMs with FP8 operands (E4M3, or E4M3 forward and E5M2
  * gradients) under one of three scaling recipes (current, delayed, blockwise). This file: vtable, options, argument
- * checks and the delayed recipe's per-step update; the quantization and the CPU GEMMs are in precision_fp8_cpu.c,
- * the FP8 conversions in fp8_convert.c. CPU only so far: a layer on CUDA is refused by init. */
+ * checks, the delayed recipe's per-step update and the CUDA path's state; the quantization and the CPU GEMMs are in
+ * precision_fp8_cpu.c (the reference), the FP8 conversions in fp8_convert.c, the CUDA kernels and cuBLASLt FP8
+ * GEMMs in precision_fp8_cuda.cu. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -9,13 +10,24 @@
 
 #include "moert/precision.h"
 #include "precision_fp8_cpu.h"
+#ifdef MOERT_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "precision_fp8_cuda.h"
+#endif
 
 typedef struct fp8_ctx {
     const moert_host *host;
     moert_layer_info layer;
     fp8_settings settings;
-    fp8_delayed_state delayed; /* delayed recipe only */
+    fp8_delayed_state delayed; /* delayed recipe on the CPU only (the CUDA path keeps its histories on the device) */
     fp8_scratch scratch;
+    bool on_cuda;              /* the layer is on a CUDA device: the CUDA path serves it */
+    int gemm_streams;          /* option: streams of the CUDA per-expert loop */
+#ifdef MOERT_HAVE_CUDA
+    moert_fp8_cuda *gemm;      /* quantize kernels, FP8 weight copies, cuBLASLt handle */
+    int64_t *counts_host;      /* [E_local] pinned: device counts copied down when no host copy is given */
+#endif
 } fp8_ctx;
 
 static const char *const recipe_choices[] = {"current", "delayed", "blockwise", NULL};
@@ -40,8 +52,8 @@ static moert_result fail(const fp8_ctx *c, moert_result code, const char *fmt, .
 
 static void fp8_finalize(void *ctx);
 
-/* Reads the options into s; "power_of_2_scales" defaults to true for blockwise, false otherwise. */
-static moert_result read_options(const moert_host *host, fp8_settings *s)
+/* Reads the options into s and *streams; "power_of_2_scales" defaults to true for blockwise, false otherwise. */
+static moert_result read_options(const moert_host *host, fp8_settings *s, int *streams)
 {
     int recipe = 0, format = 1, amax_compute = 0;
     moert_result rc = host->option_enum(host, "recipe", recipe_choices, 0,
@@ -68,6 +80,13 @@ static moert_result read_options(const moert_host *host, fp8_settings *s)
     if (rc != MOERT_OK) return rc;
     rc = host->option_int(host, "margin", 0, 0, 64, "delayed: scale = fp8_max * 2^-margin / amax", &margin);
     if (rc != MOERT_OK) return rc;
+    int64_t gemm_streams = 4; /* at most 8: MOERT_FP8_CUDA_MAX_STREAMS (its header is in CUDA builds only) */
+    rc = host->option_int(host, "gemm_streams", 4, 1, 8,
+                          "CUDA: streams the per-expert FP8 GEMMs are spread over (1: the caller's stream only); "
+                          "each takes a 32 MiB cuBLASLt workspace",
+                          &gemm_streams);
+    if (rc != MOERT_OK) return rc;
+    *streams = (int)gemm_streams;
     s->recipe = (fp8_recipe)recipe;
     s->hybrid = format == 1;
     s->power_of_2 = power_of_2;
@@ -77,19 +96,101 @@ static moert_result read_options(const moert_host *host, fp8_settings *s)
     return MOERT_OK;
 }
 
-/* Creates one instance: reads the options (all of them for every recipe, so each key is known) and, for the
- * delayed recipe, allocates the amax histories. A layer that is not on the CPU is refused. */
+#ifdef MOERT_HAVE_CUDA
+/*
+ * The CUDA path's state: checks the activation dtype (bf16 or fp32) and the sizes (cuBLASLt FP8 needs leading
+ * dimensions of 16 bytes: hidden and ffn_hidden multiples of 16), then makes the handle on the layer's device
+ * (quantize kernels, FP8 weight copies, the delayed recipe's histories) with its streams.
+ */
+static moert_result cuda_init(fp8_ctx *c)
+{
+    const moert_host *h = c->host;
+    const moert_layer_info *l = &c->layer;
+    const int id = (int)l->device.id;
+    char dev[32];
+    device_name(l->device, dev, sizeof dev);
+    if (l->dtype != MOERT_BF16 && l->dtype != MOERT_F32)
+        return fail(c, MOERT_ERR_UNSUPPORTED, "the fp8 precision plugin on CUDA (%s) takes bf16 or fp32 activations, "
+                    "not %s", dev, moert_dtype_name(l->dtype));
+    if (l->hidden % 16 || l->ffn_hidden % 16)
+        return fail(c, MOERT_ERR_UNSUPPORTED, "the fp8 precision plugin on CUDA (%s) needs hidden (%lld) and ffn_hidden "
+                    "(%lld) to be multiples of 16 (cuBLASLt FP8 leading dimensions); use the bf16 plugin or the CPU",
+                    dev, (long long)l->hidden, (long long)l->ffn_hidden);
+    int count = 0;
+    cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        count = 0;
+    }
+    if (id < 0 || id >= count)
+        return fail(c, MOERT_ERR_UNSUPPORTED, "the layer is on %s, but this process sees %d CUDA device%s (%s); "
+                    "only a CPU path can run here", dev, count, count == 1 ? "" : "s",
+                    err == cudaSuccess ? "cudaGetDeviceCount" : cudaGetErrorString(err));
+    struct cudaDeviceProp prop;
+    err = cudaGetDeviceProperties(&prop, id);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        return fail(c, MOERT_ERR_CUDA, "cudaGetDeviceProperties(%d) failed: %s", id, cudaGetErrorString(err));
+    }
+    if (prop.major < 9)
+        return fail(c, MOERT_ERR_UNSUPPORTED, "the fp8 precision plugin's CUDA path needs a Hopper GPU or newer "
+                    "(compute capability 9.0); %s is %s (%d.%d)", dev, prop.name, prop.major, prop.minor);
+    void *probe = NULL; /* a host whose alloc cannot serve the device is a CPU-only host */
+    moert_result rc = h->alloc(h, l->device, 1, &probe);
+    if (rc == MOERT_ERR_UNSUPPORTED)
+        return fail(c, rc, "the host serving this instance cannot allocate on %s (a CPU-only host): only a CPU path is "
+                    "usable with it", dev);
+    if (rc != MOERT_OK) return rc;
+    h->free(h, l->device, probe);
+    rc = h->alloc_pinned(h, (size_t)l->num_local_experts * sizeof(int64_t) + 8, (void **)&c->counts_host);
+    if (rc != MOERT_OK) return rc;
+    int previous = -1;
+    err = cudaGetDevice(&previous);
+    if (err == cudaSuccess && previous != id) err = cudaSetDevice(id);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        return fail(c, MOERT_ERR_CUDA, "cudaSetDevice(%d) failed: %s", id, cudaGetErrorString(err));
+    }
+    const fp8_settings *s = &c->settings;
+    const moert_fp8_cuda_config cfg = {
+        .recipe = (moert_fp8_cuda_recipe)s->recipe,
+        .hybrid = s->hybrid,
+        .power_of_2 = s->power_of_2,
+        .num_experts = l->num_local_experts,
+        .amax_history_len = s->amax_history_len,
+        .amax_most_recent = s->amax_most_recent,
+        .margin = s->margin,
+    };
+    rc = moert_fp8_cuda_create(h, l->device, &cfg, &c->gemm);
+    if (rc == MOERT_OK) rc = moert_fp8_cuda_set_streams(c->gemm, c->gemm_streams);
+    /* every matmul of the recipe exists in this cuBLASLt (weight gradients accumulate in fp32, as the executor's) */
+    if (rc == MOERT_OK) rc = moert_fp8_cuda_check_support(c->gemm, l->hidden, l->ffn_hidden, l->dtype, MOERT_F32);
+    if (previous >= 0 && previous != id) (void)cudaSetDevice(previous);
+    return rc;
+}
+#endif
+
+/* Creates one instance: reads the options (all of them for every recipe and device, so each key is known), then
+ * for the delayed recipe on the CPU allocates the amax histories; on CUDA makes the CUDA path's state. */
 static moert_result fp8_init(void **out, const moert_host *host, const moert_layer_info *layer)
 {
     *out = NULL;
     char dev[32];
-    if (layer->device.type != MOERT_DEVICE_CPU) {
-        host->set_error(host, "the fp8 precision plugin has only a CPU path so far (its cuBLASLt FP8 path is not "
-                        "written yet); the layer is on %s", device_name(layer->device, dev, sizeof dev));
+    if (layer->device.type != MOERT_DEVICE_CPU && layer->device.type != MOERT_DEVICE_CUDA) {
+        host->set_error(host, "the fp8 precision plugin runs on cpu and cuda devices; the layer is on %s",
+                        device_name(layer->device, dev, sizeof dev));
         return MOERT_ERR_UNSUPPORTED;
     }
+#ifndef MOERT_HAVE_CUDA
+    if (layer->device.type == MOERT_DEVICE_CUDA) {
+        host->set_error(host, "the fp8 precision plugin has only a CPU path in this build (built without CUDA); the "
+                        "layer is on %s", device_name(layer->device, dev, sizeof dev));
+        return MOERT_ERR_UNSUPPORTED;
+    }
+#endif
     fp8_settings settings;
-    moert_result rc = read_options(host, &settings);
+    int streams = 4;
+    moert_result rc = read_options(host, &settings, &streams);
     if (rc != MOERT_OK) return rc;
     fp8_ctx *c = calloc(1, sizeof *c);
     if (!c) {
@@ -99,13 +200,24 @@ static moert_result fp8_init(void **out, const moert_host *host, const moert_lay
     c->host = host;
     c->layer = *layer;
     c->settings = settings;
-    if (settings.recipe == FP8_RECIPE_DELAYED &&
+    c->on_cuda = layer->device.type == MOERT_DEVICE_CUDA;
+    c->gemm_streams = streams;
+    if (settings.recipe == FP8_RECIPE_DELAYED && !c->on_cuda &&
         !fp8_delayed_init(&c->delayed, layer->num_local_experts, settings.amax_history_len)) {
         fp8_finalize(c);
         host->set_error(host, "out of memory for the amax histories (%lld experts x 6 x %lld entries)",
                         (long long)layer->num_local_experts, (long long)settings.amax_history_len);
         return MOERT_ERR_OUT_OF_MEMORY;
     }
+#ifdef MOERT_HAVE_CUDA
+    if (c->on_cuda) {
+        rc = cuda_init(c);
+        if (rc != MOERT_OK) {
+            fp8_finalize(c);
+            return rc;
+        }
+    }
+#endif
     host->log(host, MOERT_LOG_DEBUG, "fp8 precision: recipe %s, format %s, power-of-2 scales %s (activations %s, %s)",
               recipe_choices[settings.recipe], settings.hybrid ? "hybrid" : "e4m3",
               settings.power_of_2 ? "on" : "off", moert_dtype_name(layer->dtype),
@@ -119,29 +231,125 @@ static void fp8_finalize(void *ctx)
 {
     fp8_ctx *c = ctx;
     if (!c) return;
+#ifdef MOERT_HAVE_CUDA
+    if (c->gemm) moert_fp8_cuda_destroy(c->gemm);
+    if (c->counts_host) c->host->free_pinned(c->host, c->counts_host);
+#endif
     fp8_delayed_free(&c->delayed);
     fp8_scratch_free(&c->scratch);
     free(c);
 }
 
+#ifdef MOERT_HAVE_CUDA
+/* The instance and stream a count fetch runs on. */
+typedef struct counts_fetch {
+    fp8_ctx *c;
+    moert_stream stream;
+} counts_fetch;
+
+/* Counts that live only on the layer's GPU: copied down into pinned memory with a bounded wait for the stream. */
+static moert_result fetch_counts(void *user, const moert_tensor *t, const int64_t **counts)
+{
+    counts_fetch *f = user;
+    const moert_host *h = f->c->host;
+    moert_result rc = h->memcpy_async(h, f->c->counts_host, moert_cpu(), t->data, t->device,
+                                      (size_t)f->c->layer.num_local_experts * sizeof(int64_t), f->stream);
+    if (rc == MOERT_OK) rc = h->stream_synchronize(h, f->stream);
+    if (rc == MOERT_OK) *counts = f->c->counts_host;
+    return rc;
+}
+
+/* One grouped GEMM on the layer's GPU, arguments already checked: activations in the layer's dtype (bf16 or fp32),
+ * weights fp32 or bf16 (their FP8 copies are cached for the step), grad_weight fp32 or bf16 (accumulated). */
+static moert_result cuda_grouped_gemm(fp8_ctx *c, moert_stream stream, const moert_grouped_gemm_args *args,
+                                      const fp8_gemm_shape *shape, const char *call)
+{
+    const moert_dtype act = c->layer.dtype;
+    const moert_tensor *acts[2];
+    const char *names[2];
+    switch (args->pass) {
+    case MOERT_GEMM_FORWARD:
+        acts[0] = args->input, names[0] = "input", acts[1] = args->output, names[1] = "output";
+        break;
+    case MOERT_GEMM_DGRAD:
+        acts[0] = args->grad_output, names[0] = "grad_output", acts[1] = args->grad_input, names[1] = "grad_input";
+        break;
+    default:
+        acts[0] = args->input, names[0] = "input", acts[1] = args->grad_output, names[1] = "grad_output";
+        break;
+    }
+    for (int i = 0; i < 2; i++)
+        if (acts[i]->dtype != act)
+            return fail(c, MOERT_ERR_UNSUPPORTED, "%s: %s has dtype %s; on CUDA the fp8 plugin takes the layer's %s "
+                        "activations", call, names[i], moert_dtype_name(acts[i]->dtype), moert_dtype_name(act));
+    moert_fp8_cuda_gemm gm;
+    memset(&gm, 0, sizeof gm);
+    gm.which = args->which;
+    gm.pass = args->pass;
+    gm.act_dtype = act;
+    gm.num_experts = shape->num_experts;
+    gm.rows_per_expert = shape->counts;
+    gm.k_in = shape->k_in;
+    gm.n_out = shape->n_out;
+    if (args->pass == MOERT_GEMM_WGRAD) {
+        const moert_dtype gw = args->grad_weight->dtype;
+        if (gw != MOERT_F32 && gw != MOERT_BF16)
+            return fail(c, MOERT_ERR_UNSUPPORTED, "%s: grad_weight has dtype %s; on CUDA the fp8 plugin accumulates into "
+                        "fp32 or bf16", call, moert_dtype_name(gw));
+        gm.grad_weight_dtype = gw;
+        gm.input = args->input->data;
+        gm.grad_output = args->grad_output->data;
+        gm.grad_weight = args->grad_weight->data;
+    } else {
+        const moert_dtype wd = args->weight->dtype;
+        if (wd != MOERT_F32 && wd != MOERT_BF16)
+            return fail(c, MOERT_ERR_UNSUPPORTED, "%s: weight has dtype %s; on CUDA the fp8 plugin takes fp32 or bf16 "
+                        "weights", call, moert_dtype_name(wd));
+        gm.weight_dtype = wd;
+        gm.weight = args->weight->data;
+        if (args->pass == MOERT_GEMM_FORWARD) {
+            gm.input = args->input->data;
+            gm.output = args->output->data;
+        } else {
+            gm.grad_output = args->grad_output->data;
+            gm.grad_input = args->grad_input->data;
+        }
+    }
+    return moert_fp8_cuda_grouped_gemm(c->gemm, (cudaStream_t)stream, &gm);
+}
+#endif
+
+/* One grouped GEMM (FORWARD, DGRAD or WGRAD) over the local experts. */
 static moert_result fp8_grouped_gemm(void *ctx, moert_stream stream, const moert_grouped_gemm_args *args)
 {
     fp8_ctx *c = ctx;
-    (void)stream;
     char call[64] = "grouped_gemm()";
     fp8_gemm_shape shape;
+#ifdef MOERT_HAVE_CUDA
+    counts_fetch fetch = {c, stream};
+    moert_result rc = moert_gemm_check_args(c->host, &c->layer, args, c->on_cuda ? fetch_counts : NULL, &fetch, call,
+                                            sizeof call, &shape);
+    if (rc != MOERT_OK) return rc;
+    if (c->on_cuda) return cuda_grouped_gemm(c, stream, args, &shape, call);
+#else
+    (void)stream;
     moert_result rc = moert_gemm_check_args(c->host, &c->layer, args, NULL, NULL, call, sizeof call, &shape);
     if (rc != MOERT_OK) return rc;
+#endif
     rc = fp8_cpu_grouped_gemm(args, &shape, &c->settings, &c->delayed, &c->scratch);
     if (rc != MOERT_OK) return fail(c, rc, "%s: out of memory for the GEMM's work buffers", call);
     return MOERT_OK;
 }
 
 /* After the optimizer step: the delayed recipe appends this step's amaxes to the histories and computes the
- * scales of the next step; the other recipes keep no state. */
+ * scales of the next step (on the CPU here, on the device on CUDA); on CUDA the FP8 weight copies are made again
+ * now, on the step's stream, so the cast belongs to the optimizer step and not to the next forward. */
 static moert_result fp8_end_step(void *ctx, moert_stream stream)
 {
     fp8_ctx *c = ctx;
+#ifdef MOERT_HAVE_CUDA
+    if (c->on_cuda) return moert_fp8_cuda_end_step(c->gemm, (cudaStream_t)stream);
+#endif
     (void)stream;
     if (c->settings.recipe == FP8_RECIPE_DELAYED) fp8_delayed_end_step(&c->delayed, &c->settings);
     return MOERT_OK;
@@ -155,9 +363,12 @@ MOERT_PLUGIN_EXPORT const moert_precision_v1 fp8_vtable __asm__(MOERT_PRECISION_
         .kind = MOERT_KIND_PRECISION,
         .name = "fp8",
         .version = "0.1.0",
-        .description = "grouped GEMMs with FP8 operands (E4M3/E5M2), current, delayed or blockwise scaling "
-                       "(CPU reference)",
+        .description = "grouped GEMMs with FP8 operands (E4M3/E5M2), current, delayed or blockwise scaling",
+#ifdef MOERT_HAVE_CUDA
+        .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU) | MOERT_CAP_DEVICE(MOERT_DEVICE_CUDA),
+#else
         .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU),
+#endif
         .dtypes = MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) |
                   MOERT_CAP_DTYPE(MOERT_F16),
         .flags = MOERT_CAP_NEEDS_HOST_SYNC,

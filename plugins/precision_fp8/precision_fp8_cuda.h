@@ -12,8 +12,12 @@
  *   FORWARD  out  = in @ W:      A = W^T as [N][K] (a transposed FP8 copy), B = in [rows][K]   m=N n=rows k=K
  *   DGRAD    din  = dout @ W^T:  A = W   as [K][N] (an FP8 copy as stored), B = dout [rows][N] m=K n=rows k=N
  *   WGRAD    dW  += in^T @ dout: A = dout^T [N][rows16], B = in^T [K][rows16]                 m=N n=K k=rows16
- * where rows16 is the expert's row count rounded up to 16 (FP8 leading dimensions are multiples of 16 bytes); the
- * padding is zeros, which add nothing. The FP8 weight copies are made once per step (first use after end_step, or
+ * where rows16 is the expert's row count rounded up to 16 (FP8 leading dimensions are multiples of 16 bytes; for
+ * the blockwise recipe to 128 if this cuBLASLt has no matmul whose reduction ends inside a 128-block); the
+ * padding is zeros, which add nothing. Blockwise FORWARD/DGRAD may run with the operands swapped (A = the activation
+ * rows with VEC128 scales, B = the weight copy with BLK128x128 scales, D transposed through a scratch buffer) when
+ * cuBLASLt has no matmul with the 128x128 blocks on A (chosen once per handle; same bytes and scales either way;
+ * moert_fp8_cuda_last_operands still reports the weight as `a`). The FP8 weight copies are made once per step (first use after end_step, or
  * at end_step itself) and reused by every GEMM of the step.
  *
  * Scales. Per-tensor recipes (current, delayed): one scale per operand and expert (cuBLASLt SCALAR_32F with the
@@ -40,7 +44,7 @@ extern "C" {
 
 #define MOERT_FP8_CUDA_STREAM_WORKSPACE_BYTES ((size_t)32 << 20) /* cuBLASLt workspace per stream */
 #define MOERT_FP8_CUDA_MAX_STREAMS 8
-#define MOERT_FP8_CUDA_ROW_ALIGN 16 /* WGRAD: rows per expert padded to this (FP8 leading dimension) */
+#define MOERT_FP8_CUDA_ROW_ALIGN 16 /* WGRAD: rows per expert padded to this (FP8 leading dimension), or 128 */
 
 /* The recipe (the same numbers as fp8_recipe in precision_fp8_cpu.h). */
 typedef enum moert_fp8_cuda_recipe {
@@ -70,6 +74,14 @@ typedef struct moert_fp8_cuda moert_fp8_cuda;
 moert_result moert_fp8_cuda_create(const moert_host *host, moert_device device, const moert_fp8_cuda_config *cfg,
                                    moert_fp8_cuda **out);
 void moert_fp8_cuda_destroy(moert_fp8_cuda *g);
+
+/*
+ * Asks cuBLASLt (its heuristic, no GPU work) for every matmul the recipe needs on a layer of these sizes (fc1 and
+ * fc2; forward, dgrad, wgrad into grad_weight_dtype). MOERT_ERR_UNSUPPORTED with a message naming the first one
+ * missing (types, scale modes, sizes), so a layer is refused at init rather than in its first step.
+ */
+moert_result moert_fp8_cuda_check_support(moert_fp8_cuda *g, int64_t hidden, int64_t ffn_hidden, moert_dtype act_dtype,
+                                          moert_dtype grad_weight_dtype);
 
 /* Streams the per-expert matmuls are spread over (1: the caller's only; at most MOERT_FP8_CUDA_MAX_STREAMS). */
 moert_result moert_fp8_cuda_set_streams(moert_fp8_cuda *g, int streams);
@@ -123,7 +135,7 @@ void moert_fp8_cuda_set_scale_layout(moert_fp8_cuda *g, moert_fp8_cuda_vec_layou
  * next call), for tests: A and B bytes and their scale factors (1/scale: one float per expert at [4 * e] for the
  * per-tensor recipes; the block layouts above for blockwise), and per expert where each starts:
  *   a_offset[e], b_offset[e]: byte offset of expert e's operand; a_scale_offset[e], b_scale_offset[e]: float
- *   offset of its scale factors; rows16[e]: WGRAD's padded row count. Arrays have num_experts entries (host).
+ *   offset of its scale factors; rows16[e]: WGRAD's padded row count (16 or 128 multiple). Arrays have num_experts entries (host).
  * Also the per-tensor quantization scales (not inverted) at [4 * e] of a_scale / b_scale (NULL for blockwise).
  */
 typedef struct moert_fp8_cuda_operands {
@@ -139,6 +151,10 @@ void moert_fp8_cuda_last_operands(const moert_fp8_cuda *g, moert_fp8_cuda_operan
  * host with a stream sync (tests). */
 moert_result moert_fp8_cuda_delayed_scale(moert_fp8_cuda *g, cudaStream_t stream, moert_gemm_weight which,
                                           int operand, int64_t expert, float *out);
+
+/* Benchmarks: 1 makes grouped GEMMs quantize their operands (and weights) but issue no matmul, so the quantization
+ * can be timed alone; 0 (the default) runs everything. */
+void moert_fp8_cuda_set_quantize_only(moert_fp8_cuda *g, int enabled);
 
 /* Counters since creation, for tests and reports. */
 typedef struct moert_fp8_cuda_stats {

@@ -1,0 +1,429 @@
+/* FP8 expert GEMM benchmark: the fp8 precision plugin's CUDA path (blockwise and current scaling) against the bf16
+ * plugin's cuBLASLt loop on the deepseek-v3 expert shapes of one EP4 rank (64 local experts, H=7168, F=2048, 32768
+ * rows spread ~512 per expert), FORWARD, DGRAD and WGRAD; with dense GEMMs of the same total shape (bf16 and FP8
+ * blockwise, one expert of all rows) as ceilings measured in the same call.
+ *
+ * Times are CUDA events around one grouped GEMM call, median of MOERT_BENCH_REPEATS after 3 warm-up calls, the
+ * variants interleaved. The FP8 times include the quantization of the activations (amax, scale, cast, and the
+ * transposes WGRAD needs); the FP8 weight copies are cached (made once per step, at end_step) and their making is
+ * timed on its own ("weight quantization"), as is the activation quantization alone ("quant" column: the same call
+ * with the matmuls left out). Activations bf16, weights fp32 (the executor's setting), grad_weight fp32; the bf16
+ * variant gets bf16 weights (its plugin's cached copy). The relative error of each FP8 output against bf16's
+ * (first 4M values) is printed as a sanity check of the FP8 error (a few percent).
+ *
+ *   fp8_gemm_bench [out.json]    environment: MOERT_BENCH_MACHINE, MOERT_BENCH_GIT, MOERT_BENCH_REPEATS (10),
+ *                                MOERT_BENCH_STREAMS (4), MOERT_BENCH_ONLY (substring of a shape name)
+ */
+#include <cuda_runtime_api.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "precision_bf16_cuda.h"
+#include "precision_fp8_cuda.h"
+
+#define CK(call)                                                                                             \
+    do {                                                                                                     \
+        cudaError_t e_ = (call);                                                                             \
+        if (e_ != cudaSuccess) {                                                                             \
+            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));    \
+            exit(1);                                                                                         \
+        }                                                                                                    \
+    } while (0)
+
+static char host_error[2048];
+
+static void bench_log(const moert_host *h, moert_log_level level, const char *fmt, ...)
+{
+    (void)h, (void)level, (void)fmt;
+}
+
+static void bench_set_error(const moert_host *h, const char *fmt, ...)
+{
+    (void)h;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(host_error, sizeof host_error, fmt, ap);
+    va_end(ap);
+}
+
+static moert_host bench_host = {.struct_size = sizeof(moert_host), .log = bench_log, .set_error = bench_set_error};
+
+#define MOK(call)                                                                                            \
+    do {                                                                                                     \
+        moert_result r_ = (call);                                                                            \
+        if (r_ != MOERT_OK) {                                                                                \
+            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, host_error);                \
+            exit(1);                                                                                         \
+        }                                                                                                    \
+    } while (0)
+
+typedef struct bench_shape {
+    const char *name;
+    moert_gemm_weight which;
+    int64_t rows, experts, k_in, n_out;
+} bench_shape;
+
+static const bench_shape shapes[] = {
+    {"deepseek-v3 fc1", MOERT_GEMM_FC1, 32768, 64, 7168, 4096},
+    {"deepseek-v3 fc2", MOERT_GEMM_FC2, 32768, 64, 2048, 7168},
+};
+
+enum { V_BF16, V_FP8_BLOCK, V_FP8_CURRENT, V_DENSE_BF16, V_DENSE_FP8, V_COUNT };
+static const char *const variant_names[V_COUNT] = {"bf16", "fp8_blockwise", "fp8_current", "dense_bf16",
+                                                   "dense_fp8_blockwise"};
+#define MAX_EXPERTS 256
+#define MAX_SKIPPED 64
+
+/* Variants the plugin refused, with its message (printed, and listed in the JSON). */
+static char skipped[MAX_SKIPPED][512];
+static int skipped_count;
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+
+static double rnd(void)
+{
+    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return (double)(z >> 11) / 9007199254740992.0;
+}
+
+static uint16_t to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static float from_bf16(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* A device buffer of n values (bf16 or fp32) uniform in [-scale, scale): a random 8M-element block, tiled from a
+ * random start (buffers differ). */
+static void *random_device(int64_t n, int fp32, double scale)
+{
+    const int64_t block = (int64_t)8 << 20;
+    const size_t es = fp32 ? 4 : 2;
+    void *host = malloc((size_t)block * es);
+    if (!host) exit(1);
+    for (int64_t i = 0; i < block; i++) {
+        const float v = (float)(scale * (2 * rnd() - 1));
+        if (fp32) ((float *)host)[i] = v;
+        else ((uint16_t *)host)[i] = to_bf16(v);
+    }
+    void *d = NULL;
+    CK(cudaMalloc(&d, (size_t)n * es + 256));
+    const int64_t start = (int64_t)(rnd() * (double)(block / 2));
+    for (int64_t at = 0; at < n; at += block - start) {
+        const int64_t len = n - at < block - start ? n - at : block - start;
+        CK(cudaMemcpy((char *)d + at * es, (char *)host + start * es, (size_t)len * es, cudaMemcpyHostToDevice));
+    }
+    free(host);
+    return d;
+}
+
+/* Rows per expert: random weights in [0.5, 1.5), scaled to the total. */
+static void spread_rows(int64_t rows, int64_t experts, int64_t *counts)
+{
+    double w[MAX_EXPERTS], sum = 0;
+    for (int64_t e = 0; e < experts; e++) sum += (w[e] = 0.5 + rnd());
+    int64_t given = 0;
+    for (int64_t e = 0; e < experts; e++) {
+        counts[e] = (int64_t)floor(rows * w[e] / sum);
+        given += counts[e];
+    }
+    for (int64_t e = 0; given < rows; e = (e + 1) % experts, given++) counts[e]++;
+}
+
+static int cmp_float(const void *a, const void *b)
+{
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(float *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, cmp_float);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+typedef struct bench_result {
+    const char *shape, *pass, *variant;
+    double ms, tflops, vs_bf16, quant_ms, rel_err;
+    int64_t rows, experts, k_in, n_out;
+} bench_result;
+
+static bench_result results[64];
+static int result_count;
+static double weight_quant_ms[2][2]; /* [shape][blockwise, current]: both FP8 layouts of one weight */
+
+/* Relative Frobenius error of the first n bf16 values of a against b (device buffers). */
+static double bf16_rel_err(const void *a, const void *b, int64_t n)
+{
+    uint16_t *ha = malloc((size_t)n * 2), *hb = malloc((size_t)n * 2);
+    if (!ha || !hb) exit(1);
+    CK(cudaMemcpy(ha, a, (size_t)n * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hb, b, (size_t)n * 2, cudaMemcpyDeviceToHost));
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const double x = from_bf16(ha[i]), y = from_bf16(hb[i]);
+        num += (x - y) * (x - y);
+        den += y * y;
+    }
+    free(ha), free(hb);
+    return den > 0 ? sqrt(num / den) : 0;
+}
+
+int main(int argc, char **argv)
+{
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+        fprintf(stderr, "fp8_gemm_bench: no CUDA device\n");
+        return 77;
+    }
+    struct cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    if (prop.major < 9) {
+        fprintf(stderr, "fp8_gemm_bench: %s has no FP8 tensor cores (compute capability %d.%d)\n", prop.name,
+                prop.major, prop.minor);
+        return 77;
+    }
+    const char *out_path = argc > 1 ? argv[1] : NULL;
+    const char *only = getenv("MOERT_BENCH_ONLY");
+    int repeats = getenv("MOERT_BENCH_REPEATS") ? atoi(getenv("MOERT_BENCH_REPEATS")) : 10;
+    if (repeats < 1) repeats = 1;
+    int streams = getenv("MOERT_BENCH_STREAMS") ? atoi(getenv("MOERT_BENCH_STREAMS")) : 4;
+    if (streams < 1 || streams > MOERT_FP8_CUDA_MAX_STREAMS) streams = 4;
+    const int warmup = 3;
+    cudaStream_t stream;
+    CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    cudaEvent_t ev0, ev1;
+    CK(cudaEventCreate(&ev0));
+    CK(cudaEventCreate(&ev1));
+    printf("device: %s, %d SMs; median of %d after %d warm-up calls; %d streams\n", prop.name,
+           prop.multiProcessorCount, repeats, warmup, streams);
+    static const char *const pass_names[3] = {"fwd", "dgrad", "wgrad"};
+
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const bench_shape *s = &shapes[si];
+        if (only && !strstr(s->name, only)) continue;
+        const int64_t K = s->k_in, N = s->n_out, R = s->rows, E = s->experts;
+        int64_t counts[MAX_EXPERTS], dense_counts[1] = {R};
+        spread_rows(R, E, counts);
+        void *x = random_device(R * K, 0, 1.0), *dy = random_device(R * N, 0, 1.0);
+        void *w32 = random_device(E * K * N, 1, 0.05), *w16 = random_device(E * K * N, 0, 0.05);
+        void *y[V_COUNT] = {0}, *dx[V_COUNT] = {0}, *dw = NULL;
+        for (int v = 0; v < V_COUNT; v++) {
+            CK(cudaMalloc(&y[v], (size_t)(R * N) * 2));
+            CK(cudaMalloc(&dx[v], (size_t)(R * K) * 2));
+        }
+        CK(cudaMalloc(&dw, (size_t)(E * K * N) * 4));
+        CK(cudaMemset(dw, 0, (size_t)(E * K * N) * 4));
+
+        moert_bf16_cuda *bf16 = NULL;
+        MOK(moert_bf16_cuda_create(&bench_host, NULL, 0, MOERT_BF16_CUDA_EXPERT_LOOP, &bf16));
+        MOK(moert_bf16_cuda_set_streams(bf16, streams));
+        moert_fp8_cuda *fp8[3] = {NULL, NULL, NULL}; /* blockwise, current, dense blockwise */
+        const moert_device dev0 = {MOERT_DEVICE_CUDA, 0};
+        for (int i = 0; i < 3; i++) {
+            const moert_fp8_cuda_config cfg = {i == 1 ? MOERT_FP8_CUDA_CURRENT : MOERT_FP8_CUDA_BLOCKWISE,
+                                               i == 1, /* current: hybrid (E5M2 gradients); blockwise: E4M3 */
+                                               i != 1, i == 2 ? 1 : E, 1, 0, 0};
+            MOK(moert_fp8_cuda_create(&bench_host, dev0, &cfg, &fp8[i]));
+            MOK(moert_fp8_cuda_set_streams(fp8[i], i == 2 ? 1 : streams));
+        }
+        const double flops = 2.0 * (double)R * (double)K * (double)N;
+        for (int pass = 0; pass < 3; pass++) {
+            float *times[V_COUNT], *qtimes[2];
+            for (int v = 0; v < V_COUNT; v++) times[v] = malloc((size_t)repeats * sizeof(float));
+            for (int q = 0; q < 2; q++) qtimes[q] = malloc((size_t)repeats * sizeof(float));
+            int refused[V_COUNT] = {0}; /* variants whose GEMM the plugin refused (skipped, not measured) */
+            for (int it = -warmup; it < repeats; it++)
+                for (int v = 0; v < V_COUNT + 2; v++) { /* the variants, then the two quantization-only runs */
+                    const int quant_only = v >= V_COUNT;
+                    const int var = quant_only ? (v == V_COUNT ? V_FP8_BLOCK : V_FP8_CURRENT) : v;
+                    const int dense = var == V_DENSE_BF16 || var == V_DENSE_FP8;
+                    if (!quant_only && refused[var]) continue;
+                    CK(cudaEventRecord(ev0, stream));
+                    if (var == V_BF16 || var == V_DENSE_BF16) {
+                        moert_bf16_cuda_gemm gm = {.pass = (moert_gemm_pass)pass, .dtype = MOERT_BF16,
+                                                   .num_experts = dense ? 1 : E,
+                                                   .rows_per_expert = dense ? dense_counts : counts, .k_in = K,
+                                                   .n_out = N, .input = x, .weight = w16, .grad_output = dy,
+                                                   .output = y[var], .grad_input = dx[var], .grad_weight = dw,
+                                                   .accumulate = 1, .output_fp32 = pass == MOERT_GEMM_WGRAD};
+                        MOK(moert_bf16_cuda_set_streams(bf16, dense ? 1 : streams));
+                        MOK(moert_bf16_cuda_grouped_gemm(bf16, stream, &gm));
+                    } else {
+                        moert_fp8_cuda *h = fp8[var == V_FP8_BLOCK ? 0 : var == V_FP8_CURRENT ? 1 : 2];
+                        moert_fp8_cuda_gemm gm = {.which = s->which, .pass = (moert_gemm_pass)pass,
+                                                  .act_dtype = MOERT_BF16, .weight_dtype = MOERT_F32,
+                                                  .grad_weight_dtype = MOERT_F32, .num_experts = dense ? 1 : E,
+                                                  .rows_per_expert = dense ? dense_counts : counts, .k_in = K,
+                                                  .n_out = N, .input = x, .weight = w32, .grad_output = dy,
+                                                  .output = y[var], .grad_input = dx[var], .grad_weight = dw};
+                        moert_fp8_cuda_set_quantize_only(h, quant_only);
+                        const moert_result grc = moert_fp8_cuda_grouped_gemm(h, stream, &gm);
+                        moert_fp8_cuda_set_quantize_only(h, 0);
+                        if (grc != MOERT_OK && !quant_only) { /* refused (e.g. no cuBLASLt matmul): skip it */
+                            printf("skipped: %s %s %s: %s\n", s->name, pass_names[pass], variant_names[var],
+                                   host_error);
+                            if (skipped_count < MAX_SKIPPED)
+                                snprintf(skipped[skipped_count++], sizeof skipped[0], "%s %s %s: %.400s", s->name,
+                                         pass_names[pass], variant_names[var], host_error);
+                            refused[var] = 1;
+                            CK(cudaStreamSynchronize(stream));
+                            continue;
+                        }
+                        MOK(grc);
+                    }
+                    CK(cudaEventRecord(ev1, stream));
+                    CK(cudaEventSynchronize(ev1));
+                    float ms = 0;
+                    CK(cudaEventElapsedTime(&ms, ev0, ev1));
+                    if (it >= 0) {
+                        if (quant_only) qtimes[v - V_COUNT][it] = ms;
+                        else times[v][it] = ms;
+                    }
+                }
+            double med[V_COUNT], qmed[2];
+            for (int v = 0; v < V_COUNT; v++) med[v] = refused[v] ? NAN : median(times[v], repeats);
+            for (int q = 0; q < 2; q++) qmed[q] = median(qtimes[q], repeats);
+            for (int v = 0; v < V_COUNT; v++) {
+                bench_result *r = &results[result_count++];
+                r->shape = s->name, r->pass = pass_names[pass], r->variant = variant_names[v];
+                r->ms = med[v];
+                r->tflops = flops / (med[v] * 1e-3) / 1e12;
+                r->vs_bf16 = med[V_BF16] / med[v];
+                r->quant_ms = v == V_FP8_BLOCK ? qmed[0] : v == V_FP8_CURRENT ? qmed[1] : NAN;
+                r->rel_err = NAN;
+                if (!refused[v] && pass != MOERT_GEMM_WGRAD && (v == V_FP8_BLOCK || v == V_FP8_CURRENT || v == V_DENSE_FP8)) {
+                    const int64_t n = (pass == 0 ? R * N : R * K) < ((int64_t)4 << 20) ? (pass == 0 ? R * N : R * K)
+                                                                                        : ((int64_t)4 << 20);
+                    r->rel_err = pass == 0 ? bf16_rel_err(y[v], y[V_BF16], n) : bf16_rel_err(dx[v], dx[V_BF16], n);
+                }
+                r->rows = R, r->experts = v == V_DENSE_BF16 || v == V_DENSE_FP8 ? 1 : E, r->k_in = K, r->n_out = N;
+                free(times[v]);
+            }
+            for (int q = 0; q < 2; q++) free(qtimes[q]);
+        }
+        /* weight quantization: end_step makes both FP8 layouts of the weight again (after fwd and dgrad used them) */
+        for (int i = 0; i < 2; i++) {
+            float total = 0;
+            for (int it = 0; it < 3; it++) {
+                CK(cudaEventRecord(ev0, stream));
+                MOK(moert_fp8_cuda_end_step(fp8[i], stream));
+                CK(cudaEventRecord(ev1, stream));
+                CK(cudaEventSynchronize(ev1));
+                float ms = 0;
+                CK(cudaEventElapsedTime(&ms, ev0, ev1));
+                if (it > 0) total += ms;
+            }
+            weight_quant_ms[si][i] = total / 2;
+        }
+        moert_fp8_cuda_stats st;
+        moert_fp8_cuda_get_stats(fp8[0], &st);
+        printf("%s fp8 blockwise: %lld matmuls, %lld heuristic queries, %lld cache hits, %lld exact fallbacks\n",
+               s->name, (long long)st.matmuls, (long long)st.heuristic_queries, (long long)st.cache_hits,
+               (long long)st.exact_fallbacks);
+        for (int i = 0; i < 3; i++) moert_fp8_cuda_destroy(fp8[i]);
+        moert_bf16_cuda_destroy(bf16);
+        for (int v = 0; v < V_COUNT; v++) {
+            CK(cudaFree(y[v]));
+            CK(cudaFree(dx[v]));
+        }
+        CK(cudaFree(x));
+        CK(cudaFree(dy));
+        CK(cudaFree(w32));
+        CK(cudaFree(w16));
+        CK(cudaFree(dw));
+    }
+
+    printf("\n%-16s %-6s %-20s %9s %9s %8s %9s %9s\n", "shape", "pass", "variant", "ms", "TFLOP/s", "vs bf16",
+           "quant ms", "err/bf16");
+    for (int i = 0; i < result_count; i++) {
+        const bench_result *r = &results[i];
+        if (isnan(r->ms)) {
+            printf("%-16s %-6s %-20s   skipped (refused, see above)\n", r->shape, r->pass, r->variant);
+            continue;
+        }
+        printf("%-16s %-6s %-20s %9.3f %9.1f %7.2fx %9.3f %9.4f\n", r->shape, r->pass, r->variant, r->ms, r->tflops,
+               r->vs_bf16, r->quant_ms, r->rel_err);
+    }
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+        if (!only || strstr(shapes[si].name, only))
+            printf("%s weight quantization (both FP8 layouts, once per step): blockwise %.3f ms, current %.3f ms\n",
+                   shapes[si].name, weight_quant_ms[si][0], weight_quant_ms[si][1]);
+
+    if (out_path) {
+        FILE *f = fopen(out_path, "w");
+        if (!f) {
+            fprintf(stderr, "fp8_gemm_bench: cannot write %s\n", out_path);
+            return 1;
+        }
+        time_t t = time(NULL);
+        char date[32];
+        strftime(date, sizeof date, "%Y-%m-%d", gmtime(&t));
+        const char *machine = getenv("MOERT_BENCH_MACHINE"), *git = getenv("MOERT_BENCH_GIT");
+        fprintf(f, "{\n  \"command\": \"%s %s\",\n", argv[0], out_path);
+        fprintf(f, "  \"machine\": \"%s\",\n  \"gpus\": 1,\n  \"device\": \"%s\",\n", machine ? machine : "unknown",
+                prop.name);
+        fprintf(f, "  \"git\": \"%s\",\n  \"date\": \"%s\",\n  \"repeats\": %d,\n  \"streams\": %d,\n",
+                git ? git : "unknown", date, repeats, streams);
+        fprintf(f, "  \"note\": \"bf16 activations; fp8 variants take fp32 weights (FP8 copies cached per step) and "
+                   "include the activation quantization (quant_ms: that alone); bf16 takes bf16 weights; wgrad "
+                   "accumulates into fp32; vs_bf16 > 1 is faster than the bf16 grouped GEMM; rel_err_vs_bf16: first "
+                   "4M outputs; dense_* = one GEMM of the same total shape\",\n");
+        fprintf(f, "  \"skipped\": [");
+        for (int i = 0; i < skipped_count; i++) {
+            fputs(i ? ", \"" : "\"", f);
+            for (const char *c = skipped[i]; *c; c++) /* a JSON string: no quotes, backslashes or controls */
+                fputc(*c == '"' || *c == '\\' || (unsigned char)*c < 0x20 ? '\'' : *c, f);
+            fputc('"', f);
+        }
+        fprintf(f, "],\n");
+        fprintf(f, "  \"results\": [");
+        const char *sep = "\n";
+        for (int i = 0; i < result_count; i++) {
+            const bench_result *r = &results[i];
+            if (isnan(r->ms)) continue; /* refused: listed under "skipped" */
+            char quant[32] = "null", err[32] = "null";
+            if (!isnan(r->quant_ms)) snprintf(quant, sizeof quant, "%.5f", r->quant_ms);
+            if (!isnan(r->rel_err)) snprintf(err, sizeof err, "%.6f", r->rel_err);
+            fprintf(f,
+                    "%s    {\"name\": \"fp8 gemm %s %s %s\", \"value\": %.4f, \"unit\": \"TFLOP/s\", \"median_ms\": %.5f, "
+                    "\"vs_bf16\": %.4f, \"quant_ms\": %s, \"rel_err_vs_bf16\": %s, "
+                    "\"config\": {\"rows\": %lld, \"experts\": %lld, \"k_in\": %lld, \"n_out\": %lld, \"pass\": \"%s\", "
+                    "\"variant\": \"%s\"}}",
+                    sep, r->shape, r->pass, r->variant, r->tflops, r->ms, r->vs_bf16, quant, err, (long long)r->rows,
+                    (long long)r->experts, (long long)r->k_in, (long long)r->n_out, r->pass, r->variant);
+            sep = ",\n";
+        }
+        for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+            if (only && !strstr(shapes[si].name, only)) continue;
+            for (int i = 0; i < 2; i++) {
+                fprintf(f, "%s    {\"name\": \"fp8 weight quantization %s %s\", \"value\": %.5f, \"unit\": \"ms\", "
+                           "\"config\": {\"experts\": %lld, \"k_in\": %lld, \"n_out\": %lld, \"layouts\": 2}}",
+                        sep, shapes[si].name, i ? "current" : "blockwise", weight_quant_ms[si][i],
+                        (long long)shapes[si].experts, (long long)shapes[si].k_in, (long long)shapes[si].n_out);
+                sep = ",\n";
+            }
+        }
+        fprintf(f, "\n  ]\n}\n");
+        fclose(f);
+        printf("wrote %s\n", out_path);
+    }
+    return 0;
+}

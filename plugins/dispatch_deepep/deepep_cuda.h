@@ -1,0 +1,73 @@
+/*
+ * CUDA kernels of the "deepep" dispatcher: the token-rank layout pass and the fused send/receive kernels that write
+ * rows straight into the peers' buffers over NVLink (deepep_buffer.h describes the buffer and the flag protocol).
+ *
+ * A communication kernel has 2 * channels blocks: block c < channels sends channel c (a contiguous range of this
+ * rank's tokens, or of the rows received from each rank in that channel), block channels + c receives channel c
+ * from every rank. Every wait is bounded by the call's timeout: a wait that runs out records
+ * (seq << 16 | kind << 8 | peer) in error_word, raises abort_flag (later kernels of the instance return at once)
+ * and the kernel ends; the host reads the word at its next sync (prepare()).
+ * Everything is enqueued on the given stream; errors go to host->set_error with the call named.
+ */
+#ifndef MOERT_DEEPEP_CUDA_H
+#define MOERT_DEEPEP_CUDA_H
+
+#include <cuda_runtime.h>
+
+#include "deepep_buffer.h"
+#include "moert/plugin.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The kernels' view of one call: the buffers, this step's layout, and where received metadata is saved. */
+typedef struct deepep_cuda_call {
+    deepep_geometry geo;
+    void *local;                    /* this rank's buffer */
+    void *peers[DEEPEP_MAX_RANKS];  /* every rank's buffer, as this device reaches it */
+    int rank, channels;
+    int64_t seq, timeout_ns;
+    int64_t tokens, topk, hidden, local_experts;
+    const int32_t *topk_idx;        /* [T,K] */
+    const int32_t *excl;            /* [world][T+1]: tokens before t with a copy on rank d */
+    const int32_t *row_of_copy;     /* [T*K] the alltoall layout's stable order by expert */
+    const int64_t *expert_offsets;  /* [E+1] its per-expert starts */
+    const int64_t *base;            /* [E] first row, on expert e's rank, of this rank's copies to e */
+    int32_t *recv_meta;             /* [world][rows_cap][K] rows of each received copy (dispatch-like calls save) */
+    int64_t *recv_range;            /* [world][channels][2] received slot rows per rank and channel */
+    unsigned long long *error_word; /* device: the first stall */
+    int *abort_flag;                /* device: set with the error word */
+} deepep_cuda_call;
+
+/* Zeroes `bytes` at a device pointer and waits for it (init only). */
+moert_result deepep_cuda_zero(const moert_host *host, void *ptr, size_t bytes);
+
+/* Waits (polling, at most timeout_ms) until every rank's release stamp in this buffer's header has reached seq for
+ * every channel. Returns -1 when done, else the rank that did not. */
+int deepep_cuda_wait_released(void *local, int world, int channels, int64_t seq, int64_t timeout_ms);
+
+/* The layout pass per destination rank: excl[d][t] (int32 [world][T+1]) tokens before t with a copy on rank d,
+ * tokens_to[d] (int64 [world]) the total. Ids outside [0, E) count as dropped (the expert layout flags them). */
+moert_result deepep_cuda_token_ranks(const moert_host *host, cudaStream_t stream, const int32_t *topk_idx,
+                                     int64_t tokens, int64_t topk, int64_t local_experts, int64_t num_experts,
+                                     int world, int32_t *excl, int64_t *tokens_to);
+
+/* A dispatch-like call: rows of x (dtype bf16 or fp32, [T,H]) to every rank holding one of their experts, expanded
+ * there into out ([num_recv,H]) with their probs (fp32, may be NULL); fp8: E4M3 with 1x128 fp32 scales on the
+ * wire (bf16 rows, H % 128 == 0), dequantized into out. */
+moert_result deepep_cuda_dispatch(const moert_host *host, cudaStream_t stream, const deepep_cuda_call *call,
+                                  moert_dtype dtype, bool fp8, const void *x, const float *probs, void *out,
+                                  float *out_probs);
+
+/* A combine-like call: partial sums (fp32 in k order, rounded to dtype) of each received token's copies in rows
+ * ([num_recv,H]) back to the token's rank, summed there in rank order (fp32) into out ([T,H]; overwrite, 0 without
+ * copies; accumulate: added, untouched without copies); row_probs ([num_recv]) to out_probs ([T,K]) if not NULL. */
+moert_result deepep_cuda_combine(const moert_host *host, cudaStream_t stream, const deepep_cuda_call *call,
+                                 moert_dtype dtype, const void *rows, const float *row_probs, void *out,
+                                 bool accumulate, float *out_probs);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
