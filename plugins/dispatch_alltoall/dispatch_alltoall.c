@@ -11,6 +11,7 @@
 
 #include "dispatch_alltoall_cpu.h"
 #include "moert/dispatcher.h"
+#include "tensor_args.h"
 #ifdef MOERT_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
@@ -71,27 +72,6 @@ typedef struct alltoall_ctx {
 #endif
 } alltoall_ctx;
 
-/* "cpu", "cuda:1", ... for messages. */
-static const char *device_name(moert_device dev, char *buf, size_t size)
-{
-    const char *type = dev.type == MOERT_DEVICE_CPU ? "cpu"
-                       : dev.type == MOERT_DEVICE_CUDA ? "cuda"
-                       : dev.type == MOERT_DEVICE_CUDA_HOST ? "cuda_host" : "unknown";
-    if (dev.type == MOERT_DEVICE_CUDA) snprintf(buf, size, "%s:%d", type, (int)dev.id);
-    else snprintf(buf, size, "%s", type);
-    return buf;
-}
-
-/* "[12, 64]" for messages. */
-static const char *shape_text(const moert_tensor *t, char *buf, size_t size)
-{
-    size_t used = (size_t)snprintf(buf, size, "[");
-    for (int i = 0; i < t->ndim && used < size; i++)
-        used += (size_t)snprintf(buf + used, size - used, "%s%lld", i ? ", " : "", (long long)t->shape[i]);
-    if (used < size) snprintf(buf + used, size - used, "]");
-    return buf;
-}
-
 /* Reports a figure for this step's report, if the host is new enough to take it. */
 static void report_metric(const alltoall_ctx *c, const char *name, double value, const char *unit)
 {
@@ -136,81 +116,27 @@ static void buffer_release(alltoall_ctx *c, a2a_buffer *buf)
     buf->bytes = 0;
 }
 
-/* True for the dtypes the reductions can read and write (moert_load / moert_store). */
-static bool is_float_dtype(moert_dtype t)
-{
-    return t == MOERT_F32 || t == MOERT_F64 || t == MOERT_BF16 || t == MOERT_F16;
-}
-
-/*
- * Checks one tensor argument: present, on the layer's device, contiguous, a float dtype (or `need_dtype`
- * when >= 0), ndim dims, shape[0] == rows (or >= rows when rows_at_least), shape[1] == cols when ndim is 2.
- * `rows_what` explains where the expected row count comes from.
- */
-static moert_result check_tensor(const alltoall_ctx *c, const char *call, const char *name, const moert_tensor *t,
-                                 int ndim, int64_t rows, bool rows_at_least, int64_t cols, const char *rows_what,
-                                 int need_dtype)
-{
-    const moert_host *h = c->host;
-    char a[64], b[64];
-    if (!t) {
-        h->set_error(h, "%s: %s is NULL", call, name);
-        return MOERT_ERR_INVALID_ARGUMENT;
-    }
-    if (t->device.type != c->layer.device.type ||
-        (t->device.type == MOERT_DEVICE_CUDA && t->device.id != c->layer.device.id)) {
-        h->set_error(h, "%s: %s is on %s, but the layer is on %s", call, name, device_name(t->device, a, sizeof a),
-                     device_name(c->layer.device, b, sizeof b));
-        return MOERT_ERR_UNSUPPORTED;
-    }
-    if (need_dtype >= 0 && t->dtype != (moert_dtype)need_dtype) {
-        h->set_error(h, "%s: %s has dtype %s, expected %s", call, name, moert_dtype_name(t->dtype),
-                     moert_dtype_name((moert_dtype)need_dtype));
-        return MOERT_ERR_INVALID_ARGUMENT;
-    }
-    if (need_dtype < 0 && !is_float_dtype(t->dtype)) {
-        h->set_error(h, "%s: %s has dtype %s, expected fp32, fp64, bf16 or fp16", call, name,
-                     moert_dtype_name(t->dtype));
-        return MOERT_ERR_UNSUPPORTED;
-    }
-    bool shape_ok = t->ndim == ndim && (rows_at_least ? t->shape[0] >= rows : t->shape[0] == rows) &&
-                    (ndim == 1 || t->shape[1] == cols);
-    if (!shape_ok) {
-        if (ndim == 1)
-            snprintf(b, sizeof b, "[%s%lld]", rows_at_least ? ">= " : "", (long long)rows);
-        else
-            snprintf(b, sizeof b, "[%s%lld, %lld]", rows_at_least ? ">= " : "", (long long)rows, (long long)cols);
-        h->set_error(h, "%s: %s has shape %s, expected %s (%s)", call, name, shape_text(t, a, sizeof a), b,
-                     rows_what);
-        return MOERT_ERR_INVALID_ARGUMENT;
-    }
-    if (!moert_tensor_is_contiguous(t)) {
-        h->set_error(h, "%s: %s must be contiguous (row-major)", call, name);
-        return MOERT_ERR_INVALID_ARGUMENT;
-    }
-    if (!t->data && moert_tensor_numel(t) > 0) {
-        h->set_error(h, "%s: %s has shape %s but no data", call, name, shape_text(t, a, sizeof a));
-        return MOERT_ERR_INVALID_ARGUMENT;
-    }
-    return MOERT_OK;
-}
-
-/* Checks an args struct's size (the caller sets it to sizeof the struct it was built with). */
-static moert_result check_struct_size(const alltoall_ctx *c, const char *call, const char *what, uint32_t got,
-                                      size_t need)
-{
-    if (got >= need) return MOERT_OK;
-    c->host->set_error(c->host, "%s: %s.struct_size is %u, expected at least %zu (set it to sizeof the struct)",
-                       call, what, got, need);
-    return MOERT_ERR_INVALID_ARGUMENT;
-}
-
 /* Fails when prepare() has not run (every other step call uses its plan). */
 static moert_result check_prepared(const alltoall_ctx *c, const char *call)
 {
     if (c->prepared) return MOERT_OK;
     c->host->set_error(c->host, "%s: called before a successful prepare()", call);
     return MOERT_ERR_INVALID_ARGUMENT;
+}
+
+/* The shared checks (plugins/common/tensor_args.h) for this instance's host and layer device. */
+static moert_result check_tensor(const alltoall_ctx *c, const char *call, const char *name, const moert_tensor *t,
+                                 int ndim, int64_t rows, bool rows_at_least, int64_t cols, const char *rows_what,
+                                 int need_dtype)
+{
+    return moert_arg_check_tensor(c->host, c->layer.device, call, name, t, ndim, rows, rows_at_least, cols,
+                                  rows_what, need_dtype);
+}
+
+static moert_result check_struct_size(const alltoall_ctx *c, const char *call, const char *what, uint32_t got,
+                                      size_t need)
+{
+    return moert_arg_check_struct_size(c->host, call, what, got, need);
 }
 
 /* What every call after prepare() checks first: prepare() succeeded, args is there and big enough. */
@@ -274,7 +200,7 @@ static moert_result cuda_init(alltoall_ctx *c)
     const int64_t E = c->layer.num_experts, El = c->layer.num_local_experts, W = c->world;
     const int id = (int)c->layer.device.id;
     char dev[32];
-    device_name(c->layer.device, dev, sizeof dev);
+    moert_arg_device_text(c->layer.device, dev, sizeof dev);
     if (E > MOERT_A2A_CUDA_MAX_EXPERTS)
         return fail(c, MOERT_ERR_UNSUPPORTED, "the alltoall dispatcher's CUDA path takes at most %d experts, the layer "
                     "has %lld", MOERT_A2A_CUDA_MAX_EXPERTS, (long long)E);
@@ -321,13 +247,13 @@ static moert_result alltoall_init(void **out, const moert_host *host, const moer
     char dev[32];
     if (layer->device.type != MOERT_DEVICE_CPU && layer->device.type != MOERT_DEVICE_CUDA) {
         host->set_error(host, "the alltoall dispatcher runs on cpu and cuda devices; the layer is on %s",
-                        device_name(layer->device, dev, sizeof dev));
+                        moert_arg_device_text(layer->device, dev, sizeof dev));
         return MOERT_ERR_UNSUPPORTED;
     }
 #ifndef MOERT_HAVE_CUDA
     if (layer->device.type == MOERT_DEVICE_CUDA) {
         host->set_error(host, "the alltoall dispatcher has only a CPU path in this build (built without CUDA); the "
-                        "layer is on %s", device_name(layer->device, dev, sizeof dev));
+                        "layer is on %s", moert_arg_device_text(layer->device, dev, sizeof dev));
         return MOERT_ERR_UNSUPPORTED;
     }
 #endif
@@ -455,7 +381,7 @@ static moert_result count_local(alltoall_ctx *c, const moert_tensor *topk_idx, i
     }
     if (topk_idx->ndim != 2 || topk_idx->shape[1] != c->layer.topk) {
         h->set_error(h, "%s: topk_idx has shape %s, expected [T, %lld] (T tokens, topk)", call,
-                     shape_text(topk_idx, a, sizeof a), (long long)c->layer.topk);
+                     moert_arg_shape_text(topk_idx, a, sizeof a), (long long)c->layer.topk);
         return MOERT_ERR_INVALID_ARGUMENT;
     }
     moert_result rc = check_tensor(c, call, "topk_idx", topk_idx, 2, topk_idx->shape[0], false, c->layer.topk,
@@ -505,7 +431,7 @@ static moert_result cuda_count_local(alltoall_ctx *c, moert_stream stream, const
     if (!topk_idx) return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: topk_idx is NULL", call);
     if (topk_idx->ndim != 2 || topk_idx->shape[1] != K)
         return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: topk_idx has shape %s, expected [T, %lld] (T tokens, topk)",
-                    call, shape_text(topk_idx, a, sizeof a), (long long)K);
+                    call, moert_arg_shape_text(topk_idx, a, sizeof a), (long long)K);
     moert_result rc = check_tensor(c, call, "topk_idx", topk_idx, 2, topk_idx->shape[0], false, K, "T tokens, topk",
                                    MOERT_I32);
     if (rc != MOERT_OK) return rc;

@@ -11,6 +11,7 @@
 #include "deepep_buffer.h"
 #include "deepep_cpu.h"
 #include "moert/dispatcher.h"
+#include "tensor_args.h"
 #ifdef MOERT_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
@@ -76,24 +77,6 @@ typedef struct deepep_ctx {
 #endif
 } deepep_ctx;
 
-/* "cpu", "cuda:1", ... for messages. */
-static const char *device_name(moert_device dev, char *buf, size_t size)
-{
-    if (dev.type == MOERT_DEVICE_CUDA) snprintf(buf, size, "cuda:%d", (int)dev.id);
-    else snprintf(buf, size, "%s", dev.type == MOERT_DEVICE_CPU ? "cpu" : "cuda_host");
-    return buf;
-}
-
-/* "[12, 64]" for messages. */
-static const char *shape_text(const moert_tensor *t, char *buf, size_t size)
-{
-    size_t used = (size_t)snprintf(buf, size, "[");
-    for (int i = 0; i < t->ndim && used < size; i++)
-        used += (size_t)snprintf(buf + used, size - used, "%s%lld", i ? ", " : "", (long long)t->shape[i]);
-    if (used < size) snprintf(buf + used, size - used, "]");
-    return buf;
-}
-
 static void report_metric(const deepep_ctx *c, const char *name, double value, const char *unit)
 {
     const moert_host *h = c->host;
@@ -137,51 +120,19 @@ static void array_release(deepep_ctx *c, deepep_array *a, bool on_device)
     a->bytes = 0;
 }
 
-static bool is_float_dtype(moert_dtype t)
-{
-    return t == MOERT_F32 || t == MOERT_F64 || t == MOERT_BF16 || t == MOERT_F16;
-}
-
-/* Checks one tensor: present, on the layer's device, contiguous, a float dtype (or need_dtype >= 0), ndim dims,
- * shape[0] == rows (>= rows when rows_at_least), shape[1] == cols for 2-D. */
+/* The shared checks (plugins/common/tensor_args.h) for this instance's host and layer device. */
 static moert_result check_tensor(const deepep_ctx *c, const char *call, const char *name, const moert_tensor *t,
                                  int ndim, int64_t rows, bool rows_at_least, int64_t cols, const char *rows_what,
                                  int need_dtype)
 {
-    char a[64], b[64];
-    if (!t) return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: %s is NULL", call, name);
-    if (t->device.type != c->layer.device.type ||
-        (t->device.type == MOERT_DEVICE_CUDA && t->device.id != c->layer.device.id))
-        return fail(c, MOERT_ERR_UNSUPPORTED, "%s: %s is on %s, but the layer is on %s", call, name,
-                    device_name(t->device, a, sizeof a), device_name(c->layer.device, b, sizeof b));
-    if (need_dtype >= 0 && t->dtype != (moert_dtype)need_dtype)
-        return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: %s has dtype %s, expected %s", call, name,
-                    moert_dtype_name(t->dtype), moert_dtype_name((moert_dtype)need_dtype));
-    if (need_dtype < 0 && !is_float_dtype(t->dtype))
-        return fail(c, MOERT_ERR_UNSUPPORTED, "%s: %s has dtype %s, expected fp32, fp64, bf16 or fp16", call, name,
-                    moert_dtype_name(t->dtype));
-    bool shape_ok = t->ndim == ndim && (rows_at_least ? t->shape[0] >= rows : t->shape[0] == rows) &&
-                    (ndim == 1 || t->shape[1] == cols);
-    if (!shape_ok) {
-        if (ndim == 1) snprintf(b, sizeof b, "[%s%lld]", rows_at_least ? ">= " : "", (long long)rows);
-        else snprintf(b, sizeof b, "[%s%lld, %lld]", rows_at_least ? ">= " : "", (long long)rows, (long long)cols);
-        return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: %s has shape %s, expected %s (%s)", call, name,
-                    shape_text(t, a, sizeof a), b, rows_what);
-    }
-    if (!moert_tensor_is_contiguous(t))
-        return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: %s must be contiguous (row-major)", call, name);
-    if (!t->data && moert_tensor_numel(t) > 0)
-        return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: %s has shape %s but no data", call, name,
-                    shape_text(t, a, sizeof a));
-    return MOERT_OK;
+    return moert_arg_check_tensor(c->host, c->layer.device, call, name, t, ndim, rows, rows_at_least, cols,
+                                  rows_what, need_dtype);
 }
 
 static moert_result check_struct_size(const deepep_ctx *c, const char *call, const char *what, uint32_t got,
                                       size_t need)
 {
-    if (got >= need) return MOERT_OK;
-    return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: %s.struct_size is %u, expected at least %zu (set it to sizeof "
-                "the struct)", call, what, got, need);
+    return moert_arg_check_struct_size(c->host, call, what, got, need);
 }
 
 /* What every call after prepare() checks first. */
@@ -288,13 +239,13 @@ static moert_result deepep_init(void **out, const moert_host *host, const moert_
     }
     if (layer->device.type != MOERT_DEVICE_CPU && layer->device.type != MOERT_DEVICE_CUDA) {
         host->set_error(host, "the deepep dispatcher runs on the CPU or a CUDA device, not on %s",
-                        device_name(layer->device, dev, sizeof dev));
+                        moert_arg_device_text(layer->device, dev, sizeof dev));
         return MOERT_ERR_UNSUPPORTED;
     }
 #ifndef MOERT_HAVE_CUDA
     if (layer->device.type == MOERT_DEVICE_CUDA) {
         host->set_error(host, "the deepep dispatcher has only a CPU path in this build (built without CUDA); the "
-                        "layer is on %s", device_name(layer->device, dev, sizeof dev));
+                        "layer is on %s", moert_arg_device_text(layer->device, dev, sizeof dev));
         return MOERT_ERR_UNSUPPORTED;
     }
 #endif
@@ -444,7 +395,7 @@ static moert_result check_topk_idx(const deepep_ctx *c, const moert_tensor *topk
     if (!topk_idx) return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: topk_idx is NULL", call);
     if (topk_idx->ndim != 2 || topk_idx->shape[1] != c->layer.topk)
         return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: topk_idx has shape %s, expected [T, %lld] (T tokens, topk)",
-                    call, shape_text(topk_idx, a, sizeof a), (long long)c->layer.topk);
+                    call, moert_arg_shape_text(topk_idx, a, sizeof a), (long long)c->layer.topk);
     return check_tensor(c, call, "topk_idx", topk_idx, 2, topk_idx->shape[0], false, c->layer.topk, "T tokens, topk",
                         MOERT_I32);
 }
@@ -629,7 +580,7 @@ static moert_result cuda_init(deepep_ctx *c)
     const int64_t E = c->layer.num_experts, El = c->layer.num_local_experts, W = c->world;
     const int id = (int)c->layer.device.id;
     char dev[32];
-    device_name(c->layer.device, dev, sizeof dev);
+    moert_arg_device_text(c->layer.device, dev, sizeof dev);
     int count = 0;
     cudaError_t err = cudaGetDeviceCount(&count);
     if (err != cudaSuccess) {
