@@ -205,7 +205,8 @@ typedef struct case_row {
     bool ran;
 } case_row;
 
-static case_row table[3 * CASES];
+#define WORLDS 4 /* 1, 2, 4 and 8 GPUs, as many as the machine has */
+static case_row table[WORLDS * CASES];
 
 typedef struct stall_row {
     int world;
@@ -213,7 +214,7 @@ typedef struct stall_row {
     double seconds;
     char message[200];
 } stall_row;
-static stall_row stall_table[3];
+static stall_row stall_table[WORLDS];
 
 typedef struct world_run {
     int world, index;
@@ -577,8 +578,8 @@ int main(void)
     memset(&keep, 0, sizeof keep);
     EXPECT_OK(moert_plugin_load(MOERT_KIND_DISPATCHER, DISPATCHER, &keep));
     if (test_failures) return test_finish("gpu_deepep");
-    const int worlds[3] = {1, 2, 4};
-    for (int i = 0; i < 3; i++) {
+    const int worlds[WORLDS] = {1, 2, 4, 8};
+    for (int i = 0; i < WORLDS; i++) {
         if (worlds[i] > gpus) continue;
         world_run w = {.world = worlds[i], .index = i};
         for (int ci = 0; ci < CASES; ci++) {
@@ -599,7 +600,7 @@ int main(void)
     printf("\ndeepep dispatcher, CUDA vs CPU (diffs: bytes that differ; err: relative Frobenius error)\n");
     printf("%-5s  %-34s  %7s  %6s  %8s  %9s  %7s  %8s  %9s  %7s  %7s  %6s  %s\n", "world", "case", "recv", "layout",
            "dispatch", "combine", "(bytes)", "comb_bwd", "d_x", "(bytes)", "d_probs", "repeat", "ok");
-    for (int i = 0; i < 3 * CASES; i++) {
+    for (int i = 0; i < WORLDS * CASES; i++) {
         const case_row *r = &table[i];
         if (!r->ran) continue;
         bool ok = !r->layout_diffs && !r->dispatch_diffs && !r->cb_diffs && !r->dprobs_diffs && !r->repeat_diffs &&
@@ -609,7 +610,7 @@ int main(void)
                r->combine_err, (long long)r->combine_bytes, (long long)r->cb_diffs, r->dx_err, (long long)r->dx_bytes,
                (long long)r->dprobs_diffs, (long long)r->repeat_diffs, ok ? "ok" : "FAIL");
     }
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < WORLDS; i++)
         if (stall_table[i].ran)
             printf("stall, world %d: %s after %.2f s: %s\n", stall_table[i].world, stall_table[i].ok ? "ok" : "FAIL",
                    stall_table[i].seconds, stall_table[i].message);

@@ -178,7 +178,8 @@ typedef struct precision_row {
     double err, tol;
 } precision_row;
 
-static dispatch_row dispatch_table[3 * 8];
+#define WORLDS 4 /* 1, 2, 4 and 8 GPUs, as many as the machine has */
+static dispatch_row dispatch_table[WORLDS * 8];
 static precision_row precision_table[64];
 static int precision_len;
 
@@ -894,11 +895,11 @@ int main(void)
     EXPECT_OK(moert_plugin_load(MOERT_KIND_PRECISION, PRECISION, &keep_precision));
     if (test_failures) return test_finish("gpu_plugins");
 
-    const int worlds[3] = {1, 2, 4};
+    const int worlds[WORLDS] = {1, 2, 4, 8};
     int largest = 1;
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < WORLDS; i++)
         if (worlds[i] <= gpus) largest = worlds[i];
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < WORLDS; i++) {
         if (worlds[i] > gpus) continue;
         world_run w = {.world = worlds[i], .table_base = i * DISPATCH_CASES, .run_precision = worlds[i] == largest};
         for (int ci = 0; ci < DISPATCH_CASES; ci++) {
