@@ -476,11 +476,28 @@ static void after_last_use(moert_layer *L, moert_activation a)
 }
 
 /* Issues the H2D copy of offloaded activation a into a new device buffer, after the compute stream's work so far
- * (the pool may hand out a block that work still uses) and after its D2H copy. */
+ * (the pool may hand out a block that work still uses) and after its D2H copy. When the D2H copy has not finished
+ * yet, its device buffer was never freed: that buffer is used as it is (the offload is cancelled and counted as
+ * kept), so neither stream waits for a copy that could not hide behind the forward. */
 static moert_result start_reload(moert_layer *L, moert_activation a)
 {
     moert_result rc = MOERT_OK;
     const moert_host *h = L->core_host;
+    if (L->offload_pending[a].data) {
+        bool done = true;
+#ifdef MOERT_HAVE_CUDA
+        if (L->info.device.type == MOERT_DEVICE_CUDA) MOERT_CHECK(moert_cuda_event_query(L->offload_event[a], &done));
+#endif
+        if (!done) {
+            L->saved[a] = L->offload_pending[a];
+            L->offload_pending[a].data = NULL;
+            L->place[a] = MOERT_PLACE_DEVICE;
+            L->offload_saved_bytes -= L->saved_bytes[a];
+            L->kept_bytes_peak += L->saved_bytes[a];
+            L->offload_cancelled_bytes += L->saved_bytes[a];
+            return MOERT_OK;
+        }
+    }
     MOERT_CHECK(moert_layer_release_offloaded(L));
     MOERT_CHECK(alloc_activation(L, a));
     moert_tensor *t = &L->saved[a];
@@ -545,7 +562,7 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
     L->x = *x;
     memset(L->saved_bytes, 0, sizeof L->saved_bytes);
     memset(L->held_bytes, 0, sizeof L->held_bytes);
-    L->kept_bytes_peak = L->recompute_saved_bytes = L->offload_saved_bytes = 0;
+    L->kept_bytes_peak = L->recompute_saved_bytes = L->offload_saved_bytes = L->offload_cancelled_bytes = 0;
     MOERT_CHECK(stage_mark(L, 0));
     MOERT_CHECK(tensor_alloc(L, &L->topk_idx, MOERT_I32, 2, t, in->topk, 0));
     MOERT_CHECK(tensor_alloc(L, &L->topk_probs, L->param_dtype, 2, t, in->topk, 0));

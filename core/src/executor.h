@@ -90,6 +90,7 @@ typedef struct moert_layer {
     int64_t kept_bytes_peak;                     /* sum of held_bytes: activation bytes held from forward to backward */
     int64_t recompute_saved_bytes;               /* bytes not held because recomputed (sum over those activations) */
     int64_t offload_saved_bytes;                 /* bytes not held because offloaded to pinned host memory */
+    int64_t offload_cancelled_bytes;             /* offloads whose D2H copy was still running at reload: kept */
     /* since the layer was created */
     int64_t pinned_bytes;                        /* pinned host memory held by the offload buffers */
     int64_t pinned_allocations;                  /* alloc_pinned calls (the first offload of each activation, and
