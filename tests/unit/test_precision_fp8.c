@@ -434,7 +434,8 @@ static void check_gemms(void)
         {"{\"recipe\": \"current\", \"format\": \"e4m3\", \"power_of_2_scales\": true}", FP8_RECIPE_CURRENT, false,
          true},
         {"{\"recipe\": \"delayed\"}", FP8_RECIPE_DELAYED, true, false},
-        {"{\"recipe\": \"blockwise\"}", FP8_RECIPE_BLOCKWISE, true, true},
+        {"{\"recipe\": \"blockwise\"}", FP8_RECIPE_BLOCKWISE, false, true}, /* defaults: e4m3, power-of-2 scales */
+        {"{\"recipe\": \"blockwise\", \"format\": \"hybrid\"}", FP8_RECIPE_BLOCKWISE, true, true},
         {"{\"recipe\": \"blockwise\", \"format\": \"e4m3\", \"power_of_2_scales\": false}", FP8_RECIPE_BLOCKWISE,
          false, false},
     };
