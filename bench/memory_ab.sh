@@ -5,6 +5,7 @@
 # Two runtimes of 4 such layers (28 GB of weights, grads and bf16 copy per layer and rank) do not fit in one
 # H200 together, so the A/Bs run --sequential, with plain SGD (no Adam moments).
 #   usage: bench/memory_ab.sh BUILD_DIR OUT_DIR [LAYERS [--set KEY=JSON ...]]
+#   MEMORY_AB_ONLY=recompute or =offload runs one of the two A/Bs
 #   e.g. --set train.input_shift=0 for routing as even as a balanced model's (the default input shift sends
 #   rank 0 ~4x the mean rows at the start, and offload copies scale with rank 0's rows)
 set -u
@@ -23,8 +24,9 @@ run_ab() { # name, B's --set-b options...
   timeout 280 "$BUILD/tools/moert" ab configs/deepseek-v3.json configs/deepseek-v3.json "${common[@]}" "$@" \
     --report "$OUT/ab-$name.json" 2>&1 | tee "$OUT/ab-$name.log" | grep -v '^[AB] step'
 }
-run_ab recompute --set-b 'memory_policy.fc1_out="recompute"' --set-b 'memory_policy.swiglu_out="recompute"'
-run_ab offload --set-b 'memory_policy.dispatched_x="offload"' --set-b 'memory_policy.offload_last_layer=false'
+only=${MEMORY_AB_ONLY:-}
+[ "$only" != offload ] && run_ab recompute --set-b 'memory_policy.fc1_out="recompute"' --set-b 'memory_policy.swiglu_out="recompute"'
+[ "$only" != recompute ] && run_ab offload --set-b 'memory_policy.dispatched_x="offload"' --set-b 'memory_policy.offload_last_layer=false'
 python3 - "$OUT" <<'PY'
 import json, os, sys
 out = sys.argv[1]

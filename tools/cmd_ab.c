@@ -112,6 +112,7 @@ typedef struct ab_run_facts {
     int64_t activation_bytes[MOERT_ACT_COUNT];
     int64_t kept_bytes;
     int64_t device_peak_bytes;
+    int64_t device_pool_calls;
 } ab_run_facts;
 
 typedef struct ab_side {
@@ -297,7 +298,7 @@ typedef struct table_row {
     char label[48], a[64], b[64], ratio[32];
 } table_row;
 
-enum { MEMORY_ROWS = MOERT_ACT_COUNT + 2 };
+enum { MEMORY_ROWS = MOERT_ACT_COUNT + 3 };
 
 static int build_table(const ab_side *a, const ab_side *b, table_row *rows)
 {
@@ -318,11 +319,20 @@ static int build_table(const ab_side *a, const ab_side *b, table_row *rows)
             snprintf(rows[n].label, sizeof rows[n].label, "kept fwd->bwd (rank 0)");
             va = a->facts.kept_bytes;
             vb = b->facts.kept_bytes;
-        } else {
+        } else if (m == MOERT_ACT_COUNT + 1) {
             if (a->facts.device_type != MOERT_DEVICE_CUDA) continue;
             snprintf(rows[n].label, sizeof rows[n].label, "GPU pool peak (rank 0)");
             va = a->facts.device_peak_bytes;
             vb = b->facts.device_peak_bytes;
+        } else {
+            /* cudaMalloc/cudaFree in the last step: a warm pool makes none; each one may stall the device */
+            if (a->facts.device_type != MOERT_DEVICE_CUDA) continue;
+            snprintf(rows[n].label, sizeof rows[n].label, "pool cudaMalloc+Free, last step");
+            snprintf(rows[n].a, sizeof rows[n].a, "%lld", (long long)a->facts.device_pool_calls);
+            snprintf(rows[n].b, sizeof rows[n].b, "%lld", (long long)b->facts.device_pool_calls);
+            snprintf(rows[n].ratio, sizeof rows[n].ratio, "-");
+            n++;
+            continue;
         }
         format_bytes(va, rows[n].a, sizeof rows[n].a);
         format_bytes(vb, rows[n].b, sizeof rows[n].b);
@@ -404,6 +414,8 @@ static json_t *memory_json(const ab_run_facts *rt)
     json_object_set_new(o, "kept_from_forward_to_backward", json_integer(rt->kept_bytes));
     if (rt->device_type == MOERT_DEVICE_CUDA)
         json_object_set_new(o, "gpu_pool_peak_bytes", json_integer(rt->device_peak_bytes));
+    if (rt->device_type == MOERT_DEVICE_CUDA)
+        json_object_set_new(o, "gpu_pool_cuda_calls_last_step", json_integer(rt->device_pool_calls));
     return o;
 }
 
@@ -624,6 +636,7 @@ static void take_facts(ab_side *side)
     memcpy(f->activation_bytes, rt->activation_bytes, sizeof f->activation_bytes);
     f->kept_bytes = rt->kept_bytes;
     f->device_peak_bytes = rt->device_peak_bytes;
+    f->device_pool_calls = rt->device_pool_calls;
 }
 
 /* Creates a side's runtime and notes what the report needs from it. */

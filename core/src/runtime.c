@@ -753,6 +753,9 @@ static void collect_memory(moert_runtime *rt)
         moert_cuda_pool_stats stats;
         moert_cuda_pool_get_stats(rt->ranks[0].pool, &stats);
         rt->device_peak_bytes = (int64_t)stats.peak_bytes_in_use;
+        const int64_t calls = (int64_t)(stats.cuda_malloc_count + stats.cuda_free_count);
+        rt->device_pool_calls = calls - rt->device_pool_calls_total;
+        rt->device_pool_calls_total = calls;
     }
 #endif
 }

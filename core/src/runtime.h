@@ -46,6 +46,8 @@ struct moert_runtime {
     int64_t activation_bytes[MOERT_ACT_COUNT]; /* rank 0, summed over layers, last step */
     int64_t kept_bytes;     /* rank 0, activations held from forward to backward, summed over layers */
     int64_t device_peak_bytes; /* CUDA: rank 0's memory pool, peak bytes in use since creation; 0 on the CPU */
+    int64_t device_pool_calls; /* CUDA: rank 0's pool, cudaMalloc + cudaFree calls in the last step (0 once warm) */
+    int64_t device_pool_calls_total; /* the same since creation (what the last step's figure is taken from) */
     double total_seconds;
 };
 
