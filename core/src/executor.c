@@ -274,10 +274,37 @@ void moert_layer_free(moert_layer *L)
     }
 }
 
+/* The expert weights' gradients are written by the precision plugin's first WGRAD when it can overwrite. */
+static bool lazy_wgrad_zero(const moert_layer *L)
+{
+    return (L->precision.plugin->header->flags & MOERT_CAP_WGRAD_OVERWRITE) != 0;
+}
+
 moert_result moert_layer_zero_grad(moert_layer *L)
 {
     moert_result rc = MOERT_OK;
-    for (int p = 0; p < MOERT_PARAM_COUNT; p++) MOERT_CHECK(moert_zero(L->stream, &L->params[p].grad));
+    const bool lazy = lazy_wgrad_zero(L);
+    for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
+        if (lazy && (p == MOERT_PARAM_FC1 || p == MOERT_PARAM_FC2)) {
+            L->grad_unwritten[p == MOERT_PARAM_FC1 ? MOERT_GEMM_FC1 : MOERT_GEMM_FC2] = true;
+            continue;
+        }
+        MOERT_CHECK(moert_zero(L->stream, &L->params[p].grad));
+    }
+fail:
+    return rc;
+}
+
+/* Zeroes the expert weight gradients no WGRAD has written since zero_grad (a backward always runs both WGRADs;
+ * this keeps the gradients right if one did not). */
+static moert_result zero_unwritten_grads(moert_layer *L)
+{
+    moert_result rc = MOERT_OK;
+    for (int w = 0; w < 2; w++) {
+        if (!L->grad_unwritten[w]) continue;
+        MOERT_CHECK(moert_zero(L->stream, &L->params[w == MOERT_GEMM_FC1 ? MOERT_PARAM_FC1 : MOERT_PARAM_FC2].grad));
+        L->grad_unwritten[w] = false;
+    }
 fail:
     return rc;
 }
@@ -301,9 +328,11 @@ static moert_result run_gemm(moert_layer *L, moert_gemm_weight which, moert_gemm
         .tokens_per_expert = &L->layout.tokens_per_expert,
         .tokens_per_expert_host = L->layout.tokens_per_expert_host,
         .input = input, .weight = &w->value, .grad_output = grad_output,
-        .output = output, .grad_input = grad_input, .grad_weight = &w->grad};
+        .output = output, .grad_input = grad_input, .grad_weight = &w->grad,
+        .overwrite_grad_weight = pass == MOERT_GEMM_WGRAD && L->grad_unwritten[which]};
     static const char *const names[3] = {"grouped_gemm(forward)", "grouped_gemm(dgrad)", "grouped_gemm(wgrad)"};
     PLUGIN_CALL(L->precision, names[pass], PRECISION(L)->grouped_gemm(L->precision.ctx, L->stream, &a));
+    if (pass == MOERT_GEMM_WGRAD) L->grad_unwritten[which] = false;
 fail:
     return rc;
 }
@@ -672,6 +701,7 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
                                      .loss_scale = loss_scale, .d_x = d_x,
                                      .d_weight = &L->params[MOERT_PARAM_ROUTER].grad};
     PLUGIN_CALL(L->router, "backward", ROUTER(L)->backward(L->router.ctx, L->stream, &rb));
+    MOERT_CHECK(zero_unwritten_grads(L));
     MOERT_CHECK(stage_mark(L, MARK_BACKWARD_END));
 fail:
     tensor_release(L, &d_y_expert);

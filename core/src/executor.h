@@ -56,6 +56,9 @@ typedef struct moert_layer {
      * true: the caller frees them later with moert_layer_release_offloaded (e.g. after the next layer's forward),
      * so the D2H copies overlap more compute. */
     bool defer_offload_release;
+    /* fc1 / fc2 weight gradients zeroed lazily: zero_grad leaves them as they are when the precision plugin
+     * declares MOERT_CAP_WGRAD_OVERWRITE, and the first WGRAD overwrites them; backward zeroes any left */
+    bool grad_unwritten[2];
 
     /* saved by forward for backward */
     moert_tensor x;                   /* borrowed: the layer input */

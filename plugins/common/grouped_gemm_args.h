@@ -29,6 +29,14 @@ moert_result moert_gemm_check_args(const moert_host *host, const moert_layer_inf
                                    const moert_grouped_gemm_args *args, moert_gemm_fetch_counts fetch, void *user,
                                    char *call, size_t call_size, moert_gemm_shape *shape);
 
+/* Whether a WGRAD is asked to overwrite grad_weight (the appended field, read only when struct_size covers it). */
+static inline int moert_gemm_overwrites_grad(const moert_grouped_gemm_args *args)
+{
+    return args->pass == MOERT_GEMM_WGRAD &&
+           args->struct_size >= offsetof(moert_grouped_gemm_args, overwrite_grad_weight) + sizeof(int32_t) &&
+           args->overwrite_grad_weight != 0;
+}
+
 /* "[12, 64]" and "cuda:1" for messages. */
 const char *moert_gemm_dims_text(int ndim, const int64_t *shape, char *buf, size_t size);
 const char *moert_gemm_device_text(moert_device dev, char *buf, size_t size);

@@ -275,7 +275,7 @@ static moert_result cuda_grouped_gemm(bf16_ctx *c, moert_stream stream, const mo
     gm.rows_per_expert = shape->counts;
     gm.k_in = shape->k_in;
     gm.n_out = shape->n_out;
-    gm.accumulate = 1;
+    gm.accumulate = !moert_gemm_overwrites_grad(args);
     if (args->pass == MOERT_GEMM_WGRAD) {
         const moert_dtype gw = args->grad_weight->dtype;
         if (gw != act && !(act == MOERT_BF16 && gw == MOERT_F32))
@@ -392,7 +392,7 @@ MOERT_PLUGIN_EXPORT const moert_precision_v1 bf16_vtable __asm__(MOERT_PRECISION
 #endif
         .dtypes = MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) |
                   MOERT_CAP_DTYPE(MOERT_F16),
-        .flags = MOERT_CAP_NEEDS_HOST_SYNC,
+        .flags = MOERT_CAP_NEEDS_HOST_SYNC | MOERT_CAP_WGRAD_OVERWRITE,
     },
     .init = bf16_init,
     .finalize = bf16_finalize,

@@ -111,8 +111,13 @@ moert_result bf16_cpu_grouped_gemm(const moert_grouped_gemm_args *args, const bf
         const int64_t m = shape->counts[e];
         const int64_t row0 = first;
         first += m;
-        if (m == 0) continue; /* nothing to compute; WGRAD would add zero */
         const int64_t w_base = e * K * N;
+        const bool overwrite = moert_gemm_overwrites_grad(args) != 0;
+        if (m == 0) { /* nothing to compute; WGRAD would add zero, or overwrite with zeros */
+            if (overwrite)
+                for (int64_t i = 0; i < K * N; i++) moert_store(args->grad_weight, w_base + i, 0.0);
+            continue;
+        }
         /* a: [m,K] (FORWARD), [m,N] (DGRAD), [K,m] (WGRAD); b: [K,N], [N,K], [m,N]; c: [m,N], [m,K], [K,N]. */
         size_t a_elems = (size_t)(m * (args->pass == MOERT_GEMM_DGRAD ? N : K));
         size_t b_elems = (size_t)(args->pass == MOERT_GEMM_WGRAD ? m * N : K * N);
@@ -159,7 +164,7 @@ moert_result bf16_cpu_grouped_gemm(const moert_grouped_gemm_args *args, const bf
                 load_block_float(args->grad_output, row0 * N, m, N, false, to_bf16, bf);
                 matmul_float(af, bf, K, m, N, cf);
             }
-            store_block(args->grad_weight, w_base, K, N, scratch->c, mode, true);
+            store_block(args->grad_weight, w_base, K, N, scratch->c, mode, !overwrite);
             break;
         }
     }

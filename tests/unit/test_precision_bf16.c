@@ -144,11 +144,12 @@ static void compare(const char *what, double got, double want, double exact, dou
  * loop in arithmetic `a`. Output rows past sum(counts) and experts without rows must stay as they were.
  */
 static void check_pass(const char *mode, moert_dtype act, moert_dtype wdt, arith a, moert_gemm_weight which,
-                       moert_gemm_pass pass, const int64_t *counts, uint64_t seed)
+                       moert_gemm_pass pass, const int64_t *counts, uint64_t seed, bool overwrite)
 {
     char label[160], options[64];
-    snprintf(label, sizeof label, "mode %s, %s activations, %s weights, %s, pass %d", mode, moert_dtype_name(act),
-             moert_dtype_name(wdt), which == MOERT_GEMM_FC1 ? "fc1" : "fc2", (int)pass);
+    snprintf(label, sizeof label, "mode %s, %s activations, %s weights, %s, pass %d%s", mode, moert_dtype_name(act),
+             moert_dtype_name(wdt), which == MOERT_GEMM_FC1 ? "fc1" : "fc2", (int)pass,
+             overwrite ? ", first WGRAD overwrites" : "");
     snprintf(options, sizeof options, "{\"mode\": \"%s\"}", mode);
     moert_layer_info layer = test_layer(HIDDEN, FFN, EXPERTS, 2, 16, 1, 0, act);
     test_instance ti;
@@ -166,13 +167,16 @@ static void check_pass(const char *mode, moert_dtype act, moert_dtype wdt, arith
                                     .tokens_per_expert = &tpe, .tokens_per_expert_host = NULL,
                                     .input = &g.input, .weight = &g.weight, .grad_output = &g.grad_output,
                                     .output = &g.output, .grad_input = &g.grad_input,
-                                    .grad_weight = &g.grad_weight};
+                                    .grad_weight = &g.grad_weight, .overwrite_grad_weight = overwrite};
+    EXPECT(!overwrite || (ti.plugin.header->flags & MOERT_CAP_WGRAD_OVERWRITE));
     moert_result rc = vt->grouped_gemm(ti.ctx, NULL, &args);
+    args.overwrite_grad_weight = 0;
     if (rc != MOERT_OK) {
         fprintf(stderr, "%s: grouped_gemm failed: %s\n", label, moert_host_take_error(ti.host));
         test_failures++;
     }
-    /* WGRAD twice: the second call accumulates onto the first */
+    /* WGRAD twice: the second call accumulates onto the first (which overwrote grad_weight when asked, zeros for an
+     * expert without rows: as if the gradient had been zeroed before) */
     int repeats = pass == MOERT_GEMM_WGRAD ? 2 : 1;
     if (pass == MOERT_GEMM_WGRAD) EXPECT_OK(vt->grouped_gemm(ti.ctx, NULL, &args));
 
@@ -190,7 +194,7 @@ static void check_pass(const char *mode, moert_dtype act, moert_dtype wdt, arith
             for (int64_t i = 0; i < K; i++)
                 for (int64_t j = 0; j < N; j++) {
                     int64_t at = e * K * N + i * N + j;
-                    double before = g.grad_weight_before[at], want = before, exact = before;
+                    double before = overwrite ? 0.0 : g.grad_weight_before[at], want = before, exact = before;
                     ref_dot d = {0, 0, 0};
                     if (m > 0) {
                         d = reference_element(&g, pass, a, e, row0, m, i, j);
@@ -229,8 +233,9 @@ static void check_mode(const char *mode, moert_dtype act, moert_dtype wdt, arith
     for (int which = 0; which < 2; which++)
         for (int pass = 0; pass < 3; pass++)
             for (int s = 0; s < 3; s++)
-                check_pass(mode, act, wdt, a, (moert_gemm_weight)which, (moert_gemm_pass)pass, counts_sets[s],
-                           1000 + (uint64_t)(which * 10 + pass * 3 + s));
+                for (int overwrite = 0; overwrite <= (pass == MOERT_GEMM_WGRAD); overwrite++)
+                    check_pass(mode, act, wdt, a, (moert_gemm_weight)which, (moert_gemm_pass)pass, counts_sets[s],
+                               1000 + (uint64_t)(which * 10 + pass * 3 + s), overwrite);
 }
 
 /* bf16 mode must really round its operands: on fp32 data it differs from fp32 mode. */

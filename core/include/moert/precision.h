@@ -37,6 +37,11 @@ typedef struct moert_grouped_gemm_args {
     moert_tensor *output;            /* [rows, N_out]  FORWARD (overwritten) */
     moert_tensor *grad_input;        /* [rows, K_in]   DGRAD (overwritten) */
     moert_tensor *grad_weight;       /* [E_local, K_in, N_out] WGRAD (accumulated into) */
+    /* Appended (read only when struct_size covers it, and passed nonzero only to a plugin whose header flags
+     * carry MOERT_CAP_WGRAD_OVERWRITE): WGRAD writes grad_weight[e] = input^T @ grad_output instead of adding,
+     * every local expert's slice, zeros for an expert with no rows. The executor asks for it on the first WGRAD
+     * after zero_grad, so the gradients need no zero fill and the GEMM reads no zeros. */
+    int32_t overwrite_grad_weight;
 } moert_grouped_gemm_args;
 
 typedef struct moert_precision_v1 {
