@@ -9,6 +9,10 @@
  * metadata; alltoall a row per (copy, other rank). GB/s against the NVLink ceiling per GPU and direction (450 GB/s
  * line rate of NVLink4; ~370 effective). Before timing, deepep's recv_x (bf16) is checked bit for bit against
  * alltoall's (the same row order) and its combine against alltoall's.
+ * Each deepep figure comes twice: the whole call (NVLink phase plus the local expansion / reductions on every SM:
+ * what a layer pays), and "nvlink", the same instance with bench_nvlink_only: the NVLink phase alone at that SM count
+ * (each token's row into the peers, the receivers' wait for every arrival and the release), the figure comparable to
+ * DeepEP's intranode dispatch/combine (whose output is one row per token and rank, no expansion by expert).
  *
  *   dispatch_bench [out.json]    environment: MOERT_BENCH_MACHINE, MOERT_BENCH_GIT, MOERT_BENCH_REPEATS (20),
  *                                MOERT_BENCH_TOKENS (4096), MOERT_BENCH_SMS (default "8,12,16,24,0"; 0: every SM,
@@ -31,7 +35,7 @@
 #include "moert/dispatcher.h"
 
 #define MAX_GPUS 8
-#define MAX_VARIANTS 32
+#define MAX_VARIANTS 48
 #define MAX_REPEATS 200
 #define WARMUP 3
 #define NVLINK_GBS 450.0
@@ -77,6 +81,7 @@ typedef struct variant {
     char options[96];
     int num_sms;           /* 0 for alltoall */
     bool fp8;
+    bool nvlink_only;       /* deepep with bench_nvlink_only: the NVLink phase alone (rows cross, arrive, released) */
     op_kind op;
     double ms[MAX_REPEATS]; /* per repeat: the largest over ranks */
     double bytes;           /* the largest over ranks */
@@ -347,21 +352,22 @@ static void rank_main(int rank, void *user)
     moert_cuda_stream_destroy(stream);
 }
 
-static variant *add_variant(const char *plugin, int sms, bool fp8, op_kind op)
+static variant *add_variant(const char *plugin, int sms, bool fp8, bool nvlink_only, op_kind op)
 {
     variant *v = &B.v[B.nv++];
     memset(v, 0, sizeof *v);
     v->plugin = plugin;
     v->num_sms = sms;
     v->fp8 = fp8;
+    v->nvlink_only = nvlink_only;
     v->op = op;
     if (!strcmp(plugin, "deepep")) {
         char count[16];
         snprintf(count, sizeof count, sms ? "%d" : "all", sms);
-        snprintf(v->options, sizeof v->options, "{\"num_sms\": %d, %s%s}", sms, DEEPEP_TIMEOUT,
-                 fp8 ? ", \"dispatch_dtype\": \"fp8\"" : "");
-        snprintf(v->name, sizeof v->name, "deepep %s %s %s SMs", op == OP_DISPATCH ? "dispatch" : "combine",
-                 op == OP_COMBINE ? "bf16" : fp8 ? "fp8" : "bf16", count);
+        snprintf(v->options, sizeof v->options, "{\"num_sms\": %d, %s%s%s}", sms, DEEPEP_TIMEOUT,
+                 fp8 ? ", \"dispatch_dtype\": \"fp8\"" : "", nvlink_only ? ", \"bench_nvlink_only\": true" : "");
+        snprintf(v->name, sizeof v->name, "deepep %s %s %s SMs%s", op == OP_DISPATCH ? "dispatch" : "combine",
+                 op == OP_COMBINE ? "bf16" : fp8 ? "fp8" : "bf16", count, nvlink_only ? " nvlink" : "");
     } else {
         snprintf(v->options, sizeof v->options, "{}");
         snprintf(v->name, sizeof v->name, "alltoall %s bf16", op == OP_DISPATCH ? "dispatch" : "combine");
@@ -392,14 +398,17 @@ int main(int argc, char **argv)
     B.K = 8;
     char sms_list[128];
     snprintf(sms_list, sizeof sms_list, "%s", env_or("MOERT_BENCH_SMS", "8,12,16,24,0"));
-    for (char *tok = strtok(sms_list, ","); tok && B.nv + 3 <= MAX_VARIANTS - 2; tok = strtok(NULL, ",")) {
+    for (char *tok = strtok(sms_list, ","); tok && B.nv + 6 <= MAX_VARIANTS - 2; tok = strtok(NULL, ",")) {
         int sms = atoi(tok); /* 0: every SM of the device (the plugin's default, what a layer uses) */
-        add_variant("deepep", sms, false, OP_DISPATCH);
-        add_variant("deepep", sms, false, OP_COMBINE);
-        add_variant("deepep", sms, true, OP_DISPATCH);
+        add_variant("deepep", sms, false, false, OP_DISPATCH); /* the whole call: what a layer pays */
+        add_variant("deepep", sms, false, false, OP_COMBINE);
+        add_variant("deepep", sms, false, true, OP_DISPATCH);  /* the NVLink phase alone: what DeepEP's figures are */
+        add_variant("deepep", sms, false, true, OP_COMBINE);
+        add_variant("deepep", sms, true, false, OP_DISPATCH);
+        add_variant("deepep", sms, true, true, OP_DISPATCH);
     }
-    add_variant("alltoall", 0, false, OP_DISPATCH);
-    add_variant("alltoall", 0, false, OP_COMBINE);
+    add_variant("alltoall", 0, false, false, OP_DISPATCH);
+    add_variant("alltoall", 0, false, false, OP_COMBINE);
     if (B.gpus > 1 && (moert_comm_group_create(B.gpus, 120.0, &B.comm) != MOERT_OK ||
                        moert_nccl_group_create(B.gpus, 120.0, &B.nccl) != MOERT_OK)) {
         fprintf(stderr, "communicators: %s\n", moert_error_message());

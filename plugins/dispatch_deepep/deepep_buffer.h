@@ -5,6 +5,8 @@
  *            consumed[destination][channel] (written by a rank that has read what this rank wrote into it)
  *   slot s   the rows rank s wrote to this rank: rows_cap rows of row_stride bytes, then rows_cap metadata
  *            entries of meta_stride bytes (int32 dst[K], then double prob[K] at meta_prob_offset)
+ *            (on CUDA a rank's own tokens never go through its own slot in dispatch: the slot holds its own combine
+ *            partials instead)
  * A call (dispatch, combine, either backward) has a sequence number, the same on every rank. A writer waits until
  * its destination's consumed flag for it reaches seq-1 (the destination read the previous call's rows), writes
  * its rows and metadata, then publishes {begin, end, seq} in the destination's arrived flag (release). */
@@ -15,7 +17,7 @@
 #include <stdint.h>
 
 #define DEEPEP_MAX_RANKS 8
-#define DEEPEP_MAX_CHANNELS 66 /* num_sms / 2, num_sms at most 132 */
+#define DEEPEP_MAX_CHANNELS 132 /* blocks of the NVLink phase: num_sms, at most 132 */
 #define DEEPEP_FP8_BLOCK 128   /* elements per FP8 scale (1x128 blocks) */
 #define DEEPEP_FP8_MAX 448.0f  /* largest E4M3 value */
 

@@ -1,4 +1,5 @@
-/* CUDA kernels of the "deepep" dispatcher: token-rank layout, fused NVLink send/receive for dispatch and combine. */
+/* CUDA kernels of the "deepep" dispatcher: token-rank layout, the NVLink phase of dispatch and combine (every block
+ * sends), and the local kernels around it (expansion, reduction, final sum) over every SM. */
 #include "deepep_cuda.h"
 
 #include <cuda_bf16.h>
@@ -8,10 +9,14 @@
 
 #include "../common/plugin_cuda_check.h"
 
-#define THREADS 512              /* threads per communication block: 16 warps */
-#define WARPS (THREADS / 32)
+#define SEND_THREADS 1024        /* threads per NVLink-phase block: 32 warps, each moving one row at a time */
+#define FP8_SEND_THREADS 512     /* the FP8 dispatch's: 16 warps (the quantization needs more registers) */
+#define LOCAL_THREADS 512        /* threads per block of the local kernels: 16 warps */
+#define LOCAL_WARPS (LOCAL_THREADS / 32)
+#define LOCAL_BLOCKS_PER_SM 2
 #define SCAN_THREADS 1024        /* the token-rank layout: one block per destination rank */
-#define UNROLL 4                 /* 16-byte units each lane moves per step of a row copy */
+#define UNROLL 4                 /* 16-byte units each lane has in flight in a row copy */
+#define FP8_UNROLL 2             /* 512-value steps each lane has in flight when quantizing (2 x 32 bytes) */
 #define FULL 0xffffffffu
 
 /* ---- memory-order primitives (system scope: peers' memory over NVLink) ---- */
@@ -34,6 +39,18 @@ __device__ __forceinline__ uint64_t now_ns()
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
+
+/* Read-only loads of the call's inputs (never written while the kernel runs): the non-coherent path, no L1 line. */
+__device__ __forceinline__ int4 load_ro(const int4 *p)
+{
+    int4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+__device__ __forceinline__ unsigned load_ro(const unsigned *p) { return __ldg(p); }
+__device__ __forceinline__ unsigned short load_ro(const unsigned short *p) { return __ldg(p); }
 
 __device__ __forceinline__ deepep_header *header(void *buf) { return (deepep_header *)buf; }
 
@@ -61,38 +78,67 @@ __device__ bool wait_geq(const int64_t *p, int64_t target, const deepep_cuda_cal
     return true;
 }
 
-/* Threads d < world wait for peer d's stamp at stamps[d * stride] >= target; false (for every thread) on a stall. */
-__device__ bool block_wait_all(const int64_t *stamps, int stride, int world, int64_t target, const deepep_cuda_call &k,
-                               int kind)
-{
-    __shared__ int stalled;
-    if (threadIdx.x == 0) stalled = *(volatile int *)k.abort_flag;
-    __syncthreads();
-    if (threadIdx.x < world && !stalled)
-        if (!wait_geq(stamps + threadIdx.x * stride, target, k, kind, threadIdx.x)) stalled = 1;
-    __syncthreads();
-    return !stalled;
-}
-
-/* Before a send: waits until every rank has stamped, for every channel, that it read what this rank wrote into it in
- * the previous call (seq - 1). All channels, not only this block's: a dispatch-like and a combine-like call split a
- * slot's rows into channels differently (by the sender's tokens, by the receiver's), so this call's rows of channel c
- * may overlap rows a peer read in another channel of the previous call. False (for every thread) on a stall. */
-__device__ bool block_wait_consumed(const deepep_cuda_call &k)
+/* Waits, with the whole block, for the flags selected by `arrivals`: this call's arrival of every channel from every
+ * other rank (in this rank's header), or, before a send, every rank's stamp for every channel that it read what this
+ * rank wrote into it in the previous call (seq - 1). All channels, not only one: the channels of a dispatch-like and
+ * a combine-like call split a slot's rows differently, so this call's rows of a channel may overlap rows a peer read
+ * in another channel of the previous one. Peers are waited for one after the other from rank + 1 on, so a stall names
+ * the first late peer in that order (the same one every run). False (for every thread) on a stall, or when the
+ * instance is aborted. */
+__device__ bool block_wait(const deepep_cuda_call &k, bool arrivals)
 {
     __shared__ int stalled;
     const int W = k.geo.world, C = k.channels;
-    const deepep_header *h = header(k.local);
+    deepep_header *h = header(k.local);
     if (threadIdx.x == 0) stalled = *(volatile int *)k.abort_flag;
     __syncthreads();
-    if (!stalled)
-        for (int i = threadIdx.x; i < W * C; i += blockDim.x)
-            if (!wait_geq(&h->consumed[i / C][i % C], k.seq - 1, k, DEEPEP_WAIT_CONSUMED, i / C)) {
-                stalled = 1;
-                break;
+    for (int j = arrivals ? 1 : 0; j < W; j++) {
+        const int s = (k.rank + j) % W;
+        if (!stalled)
+            for (int c = threadIdx.x; c < C; c += blockDim.x) {
+                const bool ok = arrivals ? wait_geq(&h->arrived[s][c].seq, k.seq, k, DEEPEP_WAIT_ARRIVAL, s)
+                                         : wait_geq(&h->consumed[s][c], k.seq - 1, k, DEEPEP_WAIT_CONSUMED, s);
+                if (!ok) {
+                    stalled = 1;
+                    break;
+                }
             }
-    __syncthreads();
+        __syncthreads();
+    }
     return !stalled;
+}
+
+/* After an NVLink-phase block's rows are written: publishes this call's arrival of channel blockIdx.x in every other
+ * rank's header (release, after a system fence). */
+__device__ void block_publish(const deepep_cuda_call &k)
+{
+    __threadfence_system();
+    __syncthreads();
+    const int d = threadIdx.x;
+    if (d < k.geo.world && d != k.rank) {
+        deepep_flag *f = &header(k.peers[d])->arrived[k.rank][blockIdx.x];
+        st_release_sys(&f->seq, k.seq);
+    }
+}
+
+/* The end of every block of a consuming kernel: the last block to finish stamps, in every rank's header and for every
+ * channel, that this rank has read what the rank wrote into it in this call (skipped after a stall). */
+__device__ void block_finish(const deepep_cuda_call &k)
+{
+    __shared__ int last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const unsigned before = atomicAdd(k.done_blocks, 1u);
+        last = before == gridDim.x - 1;
+        if (last) atomicExch(k.done_blocks, 0u);
+    }
+    __syncthreads();
+    if (!last || *(volatile int *)k.abort_flag) return;
+    __threadfence();
+    const int W = k.geo.world, C = k.channels;
+    for (int i = threadIdx.x; i < W * C; i += blockDim.x)
+        st_release_sys(&header(k.peers[i / C])->consumed[k.rank][i % C], k.seq);
 }
 
 __device__ __forceinline__ char *slot_row(const deepep_geometry &g, void *buf, int s, int64_t i)
@@ -104,6 +150,40 @@ __device__ __forceinline__ char *slot_meta(const deepep_geometry &g, void *buf, 
 {
     return (char *)buf + g.header_bytes + (size_t)s * g.slot_bytes + (size_t)g.rows_cap * g.row_stride +
            (size_t)i * g.meta_stride;
+}
+
+/* Staging row and metadata entry j of a combine call. */
+__device__ __forceinline__ char *staged_row(const deepep_cuda_call &k, int64_t j)
+{
+    return (char *)k.staging + (size_t)j * k.geo.row_stride;
+}
+
+__device__ __forceinline__ char *staged_meta(const deepep_cuda_call &k, int64_t j)
+{
+    return (char *)k.staging + (size_t)k.staging_rows * k.geo.row_stride + (size_t)j * k.geo.meta_stride;
+}
+
+/* Item g of a local kernel's list of received rows (sources in rank order, `skip_self` leaves this rank out):
+ * its source rank and row, false past the end. */
+__device__ __forceinline__ bool received_item(const deepep_cuda_call &k, int64_t g, bool skip_self, int *s, int64_t *i)
+{
+    for (int r = 0; r < k.geo.world; r++) {
+        if (skip_self && r == k.rank) continue;
+        if (g < k.recv_tokens[r]) {
+            *s = r;
+            *i = g;
+            return true;
+        }
+        g -= k.recv_tokens[r];
+    }
+    return false;
+}
+
+/* The kernel a bench asking for the NVLink phase alone runs after it: waits for the peers' rows, releases them. */
+__global__ void __launch_bounds__(LOCAL_THREADS) release_kernel(deepep_cuda_call k)
+{
+    block_wait(k, true);
+    block_finish(k);
 }
 
 /* ---- layout: tokens per destination rank ---- */
@@ -160,24 +240,56 @@ __global__ void token_ranks_kernel(const int32_t *__restrict__ idx, int64_t toke
     }
 }
 
-/* ---- row units ---- */
-
-template <typename V> __device__ __forceinline__ V load_cg(const V *p) { return __ldcg(p); }
-
 /* ---- dispatch ---- */
 
-/* The send half of a dispatch-like call, channel c: this rank's tokens [t0, t1), each written once into every rank
- * holding one of its experts (row, then its copies' rows and probs as metadata), then the arrival flags. */
-template <typename V, bool FP8>
-__device__ void dispatch_send(const deepep_cuda_call &k, int c, const void *x, const float *probs, int64_t units)
+/* FP8 of 16 bf16 values per lane, 8 lanes a 1x128 block: amax over the block (shuffles: every lane of the warp must
+ * call this), scale = 448 / amax (1 when amax is 0 or not finite), q = e4m3(v * scale); returns 1 / scale. The same
+ * float operations as deepep_fp8_quantize_block() on the CPU. */
+__device__ __forceinline__ float quantize16(const int4 raw[2], int4 *q)
 {
-    const int W = k.geo.world, me = k.rank, K = (int)k.topk;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const __nv_bfloat16 *b = (const __nv_bfloat16 *)raw;
+    float f[16], amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        f[j] = __bfloat162float(b[j]);
+        amax = fmaxf(amax, fabsf(f[j]));
+    }
+#pragma unroll
+    for (int o = 4; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, o));
+    const float scale = (amax > 0.0f && isfinite(amax)) ? __fdiv_rn(DEEPEP_FP8_MAX, amax) : 1.0f;
+    unsigned char *qb = (unsigned char *)q;
+#pragma unroll
+    for (int j = 0; j < 16; j++)
+        qb[j] = (unsigned char)__nv_cvt_float_to_fp8(__fmul_rn(f[j], scale), __NV_SATFINITE, __NV_E4M3);
+    return __fdiv_rn(1.0f, scale);
+}
+
+/* bf16(float(q) * inv) of 16 E4M3 values into two 16-byte units. */
+__device__ __forceinline__ void dequantize16(int4 q, float inv, int4 out[2])
+{
+    const unsigned char *qb = (const unsigned char *)&q;
+    __nv_bfloat16 *ob = (__nv_bfloat16 *)out;
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        __half_raw hr = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)qb[j], __NV_E4M3);
+        ob[j] = __float2bfloat16_rn(__fmul_rn(__half2float(__half(hr)), inv));
+    }
+}
+
+/* The NVLink phase of a dispatch-like call, block c: this rank's tokens [T*c/C, T*(c+1)/C), one warp per token, each
+ * written once into every other rank holding one of its experts (metadata: its copies' rows there and their probs;
+ * the row as it is, or E4M3 with 1x128 scales), then the block's arrival flag in every other rank. */
+template <typename V, bool FP8>
+__global__ void __launch_bounds__(FP8 ? FP8_SEND_THREADS : SEND_THREADS) dispatch_send_kernel(deepep_cuda_call k, const void *x,
+                                                                     const float *probs, int64_t units)
+{
+    const int W = k.geo.world, me = k.rank, K = (int)k.topk, c = blockIdx.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int64_t T = k.tokens, H = k.hidden, El = k.local_experts;
     const int64_t t0 = T * c / k.channels, t1 = T * (c + 1) / k.channels;
-    if (!block_wait_consumed(k)) return;
-    for (int64_t t = t0 + warp; t < t1; t += WARPS) {
-        int32_t e = lane < K ? k.topk_idx[t * K + lane] : -1;
+    if (!block_wait(k, false)) return;
+    for (int64_t t = t0 + warp; t < t1; t += warps) {
+        const int32_t e = lane < K ? k.topk_idx[t * K + lane] : -1;
         int dr = -1, dst = -1;
         float p = 0.0f;
         if (e >= 0) {
@@ -185,7 +297,8 @@ __device__ void dispatch_send(const deepep_cuda_call &k, int c, const void *x, c
             dst = (int)(k.base[e] + k.row_of_copy[t * K + lane] - k.expert_offsets[e]);
             if (probs) p = probs[t * K + lane];
         }
-        const unsigned ranks = __reduce_or_sync(FULL, dr >= 0 ? 1u << dr : 0u);
+        const unsigned ranks = __reduce_or_sync(FULL, (dr >= 0 && dr != me) ? 1u << dr : 0u);
+        if (!ranks) continue; /* the same on every lane */
         char *rows[DEEPEP_MAX_RANKS];
 #pragma unroll
         for (int d = 0; d < DEEPEP_MAX_RANKS; d++) {
@@ -207,7 +320,7 @@ __device__ void dispatch_send(const deepep_cuda_call &k, int c, const void *x, c
 #pragma unroll
                 for (int j = 0; j < UNROLL; j++) {
                     const int64_t u = u0 + j * 32 + lane;
-                    if (u < units) v[j] = __ldg(src + u);
+                    if (u < units) v[j] = load_ro(src + u);
                 }
 #pragma unroll
                 for (int d = 0; d < DEEPEP_MAX_RANKS; d++)
@@ -219,143 +332,147 @@ __device__ void dispatch_send(const deepep_cuda_call &k, int c, const void *x, c
                         }
             }
         } else {
-            /* 256 values per step: lanes 0-15 one 1x128 block, lanes 16-31 the next; 8 values per lane */
-            const __nv_bfloat16 *src = (const __nv_bfloat16 *)x + t * H;
-            for (int64_t e0 = 0; e0 < H; e0 += 256) {
-                const int64_t at = e0 + lane * 8;
-                const bool valid = at < H;
-                int4 raw = make_int4(0, 0, 0, 0);
-                if (valid) raw = __ldg((const int4 *)(src + at));
-                const __nv_bfloat16 *b = (const __nv_bfloat16 *)&raw;
-                float f[8], amax = 0.0f;
+            /* 512 values per step and FP8_UNROLL steps in flight: lane l takes values [16 l, 16 l + 16) of a step */
+            const int4 *src = (const int4 *)((const __nv_bfloat16 *)x + t * H);
+            for (int64_t e0 = 0; e0 < H; e0 += 512 * FP8_UNROLL) {
+                int4 raw[FP8_UNROLL][2];
 #pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    f[j] = __bfloat162float(b[j]);
-                    amax = fmaxf(amax, fabsf(f[j]));
+                for (int j = 0; j < FP8_UNROLL; j++) {
+                    const int64_t at = e0 + j * 512 + lane * 16;
+                    raw[j][0] = raw[j][1] = make_int4(0, 0, 0, 0);
+                    if (at < H) {
+                        raw[j][0] = load_ro(src + at / 8);
+                        raw[j][1] = load_ro(src + at / 8 + 1);
+                    }
                 }
 #pragma unroll
-                for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, o));
-                const float scale = (amax > 0.0f && isfinite(amax)) ? __fdiv_rn(DEEPEP_FP8_MAX, amax) : 1.0f;
-                const float inv = __fdiv_rn(1.0f, scale);
-                uint2 q;
-                unsigned char *qb = (unsigned char *)&q;
+                for (int j = 0; j < FP8_UNROLL; j++) {
+                    const int64_t at = e0 + j * 512 + lane * 16;
+                    int4 q;
+                    const float inv = quantize16(raw[j], &q); /* every lane: shuffles inside */
+                    if (at < H)
 #pragma unroll
-                for (int j = 0; j < 8; j++)
-                    qb[j] = (unsigned char)__nv_cvt_float_to_fp8(__fmul_rn(f[j], scale), __NV_SATFINITE, __NV_E4M3);
-                if (valid) {
-#pragma unroll
-                    for (int d = 0; d < DEEPEP_MAX_RANKS; d++)
-                        if (rows[d]) {
-                            *(uint2 *)(rows[d] + at) = q;
-                            if ((lane & 15) == 0) ((float *)(rows[d] + H))[at / DEEPEP_FP8_BLOCK] = inv;
-                        }
+                        for (int d = 0; d < DEEPEP_MAX_RANKS; d++)
+                            if (rows[d]) {
+                                *(int4 *)(rows[d] + at) = q;
+                                if ((lane & 7) == 0) ((float *)(rows[d] + H))[at / DEEPEP_FP8_BLOCK] = inv;
+                            }
                 }
             }
         }
     }
-    __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x < W) {
-        const int d = threadIdx.x;
-        deepep_flag *f = &header(k.peers[d])->arrived[me][c];
-        *(volatile int64_t *)&f->begin = k.excl[(int64_t)d * (T + 1) + t0];
-        *(volatile int64_t *)&f->end = k.excl[(int64_t)d * (T + 1) + t1];
-        __threadfence_system();
-        st_release_sys(&f->seq, k.seq);
+    block_publish(k);
+}
+
+/* Copies one row of `units` V units (src, 16-byte units read through L2 or read-only) into the rows of the copies
+ * in `copies` (lane bits; each lane's dst a row of out). Loop bounds the same on every lane. */
+template <typename V, bool RO>
+__device__ __forceinline__ void expand_row(const V *src, int64_t units, unsigned copies, int32_t dst, void *out,
+                                           size_t out_row)
+{
+    const int lane = threadIdx.x & 31;
+    for (int64_t u0 = 0; u0 < units; u0 += 32 * UNROLL) {
+        V v[UNROLL];
+#pragma unroll
+        for (int j = 0; j < UNROLL; j++) {
+            const int64_t u = u0 + j * 32 + lane;
+            if (u < units) v[j] = RO ? load_ro(src + u) : __ldcg(src + u);
+        }
+        for (unsigned m = copies; m; m &= m - 1) {
+            const int r = __shfl_sync(FULL, dst, __ffs(m) - 1);
+            V *o = (V *)((char *)out + (size_t)r * out_row);
+#pragma unroll
+            for (int j = 0; j < UNROLL; j++) {
+                const int64_t u = u0 + j * 32 + lane;
+                if (u < units) o[u] = v[j];
+            }
+        }
     }
 }
 
-/* The receive half, channel c: from every rank, its channel-c rows in this rank's slot for it, each expanded into
- * the rows of its copies (out) with their probs, the metadata saved for combine; then the release stamps. */
+/* The local half of a dispatch-like call, over every SM: waits for every other rank's rows of this call, then one
+ * warp per item: a row in this rank's slot for rank s (its copies' rows and probs from the metadata; FP8 dequantized)
+ * or one of this rank's own tokens (its copies computed as the sender does, the row straight from x; FP8 quantized
+ * and dequantized in registers). The copies' rows are saved for combine; the last block releases the slots. */
 template <typename V, bool FP8>
-__device__ void dispatch_recv(const deepep_cuda_call &k, int c, void *out, float *out_probs, int64_t units)
+__global__ void __launch_bounds__(LOCAL_THREADS) dispatch_expand_kernel(deepep_cuda_call k, const void *x,
+                                                                        const float *probs, void *out,
+                                                                        float *out_probs, int64_t units)
 {
-    const int W = k.geo.world, me = k.rank, K = (int)k.topk;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t H = k.hidden, rows_cap = k.geo.rows_cap;
+    const int me = k.rank, K = (int)k.topk;
+    const int lane = threadIdx.x & 31;
+    const int64_t T = k.tokens, H = k.hidden, El = k.local_experts, rows_cap = k.geo.rows_cap;
     const size_t out_row = FP8 ? (size_t)H * 2 : (size_t)units * sizeof(V);
-    __shared__ int64_t range[2];
-    __shared__ int stalled;
-    for (int j = 0; j < W; j++) {
-        const int s = (me + j) % W;
-        if (threadIdx.x == 0) {
-            deepep_flag *f = &header(k.local)->arrived[s][c];
-            stalled = !wait_geq(&f->seq, k.seq, k, DEEPEP_WAIT_ARRIVAL, s);
-            range[0] = *(volatile int64_t *)&f->begin;
-            range[1] = *(volatile int64_t *)&f->end;
-            if (!stalled) {
-                k.recv_range[((int64_t)s * k.channels + c) * 2] = range[0];
-                k.recv_range[((int64_t)s * k.channels + c) * 2 + 1] = range[1];
-            }
-        }
-        __syncthreads();
-        if (stalled) return;
-        for (int64_t i = range[0] + warp; i < range[1]; i += WARPS) {
-            const char *meta = slot_meta(k.geo, k.local, s, i);
+    if (block_wait(k, true)) {
+        const int64_t staged = k.staging_rows; /* rows from other ranks (the combine staging has one per row) */
+        const int64_t items = staged + T;
+        const int64_t step = (int64_t)gridDim.x * LOCAL_WARPS;
+        for (int64_t g = (int64_t)blockIdx.x * LOCAL_WARPS + (threadIdx.x >> 5); g < items; g += step) {
+            int s = me;
+            int64_t i = 0;
             int32_t dst = -1;
+            float p = 0.0f;
+            const char *row = nullptr;
+            if (g < staged) {
+                received_item(k, g, true, &s, &i);
+                const char *meta = slot_meta(k.geo, k.local, s, i);
+                if (lane < K) {
+                    dst = __ldcg((const int32_t *)meta + lane);
+                    if (dst >= 0 && out_probs)
+                        p = (float)__ldcg((const double *)(meta + k.geo.meta_prob_offset) + lane);
+                }
+                row = slot_row(k.geo, k.local, s, i);
+            } else {
+                const int64_t t = g - staged;
+                const int32_t *ex = k.excl + (int64_t)me * (T + 1);
+                i = ex[t];
+                if (ex[t + 1] == i) continue; /* no copy of token t here; the same on every lane */
+                const int32_t e = lane < K ? k.topk_idx[t * K + lane] : -1;
+                if (e >= 0 && e / El == me) {
+                    dst = (int32_t)(k.base[e] + k.row_of_copy[t * K + lane] - k.expert_offsets[e]);
+                    if (probs) p = probs[t * K + lane];
+                }
+                row = (const char *)x + (size_t)t * (FP8 ? (size_t)H * 2 : (size_t)units * sizeof(V));
+            }
             if (lane < K) {
-                dst = __ldcg((const int32_t *)meta + lane);
                 k.recv_meta[((int64_t)s * rows_cap + i) * K + lane] = dst;
-                if (dst >= 0 && out_probs) out_probs[dst] = (float)__ldcg((const double *)(meta + k.geo.meta_prob_offset) + lane);
+                if (dst >= 0 && out_probs) out_probs[dst] = p;
             }
             const unsigned copies = __ballot_sync(FULL, dst >= 0);
-            const char *row = slot_row(k.geo, k.local, s, i);
             if (!FP8) {
-                for (int64_t u0 = 0; u0 < units; u0 += 32 * UNROLL) {
-                    V v[UNROLL];
-#pragma unroll
-                    for (int j2 = 0; j2 < UNROLL; j2++) {
-                        const int64_t u = u0 + j2 * 32 + lane;
-                        if (u < units) v[j2] = load_cg((const V *)row + u);
-                    }
-                    for (unsigned m = copies; m; m &= m - 1) {
-                        const int r = __shfl_sync(FULL, dst, __ffs(m) - 1);
-                        V *o = (V *)((char *)out + (size_t)r * out_row);
-#pragma unroll
-                        for (int j2 = 0; j2 < UNROLL; j2++) {
-                            const int64_t u = u0 + j2 * 32 + lane;
-                            if (u < units) o[u] = v[j2];
-                        }
-                    }
-                }
+                if (s == me) expand_row<V, true>((const V *)row, units, copies, dst, out, out_row);
+                else expand_row<V, false>((const V *)row, units, copies, dst, out, out_row);
             } else {
-                for (int64_t e0 = 0; e0 < H; e0 += 256) {
-                    const int64_t at = e0 + lane * 8;
-                    const bool valid = at < H;
-                    int4 outv = make_int4(0, 0, 0, 0);
-                    if (valid) {
-                        const uint2 q = __ldcg((const uint2 *)(row + at));
-                        const float inv = __ldcg((const float *)(row + H) + at / DEEPEP_FP8_BLOCK);
-                        const unsigned char *qb = (const unsigned char *)&q;
-                        __nv_bfloat16 *ob = (__nv_bfloat16 *)&outv;
-#pragma unroll
-                        for (int j2 = 0; j2 < 8; j2++) {
-                            __half_raw hr = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)qb[j2], __NV_E4M3);
-                            ob[j2] = __float2bfloat16_rn(__fmul_rn(__half2float(__half(hr)), inv));
+                for (int64_t e0 = 0; e0 < H; e0 += 512) {
+                    const int64_t at = e0 + lane * 16;
+                    int4 q = make_int4(0, 0, 0, 0), o[2];
+                    float inv = 1.0f;
+                    if (s == me) {
+                        int4 raw[2] = {make_int4(0, 0, 0, 0), make_int4(0, 0, 0, 0)};
+                        if (at < H) {
+                            raw[0] = load_ro((const int4 *)row + at / 8);
+                            raw[1] = load_ro((const int4 *)row + at / 8 + 1);
                         }
+                        inv = quantize16(raw, &q); /* every lane: shuffles inside */
+                    } else if (at < H) {
+                        q = __ldcg((const int4 *)(row + at));
+                        inv = __ldcg((const float *)(row + H) + at / DEEPEP_FP8_BLOCK);
                     }
+                    dequantize16(q, inv, o);
                     for (unsigned m = copies; m; m &= m - 1) {
                         const int r = __shfl_sync(FULL, dst, __ffs(m) - 1);
-                        if (valid) *(int4 *)((char *)out + (size_t)r * out_row + at * 2) = outv;
+                        if (at < H) {
+                            int4 *w = (int4 *)((char *)out + (size_t)r * out_row + at * 2);
+                            w[0] = o[0];
+                            w[1] = o[1];
+                        }
                     }
                 }
             }
         }
-        __syncthreads();
-        if (threadIdx.x == 0) st_release_sys(&header(k.peers[s])->consumed[me][c], k.seq);
     }
+    block_finish(k);
 }
-
-template <typename V, bool FP8>
-__global__ void __launch_bounds__(THREADS) dispatch_kernel(deepep_cuda_call k, const void *x, const float *probs,
-                                                           void *out, float *out_probs, int64_t units)
-{
-    if (*(volatile int *)k.abort_flag) return;
-    if ((int)blockIdx.x < k.channels) dispatch_send<V, FP8>(k, blockIdx.x, x, probs, units);
-    else dispatch_recv<V, FP8>(k, blockIdx.x - k.channels, out, out_probs, units);
-}
-
-/* ---- combine ---- */
 
 template <typename T> struct elem;
 template <> struct elem<float> {
@@ -466,114 +583,157 @@ __device__ __forceinline__ void warp_sum_rows(const T *const *src, int n, int64_
     }
 }
 
-/* The send half of a combine-like call, channel c: for every rank s, the rows received from it in channel c; each
- * row's copies summed in fp32 (k order) and written back into s's slot for this rank, prob gradients alongside.
- * One warp per row; the copies' rows go through a per-warp list in shared memory (no shuffles inside the row loop). */
+/* The first local half of a combine-like call, over every SM: one warp per row received in the last dispatch-like
+ * call (every source, this rank's own tokens included): its copies' rows summed in fp32 in k order, rounded to the
+ * rows' dtype, into this rank's own slot (own tokens) or the staging area (the NVLink phase sends those), with the
+ * copies' prob gradients in the metadata entry when asked. */
 template <typename T, int N>
-__device__ void combine_send(const deepep_cuda_call &k, int c, const T *rows, const float *row_probs)
+__global__ void __launch_bounds__(LOCAL_THREADS) combine_reduce_kernel(deepep_cuda_call k, const T *rows,
+                                                                       const float *row_probs)
 {
-    __shared__ const T *src[WARPS][32];
-    const int W = k.geo.world, me = k.rank, K = (int)k.topk;
+    __shared__ const T *src[LOCAL_WARPS][32];
+    if (*(volatile int *)k.abort_flag) return; /* no block-wide barrier below: a per-thread return is fine */
+    const int me = k.rank, K = (int)k.topk;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t H = k.hidden, rows_cap = k.geo.rows_cap, packs = H / N;
-    if (!block_wait_consumed(k)) return;
-    for (int j = 0; j < W; j++) {
-        const int s = (me + 1 + j) % W;
-        const int64_t begin = k.recv_range[((int64_t)s * k.channels + c) * 2];
-        const int64_t end = k.recv_range[((int64_t)s * k.channels + c) * 2 + 1];
-        for (int64_t i = begin + warp; i < end; i += WARPS) {
-            const int32_t dst = lane < K ? k.recv_meta[((int64_t)s * rows_cap + i) * K + lane] : -1;
-            const unsigned copies = __ballot_sync(FULL, dst >= 0);
-            const int n = __popc(copies);
-            if (dst >= 0) src[warp][__popc(copies & ((1u << lane) - 1u))] = rows + (int64_t)dst * H;
-            char *meta = slot_meta(k.geo, k.peers[s], me, i);
-            if (lane < K)
-                ((double *)(meta + k.geo.meta_prob_offset))[lane] =
-                    (row_probs && dst >= 0) ? (double)row_probs[dst] : 0.0;
-            __syncwarp();
-            T *o = (T *)slot_row(k.geo, k.peers[s], me, i);
-            if (n > 0) {
-                warp_sum_rows<T, N>(src[warp], n, packs, o, false);
-            } else { /* a received row always has a copy here; kept for safety: -0, the empty sum */
-                float z[N];
-#pragma unroll
-                for (int e = 0; e < N; e++) z[e] = -0.0f;
-                for (int64_t q = lane; q < packs; q += 32) store_pack<T, N>(o + q * N, z);
-            }
-            __syncwarp();
+    int64_t items = 0;
+    for (int r = 0; r < k.geo.world; r++) items += k.recv_tokens[r];
+    const int64_t step = (int64_t)gridDim.x * LOCAL_WARPS;
+    for (int64_t g = (int64_t)blockIdx.x * LOCAL_WARPS + warp; g < items; g += step) {
+        int s = 0;
+        int64_t i = 0;
+        received_item(k, g, false, &s, &i);
+        const int32_t dst = lane < K ? k.recv_meta[((int64_t)s * rows_cap + i) * K + lane] : -1;
+        const unsigned copies = __ballot_sync(FULL, dst >= 0);
+        const int n = __popc(copies);
+        if (dst >= 0) src[warp][__popc(copies & ((1u << lane) - 1u))] = rows + (int64_t)dst * H;
+        char *o, *meta;
+        if (s == me) {
+            o = slot_row(k.geo, k.local, me, i);
+            meta = slot_meta(k.geo, k.local, me, i);
+        } else {
+            const int64_t j = k.staged_off[s] + i;
+            o = staged_row(k, j);
+            meta = staged_meta(k, j);
         }
-        __threadfence_system();
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            deepep_flag *f = &header(k.peers[s])->arrived[me][c];
-            *(volatile int64_t *)&f->begin = begin;
-            *(volatile int64_t *)&f->end = end;
-            __threadfence_system();
-            st_release_sys(&f->seq, k.seq);
-        }
-    }
-}
-
-/* The receive half, channel c: this rank's tokens [t0, t1), each the sum in rank order of the partials its expert
- * ranks wrote into this buffer (fp32), into out; prob gradients to their (t, k) slots; then the release stamps. */
-template <typename T, int N>
-__device__ void combine_recv(const deepep_cuda_call &k, int c, T *out, bool accumulate, float *out_probs)
-{
-    __shared__ const T *src[WARPS][DEEPEP_MAX_RANKS];
-    const int W = k.geo.world, me = k.rank, K = (int)k.topk;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t T_ = k.tokens, H = k.hidden, El = k.local_experts, packs = H / N;
-    const int64_t t0 = T_ * c / k.channels, t1 = T_ * (c + 1) / k.channels;
-    if (!block_wait_all(&header(k.local)->arrived[0][c].seq, DEEPEP_MAX_CHANNELS * 4, W, k.seq, k,
-                        DEEPEP_WAIT_ARRIVAL))
-        return;
-    for (int64_t t = t0 + warp; t < t1; t += WARPS) {
-        int64_t pos = -1;
-        if (lane < W) {
-            const int32_t *ex = k.excl + (int64_t)lane * (T_ + 1);
-            if (ex[t + 1] > ex[t]) pos = ex[t];
-        }
-        const unsigned ranks = __ballot_sync(FULL, pos >= 0);
-        const int n = __popc(ranks);
-        if (pos >= 0) src[warp][__popc(ranks & ((1u << lane) - 1u))] = (const T *)slot_row(k.geo, k.local, lane, pos);
+        if (row_probs && lane < K) ((double *)(meta + k.geo.meta_prob_offset))[lane] = dst >= 0 ? (double)row_probs[dst] : 0.0;
         __syncwarp();
-        T *o = out + t * H;
         if (n > 0) {
-            warp_sum_rows<T, N>(src[warp], n, packs, o, accumulate);
-        } else if (!accumulate) { /* no kept copy: 0 (+0, as the CPU path) */
+            warp_sum_rows<T, N>(src[warp], n, packs, (T *)o, false);
+        } else { /* a received row always has a copy here; kept for safety: -0, the empty sum */
             float z[N];
 #pragma unroll
-            for (int e = 0; e < N; e++) z[e] = 0.0f;
-            for (int64_t q = lane; q < packs; q += 32) store_pack<T, N>(o + q * N, z);
-        }
-        if (out_probs && lane < K) {
-            const int32_t e = k.topk_idx[t * K + lane];
-            float v = 0.0f;
-            if (e >= 0) {
-                const int d = (int)(e / El);
-                const int64_t p = k.excl[(int64_t)d * (T_ + 1) + t];
-                v = (float)__ldcg((const double *)(slot_meta(k.geo, k.local, d, p) + k.geo.meta_prob_offset) + lane);
-            }
-            out_probs[t * K + lane] = v;
+            for (int e = 0; e < N; e++) z[e] = -0.0f;
+            for (int64_t q = lane; q < packs; q += 32) store_pack<T, N>((T *)o + q * N, z);
         }
         __syncwarp();
     }
-    __syncthreads();
-    if (threadIdx.x < W) st_release_sys(&header(k.peers[threadIdx.x])->consumed[me][c], k.seq);
 }
 
-template <typename T, int N>
-__global__ void __launch_bounds__(THREADS) combine_kernel(deepep_cuda_call k, const T *rows, const float *row_probs,
-                                                          T *out, bool accumulate, float *out_probs)
+/* The NVLink phase of a combine-like call, block c: its share of the staged partials, interleaved over the other
+ * ranks (item g: row g / (W-1) of the (g % (W-1))-th other rank), one warp per row, each written into the token's
+ * rank (this rank's slot there, the row the token had in dispatch), with the prob gradients when asked; then the
+ * block's arrival flag in every other rank. Rows move as whole 16-byte units (slots and staging rows are padded). */
+__global__ void __launch_bounds__(SEND_THREADS) combine_send_kernel(deepep_cuda_call k, int64_t units, bool with_probs)
 {
-    if (*(volatile int *)k.abort_flag) return;
-    if ((int)blockIdx.x < k.channels) combine_send<T, N>(k, blockIdx.x, rows, row_probs);
-    else combine_recv<T, N>(k, blockIdx.x - k.channels, out, accumulate, out_probs);
+    const int W = k.geo.world, me = k.rank, K = (int)k.topk, c = blockIdx.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    int others[DEEPEP_MAX_RANKS], n_others = 0;
+    int64_t longest = 0;
+    for (int r = 0; r < W; r++)
+        if (r != me) {
+            others[n_others++] = r;
+            if (k.recv_tokens[r] > longest) longest = k.recv_tokens[r];
+        }
+    const int64_t items = longest * n_others;
+    const int64_t g0 = items * c / k.channels, g1 = items * (c + 1) / k.channels;
+    if (!block_wait(k, false)) return;
+    for (int64_t g = g0 + warp; g < g1; g += warps) {
+        const int s = others[g % n_others];
+        const int64_t i = g / n_others;
+        if (i >= k.recv_tokens[s]) continue;
+        const int64_t j = k.staged_off[s] + i;
+        const int4 *from = (const int4 *)staged_row(k, j);
+        int4 *to = (int4 *)slot_row(k.geo, k.peers[s], me, i);
+        for (int64_t u0 = 0; u0 < units; u0 += 32 * UNROLL) {
+            int4 v[UNROLL];
+#pragma unroll
+            for (int q = 0; q < UNROLL; q++) {
+                const int64_t u = u0 + q * 32 + lane;
+                if (u < units) v[q] = load_ro(from + u);
+            }
+#pragma unroll
+            for (int q = 0; q < UNROLL; q++) {
+                const int64_t u = u0 + q * 32 + lane;
+                if (u < units) to[u] = v[q];
+            }
+        }
+        if (with_probs && lane < K) {
+            const double *pf = (const double *)(staged_meta(k, j) + k.geo.meta_prob_offset);
+            ((double *)(slot_meta(k.geo, k.peers[s], me, i) + k.geo.meta_prob_offset))[lane] = __ldg(pf + lane);
+        }
+    }
+    block_publish(k);
+}
+
+/* The second local half, over every SM: waits for every other rank's partials of this call, then one warp per token of
+ * this rank: its partials summed in rank order (fp32, from -0 or from out's value) into out (0 / untouched without a
+ * kept copy), prob gradients to their (t, k) slots; the last block releases the slots. */
+template <typename T, int N>
+__global__ void __launch_bounds__(LOCAL_THREADS) combine_final_kernel(deepep_cuda_call k, T *out, bool accumulate,
+                                                                      float *out_probs)
+{
+    __shared__ const T *src[LOCAL_WARPS][DEEPEP_MAX_RANKS];
+    const int W = k.geo.world, K = (int)k.topk;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t T_ = k.tokens, H = k.hidden, El = k.local_experts, packs = H / N;
+    if (block_wait(k, true)) {
+        const int64_t step = (int64_t)gridDim.x * LOCAL_WARPS;
+        for (int64_t t = (int64_t)blockIdx.x * LOCAL_WARPS + warp; t < T_; t += step) {
+            int64_t pos = -1;
+            if (lane < W) {
+                const int32_t *ex = k.excl + (int64_t)lane * (T_ + 1);
+                if (ex[t + 1] > ex[t]) pos = ex[t];
+            }
+            const unsigned ranks = __ballot_sync(FULL, pos >= 0);
+            const int n = __popc(ranks);
+            if (pos >= 0)
+                src[warp][__popc(ranks & ((1u << lane) - 1u))] = (const T *)slot_row(k.geo, k.local, lane, pos);
+            __syncwarp();
+            T *o = out + t * H;
+            if (n > 0) {
+                warp_sum_rows<T, N>(src[warp], n, packs, o, accumulate);
+            } else if (!accumulate) { /* no kept copy: 0 (+0, as the CPU path) */
+                float z[N];
+#pragma unroll
+                for (int e = 0; e < N; e++) z[e] = 0.0f;
+                for (int64_t q = lane; q < packs; q += 32) store_pack<T, N>(o + q * N, z);
+            }
+            if (out_probs && lane < K) {
+                const int32_t e = k.topk_idx[t * K + lane];
+                float v = 0.0f;
+                if (e >= 0) {
+                    const int d = (int)(e / El);
+                    const int64_t p = k.excl[(int64_t)d * (T_ + 1) + t];
+                    v = (float)__ldcg((const double *)(slot_meta(k.geo, k.local, d, p) + k.geo.meta_prob_offset) +
+                                      lane);
+                }
+                out_probs[t * K + lane] = v;
+            }
+            __syncwarp();
+        }
+    }
+    block_finish(k);
 }
 
 /* ---- host side ---- */
 
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+extern "C" size_t deepep_cuda_staging_bytes(const deepep_geometry *geo, int64_t rows)
+{
+    return (size_t)(rows < 1 ? 1 : rows) * (geo->row_stride + geo->meta_stride);
+}
 
 extern "C" moert_result deepep_cuda_zero(const moert_host *host, void *ptr, size_t bytes)
 {
@@ -619,29 +779,67 @@ extern "C" moert_result deepep_cuda_token_ranks(const moert_host *host, cudaStre
     return MOERT_OK;
 }
 
+/* The two kernels of a dispatch-like call with row unit V: the NVLink phase, then the expansion (or, for a bench
+ * asking for the NVLink phase alone, the release). */
+template <typename V, bool FP8>
+static moert_result launch_dispatch(const moert_host *host, cudaStream_t stream, const deepep_cuda_call *call,
+                                    const void *x, const float *probs, void *out, float *out_probs, int64_t units)
+{
+    dispatch_send_kernel<V, FP8><<<call->channels, FP8 ? FP8_SEND_THREADS : SEND_THREADS, 0, stream>>>(*call, x, probs,
+                                                                                                    units);
+    LAUNCH_CHECK(host, "deepep dispatch_send_kernel");
+    if (call->nvlink_only) {
+        release_kernel<<<1, LOCAL_THREADS, 0, stream>>>(*call);
+        LAUNCH_CHECK(host, "deepep release_kernel");
+        return MOERT_OK;
+    }
+    dispatch_expand_kernel<V, FP8><<<call->sms * LOCAL_BLOCKS_PER_SM, LOCAL_THREADS, 0, stream>>>(
+        *call, x, probs, out, out_probs, units);
+    LAUNCH_CHECK(host, "deepep dispatch_expand_kernel");
+    return MOERT_OK;
+}
+
 extern "C" moert_result deepep_cuda_dispatch(const moert_host *host, cudaStream_t stream, const deepep_cuda_call *call,
                                              moert_dtype dtype, bool fp8, const void *x, const float *probs, void *out,
                                              float *out_probs)
 {
-    const int blocks = 2 * call->channels;
     const size_t row_bytes = (size_t)call->hidden * moert_dtype_size(dtype);
     if (fp8) {
         if (dtype != MOERT_BF16 || call->hidden % DEEPEP_FP8_BLOCK != 0 || !aligned16(x) || !aligned16(out))
             return report(host, MOERT_ERR_UNSUPPORTED, "deepep fp8 dispatch: needs bf16 rows, hidden %% 128 == 0 and "
                           "16-byte aligned tensors (dtype %s, hidden %lld)", moert_dtype_name(dtype),
                           (long long)call->hidden);
-        dispatch_kernel<int4, true><<<blocks, THREADS, 0, stream>>>(*call, x, probs, out, out_probs, 0);
-    } else if (row_bytes % 16 == 0 && aligned16(x) && aligned16(out)) {
-        dispatch_kernel<int4, false><<<blocks, THREADS, 0, stream>>>(*call, x, probs, out, out_probs,
-                                                                     (int64_t)(row_bytes / 16));
-    } else if (dtype == MOERT_F32) {
-        dispatch_kernel<uint32_t, false><<<blocks, THREADS, 0, stream>>>(*call, x, probs, out, out_probs,
-                                                                         call->hidden);
-    } else {
-        dispatch_kernel<unsigned short, false><<<blocks, THREADS, 0, stream>>>(*call, x, probs, out, out_probs,
-                                                                               call->hidden);
+        return launch_dispatch<int4, true>(host, stream, call, x, probs, out, out_probs, 0);
     }
-    LAUNCH_CHECK(host, "deepep dispatch_kernel");
+    if (row_bytes % 16 == 0 && aligned16(x) && aligned16(out))
+        return launch_dispatch<int4, false>(host, stream, call, x, probs, out, out_probs, (int64_t)(row_bytes / 16));
+    if (dtype == MOERT_F32)
+        return launch_dispatch<unsigned, false>(host, stream, call, x, probs, out, out_probs, call->hidden);
+    return launch_dispatch<unsigned short, false>(host, stream, call, x, probs, out, out_probs, call->hidden);
+}
+
+/* The three kernels of a combine-like call with element T in packs of N: the reduction, the NVLink phase, the final
+ * sum (or, for a bench asking for the NVLink phase alone, only the NVLink phase and the release). */
+template <typename T, int N>
+static moert_result launch_combine(const moert_host *host, cudaStream_t stream, const deepep_cuda_call *call,
+                                   const void *rows, const float *row_probs, void *out, bool accumulate,
+                                   float *out_probs)
+{
+    const int local_blocks = call->sms * LOCAL_BLOCKS_PER_SM;
+    const int64_t units = (int64_t)((call->hidden * (int64_t)sizeof(T) + 15) / 16);
+    if (!call->nvlink_only) {
+        combine_reduce_kernel<T, N><<<local_blocks, LOCAL_THREADS, 0, stream>>>(*call, (const T *)rows, row_probs);
+        LAUNCH_CHECK(host, "deepep combine_reduce_kernel");
+    }
+    combine_send_kernel<<<call->channels, SEND_THREADS, 0, stream>>>(*call, units, row_probs != NULL);
+    LAUNCH_CHECK(host, "deepep combine_send_kernel");
+    if (call->nvlink_only) {
+        release_kernel<<<1, LOCAL_THREADS, 0, stream>>>(*call);
+        LAUNCH_CHECK(host, "deepep release_kernel");
+        return MOERT_OK;
+    }
+    combine_final_kernel<T, N><<<local_blocks, LOCAL_THREADS, 0, stream>>>(*call, (T *)out, accumulate, out_probs);
+    LAUNCH_CHECK(host, "deepep combine_final_kernel");
     return MOERT_OK;
 }
 
@@ -649,27 +847,18 @@ extern "C" moert_result deepep_cuda_combine(const moert_host *host, cudaStream_t
                                             moert_dtype dtype, const void *rows, const float *row_probs, void *out,
                                             bool accumulate, float *out_probs)
 {
-    const int blocks = 2 * call->channels;
     const int64_t H = call->hidden;
     const bool vec = aligned16(rows) && aligned16(out);
     if (dtype == MOERT_BF16) {
         if (vec && H % 8 == 0)
-            combine_kernel<__nv_bfloat16, 8><<<blocks, THREADS, 0, stream>>>(
-                *call, (const __nv_bfloat16 *)rows, row_probs, (__nv_bfloat16 *)out, accumulate, out_probs);
-        else
-            combine_kernel<__nv_bfloat16, 1><<<blocks, THREADS, 0, stream>>>(
-                *call, (const __nv_bfloat16 *)rows, row_probs, (__nv_bfloat16 *)out, accumulate, out_probs);
-    } else if (dtype == MOERT_F32) {
-        if (vec && H % 4 == 0)
-            combine_kernel<float, 4><<<blocks, THREADS, 0, stream>>>(*call, (const float *)rows, row_probs,
-                                                                     (float *)out, accumulate, out_probs);
-        else
-            combine_kernel<float, 1><<<blocks, THREADS, 0, stream>>>(*call, (const float *)rows, row_probs,
-                                                                     (float *)out, accumulate, out_probs);
-    } else {
-        return report(host, MOERT_ERR_UNSUPPORTED, "deepep combine on CUDA: rows of dtype %s (bf16 or fp32 only)",
-                      moert_dtype_name(dtype));
+            return launch_combine<__nv_bfloat16, 8>(host, stream, call, rows, row_probs, out, accumulate, out_probs);
+        return launch_combine<__nv_bfloat16, 1>(host, stream, call, rows, row_probs, out, accumulate, out_probs);
     }
-    LAUNCH_CHECK(host, "deepep combine_kernel");
-    return MOERT_OK;
+    if (dtype == MOERT_F32) {
+        if (vec && H % 4 == 0)
+            return launch_combine<float, 4>(host, stream, call, rows, row_probs, out, accumulate, out_probs);
+        return launch_combine<float, 1>(host, stream, call, rows, row_probs, out, accumulate, out_probs);
+    }
+    return report(host, MOERT_ERR_UNSUPPORTED, "deepep combine on CUDA: rows of dtype %s (bf16 or fp32 only)",
+                  moert_dtype_name(dtype));
 }

@@ -1,13 +1,17 @@
 /*
- * CUDA kernels of the "deepep" dispatcher: the token-rank layout pass and the fused send/receive kernels that write
- * rows straight into the peers' buffers over NVLink (deepep_buffer.h describes the buffer and the flag protocol).
+ * CUDA kernels of the "deepep" dispatcher: the token-rank layout pass, and each call as an NVLink phase of `channels`
+ * blocks (every block sends) between local kernels over every SM (deepep_buffer.h describes the buffer and the flags).
  *
- * A communication kernel has 2 * channels blocks: block c < channels sends channel c (a contiguous range of this
- * rank's tokens, or of the rows received from each rank in that channel), block channels + c receives channel c
- * from every rank. Every wait is bounded by the call's timeout: a wait that runs out records
- * (seq << 16 | kind << 8 | peer) in error_word, raises abort_flag (later kernels of the instance return at once)
- * and the kernel ends; the host reads the word at its next sync (prepare()).
- * Everything is enqueued on the given stream; errors go to host->set_error with the call named.
+ *   dispatch: send (channels blocks: each token once into every other rank holding one of its experts, FP8 quantized
+ *             on the way), then expand (every SM: waits for the peers' rows, copies/dequantizes them into the rows of
+ *             their copies, and this rank's own tokens straight from x; the last block releases the slots).
+ *   combine:  reduce (every SM: each received token's copies summed in fp32, one partial per (token, rank), the
+ *             own rank's into its own slot, the others' into a local staging area), then send (channels blocks: the
+ *             staged partials into the token's rank), then final (every SM: each token's partials summed in rank
+ *             order; the last block releases the slots).
+ * Every wait is bounded by the call's timeout: a wait that runs out records (seq << 16 | kind << 8 | peer) in
+ * error_word, raises abort_flag (later kernels of the instance return at once) and the kernel ends; the host reads
+ * the word at its next sync (prepare()). Everything is enqueued on the given stream; errors go to host->set_error.
  */
 #ifndef MOERT_DEEPEP_CUDA_H
 #define MOERT_DEEPEP_CUDA_H
@@ -26,7 +30,9 @@ typedef struct deepep_cuda_call {
     deepep_geometry geo;
     void *local;                    /* this rank's buffer */
     void *peers[DEEPEP_MAX_RANKS];  /* every rank's buffer, as this device reaches it */
-    int rank, channels;
+    int rank, channels;             /* channels: blocks of the NVLink phase */
+    int sms;                        /* SMs of the device: grid of the local kernels is 2 * sms */
+    bool nvlink_only;               /* bench aid: run only the NVLink phase (rows cross, arrive, are released) */
     int64_t seq, timeout_ns;
     int64_t tokens, topk, hidden, local_experts;
     const int32_t *topk_idx;        /* [T,K] */
@@ -35,13 +41,20 @@ typedef struct deepep_cuda_call {
     const int64_t *expert_offsets;  /* [E+1] its per-expert starts */
     const int64_t *base;            /* [E] first row, on expert e's rank, of this rank's copies to e */
     int32_t *recv_meta;             /* [world][rows_cap][K] rows of each received copy (dispatch-like calls save) */
-    int64_t *recv_range;            /* [world][channels][2] received slot rows per rank and channel */
+    int64_t recv_tokens[DEEPEP_MAX_RANKS]; /* tokens of rank s with a copy here (rows in this rank's slot s) */
+    int64_t staged_off[DEEPEP_MAX_RANKS];  /* combine: first staging row of source s (s != rank) */
+    void *staging;                  /* combine: staged partials, rows of geo.row_stride, then metadata entries */
+    int64_t staging_rows;           /* rows of the staging area (sum of recv_tokens[s], s != rank) */
     unsigned long long *error_word; /* device: the first stall */
     int *abort_flag;                /* device: set with the error word */
+    unsigned *done_blocks;          /* device: blocks of a local kernel that finished (the last one releases) */
 } deepep_cuda_call;
 
 /* Zeroes `bytes` at a device pointer and waits for it (init only). */
 moert_result deepep_cuda_zero(const moert_host *host, void *ptr, size_t bytes);
+
+/* Bytes of the combine staging area for `rows` rows of this geometry. */
+size_t deepep_cuda_staging_bytes(const deepep_geometry *geo, int64_t rows);
 
 /* Waits (polling, at most timeout_ms) until every rank's release stamp in this buffer's header has reached seq for
  * every channel. Returns -1 when done, else the rank that did not. */
@@ -55,7 +68,8 @@ moert_result deepep_cuda_token_ranks(const moert_host *host, cudaStream_t stream
 
 /* A dispatch-like call: rows of x (dtype bf16 or fp32, [T,H]) to every rank holding one of their experts, expanded
  * there into out ([num_recv,H]) with their probs (fp32, may be NULL); fp8: E4M3 with 1x128 fp32 scales on the
- * wire (bf16 rows, H % 128 == 0), dequantized into out. */
+ * wire (bf16 rows, H % 128 == 0), dequantized into out (this rank's own tokens are quantized and dequantized in
+ * registers, the same bits). */
 moert_result deepep_cuda_dispatch(const moert_host *host, cudaStream_t stream, const deepep_cuda_call *call,
                                   moert_dtype dtype, bool fp8, const void *x, const float *probs, void *out,
                                   float *out_probs);

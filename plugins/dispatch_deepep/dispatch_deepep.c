@@ -39,9 +39,11 @@ typedef struct deepep_cuda_state {
     deepep_array tokens_to;       /* int64 [W] */
     deepep_array upload;          /* int64 [El + E]: tokens_per_expert, then base */
     deepep_array recv_meta;       /* int32 [W][rows_cap][K] */
-    deepep_array recv_range;      /* int64 [W][C][2] */
+    deepep_array staging;         /* combine: staged partials, deepep_cuda_staging_bytes() */
+    int sms;                      /* SMs of the device: the local kernels' grid */
     deepep_array topk_idx;        /* int32 [T*K]: prepare()'s routing, kept for the step */
-    deepep_array status;          /* device: unsigned long long error word, then int abort flag */
+    deepep_array status;          /* device: unsigned long long error word, int abort flag (at 8), unsigned
+                                   * finished-block counter (at 16) */
     int64_t *pinned;              /* [E + W + 2]: counts, tokens_to, bad ids, error word */
     int64_t *pinned_upload;       /* [El + E] */
 } deepep_cuda_state;
@@ -53,6 +55,7 @@ typedef struct deepep_ctx {
     int world, rank;
     int64_t num_sms, channels, timeout_ms;
     bool fp8;                   /* dispatch_dtype "fp8" */
+    bool nvlink_only;           /* bench_nvlink_only: CUDA calls run only their NVLink phase */
     bool on_cuda;
     moert_result broken;        /* MOERT_OK, or the code of a stall after which the group's buffers are out of step */
     char broken_msg[512];
@@ -282,16 +285,10 @@ static moert_result deepep_init(void **out, const moert_host *host, const moert_
     c->on_cuda = layer->device.type == MOERT_DEVICE_CUDA;
     static const char *const dtypes[] = {"bf16", "fp8", NULL};
     int dispatch_dtype = 0;
-    moert_result rc = host->option_int(host, "num_sms", 0, 0, 2 * DEEPEP_MAX_CHANNELS,
-                                       "SMs (thread blocks) of each communication kernel: half send, half receive "
-                                       "(channels = num_sms / 2); 0: every SM of the device (at most 132), what a "
-                                       "layer wants when nothing else runs beside dispatch and combine; the CPU path "
-                                       "ignores it", &c->num_sms);
-    if (rc == MOERT_OK && c->num_sms == 1) {
-        host->set_error(host, "config error: num_sms is 1, expected 0 (every SM of the device) or 2..%d (half of them "
-                        "send, half receive)", 2 * DEEPEP_MAX_CHANNELS);
-        rc = MOERT_ERR_CONFIG;
-    }
+    moert_result rc = host->option_int(host, "num_sms", 0, 0, DEEPEP_MAX_CHANNELS,
+                                       "SMs (thread blocks) of the NVLink phase of each call, every one sending; the "
+                                       "local expansion and reductions around it use every SM; 0: every SM of the "
+                                       "device (at most 132); the CPU path ignores it", &c->num_sms);
     if (rc == MOERT_OK)
         rc = host->option_int(host, "timeout_ms", 60000, 10, 3600000,
                               "bound of every wait for a peer's rows or flags; a stalled peer is named in the error",
@@ -300,12 +297,17 @@ static moert_result deepep_init(void **out, const moert_host *host, const moert_
         rc = host->option_enum(host, "dispatch_dtype", dtypes, 0,
                                "what forward dispatch() sends: the rows as they are (\"bf16\"), or E4M3 with one fp32 "
                                "scale per 1x128 block (\"fp8\"), dequantized on receipt", &dispatch_dtype);
+    if (rc == MOERT_OK)
+        rc = host->option_bool(host, "bench_nvlink_only", false,
+                               "benchmark aid: CUDA calls run only their NVLink phase (rows cross, arrive and are "
+                               "released; recv_x, y and the prob outputs are not written); never for a layer",
+                               &c->nvlink_only);
     if (rc != MOERT_OK) {
         free(c);
         return rc;
     }
     c->fp8 = dispatch_dtype == 1;
-    c->channels = c->num_sms / 2 < 1 ? 1 : c->num_sms / 2; /* 0 (every SM) is resolved by cuda_init() */
+    c->channels = c->num_sms < 1 ? 1 : c->num_sms; /* 0 (every SM) is resolved by cuda_init() */
     if (c->fp8 && layer->hidden % DEEPEP_FP8_BLOCK != 0) {
         free(c);
         host->set_error(host, "config error: dispatch_dtype \"fp8\" needs hidden divisible by %d (1x%d scale "
@@ -465,9 +467,9 @@ static moert_result deepep_prepare(void *ctx, moert_stream stream, const moert_t
             return fail(c, MOERT_ERR_INVALID_ARGUMENT,
                         "prepare(): rank %d failed its prepare() (see its error), so this step cannot dispatch", s);
         if (row[E + W + 1] != c->channels)
-            return fail(c, MOERT_ERR_CONFIG, "prepare(): rank %d uses %lld channels (num_sms %lld), this rank %lld: "
-                        "every rank needs the same num_sms", s, (long long)row[E + W + 1],
-                        (long long)(2 * row[E + W + 1]), (long long)c->channels);
+            return fail(c, MOERT_ERR_CONFIG, "prepare(): rank %d sends with %lld blocks (num_sms), this rank with "
+                        "%lld: every rank needs the same num_sms", s, (long long)row[E + W + 1],
+                        (long long)c->channels);
         memcpy(c->plan.all_counts + (int64_t)s * E, row, (size_t)E * sizeof(int64_t));
         memcpy(c->plan.tokens_to + (int64_t)s * W, row + E, (size_t)W * sizeof(int64_t));
         if (row[E + W] > max_tokens) max_tokens = row[E + W];
@@ -603,17 +605,17 @@ static moert_result cuda_init(deepep_ctx *c)
     if (c->fp8 && c->layer.dtype != MOERT_BF16)
         return fail(c, MOERT_ERR_UNSUPPORTED, "dispatch_dtype \"fp8\" on CUDA quantizes bf16 rows, the layer is %s",
                     moert_dtype_name(c->layer.dtype));
-    if (c->num_sms == 0) { /* every SM of the device: channels = SMs / 2, at most DEEPEP_MAX_CHANNELS */
-        int sms = 0;
-        err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, id);
-        if (err != cudaSuccess) {
-            (void)cudaGetLastError();
-            return fail(c, MOERT_ERR_CUDA, "num_sms 0 (every SM): cudaDeviceGetAttribute(MultiProcessorCount) on %s "
-                        "failed: %s", dev, cudaGetErrorString(err));
-        }
-        c->channels = sms / 2 < 1 ? 1 : sms / 2 > DEEPEP_MAX_CHANNELS ? DEEPEP_MAX_CHANNELS : sms / 2;
+    int sms = 0;
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, id);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        return fail(c, MOERT_ERR_CUDA, "cudaDeviceGetAttribute(MultiProcessorCount) on %s failed: %s", dev,
+                    cudaGetErrorString(err));
     }
     deepep_cuda_state *cu = &c->cu;
+    cu->sms = sms < 1 ? 1 : sms;
+    if (c->num_sms == 0) /* every SM of the device, at most DEEPEP_MAX_CHANNELS */
+        c->channels = cu->sms > DEEPEP_MAX_CHANNELS ? DEEPEP_MAX_CHANNELS : cu->sms;
     moert_result rc = array_reserve(c, &cu->status, 64, true);
     if (rc == MOERT_ERR_UNSUPPORTED)
         return fail(c, rc, "the host serving this instance cannot allocate on %s (a CPU-only host): only a CPU path "
@@ -630,7 +632,7 @@ static void cuda_finalize(deepep_ctx *c)
     deepep_cuda_state *cu = &c->cu;
     deepep_array *arrays[] = {&cu->expert_counts, &cu->expert_offsets, &cu->row_of_copy, &cu->copy_of_row,
                               &cu->layout_scratch, &cu->excl, &cu->tokens_to, &cu->upload, &cu->recv_meta,
-                              &cu->recv_range, &cu->status, &cu->topk_idx};
+                              &cu->staging, &cu->status, &cu->topk_idx};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) array_release(c, arrays[i], true);
     if (cu->pinned) c->host->free_pinned(c->host, cu->pinned);
     if (cu->pinned_upload) c->host->free_pinned(c->host, cu->pinned_upload);
@@ -715,7 +717,8 @@ static moert_result cuda_count_local(deepep_ctx *c, moert_stream stream, const m
     return MOERT_OK;
 }
 
-/* prepare()'s plan on CUDA: uploads tokens_per_expert and base (no wait), sizes the saved receive metadata. */
+/* prepare()'s plan on CUDA: uploads tokens_per_expert and base (no wait), sizes the saved receive metadata and the
+ * combine staging area. */
 static moert_result cuda_plan(deepep_ctx *c, moert_stream stream)
 {
     const moert_host *h = c->host;
@@ -729,8 +732,10 @@ static moert_result cuda_plan(deepep_ctx *c, moert_stream stream)
     moert_result rc = h->memcpy_async(h, cu->upload.data, c->layer.device, cu->pinned_upload, moert_cpu(),
                                       (size_t)(El + E) * sizeof(int64_t), stream);
     if (rc == MOERT_OK) rc = array_reserve(c, &cu->recv_meta, (size_t)(W * c->geo.rows_cap * K) * sizeof(int32_t), true);
-    if (rc == MOERT_OK)
-        rc = array_reserve(c, &cu->recv_range, (size_t)(W * c->channels * 2) * sizeof(int64_t), true);
+    int64_t staged = 0; /* rows received from other ranks: combine stages one partial per row */
+    for (int s = 0; s < W; s++)
+        if (s != c->rank) staged += c->plan.tokens_to[(int64_t)s * W + c->rank];
+    if (rc == MOERT_OK) rc = array_reserve(c, &cu->staging, deepep_cuda_staging_bytes(&c->geo, staged), true);
     return rc;
 }
 
@@ -745,6 +750,8 @@ static deepep_cuda_call cuda_call(deepep_ctx *c, int64_t seq)
     for (int r = 0; r < c->world; r++) k.peers[r] = c->peers[r];
     k.rank = c->rank;
     k.channels = (int)c->channels;
+    k.sms = cu->sms;
+    k.nvlink_only = c->nvlink_only;
     k.seq = seq;
     k.timeout_ns = c->timeout_ms * 1000000;
     k.tokens = c->plan.num_tokens;
@@ -757,9 +764,15 @@ static deepep_cuda_call cuda_call(deepep_ctx *c, int64_t seq)
     k.expert_offsets = cu->expert_offsets.data;
     k.base = (const int64_t *)cu->upload.data + c->layer.num_local_experts;
     k.recv_meta = cu->recv_meta.data;
-    k.recv_range = cu->recv_range.data;
+    for (int s = 0; s < c->world; s++) {
+        k.recv_tokens[s] = c->plan.tokens_to[(int64_t)s * c->world + c->rank];
+        k.staged_off[s] = k.staging_rows;
+        if (s != c->rank) k.staging_rows += k.recv_tokens[s];
+    }
+    k.staging = cu->staging.data;
     k.error_word = cu->status.data;
     k.abort_flag = (int *)((char *)cu->status.data + 8);
+    k.done_blocks = (unsigned *)((char *)cu->status.data + 16);
     return k;
 }
 

@@ -32,6 +32,8 @@ run_test() {
 for t in test_kernels test_gpu_smoke test_gpu_router test_gpu_plugins test_gpu_memory test_fp8_convert test_gpu_deepep test_gpu_fp8; do
   [ -x "$BUILD/tests/$t" ] && run_test "$t" "$BUILD/tests/$t"
 done
+# the "hybridep" dispatcher's CUDA path against its CPU path
+[ -x "$BUILD/tests/test_gpu_hybridep" ] && run_test test_gpu_hybridep "$BUILD/tests/test_gpu_hybridep"
 if [ -x "$BUILD/tests/nccl_mp_driver" ]; then
   run_test nccl_multiprocess tests/gpu/test_nccl_multiprocess.sh "$BUILD/tests/nccl_mp_driver"
 fi

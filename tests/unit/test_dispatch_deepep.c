@@ -685,8 +685,9 @@ static void test_errors(void)
     test_instance_close(&ti);
 
     /* bad option values */
-    const char *bad_options[][2] = {{"{\"num_sms\": 1}", "num_sms"},
-                                    {"{\"num_sms\": 200}", "num_sms"},
+    const char *bad_options[][2] = {{"{\"num_sms\": -1}", "num_sms"},
+                                    {"{\"num_sms\": 133}", "num_sms"},
+                                    {"{\"bench_nvlink_only\": 2}", "bench_nvlink_only"},
                                     {"{\"timeout_ms\": 0}", "timeout_ms"},
                                     {"{\"dispatch_dtype\": \"fp9\"}", "dispatch_dtype"},
                                     {"{\"dispatch_dtype\": \"fp8\"}", "needs hidden divisible by 128"}};

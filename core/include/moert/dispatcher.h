@@ -11,7 +11,8 @@ extern "C" {
 /* What prepare() learned about one step's routing; valid until the next prepare(). */
 typedef struct moert_dispatch_layout {
     uint32_t struct_size;
-    int64_t num_recv;             /* rows this rank receives: token copies for its local experts */
+    int64_t num_recv;             /* rows this rank receives: token copies for its local experts; -1 when the
+                                     dispatcher does not sync (tokens_per_expert_host NULL: the count is on the device) */
     int64_t capacity;             /* rows the receive buffers must hold (>= num_recv; worst case when the
                                      dispatcher avoids host syncs) */
     moert_tensor tokens_per_expert;          /* [E_local] int64 rows per local expert, on the layer device */

@@ -1,0 +1,307 @@
+/* The "hybridep" dispatcher's CUDA path on every visible GPU (a thread per GPU, EP = the GPU count), through the plugin
+ * as the executor calls it: dispatch and combine of the deepseek-v3 shape (T 4096 tokens per rank, H 7168, top-8 of 256
+ * experts, uniform routing, bf16) at 8, 12 and 16 SMs, "deepep" at 24 SMs in the same run (the issue's reference), and
+ * the low-latency mode at T 1, 32, 128 and 256 (with the normal mode at T 128 beside it).
+ *
+ * Timed per call with CUDA events on each rank's stream after a barrier of the rank threads; a call's time is the
+ * largest over ranks, the figure the median over repeats (after 3 warm-up calls). Bytes: the token rows one rank
+ * writes to the other ranks (a row per token and other rank holding one of its experts; the largest over ranks);
+ * GB/s against 450 GB/s, NVLink4 per GPU and direction.
+ *
+ *   hybridep_bench [out.json]   environment: MOERT_BENCH_MACHINE, MOERT_BENCH_GIT, MOERT_BENCH_REPEATS (20).
+ *                               Progress goes to stdout line by line; every instance runs with timeout_ms 10000.
+ */
+#include <cuda_runtime_api.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "test_util.h"
+
+#include "cuda/comm_nccl.h"
+#include "cuda/device.h"
+#include "cuda/pool.h"
+#include "moert/dispatcher.h"
+
+#define MAX_GPUS 8
+#define MAX_REPEATS 200
+#define WARMUP 3
+#define NVLINK_GBS 450.0
+
+static pthread_mutex_t die_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* Ends the process after a failure on any rank thread, once, without atexit handlers. */
+static void die(void)
+{
+    pthread_mutex_lock(&die_lock);
+    fflush(stdout);
+    fflush(stderr);
+    _exit(1);
+}
+
+#define CK(call)                                                                                             \
+    do {                                                                                                     \
+        cudaError_t e_ = (call);                                                                             \
+        if (e_ != cudaSuccess) {                                                                             \
+            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));    \
+            die();                                                                                           \
+        }                                                                                                    \
+    } while (0)
+
+#define PCALL(ti, call)                                                                                      \
+    do {                                                                                                     \
+        moert_result r_ = (call);                                                                            \
+        if (r_ != MOERT_OK) {                                                                                \
+            fprintf(stderr, "%s:%d: %s failed (%s): %s\n", __FILE__, __LINE__, #call, moert_result_name(r_), \
+                    moert_host_take_error((ti)->host));                                                      \
+            die();                                                                                           \
+        }                                                                                                    \
+    } while (0)
+
+typedef struct variant {
+    char name[80];
+    const char *plugin;
+    char options[128];
+    int64_t T;
+    double dispatch_ms[MAX_REPEATS], combine_ms[MAX_REPEATS]; /* per repeat: the largest over ranks */
+    double bytes;                                             /* the largest over ranks */
+    double dispatch_us, combine_us;                           /* medians */
+} variant;
+
+#define MAX_VARIANTS 16
+static struct {
+    int gpus, repeats, nv, cur;
+    int64_t H, E, K;
+    variant v[MAX_VARIANTS];
+    moert_comm_group *comm;
+    moert_nccl_group *nccl;
+    pthread_barrier_t barrier;
+    pthread_mutex_t lock;
+    double rank_ms[MAX_GPUS];
+} B = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static double median(double *v, int n)
+{
+    for (int i = 1; i < n; i++)
+        for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
+            double t = v[j];
+            v[j] = v[j - 1];
+            v[j - 1] = t;
+        }
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* Distinct uniform experts per token; returns the rows this rank sends to other ranks. */
+static double make_routing(int rank, int64_t T, int32_t *idx, uint64_t *rng)
+{
+    const int64_t E = B.E, K = B.K, El = E / B.gpus;
+    double out = 0;
+    for (int64_t t = 0; t < T; t++) {
+        unsigned ranks = 0;
+        for (int64_t k = 0; k < K; k++) {
+            int32_t e;
+            bool used;
+            do {
+                e = (int32_t)((test_uniform(rng) + 1) / 2 * (double)E) % (int32_t)E;
+                used = false;
+                for (int64_t j = 0; j < k; j++) used = used || idx[t * K + j] == e;
+            } while (used);
+            idx[t * K + k] = e;
+            ranks |= 1u << (e / El);
+        }
+        for (int d = 0; d < B.gpus; d++) out += d != rank && ((ranks >> d) & 1u);
+    }
+    return out;
+}
+
+/* The slowest rank's time of this repeat, after every rank has recorded its own. */
+static double slowest(int rank, double ms)
+{
+    B.rank_ms[rank] = ms;
+    pthread_barrier_wait(&B.barrier);
+    double worst = 0;
+    for (int r = 0; r < B.gpus; r++) worst = B.rank_ms[r] > worst ? B.rank_ms[r] : worst;
+    pthread_barrier_wait(&B.barrier);
+    return worst;
+}
+
+typedef struct rank_env {
+    int rank;
+    moert_cuda_pool *pool;
+    moert_nccl_comm *nccl;
+    cudaStream_t stream;
+} rank_env;
+
+/* One variant on one rank: open, prepare, dispatch then combine timed repeatedly. */
+static void run_variant(rank_env *env, variant *v)
+{
+    const int rank = env->rank, W = B.gpus;
+    const int64_t T = v->T, H = B.H, K = B.K;
+    const cudaStream_t s = env->stream;
+    moert_layer_info layer = test_layer(H, 2048, B.E, K, T, W, rank, MOERT_BF16);
+    layer.device = (moert_device){MOERT_DEVICE_CUDA, rank};
+    test_instance ti;
+    if (test_instance_open_cuda(&ti, MOERT_KIND_DISPATCHER, v->plugin, v->options, &layer, B.comm, rank, W, env->pool,
+                                env->nccl, (moert_stream)s) != MOERT_OK) {
+        fprintf(stderr, "rank %d: %s %s: %s\n", rank, v->plugin, v->options, moert_error_message());
+        die();
+    }
+    const moert_dispatcher_v1 *vt = (const moert_dispatcher_v1 *)ti.plugin.header;
+    uint64_t rng = 12345 + 7919ull * (uint64_t)rank;
+    int32_t *idx_h = malloc((size_t)(T * K) * sizeof(int32_t));
+    const double rows_out = make_routing(rank, T, idx_h, &rng);
+    void *idx, *x, *probs;
+    CK(cudaMalloc(&idx, (size_t)(T * K) * 4));
+    CK(cudaMalloc(&x, (size_t)(T * H) * 2));
+    CK(cudaMalloc(&probs, (size_t)(T * K) * 4));
+    CK(cudaMemcpy(idx, idx_h, (size_t)(T * K) * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemset(x, 0x3c, (size_t)(T * H) * 2));
+    CK(cudaMemset(probs, 0, (size_t)(T * K) * 4));
+    moert_tensor it = moert_tensor_2d(idx, layer.device, MOERT_I32, T, K);
+    moert_dispatch_layout layout = {.struct_size = sizeof layout};
+    PCALL(&ti, vt->prepare(ti.ctx, (moert_stream)s, &it, &layout));
+    const int64_t cap = layout.capacity > 0 ? layout.capacity : 1;
+    void *recv_x, *recv_probs, *y;
+    CK(cudaMalloc(&recv_x, (size_t)cap * H * 2));
+    CK(cudaMalloc(&recv_probs, (size_t)cap * 4));
+    CK(cudaMalloc(&y, (size_t)(T * H) * 2));
+    CK(cudaMemset(recv_x, 0, (size_t)cap * H * 2));
+    moert_tensor xt = moert_tensor_2d(x, layer.device, MOERT_BF16, T, H);
+    moert_tensor pt = moert_tensor_2d(probs, layer.device, MOERT_F32, T, K);
+    moert_tensor rx = moert_tensor_2d(recv_x, layer.device, MOERT_BF16, cap, H);
+    moert_tensor rp = moert_tensor_1d(recv_probs, layer.device, MOERT_F32, cap);
+    moert_tensor yt = moert_tensor_2d(y, layer.device, MOERT_BF16, T, H);
+    moert_dispatch_args da = {.struct_size = sizeof da, .x = &xt, .topk_probs = &pt, .recv_x = &rx, .recv_probs = &rp};
+    moert_combine_args ca = {.struct_size = sizeof ca, .y_expert = &rx, .y = &yt};
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    for (int op = 0; op < 2; op++)
+        for (int i = 0; i < WARMUP + B.repeats; i++) {
+            CK(cudaStreamSynchronize(s));
+            pthread_barrier_wait(&B.barrier);
+            CK(cudaEventRecord(e0, s));
+            if (op == 0) PCALL(&ti, vt->dispatch(ti.ctx, (moert_stream)s, &da));
+            else PCALL(&ti, vt->combine(ti.ctx, (moert_stream)s, &ca));
+            CK(cudaEventRecord(e1, s));
+            CK(cudaEventSynchronize(e1));
+            float ms = 0;
+            CK(cudaEventElapsedTime(&ms, e0, e1));
+            const double worst = slowest(rank, ms);
+            if (rank == 0 && i >= WARMUP) (op == 0 ? v->dispatch_ms : v->combine_ms)[i - WARMUP] = worst;
+        }
+    pthread_mutex_lock(&B.lock);
+    const double bytes = rows_out * (double)H * 2;
+    if (bytes > v->bytes) v->bytes = bytes;
+    pthread_mutex_unlock(&B.lock);
+    CK(cudaStreamSynchronize(s));
+    test_instance_close(&ti);
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    void *bufs[] = {idx, x, probs, recv_x, recv_probs, y};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) CK(cudaFree(bufs[i]));
+    free(idx_h);
+}
+
+static void rank_main(int rank, void *user)
+{
+    (void)user;
+    rank_env env = {.rank = rank};
+    moert_stream stream = NULL;
+    if (moert_cuda_set_device(rank) != MOERT_OK || moert_cuda_pool_create(rank, &env.pool) != MOERT_OK ||
+        moert_cuda_stream_create(rank, &stream) != MOERT_OK ||
+        (B.gpus > 1 && moert_nccl_comm_init_thread(B.nccl, rank, rank, &env.nccl) != MOERT_OK)) {
+        fprintf(stderr, "rank %d: setup: %s\n", rank, moert_error_message());
+        die();
+    }
+    env.stream = (cudaStream_t)stream;
+    for (int i = 0; i < B.nv; i++) {
+        if (rank == 0) printf("variant %d/%d: %s %s ...\n", i + 1, B.nv, B.v[i].plugin, B.v[i].options);
+        run_variant(&env, &B.v[i]);
+        if (rank == 0) {
+            variant *v = &B.v[i];
+            v->dispatch_us = 1e3 * median(v->dispatch_ms, B.repeats);
+            v->combine_us = 1e3 * median(v->combine_ms, B.repeats);
+            printf("  %-40s T %5lld  dispatch %9.1f us  combine %9.1f us  %8.1f GB/s dispatch (%.0f%% of %.0f)\n",
+                   v->name, (long long)v->T, v->dispatch_us, v->combine_us, v->bytes / (v->dispatch_us * 1e3),
+                   100.0 * v->bytes / (v->dispatch_us * 1e3) / NVLINK_GBS, NVLINK_GBS);
+        }
+    }
+    if (env.nccl) moert_nccl_comm_free(env.nccl);
+    moert_cuda_stream_destroy(stream);
+    moert_cuda_pool_destroy(env.pool);
+}
+
+static void add(const char *name, const char *plugin, const char *options, int64_t T)
+{
+    variant *v = &B.v[B.nv++];
+    snprintf(v->name, sizeof v->name, "%s", name);
+    v->plugin = plugin;
+    snprintf(v->options, sizeof v->options, "%s", options);
+    v->T = T;
+}
+
+int main(int argc, char **argv)
+{
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    if (cudaGetDeviceCount(&B.gpus) != cudaSuccess || B.gpus == 0) {
+        printf("hybridep_bench: no GPU, skipped\n");
+        return TEST_SKIP;
+    }
+    if (B.gpus > MAX_GPUS) B.gpus = MAX_GPUS;
+    const char *rep = getenv("MOERT_BENCH_REPEATS");
+    B.repeats = rep ? atoi(rep) : 20;
+    if (B.repeats < 1 || B.repeats > MAX_REPEATS) B.repeats = 20;
+    B.H = 7168;
+    B.E = 256;
+    B.K = 8;
+    add("hybridep 8 SMs (tma)", "hybridep", "{\"timeout_ms\": 10000, \"num_sms\": 8, \"low_latency\": \"off\"}", 4096);
+    add("hybridep 12 SMs (tma)", "hybridep", "{\"timeout_ms\": 10000, \"num_sms\": 12, \"low_latency\": \"off\"}", 4096);
+    add("hybridep 16 SMs (tma)", "hybridep", "{\"timeout_ms\": 10000, \"num_sms\": 16, \"low_latency\": \"off\"}", 4096);
+    add("hybridep 16 SMs (vector)", "hybridep",
+        "{\"timeout_ms\": 10000, \"num_sms\": 16, \"low_latency\": \"off\", \"copy\": \"vector\"}", 4096);
+    add("deepep 24 SMs (reference)", "deepep", "{\"timeout_ms\": 10000, \"num_sms\": 24}", 4096);
+    const int64_t ll_tokens[4] = {1, 32, 128, 256};
+    for (int i = 0; i < 4; i++)
+        add("hybridep low-latency (every SM)", "hybridep", "{\"timeout_ms\": 10000}", ll_tokens[i]);
+    add("hybridep normal mode 16 SMs", "hybridep", "{\"timeout_ms\": 10000, \"low_latency\": \"off\"}", 128);
+    printf("hybridep_bench: EP%d, H %lld, top-%lld of %lld experts, bf16, %d repeats\n", B.gpus, (long long)B.H,
+           (long long)B.K, (long long)B.E, B.repeats);
+    pthread_barrier_init(&B.barrier, NULL, (unsigned)B.gpus);
+    if (moert_comm_group_create(B.gpus, 60.0, &B.comm) != MOERT_OK ||
+        (B.gpus > 1 && moert_nccl_group_create(B.gpus, 60.0, &B.nccl) != MOERT_OK)) {
+        fprintf(stderr, "communicators: %s\n", moert_error_message());
+        return 1;
+    }
+    test_run_ranks(B.gpus, rank_main, NULL);
+    if (B.nccl) moert_nccl_group_free(B.nccl);
+    moert_comm_group_free(B.comm);
+    if (argc > 1) {
+        FILE *f = fopen(argv[1], "w");
+        if (!f) {
+            fprintf(stderr, "cannot write %s\n", argv[1]);
+            return 1;
+        }
+        time_t now = time(NULL);
+        char date[32];
+        strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", gmtime(&now));
+        const char *machine = getenv("MOERT_BENCH_MACHINE"), *git = getenv("MOERT_BENCH_GIT");
+        fprintf(f, "{\n  \"command\": \"bench/hybridep_bench %s\",\n  \"machine\": \"%s\",\n  \"date\": \"%s\",\n"
+                "  \"git\": \"%s\",\n  \"ep\": %d, \"hidden\": %lld, \"topk\": %lld, \"experts\": %lld, \"repeats\": %d,\n"
+                "  \"variants\": [\n", argv[1], machine ? machine : "unknown", date, git ? git : "unknown", B.gpus,
+                (long long)B.H, (long long)B.K, (long long)B.E, B.repeats);
+        for (int i = 0; i < B.nv; i++) {
+            const variant *v = &B.v[i];
+            fprintf(f, "    {\"name\": \"%s\", \"plugin\": \"%s\", \"tokens\": %lld, \"dispatch_us\": %.2f, "
+                    "\"combine_us\": %.2f, \"bytes_out\": %.0f, \"dispatch_gbs\": %.2f, \"combine_gbs\": %.2f}%s\n",
+                    v->name, v->plugin, (long long)v->T, v->dispatch_us, v->combine_us, v->bytes,
+                    v->bytes / (v->dispatch_us * 1e3), v->bytes / (v->combine_us * 1e3), i + 1 < B.nv ? "," : "");
+        }
+        fprintf(f, "  ]\n}\n");
+        fclose(f);
+    }
+    return 0;
+}
