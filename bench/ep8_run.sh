@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # EP8 figures on one 8-GPU host (nvidia-h200-x8), all from a build made elsewhere with -Dcuda=enabled:
 #   1. correctness at 1, 2, 4, 8 GPUs: tests/test_gpu_plugins (alltoall) and every deepep/hybridep GPU test built
-#   2. bench/dispatch_bench at EP8: every dispatcher's dispatch bf16 / fp8 and combine, time and GB/s (JSON)
+#   2. bench/dispatch_bench (deepep, alltoall) and bench/hybridep_bench at EP8: dispatch bf16 / fp8 and combine,
+#      time and GB/s (JSON)
 #   3. moert ab, bf16 (A) vs fp8 current scaling (B), one layer forward+backward at EP8, for the deepseek-v3 and
 #      qwen3-235b-a22b presets (dispatcher deepep on both sides; EP8_DISPATCHER overrides)
 # usage: bench/ep8_run.sh BUILD_DIR OUT_DIR
@@ -37,6 +38,11 @@ done
 MOERT_BENCH_MACHINE=nvidia-h200-x$gpus MOERT_BENCH_GIT=$rev MOERT_BENCH_SMS=${EP8_SMS:-24,0} \
   step dispatch_bench 120 "$BUILD/bench/dispatch_bench" "$OUT/dispatch-bench-ep$gpus.json"
 tail -22 "$OUT/dispatch_bench.log"
+if [ -x "$BUILD/bench/hybridep_bench" ]; then
+  MOERT_BENCH_MACHINE=nvidia-h200-x$gpus MOERT_BENCH_GIT=$rev \
+    step hybridep_bench 90 "$BUILD/bench/hybridep_bench" "$OUT/hybridep-bench-ep$gpus.json"
+  grep -E '^ +(hybridep|deepep)' "$OUT/hybridep_bench.log"
+fi
 
 for preset in deepseek-v3 qwen3-235b-a22b; do
   step "ab-$preset-bf16-vs-fp8" 150 "$BUILD/tools/moert" ab "configs/$preset.json" "configs/$preset.json" \
