@@ -23,6 +23,14 @@ moert_result moert_arg_check_tensor(const moert_host *host, moert_device device,
                                     const moert_tensor *t, int ndim, int64_t rows, bool rows_at_least, int64_t cols,
                                     const char *rows_what, int need_dtype);
 
+/*
+ * The layer checks every dispatcher's init makes: layer info present; a CPU or CUDA device (CUDA only in a CUDA
+ * build); positive sizes; at most max_ranks ranks (0: no limit); experts split evenly, rank r owning
+ * [r*E/world, (r+1)*E/world). `name` is the plugin's, for messages. Errors go to host->set_error.
+ */
+moert_result moert_arg_check_dispatch_layer(const moert_host *host, const moert_layer_info *layer, const char *name,
+                                            int max_ranks);
+
 /* An args struct's struct_size must be at least the size the plugin reads. */
 moert_result moert_arg_check_struct_size(const moert_host *host, const char *call, const char *what, uint32_t got,
                                          size_t need);

@@ -234,44 +234,9 @@ static void cuda_finalize(deepep_ctx *c);
 
 static moert_result deepep_init(void **out, const moert_host *host, const moert_layer_info *layer)
 {
-    char dev[32];
     *out = NULL;
-    if (!layer || layer->struct_size < sizeof *layer) {
-        host->set_error(host, "layer info missing or too small");
-        return MOERT_ERR_INVALID_ARGUMENT;
-    }
-    if (layer->device.type != MOERT_DEVICE_CPU && layer->device.type != MOERT_DEVICE_CUDA) {
-        host->set_error(host, "the deepep dispatcher runs on the CPU or a CUDA device, not on %s",
-                        moert_arg_device_text(layer->device, dev, sizeof dev));
-        return MOERT_ERR_UNSUPPORTED;
-    }
-#ifndef MOERT_HAVE_CUDA
-    if (layer->device.type == MOERT_DEVICE_CUDA) {
-        host->set_error(host, "the deepep dispatcher has only a CPU path in this build (built without CUDA); the "
-                        "layer is on %s", moert_arg_device_text(layer->device, dev, sizeof dev));
-        return MOERT_ERR_UNSUPPORTED;
-    }
-#endif
-    if (layer->num_experts <= 0 || layer->topk <= 0 || layer->hidden <= 0 || host->world_size <= 0) {
-        host->set_error(host, "bad layer: num_experts %lld, topk %lld, hidden %lld, world_size %d",
-                        (long long)layer->num_experts, (long long)layer->topk, (long long)layer->hidden,
-                        (int)host->world_size);
-        return MOERT_ERR_INVALID_ARGUMENT;
-    }
-    if (host->world_size > DEEPEP_MAX_RANKS) {
-        host->set_error(host, "the deepep dispatcher serves at most %d ranks (one NVLink domain), the group has %d",
-                        DEEPEP_MAX_RANKS, (int)host->world_size);
-        return MOERT_ERR_UNSUPPORTED;
-    }
-    if (layer->num_experts % host->world_size != 0 ||
-        layer->num_local_experts != layer->num_experts / host->world_size ||
-        layer->first_local_expert != layer->num_local_experts * host->rank) {
-        host->set_error(host, "the deepep dispatcher needs num_experts (%lld) divisible by world_size (%d), with rank "
-                        "r owning experts [r*E/world, (r+1)*E/world); got num_local_experts %lld, first_local_expert "
-                        "%lld on rank %d", (long long)layer->num_experts, (int)host->world_size,
-                        (long long)layer->num_local_experts, (long long)layer->first_local_expert, (int)host->rank);
-        return MOERT_ERR_INVALID_ARGUMENT;
-    }
+    moert_result check = moert_arg_check_dispatch_layer(host, layer, "deepep", DEEPEP_MAX_RANKS);
+    if (check != MOERT_OK) return check;
 
     deepep_ctx *c = calloc(1, sizeof *c);
     if (!c) {
