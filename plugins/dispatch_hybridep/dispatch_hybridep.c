@@ -170,6 +170,11 @@ static moert_result buffer_setup(hybridep_ctx *c, int64_t rows_cap)
     size_t bytes = hybridep_geometry_make(&c->geo, c->world, c->layer.topk, c->layer.num_experts, rows_cap,
                                           buffer_row_bytes(c));
     moert_result rc = h->alloc(h, c->layer.device, bytes, &c->buf);
+    if (rc == MOERT_ERR_UNSUPPORTED && c->on_cuda) {
+        char dev[32];
+        return fail(c, rc, "the host serving this instance cannot allocate on %s (a CPU-only host): only a CPU path "
+                    "can run here", moert_arg_device_text(c->layer.device, dev, sizeof dev));
+    }
     if (rc != MOERT_OK) return rc;
     c->buf_bytes = bytes;
 #ifdef MOERT_HAVE_CUDA

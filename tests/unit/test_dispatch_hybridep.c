@@ -702,6 +702,7 @@ static void test_errors(void)
         void *ctx = NULL;
         EXPECT_EQ_INT(pv->init(&ctx, host, &gpu_layer), MOERT_ERR_UNSUPPORTED);
         const char *m = moert_host_take_error(host);
+        if (!(strstr(m, "only a CPU path") && strstr(m, "cuda:0"))) fprintf(stderr, "init on cuda:0 said: %s\n", m);
         EXPECT(strstr(m, "only a CPU path") && strstr(m, "cuda:0"));
         moert_layer_info odd = test_layer(4, 8, 5, 2, 3, 1, 0, MOERT_F64);
         odd.num_local_experts = 2; /* as if 5 experts were split over 2 ranks */
