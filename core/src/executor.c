@@ -438,6 +438,32 @@ fail:
     return rc;
 }
 
+/* Bytes of each copy an offload or reload is cut into (MOERT_OFFLOAD_CHUNK_MB, default 32, fractions allowed; 0: one copy). A GPU's
+ * copy engine runs the copies of all streams in order of issue: one 470 MB copy (a deepseek-v3 layer's
+ * dispatched_x) would hold every small copy issued behind it (the runtime's and the dispatcher's token counts, on
+ * the compute stream) for ~9 ms; in chunks they wait for one chunk at most. */
+static size_t offload_chunk_bytes(void)
+{
+    const char *env = getenv("MOERT_OFFLOAD_CHUNK_MB");
+    double mb = env && *env ? strtod(env, NULL) : 32.0;
+    return mb * 1048576.0 >= 1.0 ? (size_t)(mb * 1048576.0) : 0;
+}
+
+/* One offload or reload copy, issued as chunks of offload_chunk_bytes() on `stream`. */
+static moert_result copy_in_chunks(moert_layer *L, void *dst, moert_device dst_dev, const void *src,
+                                   moert_device src_dev, size_t bytes, moert_stream stream)
+{
+    const moert_host *h = L->core_host;
+    size_t chunk = offload_chunk_bytes();
+    if (chunk == 0 || chunk > bytes) chunk = bytes;
+    for (size_t at = 0; at < bytes; at += chunk) {
+        size_t n = bytes - at < chunk ? bytes - at : chunk;
+        moert_result rc = h->memcpy_async(h, (char *)dst + at, dst_dev, (const char *)src + at, src_dev, n, stream);
+        if (rc != MOERT_OK) return rc;
+    }
+    return MOERT_OK;
+}
+
 /* Offload: the D2H copy into the pinned buffer is issued on the layer's D2H stream as soon as the activation is
  * produced (ordered after the compute stream's work so far), so it overlaps the activation's consumer. */
 static moert_result start_offload(moert_layer *L, moert_activation a)
@@ -449,7 +475,7 @@ static moert_result start_offload(moert_layer *L, moert_activation a)
     MOERT_CHECK(ensure_copy_streams(L));
     MOERT_CHECK(reserve_pinned(L, a, bytes));
     MOERT_CHECK(order_after_compute(L, L->d2h_stream, a));
-    HOST_CALL(h->memcpy_async(h, L->pinned[a], moert_cpu(), t->data, t->device, bytes, L->d2h_stream), "offloading",
+    HOST_CALL(copy_in_chunks(L, L->pinned[a], moert_cpu(), t->data, t->device, bytes, L->d2h_stream), "offloading",
               a);
     HOST_CALL(h->event_record(h, L->offload_event[a], L->d2h_stream), "offloading", a);
 fail:
@@ -532,7 +558,7 @@ static moert_result start_reload(moert_layer *L, moert_activation a)
     moert_tensor *t = &L->saved[a];
     MOERT_CHECK(order_after_compute(L, L->h2d_stream, a));
     HOST_CALL(h->stream_wait_event(h, L->h2d_stream, L->offload_event[a]), "reloading", a);
-    HOST_CALL(h->memcpy_async(h, t->data, t->device, L->pinned[a], moert_cpu(), moert_tensor_bytes(t), L->h2d_stream),
+    HOST_CALL(copy_in_chunks(L, t->data, t->device, L->pinned[a], moert_cpu(), moert_tensor_bytes(t), L->h2d_stream),
               "reloading", a);
     HOST_CALL(h->event_record(h, L->reload_event[a], L->h2d_stream), "reloading", a);
     L->place[a] = MOERT_PLACE_LOADING;

@@ -558,11 +558,6 @@ static moert_result rank_forward_backward(moert_rank *r, int64_t step)
          * still running keeps its buffer until a later boundary (or its reload), so the compute never waits */
         for (int below = 0; below < l; below++) MOERT_CHECK(moert_layer_release_finished_offloads(&r->layers[below]));
         r->router_loss += r->layers[l].losses.total;
-        /* tokens per expert: copy the router's counts to the host */
-        moert_tensor *c = &r->layers[l].tokens_per_expert;
-        rc = r->core_host->memcpy_async(r->core_host, r->counts + (size_t)l * (size_t)e, moert_cpu(), c->data,
-                                        c->device, (size_t)e * sizeof(int64_t), r->stream);
-        if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(r->core_host));
     }
     MOERT_CHECK(r->core_host->stream_synchronize(r->core_host, r->stream) == MOERT_OK
                     ? MOERT_OK
@@ -580,6 +575,14 @@ static moert_result rank_forward_backward(moert_rank *r, int64_t step)
         moert_tensor *tmp = d_y;
         d_y = d_x;
         d_x = tmp;
+    }
+    /* tokens per expert for the report: the router's counts to the host, after the backward (a small copy issued
+     * during the forward would wait on the copy engine behind the offload copies) */
+    for (int l = 0; l < nl; l++) {
+        moert_tensor *c = &r->layers[l].tokens_per_expert;
+        rc = r->core_host->memcpy_async(r->core_host, r->counts + (size_t)l * (size_t)e, moert_cpu(), c->data,
+                                        c->device, (size_t)e * sizeof(int64_t), r->stream);
+        if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(r->core_host));
     }
     /* the router weight is replicated: its gradient is the sum of every rank's share */
     for (int l = 0; l < nl && r->rt->world > 1; l++) {

@@ -5,7 +5,7 @@
  *   offloaded one;
  * - one layer driven through the executor: per-activation figures (size, bytes held, bytes each action saved),
  *   pinned buffers allocated once and reused by the next step, the prefetch hook and a deferred release give the
- *   same bits;
+ *   same bits, also with the copies cut into small chunks (MOERT_OFFLOAD_CHUNK_MB);
  * - train.optimizer "sgd": parameters after one step are p - lr * g exactly, and no moment buffers exist;
  *   "adam" (the default) still makes Adam's first step. */
 #include "runtime.h"
@@ -388,6 +388,10 @@ int main(void)
 {
     check_all_combinations();
     check_layer_figures();
+    /* again with offload and reload copies cut into 1048-byte chunks (many per activation, the last one short) */
+    setenv("MOERT_OFFLOAD_CHUNK_MB", "0.001", 1);
+    check_layer_figures();
+    unsetenv("MOERT_OFFLOAD_CHUNK_MB");
     check_runtime_optimizer("sgd", 0.0);
     check_runtime_optimizer("sgd", 0.1);
     check_runtime_optimizer(NULL, 0.0);
