@@ -16,7 +16,8 @@
  *
  *   dispatch_bench [out.json]    environment: MOERT_BENCH_MACHINE, MOERT_BENCH_GIT, MOERT_BENCH_REPEATS (20),
  *                                MOERT_BENCH_TOKENS (4096), MOERT_BENCH_SMS (default "8,12,16,24,0"; 0: every SM,
- *                                the plugin's default). Progress goes to stdout line by line; deepep runs with
+ *                                the plugin's default), MOERT_BENCH_PHASES ("call,nvlink": the whole calls and/or the
+ *                                NVLink phases). Progress goes to stdout line by line; deepep runs with
  *                                timeout_ms 10000, so a stalled peer fails a call instead of hanging the bench.
  */
 #include <cuda_runtime_api.h>
@@ -396,16 +397,22 @@ int main(int argc, char **argv)
     B.H = 7168;
     B.E = 256;
     B.K = 8;
+    const char *phases = env_or("MOERT_BENCH_PHASES", "call,nvlink");
+    const bool whole_call = strstr(phases, "call") != NULL, nvlink_phase = strstr(phases, "nvlink") != NULL;
     char sms_list[128];
     snprintf(sms_list, sizeof sms_list, "%s", env_or("MOERT_BENCH_SMS", "8,12,16,24,0"));
     for (char *tok = strtok(sms_list, ","); tok && B.nv + 6 <= MAX_VARIANTS - 2; tok = strtok(NULL, ",")) {
         int sms = atoi(tok); /* 0: every SM of the device (the plugin's default, what a layer uses) */
-        add_variant("deepep", sms, false, false, OP_DISPATCH); /* the whole call: what a layer pays */
-        add_variant("deepep", sms, false, false, OP_COMBINE);
-        add_variant("deepep", sms, false, true, OP_DISPATCH);  /* the NVLink phase alone: what DeepEP's figures are */
-        add_variant("deepep", sms, false, true, OP_COMBINE);
-        add_variant("deepep", sms, true, false, OP_DISPATCH);
-        add_variant("deepep", sms, true, true, OP_DISPATCH);
+        if (whole_call) {
+            add_variant("deepep", sms, false, false, OP_DISPATCH); /* the whole call: what a layer pays */
+            add_variant("deepep", sms, false, false, OP_COMBINE);
+            add_variant("deepep", sms, true, false, OP_DISPATCH);
+        }
+        if (nvlink_phase) {
+            add_variant("deepep", sms, false, true, OP_DISPATCH); /* the NVLink phase alone: what DeepEP's figures are */
+            add_variant("deepep", sms, false, true, OP_COMBINE);
+            add_variant("deepep", sms, true, true, OP_DISPATCH);
+        }
     }
     add_variant("alltoall", 0, false, false, OP_DISPATCH);
     add_variant("alltoall", 0, false, false, OP_COMBINE);

@@ -9,14 +9,25 @@
 
 #include "../common/plugin_cuda_check.h"
 
+/* Launch shapes. The NVLink phase's (SEND_*, FP8_SEND_*) may be set with -D at build time: bench/deepep_tuning.sh
+ * builds and times variants of them. */
+#ifndef SEND_THREADS
 #define SEND_THREADS 1024        /* threads per NVLink-phase block: 32 warps, each moving one row at a time */
+#endif
+#ifndef SEND_UNROLL
+#define SEND_UNROLL 4            /* 16-byte units each lane has in flight in an NVLink-phase row copy */
+#endif
+#ifndef FP8_SEND_THREADS
 #define FP8_SEND_THREADS 512     /* the FP8 dispatch's: 16 warps (the quantization needs more registers) */
+#endif
+#ifndef FP8_UNROLL
+#define FP8_UNROLL 2             /* 512-value steps each lane has in flight when quantizing (2 x 32 bytes) */
+#endif
 #define LOCAL_THREADS 512        /* threads per block of the local kernels: 16 warps */
 #define LOCAL_WARPS (LOCAL_THREADS / 32)
 #define LOCAL_BLOCKS_PER_SM 2
 #define SCAN_THREADS 1024        /* the token-rank layout: one block per destination rank */
-#define UNROLL 4                 /* 16-byte units each lane has in flight in a row copy */
-#define FP8_UNROLL 2             /* 512-value steps each lane has in flight when quantizing (2 x 32 bytes) */
+#define UNROLL 4                 /* 16-byte units each lane has in flight in a local row copy */
 #define FULL 0xffffffffu
 
 /* ---- memory-order primitives (system scope: peers' memory over NVLink) ---- */
@@ -51,6 +62,18 @@ __device__ __forceinline__ int4 load_ro(const int4 *p)
 }
 __device__ __forceinline__ unsigned load_ro(const unsigned *p) { return __ldg(p); }
 __device__ __forceinline__ unsigned short load_ro(const unsigned short *p) { return __ldg(p); }
+
+/* A store into a peer's buffer (over NVLink). PEER_STORE_NO_ALLOCATE (a -D tuning knob) adds the L1::no_allocate
+ * hint to 16-byte stores. */
+template <typename V> __device__ __forceinline__ void store_peer(V *p, const V &v) { *p = v; }
+#ifdef PEER_STORE_NO_ALLOCATE
+template <> __device__ __forceinline__ void store_peer<int4>(int4 *p, const int4 &v)
+{
+    asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+                 "r"(v.w)
+                 : "memory");
+}
+#endif
 
 __device__ __forceinline__ deepep_header *header(void *buf) { return (deepep_header *)buf; }
 
@@ -315,10 +338,10 @@ __global__ void __launch_bounds__(FP8 ? FP8_SEND_THREADS : SEND_THREADS) dispatc
         }
         if (!FP8) {
             const V *src = (const V *)x + t * units;
-            for (int64_t u0 = 0; u0 < units; u0 += 32 * UNROLL) {
-                V v[UNROLL];
+            for (int64_t u0 = 0; u0 < units; u0 += 32 * SEND_UNROLL) {
+                V v[SEND_UNROLL];
 #pragma unroll
-                for (int j = 0; j < UNROLL; j++) {
+                for (int j = 0; j < SEND_UNROLL; j++) {
                     const int64_t u = u0 + j * 32 + lane;
                     if (u < units) v[j] = load_ro(src + u);
                 }
@@ -326,9 +349,9 @@ __global__ void __launch_bounds__(FP8 ? FP8_SEND_THREADS : SEND_THREADS) dispatc
                 for (int d = 0; d < DEEPEP_MAX_RANKS; d++)
                     if (rows[d])
 #pragma unroll
-                        for (int j = 0; j < UNROLL; j++) {
+                        for (int j = 0; j < SEND_UNROLL; j++) {
                             const int64_t u = u0 + j * 32 + lane;
-                            if (u < units) ((V *)rows[d])[u] = v[j];
+                            if (u < units) store_peer((V *)rows[d] + u, v[j]);
                         }
             }
         } else {
@@ -655,17 +678,17 @@ __global__ void __launch_bounds__(SEND_THREADS) combine_send_kernel(deepep_cuda_
         const int64_t j = k.staged_off[s] + i;
         const int4 *from = (const int4 *)staged_row(k, j);
         int4 *to = (int4 *)slot_row(k.geo, k.peers[s], me, i);
-        for (int64_t u0 = 0; u0 < units; u0 += 32 * UNROLL) {
-            int4 v[UNROLL];
+        for (int64_t u0 = 0; u0 < units; u0 += 32 * SEND_UNROLL) {
+            int4 v[SEND_UNROLL];
 #pragma unroll
-            for (int q = 0; q < UNROLL; q++) {
+            for (int q = 0; q < SEND_UNROLL; q++) {
                 const int64_t u = u0 + q * 32 + lane;
                 if (u < units) v[q] = load_ro(from + u);
             }
 #pragma unroll
-            for (int q = 0; q < UNROLL; q++) {
+            for (int q = 0; q < SEND_UNROLL; q++) {
                 const int64_t u = u0 + q * 32 + lane;
-                if (u < units) to[u] = v[q];
+                if (u < units) store_peer(to + u, v[q]);
             }
         }
         if (with_probs && lane < K) {

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Sweeps the launch shape of the "deepep" dispatcher's NVLink phase (threads per block, 16-byte units in flight per
+# lane, the FP8 dispatch's, a store hint): each variant is the plugin built with -D flags, timed by dispatch_bench's
+# NVLink-phase rows at 24 and 12 SMs (and checked there bit for bit against alltoall).
+#   bench/deepep_tuning.sh build GPU_BUILD_DIR VARIANTS_DIR      on the build machine (nvcc; no GPU needed): one
+#                                                               VARIANTS_DIR/<name>/libmoert-dispatch-deepep.so each
+#   bench/deepep_tuning.sh run GPU_BUILD_DIR VARIANTS_DIR OUT    on a 4-GPU machine: dispatch_bench per variant
+#                                                               (MOERT_PLUGIN_PATH=VARIANTS_DIR/<name>), a table
+# Variants: "name:-DFLAG=V -DFLAG2=V ...", see VARIANTS below; "base" is the source's defaults.
+set -u
+VARIANTS=(
+  "base:"
+  "unroll7:-DSEND_UNROLL=7"
+  "unroll8:-DSEND_UNROLL=8"
+  "unroll2:-DSEND_UNROLL=2"
+  "t512u8:-DSEND_THREADS=512 -DSEND_UNROLL=8"
+  "t768u4:-DSEND_THREADS=768"
+  "noalloc:-DPEER_STORE_NO_ALLOCATE"
+  "noalloc-u7:-DPEER_STORE_NO_ALLOCATE -DSEND_UNROLL=7"
+  "fp8u4:-DFP8_UNROLL=4"
+  "fp8t768:-DFP8_SEND_THREADS=768"
+  "fp8t1024u1:-DFP8_SEND_THREADS=1024 -DFP8_UNROLL=1"
+)
+mode=${1:-}
+BUILD=$(realpath "${2:-build}")
+VDIR=$(realpath -m "${3:-deepep-variants}")
+target=plugins/dispatch_deepep/libmoert-dispatch-deepep.so
+
+if [ "$mode" = build ]; then
+  mkdir -p "$VDIR"
+  ninja -C "$BUILD" "$target" >/dev/null || exit 1
+  cmds=$(ninja -C "$BUILD" -t commands "$target")
+  nvcc_cmd=$(grep '^nvcc .*deepep_cuda\.cu' <<<"$cmds")
+  link_cmd=$(tail -1 <<<"$cmds")
+  obj=plugins/dispatch_deepep/libdispatch_deepep_cuda.a.p/deepep_cuda.cu.o
+  lib=plugins/dispatch_deepep/libdispatch_deepep_cuda.a
+  for v in "${VARIANTS[@]}"; do
+    name=${v%%:*} flags=${v#*:}
+    mkdir -p "$VDIR/$name"
+    echo "building $name ($flags)"
+    (cd "$BUILD" &&
+      eval "${nvcc_cmd/ -o $obj / $flags -o $VDIR/$name/deepep_cuda.cu.o }" &&
+      rm -f "$VDIR/$name/deepep_cuda.a" && gcc-ar csrD "$VDIR/$name/deepep_cuda.a" "$VDIR/$name/deepep_cuda.cu.o" &&
+      l=${link_cmd/-o $target /-o $VDIR/$name/libmoert-dispatch-deepep.so } && eval "${l/ $lib / $VDIR/$name/deepep_cuda.a }" &&
+      rm -f "$VDIR/$name/deepep_cuda.cu.o" "$VDIR/$name/deepep_cuda.a") || exit 1
+  done
+  exit 0
+fi
+
+if [ "$mode" = run ]; then
+  OUT=${4:-/tmp/deepep-tuning}
+  mkdir -p "$OUT"
+  export NCCL_NVLS_ENABLE=0 MOERT_BENCH_PHASES=nvlink MOERT_BENCH_SMS=${MOERT_BENCH_SMS:-24,12}
+  export MOERT_BENCH_REPEATS=${MOERT_BENCH_REPEATS:-50}
+  for v in "${VARIANTS[@]}"; do
+    name=${v%%:*}
+    [ -f "$VDIR/$name/libmoert-dispatch-deepep.so" ] || { echo "$name: not built"; continue; }
+    MOERT_PLUGIN_PATH="$VDIR/$name" MOERT_BENCH_MACHINE=${MOERT_BENCH_MACHINE:-unknown} \
+      timeout -k 3 60 "$BUILD/bench/dispatch_bench" "$OUT/tuning-$name.json" >"$OUT/tuning-$name.log" 2>&1
+    echo "== $name (${v#*:}): rc $?"
+    grep -E '^check:|nvlink' "$OUT/tuning-$name.log" | grep -v '^{' | sed 's/^/   /'
+  done
+  exit 0
+fi
+echo "usage: $0 build|run GPU_BUILD_DIR VARIANTS_DIR [OUT]" >&2
+exit 2
