@@ -178,6 +178,7 @@ moert_result moert_layer_release_offloaded(moert_layer *L)
 {
     moert_result rc = MOERT_OK;
     const moert_host *h = L->core_host;
+    MOERT_CHECK(moert_layer_start_offloads(L)); /* a buffer is never freed before its copy */
     for (int a = 0; a < MOERT_ACT_COUNT; a++) {
         if (!L->offload_pending[a].data) continue;
         /* the pool hands a block freed on the compute stream to the next compute-stream request at once: the
@@ -193,7 +194,7 @@ fail:
 moert_result moert_layer_release_finished_offloads(moert_layer *L)
 {
     for (int a = 0; a < MOERT_ACT_COUNT; a++) {
-        if (!L->offload_pending[a].data) continue;
+        if (!L->offload_pending[a].data || L->offload_queued[a]) continue;
         bool done = true; /* on the CPU the copy was synchronous */
 #ifdef MOERT_HAVE_CUDA
         if (L->info.device.type == MOERT_DEVICE_CUDA) {
@@ -438,46 +439,36 @@ fail:
     return rc;
 }
 
-/* Bytes of each copy an offload or reload is cut into (MOERT_OFFLOAD_CHUNK_MB, default 32, fractions allowed; 0: one copy). A GPU's
- * copy engine runs the copies of all streams in order of issue: one 470 MB copy (a deepseek-v3 layer's
- * dispatched_x) would hold every small copy issued behind it (the runtime's and the dispatcher's token counts, on
- * the compute stream) for ~9 ms; in chunks they wait for one chunk at most. */
-static size_t offload_chunk_bytes(void)
-{
-    const char *env = getenv("MOERT_OFFLOAD_CHUNK_MB");
-    double mb = env && *env ? strtod(env, NULL) : 32.0;
-    return mb * 1048576.0 >= 1.0 ? (size_t)(mb * 1048576.0) : 0;
-}
-
-/* One offload or reload copy, issued as chunks of offload_chunk_bytes() on `stream`. */
-static moert_result copy_in_chunks(moert_layer *L, void *dst, moert_device dst_dev, const void *src,
-                                   moert_device src_dev, size_t bytes, moert_stream stream)
-{
-    const moert_host *h = L->core_host;
-    size_t chunk = offload_chunk_bytes();
-    if (chunk == 0 || chunk > bytes) chunk = bytes;
-    for (size_t at = 0; at < bytes; at += chunk) {
-        size_t n = bytes - at < chunk ? bytes - at : chunk;
-        moert_result rc = h->memcpy_async(h, (char *)dst + at, dst_dev, (const char *)src + at, src_dev, n, stream);
-        if (rc != MOERT_OK) return rc;
-    }
-    return MOERT_OK;
-}
-
-/* Offload: the D2H copy into the pinned buffer is issued on the layer's D2H stream as soon as the activation is
- * produced (ordered after the compute stream's work so far), so it overlaps the activation's consumer. */
+/* Offload: the D2H stream is ordered after the compute stream's work so far (the activation's production), and
+ * the copy into the pinned buffer is issued on it at once, or, under defer_offload_start, queued for
+ * moert_layer_start_offloads. Either way it overlaps the compute that follows. */
 static moert_result start_offload(moert_layer *L, moert_activation a)
 {
     moert_result rc = MOERT_OK;
-    const moert_host *h = L->core_host;
-    moert_tensor *t = &L->saved[a];
-    size_t bytes = moert_tensor_bytes(t);
     MOERT_CHECK(ensure_copy_streams(L));
-    MOERT_CHECK(reserve_pinned(L, a, bytes));
+    MOERT_CHECK(reserve_pinned(L, a, moert_tensor_bytes(&L->saved[a])));
     MOERT_CHECK(order_after_compute(L, L->d2h_stream, a));
-    HOST_CALL(copy_in_chunks(L, L->pinned[a], moert_cpu(), t->data, t->device, bytes, L->d2h_stream), "offloading",
-              a);
-    HOST_CALL(h->event_record(h, L->offload_event[a], L->d2h_stream), "offloading", a);
+    L->offload_queued[a] = true;
+    if (!L->defer_offload_start) MOERT_CHECK(moert_layer_start_offloads(L));
+fail:
+    return rc;
+}
+
+/* Issues the queued D2H copies: the D2H stream already waits for the work that produced them. Each copies the
+ * device buffer, which is saved[a] until its last forward use and offload_pending[a] after it. */
+moert_result moert_layer_start_offloads(moert_layer *L)
+{
+    moert_result rc = MOERT_OK;
+    const moert_host *h = L->core_host;
+    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
+        if (!L->offload_queued[a]) continue;
+        const moert_tensor *t = L->offload_pending[a].data ? &L->offload_pending[a] : &L->saved[a];
+        HOST_CALL(h->memcpy_async(h, L->pinned[a], moert_cpu(), t->data, t->device, moert_tensor_bytes(t),
+                                  L->d2h_stream),
+                  "offloading", (moert_activation)a);
+        HOST_CALL(h->event_record(h, L->offload_event[a], L->d2h_stream), "offloading", (moert_activation)a);
+        L->offload_queued[a] = false;
+    }
 fail:
     return rc;
 }
@@ -539,13 +530,15 @@ static moert_result start_reload(moert_layer *L, moert_activation a)
     moert_result rc = MOERT_OK;
     const moert_host *h = L->core_host;
     if (L->offload_pending[a].data) {
-        bool done = true;
+        bool done = !L->offload_queued[a]; /* a copy never issued is not done (and is dropped below) */
 #ifdef MOERT_HAVE_CUDA
-        if (L->info.device.type == MOERT_DEVICE_CUDA) MOERT_CHECK(moert_cuda_event_query(L->offload_event[a], &done));
+        if (done && L->info.device.type == MOERT_DEVICE_CUDA)
+            MOERT_CHECK(moert_cuda_event_query(L->offload_event[a], &done));
 #endif
         if (!done) {
             L->saved[a] = L->offload_pending[a];
             L->offload_pending[a].data = NULL;
+            L->offload_queued[a] = false;
             L->place[a] = MOERT_PLACE_DEVICE;
             L->offload_saved_bytes -= L->saved_bytes[a];
             L->kept_bytes_peak += L->saved_bytes[a];
@@ -558,7 +551,7 @@ static moert_result start_reload(moert_layer *L, moert_activation a)
     moert_tensor *t = &L->saved[a];
     MOERT_CHECK(order_after_compute(L, L->h2d_stream, a));
     HOST_CALL(h->stream_wait_event(h, L->h2d_stream, L->offload_event[a]), "reloading", a);
-    HOST_CALL(copy_in_chunks(L, t->data, t->device, L->pinned[a], moert_cpu(), moert_tensor_bytes(t), L->h2d_stream),
+    HOST_CALL(h->memcpy_async(h, t->data, t->device, L->pinned[a], moert_cpu(), moert_tensor_bytes(t), L->h2d_stream),
               "reloading", a);
     HOST_CALL(h->event_record(h, L->reload_event[a], L->h2d_stream), "reloading", a);
     L->place[a] = MOERT_PLACE_LOADING;

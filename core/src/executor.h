@@ -56,6 +56,12 @@ typedef struct moert_layer {
      * true: the caller frees them later with moert_layer_release_offloaded (e.g. after the next layer's forward),
      * so the D2H copies overlap more compute. */
     bool defer_offload_release;
+    /* false (default): an offload's D2H copy is issued as soon as the activation is produced; true: it is queued
+     * (ordered after the producing work already) and issued by moert_layer_start_offloads, which the runtime calls
+     * once the next layer's forward has been issued. A GPU's copy engine runs the copies of all streams in the
+     * order they were issued, so a copy issued at production would hold the next layer's dispatcher count copy
+     * (a host sync) behind hundreds of MB; issued after that sync, it runs behind the next layer's compute. */
+    bool defer_offload_start;
     /* fc1 / fc2 weight gradients zeroed lazily: zero_grad leaves them as they are when the precision plugin
      * declares MOERT_CAP_WGRAD_OVERWRITE, and the first WGRAD overwrites them; backward zeroes any left */
     bool grad_unwritten[2];
@@ -76,6 +82,7 @@ typedef struct moert_layer {
     void *pinned[MOERT_ACT_COUNT];
     size_t pinned_capacity[MOERT_ACT_COUNT];
     moert_tensor offload_pending[MOERT_ACT_COUNT]; /* device copies the D2H stream may still read; freed by release */
+    bool offload_queued[MOERT_ACT_COUNT];          /* D2H copy ordered but not issued yet (defer_offload_start) */
     bool copy_streams_ready;
     moert_stream d2h_stream, h2d_stream;
     moert_event compute_event;                     /* recorded on `stream` for a copy stream to wait on */
@@ -118,6 +125,8 @@ moert_result moert_layer_prefetch(moert_layer *L);
  * (the compute stream waits for the copy, then the block goes back to the pool). Done at the end of the forward
  * unless defer_offload_release is set; prefetch, backward and the next forward do it too. */
 moert_result moert_layer_release_offloaded(moert_layer *L);
+/* Issues the D2H copies queued under defer_offload_start (nothing to do otherwise). */
+moert_result moert_layer_start_offloads(moert_layer *L);
 /* Frees only the offloaded activations whose D2H copy has already finished, without making any stream wait:
  * the runtime calls it at each layer boundary, so a slow copy delays the free, not the compute. */
 moert_result moert_layer_release_finished_offloads(moert_layer *L);

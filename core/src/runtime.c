@@ -284,6 +284,7 @@ static moert_result rank_init(moert_rank *r, void *arg)
         L->param_dtype = cfg->model.dtype == MOERT_F64 ? MOERT_F64 : MOERT_F32;
         L->seq_length = cfg->train.seq_length;
         L->defer_offload_release = true; /* released once their copies finish (rank_forward_backward) */
+        L->defer_offload_start = true;   /* copies issued after the next layer's forward (rank_forward_backward) */
         L->optimizer = cfg->train.optimizer;
         for (int s = 0; s < MOERT_SLOT_COUNT; s++) {
             const char *key = moert_slot_key((moert_slot)s);
@@ -554,11 +555,15 @@ static moert_result rank_forward_backward(moert_rank *r, int64_t step)
     for (int l = 0; l < nl; l++) {
         MOERT_CHECK(moert_layer_zero_grad(&r->layers[l]));
         MOERT_CHECK(moert_layer_forward(&r->layers[l], &r->acts[l], &r->acts[l + 1]));
+        /* the layer below's offload copies start now that this layer's dispatcher has synced on its counts: a copy
+         * engine serves copies in issue order, so issued earlier they would have held that small copy back */
+        if (l > 0) MOERT_CHECK(moert_layer_start_offloads(&r->layers[l - 1]));
         /* offload copies of the layers below that have finished by now give their device buffers back; a copy
          * still running keeps its buffer until a later boundary (or its reload), so the compute never waits */
         for (int below = 0; below < l; below++) MOERT_CHECK(moert_layer_release_finished_offloads(&r->layers[below]));
         r->router_loss += r->layers[l].losses.total;
     }
+    MOERT_CHECK(moert_layer_start_offloads(&r->layers[nl - 1]));
     MOERT_CHECK(r->core_host->stream_synchronize(r->core_host, r->stream) == MOERT_OK
                     ? MOERT_OK
                     : moert_error(MOERT_ERR_CUDA, "%s", moert_host_take_error(r->core_host)));
