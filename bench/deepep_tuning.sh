@@ -6,20 +6,16 @@
 #                                                               VARIANTS_DIR/<name>/libmoert-dispatch-deepep.so each
 #   bench/deepep_tuning.sh run GPU_BUILD_DIR VARIANTS_DIR OUT    on a 4-GPU machine: dispatch_bench per variant
 #                                                               (MOERT_PLUGIN_PATH=VARIANTS_DIR/<name>), a table
-# Variants: "name:-DFLAG=V -DFLAG2=V ...", see VARIANTS below; "base" is the source's defaults.
+# Variants: "name:-DFLAG=V -DFLAG2=V ...", see VARIANTS below; "base" is the source's defaults, "old" the
+# defaults before the first sweep (bench/results/2026-11-22-deepep-tuning-sweep-session4-nvidia-h200-x4.txt lists
+# the variants it timed).
 set -u
 VARIANTS=(
   "base:"
-  "unroll7:-DSEND_UNROLL=7"
-  "unroll8:-DSEND_UNROLL=8"
-  "unroll2:-DSEND_UNROLL=2"
-  "t512u8:-DSEND_THREADS=512 -DSEND_UNROLL=8"
-  "t768u4:-DSEND_THREADS=768"
+  "old:-DSEND_THREADS=1024 -DSEND_UNROLL=4 -DFP8_SEND_THREADS=512 -DFP8_UNROLL=2"
   "noalloc:-DPEER_STORE_NO_ALLOCATE"
-  "noalloc-u7:-DPEER_STORE_NO_ALLOCATE -DSEND_UNROLL=7"
-  "fp8u4:-DFP8_UNROLL=4"
-  "fp8t768:-DFP8_SEND_THREADS=768"
-  "fp8t1024u1:-DFP8_SEND_THREADS=1024 -DFP8_UNROLL=1"
+  "t768u8:-DSEND_THREADS=768"
+  "t512u6:-DSEND_UNROLL=6"
 )
 mode=${1:-}
 BUILD=$(realpath "${2:-build}")
@@ -42,6 +38,7 @@ if [ "$mode" = build ]; then
       eval "${nvcc_cmd/ -o $obj / $flags -o $VDIR/$name/deepep_cuda.cu.o }" &&
       rm -f "$VDIR/$name/deepep_cuda.a" && gcc-ar csrD "$VDIR/$name/deepep_cuda.a" "$VDIR/$name/deepep_cuda.cu.o" &&
       l=${link_cmd/-o $target /-o $VDIR/$name/libmoert-dispatch-deepep.so } && eval "${l/ $lib / $VDIR/$name/deepep_cuda.a }" &&
+      strip --strip-debug "$VDIR/$name/libmoert-dispatch-deepep.so" &&
       rm -f "$VDIR/$name/deepep_cuda.cu.o" "$VDIR/$name/deepep_cuda.a") || exit 1
   done
   exit 0

@@ -9,19 +9,26 @@
 
 #include "../common/plugin_cuda_check.h"
 
-/* Launch shapes. The NVLink phase's (SEND_*, FP8_SEND_*) may be set with -D at build time: bench/deepep_tuning.sh
- * builds and times variants of them. */
+/* Launch shapes. The NVLink phase's may be set with -D at build time: bench/deepep_tuning.sh builds and times
+ * variants. The defaults are that sweep's best on H200 x4 (bench/results/2026-11-22-deepep-tuning-*): the bf16
+ * dispatch at 16 warps with 8 units in flight per lane, the FP8 dispatch at 32 warps with one 512-value step. */
 #ifndef SEND_THREADS
-#define SEND_THREADS 1024        /* threads per NVLink-phase block: 32 warps, each moving one row at a time */
+#define SEND_THREADS 512         /* threads per block of the dispatch's NVLink phase: warps moving one row at a time */
 #endif
 #ifndef SEND_UNROLL
-#define SEND_UNROLL 4            /* 16-byte units each lane has in flight in an NVLink-phase row copy */
+#define SEND_UNROLL 8            /* 16-byte units each lane has in flight in the dispatch's row copy */
 #endif
 #ifndef FP8_SEND_THREADS
-#define FP8_SEND_THREADS 512     /* the FP8 dispatch's: 16 warps (the quantization needs more registers) */
+#define FP8_SEND_THREADS 1024    /* the FP8 dispatch's */
 #endif
 #ifndef FP8_UNROLL
-#define FP8_UNROLL 2             /* 512-value steps each lane has in flight when quantizing (2 x 32 bytes) */
+#define FP8_UNROLL 1             /* 512-value steps each lane has in flight when quantizing (32 bytes each) */
+#endif
+#ifndef COMBINE_SEND_THREADS
+#define COMBINE_SEND_THREADS 1024 /* the combine's NVLink phase */
+#endif
+#ifndef COMBINE_UNROLL
+#define COMBINE_UNROLL 4
 #endif
 #define LOCAL_THREADS 512        /* threads per block of the local kernels: 16 warps */
 #define LOCAL_WARPS (LOCAL_THREADS / 32)
@@ -657,7 +664,7 @@ __global__ void __launch_bounds__(LOCAL_THREADS) combine_reduce_kernel(deepep_cu
  * ranks (item g: row g / (W-1) of the (g % (W-1))-th other rank), one warp per row, each written into the token's
  * rank (this rank's slot there, the row the token had in dispatch), with the prob gradients when asked; then the
  * block's arrival flag in every other rank. Rows move as whole 16-byte units (slots and staging rows are padded). */
-__global__ void __launch_bounds__(SEND_THREADS) combine_send_kernel(deepep_cuda_call k, int64_t units, bool with_probs)
+__global__ void __launch_bounds__(COMBINE_SEND_THREADS) combine_send_kernel(deepep_cuda_call k, int64_t units, bool with_probs)
 {
     const int W = k.geo.world, me = k.rank, K = (int)k.topk, c = blockIdx.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
@@ -678,15 +685,15 @@ __global__ void __launch_bounds__(SEND_THREADS) combine_send_kernel(deepep_cuda_
         const int64_t j = k.staged_off[s] + i;
         const int4 *from = (const int4 *)staged_row(k, j);
         int4 *to = (int4 *)slot_row(k.geo, k.peers[s], me, i);
-        for (int64_t u0 = 0; u0 < units; u0 += 32 * SEND_UNROLL) {
-            int4 v[SEND_UNROLL];
+        for (int64_t u0 = 0; u0 < units; u0 += 32 * COMBINE_UNROLL) {
+            int4 v[COMBINE_UNROLL];
 #pragma unroll
-            for (int q = 0; q < SEND_UNROLL; q++) {
+            for (int q = 0; q < COMBINE_UNROLL; q++) {
                 const int64_t u = u0 + q * 32 + lane;
                 if (u < units) v[q] = load_ro(from + u);
             }
 #pragma unroll
-            for (int q = 0; q < SEND_UNROLL; q++) {
+            for (int q = 0; q < COMBINE_UNROLL; q++) {
                 const int64_t u = u0 + q * 32 + lane;
                 if (u < units) store_peer(to + u, v[q]);
             }
@@ -854,7 +861,7 @@ static moert_result launch_combine(const moert_host *host, cudaStream_t stream, 
         combine_reduce_kernel<T, N><<<local_blocks, LOCAL_THREADS, 0, stream>>>(*call, (const T *)rows, row_probs);
         LAUNCH_CHECK(host, "deepep combine_reduce_kernel");
     }
-    combine_send_kernel<<<call->channels, SEND_THREADS, 0, stream>>>(*call, units, row_probs != NULL);
+    combine_send_kernel<<<call->channels, COMBINE_SEND_THREADS, 0, stream>>>(*call, units, row_probs != NULL);
     LAUNCH_CHECK(host, "deepep combine_send_kernel");
     if (call->nvlink_only) {
         release_kernel<<<1, LOCAL_THREADS, 0, stream>>>(*call);
