@@ -1,7 +1,12 @@
 /* The "hybridep" dispatcher's CUDA path on every visible GPU (a thread per GPU, EP = the GPU count), through the plugin
  * as the executor calls it: dispatch and combine of the deepseek-v3 shape (T 4096 tokens per rank, H 7168, top-8 of 256
- * experts, uniform routing, bf16) at 8, 12 and 16 SMs, "deepep" at 24 SMs in the same run (the issue's reference), and
- * the low-latency mode at T 1, 32, 128 and 256 (with the normal mode at T 128 beside it).
+ * experts, uniform routing, bf16) at 8, 12 and 16 SMs (TMA, then vector copies), "deepep" at 24 SMs in the
+ * same run (the issue's reference: its whole call, and its NVLink phase alone with bench_nvlink_only), and the
+ * low-latency mode at T 1, 32, 128 and 256 (with the normal mode at T 128 beside it).
+ *
+ * The acceptance reading is whole call against whole call: each hybridep line (and the summary at the end) gives its
+ * bandwidth as a percentage of deepep's whole call at 24 SMs measured in this run (the same routing, so the same
+ * bytes); deepep's NVLink phase alone is printed beside it for reference, never used for the percentage.
  *
  * Timed per call with CUDA events on each rank's stream after a barrier of the rank threads; a call's time is the
  * largest over ranks, the figure the median over repeats (after 3 warm-up calls). Bytes: the token rows one rank
@@ -16,6 +21,7 @@
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -64,8 +70,9 @@ static void die(void)
 typedef struct variant {
     char name[80];
     const char *plugin;
-    char options[128];
+    char options[160];
     int64_t T;
+    bool normal;                                              /* a hybridep normal-mode line at T 4096 (compared) */
     double dispatch_ms[MAX_REPEATS], combine_ms[MAX_REPEATS]; /* per repeat: the largest over ranks */
     double bytes;                                             /* the largest over ranks */
     double dispatch_us, combine_us;                           /* medians */
@@ -73,7 +80,7 @@ typedef struct variant {
 
 #define MAX_VARIANTS 16
 static struct {
-    int gpus, repeats, nv, cur;
+    int gpus, repeats, nv, cur, ref, ref_nvlink; /* ref, ref_nvlink: deepep's whole-call and NVLink-only variants */
     int64_t H, E, K;
     variant v[MAX_VARIANTS];
     moert_comm_group *comm;
@@ -82,6 +89,29 @@ static struct {
     pthread_mutex_t lock;
     double rank_ms[MAX_GPUS];
 } B = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static double gbs(double bytes, double us) { return us > 0 ? bytes / (us * 1e3) : 0.0; }
+
+/* A variant's bandwidth as a percentage of deepep's whole call at 24 SMs of this run (dispatch, or combine). */
+static double pct_of_ref(const variant *v, bool dispatch)
+{
+    const variant *r = &B.v[B.ref];
+    const double mine = gbs(v->bytes, dispatch ? v->dispatch_us : v->combine_us);
+    const double ref = gbs(r->bytes, dispatch ? r->dispatch_us : r->combine_us);
+    return ref > 0 ? 100.0 * mine / ref : 0.0;
+}
+
+/* The options text with its quotes escaped for a JSON string. */
+static const char *json_options(const char *in, char *out, size_t size)
+{
+    size_t j = 0;
+    for (size_t i = 0; in[i] && j + 2 < size; i++) {
+        if (in[i] == '"') out[j++] = '\\';
+        out[j++] = in[i];
+    }
+    out[j] = 0;
+    return out;
+}
 
 static double median(double *v, int n)
 {
@@ -225,9 +255,13 @@ static void rank_main(int rank, void *user)
             variant *v = &B.v[i];
             v->dispatch_us = 1e3 * median(v->dispatch_ms, B.repeats);
             v->combine_us = 1e3 * median(v->combine_ms, B.repeats);
-            printf("  %-40s T %5lld  dispatch %9.1f us  combine %9.1f us  %8.1f GB/s dispatch (%.0f%% of %.0f)\n",
-                   v->name, (long long)v->T, v->dispatch_us, v->combine_us, v->bytes / (v->dispatch_us * 1e3),
-                   100.0 * v->bytes / (v->dispatch_us * 1e3) / NVLINK_GBS, NVLINK_GBS);
+            printf("  %-40s T %5lld  dispatch %9.1f us  combine %9.1f us  %8.1f / %8.1f GB/s (%.0f%% / %.0f%% of %.0f)",
+                   v->name, (long long)v->T, v->dispatch_us, v->combine_us, gbs(v->bytes, v->dispatch_us),
+                   gbs(v->bytes, v->combine_us), 100.0 * gbs(v->bytes, v->dispatch_us) / NVLINK_GBS,
+                   100.0 * gbs(v->bytes, v->combine_us) / NVLINK_GBS, NVLINK_GBS);
+            if (v->normal)
+                printf("  = %.0f%% / %.0f%% of deepep's whole call", pct_of_ref(v, true), pct_of_ref(v, false));
+            printf("\n");
         }
     }
     if (env.nccl) moert_nccl_comm_free(env.nccl);
@@ -235,13 +269,15 @@ static void rank_main(int rank, void *user)
     moert_cuda_pool_destroy(env.pool);
 }
 
-static void add(const char *name, const char *plugin, const char *options, int64_t T)
+static int add(const char *name, const char *plugin, const char *options, int64_t T, bool normal)
 {
-    variant *v = &B.v[B.nv++];
+    variant *v = &B.v[B.nv];
     snprintf(v->name, sizeof v->name, "%s", name);
     v->plugin = plugin;
     snprintf(v->options, sizeof v->options, "%s", options);
     v->T = T;
+    v->normal = normal;
+    return B.nv++;
 }
 
 int main(int argc, char **argv)
@@ -258,16 +294,30 @@ int main(int argc, char **argv)
     B.H = 7168;
     B.E = 256;
     B.K = 8;
-    add("hybridep 8 SMs (tma)", "hybridep", "{\"timeout_ms\": 10000, \"num_sms\": 8, \"low_latency\": \"off\"}", 4096);
-    add("hybridep 12 SMs (tma)", "hybridep", "{\"timeout_ms\": 10000, \"num_sms\": 12, \"low_latency\": \"off\"}", 4096);
-    add("hybridep 16 SMs (tma)", "hybridep", "{\"timeout_ms\": 10000, \"num_sms\": 16, \"low_latency\": \"off\"}", 4096);
-    add("hybridep 16 SMs (vector)", "hybridep",
-        "{\"timeout_ms\": 10000, \"num_sms\": 16, \"low_latency\": \"off\", \"copy\": \"vector\"}", 4096);
-    add("deepep 24 SMs (reference)", "deepep", "{\"timeout_ms\": 10000, \"num_sms\": 24}", 4096);
+    /* deepep first: every hybridep line then prints its percentage of deepep's whole call */
+    B.ref = add("deepep 24 SMs (reference, whole call)", "deepep", "{\"timeout_ms\": 10000, \"num_sms\": 24}", 4096,
+                false);
+    B.ref_nvlink = add("deepep 24 SMs (NVLink phase only)", "deepep",
+                       "{\"timeout_ms\": 10000, \"num_sms\": 24, \"bench_nvlink_only\": true}", 4096, false);
+    const int sms[3] = {8, 12, 16};
+    for (int i = 0; i < 3; i++) {
+        char name[64], options[160];
+        snprintf(name, sizeof name, "hybridep %d SMs (tma)", sms[i]);
+        snprintf(options, sizeof options, "{\"timeout_ms\": 10000, \"num_sms\": %d, \"low_latency\": \"off\"}",
+                 sms[i]);
+        add(name, "hybridep", options, 4096, true);
+    }
+    for (int i = 0; i < 3; i++) { /* the same with vector copies in the NVLink phase (copy "vector") */
+        char name[64], options[160];
+        snprintf(name, sizeof name, "hybridep %d SMs (vector)", sms[i]);
+        snprintf(options, sizeof options,
+                 "{\"timeout_ms\": 10000, \"num_sms\": %d, \"low_latency\": \"off\", \"copy\": \"vector\"}", sms[i]);
+        add(name, "hybridep", options, 4096, true);
+    }
     const int64_t ll_tokens[4] = {1, 32, 128, 256};
     for (int i = 0; i < 4; i++)
-        add("hybridep low-latency (every SM)", "hybridep", "{\"timeout_ms\": 10000}", ll_tokens[i]);
-    add("hybridep normal mode 16 SMs", "hybridep", "{\"timeout_ms\": 10000, \"low_latency\": \"off\"}", 128);
+        add("hybridep low-latency (every SM)", "hybridep", "{\"timeout_ms\": 10000}", ll_tokens[i], false);
+    add("hybridep normal mode 16 SMs", "hybridep", "{\"timeout_ms\": 10000, \"low_latency\": \"off\"}", 128, false);
     printf("hybridep_bench: EP%d, H %lld, top-%lld of %lld experts, bf16, %d repeats\n", B.gpus, (long long)B.H,
            (long long)B.K, (long long)B.E, B.repeats);
     pthread_barrier_init(&B.barrier, NULL, (unsigned)B.gpus);
@@ -277,6 +327,29 @@ int main(int argc, char **argv)
         return 1;
     }
     test_run_ranks(B.gpus, rank_main, NULL);
+    /* the acceptance summary: whole call against deepep's whole call at 24 SMs (NVLink phase alone for reference) */
+    const variant *ref = &B.v[B.ref], *nvl = &B.v[B.ref_nvlink];
+    printf("\nsummary (bytes per rank %.0f MB; target: >= 95%% of deepep's whole-call bandwidth with <= 16 SMs)\n",
+           ref->bytes / 1e6);
+    printf("  %-36s %10s %10s %9s %9s %11s %11s\n", "variant", "disp us", "comb us", "disp GB/s", "comb GB/s",
+           "disp % ref", "comb % ref");
+    for (int i = 0; i < B.nv; i++) {
+        const variant *v = &B.v[i];
+        if (!v->normal && i != B.ref && i != B.ref_nvlink) continue;
+        printf("  %-36s %10.1f %10.1f %9.1f %9.1f", v->name, v->dispatch_us, v->combine_us,
+               gbs(v->bytes, v->dispatch_us), gbs(v->bytes, v->combine_us));
+        if (i == B.ref_nvlink)
+            printf("   (NVLink phase only: %.0f%% / %.0f%% of the whole call's time)\n",
+                   100.0 * nvl->dispatch_us / ref->dispatch_us, 100.0 * nvl->combine_us / ref->combine_us);
+        else
+            printf(" %10.0f%% %10.0f%%\n", pct_of_ref(v, true), pct_of_ref(v, false));
+    }
+    for (int i = 0; i < B.nv; i++) {
+        const variant *v = &B.v[i];
+        if (v->T == 128 && strstr(v->name, "low-latency"))
+            printf("  low-latency T 128: dispatch %.1f us (target 40), combine %.1f us (target 50)\n", v->dispatch_us,
+                   v->combine_us);
+    }
     if (B.nccl) moert_nccl_group_free(B.nccl);
     moert_comm_group_free(B.comm);
     if (argc > 1) {
@@ -295,10 +368,16 @@ int main(int argc, char **argv)
                 (long long)B.H, (long long)B.K, (long long)B.E, B.repeats);
         for (int i = 0; i < B.nv; i++) {
             const variant *v = &B.v[i];
-            fprintf(f, "    {\"name\": \"%s\", \"plugin\": \"%s\", \"tokens\": %lld, \"dispatch_us\": %.2f, "
-                    "\"combine_us\": %.2f, \"bytes_out\": %.0f, \"dispatch_gbs\": %.2f, \"combine_gbs\": %.2f}%s\n",
-                    v->name, v->plugin, (long long)v->T, v->dispatch_us, v->combine_us, v->bytes,
-                    v->bytes / (v->dispatch_us * 1e3), v->bytes / (v->combine_us * 1e3), i + 1 < B.nv ? "," : "");
+            char opts[320];
+            fprintf(f, "    {\"name\": \"%s\", \"plugin\": \"%s\", \"options\": \"%s\", \"tokens\": %lld, "
+                    "\"dispatch_us\": %.2f, \"combine_us\": %.2f, \"bytes_out\": %.0f, \"dispatch_gbs\": %.2f, "
+                    "\"combine_gbs\": %.2f",
+                    v->name, v->plugin, json_options(v->options, opts, sizeof opts), (long long)v->T, v->dispatch_us,
+                    v->combine_us, v->bytes, gbs(v->bytes, v->dispatch_us), gbs(v->bytes, v->combine_us));
+            if (v->normal)
+                fprintf(f, ", \"dispatch_pct_of_deepep_whole\": %.1f, \"combine_pct_of_deepep_whole\": %.1f",
+                        pct_of_ref(v, true), pct_of_ref(v, false));
+            fprintf(f, "}%s\n", i + 1 < B.nv ? "," : "");
         }
         fprintf(f, "  ]\n}\n");
         fclose(f);

@@ -24,7 +24,10 @@
 typedef struct hybridep_cuda_state {
     void *arrays;                 /* one device block holding the arrays below */
     int32_t *topk_idx, *copy_index, *excl, *recv_meta;
-    int64_t *base, *tokens_per_expert, *recv_range;
+    int64_t *base, *tokens_per_expert, *recv_tokens;
+    unsigned *done_blocks;          /* the consuming kernels' finished-block counter */
+    void *staging;                  /* normal mode, world > 1: the combine partials sent over NVLink */
+    int sms;                        /* SMs of the device (the local kernels use all of them) */
     unsigned long long *error_word; /* device: error word, then the int abort flag */
     unsigned long long *pinned;     /* pinned host: the error word the kernels mirror (read without a sync) */
     unsigned long long *pinned_dev; /* its device address */
@@ -149,7 +152,7 @@ static void buffer_release(hybridep_ctx *c)
     if (c->buf && c->seq > 0 && c->broken == MOERT_OK) {
         int late = -1;
 #ifdef MOERT_HAVE_CUDA
-        if (c->on_cuda) late = hybridep_cuda_wait_released(c->buf, c->world, (int)c->channels, c->seq, c->timeout_ms);
+        if (c->on_cuda) late = hybridep_cuda_wait_released(c->buf, c->world, c->seq, c->timeout_ms);
         else
 #endif
             late = hybridep_cpu_wait_released(c->buf, c->world, c->seq, c->timeout_ms);
@@ -206,15 +209,11 @@ static moert_result read_options(hybridep_ctx *c)
     const moert_host *host = c->host;
     static const char *const modes[] = {"auto", "on", "off", NULL};
     static const char *const copies[] = {"tma", "vector", NULL};
-    moert_result rc = host->option_int(host, "num_sms", 0, 0, 2 * HYBRIDEP_MAX_CHANNELS,
-                                       "SMs (thread blocks) of each communication kernel: half send, half receive "
-                                       "(channels = num_sms / 2); 0: 16 SMs, or every SM in low-latency mode; the "
-                                       "CPU path ignores it", &c->num_sms);
-    if (rc == MOERT_OK && c->num_sms == 1) {
-        host->set_error(host, "config error: num_sms is 1, expected 0 (the default) or 2..%d (half of them send, "
-                        "half receive)", 2 * HYBRIDEP_MAX_CHANNELS);
-        rc = MOERT_ERR_CONFIG;
-    }
+    moert_result rc = host->option_int(host, "num_sms", 0, 0, HYBRIDEP_MAX_CHANNELS,
+                                       "SMs (thread blocks, every one sending) of the NVLink phase of each call; 0: 16, "
+                                       "or every SM in low-latency mode (one kernel per call, at most every SM); the "
+                                       "local kernels around the NVLink phase use every SM; the CPU path ignores it",
+                                       &c->num_sms);
     if (rc == MOERT_OK)
         rc = host->option_int(host, "timeout_ms", 60000, 10, 3600000,
                               "bound of every wait for a peer's rows or flags; a stalled peer is named in the error",
@@ -271,7 +270,7 @@ static moert_result hybridep_init(void **out, const moert_host *host, const moer
             if (gathered[r] > rows_cap) rows_cap = gathered[r];
     }
     c->low_latency = c->low_latency_mode == 1 || (c->low_latency_mode == 0 && rows_cap <= c->low_latency_tokens);
-    c->channels = c->num_sms / 2 < 1 ? 8 : c->num_sms / 2; /* 0: 16 SMs, or every SM in low-latency mode (cuda_init) */
+    c->channels = c->num_sms > 0 ? c->num_sms : 16; /* 0: 16, or every SM in low-latency mode (cuda_init) */
 
     const int64_t E = layer->num_experts, W = c->world, K = layer->topk, El = layer->num_local_experts;
     c->capacity = rows_cap * W * (K < El ? K : El);
@@ -380,6 +379,8 @@ static moert_result cpu_prepare(hybridep_ctx *c, const moert_tensor *topk_idx, m
     c->notify_row[E + HYBRIDEP_NOTIFY_STATUS] = local_rc != MOERT_OK;
     c->notify_row[E + HYBRIDEP_NOTIFY_CHANNELS] = c->channels;
     c->notify_row[E + HYBRIDEP_NOTIFY_TOKENS] = local_rc == MOERT_OK ? p->num_tokens : 0;
+    for (int d = 0; d < W && local_rc == MOERT_OK; d++)
+        c->notify_row[E + HYBRIDEP_NOTIFY_TOKENS_TO + d] = p->tokens_to[d];
 
     char why[256] = "";
     hybridep_cpu_link l = {.geo = &c->geo, .local = c->buf, .peers = c->peers, .seq = next_seq(c, "prepare()"),
@@ -396,7 +397,7 @@ static moert_result cpu_prepare(hybridep_ctx *c, const moert_tensor *topk_idx, m
         if (row[E + HYBRIDEP_NOTIFY_CHANNELS] != c->channels)
             return fail(c, MOERT_ERR_CONFIG, "prepare(): rank %d uses %lld channels (num_sms %lld), this rank %lld: "
                         "every rank needs the same num_sms", s, (long long)row[E + HYBRIDEP_NOTIFY_CHANNELS],
-                        (long long)(2 * row[E + HYBRIDEP_NOTIFY_CHANNELS]), (long long)c->channels);
+                        (long long)row[E + HYBRIDEP_NOTIFY_CHANNELS], (long long)c->channels);
         memcpy(p->all_counts + s * E, row, (size_t)E * sizeof(int64_t));
     }
     hybridep_plan_sizes(p);
@@ -517,19 +518,16 @@ static moert_result cuda_init(hybridep_ctx *c)
     if (R * K > INT32_MAX / 2 || c->capacity > INT32_MAX)
         return fail(c, MOERT_ERR_UNSUPPORTED, "the hybridep dispatcher's CUDA path takes fewer than 2^31 rows (max_tokens "
                     "%lld, capacity %lld)", (long long)R, (long long)c->capacity);
-    if (c->num_sms == 0) {
-        int sms = 16;
-        if (c->low_latency) {
-            moert_result rc = hybridep_cuda_sm_count(h, id, &sms);
-            if (rc != MOERT_OK) return rc;
-        }
-        c->channels = sms / 2 < 1 ? 1 : sms / 2 > HYBRIDEP_MAX_CHANNELS ? HYBRIDEP_MAX_CHANNELS : sms / 2;
-    }
     hybridep_cuda_state *cu = &c->cu;
+    moert_result rc = hybridep_cuda_sm_count(h, id, &cu->sms);
+    if (rc != MOERT_OK) return rc;
+    /* low-latency mode: one block per SM at most (its kernels need every block resident); 0: every SM */
+    if (c->low_latency && (c->num_sms == 0 || c->channels > cu->sms))
+        c->channels = cu->sms > HYBRIDEP_MAX_CHANNELS ? HYBRIDEP_MAX_CHANNELS : cu->sms;
     cu->tma = !c->low_latency && c->copy == 0;
     /* one block: int32 topk_idx, copy_index [R*K], excl [W][R+1], recv_meta [W][R][K]; int64 base [E],
-     * tokens_per_expert [El], recv_range [W][channels][2]; the status words */
-    size_t off = 0, o_idx, o_ci, o_excl, o_meta, o_base, o_tpe, o_range, o_status;
+     * tokens_per_expert [El], recv_tokens [W]; the status words and the block counter */
+    size_t off = 0, o_idx, o_ci, o_excl, o_meta, o_base, o_tpe, o_recv, o_status;
 #define TAKE(o, bytes) (o = off, off = hybridep_round_up(off + (size_t)(bytes), 256))
     TAKE(o_idx, R * K * 4);
     TAKE(o_ci, R * K * 4);
@@ -537,10 +535,10 @@ static moert_result cuda_init(hybridep_ctx *c)
     TAKE(o_meta, W * R * K * 4);
     TAKE(o_base, E * 8);
     TAKE(o_tpe, El * 8);
-    TAKE(o_range, W * HYBRIDEP_MAX_CHANNELS * 2 * 8);
+    TAKE(o_recv, W * 8);
     TAKE(o_status, 64);
 #undef TAKE
-    moert_result rc = h->alloc(h, c->layer.device, off, &cu->arrays);
+    rc = h->alloc(h, c->layer.device, off, &cu->arrays);
     if (rc == MOERT_ERR_UNSUPPORTED)
         return fail(c, rc, "the host serving this instance cannot allocate on %s (a CPU-only host): only a CPU path "
                     "can run here", dev);
@@ -552,9 +550,14 @@ static moert_result cuda_init(hybridep_ctx *c)
     cu->recv_meta = (int32_t *)(a + o_meta);
     cu->base = (int64_t *)(a + o_base);
     cu->tokens_per_expert = (int64_t *)(a + o_tpe);
-    cu->recv_range = (int64_t *)(a + o_range);
+    cu->recv_tokens = (int64_t *)(a + o_recv);
     cu->error_word = (unsigned long long *)(a + o_status);
+    cu->done_blocks = (unsigned *)(a + o_status + 16);
     rc = hybridep_cuda_zero(h, cu->arrays, off);
+    /* normal mode: the combine partials for the other ranks wait here for the NVLink phase (worst case: every token
+     * of every other rank) */
+    if (rc == MOERT_OK && !c->low_latency && W > 1)
+        rc = h->alloc(h, c->layer.device, (size_t)(W - 1) * (size_t)R * c->geo.row_stride, &cu->staging);
     if (rc == MOERT_OK) rc = h->alloc_pinned(h, 64, (void **)&cu->pinned);
     if (rc == MOERT_OK) {
         memset(cu->pinned, 0, 64);
@@ -567,6 +570,8 @@ static void cuda_finalize(hybridep_ctx *c)
 {
     hybridep_cuda_state *cu = &c->cu;
     if (cu->arrays) c->host->free(c->host, c->layer.device, cu->arrays);
+    if (cu->staging) c->host->free(c->host, c->layer.device, cu->staging);
+    cu->staging = NULL;
     if (cu->pinned) c->host->free_pinned(c->host, cu->pinned);
     cu->arrays = NULL;
     cu->pinned = NULL;
@@ -625,7 +630,9 @@ static hybridep_cuda_call cuda_call(hybridep_ctx *c, int64_t seq)
     for (int r = 0; r < c->world; r++) k.peers[r] = c->peers[r];
     k.rank = c->rank;
     k.channels = (int)c->channels;
+    k.sms = cu->sms;
     k.tma = cu->tma;
+    k.low_latency = c->low_latency;
     k.seq = seq;
     k.timeout_ns = c->timeout_ms * 1000000;
     k.tokens = c->plan.num_tokens;
@@ -639,7 +646,9 @@ static hybridep_cuda_call cuda_call(hybridep_ctx *c, int64_t seq)
     k.base = cu->base;
     k.tokens_per_expert = cu->tokens_per_expert;
     k.recv_meta = cu->recv_meta;
-    k.recv_range = cu->recv_range;
+    k.recv_tokens = cu->recv_tokens;
+    k.staging = cu->staging;
+    k.done_blocks = cu->done_blocks;
     k.error_word = cu->error_word;
     k.abort_flag = (int *)(cu->error_word + 1);
     k.host_word = cu->pinned_dev;

@@ -27,6 +27,6 @@ MOERT_BENCH_MACHINE=${MOERT_BENCH_MACHINE:-nvidia-h200-x$gpus} MOERT_BENCH_GIT=$
   timeout -k 3 70 stdbuf -oL -eL "$BUILD/bench/hybridep_bench" "$OUT/hybridep_bench.json" >"$OUT/hybridep_bench.log" 2>&1
 rc=$?
 echo "== hybridep_bench: rc $rc, $((SECONDS - start)) s"
-tail -25 "$OUT/hybridep_bench.log"
+tail -32 "$OUT/hybridep_bench.log"
 [ $rc -ne 0 ] && status=1
 exit $status

@@ -2,13 +2,16 @@
  *
  * Every rank owns one buffer, offered once to the group at init with host->exchange_peer_buffers; peers write into it.
  *   header   flags: arrived[source][channel] (the source's rows of this call are in place), consumed[dest][channel]
- *            (a rank has read what this rank wrote into it), notified[source] (the source's notify row is in place)
- *   notify   one row per source rank: its copies per expert [E], then its status, channel count and token count
+ *            (a rank has read what this rank wrote into it; the CUDA path and the CPU path use channel 0 only: a
+ *            reader stamps once its whole call is read), notified[source] (the source's notify row is in place)
+ *   notify   one row per source rank: its copies per expert [E], then its status, channel count, token count and
+ *            tokens per destination rank [HYBRIDEP_MAX_RANKS]
  *   slot s   the token rows rank s wrote to this rank: rows_cap rows of row_stride bytes, then rows_cap metadata
  *            entries of meta_stride bytes (int32 dst[K], then double prob[K] at meta_prob_offset)
  * Every call through the buffers (prepare's notify, dispatch, combine, both backwards) has a sequence number, the same
- * on every rank. A writer waits until its destination's consumed stamps for it reach seq-1 in every channel, writes,
- * then publishes with a release store of seq; the reader waits for seq (acquire), reads, then stamps consumed. */
+ * on every rank. A writer waits until its destination's consumed stamp for it reaches seq-1, writes, then publishes
+ * with a release store of seq in arrived[writer][channel] (one flag per sending block on CUDA); the reader waits for
+ * seq in every channel (acquire), reads, then stamps consumed. */
 #ifndef MOERT_HYBRIDEP_BUFFER_H
 #define MOERT_HYBRIDEP_BUFFER_H
 
@@ -16,7 +19,7 @@
 #include <stdint.h>
 
 #define HYBRIDEP_MAX_RANKS 8
-#define HYBRIDEP_MAX_CHANNELS 66 /* num_sms / 2, num_sms at most 132 */
+#define HYBRIDEP_MAX_CHANNELS 132 /* sending blocks of a call: num_sms, at most 132 */
 #define HYBRIDEP_FP8_BLOCK 128   /* elements per FP8 scale (1x128 blocks) */
 #define HYBRIDEP_FP8_MAX 448.0f  /* largest E4M3 value */
 
@@ -24,7 +27,8 @@
 #define HYBRIDEP_NOTIFY_STATUS 0   /* 0, or the number of bad expert ids the source found */
 #define HYBRIDEP_NOTIFY_CHANNELS 1 /* the source's channel count (every rank must use the same) */
 #define HYBRIDEP_NOTIFY_TOKENS 2   /* the source's T of this step */
-#define HYBRIDEP_NOTIFY_EXTRA 3
+#define HYBRIDEP_NOTIFY_TOKENS_TO 3 /* [HYBRIDEP_MAX_RANKS]: the source's tokens with a copy on rank d */
+#define HYBRIDEP_NOTIFY_EXTRA (3 + HYBRIDEP_MAX_RANKS)
 
 /* One arrival record: the writer's rows are slot rows [begin, end); seq is written last. */
 typedef struct hybridep_flag {

@@ -1,4 +1,5 @@
-/* CUDA kernels of the "hybridep" dispatcher: fused layout + notify, TMA (or vector) dispatch, combine. */
+/* CUDA kernels of the "hybridep" dispatcher: fused layout + notify; normal mode: an NVLink phase of `channels` sending
+ * blocks (TMA or vector copies) and local kernels over every SM; low-latency mode: one kernel per call. */
 #include "hybridep_cuda.h"
 
 #include <cuda_bf16.h>
@@ -7,11 +8,15 @@
 
 #include "../common/plugin_cuda_check.h"
 
-#define VEC_THREADS 512       /* threads of a vector-copy communication block: 16 warps */
+#define SEND_THREADS 1024     /* a vector-copy NVLink-phase block: 32 warps, one row each at a time */
+#define LOCAL_THREADS 512     /* a block of the local kernels (and of the low-latency kernels): 16 warps */
+#define LOCAL_WARPS (LOCAL_THREADS / 32)
+#define LOCAL_BLOCKS_PER_SM 2
 #define PREP_THREADS 1024     /* the prepare kernel: one block, 32 warps */
-#define UNROLL 4              /* 16-byte units each lane moves per step of a vector row copy */
+#define UNROLL 4              /* 16-byte units each lane has in flight in a vector row copy */
+#define PIECE 64              /* low-latency mode: units (16-byte, or elements) of a row piece, 2 per lane */
 #define TMA_SMEM_BUDGET (200 * 1024)
-#define MAX_PIPE_WARPS 8
+#define MAX_PIPE_WARPS 16
 #define MAX_STAGES 4
 #define FULL 0xffffffffu
 
@@ -28,6 +33,18 @@ __device__ __forceinline__ void st_release_sys(int64_t *p, int64_t v)
 {
     asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+
+/* Read-only loads of the call's inputs (never written while the kernel runs): the non-coherent path. */
+__device__ __forceinline__ int4 load_ro(const int4 *p)
+{
+    int4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint32_t load_ro(const uint32_t *p) { return __ldg(p); }
+__device__ __forceinline__ unsigned short load_ro(const unsigned short *p) { return __ldg(p); }
 
 __device__ __forceinline__ uint64_t now_ns()
 {
@@ -117,23 +134,68 @@ __device__ bool wait_geq(const int64_t *p, int64_t target, const hybridep_cuda_c
     return true;
 }
 
-/* Before writing into the peers: every rank has stamped, in every channel, that it read what this rank wrote into it
- * in the previous call (seq - 1). False (for every thread) on a failure. */
-__device__ bool block_wait_consumed(const hybridep_cuda_call &k)
+/* What block_wait waits for. */
+enum wait_what {
+    WAIT_CONSUMED,       /* every rank's stamp that it read what this rank wrote into it in the previous call */
+    WAIT_ARRIVED_OTHERS, /* this call's arrival flag of every channel from every other rank */
+    WAIT_ARRIVED_ALL     /* the same, this rank's own channels included (a low-latency combine) */
+};
+
+/* Waits with the whole block; peers one after the other from rank + 1 on (this rank last), so a stall names the first
+ * late peer in that order. False (for every thread) on a failure, or when the instance is aborted. */
+__device__ bool block_wait(const hybridep_cuda_call &k, wait_what what)
 {
     __shared__ int stalled;
     const int W = k.geo.world, C = k.channels;
-    const hybridep_header *h = header(k.local);
+    hybridep_header *h = header(k.local);
     if (threadIdx.x == 0) stalled = *(volatile int *)k.abort_flag;
     __syncthreads();
-    if (!stalled)
-        for (int i = threadIdx.x; i < W * C; i += blockDim.x)
-            if (!wait_geq(&h->consumed[i / C][i % C], k.seq - 1, k, HYBRIDEP_WAIT_CONSUMED, i / C)) {
-                stalled = 1;
-                break;
+    for (int j = 1; j <= W; j++) {
+        const int s = (k.rank + j) % W;
+        if (what == WAIT_ARRIVED_OTHERS && s == k.rank) continue;
+        if (!stalled) {
+            if (what == WAIT_CONSUMED) {
+                if (threadIdx.x == 0 && !wait_geq(&h->consumed[s][0], k.seq - 1, k, HYBRIDEP_WAIT_CONSUMED, s))
+                    stalled = 1;
+            } else {
+                for (int c = threadIdx.x; c < C; c += blockDim.x)
+                    if (!wait_geq(&h->arrived[s][c].seq, k.seq, k, HYBRIDEP_WAIT_ARRIVAL, s)) {
+                        stalled = 1;
+                        break;
+                    }
             }
-    __syncthreads();
+        }
+        __syncthreads();
+    }
     return !stalled;
+}
+
+/* After a sending block's rows are written (and their stores complete): publishes this call's arrival of channel c in
+ * every other rank's header (and in this rank's own when `self`), release after a system fence. */
+__device__ void block_publish(const hybridep_cuda_call &k, int c, bool self)
+{
+    __threadfence_system();
+    __syncthreads();
+    const int d = threadIdx.x;
+    if (d < k.geo.world && (self || d != k.rank)) st_release_sys(&header(k.peers[d])->arrived[k.rank][c].seq, k.seq);
+}
+
+/* The end of every block of a consuming kernel: the last block to finish stamps, in every rank's header, that this
+ * rank has read what the rank wrote into it in this call (skipped after a failure). */
+__device__ void block_finish(const hybridep_cuda_call &k)
+{
+    __shared__ int last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const unsigned before = atomicAdd(k.done_blocks, 1u);
+        last = before == gridDim.x - 1;
+        if (last) atomicExch(k.done_blocks, 0u);
+    }
+    __syncthreads();
+    if (!last || *(volatile int *)k.abort_flag) return;
+    __threadfence();
+    if (threadIdx.x < k.geo.world) st_release_sys(&header(k.peers[threadIdx.x])->consumed[k.rank][0], k.seq);
 }
 
 __device__ __forceinline__ char *slot_row(const hybridep_geometry &g, void *buf, int s, int64_t i)
@@ -150,6 +212,40 @@ __device__ __forceinline__ char *slot_meta(const hybridep_geometry &g, void *buf
 __device__ __forceinline__ int64_t *notify_row(const hybridep_geometry &g, void *buf, int s)
 {
     return (int64_t *)((char *)buf + g.header_bytes) + (size_t)s * (size_t)(g.num_experts + HYBRIDEP_NOTIFY_EXTRA);
+}
+
+/* Staging row of the combine partial of row i received from rank s (s != rank; normal mode). */
+__device__ __forceinline__ char *staged_row(const hybridep_cuda_call &k, int s, int64_t i)
+{
+    const int j = s < k.rank ? s : s - 1;
+    return (char *)k.staging + ((size_t)j * (size_t)k.geo.rows_cap + (size_t)i) * k.geo.row_stride;
+}
+
+/* Item g of a list of received rows (sources in rank order, `skip_self` leaves this rank out): its source rank and
+ * row; false past the end. */
+__device__ __forceinline__ bool received_item(const hybridep_cuda_call &k, int64_t g, bool skip_self, int *s,
+                                              int64_t *i)
+{
+    for (int r = 0; r < k.geo.world; r++) {
+        if (skip_self && r == k.rank) continue;
+        const int64_t n = k.recv_tokens[r];
+        if (g < n) {
+            *s = r;
+            *i = g;
+            return true;
+        }
+        g -= n;
+    }
+    return false;
+}
+
+/* Rows received from every rank (or every other rank). */
+__device__ __forceinline__ int64_t received_total(const hybridep_cuda_call &k, bool skip_self)
+{
+    int64_t n = 0;
+    for (int r = 0; r < k.geo.world; r++)
+        if (!skip_self || r != k.rank) n += k.recv_tokens[r];
+    return n;
 }
 
 /* ---- prepare: layout + notify, one block ---- */
@@ -257,8 +353,8 @@ __global__ void __launch_bounds__(PREP_THREADS) prepare_kernel(hybridep_cuda_cal
     /* notify: wait until every rank has read what this rank wrote in the previous call, write this rank's row into
      * every rank's buffer, publish it; wait for every rank's row */
     const int n = E + HYBRIDEP_NOTIFY_EXTRA;
-    for (int i = threadIdx.x; i < W * C && !stalled; i += blockDim.x)
-        if (!wait_geq(&header(k.local)->consumed[i / C][i % C], k.seq - 1, k, HYBRIDEP_WAIT_CONSUMED, i / C))
+    if (threadIdx.x < W)
+        if (!wait_geq(&header(k.local)->consumed[threadIdx.x][0], k.seq - 1, k, HYBRIDEP_WAIT_CONSUMED, threadIdx.x))
             stalled = 1;
     __syncthreads();
     if (stalled) return;
@@ -268,6 +364,8 @@ __global__ void __launch_bounds__(PREP_THREADS) prepare_kernel(hybridep_cuda_cal
         if (j == E + HYBRIDEP_NOTIFY_STATUS) v = bad_total;
         if (j == E + HYBRIDEP_NOTIFY_CHANNELS) v = C;
         if (j == E + HYBRIDEP_NOTIFY_TOKENS) v = T;
+        const int to = j - E - HYBRIDEP_NOTIFY_TOKENS_TO; /* tokens per destination rank */
+        if (to >= 0) v = to < W ? tokens_to[to] : 0;
         *(volatile int64_t *)&notify_row(k.geo, k.peers[d], me)[j] = v;
     }
     __threadfence_system();
@@ -286,6 +384,7 @@ __global__ void __launch_bounds__(PREP_THREADS) prepare_kernel(hybridep_cuda_cal
         const int64_t *row = notify_row(k.geo, k.local, s);
         if (__ldcg(&row[E + HYBRIDEP_NOTIFY_STATUS]) != 0) record_failure(k, HYBRIDEP_BAD_IDS, s);
         if (__ldcg(&row[E + HYBRIDEP_NOTIFY_CHANNELS]) != C) record_failure(k, HYBRIDEP_CHANNELS, s);
+        k.recv_tokens[s] = __ldcg(&row[E + HYBRIDEP_NOTIFY_TOKENS_TO + me]);
     }
     __syncthreads();
     /* the plan: rows per local expert, and where this rank's copies to each expert start on its rank */
@@ -303,15 +402,14 @@ __global__ void __launch_bounds__(PREP_THREADS) prepare_kernel(hybridep_cuda_cal
         k.tokens_per_expert[l] = rows;
     }
     __syncthreads();
-    /* the rows are read: release them (every channel, as a dispatch-like call's readers do) */
-    for (int i = threadIdx.x; i < W * C; i += blockDim.x)
-        st_release_sys(&header(k.peers[i / C])->consumed[me][i % C], k.seq);
+    /* the rows are read: release them */
+    if (threadIdx.x < W) st_release_sys(&header(k.peers[threadIdx.x])->consumed[me][0], k.seq);
 }
 
 /* ---- dispatch ---- */
 
-/* The copies of token t: lane k < K gets its expert's rank (-1 dropped) and its final row there; returns the set of
- * ranks. */
+/* The copies of token t: lane k < K gets its expert's rank (-1 dropped), its final row there and its prob; returns
+ * the set of ranks holding one (this rank included). */
 __device__ __forceinline__ unsigned token_copies(const hybridep_cuda_call &k, int64_t t, int lane, int *dr, int *dst,
                                                  float *p, const float *probs)
 {
@@ -331,24 +429,100 @@ __device__ __forceinline__ unsigned token_copies(const hybridep_cuda_call &k, in
     return __reduce_or_sync(FULL, *dr >= 0 ? 1u << *dr : 0u);
 }
 
-/* Writes token t's metadata (its copies' rows and probs on rank d, -1 elsewhere) into d's slot for this rank. */
-__device__ __forceinline__ void write_meta(const hybridep_cuda_call &k, int d, int64_t pos, int lane, int dr, int dst,
-                                           float p)
+/* Token t's slot rows on every other rank of `ranks` (nullptr elsewhere); with `meta`, its metadata written there
+ * (its copies' rows and probs on that rank, -1 elsewhere). */
+__device__ __forceinline__ void token_rows(const hybridep_cuda_call &k, int64_t t, unsigned ranks, int lane, int dr,
+                                           int dst, float p, bool meta, char **rows)
 {
-    char *meta = slot_meta(k.geo, k.peers[d], k.rank, pos);
-    if (lane < (int)k.topk) {
-        ((int32_t *)meta)[lane] = dr == d ? dst : -1;
-        ((double *)(meta + k.geo.meta_prob_offset))[lane] = dr == d ? (double)p : 0.0;
+    const int64_t R = k.geo.rows_cap;
+#pragma unroll
+    for (int d = 0; d < HYBRIDEP_MAX_RANKS; d++) {
+        rows[d] = nullptr;
+        if (d < k.geo.world && d != k.rank && ((ranks >> d) & 1u)) {
+            const int64_t pos = k.excl[(int64_t)d * (R + 1) + t];
+            rows[d] = slot_row(k.geo, k.peers[d], k.rank, pos);
+            if (meta && lane < (int)k.topk) {
+                char *m = slot_meta(k.geo, k.peers[d], k.rank, pos);
+                ((int32_t *)m)[lane] = dr == d ? dst : -1;
+                ((double *)(m + k.geo.meta_prob_offset))[lane] = dr == d ? (double)p : 0.0;
+            }
+        }
     }
 }
 
-/* The per-warp TMA pipeline state: S stages of row_stride bytes and their mbarriers; g counts the rows loaded. */
+/* One warp: units [u0, u1) of src (read-only input, or a slot row through L2) to every non-null row of dst; UNROLL
+ * units per lane in flight. Loop bounds are the same on every lane. */
+template <typename V, bool RO, int N_DST>
+__device__ __forceinline__ void warp_copy(const V *src, int64_t u0, int64_t u1, char *const *dst)
+{
+    const int lane = threadIdx.x & 31;
+    for (int64_t b = u0; b < u1; b += 32 * UNROLL) {
+        V v[UNROLL];
+#pragma unroll
+        for (int j = 0; j < UNROLL; j++) {
+            const int64_t u = b + j * 32 + lane;
+            if (u < u1) v[j] = RO ? load_ro(src + u) : __ldcg(src + u);
+        }
+#pragma unroll
+        for (int d = 0; d < N_DST; d++)
+            if (dst[d])
+#pragma unroll
+                for (int j = 0; j < UNROLL; j++) {
+                    const int64_t u = b + j * 32 + lane;
+                    if (u < u1) ((V *)dst[d])[u] = v[j];
+                }
+    }
+}
+
+/* One warp: units [u0, u1) of src to the rows of out named by the lanes in `copies` (each lane's dst). */
+template <typename V, bool RO>
+__device__ __forceinline__ void warp_expand(const V *src, int64_t u0, int64_t u1, unsigned copies, int dst, void *out,
+                                            size_t out_row)
+{
+    const int lane = threadIdx.x & 31;
+    for (int64_t b = u0; b < u1; b += 32 * UNROLL) {
+        V v[UNROLL];
+#pragma unroll
+        for (int j = 0; j < UNROLL; j++) {
+            const int64_t u = b + j * 32 + lane;
+            if (u < u1) v[j] = RO ? load_ro(src + u) : __ldcg(src + u);
+        }
+        for (unsigned m = copies; m; m &= m - 1) {
+            const int r = __shfl_sync(FULL, dst, __ffs(m) - 1);
+            V *o = (V *)((char *)out + (size_t)r * out_row);
+#pragma unroll
+            for (int j = 0; j < UNROLL; j++) {
+                const int64_t u = b + j * 32 + lane;
+                if (u < u1) o[u] = v[j];
+            }
+        }
+    }
+}
+
+/* The per-warp TMA pipeline of an NVLink-phase block: S stages of `stride` bytes and their mbarriers; g counts the
+ * rows loaded so far (stage g % S, phase (g / S) & 1). */
 struct pipe {
     char *stages;
     uint64_t *bars;
     int S;
     uint32_t bytes, stride, g;
 };
+
+/* Carves the block's shared memory into one pipeline per warp and initialises the mbarriers (whole block). */
+__device__ __forceinline__ void pipe_init(pipe &p, char *smem, int stages, uint32_t bytes, uint32_t stride)
+{
+    const int warp = threadIdx.x >> 5, P = blockDim.x >> 5;
+    p.S = stages;
+    p.bytes = bytes;
+    p.stride = stride;
+    p.g = 0;
+    p.stages = smem + (size_t)warp * stages * stride;
+    p.bars = (uint64_t *)(smem + (size_t)P * stages * stride) + warp * MAX_STAGES;
+    if ((threadIdx.x & 31) == 0)
+        for (int s = 0; s < stages; s++) mbar_init(p.bars + s);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    __syncthreads();
+}
 
 __device__ __forceinline__ void pipe_load(pipe &p, uint32_t gi, const void *src)
 {
@@ -364,67 +538,44 @@ __device__ __forceinline__ char *pipe_wait(pipe &p, uint32_t gi)
     return p.stages + (size_t)st * p.stride;
 }
 
-/* Send half, channel c: this rank's tokens [t0, t1), warp w takes t0 + w, t0 + w + P, ...; each token's row goes once
- * to every rank holding one of its experts (slot row excl[d][t]), with its metadata; then the arrival flags. */
-template <typename V, bool TMA>
-__device__ void dispatch_send(const hybridep_cuda_call &k, int c, const void *x, const float *probs, int64_t units,
-                              pipe &pp)
+/*
+ * The NVLink phase's row loop, shared by dispatch and combine: warp w of the block takes items first = g0 + w,
+ * g0 + w + P, ... below g1; job.src(k, g) is item g's source row (any lane; valid memory for every g < g1),
+ * job.rows(k, g, lane, dst) writes its metadata and fills dst[HYBRIDEP_MAX_RANKS] with its destination rows (nullptr:
+ * none; the same on every lane). TMA: lane 0 loads rows S - 1 ahead into the warp's stages and bulk-stores each to
+ * its destinations, one bulk group per row, reusing a stage once the stores that read it are done reading. Vector:
+ * the warp moves 16-byte units, UNROLL per lane in flight. Ends with every store complete.
+ */
+template <typename V, bool TMA, bool RO, typename Job>
+__device__ void nvlink_rows(const hybridep_cuda_call &k, const Job &job, int64_t g0, int64_t g1, int64_t units,
+                            pipe &pp)
 {
-    const int W = k.geo.world, me = k.rank, P = blockDim.x >> 5;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t T = k.tokens, R = k.geo.rows_cap;
-    const size_t row_bytes = (size_t)units * sizeof(V);
-    const int64_t t0 = T * c / k.channels, t1 = T * (c + 1) / k.channels;
-    if (!block_wait_consumed(k)) return;
-    const int64_t first = t0 + warp, n = first < t1 ? (t1 - first + P - 1) / P : 0;
+    const int P = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t first = g0 + warp, n = first < g1 ? (g1 - first + P - 1) / P : 0;
     if (TMA && lane == 0)
-        for (int64_t i = 0; i < n && i < pp.S - 1; i++) pipe_load(pp, pp.g + (uint32_t)i, (const char *)x + (first + i * P) * row_bytes);
+        for (int64_t i = 0; i < n && i < pp.S - 1; i++) pipe_load(pp, pp.g + (uint32_t)i, job.src(k, first + i * P));
     for (int64_t j = 0; j < n; j++) {
-        const int64_t t = first + j * P;
-        int dr, dst;
-        float p;
-        const unsigned ranks = token_copies(k, t, lane, &dr, &dst, &p, probs);
+        const int64_t g = first + j * P;
         char *rows[HYBRIDEP_MAX_RANKS];
-#pragma unroll
-        for (int d = 0; d < HYBRIDEP_MAX_RANKS; d++) {
-            rows[d] = nullptr;
-            if (d < W && ((ranks >> d) & 1u)) {
-                const int64_t pos = k.excl[(int64_t)d * (R + 1) + t];
-                rows[d] = slot_row(k.geo, k.peers[d], me, pos);
-                write_meta(k, d, pos, lane, dr, dst, p);
-            }
-        }
+        job.rows(k, g, lane, rows);
         if (TMA) {
             if (lane == 0) {
                 if (j + pp.S - 1 < n) {
                     tma_wait_read();
-                    pipe_load(pp, pp.g + (uint32_t)(j + pp.S - 1), (const char *)x + (first + (j + pp.S - 1) * P) * row_bytes);
+                    pipe_load(pp, pp.g + (uint32_t)(j + pp.S - 1), job.src(k, first + (j + pp.S - 1) * P));
                 }
                 const char *stage = pipe_wait(pp, pp.g + (uint32_t)j);
 #pragma unroll
                 for (int d = 0; d < HYBRIDEP_MAX_RANKS; d++)
-                    if (rows[d]) tma_store(rows[d], stage, (uint32_t)row_bytes);
+                    if (rows[d]) tma_store(rows[d], stage, pp.bytes);
                 tma_commit();
             }
             __syncwarp();
         } else {
-            const V *src = (const V *)x + t * units;
-            for (int64_t u0 = 0; u0 < units; u0 += 32 * UNROLL) {
-                V v[UNROLL];
+            bool any = false;
 #pragma unroll
-                for (int q = 0; q < UNROLL; q++) {
-                    const int64_t u = u0 + q * 32 + lane;
-                    if (u < units) v[q] = __ldg(src + u);
-                }
-#pragma unroll
-                for (int d = 0; d < HYBRIDEP_MAX_RANKS; d++)
-                    if (rows[d])
-#pragma unroll
-                        for (int q = 0; q < UNROLL; q++) {
-                            const int64_t u = u0 + q * 32 + lane;
-                            if (u < units) ((V *)rows[d])[u] = v[q];
-                        }
-            }
+            for (int d = 0; d < HYBRIDEP_MAX_RANKS; d++) any = any || rows[d];
+            if (any) warp_copy<V, RO, HYBRIDEP_MAX_RANKS>((const V *)job.src(k, g), 0, units, rows);
         }
     }
     if (TMA) {
@@ -433,136 +584,174 @@ __device__ void dispatch_send(const hybridep_cuda_call &k, int c, const void *x,
         __syncwarp();
         fence_proxy_async();
     }
-    __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x < W) {
-        const int d = threadIdx.x;
-        hybridep_flag *f = &header(k.peers[d])->arrived[me][c];
-        *(volatile int64_t *)&f->begin = k.excl[(int64_t)d * (R + 1) + t0];
-        *(volatile int64_t *)&f->end = k.excl[(int64_t)d * (R + 1) + t1];
-        __threadfence_system();
-        st_release_sys(&f->seq, k.seq);
-    }
 }
 
-/* Receive half, channel c: from every rank, its channel-c rows in this rank's slot for it; warp w takes rows
- * begin + w, begin + w + P, ...; each row is written into the rows of its copies in out (already grouped by expert)
- * with their probs, the metadata saved for combine; then the release stamps. */
-template <typename V, bool TMA>
-__device__ void dispatch_recv(const hybridep_cuda_call &k, int c, void *out, float *out_probs, int64_t units, pipe &pp)
-{
-    const int W = k.geo.world, me = k.rank, K = (int)k.topk, P = blockDim.x >> 5;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t rows_cap = k.geo.rows_cap;
-    const size_t row_bytes = (size_t)units * sizeof(V);
-    __shared__ int64_t range[2];
-    __shared__ int stalled;
-    for (int js = 0; js < W; js++) {
-        const int s = (me + js) % W;
-        if (threadIdx.x == 0) {
-            hybridep_flag *f = &header(k.local)->arrived[s][c];
-            stalled = !wait_geq(&f->seq, k.seq, k, HYBRIDEP_WAIT_ARRIVAL, s);
-            range[0] = *(volatile int64_t *)&f->begin;
-            range[1] = *(volatile int64_t *)&f->end;
-            if (!stalled) {
-                k.recv_range[((int64_t)s * k.channels + c) * 2] = range[0];
-                k.recv_range[((int64_t)s * k.channels + c) * 2 + 1] = range[1];
-            }
-        }
-        __syncthreads();
-        if (stalled) break;
-        if (TMA) fence_proxy_async();
-        const int64_t first = range[0] + warp, n = first < range[1] ? (range[1] - first + P - 1) / P : 0;
-        if (TMA && lane == 0) {
-            tma_wait_read(); /* the stages may still be read by stores of the previous rank's rows */
-            for (int64_t i = 0; i < n && i < pp.S - 1; i++)
-                pipe_load(pp, pp.g + (uint32_t)i, slot_row(k.geo, k.local, s, first + i * P));
-        }
-        for (int64_t j = 0; j < n; j++) {
-            const int64_t i = first + j * P;
-            const char *meta = slot_meta(k.geo, k.local, s, i);
-            int32_t dst = -1;
-            if (lane < K) {
-                dst = __ldcg((const int32_t *)meta + lane);
-                k.recv_meta[((int64_t)s * rows_cap + i) * K + lane] = dst;
-                if (dst >= 0 && out_probs)
-                    out_probs[dst] = (float)__ldcg((const double *)(meta + k.geo.meta_prob_offset) + lane);
-            }
-            const unsigned copies = __ballot_sync(FULL, dst >= 0);
-            if (TMA) {
-                int targets[32];
-                int nt = 0;
-                for (unsigned m = copies; m; m &= m - 1) targets[nt++] = __shfl_sync(FULL, dst, __ffs(m) - 1);
-                if (lane == 0) {
-                    if (j + pp.S - 1 < n) {
-                        tma_wait_read();
-                        pipe_load(pp, pp.g + (uint32_t)(j + pp.S - 1), slot_row(k.geo, k.local, s, first + (j + pp.S - 1) * P));
-                    }
-                    const char *stage = pipe_wait(pp, pp.g + (uint32_t)j);
-                    for (int q = 0; q < nt; q++) tma_store((char *)out + (size_t)targets[q] * row_bytes, stage, (uint32_t)row_bytes);
-                    tma_commit();
-                }
-                __syncwarp();
-            } else {
-                const V *row = (const V *)slot_row(k.geo, k.local, s, i);
-                for (int64_t u0 = 0; u0 < units; u0 += 32 * UNROLL) {
-                    V v[UNROLL];
-#pragma unroll
-                    for (int q = 0; q < UNROLL; q++) {
-                        const int64_t u = u0 + q * 32 + lane;
-                        if (u < units) v[q] = __ldcg(row + u);
-                    }
-                    for (unsigned m = copies; m; m &= m - 1) {
-                        const int r = __shfl_sync(FULL, dst, __ffs(m) - 1);
-                        V *o = (V *)((char *)out + (size_t)r * row_bytes);
-#pragma unroll
-                        for (int q = 0; q < UNROLL; q++) {
-                            const int64_t u = u0 + q * 32 + lane;
-                            if (u < units) o[u] = v[q];
-                        }
-                    }
-                }
-            }
-        }
-        if (TMA) pp.g += (uint32_t)n;
-        __syncthreads(); /* every row of s is read (loaded into shared memory, or into registers) */
-        if (threadIdx.x == 0) st_release_sys(&header(k.peers[s])->consumed[me][c], k.seq);
+/* A dispatch-like call's NVLink-phase job: item g is token g of this rank, its row of x once to every other rank
+ * holding one of its copies, with the metadata. */
+struct dispatch_job {
+    const char *x;
+    const float *probs;
+    size_t row_bytes;
+    __device__ const void *src(const hybridep_cuda_call &, int64_t t) const { return x + (size_t)t * row_bytes; }
+    __device__ void rows(const hybridep_cuda_call &k, int64_t t, int lane, char **dst) const
+    {
+        int dr, d;
+        float p;
+        const unsigned ranks = token_copies(k, t, lane, &dr, &d, &p, probs);
+        token_rows(k, t, ranks, lane, dr, d, p, true, dst);
     }
-    if (TMA && lane == 0) tma_wait_all();
-}
+};
 
+/* The NVLink phase of a dispatch-like call, block c: this rank's tokens [T*c/C, T*(c+1)/C), each written once into
+ * every other rank holding one of its experts; then the block's arrival flag there. */
 template <typename V, bool TMA>
-__global__ void dispatch_kernel(hybridep_cuda_call k, const void *x, const float *probs, void *out, float *out_probs,
-                                int64_t units, int stages)
+__global__ void __launch_bounds__(SEND_THREADS) dispatch_send_kernel(hybridep_cuda_call k, const void *x,
+                                                                     const float *probs, int64_t units, int stages)
 {
     extern __shared__ __align__(128) char stage_mem[];
-    if (*(volatile int *)k.abort_flag) return;
+    const int c = blockIdx.x;
+    const int64_t T = k.tokens;
     pipe pp;
-    pp.S = stages;
-    pp.bytes = (uint32_t)(units * sizeof(V));
-    pp.stride = (uint32_t)k.geo.row_stride;
-    pp.g = 0;
-    if (TMA) {
-        const int warp = threadIdx.x >> 5, P = blockDim.x >> 5;
-        pp.stages = stage_mem + (size_t)warp * stages * pp.stride;
-        pp.bars = (uint64_t *)(stage_mem + (size_t)P * stages * pp.stride) + warp * MAX_STAGES;
-        if ((threadIdx.x & 31) == 0)
-            for (int s = 0; s < stages; s++) mbar_init(pp.bars + s);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        __syncthreads();
+    if (TMA) pipe_init(pp, stage_mem, stages, (uint32_t)(units * sizeof(V)), (uint32_t)k.geo.row_stride);
+    if (!block_wait(k, WAIT_CONSUMED)) return;
+    const dispatch_job job = {(const char *)x, probs, (size_t)units * sizeof(V)};
+    nvlink_rows<V, TMA, true>(k, job, T * c / k.channels, T * (c + 1) / k.channels, units, pp);
+    block_publish(k, c, false);
+}
+
+/* Item g of a dispatch-like call's expansion (received rows of every other rank, then this rank's own tokens): lane
+ * k < K gets its copy's row in out (-1: none) and prob; returns the source row (nullptr: no copy here) and sets s, i
+ * (the slot and row whose metadata combine keeps). */
+template <typename V>
+__device__ __forceinline__ const V *expand_item(const hybridep_cuda_call &k, int64_t g, int64_t staged, const void *x,
+                                                const float *probs, size_t row_bytes, int lane, int *s, int64_t *i,
+                                                int *dst, float *p, bool want_probs)
+{
+    const int me = k.rank, K = (int)k.topk;
+    *dst = -1;
+    *p = 0.0f;
+    if (g < staged) {
+        received_item(k, g, true, s, i);
+        const char *meta = slot_meta(k.geo, k.local, *s, *i);
+        if (lane < K) {
+            *dst = __ldcg((const int32_t *)meta + lane);
+            if (*dst >= 0 && want_probs) *p = (float)__ldcg((const double *)(meta + k.geo.meta_prob_offset) + lane);
+        }
+        return (const V *)slot_row(k.geo, k.local, *s, *i);
     }
-    if ((int)blockIdx.x < k.channels) dispatch_send<V, TMA>(k, blockIdx.x, x, probs, units, pp);
-    else dispatch_recv<V, TMA>(k, blockIdx.x - k.channels, out, out_probs, units, pp);
+    const int64_t t = g - staged, T = k.tokens;
+    const int32_t *ex = k.excl + (int64_t)me * (k.geo.rows_cap + 1);
+    *s = me;
+    *i = ex[t];
+    if (ex[t + 1] == *i) return nullptr; /* no copy of token t here; the same on every lane */
+    if (lane < K) {
+        const int ci = k.copy_index[t * K + lane];
+        const int e = k.topk_idx[t * K + lane];
+        if (ci >= 0 && e / k.local_experts == me) {
+            *dst = (int)(k.base[e] + ci);
+            if (probs) *p = probs[t * K + lane];
+        }
+    }
+    (void)T;
+    return (const V *)((const char *)x + (size_t)t * row_bytes);
+}
+
+/* The local half of a dispatch-like call, over every SM: waits for every other rank's rows of this call, then one warp
+ * per item: a row of this rank's slot for rank s, or one of this rank's own tokens (straight from x), written into the
+ * rows of its copies (the fused permutation) with their probs; the copies' rows are saved for combine; the last
+ * block releases the slots. */
+template <typename V>
+__global__ void __launch_bounds__(LOCAL_THREADS) dispatch_expand_kernel(hybridep_cuda_call k, const void *x,
+                                                                        const float *probs, void *out,
+                                                                        float *out_probs, int64_t units)
+{
+    const int K = (int)k.topk, lane = threadIdx.x & 31;
+    const size_t row_bytes = (size_t)units * sizeof(V);
+    if (block_wait(k, WAIT_ARRIVED_OTHERS)) {
+        const int64_t staged = received_total(k, true), items = staged + k.tokens;
+        const int64_t step = (int64_t)gridDim.x * LOCAL_WARPS;
+        for (int64_t g = (int64_t)blockIdx.x * LOCAL_WARPS + (threadIdx.x >> 5); g < items; g += step) {
+            int s, dst;
+            int64_t i;
+            float p;
+            const V *row = expand_item<V>(k, g, staged, x, probs, row_bytes, lane, &s, &i, &dst, &p, out_probs);
+            if (!row) continue;
+            if (lane < K) {
+                k.recv_meta[((int64_t)s * k.geo.rows_cap + i) * K + lane] = dst;
+                if (dst >= 0 && out_probs) out_probs[dst] = p;
+            }
+            const unsigned copies = __ballot_sync(FULL, dst >= 0);
+            if (s == k.rank) warp_expand<V, true>(row, 0, units, copies, dst, out, row_bytes);
+            else warp_expand<V, false>(row, 0, units, copies, dst, out, row_bytes);
+        }
+    }
+    block_finish(k);
+}
+
+/* Low-latency dispatch, one kernel over `channels` resident blocks: (1) every warp of the grid takes (token, piece)
+ * items, a piece of PIECE units of the token's row written into every other rank holding one of its copies (the
+ * metadata with piece 0); each block's arrival flag; (2) every block waits for every other rank's flags, then (row,
+ * piece) items of the expansion as dispatch_expand_kernel's; the last block releases the slots. */
+template <typename V>
+__global__ void __launch_bounds__(LOCAL_THREADS, 1) ll_dispatch_kernel(hybridep_cuda_call k, const void *x,
+                                                                       const float *probs, void *out,
+                                                                       float *out_probs, int64_t units)
+{
+    const int K = (int)k.topk, lane = threadIdx.x & 31;
+    const size_t row_bytes = (size_t)units * sizeof(V);
+    const int64_t pieces = (units + PIECE - 1) / PIECE;
+    const int64_t gw = (int64_t)blockIdx.x * LOCAL_WARPS + (threadIdx.x >> 5), step = (int64_t)gridDim.x * LOCAL_WARPS;
+    if (block_wait(k, WAIT_CONSUMED)) {
+        for (int64_t g = gw; g < k.tokens * pieces; g += step) {
+            const int64_t t = g / pieces, u0 = g % pieces * PIECE, u1 = u0 + PIECE < units ? u0 + PIECE : units;
+            int dr, d;
+            float p;
+            const unsigned ranks = token_copies(k, t, lane, &dr, &d, &p, probs) & ~(1u << k.rank);
+            if (!ranks) continue; /* the same on every lane */
+            char *rows[HYBRIDEP_MAX_RANKS];
+            token_rows(k, t, ranks, lane, dr, d, p, u0 == 0, rows);
+            warp_copy<V, true, HYBRIDEP_MAX_RANKS>((const V *)((const char *)x + (size_t)t * row_bytes), u0, u1, rows);
+        }
+        block_publish(k, blockIdx.x, false);
+        if (block_wait(k, WAIT_ARRIVED_OTHERS)) {
+            const int64_t staged = received_total(k, true), items = (staged + k.tokens) * pieces;
+            for (int64_t g = gw; g < items; g += step) {
+                const int64_t u0 = g % pieces * PIECE, u1 = u0 + PIECE < units ? u0 + PIECE : units;
+                int s, dst;
+                int64_t i;
+                float p;
+                const V *row = expand_item<V>(k, g / pieces, staged, x, probs, row_bytes, lane, &s, &i, &dst, &p,
+                                              out_probs);
+                if (!row) continue;
+                if (u0 == 0 && lane < K) {
+                    k.recv_meta[((int64_t)s * k.geo.rows_cap + i) * K + lane] = dst;
+                    if (dst >= 0 && out_probs) out_probs[dst] = p;
+                }
+                const unsigned copies = __ballot_sync(FULL, dst >= 0);
+                if (s == k.rank) warp_expand<V, true>(row, u0, u1, copies, dst, out, row_bytes);
+                else warp_expand<V, false>(row, u0, u1, copies, dst, out, row_bytes);
+            }
+        }
+    }
+    block_finish(k);
 }
 
 /* ---- combine ---- */
 
+/* Element types of combine: a load through L2 (rows peers wrote), conversions to and from fp32. */
 template <typename T> struct elem;
 template <> struct elem<float> {
+    static __device__ __forceinline__ float load(const float *p) { return __ldcg(p); }
     static __device__ __forceinline__ float to_f(float v) { return v; }
     static __device__ __forceinline__ float from_f(float v) { return v; }
 };
 template <> struct elem<__nv_bfloat16> {
+    static __device__ __forceinline__ __nv_bfloat16 load(const __nv_bfloat16 *p)
+    {
+        __nv_bfloat16_raw r;
+        r.x = __ldcg((const unsigned short *)p);
+        return __nv_bfloat16(r);
+    }
     static __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
     static __device__ __forceinline__ __nv_bfloat16 from_f(float v) { return __float2bfloat16_rn(v); }
 };
@@ -580,44 +769,65 @@ template <typename T, int N> __device__ __forceinline__ pack<T, N> load_pack(con
         r = *(pack<T, N> *)&raw;
     } else {
 #pragma unroll
-        for (int j = 0; j < N; j++) r.v[j] = p[j];
+        for (int j = 0; j < N; j++) r.v[j] = elem<T>::load(p + j);
     }
     return r;
 }
 
-/* One warp: o = (accumulate ? o : -0) + src[0] + ... + src[n-1], in that order in fp32 per element (the CPU's order),
- * rounded to T. Loop bounds are the same on every lane; each lane has two packs per source row in flight. */
+/* One warp, packs [p0, p1) of a row: o = (accumulate ? o : -0) + src[0] + ... + src[n-1], in that order in fp32 per
+ * element (the CPU's order), rounded to T; n == 0 without accumulate writes zeros of the empty sum's sign (`zero`:
+ * +0, a token without copies, as the CPU path; else -0). Loop bounds are the same on every lane; each lane has two
+ * packs per source row in flight. */
 template <typename T, int N>
-__device__ __forceinline__ void warp_sum_rows(const T *const *src, int n, int64_t packs, T *o, bool accumulate)
+__device__ __forceinline__ void warp_sum(const T *const *src, int n, int64_t p0, int64_t p1, T *o, bool accumulate,
+                                         bool zero)
 {
     const int lane = threadIdx.x & 31;
-    for (int64_t q0 = 0; q0 < packs; q0 += 64) {
+    for (int64_t q0 = p0; q0 < p1; q0 += 64) {
         const int64_t q[2] = {q0 + lane, q0 + 32 + lane};
         float acc[2][N];
 #pragma unroll
         for (int u = 0; u < 2; u++) {
 #pragma unroll
-            for (int e = 0; e < N; e++) acc[u][e] = -0.0f;
-            if (accumulate && q[u] < packs) {
+            for (int e = 0; e < N; e++) acc[u][e] = zero ? 0.0f : -0.0f;
+            if (accumulate && q[u] < p1) {
                 const pack<T, N> v = load_pack<T, N>(o + q[u] * N);
 #pragma unroll
                 for (int e = 0; e < N; e++) acc[u][e] = elem<T>::to_f(v.v[e]);
             }
         }
-        for (int j = 0; j < n; j++) {
-            pack<T, N> v[2];
+        int j = 0;
+        for (; j + 1 < n; j += 2) {
+            pack<T, N> va[2], vb[2];
 #pragma unroll
             for (int u = 0; u < 2; u++)
-                if (q[u] < packs) v[u] = load_pack<T, N>(src[j] + q[u] * N);
+                if (q[u] < p1) {
+                    va[u] = load_pack<T, N>(src[j] + q[u] * N);
+                    vb[u] = load_pack<T, N>(src[j + 1] + q[u] * N);
+                }
 #pragma unroll
             for (int u = 0; u < 2; u++)
-                if (q[u] < packs)
+                if (q[u] < p1)
 #pragma unroll
-                    for (int e = 0; e < N; e++) acc[u][e] = __fadd_rn(acc[u][e], elem<T>::to_f(v[u].v[e]));
+                    for (int e = 0; e < N; e++) {
+                        acc[u][e] = __fadd_rn(acc[u][e], elem<T>::to_f(va[u].v[e]));
+                        acc[u][e] = __fadd_rn(acc[u][e], elem<T>::to_f(vb[u].v[e]));
+                    }
+        }
+        if (j < n) {
+            pack<T, N> va[2];
+#pragma unroll
+            for (int u = 0; u < 2; u++)
+                if (q[u] < p1) va[u] = load_pack<T, N>(src[j] + q[u] * N);
+#pragma unroll
+            for (int u = 0; u < 2; u++)
+                if (q[u] < p1)
+#pragma unroll
+                    for (int e = 0; e < N; e++) acc[u][e] = __fadd_rn(acc[u][e], elem<T>::to_f(va[u].v[e]));
         }
 #pragma unroll
         for (int u = 0; u < 2; u++)
-            if (q[u] < packs) {
+            if (q[u] < p1) {
                 pack<T, N> w;
 #pragma unroll
                 for (int e = 0; e < N; e++) w.v[e] = elem<T>::from_f(acc[u][e]);
@@ -626,105 +836,203 @@ __device__ __forceinline__ void warp_sum_rows(const T *const *src, int n, int64_
     }
 }
 
-/* Send half of a combine-like call, channel c: for every rank s, the rows received from it in channel c; each row's
- * copies summed (k order) and written back into s's slot for this rank at the same row, prob gradients alongside. */
-template <typename T, int N>
-__device__ void combine_send(const hybridep_cuda_call &k, int c, const T *rows, const float *row_probs)
+/* A received row's copies (row i of rank s in the last dispatch-like call): their rows of `rows` into the warp's src
+ * list in k order; lane k < K gets its copy's row (-1: dropped). Returns the count. */
+template <typename T>
+__device__ __forceinline__ int row_copies(const hybridep_cuda_call &k, int s, int64_t i, const T *rows, int lane,
+                                          const T **src, int *dst)
 {
-    __shared__ const T *src[VEC_THREADS / 32][32];
-    const int W = k.geo.world, me = k.rank, K = (int)k.topk, P = blockDim.x >> 5;
+    const int K = (int)k.topk;
+    *dst = lane < K ? k.recv_meta[((int64_t)s * k.geo.rows_cap + i) * K + lane] : -1;
+    const unsigned copies = __ballot_sync(FULL, *dst >= 0);
+    if (*dst >= 0) src[__popc(copies & ((1u << lane) - 1u))] = rows + (int64_t)*dst * k.hidden;
+    __syncwarp();
+    return __popc(copies);
+}
+
+/* The prob gradients of a received row's copies (lane k < K, its row dst) into a metadata entry. */
+__device__ __forceinline__ void write_prob_grads(const hybridep_cuda_call &k, char *meta, int lane, int dst,
+                                                 const float *row_probs)
+{
+    if (lane < (int)k.topk) ((double *)(meta + k.geo.meta_prob_offset))[lane] = dst >= 0 ? (double)row_probs[dst] : 0.0;
+}
+
+/* Token t's partials (one per rank holding a copy, in rank order) into the warp's src list; returns the count. */
+template <typename T>
+__device__ __forceinline__ int token_partials(const hybridep_cuda_call &k, int64_t t, int lane, const T **src)
+{
+    const int64_t R = k.geo.rows_cap;
+    int64_t pos = -1;
+    if (lane < k.geo.world) {
+        const int32_t *ex = k.excl + (int64_t)lane * (R + 1);
+        if (ex[t + 1] > ex[t]) pos = ex[t];
+    }
+    const unsigned ranks = __ballot_sync(FULL, pos >= 0);
+    if (pos >= 0) src[__popc(ranks & ((1u << lane) - 1u))] = (const T *)slot_row(k.geo, k.local, lane, pos);
+    __syncwarp();
+    return __popc(ranks);
+}
+
+/* Token t's prob gradients (lane k < K) from the metadata its copies' ranks sent back. */
+__device__ __forceinline__ void token_prob_grads(const hybridep_cuda_call &k, int64_t t, int lane, float *out_probs)
+{
+    const int K = (int)k.topk;
+    const int64_t R = k.geo.rows_cap;
+    if (lane >= K) return;
+    float v = 0.0f;
+    if (k.copy_index[t * K + lane] >= 0) {
+        const int d = (int)(k.topk_idx[t * K + lane] / k.local_experts);
+        const int64_t p = k.excl[(int64_t)d * (R + 1) + t];
+        v = (float)__ldcg((const double *)(slot_meta(k.geo, k.local, d, p) + k.geo.meta_prob_offset) + lane);
+    }
+    out_probs[t * K + lane] = v;
+}
+
+/* The first local half of a combine-like call, over every SM: one warp per row received in the last dispatch-like
+ * call (every source, this rank's own tokens included): its copies summed in fp32 in k order, rounded to the rows'
+ * dtype, into this rank's own slot (own tokens, with the prob gradients) or the staging area (the NVLink phase sends
+ * those). */
+template <typename T, int N>
+__global__ void __launch_bounds__(LOCAL_THREADS) combine_reduce_kernel(hybridep_cuda_call k, const T *rows,
+                                                                       const float *row_probs)
+{
+    __shared__ const T *src[LOCAL_WARPS][32];
+    if (*(volatile int *)k.abort_flag) return; /* no block-wide barrier below */
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t H = k.hidden, rows_cap = k.geo.rows_cap, packs = H / N;
-    if (!block_wait_consumed(k)) return;
-    for (int js = 0; js < W; js++) {
-        const int s = (me + 1 + js) % W;
-        const int64_t begin = k.recv_range[((int64_t)s * k.channels + c) * 2];
-        const int64_t end = k.recv_range[((int64_t)s * k.channels + c) * 2 + 1];
-        for (int64_t i = begin + warp; i < end; i += P) {
-            const int32_t dst = lane < K ? k.recv_meta[((int64_t)s * rows_cap + i) * K + lane] : -1;
-            const unsigned copies = __ballot_sync(FULL, dst >= 0);
-            const int n = __popc(copies);
-            if (dst >= 0) src[warp][__popc(copies & ((1u << lane) - 1u))] = rows + (int64_t)dst * H;
-            char *meta = slot_meta(k.geo, k.peers[s], me, i);
-            if (lane < K)
-                ((double *)(meta + k.geo.meta_prob_offset))[lane] =
-                    (row_probs && dst >= 0) ? (double)row_probs[dst] : 0.0;
-            __syncwarp();
-            warp_sum_rows<T, N>(src[warp], n, packs, (T *)slot_row(k.geo, k.peers[s], me, i), false);
-            __syncwarp();
+    const int64_t packs = k.hidden / N, items = received_total(k, false);
+    const int64_t step = (int64_t)gridDim.x * LOCAL_WARPS;
+    for (int64_t g = (int64_t)blockIdx.x * LOCAL_WARPS + warp; g < items; g += step) {
+        int s, dst;
+        int64_t i;
+        received_item(k, g, false, &s, &i);
+        const int n = row_copies<T>(k, s, i, rows, lane, src[warp], &dst);
+        T *o;
+        if (s == k.rank) {
+            o = (T *)slot_row(k.geo, k.local, s, i);
+            if (row_probs) write_prob_grads(k, slot_meta(k.geo, k.local, s, i), lane, dst, row_probs);
+        } else {
+            o = (T *)staged_row(k, s, i);
         }
-        __threadfence_system();
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            hybridep_flag *f = &header(k.peers[s])->arrived[me][c];
-            *(volatile int64_t *)&f->begin = begin;
-            *(volatile int64_t *)&f->end = end;
-            __threadfence_system();
-            st_release_sys(&f->seq, k.seq);
-        }
+        warp_sum<T, N>(src[warp], n, 0, packs, o, false, false);
+        __syncwarp();
     }
 }
 
-/* Receive half, channel c: this rank's tokens [t0, t1), each the sum in rank order of the partials its expert ranks
- * wrote into this buffer, straight into out[t] (the unpermutation); prob gradients to their (t, k) slots. */
-template <typename T, int N>
-__device__ void combine_recv(const hybridep_cuda_call &k, int c, T *out, bool accumulate, float *out_probs)
-{
-    __shared__ const T *src[VEC_THREADS / 32][HYBRIDEP_MAX_RANKS];
-    __shared__ int stalled;
-    const int W = k.geo.world, me = k.rank, K = (int)k.topk, P = blockDim.x >> 5;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t T_ = k.tokens, H = k.hidden, El = k.local_experts, packs = H / N, R = k.geo.rows_cap;
-    const int64_t t0 = T_ * c / k.channels, t1 = T_ * (c + 1) / k.channels;
-    if (threadIdx.x == 0) stalled = 0;
-    __syncthreads();
-    if (threadIdx.x < W)
-        if (!wait_geq(&header(k.local)->arrived[threadIdx.x][c].seq, k.seq, k, HYBRIDEP_WAIT_ARRIVAL, threadIdx.x))
-            stalled = 1;
-    __syncthreads();
-    if (stalled) return;
-    for (int64_t t = t0 + warp; t < t1; t += P) {
-        int64_t pos = -1;
-        if (lane < W) {
-            const int32_t *ex = k.excl + (int64_t)lane * (R + 1);
-            if (ex[t + 1] > ex[t]) pos = ex[t];
-        }
-        const unsigned ranks = __ballot_sync(FULL, pos >= 0);
-        const int n = __popc(ranks);
-        if (pos >= 0) src[warp][__popc(ranks & ((1u << lane) - 1u))] = (const T *)slot_row(k.geo, k.local, lane, pos);
-        __syncwarp();
-        T *o = out + t * H;
-        if (n > 0 || !accumulate) warp_sum_rows<T, N>(src[warp], n, packs, o, accumulate);
-        if (n == 0 && !accumulate) /* no kept copy: +0, as the CPU path */
-            for (int64_t q = lane; q < packs; q += 32) {
-                pack<T, N> z;
+/* A combine-like call's NVLink-phase job: item g is row g / (W-1) of the (g % (W-1))-th other rank (interleaved, so
+ * every block sends to every rank), its staged partial into that rank's slot for this rank, at the row the token had
+ * in dispatch, with the prob gradients. */
+struct combine_job {
+    const float *row_probs;
+    __device__ void item(const hybridep_cuda_call &k, int64_t g, int *s, int64_t *i) const
+    {
+        const int j = (int)(g % (k.geo.world - 1));
+        *s = j < k.rank ? j : j + 1;
+        *i = g / (k.geo.world - 1);
+    }
+    __device__ const void *src(const hybridep_cuda_call &k, int64_t g) const
+    {
+        int s;
+        int64_t i;
+        item(k, g, &s, &i);
+        return staged_row(k, s, i);
+    }
+    __device__ void rows(const hybridep_cuda_call &k, int64_t g, int lane, char **dst) const
+    {
+        int s;
+        int64_t i;
+        item(k, g, &s, &i);
 #pragma unroll
-                for (int e = 0; e < N; e++) z.v[e] = elem<T>::from_f(0.0f);
-                *(pack<T, N> *)(o + q * N) = z;
-            }
-        if (out_probs && lane < K) {
-            float v = 0.0f;
-            if (k.copy_index[t * K + lane] >= 0) {
-                const int d = (int)(k.topk_idx[t * K + lane] / El);
-                const int64_t p = k.excl[(int64_t)d * (R + 1) + t];
-                v = (float)__ldcg((const double *)(slot_meta(k.geo, k.local, d, p) + k.geo.meta_prob_offset) + lane);
-            }
-            out_probs[t * K + lane] = v;
+        for (int d = 0; d < HYBRIDEP_MAX_RANKS; d++) dst[d] = nullptr;
+        if (i >= k.recv_tokens[s]) return;
+        dst[0] = slot_row(k.geo, k.peers[s], k.rank, i);
+        if (row_probs) {
+            const int K = (int)k.topk;
+            const int d = lane < K ? k.recv_meta[((int64_t)s * k.geo.rows_cap + i) * K + lane] : -1;
+            write_prob_grads(k, slot_meta(k.geo, k.peers[s], k.rank, i), lane, d, row_probs);
         }
-        __syncwarp();
     }
-    __syncthreads();
-    if (threadIdx.x < W) st_release_sys(&header(k.peers[threadIdx.x])->consumed[me][c], k.seq);
+};
+
+/* The NVLink phase of a combine-like call, block c: its share of the staged partials, then its arrival flag in every
+ * other rank. Rows move as whole 16-byte units (slot and staging rows are padded to row_stride). */
+template <bool TMA>
+__global__ void __launch_bounds__(SEND_THREADS) combine_send_kernel(hybridep_cuda_call k, const float *row_probs,
+                                                                    int64_t units, int stages)
+{
+    extern __shared__ __align__(128) char stage_mem[];
+    const int W = k.geo.world, c = blockIdx.x;
+    pipe pp;
+    if (TMA) pipe_init(pp, stage_mem, stages, (uint32_t)(units * 16), (uint32_t)k.geo.row_stride);
+    const combine_job job = {row_probs};
+    int64_t longest = 0;
+    for (int r = 0; r < W; r++)
+        if (r != k.rank && k.recv_tokens[r] > longest) longest = k.recv_tokens[r];
+    if (!block_wait(k, WAIT_CONSUMED)) return;
+    const int64_t items = longest * (W - 1);
+    nvlink_rows<int4, TMA, false>(k, job, items * c / k.channels, items * (c + 1) / k.channels, units, pp);
+    block_publish(k, c, false);
 }
 
+/* The second local half, over every SM: waits for every other rank's partials of this call, then one warp per token
+ * of this rank: its partials summed in rank order (fp32, from -0 or from out's value) into out (0 / untouched without a
+ * kept copy), prob gradients to their (t, k) slots; the last block releases the slots. */
 template <typename T, int N>
-__global__ void __launch_bounds__(VEC_THREADS) combine_kernel(hybridep_cuda_call k, const T *rows,
-                                                              const float *row_probs, T *out, bool accumulate,
-                                                              float *out_probs)
+__global__ void __launch_bounds__(LOCAL_THREADS) combine_final_kernel(hybridep_cuda_call k, T *out, bool accumulate,
+                                                                      float *out_probs)
 {
-    if (*(volatile int *)k.abort_flag) return;
-    if ((int)blockIdx.x < k.channels) combine_send<T, N>(k, blockIdx.x, rows, row_probs);
-    else combine_recv<T, N>(k, blockIdx.x - k.channels, out, accumulate, out_probs);
+    __shared__ const T *src[LOCAL_WARPS][HYBRIDEP_MAX_RANKS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t H = k.hidden, packs = H / N;
+    if (block_wait(k, WAIT_ARRIVED_OTHERS)) {
+        const int64_t step = (int64_t)gridDim.x * LOCAL_WARPS;
+        for (int64_t t = (int64_t)blockIdx.x * LOCAL_WARPS + warp; t < k.tokens; t += step) {
+            const int n = token_partials<T>(k, t, lane, src[warp]);
+            if (n > 0 || !accumulate) warp_sum<T, N>(src[warp], n, 0, packs, out + t * H, accumulate, n == 0);
+            if (out_probs) token_prob_grads(k, t, lane, out_probs);
+            __syncwarp();
+        }
+    }
+    block_finish(k);
+}
+
+/* Low-latency combine, one kernel over `channels` resident blocks: (1) (received row, piece) items: the piece of the
+ * row's partial (its copies summed in k order) written straight into its rank's slot for this rank (this rank's own
+ * slot for its own tokens), the prob gradients with piece 0; each block's arrival flag in every rank, this one
+ * included; (2) every block waits for every rank's flags, then (token, piece) items of the final sum; the last block
+ * releases the slots. */
+template <typename T, int N>
+__global__ void __launch_bounds__(LOCAL_THREADS, 1) ll_combine_kernel(hybridep_cuda_call k, const T *rows,
+                                                                      const float *row_probs, T *out, bool accumulate,
+                                                                      float *out_probs)
+{
+    __shared__ const T *src[LOCAL_WARPS][32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t H = k.hidden, packs = H / N, pieces = (packs + PIECE - 1) / PIECE;
+    const int64_t gw = (int64_t)blockIdx.x * LOCAL_WARPS + warp, step = (int64_t)gridDim.x * LOCAL_WARPS;
+    if (block_wait(k, WAIT_CONSUMED)) {
+        const int64_t items = received_total(k, false) * pieces;
+        for (int64_t g = gw; g < items; g += step) {
+            const int64_t p0 = g % pieces * PIECE, p1 = p0 + PIECE < packs ? p0 + PIECE : packs;
+            int s, dst;
+            int64_t i;
+            received_item(k, g / pieces, false, &s, &i);
+            const int n = row_copies<T>(k, s, i, rows, lane, src[warp], &dst);
+            if (p0 == 0 && row_probs)
+                write_prob_grads(k, slot_meta(k.geo, k.peers[s], k.rank, i), lane, dst, row_probs);
+            warp_sum<T, N>(src[warp], n, p0, p1, (T *)slot_row(k.geo, k.peers[s], k.rank, i), false, false);
+            __syncwarp();
+        }
+        block_publish(k, blockIdx.x, true);
+        if (block_wait(k, WAIT_ARRIVED_ALL))
+            for (int64_t g = gw; g < k.tokens * pieces; g += step) {
+                const int64_t t = g / pieces, p0 = g % pieces * PIECE, p1 = p0 + PIECE < packs ? p0 + PIECE : packs;
+                const int n = token_partials<T>(k, t, lane, src[warp]);
+                if (n > 0 || !accumulate) warp_sum<T, N>(src[warp], n, p0, p1, out + t * H, accumulate, n == 0);
+                if (p0 == 0 && out_probs) token_prob_grads(k, t, lane, out_probs);
+                __syncwarp();
+            }
+    }
+    block_finish(k);
 }
 
 /* ---- host side ---- */
@@ -750,7 +1058,7 @@ extern "C" moert_result hybridep_cuda_sm_count(const moert_host *host, int devic
     return MOERT_OK;
 }
 
-extern "C" int hybridep_cuda_wait_released(void *local, int world, int channels, int64_t seq, int64_t timeout_ms)
+extern "C" int hybridep_cuda_wait_released(void *local, int world, int64_t seq, int64_t timeout_ms)
 {
     int64_t stamps[HYBRIDEP_MAX_RANKS][HYBRIDEP_MAX_CHANNELS];
     const hybridep_header *h = (const hybridep_header *)local;
@@ -763,11 +1071,7 @@ extern "C" int hybridep_cuda_wait_released(void *local, int world, int channels,
             return 0;
         }
         for (int d = 0; d < world && late < 0; d++)
-            for (int c = 0; c < channels; c++)
-                if (stamps[d][c] < seq) {
-                    late = d;
-                    break;
-                }
+            if (stamps[d][0] < seq) late = d;
         if (late < 0) return -1;
         clock_gettime(CLOCK_MONOTONIC, &now);
         double ms = (double)(now.tv_sec - t0.tv_sec) * 1e3 + (double)(now.tv_nsec - t0.tv_nsec) * 1e-6;
@@ -781,14 +1085,15 @@ extern "C" moert_result hybridep_cuda_prepare(const moert_host *host, cudaStream
                                               const hybridep_cuda_call *call, const int32_t *topk_idx)
 {
     const size_t smem = (size_t)(33 * call->num_experts + 33 * HYBRIDEP_MAX_RANKS) * sizeof(int32_t);
-    CUDA_CHECK(host, cudaFuncSetAttribute(prepare_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    if (smem > 48 * 1024)
+        CUDA_CHECK(host, cudaFuncSetAttribute(prepare_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     prepare_kernel<<<1, PREP_THREADS, smem, stream>>>(*call, topk_idx);
     LAUNCH_CHECK(host, "hybridep prepare_kernel");
     return MOERT_OK;
 }
 
-/* Pipeline warps and stages per block for rows of row_stride bytes: the most rows in flight within the shared-memory
- * budget, two stages per warp where they fit. False when a row does not fit at all. */
+/* Pipeline warps and stages per NVLink-phase block for rows of row_stride bytes: the most rows in flight within the
+ * shared-memory budget, two stages per warp where they fit. False when a row does not fit at all. */
 static bool tma_shape(size_t row_stride, int *warps, int *stages)
 {
     int p = (int)(TMA_SMEM_BUDGET / (2 * row_stride));
@@ -801,21 +1106,45 @@ static bool tma_shape(size_t row_stride, int *warps, int *stages)
     return s >= 1;
 }
 
-template <typename V, bool TMA>
-static moert_result launch_dispatch(const moert_host *host, cudaStream_t stream, const hybridep_cuda_call *call,
-                                    const void *x, const float *probs, void *out, float *out_probs, int64_t units)
+/* Threads, stages and shared memory of a TMA NVLink-phase kernel; sets its shared-memory limit. */
+template <typename K>
+static moert_result tma_launch_shape(const moert_host *host, K kernel, size_t row_stride, int *threads, int *stages,
+                                     size_t *smem)
 {
-    const int blocks = 2 * call->channels;
-    int warps = VEC_THREADS / 32, stages = 0;
-    size_t smem = 0;
-    if (TMA) {
-        tma_shape(call->geo.row_stride, &warps, &stages);
-        smem = (size_t)warps * stages * call->geo.row_stride + (size_t)warps * MAX_STAGES * sizeof(uint64_t);
-        CUDA_CHECK(host, cudaFuncSetAttribute(dispatch_kernel<V, TMA>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              (int)smem));
+    int warps;
+    tma_shape(row_stride, &warps, stages);
+    *threads = warps * 32;
+    *smem = (size_t)warps * *stages * row_stride + (size_t)warps * MAX_STAGES * sizeof(uint64_t);
+    CUDA_CHECK(host, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)*smem));
+    return MOERT_OK;
+}
+
+/* The kernels of a dispatch-like call with row unit V: low-latency, one kernel; else the NVLink phase (TMA when asked
+ * and possible) and the expansion over every SM. */
+template <typename V>
+static moert_result launch_dispatch(const moert_host *host, cudaStream_t stream, const hybridep_cuda_call *call,
+                                    bool tma, const void *x, const float *probs, void *out, float *out_probs,
+                                    int64_t units)
+{
+    if (call->low_latency) {
+        ll_dispatch_kernel<V><<<call->channels, LOCAL_THREADS, 0, stream>>>(*call, x, probs, out, out_probs, units);
+        LAUNCH_CHECK(host, "hybridep ll_dispatch_kernel");
+        return MOERT_OK;
     }
-    dispatch_kernel<V, TMA><<<blocks, warps * 32, smem, stream>>>(*call, x, probs, out, out_probs, units, stages);
-    LAUNCH_CHECK(host, TMA ? "hybridep dispatch_kernel (tma)" : "hybridep dispatch_kernel (vector)");
+    if (tma) {
+        int threads, stages;
+        size_t smem;
+        moert_result rc = tma_launch_shape(host, dispatch_send_kernel<V, true>, call->geo.row_stride, &threads,
+                                           &stages, &smem);
+        if (rc != MOERT_OK) return rc;
+        dispatch_send_kernel<V, true><<<call->channels, threads, smem, stream>>>(*call, x, probs, units, stages);
+    } else {
+        dispatch_send_kernel<V, false><<<call->channels, SEND_THREADS, 0, stream>>>(*call, x, probs, units, 0);
+    }
+    LAUNCH_CHECK(host, tma ? "hybridep dispatch_send_kernel (tma)" : "hybridep dispatch_send_kernel (vector)");
+    dispatch_expand_kernel<V><<<call->sms * LOCAL_BLOCKS_PER_SM, LOCAL_THREADS, 0, stream>>>(*call, x, probs, out,
+                                                                                             out_probs, units);
+    LAUNCH_CHECK(host, "hybridep dispatch_expand_kernel");
     return MOERT_OK;
 }
 
@@ -825,40 +1154,65 @@ extern "C" moert_result hybridep_cuda_dispatch(const moert_host *host, cudaStrea
 {
     const size_t row_bytes = (size_t)call->hidden * moert_dtype_size(dtype);
     int warps, stages;
-    const bool vec16 = row_bytes % 16 == 0 && aligned16(x) && aligned16(out);
-    if (vec16 && call->tma && tma_shape(call->geo.row_stride, &warps, &stages))
-        return launch_dispatch<int4, true>(host, stream, call, x, probs, out, out_probs, (int64_t)(row_bytes / 16));
-    if (vec16) return launch_dispatch<int4, false>(host, stream, call, x, probs, out, out_probs, (int64_t)(row_bytes / 16));
+    if (row_bytes % 16 == 0 && aligned16(x) && aligned16(out)) {
+        const bool tma = call->tma && tma_shape(call->geo.row_stride, &warps, &stages);
+        return launch_dispatch<int4>(host, stream, call, tma, x, probs, out, out_probs, (int64_t)(row_bytes / 16));
+    }
     if (dtype == MOERT_F32)
-        return launch_dispatch<uint32_t, false>(host, stream, call, x, probs, out, out_probs, call->hidden);
-    return launch_dispatch<unsigned short, false>(host, stream, call, x, probs, out, out_probs, call->hidden);
+        return launch_dispatch<uint32_t>(host, stream, call, false, x, probs, out, out_probs, call->hidden);
+    return launch_dispatch<unsigned short>(host, stream, call, false, x, probs, out, out_probs, call->hidden);
+}
+
+/* The kernels of a combine-like call with element T in packs of N: low-latency, one kernel; else the reduction, the
+ * NVLink phase, the final sum. */
+template <typename T, int N>
+static moert_result launch_combine(const moert_host *host, cudaStream_t stream, const hybridep_cuda_call *call,
+                                   const void *rows, const float *row_probs, void *out, bool accumulate,
+                                   float *out_probs)
+{
+    if (call->low_latency) {
+        ll_combine_kernel<T, N><<<call->channels, LOCAL_THREADS, 0, stream>>>(*call, (const T *)rows, row_probs,
+                                                                               (T *)out, accumulate, out_probs);
+        LAUNCH_CHECK(host, "hybridep ll_combine_kernel");
+        return MOERT_OK;
+    }
+    const int local_blocks = call->sms * LOCAL_BLOCKS_PER_SM;
+    const int64_t units = (int64_t)((call->hidden * (int64_t)sizeof(T) + 15) / 16);
+    combine_reduce_kernel<T, N><<<local_blocks, LOCAL_THREADS, 0, stream>>>(*call, (const T *)rows, row_probs);
+    LAUNCH_CHECK(host, "hybridep combine_reduce_kernel");
+    int warps, stages;
+    if (call->tma && tma_shape(call->geo.row_stride, &warps, &stages)) {
+        int threads;
+        size_t smem;
+        moert_result rc = tma_launch_shape(host, combine_send_kernel<true>, call->geo.row_stride, &threads, &stages,
+                                           &smem);
+        if (rc != MOERT_OK) return rc;
+        combine_send_kernel<true><<<call->channels, threads, smem, stream>>>(*call, row_probs, units, stages);
+    } else {
+        combine_send_kernel<false><<<call->channels, SEND_THREADS, 0, stream>>>(*call, row_probs, units, 0);
+    }
+    LAUNCH_CHECK(host, "hybridep combine_send_kernel");
+    combine_final_kernel<T, N><<<local_blocks, LOCAL_THREADS, 0, stream>>>(*call, (T *)out, accumulate, out_probs);
+    LAUNCH_CHECK(host, "hybridep combine_final_kernel");
+    return MOERT_OK;
 }
 
 extern "C" moert_result hybridep_cuda_combine(const moert_host *host, cudaStream_t stream,
                                               const hybridep_cuda_call *call, moert_dtype dtype, const void *rows,
                                               const float *row_probs, void *out, bool accumulate, float *out_probs)
 {
-    const int blocks = 2 * call->channels;
     const int64_t H = call->hidden;
     const bool vec = aligned16(rows) && aligned16(out);
     if (dtype == MOERT_BF16) {
         if (vec && H % 8 == 0)
-            combine_kernel<__nv_bfloat16, 8><<<blocks, VEC_THREADS, 0, stream>>>(
-                *call, (const __nv_bfloat16 *)rows, row_probs, (__nv_bfloat16 *)out, accumulate, out_probs);
-        else
-            combine_kernel<__nv_bfloat16, 1><<<blocks, VEC_THREADS, 0, stream>>>(
-                *call, (const __nv_bfloat16 *)rows, row_probs, (__nv_bfloat16 *)out, accumulate, out_probs);
-    } else if (dtype == MOERT_F32) {
-        if (vec && H % 4 == 0)
-            combine_kernel<float, 4><<<blocks, VEC_THREADS, 0, stream>>>(*call, (const float *)rows, row_probs,
-                                                                         (float *)out, accumulate, out_probs);
-        else
-            combine_kernel<float, 1><<<blocks, VEC_THREADS, 0, stream>>>(*call, (const float *)rows, row_probs,
-                                                                         (float *)out, accumulate, out_probs);
-    } else {
-        return report(host, MOERT_ERR_UNSUPPORTED, "hybridep combine on CUDA: rows of dtype %s (bf16 or fp32 only)",
-                      moert_dtype_name(dtype));
+            return launch_combine<__nv_bfloat16, 8>(host, stream, call, rows, row_probs, out, accumulate, out_probs);
+        return launch_combine<__nv_bfloat16, 1>(host, stream, call, rows, row_probs, out, accumulate, out_probs);
     }
-    LAUNCH_CHECK(host, "hybridep combine_kernel");
-    return MOERT_OK;
+    if (dtype == MOERT_F32) {
+        if (vec && H % 4 == 0)
+            return launch_combine<float, 4>(host, stream, call, rows, row_probs, out, accumulate, out_probs);
+        return launch_combine<float, 1>(host, stream, call, rows, row_probs, out, accumulate, out_probs);
+    }
+    return report(host, MOERT_ERR_UNSUPPORTED, "hybridep combine on CUDA: rows of dtype %s (bf16 or fp32 only)",
+                  moert_dtype_name(dtype));
 }

@@ -3,13 +3,16 @@
  *
  * prepare: one kernel of one block does the layout (copies per expert, each copy's place among this rank's copies to
  * its expert, each token's position per destination rank) and the notify (its counts written into every peer's
- * buffer, theirs waited for), then each copy's destination row base: no host sync.
- * dispatch / combine: 2 * channels blocks, block c < channels sends channel c, block channels + c receives it. Rows
- * move with TMA bulk copies (cp.async.bulk global -> shared with an mbarrier, then shared -> the peer's or the
- * output's global memory), pipelined per warp in shared-memory stages; or with 16-byte vector copies (copy "vector",
- * low-latency mode, rows not a multiple of 16 bytes). Every wait is bounded by the call's timeout: a wait that runs
- * out records (seq << 16 | kind << 8 | peer) in the status words (device, and mapped pinned host memory the host reads
- * without a sync), raises abort_flag (later kernels of the instance return at once) and ends.
+ * buffer, theirs waited for), then each copy's destination row base and the tokens each rank sends here: no host sync.
+ * Normal mode, each call split like deepep's: an NVLink phase of `channels` blocks, every one sending (dispatch: each
+ * token once per destination rank into its row of this rank's slot there; combine: one partial row per (token, rank)),
+ * with TMA bulk copies (global -> shared with an mbarrier, shared -> the peer) or 16-byte vector copies; and local
+ * kernels over every SM around it (dispatch: the expansion into expert-grouped rows; combine: the reduction of each
+ * token's copies before, the sum of the partials after). Low-latency mode: one kernel per call over every SM (send,
+ * flags, then expansion or final sum in the same kernel; rows split into 1 KB pieces so every warp has work).
+ * Every wait is bounded by the call's timeout: a wait that runs out records (seq << 16 | kind << 8 | peer) in the
+ * status words (device, and mapped pinned host memory the host reads without a sync), raises abort_flag (later
+ * kernels of the instance return at once) and ends.
  */
 #ifndef MOERT_HYBRIDEP_CUDA_H
 #define MOERT_HYBRIDEP_CUDA_H
@@ -28,8 +31,10 @@ typedef struct hybridep_cuda_call {
     hybridep_geometry geo;
     void *local;                     /* this rank's buffer */
     void *peers[HYBRIDEP_MAX_RANKS]; /* every rank's buffer, as this device reaches it */
-    int rank, channels;
-    int tma;                         /* 1: TMA bulk copies, 0: vector copies */
+    int rank, channels;              /* blocks of the NVLink phase (every one sends), or of a low-latency kernel */
+    int sms;                         /* SMs of the device: the local kernels use all of them */
+    int tma;                         /* 1: TMA bulk copies in the NVLink phase, 0: vector copies */
+    int low_latency;                 /* 1: one kernel per call (channels <= sms, every block resident) */
     int64_t seq, timeout_ns;
     int64_t tokens, topk, hidden, num_experts, local_experts;
     int32_t *topk_idx;               /* [rows_cap*K] this step's routing, kept by prepare */
@@ -37,8 +42,10 @@ typedef struct hybridep_cuda_call {
     int32_t *excl;                   /* [world][rows_cap+1] tokens before t with a copy on rank d */
     int64_t *base;                   /* [E] first row, on expert e's rank, of this rank's copies to e */
     int64_t *tokens_per_expert;      /* [El] rows per local expert (the layout's device counts) */
+    int64_t *recv_tokens;            /* [world] tokens rank s sends to this rank in this step (from the notify) */
     int32_t *recv_meta;              /* [world][rows_cap][K] rows of each received copy (dispatch-like calls save) */
-    int64_t *recv_range;             /* [world][channels][2] received slot rows per rank and channel */
+    void *staging;                   /* normal mode: [(world-1)*rows_cap] rows of row_stride, combine partials */
+    unsigned *done_blocks;           /* blocks of a consuming kernel that finished (the last one resets it) */
     unsigned long long *error_word;  /* device: the first failure */
     int *abort_flag;                 /* device: set with the error word */
     unsigned long long *host_word;   /* mapped pinned host memory: the same word, read by the host without a sync */
@@ -53,16 +60,17 @@ moert_result hybridep_cuda_mapped(const moert_host *host, void *pinned, void **d
 /* Every SM of `device` (for num_sms 0). */
 moert_result hybridep_cuda_sm_count(const moert_host *host, int device, int *sms);
 
-/* Waits (polling, at most timeout_ms) until every rank's release stamp in this buffer's header has reached seq for
- * every channel. Returns -1 when done, else the rank that did not. */
-int hybridep_cuda_wait_released(void *local, int world, int channels, int64_t seq, int64_t timeout_ms);
+/* Waits (polling, at most timeout_ms) until every rank's release stamp in this buffer's header has reached seq.
+ * Returns -1 when done, else the rank that did not. */
+int hybridep_cuda_wait_released(void *local, int world, int64_t seq, int64_t timeout_ms);
 
 /* prepare: layout of topk_idx ([T,K] int32, T = call->tokens) and notify; fills the call's arrays. */
 moert_result hybridep_cuda_prepare(const moert_host *host, cudaStream_t stream, const hybridep_cuda_call *call,
                                    const int32_t *topk_idx);
 
-/* A dispatch-like call: rows of x (bf16 or fp32, [T,H]) once to every rank holding one of their experts, written
- * there into each copy's row of out with their probs (fp32, may be NULL). */
+/* A dispatch-like call: rows of x (bf16 or fp32, [T,H]) once to every other rank holding one of their experts, written
+ * there (and here, for this rank's own copies, straight from x) into each copy's row of out with their probs (fp32,
+ * may be NULL). */
 moert_result hybridep_cuda_dispatch(const moert_host *host, cudaStream_t stream, const hybridep_cuda_call *call,
                                     moert_dtype dtype, const void *x, const float *probs, void *out, float *out_probs);
 

@@ -1,8 +1,9 @@
 /* GPU test of the "hybridep" dispatcher's CUDA path (TMA bulk copies or vector copies into the peers' buffers, no host
  * sync in a step) against its CPU path, the reference, on 1, 2, 4 and 8 GPUs (as many as there are; a thread per GPU).
  * Same routing and data on both paths: uniform, one hot expert with the last rank's experts receiving nothing, a rank
- * with no tokens, tokens with every copy dropped, an fp32 row of odd length (vector fallback), low-latency mode,
- * vector copies, and the deepseek-v3 shape (H 7168, K 8, E 256) at 8 and 16 SMs. dispatch (the received rows, the
+ * with no tokens, tokens with every copy dropped, an fp32 row of odd length (vector fallback, in low-latency and in
+ * normal mode), low-latency mode, vector copies, and the deepseek-v3 shape (H 7168, K 8, E 256) at 8 and 16 SMs and
+ * in low-latency mode with 8 blocks. dispatch (the received rows, the
  * CPU's num_recv of them), combine_backward, the device counts and d_topk_probs must match bit for bit; combine and
  * dispatch_backward's d_x within fp32-accumulation tolerance; rows past the received ones untouched; a second
  * identical step gives the same bits. With two GPUs or more: a rank that dispatches alone, and a rank with a bad expert
@@ -198,6 +199,10 @@ static const dispatch_case cases[] = {
      "{\"num_sms\": 16, \"low_latency\": \"off\"}"},
     {"deepseek shape bf16 8 SMs, hot", MOERT_BF16, 7168, 256, 8, 256, 0.0, 0.3, false, false, false,
      "{\"num_sms\": 8, \"low_latency\": \"off\"}"},
+    {"fp32 H33 normal mode 3 SMs, starved", MOERT_F32, 33, 8, 4, 80, 0.15, 0.6, true, false, true,
+     "{\"num_sms\": 3, \"low_latency\": \"off\"}"},
+    {"deepseek shape low-latency 8 blocks", MOERT_BF16, 7168, 256, 8, 128, 0.02, 0.0, false, false, false,
+     "{\"num_sms\": 8, \"low_latency\": \"on\"}"},
 };
 #define CASES ((int)(sizeof cases / sizeof cases[0]))
 
