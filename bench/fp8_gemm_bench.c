@@ -1,7 +1,10 @@
 /* FP8 expert GEMM benchmark: the fp8 precision plugin's CUDA path (blockwise and current scaling) against the bf16
- * plugin's cuBLASLt loop on the deepseek-v3 expert shapes of one EP4 rank (64 local experts, H=7168, F=2048, 32768
- * rows spread ~512 per expert), FORWARD, DGRAD and WGRAD; with dense GEMMs of the same total shape (bf16 and FP8
- * blockwise, one expert of all rows) as ceilings measured in the same call.
+ * plugin's cuBLASLt loop on the deepseek-v3 expert shapes of one EP4 rank (64 local experts, H=7168, F=2048; rows
+ * per expert from a random top-8 routing of T=4096 tokens per rank over 256 experts: 4 x 4096 tokens, each to 8
+ * distinct experts, counted for rank 0's experts 0..63, ~512 rows each, arbitrary counts), FORWARD, DGRAD and WGRAD;
+ * with dense GEMMs of the same total shape (bf16 and FP8 blockwise, one expert of all rows) as ceilings measured in
+ * the same call. Last, per shape and over both: the blockwise recipe's fwd+dgrad+wgrad TFLOP/s and its speed-up over
+ * the bf16 grouped GEMM in the same run (the target is 1.4x).
  *
  * Times are CUDA events around one grouped GEMM call, median of MOERT_BENCH_REPEATS after 3 warm-up calls, the
  * variants interleaved. The FP8 times include the quantization of the activations (amax, scale, cast, and the
@@ -65,13 +68,20 @@ static moert_host bench_host = {.struct_size = sizeof(moert_host), .log = bench_
 typedef struct bench_shape {
     const char *name;
     moert_gemm_weight which;
-    int64_t rows, experts, k_in, n_out;
+    int64_t experts, k_in, n_out; /* rows: from the routing */
 } bench_shape;
 
 static const bench_shape shapes[] = {
-    {"deepseek-v3 fc1", MOERT_GEMM_FC1, 32768, 64, 7168, 4096},
-    {"deepseek-v3 fc2", MOERT_GEMM_FC2, 32768, 64, 2048, 7168},
+    {"deepseek-v3 fc1", MOERT_GEMM_FC1, 64, 7168, 4096},
+    {"deepseek-v3 fc2", MOERT_GEMM_FC2, 64, 2048, 7168},
 };
+
+/* The routing the row counts come from: deepseek-v3 at EP4 (tokens per rank, ranks, experts, top-k). */
+#define ROUTE_TOKENS 4096
+#define ROUTE_RANKS 4
+#define ROUTE_EXPERTS 256
+#define ROUTE_TOPK 8
+#define BLOCKWISE_TARGET 1.4 /* the speed-up over bf16 the blockwise recipe aims at (fwd+dgrad+wgrad) */
 
 enum { V_BF16, V_FP8_BLOCK, V_FP8_CURRENT, V_DENSE_BF16, V_DENSE_FP8, V_COUNT };
 static const char *const variant_names[V_COUNT] = {"bf16", "fp8_blockwise", "fp8_current", "dense_bf16",
@@ -134,17 +144,26 @@ static void *random_device(int64_t n, int fp32, double scale)
     return d;
 }
 
-/* Rows per expert: random weights in [0.5, 1.5), scaled to the total. */
-static void spread_rows(int64_t rows, int64_t experts, int64_t *counts)
+/* Rows of rank 0's `experts` local experts under a uniform random top-k routing of every rank's tokens (each token
+ * to ROUTE_TOPK distinct experts of ROUTE_EXPERTS); returns their sum. */
+static int64_t route_rows(int64_t experts, int64_t *counts)
 {
-    double w[MAX_EXPERTS], sum = 0;
-    for (int64_t e = 0; e < experts; e++) sum += (w[e] = 0.5 + rnd());
-    int64_t given = 0;
-    for (int64_t e = 0; e < experts; e++) {
-        counts[e] = (int64_t)floor(rows * w[e] / sum);
-        given += counts[e];
+    for (int64_t e = 0; e < experts; e++) counts[e] = 0;
+    int64_t total = 0;
+    for (int64_t t = 0; t < (int64_t)ROUTE_TOKENS * ROUTE_RANKS; t++) {
+        int chosen[ROUTE_TOPK];
+        for (int k = 0; k < ROUTE_TOPK; k++) {
+            int e, again;
+            do {
+                e = (int)(rnd() * ROUTE_EXPERTS);
+                again = 0;
+                for (int j = 0; j < k; j++) again |= chosen[j] == e;
+            } while (again);
+            chosen[k] = e;
+            if (e < experts) counts[e]++, total++;
+        }
     }
-    for (int64_t e = 0; given < rows; e = (e + 1) % experts, given++) counts[e]++;
+    return total;
 }
 
 static int cmp_float(const void *a, const void *b)
@@ -167,6 +186,8 @@ typedef struct bench_result {
 
 static bench_result results[64];
 static int result_count;
+/* blockwise vs bf16 over fwd+dgrad+wgrad: [shape][0 blockwise, 1 bf16] summed ms, and the FLOPs of the three */
+static double sum_ms[2][2], sum_flops[2];
 static double weight_quant_ms[2][2]; /* [shape][blockwise, current]: both FP8 layouts of one weight */
 
 /* Relative Frobenius error of the first n bf16 values of a against b (device buffers). */
@@ -219,9 +240,23 @@ int main(int argc, char **argv)
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         const bench_shape *s = &shapes[si];
         if (only && !strstr(s->name, only)) continue;
-        const int64_t K = s->k_in, N = s->n_out, R = s->rows, E = s->experts;
-        int64_t counts[MAX_EXPERTS], dense_counts[1] = {R};
-        spread_rows(R, E, counts);
+        const int64_t K = s->k_in, N = s->n_out, E = s->experts;
+        int64_t counts[MAX_EXPERTS];
+        const uint64_t keep_rng = rng_state;
+        rng_state = 0x5eed0f0e7a11ull; /* the same routing for every shape */
+        const int64_t R = route_rows(E, counts);
+        rng_state = keep_rng;
+        /* the dense ceilings take the rows down to a multiple of 16 (< 0.05% fewer FLOPs than counted), so the
+         * blockwise one needs no padded output copy */
+        int64_t dense_counts[1] = {R - R % 16}, least = R, most = 0, aligned = 0;
+        for (int64_t e = 0; e < E; e++) {
+            least = counts[e] < least ? counts[e] : least;
+            most = counts[e] > most ? counts[e] : most;
+            aligned += counts[e] % 16 == 0;
+        }
+        printf("%s: %lld rows over %lld experts (%lld to %lld each, %lld a multiple of 16), K %lld, N %lld\n", s->name,
+               (long long)R, (long long)E, (long long)least, (long long)most, (long long)aligned, (long long)K,
+               (long long)N);
         void *x = random_device(R * K, 0, 1.0), *dy = random_device(R * N, 0, 1.0);
         void *w32 = random_device(E * K * N, 1, 0.05), *w16 = random_device(E * K * N, 0, 0.05);
         void *y[V_COUNT] = {0}, *dx[V_COUNT] = {0}, *dw = NULL;
@@ -271,8 +306,8 @@ int main(int argc, char **argv)
                         moert_fp8_cuda_gemm gm = {.which = s->which, .pass = (moert_gemm_pass)pass,
                                                   .act_dtype = MOERT_BF16, .weight_dtype = MOERT_F32,
                                                   .grad_weight_dtype = MOERT_F32, .num_experts = dense ? 1 : E,
-                                                  .rows_per_expert = dense ? dense_counts : counts, .k_in = K,
-                                                  .n_out = N, .input = x, .weight = w32, .grad_output = dy,
+                                                  .rows_per_expert = dense ? dense_counts : counts, .capacity = R,
+                                                  .k_in = K, .n_out = N, .input = x, .weight = w32, .grad_output = dy,
                                                   .output = y[var], .grad_input = dx[var], .grad_weight = dw};
                         moert_fp8_cuda_set_quantize_only(h, quant_only);
                         const moert_result grc = moert_fp8_cuda_grouped_gemm(h, stream, &gm);
@@ -301,6 +336,11 @@ int main(int argc, char **argv)
             double med[V_COUNT], qmed[2];
             for (int v = 0; v < V_COUNT; v++) med[v] = refused[v] ? NAN : median(times[v], repeats);
             for (int q = 0; q < 2; q++) qmed[q] = median(qtimes[q], repeats);
+            if (si < 2) {
+                sum_ms[si][0] += med[V_FP8_BLOCK]; /* NaN (refused) stays NaN */
+                sum_ms[si][1] += med[V_BF16];
+                sum_flops[si] += flops;
+            }
             for (int v = 0; v < V_COUNT; v++) {
                 bench_result *r = &results[result_count++];
                 r->shape = s->name, r->pass = pass_names[pass], r->variant = variant_names[v];
@@ -366,6 +406,20 @@ int main(int argc, char **argv)
         if (!only || strstr(shapes[si].name, only))
             printf("%s weight quantization (both FP8 layouts, once per step): blockwise %.3f ms, current %.3f ms\n",
                    shapes[si].name, weight_quant_ms[si][0], weight_quant_ms[si][1]);
+    /* the blockwise recipe over fwd+dgrad+wgrad, per shape and both shapes together, against bf16 */
+    double all_ms[2] = {0, 0}, all_flops = 0;
+    printf("\n");
+    for (size_t si = 0; si < 2; si++) {
+        if (only && !strstr(shapes[si].name, only)) continue;
+        all_ms[0] += sum_ms[si][0], all_ms[1] += sum_ms[si][1], all_flops += sum_flops[si];
+        printf("fp8 blockwise %s fwd+dgrad+wgrad: %.3f ms, %.1f TFLOP/s; bf16 %.3f ms, %.1f TFLOP/s; %.2fx bf16\n",
+               shapes[si].name, sum_ms[si][0], sum_flops[si] / (sum_ms[si][0] * 1e-3) / 1e12, sum_ms[si][1],
+               sum_flops[si] / (sum_ms[si][1] * 1e-3) / 1e12, sum_ms[si][1] / sum_ms[si][0]);
+    }
+    const double all_ratio = all_ms[1] / all_ms[0];
+    printf("fp8 blockwise fc1+fc2 fwd+dgrad+wgrad: %.1f TFLOP/s, %.2fx bf16 (%.1f TFLOP/s): target %.1fx %s\n",
+           all_flops / (all_ms[0] * 1e-3) / 1e12, all_ratio, all_flops / (all_ms[1] * 1e-3) / 1e12, BLOCKWISE_TARGET,
+           isnan(all_ratio) ? "not measured (refused)" : all_ratio >= BLOCKWISE_TARGET ? "met" : "NOT met");
 
     if (out_path) {
         FILE *f = fopen(out_path, "w");
@@ -409,6 +463,20 @@ int main(int argc, char **argv)
                     "\"variant\": \"%s\"}}",
                     sep, r->shape, r->pass, r->variant, r->tflops, r->ms, r->vs_bf16, quant, err, (long long)r->rows,
                     (long long)r->experts, (long long)r->k_in, (long long)r->n_out, r->pass, r->variant);
+            sep = ",\n";
+        }
+        for (size_t si = 0; si < 3; si++) { /* blockwise fwd+dgrad+wgrad: each shape, then both */
+            if (si < 2 && only && !strstr(shapes[si].name, only)) continue;
+            const double ms = si < 2 ? sum_ms[si][0] : all_ms[0], bf = si < 2 ? sum_ms[si][1] : all_ms[1];
+            const double fl = si < 2 ? sum_flops[si] : all_flops;
+            if (isnan(ms) || !(ms > 0)) continue;
+            fprintf(f, "%s    {\"name\": \"fp8 gemm %s fwd+dgrad+wgrad fp8_blockwise\", \"value\": %.4f, "
+                       "\"unit\": \"TFLOP/s\", \"sum_of_median_ms\": %.5f, \"vs_bf16\": %.4f, \"bf16_tflops\": %.4f, "
+                       "\"target_vs_bf16\": %.2f, \"config\": {\"routing\": \"uniform top-%d of %d, %d tokens x %d "
+                       "ranks, rank 0's %lld experts\"}}",
+                    sep, si < 2 ? shapes[si].name : "deepseek-v3 fc1+fc2", fl / (ms * 1e-3) / 1e12, ms, bf / ms,
+                    fl / (bf * 1e-3) / 1e12, BLOCKWISE_TARGET, ROUTE_TOPK, ROUTE_EXPERTS, ROUTE_TOKENS, ROUTE_RANKS,
+                    (long long)shapes[0].experts);
             sep = ",\n";
         }
         for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {

@@ -292,6 +292,7 @@ static moert_result cuda_grouped_gemm(fp8_ctx *c, moert_stream stream, const moe
     gm.act_dtype = act;
     gm.num_experts = shape->num_experts;
     gm.rows_per_expert = shape->counts;
+    gm.capacity = acts[0]->shape[0]; /* the padded scratch buffers are sized once for it (blockwise) */
     gm.k_in = shape->k_in;
     gm.n_out = shape->n_out;
     if (args->pass == MOERT_GEMM_WGRAD) {

@@ -71,7 +71,8 @@ static int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 /* ---- device helpers ---- */
 
 /* The matrices one launch works on (by value): matrix i is `rows` rows of the source starting at row src_row0,
- * written at byte dst_off (with leading dimension dst_ld where transposed); its scale factors start at scale_off. */
+ * written at byte dst_off (with leading dimension dst_ld where transposed; for block_rows_kernel dst_ld is the
+ * padded row count); its scale factors start at scale_off. */
 struct mat_table {
     int32_t count;
     int32_t expert[TABLE_MAX];
@@ -81,6 +82,7 @@ struct mat_table {
     int64_t src_row0[TABLE_MAX];
     int64_t dst_off[TABLE_MAX];
     int64_t scale_off[TABLE_MAX];
+    int64_t row_start[TABLE_MAX + 1];  /* block_rows_kernel: first padded row of each matrix in the launch */
 };
 
 /* One element widened to fp32 (exact for bf16). */
@@ -240,24 +242,27 @@ __device__ __forceinline__ int find_matrix(const int64_t *start, int count, int6
 
 /*
  * 1x128 tiles along each row (blockwise activations and gradients in FORWARD and DGRAD): a warp per tile, 4
- * values per lane; bytes in the source's layout, factors at scale_off[i] + vec_index(row in matrix, block, rows,
- * blocks per row). The matrices must be consecutive rows (an expert's rows follow the previous expert's).
+ * values per lane. Matrix i covers the launch's padded rows row_start[i] .. row_start[i + 1] - 1 (dst_ld[i] rows,
+ * a multiple of 16 as cuBLASLt's VEC128 operand needs): its rows[i] real rows first (source rows from src_row0[i]),
+ * then padding rows, which get zero bytes and the factor 1 (a tile of zeros has no amax: scale 1). Bytes at
+ * dst_off[i] + row * cols, factors at scale_off[i] + vec_index(row, block, dst_ld[i], blocks per row).
  */
 template <typename T>
-__global__ void block_rows_kernel(const mat_table t, const T *__restrict__ src, int64_t cols, int64_t total_rows,
+__global__ void block_rows_kernel(const mat_table t, const T *__restrict__ src, int64_t cols,
                                   uint8_t *__restrict__ dst, int fmt, float fp8max, int pow2, int layout,
                                   float *scale_inv)
 {
     const int64_t KB = (cols + TILE - 1) / TILE;
     const int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
-    if (w >= total_rows * KB) return; /* whole warps leave together: total_rows * KB tiles, 32 lanes each */
-    const int64_t r = t.src_row0[0] + w / KB, kb = w % KB;
-    const int i = find_matrix(t.src_row0, t.count, r);
+    if (w >= t.row_start[t.count] * KB) return; /* whole warps leave together: padded rows * KB tiles, 32 lanes each */
+    const int64_t pr = w / KB, kb = w % KB;
+    const int i = find_matrix(t.row_start, t.count, pr);
+    const int64_t r = pr - t.row_start[i];
     const int64_t c0 = kb * TILE + lane * 4;
     const bool valid = c0 < cols; /* cols is a multiple of 4 */
     float v[4] = {0, 0, 0, 0};
-    if (valid) load4(src + r * cols + c0, v);
+    if (valid && r < t.rows[i]) load4(src + (t.src_row0[i] + r) * cols + c0, v);
     uint32_t m = 0;
     for (int k = 0; k < 4; k++) m = max(m, abs_bits(v[k]));
     m = __reduce_max_sync(0xffffffffu, m);
@@ -265,10 +270,10 @@ __global__ void block_rows_kernel(const mat_table t, const T *__restrict__ src, 
     if (valid) {
         uint32_t packed = 0;
         for (int k = 0; k < 4; k++) packed |= (uint32_t)to_fp8(v[k], scale, fmt) << (8 * k);
-        *(uint32_t *)(dst + t.dst_off[i] + (r - t.src_row0[i]) * cols + c0) = packed;
+        *(uint32_t *)(dst + t.dst_off[i] + r * cols + c0) = packed;
     }
     if (lane == 0)
-        scale_inv[t.scale_off[i] + vec_index(layout, r - t.src_row0[i], kb, t.rows[i], KB)] = __fdiv_rn(1.0f, scale);
+        scale_inv[t.scale_off[i] + vec_index(layout, r, kb, t.dst_ld[i], KB)] = __fdiv_rn(1.0f, scale);
 }
 
 /*
@@ -473,6 +478,7 @@ struct moert_fp8_cuda {
     int vec_layout, blk_layout;
     int quantize_only; /* benchmarks: no matmuls */
     int64_t wgrad_align; /* blockwise WGRAD: rows padded to 16 or 128 (0: not asked yet) */
+    int64_t worst_rows;  /* the current GEMM's most padded rows (capacity + (align - 1) * E); 0: capacity unknown */
     int blk_order;       /* blockwise FORWARD/DGRAD: BLK_ORDER_* (see choose_blk_order) */
     cublasLtHandle_t lt;
     cublasLtMatmulPreference_t pref;
@@ -543,6 +549,14 @@ static moert_result buf_grow(moert_fp8_cuda *g, dev_buf *b, size_t bytes, int sl
 
 /* buf_grow with slack. */
 static moert_result buf_reserve(moert_fp8_cuda *g, dev_buf *b, size_t bytes) { return buf_grow(g, b, bytes, 1); }
+
+/* An activation buffer: grown once to the worst case when that is known (worst >= bytes: the caller's row
+ * capacity, see moert_fp8_cuda_gemm.capacity), else to bytes with slack. */
+static moert_result buf_reserve_worst(moert_fp8_cuda *g, dev_buf *b, size_t bytes, size_t worst)
+{
+    if (worst >= bytes) return buf_grow(g, b, worst, 0);
+    return buf_reserve(g, b, bytes);
+}
 
 /* Frees a growing buffer. */
 static void buf_release(moert_fp8_cuda *g, dev_buf *b)
@@ -739,24 +753,30 @@ static int64_t slot_base(const moert_fp8_cuda *g, int which, int operand)
 typedef struct table_spec {
     int64_t cols;           /* source columns */
     int transposed;         /* destination [cols][rows16] at prow0 * cols */
+    int padded;             /* destination [rows16][cols] at prow0 * cols (blockwise FORWARD/DGRAD) */
     const int64_t *scale_off; /* per expert, or NULL (0) */
 } table_spec;
 
 /* Fills a kernel table with active experts first .. first+count-1 (rows come from table_rows); *tiles gets the
- * tiles of cast_transpose_kernel when transposed. */
+ * tiles of cast_transpose_kernel when transposed; row_start the padded rows of block_rows_kernel. */
 static void table_fill(const moert_fp8_cuda *g, int64_t first, int64_t count, const table_spec *spec, mat_table *t,
                        int64_t *tiles)
 {
     memset(t, 0, sizeof *t);
     t->count = (int32_t)count;
-    int64_t tile = 0;
+    int64_t tile = 0, padded_rows = 0;
     const int64_t CT = ceil_div(spec->cols, 32);
     for (int64_t j = 0; j < count; j++) {
         const int32_t e = g->active[first + j];
         t->expert[j] = e;
         t->src_row0[j] = g->row0[e];
         t->scale_off[j] = spec->scale_off ? spec->scale_off[e] : 0;
-        if (spec->transposed) {
+        t->row_start[j] = padded_rows;
+        padded_rows += g->rows16[e];
+        if (spec->padded) {
+            t->dst_ld[j] = (int32_t)g->rows16[e];
+            t->dst_off[j] = g->prow0[e] * spec->cols;
+        } else if (spec->transposed) {
             t->dst_ld[j] = (int32_t)g->rows16[e];
             t->dst_off[j] = g->prow0[e] * spec->cols;
             t->tile_start[j] = (int32_t)tile;
@@ -767,6 +787,7 @@ static void table_fill(const moert_fp8_cuda *g, int64_t first, int64_t count, co
         }
     }
     t->tile_start[count] = (int32_t)tile;
+    t->row_start[count] = padded_rows;
     *tiles = tile;
 }
 
@@ -794,7 +815,8 @@ typedef struct act_target {
 
 /*
  * Quantizes an activation operand (input or grad_output, [rows, cols] in act dtype) for the active experts into
- * target: in its own layout (transposed = 0; FORWARD, DGRAD) or as [cols][rows16] per expert (WGRAD).
+ * target: in its own layout (transposed = 0; FORWARD, DGRAD; the blockwise recipe puts each expert's rows at its
+ * padded offset prow0, zero rows up to rows16) or as [cols][rows16] per expert (WGRAD).
  */
 template <typename T>
 static moert_result quantize_activation_t(moert_fp8_cuda *g, cudaStream_t stream, const moert_fp8_cuda_gemm *gm,
@@ -804,11 +826,11 @@ static moert_result quantize_activation_t(moert_fp8_cuda *g, cudaStream_t stream
     const int fmt = operand_format(g, operand);
     const float fmax = format_max(fmt);
     const int64_t E = g->cfg.num_experts;
-    int64_t padded_rows = 0;
-    for (int64_t j = 0; j < g->active_count; j++) padded_rows += g->rows16[g->active[j]];
-    const int64_t stored_rows = transposed ? padded_rows : (g->row0[g->active[g->active_count - 1]] +
-                                                            gm->rows_per_expert[g->active[g->active_count - 1]]);
-    MOK(buf_reserve(g, tg->bytes, (size_t)(stored_rows * cols)));
+    const int padded = !transposed && is_blockwise(g);
+    const int64_t last = g->active[g->active_count - 1];
+    const int64_t stored_rows = transposed || padded ? g->prow0[last] + g->rows16[last]
+                                                     : g->row0[last] + gm->rows_per_expert[last];
+    MOK(buf_reserve_worst(g, tg->bytes, (size_t)(stored_rows * cols), (size_t)(g->worst_rows * cols)));
     MOK(buf_reserve(g, tg->scale, (size_t)(4 * E) * 4));
     MOK(buf_reserve(g, tg->inv, (size_t)(4 * E) * 4));
     /* blockwise factor offsets, 16-byte aligned per expert */
@@ -817,9 +839,14 @@ static moert_result quantize_activation_t(moert_fp8_cuda *g, cudaStream_t stream
         tg->soff[e] = blk_total;
         const int64_t r = gm->rows_per_expert[e];
         if (r == 0 || !is_blockwise(g)) continue;
-        blk_total += transposed ? round_up(cols * ceil_div(g->rows16[e], TILE), 4) : round_up(r * ceil_div(cols, TILE), 4);
+        blk_total += transposed ? round_up(cols * ceil_div(g->rows16[e], TILE), 4)
+                                : round_up(g->rows16[e] * ceil_div(cols, TILE), 4);
     }
-    if (is_blockwise(g)) MOK(buf_reserve(g, tg->blk, (size_t)(blk_total > 0 ? blk_total : 1) * 4));
+    if (is_blockwise(g)) {
+        const int64_t worst = g->worst_rows == 0 ? 0 : transposed ? cols * (ceil_div(g->worst_rows, TILE) + E) + 4 * E
+                                                                  : g->worst_rows * ceil_div(cols, TILE) + 4 * E;
+        MOK(buf_reserve_worst(g, tg->blk, (size_t)(blk_total > 0 ? blk_total : 1) * 4, (size_t)worst * 4));
+    }
 
     const int delayed = g->cfg.recipe == MOERT_FP8_CUDA_DELAYED;
     uint32_t *rec_amax = NULL;
@@ -833,7 +860,7 @@ static moert_result quantize_activation_t(moert_fp8_cuda *g, cudaStream_t stream
                                                                         (float *)tg->inv->p);
         LAUNCH_CHECK(host, "scales_kernel");
     }
-    const table_spec spec = {cols, transposed, tg->soff};
+    const table_spec spec = {cols, transposed, padded, tg->soff};
     if (g->cfg.recipe == MOERT_FP8_CUDA_CURRENT) { /* every expert's amax first, then the scales */
         CUDA_CHECK(host, cudaMemsetAsync(g->amax.p, 0, (size_t)E * 4, stream));
         for (int64_t first = 0; first < g->active_count; first += TABLE_MAX) {
@@ -857,16 +884,14 @@ static moert_result quantize_activation_t(moert_fp8_cuda *g, cudaStream_t stream
         int64_t tiles = 0;
         table_fill(g, first, count, &spec, &t, &tiles);
         table_rows(gm->rows_per_expert, &t);
-        int64_t chunk_rows = 0;
-        for (int32_t j = 0; j < t.count; j++) chunk_rows += t.rows[j];
         if (!transposed && !is_blockwise(g)) {
             cast_rows_kernel<T><<<dim3(grid_chunks(&t, cols), (unsigned)t.count), 256, 0, stream>>>(
                 t, src, cols, (uint8_t *)tg->bytes->p, fmt, (const float *)tg->scale->p, NULL, 0, 0, rec_amax, rec_seen);
             LAUNCH_CHECK(host, "cast_rows_kernel");
         } else if (!transposed) {
-            const int64_t warps = chunk_rows * ceil_div(cols, TILE);
+            const int64_t warps = t.row_start[t.count] * ceil_div(cols, TILE);
             block_rows_kernel<T><<<(unsigned)ceil_div(warps * 32, 256), 256, 0, stream>>>(
-                t, src, cols, chunk_rows, (uint8_t *)tg->bytes->p, fmt, fmax, g->cfg.power_of_2, g->vec_layout,
+                t, src, cols, (uint8_t *)tg->bytes->p, fmt, fmax, g->cfg.power_of_2, g->vec_layout,
                 (float *)tg->blk->p);
             LAUNCH_CHECK(host, "block_rows_kernel");
         } else if (tiles > 0) {
@@ -1095,6 +1120,8 @@ typedef struct expert_mm {
     void *d;
     const float *a_scale, *b_scale;
     int64_t expert;
+    void *copy_to;     /* blockwise, weight as A: D went to a padded scratch; its first copy_bytes go here after */
+    size_t copy_bytes;
 } expert_mm;
 
 /* The matmul descriptor for p's types and scale modes (TN, fp32 compute, no fast accumulation), made once. */
@@ -1402,11 +1429,18 @@ static void expert_offsets(moert_fp8_cuda *g, const int64_t *counts, int64_t ali
     }
 }
 
-/* Whether cuBLASLt offers a matmul for p (the heuristic, for its shape as given; pointers aligned to 256). */
+/* Whether cuBLASLt offers a matmul for p (the heuristic, for its shape as given; pointers aligned to 256). The
+ * scale pointers name the workspace: cuBLASLt 13 answers a query for the block modes without scale pointers with
+ * INVALID_VALUE (every matmul_expert sets the real ones). */
 static moert_result matmul_available(moert_fp8_cuda *g, const expert_mm *p, int *found)
 {
     cublasLtMatmulDesc_t desc = NULL;
     MOK(desc_get(g, p, &desc));
+    const void *dummy = g->workspace.p;
+    CUBLAS_CHECK(g->host, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &dummy,
+                                                         sizeof dummy));
+    CUBLAS_CHECK(g->host, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &dummy,
+                                                         sizeof dummy));
     MOK(layouts_fit(g, p, expert_rows(p)));
     plan_key key;
     memset(&key, 0, sizeof key);
@@ -1560,7 +1594,15 @@ static moert_result run_matmuls(moert_fp8_cuda *g, cudaStream_t stream, expert_m
             if (load[s] < load[lane]) lane = s;
         load[lane] += counts[mms[i].expert];
         void *ws = (char *)g->workspace.p + (size_t)lane * MOERT_FP8_CUDA_STREAM_WORKSPACE_BYTES;
-        rc = matmul_expert(g, lane ? g->lane_stream[lane] : stream, ws, &mms[i]);
+        cudaStream_t s = lane ? g->lane_stream[lane] : stream;
+        rc = matmul_expert(g, s, ws, &mms[i]);
+        if (rc == MOERT_OK && mms[i].copy_bytes) { /* the real rows of a padded D, on the same lane */
+            const cudaError_t err = cudaMemcpyAsync(mms[i].copy_to, mms[i].d, mms[i].copy_bytes,
+                                                    cudaMemcpyDeviceToDevice, s);
+            if (err != cudaSuccess)
+                rc = report(g->host, MOERT_ERR_CUDA, "cudaMemcpyAsync (fp8 expert %lld's output rows) failed: %s",
+                            (long long)mms[i].expert, cudaGetErrorString(err));
+        }
     }
     if (lanes > 1) {
         moert_result join = lanes_join(g, rc == MOERT_OK ? g->host : NULL, stream, lanes);
@@ -1627,6 +1669,7 @@ extern "C" moert_result moert_fp8_cuda_grouped_gemm(moert_fp8_cuda *g, cudaStrea
     int64_t align = MOERT_FP8_CUDA_ROW_ALIGN;
     if (gm->pass == MOERT_GEMM_WGRAD) MOK(wgrad_row_align(g, gm, &align));
     expert_offsets(g, gm->rows_per_expert, align);
+    g->worst_rows = gm->capacity > 0 ? gm->capacity + (align - 1) * E : 0;
     memset(&g->last, 0, sizeof g->last);
     if (g->active_count == 0) return MOERT_OK; /* nothing to compute; WGRAD would add zero */
     if (g->amax.cap < (size_t)E * 4) MOK(buf_reserve(g, &g->amax, (size_t)E * 4));
@@ -1659,19 +1702,20 @@ extern "C" moert_result moert_fp8_cuda_grouped_gemm(moert_fp8_cuda *g, cudaStrea
         char *dst = (char *)(fwd ? gm->output : gm->grad_input);
         if (blk && (rc = choose_blk_order(g, K, N, gm->act_dtype)) != MOERT_OK) goto done;
         swapped = blk && g->blk_order == BLK_ORDER_WEIGHT_B;
-        if (swapped) {
+        if (blk) { /* D goes through the same 16-row padding as the activation rows */
             const int64_t last = g->active[g->active_count - 1];
-            if ((rc = buf_reserve(g, &g->dscratch, (size_t)((g->prow0[last] + g->rows16[last]) * mm) * act_es)) !=
-                MOERT_OK)
+            if ((rc = buf_reserve_worst(g, &g->dscratch, (size_t)((g->prow0[last] + g->rows16[last]) * mm) * act_es,
+                                        (size_t)(g->worst_rows * mm) * act_es)) != MOERT_OK)
                 goto done;
         }
         for (int64_t j = 0; j < g->active_count; j++) {
             const int64_t e = g->active[j];
+            const int64_t rows = gm->rows_per_expert[e];
             expert_mm *p = &mms[j];
             p->expert = e;
             g->a_off[e] = e * K * N;
             g->a_soff[e] = e * wstride;
-            g->b_off[e] = g->row0[e] * kk;
+            g->b_off[e] = (blk ? g->prow0[e] : g->row0[e]) * kk; /* blockwise: at the padded offset */
             if (swapped) { /* A = activation (VEC128), B = weight (BLK128x128), D transposed into dscratch */
                 p->a_type = fp8_type(fwd ? 0 : grad_fmt);
                 p->b_type = CUDA_R_8F_E4M3;
@@ -1679,13 +1723,13 @@ extern "C" moert_result moert_fp8_cuda_grouped_gemm(moert_fp8_cuda *g, cudaStrea
                 p->a_mode = vec;
                 p->b_mode = blk2d;
                 p->row_dim = ROW_M;
-                p->m = gm->rows_per_expert[e];
+                p->m = g->rows16[e];
                 p->n = mm;
                 p->k = kk;
                 p->lda = kk;
                 p->ldb = kk;
                 p->ldd = g->rows16[e];
-                p->a = (const uint8_t *)g->act_b.p + (size_t)g->row0[e] * kk;
+                p->a = (const uint8_t *)g->act_b.p + (size_t)g->b_off[e];
                 p->b = wbytes + (size_t)e * K * N;
                 p->d = (char *)g->dscratch.p + (size_t)(g->prow0[e] * mm) * act_es;
                 p->a_scale = (const float *)g->b_blk.p + g->b_soff[e];
@@ -1698,14 +1742,19 @@ extern "C" moert_result moert_fp8_cuda_grouped_gemm(moert_fp8_cuda *g, cudaStrea
             p->a_mode = blk ? blk2d : scalar;
             p->b_mode = blk ? vec : scalar;
             p->m = mm;
-            p->n = gm->rows_per_expert[e];
+            p->n = blk ? g->rows16[e] : rows;
             p->k = kk;
             p->lda = kk;
             p->ldb = kk;
             p->ldd = mm;
             p->a = wbytes + (size_t)e * K * N;
-            p->b = (const uint8_t *)g->act_b.p + (size_t)g->row0[e] * kk;
+            p->b = (const uint8_t *)g->act_b.p + (size_t)g->b_off[e];
             p->d = dst + (size_t)g->row0[e] * mm * act_es;
+            if (blk && g->rows16[e] != rows) { /* the padded rows would spill into the next expert's */
+                p->d = (char *)g->dscratch.p + (size_t)(g->prow0[e] * mm) * act_es;
+                p->copy_to = dst + (size_t)g->row0[e] * mm * act_es;
+                p->copy_bytes = (size_t)(rows * mm) * act_es;
+            }
             p->a_scale = winv + e * wstride;
             p->b_scale = blk ? (const float *)g->b_blk.p + g->b_soff[e] : (const float *)g->b_inv.p + 4 * e;
         }

@@ -14,7 +14,11 @@
  *   WGRAD    dW  += in^T @ dout: A = dout^T [N][rows16], B = in^T [K][rows16]                 m=N n=K k=rows16
  * where rows16 is the expert's row count rounded up to 16 (FP8 leading dimensions are multiples of 16 bytes; for
  * the blockwise recipe to 128 if this cuBLASLt has no matmul whose reduction ends inside a 128-block); the
- * padding is zeros, which add nothing. Blockwise FORWARD/DGRAD may run with the operands swapped (A = the activation
+ * padding is zeros, which add nothing. Blockwise FORWARD/DGRAD: cuBLASLt 13 refuses a VEC128 operand whose row
+ * count is not a multiple of 16, so each expert's quantized activation rows sit at a 16-row-aligned offset (prow0,
+ * zero rows up to rows16, their factors 1) and the matmul runs with rows16 rows; D goes through the same padding
+ * (a scratch buffer, the expert's real rows copied out after its matmul; experts whose count is a multiple of 16
+ * write the caller's output directly). They may also run with the operands swapped (A = the activation
  * rows with VEC128 scales, B = the weight copy with BLK128x128 scales, D transposed through a scratch buffer) when
  * cuBLASLt has no matmul with the 128x128 blocks on A (chosen once per handle; same bytes and scales either way;
  * moert_fp8_cuda_last_operands still reports the weight as `a`). The FP8 weight copies are made once per step (first use after end_step, or
@@ -44,7 +48,8 @@ extern "C" {
 
 #define MOERT_FP8_CUDA_STREAM_WORKSPACE_BYTES ((size_t)32 << 20) /* cuBLASLt workspace per stream */
 #define MOERT_FP8_CUDA_MAX_STREAMS 8
-#define MOERT_FP8_CUDA_ROW_ALIGN 16 /* WGRAD: rows per expert padded to this (FP8 leading dimension), or 128 */
+#define MOERT_FP8_CUDA_ROW_ALIGN 16 /* rows per expert padded to this: WGRAD (FP8 leading dimension; or 128) and the
+                                       blockwise FORWARD/DGRAD activations (cuBLASLt's VEC128 operand) */
 
 /* The recipe (the same numbers as fp8_recipe in precision_fp8_cpu.h). */
 typedef enum moert_fp8_cuda_recipe {
@@ -95,6 +100,9 @@ typedef struct moert_fp8_cuda_gemm {
     moert_dtype grad_weight_dtype;   /* fp32 or bf16 (WGRAD) */
     int64_t num_experts;             /* the handle's */
     const int64_t *rows_per_expert;  /* [num_experts] on the host */
+    int64_t capacity;                /* rows of the activation tensors (an upper bound of the counts' sum), so the
+                                        padded scratch buffers are sized once for the worst case; 0: unknown
+                                        (sized from the counts, grown with slack when they grow) */
     int64_t k_in, n_out;
     const void *input, *weight, *grad_output;
     void *output, *grad_input, *grad_weight;
@@ -135,7 +143,9 @@ void moert_fp8_cuda_set_scale_layout(moert_fp8_cuda *g, moert_fp8_cuda_vec_layou
  * next call), for tests: A and B bytes and their scale factors (1/scale: one float per expert at [4 * e] for the
  * per-tensor recipes; the block layouts above for blockwise), and per expert where each starts:
  *   a_offset[e], b_offset[e]: byte offset of expert e's operand; a_scale_offset[e], b_scale_offset[e]: float
- *   offset of its scale factors; rows16[e]: WGRAD's padded row count (16 or 128 multiple). Arrays have num_experts entries (host).
+ *   offset of its scale factors; rows16[e]: the padded row count (WGRAD: a 16 or 128 multiple; FORWARD/DGRAD: a 16
+ *   multiple, used by the blockwise recipe, whose activation operand is [rows16][k] with VEC128 factors at
+ *   x + kb * rows16). Arrays have num_experts entries (host).
  * Also the per-tensor quantization scales (not inverted) at [4 * e] of a_scale / b_scale (NULL for blockwise).
  */
 typedef struct moert_fp8_cuda_operands {

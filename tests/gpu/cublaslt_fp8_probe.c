@@ -6,7 +6,11 @@
  * VEC128 x VEC128) on random FP8 data and compares D with a double-precision reference under each scale-tensor
  * layout the fp8 plugin knows, printing the error of each (the layout cuBLASLt reads has an error ~1e-6).
  *
- *   cublaslt_fp8_probe            exit 0 when it ran, 77 without an sm_90+ GPU, 1 on a CUDA/cuBLASLt error
+ *   cublaslt_fp8_probe [short]    exit 0 when it ran, 77 without an sm_90+ GPU, 1 on a CUDA/cuBLASLt error
+ *
+ * "short" (a few seconds; what plugins/precision_fp8/gpu_check.sh runs): only the settings the fp8 plugin uses (no
+ * fast accumulation, 32 MiB workspace, column-major D) for the row counts of its padding (37 and 743 rows against
+ * 48 and 752, their multiples of 16; WGRAD reductions of 144 and 752 rows), and the numbers of one shape per order.
  *
  * Conventions (as in precision_fp8_cuda.h): both operands stored row-major [X][k] (cuBLASLt: A is k x m with
  * ld k and TRANSA = T, B is k x n with ld k, TRANSB = N); D is m x n column-major. Scale factor of element
@@ -243,8 +247,9 @@ out:
     free(ha), free(hb), free(sa), free(sb);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    const int short_run = argc > 1 && strcmp(argv[1], "short") == 0;
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
         printf("cublaslt_fp8_probe: no CUDA device, skipped\n");
@@ -274,12 +279,17 @@ int main(void)
     };
     static const int64_t shapes[][3] = {{256, 512, 256}, {256, 37, 256}, {4096, 743, 7168}, {7168, 512, 2048},
                                         {256, 144, 256}, {4096, 768, 7168}};
+    /* short: the plugin's padded shapes ({weight rows, activation rows, k}); for A vec128 x B vec128 (WGRAD) the
+     * activation rows are the reduction k (the last two) */
+    static const int64_t short_shapes[][3] = {{256, 37, 256}, {256, 48, 256}, {4096, 743, 7168}, {4096, 752, 7168},
+                                              {7168, 2048, 144}, {7168, 2048, 752}};
+    const int shape_count = 6; /* either list */
     int total[4] = {0}, ok[4] = {0};
     printf("\n%-36s %-10s %-5s %-5s %-4s %-5s %-4s %6s %6s %6s  %s\n", "order", "types", "D", "fast", "ws", "Dord",
            "", "m", "n", "k", "result");
     for (int o = 0; o < 4; o++)
         for (int t = 0; t < 2; t++)                 /* activation e4m3 / e5m2 */
-            for (int s = 0; s < 6; s++)
+            for (int s = 0; s < shape_count; s++)
                 for (int wdims = 0; wdims < 2; wdims++) /* weight rows as given, or swapped with the rows */
                     for (int dt = 0; dt < 2; dt++)
                         for (int fast = -1; fast <= 1; fast++)
@@ -287,6 +297,10 @@ int main(void)
                                 for (int dro = 0; dro < 2; dro++) {
                                     /* keep the grid readable: vary one of fast / ws / D order at a time */
                                     if ((fast != 0) + (ws != 1) + (dro != 0) > 1) continue;
+                                    /* short: the plugin's settings, its shapes (k for WGRAD only), no scalar order */
+                                    if (short_run && (fast != 0 || ws != 1 || dro != 0 || wdims || o == 3 ||
+                                                      (o == 2) != (s >= 4)))
+                                        continue;
                                     variant v;
                                     memset(&v, 0, sizeof v);
                                     v.a_mode = orders[o].a_mode, v.b_mode = orders[o].b_mode;
@@ -296,11 +310,12 @@ int main(void)
                                     v.b_type = act_is_a ? CUDA_R_8F_E4M3 : act;
                                     v.d_type = dt ? CUDA_R_32F : CUDA_R_16BF;
                                     v.fast = fast, v.ws = ws ? WS_BYTES : 0, v.d_row_order = dro;
-                                    const int64_t wdim = shapes[s][0], rows = shapes[s][1];
+                                    const int64_t(*sh)[3] = short_run ? short_shapes : shapes;
+                                    const int64_t wdim = sh[s][0], rows = sh[s][1];
                                     if (wdims && wdim == rows) continue;
                                     /* weight side: wdim; activation side: rows (wdims: the other way round) */
                                     const int64_t w_x = wdims ? rows : wdim, a_x = wdims ? wdim : rows;
-                                    v.m = act_is_a ? a_x : w_x, v.n = act_is_a ? w_x : a_x, v.k = shapes[s][2];
+                                    v.m = act_is_a ? a_x : w_x, v.n = act_is_a ? w_x : a_x, v.k = sh[s][2];
                                     cublasStatus_t st;
                                     const int acc = accepted(lt, &v, &st, NULL);
                                     total[o]++, ok[o] += acc;
@@ -320,8 +335,8 @@ int main(void)
     /* part 2: numbers of one variant per order (default settings: fast accumulation 0, 32 MiB workspace) */
     static const int64_t num_shapes[][3] = {{256, 384, 384}, {144, 256, 384}};
     for (int o = 0; o < 3; o++)
-        for (int s = 0; s < 2; s++)
-            for (int dt = 0; dt < 2; dt++) {
+        for (int s = short_run ? 1 : 0; s < 2; s++)
+            for (int dt = short_run ? 1 : 0; dt < 2; dt++) {
                 variant v;
                 memset(&v, 0, sizeof v);
                 v.a_mode = orders[o].a_mode, v.b_mode = orders[o].b_mode;

@@ -3,7 +3,10 @@
  *   and off), both weights and every pass, with ragged experts (one with 0 rows, one with 5, one past 256):
  *   the quantized operands (FP8 bytes in the GEMM's layout, zero padding, and every scale factor 1/scale) must equal
  *   the CPU quantizer's bit for bit, and the GEMM results must be within fp32-accumulation tolerance (relative
- *   Frobenius 1e-3 on fp32, 4e-3 on bf16 outputs: see TOL_BF16) of the CPU's; padding rows untouched. Two steps with end_step between them (the weights change,
+ *   Frobenius 1e-3 on fp32, 4e-3 on bf16 outputs: see TOL_BF16) of the CPU's; padding rows untouched. Blockwise
+ *   FORWARD/DGRAD activations are stored per expert at a 16-row-aligned offset: their padding rows must be zero
+ *   bytes with factor 1; a call with experts of 3, 17, 0 and 41 rows checks that no expert's padded matmul spills
+ *   into another's rows or past the last one's (with and without the capacity given). Two steps with end_step between them (the weights change,
  *   the delayed recipe's histories and scales must equal the CPU's bit for bit), and a weight changed without
  *   end_step must not be seen (the step's FP8 copy is kept).
  *   When a blockwise GEMM disagrees, every scale-tensor layout of the handle is tried and the one cuBLASLt reads is
@@ -84,7 +87,7 @@ typedef struct row {
     int64_t diffs; /* bytes or bits that differ (-1: not counted) */
 } row;
 
-static row table[256];
+static row table[512];
 static int table_len;
 
 /* Records one check: err <= tol and no differing bytes. */
@@ -249,7 +252,12 @@ typedef struct recipe_case {
     fp8_recipe recipe;
     bool hybrid, power_of_2;
     int64_t hidden, ffn;
+    int64_t counts[EXPERTS];  /* rows per expert in one call */
+    bool capacity_unknown;    /* the handle is not told the rows' capacity (its buffers grow from the counts) */
 } recipe_case;
+
+/* Whether gpu_pass tells the handle the rows' capacity (moert_fp8_cuda_gemm.capacity). */
+static bool pass_capacity = true;
 
 /* Which operand of a pass: its source block S (what the CPU quantizes, [s_rows][s_cols] row-major), how the GPU
  * stores it, and its tiles. */
@@ -291,6 +299,8 @@ static void compare_operand(const gemm_data *d, const int64_t *counts, const rec
     const int64_t K = d->K, N = d->N;
     const fp8_format f = fp8_operand_format(s, v->role);
     const bool blockwise = rc->recipe == FP8_RECIPE_BLOCKWISE;
+    /* blockwise FORWARD/DGRAD activations: [rows16][sc] per expert, zero rows after the real ones (factor 1) */
+    const bool padded = blockwise && !v->weight && !v->transposed;
     int64_t row0 = 0;
     for (int e = 0; e < EXPERTS; e++) {
         const int64_t m = counts[e];
@@ -312,9 +322,18 @@ static void compare_operand(const gemm_data *d, const int64_t *counts, const rec
         uint8_t *bytes = xalloc((size_t)(sr * sc));
         const float fixed = rc->recipe == FP8_RECIPE_DELAYED ? fp8_delayed_slot(delayed, which, v->role, e)->scale : 0.0f;
         (void)fp8_quantize_block(blk, sr, sc, tr, tc, f, s->power_of_2, fixed, scales, bytes);
-        /* bytes: the GPU's [sr][sc] or [sc][ld] */
+        /* bytes: the GPU's [sr][sc] ([rows16][sc] when padded) or [sc][ld] */
         const int64_t ld = v->transposed ? (v->weight ? sr : rows16[e]) : sc;
-        const int64_t span = v->transposed ? sc * ld : sr * sc;
+        const int64_t xr = padded ? rows16[e] : sr; /* rows of the stored operand */
+        if (padded && (xr % 16 || xr < sr || xr - sr >= 16)) {
+            fprintf(stderr, "expert %d: %lld rows padded to %lld, expected the next multiple of 16\n", e, (long long)sr,
+                    (long long)xr);
+            (*bytes_bad)++;
+            free(blk), free(scales), free(bytes);
+            row0 += m;
+            continue;
+        }
+        const int64_t span = v->transposed ? sc * ld : xr * sc;
         uint8_t *got = xalloc((size_t)span);
         from_device(got, dev_bytes + offsets[e], (size_t)span);
         for (int64_t i = 0; i < sr; i++)
@@ -322,6 +341,7 @@ static void compare_operand(const gemm_data *d, const int64_t *counts, const rec
         if (v->transposed)
             for (int64_t j = 0; j < sc; j++)
                 for (int64_t i = sr; i < ld; i++) *bytes_bad += got[j * ld + i] != 0;
+        for (int64_t i = sr * sc; i < xr * sc && padded; i++) *bytes_bad += got[i] != 0;
         /* scale factors: where the GPU keeps tile (ti, tj)'s 1/scale */
         int64_t *at = xalloc((size_t)(TR * TC) * 8), most = 0;
         for (int64_t ti = 0; ti < TR; ti++)
@@ -333,16 +353,19 @@ static void compare_operand(const gemm_data *d, const int64_t *counts, const rec
                 else if (blockwise && v->rows_tiles)
                     idx = vec_at(MOERT_FP8_VEC128_X_MAJOR, tj, ti, sc, (rows16[e] + 127) / 128);
                 else if (blockwise)
-                    idx = vec_at(MOERT_FP8_VEC128_X_MAJOR, ti, tj, sr, TC);
+                    idx = vec_at(MOERT_FP8_VEC128_X_MAJOR, ti, tj, xr, TC);
                 at[ti * TC + tj] = idx;
                 if (idx + 1 > most) most = idx + 1;
             }
+        if (padded && xr * TC > most) most = xr * TC;
         float *inv = xalloc((size_t)most * 4);
         from_device(inv, dev_inv + scale_offsets[e], (size_t)most * 4);
         for (int64_t t = 0; t < TR * TC; t++) {
             const float want = 1.0f / scales[t];
             *scales_bad += memcmp(&inv[at[t]], &want, 4) != 0;
         }
+        for (int64_t i = sr; i < xr && padded; i++) /* padding rows: factor 1 (any finite value would do; 1 is ours) */
+            for (int64_t tj = 0; tj < TC; tj++) *scales_bad += inv[vec_at(MOERT_FP8_VEC128_X_MAJOR, i, tj, xr, TC)] != 1.0f;
         free(blk), free(scales), free(bytes), free(got), free(at), free(inv);
         row0 += m;
     }
@@ -378,7 +401,7 @@ static void *gpu_pass(moert_fp8_cuda *h, cudaStream_t stream, const gemm_data *d
     void *dst = pass == MOERT_GEMM_WGRAD ? to_device(d->grad_weight, wbytes) : device_poisoned(obytes);
     moert_fp8_cuda_gemm gm = {.which = which, .pass = pass, .act_dtype = MOERT_BF16, .weight_dtype = MOERT_F32,
                               .grad_weight_dtype = MOERT_F32, .num_experts = EXPERTS, .rows_per_expert = counts,
-                              .k_in = K, .n_out = N, .input = dv->input, .weight = dv->weight,
+                              .capacity = pass_capacity ? d->rows : 0, .k_in = K, .n_out = N, .input = dv->input, .weight = dv->weight,
                               .grad_output = dv->grad_output, .output = dst, .grad_input = dst, .grad_weight = dst};
     void *out = NULL;
     if (moert_fp8_cuda_grouped_gemm(h, stream, &gm) != MOERT_OK) {
@@ -450,7 +473,8 @@ static int64_t delayed_scales_differ(moert_fp8_cuda *h, cudaStream_t stream, fp8
 
 static void run_case(const recipe_case *rc, cudaStream_t stream)
 {
-    const int64_t counts[EXPERTS] = {0, 37, 5, 300};
+    const int64_t *counts = rc->counts;
+    pass_capacity = !rc->capacity_unknown;
     const fp8_settings s = {rc->recipe, rc->hybrid, rc->power_of_2, 4, false, 1};
     const moert_fp8_cuda_config cfg = {(moert_fp8_cuda_recipe)rc->recipe, rc->hybrid, rc->power_of_2, EXPERTS, 4, 0, 1};
     fp8_delayed_state delayed;
@@ -745,13 +769,17 @@ int main(void)
     CK(cudaSetDevice(0));
     cudaStream_t raw_stream;
     CK(cudaStreamCreateWithFlags(&raw_stream, cudaStreamNonBlocking));
+    /* experts of 0, 37, 5 and 300 rows; the odd-count cases put 3, 17, 0 and 41 rows in one call (each padded to 16
+     * on the GPU: an expert's padded rows must not spill into the next one's, nor the last one's past the rows) */
     static const recipe_case cases[] = {
-        {"current hybrid", FP8_RECIPE_CURRENT, true, false, 256, 128},
-        {"current e4m3 pow2", FP8_RECIPE_CURRENT, false, true, 256, 128},
-        {"delayed hybrid", FP8_RECIPE_DELAYED, true, false, 256, 128},
-        {"blockwise hybrid pow2", FP8_RECIPE_BLOCKWISE, true, true, 256, 128},
-        {"blockwise e4m3", FP8_RECIPE_BLOCKWISE, false, false, 256, 128},
-        {"blockwise ragged F=192", FP8_RECIPE_BLOCKWISE, false, true, 384, 192},
+        {"current hybrid", FP8_RECIPE_CURRENT, true, false, 256, 128, {0, 37, 5, 300}, false},
+        {"current e4m3 pow2", FP8_RECIPE_CURRENT, false, true, 256, 128, {0, 37, 5, 300}, false},
+        {"delayed hybrid", FP8_RECIPE_DELAYED, true, false, 256, 128, {0, 37, 5, 300}, false},
+        {"blockwise hybrid pow2", FP8_RECIPE_BLOCKWISE, true, true, 256, 128, {0, 37, 5, 300}, false},
+        {"blockwise e4m3", FP8_RECIPE_BLOCKWISE, false, false, 256, 128, {0, 37, 5, 300}, false},
+        {"blockwise ragged F=192", FP8_RECIPE_BLOCKWISE, false, true, 384, 192, {0, 37, 5, 300}, false},
+        {"blockwise 3,17,0,41", FP8_RECIPE_BLOCKWISE, false, true, 256, 128, {3, 17, 0, 41}, false},
+        {"blockwise hybrid 3,17,0,41 nocap", FP8_RECIPE_BLOCKWISE, true, false, 256, 128, {3, 17, 0, 41}, true},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i], raw_stream);
     CK(cudaStreamDestroy(raw_stream));
