@@ -2,9 +2,11 @@
 #include "device.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cuda_check.h"
+#include "kernels.h"
 
 /* Whether a cudaGetDeviceCount answer means "this machine has no usable GPU" rather than a fault. */
 static bool means_no_gpu(cudaError_t err)
@@ -230,10 +232,45 @@ void moert_cuda_host_free(void *ptr)
     if (ptr) (void)cudaFreeHost(ptr);
 }
 
+/* Where the device sees `p`: its device pointer when it is memory of the current device (*on_device true) or pinned
+ * host memory (false); NULL for pageable host memory, another device's memory, or an unknown pointer. */
+static void *device_view(const void *p, int device, bool *on_device)
+{
+    struct cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    *on_device = a.type == cudaMemoryTypeDevice;
+    if (a.type == cudaMemoryTypeDevice && a.device == device) return a.devicePointer;
+    if (a.type == cudaMemoryTypeHost) return a.devicePointer;
+    return NULL;
+}
+
+/* Copies between device memory and pinned host memory of at most this many bytes go through a kernel instead of
+ * the copy engine: a copy engine serves the copies of all streams in the order they were issued, so a few-KB copy
+ * a dispatcher waits on (token counts) would otherwise queue behind an offload's hundreds of MB on another
+ * stream. MOERT_SMALL_COPY_KERNEL=0 turns this off. */
+#define SMALL_COPY_BYTES (256u << 10)
+
+static bool small_copy_kernel_enabled(void)
+{
+    const char *env = getenv("MOERT_SMALL_COPY_KERNEL");
+    return !(env && strcmp(env, "0") == 0);
+}
+
 moert_result moert_cuda_memcpy_async(void *dst, const void *src, size_t bytes, moert_stream s)
 {
     moert_result rc = MOERT_OK;
     if (bytes == 0) return MOERT_OK;
+    if (bytes <= SMALL_COPY_BYTES && small_copy_kernel_enabled()) {
+        int device = -1;
+        bool dst_dev = false, src_dev = false;
+        MOERT_CUDA_CHECK(cudaGetDevice(&device));
+        void *d = device_view(dst, device, &dst_dev);
+        const void *v = device_view(src, device, &src_dev);
+        if (d && v && dst_dev != src_dev) return moert_cuda_copy_kernel((cudaStream_t)s, d, v, bytes);
+    }
     MOERT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, (cudaStream_t)s));
 fail:
     return rc;

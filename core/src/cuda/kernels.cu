@@ -215,6 +215,30 @@ extern "C" moert_result moert_cuda_swiglu_backward(cudaStream_t stream, moert_dt
 
 /* ---- fill ---- */
 
+/* ---- small copies ---- */
+
+template <typename V> __global__ void copy_kernel(size_t n, V *__restrict__ dst, const V *__restrict__ src)
+{
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        dst[i] = src[i];
+}
+
+extern "C" moert_result moert_cuda_copy_kernel(cudaStream_t stream, void *dst, const void *src, size_t bytes)
+{
+    if (bytes == 0) return MOERT_OK;
+    const bool vec = ((uintptr_t)dst % 16 == 0) && ((uintptr_t)src % 16 == 0) && bytes % 16 == 0;
+    const size_t n = vec ? bytes / 16 : bytes;
+    size_t blocks = (n + BLOCK_THREADS - 1) / BLOCK_THREADS;
+    if (blocks > 64) blocks = 64;
+    if (vec)
+        copy_kernel<uint4><<<(unsigned)blocks, BLOCK_THREADS, 0, stream>>>(n, (uint4 *)dst, (const uint4 *)src);
+    else
+        copy_kernel<unsigned char>
+            <<<(unsigned)blocks, BLOCK_THREADS, 0, stream>>>(n, (unsigned char *)dst, (const unsigned char *)src);
+    LAUNCH_CHECK("copy_kernel");
+    return MOERT_OK;
+}
+
 template <typename T> __global__ void fill_kernel(int64_t n, double value, T *x)
 {
     const T v = from_f64<T>(value);

@@ -36,6 +36,13 @@ moert_result moert_cuda_swiglu_backward(cudaStream_t stream, moert_dtype dtype, 
                                         const void *in, const float *prob, const void *d_out, void *d_in,
                                         float *d_prob);
 
+/*
+ * Copies `bytes` from src to dst with a kernel on `stream` (no copy engine): for small copies between device memory
+ * and pinned host memory (both pointers as the device sees them). 16-byte accesses when both pointers and the size
+ * allow, else bytes.
+ */
+moert_result moert_cuda_copy_kernel(cudaStream_t stream, void *dst, const void *src, size_t bytes);
+
 /* x[i] = value for i < n; dtype fp32, bf16, fp64, int32 or int64. */
 moert_result moert_cuda_fill(cudaStream_t stream, moert_dtype dtype, int64_t n, double value, void *x);
 
