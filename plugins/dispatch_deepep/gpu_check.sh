@@ -25,7 +25,7 @@ sed -n '/^deepep dispatcher, CUDA vs CPU/,$p' "$OUT/test_gpu_deepep.log"
 [ $rc -ne 0 ] && { status=1; grep -v '^ *$' "$OUT/test_gpu_deepep.log" | grep -v '^world .*: \(open\|CPU reference\|CUDA step\|compare\|done\)' | head -30; tail -3 "$OUT/test_gpu_deepep.log"; }
 
 start=$SECONDS
-MOERT_BENCH_MACHINE=${MOERT_BENCH_MACHINE:-nvidia-h200-x$gpus} MOERT_BENCH_GIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown) \
+MOERT_BENCH_MACHINE=${MOERT_BENCH_MACHINE:-nvidia-h200-x$gpus} MOERT_BENCH_GIT=${MOERT_BENCH_GIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} \
   timeout -k 3 130 "$BUILD/bench/dispatch_bench" "$OUT/dispatch_bench.json" >"$OUT/dispatch_bench.log" 2>&1
 rc=$?
 echo "== dispatch_bench: rc $rc, $((SECONDS - start)) s"

@@ -23,7 +23,7 @@ sed -n '/^hybridep dispatcher, CUDA vs CPU/,$p' "$OUT/test_gpu_hybridep.log"
 [ $rc -ne 0 ] && { status=1; grep -v '^ *$' "$OUT/test_gpu_hybridep.log" | grep -v '^world .*: \(open\|CPU reference\|CUDA step\|compare\|done\)' | head -30; tail -3 "$OUT/test_gpu_hybridep.log"; }
 
 start=$SECONDS
-MOERT_BENCH_MACHINE=${MOERT_BENCH_MACHINE:-nvidia-h200-x$gpus} MOERT_BENCH_GIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown) \
+MOERT_BENCH_MACHINE=${MOERT_BENCH_MACHINE:-nvidia-h200-x$gpus} MOERT_BENCH_GIT=${MOERT_BENCH_GIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} \
   timeout -k 3 70 stdbuf -oL -eL "$BUILD/bench/hybridep_bench" "$OUT/hybridep_bench.json" >"$OUT/hybridep_bench.log" 2>&1
 rc=$?
 echo "== hybridep_bench: rc $rc, $((SECONDS - start)) s"
