@@ -6,6 +6,7 @@
 #                                                               VARIANTS_DIR/<name>/libmoert-dispatch-deepep.so each
 #   bench/deepep_tuning.sh run GPU_BUILD_DIR VARIANTS_DIR OUT    on a 4-GPU machine: dispatch_bench per variant
 #                                                               (MOERT_PLUGIN_PATH=VARIANTS_DIR/<name>), a table
+#   bench/deepep_tuning.sh repeat GPU_BUILD_DIR N OUT           the build's own plugin, N runs, median of the medians
 # Variants: "name:-DFLAG=V -DFLAG2=V ...", see VARIANTS below; "base" is the source's defaults, "old" the
 # defaults before the first sweep (bench/results/2026-11-22-deepep-tuning-sweep-session4-nvidia-h200-x4.txt lists
 # the variants it timed).
@@ -59,5 +60,36 @@ if [ "$mode" = run ]; then
   done
   exit 0
 fi
-echo "usage: $0 build|run GPU_BUILD_DIR VARIANTS_DIR [OUT]" >&2
+if [ "$mode" = repeat ]; then
+  # bench/deepep_tuning.sh repeat GPU_BUILD_DIR N OUT: the build's own plugin, N runs of the NVLink-phase rows,
+  # each row's median over the runs' medians (the figure to quote: one run's median moves by about +-5 us)
+  N=${3:-5}
+  OUT=${4:-/tmp/deepep-repeat}
+  mkdir -p "$OUT"
+  export NCCL_NVLS_ENABLE=0 MOERT_BENCH_PHASES=nvlink MOERT_BENCH_SMS=${MOERT_BENCH_SMS:-24,12}
+  export MOERT_BENCH_REPEATS=${MOERT_BENCH_REPEATS:-50}
+  for i in $(seq 1 "$N"); do
+    MOERT_BENCH_MACHINE=${MOERT_BENCH_MACHINE:-unknown} timeout -k 3 60 "$BUILD/bench/dispatch_bench" \
+      "$OUT/repeat-$i.json" >"$OUT/repeat-$i.log" 2>&1
+    echo "run $i: rc $?"
+  done
+  python3 - "$OUT" "$N" <<'PY'
+import json, statistics, sys
+out, n = sys.argv[1], int(sys.argv[2])
+rows = {}
+for i in range(1, n + 1):
+    try:
+        r = json.load(open("%s/repeat-%d.json" % (out, i)))
+    except (OSError, ValueError):
+        continue
+    for v in r.get("results", []):
+        if v.get("unit") == "us":
+            rows.setdefault(v["name"], []).append(v["value"])
+print("%-40s %8s  %s" % ("variant", "median", "each run's median (us)"))
+for name, vals in rows.items():
+    print("%-40s %8.1f  %s" % (name, statistics.median(vals), " ".join("%.1f" % x for x in vals)))
+PY
+  exit 0
+fi
+echo "usage: $0 build|run GPU_BUILD_DIR VARIANTS_DIR [OUT]  |  $0 repeat GPU_BUILD_DIR N OUT" >&2
 exit 2
