@@ -5,6 +5,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -284,7 +285,10 @@ static moert_result rank_init(moert_rank *r, void *arg)
         L->param_dtype = cfg->model.dtype == MOERT_F64 ? MOERT_F64 : MOERT_F32;
         L->seq_length = cfg->train.seq_length;
         L->defer_offload_release = true; /* released once their copies finish (rank_forward_backward) */
-        L->defer_offload_start = true;   /* copies issued after the next layer's forward (rank_forward_backward) */
+        /* copies issued after the next layer's forward (rank_forward_backward); the last layer's at once (no
+         * dispatcher sync follows it in the forward). MOERT_OFFLOAD_DEFER_START=0: every layer's at once. */
+        const char *defer = getenv("MOERT_OFFLOAD_DEFER_START");
+        L->defer_offload_start = l + 1 < cfg->model.num_layers && !(defer && strcmp(defer, "0") == 0);
         L->optimizer = cfg->train.optimizer;
         for (int s = 0; s < MOERT_SLOT_COUNT; s++) {
             const char *key = moert_slot_key((moert_slot)s);
