@@ -1,8 +1,10 @@
 /* The "hybridep" dispatcher's CUDA path on every visible GPU (a thread per GPU, EP = the GPU count), through the plugin
  * as the executor calls it: dispatch and combine of the deepseek-v3 shape (T 4096 tokens per rank, H 7168, top-8 of 256
  * experts, uniform routing, bf16) at 8, 12 and 16 SMs (TMA, then vector copies), "deepep" at 24 SMs in the
- * same run (the issue's reference: its whole call, and its NVLink phase alone with bench_nvlink_only), and the
- * low-latency mode at T 1, 32, 128 and 256 (with the normal mode at T 128 beside it).
+ * same run (the issue's reference: its whole call, and its NVLink phase alone with bench_nvlink_only), the floor of a
+ * timed call (a 16-byte memset timed alike: launch, events, the ranks' skew), the low-latency mode at T 1, 32, 128 and
+ * 256 on every SM, its block count (num_sms) swept at T 1 (8, 32, 128) and T 128 (8, 16, 32, 64, 128), and the normal
+ * mode at T 128 beside it.
  *
  * The acceptance reading is whole call against whole call: each hybridep line (and the summary at the end) gives its
  * bandwidth as a percentage of deepep's whole call at 24 SMs measured in this run (the same routing, so the same
@@ -78,7 +80,7 @@ typedef struct variant {
     double dispatch_us, combine_us;                           /* medians */
 } variant;
 
-#define MAX_VARIANTS 16
+#define MAX_VARIANTS 32
 static struct {
     int gpus, repeats, nv, cur, ref, ref_nvlink; /* ref, ref_nvlink: deepep's whole-call and NVLink-only variants */
     int64_t H, E, K;
@@ -171,6 +173,30 @@ static void run_variant(rank_env *env, variant *v)
     const int rank = env->rank, W = B.gpus;
     const int64_t T = v->T, H = B.H, K = B.K;
     const cudaStream_t s = env->stream;
+    if (!v->plugin) { /* the floor of a timed call: a 16-byte memset timed alike (launch, events, rank skew) */
+        void *d;
+        cudaEvent_t f0, f1;
+        CK(cudaMalloc(&d, 16));
+        CK(cudaEventCreate(&f0));
+        CK(cudaEventCreate(&f1));
+        for (int op = 0; op < 2; op++)
+            for (int i = 0; i < WARMUP + B.repeats; i++) {
+                CK(cudaStreamSynchronize(s));
+                pthread_barrier_wait(&B.barrier);
+                CK(cudaEventRecord(f0, s));
+                CK(cudaMemsetAsync(d, op, 16, s));
+                CK(cudaEventRecord(f1, s));
+                CK(cudaEventSynchronize(f1));
+                float ms = 0;
+                CK(cudaEventElapsedTime(&ms, f0, f1));
+                const double worst = slowest(rank, ms);
+                if (rank == 0 && i >= WARMUP) (op == 0 ? v->dispatch_ms : v->combine_ms)[i - WARMUP] = worst;
+            }
+        CK(cudaEventDestroy(f0));
+        CK(cudaEventDestroy(f1));
+        CK(cudaFree(d));
+        return;
+    }
     moert_layer_info layer = test_layer(H, 2048, B.E, K, T, W, rank, MOERT_BF16);
     layer.device = (moert_device){MOERT_DEVICE_CUDA, rank};
     test_instance ti;
@@ -249,7 +275,9 @@ static void rank_main(int rank, void *user)
     }
     env.stream = (cudaStream_t)stream;
     for (int i = 0; i < B.nv; i++) {
-        if (rank == 0) printf("variant %d/%d: %s %s ...\n", i + 1, B.nv, B.v[i].plugin, B.v[i].options);
+        if (rank == 0)
+            printf("variant %d/%d: %s %s ...\n", i + 1, B.nv, B.v[i].plugin ? B.v[i].plugin : "cudaMemsetAsync",
+                   B.v[i].options);
         run_variant(&env, &B.v[i]);
         if (rank == 0) {
             variant *v = &B.v[i];
@@ -314,9 +342,22 @@ int main(int argc, char **argv)
                  "{\"timeout_ms\": 10000, \"num_sms\": %d, \"low_latency\": \"off\", \"copy\": \"vector\"}", sms[i]);
         add(name, "hybridep", options, 4096, true);
     }
+    /* the floor every timed call pays (launch, events, the ranks' skew after the barrier), then the low-latency mode:
+     * every SM at T 1..256, and a sweep of its block count (num_sms) at T 1 and 128: where the floor comes from */
+    add("floor: 16-byte memset timed alike", NULL, "", 1, false);
     const int64_t ll_tokens[4] = {1, 32, 128, 256};
     for (int i = 0; i < 4; i++)
         add("hybridep low-latency (every SM)", "hybridep", "{\"timeout_ms\": 10000}", ll_tokens[i], false);
+    const int ll_blocks[5] = {8, 16, 32, 64, 128};
+    for (int t = 0; t < 2; t++)
+        for (int i = 0; i < 5; i++) {
+            if (t == 0 && (i == 1 || i == 3)) continue; /* T 1: 8, 32, 128 blocks */
+            char name[64], options[160];
+            snprintf(name, sizeof name, "hybridep low-latency %d blocks", ll_blocks[i]);
+            snprintf(options, sizeof options, "{\"timeout_ms\": 10000, \"num_sms\": %d, \"low_latency\": \"on\"}",
+                     ll_blocks[i]);
+            add(name, "hybridep", options, t == 0 ? 1 : 128, false);
+        }
     add("hybridep normal mode 16 SMs", "hybridep", "{\"timeout_ms\": 10000, \"low_latency\": \"off\"}", 128, false);
     printf("hybridep_bench: EP%d, H %lld, top-%lld of %lld experts, bf16, %d repeats\n", B.gpus, (long long)B.H,
            (long long)B.K, (long long)B.E, B.repeats);
@@ -346,9 +387,10 @@ int main(int argc, char **argv)
     }
     for (int i = 0; i < B.nv; i++) {
         const variant *v = &B.v[i];
-        if (v->T == 128 && strstr(v->name, "low-latency"))
-            printf("  low-latency T 128: dispatch %.1f us (target 40), combine %.1f us (target 50)\n", v->dispatch_us,
-                   v->combine_us);
+        if (!v->plugin || strstr(v->name, "low-latency"))
+            printf("  %-36s T %4lld: dispatch %6.1f us, combine %6.1f us%s\n", v->name, (long long)v->T,
+                   v->dispatch_us, v->combine_us,
+                   v->T == 128 && strstr(v->name, "every SM") ? "  (targets 40 / 50)" : "");
     }
     if (B.nccl) moert_nccl_group_free(B.nccl);
     moert_comm_group_free(B.comm);
@@ -372,7 +414,8 @@ int main(int argc, char **argv)
             fprintf(f, "    {\"name\": \"%s\", \"plugin\": \"%s\", \"options\": \"%s\", \"tokens\": %lld, "
                     "\"dispatch_us\": %.2f, \"combine_us\": %.2f, \"bytes_out\": %.0f, \"dispatch_gbs\": %.2f, "
                     "\"combine_gbs\": %.2f",
-                    v->name, v->plugin, json_options(v->options, opts, sizeof opts), (long long)v->T, v->dispatch_us,
+                    v->name, v->plugin ? v->plugin : "none", json_options(v->options, opts, sizeof opts),
+                    (long long)v->T, v->dispatch_us,
                     v->combine_us, v->bytes, gbs(v->bytes, v->dispatch_us), gbs(v->bytes, v->combine_us));
             if (v->normal)
                 fprintf(f, ", \"dispatch_pct_of_deepep_whole\": %.1f, \"combine_pct_of_deepep_whole\": %.1f",

@@ -26,6 +26,7 @@ typedef struct hybridep_cuda_state {
     int32_t *topk_idx, *copy_index, *excl, *recv_meta;
     int64_t *base, *tokens_per_expert, *recv_tokens;
     unsigned *done_blocks;          /* the consuming kernels' finished-block counter */
+    unsigned *sent_blocks;          /* low-latency kernels: blocks whose sends are complete (the last one flags) */
     void *staging;                  /* normal mode, world > 1: the combine partials sent over NVLink */
     int sms;                        /* SMs of the device (the local kernels use all of them) */
     unsigned long long *error_word; /* device: error word, then the int abort flag */
@@ -553,6 +554,7 @@ static moert_result cuda_init(hybridep_ctx *c)
     cu->recv_tokens = (int64_t *)(a + o_recv);
     cu->error_word = (unsigned long long *)(a + o_status);
     cu->done_blocks = (unsigned *)(a + o_status + 16);
+    cu->sent_blocks = (unsigned *)(a + o_status + 20);
     rc = hybridep_cuda_zero(h, cu->arrays, off);
     /* normal mode: the combine partials for the other ranks wait here for the NVLink phase (worst case: every token
      * of every other rank) */
@@ -649,6 +651,7 @@ static hybridep_cuda_call cuda_call(hybridep_ctx *c, int64_t seq)
     k.recv_tokens = cu->recv_tokens;
     k.staging = cu->staging;
     k.done_blocks = cu->done_blocks;
+    k.sent_blocks = cu->sent_blocks;
     k.error_word = cu->error_word;
     k.abort_flag = (int *)(cu->error_word + 1);
     k.host_word = cu->pinned_dev;

@@ -10,8 +10,9 @@
  *            entries of meta_stride bytes (int32 dst[K], then double prob[K] at meta_prob_offset)
  * Every call through the buffers (prepare's notify, dispatch, combine, both backwards) has a sequence number, the same
  * on every rank. A writer waits until its destination's consumed stamp for it reaches seq-1, writes, then publishes
- * with a release store of seq in arrived[writer][channel] (one flag per sending block on CUDA); the reader waits for
- * seq in every channel (acquire), reads, then stamps consumed. */
+ * with a release store of seq in arrived[writer][channel] (one flag per sending block in CUDA normal mode; channel 0
+ * only in low-latency mode, written by the kernel's last sending block); the reader waits for seq in every channel it
+ * uses (acquire), reads, then stamps consumed. */
 #ifndef MOERT_HYBRIDEP_BUFFER_H
 #define MOERT_HYBRIDEP_BUFFER_H
 

@@ -137,8 +137,7 @@ __device__ bool wait_geq(const int64_t *p, int64_t target, const hybridep_cuda_c
 /* What block_wait waits for. */
 enum wait_what {
     WAIT_CONSUMED,       /* every rank's stamp that it read what this rank wrote into it in the previous call */
-    WAIT_ARRIVED_OTHERS, /* this call's arrival flag of every channel from every other rank */
-    WAIT_ARRIVED_ALL     /* the same, this rank's own channels included (a low-latency combine) */
+    WAIT_ARRIVED_OTHERS  /* this call's arrival flag of every channel from every other rank (normal mode) */
 };
 
 /* Waits with the whole block; peers one after the other from rank + 1 on (this rank last), so a stall names the first
@@ -196,6 +195,82 @@ __device__ void block_finish(const hybridep_cuda_call &k)
     if (!last || *(volatile int *)k.abort_flag) return;
     __threadfence();
     if (threadIdx.x < k.geo.world) st_release_sys(&header(k.peers[threadIdx.x])->consumed[k.rank][0], k.seq);
+}
+
+/* ---- low-latency flags: one arrival flag per source rank, waits per warp ---- */
+
+/* The end of a low-latency kernel's sending half, every block: once its rows are written (system fence), the block
+ * counts itself in sent_blocks; the last block resets the counter and publishes this call's arrival in
+ * arrived[rank][0] of every other rank (and of this rank when `self`): one flag per source instead of one per block,
+ * so a reader polls W flags, not W * channels. Every block counts, even after a failure (the counter must return to
+ * 0); nothing is published once the instance is aborted. */
+__device__ void ll_publish(const hybridep_cuda_call &k, bool self)
+{
+    __shared__ int last;
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned before = atomicAdd(k.sent_blocks, 1u);
+        last = before == gridDim.x - 1;
+        if (last) {
+            atomicExch(k.sent_blocks, 0u);
+            __threadfence_system();
+        }
+    }
+    __syncthreads();
+    if (!last || *(volatile int *)k.abort_flag) return;
+    const int d = threadIdx.x;
+    if (d < k.geo.world && (self || d != k.rank)) st_release_sys(&header(k.peers[d])->arrived[k.rank][0].seq, k.seq);
+}
+
+/* One warp waits (lane s polls rank s, acquire) until every rank of `mask` has published this call's arrival
+ * (`arrival`) or stamped that it read the previous call (else). No block barrier: every warp waits only before the
+ * work that needs it. A wait that runs out names the first late rank from rank + 1 on (this rank last), whichever
+ * lane ran out first, so a stall always names the same peer. False on every lane after a failure or an abort. */
+__device__ bool warp_wait(const hybridep_cuda_call &k, unsigned mask, bool arrival)
+{
+    const int lane = threadIdx.x & 31, W = k.geo.world;
+    const hybridep_header *h = header(k.local);
+    const int64_t target = arrival ? k.seq : k.seq - 1;
+    const int64_t *f = nullptr;
+    if (lane < W && ((mask >> lane) & 1u)) f = arrival ? &h->arrived[lane][0].seq : &h->consumed[lane][0];
+    bool late = false, aborted = false;
+    if (f && ld_acquire_sys(f) < target) {
+        const uint64_t start = now_ns();
+        while (ld_acquire_sys(f) < target) {
+            if (*(volatile int *)k.abort_flag) {
+                aborted = true;
+                break;
+            }
+            if (now_ns() - start > (uint64_t)k.timeout_ns) {
+                late = true;
+                break;
+            }
+        }
+    }
+    const unsigned late_lanes = __ballot_sync(FULL, late);
+    const bool any_aborted = __any_sync(FULL, aborted);
+    if (late_lanes) {
+        /* every rank of the mask still short of the target, then the first of them in rank + 1, ... order */
+        const unsigned short_lanes = __ballot_sync(FULL, f && ld_acquire_sys(f) < target) | late_lanes;
+        if (lane == 0)
+            for (int j = 1; j <= W; j++) {
+                const int s = (k.rank + j) % W;
+                if ((short_lanes >> s) & 1u) {
+                    record_failure(k, arrival ? HYBRIDEP_WAIT_ARRIVAL : HYBRIDEP_WAIT_CONSUMED, s);
+                    break;
+                }
+            }
+    }
+    __syncwarp();
+    return !late_lanes && !any_aborted;
+}
+
+/* Every rank (all) or every other rank (others): a warp_wait mask. */
+__device__ __forceinline__ unsigned ranks_mask(const hybridep_cuda_call &k, bool others)
+{
+    const unsigned all = (1u << k.geo.world) - 1u;
+    return others ? all & ~(1u << k.rank) : all;
 }
 
 __device__ __forceinline__ char *slot_row(const hybridep_geometry &g, void *buf, int s, int64_t i)
@@ -688,51 +763,73 @@ __global__ void __launch_bounds__(LOCAL_THREADS) dispatch_expand_kernel(hybridep
     block_finish(k);
 }
 
-/* Low-latency dispatch, one kernel over `channels` resident blocks: (1) every warp of the grid takes (token, piece)
- * items, a piece of PIECE units of the token's row written into every other rank holding one of its copies (the
- * metadata with piece 0); each block's arrival flag; (2) every block waits for every other rank's flags, then (row,
- * piece) items of the expansion as dispatch_expand_kernel's; the last block releases the slots. */
+/* One warp, a (row, piece) item of a low-latency expansion: row g of the expansion list (expand_item's), units
+ * [u0, u1) written into the rows of its copies; the copies' rows (for combine) and probs with piece 0. */
+template <typename V>
+__device__ __forceinline__ void ll_expand_piece(const hybridep_cuda_call &k, int64_t g, int64_t staged, int64_t u0,
+                                                int64_t u1, const void *x, const float *probs, void *out,
+                                                float *out_probs, size_t row_bytes, int lane)
+{
+    int s, dst;
+    int64_t i;
+    float p;
+    const V *row = expand_item<V>(k, g, staged, x, probs, row_bytes, lane, &s, &i, &dst, &p, out_probs);
+    if (!row) return; /* the same on every lane */
+    if (u0 == 0 && lane < (int)k.topk) {
+        k.recv_meta[((int64_t)s * k.geo.rows_cap + i) * k.topk + lane] = dst;
+        if (dst >= 0 && out_probs) out_probs[dst] = p;
+    }
+    const unsigned copies = __ballot_sync(FULL, dst >= 0);
+    if (s == k.rank) warp_expand<V, true>(row, u0, u1, copies, dst, out, row_bytes);
+    else warp_expand<V, false>(row, u0, u1, copies, dst, out, row_bytes);
+}
+
+/* Low-latency dispatch, one kernel over `channels` resident blocks. (1) Every warp of the grid takes items of one list:
+ * first (token, piece) sends, a piece of PIECE units of the token's row written into every other rank holding one of
+ * its copies (the metadata with piece 0; before its first send a warp waits for every rank's release of the previous
+ * call), then (own token, piece) items of the expansion, this rank's own tokens straight from x into their rows of
+ * out while the sends are in flight; then the grid's one arrival flag per destination (ll_publish). (2) Every warp
+ * with work waits for every other rank's flag, then (received row, piece) items of the expansion; the last block
+ * releases the slots. */
 template <typename V>
 __global__ void __launch_bounds__(LOCAL_THREADS, 1) ll_dispatch_kernel(hybridep_cuda_call k, const void *x,
                                                                        const float *probs, void *out,
                                                                        float *out_probs, int64_t units)
 {
-    const int K = (int)k.topk, lane = threadIdx.x & 31;
+    const int lane = threadIdx.x & 31;
     const size_t row_bytes = (size_t)units * sizeof(V);
-    const int64_t pieces = (units + PIECE - 1) / PIECE;
+    const int64_t pieces = (units + PIECE - 1) / PIECE, T = k.tokens;
     const int64_t gw = (int64_t)blockIdx.x * LOCAL_WARPS + (threadIdx.x >> 5), step = (int64_t)gridDim.x * LOCAL_WARPS;
-    if (block_wait(k, WAIT_CONSUMED)) {
-        for (int64_t g = gw; g < k.tokens * pieces; g += step) {
-            const int64_t t = g / pieces, u0 = g % pieces * PIECE, u1 = u0 + PIECE < units ? u0 + PIECE : units;
-            int dr, d;
-            float p;
-            const unsigned ranks = token_copies(k, t, lane, &dr, &d, &p, probs) & ~(1u << k.rank);
-            if (!ranks) continue; /* the same on every lane */
-            char *rows[HYBRIDEP_MAX_RANKS];
-            token_rows(k, t, ranks, lane, dr, d, p, u0 == 0, rows);
-            warp_copy<V, true, HYBRIDEP_MAX_RANKS>((const V *)((const char *)x + (size_t)t * row_bytes), u0, u1, rows);
+    const int64_t staged = received_total(k, true), sends = T * pieces;
+    bool ok = !*(volatile int *)k.abort_flag, released = false;
+    for (int64_t g = gw; ok && g < 2 * sends; g += step) {
+        if (g >= sends) { /* this rank's own token: expanded here while the sends fly */
+            const int64_t h = g - sends, u0 = h % pieces * PIECE, u1 = u0 + PIECE < units ? u0 + PIECE : units;
+            ll_expand_piece<V>(k, staged + h / pieces, staged, u0, u1, x, probs, out, out_probs, row_bytes, lane);
+            continue;
         }
-        block_publish(k, blockIdx.x, false);
-        if (block_wait(k, WAIT_ARRIVED_OTHERS)) {
-            const int64_t staged = received_total(k, true), items = (staged + k.tokens) * pieces;
-            for (int64_t g = gw; g < items; g += step) {
-                const int64_t u0 = g % pieces * PIECE, u1 = u0 + PIECE < units ? u0 + PIECE : units;
-                int s, dst;
-                int64_t i;
-                float p;
-                const V *row = expand_item<V>(k, g / pieces, staged, x, probs, row_bytes, lane, &s, &i, &dst, &p,
-                                              out_probs);
-                if (!row) continue;
-                if (u0 == 0 && lane < K) {
-                    k.recv_meta[((int64_t)s * k.geo.rows_cap + i) * K + lane] = dst;
-                    if (dst >= 0 && out_probs) out_probs[dst] = p;
-                }
-                const unsigned copies = __ballot_sync(FULL, dst >= 0);
-                if (s == k.rank) warp_expand<V, true>(row, u0, u1, copies, dst, out, row_bytes);
-                else warp_expand<V, false>(row, u0, u1, copies, dst, out, row_bytes);
+        const int64_t t = g / pieces, u0 = g % pieces * PIECE, u1 = u0 + PIECE < units ? u0 + PIECE : units;
+        int dr, d;
+        float p;
+        const unsigned ranks = token_copies(k, t, lane, &dr, &d, &p, probs) & ~(1u << k.rank);
+        if (!ranks) continue; /* the same on every lane */
+        if (!released) { /* before a warp's first send: every rank has read the previous call */
+            released = warp_wait(k, ranks_mask(k, false), false);
+            if (!released) {
+                ok = false;
+                break;
             }
         }
+        char *rows[HYBRIDEP_MAX_RANKS];
+        token_rows(k, t, ranks, lane, dr, d, p, u0 == 0, rows);
+        warp_copy<V, true, HYBRIDEP_MAX_RANKS>((const V *)((const char *)x + (size_t)t * row_bytes), u0, u1, rows);
     }
+    ll_publish(k, false);
+    if (ok && staged > 0 && gw < staged * pieces && warp_wait(k, ranks_mask(k, true), true))
+        for (int64_t g = gw; g < staged * pieces; g += step) {
+            const int64_t u0 = g % pieces * PIECE, u1 = u0 + PIECE < units ? u0 + PIECE : units;
+            ll_expand_piece<V>(k, g / pieces, staged, u0, u1, x, probs, out, out_probs, row_bytes, lane);
+        }
     block_finish(k);
 }
 
@@ -997,9 +1094,10 @@ __global__ void __launch_bounds__(LOCAL_THREADS) combine_final_kernel(hybridep_c
 
 /* Low-latency combine, one kernel over `channels` resident blocks: (1) (received row, piece) items: the piece of the
  * row's partial (its copies summed in k order) written straight into its rank's slot for this rank (this rank's own
- * slot for its own tokens), the prob gradients with piece 0; each block's arrival flag in every rank, this one
- * included; (2) every block waits for every rank's flags, then (token, piece) items of the final sum; the last block
- * releases the slots. */
+ * slot for its own tokens), the prob gradients with piece 0 (before its first item a warp waits for every rank's
+ * release of the previous call); the grid's one arrival flag per rank, this one included (ll_publish); (2) every warp
+ * with work waits for every rank's flag, then (token, piece) items of the final sum; the last block releases the
+ * slots. */
 template <typename T, int N>
 __global__ void __launch_bounds__(LOCAL_THREADS, 1) ll_combine_kernel(hybridep_cuda_call k, const T *rows,
                                                                       const float *row_probs, T *out, bool accumulate,
@@ -1009,29 +1107,28 @@ __global__ void __launch_bounds__(LOCAL_THREADS, 1) ll_combine_kernel(hybridep_c
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t H = k.hidden, packs = H / N, pieces = (packs + PIECE - 1) / PIECE;
     const int64_t gw = (int64_t)blockIdx.x * LOCAL_WARPS + warp, step = (int64_t)gridDim.x * LOCAL_WARPS;
-    if (block_wait(k, WAIT_CONSUMED)) {
-        const int64_t items = received_total(k, false) * pieces;
-        for (int64_t g = gw; g < items; g += step) {
-            const int64_t p0 = g % pieces * PIECE, p1 = p0 + PIECE < packs ? p0 + PIECE : packs;
-            int s, dst;
-            int64_t i;
-            received_item(k, g / pieces, false, &s, &i);
-            const int n = row_copies<T>(k, s, i, rows, lane, src[warp], &dst);
-            if (p0 == 0 && row_probs)
-                write_prob_grads(k, slot_meta(k.geo, k.peers[s], k.rank, i), lane, dst, row_probs);
-            warp_sum<T, N>(src[warp], n, p0, p1, (T *)slot_row(k.geo, k.peers[s], k.rank, i), false, false);
+    const int64_t items = received_total(k, false) * pieces;
+    bool ok = !*(volatile int *)k.abort_flag;
+    if (ok && gw < items) ok = warp_wait(k, ranks_mask(k, false), false);
+    for (int64_t g = gw; ok && g < items; g += step) {
+        const int64_t p0 = g % pieces * PIECE, p1 = p0 + PIECE < packs ? p0 + PIECE : packs;
+        int s, dst;
+        int64_t i;
+        received_item(k, g / pieces, false, &s, &i);
+        const int n = row_copies<T>(k, s, i, rows, lane, src[warp], &dst);
+        if (p0 == 0 && row_probs) write_prob_grads(k, slot_meta(k.geo, k.peers[s], k.rank, i), lane, dst, row_probs);
+        warp_sum<T, N>(src[warp], n, p0, p1, (T *)slot_row(k.geo, k.peers[s], k.rank, i), false, false);
+        __syncwarp();
+    }
+    ll_publish(k, true);
+    if (ok && gw < k.tokens * pieces && warp_wait(k, ranks_mask(k, false), true))
+        for (int64_t g = gw; g < k.tokens * pieces; g += step) {
+            const int64_t t = g / pieces, p0 = g % pieces * PIECE, p1 = p0 + PIECE < packs ? p0 + PIECE : packs;
+            const int n = token_partials<T>(k, t, lane, src[warp]);
+            if (n > 0 || !accumulate) warp_sum<T, N>(src[warp], n, p0, p1, out + t * H, accumulate, n == 0);
+            if (p0 == 0 && out_probs) token_prob_grads(k, t, lane, out_probs);
             __syncwarp();
         }
-        block_publish(k, blockIdx.x, true);
-        if (block_wait(k, WAIT_ARRIVED_ALL))
-            for (int64_t g = gw; g < k.tokens * pieces; g += step) {
-                const int64_t t = g / pieces, p0 = g % pieces * PIECE, p1 = p0 + PIECE < packs ? p0 + PIECE : packs;
-                const int n = token_partials<T>(k, t, lane, src[warp]);
-                if (n > 0 || !accumulate) warp_sum<T, N>(src[warp], n, p0, p1, out + t * H, accumulate, n == 0);
-                if (p0 == 0 && out_probs) token_prob_grads(k, t, lane, out_probs);
-                __syncwarp();
-            }
-    }
     block_finish(k);
 }
 

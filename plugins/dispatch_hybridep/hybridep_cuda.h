@@ -46,6 +46,7 @@ typedef struct hybridep_cuda_call {
     int32_t *recv_meta;              /* [world][rows_cap][K] rows of each received copy (dispatch-like calls save) */
     void *staging;                   /* normal mode: [(world-1)*rows_cap] rows of row_stride, combine partials */
     unsigned *done_blocks;           /* blocks of a consuming kernel that finished (the last one resets it) */
+    unsigned *sent_blocks;           /* low-latency: blocks whose sends are complete (the last one flags, resets) */
     unsigned long long *error_word;  /* device: the first failure */
     int *abort_flag;                 /* device: set with the error word */
     unsigned long long *host_word;   /* mapped pinned host memory: the same word, read by the host without a sync */
