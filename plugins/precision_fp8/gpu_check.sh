@@ -7,8 +7,10 @@
 # It never builds (GPU machines may lack the build's dependencies); it runs each step under its own timeout with
 # line-buffered output:
 #   cublaslt_fp8_probe short   (~5 s)  which blockwise matmuls cuBLASLt accepts at the padded row counts
-#   test_gpu_fp8               (~20 s) CUDA vs CPU reference, every recipe and pass, odd per-expert counts
-#   fp8_gemm_bench             (~40 s) deepseek-v3 EP4 shapes; blockwise fwd+dgrad+wgrad vs bf16 (target 1.4x)
+#   test_gpu_fp8               (~20 s) CUDA vs CPU reference, every recipe and pass, odd per-expert counts, WGRAD
+#                                      overwriting grad_weight (empty experts zeroed)
+#   fp8_gemm_bench             (~50 s) deepseek-v3 EP4 shapes; blockwise fwd+dgrad+wgrad vs bf16 (target 1.4x); fails
+#                                      when an FP8 variant's error against bf16 is above 0.2
 # Logs, the bench's JSON and a summary go into OUT. Exit status: the first failing step's (0: all passed).
 set -u
 B=${1:-${BUILD:-build}}
@@ -33,7 +35,7 @@ step() {
 : > "$OUT/summary.txt"
 step cublaslt_fp8_probe 30 "$B/tests/cublaslt_fp8_probe" short
 step test_gpu_fp8 60 "$B/tests/test_gpu_fp8"
-step fp8_gemm_bench 80 env MOERT_BENCH_MACHINE="$machine" MOERT_BENCH_GIT="$git_rev" \
+step fp8_gemm_bench 150 env MOERT_BENCH_MACHINE="$machine" MOERT_BENCH_GIT="$git_rev" \
     "$B/bench/fp8_gemm_bench" "$OUT/fp8_gemm_bench.json"
 {
     echo "== probe"
@@ -41,7 +43,7 @@ step fp8_gemm_bench 80 env MOERT_BENCH_MACHINE="$machine" MOERT_BENCH_GIT="$git_
     echo "== test_gpu_fp8"
     grep -E "FAIL|failed|passed|skipped" "$OUT/test_gpu_fp8.log" | head -25
     echo "== fp8_gemm_bench"
-    grep -E "rows over|skipped:|fwd\+dgrad\+wgrad|weight quantization" "$OUT/fp8_gemm_bench.log" | head -20
+    grep -E "^shape|^deepseek|^fp8 blockwise|skipped:|FAIL|within" "$OUT/fp8_gemm_bench.log" | head -60
 } | tee -a "$OUT/summary.txt"
 echo "total $(( $(date +%s) - start )) s; logs in $OUT"
 exit $rc

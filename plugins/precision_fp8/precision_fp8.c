@@ -263,7 +263,8 @@ static moert_result fetch_counts(void *user, const moert_tensor *t, const int64_
 }
 
 /* One grouped GEMM on the layer's GPU, arguments already checked: activations in the layer's dtype (bf16 or fp32),
- * weights fp32 or bf16 (their FP8 copies are cached for the step), grad_weight fp32 or bf16 (accumulated). */
+ * weights fp32 or bf16 (their FP8 copies are cached for the step), grad_weight fp32 or bf16 (accumulated, or
+ * overwritten when args asks). */
 static moert_result cuda_grouped_gemm(fp8_ctx *c, moert_stream stream, const moert_grouped_gemm_args *args,
                                       const fp8_gemm_shape *shape, const char *call)
 {
@@ -304,6 +305,7 @@ static moert_result cuda_grouped_gemm(fp8_ctx *c, moert_stream stream, const moe
         gm.input = args->input->data;
         gm.grad_output = args->grad_output->data;
         gm.grad_weight = args->grad_weight->data;
+        gm.overwrite_grad_weight = moert_gemm_overwrites_grad(args);
     } else {
         const moert_dtype wd = args->weight->dtype;
         if (wd != MOERT_F32 && wd != MOERT_BF16)
@@ -375,7 +377,7 @@ MOERT_PLUGIN_EXPORT const moert_precision_v1 fp8_vtable __asm__(MOERT_PRECISION_
 #endif
         .dtypes = MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) |
                   MOERT_CAP_DTYPE(MOERT_F16),
-        .flags = MOERT_CAP_NEEDS_HOST_SYNC,
+        .flags = MOERT_CAP_NEEDS_HOST_SYNC | MOERT_CAP_WGRAD_OVERWRITE,
     },
     .init = fp8_init,
     .finalize = fp8_finalize,

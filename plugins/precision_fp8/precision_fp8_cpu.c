@@ -207,13 +207,18 @@ moert_result fp8_cpu_grouped_gemm(const moert_grouped_gemm_args *args, const fp8
 {
     const int64_t K = shape->k_in, N = shape->n_out;
     const moert_gemm_weight which = args->which;
+    const bool overwrite = moert_gemm_overwrites_grad(args) != 0; /* WGRAD: write grad_weight, not add to it */
     int64_t first = 0;
     for (int64_t e = 0; e < shape->num_experts; e++) {
         const int64_t m = shape->counts[e];
         const int64_t row0 = first;
         first += m;
-        if (m == 0) continue; /* nothing to compute; WGRAD would add zero */
         const int64_t w_base = e * K * N;
+        if (m == 0) { /* nothing to compute; WGRAD would add zero, or overwrite with zeros */
+            if (overwrite)
+                for (int64_t i = 0; i < K * N; i++) moert_store(args->grad_weight, w_base + i, 0.0);
+            continue;
+        }
         /* a: [m,K] (FORWARD), [m,N] (DGRAD), [K,m] (WGRAD); b: [K,N], [N,K], [m,N]; c: [m,N], [m,K], [K,N]. */
         size_t a_elems = (size_t)(m * (args->pass == MOERT_GEMM_DGRAD ? N : K));
         size_t b_elems = (size_t)(args->pass == MOERT_GEMM_WGRAD ? m * N : K * N);
@@ -241,13 +246,13 @@ moert_result fp8_cpu_grouped_gemm(const moert_grouped_gemm_args *args, const fp8
             matmul_double(a, b, m, N, K, c);
             store_block(args->grad_input, row0 * K, m, K, c, false);
             break;
-        case MOERT_GEMM_WGRAD: /* grad_weight += input^T @ grad_output */
+        case MOERT_GEMM_WGRAD: /* grad_weight += input^T @ grad_output (= when overwriting) */
             load_block(args->input, row0 * K, m, K, true, a);
             load_block(args->grad_output, row0 * N, m, N, false, b);
             quantize_operand(a, K, m, false, FP8_OPERAND_INPUT, which, e, s, delayed);
             quantize_operand(b, m, N, true, FP8_OPERAND_GRAD, which, e, s, delayed);
             matmul_double(a, b, K, m, N, c);
-            store_block(args->grad_weight, w_base, K, N, c, true);
+            store_block(args->grad_weight, w_base, K, N, c, !overwrite);
             break;
         }
     }

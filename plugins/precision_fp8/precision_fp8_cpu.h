@@ -92,7 +92,8 @@ fp8_amax_slot *fp8_delayed_slot(fp8_delayed_state *d, moert_gemm_weight which, f
  * fp8_scale_from_amax(max over the history, or the newest entry; margin; old scale as fallback). */
 void fp8_delayed_end_step(fp8_delayed_state *d, const fp8_settings *s);
 
-/* Runs args->pass for every expert. Returns MOERT_ERR_OUT_OF_MEMORY if scratch cannot grow, else MOERT_OK. */
+/* Runs args->pass for every expert (WGRAD adds into grad_weight, or overwrites it when args asks, experts with no
+ * rows then zeroed: moert_gemm_overwrites_grad). Returns MOERT_ERR_OUT_OF_MEMORY if scratch cannot grow, else MOERT_OK. */
 moert_result fp8_cpu_grouped_gemm(const moert_grouped_gemm_args *args, const fp8_gemm_shape *shape,
                                   const fp8_settings *settings, fp8_delayed_state *delayed, fp8_scratch *scratch);
 

@@ -1659,6 +1659,22 @@ static moert_result untranspose(moert_fp8_cuda *g, cudaStream_t stream, const mo
     return MOERT_OK;
 }
 
+/* WGRAD overwriting grad_weight: the gradient of an expert with no rows is zero, written on stream. */
+static moert_result zero_empty_experts(moert_fp8_cuda *g, cudaStream_t stream, const moert_fp8_cuda_gemm *gm)
+{
+    const size_t slice = (size_t)gm->k_in * (size_t)gm->n_out * moert_dtype_size(gm->grad_weight_dtype);
+    for (int64_t e = 0; e < gm->num_experts; e++) {
+        if (gm->rows_per_expert[e] != 0) continue;
+        cudaError_t err = cudaMemsetAsync((char *)gm->grad_weight + (size_t)e * slice, 0, slice, stream);
+        if (err != cudaSuccess) {
+            (void)cudaGetLastError();
+            return report(g->host, MOERT_ERR_CUDA, "cudaMemsetAsync(grad_weight of expert %lld) failed: %s",
+                          (long long)e, cudaGetErrorString(err));
+        }
+    }
+    return MOERT_OK;
+}
+
 /* One grouped GEMM: the weight's cached FP8 copy, the activations quantized, one matmul per non-empty expert. */
 extern "C" moert_result moert_fp8_cuda_grouped_gemm(moert_fp8_cuda *g, cudaStream_t stream,
                                                     const moert_fp8_cuda_gemm *gm)
@@ -1671,7 +1687,9 @@ extern "C" moert_result moert_fp8_cuda_grouped_gemm(moert_fp8_cuda *g, cudaStrea
     expert_offsets(g, gm->rows_per_expert, align);
     g->worst_rows = gm->capacity > 0 ? gm->capacity + (align - 1) * E : 0;
     memset(&g->last, 0, sizeof g->last);
-    if (g->active_count == 0) return MOERT_OK; /* nothing to compute; WGRAD would add zero */
+    const int overwrite = gm->pass == MOERT_GEMM_WGRAD && gm->overwrite_grad_weight;
+    if (overwrite) MOK(zero_empty_experts(g, stream, gm));
+    if (g->active_count == 0) return MOERT_OK; /* nothing to compute; WGRAD would add zero (or has zeroed) */
     if (g->amax.cap < (size_t)E * 4) MOK(buf_reserve(g, &g->amax, (size_t)E * 4));
     const int blk = is_blockwise(g);
     const int delayed = g->cfg.recipe == MOERT_FP8_CUDA_DELAYED;
@@ -1777,7 +1795,7 @@ extern "C" moert_result moert_fp8_cuda_grouped_gemm(moert_fp8_cuda *g, cudaStrea
             p->d_type = gw_type;
             p->a_mode = blk ? vec : scalar;
             p->b_mode = blk ? vec : scalar;
-            p->beta1 = 1;
+            p->beta1 = !overwrite; /* overwrite: beta 0, the expert's gradient written, not added to */
             p->row_dim = ROW_K;
             p->m = N;
             p->n = K;

@@ -6,7 +6,7 @@
  *
  * Layouts (row-major, rows grouped by expert, as in moert/precision.h):
  *   input [rows, K], grad_output [rows, N], weight [E, K, N], output [rows, N], grad_input [rows, K],
- *   grad_weight [E, K, N] (accumulated into). K = k_in, N = n_out.
+ *   grad_weight [E, K, N] (accumulated into, or overwritten when asked). K = k_in, N = n_out.
  * cuBLASLt FP8 on Hopper takes only "TN": both operands contiguous along the reduction. In cuBLAS's column-major
  * terms every expert's GEMM is D[m x n] = A^T B with A stored [m][k] and B stored [n][k] (row-major), so:
  *   FORWARD  out  = in @ W:      A = W^T as [N][K] (a transposed FP8 copy), B = in [rows][K]   m=N n=rows k=K
@@ -106,9 +106,11 @@ typedef struct moert_fp8_cuda_gemm {
     int64_t k_in, n_out;
     const void *input, *weight, *grad_output;
     void *output, *grad_input, *grad_weight;
+    int overwrite_grad_weight;       /* WGRAD: 1 writes grad_weight (beta 0; experts with no rows zeroed), 0 adds */
 } moert_fp8_cuda_gemm;
 
-/* Enqueues the grouped GEMM on stream (WGRAD accumulates). Experts with no rows are skipped. */
+/* Enqueues the grouped GEMM on stream (WGRAD accumulates unless overwrite_grad_weight). Experts with no rows are
+ * skipped (or, overwriting, their gradient zeroed). */
 moert_result moert_fp8_cuda_grouped_gemm(moert_fp8_cuda *g, cudaStream_t stream, const moert_fp8_cuda_gemm *gm);
 
 /*

@@ -12,7 +12,8 @@
  *   When a blockwise GEMM disagrees, every scale-tensor layout of the handle is tried and the one cuBLASLt reads is
  *   printed (diagnosis for a cuBLASLt version whose layout differs).
  * - the plugin through a CUDA rank's host (pool, stream), against the CPU plugin: each pass, counts on the host and
- *   on the device only; refused configurations.
+ *   on the device only; WGRAD overwriting grad_weight (an expert with no rows zeroed; no rows at all: all zero);
+ *   refused configurations.
  * Prints a table last. Exits 77 without a GPU, or without one that has FP8 tensor cores (compute capability 9.0). */
 #include "test_util.h"
 
@@ -598,9 +599,11 @@ static void run_case(const recipe_case *rc, cudaStream_t stream)
 
 /* ---- the plugin through a CUDA rank's host ---- */
 
-/* One pass through the plugin instance (CPU tensors or device copies); the output on the host. */
+/* One pass through the plugin instance (CPU tensors or device copies); the output on the host. overwrite: a WGRAD
+ * that asks to overwrite grad_weight (which holds the data's old values). */
 static void *plugin_pass(test_instance *ti, bool on_gpu, cudaStream_t stream, const gemm_data *d, void *dev_weight,
-                         moert_gemm_weight which, moert_gemm_pass pass, const int64_t *counts, bool host_counts)
+                         moert_gemm_weight which, moert_gemm_pass pass, const int64_t *counts, bool host_counts,
+                         bool overwrite)
 {
     const moert_precision_v1 *vt = (const moert_precision_v1 *)ti->plugin.header;
     const moert_device dev = on_gpu ? (moert_device){MOERT_DEVICE_CUDA, 0} : moert_cpu();
@@ -624,7 +627,8 @@ static void *plugin_pass(test_instance *ti, bool on_gpu, cudaStream_t stream, co
     moert_tensor tout = moert_tensor_2d(result, dev, MOERT_BF16, d->rows, cols);
     moert_tensor tgw = moert_tensor_3d(result, dev, MOERT_F32, EXPERTS, K, N);
     moert_grouped_gemm_args a = {.struct_size = sizeof a, .which = which, .pass = pass, .tokens_per_expert = &tc,
-                                 .tokens_per_expert_host = host_counts ? counts : NULL};
+                                 .tokens_per_expert_host = host_counts ? counts : NULL,
+                                 .overwrite_grad_weight = overwrite};
     switch (pass) {
     case MOERT_GEMM_FORWARD: a.input = &tin, a.weight = &tw, a.output = &tout; break;
     case MOERT_GEMM_DGRAD: a.grad_output = &tgo, a.weight = &tw, a.grad_input = &tout; break;
@@ -647,6 +651,35 @@ static void *plugin_pass(test_instance *ti, bool on_gpu, cudaStream_t stream, co
         CK(cudaFree(result));
     }
     return out;
+}
+
+/*
+ * WGRAD overwriting grad_weight (the first micro-batch; the plugin declares MOERT_CAP_WGRAD_OVERWRITE) into a
+ * gradient holding old values: CUDA against the CPU plugin, the expert with no rows zeroed (diffs: its nonzero
+ * values); then with no rows at all (counts on the device only): every value zero.
+ */
+static void check_plugin_overwrite(test_instance *cpu, test_instance *gpu, cudaStream_t stream, const gemm_data *d,
+                                   const int64_t *counts, void *dev_weight, moert_gemm_weight w, const char *options)
+{
+    static const int64_t none[EXPERTS] = {0, 0, 0, 0};
+    const int64_t n = EXPERTS * d->K * d->N, slice = d->K * d->N;
+    char what[72];
+    EXPECT(gpu->plugin.header->flags & MOERT_CAP_WGRAD_OVERWRITE);
+    void *want = plugin_pass(cpu, false, stream, d, NULL, w, MOERT_GEMM_WGRAD, counts, true, true);
+    void *got = plugin_pass(gpu, true, stream, d, dev_weight, w, MOERT_GEMM_WGRAD, counts, true, true);
+    int64_t stale = 0;
+    for (int e = 0; e < EXPERTS; e++)
+        if (counts[e] == 0 && got)
+            for (int64_t i = e * slice; i < (e + 1) * slice; i++) stale += ((const float *)got)[i] != 0.0f;
+    snprintf(what, sizeof what, "plugin %s fc%d wgrad overwrite", options, w + 1);
+    record(what, got && want ? rel_error(got, want, MOERT_F32, n) : INFINITY, TOL, stale);
+    free(got), free(want);
+    got = plugin_pass(gpu, true, stream, d, dev_weight, w, MOERT_GEMM_WGRAD, none, false, true);
+    stale = got ? 0 : n;
+    for (int64_t i = 0; got && i < n; i++) stale += ((const float *)got)[i] != 0.0f;
+    snprintf(what, sizeof what, "plugin %s fc%d wgrad overwrite, no rows", options, w + 1);
+    record(what, 0, 0, stale);
+    free(got);
 }
 
 static void run_plugin(const char *options, moert_cuda_pool *pool, cudaStream_t stream)
@@ -681,9 +714,9 @@ static void run_plugin(const char *options, moert_cuda_pool *pool, cudaStream_t 
             for (int p = 0; p < 3; p++) {
                 const bool host_counts = !(step == 1 && p == 0); /* step 2's forward: counts on the device only */
                 void *want = plugin_pass(&cpu, false, stream, d, NULL, (moert_gemm_weight)w, (moert_gemm_pass)p, counts,
-                                         true);
+                                         true, false);
                 void *got = plugin_pass(&gpu, true, stream, d, weights[w], (moert_gemm_weight)w, (moert_gemm_pass)p,
-                                        counts, host_counts);
+                                        counts, host_counts, false);
                 moert_dtype dt;
                 const int64_t n = out_elems(d, (moert_gemm_pass)p, &dt);
                 int64_t padding_bad = 0;
@@ -699,6 +732,8 @@ static void run_plugin(const char *options, moert_cuda_pool *pool, cudaStream_t 
                 free(got);
                 free(want);
             }
+            if (step == 0) check_plugin_overwrite(&cpu, &gpu, stream, d, counts, weights[w], (moert_gemm_weight)w,
+                                                  options);
         }
         /* the optimizer step: new values in the same weight buffers (and new activations), then end_step */
         for (int w = 0; w < 2; w++) {

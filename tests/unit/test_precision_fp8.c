@@ -1,7 +1,8 @@
 /* The "fp8" precision plugin: FP8 conversions (hand-picked values, every byte, and an independent nearest-value
  * search), scales, quantization error bounds per format, blockwise tile scales, the delayed recipe's amax history,
  * and every GEMM pass of both weights per recipe: exactly equal to a naive loop over operands quantized here, and
- * within the FP8 error bound (derived from the formats) of the fp64 GEMM. */
+ * within the FP8 error bound (derived from the formats) of the fp64 GEMM; WGRAD overwriting grad_weight (empty
+ * experts zeroed). */
 #include "test_util.h"
 
 #include <float.h>
@@ -449,6 +450,99 @@ static void check_gemms(void)
     }
 }
 
+/* ---- WGRAD overwriting grad_weight ---- */
+
+/* One WGRAD through the plugin into grad_weight; overwrite asks for overwrite_grad_weight. */
+static moert_result wgrad_call(test_instance *ti, moert_gemm_weight which, const int64_t *counts, moert_tensor *input,
+                               moert_tensor *grad_output, moert_tensor *grad_weight, int overwrite)
+{
+    moert_grouped_gemm_args args = {.struct_size = sizeof args, .which = which, .pass = MOERT_GEMM_WGRAD,
+                                    .tokens_per_expert_host = counts, .input = input, .grad_output = grad_output,
+                                    .grad_weight = grad_weight, .overwrite_grad_weight = overwrite};
+    return ((const moert_precision_v1 *)ti->plugin.header)->grouped_gemm(ti->ctx, NULL, &args);
+}
+
+/* Elements of a and b (n each) that differ. */
+static int64_t count_differing(const moert_tensor *a, const moert_tensor *b, int64_t n)
+{
+    int64_t differ = 0;
+    for (int64_t i = 0; i < n; i++) differ += moert_load(a, i) != moert_load(b, i);
+    return differ;
+}
+
+/*
+ * overwrite_grad_weight (the first micro-batch's WGRAD): on a gradient full of old values, the result equals the
+ * accumulating WGRAD onto zeros, experts with no rows are zeroed; a following accumulating WGRAD adds onto it;
+ * without overwrite every expert adds onto its old values (an empty one keeps them).
+ */
+static void check_overwrite(const char *options)
+{
+    static const int64_t count_sets[3][3] = {{130, 0, 3}, {0, 0, 0}, {0, 17, 0}};
+    moert_layer_info layer = test_layer(G_HIDDEN, G_FFN, 3, 2, 256, 1, 0, MOERT_F32);
+    test_instance ti;
+    if (test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, options, &layer, NULL, 0, 1) != MOERT_OK) {
+        fprintf(stderr, "overwrite %s: open failed: %s\n", options, moert_error_message());
+        test_failures++;
+        test_instance_close(&ti);
+        return;
+    }
+    EXPECT(ti.plugin.header->flags & MOERT_CAP_WGRAD_OVERWRITE);
+    for (int which = 0; which < 2; which++)
+        for (int s = 0; s < 3; s++) {
+            const int64_t *counts = count_sets[s];
+            const int64_t K = which == 0 ? G_HIDDEN : G_FFN, N = which == 0 ? 2 * G_FFN : G_HIDDEN, rows = 150;
+            const int64_t n = 3 * K * N;
+            uint64_t rng = 700 + (uint64_t)(which * 3 + s);
+            moert_tensor input = make_f32(2, rows, K, 0, &rng, 0), grad_output = make_f32(2, rows, N, 0, &rng, 0);
+            moert_tensor old = make_f32(3, 3, K, N, &rng, 0); /* stale values the overwrite must not keep */
+            moert_tensor over = make_f32(3, 3, K, N, NULL, 0), zero = make_f32(3, 3, K, N, NULL, 0);
+            moert_tensor kept = make_f32(3, 3, K, N, NULL, 0);
+            for (int64_t i = 0; i < n; i++) {
+                const double v = moert_load(&old, i);
+                moert_store(&over, i, v), moert_store(&kept, i, v);
+            }
+            const moert_gemm_weight w = (moert_gemm_weight)which;
+            EXPECT_OK(wgrad_call(&ti, w, counts, &input, &grad_output, &over, 1));
+            EXPECT_OK(wgrad_call(&ti, w, counts, &input, &grad_output, &zero, 0));
+            const int64_t differ = count_differing(&over, &zero, n);
+            int64_t nonzero_empty = 0, rows_nonzero = 0;
+            for (int64_t e = 0; e < 3; e++)
+                for (int64_t i = e * K * N; i < (e + 1) * K * N; i++) {
+                    if (counts[e] == 0) nonzero_empty += moert_load(&over, i) != 0.0;
+                    else rows_nonzero += moert_load(&over, i) != 0.0;
+                }
+            /* the next micro-batch accumulates onto the overwritten gradient, as onto the zeroed one */
+            EXPECT_OK(wgrad_call(&ti, w, counts, &input, &grad_output, &over, 0));
+            EXPECT_OK(wgrad_call(&ti, w, counts, &input, &grad_output, &zero, 0));
+            const int64_t differ2 = count_differing(&over, &zero, n);
+            /* overwrite 0: added onto the old values */
+            EXPECT_OK(wgrad_call(&ti, w, counts, &input, &grad_output, &kept, 0));
+            int64_t empty_changed = 0, added = 0;
+            for (int64_t e = 0; e < 3; e++)
+                for (int64_t i = e * K * N; i < (e + 1) * K * N; i++) {
+                    if (counts[e] == 0) empty_changed += moert_load(&kept, i) != moert_load(&old, i);
+                    else added += moert_load(&kept, i) != moert_load(&old, i);
+                }
+            const int64_t with_rows = (counts[0] != 0) + (counts[1] != 0) + (counts[2] != 0);
+            if (differ || nonzero_empty || differ2 || empty_changed)
+                fprintf(stderr, "overwrite %s, fc%d, counts {%lld, %lld, %lld}: %lld differ from the WGRAD onto zeros, "
+                        "%lld not zeroed in empty experts, %lld differ after accumulating, %lld old values of empty "
+                        "experts changed without overwrite\n", options, which + 1, (long long)counts[0],
+                        (long long)counts[1], (long long)counts[2], (long long)differ, (long long)nonzero_empty,
+                        (long long)differ2, (long long)empty_changed);
+            EXPECT(differ == 0);
+            EXPECT(nonzero_empty == 0);
+            EXPECT(differ2 == 0);
+            EXPECT(empty_changed == 0);
+            /* the GEMM did write something where there were rows (not a test that passes on zeros) */
+            EXPECT(rows_nonzero > with_rows * K * N / 2 || with_rows == 0);
+            EXPECT(added > with_rows * K * N / 2 || with_rows == 0);
+            free(input.data), free(grad_output.data), free(old.data), free(over.data), free(zero.data);
+            free(kept.data);
+        }
+    test_instance_close(&ti);
+}
+
 /* ---- errors ---- */
 
 static void check_errors(void)
@@ -499,6 +593,9 @@ int main(void)
     check_tiles();
     check_delayed();
     check_gemms();
+    check_overwrite("{}");
+    check_overwrite("{\"recipe\": \"delayed\"}");
+    check_overwrite("{\"recipe\": \"blockwise\"}");
     check_errors();
     return test_finish("test_precision_fp8");
 }
