@@ -285,10 +285,10 @@ static moert_result rank_init(moert_rank *r, void *arg)
         L->param_dtype = cfg->model.dtype == MOERT_F64 ? MOERT_F64 : MOERT_F32;
         L->seq_length = cfg->train.seq_length;
         L->defer_offload_release = true; /* released once their copies finish (rank_forward_backward) */
-        /* copies issued after the next layer's forward (rank_forward_backward); the last layer's at once (no
-         * dispatcher sync follows it in the forward). MOERT_OFFLOAD_DEFER_START=0: every layer's at once. */
+        /* offload copies start as soon as an activation is produced; MOERT_OFFLOAD_DEFER_START=1 starts them
+         * after the next layer's forward instead (the last layer's at once): docs/executor.md, "Deferred start" */
         const char *defer = getenv("MOERT_OFFLOAD_DEFER_START");
-        L->defer_offload_start = l + 1 < cfg->model.num_layers && !(defer && strcmp(defer, "0") == 0);
+        L->defer_offload_start = l + 1 < cfg->model.num_layers && defer && strcmp(defer, "1") == 0;
         L->optimizer = cfg->train.optimizer;
         for (int s = 0; s < MOERT_SLOT_COUNT; s++) {
             const char *key = moert_slot_key((moert_slot)s);
