@@ -113,6 +113,7 @@ typedef struct ab_run_facts {
     int64_t kept_bytes;
     int64_t device_peak_bytes;
     int64_t device_pool_calls;
+    char graph[512];             /* moert_runtime_graph_summary: CUDA graphs captured and replayed, or why not */
 } ab_run_facts;
 
 typedef struct ab_side {
@@ -374,6 +375,10 @@ static void format_summary(const ab_side *a, const ab_side *b, const ab_agreemen
     else snprintf(kept, sizeof kept, "%s", b->facts.kept_bytes == 0 ? "1.00x" : "-");
     snprintf(out, size, "summary: B/A step time %.3fx%s, layer fwd+bwd %.3fx, activations kept %s; outputs %s",
              step, faster, layer, kept, agr->agree ? "agree" : "differ");
+    if (a->facts.device_type == MOERT_DEVICE_CUDA) {
+        size_t len = strlen(out);
+        snprintf(out + len, size - len, "\ncuda graph: A %s; B %s", a->facts.graph, b->facts.graph);
+    }
 }
 
 static void print_table(FILE *f, const table_row *rows, int n)
@@ -425,6 +430,7 @@ static json_t *side_json(const ab_side *s, int64_t total_steps, int64_t warmup)
     for (int slot = 0; slot < MOERT_SLOT_COUNT; slot++)
         json_object_set_new(plugins, moert_slot_key((moert_slot)slot), plugin_section(s->cfg, (moert_slot)slot));
     for (int f = 0; f < FIGURE_COUNT; f++) json_object_set_new(medians, figure_name(f), spread_json(&s->figures[f]));
+    json_object_set_new(o, "cuda_graph", json_string(s->facts.graph));
     for (int64_t i = 0; i < total_steps; i++) {
         json_t *step = moert_report_step_json(&s->records[i]);
         json_object_set_new(step, "warmup", json_boolean(i < warmup));
@@ -499,6 +505,10 @@ static void build_header(const ab_side *a, const ab_side *b, int64_t warmup, int
     train_key_difference(train, sizeof train, "train.teacher_scale", ca->train.teacher_scale, cb->train.teacher_scale);
     train_key_difference(train, sizeof train, "train.log_every", (double)ca->train.log_every, (double)cb->train.log_every);
     if (train[0]) header_add(h, "differs: %s", train);
+    static const char *const graph_modes[] = {"auto", "off", "on"};
+    if (ca->parallel.cuda_graph != cb->parallel.cuda_graph)
+        header_add(h, "differs: parallel.cuda_graph: A \"%s\", B \"%s\"", graph_modes[ca->parallel.cuda_graph],
+                   graph_modes[cb->parallel.cuda_graph]);
     header_add(h, "%lld warm-up step%s, then %lld measured step%s, %s", (long long)warmup, warmup == 1 ? "" : "s",
                (long long)steps, steps == 1 ? "" : "s",
                sequential ? "sequential: all of A, then all of B (--sequential)" : "interleaved A, B, A, B...");
@@ -637,6 +647,7 @@ static void take_facts(ab_side *side)
     f->kept_bytes = rt->kept_bytes;
     f->device_peak_bytes = rt->device_peak_bytes;
     f->device_pool_calls = rt->device_pool_calls;
+    moert_runtime_graph_summary(rt, f->graph, sizeof f->graph);
 }
 
 /* Creates a side's runtime and notes what the report needs from it. */
@@ -832,7 +843,7 @@ int moert_cmd_ab(int argc, char **argv)
         }
     table_row rows[FIGURE_COUNT + MEMORY_ROWS];
     int nrows = build_table(&sides[0], &sides[1], rows);
-    char verdict[1024], summary[512];
+    char verdict[1024], summary[1536];
     format_verdict(&agr, total, verdict, sizeof verdict);
     format_summary(&sides[0], &sides[1], &agr, summary, sizeof summary);
     printf("\n");

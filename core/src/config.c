@@ -459,6 +459,11 @@ static moert_result parse_parallel(moert_config *cfg, json_t *obj)
                                    &p->device));
     MOERT_CHECK(section_positive(sec, "timeout_s", 60.0, "seconds a collective waits for a stalled rank",
                                  &p->timeout_s));
+    static const char *const graphs[] = {"auto", "off", "on", NULL};
+    MOERT_CHECK(moert_section_enum(sec, "cuda_graph", graphs, 0,
+                                   "capture the layers' forward and backward in CUDA graphs and replay them: auto "
+                                   "when every plugin can be captured, on requires it",
+                                   &p->cuda_graph));
     MOERT_CHECK(moert_section_check_unknown(sec));
 fail:
     moert_section_free(sec);

@@ -26,10 +26,14 @@ typedef struct moert_model_config {
     moert_dtype dtype; /* activation storage: fp32, bf16 or fp64 */
 } moert_model_config;
 
+/* $.parallel.cuda_graph */
+typedef enum moert_cuda_graph_mode { MOERT_GRAPH_AUTO = 0, MOERT_GRAPH_OFF = 1, MOERT_GRAPH_ON = 2 } moert_cuda_graph_mode;
+
 typedef struct moert_parallel_config {
     int64_t ranks;     /* expert-parallel group size */
     int device;        /* 0 auto, 1 cpu, 2 cuda */
     double timeout_s;  /* a collective waits this long for a stalled peer */
+    int cuda_graph;    /* moert_cuda_graph_mode */
 } moert_parallel_config;
 
 /* $.train.optimizer: Adam keeps two moment buffers per parameter; plain SGD keeps none. */

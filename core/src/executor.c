@@ -2,7 +2,9 @@
 #include "executor.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "error.h"
@@ -38,6 +40,7 @@ static moert_result stage_mark(moert_layer *L, int mark)
             moert_result rc = moert_cuda_event_create(L->info.device.id, true, &L->mark_events[mark]);
             if (rc != MOERT_OK) return rc;
         }
+        if (L->capturing) return moert_cuda_event_record_captured(L->mark_events[mark], L->stream);
         return moert_cuda_event_record(L->mark_events[mark], L->stream);
     }
 #endif
@@ -70,6 +73,12 @@ moert_result moert_layer_collect_times(moert_layer *L)
     MOERT_CHECK(mark_interval(L, MARK_BACKWARD_START, MARK_BACKWARD_END, &L->stage_seconds[MOERT_STAGE_BACKWARD]));
 fail:
     return rc;
+}
+
+/* The capability flags of one plugin instance: what it declared through host->set_flags, else its header's. */
+static uint32_t instance_flags(const moert_instance *inst)
+{
+    return moert_host_instance_flags(inst->host, inst->plugin->header->flags);
 }
 
 /* Turns a plugin's failure into a core error naming the plugin, the call, the layer and the rank. */
@@ -278,7 +287,29 @@ void moert_layer_free(moert_layer *L)
 /* The expert weights' gradients are written by the precision plugin's first WGRAD when it can overwrite. */
 static bool lazy_wgrad_zero(const moert_layer *L)
 {
-    return (L->precision.plugin->header->flags & MOERT_CAP_WGRAD_OVERWRITE) != 0;
+    return (instance_flags(&L->precision) & MOERT_CAP_WGRAD_OVERWRITE) != 0;
+}
+
+bool moert_layer_graph_capturable(const moert_layer *L, char *why, size_t why_size)
+{
+    const moert_instance *inst[4] = {&L->router, &L->dispatcher, &L->precision, &L->memory};
+    if (L->info.device.type != MOERT_DEVICE_CUDA) {
+        snprintf(why, why_size, "the layer runs on the CPU");
+        return false;
+    }
+    for (int i = 0; i < 4; i++) {
+        if (instance_flags(inst[i]) & MOERT_CAP_GRAPH_CAPTURABLE) continue;
+        snprintf(why, why_size, "%s \"%s\" is not graph-capturable%s", moert_kind_name(inst[i]->plugin->kind),
+                 inst[i]->plugin->header->name,
+                 instance_flags(inst[i]) & MOERT_CAP_NEEDS_HOST_SYNC ? " (it synchronises the host)" : "");
+        return false;
+    }
+    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
+        if (L->action[a] == MOERT_MEMORY_KEEP) continue;
+        snprintf(why, why_size, "the memory policy offloads or recomputes %s", moert_activation_name((moert_activation)a));
+        return false;
+    }
+    return true;
 }
 
 moert_result moert_layer_zero_grad(moert_layer *L)

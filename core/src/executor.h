@@ -65,6 +65,8 @@ typedef struct moert_layer {
     /* fc1 / fc2 weight gradients zeroed lazily: zero_grad leaves them as they are when the precision plugin
      * declares MOERT_CAP_WGRAD_OVERWRITE, and the first WGRAD overwrites them; backward zeroes any left */
     bool grad_unwritten[2];
+    /* the runtime is capturing this layer's work into a CUDA graph: stage marks become graph nodes */
+    bool capturing;
 
     /* saved by forward for backward */
     moert_tensor x;                   /* borrowed: the layer input */
@@ -132,6 +134,10 @@ moert_result moert_layer_start_offloads(moert_layer *L);
 moert_result moert_layer_release_finished_offloads(moert_layer *L);
 /* Fills stage_seconds from the last forward and backward (waits for their work on GPUs). */
 moert_result moert_layer_collect_times(moert_layer *L);
+/* Whether the layer's forward and backward can be captured in a CUDA graph and replayed: a CUDA layer whose four
+ * plugin instances declare MOERT_CAP_GRAPH_CAPTURABLE (header flags, or host->set_flags) and whose last forward kept
+ * every activation on the device (offload and recompute have host-side steps). When not, writes why into `why`. */
+bool moert_layer_graph_capturable(const moert_layer *L, char *why, size_t why_size);
 /* Zeroes the parameter gradients. */
 moert_result moert_layer_zero_grad(moert_layer *L);
 /* The optimizer step of this layer's parameters, with `t`'s optimizer, lr and weight decay: Adam (beta 0.9/0.999,

@@ -36,9 +36,12 @@ typedef struct host_impl {
     moert_stream stream;           /* CUDA ranks: the stream allocations are ordered on */
     char error[HOST_MESSAGE_SIZE];
     char taken[HOST_MESSAGE_SIZE];
+    bool flags_set;                /* the plugin called set_flags */
+    uint32_t flags;                /* what it declared */
 } host_impl;
 
 static host_impl *impl_of(const moert_host *h) { return (host_impl *)h->impl; }
+static void host_set_flags(const moert_host *h, uint32_t flags);
 
 /* Stores a message for the plugin's next returned code (and in the thread's error), returns code. */
 static moert_result host_fail(host_impl *impl, moert_result code, const char *fmt, ...)
@@ -541,6 +544,7 @@ moert_result moert_host_create(const moert_host_setup *setup, moert_host **out)
     h->alltoallv = host_alltoallv;
     h->barrier = host_barrier;
     h->exchange_peer_buffers = host_exchange_peer_buffers;
+    h->set_flags = host_set_flags;
     h->metric = host_metric;
     *out = h;
     return MOERT_OK;
@@ -552,6 +556,20 @@ void moert_host_free(moert_host *h)
     host_impl *impl = impl_of(h);
     moert_section_free(impl->owned_options);
     free(impl);
+}
+
+/* Declared by the plugin in init: this instance's capability flags. */
+static void host_set_flags(const moert_host *h, uint32_t flags)
+{
+    host_impl *impl = impl_of(h);
+    impl->flags_set = true;
+    impl->flags = flags;
+}
+
+uint32_t moert_host_instance_flags(const moert_host *h, uint32_t header_flags)
+{
+    const host_impl *impl = impl_of(h);
+    return impl->flags_set ? impl->flags : header_flags;
 }
 
 /* The plugin's last message ("" if none), cleared for the next call; valid until the next take. */

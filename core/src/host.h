@@ -29,5 +29,7 @@ moert_result moert_host_create(const moert_host_setup *setup, moert_host **out);
 void moert_host_free(moert_host *h);
 /* The message a plugin set with host->set_error since the last call ("" if none); clears it. */
 const char *moert_host_take_error(moert_host *h);
+/* The instance's capability flags: what the plugin declared through host->set_flags, else header_flags. */
+uint32_t moert_host_instance_flags(const moert_host *h, uint32_t header_flags);
 
 #endif

@@ -77,6 +77,14 @@ moert_result moert_runtime_write_report(const moert_runtime *rt, const char *pat
     json_object_set_new(root, "name", json_string(cfg->name));
     json_object_set_new(root, "device", json_string(rt->device_name));
     json_object_set_new(root, "ranks", json_integer(rt->world));
+    static const char *const graph_modes[] = {"auto", "off", "on"};
+    char graph_line[512];
+    moert_runtime_graph_summary(rt, graph_line, sizeof graph_line);
+    json_object_set_new(root, "cuda_graph",
+                        json_pack("{s:s, s:b, s:I, s:I, s:f, s:s}", "mode", graph_modes[cfg->parallel.cuda_graph], "used",
+                                  rt->graph_captured_step > 0, "captured_step", (json_int_t)rt->graph_captured_step,
+                                  "replays", (json_int_t)rt->graph_replays, "capture_ms",
+                                  1e3 * rt->graph_capture_seconds, "summary", graph_line));
     json_object_set_new(root, "model", json_pack("{s:I, s:I, s:I, s:I, s:I, s:s}", "hidden", (json_int_t)cfg->model.hidden,
                                                  "ffn_hidden", (json_int_t)cfg->model.ffn_hidden, "num_experts",
                                                  (json_int_t)cfg->model.num_experts, "topk", (json_int_t)cfg->model.topk,

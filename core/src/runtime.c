@@ -42,6 +42,9 @@ struct moert_rank {
     double mse_sum, router_loss;
     int64_t *counts;                     /* [num_layers * E], pinned: copied into while copy streams are busy */
     float *loss_result;                  /* pinned: the loss sum comes back through it */
+    /* CUDA graphs ($.parallel.cuda_graph): the stack's forward and backward, captured once, then replayed */
+    void *graph_forward, *graph_backward; /* moert_cuda_graph */
+    int64_t eager_steps;                 /* forward+backward passes run without graphs */
     /* outcome of the phase running on this rank */
     moert_result rc;
     int fail_order;
@@ -322,6 +325,12 @@ static moert_result rank_finalize(moert_rank *r, void *arg)
     (void)arg;
     moert_runtime *rt = r->rt;
     int nl = (int)rt->cfg->model.num_layers;
+#ifdef MOERT_HAVE_CUDA
+    if (r->stream) moert_cuda_stream_synchronize(r->stream);
+    moert_cuda_graph_destroy(r->graph_forward);
+    moert_cuda_graph_destroy(r->graph_backward);
+    r->graph_forward = r->graph_backward = NULL;
+#endif
     if (r->layers) {
         for (int l = 0; l < nl; l++) {
             moert_layer *L = &r->layers[l];
@@ -353,6 +362,7 @@ static moert_result rank_finalize(moert_rank *r, void *arg)
     if (r->core_host) moert_host_free(r->core_host);
 #ifdef MOERT_HAVE_CUDA
     if (r->stream) moert_cuda_stream_synchronize(r->stream);
+    if (r->pool && moert_cuda_pool_reserve_release(r->pool) != MOERT_OK) moert_error_clear();
     if (r->pool) moert_cuda_pool_destroy(r->pool);
     if (r->stream) moert_cuda_stream_destroy(r->stream);
     if (r->nccl) moert_nccl_comm_free(r->nccl);
@@ -545,17 +555,90 @@ static moert_result allreduce(moert_rank *r, void *buf, size_t count, moert_dtyp
     return MOERT_OK;
 }
 
-/* Forward and backward of the stack on one rank; fills mse_sum, router_loss and counts. */
-static moert_result rank_forward_backward(moert_rank *r, int64_t step)
+/* ---- CUDA graphs ($.parallel.cuda_graph, docs/executor.md "CUDA graphs") ---- */
+
+typedef enum graph_plan { GRAPH_EAGER = 0, GRAPH_CAPTURE = 1, GRAPH_REPLAY = 2 } graph_plan;
+
+/* How this step runs on this rank: replay when the graphs exist; capture after one eager step when the mode allows
+ * and every layer can be captured; else eager (rank 0 notes why for the report). Mode "on" fails when it cannot. */
+static moert_result graph_plan_of(moert_rank *r, graph_plan *plan)
+{
+    moert_runtime *rt = r->rt;
+    int mode = rt->cfg->parallel.cuda_graph;
+    *plan = GRAPH_EAGER;
+    if (r->graph_forward) {
+        *plan = GRAPH_REPLAY;
+        return MOERT_OK;
+    }
+    if (mode == MOERT_GRAPH_OFF || rt->graph_failed) {
+        if (r->rank == 0 && !rt->graph_reason[0]) snprintf(rt->graph_reason, sizeof rt->graph_reason, "$.parallel.cuda_graph is \"off\"");
+        return MOERT_OK;
+    }
+    char why[256] = "";
+    bool ok = true;
+    if (rt->device_type != MOERT_DEVICE_CUDA) {
+        snprintf(why, sizeof why, "the ranks run on the CPU");
+        ok = false;
+    }
+    for (int l = 0; ok && l < rt->cfg->model.num_layers; l++) ok = moert_layer_graph_capturable(&r->layers[l], why, sizeof why);
+    if (!ok) {
+        if (mode == MOERT_GRAPH_ON)
+            return moert_error(MOERT_ERR_CONFIG, "config error at $.parallel.cuda_graph: \"on\" needs a layer step that "
+                               "can be captured in a CUDA graph, but %s (use \"auto\" to run without graphs then)", why);
+        if (r->rank == 0) snprintf(rt->graph_reason, sizeof rt->graph_reason, "%s", why);
+        return MOERT_OK;
+    }
+    /* one eager pass first: plugins set themselves up and the pool holds every block the step needs */
+    if (r->eager_steps >= 1) *plan = GRAPH_CAPTURE;
+    return MOERT_OK;
+}
+
+#ifdef MOERT_HAVE_CUDA
+/* Starts capturing the rank's stream into a graph, its allocations kept for the graph (pool reservation). */
+static moert_result capture_begin(moert_rank *r, bool first)
 {
     moert_result rc = MOERT_OK;
-    const moert_config *cfg = r->rt->cfg;
-    int nl = (int)cfg->model.num_layers;
-    int64_t e = cfg->model.num_experts;
-    double global_elems = (double)r->rt->world * (double)cfg->train.tokens_per_rank * (double)cfg->model.hidden;
+    if (first) MOERT_CHECK(moert_cuda_pool_reserve_begin(r->pool, r->stream));
+    MOERT_CHECK(moert_cuda_capture_begin(r->stream));
+    for (int l = 0; l < r->rt->cfg->model.num_layers; l++) r->layers[l].capturing = true;
+fail:
+    return rc;
+}
 
-    MOERT_CHECK(load_batch(r, step));
-    r->router_loss = 0.0;
+/* Ends the capture (also after a failure inside it, rc_inside), instantiates it and launches it once. */
+static moert_result capture_end(moert_rank *r, moert_result rc_inside, const char *what, bool last, void **graph)
+{
+    moert_result rc = MOERT_OK;
+    for (int l = 0; l < r->rt->cfg->model.num_layers; l++) r->layers[l].capturing = false;
+    char inside[1024] = "";
+    if (rc_inside != MOERT_OK) snprintf(inside, sizeof inside, "%s", moert_error_message());
+    rc = moert_cuda_capture_end(r->stream, what, (moert_cuda_graph *)graph);
+    if (last || rc != MOERT_OK || rc_inside != MOERT_OK) moert_cuda_pool_reserve_end(r->pool);
+    if (rc_inside != MOERT_OK)
+        return moert_error(rc_inside, "while capturing %s into a CUDA graph: %s (set $.parallel.cuda_graph to \"off\" "
+                           "to run it without graphs)", what, inside);
+    if (rc != MOERT_OK) return rc;
+    return moert_cuda_graph_launch(*graph, r->stream);
+}
+#endif
+
+/* Forward of the stack: eager, captured into r->graph_forward (and run), or its replay. */
+static moert_result stack_forward(moert_rank *r, graph_plan plan)
+{
+    moert_result rc = MOERT_OK;
+    int nl = (int)r->rt->cfg->model.num_layers;
+    if (plan != GRAPH_EAGER) {
+        for (int l = 0; l < nl; l++) MOERT_CHECK(moert_layer_zero_grad(&r->layers[l]));
+#ifdef MOERT_HAVE_CUDA
+        if (plan == GRAPH_REPLAY) return moert_cuda_graph_launch(r->graph_forward, r->stream);
+        MOERT_CHECK(capture_begin(r, true));
+        moert_result inside = MOERT_OK;
+        for (int l = 0; l < nl && inside == MOERT_OK; l++)
+            inside = moert_layer_forward(&r->layers[l], &r->acts[l], &r->acts[l + 1]);
+        MOERT_CHECK(capture_end(r, inside, "the layers' forward", false, &r->graph_forward));
+#endif
+        goto fail;
+    }
     for (int l = 0; l < nl; l++) {
         MOERT_CHECK(moert_layer_zero_grad(&r->layers[l]));
         MOERT_CHECK(moert_layer_forward(&r->layers[l], &r->acts[l], &r->acts[l + 1]));
@@ -565,26 +648,77 @@ static moert_result rank_forward_backward(moert_rank *r, int64_t step)
         /* offload copies of the layers below that have finished by now give their device buffers back; a copy
          * still running keeps its buffer until a later boundary (or its reload), so the compute never waits */
         for (int below = 0; below < l; below++) MOERT_CHECK(moert_layer_release_finished_offloads(&r->layers[below]));
-        r->router_loss += r->layers[l].losses.total;
     }
     MOERT_CHECK(moert_layer_start_offloads(&r->layers[nl - 1]));
-    MOERT_CHECK(r->core_host->stream_synchronize(r->core_host, r->stream) == MOERT_OK
-                    ? MOERT_OK
-                    : moert_error(MOERT_ERR_CUDA, "%s", moert_host_take_error(r->core_host)));
-    for (int l = 0; l < nl; l++) MOERT_CHECK(moert_layer_release_finished_offloads(&r->layers[l]));
-    MOERT_CHECK(moert_squared_error(r->stream, &r->acts[nl], &r->target, 1.0 / global_elems, r->workspace, r->loss_result, &r->mse_sum,
-                                  &r->grad_a));
+fail:
+    return rc;
+}
+
+/* Backward of the stack from r->grad_a, the same three ways. */
+static moert_result stack_backward(moert_rank *r, graph_plan plan)
+{
+    moert_result rc = MOERT_OK, inside = MOERT_OK;
+    int nl = (int)r->rt->cfg->model.num_layers;
     moert_tensor *d_y = &r->grad_a, *d_x = &r->grad_b;
-    for (int l = nl - 1; l >= 0; l--) {
-        /* the layer below's offloaded activations come back while this layer's backward runs */
-        for (int below = 0; below + 1 < l; below++)
-            MOERT_CHECK(moert_layer_release_finished_offloads(&r->layers[below]));
-        if (l > 0) MOERT_CHECK(moert_layer_prefetch(&r->layers[l - 1]));
-        MOERT_CHECK(moert_layer_backward(&r->layers[l], d_y, d_x, 1.0 / r->rt->world));
+#ifdef MOERT_HAVE_CUDA
+    if (plan == GRAPH_REPLAY) return moert_cuda_graph_launch(r->graph_backward, r->stream);
+    if (plan == GRAPH_CAPTURE) MOERT_CHECK(capture_begin(r, false));
+#endif
+    for (int l = nl - 1; l >= 0 && inside == MOERT_OK; l--) {
+        if (plan == GRAPH_EAGER) {
+            /* the layer below's offloaded activations come back while this layer's backward runs */
+            for (int below = 0; below + 1 < l; below++)
+                MOERT_CHECK(moert_layer_release_finished_offloads(&r->layers[below]));
+            if (l > 0) MOERT_CHECK(moert_layer_prefetch(&r->layers[l - 1]));
+        }
+        inside = moert_layer_backward(&r->layers[l], d_y, d_x, 1.0 / r->rt->world);
         moert_tensor *tmp = d_y;
         d_y = d_x;
         d_x = tmp;
     }
+#ifdef MOERT_HAVE_CUDA
+    if (plan == GRAPH_CAPTURE) return capture_end(r, inside, "the layers' backward", true, &r->graph_backward);
+#endif
+    rc = inside;
+fail:
+    return rc;
+}
+
+/* Forward and backward of the stack on one rank; fills mse_sum, router_loss and counts. */
+static moert_result rank_forward_backward(moert_rank *r, int64_t step)
+{
+    moert_result rc = MOERT_OK;
+    moert_runtime *rt = r->rt;
+    const moert_config *cfg = rt->cfg;
+    int nl = (int)cfg->model.num_layers;
+    int64_t e = cfg->model.num_experts;
+    double global_elems = (double)rt->world * (double)cfg->train.tokens_per_rank * (double)cfg->model.hidden;
+    graph_plan plan = GRAPH_EAGER;
+    double t0 = now_seconds();
+
+    MOERT_CHECK(load_batch(r, step));
+    MOERT_CHECK(graph_plan_of(r, &plan));
+    rc = stack_forward(r, plan);
+    if (rc != MOERT_OK) {
+        if (plan == GRAPH_CAPTURE && r->rank == 0) rt->graph_failed = true;
+        goto fail;
+    }
+    r->router_loss = 0.0;
+    for (int l = 0; l < nl; l++) r->router_loss += r->layers[l].losses.total;
+    MOERT_CHECK(r->core_host->stream_synchronize(r->core_host, r->stream) == MOERT_OK
+                    ? MOERT_OK
+                    : moert_error(MOERT_ERR_CUDA, "%s", moert_host_take_error(r->core_host)));
+    if (plan == GRAPH_EAGER)
+        for (int l = 0; l < nl; l++) MOERT_CHECK(moert_layer_release_finished_offloads(&r->layers[l]));
+    MOERT_CHECK(moert_squared_error(r->stream, &r->acts[nl], &r->target, 1.0 / global_elems, r->workspace, r->loss_result, &r->mse_sum,
+                                  &r->grad_a));
+    MOERT_CHECK(stack_backward(r, plan));
+    if (plan == GRAPH_EAGER) r->eager_steps++;
+    if (r->rank == 0 && plan == GRAPH_CAPTURE) {
+        rt->graph_captured_step = step;
+        rt->graph_capture_seconds = now_seconds() - t0;
+    }
+    if (r->rank == 0 && plan == GRAPH_REPLAY) rt->graph_replays++;
     /* tokens per expert for the report: the router's counts to the host, after the backward (a small copy issued
      * during the forward would wait on the copy engine behind the offload copies) */
     for (int l = 0; l < nl; l++) {
@@ -867,7 +1001,24 @@ moert_result moert_runtime_train(moert_runtime *rt, const moert_train_options *o
                 first->loss > 0 ? 100.0 * (first->loss - last->loss) / first->loss : 0.0, first->imbalance,
                 last->imbalance);
     }
+    if (ta.progress && rt->device_type == MOERT_DEVICE_CUDA) {
+        char line[512];
+        moert_runtime_graph_summary(rt, line, sizeof line);
+        fprintf(ta.progress, "cuda graph: %s\n", line);
+    }
     return MOERT_OK;
+}
+
+void moert_runtime_graph_summary(const moert_runtime *rt, char *buf, size_t size)
+{
+    if (rt->graph_captured_step > 0)
+        snprintf(buf, size, "captured at step %lld (forward and backward of %lld layer%s), replayed in %lld step%s",
+                 (long long)rt->graph_captured_step, (long long)rt->cfg->model.num_layers,
+                 rt->cfg->model.num_layers > 1 ? "s" : "", (long long)rt->graph_replays, rt->graph_replays == 1 ? "" : "s");
+    else if (rt->graph_reason[0])
+        snprintf(buf, size, "not used: %s", rt->graph_reason);
+    else
+        snprintf(buf, size, "not used: no step after the first (the capture follows one eager step)");
 }
 
 /* ---- parameter access for tests ---- */

@@ -49,6 +49,12 @@ struct moert_runtime {
     int64_t device_pool_calls; /* CUDA: rank 0's pool, cudaMalloc + cudaFree calls in the last step (0 once warm) */
     int64_t device_pool_calls_total; /* the same since creation (what the last step's figure is taken from) */
     double total_seconds;
+    /* CUDA graphs ($.parallel.cuda_graph): set by rank 0 */
+    int64_t graph_captured_step;  /* the step whose forward and backward were captured (then replayed); 0: none */
+    int64_t graph_replays;        /* steps run by replaying the graphs */
+    double graph_capture_seconds; /* wall time of the capturing step's forward and backward */
+    bool graph_failed;            /* a capture failed: the run stops with its error */
+    char graph_reason[256];       /* why the steps ran without graphs */
 };
 
 /* One step's forward and backward on every rank without the optimizer (parameter gradients are left in
@@ -66,6 +72,9 @@ moert_result moert_runtime_step(moert_runtime *rt, int64_t step, moert_step_reco
  * rank-major). CPU runs only. */
 moert_result moert_runtime_output(const moert_runtime *rt, int64_t index, double *value);
 int64_t moert_runtime_output_numel(const moert_runtime *rt);
+
+/* One line on the run's use of CUDA graphs: the step captured and the replays, or why there were none. */
+void moert_runtime_graph_summary(const moert_runtime *rt, char *buf, size_t size);
 
 /* One step's figures as a JSON object, as in the run report's "steps" (core/src/report.c). */
 json_t *moert_report_step_json(const moert_step_record *record);

@@ -415,6 +415,10 @@ moert_result router_gpu_create(const moert_host *host, const moert_layer_info *l
     g->aux_on = (b == ROUTER_BALANCE_AUX_LOSS || b == ROUTER_BALANCE_SEQ_AUX_LOSS ||
                  b == ROUTER_BALANCE_GLOBAL_AUX_LOSS) && cfg->aux_loss_coeff > 0.0;
     g->z_on = cfg->z_loss_coeff > 0.0;
+    /* without a loss no value comes back to the host: no sync, and no allocation once the buffers have grown to the
+     * step's tokens, so the executor may capture the layer in a CUDA graph */
+    if (offsetof(moert_host, set_flags) + sizeof host->set_flags <= host->struct_size)
+        host->set_flags(host, g->aux_on || g->z_on ? MOERT_CAP_NEEDS_HOST_SYNC : MOERT_CAP_GRAPH_CAPTURABLE);
     moert_result rc = create_state(g, layer);
     if (rc != MOERT_OK) {
         router_gpu_destroy(g);

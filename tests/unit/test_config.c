@@ -37,6 +37,7 @@ static void test_defaults(void)
     EXPECT_EQ_INT(cfg->parallel.ranks, 1);
     EXPECT_EQ_INT(cfg->parallel.device, 0);
     EXPECT_NEAR(cfg->parallel.timeout_s, 60.0, 0, 0);
+    EXPECT_EQ_INT(cfg->parallel.cuda_graph, MOERT_GRAPH_AUTO);
     EXPECT_EQ_INT(cfg->train.steps, 100);
     EXPECT_EQ_INT(cfg->train.tokens_per_rank, 256);
     EXPECT_EQ_INT(cfg->train.seq_length, 0);
@@ -60,7 +61,7 @@ static void test_values(void)
         "{\"name\": \"big\", \"description\": \"d\",\n"
         " \"model\": {\"hidden\": 32, \"ffn_hidden\": 48, \"num_experts\": 16, \"topk\": 4, \"num_layers\": 3,"
         " \"dtype\": \"bf16\"},\n"
-        " \"parallel\": {\"ranks\": 4, \"device\": \"cuda\", \"timeout_s\": 2.5},\n"
+        " \"parallel\": {\"ranks\": 4, \"device\": \"cuda\", \"timeout_s\": 2.5, \"cuda_graph\": \"on\"},\n"
         " \"train\": {\"steps\": 0, \"tokens_per_rank\": 64, \"seq_length\": 16, \"seed\": 7, \"log_every\": 5,"
         " \"lr\": 0.01, \"weight_decay\": 0.1, \"teacher_scale\": 2, \"optimizer\": \"sgd\"},\n"
         " \"router\": {\"plugin\": \"/opt/x/libmoert-router-mine.so\", \"anything\": [1, 2]},\n"
@@ -78,6 +79,7 @@ static void test_values(void)
     EXPECT_EQ_INT(cfg->parallel.ranks, 4);
     EXPECT_EQ_INT(cfg->parallel.device, 2);
     EXPECT_NEAR(cfg->parallel.timeout_s, 2.5, 0, 0);
+    EXPECT_EQ_INT(cfg->parallel.cuda_graph, MOERT_GRAPH_ON);
     EXPECT_EQ_INT(cfg->train.steps, 0);
     EXPECT_EQ_INT(cfg->train.tokens_per_rank, 64);
     EXPECT_EQ_INT(cfg->train.seq_length, 16);
@@ -143,6 +145,8 @@ static void test_errors(void)
                         "config error at $.parallel.ranks: got 65, expected an integer in [1, 64]");
     expect_config_error("{\"parallel\": {\"device\": \"gpu\"}}", MOERT_ERR_CONFIG,
                         "config error at $.parallel.device: got \"gpu\", expected one of auto|cpu|cuda");
+    expect_config_error("{\"parallel\": {\"cuda_graph\": true}}", MOERT_ERR_CONFIG,
+                        "config error at $.parallel.cuda_graph: got true, expected one of auto|off|on");
     expect_config_error("{\"parallel\": {\"timeout_s\": 0}}", MOERT_ERR_CONFIG,
                         "config error at $.parallel.timeout_s: got 0, expected a number > 0");
     expect_config_error("{\"train\": {\"lr\": \"fast\"}}", MOERT_ERR_CONFIG,

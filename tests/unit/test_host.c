@@ -52,6 +52,12 @@ static void test_table(void)
             test_failures++;
         }
     }
+    /* instance flags: the header's until the plugin declares its own */
+    EXPECT_EQ_INT(moert_host_instance_flags(h, MOERT_CAP_NEEDS_HOST_SYNC), MOERT_CAP_NEEDS_HOST_SYNC);
+    h->set_flags(h, MOERT_CAP_GRAPH_CAPTURABLE);
+    EXPECT_EQ_INT(moert_host_instance_flags(h, MOERT_CAP_NEEDS_HOST_SYNC), MOERT_CAP_GRAPH_CAPTURABLE);
+    h->set_flags(h, 0);
+    EXPECT_EQ_INT(moert_host_instance_flags(h, MOERT_CAP_GRAPH_CAPTURABLE), 0);
     moert_host_free(h);
 
     moert_host_setup bad = {.who = "x", .rank = 0, .world_size = 2, .device = moert_cpu()};

@@ -105,7 +105,7 @@ static void test_refusals(void)
     fixture_path("small-struct", path, sizeof path);
     snprintf(message, sizeof message,
              "router plugin \"fixture-small-struct\" (%s) has a %zu-byte vtable, smaller than the %zu bytes of "
-             "moert_router_v1 (ABI 1.0)", path, sizeof(moert_plugin_header) + 2 * sizeof(void *),
+             "moert_router_v1 (ABI 1.1)", path, sizeof(moert_plugin_header) + 2 * sizeof(void *),
              sizeof(moert_router_v1));
     expect_load_error("fixture-small-struct", MOERT_ERR_ABI_MISMATCH, message);
 

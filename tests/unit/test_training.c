@@ -1,5 +1,7 @@
 /* The main job trains: the loss falls, expert-bias balancing evens the load, and the memory policies
  * (recompute, offload) give bit-identical results to keeping everything. */
+#include <string.h>
+
 #include "runtime.h"
 #include "test_util.h"
 
@@ -85,6 +87,36 @@ int main(void)
     printf("first-step load max/mean: %.3f with input_shift 0, %.3f with 0.5\n", first_imbalance[0],
            first_imbalance[1]);
     EXPECT(first_imbalance[0] > 0 && first_imbalance[0] < first_imbalance[1]);
+
+    /* $.parallel.cuda_graph on the CPU: "auto" runs eagerly and says why; "on" fails naming the key */
+    for (int mode = 0; mode < 2; mode++) {
+        char json[512];
+        snprintf(json, sizeof json,
+                 "{\"model\": {\"hidden\": 16, \"ffn_hidden\": 16, \"num_experts\": 4, \"topk\": 2},"
+                 " \"parallel\": {\"device\": \"cpu\", \"cuda_graph\": \"%s\"}, \"train\": {\"tokens_per_rank\": 32}}",
+                 mode == 0 ? "auto" : "on");
+        moert_config *cfg = NULL;
+        moert_runtime *rt = NULL;
+        EXPECT_OK(moert_config_load_string(json, "graph-mode-test", &cfg));
+        if (cfg) EXPECT_OK(moert_runtime_create(cfg, &rt));
+        moert_train_options opts = {.struct_size = sizeof opts, .progress = NULL, .steps = 3};
+        if (rt) {
+            moert_result rc = moert_runtime_train(rt, &opts);
+            char line[512];
+            moert_runtime_graph_summary(rt, line, sizeof line);
+            if (mode == 0) {
+                EXPECT_OK(rc);
+                EXPECT_EQ_INT(rt->graph_captured_step, 0);
+                EXPECT(strcmp(line, "not used: the ranks run on the CPU") == 0);
+            } else {
+                EXPECT_EQ_INT(rc, MOERT_ERR_CONFIG);
+                EXPECT(strstr(moert_error_message(), "config error at $.parallel.cuda_graph: \"on\" needs a layer step "
+                                                     "that can be captured in a CUDA graph, but the ranks run on the CPU"));
+            }
+        }
+        moert_runtime_destroy(rt);
+        moert_config_free(cfg);
+    }
 
     moert_runtime_destroy(with_bias);
     moert_runtime_destroy(no_bias);

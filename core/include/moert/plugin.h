@@ -15,7 +15,7 @@ extern "C" {
 
 /* ABI version: major changes break plugins, minor ones only append. */
 #define MOERT_ABI_MAJOR 1
-#define MOERT_ABI_MINOR 0
+#define MOERT_ABI_MINOR 1
 #define MOERT_ABI_VERSION(major, minor) ((uint32_t)(((uint32_t)(major) << 16) | ((uint32_t)(minor) & 0xffffu)))
 #define MOERT_ABI_VERSION_MAJOR(v) ((uint32_t)(v) >> 16)
 #define MOERT_ABI_VERSION_MINOR(v) ((uint32_t)(v) & 0xffffu)
@@ -184,6 +184,11 @@ struct moert_host {
 
     /* metrics: a named figure for this step's report, e.g. ("dispatch.recv_tokens", 812, "tokens") */
     void (*metric)(const moert_host *h, const char *name, double value, const char *unit);
+
+    /* Appended in ABI 1.1 (check struct_size before use). Declares the capability flags of this instance
+     * (MOERT_CAP_GRAPH_CAPTURABLE, MOERT_CAP_NEEDS_HOST_SYNC), replacing the header's for it, where options or
+     * the device decide them (e.g. a recipe that syncs the host in one mode and not in another). Call from init. */
+    void (*set_flags)(const moert_host *h, uint32_t flags);
 };
 
 #ifdef __cplusplus

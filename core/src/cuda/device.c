@@ -177,6 +177,63 @@ fail:
     return rc;
 }
 
+moert_result moert_cuda_capture_begin(moert_stream s)
+{
+    moert_result rc = MOERT_OK;
+    MOERT_CUDA_CHECK(cudaStreamBeginCapture((cudaStream_t)s, cudaStreamCaptureModeRelaxed));
+fail:
+    return rc;
+}
+
+moert_result moert_cuda_capture_end(moert_stream s, const char *what, moert_cuda_graph *out)
+{
+    moert_result rc = MOERT_OK;
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    *out = NULL;
+    cudaError_t err = cudaStreamEndCapture((cudaStream_t)s, &graph);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        rc = moert_error(MOERT_ERR_CUDA,
+                         "capturing %s into a CUDA graph failed at cudaStreamEndCapture: %s (some work in it cannot "
+                         "be captured: a host synchronisation, a blocking copy or an allocation on the stream)",
+                         what, cudaGetErrorString(err));
+        goto fail;
+    }
+    err = cudaGraphInstantiate(&exec, graph, 0);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        rc = moert_error(MOERT_ERR_CUDA, "cudaGraphInstantiate of the graph of %s failed: %s", what,
+                         cudaGetErrorString(err));
+        goto fail;
+    }
+    *out = exec;
+fail:
+    if (graph) (void)cudaGraphDestroy(graph);
+    return rc;
+}
+
+moert_result moert_cuda_graph_launch(moert_cuda_graph g, moert_stream s)
+{
+    moert_result rc = MOERT_OK;
+    MOERT_CUDA_CHECK(cudaGraphLaunch((cudaGraphExec_t)g, (cudaStream_t)s));
+fail:
+    return rc;
+}
+
+void moert_cuda_graph_destroy(moert_cuda_graph g)
+{
+    if (g) (void)cudaGraphExecDestroy((cudaGraphExec_t)g);
+}
+
+moert_result moert_cuda_event_record_captured(moert_event e, moert_stream s)
+{
+    moert_result rc = MOERT_OK;
+    MOERT_CUDA_CHECK(cudaEventRecordWithFlags((cudaEvent_t)e, (cudaStream_t)s, cudaEventRecordExternal));
+fail:
+    return rc;
+}
+
 moert_result moert_cuda_stream_wait_event(moert_stream s, moert_event e)
 {
     moert_result rc = MOERT_OK;

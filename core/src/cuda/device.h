@@ -49,6 +49,18 @@ moert_result moert_cuda_event_synchronize(moert_event e);
 moert_result moert_cuda_event_query(moert_event e, bool *done);
 moert_result moert_cuda_event_elapsed_ms(moert_event start, moert_event stop, float *ms);
 
+/* CUDA graphs. A capture records the work queued on a stream (relaxed mode: the thread may still allocate) into a
+ * graph, instantiated at the end; a replay launches it on a stream. */
+typedef void *moert_cuda_graph; /* a cudaGraphExec_t */
+moert_result moert_cuda_capture_begin(moert_stream s);
+/* Ends the capture on s (always, even when the capture broke) and instantiates the graph into *out. `what` names the
+ * captured work in the error message. */
+moert_result moert_cuda_capture_end(moert_stream s, const char *what, moert_cuda_graph *out);
+moert_result moert_cuda_graph_launch(moert_cuda_graph g, moert_stream s);
+void moert_cuda_graph_destroy(moert_cuda_graph g);
+/* Records e on s as a node of the graph being captured on s, so a replay records it too (timing events work). */
+moert_result moert_cuda_event_record_captured(moert_event e, moert_stream s);
+
 /* Pinned (page-locked) host memory, usable by every device; free with moert_cuda_host_free. */
 moert_result moert_cuda_host_alloc(size_t bytes, void **out);
 void moert_cuda_host_free(void *ptr);

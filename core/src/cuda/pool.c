@@ -25,8 +25,10 @@ typedef struct pool_block {
     bool has_stream;         /* false after forget_stream: reuse only through the event */
     cudaStream_t stream;     /* the stream it was last freed on */
     cudaEvent_t event;       /* recorded on `stream` at the last free; created at the first free */
+    bool reserved;           /* in the pool's reservation (moert_cuda_pool_reserve_begin) */
     struct pool_block *hash_next;
     struct pool_block *free_next;
+    struct pool_block *reserve_next; /* the reservation's list of its blocks */
 } pool_block;
 
 struct moert_cuda_pool {
@@ -35,6 +37,12 @@ struct moert_cuda_pool {
     pool_block *buckets[POOL_HASH_BUCKETS];
     pool_block *free_lists[POOL_CLASS_COUNT];
     moert_cuda_pool_stats stats;
+    /* the reservation: recording while `reserving`; its blocks, and those of them freed (reusable within it) */
+    bool reserving, has_reservation;
+    cudaStream_t reserve_stream;
+    pool_block *reserved;
+    pool_block *reserve_free[POOL_CLASS_COUNT];
+    size_t reserved_bytes;
 };
 
 /* floor(log2(n)) for n > 0. */
@@ -177,6 +185,16 @@ static size_t release_cached(moert_cuda_pool *pool)
     return released;
 }
 
+/* Adds a block to the pool's reservation (once). Caller holds the mutex. */
+static void reserve_block(moert_cuda_pool *pool, pool_block *b)
+{
+    if (b->reserved) return;
+    b->reserved = true;
+    b->reserve_next = pool->reserved;
+    pool->reserved = b;
+    pool->reserved_bytes += b->size;
+}
+
 /* Marks a block live for a request of `bytes` and updates the figures. Caller holds the mutex. */
 static void mark_live(moert_cuda_pool *pool, pool_block *b, size_t bytes)
 {
@@ -208,8 +226,21 @@ moert_result moert_cuda_pool_alloc(moert_cuda_pool *pool, size_t bytes, moert_st
     pthread_mutex_lock(&pool->mutex);
     locked = true;
 
+    bool recording = pool->reserving && (cudaStream_t)stream == pool->reserve_stream;
+    if (recording && pool->reserve_free[index]) {
+        b = pool->reserve_free[index];
+        pool->reserve_free[index] = b->free_next;
+        b->free_next = NULL;
+        pool->stats.reuse_count++;
+        pool->stats.cached_blocks--;
+        pool->stats.bytes_cached -= b->size;
+        mark_live(pool, b, bytes);
+        *out = b->ptr;
+        goto exit;
+    }
     b = take_cached(pool, index, (cudaStream_t)stream);
     if (b) {
+        if (recording) reserve_block(pool, b);
         pool->stats.reuse_count++;
         pool->stats.cached_blocks--;
         pool->stats.bytes_cached -= b->size;
@@ -256,6 +287,7 @@ moert_result moert_cuda_pool_alloc(moert_cuda_pool *pool, size_t bytes, moert_st
     pool->buckets[h] = b;
     pool->stats.cuda_malloc_count++;
     pool->stats.bytes_reserved += size;
+    if (recording) reserve_block(pool, b);
     mark_live(pool, b, bytes);
     *out = ptr;
 exit:
@@ -279,15 +311,24 @@ moert_result moert_cuda_pool_free(moert_cuda_pool *pool, void *ptr, moert_stream
                          pool->device, ptr, b ? " (freed twice?)" : "");
         goto fail;
     }
-    MOERT_CHECK(enter_device(pool->device, &prev));
-    entered = true;
-    if (!b->event) MOERT_CUDA_CHECK(cudaEventCreateWithFlags(&b->event, cudaEventDisableTiming));
-    MOERT_CUDA_CHECK(cudaEventRecord(b->event, (cudaStream_t)stream));
-    b->in_use = false;
-    b->has_stream = true;
-    b->stream = (cudaStream_t)stream;
-    b->free_next = pool->free_lists[b->size_class];
-    pool->free_lists[b->size_class] = b;
+    bool recording = pool->reserving && (cudaStream_t)stream == pool->reserve_stream;
+    if (recording || b->reserved) {
+        /* the reservation keeps it: reusable by the reservation's stream while recording, else only at release */
+        if (recording) reserve_block(pool, b);
+        b->in_use = false;
+        b->free_next = pool->reserve_free[b->size_class];
+        pool->reserve_free[b->size_class] = b;
+    } else {
+        MOERT_CHECK(enter_device(pool->device, &prev));
+        entered = true;
+        if (!b->event) MOERT_CUDA_CHECK(cudaEventCreateWithFlags(&b->event, cudaEventDisableTiming));
+        MOERT_CUDA_CHECK(cudaEventRecord(b->event, (cudaStream_t)stream));
+        b->in_use = false;
+        b->has_stream = true;
+        b->stream = (cudaStream_t)stream;
+        b->free_next = pool->free_lists[b->size_class];
+        pool->free_lists[b->size_class] = b;
+    }
     pool->stats.live_blocks--;
     pool->stats.bytes_in_use -= b->size;
     pool->stats.bytes_requested -= b->requested;
@@ -299,6 +340,70 @@ fail:
     pthread_mutex_unlock(&pool->mutex);
     return rc;
 }
+
+moert_result moert_cuda_pool_reserve_begin(moert_cuda_pool *pool, moert_stream stream)
+{
+    moert_result rc = MOERT_OK;
+    pthread_mutex_lock(&pool->mutex);
+    if (pool->has_reservation) {
+        rc = moert_error(MOERT_ERR_INVALID_ARGUMENT, "CUDA pool on device %d: a reservation is already open",
+                         pool->device);
+    } else {
+        pool->has_reservation = pool->reserving = true;
+        pool->reserve_stream = (cudaStream_t)stream;
+    }
+    pthread_mutex_unlock(&pool->mutex);
+    return rc;
+}
+
+void moert_cuda_pool_reserve_end(moert_cuda_pool *pool)
+{
+    pthread_mutex_lock(&pool->mutex);
+    pool->reserving = false;
+    /* freed blocks wait for the release: no later request takes them */
+    pthread_mutex_unlock(&pool->mutex);
+}
+
+moert_result moert_cuda_pool_reserve_release(moert_cuda_pool *pool)
+{
+    moert_result rc = MOERT_OK;
+    int prev = pool->device;
+    bool entered = false;
+    pthread_mutex_lock(&pool->mutex);
+    if (!pool->has_reservation) goto fail;
+    MOERT_CHECK(enter_device(pool->device, &prev));
+    entered = true;
+    memset(pool->reserve_free, 0, sizeof pool->reserve_free);
+    while (pool->reserved) {
+        pool_block *b = pool->reserved;
+        pool->reserved = b->reserve_next;
+        b->reserve_next = NULL;
+        b->reserved = false;
+        if (b->in_use) { /* still live for its user: counted as freed now */
+            b->in_use = false;
+            pool->stats.live_blocks--;
+            pool->stats.bytes_in_use -= b->size;
+            pool->stats.bytes_requested -= b->requested;
+            pool->stats.cached_blocks++;
+            pool->stats.bytes_cached += b->size;
+            b->requested = 0;
+        }
+        if (!b->event) MOERT_CUDA_CHECK(cudaEventCreateWithFlags(&b->event, cudaEventDisableTiming));
+        MOERT_CUDA_CHECK(cudaEventRecord(b->event, pool->reserve_stream));
+        b->has_stream = true;
+        b->stream = pool->reserve_stream;
+        b->free_next = pool->free_lists[b->size_class];
+        pool->free_lists[b->size_class] = b;
+    }
+    pool->reserved_bytes = 0;
+    pool->has_reservation = pool->reserving = false;
+fail:
+    if (entered) restore_device(pool->device, prev);
+    pthread_mutex_unlock(&pool->mutex);
+    return rc;
+}
+
+size_t moert_cuda_pool_reserved_bytes(const moert_cuda_pool *pool) { return pool->reserved_bytes; }
 
 void moert_cuda_pool_forget_stream(moert_cuda_pool *pool, moert_stream stream)
 {

@@ -10,7 +10,7 @@
  * a block, make the freeing stream wait for the others first. Before destroying a stream that freed blocks,
  * call moert_cuda_pool_forget_stream (a new stream could otherwise get the same handle).
  *
- * Thread-safe (one mutex per pool). Not for use during CUDA graph capture: allocate before capturing.
+ * Thread-safe (one mutex per pool). During CUDA graph capture, allocate only inside a reservation (below).
  */
 #ifndef MOERT_CORE_CUDA_POOL_H
 #define MOERT_CORE_CUDA_POOL_H
@@ -52,6 +52,22 @@ moert_result moert_cuda_pool_alloc(moert_cuda_pool *pool, size_t bytes, moert_st
 moert_result moert_cuda_pool_free(moert_cuda_pool *pool, void *ptr, moert_stream stream);
 /* The size class `bytes` is rounded up to (what an allocation really takes). */
 size_t moert_cuda_pool_round_size(size_t bytes);
+
+/*
+ * Reservations, for CUDA graphs. Between reserve_begin and reserve_end every block handed out for `stream`, and every
+ * block freed on it, joins the reservation: a freed one serves only later requests on that stream within the
+ * reservation (stream order makes that safe, and no event is recorded, so the stream may be capturing), and none goes
+ * back to the free lists until moert_cuda_pool_reserve_release. So every address a captured graph uses stays the
+ * graph's for as long as it lives. Requests on other streams are served as usual, never from the reservation. A block
+ * of the reservation freed after reserve_end stays reserved. One reservation per pool at a time.
+ */
+moert_result moert_cuda_pool_reserve_begin(moert_cuda_pool *pool, moert_stream stream);
+void moert_cuda_pool_reserve_end(moert_cuda_pool *pool);
+/* Gives every reserved block back, live ones included, as freed on the reservation's stream (the graphs that used
+ * them must be destroyed, or at least never launched again). */
+moert_result moert_cuda_pool_reserve_release(moert_cuda_pool *pool);
+/* Bytes (size classes) in the reservation. */
+size_t moert_cuda_pool_reserved_bytes(const moert_cuda_pool *pool);
 
 /* Cached blocks freed on `stream` become reusable only through their events (call before destroying it). */
 void moert_cuda_pool_forget_stream(moert_cuda_pool *pool, moert_stream stream);
