@@ -4,7 +4,8 @@
  * same run (the issue's reference: its whole call, and its NVLink phase alone with bench_nvlink_only), the floor of a
  * timed call (a 16-byte memset timed alike: launch, events, the ranks' skew), the low-latency mode at T 1, 32, 128 and
  * 256 on every SM, its block count (num_sms) swept at T 1 (8, 32, 128) and T 128 (8, 16, 32, 64, 128), and the normal
- * mode at T 128 beside it.
+ * mode at T 128 beside it; then the low-latency tuning variants (ll_threads, ll_piece, ll_flag, ll_fence: plugin
+ * options, so one binary times them all) at T 1, 32, 128, 256 beside the default, and a table of them last.
  *
  * The acceptance reading is whole call against whole call: each hybridep line (and the summary at the end) gives its
  * bandwidth as a percentage of deepep's whole call at 24 SMs measured in this run (the same routing, so the same
@@ -15,7 +16,8 @@
  * writes to the other ranks (a row per token and other rank holding one of its experts; the largest over ranks);
  * GB/s against 450 GB/s, NVLink4 per GPU and direction.
  *
- *   hybridep_bench [out.json]   environment: MOERT_BENCH_MACHINE, MOERT_BENCH_GIT, MOERT_BENCH_REPEATS (20).
+ *   hybridep_bench [out.json]   environment: MOERT_BENCH_MACHINE, MOERT_BENCH_GIT, MOERT_BENCH_REPEATS (20),
+ *                               MOERT_BENCH_ONLY=ll (only the low-latency lines: the floor, the sweep, the variants).
  *                               Progress goes to stdout line by line; every instance runs with timeout_ms 10000.
  */
 #include <cuda_runtime_api.h>
@@ -72,15 +74,30 @@ static void die(void)
 typedef struct variant {
     char name[80];
     const char *plugin;
-    char options[160];
+    char options[200];
     int64_t T;
     bool normal;                                              /* a hybridep normal-mode line at T 4096 (compared) */
+    int ll_group;                                             /* a low-latency tuning variant: its row + 1, else 0 */
     double dispatch_ms[MAX_REPEATS], combine_ms[MAX_REPEATS]; /* per repeat: the largest over ranks */
     double bytes;                                             /* the largest over ranks */
     double dispatch_us, combine_us;                           /* medians */
 } variant;
 
-#define MAX_VARIANTS 32
+#define MAX_VARIANTS 80
+#define LL_GROUPS 9
+static const char *const ll_groups[LL_GROUPS][2] = { /* name, options added to the low-latency ones */
+    {"default (512 thr, 1 KB, last_block, thread)", ""},
+    {"ll_threads 1024", ", \"ll_threads\": 1024"},
+    {"ll_fence block", ", \"ll_fence\": \"block\""},
+    {"ll_flag per_block + fence block", ", \"ll_flag\": \"per_block\", \"ll_fence\": \"block\""},
+    {"ll_piece 2048", ", \"ll_piece\": 2048"},
+    {"ll_piece 512", ", \"ll_piece\": 512"},
+    {"1024 thr + per_block + block", ", \"ll_threads\": 1024, \"ll_flag\": \"per_block\", \"ll_fence\": \"block\""},
+    {"1024 thr + per_block + block + 2 KB",
+     ", \"ll_threads\": 1024, \"ll_flag\": \"per_block\", \"ll_fence\": \"block\", \"ll_piece\": 2048"},
+    {"1024 thr + per_block + block + 512 B",
+     ", \"ll_threads\": 1024, \"ll_flag\": \"per_block\", \"ll_fence\": \"block\", \"ll_piece\": 512"},
+};
 static struct {
     int gpus, repeats, nv, cur, ref, ref_nvlink; /* ref, ref_nvlink: deepep's whole-call and NVLink-only variants */
     int64_t H, E, K;
@@ -323,19 +340,22 @@ int main(int argc, char **argv)
     B.E = 256;
     B.K = 8;
     /* deepep first: every hybridep line then prints its percentage of deepep's whole call */
-    B.ref = add("deepep 24 SMs (reference, whole call)", "deepep", "{\"timeout_ms\": 10000, \"num_sms\": 24}", 4096,
-                false);
+    const char *only = getenv("MOERT_BENCH_ONLY");
+    const bool ll_only = only && strcmp(only, "ll") == 0;
+    B.ref = add("deepep 24 SMs (reference, whole call)", "deepep", "{\"timeout_ms\": 10000, \"num_sms\": 24}",
+                ll_only ? 128 : 4096, false);
     B.ref_nvlink = add("deepep 24 SMs (NVLink phase only)", "deepep",
-                       "{\"timeout_ms\": 10000, \"num_sms\": 24, \"bench_nvlink_only\": true}", 4096, false);
+                       "{\"timeout_ms\": 10000, \"num_sms\": 24, \"bench_nvlink_only\": true}",
+                       ll_only ? 128 : 4096, false);
     const int sms[3] = {8, 12, 16};
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 3 && !ll_only; i++) {
         char name[64], options[160];
         snprintf(name, sizeof name, "hybridep %d SMs (tma)", sms[i]);
         snprintf(options, sizeof options, "{\"timeout_ms\": 10000, \"num_sms\": %d, \"low_latency\": \"off\"}",
                  sms[i]);
         add(name, "hybridep", options, 4096, true);
     }
-    for (int i = 0; i < 3; i++) { /* the same with vector copies in the NVLink phase (copy "vector") */
+    for (int i = 0; i < 3 && !ll_only; i++) { /* the same with vector copies in the NVLink phase (copy "vector") */
         char name[64], options[160];
         snprintf(name, sizeof name, "hybridep %d SMs (vector)", sms[i]);
         snprintf(options, sizeof options,
@@ -359,6 +379,15 @@ int main(int argc, char **argv)
             add(name, "hybridep", options, t == 0 ? 1 : 128, false);
         }
     add("hybridep normal mode 16 SMs", "hybridep", "{\"timeout_ms\": 10000, \"low_latency\": \"off\"}", 128, false);
+    /* the low-latency tuning variants, each at T 1, 32, 128, 256 (the default again, in the same stretch of the run) */
+    for (int gi = 0; gi < LL_GROUPS; gi++)
+        for (int i = 0; i < 4; i++) {
+            char name[80], options[200];
+            snprintf(name, sizeof name, "ll: %s", ll_groups[gi][0]);
+            snprintf(options, sizeof options, "{\"timeout_ms\": 10000, \"low_latency\": \"on\"%s}",
+                     ll_groups[gi][1]);
+            B.v[add(name, "hybridep", options, ll_tokens[i], false)].ll_group = gi + 1;
+        }
     printf("hybridep_bench: EP%d, H %lld, top-%lld of %lld experts, bf16, %d repeats\n", B.gpus, (long long)B.H,
            (long long)B.K, (long long)B.E, B.repeats);
     pthread_barrier_init(&B.barrier, NULL, (unsigned)B.gpus);
@@ -387,10 +416,19 @@ int main(int argc, char **argv)
     }
     for (int i = 0; i < B.nv; i++) {
         const variant *v = &B.v[i];
-        if (!v->plugin || strstr(v->name, "low-latency"))
+        if (!v->plugin || (strstr(v->name, "low-latency") && !v->ll_group))
             printf("  %-36s T %4lld: dispatch %6.1f us, combine %6.1f us%s\n", v->name, (long long)v->T,
                    v->dispatch_us, v->combine_us,
                    v->T == 128 && strstr(v->name, "every SM") ? "  (targets 40 / 50)" : "");
+    }
+    printf("\nlow-latency variants, dispatch / combine us (targets at T 128: 40 / 50)\n  %-40s", "variant");
+    for (int i = 0; i < 4; i++) printf("  T %-13lld", (long long)ll_tokens[i]);
+    printf("\n");
+    for (int gi = 0; gi < LL_GROUPS; gi++) {
+        printf("  %-40s", ll_groups[gi][0]);
+        for (int i = 0; i < B.nv; i++)
+            if (B.v[i].ll_group == gi + 1) printf("  %6.1f / %6.1f", B.v[i].dispatch_us, B.v[i].combine_us);
+        printf("\n");
     }
     if (B.nccl) moert_nccl_group_free(B.nccl);
     moert_comm_group_free(B.comm);

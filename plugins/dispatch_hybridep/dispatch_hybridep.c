@@ -17,7 +17,6 @@
 #include "hybridep_cuda.h"
 #endif
 
-#define CALL_NAMES 64 /* names of recent calls by sequence number, for the CUDA path's failure messages */
 
 #ifdef MOERT_HAVE_CUDA
 /* The CUDA path's state: every array sized at init for the worst case, so a step allocates nothing. */
@@ -27,6 +26,8 @@ typedef struct hybridep_cuda_state {
     int64_t *base, *tokens_per_expert, *recv_tokens;
     unsigned *done_blocks;          /* the consuming kernels' finished-block counter */
     unsigned *sent_blocks;          /* low-latency kernels: blocks whose sends are complete (the last one flags) */
+    int64_t *seq_dev;               /* device: sequence number of the last call (the kernels advance it) */
+    int64_t *ll_calls;              /* device: low-latency calls so far */
     void *staging;                  /* normal mode, world > 1: the combine partials sent over NVLink */
     int sms;                        /* SMs of the device (the local kernels use all of them) */
     unsigned long long *error_word; /* device: error word, then the int abort flag */
@@ -44,13 +45,14 @@ typedef struct hybridep_ctx {
     int low_latency_mode;       /* 0 auto, 1 on, 2 off */
     bool low_latency;           /* decided at init from the group's largest max_tokens */
     int copy;                   /* 0 tma, 1 vector */
+    int64_t ll_threads, ll_piece; /* low-latency CUDA kernels: threads per block, bytes per row piece */
+    int ll_flag, ll_fence;      /* HYBRIDEP_LL_FLAG_*, HYBRIDEP_LL_FENCE_* */
     bool on_cuda;
     moert_result broken;        /* MOERT_OK, or the code of a failure after which the buffers are out of step */
     char broken_msg[512];
 
     bool prepared, dispatched;  /* prepare() succeeded; a dispatch-like call ran since */
     int64_t seq;                /* sequence number of the last call through the buffers */
-    char call_names[CALL_NAMES][24];
 
     hybridep_geometry geo;
     void *buf;                  /* this rank's peer-visible buffer on the layer's device */
@@ -106,12 +108,10 @@ static moert_result mark_broken(hybridep_ctx *c, moert_result code, const char *
     return fail(c, code, "%s", c->broken_msg);
 }
 
-/* The next call's sequence number, with its name remembered for failure messages. */
-static int64_t next_seq(hybridep_ctx *c, const char *call)
+/* The next call's sequence number (the CPU path's; the CUDA kernels keep theirs on the device, alike in eager use). */
+static int64_t next_seq(hybridep_ctx *c)
 {
-    c->seq++;
-    snprintf(c->call_names[c->seq % CALL_NAMES], sizeof c->call_names[0], "%s", call);
-    return c->seq;
+    return ++c->seq;
 }
 
 #ifdef MOERT_HAVE_CUDA
@@ -153,7 +153,7 @@ static void buffer_release(hybridep_ctx *c)
     if (c->buf && c->seq > 0 && c->broken == MOERT_OK) {
         int late = -1;
 #ifdef MOERT_HAVE_CUDA
-        if (c->on_cuda) late = hybridep_cuda_wait_released(c->buf, c->world, c->seq, c->timeout_ms);
+        if (c->on_cuda) late = hybridep_cuda_wait_released(c->buf, c->world, c->cu.seq_dev, c->timeout_ms);
         else
 #endif
             late = hybridep_cpu_wait_released(c->buf, c->world, c->seq, c->timeout_ms);
@@ -210,6 +210,8 @@ static moert_result read_options(hybridep_ctx *c)
     const moert_host *host = c->host;
     static const char *const modes[] = {"auto", "on", "off", NULL};
     static const char *const copies[] = {"tma", "vector", NULL};
+    static const char *const flags[] = {"last_block", "per_block", NULL};
+    static const char *const fences[] = {"thread", "block", NULL};
     moert_result rc = host->option_int(host, "num_sms", 0, 0, HYBRIDEP_MAX_CHANNELS,
                                        "SMs (thread blocks, every one sending) of the NVLink phase of each call; 0: 16, "
                                        "or every SM in low-latency mode (one kernel per call, at most every SM); the "
@@ -232,6 +234,31 @@ static moert_result read_options(hybridep_ctx *c)
         rc = host->option_enum(host, "copy", copies, 0,
                                "how CUDA rows move outside low-latency mode: \"tma\" bulk copies through shared "
                                "memory, or \"vector\" 16-byte loads and stores by warps", &c->copy);
+    if (rc == MOERT_OK)
+        rc = host->option_int(host, "ll_threads", 512, 512, 1024,
+                              "low-latency CUDA kernels: threads per block, 512 or 1024 (16 or 32 warps)",
+                              &c->ll_threads);
+    if (rc == MOERT_OK && c->ll_threads != 512 && c->ll_threads != 1024) {
+        host->set_error(host, "option ll_threads: %lld, expected 512 or 1024", (long long)c->ll_threads);
+        rc = MOERT_ERR_CONFIG;
+    }
+    if (rc == MOERT_OK)
+        rc = host->option_int(host, "ll_piece", 1024, 512, 8192,
+                              "low-latency CUDA kernels: bytes of a row piece (a warp's item), a multiple of 512",
+                              &c->ll_piece);
+    if (rc == MOERT_OK && c->ll_piece % 512 != 0) {
+        host->set_error(host, "option ll_piece: %lld, expected a multiple of 512", (long long)c->ll_piece);
+        rc = MOERT_ERR_CONFIG;
+    }
+    if (rc == MOERT_OK)
+        rc = host->option_enum(host, "ll_flag", flags, 0,
+                               "low-latency CUDA kernels: how a source flags its rows: \"last_block\" (the last "
+                               "sending block stores one flag per destination) or \"per_block\" (every block adds "
+                               "to a count at every destination)", &c->ll_flag);
+    if (rc == MOERT_OK)
+        rc = host->option_enum(host, "ll_fence", fences, 0,
+                               "low-latency CUDA kernels: before the flag, every thread fences (\"thread\") or, after "
+                               "the block barrier, only the publishing threads (\"block\")", &c->ll_fence);
     return rc;
 }
 
@@ -308,6 +335,11 @@ static moert_result hybridep_init(void **out, const moert_host *host, const moer
         hybridep_finalize(c);
         return rc;
     }
+    /* CUDA: no host sync, no allocation, no host state a replay would repeat wrongly (the kernels number their calls
+     * on the device): a step can be captured in a CUDA graph. The ABI 1.1 member may be missing on an older host. */
+    if (c->on_cuda && host->struct_size >= offsetof(moert_host, set_flags) + sizeof host->set_flags &&
+        host->set_flags)
+        host->set_flags(host, MOERT_CAP_GRAPH_CAPTURABLE);
     host->log(host, MOERT_LOG_INFO, "hybridep: rows_cap %lld, capacity %lld, %s mode, %lld channels",
               (long long)rows_cap, (long long)c->capacity, c->low_latency ? "low-latency" : "normal",
               (long long)c->channels);
@@ -384,7 +416,7 @@ static moert_result cpu_prepare(hybridep_ctx *c, const moert_tensor *topk_idx, m
         c->notify_row[E + HYBRIDEP_NOTIFY_TOKENS_TO + d] = p->tokens_to[d];
 
     char why[256] = "";
-    hybridep_cpu_link l = {.geo = &c->geo, .local = c->buf, .peers = c->peers, .seq = next_seq(c, "prepare()"),
+    hybridep_cpu_link l = {.geo = &c->geo, .local = c->buf, .peers = c->peers, .seq = next_seq(c),
                            .timeout_ms = c->timeout_ms, .recv_meta = c->recv_meta, .recv_rows = c->recv_rows,
                            .error = why, .error_size = sizeof why};
     int r = hybridep_cpu_notify(&l, c->notify_row, c->notify_rows);
@@ -463,7 +495,7 @@ static moert_result cpu_dispatch_like(hybridep_ctx *c, const char *call, const m
                                       const moert_tensor *probs, moert_tensor *out, moert_tensor *out_probs)
 {
     char why[256] = "";
-    hybridep_cpu_link l = cpu_link(c, next_seq(c, call), why, sizeof why);
+    hybridep_cpu_link l = cpu_link(c, next_seq(c), why, sizeof why);
     int r = hybridep_cpu_dispatch(&l, &c->plan, c->layer.hidden, c->idx, x->data, x->dtype,
                                   probs ? probs->data : NULL, probs ? probs->dtype : MOERT_F64, out->data,
                                   out_probs ? out_probs->data : NULL, out_probs ? out_probs->dtype : MOERT_F64);
@@ -477,7 +509,7 @@ static moert_result cpu_combine_like(hybridep_ctx *c, const char *call, const mo
                                      moert_tensor *out_probs)
 {
     char why[256] = "";
-    hybridep_cpu_link l = cpu_link(c, next_seq(c, call), why, sizeof why);
+    hybridep_cpu_link l = cpu_link(c, next_seq(c), why, sizeof why);
     int r = hybridep_cpu_combine(&l, &c->plan, c->layer.hidden, c->idx, rows->data, rows->dtype,
                                  row_probs ? row_probs->data : NULL, row_probs ? row_probs->dtype : MOERT_F64,
                                  out->data, out->dtype, accumulate, out_probs ? out_probs->data : NULL,
@@ -555,6 +587,8 @@ static moert_result cuda_init(hybridep_ctx *c)
     cu->error_word = (unsigned long long *)(a + o_status);
     cu->done_blocks = (unsigned *)(a + o_status + 16);
     cu->sent_blocks = (unsigned *)(a + o_status + 20);
+    cu->seq_dev = (int64_t *)(a + o_status + 24);
+    cu->ll_calls = (int64_t *)(a + o_status + 32);
     rc = hybridep_cuda_zero(h, cu->arrays, off);
     /* normal mode: the combine partials for the other ranks wait here for the NVLink phase (worst case: every token
      * of every other rank) */
@@ -565,6 +599,7 @@ static moert_result cuda_init(hybridep_ctx *c)
         memset(cu->pinned, 0, 64);
         rc = hybridep_cuda_mapped(h, cu->pinned, (void **)&cu->pinned_dev);
     }
+    if (rc == MOERT_OK) rc = hybridep_cuda_setup(h);
     return rc;
 }
 
@@ -583,9 +618,12 @@ static void cuda_finalize(hybridep_ctx *c)
  * peer, bad expert ids, a channel-count mismatch) is reported here, naming the call it happened in. */
 static moert_result cuda_check_status(hybridep_ctx *c)
 {
+    static const char *const names[] = {"prepare()", "dispatch()", "combine()", "combine_backward()",
+                                        "dispatch_backward()"};
     const unsigned long long word = __atomic_load_n(c->cu.pinned, __ATOMIC_ACQUIRE);
     if (!word) return MOERT_OK;
-    const int64_t seq = (int64_t)(word >> 16);
+    const int64_t seq = (int64_t)(word >> 20);
+    const int call_id = (int)((word >> 16) & 0xf);
     const int kind = (int)((word >> 8) & 0xff), peer = (int)(word & 0xff);
     char why[256];
     moert_result code = MOERT_ERR_TIMEOUT;
@@ -617,12 +655,13 @@ static moert_result cuda_check_status(hybridep_ctx *c)
         snprintf(why, sizeof why, "unknown failure word 0x%llx", word);
     }
     char call[64];
-    snprintf(call, sizeof call, "%s (call %lld)", c->call_names[seq % CALL_NAMES], (long long)seq);
+    snprintf(call, sizeof call, "%s (call %lld)", call_id <= HYBRIDEP_CALL_DISPATCH_BACKWARD ? names[call_id] : "?",
+             (long long)seq);
     return mark_broken(c, code, call, why);
 }
 
-/* The kernels' view of this step and call. */
-static hybridep_cuda_call cuda_call(hybridep_ctx *c, int64_t seq)
+/* The kernels' view of this step and of a call (HYBRIDEP_CALL_*); its sequence number lives on the device. */
+static hybridep_cuda_call cuda_call(hybridep_ctx *c, int call)
 {
     hybridep_cuda_state *cu = &c->cu;
     hybridep_cuda_call k;
@@ -635,7 +674,11 @@ static hybridep_cuda_call cuda_call(hybridep_ctx *c, int64_t seq)
     k.sms = cu->sms;
     k.tma = cu->tma;
     k.low_latency = c->low_latency;
-    k.seq = seq;
+    k.call = call;
+    k.ll_threads = (int)c->ll_threads;
+    k.ll_flag = c->ll_flag;
+    k.ll_fence = c->ll_fence;
+    k.piece = c->ll_piece / 16;
     k.timeout_ns = c->timeout_ms * 1000000;
     k.tokens = c->plan.num_tokens;
     k.topk = c->layer.topk;
@@ -652,6 +695,8 @@ static hybridep_cuda_call cuda_call(hybridep_ctx *c, int64_t seq)
     k.staging = cu->staging;
     k.done_blocks = cu->done_blocks;
     k.sent_blocks = cu->sent_blocks;
+    k.seq_dev = cu->seq_dev;
+    k.ll_calls = cu->ll_calls;
     k.error_word = cu->error_word;
     k.abort_flag = (int *)(cu->error_word + 1);
     k.host_word = cu->pinned_dev;
@@ -661,7 +706,8 @@ static hybridep_cuda_call cuda_call(hybridep_ctx *c, int64_t seq)
 static moert_result cuda_prepare(hybridep_ctx *c, moert_stream stream, const moert_tensor *topk_idx)
 {
     c->plan.num_tokens = topk_idx->shape[0];
-    hybridep_cuda_call k = cuda_call(c, next_seq(c, "prepare()"));
+    next_seq(c);
+    hybridep_cuda_call k = cuda_call(c, HYBRIDEP_CALL_PREPARE);
     return hybridep_cuda_prepare(c->host, (cudaStream_t)stream, &k, topk_idx->data);
 }
 
@@ -674,21 +720,24 @@ static moert_result cuda_check_dtype(const hybridep_ctx *c, const char *call, co
                 moert_dtype_name(t->dtype), moert_dtype_name(want));
 }
 
-static moert_result cuda_dispatch_like(hybridep_ctx *c, moert_stream stream, const char *call, const moert_tensor *x,
+static moert_result cuda_dispatch_like(hybridep_ctx *c, moert_stream stream, const char *call, int call_id,
+                                       const moert_tensor *x,
                                        const moert_tensor *probs, moert_tensor *out, moert_tensor *out_probs)
 {
     moert_result rc = cuda_check_dtype(c, call, "rows", x, c->layer.dtype);
     if (rc == MOERT_OK) rc = cuda_check_dtype(c, call, "probs", probs, MOERT_F32);
     if (rc == MOERT_OK) rc = cuda_check_dtype(c, call, "probs out", out_probs, MOERT_F32);
     if (rc != MOERT_OK) return rc;
-    hybridep_cuda_call k = cuda_call(c, next_seq(c, call));
+    next_seq(c);
+    hybridep_cuda_call k = cuda_call(c, call_id);
     rc = hybridep_cuda_dispatch(c->host, (cudaStream_t)stream, &k, x->dtype, x->data, probs ? probs->data : NULL,
                                 out->data, out_probs ? out_probs->data : NULL);
     if (rc == MOERT_OK) c->dispatched = true;
     return rc;
 }
 
-static moert_result cuda_combine_like(hybridep_ctx *c, moert_stream stream, const char *call, const moert_tensor *rows,
+static moert_result cuda_combine_like(hybridep_ctx *c, moert_stream stream, const char *call, int call_id,
+                                      const moert_tensor *rows,
                                       const moert_tensor *row_probs, moert_tensor *out, bool accumulate,
                                       moert_tensor *out_probs)
 {
@@ -697,7 +746,8 @@ static moert_result cuda_combine_like(hybridep_ctx *c, moert_stream stream, cons
     if (rc == MOERT_OK) rc = cuda_check_dtype(c, call, "row probs", row_probs, MOERT_F32);
     if (rc == MOERT_OK) rc = cuda_check_dtype(c, call, "probs out", out_probs, MOERT_F32);
     if (rc != MOERT_OK) return rc;
-    hybridep_cuda_call k = cuda_call(c, next_seq(c, call));
+    next_seq(c);
+    hybridep_cuda_call k = cuda_call(c, call_id);
     return hybridep_cuda_combine(c->host, (cudaStream_t)stream, &k, rows->dtype, rows->data,
                                  row_probs ? row_probs->data : NULL, out->data, accumulate,
                                  out_probs ? out_probs->data : NULL);
@@ -727,7 +777,9 @@ static moert_result hybridep_dispatch(void *ctx, moert_stream stream, const moer
                           -1);
     if (rc != MOERT_OK) return rc;
 #ifdef MOERT_HAVE_CUDA
-    if (c->on_cuda) return cuda_dispatch_like(c, stream, call, args->x, args->topk_probs, args->recv_x, args->recv_probs);
+    if (c->on_cuda)
+        return cuda_dispatch_like(c, stream, call, HYBRIDEP_CALL_DISPATCH, args->x, args->topk_probs, args->recv_x,
+                                  args->recv_probs);
 #endif
     (void)stream;
     rc = cpu_dispatch_like(c, call, args->x, args->topk_probs, args->recv_x, args->recv_probs);
@@ -755,7 +807,8 @@ static moert_result hybridep_combine(void *ctx, moert_stream stream, const moert
         rc = check_tensor(c, call, "y", args->y, 2, c->plan.num_tokens, false, H, "T from prepare(), hidden", -1);
     if (rc != MOERT_OK) return rc;
 #ifdef MOERT_HAVE_CUDA
-    if (c->on_cuda) return cuda_combine_like(c, stream, call, args->y_expert, NULL, args->y, false, NULL);
+    if (c->on_cuda)
+        return cuda_combine_like(c, stream, call, HYBRIDEP_CALL_COMBINE, args->y_expert, NULL, args->y, false, NULL);
 #endif
     return cpu_combine_like(c, call, args->y_expert, NULL, args->y, false, NULL);
 }
@@ -774,7 +827,9 @@ static moert_result hybridep_combine_backward(void *ctx, moert_stream stream, co
                           "capacity from prepare(), hidden", args->d_y->dtype);
     if (rc != MOERT_OK) return rc;
 #ifdef MOERT_HAVE_CUDA
-    if (c->on_cuda) return cuda_dispatch_like(c, stream, call, args->d_y, NULL, args->d_y_expert, NULL);
+    if (c->on_cuda)
+        return cuda_dispatch_like(c, stream, call, HYBRIDEP_CALL_COMBINE_BACKWARD, args->d_y, NULL, args->d_y_expert,
+                                  NULL);
 #endif
     return cpu_dispatch_like(c, call, args->d_y, NULL, args->d_y_expert, NULL);
 }
@@ -801,8 +856,8 @@ static moert_result hybridep_dispatch_backward(void *ctx, moert_stream stream, c
     if (rc != MOERT_OK) return rc;
 #ifdef MOERT_HAVE_CUDA
     if (c->on_cuda)
-        return cuda_combine_like(c, stream, call, args->d_recv_x, args->d_recv_probs, args->d_x, true,
-                                 args->d_topk_probs);
+        return cuda_combine_like(c, stream, call, HYBRIDEP_CALL_DISPATCH_BACKWARD, args->d_recv_x, args->d_recv_probs,
+                                 args->d_x, true, args->d_topk_probs);
 #endif
     return cpu_combine_like(c, call, args->d_recv_x, args->d_recv_probs, args->d_x, true, args->d_topk_probs);
 }

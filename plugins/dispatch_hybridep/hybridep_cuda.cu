@@ -14,7 +14,6 @@
 #define LOCAL_BLOCKS_PER_SM 2
 #define PREP_THREADS 1024     /* the prepare kernel: one block, 32 warps */
 #define UNROLL 4              /* 16-byte units each lane has in flight in a vector row copy */
-#define PIECE 64              /* low-latency mode: units (16-byte, or elements) of a row piece, 2 per lane */
 #define TMA_SMEM_BUDGET (200 * 1024)
 #define MAX_PIPE_WARPS 16
 #define MAX_STAGES 4
@@ -106,11 +105,38 @@ __device__ __forceinline__ void fence_proxy_async()
 
 __device__ __forceinline__ hybridep_header *header(void *buf) { return (hybridep_header *)buf; }
 
+/* ---- call numbers on the device ----
+ * The sequence number of the running call (and, in low-latency mode, its epoch: the low-latency calls so far, this one
+ * included) live in device memory: thread 0 of every block reads them when its kernel starts (begin_call), the last
+ * kernel of a call advances them when it ends (end_call). So a CUDA graph that captured a step numbers its calls on at
+ * every replay, as eager calls do: a host counter passed to the kernels would repeat the captured values. */
+__shared__ int64_t call_seq_sh, call_epoch_sh;
+
+__device__ __forceinline__ int64_t cur_seq() { return call_seq_sh; }
+__device__ __forceinline__ int64_t cur_epoch() { return call_epoch_sh; }
+
+/* Every kernel of a call, first thing, with the whole block. */
+__device__ __forceinline__ void begin_call(const hybridep_cuda_call &k)
+{
+    if (threadIdx.x == 0) {
+        call_seq_sh = *(volatile int64_t *)k.seq_dev + 1;
+        call_epoch_sh = *(volatile int64_t *)k.ll_calls + 1;
+    }
+    __syncthreads();
+}
+
+/* One thread of the last kernel of a call, once every block of it has read the numbers: the call is done. */
+__device__ __forceinline__ void end_call(const hybridep_cuda_call &k)
+{
+    *(volatile int64_t *)k.seq_dev = cur_seq();
+    if (k.low_latency && k.call != HYBRIDEP_CALL_PREPARE) *(volatile int64_t *)k.ll_calls = cur_epoch();
+}
+
 /* Records the first failure of the instance (device word and its pinned host mirror) and raises the abort flag. */
 __device__ void record_failure(const hybridep_cuda_call &k, int kind, int peer)
 {
-    const unsigned long long word =
-        ((unsigned long long)k.seq << 16) | ((unsigned long long)kind << 8) | (unsigned)peer;
+    const unsigned long long word = ((unsigned long long)cur_seq() << 20) | ((unsigned long long)k.call << 16) |
+                                    ((unsigned long long)kind << 8) | (unsigned)peer;
     if (atomicCAS(k.error_word, 0ull, word) == 0ull) {
         *(volatile unsigned long long *)k.host_word = word;
         __threadfence_system();
@@ -154,11 +180,11 @@ __device__ bool block_wait(const hybridep_cuda_call &k, wait_what what)
         if (what == WAIT_ARRIVED_OTHERS && s == k.rank) continue;
         if (!stalled) {
             if (what == WAIT_CONSUMED) {
-                if (threadIdx.x == 0 && !wait_geq(&h->consumed[s][0], k.seq - 1, k, HYBRIDEP_WAIT_CONSUMED, s))
+                if (threadIdx.x == 0 && !wait_geq(&h->consumed[s][0], cur_seq() - 1, k, HYBRIDEP_WAIT_CONSUMED, s))
                     stalled = 1;
             } else {
                 for (int c = threadIdx.x; c < C; c += blockDim.x)
-                    if (!wait_geq(&h->arrived[s][c].seq, k.seq, k, HYBRIDEP_WAIT_ARRIVAL, s)) {
+                    if (!wait_geq(&h->arrived[s][c].seq, cur_seq(), k, HYBRIDEP_WAIT_ARRIVAL, s)) {
                         stalled = 1;
                         break;
                     }
@@ -176,11 +202,13 @@ __device__ void block_publish(const hybridep_cuda_call &k, int c, bool self)
     __threadfence_system();
     __syncthreads();
     const int d = threadIdx.x;
-    if (d < k.geo.world && (self || d != k.rank)) st_release_sys(&header(k.peers[d])->arrived[k.rank][c].seq, k.seq);
+    if (d < k.geo.world && (self || d != k.rank))
+        st_release_sys(&header(k.peers[d])->arrived[k.rank][c].seq, cur_seq());
 }
 
-/* The end of every block of a consuming kernel: the last block to finish stamps, in every rank's header, that this
- * rank has read what the rank wrote into it in this call (skipped after a failure). */
+/* The end of every block of a consuming kernel (the last kernel of a call): the last block to finish ends the call
+ * (end_call) and stamps, in every rank's header, that this rank has read what the rank wrote into it in this call
+ * (skipped after a failure). */
 __device__ void block_finish(const hybridep_cuda_call &k)
 {
     __shared__ int last;
@@ -189,27 +217,50 @@ __device__ void block_finish(const hybridep_cuda_call &k)
         __threadfence();
         const unsigned before = atomicAdd(k.done_blocks, 1u);
         last = before == gridDim.x - 1;
-        if (last) atomicExch(k.done_blocks, 0u);
+        if (last) {
+            atomicExch(k.done_blocks, 0u);
+            end_call(k);
+        }
     }
     __syncthreads();
     if (!last || *(volatile int *)k.abort_flag) return;
     __threadfence();
-    if (threadIdx.x < k.geo.world) st_release_sys(&header(k.peers[threadIdx.x])->consumed[k.rank][0], k.seq);
+    if (threadIdx.x < k.geo.world) st_release_sys(&header(k.peers[threadIdx.x])->consumed[k.rank][0], cur_seq());
+}
+
+/* A release reduction at system scope: *p += v (a peer's arrival count). */
+__device__ __forceinline__ void red_release_sys(int64_t *p, int64_t v)
+{
+    asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 /* ---- low-latency flags: one arrival flag per source rank, waits per warp ---- */
 
-/* The end of a low-latency kernel's sending half, every block: once its rows are written (system fence), the block
+/* The end of a low-latency kernel's sending half, every block, once its rows are written. The fence first: every
+ * thread before the block barrier (ll_fence THREAD), or after it only the threads that go on to publish (BLOCK: the
+ * barrier orders the block's writes before their system-scope fence). Then the flag. LAST_BLOCK (ll_flag): the block
  * counts itself in sent_blocks; the last block resets the counter and publishes this call's arrival in
- * arrived[rank][0] of every other rank (and of this rank when `self`): one flag per source instead of one per block,
- * so a reader polls W flags, not W * channels. Every block counts, even after a failure (the counter must return to
- * 0); nothing is published once the instance is aborted. */
+ * arrived[rank][0] of every other rank (and of this rank when `self`): one flag per source, so a reader polls W flags,
+ * not W * channels. Every block counts, even after a failure (the counter must return to 0). PER_BLOCK: every block
+ * adds 1 to arrived[rank][1].seq of every destination (a release reduction: no counter, no last block). Nothing is
+ * published once the instance is aborted. */
 __device__ void ll_publish(const hybridep_cuda_call &k, bool self)
 {
     __shared__ int last;
-    __threadfence_system();
+    const int d = threadIdx.x;
+    const bool per_block = k.ll_flag == HYBRIDEP_LL_FLAG_PER_BLOCK;
+    /* per-block counts go to this rank too, in every call, so every source's count reaches epoch * blocks */
+    const bool dest = d < k.geo.world && (self || per_block || d != k.rank);
+    if (k.ll_fence == HYBRIDEP_LL_FENCE_THREAD) __threadfence_system();
     __syncthreads();
+    if (per_block) {
+        if (!dest || *(volatile int *)k.abort_flag) return;
+        if (k.ll_fence == HYBRIDEP_LL_FENCE_BLOCK) __threadfence_system();
+        red_release_sys(&header(k.peers[d])->arrived[k.rank][1].seq, 1);
+        return;
+    }
     if (threadIdx.x == 0) {
+        if (k.ll_fence == HYBRIDEP_LL_FENCE_BLOCK) __threadfence_system();
         const unsigned before = atomicAdd(k.sent_blocks, 1u);
         last = before == gridDim.x - 1;
         if (last) {
@@ -219,8 +270,7 @@ __device__ void ll_publish(const hybridep_cuda_call &k, bool self)
     }
     __syncthreads();
     if (!last || *(volatile int *)k.abort_flag) return;
-    const int d = threadIdx.x;
-    if (d < k.geo.world && (self || d != k.rank)) st_release_sys(&header(k.peers[d])->arrived[k.rank][0].seq, k.seq);
+    if (dest) st_release_sys(&header(k.peers[d])->arrived[k.rank][0].seq, cur_seq());
 }
 
 /* One warp waits (lane s polls rank s, acquire) until every rank of `mask` has published this call's arrival
@@ -231,9 +281,11 @@ __device__ bool warp_wait(const hybridep_cuda_call &k, unsigned mask, bool arriv
 {
     const int lane = threadIdx.x & 31, W = k.geo.world;
     const hybridep_header *h = header(k.local);
-    const int64_t target = arrival ? k.seq : k.seq - 1;
+    const bool count = arrival && k.ll_flag == HYBRIDEP_LL_FLAG_PER_BLOCK; /* a running count of sending blocks */
+    const int64_t target = count ? cur_epoch() * (int64_t)gridDim.x : arrival ? cur_seq() : cur_seq() - 1;
     const int64_t *f = nullptr;
-    if (lane < W && ((mask >> lane) & 1u)) f = arrival ? &h->arrived[lane][0].seq : &h->consumed[lane][0];
+    if (lane < W && ((mask >> lane) & 1u))
+        f = count ? &h->arrived[lane][1].seq : arrival ? &h->arrived[lane][0].seq : &h->consumed[lane][0];
     bool late = false, aborted = false;
     if (f && ld_acquire_sys(f) < target) {
         const uint64_t start = now_ns();
@@ -338,6 +390,7 @@ __global__ void __launch_bounds__(PREP_THREADS) prepare_kernel(hybridep_cuda_cal
     const int64_t T = k.tokens, R = k.geo.rows_cap;
     int32_t *cnt = sm, *counts = sm + 32 * E, *tcnt = counts + E, *tokens_to = tcnt + 32 * HYBRIDEP_MAX_RANKS;
     if (*(volatile int *)k.abort_flag) return;
+    begin_call(k);
     for (int i = threadIdx.x; i < 32 * E; i += blockDim.x) cnt[i] = 0;
     for (int i = threadIdx.x; i < 32 * HYBRIDEP_MAX_RANKS; i += blockDim.x) tcnt[i] = 0;
     if (threadIdx.x == 0) stalled = bad_total = 0;
@@ -429,10 +482,11 @@ __global__ void __launch_bounds__(PREP_THREADS) prepare_kernel(hybridep_cuda_cal
      * every rank's buffer, publish it; wait for every rank's row */
     const int n = E + HYBRIDEP_NOTIFY_EXTRA;
     if (threadIdx.x < W)
-        if (!wait_geq(&header(k.local)->consumed[threadIdx.x][0], k.seq - 1, k, HYBRIDEP_WAIT_CONSUMED, threadIdx.x))
+        if (!wait_geq(&header(k.local)->consumed[threadIdx.x][0], cur_seq() - 1, k, HYBRIDEP_WAIT_CONSUMED,
+                      threadIdx.x))
             stalled = 1;
     __syncthreads();
-    if (stalled) return;
+    if (stalled) goto done;
     for (int i = threadIdx.x; i < W * n; i += blockDim.x) {
         const int d = i / n, j = i % n;
         int64_t v = j < E ? counts[j] : 0;
@@ -445,15 +499,14 @@ __global__ void __launch_bounds__(PREP_THREADS) prepare_kernel(hybridep_cuda_cal
     }
     __threadfence_system();
     __syncthreads();
-    if (threadIdx.x < W) st_release_sys(&header(k.peers[threadIdx.x])->notified[me], k.seq);
+    if (threadIdx.x < W) st_release_sys(&header(k.peers[threadIdx.x])->notified[me], cur_seq());
     if (threadIdx.x < W)
-        if (!wait_geq(&header(k.local)->notified[threadIdx.x], k.seq, k, HYBRIDEP_WAIT_NOTIFY, threadIdx.x))
+        if (!wait_geq(&header(k.local)->notified[threadIdx.x], cur_seq(), k, HYBRIDEP_WAIT_NOTIFY, threadIdx.x))
             stalled = 1;
     __syncthreads();
-    if (stalled) return;
-    int32_t *all = cnt; /* [W][E] */
-    for (int i = threadIdx.x; i < W * E; i += blockDim.x)
-        all[i] = (int32_t)__ldcg(&notify_row(k.geo, k.local, i / E)[i % E]);
+    if (stalled) goto done;
+    for (int i = threadIdx.x; i < W * E; i += blockDim.x) /* cnt now holds every source's counts, [W][E] */
+        cnt[i] = (int32_t)__ldcg(&notify_row(k.geo, k.local, i / E)[i % E]);
     if (threadIdx.x < W) {
         const int s = threadIdx.x;
         const int64_t *row = notify_row(k.geo, k.local, s);
@@ -467,18 +520,20 @@ __global__ void __launch_bounds__(PREP_THREADS) prepare_kernel(hybridep_cuda_cal
         const int d = e / El, l = e % El;
         int64_t start = 0, before = 0;
         for (int l2 = 0; l2 < l; l2++)
-            for (int s = 0; s < W; s++) start += all[s * E + d * El + l2];
-        for (int s = 0; s < me; s++) before += all[s * E + e];
+            for (int s = 0; s < W; s++) start += cnt[s * E + d * El + l2];
+        for (int s = 0; s < me; s++) before += cnt[s * E + e];
         k.base[e] = start + before;
     }
     for (int l = threadIdx.x; l < El; l += blockDim.x) {
         int64_t rows = 0;
-        for (int s = 0; s < W; s++) rows += all[s * E + me * El + l];
+        for (int s = 0; s < W; s++) rows += cnt[s * E + me * El + l];
         k.tokens_per_expert[l] = rows;
     }
     __syncthreads();
     /* the rows are read: release them */
-    if (threadIdx.x < W) st_release_sys(&header(k.peers[threadIdx.x])->consumed[me][0], k.seq);
+    if (threadIdx.x < W) st_release_sys(&header(k.peers[threadIdx.x])->consumed[me][0], cur_seq());
+done: /* the call is done, failed or not (every thread has read the numbers at begin_call) */
+    if (threadIdx.x == 0) end_call(k);
 }
 
 /* ---- dispatch ---- */
@@ -688,6 +743,7 @@ __global__ void __launch_bounds__(SEND_THREADS) dispatch_send_kernel(hybridep_cu
     const int64_t T = k.tokens;
     pipe pp;
     if (TMA) pipe_init(pp, stage_mem, stages, (uint32_t)(units * sizeof(V)), (uint32_t)k.geo.row_stride);
+    begin_call(k);
     if (!block_wait(k, WAIT_CONSUMED)) return;
     const dispatch_job job = {(const char *)x, probs, (size_t)units * sizeof(V)};
     nvlink_rows<V, TMA, true>(k, job, T * c / k.channels, T * (c + 1) / k.channels, units, pp);
@@ -742,6 +798,7 @@ __global__ void __launch_bounds__(LOCAL_THREADS) dispatch_expand_kernel(hybridep
 {
     const int K = (int)k.topk, lane = threadIdx.x & 31;
     const size_t row_bytes = (size_t)units * sizeof(V);
+    begin_call(k);
     if (block_wait(k, WAIT_ARRIVED_OTHERS)) {
         const int64_t staged = received_total(k, true), items = staged + k.tokens;
         const int64_t step = (int64_t)gridDim.x * LOCAL_WARPS;
@@ -784,31 +841,34 @@ __device__ __forceinline__ void ll_expand_piece(const hybridep_cuda_call &k, int
     else warp_expand<V, false>(row, u0, u1, copies, dst, out, row_bytes);
 }
 
-/* Low-latency dispatch, one kernel over `channels` resident blocks. (1) Every warp of the grid takes items of one list:
- * first (token, piece) sends, a piece of PIECE units of the token's row written into every other rank holding one of
+/* Low-latency dispatch, one kernel over `channels` resident blocks of THREADS threads (ll_threads). (1) Every warp of
+ * the grid takes items of one list: first (token, piece) sends, a piece of k.piece units of the token's row (ll_piece)
+ * written into every other rank holding one of
  * its copies (the metadata with piece 0; before its first send a warp waits for every rank's release of the previous
  * call), then (own token, piece) items of the expansion, this rank's own tokens straight from x into their rows of
  * out while the sends are in flight; then the grid's one arrival flag per destination (ll_publish). (2) Every warp
  * with work waits for every other rank's flag, then (received row, piece) items of the expansion; the last block
  * releases the slots. */
-template <typename V>
-__global__ void __launch_bounds__(LOCAL_THREADS, 1) ll_dispatch_kernel(hybridep_cuda_call k, const void *x,
-                                                                       const float *probs, void *out,
-                                                                       float *out_probs, int64_t units)
+template <typename V, int THREADS>
+__global__ void __launch_bounds__(THREADS, 1) ll_dispatch_kernel(hybridep_cuda_call k, const void *x,
+                                                                 const float *probs, void *out, float *out_probs,
+                                                                 int64_t units)
 {
+    constexpr int WARPS = THREADS / 32;
     const int lane = threadIdx.x & 31;
     const size_t row_bytes = (size_t)units * sizeof(V);
-    const int64_t pieces = (units + PIECE - 1) / PIECE, T = k.tokens;
-    const int64_t gw = (int64_t)blockIdx.x * LOCAL_WARPS + (threadIdx.x >> 5), step = (int64_t)gridDim.x * LOCAL_WARPS;
+    const int64_t piece = k.piece, pieces = (units + piece - 1) / piece, T = k.tokens;
+    const int64_t gw = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5), step = (int64_t)gridDim.x * WARPS;
+    begin_call(k);
     const int64_t staged = received_total(k, true), sends = T * pieces;
     bool ok = !*(volatile int *)k.abort_flag, released = false;
     for (int64_t g = gw; ok && g < 2 * sends; g += step) {
         if (g >= sends) { /* this rank's own token: expanded here while the sends fly */
-            const int64_t h = g - sends, u0 = h % pieces * PIECE, u1 = u0 + PIECE < units ? u0 + PIECE : units;
+            const int64_t h = g - sends, u0 = h % pieces * piece, u1 = u0 + piece < units ? u0 + piece : units;
             ll_expand_piece<V>(k, staged + h / pieces, staged, u0, u1, x, probs, out, out_probs, row_bytes, lane);
             continue;
         }
-        const int64_t t = g / pieces, u0 = g % pieces * PIECE, u1 = u0 + PIECE < units ? u0 + PIECE : units;
+        const int64_t t = g / pieces, u0 = g % pieces * piece, u1 = u0 + piece < units ? u0 + piece : units;
         int dr, d;
         float p;
         const unsigned ranks = token_copies(k, t, lane, &dr, &d, &p, probs) & ~(1u << k.rank);
@@ -827,7 +887,7 @@ __global__ void __launch_bounds__(LOCAL_THREADS, 1) ll_dispatch_kernel(hybridep_
     ll_publish(k, false);
     if (ok && staged > 0 && gw < staged * pieces && warp_wait(k, ranks_mask(k, true), true))
         for (int64_t g = gw; g < staged * pieces; g += step) {
-            const int64_t u0 = g % pieces * PIECE, u1 = u0 + PIECE < units ? u0 + PIECE : units;
+            const int64_t u0 = g % pieces * piece, u1 = u0 + piece < units ? u0 + piece : units;
             ll_expand_piece<V>(k, g / pieces, staged, u0, u1, x, probs, out, out_probs, row_bytes, lane);
         }
     block_finish(k);
@@ -1064,6 +1124,7 @@ __global__ void __launch_bounds__(SEND_THREADS) combine_send_kernel(hybridep_cud
     int64_t longest = 0;
     for (int r = 0; r < W; r++)
         if (r != k.rank && k.recv_tokens[r] > longest) longest = k.recv_tokens[r];
+    begin_call(k);
     if (!block_wait(k, WAIT_CONSUMED)) return;
     const int64_t items = longest * (W - 1);
     nvlink_rows<int4, TMA, false>(k, job, items * c / k.channels, items * (c + 1) / k.channels, units, pp);
@@ -1080,6 +1141,7 @@ __global__ void __launch_bounds__(LOCAL_THREADS) combine_final_kernel(hybridep_c
     __shared__ const T *src[LOCAL_WARPS][HYBRIDEP_MAX_RANKS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t H = k.hidden, packs = H / N;
+    begin_call(k);
     if (block_wait(k, WAIT_ARRIVED_OTHERS)) {
         const int64_t step = (int64_t)gridDim.x * LOCAL_WARPS;
         for (int64_t t = (int64_t)blockIdx.x * LOCAL_WARPS + warp; t < k.tokens; t += step) {
@@ -1092,26 +1154,28 @@ __global__ void __launch_bounds__(LOCAL_THREADS) combine_final_kernel(hybridep_c
     block_finish(k);
 }
 
-/* Low-latency combine, one kernel over `channels` resident blocks: (1) (received row, piece) items: the piece of the
- * row's partial (its copies summed in k order) written straight into its rank's slot for this rank (this rank's own
+/* Low-latency combine, one kernel over `channels` resident blocks of THREADS threads: (1) (received row, piece)
+ * items: the piece of the row's partial (its copies summed in k order) written straight into its rank's slot for this rank (this rank's own
  * slot for its own tokens), the prob gradients with piece 0 (before its first item a warp waits for every rank's
  * release of the previous call); the grid's one arrival flag per rank, this one included (ll_publish); (2) every warp
  * with work waits for every rank's flag, then (token, piece) items of the final sum; the last block releases the
  * slots. */
-template <typename T, int N>
-__global__ void __launch_bounds__(LOCAL_THREADS, 1) ll_combine_kernel(hybridep_cuda_call k, const T *rows,
-                                                                      const float *row_probs, T *out, bool accumulate,
-                                                                      float *out_probs)
+template <typename T, int N, int THREADS>
+__global__ void __launch_bounds__(THREADS, 1) ll_combine_kernel(hybridep_cuda_call k, const T *rows,
+                                                                const float *row_probs, T *out, bool accumulate,
+                                                                float *out_probs)
 {
-    __shared__ const T *src[LOCAL_WARPS][32];
+    constexpr int WARPS = THREADS / 32;
+    __shared__ const T *src[WARPS][32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t H = k.hidden, packs = H / N, pieces = (packs + PIECE - 1) / PIECE;
-    const int64_t gw = (int64_t)blockIdx.x * LOCAL_WARPS + warp, step = (int64_t)gridDim.x * LOCAL_WARPS;
+    const int64_t H = k.hidden, packs = H / N, piece = k.piece, pieces = (packs + piece - 1) / piece;
+    const int64_t gw = (int64_t)blockIdx.x * WARPS + warp, step = (int64_t)gridDim.x * WARPS;
+    begin_call(k);
     const int64_t items = received_total(k, false) * pieces;
     bool ok = !*(volatile int *)k.abort_flag;
     if (ok && gw < items) ok = warp_wait(k, ranks_mask(k, false), false);
     for (int64_t g = gw; ok && g < items; g += step) {
-        const int64_t p0 = g % pieces * PIECE, p1 = p0 + PIECE < packs ? p0 + PIECE : packs;
+        const int64_t p0 = g % pieces * piece, p1 = p0 + piece < packs ? p0 + piece : packs;
         int s, dst;
         int64_t i;
         received_item(k, g / pieces, false, &s, &i);
@@ -1123,7 +1187,7 @@ __global__ void __launch_bounds__(LOCAL_THREADS, 1) ll_combine_kernel(hybridep_c
     ll_publish(k, true);
     if (ok && gw < k.tokens * pieces && warp_wait(k, ranks_mask(k, false), true))
         for (int64_t g = gw; g < k.tokens * pieces; g += step) {
-            const int64_t t = g / pieces, p0 = g % pieces * PIECE, p1 = p0 + PIECE < packs ? p0 + PIECE : packs;
+            const int64_t t = g / pieces, p0 = g % pieces * piece, p1 = p0 + piece < packs ? p0 + piece : packs;
             const int n = token_partials<T>(k, t, lane, src[warp]);
             if (n > 0 || !accumulate) warp_sum<T, N>(src[warp], n, p0, p1, out + t * H, accumulate, n == 0);
             if (p0 == 0 && out_probs) token_prob_grads(k, t, lane, out_probs);
@@ -1155,12 +1219,16 @@ extern "C" moert_result hybridep_cuda_sm_count(const moert_host *host, int devic
     return MOERT_OK;
 }
 
-extern "C" int hybridep_cuda_wait_released(void *local, int world, int64_t seq, int64_t timeout_ms)
+extern "C" int hybridep_cuda_wait_released(void *local, int world, const int64_t *seq_dev, int64_t timeout_ms)
 {
-    int64_t stamps[HYBRIDEP_MAX_RANKS][HYBRIDEP_MAX_CHANNELS];
+    int64_t stamps[HYBRIDEP_MAX_RANKS][HYBRIDEP_MAX_CHANNELS], seq = 0;
     const hybridep_header *h = (const hybridep_header *)local;
     struct timespec t0, now;
     clock_gettime(CLOCK_MONOTONIC, &t0);
+    if (cudaMemcpy(&seq, seq_dev, sizeof seq, cudaMemcpyDeviceToHost) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
     for (;;) {
         int late = -1;
         if (cudaMemcpy(stamps, h->consumed, sizeof stamps, cudaMemcpyDeviceToHost) != cudaSuccess) {
@@ -1178,13 +1246,16 @@ extern "C" int hybridep_cuda_wait_released(void *local, int world, int64_t seq, 
     }
 }
 
+/* Shared memory of the prepare kernel. */
+static size_t prepare_smem(const hybridep_cuda_call *call)
+{
+    return (size_t)(33 * call->num_experts + 33 * HYBRIDEP_MAX_RANKS) * sizeof(int32_t);
+}
+
 extern "C" moert_result hybridep_cuda_prepare(const moert_host *host, cudaStream_t stream,
                                               const hybridep_cuda_call *call, const int32_t *topk_idx)
 {
-    const size_t smem = (size_t)(33 * call->num_experts + 33 * HYBRIDEP_MAX_RANKS) * sizeof(int32_t);
-    if (smem > 48 * 1024)
-        CUDA_CHECK(host, cudaFuncSetAttribute(prepare_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    prepare_kernel<<<1, PREP_THREADS, smem, stream>>>(*call, topk_idx);
+    prepare_kernel<<<1, PREP_THREADS, prepare_smem(call), stream>>>(*call, topk_idx);
     LAUNCH_CHECK(host, "hybridep prepare_kernel");
     return MOERT_OK;
 }
@@ -1203,16 +1274,25 @@ static bool tma_shape(size_t row_stride, int *warps, int *stages)
     return s >= 1;
 }
 
-/* Threads, stages and shared memory of a TMA NVLink-phase kernel; sets its shared-memory limit. */
-template <typename K>
-static moert_result tma_launch_shape(const moert_host *host, K kernel, size_t row_stride, int *threads, int *stages,
-                                     size_t *smem)
+/* Threads, stages and shared memory of a TMA NVLink-phase kernel (its limit is set once, in hybridep_cuda_setup). */
+static void tma_launch_shape(size_t row_stride, int *threads, int *stages, size_t *smem)
 {
     int warps;
     tma_shape(row_stride, &warps, stages);
     *threads = warps * 32;
     *smem = (size_t)warps * *stages * row_stride + (size_t)warps * MAX_STAGES * sizeof(uint64_t);
-    CUDA_CHECK(host, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)*smem));
+}
+
+extern "C" moert_result hybridep_cuda_setup(const moert_host *host)
+{
+    /* the largest any instance of the process needs (E <= 1024; a TMA block within its budget), so an instance never
+     * lowers another's limit */
+    const cudaFuncAttribute a = cudaFuncAttributeMaxDynamicSharedMemorySize;
+    const int prep = (33 * 1024 + 33 * HYBRIDEP_MAX_RANKS) * (int)sizeof(int32_t);
+    const int tma = TMA_SMEM_BUDGET + MAX_PIPE_WARPS * MAX_STAGES * (int)sizeof(uint64_t);
+    CUDA_CHECK(host, cudaFuncSetAttribute(prepare_kernel, a, prep));
+    CUDA_CHECK(host, cudaFuncSetAttribute(dispatch_send_kernel<int4, true>, a, tma));
+    CUDA_CHECK(host, cudaFuncSetAttribute(combine_send_kernel<true>, a, tma));
     return MOERT_OK;
 }
 
@@ -1224,16 +1304,18 @@ static moert_result launch_dispatch(const moert_host *host, cudaStream_t stream,
                                     int64_t units)
 {
     if (call->low_latency) {
-        ll_dispatch_kernel<V><<<call->channels, LOCAL_THREADS, 0, stream>>>(*call, x, probs, out, out_probs, units);
+        if (call->ll_threads == 1024)
+            ll_dispatch_kernel<V, 1024><<<call->channels, 1024, 0, stream>>>(*call, x, probs, out, out_probs, units);
+        else
+            ll_dispatch_kernel<V, LOCAL_THREADS><<<call->channels, LOCAL_THREADS, 0, stream>>>(*call, x, probs, out,
+                                                                                               out_probs, units);
         LAUNCH_CHECK(host, "hybridep ll_dispatch_kernel");
         return MOERT_OK;
     }
     if (tma) {
         int threads, stages;
         size_t smem;
-        moert_result rc = tma_launch_shape(host, dispatch_send_kernel<V, true>, call->geo.row_stride, &threads,
-                                           &stages, &smem);
-        if (rc != MOERT_OK) return rc;
+        tma_launch_shape(call->geo.row_stride, &threads, &stages, &smem);
         dispatch_send_kernel<V, true><<<call->channels, threads, smem, stream>>>(*call, x, probs, units, stages);
     } else {
         dispatch_send_kernel<V, false><<<call->channels, SEND_THREADS, 0, stream>>>(*call, x, probs, units, 0);
@@ -1268,8 +1350,12 @@ static moert_result launch_combine(const moert_host *host, cudaStream_t stream, 
                                    float *out_probs)
 {
     if (call->low_latency) {
-        ll_combine_kernel<T, N><<<call->channels, LOCAL_THREADS, 0, stream>>>(*call, (const T *)rows, row_probs,
-                                                                               (T *)out, accumulate, out_probs);
+        if (call->ll_threads == 1024)
+            ll_combine_kernel<T, N, 1024><<<call->channels, 1024, 0, stream>>>(*call, (const T *)rows, row_probs,
+                                                                                (T *)out, accumulate, out_probs);
+        else
+            ll_combine_kernel<T, N, LOCAL_THREADS><<<call->channels, LOCAL_THREADS, 0, stream>>>(
+                *call, (const T *)rows, row_probs, (T *)out, accumulate, out_probs);
         LAUNCH_CHECK(host, "hybridep ll_combine_kernel");
         return MOERT_OK;
     }
@@ -1281,9 +1367,7 @@ static moert_result launch_combine(const moert_host *host, cudaStream_t stream, 
     if (call->tma && tma_shape(call->geo.row_stride, &warps, &stages)) {
         int threads;
         size_t smem;
-        moert_result rc = tma_launch_shape(host, combine_send_kernel<true>, call->geo.row_stride, &threads, &stages,
-                                           &smem);
-        if (rc != MOERT_OK) return rc;
+        tma_launch_shape(call->geo.row_stride, &threads, &stages, &smem);
         combine_send_kernel<true><<<call->channels, threads, smem, stream>>>(*call, row_probs, units, stages);
     } else {
         combine_send_kernel<false><<<call->channels, SEND_THREADS, 0, stream>>>(*call, row_probs, units, 0);

@@ -35,7 +35,12 @@ typedef struct hybridep_cuda_call {
     int sms;                         /* SMs of the device: the local kernels use all of them */
     int tma;                         /* 1: TMA bulk copies in the NVLink phase, 0: vector copies */
     int low_latency;                 /* 1: one kernel per call (channels <= sms, every block resident) */
-    int64_t seq, timeout_ns;
+    int call;                        /* HYBRIDEP_CALL_*: which call this is (named in a failure word) */
+    int ll_threads;                  /* low-latency: threads per block (512 or 1024) */
+    int ll_flag;                     /* low-latency: HYBRIDEP_LL_FLAG_* (how a source publishes its arrival) */
+    int ll_fence;                    /* low-latency: HYBRIDEP_LL_FENCE_* (who fences before the arrival flag) */
+    int64_t piece;                   /* low-latency: 16-byte units (or packs) per row piece, a multiple of 32 */
+    int64_t timeout_ns;
     int64_t tokens, topk, hidden, num_experts, local_experts;
     int32_t *topk_idx;               /* [rows_cap*K] this step's routing, kept by prepare */
     int32_t *copy_index;             /* [rows_cap*K] place of each copy among this rank's copies to its expert */
@@ -47,6 +52,8 @@ typedef struct hybridep_cuda_call {
     void *staging;                   /* normal mode: [(world-1)*rows_cap] rows of row_stride, combine partials */
     unsigned *done_blocks;           /* blocks of a consuming kernel that finished (the last one resets it) */
     unsigned *sent_blocks;           /* low-latency: blocks whose sends are complete (the last one flags, resets) */
+    int64_t *seq_dev;                /* device: sequence number of the last call (kernels number their calls) */
+    int64_t *ll_calls;               /* device: low-latency calls so far (the per-block flag's epoch) */
     unsigned long long *error_word;  /* device: the first failure */
     int *abort_flag;                 /* device: set with the error word */
     unsigned long long *host_word;   /* mapped pinned host memory: the same word, read by the host without a sync */
@@ -61,9 +68,13 @@ moert_result hybridep_cuda_mapped(const moert_host *host, void *pinned, void **d
 /* Every SM of `device` (for num_sms 0). */
 moert_result hybridep_cuda_sm_count(const moert_host *host, int device, int *sms);
 
-/* Waits (polling, at most timeout_ms) until every rank's release stamp in this buffer's header has reached seq.
- * Returns -1 when done, else the rank that did not. */
-int hybridep_cuda_wait_released(void *local, int world, int64_t seq, int64_t timeout_ms);
+/* Sets the kernels' shared-memory limits (init: no such call in a step, so a step can be captured in a graph). */
+moert_result hybridep_cuda_setup(const moert_host *host);
+
+/* Waits (polling, at most timeout_ms) until every rank's release stamp in this buffer's header has reached the
+ * sequence number of this rank's last call (read from seq_dev: graph replays number calls on the device). Returns -1
+ * when done, else the rank that did not. */
+int hybridep_cuda_wait_released(void *local, int world, const int64_t *seq_dev, int64_t timeout_ms);
 
 /* prepare: layout of topk_idx ([T,K] int32, T = call->tokens) and notify; fills the call's arrays. */
 moert_result hybridep_cuda_prepare(const moert_host *host, cudaStream_t stream, const hybridep_cuda_call *call,

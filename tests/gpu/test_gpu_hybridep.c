@@ -8,8 +8,12 @@
  * dispatch_backward's d_x within fp32-accumulation tolerance; rows past the received ones untouched; a second
  * identical step gives the same bits. With two GPUs or more: a rank that dispatches alone, and a rank with a bad expert
  * id; both are reported, naming the rank, by the first call after the failing kernel finished (no host sync in a
- * step: the kernels leave a status word in mapped pinned memory). Every case runs with timeout_ms 5000. Progress goes
- * to stdout line by line. Prints a table last. Exits 77 without a GPU. */
+ * step: the kernels leave a status word in mapped pinned memory). The low-latency tuning options (ll_threads, ll_piece,
+ * ll_flag, ll_fence) have cases of their own. CUDA graphs: the instance declares itself graph-capturable; every rank
+ * captures prepare + the four calls on its stream (one graph each), replays it 3 times with a new routing written
+ * into the same topk_idx buffer before each replay, eager calls of the same instance in between; every output of a
+ * replay must match the eager calls' bit for bit and the CPU path as above (low-latency and normal mode). Every case
+ * runs with timeout_ms 5000. Progress goes to stdout line by line. Prints a table last. Exits 77 without a GPU. */
 #include "test_util.h"
 
 #ifndef MOERT_HAVE_CUDA
@@ -203,6 +207,12 @@ static const dispatch_case cases[] = {
      "{\"num_sms\": 3, \"low_latency\": \"off\"}"},
     {"deepseek shape low-latency 8 blocks", MOERT_BF16, 7168, 256, 8, 128, 0.02, 0.0, false, false, false,
      "{\"num_sms\": 8, \"low_latency\": \"on\"}"},
+    {"ll 1024 threads, per-block flag", MOERT_BF16, 7168, 256, 8, 128, 0.02, 0.1, false, false, true,
+     "{\"low_latency\": \"on\", \"ll_threads\": 1024, \"ll_flag\": \"per_block\", \"ll_fence\": \"block\"}"},
+    {"ll 2 KB pieces, block fence", MOERT_BF16, 7168, 256, 8, 100, 0.05, 0.0, false, false, false,
+     "{\"low_latency\": \"on\", \"ll_piece\": 2048, \"ll_fence\": \"block\", \"num_sms\": 16}"},
+    {"ll fp32 H33 512-B pieces, per-block", MOERT_F32, 33, 8, 4, 80, 0.15, 0.6, true, false, true,
+     "{\"low_latency\": \"on\", \"ll_piece\": 512, \"ll_flag\": \"per_block\", \"ll_threads\": 1024}"},
 };
 #define CASES ((int)(sizeof cases / sizeof cases[0]))
 
@@ -216,6 +226,7 @@ typedef struct case_row {
 
 #define WORLDS 4 /* 1, 2, 4 and 8 GPUs, as many as the machine has */
 static case_row table[WORLDS * CASES];
+static case_row graph_case_rows[WORLDS * 4]; /* the graph cases against the CPU (GRAPH_CASES, defined below) */
 
 typedef struct stall_row {
     int world;
@@ -580,6 +591,195 @@ static void run_stall(const rank_env *env, stall_row *row)
     CK(cudaFree(recv));
 }
 
+/* ---- CUDA graphs ---- */
+
+static const dispatch_case graph_cases[] = {
+    {"graph: low-latency bf16 H512 K8 E32", MOERT_BF16, 512, 32, 8, 100, 0.05, 0.1, false, false, true,
+     "{\"low_latency\": \"on\"}"},
+    {"graph: ll per-block flag, 1024 threads", MOERT_BF16, 512, 32, 8, 100, 0.05, 0.1, false, false, true,
+     "{\"low_latency\": \"on\", \"ll_flag\": \"per_block\", \"ll_fence\": \"block\", \"ll_threads\": 1024}"},
+    {"graph: normal mode (tma) bf16 H512 K6", MOERT_BF16, 512, 32, 6, 200, 0.05, 0.1, false, false, false,
+     "{\"low_latency\": \"off\", \"num_sms\": 4}"},
+    {"graph: normal mode fp32 H33 (vector)", MOERT_F32, 33, 8, 4, 80, 0.15, 0.6, true, false, true,
+     "{\"low_latency\": \"off\", \"num_sms\": 3}"},
+};
+#define GRAPH_CASES ((int)(sizeof graph_cases / sizeof graph_cases[0]))
+#define REPLAYS 3
+
+typedef struct graph_row {
+    int world;
+    const char *name;
+    bool ran, capturable, captured;
+    int64_t replays, recv_rows, vs_eager_diffs; /* bytes where a replay differs from the eager calls */
+} graph_row;
+static graph_row graph_table[WORLDS * GRAPH_CASES];
+
+/* One graph case on one rank: captures prepare + the four calls once (d_x reset and recv_x poisoned first, inside the
+ * graph), then REPLAYS times: a new routing into the same topk_idx buffer, replay, an eager step of the same instance
+ * with the same routing, and the CPU reference; replay against eager bit for bit, both against the CPU (compare). */
+static void run_graph_case(const rank_env *env, const dispatch_case *cs, case_row *row, graph_row *grow)
+{
+    const int W = env->world, rank = env->rank;
+    const moert_device gpu_dev = gpu_of(env);
+    const cudaStream_t s = env->stream;
+    step_data d;
+    memset(&d, 0, sizeof d);
+    d.T = cs->tokens + 5 * rank;
+    d.H = cs->hidden;
+    d.K = cs->topk;
+    d.es = moert_dtype_size(cs->dtype);
+    const int64_t T = d.T, H = d.H, K = d.K, El = cs->experts / W;
+    const size_t rowb = (size_t)H * d.es;
+    moert_layer_info layer = test_layer(H, 8, cs->experts, K, cs->tokens + 5 * MAX_WORLD, W, rank, cs->dtype);
+    moert_layer_info gpu_layer = layer;
+    gpu_layer.device = gpu_dev;
+    char where[128], options[200];
+    snprintf(where, sizeof where, "%s %s", env->where, cs->name);
+    snprintf(options, sizeof options, "{\"timeout_ms\": " CASE_TIMEOUT ", %s", cs->options + 1);
+    if (rank == 0) progress("world %d, case \"%s\" %s: open", W, cs->name, options);
+    test_instance cpu, gpu;
+    moert_result rc = test_instance_open(&cpu, MOERT_KIND_DISPATCHER, DISPATCHER, options, &layer, env->comm, rank, W);
+    if (rc != MOERT_OK) failure("%s: CPU dispatcher: %s", where, moert_error_message());
+    moert_result rc2 = test_instance_open_cuda(&gpu, MOERT_KIND_DISPATCHER, DISPATCHER, options, &gpu_layer,
+                                               env->comm, rank, W, env->pool, env->nccl, (moert_stream)s);
+    if (rc2 != MOERT_OK) failure("%s: CUDA dispatcher: %s", where, moert_error_message());
+    if (rc != MOERT_OK || rc2 != MOERT_OK) {
+        test_instance_close(&cpu);
+        test_instance_close(&gpu);
+        return;
+    }
+    const moert_dispatcher_v1 *vt = (const moert_dispatcher_v1 *)gpu.plugin.header;
+    const bool capturable =
+        (moert_host_instance_flags(gpu.host, vt->header.flags) & MOERT_CAP_GRAPH_CAPTURABLE) != 0;
+    if (!capturable) failure("%s: the CUDA instance does not declare MOERT_CAP_GRAPH_CAPTURABLE", where);
+
+    /* fixed inputs; the routing changes per replay */
+    uint64_t rng = 0xabcdef12345ull + 1000003ull * (uint64_t)(rank + 1);
+    d.cap = layer.max_tokens * W * (K < El ? K : El);
+    d.idx = host_alloc((size_t)(T * K) * sizeof(int32_t));
+    d.x = host_alloc((size_t)T * rowb);
+    d.d_y = host_alloc((size_t)T * rowb);
+    d.d_x0 = host_alloc((size_t)T * rowb);
+    d.probs = host_alloc((size_t)(T * K) * sizeof(float));
+    d.y_expert = host_alloc((size_t)d.cap * rowb);
+    d.d_recv_x = host_alloc((size_t)d.cap * rowb);
+    d.d_recv_probs = host_alloc((size_t)d.cap * sizeof(float));
+    fill_random(d.x, cs->dtype, T * H, &rng, 1.0);
+    fill_random(d.d_y, cs->dtype, T * H, &rng, 1.0);
+    fill_random(d.d_x0, cs->dtype, T * H, &rng, 1.0);
+    for (int64_t i = 0; i < T * K; i++) d.probs[i] = (float)((test_uniform(&rng) + 1) / 2);
+    fill_random(d.y_expert, cs->dtype, d.cap * H, &rng, 1.0);
+    fill_random(d.d_recv_x, cs->dtype, d.cap * H, &rng, 1.0);
+    fill_random(d.d_recv_probs, MOERT_F32, d.cap, &rng, 1.0);
+    outputs_alloc(&d, &d);
+    make_routing(cs, W, T, &rng, d.idx);
+    void *in[7] = {device_copy(s, d.idx, (size_t)(T * K) * 4), device_copy(s, d.x, (size_t)T * rowb),
+                   device_copy(s, d.probs, (size_t)(T * K) * 4), device_copy(s, d.y_expert, (size_t)d.cap * rowb),
+                   device_copy(s, d.d_y, (size_t)T * rowb), device_copy(s, d.d_recv_x, (size_t)d.cap * rowb),
+                   device_copy(s, d.d_recv_probs, (size_t)d.cap * 4)};
+    void *d_x0 = device_copy(s, d.d_x0, (size_t)T * rowb);
+    void *recv_x = device_poisoned(s, (size_t)(d.cap + 2) * rowb), *recv_probs = device_poisoned(s, (size_t)d.cap * 4);
+    void *y = device_poisoned(s, (size_t)T * rowb), *d_y_expert = device_poisoned(s, (size_t)d.cap * rowb);
+    void *d_x = device_poisoned(s, (size_t)T * rowb), *d_topk_probs = device_poisoned(s, (size_t)(T * K) * 4);
+    CK(cudaStreamSynchronize(s));
+
+    /* capture: the resets, prepare and the four calls */
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    moert_dispatch_layout layout = {.struct_size = sizeof layout};
+    if (rank == 0) progress("world %d, case \"%s\": capture", W, cs->name);
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    CK(cudaMemsetAsync(recv_x, 0xFF, (size_t)(d.cap + 2) * rowb, s));
+    CK(cudaMemcpyAsync(d_x, d_x0, (size_t)T * rowb, cudaMemcpyDeviceToDevice, s));
+    moert_tensor it = moert_tensor_2d(in[0], gpu_dev, MOERT_I32, T, K);
+    bool ok = CALL(&gpu, vt->prepare(gpu.ctx, (moert_stream)s, &it, &layout), where) &&
+              run_calls(&gpu, (moert_stream)s, gpu_dev, cs->dtype, &d, in[1], in[2], recv_x, recv_probs, in[3], y,
+                        in[4], d_y_expert, in[5], in[6], d_x, d_topk_probs, where);
+    cudaError_t end = cudaStreamEndCapture(s, &graph);
+    if (end != cudaSuccess) failure("%s: cudaStreamEndCapture: %s", where, cudaGetErrorString(end));
+    if (ok && end == cudaSuccess) {
+        cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+        if (inst != cudaSuccess) failure("%s: cudaGraphInstantiate: %s", where, cudaGetErrorString(inst));
+        ok = inst == cudaSuccess;
+    }
+    ok = ok && end == cudaSuccess;
+    if (!ok) failure("%s: the capture failed; replays skipped (the ranks still run the eager steps)", where);
+    const int64_t *counts_dev = layout.tokens_per_expert.data;
+    pthread_mutex_lock(&lock);
+    grow->capturable = capturable;
+    grow->captured = grow->captured || ok; /* any rank */
+    pthread_mutex_unlock(&lock);
+
+    step_data g = d, e = d;
+    outputs_alloc(&g, &d);
+    outputs_alloc(&e, &d);
+    const moert_dispatcher_v1 *cvt = (const moert_dispatcher_v1 *)cpu.plugin.header;
+    for (int r = 0; r < REPLAYS; r++) {
+        if (r > 0) { /* a new routing in the same buffer */
+            make_routing(cs, W, T, &rng, d.idx);
+            CK(cudaMemcpyAsync(in[0], d.idx, (size_t)(T * K) * 4, cudaMemcpyHostToDevice, s));
+        }
+        if (rank == 0) progress("world %d, case \"%s\": replay %d", W, cs->name, r + 1);
+        if (ok) {
+            CK(cudaGraphLaunch(exec, s));
+            int64_t dev_counts[256] = {0};
+            download(s, dev_counts, counts_dev, (size_t)El * sizeof(int64_t));
+            for (int64_t l = 0; l < El; l++) g.tokens_per_expert[l] = dev_counts[l];
+            download(s, g.recv_x, recv_x, (size_t)(d.cap + 2) * rowb);
+            download(s, g.recv_probs, recv_probs, (size_t)d.cap * 4);
+            download(s, g.y, y, (size_t)T * rowb);
+            download(s, g.d_y_expert, d_y_expert, (size_t)d.cap * rowb);
+            download(s, g.d_x, d_x, (size_t)T * rowb);
+            download(s, g.d_topk_probs, d_topk_probs, (size_t)(T * K) * 4);
+        }
+        /* an eager step of the same instance (its calls numbered after the replay's) and the CPU reference */
+        bool eok = cuda_step(env, &gpu, cs, &d, in, &e);
+        moert_tensor idx = moert_tensor_2d(d.idx, moert_cpu(), MOERT_I32, T, K);
+        moert_dispatch_layout cl = {.struct_size = sizeof cl};
+        bool cok = CALL(&cpu, cvt->prepare(cpu.ctx, NULL, &idx, &cl), where);
+        if (cok) {
+            d.nrecv = cl.num_recv;
+            for (int64_t l = 0; l < El; l++) d.tokens_per_expert[l] = ((const int64_t *)cl.tokens_per_expert.data)[l];
+            memset(d.recv_x, 0xFF, (size_t)(d.cap + 2) * rowb);
+            memcpy(d.d_x, d.d_x0, (size_t)T * rowb);
+            cok = run_calls(&cpu, NULL, moert_cpu(), cs->dtype, &d, d.x, d.probs, d.recv_x, d.recv_probs, d.y_expert,
+                            d.y, d.d_y, d.d_y_expert, d.d_recv_x, d.d_recv_probs, d.d_x, d.d_topk_probs, where);
+        }
+        if (!cok || !eok) continue;
+        compare(env, cs, &d, &e, row);
+        if (!ok) continue;
+        compare(env, cs, &d, &g, row);
+        int64_t diff = bytes_differ(g.recv_x, e.recv_x, (size_t)(d.cap + 2) * rowb) +
+                       bytes_differ(g.recv_probs, e.recv_probs, (size_t)d.nrecv * 4) +
+                       bytes_differ(g.y, e.y, (size_t)T * rowb) +
+                       bytes_differ(g.d_y_expert, e.d_y_expert, (size_t)d.nrecv * rowb) +
+                       bytes_differ(g.d_x, e.d_x, (size_t)T * rowb) +
+                       bytes_differ(g.d_topk_probs, e.d_topk_probs, (size_t)(T * K) * 4);
+        for (int64_t l = 0; l < El; l++) diff += g.tokens_per_expert[l] != e.tokens_per_expert[l];
+        pthread_mutex_lock(&lock);
+        grow->replays += rank == 0;
+        grow->recv_rows += d.nrecv;
+        grow->vs_eager_diffs += diff;
+        row->recv_rows += d.nrecv;
+        pthread_mutex_unlock(&lock);
+        if (diff) failure("%s: replay %d differs from the eager calls in %lld bytes", where, r + 1, (long long)diff);
+    }
+    CK(cudaStreamSynchronize(s));
+    if (exec) CK(cudaGraphExecDestroy(exec));
+    if (graph) CK(cudaGraphDestroy(graph));
+    void *bufs[] = {d_x0, recv_x, recv_probs, y, d_y_expert, d_x, d_topk_probs};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) CK(cudaFree(bufs[i]));
+    for (int i = 0; i < 7; i++) CK(cudaFree(in[i]));
+    outputs_free(&g);
+    outputs_free(&e);
+    outputs_free(&d);
+    void *hb[] = {d.idx, d.x, d.d_y, d.d_x0, d.probs, d.y_expert, d.d_recv_x, d.d_recv_probs};
+    for (size_t i = 0; i < sizeof hb / sizeof hb[0]; i++) free(hb[i]);
+    test_instance_close(&cpu);
+    test_instance_close(&gpu);
+    if (rank == 0) progress("world %d, case \"%s\": done", W, cs->name);
+}
+
 static void rank_main(int rank, void *user)
 {
     world_run *w = user;
@@ -595,6 +795,9 @@ static void rank_main(int rank, void *user)
     } else {
         env.stream = (cudaStream_t)stream;
         for (int ci = 0; ci < CASES; ci++) run_case(&env, ci, &table[w->index * CASES + ci]);
+        for (int gi = 0; gi < GRAPH_CASES; gi++)
+            run_graph_case(&env, &graph_cases[gi], &graph_case_rows[w->index * GRAPH_CASES + gi],
+                           &graph_table[w->index * GRAPH_CASES + gi]);
         if (w->world > 1) run_stall(&env, &stall_table[w->index]);
     }
     if (stream) moert_cuda_stream_synchronize(stream);
@@ -627,6 +830,16 @@ int main(void)
             r->tol = cases[ci].dtype == MOERT_BF16 ? 1e-2 : 2e-6;
             r->ran = true;
         }
+        for (int gi = 0; gi < GRAPH_CASES; gi++) {
+            case_row *r = &graph_case_rows[i * GRAPH_CASES + gi];
+            r->world = worlds[i];
+            r->name = graph_cases[gi].name;
+            r->tol = graph_cases[gi].dtype == MOERT_BF16 ? 1e-2 : 2e-6;
+            r->ran = true;
+            graph_table[i * GRAPH_CASES + gi].world = worlds[i];
+            graph_table[i * GRAPH_CASES + gi].name = graph_cases[gi].name;
+            graph_table[i * GRAPH_CASES + gi].ran = true;
+        }
         stall_table[i].world = worlds[i];
         moert_result rc = moert_comm_group_create(w.world, TIMEOUT_S, &w.comm);
         if (rc == MOERT_OK) rc = moert_nccl_group_create(w.world, TIMEOUT_S, &w.nccl_group);
@@ -647,6 +860,20 @@ int main(void)
                r->name, (long long)r->recv_rows, (long long)r->layout_diffs, (long long)r->dispatch_diffs,
                r->combine_err, (long long)r->combine_bytes, (long long)r->cb_diffs, r->dx_err, (long long)r->dx_bytes,
                (long long)r->dprobs_diffs, (long long)r->repeat_diffs, ok ? "ok" : "FAIL");
+    }
+    for (int i = 0; i < WORLDS * GRAPH_CASES; i++) {
+        const case_row *r = &graph_case_rows[i];
+        const graph_row *gr = &graph_table[i];
+        if (!r->ran) continue;
+        bool ok = !r->layout_diffs && !r->dispatch_diffs && !r->cb_diffs && !r->dprobs_diffs &&
+                  r->combine_err <= r->tol && r->dx_err <= r->tol && gr->capturable && gr->captured &&
+                  gr->replays == REPLAYS && !gr->vs_eager_diffs;
+        printf("%-5d  %-34s  %7lld  %6lld  %8lld  %9.2e  %7lld  %8lld  %9.2e  %7lld  %7lld  %6s  %s  (capturable %s, "
+               "%lld replays, %lld bytes differ from eager)\n", r->world, r->name, (long long)r->recv_rows,
+               (long long)r->layout_diffs, (long long)r->dispatch_diffs, r->combine_err, (long long)r->combine_bytes,
+               (long long)r->cb_diffs, r->dx_err, (long long)r->dx_bytes, (long long)r->dprobs_diffs, "-",
+               ok ? "ok" : "FAIL", gr->capturable ? "yes" : "no", (long long)gr->replays,
+               (long long)gr->vs_eager_diffs);
     }
     for (int i = 0; i < WORLDS; i++)
         if (stall_table[i].ran)
