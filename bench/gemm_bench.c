@@ -9,9 +9,13 @@
  *   loop_sS_vary  S streams, new counts every iteration
  *   graph_sS      S streams with CUDA graph replay (same counts and pointers: replays after the warm-up)
  *   grouped       one cublasGemmGroupedBatchedEx call
+ *   kernel        the device-count grouped GEMM kernel (device_gemm.cu, the plugin's "gemm": "kernel"): counts read on
+ *                 the device, one launch; WGRAD into a bf16 gradient like the variants above
+ *   kernel_f32w   WGRAD only: the kernel accumulating into an fp32 gradient (the executor's setting)
  *   dense         one GEMM of the whole [rows, k_in] x [k_in, n_out]
  * "queries/it" is the cuBLASLt heuristic queries per measured iteration (0 once the buckets were seen). After the
- * timing, the outputs of loop_sS and graph_sS are compared bit for bit with loop's (WGRAD overwriting); skip with
+ * timing, the outputs of loop_sS and graph_sS are compared bit for bit with loop's (WGRAD overwriting), and the kernel's
+ * output with loop's within bf16 rounding (column "err": relative Frobenius; the run fails above 1e-2); skip with
  * MOERT_BENCH_CHECK=0.
  *
  *   gemm_bench [out.json]      environment: MOERT_BENCH_MACHINE (e.g. nvidia-h100-x1), MOERT_BENCH_GIT,
@@ -27,6 +31,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "device_gemm.h"
 #include "precision_bf16_cuda.h"
 
 #define CK(call)                                                                                             \
@@ -90,9 +95,11 @@ typedef struct bench_variant {
     int graphs;   /* moert_bf16_cuda_set_graphs */
     int grouped;  /* MOERT_BF16_CUDA_GROUPED */
     int dense;    /* one expert with all rows */
+    int kernel;   /* 1: bf16_device_gemm (bf16 gradient), 2: the same into an fp32 gradient */
+    int wgrad_only;
 } bench_variant;
 
-#define MAX_VARIANTS 8
+#define MAX_VARIANTS 10
 #define MAX_EXPERTS 256
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
@@ -155,6 +162,44 @@ static int cmp_float(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+/* ||got - want|| / ||want|| over n bf16 values. */
+static double rel_error_bf16(const uint16_t *got, const uint16_t *want, int64_t n)
+{
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t ug = (uint32_t)got[i] << 16, uw = (uint32_t)want[i] << 16;
+        float g, w;
+        memcpy(&g, &ug, 4);
+        memcpy(&w, &uw, 4);
+        num += ((double)g - w) * ((double)g - w);
+        den += (double)w * w;
+    }
+    return den > 0 ? sqrt(num / den) : (num == 0 ? 0 : INFINITY);
+}
+
+/* The kernel's arguments for one GEMM of the bench (the same buffers as the cuBLASLt variants). */
+static bf16_device_gemm_args kernel_args(const moert_bf16_cuda_gemm *gm, const int64_t *d_counts, int64_t rows,
+                                         void *grad_weight, int f32_gradient)
+{
+    bf16_device_gemm_args a;
+    memset(&a, 0, sizeof a);
+    a.pass = gm->pass;
+    a.num_experts = gm->num_experts;
+    a.counts_device = d_counts;
+    a.capacity = rows;
+    a.k_in = gm->k_in;
+    a.n_out = gm->n_out;
+    a.input = gm->input;
+    a.weight = gm->weight;
+    a.grad_output = gm->grad_output;
+    a.output = gm->output;
+    a.grad_input = gm->grad_input;
+    a.grad_weight = grad_weight;
+    a.grad_weight_bf16 = !f32_gradient;
+    a.accumulate = gm->accumulate;
+    return a;
+}
+
 static double now_ms(void)
 {
     struct timespec ts;
@@ -166,6 +211,7 @@ typedef struct bench_result {
     char shape[48], pass[8], variant[24];
     double median_ms, tflops, ratio_to_dense, host_ms, queries_per_iter;
     int same_bits; /* -1: not checked; 0/1: output equal bit for bit to the 1-stream loop's */
+    double rel_err; /* kernel: relative Frobenius difference to the loop's output; -1: not checked */
 } bench_result;
 
 static bench_result results[6 * 3 * MAX_VARIANTS];
@@ -210,21 +256,24 @@ int main(int argc, char **argv)
 
     bench_variant variants[MAX_VARIANTS];
     int nv = 0;
-    variants[nv++] = (bench_variant){"loop", 1, 0, 0, 0, 0};
-    bench_variant v_streams = {"", streams, 0, 0, 0, 0}, v_streams_vary = {"", streams, 1, 0, 0, 0};
-    bench_variant v_graph = {"", streams, 0, 1, 0, 0};
+    variants[nv++] = (bench_variant){"loop", 1, 0, 0, 0, 0, 0, 0};
+    bench_variant v_streams = {"", streams, 0, 0, 0, 0, 0, 0}, v_streams_vary = {"", streams, 1, 0, 0, 0, 0, 0};
+    bench_variant v_graph = {"", streams, 0, 1, 0, 0, 0, 0};
     snprintf(v_streams.name, sizeof v_streams.name, "loop_s%d", streams);
     snprintf(v_streams_vary.name, sizeof v_streams_vary.name, "loop_s%d_vary", streams);
     snprintf(v_graph.name, sizeof v_graph.name, "graph_s%d", streams);
     const int i_streams = nv;
     variants[nv++] = v_streams;
-    variants[nv++] = (bench_variant){"loop_vary", 1, 1, 0, 0, 0};
+    variants[nv++] = (bench_variant){"loop_vary", 1, 1, 0, 0, 0, 0, 0};
     variants[nv++] = v_streams_vary;
     const int i_graph = nv;
     variants[nv++] = v_graph;
-    variants[nv++] = (bench_variant){"grouped", 1, 0, 0, 1, 0};
+    variants[nv++] = (bench_variant){"grouped", 1, 0, 0, 1, 0, 0, 0};
+    const int i_kernel = nv;
+    variants[nv++] = (bench_variant){"kernel", 1, 0, 0, 0, 0, 1, 0};
+    variants[nv++] = (bench_variant){"kernel_f32w", 1, 0, 0, 0, 0, 2, 1};
     const int i_dense = nv;
-    variants[nv++] = (bench_variant){"dense", 1, 0, 0, 0, 1};
+    variants[nv++] = (bench_variant){"dense", 1, 0, 0, 0, 1, 0, 0};
 
     struct cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
@@ -232,6 +281,7 @@ int main(int argc, char **argv)
     CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     moert_bf16_cuda *g = NULL;
     MOK(moert_bf16_cuda_create(&bench_host, NULL, 0, MOERT_BF16_CUDA_EXPERT_LOOP, &g));
+    MOK(bf16_device_gemm_prepare(&bench_host));
     cudaEvent_t ev0, ev1;
     CK(cudaEventCreate(&ev0));
     CK(cudaEventCreate(&ev1));
@@ -253,6 +303,11 @@ int main(int argc, char **argv)
         CK(cudaMalloc(&dx, (size_t)(R * K) * 2));
         CK(cudaMalloc(&dw, (size_t)(E * K * N) * 2));
         CK(cudaMemset(dw, 0, (size_t)(E * K * N) * 2));
+        void *dw32 = NULL, *d_counts = NULL; /* the kernel's fp32 gradient and device counts */
+        CK(cudaMalloc(&dw32, (size_t)(E * K * N) * 4));
+        CK(cudaMemset(dw32, 0, (size_t)(E * K * N) * 4));
+        CK(cudaMalloc(&d_counts, (size_t)E * sizeof(int64_t)));
+        CK(cudaMemcpy(d_counts, counts, (size_t)E * sizeof(int64_t), cudaMemcpyHostToDevice));
         const double flops = 2.0 * (double)R * (double)K * (double)N;
         for (int pass = 0; pass < 3; pass++) {
             float *times[MAX_VARIANTS];
@@ -265,6 +320,7 @@ int main(int argc, char **argv)
             for (int it = -warmup; it < repeats; it++)
                 for (int v = 0; v < nv; v++) { /* interleaved */
                     const bench_variant *var = &variants[v];
+                    if (var->wgrad_only && pass != MOERT_GEMM_WGRAD) continue;
                     gm.num_experts = var->dense ? 1 : E;
                     gm.rows_per_expert = var->dense ? dense_counts
                                          : var->vary ? vary_counts + (size_t)(it + warmup) * MAX_EXPERTS
@@ -274,7 +330,13 @@ int main(int argc, char **argv)
                     moert_bf16_cuda_plan_stats(g, &q0, NULL);
                     CK(cudaEventRecord(ev0, stream));
                     double h0 = now_ms();
-                    MOK(moert_bf16_cuda_grouped_gemm(g, stream, &gm));
+                    if (var->kernel) {
+                        const bf16_device_gemm_args ka = kernel_args(&gm, d_counts, R, var->kernel == 2 ? dw32 : dw,
+                                                                     var->kernel == 2);
+                        MOK(bf16_device_gemm(&bench_host, stream, &ka));
+                    } else {
+                        MOK(moert_bf16_cuda_grouped_gemm(g, stream, &gm));
+                    }
                     double h1 = now_ms();
                     CK(cudaEventRecord(ev1, stream));
                     CK(cudaEventSynchronize(ev1));
@@ -289,6 +351,8 @@ int main(int argc, char **argv)
                 }
             double median[MAX_VARIANTS];
             for (int v = 0; v < nv; v++) {
+                median[v] = 0;
+                if (variants[v].wgrad_only && pass != MOERT_GEMM_WGRAD) continue;
                 qsort(times[v], (size_t)repeats, sizeof(float), cmp_float);
                 median[v] = repeats % 2 ? times[v][repeats / 2]
                                         : 0.5 * (times[v][repeats / 2 - 1] + times[v][repeats / 2]);
@@ -296,6 +360,7 @@ int main(int argc, char **argv)
 
             /* bit-for-bit: the S-stream loop and the graph replay against the 1-stream loop */
             int same_streams = -1, same_graph = -1;
+            double kernel_err = -1;
             if (check) {
                 const int64_t elems = pass == 0 ? R * N : pass == 1 ? R * K : E * K * N;
                 const size_t bytes = (size_t)elems * 2;
@@ -312,11 +377,23 @@ int main(int argc, char **argv)
                 memset(got, 0, bytes);
                 result_of(g, stream, &variants[i_graph], gm, 3, got, bytes); /* seen, captured, replayed */
                 same_graph = memcmp(ref, got, bytes) == 0;
+                /* the kernel (bf16 gradient, overwriting) against the 1-stream loop, within bf16 rounding */
+                gm.accumulate = 0;
+                const bf16_device_gemm_args ka = kernel_args(&gm, d_counts, R, dw, 0);
+                MOK(bf16_device_gemm(&bench_host, stream, &ka));
+                CK(cudaStreamSynchronize(stream));
+                CK(cudaMemcpy(got, pass == 0 ? y : pass == 1 ? dx : dw, bytes, cudaMemcpyDeviceToHost));
+                gm.accumulate = 1;
+                kernel_err = rel_error_bf16(got, ref, elems);
                 free(ref);
                 free(got);
             }
 
             for (int v = 0; v < nv; v++) {
+                if (variants[v].wgrad_only && pass != MOERT_GEMM_WGRAD) {
+                    free(times[v]);
+                    continue;
+                }
                 bench_result *r = &results[result_count++];
                 snprintf(r->shape, sizeof r->shape, "%s", s->name);
                 snprintf(r->pass, sizeof r->pass, "%s", pass_names[pass]);
@@ -327,6 +404,7 @@ int main(int argc, char **argv)
                 r->host_ms = host_total[v] / repeats;
                 r->queries_per_iter = (double)queries[v] / repeats;
                 r->same_bits = v == i_streams ? same_streams : v == i_graph ? same_graph : -1;
+                r->rel_err = v == i_kernel ? kernel_err : -1;
                 free(times[v]);
             }
         }
@@ -337,18 +415,22 @@ int main(int argc, char **argv)
         CK(cudaFree(y));
         CK(cudaFree(dx));
         CK(cudaFree(dw));
+        CK(cudaFree(dw32));
+        CK(cudaFree(d_counts));
     }
     moert_bf16_cuda_stats stats;
     moert_bf16_cuda_get_stats(g, &stats);
     moert_bf16_cuda_destroy(g);
 
-    printf("\n%-20s %-6s %-13s %10s %10s %10s %10s %10s %6s\n", "shape", "pass", "variant", "median ms", "TFLOP/s",
-           "vs dense", "enqueue ms", "queries/it", "bits");
+    printf("\n%-20s %-6s %-13s %10s %10s %10s %10s %10s %6s %9s\n", "shape", "pass", "variant", "median ms", "TFLOP/s",
+           "vs dense", "enqueue ms", "queries/it", "bits", "err");
     for (int i = 0; i < result_count; i++) {
         const bench_result *r = &results[i];
-        printf("%-20s %-6s %-13s %10.3f %10.1f %9.2fx %10.3f %10.2f %6s\n", r->shape, r->pass, r->variant,
+        char err[16] = "";
+        if (r->rel_err >= 0) snprintf(err, sizeof err, "%.2e", r->rel_err);
+        printf("%-20s %-6s %-13s %10.3f %10.1f %9.2fx %10.3f %10.2f %6s %9s\n", r->shape, r->pass, r->variant,
                r->median_ms, r->tflops, r->ratio_to_dense, r->host_ms, r->queries_per_iter,
-               r->same_bits < 0 ? "" : r->same_bits ? "same" : "DIFF");
+               r->same_bits < 0 ? "" : r->same_bits ? "same" : "DIFF", err);
     }
     printf("cuBLASLt heuristic queries %lld, plan cache hits %lld, exact-shape fallbacks %lld; graphs: %lld replays, "
            "%lld updates, %lld instantiations\n",
@@ -357,6 +439,9 @@ int main(int argc, char **argv)
     int differ = 0;
     for (int i = 0; i < result_count; i++) differ |= results[i].same_bits == 0;
     if (differ) printf("WARNING: some outputs differ bit for bit from the 1-stream loop (column bits)\n");
+    int kernel_bad = 0;
+    for (int i = 0; i < result_count; i++) kernel_bad |= results[i].rel_err > 1e-2 || results[i].rel_err != results[i].rel_err;
+    if (kernel_bad) printf("FAIL: the kernel's output differs from the loop's by more than 1e-2 (column err)\n");
 
     if (out_path) {
         FILE *f = fopen(out_path, "w");
@@ -376,20 +461,25 @@ int main(int argc, char **argv)
                    "(_vary: new counts, same total, every iteration); loop_sN: N streams; graph_sN: CUDA graph replay; "
                    "dense = one cuBLASLt GEMM of the same total shape; ratio_to_dense > 1 is faster; "
                    "queries_per_iter: cuBLASLt heuristic queries per measured iteration; same_bits: output equal bit "
-                   "for bit to the 1-stream loop's (null: not checked)\",\n");
+                   "for bit to the 1-stream loop's (null: not checked); kernel: device-count grouped GEMM kernel (bf16 dW), "
+                   "kernel_f32w: the kernel accumulating into fp32 dW (wgrad only); rel_err: kernel vs loop output, "
+                   "relative Frobenius\",\n");
         fprintf(f, "  \"results\": [\n");
         for (int i = 0; i < result_count; i++) {
             const bench_result *r = &results[i];
             const bench_shape *s = NULL;
+            char err_json[24] = "null";
+            if (r->rel_err >= 0) snprintf(err_json, sizeof err_json, "%.3e", r->rel_err);
             for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++)
                 if (!strcmp(shapes[k].name, r->shape)) s = &shapes[k];
             fprintf(f,
                     "    {\"name\": \"gemm %s %s %s\", \"value\": %.4f, \"unit\": \"TFLOP/s\", \"median_ms\": %.5f, "
                     "\"ratio_to_dense\": %.4f, \"enqueue_ms\": %.5f, \"queries_per_iter\": %.3f, \"same_bits\": %s, "
+                    "\"rel_err\": %s, "
                     "\"config\": {\"rows\": %lld, \"experts\": %lld, \"k_in\": %lld, \"n_out\": %lld, \"pass\": \"%s\", "
                     "\"variant\": \"%s\"}}%s\n",
                     r->shape, r->pass, r->variant, r->tflops, r->median_ms, r->ratio_to_dense, r->host_ms,
-                    r->queries_per_iter, r->same_bits < 0 ? "null" : r->same_bits ? "true" : "false",
+                    r->queries_per_iter, r->same_bits < 0 ? "null" : r->same_bits ? "true" : "false", err_json,
                     (long long)s->rows, (long long)s->experts, (long long)s->k_in, (long long)s->n_out, r->pass,
                     r->variant, i + 1 < result_count ? "," : "");
         }
@@ -397,5 +487,5 @@ int main(int argc, char **argv)
         fclose(f);
         printf("wrote %s\n", out_path);
     }
-    return 0;
+    return kernel_bad ? 1 : 0;
 }

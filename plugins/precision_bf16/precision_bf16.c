@@ -1,7 +1,9 @@
 /* The "bf16" precision plugin: the experts' grouped GEMMs with bf16 operands and fp32 accumulation
  * (or plain fp32 / fp64). This file: vtable, options, argument checks and the CUDA path's state (bf16 weight
- * copies, the cuBLASLt handle); the CPU math is in precision_bf16_cpu.c, the CUDA GEMMs in precision_bf16_cuda.cu. */
+ * copies, the cuBLASLt handle); the CPU math is in precision_bf16_cpu.c, the CUDA GEMMs in precision_bf16_cuda.cu
+ * (cuBLASLt) and device_gemm.cu (option "gemm": "kernel", counts read on the device, graph-capturable). */
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,6 +14,7 @@
 #ifdef MOERT_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
+#include "device_gemm.h"
 #include "precision_bf16_cuda.h"
 #endif
 
@@ -33,8 +36,11 @@ typedef struct bf16_ctx {
     bool on_cuda;                     /* the layer is on a CUDA device: the CUDA path serves it */
     int gemm_streams;                 /* option: streams of the CUDA per-expert loop (1: the caller's only) */
     bool gemm_graphs;                 /* option: CUDA graph replay of repeated count vectors */
+    bool gemm_kernel;                 /* option "gemm": "kernel" (CUDA: device_gemm, no host sync, capturable) */
 #ifdef MOERT_HAVE_CUDA
-    moert_bf16_cuda *gemm;            /* cuBLASLt handle, created on the layer's device */
+    bool use_kernel;                  /* the CUDA path runs device_gemm (gemm_kernel on a CUDA layer) */
+    int64_t *zero_counts;             /* [E_local] zeros: what the argument checks see when counts are device-only */
+    moert_bf16_cuda *gemm;            /* cuBLASLt handle, created on the layer's device (not in kernel mode) */
     void *workspace;                  /* its workspace, from the host's pool */
     bf16_weight_copy weight_copy[2];  /* by moert_gemm_weight (FC1, FC2) */
     int64_t *counts_host;             /* [E_local] pinned: device counts copied down when no host copy is given */
@@ -42,6 +48,7 @@ typedef struct bf16_ctx {
 } bf16_ctx;
 
 static const char *const mode_choices[] = {"auto", "bf16", "fp32", "fp64", NULL};
+static const char *const gemm_choices[] = {"cublaslt", "kernel", NULL};
 static const char *const mode_names[] = {"bf16", "fp32", "fp64"}; /* by bf16_mode */
 
 /* Sets the instance's error message and returns code, so checks can `return fail(...)`. */
@@ -63,6 +70,57 @@ static moert_result fail(const bf16_ctx *c, moert_result code, const char *fmt, 
 static void bf16_finalize(void *ctx);
 
 #ifdef MOERT_HAVE_CUDA
+/*
+ * The kernel mode's state ("gemm": "kernel"): bf16 storage and sizes the kernel takes, the kernels prepared on the
+ * layer's device, both bf16 weight copies allocated now (so no step allocates), the zero counts the argument checks
+ * see when the counts live only on the device, and the instance's flags: graph-capturable, WGRAD overwrite.
+ */
+static moert_result kernel_init(bf16_ctx *c, const char *dev)
+{
+    const moert_host *h = c->host;
+    const int64_t E = c->layer.num_local_experts, H = c->layer.hidden, F = c->layer.ffn_hidden;
+    if (c->mode != BF16_MODE_BF16 || c->layer.dtype != MOERT_BF16)
+        return fail(c, MOERT_ERR_UNSUPPORTED, "$.precision.gemm: \"kernel\" needs bf16 storage (model.dtype bf16 and "
+                    "mode \"auto\" or \"bf16\"); the layer on %s has %s activations and mode %s: use \"cublaslt\"",
+                    dev, moert_dtype_name(c->layer.dtype), mode_names[c->mode]);
+    if (H % 8 || F % 8)
+        return fail(c, MOERT_ERR_UNSUPPORTED, "$.precision.gemm: \"kernel\" needs hidden and ffn_hidden multiples of 8 "
+                    "(16-byte rows), got hidden %lld, ffn_hidden %lld: use \"cublaslt\"", (long long)H, (long long)F);
+    if (E < 1 || E > BF16_DEVICE_GEMM_MAX_EXPERTS)
+        return fail(c, MOERT_ERR_UNSUPPORTED, "$.precision.gemm: \"kernel\" takes 1 to %d local experts, the layer has "
+                    "%lld: use \"cublaslt\"", BF16_DEVICE_GEMM_MAX_EXPERTS, (long long)E);
+    c->zero_counts = calloc((size_t)E, sizeof(int64_t));
+    if (!c->zero_counts) return fail(c, MOERT_ERR_OUT_OF_MEMORY, "out of memory for the precision state");
+    const int64_t numel[2] = {E * H * 2 * F, E * F * H}; /* FC1, FC2 */
+    for (int w = 0; w < 2; w++) {
+        const size_t bytes = (size_t)numel[w] * sizeof(uint16_t);
+        moert_result rc = h->alloc(h, c->layer.device, bytes, &c->weight_copy[w].data);
+        if (rc == MOERT_ERR_UNSUPPORTED)
+            return fail(c, rc, "the host serving this instance cannot allocate on %s (a CPU-only host): only a CPU path "
+                        "is usable with it", dev);
+        if (rc != MOERT_OK) return rc;
+        c->weight_copy[w].bytes = bytes;
+    }
+    const int id = (int)c->layer.device.id;
+    int previous = -1;
+    cudaError_t err = cudaGetDevice(&previous);
+    if (err == cudaSuccess && previous != id) err = cudaSetDevice(id);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        return fail(c, MOERT_ERR_CUDA, "cudaSetDevice(%d) failed: %s", id, cudaGetErrorString(err));
+    }
+    moert_result rc = bf16_device_gemm_prepare(h);
+    if (previous >= 0 && previous != id) (void)cudaSetDevice(previous);
+    if (rc != MOERT_OK) return rc;
+    c->use_kernel = true;
+    if (h->struct_size >= offsetof(moert_host, set_flags) + sizeof h->set_flags && h->set_flags)
+        h->set_flags(h, MOERT_CAP_GRAPH_CAPTURABLE | MOERT_CAP_WGRAD_OVERWRITE);
+    else
+        h->log(h, MOERT_LOG_WARN, "bf16 precision: \"gemm\": \"kernel\" is graph-capturable, but this host (ABI "
+               "older than 1.1) cannot take the instance's flags");
+    return MOERT_OK;
+}
+
 /*
  * The CUDA path's state: checks the mode against the activation dtype (bf16 GEMMs on bf16 activations, fp32
  * GEMMs on fp32 ones), then makes the cuBLASLt handle on the layer's device with a workspace from the host
@@ -97,6 +155,7 @@ static moert_result cuda_init(bf16_ctx *c, int choice)
         return fail(c, MOERT_ERR_UNSUPPORTED, "the layer is on %s, but this process sees %d CUDA device%s (%s); "
                     "only a CPU path can run here", dev, count, count == 1 ? "" : "s",
                     err == cudaSuccess ? "cudaGetDeviceCount" : cudaGetErrorString(err));
+    if (c->gemm_kernel) return kernel_init(c, dev);
     const size_t workspace_bytes = (size_t)c->gemm_streams * MOERT_BF16_CUDA_STREAM_WORKSPACE_BYTES;
     moert_result rc = h->alloc(h, c->layer.device, workspace_bytes, &c->workspace);
     if (rc == MOERT_ERR_UNSUPPORTED)
@@ -156,6 +215,12 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
                            "(benchmarks, repeated batches)",
                            &gemm_graphs);
     if (rc != MOERT_OK) return rc;
+    int gemm_choice = 0;
+    rc = host->option_enum(host, "gemm", gemm_choices, 0,
+                           "CUDA: the grouped GEMMs' engine: cublaslt (per-expert loop, host counts) or kernel (bf16 "
+                           "only: reads the counts on the device, no host sync, graph-capturable)",
+                           &gemm_choice);
+    if (rc != MOERT_OK) return rc;
     bf16_ctx *c = calloc(1, sizeof *c);
     if (!c) {
         host->set_error(host, "out of memory for the precision state");
@@ -171,6 +236,7 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
     c->on_cuda = layer->device.type == MOERT_DEVICE_CUDA;
     c->gemm_streams = (int)gemm_streams;
     c->gemm_graphs = gemm_graphs;
+    c->gemm_kernel = gemm_choice == 1;
 #ifdef MOERT_HAVE_CUDA
     if (c->on_cuda) {
         rc = cuda_init(c, choice);
@@ -180,9 +246,9 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
         }
     }
 #endif
-    host->log(host, MOERT_LOG_DEBUG, "bf16 precision: mode %s (option \"%s\", activations %s, %s)",
+    host->log(host, MOERT_LOG_DEBUG, "bf16 precision: mode %s (option \"%s\", activations %s, %s, gemm %s)",
               mode_names[c->mode], mode_choices[choice], moert_dtype_name(layer->dtype),
-              device_name(layer->device, dev, sizeof dev));
+              device_name(layer->device, dev, sizeof dev), gemm_choices[gemm_choice]);
     *out = c;
     return MOERT_OK;
 }
@@ -199,6 +265,7 @@ static void bf16_finalize(void *ctx)
         if (c->weight_copy[w].data) h->free(h, c->layer.device, c->weight_copy[w].data);
     if (c->workspace) h->free(h, c->layer.device, c->workspace);
     if (c->counts_host) h->free_pinned(h, c->counts_host);
+    free(c->zero_counts);
 #endif
     bf16_scratch_free(&c->scratch);
     free(c);
@@ -310,6 +377,83 @@ static moert_result cuda_grouped_gemm(bf16_ctx *c, moert_stream stream, const mo
 }
 #endif
 
+#ifdef MOERT_HAVE_CUDA
+/*
+ * One grouped GEMM through device_gemm (kernel mode), arguments already checked: bf16 activations, the weight's bf16
+ * copy (or a bf16 weight as it is), an fp32 or bf16 grad_weight. The counts are the device tensor, read by the
+ * kernel only; nothing here waits for the device or allocates.
+ */
+static moert_result kernel_grouped_gemm(bf16_ctx *c, moert_stream stream, const moert_grouped_gemm_args *args,
+                                        const bf16_gemm_shape *shape, const char *call)
+{
+    char a_dev[32], b_dev[32];
+    const moert_tensor *tpe = args->tokens_per_expert;
+    if (!tpe || !tpe->data || tpe->device.type != MOERT_DEVICE_CUDA || tpe->device.id != c->layer.device.id)
+        return fail(c, MOERT_ERR_UNSUPPORTED, "%s: \"gemm\": \"kernel\" reads the counts on the device: "
+                    "tokens_per_expert must be int64 [%lld] on %s, it is %s", call, (long long)shape->num_experts,
+                    device_name(c->layer.device, a_dev, sizeof a_dev),
+                    !tpe || !tpe->data ? "missing" : device_name(tpe->device, b_dev, sizeof b_dev));
+    const moert_tensor *acts[2];
+    const char *act_names[2];
+    switch (args->pass) {
+    case MOERT_GEMM_FORWARD:
+        acts[0] = args->input, act_names[0] = "input";
+        acts[1] = args->output, act_names[1] = "output";
+        break;
+    case MOERT_GEMM_DGRAD:
+        acts[0] = args->grad_output, act_names[0] = "grad_output";
+        acts[1] = args->grad_input, act_names[1] = "grad_input";
+        break;
+    default:
+        acts[0] = args->input, act_names[0] = "input";
+        acts[1] = args->grad_output, act_names[1] = "grad_output";
+        break;
+    }
+    for (int i = 0; i < 2; i++)
+        if (acts[i]->dtype != MOERT_BF16)
+            return fail(c, MOERT_ERR_UNSUPPORTED, "%s: %s has dtype %s; \"gemm\": \"kernel\" takes bf16 activations",
+                        call, act_names[i], moert_dtype_name(acts[i]->dtype));
+    bf16_device_gemm_args ka;
+    memset(&ka, 0, sizeof ka);
+    ka.pass = args->pass;
+    ka.num_experts = shape->num_experts;
+    ka.counts_device = tpe->data;
+    ka.capacity = acts[0]->shape[0];
+    ka.k_in = shape->k_in;
+    ka.n_out = shape->n_out;
+    if (args->pass == MOERT_GEMM_WGRAD) {
+        const moert_dtype gw = args->grad_weight->dtype;
+        if (gw != MOERT_F32 && gw != MOERT_BF16)
+            return fail(c, MOERT_ERR_UNSUPPORTED, "%s: grad_weight has dtype %s; \"gemm\": \"kernel\" accumulates "
+                        "into fp32 or bf16", call, moert_dtype_name(gw));
+        ka.input = args->input->data;
+        ka.grad_output = args->grad_output->data;
+        ka.grad_weight = args->grad_weight->data;
+        ka.grad_weight_bf16 = gw == MOERT_BF16;
+        ka.accumulate = !moert_gemm_overwrites_grad(args);
+    } else {
+        const moert_dtype wd = args->weight->dtype;
+        if (wd == MOERT_BF16) {
+            ka.weight = args->weight->data;
+        } else if (wd == MOERT_F32) {
+            moert_result rc = weight_copy_get(c, stream, args->which, args->weight, &ka.weight);
+            if (rc != MOERT_OK) return rc;
+        } else {
+            return fail(c, MOERT_ERR_UNSUPPORTED, "%s: weight has dtype %s; \"gemm\": \"kernel\" takes bf16 or fp32 "
+                        "weights", call, moert_dtype_name(wd));
+        }
+        if (args->pass == MOERT_GEMM_FORWARD) {
+            ka.input = args->input->data;
+            ka.output = args->output->data;
+        } else {
+            ka.grad_output = args->grad_output->data;
+            ka.grad_input = args->grad_input->data;
+        }
+    }
+    return bf16_device_gemm(c->host, (cudaStream_t)stream, &ka);
+}
+#endif
+
 /* One grouped GEMM (FORWARD, DGRAD or WGRAD) over the local experts. */
 #ifdef MOERT_HAVE_CUDA
 /* The instance and stream a count fetch runs on. */
@@ -318,10 +462,15 @@ typedef struct counts_fetch {
     moert_stream stream;
 } counts_fetch;
 
-/* Counts that live only on the layer's GPU: copied down into pinned memory with a bounded wait for the stream. */
+/* Counts that live only on the layer's GPU: copied down into pinned memory with a bounded wait for the stream. In
+ * kernel mode nothing is copied: the checks see zeros (the kernel reads the counts and clamps them to the rows). */
 static moert_result fetch_counts(void *user, const moert_tensor *t, const int64_t **counts)
 {
     counts_fetch *f = user;
+    if (f->c->use_kernel) {
+        *counts = f->c->zero_counts;
+        return MOERT_OK;
+    }
     const moert_host *h = f->c->host;
     moert_result rc = h->memcpy_async(h, f->c->counts_host, moert_cpu(), t->data, t->device,
                                       (size_t)f->c->layer.num_local_experts * sizeof(int64_t), f->stream);
@@ -344,6 +493,7 @@ static moert_result bf16_grouped_gemm(void *ctx, moert_stream stream, const moer
 #endif
     if (rc != MOERT_OK) return rc;
 #ifdef MOERT_HAVE_CUDA
+    if (c->use_kernel) return kernel_grouped_gemm(c, stream, args, &shape, call);
     if (c->on_cuda) return cuda_grouped_gemm(c, stream, args, &shape, call);
 #endif
     rc = bf16_cpu_grouped_gemm(args, &shape, c->mode, &c->scratch);

@@ -34,6 +34,7 @@ for t in test_kernels test_gpu_smoke test_gpu_router test_gpu_plugins test_gpu_m
 done
 # the "hybridep" dispatcher's CUDA path against its CPU path
 [ -x "$BUILD/tests/test_gpu_hybridep" ] && run_test test_gpu_hybridep "$BUILD/tests/test_gpu_hybridep"
+[ -x "$BUILD/tests/test_gpu_device_gemm" ] && run_test test_gpu_device_gemm "$BUILD/tests/test_gpu_device_gemm"
 if [ -x "$BUILD/tests/nccl_mp_driver" ]; then
   run_test nccl_multiprocess tests/gpu/test_nccl_multiprocess.sh "$BUILD/tests/nccl_mp_driver"
 fi

@@ -1,0 +1,70 @@
+/*
+ * A bf16 grouped GEMM kernel that reads the per-expert row counts on the device: no host sync, no allocation,
+ * capturable in a CUDA graph. Tensor cores through mma.sync m16n8k16 (bf16 operands, fp32 accumulation), ldmatrix
+ * and a cp.async shared-memory pipeline.
+ *
+ * Layouts (row-major, contiguous, rows grouped by expert as in moert/precision.h; expert e owns counts[e]
+ * consecutive rows starting after the rows of experts < e; rows past the sum are neither read nor written):
+ *   input       bf16 [capacity, k_in]              FORWARD, WGRAD
+ *   weight      bf16 [E_local, k_in, n_out]        FORWARD, DGRAD
+ *   grad_output bf16 [capacity, n_out]             DGRAD, WGRAD
+ *   output      bf16 [capacity, n_out]   FORWARD: out[rows of e]  = in[rows of e] @ W[e]            (overwritten)
+ *   grad_input  bf16 [capacity, k_in]    DGRAD:   d_in[rows of e] = d_out[rows of e] @ W[e]^T       (overwritten)
+ *   grad_weight fp32 (or bf16) [E_local, k_in, n_out]
+ *                                        WGRAD:   dW[e] (+)= in[rows of e]^T @ d_out[rows of e]
+ *                                        (overwriting: an expert with no rows gets zeros)
+ * The grid is sized on the host for the worst case (capacity rows); every block reads the device counts itself.
+ * Counts are used as the kernel finds them: a negative count counts as 0, and rows past `capacity` (counts that sum
+ * to more than the buffers hold) are dropped, never read or written.
+ */
+#ifndef MOERT_PRECISION_BF16_DEVICE_GEMM_H
+#define MOERT_PRECISION_BF16_DEVICE_GEMM_H
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "moert/precision.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Most local experts one call takes (the per-expert prefix sums live in shared memory). */
+#define BF16_DEVICE_GEMM_MAX_EXPERTS 1024
+
+/* One grouped GEMM. Every pointer is device memory, 16-byte aligned; k_in and n_out are multiples of 8. */
+typedef struct bf16_device_gemm_args {
+    moert_gemm_pass pass;
+    int64_t num_experts;           /* E_local, 1 .. BF16_DEVICE_GEMM_MAX_EXPERTS */
+    const int64_t *counts_device;  /* [E_local] int64 rows per expert, on the device; never read on the host */
+    int64_t capacity;              /* rows of the activation buffers (what the grid is sized for) */
+    int64_t k_in, n_out;
+    const void *input;             /* FORWARD, WGRAD */
+    const void *weight;            /* FORWARD, DGRAD */
+    const void *grad_output;       /* DGRAD, WGRAD */
+    void *output;                  /* FORWARD */
+    void *grad_input;              /* DGRAD */
+    void *grad_weight;             /* WGRAD */
+    int grad_weight_bf16;          /* WGRAD: 0 grad_weight is fp32 (the usual master gradients), 1 it is bf16 */
+    int accumulate;                /* WGRAD: 1 adds into grad_weight (beta 1), 0 overwrites it (beta 0) */
+    int tile_n;                    /* output tile width: 0 picks (256 where the output has >= 1024 columns, else
+                                      128), or 128 / 256 (tests, benchmarks) */
+} bf16_device_gemm_args;
+
+/*
+ * Prepares the kernels on the current device (their shared-memory limit). Call once per device before the first
+ * bf16_device_gemm, outside any stream capture (e.g. at create time). Errors go to host->set_error (host may be NULL).
+ */
+moert_result bf16_device_gemm_prepare(const moert_host *host);
+
+/*
+ * Checks the arguments (on the host: sizes, pointers, alignment; never the counts) and enqueues the GEMM on stream:
+ * one kernel launch, nothing else. Capturable. Errors: MOERT_ERR_INVALID_ARGUMENT with a message naming what was
+ * expected, MOERT_ERR_CUDA when the launch fails.
+ */
+moert_result bf16_device_gemm(const moert_host *host, cudaStream_t stream, const bf16_device_gemm_args *a);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
