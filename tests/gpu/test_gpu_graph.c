@@ -51,14 +51,14 @@ static void check_reservation(void)
     EXPECT_OK(moert_cuda_pool_free(pool, w, other));
     moert_cuda_pool_reserve_end(pool);
     EXPECT_OK(moert_cuda_pool_alloc(pool, 1 << 20, s, &z)); /* after the end, the reserved block stays the graph's */
-    EXPECT(z != x);
+    EXPECT(z != x);                                         /* (z may be w, whose free has completed) */
     EXPECT_OK(moert_cuda_pool_free(pool, z, s));
     EXPECT_OK(moert_cuda_pool_reserve_release(pool));
     EXPECT_EQ_INT(moert_cuda_pool_reserved_bytes(pool), 0);
     moert_cuda_pool_stats st;
     moert_cuda_pool_get_stats(pool, &st);
     EXPECT_EQ_INT(st.live_blocks, 0);
-    EXPECT_EQ_INT(st.cached_blocks, 3); /* a (= x), w and z, all back */
+    EXPECT_EQ_INT(st.cached_blocks, z == w ? 2 : 3); /* a (= x), w and z, all back */
     EXPECT_OK(moert_cuda_pool_reserve_begin(pool, s)); /* a new reservation may open after the release */
     EXPECT_OK(moert_cuda_pool_reserve_release(pool));
 exit:
