@@ -849,6 +849,11 @@ static moert_result rank_train_step(moert_rank *r, int64_t step, moert_step_reco
     double t0 = now_seconds();
     MOERT_CHECK(rank_forward_backward(r, step));
     MOERT_CHECK(rank_optimizer_step(r, step));
+    /* the step ends when its optimizer has run: its time counts here, and another runtime stepped next (moert ab)
+     * does not find its first stages sharing the GPU with this step's optimizer */
+    MOERT_CHECK(r->core_host->stream_synchronize(r->core_host, r->stream) == MOERT_OK
+                    ? MOERT_OK
+                    : moert_error(MOERT_ERR_CUDA, "%s", moert_host_take_error(r->core_host)));
     if (r->rank == 0) fill_record(r->rt, step, now_seconds() - t0, rec);
 fail:
     return rc;

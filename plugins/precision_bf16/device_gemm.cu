@@ -11,7 +11,9 @@
  * A block of 8 warps (2 x 4, each 64 x BN/4 of the tile) multiplies with mma.sync m16n8k16 (bf16 in, fp32
  * accumulators). Two tile shapes: 128 x 128 with a 3-stage pipeline and two blocks per SM (64 x 32 per warp), and
  * 128 x 256 with 4 stages and one block per SM (64 x 64 per warp: half the shared-memory reads per multiply); the
- * wider one is used where the output has at least 1024 columns (bf16_device_gemm_args.tile_n overrides).
+ * wider one is used where a FORWARD/DGRAD output has at least 1024 columns, the narrower for WGRAD (its main loop covers
+ * one expert's rows only, so two blocks per SM overlap one's prologue/epilogue with the other's multiplies);
+ * bf16_device_gemm_args.tile_n overrides.
  * Operand tiles go global -> shared through a cp.async pipeline (16-byte chunks; chunks past the matrix or
  * the expert's rows are zero-filled with src-size 0) and shared -> registers with ldmatrix (.trans where the stored
  * layout is the transpose of the fragment's). Shared tiles are stored row by row with the 16-byte chunk index XORed
@@ -132,8 +134,9 @@ __device__ __forceinline__ void load_tile(__nv_bfloat16 *s, const __nv_bfloat16 
 }
 
 /*
- * Warp 0 reads the counts and fills row_start[0..E] (each expert's first row, clamped to the capacity; [E] is the
- * end of the last) and tile_start[0..E] (each expert's first 128-row tile; [E] the total). The caller syncs.
+ * Warp 0 reads the counts (once: one global round trip per block) and fills row_start[0..E] (each expert's first row,
+ * clamped to the capacity; [E] is the end of the last) and tile_start[0..E] (each expert's first 128-row tile; [E] the
+ * total). Lane l handles a run of consecutive experts; row_start parks the clamped counts in between. The caller syncs.
  */
 __device__ void expert_prefix(const gemm_params &p, int64_t *row_start, int *tile_start)
 {
@@ -142,7 +145,11 @@ __device__ void expert_prefix(const gemm_params &p, int64_t *row_start, int *til
     const int e0 = min(E, lane * per), e1 = min(E, e0 + per);
     const int64_t cap = p.capacity;
     int64_t sum = 0;
-    for (int e = e0; e < e1; e++) sum += min(max(p.counts[e], (int64_t)0), cap);
+    for (int e = e0; e < e1; e++) {
+        const int64_t c = min(max(p.counts[e], (int64_t)0), cap);
+        row_start[e] = c;
+        sum += c;
+    }
     int64_t incl = sum;
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1) {
@@ -150,11 +157,12 @@ __device__ void expert_prefix(const gemm_params &p, int64_t *row_start, int *til
         if (lane >= off) incl += v;
     }
     int64_t at = incl - sum; /* rows of the experts before e0, unclamped */
-    int tiles = 0;
+    int tiles = 0;           /* row tiles of this lane's experts before e */
     for (int e = e0; e < e1; e++) {
-        const int64_t c = min(max(p.counts[e], (int64_t)0), cap);
+        const int64_t c = row_start[e];
         const int64_t first = min(at, cap), end = min(at + c, cap);
         row_start[e] = first;
+        tile_start[e] = tiles;
         tiles += (int)((end - first + BM - 1) / BM);
         at += c;
     }
@@ -164,14 +172,7 @@ __device__ void expert_prefix(const gemm_params &p, int64_t *row_start, int *til
         const int v = __shfl_up_sync(0xffffffffu, tincl, off);
         if (lane >= off) tincl += v;
     }
-    int t = tincl - tiles;
-    at = incl - sum;
-    for (int e = e0; e < e1; e++) {
-        const int64_t c = min(max(p.counts[e], (int64_t)0), cap);
-        tile_start[e] = t;
-        t += (int)((min(at + c, cap) - min(at, cap) + BM - 1) / BM);
-        at += c;
-    }
+    for (int e = e0; e < e1; e++) tile_start[e] += tincl - tiles;
     if (lane == 31) {
         row_start[E] = min(incl, cap);
         tile_start[E] = tincl;
@@ -309,6 +310,29 @@ __global__ void __launch_bounds__(THREADS, BN == 128 ? 2 : 1) grouped_gemm_kerne
     /* Epilogue: thread (g, t) of the warp holds rows g and g + 8, columns 2t and 2t + 1 of every 16 x 8 fragment. */
     const int g = lane >> 2, t = lane & 3;
     if (PASS == PASS_WGRAD) {
+        /* Accumulating: every old value is loaded (and added) before the first store. Interleaved load-add-store
+         * would serialise: the compiler cannot prove the stores miss the later loads, so each of the 64 loads of a
+         * thread would wait for a DRAM round trip in turn (that made WGRAD 8x slower than FORWARD). */
+        if (p.accumulate) {
+#pragma unroll
+            for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+                for (int half = 0; half < 2; half++) {
+                    const int64_t m = m0 + wm + mi * 16 + g + half * 8;
+                    if (m >= K) continue;
+#pragma unroll
+                    for (int ni = 0; ni < NI; ni++) {
+                        const int64_t n = n0 + wn + ni * 8 + 2 * t;
+                        if (n >= N) continue;
+                        const int64_t at = wslice + m * N + n;
+                        float2 old;
+                        if (OUT_F32) old = __ldcs((const float2 *)((const float *)p.c + at));
+                        else old = __bfloat1622float2(*(const __nv_bfloat162 *)((const __nv_bfloat16 *)p.c + at));
+                        acc[mi][ni][2 * half] += old.x;
+                        acc[mi][ni][2 * half + 1] += old.y;
+                    }
+                }
+        }
 #pragma unroll
         for (int mi = 0; mi < 4; mi++)
 #pragma unroll
@@ -319,25 +343,10 @@ __global__ void __launch_bounds__(THREADS, BN == 128 ? 2 : 1) grouped_gemm_kerne
                 for (int ni = 0; ni < NI; ni++) {
                     const int64_t n = n0 + wn + ni * 8 + 2 * t;
                     if (n >= N) continue;
-                    float v0 = acc[mi][ni][2 * half], v1 = acc[mi][ni][2 * half + 1];
                     const int64_t at = wslice + m * N + n;
-                    if (OUT_F32) {
-                        float2 *dst = (float2 *)((float *)p.c + at);
-                        if (p.accumulate) {
-                            const float2 old = *dst;
-                            v0 += old.x;
-                            v1 += old.y;
-                        }
-                        *dst = make_float2(v0, v1);
-                    } else {
-                        __nv_bfloat162 *dst = (__nv_bfloat162 *)((__nv_bfloat16 *)p.c + at);
-                        if (p.accumulate) {
-                            const float2 old = __bfloat1622float2(*dst);
-                            v0 += old.x;
-                            v1 += old.y;
-                        }
-                        *dst = __floats2bfloat162_rn(v0, v1);
-                    }
+                    const float v0 = acc[mi][ni][2 * half], v1 = acc[mi][ni][2 * half + 1];
+                    if (OUT_F32) __stcs((float2 *)((float *)p.c + at), make_float2(v0, v1));
+                    else *(__nv_bfloat162 *)((__nv_bfloat16 *)p.c + at) = __floats2bfloat162_rn(v0, v1);
                 }
             }
     } else {
@@ -465,7 +474,9 @@ extern "C" moert_result bf16_device_gemm(const moert_host *host, cudaStream_t st
     p.num_experts = (int)a->num_experts;
     p.accumulate = a->accumulate != 0;
     const int64_t out_cols = a->pass == MOERT_GEMM_DGRAD ? a->k_in : a->n_out;
-    const int bn = a->tile_n ? a->tile_n : out_cols >= 1024 ? 256 : 128;
+    /* WGRAD reduces over one expert's rows only (a few hundred: a short main loop) and writes a large fp32 gradient:
+     * the 128-wide tile with two blocks per SM lets one block's prologue and epilogue overlap the other's multiplies. */
+    const int bn = a->tile_n ? a->tile_n : a->pass != MOERT_GEMM_WGRAD && out_cols >= 1024 ? 256 : 128;
     const int64_t tiles_n = (out_cols + bn - 1) / bn, tiles_m = (a->k_in + BM - 1) / BM;
     int64_t blocks;
     if (a->pass == MOERT_GEMM_WGRAD) {

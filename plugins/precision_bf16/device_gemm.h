@@ -47,8 +47,8 @@ typedef struct bf16_device_gemm_args {
     void *grad_weight;             /* WGRAD */
     int grad_weight_bf16;          /* WGRAD: 0 grad_weight is fp32 (the usual master gradients), 1 it is bf16 */
     int accumulate;                /* WGRAD: 1 adds into grad_weight (beta 1), 0 overwrites it (beta 0) */
-    int tile_n;                    /* output tile width: 0 picks (256 where the output has >= 1024 columns, else
-                                      128), or 128 / 256 (tests, benchmarks) */
+    int tile_n;                    /* output tile width: 0 picks (256 where a FORWARD/DGRAD output has >= 1024
+                                      columns, else 128; WGRAD 128), or 128 / 256 (tests, benchmarks) */
 } bf16_device_gemm_args;
 
 /*

@@ -119,6 +119,9 @@ static void *to_device(const void *host, size_t bytes)
     void *d = NULL;
     CK(cudaMalloc(&d, bytes + 256));
     if (bytes) CK(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice));
+    /* A pageable cudaMemcpy may return before its last DMA lands, and the kernels run on a non-blocking stream that
+     * does not wait for the legacy stream: without this a late chunk could overwrite what a kernel just wrote. */
+    CK(cudaDeviceSynchronize());
     return d;
 }
 
@@ -501,6 +504,7 @@ static void run_graph(cudaStream_t stream)
                 CK(cudaMemcpy(d_out[pass], init, bytes[pass], cudaMemcpyHostToDevice));
                 free(init);
             }
+            CK(cudaDeviceSynchronize()); /* the uploads above landed (see to_device) */
             CK(cudaGraphLaunch(exec, stream));
             CK(cudaStreamSynchronize(stream));
             for (int pass = 0; pass < 3; pass++) {
