@@ -505,10 +505,9 @@ static void build_header(const ab_side *a, const ab_side *b, int64_t warmup, int
     train_key_difference(train, sizeof train, "train.teacher_scale", ca->train.teacher_scale, cb->train.teacher_scale);
     train_key_difference(train, sizeof train, "train.log_every", (double)ca->train.log_every, (double)cb->train.log_every);
     if (train[0]) header_add(h, "differs: %s", train);
-    static const char *const graph_modes[] = {"auto", "off", "on"};
     if (ca->parallel.cuda_graph != cb->parallel.cuda_graph)
-        header_add(h, "differs: parallel.cuda_graph: A \"%s\", B \"%s\"", graph_modes[ca->parallel.cuda_graph],
-                   graph_modes[cb->parallel.cuda_graph]);
+        header_add(h, "differs: parallel.cuda_graph: A \"%s\", B \"%s\"", moert_cuda_graph_mode_name(ca->parallel.cuda_graph),
+                   moert_cuda_graph_mode_name(cb->parallel.cuda_graph));
     header_add(h, "%lld warm-up step%s, then %lld measured step%s, %s", (long long)warmup, warmup == 1 ? "" : "s",
                (long long)steps, steps == 1 ? "" : "s",
                sequential ? "sequential: all of A, then all of B (--sequential)" : "interleaved A, B, A, B...");

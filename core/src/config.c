@@ -439,6 +439,13 @@ fail:
     return rc;
 }
 
+static const char *const cuda_graph_modes[] = {"auto", "off", "on", NULL};
+
+const char *moert_cuda_graph_mode_name(int mode)
+{
+    return mode >= MOERT_GRAPH_AUTO && mode <= MOERT_GRAPH_ON ? cuda_graph_modes[mode] : "unknown";
+}
+
 /* $.parallel (after $.model: ranks must divide num_experts) */
 static moert_result parse_parallel(moert_config *cfg, json_t *obj)
 {
@@ -459,8 +466,7 @@ static moert_result parse_parallel(moert_config *cfg, json_t *obj)
                                    &p->device));
     MOERT_CHECK(section_positive(sec, "timeout_s", 60.0, "seconds a collective waits for a stalled rank",
                                  &p->timeout_s));
-    static const char *const graphs[] = {"auto", "off", "on", NULL};
-    MOERT_CHECK(moert_section_enum(sec, "cuda_graph", graphs, 0,
+    MOERT_CHECK(moert_section_enum(sec, "cuda_graph", cuda_graph_modes, 0,
                                    "capture the layers' forward and backward in CUDA graphs and replay them: auto "
                                    "when every plugin can be captured, on requires it",
                                    &p->cuda_graph));

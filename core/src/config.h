@@ -29,6 +29,9 @@ typedef struct moert_model_config {
 /* $.parallel.cuda_graph */
 typedef enum moert_cuda_graph_mode { MOERT_GRAPH_AUTO = 0, MOERT_GRAPH_OFF = 1, MOERT_GRAPH_ON = 2 } moert_cuda_graph_mode;
 
+/* "auto", "off" or "on": the config's spelling of a mode. */
+const char *moert_cuda_graph_mode_name(int mode);
+
 typedef struct moert_parallel_config {
     int64_t ranks;     /* expert-parallel group size */
     int device;        /* 0 auto, 1 cpu, 2 cuda */

@@ -77,11 +77,10 @@ moert_result moert_runtime_write_report(const moert_runtime *rt, const char *pat
     json_object_set_new(root, "name", json_string(cfg->name));
     json_object_set_new(root, "device", json_string(rt->device_name));
     json_object_set_new(root, "ranks", json_integer(rt->world));
-    static const char *const graph_modes[] = {"auto", "off", "on"};
     char graph_line[512];
     moert_runtime_graph_summary(rt, graph_line, sizeof graph_line);
     json_object_set_new(root, "cuda_graph",
-                        json_pack("{s:s, s:b, s:I, s:I, s:f, s:s}", "mode", graph_modes[cfg->parallel.cuda_graph], "used",
+                        json_pack("{s:s, s:b, s:I, s:I, s:f, s:s}", "mode", moert_cuda_graph_mode_name(cfg->parallel.cuda_graph), "used",
                                   rt->graph_captured_step > 0, "captured_step", (json_int_t)rt->graph_captured_step,
                                   "replays", (json_int_t)rt->graph_replays, "capture_ms",
                                   1e3 * rt->graph_capture_seconds, "summary", graph_line));
