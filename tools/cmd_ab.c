@@ -44,27 +44,39 @@ static void ab_usage(FILE *f)
 
 /* ---- figures ---- */
 
-/* The timed figures, in ms: the step, each stage of the executor, and the stages' sum. */
-enum { FIGURE_STEP = 0, FIGURE_FIRST_STAGE = 1, FIGURE_LAYER = 1 + MOERT_STAGE_COUNT, FIGURE_COUNT };
+/* The timed figures, in ms: the step, each stage of the executor, the stages' sum, then the backward's parts. */
+enum {
+    FIGURE_STEP = 0,
+    FIGURE_FIRST_STAGE = 1,
+    FIGURE_LAYER = 1 + MOERT_STAGE_COUNT,
+    FIGURE_FIRST_PART = FIGURE_LAYER + 1,
+    FIGURE_COUNT = FIGURE_FIRST_PART + MOERT_BWD_PART_COUNT
+};
 
 static const char *figure_name(int f)
 {
     if (f == FIGURE_STEP) return "step";
     if (f == FIGURE_LAYER) return "layer";
+    if (f >= FIGURE_FIRST_PART) return moert_backward_part_name((moert_backward_part)(f - FIGURE_FIRST_PART));
     return moert_stage_name((moert_stage)(f - FIGURE_FIRST_STAGE));
 }
 
 /* What the table calls the figure. */
-static const char *figure_label(int f)
+static const char *figure_label(int f, char *buf, size_t size)
 {
     if (f == FIGURE_STEP) return "step";
     if (f == FIGURE_LAYER) return "layer fwd+bwd";
+    if (f >= FIGURE_FIRST_PART) {
+        snprintf(buf, size, "backward: %s", figure_name(f));
+        return buf;
+    }
     return figure_name(f);
 }
 
 static double figure_ms(const moert_step_record *r, int f)
 {
     if (f == FIGURE_STEP) return r->seconds * 1e3;
+    if (f >= FIGURE_FIRST_PART) return r->backward_part_seconds[f - FIGURE_FIRST_PART] * 1e3;
     if (f != FIGURE_LAYER) return r->stage_seconds[f - FIGURE_FIRST_STAGE] * 1e3;
     double sum = 0.0;
     for (int s = 0; s < MOERT_STAGE_COUNT; s++) sum += r->stage_seconds[s];
@@ -304,11 +316,15 @@ enum { MEMORY_ROWS = MOERT_ACT_COUNT + 3 };
 static int build_table(const ab_side *a, const ab_side *b, table_row *rows)
 {
     int n = 0;
-    for (int f = 0; f < FIGURE_COUNT; f++, n++) {
-        snprintf(rows[n].label, sizeof rows[n].label, "%s (ms)", figure_label(f));
+    for (int f = 0; f < FIGURE_COUNT; f++) {
+        /* a backward part neither side ran (no recompute, no overlap) gets no row */
+        if (f >= FIGURE_FIRST_PART && a->figures[f].p90 == 0.0 && b->figures[f].p90 == 0.0) continue;
+        char buf[40];
+        snprintf(rows[n].label, sizeof rows[n].label, "%s (ms)", figure_label(f, buf, sizeof buf));
         format_spread(&a->figures[f], rows[n].a, sizeof rows[n].a);
         format_spread(&b->figures[f], rows[n].b, sizeof rows[n].b);
         format_ratio(b->figures[f].median, a->figures[f].median, rows[n].ratio, sizeof rows[n].ratio);
+        n++;
     }
     for (int m = 0; m < MEMORY_ROWS; m++) {
         int64_t va, vb;
@@ -508,6 +524,9 @@ static void build_header(const ab_side *a, const ab_side *b, int64_t warmup, int
     if (ca->parallel.cuda_graph != cb->parallel.cuda_graph)
         header_add(h, "differs: parallel.cuda_graph: A \"%s\", B \"%s\"", moert_cuda_graph_mode_name(ca->parallel.cuda_graph),
                    moert_cuda_graph_mode_name(cb->parallel.cuda_graph));
+    if (ca->parallel.overlap_wgrad != cb->parallel.overlap_wgrad)
+        header_add(h, "differs: parallel.overlap_wgrad: A %s, B %s", ca->parallel.overlap_wgrad ? "true" : "false",
+                   cb->parallel.overlap_wgrad ? "true" : "false");
     header_add(h, "%lld warm-up step%s, then %lld measured step%s, %s", (long long)warmup, warmup == 1 ? "" : "s",
                (long long)steps, steps == 1 ? "" : "s",
                sequential ? "sequential: all of A, then all of B (--sequential)" : "interleaved A, B, A, B...");

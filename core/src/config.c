@@ -470,6 +470,10 @@ static moert_result parse_parallel(moert_config *cfg, json_t *obj)
                                    "capture the layers' forward and backward in CUDA graphs and replay them: auto "
                                    "when every plugin can be captured, on requires it",
                                    &p->cuda_graph));
+    MOERT_CHECK(moert_section_bool(sec, "overlap_wgrad", true,
+                                   "run the weight-gradient GEMMs on a second stream beside the backward's last "
+                                   "all-to-all (dispatch_backward) and the router's backward",
+                                   &p->overlap_wgrad));
     MOERT_CHECK(moert_section_check_unknown(sec));
 fail:
     moert_section_free(sec);

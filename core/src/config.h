@@ -37,6 +37,7 @@ typedef struct moert_parallel_config {
     int device;        /* 0 auto, 1 cpu, 2 cuda */
     double timeout_s;  /* a collective waits this long for a stalled peer */
     int cuda_graph;    /* moert_cuda_graph_mode */
+    bool overlap_wgrad; /* weight-gradient GEMMs on a second stream beside dispatch_backward */
 } moert_parallel_config;
 
 /* $.train.optimizer: Adam keeps two moment buffers per parameter; plain SGD keeps none. */

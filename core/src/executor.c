@@ -22,6 +22,14 @@ const char *moert_stage_name(moert_stage s)
     return (s >= 0 && s < MOERT_STAGE_COUNT) ? names[s] : "unknown";
 }
 
+const char *moert_backward_part_name(moert_backward_part p)
+{
+    static const char *const names[MOERT_BWD_PART_COUNT] = {
+        "recompute", "combine_bwd", "fc2_dgrad", "fc2_wgrad", "act_bwd", "fc1_dgrad", "fc1_wgrad", "dispatch_bwd",
+        "router_bwd", "wgrad_wait"};
+    return (p >= 0 && p < MOERT_BWD_PART_COUNT) ? names[p] : "unknown";
+}
+
 static double now_seconds(void)
 {
     struct timespec ts;
@@ -29,10 +37,12 @@ static double now_seconds(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* Marks: 0 forward start, 1..7 after router, permute, dispatch, fc1, act, fc2, combine; 8 and 9 backward. */
-enum { MARK_BACKWARD_START = MOERT_STAGE_COUNT, MARK_BACKWARD_END = MOERT_STAGE_COUNT + 1, MARK_COUNT };
+/* Marks: 0 forward start, 1..7 after router, permute, dispatch, fc1, act, fc2, combine; 8 and 9 backward; then a
+ * begin and an end per backward part. */
+enum { MARK_BACKWARD_START = MOERT_STAGE_COUNT, MARK_BACKWARD_END = MOERT_STAGE_COUNT + 1, MARK_FIRST_PART };
 
-static moert_result stage_mark(moert_layer *L, int mark)
+/* Marks the time on `stream` (a CUDA event, or the wall clock on the CPU). */
+static moert_result mark_on(moert_layer *L, int mark, moert_stream stream)
 {
 #ifdef MOERT_HAVE_CUDA
     if (L->info.device.type == MOERT_DEVICE_CUDA) {
@@ -40,12 +50,27 @@ static moert_result stage_mark(moert_layer *L, int mark)
             moert_result rc = moert_cuda_event_create(L->info.device.id, true, &L->mark_events[mark]);
             if (rc != MOERT_OK) return rc;
         }
-        if (L->capturing) return moert_cuda_event_record_captured(L->mark_events[mark], L->stream);
-        return moert_cuda_event_record(L->mark_events[mark], L->stream);
+        if (L->capturing) return moert_cuda_event_record_captured(L->mark_events[mark], stream);
+        return moert_cuda_event_record(L->mark_events[mark], stream);
     }
 #endif
+    (void)stream;
     L->mark_seconds[mark] = now_seconds();
     return MOERT_OK;
+}
+
+static moert_result stage_mark(moert_layer *L, int mark) { return mark_on(L, mark, L->stream); }
+
+/* The begin and end of backward part p, on the stream it runs on. */
+static moert_result part_begin(moert_layer *L, moert_backward_part p, moert_stream stream)
+{
+    L->backward_part_ran[p] = true;
+    return mark_on(L, MARK_FIRST_PART + 2 * p, stream);
+}
+
+static moert_result part_end(moert_layer *L, moert_backward_part p, moert_stream stream)
+{
+    return mark_on(L, MARK_FIRST_PART + 2 * p + 1, stream);
 }
 
 /* Seconds between two marks. */
@@ -71,6 +96,12 @@ moert_result moert_layer_collect_times(moert_layer *L)
 #endif
     for (int s = 0; s < MOERT_STAGE_COUNT - 1; s++) MOERT_CHECK(mark_interval(L, s, s + 1, &L->stage_seconds[s]));
     MOERT_CHECK(mark_interval(L, MARK_BACKWARD_START, MARK_BACKWARD_END, &L->stage_seconds[MOERT_STAGE_BACKWARD]));
+    for (int p = 0; p < MOERT_BWD_PART_COUNT; p++) {
+        L->backward_part_seconds[p] = 0.0;
+        if (L->backward_part_ran[p])
+            MOERT_CHECK(mark_interval(L, MARK_FIRST_PART + 2 * p, MARK_FIRST_PART + 2 * p + 1,
+                                      &L->backward_part_seconds[p]));
+    }
 fail:
     return rc;
 }
@@ -272,9 +303,17 @@ void moert_layer_free(moert_layer *L)
         L->copy_streams_ready = false;
     }
 #ifdef MOERT_HAVE_CUDA
-    for (int m = 0; m < MARK_COUNT; m++)
+    for (int m = 0; m < MOERT_LAYER_MARKS; m++)
         if (L->mark_events[m]) moert_cuda_event_destroy(L->mark_events[m]);
 #endif
+    if (L->wgrad_stream) {
+        if (h->stream_synchronize(h, L->wgrad_stream) != MOERT_OK) (void)moert_host_take_error((moert_host *)h);
+        h->event_destroy(h, L->wgrad_fork_event);
+        h->event_destroy(h, L->wgrad_join_event);
+        h->stream_destroy(h, L->wgrad_stream);
+        L->wgrad_stream = NULL;
+        L->wgrad_fork_event = L->wgrad_join_event = NULL;
+    }
     memset(L->mark_events, 0, sizeof L->mark_events);
     for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
         tensor_release(L, &L->params[p].value);
@@ -350,8 +389,9 @@ static int64_t used_rows(const moert_layer *L)
     return rows;
 }
 
-static moert_result run_gemm(moert_layer *L, moert_gemm_weight which, moert_gemm_pass pass, const moert_tensor *input,
-                             const moert_tensor *grad_output, moert_tensor *output, moert_tensor *grad_input)
+static moert_result run_gemm_on(moert_layer *L, moert_stream stream, moert_gemm_weight which, moert_gemm_pass pass,
+                                const moert_tensor *input, const moert_tensor *grad_output, moert_tensor *output,
+                                moert_tensor *grad_input)
 {
     moert_result rc = MOERT_OK;
     moert_param *w = &L->params[which == MOERT_GEMM_FC1 ? MOERT_PARAM_FC1 : MOERT_PARAM_FC2];
@@ -363,10 +403,16 @@ static moert_result run_gemm(moert_layer *L, moert_gemm_weight which, moert_gemm
         .output = output, .grad_input = grad_input, .grad_weight = &w->grad,
         .overwrite_grad_weight = pass == MOERT_GEMM_WGRAD && L->grad_unwritten[which]};
     static const char *const names[3] = {"grouped_gemm(forward)", "grouped_gemm(dgrad)", "grouped_gemm(wgrad)"};
-    PLUGIN_CALL(L->precision, names[pass], PRECISION(L)->grouped_gemm(L->precision.ctx, L->stream, &a));
+    PLUGIN_CALL(L->precision, names[pass], PRECISION(L)->grouped_gemm(L->precision.ctx, stream, &a));
     if (pass == MOERT_GEMM_WGRAD) L->grad_unwritten[which] = false;
 fail:
     return rc;
+}
+
+static moert_result run_gemm(moert_layer *L, moert_gemm_weight which, moert_gemm_pass pass, const moert_tensor *input,
+                             const moert_tensor *grad_output, moert_tensor *output, moert_tensor *grad_input)
+{
+    return run_gemm_on(L, L->stream, which, pass, input, grad_output, output, grad_input);
 }
 
 static moert_result run_dispatch(moert_layer *L)
@@ -697,32 +743,92 @@ fail:
     return rc;
 }
 
+/* The second stream of overlap_wgrad and its fork and join events, created at the first backward through the core
+ * host (nothing on the CPU, where every call is synchronous). */
+static moert_result ensure_wgrad_stream(moert_layer *L)
+{
+    moert_result rc = MOERT_OK;
+    const moert_host *h = L->core_host;
+    if (L->wgrad_stream || !L->stream) return MOERT_OK;
+    moert_stream s = NULL;
+    moert_event fork = NULL, join = NULL;
+    HOST_CALL(h->stream_create(h, &s), "creating the wgrad stream", MOERT_ACT_COUNT);
+    HOST_CALL(h->event_create(h, &fork), "creating the wgrad stream's events", MOERT_ACT_COUNT);
+    HOST_CALL(h->event_create(h, &join), "creating the wgrad stream's events", MOERT_ACT_COUNT);
+    L->wgrad_stream = s;
+    L->wgrad_fork_event = fork;
+    L->wgrad_join_event = join;
+    return MOERT_OK;
+fail:
+    if (fork) h->event_destroy(h, fork);
+    if (join) h->event_destroy(h, join);
+    if (s) h->stream_destroy(h, s);
+    return rc;
+}
+
+/* One WGRAD on `stream` (the compute stream, or the wgrad stream with the precision instance's allocations ordered on
+ * it for the call), timed as backward part p. */
+static moert_result wgrad_on(moert_layer *L, moert_stream stream, moert_backward_part p, moert_gemm_weight which,
+                             const moert_tensor *input, const moert_tensor *grad_output)
+{
+    moert_result rc = MOERT_OK;
+    moert_stream before = moert_host_use_stream(L->precision.host, stream);
+    MOERT_CHECK(part_begin(L, p, stream));
+    MOERT_CHECK(run_gemm_on(L, stream, which, MOERT_GEMM_WGRAD, input, grad_output, NULL, NULL));
+    MOERT_CHECK(part_end(L, p, stream));
+fail:
+    moert_host_use_stream(L->precision.host, before);
+    return rc;
+}
+
+/* The backward, in the forward's reverse: combine_backward, fc2 dgrad, SwiGLU backward, fc1 dgrad, dispatch_backward,
+ * the router's backward. Each wgrad runs after its dgrad, or, with overlap_wgrad, both on the wgrad stream forked after
+ * the fc1 dgrad, beside dispatch_backward and the router (docs/executor.md, "Backward overlap"). The tensors the
+ * wgrads read are freed after the join. */
 moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert_tensor *d_x, double loss_scale)
 {
     moert_result rc = MOERT_OK;
+    const moert_host *h = L->core_host;
     const moert_layer_info *in = &L->info;
     int64_t t = d_y->shape[0], cap = L->layout.capacity;
     moert_tensor d_y_expert = {0}, d_act = {0}, d_fc1 = {0}, d_recv_probs = {0}, d_recv_x = {0}, d_probs = {0};
+    bool forked = false;
     MOERT_CHECK(stage_mark(L, MARK_BACKWARD_START));
+    memset(L->backward_part_ran, 0, sizeof L->backward_part_ran);
+    if (L->overlap_wgrad) MOERT_CHECK(ensure_wgrad_stream(L));
+    const bool overlap = L->overlap_wgrad;
+    moert_stream side = L->wgrad_stream; /* NULL on the CPU: the wgrads run in order after dispatch_backward */
 
     /* reloads not yet issued by a prefetch start now; each is waited for just before its first use below */
     MOERT_CHECK(moert_layer_prefetch(L));
     /* recomputation first, in forward order, as every rank does (dispatching again is a collective) */
-    for (int a = 0; a < MOERT_ACT_COUNT; a++)
-        if (L->place[a] == MOERT_PLACE_DROPPED) MOERT_CHECK(materialize(L, (moert_activation)a));
+    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
+        if (L->place[a] != MOERT_PLACE_DROPPED) continue;
+        if (!L->backward_part_ran[MOERT_BWD_RECOMPUTE]) MOERT_CHECK(part_begin(L, MOERT_BWD_RECOMPUTE, L->stream));
+        MOERT_CHECK(materialize(L, (moert_activation)a));
+    }
+    if (L->backward_part_ran[MOERT_BWD_RECOMPUTE]) MOERT_CHECK(part_end(L, MOERT_BWD_RECOMPUTE, L->stream));
 
+    MOERT_CHECK(part_begin(L, MOERT_BWD_COMBINE, L->stream));
     MOERT_CHECK(tensor_alloc(L, &d_y_expert, in->dtype, 2, cap, in->hidden, 0));
     moert_combine_backward_args cb = {.struct_size = sizeof cb, .d_y = d_y, .d_y_expert = &d_y_expert};
     PLUGIN_CALL(L->dispatcher, "combine_backward",
                 DISPATCHER(L)->combine_backward(L->dispatcher.ctx, L->stream, &cb));
+    MOERT_CHECK(part_end(L, MOERT_BWD_COMBINE, L->stream));
 
+    MOERT_CHECK(part_begin(L, MOERT_BWD_FC2_DGRAD, L->stream));
     MOERT_CHECK(tensor_alloc(L, &d_act, in->dtype, 2, cap, in->ffn_hidden, 0));
     MOERT_CHECK(run_gemm(L, MOERT_GEMM_FC2, MOERT_GEMM_DGRAD, NULL, &d_y_expert, NULL, &d_act));
     MOERT_CHECK(materialize(L, MOERT_ACT_SWIGLU_OUT));
-    MOERT_CHECK(run_gemm(L, MOERT_GEMM_FC2, MOERT_GEMM_WGRAD, &L->saved[MOERT_ACT_SWIGLU_OUT], &d_y_expert, NULL, NULL));
-    tensor_release(L, &d_y_expert);
-    tensor_release(L, &L->saved[MOERT_ACT_SWIGLU_OUT]);
+    MOERT_CHECK(part_end(L, MOERT_BWD_FC2_DGRAD, L->stream));
+    if (!overlap) {
+        MOERT_CHECK(wgrad_on(L, L->stream, MOERT_BWD_FC2_WGRAD, MOERT_GEMM_FC2, &L->saved[MOERT_ACT_SWIGLU_OUT],
+                             &d_y_expert));
+        tensor_release(L, &d_y_expert);
+        tensor_release(L, &L->saved[MOERT_ACT_SWIGLU_OUT]);
+    }
 
+    MOERT_CHECK(part_begin(L, MOERT_BWD_ACT, L->stream));
     MOERT_CHECK(tensor_alloc(L, &d_fc1, in->dtype, 2, cap, 2 * in->ffn_hidden, 0));
     MOERT_CHECK(tensor_alloc(L, &d_recv_probs, L->param_dtype, 1, cap, 0, 0));
     MOERT_CHECK(materialize(L, MOERT_ACT_FC1_OUT));
@@ -730,14 +836,32 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
                                       &d_fc1, &d_recv_probs));
     tensor_release(L, &d_act);
     tensor_release(L, &L->saved[MOERT_ACT_FC1_OUT]);
+    MOERT_CHECK(part_end(L, MOERT_BWD_ACT, L->stream));
 
+    MOERT_CHECK(part_begin(L, MOERT_BWD_FC1_DGRAD, L->stream));
     MOERT_CHECK(tensor_alloc(L, &d_recv_x, in->dtype, 2, cap, in->hidden, 0));
     MOERT_CHECK(run_gemm(L, MOERT_GEMM_FC1, MOERT_GEMM_DGRAD, NULL, &d_fc1, NULL, &d_recv_x));
     MOERT_CHECK(materialize(L, MOERT_ACT_DISPATCHED_X));
-    MOERT_CHECK(run_gemm(L, MOERT_GEMM_FC1, MOERT_GEMM_WGRAD, &L->saved[MOERT_ACT_DISPATCHED_X], &d_fc1, NULL, NULL));
-    tensor_release(L, &d_fc1);
-    tensor_release(L, &L->saved[MOERT_ACT_DISPATCHED_X]);
+    MOERT_CHECK(part_end(L, MOERT_BWD_FC1_DGRAD, L->stream));
+    if (!overlap) {
+        MOERT_CHECK(wgrad_on(L, L->stream, MOERT_BWD_FC1_WGRAD, MOERT_GEMM_FC1, &L->saved[MOERT_ACT_DISPATCHED_X],
+                             &d_fc1));
+        tensor_release(L, &d_fc1);
+        tensor_release(L, &L->saved[MOERT_ACT_DISPATCHED_X]);
+    } else if (side) {
+        /* the wgrads are queued first, so a dispatcher that waits on the host cannot hold them back; the compute
+         * stream has the higher priority, so the dispatcher's kernels still take SMs first as they free up */
+        HOST_CALL(h->event_record(h, L->wgrad_fork_event, L->stream), "forking the wgrad stream", MOERT_ACT_COUNT);
+        HOST_CALL(h->stream_wait_event(h, side, L->wgrad_fork_event), "forking the wgrad stream", MOERT_ACT_COUNT);
+        forked = true;
+        MOERT_CHECK(wgrad_on(L, side, MOERT_BWD_FC2_WGRAD, MOERT_GEMM_FC2, &L->saved[MOERT_ACT_SWIGLU_OUT],
+                             &d_y_expert));
+        MOERT_CHECK(wgrad_on(L, side, MOERT_BWD_FC1_WGRAD, MOERT_GEMM_FC1, &L->saved[MOERT_ACT_DISPATCHED_X],
+                             &d_fc1));
+        HOST_CALL(h->event_record(h, L->wgrad_join_event, side), "joining the wgrad stream", MOERT_ACT_COUNT);
+    }
 
+    MOERT_CHECK(part_begin(L, MOERT_BWD_DISPATCH, L->stream));
     /* the residual passes d_y straight through; the MoE branch adds to it */
     MOERT_CHECK(moert_copy(L->stream, d_y, d_x));
     MOERT_CHECK(tensor_alloc(L, &d_probs, L->param_dtype, 2, t, in->topk, 0));
@@ -745,15 +869,38 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
                                        .d_x = d_x, .d_topk_probs = &d_probs};
     PLUGIN_CALL(L->dispatcher, "dispatch_backward",
                 DISPATCHER(L)->dispatch_backward(L->dispatcher.ctx, L->stream, &db));
+    MOERT_CHECK(part_end(L, MOERT_BWD_DISPATCH, L->stream));
 
+    MOERT_CHECK(part_begin(L, MOERT_BWD_ROUTER, L->stream));
     moert_router_backward_args rb = {.struct_size = sizeof rb, .x = &L->x,
                                      .weight = &L->params[MOERT_PARAM_ROUTER].value, .d_topk_probs = &d_probs,
                                      .loss_scale = loss_scale, .d_x = d_x,
                                      .d_weight = &L->params[MOERT_PARAM_ROUTER].grad};
     PLUGIN_CALL(L->router, "backward", ROUTER(L)->backward(L->router.ctx, L->stream, &rb));
+    MOERT_CHECK(part_end(L, MOERT_BWD_ROUTER, L->stream));
+
+    if (overlap && side) {
+        MOERT_CHECK(part_begin(L, MOERT_BWD_WGRAD_WAIT, L->stream));
+        forked = false;
+        HOST_CALL(h->stream_wait_event(h, L->stream, L->wgrad_join_event), "joining the wgrad stream", MOERT_ACT_COUNT);
+        MOERT_CHECK(part_end(L, MOERT_BWD_WGRAD_WAIT, L->stream));
+    } else if (overlap) { /* the CPU: the same work where a GPU joins its second stream */
+        MOERT_CHECK(wgrad_on(L, NULL, MOERT_BWD_FC2_WGRAD, MOERT_GEMM_FC2, &L->saved[MOERT_ACT_SWIGLU_OUT], &d_y_expert));
+        MOERT_CHECK(wgrad_on(L, NULL, MOERT_BWD_FC1_WGRAD, MOERT_GEMM_FC1, &L->saved[MOERT_ACT_DISPATCHED_X], &d_fc1));
+    }
+    if (overlap) {
+        tensor_release(L, &d_y_expert);
+        tensor_release(L, &L->saved[MOERT_ACT_SWIGLU_OUT]);
+        tensor_release(L, &d_fc1);
+        tensor_release(L, &L->saved[MOERT_ACT_DISPATCHED_X]);
+    }
     MOERT_CHECK(zero_unwritten_grads(L));
     MOERT_CHECK(stage_mark(L, MARK_BACKWARD_END));
 fail:
+    /* on failure after the fork, the compute stream still joins the wgrad stream before the tensors go back */
+    if (forked && (h->event_record(h, L->wgrad_join_event, side) != MOERT_OK ||
+                   h->stream_wait_event(h, L->stream, L->wgrad_join_event) != MOERT_OK))
+        (void)moert_host_take_error((moert_host *)h);
     tensor_release(L, &d_y_expert);
     tensor_release(L, &d_act);
     tensor_release(L, &d_fc1);

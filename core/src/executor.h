@@ -21,6 +21,30 @@ typedef enum moert_stage {
 
 const char *moert_stage_name(moert_stage s);
 
+/* The parts of the backward stage, each timed in every step (names in moert_backward_part_name()). A part that did not
+ * run (recompute without a dropped activation) times 0. With overlap_wgrad the two wgrad parts run on the layer's second
+ * stream, timed there, beside dispatch_bwd and router_bwd; wgrad_wait is what the compute stream then still waits for
+ * them, so the backward stage is not the parts' sum. */
+typedef enum moert_backward_part {
+    MOERT_BWD_RECOMPUTE = 0, /* activations the memory policy dropped, computed again */
+    MOERT_BWD_COMBINE,       /* dispatcher.combine_backward: output gradients back to the experts' rows */
+    MOERT_BWD_FC2_DGRAD,
+    MOERT_BWD_FC2_WGRAD,
+    MOERT_BWD_ACT,           /* SwiGLU backward, with the routing probabilities' gradient */
+    MOERT_BWD_FC1_DGRAD,
+    MOERT_BWD_FC1_WGRAD,
+    MOERT_BWD_DISPATCH,      /* dispatcher.dispatch_backward: row gradients back to the tokens, and the residual */
+    MOERT_BWD_ROUTER,
+    MOERT_BWD_WGRAD_WAIT,    /* overlap_wgrad: the compute stream waiting for the second stream */
+    MOERT_BWD_PART_COUNT
+} moert_backward_part;
+
+const char *moert_backward_part_name(moert_backward_part p);
+
+/* Time marks of a layer: forward start, the end of each forward stage, backward start and end, then a begin and an
+ * end mark per backward part. */
+#define MOERT_LAYER_MARKS (MOERT_STAGE_COUNT + 2 + 2 * MOERT_BWD_PART_COUNT)
+
 /* One plugin instance of a layer: vtable, context and its host table. */
 typedef struct moert_instance {
     const moert_plugin *plugin;
@@ -67,6 +91,11 @@ typedef struct moert_layer {
     bool grad_unwritten[2];
     /* the runtime is capturing this layer's work into a CUDA graph: stage marks become graph nodes */
     bool capturing;
+    /* $.parallel.overlap_wgrad: backward runs the wgrad GEMMs on wgrad_stream (created at the first backward on a GPU,
+     * with its fork and join events) beside dispatch_backward and the router's backward */
+    bool overlap_wgrad;
+    moert_stream wgrad_stream;
+    moert_event wgrad_fork_event, wgrad_join_event;
 
     /* saved by forward for backward */
     moert_tensor x;                   /* borrowed: the layer input */
@@ -93,9 +122,11 @@ typedef struct moert_layer {
 
     /* figures of the last step: stage boundaries are marked with the wall clock on the CPU and with CUDA
      * events on GPUs (read by moert_layer_collect_times once the step's work is done) */
-    double mark_seconds[MOERT_STAGE_COUNT + 2];
-    moert_event mark_events[MOERT_STAGE_COUNT + 2];
+    double mark_seconds[MOERT_LAYER_MARKS];
+    moert_event mark_events[MOERT_LAYER_MARKS];
     double stage_seconds[MOERT_STAGE_COUNT];
+    double backward_part_seconds[MOERT_BWD_PART_COUNT];
+    bool backward_part_ran[MOERT_BWD_PART_COUNT];
     /* memory figures of the last forward (bytes; "held" = on the device from the end of forward to backward) */
     int64_t saved_bytes[MOERT_ACT_COUNT];        /* size of each activation saved for backward */
     int64_t held_bytes[MOERT_ACT_COUNT];         /* saved_bytes[a] when kept, 0 when recomputed or offloaded */
@@ -132,7 +163,7 @@ moert_result moert_layer_start_offloads(moert_layer *L);
 /* Frees only the offloaded activations whose D2H copy has already finished, without making any stream wait:
  * the runtime calls it at each layer boundary, so a slow copy delays the free, not the compute. */
 moert_result moert_layer_release_finished_offloads(moert_layer *L);
-/* Fills stage_seconds from the last forward and backward (waits for their work on GPUs). */
+/* Fills stage_seconds and backward_part_seconds from the last forward and backward (waits for their work on GPUs). */
 moert_result moert_layer_collect_times(moert_layer *L);
 /* Whether the layer's forward and backward can be captured in a CUDA graph and replayed: a CUDA layer whose four
  * plugin instances declare MOERT_CAP_GRAPH_CAPTURABLE (header flags, or host->set_flags) and whose last forward kept

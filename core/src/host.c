@@ -566,6 +566,14 @@ static void host_set_flags(const moert_host *h, uint32_t flags)
     impl->flags = flags;
 }
 
+moert_stream moert_host_use_stream(moert_host *h, moert_stream stream)
+{
+    host_impl *impl = impl_of(h);
+    moert_stream before = impl->stream;
+    impl->stream = stream;
+    return before;
+}
+
 uint32_t moert_host_instance_flags(const moert_host *h, uint32_t header_flags)
 {
     const host_impl *impl = impl_of(h);

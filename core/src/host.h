@@ -31,5 +31,8 @@ void moert_host_free(moert_host *h);
 const char *moert_host_take_error(moert_host *h);
 /* The instance's capability flags: what the plugin declared through host->set_flags, else header_flags. */
 uint32_t moert_host_instance_flags(const moert_host *h, uint32_t header_flags);
+/* Makes `stream` the one this instance's allocations and frees are ordered on (the pool hands a block freed on it at
+ * once only to that stream); returns the one before. The executor sets its second stream while a plugin works on it. */
+moert_stream moert_host_use_stream(moert_host *h, moert_stream stream);
 
 #endif

@@ -16,20 +16,28 @@ json_t *moert_report_step_json(const moert_step_record *r)
     json_t *stages = json_object();
     for (int s = 0; s < MOERT_STAGE_COUNT; s++)
         json_object_set_new(stages, moert_stage_name((moert_stage)s), json_real(r->stage_seconds[s] * 1e3));
-    return json_pack("{s:I, s:f, s:f, s:f, s:f, s:f, s:f, s:o}", "step", (json_int_t)r->step, "loss", r->loss, "mse",
-                     r->mse, "router_loss", r->router_loss, "load_max_over_mean", r->imbalance,
+    json_t *parts = json_object();
+    for (int p = 0; p < MOERT_BWD_PART_COUNT; p++)
+        json_object_set_new(parts, moert_backward_part_name((moert_backward_part)p),
+                            json_real(r->backward_part_seconds[p] * 1e3));
+    return json_pack("{s:I, s:f, s:f, s:f, s:f, s:f, s:f, s:o, s:o}", "step", (json_int_t)r->step, "loss", r->loss,
+                     "mse", r->mse, "router_loss", r->router_loss, "load_max_over_mean", r->imbalance,
                      "load_max_over_mean_worst_layer", r->imbalance_max, "step_ms", r->seconds * 1e3,
-                     "stage_ms_rank0", stages);
+                     "stage_ms_rank0", stages, "backward_parts_ms_rank0", parts);
 }
 
-/* Median over the run of one stage's time (or of the step time when stage < 0), in ms. */
+/* Median over the run of one stage's time (the step's when stage < 0, backward part stage - MOERT_STAGE_COUNT's past
+ * the stages), in ms. */
 static double median_ms(const moert_runtime *rt, int stage)
 {
     int64_t n = rt->record_count;
     if (n == 0) return 0.0;
     double *v = malloc(sizeof(double) * (size_t)n);
     if (!v) return 0.0;
-    for (int64_t i = 0; i < n; i++) v[i] = stage < 0 ? rt->records[i].seconds : rt->records[i].stage_seconds[stage];
+    for (int64_t i = 0; i < n; i++)
+        v[i] = stage < 0                    ? rt->records[i].seconds
+               : stage < MOERT_STAGE_COUNT ? rt->records[i].stage_seconds[stage]
+                                           : rt->records[i].backward_part_seconds[stage - MOERT_STAGE_COUNT];
     for (int64_t i = 1; i < n; i++) /* insertion sort: n is a few hundred */
         for (int64_t j = i; j > 0 && v[j - 1] > v[j]; j--) {
             double t = v[j];
@@ -53,6 +61,10 @@ moert_result moert_runtime_write_report(const moert_runtime *rt, const char *pat
     json_object_set_new(medians, "step", json_real(median_ms(rt, -1)));
     for (int s = 0; s < MOERT_STAGE_COUNT; s++)
         json_object_set_new(medians, moert_stage_name((moert_stage)s), json_real(median_ms(rt, s)));
+    json_t *part_medians = json_object();
+    for (int p = 0; p < MOERT_BWD_PART_COUNT; p++)
+        json_object_set_new(part_medians, moert_backward_part_name((moert_backward_part)p),
+                            json_real(median_ms(rt, MOERT_STAGE_COUNT + p)));
     for (int l = 0; l < nl && rt->final_counts; l++) {
         json_t *counts = json_array(), *layer = json_object();
         for (int64_t i = 0; i < e; i++) json_array_append_new(counts, json_integer(rt->final_counts[l * e + i]));
@@ -93,6 +105,7 @@ moert_result moert_runtime_write_report(const moert_runtime *rt, const char *pat
     json_object_set_new(root, "plugins", plugins);
     json_object_set_new(root, "total_seconds", json_real(rt->total_seconds));
     json_object_set_new(root, "median_ms", medians);
+    json_object_set_new(root, "median_backward_parts_ms", part_medians);
     json_object_set_new(root, "activation_bytes_rank0", memory);
     json_object_set_new(root, "layers", layers);
     json_object_set_new(root, "steps", steps);

@@ -247,7 +247,9 @@ static moert_result rank_init(moert_rank *r, void *arg)
 #ifdef MOERT_HAVE_CUDA
     if (rt->device_type == MOERT_DEVICE_CUDA) {
         MOERT_CHECK(moert_cuda_pool_create(r->device, &r->pool));
-        MOERT_CHECK(moert_cuda_stream_create(r->device, &r->stream));
+        /* the compute stream outranks the plugins' and the executor's side streams: a dispatcher's kernels there take
+         * SMs first when a side stream's GEMM runs beside them (docs/executor.md, "Backward overlap") */
+        MOERT_CHECK(moert_cuda_stream_create_high_priority(r->device, &r->stream));
         if (rt->processes)
             MOERT_CHECK(moert_nccl_comm_init_env(rt->dist_env, r->device, cfg->parallel.timeout_s, &r->nccl));
         else
@@ -285,6 +287,7 @@ static moert_result rank_init(moert_rank *r, void *arg)
         L->info = layer_info(rt, r, l);
         L->core_host = r->core_host;
         L->stream = r->stream;
+        L->overlap_wgrad = cfg->parallel.overlap_wgrad;
         L->param_dtype = cfg->model.dtype == MOERT_F64 ? MOERT_F64 : MOERT_F32;
         L->seq_length = cfg->train.seq_length;
         L->defer_offload_release = true; /* released once their copies finish (rank_forward_backward) */
@@ -794,6 +797,8 @@ static void fill_record(moert_runtime *rt, int64_t step, double seconds, moert_s
         rec->imbalance += imb / nl;
         if (imb > rec->imbalance_max) rec->imbalance_max = imb;
         for (int s = 0; s < MOERT_STAGE_COUNT; s++) rec->stage_seconds[s] += r0->layers[l].stage_seconds[s];
+        for (int p = 0; p < MOERT_BWD_PART_COUNT; p++)
+            rec->backward_part_seconds[p] += r0->layers[l].backward_part_seconds[p];
     }
     rec->seconds = seconds;
 }
@@ -846,6 +851,11 @@ static moert_result snapshot_bias(moert_runtime *rt, double **out)
 static moert_result rank_train_step(moert_rank *r, int64_t step, moert_step_record *rec)
 {
     moert_result rc = MOERT_OK;
+    /* every rank starts the step together: the step's figures then leave out the skew the last step's optimizer left
+     * (the stage a rank waits in for its peers would otherwise count it) */
+    if (r->core_host->barrier(r->core_host) != MOERT_OK)
+        return moert_error(MOERT_ERR_TIMEOUT, "the barrier at the start of step %lld: %s", (long long)step,
+                           moert_host_take_error(r->core_host));
     double t0 = now_seconds();
     MOERT_CHECK(rank_forward_backward(r, step));
     MOERT_CHECK(rank_optimizer_step(r, step));

@@ -18,6 +18,7 @@ typedef struct moert_step_record {
     double imbalance_max; /* the worst layer's max/mean */
     double seconds;     /* wall time of the step on rank 0 */
     double stage_seconds[MOERT_STAGE_COUNT]; /* rank 0, summed over layers */
+    double backward_part_seconds[MOERT_BWD_PART_COUNT]; /* rank 0, summed over layers */
 } moert_step_record;
 
 typedef struct moert_rank moert_rank;

@@ -126,6 +126,28 @@ run lr 0 ab "$tmp/keep.json" "$tmp/saver.json" --set-b train.lr=0.05 --warmup 1 
 expect_line lr out "  differs: train.lr 0.01 in A, 0.05 in B"
 expect_match lr out '^outputs agree: no \(max relative loss difference [0-9.]+e-[0-9]+ \(step [2-4]\) over 4 steps; first step: output 0\.0e\+00, gradients 0\.0e\+00; rtol 1e-03\)$'
 
+# the wgrad overlap changes only where the wgrads run: the same losses bit for bit, said in the header; the backward's
+# parts get rows, and the JSON steps carry them
+run overlap 0 ab "$tmp/keep.json" "$tmp/keep.json" --set-a parallel.overlap_wgrad=false --warmup 1 --steps 3 \
+    --report "$tmp/overlap.json"
+expect_line overlap out "  differs: parallel.overlap_wgrad: A false, B true"
+expect_match overlap out '^outputs agree: yes \(max relative loss difference 0\.0e\+00 over 4 steps, identical; first step: output 0\.0e\+00, gradients 0\.0e\+00; rtol 1e-03\)$'
+expect_match overlap out '^backward: fc1_wgrad \(ms\) +[0-9.]+ \[[0-9.]+-[0-9.]+\] +[0-9.]+ \[[0-9.]+-[0-9.]+\] +[0-9.]+$'
+expect_match overlap out '^backward: dispatch_bwd \(ms\) '
+grep -q '^backward: recompute' "$tmp/overlap.out" && fail "overlap: a recompute row though neither side recomputes"
+python3 - "$tmp/overlap.json" <<'EOF' || fail "overlap: the JSON steps lack the backward parts"
+import json, sys
+r = json.load(open(sys.argv[1]))
+for side in "ab":
+    for st in r[side]["steps"]:
+        p = st["backward_parts_ms_rank0"]
+        assert set(p) == {"recompute", "combine_bwd", "fc2_dgrad", "fc2_wgrad", "act_bwd", "fc1_dgrad", "fc1_wgrad",
+                          "dispatch_bwd", "router_bwd", "wgrad_wait"}, p
+        assert p["recompute"] == 0 and p["wgrad_wait"] == 0, p  # on the CPU nothing is waited for
+        assert all(p[k] > 0 for k in ("combine_bwd", "fc2_dgrad", "fc2_wgrad", "fc1_dgrad", "fc1_wgrad")), p
+        assert sum(p.values()) <= st["stage_ms_rank0"]["backward"] * 1.0001, (p, st["stage_ms_rank0"])
+EOF
+
 # --sequential: A runs to the end and is freed before B starts; the same losses, all of A's progress lines first
 run seq 0 ab "$tmp/keep.json" "$tmp/saver.json" --sequential --warmup 1 --steps 3 --report "$tmp/seq.json"
 expect_line seq out "  1 warm-up step, then 3 measured steps, sequential: all of A, then all of B (--sequential)"

@@ -81,6 +81,26 @@ while read -r name status rest; do
   [ -n "$name" ] && record "layer fp32 $name vs cpu" "$status" "$rest"
 done <<<"$compare"
 
+# 3. the backward's wgrad overlap (a second stream) against the wgrads in line: `moert ab` on the GPUs, bf16, each
+# dispatcher; the losses must be the same bit for bit (only the order of independent work changes)
+ab_ranks=$(( gpus >= 4 ? 4 : gpus ))
+for disp in alltoall deepep hybridep; do
+  [ "$gpus" -ge 1 ] || break
+  name="overlap_wgrad $disp ${ab_ranks}gpu"
+  timeout "${MOERT_GPU_TEST_TIMEOUT:-240}" "$MOERT" ab configs/demo-cpu.json configs/demo-cpu.json --quiet \
+    --warmup 1 --steps 4 --set parallel.device=cuda --set parallel.ranks="$ab_ranks" --set 'model.dtype="bf16"' \
+    --set "dispatcher.plugin=\"$disp\"" --set router.z_loss_coeff=0 --set-a parallel.overlap_wgrad=false \
+    --report "$OUT/ab-overlap-$disp.json" >"$OUT/ab-overlap-$disp.log" 2>&1
+  rc=$?
+  if [ $rc -eq 0 ] && grep -q '^outputs agree: yes (max relative loss difference 0.0e+00 over 5 steps, identical' \
+      "$OUT/ab-overlap-$disp.log"; then
+    record "$name" PASS "losses identical over 5 steps; $(grep '^backward (ms)' "$OUT/ab-overlap-$disp.log" | tr -s ' ')"
+  else
+    record "$name" FAIL "rc $rc, log ab-overlap-$disp.log"
+    tail -15 "$OUT/ab-overlap-$disp.log"
+  fi
+done
+
 echo
 echo "== moert GPU checks =="
 printf '%s\n' "${rows[@]}"

@@ -107,19 +107,34 @@ fail:
     return rc;
 }
 
-moert_result moert_cuda_stream_create(int device, moert_stream *out)
+static moert_result stream_create_at(int device, bool high_priority, moert_stream *out)
 {
     moert_result rc = MOERT_OK;
     cudaStream_t s = NULL;
-    int prev = device;
+    int prev = device, least = 0, greatest = 0;
     *out = NULL;
     MOERT_CHECK(enter_device(device, &prev));
-    cudaError_t err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    const char *call = "cudaDeviceGetStreamPriorityRange";
+    cudaError_t err = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+    if (err == cudaSuccess) {
+        call = "cudaStreamCreateWithPriority";
+        err = cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, high_priority ? greatest : least);
+    }
     restore_device(device, prev);
-    MOERT_CUDA_CHECK(err);
+    if (err != cudaSuccess) {
+        rc = moert_cuda_fail(call, err, __FILE__, __LINE__);
+        goto fail;
+    }
     *out = (moert_stream)s;
 fail:
     return rc;
+}
+
+moert_result moert_cuda_stream_create(int device, moert_stream *out) { return stream_create_at(device, false, out); }
+
+moert_result moert_cuda_stream_create_high_priority(int device, moert_stream *out)
+{
+    return stream_create_at(device, true, out);
 }
 
 void moert_cuda_stream_destroy(moert_stream s)
