@@ -12,7 +12,9 @@
  * bytes); deepep's NVLink phase alone is printed beside it for reference, never used for the percentage.
  *
  * Timed per call with CUDA events on each rank's stream after a barrier of the rank threads; a call's time is the
- * largest over ranks, the figure the median over repeats (after 3 warm-up calls). Bytes: the token rows one rank
+ * largest over ranks, the figure the median over repeats (after 3 warm-up calls). The back-to-back lines time the
+ * low-latency calls as a decode loop runs them: dispatch, combine, dispatch, ... queued after one barrier, a call's
+ * time from the end of the one before (time_back_to_back), so the host barrier's wake-up skew is not in them. Bytes: the token rows one rank
  * writes to the other ranks (a row per token and other rank holding one of its experts; the largest over ranks);
  * GB/s against 450 GB/s, NVLink4 per GPU and direction.
  *
@@ -78,6 +80,7 @@ typedef struct variant {
     int64_t T;
     bool normal;                                              /* a hybridep normal-mode line at T 4096 (compared) */
     int ll_group;                                             /* a low-latency tuning variant: its row + 1, else 0 */
+    bool back_to_back; /* timed in a stream of dispatch, combine, dispatch, ... after one barrier (steady state) */
     double dispatch_ms[MAX_REPEATS], combine_ms[MAX_REPEATS]; /* per repeat: the largest over ranks */
     double bytes;                                             /* the largest over ranks */
     double dispatch_us, combine_us;                           /* medians */
@@ -184,6 +187,41 @@ typedef struct rank_env {
     cudaStream_t stream;
 } rank_env;
 
+/* The steady state of a decode-like loop: after one barrier each rank queues dispatch, combine, dispatch, ... with
+ * an event between calls and no host wait, so the ranks stay in step through the calls' own data dependencies rather
+ * than a host barrier's wake-up skew. A call's time on a rank runs from the end of its previous call to its own end;
+ * per call the largest over ranks, the figure the median over the calls after the warm-up ones. */
+static void time_back_to_back(rank_env *env, variant *v, test_instance *ti, const moert_dispatch_args *da,
+                              const moert_combine_args *ca)
+{
+    const moert_dispatcher_v1 *vt = (const moert_dispatcher_v1 *)ti->plugin.header;
+    const cudaStream_t s = env->stream;
+    const int n = WARMUP + B.repeats;
+    cudaEvent_t ev[2 * (WARMUP + MAX_REPEATS) + 1];
+    for (int i = 0; i < 2 * n + 1; i++) CK(cudaEventCreate(&ev[i]));
+    CK(cudaStreamSynchronize(s));
+    pthread_barrier_wait(&B.barrier);
+    CK(cudaEventRecord(ev[0], s));
+    for (int i = 0; i < n; i++) {
+        PCALL(ti, vt->dispatch(ti->ctx, (moert_stream)s, da));
+        CK(cudaEventRecord(ev[2 * i + 1], s));
+        PCALL(ti, vt->combine(ti->ctx, (moert_stream)s, ca));
+        CK(cudaEventRecord(ev[2 * i + 2], s));
+    }
+    CK(cudaStreamSynchronize(s));
+    for (int i = 0; i < n; i++) {
+        float d = 0, c = 0;
+        CK(cudaEventElapsedTime(&d, ev[2 * i], ev[2 * i + 1]));
+        CK(cudaEventElapsedTime(&c, ev[2 * i + 1], ev[2 * i + 2]));
+        const double worst_d = slowest(env->rank, d), worst_c = slowest(env->rank, c);
+        if (env->rank == 0 && i >= WARMUP) {
+            v->dispatch_ms[i - WARMUP] = worst_d;
+            v->combine_ms[i - WARMUP] = worst_c;
+        }
+    }
+    for (int i = 0; i < 2 * n + 1; i++) CK(cudaEventDestroy(ev[i]));
+}
+
 /* One variant on one rank: open, prepare, dispatch then combine timed repeatedly. */
 static void run_variant(rank_env *env, variant *v)
 {
@@ -252,7 +290,8 @@ static void run_variant(rank_env *env, variant *v)
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
-    for (int op = 0; op < 2; op++)
+    if (v->back_to_back) time_back_to_back(env, v, &ti, &da, &ca);
+    for (int op = 0; op < 2 && !v->back_to_back; op++)
         for (int i = 0; i < WARMUP + B.repeats; i++) {
             CK(cudaStreamSynchronize(s));
             pthread_barrier_wait(&B.barrier);
@@ -379,6 +418,16 @@ int main(int argc, char **argv)
             add(name, "hybridep", options, t == 0 ? 1 : 128, false);
         }
     add("hybridep normal mode 16 SMs", "hybridep", "{\"timeout_ms\": 10000, \"low_latency\": \"off\"}", 128, false);
+    /* the same calls back to back (a decode-like loop's steady state), beside deepep's at T 128 */
+    for (int i = 0; i < 4; i++) {
+        B.v[add("hybridep low-latency back-to-back (every SM)", "hybridep", "{\"timeout_ms\": 10000}", ll_tokens[i],
+                false)].back_to_back = true;
+        B.v[add("hybridep low-latency back-to-back, ll_fence block", "hybridep",
+                "{\"timeout_ms\": 10000, \"low_latency\": \"on\", \"ll_fence\": \"block\"}", ll_tokens[i], false)]
+            .back_to_back = true;
+    }
+    B.v[add("deepep 24 SMs back-to-back", "deepep", "{\"timeout_ms\": 10000, \"num_sms\": 24}", 128, false)]
+        .back_to_back = true;
     /* the low-latency tuning variants, each at T 1, 32, 128, 256 (the default again, in the same stretch of the run) */
     for (int gi = 0; gi < LL_GROUPS; gi++)
         for (int i = 0; i < 4; i++) {
@@ -416,10 +465,10 @@ int main(int argc, char **argv)
     }
     for (int i = 0; i < B.nv; i++) {
         const variant *v = &B.v[i];
-        if (!v->plugin || (strstr(v->name, "low-latency") && !v->ll_group))
+        if (!v->plugin || v->back_to_back || (strstr(v->name, "low-latency") && !v->ll_group))
             printf("  %-36s T %4lld: dispatch %6.1f us, combine %6.1f us%s\n", v->name, (long long)v->T,
                    v->dispatch_us, v->combine_us,
-                   v->T == 128 && strstr(v->name, "every SM") ? "  (targets 40 / 50)" : "");
+                   v->T == 128 && strstr(v->name, "low-latency") ? "  (targets 40 / 50)" : "");
     }
     printf("\nlow-latency variants, dispatch / combine us (targets at T 128: 40 / 50)\n  %-40s", "variant");
     for (int i = 0; i < 4; i++) printf("  T %-13lld", (long long)ll_tokens[i]);
@@ -455,6 +504,7 @@ int main(int argc, char **argv)
                     v->name, v->plugin ? v->plugin : "none", json_options(v->options, opts, sizeof opts),
                     (long long)v->T, v->dispatch_us,
                     v->combine_us, v->bytes, gbs(v->bytes, v->dispatch_us), gbs(v->bytes, v->combine_us));
+            fprintf(f, ", \"timing\": \"%s\"", v->back_to_back ? "back_to_back" : "after_host_barrier");
             if (v->normal)
                 fprintf(f, ", \"dispatch_pct_of_deepep_whole\": %.1f, \"combine_pct_of_deepep_whole\": %.1f",
                         pct_of_ref(v, true), pct_of_ref(v, false));
