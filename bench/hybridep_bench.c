@@ -89,9 +89,9 @@ typedef struct variant {
 #define MAX_VARIANTS 80
 #define LL_GROUPS 9
 static const char *const ll_groups[LL_GROUPS][2] = { /* name, options added to the low-latency ones */
-    {"default (512 thr, 1 KB, last_block, thread)", ""},
+    {"default (512 thr, 1 KB, last_block, block)", ""},
     {"ll_threads 1024", ", \"ll_threads\": 1024"},
-    {"ll_fence block", ", \"ll_fence\": \"block\""},
+    {"ll_fence thread", ", \"ll_fence\": \"thread\""},
     {"ll_flag per_block + fence block", ", \"ll_flag\": \"per_block\", \"ll_fence\": \"block\""},
     {"ll_piece 2048", ", \"ll_piece\": 2048"},
     {"ll_piece 512", ", \"ll_piece\": 512"},
@@ -422,8 +422,8 @@ int main(int argc, char **argv)
     for (int i = 0; i < 4; i++) {
         B.v[add("hybridep low-latency back-to-back (every SM)", "hybridep", "{\"timeout_ms\": 10000}", ll_tokens[i],
                 false)].back_to_back = true;
-        B.v[add("hybridep low-latency back-to-back, ll_fence block", "hybridep",
-                "{\"timeout_ms\": 10000, \"low_latency\": \"on\", \"ll_fence\": \"block\"}", ll_tokens[i], false)]
+        B.v[add("hybridep low-latency back-to-back, ll_fence thread", "hybridep",
+                "{\"timeout_ms\": 10000, \"low_latency\": \"on\", \"ll_fence\": \"thread\"}", ll_tokens[i], false)]
             .back_to_back = true;
     }
     B.v[add("deepep 24 SMs back-to-back", "deepep", "{\"timeout_ms\": 10000, \"num_sms\": 24}", 128, false)]

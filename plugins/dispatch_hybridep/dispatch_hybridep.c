@@ -256,9 +256,9 @@ static moert_result read_options(hybridep_ctx *c)
                                "sending block stores one flag per destination) or \"per_block\" (every block adds "
                                "to a count at every destination)", &c->ll_flag);
     if (rc == MOERT_OK)
-        rc = host->option_enum(host, "ll_fence", fences, 0,
-                               "low-latency CUDA kernels: before the flag, every thread fences (\"thread\") or, after "
-                               "the block barrier, only the publishing threads (\"block\")", &c->ll_fence);
+        rc = host->option_enum(host, "ll_fence", fences, 1,
+                               "low-latency CUDA kernels: after the block barrier, only the publishing threads fence "
+                               "(\"block\") or, before the flag, every thread fences (\"thread\")", &c->ll_fence);
     return rc;
 }
 

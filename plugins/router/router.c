@@ -31,6 +31,7 @@ typedef struct router_ctx {
     double bias_update_rate;
     double aux_loss_coeff;
     double z_loss_coeff;
+    int gemm;              /* router_gpu_gemm: the CUDA path's GEMM arithmetic (option "gemm") */
 
     /* work buffers, sized for buffer_tokens tokens */
     int64_t buffer_tokens;
@@ -148,6 +149,7 @@ static moert_result read_options(router_ctx *c, const moert_host *h)
     static const char *const balancing_choices[] = {"none", "aux_loss", "seq_aux_loss", "global_aux_loss",
                                                     "sinkhorn", NULL};
     static const char *const drop_choices[] = {"probs", "position", NULL};
+    static const char *const gemm_choices[] = {"auto", "fp32", "bf16x3", NULL}; /* by router_gpu_gemm */
     router_params *p = &c->params;
     moert_result rc;
     int score = 0, balancing = 0, drop = 0;
@@ -196,6 +198,11 @@ static moert_result read_options(router_ctx *c, const moert_host *h)
     rc = h->option_enum(h, "drop_policy", drop_choices, 0,
                         "over capacity, keep the highest-prob copies (probs) or the earliest tokens (position)",
                         &drop);
+    if (rc != MOERT_OK) return rc;
+    rc = h->option_enum(h, "gemm", gemm_choices, 0,
+                        "CUDA: the linear layer's arithmetic: fp32 GEMMs, or bf16x3 (fp32 operands split into three "
+                        "bf16 terms, tensor cores, fp32 accumulation; bf16 activations only); auto picks bf16x3 for "
+                        "bf16 activations. Ignored on the CPU", &c->gemm);
     if (rc != MOERT_OK) return rc;
 
     p->num_experts = c->num_experts;
@@ -316,7 +323,7 @@ static moert_result router_init(void **ctx, const moert_host *host, const moert_
     if (on_cuda) {
         router_gpu_config cfg = {.name = ROUTER_NAME, .params = c->params, .use_expert_bias = c->use_expert_bias,
                                  .bias_update_rate = c->bias_update_rate, .aux_loss_coeff = c->aux_loss_coeff,
-                                 .z_loss_coeff = c->z_loss_coeff};
+                                 .z_loss_coeff = c->z_loss_coeff, .gemm = (router_gpu_gemm)c->gemm};
         rc = router_gpu_create(host, layer, &cfg, &c->gpu);
         if (rc != MOERT_OK) {
             free(c);

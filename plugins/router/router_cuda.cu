@@ -450,6 +450,36 @@ __global__ void accumulate_kernel(int64_t n, int bf16, const float *__restrict__
     }
 }
 
+/* src [rows, cols] fp32 -> dst [rows, planes * cols] bf16: plane p (columns p*cols ..) holds the p-th bf16 term of
+ * src, each term the nearest bf16 to what the terms before it left (src = hi + mid + lo to 24 bits with 3 planes). */
+__global__ void split_bf16_kernel(int64_t rows, int64_t cols, int planes, const float *__restrict__ src,
+                                  uint16_t *__restrict__ dst)
+{
+    const int64_t n = rows * cols;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = i / cols, c = i % cols;
+        float rest = src[i];
+        for (int p = 0; p < planes; p++) {
+            const uint16_t term = float_to_bf16_bits(rest);
+            dst[r * planes * cols + p * cols + c] = term;
+            rest -= bf16_bits_to_float(term); /* exact: the term holds rest's leading bits */
+        }
+    }
+}
+
+/* dst [rows, cols] fp32 (+)= the sum of src's planes [rows, planes * cols], added in plane order. */
+__global__ void sum_planes_kernel(int64_t rows, int64_t cols, int planes, int accumulate, const float *__restrict__ src,
+                                  float *__restrict__ dst)
+{
+    const int64_t n = rows * cols;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = i / cols, c = i % cols;
+        float sum = 0.0f;
+        for (int p = 0; p < planes; p++) sum += src[r * planes * cols + p * cols + c];
+        dst[i] = accumulate ? dst[i] + sum : sum;
+    }
+}
+
 __global__ void add_counts_kernel(int64_t n, const long long *__restrict__ src, long long *__restrict__ dst)
 {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
@@ -739,6 +769,34 @@ extern "C" moert_result moert_router_cuda_accumulate(const moert_host *host, cud
     if (n <= 0) return MOERT_OK;
     accumulate_kernel<<<grid_for_elements(n), ELEMENTWISE_THREADS, 0, stream>>>(n, dst_dtype == MOERT_BF16, src, dst);
     LAUNCH_CHECK(host, "accumulate_kernel");
+    return MOERT_OK;
+}
+
+/* fp32 -> bf16 planes; see router_cuda.h. */
+extern "C" moert_result moert_router_cuda_split_bf16(const moert_host *host, cudaStream_t stream, int64_t rows,
+                                                     int64_t cols, int planes, const float *src, uint16_t *dst)
+{
+    if (rows < 0 || cols < 0 || planes < 1 || planes > 3)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda split: bad sizes (rows %lld, cols %lld, planes %d)",
+                      (long long)rows, (long long)cols, planes);
+    if (rows * cols == 0) return MOERT_OK;
+    split_bf16_kernel<<<grid_for_elements(rows * cols), ELEMENTWISE_THREADS, 0, stream>>>(rows, cols, planes, src, dst);
+    LAUNCH_CHECK(host, "split_bf16_kernel");
+    return MOERT_OK;
+}
+
+/* Sum of planes; see router_cuda.h. */
+extern "C" moert_result moert_router_cuda_sum_planes(const moert_host *host, cudaStream_t stream, int64_t rows,
+                                                     int64_t cols, int planes, int accumulate, const float *src,
+                                                     float *dst)
+{
+    if (rows < 0 || cols < 0 || planes < 1)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda sum: bad sizes (rows %lld, cols %lld, planes %d)",
+                      (long long)rows, (long long)cols, planes);
+    if (rows * cols == 0) return MOERT_OK;
+    sum_planes_kernel<<<grid_for_elements(rows * cols), ELEMENTWISE_THREADS, 0, stream>>>(rows, cols, planes,
+                                                                                         accumulate, src, dst);
+    LAUNCH_CHECK(host, "sum_planes_kernel");
     return MOERT_OK;
 }
 

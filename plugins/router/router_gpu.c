@@ -11,6 +11,14 @@
  *   WGRAD   dW[E,H]      += d_logits^T @ x         m=H n=E k=T  A=x  [H,T] ld H op N, B=d_logits [E,T] ld E op T
  * The heuristic's algorithm is cached per GEMM for its last shape and pointer alignments, so steady-state
  * steps (the same T) query no heuristics.
+ *
+ * Option "gemm" bf16x3 (auto's choice for bf16 activations): the same three products on bf16 tensor cores with fp32
+ * accumulation, the fp32 operand split into three bf16 terms (hi + mid + lo hold its 24 significant bits; x is bf16
+ * already, so no product loses anything):
+ *   LOGITS  one GEMM on W's three planes stacked [3E,H] (m=3E): three partial logits per token, summed in plane order
+ *   WGRAD   one GEMM on d_logits' planes [T,3E] (n=3E): three partial dW, summed into d_weight
+ *   DGRAD   three GEMMs into the fp32 scratch: W_hi d_hi + W_mid d_hi + W_hi d_mid (what is left is ~2^-16 of d_x,
+ *           which is stored in bf16), then added to d_x
  */
 #include "router_gpu.h"
 
@@ -30,7 +38,14 @@
 #define HOST_HAS(h, member)                                                                                  \
     ((h)->struct_size >= offsetof(moert_host, member) + sizeof((h)->member) && (h)->member != NULL)
 
-typedef enum gemm_kind { GEMM_LOGITS = 0, GEMM_DGRAD = 1, GEMM_WGRAD = 2, GEMM_KINDS = 3 } gemm_kind;
+/* The fp32 GEMMs, then the same three with bf16 operands (bf16x3, GEMM_X3 past the fp32 one). */
+typedef enum gemm_kind {
+    GEMM_LOGITS = 0, GEMM_DGRAD = 1, GEMM_WGRAD = 2,
+    GEMM_LOGITS_X3 = 3, GEMM_DGRAD_X3 = 4, GEMM_WGRAD_X3 = 5,
+    GEMM_KINDS = 6
+} gemm_kind;
+#define GEMM_X3 3
+#define X3_PLANES 3
 
 /* One GEMM's descriptors and the algorithm chosen for its last shape. */
 typedef struct gemm_plan {
@@ -40,6 +55,7 @@ typedef struct gemm_plan {
     bool ready;
     int64_t m, n, k;
     uint32_t align_a, align_b, align_c;
+    int64_t ldb;
     int beta_one;
 } gemm_plan;
 
@@ -63,6 +79,12 @@ struct router_gpu {
     float *d_logits;      /* [T,E] */
     int32_t *sel_idx;     /* [T,K] the selection, kept for backward */
     float *x32;           /* [T,H] x widened to fp32 (bf16 x), or the fp32 d_x product before it is added */
+    /* bf16x3 (option "gemm"): W's planes [3E,H] (split by each forward, kept for backward), d_logits' planes [T,3E]
+     * (per-token buffers) and the fp32 partial products [max(T*3E, 3E*H)] */
+    bool x3;
+    uint16_t *w_planes, *dl_planes;
+    float *partial;
+    int64_t x3_tokens;
     int64_t x32_tokens;
     const void *x32_source; /* the x whose fp32 copy x32 holds now; NULL when it holds something else */
 
@@ -181,6 +203,24 @@ static moert_result ensure_x32(router_gpu *g, int64_t T)
     return MOERT_OK;
 }
 
+/* bf16x3: W's planes (once), and d_logits' planes and the partial products for T tokens (grow only). */
+static moert_result ensure_x3_buffers(router_gpu *g, int64_t T)
+{
+    const int64_t E = g->num_experts, H = g->hidden, n = T > 0 ? T : 1;
+    if (!g->w_planes) GPU_TRY(device_alloc(g, (size_t)(X3_PLANES * E * H) * sizeof(uint16_t), (void **)&g->w_planes));
+    if (g->dl_planes && n <= g->x3_tokens) return MOERT_OK;
+    device_free(g, g->dl_planes);
+    device_free(g, g->partial);
+    g->dl_planes = NULL;
+    g->partial = NULL;
+    g->x3_tokens = 0;
+    const int64_t partial = X3_PLANES * E * (n > H ? n : H);
+    GPU_TRY(device_alloc(g, (size_t)(X3_PLANES * E * n) * sizeof(uint16_t), (void **)&g->dl_planes));
+    GPU_TRY(device_alloc(g, (size_t)partial * sizeof(float), (void **)&g->partial));
+    g->x3_tokens = n;
+    return MOERT_OK;
+}
+
 /* Makes the balancing-loss buffers hold `slots` (sequences x experts) counts (grows only). */
 static moert_result ensure_aux_buffers(router_gpu *g, int64_t slots)
 {
@@ -207,11 +247,11 @@ static uint32_t pointer_alignment(const void *p)
     return align;
 }
 
-/* Sets one layout's rows, columns and leading dimension (column-major fp32). */
-static moert_result layout_set(router_gpu *g, cublasLtMatrixLayout_t l, int64_t rows, int64_t cols)
+/* Sets one layout's rows, columns and leading dimension (column-major; ld 0: rows). */
+static moert_result layout_set(router_gpu *g, cublasLtMatrixLayout_t l, int64_t rows, int64_t cols, int64_t ld_or_0)
 {
     uint64_t r = (uint64_t)rows, c = (uint64_t)cols;
-    int64_t ld = rows;
+    int64_t ld = ld_or_0 > 0 ? ld_or_0 : rows;
     GPU_CUBLAS(g, cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_ROWS, &r, sizeof r));
     GPU_CUBLAS(g, cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_COLS, &c, sizeof c));
     GPU_CUBLAS(g, cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_LD, &ld, sizeof ld));
@@ -221,7 +261,7 @@ static moert_result layout_set(router_gpu *g, cublasLtMatrixLayout_t l, int64_t 
 /* The stored (column-major) sizes of a GEMM's operands from its m, n, k (see the table at the top). */
 static void gemm_operand_sizes(gemm_kind kind, int64_t m, int64_t n, int64_t k, int64_t sizes[3][2])
 {
-    switch (kind) {
+    switch (kind % GEMM_X3) {
     case GEMM_LOGITS: /* A = W [k=H, m=E] op T; B = x [H, n=T] */
         sizes[0][0] = k; sizes[0][1] = m;
         sizes[1][0] = k; sizes[1][1] = n;
@@ -241,23 +281,27 @@ static void gemm_operand_sizes(gemm_kind kind, int64_t m, int64_t n, int64_t k, 
 
 static const char *gemm_name(gemm_kind kind)
 {
-    return kind == GEMM_LOGITS ? "logits = x W^T" : kind == GEMM_DGRAD ? "d_x = d_logits W" : "d_W += d_logits^T x";
+    static const char *const names[GEMM_KINDS] = {
+        "logits = x W^T", "d_x = d_logits W", "d_W += d_logits^T x",
+        "bf16x3 logits = x W^T", "bf16x3 d_x = d_logits W", "bf16x3 d_W += d_logits^T x"};
+    return names[kind];
 }
 
-/* C (+)= op(A) op(B) in fp32 on stream; the algorithm is looked up again only when the shape changes. */
-static moert_result gemm_run(router_gpu *g, cudaStream_t stream, gemm_kind kind, int64_t m, int64_t n, int64_t k,
-                             const float *A, const float *B, float *C, int beta_one)
+/* C (+)= op(A) op(B) with fp32 accumulation on stream (fp32 operands, or bf16 for the X3 kinds; B's leading dimension
+ * ldb, 0: its rows); the algorithm is looked up again only when the shape changes. */
+static moert_result gemm_run_ld(router_gpu *g, cudaStream_t stream, gemm_kind kind, int64_t m, int64_t n, int64_t k,
+                                const void *A, const void *B, int64_t ldb, float *C, int beta_one)
 {
     gemm_plan *p = &g->plans[kind];
     uint32_t aa = pointer_alignment(A), ab = pointer_alignment(B), ac = pointer_alignment(C);
     if (!p->ready || p->m != m || p->n != n || p->k != k || p->align_a != aa || p->align_b != ab ||
-        p->align_c != ac || p->beta_one != beta_one) {
+        p->align_c != ac || p->beta_one != beta_one || p->ldb != ldb) {
         int64_t sizes[3][2];
         gemm_operand_sizes(kind, m, n, k, sizes);
         p->ready = false;
-        GPU_TRY(layout_set(g, p->a, sizes[0][0], sizes[0][1]));
-        GPU_TRY(layout_set(g, p->b, sizes[1][0], sizes[1][1]));
-        GPU_TRY(layout_set(g, p->c, sizes[2][0], sizes[2][1]));
+        GPU_TRY(layout_set(g, p->a, sizes[0][0], sizes[0][1], 0));
+        GPU_TRY(layout_set(g, p->b, sizes[1][0], sizes[1][1], ldb));
+        GPU_TRY(layout_set(g, p->c, sizes[2][0], sizes[2][1], 0));
         GPU_CUBLAS(g, cublasLtMatmulPreferenceSetAttribute(g->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aa,
                                                            sizeof aa));
         GPU_CUBLAS(g, cublasLtMatmulPreferenceSetAttribute(g->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ab,
@@ -272,7 +316,7 @@ static moert_result gemm_run(router_gpu *g, cudaStream_t stream, gemm_kind kind,
         GPU_CUBLAS(g, cublasLtMatmulAlgoGetHeuristic(g->lt, p->desc, p->a, p->b, p->c, p->c, g->pref, 1, &result,
                                                      &found));
         if (found < 1)
-            return gpu_fail(g, MOERT_ERR_UNSUPPORTED, "cuBLASLt has no fp32 algorithm for %s (m=%lld n=%lld k=%lld)",
+            return gpu_fail(g, MOERT_ERR_UNSUPPORTED, "cuBLASLt has no algorithm for %s (m=%lld n=%lld k=%lld)",
                             gemm_name(kind), (long long)m, (long long)n, (long long)k);
         p->algo = result.algo;
         p->m = m;
@@ -282,12 +326,19 @@ static moert_result gemm_run(router_gpu *g, cudaStream_t stream, gemm_kind kind,
         p->align_b = ab;
         p->align_c = ac;
         p->beta_one = beta_one;
+        p->ldb = ldb;
         p->ready = true;
     }
     const float alpha = 1.0f, beta = beta_one ? 1.0f : 0.0f;
     GPU_CUBLAS(g, cublasLtMatmul(g->lt, p->desc, &alpha, A, p->a, B, p->b, &beta, C, p->c, C, p->c, &p->algo,
                                  g->workspace, GEMM_WORKSPACE_BYTES, stream));
     return MOERT_OK;
+}
+
+static moert_result gemm_run(router_gpu *g, cudaStream_t stream, gemm_kind kind, int64_t m, int64_t n, int64_t k,
+                             const float *A, const float *B, float *C, int beta_one)
+{
+    return gemm_run_ld(g, stream, kind, m, n, k, A, B, 0, C, beta_one);
 }
 
 /* The handle, the preference (workspace size) and each GEMM's descriptor and layouts. */
@@ -300,13 +351,14 @@ static moert_result gemm_setup(router_gpu *g)
                                                        sizeof ws));
     for (int kind = 0; kind < GEMM_KINDS; kind++) {
         gemm_plan *p = &g->plans[kind];
-        cublasOperation_t ta = kind == GEMM_LOGITS ? CUBLAS_OP_T : CUBLAS_OP_N;
-        cublasOperation_t tb = kind == GEMM_WGRAD ? CUBLAS_OP_T : CUBLAS_OP_N;
+        cublasOperation_t ta = kind % GEMM_X3 == GEMM_LOGITS ? CUBLAS_OP_T : CUBLAS_OP_N;
+        cublasOperation_t tb = kind % GEMM_X3 == GEMM_WGRAD ? CUBLAS_OP_T : CUBLAS_OP_N;
+        cudaDataType_t operands = kind >= GEMM_X3 ? CUDA_R_16BF : CUDA_R_32F;
         GPU_CUBLAS(g, cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
         GPU_CUBLAS(g, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
         GPU_CUBLAS(g, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-        GPU_CUBLAS(g, cublasLtMatrixLayoutCreate(&p->a, CUDA_R_32F, 1, 1, 1));
-        GPU_CUBLAS(g, cublasLtMatrixLayoutCreate(&p->b, CUDA_R_32F, 1, 1, 1));
+        GPU_CUBLAS(g, cublasLtMatrixLayoutCreate(&p->a, operands, 1, 1, 1));
+        GPU_CUBLAS(g, cublasLtMatrixLayoutCreate(&p->b, operands, 1, 1, 1));
         GPU_CUBLAS(g, cublasLtMatrixLayoutCreate(&p->c, CUDA_R_32F, 1, 1, 1));
     }
     return MOERT_OK;
@@ -415,6 +467,13 @@ moert_result router_gpu_create(const moert_host *host, const moert_layer_info *l
     g->aux_on = (b == ROUTER_BALANCE_AUX_LOSS || b == ROUTER_BALANCE_SEQ_AUX_LOSS ||
                  b == ROUTER_BALANCE_GLOBAL_AUX_LOSS) && cfg->aux_loss_coeff > 0.0;
     g->z_on = cfg->z_loss_coeff > 0.0;
+    g->x3 = cfg->gemm == ROUTER_GEMM_BF16X3 || (cfg->gemm == ROUTER_GEMM_AUTO && layer->dtype == MOERT_BF16);
+    if (g->x3 && layer->dtype != MOERT_BF16) {
+        host->set_error(host, "router '%s' on cuda:%d: option gemm: \"bf16x3\" needs bf16 activations (the layer has "
+                        "%s); use \"fp32\" or \"auto\"", cfg->name, (int)layer->device.id, moert_dtype_name(layer->dtype));
+        free(g);
+        return MOERT_ERR_UNSUPPORTED;
+    }
     /* without a loss no value comes back to the host: no sync, and no allocation once the buffers have grown to the
      * step's tokens, so the executor may capture the layer in a CUDA graph */
     if (offsetof(moert_host, set_flags) + sizeof host->set_flags <= host->struct_size)
@@ -443,7 +502,8 @@ void router_gpu_destroy(router_gpu *g)
     if (g->lt) cublasLtDestroy(g->lt);
     void *device_buffers[] = {g->workspace, g->logits,    g->d_logits,       g->sel_idx,  g->x32,
                               g->aux_counts, g->aux_f,    g->aux_scale,      g->loss_out, g->loss_workspace,
-                              g->global_sum, g->bias,     g->bias_counts};
+                              g->global_sum, g->bias,     g->bias_counts,    g->w_planes, g->dl_planes,
+                              g->partial};
     for (size_t i = 0; i < sizeof device_buffers / sizeof device_buffers[0]; i++) device_free(g, device_buffers[i]);
     if (g->loss_host) h->free_pinned(h, g->loss_host);
     if (g->counts_host) h->free_pinned(h, g->counts_host);
@@ -588,8 +648,14 @@ moert_result router_gpu_forward(router_gpu *g, moert_stream s, const moert_route
     if (T > INT32_MAX) return gpu_fail(g, MOERT_ERR_UNSUPPORTED, "forward: %lld tokens (at most %d)", (long long)T, INT32_MAX);
     GPU_TRY(ensure_token_buffers(g, T));
 
-    /* logits = x W^T in fp32 */
-    if (T > 0) {
+    /* logits = x W^T in fp32, or from W's bf16 planes (bf16x3) */
+    if (T > 0 && g->x3) {
+        GPU_TRY(ensure_x3_buffers(g, T));
+        GPU_TRY(moert_router_cuda_split_bf16(h, stream, 1, E * H, X3_PLANES, (const float *)a->weight->data,
+                                             g->w_planes));
+        GPU_TRY(gemm_run_ld(g, stream, GEMM_LOGITS_X3, X3_PLANES * E, T, H, g->w_planes, a->x->data, 0, g->partial, 0));
+        GPU_TRY(moert_router_cuda_sum_planes(h, stream, T, E, X3_PLANES, 0, g->partial, g->logits));
+    } else if (T > 0) {
         const float *x32 = NULL;
         GPU_TRY(x_as_f32(g, stream, a->x, T, true, &x32));
         GPU_TRY(gemm_run(g, stream, GEMM_LOGITS, E, T, H, (const float *)a->weight->data, x32, g->logits, 0));
@@ -619,6 +685,26 @@ moert_result router_gpu_forward(router_gpu *g, moert_stream s, const moert_route
 
 /* ---- backward ---- */
 
+/* bf16x3's backward from d_logits: d_logits split into planes; d_weight += the three partial dW; d_x += W_hi d_hi +
+ * W_mid d_hi + W_hi d_mid (through the fp32 scratch), with W's planes of the forward (W has not changed since). */
+static moert_result backward_x3(router_gpu *g, cudaStream_t stream, const moert_router_backward_args *a, int64_t T)
+{
+    const moert_host *h = g->host;
+    const int64_t H = g->hidden, E = g->num_experts;
+    GPU_TRY(ensure_x3_buffers(g, T));
+    GPU_TRY(ensure_x32(g, T));
+    g->x32_source = NULL; /* x32 becomes the d_x scratch */
+    GPU_TRY(moert_router_cuda_split_bf16(h, stream, T, E, X3_PLANES, g->d_logits, g->dl_planes));
+    GPU_TRY(gemm_run_ld(g, stream, GEMM_WGRAD_X3, H, X3_PLANES * E, T, a->x->data, g->dl_planes, 0, g->partial, 0));
+    GPU_TRY(moert_router_cuda_sum_planes(h, stream, 1, E * H, X3_PLANES, 1, g->partial, (float *)a->d_weight->data));
+    static const int w_plane[3] = {0, 1, 0}, d_plane[3] = {0, 0, 1};
+    for (int i = 0; i < 3; i++)
+        GPU_TRY(gemm_run_ld(g, stream, GEMM_DGRAD_X3, H, T, E, g->w_planes + (size_t)(w_plane[i] * E * H),
+                            g->dl_planes + (size_t)(d_plane[i] * E), X3_PLANES * E, g->x32, i > 0));
+    GPU_TRY(moert_router_cuda_accumulate(h, stream, a->d_x->dtype, T * H, g->x32, a->d_x->data));
+    return MOERT_OK;
+}
+
 moert_result router_gpu_backward(router_gpu *g, moert_stream s, const moert_router_backward_args *a, int64_t T)
 {
     cudaStream_t stream = (cudaStream_t)s;
@@ -641,6 +727,8 @@ moert_result router_gpu_backward(router_gpu *g, moert_stream s, const moert_rout
         GPU_TRY(moert_router_cuda_loss_backward(h, stream, &lp, g->logits, g->fwd_aux ? g->aux_f : NULL, g->aux_scale,
                                                 a->loss_scale, z_grad, g->d_logits));
     }
+
+    if (g->x3) return backward_x3(g, stream, a, T);
 
     /* d_weight += d_logits^T x (fp32, beta 1) */
     const float *x32 = NULL;

@@ -17,6 +17,10 @@
 
 typedef struct router_gpu router_gpu;
 
+/* The linear layer's arithmetic (option "gemm"): fp32 GEMMs, or bf16x3: the fp32 operand (W; d_logits in backward)
+ * split into three bf16 terms, bf16 tensor-core GEMMs with fp32 accumulation (x is bf16 already). */
+typedef enum router_gpu_gemm { ROUTER_GEMM_AUTO = 0, ROUTER_GEMM_FP32 = 1, ROUTER_GEMM_BF16X3 = 2 } router_gpu_gemm;
+
 /* What the CUDA path needs of the instance's options (validated by router.c). */
 typedef struct router_gpu_config {
     const char *name;          /* the plugin's name, for messages */
@@ -25,6 +29,7 @@ typedef struct router_gpu_config {
     double bias_update_rate;
     double aux_loss_coeff;
     double z_loss_coeff;
+    router_gpu_gemm gemm;
 } router_gpu_config;
 
 /* Creates the CUDA state on layer->device: refuses (MOERT_ERR_UNSUPPORTED, naming the option) what runs on

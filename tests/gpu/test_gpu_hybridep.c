@@ -213,6 +213,8 @@ static const dispatch_case cases[] = {
      "{\"low_latency\": \"on\", \"ll_piece\": 2048, \"ll_fence\": \"block\", \"num_sms\": 16}"},
     {"ll fp32 H33 512-B pieces, per-block", MOERT_F32, 33, 8, 4, 80, 0.15, 0.6, true, false, true,
      "{\"low_latency\": \"on\", \"ll_piece\": 512, \"ll_flag\": \"per_block\", \"ll_threads\": 1024}"},
+    {"ll thread fence (before the default)", MOERT_BF16, 7168, 256, 8, 128, 0.02, 0.1, false, false, true,
+     "{\"low_latency\": \"on\", \"ll_fence\": \"thread\"}"},
 };
 #define CASES ((int)(sizeof cases / sizeof cases[0]))
 

@@ -565,6 +565,7 @@ static void check_refusals_and_edges(const gpu_rank *g)
     expect_gpu_refusal(g, "{\"capacity_factor\": 1.25}", 8, 2, "capacity_factor 1.25 (token dropping) runs on the CPU");
     expect_gpu_refusal(g, "{}", 300, 2, "num_experts 300 is more than the CUDA kernels' 256");
     expect_gpu_refusal(g, "{}", 16, 9, "topk 9 is more than the CUDA kernels' 8");
+    expect_gpu_refusal(g, "{\"gemm\": \"bf16x3\"}", 8, 2, "option gemm: \"bf16x3\" needs bf16 activations");
 
     /* a tensor on the wrong device, fp16 x, and no tokens */
     router_mode m = {.name = "edge", .options = "{\"z_loss_coeff\": 0.01}", .T = 8, .H = 16, .E = 8, .K = 2};
@@ -791,6 +792,17 @@ int main(void)
          .steps = 2, .forwards_per_step = 2},
         {.name = "softmax post, no loss, E256 K8", .score = SCORE_POST, .T = 70, .H = 40, .E = 256, .K = 8,
          .options = "{}", .steps = 1, .forwards_per_step = 1},
+        /* option gemm: the bf16 runs above take bf16x3 (auto); here a longer H, bf16x3 and fp32 on the same data */
+        {.name = "sigmoid bias G8/4 x2.5, H 1024, gemm auto", .score = SCORE_SIGMOID, .groups = 8, .group_topk = 4,
+         .T = 192, .H = 1024, .E = 256, .K = 8,
+         .options = "{\"score_function\": \"sigmoid\", \"num_groups\": 8, \"group_topk\": 4, \"scaling_factor\": 2.5, "
+                    "\"expert_bias\": true, \"bias_update_rate\": 0.01}",
+         .steps = 2, .forwards_per_step = 1},
+        {.name = "sigmoid bias G8/4 x2.5, H 1024, gemm fp32", .score = SCORE_SIGMOID, .groups = 8, .group_topk = 4,
+         .T = 192, .H = 1024, .E = 256, .K = 8,
+         .options = "{\"score_function\": \"sigmoid\", \"num_groups\": 8, \"group_topk\": 4, \"scaling_factor\": 2.5, "
+                    "\"expert_bias\": true, \"bias_update_rate\": 0.01, \"gemm\": \"fp32\"}",
+         .steps = 2, .forwards_per_step = 1},
     };
     for (size_t i = 0; i < sizeof modes / sizeof modes[0]; i++) {
         check_mode(&modes[i], MOERT_F32, &g);
