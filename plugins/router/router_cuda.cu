@@ -450,20 +450,24 @@ __global__ void accumulate_kernel(int64_t n, int bf16, const float *__restrict__
     }
 }
 
-/* src [rows, cols] fp32 -> dst [rows, planes * cols] bf16: plane p (columns p*cols ..) holds the p-th bf16 term of
- * src, each term the nearest bf16 to what the terms before it left (src = hi + mid + lo to 24 bits with 3 planes). */
-__global__ void split_bf16_kernel(int64_t rows, int64_t cols, int planes, const float *__restrict__ src,
-                                  uint16_t *__restrict__ dst)
+/* src [rows, cols] fp32 -> dst [rows, 3 * cols] bf16: plane p (columns p*cols ..) holds bf16 term order[p] of src,
+ * the terms hi, mid, lo each the nearest bf16 to what the terms before it left (src = hi + mid + lo to 24 bits). */
+__global__ void split_bf16_kernel(int64_t rows, int64_t cols, int order0, int order1, int order2,
+                                  const float *__restrict__ src, uint16_t *__restrict__ dst)
 {
     const int64_t n = rows * cols;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         const int64_t r = i / cols, c = i % cols;
         float rest = src[i];
-        for (int p = 0; p < planes; p++) {
-            const uint16_t term = float_to_bf16_bits(rest);
-            dst[r * planes * cols + p * cols + c] = term;
-            rest -= bf16_bits_to_float(term); /* exact: the term holds rest's leading bits */
+        uint16_t terms[3];
+        for (int t = 0; t < 3; t++) {
+            terms[t] = float_to_bf16_bits(rest);
+            rest -= bf16_bits_to_float(terms[t]); /* exact: the term holds rest's leading bits */
         }
+        uint16_t *row = dst + r * 3 * cols + c;
+        row[0] = terms[order0];
+        row[cols] = terms[order1];
+        row[2 * cols] = terms[order2];
     }
 }
 
@@ -774,13 +778,18 @@ extern "C" moert_result moert_router_cuda_accumulate(const moert_host *host, cud
 
 /* fp32 -> bf16 planes; see router_cuda.h. */
 extern "C" moert_result moert_router_cuda_split_bf16(const moert_host *host, cudaStream_t stream, int64_t rows,
-                                                     int64_t cols, int planes, const float *src, uint16_t *dst)
+                                                     int64_t cols, const int order[3], const float *src, uint16_t *dst)
 {
-    if (rows < 0 || cols < 0 || planes < 1 || planes > 3)
-        return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda split: bad sizes (rows %lld, cols %lld, planes %d)",
-                      (long long)rows, (long long)cols, planes);
+    for (int p = 0; p < 3; p++)
+        if (order[p] < 0 || order[p] > 2)
+            return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda split: plane %d takes term %d (0..2)", p,
+                          order[p]);
+    if (rows < 0 || cols < 0)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda split: bad sizes (rows %lld, cols %lld)",
+                      (long long)rows, (long long)cols);
     if (rows * cols == 0) return MOERT_OK;
-    split_bf16_kernel<<<grid_for_elements(rows * cols), ELEMENTWISE_THREADS, 0, stream>>>(rows, cols, planes, src, dst);
+    split_bf16_kernel<<<grid_for_elements(rows * cols), ELEMENTWISE_THREADS, 0, stream>>>(rows, cols, order[0], order[1],
+                                                                                         order[2], src, dst);
     LAUNCH_CHECK(host, "split_bf16_kernel");
     return MOERT_OK;
 }

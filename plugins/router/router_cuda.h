@@ -69,11 +69,12 @@ moert_result moert_router_cuda_to_f32(const moert_host *host, cudaStream_t strea
 /* dst [n] (bf16 or fp32) += src [n] fp32; the sum is formed in fp32 and rounded once (bf16: to nearest even). */
 moert_result moert_router_cuda_accumulate(const moert_host *host, cudaStream_t stream, moert_dtype dst_dtype, int64_t n,
                                           const float *src, void *dst);
-/* The bf16 split of fp32 values: src [rows, cols] -> dst [rows, planes * cols], plane p (its columns p*cols ..) the
- * p-th bf16 term (1 to 3), each the nearest bf16 to what the terms before it left: three terms hold an fp32 value's
- * 24 significant bits, so GEMMs on the planes with fp32 accumulation give fp32 products on tensor cores. */
+/* The bf16 split of fp32 values: src [rows, cols] -> dst [rows, 3 * cols], plane p (its columns p*cols ..) holding
+ * term order[p] of hi, mid, lo (0, 1, 2), each the nearest bf16 to what the terms before it left: the three hold an
+ * fp32 value's 24 significant bits, so GEMMs on the planes with fp32 accumulation give fp32 products on tensor cores.
+ * A term may appear twice (order {0, 0, 1}) to pair with another operand's planes along K. */
 moert_result moert_router_cuda_split_bf16(const moert_host *host, cudaStream_t stream, int64_t rows, int64_t cols,
-                                          int planes, const float *src, uint16_t *dst);
+                                          const int order[3], const float *src, uint16_t *dst);
 /* dst [rows, cols] = (accumulate 0) or += (1) the sum over p of src [rows, planes * cols]'s plane p, in plane order. */
 moert_result moert_router_cuda_sum_planes(const moert_host *host, cudaStream_t stream, int64_t rows, int64_t cols,
                                           int planes, int accumulate, const float *src, float *dst);

@@ -17,8 +17,8 @@
  * already, so no product loses anything):
  *   LOGITS  one GEMM on W's three planes stacked [3E,H] (m=3E): three partial logits per token, summed in plane order
  *   WGRAD   one GEMM on d_logits' planes [T,3E] (n=3E): three partial dW, summed into d_weight
- *   DGRAD   three GEMMs into the fp32 scratch: W_hi d_hi + W_mid d_hi + W_hi d_mid (what is left is ~2^-16 of d_x,
- *           which is stored in bf16), then added to d_x
+ *   DGRAD   one GEMM along K = 3E on the pairs (W_hi, d_hi), (W_mid, d_hi), (W_hi, d_mid) (what is left out is ~2^-16
+ *           of d_x, which is stored in bf16), added to the bf16 d_x in its epilogue (beta 1, rounded once)
  */
 #include "router_gpu.h"
 
@@ -83,6 +83,7 @@ struct router_gpu {
      * (per-token buffers) and the fp32 partial products [max(T*3E, 3E*H)] */
     bool x3;
     uint16_t *w_planes, *dl_planes;
+    uint16_t *w_pairs, *dl_pairs; /* DGRAD's K-stacked planes: W (hi, mid, hi) [3E,H], d_logits (hi, hi, mid) [T,3E] */
     float *partial;
     int64_t x3_tokens;
     int64_t x32_tokens;
@@ -208,14 +209,17 @@ static moert_result ensure_x3_buffers(router_gpu *g, int64_t T)
 {
     const int64_t E = g->num_experts, H = g->hidden, n = T > 0 ? T : 1;
     if (!g->w_planes) GPU_TRY(device_alloc(g, (size_t)(X3_PLANES * E * H) * sizeof(uint16_t), (void **)&g->w_planes));
+    if (!g->w_pairs) GPU_TRY(device_alloc(g, (size_t)(X3_PLANES * E * H) * sizeof(uint16_t), (void **)&g->w_pairs));
     if (g->dl_planes && n <= g->x3_tokens) return MOERT_OK;
     device_free(g, g->dl_planes);
+    device_free(g, g->dl_pairs);
     device_free(g, g->partial);
-    g->dl_planes = NULL;
+    g->dl_planes = g->dl_pairs = NULL;
     g->partial = NULL;
     g->x3_tokens = 0;
     const int64_t partial = X3_PLANES * E * (n > H ? n : H);
     GPU_TRY(device_alloc(g, (size_t)(X3_PLANES * E * n) * sizeof(uint16_t), (void **)&g->dl_planes));
+    GPU_TRY(device_alloc(g, (size_t)(X3_PLANES * E * n) * sizeof(uint16_t), (void **)&g->dl_pairs));
     GPU_TRY(device_alloc(g, (size_t)partial * sizeof(float), (void **)&g->partial));
     g->x3_tokens = n;
     return MOERT_OK;
@@ -290,7 +294,7 @@ static const char *gemm_name(gemm_kind kind)
 /* C (+)= op(A) op(B) with fp32 accumulation on stream (fp32 operands, or bf16 for the X3 kinds; B's leading dimension
  * ldb, 0: its rows); the algorithm is looked up again only when the shape changes. */
 static moert_result gemm_run_ld(router_gpu *g, cudaStream_t stream, gemm_kind kind, int64_t m, int64_t n, int64_t k,
-                                const void *A, const void *B, int64_t ldb, float *C, int beta_one)
+                                const void *A, const void *B, int64_t ldb, void *C, int beta_one)
 {
     gemm_plan *p = &g->plans[kind];
     uint32_t aa = pointer_alignment(A), ab = pointer_alignment(B), ac = pointer_alignment(C);
@@ -359,7 +363,8 @@ static moert_result gemm_setup(router_gpu *g)
         GPU_CUBLAS(g, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
         GPU_CUBLAS(g, cublasLtMatrixLayoutCreate(&p->a, operands, 1, 1, 1));
         GPU_CUBLAS(g, cublasLtMatrixLayoutCreate(&p->b, operands, 1, 1, 1));
-        GPU_CUBLAS(g, cublasLtMatrixLayoutCreate(&p->c, CUDA_R_32F, 1, 1, 1));
+        /* bf16x3's DGRAD adds into the bf16 d_x in its epilogue */
+        GPU_CUBLAS(g, cublasLtMatrixLayoutCreate(&p->c, kind == GEMM_DGRAD_X3 ? CUDA_R_16BF : CUDA_R_32F, 1, 1, 1));
     }
     return MOERT_OK;
 }
@@ -503,7 +508,7 @@ void router_gpu_destroy(router_gpu *g)
     void *device_buffers[] = {g->workspace, g->logits,    g->d_logits,       g->sel_idx,  g->x32,
                               g->aux_counts, g->aux_f,    g->aux_scale,      g->loss_out, g->loss_workspace,
                               g->global_sum, g->bias,     g->bias_counts,    g->w_planes, g->dl_planes,
-                              g->partial};
+                              g->partial,   g->w_pairs,   g->dl_pairs};
     for (size_t i = 0; i < sizeof device_buffers / sizeof device_buffers[0]; i++) device_free(g, device_buffers[i]);
     if (g->loss_host) h->free_pinned(h, g->loss_host);
     if (g->counts_host) h->free_pinned(h, g->counts_host);
@@ -651,8 +656,8 @@ moert_result router_gpu_forward(router_gpu *g, moert_stream s, const moert_route
     /* logits = x W^T in fp32, or from W's bf16 planes (bf16x3) */
     if (T > 0 && g->x3) {
         GPU_TRY(ensure_x3_buffers(g, T));
-        GPU_TRY(moert_router_cuda_split_bf16(h, stream, 1, E * H, X3_PLANES, (const float *)a->weight->data,
-                                             g->w_planes));
+        static const int terms[3] = {0, 1, 2};
+        GPU_TRY(moert_router_cuda_split_bf16(h, stream, 1, E * H, terms, (const float *)a->weight->data, g->w_planes));
         GPU_TRY(gemm_run_ld(g, stream, GEMM_LOGITS_X3, X3_PLANES * E, T, H, g->w_planes, a->x->data, 0, g->partial, 0));
         GPU_TRY(moert_router_cuda_sum_planes(h, stream, T, E, X3_PLANES, 0, g->partial, g->logits));
     } else if (T > 0) {
@@ -686,22 +691,22 @@ moert_result router_gpu_forward(router_gpu *g, moert_stream s, const moert_route
 /* ---- backward ---- */
 
 /* bf16x3's backward from d_logits: d_logits split into planes; d_weight += the three partial dW; d_x += W_hi d_hi +
- * W_mid d_hi + W_hi d_mid (through the fp32 scratch), with W's planes of the forward (W has not changed since). */
+ * W_mid d_hi + W_hi d_mid in one GEMM along K = 3E, straight into the bf16 d_x (W has not changed since forward). */
 static moert_result backward_x3(router_gpu *g, cudaStream_t stream, const moert_router_backward_args *a, int64_t T)
 {
     const moert_host *h = g->host;
     const int64_t H = g->hidden, E = g->num_experts;
+    static const int terms[3] = {0, 1, 2}, w_pair_terms[3] = {0, 1, 0}, dl_pair_terms[3] = {0, 0, 1};
+    if (a->d_x->dtype != MOERT_BF16)
+        return gpu_fail(g, MOERT_ERR_UNSUPPORTED, "backward: d_x is %s; gemm bf16x3 takes a bf16 d_x",
+                        moert_dtype_name(a->d_x->dtype));
     GPU_TRY(ensure_x3_buffers(g, T));
-    GPU_TRY(ensure_x32(g, T));
-    g->x32_source = NULL; /* x32 becomes the d_x scratch */
-    GPU_TRY(moert_router_cuda_split_bf16(h, stream, T, E, X3_PLANES, g->d_logits, g->dl_planes));
+    GPU_TRY(moert_router_cuda_split_bf16(h, stream, T, E, terms, g->d_logits, g->dl_planes));
     GPU_TRY(gemm_run_ld(g, stream, GEMM_WGRAD_X3, H, X3_PLANES * E, T, a->x->data, g->dl_planes, 0, g->partial, 0));
     GPU_TRY(moert_router_cuda_sum_planes(h, stream, 1, E * H, X3_PLANES, 1, g->partial, (float *)a->d_weight->data));
-    static const int w_plane[3] = {0, 1, 0}, d_plane[3] = {0, 0, 1};
-    for (int i = 0; i < 3; i++)
-        GPU_TRY(gemm_run_ld(g, stream, GEMM_DGRAD_X3, H, T, E, g->w_planes + (size_t)(w_plane[i] * E * H),
-                            g->dl_planes + (size_t)(d_plane[i] * E), X3_PLANES * E, g->x32, i > 0));
-    GPU_TRY(moert_router_cuda_accumulate(h, stream, a->d_x->dtype, T * H, g->x32, a->d_x->data));
+    GPU_TRY(moert_router_cuda_split_bf16(h, stream, 1, E * H, w_pair_terms, (const float *)a->weight->data, g->w_pairs));
+    GPU_TRY(moert_router_cuda_split_bf16(h, stream, T, E, dl_pair_terms, g->d_logits, g->dl_pairs));
+    GPU_TRY(gemm_run_ld(g, stream, GEMM_DGRAD_X3, H, T, X3_PLANES * E, g->w_pairs, g->dl_pairs, 0, a->d_x->data, 1));
     return MOERT_OK;
 }
 
