@@ -89,9 +89,20 @@ static const bench_shape shapes[] = {
 #define MAX_REL_ERR 0.2      /* an FP8 variant further than this from bf16 computes something else: the bench fails */
 #define ERR_VALUES ((int64_t)4 << 20) /* outputs compared against bf16 */
 
-enum { V_BF16, V_FP8_BLOCK, V_FP8_CURRENT, V_DENSE_BF16, V_DENSE_FP8, V_BF16_FIRST, V_FP8_BLOCK_FIRST, V_COUNT };
+enum {
+    V_BF16,
+    V_FP8_BLOCK,
+    V_FP8_CURRENT,
+    V_DENSE_BF16,
+    V_DENSE_FP8,
+    V_BF16_FIRST,
+    V_FP8_BLOCK_FIRST,
+    V_FP8_BLOCK_CUBLASLT,
+    V_COUNT
+};
 static const char *const variant_names[V_COUNT] = {"bf16", "fp8_blockwise", "fp8_current", "dense_bf16",
-                                                   "dense_fp8_blockwise", "bf16_first", "fp8_blockwise_first"};
+                                                   "dense_fp8_blockwise", "bf16_first", "fp8_blockwise_first",
+                                                   "fp8_blockwise_cublaslt"};
 
 /* Whether variant v runs in pass: the "first micro-batch" ones (overwrite_grad_weight) in WGRAD only. */
 static int variant_applies(int v, int pass)
@@ -101,7 +112,8 @@ static int variant_applies(int v, int pass)
 
 static int variant_is_fp8(int v)
 {
-    return v == V_FP8_BLOCK || v == V_FP8_CURRENT || v == V_DENSE_FP8 || v == V_FP8_BLOCK_FIRST;
+    return v == V_FP8_BLOCK || v == V_FP8_CURRENT || v == V_DENSE_FP8 || v == V_FP8_BLOCK_FIRST ||
+           v == V_FP8_BLOCK_CUBLASLT;
 }
 
 /* The bf16 variant an FP8 variant's output is compared with (the same GEMMs in bf16). */
@@ -242,7 +254,7 @@ typedef struct shape_run {
     void *x, *dy, *w32, *w16;
     void **y, **dx;
     moert_bf16_cuda *bf16;
-    moert_fp8_cuda **fp8; /* blockwise, current, dense blockwise */
+    moert_fp8_cuda **fp8; /* blockwise (kernel), current, dense blockwise (kernel), blockwise on cuBLASLt */
 } shape_run;
 
 /* Enqueues variant var's grouped GEMM of pass on stream: output into y[var] / dx[var] / grad_weight (WGRAD:
@@ -262,7 +274,7 @@ static moert_result launch(const shape_run *r, cudaStream_t stream, int var, int
         moert_result rc = moert_bf16_cuda_set_streams(r->bf16, dense ? 1 : (int)r->streams);
         return rc != MOERT_OK ? rc : moert_bf16_cuda_grouped_gemm(r->bf16, stream, &gm);
     }
-    moert_fp8_cuda *h = r->fp8[var == V_FP8_CURRENT ? 1 : var == V_DENSE_FP8 ? 2 : 0];
+    moert_fp8_cuda *h = r->fp8[var == V_FP8_CURRENT ? 1 : var == V_DENSE_FP8 ? 2 : var == V_FP8_BLOCK_CUBLASLT ? 3 : 0];
     moert_fp8_cuda_gemm gm = {.which = r->s->which, .pass = (moert_gemm_pass)pass, .act_dtype = MOERT_BF16,
                               .weight_dtype = MOERT_F32, .grad_weight_dtype = MOERT_F32,
                               .num_experts = dense ? 1 : r->E, .rows_per_expert = dense ? r->dense_counts : r->counts,
@@ -357,14 +369,17 @@ int main(int argc, char **argv)
         moert_bf16_cuda *bf16 = NULL;
         MOK(moert_bf16_cuda_create(&bench_host, NULL, 0, MOERT_BF16_CUDA_EXPERT_LOOP, &bf16));
         MOK(moert_bf16_cuda_set_streams(bf16, streams));
-        moert_fp8_cuda *fp8[3] = {NULL, NULL, NULL}; /* blockwise, current, dense blockwise */
+        /* blockwise on the kernel (the plugin's default on sm_90), current, dense blockwise (kernel), blockwise on
+         * cuBLASLt */
+        moert_fp8_cuda *fp8[4] = {NULL, NULL, NULL, NULL};
         const moert_device dev0 = {MOERT_DEVICE_CUDA, 0};
-        for (int i = 0; i < 3; i++) {
+        for (int i = 0; i < 4; i++) {
             const moert_fp8_cuda_config cfg = {i == 1 ? MOERT_FP8_CUDA_CURRENT : MOERT_FP8_CUDA_BLOCKWISE,
                                                i == 1, /* current: hybrid (E5M2 gradients); blockwise: E4M3 */
                                                i != 1, i == 2 ? 1 : E, 1, 0, 0};
             MOK(moert_fp8_cuda_create(&bench_host, dev0, &cfg, &fp8[i]));
             MOK(moert_fp8_cuda_set_streams(fp8[i], i == 2 ? 1 : streams));
+            if (i == 0 || i == 2) MOK(moert_fp8_cuda_set_block_kernel(fp8[i], 1));
         }
         const shape_run run = {s, K, N, E, R, streams, counts, dense_counts, x, dy, w32, w16, y, dx, bf16, fp8};
         const double flops = 2.0 * (double)R * (double)K * (double)N;
@@ -440,11 +455,11 @@ int main(int argc, char **argv)
             weight_quant_ms[si][i] = total / 2;
         }
         moert_fp8_cuda_stats st;
-        moert_fp8_cuda_get_stats(fp8[0], &st);
-        printf("%s fp8 blockwise: %lld matmuls, %lld heuristic queries, %lld cache hits, %lld exact fallbacks\n",
+        moert_fp8_cuda_get_stats(fp8[3], &st);
+        printf("%s fp8 blockwise on cuBLASLt: %lld matmuls, %lld heuristic queries, %lld cache hits, %lld exact fallbacks\n",
                s->name, (long long)st.matmuls, (long long)st.heuristic_queries, (long long)st.cache_hits,
                (long long)st.exact_fallbacks);
-        for (int i = 0; i < 3; i++) moert_fp8_cuda_destroy(fp8[i]);
+        for (int i = 0; i < 4; i++) moert_fp8_cuda_destroy(fp8[i]);
         moert_bf16_cuda_destroy(bf16);
         for (int v = 0; v < V_COUNT; v++) {
             CK(cudaFree(y[v]));

@@ -39,4 +39,11 @@ static inline moert_result report(const moert_host *host, moert_result code, con
                           cudaGetErrorString(err_), __FILE__, __LINE__);                                     \
     } while (0)
 
+/* Checked internal call returning moert_result: a failure returns it (its message already handed over). */
+#define MOK(call)                                                                                            \
+    do {                                                                                                     \
+        moert_result r_ = (call);                                                                            \
+        if (r_ != MOERT_OK) return r_;                                                                       \
+    } while (0)
+
 #endif

@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <time.h>
 
+#include "../common/mbarrier.cuh"
 #include "../common/plugin_cuda_check.h"
 
 #define SEND_THREADS 1024     /* a vector-copy NVLink-phase block: 32 warps, one row each at a time */
@@ -54,32 +55,11 @@ __device__ __forceinline__ uint64_t now_ns()
 
 /* ---- TMA bulk copies and mbarriers ---- */
 
-__device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void mbar_init(uint64_t *bar)
-{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
-}
-
 /* Global -> shared, `bytes` (a multiple of 16), completing on the stage's mbarrier (one phase per load). */
 __device__ __forceinline__ void tma_load(void *dst_smem, const void *src, uint32_t bytes, uint64_t *bar)
 {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
-                 : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     smem_addr(dst_smem)),
-                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
-                 : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity)
-{
-    uint32_t done = 0;
-    while (!done)
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(done)
-                     : "r"(smem_addr(bar)), "r"(parity)
-                     : "memory");
+    mbar_arrive_expect_tx(bar, bytes);
+    bulk_load(dst_smem, src, bytes, bar);
 }
 
 /* Shared -> global (a peer's buffer over NVLink, or local memory), in the current bulk group. */
@@ -650,7 +630,7 @@ __device__ __forceinline__ void pipe_init(pipe &p, char *smem, int stages, uint3
     p.bars = (uint64_t *)(smem + (size_t)P * stages * stride) + warp * MAX_STAGES;
     if ((threadIdx.x & 31) == 0)
         for (int s = 0; s < stages; s++) mbar_init(p.bars + s);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mbar_init_fence();
     __syncthreads();
 }
 

@@ -24,6 +24,7 @@ typedef struct fp8_ctx {
     fp8_scratch scratch;
     bool on_cuda;              /* the layer is on a CUDA device: the CUDA path serves it */
     int gemm_streams;          /* option: streams of the CUDA per-expert loop */
+    int gemm_engine;           /* option "gemm": GEMM_AUTO, GEMM_CUBLASLT, GEMM_KERNEL */
 #ifdef MOERT_HAVE_CUDA
     moert_fp8_cuda *gemm;      /* quantize kernels, FP8 weight copies, cuBLASLt handle */
     int64_t *counts_host;      /* [E_local] pinned: device counts copied down when no host copy is given */
@@ -33,6 +34,8 @@ typedef struct fp8_ctx {
 static const char *const recipe_choices[] = {"current", "delayed", "blockwise", NULL};
 static const char *const format_choices[] = {"e4m3", "hybrid", NULL};
 static const char *const amax_compute_choices[] = {"max", "most_recent", NULL};
+static const char *const gemm_choices[] = {"auto", "cublaslt", "kernel", NULL};
+enum { GEMM_AUTO = 0, GEMM_CUBLASLT = 1, GEMM_KERNEL = 2 };
 
 /* Sets the instance's error message and returns code, so checks can `return fail(...)`. */
 static moert_result fail(const fp8_ctx *c, moert_result code, const char *fmt, ...)
@@ -52,10 +55,10 @@ static moert_result fail(const fp8_ctx *c, moert_result code, const char *fmt, .
 
 static void fp8_finalize(void *ctx);
 
-/* Reads the options into s and *streams; "power_of_2_scales" defaults to true for blockwise, false otherwise, and
+/* Reads the options into s, *streams and *engine; "power_of_2_scales" defaults to true for blockwise, false otherwise, and
  * "format" to e4m3 for blockwise (its per-128 scales cover the gradients' range, as in DeepSeek-V3's recipe; with
  * E5M2 gradients the 300-step demo curve ran 2.9% above bf16's, with E4M3 within 0.5%), hybrid otherwise. */
-static moert_result read_options(const moert_host *host, fp8_settings *s, int *streams)
+static moert_result read_options(const moert_host *host, fp8_settings *s, int *streams, int *engine)
 {
     int recipe = 0, format = 1, amax_compute = 0;
     moert_result rc = host->option_enum(host, "recipe", recipe_choices, 0,
@@ -90,6 +93,12 @@ static moert_result read_options(const moert_host *host, fp8_settings *s, int *s
                           &gemm_streams);
     if (rc != MOERT_OK) return rc;
     *streams = (int)gemm_streams;
+    rc = host->option_enum(host, "gemm", gemm_choices, GEMM_AUTO,
+                           "CUDA, blockwise recipe: the GEMMs' engine: kernel (moert's wgmma kernel, the 128-block "
+                           "factors applied in registers), cublaslt (VEC128 / BLK128x128 matmuls per expert), or auto "
+                           "(kernel on compute capability 9.0, else cublaslt)",
+                           engine);
+    if (rc != MOERT_OK) return rc;
     s->recipe = (fp8_recipe)recipe;
     s->hybrid = format == 1;
     s->power_of_2 = power_of_2;
@@ -166,6 +175,13 @@ static moert_result cuda_init(fp8_ctx *c)
     };
     rc = moert_fp8_cuda_create(h, l->device, &cfg, &c->gemm);
     if (rc == MOERT_OK) rc = moert_fp8_cuda_set_streams(c->gemm, c->gemm_streams);
+    /* blockwise GEMMs on the wgmma kernel: "kernel", or "auto" on compute capability 9.0 (the kernel's sm_90a code) */
+    const bool hopper = prop.major == 9 && prop.minor == 0;
+    if (rc == MOERT_OK && s->recipe == FP8_RECIPE_BLOCKWISE && c->gemm_engine == GEMM_KERNEL && !hopper)
+        rc = fail(c, MOERT_ERR_UNSUPPORTED, "$.precision.gemm: \"kernel\" needs a compute capability 9.0 GPU "
+                  "(wgmma); %s is %s (%d.%d): use \"cublaslt\" or \"auto\"", dev, prop.name, prop.major, prop.minor);
+    if (rc == MOERT_OK && s->recipe == FP8_RECIPE_BLOCKWISE && c->gemm_engine != GEMM_CUBLASLT && hopper)
+        rc = moert_fp8_cuda_set_block_kernel(c->gemm, 1);
     /* every matmul of the recipe exists in this cuBLASLt (weight gradients accumulate in fp32, as the executor's) */
     if (rc == MOERT_OK) rc = moert_fp8_cuda_check_support(c->gemm, l->hidden, l->ffn_hidden, l->dtype, MOERT_F32);
     if (previous >= 0 && previous != id) (void)cudaSetDevice(previous);
@@ -192,9 +208,14 @@ static moert_result fp8_init(void **out, const moert_host *host, const moert_lay
     }
 #endif
     fp8_settings settings;
-    int streams = 4;
-    moert_result rc = read_options(host, &settings, &streams);
+    int streams = 4, engine = GEMM_AUTO;
+    moert_result rc = read_options(host, &settings, &streams, &engine);
     if (rc != MOERT_OK) return rc;
+    if (engine == GEMM_KERNEL && settings.recipe != FP8_RECIPE_BLOCKWISE) {
+        host->set_error(host, "$.precision.gemm: \"kernel\" serves the blockwise recipe only (recipe is \"%s\"); "
+                        "use \"auto\" or \"cublaslt\"", recipe_choices[settings.recipe]);
+        return MOERT_ERR_CONFIG;
+    }
     fp8_ctx *c = calloc(1, sizeof *c);
     if (!c) {
         host->set_error(host, "out of memory for the precision state");
@@ -205,6 +226,7 @@ static moert_result fp8_init(void **out, const moert_host *host, const moert_lay
     c->settings = settings;
     c->on_cuda = layer->device.type == MOERT_DEVICE_CUDA;
     c->gemm_streams = streams;
+    c->gemm_engine = engine;
     if (settings.recipe == FP8_RECIPE_DELAYED && !c->on_cuda &&
         !fp8_delayed_init(&c->delayed, layer->num_local_experts, settings.amax_history_len)) {
         fp8_finalize(c);

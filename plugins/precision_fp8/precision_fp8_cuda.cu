@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "../common/plugin_cuda_check.h"
+#include "fp8_block_gemm.h"
 
 #define TILE 128              /* block edge of the blockwise recipe */
 #define TABLE_MAX 64          /* matrices per kernel launch (the table goes by value) */
@@ -45,13 +46,6 @@
         if (st_ != CUBLAS_STATUS_SUCCESS)                                                                    \
             return report((host), MOERT_ERR_CUDA, "%s failed: %s (%s:%d)", #call, cublasLtGetStatusString(st_), \
                           __FILE__, __LINE__);                                                               \
-    } while (0)
-
-/* Checked internal call returning moert_result. */
-#define MOK(call)                                                                                            \
-    do {                                                                                                     \
-        moert_result r_ = (call);                                                                            \
-        if (r_ != MOERT_OK) return r_;                                                                       \
     } while (0)
 
 enum { OP_INPUT = 0, OP_WEIGHT = 1, OP_GRAD = 2 };
@@ -480,6 +474,7 @@ struct moert_fp8_cuda {
     int64_t wgrad_align; /* blockwise WGRAD: rows padded to 16 or 128 (0: not asked yet) */
     int64_t worst_rows;  /* the current GEMM's most padded rows (capacity + (align - 1) * E); 0: capacity unknown */
     int blk_order;       /* blockwise FORWARD/DGRAD: BLK_ORDER_* (see choose_blk_order) */
+    moert_fp8_block_ctx *block; /* blockwise GEMMs on the wgmma kernel (fp8_block_gemm.cu); NULL: cuBLASLt */
     cublasLtHandle_t lt;
     cublasLtMatmulPreference_t pref;
     int32_t pref_align[3];
@@ -575,6 +570,7 @@ extern "C" void moert_fp8_cuda_destroy(moert_fp8_cuda *g)
         if (g->join_event[i]) cudaEventDestroy(g->join_event[i]);
     }
     if (g->fork_event) cudaEventDestroy(g->fork_event);
+    moert_fp8_block_ctx_destroy(g->block);
     for (int i = 0; i < g->desc_count; i++) cublasLtMatmulDescDestroy(g->descs[i].desc);
     for (int i = 0; i < 3; i++)
         if (g->layout[i].layout) cublasLtMatrixLayoutDestroy(g->layout[i].layout);
@@ -684,6 +680,22 @@ fail:
     return rc;
 }
 
+/* The blockwise recipe's GEMMs on the wgmma kernel (on 1) or cuBLASLt (0). */
+extern "C" moert_result moert_fp8_cuda_set_block_kernel(moert_fp8_cuda *g, int on)
+{
+    if (!on) {
+        moert_fp8_block_ctx_destroy(g->block);
+        g->block = NULL;
+        return MOERT_OK;
+    }
+    if (g->cfg.recipe != MOERT_FP8_CUDA_BLOCKWISE)
+        return report(g->host, MOERT_ERR_UNSUPPORTED, "the FP8 GEMM kernel serves the blockwise recipe only");
+    if (g->vec_layout != MOERT_FP8_VEC128_X_MAJOR || g->blk_layout != MOERT_FP8_BLK_K_MAJOR_PAD4)
+        return report(g->host, MOERT_ERR_UNSUPPORTED, "the FP8 GEMM kernel reads the default scale layouts only");
+    if (g->block) return MOERT_OK;
+    return moert_fp8_block_ctx_create(g->host, &g->block);
+}
+
 /* Sets the matmul lanes; creates the missing streams and events, grows the workspace. */
 extern "C" moert_result moert_fp8_cuda_set_streams(moert_fp8_cuda *g, int streams)
 {
@@ -719,6 +731,8 @@ extern "C" void moert_fp8_cuda_drop_weights(moert_fp8_cuda *g)
 extern "C" void moert_fp8_cuda_set_scale_layout(moert_fp8_cuda *g, moert_fp8_cuda_vec_layout vec,
                                                 moert_fp8_cuda_blk_layout blk)
 {
+    if (g->block && (vec != MOERT_FP8_VEC128_X_MAJOR || blk != MOERT_FP8_BLK_K_MAJOR_PAD4))
+        (void)moert_fp8_cuda_set_block_kernel(g, 0); /* the kernel reads the default layouts only: cuBLASLt then */
     g->vec_layout = (int)vec;
     g->blk_layout = (int)blk;
     moert_fp8_cuda_drop_weights(g);
@@ -1520,6 +1534,7 @@ extern "C" moert_result moert_fp8_cuda_check_support(moert_fp8_cuda *g, int64_t 
                                                      moert_dtype act_dtype, moert_dtype grad_weight_dtype)
 {
     static const int64_t rows = 512;
+    if (g->block) return MOERT_OK; /* the blockwise kernel takes every shape the plugin accepts */
     MOK(choose_blk_order(g, hidden, 2 * ffn_hidden, act_dtype));
     for (int w = 0; w < 2; w++)
         for (int pass = 0; pass < 3; pass++) {
@@ -1548,7 +1563,7 @@ extern "C" moert_result moert_fp8_cuda_check_support(moert_fp8_cuda *g, int64_t 
 static moert_result wgrad_row_align(moert_fp8_cuda *g, const moert_fp8_cuda_gemm *gm, int64_t *align)
 {
     *align = MOERT_FP8_CUDA_ROW_ALIGN;
-    if (!is_blockwise(g)) return MOERT_OK;
+    if (!is_blockwise(g) || g->block) return MOERT_OK; /* the kernel takes a reduction that ends inside a block */
     if (g->wgrad_align) {
         *align = g->wgrad_align;
         return MOERT_OK;
@@ -1675,6 +1690,75 @@ static moert_result zero_empty_experts(moert_fp8_cuda *g, cudaStream_t stream, c
     return MOERT_OK;
 }
 
+/*
+ * The blockwise recipe's grouped GEMM on the wgmma kernel, from the operands quantized as for cuBLASLt (the same
+ * bytes and factors; see the layouts at the top of precision_fp8_cuda.h), one group per non-empty expert:
+ *   FORWARD/DGRAD: A = the activation rows at their padded offsets (1x128 factors at x + kb * rows16), B = the
+ *     weight copy of the pass ([E][cols][reduction], 128x128 factors), D = the caller's rows (masked: no scratch).
+ *   WGRAD: A = input^T [K][rows16], B = grad_output^T [N][rows16] (1x128 factors on both), D = grad_weight[e].
+ */
+static moert_result block_gemm(moert_fp8_cuda *g, cudaStream_t stream, const moert_fp8_cuda_gemm *gm,
+                               const weight_cache *wc)
+{
+    const int64_t K = gm->k_in, N = gm->n_out, n_active = g->active_count;
+    const int wgrad = gm->pass == MOERT_GEMM_WGRAD, fwd = gm->pass == MOERT_GEMM_FORWARD;
+    const int grad_fmt = operand_format(g, OP_GRAD);
+    const int matrix_count = wgrad ? (int)(2 * n_active) : 2;
+    moert_fp8_block_matrix *mx = (moert_fp8_block_matrix *)calloc((size_t)matrix_count, sizeof *mx);
+    moert_fp8_block_group *gr = (moert_fp8_block_group *)calloc((size_t)n_active, sizeof *gr);
+    if (!mx || !gr) {
+        free(mx);
+        free(gr);
+        return report(g->host, MOERT_ERR_OUT_OF_MEMORY, "fp8 cuda: out of host memory for %lld groups",
+                      (long long)n_active);
+    }
+    moert_fp8_block_gemm call;
+    memset(&call, 0, sizeof call);
+    call.matrices = mx;
+    call.matrix_count = matrix_count;
+    call.groups = gr;
+    call.group_count = (int)n_active;
+    if (!wgrad) {
+        const int64_t kk = fwd ? K : N, cols = fwd ? N : K; /* the reduction, the output's columns */
+        const int64_t last = g->active[n_active - 1];
+        const size_t act_es = moert_dtype_size(gm->act_dtype);
+        char *dst = (char *)(fwd ? gm->output : gm->grad_input);
+        const float *winv = (const float *)(fwd ? wc->inv_fwd.p : wc->inv_dgrad.p);
+        mx[0] = (moert_fp8_block_matrix){g->act_b.p, g->prow0[last] + g->rows16[last], kk, kk};
+        mx[1] = (moert_fp8_block_matrix){fwd ? wc->fwd.p : wc->dgrad.p, gm->num_experts * cols, kk, kk};
+        call.a_format = fwd ? 0 : grad_fmt;
+        call.b_format = 0;
+        call.d_bf16 = gm->act_dtype == MOERT_BF16;
+        for (int64_t j = 0; j < n_active; j++) {
+            const int64_t e = g->active[j];
+            gr[j] = (moert_fp8_block_group){0, 1, g->prow0[e], e * cols, gm->rows_per_expert[e], cols, kk,
+                                            (const float *)g->b_blk.p + g->b_soff[e], g->rows16[e],
+                                            winv + e * wc->blk_stride, round_up(ceil_div(kk, 128), 4),
+                                            dst + (size_t)(g->row0[e] * cols) * act_es, cols};
+        }
+    } else {
+        const size_t gw_es = moert_dtype_size(gm->grad_weight_dtype);
+        call.a_format = 0;
+        call.b_format = grad_fmt;
+        call.b_per_row = 1;
+        call.d_bf16 = gm->grad_weight_dtype == MOERT_BF16;
+        call.accumulate = !gm->overwrite_grad_weight;
+        for (int64_t j = 0; j < n_active; j++) {
+            const int64_t e = g->active[j], r16 = g->rows16[e];
+            mx[2 * j] = (moert_fp8_block_matrix){(const uint8_t *)g->act_b.p + (size_t)g->prow0[e] * K, K, r16, r16};
+            mx[2 * j + 1] = (moert_fp8_block_matrix){(const uint8_t *)g->act_a.p + (size_t)g->prow0[e] * N, N, r16, r16};
+            gr[j] = (moert_fp8_block_group){(int)(2 * j), (int)(2 * j + 1), 0, 0, K, N, r16,
+                                            (const float *)g->b_blk.p + g->b_soff[e], K,
+                                            (const float *)g->a_blk.p + g->a_soff[e], N,
+                                            (char *)gm->grad_weight + (size_t)(e * K * N) * gw_es, N};
+        }
+    }
+    const moert_result rc = moert_fp8_block_gemm_run(g->block, stream, &call);
+    free(mx);
+    free(gr);
+    return rc;
+}
+
 /* One grouped GEMM: the weight's cached FP8 copy, the activations quantized, one matmul per non-empty expert. */
 extern "C" moert_result moert_fp8_cuda_grouped_gemm(moert_fp8_cuda *g, cudaStream_t stream,
                                                     const moert_fp8_cuda_gemm *gm)
@@ -1718,9 +1802,9 @@ extern "C" moert_result moert_fp8_cuda_grouped_gemm(moert_fp8_cuda *g, cudaStrea
         const float *winv = blk ? (const float *)(fwd ? wc->inv_fwd.p : wc->inv_dgrad.p) : (const float *)wc->inv.p;
         const int64_t wstride = blk ? wc->blk_stride : 4;
         char *dst = (char *)(fwd ? gm->output : gm->grad_input);
-        if (blk && (rc = choose_blk_order(g, K, N, gm->act_dtype)) != MOERT_OK) goto done;
-        swapped = blk && g->blk_order == BLK_ORDER_WEIGHT_B;
-        if (blk) { /* D goes through the same 16-row padding as the activation rows */
+        if (blk && !g->block && (rc = choose_blk_order(g, K, N, gm->act_dtype)) != MOERT_OK) goto done;
+        swapped = blk && !g->block && g->blk_order == BLK_ORDER_WEIGHT_B;
+        if (blk && !g->block) { /* D goes through the same 16-row padding as the activation rows */
             const int64_t last = g->active[g->active_count - 1];
             if ((rc = buf_reserve_worst(g, &g->dscratch, (size_t)((g->prow0[last] + g->rows16[last]) * mm) * act_es,
                                         (size_t)(g->worst_rows * mm) * act_es)) != MOERT_OK)
@@ -1832,6 +1916,10 @@ extern "C" moert_result moert_fp8_cuda_grouped_gemm(moert_fp8_cuda *g, cudaStrea
             g->b_soff[e] = 4 * e;
             if (gm->pass == MOERT_GEMM_WGRAD) g->a_soff[e] = 4 * e;
         }
+    if (blk && g->block) {
+        if (!g->quantize_only) rc = block_gemm(g, stream, gm, wc);
+        goto done;
+    }
     sort_by_rows(mms, g->active_count, gm->rows_per_expert);
     if (!g->quantize_only) rc = run_matmuls(g, stream, mms, g->active_count, gm->rows_per_expert);
     if (rc == MOERT_OK && swapped && !g->quantize_only)

@@ -88,6 +88,15 @@ void moert_fp8_cuda_destroy(moert_fp8_cuda *g);
 moert_result moert_fp8_cuda_check_support(moert_fp8_cuda *g, int64_t hidden, int64_t ffn_hidden, moert_dtype act_dtype,
                                           moert_dtype grad_weight_dtype);
 
+/*
+ * The blockwise recipe's GEMMs on moert's own wgmma kernel (fp8_block_gemm.h: FP8 MMA, the 1x128 and 128x128
+ * factors applied in registers per 128-long k-block; one launch per grouped GEMM, no padding copies) when on is 1,
+ * or on cuBLASLt's VEC128 / BLK128x128 matmuls (0, the default of a new handle). MOERT_ERR_UNSUPPORTED for another
+ * recipe, a GPU other than compute capability 9.0, or non-default scale layouts. The quantized operands are the same
+ * either way; WGRAD's rows are padded to 16 (the kernel takes a reduction that ends inside a block).
+ */
+moert_result moert_fp8_cuda_set_block_kernel(moert_fp8_cuda *g, int on);
+
 /* Streams the per-expert matmuls are spread over (1: the caller's only; at most MOERT_FP8_CUDA_MAX_STREAMS). */
 moert_result moert_fp8_cuda_set_streams(moert_fp8_cuda *g, int streams);
 

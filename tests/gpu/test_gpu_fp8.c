@@ -255,6 +255,7 @@ typedef struct recipe_case {
     int64_t hidden, ffn;
     int64_t counts[EXPERTS];  /* rows per expert in one call */
     bool capacity_unknown;    /* the handle is not told the rows' capacity (its buffers grow from the counts) */
+    bool kernel;              /* blockwise GEMMs on the wgmma kernel (moert_fp8_cuda_set_block_kernel), not cuBLASLt */
 } recipe_case;
 
 /* Whether gpu_pass tells the handle the rows' capacity (moert_fp8_cuda_gemm.capacity). */
@@ -485,7 +486,8 @@ static void run_case(const recipe_case *rc, cudaStream_t stream)
     memset(&scratch, 0, sizeof scratch);
     moert_fp8_cuda *h = NULL;
     if (moert_fp8_cuda_create(&raw_host, (moert_device){MOERT_DEVICE_CUDA, 0}, &cfg, &h) != MOERT_OK ||
-        moert_fp8_cuda_set_streams(h, 3) != MOERT_OK) {
+        moert_fp8_cuda_set_streams(h, 3) != MOERT_OK ||
+        (rc->kernel && moert_fp8_cuda_set_block_kernel(h, 1) != MOERT_OK)) {
         fprintf(stderr, "%s: creating the handle: %s\n", rc->name, handle_error);
         test_failures++;
         moert_fp8_cuda_destroy(h);
@@ -807,14 +809,19 @@ int main(void)
     /* experts of 0, 37, 5 and 300 rows; the odd-count cases put 3, 17, 0 and 41 rows in one call (each padded to 16
      * on the GPU: an expert's padded rows must not spill into the next one's, nor the last one's past the rows) */
     static const recipe_case cases[] = {
-        {"current hybrid", FP8_RECIPE_CURRENT, true, false, 256, 128, {0, 37, 5, 300}, false},
-        {"current e4m3 pow2", FP8_RECIPE_CURRENT, false, true, 256, 128, {0, 37, 5, 300}, false},
-        {"delayed hybrid", FP8_RECIPE_DELAYED, true, false, 256, 128, {0, 37, 5, 300}, false},
-        {"blockwise hybrid pow2", FP8_RECIPE_BLOCKWISE, true, true, 256, 128, {0, 37, 5, 300}, false},
-        {"blockwise e4m3", FP8_RECIPE_BLOCKWISE, false, false, 256, 128, {0, 37, 5, 300}, false},
-        {"blockwise ragged F=192", FP8_RECIPE_BLOCKWISE, false, true, 384, 192, {0, 37, 5, 300}, false},
-        {"blockwise 3,17,0,41", FP8_RECIPE_BLOCKWISE, false, true, 256, 128, {3, 17, 0, 41}, false},
-        {"blockwise hybrid 3,17,0,41 nocap", FP8_RECIPE_BLOCKWISE, true, false, 256, 128, {3, 17, 0, 41}, true},
+        {"current hybrid", FP8_RECIPE_CURRENT, true, false, 256, 128, {0, 37, 5, 300}, false, false},
+        {"current e4m3 pow2", FP8_RECIPE_CURRENT, false, true, 256, 128, {0, 37, 5, 300}, false, false},
+        {"delayed hybrid", FP8_RECIPE_DELAYED, true, false, 256, 128, {0, 37, 5, 300}, false, false},
+        {"blockwise hybrid pow2", FP8_RECIPE_BLOCKWISE, true, true, 256, 128, {0, 37, 5, 300}, false, false},
+        {"blockwise e4m3", FP8_RECIPE_BLOCKWISE, false, false, 256, 128, {0, 37, 5, 300}, false, false},
+        {"blockwise ragged F=192", FP8_RECIPE_BLOCKWISE, false, true, 384, 192, {0, 37, 5, 300}, false, false},
+        {"blockwise 3,17,0,41", FP8_RECIPE_BLOCKWISE, false, true, 256, 128, {3, 17, 0, 41}, false, false},
+        {"blockwise hybrid 3,17,0,41 nocap", FP8_RECIPE_BLOCKWISE, true, false, 256, 128, {3, 17, 0, 41}, true, false},
+        {"blockwise e4m3 kernel", FP8_RECIPE_BLOCKWISE, false, false, 256, 128, {0, 37, 5, 300}, false, true},
+        {"blockwise hybrid pow2 kernel", FP8_RECIPE_BLOCKWISE, true, true, 256, 128, {0, 37, 5, 300}, false, true},
+        {"blockwise ragged F=192 kernel", FP8_RECIPE_BLOCKWISE, false, true, 384, 192, {0, 37, 5, 300}, false, true},
+        {"blockwise hybrid 3,17,0,41 nocap kernel", FP8_RECIPE_BLOCKWISE, true, false, 256, 128, {3, 17, 0, 41}, true,
+         true},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i], raw_stream);
     CK(cudaStreamDestroy(raw_stream));
@@ -832,7 +839,8 @@ int main(void)
     } else {
         run_plugin("{\"recipe\": \"current\"}", pool, (cudaStream_t)stream);
         run_plugin("{\"recipe\": \"delayed\", \"amax_history_len\": 3}", pool, (cudaStream_t)stream);
-        run_plugin("{\"recipe\": \"blockwise\", \"gemm_streams\": 2}", pool, (cudaStream_t)stream);
+        run_plugin("{\"recipe\": \"blockwise\", \"gemm_streams\": 2}", pool, (cudaStream_t)stream); /* kernel */
+        run_plugin("{\"recipe\": \"blockwise\", \"gemm\": \"cublaslt\"}", pool, (cudaStream_t)stream);
         run_refusals(pool, (cudaStream_t)stream);
     }
     if (stream) moert_cuda_stream_synchronize(stream);

@@ -578,6 +578,19 @@ static void check_errors(void)
                                      1), MOERT_ERR_CONFIG);
     EXPECT_ERROR_CONTAINS("amax_history_len");
     test_instance_close(&ti);
+    /* the wgmma kernel serves the blockwise recipe only; a bad engine names the key and the choices */
+    EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, "{\"recipe\": \"current\", \"gemm\": \"kernel\"}",
+                                     &layer, NULL, 0, 1), MOERT_ERR_CONFIG);
+    EXPECT_ERROR_CONTAINS("$.precision.gemm: \"kernel\" serves the blockwise recipe only (recipe is \"current\")");
+    test_instance_close(&ti);
+    EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, "{\"gemm\": \"cutlass\"}", &layer, NULL, 0, 1),
+                  MOERT_ERR_CONFIG);
+    EXPECT_ERROR_CONTAINS("gemm");
+    EXPECT_ERROR_CONTAINS("cublaslt");
+    test_instance_close(&ti);
+    EXPECT_OK(test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, "{\"recipe\": \"blockwise\", \"gemm\": \"kernel\"}",
+                                 &layer, NULL, 0, 1)); /* on the CPU the engine is not used */
+    test_instance_close(&ti);
     layer.device.type = MOERT_DEVICE_CUDA; /* the FP8 GEMMs on CUDA are not written yet */
     moert_result r = test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, "{}", &layer, NULL, 0, 1);
     EXPECT_EQ_INT(r, MOERT_ERR_UNSUPPORTED);

@@ -1,0 +1,66 @@
+/* Shared-memory mbarriers and TMA loads for the plugins' CUDA kernels (Hopper, sm_90): a stage of a pipeline is
+ * filled by bulk or tensor copies that complete on its mbarrier, and consumers wait on the barrier's phase parity.
+ * Header-only, device code. */
+#ifndef MOERT_PLUGIN_MBARRIER_CUH
+#define MOERT_PLUGIN_MBARRIER_CUH
+
+#include <stdint.h>
+
+__device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+/* A barrier whose phase completes after `count` arrivals (and the transaction bytes announced in the phase). */
+__device__ __forceinline__ void mbar_init_count(uint64_t *bar, uint32_t count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t *bar) { mbar_init_count(bar, 1); }
+
+/* Makes initialised barriers visible to the async proxy (TMA) and the other threads (with a __syncthreads after). */
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+
+/* Waits until the phase of parity `parity` has completed. */
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity)
+{
+    uint32_t done = 0;
+    while (!done)
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done)
+                     : "r"(smem_addr(bar)), "r"(parity)
+                     : "memory");
+}
+
+/* One arrival (release: this thread's earlier shared-memory writes are seen by whoever waits on the phase). */
+__device__ __forceinline__ void mbar_arrive(uint64_t *bar)
+{
+    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+/* One arrival that also announces `bytes` of copies completing on this phase. */
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t *bar, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+
+/* Global -> shared bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned), completing on bar. */
+__device__ __forceinline__ void bulk_load(void *dst_smem, const void *src, uint32_t bytes, uint64_t *bar)
+{
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_addr(dst_smem)),
+                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
+                 : "memory");
+}
+
+/* A 2-D tile through a tensor map (its box, swizzle and out-of-bounds zero fill): column c0, row c1. */
+__device__ __forceinline__ void tensor_load_2d(void *dst_smem, const void *tensor_map, int32_t c0, int32_t c1,
+                                               uint64_t *bar)
+{
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+            smem_addr(dst_smem)),
+        "l"(tensor_map), "r"(c0), "r"(c1), "r"(smem_addr(bar))
+        : "memory");
+}
+
+#endif

@@ -1,0 +1,471 @@
+/* Blockwise-scaled FP8 grouped GEMM (see fp8_block_gemm.h): one CTA per 128x128 output tile, three warpgroups. The
+ * first is the producer: one warp loads each 128-long k-block of A and B through TMA into a ring of stages (128-byte
+ * swizzled rows, as wgmma reads them) and the block's scale factors into the same stage. The other two are the
+ * consumers, 64 rows of the tile each: per k-block four wgmma m64n128k32 into fresh fp32 partial sums, then
+ * acc += partial * sa(row) * sb(col) in registers, and the stage is handed back. The epilogue stores D (bf16 or
+ * fp32) or adds to it, masked to the group's m x n. */
+#include "fp8_block_gemm.h"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../common/mbarrier.cuh"
+#include "../common/plugin_cuda_check.h"
+
+#define TILE 128                     /* BM = BN = BK */
+#define TILE_BYTES (TILE * TILE)     /* one FP8 tile of A or B */
+#define STAGES 6
+#define THREADS 384                  /* producer warpgroup + two consumer warpgroups */
+#define CONSUMER_WARPS 8
+#define SLOTS 16                     /* tables in flight */
+#define SMEM_BYTES (1024 + STAGES * (2 * TILE_BYTES + 2 * TILE * 4) + 2 * STAGES * 8)
+
+/* A group as the kernel reads it (the host's moert_fp8_block_group with its tiles counted). */
+typedef struct group_dev {
+    int64_t a_row0, b_row0;
+    const float *a_scale, *b_scale;
+    int64_t a_scale_kb_stride, b_scale_stride;
+    void *d;
+    int64_t ldd;
+    int32_t m, n, kb_count, tile_start, m_tiles, a_map, b_map, pad;
+} group_dev;
+
+typedef struct kernel_args {
+    const CUtensorMap *maps;
+    const group_dev *groups;
+    int group_count;
+    int d_bf16, accumulate;
+} kernel_args;
+
+struct moert_fp8_block_ctx {
+    const moert_host *host;
+    PFN_cuTensorMapEncodeTiled_v12000 encode;
+    size_t slot_bytes;
+    void *pinned[SLOTS];
+    void *table[SLOTS];
+    cudaEvent_t done[SLOTS];
+    int used[SLOTS];
+    unsigned next;
+};
+
+/* ---- device code ---- */
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FP8_BLOCK_DEVICE 1
+#endif
+
+#define WGMMA_D_REGS \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+
+#define WGMMA_D_OPERANDS(d) \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+
+/* d (+)= A (64 x 32, shared, desc_a) * B^T (128 x 32, shared, desc_b), both K-major; the formats A_FMT/B_FMT. */
+#define WGMMA_ASM(types)                                                                                  \
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"                                           \
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32." types " {" WGMMA_D_REGS "}, %64, %65, p, 1, 1;\n}\n" \
+                 : WGMMA_D_OPERANDS(d)                                                                    \
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+
+template <int A_FMT, int B_FMT>
+__device__ __forceinline__ void wgmma_tile(float *d, uint64_t desc_a, uint64_t desc_b, int accumulate)
+{
+#ifdef FP8_BLOCK_DEVICE
+    if (A_FMT == 0 && B_FMT == 0)
+        WGMMA_ASM("e4m3.e4m3");
+    else if (A_FMT == 1)
+        WGMMA_ASM("e5m2.e4m3");
+    else
+        WGMMA_ASM("e4m3.e5m2");
+#endif
+}
+
+/* The shared-memory descriptor of a K-major operand tile with 128-byte rows, 128-byte swizzle (as TMA writes it):
+ * 8-row groups 1024 bytes apart. Advancing the start address by 32 bytes moves to the next k32 slice. */
+__device__ __forceinline__ uint64_t smem_desc(const void *tile)
+{
+    const uint64_t addr = smem_addr(tile);
+    return ((addr & 0x3ffff) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+/* Keeps the compiler from moving register reads of d across the asynchronous wgmma's completion. */
+__device__ __forceinline__ void fence_registers(float *d)
+{
+#pragma unroll
+    for (int i = 0; i < 64; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+/* The group whose tiles contain tile `t` (the last with tile_start <= t). */
+__device__ __forceinline__ int find_group(const group_dev *groups, int count, int t)
+{
+    int lo = 0, hi = count - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (groups[mid].tile_start <= t)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
+/* Stores (or adds) two adjacent values of D. */
+__device__ __forceinline__ void store_pair(void *d, int64_t idx, float x, float y, int d_bf16, int accumulate)
+{
+    if (d_bf16) {
+        __nv_bfloat162 *p = (__nv_bfloat162 *)((__nv_bfloat16 *)d + idx);
+        if (accumulate) {
+            const float2 old = __bfloat1622float2(*p);
+            x += old.x;
+            y += old.y;
+        }
+        *p = __floats2bfloat162_rn(x, y);
+    } else {
+        float2 *p = (float2 *)((float *)d + idx);
+        if (accumulate) {
+            const float2 old = *p;
+            x += old.x;
+            y += old.y;
+        }
+        *p = make_float2(x, y);
+    }
+}
+
+template <int A_FMT, int B_FMT, int B_PER_ROW>
+__global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel_args args)
+{
+#ifdef FP8_BLOCK_DEVICE
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    uint8_t *a_tiles = smem;
+    uint8_t *b_tiles = smem + STAGES * TILE_BYTES;
+    float *a_factors = (float *)(b_tiles + STAGES * TILE_BYTES); /* [STAGES][128] */
+    float *b_factors = a_factors + STAGES * TILE;                /* [STAGES][128] (per block: [0] only) */
+    uint64_t *full = (uint64_t *)(b_factors + STAGES * TILE);
+    uint64_t *empty = full + STAGES;
+
+    const int gi = find_group(args.groups, args.group_count, (int)blockIdx.x);
+    const group_dev g = args.groups[gi];
+    const int local = (int)blockIdx.x - g.tile_start;
+    const int m_tile = local % g.m_tiles, n_tile = local / g.m_tiles;
+    const int kb_count = g.kb_count;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++) {
+            mbar_init_count(&full[s], 32);
+            mbar_init_count(&empty[s], CONSUMER_WARPS);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    const int wg = threadIdx.x / 128;
+    const int lane = threadIdx.x % 32;
+    if (wg == 0) { /* producer */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (threadIdx.x >= 32) return;
+        const CUtensorMap *map_a = args.maps + g.a_map, *map_b = args.maps + g.b_map;
+        const int row_a = (int)(g.a_row0 + (int64_t)m_tile * TILE), row_b = (int)(g.b_row0 + (int64_t)n_tile * TILE);
+        float fa[4], fb[4];
+        /* the factors of k-block kb this lane copies: A rows lane*4..+3, B rows (per row) or block (lane 0) */
+        auto load_factors = [&](int kb) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int r = m_tile * TILE + lane * 4 + i;
+                fa[i] = r < g.m ? __ldg(g.a_scale + r + (int64_t)kb * g.a_scale_kb_stride) : 0.f;
+                if (B_PER_ROW) {
+                    const int c = n_tile * TILE + lane * 4 + i;
+                    fb[i] = c < g.n ? __ldg(g.b_scale + c + (int64_t)kb * g.b_scale_stride) : 0.f;
+                }
+            }
+            if (!B_PER_ROW) fb[0] = __ldg(g.b_scale + kb + (int64_t)n_tile * g.b_scale_stride);
+        };
+        if (kb_count > 0) load_factors(0);
+        for (int kb = 0; kb < kb_count; kb++) {
+            const int s = kb % STAGES;
+            if (kb >= STAGES) mbar_wait(&empty[s], ((kb / STAGES) - 1) & 1);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                a_factors[s * TILE + lane * 4 + i] = fa[i];
+                if (B_PER_ROW) b_factors[s * TILE + lane * 4 + i] = fb[i];
+            }
+            if (!B_PER_ROW && lane == 0) b_factors[s * TILE] = fb[0];
+            if (lane == 0) {
+                mbar_arrive_expect_tx(&full[s], 2 * TILE_BYTES);
+                tensor_load_2d(a_tiles + s * TILE_BYTES, map_a, kb * TILE, row_a, &full[s]);
+                tensor_load_2d(b_tiles + s * TILE_BYTES, map_b, kb * TILE, row_b, &full[s]);
+            } else {
+                mbar_arrive(&full[s]);
+            }
+            if (kb + 1 < kb_count) load_factors(kb + 1);
+        }
+        return;
+    }
+
+    /* consumers */
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int c = wg - 1;                 /* rows c*64 .. c*64+63 of the tile */
+    const int t = threadIdx.x % 128;
+    const int warp = t / 32;
+    const int r0 = c * 64 + warp * 16 + lane / 4; /* this thread's rows: r0 and r0 + 8 */
+    const int col0 = 2 * (lane % 4);              /* and columns col0 + 8 j, + 1 */
+    float acc[64], part[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++) acc[i] = 0.f;
+    for (int kb = 0; kb < kb_count; kb++) {
+        const int s = kb % STAGES;
+        mbar_wait(&full[s], (kb / STAGES) & 1);
+        const uint64_t da = smem_desc(a_tiles + s * TILE_BYTES + c * 64 * TILE);
+        const uint64_t db = smem_desc(b_tiles + s * TILE_BYTES);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < TILE / 32; k++) wgmma_tile<A_FMT, B_FMT>(part, da + 2 * k, db + 2 * k, k > 0);
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_registers(part);
+        const float sa0 = a_factors[s * TILE + r0], sa1 = a_factors[s * TILE + r0 + 8];
+        if (B_PER_ROW) {
+#pragma unroll
+            for (int j = 0; j < 16; j++) {
+                const float2 sb = *(const float2 *)&b_factors[s * TILE + 8 * j + col0];
+                acc[4 * j + 0] += part[4 * j + 0] * (sa0 * sb.x);
+                acc[4 * j + 1] += part[4 * j + 1] * (sa0 * sb.y);
+                acc[4 * j + 2] += part[4 * j + 2] * (sa1 * sb.x);
+                acc[4 * j + 3] += part[4 * j + 3] * (sa1 * sb.y);
+            }
+        } else {
+            const float sb = b_factors[s * TILE];
+            const float s0 = sa0 * sb, s1 = sa1 * sb;
+#pragma unroll
+            for (int j = 0; j < 16; j++) {
+                acc[4 * j + 0] += part[4 * j + 0] * s0;
+                acc[4 * j + 1] += part[4 * j + 1] * s0;
+                acc[4 * j + 2] += part[4 * j + 2] * s1;
+                acc[4 * j + 3] += part[4 * j + 3] * s1;
+            }
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[s]);
+    }
+
+    const int row = m_tile * TILE + r0;
+    const int colb = n_tile * TILE + col0;
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        const int col = colb + 8 * j;
+        if (col >= g.n) continue;
+        if (row < g.m)
+            store_pair(g.d, (int64_t)row * g.ldd + col, acc[4 * j + 0], acc[4 * j + 1], args.d_bf16, args.accumulate);
+        if (row + 8 < g.m)
+            store_pair(g.d, (int64_t)(row + 8) * g.ldd + col, acc[4 * j + 2], acc[4 * j + 3], args.d_bf16,
+                       args.accumulate);
+    }
+#endif
+}
+
+/* ---- host ---- */
+
+typedef void (*kernel_fn)(const kernel_args);
+
+/* The kernel instance for the formats and the B factor layout; NULL for two E5M2 operands. */
+static kernel_fn kernel_for(int a_format, int b_format, int b_per_row)
+{
+    if (a_format == 0 && b_format == 0) return b_per_row ? fp8_block_gemm_kernel<0, 0, 1> : fp8_block_gemm_kernel<0, 0, 0>;
+    if (a_format == 1 && b_format == 0) return b_per_row ? fp8_block_gemm_kernel<1, 0, 1> : fp8_block_gemm_kernel<1, 0, 0>;
+    if (a_format == 0 && b_format == 1) return b_per_row ? fp8_block_gemm_kernel<0, 1, 1> : fp8_block_gemm_kernel<0, 1, 0>;
+    return NULL;
+}
+
+extern "C" moert_result moert_fp8_block_ctx_create(const moert_host *host, moert_fp8_block_ctx **out)
+{
+    *out = NULL;
+    int dev = 0, major = 0, minor = 0;
+    CUDA_CHECK(host, cudaGetDevice(&dev));
+    CUDA_CHECK(host, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    CUDA_CHECK(host, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    if (major != 9 || minor != 0)
+        return report(host, MOERT_ERR_UNSUPPORTED,
+                      "the blockwise FP8 GEMM kernel needs a compute capability 9.0 GPU (wgmma); cuda:%d is %d.%d", dev,
+                      major, minor);
+    void *fn = NULL;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    CUDA_CHECK(host, cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    if (!fn || found != cudaDriverEntryPointSuccess)
+        return report(host, MOERT_ERR_UNSUPPORTED, "the CUDA driver has no cuTensorMapEncodeTiled (needs 12.0 or newer)");
+    for (int a = 0; a < 2; a++)
+        for (int b = 0; b < 2; b++)
+            for (int per_row = 0; per_row < 2; per_row++) {
+                kernel_fn k = kernel_for(a, b, per_row);
+                if (k) CUDA_CHECK(host, cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
+            }
+    moert_fp8_block_ctx *ctx = (moert_fp8_block_ctx *)calloc(1, sizeof *ctx);
+    if (!ctx) return report(host, MOERT_ERR_OUT_OF_MEMORY, "fp8 block gemm: out of host memory");
+    ctx->host = host;
+    ctx->encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
+    for (int i = 0; i < SLOTS; i++) {
+        cudaError_t err = cudaEventCreateWithFlags(&ctx->done[i], cudaEventDisableTiming);
+        if (err != cudaSuccess) {
+            moert_fp8_block_ctx_destroy(ctx);
+            return report(host, MOERT_ERR_CUDA, "cudaEventCreateWithFlags failed: %s", cudaGetErrorString(err));
+        }
+    }
+    *out = ctx;
+    return MOERT_OK;
+}
+
+static void slots_free(moert_fp8_block_ctx *ctx)
+{
+    for (int i = 0; i < SLOTS; i++) {
+        if (ctx->used[i]) (void)cudaEventSynchronize(ctx->done[i]);
+        if (ctx->pinned[i]) (void)cudaFreeHost(ctx->pinned[i]);
+        if (ctx->table[i]) (void)cudaFree(ctx->table[i]);
+        ctx->pinned[i] = ctx->table[i] = NULL;
+        ctx->used[i] = 0;
+    }
+    ctx->slot_bytes = 0;
+}
+
+extern "C" void moert_fp8_block_ctx_destroy(moert_fp8_block_ctx *ctx)
+{
+    if (!ctx) return;
+    slots_free(ctx);
+    for (int i = 0; i < SLOTS; i++)
+        if (ctx->done[i]) (void)cudaEventDestroy(ctx->done[i]);
+    free(ctx);
+}
+
+/* Makes every slot hold `bytes` (all slots are waited for and made again when they grow; rare). */
+static moert_result slots_reserve(moert_fp8_block_ctx *ctx, size_t bytes)
+{
+    if (bytes <= ctx->slot_bytes) return MOERT_OK;
+    const size_t want = bytes + bytes / 2 + 4096;
+    slots_free(ctx);
+    for (int i = 0; i < SLOTS; i++) {
+        CUDA_CHECK(ctx->host, cudaMallocHost(&ctx->pinned[i], want));
+        CUDA_CHECK(ctx->host, cudaMalloc(&ctx->table[i], want));
+    }
+    ctx->slot_bytes = want;
+    return MOERT_OK;
+}
+
+/* The tensor map of one FP8 matrix: 128 x 128 boxes, 128-byte swizzle, zeros outside. */
+static moert_result encode_map(moert_fp8_block_ctx *ctx, const moert_fp8_block_matrix *mx, int index, CUtensorMap *map)
+{
+    const moert_host *host = ctx->host;
+    if (!mx->base || mx->rows <= 0 || mx->cols <= 0 || mx->ld < mx->cols || mx->ld % 16 || (uintptr_t)mx->base % 16)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                      "fp8 block gemm: matrix %d (%p, %lld x %lld, ld %lld) needs a 16-byte aligned base and a row "
+                      "stride >= cols and a multiple of 16",
+                      index, mx->base, (long long)mx->rows, (long long)mx->cols, (long long)mx->ld);
+    const cuuint64_t dims[2] = {(cuuint64_t)mx->cols, (cuuint64_t)mx->rows};
+    const cuuint64_t strides[1] = {(cuuint64_t)mx->ld};
+    const cuuint32_t box[2] = {TILE, TILE};
+    const cuuint32_t elem[2] = {1, 1};
+    CUresult r = ctx->encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, (void *)mx->base, dims, strides, box, elem,
+                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS)
+        return report(host, MOERT_ERR_CUDA, "cuTensorMapEncodeTiled(matrix %d, %lld x %lld, ld %lld) failed: error %d",
+                      index, (long long)mx->rows, (long long)mx->cols, (long long)mx->ld, (int)r);
+    return MOERT_OK;
+}
+
+static int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* Checks one group against the call and fills its kernel form (tile_start set by the caller). */
+static moert_result group_fill(const moert_host *host, const moert_fp8_block_gemm *gm, int i, group_dev *out)
+{
+    const moert_fp8_block_group *g = &gm->groups[i];
+    if (g->a_matrix < 0 || g->a_matrix >= gm->matrix_count || g->b_matrix < 0 || g->b_matrix >= gm->matrix_count)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "fp8 block gemm: group %d names matrices %d and %d of %d", i,
+                      g->a_matrix, g->b_matrix, gm->matrix_count);
+    const moert_fp8_block_matrix *a = &gm->matrices[g->a_matrix], *b = &gm->matrices[g->b_matrix];
+    if (g->a_row0 < 0 || g->b_row0 < 0 || g->a_row0 >= a->rows || g->b_row0 >= b->rows || g->k > a->cols ||
+        g->k > b->cols || g->n % 2 || g->ldd < g->n || g->ldd % 2 || !g->d || !g->a_scale || !g->b_scale ||
+        g->m > INT32_MAX || g->n > INT32_MAX || g->a_row0 + g->m > INT32_MAX || g->b_row0 + g->n > INT32_MAX)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                      "fp8 block gemm: group %d (m %lld, n %lld, k %lld, rows from %lld / %lld, ldd %lld) does not fit "
+                      "its matrices (%lld x %lld, %lld x %lld) or has an odd n / ldd or a NULL pointer",
+                      i, (long long)g->m, (long long)g->n, (long long)g->k, (long long)g->a_row0, (long long)g->b_row0,
+                      (long long)g->ldd, (long long)a->rows, (long long)a->cols, (long long)b->rows, (long long)b->cols);
+    out->a_row0 = g->a_row0;
+    out->b_row0 = g->b_row0;
+    out->a_scale = g->a_scale;
+    out->b_scale = g->b_scale;
+    out->a_scale_kb_stride = g->a_scale_kb_stride;
+    out->b_scale_stride = g->b_scale_stride;
+    out->d = g->d;
+    out->ldd = g->ldd;
+    out->m = (int32_t)g->m;
+    out->n = (int32_t)g->n;
+    out->kb_count = (int32_t)ceil_div64(g->k, TILE);
+    out->m_tiles = (int32_t)ceil_div64(g->m, TILE);
+    out->a_map = g->a_matrix;
+    out->b_map = g->b_matrix;
+    out->pad = 0;
+    return MOERT_OK;
+}
+
+extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaStream_t stream,
+                                                 const moert_fp8_block_gemm *gm)
+{
+    const moert_host *host = ctx->host;
+    kernel_fn kernel = kernel_for(gm->a_format, gm->b_format, gm->b_per_row != 0);
+    if (!kernel || gm->matrix_count < 1 || gm->group_count < 0 || !gm->matrices || (gm->group_count && !gm->groups))
+        return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                      "fp8 block gemm: formats %d x %d (two E5M2 operands are not supported), %d matrices, %d groups",
+                      gm->a_format, gm->b_format, gm->matrix_count, gm->group_count);
+    const size_t maps_bytes = (size_t)gm->matrix_count * sizeof(CUtensorMap);
+    const size_t bytes = maps_bytes + (size_t)gm->group_count * sizeof(group_dev);
+    MOK(slots_reserve(ctx, bytes));
+    const unsigned slot = ctx->next % SLOTS;
+    if (ctx->used[slot]) CUDA_CHECK(host, cudaEventSynchronize(ctx->done[slot]));
+    CUtensorMap *maps = (CUtensorMap *)ctx->pinned[slot];
+    group_dev *groups = (group_dev *)((char *)ctx->pinned[slot] + maps_bytes);
+    int count = 0;
+    int64_t tiles = 0;
+    for (int i = 0; i < gm->group_count; i++) {
+        const moert_fp8_block_group *g = &gm->groups[i];
+        if (g->m <= 0 || g->n <= 0 || g->k <= 0) continue;
+        MOK(group_fill(host, gm, i, &groups[count]));
+        groups[count].tile_start = (int32_t)tiles;
+        tiles += (int64_t)groups[count].m_tiles * ceil_div64(g->n, TILE);
+        count++;
+    }
+    if (count == 0) return MOERT_OK;
+    if (tiles > INT32_MAX)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "fp8 block gemm: %lld tiles (at most %d)", (long long)tiles,
+                      INT32_MAX);
+    for (int i = 0; i < gm->matrix_count; i++) MOK(encode_map(ctx, &gm->matrices[i], i, &maps[i]));
+    const size_t used = maps_bytes + (size_t)count * sizeof(group_dev);
+    CUDA_CHECK(host, cudaMemcpyAsync(ctx->table[slot], ctx->pinned[slot], used, cudaMemcpyHostToDevice, stream));
+    kernel_args args;
+    args.maps = (const CUtensorMap *)ctx->table[slot];
+    args.groups = (const group_dev *)((char *)ctx->table[slot] + maps_bytes);
+    args.group_count = count;
+    args.d_bf16 = gm->d_bf16 != 0;
+    args.accumulate = gm->accumulate != 0;
+    kernel<<<(unsigned)tiles, THREADS, SMEM_BYTES, stream>>>(args);
+    LAUNCH_CHECK(host, "fp8_block_gemm_kernel");
+    CUDA_CHECK(host, cudaEventRecord(ctx->done[slot], stream));
+    ctx->used[slot] = 1;
+    ctx->next++;
+    return MOERT_OK;
+}

@@ -1,0 +1,343 @@
+/* GPU test of the blockwise FP8 grouped GEMM kernel (plugins/precision_fp8/fp8_block_gemm.cu) against a
+ * double-precision reference computed here from the same FP8 bytes and factors (fp8_convert.c decodes them):
+ * - forward/dgrad form: groups of 37, 300, 0, 129 and 16 rows sharing one A matrix at 16-row aligned offsets, B
+ *   the experts' weights stacked, n 192 and k 320 (a partial output tile and a partial k-block), 128x128 B factors,
+ *   bf16 and fp32 outputs; rows and columns outside each group's m x n must keep their poison.
+ * - wgrad form: each group its own A and B matrices (k 48, 272, 128: a reduction shorter than one block, a partial
+ *   block), 1x128 factors on both operands, fp32 D accumulated onto stale values, and overwritten.
+ * - every format pair the recipes use (E4M3 x E4M3, E5M2 x E4M3, E4M3 x E5M2).
+ * - the deepseek-v3 fc1 forward shape (8 groups of 500..520 rows, k 7168, n 4096) on 4096 sampled outputs.
+ * - refusals: two E5M2 operands, an odd n, a group naming a missing matrix.
+ * Per output the error bound is 5e-4 of the sum of |terms| plus, for bf16, one bf16 rounding: Hopper's FP8 tensor
+ * cores sum a k-block's products with about 14 bits (the reason the recipe promotes every 128 to fp32 registers);
+ * the first H100 run measured up to 1.6e-4. A wrong factor, row or column is off by the order of the terms.
+ * Exits 77 without a compute capability 9.0 GPU. */
+#include "test_util.h"
+
+#ifndef MOERT_HAVE_CUDA
+
+int main(void)
+{
+    printf("gpu_fp8_block_gemm: built without CUDA, skipped\n");
+    return TEST_SKIP;
+}
+
+#else
+
+#include <cuda_runtime_api.h>
+#include <stdarg.h>
+#include <stdint.h>
+
+#include "fp8_block_gemm.h"
+#include "fp8_convert.h"
+
+#define CK(call)                                                                                             \
+    do {                                                                                                     \
+        cudaError_t e_ = (call);                                                                             \
+        if (e_ != cudaSuccess) {                                                                             \
+            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));    \
+            exit(1);                                                                                         \
+        }                                                                                                    \
+    } while (0)
+
+#define MAXG 8
+#define POISON 12345.0f
+
+static char last_error[1024];
+
+static void quiet_log(const moert_host *h, moert_log_level level, const char *fmt, ...) { (void)h, (void)level, (void)fmt; }
+
+static void keep_error(const moert_host *h, const char *fmt, ...)
+{
+    (void)h;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    va_end(ap);
+}
+
+static moert_host host = {.struct_size = sizeof(moert_host), .log = quiet_log, .set_error = keep_error};
+
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+static double uniform(void)
+{
+    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+    return (double)(rng >> 11) / 9007199254740992.0;
+}
+
+/* Random FP8 bytes of a format (values of magnitude up to ~4, no NaN). */
+static void fill_fp8(uint8_t *p, int64_t n, int fmt)
+{
+    for (int64_t i = 0; i < n; i++) p[i] = fp8_from_float((float)((uniform() * 2 - 1) * 4), (fp8_format)fmt);
+}
+
+/* Factors 2^e * (1 + u/2), e in -3..3, as a recipe's dequantization factors would be (not all powers of two). */
+static void fill_factors(float *p, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) p[i] = ldexpf((float)(1 + uniform() / 2), (int)(uniform() * 7) - 3);
+}
+
+static void *dev_copy(const void *h, size_t bytes)
+{
+    void *d = NULL;
+    CK(cudaMalloc(&d, bytes + 256));
+    CK(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice));
+    return d;
+}
+
+static float bf16_to_float(uint16_t b)
+{
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static uint16_t float_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+/* A host-side case: matrices and groups with host copies of everything, D poisoned. */
+typedef struct matrix_h {
+    uint8_t *bytes;
+    int64_t rows, cols, ld;
+    int fmt;
+    void *dev;
+} matrix_h;
+
+typedef struct case_spec {
+    const char *name;
+    int a_fmt, b_fmt, b_per_row, d_bf16, accumulate;
+    int groups;
+    int64_t m[MAXG], n, k;
+    int shared; /* 1: forward form (one A of stacked rows, one B of stacked weights); 0: wgrad form */
+    int samples; /* 0: every output; else this many random outputs per group */
+} case_spec;
+
+/* The reference value of D[r][c] of group g and the sum of its terms' magnitudes. */
+static void reference(const matrix_h *a, int64_t arow, const matrix_h *b, int64_t brow, int64_t k, const float *sa,
+                      int64_t sa_stride, const float *sb, int64_t sb_stride, int per_row, int64_t r, int64_t c,
+                      double *value, double *mag)
+{
+    double v = 0, m = 0;
+    for (int64_t kb = 0; kb * 128 < k; kb++) {
+        const double f = (double)sa[r + kb * sa_stride] *
+                         (double)(per_row ? sb[c + kb * sb_stride] : sb[kb + (c / 128) * sb_stride]);
+        double block = 0, bmag = 0;
+        for (int64_t p = kb * 128; p < k && p < (kb + 1) * 128; p++) {
+            const double x = fp8_to_float(a->bytes[(arow + r) * a->ld + p], (fp8_format)a->fmt);
+            const double y = fp8_to_float(b->bytes[(brow + c) * b->ld + p], (fp8_format)b->fmt);
+            block += x * y;
+            bmag += fabs(x * y);
+        }
+        v += f * block;
+        m += fabs(f) * bmag;
+    }
+    *value = v;
+    *mag = m;
+}
+
+static void run_case(moert_fp8_block_ctx *ctx, const case_spec *cs)
+{
+    const int G = cs->groups;
+    const int64_t K = cs->k, N = cs->n;
+    matrix_h mats[2 * MAXG];
+    int nmats = 0;
+    int64_t arow[MAXG], brow[MAXG];
+    int amat[MAXG], bmat[MAXG];
+    if (cs->shared) {
+        int64_t rows = 0;
+        for (int g = 0; g < G; g++) {
+            arow[g] = rows;
+            rows += (cs->m[g] + 15) / 16 * 16;
+            brow[g] = g * N;
+            amat[g] = 0;
+            bmat[g] = 1;
+        }
+        mats[0] = (matrix_h){NULL, rows > 0 ? rows : 16, K, K, cs->a_fmt, NULL};
+        mats[1] = (matrix_h){NULL, G * N, K, K, cs->b_fmt, NULL};
+        nmats = 2;
+    } else {
+        for (int g = 0; g < G; g++) {
+            const int64_t ld = (K + 15) / 16 * 16;
+            mats[nmats] = (matrix_h){NULL, cs->m[g] > 0 ? cs->m[g] : 1, K, ld, cs->a_fmt, NULL};
+            mats[nmats + 1] = (matrix_h){NULL, N, K, ld, cs->b_fmt, NULL};
+            amat[g] = nmats;
+            bmat[g] = nmats + 1;
+            arow[g] = brow[g] = 0;
+            nmats += 2;
+        }
+    }
+    moert_fp8_block_matrix dm[2 * MAXG];
+    for (int i = 0; i < nmats; i++) {
+        const size_t bytes = (size_t)(mats[i].rows * mats[i].ld);
+        mats[i].bytes = (uint8_t *)calloc(bytes, 1);
+        fill_fp8(mats[i].bytes, (int64_t)bytes, mats[i].fmt);
+        mats[i].dev = dev_copy(mats[i].bytes, bytes);
+        dm[i] = (moert_fp8_block_matrix){mats[i].dev, mats[i].rows, mats[i].cols, mats[i].ld};
+    }
+    const int64_t KB = (K + 127) / 128, NB = (N + 127) / 128;
+    float *sa[MAXG], *sb[MAXG], *d[MAXG];
+    void *sa_dev[MAXG], *sb_dev[MAXG], *d_dev[MAXG];
+    int64_t sa_stride[MAXG], sb_stride[MAXG];
+    const int64_t ldd = N + 6; /* columns past n keep their poison */
+    moert_fp8_block_group groups[MAXG];
+    for (int g = 0; g < G; g++) {
+        const int64_t m = cs->m[g];
+        sa_stride[g] = m + 3;
+        const int64_t na = sa_stride[g] * KB;
+        sb_stride[g] = cs->b_per_row ? N + 5 : (KB + 3) / 4 * 4;
+        const int64_t nb = cs->b_per_row ? sb_stride[g] * KB : sb_stride[g] * NB;
+        sa[g] = (float *)calloc((size_t)na + 1, 4);
+        sb[g] = (float *)calloc((size_t)nb + 1, 4);
+        fill_factors(sa[g], na);
+        fill_factors(sb[g], nb);
+        sa_dev[g] = dev_copy(sa[g], (size_t)na * 4 + 4);
+        sb_dev[g] = dev_copy(sb[g], (size_t)nb * 4 + 4);
+        const int64_t drows = m + 2; /* rows past m keep their poison */
+        d[g] = (float *)calloc((size_t)(drows * ldd), 4);
+        for (int64_t i = 0; i < drows * ldd; i++) d[g][i] = cs->accumulate ? (float)(uniform() * 2 - 1) : POISON;
+        if (cs->d_bf16) {
+            uint16_t *h16 = (uint16_t *)calloc((size_t)(drows * ldd), 2);
+            for (int64_t i = 0; i < drows * ldd; i++) {
+                h16[i] = float_to_bf16(d[g][i]);
+                d[g][i] = bf16_to_float(h16[i]);
+            }
+            d_dev[g] = dev_copy(h16, (size_t)(drows * ldd) * 2);
+            free(h16);
+        } else {
+            d_dev[g] = dev_copy(d[g], (size_t)(drows * ldd) * 4);
+        }
+        groups[g] = (moert_fp8_block_group){amat[g], bmat[g], arow[g], brow[g], m, N, K, (const float *)sa_dev[g],
+                                            sa_stride[g], (const float *)sb_dev[g], sb_stride[g], d_dev[g], ldd};
+    }
+    moert_fp8_block_gemm gm = {cs->a_fmt, cs->b_fmt, cs->b_per_row, cs->d_bf16, cs->accumulate, dm, nmats, groups, G};
+    cudaStream_t stream;
+    CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    const moert_result rc = moert_fp8_block_gemm_run(ctx, stream, &gm);
+    if (rc != MOERT_OK) {
+        fprintf(stderr, "FAIL %s: run failed: %s\n", cs->name, last_error);
+        test_failures++;
+    }
+    CK(cudaStreamSynchronize(stream));
+    CK(cudaGetLastError());
+    double worst = 0;
+    int64_t bad = 0, poisoned = 0, checked = 0;
+    for (int g = 0; g < G; g++) {
+        const int64_t m = cs->m[g], drows = m + 2;
+        float *got = (float *)calloc((size_t)(drows * ldd), 4);
+        if (cs->d_bf16) {
+            uint16_t *h16 = (uint16_t *)calloc((size_t)(drows * ldd), 2);
+            CK(cudaMemcpy(h16, d_dev[g], (size_t)(drows * ldd) * 2, cudaMemcpyDeviceToHost));
+            for (int64_t i = 0; i < drows * ldd; i++) got[i] = bf16_to_float(h16[i]);
+            free(h16);
+        } else {
+            CK(cudaMemcpy(got, d_dev[g], (size_t)(drows * ldd) * 4, cudaMemcpyDeviceToHost));
+        }
+        for (int64_t r = 0; r < drows; r++)
+            for (int64_t c = N; c < ldd; c++) poisoned += got[r * ldd + c] != d[g][r * ldd + c];
+        for (int64_t r = m; r < drows; r++)
+            for (int64_t c = 0; c < N; c++) poisoned += got[r * ldd + c] != d[g][r * ldd + c];
+        const int64_t total = m * N;
+        const int64_t count = cs->samples && cs->samples < total ? cs->samples : total;
+        for (int64_t s = 0; s < count; s++) {
+            const int64_t idx = count == total ? s : (int64_t)(uniform() * (double)total) % total;
+            const int64_t r = idx / N, c = idx % N;
+            double v, mag;
+            reference(&mats[amat[g]], arow[g], &mats[bmat[g]], brow[g], K, sa[g], sa_stride[g], sb[g], sb_stride[g],
+                      cs->b_per_row, r, c, &v, &mag);
+            if (cs->accumulate) v += d[g][r * ldd + c];
+            const double tol = 5e-4 * mag + 1e-6 + (cs->d_bf16 ? fabs(v) * 0x1p-8 : 0);
+            const double err = fabs((double)got[r * ldd + c] - v);
+            if (err / (tol > 0 ? tol : 1) > worst) worst = err / tol;
+            if (!(err <= tol)) {
+                if (bad < 5)
+                    fprintf(stderr, "  %s group %d D[%lld][%lld] = %.8g, expected %.8g (terms %.3g)\n", cs->name, g,
+                            (long long)r, (long long)c, got[r * ldd + c], v, mag);
+                bad++;
+            }
+            checked++;
+        }
+        free(got);
+    }
+    printf("%-44s %9lld checked  worst err/tol %8.3g  %lld wrong  %lld poison changed\n", cs->name, (long long)checked,
+           worst, (long long)bad, (long long)poisoned);
+    if (bad || poisoned || rc != MOERT_OK) test_failures++;
+    for (int g = 0; g < G; g++) {
+        free(sa[g]);
+        free(sb[g]);
+        free(d[g]);
+        CK(cudaFree(sa_dev[g]));
+        CK(cudaFree(sb_dev[g]));
+        CK(cudaFree(d_dev[g]));
+    }
+    for (int i = 0; i < nmats; i++) {
+        free(mats[i].bytes);
+        CK(cudaFree(mats[i].dev));
+    }
+    CK(cudaStreamDestroy(stream));
+}
+
+/* Refusals: the call returns an error naming the problem and launches nothing. */
+static void check_refusals(moert_fp8_block_ctx *ctx)
+{
+    const int failures_before = test_failures;
+    void *buf = NULL;
+    CK(cudaMalloc(&buf, 1 << 16));
+    moert_fp8_block_matrix mx = {buf, 128, 128, 128};
+    moert_fp8_block_group g = {0, 0, 0, 0, 16, 16, 128, (const float *)buf, 16, (const float *)buf, 1, buf, 16};
+    moert_fp8_block_gemm gm = {1, 1, 0, 0, 0, &mx, 1, &g, 1};
+    EXPECT(moert_fp8_block_gemm_run(ctx, 0, &gm) == MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT(strstr(last_error, "two E5M2") != NULL);
+    gm.a_format = gm.b_format = 0;
+    g.n = 15;
+    EXPECT(moert_fp8_block_gemm_run(ctx, 0, &gm) == MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT(strstr(last_error, "odd n") != NULL);
+    g.n = 16;
+    g.b_matrix = 3;
+    EXPECT(moert_fp8_block_gemm_run(ctx, 0, &gm) == MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT(strstr(last_error, "names matrices 0 and 3 of 1") != NULL);
+    printf("%-44s %s\n", "refusals", test_failures > failures_before ? "FAIL" : "ok");
+    CK(cudaDeviceSynchronize());
+    CK(cudaFree(buf));
+}
+
+int main(void)
+{
+    int count = 0, major = 0, minor = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count < 1) {
+        printf("gpu_fp8_block_gemm: no GPU, skipped\n");
+        return TEST_SKIP;
+    }
+    CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+    CK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0));
+    if (major != 9 || minor != 0) {
+        printf("gpu_fp8_block_gemm: GPU of compute capability %d.%d (needs 9.0), skipped\n", major, minor);
+        return TEST_SKIP;
+    }
+    moert_fp8_block_ctx *ctx = NULL;
+    if (moert_fp8_block_ctx_create(&host, &ctx) != MOERT_OK) {
+        fprintf(stderr, "FAIL: context: %s\n", last_error);
+        return 1;
+    }
+    const case_spec cases[] = {
+        {"forward form, e4m3 x e4m3, bf16 D", 0, 0, 0, 1, 0, 5, {37, 300, 0, 129, 16}, 192, 320, 1, 0},
+        {"forward form, e4m3 x e4m3, fp32 D", 0, 0, 0, 0, 0, 5, {37, 300, 0, 129, 16}, 192, 320, 1, 0},
+        {"dgrad form, e5m2 x e4m3, bf16 D", 1, 0, 0, 1, 0, 3, {200, 5, 131}, 256, 384, 1, 0},
+        {"forward form, e4m3 x e5m2, fp32 D added", 0, 1, 0, 0, 1, 2, {64, 129}, 144, 272, 1, 0},
+        {"wgrad form, per-row B, fp32 D added", 0, 0, 1, 0, 1, 3, {192, 70, 130}, 160, 272, 0, 0},
+        {"wgrad form, per-row B, k 48, fp32 D written", 0, 1, 1, 0, 0, 2, {128, 256}, 128, 48, 0, 0},
+        {"wgrad form, e5m2 x e4m3, k 128, bf16 D added", 1, 0, 1, 1, 1, 2, {96, 300}, 200, 128, 0, 0},
+        {"deepseek-v3 fc1 forward shape (sampled)", 0, 0, 0, 1, 0, 8, {512, 500, 520, 511, 513, 508, 517, 512}, 4096, 7168, 1, 512},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(ctx, &cases[i]);
+    check_refusals(ctx);
+    moert_fp8_block_ctx_destroy(ctx);
+    printf("gpu_fp8_block_gemm: %s\n", test_failures ? "FAIL" : "PASS");
+    return test_failures ? 1 : 0;
+}
+
+#endif
