@@ -1,4 +1,4 @@
-/* Blockwise-scaled FP8 grouped GEMM (see fp8_block_gemm.h): one CTA per 128x128 output tile, three warpgroups. The
+/* Blockwise-scaled FP8 grouped GEMM (see fp8_block_gemm.h): persistent CTAs (one per SM) over 128x128 output tiles, three warpgroups. The
  * first is the producer: one warp loads each 128-long k-block of A and B through TMA into a ring of stages (128-byte
  * swizzled rows, as wgmma reads them) and the block's scale factors into the same stage. The other two are the
  * consumers, 64 rows of the tile each: per k-block four wgmma m64n128k32 into fresh fp32 partial sums, then
@@ -21,6 +21,7 @@
 #define THREADS 384                  /* producer warpgroup + two consumer warpgroups */
 #define CONSUMER_WARPS 8
 #define SLOTS 16                     /* tables in flight */
+#define BAND 8                       /* row blocks of a group that run side by side (see tile_at) */
 #define SMEM_BYTES (1024 + STAGES * (2 * TILE_BYTES + 2 * TILE * 4) + 2 * STAGES * 8)
 
 /* A group as the kernel reads it (the host's moert_fp8_block_group with its tiles counted). */
@@ -37,12 +38,14 @@ typedef struct kernel_args {
     const CUtensorMap *maps;
     const group_dev *groups;
     int group_count;
+    int tiles;
     int d_bf16, accumulate;
 } kernel_args;
 
 struct moert_fp8_block_ctx {
     const moert_host *host;
     PFN_cuTensorMapEncodeTiled_v12000 encode;
+    int sm_count; /* the persistent grid: one CTA per SM */
     size_t slot_bytes;
     void *pinned[SLOTS];
     void *table[SLOTS];
@@ -126,28 +129,70 @@ __device__ __forceinline__ int find_group(const group_dev *groups, int count, in
     return lo;
 }
 
-/* Stores (or adds) two adjacent values of D. */
-__device__ __forceinline__ void store_pair(void *d, int64_t idx, float x, float y, int d_bf16, int accumulate)
+/* D's values of one thread (rows row and row + 8, columns col + 8 j and + 1), stored or added, masked to the
+ * group's m x n. Adding loads every old value first (into old, free after the main loop), then stores: loads and
+ * stores interleaved would wait on each other (they may alias, as far as the compiler knows). */
+__device__ __forceinline__ void store_tile(const group_dev &g, int row, int col, float *acc, float *old, int d_bf16,
+                                           int accumulate)
 {
-    if (d_bf16) {
-        __nv_bfloat162 *p = (__nv_bfloat162 *)((__nv_bfloat16 *)d + idx);
-        if (accumulate) {
-            const float2 old = __bfloat1622float2(*p);
-            x += old.x;
-            y += old.y;
+    const bool row0_ok = row < g.m, row1_ok = row + 8 < g.m;
+    const int64_t base0 = (int64_t)row * g.ldd, base1 = (int64_t)(row + 8) * g.ldd;
+    if (accumulate) {
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            const bool col_ok = col + 8 * j < g.n;
+            float2 a = make_float2(0.f, 0.f), b = make_float2(0.f, 0.f);
+            if (d_bf16) {
+                const __nv_bfloat162 *p = (const __nv_bfloat162 *)g.d;
+                if (col_ok && row0_ok) a = __bfloat1622float2(p[(base0 + col + 8 * j) / 2]);
+                if (col_ok && row1_ok) b = __bfloat1622float2(p[(base1 + col + 8 * j) / 2]);
+            } else {
+                const float2 *p = (const float2 *)g.d;
+                if (col_ok && row0_ok) a = p[(base0 + col + 8 * j) / 2];
+                if (col_ok && row1_ok) b = p[(base1 + col + 8 * j) / 2];
+            }
+            old[4 * j + 0] = a.x, old[4 * j + 1] = a.y, old[4 * j + 2] = b.x, old[4 * j + 3] = b.y;
         }
-        *p = __floats2bfloat162_rn(x, y);
-    } else {
-        float2 *p = (float2 *)((float *)d + idx);
-        if (accumulate) {
-            const float2 old = *p;
-            x += old.x;
-            y += old.y;
+#pragma unroll
+        for (int i = 0; i < 64; i++) acc[i] += old[i];
+    }
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        if (col + 8 * j >= g.n) continue;
+        if (d_bf16) {
+            __nv_bfloat162 *p = (__nv_bfloat162 *)g.d;
+            if (row0_ok) p[(base0 + col + 8 * j) / 2] = __floats2bfloat162_rn(acc[4 * j + 0], acc[4 * j + 1]);
+            if (row1_ok) p[(base1 + col + 8 * j) / 2] = __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+        } else {
+            float2 *p = (float2 *)g.d;
+            if (row0_ok) p[(base0 + col + 8 * j) / 2] = make_float2(acc[4 * j + 0], acc[4 * j + 1]);
+            if (row1_ok) p[(base1 + col + 8 * j) / 2] = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
         }
-        *p = make_float2(x, y);
     }
 }
 
+/* A tile of the grid: its group and its 128-row / 128-column block. Within a group, tiles go in bands of BAND
+ * row blocks, row blocks fastest: the CTAs running at once share the band's A rows and walk the group's B. */
+typedef struct tile_pos {
+    int group, m_tile, n_tile;
+} tile_pos;
+
+__device__ __forceinline__ tile_pos tile_at(const kernel_args &args, int t)
+{
+    tile_pos p;
+    p.group = find_group(args.groups, args.group_count, t);
+    const group_dev &g = args.groups[p.group];
+    const int local = t - g.tile_start;
+    const int n_tiles = (g.n + TILE - 1) / TILE;
+    const int band = local / (BAND * n_tiles), rem = local % (BAND * n_tiles);
+    const int band_rows = min(BAND, g.m_tiles - band * BAND);
+    p.m_tile = band * BAND + rem % band_rows;
+    p.n_tile = rem / band_rows;
+    return p;
+}
+
+/* Persistent: each CTA takes tiles blockIdx.x, + gridDim.x, ...; the stage ring runs on across tiles, so the
+ * producer loads the next tile's first k-blocks while the consumers store this one. */
 template <int A_FMT, int B_FMT, int B_PER_ROW>
 __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel_args args)
 {
@@ -161,12 +206,6 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
     uint64_t *full = (uint64_t *)(b_factors + STAGES * TILE);
     uint64_t *empty = full + STAGES;
 
-    const int gi = find_group(args.groups, args.group_count, (int)blockIdx.x);
-    const group_dev g = args.groups[gi];
-    const int local = (int)blockIdx.x - g.tile_start;
-    const int m_tile = local % g.m_tiles, n_tile = local / g.m_tiles;
-    const int kb_count = g.kb_count;
-
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
             mbar_init_count(&full[s], 32);
@@ -178,43 +217,52 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
 
     const int wg = threadIdx.x / 128;
     const int lane = threadIdx.x % 32;
-    if (wg == 0) { /* producer */
+    if (wg == 0) { /* producer: one warp */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (threadIdx.x >= 32) return;
-        const CUtensorMap *map_a = args.maps + g.a_map, *map_b = args.maps + g.b_map;
-        const int row_a = (int)(g.a_row0 + (int64_t)m_tile * TILE), row_b = (int)(g.b_row0 + (int64_t)n_tile * TILE);
-        float fa[4], fb[4];
-        /* the factors of k-block kb this lane copies: A rows lane*4..+3, B rows (per row) or block (lane 0) */
-        auto load_factors = [&](int kb) {
+        uint32_t it = 0; /* k-blocks loaded so far (all tiles): stage it % STAGES, phase it / STAGES */
+        for (int t = blockIdx.x; t < args.tiles; t += gridDim.x) {
+            const tile_pos tp = tile_at(args, t);
+            const group_dev &g = args.groups[tp.group];
+            const CUtensorMap *map_a = args.maps + g.a_map, *map_b = args.maps + g.b_map;
+            const int row_a = (int)(g.a_row0 + (int64_t)tp.m_tile * TILE);
+            const int row_b = (int)(g.b_row0 + (int64_t)tp.n_tile * TILE);
+            const float *sa = g.a_scale, *sb = g.b_scale;
+            const int m = g.m, n = g.n, kb_count = g.kb_count;
+            const int64_t sa_stride = g.a_scale_kb_stride, sb_stride = g.b_scale_stride;
+            float fa[4], fb[4];
+            /* the factors of k-block kb this lane copies: A rows lane*4..+3, B rows (per row) or block (lane 0) */
+            auto load_factors = [&](int kb) {
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int r = m_tile * TILE + lane * 4 + i;
-                fa[i] = r < g.m ? __ldg(g.a_scale + r + (int64_t)kb * g.a_scale_kb_stride) : 0.f;
-                if (B_PER_ROW) {
-                    const int c = n_tile * TILE + lane * 4 + i;
-                    fb[i] = c < g.n ? __ldg(g.b_scale + c + (int64_t)kb * g.b_scale_stride) : 0.f;
+                for (int i = 0; i < 4; i++) {
+                    const int r = tp.m_tile * TILE + lane * 4 + i;
+                    fa[i] = r < m ? __ldg(sa + r + (int64_t)kb * sa_stride) : 0.f;
+                    if (B_PER_ROW) {
+                        const int c = tp.n_tile * TILE + lane * 4 + i;
+                        fb[i] = c < n ? __ldg(sb + c + (int64_t)kb * sb_stride) : 0.f;
+                    }
                 }
-            }
-            if (!B_PER_ROW) fb[0] = __ldg(g.b_scale + kb + (int64_t)n_tile * g.b_scale_stride);
-        };
-        if (kb_count > 0) load_factors(0);
-        for (int kb = 0; kb < kb_count; kb++) {
-            const int s = kb % STAGES;
-            if (kb >= STAGES) mbar_wait(&empty[s], ((kb / STAGES) - 1) & 1);
+                if (!B_PER_ROW) fb[0] = __ldg(sb + kb + (int64_t)tp.n_tile * sb_stride);
+            };
+            load_factors(0);
+            for (int kb = 0; kb < kb_count; kb++, it++) {
+                const int s = it % STAGES;
+                if (it >= STAGES) mbar_wait(&empty[s], ((it / STAGES) - 1) & 1);
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                a_factors[s * TILE + lane * 4 + i] = fa[i];
-                if (B_PER_ROW) b_factors[s * TILE + lane * 4 + i] = fb[i];
+                for (int i = 0; i < 4; i++) {
+                    a_factors[s * TILE + lane * 4 + i] = fa[i];
+                    if (B_PER_ROW) b_factors[s * TILE + lane * 4 + i] = fb[i];
+                }
+                if (!B_PER_ROW && lane == 0) b_factors[s * TILE] = fb[0];
+                if (lane == 0) {
+                    mbar_arrive_expect_tx(&full[s], 2 * TILE_BYTES);
+                    tensor_load_2d(a_tiles + s * TILE_BYTES, map_a, kb * TILE, row_a, &full[s]);
+                    tensor_load_2d(b_tiles + s * TILE_BYTES, map_b, kb * TILE, row_b, &full[s]);
+                } else {
+                    mbar_arrive(&full[s]);
+                }
+                if (kb + 1 < kb_count) load_factors(kb + 1);
             }
-            if (!B_PER_ROW && lane == 0) b_factors[s * TILE] = fb[0];
-            if (lane == 0) {
-                mbar_arrive_expect_tx(&full[s], 2 * TILE_BYTES);
-                tensor_load_2d(a_tiles + s * TILE_BYTES, map_a, kb * TILE, row_a, &full[s]);
-                tensor_load_2d(b_tiles + s * TILE_BYTES, map_b, kb * TILE, row_b, &full[s]);
-            } else {
-                mbar_arrive(&full[s]);
-            }
-            if (kb + 1 < kb_count) load_factors(kb + 1);
         }
         return;
     }
@@ -222,60 +270,53 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
     /* consumers */
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     const int c = wg - 1;                 /* rows c*64 .. c*64+63 of the tile */
-    const int t = threadIdx.x % 128;
-    const int warp = t / 32;
+    const int warp = (threadIdx.x % 128) / 32;
     const int r0 = c * 64 + warp * 16 + lane / 4; /* this thread's rows: r0 and r0 + 8 */
     const int col0 = 2 * (lane % 4);              /* and columns col0 + 8 j, + 1 */
-    float acc[64], part[64];
+    uint32_t it = 0;
+    for (int t = blockIdx.x; t < args.tiles; t += gridDim.x) {
+        const tile_pos tp = tile_at(args, t);
+        const group_dev &g = args.groups[tp.group];
+        const int kb_count = g.kb_count;
+        float acc[64], part[64];
 #pragma unroll
-    for (int i = 0; i < 64; i++) acc[i] = 0.f;
-    for (int kb = 0; kb < kb_count; kb++) {
-        const int s = kb % STAGES;
-        mbar_wait(&full[s], (kb / STAGES) & 1);
-        const uint64_t da = smem_desc(a_tiles + s * TILE_BYTES + c * 64 * TILE);
-        const uint64_t db = smem_desc(b_tiles + s * TILE_BYTES);
-        wgmma_fence();
+        for (int i = 0; i < 64; i++) acc[i] = 0.f;
+        for (int kb = 0; kb < kb_count; kb++, it++) {
+            const int s = it % STAGES;
+            mbar_wait(&full[s], (it / STAGES) & 1);
+            const uint64_t da = smem_desc(a_tiles + s * TILE_BYTES + c * 64 * TILE);
+            const uint64_t db = smem_desc(b_tiles + s * TILE_BYTES);
+            wgmma_fence();
 #pragma unroll
-        for (int k = 0; k < TILE / 32; k++) wgmma_tile<A_FMT, B_FMT>(part, da + 2 * k, db + 2 * k, k > 0);
-        wgmma_commit();
-        wgmma_wait_all();
-        fence_registers(part);
-        const float sa0 = a_factors[s * TILE + r0], sa1 = a_factors[s * TILE + r0 + 8];
-        if (B_PER_ROW) {
+            for (int k = 0; k < TILE / 32; k++) wgmma_tile<A_FMT, B_FMT>(part, da + 2 * k, db + 2 * k, k > 0);
+            wgmma_commit();
+            wgmma_wait_all();
+            fence_registers(part);
+            const float sa0 = a_factors[s * TILE + r0], sa1 = a_factors[s * TILE + r0 + 8];
+            if (B_PER_ROW) {
 #pragma unroll
-            for (int j = 0; j < 16; j++) {
-                const float2 sb = *(const float2 *)&b_factors[s * TILE + 8 * j + col0];
-                acc[4 * j + 0] += part[4 * j + 0] * (sa0 * sb.x);
-                acc[4 * j + 1] += part[4 * j + 1] * (sa0 * sb.y);
-                acc[4 * j + 2] += part[4 * j + 2] * (sa1 * sb.x);
-                acc[4 * j + 3] += part[4 * j + 3] * (sa1 * sb.y);
+                for (int j = 0; j < 16; j++) {
+                    const float2 sb = *(const float2 *)&b_factors[s * TILE + 8 * j + col0];
+                    acc[4 * j + 0] += part[4 * j + 0] * (sa0 * sb.x);
+                    acc[4 * j + 1] += part[4 * j + 1] * (sa0 * sb.y);
+                    acc[4 * j + 2] += part[4 * j + 2] * (sa1 * sb.x);
+                    acc[4 * j + 3] += part[4 * j + 3] * (sa1 * sb.y);
+                }
+            } else {
+                const float sb = b_factors[s * TILE];
+                const float s0 = sa0 * sb, s1 = sa1 * sb;
+#pragma unroll
+                for (int j = 0; j < 16; j++) {
+                    acc[4 * j + 0] += part[4 * j + 0] * s0;
+                    acc[4 * j + 1] += part[4 * j + 1] * s0;
+                    acc[4 * j + 2] += part[4 * j + 2] * s1;
+                    acc[4 * j + 3] += part[4 * j + 3] * s1;
+                }
             }
-        } else {
-            const float sb = b_factors[s * TILE];
-            const float s0 = sa0 * sb, s1 = sa1 * sb;
-#pragma unroll
-            for (int j = 0; j < 16; j++) {
-                acc[4 * j + 0] += part[4 * j + 0] * s0;
-                acc[4 * j + 1] += part[4 * j + 1] * s0;
-                acc[4 * j + 2] += part[4 * j + 2] * s1;
-                acc[4 * j + 3] += part[4 * j + 3] * s1;
-            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&empty[s]);
         }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[s]);
-    }
-
-    const int row = m_tile * TILE + r0;
-    const int colb = n_tile * TILE + col0;
-#pragma unroll
-    for (int j = 0; j < 16; j++) {
-        const int col = colb + 8 * j;
-        if (col >= g.n) continue;
-        if (row < g.m)
-            store_pair(g.d, (int64_t)row * g.ldd + col, acc[4 * j + 0], acc[4 * j + 1], args.d_bf16, args.accumulate);
-        if (row + 8 < g.m)
-            store_pair(g.d, (int64_t)(row + 8) * g.ldd + col, acc[4 * j + 2], acc[4 * j + 3], args.d_bf16,
-                       args.accumulate);
+        store_tile(g, tp.m_tile * TILE + r0, tp.n_tile * TILE + col0, acc, part, args.d_bf16, args.accumulate);
     }
 #endif
 }
@@ -319,6 +360,10 @@ extern "C" moert_result moert_fp8_block_ctx_create(const moert_host *host, moert
     if (!ctx) return report(host, MOERT_ERR_OUT_OF_MEMORY, "fp8 block gemm: out of host memory");
     ctx->host = host;
     ctx->encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
+    if (cudaDeviceGetAttribute(&ctx->sm_count, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || ctx->sm_count < 1) {
+        free(ctx);
+        return report(host, MOERT_ERR_CUDA, "cudaDeviceGetAttribute(multiprocessor count, %d) failed", dev);
+    }
     for (int i = 0; i < SLOTS; i++) {
         cudaError_t err = cudaEventCreateWithFlags(&ctx->done[i], cudaEventDisableTiming);
         if (err != cudaSuccess) {
@@ -462,7 +507,9 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
     args.group_count = count;
     args.d_bf16 = gm->d_bf16 != 0;
     args.accumulate = gm->accumulate != 0;
-    kernel<<<(unsigned)tiles, THREADS, SMEM_BYTES, stream>>>(args);
+    args.tiles = (int)tiles;
+    const int64_t grid = tiles < ctx->sm_count ? tiles : ctx->sm_count;
+    kernel<<<(unsigned)grid, THREADS, SMEM_BYTES, stream>>>(args);
     LAUNCH_CHECK(host, "fp8_block_gemm_kernel");
     CUDA_CHECK(host, cudaEventRecord(ctx->done[slot], stream));
     ctx->used[slot] = 1;
