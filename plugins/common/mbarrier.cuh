@@ -63,4 +63,29 @@ __device__ __forceinline__ void tensor_load_2d(void *dst_smem, const void *tenso
         : "memory");
 }
 
+/* Shared -> global bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned), in the current bulk
+ * group of this thread. */
+__device__ __forceinline__ void bulk_store(void *dst, const void *src_smem, uint32_t bytes)
+{
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_addr(src_smem)),
+                 "r"(bytes)
+                 : "memory");
+}
+
+/* As bulk_store, but adds the fp32 values to global memory (an atomic reduction per element, done by L2). */
+__device__ __forceinline__ void bulk_add_f32(float *dst, const float *src_smem, uint32_t bytes)
+{
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst),
+                 "r"(smem_addr(src_smem)), "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+/* This thread's bulk stores so far have read their shared memory (it may be written again). */
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+/* This thread's bulk stores so far are complete (written). */
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+/* Orders this thread's generic-proxy shared-memory writes before later async-proxy (bulk copy) reads of them. */
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
 #endif

@@ -62,23 +62,10 @@ __device__ __forceinline__ void tma_load(void *dst_smem, const void *src, uint32
     bulk_load(dst_smem, src, bytes, bar);
 }
 
-/* Shared -> global (a peer's buffer over NVLink, or local memory), in the current bulk group. */
-__device__ __forceinline__ void tma_store(void *dst, const void *src_smem, uint32_t bytes)
-{
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_addr(src_smem)),
-                 "r"(bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void tma_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-/* The stores issued so far have read their shared memory (the stage can be loaded again). */
-__device__ __forceinline__ void tma_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
-/* The stores issued so far are complete (written). */
-__device__ __forceinline__ void tma_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 __device__ __forceinline__ void fence_proxy_async()
 {
     asm volatile("fence.proxy.async.global;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    fence_async_shared();
 }
 
 /* ---- failures and bounded waits ---- */
@@ -671,14 +658,14 @@ __device__ void nvlink_rows(const hybridep_cuda_call &k, const Job &job, int64_t
         if (TMA) {
             if (lane == 0) {
                 if (j + pp.S - 1 < n) {
-                    tma_wait_read();
+                    bulk_wait_read();
                     pipe_load(pp, pp.g + (uint32_t)(j + pp.S - 1), job.src(k, first + (j + pp.S - 1) * P));
                 }
                 const char *stage = pipe_wait(pp, pp.g + (uint32_t)j);
 #pragma unroll
                 for (int d = 0; d < HYBRIDEP_MAX_RANKS; d++)
-                    if (rows[d]) tma_store(rows[d], stage, pp.bytes);
-                tma_commit();
+                    if (rows[d]) bulk_store(rows[d], stage, pp.bytes);
+                bulk_commit();
             }
             __syncwarp();
         } else {
@@ -689,7 +676,7 @@ __device__ void nvlink_rows(const hybridep_cuda_call &k, const Job &job, int64_t
         }
     }
     if (TMA) {
-        if (lane == 0) tma_wait_all();
+        if (lane == 0) bulk_wait_all();
         pp.g += (uint32_t)n;
         __syncwarp();
         fence_proxy_async();
