@@ -17,13 +17,12 @@
 
 #define TILE 128                     /* BM = BN = BK */
 #define TILE_BYTES (TILE * TILE)     /* one FP8 tile of A or B */
-#define STAGES 4
-#define THREADS 288                  /* two consumer warpgroups, then the producer warp (up to 224 registers each) */
+#define STAGES 6
+#define THREADS 384                  /* producer warpgroup + two consumer warpgroups */
 #define CONSUMER_WARPS 8
 #define SLOTS 16                     /* tables in flight */
 #define BAND 8                       /* row blocks of a group that run side by side (see tile_at) */
-#define STAGE_LD 132                 /* floats per staged row of D (bf16: 2 * STAGE_LD); 16-byte rows, few bank conflicts */
-#define SMEM_BYTES (1024 + STAGES * (2 * TILE_BYTES + 2 * TILE * 4) + 1024 + TILE * STAGE_LD * 4)
+#define SMEM_BYTES (1024 + STAGES * (2 * TILE_BYTES + 2 * TILE * 4) + 2 * STAGES * 8)
 
 /* A group as the kernel reads it (the host's moert_fp8_block_group with its tiles counted). */
 typedef struct group_dev {
@@ -41,7 +40,6 @@ typedef struct kernel_args {
     int group_count;
     int tiles;
     int d_bf16, accumulate;
-    int bulk_epilogue; /* D's rows go out as bulk copies from shared memory (16-byte aligned rows and widths) */
 } kernel_args;
 
 struct moert_fp8_block_ctx {
@@ -109,7 +107,6 @@ __device__ __forceinline__ uint64_t smem_desc(const void *tile)
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_one() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 
 /* Keeps the compiler from moving register reads of d across the asynchronous wgmma's completion. */
 __device__ __forceinline__ void fence_registers(float *d)
@@ -174,60 +171,6 @@ __device__ __forceinline__ void store_tile(const group_dev &g, int row, int col,
     }
 }
 
-/* The shared-memory ring: STAGES k-blocks of A and B tiles with their factors, and its barriers. */
-typedef struct stage_ring {
-    uint8_t *a_tiles, *b_tiles;
-    float *a_factors, *b_factors;
-    uint64_t *full, *empty;
-} stage_ring;
-
-/* Issues the wgmmas of the k-block in stage at % STAGES into p (consumer warpgroup c's 64 rows), once its loads
- * have landed. */
-template <int A_FMT, int B_FMT>
-__device__ __forceinline__ void issue_kblock(float (&p)[64], const stage_ring &sm, int c, uint32_t at)
-{
-    const int s = at % STAGES;
-    mbar_wait(&sm.full[s], (at / STAGES) & 1);
-    const uint64_t da = smem_desc(sm.a_tiles + s * TILE_BYTES + c * 64 * TILE);
-    const uint64_t db = smem_desc(sm.b_tiles + s * TILE_BYTES);
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < TILE / 32; k++) wgmma_tile<A_FMT, B_FMT>(p, da + 2 * k, db + 2 * k, k > 0);
-    wgmma_commit();
-}
-
-/* acc += p * the factors of the k-block in stage at % STAGES (p's wgmmas complete); the stage is handed back. */
-template <int B_PER_ROW>
-__device__ __forceinline__ void promote_kblock(float (&acc)[64], float (&p)[64], const stage_ring &sm, int r0,
-                                               int col0, int lane, uint32_t at)
-{
-    const int s = at % STAGES;
-    fence_registers(p);
-    const float sa0 = sm.a_factors[s * TILE + r0], sa1 = sm.a_factors[s * TILE + r0 + 8];
-    if (B_PER_ROW) {
-#pragma unroll
-        for (int j = 0; j < 16; j++) {
-            const float2 sb = *(const float2 *)&sm.b_factors[s * TILE + 8 * j + col0];
-            acc[4 * j + 0] += p[4 * j + 0] * (sa0 * sb.x);
-            acc[4 * j + 1] += p[4 * j + 1] * (sa0 * sb.y);
-            acc[4 * j + 2] += p[4 * j + 2] * (sa1 * sb.x);
-            acc[4 * j + 3] += p[4 * j + 3] * (sa1 * sb.y);
-        }
-    } else {
-        const float sb = sm.b_factors[s * TILE];
-        const float s0 = sa0 * sb, s1 = sa1 * sb;
-#pragma unroll
-        for (int j = 0; j < 16; j++) {
-            acc[4 * j + 0] += p[4 * j + 0] * s0;
-            acc[4 * j + 1] += p[4 * j + 1] * s0;
-            acc[4 * j + 2] += p[4 * j + 2] * s1;
-            acc[4 * j + 3] += p[4 * j + 3] * s1;
-        }
-    }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&sm.empty[s]);
-}
-
 /* A tile of the grid: its group and its 128-row / 128-column block. Within a group, tiles go in bands of BAND
  * row blocks, row blocks fastest: the CTAs running at once share the band's A rows and walk the group's B. */
 typedef struct tile_pos {
@@ -248,51 +191,6 @@ __device__ __forceinline__ tile_pos tile_at(const kernel_args &args, int t)
     return p;
 }
 
-/* The epilogue through shared memory: the consumers write the tile's values into the staging area (fp32, or bf16
- * when D is bf16 and not added to), then each row of D goes out as one bulk copy issued by a thread of the first
- * consumer warpgroup: a store, or for fp32 D an add done by L2 (cp.reduce.async.bulk .add.f32), so no thread
- * waits on D's old values. The staging area is written again only once the previous tile's copies have read it.
- * Not inlined: the kernel hands acc over through local memory once per tile instead of spilling in its main loop. */
-__device__ __noinline__ void store_tile_bulk(const group_dev &g, const tile_pos &tp, int r, int c0, const float *acc,
-                                                uint8_t *staging, int d_bf16, int accumulate)
-{
-    const int t = threadIdx.x; /* consumer thread 0..255 */
-    if (t < 128) bulk_wait_read();
-    asm volatile("bar.sync 1, 256;" ::: "memory");
-    const bool as_bf16 = d_bf16 && !accumulate;
-    if (as_bf16) {
-        __nv_bfloat162 *st = (__nv_bfloat162 *)staging;
-#pragma unroll
-        for (int j = 0; j < 16; j++) {
-            st[(r * 2 * STAGE_LD + c0 + 8 * j) / 2] = __floats2bfloat162_rn(acc[4 * j + 0], acc[4 * j + 1]);
-            st[((r + 8) * 2 * STAGE_LD + c0 + 8 * j) / 2] = __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
-        }
-    } else {
-        float2 *st = (float2 *)staging;
-#pragma unroll
-        for (int j = 0; j < 16; j++) {
-            st[(r * STAGE_LD + c0 + 8 * j) / 2] = make_float2(acc[4 * j + 0], acc[4 * j + 1]);
-            st[((r + 8) * STAGE_LD + c0 + 8 * j) / 2] = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
-        }
-    }
-    fence_async_shared();
-    asm volatile("bar.sync 1, 256;" ::: "memory");
-    if (t < 128) {
-        const int row = tp.m_tile * TILE + t, col = tp.n_tile * TILE;
-        if (row < g.m) {
-            const int cols = min(TILE, g.n - col);
-            const int64_t idx = (int64_t)row * g.ldd + col;
-            if (as_bf16)
-                bulk_store((__nv_bfloat16 *)g.d + idx, staging + (size_t)t * 2 * STAGE_LD * 2, (uint32_t)cols * 2);
-            else if (accumulate)
-                bulk_add_f32((float *)g.d + idx, (const float *)staging + (size_t)t * STAGE_LD, (uint32_t)cols * 4);
-            else
-                bulk_store((float *)g.d + idx, staging + (size_t)t * STAGE_LD * 4, (uint32_t)cols * 4);
-        }
-        bulk_commit();
-    }
-}
-
 /* Persistent: each CTA takes tiles blockIdx.x, + gridDim.x, ...; the stage ring runs on across tiles, so the
  * producer loads the next tile's first k-blocks while the consumers store this one. */
 template <int A_FMT, int B_FMT, int B_PER_ROW>
@@ -307,7 +205,6 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
     float *b_factors = a_factors + STAGES * TILE;                /* [STAGES][128] (per block: [0] only) */
     uint64_t *full = (uint64_t *)(b_factors + STAGES * TILE);
     uint64_t *empty = full + STAGES;
-    uint8_t *staging = (uint8_t *)(empty + STAGES) + 1024 - 2 * STAGES * 8; /* D's tile: [128][STAGE_LD] */
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
@@ -320,7 +217,9 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
 
     const int wg = threadIdx.x / 128;
     const int lane = threadIdx.x % 32;
-    if (wg == 2) { /* producer: one warp */
+    if (wg == 0) { /* producer: one warp */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (threadIdx.x >= 32) return;
         uint32_t it = 0; /* k-blocks loaded so far (all tiles): stage it % STAGES, phase it / STAGES */
         for (int t = blockIdx.x; t < args.tiles; t += gridDim.x) {
             const tile_pos tp = tile_at(args, t);
@@ -369,37 +268,56 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
     }
 
     /* consumers */
-    const int c = wg;                     /* rows c*64 .. c*64+63 of the tile */
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int c = wg - 1;                 /* rows c*64 .. c*64+63 of the tile */
     const int warp = (threadIdx.x % 128) / 32;
     const int r0 = c * 64 + warp * 16 + lane / 4; /* this thread's rows: r0 and r0 + 8 */
     const int col0 = 2 * (lane % 4);              /* and columns col0 + 8 j, + 1 */
     uint32_t it = 0;
-    float acc[64], part[64];
-    const stage_ring sm = {a_tiles, b_tiles, a_factors, b_factors, full, empty};
     for (int t = blockIdx.x; t < args.tiles; t += gridDim.x) {
         const tile_pos tp = tile_at(args, t);
         const group_dev &g = args.groups[tp.group];
         const int kb_count = g.kb_count;
+        float acc[64], part[64];
 #pragma unroll
         for (int i = 0; i < 64; i++) acc[i] = 0.f;
-        for (int kb = 0; kb < kb_count; kb++) {
-            /* the warpgroups take turns issuing (named barriers 2 and 3), so one promotes while the other's
-             * wgmmas run instead of both promoting at once */
-            if (c == 1) asm volatile("bar.sync 3, 256;" ::: "memory");
-            issue_kblock<A_FMT, B_FMT>(part, sm, c, it);
-            if (c == 0) asm volatile("bar.arrive 3, 256;" ::: "memory");
-            else asm volatile("bar.arrive 2, 256;" ::: "memory");
+        for (int kb = 0; kb < kb_count; kb++, it++) {
+            const int s = it % STAGES;
+            mbar_wait(&full[s], (it / STAGES) & 1);
+            const uint64_t da = smem_desc(a_tiles + s * TILE_BYTES + c * 64 * TILE);
+            const uint64_t db = smem_desc(b_tiles + s * TILE_BYTES);
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < TILE / 32; k++) wgmma_tile<A_FMT, B_FMT>(part, da + 2 * k, db + 2 * k, k > 0);
+            wgmma_commit();
             wgmma_wait_all();
-            promote_kblock<B_PER_ROW>(acc, part, sm, r0, col0, lane, it++);
-            if (c == 0) asm volatile("bar.sync 2, 256;" ::: "memory");
+            fence_registers(part);
+            const float sa0 = a_factors[s * TILE + r0], sa1 = a_factors[s * TILE + r0 + 8];
+            if (B_PER_ROW) {
+#pragma unroll
+                for (int j = 0; j < 16; j++) {
+                    const float2 sb = *(const float2 *)&b_factors[s * TILE + 8 * j + col0];
+                    acc[4 * j + 0] += part[4 * j + 0] * (sa0 * sb.x);
+                    acc[4 * j + 1] += part[4 * j + 1] * (sa0 * sb.y);
+                    acc[4 * j + 2] += part[4 * j + 2] * (sa1 * sb.x);
+                    acc[4 * j + 3] += part[4 * j + 3] * (sa1 * sb.y);
+                }
+            } else {
+                const float sb = b_factors[s * TILE];
+                const float s0 = sa0 * sb, s1 = sa1 * sb;
+#pragma unroll
+                for (int j = 0; j < 16; j++) {
+                    acc[4 * j + 0] += part[4 * j + 0] * s0;
+                    acc[4 * j + 1] += part[4 * j + 1] * s0;
+                    acc[4 * j + 2] += part[4 * j + 2] * s1;
+                    acc[4 * j + 3] += part[4 * j + 3] * s1;
+                }
+            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&empty[s]);
         }
-        const int row = tp.m_tile * TILE + r0, col = tp.n_tile * TILE + col0;
-        if (args.bulk_epilogue)
-            store_tile_bulk(g, tp, row - tp.m_tile * TILE, col0, acc, staging, args.d_bf16, args.accumulate);
-        else
-            store_tile(g, row, col, acc, part, args.d_bf16, args.accumulate);
+        store_tile(g, tp.m_tile * TILE + r0, tp.n_tile * TILE + col0, acc, part, args.d_bf16, args.accumulate);
     }
-    if (args.bulk_epilogue && threadIdx.x < 128) bulk_wait_all(); /* the staging area outlives its last reads */
 #endif
 }
 
@@ -566,13 +484,11 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
     if (ctx->used[slot]) CUDA_CHECK(host, cudaEventSynchronize(ctx->done[slot]));
     CUtensorMap *maps = (CUtensorMap *)ctx->pinned[slot];
     group_dev *groups = (group_dev *)((char *)ctx->pinned[slot] + maps_bytes);
-    int count = 0, bulk_ok = !(gm->d_bf16 && gm->accumulate); /* bf16 added to: in registers (one rounding) */
+    int count = 0;
     int64_t tiles = 0;
-    const int64_t d_es = gm->d_bf16 ? 2 : 4;
     for (int i = 0; i < gm->group_count; i++) {
         const moert_fp8_block_group *g = &gm->groups[i];
         if (g->m <= 0 || g->n <= 0 || g->k <= 0) continue;
-        if ((g->ldd * d_es) % 16 || (g->n * d_es) % 16 || (uintptr_t)g->d % 16) bulk_ok = 0;
         MOK(group_fill(host, gm, i, &groups[count]));
         groups[count].tile_start = (int32_t)tiles;
         tiles += (int64_t)groups[count].m_tiles * ceil_div64(g->n, TILE);
@@ -592,7 +508,6 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
     args.d_bf16 = gm->d_bf16 != 0;
     args.accumulate = gm->accumulate != 0;
     args.tiles = (int)tiles;
-    args.bulk_epilogue = bulk_ok;
     const int64_t grid = tiles < ctx->sm_count ? tiles : ctx->sm_count;
     kernel<<<(unsigned)grid, THREADS, SMEM_BYTES, stream>>>(args);
     LAUNCH_CHECK(host, "fp8_block_gemm_kernel");
