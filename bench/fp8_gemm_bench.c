@@ -4,7 +4,8 @@
  * distinct experts, counted for rank 0's experts 0..63, ~512 rows each, arbitrary counts), FORWARD, DGRAD and WGRAD;
  * with dense GEMMs of the same total shape (bf16 and FP8 blockwise, one expert of all rows) as ceilings measured in
  * the same call. Last, per shape and over both: the blockwise recipe's fwd+dgrad+wgrad TFLOP/s and its speed-up over
- * the bf16 grouped GEMM in the same run (the target is 1.4x).
+ * the bf16 grouped GEMM in the same run (the target is 1.4x). The blockwise variants run on moert's wgmma kernel
+ * (fp8_block_gemm.cu); fp8_blockwise_cublaslt is the same recipe on cuBLASLt's VEC128 / BLK128x128 matmuls.
  *
  * Times are CUDA events around one grouped GEMM call, median of MOERT_BENCH_REPEATS after 3 warm-up calls, the
  * variants interleaved. The FP8 times include the quantization of the activations (amax, scale, cast, and the
@@ -369,8 +370,8 @@ int main(int argc, char **argv)
         moert_bf16_cuda *bf16 = NULL;
         MOK(moert_bf16_cuda_create(&bench_host, NULL, 0, MOERT_BF16_CUDA_EXPERT_LOOP, &bf16));
         MOK(moert_bf16_cuda_set_streams(bf16, streams));
-        /* blockwise on the kernel (the plugin's default on sm_90), current, dense blockwise (kernel), blockwise on
-         * cuBLASLt */
+        /* blockwise on moert's wgmma kernel ("gemm": "kernel"), current, dense blockwise (kernel), blockwise on
+         * cuBLASLt (the plugin's default) */
         moert_fp8_cuda *fp8[4] = {NULL, NULL, NULL, NULL};
         const moert_device dev0 = {MOERT_DEVICE_CUDA, 0};
         for (int i = 0; i < 4; i++) {

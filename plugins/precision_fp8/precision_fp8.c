@@ -94,9 +94,9 @@ static moert_result read_options(const moert_host *host, fp8_settings *s, int *s
     if (rc != MOERT_OK) return rc;
     *streams = (int)gemm_streams;
     rc = host->option_enum(host, "gemm", gemm_choices, GEMM_AUTO,
-                           "CUDA, blockwise recipe: the GEMMs' engine: kernel (moert's wgmma kernel, the 128-block "
-                           "factors applied in registers), cublaslt (VEC128 / BLK128x128 matmuls per expert), or auto "
-                           "(kernel on compute capability 9.0, else cublaslt)",
+                           "CUDA, blockwise recipe: the GEMMs' engine: cublaslt (VEC128 / BLK128x128 matmuls per "
+                           "expert), kernel (moert's wgmma kernel, the 128-block factors applied in registers; compute "
+                           "capability 9.0; slower than cublaslt so far), or auto (the faster measured: cublaslt)",
                            engine);
     if (rc != MOERT_OK) return rc;
     s->recipe = (fp8_recipe)recipe;
@@ -175,12 +175,13 @@ static moert_result cuda_init(fp8_ctx *c)
     };
     rc = moert_fp8_cuda_create(h, l->device, &cfg, &c->gemm);
     if (rc == MOERT_OK) rc = moert_fp8_cuda_set_streams(c->gemm, c->gemm_streams);
-    /* blockwise GEMMs on the wgmma kernel: "kernel", or "auto" on compute capability 9.0 (the kernel's sm_90a code) */
+    /* blockwise GEMMs on the wgmma kernel when asked ("auto" is cuBLASLt: the kernel measured slower, see
+     * docs/plugins/precision_fp8.md); the kernel's code is sm_90a */
     const bool hopper = prop.major == 9 && prop.minor == 0;
     if (rc == MOERT_OK && s->recipe == FP8_RECIPE_BLOCKWISE && c->gemm_engine == GEMM_KERNEL && !hopper)
         rc = fail(c, MOERT_ERR_UNSUPPORTED, "$.precision.gemm: \"kernel\" needs a compute capability 9.0 GPU "
                   "(wgmma); %s is %s (%d.%d): use \"cublaslt\" or \"auto\"", dev, prop.name, prop.major, prop.minor);
-    if (rc == MOERT_OK && s->recipe == FP8_RECIPE_BLOCKWISE && c->gemm_engine != GEMM_CUBLASLT && hopper)
+    if (rc == MOERT_OK && s->recipe == FP8_RECIPE_BLOCKWISE && c->gemm_engine == GEMM_KERNEL)
         rc = moert_fp8_cuda_set_block_kernel(c->gemm, 1);
     /* every matmul of the recipe exists in this cuBLASLt (weight gradients accumulate in fp32, as the executor's) */
     if (rc == MOERT_OK) rc = moert_fp8_cuda_check_support(c->gemm, l->hidden, l->ffn_hidden, l->dtype, MOERT_F32);

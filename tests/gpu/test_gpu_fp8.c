@@ -839,8 +839,8 @@ int main(void)
     } else {
         run_plugin("{\"recipe\": \"current\"}", pool, (cudaStream_t)stream);
         run_plugin("{\"recipe\": \"delayed\", \"amax_history_len\": 3}", pool, (cudaStream_t)stream);
-        run_plugin("{\"recipe\": \"blockwise\", \"gemm_streams\": 2}", pool, (cudaStream_t)stream); /* kernel */
-        run_plugin("{\"recipe\": \"blockwise\", \"gemm\": \"cublaslt\"}", pool, (cudaStream_t)stream);
+        run_plugin("{\"recipe\": \"blockwise\", \"gemm_streams\": 2}", pool, (cudaStream_t)stream);
+        run_plugin("{\"recipe\": \"blockwise\", \"gemm\": \"kernel\"}", pool, (cudaStream_t)stream);
         run_refusals(pool, (cudaStream_t)stream);
     }
     if (stream) moert_cuda_stream_synchronize(stream);
