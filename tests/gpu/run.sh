@@ -35,6 +35,7 @@ done
 # the "hybridep" dispatcher's CUDA path against its CPU path
 [ -x "$BUILD/tests/test_gpu_hybridep" ] && run_test test_gpu_hybridep "$BUILD/tests/test_gpu_hybridep"
 [ -x "$BUILD/tests/test_gpu_device_gemm" ] && run_test test_gpu_device_gemm "$BUILD/tests/test_gpu_device_gemm"
+[ -x "$BUILD/tests/test_gpu_fp8_block_gemm" ] && run_test test_gpu_fp8_block_gemm "$BUILD/tests/test_gpu_fp8_block_gemm"
 if [ -x "$BUILD/tests/nccl_mp_driver" ]; then
   run_test nccl_multiprocess tests/gpu/test_nccl_multiprocess.sh "$BUILD/tests/nccl_mp_driver"
 fi
