@@ -8,8 +8,8 @@
 # line-buffered output:
 #   cublaslt_fp8_probe short   (~5 s)  which blockwise matmuls cuBLASLt accepts at the padded row counts
 #   test_gpu_fp8               (~20 s) CUDA vs CPU reference, every recipe and pass, odd per-expert counts, WGRAD
-#   test_gpu_fp8_block_gemm    (~5 s) the blockwise wgmma kernel against a double-precision sum of its FP8 operands
 #                                      overwriting grad_weight (empty experts zeroed)
+#   test_gpu_fp8_block_gemm    (~5 s) the blockwise wgmma kernel against a double-precision sum of its FP8 operands
 #   fp8_gemm_bench             (~50 s) deepseek-v3 EP4 shapes; blockwise fwd+dgrad+wgrad vs bf16 (target 1.4x); fails
 #                                      when an FP8 variant's error against bf16 is above 0.2
 # Logs, the bench's JSON and a summary go into OUT. Exit status: the first failing step's (0: all passed).
