@@ -34,6 +34,7 @@ int main(void)
 #include "cuda/device.h"
 #include "cuda/pool.h"
 #include "device_gemm.h"
+#include "gpu_test_util.h"
 #include "moert/precision.h"
 #include "precision_bf16_cpu.h"
 #include "precision_bf16_cuda.h"
@@ -46,34 +47,6 @@ int main(void)
 
 static const char *const pass_names[3] = {"forward", "dgrad", "wgrad"};
 
-/* A CUDA call of the test's own scaffolding: a failure ends the test. */
-#define CK(call)                                                                                             \
-    do {                                                                                                     \
-        cudaError_t e_ = (call);                                                                             \
-        if (e_ != cudaSuccess) {                                                                             \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));    \
-            exit(1);                                                                                         \
-        }                                                                                                    \
-    } while (0)
-
-static char handle_error[2048];
-
-static void raw_log(const moert_host *h, moert_log_level level, const char *fmt, ...)
-{
-    (void)h, (void)level, (void)fmt;
-}
-
-static void raw_set_error(const moert_host *h, const char *fmt, ...)
-{
-    (void)h;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(handle_error, sizeof handle_error, fmt, ap);
-    va_end(ap);
-}
-
-/* The kernel's and the cuBLASLt handle's host: messages only. */
-static moert_host raw_host = {.struct_size = sizeof(moert_host), .log = raw_log, .set_error = raw_set_error};
 
 /* ---- the result table ---- */
 
@@ -326,8 +299,8 @@ static void *gpu_pass(const problem *p, int pass, bool overwrite, bool bf16_grad
     void *out = out_initial(p, pass, bf16_grad);
     void *d_out = to_device(out, bytes);
     const bf16_device_gemm_args a = kernel_args(p, pass, d_out, overwrite, bf16_grad);
-    if (bf16_device_gemm(&raw_host, stream, &a) != MOERT_OK) {
-        fprintf(stderr, "bf16_device_gemm %s failed: %s\n", pass_names[pass], handle_error);
+    if (bf16_device_gemm(&gpu_test_host, stream, &a) != MOERT_OK) {
+        fprintf(stderr, "bf16_device_gemm %s failed: %s\n", pass_names[pass], gpu_test_error);
         test_failures++;
     }
     CK(cudaStreamSynchronize(stream));
@@ -393,8 +366,8 @@ static void run_big(cudaStream_t stream)
     problem p;
     problem_make(&p, E, K, N, counts, 0, 4242);
     moert_bf16_cuda *lt = NULL;
-    if (moert_bf16_cuda_create(&raw_host, NULL, 0, MOERT_BF16_CUDA_EXPERT_LOOP, &lt) != MOERT_OK) {
-        fprintf(stderr, "cuBLASLt handle: %s\n", handle_error);
+    if (moert_bf16_cuda_create(&gpu_test_host, NULL, 0, MOERT_BF16_CUDA_EXPERT_LOOP, &lt) != MOERT_OK) {
+        fprintf(stderr, "cuBLASLt handle: %s\n", gpu_test_error);
         test_failures++;
         problem_free(&p);
         return;
@@ -416,7 +389,7 @@ static void run_big(cudaStream_t stream)
                                    .grad_input = d_ref, .grad_weight = d_ref, .accumulate = 0,
                                    .output_fp32 = pass == MOERT_GEMM_WGRAD};
         if (moert_bf16_cuda_grouped_gemm(lt, stream, &gm) != MOERT_OK) {
-            fprintf(stderr, "cuBLASLt %s: %s\n", pass_names[pass], handle_error);
+            fprintf(stderr, "cuBLASLt %s: %s\n", pass_names[pass], gpu_test_error);
             test_failures++;
         }
         CK(cudaStreamSynchronize(stream));
@@ -483,8 +456,8 @@ static void run_graph(cudaStream_t stream)
     bool ok = true;
     for (int pass = 0; pass < 3 && ok; pass++) {
         const bf16_device_gemm_args a = kernel_args(&p, pass, d_out[pass], pass == MOERT_GEMM_WGRAD, false);
-        ok = bf16_device_gemm(&raw_host, stream, &a) == MOERT_OK;
-        if (!ok) fprintf(stderr, "captured %s: %s\n", pass_names[pass], handle_error);
+        ok = bf16_device_gemm(&gpu_test_host, stream, &a) == MOERT_OK;
+        if (!ok) fprintf(stderr, "captured %s: %s\n", pass_names[pass], gpu_test_error);
     }
     const cudaError_t end = cudaStreamEndCapture(stream, &graph);
     record("graph: the three passes captured", ok && end == cudaSuccess ? 0 : 1, 0, 0);
@@ -545,13 +518,13 @@ static void run_bad_args(cudaStream_t stream)
         a.k_in = cases[i].K, a.n_out = cases[i].N, a.num_experts = cases[i].E;
         if (cases[i].misalign) a.input = (const char *)p.d_input + 2;
         a.tile_n = cases[i].tile;
-        handle_error[0] = 0;
-        const moert_result r = bf16_device_gemm(&raw_host, stream, &a);
-        const bool ok = r == MOERT_ERR_INVALID_ARGUMENT && strstr(handle_error, cases[i].needle);
+        gpu_test_error[0] = 0;
+        const moert_result r = bf16_device_gemm(&gpu_test_host, stream, &a);
+        const bool ok = r == MOERT_ERR_INVALID_ARGUMENT && strstr(gpu_test_error, cases[i].needle);
         char what[80];
         snprintf(what, sizeof what, "refused: %s", cases[i].what);
         record(what, ok ? 0 : 1, 0, 0);
-        if (!ok) fprintf(stderr, "%s: got %s \"%s\"\n", what, moert_result_name(r), handle_error);
+        if (!ok) fprintf(stderr, "%s: got %s \"%s\"\n", what, moert_result_name(r), gpu_test_error);
     }
     problem_free(&p);
 }
@@ -732,8 +705,8 @@ int main(void)
     CK(cudaSetDevice(0));
     cudaStream_t raw_stream;
     CK(cudaStreamCreateWithFlags(&raw_stream, cudaStreamNonBlocking));
-    if (bf16_device_gemm_prepare(&raw_host) != MOERT_OK) {
-        fprintf(stderr, "bf16_device_gemm_prepare: %s\n", handle_error);
+    if (bf16_device_gemm_prepare(&gpu_test_host) != MOERT_OK) {
+        fprintf(stderr, "bf16_device_gemm_prepare: %s\n", gpu_test_error);
         return 1;
     }
     static const small_case cases[] = {

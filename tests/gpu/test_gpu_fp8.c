@@ -35,6 +35,7 @@ int main(void)
 #include "cuda/device.h"
 #include "cuda/pool.h"
 #include "fp8_convert.h"
+#include "gpu_test_util.h"
 #include "moert/precision.h"
 #include "precision_fp8_cpu.h"
 #include "precision_fp8_cuda.h"
@@ -51,34 +52,6 @@ int main(void)
 /* The tolerance of an output of dtype dt (see TOL, TOL_BF16). */
 static double tol_for(moert_dtype dt) { return dt == MOERT_BF16 ? TOL_BF16 : TOL; }
 
-/* A CUDA call of the test's own scaffolding: a failure ends the test. */
-#define CK(call)                                                                                             \
-    do {                                                                                                     \
-        cudaError_t e_ = (call);                                                                             \
-        if (e_ != cudaSuccess) {                                                                             \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));    \
-            exit(1);                                                                                         \
-        }                                                                                                    \
-    } while (0)
-
-static char handle_error[2048];
-
-static void raw_log(const moert_host *h, moert_log_level level, const char *fmt, ...)
-{
-    (void)h, (void)level, (void)fmt;
-}
-
-static void raw_set_error(const moert_host *h, const char *fmt, ...)
-{
-    (void)h;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(handle_error, sizeof handle_error, fmt, ap);
-    va_end(ap);
-}
-
-/* The handle's host: messages only (memory through cudaMalloc). */
-static moert_host raw_host = {.struct_size = sizeof(moert_host), .log = raw_log, .set_error = raw_set_error};
 
 /* ---- the result table ---- */
 
@@ -407,7 +380,7 @@ static void *gpu_pass(moert_fp8_cuda *h, cudaStream_t stream, const gemm_data *d
                               .grad_output = dv->grad_output, .output = dst, .grad_input = dst, .grad_weight = dst};
     void *out = NULL;
     if (moert_fp8_cuda_grouped_gemm(h, stream, &gm) != MOERT_OK) {
-        fprintf(stderr, "fp8 cuda grouped_gemm (fc%d, pass %d) failed: %s\n", which + 1, (int)pass, handle_error);
+        fprintf(stderr, "fp8 cuda grouped_gemm (fc%d, pass %d) failed: %s\n", which + 1, (int)pass, gpu_test_error);
         test_failures++;
     } else {
         out = xalloc(obytes);
@@ -444,7 +417,7 @@ static void diagnose_layout(const recipe_case *rc, const moert_fp8_cuda_config *
     for (int vec = 0; vec < 2; vec++)
         for (int blk = 0; blk < 4; blk++) {
             moert_fp8_cuda *h = NULL;
-            if (moert_fp8_cuda_create(&raw_host, (moert_device){MOERT_DEVICE_CUDA, 0}, cfg, &h) != MOERT_OK) return;
+            if (moert_fp8_cuda_create(&gpu_test_host, (moert_device){MOERT_DEVICE_CUDA, 0}, cfg, &h) != MOERT_OK) return;
             moert_fp8_cuda_set_scale_layout(h, (moert_fp8_cuda_vec_layout)vec, (moert_fp8_cuda_blk_layout)blk);
             int64_t pad = 0;
             void *got = gpu_pass(h, stream, d, dv, which, pass, counts, &pad);
@@ -485,10 +458,10 @@ static void run_case(const recipe_case *rc, cudaStream_t stream)
     fp8_scratch scratch;
     memset(&scratch, 0, sizeof scratch);
     moert_fp8_cuda *h = NULL;
-    if (moert_fp8_cuda_create(&raw_host, (moert_device){MOERT_DEVICE_CUDA, 0}, &cfg, &h) != MOERT_OK ||
+    if (moert_fp8_cuda_create(&gpu_test_host, (moert_device){MOERT_DEVICE_CUDA, 0}, &cfg, &h) != MOERT_OK ||
         moert_fp8_cuda_set_streams(h, 3) != MOERT_OK ||
         (rc->kernel && moert_fp8_cuda_set_block_kernel(h, 1) != MOERT_OK)) {
-        fprintf(stderr, "%s: creating the handle: %s\n", rc->name, handle_error);
+        fprintf(stderr, "%s: creating the handle: %s\n", rc->name, gpu_test_error);
         test_failures++;
         moert_fp8_cuda_destroy(h);
         fp8_delayed_free(&delayed);
@@ -498,7 +471,7 @@ static void run_case(const recipe_case *rc, cudaStream_t stream)
         char what[72];
         snprintf(what, sizeof what, "%s: cuBLASLt has every matmul", rc->name);
         const moert_result r = moert_fp8_cuda_check_support(h, rc->hidden, rc->ffn, MOERT_BF16, MOERT_F32);
-        if (r != MOERT_OK) printf("%s: %s\n", rc->name, handle_error);
+        if (r != MOERT_OK) printf("%s: %s\n", rc->name, gpu_test_error);
         record(what, r == MOERT_OK ? 0 : 1, 0, 0);
     }
     uint64_t rng = 1234;
@@ -575,7 +548,7 @@ static void run_case(const recipe_case *rc, cudaStream_t stream)
         }
         if (rc->recipe == FP8_RECIPE_DELAYED) fp8_delayed_end_step(&delayed, &s);
         if (moert_fp8_cuda_end_step(h, stream) != MOERT_OK) {
-            fprintf(stderr, "%s: end_step failed: %s\n", rc->name, handle_error);
+            fprintf(stderr, "%s: end_step failed: %s\n", rc->name, gpu_test_error);
             test_failures++;
         }
         if (rc->recipe == FP8_RECIPE_DELAYED) {

@@ -24,39 +24,14 @@ int main(void)
 
 #else
 
-#include <cuda_runtime_api.h>
-#include <stdarg.h>
 #include <stdint.h>
 
 #include "fp8_block_gemm.h"
 #include "fp8_convert.h"
-
-#define CK(call)                                                                                             \
-    do {                                                                                                     \
-        cudaError_t e_ = (call);                                                                             \
-        if (e_ != cudaSuccess) {                                                                             \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));    \
-            exit(1);                                                                                         \
-        }                                                                                                    \
-    } while (0)
+#include "gpu_test_util.h"
 
 #define MAXG 8
 #define POISON 12345.0f
-
-static char last_error[1024];
-
-static void quiet_log(const moert_host *h, moert_log_level level, const char *fmt, ...) { (void)h, (void)level, (void)fmt; }
-
-static void keep_error(const moert_host *h, const char *fmt, ...)
-{
-    (void)h;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(last_error, sizeof last_error, fmt, ap);
-    va_end(ap);
-}
-
-static moert_host host = {.struct_size = sizeof(moert_host), .log = quiet_log, .set_error = keep_error};
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 static double uniform(void)
@@ -219,7 +194,7 @@ static void run_case(moert_fp8_block_ctx *ctx, const case_spec *cs)
     CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     const moert_result rc = moert_fp8_block_gemm_run(ctx, stream, &gm);
     if (rc != MOERT_OK) {
-        fprintf(stderr, "FAIL %s: run failed: %s\n", cs->name, last_error);
+        fprintf(stderr, "FAIL %s: run failed: %s\n", cs->name, gpu_test_error);
         test_failures++;
     }
     CK(cudaStreamSynchronize(stream));
@@ -291,15 +266,15 @@ static void check_refusals(moert_fp8_block_ctx *ctx)
     moert_fp8_block_group g = {0, 0, 0, 0, 16, 16, 128, (const float *)buf, 16, (const float *)buf, 1, buf, 16};
     moert_fp8_block_gemm gm = {1, 1, 0, 0, 0, &mx, 1, &g, 1};
     EXPECT(moert_fp8_block_gemm_run(ctx, 0, &gm) == MOERT_ERR_INVALID_ARGUMENT);
-    EXPECT(strstr(last_error, "two E5M2") != NULL);
+    EXPECT(strstr(gpu_test_error, "two E5M2") != NULL);
     gm.a_format = gm.b_format = 0;
     g.n = 15;
     EXPECT(moert_fp8_block_gemm_run(ctx, 0, &gm) == MOERT_ERR_INVALID_ARGUMENT);
-    EXPECT(strstr(last_error, "odd n") != NULL);
+    EXPECT(strstr(gpu_test_error, "odd n") != NULL);
     g.n = 16;
     g.b_matrix = 3;
     EXPECT(moert_fp8_block_gemm_run(ctx, 0, &gm) == MOERT_ERR_INVALID_ARGUMENT);
-    EXPECT(strstr(last_error, "names matrices 0 and 3 of 1") != NULL);
+    EXPECT(strstr(gpu_test_error, "names matrices 0 and 3 of 1") != NULL);
     printf("%-44s %s\n", "refusals", test_failures > failures_before ? "FAIL" : "ok");
     CK(cudaDeviceSynchronize());
     CK(cudaFree(buf));
@@ -319,8 +294,8 @@ int main(void)
         return TEST_SKIP;
     }
     moert_fp8_block_ctx *ctx = NULL;
-    if (moert_fp8_block_ctx_create(&host, &ctx) != MOERT_OK) {
-        fprintf(stderr, "FAIL: context: %s\n", last_error);
+    if (moert_fp8_block_ctx_create(&gpu_test_host, &ctx) != MOERT_OK) {
+        fprintf(stderr, "FAIL: context: %s\n", gpu_test_error);
         return 1;
     }
     const case_spec cases[] = {
