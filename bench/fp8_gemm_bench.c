@@ -31,6 +31,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "fp8_block_gemm.h"
 #include "precision_bf16_cuda.h"
 #include "precision_fp8_cuda.h"
 
@@ -331,6 +332,14 @@ int main(int argc, char **argv)
     CK(cudaEventCreate(&ev1));
     printf("device: %s, %d SMs; median of %d after %d warm-up calls; %d streams\n", prop.name,
            prop.multiProcessorCount, repeats, warmup, streams);
+    /* how the blockwise kernel runs (MOERT_FP8_BLOCK_CLUSTER / MOERT_FP8_BLOCK_EPILOGUE pick it, for A/B runs) */
+    char block_kernel_mode[96] = "unavailable";
+    moert_fp8_block_ctx *probe = NULL;
+    if (moert_fp8_block_ctx_create(&bench_host, &probe) == MOERT_OK) {
+        moert_fp8_block_ctx_describe(probe, block_kernel_mode, sizeof block_kernel_mode);
+        moert_fp8_block_ctx_destroy(probe);
+    }
+    printf("blockwise kernel: %s\n", block_kernel_mode);
     static const char *const pass_names[3] = {"fwd", "dgrad", "wgrad"};
 
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
@@ -519,6 +528,7 @@ int main(int argc, char **argv)
                 prop.name);
         fprintf(f, "  \"git\": \"%s\",\n  \"date\": \"%s\",\n  \"repeats\": %d,\n  \"streams\": %d,\n",
                 git ? git : "unknown", date, repeats, streams);
+        fprintf(f, "  \"block_kernel\": \"%s\",\n", block_kernel_mode);
         fprintf(f, "  \"note\": \"bf16 activations; fp8 variants take fp32 weights (FP8 copies cached per step) and "
                    "include the activation quantization (quant_ms: that alone); bf16 takes bf16 weights; wgrad "
                    "accumulates into fp32 (*_first: overwrites it, the first micro-batch; their vs_bf16 is against "

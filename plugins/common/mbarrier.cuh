@@ -88,4 +88,76 @@ __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wa
 /* Orders this thread's generic-proxy shared-memory writes before later async-proxy (bulk copy) reads of them. */
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
+/* ---- clusters (thread block clusters of CTAs on neighbouring SMs) ---- */
+
+/* Every thread of every CTA of the cluster arrives, then waits for all (release/acquire: shared-memory writes and
+ * barrier arrivals made before are seen after). */
+__device__ __forceinline__ void cluster_sync()
+{
+    asm volatile("barrier.cluster.arrive.release;\n barrier.cluster.wait.acquire;" ::: "memory");
+}
+
+/* One arrival on the barrier at the same shared-memory offset in CTA `rank` of the cluster. Default (CTA-scope
+ * release) semantics: a cluster-scope release would wait for this thread's outstanding memory operations, which
+ * costs the consumer a stall per k-block; handing back a stage needs no ordering beyond the wgmma reads it waited
+ * for. */
+__device__ __forceinline__ void mbar_arrive_cluster(uint64_t *bar, uint32_t rank)
+{
+    asm volatile("{\n .reg .b32 remote;\n mapa.shared::cluster.u32 remote, %0, %1;\n"
+                 " mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_addr(bar)),
+                 "r"(rank)
+                 : "memory");
+}
+
+/* As tensor_load_2d, but the tile lands at the same offset (and completes on the barrier at the same offset) in
+ * every CTA of the cluster named by cta_mask. */
+__device__ __forceinline__ void tensor_load_2d_multicast(void *dst_smem, const void *tensor_map, int32_t c0, int32_t c1,
+                                                         uint64_t *bar, uint16_t cta_mask)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(smem_addr(dst_smem)),
+                 "l"(tensor_map), "r"(c0), "r"(c1), "r"(smem_addr(bar)), "h"(cta_mask)
+                 : "memory");
+}
+
+/* Shared -> global through a tensor map: the box at column c0, row c1 (clipped to the tensor), in the current bulk
+ * group of this thread. */
+__device__ __forceinline__ void tensor_store_2d(const void *tensor_map, int32_t c0, int32_t c1, const void *src_smem)
+{
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(tensor_map),
+                 "r"(c0), "r"(c1), "r"(smem_addr(src_smem))
+                 : "memory");
+}
+
+/* As tensor_store_2d, but adds to the values in global memory (the tensor map's element type). */
+__device__ __forceinline__ void tensor_add_2d(const void *tensor_map, int32_t c0, int32_t c1, const void *src_smem)
+{
+    asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
+                     tensor_map),
+                 "r"(c0), "r"(c1), "r"(smem_addr(src_smem))
+                 : "memory");
+}
+
+/* Global -> shared copy of 4 bytes through cp.async (no register round trip: the thread does not wait for the
+ * load); with valid 0 it writes zeros and reads nothing (src need not point anywhere then). */
+__device__ __forceinline__ void async_copy4(void *dst_smem, const void *src, bool valid)
+{
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(dst_smem)), "l"(src),
+                 "r"(valid ? 4 : 0)
+                 : "memory");
+}
+
+/* An arrival on bar once this thread's cp.async copies so far have landed; it counts toward the barrier's expected
+ * arrivals (noinc), so count it in mbar_init_count. */
+__device__ __forceinline__ void async_copy_arrive(uint64_t *bar)
+{
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+/* Named barrier `id` (1..15; 0 is __syncthreads) for `threads` threads (a multiple of 32). */
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads)
+{
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 #endif

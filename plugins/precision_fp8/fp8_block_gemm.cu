@@ -1,9 +1,19 @@
-/* Blockwise-scaled FP8 grouped GEMM (see fp8_block_gemm.h): persistent CTAs (one per SM) over 128x128 output tiles, three warpgroups. The
- * first is the producer: one warp loads each 128-long k-block of A and B through TMA into a ring of stages (128-byte
- * swizzled rows, as wgmma reads them) and the block's scale factors into the same stage. The other two are the
- * consumers, 64 rows of the tile each: per k-block four wgmma m64n128k32 into fresh fp32 partial sums, then
- * acc += partial * sa(row) * sb(col) in registers, and the stage is handed back. The epilogue stores D (bf16 or
- * fp32) or adds to it, masked to the group's m x n. */
+/* Blockwise-scaled FP8 grouped GEMM (see fp8_block_gemm.h): persistent CTAs over 128x128 output tiles, three
+ * warpgroups each. The first is the producer: one warp loads each 128-long k-block of A and B through TMA into a ring
+ * of stages (128-byte swizzled rows, as wgmma reads them) and the block's scale factors into the same stage. The
+ * other two are the consumers, 64 rows of the tile each: per k-block four wgmma m64n128k32 into fresh fp32 partial
+ * sums, then acc += partial * sa(row) * sb(col) in registers, and the stage is handed back.
+ *
+ * CTAs run in clusters of two (by default) on neighbouring SMs: the pair takes row blocks 2i and 2i+1 of the same
+ * column block, and each CTA loads half of the shared B tile and multicasts it to both, so L2 serves 24 KB instead
+ * of 32 KB per k-block and tile (128x128 FP8 tiles at full tensor-core rate would need more L2 bandwidth than H100
+ * and H200 have). A stage is refilled only after the consumers of both CTAs handed it back.
+ *
+ * The epilogue writes the tile into shared memory (swizzled, as TMA reads it) and one thread per consumer
+ * warpgroup hands it to TMA, which stores D or adds to it (fp32 or bf16) clipped to the group's m x n while the
+ * consumers go on with the next tile: the wgrad's fp32 read-add-write of grad_weight no longer stalls the tensor
+ * cores. Groups whose D cannot be described by a tensor map (a base or row stride not a multiple of 16 bytes) are
+ * stored from registers. */
 #include "fp8_block_gemm.h"
 
 #include <cuda.h>
@@ -17,12 +27,22 @@
 
 #define TILE 128                     /* BM = BN = BK */
 #define TILE_BYTES (TILE * TILE)     /* one FP8 tile of A or B */
-#define STAGES 6
+#define HALF_ROWS (TILE / 2)         /* the rows of B one CTA of a pair loads */
 #define THREADS 384                  /* producer warpgroup + two consumer warpgroups */
 #define CONSUMER_WARPS 8
 #define SLOTS 16                     /* tables in flight */
 #define BAND 8                       /* row blocks of a group that run side by side (see tile_at) */
-#define SMEM_BYTES (1024 + STAGES * (2 * TILE_BYTES + 2 * TILE * 4) + 2 * STAGES * 8)
+#define OUT_BOX_BYTES 8192           /* one staged output box: 64 rows of 128 bytes */
+#define MAX_CLUSTER 2
+
+/* The ring's depth and the staged output's size: an fp32 tile takes 64 KB, which leaves room for four stages. */
+static inline int stages_for(int d_bf16) { return d_bf16 ? 5 : 4; }
+static inline size_t staging_bytes(int d_bf16) { return (size_t)TILE * TILE * (d_bf16 ? 2 : 4); }
+static inline size_t smem_bytes(int d_bf16)
+{
+    const size_t stages = (size_t)stages_for(d_bf16);
+    return 1024 + stages * (2 * TILE_BYTES + 2 * TILE * 4 + 2 * 8) + staging_bytes(d_bf16);
+}
 
 /* A group as the kernel reads it (the host's moert_fp8_block_group with its tiles counted). */
 typedef struct group_dev {
@@ -31,27 +51,34 @@ typedef struct group_dev {
     int64_t a_scale_kb_stride, b_scale_stride;
     void *d;
     int64_t ldd;
-    int32_t m, n, kb_count, tile_start, m_tiles, a_map, b_map, pad;
+    int32_t m, n, kb_count, tile_start, m_tiles, a_map, b_map, d_map; /* d_map -1: stored from registers */
 } group_dev;
 
 typedef struct kernel_args {
     const CUtensorMap *maps;
     const group_dev *groups;
     int group_count;
-    int tiles;
+    int units;   /* work units: a column block and `cluster` consecutive row blocks of a group */
+    int cluster; /* CTAs per cluster: 1 or 2 */
+    int stages;
     int d_bf16, accumulate;
 } kernel_args;
 
 struct moert_fp8_block_ctx {
     const moert_host *host;
     PFN_cuTensorMapEncodeTiled_v12000 encode;
-    int sm_count; /* the persistent grid: one CTA per SM */
+    int sm_count;     /* the persistent grid without clusters: one CTA per SM */
+    int max_clusters; /* clusters of two that fit at once */
+    int cluster;      /* 1 or 2 (MOERT_FP8_BLOCK_CLUSTER) */
+    int staged;       /* TMA epilogue (MOERT_FP8_BLOCK_EPILOGUE=registers turns it off) */
     size_t slot_bytes;
     void *pinned[SLOTS];
     void *table[SLOTS];
     cudaEvent_t done[SLOTS];
     int used[SLOTS];
     unsigned next;
+    int *map_of;      /* per matrix and role (A, B): its tensor map's index in this call, -1 none yet */
+    int map_of_count;
 };
 
 /* ---- device code ---- */
@@ -171,153 +198,240 @@ __device__ __forceinline__ void store_tile(const group_dev &g, int row, int col,
     }
 }
 
-/* A tile of the grid: its group and its 128-row / 128-column block. Within a group, tiles go in bands of BAND
- * row blocks, row blocks fastest: the CTAs running at once share the band's A rows and walk the group's B. */
+/* The tile a CTA of rank `rank` in its cluster takes in work unit u: its group, row block and column block. A unit
+ * is `cluster` consecutive row blocks of one column block (a row block past the group's last is dead: its CTA only
+ * helps load B). Within a group, units go in bands of BAND row blocks, row blocks fastest: the CTAs running at once
+ * share the band's A rows and walk the group's B. */
 typedef struct tile_pos {
     int group, m_tile, n_tile;
 } tile_pos;
 
-__device__ __forceinline__ tile_pos tile_at(const kernel_args &args, int t)
+__device__ __forceinline__ tile_pos tile_at(const kernel_args &args, int u, int rank)
 {
     tile_pos p;
-    p.group = find_group(args.groups, args.group_count, t);
+    p.group = find_group(args.groups, args.group_count, u);
     const group_dev &g = args.groups[p.group];
-    const int local = t - g.tile_start;
+    const int local = u - g.tile_start;
     const int n_tiles = (g.n + TILE - 1) / TILE;
-    const int band = local / (BAND * n_tiles), rem = local % (BAND * n_tiles);
-    const int band_rows = min(BAND, g.m_tiles - band * BAND);
-    p.m_tile = band * BAND + rem % band_rows;
+    const int m_units = (g.m_tiles + args.cluster - 1) / args.cluster, band_units = BAND / args.cluster;
+    const int band = local / (band_units * n_tiles), rem = local % (band_units * n_tiles);
+    const int band_rows = min(band_units, m_units - band * band_units);
+    p.m_tile = (band * band_units + rem % band_rows) * args.cluster + rank;
     p.n_tile = rem / band_rows;
     return p;
 }
 
-/* Persistent: each CTA takes tiles blockIdx.x, + gridDim.x, ...; the stage ring runs on across tiles, so the
- * producer loads the next tile's first k-blocks while the consumers store this one. */
+/* The staged epilogue of consumer warpgroup c: its 64 x 128 part of the tile goes into its shared-memory boxes
+ * (64 rows of 128 bytes each, 16-byte chunks swizzled by row as TMA's 128-byte swizzle lays them out), then one
+ * thread hands the boxes to TMA, which stores them or adds them to D, clipped to the group's m x n. The boxes are
+ * reused only after TMA has read the last tile's (bulk_wait_read). */
+__device__ __forceinline__ void staged_store(const kernel_args &args, const group_dev &g, const tile_pos &tp, int c,
+                                             const float *acc, uint8_t *boxes)
+{
+    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+    const int r = warp * 16 + lane / 4, col0 = 2 * (lane % 4);
+    if (tid == 0) bulk_wait_read();
+    named_barrier_sync(1 + c, 128);
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        const int col = col0 + 8 * j;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int row = r + 8 * h;
+            if (args.d_bf16) {
+                const int byte = (col % 64) * 2;
+                uint8_t *at = boxes + (col / 64) * OUT_BOX_BYTES + row * 128 + (((byte >> 4) ^ (row & 7)) << 4) + (byte & 15);
+                *(__nv_bfloat162 *)at = __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            } else {
+                const int byte = (col % 32) * 4;
+                uint8_t *at = boxes + (col / 32) * OUT_BOX_BYTES + row * 128 + (((byte >> 4) ^ (row & 7)) << 4) + (byte & 15);
+                *(float2 *)at = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            }
+        }
+    }
+    fence_async_shared();
+    named_barrier_sync(1 + c, 128);
+    if (tid == 0) {
+        const CUtensorMap *map = args.maps + g.d_map;
+        const int box_cols = args.d_bf16 ? 64 : 32, box_count = TILE / box_cols;
+        const int x0 = tp.n_tile * TILE, y0 = tp.m_tile * TILE + c * 64;
+        if (y0 < g.m) {
+            for (int b = 0; b < box_count; b++) {
+                if (x0 + b * box_cols >= g.n) break;
+                if (args.accumulate)
+                    tensor_add_2d(map, x0 + b * box_cols, y0, boxes + b * OUT_BOX_BYTES);
+                else
+                    tensor_store_2d(map, x0 + b * box_cols, y0, boxes + b * OUT_BOX_BYTES);
+            }
+        }
+        bulk_commit();
+    }
+}
+
+/* The producer warp: per tile and k-block, waits until the stage is free in every CTA of the cluster, starts the
+ * copies of the block's factors (cp.async, zeros past the group: the warp never waits for a global load) and the TMA
+ * loads (A for its own tile; its half of B, multicast to the pair). The stage's full barrier expects one arrival
+ * per lane (when its factor copies land) and lane 0's announcement of the TMA bytes. */
+template <int B_PER_ROW>
+__device__ __forceinline__ void produce(const kernel_args &args, uint8_t *a_tiles, uint8_t *b_tiles, float *a_factors,
+                                        float *b_factors, uint64_t *full, uint64_t *empty, int rank)
+{
+    const int lane = threadIdx.x % 32, cluster = args.cluster;
+    const int stages = args.stages;
+    int s = 0;
+    uint32_t phase = 0, it = 0; /* k-blocks loaded so far (all tiles) */
+    for (int u = blockIdx.x / cluster; u < args.units; u += gridDim.x / cluster) {
+        const tile_pos tp = tile_at(args, u, rank);
+        const group_dev &g = args.groups[tp.group];
+        const bool live = tp.m_tile < g.m_tiles;
+        const CUtensorMap *map_a = args.maps + g.a_map, *map_b = args.maps + g.b_map;
+        const int row_a = (int)(g.a_row0 + (int64_t)tp.m_tile * TILE);
+        const int row_b = (int)(g.b_row0 + (int64_t)tp.n_tile * TILE);
+        const int r0 = tp.m_tile * TILE + lane * 4, c0 = tp.n_tile * TILE + lane * 4; /* this lane's 4 rows / cols */
+        const float *sa = g.a_scale + r0, *sb = B_PER_ROW ? g.b_scale + c0 : g.b_scale + (int64_t)tp.n_tile * g.b_scale_stride;
+        const int kb_count = g.kb_count;
+        for (int kb = 0; kb < kb_count; kb++, it++) {
+            if (it >= (uint32_t)stages) mbar_wait(&empty[s], phase ^ 1);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                async_copy4(&a_factors[s * TILE + lane * 4 + i], sa + i, r0 + i < g.m);
+                if (B_PER_ROW) async_copy4(&b_factors[s * TILE + lane * 4 + i], sb + i, c0 + i < g.n);
+            }
+            if (!B_PER_ROW && lane == 0) async_copy4(&b_factors[s * TILE], sb + kb, true);
+            async_copy_arrive(&full[s]);
+            sa += g.a_scale_kb_stride;
+            if (B_PER_ROW) sb += g.b_scale_stride;
+            if (lane == 0) {
+                uint8_t *b_stage = b_tiles + s * TILE_BYTES;
+                mbar_arrive_expect_tx(&full[s], (live ? TILE_BYTES : 0) + TILE_BYTES);
+                if (live) tensor_load_2d(a_tiles + s * TILE_BYTES, map_a, kb * TILE, row_a, &full[s]);
+                if (cluster == 2) {
+                    tensor_load_2d_multicast(b_stage + rank * HALF_ROWS * TILE, map_b, kb * TILE,
+                                             row_b + rank * HALF_ROWS, &full[s], (uint16_t)0x3);
+                } else {
+                    tensor_load_2d(b_stage, map_b, kb * TILE, row_b, &full[s]);
+                    tensor_load_2d(b_stage + HALF_ROWS * TILE, map_b, kb * TILE, row_b + HALF_ROWS, &full[s]);
+                }
+            }
+            if (++s == stages) s = 0, phase ^= 1;
+        }
+    }
+}
+
+/* Persistent: each cluster takes work units blockIdx.x / cluster, + gridDim.x / cluster, ...; the stage ring runs
+ * on across tiles, so the producer loads the next tile's first k-blocks while the consumers store this one. */
 template <int A_FMT, int B_FMT, int B_PER_ROW>
 __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel_args args)
 {
 #ifdef FP8_BLOCK_DEVICE
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    const int stages = args.stages, cluster = args.cluster;
     uint8_t *a_tiles = smem;
-    uint8_t *b_tiles = smem + STAGES * TILE_BYTES;
-    float *a_factors = (float *)(b_tiles + STAGES * TILE_BYTES); /* [STAGES][128] */
-    float *b_factors = a_factors + STAGES * TILE;                /* [STAGES][128] (per block: [0] only) */
-    uint64_t *full = (uint64_t *)(b_factors + STAGES * TILE);
-    uint64_t *empty = full + STAGES;
+    uint8_t *b_tiles = a_tiles + stages * TILE_BYTES;
+    uint8_t *out_boxes = b_tiles + stages * TILE_BYTES; /* [2 consumers][TILE * TILE * element / 2] */
+    float *a_factors = (float *)(out_boxes + TILE * TILE * (args.d_bf16 ? 2 : 4)); /* [stages][128] */
+    float *b_factors = a_factors + stages * TILE; /* [stages][128] (per block: [0] only) */
+    uint64_t *full = (uint64_t *)(b_factors + stages * TILE);
+    uint64_t *empty = full + stages;
+    const int rank = (int)(blockIdx.x % cluster);
 
     if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; s++) {
-            mbar_init_count(&full[s], 32);
-            mbar_init_count(&empty[s], CONSUMER_WARPS);
+        for (int s = 0; s < stages; s++) {
+            mbar_init_count(&full[s], 32 + 1); /* the producer's lanes' factor copies, lane 0's TMA bytes */
+            mbar_init_count(&empty[s], CONSUMER_WARPS * cluster);
         }
         mbar_init_fence();
     }
-    __syncthreads();
+    if (cluster > 1)
+        cluster_sync(); /* the peer's barriers exist before anything is multicast or arrives there */
+    else
+        __syncthreads();
 
     const int wg = threadIdx.x / 128;
     const int lane = threadIdx.x % 32;
-    if (wg == 0) { /* producer: one warp */
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        if (threadIdx.x >= 32) return;
-        uint32_t it = 0; /* k-blocks loaded so far (all tiles): stage it % STAGES, phase it / STAGES */
-        for (int t = blockIdx.x; t < args.tiles; t += gridDim.x) {
-            const tile_pos tp = tile_at(args, t);
+    if (wg == 0) {
+        /* registers move between warpgroups of the CTA: the consumers' increase (256 x (224 - 168)) must not exceed
+         * what the producer's warpgroup gives back (128 x (168 - 56)), or setmaxnreg.inc waits forever */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+        if (threadIdx.x < 32) produce<B_PER_ROW>(args, a_tiles, b_tiles, a_factors, b_factors, full, empty, rank);
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+        const int c = wg - 1;                 /* rows c*64 .. c*64+63 of the tile */
+        const int warp = (threadIdx.x % 128) / 32;
+        const int r0 = c * 64 + warp * 16 + lane / 4; /* this thread's rows: r0 and r0 + 8 */
+        const int col0 = 2 * (lane % 4);              /* and columns col0 + 8 j, + 1 */
+        uint8_t *my_boxes = out_boxes + c * (TILE * TILE * (args.d_bf16 ? 2 : 4) / 2);
+        int s = 0;
+        uint32_t phase = 0;
+        for (int u = blockIdx.x / cluster; u < args.units; u += gridDim.x / cluster) {
+            const tile_pos tp = tile_at(args, u, rank);
             const group_dev &g = args.groups[tp.group];
-            const CUtensorMap *map_a = args.maps + g.a_map, *map_b = args.maps + g.b_map;
-            const int row_a = (int)(g.a_row0 + (int64_t)tp.m_tile * TILE);
-            const int row_b = (int)(g.b_row0 + (int64_t)tp.n_tile * TILE);
-            const float *sa = g.a_scale, *sb = g.b_scale;
-            const int m = g.m, n = g.n, kb_count = g.kb_count;
-            const int64_t sa_stride = g.a_scale_kb_stride, sb_stride = g.b_scale_stride;
-            float fa[4], fb[4];
-            /* the factors of k-block kb this lane copies: A rows lane*4..+3, B rows (per row) or block (lane 0) */
-            auto load_factors = [&](int kb) {
+            const bool live = tp.m_tile < g.m_tiles;
+            const int kb_count = g.kb_count;
+            float acc[64], part[64];
 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    const int r = tp.m_tile * TILE + lane * 4 + i;
-                    fa[i] = r < m ? __ldg(sa + r + (int64_t)kb * sa_stride) : 0.f;
+            for (int i = 0; i < 64; i++) acc[i] = 0.f;
+            for (int kb = 0; kb < kb_count; kb++) {
+                mbar_wait(&full[s], phase);
+                bool handed_back = false;
+                if (live) {
+                    const uint64_t da = smem_desc(a_tiles + s * TILE_BYTES + c * 64 * TILE);
+                    const uint64_t db = smem_desc(b_tiles + s * TILE_BYTES);
+                    const float sa0 = a_factors[s * TILE + r0], sa1 = a_factors[s * TILE + r0 + 8];
+                    const float sb_block = B_PER_ROW ? 0.f : b_factors[s * TILE];
+                    wgmma_fence();
+#pragma unroll
+                    for (int k = 0; k < TILE / 32; k++) wgmma_tile<A_FMT, B_FMT>(part, da + 2 * k, db + 2 * k, k > 0);
+                    wgmma_commit();
+                    wgmma_wait_all();
+                    fence_registers(part);
+                    if (!B_PER_ROW) { /* everything of the stage is in registers: hand it back before promoting */
+                        __syncwarp();
+                        if (lane == 0) {
+                            mbar_arrive(&empty[s]);
+                            if (cluster == 2) mbar_arrive_cluster(&empty[s], (uint32_t)(rank ^ 1));
+                        }
+                        handed_back = true;
+                    }
                     if (B_PER_ROW) {
-                        const int c = tp.n_tile * TILE + lane * 4 + i;
-                        fb[i] = c < n ? __ldg(sb + c + (int64_t)kb * sb_stride) : 0.f;
+#pragma unroll
+                        for (int j = 0; j < 16; j++) {
+                            const float2 sb = *(const float2 *)&b_factors[s * TILE + 8 * j + col0];
+                            acc[4 * j + 0] += part[4 * j + 0] * (sa0 * sb.x);
+                            acc[4 * j + 1] += part[4 * j + 1] * (sa0 * sb.y);
+                            acc[4 * j + 2] += part[4 * j + 2] * (sa1 * sb.x);
+                            acc[4 * j + 3] += part[4 * j + 3] * (sa1 * sb.y);
+                        }
+                    } else {
+                        const float s0 = sa0 * sb_block, s1 = sa1 * sb_block;
+#pragma unroll
+                        for (int j = 0; j < 16; j++) {
+                            acc[4 * j + 0] += part[4 * j + 0] * s0;
+                            acc[4 * j + 1] += part[4 * j + 1] * s0;
+                            acc[4 * j + 2] += part[4 * j + 2] * s1;
+                            acc[4 * j + 3] += part[4 * j + 3] * s1;
+                        }
                     }
                 }
-                if (!B_PER_ROW) fb[0] = __ldg(sb + kb + (int64_t)tp.n_tile * sb_stride);
-            };
-            load_factors(0);
-            for (int kb = 0; kb < kb_count; kb++, it++) {
-                const int s = it % STAGES;
-                if (it >= STAGES) mbar_wait(&empty[s], ((it / STAGES) - 1) & 1);
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    a_factors[s * TILE + lane * 4 + i] = fa[i];
-                    if (B_PER_ROW) b_factors[s * TILE + lane * 4 + i] = fb[i];
+                if (!handed_back) {
+                    __syncwarp();
+                    if (lane == 0) {
+                        mbar_arrive(&empty[s]);
+                        if (cluster == 2) mbar_arrive_cluster(&empty[s], (uint32_t)(rank ^ 1));
+                    }
                 }
-                if (!B_PER_ROW && lane == 0) b_factors[s * TILE] = fb[0];
-                if (lane == 0) {
-                    mbar_arrive_expect_tx(&full[s], 2 * TILE_BYTES);
-                    tensor_load_2d(a_tiles + s * TILE_BYTES, map_a, kb * TILE, row_a, &full[s]);
-                    tensor_load_2d(b_tiles + s * TILE_BYTES, map_b, kb * TILE, row_b, &full[s]);
-                } else {
-                    mbar_arrive(&full[s]);
-                }
-                if (kb + 1 < kb_count) load_factors(kb + 1);
+                if (++s == stages) s = 0, phase ^= 1;
             }
+            if (!live) continue;
+            if (g.d_map >= 0)
+                staged_store(args, g, tp, c, acc, my_boxes);
+            else
+                store_tile(g, tp.m_tile * TILE + r0, tp.n_tile * TILE + col0, acc, part, args.d_bf16, args.accumulate);
         }
-        return;
+        if (threadIdx.x % 128 == 0) bulk_wait_all(); /* the staged boxes are read before the CTA's memory goes */
     }
-
-    /* consumers */
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-    const int c = wg - 1;                 /* rows c*64 .. c*64+63 of the tile */
-    const int warp = (threadIdx.x % 128) / 32;
-    const int r0 = c * 64 + warp * 16 + lane / 4; /* this thread's rows: r0 and r0 + 8 */
-    const int col0 = 2 * (lane % 4);              /* and columns col0 + 8 j, + 1 */
-    uint32_t it = 0;
-    for (int t = blockIdx.x; t < args.tiles; t += gridDim.x) {
-        const tile_pos tp = tile_at(args, t);
-        const group_dev &g = args.groups[tp.group];
-        const int kb_count = g.kb_count;
-        float acc[64], part[64];
-#pragma unroll
-        for (int i = 0; i < 64; i++) acc[i] = 0.f;
-        for (int kb = 0; kb < kb_count; kb++, it++) {
-            const int s = it % STAGES;
-            mbar_wait(&full[s], (it / STAGES) & 1);
-            const uint64_t da = smem_desc(a_tiles + s * TILE_BYTES + c * 64 * TILE);
-            const uint64_t db = smem_desc(b_tiles + s * TILE_BYTES);
-            wgmma_fence();
-#pragma unroll
-            for (int k = 0; k < TILE / 32; k++) wgmma_tile<A_FMT, B_FMT>(part, da + 2 * k, db + 2 * k, k > 0);
-            wgmma_commit();
-            wgmma_wait_all();
-            fence_registers(part);
-            const float sa0 = a_factors[s * TILE + r0], sa1 = a_factors[s * TILE + r0 + 8];
-            if (B_PER_ROW) {
-#pragma unroll
-                for (int j = 0; j < 16; j++) {
-                    const float2 sb = *(const float2 *)&b_factors[s * TILE + 8 * j + col0];
-                    acc[4 * j + 0] += part[4 * j + 0] * (sa0 * sb.x);
-                    acc[4 * j + 1] += part[4 * j + 1] * (sa0 * sb.y);
-                    acc[4 * j + 2] += part[4 * j + 2] * (sa1 * sb.x);
-                    acc[4 * j + 3] += part[4 * j + 3] * (sa1 * sb.y);
-                }
-            } else {
-                const float sb = b_factors[s * TILE];
-                const float s0 = sa0 * sb, s1 = sa1 * sb;
-#pragma unroll
-                for (int j = 0; j < 16; j++) {
-                    acc[4 * j + 0] += part[4 * j + 0] * s0;
-                    acc[4 * j + 1] += part[4 * j + 1] * s0;
-                    acc[4 * j + 2] += part[4 * j + 2] * s1;
-                    acc[4 * j + 3] += part[4 * j + 3] * s1;
-                }
-            }
-            __syncwarp();
-            if (lane == 0) mbar_arrive(&empty[s]);
-        }
-        store_tile(g, tp.m_tile * TILE + r0, tp.n_tile * TILE + col0, acc, part, args.d_bf16, args.accumulate);
-    }
+    if (cluster > 1) cluster_sync(); /* no CTA leaves while its peer may still arrive on its barriers */
 #endif
 }
 
@@ -332,6 +446,17 @@ static kernel_fn kernel_for(int a_format, int b_format, int b_per_row)
     if (a_format == 1 && b_format == 0) return b_per_row ? fp8_block_gemm_kernel<1, 0, 1> : fp8_block_gemm_kernel<1, 0, 0>;
     if (a_format == 0 && b_format == 1) return b_per_row ? fp8_block_gemm_kernel<0, 1, 1> : fp8_block_gemm_kernel<0, 1, 0>;
     return NULL;
+}
+
+/* The cluster size and epilogue from the environment (tuning and A/B runs): MOERT_FP8_BLOCK_CLUSTER=1|2,
+ * MOERT_FP8_BLOCK_EPILOGUE=tma|registers. Anything else keeps the default (2, tma). */
+static void options_from_env(moert_fp8_block_ctx *ctx)
+{
+    const char *cluster = getenv("MOERT_FP8_BLOCK_CLUSTER"), *epilogue = getenv("MOERT_FP8_BLOCK_EPILOGUE");
+    if (cluster && strcmp(cluster, "1") == 0) ctx->cluster = 1;
+    if (epilogue && strcmp(epilogue, "registers") == 0) ctx->staged = 0;
+    const char *grid = getenv("MOERT_FP8_BLOCK_CLUSTERS"); /* tuning: fewer resident clusters */
+    if (grid && atoi(grid) > 0 && atoi(grid) < ctx->max_clusters) ctx->max_clusters = atoi(grid);
 }
 
 extern "C" moert_result moert_fp8_block_ctx_create(const moert_host *host, moert_fp8_block_ctx **out)
@@ -350,20 +475,35 @@ extern "C" moert_result moert_fp8_block_ctx_create(const moert_host *host, moert
     CUDA_CHECK(host, cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
     if (!fn || found != cudaDriverEntryPointSuccess)
         return report(host, MOERT_ERR_UNSUPPORTED, "the CUDA driver has no cuTensorMapEncodeTiled (needs 12.0 or newer)");
+    const size_t smem_max = smem_bytes(0) > smem_bytes(1) ? smem_bytes(0) : smem_bytes(1);
     for (int a = 0; a < 2; a++)
         for (int b = 0; b < 2; b++)
             for (int per_row = 0; per_row < 2; per_row++) {
                 kernel_fn k = kernel_for(a, b, per_row);
-                if (k) CUDA_CHECK(host, cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
+                if (k) CUDA_CHECK(host, cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_max));
             }
+    int sm_count = 0, max_clusters = 0;
+    CUDA_CHECK(host, cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev));
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = MAX_CLUSTER, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+    cfg.gridDim = dim3((unsigned)(sm_count / MAX_CLUSTER * MAX_CLUSTER));
+    cfg.blockDim = dim3(THREADS);
+    cfg.dynamicSmemBytes = smem_max;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    CUDA_CHECK(host, cudaOccupancyMaxActiveClusters(&max_clusters, kernel_for(0, 0, 0), &cfg));
     moert_fp8_block_ctx *ctx = (moert_fp8_block_ctx *)calloc(1, sizeof *ctx);
     if (!ctx) return report(host, MOERT_ERR_OUT_OF_MEMORY, "fp8 block gemm: out of host memory");
     ctx->host = host;
     ctx->encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
-    if (cudaDeviceGetAttribute(&ctx->sm_count, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || ctx->sm_count < 1) {
-        free(ctx);
-        return report(host, MOERT_ERR_CUDA, "cudaDeviceGetAttribute(multiprocessor count, %d) failed", dev);
-    }
+    ctx->sm_count = sm_count > 0 ? sm_count : 1;
+    ctx->max_clusters = max_clusters < sm_count / MAX_CLUSTER ? max_clusters : sm_count / MAX_CLUSTER;
+    ctx->cluster = max_clusters > 0 ? MAX_CLUSTER : 1;
+    ctx->staged = 1;
+    options_from_env(ctx);
+    if (max_clusters < 1) ctx->cluster = 1;
     for (int i = 0; i < SLOTS; i++) {
         cudaError_t err = cudaEventCreateWithFlags(&ctx->done[i], cudaEventDisableTiming);
         if (err != cudaSuccess) {
@@ -373,6 +513,26 @@ extern "C" moert_result moert_fp8_block_ctx_create(const moert_host *host, moert
     }
     *out = ctx;
     return MOERT_OK;
+}
+
+extern "C" moert_result moert_fp8_block_ctx_configure(moert_fp8_block_ctx *ctx, int cluster, int staged_epilogue)
+{
+    if (cluster != 1 && cluster != 2)
+        return report(ctx->host, MOERT_ERR_INVALID_ARGUMENT, "fp8 block gemm: cluster size %d (1 or 2)", cluster);
+    if (cluster == 2 && ctx->max_clusters < 1)
+        return report(ctx->host, MOERT_ERR_UNSUPPORTED, "fp8 block gemm: no cluster of two CTAs fits on this GPU");
+    ctx->cluster = cluster;
+    ctx->staged = staged_epilogue != 0;
+    return MOERT_OK;
+}
+
+extern "C" void moert_fp8_block_ctx_describe(const moert_fp8_block_ctx *ctx, char *buf, size_t size)
+{
+    if (ctx->cluster > 1)
+        snprintf(buf, size, "%d clusters of 2 CTAs (B multicast), %s epilogue", ctx->max_clusters,
+                 ctx->staged ? "TMA" : "register");
+    else
+        snprintf(buf, size, "%d CTAs, no clusters, %s epilogue", ctx->sm_count, ctx->staged ? "TMA" : "register");
 }
 
 static void slots_free(moert_fp8_block_ctx *ctx)
@@ -393,6 +553,7 @@ extern "C" void moert_fp8_block_ctx_destroy(moert_fp8_block_ctx *ctx)
     slots_free(ctx);
     for (int i = 0; i < SLOTS; i++)
         if (ctx->done[i]) (void)cudaEventDestroy(ctx->done[i]);
+    free(ctx->map_of);
     free(ctx);
 }
 
@@ -410,8 +571,9 @@ static moert_result slots_reserve(moert_fp8_block_ctx *ctx, size_t bytes)
     return MOERT_OK;
 }
 
-/* The tensor map of one FP8 matrix: 128 x 128 boxes, 128-byte swizzle, zeros outside. */
-static moert_result encode_map(moert_fp8_block_ctx *ctx, const moert_fp8_block_matrix *mx, int index, CUtensorMap *map)
+/* The tensor map of one FP8 matrix: boxes of 128 columns by box_rows rows, 128-byte swizzle, zeros outside. */
+static moert_result encode_map(moert_fp8_block_ctx *ctx, const moert_fp8_block_matrix *mx, int index, int box_rows,
+                               CUtensorMap *map)
 {
     const moert_host *host = ctx->host;
     if (!mx->base || mx->rows <= 0 || mx->cols <= 0 || mx->ld < mx->cols || mx->ld % 16 || (uintptr_t)mx->base % 16)
@@ -421,7 +583,7 @@ static moert_result encode_map(moert_fp8_block_ctx *ctx, const moert_fp8_block_m
                       index, mx->base, (long long)mx->rows, (long long)mx->cols, (long long)mx->ld);
     const cuuint64_t dims[2] = {(cuuint64_t)mx->cols, (cuuint64_t)mx->rows};
     const cuuint64_t strides[1] = {(cuuint64_t)mx->ld};
-    const cuuint32_t box[2] = {TILE, TILE};
+    const cuuint32_t box[2] = {TILE, (cuuint32_t)box_rows};
     const cuuint32_t elem[2] = {1, 1};
     CUresult r = ctx->encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, (void *)mx->base, dims, strides, box, elem,
                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -432,9 +594,27 @@ static moert_result encode_map(moert_fp8_block_ctx *ctx, const moert_fp8_block_m
     return MOERT_OK;
 }
 
+/* The tensor map of a group's D for the staged epilogue (boxes of 64 rows by 128 bytes, 128-byte swizzle, m x n
+ * exactly, so TMA clips partial tiles). 0 where TMA cannot address D (base or row stride not a multiple of 16
+ * bytes) or would round twice (bf16 D added to): that group is stored from registers. */
+static int encode_d_map(moert_fp8_block_ctx *ctx, const moert_fp8_block_group *g, int d_bf16, int accumulate,
+                        CUtensorMap *map)
+{
+    const size_t es = d_bf16 ? 2 : 4;
+    if ((uintptr_t)g->d % 16 || (g->ldd * (int64_t)es) % 16) return 0;
+    if (d_bf16 && accumulate) return 0; /* TMA would add a bf16-rounded tile: two roundings instead of one */
+    const cuuint64_t dims[2] = {(cuuint64_t)g->n, (cuuint64_t)g->m};
+    const cuuint64_t strides[1] = {(cuuint64_t)(g->ldd * (int64_t)es)};
+    const cuuint32_t box[2] = {(cuuint32_t)(128 / es), 64};
+    const cuuint32_t elem[2] = {1, 1};
+    return ctx->encode(map, d_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, g->d, dims,
+                       strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                       CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 static int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/* Checks one group against the call and fills its kernel form (tile_start set by the caller). */
+/* Checks one group against the call and fills its kernel form (tile_start and the maps set by the caller). */
 static moert_result group_fill(const moert_host *host, const moert_fp8_block_gemm *gm, int i, group_dev *out)
 {
     const moert_fp8_block_group *g = &gm->groups[i];
@@ -462,9 +642,21 @@ static moert_result group_fill(const moert_host *host, const moert_fp8_block_gem
     out->n = (int32_t)g->n;
     out->kb_count = (int32_t)ceil_div64(g->k, TILE);
     out->m_tiles = (int32_t)ceil_div64(g->m, TILE);
-    out->a_map = g->a_matrix;
-    out->b_map = g->b_matrix;
-    out->pad = 0;
+    out->d_map = -1;
+    return MOERT_OK;
+}
+
+/* The index of matrix `index`'s tensor map in its role (0: A, 128-row boxes; 1: B, 64-row boxes), encoded into
+ * maps[*count] on first use. */
+static moert_result role_map(moert_fp8_block_ctx *ctx, const moert_fp8_block_gemm *gm, int index, int role,
+                             CUtensorMap *maps, int *count, int32_t *out)
+{
+    int *slot = &ctx->map_of[2 * index + role];
+    if (*slot < 0) {
+        MOK(encode_map(ctx, &gm->matrices[index], index, role ? HALF_ROWS : TILE, &maps[*count]));
+        *slot = (*count)++;
+    }
+    *out = *slot;
     return MOERT_OK;
 }
 
@@ -477,40 +669,68 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
         return report(host, MOERT_ERR_INVALID_ARGUMENT,
                       "fp8 block gemm: formats %d x %d (two E5M2 operands are not supported), %d matrices, %d groups",
                       gm->a_format, gm->b_format, gm->matrix_count, gm->group_count);
-    const size_t maps_bytes = (size_t)gm->matrix_count * sizeof(CUtensorMap);
+    /* maps: at most two per matrix and one per group, then the groups */
+    const size_t max_maps = 2 * (size_t)gm->matrix_count + (size_t)gm->group_count;
+    const size_t maps_bytes = max_maps * sizeof(CUtensorMap);
     const size_t bytes = maps_bytes + (size_t)gm->group_count * sizeof(group_dev);
     MOK(slots_reserve(ctx, bytes));
+    if (ctx->map_of_count < 2 * gm->matrix_count) {
+        int *grown = (int *)realloc(ctx->map_of, 2 * (size_t)gm->matrix_count * sizeof(int));
+        if (!grown) return report(host, MOERT_ERR_OUT_OF_MEMORY, "fp8 block gemm: out of host memory");
+        ctx->map_of = grown;
+        ctx->map_of_count = 2 * gm->matrix_count;
+    }
+    for (int i = 0; i < 2 * gm->matrix_count; i++) ctx->map_of[i] = -1;
     const unsigned slot = ctx->next % SLOTS;
     if (ctx->used[slot]) CUDA_CHECK(host, cudaEventSynchronize(ctx->done[slot]));
     CUtensorMap *maps = (CUtensorMap *)ctx->pinned[slot];
     group_dev *groups = (group_dev *)((char *)ctx->pinned[slot] + maps_bytes);
-    int count = 0;
-    int64_t tiles = 0;
+    const int cluster = ctx->cluster;
+    int count = 0, map_count = 0;
+    int64_t units = 0;
     for (int i = 0; i < gm->group_count; i++) {
         const moert_fp8_block_group *g = &gm->groups[i];
         if (g->m <= 0 || g->n <= 0 || g->k <= 0) continue;
-        MOK(group_fill(host, gm, i, &groups[count]));
-        groups[count].tile_start = (int32_t)tiles;
-        tiles += (int64_t)groups[count].m_tiles * ceil_div64(g->n, TILE);
+        group_dev *gd = &groups[count];
+        MOK(group_fill(host, gm, i, gd));
+        MOK(role_map(ctx, gm, g->a_matrix, 0, maps, &map_count, &gd->a_map));
+        MOK(role_map(ctx, gm, g->b_matrix, 1, maps, &map_count, &gd->b_map));
+        if (ctx->staged && encode_d_map(ctx, g, gm->d_bf16 != 0, gm->accumulate != 0, &maps[map_count])) gd->d_map = map_count++;
+        gd->tile_start = (int32_t)units;
+        units += ceil_div64(gd->m_tiles, cluster) * ceil_div64(g->n, TILE);
         count++;
     }
     if (count == 0) return MOERT_OK;
-    if (tiles > INT32_MAX)
-        return report(host, MOERT_ERR_INVALID_ARGUMENT, "fp8 block gemm: %lld tiles (at most %d)", (long long)tiles,
+    if (units > INT32_MAX)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "fp8 block gemm: %lld work units (at most %d)", (long long)units,
                       INT32_MAX);
-    for (int i = 0; i < gm->matrix_count; i++) MOK(encode_map(ctx, &gm->matrices[i], i, &maps[i]));
-    const size_t used = maps_bytes + (size_t)count * sizeof(group_dev);
+    /* the groups follow the maps actually encoded */
+    group_dev *packed = (group_dev *)((char *)ctx->pinned[slot] + (size_t)map_count * sizeof(CUtensorMap));
+    memmove(packed, groups, (size_t)count * sizeof(group_dev));
+    const size_t used = (size_t)map_count * sizeof(CUtensorMap) + (size_t)count * sizeof(group_dev);
     CUDA_CHECK(host, cudaMemcpyAsync(ctx->table[slot], ctx->pinned[slot], used, cudaMemcpyHostToDevice, stream));
     kernel_args args;
     args.maps = (const CUtensorMap *)ctx->table[slot];
-    args.groups = (const group_dev *)((char *)ctx->table[slot] + maps_bytes);
+    args.groups = (const group_dev *)((char *)ctx->table[slot] + (size_t)map_count * sizeof(CUtensorMap));
     args.group_count = count;
+    args.units = (int)units;
+    args.cluster = cluster;
     args.d_bf16 = gm->d_bf16 != 0;
     args.accumulate = gm->accumulate != 0;
-    args.tiles = (int)tiles;
-    const int64_t grid = tiles < ctx->sm_count ? tiles : ctx->sm_count;
-    kernel<<<(unsigned)grid, THREADS, SMEM_BYTES, stream>>>(args);
-    LAUNCH_CHECK(host, "fp8_block_gemm_kernel");
+    args.stages = stages_for(args.d_bf16);
+    const int64_t resident = cluster > 1 ? ctx->max_clusters : ctx->sm_count;
+    const int64_t grid = (units < resident ? units : resident) * cluster;
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = (unsigned)cluster, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+    cfg.gridDim = dim3((unsigned)grid);
+    cfg.blockDim = dim3(THREADS);
+    cfg.dynamicSmemBytes = smem_bytes(args.d_bf16);
+    cfg.stream = stream;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    CUDA_CHECK(host, cudaLaunchKernelEx(&cfg, kernel, args));
     CUDA_CHECK(host, cudaEventRecord(ctx->done[slot], stream));
     ctx->used[slot] = 1;
     ctx->next++;

@@ -7,7 +7,9 @@
  *   block), 1x128 factors on both operands, fp32 D accumulated onto stale values, and overwritten.
  * - every format pair the recipes use (E4M3 x E4M3, E5M2 x E4M3, E4M3 x E5M2).
  * - the deepseek-v3 fc1 forward shape (8 groups of 500..520 rows, k 7168, n 4096) on 4096 sampled outputs.
- * - refusals: two E5M2 operands, an odd n, a group naming a missing matrix.
+ * - refusals: two E5M2 operands, an odd n, a group naming a missing matrix, a cluster size of 3.
+ * - all of it four times: CTA pairs sharing B by TMA multicast or single CTAs, each with the TMA epilogue (D's row
+ *   stride a multiple of 16 bytes; "odd ldd" cases are stored from registers even then) and the register one.
  * Per output the error bound is 5e-4 of the sum of |terms| plus, for bf16, one bf16 rounding: Hopper's FP8 tensor
  * cores sum a k-block's products with about 14 bits (the reason the recipe promotes every 128 to fp32 registers);
  * the first H100 run measured up to 1.6e-4. A wrong factor, row or column is off by the order of the terms.
@@ -90,6 +92,7 @@ typedef struct case_spec {
     int64_t m[MAXG], n, k;
     int shared; /* 1: forward form (one A of stacked rows, one B of stacked weights); 0: wgrad form */
     int samples; /* 0: every output; else this many random outputs per group */
+    int odd_ldd; /* 1: D's row stride is not a multiple of 16 bytes (no tensor map: stored from registers) */
 } case_spec;
 
 /* The reference value of D[r][c] of group g and the sum of its terms' magnitudes. */
@@ -158,7 +161,7 @@ static void run_case(moert_fp8_block_ctx *ctx, const case_spec *cs)
     float *sa[MAXG], *sb[MAXG], *d[MAXG];
     void *sa_dev[MAXG], *sb_dev[MAXG], *d_dev[MAXG];
     int64_t sa_stride[MAXG], sb_stride[MAXG];
-    const int64_t ldd = N + 6; /* columns past n keep their poison */
+    const int64_t ldd = N + (cs->odd_ldd ? 6 : 8); /* columns past n keep their poison */
     moert_fp8_block_group groups[MAXG];
     for (int g = 0; g < G; g++) {
         const int64_t m = cs->m[g];
@@ -299,16 +302,34 @@ int main(void)
         return 1;
     }
     const case_spec cases[] = {
-        {"forward form, e4m3 x e4m3, bf16 D", 0, 0, 0, 1, 0, 5, {37, 300, 0, 129, 16}, 192, 320, 1, 0},
-        {"forward form, e4m3 x e4m3, fp32 D", 0, 0, 0, 0, 0, 5, {37, 300, 0, 129, 16}, 192, 320, 1, 0},
-        {"dgrad form, e5m2 x e4m3, bf16 D", 1, 0, 0, 1, 0, 3, {200, 5, 131}, 256, 384, 1, 0},
-        {"forward form, e4m3 x e5m2, fp32 D added", 0, 1, 0, 0, 1, 2, {64, 129}, 144, 272, 1, 0},
-        {"wgrad form, per-row B, fp32 D added", 0, 0, 1, 0, 1, 3, {192, 70, 130}, 160, 272, 0, 0},
-        {"wgrad form, per-row B, k 48, fp32 D written", 0, 1, 1, 0, 0, 2, {128, 256}, 128, 48, 0, 0},
-        {"wgrad form, e5m2 x e4m3, k 128, bf16 D added", 1, 0, 1, 1, 1, 2, {96, 300}, 200, 128, 0, 0},
-        {"deepseek-v3 fc1 forward shape (sampled)", 0, 0, 0, 1, 0, 8, {512, 500, 520, 511, 513, 508, 517, 512}, 4096, 7168, 1, 512},
+        {"forward form, e4m3 x e4m3, bf16 D", 0, 0, 0, 1, 0, 5, {37, 300, 0, 129, 16}, 192, 320, 1, 0, 0},
+        {"forward form, e4m3 x e4m3, bf16 D, odd ldd", 0, 0, 0, 1, 0, 5, {37, 300, 0, 129, 16}, 192, 320, 1, 0, 1},
+        {"forward form, e4m3 x e4m3, fp32 D", 0, 0, 0, 0, 0, 5, {37, 300, 0, 129, 16}, 192, 320, 1, 0, 0},
+        {"dgrad form, e5m2 x e4m3, bf16 D", 1, 0, 0, 1, 0, 3, {200, 5, 131}, 256, 384, 1, 0, 0},
+        {"forward form, e4m3 x e5m2, fp32 D added", 0, 1, 0, 0, 1, 2, {64, 129}, 144, 272, 1, 0, 0},
+        {"wgrad form, per-row B, fp32 D added", 0, 0, 1, 0, 1, 3, {192, 70, 130}, 160, 272, 0, 0, 0},
+        {"wgrad form, per-row B, fp32 D added, odd ldd", 0, 0, 1, 0, 1, 3, {192, 70, 130}, 160, 272, 0, 0, 1},
+        {"wgrad form, per-row B, k 48, fp32 D written", 0, 1, 1, 0, 0, 2, {128, 256}, 128, 48, 0, 0, 0},
+        {"wgrad form, e5m2 x e4m3, k 128, bf16 D added", 1, 0, 1, 1, 1, 2, {96, 300}, 200, 128, 0, 0, 0},
+        {"deepseek-v3 fc1 forward shape (sampled)", 0, 0, 0, 1, 0, 8, {512, 500, 520, 511, 513, 508, 517, 512}, 4096, 7168, 1, 512, 0},
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(ctx, &cases[i]);
+    /* every case on each way the kernel can run: B multicast in CTA pairs or not, TMA or register epilogue */
+    const int modes[][2] = {{2, 1}, {1, 1}, {2, 0}, {1, 0}};
+    for (size_t mi = 0; mi < sizeof modes / sizeof modes[0]; mi++) {
+        if (moert_fp8_block_ctx_configure(ctx, modes[mi][0], modes[mi][1]) != MOERT_OK) {
+            fprintf(stderr, "FAIL: configure %d/%d: %s\n", modes[mi][0], modes[mi][1], gpu_test_error);
+            test_failures++;
+            continue;
+        }
+        char mode[96];
+        moert_fp8_block_ctx_describe(ctx, mode, sizeof mode);
+        printf("-- %s\n", mode);
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+            if (cases[i].samples == 0 || mi == 0) run_case(ctx, &cases[i]); /* the large shape once: host time */
+    }
+    EXPECT(moert_fp8_block_ctx_configure(ctx, 3, 1) == MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT(strstr(gpu_test_error, "cluster size 3") != NULL);
+    EXPECT(moert_fp8_block_ctx_configure(ctx, 2, 1) == MOERT_OK);
     check_refusals(ctx);
     moert_fp8_block_ctx_destroy(ctx);
     printf("gpu_fp8_block_gemm: %s\n", test_failures ? "FAIL" : "PASS");
