@@ -72,14 +72,6 @@ __device__ __forceinline__ void bulk_store(void *dst, const void *src_smem, uint
                  : "memory");
 }
 
-/* As bulk_store, but adds the fp32 values to global memory (an atomic reduction per element, done by L2). */
-__device__ __forceinline__ void bulk_add_f32(float *dst, const float *src_smem, uint32_t bytes)
-{
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst),
-                 "r"(smem_addr(src_smem)), "r"(bytes)
-                 : "memory");
-}
-
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 /* This thread's bulk stores so far have read their shared memory (it may be written again). */
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
@@ -125,15 +117,6 @@ __device__ __forceinline__ void tensor_load_2d_multicast(void *dst_smem, const v
 __device__ __forceinline__ void tensor_store_2d(const void *tensor_map, int32_t c0, int32_t c1, const void *src_smem)
 {
     asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(tensor_map),
-                 "r"(c0), "r"(c1), "r"(smem_addr(src_smem))
-                 : "memory");
-}
-
-/* As tensor_store_2d, but adds to the values in global memory (the tensor map's element type). */
-__device__ __forceinline__ void tensor_add_2d(const void *tensor_map, int32_t c0, int32_t c1, const void *src_smem)
-{
-    asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
-                     tensor_map),
                  "r"(c0), "r"(c1), "r"(smem_addr(src_smem))
                  : "memory");
 }

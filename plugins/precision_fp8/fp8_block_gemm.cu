@@ -10,9 +10,9 @@
  * and H200 have). A stage is refilled only after the consumers of both CTAs handed it back.
  *
  * The epilogue writes the tile into shared memory (swizzled, as TMA reads it) and one thread per consumer
- * warpgroup hands it to TMA, which stores D or adds to it (fp32 or bf16) clipped to the group's m x n while the
- * consumers go on with the next tile: the wgrad's fp32 read-add-write of grad_weight no longer stalls the tensor
- * cores. Groups whose D cannot be described by a tensor map (a base or row stride not a multiple of 16 bytes) are
+ * warpgroup hands it to TMA, which stores it into D clipped to the group's m x n while the consumers go on with the
+ * next tile. When adding to D (the wgrad's grad_weight), TMA loads the old values into the same shared memory at
+ * the start of the tile, so that read overlaps the main loop too. Groups whose D cannot be described by a tensor map (a base or row stride not a multiple of 16 bytes) are
  * stored from registers. */
 #include "fp8_block_gemm.h"
 
@@ -41,7 +41,7 @@ static inline size_t staging_bytes(int d_bf16) { return (size_t)TILE * TILE * (d
 static inline size_t smem_bytes(int d_bf16)
 {
     const size_t stages = (size_t)stages_for(d_bf16);
-    return 1024 + stages * (2 * TILE_BYTES + 2 * TILE * 4 + 2 * 8) + staging_bytes(d_bf16);
+    return 1024 + stages * (2 * TILE_BYTES + 2 * TILE * 4 + 2 * 8) + staging_bytes(d_bf16) + 2 * 8;
 }
 
 /* A group as the kernel reads it (the host's moert_fp8_block_group with its tiles counted). */
@@ -221,17 +221,53 @@ __device__ __forceinline__ tile_pos tile_at(const kernel_args &args, int u, int 
     return p;
 }
 
+/* The boxes of consumer warpgroup c's 64 x 128 part of tile tp that lie inside D (count; first column x0, row y0). */
+__device__ __forceinline__ int out_box_count(const kernel_args &args, const group_dev &g, const tile_pos &tp, int c,
+                                             int *x0, int *y0)
+{
+    const int box_cols = args.d_bf16 ? 64 : 32;
+    *x0 = tp.n_tile * TILE, *y0 = tp.m_tile * TILE + c * 64;
+    if (*y0 >= g.m) return 0;
+    const int left = (g.n - *x0 + box_cols - 1) / box_cols;
+    return left < TILE / box_cols ? left : TILE / box_cols;
+}
+
+/* Adding to D with the staged epilogue: at the start of a tile, thread 0 of warpgroup c loads D's old values of
+ * its part into its boxes (TMA, completing on d_loaded) once TMA has read the last tile out of them, so the
+ * read of D overlaps the main loop. Returns whether a load was started. */
+__device__ __forceinline__ bool prefetch_old_d(const kernel_args &args, const group_dev &g, const tile_pos &tp, int c,
+                                               uint8_t *boxes, uint64_t *d_loaded)
+{
+    int x0, y0;
+    const int count = out_box_count(args, g, tp, c, &x0, &y0);
+    if (count == 0) return false;
+    if (threadIdx.x % 128 == 0) {
+        const int box_cols = args.d_bf16 ? 64 : 32;
+        bulk_wait_read();
+        mbar_arrive_expect_tx(d_loaded, (uint32_t)count * OUT_BOX_BYTES);
+        for (int b = 0; b < count; b++)
+            tensor_load_2d(boxes + b * OUT_BOX_BYTES, args.maps + g.d_map, x0 + b * box_cols, y0, d_loaded);
+    }
+    return true;
+}
+
 /* The staged epilogue of consumer warpgroup c: its 64 x 128 part of the tile goes into its shared-memory boxes
- * (64 rows of 128 bytes each, 16-byte chunks swizzled by row as TMA's 128-byte swizzle lays them out), then one
- * thread hands the boxes to TMA, which stores them or adds them to D, clipped to the group's m x n. The boxes are
- * reused only after TMA has read the last tile's (bulk_wait_read). */
+ * (64 rows of 128 bytes each, 16-byte chunks swizzled by row as TMA's 128-byte swizzle lays them out), added to
+ * the old values prefetch_old_d loaded there when accumulating, then one thread hands the boxes to TMA, which
+ * stores them into D, clipped to the group's m x n. Without a prefetch the boxes are reused only after TMA has
+ * read the last tile's (bulk_wait_read). */
 __device__ __forceinline__ void staged_store(const kernel_args &args, const group_dev &g, const tile_pos &tp, int c,
-                                             const float *acc, uint8_t *boxes)
+                                             const float *acc, uint8_t *boxes, uint64_t *d_loaded, bool prefetched,
+                                             uint32_t d_phase)
 {
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
     const int r = warp * 16 + lane / 4, col0 = 2 * (lane % 4);
-    if (tid == 0) bulk_wait_read();
-    named_barrier_sync(1 + c, 128);
+    if (prefetched) {
+        mbar_wait(d_loaded, d_phase);
+    } else {
+        if (tid == 0) bulk_wait_read();
+        named_barrier_sync(1 + c, 128);
+    }
 #pragma unroll
     for (int j = 0; j < 16; j++) {
         const int col = col0 + 8 * j;
@@ -240,30 +276,34 @@ __device__ __forceinline__ void staged_store(const kernel_args &args, const grou
             const int row = r + 8 * h;
             if (args.d_bf16) {
                 const int byte = (col % 64) * 2;
-                uint8_t *at = boxes + (col / 64) * OUT_BOX_BYTES + row * 128 + (((byte >> 4) ^ (row & 7)) << 4) + (byte & 15);
-                *(__nv_bfloat162 *)at = __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                __nv_bfloat162 *at = (__nv_bfloat162 *)(boxes + (col / 64) * OUT_BOX_BYTES + row * 128 +
+                                                        (((byte >> 4) ^ (row & 7)) << 4) + (byte & 15));
+                float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                if (prefetched) {
+                    const float2 old = __bfloat1622float2(*at);
+                    v.x += old.x, v.y += old.y;
+                }
+                *at = __floats2bfloat162_rn(v.x, v.y);
             } else {
                 const int byte = (col % 32) * 4;
-                uint8_t *at = boxes + (col / 32) * OUT_BOX_BYTES + row * 128 + (((byte >> 4) ^ (row & 7)) << 4) + (byte & 15);
-                *(float2 *)at = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                float2 *at = (float2 *)(boxes + (col / 32) * OUT_BOX_BYTES + row * 128 + (((byte >> 4) ^ (row & 7)) << 4) +
+                                        (byte & 15));
+                float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                if (prefetched) {
+                    const float2 old = *at;
+                    v.x += old.x, v.y += old.y;
+                }
+                *at = v;
             }
         }
     }
     fence_async_shared();
     named_barrier_sync(1 + c, 128);
     if (tid == 0) {
-        const CUtensorMap *map = args.maps + g.d_map;
-        const int box_cols = args.d_bf16 ? 64 : 32, box_count = TILE / box_cols;
-        const int x0 = tp.n_tile * TILE, y0 = tp.m_tile * TILE + c * 64;
-        if (y0 < g.m) {
-            for (int b = 0; b < box_count; b++) {
-                if (x0 + b * box_cols >= g.n) break;
-                if (args.accumulate)
-                    tensor_add_2d(map, x0 + b * box_cols, y0, boxes + b * OUT_BOX_BYTES);
-                else
-                    tensor_store_2d(map, x0 + b * box_cols, y0, boxes + b * OUT_BOX_BYTES);
-            }
-        }
+        int x0, y0;
+        const int count = out_box_count(args, g, tp, c, &x0, &y0), box_cols = args.d_bf16 ? 64 : 32;
+        for (int b = 0; b < count; b++)
+            tensor_store_2d(args.maps + g.d_map, x0 + b * box_cols, y0, boxes + b * OUT_BOX_BYTES);
         bulk_commit();
     }
 }
@@ -334,6 +374,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
     float *b_factors = a_factors + stages * TILE; /* [stages][128] (per block: [0] only) */
     uint64_t *full = (uint64_t *)(b_factors + stages * TILE);
     uint64_t *empty = full + stages;
+    uint64_t *d_loaded = empty + stages; /* [2]: a consumer warpgroup's old D values landed (adding to D) */
     const int rank = (int)(blockIdx.x % cluster);
 
     if (threadIdx.x == 0) {
@@ -341,6 +382,8 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
             mbar_init_count(&full[s], 32 + 1); /* the producer's lanes' factor copies, lane 0's TMA bytes */
             mbar_init_count(&empty[s], CONSUMER_WARPS * cluster);
         }
+        mbar_init(&d_loaded[0]);
+        mbar_init(&d_loaded[1]);
         mbar_init_fence();
     }
     if (cluster > 1)
@@ -363,11 +406,13 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
         const int col0 = 2 * (lane % 4);              /* and columns col0 + 8 j, + 1 */
         uint8_t *my_boxes = out_boxes + c * (TILE * TILE * (args.d_bf16 ? 2 : 4) / 2);
         int s = 0;
-        uint32_t phase = 0;
+        uint32_t phase = 0, d_phase = 0;
         for (int u = blockIdx.x / cluster; u < args.units; u += gridDim.x / cluster) {
             const tile_pos tp = tile_at(args, u, rank);
             const group_dev &g = args.groups[tp.group];
             const bool live = tp.m_tile < g.m_tiles;
+            const bool prefetched =
+                live && args.accumulate && g.d_map >= 0 && prefetch_old_d(args, g, tp, c, my_boxes, &d_loaded[c]);
             const int kb_count = g.kb_count;
             float acc[64], part[64];
 #pragma unroll
@@ -424,10 +469,12 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
                 if (++s == stages) s = 0, phase ^= 1;
             }
             if (!live) continue;
-            if (g.d_map >= 0)
-                staged_store(args, g, tp, c, acc, my_boxes);
-            else
+            if (g.d_map >= 0) {
+                staged_store(args, g, tp, c, acc, my_boxes, &d_loaded[c], prefetched, d_phase);
+                if (prefetched) d_phase ^= 1;
+            } else {
                 store_tile(g, tp.m_tile * TILE + r0, tp.n_tile * TILE + col0, acc, part, args.d_bf16, args.accumulate);
+            }
         }
         if (threadIdx.x % 128 == 0) bulk_wait_all(); /* the staged boxes are read before the CTA's memory goes */
     }
@@ -596,13 +643,11 @@ static moert_result encode_map(moert_fp8_block_ctx *ctx, const moert_fp8_block_m
 
 /* The tensor map of a group's D for the staged epilogue (boxes of 64 rows by 128 bytes, 128-byte swizzle, m x n
  * exactly, so TMA clips partial tiles). 0 where TMA cannot address D (base or row stride not a multiple of 16
- * bytes) or would round twice (bf16 D added to): that group is stored from registers. */
-static int encode_d_map(moert_fp8_block_ctx *ctx, const moert_fp8_block_group *g, int d_bf16, int accumulate,
-                        CUtensorMap *map)
+ * bytes): that group is stored from registers. */
+static int encode_d_map(moert_fp8_block_ctx *ctx, const moert_fp8_block_group *g, int d_bf16, CUtensorMap *map)
 {
     const size_t es = d_bf16 ? 2 : 4;
     if ((uintptr_t)g->d % 16 || (g->ldd * (int64_t)es) % 16) return 0;
-    if (d_bf16 && accumulate) return 0; /* TMA would add a bf16-rounded tile: two roundings instead of one */
     const cuuint64_t dims[2] = {(cuuint64_t)g->n, (cuuint64_t)g->m};
     const cuuint64_t strides[1] = {(cuuint64_t)(g->ldd * (int64_t)es)};
     const cuuint32_t box[2] = {(cuuint32_t)(128 / es), 64};
@@ -695,7 +740,7 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
         MOK(group_fill(host, gm, i, gd));
         MOK(role_map(ctx, gm, g->a_matrix, 0, maps, &map_count, &gd->a_map));
         MOK(role_map(ctx, gm, g->b_matrix, 1, maps, &map_count, &gd->b_map));
-        if (ctx->staged && encode_d_map(ctx, g, gm->d_bf16 != 0, gm->accumulate != 0, &maps[map_count])) gd->d_map = map_count++;
+        if (ctx->staged && encode_d_map(ctx, g, gm->d_bf16 != 0, &maps[map_count])) gd->d_map = map_count++;
         gd->tile_start = (int32_t)units;
         units += ceil_div64(gd->m_tiles, cluster) * ceil_div64(g->n, TILE);
         count++;
