@@ -234,40 +234,76 @@ __device__ __forceinline__ int find_matrix(const int64_t *start, int count, int6
     return lo;
 }
 
+/* The largest of v over the 16 lanes of this lane's half-warp. */
+__device__ __forceinline__ uint32_t half_warp_max(uint32_t v)
+{
+#pragma unroll
+    for (int offset = 8; offset > 0; offset >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    return v;
+}
+
+/* Quantizes 8 values (two groups of 4 at c and c + 4, each inside the row when its flag says so) of a 1x128 tile
+ * whose 16 lanes form this half-warp: the tile's amax, the scale, the bytes (4-byte stores) and, from the
+ * half-warp's first lane, the factor. */
+__device__ __forceinline__ void block_tile_store(const float v[8], bool in0, bool in1, uint8_t *out, int fmt,
+                                                 float fp8max, int pow2, float *factor, bool writes_factor)
+{
+    uint32_t m = 0;
+#pragma unroll
+    for (int k = 0; k < 8; k++) m = max(m, abs_bits(v[k]));
+    m = half_warp_max(m);
+    const float scale = scale_from_amax(__uint_as_float(m), fp8max, 0, pow2, 1.0f);
+    uint32_t packed[2] = {0, 0};
+#pragma unroll
+    for (int k = 0; k < 8; k++) packed[k / 4] |= (uint32_t)to_fp8(v[k], scale, fmt) << (8 * (k % 4));
+    if (in0) *(uint32_t *)out = packed[0];
+    if (in1) *(uint32_t *)(out + 4) = packed[1];
+    if (writes_factor) *factor = __fdiv_rn(1.0f, scale);
+}
+
 /*
- * 1x128 tiles along each row (blockwise activations and gradients in FORWARD and DGRAD): a warp per tile, 4
- * values per lane. Matrix i covers the launch's padded rows row_start[i] .. row_start[i + 1] - 1 (dst_ld[i] rows,
- * a multiple of 16 as cuBLASLt's VEC128 operand needs): its rows[i] real rows first (source rows from src_row0[i]),
- * then padding rows, which get zero bytes and the factor 1 (a tile of zeros has no amax: scale 1). Bytes at
- * dst_off[i] + row * cols, factors at scale_off[i] + vec_index(row, block, dst_ld[i], blocks per row).
+ * 1x128 tiles along each row (blockwise activations and gradients in FORWARD and DGRAD): a warp per padded row,
+ * 512 columns per step (8 values per lane in each of two 256-column halves, a half-warp per 128-column tile, both
+ * halves' loads issued first). Matrix i covers the launch's padded rows row_start[i] .. row_start[i + 1] - 1
+ * (dst_ld[i] rows, a multiple of 16 as cuBLASLt's VEC128 operand needs): its rows[i] real rows first (source rows
+ * from src_row0[i]), then padding rows, which get zero bytes and the factor 1 (a tile of zeros has no amax: scale
+ * 1). Bytes at dst_off[i] + row * cols, factors at scale_off[i] + vec_index(row, block, dst_ld[i], blocks per row).
  */
 template <typename T>
-__global__ void block_rows_kernel(const mat_table t, const T *__restrict__ src, int64_t cols,
-                                  uint8_t *__restrict__ dst, int fmt, float fp8max, int pow2, int layout,
-                                  float *scale_inv)
+__global__ void __launch_bounds__(256)
+    block_rows_kernel(const mat_table t, const T *__restrict__ src, int64_t cols, uint8_t *__restrict__ dst, int fmt,
+                      float fp8max, int pow2, int layout, float *scale_inv)
 {
     const int64_t KB = (cols + TILE - 1) / TILE;
-    const int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int64_t pr = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
-    if (w >= t.row_start[t.count] * KB) return; /* whole warps leave together: padded rows * KB tiles, 32 lanes each */
-    const int64_t pr = w / KB, kb = w % KB;
+    if (pr >= t.row_start[t.count]) return; /* whole warps leave together */
     const int i = find_matrix(t.row_start, t.count, pr);
     const int64_t r = pr - t.row_start[i];
-    const int64_t c0 = kb * TILE + lane * 4;
-    const bool valid = c0 < cols; /* cols is a multiple of 4 */
-    float v[4] = {0, 0, 0, 0};
-    if (valid && r < t.rows[i]) load4(src + (t.src_row0[i] + r) * cols + c0, v);
-    uint32_t m = 0;
-    for (int k = 0; k < 4; k++) m = max(m, abs_bits(v[k]));
-    m = __reduce_max_sync(0xffffffffu, m);
-    const float scale = scale_from_amax(__uint_as_float(m), fp8max, 0, pow2, 1.0f);
-    if (valid) {
-        uint32_t packed = 0;
-        for (int k = 0; k < 4; k++) packed |= (uint32_t)to_fp8(v[k], scale, fmt) << (8 * k);
-        *(uint32_t *)(dst + t.dst_off[i] + r * cols + c0) = packed;
+    const bool real = r < t.rows[i];
+    const T *row = src + (t.src_row0[i] + r) * cols;
+    uint8_t *out = dst + t.dst_off[i] + r * cols;
+    float *factors = scale_inv + t.scale_off[i];
+    for (int64_t base = 0; base < cols; base += 512) {
+        float v[2][8];
+        bool in[2][2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int64_t c = base + h * 256 + lane * 8;
+            in[h][0] = c < cols, in[h][1] = c + 4 < cols; /* cols is a multiple of 4 */
+#pragma unroll
+            for (int k = 0; k < 8; k++) v[h][k] = 0.f;
+            if (real && in[h][0]) load4(row + c, v[h]);
+            if (real && in[h][1]) load4(row + c + 4, v[h] + 4);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int64_t c = base + h * 256 + lane * 8, kb = c / TILE;
+            if (base + h * 256 >= cols) break; /* the whole warp: no tile of this half */
+            block_tile_store(v[h], in[h][0], in[h][1], out + c, fmt, fp8max, pow2,
+                             factors + vec_index(layout, r, kb, t.dst_ld[i], KB), (lane & 15) == 0 && kb < KB);
+        }
     }
-    if (lane == 0)
-        scale_inv[t.scale_off[i] + vec_index(layout, r, kb, t.dst_ld[i], KB)] = __fdiv_rn(1.0f, scale);
 }
 
 /*
@@ -903,7 +939,7 @@ static moert_result quantize_activation_t(moert_fp8_cuda *g, cudaStream_t stream
                 t, src, cols, (uint8_t *)tg->bytes->p, fmt, (const float *)tg->scale->p, NULL, 0, 0, rec_amax, rec_seen);
             LAUNCH_CHECK(host, "cast_rows_kernel");
         } else if (!transposed) {
-            const int64_t warps = t.row_start[t.count] * ceil_div(cols, TILE);
+            const int64_t warps = t.row_start[t.count]; /* one per padded row */
             block_rows_kernel<T><<<(unsigned)ceil_div(warps * 32, 256), 256, 0, stream>>>(
                 t, src, cols, (uint8_t *)tg->bytes->p, fmt, fmax, g->cfg.power_of_2, g->vec_layout,
                 (float *)tg->blk->p);
