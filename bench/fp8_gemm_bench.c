@@ -226,8 +226,6 @@ static bench_result results[MAX_RESULTS];
 static int result_count;
 /* blockwise vs bf16 over fwd+dgrad+wgrad: [shape][0 blockwise, 1 bf16] summed ms, and the FLOPs of the three */
 static double sum_ms[2][2], sum_flops[2];
-/* the plugin's default ("gemm": "auto" on Hopper): cuBLASLt forward and dgrad, the kernel's wgrad, per shape */
-static double auto_ms[2];
 static double weight_quant_ms[2][2]; /* [shape][blockwise, current]: both FP8 layouts of one weight */
 
 /* Relative Frobenius error of the first n values (bf16, or fp32 when fp32) of a against b (device buffers); NaN
@@ -391,7 +389,7 @@ int main(int argc, char **argv)
                                                i != 1, i == 2 ? 1 : E, 1, 0, 0};
             MOK(moert_fp8_cuda_create(&bench_host, dev0, &cfg, &fp8[i]));
             MOK(moert_fp8_cuda_set_streams(fp8[i], i == 2 ? 1 : streams));
-            if (i == 0 || i == 2) MOK(moert_fp8_cuda_set_block_kernel(fp8[i], MOERT_FP8_CUDA_KERNEL_ALL));
+            if (i == 0 || i == 2) MOK(moert_fp8_cuda_set_block_kernel(fp8[i], 1));
         }
         const shape_run run = {s, K, N, E, R, streams, counts, dense_counts, x, dy, w32, w16, y, dx, bf16, fp8};
         const double flops = 2.0 * (double)R * (double)K * (double)N;
@@ -433,7 +431,6 @@ int main(int argc, char **argv)
             if (si < 2) {
                 sum_ms[si][0] += med[V_FP8_BLOCK]; /* NaN (refused) stays NaN */
                 sum_ms[si][1] += med[V_BF16];
-                auto_ms[si] += pass == 2 ? med[V_FP8_BLOCK] : med[V_FP8_BLOCK_CUBLASLT];
                 sum_flops[si] += flops;
             }
             for (int v = 0; v < V_COUNT; v++) {
@@ -511,11 +508,6 @@ int main(int argc, char **argv)
                shapes[si].name, sum_ms[si][0], sum_flops[si] / (sum_ms[si][0] * 1e-3) / 1e12, sum_ms[si][1],
                sum_flops[si] / (sum_ms[si][1] * 1e-3) / 1e12, sum_ms[si][1] / sum_ms[si][0]);
     }
-    double auto_all = 0;
-    for (size_t si = 0; si < 2; si++)
-        if (!only || strstr(shapes[si].name, only)) auto_all += auto_ms[si];
-    printf("fp8 blockwise as \"gemm\": \"auto\" runs it (cuBLASLt fwd+dgrad, kernel wgrad), fc1+fc2: %.3f ms, "
-           "%.1f TFLOP/s, %.2fx bf16\n", auto_all, all_flops / (auto_all * 1e-3) / 1e12, all_ms[1] / auto_all);
     const double all_ratio = all_ms[1] / all_ms[0];
     printf("fp8 blockwise fc1+fc2 fwd+dgrad+wgrad: %.1f TFLOP/s, %.2fx bf16 (%.1f TFLOP/s): target %.1fx %s\n",
            all_flops / (all_ms[0] * 1e-3) / 1e12, all_ratio, all_flops / (all_ms[1] * 1e-3) / 1e12, BLOCKWISE_TARGET,
@@ -580,14 +572,6 @@ int main(int argc, char **argv)
                     sep, si < 2 ? shapes[si].name : "deepseek-v3 fc1+fc2", fl / (ms * 1e-3) / 1e12, ms, bf / ms,
                     fl / (bf * 1e-3) / 1e12, BLOCKWISE_TARGET, ROUTE_TOPK, ROUTE_EXPERTS, ROUTE_TOKENS, ROUTE_RANKS,
                     (long long)shapes[0].experts);
-            sep = ",\n";
-        }
-        if (auto_all > 0 && !isnan(auto_all)) {
-            fprintf(f, "%s    {\"name\": \"fp8 gemm deepseek-v3 fc1+fc2 fwd+dgrad+wgrad fp8_blockwise_auto\", "
-                       "\"value\": %.4f, \"unit\": \"TFLOP/s\", \"sum_of_median_ms\": %.5f, \"vs_bf16\": %.4f, "
-                       "\"note\": \"the plugin's default engine on Hopper: fp8_blockwise_cublaslt fwd and dgrad, "
-                       "fp8_blockwise (kernel) wgrad, as measured above\"}",
-                    sep, all_flops / (auto_all * 1e-3) / 1e12, auto_all, all_ms[1] / auto_all);
             sep = ",\n";
         }
         for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {

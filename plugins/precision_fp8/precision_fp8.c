@@ -175,18 +175,14 @@ static moert_result cuda_init(fp8_ctx *c)
     };
     rc = moert_fp8_cuda_create(h, l->device, &cfg, &c->gemm);
     if (rc == MOERT_OK) rc = moert_fp8_cuda_set_streams(c->gemm, c->gemm_streams);
-    /* blockwise GEMMs on the wgmma kernel: every pass when asked ("kernel"); by default ("auto") the weight
-     * gradients only, where it measured faster than cuBLASLt (forward and dgrad stay on cuBLASLt, which measured
-     * faster there; docs/plugins/precision_fp8.md). The kernel's code is sm_90a. */
+    /* blockwise GEMMs on the wgmma kernel when asked ("auto" is cuBLASLt: the kernel measured slower, see
+     * docs/plugins/precision_fp8.md); the kernel's code is sm_90a */
     const bool hopper = prop.major == 9 && prop.minor == 0;
     if (rc == MOERT_OK && s->recipe == FP8_RECIPE_BLOCKWISE && c->gemm_engine == GEMM_KERNEL && !hopper)
         rc = fail(c, MOERT_ERR_UNSUPPORTED, "$.precision.gemm: \"kernel\" needs a compute capability 9.0 GPU "
                   "(wgmma); %s is %s (%d.%d): use \"cublaslt\" or \"auto\"", dev, prop.name, prop.major, prop.minor);
     if (rc == MOERT_OK && s->recipe == FP8_RECIPE_BLOCKWISE && c->gemm_engine == GEMM_KERNEL)
-        rc = moert_fp8_cuda_set_block_kernel(c->gemm, MOERT_FP8_CUDA_KERNEL_ALL);
-    if (rc == MOERT_OK && s->recipe == FP8_RECIPE_BLOCKWISE && c->gemm_engine == GEMM_AUTO && hopper &&
-        moert_fp8_cuda_set_block_kernel(c->gemm, MOERT_FP8_CUDA_KERNEL_WGRAD) != MOERT_OK)
-        (void)moert_fp8_cuda_set_block_kernel(c->gemm, MOERT_FP8_CUDA_KERNEL_OFF); /* no kernel: cuBLASLt */
+        rc = moert_fp8_cuda_set_block_kernel(c->gemm, 1);
     /* every matmul of the recipe exists in this cuBLASLt (weight gradients accumulate in fp32, as the executor's) */
     if (rc == MOERT_OK) rc = moert_fp8_cuda_check_support(c->gemm, l->hidden, l->ffn_hidden, l->dtype, MOERT_F32);
     if (previous >= 0 && previous != id) (void)cudaSetDevice(previous);

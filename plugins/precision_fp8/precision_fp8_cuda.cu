@@ -511,7 +511,6 @@ struct moert_fp8_cuda {
     int64_t worst_rows;  /* the current GEMM's most padded rows (capacity + (align - 1) * E); 0: capacity unknown */
     int blk_order;       /* blockwise FORWARD/DGRAD: BLK_ORDER_* (see choose_blk_order) */
     moert_fp8_block_ctx *block; /* blockwise GEMMs on the wgmma kernel (fp8_block_gemm.cu); NULL: cuBLASLt */
-    int block_all;              /* the kernel runs every pass (else WGRAD only) */
     cublasLtHandle_t lt;
     cublasLtMatmulPreference_t pref;
     int32_t pref_align[3];
@@ -717,16 +716,10 @@ fail:
     return rc;
 }
 
-/* Whether the blockwise GEMM of this pass runs on the wgmma kernel. */
-static bool kernel_runs(const moert_fp8_cuda *g, moert_gemm_pass pass)
+/* The blockwise recipe's GEMMs on the wgmma kernel (on 1) or cuBLASLt (0). */
+extern "C" moert_result moert_fp8_cuda_set_block_kernel(moert_fp8_cuda *g, int on)
 {
-    return g->block && (g->block_all || pass == MOERT_GEMM_WGRAD);
-}
-
-/* The blockwise recipe's GEMMs on the wgmma kernel (all passes or WGRAD only) or cuBLASLt (off). */
-extern "C" moert_result moert_fp8_cuda_set_block_kernel(moert_fp8_cuda *g, int passes)
-{
-    if (passes != MOERT_FP8_CUDA_KERNEL_ALL && passes != MOERT_FP8_CUDA_KERNEL_WGRAD) {
+    if (!on) {
         moert_fp8_block_ctx_destroy(g->block);
         g->block = NULL;
         return MOERT_OK;
@@ -735,7 +728,6 @@ extern "C" moert_result moert_fp8_cuda_set_block_kernel(moert_fp8_cuda *g, int p
         return report(g->host, MOERT_ERR_UNSUPPORTED, "the FP8 GEMM kernel serves the blockwise recipe only");
     if (g->vec_layout != MOERT_FP8_VEC128_X_MAJOR || g->blk_layout != MOERT_FP8_BLK_K_MAJOR_PAD4)
         return report(g->host, MOERT_ERR_UNSUPPORTED, "the FP8 GEMM kernel reads the default scale layouts only");
-    g->block_all = passes == MOERT_FP8_CUDA_KERNEL_ALL;
     if (g->block) return MOERT_OK;
     return moert_fp8_block_ctx_create(g->host, &g->block);
 }
@@ -776,8 +768,7 @@ extern "C" void moert_fp8_cuda_set_scale_layout(moert_fp8_cuda *g, moert_fp8_cud
                                                 moert_fp8_cuda_blk_layout blk)
 {
     if (g->block && (vec != MOERT_FP8_VEC128_X_MAJOR || blk != MOERT_FP8_BLK_K_MAJOR_PAD4))
-        (void)moert_fp8_cuda_set_block_kernel(g, MOERT_FP8_CUDA_KERNEL_OFF); /* the kernel reads the default
-                                                                             * layouts only: cuBLASLt then */
+        (void)moert_fp8_cuda_set_block_kernel(g, 0); /* the kernel reads the default layouts only: cuBLASLt then */
     g->vec_layout = (int)vec;
     g->blk_layout = (int)blk;
     moert_fp8_cuda_drop_weights(g);
@@ -1579,11 +1570,10 @@ extern "C" moert_result moert_fp8_cuda_check_support(moert_fp8_cuda *g, int64_t 
                                                      moert_dtype act_dtype, moert_dtype grad_weight_dtype)
 {
     static const int64_t rows = 512;
-    if (g->block && g->block_all) return MOERT_OK; /* the blockwise kernel takes every shape the plugin accepts */
+    if (g->block) return MOERT_OK; /* the blockwise kernel takes every shape the plugin accepts */
     MOK(choose_blk_order(g, hidden, 2 * ffn_hidden, act_dtype));
     for (int w = 0; w < 2; w++)
         for (int pass = 0; pass < 3; pass++) {
-            if (kernel_runs(g, (moert_gemm_pass)pass)) continue;
             const int64_t K = w == 0 ? hidden : ffn_hidden, N = w == 0 ? 2 * ffn_hidden : hidden;
             expert_mm p;
             matmul_shape(g, (moert_gemm_pass)pass, K, N, act_dtype, grad_weight_dtype, rows, &p);
@@ -1848,10 +1838,9 @@ extern "C" moert_result moert_fp8_cuda_grouped_gemm(moert_fp8_cuda *g, cudaStrea
         const float *winv = blk ? (const float *)(fwd ? wc->inv_fwd.p : wc->inv_dgrad.p) : (const float *)wc->inv.p;
         const int64_t wstride = blk ? wc->blk_stride : 4;
         char *dst = (char *)(fwd ? gm->output : gm->grad_input);
-        const bool on_kernel = kernel_runs(g, gm->pass);
-        if (blk && !on_kernel && (rc = choose_blk_order(g, K, N, gm->act_dtype)) != MOERT_OK) goto done;
-        swapped = blk && !on_kernel && g->blk_order == BLK_ORDER_WEIGHT_B;
-        if (blk && !on_kernel) { /* D goes through the same 16-row padding as the activation rows */
+        if (blk && !g->block && (rc = choose_blk_order(g, K, N, gm->act_dtype)) != MOERT_OK) goto done;
+        swapped = blk && !g->block && g->blk_order == BLK_ORDER_WEIGHT_B;
+        if (blk && !g->block) { /* D goes through the same 16-row padding as the activation rows */
             const int64_t last = g->active[g->active_count - 1];
             if ((rc = buf_reserve_worst(g, &g->dscratch, (size_t)((g->prow0[last] + g->rows16[last]) * mm) * act_es,
                                         (size_t)(g->worst_rows * mm) * act_es)) != MOERT_OK)
@@ -1963,7 +1952,7 @@ extern "C" moert_result moert_fp8_cuda_grouped_gemm(moert_fp8_cuda *g, cudaStrea
             g->b_soff[e] = 4 * e;
             if (gm->pass == MOERT_GEMM_WGRAD) g->a_soff[e] = 4 * e;
         }
-    if (blk && kernel_runs(g, gm->pass)) {
+    if (blk && g->block) {
         if (!g->quantize_only) rc = block_gemm(g, stream, gm, wc);
         goto done;
     }

@@ -90,15 +90,12 @@ moert_result moert_fp8_cuda_check_support(moert_fp8_cuda *g, int64_t hidden, int
 
 /*
  * The blockwise recipe's GEMMs on moert's own wgmma kernel (fp8_block_gemm.h: FP8 MMA, the 1x128 and 128x128
- * factors applied in registers per 128-long k-block; one launch per grouped GEMM, no padding copies) for every pass
- * (MOERT_FP8_CUDA_KERNEL_ALL), for WGRAD only (MOERT_FP8_CUDA_KERNEL_WGRAD: FORWARD and DGRAD on cuBLASLt), or none
- * (MOERT_FP8_CUDA_KERNEL_OFF, the default of a new handle: cuBLASLt's VEC128 / BLK128x128 matmuls).
- * MOERT_ERR_UNSUPPORTED for another recipe, a GPU other than compute capability 9.0, or non-default scale layouts.
- * The quantized operands are the same either way; with the kernel, WGRAD's rows are padded to 16 (it takes a
- * reduction that ends inside a block).
+ * factors applied in registers per 128-long k-block; one launch per grouped GEMM, no padding copies) when on is 1,
+ * or on cuBLASLt's VEC128 / BLK128x128 matmuls (0, the default of a new handle). MOERT_ERR_UNSUPPORTED for another
+ * recipe, a GPU other than compute capability 9.0, or non-default scale layouts. The quantized operands are the same
+ * either way; WGRAD's rows are padded to 16 (the kernel takes a reduction that ends inside a block).
  */
-enum { MOERT_FP8_CUDA_KERNEL_OFF = 0, MOERT_FP8_CUDA_KERNEL_ALL = 1, MOERT_FP8_CUDA_KERNEL_WGRAD = 2 };
-moert_result moert_fp8_cuda_set_block_kernel(moert_fp8_cuda *g, int passes);
+moert_result moert_fp8_cuda_set_block_kernel(moert_fp8_cuda *g, int on);
 
 /* Streams the per-expert matmuls are spread over (1: the caller's only; at most MOERT_FP8_CUDA_MAX_STREAMS). */
 moert_result moert_fp8_cuda_set_streams(moert_fp8_cuda *g, int streams);

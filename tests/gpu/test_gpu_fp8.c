@@ -460,7 +460,7 @@ static void run_case(const recipe_case *rc, cudaStream_t stream)
     moert_fp8_cuda *h = NULL;
     if (moert_fp8_cuda_create(&gpu_test_host, (moert_device){MOERT_DEVICE_CUDA, 0}, &cfg, &h) != MOERT_OK ||
         moert_fp8_cuda_set_streams(h, 3) != MOERT_OK ||
-        (rc->kernel && moert_fp8_cuda_set_block_kernel(h, MOERT_FP8_CUDA_KERNEL_ALL) != MOERT_OK)) {
+        (rc->kernel && moert_fp8_cuda_set_block_kernel(h, 1) != MOERT_OK)) {
         fprintf(stderr, "%s: creating the handle: %s\n", rc->name, gpu_test_error);
         test_failures++;
         moert_fp8_cuda_destroy(h);
