@@ -11,6 +11,8 @@
  *   grouped       one cublasGemmGroupedBatchedEx call
  *   kernel        the device-count grouped GEMM kernel (device_gemm.cu, the plugin's "gemm": "kernel"): counts read on
  *                 the device, one launch; WGRAD into a bf16 gradient like the variants above
+ *                 (FORWARD/DGRAD on the wgmma engine where the GPU has it)
+ *   kernel_mma    FORWARD/DGRAD only: the kernel's mma.sync engine
  *   kernel_f32w   WGRAD only: the kernel accumulating into an fp32 gradient (the executor's setting)
  *   dense         one GEMM of the whole [rows, k_in] x [k_in, n_out]
  * "queries/it" is the cuBLASLt heuristic queries per measured iteration (0 once the buckets were seen). After the
@@ -95,8 +97,8 @@ typedef struct bench_variant {
     int graphs;   /* moert_bf16_cuda_set_graphs */
     int grouped;  /* MOERT_BF16_CUDA_GROUPED */
     int dense;    /* one expert with all rows */
-    int kernel;   /* 1: bf16_device_gemm (bf16 gradient), 2: the same into an fp32 gradient */
-    int wgrad_only;
+    int kernel;   /* 1: bf16_device_gemm (bf16 gradient), 2: the same into an fp32 gradient, 3: its mma.sync engine */
+    int wgrad_only; /* 1: WGRAD only, -1: FORWARD and DGRAD only */
 } bench_variant;
 
 #define MAX_VARIANTS 10
@@ -179,7 +181,7 @@ static double rel_error_bf16(const uint16_t *got, const uint16_t *want, int64_t 
 
 /* The kernel's arguments for one GEMM of the bench (the same buffers as the cuBLASLt variants). */
 static bf16_device_gemm_args kernel_args(const moert_bf16_cuda_gemm *gm, const int64_t *d_counts, int64_t rows,
-                                         void *grad_weight, int f32_gradient)
+                                         void *grad_weight, int f32_gradient, int engine)
 {
     bf16_device_gemm_args a;
     memset(&a, 0, sizeof a);
@@ -197,7 +199,14 @@ static bf16_device_gemm_args kernel_args(const moert_bf16_cuda_gemm *gm, const i
     a.grad_weight = grad_weight;
     a.grad_weight_bf16 = !f32_gradient;
     a.accumulate = gm->accumulate;
+    a.engine = engine;
     return a;
+}
+
+/* Whether variant v runs on pass `pass` (wgrad_only: 1 WGRAD only, -1 FORWARD/DGRAD only). */
+static int runs_on(const bench_variant *v, int pass)
+{
+    return v->wgrad_only == 0 || (v->wgrad_only > 0) == (pass == MOERT_GEMM_WGRAD);
 }
 
 static double now_ms(void)
@@ -271,6 +280,7 @@ int main(int argc, char **argv)
     variants[nv++] = (bench_variant){"grouped", 1, 0, 0, 1, 0, 0, 0};
     const int i_kernel = nv;
     variants[nv++] = (bench_variant){"kernel", 1, 0, 0, 0, 0, 1, 0};
+    variants[nv++] = (bench_variant){"kernel_mma", 1, 0, 0, 0, 0, 3, -1};
     variants[nv++] = (bench_variant){"kernel_f32w", 1, 0, 0, 0, 0, 2, 1};
     const int i_dense = nv;
     variants[nv++] = (bench_variant){"dense", 1, 0, 0, 0, 1, 0, 0};
@@ -320,7 +330,7 @@ int main(int argc, char **argv)
             for (int it = -warmup; it < repeats; it++)
                 for (int v = 0; v < nv; v++) { /* interleaved */
                     const bench_variant *var = &variants[v];
-                    if (var->wgrad_only && pass != MOERT_GEMM_WGRAD) continue;
+                    if (!runs_on(var, pass)) continue;
                     gm.num_experts = var->dense ? 1 : E;
                     gm.rows_per_expert = var->dense ? dense_counts
                                          : var->vary ? vary_counts + (size_t)(it + warmup) * MAX_EXPERTS
@@ -331,8 +341,9 @@ int main(int argc, char **argv)
                     CK(cudaEventRecord(ev0, stream));
                     double h0 = now_ms();
                     if (var->kernel) {
-                        const bf16_device_gemm_args ka = kernel_args(&gm, d_counts, R, var->kernel == 2 ? dw32 : dw,
-                                                                     var->kernel == 2);
+                        const bf16_device_gemm_args ka =
+                            kernel_args(&gm, d_counts, R, var->kernel == 2 ? dw32 : dw, var->kernel == 2,
+                                        var->kernel == 3 ? BF16_DEVICE_GEMM_ENGINE_MMA : BF16_DEVICE_GEMM_ENGINE_AUTO);
                         MOK(bf16_device_gemm(&bench_host, stream, &ka));
                     } else {
                         MOK(moert_bf16_cuda_grouped_gemm(g, stream, &gm));
@@ -352,7 +363,7 @@ int main(int argc, char **argv)
             double median[MAX_VARIANTS];
             for (int v = 0; v < nv; v++) {
                 median[v] = 0;
-                if (variants[v].wgrad_only && pass != MOERT_GEMM_WGRAD) continue;
+                if (!runs_on(&variants[v], pass)) continue;
                 qsort(times[v], (size_t)repeats, sizeof(float), cmp_float);
                 median[v] = repeats % 2 ? times[v][repeats / 2]
                                         : 0.5 * (times[v][repeats / 2 - 1] + times[v][repeats / 2]);
@@ -379,7 +390,7 @@ int main(int argc, char **argv)
                 same_graph = memcmp(ref, got, bytes) == 0;
                 /* the kernel (bf16 gradient, overwriting) against the 1-stream loop, within bf16 rounding */
                 gm.accumulate = 0;
-                const bf16_device_gemm_args ka = kernel_args(&gm, d_counts, R, dw, 0);
+                const bf16_device_gemm_args ka = kernel_args(&gm, d_counts, R, dw, 0, BF16_DEVICE_GEMM_ENGINE_AUTO);
                 MOK(bf16_device_gemm(&bench_host, stream, &ka));
                 CK(cudaStreamSynchronize(stream));
                 CK(cudaMemcpy(got, pass == 0 ? y : pass == 1 ? dx : dw, bytes, cudaMemcpyDeviceToHost));
@@ -390,7 +401,7 @@ int main(int argc, char **argv)
             }
 
             for (int v = 0; v < nv; v++) {
-                if (variants[v].wgrad_only && pass != MOERT_GEMM_WGRAD) {
+                if (!runs_on(&variants[v], pass)) {
                     free(times[v]);
                     continue;
                 }
@@ -462,7 +473,7 @@ int main(int argc, char **argv)
                    "dense = one cuBLASLt GEMM of the same total shape; ratio_to_dense > 1 is faster; "
                    "queries_per_iter: cuBLASLt heuristic queries per measured iteration; same_bits: output equal bit "
                    "for bit to the 1-stream loop's (null: not checked); kernel: device-count grouped GEMM kernel (bf16 dW), "
-                   "kernel_f32w: the kernel accumulating into fp32 dW (wgrad only); rel_err: kernel vs loop output, "
+                   "kernel_mma: its mma.sync engine (fwd/dgrad; kernel runs wgmma there on sm_90); kernel_f32w: the kernel accumulating into fp32 dW (wgrad only); rel_err: kernel vs loop output, "
                    "relative Frobenius\",\n");
         fprintf(f, "  \"results\": [\n");
         for (int i = 0; i < result_count; i++) {

@@ -63,6 +63,16 @@ __device__ __forceinline__ void tensor_load_2d(void *dst_smem, const void *tenso
         : "memory");
 }
 
+/* A 3-D tile through a tensor map: coordinates c0 (innermost), c1, c2. */
+__device__ __forceinline__ void tensor_load_3d(void *dst_smem, const void *tensor_map, int32_t c0, int32_t c1,
+                                               int32_t c2, uint64_t *bar)
+{
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}],"
+                 " [%5];" ::"r"(smem_addr(dst_smem)),
+                 "l"(tensor_map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
+                 : "memory");
+}
+
 /* Shared -> global bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned), in the current bulk
  * group of this thread. */
 __device__ __forceinline__ void bulk_store(void *dst, const void *src_smem, uint32_t bytes)

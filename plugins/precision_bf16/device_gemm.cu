@@ -33,6 +33,8 @@
 #include <stdint.h>
 
 #include "../common/plugin_cuda_check.h"
+#include "device_gemm_wgmma.h"
+#include "expert_prefix.cuh"
 
 #define BM 128            /* tile rows (M) */
 #define BK 64             /* reduction step (K) */
@@ -133,52 +135,6 @@ __device__ __forceinline__ void load_tile(__nv_bfloat16 *s, const __nv_bfloat16 
     }
 }
 
-/*
- * Warp 0 reads the counts (once: one global round trip per block) and fills row_start[0..E] (each expert's first row,
- * clamped to the capacity; [E] is the end of the last) and tile_start[0..E] (each expert's first 128-row tile; [E] the
- * total). Lane l handles a run of consecutive experts; row_start parks the clamped counts in between. The caller syncs.
- */
-__device__ void expert_prefix(const gemm_params &p, int64_t *row_start, int *tile_start)
-{
-    const int lane = threadIdx.x & 31;
-    const int E = p.num_experts, per = (E + 31) / 32;
-    const int e0 = min(E, lane * per), e1 = min(E, e0 + per);
-    const int64_t cap = p.capacity;
-    int64_t sum = 0;
-    for (int e = e0; e < e1; e++) {
-        const int64_t c = min(max(p.counts[e], (int64_t)0), cap);
-        row_start[e] = c;
-        sum += c;
-    }
-    int64_t incl = sum;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-        const int64_t v = __shfl_up_sync(0xffffffffu, incl, off);
-        if (lane >= off) incl += v;
-    }
-    int64_t at = incl - sum; /* rows of the experts before e0, unclamped */
-    int tiles = 0;           /* row tiles of this lane's experts before e */
-    for (int e = e0; e < e1; e++) {
-        const int64_t c = row_start[e];
-        const int64_t first = min(at, cap), end = min(at + c, cap);
-        row_start[e] = first;
-        tile_start[e] = tiles;
-        tiles += (int)((end - first + BM - 1) / BM);
-        at += c;
-    }
-    int tincl = tiles;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, tincl, off);
-        if (lane >= off) tincl += v;
-    }
-    for (int e = e0; e < e1; e++) tile_start[e] += tincl - tiles;
-    if (lane == 31) {
-        row_start[E] = min(incl, cap);
-        tile_start[E] = tincl;
-    }
-}
-
 /* ---- the kernel ---- */
 
 template <int PASS, bool OUT_F32, int BN>
@@ -195,7 +151,7 @@ __global__ void __launch_bounds__(THREADS, BN == 128 ? 2 : 1) grouped_gemm_kerne
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int E = p.num_experts;
 
-    if (warp == 0) expert_prefix(p, row_start, tile_start);
+    if (warp == 0) expert_prefix(p.counts, p.num_experts, p.capacity, BM, row_start, tile_start);
     __syncthreads();
 
     /* This block's tile: expert e, rows [r0, r0 + rows_valid) of the activations (FORWARD/DGRAD) or reduction rows
@@ -393,8 +349,9 @@ static moert_result prepare_width(const moert_host *host)
 
 extern "C" moert_result bf16_device_gemm_prepare(const moert_host *host)
 {
-    moert_result rc = prepare_width<128>(host);
-    return rc != MOERT_OK ? rc : prepare_width<256>(host);
+    MOK(prepare_width<128>(host));
+    MOK(prepare_width<256>(host));
+    return bf16_wgmma_prepare(host);
 }
 
 /* Launches the kernel of a pass and tile width. */
@@ -441,6 +398,9 @@ extern "C" moert_result bf16_device_gemm(const moert_host *host, cudaStream_t st
     if (a->tile_n != 0 && a->tile_n != 128 && a->tile_n != 256)
         return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 device gemm %s: tile_n %d, expected 0 (auto), 128 or 256",
                       pass, a->tile_n);
+    if (a->engine < BF16_DEVICE_GEMM_ENGINE_AUTO || a->engine > BF16_DEVICE_GEMM_ENGINE_WGMMA)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 device gemm %s: engine %d, expected 0 (auto), 1 (mma.sync) "
+                      "or 2 (wgmma)", pass, a->engine);
     const void *ops[2], *dst;
     const char *names[3];
     switch (a->pass) {
@@ -462,6 +422,17 @@ extern "C" moert_result bf16_device_gemm(const moert_host *host, cudaStream_t st
         if (!aligned16(ptrs[i]))
             return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 device gemm %s: %s is %s, expected a 16-byte aligned "
                           "device pointer", pass, names[i], ptrs[i] ? "misaligned" : "NULL");
+
+    if (a->pass != MOERT_GEMM_WGRAD && a->engine != BF16_DEVICE_GEMM_ENGINE_MMA &&
+        (a->engine == BF16_DEVICE_GEMM_ENGINE_WGMMA || bf16_wgmma_available())) {
+        if (a->capacity == 0) return MOERT_OK; /* no rows at all */
+        if (((a->capacity + BM - 1) / BM + a->num_experts) * ((a->pass == MOERT_GEMM_DGRAD ? a->k_in : a->n_out) + 255) /
+                256 > INT_MAX)
+            return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 device gemm %s: capacity %lld, k_in %lld, n_out %lld "
+                          "make more than 2^31 tiles", pass, (long long)a->capacity, (long long)a->k_in,
+                          (long long)a->n_out);
+        return bf16_wgmma_gemm(host, stream, a);
+    }
 
     gemm_params p;
     p.a = (const __nv_bfloat16 *)ops[0];

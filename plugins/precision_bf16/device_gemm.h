@@ -1,7 +1,8 @@
 /*
  * A bf16 grouped GEMM kernel that reads the per-expert row counts on the device: no host sync, no allocation,
- * capturable in a CUDA graph. Tensor cores through mma.sync m16n8k16 (bf16 operands, fp32 accumulation), ldmatrix
- * and a cp.async shared-memory pipeline.
+ * capturable in a CUDA graph. Two engines: tensor cores through mma.sync m16n8k16 (bf16 operands, fp32 accumulation),
+ * ldmatrix and a cp.async shared-memory pipeline (every pass, any sm_80+ GPU), and on Hopper a persistent wgmma kernel
+ * fed by TMA for FORWARD and DGRAD (device_gemm_wgmma.h).
  *
  * Layouts (row-major, contiguous, rows grouped by expert as in moert/precision.h; expert e owns counts[e]
  * consecutive rows starting after the rows of experts < e; rows past the sum are neither read nor written):
@@ -47,9 +48,19 @@ typedef struct bf16_device_gemm_args {
     void *grad_weight;             /* WGRAD */
     int grad_weight_bf16;          /* WGRAD: 0 grad_weight is fp32 (the usual master gradients), 1 it is bf16 */
     int accumulate;                /* WGRAD: 1 adds into grad_weight (beta 1), 0 overwrites it (beta 0) */
-    int tile_n;                    /* output tile width: 0 picks (256 where a FORWARD/DGRAD output has >= 1024
+    int tile_n;                    /* mma.sync output tile width: 0 picks (256 where a FORWARD/DGRAD output has >= 1024
                                       columns, else 128; WGRAD 128), or 128 / 256 (tests, benchmarks) */
+    int engine;                    /* BF16_DEVICE_GEMM_ENGINE_*: which kernel runs FORWARD/DGRAD */
 } bf16_device_gemm_args;
+
+/* The kernels behind FORWARD and DGRAD (WGRAD always runs on mma.sync):
+ * AUTO: the wgmma engine (device_gemm_wgmma.h: TMA, wgmma m64n256k16, persistent) where the GPU has it (compute
+ * capability 9.0), else mma.sync; MMA: always mma.sync; WGMMA: the wgmma engine or MOERT_ERR_UNSUPPORTED. */
+enum {
+    BF16_DEVICE_GEMM_ENGINE_AUTO = 0,
+    BF16_DEVICE_GEMM_ENGINE_MMA = 1,
+    BF16_DEVICE_GEMM_ENGINE_WGMMA = 2,
+};
 
 /*
  * Prepares the kernels on the current device (their shared-memory limit). Call once per device before the first

@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "../common/mbarrier.cuh"
+#include "../common/wgmma.cuh"
 #include "../common/plugin_cuda_check.h"
 
 #define TILE 128                     /* BM = BN = BK */
@@ -122,18 +123,6 @@ __device__ __forceinline__ void wgmma_tile(float *d, uint64_t desc_a, uint64_t d
         WGMMA_ASM("e4m3.e5m2");
 #endif
 }
-
-/* The shared-memory descriptor of a K-major operand tile with 128-byte rows, 128-byte swizzle (as TMA writes it):
- * 8-row groups 1024 bytes apart. Advancing the start address by 32 bytes moves to the next k32 slice. */
-__device__ __forceinline__ uint64_t smem_desc(const void *tile)
-{
-    const uint64_t addr = smem_addr(tile);
-    return ((addr & 0x3ffff) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
 
 /* Keeps the compiler from moving register reads of d across the asynchronous wgmma's completion. */
 __device__ __forceinline__ void fence_registers(float *d)
@@ -396,10 +385,10 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
     if (wg == 0) {
         /* registers move between warpgroups of the CTA: the consumers' increase (256 x (224 - 168)) must not exceed
          * what the producer's warpgroup gives back (128 x (168 - 56)), or setmaxnreg.inc waits forever */
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+        warpgroup_registers_dec<56>();
         if (threadIdx.x < 32) produce<B_PER_ROW>(args, a_tiles, b_tiles, a_factors, b_factors, full, empty, rank);
     } else {
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+        warpgroup_registers_inc<224>();
         const int c = wg - 1;                 /* rows c*64 .. c*64+63 of the tile */
         const int warp = (threadIdx.x % 128) / 32;
         const int r0 = c * 64 + warp * 16 + lane / 4; /* this thread's rows: r0 and r0 + 8 */
@@ -421,15 +410,15 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
                 mbar_wait(&full[s], phase);
                 bool handed_back = false;
                 if (live) {
-                    const uint64_t da = smem_desc(a_tiles + s * TILE_BYTES + c * 64 * TILE);
-                    const uint64_t db = smem_desc(b_tiles + s * TILE_BYTES);
+                    const uint64_t da = wgmma_desc_k_sw128(a_tiles + s * TILE_BYTES + c * 64 * TILE);
+                    const uint64_t db = wgmma_desc_k_sw128(b_tiles + s * TILE_BYTES);
                     const float sa0 = a_factors[s * TILE + r0], sa1 = a_factors[s * TILE + r0 + 8];
                     const float sb_block = B_PER_ROW ? 0.f : b_factors[s * TILE];
                     wgmma_fence();
 #pragma unroll
                     for (int k = 0; k < TILE / 32; k++) wgmma_tile<A_FMT, B_FMT>(part, da + 2 * k, db + 2 * k, k > 0);
                     wgmma_commit();
-                    wgmma_wait_all();
+                    wgmma_wait<0>();
                     fence_registers(part);
                     if (!B_PER_ROW) { /* everything of the stage is in registers: hand it back before promoting */
                         __syncwarp();

@@ -233,8 +233,8 @@ static void *cpu_pass(const problem *p, int pass, bool overwrite, bool bf16_grad
     return out;
 }
 
-/* The output tile width the kernel calls of the test ask for (0: the kernel picks). */
-static int tile_n;
+/* The output tile width and engine the kernel calls of the test ask for (0: the kernel picks). */
+static int tile_n, engine;
 
 /* The kernel's arguments for one pass into device buffer d_out. */
 static bf16_device_gemm_args kernel_args(const problem *p, int pass, void *d_out, bool overwrite, bool bf16_grad)
@@ -256,6 +256,7 @@ static bf16_device_gemm_args kernel_args(const problem *p, int pass, void *d_out
     a.grad_weight_bf16 = bf16_grad;
     a.accumulate = !overwrite;
     a.tile_n = tile_n;
+    a.engine = engine;
     return a;
 }
 
@@ -319,6 +320,13 @@ typedef struct small_case {
     int64_t cap; /* 0: the sum + PAD_ROWS */
 } small_case;
 
+/* The engine and tile width of the calls, as the table shows them. */
+static const char *engine_label(void)
+{
+    if (engine == BF16_DEVICE_GEMM_ENGINE_WGMMA) return "wgmma";
+    return tile_n == 128 ? "n128" : tile_n == 256 ? "n256" : "auto";
+}
+
 static void run_small(const small_case *sc, cudaStream_t stream, uint64_t seed)
 {
     problem p;
@@ -331,7 +339,7 @@ static void run_small(const small_case *sc, cudaStream_t stream, uint64_t seed)
         void *want = cpu_pass(&p, pass, overwrite, bf16_grad);
         void *got = gpu_pass(&p, pass, overwrite, bf16_grad, stream);
         char what[80];
-        snprintf(what, sizeof what, "n%d %s %s%s%s", tile_n, sc->name, pass_names[pass],
+        snprintf(what, sizeof what, "%s %s %s%s%s", engine_label(), sc->name, pass_names[pass],
                  pass == 2 ? (overwrite ? " overwrite" : " accumulate") : "", bf16_grad ? " bf16" : "");
         compare(what, &p, pass, overwrite, bf16_grad, got, want);
         free(got), free(want);
@@ -718,9 +726,17 @@ int main(void)
         {"E3 K64 N72 past capacity 200,100,7 cap 250", 3, 64, 72, {200, 100, 7}, 250},
         {"E16 K192 N64 odd", 16, 192, 64, {1, 3, 0, 5, 7, 9, 11, 13, 15, 17, 0, 19, 21, 23, 127, 129}, 0},
     };
-    for (tile_n = 128; tile_n <= 256; tile_n += 128) /* both tile widths on every case */
+    /* every case on mma.sync with both tile widths, and on the wgmma engine where the GPU has it (sm_90) */
+    static const int configs[][2] = {{128, BF16_DEVICE_GEMM_ENGINE_MMA},
+                                     {256, BF16_DEVICE_GEMM_ENGINE_MMA},
+                                     {0, BF16_DEVICE_GEMM_ENGINE_WGMMA}};
+    const bool hopper = prop.major == 9 && prop.minor == 0;
+    for (size_t c = 0; c < sizeof configs / sizeof configs[0]; c++) {
+        tile_n = configs[c][0], engine = configs[c][1];
+        if (engine == BF16_DEVICE_GEMM_ENGINE_WGMMA && !hopper) continue;
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_small(&cases[i], raw_stream, 100 + i);
-    tile_n = 0;
+    }
+    tile_n = 0, engine = BF16_DEVICE_GEMM_ENGINE_AUTO;
     run_bad_args(raw_stream);
     run_graph(raw_stream);
     run_big(raw_stream);

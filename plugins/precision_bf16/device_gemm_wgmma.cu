@@ -1,0 +1,382 @@
+/*
+ * The Hopper engine of the device-count bf16 grouped GEMM (see device_gemm_wgmma.h and device_gemm.h).
+ *
+ * C[rows of e, N] = A[rows of e, K] @ B[e] over 128 x 256 output tiles, K in steps of 64 (one 128-byte swizzled row of
+ * bf16), persistent CTAs of three warpgroups:
+ *   FORWARD  A = input [rows][k_in],        B[e] = W[e] [k_in][n_out] (N contiguous: N-major, 4 TMA boxes of 64 x 64)
+ *   DGRAD    A = grad_output [rows][n_out], B[e] = W[e]^T, W[e] stored [k_in][n_out] (K contiguous: one 64 x 256 box)
+ * - Warp 0 computes each expert's first row and first row tile from the device counts (expert_prefix.cuh); then one
+ *   thread of the producer warpgroup walks the CTA's tiles and loads each k-block's A (128 x 64) and B (256 x 64)
+ *   through TMA into a ring of stages (A rows past the expert are loaded and multiplied but never stored; past the
+ *   buffers TMA fills zeros; W is a 3-D tensor map, so a k-block never reaches into the next expert's weight).
+ * - Two consumer warpgroups take 64 rows of the tile each: per k-block four wgmma m64n256k16 into the fp32
+ *   accumulators (128 registers a thread), one k-block's group kept in flight; a stage goes back to the producer once
+ *   the group that read it has completed.
+ * - Epilogue: the tile goes to shared memory as bf16 in the 128-byte swizzled layout and TMA stores it (its 64-row
+ *   halves that lie wholly inside the expert), or the threads copy it out row by row (an expert's last, partial
+ *   tile), so rows past an expert (another expert's) are never written. TMA's store runs while the consumers go on.
+ * - Order: an expert's tiles in bands of 8 row tiles, row tiles fastest: the CTAs running together share the band's
+ *   A rows and read each column panel of W[e] once.
+ */
+#include "device_gemm_wgmma.h"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "../common/mbarrier.cuh"
+#include "../common/plugin_cuda_check.h"
+#include "../common/wgmma.cuh"
+#include "expert_prefix.cuh"
+
+#define WG_BM 128
+#define WG_BN 256
+#define WG_BK 64                             /* bf16 elements in one 128-byte row */
+#define WG_STAGES 3
+#define WG_THREADS 384                       /* producer warpgroup + two consumer warpgroups */
+#define WG_BAND 8                            /* row tiles of an expert that run side by side */
+#define WG_BOX_BYTES 8192                    /* one TMA box: 64 rows of 128 bytes */
+#define WG_A_BYTES (WG_BM * WG_BK * 2)       /* 16 KiB */
+#define WG_B_BYTES (WG_BN * WG_BK * 2)       /* 32 KiB */
+#define WG_STAGING_BYTES (WG_BM * WG_BN * 2) /* the bf16 output tile: 64 KiB */
+#define WG_MAX_DEVICES 64
+
+/* Bytes of dynamic shared memory with E experts: alignment slack, stages, output staging, barriers, prefix arrays. */
+static size_t wg_smem_bytes(int experts)
+{
+    return 1024 + (size_t)WG_STAGES * (WG_A_BYTES + WG_B_BYTES) + WG_STAGING_BYTES + 2 * WG_STAGES * sizeof(uint64_t) +
+           (size_t)(experts + 1) * (sizeof(int64_t) + sizeof(int));
+}
+
+/* What one launch needs, by value (the tensor maps must live in parameter or constant memory). */
+typedef struct wg_params {
+    CUtensorMap map_a; /* A [capacity][depth], boxes of 64 x 128 rows */
+    CUtensorMap map_b; /* W [E][k_in][n_out], boxes of 64 x 64 (FORWARD) or 64 x 256 (DGRAD) */
+    CUtensorMap map_d; /* C [capacity][out_cols], boxes of 64 x 64 rows */
+    const int64_t *counts;
+    __nv_bfloat16 *d;
+    int64_t capacity;
+    int num_experts, n_tiles, k_blocks, out_cols;
+} wg_params;
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define WG_DEVICE 1
+#endif
+
+#define WG_D_REGS \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+
+#define WG_D_OPERANDS(d) \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+    "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+    "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+    "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+    "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
+    "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
+    "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+    "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+    "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+
+/* d (+)= A (64 x 16, K-major, desc_a) * B (16 x 256, desc_b: N-major when N_MAJOR, else K-major); accumulate 0 ignores
+ * d's old values. */
+template <int N_MAJOR>
+__device__ __forceinline__ void wgmma_m64n256k16(float *d, uint64_t desc_a, uint64_t desc_b, int accumulate)
+{
+#ifdef WG_DEVICE
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" WG_D_REGS "}, %128, %129, p, 1, 1, 0, %131;\n}\n"
+                 : WG_D_OPERANDS(d)
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(N_MAJOR));
+#endif
+}
+
+/* A CTA's output tile: expert e, row tile mt and column tile nt of it, its first row and how many rows it has. */
+typedef struct wg_tile {
+    int e, mt, nt, rows;
+    int64_t row0;
+} wg_tile;
+
+/* Work unit u (the unit ranges of the experts follow their row tiles: expert e owns units tile_start[e] * n_tiles ..
+ * tile_start[e + 1] * n_tiles - 1), ordered in bands of WG_BAND row tiles, row tiles fastest. */
+__device__ __forceinline__ wg_tile wg_tile_at(const wg_params &p, const int64_t *row_start, const int *tile_start, int u)
+{
+    const int t = u / p.n_tiles;
+    int lo = 0, hi = p.num_experts - 1; /* the last expert whose first row tile is <= t: it has t */
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (tile_start[mid] <= t) lo = mid;
+        else hi = mid - 1;
+    }
+    wg_tile w;
+    w.e = lo;
+    const int m_tiles = tile_start[lo + 1] - tile_start[lo];
+    const int local = u - tile_start[lo] * p.n_tiles, per_band = WG_BAND * p.n_tiles;
+    const int band = local / per_band, rem = local % per_band;
+    const int band_rows = min(WG_BAND, m_tiles - band * WG_BAND);
+    w.mt = band * WG_BAND + rem % band_rows;
+    w.nt = rem / band_rows;
+    w.row0 = row_start[lo] + (int64_t)w.mt * WG_BM;
+    w.rows = (int)min((int64_t)WG_BM, row_start[lo + 1] - w.row0);
+    return w;
+}
+
+/* The producer thread: per tile and k-block, waits for the stage to be free, announces its bytes and starts the TMA
+ * loads of A's 128 rows and B's 256 columns. */
+template <int N_MAJOR>
+__device__ __forceinline__ void wg_produce(const wg_params &p, const int64_t *row_start, const int *tile_start, int units,
+                                           uint8_t *a_stages, uint8_t *b_stages, uint64_t *full, uint64_t *empty)
+{
+    int s = 0;
+    uint32_t phase = 0, it = 0;
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+        const wg_tile w = wg_tile_at(p, row_start, tile_start, u);
+        for (int kb = 0; kb < p.k_blocks; kb++, it++) {
+            if (it >= WG_STAGES) mbar_wait(&empty[s], phase ^ 1);
+            mbar_arrive_expect_tx(&full[s], WG_A_BYTES + WG_B_BYTES);
+            tensor_load_2d(a_stages + s * WG_A_BYTES, &p.map_a, kb * WG_BK, (int32_t)w.row0, &full[s]);
+            uint8_t *b = b_stages + s * WG_B_BYTES;
+            if (N_MAJOR) {
+                for (int j = 0; j < WG_BN / 64; j++)
+                    tensor_load_3d(b + j * WG_BOX_BYTES, &p.map_b, w.nt * WG_BN + j * 64, kb * WG_BK, w.e, &full[s]);
+            } else {
+                tensor_load_3d(b, &p.map_b, kb * WG_BK, w.nt * WG_BN, w.e, &full[s]);
+            }
+            if (++s == WG_STAGES) s = 0, phase ^= 1;
+        }
+    }
+}
+
+/* Hands stage s back to the producer: one arrival per warp (the barrier counts the consumers' 8 warps). */
+__device__ __forceinline__ void wg_release(uint64_t *empty, int s)
+{
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) mbar_arrive(&empty[s]);
+}
+
+/* The epilogue of consumer warpgroup c (its 64 rows of the tile): bf16 into its four swizzled boxes of the staging
+ * area, then TMA stores them when all 64 rows are the expert's, else the threads copy the expert's rows out. */
+__device__ __forceinline__ void wg_store(const wg_params &p, const wg_tile &w, int c, const float *acc, uint8_t *boxes)
+{
+    const int rows_here = w.rows - c * 64;
+    if (rows_here <= 0) return;
+    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+    if (tid == 0) bulk_wait_read(); /* the last tile's TMA store has read the boxes */
+    named_barrier_sync(1 + c, 128);
+    const int r = warp * 16 + lane / 4, col0 = 2 * (lane % 4);
+#pragma unroll
+    for (int j = 0; j < WG_BN / 8; j++) {
+        const int col = col0 + 8 * j, byte = (col % 64) * 2;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int row = r + 8 * h;
+            __nv_bfloat162 *at = (__nv_bfloat162 *)(boxes + (col / 64) * WG_BOX_BYTES + row * 128 +
+                                                    (((byte >> 4) ^ (row & 7)) << 4) + (byte & 15));
+            *at = __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        }
+    }
+    const int64_t row0 = w.row0 + c * 64;
+    const int n0 = w.nt * WG_BN;
+    if (rows_here >= 64) {
+        fence_async_shared();
+        named_barrier_sync(1 + c, 128);
+        if (tid == 0) {
+            for (int b = 0; b < WG_BN / 64 && n0 + b * 64 < p.out_cols; b++)
+                tensor_store_2d(&p.map_d, n0 + b * 64, (int32_t)row0, boxes + b * WG_BOX_BYTES);
+            bulk_commit();
+        }
+    } else {
+        named_barrier_sync(1 + c, 128);
+        for (int i = tid; i < 64 * (WG_BN / 8); i += 128) { /* 16-byte chunks: 32 per row */
+            const int row = i / (WG_BN / 8), q = i % (WG_BN / 8), col = n0 + q * 8;
+            if (row >= rows_here || col >= p.out_cols) continue;
+            const uint4 v = *(const uint4 *)(boxes + (q / 8) * WG_BOX_BYTES + row * 128 + (((q % 8) ^ (row & 7)) << 4));
+            *(uint4 *)(p.d + (row0 + row) * p.out_cols + col) = v;
+        }
+    }
+}
+
+/* A consumer warpgroup (c: rows c * 64 .. c * 64 + 63 of each tile). */
+template <int N_MAJOR>
+__device__ __forceinline__ void wg_consume(const wg_params &p, const int64_t *row_start, const int *tile_start, int units,
+                                           const uint8_t *a_stages, const uint8_t *b_stages, uint8_t *staging,
+                                           uint64_t *full, uint64_t *empty, int c)
+{
+    int s = 0;
+    uint32_t phase = 0;
+    uint8_t *boxes = staging + c * (WG_STAGING_BYTES / 2);
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+        const wg_tile w = wg_tile_at(p, row_start, tile_start, u);
+        float acc[128];
+        int prev = 0;
+        for (int kb = 0; kb < p.k_blocks; kb++) {
+            mbar_wait(&full[s], phase);
+            const uint8_t *a = a_stages + s * WG_A_BYTES + c * 64 * 128;
+            const uint8_t *b = b_stages + s * WG_B_BYTES;
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < WG_BK / 16; k++) {
+                const uint64_t da = wgmma_desc_k_sw128(a) + 2 * k;
+                const uint64_t db = N_MAJOR ? wgmma_desc_mn_sw128(b + k * 2048, WG_BOX_BYTES) : wgmma_desc_k_sw128(b) + 2 * k;
+                wgmma_m64n256k16<N_MAJOR>(acc, da, db, (kb | k) != 0);
+            }
+            wgmma_commit();
+            if (kb > 0) {
+                wgmma_wait<1>(); /* the previous k-block's group is done: its stage is free */
+                wg_release(empty, prev);
+            }
+            prev = s;
+            if (++s == WG_STAGES) s = 0, phase ^= 1;
+        }
+        wgmma_wait<0>();
+        wg_release(empty, prev);
+        wg_store(p, w, c, acc, boxes);
+    }
+    if (threadIdx.x % 128 == 0) bulk_wait_all(); /* the boxes are read before the CTA's shared memory goes */
+}
+
+template <int N_MAJOR>
+__global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_kernel(const __grid_constant__ wg_params p)
+{
+#ifdef WG_DEVICE
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    uint8_t *a_stages = smem;
+    uint8_t *b_stages = a_stages + WG_STAGES * WG_A_BYTES;
+    uint8_t *staging = b_stages + WG_STAGES * WG_B_BYTES;
+    uint64_t *full = (uint64_t *)(staging + WG_STAGING_BYTES);
+    uint64_t *empty = full + WG_STAGES;
+    int64_t *row_start = (int64_t *)(empty + WG_STAGES);
+    int *tile_start = (int *)(row_start + p.num_experts + 1);
+
+    if (threadIdx.x < 32) expert_prefix(p.counts, p.num_experts, p.capacity, WG_BM, row_start, tile_start);
+    if (threadIdx.x == 32) {
+        for (int s = 0; s < WG_STAGES; s++) {
+            mbar_init_count(&full[s], 1);
+            mbar_init_count(&empty[s], 8); /* the consumers' warps */
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+    const int units = tile_start[p.num_experts] * p.n_tiles;
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        /* the consumers' increase, 256 x (232 - 168), must not exceed what this warpgroup gives back, 128 x (168 - 40) */
+        warpgroup_registers_dec<40>();
+        if (threadIdx.x == 0) wg_produce<N_MAJOR>(p, row_start, tile_start, units, a_stages, b_stages, full, empty);
+    } else {
+        warpgroup_registers_inc<232>();
+        wg_consume<N_MAJOR>(p, row_start, tile_start, units, a_stages, b_stages, staging, full, empty, wg - 1);
+    }
+#endif
+}
+
+/* ---- host ---- */
+
+static PFN_cuTensorMapEncodeTiled_v12000 encode_fn;
+static signed char ready[WG_MAX_DEVICES]; /* per device: 1 prepared, -1 not usable, 0 not asked */
+
+extern "C" moert_result bf16_wgmma_prepare(const moert_host *host)
+{
+    int dev = 0, major = 0, minor = 0;
+    CUDA_CHECK(host, cudaGetDevice(&dev));
+    if (dev < 0 || dev >= WG_MAX_DEVICES) return MOERT_OK; /* beyond the table: the mma.sync engine */
+    CUDA_CHECK(host, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    CUDA_CHECK(host, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    ready[dev] = -1;
+    if (major != 9 || minor != 0) return MOERT_OK;
+    if (!encode_fn) {
+        void *fn = NULL;
+        cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+                cudaSuccess ||
+            !fn || found != cudaDriverEntryPointSuccess) {
+            (void)cudaGetLastError();
+            return MOERT_OK;
+        }
+        encode_fn = (PFN_cuTensorMapEncodeTiled_v12000)fn;
+    }
+    const int bytes = (int)wg_smem_bytes(BF16_DEVICE_GEMM_MAX_EXPERTS);
+    CUDA_CHECK(host, cudaFuncSetAttribute(bf16_wgmma_kernel<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    CUDA_CHECK(host, cudaFuncSetAttribute(bf16_wgmma_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    ready[dev] = 1;
+    return MOERT_OK;
+}
+
+extern "C" int bf16_wgmma_available(void)
+{
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= WG_MAX_DEVICES) return 0;
+    return ready[dev] == 1;
+}
+
+/* Encodes a bf16 tensor map of `rank` dims (innermost first) with 128-byte swizzle; names `what` on failure. */
+static moert_result encode_bf16_map(const moert_host *host, CUtensorMap *map, const char *what, const void *base,
+                                    int rank, const uint64_t *dims, const uint64_t *strides, const uint32_t *box)
+{
+    const cuuint32_t elem[3] = {1, 1, 1};
+    CUresult r = encode_fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, (void *)base, (const cuuint64_t *)dims,
+                           (const cuuint64_t *)strides, (const cuuint32_t *)box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                           CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS)
+        return report(host, MOERT_ERR_CUDA, "bf16 wgmma gemm: cuTensorMapEncodeTiled(%s, %llu x %llu) failed: error %d",
+                      what, (unsigned long long)dims[rank - 1], (unsigned long long)dims[0], (int)r);
+    return MOERT_OK;
+}
+
+extern "C" moert_result bf16_wgmma_gemm(const moert_host *host, cudaStream_t stream, const bf16_device_gemm_args *a)
+{
+    if (!bf16_wgmma_available())
+        return report(host, MOERT_ERR_UNSUPPORTED, "bf16 device gemm: the wgmma engine needs a compute capability 9.0 GPU "
+                      "prepared with bf16_device_gemm_prepare");
+    const int dgrad = a->pass == MOERT_GEMM_DGRAD;
+    const int64_t out_cols = dgrad ? a->k_in : a->n_out, depth = dgrad ? a->n_out : a->k_in;
+    wg_params p;
+    memset(&p, 0, sizeof p);
+    const uint64_t a_dims[2] = {(uint64_t)depth, (uint64_t)a->capacity}, a_strides[1] = {(uint64_t)depth * 2};
+    const uint32_t a_box[2] = {WG_BK, WG_BM};
+    MOK(encode_bf16_map(host, &p.map_a, dgrad ? "grad_output" : "input", dgrad ? a->grad_output : a->input, 2, a_dims,
+                        a_strides, a_box));
+    const uint64_t b_dims[3] = {(uint64_t)a->n_out, (uint64_t)a->k_in, (uint64_t)a->num_experts};
+    const uint64_t b_strides[2] = {(uint64_t)a->n_out * 2, (uint64_t)(a->k_in * a->n_out) * 2};
+    const uint32_t b_box_n[3] = {64, WG_BK, 1}, b_box_k[3] = {WG_BK, WG_BN, 1};
+    MOK(encode_bf16_map(host, &p.map_b, "weight", a->weight, 3, b_dims, b_strides, dgrad ? b_box_k : b_box_n));
+    const uint64_t d_dims[2] = {(uint64_t)out_cols, (uint64_t)a->capacity}, d_strides[1] = {(uint64_t)out_cols * 2};
+    const uint32_t d_box[2] = {64, 64};
+    void *d = dgrad ? a->grad_input : a->output;
+    MOK(encode_bf16_map(host, &p.map_d, dgrad ? "grad_input" : "output", d, 2, d_dims, d_strides, d_box));
+    p.counts = a->counts_device;
+    p.d = (__nv_bfloat16 *)d;
+    p.capacity = a->capacity;
+    p.num_experts = (int)a->num_experts;
+    p.n_tiles = (int)((out_cols + WG_BN - 1) / WG_BN);
+    p.k_blocks = (int)((depth + WG_BK - 1) / WG_BK);
+    p.out_cols = (int)out_cols;
+
+    int dev = 0, sms = 0;
+    CUDA_CHECK(host, cudaGetDevice(&dev));
+    CUDA_CHECK(host, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    const int64_t bound = ((a->capacity + WG_BM - 1) / WG_BM + a->num_experts) * p.n_tiles; /* units at most */
+    const unsigned grid = (unsigned)(bound < sms ? bound : sms);
+    const size_t smem = wg_smem_bytes(p.num_experts);
+    if (dgrad) bf16_wgmma_kernel<0><<<grid, WG_THREADS, smem, stream>>>(p);
+    else bf16_wgmma_kernel<1><<<grid, WG_THREADS, smem, stream>>>(p);
+    LAUNCH_CHECK(host, "bf16_wgmma_kernel");
+    return MOERT_OK;
+}
