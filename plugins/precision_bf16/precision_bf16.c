@@ -1,7 +1,8 @@
 /* The "bf16" precision plugin: the experts' grouped GEMMs with bf16 operands and fp32 accumulation
  * (or plain fp32 / fp64). This file: vtable, options, argument checks and the CUDA path's state (bf16 weight
  * copies, the cuBLASLt handle); the CPU math is in precision_bf16_cpu.c, the CUDA GEMMs in precision_bf16_cuda.cu
- * (cuBLASLt) and device_gemm.cu (option "gemm": "kernel", counts read on the device, graph-capturable). */
+ * (cuBLASLt) and device_gemm.cu (counts read on the device: option "gemm": "kernel", graph-capturable, and under
+ * "auto" the Hopper engine's FORWARD and DGRAD). */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -15,6 +16,7 @@
 #include <cuda_runtime_api.h>
 
 #include "device_gemm.h"
+#include "device_gemm_wgmma.h"
 #include "precision_bf16_cuda.h"
 #endif
 
@@ -36,9 +38,11 @@ typedef struct bf16_ctx {
     bool on_cuda;                     /* the layer is on a CUDA device: the CUDA path serves it */
     int gemm_streams;                 /* option: streams of the CUDA per-expert loop (1: the caller's only) */
     bool gemm_graphs;                 /* option: CUDA graph replay of repeated count vectors */
-    bool gemm_kernel;                 /* option "gemm": "kernel" (CUDA: device_gemm, no host sync, capturable) */
+    int gemm_engine;                  /* option "gemm": GEMM_AUTO, GEMM_CUBLASLT or GEMM_KERNEL */
 #ifdef MOERT_HAVE_CUDA
-    bool use_kernel;                  /* the CUDA path runs device_gemm (gemm_kernel on a CUDA layer) */
+    bool use_kernel;                  /* the CUDA path runs device_gemm for every pass ("kernel" on a CUDA layer) */
+    bool wgmma_fwd_dgrad;             /* "auto" on Hopper: FORWARD/DGRAD with device counts on device_gemm's wgmma
+                                         engine, WGRAD on cuBLASLt */
     int64_t *zero_counts;             /* [E_local] zeros: what the argument checks see when counts are device-only */
     moert_bf16_cuda *gemm;            /* cuBLASLt handle, created on the layer's device (not in kernel mode) */
     void *workspace;                  /* its workspace, from the host's pool */
@@ -48,7 +52,8 @@ typedef struct bf16_ctx {
 } bf16_ctx;
 
 static const char *const mode_choices[] = {"auto", "bf16", "fp32", "fp64", NULL};
-static const char *const gemm_choices[] = {"cublaslt", "kernel", NULL};
+static const char *const gemm_choices[] = {"auto", "cublaslt", "kernel", NULL};
+enum { GEMM_AUTO = 0, GEMM_CUBLASLT = 1, GEMM_KERNEL = 2 }; /* by gemm_choices */
 static const char *const mode_names[] = {"bf16", "fp32", "fp64"}; /* by bf16_mode */
 
 /* Sets the instance's error message and returns code, so checks can `return fail(...)`. */
@@ -155,7 +160,7 @@ static moert_result cuda_init(bf16_ctx *c, int choice)
         return fail(c, MOERT_ERR_UNSUPPORTED, "the layer is on %s, but this process sees %d CUDA device%s (%s); "
                     "only a CPU path can run here", dev, count, count == 1 ? "" : "s",
                     err == cudaSuccess ? "cudaGetDeviceCount" : cudaGetErrorString(err));
-    if (c->gemm_kernel) return kernel_init(c, dev);
+    if (c->gemm_engine == GEMM_KERNEL) return kernel_init(c, dev);
     const size_t workspace_bytes = (size_t)c->gemm_streams * MOERT_BF16_CUDA_STREAM_WORKSPACE_BYTES;
     moert_result rc = h->alloc(h, c->layer.device, workspace_bytes, &c->workspace);
     if (rc == MOERT_ERR_UNSUPPORTED)
@@ -174,6 +179,15 @@ static moert_result cuda_init(bf16_ctx *c, int choice)
     rc = moert_bf16_cuda_create(h, c->workspace, workspace_bytes, MOERT_BF16_CUDA_EXPERT_LOOP, &c->gemm);
     if (rc == MOERT_OK) rc = moert_bf16_cuda_set_streams(c->gemm, c->gemm_streams);
     if (rc == MOERT_OK && c->gemm_graphs) rc = moert_bf16_cuda_set_graphs(c->gemm, 1);
+    /* "auto": FORWARD and DGRAD on the wgmma engine where the GPU has it and the sizes suit it */
+    const int64_t E = c->layer.num_local_experts, H = c->layer.hidden, F = c->layer.ffn_hidden;
+    if (rc == MOERT_OK && c->gemm_engine == GEMM_AUTO && c->mode == BF16_MODE_BF16 && H % 8 == 0 && F % 8 == 0 &&
+        E >= 1 && E <= BF16_DEVICE_GEMM_MAX_EXPERTS) {
+        c->zero_counts = calloc((size_t)E, sizeof(int64_t));
+        if (!c->zero_counts) rc = fail(c, MOERT_ERR_OUT_OF_MEMORY, "out of memory for the precision state");
+        if (rc == MOERT_OK) rc = bf16_device_gemm_prepare(h);
+        if (rc == MOERT_OK) c->wgmma_fwd_dgrad = bf16_wgmma_available() != 0;
+    }
     if (previous >= 0 && previous != id) (void)cudaSetDevice(previous);
     return rc;
 }
@@ -217,8 +231,9 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
     if (rc != MOERT_OK) return rc;
     int gemm_choice = 0;
     rc = host->option_enum(host, "gemm", gemm_choices, 0,
-                           "CUDA: the grouped GEMMs' engine: cublaslt (per-expert loop, host counts) or kernel (bf16 "
-                           "only: reads the counts on the device, no host sync, graph-capturable)",
+                           "CUDA: the grouped GEMMs' engine: cublaslt (per-expert loop, host counts), kernel (bf16 "
+                           "only: reads the counts on the device, no host sync, graph-capturable), or auto (bf16 on "
+                           "Hopper: forward and dgrad on moert's wgmma kernel, wgrad on cuBLASLt; else cublaslt)",
                            &gemm_choice);
     if (rc != MOERT_OK) return rc;
     bf16_ctx *c = calloc(1, sizeof *c);
@@ -236,7 +251,7 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
     c->on_cuda = layer->device.type == MOERT_DEVICE_CUDA;
     c->gemm_streams = (int)gemm_streams;
     c->gemm_graphs = gemm_graphs;
-    c->gemm_kernel = gemm_choice == 1;
+    c->gemm_engine = gemm_choice;
 #ifdef MOERT_HAVE_CUDA
     if (c->on_cuda) {
         rc = cuda_init(c, choice);
@@ -460,14 +475,25 @@ static moert_result kernel_grouped_gemm(bf16_ctx *c, moert_stream stream, const 
 typedef struct counts_fetch {
     bf16_ctx *c;
     moert_stream stream;
+    bool on_device; /* device_gemm serves the call: it reads the counts itself */
 } counts_fetch;
 
-/* Counts that live only on the layer's GPU: copied down into pinned memory with a bounded wait for the stream. In
- * kernel mode nothing is copied: the checks see zeros (the kernel reads the counts and clamps them to the rows). */
+/* Whether "auto" runs this call on device_gemm's wgmma engine: FORWARD or DGRAD with the counts on the layer's GPU. */
+static bool wgmma_serves(const bf16_ctx *c, const moert_grouped_gemm_args *args)
+{
+    const moert_tensor *tpe = args->tokens_per_expert;
+    return c->wgmma_fwd_dgrad && args->pass != MOERT_GEMM_WGRAD && tpe && tpe->data &&
+           tpe->device.type == MOERT_DEVICE_CUDA && tpe->device.id == c->layer.device.id &&
+           tpe->dtype == MOERT_I64;
+}
+
+/* Counts that live only on the layer's GPU: copied down into pinned memory with a bounded wait for the stream. When
+ * device_gemm serves the call nothing is copied: the checks see zeros (the kernel reads the counts and clamps them to
+ * the rows). */
 static moert_result fetch_counts(void *user, const moert_tensor *t, const int64_t **counts)
 {
     counts_fetch *f = user;
-    if (f->c->use_kernel) {
+    if (f->on_device) {
         *counts = f->c->zero_counts;
         return MOERT_OK;
     }
@@ -486,14 +512,15 @@ static moert_result bf16_grouped_gemm(void *ctx, moert_stream stream, const moer
     char call[64] = "grouped_gemm()";
     bf16_gemm_shape shape;
 #ifdef MOERT_HAVE_CUDA
-    counts_fetch fetch = {c, stream};
+    const bool on_wgmma = wgmma_serves(c, args);
+    counts_fetch fetch = {c, stream, c->use_kernel || on_wgmma};
     moert_result rc = moert_gemm_check_args(c->host, &c->layer, args, fetch_counts, &fetch, call, sizeof call, &shape);
 #else
     moert_result rc = moert_gemm_check_args(c->host, &c->layer, args, NULL, NULL, call, sizeof call, &shape);
 #endif
     if (rc != MOERT_OK) return rc;
 #ifdef MOERT_HAVE_CUDA
-    if (c->use_kernel) return kernel_grouped_gemm(c, stream, args, &shape, call);
+    if (c->use_kernel || on_wgmma) return kernel_grouped_gemm(c, stream, args, &shape, call);
     if (c->on_cuda) return cuda_grouped_gemm(c, stream, args, &shape, call);
 #endif
     rc = bf16_cpu_grouped_gemm(args, &shape, c->mode, &c->scratch);
