@@ -12,7 +12,7 @@
  *   scales_kernel          per-tensor scales from amaxes (current) or from the delayed slots
  *   cast_rows_kernel       per-tensor or 128x128-tile scales, FP8 bytes in the source's layout
  *   block_rows_kernel      1x128 tiles along a row: amax, scale, cast (a warp per tile)
- *   cast_transpose_kernel  128x32 tiles through shared memory into [cols][rows] per matrix; per-tensor,
+ *   cast_transpose_kernel  128x64 tiles through shared memory into [cols][rows] per matrix; per-tensor,
  *                          128x128-tile or 128x1 (along the rows, computed here) scales
  *   tile_scales_kernel     128x128 tile scales of the weights, written in both weight layouts
  *   note_kernel / end_step_kernel   the delayed recipe's step amax and history, on the device
@@ -307,21 +307,33 @@ __global__ void __launch_bounds__(256)
 }
 
 /*
- * Matrix i ([rows][C], from source row src_row0) into [C][dst_ld] at dst_off: 128x32 tiles through shared
- * memory; rows from `rows` to dst_ld are zeros. Scales: SCALE_TENSOR (scale[4 * expert]), SCALE_TILE2D
- * (tile_scale as in cast_rows_kernel), or SCALE_ALONG_ROWS: 128x1 tiles (128 rows of one column, the rows counted
- * from the matrix's first), scale computed here, factor at scale_off[i] + vec_index(column, row block, C,
- * ceil(dst_ld / 128)). record as in cast_rows_kernel. One block per tile, 256 threads.
+ * Matrix i ([rows][C], from source row src_row0) into [C][dst_ld] at dst_off: 128 x CT_COLS tiles through shared
+ * memory (read in 16-byte chunks where C allows it); rows from `rows` to dst_ld are zeros. Scales: SCALE_TENSOR
+ * (scale[4 * expert]), SCALE_TILE2D (tile_scale as in cast_rows_kernel), or SCALE_ALONG_ROWS: 128x1 tiles (128 rows
+ * of one column, the rows counted from the matrix's first), scale computed here, factor at scale_off[i] +
+ * vec_index(column, row block, C, ceil(dst_ld / 128)). record as in cast_rows_kernel. One block per tile, 256
+ * threads.
  */
+#define CT_COLS 64 /* columns of a cast_transpose_kernel tile */
+
+/* VEC consecutive elements widened to fp32 (16 bytes, 16-byte aligned). */
+__device__ __forceinline__ void load16(const __nv_bfloat16 *p, float *v)
+{
+    load4(p, v);
+    load4(p + 4, v + 4);
+}
+__device__ __forceinline__ void load16(const float *p, float *v) { load4(p, v); }
+
 template <typename T>
 __global__ void __launch_bounds__(256)
     cast_transpose_kernel(const mat_table t, const T *__restrict__ src, int64_t C, uint8_t *__restrict__ dst, int fmt,
                           int mode, const float *scale, const float *tile_scale, int64_t tile_stride, int64_t cb_count,
                           float fp8max, int pow2, int layout, float *scale_inv, uint32_t *record_amax, int *record_seen)
 {
-    __shared__ float tile[TILE][33];
-    __shared__ uint32_t part_max[8][32];
-    __shared__ float col_scale[32];
+    constexpr int VEC = 16 / sizeof(T), CPR = CT_COLS / VEC; /* elements per chunk, chunks per tile row */
+    __shared__ float tile[TILE][CT_COLS + 1];
+    __shared__ uint32_t part_max[4][CT_COLS];
+    __shared__ float col_scale[CT_COLS];
     int lo = 0, hi = t.count - 1; /* the matrix holding this tile */
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
@@ -330,58 +342,73 @@ __global__ void __launch_bounds__(256)
     }
     const int i = lo, e = t.expert[i], tid = threadIdx.x;
     const int64_t rows = t.rows[i], ld = t.dst_ld[i];
-    const int64_t CT = (C + 31) / 32, local = blockIdx.x - t.tile_start[i];
+    const int64_t CT = (C + CT_COLS - 1) / CT_COLS, local = blockIdx.x - t.tile_start[i];
     const int64_t rb = local / CT, cb = local % CT;
     const T *s = src + t.src_row0[i] * C;
-    for (int idx = tid; idx < TILE * 32; idx += 256) {
-        const int rr = idx >> 5, cc = idx & 31;
-        const int64_t r = rb * TILE + rr, c = cb * 32 + cc;
-        tile[rr][cc] = (r < rows && c < C) ? load_f(s + r * C + c) : 0.0f;
+    if (C % VEC == 0 && ((uintptr_t)src & 15) == 0) { /* rows start on 16 bytes: chunks */
+        for (int idx = tid; idx < TILE * CPR; idx += 256) {
+            const int rr = idx / CPR, q = idx % CPR;
+            const int64_t r = rb * TILE + rr, c = cb * CT_COLS + q * VEC;
+            float v[VEC];
+#pragma unroll
+            for (int k = 0; k < VEC; k++) v[k] = 0.0f;
+            if (r < rows && c < C) load16(s + r * C + c, v);
+#pragma unroll
+            for (int k = 0; k < VEC; k++) tile[rr][q * VEC + k] = v[k];
+        }
+    } else {
+        for (int idx = tid; idx < TILE * CT_COLS; idx += 256) {
+            const int rr = idx / CT_COLS, cc = idx % CT_COLS;
+            const int64_t r = rb * TILE + rr, c = cb * CT_COLS + cc;
+            tile[rr][cc] = (r < rows && c < C) ? load_f(s + r * C + c) : 0.0f;
+        }
     }
     __syncthreads();
-    { /* each column's amax over the tile's 128 rows */
-        const int col = tid & 31, part = tid >> 5;
+    { /* each column's amax over the tile's 128 rows: four parts of 32 rows */
+        const int col = tid % CT_COLS, part = tid / CT_COLS;
         uint32_t m = 0;
-        for (int j = 0; j < 16; j++) m = max(m, abs_bits(tile[part * 16 + j][col]));
+        for (int j = 0; j < TILE / 4; j++) m = max(m, abs_bits(tile[part * (TILE / 4) + j][col]));
         part_max[part][col] = m;
     }
     __syncthreads();
-    if (tid < 32) {
+    if (tid < CT_COLS) {
         uint32_t m = 0;
-        for (int p = 0; p < 8; p++) m = max(m, part_max[p][tid]);
-        const int64_t c = cb * 32 + tid;
+        for (int p = 0; p < 4; p++) m = max(m, part_max[p][tid]);
+        const int64_t c = cb * CT_COLS + tid;
         if (mode == SCALE_ALONG_ROWS) {
             const float sc = scale_from_amax(__uint_as_float(m), fp8max, 0, pow2, 1.0f);
             col_scale[tid] = sc;
             if (c < C) scale_inv[t.scale_off[i] + vec_index(layout, c, rb, C, (ld + TILE - 1) / TILE)] = __fdiv_rn(1.0f, sc);
         }
-        if (record_amax) {
+        if (record_amax) { /* one atomic per warp of the 64 columns */
             m = __reduce_max_sync(0xffffffffu, m);
-            if (tid == 0) {
+            if (tid % 32 == 0) {
                 atomicMax(&record_amax[e], m);
                 record_seen[e] = 1;
             }
         }
     }
     __syncthreads();
-    { /* 16 consecutive output bytes (rows) of one column per thread */
-        const int cc = tid >> 3, g = tid & 7;
-        const int64_t c = cb * 32 + cc, r0 = rb * TILE + g * 16;
-        if (c < C && r0 < ld) {
-            float sc = mode == SCALE_TENSOR ? scale[4 * e] : mode == SCALE_ALONG_ROWS ? col_scale[cc]
-                       : tile_scale[e * tile_stride + (r0 / TILE) * cb_count + c / TILE];
-            uint32_t w[4];
-            for (int q = 0; q < 4; q++) {
-                uint32_t packed = 0;
-                for (int k = 0; k < 4; k++) packed |= (uint32_t)to_fp8(tile[g * 16 + q * 4 + k][cc], sc, fmt) << (8 * k);
-                w[q] = packed;
-            }
-            uint8_t *out = dst + t.dst_off[i] + c * ld + r0;
-            if (r0 + 16 <= ld) {
-                *(uint4 *)out = make_uint4(w[0], w[1], w[2], w[3]);
-            } else { /* ld is a multiple of 16, so this does not happen; kept for safety */
-                for (int q = 0; q < 4 && r0 + q * 4 < ld; q++) *(uint32_t *)(out + q * 4) = w[q];
-            }
+    /* 16 consecutive output bytes (rows) of one column per thread and step: 8 per column */
+    for (int idx = tid; idx < CT_COLS * (TILE / 16); idx += 256) {
+        const int cc = idx / (TILE / 16), g = idx % (TILE / 16);
+        const int64_t c = cb * CT_COLS + cc, r0 = rb * TILE + g * 16;
+        if (c >= C || r0 >= ld) continue;
+        const float sc = mode == SCALE_TENSOR ? scale[4 * e] : mode == SCALE_ALONG_ROWS ? col_scale[cc]
+                         : tile_scale[e * tile_stride + (r0 / TILE) * cb_count + c / TILE];
+        uint32_t w[4];
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            uint32_t packed = 0;
+#pragma unroll
+            for (int k = 0; k < 4; k++) packed |= (uint32_t)to_fp8(tile[g * 16 + q * 4 + k][cc], sc, fmt) << (8 * k);
+            w[q] = packed;
+        }
+        uint8_t *out = dst + t.dst_off[i] + c * ld + r0;
+        if (r0 + 16 <= ld) {
+            *(uint4 *)out = make_uint4(w[0], w[1], w[2], w[3]);
+        } else { /* ld is a multiple of 16, so this does not happen; kept for safety */
+            for (int q = 0; q < 4 && r0 + q * 4 < ld; q++) *(uint32_t *)(out + q * 4) = w[q];
         }
     }
 }
@@ -815,7 +842,7 @@ static void table_fill(const moert_fp8_cuda *g, int64_t first, int64_t count, co
     memset(t, 0, sizeof *t);
     t->count = (int32_t)count;
     int64_t tile = 0, padded_rows = 0;
-    const int64_t CT = ceil_div(spec->cols, 32);
+    const int64_t CT = ceil_div(spec->cols, CT_COLS);
     for (int64_t j = 0; j < count; j++) {
         const int32_t e = g->active[first + j];
         t->expert[j] = e;
@@ -971,7 +998,7 @@ static void weight_table(int64_t first, int64_t count, int64_t K, int64_t N, int
 {
     memset(t, 0, sizeof *t);
     t->count = (int32_t)count;
-    const int64_t CT = ceil_div(N, 32);
+    const int64_t CT = ceil_div(N, CT_COLS);
     int64_t tile = 0;
     for (int64_t j = 0; j < count; j++) {
         const int64_t e = first + j;

@@ -789,6 +789,9 @@ int main(void)
         {"blockwise e4m3", FP8_RECIPE_BLOCKWISE, false, false, 256, 128, {0, 37, 5, 300}, false, false},
         {"blockwise ragged F=192", FP8_RECIPE_BLOCKWISE, false, true, 384, 192, {0, 37, 5, 300}, false, false},
         {"blockwise 3,17,0,41", FP8_RECIPE_BLOCKWISE, false, true, 256, 128, {3, 17, 0, 41}, false, false},
+        /* sizes that are not multiples of 64: the transposing quantizer's last column tile is partial */
+        {"blockwise H=272 F=208", FP8_RECIPE_BLOCKWISE, true, false, 272, 208, {0, 37, 5, 300}, false, false},
+        {"current hybrid H=272 F=208", FP8_RECIPE_CURRENT, true, false, 272, 208, {0, 37, 5, 300}, false, false},
         {"blockwise hybrid 3,17,0,41 nocap", FP8_RECIPE_BLOCKWISE, true, false, 256, 128, {3, 17, 0, 41}, true, false},
         {"blockwise e4m3 kernel", FP8_RECIPE_BLOCKWISE, false, false, 256, 128, {0, 37, 5, 300}, false, true},
         {"blockwise hybrid pow2 kernel", FP8_RECIPE_BLOCKWISE, true, true, 256, 128, {0, 37, 5, 300}, false, true},
