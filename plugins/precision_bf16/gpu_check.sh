@@ -1,14 +1,14 @@
 #!/bin/sh
-# GPU check of the bf16 plugin's device-count grouped GEMM kernel ("gemm": "kernel"), one command (run from the
-# repository root on one sm_90 GPU):
+# GPU check of the bf16 plugin's device-count grouped GEMM kernel ("gemm": "kernel", and its wgmma engine that
+# "gemm": "auto" runs FORWARD/DGRAD on), one command (run from the repository root on one sm_90 GPU):
 #
 #   plugins/precision_bf16/gpu_check.sh BUILD [OUT]    (BUILD made with -Dcuda=enabled, e.g. on a CPU machine; OUT
 #                                                       defaults to $OUT or /tmp/bf16-kernel-gpu-check)
 #
 # It never builds; each step runs under its own timeout with line-buffered output:
-#   test_gpu_device_gemm  (~40 s)  the kernel against the CPU reference (every pass, ragged and empty experts),
+#   test_gpu_device_gemm  (~10 s)  both engines against the CPU reference (every pass, ragged and empty experts),
 #                                  cuBLASLt on a big case, a CUDA graph replay with new device counts, the plugin
-#   gemm_bench deepseek   (~60 s)  deepseek-v3 EP4 fc1/fc2: kernel vs the cuBLASLt loop and a dense GEMM (TFLOP/s,
+#   gemm_bench deepseek   (~30 s)  deepseek-v3 EP4 fc1/fc2: kernel (wgmma), kernel_mma vs the cuBLASLt loop and a dense GEMM (TFLOP/s,
 #                                  vs dense), fails if the kernel's output is off the loop's by more than 1e-2
 #   gemm_bench qwen3-30b  (~30 s)  the same on the qwen3-30b-a3b shapes (32 experts of ~512 rows)
 # Logs, the bench JSONs and a summary go into OUT. Exit status: the first failing step's (0: all passed).
