@@ -15,6 +15,7 @@
  *   cast_transpose_kernel  128x64 tiles through shared memory into [cols][rows] per matrix; per-tensor,
  *                          128x128-tile or 128x1 (along the rows, computed here) scales
  *   tile_scales_kernel     128x128 tile scales of the weights, written in both weight layouts
+ *   weight_layouts_kernel  both FP8 layouts of a weight in one read (and its 128x128 tile scales, blockwise)
  *   note_kernel / end_step_kernel   the delayed recipe's step amax and history, on the device
  */
 #include "precision_fp8_cuda.h"
@@ -411,6 +412,78 @@ __global__ void __launch_bounds__(256)
             for (int q = 0; q < 4 && r0 + q * 4 < ld; q++) *(uint32_t *)(out + q * 4) = w[q];
         }
     }
+}
+
+/*
+ * Both FP8 layouts of weight [E][K][N] in one read, a 128x128 tile per block (grid (NB, KB, E), 256 threads): dgrad
+ * [K][N] as stored and fwd [N][K] (each expert's transpose), with the per-tensor scale (scale[4 * e]) or, when
+ * tile_scale is given, the tile's own scale computed here as tile_scales_kernel does (and written with its 1/scale
+ * into inv_fwd / inv_dgrad). A thread holds 16 consecutive rows of 4 columns: it writes each row's 4 bytes into dgrad
+ * and, transposed in registers, each column's 16 bytes into fwd. K and N are multiples of 16.
+ */
+template <typename T>
+__global__ void __launch_bounds__(256)
+    weight_layouts_kernel(const T *__restrict__ w, int64_t K, int64_t N, const float *scale, float fp8max, int pow2,
+                          int layout, float *tile_scale, int64_t tile_stride, float *inv_fwd, float *inv_dgrad,
+                          int64_t blk_stride, uint8_t *__restrict__ fwd, uint8_t *__restrict__ dgrad)
+{
+    const int64_t nb = blockIdx.x, kb = blockIdx.y, e = blockIdx.z, NB = gridDim.x, KB = gridDim.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t n0 = nb * TILE + lane * 4, k0 = kb * TILE + warp * 16;
+    const T *base = w + e * K * N;
+    float v[16][4];
+    uint32_t m = 0;
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+#pragma unroll
+        for (int c = 0; c < 4; c++) v[j][c] = 0.0f;
+        if (k0 + j < K && n0 < N) load4(base + (k0 + j) * N + n0, v[j]);
+#pragma unroll
+        for (int c = 0; c < 4; c++) m = max(m, abs_bits(v[j][c]));
+    }
+    float sc;
+    if (tile_scale) {
+        __shared__ uint32_t tile_max;
+        __shared__ float tile_sc;
+        if (threadIdx.x == 0) tile_max = 0;
+        __syncthreads();
+        block_max_to(m, &tile_max);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const float s = scale_from_amax(__uint_as_float(tile_max), fp8max, 0, pow2, 1.0f);
+            const float inv = __fdiv_rn(1.0f, s);
+            tile_scale[e * tile_stride + kb * NB + nb] = s;
+            inv_fwd[e * blk_stride + blk_index(layout, nb, kb, NB, KB)] = inv;
+            inv_dgrad[e * blk_stride + blk_index(layout, kb, nb, KB, NB)] = inv;
+            tile_sc = s;
+        }
+        __syncthreads();
+        sc = tile_sc;
+    } else {
+        sc = scale[4 * e];
+    }
+    uint32_t rows[16]; /* row j's 4 bytes, column c in byte c */
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        rows[j] = 0;
+#pragma unroll
+        for (int c = 0; c < 4; c++) rows[j] |= (uint32_t)to_fp8(v[j][c], sc, 0) << (8 * c);
+    }
+    if (n0 < N)
+#pragma unroll
+        for (int j = 0; j < 16; j++)
+            if (k0 + j < K) *(uint32_t *)(dgrad + e * K * N + (k0 + j) * N + n0) = rows[j];
+    if (k0 < K)
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            if (n0 + c >= N) break;
+            uint32_t col[4]; /* column c's bytes of rows 4q .. 4q + 3 */
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                col[q] = ((rows[4 * q] >> (8 * c)) & 0xffu) | (((rows[4 * q + 1] >> (8 * c)) & 0xffu) << 8) |
+                         (((rows[4 * q + 2] >> (8 * c)) & 0xffu) << 16) | (((rows[4 * q + 3] >> (8 * c)) & 0xffu) << 24);
+            *(uint4 *)(fwd + e * K * N + (n0 + c) * K + k0) = make_uint4(col[0], col[1], col[2], col[3]);
+        }
 }
 
 /*
@@ -1014,6 +1087,17 @@ static void weight_table(int64_t first, int64_t count, int64_t K, int64_t N, int
     *tiles = tile;
 }
 
+/* The blockwise recipe's buffers of a cached weight's 128x128 tile scales and their factors in both layouts. */
+static moert_result tile_scale_buffers(moert_fp8_cuda *g, weight_cache *c)
+{
+    const int64_t E = g->cfg.num_experts, KB = ceil_div(c->k, TILE), NB = ceil_div(c->n, TILE);
+    c->tile_stride = round_up(KB * NB, 4);
+    c->blk_stride = blk_floats(NB > KB ? NB : KB, NB > KB ? NB : KB);
+    MOK(buf_reserve(g, &c->tile_scale, (size_t)(E * c->tile_stride) * 4));
+    MOK(buf_reserve(g, &c->inv_fwd, (size_t)(E * c->blk_stride) * 4));
+    return buf_reserve(g, &c->inv_dgrad, (size_t)(E * c->blk_stride) * 4);
+}
+
 /* The scales of a cached weight (per-tensor, or 128x128 tiles) and, for the delayed recipe, its amaxes. */
 template <typename T>
 static moert_result weight_scales_t(moert_fp8_cuda *g, cudaStream_t stream, int which, weight_cache *c, const T *w)
@@ -1023,11 +1107,7 @@ static moert_result weight_scales_t(moert_fp8_cuda *g, cudaStream_t stream, int 
     const float fmax = E4M3_MAX;
     if (is_blockwise(g)) {
         const int64_t KB = ceil_div(K, TILE), NB = ceil_div(N, TILE);
-        c->tile_stride = round_up(KB * NB, 4);
-        c->blk_stride = blk_floats(NB > KB ? NB : KB, NB > KB ? NB : KB);
-        MOK(buf_reserve(g, &c->tile_scale, (size_t)(E * c->tile_stride) * 4));
-        MOK(buf_reserve(g, &c->inv_fwd, (size_t)(E * c->blk_stride) * 4));
-        MOK(buf_reserve(g, &c->inv_dgrad, (size_t)(E * c->blk_stride) * 4));
+        MOK(tile_scale_buffers(g, c));
         if (E > 0) {
             tile_scales_kernel<T><<<dim3((unsigned)NB, (unsigned)KB, (unsigned)E), 256, 0, stream>>>(
                 w, K, N, fmax, g->cfg.power_of_2, g->blk_layout, (float *)c->tile_scale.p, c->tile_stride,
@@ -1091,13 +1171,48 @@ static moert_result weight_cast_t(moert_fp8_cuda *g, cudaStream_t stream, weight
     return MOERT_OK;
 }
 
-/* Makes the scales and the asked layouts of cache c from its source. */
+/* Both FP8 layouts of a cached weight in one pass (weight_layouts_kernel); blockwise: its tile scales too. */
+template <typename T>
+static moert_result weight_both_t(moert_fp8_cuda *g, cudaStream_t stream, weight_cache *c, const T *w)
+{
+    const int64_t E = g->cfg.num_experts, K = c->k, N = c->n;
+    const int blk = is_blockwise(g);
+    if (blk) MOK(tile_scale_buffers(g, c));
+    MOK(buf_grow(g, &c->fwd, (size_t)(E * K * N), 0));
+    MOK(buf_grow(g, &c->dgrad, (size_t)(E * K * N), 0));
+    if (E > 0) {
+        weight_layouts_kernel<T><<<dim3((unsigned)ceil_div(N, TILE), (unsigned)ceil_div(K, TILE), (unsigned)E), 256, 0,
+                                   stream>>>(
+            w, K, N, blk ? NULL : (const float *)c->scale.p, E4M3_MAX, g->cfg.power_of_2, g->blk_layout,
+            blk ? (float *)c->tile_scale.p : NULL, c->tile_stride, blk ? (float *)c->inv_fwd.p : NULL,
+            blk ? (float *)c->inv_dgrad.p : NULL, c->blk_stride, (uint8_t *)c->fwd.p, (uint8_t *)c->dgrad.p);
+        LAUNCH_CHECK(g->host, "weight_layouts_kernel");
+    }
+    g->stats.weight_quantizations += 2;
+    return MOERT_OK;
+}
+
+/* Makes the scales and the asked layouts of cache c from its source. Both layouts at once (end_step) take one read
+ * of the weight; blockwise, the tile scales come out of the same pass. */
 static moert_result weight_make(moert_fp8_cuda *g, cudaStream_t stream, int which, weight_cache *c, int fwd, int dgrad)
 {
+    const int both = fwd && dgrad && !c->fwd_valid && !c->dgrad_valid;
+    if (both && is_blockwise(g) && !c->scales_valid) {
+        if (c->dtype == MOERT_BF16) MOK(weight_both_t<__nv_bfloat16>(g, stream, c, (const __nv_bfloat16 *)c->source));
+        else MOK(weight_both_t<float>(g, stream, c, (const float *)c->source));
+        c->scales_valid = c->fwd_valid = c->dgrad_valid = 1;
+        return MOERT_OK;
+    }
     if (!c->scales_valid) {
         if (c->dtype == MOERT_BF16) MOK(weight_scales_t<__nv_bfloat16>(g, stream, which, c, (const __nv_bfloat16 *)c->source));
         else MOK(weight_scales_t<float>(g, stream, which, c, (const float *)c->source));
         c->scales_valid = 1;
+    }
+    if (both) { /* per-tensor scales made above */
+        if (c->dtype == MOERT_BF16) MOK(weight_both_t<__nv_bfloat16>(g, stream, c, (const __nv_bfloat16 *)c->source));
+        else MOK(weight_both_t<float>(g, stream, c, (const float *)c->source));
+        c->fwd_valid = c->dgrad_valid = 1;
+        return MOERT_OK;
     }
     if (fwd && !c->fwd_valid) {
         if (c->dtype == MOERT_BF16) MOK(weight_cast_t<__nv_bfloat16>(g, stream, c, (const __nv_bfloat16 *)c->source, 1));
