@@ -415,6 +415,33 @@ __global__ void __launch_bounds__(256)
 }
 
 /*
+ * Tile (kb, nb) of expert e's weight, every thread of the block calling with its part m of the tile's amax (bits of
+ * |x|): the tile's scale, returned to every thread, stored into tile_scale (row-major [KB][NB] per expert), and its
+ * 1/scale into inv_fwd (operand [N][K]: x = n) and inv_dgrad (operand [K][N]: x = k) where given.
+ */
+__device__ float tile_scale_of_block(uint32_t m, int64_t e, int64_t kb, int64_t nb, int64_t KB, int64_t NB,
+                                     float fp8max, int pow2, int layout, float *tile_scale, int64_t tile_stride,
+                                     float *inv_fwd, float *inv_dgrad, int64_t blk_stride)
+{
+    __shared__ uint32_t tile_max;
+    __shared__ float tile_sc;
+    if (threadIdx.x == 0) tile_max = 0;
+    __syncthreads();
+    block_max_to(m, &tile_max);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const float sc = scale_from_amax(__uint_as_float(tile_max), fp8max, 0, pow2, 1.0f);
+        const float inv = __fdiv_rn(1.0f, sc);
+        tile_scale[e * tile_stride + kb * NB + nb] = sc;
+        if (inv_fwd) inv_fwd[e * blk_stride + blk_index(layout, nb, kb, NB, KB)] = inv;
+        if (inv_dgrad) inv_dgrad[e * blk_stride + blk_index(layout, kb, nb, KB, NB)] = inv;
+        tile_sc = sc;
+    }
+    __syncthreads();
+    return tile_sc;
+}
+
+/*
  * Both FP8 layouts of weight [E][K][N] in one read, a 128x128 tile per block (grid (NB, KB, E), 256 threads): dgrad
  * [K][N] as stored and fwd [N][K] (each expert's transpose), with the per-tensor scale (scale[4 * e]) or, when
  * tile_scale is given, the tile's own scale computed here as tile_scales_kernel does (and written with its 1/scale
@@ -441,27 +468,9 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
         for (int c = 0; c < 4; c++) m = max(m, abs_bits(v[j][c]));
     }
-    float sc;
-    if (tile_scale) {
-        __shared__ uint32_t tile_max;
-        __shared__ float tile_sc;
-        if (threadIdx.x == 0) tile_max = 0;
-        __syncthreads();
-        block_max_to(m, &tile_max);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            const float s = scale_from_amax(__uint_as_float(tile_max), fp8max, 0, pow2, 1.0f);
-            const float inv = __fdiv_rn(1.0f, s);
-            tile_scale[e * tile_stride + kb * NB + nb] = s;
-            inv_fwd[e * blk_stride + blk_index(layout, nb, kb, NB, KB)] = inv;
-            inv_dgrad[e * blk_stride + blk_index(layout, kb, nb, KB, NB)] = inv;
-            tile_sc = s;
-        }
-        __syncthreads();
-        sc = tile_sc;
-    } else {
-        sc = scale[4 * e];
-    }
+    const float sc = tile_scale ? tile_scale_of_block(m, e, kb, nb, KB, NB, fp8max, pow2, layout, tile_scale,
+                                                      tile_stride, inv_fwd, inv_dgrad, blk_stride)
+                                : scale[4 * e];
     uint32_t rows[16]; /* row j's 4 bytes, column c in byte c */
 #pragma unroll
     for (int j = 0; j < 16; j++) {
@@ -504,18 +513,8 @@ __global__ void tile_scales_kernel(const T *__restrict__ w, int64_t K, int64_t N
     uint32_t m = 0;
     if (c < N)
         for (int64_t r = kb * TILE + half; r < K && r < (kb + 1) * TILE; r += 2) m = max(m, abs_bits(load_f(base + r * N + c)));
-    __shared__ uint32_t result;
-    if (threadIdx.x == 0) result = 0;
-    __syncthreads();
-    block_max_to(m, &result);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const float sc = scale_from_amax(__uint_as_float(result), fp8max, 0, pow2, 1.0f);
-        const float inv = __fdiv_rn(1.0f, sc);
-        tile_scale[e * tile_stride + kb * NB + nb] = sc;
-        if (inv_fwd) inv_fwd[e * blk_stride + blk_index(layout, nb, kb, NB, KB)] = inv;
-        if (inv_dgrad) inv_dgrad[e * blk_stride + blk_index(layout, kb, nb, KB, NB)] = inv;
-    }
+    tile_scale_of_block(m, e, kb, nb, KB, NB, fp8max, pow2, layout, tile_scale, tile_stride, inv_fwd, inv_dgrad,
+                        blk_stride);
 }
 
 /* Delayed recipe: a cached weight's amax counts for the experts this GEMM uses (slot = max(slot, amax)). */
