@@ -58,6 +58,13 @@ __device__ __forceinline__ uint64_t wgmma_desc_mn_sw128(const void *tile, uint32
            ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
 }
 
+/* Byte offset of byte `byte` (0..127) of row `row` in a box of 128-byte rows laid out with TMA's 128-byte swizzle:
+ * the 16-byte chunks of a row are permuted by row & 7. */
+__device__ __forceinline__ int sw128_offset(int row, int byte)
+{
+    return row * 128 + ((((byte >> 4) ^ (row & 7))) << 4) + (byte & 15);
+}
+
 /* Orders earlier register writes of the accumulators before the next wgmma reads them. */
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 /* Closes the group of wgmma issued since the last commit. */

@@ -157,8 +157,7 @@ __device__ __forceinline__ void wg_store(const wg_params &p, const wg_tile &w, i
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int row = r + 8 * h;
-            __nv_bfloat162 *at = (__nv_bfloat162 *)(boxes + (col / 64) * WG_BOX_BYTES + row * 128 +
-                                                    (((byte >> 4) ^ (row & 7)) << 4) + (byte & 15));
+            __nv_bfloat162 *at = (__nv_bfloat162 *)(boxes + (col / 64) * WG_BOX_BYTES + sw128_offset(row, byte));
             *at = __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
         }
     }
@@ -177,7 +176,7 @@ __device__ __forceinline__ void wg_store(const wg_params &p, const wg_tile &w, i
         for (int i = tid; i < 64 * (WG_BN / 8); i += 128) { /* 16-byte chunks: 32 per row */
             const int row = i / (WG_BN / 8), q = i % (WG_BN / 8), col = n0 + q * 8;
             if (row >= rows_here || col >= p.out_cols) continue;
-            const uint4 v = *(const uint4 *)(boxes + (q / 8) * WG_BOX_BYTES + row * 128 + (((q % 8) ^ (row & 7)) << 4));
+            const uint4 v = *(const uint4 *)(boxes + (q / 8) * WG_BOX_BYTES + sw128_offset(row, (q % 8) * 16));
             *(uint4 *)(p.d + (row0 + row) * p.out_cols + col) = v;
         }
     }
@@ -262,6 +261,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_kernel(const __grid_
 
 static PFN_cuTensorMapEncodeTiled_v12000 encode_fn;
 static signed char ready[WG_MAX_DEVICES]; /* per device: 1 prepared, -1 not usable, 0 not asked */
+static int sm_count[WG_MAX_DEVICES];      /* per prepared device: the persistent grid */
 
 extern "C" moert_result bf16_wgmma_prepare(const moert_host *host)
 {
@@ -286,16 +286,20 @@ extern "C" moert_result bf16_wgmma_prepare(const moert_host *host)
     const int bytes = (int)wg_smem_bytes(BF16_DEVICE_GEMM_MAX_EXPERTS);
     CUDA_CHECK(host, cudaFuncSetAttribute(bf16_wgmma_kernel<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     CUDA_CHECK(host, cudaFuncSetAttribute(bf16_wgmma_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    CUDA_CHECK(host, cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev));
     ready[dev] = 1;
     return MOERT_OK;
 }
 
-extern "C" int bf16_wgmma_available(void)
+/* The current device if bf16_wgmma_prepare found the kernels usable on it, else -1. */
+static int prepared_device(void)
 {
     int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= WG_MAX_DEVICES) return 0;
-    return ready[dev] == 1;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= WG_MAX_DEVICES) return -1;
+    return ready[dev] == 1 ? dev : -1;
 }
+
+extern "C" int bf16_wgmma_available(void) { return prepared_device() >= 0; }
 
 /* Encodes a bf16 tensor map of `rank` dims (innermost first) with 128-byte swizzle; names `what` on failure. */
 static moert_result encode_bf16_map(const moert_host *host, CUtensorMap *map, const char *what, const void *base,
@@ -314,7 +318,8 @@ static moert_result encode_bf16_map(const moert_host *host, CUtensorMap *map, co
 
 extern "C" moert_result bf16_wgmma_gemm(const moert_host *host, cudaStream_t stream, const bf16_device_gemm_args *a)
 {
-    if (!bf16_wgmma_available())
+    const int dev = prepared_device();
+    if (dev < 0)
         return report(host, MOERT_ERR_UNSUPPORTED, "bf16 device gemm: the wgmma engine needs a compute capability 9.0 GPU "
                       "prepared with bf16_device_gemm_prepare");
     const int dgrad = a->pass == MOERT_GEMM_DGRAD;
@@ -341,9 +346,7 @@ extern "C" moert_result bf16_wgmma_gemm(const moert_host *host, cudaStream_t str
     p.k_blocks = (int)((depth + WG_BK - 1) / WG_BK);
     p.out_cols = (int)out_cols;
 
-    int dev = 0, sms = 0;
-    CUDA_CHECK(host, cudaGetDevice(&dev));
-    CUDA_CHECK(host, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    const int sms = sm_count[dev];
     const int64_t bound = ((a->capacity + WG_BM - 1) / WG_BM + a->num_experts) * p.n_tiles; /* units at most */
     const unsigned grid = (unsigned)(bound < sms ? bound : sms);
     const size_t smem = wg_smem_bytes(p.num_experts);

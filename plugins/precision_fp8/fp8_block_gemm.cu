@@ -249,8 +249,7 @@ __device__ __forceinline__ void staged_store(const kernel_args &args, const grou
             const int row = r + 8 * h;
             if (args.d_bf16) {
                 const int byte = (col % 64) * 2;
-                __nv_bfloat162 *at = (__nv_bfloat162 *)(boxes + (col / 64) * OUT_BOX_BYTES + row * 128 +
-                                                        (((byte >> 4) ^ (row & 7)) << 4) + (byte & 15));
+                __nv_bfloat162 *at = (__nv_bfloat162 *)(boxes + (col / 64) * OUT_BOX_BYTES + sw128_offset(row, byte));
                 float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
                 if (prefetched) {
                     const float2 old = __bfloat1622float2(*at);
@@ -259,8 +258,7 @@ __device__ __forceinline__ void staged_store(const kernel_args &args, const grou
                 *at = __floats2bfloat162_rn(v.x, v.y);
             } else {
                 const int byte = (col % 32) * 4;
-                float2 *at = (float2 *)(boxes + (col / 32) * OUT_BOX_BYTES + row * 128 + (((byte >> 4) ^ (row & 7)) << 4) +
-                                        (byte & 15));
+                float2 *at = (float2 *)(boxes + (col / 32) * OUT_BOX_BYTES + sw128_offset(row, byte));
                 float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
                 if (prefetched) {
                     const float2 old = *at;

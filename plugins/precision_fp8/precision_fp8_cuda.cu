@@ -1192,25 +1192,19 @@ static moert_result weight_both_t(moert_fp8_cuda *g, cudaStream_t stream, weight
 }
 
 /* Makes the scales and the asked layouts of cache c from its source. Both layouts at once (end_step) take one read
- * of the weight; blockwise, the tile scales come out of the same pass. */
+ * of the weight; blockwise, the tile scales come out of the same pass (per-tensor scales are made first). */
 static moert_result weight_make(moert_fp8_cuda *g, cudaStream_t stream, int which, weight_cache *c, int fwd, int dgrad)
 {
     const int both = fwd && dgrad && !c->fwd_valid && !c->dgrad_valid;
-    if (both && is_blockwise(g) && !c->scales_valid) {
-        if (c->dtype == MOERT_BF16) MOK(weight_both_t<__nv_bfloat16>(g, stream, c, (const __nv_bfloat16 *)c->source));
-        else MOK(weight_both_t<float>(g, stream, c, (const float *)c->source));
-        c->scales_valid = c->fwd_valid = c->dgrad_valid = 1;
-        return MOERT_OK;
-    }
-    if (!c->scales_valid) {
+    if (!c->scales_valid && !(both && is_blockwise(g))) {
         if (c->dtype == MOERT_BF16) MOK(weight_scales_t<__nv_bfloat16>(g, stream, which, c, (const __nv_bfloat16 *)c->source));
         else MOK(weight_scales_t<float>(g, stream, which, c, (const float *)c->source));
         c->scales_valid = 1;
     }
-    if (both) { /* per-tensor scales made above */
+    if (both) {
         if (c->dtype == MOERT_BF16) MOK(weight_both_t<__nv_bfloat16>(g, stream, c, (const __nv_bfloat16 *)c->source));
         else MOK(weight_both_t<float>(g, stream, c, (const float *)c->source));
-        c->fwd_valid = c->dgrad_valid = 1;
+        c->scales_valid = c->fwd_valid = c->dgrad_valid = 1;
         return MOERT_OK;
     }
     if (fwd && !c->fwd_valid) {
