@@ -4,8 +4,10 @@
  * distinct experts, counted for rank 0's experts 0..63, ~512 rows each, arbitrary counts), FORWARD, DGRAD and WGRAD;
  * with dense GEMMs of the same total shape (bf16 and FP8 blockwise, one expert of all rows) as ceilings measured in
  * the same call. Last, per shape and over both: the blockwise recipe's fwd+dgrad+wgrad TFLOP/s and its speed-up over
- * the bf16 grouped GEMM in the same run (the target is 1.4x). The blockwise variants run on moert's wgmma kernel
- * (fp8_block_gemm.cu); fp8_blockwise_cublaslt is the same recipe on cuBLASLt's VEC128 / BLK128x128 matmuls.
+ * the bf16 grouped GEMM in the same run (the target is 1.4x), against the faster bf16 engine of each pass: bf16 (the
+ * plugin's cuBLASLt loop) or bf16_wgmma (its device-count kernel on the wgmma engine, what "gemm": "auto" runs for
+ * FORWARD and DGRAD on Hopper), and against the cuBLASLt loop alone. The blockwise variants run on moert's wgmma
+ * kernel (fp8_block_gemm.cu); fp8_blockwise_cublaslt is the same recipe on cuBLASLt's VEC128 / BLK128x128 matmuls.
  *
  * Times are CUDA events around one grouped GEMM call, median of MOERT_BENCH_REPEATS after 3 warm-up calls, the
  * variants interleaved. The FP8 times include the quantization of the activations (amax, scale, cast, and the
@@ -31,6 +33,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "device_gemm.h"
 #include "fp8_block_gemm.h"
 #include "precision_bf16_cuda.h"
 #include "precision_fp8_cuda.h"
@@ -100,15 +103,18 @@ enum {
     V_BF16_FIRST,
     V_FP8_BLOCK_FIRST,
     V_FP8_BLOCK_CUBLASLT,
+    V_BF16_WGMMA,
     V_COUNT
 };
 static const char *const variant_names[V_COUNT] = {"bf16", "fp8_blockwise", "fp8_current", "dense_bf16",
                                                    "dense_fp8_blockwise", "bf16_first", "fp8_blockwise_first",
-                                                   "fp8_blockwise_cublaslt"};
+                                                   "fp8_blockwise_cublaslt", "bf16_wgmma"};
 
-/* Whether variant v runs in pass: the "first micro-batch" ones (overwrite_grad_weight) in WGRAD only. */
+/* Whether variant v runs in pass: the "first micro-batch" ones (overwrite_grad_weight) in WGRAD only, the wgmma
+ * engine in FORWARD and DGRAD only. */
 static int variant_applies(int v, int pass)
 {
+    if (v == V_BF16_WGMMA) return pass != MOERT_GEMM_WGRAD;
     return pass == MOERT_GEMM_WGRAD || (v != V_BF16_FIRST && v != V_FP8_BLOCK_FIRST);
 }
 
@@ -224,8 +230,9 @@ typedef struct bench_result {
 
 static bench_result results[MAX_RESULTS];
 static int result_count;
-/* blockwise vs bf16 over fwd+dgrad+wgrad: [shape][0 blockwise, 1 bf16] summed ms, and the FLOPs of the three */
-static double sum_ms[2][2], sum_flops[2];
+/* blockwise vs bf16 over fwd+dgrad+wgrad: [shape][0 blockwise, 1 bf16 (the faster engine per pass), 2 bf16 cuBLASLt
+ * loop, 3 blockwise less its activation quantization] summed ms, and the FLOPs of the three */
+static double sum_ms[2][4], sum_flops[2];
 static double weight_quant_ms[2][2]; /* [shape][blockwise, current]: both FP8 layouts of one weight */
 
 /* Relative Frobenius error of the first n values (bf16, or fp32 when fp32) of a against b (device buffers); NaN
@@ -253,6 +260,7 @@ typedef struct shape_run {
     const bench_shape *s;
     int64_t K, N, E, R, streams;
     const int64_t *counts, *dense_counts;
+    const int64_t *counts_device; /* counts on the GPU, for bf16_wgmma */
     void *x, *dy, *w32, *w16;
     void **y, **dx;
     moert_bf16_cuda *bf16;
@@ -267,6 +275,14 @@ static moert_result launch(const shape_run *r, cudaStream_t stream, int var, int
 {
     const int dense = var == V_DENSE_BF16 || var == V_DENSE_FP8;
     overwrite = pass == MOERT_GEMM_WGRAD && (overwrite || var == V_BF16_FIRST || var == V_FP8_BLOCK_FIRST);
+    if (var == V_BF16_WGMMA) {
+        const bf16_device_gemm_args a = {.pass = (moert_gemm_pass)pass, .num_experts = r->E,
+                                         .counts_device = r->counts_device, .capacity = r->R, .k_in = r->K,
+                                         .n_out = r->N, .input = r->x, .weight = r->w16, .grad_output = r->dy,
+                                         .output = r->y[var], .grad_input = r->dx[var],
+                                         .engine = BF16_DEVICE_GEMM_ENGINE_WGMMA};
+        return bf16_device_gemm(&bench_host, stream, &a);
+    }
     if (!variant_is_fp8(var)) {
         moert_bf16_cuda_gemm gm = {.pass = (moert_gemm_pass)pass, .dtype = MOERT_BF16, .num_experts = dense ? 1 : r->E,
                                    .rows_per_expert = dense ? r->dense_counts : r->counts, .k_in = r->K,
@@ -379,6 +395,9 @@ int main(int argc, char **argv)
         moert_bf16_cuda *bf16 = NULL;
         MOK(moert_bf16_cuda_create(&bench_host, NULL, 0, MOERT_BF16_CUDA_EXPERT_LOOP, &bf16));
         MOK(moert_bf16_cuda_set_streams(bf16, streams));
+        int64_t *counts_device = NULL;
+        CK(cudaMalloc((void **)&counts_device, (size_t)E * sizeof(int64_t)));
+        CK(cudaMemcpy(counts_device, counts, (size_t)E * sizeof(int64_t), cudaMemcpyHostToDevice));
         /* blockwise on moert's wgmma kernel ("gemm": "kernel"), current, dense blockwise (kernel), blockwise on
          * cuBLASLt (the plugin's default) */
         moert_fp8_cuda *fp8[4] = {NULL, NULL, NULL, NULL};
@@ -391,7 +410,8 @@ int main(int argc, char **argv)
             MOK(moert_fp8_cuda_set_streams(fp8[i], i == 2 ? 1 : streams));
             if (i == 0 || i == 2) MOK(moert_fp8_cuda_set_block_kernel(fp8[i], 1));
         }
-        const shape_run run = {s, K, N, E, R, streams, counts, dense_counts, x, dy, w32, w16, y, dx, bf16, fp8};
+        const shape_run run = {s,  K,  N,  E,  R,    streams, counts, dense_counts, counts_device,
+                               x,  dy, w32, w16, y, dx,      bf16,   fp8};
         const double flops = 2.0 * (double)R * (double)K * (double)N;
         for (int pass = 0; pass < 3; pass++) {
             float *times[V_COUNT], *qtimes[2];
@@ -405,7 +425,8 @@ int main(int argc, char **argv)
                     if (!quant_only && (refused[var] || !variant_applies(var, pass))) continue;
                     CK(cudaEventRecord(ev0, stream));
                     const moert_result grc = launch(&run, stream, var, pass, dw, 0, quant_only);
-                    if (grc != MOERT_OK && variant_is_fp8(var) && !quant_only) { /* refused (e.g. no cuBLASLt matmul) */
+                    if (grc != MOERT_OK && (variant_is_fp8(var) || var == V_BF16_WGMMA) && !quant_only) {
+                        /* refused (e.g. no cuBLASLt matmul, no wgmma engine) */
                         printf("skipped: %s %s %s: %s\n", s->name, pass_names[pass], variant_names[var], host_error);
                         if (skipped_count < MAX_SKIPPED)
                             snprintf(skipped[skipped_count++], sizeof skipped[0], "%s %s %s: %.400s", s->name,
@@ -430,7 +451,10 @@ int main(int argc, char **argv)
             for (int q = 0; q < 2; q++) qmed[q] = median(qtimes[q], repeats);
             if (si < 2) {
                 sum_ms[si][0] += med[V_FP8_BLOCK]; /* NaN (refused) stays NaN */
-                sum_ms[si][1] += med[V_BF16];
+                sum_ms[si][1] += isnan(med[V_BF16_WGMMA]) || med[V_BF16] < med[V_BF16_WGMMA] ? med[V_BF16]
+                                                                                             : med[V_BF16_WGMMA];
+                sum_ms[si][2] += med[V_BF16];
+                sum_ms[si][3] += med[V_FP8_BLOCK] - qmed[0];
                 sum_flops[si] += flops;
             }
             for (int v = 0; v < V_COUNT; v++) {
@@ -481,6 +505,7 @@ int main(int argc, char **argv)
         CK(cudaFree(w16));
         CK(cudaFree(dw));
         CK(cudaFree(dw_ref));
+        CK(cudaFree(counts_device));
     }
 
     printf("\n%-16s %-6s %-20s %9s %9s %8s %9s %9s\n", "shape", "pass", "variant", "ms", "TFLOP/s", "vs bf16",
@@ -499,18 +524,23 @@ int main(int argc, char **argv)
             printf("%s weight quantization (both FP8 layouts, once per step): blockwise %.3f ms, current %.3f ms\n",
                    shapes[si].name, weight_quant_ms[si][0], weight_quant_ms[si][1]);
     /* the blockwise recipe over fwd+dgrad+wgrad, per shape and both shapes together, against bf16 */
-    double all_ms[2] = {0, 0}, all_flops = 0;
+    double all_ms[4] = {0, 0, 0, 0}, all_flops = 0;
     printf("\n");
     for (size_t si = 0; si < 2; si++) {
         if (only && !strstr(shapes[si].name, only)) continue;
-        all_ms[0] += sum_ms[si][0], all_ms[1] += sum_ms[si][1], all_flops += sum_flops[si];
-        printf("fp8 blockwise %s fwd+dgrad+wgrad: %.3f ms, %.1f TFLOP/s; bf16 %.3f ms, %.1f TFLOP/s; %.2fx bf16\n",
-               shapes[si].name, sum_ms[si][0], sum_flops[si] / (sum_ms[si][0] * 1e-3) / 1e12, sum_ms[si][1],
-               sum_flops[si] / (sum_ms[si][1] * 1e-3) / 1e12, sum_ms[si][1] / sum_ms[si][0]);
+        for (int i = 0; i < 4; i++) all_ms[i] += sum_ms[si][i];
+        all_flops += sum_flops[si];
+        printf("fp8 blockwise %s fwd+dgrad+wgrad: %.3f ms (%.3f without the activation quantization), %.1f TFLOP/s; "
+               "bf16 %.3f ms (cuBLASLt loop %.3f), %.1f TFLOP/s; %.2fx bf16, %.2fx the loop\n",
+               shapes[si].name, sum_ms[si][0], sum_ms[si][3], sum_flops[si] / (sum_ms[si][0] * 1e-3) / 1e12,
+               sum_ms[si][1], sum_ms[si][2], sum_flops[si] / (sum_ms[si][1] * 1e-3) / 1e12,
+               sum_ms[si][1] / sum_ms[si][0], sum_ms[si][2] / sum_ms[si][0]);
     }
     const double all_ratio = all_ms[1] / all_ms[0];
-    printf("fp8 blockwise fc1+fc2 fwd+dgrad+wgrad: %.1f TFLOP/s, %.2fx bf16 (%.1f TFLOP/s): target %.1fx %s\n",
-           all_flops / (all_ms[0] * 1e-3) / 1e12, all_ratio, all_flops / (all_ms[1] * 1e-3) / 1e12, BLOCKWISE_TARGET,
+    printf("fp8 blockwise fc1+fc2 fwd+dgrad+wgrad: %.1f TFLOP/s, %.2fx bf16 (%.1f TFLOP/s; %.2fx the cuBLASLt loop; "
+           "GEMMs alone %.2fx): target %.1fx %s\n",
+           all_flops / (all_ms[0] * 1e-3) / 1e12, all_ratio, all_flops / (all_ms[1] * 1e-3) / 1e12,
+           all_ms[2] / all_ms[0], all_ms[1] / all_ms[3], BLOCKWISE_TARGET,
            isnan(all_ratio) ? "not measured (refused)" : all_ratio >= BLOCKWISE_TARGET ? "met" : "NOT met");
 
     if (out_path) {
@@ -534,7 +564,9 @@ int main(int argc, char **argv)
                    "accumulates into fp32 (*_first: overwrites it, the first micro-batch; their vs_bf16 is against "
                    "bf16_first); vs_bf16 > 1 is faster than the bf16 grouped GEMM; rel_err_vs_bf16: first 4M outputs "
                    "against bf16 on the same inputs and weights (dense fp8 against dense bf16; wgrad both "
-                   "overwriting), the bench fails above 0.2; dense_* = one GEMM of the same total shape\",\n");
+                   "overwriting), the bench fails above 0.2; dense_* = one GEMM of the same total shape; bf16_wgmma: "
+                   "the bf16 device-count kernel on its wgmma engine (fwd, dgrad); the fwd+dgrad+wgrad totals take "
+                   "the faster bf16 per pass\",\n");
         fprintf(f, "  \"skipped\": [");
         for (int i = 0; i < skipped_count; i++) {
             fputs(i ? ", \"" : "\"", f);
@@ -563,14 +595,16 @@ int main(int argc, char **argv)
         for (size_t si = 0; si < 3; si++) { /* blockwise fwd+dgrad+wgrad: each shape, then both */
             if (si < 2 && only && !strstr(shapes[si].name, only)) continue;
             const double ms = si < 2 ? sum_ms[si][0] : all_ms[0], bf = si < 2 ? sum_ms[si][1] : all_ms[1];
+            const double loop = si < 2 ? sum_ms[si][2] : all_ms[2], gemm = si < 2 ? sum_ms[si][3] : all_ms[3];
             const double fl = si < 2 ? sum_flops[si] : all_flops;
             if (isnan(ms) || !(ms > 0)) continue;
             fprintf(f, "%s    {\"name\": \"fp8 gemm %s fwd+dgrad+wgrad fp8_blockwise\", \"value\": %.4f, "
                        "\"unit\": \"TFLOP/s\", \"sum_of_median_ms\": %.5f, \"vs_bf16\": %.4f, \"bf16_tflops\": %.4f, "
+                       "\"vs_bf16_cublaslt_loop\": %.4f, \"gemm_alone_ms\": %.5f, \"gemm_alone_vs_bf16\": %.4f, "
                        "\"target_vs_bf16\": %.2f, \"config\": {\"routing\": \"uniform top-%d of %d, %d tokens x %d "
                        "ranks, rank 0's %lld experts\"}}",
                     sep, si < 2 ? shapes[si].name : "deepseek-v3 fc1+fc2", fl / (ms * 1e-3) / 1e12, ms, bf / ms,
-                    fl / (bf * 1e-3) / 1e12, BLOCKWISE_TARGET, ROUTE_TOPK, ROUTE_EXPERTS, ROUTE_TOKENS, ROUTE_RANKS,
+                    fl / (bf * 1e-3) / 1e12, loop / ms, gemm, bf / gemm, BLOCKWISE_TARGET, ROUTE_TOPK, ROUTE_EXPERTS, ROUTE_TOKENS, ROUTE_RANKS,
                     (long long)shapes[0].experts);
             sep = ",\n";
         }

@@ -111,6 +111,21 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint64_t *bar, uint32_t rank
                  : "memory");
 }
 
+/* One arrival per warp, from its lane 0, on bar here and (with to_peer) on the barrier at the same offset in CTA
+ * `rank` of the cluster. Every lane executes it: the arrivals are predicated, not branched around, so ptxas sees no
+ * divergent path while wgmma are in flight. */
+__device__ __forceinline__ void mbar_arrive_warp(uint64_t *bar, bool to_peer, uint32_t rank)
+{
+    __syncwarp();
+    const uint32_t lane0 = (threadIdx.x % 32) == 0, peer = lane0 && to_peer;
+    asm volatile("{\n .reg .pred p, q;\n .reg .b32 remote;\n setp.ne.b32 p, %1, 0;\n setp.ne.b32 q, %2, 0;\n"
+                 " @p mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n"
+                 " mapa.shared::cluster.u32 remote, %0, %3;\n"
+                 " @q mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_addr(bar)),
+                 "r"(lane0), "r"(peer), "r"(rank)
+                 : "memory");
+}
+
 /* As tensor_load_2d, but the tile lands at the same offset (and completes on the barrier at the same offset) in
  * every CTA of the cluster named by cta_mask. */
 __device__ __forceinline__ void tensor_load_2d_multicast(void *dst_smem, const void *tensor_map, int32_t c0, int32_t c1,

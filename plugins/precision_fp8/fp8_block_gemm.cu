@@ -1,18 +1,26 @@
 /* Blockwise-scaled FP8 grouped GEMM (see fp8_block_gemm.h): persistent CTAs over 128x128 output tiles, three
- * warpgroups each. The first is the producer: one warp loads each 128-long k-block of A and B through TMA into a ring
- * of stages (128-byte swizzled rows, as wgmma reads them) and the block's scale factors into the same stage. The
- * other two are the consumers, 64 rows of the tile each: per k-block four wgmma m64n128k32 into fresh fp32 partial
- * sums, then acc += partial * sa(row) * sb(col) in registers, and the stage is handed back.
+ * warpgroups each.
+ * - Producer warp (warp 0): loads each 128-long k-block of A and B through TMA into a ring of stages (128-byte
+ *   swizzled rows, as wgmma reads them), and the block's scale factors into the same stage.
+ * - Consumers (warpgroups 1 and 2, 64 rows of the tile each): per k-block four wgmma m64n128k32 into fresh fp32
+ *   partial sums, then acc += partial * sa(row) * sb(col) in registers. The partial sums alternate between two
+ *   register sets: the next k-block's wgmma runs on the tensor cores while the last one is scaled and added, so the
+ *   tensor cores do not wait for the promotion.
+ * - Epilogue warps (warps 1 and 2, one per consumer): move D through shared memory by TMA (see epilogue_dma).
  *
- * CTAs run in clusters of two (by default) on neighbouring SMs: the pair takes row blocks 2i and 2i+1 of the same
- * column block, and each CTA loads half of the shared B tile and multicasts it to both, so L2 serves 24 KB instead
- * of 32 KB per k-block and tile (128x128 FP8 tiles at full tensor-core rate would need more L2 bandwidth than H100
- * and H200 have). A stage is refilled only after the consumers of both CTAs handed it back.
+ * CTAs run in clusters of two (by default) on neighbouring SMs: the pair takes column blocks 2j and 2j+1 of the same
+ * row block, and each CTA loads half of the shared A tile and multicasts it to both, so L2 serves 24 KB instead of
+ * 32 KB per k-block and tile (128x128 FP8 tiles at full tensor-core rate would need more L2 bandwidth than H100 and
+ * H200 have). Pairs run along N, not M: a group's rows (an expert's tokens) are rarely a multiple of 256, and a
+ * pair along M left a CTA without rows for every expert with an odd number of row blocks. A stage is refilled only
+ * after the consumers of both CTAs handed it back. A consumer whose 64 rows all lie past the group's m (an expert's
+ * last, short row block) skips its wgmma, so such a tile costs half.
  *
- * The epilogue writes the tile into shared memory (swizzled, as TMA reads it) and one thread per consumer
- * warpgroup hands it to TMA, which stores it into D clipped to the group's m x n while the consumers go on with the
- * next tile. When adding to D (the wgrad's grad_weight), TMA loads the old values into the same shared memory at
- * the start of the tile, so that read overlaps the main loop too. Groups whose D cannot be described by a tensor map (a base or row stride not a multiple of 16 bytes) are
+ * The epilogue: each consumer writes its part of the tile into one of two sets of shared-memory boxes (swizzled, as
+ * TMA reads them) and goes on with the next tile at once; its epilogue warp hands the boxes to TMA, which stores
+ * them into D clipped to the group's m x n. When adding to D (the wgrad's grad_weight), the epilogue warp loads the
+ * old values of the NEXT tile into the other set while this one runs, so the read of D overlaps a whole tile of
+ * work. Groups whose D cannot be described by a tensor map (a base or row stride not a multiple of 16 bytes) are
  * stored from registers. */
 #include "fp8_block_gemm.h"
 
@@ -28,21 +36,24 @@
 
 #define TILE 128                     /* BM = BN = BK */
 #define TILE_BYTES (TILE * TILE)     /* one FP8 tile of A or B */
-#define HALF_ROWS (TILE / 2)         /* the rows of B one CTA of a pair loads */
+#define HALF_ROWS (TILE / 2)         /* the rows of a tensor map's box: half a tile */
 #define THREADS 384                  /* producer warpgroup + two consumer warpgroups */
 #define CONSUMER_WARPS 8
 #define SLOTS 16                     /* tables in flight */
 #define BAND 8                       /* row blocks of a group that run side by side (see tile_at) */
 #define OUT_BOX_BYTES 8192           /* one staged output box: 64 rows of 128 bytes */
+#define OUT_SETS 2                   /* staged output sets per consumer (one filled while the other is moved) */
 #define MAX_CLUSTER 2
 
-/* The ring's depth and the staged output's size: an fp32 tile takes 64 KB, which leaves room for four stages. */
-static inline int stages_for(int d_bf16) { return d_bf16 ? 5 : 4; }
-static inline size_t staging_bytes(int d_bf16) { return (size_t)TILE * TILE * (d_bf16 ? 2 : 4); }
+/* The ring's depth and the staged output's size (two sets of a whole tile): an fp32 tile takes 64 KB, which leaves
+ * room for two stages; a bf16 one for four. */
+static inline int stages_for(int d_bf16) { return d_bf16 ? 4 : 2; }
+__host__ __device__ static inline size_t staging_bytes(int d_bf16) { return (size_t)TILE * TILE * (d_bf16 ? 2 : 4); }
 static inline size_t smem_bytes(int d_bf16)
 {
     const size_t stages = (size_t)stages_for(d_bf16);
-    return 1024 + stages * (2 * TILE_BYTES + 2 * TILE * 4 + 2 * 8) + staging_bytes(d_bf16) + 2 * 8;
+    return 1024 + stages * (2 * TILE_BYTES + 2 * TILE * 4 + 2 * 8) + OUT_SETS * staging_bytes(d_bf16) +
+           2 * 2 * OUT_SETS * 8;
 }
 
 /* A group as the kernel reads it (the host's moert_fp8_block_group with its tiles counted). */
@@ -52,14 +63,14 @@ typedef struct group_dev {
     int64_t a_scale_kb_stride, b_scale_stride;
     void *d;
     int64_t ldd;
-    int32_t m, n, kb_count, tile_start, m_tiles, a_map, b_map, d_map; /* d_map -1: stored from registers */
+    int32_t m, n, kb_count, tile_start, m_tiles, n_tiles, a_map, b_map, d_map; /* d_map -1: stored from registers */
 } group_dev;
 
 typedef struct kernel_args {
     const CUtensorMap *maps;
     const group_dev *groups;
     int group_count;
-    int units;   /* work units: a column block and `cluster` consecutive row blocks of a group */
+    int units;   /* work units: a row block and `cluster` consecutive column blocks of a group */
     int cluster; /* CTAs per cluster: 1 or 2 */
     int stages;
     int d_bf16, accumulate;
@@ -78,7 +89,7 @@ struct moert_fp8_block_ctx {
     cudaEvent_t done[SLOTS];
     int used[SLOTS];
     unsigned next;
-    int *map_of;      /* per matrix and role (A, B): its tensor map's index in this call, -1 none yet */
+    int *map_of;      /* per matrix: its tensor map's index in this call, -1 none yet */
     int map_of_count;
 };
 
@@ -172,9 +183,9 @@ __device__ __forceinline__ void store_tile(const group_dev &g, int row, int col,
 }
 
 /* The tile a CTA of rank `rank` in its cluster takes in work unit u: its group, row block and column block. A unit
- * is `cluster` consecutive row blocks of one column block (a row block past the group's last is dead: its CTA only
- * helps load B). Within a group, units go in bands of BAND row blocks, row blocks fastest: the CTAs running at once
- * share the band's A rows and walk the group's B. */
+ * is one row block and `cluster` consecutive column blocks of a group (a column block past the group's last is
+ * dead: its CTA only helps load A). Within a group, units go in bands of BAND row blocks, row blocks fastest: the
+ * CTAs running at once share the band's A rows and walk the group's B. */
 typedef struct tile_pos {
     int group, m_tile, n_tile;
 } tile_pos;
@@ -185,82 +196,104 @@ __device__ __forceinline__ tile_pos tile_at(const kernel_args &args, int u, int 
     p.group = find_group(args.groups, args.group_count, u);
     const group_dev &g = args.groups[p.group];
     const int local = u - g.tile_start;
-    const int n_tiles = (g.n + TILE - 1) / TILE;
-    const int m_units = (g.m_tiles + args.cluster - 1) / args.cluster, band_units = BAND / args.cluster;
-    const int band = local / (band_units * n_tiles), rem = local % (band_units * n_tiles);
-    const int band_rows = min(band_units, m_units - band * band_units);
-    p.m_tile = (band * band_units + rem % band_rows) * args.cluster + rank;
-    p.n_tile = rem / band_rows;
+    const int n_units = (g.n_tiles + args.cluster - 1) / args.cluster;
+    const int band = local / (BAND * n_units), rem = local % (BAND * n_units);
+    const int band_rows = min(BAND, g.m_tiles - band * BAND);
+    p.m_tile = band * BAND + rem % band_rows;
+    p.n_tile = (rem / band_rows) * args.cluster + rank;
     return p;
 }
 
-/* The boxes of consumer warpgroup c's 64 x 128 part of tile tp that lie inside D (count; first column x0, row y0). */
+/* The boxes of consumer warpgroup c's 64 x 128 part of tile tp that lie inside D (count; first column x0, row y0);
+ * 0 for a dead tile. */
 __device__ __forceinline__ int out_box_count(const kernel_args &args, const group_dev &g, const tile_pos &tp, int c,
                                              int *x0, int *y0)
 {
     const int box_cols = args.d_bf16 ? 64 : 32;
     *x0 = tp.n_tile * TILE, *y0 = tp.m_tile * TILE + c * 64;
-    if (*y0 >= g.m) return 0;
+    if (*y0 >= g.m || *x0 >= g.n) return 0;
     const int left = (g.n - *x0 + box_cols - 1) / box_cols;
     return left < TILE / box_cols ? left : TILE / box_cols;
 }
 
-/* Adding to D with the staged epilogue: at the start of a tile, thread 0 of warpgroup c loads D's old values of
- * its part into its boxes (TMA, completing on d_loaded) once TMA has read the last tile out of them, so the
- * read of D overlaps the main loop. Returns whether a load was started. */
-__device__ __forceinline__ bool prefetch_old_d(const kernel_args &args, const group_dev &g, const tile_pos &tp, int c,
-                                               uint8_t *boxes, uint64_t *d_loaded)
+/* The epilogue warp of consumer warpgroup c (one thread): walks the CTA's tiles in the consumer's order and, for
+ * each tile whose part c the TMA epilogue stores, makes an output set ready for the consumer (loading D's old values
+ * into it when adding: d_ready completes when they land; else once TMA has read the set's last tile out of it),
+ * then waits until the consumer has written the tile there (d_staged) and stores it into D by TMA. The set of the
+ * next such tile is made ready before waiting for this one, so its old values load while this tile computes. */
+__device__ __forceinline__ void epilogue_dma(const kernel_args &args, int rank, int c, uint8_t *boxes, uint64_t *d_ready,
+                             uint64_t *d_staged)
 {
-    int x0, y0;
-    const int count = out_box_count(args, g, tp, c, &x0, &y0);
-    if (count == 0) return false;
-    if (threadIdx.x % 128 == 0) {
-        const int box_cols = args.d_bf16 ? 64 : 32;
-        bulk_wait_read();
-        mbar_arrive_expect_tx(d_loaded, (uint32_t)count * OUT_BOX_BYTES);
-        for (int b = 0; b < count; b++)
-            tensor_load_2d(boxes + b * OUT_BOX_BYTES, args.maps + g.d_map, x0 + b * box_cols, y0, d_loaded);
+    const int box_cols = args.d_bf16 ? 64 : 32;
+    const size_t set_bytes = staging_bytes(args.d_bf16) / 2; /* one consumer's half of a tile */
+    int pending_x0 = 0, pending_y0 = 0, pending_count = 0, pending_map = -1;
+    int set = 0;
+    uint32_t staged_phase = 0; /* bit per set */
+    for (int u = blockIdx.x / args.cluster; u < args.units; u += gridDim.x / args.cluster) {
+        const tile_pos tp = tile_at(args, u, rank);
+        const group_dev &g = args.groups[tp.group];
+        int x0, y0;
+        const int count = g.d_map >= 0 ? out_box_count(args, g, tp, c, &x0, &y0) : 0;
+        if (count == 0) continue;
+        const int next = pending_map >= 0 ? set ^ 1 : set; /* the set this tile goes into */
+        uint8_t *next_boxes = boxes + next * set_bytes;
+        bulk_wait_read(); /* the set's last tile (two tiles ago) has left it */
+        if (args.accumulate) {
+            mbar_arrive_expect_tx(&d_ready[next], (uint32_t)count * OUT_BOX_BYTES);
+            for (int b = 0; b < count; b++)
+                tensor_load_2d(next_boxes + b * OUT_BOX_BYTES, args.maps + g.d_map, x0 + b * box_cols, y0,
+                               &d_ready[next]);
+        } else {
+            mbar_arrive(&d_ready[next]);
+        }
+        if (pending_map >= 0) { /* the previous tile, in `set` */
+            mbar_wait(&d_staged[set], (staged_phase >> set) & 1);
+            staged_phase ^= 1u << set;
+            for (int b = 0; b < pending_count; b++)
+                tensor_store_2d(args.maps + pending_map, pending_x0 + b * box_cols, pending_y0,
+                                boxes + set * set_bytes + b * OUT_BOX_BYTES);
+            bulk_commit();
+        }
+        set = next;
+        pending_x0 = x0, pending_y0 = y0, pending_count = count, pending_map = g.d_map;
     }
-    return true;
+    if (pending_map >= 0) {
+        mbar_wait(&d_staged[set], (staged_phase >> set) & 1);
+        for (int b = 0; b < pending_count; b++)
+            tensor_store_2d(args.maps + pending_map, pending_x0 + b * box_cols, pending_y0,
+                            boxes + set * set_bytes + b * OUT_BOX_BYTES);
+        bulk_commit();
+    }
+    bulk_wait_all(); /* the boxes are read before the CTA's memory goes */
 }
 
-/* The staged epilogue of consumer warpgroup c: its 64 x 128 part of the tile goes into its shared-memory boxes
- * (64 rows of 128 bytes each, 16-byte chunks swizzled by row as TMA's 128-byte swizzle lays them out), added to
- * the old values prefetch_old_d loaded there when accumulating, then one thread hands the boxes to TMA, which
- * stores them into D, clipped to the group's m x n. Without a prefetch the boxes are reused only after TMA has
- * read the last tile's (bulk_wait_read). */
-__device__ __forceinline__ void staged_store(const kernel_args &args, const group_dev &g, const tile_pos &tp, int c,
-                                             const float *acc, uint8_t *boxes, uint64_t *d_loaded, bool prefetched,
-                                             uint32_t d_phase)
+/* Consumer warpgroup c's part of a tile into its output set (64 rows of 128 bytes per box, 16-byte chunks swizzled
+ * by row as TMA's 128-byte swizzle lays them out), added to the old values the epilogue warp loaded there when
+ * accumulating; then the warps announce the set to the epilogue warp. */
+__device__ __forceinline__ void stage_tile(const kernel_args &args, const float *acc, uint8_t *boxes,
+                                           uint64_t *d_ready, uint32_t ready_phase, uint64_t *d_staged)
 {
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
     const int r = warp * 16 + lane / 4, col0 = 2 * (lane % 4);
-    if (prefetched) {
-        mbar_wait(d_loaded, d_phase);
-    } else {
-        if (tid == 0) bulk_wait_read();
-        named_barrier_sync(1 + c, 128);
-    }
+    mbar_wait(d_ready, ready_phase);
 #pragma unroll
     for (int j = 0; j < 16; j++) {
         const int col = col0 + 8 * j;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int row = r + 8 * h;
+            float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
             if (args.d_bf16) {
-                const int byte = (col % 64) * 2;
-                __nv_bfloat162 *at = (__nv_bfloat162 *)(boxes + (col / 64) * OUT_BOX_BYTES + sw128_offset(row, byte));
-                float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-                if (prefetched) {
+                __nv_bfloat162 *at =
+                    (__nv_bfloat162 *)(boxes + (col / 64) * OUT_BOX_BYTES + sw128_offset(row, (col % 64) * 2));
+                if (args.accumulate) {
                     const float2 old = __bfloat1622float2(*at);
                     v.x += old.x, v.y += old.y;
                 }
                 *at = __floats2bfloat162_rn(v.x, v.y);
             } else {
-                const int byte = (col % 32) * 4;
-                float2 *at = (float2 *)(boxes + (col / 32) * OUT_BOX_BYTES + sw128_offset(row, byte));
-                float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-                if (prefetched) {
+                float2 *at = (float2 *)(boxes + (col / 32) * OUT_BOX_BYTES + sw128_offset(row, (col % 32) * 4));
+                if (args.accumulate) {
                     const float2 old = *at;
                     v.x += old.x, v.y += old.y;
                 }
@@ -269,20 +302,14 @@ __device__ __forceinline__ void staged_store(const kernel_args &args, const grou
         }
     }
     fence_async_shared();
-    named_barrier_sync(1 + c, 128);
-    if (tid == 0) {
-        int x0, y0;
-        const int count = out_box_count(args, g, tp, c, &x0, &y0), box_cols = args.d_bf16 ? 64 : 32;
-        for (int b = 0; b < count; b++)
-            tensor_store_2d(args.maps + g.d_map, x0 + b * box_cols, y0, boxes + b * OUT_BOX_BYTES);
-        bulk_commit();
-    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(d_staged);
 }
 
 /* The producer warp: per tile and k-block, waits until the stage is free in every CTA of the cluster, starts the
  * copies of the block's factors (cp.async, zeros past the group: the warp never waits for a global load) and the TMA
- * loads (A for its own tile; its half of B, multicast to the pair). The stage's full barrier expects one arrival
- * per lane (when its factor copies land) and lane 0's announcement of the TMA bytes. */
+ * loads (its half of A, multicast to the pair; B for its own tile). The stage's full barrier expects one arrival per
+ * lane (when its factor copies land) and lane 0's announcement of the TMA bytes. */
 template <int B_PER_ROW>
 __device__ __forceinline__ void produce(const kernel_args &args, uint8_t *a_tiles, uint8_t *b_tiles, float *a_factors,
                                         float *b_factors, uint64_t *full, uint64_t *empty, int rank)
@@ -294,12 +321,13 @@ __device__ __forceinline__ void produce(const kernel_args &args, uint8_t *a_tile
     for (int u = blockIdx.x / cluster; u < args.units; u += gridDim.x / cluster) {
         const tile_pos tp = tile_at(args, u, rank);
         const group_dev &g = args.groups[tp.group];
-        const bool live = tp.m_tile < g.m_tiles;
+        const bool live = tp.n_tile < g.n_tiles;
         const CUtensorMap *map_a = args.maps + g.a_map, *map_b = args.maps + g.b_map;
         const int row_a = (int)(g.a_row0 + (int64_t)tp.m_tile * TILE);
         const int row_b = (int)(g.b_row0 + (int64_t)tp.n_tile * TILE);
         const int r0 = tp.m_tile * TILE + lane * 4, c0 = tp.n_tile * TILE + lane * 4; /* this lane's 4 rows / cols */
-        const float *sa = g.a_scale + r0, *sb = B_PER_ROW ? g.b_scale + c0 : g.b_scale + (int64_t)tp.n_tile * g.b_scale_stride;
+        const float *sa = g.a_scale + r0;
+        const float *sb = B_PER_ROW ? g.b_scale + c0 : g.b_scale + (int64_t)(live ? tp.n_tile : 0) * g.b_scale_stride;
         const int kb_count = g.kb_count;
         for (int kb = 0; kb < kb_count; kb++, it++) {
             if (it >= (uint32_t)stages) mbar_wait(&empty[s], phase ^ 1);
@@ -308,18 +336,21 @@ __device__ __forceinline__ void produce(const kernel_args &args, uint8_t *a_tile
                 async_copy4(&a_factors[s * TILE + lane * 4 + i], sa + i, r0 + i < g.m);
                 if (B_PER_ROW) async_copy4(&b_factors[s * TILE + lane * 4 + i], sb + i, c0 + i < g.n);
             }
-            if (!B_PER_ROW && lane == 0) async_copy4(&b_factors[s * TILE], sb + kb, true);
+            if (!B_PER_ROW && lane == 0) async_copy4(&b_factors[s * TILE], sb + kb, live);
             async_copy_arrive(&full[s]);
             sa += g.a_scale_kb_stride;
             if (B_PER_ROW) sb += g.b_scale_stride;
             if (lane == 0) {
-                uint8_t *b_stage = b_tiles + s * TILE_BYTES;
-                mbar_arrive_expect_tx(&full[s], (live ? TILE_BYTES : 0) + TILE_BYTES);
-                if (live) tensor_load_2d(a_tiles + s * TILE_BYTES, map_a, kb * TILE, row_a, &full[s]);
+                uint8_t *a_stage = a_tiles + s * TILE_BYTES, *b_stage = b_tiles + s * TILE_BYTES;
+                mbar_arrive_expect_tx(&full[s], TILE_BYTES + (live ? TILE_BYTES : 0));
                 if (cluster == 2) {
-                    tensor_load_2d_multicast(b_stage + rank * HALF_ROWS * TILE, map_b, kb * TILE,
-                                             row_b + rank * HALF_ROWS, &full[s], (uint16_t)0x3);
+                    tensor_load_2d_multicast(a_stage + rank * HALF_ROWS * TILE, map_a, kb * TILE,
+                                             row_a + rank * HALF_ROWS, &full[s], (uint16_t)0x3);
                 } else {
+                    tensor_load_2d(a_stage, map_a, kb * TILE, row_a, &full[s]);
+                    tensor_load_2d(a_stage + HALF_ROWS * TILE, map_a, kb * TILE, row_a + HALF_ROWS, &full[s]);
+                }
+                if (live) {
                     tensor_load_2d(b_stage, map_b, kb * TILE, row_b, &full[s]);
                     tensor_load_2d(b_stage + HALF_ROWS * TILE, map_b, kb * TILE, row_b + HALF_ROWS, &full[s]);
                 }
@@ -329,8 +360,134 @@ __device__ __forceinline__ void produce(const kernel_args &args, uint8_t *a_tile
     }
 }
 
+/* The consumers' position in the stage ring. */
+typedef struct ring_pos {
+    int s;
+    uint32_t phase;
+} ring_pos;
+
+__device__ __forceinline__ void ring_next(ring_pos &r, int stages)
+{
+    if (++r.s == stages) r.s = 0, r.phase ^= 1;
+}
+
+/* Hands stage s back to the producers of the cluster (one arrival per consumer warp, in each CTA). */
+__device__ __forceinline__ void release_stage(uint64_t *empty, int s, int cluster, int rank)
+{
+    mbar_arrive_warp(&empty[s], cluster == 2, (uint32_t)(rank ^ 1));
+}
+
+/* Waits for the next stage and starts its four wgmma into part (one commit group); returns the stage. */
+template <int A_FMT, int B_FMT>
+__device__ __forceinline__ int issue_block(float *part, ring_pos &r, int stages, uint64_t *full, const uint8_t *a_tiles,
+                                           const uint8_t *b_tiles, int c)
+{
+    const int s = r.s;
+    mbar_wait(&full[s], r.phase);
+    const uint64_t da = wgmma_desc_k_sw128(a_tiles + s * TILE_BYTES + c * 64 * TILE);
+    const uint64_t db = wgmma_desc_k_sw128(b_tiles + s * TILE_BYTES);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < TILE / 32; k++) wgmma_tile<A_FMT, B_FMT>(part, da + 2 * k, db + 2 * k, k > 0);
+    wgmma_commit();
+    ring_next(r, stages);
+    return s;
+}
+
+/* acc += part * sa(row) * sb(col) with stage s's factors (rows r0 and r0 + 8 of the tile, columns col0 + 8 j, + 1). */
+template <int B_PER_ROW>
+__device__ __forceinline__ void promote(float *acc, float *part, const float *a_factors, const float *b_factors, int s,
+                                        int r0, int col0)
+{
+    fence_registers(part);
+    const float sa0 = a_factors[s * TILE + r0], sa1 = a_factors[s * TILE + r0 + 8];
+    if (B_PER_ROW) {
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            const float2 sb = *(const float2 *)&b_factors[s * TILE + 8 * j + col0];
+            acc[4 * j + 0] += part[4 * j + 0] * (sa0 * sb.x);
+            acc[4 * j + 1] += part[4 * j + 1] * (sa0 * sb.y);
+            acc[4 * j + 2] += part[4 * j + 2] * (sa1 * sb.x);
+            acc[4 * j + 3] += part[4 * j + 3] * (sa1 * sb.y);
+        }
+    } else {
+        const float sb = b_factors[s * TILE], s0 = sa0 * sb, s1 = sa1 * sb;
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            acc[4 * j + 0] += part[4 * j + 0] * s0;
+            acc[4 * j + 1] += part[4 * j + 1] * s0;
+            acc[4 * j + 2] += part[4 * j + 2] * s1;
+            acc[4 * j + 3] += part[4 * j + 3] * s1;
+        }
+    }
+}
+
+/* Consumer warpgroup c: per tile, the k-blocks' wgmma into part0 / part1 in turn, one block ahead of the promotion
+ * into acc, then the epilogue (staged for the epilogue warp, or stored from registers). */
+template <int A_FMT, int B_FMT, int B_PER_ROW>
+__device__ __forceinline__ void consume(const kernel_args &args, int rank, int c, const uint8_t *a_tiles,
+                                        const uint8_t *b_tiles, const float *a_factors, const float *b_factors,
+                                        uint64_t *full, uint64_t *empty, uint8_t *boxes, uint64_t *d_ready,
+                                        uint64_t *d_staged)
+{
+    const int stages = args.stages, cluster = args.cluster;
+    const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+    const int r0 = c * 64 + warp * 16 + lane / 4; /* this thread's rows: r0 and r0 + 8 */
+    const int col0 = 2 * (lane % 4);              /* and columns col0 + 8 j, + 1 */
+    const size_t set_bytes = staging_bytes(args.d_bf16) / 2;
+    ring_pos ring = {0, 0};
+    int set = 0;
+    uint32_t ready_phase = 0; /* bit per set */
+    for (int u = blockIdx.x / cluster; u < args.units; u += gridDim.x / cluster) {
+        const tile_pos tp = tile_at(args, u, rank);
+        const group_dev &g = args.groups[tp.group];
+        const int kb_count = g.kb_count;
+        if (tp.n_tile >= g.n_tiles || tp.m_tile * TILE + c * 64 >= g.m) { /* no rows or columns of D here */
+            for (int kb = 0; kb < kb_count; kb++) {
+                mbar_wait(&full[ring.s], ring.phase);
+                release_stage(empty, ring.s, cluster, rank);
+                ring_next(ring, stages);
+            }
+            continue;
+        }
+        float acc[64], part0[64], part1[64];
+#pragma unroll
+        for (int i = 0; i < 64; i++) acc[i] = 0.f;
+        /* k-blocks in pairs: the second block's wgmma runs while the first is promoted. (Nothing may be in flight
+         * across a branch ptxas cannot prove warpgroup-uniform, such as a loop's test on kb_count, or it serializes
+         * every wgmma; so the pair is issued together and drained before the loop goes on.) The per-row form (the
+         * wgrad's, bound by D's memory traffic) runs one block at a time: its promotion needs more registers. */
+        int kb = 0;
+        if (!B_PER_ROW) {
+            for (; kb + 1 < kb_count; kb += 2) {
+                const int s0 = issue_block<A_FMT, B_FMT>(part0, ring, stages, full, a_tiles, b_tiles, c);
+                const int s1 = issue_block<A_FMT, B_FMT>(part1, ring, stages, full, a_tiles, b_tiles, c);
+                wgmma_wait<1>();
+                promote<B_PER_ROW>(acc, part0, a_factors, b_factors, s0, r0, col0);
+                release_stage(empty, s0, cluster, rank);
+                wgmma_wait<0>();
+                promote<B_PER_ROW>(acc, part1, a_factors, b_factors, s1, r0, col0);
+                release_stage(empty, s1, cluster, rank);
+            }
+        }
+        for (; kb < kb_count; kb++) {
+            const int s0 = issue_block<A_FMT, B_FMT>(part0, ring, stages, full, a_tiles, b_tiles, c);
+            wgmma_wait<0>();
+            promote<B_PER_ROW>(acc, part0, a_factors, b_factors, s0, r0, col0);
+            release_stage(empty, s0, cluster, rank);
+        }
+        if (g.d_map >= 0) {
+            stage_tile(args, acc, boxes + set * set_bytes, &d_ready[set], (ready_phase >> set) & 1, &d_staged[set]);
+            ready_phase ^= 1u << set;
+            set ^= 1;
+        } else {
+            store_tile(g, tp.m_tile * TILE + r0, tp.n_tile * TILE + col0, acc, part0, args.d_bf16, args.accumulate);
+        }
+    }
+}
+
 /* Persistent: each cluster takes work units blockIdx.x / cluster, + gridDim.x / cluster, ...; the stage ring runs
- * on across tiles, so the producer loads the next tile's first k-blocks while the consumers store this one. */
+ * on across tiles, so the producer loads the next tile's first k-blocks while the consumers finish this one. */
 template <int A_FMT, int B_FMT, int B_PER_ROW>
 __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel_args args)
 {
@@ -340,12 +497,13 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
     const int stages = args.stages, cluster = args.cluster;
     uint8_t *a_tiles = smem;
     uint8_t *b_tiles = a_tiles + stages * TILE_BYTES;
-    uint8_t *out_boxes = b_tiles + stages * TILE_BYTES; /* [2 consumers][TILE * TILE * element / 2] */
-    float *a_factors = (float *)(out_boxes + TILE * TILE * (args.d_bf16 ? 2 : 4)); /* [stages][128] */
+    uint8_t *out_boxes = b_tiles + stages * TILE_BYTES; /* [2 consumers][OUT_SETS][half a tile of D] */
+    float *a_factors = (float *)(out_boxes + OUT_SETS * staging_bytes(args.d_bf16)); /* [stages][128] */
     float *b_factors = a_factors + stages * TILE; /* [stages][128] (per block: [0] only) */
     uint64_t *full = (uint64_t *)(b_factors + stages * TILE);
     uint64_t *empty = full + stages;
-    uint64_t *d_loaded = empty + stages; /* [2]: a consumer warpgroup's old D values landed (adding to D) */
+    uint64_t *d_ready = empty + stages;              /* [2 consumers][OUT_SETS]: the set may be written */
+    uint64_t *d_staged = d_ready + 2 * OUT_SETS;     /* [2 consumers][OUT_SETS]: the set holds the tile */
     const int rank = (int)(blockIdx.x % cluster);
 
     if (threadIdx.x == 0) {
@@ -353,8 +511,10 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
             mbar_init_count(&full[s], 32 + 1); /* the producer's lanes' factor copies, lane 0's TMA bytes */
             mbar_init_count(&empty[s], CONSUMER_WARPS * cluster);
         }
-        mbar_init(&d_loaded[0]);
-        mbar_init(&d_loaded[1]);
+        for (int i = 0; i < 2 * OUT_SETS; i++) {
+            mbar_init(&d_ready[i]);
+            mbar_init_count(&d_staged[i], 4); /* the consumer's warps */
+        }
         mbar_init_fence();
     }
     if (cluster > 1)
@@ -362,92 +522,24 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
     else
         __syncthreads();
 
-    const int wg = threadIdx.x / 128;
-    const int lane = threadIdx.x % 32;
+    const int wg = threadIdx.x / 128, warp = threadIdx.x / 32;
+    const size_t consumer_boxes = OUT_SETS * staging_bytes(args.d_bf16) / 2;
     if (wg == 0) {
         /* registers move between warpgroups of the CTA: the consumers' increase (256 x (224 - 168)) must not exceed
          * what the producer's warpgroup gives back (128 x (168 - 56)), or setmaxnreg.inc waits forever */
         warpgroup_registers_dec<56>();
-        if (threadIdx.x < 32) produce<B_PER_ROW>(args, a_tiles, b_tiles, a_factors, b_factors, full, empty, rank);
+        if (warp == 0) produce<B_PER_ROW>(args, a_tiles, b_tiles, a_factors, b_factors, full, empty, rank);
+        if ((warp == 1 || warp == 2) && threadIdx.x % 32 == 0) {
+            const int c = warp - 1;
+            epilogue_dma(args, rank, c, out_boxes + c * consumer_boxes, d_ready + c * OUT_SETS,
+                         d_staged + c * OUT_SETS);
+        }
     } else {
         warpgroup_registers_inc<224>();
-        const int c = wg - 1;                 /* rows c*64 .. c*64+63 of the tile */
-        const int warp = (threadIdx.x % 128) / 32;
-        const int r0 = c * 64 + warp * 16 + lane / 4; /* this thread's rows: r0 and r0 + 8 */
-        const int col0 = 2 * (lane % 4);              /* and columns col0 + 8 j, + 1 */
-        uint8_t *my_boxes = out_boxes + c * (TILE * TILE * (args.d_bf16 ? 2 : 4) / 2);
-        int s = 0;
-        uint32_t phase = 0, d_phase = 0;
-        for (int u = blockIdx.x / cluster; u < args.units; u += gridDim.x / cluster) {
-            const tile_pos tp = tile_at(args, u, rank);
-            const group_dev &g = args.groups[tp.group];
-            const bool live = tp.m_tile < g.m_tiles;
-            const bool prefetched =
-                live && args.accumulate && g.d_map >= 0 && prefetch_old_d(args, g, tp, c, my_boxes, &d_loaded[c]);
-            const int kb_count = g.kb_count;
-            float acc[64], part[64];
-#pragma unroll
-            for (int i = 0; i < 64; i++) acc[i] = 0.f;
-            for (int kb = 0; kb < kb_count; kb++) {
-                mbar_wait(&full[s], phase);
-                bool handed_back = false;
-                if (live) {
-                    const uint64_t da = wgmma_desc_k_sw128(a_tiles + s * TILE_BYTES + c * 64 * TILE);
-                    const uint64_t db = wgmma_desc_k_sw128(b_tiles + s * TILE_BYTES);
-                    const float sa0 = a_factors[s * TILE + r0], sa1 = a_factors[s * TILE + r0 + 8];
-                    const float sb_block = B_PER_ROW ? 0.f : b_factors[s * TILE];
-                    wgmma_fence();
-#pragma unroll
-                    for (int k = 0; k < TILE / 32; k++) wgmma_tile<A_FMT, B_FMT>(part, da + 2 * k, db + 2 * k, k > 0);
-                    wgmma_commit();
-                    wgmma_wait<0>();
-                    fence_registers(part);
-                    if (!B_PER_ROW) { /* everything of the stage is in registers: hand it back before promoting */
-                        __syncwarp();
-                        if (lane == 0) {
-                            mbar_arrive(&empty[s]);
-                            if (cluster == 2) mbar_arrive_cluster(&empty[s], (uint32_t)(rank ^ 1));
-                        }
-                        handed_back = true;
-                    }
-                    if (B_PER_ROW) {
-#pragma unroll
-                        for (int j = 0; j < 16; j++) {
-                            const float2 sb = *(const float2 *)&b_factors[s * TILE + 8 * j + col0];
-                            acc[4 * j + 0] += part[4 * j + 0] * (sa0 * sb.x);
-                            acc[4 * j + 1] += part[4 * j + 1] * (sa0 * sb.y);
-                            acc[4 * j + 2] += part[4 * j + 2] * (sa1 * sb.x);
-                            acc[4 * j + 3] += part[4 * j + 3] * (sa1 * sb.y);
-                        }
-                    } else {
-                        const float s0 = sa0 * sb_block, s1 = sa1 * sb_block;
-#pragma unroll
-                        for (int j = 0; j < 16; j++) {
-                            acc[4 * j + 0] += part[4 * j + 0] * s0;
-                            acc[4 * j + 1] += part[4 * j + 1] * s0;
-                            acc[4 * j + 2] += part[4 * j + 2] * s1;
-                            acc[4 * j + 3] += part[4 * j + 3] * s1;
-                        }
-                    }
-                }
-                if (!handed_back) {
-                    __syncwarp();
-                    if (lane == 0) {
-                        mbar_arrive(&empty[s]);
-                        if (cluster == 2) mbar_arrive_cluster(&empty[s], (uint32_t)(rank ^ 1));
-                    }
-                }
-                if (++s == stages) s = 0, phase ^= 1;
-            }
-            if (!live) continue;
-            if (g.d_map >= 0) {
-                staged_store(args, g, tp, c, acc, my_boxes, &d_loaded[c], prefetched, d_phase);
-                if (prefetched) d_phase ^= 1;
-            } else {
-                store_tile(g, tp.m_tile * TILE + r0, tp.n_tile * TILE + col0, acc, part, args.d_bf16, args.accumulate);
-            }
-        }
-        if (threadIdx.x % 128 == 0) bulk_wait_all(); /* the staged boxes are read before the CTA's memory goes */
+        const int c = wg - 1; /* rows c*64 .. c*64+63 of the tile */
+        consume<A_FMT, B_FMT, B_PER_ROW>(args, rank, c, a_tiles, b_tiles, a_factors, b_factors, full, empty,
+                                         out_boxes + c * consumer_boxes, d_ready + c * OUT_SETS,
+                                         d_staged + c * OUT_SETS);
     }
     if (cluster > 1) cluster_sync(); /* no CTA leaves while its peer may still arrive on its barriers */
 #endif
@@ -547,7 +639,7 @@ extern "C" moert_result moert_fp8_block_ctx_configure(moert_fp8_block_ctx *ctx, 
 extern "C" void moert_fp8_block_ctx_describe(const moert_fp8_block_ctx *ctx, char *buf, size_t size)
 {
     if (ctx->cluster > 1)
-        snprintf(buf, size, "%d clusters of 2 CTAs (B multicast), %s epilogue", ctx->max_clusters,
+        snprintf(buf, size, "%d clusters of 2 CTAs (A multicast), %s epilogue", ctx->max_clusters,
                  ctx->staged ? "TMA" : "register");
     else
         snprintf(buf, size, "%d CTAs, no clusters, %s epilogue", ctx->sm_count, ctx->staged ? "TMA" : "register");
@@ -658,18 +750,18 @@ static moert_result group_fill(const moert_host *host, const moert_fp8_block_gem
     out->n = (int32_t)g->n;
     out->kb_count = (int32_t)ceil_div64(g->k, TILE);
     out->m_tiles = (int32_t)ceil_div64(g->m, TILE);
+    out->n_tiles = (int32_t)ceil_div64(g->n, TILE);
     out->d_map = -1;
     return MOERT_OK;
 }
 
-/* The index of matrix `index`'s tensor map in its role (0: A, 128-row boxes; 1: B, 64-row boxes), encoded into
- * maps[*count] on first use. */
-static moert_result role_map(moert_fp8_block_ctx *ctx, const moert_fp8_block_gemm *gm, int index, int role,
-                             CUtensorMap *maps, int *count, int32_t *out)
+/* The index of matrix `index`'s tensor map (64-row boxes), encoded into maps[*count] on first use. */
+static moert_result matrix_map(moert_fp8_block_ctx *ctx, const moert_fp8_block_gemm *gm, int index, CUtensorMap *maps,
+                               int *count, int32_t *out)
 {
-    int *slot = &ctx->map_of[2 * index + role];
+    int *slot = &ctx->map_of[index];
     if (*slot < 0) {
-        MOK(encode_map(ctx, &gm->matrices[index], index, role ? HALF_ROWS : TILE, &maps[*count]));
+        MOK(encode_map(ctx, &gm->matrices[index], index, HALF_ROWS, &maps[*count]));
         *slot = (*count)++;
     }
     *out = *slot;
@@ -685,18 +777,18 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
         return report(host, MOERT_ERR_INVALID_ARGUMENT,
                       "fp8 block gemm: formats %d x %d (two E5M2 operands are not supported), %d matrices, %d groups",
                       gm->a_format, gm->b_format, gm->matrix_count, gm->group_count);
-    /* maps: at most two per matrix and one per group, then the groups */
-    const size_t max_maps = 2 * (size_t)gm->matrix_count + (size_t)gm->group_count;
+    /* maps: at most one per matrix and one per group, then the groups */
+    const size_t max_maps = (size_t)gm->matrix_count + (size_t)gm->group_count;
     const size_t maps_bytes = max_maps * sizeof(CUtensorMap);
     const size_t bytes = maps_bytes + (size_t)gm->group_count * sizeof(group_dev);
     MOK(slots_reserve(ctx, bytes));
-    if (ctx->map_of_count < 2 * gm->matrix_count) {
-        int *grown = (int *)realloc(ctx->map_of, 2 * (size_t)gm->matrix_count * sizeof(int));
+    if (ctx->map_of_count < gm->matrix_count) {
+        int *grown = (int *)realloc(ctx->map_of, (size_t)gm->matrix_count * sizeof(int));
         if (!grown) return report(host, MOERT_ERR_OUT_OF_MEMORY, "fp8 block gemm: out of host memory");
         ctx->map_of = grown;
-        ctx->map_of_count = 2 * gm->matrix_count;
+        ctx->map_of_count = gm->matrix_count;
     }
-    for (int i = 0; i < 2 * gm->matrix_count; i++) ctx->map_of[i] = -1;
+    for (int i = 0; i < gm->matrix_count; i++) ctx->map_of[i] = -1;
     const unsigned slot = ctx->next % SLOTS;
     if (ctx->used[slot]) CUDA_CHECK(host, cudaEventSynchronize(ctx->done[slot]));
     CUtensorMap *maps = (CUtensorMap *)ctx->pinned[slot];
@@ -709,11 +801,11 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
         if (g->m <= 0 || g->n <= 0 || g->k <= 0) continue;
         group_dev *gd = &groups[count];
         MOK(group_fill(host, gm, i, gd));
-        MOK(role_map(ctx, gm, g->a_matrix, 0, maps, &map_count, &gd->a_map));
-        MOK(role_map(ctx, gm, g->b_matrix, 1, maps, &map_count, &gd->b_map));
+        MOK(matrix_map(ctx, gm, g->a_matrix, maps, &map_count, &gd->a_map));
+        MOK(matrix_map(ctx, gm, g->b_matrix, maps, &map_count, &gd->b_map));
         if (ctx->staged && encode_d_map(ctx, g, gm->d_bf16 != 0, &maps[map_count])) gd->d_map = map_count++;
         gd->tile_start = (int32_t)units;
-        units += ceil_div64(gd->m_tiles, cluster) * ceil_div64(g->n, TILE);
+        units += (int64_t)gd->m_tiles * ceil_div64(gd->n_tiles, cluster);
         count++;
     }
     if (count == 0) return MOERT_OK;

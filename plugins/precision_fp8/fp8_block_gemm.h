@@ -70,12 +70,13 @@ void moert_fp8_block_ctx_destroy(moert_fp8_block_ctx *ctx);
 
 /* How the kernel runs (defaults: clusters of 2 where they fit, TMA epilogue; the environment's
  * MOERT_FP8_BLOCK_CLUSTER=1 and MOERT_FP8_BLOCK_EPILOGUE=registers change the defaults of new contexts):
- *   cluster 2: CTA pairs share each B tile through TMA multicast; 1: every CTA loads its own.
+ *   cluster 2: CTA pairs (neighbouring column blocks) share each A tile through TMA multicast; 1: every CTA
+ *              loads its own.
  *   staged_epilogue 1: D is stored or added by TMA from shared memory; 0: from registers.
  * MOERT_ERR_INVALID_ARGUMENT for another cluster size, MOERT_ERR_UNSUPPORTED for 2 where no pair fits. */
 moert_result moert_fp8_block_ctx_configure(moert_fp8_block_ctx *ctx, int cluster, int staged_epilogue);
 
-/* A line naming the configuration above, for reports ("clusters of 2 CTAs (B multicast), TMA epilogue"). */
+/* A line naming the configuration above, for reports ("66 clusters of 2 CTAs (A multicast), TMA epilogue"). */
 void moert_fp8_block_ctx_describe(const moert_fp8_block_ctx *ctx, char *buf, size_t size);
 
 /* Enqueues the grouped GEMM on stream (no host sync, except to reuse a table slot a call from 16 calls ago still
