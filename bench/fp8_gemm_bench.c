@@ -394,6 +394,7 @@ int main(int argc, char **argv)
 
         moert_bf16_cuda *bf16 = NULL;
         MOK(moert_bf16_cuda_create(&bench_host, NULL, 0, MOERT_BF16_CUDA_EXPERT_LOOP, &bf16));
+        MOK(bf16_device_gemm_prepare(&bench_host)); /* bf16_wgmma's kernels */
         MOK(moert_bf16_cuda_set_streams(bf16, streams));
         int64_t *counts_device = NULL;
         CK(cudaMalloc((void **)&counts_device, (size_t)E * sizeof(int64_t)));

@@ -16,11 +16,11 @@
  * after the consumers of both CTAs handed it back. A consumer whose 64 rows all lie past the group's m (an expert's
  * last, short row block) skips its wgmma, so such a tile costs half.
  *
- * The epilogue: each consumer writes its part of the tile into one of two sets of shared-memory boxes (swizzled, as
- * TMA reads them) and goes on with the next tile at once; its epilogue warp hands the boxes to TMA, which stores
- * them into D clipped to the group's m x n. When adding to D (the wgrad's grad_weight), the epilogue warp loads the
- * old values of the NEXT tile into the other set while this one runs, so the read of D overlaps a whole tile of
- * work. Groups whose D cannot be described by a tensor map (a base or row stride not a multiple of 16 bytes) are
+ * The epilogue: each consumer writes its part of the tile into a set of shared-memory boxes (swizzled, as TMA
+ * reads them) and goes on with the next tile at once; its epilogue warp hands the boxes to TMA, which stores them
+ * into D clipped to the group's m x n. bf16 D has two sets, filled in turn; fp32 D one. When adding to D (the
+ * wgrad's grad_weight), the epilogue warp loads the old values into the tile's set ahead of the consumer, so the
+ * read of D overlaps the main loop. Groups whose D cannot be described by a tensor map (a base or row stride not a multiple of 16 bytes) are
  * stored from registers. */
 #include "fp8_block_gemm.h"
 
@@ -42,18 +42,19 @@
 #define SLOTS 16                     /* tables in flight */
 #define BAND 8                       /* row blocks of a group that run side by side (see tile_at) */
 #define OUT_BOX_BYTES 8192           /* one staged output box: 64 rows of 128 bytes */
-#define OUT_SETS 2                   /* staged output sets per consumer (one filled while the other is moved) */
+#define MAX_OUT_SETS 2               /* staged output sets per consumer (one filled while the other is moved) */
 #define MAX_CLUSTER 2
 
-/* The ring's depth and the staged output's size (two sets of a whole tile): an fp32 tile takes 64 KB, which leaves
- * room for two stages; a bf16 one for four. */
-static inline int stages_for(int d_bf16) { return d_bf16 ? 4 : 2; }
+/* The ring's depth and the staged output's sets (each a whole tile): two bf16 sets (64 KB) or one fp32 set (64 KB)
+ * leave room for four stages. */
+static inline int stages_for(int d_bf16) { return d_bf16 ? 4 : 4; }
+__host__ __device__ static inline int out_sets_for(int d_bf16) { return d_bf16 ? 2 : 1; }
 __host__ __device__ static inline size_t staging_bytes(int d_bf16) { return (size_t)TILE * TILE * (d_bf16 ? 2 : 4); }
 static inline size_t smem_bytes(int d_bf16)
 {
     const size_t stages = (size_t)stages_for(d_bf16);
-    return 1024 + stages * (2 * TILE_BYTES + 2 * TILE * 4 + 2 * 8) + OUT_SETS * staging_bytes(d_bf16) +
-           2 * 2 * OUT_SETS * 8;
+    return 1024 + stages * (2 * TILE_BYTES + 2 * TILE * 4 + 2 * 8) + out_sets_for(d_bf16) * staging_bytes(d_bf16) +
+           2 * 2 * MAX_OUT_SETS * 8;
 }
 
 /* A group as the kernel reads it (the host's moert_fp8_block_group with its tiles counted). */
@@ -73,6 +74,7 @@ typedef struct kernel_args {
     int units;   /* work units: a row block and `cluster` consecutive column blocks of a group */
     int cluster; /* CTAs per cluster: 1 or 2 */
     int stages;
+    int out_sets; /* 1 or 2 (out_sets_for) */
     int d_bf16, accumulate;
 } kernel_args;
 
@@ -216,17 +218,37 @@ __device__ __forceinline__ int out_box_count(const kernel_args &args, const grou
     return left < TILE / box_cols ? left : TILE / box_cols;
 }
 
-/* The epilogue warp of consumer warpgroup c (one thread): walks the CTA's tiles in the consumer's order and, for
- * each tile whose part c the TMA epilogue stores, makes an output set ready for the consumer (loading D's old values
- * into it when adding: d_ready completes when they land; else once TMA has read the set's last tile out of it),
- * then waits until the consumer has written the tile there (d_staged) and stores it into D by TMA. The set of the
- * next such tile is made ready before waiting for this one, so its old values load while this tile computes. */
-__device__ __forceinline__ void epilogue_dma(const kernel_args &args, int rank, int c, uint8_t *boxes, uint64_t *d_ready,
-                             uint64_t *d_staged)
+/* A tile whose stores the epilogue warp has still to issue, once its consumer has staged it. */
+typedef struct pending_tile {
+    int x0, y0, count, map; /* map -1: none */
+} pending_tile;
+
+/* Waits until the consumer has written tile p into output set `set`, then hands the set's boxes to TMA. */
+__device__ __forceinline__ void store_staged(const kernel_args &args, pending_tile &p, uint8_t *boxes, int set,
+                                             uint64_t *d_staged, uint32_t &staged_phase)
 {
     const int box_cols = args.d_bf16 ? 64 : 32;
     const size_t set_bytes = staging_bytes(args.d_bf16) / 2; /* one consumer's half of a tile */
-    int pending_x0 = 0, pending_y0 = 0, pending_count = 0, pending_map = -1;
+    mbar_wait(&d_staged[set], (staged_phase >> set) & 1);
+    staged_phase ^= 1u << set;
+    for (int b = 0; b < p.count; b++)
+        tensor_store_2d(args.maps + p.map, p.x0 + b * box_cols, p.y0, boxes + set * set_bytes + b * OUT_BOX_BYTES);
+    bulk_commit();
+    p.map = -1;
+}
+
+/* The epilogue warp of consumer warpgroup c (one thread): walks the CTA's tiles in the consumer's order and, for
+ * each tile whose part c the TMA epilogue stores, makes an output set ready for the consumer (loading D's old values
+ * into it when adding: d_ready completes when they land; else once TMA has read the set's last tile out of it),
+ * then, once the consumer has written the tile there (d_staged), stores it into D by TMA. With two sets the next
+ * tile's set is made ready before this tile is waited for, so its old values load while this tile computes; with
+ * one (fp32 D, whose second set would cost half the stage ring) only after this tile's store has left it. */
+__device__ __forceinline__ void epilogue_dma(const kernel_args &args, int rank, int c, uint8_t *boxes,
+                                             uint64_t *d_ready, uint64_t *d_staged)
+{
+    const int box_cols = args.d_bf16 ? 64 : 32;
+    const size_t set_bytes = staging_bytes(args.d_bf16) / 2;
+    pending_tile pending = {0, 0, 0, -1};
     int set = 0;
     uint32_t staged_phase = 0; /* bit per set */
     for (int u = blockIdx.x / args.cluster; u < args.units; u += gridDim.x / args.cluster) {
@@ -235,9 +257,10 @@ __device__ __forceinline__ void epilogue_dma(const kernel_args &args, int rank, 
         int x0, y0;
         const int count = g.d_map >= 0 ? out_box_count(args, g, tp, c, &x0, &y0) : 0;
         if (count == 0) continue;
-        const int next = pending_map >= 0 ? set ^ 1 : set; /* the set this tile goes into */
+        if (args.out_sets == 1 && pending.map >= 0) store_staged(args, pending, boxes, set, d_staged, staged_phase);
+        const int next = pending.map >= 0 ? set ^ 1 : set; /* the set this tile goes into */
         uint8_t *next_boxes = boxes + next * set_bytes;
-        bulk_wait_read(); /* the set's last tile (two tiles ago) has left it */
+        bulk_wait_read(); /* the set's last tile has left it */
         if (args.accumulate) {
             mbar_arrive_expect_tx(&d_ready[next], (uint32_t)count * OUT_BOX_BYTES);
             for (int b = 0; b < count; b++)
@@ -246,24 +269,11 @@ __device__ __forceinline__ void epilogue_dma(const kernel_args &args, int rank, 
         } else {
             mbar_arrive(&d_ready[next]);
         }
-        if (pending_map >= 0) { /* the previous tile, in `set` */
-            mbar_wait(&d_staged[set], (staged_phase >> set) & 1);
-            staged_phase ^= 1u << set;
-            for (int b = 0; b < pending_count; b++)
-                tensor_store_2d(args.maps + pending_map, pending_x0 + b * box_cols, pending_y0,
-                                boxes + set * set_bytes + b * OUT_BOX_BYTES);
-            bulk_commit();
-        }
+        if (pending.map >= 0) store_staged(args, pending, boxes, set, d_staged, staged_phase); /* in `set` */
         set = next;
-        pending_x0 = x0, pending_y0 = y0, pending_count = count, pending_map = g.d_map;
+        pending.x0 = x0, pending.y0 = y0, pending.count = count, pending.map = g.d_map;
     }
-    if (pending_map >= 0) {
-        mbar_wait(&d_staged[set], (staged_phase >> set) & 1);
-        for (int b = 0; b < pending_count; b++)
-            tensor_store_2d(args.maps + pending_map, pending_x0 + b * box_cols, pending_y0,
-                            boxes + set * set_bytes + b * OUT_BOX_BYTES);
-        bulk_commit();
-    }
+    if (pending.map >= 0) store_staged(args, pending, boxes, set, d_staged, staged_phase);
     bulk_wait_all(); /* the boxes are read before the CTA's memory goes */
 }
 
@@ -479,7 +489,7 @@ __device__ __forceinline__ void consume(const kernel_args &args, int rank, int c
         if (g.d_map >= 0) {
             stage_tile(args, acc, boxes + set * set_bytes, &d_ready[set], (ready_phase >> set) & 1, &d_staged[set]);
             ready_phase ^= 1u << set;
-            set ^= 1;
+            set ^= args.out_sets - 1;
         } else {
             store_tile(g, tp.m_tile * TILE + r0, tp.n_tile * TILE + col0, acc, part0, args.d_bf16, args.accumulate);
         }
@@ -497,13 +507,13 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
     const int stages = args.stages, cluster = args.cluster;
     uint8_t *a_tiles = smem;
     uint8_t *b_tiles = a_tiles + stages * TILE_BYTES;
-    uint8_t *out_boxes = b_tiles + stages * TILE_BYTES; /* [2 consumers][OUT_SETS][half a tile of D] */
-    float *a_factors = (float *)(out_boxes + OUT_SETS * staging_bytes(args.d_bf16)); /* [stages][128] */
+    uint8_t *out_boxes = b_tiles + stages * TILE_BYTES; /* [2 consumers][out_sets][half a tile of D] */
+    float *a_factors = (float *)(out_boxes + args.out_sets * staging_bytes(args.d_bf16)); /* [stages][128] */
     float *b_factors = a_factors + stages * TILE; /* [stages][128] (per block: [0] only) */
     uint64_t *full = (uint64_t *)(b_factors + stages * TILE);
     uint64_t *empty = full + stages;
-    uint64_t *d_ready = empty + stages;              /* [2 consumers][OUT_SETS]: the set may be written */
-    uint64_t *d_staged = d_ready + 2 * OUT_SETS;     /* [2 consumers][OUT_SETS]: the set holds the tile */
+    uint64_t *d_ready = empty + stages;              /* [2 consumers][MAX_OUT_SETS]: the set may be written */
+    uint64_t *d_staged = d_ready + 2 * MAX_OUT_SETS; /* [2 consumers][MAX_OUT_SETS]: the set holds the tile */
     const int rank = (int)(blockIdx.x % cluster);
 
     if (threadIdx.x == 0) {
@@ -511,7 +521,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
             mbar_init_count(&full[s], 32 + 1); /* the producer's lanes' factor copies, lane 0's TMA bytes */
             mbar_init_count(&empty[s], CONSUMER_WARPS * cluster);
         }
-        for (int i = 0; i < 2 * OUT_SETS; i++) {
+        for (int i = 0; i < 2 * MAX_OUT_SETS; i++) {
             mbar_init(&d_ready[i]);
             mbar_init_count(&d_staged[i], 4); /* the consumer's warps */
         }
@@ -523,7 +533,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
         __syncthreads();
 
     const int wg = threadIdx.x / 128, warp = threadIdx.x / 32;
-    const size_t consumer_boxes = OUT_SETS * staging_bytes(args.d_bf16) / 2;
+    const size_t consumer_boxes = args.out_sets * staging_bytes(args.d_bf16) / 2;
     if (wg == 0) {
         /* registers move between warpgroups of the CTA: the consumers' increase (256 x (224 - 168)) must not exceed
          * what the producer's warpgroup gives back (128 x (168 - 56)), or setmaxnreg.inc waits forever */
@@ -531,15 +541,15 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
         if (warp == 0) produce<B_PER_ROW>(args, a_tiles, b_tiles, a_factors, b_factors, full, empty, rank);
         if ((warp == 1 || warp == 2) && threadIdx.x % 32 == 0) {
             const int c = warp - 1;
-            epilogue_dma(args, rank, c, out_boxes + c * consumer_boxes, d_ready + c * OUT_SETS,
-                         d_staged + c * OUT_SETS);
+            epilogue_dma(args, rank, c, out_boxes + c * consumer_boxes, d_ready + c * MAX_OUT_SETS,
+                         d_staged + c * MAX_OUT_SETS);
         }
     } else {
         warpgroup_registers_inc<224>();
         const int c = wg - 1; /* rows c*64 .. c*64+63 of the tile */
         consume<A_FMT, B_FMT, B_PER_ROW>(args, rank, c, a_tiles, b_tiles, a_factors, b_factors, full, empty,
-                                         out_boxes + c * consumer_boxes, d_ready + c * OUT_SETS,
-                                         d_staged + c * OUT_SETS);
+                                         out_boxes + c * consumer_boxes, d_ready + c * MAX_OUT_SETS,
+                                         d_staged + c * MAX_OUT_SETS);
     }
     if (cluster > 1) cluster_sync(); /* no CTA leaves while its peer may still arrive on its barriers */
 #endif
@@ -826,6 +836,7 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
     args.d_bf16 = gm->d_bf16 != 0;
     args.accumulate = gm->accumulate != 0;
     args.stages = stages_for(args.d_bf16);
+    args.out_sets = out_sets_for(args.d_bf16);
     const int64_t resident = cluster > 1 ? ctx->max_clusters : ctx->sm_count;
     const int64_t grid = (units < resident ? units : resident) * cluster;
     cudaLaunchConfig_t cfg = {};
