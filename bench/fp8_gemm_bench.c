@@ -22,7 +22,8 @@
  * fails (exit 1, after the table and JSON) when any is above MAX_REL_ERR or not a number.
  *
  *   fp8_gemm_bench [out.json]    environment: MOERT_BENCH_MACHINE, MOERT_BENCH_GIT, MOERT_BENCH_REPEATS (10),
- *                                MOERT_BENCH_STREAMS (4), MOERT_BENCH_ONLY (substring of a shape name)
+ *                                MOERT_BENCH_STREAMS (4), MOERT_BENCH_ONLY (substring of a shape name),
+ *                                MOERT_BENCH_VARIANTS (comma-separated variant names: only those; for tuning runs)
  */
 #include <cuda_runtime_api.h>
 #include <math.h>
@@ -116,6 +117,17 @@ static int variant_applies(int v, int pass)
 {
     if (v == V_BF16_WGMMA) return pass != MOERT_GEMM_WGRAD;
     return pass == MOERT_GEMM_WGRAD || (v != V_BF16_FIRST && v != V_FP8_BLOCK_FIRST);
+}
+
+/* Whether MOERT_BENCH_VARIANTS (comma-separated names; unset: all) names variant v (quick tuning runs). */
+static int variant_selected(int v)
+{
+    const char *list = getenv("MOERT_BENCH_VARIANTS");
+    if (!list || !*list) return 1;
+    const size_t len = strlen(variant_names[v]);
+    for (const char *p = list; (p = strstr(p, variant_names[v])) != NULL; p += len)
+        if ((p == list || p[-1] == ',') && (p[len] == ',' || p[len] == 0)) return 1;
+    return 0;
 }
 
 static int variant_is_fp8(int v)
@@ -349,7 +361,7 @@ int main(int argc, char **argv)
     printf("device: %s, %d SMs; median of %d after %d warm-up calls; %d streams\n", prop.name,
            prop.multiProcessorCount, repeats, warmup, streams);
     /* how the blockwise kernel runs (MOERT_FP8_BLOCK_CLUSTER / MOERT_FP8_BLOCK_EPILOGUE pick it, for A/B runs) */
-    char block_kernel_mode[96] = "unavailable";
+    char block_kernel_mode[192] = "unavailable";
     moert_fp8_block_ctx *probe = NULL;
     if (moert_fp8_block_ctx_create(&bench_host, &probe) == MOERT_OK) {
         moert_fp8_block_ctx_describe(probe, block_kernel_mode, sizeof block_kernel_mode);
@@ -423,7 +435,7 @@ int main(int argc, char **argv)
                 for (int v = 0; v < V_COUNT + 2; v++) { /* the variants, then the two quantization-only runs */
                     const int quant_only = v >= V_COUNT;
                     const int var = quant_only ? (v == V_COUNT ? V_FP8_BLOCK : V_FP8_CURRENT) : v;
-                    if (!quant_only && (refused[var] || !variant_applies(var, pass))) continue;
+                    if (!quant_only && (refused[var] || !variant_applies(var, pass) || !variant_selected(var))) continue;
                     CK(cudaEventRecord(ev0, stream));
                     const moert_result grc = launch(&run, stream, var, pass, dw, 0, quant_only);
                     if (grc != MOERT_OK && (variant_is_fp8(var) || var == V_BF16_WGMMA) && !quant_only) {
@@ -448,7 +460,7 @@ int main(int argc, char **argv)
                 }
             double med[V_COUNT], qmed[2];
             for (int v = 0; v < V_COUNT; v++)
-                med[v] = refused[v] || !variant_applies(v, pass) ? NAN : median(times[v], repeats);
+                med[v] = refused[v] || !variant_applies(v, pass) || !variant_selected(v) ? NAN : median(times[v], repeats);
             for (int q = 0; q < 2; q++) qmed[q] = median(qtimes[q], repeats);
             if (si < 2) {
                 sum_ms[si][0] += med[V_FP8_BLOCK]; /* NaN (refused) stays NaN */
@@ -459,7 +471,7 @@ int main(int argc, char **argv)
                 sum_flops[si] += flops;
             }
             for (int v = 0; v < V_COUNT; v++) {
-                if (!variant_applies(v, pass) || result_count == MAX_RESULTS) {
+                if (!variant_applies(v, pass) || !variant_selected(v) || result_count == MAX_RESULTS) {
                     free(times[v]);
                     continue;
                 }

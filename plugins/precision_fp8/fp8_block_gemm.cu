@@ -45,16 +45,13 @@
 #define MAX_OUT_SETS 2               /* staged output sets per consumer (one filled while the other is moved) */
 #define MAX_CLUSTER 2
 
-/* The ring's depth and the staged output's sets (each a whole tile): two bf16 sets (64 KB) or one fp32 set (64 KB)
- * leave room for four stages. */
-static inline int stages_for(int d_bf16) { return d_bf16 ? 4 : 4; }
-__host__ __device__ static inline int out_sets_for(int d_bf16) { return d_bf16 ? 2 : 1; }
+#define STAGE_BYTES (2 * TILE_BYTES + 2 * TILE * 4 + 2 * 8) /* A and B tiles, their factors, two barriers */
 __host__ __device__ static inline size_t staging_bytes(int d_bf16) { return (size_t)TILE * TILE * (d_bf16 ? 2 : 4); }
-static inline size_t smem_bytes(int d_bf16)
+/* Dynamic shared memory of a ring of `stages` and `sets` staged output sets (plus alignment and the epilogue's
+ * barriers). */
+static inline size_t smem_bytes(int d_bf16, int stages, int sets)
 {
-    const size_t stages = (size_t)stages_for(d_bf16);
-    return 1024 + stages * (2 * TILE_BYTES + 2 * TILE * 4 + 2 * 8) + out_sets_for(d_bf16) * staging_bytes(d_bf16) +
-           2 * 2 * MAX_OUT_SETS * 8;
+    return 1024 + (size_t)stages * STAGE_BYTES + (size_t)sets * staging_bytes(d_bf16) + 2 * 2 * MAX_OUT_SETS * 8;
 }
 
 /* A group as the kernel reads it (the host's moert_fp8_block_group with its tiles counted). */
@@ -74,7 +71,7 @@ typedef struct kernel_args {
     int units;   /* work units: a row block and `cluster` consecutive column blocks of a group */
     int cluster; /* CTAs per cluster: 1 or 2 */
     int stages;
-    int out_sets; /* 1 or 2 (out_sets_for) */
+    int out_sets; /* staged output sets: 1 or 2 (0 without the TMA epilogue) */
     int d_bf16, accumulate;
 } kernel_args;
 
@@ -85,6 +82,8 @@ struct moert_fp8_block_ctx {
     int max_clusters; /* clusters of two that fit at once */
     int cluster;      /* 1 or 2 (MOERT_FP8_BLOCK_CLUSTER) */
     int staged;       /* TMA epilogue (MOERT_FP8_BLOCK_EPILOGUE=registers turns it off) */
+    int stages_set, sets_set; /* MOERT_FP8_BLOCK_STAGES / _SETS (tuning), 0: the defaults (ring_for) */
+    size_t smem_max;  /* the device's shared memory per block (opt-in) */
     size_t slot_bytes;
     void *pinned[SLOTS];
     void *table[SLOTS];
@@ -568,6 +567,17 @@ static kernel_fn kernel_for(int a_format, int b_format, int b_per_row)
     return NULL;
 }
 
+/* The ring's depth and the staged output sets of a call: by default two bf16 sets (64 KB, the next tile's set
+ * ready while this one is stored) or one fp32 set (64 KB), and as many stages as then fit (four); without the TMA
+ * epilogue no sets. MOERT_FP8_BLOCK_STAGES / _SETS override them within the shared memory. */
+static void ring_for(const moert_fp8_block_ctx *ctx, int d_bf16, int *stages, int *sets)
+{
+    *sets = !ctx->staged ? 0 : ctx->sets_set ? ctx->sets_set : d_bf16 ? 2 : 1;
+    *stages = ctx->stages_set ? ctx->stages_set : 16;
+    while (*stages > 2 && smem_bytes(d_bf16, *stages, *sets) > ctx->smem_max) (*stages)--;
+    if (smem_bytes(d_bf16, *stages, *sets) > ctx->smem_max) *sets = 1;
+}
+
 /* The cluster size and epilogue from the environment (tuning and A/B runs): MOERT_FP8_BLOCK_CLUSTER=1|2,
  * MOERT_FP8_BLOCK_EPILOGUE=tma|registers. Anything else keeps the default (2, tma). */
 static void options_from_env(moert_fp8_block_ctx *ctx)
@@ -575,6 +585,9 @@ static void options_from_env(moert_fp8_block_ctx *ctx)
     const char *cluster = getenv("MOERT_FP8_BLOCK_CLUSTER"), *epilogue = getenv("MOERT_FP8_BLOCK_EPILOGUE");
     if (cluster && strcmp(cluster, "1") == 0) ctx->cluster = 1;
     if (epilogue && strcmp(epilogue, "registers") == 0) ctx->staged = 0;
+    const char *stages = getenv("MOERT_FP8_BLOCK_STAGES"), *sets = getenv("MOERT_FP8_BLOCK_SETS");
+    if (stages && atoi(stages) >= 2) ctx->stages_set = atoi(stages);
+    if (sets && (atoi(sets) == 1 || atoi(sets) == 2)) ctx->sets_set = atoi(sets);
     const char *grid = getenv("MOERT_FP8_BLOCK_CLUSTERS"); /* tuning: fewer resident clusters */
     if (grid && atoi(grid) > 0 && atoi(grid) < ctx->max_clusters) ctx->max_clusters = atoi(grid);
 }
@@ -595,7 +608,9 @@ extern "C" moert_result moert_fp8_block_ctx_create(const moert_host *host, moert
     CUDA_CHECK(host, cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
     if (!fn || found != cudaDriverEntryPointSuccess)
         return report(host, MOERT_ERR_UNSUPPORTED, "the CUDA driver has no cuTensorMapEncodeTiled (needs 12.0 or newer)");
-    const size_t smem_max = smem_bytes(0) > smem_bytes(1) ? smem_bytes(0) : smem_bytes(1);
+    int smem_optin = 0;
+    CUDA_CHECK(host, cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    const size_t smem_max = (size_t)smem_optin;
     for (int a = 0; a < 2; a++)
         for (int b = 0; b < 2; b++)
             for (int per_row = 0; per_row < 2; per_row++) {
@@ -622,6 +637,7 @@ extern "C" moert_result moert_fp8_block_ctx_create(const moert_host *host, moert
     ctx->max_clusters = max_clusters < sm_count / MAX_CLUSTER ? max_clusters : sm_count / MAX_CLUSTER;
     ctx->cluster = max_clusters > 0 ? MAX_CLUSTER : 1;
     ctx->staged = 1;
+    ctx->smem_max = smem_max;
     options_from_env(ctx);
     if (max_clusters < 1) ctx->cluster = 1;
     for (int i = 0; i < SLOTS; i++) {
@@ -648,11 +664,18 @@ extern "C" moert_result moert_fp8_block_ctx_configure(moert_fp8_block_ctx *ctx, 
 
 extern "C" void moert_fp8_block_ctx_describe(const moert_fp8_block_ctx *ctx, char *buf, size_t size)
 {
+    int stages16, sets16, stages32, sets32;
+    ring_for(ctx, 1, &stages16, &sets16);
+    ring_for(ctx, 0, &stages32, &sets32);
+    char ring[96];
+    snprintf(ring, sizeof ring, "%d stages + %d output sets (bf16 D), %d + %d (fp32 D)", stages16, sets16, stages32,
+             sets32);
     if (ctx->cluster > 1)
-        snprintf(buf, size, "%d clusters of 2 CTAs (A multicast), %s epilogue", ctx->max_clusters,
-                 ctx->staged ? "TMA" : "register");
+        snprintf(buf, size, "%d clusters of 2 CTAs (A multicast), %s epilogue, %s", ctx->max_clusters,
+                 ctx->staged ? "TMA" : "register", ring);
     else
-        snprintf(buf, size, "%d CTAs, no clusters, %s epilogue", ctx->sm_count, ctx->staged ? "TMA" : "register");
+        snprintf(buf, size, "%d CTAs, no clusters, %s epilogue, %s", ctx->sm_count, ctx->staged ? "TMA" : "register",
+                 ring);
 }
 
 static void slots_free(moert_fp8_block_ctx *ctx)
@@ -835,8 +858,7 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
     args.cluster = cluster;
     args.d_bf16 = gm->d_bf16 != 0;
     args.accumulate = gm->accumulate != 0;
-    args.stages = stages_for(args.d_bf16);
-    args.out_sets = out_sets_for(args.d_bf16);
+    ring_for(ctx, args.d_bf16, &args.stages, &args.out_sets);
     const int64_t resident = cluster > 1 ? ctx->max_clusters : ctx->sm_count;
     const int64_t grid = (units < resident ? units : resident) * cluster;
     cudaLaunchConfig_t cfg = {};
@@ -845,7 +867,7 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
     attr.val.clusterDim.x = (unsigned)cluster, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
     cfg.gridDim = dim3((unsigned)grid);
     cfg.blockDim = dim3(THREADS);
-    cfg.dynamicSmemBytes = smem_bytes(args.d_bf16);
+    cfg.dynamicSmemBytes = smem_bytes(args.d_bf16, args.stages, args.out_sets);
     cfg.stream = stream;
     cfg.attrs = &attr;
     cfg.numAttrs = 1;

@@ -76,7 +76,8 @@ void moert_fp8_block_ctx_destroy(moert_fp8_block_ctx *ctx);
  * MOERT_ERR_INVALID_ARGUMENT for another cluster size, MOERT_ERR_UNSUPPORTED for 2 where no pair fits. */
 moert_result moert_fp8_block_ctx_configure(moert_fp8_block_ctx *ctx, int cluster, int staged_epilogue);
 
-/* A line naming the configuration above, for reports ("66 clusters of 2 CTAs (A multicast), TMA epilogue"). */
+/* A line naming the configuration above and the stage ring, for reports ("66 clusters of 2 CTAs (A multicast), TMA
+ * epilogue, 4 stages + 2 output sets (bf16 D), 4 + 1 (fp32 D)"). */
 void moert_fp8_block_ctx_describe(const moert_fp8_block_ctx *ctx, char *buf, size_t size);
 
 /* Enqueues the grouped GEMM on stream (no host sync, except to reuse a table slot a call from 16 calls ago still

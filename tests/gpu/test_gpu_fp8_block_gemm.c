@@ -327,7 +327,7 @@ int main(void)
             test_failures++;
             continue;
         }
-        char mode[96];
+        char mode[192];
         moert_fp8_block_ctx_describe(ctx, mode, sizeof mode);
         printf("-- %s\n", mode);
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
