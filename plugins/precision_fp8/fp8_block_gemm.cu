@@ -72,6 +72,8 @@ typedef struct kernel_args {
     int cluster; /* CTAs per cluster: 1 or 2 */
     int stages;
     int out_sets; /* staged output sets: 1 or 2 (0 without the TMA epilogue) */
+    int pairs;    /* forward form's main loop: 0 one k-block at a time, 1 in pairs, 2 in pairs, the second consumer
+                     warpgroup one block out of step with the first */
     int d_bf16, accumulate;
 } kernel_args;
 
@@ -83,6 +85,7 @@ struct moert_fp8_block_ctx {
     int cluster;      /* 1 or 2 (MOERT_FP8_BLOCK_CLUSTER) */
     int staged;       /* TMA epilogue (MOERT_FP8_BLOCK_EPILOGUE=registers turns it off) */
     int stages_set, sets_set; /* MOERT_FP8_BLOCK_STAGES / _SETS (tuning), 0: the defaults (ring_for) */
+    int pairs;        /* kernel_args.pairs (MOERT_FP8_BLOCK_PAIRS, tuning; default 2) */
     size_t smem_max;  /* the device's shared memory per block (opt-in) */
     size_t slot_bytes;
     void *pinned[SLOTS];
@@ -467,7 +470,14 @@ __device__ __forceinline__ void consume(const kernel_args &args, int rank, int c
          * every wgmma; so the pair is issued together and drained before the loop goes on.) The per-row form (the
          * wgrad's, bound by D's memory traffic) runs one block at a time: its promotion needs more registers. */
         int kb = 0;
-        if (!B_PER_ROW) {
+        if (!B_PER_ROW && args.pairs == 2 && c == 1 && kb_count > 2) { /* the second warpgroup one block out of step */
+            const int s0 = issue_block<A_FMT, B_FMT>(part0, ring, stages, full, a_tiles, b_tiles, c);
+            wgmma_wait<0>();
+            promote<B_PER_ROW>(acc, part0, a_factors, b_factors, s0, r0, col0);
+            release_stage(empty, s0, cluster, rank);
+            kb = 1;
+        }
+        if (!B_PER_ROW && args.pairs) {
             for (; kb + 1 < kb_count; kb += 2) {
                 const int s0 = issue_block<A_FMT, B_FMT>(part0, ring, stages, full, a_tiles, b_tiles, c);
                 const int s1 = issue_block<A_FMT, B_FMT>(part1, ring, stages, full, a_tiles, b_tiles, c);
@@ -588,6 +598,9 @@ static void options_from_env(moert_fp8_block_ctx *ctx)
     const char *stages = getenv("MOERT_FP8_BLOCK_STAGES"), *sets = getenv("MOERT_FP8_BLOCK_SETS");
     if (stages && atoi(stages) >= 2) ctx->stages_set = atoi(stages);
     if (sets && (atoi(sets) == 1 || atoi(sets) == 2)) ctx->sets_set = atoi(sets);
+    const char *pairs = getenv("MOERT_FP8_BLOCK_PAIRS");
+    if (pairs && (strcmp(pairs, "0") == 0 || strcmp(pairs, "1") == 0 || strcmp(pairs, "2") == 0))
+        ctx->pairs = atoi(pairs);
     const char *grid = getenv("MOERT_FP8_BLOCK_CLUSTERS"); /* tuning: fewer resident clusters */
     if (grid && atoi(grid) > 0 && atoi(grid) < ctx->max_clusters) ctx->max_clusters = atoi(grid);
 }
@@ -637,6 +650,7 @@ extern "C" moert_result moert_fp8_block_ctx_create(const moert_host *host, moert
     ctx->max_clusters = max_clusters < sm_count / MAX_CLUSTER ? max_clusters : sm_count / MAX_CLUSTER;
     ctx->cluster = max_clusters > 0 ? MAX_CLUSTER : 1;
     ctx->staged = 1;
+    ctx->pairs = 2;
     ctx->smem_max = smem_max;
     options_from_env(ctx);
     if (max_clusters < 1) ctx->cluster = 1;
@@ -859,6 +873,7 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
     args.d_bf16 = gm->d_bf16 != 0;
     args.accumulate = gm->accumulate != 0;
     ring_for(ctx, args.d_bf16, &args.stages, &args.out_sets);
+    args.pairs = ctx->pairs;
     const int64_t resident = cluster > 1 ? ctx->max_clusters : ctx->sm_count;
     const int64_t grid = (units < resident ? units : resident) * cluster;
     cudaLaunchConfig_t cfg = {};
