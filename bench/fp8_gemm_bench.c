@@ -593,15 +593,16 @@ int main(int argc, char **argv)
         for (int i = 0; i < result_count; i++) {
             const bench_result *r = &results[i];
             if (isnan(r->ms)) continue; /* refused: listed under "skipped" */
-            char quant[32] = "null", err[32] = "null";
+            char quant[32] = "null", err[32] = "null", vs[32] = "null"; /* NaN (not run) is null in JSON */
             if (!isnan(r->quant_ms)) snprintf(quant, sizeof quant, "%.5f", r->quant_ms);
+            if (!isnan(r->vs_bf16)) snprintf(vs, sizeof vs, "%.4f", r->vs_bf16);
             if (!isnan(r->rel_err)) snprintf(err, sizeof err, "%.6f", r->rel_err);
             fprintf(f,
                     "%s    {\"name\": \"fp8 gemm %s %s %s\", \"value\": %.4f, \"unit\": \"TFLOP/s\", \"median_ms\": %.5f, "
-                    "\"vs_bf16\": %.4f, \"quant_ms\": %s, \"rel_err_vs_bf16\": %s, "
+                    "\"vs_bf16\": %s, \"quant_ms\": %s, \"rel_err_vs_bf16\": %s, "
                     "\"config\": {\"rows\": %lld, \"experts\": %lld, \"k_in\": %lld, \"n_out\": %lld, \"pass\": \"%s\", "
                     "\"variant\": \"%s\"}}",
-                    sep, r->shape, r->pass, r->variant, r->tflops, r->ms, r->vs_bf16, quant, err, (long long)r->rows,
+                    sep, r->shape, r->pass, r->variant, r->tflops, r->ms, vs, quant, err, (long long)r->rows,
                     (long long)r->experts, (long long)r->k_in, (long long)r->n_out, r->pass, r->variant);
             sep = ",\n";
         }
@@ -610,15 +611,15 @@ int main(int argc, char **argv)
             const double ms = si < 2 ? sum_ms[si][0] : all_ms[0], bf = si < 2 ? sum_ms[si][1] : all_ms[1];
             const double loop = si < 2 ? sum_ms[si][2] : all_ms[2], gemm = si < 2 ? sum_ms[si][3] : all_ms[3];
             const double fl = si < 2 ? sum_flops[si] : all_flops;
-            if (isnan(ms) || !(ms > 0)) continue;
+            if (isnan(ms) || isnan(bf) || isnan(loop) || !(ms > 0)) continue; /* refused, or not run */
             fprintf(f, "%s    {\"name\": \"fp8 gemm %s fwd+dgrad+wgrad fp8_blockwise\", \"value\": %.4f, "
                        "\"unit\": \"TFLOP/s\", \"sum_of_median_ms\": %.5f, \"vs_bf16\": %.4f, \"bf16_tflops\": %.4f, "
                        "\"vs_bf16_cublaslt_loop\": %.4f, \"gemm_alone_ms\": %.5f, \"gemm_alone_vs_bf16\": %.4f, "
                        "\"target_vs_bf16\": %.2f, \"config\": {\"routing\": \"uniform top-%d of %d, %d tokens x %d "
                        "ranks, rank 0's %lld experts\"}}",
                     sep, si < 2 ? shapes[si].name : "deepseek-v3 fc1+fc2", fl / (ms * 1e-3) / 1e12, ms, bf / ms,
-                    fl / (bf * 1e-3) / 1e12, loop / ms, gemm, bf / gemm, BLOCKWISE_TARGET, ROUTE_TOPK, ROUTE_EXPERTS, ROUTE_TOKENS, ROUTE_RANKS,
-                    (long long)shapes[0].experts);
+                    fl / (bf * 1e-3) / 1e12, loop / ms, gemm, bf / gemm, BLOCKWISE_TARGET, ROUTE_TOPK, ROUTE_EXPERTS,
+                    ROUTE_TOKENS, ROUTE_RANKS, (long long)shapes[0].experts);
             sep = ",\n";
         }
         for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
