@@ -69,7 +69,9 @@ moert_result moert_fp8_block_ctx_create(const moert_host *host, moert_fp8_block_
 void moert_fp8_block_ctx_destroy(moert_fp8_block_ctx *ctx);
 
 /* How the kernel runs (defaults: clusters of 2 where they fit, TMA epilogue; the environment's
- * MOERT_FP8_BLOCK_CLUSTER=1 and MOERT_FP8_BLOCK_EPILOGUE=registers change the defaults of new contexts):
+ * MOERT_FP8_BLOCK_CLUSTER=1 and MOERT_FP8_BLOCK_EPILOGUE=registers change the defaults of new contexts, and
+ * MOERT_FP8_BLOCK_STAGES=N, MOERT_FP8_BLOCK_SETS=1|2 and MOERT_FP8_BLOCK_PAIRS=0|1|2 tune the stage ring, the staged
+ * output sets and the forward form's main loop, see docs/plugins/precision_fp8.md):
  *   cluster 2: CTA pairs (neighbouring column blocks) share each A tile through TMA multicast; 1: every CTA
  *              loads its own.
  *   staged_epilogue 1: D is stored or added by TMA from shared memory; 0: from registers.
