@@ -10,8 +10,8 @@
  *
  * CTAs run in clusters of two (by default) on neighbouring SMs: the pair takes column blocks 2j and 2j+1 of the same
  * row block, and each CTA loads half of the shared A tile and multicasts it to both, so L2 serves 24 KB instead of
- * 32 KB per k-block and tile (128x128 FP8 tiles at full tensor-core rate would need more L2 bandwidth than H100 and
- * H200 have). Pairs run along N, not M: a group's rows (an expert's tokens) are rarely a multiple of 256, and a
+ * 32 KB per k-block and tile. (Session 10 measured no change in time with or without it: at the kernel's present
+ * rate L2 is half busy; see docs/plugins/precision_fp8.md.) Pairs run along N, not M: a group's rows (an expert's tokens) are rarely a multiple of 256, and a
  * pair along M left a CTA without rows for every expert with an odd number of row blocks. A stage is refilled only
  * after the consumers of both CTAs handed it back. A consumer whose 64 rows all lie past the group's m (an expert's
  * last, short row block) skips its wgmma, so such a tile costs half.
@@ -47,6 +47,8 @@
 
 #define STAGE_BYTES (2 * TILE_BYTES + 2 * TILE * 4 + 2 * 8) /* A and B tiles, their factors, two barriers */
 __host__ __device__ static inline size_t staging_bytes(int d_bf16) { return (size_t)TILE * TILE * (d_bf16 ? 2 : 4); }
+/* One consumer's output set: half a tile of D. */
+__host__ __device__ static inline size_t set_bytes_of(int d_bf16) { return staging_bytes(d_bf16) / 2; }
 /* Dynamic shared memory of a ring of `stages` and `sets` staged output sets (plus alignment and the epilogue's
  * barriers). */
 static inline size_t smem_bytes(int d_bf16, int stages, int sets)
@@ -230,7 +232,7 @@ __device__ __forceinline__ void store_staged(const kernel_args &args, pending_ti
                                              uint64_t *d_staged, uint32_t &staged_phase)
 {
     const int box_cols = args.d_bf16 ? 64 : 32;
-    const size_t set_bytes = staging_bytes(args.d_bf16) / 2; /* one consumer's half of a tile */
+    const size_t set_bytes = set_bytes_of(args.d_bf16);
     mbar_wait(&d_staged[set], (staged_phase >> set) & 1);
     staged_phase ^= 1u << set;
     for (int b = 0; b < p.count; b++)
@@ -249,7 +251,7 @@ __device__ __forceinline__ void epilogue_dma(const kernel_args &args, int rank, 
                                              uint64_t *d_ready, uint64_t *d_staged)
 {
     const int box_cols = args.d_bf16 ? 64 : 32;
-    const size_t set_bytes = staging_bytes(args.d_bf16) / 2;
+    const size_t set_bytes = set_bytes_of(args.d_bf16);
     pending_tile pending = {0, 0, 0, -1};
     int set = 0;
     uint32_t staged_phase = 0; /* bit per set */
@@ -386,7 +388,7 @@ __device__ __forceinline__ void ring_next(ring_pos &r, int stages)
 /* Hands stage s back to the producers of the cluster (one arrival per consumer warp, in each CTA). */
 __device__ __forceinline__ void release_stage(uint64_t *empty, int s, int cluster, int rank)
 {
-    mbar_arrive_warp(&empty[s], cluster == 2, (uint32_t)(rank ^ 1));
+    mbar_arrive_warp(&empty[s], cluster == 2, (uint32_t)(cluster == 2 ? rank ^ 1 : rank)); /* a CTA that exists */
 }
 
 /* Waits for the next stage and starts its four wgmma into part (one commit group); returns the stage. */
@@ -434,6 +436,19 @@ __device__ __forceinline__ void promote(float *acc, float *part, const float *a_
     }
 }
 
+/* One k-block on its own: wait for the stage, wgmma into part, wait for them, promote into acc, hand the stage back. */
+template <int A_FMT, int B_FMT, int B_PER_ROW>
+__device__ __forceinline__ void single_block(float *acc, float *part, ring_pos &r, int stages, uint64_t *full,
+                                             uint64_t *empty, const uint8_t *a_tiles, const uint8_t *b_tiles,
+                                             const float *a_factors, const float *b_factors, int c, int r0, int col0,
+                                             int cluster, int rank)
+{
+    const int s = issue_block<A_FMT, B_FMT>(part, r, stages, full, a_tiles, b_tiles, c);
+    wgmma_wait<0>();
+    promote<B_PER_ROW>(acc, part, a_factors, b_factors, s, r0, col0);
+    release_stage(empty, s, cluster, rank);
+}
+
 /* Consumer warpgroup c: per tile, the k-blocks' wgmma into part0 / part1 in turn, one block ahead of the promotion
  * into acc, then the epilogue (staged for the epilogue warp, or stored from registers). */
 template <int A_FMT, int B_FMT, int B_PER_ROW>
@@ -446,7 +461,7 @@ __device__ __forceinline__ void consume(const kernel_args &args, int rank, int c
     const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
     const int r0 = c * 64 + warp * 16 + lane / 4; /* this thread's rows: r0 and r0 + 8 */
     const int col0 = 2 * (lane % 4);              /* and columns col0 + 8 j, + 1 */
-    const size_t set_bytes = staging_bytes(args.d_bf16) / 2;
+    const size_t set_bytes = set_bytes_of(args.d_bf16);
     ring_pos ring = {0, 0};
     int set = 0;
     uint32_t ready_phase = 0; /* bit per set */
@@ -471,10 +486,8 @@ __device__ __forceinline__ void consume(const kernel_args &args, int rank, int c
          * wgrad's, bound by D's memory traffic) runs one block at a time: its promotion needs more registers. */
         int kb = 0;
         if (!B_PER_ROW && args.pairs == 2 && c == 1 && kb_count > 2) { /* the second warpgroup one block out of step */
-            const int s0 = issue_block<A_FMT, B_FMT>(part0, ring, stages, full, a_tiles, b_tiles, c);
-            wgmma_wait<0>();
-            promote<B_PER_ROW>(acc, part0, a_factors, b_factors, s0, r0, col0);
-            release_stage(empty, s0, cluster, rank);
+            single_block<A_FMT, B_FMT, B_PER_ROW>(acc, part0, ring, stages, full, empty, a_tiles, b_tiles, a_factors,
+                                                  b_factors, c, r0, col0, cluster, rank);
             kb = 1;
         }
         if (!B_PER_ROW && args.pairs) {
@@ -489,12 +502,9 @@ __device__ __forceinline__ void consume(const kernel_args &args, int rank, int c
                 release_stage(empty, s1, cluster, rank);
             }
         }
-        for (; kb < kb_count; kb++) {
-            const int s0 = issue_block<A_FMT, B_FMT>(part0, ring, stages, full, a_tiles, b_tiles, c);
-            wgmma_wait<0>();
-            promote<B_PER_ROW>(acc, part0, a_factors, b_factors, s0, r0, col0);
-            release_stage(empty, s0, cluster, rank);
-        }
+        for (; kb < kb_count; kb++)
+            single_block<A_FMT, B_FMT, B_PER_ROW>(acc, part0, ring, stages, full, empty, a_tiles, b_tiles, a_factors,
+                                                  b_factors, c, r0, col0, cluster, rank);
         if (g.d_map >= 0) {
             stage_tile(args, acc, boxes + set * set_bytes, &d_ready[set], (ready_phase >> set) & 1, &d_staged[set]);
             ready_phase ^= 1u << set;
@@ -542,7 +552,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
         __syncthreads();
 
     const int wg = threadIdx.x / 128, warp = threadIdx.x / 32;
-    const size_t consumer_boxes = args.out_sets * staging_bytes(args.d_bf16) / 2;
+    const size_t consumer_boxes = args.out_sets * set_bytes_of(args.d_bf16);
     if (wg == 0) {
         /* registers move between warpgroups of the CTA: the consumers' increase (256 x (224 - 168)) must not exceed
          * what the producer's warpgroup gives back (128 x (168 - 56)), or setmaxnreg.inc waits forever */
