@@ -1,7 +1,8 @@
 /* Blockwise-scaled FP8 grouped GEMM (see fp8_block_gemm.h): persistent CTAs over 128x128 output tiles, three
  * warpgroups each.
- * - Producer warp (warp 0): loads each 128-long k-block of A and B through TMA into a ring of stages (128-byte
- *   swizzled rows, as wgmma reads them), and the block's scale factors into the same stage.
+ * - Producers (warp 0's lane 0: A; warp 3: B and the scale factors): load each 128-long k-block of A and B through
+ *   TMA into a ring of stages (128-byte swizzled rows, as wgmma reads them), and the block's factors into the same
+ *   stage.
  * - Consumers (warpgroups 1 and 2, 64 rows of the tile each): per k-block four wgmma m64n128k32 into fresh fp32
  *   partial sums, then acc += partial * sa(row) * sb(col) in registers. The partial sums alternate between two
  *   register sets: the next k-block's wgmma runs on the tensor cores while the last one is scaled and added, so the
@@ -36,7 +37,7 @@
 
 #define TILE 128                     /* BM = BN = BK */
 #define TILE_BYTES (TILE * TILE)     /* one FP8 tile of A or B */
-#define HALF_ROWS (TILE / 2)         /* the rows of a tensor map's box: half a tile */
+#define HALF_ROWS (TILE / 2)         /* the rows of an A map's box: half a tile (each CTA of a pair loads one) */
 #define THREADS 384                  /* producer warpgroup + two consumer warpgroups */
 #define CONSUMER_WARPS 8
 #define SLOTS 16                     /* tables in flight */
@@ -95,7 +96,8 @@ struct moert_fp8_block_ctx {
     cudaEvent_t done[SLOTS];
     int used[SLOTS];
     unsigned next;
-    int *map_of;      /* per matrix: its tensor map's index in this call, -1 none yet */
+    int *map_of;      /* per matrix and role (2 i: as A, 64-row boxes; 2 i + 1: as B, whole tiles): its tensor
+                         map's index in this call, -1 none yet */
     int map_of_count;
 };
 
@@ -320,55 +322,81 @@ __device__ __forceinline__ void stage_tile(const kernel_args &args, const float 
     if (lane == 0) mbar_arrive(d_staged);
 }
 
-/* The producer warp: per tile and k-block, waits until the stage is free in every CTA of the cluster, starts the
- * copies of the block's factors (cp.async, zeros past the group: the warp never waits for a global load) and the TMA
- * loads (its half of A, multicast to the pair; B for its own tile). The stage's full barrier expects one arrival per
- * lane (when its factor copies land) and lane 0's announcement of the TMA bytes. */
-template <int B_PER_ROW>
-__device__ __forceinline__ void produce(const kernel_args &args, uint8_t *a_tiles, uint8_t *b_tiles, float *a_factors,
-                                        float *b_factors, uint64_t *full, uint64_t *empty, int rank)
+/* The producer is two warps, so that one k-block's loads are issued well within the time its wgmma take: one warp
+ * issuing both tiles' TMA loads and the factor copies was the kernel's bound (about 1000 cycles a k-block, measured
+ * in session 11; a TMA issue alone costs some 15 instructions of uniform-register moves).
+ *
+ * produce_a (warp 0, lane 0 alone): per tile and k-block, waits until the stage is free in every CTA of the cluster,
+ * announces A's bytes on the stage's full barrier and loads A: its half, multicast to the pair (without a cluster,
+ * both halves). */
+__device__ __forceinline__ void produce_a(const kernel_args &args, uint8_t *a_tiles, uint64_t *full, uint64_t *empty,
+                                          int rank)
 {
-    const int lane = threadIdx.x % 32, cluster = args.cluster;
-    const int stages = args.stages;
+    const int cluster = args.cluster, stages = args.stages;
     int s = 0;
     uint32_t phase = 0, it = 0; /* k-blocks loaded so far (all tiles) */
     for (int u = blockIdx.x / cluster; u < args.units; u += gridDim.x / cluster) {
         const tile_pos tp = tile_at(args, u, rank);
         const group_dev &g = args.groups[tp.group];
-        const bool live = tp.n_tile < g.n_tiles;
-        const CUtensorMap *map_a = args.maps + g.a_map, *map_b = args.maps + g.b_map;
-        const int row_a = (int)(g.a_row0 + (int64_t)tp.m_tile * TILE);
-        const int row_b = (int)(g.b_row0 + (int64_t)tp.n_tile * TILE);
-        const int r0 = tp.m_tile * TILE + lane * 4, c0 = tp.n_tile * TILE + lane * 4; /* this lane's 4 rows / cols */
-        const float *sa = g.a_scale + r0;
-        const float *sb = B_PER_ROW ? g.b_scale + c0 : g.b_scale + (int64_t)(live ? tp.n_tile : 0) * g.b_scale_stride;
+        const CUtensorMap *map = args.maps + g.a_map;
+        const int row = (int)(g.a_row0 + (int64_t)tp.m_tile * TILE);
         const int kb_count = g.kb_count;
         for (int kb = 0; kb < kb_count; kb++, it++) {
             if (it >= (uint32_t)stages) mbar_wait(&empty[s], phase ^ 1);
+            uint8_t *stage = a_tiles + s * TILE_BYTES;
+            mbar_arrive_expect_tx(&full[s], TILE_BYTES);
+            if (cluster == 2) {
+                tensor_load_2d_multicast(stage + rank * HALF_ROWS * TILE, map, kb * TILE, row + rank * HALF_ROWS,
+                                         &full[s], (uint16_t)0x3);
+            } else {
+                tensor_load_2d(stage, map, kb * TILE, row, &full[s]);
+                tensor_load_2d(stage + HALF_ROWS * TILE, map, kb * TILE, row + HALF_ROWS, &full[s]);
+            }
+            if (++s == stages) s = 0, phase ^= 1;
+        }
+    }
+}
+
+/* produce_b (warp 3): per tile and k-block, waits for the same free stage; lane 0 announces B's bytes and loads the
+ * B tile (one 128-row box; nothing for a dead column block), and every lane copies its share of the block's scale
+ * factors by cp.async (rows, or columns, lane + 32 i: coalesced; zeros past the group, so the warp never waits for
+ * a global load) and arrives on the full barrier when they land. The group's fields are read once per tile: inside
+ * the loop the copies' memory clobbers would reload them every k-block. */
+template <int B_PER_ROW>
+__device__ __forceinline__ void produce_b(const kernel_args &args, uint8_t *b_tiles, float *a_factors,
+                                          float *b_factors, uint64_t *full, uint64_t *empty, int rank)
+{
+    const int lane = threadIdx.x % 32, cluster = args.cluster, stages = args.stages;
+    int s = 0;
+    uint32_t phase = 0, it = 0;
+    for (int u = blockIdx.x / cluster; u < args.units; u += gridDim.x / cluster) {
+        const tile_pos tp = tile_at(args, u, rank);
+        const group_dev &g = args.groups[tp.group];
+        const bool live = tp.n_tile < g.n_tiles;
+        const CUtensorMap *map = args.maps + g.b_map;
+        const int row = (int)(g.b_row0 + (int64_t)tp.n_tile * TILE);
+        const int rows_left = g.m - tp.m_tile * TILE - lane, cols_left = g.n - tp.n_tile * TILE - lane;
+        const int64_t a_stride = g.a_scale_kb_stride, b_stride = g.b_scale_stride;
+        const float *sa = g.a_scale + tp.m_tile * TILE + lane;
+        const float *sb = B_PER_ROW ? g.b_scale + tp.n_tile * TILE + lane
+                                    : g.b_scale + (int64_t)(live ? tp.n_tile : 0) * b_stride;
+        const int kb_count = g.kb_count;
+        for (int kb = 0; kb < kb_count; kb++, it++) {
+            if (it >= (uint32_t)stages) mbar_wait(&empty[s], phase ^ 1);
+            if (lane == 0) {
+                mbar_arrive_expect_tx(&full[s], live ? TILE_BYTES : 0);
+                if (live) tensor_load_2d(b_tiles + s * TILE_BYTES, map, kb * TILE, row, &full[s]);
+            }
+            float *a_dst = a_factors + s * TILE + lane, *b_dst = b_factors + s * TILE + lane;
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                async_copy4(&a_factors[s * TILE + lane * 4 + i], sa + i, r0 + i < g.m);
-                if (B_PER_ROW) async_copy4(&b_factors[s * TILE + lane * 4 + i], sb + i, c0 + i < g.n);
+                async_copy4(a_dst + 32 * i, sa + 32 * i, 32 * i < rows_left);
+                if (B_PER_ROW) async_copy4(b_dst + 32 * i, sb + 32 * i, 32 * i < cols_left);
             }
-            if (!B_PER_ROW && lane == 0) async_copy4(&b_factors[s * TILE], sb + kb, live);
+            if (!B_PER_ROW && lane == 0) async_copy4(b_dst, sb + kb, live);
             async_copy_arrive(&full[s]);
-            sa += g.a_scale_kb_stride;
-            if (B_PER_ROW) sb += g.b_scale_stride;
-            if (lane == 0) {
-                uint8_t *a_stage = a_tiles + s * TILE_BYTES, *b_stage = b_tiles + s * TILE_BYTES;
-                mbar_arrive_expect_tx(&full[s], TILE_BYTES + (live ? TILE_BYTES : 0));
-                if (cluster == 2) {
-                    tensor_load_2d_multicast(a_stage + rank * HALF_ROWS * TILE, map_a, kb * TILE,
-                                             row_a + rank * HALF_ROWS, &full[s], (uint16_t)0x3);
-                } else {
-                    tensor_load_2d(a_stage, map_a, kb * TILE, row_a, &full[s]);
-                    tensor_load_2d(a_stage + HALF_ROWS * TILE, map_a, kb * TILE, row_a + HALF_ROWS, &full[s]);
-                }
-                if (live) {
-                    tensor_load_2d(b_stage, map_b, kb * TILE, row_b, &full[s]);
-                    tensor_load_2d(b_stage + HALF_ROWS * TILE, map_b, kb * TILE, row_b + HALF_ROWS, &full[s]);
-                }
-            }
+            sa += a_stride;
+            if (B_PER_ROW) sb += b_stride;
             if (++s == stages) s = 0, phase ^= 1;
         }
     }
@@ -391,13 +419,24 @@ __device__ __forceinline__ void release_stage(uint64_t *empty, int s, int cluste
     mbar_arrive_warp(&empty[s], cluster == 2, (uint32_t)(cluster == 2 ? rank ^ 1 : rank)); /* a CTA that exists */
 }
 
-/* Waits for the next stage and starts its four wgmma into part (one commit group); returns the stage. */
-template <int A_FMT, int B_FMT>
-__device__ __forceinline__ int issue_block(float *part, ring_pos &r, int stages, uint64_t *full, const uint8_t *a_tiles,
-                                           const uint8_t *b_tiles, int c)
+/* A k-block's row factors for this thread (rows r0 and r0 + 8) and, in the forward form, its column block's factor:
+ * read from the stage when its wgmma are issued, so the loads land while they run. */
+typedef struct block_factors {
+    float sa0, sa1, sb;
+} block_factors;
+
+/* Waits for the next stage, reads this thread's factors and starts the stage's four wgmma into part (one commit
+ * group); returns the stage. */
+template <int A_FMT, int B_FMT, int B_PER_ROW>
+__device__ __forceinline__ int issue_block(float *part, block_factors &f, ring_pos &r, int stages, uint64_t *full,
+                                           const uint8_t *a_tiles, const uint8_t *b_tiles, const float *a_factors,
+                                           const float *b_factors, int c, int r0)
 {
     const int s = r.s;
     mbar_wait(&full[s], r.phase);
+    f.sa0 = a_factors[s * TILE + r0];
+    f.sa1 = a_factors[s * TILE + r0 + 8];
+    f.sb = B_PER_ROW ? 1.f : b_factors[s * TILE];
     const uint64_t da = wgmma_desc_k_sw128(a_tiles + s * TILE_BYTES + c * 64 * TILE);
     const uint64_t db = wgmma_desc_k_sw128(b_tiles + s * TILE_BYTES);
     wgmma_fence();
@@ -408,24 +447,24 @@ __device__ __forceinline__ int issue_block(float *part, ring_pos &r, int stages,
     return s;
 }
 
-/* acc += part * sa(row) * sb(col) with stage s's factors (rows r0 and r0 + 8 of the tile, columns col0 + 8 j, + 1). */
+/* acc += part * sa(row) * sb(col) with the block's factors f (and, per row of B, stage s's column factors; columns
+ * col0 + 8 j, + 1). */
 template <int B_PER_ROW>
-__device__ __forceinline__ void promote(float *acc, float *part, const float *a_factors, const float *b_factors, int s,
-                                        int r0, int col0)
+__device__ __forceinline__ void promote(float *acc, float *part, const block_factors &f, const float *b_factors, int s,
+                                        int col0)
 {
     fence_registers(part);
-    const float sa0 = a_factors[s * TILE + r0], sa1 = a_factors[s * TILE + r0 + 8];
     if (B_PER_ROW) {
 #pragma unroll
         for (int j = 0; j < 16; j++) {
             const float2 sb = *(const float2 *)&b_factors[s * TILE + 8 * j + col0];
-            acc[4 * j + 0] += part[4 * j + 0] * (sa0 * sb.x);
-            acc[4 * j + 1] += part[4 * j + 1] * (sa0 * sb.y);
-            acc[4 * j + 2] += part[4 * j + 2] * (sa1 * sb.x);
-            acc[4 * j + 3] += part[4 * j + 3] * (sa1 * sb.y);
+            acc[4 * j + 0] += part[4 * j + 0] * (f.sa0 * sb.x);
+            acc[4 * j + 1] += part[4 * j + 1] * (f.sa0 * sb.y);
+            acc[4 * j + 2] += part[4 * j + 2] * (f.sa1 * sb.x);
+            acc[4 * j + 3] += part[4 * j + 3] * (f.sa1 * sb.y);
         }
     } else {
-        const float sb = b_factors[s * TILE], s0 = sa0 * sb, s1 = sa1 * sb;
+        const float s0 = f.sa0 * f.sb, s1 = f.sa1 * f.sb;
 #pragma unroll
         for (int j = 0; j < 16; j++) {
             acc[4 * j + 0] += part[4 * j + 0] * s0;
@@ -443,9 +482,11 @@ __device__ __forceinline__ void single_block(float *acc, float *part, ring_pos &
                                              const float *a_factors, const float *b_factors, int c, int r0, int col0,
                                              int cluster, int rank)
 {
-    const int s = issue_block<A_FMT, B_FMT>(part, r, stages, full, a_tiles, b_tiles, c);
+    block_factors f;
+    const int s = issue_block<A_FMT, B_FMT, B_PER_ROW>(part, f, r, stages, full, a_tiles, b_tiles, a_factors,
+                                                       b_factors, c, r0);
     wgmma_wait<0>();
-    promote<B_PER_ROW>(acc, part, a_factors, b_factors, s, r0, col0);
+    promote<B_PER_ROW>(acc, part, f, b_factors, s, col0);
     release_stage(empty, s, cluster, rank);
 }
 
@@ -492,13 +533,16 @@ __device__ __forceinline__ void consume(const kernel_args &args, int rank, int c
         }
         if (!B_PER_ROW && args.pairs) {
             for (; kb + 1 < kb_count; kb += 2) {
-                const int s0 = issue_block<A_FMT, B_FMT>(part0, ring, stages, full, a_tiles, b_tiles, c);
-                const int s1 = issue_block<A_FMT, B_FMT>(part1, ring, stages, full, a_tiles, b_tiles, c);
+                block_factors f0, f1;
+                const int s0 = issue_block<A_FMT, B_FMT, B_PER_ROW>(part0, f0, ring, stages, full, a_tiles, b_tiles,
+                                                                    a_factors, b_factors, c, r0);
+                const int s1 = issue_block<A_FMT, B_FMT, B_PER_ROW>(part1, f1, ring, stages, full, a_tiles, b_tiles,
+                                                                    a_factors, b_factors, c, r0);
                 wgmma_wait<1>();
-                promote<B_PER_ROW>(acc, part0, a_factors, b_factors, s0, r0, col0);
+                promote<B_PER_ROW>(acc, part0, f0, b_factors, s0, col0);
                 release_stage(empty, s0, cluster, rank);
                 wgmma_wait<0>();
-                promote<B_PER_ROW>(acc, part1, a_factors, b_factors, s1, r0, col0);
+                promote<B_PER_ROW>(acc, part1, f1, b_factors, s1, col0);
                 release_stage(empty, s1, cluster, rank);
             }
         }
@@ -522,7 +566,9 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
 {
 #ifdef FP8_BLOCK_DEVICE
     extern __shared__ uint8_t smem_raw[];
-    uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    /* aligned to 1 KB by an offset into smem_raw (not through an integer), so the compiler keeps knowing that the
+     * pointers below are shared memory and reads the factors with shared-memory loads */
+    uint8_t *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     const int stages = args.stages, cluster = args.cluster;
     uint8_t *a_tiles = smem;
     uint8_t *b_tiles = a_tiles + stages * TILE_BYTES;
@@ -537,7 +583,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < stages; s++) {
-            mbar_init_count(&full[s], 32 + 1); /* the producer's lanes' factor copies, lane 0's TMA bytes */
+            mbar_init_count(&full[s], 32 + 2); /* produce_b's lanes' factor copies; A's and B's TMA bytes */
             mbar_init_count(&empty[s], CONSUMER_WARPS * cluster);
         }
         for (int i = 0; i < 2 * MAX_OUT_SETS; i++) {
@@ -557,7 +603,8 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
         /* registers move between warpgroups of the CTA: the consumers' increase (256 x (224 - 168)) must not exceed
          * what the producer's warpgroup gives back (128 x (168 - 56)), or setmaxnreg.inc waits forever */
         warpgroup_registers_dec<56>();
-        if (warp == 0) produce<B_PER_ROW>(args, a_tiles, b_tiles, a_factors, b_factors, full, empty, rank);
+        if (warp == 0 && threadIdx.x % 32 == 0) produce_a(args, a_tiles, full, empty, rank);
+        if (warp == 3) produce_b<B_PER_ROW>(args, b_tiles, a_factors, b_factors, full, empty, rank);
         if ((warp == 1 || warp == 2) && threadIdx.x % 32 == 0) {
             const int c = warp - 1;
             epilogue_dma(args, rank, c, out_boxes + c * consumer_boxes, d_ready + c * MAX_OUT_SETS,
@@ -812,13 +859,14 @@ static moert_result group_fill(const moert_host *host, const moert_fp8_block_gem
     return MOERT_OK;
 }
 
-/* The index of matrix `index`'s tensor map (64-row boxes), encoded into maps[*count] on first use. */
-static moert_result matrix_map(moert_fp8_block_ctx *ctx, const moert_fp8_block_gemm *gm, int index, CUtensorMap *maps,
-                               int *count, int32_t *out)
+/* The index of matrix `index`'s tensor map as an A operand (64-row boxes, half a tile: a CTA of a pair loads one) or
+ * as B (whole 128-row tiles, one TMA a k-block), encoded into maps[*count] on first use. */
+static moert_result matrix_map(moert_fp8_block_ctx *ctx, const moert_fp8_block_gemm *gm, int index, int as_b,
+                               CUtensorMap *maps, int *count, int32_t *out)
 {
-    int *slot = &ctx->map_of[index];
+    int *slot = &ctx->map_of[2 * index + as_b];
     if (*slot < 0) {
-        MOK(encode_map(ctx, &gm->matrices[index], index, HALF_ROWS, &maps[*count]));
+        MOK(encode_map(ctx, &gm->matrices[index], index, as_b ? TILE : HALF_ROWS, &maps[*count]));
         *slot = (*count)++;
     }
     *out = *slot;
@@ -834,18 +882,18 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
         return report(host, MOERT_ERR_INVALID_ARGUMENT,
                       "fp8 block gemm: formats %d x %d (two E5M2 operands are not supported), %d matrices, %d groups",
                       gm->a_format, gm->b_format, gm->matrix_count, gm->group_count);
-    /* maps: at most one per matrix and one per group, then the groups */
-    const size_t max_maps = (size_t)gm->matrix_count + (size_t)gm->group_count;
+    /* maps: at most two per matrix (as A, as B) and one per group, then the groups */
+    const size_t max_maps = 2 * (size_t)gm->matrix_count + (size_t)gm->group_count;
     const size_t maps_bytes = max_maps * sizeof(CUtensorMap);
     const size_t bytes = maps_bytes + (size_t)gm->group_count * sizeof(group_dev);
     MOK(slots_reserve(ctx, bytes));
-    if (ctx->map_of_count < gm->matrix_count) {
-        int *grown = (int *)realloc(ctx->map_of, (size_t)gm->matrix_count * sizeof(int));
+    if (ctx->map_of_count < 2 * gm->matrix_count) {
+        int *grown = (int *)realloc(ctx->map_of, (size_t)gm->matrix_count * 2 * sizeof(int));
         if (!grown) return report(host, MOERT_ERR_OUT_OF_MEMORY, "fp8 block gemm: out of host memory");
         ctx->map_of = grown;
-        ctx->map_of_count = gm->matrix_count;
+        ctx->map_of_count = 2 * gm->matrix_count;
     }
-    for (int i = 0; i < gm->matrix_count; i++) ctx->map_of[i] = -1;
+    for (int i = 0; i < 2 * gm->matrix_count; i++) ctx->map_of[i] = -1;
     const unsigned slot = ctx->next % SLOTS;
     if (ctx->used[slot]) CUDA_CHECK(host, cudaEventSynchronize(ctx->done[slot]));
     CUtensorMap *maps = (CUtensorMap *)ctx->pinned[slot];
@@ -858,8 +906,8 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
         if (g->m <= 0 || g->n <= 0 || g->k <= 0) continue;
         group_dev *gd = &groups[count];
         MOK(group_fill(host, gm, i, gd));
-        MOK(matrix_map(ctx, gm, g->a_matrix, maps, &map_count, &gd->a_map));
-        MOK(matrix_map(ctx, gm, g->b_matrix, maps, &map_count, &gd->b_map));
+        MOK(matrix_map(ctx, gm, g->a_matrix, 0, maps, &map_count, &gd->a_map));
+        MOK(matrix_map(ctx, gm, g->b_matrix, 1, maps, &map_count, &gd->b_map));
         if (ctx->staged && encode_d_map(ctx, g, gm->d_bf16 != 0, &maps[map_count])) gd->d_map = map_count++;
         gd->tile_start = (int32_t)units;
         units += (int64_t)gd->m_tiles * ceil_div64(gd->n_tiles, cluster);
