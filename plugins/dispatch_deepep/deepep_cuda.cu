@@ -5,8 +5,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <stdint.h>
-#include <time.h>
 
+#include "../common/peer_dispatch.cuh"
 #include "../common/plugin_cuda_check.h"
 
 /* Launch shapes. The NVLink phase's may be set with -D at build time: bench/deepep_tuning.sh builds and times
@@ -37,39 +37,6 @@
 #define UNROLL 4                 /* 16-byte units each lane has in flight in a local row copy */
 #define FULL 0xffffffffu
 
-/* ---- memory-order primitives (system scope: peers' memory over NVLink) ---- */
-
-__device__ __forceinline__ int64_t ld_acquire_sys(const int64_t *p)
-{
-    int64_t v;
-    asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void st_release_sys(int64_t *p, int64_t v)
-{
-    asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ uint64_t now_ns()
-{
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-/* Read-only loads of the call's inputs (never written while the kernel runs): the non-coherent path, no L1 line. */
-__device__ __forceinline__ int4 load_ro(const int4 *p)
-{
-    int4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
-}
-__device__ __forceinline__ unsigned load_ro(const unsigned *p) { return __ldg(p); }
-__device__ __forceinline__ unsigned short load_ro(const unsigned short *p) { return __ldg(p); }
-
 /* A store into a peer's buffer (over NVLink). PEER_STORE_NO_ALLOCATE (a -D tuning knob) adds the L1::no_allocate
  * hint to 16-byte stores. */
 template <typename V> __device__ __forceinline__ void store_peer(V *p, const V &v) { *p = v; }
@@ -82,7 +49,7 @@ template <> __device__ __forceinline__ void store_peer<int4>(int4 *p, const int4
 }
 #endif
 
-__device__ __forceinline__ deepep_header *header(void *buf) { return (deepep_header *)buf; }
+__device__ __forceinline__ peer_header *header(void *buf) { return (peer_header *)buf; }
 
 /* Records the first stall of the instance and raises its abort flag. */
 __device__ void record_stall(const deepep_cuda_call &k, int kind, int peer)
@@ -119,7 +86,7 @@ __device__ bool block_wait(const deepep_cuda_call &k, bool arrivals)
 {
     __shared__ int stalled;
     const int W = k.geo.world, C = k.channels;
-    deepep_header *h = header(k.local);
+    peer_header *h = header(k.local);
     if (threadIdx.x == 0) stalled = *(volatile int *)k.abort_flag;
     __syncthreads();
     for (int j = arrivals ? 1 : 0; j < W; j++) {
@@ -146,7 +113,7 @@ __device__ void block_publish(const deepep_cuda_call &k)
     __syncthreads();
     const int d = threadIdx.x;
     if (d < k.geo.world && d != k.rank) {
-        deepep_flag *f = &header(k.peers[d])->arrived[k.rank][blockIdx.x];
+        peer_flag *f = &header(k.peers[d])->arrived[k.rank][blockIdx.x];
         st_release_sys(&f->seq, k.seq);
     }
 }
@@ -169,17 +136,6 @@ __device__ void block_finish(const deepep_cuda_call &k)
     const int W = k.geo.world, C = k.channels;
     for (int i = threadIdx.x; i < W * C; i += blockDim.x)
         st_release_sys(&header(k.peers[i / C])->consumed[k.rank][i % C], k.seq);
-}
-
-__device__ __forceinline__ char *slot_row(const deepep_geometry &g, void *buf, int s, int64_t i)
-{
-    return (char *)buf + g.header_bytes + (size_t)s * g.slot_bytes + (size_t)i * g.row_stride;
-}
-
-__device__ __forceinline__ char *slot_meta(const deepep_geometry &g, void *buf, int s, int64_t i)
-{
-    return (char *)buf + g.header_bytes + (size_t)s * g.slot_bytes + (size_t)g.rows_cap * g.row_stride +
-           (size_t)i * g.meta_stride;
 }
 
 /* Staging row and metadata entry j of a combine call. */
@@ -274,7 +230,7 @@ __global__ void token_ranks_kernel(const int32_t *__restrict__ idx, int64_t toke
 
 /* FP8 of 16 bf16 values per lane, 8 lanes a 1x128 block: amax over the block (shuffles: every lane of the warp must
  * call this), scale = 448 / amax (1 when amax is 0 or not finite), q = e4m3(v * scale); returns 1 / scale. The same
- * float operations as deepep_fp8_quantize_block() on the CPU. */
+ * float operations as peer_fp8_quantize_block() on the CPU. */
 __device__ __forceinline__ float quantize16(const int4 raw[2], int4 *q)
 {
     const __nv_bfloat16 *b = (const __nv_bfloat16 *)raw;
@@ -286,7 +242,7 @@ __device__ __forceinline__ float quantize16(const int4 raw[2], int4 *q)
     }
 #pragma unroll
     for (int o = 4; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, o));
-    const float scale = (amax > 0.0f && isfinite(amax)) ? __fdiv_rn(DEEPEP_FP8_MAX, amax) : 1.0f;
+    const float scale = (amax > 0.0f && isfinite(amax)) ? __fdiv_rn(PEER_FP8_MAX, amax) : 1.0f;
     unsigned char *qb = (unsigned char *)q;
 #pragma unroll
     for (int j = 0; j < 16; j++)
@@ -329,14 +285,14 @@ __global__ void __launch_bounds__(FP8 ? FP8_SEND_THREADS : SEND_THREADS) dispatc
         }
         const unsigned ranks = __reduce_or_sync(FULL, (dr >= 0 && dr != me) ? 1u << dr : 0u);
         if (!ranks) continue; /* the same on every lane */
-        char *rows[DEEPEP_MAX_RANKS];
+        char *rows[PEER_MAX_RANKS];
 #pragma unroll
-        for (int d = 0; d < DEEPEP_MAX_RANKS; d++) {
+        for (int d = 0; d < PEER_MAX_RANKS; d++) {
             rows[d] = nullptr;
             if (d < W && ((ranks >> d) & 1u)) {
                 const int64_t pos = k.excl[(int64_t)d * (T + 1) + t];
-                rows[d] = slot_row(k.geo, k.peers[d], me, pos);
-                char *meta = slot_meta(k.geo, k.peers[d], me, pos);
+                rows[d] = peer_row(&k.geo, k.peers[d], me, pos);
+                char *meta = peer_meta(&k.geo, k.peers[d], me, pos);
                 if (lane < K) {
                     ((int32_t *)meta)[lane] = dr == d ? dst : -1;
                     ((double *)(meta + k.geo.meta_prob_offset))[lane] = dr == d ? (double)p : 0.0;
@@ -353,7 +309,7 @@ __global__ void __launch_bounds__(FP8 ? FP8_SEND_THREADS : SEND_THREADS) dispatc
                     if (u < units) v[j] = load_ro(src + u);
                 }
 #pragma unroll
-                for (int d = 0; d < DEEPEP_MAX_RANKS; d++)
+                for (int d = 0; d < PEER_MAX_RANKS; d++)
                     if (rows[d])
 #pragma unroll
                         for (int j = 0; j < SEND_UNROLL; j++) {
@@ -382,10 +338,10 @@ __global__ void __launch_bounds__(FP8 ? FP8_SEND_THREADS : SEND_THREADS) dispatc
                     const float inv = quantize16(raw[j], &q); /* every lane: shuffles inside */
                     if (at < H)
 #pragma unroll
-                        for (int d = 0; d < DEEPEP_MAX_RANKS; d++)
+                        for (int d = 0; d < PEER_MAX_RANKS; d++)
                             if (rows[d]) {
                                 *(int4 *)(rows[d] + at) = q;
-                                if ((lane & 7) == 0) ((float *)(rows[d] + H))[at / DEEPEP_FP8_BLOCK] = inv;
+                                if ((lane & 7) == 0) ((float *)(rows[d] + H))[at / PEER_FP8_BLOCK] = inv;
                             }
                 }
             }
@@ -445,13 +401,13 @@ __global__ void __launch_bounds__(LOCAL_THREADS) dispatch_expand_kernel(deepep_c
             const char *row = nullptr;
             if (g < staged) {
                 received_item(k, g, true, &s, &i);
-                const char *meta = slot_meta(k.geo, k.local, s, i);
+                const char *meta = peer_meta(&k.geo, k.local, s, i);
                 if (lane < K) {
                     dst = __ldcg((const int32_t *)meta + lane);
                     if (dst >= 0 && out_probs)
                         p = (float)__ldcg((const double *)(meta + k.geo.meta_prob_offset) + lane);
                 }
-                row = slot_row(k.geo, k.local, s, i);
+                row = peer_row(&k.geo, k.local, s, i);
             } else {
                 const int64_t t = g - staged;
                 const int32_t *ex = k.excl + (int64_t)me * (T + 1);
@@ -486,7 +442,7 @@ __global__ void __launch_bounds__(LOCAL_THREADS) dispatch_expand_kernel(deepep_c
                         inv = quantize16(raw, &q); /* every lane: shuffles inside */
                     } else if (at < H) {
                         q = __ldcg((const int4 *)(row + at));
-                        inv = __ldcg((const float *)(row + H) + at / DEEPEP_FP8_BLOCK);
+                        inv = __ldcg((const float *)(row + H) + at / PEER_FP8_BLOCK);
                     }
                     dequantize16(q, inv, o);
                     for (unsigned m = copies; m; m &= m - 1) {
@@ -502,41 +458,6 @@ __global__ void __launch_bounds__(LOCAL_THREADS) dispatch_expand_kernel(deepep_c
         }
     }
     block_finish(k);
-}
-
-template <typename T> struct elem;
-template <> struct elem<float> {
-    static __device__ __forceinline__ float load(const float *p) { return __ldcg(p); }
-    static __device__ __forceinline__ float to_f(float v) { return v; }
-    static __device__ __forceinline__ float from_f(float v) { return v; }
-};
-template <> struct elem<__nv_bfloat16> {
-    static __device__ __forceinline__ __nv_bfloat16 load(const __nv_bfloat16 *p)
-    {
-        __nv_bfloat16_raw r;
-        r.x = __ldcg((const unsigned short *)p);
-        return __nv_bfloat16(r);
-    }
-    static __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-    static __device__ __forceinline__ __nv_bfloat16 from_f(float v) { return __float2bfloat16_rn(v); }
-};
-
-/* N values of T as one access (16 bytes when N * sizeof(T) == 16). */
-template <typename T, int N> struct alignas(sizeof(T) * N) pack {
-    T v[N];
-};
-
-template <typename T, int N> __device__ __forceinline__ pack<T, N> load_pack(const T *p)
-{
-    pack<T, N> r;
-    if (N * sizeof(T) == 16) {
-        int4 raw = __ldcg((const int4 *)p);
-        r = *(pack<T, N> *)&raw;
-    } else {
-#pragma unroll
-        for (int j = 0; j < N; j++) r.v[j] = elem<T>::load(p + j);
-    }
-    return r;
 }
 
 template <typename T, int N> __device__ __forceinline__ void store_pack(T *p, const float *acc)
@@ -639,8 +560,8 @@ __global__ void __launch_bounds__(LOCAL_THREADS) combine_reduce_kernel(deepep_cu
         if (dst >= 0) src[warp][__popc(copies & ((1u << lane) - 1u))] = rows + (int64_t)dst * H;
         char *o, *meta;
         if (s == me) {
-            o = slot_row(k.geo, k.local, me, i);
-            meta = slot_meta(k.geo, k.local, me, i);
+            o = peer_row(&k.geo, k.local, me, i);
+            meta = peer_meta(&k.geo, k.local, me, i);
         } else {
             const int64_t j = k.staged_off[s] + i;
             o = staged_row(k, j);
@@ -668,7 +589,7 @@ __global__ void __launch_bounds__(COMBINE_SEND_THREADS) combine_send_kernel(deep
 {
     const int W = k.geo.world, me = k.rank, K = (int)k.topk, c = blockIdx.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    int others[DEEPEP_MAX_RANKS], n_others = 0;
+    int others[PEER_MAX_RANKS], n_others = 0;
     int64_t longest = 0;
     for (int r = 0; r < W; r++)
         if (r != me) {
@@ -684,7 +605,7 @@ __global__ void __launch_bounds__(COMBINE_SEND_THREADS) combine_send_kernel(deep
         if (i >= k.recv_tokens[s]) continue;
         const int64_t j = k.staged_off[s] + i;
         const int4 *from = (const int4 *)staged_row(k, j);
-        int4 *to = (int4 *)slot_row(k.geo, k.peers[s], me, i);
+        int4 *to = (int4 *)peer_row(&k.geo, k.peers[s], me, i);
         for (int64_t u0 = 0; u0 < units; u0 += 32 * COMBINE_UNROLL) {
             int4 v[COMBINE_UNROLL];
 #pragma unroll
@@ -700,7 +621,7 @@ __global__ void __launch_bounds__(COMBINE_SEND_THREADS) combine_send_kernel(deep
         }
         if (with_probs && lane < K) {
             const double *pf = (const double *)(staged_meta(k, j) + k.geo.meta_prob_offset);
-            ((double *)(slot_meta(k.geo, k.peers[s], me, i) + k.geo.meta_prob_offset))[lane] = __ldg(pf + lane);
+            ((double *)(peer_meta(&k.geo, k.peers[s], me, i) + k.geo.meta_prob_offset))[lane] = __ldg(pf + lane);
         }
     }
     block_publish(k);
@@ -713,7 +634,7 @@ template <typename T, int N>
 __global__ void __launch_bounds__(LOCAL_THREADS) combine_final_kernel(deepep_cuda_call k, T *out, bool accumulate,
                                                                       float *out_probs)
 {
-    __shared__ const T *src[LOCAL_WARPS][DEEPEP_MAX_RANKS];
+    __shared__ const T *src[LOCAL_WARPS][PEER_MAX_RANKS];
     const int W = k.geo.world, K = (int)k.topk;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t T_ = k.tokens, H = k.hidden, El = k.local_experts, packs = H / N;
@@ -728,7 +649,7 @@ __global__ void __launch_bounds__(LOCAL_THREADS) combine_final_kernel(deepep_cud
             const unsigned ranks = __ballot_sync(FULL, pos >= 0);
             const int n = __popc(ranks);
             if (pos >= 0)
-                src[warp][__popc(ranks & ((1u << lane) - 1u))] = (const T *)slot_row(k.geo, k.local, lane, pos);
+                src[warp][__popc(ranks & ((1u << lane) - 1u))] = (const T *)peer_row(&k.geo, k.local, lane, pos);
             __syncwarp();
             T *o = out + t * H;
             if (n > 0) {
@@ -745,7 +666,7 @@ __global__ void __launch_bounds__(LOCAL_THREADS) combine_final_kernel(deepep_cud
                 if (e >= 0) {
                     const int d = (int)(e / El);
                     const int64_t p = k.excl[(int64_t)d * (T_ + 1) + t];
-                    v = (float)__ldcg((const double *)(slot_meta(k.geo, k.local, d, p) + k.geo.meta_prob_offset) +
+                    v = (float)__ldcg((const double *)(peer_meta(&k.geo, k.local, d, p) + k.geo.meta_prob_offset) +
                                       lane);
                 }
                 out_probs[t * K + lane] = v;
@@ -760,43 +681,9 @@ __global__ void __launch_bounds__(LOCAL_THREADS) combine_final_kernel(deepep_cud
 
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
-extern "C" size_t deepep_cuda_staging_bytes(const deepep_geometry *geo, int64_t rows)
+extern "C" size_t deepep_cuda_staging_bytes(const peer_geometry *geo, int64_t rows)
 {
     return (size_t)(rows < 1 ? 1 : rows) * (geo->row_stride + geo->meta_stride);
-}
-
-extern "C" moert_result deepep_cuda_zero(const moert_host *host, void *ptr, size_t bytes)
-{
-    CUDA_CHECK(host, cudaMemsetAsync(ptr, 0, bytes, 0));
-    CUDA_CHECK(host, cudaStreamSynchronize(0));
-    return MOERT_OK;
-}
-
-extern "C" int deepep_cuda_wait_released(void *local, int world, int channels, int64_t seq, int64_t timeout_ms)
-{
-    int64_t stamps[DEEPEP_MAX_RANKS][DEEPEP_MAX_CHANNELS];
-    const deepep_header *h = (const deepep_header *)local;
-    struct timespec t0, now;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    for (;;) {
-        int late = -1;
-        if (cudaMemcpy(stamps, h->consumed, sizeof stamps, cudaMemcpyDeviceToHost) != cudaSuccess) {
-            (void)cudaGetLastError();
-            return 0;
-        }
-        for (int d = 0; d < world && late < 0; d++)
-            for (int c = 0; c < channels; c++)
-                if (stamps[d][c] < seq) {
-                    late = d;
-                    break;
-                }
-        if (late < 0) return -1;
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        double ms = (double)(now.tv_sec - t0.tv_sec) * 1e3 + (double)(now.tv_nsec - t0.tv_nsec) * 1e-6;
-        if (ms > (double)timeout_ms) return late;
-        struct timespec pause = {0, 200000};
-        nanosleep(&pause, NULL);
-    }
 }
 
 extern "C" moert_result deepep_cuda_token_ranks(const moert_host *host, cudaStream_t stream, const int32_t *topk_idx,
@@ -835,7 +722,7 @@ extern "C" moert_result deepep_cuda_dispatch(const moert_host *host, cudaStream_
 {
     const size_t row_bytes = (size_t)call->hidden * moert_dtype_size(dtype);
     if (fp8) {
-        if (dtype != MOERT_BF16 || call->hidden % DEEPEP_FP8_BLOCK != 0 || !aligned16(x) || !aligned16(out))
+        if (dtype != MOERT_BF16 || call->hidden % PEER_FP8_BLOCK != 0 || !aligned16(x) || !aligned16(out))
             return report(host, MOERT_ERR_UNSUPPORTED, "deepep fp8 dispatch: needs bf16 rows, hidden %% 128 == 0 and "
                           "16-byte aligned tensors (dtype %s, hidden %lld)", moert_dtype_name(dtype),
                           (long long)call->hidden);

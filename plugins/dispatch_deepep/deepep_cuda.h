@@ -27,9 +27,9 @@ extern "C" {
 
 /* The kernels' view of one call: the buffers, this step's layout, and where received metadata is saved. */
 typedef struct deepep_cuda_call {
-    deepep_geometry geo;
+    peer_geometry geo;
     void *local;                    /* this rank's buffer */
-    void *peers[DEEPEP_MAX_RANKS];  /* every rank's buffer, as this device reaches it */
+    void *peers[PEER_MAX_RANKS];    /* every rank's buffer, as this device reaches it */
     int rank, channels;             /* channels: blocks of the NVLink phase */
     int sms;                        /* SMs of the device: grid of the local kernels is 2 * sms */
     bool nvlink_only;               /* bench aid: run only the NVLink phase (rows cross, arrive, are released) */
@@ -41,8 +41,8 @@ typedef struct deepep_cuda_call {
     const int64_t *expert_offsets;  /* [E+1] its per-expert starts */
     const int64_t *base;            /* [E] first row, on expert e's rank, of this rank's copies to e */
     int32_t *recv_meta;             /* [world][rows_cap][K] rows of each received copy (dispatch-like calls save) */
-    int64_t recv_tokens[DEEPEP_MAX_RANKS]; /* tokens of rank s with a copy here (rows in this rank's slot s) */
-    int64_t staged_off[DEEPEP_MAX_RANKS];  /* combine: first staging row of source s (s != rank) */
+    int64_t recv_tokens[PEER_MAX_RANKS]; /* tokens of rank s with a copy here (rows in this rank's slot s) */
+    int64_t staged_off[PEER_MAX_RANKS];  /* combine: first staging row of source s (s != rank) */
     void *staging;                  /* combine: staged partials, rows of geo.row_stride, then metadata entries */
     int64_t staging_rows;           /* rows of the staging area (sum of recv_tokens[s], s != rank) */
     unsigned long long *error_word; /* device: the first stall */
@@ -50,15 +50,8 @@ typedef struct deepep_cuda_call {
     unsigned *done_blocks;          /* device: blocks of a local kernel that finished (the last one releases) */
 } deepep_cuda_call;
 
-/* Zeroes `bytes` at a device pointer and waits for it (init only). */
-moert_result deepep_cuda_zero(const moert_host *host, void *ptr, size_t bytes);
-
 /* Bytes of the combine staging area for `rows` rows of this geometry. */
-size_t deepep_cuda_staging_bytes(const deepep_geometry *geo, int64_t rows);
-
-/* Waits (polling, at most timeout_ms) until every rank's release stamp in this buffer's header has reached seq for
- * every channel. Returns -1 when done, else the rank that did not. */
-int deepep_cuda_wait_released(void *local, int world, int channels, int64_t seq, int64_t timeout_ms);
+size_t deepep_cuda_staging_bytes(const peer_geometry *geo, int64_t rows);
 
 /* The layout pass per destination rank: excl[d][t] (int32 [world][T+1]) tokens before t with a copy on rank d,
  * tokens_to[d] (int64 [world]) the total. Ids outside [0, E) count as dropped (the expert layout flags them). */

@@ -7,31 +7,16 @@
 # usage: plugins/dispatch_deepep/gpu_check.sh BUILD_DIR OUT_DIR      (BUILD_DIR made with -Dcuda=enabled)
 # It never builds. Each step has its own time limit (75 + 130 + 90 s, killed 3 s after), so the script ends within 5 minutes
 # even if a step hangs; the test and the bench print progress line by line, so a killed step's log shows where it was.
+# The steps it shares with plugins/dispatch_hybridep/gpu_check.sh are in plugins/common/gpu_check_dispatch.sh.
 set -u
-BUILD=$(realpath "${1:-build}")
-OUT=${2:-${OUT:-/tmp/moert-deepep}}
-mkdir -p "$OUT"
-cd "$(dirname "$0")/../.."
-export NCCL_NVLS_ENABLE=0 MOERT_TEST_BUILD_ROOT="$BUILD" MOERT_TEST_SOURCE_ROOT="$PWD"
-gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-echo "deepep GPU checks: $gpus GPU(s), build $BUILD"
-status=0
+. "$(dirname "$0")/../common/gpu_check_dispatch.sh"
+gpu_check_begin deepep /tmp/moert-deepep "$@"
 
-start=$SECONDS
-timeout -k 3 75 "$BUILD/tests/test_gpu_deepep" >"$OUT/test_gpu_deepep.log" 2>&1
-rc=$?
-echo "== test_gpu_deepep: rc $rc, $((SECONDS - start)) s"
-sed -n '/^deepep dispatcher, CUDA vs CPU/,$p' "$OUT/test_gpu_deepep.log"
-[ $rc -ne 0 ] && { status=1; grep -v '^ *$' "$OUT/test_gpu_deepep.log" | grep -v '^world .*: \(open\|CPU reference\|CUDA step\|compare\|done\)' | head -30; tail -3 "$OUT/test_gpu_deepep.log"; }
+gpu_check_test deepep 75
 
-start=$SECONDS
-MOERT_BENCH_MACHINE=${MOERT_BENCH_MACHINE:-nvidia-h200-x$gpus} MOERT_BENCH_GIT=${MOERT_BENCH_GIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} \
-  timeout -k 3 130 "$BUILD/bench/dispatch_bench" "$OUT/dispatch_bench.json" >"$OUT/dispatch_bench.log" 2>&1
-rc=$?
-echo "== dispatch_bench: rc $rc, $((SECONDS - start)) s"
+gpu_check_bench dispatch_bench 130
 if grep -q '^dispatch_bench: EP' "$OUT/dispatch_bench.log"; then sed -n '/^dispatch_bench: EP/,$p' "$OUT/dispatch_bench.log"
 else tail -15 "$OUT/dispatch_bench.log"; fi
-[ $rc -ne 0 ] && status=1
 
 if [ "$gpus" -ge 4 ]; then
   start=$SECONDS

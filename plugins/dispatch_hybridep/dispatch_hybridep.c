@@ -1,9 +1,10 @@
 /* The "hybridep" dispatcher plugin, in the spirit of NVIDIA's HybridEP: tokens move by direct writes into the peers'
  * buffers (exchanged once at init), TMA bulk copies on CUDA, the permutation fused into dispatch (each copy written
  * straight into its expert-grouped row) and the unpermutation into combine, buffers sized for the worst case so that
- * no call of a step waits for the GPU on the host. This file: vtable, options, argument checks, the peer buffer,
- * prepare() and the calls of both paths; the CPU algorithm is in hybridep_cpu.c, the CUDA kernels in hybridep_cuda.cu. */
-#include <stdarg.h>
+ * no call of a step waits for the GPU on the host. This file: vtable, options, the peer buffer's size, prepare() and
+ * the calls of both paths; what it shares with "deepep" (argument checks, the peer buffer, the CPU path's
+ * send/receive) is in ../common/peer_dispatch.c and peer_dispatch_cpu.c, its own layout pass and notify in
+ * hybridep_cpu.c, the CUDA kernels in hybridep_cuda.cu. */
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,11 +13,10 @@
 #include "hybridep_buffer.h"
 #include "hybridep_cpu.h"
 #include "moert/dispatcher.h"
-#include "tensor_args.h"
+#include "peer_dispatch.h"
 #ifdef MOERT_HAVE_CUDA
 #include "hybridep_cuda.h"
 #endif
-
 
 #ifdef MOERT_HAVE_CUDA
 /* The CUDA path's state: every array sized at init for the worst case, so a step allocates nothing. */
@@ -38,32 +38,18 @@ typedef struct hybridep_cuda_state {
 #endif
 
 typedef struct hybridep_ctx {
-    const moert_host *host;
-    moert_layer_info layer;
-    int world, rank;
-    int64_t num_sms, channels, timeout_ms, low_latency_tokens;
+    peer_dispatch core;         /* first: what it shares with "deepep" (host, layer, peer buffer, bookkeeping) */
+    int64_t low_latency_tokens;
     int low_latency_mode;       /* 0 auto, 1 on, 2 off */
     bool low_latency;           /* decided at init from the group's largest max_tokens */
     int copy;                   /* 0 tma, 1 vector */
     int64_t ll_threads, ll_piece; /* low-latency CUDA kernels: threads per block, bytes per row piece */
     int ll_flag, ll_fence;      /* HYBRIDEP_LL_FLAG_*, HYBRIDEP_LL_FENCE_* */
-    bool on_cuda;
-    moert_result broken;        /* MOERT_OK, or the code of a failure after which the buffers are out of step */
-    char broken_msg[512];
-
-    bool prepared, dispatched;  /* prepare() succeeded; a dispatch-like call ran since */
-    int64_t seq;                /* sequence number of the last call through the buffers */
-
-    hybridep_geometry geo;
-    void *buf;                  /* this rank's peer-visible buffer on the layer's device */
-    size_t buf_bytes;
-    void *peers[HYBRIDEP_MAX_RANKS];
     int64_t capacity;           /* rows_cap * world * min(K, El): the worst case a rank receives */
 
     hybridep_plan plan;
     int64_t *notify_row;        /* [E + extra] (CPU path) */
     int64_t *notify_rows;       /* [W][E + extra] (CPU path) */
-    int64_t recv_rows[HYBRIDEP_MAX_RANKS];
     int64_t *recv_meta;         /* [W][rows_cap][K] (CPU path) */
     int32_t *idx;               /* [rows_cap*K] topk_idx kept from prepare (CPU path) */
 #ifdef MOERT_HAVE_CUDA
@@ -71,70 +57,23 @@ typedef struct hybridep_ctx {
 #endif
 } hybridep_ctx;
 
-static void report_metric(const hybridep_ctx *c, const char *name, double value, const char *unit)
-{
-    const moert_host *h = c->host;
-    if (h->struct_size >= offsetof(moert_host, metric) + sizeof h->metric && h->metric) h->metric(h, name, value, unit);
-}
-
-/* Sets the message and returns code. */
-static moert_result fail(const hybridep_ctx *c, moert_result code, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static moert_result fail(const hybridep_ctx *c, moert_result code, const char *fmt, ...)
-{
-    char text[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(text, sizeof text, fmt, ap);
-    va_end(ap);
-    c->host->set_error(c->host, "%s", text);
-    return code;
-}
-
-static moert_result check_tensor(const hybridep_ctx *c, const char *call, const char *name, const moert_tensor *t,
-                                 int ndim, int64_t rows, bool rows_at_least, int64_t cols, const char *rows_what,
-                                 int need_dtype)
-{
-    return moert_arg_check_tensor(c->host, c->layer.device, call, name, t, ndim, rows, rows_at_least, cols,
-                                  rows_what, need_dtype);
-}
-
-/* Marks the instance broken: the ranks' sequence numbers no longer agree. */
-static moert_result mark_broken(hybridep_ctx *c, moert_result code, const char *call, const char *why)
-{
-    c->broken = code;
-    snprintf(c->broken_msg, sizeof c->broken_msg, "%s on rank %d: %s; this dispatcher instance cannot be used again",
-             call, c->rank, why);
-    return fail(c, code, "%s", c->broken_msg);
-}
-
 /* The next call's sequence number (the CPU path's; the CUDA kernels keep theirs on the device, alike in eager use). */
 static int64_t next_seq(hybridep_ctx *c)
 {
-    return ++c->seq;
+    return ++c->core.seq;
 }
 
 #ifdef MOERT_HAVE_CUDA
 static moert_result cuda_check_status(hybridep_ctx *c);
 #endif
 
-/* What every call after prepare() checks first. */
-static moert_result check_call(hybridep_ctx *c, const char *call, const void *args, uint32_t struct_size,
-                               size_t expected_size, bool needs_dispatch)
+/* What every call checks first on CUDA: a failure an earlier call's kernels reported (read without a sync). */
+static moert_result check_device_status(hybridep_ctx *c)
 {
 #ifdef MOERT_HAVE_CUDA
-    if (c->on_cuda && c->broken == MOERT_OK) {
-        moert_result rc = cuda_check_status(c);
-        if (rc != MOERT_OK) return rc;
-    }
+    if (c->core.on_cuda && c->core.broken == MOERT_OK) return cuda_check_status(c);
 #endif
-    if (c->broken != MOERT_OK) return fail(c, c->broken, "%s: %s", call, c->broken_msg);
-    if (!c->prepared) return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: called before a successful prepare()", call);
-    if (needs_dispatch && !c->dispatched)
-        return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: called before dispatch() or combine_backward() of this step "
-                    "(the rows to combine are known from the dispatch)", call);
-    if (!args) return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: args is NULL", call);
-    return moert_arg_check_struct_size(c->host, call, "args", struct_size, expected_size);
+    return MOERT_OK;
 }
 
 /* ---- the peer buffer ---- */
@@ -142,57 +81,19 @@ static moert_result check_call(hybridep_ctx *c, const char *call, const void *ar
 /* Bytes per buffer row: rows of the layer's dtype on CUDA, of any dtype (8 bytes) on the CPU. */
 static size_t buffer_row_bytes(const hybridep_ctx *c)
 {
-    size_t es = c->on_cuda ? moert_dtype_size(c->layer.dtype) : 8;
-    return (size_t)c->layer.hidden * es;
+    size_t es = c->core.on_cuda ? moert_dtype_size(c->core.layer.dtype) : 8;
+    return (size_t)c->core.layer.hidden * es;
 }
 
-/* Frees this rank's buffer once every peer has stopped writing into it (its release stamp of the last call is the
- * last thing a peer writes here); a peer that does not within timeout_ms is logged and the buffer freed anyway. */
+/* Frees this rank's buffer once every peer has released the last call (channel 0: a reader stamps once its whole call
+ * is read; on CUDA the kernels number the calls on the device). */
 static void buffer_release(hybridep_ctx *c)
 {
-    if (c->buf && c->seq > 0 && c->broken == MOERT_OK) {
-        int late = -1;
+    const int64_t *device_seq = NULL;
 #ifdef MOERT_HAVE_CUDA
-        if (c->on_cuda) late = hybridep_cuda_wait_released(c->buf, c->world, c->cu.seq_dev, c->timeout_ms);
-        else
+    device_seq = c->cu.seq_dev;
 #endif
-            late = hybridep_cpu_wait_released(c->buf, c->world, c->seq, c->timeout_ms);
-        if (late >= 0)
-            c->host->log(c->host, MOERT_LOG_WARN, "rank %d did not release this rank's rows of call %lld within %lld "
-                         "ms; freeing the buffer anyway", late, (long long)c->seq, (long long)c->timeout_ms);
-    }
-    if (c->buf) c->host->free(c->host, c->layer.device, c->buf);
-    c->buf = NULL;
-    c->buf_bytes = 0;
-}
-
-/* Collective (init only): allocates this rank's buffer for rows_cap rows per source, zeroes its flags, and exchanges
- * the pointers with every rank. */
-static moert_result buffer_setup(hybridep_ctx *c, int64_t rows_cap)
-{
-    const moert_host *h = c->host;
-    size_t bytes = hybridep_geometry_make(&c->geo, c->world, c->layer.topk, c->layer.num_experts, rows_cap,
-                                          buffer_row_bytes(c));
-    moert_result rc = h->alloc(h, c->layer.device, bytes, &c->buf);
-    if (rc == MOERT_ERR_UNSUPPORTED && c->on_cuda) {
-        char dev[32];
-        return fail(c, rc, "the host serving this instance cannot allocate on %s (a CPU-only host): only a CPU path "
-                    "can run here", moert_arg_device_text(c->layer.device, dev, sizeof dev));
-    }
-    if (rc != MOERT_OK) return rc;
-    c->buf_bytes = bytes;
-#ifdef MOERT_HAVE_CUDA
-    if (c->on_cuda) {
-        rc = hybridep_cuda_zero(h, c->buf, c->geo.header_bytes);
-        if (rc != MOERT_OK) return rc;
-    }
-#endif
-    c->seq = 0;
-    if (c->world == 1) {
-        c->peers[0] = c->buf;
-        return MOERT_OK;
-    }
-    return h->exchange_peer_buffers(h, c->buf, bytes, c->layer.device, c->peers);
+    peer_dispatch_buffer_release(&c->core, 1, device_seq);
 }
 
 /* ---- init and finalize ---- */
@@ -207,20 +108,17 @@ static void cuda_finalize(hybridep_ctx *c);
 /* Reads the options into c; MOERT_ERR_CONFIG with the message set on a bad one. */
 static moert_result read_options(hybridep_ctx *c)
 {
-    const moert_host *host = c->host;
+    const moert_host *host = c->core.host;
     static const char *const modes[] = {"auto", "on", "off", NULL};
     static const char *const copies[] = {"tma", "vector", NULL};
     static const char *const flags[] = {"last_block", "per_block", NULL};
     static const char *const fences[] = {"thread", "block", NULL};
-    moert_result rc = host->option_int(host, "num_sms", 0, 0, HYBRIDEP_MAX_CHANNELS,
+    moert_result rc = host->option_int(host, "num_sms", 0, 0, PEER_MAX_CHANNELS,
                                        "SMs (thread blocks, every one sending) of the NVLink phase of each call; 0: 16, "
                                        "or every SM in low-latency mode (one kernel per call, at most every SM); the "
                                        "local kernels around the NVLink phase use every SM; the CPU path ignores it",
-                                       &c->num_sms);
-    if (rc == MOERT_OK)
-        rc = host->option_int(host, "timeout_ms", 60000, 10, 3600000,
-                              "bound of every wait for a peer's rows or flags; a stalled peer is named in the error",
-                              &c->timeout_ms);
+                                       &c->core.num_sms);
+    if (rc == MOERT_OK) rc = peer_dispatch_read_timeout(&c->core);
     if (rc == MOERT_OK)
         rc = host->option_enum(host, "low_latency", modes, 0,
                                "low-latency mode for small batches (vector copies, every SM): \"auto\" when the "
@@ -265,86 +163,67 @@ static moert_result read_options(hybridep_ctx *c)
 static moert_result hybridep_init(void **out, const moert_host *host, const moert_layer_info *layer)
 {
     *out = NULL;
-    moert_result check = moert_arg_check_dispatch_layer(host, layer, "hybridep", HYBRIDEP_MAX_RANKS);
-    if (check != MOERT_OK) return check;
-
-    hybridep_ctx *c = calloc(1, sizeof *c);
-    if (!c) {
-        host->set_error(host, "out of memory for the dispatcher state");
-        return MOERT_ERR_OUT_OF_MEMORY;
-    }
-    c->host = host;
-    c->layer = *layer;
-    c->world = host->world_size;
-    c->rank = host->rank;
-    c->on_cuda = layer->device.type == MOERT_DEVICE_CUDA;
-    moert_result rc = read_options(c);
-    if (rc != MOERT_OK) {
-        free(c);
-        return rc;
-    }
+    void *made = NULL;
+    moert_result rc = peer_dispatch_create(host, layer, "hybridep", sizeof(hybridep_ctx), &made);
+    if (rc != MOERT_OK) return rc;
+    hybridep_ctx *c = made;
+    rc = read_options(c);
+    if (rc != MOERT_OK) goto fail;
 
     /* every rank's slot holds the largest max_tokens of the group (collective, as the exchange is); the mode and the
      * capacity follow from it, so every rank decides them alike */
-    int64_t rows_cap = layer->max_tokens > 0 ? layer->max_tokens : 1;
-    if (c->world > 1) {
-        int64_t gathered[HYBRIDEP_MAX_RANKS];
-        rc = host->allgather(host, &rows_cap, gathered, sizeof(int64_t), moert_cpu(), NULL);
-        if (rc != MOERT_OK) {
-            free(c);
-            return rc;
-        }
-        for (int r = 0; r < c->world; r++)
-            if (gathered[r] > rows_cap) rows_cap = gathered[r];
-    }
+    int64_t rows_cap = 1;
+    rc = peer_dispatch_group_max_tokens(&c->core, &rows_cap);
+    if (rc != MOERT_OK) goto fail;
     c->low_latency = c->low_latency_mode == 1 || (c->low_latency_mode == 0 && rows_cap <= c->low_latency_tokens);
-    c->channels = c->num_sms > 0 ? c->num_sms : 16; /* 0: 16, or every SM in low-latency mode (cuda_init) */
+    c->core.channels = c->core.num_sms > 0 ? c->core.num_sms : 16; /* 0: 16, or every SM in low-latency mode */
 
-    const int64_t E = layer->num_experts, W = c->world, K = layer->topk, El = layer->num_local_experts;
+    const int64_t E = layer->num_experts, W = c->core.world, K = layer->topk, El = layer->num_local_experts;
     c->capacity = rows_cap * W * (K < El ? K : El);
     hybridep_plan *p = &c->plan;
-    p->world = c->world;
-    p->rank = c->rank;
+    p->world = c->core.world;
+    p->rank = c->core.rank;
     p->num_experts = E;
     p->num_local_experts = El;
     p->topk = K;
-    if (!c->on_cuda) {
+    if (!c->core.on_cuda) {
         p->counts = calloc((size_t)E, sizeof(int64_t));
         p->tokens_to = calloc((size_t)W, sizeof(int64_t));
         p->all_counts = calloc((size_t)(W * E), sizeof(int64_t));
         p->tokens_per_expert = calloc((size_t)El, sizeof(int64_t));
         p->base = calloc((size_t)E, sizeof(int64_t));
         p->copy_index = calloc((size_t)(rows_cap * K), sizeof(int64_t));
+        p->copy_dst = calloc((size_t)(rows_cap * K), sizeof(int64_t));
         p->excl = calloc((size_t)(W * (rows_cap + 1)), sizeof(int64_t));
         c->notify_row = calloc((size_t)(E + HYBRIDEP_NOTIFY_EXTRA), sizeof(int64_t));
         c->notify_rows = calloc((size_t)(W * (E + HYBRIDEP_NOTIFY_EXTRA)), sizeof(int64_t));
         c->recv_meta = calloc((size_t)(W * rows_cap * K), sizeof(int64_t));
         c->idx = calloc((size_t)(rows_cap * K), sizeof(int32_t));
         if (!p->counts || !p->tokens_to || !p->all_counts || !p->tokens_per_expert || !p->base || !p->copy_index ||
-            !p->excl || !c->notify_row || !c->notify_rows || !c->recv_meta || !c->idx) {
-            hybridep_finalize(c);
+            !p->copy_dst || !p->excl || !c->notify_row || !c->notify_rows || !c->recv_meta || !c->idx) {
             host->set_error(host, "out of memory for the dispatcher state (max_tokens %lld)", (long long)rows_cap);
-            return MOERT_ERR_OUT_OF_MEMORY;
+            rc = MOERT_ERR_OUT_OF_MEMORY;
+            goto fail;
         }
     }
-    rc = buffer_setup(c, rows_cap);
+    rc = peer_dispatch_buffer_setup(&c->core, rows_cap, buffer_row_bytes(c), E + HYBRIDEP_NOTIFY_EXTRA);
 #ifdef MOERT_HAVE_CUDA
-    if (rc == MOERT_OK && c->on_cuda) rc = cuda_init(c);
+    if (rc == MOERT_OK && c->core.on_cuda) rc = cuda_init(c);
 #endif
-    if (rc != MOERT_OK) {
-        hybridep_finalize(c);
-        return rc;
-    }
+    if (rc != MOERT_OK) goto fail;
     /* CUDA: no host sync, no allocation, no host state a replay would repeat wrongly (the kernels number their calls
      * on the device): a step can be captured in a CUDA graph. The ABI 1.1 member may be missing on an older host. */
-    if (c->on_cuda && host->struct_size >= offsetof(moert_host, set_flags) + sizeof host->set_flags &&
+    if (c->core.on_cuda && host->struct_size >= offsetof(moert_host, set_flags) + sizeof host->set_flags &&
         host->set_flags)
         host->set_flags(host, MOERT_CAP_GRAPH_CAPTURABLE);
     host->log(host, MOERT_LOG_INFO, "hybridep: rows_cap %lld, capacity %lld, %s mode, %lld channels",
               (long long)rows_cap, (long long)c->capacity, c->low_latency ? "low-latency" : "normal",
-              (long long)c->channels);
+              (long long)c->core.channels);
     *out = c;
     return MOERT_OK;
+fail:
+    hybridep_finalize(c);
+    return rc;
 }
 
 static void hybridep_finalize(void *ctx)
@@ -353,7 +232,7 @@ static void hybridep_finalize(void *ctx)
     if (!c) return;
     buffer_release(c);
 #ifdef MOERT_HAVE_CUDA
-    if (c->on_cuda) cuda_finalize(c);
+    if (c->core.on_cuda) cuda_finalize(c);
 #endif
     free(c->plan.counts);
     free(c->plan.tokens_to);
@@ -361,6 +240,7 @@ static void hybridep_finalize(void *ctx)
     free(c->plan.tokens_per_expert);
     free(c->plan.base);
     free(c->plan.copy_index);
+    free(c->plan.copy_dst);
     free(c->plan.excl);
     free(c->notify_row);
     free(c->notify_rows);
@@ -374,20 +254,13 @@ static void hybridep_finalize(void *ctx)
 /* Checks topk_idx's shape and dtype (int32 [T, K] on the layer's device, T within the buffers). */
 static moert_result check_topk_idx(const hybridep_ctx *c, const moert_tensor *topk_idx)
 {
-    const char *call = "prepare()";
-    char a[64];
-    if (!topk_idx) return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: topk_idx is NULL", call);
-    if (topk_idx->ndim != 2 || topk_idx->shape[1] != c->layer.topk)
-        return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: topk_idx has shape %s, expected [T, %lld] (T tokens, topk)",
-                    call, moert_arg_shape_text(topk_idx, a, sizeof a), (long long)c->layer.topk);
-    moert_result rc = check_tensor(c, call, "topk_idx", topk_idx, 2, topk_idx->shape[0], false, c->layer.topk,
-                                   "T tokens, topk", MOERT_I32);
+    moert_result rc = peer_dispatch_check_topk_idx(&c->core, topk_idx);
     if (rc != MOERT_OK) return rc;
-    if (topk_idx->shape[0] > c->geo.rows_cap)
-        return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: topk_idx has %lld tokens, more than the %lld rows the buffers "
-                    "were sized for at init (the largest max_tokens of the group; no step may exceed it, the buffers "
-                    "never grow: that would need a host sync)", call, (long long)topk_idx->shape[0],
-                    (long long)c->geo.rows_cap);
+    if (topk_idx->shape[0] > c->core.geo.rows_cap)
+        return peer_dispatch_fail(&c->core, MOERT_ERR_INVALID_ARGUMENT, "prepare(): topk_idx has %lld tokens, more "
+                                  "than the %lld rows the buffers were sized for at init (the largest max_tokens of "
+                                  "the group; no step may exceed it, the buffers never grow: that would need a host "
+                                  "sync)", (long long)topk_idx->shape[0], (long long)c->core.geo.rows_cap);
     return MOERT_OK;
 }
 
@@ -395,7 +268,8 @@ static moert_result check_topk_idx(const hybridep_ctx *c, const moert_tensor *to
  * all fail together), plan. */
 static moert_result cpu_prepare(hybridep_ctx *c, const moert_tensor *topk_idx, moert_result local_rc)
 {
-    const int64_t E = c->layer.num_experts, K = c->layer.topk, W = c->world, n = E + HYBRIDEP_NOTIFY_EXTRA;
+    const int64_t E = c->core.layer.num_experts, K = c->core.layer.topk, W = c->core.world;
+    const int64_t n = E + HYBRIDEP_NOTIFY_EXTRA;
     hybridep_plan *p = &c->plan;
     int64_t bad = -1;
     memset(c->notify_row, 0, (size_t)n * sizeof(int64_t));
@@ -403,37 +277,38 @@ static moert_result cpu_prepare(hybridep_ctx *c, const moert_tensor *topk_idx, m
         p->num_tokens = topk_idx->shape[0];
         bad = hybridep_layout(p, topk_idx->data);
         if (bad >= 0)
-            local_rc = fail(c, MOERT_ERR_INVALID_ARGUMENT,
-                            "prepare(): topk_idx[%lld][%lld] is %d, expected an expert id in [0, %lld) or -1 (dropped)",
-                            (long long)(bad / K), (long long)(bad % K), (int)((const int32_t *)topk_idx->data)[bad],
-                            (long long)E);
+            local_rc = peer_dispatch_fail(&c->core, MOERT_ERR_INVALID_ARGUMENT, "prepare(): topk_idx[%lld][%lld] is "
+                                          "%d, expected an expert id in [0, %lld) or -1 (dropped)",
+                                          (long long)(bad / K), (long long)(bad % K),
+                                          (int)((const int32_t *)topk_idx->data)[bad], (long long)E);
         else memcpy(c->notify_row, p->counts, (size_t)E * sizeof(int64_t));
     }
     c->notify_row[E + HYBRIDEP_NOTIFY_STATUS] = local_rc != MOERT_OK;
-    c->notify_row[E + HYBRIDEP_NOTIFY_CHANNELS] = c->channels;
+    c->notify_row[E + HYBRIDEP_NOTIFY_CHANNELS] = c->core.channels;
     c->notify_row[E + HYBRIDEP_NOTIFY_TOKENS] = local_rc == MOERT_OK ? p->num_tokens : 0;
     for (int d = 0; d < W && local_rc == MOERT_OK; d++)
         c->notify_row[E + HYBRIDEP_NOTIFY_TOKENS_TO + d] = p->tokens_to[d];
 
     char why[256] = "";
-    hybridep_cpu_link l = {.geo = &c->geo, .local = c->buf, .peers = c->peers, .seq = next_seq(c),
-                           .timeout_ms = c->timeout_ms, .recv_meta = c->recv_meta, .recv_rows = c->recv_rows,
-                           .error = why, .error_size = sizeof why};
+    const peer_cpu_link l = peer_dispatch_cpu_link(&c->core, next_seq(c), c->recv_meta, why, sizeof why);
     int r = hybridep_cpu_notify(&l, c->notify_row, c->notify_rows);
-    if (r > 0) return mark_broken(c, MOERT_ERR_TIMEOUT, "prepare()", why);
+    if (r > 0) return peer_dispatch_mark_broken(&c->core, MOERT_ERR_TIMEOUT, "prepare()", why);
     if (local_rc != MOERT_OK) return local_rc;
     for (int s = 0; s < W; s++) {
         const int64_t *row = c->notify_rows + s * n;
         if (row[E + HYBRIDEP_NOTIFY_STATUS] != 0)
-            return fail(c, MOERT_ERR_INVALID_ARGUMENT,
-                        "prepare(): rank %d failed its prepare() (see its error), so this step cannot dispatch", s);
-        if (row[E + HYBRIDEP_NOTIFY_CHANNELS] != c->channels)
-            return fail(c, MOERT_ERR_CONFIG, "prepare(): rank %d uses %lld channels (num_sms %lld), this rank %lld: "
-                        "every rank needs the same num_sms", s, (long long)row[E + HYBRIDEP_NOTIFY_CHANNELS],
-                        (long long)row[E + HYBRIDEP_NOTIFY_CHANNELS], (long long)c->channels);
+            return peer_dispatch_fail(&c->core, MOERT_ERR_INVALID_ARGUMENT, "prepare(): rank %d failed its prepare() "
+                                      "(see its error), so this step cannot dispatch", s);
+        if (row[E + HYBRIDEP_NOTIFY_CHANNELS] != c->core.channels)
+            return peer_dispatch_fail(&c->core, MOERT_ERR_CONFIG, "prepare(): rank %d uses %lld channels (num_sms "
+                                      "%lld), this rank %lld: every rank needs the same num_sms", s,
+                                      (long long)row[E + HYBRIDEP_NOTIFY_CHANNELS],
+                                      (long long)row[E + HYBRIDEP_NOTIFY_CHANNELS], (long long)c->core.channels);
         memcpy(p->all_counts + s * E, row, (size_t)E * sizeof(int64_t));
     }
-    hybridep_plan_sizes(p);
+    p->num_recv = peer_plan_sizes(p->world, p->rank, E, p->num_local_experts, p->all_counts, p->tokens_per_expert,
+                                  NULL, p->base);
+    hybridep_plan_copies(p, topk_idx->data);
     memcpy(c->idx, topk_idx->data, (size_t)(p->num_tokens * K) * sizeof(int32_t));
     return MOERT_OK;
 }
@@ -447,24 +322,18 @@ static moert_result hybridep_prepare(void *ctx, moert_stream stream, const moert
                                      moert_dispatch_layout *layout)
 {
     hybridep_ctx *c = ctx;
-    const int64_t El = c->layer.num_local_experts;
-    c->prepared = false;
-    c->dispatched = false;
-#ifdef MOERT_HAVE_CUDA
-    if (c->on_cuda && c->broken == MOERT_OK) {
-        moert_result rc = cuda_check_status(c);
-        if (rc != MOERT_OK) return rc;
-    }
-#endif
-    if (c->broken != MOERT_OK) return fail(c, c->broken, "prepare(): %s", c->broken_msg);
-    moert_result local_rc = MOERT_OK;
-    if (!layout) local_rc = fail(c, MOERT_ERR_INVALID_ARGUMENT, "prepare(): layout is NULL");
-    else local_rc = moert_arg_check_struct_size(c->host, "prepare()", "layout", layout->struct_size, sizeof *layout);
+    const int64_t El = c->core.layer.num_local_experts;
+    c->core.prepared = false;
+    c->core.dispatched = false;
+    moert_result rc = check_device_status(c);
+    if (rc != MOERT_OK) return rc;
+    if (c->core.broken != MOERT_OK)
+        return peer_dispatch_fail(&c->core, c->core.broken, "prepare(): %s", c->core.broken_msg);
+    moert_result local_rc = peer_dispatch_check_layout(&c->core, layout);
     if (local_rc == MOERT_OK) local_rc = check_topk_idx(c, topk_idx);
     void *counts = c->plan.tokens_per_expert;
-    moert_result rc;
 #ifdef MOERT_HAVE_CUDA
-    if (c->on_cuda) {
+    if (c->core.on_cuda) {
         if (local_rc != MOERT_OK) return local_rc; /* the peers' notify waits name this rank when they run out */
         rc = cuda_prepare(c, stream, topk_idx);
         counts = c->cu.tokens_per_expert;
@@ -472,51 +341,44 @@ static moert_result hybridep_prepare(void *ctx, moert_stream stream, const moert
 #endif
         rc = cpu_prepare(c, topk_idx, local_rc);
     if (rc != MOERT_OK) return rc;
-    layout->num_recv = c->on_cuda ? -1 : c->plan.num_recv;
+    layout->num_recv = c->core.on_cuda ? -1 : c->plan.num_recv;
     layout->capacity = c->capacity;
-    layout->tokens_per_expert = moert_tensor_1d(counts, c->layer.device, MOERT_I64, El);
+    layout->tokens_per_expert = moert_tensor_1d(counts, c->core.layer.device, MOERT_I64, El);
     layout->tokens_per_expert_host = NULL;
-    c->prepared = true;
-    if (!c->on_cuda) report_metric(c, "dispatch.recv_tokens", (double)c->plan.num_recv, "tokens");
+    c->core.prepared = true;
+    if (!c->core.on_cuda) peer_dispatch_metric(&c->core, "dispatch.recv_tokens", (double)c->plan.num_recv, "tokens");
     return MOERT_OK;
 }
 
 /* ---- the CPU path's calls ---- */
 
-static hybridep_cpu_link cpu_link(hybridep_ctx *c, int64_t seq, char *error, size_t error_size)
+/* This step's routing on this rank, as the shared CPU calls read it. */
+static peer_cpu_route cpu_route(const hybridep_ctx *c)
 {
-    hybridep_cpu_link l = {.geo = &c->geo, .local = c->buf, .peers = c->peers, .seq = seq,
-                           .timeout_ms = c->timeout_ms, .recv_meta = c->recv_meta, .recv_rows = c->recv_rows,
-                           .error = error, .error_size = error_size};
-    return l;
+    const hybridep_plan *p = &c->plan;
+    peer_cpu_route r = {.num_tokens = p->num_tokens, .topk = p->topk, .num_local_experts = p->num_local_experts,
+                        .num_recv = p->num_recv, .topk_idx = c->idx, .copy_dst = p->copy_dst, .excl = p->excl,
+                        .tokens_to = p->tokens_to};
+    return r;
 }
 
+/* A dispatch-like call on the CPU (dispatch, combine_backward). */
 static moert_result cpu_dispatch_like(hybridep_ctx *c, const char *call, const moert_tensor *x,
                                       const moert_tensor *probs, moert_tensor *out, moert_tensor *out_probs)
 {
-    char why[256] = "";
-    hybridep_cpu_link l = cpu_link(c, next_seq(c), why, sizeof why);
-    int r = hybridep_cpu_dispatch(&l, &c->plan, c->layer.hidden, c->idx, x->data, x->dtype,
-                                  probs ? probs->data : NULL, probs ? probs->dtype : MOERT_F64, out->data,
-                                  out_probs ? out_probs->data : NULL, out_probs ? out_probs->dtype : MOERT_F64);
-    if (r > 0) return mark_broken(c, MOERT_ERR_TIMEOUT, call, why);
-    c->dispatched = true;
-    return MOERT_OK;
+    const peer_cpu_route route = cpu_route(c);
+    return peer_dispatch_cpu_dispatch(&c->core, call, next_seq(c), c->recv_meta, &route, false, x, probs, out,
+                                      out_probs);
 }
 
+/* A combine-like call on the CPU (combine, dispatch_backward). */
 static moert_result cpu_combine_like(hybridep_ctx *c, const char *call, const moert_tensor *rows,
                                      const moert_tensor *row_probs, moert_tensor *out, bool accumulate,
                                      moert_tensor *out_probs)
 {
-    char why[256] = "";
-    hybridep_cpu_link l = cpu_link(c, next_seq(c), why, sizeof why);
-    int r = hybridep_cpu_combine(&l, &c->plan, c->layer.hidden, c->idx, rows->data, rows->dtype,
-                                 row_probs ? row_probs->data : NULL, row_probs ? row_probs->dtype : MOERT_F64,
-                                 out->data, out->dtype, accumulate, out_probs ? out_probs->data : NULL,
-                                 out_probs ? out_probs->dtype : MOERT_F64);
-    if (r > 0) return mark_broken(c, MOERT_ERR_TIMEOUT, call, why);
-    if (r < 0) return fail(c, MOERT_ERR_OUT_OF_MEMORY, "%s: %s", call, why);
-    return MOERT_OK;
+    const peer_cpu_route route = cpu_route(c);
+    return peer_dispatch_cpu_combine(&c->core, call, next_seq(c), c->recv_meta, &route, rows, row_probs, out,
+                                     accumulate, out_probs);
 }
 
 #ifdef MOERT_HAVE_CUDA
@@ -524,44 +386,26 @@ static moert_result cpu_combine_like(hybridep_ctx *c, const char *call, const mo
 
 static moert_result cuda_init(hybridep_ctx *c)
 {
-    const moert_host *h = c->host;
-    const int64_t E = c->layer.num_experts, El = c->layer.num_local_experts, K = c->layer.topk, W = c->world;
-    const int64_t R = c->geo.rows_cap;
-    const int id = (int)c->layer.device.id;
-    char dev[32];
-    moert_arg_device_text(c->layer.device, dev, sizeof dev);
-    int count = 0;
-    cudaError_t err = cudaGetDeviceCount(&count);
-    if (err != cudaSuccess) {
-        (void)cudaGetLastError();
-        count = 0;
-    }
-    if (id < 0 || id >= count)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "the layer is on %s, but this process sees %d CUDA device%s: only a "
-                    "CPU path can run here", dev, count, count == 1 ? "" : "s");
-    if (E > 1024)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "the hybridep dispatcher's CUDA path takes at most 1024 experts, the "
-                    "layer has %lld", (long long)E);
-    if (K > 32)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "the hybridep dispatcher's CUDA path takes topk <= 32 (a warp's lanes), "
-                    "the layer has %lld", (long long)K);
-    if (c->layer.dtype != MOERT_BF16 && c->layer.dtype != MOERT_F32)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "the hybridep dispatcher's CUDA path moves bf16 or fp32 rows, the layer "
-                    "is %s", moert_dtype_name(c->layer.dtype));
+    const moert_host *h = c->core.host;
+    const int64_t E = c->core.layer.num_experts, El = c->core.layer.num_local_experts, K = c->core.layer.topk;
+    const int64_t W = c->core.world, R = c->core.geo.rows_cap;
+    moert_result rc = peer_dispatch_cuda_check_layer(&c->core, 1024);
+    if (rc != MOERT_OK) return rc;
     if (R * K > INT32_MAX / 2 || c->capacity > INT32_MAX)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "the hybridep dispatcher's CUDA path takes fewer than 2^31 rows (max_tokens "
-                    "%lld, capacity %lld)", (long long)R, (long long)c->capacity);
+        return peer_dispatch_fail(&c->core, MOERT_ERR_UNSUPPORTED, "the hybridep dispatcher's CUDA path takes fewer "
+                                  "than 2^31 rows (max_tokens %lld, capacity %lld)", (long long)R,
+                                  (long long)c->capacity);
     hybridep_cuda_state *cu = &c->cu;
-    moert_result rc = hybridep_cuda_sm_count(h, id, &cu->sms);
+    rc = peer_dispatch_cuda_sm_count(&c->core, &cu->sms);
     if (rc != MOERT_OK) return rc;
     /* low-latency mode: one block per SM at most (its kernels need every block resident); 0: every SM */
-    if (c->low_latency && (c->num_sms == 0 || c->channels > cu->sms))
-        c->channels = cu->sms > HYBRIDEP_MAX_CHANNELS ? HYBRIDEP_MAX_CHANNELS : cu->sms;
+    if (c->low_latency && (c->core.num_sms == 0 || c->core.channels > cu->sms))
+        c->core.channels = cu->sms > PEER_MAX_CHANNELS ? PEER_MAX_CHANNELS : cu->sms;
     cu->tma = !c->low_latency && c->copy == 0;
     /* one block: int32 topk_idx, copy_index [R*K], excl [W][R+1], recv_meta [W][R][K]; int64 base [E],
      * tokens_per_expert [El], recv_tokens [W]; the status words and the block counter */
     size_t off = 0, o_idx, o_ci, o_excl, o_meta, o_base, o_tpe, o_recv, o_status;
-#define TAKE(o, bytes) (o = off, off = hybridep_round_up(off + (size_t)(bytes), 256))
+#define TAKE(o, bytes) (o = off, off = peer_round_up(off + (size_t)(bytes), 256))
     TAKE(o_idx, R * K * 4);
     TAKE(o_ci, R * K * 4);
     TAKE(o_excl, W * (R + 1) * 4);
@@ -571,11 +415,8 @@ static moert_result cuda_init(hybridep_ctx *c)
     TAKE(o_recv, W * 8);
     TAKE(o_status, 64);
 #undef TAKE
-    rc = h->alloc(h, c->layer.device, off, &cu->arrays);
-    if (rc == MOERT_ERR_UNSUPPORTED)
-        return fail(c, rc, "the host serving this instance cannot allocate on %s (a CPU-only host): only a CPU path "
-                    "can run here", dev);
-    if (rc != MOERT_OK) return rc;
+    rc = h->alloc(h, c->core.layer.device, off, &cu->arrays);
+    if (rc != MOERT_OK) return peer_dispatch_alloc_failed(&c->core, rc);
     char *a = cu->arrays;
     cu->topk_idx = (int32_t *)(a + o_idx);
     cu->copy_index = (int32_t *)(a + o_ci);
@@ -589,11 +430,11 @@ static moert_result cuda_init(hybridep_ctx *c)
     cu->sent_blocks = (unsigned *)(a + o_status + 20);
     cu->seq_dev = (int64_t *)(a + o_status + 24);
     cu->ll_calls = (int64_t *)(a + o_status + 32);
-    rc = hybridep_cuda_zero(h, cu->arrays, off);
+    rc = peer_dispatch_cuda_zero(h, cu->arrays, off);
     /* normal mode: the combine partials for the other ranks wait here for the NVLink phase (worst case: every token
      * of every other rank) */
     if (rc == MOERT_OK && !c->low_latency && W > 1)
-        rc = h->alloc(h, c->layer.device, (size_t)(W - 1) * (size_t)R * c->geo.row_stride, &cu->staging);
+        rc = h->alloc(h, c->core.layer.device, (size_t)(W - 1) * (size_t)R * c->core.geo.row_stride, &cu->staging);
     if (rc == MOERT_OK) rc = h->alloc_pinned(h, 64, (void **)&cu->pinned);
     if (rc == MOERT_OK) {
         memset(cu->pinned, 0, 64);
@@ -606,10 +447,10 @@ static moert_result cuda_init(hybridep_ctx *c)
 static void cuda_finalize(hybridep_ctx *c)
 {
     hybridep_cuda_state *cu = &c->cu;
-    if (cu->arrays) c->host->free(c->host, c->layer.device, cu->arrays);
-    if (cu->staging) c->host->free(c->host, c->layer.device, cu->staging);
+    if (cu->arrays) c->core.host->free(c->core.host, c->core.layer.device, cu->arrays);
+    if (cu->staging) c->core.host->free(c->core.host, c->core.layer.device, cu->staging);
     cu->staging = NULL;
-    if (cu->pinned) c->host->free_pinned(c->host, cu->pinned);
+    if (cu->pinned) c->core.host->free_pinned(c->core.host, cu->pinned);
     cu->arrays = NULL;
     cu->pinned = NULL;
 }
@@ -630,25 +471,25 @@ static moert_result cuda_check_status(hybridep_ctx *c)
     switch (kind) {
     case HYBRIDEP_WAIT_ARRIVAL:
         snprintf(why, sizeof why, "rank %d did not deliver its rows within %lld ms (timeout_ms)", peer,
-                 (long long)c->timeout_ms);
+                 (long long)c->core.timeout_ms);
         break;
     case HYBRIDEP_WAIT_CONSUMED:
         snprintf(why, sizeof why, "rank %d did not read the rows of the previous call within %lld ms (timeout_ms)",
-                 peer, (long long)c->timeout_ms);
+                 peer, (long long)c->core.timeout_ms);
         break;
     case HYBRIDEP_WAIT_NOTIFY:
         snprintf(why, sizeof why, "rank %d did not send its counts within %lld ms (timeout_ms)", peer,
-                 (long long)c->timeout_ms);
+                 (long long)c->core.timeout_ms);
         break;
     case HYBRIDEP_BAD_IDS:
         code = MOERT_ERR_INVALID_ARGUMENT;
         snprintf(why, sizeof why, "rank %d's topk_idx had expert ids outside [0, %lld) and not -1 (dropped); they "
-                 "were treated as dropped in that step", peer, (long long)c->layer.num_experts);
+                 "were treated as dropped in that step", peer, (long long)c->core.layer.num_experts);
         break;
     case HYBRIDEP_CHANNELS:
         code = MOERT_ERR_CONFIG;
         snprintf(why, sizeof why, "rank %d uses another channel count than this rank's %lld: every rank needs the "
-                 "same num_sms", peer, (long long)c->channels);
+                 "same num_sms", peer, (long long)c->core.channels);
         break;
     default:
         code = MOERT_ERR_INTERNAL;
@@ -657,7 +498,7 @@ static moert_result cuda_check_status(hybridep_ctx *c)
     char call[64];
     snprintf(call, sizeof call, "%s (call %lld)", call_id <= HYBRIDEP_CALL_DISPATCH_BACKWARD ? names[call_id] : "?",
              (long long)seq);
-    return mark_broken(c, code, call, why);
+    return peer_dispatch_mark_broken(&c->core, code, call, why);
 }
 
 /* The kernels' view of this step and of a call (HYBRIDEP_CALL_*); its sequence number lives on the device. */
@@ -666,11 +507,11 @@ static hybridep_cuda_call cuda_call(hybridep_ctx *c, int call)
     hybridep_cuda_state *cu = &c->cu;
     hybridep_cuda_call k;
     memset(&k, 0, sizeof k);
-    k.geo = c->geo;
-    k.local = c->buf;
-    for (int r = 0; r < c->world; r++) k.peers[r] = c->peers[r];
-    k.rank = c->rank;
-    k.channels = (int)c->channels;
+    k.geo = c->core.geo;
+    k.local = c->core.buf;
+    for (int r = 0; r < c->core.world; r++) k.peers[r] = c->core.peers[r];
+    k.rank = c->core.rank;
+    k.channels = (int)c->core.channels;
     k.sms = cu->sms;
     k.tma = cu->tma;
     k.low_latency = c->low_latency;
@@ -679,12 +520,12 @@ static hybridep_cuda_call cuda_call(hybridep_ctx *c, int call)
     k.ll_flag = c->ll_flag;
     k.ll_fence = c->ll_fence;
     k.piece = c->ll_piece / 16;
-    k.timeout_ns = c->timeout_ms * 1000000;
+    k.timeout_ns = c->core.timeout_ms * 1000000;
     k.tokens = c->plan.num_tokens;
-    k.topk = c->layer.topk;
-    k.hidden = c->layer.hidden;
-    k.num_experts = c->layer.num_experts;
-    k.local_experts = c->layer.num_local_experts;
+    k.topk = c->core.layer.topk;
+    k.hidden = c->core.layer.hidden;
+    k.num_experts = c->core.layer.num_experts;
+    k.local_experts = c->core.layer.num_local_experts;
     k.topk_idx = cu->topk_idx;
     k.copy_index = cu->copy_index;
     k.excl = cu->excl;
@@ -708,31 +549,20 @@ static moert_result cuda_prepare(hybridep_ctx *c, moert_stream stream, const moe
     c->plan.num_tokens = topk_idx->shape[0];
     next_seq(c);
     hybridep_cuda_call k = cuda_call(c, HYBRIDEP_CALL_PREPARE);
-    return hybridep_cuda_prepare(c->host, (cudaStream_t)stream, &k, topk_idx->data);
-}
-
-/* Row tensors on CUDA: the layer's dtype; probs fp32. */
-static moert_result cuda_check_dtype(const hybridep_ctx *c, const char *call, const char *name, const moert_tensor *t,
-                                     moert_dtype want)
-{
-    if (!t || t->dtype == want) return MOERT_OK;
-    return fail(c, MOERT_ERR_UNSUPPORTED, "%s: %s has dtype %s; the CUDA path takes %s here", call, name,
-                moert_dtype_name(t->dtype), moert_dtype_name(want));
+    return hybridep_cuda_prepare(c->core.host, (cudaStream_t)stream, &k, topk_idx->data);
 }
 
 static moert_result cuda_dispatch_like(hybridep_ctx *c, moert_stream stream, const char *call, int call_id,
                                        const moert_tensor *x,
                                        const moert_tensor *probs, moert_tensor *out, moert_tensor *out_probs)
 {
-    moert_result rc = cuda_check_dtype(c, call, "rows", x, c->layer.dtype);
-    if (rc == MOERT_OK) rc = cuda_check_dtype(c, call, "probs", probs, MOERT_F32);
-    if (rc == MOERT_OK) rc = cuda_check_dtype(c, call, "probs out", out_probs, MOERT_F32);
+    moert_result rc = peer_dispatch_cuda_dispatch_dtypes(&c->core, call, x, probs, out_probs);
     if (rc != MOERT_OK) return rc;
     next_seq(c);
     hybridep_cuda_call k = cuda_call(c, call_id);
-    rc = hybridep_cuda_dispatch(c->host, (cudaStream_t)stream, &k, x->dtype, x->data, probs ? probs->data : NULL,
+    rc = hybridep_cuda_dispatch(c->core.host, (cudaStream_t)stream, &k, x->dtype, x->data, probs ? probs->data : NULL,
                                 out->data, out_probs ? out_probs->data : NULL);
-    if (rc == MOERT_OK) c->dispatched = true;
+    if (rc == MOERT_OK) c->core.dispatched = true;
     return rc;
 }
 
@@ -741,14 +571,11 @@ static moert_result cuda_combine_like(hybridep_ctx *c, moert_stream stream, cons
                                       const moert_tensor *row_probs, moert_tensor *out, bool accumulate,
                                       moert_tensor *out_probs)
 {
-    moert_result rc = cuda_check_dtype(c, call, "rows", rows, c->layer.dtype);
-    if (rc == MOERT_OK) rc = cuda_check_dtype(c, call, "out", out, c->layer.dtype);
-    if (rc == MOERT_OK) rc = cuda_check_dtype(c, call, "row probs", row_probs, MOERT_F32);
-    if (rc == MOERT_OK) rc = cuda_check_dtype(c, call, "probs out", out_probs, MOERT_F32);
+    moert_result rc = peer_dispatch_cuda_combine_dtypes(&c->core, call, rows, out, row_probs, out_probs);
     if (rc != MOERT_OK) return rc;
     next_seq(c);
     hybridep_cuda_call k = cuda_call(c, call_id);
-    return hybridep_cuda_combine(c->host, (cudaStream_t)stream, &k, rows->dtype, rows->data,
+    return hybridep_cuda_combine(c->core.host, (cudaStream_t)stream, &k, rows->dtype, rows->data,
                                  row_probs ? row_probs->data : NULL, out->data, accumulate,
                                  out_probs ? out_probs->data : NULL);
 }
@@ -761,34 +588,19 @@ static moert_result hybridep_dispatch(void *ctx, moert_stream stream, const moer
 {
     hybridep_ctx *c = ctx;
     const char *call = "dispatch()";
-    const int64_t H = c->layer.hidden, T = c->plan.num_tokens, K = c->layer.topk;
-    moert_result rc = check_call(c, call, args, args ? args->struct_size : 0, sizeof *args, false);
-    if (rc == MOERT_OK) rc = check_tensor(c, call, "x", args->x, 2, T, false, H, "T from prepare(), hidden", -1);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "recv_x", args->recv_x, 2, c->capacity, true, H, "capacity from prepare(), hidden",
-                          args->x->dtype);
-    if (rc == MOERT_OK && (args->topk_probs == NULL) != (args->recv_probs == NULL))
-        rc = fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: topk_probs and recv_probs must be given together (or both NULL)",
-                  call);
-    if (rc == MOERT_OK && args->topk_probs)
-        rc = check_tensor(c, call, "topk_probs", args->topk_probs, 2, T, false, K, "T from prepare(), topk", -1);
-    if (rc == MOERT_OK && args->recv_probs)
-        rc = check_tensor(c, call, "recv_probs", args->recv_probs, 1, c->capacity, true, 0, "capacity from prepare()",
-                          -1);
+    moert_result rc = check_device_status(c);
+    if (rc == MOERT_OK) rc = peer_dispatch_check_dispatch(&c->core, args, c->plan.num_tokens, c->capacity);
     if (rc != MOERT_OK) return rc;
 #ifdef MOERT_HAVE_CUDA
-    if (c->on_cuda)
+    if (c->core.on_cuda)
         return cuda_dispatch_like(c, stream, call, HYBRIDEP_CALL_DISPATCH, args->x, args->topk_probs, args->recv_x,
                                   args->recv_probs);
 #endif
     (void)stream;
     rc = cpu_dispatch_like(c, call, args->x, args->topk_probs, args->recv_x, args->recv_probs);
     if (rc != MOERT_OK) return rc;
-    double sent = 0;
-    for (int d = 0; d < c->world; d++)
-        if (d != c->rank)
-            sent += (double)c->plan.tokens_to[d] * (double)((size_t)H * moert_dtype_size(args->x->dtype) + c->geo.meta_stride);
-    report_metric(c, "dispatch.bytes_sent", sent, "bytes");
+    peer_dispatch_report_sent(&c->core, c->plan.tokens_to,
+                              (size_t)c->core.layer.hidden * moert_dtype_size(args->x->dtype));
     return MOERT_OK;
 }
 
@@ -798,16 +610,11 @@ static moert_result hybridep_combine(void *ctx, moert_stream stream, const moert
 {
     hybridep_ctx *c = ctx;
     const char *call = "combine()";
-    const int64_t H = c->layer.hidden;
-    moert_result rc = check_call(c, call, args, args ? args->struct_size : 0, sizeof *args, true);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "y_expert", args->y_expert, 2, c->capacity, true, H,
-                          "capacity from prepare(), hidden", -1);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "y", args->y, 2, c->plan.num_tokens, false, H, "T from prepare(), hidden", -1);
+    moert_result rc = check_device_status(c);
+    if (rc == MOERT_OK) rc = peer_dispatch_check_combine(&c->core, args, c->plan.num_tokens, c->capacity);
     if (rc != MOERT_OK) return rc;
 #ifdef MOERT_HAVE_CUDA
-    if (c->on_cuda)
+    if (c->core.on_cuda)
         return cuda_combine_like(c, stream, call, HYBRIDEP_CALL_COMBINE, args->y_expert, NULL, args->y, false, NULL);
 #endif
     return cpu_combine_like(c, call, args->y_expert, NULL, args->y, false, NULL);
@@ -818,16 +625,11 @@ static moert_result hybridep_combine_backward(void *ctx, moert_stream stream, co
 {
     hybridep_ctx *c = ctx;
     const char *call = "combine_backward()";
-    const int64_t H = c->layer.hidden;
-    moert_result rc = check_call(c, call, args, args ? args->struct_size : 0, sizeof *args, false);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "d_y", args->d_y, 2, c->plan.num_tokens, false, H, "T from prepare(), hidden", -1);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "d_y_expert", args->d_y_expert, 2, c->capacity, true, H,
-                          "capacity from prepare(), hidden", args->d_y->dtype);
+    moert_result rc = check_device_status(c);
+    if (rc == MOERT_OK) rc = peer_dispatch_check_combine_backward(&c->core, args, c->plan.num_tokens, c->capacity);
     if (rc != MOERT_OK) return rc;
 #ifdef MOERT_HAVE_CUDA
-    if (c->on_cuda)
+    if (c->core.on_cuda)
         return cuda_dispatch_like(c, stream, call, HYBRIDEP_CALL_COMBINE_BACKWARD, args->d_y, NULL, args->d_y_expert,
                                   NULL);
 #endif
@@ -839,23 +641,11 @@ static moert_result hybridep_dispatch_backward(void *ctx, moert_stream stream, c
 {
     hybridep_ctx *c = ctx;
     const char *call = "dispatch_backward()";
-    const int64_t H = c->layer.hidden, T = c->plan.num_tokens, K = c->layer.topk;
-    moert_result rc = check_call(c, call, args, args ? args->struct_size : 0, sizeof *args, true);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "d_recv_x", args->d_recv_x, 2, c->capacity, true, H,
-                          "capacity from prepare(), hidden", -1);
-    if (rc == MOERT_OK) rc = check_tensor(c, call, "d_x", args->d_x, 2, T, false, H, "T from prepare(), hidden", -1);
-    if (rc == MOERT_OK && (args->d_recv_probs == NULL) != (args->d_topk_probs == NULL))
-        rc = fail(c, MOERT_ERR_INVALID_ARGUMENT,
-                  "%s: d_recv_probs and d_topk_probs must be given together (or both NULL)", call);
-    if (rc == MOERT_OK && args->d_recv_probs)
-        rc = check_tensor(c, call, "d_recv_probs", args->d_recv_probs, 1, c->capacity, true, 0,
-                          "capacity from prepare()", -1);
-    if (rc == MOERT_OK && args->d_topk_probs)
-        rc = check_tensor(c, call, "d_topk_probs", args->d_topk_probs, 2, T, false, K, "T from prepare(), topk", -1);
+    moert_result rc = check_device_status(c);
+    if (rc == MOERT_OK) rc = peer_dispatch_check_dispatch_backward(&c->core, args, c->plan.num_tokens, c->capacity);
     if (rc != MOERT_OK) return rc;
 #ifdef MOERT_HAVE_CUDA
-    if (c->on_cuda)
+    if (c->core.on_cuda)
         return cuda_combine_like(c, stream, call, HYBRIDEP_CALL_DISPATCH_BACKWARD, args->d_recv_x, args->d_recv_probs,
                                  args->d_x, true, args->d_topk_probs);
 #endif
@@ -871,13 +661,8 @@ MOERT_PLUGIN_EXPORT const moert_dispatcher_v1 hybridep_vtable __asm__(MOERT_DISP
         .version = "0.1.0",
         .description = "NVLink dispatcher in the spirit of HybridEP: TMA bulk copies into peers' buffers, permutation "
                        "fused into dispatch, worst-case buffers, no host sync in a step; low-latency mode",
-#ifdef MOERT_HAVE_CUDA
-        .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU) | MOERT_CAP_DEVICE(MOERT_DEVICE_CUDA),
-#else
-        .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU),
-#endif
-        .dtypes = MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) |
-                  MOERT_CAP_DTYPE(MOERT_F16),
+        .devices = PEER_DISPATCH_DEVICES,
+        .dtypes = PEER_DISPATCH_DTYPES,
         .flags = 0,
     },
     .init = hybridep_init,

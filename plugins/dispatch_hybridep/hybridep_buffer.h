@@ -1,11 +1,12 @@
-/* The "hybridep" dispatcher's peer-visible buffer, shared by its CPU and CUDA paths (plain C, no CUDA types).
+/* How the "hybridep" dispatcher uses the peer buffer (../common/peer_buffer.h: the layout it shares with "deepep"), on
+ * its CPU and CUDA paths (plain C, no CUDA types).
  *
  * Every rank owns one buffer, offered once to the group at init with host->exchange_peer_buffers; peers write into it.
  *   header   flags: arrived[source][channel] (the source's rows of this call are in place), consumed[dest][channel]
  *            (a rank has read what this rank wrote into it; the CUDA path and the CPU path use channel 0 only: a
  *            reader stamps once its whole call is read), notified[source] (the source's notify row is in place)
  *   notify   one row per source rank: its copies per expert [E], then its status, channel count, token count and
- *            tokens per destination rank [HYBRIDEP_MAX_RANKS]
+ *            tokens per destination rank [PEER_MAX_RANKS]
  *   slot s   the token rows rank s wrote to this rank: rows_cap rows of row_stride bytes, then rows_cap metadata
  *            entries of meta_stride bytes (int32 dst[K], then double prob[K] at meta_prob_offset)
  * Every call through the buffers (prepare's notify, dispatch, combine, both backwards) has a sequence number, the same
@@ -16,93 +17,14 @@
 #ifndef MOERT_HYBRIDEP_BUFFER_H
 #define MOERT_HYBRIDEP_BUFFER_H
 
-#include <stddef.h>
-#include <stdint.h>
-
-#define HYBRIDEP_MAX_RANKS 8
-#define HYBRIDEP_MAX_CHANNELS 132 /* sending blocks of a call: num_sms, at most 132 */
-#define HYBRIDEP_FP8_BLOCK 128   /* elements per FP8 scale (1x128 blocks) */
-#define HYBRIDEP_FP8_MAX 448.0f  /* largest E4M3 value */
+#include "peer_buffer.h"
 
 /* Entries of a notify row after the E counts. */
 #define HYBRIDEP_NOTIFY_STATUS 0   /* 0, or the number of bad expert ids the source found */
 #define HYBRIDEP_NOTIFY_CHANNELS 1 /* the source's channel count (every rank must use the same) */
 #define HYBRIDEP_NOTIFY_TOKENS 2   /* the source's T of this step */
-#define HYBRIDEP_NOTIFY_TOKENS_TO 3 /* [HYBRIDEP_MAX_RANKS]: the source's tokens with a copy on rank d */
-#define HYBRIDEP_NOTIFY_EXTRA (3 + HYBRIDEP_MAX_RANKS)
-
-/* One arrival record: the writer's rows are slot rows [begin, end); seq is written last. */
-typedef struct hybridep_flag {
-    int64_t seq;
-    int64_t begin;
-    int64_t end;
-    int64_t pad;
-} hybridep_flag;
-
-typedef struct hybridep_header {
-    hybridep_flag arrived[HYBRIDEP_MAX_RANKS][HYBRIDEP_MAX_CHANNELS];
-    int64_t consumed[HYBRIDEP_MAX_RANKS][HYBRIDEP_MAX_CHANNELS];
-    int64_t notified[HYBRIDEP_MAX_RANKS];
-} hybridep_header;
-
-/* Where things are in a rank's buffer; every rank uses the same geometry. */
-typedef struct hybridep_geometry {
-    int world;
-    int64_t topk;
-    int64_t num_experts;
-    int64_t rows_cap;        /* rows per slot: the largest max_tokens of the group */
-    size_t row_stride;       /* bytes per row (a multiple of 16) */
-    size_t meta_stride;      /* bytes per metadata entry (a multiple of 16) */
-    size_t meta_prob_offset; /* offset of double prob[K] inside an entry */
-    size_t header_bytes;     /* sizeof(hybridep_header) rounded up to 4096 */
-    size_t notify_bytes;     /* world notify rows of E + HYBRIDEP_NOTIFY_EXTRA int64, rounded up to 4096 */
-    size_t slot_bytes;       /* rows_cap * (row_stride + meta_stride) */
-} hybridep_geometry;
-
-static inline size_t hybridep_round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
-
-/* Fills the geometry for rows of up to row_bytes bytes; returns the buffer size in bytes. */
-static inline size_t hybridep_geometry_make(hybridep_geometry *g, int world, int64_t topk, int64_t num_experts,
-                                            int64_t rows_cap, size_t row_bytes)
-{
-    g->world = world;
-    g->topk = topk;
-    g->num_experts = num_experts;
-    g->rows_cap = rows_cap < 1 ? 1 : rows_cap;
-    g->row_stride = hybridep_round_up(row_bytes < 16 ? 16 : row_bytes, 16);
-    g->meta_prob_offset = hybridep_round_up((size_t)topk * sizeof(int32_t), 8);
-    g->meta_stride = hybridep_round_up(g->meta_prob_offset + (size_t)topk * sizeof(double), 16);
-    g->header_bytes = hybridep_round_up(sizeof(hybridep_header), 4096);
-    g->notify_bytes =
-        hybridep_round_up((size_t)world * (size_t)(num_experts + HYBRIDEP_NOTIFY_EXTRA) * sizeof(int64_t), 4096);
-    g->slot_bytes = (size_t)g->rows_cap * (g->row_stride + g->meta_stride);
-    return g->header_bytes + g->notify_bytes + (size_t)world * g->slot_bytes;
-}
-
-/* Source s's notify row in buffer `buf`: E counts, then HYBRIDEP_NOTIFY_EXTRA entries. */
-static inline int64_t *hybridep_notify_row(const hybridep_geometry *g, void *buf, int s)
-{
-    return (int64_t *)((char *)buf + g->header_bytes) + (size_t)s * (size_t)(g->num_experts + HYBRIDEP_NOTIFY_EXTRA);
-}
-
-/* Row i of slot s in buffer `buf`. */
-static inline char *hybridep_row(const hybridep_geometry *g, void *buf, int s, int64_t i)
-{
-    return (char *)buf + g->header_bytes + g->notify_bytes + (size_t)s * g->slot_bytes + (size_t)i * g->row_stride;
-}
-
-/* Metadata entry i of slot s in buffer `buf`. */
-static inline char *hybridep_meta(const hybridep_geometry *g, void *buf, int s, int64_t i)
-{
-    return (char *)buf + g->header_bytes + g->notify_bytes + (size_t)s * g->slot_bytes +
-           (size_t)g->rows_cap * g->row_stride + (size_t)i * g->meta_stride;
-}
-
-/* Bytes of one FP8 row of H elements: H bytes, then H/128 fp32 scales. */
-static inline size_t hybridep_fp8_row_bytes(int64_t hidden)
-{
-    return (size_t)hidden + (size_t)(hidden / HYBRIDEP_FP8_BLOCK) * sizeof(float);
-}
+#define HYBRIDEP_NOTIFY_TOKENS_TO 3 /* [PEER_MAX_RANKS]: the source's tokens with a copy on rank d */
+#define HYBRIDEP_NOTIFY_EXTRA (3 + PEER_MAX_RANKS)
 
 /* The calls, as a CUDA failure word names them. */
 #define HYBRIDEP_CALL_PREPARE 0

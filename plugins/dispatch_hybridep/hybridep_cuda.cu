@@ -4,9 +4,9 @@
 
 #include <cuda_bf16.h>
 #include <stdint.h>
-#include <time.h>
 
 #include "../common/mbarrier.cuh"
+#include "../common/peer_dispatch.cuh"
 #include "../common/plugin_cuda_check.h"
 
 #define SEND_THREADS 1024     /* a vector-copy NVLink-phase block: 32 warps, one row each at a time */
@@ -19,39 +19,6 @@
 #define MAX_PIPE_WARPS 16
 #define MAX_STAGES 4
 #define FULL 0xffffffffu
-
-/* ---- memory-order primitives (system scope: peers' memory over NVLink) ---- */
-
-__device__ __forceinline__ int64_t ld_acquire_sys(const int64_t *p)
-{
-    int64_t v;
-    asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void st_release_sys(int64_t *p, int64_t v)
-{
-    asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-/* Read-only loads of the call's inputs (never written while the kernel runs): the non-coherent path. */
-__device__ __forceinline__ int4 load_ro(const int4 *p)
-{
-    int4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
-}
-__device__ __forceinline__ uint32_t load_ro(const uint32_t *p) { return __ldg(p); }
-__device__ __forceinline__ unsigned short load_ro(const unsigned short *p) { return __ldg(p); }
-
-__device__ __forceinline__ uint64_t now_ns()
-{
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
 
 /* ---- TMA bulk copies and mbarriers ---- */
 
@@ -70,7 +37,7 @@ __device__ __forceinline__ void fence_proxy_async()
 
 /* ---- failures and bounded waits ---- */
 
-__device__ __forceinline__ hybridep_header *header(void *buf) { return (hybridep_header *)buf; }
+__device__ __forceinline__ peer_header *header(void *buf) { return (peer_header *)buf; }
 
 /* ---- call numbers on the device ----
  * The sequence number of the running call (and, in low-latency mode, its epoch: the low-latency calls so far, this one
@@ -139,7 +106,7 @@ __device__ bool block_wait(const hybridep_cuda_call &k, wait_what what)
 {
     __shared__ int stalled;
     const int W = k.geo.world, C = k.channels;
-    hybridep_header *h = header(k.local);
+    peer_header *h = header(k.local);
     if (threadIdx.x == 0) stalled = *(volatile int *)k.abort_flag;
     __syncthreads();
     for (int j = 1; j <= W; j++) {
@@ -247,7 +214,7 @@ __device__ void ll_publish(const hybridep_cuda_call &k, bool self)
 __device__ bool warp_wait(const hybridep_cuda_call &k, unsigned mask, bool arrival)
 {
     const int lane = threadIdx.x & 31, W = k.geo.world;
-    const hybridep_header *h = header(k.local);
+    const peer_header *h = header(k.local);
     const bool count = arrival && k.ll_flag == HYBRIDEP_LL_FLAG_PER_BLOCK; /* a running count of sending blocks */
     const int64_t target = count ? cur_epoch() * (int64_t)gridDim.x : arrival ? cur_seq() : cur_seq() - 1;
     const int64_t *f = nullptr;
@@ -290,22 +257,6 @@ __device__ __forceinline__ unsigned ranks_mask(const hybridep_cuda_call &k, bool
 {
     const unsigned all = (1u << k.geo.world) - 1u;
     return others ? all & ~(1u << k.rank) : all;
-}
-
-__device__ __forceinline__ char *slot_row(const hybridep_geometry &g, void *buf, int s, int64_t i)
-{
-    return (char *)buf + g.header_bytes + g.notify_bytes + (size_t)s * g.slot_bytes + (size_t)i * g.row_stride;
-}
-
-__device__ __forceinline__ char *slot_meta(const hybridep_geometry &g, void *buf, int s, int64_t i)
-{
-    return (char *)buf + g.header_bytes + g.notify_bytes + (size_t)s * g.slot_bytes +
-           (size_t)g.rows_cap * g.row_stride + (size_t)i * g.meta_stride;
-}
-
-__device__ __forceinline__ int64_t *notify_row(const hybridep_geometry &g, void *buf, int s)
-{
-    return (int64_t *)((char *)buf + g.header_bytes) + (size_t)s * (size_t)(g.num_experts + HYBRIDEP_NOTIFY_EXTRA);
 }
 
 /* Staging row of the combine partial of row i received from rank s (s != rank; normal mode). */
@@ -355,11 +306,11 @@ __global__ void __launch_bounds__(PREP_THREADS) prepare_kernel(hybridep_cuda_cal
     const int E = (int)k.num_experts, El = (int)k.local_experts;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t T = k.tokens, R = k.geo.rows_cap;
-    int32_t *cnt = sm, *counts = sm + 32 * E, *tcnt = counts + E, *tokens_to = tcnt + 32 * HYBRIDEP_MAX_RANKS;
+    int32_t *cnt = sm, *counts = sm + 32 * E, *tcnt = counts + E, *tokens_to = tcnt + 32 * PEER_MAX_RANKS;
     if (*(volatile int *)k.abort_flag) return;
     begin_call(k);
     for (int i = threadIdx.x; i < 32 * E; i += blockDim.x) cnt[i] = 0;
-    for (int i = threadIdx.x; i < 32 * HYBRIDEP_MAX_RANKS; i += blockDim.x) tcnt[i] = 0;
+    for (int i = threadIdx.x; i < 32 * PEER_MAX_RANKS; i += blockDim.x) tcnt[i] = 0;
     if (threadIdx.x == 0) stalled = bad_total = 0;
     __syncthreads();
 
@@ -383,7 +334,7 @@ __global__ void __launch_bounds__(PREP_THREADS) prepare_kernel(hybridep_cuda_cal
             }
         for (int d = 0; d < W; d++) {
             const unsigned b = __ballot_sync(FULL, (ranks >> d) & 1u);
-            if (lane == 0) tcnt[warp * HYBRIDEP_MAX_RANKS + d] += __popc(b);
+            if (lane == 0) tcnt[warp * PEER_MAX_RANKS + d] += __popc(b);
         }
     }
     __syncthreads();
@@ -401,8 +352,8 @@ __global__ void __launch_bounds__(PREP_THREADS) prepare_kernel(hybridep_cuda_cal
         const int d = threadIdx.x;
         int run = 0;
         for (int w = 0; w < 32; w++) {
-            const int v = tcnt[w * HYBRIDEP_MAX_RANKS + d];
-            tcnt[w * HYBRIDEP_MAX_RANKS + d] = run;
+            const int v = tcnt[w * PEER_MAX_RANKS + d];
+            tcnt[w * PEER_MAX_RANKS + d] = run;
             run += v;
         }
         tokens_to[d] = run;
@@ -436,10 +387,10 @@ __global__ void __launch_bounds__(PREP_THREADS) prepare_kernel(hybridep_cuda_cal
             }
         for (int d = 0; d < W; d++) {
             const unsigned b = __ballot_sync(FULL, (ranks >> d) & 1u);
-            const int start = tcnt[warp * HYBRIDEP_MAX_RANKS + d];
+            const int start = tcnt[warp * PEER_MAX_RANKS + d];
             if (t < tw1) k.excl[(int64_t)d * (R + 1) + t] = start + __popc(b & lower);
             __syncwarp();
-            if (lane == 0) tcnt[warp * HYBRIDEP_MAX_RANKS + d] = start + __popc(b);
+            if (lane == 0) tcnt[warp * PEER_MAX_RANKS + d] = start + __popc(b);
             __syncwarp();
         }
     }
@@ -462,7 +413,7 @@ __global__ void __launch_bounds__(PREP_THREADS) prepare_kernel(hybridep_cuda_cal
         if (j == E + HYBRIDEP_NOTIFY_TOKENS) v = T;
         const int to = j - E - HYBRIDEP_NOTIFY_TOKENS_TO; /* tokens per destination rank */
         if (to >= 0) v = to < W ? tokens_to[to] : 0;
-        *(volatile int64_t *)&notify_row(k.geo, k.peers[d], me)[j] = v;
+        *(volatile int64_t *)&peer_notify_row(&k.geo, k.peers[d], me)[j] = v;
     }
     __threadfence_system();
     __syncthreads();
@@ -473,10 +424,10 @@ __global__ void __launch_bounds__(PREP_THREADS) prepare_kernel(hybridep_cuda_cal
     __syncthreads();
     if (stalled) goto done;
     for (int i = threadIdx.x; i < W * E; i += blockDim.x) /* cnt now holds every source's counts, [W][E] */
-        cnt[i] = (int32_t)__ldcg(&notify_row(k.geo, k.local, i / E)[i % E]);
+        cnt[i] = (int32_t)__ldcg(&peer_notify_row(&k.geo, k.local, i / E)[i % E]);
     if (threadIdx.x < W) {
         const int s = threadIdx.x;
-        const int64_t *row = notify_row(k.geo, k.local, s);
+        const int64_t *row = peer_notify_row(&k.geo, k.local, s);
         if (__ldcg(&row[E + HYBRIDEP_NOTIFY_STATUS]) != 0) record_failure(k, HYBRIDEP_BAD_IDS, s);
         if (__ldcg(&row[E + HYBRIDEP_NOTIFY_CHANNELS]) != C) record_failure(k, HYBRIDEP_CHANNELS, s);
         k.recv_tokens[s] = __ldcg(&row[E + HYBRIDEP_NOTIFY_TOKENS_TO + me]);
@@ -533,13 +484,13 @@ __device__ __forceinline__ void token_rows(const hybridep_cuda_call &k, int64_t 
 {
     const int64_t R = k.geo.rows_cap;
 #pragma unroll
-    for (int d = 0; d < HYBRIDEP_MAX_RANKS; d++) {
+    for (int d = 0; d < PEER_MAX_RANKS; d++) {
         rows[d] = nullptr;
         if (d < k.geo.world && d != k.rank && ((ranks >> d) & 1u)) {
             const int64_t pos = k.excl[(int64_t)d * (R + 1) + t];
-            rows[d] = slot_row(k.geo, k.peers[d], k.rank, pos);
+            rows[d] = peer_row(&k.geo, k.peers[d], k.rank, pos);
             if (meta && lane < (int)k.topk) {
-                char *m = slot_meta(k.geo, k.peers[d], k.rank, pos);
+                char *m = peer_meta(&k.geo, k.peers[d], k.rank, pos);
                 ((int32_t *)m)[lane] = dr == d ? dst : -1;
                 ((double *)(m + k.geo.meta_prob_offset))[lane] = dr == d ? (double)p : 0.0;
             }
@@ -638,7 +589,7 @@ __device__ __forceinline__ char *pipe_wait(pipe &p, uint32_t gi)
 /*
  * The NVLink phase's row loop, shared by dispatch and combine: warp w of the block takes items first = g0 + w,
  * g0 + w + P, ... below g1; job.src(k, g) is item g's source row (any lane; valid memory for every g < g1),
- * job.rows(k, g, lane, dst) writes its metadata and fills dst[HYBRIDEP_MAX_RANKS] with its destination rows (nullptr:
+ * job.rows(k, g, lane, dst) writes its metadata and fills dst[PEER_MAX_RANKS] with its destination rows (nullptr:
  * none; the same on every lane). TMA: lane 0 loads rows S - 1 ahead into the warp's stages and bulk-stores each to
  * its destinations, one bulk group per row, reusing a stage once the stores that read it are done reading. Vector:
  * the warp moves 16-byte units, UNROLL per lane in flight. Ends with every store complete.
@@ -653,7 +604,7 @@ __device__ void nvlink_rows(const hybridep_cuda_call &k, const Job &job, int64_t
         for (int64_t i = 0; i < n && i < pp.S - 1; i++) pipe_load(pp, pp.g + (uint32_t)i, job.src(k, first + i * P));
     for (int64_t j = 0; j < n; j++) {
         const int64_t g = first + j * P;
-        char *rows[HYBRIDEP_MAX_RANKS];
+        char *rows[PEER_MAX_RANKS];
         job.rows(k, g, lane, rows);
         if (TMA) {
             if (lane == 0) {
@@ -663,7 +614,7 @@ __device__ void nvlink_rows(const hybridep_cuda_call &k, const Job &job, int64_t
                 }
                 const char *stage = pipe_wait(pp, pp.g + (uint32_t)j);
 #pragma unroll
-                for (int d = 0; d < HYBRIDEP_MAX_RANKS; d++)
+                for (int d = 0; d < PEER_MAX_RANKS; d++)
                     if (rows[d]) bulk_store(rows[d], stage, pp.bytes);
                 bulk_commit();
             }
@@ -671,8 +622,8 @@ __device__ void nvlink_rows(const hybridep_cuda_call &k, const Job &job, int64_t
         } else {
             bool any = false;
 #pragma unroll
-            for (int d = 0; d < HYBRIDEP_MAX_RANKS; d++) any = any || rows[d];
-            if (any) warp_copy<V, RO, HYBRIDEP_MAX_RANKS>((const V *)job.src(k, g), 0, units, rows);
+            for (int d = 0; d < PEER_MAX_RANKS; d++) any = any || rows[d];
+            if (any) warp_copy<V, RO, PEER_MAX_RANKS>((const V *)job.src(k, g), 0, units, rows);
         }
     }
     if (TMA) {
@@ -730,12 +681,12 @@ __device__ __forceinline__ const V *expand_item(const hybridep_cuda_call &k, int
     *p = 0.0f;
     if (g < staged) {
         received_item(k, g, true, s, i);
-        const char *meta = slot_meta(k.geo, k.local, *s, *i);
+        const char *meta = peer_meta(&k.geo, k.local, *s, *i);
         if (lane < K) {
             *dst = __ldcg((const int32_t *)meta + lane);
             if (*dst >= 0 && want_probs) *p = (float)__ldcg((const double *)(meta + k.geo.meta_prob_offset) + lane);
         }
-        return (const V *)slot_row(k.geo, k.local, *s, *i);
+        return (const V *)peer_row(&k.geo, k.local, *s, *i);
     }
     const int64_t t = g - staged, T = k.tokens;
     const int32_t *ex = k.excl + (int64_t)me * (k.geo.rows_cap + 1);
@@ -847,9 +798,9 @@ __global__ void __launch_bounds__(THREADS, 1) ll_dispatch_kernel(hybridep_cuda_c
                 break;
             }
         }
-        char *rows[HYBRIDEP_MAX_RANKS];
+        char *rows[PEER_MAX_RANKS];
         token_rows(k, t, ranks, lane, dr, d, p, u0 == 0, rows);
-        warp_copy<V, true, HYBRIDEP_MAX_RANKS>((const V *)((const char *)x + (size_t)t * row_bytes), u0, u1, rows);
+        warp_copy<V, true, PEER_MAX_RANKS>((const V *)((const char *)x + (size_t)t * row_bytes), u0, u1, rows);
     }
     ll_publish(k, false);
     if (ok && staged > 0 && gw < staged * pieces && warp_wait(k, ranks_mask(k, true), true))
@@ -861,42 +812,6 @@ __global__ void __launch_bounds__(THREADS, 1) ll_dispatch_kernel(hybridep_cuda_c
 }
 
 /* ---- combine ---- */
-
-/* Element types of combine: a load through L2 (rows peers wrote), conversions to and from fp32. */
-template <typename T> struct elem;
-template <> struct elem<float> {
-    static __device__ __forceinline__ float load(const float *p) { return __ldcg(p); }
-    static __device__ __forceinline__ float to_f(float v) { return v; }
-    static __device__ __forceinline__ float from_f(float v) { return v; }
-};
-template <> struct elem<__nv_bfloat16> {
-    static __device__ __forceinline__ __nv_bfloat16 load(const __nv_bfloat16 *p)
-    {
-        __nv_bfloat16_raw r;
-        r.x = __ldcg((const unsigned short *)p);
-        return __nv_bfloat16(r);
-    }
-    static __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-    static __device__ __forceinline__ __nv_bfloat16 from_f(float v) { return __float2bfloat16_rn(v); }
-};
-
-/* N values of T as one access (16 bytes when N * sizeof(T) == 16). */
-template <typename T, int N> struct alignas(sizeof(T) * N) pack {
-    T v[N];
-};
-
-template <typename T, int N> __device__ __forceinline__ pack<T, N> load_pack(const T *p)
-{
-    pack<T, N> r;
-    if (N * sizeof(T) == 16) {
-        int4 raw = __ldcg((const int4 *)p);
-        r = *(pack<T, N> *)&raw;
-    } else {
-#pragma unroll
-        for (int j = 0; j < N; j++) r.v[j] = elem<T>::load(p + j);
-    }
-    return r;
-}
 
 /* One warp, packs [p0, p1) of a row: o = (accumulate ? o : -0) + src[0] + ... + src[n-1], in that order in fp32 per
  * element (the CPU's order), rounded to T; n == 0 without accumulate writes zeros of the empty sum's sign (`zero`:
@@ -992,7 +907,7 @@ __device__ __forceinline__ int token_partials(const hybridep_cuda_call &k, int64
         if (ex[t + 1] > ex[t]) pos = ex[t];
     }
     const unsigned ranks = __ballot_sync(FULL, pos >= 0);
-    if (pos >= 0) src[__popc(ranks & ((1u << lane) - 1u))] = (const T *)slot_row(k.geo, k.local, lane, pos);
+    if (pos >= 0) src[__popc(ranks & ((1u << lane) - 1u))] = (const T *)peer_row(&k.geo, k.local, lane, pos);
     __syncwarp();
     return __popc(ranks);
 }
@@ -1007,7 +922,7 @@ __device__ __forceinline__ void token_prob_grads(const hybridep_cuda_call &k, in
     if (k.copy_index[t * K + lane] >= 0) {
         const int d = (int)(k.topk_idx[t * K + lane] / k.local_experts);
         const int64_t p = k.excl[(int64_t)d * (R + 1) + t];
-        v = (float)__ldcg((const double *)(slot_meta(k.geo, k.local, d, p) + k.geo.meta_prob_offset) + lane);
+        v = (float)__ldcg((const double *)(peer_meta(&k.geo, k.local, d, p) + k.geo.meta_prob_offset) + lane);
     }
     out_probs[t * K + lane] = v;
 }
@@ -1032,8 +947,8 @@ __global__ void __launch_bounds__(LOCAL_THREADS) combine_reduce_kernel(hybridep_
         const int n = row_copies<T>(k, s, i, rows, lane, src[warp], &dst);
         T *o;
         if (s == k.rank) {
-            o = (T *)slot_row(k.geo, k.local, s, i);
-            if (row_probs) write_prob_grads(k, slot_meta(k.geo, k.local, s, i), lane, dst, row_probs);
+            o = (T *)peer_row(&k.geo, k.local, s, i);
+            if (row_probs) write_prob_grads(k, peer_meta(&k.geo, k.local, s, i), lane, dst, row_probs);
         } else {
             o = (T *)staged_row(k, s, i);
         }
@@ -1066,13 +981,13 @@ struct combine_job {
         int64_t i;
         item(k, g, &s, &i);
 #pragma unroll
-        for (int d = 0; d < HYBRIDEP_MAX_RANKS; d++) dst[d] = nullptr;
+        for (int d = 0; d < PEER_MAX_RANKS; d++) dst[d] = nullptr;
         if (i >= k.recv_tokens[s]) return;
-        dst[0] = slot_row(k.geo, k.peers[s], k.rank, i);
+        dst[0] = peer_row(&k.geo, k.peers[s], k.rank, i);
         if (row_probs) {
             const int K = (int)k.topk;
             const int d = lane < K ? k.recv_meta[((int64_t)s * k.geo.rows_cap + i) * K + lane] : -1;
-            write_prob_grads(k, slot_meta(k.geo, k.peers[s], k.rank, i), lane, d, row_probs);
+            write_prob_grads(k, peer_meta(&k.geo, k.peers[s], k.rank, i), lane, d, row_probs);
         }
     }
 };
@@ -1105,7 +1020,7 @@ template <typename T, int N>
 __global__ void __launch_bounds__(LOCAL_THREADS) combine_final_kernel(hybridep_cuda_call k, T *out, bool accumulate,
                                                                       float *out_probs)
 {
-    __shared__ const T *src[LOCAL_WARPS][HYBRIDEP_MAX_RANKS];
+    __shared__ const T *src[LOCAL_WARPS][PEER_MAX_RANKS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t H = k.hidden, packs = H / N;
     begin_call(k);
@@ -1147,8 +1062,8 @@ __global__ void __launch_bounds__(THREADS, 1) ll_combine_kernel(hybridep_cuda_ca
         int64_t i;
         received_item(k, g / pieces, false, &s, &i);
         const int n = row_copies<T>(k, s, i, rows, lane, src[warp], &dst);
-        if (p0 == 0 && row_probs) write_prob_grads(k, slot_meta(k.geo, k.peers[s], k.rank, i), lane, dst, row_probs);
-        warp_sum<T, N>(src[warp], n, p0, p1, (T *)slot_row(k.geo, k.peers[s], k.rank, i), false, false);
+        if (p0 == 0 && row_probs) write_prob_grads(k, peer_meta(&k.geo, k.peers[s], k.rank, i), lane, dst, row_probs);
+        warp_sum<T, N>(src[warp], n, p0, p1, (T *)peer_row(&k.geo, k.peers[s], k.rank, i), false, false);
         __syncwarp();
     }
     ll_publish(k, true);
@@ -1167,56 +1082,16 @@ __global__ void __launch_bounds__(THREADS, 1) ll_combine_kernel(hybridep_cuda_ca
 
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
-extern "C" moert_result hybridep_cuda_zero(const moert_host *host, void *ptr, size_t bytes)
-{
-    CUDA_CHECK(host, cudaMemsetAsync(ptr, 0, bytes, 0));
-    CUDA_CHECK(host, cudaStreamSynchronize(0));
-    return MOERT_OK;
-}
-
 extern "C" moert_result hybridep_cuda_mapped(const moert_host *host, void *pinned, void **device_ptr)
 {
     CUDA_CHECK(host, cudaHostGetDevicePointer(device_ptr, pinned, 0));
     return MOERT_OK;
 }
 
-extern "C" moert_result hybridep_cuda_sm_count(const moert_host *host, int device, int *sms)
-{
-    CUDA_CHECK(host, cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device));
-    return MOERT_OK;
-}
-
-extern "C" int hybridep_cuda_wait_released(void *local, int world, const int64_t *seq_dev, int64_t timeout_ms)
-{
-    int64_t stamps[HYBRIDEP_MAX_RANKS][HYBRIDEP_MAX_CHANNELS], seq = 0;
-    const hybridep_header *h = (const hybridep_header *)local;
-    struct timespec t0, now;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    if (cudaMemcpy(&seq, seq_dev, sizeof seq, cudaMemcpyDeviceToHost) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return 0;
-    }
-    for (;;) {
-        int late = -1;
-        if (cudaMemcpy(stamps, h->consumed, sizeof stamps, cudaMemcpyDeviceToHost) != cudaSuccess) {
-            (void)cudaGetLastError();
-            return 0;
-        }
-        for (int d = 0; d < world && late < 0; d++)
-            if (stamps[d][0] < seq) late = d;
-        if (late < 0) return -1;
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        double ms = (double)(now.tv_sec - t0.tv_sec) * 1e3 + (double)(now.tv_nsec - t0.tv_nsec) * 1e-6;
-        if (ms > (double)timeout_ms) return late;
-        struct timespec pause = {0, 200000};
-        nanosleep(&pause, NULL);
-    }
-}
-
 /* Shared memory of the prepare kernel. */
 static size_t prepare_smem(const hybridep_cuda_call *call)
 {
-    return (size_t)(33 * call->num_experts + 33 * HYBRIDEP_MAX_RANKS) * sizeof(int32_t);
+    return (size_t)(33 * call->num_experts + 33 * PEER_MAX_RANKS) * sizeof(int32_t);
 }
 
 extern "C" moert_result hybridep_cuda_prepare(const moert_host *host, cudaStream_t stream,
@@ -1255,7 +1130,7 @@ extern "C" moert_result hybridep_cuda_setup(const moert_host *host)
     /* the largest any instance of the process needs (E <= 1024; a TMA block within its budget), so an instance never
      * lowers another's limit */
     const cudaFuncAttribute a = cudaFuncAttributeMaxDynamicSharedMemorySize;
-    const int prep = (33 * 1024 + 33 * HYBRIDEP_MAX_RANKS) * (int)sizeof(int32_t);
+    const int prep = (33 * 1024 + 33 * PEER_MAX_RANKS) * (int)sizeof(int32_t);
     const int tma = TMA_SMEM_BUDGET + MAX_PIPE_WARPS * MAX_STAGES * (int)sizeof(uint64_t);
     CUDA_CHECK(host, cudaFuncSetAttribute(prepare_kernel, a, prep));
     CUDA_CHECK(host, cudaFuncSetAttribute(dispatch_send_kernel<int4, true>, a, tma));

@@ -28,9 +28,9 @@ extern "C" {
 
 /* The kernels' view of one call. */
 typedef struct hybridep_cuda_call {
-    hybridep_geometry geo;
+    peer_geometry geo;
     void *local;                     /* this rank's buffer */
-    void *peers[HYBRIDEP_MAX_RANKS]; /* every rank's buffer, as this device reaches it */
+    void *peers[PEER_MAX_RANKS];     /* every rank's buffer, as this device reaches it */
     int rank, channels;              /* blocks of the NVLink phase (every one sends), or of a low-latency kernel */
     int sms;                         /* SMs of the device: the local kernels use all of them */
     int tma;                         /* 1: TMA bulk copies in the NVLink phase, 0: vector copies */
@@ -59,22 +59,11 @@ typedef struct hybridep_cuda_call {
     unsigned long long *host_word;   /* mapped pinned host memory: the same word, read by the host without a sync */
 } hybridep_cuda_call;
 
-/* Zeroes `bytes` at a device pointer and waits for it (init only). */
-moert_result hybridep_cuda_zero(const moert_host *host, void *ptr, size_t bytes);
-
 /* The device address of pinned host memory (mapped: the kernels write the status word there). */
 moert_result hybridep_cuda_mapped(const moert_host *host, void *pinned, void **device_ptr);
 
-/* Every SM of `device` (for num_sms 0). */
-moert_result hybridep_cuda_sm_count(const moert_host *host, int device, int *sms);
-
 /* Sets the kernels' shared-memory limits (init: no such call in a step, so a step can be captured in a graph). */
 moert_result hybridep_cuda_setup(const moert_host *host);
-
-/* Waits (polling, at most timeout_ms) until every rank's release stamp in this buffer's header has reached the
- * sequence number of this rank's last call (read from seq_dev: graph replays number calls on the device). Returns -1
- * when done, else the rank that did not. */
-int hybridep_cuda_wait_released(void *local, int world, const int64_t *seq_dev, int64_t timeout_ms);
 
 /* prepare: layout of topk_idx ([T,K] int32, T = call->tokens) and notify; fills the call's arrays. */
 moert_result hybridep_cuda_prepare(const moert_host *host, cudaStream_t stream, const hybridep_cuda_call *call,
