@@ -22,15 +22,11 @@ int main(void)
 
 #else
 
-#include <cuda_runtime_api.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "cuda/comm_nccl.h"
-#include "cuda/device.h"
-#include "cuda/pool.h"
+#include "gpu_test_util.h"
 #include "moert/dispatcher.h"
 #include "moert/precision.h"
 
@@ -39,122 +35,10 @@ int main(void)
 #define TIMEOUT_S 60.0
 #define MAX_WORLD 4
 
-/* ---- plumbing: failures from many threads, checked CUDA calls, host buffers ---- */
-
-static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-
-/* Counts one failed check and prints why (thread-safe). */
-static void failure(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void failure(const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    pthread_mutex_lock(&lock);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
-    test_failures++;
-    pthread_mutex_unlock(&lock);
-    va_end(ap);
-}
-
-/* A CUDA call of the test's own scaffolding: a failure there ends the test. */
-#define CK(call)                                                                                             \
-    do {                                                                                                     \
-        cudaError_t e_ = (call);                                                                             \
-        if (e_ != cudaSuccess) {                                                                             \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));    \
-            exit(1);                                                                                         \
-        }                                                                                                    \
-    } while (0)
-
-/* A plugin call that must succeed; prints the plugin's message otherwise. Evaluates to true on success. */
-static bool call_ok(test_instance *ti, moert_result rc, const char *what, const char *where, int line)
-{
-    if (rc == MOERT_OK) return true;
-    failure("%s:%d: %s: %s failed (%s): %s", __FILE__, line, where, what, moert_result_name(rc),
-            moert_host_take_error(ti->host));
-    return false;
-}
-#define CALL(ti, call, where) call_ok((ti), (call), #call, (where), __LINE__)
-
-/* Zeroed host memory with a little slack, so empty tensors still have an address. */
-static void *host_alloc(size_t bytes)
-{
-    void *p = calloc(1, bytes + 64);
-    if (!p) {
-        fprintf(stderr, "out of host memory\n");
-        exit(1);
-    }
-    return p;
-}
-
-/* n random values in [-scale, scale) stored as dtype. */
-static void fill_random(void *buf, moert_dtype dtype, int64_t n, uint64_t *rng, double scale)
-{
-    moert_tensor t = moert_tensor_1d(buf, moert_cpu(), dtype, n);
-    for (int64_t i = 0; i < n; i++) moert_store(&t, i, scale * test_uniform(rng));
-}
-
-/* A device copy of `bytes` of host memory, queued on stream (the buffer has 64 bytes of slack). */
-static void *device_copy(cudaStream_t s, const void *host, size_t bytes)
-{
-    void *d = NULL;
-    CK(cudaMalloc(&d, bytes + 64));
-    if (bytes) CK(cudaMemcpyAsync(d, host, bytes, cudaMemcpyHostToDevice, s));
-    return d;
-}
-
-/* A device buffer of `bytes` filled with 0xFF (NaN as fp32 and bf16, -1 as integers), queued on stream. */
-static void *device_poisoned(cudaStream_t s, size_t bytes)
-{
-    void *d = NULL;
-    CK(cudaMalloc(&d, bytes + 64));
-    CK(cudaMemsetAsync(d, 0xFF, bytes + 64, s));
-    return d;
-}
-
-/* Device to host after the stream's work. */
-static void download(cudaStream_t s, void *host, const void *d, size_t bytes)
-{
-    CK(cudaStreamSynchronize(s));
-    if (bytes) CK(cudaMemcpy(host, d, bytes, cudaMemcpyDeviceToHost));
-}
-
-/* Bytes that differ between two buffers (0: bit-exact). */
-static int64_t bytes_differ(const void *a, const void *b, size_t n)
-{
-    const unsigned char *x = a, *y = b;
-    int64_t d = 0;
-    for (size_t i = 0; i < n; i++) d += x[i] != y[i];
-    return d;
-}
-
-/* Whether every byte is 0xFF (an untouched poisoned region). */
-static bool all_poison(const void *a, size_t n)
-{
-    const unsigned char *x = a;
-    for (size_t i = 0; i < n; i++)
-        if (x[i] != 0xFF) return false;
-    return true;
-}
-
-/* ||got - want|| / ||want|| over n values of dtype (Frobenius; NaN when got has a NaN). */
-static double rel_error(const void *got, const void *want, moert_dtype dtype, int64_t n)
-{
-    moert_tensor g = moert_tensor_1d((void *)got, moert_cpu(), dtype, n);
-    moert_tensor w = moert_tensor_1d((void *)want, moert_cpu(), dtype, n);
-    double num = 0, den = 0;
-    for (int64_t i = 0; i < n; i++) {
-        double a = moert_load(&g, i), b = moert_load(&w, i);
-        num += (a - b) * (a - b);
-        den += b * b;
-    }
-    if (num != num) return NAN;
-    if (den == 0) return num == 0 ? 0 : INFINITY;
-    return sqrt(num / den);
-}
-
 /* ---- the result tables ---- */
+
+/* Guards the tables, written by every rank thread. */
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 
 typedef struct dispatch_row {
     int world;
@@ -201,29 +85,17 @@ static void precision_record(const char *what, double err, double tol)
         if (!(err <= r->err)) r->err = err; /* NaN sticks */
     }
     pthread_mutex_unlock(&lock);
-    if (!(err <= tol)) failure("precision %s: error %.3g > tolerance %.3g", what, err, tol);
+    if (!(err <= tol)) gpu_test_failure("precision %s: error %.3g > tolerance %.3g", what, err, tol);
 }
 
-/* ---- one rank's resources ---- */
+/* ---- the worlds ---- */
 
+/* What each rank of a world gets. */
 typedef struct world_run {
     int world;
     int table_base;             /* first dispatch_table row of this world */
     bool run_precision;
-    moert_comm_group *comm;
-    moert_nccl_group *nccl_group;
 } world_run;
-
-typedef struct rank_env {
-    int rank, world;
-    char where[32];
-    moert_comm_group *comm;
-    moert_cuda_pool *pool;
-    moert_nccl_comm *nccl;
-    cudaStream_t stream;
-} rank_env;
-
-static moert_device gpu_of(const rank_env *env) { return (moert_device){MOERT_DEVICE_CUDA, env->rank}; }
 
 /* ---- the dispatcher ---- */
 
@@ -302,20 +174,20 @@ static bool dispatch_cpu(test_instance *ti, const moert_dispatcher_v1 *vt, const
     for (int64_t l = 0; l < cs->experts / ti->host->world_size; l++) d->tokens_per_expert[l] = layout.tokens_per_expert_host[l];
 
     /* inputs that depend on the capacity (padding rows of y_expert and d_recv_x hold values too: not read) */
-    d->y_expert = host_alloc((size_t)(d->cap * d->H) * d->es);
-    d->d_recv_x = host_alloc((size_t)(d->cap * d->H) * d->es);
-    d->d_recv_probs = host_alloc((size_t)d->cap * sizeof(float));
-    fill_random(d->y_expert, dt, d->cap * d->H, rng, 1.0);
-    fill_random(d->d_recv_x, dt, d->cap * d->H, rng, 1.0);
-    fill_random(d->d_recv_probs, MOERT_F32, d->cap, rng, 1.0);
+    d->y_expert = gpu_test_host_alloc((size_t)(d->cap * d->H) * d->es);
+    d->d_recv_x = gpu_test_host_alloc((size_t)(d->cap * d->H) * d->es);
+    d->d_recv_probs = gpu_test_host_alloc((size_t)d->cap * sizeof(float));
+    gpu_test_fill_random(d->y_expert, dt, d->cap * d->H, rng, 1.0);
+    gpu_test_fill_random(d->d_recv_x, dt, d->cap * d->H, rng, 1.0);
+    gpu_test_fill_random(d->d_recv_probs, MOERT_F32, d->cap, rng, 1.0);
 
-    d->recv_x = host_alloc((size_t)(d->cap * d->H) * d->es);
-    d->recv_probs = host_alloc((size_t)d->cap * sizeof(float));
-    d->y = host_alloc((size_t)(d->T * d->H) * d->es);
-    d->d_y_expert = host_alloc((size_t)(d->cap * d->H) * d->es);
-    d->d_x = host_alloc((size_t)(d->T * d->H) * d->es);
+    d->recv_x = gpu_test_host_alloc((size_t)(d->cap * d->H) * d->es);
+    d->recv_probs = gpu_test_host_alloc((size_t)d->cap * sizeof(float));
+    d->y = gpu_test_host_alloc((size_t)(d->T * d->H) * d->es);
+    d->d_y_expert = gpu_test_host_alloc((size_t)(d->cap * d->H) * d->es);
+    d->d_x = gpu_test_host_alloc((size_t)(d->T * d->H) * d->es);
     memcpy(d->d_x, d->d_x0, (size_t)(d->T * d->H) * d->es);
-    d->d_topk_probs = host_alloc((size_t)(d->T * d->K) * sizeof(float));
+    d->d_topk_probs = gpu_test_host_alloc((size_t)(d->T * d->K) * sizeof(float));
 
     moert_tensor x = moert_tensor_2d(d->x, cpu, dt, d->T, d->H), probs = moert_tensor_2d(d->probs, cpu, MOERT_F32, d->T, d->K);
     moert_tensor recv_x = moert_tensor_2d(d->recv_x, cpu, dt, d->cap, d->H);
@@ -344,11 +216,11 @@ typedef struct dispatch_device_inputs {
 } dispatch_device_inputs;
 
 /* One CUDA step (prepare, dispatch, combine, combine_backward, dispatch_backward) with poisoned outputs. */
-static bool dispatch_cuda_step(const rank_env *env, test_instance *ti, const moert_dispatcher_v1 *vt,
+static bool dispatch_cuda_step(const gpu_test_rank_env *env, test_instance *ti, const moert_dispatcher_v1 *vt,
                                const dispatch_case *cs, const dispatch_data *d, const dispatch_device_inputs *in,
                                dispatch_got *got)
 {
-    const moert_device gpu = gpu_of(env);
+    const moert_device gpu = gpu_test_rank_device(env);
     const moert_dtype dt = cs->dtype;
     const cudaStream_t s = env->stream;
     const int64_t T = d->T, H = d->H, K = d->K, cap = d->cap, El = cs->experts / env->world;
@@ -361,21 +233,21 @@ static bool dispatch_cuda_step(const rank_env *env, test_instance *ti, const moe
     got->capacity = layout.capacity;
     if (layout.capacity != cap || layout.tokens_per_expert.device.type != MOERT_DEVICE_CUDA ||
         layout.tokens_per_expert.device.id != env->rank || !layout.tokens_per_expert_host) {
-        failure("%s %s: CUDA layout: capacity %lld (CPU %lld), counts on device type %d id %d, host counts %s",
-                env->where, cs->name, (long long)layout.capacity, (long long)cap,
-                (int)layout.tokens_per_expert.device.type, (int)layout.tokens_per_expert.device.id,
-                layout.tokens_per_expert_host ? "given" : "NULL");
+        gpu_test_failure("%s %s: CUDA layout: capacity %lld (CPU %lld), counts on device type %d id %d, host counts %s",
+                         env->where, cs->name, (long long)layout.capacity, (long long)cap,
+                         (int)layout.tokens_per_expert.device.type, (int)layout.tokens_per_expert.device.id,
+                         layout.tokens_per_expert_host ? "given" : "NULL");
         return false;
     }
     for (int64_t l = 0; l < El; l++) got->tokens_per_expert_host[l] = layout.tokens_per_expert_host[l];
-    download(s, got->tokens_per_expert_dev, layout.tokens_per_expert.data, (size_t)El * sizeof(int64_t));
+    gpu_test_download(s, got->tokens_per_expert_dev, layout.tokens_per_expert.data, (size_t)El * sizeof(int64_t));
 
-    void *recv_x = device_poisoned(s, (size_t)(cap + 2) * row);
-    void *recv_probs = device_poisoned(s, (size_t)cap * sizeof(float));
-    void *y = device_poisoned(s, (size_t)T * row);
-    void *d_y_expert = device_poisoned(s, (size_t)cap * row);
-    void *d_x = device_copy(s, d->d_x0, (size_t)T * row);
-    void *d_topk_probs = device_poisoned(s, (size_t)(T * K) * sizeof(float));
+    void *recv_x = gpu_test_device_poisoned(s, (size_t)(cap + 2) * row);
+    void *recv_probs = gpu_test_device_poisoned(s, (size_t)cap * sizeof(float));
+    void *y = gpu_test_device_poisoned(s, (size_t)T * row);
+    void *d_y_expert = gpu_test_device_poisoned(s, (size_t)cap * row);
+    void *d_x = gpu_test_device_copy(s, d->d_x0, (size_t)T * row);
+    void *d_topk_probs = gpu_test_device_poisoned(s, (size_t)(T * K) * sizeof(float));
 
     moert_tensor x = moert_tensor_2d(in->x, gpu, dt, T, H), probs = moert_tensor_2d(in->probs, gpu, MOERT_F32, T, K);
     moert_tensor rx = moert_tensor_2d(recv_x, gpu, dt, cap + 2, H), rp = moert_tensor_1d(recv_probs, gpu, MOERT_F32, cap);
@@ -394,12 +266,12 @@ static bool dispatch_cuda_step(const rank_env *env, test_instance *ti, const moe
               CALL(ti, vt->combine_backward(ti->ctx, stream, &cb), env->where) &&
               CALL(ti, vt->dispatch_backward(ti->ctx, stream, &db), env->where);
     if (ok) {
-        download(s, got->recv_x, recv_x, (size_t)(cap + 2) * row);
-        download(s, got->recv_probs, recv_probs, (size_t)cap * sizeof(float));
-        download(s, got->y, y, (size_t)T * row);
-        download(s, got->d_y_expert, d_y_expert, (size_t)cap * row);
-        download(s, got->d_x, d_x, (size_t)T * row);
-        download(s, got->d_topk_probs, d_topk_probs, (size_t)(T * K) * sizeof(float));
+        gpu_test_download(s, got->recv_x, recv_x, (size_t)(cap + 2) * row);
+        gpu_test_download(s, got->recv_probs, recv_probs, (size_t)cap * sizeof(float));
+        gpu_test_download(s, got->y, y, (size_t)T * row);
+        gpu_test_download(s, got->d_y_expert, d_y_expert, (size_t)cap * row);
+        gpu_test_download(s, got->d_x, d_x, (size_t)T * row);
+        gpu_test_download(s, got->d_topk_probs, d_topk_probs, (size_t)(T * K) * sizeof(float));
     }
     CK(cudaStreamSynchronize(s));
     CK(cudaFree(recv_x));
@@ -412,7 +284,7 @@ static bool dispatch_cuda_step(const rank_env *env, test_instance *ti, const moe
 }
 
 /* Compares one CUDA step with the CPU reference, into the case's table row (under the lock). */
-static void dispatch_compare(const rank_env *env, const dispatch_case *cs, const dispatch_data *d,
+static void dispatch_compare(const gpu_test_rank_env *env, const dispatch_case *cs, const dispatch_data *d,
                              const dispatch_got *g, dispatch_row *row)
 {
     const int64_t El = cs->experts / env->world;
@@ -421,13 +293,13 @@ static void dispatch_compare(const rank_env *env, const dispatch_case *cs, const
     for (int64_t l = 0; l < El; l++)
         layout_diffs += (g->tokens_per_expert_host[l] != d->tokens_per_expert[l]) +
                         (g->tokens_per_expert_dev[l] != d->tokens_per_expert[l]);
-    int64_t dispatch_diffs = bytes_differ(g->recv_x, d->recv_x, (size_t)d->cap * rowb) +
-                             bytes_differ(g->recv_probs, d->recv_probs, (size_t)d->cap * sizeof(float)) +
-                             !all_poison((const char *)g->recv_x + (size_t)d->cap * rowb, 2 * rowb);
-    double combine_err = rel_error(g->y, d->y, cs->dtype, d->T * d->H);
-    int64_t cb_diffs = bytes_differ(g->d_y_expert, d->d_y_expert, (size_t)d->cap * rowb);
-    double dx_err = rel_error(g->d_x, d->d_x, cs->dtype, d->T * d->H);
-    int64_t dp_diffs = bytes_differ(g->d_topk_probs, d->d_topk_probs, (size_t)(d->T * d->K) * sizeof(float));
+    int64_t dispatch_diffs = gpu_test_bytes_differ(g->recv_x, d->recv_x, (size_t)d->cap * rowb) +
+                             gpu_test_bytes_differ(g->recv_probs, d->recv_probs, (size_t)d->cap * sizeof(float)) +
+                             !gpu_test_all_poison((const char *)g->recv_x + (size_t)d->cap * rowb, 2 * rowb);
+    double combine_err = gpu_test_rel_error(g->y, d->y, cs->dtype, d->T * d->H);
+    int64_t cb_diffs = gpu_test_bytes_differ(g->d_y_expert, d->d_y_expert, (size_t)d->cap * rowb);
+    double dx_err = gpu_test_rel_error(g->d_x, d->d_x, cs->dtype, d->T * d->H);
+    int64_t dp_diffs = gpu_test_bytes_differ(g->d_topk_probs, d->d_topk_probs, (size_t)(d->T * d->K) * sizeof(float));
     pthread_mutex_lock(&lock);
     row->layout_diffs += layout_diffs;
     row->dispatch_diffs += dispatch_diffs;
@@ -437,21 +309,21 @@ static void dispatch_compare(const rank_env *env, const dispatch_case *cs, const
     row->dprobs_diffs += dp_diffs;
     pthread_mutex_unlock(&lock);
     if (layout_diffs || dispatch_diffs || cb_diffs || dp_diffs || !(combine_err <= row->tol) || !(dx_err <= row->tol))
-        failure("%s %s: layout %lld diffs, dispatch %lld bytes differ, combine error %.3g, combine_backward %lld "
-                "bytes differ, d_x error %.3g, d_topk_probs %lld bytes differ (tolerance %.3g)",
-                env->where, cs->name, (long long)layout_diffs, (long long)dispatch_diffs, combine_err,
-                (long long)cb_diffs, dx_err, (long long)dp_diffs, row->tol);
+        gpu_test_failure("%s %s: layout %lld diffs, dispatch %lld bytes differ, combine error %.3g, combine_backward "
+                         "%lld bytes differ, d_x error %.3g, d_topk_probs %lld bytes differ (tolerance %.3g)",
+                         env->where, cs->name, (long long)layout_diffs, (long long)dispatch_diffs, combine_err,
+                         (long long)cb_diffs, dx_err, (long long)dp_diffs, row->tol);
 }
 
 static void got_alloc(dispatch_got *g, const dispatch_data *d)
 {
     const size_t rowb = (size_t)d->H * d->es;
-    g->recv_x = host_alloc((size_t)(d->cap + 2) * rowb);
-    g->recv_probs = host_alloc((size_t)d->cap * sizeof(float));
-    g->y = host_alloc((size_t)d->T * rowb);
-    g->d_y_expert = host_alloc((size_t)d->cap * rowb);
-    g->d_x = host_alloc((size_t)d->T * rowb);
-    g->d_topk_probs = host_alloc((size_t)(d->T * d->K) * sizeof(float));
+    g->recv_x = gpu_test_host_alloc((size_t)(d->cap + 2) * rowb);
+    g->recv_probs = gpu_test_host_alloc((size_t)d->cap * sizeof(float));
+    g->y = gpu_test_host_alloc((size_t)d->T * rowb);
+    g->d_y_expert = gpu_test_host_alloc((size_t)d->cap * rowb);
+    g->d_x = gpu_test_host_alloc((size_t)d->T * rowb);
+    g->d_topk_probs = gpu_test_host_alloc((size_t)(d->T * d->K) * sizeof(float));
 }
 
 static void got_free(dispatch_got *g)
@@ -468,16 +340,17 @@ static void got_free(dispatch_got *g)
 static int64_t got_differ(const dispatch_got *a, const dispatch_got *b, const dispatch_data *d)
 {
     const size_t rowb = (size_t)d->H * d->es;
-    return bytes_differ(a->recv_x, b->recv_x, (size_t)d->cap * rowb) +
-           bytes_differ(a->recv_probs, b->recv_probs, (size_t)d->cap * sizeof(float)) +
-           bytes_differ(a->y, b->y, (size_t)d->T * rowb) + bytes_differ(a->d_y_expert, b->d_y_expert, (size_t)d->cap * rowb) +
-           bytes_differ(a->d_x, b->d_x, (size_t)d->T * rowb) +
-           bytes_differ(a->d_topk_probs, b->d_topk_probs, (size_t)(d->T * d->K) * sizeof(float));
+    return gpu_test_bytes_differ(a->recv_x, b->recv_x, (size_t)d->cap * rowb) +
+           gpu_test_bytes_differ(a->recv_probs, b->recv_probs, (size_t)d->cap * sizeof(float)) +
+           gpu_test_bytes_differ(a->y, b->y, (size_t)d->T * rowb) +
+           gpu_test_bytes_differ(a->d_y_expert, b->d_y_expert, (size_t)d->cap * rowb) +
+           gpu_test_bytes_differ(a->d_x, b->d_x, (size_t)d->T * rowb) +
+           gpu_test_bytes_differ(a->d_topk_probs, b->d_topk_probs, (size_t)(d->T * d->K) * sizeof(float));
 }
 
 /* One dispatcher case on one rank: CPU once, CUDA twice, compared. Every rank runs the same sequence of
  * collectives, even after a failed check (a failed call may leave peers waiting until the timeout). */
-static void run_dispatch_case(const rank_env *env, int ci, dispatch_row *row)
+static void run_dispatch_case(const gpu_test_rank_env *env, int ci, dispatch_row *row)
 {
     const dispatch_case *cs = &dispatch_cases[ci];
     const int W = env->world, rank = env->rank;
@@ -489,7 +362,7 @@ static void run_dispatch_case(const rank_env *env, int ci, dispatch_row *row)
     d.es = moert_dtype_size(cs->dtype);
     moert_layer_info layer = test_layer(d.H, 8, cs->experts, d.K, d.T + 5 * MAX_WORLD, W, rank, cs->dtype);
     moert_layer_info gpu_layer = layer;
-    gpu_layer.device = gpu_of(env);
+    gpu_layer.device = gpu_test_rank_device(env);
     char options[96];
     snprintf(options, sizeof options, "{\"pad_to_capacity\": %s, \"capacity_factor\": 3.0}", cs->pad ? "true" : "false");
     char where[96];
@@ -497,12 +370,12 @@ static void run_dispatch_case(const rank_env *env, int ci, dispatch_row *row)
 
     test_instance cpu, gpu;
     moert_result rc = test_instance_open(&cpu, MOERT_KIND_DISPATCHER, DISPATCHER, options, &layer, env->comm, rank, W);
-    if (rc != MOERT_OK) failure("%s: CPU dispatcher: %s", where, moert_error_message());
+    if (rc != MOERT_OK) gpu_test_failure("%s: CPU dispatcher: %s", where, moert_error_message());
     moert_result rc2 = test_instance_open_cuda(&gpu, MOERT_KIND_DISPATCHER, DISPATCHER, options, &gpu_layer, env->comm,
                                                rank, W, env->pool, env->nccl, (moert_stream)env->stream);
     if (rc2 != MOERT_OK)
-        failure("%s: CUDA dispatcher: %s %s", where, moert_error_message(),
-                gpu.host ? moert_host_take_error(gpu.host) : "");
+        gpu_test_failure("%s: CUDA dispatcher: %s %s", where, moert_error_message(),
+                         gpu.host ? moert_host_take_error(gpu.host) : "");
     if (rc != MOERT_OK || rc2 != MOERT_OK) {
         test_instance_close(&cpu);
         test_instance_close(&gpu);
@@ -511,15 +384,15 @@ static void run_dispatch_case(const rank_env *env, int ci, dispatch_row *row)
     const moert_dispatcher_v1 *vt = (const moert_dispatcher_v1 *)cpu.plugin.header;
 
     uint64_t rng = 0x9e3779b97f4a7c15ull * (uint64_t)(ci + 1) + 1000003ull * (uint64_t)(rank + 1);
-    d.idx = host_alloc((size_t)(d.T * d.K) * sizeof(int32_t));
+    d.idx = gpu_test_host_alloc((size_t)(d.T * d.K) * sizeof(int32_t));
     make_routing(cs, W, d.T, &rng, d.idx);
-    d.x = host_alloc((size_t)(d.T * d.H) * d.es);
-    d.d_y = host_alloc((size_t)(d.T * d.H) * d.es);
-    d.d_x0 = host_alloc((size_t)(d.T * d.H) * d.es);
-    d.probs = host_alloc((size_t)(d.T * d.K) * sizeof(float));
-    fill_random(d.x, cs->dtype, d.T * d.H, &rng, 1.0);
-    fill_random(d.d_y, cs->dtype, d.T * d.H, &rng, 1.0);
-    fill_random(d.d_x0, cs->dtype, d.T * d.H, &rng, 1.0);
+    d.x = gpu_test_host_alloc((size_t)(d.T * d.H) * d.es);
+    d.d_y = gpu_test_host_alloc((size_t)(d.T * d.H) * d.es);
+    d.d_x0 = gpu_test_host_alloc((size_t)(d.T * d.H) * d.es);
+    d.probs = gpu_test_host_alloc((size_t)(d.T * d.K) * sizeof(float));
+    gpu_test_fill_random(d.x, cs->dtype, d.T * d.H, &rng, 1.0);
+    gpu_test_fill_random(d.d_y, cs->dtype, d.T * d.H, &rng, 1.0);
+    gpu_test_fill_random(d.d_x0, cs->dtype, d.T * d.H, &rng, 1.0);
     for (int64_t i = 0; i < d.T * d.K; i++) d.probs[i] = (float)((test_uniform(&rng) + 1) / 2);
 
     bool ok = dispatch_cpu(&cpu, vt, cs, &d, &rng, where);
@@ -527,13 +400,13 @@ static void run_dispatch_case(const rank_env *env, int ci, dispatch_row *row)
         const cudaStream_t s = env->stream;
         const size_t rowb = (size_t)d.H * d.es;
         dispatch_device_inputs in = {
-            .idx = device_copy(s, d.idx, (size_t)(d.T * d.K) * sizeof(int32_t)),
-            .x = device_copy(s, d.x, (size_t)d.T * rowb),
-            .probs = device_copy(s, d.probs, (size_t)(d.T * d.K) * sizeof(float)),
-            .y_expert = device_copy(s, d.y_expert, (size_t)d.cap * rowb),
-            .d_y = device_copy(s, d.d_y, (size_t)d.T * rowb),
-            .d_recv_x = device_copy(s, d.d_recv_x, (size_t)d.cap * rowb),
-            .d_recv_probs = device_copy(s, d.d_recv_probs, (size_t)d.cap * sizeof(float))};
+            .idx = gpu_test_device_copy(s, d.idx, (size_t)(d.T * d.K) * sizeof(int32_t)),
+            .x = gpu_test_device_copy(s, d.x, (size_t)d.T * rowb),
+            .probs = gpu_test_device_copy(s, d.probs, (size_t)(d.T * d.K) * sizeof(float)),
+            .y_expert = gpu_test_device_copy(s, d.y_expert, (size_t)d.cap * rowb),
+            .d_y = gpu_test_device_copy(s, d.d_y, (size_t)d.T * rowb),
+            .d_recv_x = gpu_test_device_copy(s, d.d_recv_x, (size_t)d.cap * rowb),
+            .d_recv_probs = gpu_test_device_copy(s, d.d_recv_probs, (size_t)d.cap * sizeof(float))};
         dispatch_got g1, g2;
         memset(&g1, 0, sizeof g1);
         memset(&g2, 0, sizeof g2);
@@ -555,8 +428,8 @@ static void run_dispatch_case(const rank_env *env, int ci, dispatch_row *row)
             row->recv_rows += d.num_recv;
             pthread_mutex_unlock(&lock);
             if (repeat || mallocs)
-                failure("%s: the second step differs in %lld bytes and made %lld cudaMalloc calls", where,
-                        (long long)repeat, (long long)mallocs);
+                gpu_test_failure("%s: the second step differs in %lld bytes and made %lld cudaMalloc calls", where,
+                                 (long long)repeat, (long long)mallocs);
         }
         got_free(&g1);
         got_free(&g2);
@@ -594,14 +467,14 @@ static void gemm_host_make(gemm_host *g, moert_gemm_weight which, moert_dtype ac
     g->n_out = which == MOERT_GEMM_FC1 ? 2 * P_FFN : P_HIDDEN;
     const size_t es = moert_dtype_size(act);
     const int64_t wn = P_EXPERTS * g->k_in * g->n_out;
-    g->input = host_alloc((size_t)(rows * g->k_in) * es);
-    g->grad_output = host_alloc((size_t)(rows * g->n_out) * es);
-    g->weight = host_alloc((size_t)wn * sizeof(float));
-    g->grad_weight = host_alloc((size_t)wn * sizeof(float));
-    fill_random(g->input, act, rows * g->k_in, rng, 1.0);
-    fill_random(g->grad_output, act, rows * g->n_out, rng, 1.0);
-    fill_random(g->weight, MOERT_F32, wn, rng, 0.25);
-    fill_random(g->grad_weight, MOERT_F32, wn, rng, 1.0);
+    g->input = gpu_test_host_alloc((size_t)(rows * g->k_in) * es);
+    g->grad_output = gpu_test_host_alloc((size_t)(rows * g->n_out) * es);
+    g->weight = gpu_test_host_alloc((size_t)wn * sizeof(float));
+    g->grad_weight = gpu_test_host_alloc((size_t)wn * sizeof(float));
+    gpu_test_fill_random(g->input, act, rows * g->k_in, rng, 1.0);
+    gpu_test_fill_random(g->grad_output, act, rows * g->n_out, rng, 1.0);
+    gpu_test_fill_random(g->weight, MOERT_F32, wn, rng, 0.25);
+    gpu_test_fill_random(g->grad_weight, MOERT_F32, wn, rng, 1.0);
 }
 
 static void gemm_host_free(gemm_host *g)
@@ -621,30 +494,30 @@ typedef struct gemm_result {
 } gemm_result;
 
 /* Runs one pass on the CPU (device NULL) or the GPU with the same inputs; weight_override replaces the weight. */
-static bool gemm_run(test_instance *ti, const rank_env *env, bool on_gpu, moert_gemm_weight which, moert_gemm_pass pass,
-                     const gemm_host *g, const int64_t *counts, bool host_counts, const void *device_weight,
-                     gemm_result *out)
+static bool gemm_run(test_instance *ti, const gpu_test_rank_env *env, bool on_gpu, moert_gemm_weight which,
+                     moert_gemm_pass pass, const gemm_host *g, const int64_t *counts, bool host_counts,
+                     const void *device_weight, gemm_result *out)
 {
     const moert_precision_v1 *vt = (const moert_precision_v1 *)ti->plugin.header;
-    const moert_device dev = on_gpu ? gpu_of(env) : moert_cpu();
+    const moert_device dev = on_gpu ? gpu_test_rank_device(env) : moert_cpu();
     const cudaStream_t s = on_gpu ? env->stream : NULL;
     const size_t es = moert_dtype_size(g->act);
     const int64_t rows = g->rows, K = g->k_in, N = g->n_out, wn = P_EXPERTS * K * N;
     int64_t used = 0;
     for (int e = 0; e < P_EXPERTS; e++) used += counts[e];
     const size_t in_b = (size_t)(rows * K) * es, go_b = (size_t)(rows * N) * es, w_b = (size_t)wn * sizeof(float);
-    void *input = on_gpu ? device_copy(s, g->input, in_b) : g->input;
-    void *grad_output = on_gpu ? device_copy(s, g->grad_output, go_b) : g->grad_output;
-    void *weight = device_weight ? (void *)device_weight : on_gpu ? device_copy(s, g->weight, w_b) : g->weight;
-    void *counts_dev = on_gpu ? device_copy(s, counts, P_EXPERTS * sizeof(int64_t)) : (void *)counts;
+    void *input = on_gpu ? gpu_test_device_copy(s, g->input, in_b) : g->input;
+    void *grad_output = on_gpu ? gpu_test_device_copy(s, g->grad_output, go_b) : g->grad_output;
+    void *weight = device_weight ? (void *)device_weight : on_gpu ? gpu_test_device_copy(s, g->weight, w_b) : g->weight;
+    void *counts_dev = on_gpu ? gpu_test_device_copy(s, counts, P_EXPERTS * sizeof(int64_t)) : (void *)counts;
 
     out->dtype = pass == MOERT_GEMM_WGRAD ? MOERT_F32 : g->act;
     out->bytes = pass == MOERT_GEMM_FORWARD ? go_b : pass == MOERT_GEMM_DGRAD ? in_b : w_b;
     out->valid_elems = pass == MOERT_GEMM_FORWARD ? used * N : pass == MOERT_GEMM_DGRAD ? used * K : wn;
-    out->data = host_alloc(out->bytes);
+    out->data = gpu_test_host_alloc(out->bytes);
     void *result = NULL;
-    if (pass == MOERT_GEMM_WGRAD) result = on_gpu ? device_copy(s, g->grad_weight, w_b) : out->data;
-    else result = on_gpu ? device_poisoned(s, out->bytes) : out->data;
+    if (pass == MOERT_GEMM_WGRAD) result = on_gpu ? gpu_test_device_copy(s, g->grad_weight, w_b) : out->data;
+    else result = on_gpu ? gpu_test_device_poisoned(s, out->bytes) : out->data;
     if (pass == MOERT_GEMM_WGRAD && !on_gpu) memcpy(out->data, g->grad_weight, w_b);
     if (pass != MOERT_GEMM_WGRAD && !on_gpu) memset(out->data, 0xFF, out->bytes);
 
@@ -662,7 +535,7 @@ static bool gemm_run(test_instance *ti, const rank_env *env, bool on_gpu, moert_
     }
     bool ok = CALL(ti, vt->grouped_gemm(ti->ctx, (moert_stream)s, &a), env->where);
     if (on_gpu) {
-        if (ok) download(s, out->data, result, out->bytes);
+        if (ok) gpu_test_download(s, out->data, result, out->bytes);
         CK(cudaStreamSynchronize(s));
         CK(cudaFree(input));
         CK(cudaFree(grad_output));
@@ -676,15 +549,16 @@ static bool gemm_run(test_instance *ti, const rank_env *env, bool on_gpu, moert_
 /* GPU against CPU for one pass; also checks that the GPU left the padding rows as they were (poisoned). */
 static void gemm_compare(const char *label, const gemm_result *gpu, const gemm_result *cpu, double tol)
 {
-    double err = rel_error(gpu->data, cpu->data, gpu->dtype, gpu->valid_elems);
+    double err = gpu_test_rel_error(gpu->data, cpu->data, gpu->dtype, gpu->valid_elems);
     const size_t es = moert_dtype_size(gpu->dtype);
-    if (!all_poison((const char *)gpu->data + (size_t)gpu->valid_elems * es, gpu->bytes - (size_t)gpu->valid_elems * es))
+    if (!gpu_test_all_poison((const char *)gpu->data + (size_t)gpu->valid_elems * es,
+                             gpu->bytes - (size_t)gpu->valid_elems * es))
         err = INFINITY; /* a padding row was written */
     precision_record(label, err, tol);
 }
 
 /* The three passes of both GEMMs, GPU (auto mode) against CPU (the same arithmetic's mode). */
-static void precision_passes(const rank_env *env, moert_dtype act, const int64_t *counts, uint64_t *rng)
+static void precision_passes(const gpu_test_rank_env *env, moert_dtype act, const int64_t *counts, uint64_t *rng)
 {
     const bool bf16 = act == MOERT_BF16;
     const double tol = bf16 ? 1e-2 : 1e-5, wgrad_tol = 1e-5;
@@ -692,13 +566,13 @@ static void precision_passes(const rank_env *env, moert_dtype act, const int64_t
     layer.num_local_experts = P_EXPERTS;
     layer.first_local_expert = P_EXPERTS * env->rank;
     moert_layer_info gpu_layer = layer;
-    gpu_layer.device = gpu_of(env);
+    gpu_layer.device = gpu_test_rank_device(env);
     test_instance cpu, gpu;
     if (test_instance_open(&cpu, MOERT_KIND_PRECISION, PRECISION, bf16 ? "{\"mode\": \"bf16\"}" : "{\"mode\": \"fp32\"}",
                            &layer, NULL, 0, 1) != MOERT_OK ||
         test_instance_open_cuda(&gpu, MOERT_KIND_PRECISION, PRECISION, "{}", &gpu_layer, NULL, 0, 1, env->pool, NULL,
                                 (moert_stream)env->stream) != MOERT_OK) {
-        failure("%s: opening the precision plugin: %s", env->where, moert_error_message());
+        gpu_test_failure("%s: opening the precision plugin: %s", env->where, moert_error_message());
         test_instance_close(&cpu);
         test_instance_close(&gpu);
         return;
@@ -734,7 +608,7 @@ static void precision_passes(const rank_env *env, moert_dtype act, const int64_t
  * (a weight changed in place without end_step() is not seen: the copy of this step is used), then remade.
  * Also the counts given only on the device (the plugin copies them down).
  */
-static void precision_cache(const rank_env *env, const int64_t *counts, uint64_t *rng)
+static void precision_cache(const gpu_test_rank_env *env, const int64_t *counts, uint64_t *rng)
 {
     moert_layer_info gpu_layer = test_layer(P_HIDDEN, P_FFN, P_EXPERTS * env->world, 2, 256, env->world, env->rank,
                                             MOERT_BF16);
@@ -742,13 +616,13 @@ static void precision_cache(const rank_env *env, const int64_t *counts, uint64_t
     gpu_layer.first_local_expert = P_EXPERTS * env->rank;
     moert_layer_info cpu_layer = gpu_layer;
     cpu_layer.device = moert_cpu();
-    gpu_layer.device = gpu_of(env);
+    gpu_layer.device = gpu_test_rank_device(env);
     test_instance cpu, gpu;
     if (test_instance_open(&cpu, MOERT_KIND_PRECISION, PRECISION, "{\"mode\": \"bf16\"}", &cpu_layer, NULL, 0, 1) !=
             MOERT_OK ||
         test_instance_open_cuda(&gpu, MOERT_KIND_PRECISION, PRECISION, "{}", &gpu_layer, NULL, 0, 1, env->pool, NULL,
                                 (moert_stream)env->stream) != MOERT_OK) {
-        failure("%s: opening the precision plugin: %s", env->where, moert_error_message());
+        gpu_test_failure("%s: opening the precision plugin: %s", env->where, moert_error_message());
         test_instance_close(&cpu);
         test_instance_close(&gpu);
         return;
@@ -761,7 +635,7 @@ static void precision_cache(const rank_env *env, const int64_t *counts, uint64_t
     gemm_host_make(&b, MOERT_GEMM_FC1, MOERT_BF16, rows, rng);
     memcpy(b.input, a.input, (size_t)(rows * a.k_in) * sizeof(uint16_t)); /* only the weights differ */
     const size_t w_b = (size_t)(P_EXPERTS * a.k_in * a.n_out) * sizeof(float);
-    void *weight = device_copy(env->stream, a.weight, w_b);
+    void *weight = gpu_test_device_copy(env->stream, a.weight, w_b);
 
     gemm_result first = {0}, stale = {0}, fresh = {0}, ref_b = {0}, device_counts = {0}, ref_a = {0};
     bool ok = gemm_run(&gpu, env, true, MOERT_GEMM_FC1, MOERT_GEMM_FORWARD, &a, counts, true, weight, &first);
@@ -775,10 +649,12 @@ static void precision_cache(const rank_env *env, const int64_t *counts, uint64_t
     /* counts only on the device: the same GEMM, the same bits */
     ok = ok && gemm_run(&gpu, env, true, MOERT_GEMM_FC1, MOERT_GEMM_FORWARD, &b, counts, false, weight, &device_counts);
     if (ok) {
-        precision_record("bf16 cache: same step, weights changed", (double)bytes_differ(stale.data, first.data, first.bytes), 0);
+        precision_record("bf16 cache: same step, weights changed",
+                         (double)gpu_test_bytes_differ(stale.data, first.data, first.bytes), 0);
         gemm_compare("bf16 cache: first use vs CPU", &first, &ref_a, 1e-2);
         gemm_compare("bf16 cache: after end_step vs CPU", &fresh, &ref_b, 1e-2);
-        precision_record("bf16 counts on the device only", (double)bytes_differ(device_counts.data, fresh.data, fresh.bytes), 0);
+        precision_record("bf16 counts on the device only",
+                         (double)gpu_test_bytes_differ(device_counts.data, fresh.data, fresh.bytes), 0);
     }
     gemm_result *all[] = {&first, &stale, &fresh, &ref_b, &device_counts, &ref_a};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) free(all[i]->data);
@@ -791,7 +667,7 @@ static void precision_cache(const rank_env *env, const int64_t *counts, uint64_t
 }
 
 /* Configurations the CUDA path refuses at init, with a message naming why. */
-static void precision_refusals(const rank_env *env)
+static void precision_refusals(const gpu_test_rank_env *env)
 {
     struct {
         moert_dtype dtype;
@@ -801,7 +677,7 @@ static void precision_refusals(const rank_env *env)
                  {MOERT_BF16, "{\"mode\": \"fp64\"}", "no fp64 GEMMs on CUDA"}};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         moert_layer_info layer = test_layer(P_HIDDEN, P_FFN, P_EXPERTS, 2, 256, 1, 0, cases[i].dtype);
-        layer.device = gpu_of(env);
+        layer.device = gpu_test_rank_device(env);
         test_instance ti;
         moert_result rc = test_instance_open_cuda(&ti, MOERT_KIND_PRECISION, PRECISION, cases[i].options, &layer, NULL,
                                                   0, 1, env->pool, NULL, (moert_stream)env->stream);
@@ -811,12 +687,12 @@ static void precision_refusals(const rank_env *env)
         snprintf(label, sizeof label, "refused: %s mode %s", moert_dtype_name(cases[i].dtype),
                  strstr(cases[i].options, "mode") ? (strstr(cases[i].options, "bf16") ? "bf16" : "fp64") : "auto");
         precision_record(label, ok ? 0 : 1, 0);
-        if (!ok) failure("%s: %s: got %s \"%s\"", env->where, label, moert_result_name(rc), msg);
+        if (!ok) gpu_test_failure("%s: %s: got %s \"%s\"", env->where, label, moert_result_name(rc), msg);
         test_instance_close(&ti);
     }
 }
 
-static void run_precision(const rank_env *env)
+static void run_precision(const gpu_test_rank_env *env)
 {
     uint64_t rng = 777 + (uint64_t)env->rank;
     /* an empty expert, a small one, a hot one; rotated by rank */
@@ -831,27 +707,12 @@ static void run_precision(const rank_env *env)
 
 /* ---- ranks ---- */
 
-static void rank_main(int rank, void *user)
+/* One rank of a world: every dispatcher case, then the precision plugin where the world is the largest. */
+static void rank_main(const gpu_test_rank_env *env, void *user)
 {
     world_run *w = user;
-    rank_env env = {.rank = rank, .world = w->world, .comm = w->comm};
-    snprintf(env.where, sizeof env.where, "world %d rank %d", w->world, rank);
-    moert_stream stream = NULL;
-    moert_error_clear();
-    if (moert_cuda_set_device(rank) != MOERT_OK || moert_cuda_pool_create(rank, &env.pool) != MOERT_OK ||
-        moert_cuda_stream_create(rank, &stream) != MOERT_OK ||
-        moert_nccl_comm_init_thread(w->nccl_group, rank, rank, &env.nccl) != MOERT_OK) {
-        failure("%s: setting up the rank: %s", env.where, moert_error_message());
-        moert_comm_abort(w->comm, rank, "setup failed");
-    } else {
-        env.stream = (cudaStream_t)stream;
-        for (int ci = 0; ci < DISPATCH_CASES; ci++) run_dispatch_case(&env, ci, &dispatch_table[w->table_base + ci]);
-        if (w->run_precision) run_precision(&env);
-    }
-    if (stream) moert_cuda_stream_synchronize(stream);
-    if (env.nccl) moert_nccl_comm_free(env.nccl);
-    if (env.pool) moert_cuda_pool_destroy(env.pool);
-    if (stream) moert_cuda_stream_destroy(stream);
+    for (int ci = 0; ci < DISPATCH_CASES; ci++) run_dispatch_case(env, ci, &dispatch_table[w->table_base + ci]);
+    if (w->run_precision) run_precision(env);
 }
 
 /* ---- the table ---- */
@@ -881,12 +742,8 @@ static void print_tables(void)
 
 int main(void)
 {
-    int gpus = 0;
-    cudaError_t err = cudaGetDeviceCount(&gpus);
-    if (err != cudaSuccess || gpus == 0) {
-        printf("gpu_plugins: no GPU (%s), skipped\n", err != cudaSuccess ? cudaGetErrorString(err) : "0 devices");
-        return TEST_SKIP;
-    }
+    int gpus = gpu_test_device_count("gpu_plugins");
+    if (gpus == 0) return TEST_SKIP;
     /* keep both plugins (and the CUDA libraries they pull in) loaded while instances come and go */
     moert_plugin keep_dispatcher, keep_precision;
     memset(&keep_dispatcher, 0, sizeof keep_dispatcher);
@@ -909,15 +766,7 @@ int main(void)
             r->tol = dispatch_cases[ci].dtype == MOERT_BF16 ? 1e-2 : 2e-6;
             r->ran = true;
         }
-        moert_result rc = moert_comm_group_create(w.world, TIMEOUT_S, &w.comm);
-        if (rc == MOERT_OK) rc = moert_nccl_group_create(w.world, TIMEOUT_S, &w.nccl_group);
-        if (rc != MOERT_OK) {
-            failure("world %d: creating the communicators: %s", w.world, moert_error_message());
-        } else {
-            test_run_ranks(w.world, rank_main, &w);
-        }
-        if (w.nccl_group) moert_nccl_group_free(w.nccl_group);
-        if (w.comm) moert_comm_group_free(w.comm);
+        gpu_test_run_world(w.world, TIMEOUT_S, rank_main, &w);
     }
     print_tables();
     moert_plugin_unload(&keep_dispatcher);
