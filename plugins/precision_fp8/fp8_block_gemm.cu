@@ -134,18 +134,14 @@ __device__ __forceinline__ void fence_registers(float *d)
     for (int i = 0; i < 64; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-/* The group whose tiles contain tile `t` (the last with tile_start <= t). */
-__device__ __forceinline__ int find_group(const group_dev *groups, int count, int t)
+/* The group whose units contain unit u, found from `group`, the group of an earlier unit of the same walk: a CTA's
+ * units only grow, so this steps over the groups passed since (none or one, mostly) instead of searching all of
+ * them: a binary search was a chain of dependent global loads at every tile, which the wgrad's short tiles (a few
+ * k-blocks each) felt. */
+__device__ __forceinline__ int next_group(const group_dev *groups, int count, int group, int u)
 {
-    int lo = 0, hi = count - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (groups[mid].tile_start <= t)
-            lo = mid;
-        else
-            hi = mid - 1;
-    }
-    return lo;
+    while (group + 1 < count && __ldg(&groups[group + 1].tile_start) <= u) group++;
+    return group;
 }
 
 /* D's values of one thread (rows row and row + 8, columns col + 8 j and + 1), stored or added, masked to the
@@ -193,15 +189,17 @@ __device__ __forceinline__ void store_tile(const group_dev &g, int row, int col,
 /* The tile a CTA of rank `rank` in its cluster takes in work unit u: its group, row block and column block. A unit
  * is one row block and `cluster` consecutive column blocks of a group (a column block past the group's last is
  * dead: its CTA only helps load A). Within a group, units go in bands of BAND row blocks, row blocks fastest: the
- * CTAs running at once share the band's A rows and walk the group's B. */
+ * CTAs running at once share the band's A rows and walk the group's B. `group` is the walk's cursor (next_group):
+ * 0 before its first unit, then the last unit's group. */
 typedef struct tile_pos {
     int group, m_tile, n_tile;
 } tile_pos;
 
-__device__ __forceinline__ tile_pos tile_at(const kernel_args &args, int u, int rank)
+__device__ __forceinline__ tile_pos tile_at(const kernel_args &args, int u, int rank, int &group)
 {
     tile_pos p;
-    p.group = find_group(args.groups, args.group_count, u);
+    group = next_group(args.groups, args.group_count, group, u);
+    p.group = group;
     const group_dev &g = args.groups[p.group];
     const int local = u - g.tile_start;
     const int n_units = (g.n_tiles + args.cluster - 1) / args.cluster;
@@ -257,8 +255,9 @@ __device__ __forceinline__ void epilogue_dma(const kernel_args &args, int rank, 
     pending_tile pending = {0, 0, 0, -1};
     int set = 0;
     uint32_t staged_phase = 0; /* bit per set */
+    int group = 0; /* the walk's group cursor (tile_at) */
     for (int u = blockIdx.x / args.cluster; u < args.units; u += gridDim.x / args.cluster) {
-        const tile_pos tp = tile_at(args, u, rank);
+        const tile_pos tp = tile_at(args, u, rank, group);
         const group_dev &g = args.groups[tp.group];
         int x0, y0;
         const int count = g.d_map >= 0 ? out_box_count(args, g, tp, c, &x0, &y0) : 0;
@@ -335,8 +334,9 @@ __device__ __forceinline__ void produce_a(const kernel_args &args, uint8_t *a_ti
     const int cluster = args.cluster, stages = args.stages;
     int s = 0;
     uint32_t phase = 0, it = 0; /* k-blocks loaded so far (all tiles) */
+    int group = 0; /* the walk's group cursor (tile_at) */
     for (int u = blockIdx.x / cluster; u < args.units; u += gridDim.x / cluster) {
-        const tile_pos tp = tile_at(args, u, rank);
+        const tile_pos tp = tile_at(args, u, rank, group);
         const group_dev &g = args.groups[tp.group];
         const CUtensorMap *map = args.maps + g.a_map;
         const int row = (int)(g.a_row0 + (int64_t)tp.m_tile * TILE);
@@ -369,8 +369,9 @@ __device__ __forceinline__ void produce_b(const kernel_args &args, uint8_t *b_ti
     const int lane = threadIdx.x % 32, cluster = args.cluster, stages = args.stages;
     int s = 0;
     uint32_t phase = 0, it = 0;
+    int group = 0; /* the walk's group cursor (tile_at) */
     for (int u = blockIdx.x / cluster; u < args.units; u += gridDim.x / cluster) {
-        const tile_pos tp = tile_at(args, u, rank);
+        const tile_pos tp = tile_at(args, u, rank, group);
         const group_dev &g = args.groups[tp.group];
         const bool live = tp.n_tile < g.n_tiles;
         const CUtensorMap *map = args.maps + g.b_map;
@@ -506,8 +507,9 @@ __device__ __forceinline__ void consume(const kernel_args &args, int rank, int c
     ring_pos ring = {0, 0};
     int set = 0;
     uint32_t ready_phase = 0; /* bit per set */
+    int group = 0; /* the walk's group cursor (tile_at) */
     for (int u = blockIdx.x / cluster; u < args.units; u += gridDim.x / cluster) {
-        const tile_pos tp = tile_at(args, u, rank);
+        const tile_pos tp = tile_at(args, u, rank, group);
         const group_dev &g = args.groups[tp.group];
         const int kb_count = g.kb_count;
         if (tp.n_tile >= g.n_tiles || tp.m_tile * TILE + c * 64 >= g.m) { /* no rows or columns of D here */
