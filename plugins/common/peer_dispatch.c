@@ -383,16 +383,7 @@ moert_result peer_dispatch_cuda_check_layer(const peer_dispatch *d, int64_t max_
     const int id = (int)d->layer.device.id;
     char dev[32];
     moert_arg_device_text(d->layer.device, dev, sizeof dev);
-    int count = 0;
-    cudaError_t err = cudaGetDeviceCount(&count);
-    if (err != cudaSuccess) {
-        (void)cudaGetLastError();
-        count = 0;
-    }
-    if (id < 0 || id >= count)
-        return peer_dispatch_fail(d, MOERT_ERR_UNSUPPORTED, "the layer is on %s, but this process sees %d CUDA "
-                                  "device%s (%s): only a CPU path can run here", dev, count, count == 1 ? "" : "s",
-                                  err == cudaSuccess ? "cudaGetDeviceCount" : cudaGetErrorString(err));
+    MOK(check_cuda_device_visible(d->host, id, dev));
     if (d->layer.num_experts > max_experts)
         return peer_dispatch_fail(d, MOERT_ERR_UNSUPPORTED, "the %s dispatcher's CUDA path takes at most %lld experts, "
                                   "the layer has %lld", d->name, (long long)max_experts,

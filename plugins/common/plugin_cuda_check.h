@@ -39,6 +39,22 @@ static inline moert_result report(const moert_host *host, moert_result code, con
                           cudaGetErrorString(err_), __FILE__, __LINE__);                                     \
     } while (0)
 
+/* MOERT_OK when this process sees CUDA device `id` (a layer's device, named `dev` in the message); else reports
+ * how many devices it sees (and why none, when cudaGetDeviceCount failed) and that only a CPU path can run here. */
+static inline moert_result check_cuda_device_visible(const moert_host *host, int id, const char *dev)
+{
+    int count = 0;
+    cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        count = 0;
+    }
+    if (id >= 0 && id < count) return MOERT_OK;
+    return report(host, MOERT_ERR_UNSUPPORTED,
+                  "the layer is on %s, but this process sees %d CUDA device%s (%s): only a CPU path can run here", dev,
+                  count, count == 1 ? "" : "s", err == cudaSuccess ? "cudaGetDeviceCount" : cudaGetErrorString(err));
+}
+
 /* Checked internal call returning moert_result: a failure returns it (its message already handed over). */
 #define MOK(call)                                                                                            \
     do {                                                                                                     \

@@ -15,6 +15,8 @@
 #ifdef MOERT_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
+#include "plugin_cuda_check.h"
+
 #include "dispatch_alltoall_cuda.h"
 #endif
 
@@ -204,16 +206,7 @@ static moert_result cuda_init(alltoall_ctx *c)
     if (E > MOERT_A2A_CUDA_MAX_EXPERTS)
         return fail(c, MOERT_ERR_UNSUPPORTED, "the alltoall dispatcher's CUDA path takes at most %d experts, the layer "
                     "has %lld", MOERT_A2A_CUDA_MAX_EXPERTS, (long long)E);
-    int count = 0;
-    cudaError_t err = cudaGetDeviceCount(&count);
-    if (err != cudaSuccess) {
-        (void)cudaGetLastError();
-        count = 0;
-    }
-    if (id < 0 || id >= count)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "the layer is on %s, but this process sees %d CUDA device%s (%s): "
-                    "only a CPU path can run here", dev, count, count == 1 ? "" : "s",
-                    err == cudaSuccess ? "cudaGetDeviceCount" : cudaGetErrorString(err));
+    MOK(check_cuda_device_visible(c->host, id, dev));
     const size_t upload_bytes = (size_t)(El + W * El) * sizeof(int64_t);
     moert_result rc = buffer_reserve(c, &c->cu.upload, upload_bytes);
     if (rc == MOERT_ERR_UNSUPPORTED)

@@ -15,6 +15,8 @@
 #ifdef MOERT_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
+#include "../common/plugin_cuda_check.h"
+
 #include "device_gemm.h"
 #include "device_gemm_wgmma.h"
 #include "precision_bf16_cuda.h"
@@ -150,16 +152,7 @@ static moert_result cuda_init(bf16_ctx *c, int choice)
         return fail(c, MOERT_ERR_UNSUPPORTED, "option \"mode\": \"%s\" with %s activations is not supported on CUDA "
                     "(%s): bf16 GEMMs need bf16 activations and fp32 GEMMs fp32 ones; use \"auto\"",
                     mode_choices[choice], moert_dtype_name(act), dev);
-    int count = 0;
-    cudaError_t err = cudaGetDeviceCount(&count);
-    if (err != cudaSuccess) {
-        (void)cudaGetLastError();
-        count = 0;
-    }
-    if (id < 0 || id >= count)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "the layer is on %s, but this process sees %d CUDA device%s (%s); "
-                    "only a CPU path can run here", dev, count, count == 1 ? "" : "s",
-                    err == cudaSuccess ? "cudaGetDeviceCount" : cudaGetErrorString(err));
+    MOK(check_cuda_device_visible(c->host, id, dev));
     if (c->gemm_engine == GEMM_KERNEL) return kernel_init(c, dev);
     const size_t workspace_bytes = (size_t)c->gemm_streams * MOERT_BF16_CUDA_STREAM_WORKSPACE_BYTES;
     moert_result rc = h->alloc(h, c->layer.device, workspace_bytes, &c->workspace);
@@ -170,7 +163,7 @@ static moert_result cuda_init(bf16_ctx *c, int choice)
     rc = h->alloc_pinned(h, (size_t)c->layer.num_local_experts * sizeof(int64_t), (void **)&c->counts_host);
     if (rc != MOERT_OK) return rc;
     int previous = -1;
-    err = cudaGetDevice(&previous);
+    cudaError_t err = cudaGetDevice(&previous);
     if (err == cudaSuccess && previous != id) err = cudaSetDevice(id);
     if (err != cudaSuccess) {
         (void)cudaGetLastError();

@@ -13,6 +13,8 @@
 #ifdef MOERT_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
+#include "../common/plugin_cuda_check.h"
+
 #include "precision_fp8_cuda.h"
 #endif
 
@@ -128,18 +130,9 @@ static moert_result cuda_init(fp8_ctx *c)
         return fail(c, MOERT_ERR_UNSUPPORTED, "the fp8 precision plugin on CUDA (%s) needs hidden (%lld) and ffn_hidden "
                     "(%lld) to be multiples of 16 (cuBLASLt FP8 leading dimensions); use the bf16 plugin or the CPU",
                     dev, (long long)l->hidden, (long long)l->ffn_hidden);
-    int count = 0;
-    cudaError_t err = cudaGetDeviceCount(&count);
-    if (err != cudaSuccess) {
-        (void)cudaGetLastError();
-        count = 0;
-    }
-    if (id < 0 || id >= count)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "the layer is on %s, but this process sees %d CUDA device%s (%s); "
-                    "only a CPU path can run here", dev, count, count == 1 ? "" : "s",
-                    err == cudaSuccess ? "cudaGetDeviceCount" : cudaGetErrorString(err));
+    MOK(check_cuda_device_visible(c->host, id, dev));
     struct cudaDeviceProp prop;
-    err = cudaGetDeviceProperties(&prop, id);
+    cudaError_t err = cudaGetDeviceProperties(&prop, id);
     if (err != cudaSuccess) {
         (void)cudaGetLastError();
         return fail(c, MOERT_ERR_CUDA, "cudaGetDeviceProperties(%d) failed: %s", id, cudaGetErrorString(err));
