@@ -210,6 +210,27 @@ __device__ __forceinline__ tile_pos tile_at(const kernel_args &args, int u, int 
     return p;
 }
 
+/* A CTA's walk over its work units (blockIdx.x / cluster, then every gridDim.x / cluster-th), with the group cursor
+ * tile_at keeps. Every role of the CTA walks the same units in the same order. */
+typedef struct tile_walk {
+    int u, group;
+} tile_walk;
+
+__device__ __forceinline__ tile_walk walk_begin(const kernel_args &args)
+{
+    tile_walk w = {(int)(blockIdx.x / args.cluster), 0};
+    return w;
+}
+
+/* The walk's next tile into tp; false once the walk is done. */
+__device__ __forceinline__ bool walk_next(const kernel_args &args, int rank, tile_walk &w, tile_pos &tp)
+{
+    if (w.u >= args.units) return false;
+    tp = tile_at(args, w.u, rank, w.group);
+    w.u += gridDim.x / args.cluster;
+    return true;
+}
+
 /* The boxes of consumer warpgroup c's 64 x 128 part of tile tp that lie inside D (count; first column x0, row y0);
  * 0 for a dead tile. */
 __device__ __forceinline__ int out_box_count(const kernel_args &args, const group_dev &g, const tile_pos &tp, int c,
@@ -255,9 +276,9 @@ __device__ __forceinline__ void epilogue_dma(const kernel_args &args, int rank, 
     pending_tile pending = {0, 0, 0, -1};
     int set = 0;
     uint32_t staged_phase = 0; /* bit per set */
-    int group = 0; /* the walk's group cursor (tile_at) */
-    for (int u = blockIdx.x / args.cluster; u < args.units; u += gridDim.x / args.cluster) {
-        const tile_pos tp = tile_at(args, u, rank, group);
+    tile_walk walk = walk_begin(args);
+    tile_pos tp;
+    while (walk_next(args, rank, walk, tp)) {
         const group_dev &g = args.groups[tp.group];
         int x0, y0;
         const int count = g.d_map >= 0 ? out_box_count(args, g, tp, c, &x0, &y0) : 0;
@@ -334,9 +355,9 @@ __device__ __forceinline__ void produce_a(const kernel_args &args, uint8_t *a_ti
     const int cluster = args.cluster, stages = args.stages;
     int s = 0;
     uint32_t phase = 0, it = 0; /* k-blocks loaded so far (all tiles) */
-    int group = 0; /* the walk's group cursor (tile_at) */
-    for (int u = blockIdx.x / cluster; u < args.units; u += gridDim.x / cluster) {
-        const tile_pos tp = tile_at(args, u, rank, group);
+    tile_walk walk = walk_begin(args);
+    tile_pos tp;
+    while (walk_next(args, rank, walk, tp)) {
         const group_dev &g = args.groups[tp.group];
         const CUtensorMap *map = args.maps + g.a_map;
         const int row = (int)(g.a_row0 + (int64_t)tp.m_tile * TILE);
@@ -366,12 +387,12 @@ template <int B_PER_ROW>
 __device__ __forceinline__ void produce_b(const kernel_args &args, uint8_t *b_tiles, float *a_factors,
                                           float *b_factors, uint64_t *full, uint64_t *empty, int rank)
 {
-    const int lane = threadIdx.x % 32, cluster = args.cluster, stages = args.stages;
+    const int lane = threadIdx.x % 32, stages = args.stages;
     int s = 0;
     uint32_t phase = 0, it = 0;
-    int group = 0; /* the walk's group cursor (tile_at) */
-    for (int u = blockIdx.x / cluster; u < args.units; u += gridDim.x / cluster) {
-        const tile_pos tp = tile_at(args, u, rank, group);
+    tile_walk walk = walk_begin(args);
+    tile_pos tp;
+    while (walk_next(args, rank, walk, tp)) {
         const group_dev &g = args.groups[tp.group];
         const bool live = tp.n_tile < g.n_tiles;
         const CUtensorMap *map = args.maps + g.b_map;
@@ -507,9 +528,9 @@ __device__ __forceinline__ void consume(const kernel_args &args, int rank, int c
     ring_pos ring = {0, 0};
     int set = 0;
     uint32_t ready_phase = 0; /* bit per set */
-    int group = 0; /* the walk's group cursor (tile_at) */
-    for (int u = blockIdx.x / cluster; u < args.units; u += gridDim.x / cluster) {
-        const tile_pos tp = tile_at(args, u, rank, group);
+    tile_walk walk = walk_begin(args);
+    tile_pos tp;
+    while (walk_next(args, rank, walk, tp)) {
         const group_dev &g = args.groups[tp.group];
         const int kb_count = g.kb_count;
         if (tp.n_tile >= g.n_tiles || tp.m_tile * TILE + c * 64 >= g.m) { /* no rows or columns of D here */
