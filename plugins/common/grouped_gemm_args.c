@@ -5,6 +5,8 @@
 #include <stdbool.h>
 #include <stdio.h>
 
+#include "plugin_report.h"
+
 /* What the checks need: where errors go and which layer the GEMM belongs to. */
 typedef struct gemm_check {
     const moert_host *host;
@@ -14,18 +16,7 @@ typedef struct gemm_check {
 } gemm_check;
 
 /* Sets the instance's error message and returns code, so checks can `return fail(...)`. */
-static moert_result fail(const gemm_check *c, moert_result code, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static moert_result fail(const gemm_check *c, moert_result code, const char *fmt, ...)
-{
-    char text[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(text, sizeof text, fmt, ap);
-    va_end(ap);
-    c->host->set_error(c->host, "%s", text);
-    return code;
-}
+#define fail(c, ...) report((c)->host, __VA_ARGS__)
 
 const char *moert_gemm_dims_text(int ndim, const int64_t *shape, char *buf, size_t size)
 {

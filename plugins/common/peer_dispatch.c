@@ -32,17 +32,6 @@ moert_result peer_dispatch_create(const moert_host *host, const moert_layer_info
     return MOERT_OK;
 }
 
-moert_result peer_dispatch_fail(const peer_dispatch *d, moert_result code, const char *fmt, ...)
-{
-    char text[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(text, sizeof text, fmt, ap);
-    va_end(ap);
-    d->host->set_error(d->host, "%s", text);
-    return code;
-}
-
 void peer_dispatch_metric(const peer_dispatch *d, const char *name, double value, const char *unit)
 {
     const moert_host *h = d->host;

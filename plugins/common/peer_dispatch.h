@@ -13,6 +13,7 @@
 #include "moert/dispatcher.h"
 #include "peer_buffer.h"
 #include "peer_dispatch_cpu.h"
+#include "plugin_report.h"
 
 /* The devices and dtypes both plugins declare in their vtable headers. */
 #ifdef MOERT_HAVE_CUDA
@@ -53,9 +54,8 @@ typedef struct peer_dispatch {
 moert_result peer_dispatch_create(const moert_host *host, const moert_layer_info *layer, const char *name,
                                   size_t ctx_size, void **ctx);
 
-/* Sets the message and returns code. */
-moert_result peer_dispatch_fail(const peer_dispatch *d, moert_result code, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
+/* Sets the message and returns code (report() with the instance's host). */
+#define peer_dispatch_fail(d, ...) report((d)->host, __VA_ARGS__)
 
 /* Reports a metric to the host, where its ABI has the member. */
 void peer_dispatch_metric(const peer_dispatch *d, const char *name, double value, const char *unit);

@@ -1,25 +1,11 @@
-/* Error reporting shared by the plugins' CUDA files: a plugin never prints, it hands a message to its host
- * (host->set_error) and returns a result code. Header-only: plugins do not link libmoert. */
+/* Error reporting shared by the plugins' CUDA code: checked CUDA calls and launches, reported through
+ * plugin_report.h's report(). Header-only: plugins do not link libmoert. */
 #ifndef MOERT_PLUGIN_CUDA_CHECK_H
 #define MOERT_PLUGIN_CUDA_CHECK_H
 
 #include <cuda_runtime.h>
-#include <stdarg.h>
-#include <stdio.h>
 
-#include "moert/plugin.h"
-
-/* Formats a message and hands it to the host. Returns code. */
-static inline moert_result report(const moert_host *host, moert_result code, const char *fmt, ...)
-{
-    char text[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(text, sizeof text, fmt, ap);
-    va_end(ap);
-    if (host && host->set_error) host->set_error(host, "%s", text);
-    return code;
-}
+#include "plugin_report.h"
 
 /* Checked CUDA runtime call: on failure reports the call, the CUDA message and the line, and returns. */
 #define CUDA_CHECK(host, call)                                                                               \

@@ -11,6 +11,7 @@
 
 #include "dispatch_alltoall_cpu.h"
 #include "moert/dispatcher.h"
+#include "plugin_report.h"
 #include "tensor_args.h"
 #ifdef MOERT_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -83,18 +84,7 @@ static void report_metric(const alltoall_ctx *c, const char *name, double value,
 }
 
 /* Sets the instance's error message and returns code, so checks can `return fail(...)`. */
-static moert_result fail(const alltoall_ctx *c, moert_result code, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static moert_result fail(const alltoall_ctx *c, moert_result code, const char *fmt, ...)
-{
-    char text[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(text, sizeof text, fmt, ap);
-    va_end(ap);
-    c->host->set_error(c->host, "%s", text);
-    return code;
-}
+#define fail(c, ...) report((c)->host, __VA_ARGS__)
 
 /* Makes buf at least `bytes` long on the layer's device (contents not kept). */
 static moert_result buffer_reserve(alltoall_ctx *c, a2a_buffer *buf, size_t bytes)

@@ -12,6 +12,7 @@
 #include "moert/precision.h"
 #include "../common/grouped_gemm_args.h"
 #include "precision_bf16_cpu.h"
+#include "../common/plugin_report.h"
 #ifdef MOERT_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
@@ -59,18 +60,7 @@ enum { GEMM_AUTO = 0, GEMM_CUBLASLT = 1, GEMM_KERNEL = 2 }; /* by gemm_choices *
 static const char *const mode_names[] = {"bf16", "fp32", "fp64"}; /* by bf16_mode */
 
 /* Sets the instance's error message and returns code, so checks can `return fail(...)`. */
-static moert_result fail(const bf16_ctx *c, moert_result code, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static moert_result fail(const bf16_ctx *c, moert_result code, const char *fmt, ...)
-{
-    char text[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(text, sizeof text, fmt, ap);
-    va_end(ap);
-    c->host->set_error(c->host, "%s", text);
-    return code;
-}
+#define fail(c, ...) report((c)->host, __VA_ARGS__)
 
 #define device_name moert_gemm_device_text
 

@@ -10,6 +10,7 @@
 
 #include "moert/precision.h"
 #include "precision_fp8_cpu.h"
+#include "../common/plugin_report.h"
 #ifdef MOERT_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
@@ -40,18 +41,7 @@ static const char *const gemm_choices[] = {"auto", "cublaslt", "kernel", NULL};
 enum { GEMM_AUTO = 0, GEMM_CUBLASLT = 1, GEMM_KERNEL = 2 };
 
 /* Sets the instance's error message and returns code, so checks can `return fail(...)`. */
-static moert_result fail(const fp8_ctx *c, moert_result code, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static moert_result fail(const fp8_ctx *c, moert_result code, const char *fmt, ...)
-{
-    char text[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(text, sizeof text, fmt, ap);
-    va_end(ap);
-    c->host->set_error(c->host, "%s", text);
-    return code;
-}
+#define fail(c, ...) report((c)->host, __VA_ARGS__)
 
 #define device_name moert_gemm_device_text
 
