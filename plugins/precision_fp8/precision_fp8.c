@@ -11,10 +11,12 @@
 #include "moert/precision.h"
 #include "precision_fp8_cpu.h"
 #include "../common/plugin_report.h"
+#include "../precision_bf16/precision_bf16_cpu.h"
 #ifdef MOERT_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
 #include "../common/plugin_cuda_check.h"
+#include "../precision_bf16/precision_bf16_cuda.h"
 
 #include "precision_fp8_cuda.h"
 #endif
@@ -28,8 +30,11 @@ typedef struct fp8_ctx {
     bool on_cuda;              /* the layer is on a CUDA device: the CUDA path serves it */
     int gemm_streams;          /* option: streams of the CUDA per-expert loop */
     int gemm_engine;           /* option "gemm": GEMM_AUTO, GEMM_CUBLASLT, GEMM_KERNEL */
+    bool fp8_wgrad;            /* option "fp8_wgrad": false runs WGRAD on the bf16 plugin's GEMMs, unquantized */
+    bf16_scratch wgrad_scratch; /* their CPU reference's work buffers */
 #ifdef MOERT_HAVE_CUDA
     moert_fp8_cuda *gemm;      /* quantize kernels, FP8 weight copies, cuBLASLt handle */
+    moert_bf16_cuda *wgrad_gemm; /* "fp8_wgrad": false on CUDA: the bf16 plugin's cuBLASLt loop */
     int64_t *counts_host;      /* [E_local] pinned: device counts copied down when no host copy is given */
 #endif
 } fp8_ctx;
@@ -47,10 +52,11 @@ enum { GEMM_AUTO = 0, GEMM_CUBLASLT = 1, GEMM_KERNEL = 2 };
 
 static void fp8_finalize(void *ctx);
 
-/* Reads the options into s, *streams and *engine; "power_of_2_scales" defaults to true for blockwise, false otherwise, and
+/* Reads the options into s, *streams, *engine and *fp8_wgrad; "power_of_2_scales" defaults to true for blockwise, false otherwise, and
  * "format" to e4m3 for blockwise (its per-128 scales cover the gradients' range, as in DeepSeek-V3's recipe; with
  * E5M2 gradients the 300-step demo curve ran 2.9% above bf16's, with E4M3 within 0.5%), hybrid otherwise. */
-static moert_result read_options(const moert_host *host, fp8_settings *s, int *streams, int *engine)
+static moert_result read_options(const moert_host *host, fp8_settings *s, int *streams, int *engine,
+                                 bool *fp8_wgrad)
 {
     int recipe = 0, format = 1, amax_compute = 0;
     moert_result rc = host->option_enum(host, "recipe", recipe_choices, 0,
@@ -87,9 +93,16 @@ static moert_result read_options(const moert_host *host, fp8_settings *s, int *s
     *streams = (int)gemm_streams;
     rc = host->option_enum(host, "gemm", gemm_choices, GEMM_AUTO,
                            "CUDA, blockwise recipe: the GEMMs' engine: cublaslt (VEC128 / BLK128x128 matmuls per "
-                           "expert), kernel (moert's wgmma kernel, the 128-block factors applied in registers; compute "
-                           "capability 9.0; slower than cublaslt so far), or auto (the faster measured: cublaslt)",
+                           "expert), kernel (moert's wgmma kernel for every pass, the 128-block factors applied in "
+                           "registers; compute capability 9.0), or auto (the faster measured per pass: the kernel for "
+                           "forward and dgrad, cublaslt for wgrad on compute capability 9.0; cublaslt elsewhere)",
                            engine);
+    if (rc != MOERT_OK) return rc;
+    rc = host->option_bool(host, "fp8_wgrad", true,
+                           "false: the weight gradients (WGRAD) from the unquantized activations and gradients (bf16 "
+                           "operands on bf16 activations, fp32 accumulation; the bf16 plugin's GEMMs), as Megatron's "
+                           "fp8_wgrad=False; the forward and dgrad GEMMs stay FP8",
+                           fp8_wgrad);
     if (rc != MOERT_OK) return rc;
     s->recipe = (fp8_recipe)recipe;
     s->hybrid = format == 1;
@@ -158,7 +171,8 @@ static moert_result cuda_init(fp8_ctx *c)
     };
     rc = moert_fp8_cuda_create(h, l->device, &cfg, &c->gemm);
     if (rc == MOERT_OK) rc = moert_fp8_cuda_set_streams(c->gemm, c->gemm_streams);
-    /* blockwise GEMMs on the wgmma kernel when asked ("auto" is cuBLASLt: the kernel measured slower, see
+    /* blockwise GEMMs on the wgmma kernel: every pass when asked; with "auto", forward and dgrad, where it measured
+     * faster than cuBLASLt, and wgrad on cuBLASLt, which measured faster inside the layer (session 12, see
      * docs/plugins/precision_fp8.md); the kernel's code is sm_90a */
     const bool hopper = prop.major == 9 && prop.minor == 0;
     if (rc == MOERT_OK && s->recipe == FP8_RECIPE_BLOCKWISE && c->gemm_engine == GEMM_KERNEL && !hopper)
@@ -166,8 +180,14 @@ static moert_result cuda_init(fp8_ctx *c)
                   "(wgmma); %s is %s (%d.%d): use \"cublaslt\" or \"auto\"", dev, prop.name, prop.major, prop.minor);
     if (rc == MOERT_OK && s->recipe == FP8_RECIPE_BLOCKWISE && c->gemm_engine == GEMM_KERNEL)
         rc = moert_fp8_cuda_set_block_kernel(c->gemm, 1);
+    if (rc == MOERT_OK && s->recipe == FP8_RECIPE_BLOCKWISE && c->gemm_engine == GEMM_AUTO && hopper)
+        rc = moert_fp8_cuda_set_block_kernel(c->gemm, 2);
     /* every matmul of the recipe exists in this cuBLASLt (weight gradients accumulate in fp32, as the executor's) */
     if (rc == MOERT_OK) rc = moert_fp8_cuda_check_support(c->gemm, l->hidden, l->ffn_hidden, l->dtype, MOERT_F32);
+    /* unquantized weight gradients: the bf16 plugin's cuBLASLt loop, with its own workspace per stream */
+    if (rc == MOERT_OK && !c->fp8_wgrad)
+        rc = moert_bf16_cuda_create(h, NULL, 0, MOERT_BF16_CUDA_EXPERT_LOOP, &c->wgrad_gemm);
+    if (rc == MOERT_OK && !c->fp8_wgrad) rc = moert_bf16_cuda_set_streams(c->wgrad_gemm, c->gemm_streams);
     if (previous >= 0 && previous != id) (void)cudaSetDevice(previous);
     return rc;
 }
@@ -193,7 +213,8 @@ static moert_result fp8_init(void **out, const moert_host *host, const moert_lay
 #endif
     fp8_settings settings;
     int streams = 4, engine = GEMM_AUTO;
-    moert_result rc = read_options(host, &settings, &streams, &engine);
+    bool fp8_wgrad = true;
+    moert_result rc = read_options(host, &settings, &streams, &engine, &fp8_wgrad);
     if (rc != MOERT_OK) return rc;
     if (engine == GEMM_KERNEL && settings.recipe != FP8_RECIPE_BLOCKWISE) {
         host->set_error(host, "$.precision.gemm: \"kernel\" serves the blockwise recipe only (recipe is \"%s\"); "
@@ -211,6 +232,7 @@ static moert_result fp8_init(void **out, const moert_host *host, const moert_lay
     c->on_cuda = layer->device.type == MOERT_DEVICE_CUDA;
     c->gemm_streams = streams;
     c->gemm_engine = engine;
+    c->fp8_wgrad = fp8_wgrad;
     if (settings.recipe == FP8_RECIPE_DELAYED && !c->on_cuda &&
         !fp8_delayed_init(&c->delayed, layer->num_local_experts, settings.amax_history_len)) {
         fp8_finalize(c);
@@ -227,9 +249,10 @@ static moert_result fp8_init(void **out, const moert_host *host, const moert_lay
         }
     }
 #endif
-    host->log(host, MOERT_LOG_DEBUG, "fp8 precision: recipe %s, format %s, power-of-2 scales %s (activations %s, %s)",
+    host->log(host, MOERT_LOG_DEBUG,
+              "fp8 precision: recipe %s, format %s, power-of-2 scales %s, weight gradients %s (activations %s, %s)",
               recipe_choices[settings.recipe], settings.hybrid ? "hybrid" : "e4m3",
-              settings.power_of_2 ? "on" : "off", moert_dtype_name(layer->dtype),
+              settings.power_of_2 ? "on" : "off", fp8_wgrad ? "fp8" : "unquantized", moert_dtype_name(layer->dtype),
               device_name(layer->device, dev, sizeof dev));
     *out = c;
     return MOERT_OK;
@@ -242,10 +265,12 @@ static void fp8_finalize(void *ctx)
     if (!c) return;
 #ifdef MOERT_HAVE_CUDA
     if (c->gemm) moert_fp8_cuda_destroy(c->gemm);
+    if (c->wgrad_gemm) moert_bf16_cuda_destroy(c->wgrad_gemm);
     if (c->counts_host) c->host->free_pinned(c->host, c->counts_host);
 #endif
     fp8_delayed_free(&c->delayed);
     fp8_scratch_free(&c->scratch);
+    bf16_scratch_free(&c->wgrad_scratch);
     free(c);
 }
 
@@ -266,6 +291,31 @@ static moert_result fetch_counts(void *user, const moert_tensor *t, const int64_
     if (rc == MOERT_OK) rc = h->stream_synchronize(h, f->stream);
     if (rc == MOERT_OK) *counts = f->c->counts_host;
     return rc;
+}
+
+/* WGRAD with "fp8_wgrad": false: the bf16 plugin's cuBLASLt loop on the unquantized operands (bf16 activations:
+ * bf16 operands, fp32 accumulation, into fp32 or bf16 grad_weight; fp32 activations: fp32 GEMMs into fp32). */
+static moert_result cuda_unquantized_wgrad(fp8_ctx *c, moert_stream stream, const moert_grouped_gemm_args *args,
+                                           const fp8_gemm_shape *shape, const char *call)
+{
+    const moert_dtype act = c->layer.dtype, gw = args->grad_weight->dtype;
+    if (act == MOERT_F32 && gw != MOERT_F32)
+        return fail(c, MOERT_ERR_UNSUPPORTED, "%s: with \"fp8_wgrad\": false and fp32 activations, grad_weight must be "
+                    "fp32, not %s", call, moert_dtype_name(gw));
+    moert_bf16_cuda_gemm gm;
+    memset(&gm, 0, sizeof gm);
+    gm.pass = MOERT_GEMM_WGRAD;
+    gm.dtype = act;
+    gm.num_experts = shape->num_experts;
+    gm.rows_per_expert = shape->counts;
+    gm.k_in = shape->k_in;
+    gm.n_out = shape->n_out;
+    gm.input = args->input->data;
+    gm.grad_output = args->grad_output->data;
+    gm.grad_weight = args->grad_weight->data;
+    gm.accumulate = !moert_gemm_overwrites_grad(args);
+    gm.output_fp32 = act == MOERT_BF16 && gw == MOERT_F32;
+    return moert_bf16_cuda_grouped_gemm(c->wgrad_gemm, (cudaStream_t)stream, &gm);
 }
 
 /* One grouped GEMM on the layer's GPU, arguments already checked: activations in the layer's dtype (bf16 or fp32),
@@ -307,6 +357,7 @@ static moert_result cuda_grouped_gemm(fp8_ctx *c, moert_stream stream, const moe
         if (gw != MOERT_F32 && gw != MOERT_BF16)
             return fail(c, MOERT_ERR_UNSUPPORTED, "%s: grad_weight has dtype %s; on CUDA the fp8 plugin accumulates into "
                         "fp32 or bf16", call, moert_dtype_name(gw));
+        if (!c->fp8_wgrad) return cuda_unquantized_wgrad(c, stream, args, shape, call);
         gm.grad_weight_dtype = gw;
         gm.input = args->input->data;
         gm.grad_output = args->grad_output->data;
@@ -331,6 +382,13 @@ static moert_result cuda_grouped_gemm(fp8_ctx *c, moert_stream stream, const moe
 }
 #endif
 
+/* How the unquantized weight gradients compute on the CPU: as the bf16 plugin's "auto" mode for the activations'
+ * dtype (bf16 operands with fp32 sums for bf16 storage, fp64 for fp64, else fp32). */
+static bf16_mode unquantized_mode(moert_dtype act)
+{
+    return act == MOERT_BF16 ? BF16_MODE_BF16 : act == MOERT_F64 ? BF16_MODE_FP64 : BF16_MODE_FP32;
+}
+
 /* One grouped GEMM (FORWARD, DGRAD or WGRAD) over the local experts. */
 static moert_result fp8_grouped_gemm(void *ctx, moert_stream stream, const moert_grouped_gemm_args *args)
 {
@@ -348,7 +406,10 @@ static moert_result fp8_grouped_gemm(void *ctx, moert_stream stream, const moert
     moert_result rc = moert_gemm_check_args(c->host, &c->layer, args, NULL, NULL, call, sizeof call, &shape);
     if (rc != MOERT_OK) return rc;
 #endif
-    rc = fp8_cpu_grouped_gemm(args, &shape, &c->settings, &c->delayed, &c->scratch);
+    if (args->pass == MOERT_GEMM_WGRAD && !c->fp8_wgrad) /* the bf16 plugin's reference for the storage dtype */
+        rc = bf16_cpu_grouped_gemm(args, &shape, unquantized_mode(c->layer.dtype), &c->wgrad_scratch);
+    else
+        rc = fp8_cpu_grouped_gemm(args, &shape, &c->settings, &c->delayed, &c->scratch);
     if (rc != MOERT_OK) return fail(c, rc, "%s: out of memory for the GEMM's work buffers", call);
     return MOERT_OK;
 }

@@ -610,6 +610,7 @@ struct moert_fp8_cuda {
     int64_t worst_rows;  /* the current GEMM's most padded rows (capacity + (align - 1) * E); 0: capacity unknown */
     int blk_order;       /* blockwise FORWARD/DGRAD: BLK_ORDER_* (see choose_blk_order) */
     moert_fp8_block_ctx *block; /* blockwise GEMMs on the wgmma kernel (fp8_block_gemm.cu); NULL: cuBLASLt */
+    int block_wgrad;            /* with block: the kernel serves WGRAD too (set_block_kernel 1); 0: cuBLASLt (2) */
     cublasLtHandle_t lt;
     cublasLtMatmulPreference_t pref;
     int32_t pref_align[3];
@@ -815,9 +816,17 @@ fail:
     return rc;
 }
 
-/* The blockwise recipe's GEMMs on the wgmma kernel (on 1) or cuBLASLt (0). */
+/* Whether the blockwise recipe's GEMMs of pass run on the wgmma kernel (else on cuBLASLt). */
+static int kernel_serves(const moert_fp8_cuda *g, moert_gemm_pass pass)
+{
+    return g->block && (pass != MOERT_GEMM_WGRAD || g->block_wgrad);
+}
+
+/* The blockwise recipe's GEMMs on the wgmma kernel: every pass (on 1), FORWARD and DGRAD only (2), none (0). */
 extern "C" moert_result moert_fp8_cuda_set_block_kernel(moert_fp8_cuda *g, int on)
 {
+    if (on < 0 || on > 2)
+        return report(g->host, MOERT_ERR_INVALID_ARGUMENT, "fp8 cuda: block kernel setting %d (0, 1 or 2)", on);
     if (!on) {
         moert_fp8_block_ctx_destroy(g->block);
         g->block = NULL;
@@ -827,6 +836,7 @@ extern "C" moert_result moert_fp8_cuda_set_block_kernel(moert_fp8_cuda *g, int o
         return report(g->host, MOERT_ERR_UNSUPPORTED, "the FP8 GEMM kernel serves the blockwise recipe only");
     if (g->vec_layout != MOERT_FP8_VEC128_X_MAJOR || g->blk_layout != MOERT_FP8_BLK_K_MAJOR_PAD4)
         return report(g->host, MOERT_ERR_UNSUPPORTED, "the FP8 GEMM kernel reads the default scale layouts only");
+    g->block_wgrad = on == 1;
     if (g->block) return MOERT_OK;
     return moert_fp8_block_ctx_create(g->host, &g->block);
 }
@@ -1705,10 +1715,11 @@ extern "C" moert_result moert_fp8_cuda_check_support(moert_fp8_cuda *g, int64_t 
                                                      moert_dtype act_dtype, moert_dtype grad_weight_dtype)
 {
     static const int64_t rows = 512;
-    if (g->block) return MOERT_OK; /* the blockwise kernel takes every shape the plugin accepts */
-    MOK(choose_blk_order(g, hidden, 2 * ffn_hidden, act_dtype));
+    /* the blockwise kernel takes every shape the plugin accepts: only the passes on cuBLASLt are asked */
+    if (!kernel_serves(g, MOERT_GEMM_FORWARD)) MOK(choose_blk_order(g, hidden, 2 * ffn_hidden, act_dtype));
     for (int w = 0; w < 2; w++)
         for (int pass = 0; pass < 3; pass++) {
+            if (kernel_serves(g, (moert_gemm_pass)pass)) continue;
             const int64_t K = w == 0 ? hidden : ffn_hidden, N = w == 0 ? 2 * ffn_hidden : hidden;
             expert_mm p;
             matmul_shape(g, (moert_gemm_pass)pass, K, N, act_dtype, grad_weight_dtype, rows, &p);
@@ -1734,7 +1745,8 @@ extern "C" moert_result moert_fp8_cuda_check_support(moert_fp8_cuda *g, int64_t 
 static moert_result wgrad_row_align(moert_fp8_cuda *g, const moert_fp8_cuda_gemm *gm, int64_t *align)
 {
     *align = MOERT_FP8_CUDA_ROW_ALIGN;
-    if (!is_blockwise(g) || g->block) return MOERT_OK; /* the kernel takes a reduction that ends inside a block */
+    if (!is_blockwise(g) || kernel_serves(g, MOERT_GEMM_WGRAD))
+        return MOERT_OK; /* the kernel takes a reduction that ends inside a block */
     if (g->wgrad_align) {
         *align = g->wgrad_align;
         return MOERT_OK;
@@ -1973,9 +1985,10 @@ extern "C" moert_result moert_fp8_cuda_grouped_gemm(moert_fp8_cuda *g, cudaStrea
         const float *winv = blk ? (const float *)(fwd ? wc->inv_fwd.p : wc->inv_dgrad.p) : (const float *)wc->inv.p;
         const int64_t wstride = blk ? wc->blk_stride : 4;
         char *dst = (char *)(fwd ? gm->output : gm->grad_input);
-        if (blk && !g->block && (rc = choose_blk_order(g, K, N, gm->act_dtype)) != MOERT_OK) goto done;
-        swapped = blk && !g->block && g->blk_order == BLK_ORDER_WEIGHT_B;
-        if (blk && !g->block) { /* D goes through the same 16-row padding as the activation rows */
+        const int on_lt = blk && !kernel_serves(g, gm->pass); /* cuBLASLt's blockwise matmuls */
+        if (on_lt && (rc = choose_blk_order(g, K, N, gm->act_dtype)) != MOERT_OK) goto done;
+        swapped = on_lt && g->blk_order == BLK_ORDER_WEIGHT_B;
+        if (on_lt) { /* D goes through the same 16-row padding as the activation rows */
             const int64_t last = g->active[g->active_count - 1];
             if ((rc = buf_reserve_worst(g, &g->dscratch, (size_t)((g->prow0[last] + g->rows16[last]) * mm) * act_es,
                                         (size_t)(g->worst_rows * mm) * act_es)) != MOERT_OK)
@@ -2087,7 +2100,7 @@ extern "C" moert_result moert_fp8_cuda_grouped_gemm(moert_fp8_cuda *g, cudaStrea
             g->b_soff[e] = 4 * e;
             if (gm->pass == MOERT_GEMM_WGRAD) g->a_soff[e] = 4 * e;
         }
-    if (blk && g->block) {
+    if (blk && kernel_serves(g, gm->pass)) {
         if (!g->quantize_only) rc = block_gemm(g, stream, gm, wc);
         goto done;
     }

@@ -815,8 +815,14 @@ int main(void)
     } else {
         run_plugin("{\"recipe\": \"current\"}", pool, (cudaStream_t)stream);
         run_plugin("{\"recipe\": \"delayed\", \"amax_history_len\": 3}", pool, (cudaStream_t)stream);
+        /* "auto": the kernel for forward and dgrad, cuBLASLt for wgrad (on compute capability 9.0) */
         run_plugin("{\"recipe\": \"blockwise\", \"gemm_streams\": 2}", pool, (cudaStream_t)stream);
+        run_plugin("{\"recipe\": \"blockwise\", \"gemm\": \"cublaslt\"}", pool, (cudaStream_t)stream);
         run_plugin("{\"recipe\": \"blockwise\", \"gemm\": \"kernel\"}", pool, (cudaStream_t)stream);
+        /* unquantized weight gradients (the bf16 plugin's cuBLASLt loop) against the CPU's (its reference): an FP8
+         * WGRAD would miss by the FP8 error, far above the tolerance */
+        run_plugin("{\"recipe\": \"blockwise\", \"gemm\": \"kernel\", \"fp8_wgrad\": false}", pool,
+                   (cudaStream_t)stream);
         run_refusals(pool, (cudaStream_t)stream);
     }
     if (stream) moert_cuda_stream_synchronize(stream);

@@ -543,6 +543,84 @@ static void check_overwrite(const char *options)
     test_instance_close(&ti);
 }
 
+/* ---- "fp8_wgrad": false ---- */
+
+/* One grouped GEMM of pass through plugin instance ti; the result's values (output, grad_input or grad_weight). */
+static double *pass_values(test_instance *ti, moert_gemm_weight which, moert_gemm_pass pass, const int64_t *counts,
+                           moert_tensor *input, moert_tensor *weight, moert_tensor *grad_output,
+                           const moert_tensor *grad_weight_start, int overwrite, int64_t *n)
+{
+    const int64_t rows = input->shape[0], K = input->shape[1], N = grad_output->shape[1];
+    moert_tensor output = make_f32(2, rows, N, 0, NULL, 0), grad_input = make_f32(2, rows, K, 0, NULL, 0);
+    moert_tensor grad_weight = make_f32(3, G_EXPERTS, K, N, NULL, 0);
+    for (int64_t i = 0; i < G_EXPERTS * K * N; i++) moert_store(&grad_weight, i, moert_load(grad_weight_start, i));
+    moert_grouped_gemm_args args = {.struct_size = sizeof args, .which = which, .pass = pass,
+                                    .tokens_per_expert_host = counts, .input = input, .weight = weight,
+                                    .grad_output = grad_output, .output = &output, .grad_input = &grad_input,
+                                    .grad_weight = &grad_weight, .overwrite_grad_weight = overwrite};
+    EXPECT_OK(((const moert_precision_v1 *)ti->plugin.header)->grouped_gemm(ti->ctx, NULL, &args));
+    const moert_tensor *result = pass == MOERT_GEMM_FORWARD ? &output : pass == MOERT_GEMM_DGRAD ? &grad_input
+                                                                                                 : &grad_weight;
+    *n = moert_tensor_numel(result);
+    double *v = malloc((size_t)*n * sizeof(double));
+    for (int64_t i = 0; i < *n; i++) v[i] = moert_load(result, i);
+    free(output.data), free(grad_input.data), free(grad_weight.data);
+    return v;
+}
+
+/* Elements of a and b (n each) that differ. */
+static int64_t values_differing(const double *a, const double *b, int64_t n)
+{
+    int64_t differ = 0;
+    for (int64_t i = 0; i < n; i++) differ += a[i] != b[i];
+    return differ;
+}
+
+/*
+ * "fp8_wgrad": false: WGRAD (accumulating and overwriting) equals the bf16 plugin's, value for value, and differs
+ * from the FP8 WGRAD; FORWARD and DGRAD equal the default FP8 recipe's, value for value, and differ from bf16's.
+ */
+static void check_unquantized_wgrad(const char *fp8_options, const char *unquantized_options)
+{
+    const int64_t counts[G_EXPERTS] = {130, 3};
+    const int64_t rows = 133;
+    moert_layer_info layer = test_layer(G_HIDDEN, G_FFN, G_EXPERTS, 2, 256, 1, 0, MOERT_F32);
+    test_instance fp8, unq, bf16;
+    EXPECT_OK(test_instance_open(&fp8, MOERT_KIND_PRECISION, PLUGIN, fp8_options, &layer, NULL, 0, 1));
+    EXPECT_OK(test_instance_open(&unq, MOERT_KIND_PRECISION, PLUGIN, unquantized_options, &layer, NULL, 0, 1));
+    EXPECT_OK(test_instance_open(&bf16, MOERT_KIND_PRECISION, "bf16", "{}", &layer, NULL, 0, 1));
+    for (int which = 0; which < 2 && fp8.ctx && unq.ctx && bf16.ctx; which++) {
+        const int64_t K = which == MOERT_GEMM_FC1 ? G_HIDDEN : G_FFN;
+        const int64_t N = which == MOERT_GEMM_FC1 ? 2 * G_FFN : G_HIDDEN;
+        uint64_t rng = 900 + (uint64_t)which;
+        moert_tensor input = make_f32(2, rows, K, 0, &rng, 0), grad_output = make_f32(2, rows, N, 0, &rng, 0);
+        moert_tensor weight = make_f32(3, G_EXPERTS, K, N, &rng, 0), start = make_f32(3, G_EXPERTS, K, N, &rng, 0);
+        for (int pass = 0; pass < 3; pass++)
+            for (int overwrite = 0; overwrite <= (pass == MOERT_GEMM_WGRAD); overwrite++) {
+                int64_t n = 0;
+                double *v_fp8 = pass_values(&fp8, (moert_gemm_weight)which, (moert_gemm_pass)pass, counts, &input,
+                                            &weight, &grad_output, &start, overwrite, &n);
+                double *v_unq = pass_values(&unq, (moert_gemm_weight)which, (moert_gemm_pass)pass, counts, &input,
+                                            &weight, &grad_output, &start, overwrite, &n);
+                double *v_bf16 = pass_values(&bf16, (moert_gemm_weight)which, (moert_gemm_pass)pass, counts, &input,
+                                             &weight, &grad_output, &start, overwrite, &n);
+                const int64_t vs_fp8 = values_differing(v_unq, v_fp8, n), vs_bf16 = values_differing(v_unq, v_bf16, n);
+                if (pass == MOERT_GEMM_WGRAD) {
+                    EXPECT_EQ_INT(vs_bf16, 0);
+                    EXPECT(vs_fp8 > n / 2);
+                } else {
+                    EXPECT_EQ_INT(vs_fp8, 0);
+                    EXPECT(vs_bf16 > n / 2);
+                }
+                free(v_fp8), free(v_unq), free(v_bf16);
+            }
+        free(input.data), free(grad_output.data), free(weight.data), free(start.data);
+    }
+    test_instance_close(&fp8);
+    test_instance_close(&unq);
+    test_instance_close(&bf16);
+}
+
 /* ---- errors ---- */
 
 static void check_errors(void)
@@ -591,6 +669,10 @@ static void check_errors(void)
     EXPECT_OK(test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, "{\"recipe\": \"blockwise\", \"gemm\": \"kernel\"}",
                                  &layer, NULL, 0, 1)); /* on the CPU the engine is not used */
     test_instance_close(&ti);
+    EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, "{\"fp8_wgrad\": \"no\"}", &layer, NULL, 0, 1),
+                  MOERT_ERR_CONFIG);
+    EXPECT_ERROR_CONTAINS("fp8_wgrad");
+    test_instance_close(&ti);
     layer.device.type = MOERT_DEVICE_CUDA; /* the FP8 GEMMs on CUDA are not written yet */
     moert_result r = test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, "{}", &layer, NULL, 0, 1);
     EXPECT_EQ_INT(r, MOERT_ERR_UNSUPPORTED);
@@ -609,6 +691,8 @@ int main(void)
     check_overwrite("{}");
     check_overwrite("{\"recipe\": \"delayed\"}");
     check_overwrite("{\"recipe\": \"blockwise\"}");
+    check_unquantized_wgrad("{\"recipe\": \"blockwise\"}", "{\"recipe\": \"blockwise\", \"fp8_wgrad\": false}");
+    check_unquantized_wgrad("{}", "{\"fp8_wgrad\": false}");
     check_errors();
     return test_finish("test_precision_fp8");
 }
