@@ -94,8 +94,9 @@ static moert_result read_options(const moert_host *host, fp8_settings *s, int *s
     rc = host->option_enum(host, "gemm", gemm_choices, GEMM_AUTO,
                            "CUDA, blockwise recipe: the GEMMs' engine: cublaslt (VEC128 / BLK128x128 matmuls per "
                            "expert), kernel (moert's wgmma kernel for every pass, the 128-block factors applied in "
-                           "registers; compute capability 9.0), or auto (the faster measured per pass: the kernel for "
-                           "forward and dgrad, cublaslt for wgrad on compute capability 9.0; cublaslt elsewhere)",
+                           "registers; compute capability 9.0), or auto (the faster measured per pass: on compute "
+                           "capability 9.0 the kernel, but cublaslt for a wgrad that overwrites grad_weight, a step's "
+                           "first micro-batch; cublaslt elsewhere)",
                            engine);
     if (rc != MOERT_OK) return rc;
     rc = host->option_bool(host, "fp8_wgrad", true,
@@ -171,9 +172,10 @@ static moert_result cuda_init(fp8_ctx *c)
     };
     rc = moert_fp8_cuda_create(h, l->device, &cfg, &c->gemm);
     if (rc == MOERT_OK) rc = moert_fp8_cuda_set_streams(c->gemm, c->gemm_streams);
-    /* blockwise GEMMs on the wgmma kernel: every pass when asked; with "auto", forward and dgrad, where it measured
-     * faster than cuBLASLt, and wgrad on cuBLASLt, which measured faster inside the layer (session 12, see
-     * docs/plugins/precision_fp8.md); the kernel's code is sm_90a */
+    /* blockwise GEMMs on the wgmma kernel: every pass when asked; with "auto", where it measured faster than
+     * cuBLASLt (forward, dgrad, a wgrad that adds to grad_weight), and a wgrad that overwrites it (a step's first
+     * micro-batch) on cuBLASLt, which measured faster there (session 12, see docs/plugins/precision_fp8.md); the
+     * kernel's code is sm_90a */
     const bool hopper = prop.major == 9 && prop.minor == 0;
     if (rc == MOERT_OK && s->recipe == FP8_RECIPE_BLOCKWISE && c->gemm_engine == GEMM_KERNEL && !hopper)
         rc = fail(c, MOERT_ERR_UNSUPPORTED, "$.precision.gemm: \"kernel\" needs a compute capability 9.0 GPU "

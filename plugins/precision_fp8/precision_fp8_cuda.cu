@@ -610,7 +610,8 @@ struct moert_fp8_cuda {
     int64_t worst_rows;  /* the current GEMM's most padded rows (capacity + (align - 1) * E); 0: capacity unknown */
     int blk_order;       /* blockwise FORWARD/DGRAD: BLK_ORDER_* (see choose_blk_order) */
     moert_fp8_block_ctx *block; /* blockwise GEMMs on the wgmma kernel (fp8_block_gemm.cu); NULL: cuBLASLt */
-    int block_wgrad;            /* with block: the kernel serves WGRAD too (set_block_kernel 1); 0: cuBLASLt (2) */
+    int block_wgrad;            /* with block: the kernel serves every WGRAD (set_block_kernel 1); 0: the
+                                   accumulating ones only, those overwriting grad_weight go to cuBLASLt (2) */
     cublasLtHandle_t lt;
     cublasLtMatmulPreference_t pref;
     int32_t pref_align[3];
@@ -816,13 +817,15 @@ fail:
     return rc;
 }
 
-/* Whether the blockwise recipe's GEMMs of pass run on the wgmma kernel (else on cuBLASLt). */
-static int kernel_serves(const moert_fp8_cuda *g, moert_gemm_pass pass)
+/* Whether the blockwise recipe's GEMMs of pass run on the wgmma kernel (else on cuBLASLt); overwrite: a WGRAD that
+ * overwrites grad_weight. */
+static int kernel_serves(const moert_fp8_cuda *g, moert_gemm_pass pass, int overwrite)
 {
-    return g->block && (pass != MOERT_GEMM_WGRAD || g->block_wgrad);
+    return g->block && (pass != MOERT_GEMM_WGRAD || g->block_wgrad || !overwrite);
 }
 
-/* The blockwise recipe's GEMMs on the wgmma kernel: every pass (on 1), FORWARD and DGRAD only (2), none (0). */
+/* The blockwise recipe's GEMMs on the wgmma kernel: every pass (on 1), all but the WGRADs that overwrite grad_weight
+ * (2), none (0). */
 extern "C" moert_result moert_fp8_cuda_set_block_kernel(moert_fp8_cuda *g, int on)
 {
     if (on < 0 || on > 2)
@@ -1716,10 +1719,10 @@ extern "C" moert_result moert_fp8_cuda_check_support(moert_fp8_cuda *g, int64_t 
 {
     static const int64_t rows = 512;
     /* the blockwise kernel takes every shape the plugin accepts: only the passes on cuBLASLt are asked */
-    if (!kernel_serves(g, MOERT_GEMM_FORWARD)) MOK(choose_blk_order(g, hidden, 2 * ffn_hidden, act_dtype));
+    if (!kernel_serves(g, MOERT_GEMM_FORWARD, 0)) MOK(choose_blk_order(g, hidden, 2 * ffn_hidden, act_dtype));
     for (int w = 0; w < 2; w++)
         for (int pass = 0; pass < 3; pass++) {
-            if (kernel_serves(g, (moert_gemm_pass)pass)) continue;
+            if (kernel_serves(g, (moert_gemm_pass)pass, 1)) continue; /* overwriting: cuBLASLt's case, if any */
             const int64_t K = w == 0 ? hidden : ffn_hidden, N = w == 0 ? 2 * ffn_hidden : hidden;
             expert_mm p;
             matmul_shape(g, (moert_gemm_pass)pass, K, N, act_dtype, grad_weight_dtype, rows, &p);
@@ -1745,7 +1748,7 @@ extern "C" moert_result moert_fp8_cuda_check_support(moert_fp8_cuda *g, int64_t 
 static moert_result wgrad_row_align(moert_fp8_cuda *g, const moert_fp8_cuda_gemm *gm, int64_t *align)
 {
     *align = MOERT_FP8_CUDA_ROW_ALIGN;
-    if (!is_blockwise(g) || kernel_serves(g, MOERT_GEMM_WGRAD))
+    if (!is_blockwise(g) || kernel_serves(g, MOERT_GEMM_WGRAD, gm->overwrite_grad_weight))
         return MOERT_OK; /* the kernel takes a reduction that ends inside a block */
     if (g->wgrad_align) {
         *align = g->wgrad_align;
@@ -1985,7 +1988,7 @@ extern "C" moert_result moert_fp8_cuda_grouped_gemm(moert_fp8_cuda *g, cudaStrea
         const float *winv = blk ? (const float *)(fwd ? wc->inv_fwd.p : wc->inv_dgrad.p) : (const float *)wc->inv.p;
         const int64_t wstride = blk ? wc->blk_stride : 4;
         char *dst = (char *)(fwd ? gm->output : gm->grad_input);
-        const int on_lt = blk && !kernel_serves(g, gm->pass); /* cuBLASLt's blockwise matmuls */
+        const int on_lt = blk && !kernel_serves(g, gm->pass, 0); /* cuBLASLt's blockwise matmuls */
         if (on_lt && (rc = choose_blk_order(g, K, N, gm->act_dtype)) != MOERT_OK) goto done;
         swapped = on_lt && g->blk_order == BLK_ORDER_WEIGHT_B;
         if (on_lt) { /* D goes through the same 16-row padding as the activation rows */
@@ -2100,7 +2103,7 @@ extern "C" moert_result moert_fp8_cuda_grouped_gemm(moert_fp8_cuda *g, cudaStrea
             g->b_soff[e] = 4 * e;
             if (gm->pass == MOERT_GEMM_WGRAD) g->a_soff[e] = 4 * e;
         }
-    if (blk && kernel_serves(g, gm->pass)) {
+    if (blk && kernel_serves(g, gm->pass, gm->overwrite_grad_weight)) {
         if (!g->quantize_only) rc = block_gemm(g, stream, gm, wc);
         goto done;
     }

@@ -91,8 +91,9 @@ moert_result moert_fp8_cuda_check_support(moert_fp8_cuda *g, int64_t hidden, int
 /*
  * The blockwise recipe's GEMMs on moert's own wgmma kernel (fp8_block_gemm.h: FP8 MMA, the 1x128 and 128x128
  * factors applied in registers per 128-long k-block; one launch per grouped GEMM, no padding copies): every pass
- * when on is 1, FORWARD and DGRAD only when 2 (WGRAD on cuBLASLt: the plugin's "auto"), none when 0 (cuBLASLt's
- * VEC128 / BLK128x128 matmuls, the default of a new handle). MOERT_ERR_UNSUPPORTED for another
+ * when on is 1; when 2 (the plugin's "auto") every pass but the WGRADs that overwrite grad_weight (a step's first
+ * micro-batch), which run on cuBLASLt; none when 0 (cuBLASLt's VEC128 / BLK128x128 matmuls, the default of a new
+ * handle). MOERT_ERR_UNSUPPORTED for another
  * recipe, a GPU other than compute capability 9.0, or non-default scale layouts. The quantized operands are the same
  * either way; WGRAD's rows are padded to 16 (the kernel takes a reduction that ends inside a block).
  */
