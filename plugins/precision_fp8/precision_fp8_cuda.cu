@@ -317,6 +317,18 @@ __global__ void __launch_bounds__(256)
  */
 #define CT_COLS 64 /* columns of a cast_transpose_kernel tile */
 
+/* Where element (row, col) of a cast_transpose_kernel tile lies in shared memory: rows of CT_COLS values, their
+ * 16-byte chunks permuted by the row's 16-row group (chunk ^ group), so that the 8 threads reading 16 rows each of one
+ * column (the output loop) hit 8 different banks, and a row's chunks still fill one 128-byte line (the loads). */
+template <typename T>
+__device__ __forceinline__ int tile_at(int row, int col)
+{
+    constexpr int VEC = 16 / sizeof(T);
+    return row * CT_COLS + (((col / VEC) ^ ((row / 16) & 7)) * VEC) + col % VEC;
+}
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(float v) { return v; }
+
 /* VEC consecutive elements widened to fp32 (16 bytes, 16-byte aligned). */
 __device__ __forceinline__ void load16(const __nv_bfloat16 *p, float *v)
 {
@@ -332,8 +344,9 @@ __global__ void __launch_bounds__(256)
                           float fp8max, int pow2, int layout, float *scale_inv, uint32_t *record_amax, int *record_seen)
 {
     constexpr int VEC = 16 / sizeof(T), CPR = CT_COLS / VEC; /* elements per chunk, chunks per tile row */
-    __shared__ float tile[TILE][CT_COLS + 1];
-    __shared__ uint32_t part_max[4][CT_COLS];
+    constexpr int ROWS_PER_PASS = 256 / CPR;                   /* chunked loads: rows a pass of the block covers */
+    __shared__ __align__(16) T tile[TILE * CT_COLS];           /* the source values as they are, swizzled: tile_at */
+    __shared__ uint32_t part_max[8][CT_COLS];                  /* a column's amax over one warp's (or part's) rows */
     __shared__ float col_scale[CT_COLS];
     int lo = 0, hi = t.count - 1; /* the matrix holding this tile */
     while (lo < hi) {
@@ -341,40 +354,55 @@ __global__ void __launch_bounds__(256)
         if (t.tile_start[mid] <= (int32_t)blockIdx.x) lo = mid;
         else hi = mid - 1;
     }
-    const int i = lo, e = t.expert[i], tid = threadIdx.x;
+    const int i = lo, e = t.expert[i], tid = threadIdx.x, lane = tid % 32;
     const int64_t rows = t.rows[i], ld = t.dst_ld[i];
     const int64_t CT = (C + CT_COLS - 1) / CT_COLS, local = blockIdx.x - t.tile_start[i];
     const int64_t rb = local / CT, cb = local % CT;
     const T *s = src + t.src_row0[i] * C;
-    if (C % VEC == 0 && ((uintptr_t)src & 15) == 0) { /* rows start on 16 bytes: chunks */
-        for (int idx = tid; idx < TILE * CPR; idx += 256) {
-            const int rr = idx / CPR, q = idx % CPR;
-            const int64_t r = rb * TILE + rr, c = cb * CT_COLS + q * VEC;
-            float v[VEC];
+    int parts = 8;
+    if (C % VEC == 0 && ((uintptr_t)src & 15) == 0) { /* rows start on 16 bytes: one 16-byte chunk per load */
+        const int q = tid % CPR; /* this thread's chunk of every row it loads: columns q * VEC .. + VEC - 1 */
+        const int64_t c = cb * CT_COLS + q * VEC;
+        uint4 raw[TILE / ROWS_PER_PASS];
 #pragma unroll
-            for (int k = 0; k < VEC; k++) v[k] = 0.0f;
-            if (r < rows && c < C) load16(s + r * C + c, v);
-#pragma unroll
-            for (int k = 0; k < VEC; k++) tile[rr][q * VEC + k] = v[k];
+        for (int j = 0; j < TILE / ROWS_PER_PASS; j++) { /* every load issued before the first is used */
+            const int64_t r = rb * TILE + tid / CPR + j * ROWS_PER_PASS;
+            raw[j] = r < rows && c < C ? *(const uint4 *)(s + r * C + c) : make_uint4(0, 0, 0, 0);
         }
-    } else {
+        uint32_t m[VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; k++) m[k] = 0;
+#pragma unroll
+        for (int j = 0; j < TILE / ROWS_PER_PASS; j++) {
+            const int rr = tid / CPR + j * ROWS_PER_PASS;
+            *(uint4 *)&tile[tile_at<T>(rr, q * VEC)] = raw[j];
+            const T *v = (const T *)&raw[j];
+#pragma unroll
+            for (int k = 0; k < VEC; k++) m[k] = max(m[k], abs_bits(to_float(v[k])));
+        }
+        /* over the warp's lanes holding the same chunk (lane, lane + CPR, ...), then one row of part_max per warp */
+#pragma unroll
+        for (int k = 0; k < VEC; k++)
+            for (int offset = CPR; offset < 32; offset *= 2) m[k] = max(m[k], __shfl_xor_sync(0xffffffffu, m[k], offset));
+        if (lane < CPR)
+#pragma unroll
+            for (int k = 0; k < VEC; k++) part_max[tid / 32][q * VEC + k] = m[k];
+    } else { /* one value at a time; each thread keeps one column (tid % 64) over a quarter of the rows */
+        uint32_t m = 0;
         for (int idx = tid; idx < TILE * CT_COLS; idx += 256) {
             const int rr = idx / CT_COLS, cc = idx % CT_COLS;
             const int64_t r = rb * TILE + rr, c = cb * CT_COLS + cc;
-            tile[rr][cc] = (r < rows && c < C) ? load_f(s + r * C + c) : 0.0f;
+            const T v = r < rows && c < C ? s[r * C + c] : T(0.0f);
+            tile[tile_at<T>(rr, cc)] = v;
+            m = max(m, abs_bits(to_float(v)));
         }
-    }
-    __syncthreads();
-    { /* each column's amax over the tile's 128 rows: four parts of 32 rows */
-        const int col = tid % CT_COLS, part = tid / CT_COLS;
-        uint32_t m = 0;
-        for (int j = 0; j < TILE / 4; j++) m = max(m, abs_bits(tile[part * (TILE / 4) + j][col]));
-        part_max[part][col] = m;
+        part_max[tid / CT_COLS][tid % CT_COLS] = m;
+        parts = 256 / CT_COLS;
     }
     __syncthreads();
     if (tid < CT_COLS) {
         uint32_t m = 0;
-        for (int p = 0; p < 4; p++) m = max(m, part_max[p][tid]);
+        for (int p = 0; p < parts; p++) m = max(m, part_max[p][tid]);
         const int64_t c = cb * CT_COLS + tid;
         if (mode == SCALE_ALONG_ROWS) {
             const float sc = scale_from_amax(__uint_as_float(m), fp8max, 0, pow2, 1.0f);
@@ -402,7 +430,8 @@ __global__ void __launch_bounds__(256)
         for (int q = 0; q < 4; q++) {
             uint32_t packed = 0;
 #pragma unroll
-            for (int k = 0; k < 4; k++) packed |= (uint32_t)to_fp8(tile[g * 16 + q * 4 + k][cc], sc, fmt) << (8 * k);
+            for (int k = 0; k < 4; k++)
+                packed |= (uint32_t)to_fp8(to_float(tile[tile_at<T>(g * 16 + q * 4 + k, cc)]), sc, fmt) << (8 * k);
             w[q] = packed;
         }
         uint8_t *out = dst + t.dst_off[i] + c * ld + r0;

@@ -20,6 +20,31 @@ void gpu_test_die(void)
     _exit(1);
 }
 
+/* ---- uploads ---- */
+
+void gpu_upload(void *dst, const void *host, size_t bytes)
+{
+    if (bytes) CK(cudaMemcpy(dst, host, bytes, cudaMemcpyHostToDevice));
+    CK(cudaDeviceSynchronize());
+}
+
+void *gpu_upload_new(const void *host, size_t bytes)
+{
+    void *d = NULL;
+    CK(cudaMalloc(&d, bytes + 256));
+    gpu_upload(d, host, bytes);
+    return d;
+}
+
+void *gpu_filled_new(size_t bytes, int fill)
+{
+    void *d = NULL;
+    CK(cudaMalloc(&d, bytes + 256));
+    CK(cudaMemset(d, fill, bytes + 256));
+    CK(cudaDeviceSynchronize());
+    return d;
+}
+
 /* ---- a world of GPU ranks ---- */
 
 int gpu_test_device_count(const char *test_name)

@@ -55,6 +55,16 @@ static void gpu_test_set_error(const moert_host *h, const char *fmt, ...)
 static const moert_host gpu_test_host = {.struct_size = sizeof(moert_host), .log = gpu_test_log,
                                          .set_error = gpu_test_set_error};
 
+/* Host -> device uploads that have landed when they return. A pageable cudaMemcpy (or a cudaMemset) may return
+ * before the device has all of it, and the plugin code under test runs on non-blocking streams, which do not wait
+ * for the legacy stream: a late chunk could overwrite what a kernel has just written (seen once in test_gpu_fp8, a
+ * whole output still holding its poison). */
+void gpu_upload(void *dst, const void *host, size_t bytes);
+/* A new device buffer (bytes + 256, so a kernel overrunning it does not fault) holding host's bytes, landed. */
+void *gpu_upload_new(const void *host, size_t bytes);
+/* A new device buffer (bytes + 256) with every byte `fill`, landed. */
+void *gpu_filled_new(size_t bytes, int fill);
+
 /* ---- tests that run plugins on a world of GPU ranks (threads) ---- */
 
 /* The number of GPUs; 0 after a line on stdout saying why there is none ("<test_name>: no GPU (...), skipped"): the

@@ -87,17 +87,6 @@ static void *xalloc(size_t bytes)
     return p;
 }
 
-static void *to_device(const void *host, size_t bytes)
-{
-    void *d = NULL;
-    CK(cudaMalloc(&d, bytes + 256));
-    if (bytes) CK(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice));
-    /* A pageable cudaMemcpy may return before its last DMA lands, and the kernels run on a non-blocking stream that
-     * does not wait for the legacy stream: without this a late chunk could overwrite what a kernel just wrote. */
-    CK(cudaDeviceSynchronize());
-    return d;
-}
-
 static void from_device(void *host, const void *d, size_t bytes)
 {
     CK(cudaDeviceSynchronize());
@@ -170,10 +159,10 @@ static void problem_make(problem *p, int E, int64_t K, int64_t N, const int64_t 
         p->weight[i] = moert_bf16_from_float((float)(0.1 * test_uniform(&rng)));
         p->grad_weight[i] = (float)test_uniform(&rng);
     }
-    p->d_input = to_device(p->input, (size_t)(p->cap * K) * 2);
-    p->d_grad_output = to_device(p->grad_output, (size_t)(p->cap * N) * 2);
-    p->d_weight = to_device(p->weight, (size_t)(E * K * N) * 2);
-    p->d_counts = to_device(p->counts, (size_t)E * 8);
+    p->d_input = gpu_upload_new(p->input, (size_t)(p->cap * K) * 2);
+    p->d_grad_output = gpu_upload_new(p->grad_output, (size_t)(p->cap * N) * 2);
+    p->d_weight = gpu_upload_new(p->weight, (size_t)(E * K * N) * 2);
+    p->d_counts = gpu_upload_new(p->counts, (size_t)E * 8);
 }
 
 static void problem_free(problem *p)
@@ -298,7 +287,7 @@ static void *gpu_pass(const problem *p, int pass, bool overwrite, bool bf16_grad
     const int64_t n = out_elems(p, pass, bf16_grad, &dt);
     const size_t bytes = (size_t)n * moert_dtype_size(dt);
     void *out = out_initial(p, pass, bf16_grad);
-    void *d_out = to_device(out, bytes);
+    void *d_out = gpu_upload_new(out, bytes);
     const bf16_device_gemm_args a = kernel_args(p, pass, d_out, overwrite, bf16_grad);
     if (bf16_device_gemm(&gpu_test_host, stream, &a) != MOERT_OK) {
         fprintf(stderr, "bf16_device_gemm %s failed: %s\n", pass_names[pass], gpu_test_error);
@@ -390,7 +379,7 @@ static void run_big(cudaStream_t stream)
         void *got = gpu_pass(&p, pass, true, false, stream);
         /* cuBLASLt on the same operands (WGRAD overwriting an fp32 gradient) */
         void *want = out_initial(&p, pass, false);
-        void *d_ref = to_device(want, bytes);
+        void *d_ref = gpu_upload_new(want, bytes);
         moert_bf16_cuda_gemm gm = {.pass = (moert_gemm_pass)pass, .dtype = MOERT_BF16, .num_experts = E,
                                    .rows_per_expert = p.eff, .k_in = K, .n_out = N, .input = p.d_input,
                                    .weight = p.d_weight, .grad_output = p.d_grad_output, .output = d_ref,
@@ -485,7 +474,7 @@ static void run_graph(cudaStream_t stream)
                 CK(cudaMemcpy(d_out[pass], init, bytes[pass], cudaMemcpyHostToDevice));
                 free(init);
             }
-            CK(cudaDeviceSynchronize()); /* the uploads above landed (see to_device) */
+            CK(cudaDeviceSynchronize()); /* the uploads above landed (see gpu_upload) */
             CK(cudaGraphLaunch(exec, stream));
             CK(cudaStreamSynchronize(stream));
             for (int pass = 0; pass < 3; pass++) {
@@ -560,7 +549,7 @@ static void *plugin_pass(test_instance *ti, bool on_gpu, cudaStream_t stream, co
     void *grad_output = on_gpu ? p->d_grad_output : p->grad_output;
     void *w = on_gpu ? dev_weight : (void *)weight;
     void *counts = on_gpu ? p->d_counts : (void *)p->counts;
-    void *result = on_gpu ? to_device(out, out_b) : out;
+    void *result = on_gpu ? gpu_upload_new(out, out_b) : out;
     moert_tensor tin = moert_tensor_2d(input, dev, MOERT_BF16, p->cap, K);
     moert_tensor tgo = moert_tensor_2d(grad_output, dev, MOERT_BF16, p->cap, N);
     moert_tensor tw = moert_tensor_3d(w, dev, MOERT_F32, PE, K, N);
@@ -638,7 +627,7 @@ static void run_plugin(moert_cuda_pool *pool, cudaStream_t stream)
         float *weight = xalloc((size_t)(PE * K * N) * 4);
         uint64_t rng = 55 + (uint64_t)w;
         for (int64_t i = 0; i < PE * K * N; i++) weight[i] = (float)(0.05 * test_uniform(&rng));
-        void *d_weight = to_device(weight, (size_t)(PE * K * N) * 4);
+        void *d_weight = gpu_upload_new(weight, (size_t)(PE * K * N) * 4);
         /* pass, overwrite, captured */
         static const int runs[][3] = {{0, 0, 0}, {1, 0, 0}, {2, 0, 0}, {2, 1, 0}, {0, 0, 1}, {2, 1, 1}};
         for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) {

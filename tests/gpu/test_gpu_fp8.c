@@ -94,22 +94,6 @@ static void *xalloc(size_t bytes)
     return p;
 }
 
-static void *to_device(const void *host, size_t bytes)
-{
-    void *d = NULL;
-    CK(cudaMalloc(&d, bytes + 256));
-    CK(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice));
-    return d;
-}
-
-static void *device_poisoned(size_t bytes)
-{
-    void *d = NULL;
-    CK(cudaMalloc(&d, bytes + 256));
-    CK(cudaMemset(d, 0xFF, bytes + 256));
-    return d;
-}
-
 static void from_device(void *host, const void *d, size_t bytes)
 {
     CK(cudaDeviceSynchronize());
@@ -355,9 +339,9 @@ typedef struct gemm_dev {
 
 static void dev_make(gemm_dev *g, const gemm_data *d)
 {
-    g->input = to_device(d->input, (size_t)(d->rows * d->K) * 2);
-    g->grad_output = to_device(d->grad_output, (size_t)(d->rows * d->N) * 2);
-    g->weight = to_device(d->weight, (size_t)(EXPERTS * d->K * d->N) * 4);
+    g->input = gpu_upload_new(d->input, (size_t)(d->rows * d->K) * 2);
+    g->grad_output = gpu_upload_new(d->grad_output, (size_t)(d->rows * d->N) * 2);
+    g->weight = gpu_upload_new(d->weight, (size_t)(EXPERTS * d->K * d->N) * 4);
 }
 
 static void dev_free(gemm_dev *g)
@@ -375,7 +359,7 @@ static void *gpu_pass(moert_fp8_cuda *h, cudaStream_t stream, const gemm_data *d
     const size_t wbytes = (size_t)(EXPERTS * K * N) * 4;
     const int64_t cols = pass == MOERT_GEMM_FORWARD ? N : K;
     const size_t obytes = pass == MOERT_GEMM_WGRAD ? wbytes : (size_t)(d->rows * cols) * 2;
-    void *dst = pass == MOERT_GEMM_WGRAD ? to_device(d->grad_weight, wbytes) : device_poisoned(obytes);
+    void *dst = pass == MOERT_GEMM_WGRAD ? gpu_upload_new(d->grad_weight, wbytes) : gpu_filled_new(obytes, 0xFF);
     moert_fp8_cuda_gemm gm = {.which = which, .pass = pass, .act_dtype = MOERT_BF16, .weight_dtype = MOERT_F32,
                               .grad_weight_dtype = MOERT_F32, .num_experts = EXPERTS, .rows_per_expert = counts,
                               .capacity = pass_capacity ? d->rows : 0, .k_in = K, .n_out = N, .input = dv->input, .weight = dv->weight,
@@ -531,7 +515,7 @@ static void run_case(const recipe_case *rc, cudaStream_t stream)
             void *before = gpu_pass(h, stream, d, &dev[0], MOERT_GEMM_FC1, MOERT_GEMM_FORWARD, counts, &pad);
             float *bumped = xalloc((size_t)(EXPERTS * d->K * d->N) * 4);
             for (int64_t i = 0; i < EXPERTS * d->K * d->N; i++) bumped[i] = d->weight[i] * 1.5f;
-            CK(cudaMemcpy(dev[0].weight, bumped, (size_t)(EXPERTS * d->K * d->N) * 4, cudaMemcpyHostToDevice));
+            gpu_upload(dev[0].weight, bumped, (size_t)(EXPERTS * d->K * d->N) * 4);
             void *after = gpu_pass(h, stream, d, &dev[0], MOERT_GEMM_FC1, MOERT_GEMM_FORWARD, counts, &pad);
             int64_t differ = before && after ? 0 : -1;
             if (before && after)
@@ -539,14 +523,14 @@ static void run_case(const recipe_case *rc, cudaStream_t stream)
             char what[72];
             snprintf(what, sizeof what, "%s: weight changed within a step unseen", rc->name);
             record(what, differ < 0 ? INFINITY : 0, 0, differ);
-            CK(cudaMemcpy(dev[0].weight, d->weight, (size_t)(EXPERTS * d->K * d->N) * 4, cudaMemcpyHostToDevice));
+            gpu_upload(dev[0].weight, d->weight, (size_t)(EXPERTS * d->K * d->N) * 4);
             free(before), free(after), free(bumped);
         }
         /* the optimizer step: the weights change, end_step on both sides */
         for (int w = 0; w < 2; w++) {
             gemm_data *d = &data[w];
             for (int64_t i = 0; i < EXPERTS * d->K * d->N; i++) d->weight[i] = d->weight[i] * 0.75f + 0.01f;
-            CK(cudaMemcpy(dev[w].weight, d->weight, (size_t)(EXPERTS * d->K * d->N) * 4, cudaMemcpyHostToDevice));
+            gpu_upload(dev[w].weight, d->weight, (size_t)(EXPERTS * d->K * d->N) * 4);
         }
         if (rc->recipe == FP8_RECIPE_DELAYED) fp8_delayed_end_step(&delayed, &s);
         if (moert_fp8_cuda_end_step(h, stream) != MOERT_OK) {
@@ -592,11 +576,11 @@ static void *plugin_pass(test_instance *ti, bool on_gpu, cudaStream_t stream, co
     void *out = xalloc(out_b);
     if (pass == MOERT_GEMM_WGRAD) memcpy(out, d->grad_weight, w_b);
     else memset(out, 0xFF, out_b);
-    void *input = on_gpu ? to_device(d->input, in_b) : d->input;
-    void *grad_output = on_gpu ? to_device(d->grad_output, go_b) : d->grad_output;
+    void *input = on_gpu ? gpu_upload_new(d->input, in_b) : d->input;
+    void *grad_output = on_gpu ? gpu_upload_new(d->grad_output, go_b) : d->grad_output;
     void *weight = on_gpu ? dev_weight : d->weight; /* on the GPU kept by the caller, as the executor keeps it */
-    void *counts_dev = on_gpu ? to_device(counts, EXPERTS * 8) : (void *)counts;
-    void *result = on_gpu ? to_device(out, out_b) : out;
+    void *counts_dev = on_gpu ? gpu_upload_new(counts, EXPERTS * 8) : (void *)counts;
+    void *result = on_gpu ? gpu_upload_new(out, out_b) : out;
     moert_tensor tin = moert_tensor_2d(input, dev, MOERT_BF16, d->rows, K);
     moert_tensor tgo = moert_tensor_2d(grad_output, dev, MOERT_BF16, d->rows, N);
     moert_tensor tw = moert_tensor_3d(weight, dev, MOERT_F32, EXPERTS, K, N);
@@ -683,7 +667,7 @@ static void run_plugin(const char *options, moert_cuda_pool *pool, cudaStream_t 
     void *weights[2];
     for (int w = 0; w < 2; w++) {
         data_make(&data[w], w == 0 ? H : F, w == 0 ? 2 * F : H, counts, &rng);
-        weights[w] = to_device(data[w].weight, (size_t)(EXPERTS * data[w].K * data[w].N) * 4);
+        weights[w] = gpu_upload_new(data[w].weight, (size_t)(EXPERTS * data[w].K * data[w].N) * 4);
     }
     for (int step = 0; step < 2; step++) {
         for (int w = 0; w < 2; w++) {
@@ -716,8 +700,7 @@ static void run_plugin(const char *options, moert_cuda_pool *pool, cudaStream_t 
         for (int w = 0; w < 2; w++) {
             data_free(&data[w]);
             data_make(&data[w], w == 0 ? H : F, w == 0 ? 2 * F : H, counts, &rng);
-            CK(cudaMemcpy(weights[w], data[w].weight, (size_t)(EXPERTS * data[w].K * data[w].N) * 4,
-                          cudaMemcpyHostToDevice));
+            gpu_upload(weights[w], data[w].weight, (size_t)(EXPERTS * data[w].K * data[w].N) * 4);
         }
         const moert_precision_v1 *vc = (const moert_precision_v1 *)cpu.plugin.header;
         const moert_precision_v1 *vg = (const moert_precision_v1 *)gpu.plugin.header;

@@ -58,14 +58,6 @@ static void fill_factors(float *p, int64_t n)
     for (int64_t i = 0; i < n; i++) p[i] = ldexpf((float)(1 + uniform() / 2), (int)(uniform() * 7) - 3);
 }
 
-static void *dev_copy(const void *h, size_t bytes)
-{
-    void *d = NULL;
-    CK(cudaMalloc(&d, bytes + 256));
-    CK(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice));
-    return d;
-}
-
 static float bf16_to_float(uint16_t b)
 {
     uint32_t u = (uint32_t)b << 16;
@@ -158,7 +150,7 @@ static void run_case(moert_fp8_block_ctx *ctx, const case_spec *cs)
         const size_t bytes = (size_t)(mats[i].rows * mats[i].ld);
         mats[i].bytes = (uint8_t *)calloc(bytes, 1);
         fill_fp8(mats[i].bytes, (int64_t)bytes, mats[i].fmt);
-        mats[i].dev = dev_copy(mats[i].bytes, bytes);
+        mats[i].dev = gpu_upload_new(mats[i].bytes, bytes);
         dm[i] = (moert_fp8_block_matrix){mats[i].dev, mats[i].rows, mats[i].cols, mats[i].ld};
     }
     const int64_t KB = (K + 127) / 128, NB = (N + 127) / 128;
@@ -177,8 +169,8 @@ static void run_case(moert_fp8_block_ctx *ctx, const case_spec *cs)
         sb[g] = (float *)calloc((size_t)nb + 1, 4);
         fill_factors(sa[g], na);
         fill_factors(sb[g], nb);
-        sa_dev[g] = dev_copy(sa[g], (size_t)na * 4 + 4);
-        sb_dev[g] = dev_copy(sb[g], (size_t)nb * 4 + 4);
+        sa_dev[g] = gpu_upload_new(sa[g], (size_t)na * 4 + 4);
+        sb_dev[g] = gpu_upload_new(sb[g], (size_t)nb * 4 + 4);
         const int64_t drows = m + 2; /* rows past m keep their poison */
         d[g] = (float *)calloc((size_t)(drows * ldd), 4);
         for (int64_t i = 0; i < drows * ldd; i++) d[g][i] = cs->accumulate ? (float)(uniform() * 2 - 1) : POISON;
@@ -188,10 +180,10 @@ static void run_case(moert_fp8_block_ctx *ctx, const case_spec *cs)
                 h16[i] = float_to_bf16(d[g][i]);
                 d[g][i] = bf16_to_float(h16[i]);
             }
-            d_dev[g] = dev_copy(h16, (size_t)(drows * ldd) * 2);
+            d_dev[g] = gpu_upload_new(h16, (size_t)(drows * ldd) * 2);
             free(h16);
         } else {
-            d_dev[g] = dev_copy(d[g], (size_t)(drows * ldd) * 4);
+            d_dev[g] = gpu_upload_new(d[g], (size_t)(drows * ldd) * 4);
         }
         groups[g] = (moert_fp8_block_group){amat[g], bmat[g], arow[g], brow[g], m, N, K, (const float *)sa_dev[g],
                                             sa_stride[g], (const float *)sb_dev[g], sb_stride[g], d_dev[g], ldd};
