@@ -56,7 +56,7 @@ static double tol_for(moert_dtype dt) { return dt == MOERT_BF16 ? TOL_BF16 : TOL
 /* ---- the result table ---- */
 
 typedef struct row {
-    char what[72];
+    char what[128];
     double err, tol;
     int64_t diffs; /* bytes or bits that differ (-1: not counted) */
 } row;
@@ -454,7 +454,7 @@ static void run_case(const recipe_case *rc, cudaStream_t stream)
         return;
     }
     {
-        char what[72];
+        char what[128];
         snprintf(what, sizeof what, "%s: cuBLASLt has every matmul", rc->name);
         const moert_result r = moert_fp8_cuda_check_support(h, rc->hidden, rc->ffn, MOERT_BF16, MOERT_F32);
         if (r != MOERT_OK) printf("%s: %s\n", rc->name, gpu_test_error);
@@ -489,7 +489,7 @@ static void run_case(const recipe_case *rc, cudaStream_t stream)
                                     ops.b_scale_offset, ops.rows16, &bytes_bad, &scales_bad);
                 }
                 void *want = cpu_pass(d, which, pass, counts, &s, &delayed, &scratch);
-                char what[72];
+                char what[128];
                 snprintf(what, sizeof what, "%s step %d fc%d %s: fp8 bytes", rc->name, step + 1, w + 1, pass_names[p]);
                 record(what, got ? 0 : INFINITY, 0, bytes_bad);
                 snprintf(what, sizeof what, "%s step %d fc%d %s: scale factors", rc->name, step + 1, w + 1, pass_names[p]);
@@ -520,7 +520,7 @@ static void run_case(const recipe_case *rc, cudaStream_t stream)
             int64_t differ = before && after ? 0 : -1;
             if (before && after)
                 for (int64_t i = 0; i < d->total * d->N; i++) differ += ((uint16_t *)before)[i] != ((uint16_t *)after)[i];
-            char what[72];
+            char what[128];
             snprintf(what, sizeof what, "%s: weight changed within a step unseen", rc->name);
             record(what, differ < 0 ? INFINITY : 0, 0, differ);
             gpu_upload(dev[0].weight, d->weight, (size_t)(EXPERTS * d->K * d->N) * 4);
@@ -538,7 +538,7 @@ static void run_case(const recipe_case *rc, cudaStream_t stream)
             test_failures++;
         }
         if (rc->recipe == FP8_RECIPE_DELAYED) {
-            char what[72];
+            char what[128];
             snprintf(what, sizeof what, "%s: delayed scales after step %d", rc->name, step + 1);
             const int64_t bad = delayed_scales_differ(h, stream, &delayed);
             record(what, bad < 0 ? INFINITY : 0, 0, bad < 0 ? 0 : bad);
@@ -624,7 +624,7 @@ static void check_plugin_overwrite(test_instance *cpu, test_instance *gpu, cudaS
 {
     static const int64_t none[EXPERTS] = {0, 0, 0, 0};
     const int64_t n = EXPERTS * d->K * d->N, slice = d->K * d->N;
-    char what[72];
+    char what[128];
     EXPECT(gpu->plugin.header->flags & MOERT_CAP_WGRAD_OVERWRITE);
     void *want = plugin_pass(cpu, false, stream, d, NULL, w, MOERT_GEMM_WGRAD, counts, true, true);
     void *got = plugin_pass(gpu, true, stream, d, dev_weight, w, MOERT_GEMM_WGRAD, counts, true, true);
@@ -686,7 +686,7 @@ static void run_plugin(const char *options, moert_cuda_pool *pool, cudaStream_t 
                     const unsigned char *q = (const unsigned char *)got + (size_t)(d->total * cols) * 2;
                     for (size_t i = 0; i < (size_t)(PAD_ROWS * cols) * 2; i++) padding_bad += q[i] != 0xFF;
                 }
-                char what[72];
+                char what[128];
                 snprintf(what, sizeof what, "plugin %s step %d fc%d %s%s", options, step + 1, w + 1, pass_names[p],
                          host_counts ? "" : " (device counts)");
                 record(what, got && want ? rel_error(got, want, dt, n) : INFINITY, tol_for(dt), padding_bad);
@@ -736,7 +736,7 @@ static void run_refusals(moert_cuda_pool *pool, cudaStream_t stream)
                                                        NULL, (moert_stream)stream);
         const char *msg = moert_error_message();
         const bool ok = r == MOERT_ERR_UNSUPPORTED && strstr(msg, cases[i].needle) && strstr(msg, "cuda:0");
-        char what[72];
+        char what[128];
         snprintf(what, sizeof what, "refused: %s, hidden %lld", moert_dtype_name(cases[i].dtype),
                  (long long)cases[i].hidden);
         record(what, ok ? 0 : 1, 0, 0);
