@@ -304,19 +304,12 @@ static moert_result cuda_unquantized_wgrad(fp8_ctx *c, moert_stream stream, cons
     if (act == MOERT_F32 && gw != MOERT_F32)
         return fail(c, MOERT_ERR_UNSUPPORTED, "%s: with \"fp8_wgrad\": false and fp32 activations, grad_weight must be "
                     "fp32, not %s", call, moert_dtype_name(gw));
-    moert_bf16_cuda_gemm gm;
-    memset(&gm, 0, sizeof gm);
-    gm.pass = MOERT_GEMM_WGRAD;
-    gm.dtype = act;
-    gm.num_experts = shape->num_experts;
-    gm.rows_per_expert = shape->counts;
-    gm.k_in = shape->k_in;
-    gm.n_out = shape->n_out;
-    gm.input = args->input->data;
-    gm.grad_output = args->grad_output->data;
-    gm.grad_weight = args->grad_weight->data;
-    gm.accumulate = !moert_gemm_overwrites_grad(args);
-    gm.output_fp32 = act == MOERT_BF16 && gw == MOERT_F32;
+    const moert_bf16_cuda_gemm gm = {.pass = MOERT_GEMM_WGRAD, .dtype = act, .num_experts = shape->num_experts,
+                                     .rows_per_expert = shape->counts, .k_in = shape->k_in, .n_out = shape->n_out,
+                                     .input = args->input->data, .grad_output = args->grad_output->data,
+                                     .grad_weight = args->grad_weight->data,
+                                     .accumulate = !moert_gemm_overwrites_grad(args),
+                                     .output_fp32 = act == MOERT_BF16 && gw == MOERT_F32};
     return moert_bf16_cuda_grouped_gemm(c->wgrad_gemm, (cudaStream_t)stream, &gm);
 }
 
