@@ -305,41 +305,56 @@ __device__ __forceinline__ void epilogue_dma(const kernel_args &args, int rank, 
 
 /* Consumer warpgroup c's part of a tile into its output set (64 rows of 128 bytes per box, 16-byte chunks swizzled
  * by row as TMA's 128-byte swizzle lays them out), added to the old values the epilogue warp loaded there when
- * accumulating; then the warps announce the set to the epilogue warp. */
-__device__ __forceinline__ void stage_tile(const kernel_args &args, const float *acc, uint8_t *boxes,
-                                           uint64_t *d_ready, uint32_t ready_phase, uint64_t *d_staged)
+ * accumulating; then the warps announce the set to the epilogue warp. One instance per D type and mode (stage_tile
+ * picks it once): with both tested per value, the unrolled loop branched at every value and its code, four variants
+ * deep, missed the instruction cache; the wgrad form, whose tiles have only a few k-blocks, spent a quarter of its
+ * consumers' time here (session 12 profile). */
+template <int D_BF16, int ACCUMULATE>
+__device__ __forceinline__ void stage_tile_as(const float *acc, uint8_t *boxes, uint64_t *d_ready,
+                                              uint32_t ready_phase, uint64_t *d_staged)
 {
+    constexpr int box_cols = D_BF16 ? 64 : 32, bytes = D_BF16 ? 2 : 4;
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
     const int r = warp * 16 + lane / 4, col0 = 2 * (lane % 4);
     mbar_wait(d_ready, ready_phase);
 #pragma unroll
     for (int j = 0; j < 16; j++) {
         const int col = col0 + 8 * j;
+        uint8_t *box = boxes + (col / box_cols) * OUT_BOX_BYTES;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const int row = r + 8 * h;
+            uint8_t *at = box + sw128_offset(r + 8 * h, (col % box_cols) * bytes);
             float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-            if (args.d_bf16) {
-                __nv_bfloat162 *at =
-                    (__nv_bfloat162 *)(boxes + (col / 64) * OUT_BOX_BYTES + sw128_offset(row, (col % 64) * 2));
-                if (args.accumulate) {
-                    const float2 old = __bfloat1622float2(*at);
+            if (D_BF16) {
+                if (ACCUMULATE) {
+                    const float2 old = __bfloat1622float2(*(const __nv_bfloat162 *)at);
                     v.x += old.x, v.y += old.y;
                 }
-                *at = __floats2bfloat162_rn(v.x, v.y);
+                *(__nv_bfloat162 *)at = __floats2bfloat162_rn(v.x, v.y);
             } else {
-                float2 *at = (float2 *)(boxes + (col / 32) * OUT_BOX_BYTES + sw128_offset(row, (col % 32) * 4));
-                if (args.accumulate) {
-                    const float2 old = *at;
+                if (ACCUMULATE) {
+                    const float2 old = *(const float2 *)at;
                     v.x += old.x, v.y += old.y;
                 }
-                *at = v;
+                *(float2 *)at = v;
             }
         }
     }
     fence_async_shared();
     __syncwarp();
     if (lane == 0) mbar_arrive(d_staged);
+}
+
+__device__ __forceinline__ void stage_tile(const kernel_args &args, const float *acc, uint8_t *boxes,
+                                           uint64_t *d_ready, uint32_t ready_phase, uint64_t *d_staged)
+{
+    if (args.d_bf16) {
+        if (args.accumulate) stage_tile_as<1, 1>(acc, boxes, d_ready, ready_phase, d_staged);
+        else stage_tile_as<1, 0>(acc, boxes, d_ready, ready_phase, d_staged);
+    } else {
+        if (args.accumulate) stage_tile_as<0, 1>(acc, boxes, d_ready, ready_phase, d_staged);
+        else stage_tile_as<0, 0>(acc, boxes, d_ready, ready_phase, d_staged);
+    }
 }
 
 /* The producer is two warps, so that one k-block's loads are issued well within the time its wgmma take: one warp
