@@ -226,11 +226,7 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
     }
     c->host = host;
     c->layer = *layer;
-    if (choice == 0) /* auto */
-        c->mode = layer->dtype == MOERT_BF16 ? BF16_MODE_BF16 : layer->dtype == MOERT_F64 ? BF16_MODE_FP64
-                                                                                           : BF16_MODE_FP32;
-    else
-        c->mode = (bf16_mode)(choice - 1);
+    c->mode = choice == 0 ? bf16_mode_for_dtype(layer->dtype) : (bf16_mode)(choice - 1); /* 0: auto */
     c->on_cuda = layer->device.type == MOERT_DEVICE_CUDA;
     c->gemm_streams = (int)gemm_streams;
     c->gemm_graphs = gemm_graphs;

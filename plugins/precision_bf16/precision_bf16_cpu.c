@@ -18,6 +18,11 @@ static bool scratch_reserve(double **block, size_t *have, size_t elems)
     return true;
 }
 
+bf16_mode bf16_mode_for_dtype(moert_dtype dtype)
+{
+    return dtype == MOERT_BF16 ? BF16_MODE_BF16 : dtype == MOERT_F64 ? BF16_MODE_FP64 : BF16_MODE_FP32;
+}
+
 void bf16_scratch_free(bf16_scratch *scratch)
 {
     free(scratch->a);

@@ -24,6 +24,9 @@ typedef struct bf16_scratch {
 /* The shape of one grouped GEMM, checked by the caller (plugins/common/grouped_gemm_args.h). */
 typedef moert_gemm_shape bf16_gemm_shape;
 
+/* The mode "auto" resolves to for activations of dtype: bf16 for bf16, fp64 for fp64, fp32 otherwise. */
+bf16_mode bf16_mode_for_dtype(moert_dtype dtype);
+
 /* Runs args->pass for every expert. Returns MOERT_ERR_OUT_OF_MEMORY if scratch cannot grow, else MOERT_OK. */
 moert_result bf16_cpu_grouped_gemm(const moert_grouped_gemm_args *args, const bf16_gemm_shape *shape,
                                    bf16_mode mode, bf16_scratch *scratch);

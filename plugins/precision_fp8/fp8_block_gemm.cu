@@ -305,10 +305,10 @@ __device__ __forceinline__ void epilogue_dma(const kernel_args &args, int rank, 
 
 /* Consumer warpgroup c's part of a tile into its output set (64 rows of 128 bytes per box, 16-byte chunks swizzled
  * by row as TMA's 128-byte swizzle lays them out), added to the old values the epilogue warp loaded there when
- * accumulating; then the warps announce the set to the epilogue warp. One instance per D type and mode (stage_tile
- * picks it once): with both tested per value, the unrolled loop branched at every value and its code, four variants
- * deep, missed the instruction cache; the wgrad form, whose tiles have only a few k-blocks, spent a quarter of its
- * consumers' time here (session 12 profile). */
+ * accumulating; then the warps announce the set to the epilogue warp. One instance per D type and mode, picked once
+ * per tile by stage_tile: testing both at every value, the unrolled loop branched 64 times a tile and stalled on
+ * instruction fetch, and the wgrad form (a few k-blocks a tile) spent a quarter of its consumers' time here
+ * (session 12 profile). */
 template <int D_BF16, int ACCUMULATE>
 __device__ __forceinline__ void stage_tile_as(const float *acc, uint8_t *boxes, uint64_t *d_ready,
                                               uint32_t ready_phase, uint64_t *d_staged)

@@ -52,8 +52,8 @@ enum { GEMM_AUTO = 0, GEMM_CUBLASLT = 1, GEMM_KERNEL = 2 };
 
 static void fp8_finalize(void *ctx);
 
-/* Reads the options into s, *streams, *engine and *fp8_wgrad; "power_of_2_scales" defaults to true for blockwise, false otherwise, and
- * "format" to e4m3 for blockwise (its per-128 scales cover the gradients' range, as in DeepSeek-V3's recipe; with
+/* Reads the options into s, *streams, *engine and *fp8_wgrad; "power_of_2_scales" defaults to true for blockwise,
+ * false otherwise, and "format" to e4m3 for blockwise (its per-128 scales cover the gradients' range, as in DeepSeek-V3's recipe; with
  * E5M2 gradients the 300-step demo curve ran 2.9% above bf16's, with E4M3 within 0.5%), hybrid otherwise. */
 static moert_result read_options(const moert_host *host, fp8_settings *s, int *streams, int *engine,
                                  bool *fp8_wgrad)
@@ -377,13 +377,6 @@ static moert_result cuda_grouped_gemm(fp8_ctx *c, moert_stream stream, const moe
 }
 #endif
 
-/* How the unquantized weight gradients compute on the CPU: as the bf16 plugin's "auto" mode for the activations'
- * dtype (bf16 operands with fp32 sums for bf16 storage, fp64 for fp64, else fp32). */
-static bf16_mode unquantized_mode(moert_dtype act)
-{
-    return act == MOERT_BF16 ? BF16_MODE_BF16 : act == MOERT_F64 ? BF16_MODE_FP64 : BF16_MODE_FP32;
-}
-
 /* One grouped GEMM (FORWARD, DGRAD or WGRAD) over the local experts. */
 static moert_result fp8_grouped_gemm(void *ctx, moert_stream stream, const moert_grouped_gemm_args *args)
 {
@@ -402,7 +395,7 @@ static moert_result fp8_grouped_gemm(void *ctx, moert_stream stream, const moert
     if (rc != MOERT_OK) return rc;
 #endif
     if (args->pass == MOERT_GEMM_WGRAD && !c->fp8_wgrad) /* the bf16 plugin's reference for the storage dtype */
-        rc = bf16_cpu_grouped_gemm(args, &shape, unquantized_mode(c->layer.dtype), &c->wgrad_scratch);
+        rc = bf16_cpu_grouped_gemm(args, &shape, bf16_mode_for_dtype(c->layer.dtype), &c->wgrad_scratch);
     else
         rc = fp8_cpu_grouped_gemm(args, &shape, &c->settings, &c->delayed, &c->scratch);
     if (rc != MOERT_OK) return fail(c, rc, "%s: out of memory for the GEMM's work buffers", call);

@@ -383,7 +383,8 @@ __global__ void __launch_bounds__(256)
         /* over the warp's lanes holding the same chunk (lane, lane + CPR, ...), then one row of part_max per warp */
 #pragma unroll
         for (int k = 0; k < VEC; k++)
-            for (int offset = CPR; offset < 32; offset *= 2) m[k] = max(m[k], __shfl_xor_sync(0xffffffffu, m[k], offset));
+            for (int offset = CPR; offset < 32; offset *= 2)
+                m[k] = max(m[k], __shfl_xor_sync(0xffffffffu, m[k], offset));
         if (lane < CPR)
 #pragma unroll
             for (int k = 0; k < VEC; k++) part_max[tid / 32][q * VEC + k] = m[k];

@@ -545,10 +545,11 @@ static void check_overwrite(const char *options)
 
 /* ---- "fp8_wgrad": false ---- */
 
-/* One grouped GEMM of pass through plugin instance ti; the result's values (output, grad_input or grad_weight). */
-static double *pass_values(test_instance *ti, moert_gemm_weight which, moert_gemm_pass pass, const int64_t *counts,
-                           moert_tensor *input, moert_tensor *weight, moert_tensor *grad_output,
-                           const moert_tensor *grad_weight_start, int overwrite, int64_t *n)
+/* One grouped GEMM of pass through plugin instance ti; the result's values (output, grad_input or grad_weight) as an
+ * fp64 tensor on the host (free its data). */
+static moert_tensor pass_values(test_instance *ti, moert_gemm_weight which, moert_gemm_pass pass,
+                                const int64_t *counts, moert_tensor *input, moert_tensor *weight,
+                                moert_tensor *grad_output, const moert_tensor *grad_weight_start, int overwrite)
 {
     const int64_t rows = input->shape[0], K = input->shape[1], N = grad_output->shape[1];
     moert_tensor output = make_f32(2, rows, N, 0, NULL, 0), grad_input = make_f32(2, rows, K, 0, NULL, 0);
@@ -561,19 +562,11 @@ static double *pass_values(test_instance *ti, moert_gemm_weight which, moert_gem
     EXPECT_OK(((const moert_precision_v1 *)ti->plugin.header)->grouped_gemm(ti->ctx, NULL, &args));
     const moert_tensor *result = pass == MOERT_GEMM_FORWARD ? &output : pass == MOERT_GEMM_DGRAD ? &grad_input
                                                                                                  : &grad_weight;
-    *n = moert_tensor_numel(result);
-    double *v = malloc((size_t)*n * sizeof(double));
-    for (int64_t i = 0; i < *n; i++) v[i] = moert_load(result, i);
+    const int64_t n = moert_tensor_numel(result);
+    moert_tensor v = moert_tensor_1d(malloc((size_t)n * sizeof(double)), moert_cpu(), MOERT_F64, n);
+    for (int64_t i = 0; i < n; i++) moert_store(&v, i, moert_load(result, i));
     free(output.data), free(grad_input.data), free(grad_weight.data);
     return v;
-}
-
-/* Elements of a and b (n each) that differ. */
-static int64_t values_differing(const double *a, const double *b, int64_t n)
-{
-    int64_t differ = 0;
-    for (int64_t i = 0; i < n; i++) differ += a[i] != b[i];
-    return differ;
 }
 
 /*
@@ -597,14 +590,14 @@ static void check_unquantized_wgrad(const char *fp8_options, const char *unquant
         moert_tensor weight = make_f32(3, G_EXPERTS, K, N, &rng, 0), start = make_f32(3, G_EXPERTS, K, N, &rng, 0);
         for (int pass = 0; pass < 3; pass++)
             for (int overwrite = 0; overwrite <= (pass == MOERT_GEMM_WGRAD); overwrite++) {
-                int64_t n = 0;
-                double *v_fp8 = pass_values(&fp8, (moert_gemm_weight)which, (moert_gemm_pass)pass, counts, &input,
-                                            &weight, &grad_output, &start, overwrite, &n);
-                double *v_unq = pass_values(&unq, (moert_gemm_weight)which, (moert_gemm_pass)pass, counts, &input,
-                                            &weight, &grad_output, &start, overwrite, &n);
-                double *v_bf16 = pass_values(&bf16, (moert_gemm_weight)which, (moert_gemm_pass)pass, counts, &input,
-                                             &weight, &grad_output, &start, overwrite, &n);
-                const int64_t vs_fp8 = values_differing(v_unq, v_fp8, n), vs_bf16 = values_differing(v_unq, v_bf16, n);
+                const moert_tensor v_fp8 = pass_values(&fp8, (moert_gemm_weight)which, (moert_gemm_pass)pass, counts,
+                                                       &input, &weight, &grad_output, &start, overwrite);
+                const moert_tensor v_unq = pass_values(&unq, (moert_gemm_weight)which, (moert_gemm_pass)pass, counts,
+                                                       &input, &weight, &grad_output, &start, overwrite);
+                const moert_tensor v_bf16 = pass_values(&bf16, (moert_gemm_weight)which, (moert_gemm_pass)pass,
+                                                        counts, &input, &weight, &grad_output, &start, overwrite);
+                const int64_t n = moert_tensor_numel(&v_unq);
+                const int64_t vs_fp8 = count_differing(&v_unq, &v_fp8, n), vs_bf16 = count_differing(&v_unq, &v_bf16, n);
                 if (pass == MOERT_GEMM_WGRAD) {
                     EXPECT_EQ_INT(vs_bf16, 0);
                     EXPECT(vs_fp8 > n / 2);
@@ -612,7 +605,7 @@ static void check_unquantized_wgrad(const char *fp8_options, const char *unquant
                     EXPECT_EQ_INT(vs_fp8, 0);
                     EXPECT(vs_bf16 > n / 2);
                 }
-                free(v_fp8), free(v_unq), free(v_bf16);
+                free(v_fp8.data), free(v_unq.data), free(v_bf16.data);
             }
         free(input.data), free(grad_output.data), free(weight.data), free(start.data);
     }
