@@ -184,8 +184,10 @@ static moert_result cuda_init(fp8_ctx *c)
         rc = moert_fp8_cuda_set_block_kernel(c->gemm, 1);
     if (rc == MOERT_OK && s->recipe == FP8_RECIPE_BLOCKWISE && c->gemm_engine == GEMM_AUTO && hopper)
         rc = moert_fp8_cuda_set_block_kernel(c->gemm, 2);
-    /* every matmul of the recipe exists in this cuBLASLt (weight gradients accumulate in fp32, as the executor's) */
-    if (rc == MOERT_OK) rc = moert_fp8_cuda_check_support(c->gemm, l->hidden, l->ffn_hidden, l->dtype, MOERT_F32);
+    /* every matmul of the recipe exists in this cuBLASLt (weight gradients accumulate in fp32, as the executor's;
+     * with "fp8_wgrad": false they are the bf16 GEMMs', not asked) */
+    if (rc == MOERT_OK)
+        rc = moert_fp8_cuda_check_support(c->gemm, l->hidden, l->ffn_hidden, l->dtype, MOERT_F32, c->fp8_wgrad);
     /* unquantized weight gradients: the bf16 plugin's cuBLASLt loop, with its own workspace per stream */
     if (rc == MOERT_OK && !c->fp8_wgrad)
         rc = moert_bf16_cuda_create(h, NULL, 0, MOERT_BF16_CUDA_EXPERT_LOOP, &c->wgrad_gemm);

@@ -1745,7 +1745,8 @@ static moert_result choose_blk_order(moert_fp8_cuda *g, int64_t K, int64_t N, mo
 }
 
 extern "C" moert_result moert_fp8_cuda_check_support(moert_fp8_cuda *g, int64_t hidden, int64_t ffn_hidden,
-                                                     moert_dtype act_dtype, moert_dtype grad_weight_dtype)
+                                                     moert_dtype act_dtype, moert_dtype grad_weight_dtype,
+                                                     int fp8_wgrad)
 {
     static const int64_t rows = 512;
     /* the blockwise kernel takes every shape the plugin accepts: only the passes on cuBLASLt are asked */
@@ -1753,6 +1754,7 @@ extern "C" moert_result moert_fp8_cuda_check_support(moert_fp8_cuda *g, int64_t 
     for (int w = 0; w < 2; w++)
         for (int pass = 0; pass < 3; pass++) {
             if (kernel_serves(g, (moert_gemm_pass)pass, 1)) continue; /* overwriting: cuBLASLt's case, if any */
+            if (pass == MOERT_GEMM_WGRAD && !fp8_wgrad) continue;    /* the bf16 GEMMs make the weight gradients */
             const int64_t K = w == 0 ? hidden : ffn_hidden, N = w == 0 ? 2 * ffn_hidden : hidden;
             expert_mm p;
             matmul_shape(g, (moert_gemm_pass)pass, K, N, act_dtype, grad_weight_dtype, rows, &p);

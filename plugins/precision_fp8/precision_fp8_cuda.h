@@ -82,11 +82,12 @@ void moert_fp8_cuda_destroy(moert_fp8_cuda *g);
 
 /*
  * Asks cuBLASLt (its heuristic, no GPU work) for every matmul the recipe needs on a layer of these sizes (fc1 and
- * fc2; forward, dgrad, wgrad into grad_weight_dtype). MOERT_ERR_UNSUPPORTED with a message naming the first one
+ * fc2; forward, dgrad, and with fp8_wgrad the wgrad into grad_weight_dtype: 0 when the plugin's "fp8_wgrad" is false
+ * and the weight gradients come from the bf16 GEMMs). MOERT_ERR_UNSUPPORTED with a message naming the first one
  * missing (types, scale modes, sizes), so a layer is refused at init rather than in its first step.
  */
 moert_result moert_fp8_cuda_check_support(moert_fp8_cuda *g, int64_t hidden, int64_t ffn_hidden, moert_dtype act_dtype,
-                                          moert_dtype grad_weight_dtype);
+                                          moert_dtype grad_weight_dtype, int fp8_wgrad);
 
 /*
  * The blockwise recipe's GEMMs on moert's own wgmma kernel (fp8_block_gemm.h: FP8 MMA, the 1x128 and 128x128

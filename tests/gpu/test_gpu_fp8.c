@@ -456,7 +456,7 @@ static void run_case(const recipe_case *rc, cudaStream_t stream)
     {
         char what[128];
         snprintf(what, sizeof what, "%s: cuBLASLt has every matmul", rc->name);
-        const moert_result r = moert_fp8_cuda_check_support(h, rc->hidden, rc->ffn, MOERT_BF16, MOERT_F32);
+        const moert_result r = moert_fp8_cuda_check_support(h, rc->hidden, rc->ffn, MOERT_BF16, MOERT_F32, 1);
         if (r != MOERT_OK) printf("%s: %s\n", rc->name, gpu_test_error);
         record(what, r == MOERT_OK ? 0 : 1, 0, 0);
     }
