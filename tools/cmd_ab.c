@@ -243,6 +243,7 @@ static int check_same_run(const moert_config *a, const moert_config *b)
     n += report_int_difference("$.parallel.ranks", a->parallel.ranks, b->parallel.ranks);
     n += report_int_difference("$.train.tokens_per_rank", a->train.tokens_per_rank, b->train.tokens_per_rank);
     n += report_int_difference("$.train.seq_length", a->train.seq_length, b->train.seq_length);
+    n += report_int_difference("$.train.micro_batches", a->train.micro_batches, b->train.micro_batches);
     n += report_int_difference("$.train.seed", a->train.seed, b->train.seed);
     n += report_text_difference("$.train.data", a->train.repeat_batch ? "repeat" : "fresh",
                                 b->train.repeat_batch ? "repeat" : "fresh");
@@ -494,10 +495,14 @@ static void build_header(const ab_side *a, const ab_side *b, int64_t warmup, int
     const moert_config *ca = a->cfg, *cb = b->cfg;
     h->count = 0;
     header_add(h, "A \"%s\" (%s) vs B \"%s\" (%s)", ca->name, a->path, cb->name, b->path);
-    header_add(h, "on %s; %lld layer%s, H=%lld F=%lld E=%lld K=%lld, %lld tokens per rank, %s storage, seed %lld",
+    char micro[64] = "";
+    if (ca->train.micro_batches > 1)
+        snprintf(micro, sizeof micro, " x %lld micro-batches per step (times per step)",
+                 (long long)ca->train.micro_batches);
+    header_add(h, "on %s; %lld layer%s, H=%lld F=%lld E=%lld K=%lld, %lld tokens per rank%s, %s storage, seed %lld",
                a->facts.device_name, (long long)ca->model.num_layers, ca->model.num_layers > 1 ? "s" : "",
                (long long)ca->model.hidden, (long long)ca->model.ffn_hidden, (long long)ca->model.num_experts,
-               (long long)ca->model.topk, (long long)ca->train.tokens_per_rank, moert_dtype_name(ca->model.dtype),
+               (long long)ca->model.topk, (long long)ca->train.tokens_per_rank, micro, moert_dtype_name(ca->model.dtype),
                (long long)ca->train.seed);
     char same[512] = "";
     for (int s = 0; s < MOERT_SLOT_COUNT; s++) {
@@ -598,6 +603,7 @@ static moert_result write_report(const char *path, const ab_side *a, const ab_si
                                                  "num_layers", (json_int_t)cfg->model.num_layers, "dtype",
                                                  moert_dtype_name(cfg->model.dtype)));
     json_object_set_new(root, "tokens_per_rank", json_integer(cfg->train.tokens_per_rank));
+    json_object_set_new(root, "micro_batches", json_integer(cfg->train.micro_batches));
     json_object_set_new(root, "seed", json_integer(cfg->train.seed));
     json_object_set_new(root, "warmup_steps", json_integer(warmup));
     json_object_set_new(root, "measured_steps", json_integer(steps));

@@ -488,8 +488,11 @@ static moert_result parse_train(moert_config *cfg, json_t *obj)
     moert_section *sec = moert_section_create(obj, "$.train");
     MOERT_CHECK_ALLOC(sec);
     MOERT_CHECK(moert_section_int(sec, "steps", 100, 0, INT64_MAX, "optimizer steps", &t->steps));
-    MOERT_CHECK(moert_section_int(sec, "tokens_per_rank", 256, 1, INT64_MAX, "tokens per rank per step",
+    MOERT_CHECK(moert_section_int(sec, "tokens_per_rank", 256, 1, INT64_MAX, "tokens per rank per micro-batch",
                                   &t->tokens_per_rank));
+    MOERT_CHECK(moert_section_int(sec, "micro_batches", 1, 1, MOERT_MAX_MICRO_BATCHES,
+                                  "micro-batches per optimizer step: their gradients add up (gradient accumulation)",
+                                  &t->micro_batches));
     MOERT_CHECK(moert_section_int(sec, "seq_length", 0, 0, INT64_MAX, "tokens per sequence (0: one per rank)",
                                   &t->seq_length));
     MOERT_CHECK(moert_section_int(sec, "seed", 1, 0, INT64_MAX, "seed of weights and data", &t->seed));

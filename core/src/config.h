@@ -43,8 +43,12 @@ typedef struct moert_parallel_config {
 /* $.train.optimizer: Adam keeps two moment buffers per parameter; plain SGD keeps none. */
 typedef enum moert_optimizer { MOERT_OPTIMIZER_ADAM = 0, MOERT_OPTIMIZER_SGD = 1 } moert_optimizer;
 
+#define MOERT_MAX_MICRO_BATCHES 65536 /* $.train.micro_batches */
+
 typedef struct moert_train_config {
     int64_t steps, tokens_per_rank, seq_length, seed, log_every;
+    int64_t micro_batches; /* forward+backward passes per optimizer step, tokens_per_rank tokens each (gradient
+                              accumulation) */
     double lr, weight_decay;
     double teacher_scale; /* size of the teacher's output relative to its input */
     double input_shift;   /* inputs are N(input_shift * m, I), m ~ N(0, I) fixed: how unevenly routing starts */

@@ -351,15 +351,14 @@ bool moert_layer_graph_capturable(const moert_layer *L, char *why, size_t why_si
     return true;
 }
 
-moert_result moert_layer_zero_grad(moert_layer *L)
+moert_result moert_layer_zero_grad(moert_layer *L, bool allow_lazy)
 {
     moert_result rc = MOERT_OK;
-    const bool lazy = lazy_wgrad_zero(L);
+    const bool lazy = allow_lazy && lazy_wgrad_zero(L);
     for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
-        if (lazy && (p == MOERT_PARAM_FC1 || p == MOERT_PARAM_FC2)) {
-            L->grad_unwritten[p == MOERT_PARAM_FC1 ? MOERT_GEMM_FC1 : MOERT_GEMM_FC2] = true;
-            continue;
-        }
+        const bool expert = p == MOERT_PARAM_FC1 || p == MOERT_PARAM_FC2;
+        if (expert) L->grad_unwritten[p == MOERT_PARAM_FC1 ? MOERT_GEMM_FC1 : MOERT_GEMM_FC2] = lazy;
+        if (lazy && expert) continue;
         MOERT_CHECK(moert_zero(L->stream, &L->params[p].grad));
     }
 fail:

@@ -102,6 +102,7 @@ moert_result moert_runtime_write_report(const moert_runtime *rt, const char *pat
                                                  "num_layers", (json_int_t)cfg->model.num_layers, "dtype",
                                                  moert_dtype_name(cfg->model.dtype)));
     json_object_set_new(root, "tokens_per_rank", json_integer(cfg->train.tokens_per_rank));
+    json_object_set_new(root, "micro_batches", json_integer(cfg->train.micro_batches));
     json_object_set_new(root, "plugins", plugins);
     json_object_set_new(root, "total_seconds", json_real(rt->total_seconds));
     json_object_set_new(root, "median_ms", medians);

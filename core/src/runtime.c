@@ -38,9 +38,13 @@ struct moert_rank {
     struct moert_cuda_pool *pool;        /* CUDA ranks */
     struct moert_nccl_comm *nccl;        /* CUDA ranks */
     bool batch_loaded;                   /* train.data "repeat": the one batch is on the device */
-    /* per step */
+    /* per step (summed over its micro-batches) */
     double mse_sum, router_loss;
-    int64_t *counts;                     /* [num_layers * E], pinned: copied into while copy streams are busy */
+    int64_t *counts;                     /* [num_layers * E] tokens per expert */
+    int64_t *micro_counts;               /* [num_layers * E], pinned: one micro-batch's, copied into while copy
+                                            streams are busy */
+    double stage_seconds[MOERT_STAGE_COUNT];              /* summed over layers and micro-batches */
+    double backward_part_seconds[MOERT_BWD_PART_COUNT];
     float *loss_result;                  /* pinned: the loss sum comes back through it */
     /* CUDA graphs ($.parallel.cuda_graph): the stack's forward and backward, captured once, then replayed */
     void *graph_forward, *graph_backward; /* moert_cuda_graph */
@@ -269,11 +273,13 @@ static moert_result rank_init(moert_rank *r, void *arg)
     r->acts = calloc((size_t)nl + 1, sizeof *r->acts);
     /* Pinned, so the small device-to-host copies of the step never wait behind an offload copy of
      * the copy engines as pageable copies do (the host thread would block and the GPU idle). */
-    MOERT_CHECK(r->core_host->alloc_pinned(r->core_host, (size_t)nl * (size_t)cfg->model.num_experts * sizeof *r->counts,
-                                           (void **)&r->counts) == MOERT_OK
+    const size_t counts_bytes = (size_t)nl * (size_t)cfg->model.num_experts * sizeof *r->counts;
+    MOERT_CHECK(r->core_host->alloc_pinned(r->core_host, counts_bytes, (void **)&r->micro_counts) == MOERT_OK
                     ? MOERT_OK
                     : moert_error(MOERT_ERR_OUT_OF_MEMORY, "%s", moert_host_take_error(r->core_host)));
-    memset(r->counts, 0, (size_t)nl * (size_t)cfg->model.num_experts * sizeof *r->counts);
+    memset(r->micro_counts, 0, counts_bytes);
+    r->counts = calloc(1, counts_bytes);
+    MOERT_CHECK_ALLOC(r->counts);
     MOERT_CHECK(r->core_host->alloc_pinned(r->core_host, sizeof *r->loss_result, (void **)&r->loss_result) == MOERT_OK
                     ? MOERT_OK
                     : moert_error(MOERT_ERR_OUT_OF_MEMORY, "%s", moert_host_take_error(r->core_host)));
@@ -352,7 +358,8 @@ static moert_result rank_finalize(moert_rank *r, void *arg)
     for (int i = 0; i < 3; i++)
         if (bufs[i]->data && r->core_host) r->core_host->free(r->core_host, bufs[i]->device, bufs[i]->data);
     if (r->workspace && r->core_host) r->core_host->free(r->core_host, r->layers ? r->layers[0].info.device : moert_cpu(), r->workspace);
-    if (r->counts && r->core_host) r->core_host->free_pinned(r->core_host, r->counts);
+    if (r->micro_counts && r->core_host) r->core_host->free_pinned(r->core_host, r->micro_counts);
+    free(r->counts);
     if (r->loss_result && r->core_host) r->core_host->free_pinned(r->core_host, r->loss_result);
     free(r->x_host.data);
     free(r->target_host.data);
@@ -517,17 +524,20 @@ static moert_result ensure_params(moert_runtime *rt)
     return rc;
 }
 
-/* Step data: this rank's slice of the step's global tokens, and the teacher's targets. */
-static moert_result load_batch(moert_rank *r, int64_t step)
+/* Micro-batch data: this rank's slice of the micro-batch's global tokens, and the teacher's targets. Micro-batch m
+ * of step s is batch s * micro_batches + m of the data stream, so on one rank the micro-batches of a step hold the
+ * tokens that one batch of micro_batches times as many tokens would (and with one micro-batch, batch s). */
+static moert_result load_batch(moert_rank *r, int64_t step, int64_t micro)
 {
     const moert_config *cfg = r->rt->cfg;
+    int64_t batch = step * cfg->train.micro_batches + micro;
     if (cfg->train.repeat_batch) {
         if (r->batch_loaded) return MOERT_OK;
-        step = 1;
+        batch = 1;
         r->batch_loaded = true;
     }
     int64_t t = cfg->train.tokens_per_rank, h = cfg->model.hidden;
-    uint64_t first = ((uint64_t)step * (uint64_t)r->rt->world * (uint64_t)t + (uint64_t)r->rank * (uint64_t)t) *
+    uint64_t first = ((uint64_t)batch * (uint64_t)r->rt->world * (uint64_t)t + (uint64_t)r->rank * (uint64_t)t) *
                      (uint64_t)h;
     moert_teacher_sample_inputs(r->rt->teacher, &r->x_host, (uint64_t)cfg->train.seed, first);
     moert_teacher_apply(r->rt->teacher, &r->x_host, &r->target_host);
@@ -625,13 +635,16 @@ static moert_result capture_end(moert_rank *r, moert_result rc_inside, const cha
 }
 #endif
 
-/* Forward of the stack: eager, captured into r->graph_forward (and run), or its replay. */
-static moert_result stack_forward(moert_rank *r, graph_plan plan)
+/* Forward of the stack: eager, captured into r->graph_forward (and run), or its replay. A step's first micro-batch
+ * zeroes the gradients first (zero_grads); the others add to them. */
+static moert_result stack_forward(moert_rank *r, graph_plan plan, bool zero_grads)
 {
     moert_result rc = MOERT_OK;
     int nl = (int)r->rt->cfg->model.num_layers;
     if (plan != GRAPH_EAGER) {
-        for (int l = 0; l < nl; l++) MOERT_CHECK(moert_layer_zero_grad(&r->layers[l]));
+        /* one graph serves every micro-batch of a step: with several, its WGRADs must add, so no lazy zeroing */
+        const bool lazy = r->rt->cfg->train.micro_batches == 1;
+        for (int l = 0; l < nl && zero_grads; l++) MOERT_CHECK(moert_layer_zero_grad(&r->layers[l], lazy));
 #ifdef MOERT_HAVE_CUDA
         if (plan == GRAPH_REPLAY) return moert_cuda_graph_launch(r->graph_forward, r->stream);
         MOERT_CHECK(capture_begin(r, true));
@@ -643,7 +656,7 @@ static moert_result stack_forward(moert_rank *r, graph_plan plan)
         goto fail;
     }
     for (int l = 0; l < nl; l++) {
-        MOERT_CHECK(moert_layer_zero_grad(&r->layers[l]));
+        if (zero_grads) MOERT_CHECK(moert_layer_zero_grad(&r->layers[l], true));
         MOERT_CHECK(moert_layer_forward(&r->layers[l], &r->acts[l], &r->acts[l + 1]));
         /* the layer below's offload copies start now that this layer's dispatcher has synced on its counts: a copy
          * engine serves copies in issue order, so issued earlier they would have held that small copy back */
@@ -657,8 +670,8 @@ fail:
     return rc;
 }
 
-/* Backward of the stack from r->grad_a, the same three ways. */
-static moert_result stack_backward(moert_rank *r, graph_plan plan)
+/* Backward of the stack from r->grad_a, the same three ways; the router losses enter with loss_scale. */
+static moert_result stack_backward(moert_rank *r, graph_plan plan, double loss_scale)
 {
     moert_result rc = MOERT_OK, inside = MOERT_OK;
     int nl = (int)r->rt->cfg->model.num_layers;
@@ -674,7 +687,7 @@ static moert_result stack_backward(moert_rank *r, graph_plan plan)
                 MOERT_CHECK(moert_layer_release_finished_offloads(&r->layers[below]));
             if (l > 0) MOERT_CHECK(moert_layer_prefetch(&r->layers[l - 1]));
         }
-        inside = moert_layer_backward(&r->layers[l], d_y, d_x, 1.0 / r->rt->world);
+        inside = moert_layer_backward(&r->layers[l], d_y, d_x, loss_scale);
         moert_tensor *tmp = d_y;
         d_y = d_x;
         d_x = tmp;
@@ -687,35 +700,40 @@ fail:
     return rc;
 }
 
-/* Forward and backward of the stack on one rank; fills mse_sum, router_loss and counts. */
-static moert_result rank_forward_backward(moert_rank *r, int64_t step)
+/* One micro-batch's forward and backward on one rank: its squared error, router losses, tokens per expert and times
+ * are added to the step's. The first micro-batch of a step zeroes the gradients; the others add to them. Each
+ * micro-batch's losses enter as its share of the step's mean, so the gradients of a step are those of one batch of
+ * all its tokens. */
+static moert_result micro_batch(moert_rank *r, int64_t step, int64_t micro)
 {
     moert_result rc = MOERT_OK;
     moert_runtime *rt = r->rt;
     const moert_config *cfg = rt->cfg;
     int nl = (int)cfg->model.num_layers;
     int64_t e = cfg->model.num_experts;
-    double global_elems = (double)rt->world * (double)cfg->train.tokens_per_rank * (double)cfg->model.hidden;
+    const double micro_batches = (double)cfg->train.micro_batches;
+    double step_elems = micro_batches * (double)rt->world * (double)cfg->train.tokens_per_rank * (double)cfg->model.hidden;
     graph_plan plan = GRAPH_EAGER;
     double t0 = now_seconds();
 
-    MOERT_CHECK(load_batch(r, step));
+    MOERT_CHECK(load_batch(r, step, micro));
     MOERT_CHECK(graph_plan_of(r, &plan));
-    rc = stack_forward(r, plan);
+    rc = stack_forward(r, plan, micro == 0);
     if (rc != MOERT_OK) {
         if (plan == GRAPH_CAPTURE && r->rank == 0) rt->graph_failed = true;
         goto fail;
     }
-    r->router_loss = 0.0;
     for (int l = 0; l < nl; l++) r->router_loss += r->layers[l].losses.total;
     MOERT_CHECK(r->core_host->stream_synchronize(r->core_host, r->stream) == MOERT_OK
                     ? MOERT_OK
                     : moert_error(MOERT_ERR_CUDA, "%s", moert_host_take_error(r->core_host)));
     if (plan == GRAPH_EAGER)
         for (int l = 0; l < nl; l++) MOERT_CHECK(moert_layer_release_finished_offloads(&r->layers[l]));
-    MOERT_CHECK(moert_squared_error(r->stream, &r->acts[nl], &r->target, 1.0 / global_elems, r->workspace, r->loss_result, &r->mse_sum,
-                                  &r->grad_a));
-    MOERT_CHECK(stack_backward(r, plan));
+    double mse_sum = 0.0;
+    MOERT_CHECK(moert_squared_error(r->stream, &r->acts[nl], &r->target, 1.0 / step_elems, r->workspace,
+                                    r->loss_result, &mse_sum, &r->grad_a));
+    r->mse_sum += mse_sum;
+    MOERT_CHECK(stack_backward(r, plan, 1.0 / (micro_batches * rt->world)));
     if (plan == GRAPH_EAGER) r->eager_steps++;
     if (r->rank == 0 && plan == GRAPH_CAPTURE) {
         rt->graph_captured_step = step;
@@ -726,10 +744,36 @@ static moert_result rank_forward_backward(moert_rank *r, int64_t step)
      * during the forward would wait on the copy engine behind the offload copies) */
     for (int l = 0; l < nl; l++) {
         moert_tensor *c = &r->layers[l].tokens_per_expert;
-        rc = r->core_host->memcpy_async(r->core_host, r->counts + (size_t)l * (size_t)e, moert_cpu(), c->data,
+        rc = r->core_host->memcpy_async(r->core_host, r->micro_counts + (size_t)l * (size_t)e, moert_cpu(), c->data,
                                         c->device, (size_t)e * sizeof(int64_t), r->stream);
         if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(r->core_host));
     }
+    for (int l = 0; l < nl; l++) {
+        MOERT_CHECK(moert_layer_collect_times(&r->layers[l])); /* waits for the layer's backward */
+        for (int s = 0; s < MOERT_STAGE_COUNT; s++) r->stage_seconds[s] += r->layers[l].stage_seconds[s];
+        for (int p = 0; p < MOERT_BWD_PART_COUNT; p++) r->backward_part_seconds[p] += r->layers[l].backward_part_seconds[p];
+    }
+    MOERT_CHECK(r->core_host->stream_synchronize(r->core_host, r->stream) == MOERT_OK /* the counts have landed */
+                    ? MOERT_OK
+                    : moert_error(MOERT_ERR_CUDA, "%s", moert_host_take_error(r->core_host)));
+    for (size_t i = 0; i < (size_t)nl * (size_t)e; i++) r->counts[i] += r->micro_counts[i];
+fail:
+    return rc;
+}
+
+/* Forward and backward of the stack on one rank over the step's micro-batches; fills mse_sum, router_loss and
+ * counts (over all ranks), the stage times (this rank's) and the gradients (the router's summed over ranks). */
+static moert_result rank_forward_backward(moert_rank *r, int64_t step)
+{
+    moert_result rc = MOERT_OK;
+    const moert_config *cfg = r->rt->cfg;
+    int nl = (int)cfg->model.num_layers;
+    int64_t e = cfg->model.num_experts;
+    r->mse_sum = r->router_loss = 0.0;
+    memset(r->counts, 0, (size_t)nl * (size_t)e * sizeof *r->counts);
+    memset(r->stage_seconds, 0, sizeof r->stage_seconds);
+    memset(r->backward_part_seconds, 0, sizeof r->backward_part_seconds);
+    for (int64_t micro = 0; micro < cfg->train.micro_batches; micro++) MOERT_CHECK(micro_batch(r, step, micro));
     /* the router weight is replicated: its gradient is the sum of every rank's share */
     for (int l = 0; l < nl && r->rt->world > 1; l++) {
         moert_tensor *g = &r->layers[l].params[MOERT_PARAM_ROUTER].grad;
@@ -737,12 +781,11 @@ static moert_result rank_forward_backward(moert_rank *r, int64_t step)
                                          r->stream);
         if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(r->core_host));
     }
-    for (int l = 0; l < nl; l++) MOERT_CHECK(moert_layer_collect_times(&r->layers[l]));
-    /* figures over all ranks */
+    /* figures over all ranks (the router losses: the mean over ranks and micro-batches) */
     double sums[2] = {r->mse_sum, r->router_loss};
     MOERT_CHECK(allreduce(r, sums, 2, MOERT_F64));
     r->mse_sum = sums[0];
-    r->router_loss = sums[1] / r->rt->world;
+    r->router_loss = sums[1] / ((double)r->rt->world * (double)cfg->train.micro_batches);
     MOERT_CHECK(allreduce(r, r->counts, (size_t)nl * (size_t)e, MOERT_I64));
 fail:
     return rc;
@@ -789,17 +832,17 @@ static void fill_record(moert_runtime *rt, int64_t step, double seconds, moert_s
     int64_t e = cfg->model.num_experts;
     memset(rec, 0, sizeof *rec);
     rec->step = step;
-    rec->mse = r0->mse_sum / ((double)rt->world * (double)cfg->train.tokens_per_rank * (double)cfg->model.hidden);
+    rec->mse = r0->mse_sum / ((double)cfg->train.micro_batches * (double)rt->world * (double)cfg->train.tokens_per_rank *
+                              (double)cfg->model.hidden);
     rec->router_loss = r0->router_loss;
     rec->loss = rec->mse + rec->router_loss;
     for (int l = 0; l < nl; l++) {
         double imb = imbalance_of(r0->counts + (size_t)l * (size_t)e, e);
         rec->imbalance += imb / nl;
         if (imb > rec->imbalance_max) rec->imbalance_max = imb;
-        for (int s = 0; s < MOERT_STAGE_COUNT; s++) rec->stage_seconds[s] += r0->layers[l].stage_seconds[s];
-        for (int p = 0; p < MOERT_BWD_PART_COUNT; p++)
-            rec->backward_part_seconds[p] += r0->layers[l].backward_part_seconds[p];
     }
+    memcpy(rec->stage_seconds, r0->stage_seconds, sizeof rec->stage_seconds);
+    memcpy(rec->backward_part_seconds, r0->backward_part_seconds, sizeof rec->backward_part_seconds);
     rec->seconds = seconds;
 }
 
@@ -985,13 +1028,16 @@ moert_result moert_runtime_train(moert_runtime *rt, const moert_train_options *o
     if (!rt->records) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "step records");
     /* with a process per GPU, rank 0's process speaks for all */
     if (rt->ranks[0].rank != 0) ta.progress = NULL;
+    char micro[64] = "";
+    if (cfg->train.micro_batches > 1)
+        snprintf(micro, sizeof micro, " x %lld micro-batches per step", (long long)cfg->train.micro_batches);
     if (ta.progress)
-        fprintf(ta.progress, "moert %s: \"%s\" on %s; %lld layer%s, H=%lld F=%lld E=%lld K=%lld, %lld tokens per rank, "
+        fprintf(ta.progress, "moert %s: \"%s\" on %s; %lld layer%s, H=%lld F=%lld E=%lld K=%lld, %lld tokens per rank%s, "
                 "%s storage; router %s, dispatcher %s, precision %s, memory policy %s\n",
                 MOERT_VERSION_STRING, cfg->name, rt->device_name, (long long)cfg->model.num_layers,
                 cfg->model.num_layers > 1 ? "s" : "", (long long)cfg->model.hidden, (long long)cfg->model.ffn_hidden,
                 (long long)cfg->model.num_experts, (long long)cfg->model.topk, (long long)cfg->train.tokens_per_rank,
-                moert_dtype_name(cfg->model.dtype), rt->plugins[0].header->name, rt->plugins[1].header->name,
+                micro, moert_dtype_name(cfg->model.dtype), rt->plugins[0].header->name, rt->plugins[1].header->name,
                 rt->plugins[2].header->name, rt->plugins[3].header->name);
     rc = snapshot_bias(rt, &rt->bias_start);
     if (rc != MOERT_OK) return rc;

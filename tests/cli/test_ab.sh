@@ -117,10 +117,16 @@ fi
 run model 2 ab "$tmp/keep.json" "$tmp/saver.json" --set-b model.hidden=32 --set-b train.seed=4
 expect_line model err 'moert ab: not an A/B: $.model.hidden is 16 in A and 32 in B'
 expect_line model err 'moert ab: not an A/B: $.train.seed is 3 in A and 4 in B'
+run micro 2 ab "$tmp/keep.json" "$tmp/saver.json" --set-b train.micro_batches=2
+expect_line micro err 'moert ab: not an A/B: $.train.micro_batches is 1 in A and 2 in B'
 [ -s "$tmp/model.out" ] && fail "model: a refused A/B printed on stdout"
 # --set applies to both sides: the same change on both is still an A/B
 run both 0 ab "$tmp/keep.json" "$tmp/saver.json" --set model.hidden=8 --warmup 0 --steps 1 --quiet
 expect_match both out '^outputs agree: yes'
+# micro-batches on both sides: the header says so, the outputs still agree (the policies change memory only)
+run micro2 0 ab "$tmp/keep.json" "$tmp/saver.json" --set train.micro_batches=2 --warmup 0 --steps 2
+expect_match micro2 out 'tokens per rank x 2 micro-batches per step \(times per step\)'
+expect_match micro2 out '^outputs agree: yes'
 # a differing learning rate is allowed, said in the header, and the losses then differ
 run lr 0 ab "$tmp/keep.json" "$tmp/saver.json" --set-b train.lr=0.05 --warmup 1 --steps 3
 expect_line lr out "  differs: train.lr 0.01 in A, 0.05 in B"

@@ -106,7 +106,7 @@ static moert_result harness_step(layer_harness *hz, bool prefetch)
 {
     moert_result rc = MOERT_OK;
     moert_layer *L = &hz->L;
-    MOERT_CHECK(moert_layer_zero_grad(L));
+    MOERT_CHECK(moert_layer_zero_grad(L, true));
     MOERT_CHECK(moert_layer_forward(L, &hz->x, &hz->y));
     if (prefetch) MOERT_CHECK(moert_layer_prefetch(L));
     MOERT_CHECK(moert_layer_backward(L, &hz->d_y, &hz->d_x, 1.0));

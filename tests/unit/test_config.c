@@ -40,6 +40,7 @@ static void test_defaults(void)
     EXPECT_EQ_INT(cfg->parallel.cuda_graph, MOERT_GRAPH_AUTO);
     EXPECT_EQ_INT(cfg->train.steps, 100);
     EXPECT_EQ_INT(cfg->train.tokens_per_rank, 256);
+    EXPECT_EQ_INT(cfg->train.micro_batches, 1);
     EXPECT_EQ_INT(cfg->train.seq_length, 0);
     EXPECT_EQ_INT(cfg->train.seed, 1);
     EXPECT_EQ_INT(cfg->train.log_every, 1);
@@ -62,7 +63,7 @@ static void test_values(void)
         " \"model\": {\"hidden\": 32, \"ffn_hidden\": 48, \"num_experts\": 16, \"topk\": 4, \"num_layers\": 3,"
         " \"dtype\": \"bf16\"},\n"
         " \"parallel\": {\"ranks\": 4, \"device\": \"cuda\", \"timeout_s\": 2.5, \"cuda_graph\": \"on\"},\n"
-        " \"train\": {\"steps\": 0, \"tokens_per_rank\": 64, \"seq_length\": 16, \"seed\": 7, \"log_every\": 5,"
+        " \"train\": {\"steps\": 0, \"tokens_per_rank\": 64, \"micro_batches\": 3, \"seq_length\": 16, \"seed\": 7, \"log_every\": 5,"
         " \"lr\": 0.01, \"weight_decay\": 0.1, \"teacher_scale\": 2, \"optimizer\": \"sgd\"},\n"
         " \"router\": {\"plugin\": \"/opt/x/libmoert-router-mine.so\", \"anything\": [1, 2]},\n"
         " \"dispatcher\": {\"plugin\": \"deepep\"}, \"precision\": {}, \"memory_policy\": {\"plugin\": \"lean\"}}";
@@ -82,6 +83,7 @@ static void test_values(void)
     EXPECT_EQ_INT(cfg->parallel.cuda_graph, MOERT_GRAPH_ON);
     EXPECT_EQ_INT(cfg->train.steps, 0);
     EXPECT_EQ_INT(cfg->train.tokens_per_rank, 64);
+    EXPECT_EQ_INT(cfg->train.micro_batches, 3);
     EXPECT_EQ_INT(cfg->train.seq_length, 16);
     EXPECT_EQ_INT(cfg->train.seed, 7);
     EXPECT_EQ_INT(cfg->train.log_every, 5);
@@ -120,7 +122,11 @@ static void test_errors(void)
                         "config error at $.modle: unknown key (did you mean \"model\"?)");
     expect_config_error("{\"train\": {\"learning_rate\": 0.1}}", MOERT_ERR_CONFIG,
                         "config error at $.train.learning_rate: unknown key (known keys: steps, tokens_per_rank, "
-                        "seq_length, seed, log_every, lr, weight_decay, teacher_scale, input_shift, data, optimizer)");
+                        "micro_batches, seq_length, seed, log_every, lr, weight_decay, teacher_scale, input_shift, data, optimizer)");
+    expect_config_error("{\"train\": {\"micro_batches\": 0}}", MOERT_ERR_CONFIG,
+                        "config error at $.train.micro_batches: got 0, expected an integer in [1, 65536]");
+    expect_config_error("{\"train\": {\"micro_batches\": \"4\"}}", MOERT_ERR_CONFIG,
+                        "config error at $.train.micro_batches: got \"4\", expected an integer in [1, 65536]");
     expect_config_error("{\"train\": {\"optimizer\": \"adamw\"}}", MOERT_ERR_CONFIG,
                         "config error at $.train.optimizer: got \"adamw\", expected one of adam|sgd (did you mean \"adam\"?)");
     expect_config_error("{\"model\": {\"hidden\": \"64\"}}", MOERT_ERR_CONFIG,

@@ -187,7 +187,7 @@ static void check_layer(const int act[MOERT_ACT_COUNT], bool prefetch, bool defe
     L->defer_offload_release = defer;
     L->defer_offload_start = defer;
 
-    EXPECT_OK(moert_layer_zero_grad(L));
+    EXPECT_OK(moert_layer_zero_grad(L, true));
     EXPECT_OK(moert_layer_forward(L, &hz.x, &hz.y));
     int offloaded = 0;
     for (int a = 0; a < MOERT_ACT_COUNT; a++) {
@@ -280,7 +280,7 @@ static void check_layer_figures(void)
                      MOERT_OPTIMIZER_ADAM) == MOERT_OK) {
         moert_layer *L = &hz.L;
         L->defer_offload_release = L->defer_offload_start = true;
-        EXPECT_OK(moert_layer_zero_grad(L));
+        EXPECT_OK(moert_layer_zero_grad(L, true));
         EXPECT_OK(moert_layer_forward(L, &hz.x, &hz.y));
         EXPECT(L->offload_queued[MOERT_ACT_DISPATCHED_X]);
         EXPECT_OK(moert_layer_prefetch(L));
