@@ -126,21 +126,6 @@ __device__ __forceinline__ void mbar_arrive_warp(uint64_t *bar, bool to_peer, ui
                  : "memory");
 }
 
-/* One arrival per warp on bar in every CTA of a cluster of `cluster` CTAs (1, 2 or 4): lane 0 here, lane i
- * (0 < i < cluster) in CTA (rank + i) % cluster. Predicated, not branched, as mbar_arrive_warp. */
-__device__ __forceinline__ void mbar_arrive_warp_cluster(uint64_t *bar, uint32_t cluster, uint32_t rank)
-{
-    __syncwarp();
-    const uint32_t lane = threadIdx.x % 32, local = lane == 0, remote = lane > 0 && lane < cluster;
-    const uint32_t target = (rank + lane) & (cluster - 1);
-    asm volatile("{\n .reg .pred p, q;\n .reg .b32 remote;\n setp.ne.b32 p, %1, 0;\n setp.ne.b32 q, %2, 0;\n"
-                 " @p mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n"
-                 " mapa.shared::cluster.u32 remote, %0, %3;\n"
-                 " @q mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_addr(bar)),
-                 "r"(local), "r"(remote), "r"(target)
-                 : "memory");
-}
-
 /* As tensor_load_2d, but the tile lands at the same offset (and completes on the barrier at the same offset) in
  * every CTA of the cluster named by cta_mask. */
 __device__ __forceinline__ void tensor_load_2d_multicast(void *dst_smem, const void *tensor_map, int32_t c0, int32_t c1,

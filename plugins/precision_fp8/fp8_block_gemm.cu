@@ -38,15 +38,13 @@
 #define TILE 128                     /* BM = BN = BK */
 #define TILE_BYTES (TILE * TILE)     /* one FP8 tile of A or B */
 #define HALF_ROWS (TILE / 2)         /* the rows of an A map's box: half a tile (each CTA of a pair loads one) */
-/* The rows of an A map's box: half a tile without clusters (two loads) and in pairs, a quarter in clusters of 4. */
-static inline int a_box_rows(int cluster) { return cluster == 4 ? TILE / 4 : HALF_ROWS; }
 #define THREADS 384                  /* producer warpgroup + two consumer warpgroups */
 #define CONSUMER_WARPS 8
 #define SLOTS 16                     /* tables in flight */
 #define BAND 8                       /* row blocks of a group that run side by side (see tile_at) */
 #define OUT_BOX_BYTES 8192           /* one staged output box: 64 rows of 128 bytes */
 #define MAX_OUT_SETS 2               /* staged output sets per consumer (one filled while the other is moved) */
-#define MAX_CLUSTER 4
+#define MAX_CLUSTER 2
 
 #define STAGE_BYTES (2 * TILE_BYTES + 2 * TILE * 4 + 2 * 8) /* A and B tiles, their factors, two barriers */
 __host__ __device__ static inline size_t staging_bytes(int d_bf16) { return (size_t)TILE * TILE * (d_bf16 ? 2 : 4); }
@@ -86,8 +84,7 @@ struct moert_fp8_block_ctx {
     const moert_host *host;
     PFN_cuTensorMapEncodeTiled_v12000 encode;
     int sm_count;     /* the persistent grid without clusters: one CTA per SM */
-    int max_clusters; /* clusters of `cluster` CTAs that fit at once */
-    int max_clusters_of[3]; /* ... of 1, 2 and 4 CTAs (index log2) */
+    int max_clusters; /* clusters of two that fit at once */
     int cluster;      /* 1 or 2 (MOERT_FP8_BLOCK_CLUSTER) */
     int staged;       /* TMA epilogue (MOERT_FP8_BLOCK_EPILOGUE=registers turns it off) */
     int stages_set, sets_set; /* MOERT_FP8_BLOCK_STAGES / _SETS (tuning), 0: the defaults (ring_for) */
@@ -384,10 +381,9 @@ __device__ __forceinline__ void produce_a(const kernel_args &args, uint8_t *a_ti
             if (it >= (uint32_t)stages) mbar_wait(&empty[s], phase ^ 1);
             uint8_t *stage = a_tiles + s * TILE_BYTES;
             mbar_arrive_expect_tx(&full[s], TILE_BYTES);
-            if (cluster > 1) {
-                const int rows = TILE / cluster;
-                tensor_load_2d_multicast(stage + rank * rows * TILE, map, kb * TILE, row + rank * rows, &full[s],
-                                         (uint16_t)((1u << cluster) - 1));
+            if (cluster == 2) {
+                tensor_load_2d_multicast(stage + rank * HALF_ROWS * TILE, map, kb * TILE, row + rank * HALF_ROWS,
+                                         &full[s], (uint16_t)0x3);
             } else {
                 tensor_load_2d(stage, map, kb * TILE, row, &full[s]);
                 tensor_load_2d(stage + HALF_ROWS * TILE, map, kb * TILE, row + HALF_ROWS, &full[s]);
@@ -457,7 +453,7 @@ __device__ __forceinline__ void ring_next(ring_pos &r, int stages)
 /* Hands stage s back to the producers of the cluster (one arrival per consumer warp, in each CTA). */
 __device__ __forceinline__ void release_stage(uint64_t *empty, int s, int cluster, int rank)
 {
-    mbar_arrive_warp_cluster(&empty[s], (uint32_t)cluster, (uint32_t)rank);
+    mbar_arrive_warp(&empty[s], cluster == 2, (uint32_t)(cluster == 2 ? rank ^ 1 : rank)); /* a CTA that exists */
 }
 
 /* A k-block's row factors for this thread (rows r0 and r0 + 8) and, in the forward form, its column block's factor:
@@ -687,25 +683,12 @@ static void ring_for(const moert_fp8_block_ctx *ctx, int d_bf16, int *stages, in
     if (smem_bytes(d_bf16, *stages, *sets) > ctx->smem_max) *sets = 1;
 }
 
-static int log2_of_cluster(int cluster) { return cluster == 4 ? 2 : cluster == 2 ? 1 : 0; }
-
-/* Clusters of `cluster` CTAs: the size and how many fit at once; 0 when none fits. */
-static int use_cluster(moert_fp8_block_ctx *ctx, int cluster)
-{
-    const int fit = ctx->max_clusters_of[log2_of_cluster(cluster)];
-    if (fit < 1) return 0;
-    ctx->cluster = cluster;
-    ctx->max_clusters = fit;
-    return 1;
-}
-
-/* The cluster size and epilogue from the environment (tuning and A/B runs): MOERT_FP8_BLOCK_CLUSTER=1|2|4,
+/* The cluster size and epilogue from the environment (tuning and A/B runs): MOERT_FP8_BLOCK_CLUSTER=1|2,
  * MOERT_FP8_BLOCK_EPILOGUE=tma|registers. Anything else keeps the default (2, tma). */
 static void options_from_env(moert_fp8_block_ctx *ctx)
 {
     const char *cluster = getenv("MOERT_FP8_BLOCK_CLUSTER"), *epilogue = getenv("MOERT_FP8_BLOCK_EPILOGUE");
-    if (cluster && (strcmp(cluster, "1") == 0 || strcmp(cluster, "2") == 0 || strcmp(cluster, "4") == 0))
-        (void)use_cluster(ctx, atoi(cluster));
+    if (cluster && strcmp(cluster, "1") == 0) ctx->cluster = 1;
     if (epilogue && strcmp(epilogue, "registers") == 0) ctx->staged = 0;
     const char *stages = getenv("MOERT_FP8_BLOCK_STAGES"), *sets = getenv("MOERT_FP8_BLOCK_SETS");
     if (stages && atoi(stages) >= 2) ctx->stages_set = atoi(stages);
@@ -742,34 +725,30 @@ extern "C" moert_result moert_fp8_block_ctx_create(const moert_host *host, moert
                 kernel_fn k = kernel_for(a, b, per_row);
                 if (k) CUDA_CHECK(host, cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_max));
             }
-    int sm_count = 0, fit[3] = {0, 0, 0};
+    int sm_count = 0, max_clusters = 0;
     CUDA_CHECK(host, cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev));
-    fit[0] = sm_count;
-    for (int size = 2; size <= MAX_CLUSTER; size *= 2) { /* how many clusters of 2 and of 4 CTAs fit at once */
-        cudaLaunchConfig_t cfg = {};
-        cudaLaunchAttribute attr = {};
-        attr.id = cudaLaunchAttributeClusterDimension;
-        attr.val.clusterDim.x = (unsigned)size, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-        cfg.gridDim = dim3((unsigned)(sm_count / size * size));
-        cfg.blockDim = dim3(THREADS);
-        cfg.dynamicSmemBytes = smem_max;
-        cfg.attrs = &attr;
-        cfg.numAttrs = 1;
-        int n = 0;
-        CUDA_CHECK(host, cudaOccupancyMaxActiveClusters(&n, kernel_for(0, 0, 0), &cfg));
-        fit[log2_of_cluster(size)] = n < sm_count / size ? n : sm_count / size;
-    }
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = MAX_CLUSTER, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+    cfg.gridDim = dim3((unsigned)(sm_count / MAX_CLUSTER * MAX_CLUSTER));
+    cfg.blockDim = dim3(THREADS);
+    cfg.dynamicSmemBytes = smem_max;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    CUDA_CHECK(host, cudaOccupancyMaxActiveClusters(&max_clusters, kernel_for(0, 0, 0), &cfg));
     moert_fp8_block_ctx *ctx = (moert_fp8_block_ctx *)calloc(1, sizeof *ctx);
     if (!ctx) return report(host, MOERT_ERR_OUT_OF_MEMORY, "fp8 block gemm: out of host memory");
     ctx->host = host;
     ctx->encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
     ctx->sm_count = sm_count > 0 ? sm_count : 1;
-    memcpy(ctx->max_clusters_of, fit, sizeof fit);
-    if (!use_cluster(ctx, 2)) (void)use_cluster(ctx, 1);
+    ctx->max_clusters = max_clusters < sm_count / MAX_CLUSTER ? max_clusters : sm_count / MAX_CLUSTER;
+    ctx->cluster = max_clusters > 0 ? MAX_CLUSTER : 1;
     ctx->staged = 1;
     ctx->pairs = 2;
     ctx->smem_max = smem_max;
     options_from_env(ctx);
+    if (max_clusters < 1) ctx->cluster = 1;
     for (int i = 0; i < SLOTS; i++) {
         cudaError_t err = cudaEventCreateWithFlags(&ctx->done[i], cudaEventDisableTiming);
         if (err != cudaSuccess) {
@@ -783,11 +762,11 @@ extern "C" moert_result moert_fp8_block_ctx_create(const moert_host *host, moert
 
 extern "C" moert_result moert_fp8_block_ctx_configure(moert_fp8_block_ctx *ctx, int cluster, int staged_epilogue)
 {
-    if (cluster != 1 && cluster != 2 && cluster != 4)
-        return report(ctx->host, MOERT_ERR_INVALID_ARGUMENT, "fp8 block gemm: cluster size %d (1, 2 or 4)", cluster);
-    if (!use_cluster(ctx, cluster))
-        return report(ctx->host, MOERT_ERR_UNSUPPORTED, "fp8 block gemm: no cluster of %d CTAs fits on this GPU",
-                      cluster);
+    if (cluster != 1 && cluster != 2)
+        return report(ctx->host, MOERT_ERR_INVALID_ARGUMENT, "fp8 block gemm: cluster size %d (1 or 2)", cluster);
+    if (cluster == 2 && ctx->max_clusters < 1)
+        return report(ctx->host, MOERT_ERR_UNSUPPORTED, "fp8 block gemm: no cluster of two CTAs fits on this GPU");
+    ctx->cluster = cluster;
     ctx->staged = staged_epilogue != 0;
     return MOERT_OK;
 }
@@ -801,7 +780,7 @@ extern "C" void moert_fp8_block_ctx_describe(const moert_fp8_block_ctx *ctx, cha
     snprintf(ring, sizeof ring, "%d stages + %d output sets (bf16 D), %d + %d (fp32 D)", stages16, sets16, stages32,
              sets32);
     if (ctx->cluster > 1)
-        snprintf(buf, size, "%d clusters of %d CTAs (A multicast), %s epilogue, %s", ctx->max_clusters, ctx->cluster,
+        snprintf(buf, size, "%d clusters of 2 CTAs (A multicast), %s epilogue, %s", ctx->max_clusters,
                  ctx->staged ? "TMA" : "register", ring);
     else
         snprintf(buf, size, "%d CTAs, no clusters, %s epilogue, %s", ctx->sm_count, ctx->staged ? "TMA" : "register",
@@ -925,7 +904,7 @@ static moert_result matrix_map(moert_fp8_block_ctx *ctx, const moert_fp8_block_g
 {
     int *slot = &ctx->map_of[2 * index + as_b];
     if (*slot < 0) {
-        MOK(encode_map(ctx, &gm->matrices[index], index, as_b ? TILE : a_box_rows(ctx->cluster), &maps[*count]));
+        MOK(encode_map(ctx, &gm->matrices[index], index, as_b ? TILE : HALF_ROWS, &maps[*count]));
         *slot = (*count)++;
     }
     *out = *slot;

@@ -311,8 +311,8 @@ int main(void)
         {"wgrad form, e5m2 x e4m3, k 128, bf16 D added", 1, 0, 1, 1, 1, 2, {96, 300}, 200, 128, 0, 0, 0},
         {"deepseek-v3 fc1 forward shape (sampled)", 0, 0, 0, 1, 0, 8, {512, 500, 520, 511, 513, 508, 517, 512}, 4096, 7168, 1, 512, 0},
     };
-    /* every case on each way the kernel can run: A multicast in CTA pairs, in fours or not, TMA or register epilogue */
-    const int modes[][2] = {{2, 1}, {1, 1}, {2, 0}, {1, 0}, {4, 1}, {4, 0}};
+    /* every case on each way the kernel can run: A multicast in CTA pairs or not, TMA or register epilogue */
+    const int modes[][2] = {{2, 1}, {1, 1}, {2, 0}, {1, 0}};
     for (size_t mi = 0; mi < sizeof modes / sizeof modes[0]; mi++) {
         if (moert_fp8_block_ctx_configure(ctx, modes[mi][0], modes[mi][1]) != MOERT_OK) {
             fprintf(stderr, "FAIL: configure %d/%d: %s\n", modes[mi][0], modes[mi][1], gpu_test_error);
@@ -323,7 +323,7 @@ int main(void)
         moert_fp8_block_ctx_describe(ctx, mode, sizeof mode);
         printf("-- %s\n", mode);
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
-            if (cases[i].samples == 0 || mi == 0 || mi == 4) run_case(ctx, &cases[i]); /* the large shape: host time */
+            if (cases[i].samples == 0 || mi == 0) run_case(ctx, &cases[i]); /* the large shape once: host time */
     }
     EXPECT(moert_fp8_block_ctx_configure(ctx, 3, 1) == MOERT_ERR_INVALID_ARGUMENT);
     EXPECT(strstr(gpu_test_error, "cluster size 3") != NULL);
