@@ -365,6 +365,11 @@ fail:
     return rc;
 }
 
+void moert_layer_mark_grads_written(moert_layer *L)
+{
+    L->grad_unwritten[MOERT_GEMM_FC1] = L->grad_unwritten[MOERT_GEMM_FC2] = false;
+}
+
 /* Zeroes the expert weight gradients no WGRAD has written since zero_grad (a backward always runs both WGRADs;
  * this keeps the gradients right if one did not). */
 static moert_result zero_unwritten_grads(moert_layer *L)

@@ -171,9 +171,10 @@ moert_result moert_layer_collect_times(moert_layer *L);
 bool moert_layer_graph_capturable(const moert_layer *L, char *why, size_t why_size);
 /* Zeroes the parameter gradients. With allow_lazy, when the precision plugin declares MOERT_CAP_WGRAD_OVERWRITE,
  * the expert weights' gradients are left for the next backward's WGRADs to overwrite instead (no memset); without
- * it every gradient is zeroed now and every WGRAD adds (a CUDA graph replayed for every micro-batch of a step holds
- * one form of the backward, the adding one). */
+ * it every gradient is zeroed now and every WGRAD adds. */
 moert_result moert_layer_zero_grad(moert_layer *L, bool allow_lazy);
+/* After a replayed CUDA graph's backward: its WGRADs wrote the expert gradients (what run_gemm notes when it runs). */
+void moert_layer_mark_grads_written(moert_layer *L);
 /* The optimizer step of this layer's parameters, with `t`'s optimizer, lr and weight decay: Adam (beta 0.9/0.999,
  * eps 1e-8, decoupled weight decay; step counts from 1; m and v are allocated at the first Adam step if the layer
  * has none) or plain SGD (param -= lr * (grad + weight_decay * param)). */

@@ -46,8 +46,9 @@ struct moert_rank {
     double stage_seconds[MOERT_STAGE_COUNT];              /* summed over layers and micro-batches */
     double backward_part_seconds[MOERT_BWD_PART_COUNT];
     float *loss_result;                  /* pinned: the loss sum comes back through it */
-    /* CUDA graphs ($.parallel.cuda_graph): the stack's forward and backward, captured once, then replayed */
-    void *graph_forward, *graph_backward; /* moert_cuda_graph */
+    /* CUDA graphs ($.parallel.cuda_graph): the stack's forward and backward, captured once, then replayed; one pair
+     * per form: [0] a step's first micro-batch (its WGRADs overwrite the expert gradients), [1] the later ones */
+    void *graph_forward[2], *graph_backward[2]; /* moert_cuda_graph */
     int64_t eager_steps;                 /* forward+backward passes run without graphs */
     /* outcome of the phase running on this rank */
     moert_result rc;
@@ -336,9 +337,11 @@ static moert_result rank_finalize(moert_rank *r, void *arg)
     int nl = (int)rt->cfg->model.num_layers;
 #ifdef MOERT_HAVE_CUDA
     if (r->stream) moert_cuda_stream_synchronize(r->stream);
-    moert_cuda_graph_destroy(r->graph_forward);
-    moert_cuda_graph_destroy(r->graph_backward);
-    r->graph_forward = r->graph_backward = NULL;
+    for (int form = 0; form < 2; form++) {
+        moert_cuda_graph_destroy(r->graph_forward[form]);
+        moert_cuda_graph_destroy(r->graph_backward[form]);
+        r->graph_forward[form] = r->graph_backward[form] = NULL;
+    }
 #endif
     if (r->layers) {
         for (int l = 0; l < nl; l++) {
@@ -572,14 +575,18 @@ static moert_result allreduce(moert_rank *r, void *buf, size_t count, moert_dtyp
 
 typedef enum graph_plan { GRAPH_EAGER = 0, GRAPH_CAPTURE = 1, GRAPH_REPLAY = 2 } graph_plan;
 
-/* How this step runs on this rank: replay when the graphs exist; capture after one eager step when the mode allows
- * and every layer can be captured; else eager (rank 0 notes why for the report). Mode "on" fails when it cannot. */
-static moert_result graph_plan_of(moert_rank *r, graph_plan *plan)
+/* The graphs a micro-batch runs: a step's first (0) or a later one (1). */
+static int graph_form(int64_t micro) { return micro == 0 ? 0 : 1; }
+
+/* How this micro-batch runs on this rank: replay when the graphs of its form exist; capture after one eager pass when
+ * the mode allows and every layer can be captured; else eager (rank 0 notes why for the report). Mode "on" fails
+ * when it cannot. */
+static moert_result graph_plan_of(moert_rank *r, int form, graph_plan *plan)
 {
     moert_runtime *rt = r->rt;
     int mode = rt->cfg->parallel.cuda_graph;
     *plan = GRAPH_EAGER;
-    if (r->graph_forward) {
+    if (r->graph_forward[form]) {
         *plan = GRAPH_REPLAY;
         return MOERT_OK;
     }
@@ -607,11 +614,12 @@ static moert_result graph_plan_of(moert_rank *r, graph_plan *plan)
 }
 
 #ifdef MOERT_HAVE_CUDA
-/* Starts capturing the rank's stream into a graph, its allocations kept for the graph (pool reservation). */
+/* Starts capturing the rank's stream into a graph, its allocations kept for the graph (the pool's reservation, which
+ * the graphs of both forms share: they run one after the other on this stream). */
 static moert_result capture_begin(moert_rank *r, bool first)
 {
     moert_result rc = MOERT_OK;
-    if (first) MOERT_CHECK(moert_cuda_pool_reserve_begin(r->pool, r->stream));
+    if (first) MOERT_CHECK(moert_cuda_pool_reserve_resume(r->pool, r->stream));
     MOERT_CHECK(moert_cuda_capture_begin(r->stream));
     for (int l = 0; l < r->rt->cfg->model.num_layers; l++) r->layers[l].capturing = true;
 fail:
@@ -635,28 +643,26 @@ static moert_result capture_end(moert_rank *r, moert_result rc_inside, const cha
 }
 #endif
 
-/* Forward of the stack: eager, captured into r->graph_forward (and run), or its replay. A step's first micro-batch
- * zeroes the gradients first (zero_grads); the others add to them. */
-static moert_result stack_forward(moert_rank *r, graph_plan plan, bool zero_grads)
+/* Forward of the stack: eager, captured into r->graph_forward[form] (and run), or its replay. A step's first
+ * micro-batch (form 0) zeroes the gradients first; the others add to them. */
+static moert_result stack_forward(moert_rank *r, graph_plan plan, int form)
 {
     moert_result rc = MOERT_OK;
     int nl = (int)r->rt->cfg->model.num_layers;
     if (plan != GRAPH_EAGER) {
-        /* one graph serves every micro-batch of a step: with several, its WGRADs must add, so no lazy zeroing */
-        const bool lazy = r->rt->cfg->train.micro_batches == 1;
-        for (int l = 0; l < nl && zero_grads; l++) MOERT_CHECK(moert_layer_zero_grad(&r->layers[l], lazy));
+        for (int l = 0; l < nl && form == 0; l++) MOERT_CHECK(moert_layer_zero_grad(&r->layers[l], true));
 #ifdef MOERT_HAVE_CUDA
-        if (plan == GRAPH_REPLAY) return moert_cuda_graph_launch(r->graph_forward, r->stream);
+        if (plan == GRAPH_REPLAY) return moert_cuda_graph_launch(r->graph_forward[form], r->stream);
         MOERT_CHECK(capture_begin(r, true));
         moert_result inside = MOERT_OK;
         for (int l = 0; l < nl && inside == MOERT_OK; l++)
             inside = moert_layer_forward(&r->layers[l], &r->acts[l], &r->acts[l + 1]);
-        MOERT_CHECK(capture_end(r, inside, "the layers' forward", false, &r->graph_forward));
+        MOERT_CHECK(capture_end(r, inside, "the layers' forward", false, &r->graph_forward[form]));
 #endif
         goto fail;
     }
     for (int l = 0; l < nl; l++) {
-        if (zero_grads) MOERT_CHECK(moert_layer_zero_grad(&r->layers[l], true));
+        if (form == 0) MOERT_CHECK(moert_layer_zero_grad(&r->layers[l], true));
         MOERT_CHECK(moert_layer_forward(&r->layers[l], &r->acts[l], &r->acts[l + 1]));
         /* the layer below's offload copies start now that this layer's dispatcher has synced on its counts: a copy
          * engine serves copies in issue order, so issued earlier they would have held that small copy back */
@@ -671,13 +677,17 @@ fail:
 }
 
 /* Backward of the stack from r->grad_a, the same three ways; the router losses enter with loss_scale. */
-static moert_result stack_backward(moert_rank *r, graph_plan plan, double loss_scale)
+static moert_result stack_backward(moert_rank *r, graph_plan plan, int form, double loss_scale)
 {
     moert_result rc = MOERT_OK, inside = MOERT_OK;
     int nl = (int)r->rt->cfg->model.num_layers;
     moert_tensor *d_y = &r->grad_a, *d_x = &r->grad_b;
 #ifdef MOERT_HAVE_CUDA
-    if (plan == GRAPH_REPLAY) return moert_cuda_graph_launch(r->graph_backward, r->stream);
+    if (plan == GRAPH_REPLAY) {
+        /* the replayed WGRADs wrote the expert gradients: a later capture must add to them */
+        for (int l = 0; l < nl; l++) moert_layer_mark_grads_written(&r->layers[l]);
+        return moert_cuda_graph_launch(r->graph_backward[form], r->stream);
+    }
     if (plan == GRAPH_CAPTURE) MOERT_CHECK(capture_begin(r, false));
 #endif
     for (int l = nl - 1; l >= 0 && inside == MOERT_OK; l--) {
@@ -693,7 +703,7 @@ static moert_result stack_backward(moert_rank *r, graph_plan plan, double loss_s
         d_x = tmp;
     }
 #ifdef MOERT_HAVE_CUDA
-    if (plan == GRAPH_CAPTURE) return capture_end(r, inside, "the layers' backward", true, &r->graph_backward);
+    if (plan == GRAPH_CAPTURE) return capture_end(r, inside, "the layers' backward", true, &r->graph_backward[form]);
 #endif
     rc = inside;
 fail:
@@ -717,8 +727,9 @@ static moert_result micro_batch(moert_rank *r, int64_t step, int64_t micro)
     double t0 = now_seconds();
 
     MOERT_CHECK(load_batch(r, step, micro));
-    MOERT_CHECK(graph_plan_of(r, &plan));
-    rc = stack_forward(r, plan, micro == 0);
+    const int form = graph_form(micro);
+    MOERT_CHECK(graph_plan_of(r, form, &plan));
+    rc = stack_forward(r, plan, form);
     if (rc != MOERT_OK) {
         if (plan == GRAPH_CAPTURE && r->rank == 0) rt->graph_failed = true;
         goto fail;
@@ -733,7 +744,7 @@ static moert_result micro_batch(moert_rank *r, int64_t step, int64_t micro)
     MOERT_CHECK(moert_squared_error(r->stream, &r->acts[nl], &r->target, 1.0 / step_elems, r->workspace,
                                     r->loss_result, &mse_sum, &r->grad_a));
     r->mse_sum += mse_sum;
-    MOERT_CHECK(stack_backward(r, plan, 1.0 / (micro_batches * rt->world)));
+    MOERT_CHECK(stack_backward(r, plan, form, 1.0 / (micro_batches * rt->world)));
     if (plan == GRAPH_EAGER) r->eager_steps++;
     if (r->rank == 0 && plan == GRAPH_CAPTURE) {
         rt->graph_captured_step = step;
@@ -1073,9 +1084,12 @@ moert_result moert_runtime_train(moert_runtime *rt, const moert_train_options *o
 void moert_runtime_graph_summary(const moert_runtime *rt, char *buf, size_t size)
 {
     if (rt->graph_captured_step > 0)
-        snprintf(buf, size, "captured at step %lld (forward and backward of %lld layer%s), replayed in %lld step%s",
+        snprintf(buf, size, "captured at step %lld (forward and backward of %lld layer%s%s), replayed in %lld %s%s",
                  (long long)rt->graph_captured_step, (long long)rt->cfg->model.num_layers,
-                 rt->cfg->model.num_layers > 1 ? "s" : "", (long long)rt->graph_replays, rt->graph_replays == 1 ? "" : "s");
+                 rt->cfg->model.num_layers > 1 ? "s" : "",
+                 rt->cfg->train.micro_batches > 1 ? "; a step's first micro-batch and the later ones" : "",
+                 (long long)rt->graph_replays, rt->cfg->train.micro_batches > 1 ? "micro-batch" : "step",
+                 rt->graph_replays == 1 ? "" : "s");
     else if (rt->graph_reason[0])
         snprintf(buf, size, "not used: %s", rt->graph_reason);
     else

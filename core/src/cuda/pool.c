@@ -356,6 +356,19 @@ moert_result moert_cuda_pool_reserve_begin(moert_cuda_pool *pool, moert_stream s
     return rc;
 }
 
+moert_result moert_cuda_pool_reserve_resume(moert_cuda_pool *pool, moert_stream stream)
+{
+    moert_result rc = MOERT_OK;
+    pthread_mutex_lock(&pool->mutex);
+    if (pool->has_reservation && pool->reserve_stream != (cudaStream_t)stream)
+        rc = moert_error(MOERT_ERR_INVALID_ARGUMENT, "CUDA pool on device %d: the open reservation is another stream's",
+                         pool->device);
+    else
+        pool->has_reservation = pool->reserving = true, pool->reserve_stream = (cudaStream_t)stream;
+    pthread_mutex_unlock(&pool->mutex);
+    return rc;
+}
+
 void moert_cuda_pool_reserve_end(moert_cuda_pool *pool)
 {
     pthread_mutex_lock(&pool->mutex);

@@ -63,6 +63,9 @@ size_t moert_cuda_pool_round_size(size_t bytes);
  */
 moert_result moert_cuda_pool_reserve_begin(moert_cuda_pool *pool, moert_stream stream);
 void moert_cuda_pool_reserve_end(moert_cuda_pool *pool);
+/* Records into the open reservation again after reserve_end (a later capture of more graphs on the same stream: they
+ * share its freed blocks, which stream order makes safe); begins one if none is open. */
+moert_result moert_cuda_pool_reserve_resume(moert_cuda_pool *pool, moert_stream stream);
 /* Gives every reserved block back, live ones included, as freed on the reservation's stream (the graphs that used
  * them must be destroyed, or at least never launched again). */
 moert_result moert_cuda_pool_reserve_release(moert_cuda_pool *pool);
