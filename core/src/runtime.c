@@ -1089,7 +1089,7 @@ void moert_runtime_graph_summary(const moert_runtime *rt, char *buf, size_t size
                  rt->cfg->model.num_layers > 1 ? "s" : "",
                  rt->cfg->train.micro_batches > 1 ? "; a step's first micro-batch and the later ones" : "",
                  (long long)rt->graph_replays, rt->cfg->train.micro_batches > 1 ? "micro-batch" : "step",
-                 rt->graph_replays == 1 ? "" : "s");
+                 rt->graph_replays == 1 ? "" : rt->cfg->train.micro_batches > 1 ? "es" : "s");
     else if (rt->graph_reason[0])
         snprintf(buf, size, "not used: %s", rt->graph_reason);
     else
