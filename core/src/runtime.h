@@ -58,11 +58,12 @@ struct moert_runtime {
     char graph_reason[256];       /* why the steps ran without graphs */
 };
 
-/* One step's forward and backward on every rank without the optimizer (parameter gradients are left in
- * place, router gradients summed over ranks). loss gets the global loss. For tests and `moert ab`. */
+/* One step's forward and backward on every rank without the optimizer, over all its micro-batches
+ * ($.train.micro_batches: their gradients add up; parameter gradients are left in place, router gradients summed over
+ * ranks). loss gets the global loss (the micro-batches' mean). For tests and `moert ab`. */
 moert_result moert_runtime_forward_backward(moert_runtime *rt, int64_t step, double *loss);
 
-/* One training step on every rank: forward, backward, the optimizer (Adam step number `step`, >= 1) and the
+/* One training step on every rank: forward and backward of each micro-batch, the optimizer (Adam step number `step`, >= 1) and the
  * plugins' end_step, as one step of moert_runtime_train. Fills *record (may be NULL) and the runtime's
  * activation figures (activation_bytes, kept_bytes, device_peak_bytes); rt->records is left alone. The step's
  * parameter gradients and output stay in place until the next step (moert_runtime_param, moert_runtime_output).

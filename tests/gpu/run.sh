@@ -40,16 +40,21 @@ if [ -x "$BUILD/tests/nccl_mp_driver" ]; then
   run_test nccl_multiprocess tests/gpu/test_nccl_multiprocess.sh "$BUILD/tests/nccl_mp_driver"
 fi
 
-# 2. the whole layer stack: the demo in fp32 for 5 steps, CPU reference vs GPUs (same global batch)
-layer_run() { # name device ranks
-  local tokens=$((1024 / $3))
-  timeout "${MOERT_GPU_TEST_TIMEOUT:-240}" "$MOERT" run configs/demo-cpu.json --quiet --steps 5 --set parallel.device="$2" \
-    --set parallel.ranks="$3" --set train.tokens_per_rank=$tokens --report "$OUT/layer-$1.json" \
-    >"$OUT/layer-$1.log" 2>&1
+# 2. the whole layer stack: the demo in fp32 for 5 steps, CPU reference vs GPUs (same global batch); and with 2
+# micro-batches per step (gradient accumulation)
+layer_run() { # name device ranks [options]
+  local name=$1 device=$2 ranks=$3; shift 3
+  local tokens=$((1024 / ranks))
+  timeout "${MOERT_GPU_TEST_TIMEOUT:-240}" "$MOERT" run configs/demo-cpu.json --quiet --steps 5 \
+    --set parallel.device="$device" --set parallel.ranks="$ranks" --set train.tokens_per_rank=$tokens "$@" \
+    --report "$OUT/layer-$name.json" >"$OUT/layer-$name.log" 2>&1
 }
 layer_run cpu4 cpu 4
+layer_run cpu4-m2 cpu 4 --set train.micro_batches=2
 for r in 1 2 4; do
-  [ "$r" -le "$gpus" ] && layer_run "cuda$r" cuda "$r"
+  [ "$r" -le "$gpus" ] || continue
+  layer_run "cuda$r" cuda "$r"
+  layer_run "cuda$r-m2" cuda "$r" --set train.micro_batches=2
 done
 # a process per GPU, launched by torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); NCCL's id
 # goes over MOERT_BOOTSTRAP_PORT because torchrun's own store holds MASTER_PORT
@@ -65,8 +70,8 @@ out = sys.argv[1]
 def losses(name):
     p = os.path.join(out, "layer-%s.json" % name)
     return [s["loss"] for s in json.load(open(p))["steps"]] if os.path.exists(p) else None
-ref = losses("cpu4")
-for name in ("cuda1", "cuda2", "cuda4", "proc4"):
+for name in ("cuda1", "cuda2", "cuda4", "proc4", "cuda1-m2", "cuda2-m2", "cuda4-m2"):
+    ref = losses("cpu4-m2" if name.endswith("-m2") else "cpu4")
     got = losses(name)
     if got is None:
         log = os.path.join(out, "layer-%s.log" % name)
