@@ -17,8 +17,8 @@ typedef struct moert_step_record {
     double imbalance;   /* max/mean of tokens per expert, averaged over layers */
     double imbalance_max; /* the worst layer's max/mean */
     double seconds;     /* wall time of the step on rank 0 */
-    double stage_seconds[MOERT_STAGE_COUNT]; /* rank 0, summed over layers */
-    double backward_part_seconds[MOERT_BWD_PART_COUNT]; /* rank 0, summed over layers */
+    double stage_seconds[MOERT_STAGE_COUNT]; /* rank 0, summed over layers and micro-batches */
+    double backward_part_seconds[MOERT_BWD_PART_COUNT]; /* rank 0, summed over layers and micro-batches */
 } moert_step_record;
 
 typedef struct moert_rank moert_rank;

@@ -308,6 +308,63 @@ __global__ void __launch_bounds__(256)
 }
 
 /*
+ * block_rows_kernel for bf16 rows whose length is a multiple of 8 and whose base is 16-byte aligned (the layer's
+ * activations): the same bytes and factors, with more of each row in flight. A warp per padded row, 1024 columns per
+ * step: four 256-column quarters, one 16-byte load (8 values) per lane in each, all four issued before any is
+ * quantized, then a half-warp per 128-column tile and one 8-byte store per lane.
+ */
+__global__ void __launch_bounds__(256)
+    block_rows_wide_kernel(const mat_table t, const __nv_bfloat16 *__restrict__ src, int64_t cols,
+                           uint8_t *__restrict__ dst, int fmt, float fp8max, int pow2, int layout, float *scale_inv)
+{
+    const int64_t KB = (cols + TILE - 1) / TILE;
+    const int64_t pr = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (pr >= t.row_start[t.count]) return; /* whole warps leave together */
+    const int i = find_matrix(t.row_start, t.count, pr);
+    const int64_t r = pr - t.row_start[i];
+    const bool real = r < t.rows[i];
+    const __nv_bfloat16 *row = src + (t.src_row0[i] + r) * cols;
+    uint8_t *out = dst + t.dst_off[i] + r * cols;
+    float *factors = scale_inv + t.scale_off[i];
+    for (int64_t base = 0; base < cols; base += 1024) {
+        uint4 raw[4];
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int64_t c = base + q * 256 + lane * 8;
+            raw[q] = make_uint4(0u, 0u, 0u, 0u);
+            if (real && c < cols) raw[q] = *(const uint4 *)(row + c);
+        }
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int64_t c = base + q * 256 + lane * 8, kb = c / TILE;
+            if (base + q * 256 >= cols) break; /* the whole warp: no tile of this quarter */
+            float v[8];
+            const uint32_t w[4] = {raw[q].x, raw[q].y, raw[q].z, raw[q].w};
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const __nv_bfloat162 pair = *(const __nv_bfloat162 *)&w[k];
+                v[2 * k] = __low2float(pair);
+                v[2 * k + 1] = __high2float(pair);
+            }
+            uint32_t m = 0;
+#pragma unroll
+            for (int k = 0; k < 8; k++) m = max(m, abs_bits(v[k]));
+            m = half_warp_max(m);
+            const float scale = scale_from_amax(__uint_as_float(m), fp8max, 0, pow2, 1.0f);
+            uint2 packed = make_uint2(0u, 0u);
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                packed.x |= (uint32_t)to_fp8(v[k], scale, fmt) << (8 * k);
+                packed.y |= (uint32_t)to_fp8(v[k + 4], scale, fmt) << (8 * k);
+            }
+            if (c < cols) *(uint2 *)(out + c) = packed;
+            if ((lane & 15) == 0 && kb < KB) factors[vec_index(layout, r, kb, t.dst_ld[i], KB)] = __fdiv_rn(1.0f, scale);
+        }
+    }
+}
+
+/*
  * Matrix i ([rows][C], from source row src_row0) into [C][dst_ld] at dst_off: 128 x CT_COLS tiles through shared
  * memory (read in 16-byte chunks where C allows it); rows from `rows` to dst_ld are zeros. Scales: SCALE_TENSOR
  * (scale[4 * expert]), SCALE_TILE2D (tile_scale as in cast_rows_kernel), or SCALE_ALONG_ROWS: 128x1 tiles (128 rows
@@ -636,6 +693,7 @@ struct moert_fp8_cuda {
     moert_fp8_cuda_config cfg;
     int vec_layout, blk_layout;
     int quantize_only; /* benchmarks: no matmuls */
+    int rows_narrow;   /* MOERT_FP8_ROW_QUANTIZER=narrow (A/B runs): block_rows_kernel even where the wide one fits */
     int64_t wgrad_align; /* blockwise WGRAD: rows padded to 16 or 128 (0: not asked yet) */
     int64_t worst_rows;  /* the current GEMM's most padded rows (capacity + (align - 1) * E); 0: capacity unknown */
     int blk_order;       /* blockwise FORWARD/DGRAD: BLK_ORDER_* (see choose_blk_order) */
@@ -817,6 +875,8 @@ extern "C" moert_result moert_fp8_cuda_create(const moert_host *host, moert_devi
     moert_fp8_cuda *g = (moert_fp8_cuda *)calloc(1, sizeof *g);
     if (!g) return report(host, MOERT_ERR_OUT_OF_MEMORY, "fp8 cuda: out of host memory for the handle");
     g->host = host;
+    const char *rows = getenv("MOERT_FP8_ROW_QUANTIZER");
+    g->rows_narrow = rows && strcmp(rows, "narrow") == 0;
     g->device = device;
     g->cfg = *cfg;
     g->streams = 1;
@@ -1010,6 +1070,13 @@ typedef struct act_target {
  * target: in its own layout (transposed = 0; FORWARD, DGRAD; the blockwise recipe puts each expert's rows at its
  * padded offset prow0, zero rows up to rows16) or as [cols][rows16] per expert (WGRAD).
  */
+/* Whether block_rows_wide_kernel takes these rows: bf16, 16-byte aligned rows. */
+template <typename T>
+static bool rows_wide_ok(const moert_fp8_cuda *g, const T *src, int64_t cols)
+{
+    return sizeof(T) == 2 && !g->rows_narrow && cols % 8 == 0 && (uintptr_t)src % 16 == 0;
+}
+
 template <typename T>
 static moert_result quantize_activation_t(moert_fp8_cuda *g, cudaStream_t stream, const moert_fp8_cuda_gemm *gm,
                                           const T *src, int64_t cols, int operand, int transposed, act_target *tg)
@@ -1082,10 +1149,17 @@ static moert_result quantize_activation_t(moert_fp8_cuda *g, cudaStream_t stream
             LAUNCH_CHECK(host, "cast_rows_kernel");
         } else if (!transposed) {
             const int64_t warps = t.row_start[t.count]; /* one per padded row */
-            block_rows_kernel<T><<<(unsigned)ceil_div(warps * 32, 256), 256, 0, stream>>>(
-                t, src, cols, (uint8_t *)tg->bytes->p, fmt, fmax, g->cfg.power_of_2, g->vec_layout,
-                (float *)tg->blk->p);
-            LAUNCH_CHECK(host, "block_rows_kernel");
+            const unsigned blocks = (unsigned)ceil_div(warps * 32, 256);
+            if (rows_wide_ok(g, src, cols)) {
+                block_rows_wide_kernel<<<blocks, 256, 0, stream>>>(t, (const __nv_bfloat16 *)src, cols,
+                                                                   (uint8_t *)tg->bytes->p, fmt, fmax,
+                                                                   g->cfg.power_of_2, g->vec_layout, (float *)tg->blk->p);
+                LAUNCH_CHECK(host, "block_rows_wide_kernel");
+            } else {
+                block_rows_kernel<T><<<blocks, 256, 0, stream>>>(t, src, cols, (uint8_t *)tg->bytes->p, fmt, fmax,
+                                                                 g->cfg.power_of_2, g->vec_layout, (float *)tg->blk->p);
+                LAUNCH_CHECK(host, "block_rows_kernel");
+            }
         } else if (tiles > 0) {
             const int mode = is_blockwise(g) ? SCALE_ALONG_ROWS : SCALE_TENSOR;
             cast_transpose_kernel<T><<<(unsigned)tiles, 256, 0, stream>>>(
