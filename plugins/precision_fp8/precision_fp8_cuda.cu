@@ -313,6 +313,7 @@ __global__ void __launch_bounds__(256)
  * step: four 256-column quarters, one 16-byte load (8 values) per lane in each, all four issued before any is
  * quantized, then a half-warp per 128-column tile and one 8-byte store per lane.
  */
+template <int PARTS>
 __global__ void __launch_bounds__(256)
     block_rows_wide_kernel(const mat_table t, const __nv_bfloat16 *__restrict__ src, int64_t cols,
                            uint8_t *__restrict__ dst, int fmt, float fp8max, int pow2, int layout, float *scale_inv)
@@ -327,25 +328,24 @@ __global__ void __launch_bounds__(256)
     const __nv_bfloat16 *row = src + (t.src_row0[i] + r) * cols;
     uint8_t *out = dst + t.dst_off[i] + r * cols;
     float *factors = scale_inv + t.scale_off[i];
-    for (int64_t base = 0; base < cols; base += 1024) {
-        uint4 raw[4];
+    for (int64_t base = 0; base < cols; base += PARTS * 256) {
+        uint4 raw[PARTS];
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
+        for (int q = 0; q < PARTS; q++) {
             const int64_t c = base + q * 256 + lane * 8;
             raw[q] = make_uint4(0u, 0u, 0u, 0u);
             if (real && c < cols) raw[q] = *(const uint4 *)(row + c);
         }
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
+        for (int q = 0; q < PARTS; q++) {
             const int64_t c = base + q * 256 + lane * 8, kb = c / TILE;
             if (base + q * 256 >= cols) break; /* the whole warp: no tile of this quarter */
             float v[8];
             const uint32_t w[4] = {raw[q].x, raw[q].y, raw[q].z, raw[q].w};
 #pragma unroll
-            for (int k = 0; k < 4; k++) {
-                const __nv_bfloat162 pair = *(const __nv_bfloat162 *)&w[k];
-                v[2 * k] = __low2float(pair);
-                v[2 * k + 1] = __high2float(pair);
+            for (int k = 0; k < 4; k++) { /* a bf16 is the top half of its fp32 */
+                v[2 * k] = __uint_as_float(w[k] << 16);
+                v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
             }
             uint32_t m = 0;
 #pragma unroll
@@ -694,6 +694,7 @@ struct moert_fp8_cuda {
     int vec_layout, blk_layout;
     int quantize_only; /* benchmarks: no matmuls */
     int rows_narrow;   /* MOERT_FP8_ROW_QUANTIZER=narrow (A/B runs): block_rows_kernel even where the wide one fits */
+    int rows_parts;    /* 256-column parts per step of block_rows_wide_kernel: 4, or 8 (MOERT_FP8_ROW_QUANTIZER=wide8) */
     int64_t wgrad_align; /* blockwise WGRAD: rows padded to 16 or 128 (0: not asked yet) */
     int64_t worst_rows;  /* the current GEMM's most padded rows (capacity + (align - 1) * E); 0: capacity unknown */
     int blk_order;       /* blockwise FORWARD/DGRAD: BLK_ORDER_* (see choose_blk_order) */
@@ -877,6 +878,7 @@ extern "C" moert_result moert_fp8_cuda_create(const moert_host *host, moert_devi
     g->host = host;
     const char *rows = getenv("MOERT_FP8_ROW_QUANTIZER");
     g->rows_narrow = rows && strcmp(rows, "narrow") == 0;
+    g->rows_parts = rows && strcmp(rows, "wide8") == 0 ? 8 : 4;
     g->device = device;
     g->cfg = *cfg;
     g->streams = 1;
@@ -1151,9 +1153,16 @@ static moert_result quantize_activation_t(moert_fp8_cuda *g, cudaStream_t stream
             const int64_t warps = t.row_start[t.count]; /* one per padded row */
             const unsigned blocks = (unsigned)ceil_div(warps * 32, 256);
             if (rows_wide_ok(g, src, cols)) {
-                block_rows_wide_kernel<<<blocks, 256, 0, stream>>>(t, (const __nv_bfloat16 *)src, cols,
-                                                                   (uint8_t *)tg->bytes->p, fmt, fmax,
-                                                                   g->cfg.power_of_2, g->vec_layout, (float *)tg->blk->p);
+                if (g->rows_parts == 8)
+                    block_rows_wide_kernel<8><<<blocks, 256, 0, stream>>>(t, (const __nv_bfloat16 *)src, cols,
+                                                                          (uint8_t *)tg->bytes->p, fmt, fmax,
+                                                                          g->cfg.power_of_2, g->vec_layout,
+                                                                          (float *)tg->blk->p);
+                else
+                    block_rows_wide_kernel<4><<<blocks, 256, 0, stream>>>(t, (const __nv_bfloat16 *)src, cols,
+                                                                          (uint8_t *)tg->bytes->p, fmt, fmax,
+                                                                          g->cfg.power_of_2, g->vec_layout,
+                                                                          (float *)tg->blk->p);
                 LAUNCH_CHECK(host, "block_rows_wide_kernel");
             } else {
                 block_rows_kernel<T><<<blocks, 256, 0, stream>>>(t, src, cols, (uint8_t *)tg->bytes->p, fmt, fmax,
