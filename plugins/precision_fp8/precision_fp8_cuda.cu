@@ -11,7 +11,8 @@
  *   amax_kernel            largest |x| of each matrix (an expert's rows, or an expert's weight)
  *   scales_kernel          per-tensor scales from amaxes (current) or from the delayed slots
  *   cast_rows_kernel       per-tensor or 128x128-tile scales, FP8 bytes in the source's layout
- *   block_rows_kernel      1x128 tiles along a row: amax, scale, cast (a warp per tile)
+ *   block_rows_kernel      1x128 tiles along a row: amax, scale, cast (a warp per row, a half-warp per tile)
+ *   block_rows_wide_kernel the same for bf16 rows of 16-byte aligned length: 1024 columns of a row in flight per warp
  *   cast_transpose_kernel  128x64 tiles through shared memory into [cols][rows] per matrix; per-tensor,
  *                          128x128-tile or 128x1 (along the rows, computed here) scales
  *   tile_scales_kernel     128x128 tile scales of the weights, written in both weight layouts
@@ -311,9 +312,10 @@ __global__ void __launch_bounds__(256)
  * block_rows_kernel for bf16 rows whose length is a multiple of 8 and whose base is 16-byte aligned (the layer's
  * activations): the same bytes and factors, with more of each row in flight. A warp per padded row, 1024 columns per
  * step: four 256-column quarters, one 16-byte load (8 values) per lane in each, all four issued before any is
- * quantized, then a half-warp per 128-column tile and one 8-byte store per lane.
+ * quantized, then a half-warp per 128-column tile and one 8-byte store per lane. On H200 the deepseek-v3 fc1 input
+ * (32844 x 7168) takes 245 us against block_rows_kernel's 300 (61% of DRAM bandwidth against 48%); eight quarters in
+ * flight were slower (258 us: 76 registers, fewer warps). Session 13, docs/plugins/precision_fp8.md.
  */
-template <int PARTS>
 __global__ void __launch_bounds__(256)
     block_rows_wide_kernel(const mat_table t, const __nv_bfloat16 *__restrict__ src, int64_t cols,
                            uint8_t *__restrict__ dst, int fmt, float fp8max, int pow2, int layout, float *scale_inv)
@@ -328,16 +330,16 @@ __global__ void __launch_bounds__(256)
     const __nv_bfloat16 *row = src + (t.src_row0[i] + r) * cols;
     uint8_t *out = dst + t.dst_off[i] + r * cols;
     float *factors = scale_inv + t.scale_off[i];
-    for (int64_t base = 0; base < cols; base += PARTS * 256) {
-        uint4 raw[PARTS];
+    for (int64_t base = 0; base < cols; base += 1024) {
+        uint4 raw[4];
 #pragma unroll
-        for (int q = 0; q < PARTS; q++) {
+        for (int q = 0; q < 4; q++) {
             const int64_t c = base + q * 256 + lane * 8;
             raw[q] = make_uint4(0u, 0u, 0u, 0u);
             if (real && c < cols) raw[q] = *(const uint4 *)(row + c);
         }
 #pragma unroll
-        for (int q = 0; q < PARTS; q++) {
+        for (int q = 0; q < 4; q++) {
             const int64_t c = base + q * 256 + lane * 8, kb = c / TILE;
             if (base + q * 256 >= cols) break; /* the whole warp: no tile of this quarter */
             float v[8];
@@ -694,7 +696,6 @@ struct moert_fp8_cuda {
     int vec_layout, blk_layout;
     int quantize_only; /* benchmarks: no matmuls */
     int rows_narrow;   /* MOERT_FP8_ROW_QUANTIZER=narrow (A/B runs): block_rows_kernel even where the wide one fits */
-    int rows_parts;    /* 256-column parts per step of block_rows_wide_kernel: 4, or 8 (MOERT_FP8_ROW_QUANTIZER=wide8) */
     int64_t wgrad_align; /* blockwise WGRAD: rows padded to 16 or 128 (0: not asked yet) */
     int64_t worst_rows;  /* the current GEMM's most padded rows (capacity + (align - 1) * E); 0: capacity unknown */
     int blk_order;       /* blockwise FORWARD/DGRAD: BLK_ORDER_* (see choose_blk_order) */
@@ -878,7 +879,6 @@ extern "C" moert_result moert_fp8_cuda_create(const moert_host *host, moert_devi
     g->host = host;
     const char *rows = getenv("MOERT_FP8_ROW_QUANTIZER");
     g->rows_narrow = rows && strcmp(rows, "narrow") == 0;
-    g->rows_parts = rows && strcmp(rows, "wide8") == 0 ? 8 : 4;
     g->device = device;
     g->cfg = *cfg;
     g->streams = 1;
@@ -1153,16 +1153,9 @@ static moert_result quantize_activation_t(moert_fp8_cuda *g, cudaStream_t stream
             const int64_t warps = t.row_start[t.count]; /* one per padded row */
             const unsigned blocks = (unsigned)ceil_div(warps * 32, 256);
             if (rows_wide_ok(g, src, cols)) {
-                if (g->rows_parts == 8)
-                    block_rows_wide_kernel<8><<<blocks, 256, 0, stream>>>(t, (const __nv_bfloat16 *)src, cols,
-                                                                          (uint8_t *)tg->bytes->p, fmt, fmax,
-                                                                          g->cfg.power_of_2, g->vec_layout,
-                                                                          (float *)tg->blk->p);
-                else
-                    block_rows_wide_kernel<4><<<blocks, 256, 0, stream>>>(t, (const __nv_bfloat16 *)src, cols,
-                                                                          (uint8_t *)tg->bytes->p, fmt, fmax,
-                                                                          g->cfg.power_of_2, g->vec_layout,
-                                                                          (float *)tg->blk->p);
+                block_rows_wide_kernel<<<blocks, 256, 0, stream>>>(t, (const __nv_bfloat16 *)src, cols,
+                                                                   (uint8_t *)tg->bytes->p, fmt, fmax,
+                                                                   g->cfg.power_of_2, g->vec_layout, (float *)tg->blk->p);
                 LAUNCH_CHECK(host, "block_rows_wide_kernel");
             } else {
                 block_rows_kernel<T><<<blocks, 256, 0, stream>>>(t, src, cols, (uint8_t *)tg->bytes->p, fmt, fmax,
