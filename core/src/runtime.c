@@ -40,7 +40,7 @@ struct moert_rank {
     bool batch_loaded;                   /* train.data "repeat": the one batch is on the device */
     /* per step (summed over its micro-batches) */
     double mse_sum, router_loss;
-    int64_t *counts;                     /* [num_layers * E] tokens per expert */
+    int64_t *counts;                     /* [num_layers * E] tokens per expert, pinned (all-reduced through the stream) */
     int64_t *micro_counts;               /* [num_layers * E], pinned: one micro-batch's, copied into while copy
                                             streams are busy */
     double stage_seconds[MOERT_STAGE_COUNT];              /* summed over layers and micro-batches */
@@ -275,12 +275,13 @@ static moert_result rank_init(moert_rank *r, void *arg)
     /* Pinned, so the small device-to-host copies of the step never wait behind an offload copy of
      * the copy engines as pageable copies do (the host thread would block and the GPU idle). */
     const size_t counts_bytes = (size_t)nl * (size_t)cfg->model.num_experts * sizeof *r->counts;
-    MOERT_CHECK(r->core_host->alloc_pinned(r->core_host, counts_bytes, (void **)&r->micro_counts) == MOERT_OK
-                    ? MOERT_OK
-                    : moert_error(MOERT_ERR_OUT_OF_MEMORY, "%s", moert_host_take_error(r->core_host)));
-    memset(r->micro_counts, 0, counts_bytes);
-    r->counts = calloc(1, counts_bytes);
-    MOERT_CHECK_ALLOC(r->counts);
+    int64_t **counts[2] = {&r->counts, &r->micro_counts};
+    for (int i = 0; i < 2; i++) {
+        MOERT_CHECK(r->core_host->alloc_pinned(r->core_host, counts_bytes, (void **)counts[i]) == MOERT_OK
+                        ? MOERT_OK
+                        : moert_error(MOERT_ERR_OUT_OF_MEMORY, "%s", moert_host_take_error(r->core_host)));
+        memset(*counts[i], 0, counts_bytes);
+    }
     MOERT_CHECK(r->core_host->alloc_pinned(r->core_host, sizeof *r->loss_result, (void **)&r->loss_result) == MOERT_OK
                     ? MOERT_OK
                     : moert_error(MOERT_ERR_OUT_OF_MEMORY, "%s", moert_host_take_error(r->core_host)));
@@ -361,8 +362,8 @@ static moert_result rank_finalize(moert_rank *r, void *arg)
     for (int i = 0; i < 3; i++)
         if (bufs[i]->data && r->core_host) r->core_host->free(r->core_host, bufs[i]->device, bufs[i]->data);
     if (r->workspace && r->core_host) r->core_host->free(r->core_host, r->layers ? r->layers[0].info.device : moert_cpu(), r->workspace);
+    if (r->counts && r->core_host) r->core_host->free_pinned(r->core_host, r->counts);
     if (r->micro_counts && r->core_host) r->core_host->free_pinned(r->core_host, r->micro_counts);
-    free(r->counts);
     if (r->loss_result && r->core_host) r->core_host->free_pinned(r->core_host, r->loss_result);
     free(r->x_host.data);
     free(r->target_host.data);
