@@ -263,6 +263,34 @@ __device__ __forceinline__ void block_tile_store(const float v[8], bool in0, boo
     if (writes_factor) *factor = __fdiv_rn(1.0f, scale);
 }
 
+/* The padded row a warp of the row quantizers takes (one per warp, counted over the launch): its matrix, its row r
+ * there, whether it is a real row (else padding), where its bytes and factors go, and the row's 128-column blocks.
+ * false past the launch's padded rows. */
+typedef struct padded_row {
+    int matrix;
+    int64_t r, kb_count;
+    bool real;
+    uint8_t *out;
+    float *factors;
+} padded_row;
+
+template <typename T>
+__device__ __forceinline__ bool padded_row_of(const mat_table &t, const T *src, int64_t cols, uint8_t *dst,
+                                              float *scale_inv, padded_row *p, const T **row)
+{
+    const int64_t pr = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (pr >= t.row_start[t.count]) return false;
+    const int i = find_matrix(t.row_start, t.count, pr);
+    p->matrix = i;
+    p->r = pr - t.row_start[i];
+    p->kb_count = (cols + TILE - 1) / TILE;
+    p->real = p->r < t.rows[i];
+    p->out = dst + t.dst_off[i] + p->r * cols;
+    p->factors = scale_inv + t.scale_off[i];
+    *row = src + (t.src_row0[i] + p->r) * cols;
+    return true;
+}
+
 /*
  * 1x128 tiles along each row (blockwise activations and gradients in FORWARD and DGRAD): a warp per padded row,
  * 512 columns per step (8 values per lane in each of two 256-column halves, a half-warp per 128-column tile, both
@@ -276,16 +304,10 @@ __global__ void __launch_bounds__(256)
     block_rows_kernel(const mat_table t, const T *__restrict__ src, int64_t cols, uint8_t *__restrict__ dst, int fmt,
                       float fp8max, int pow2, int layout, float *scale_inv)
 {
-    const int64_t KB = (cols + TILE - 1) / TILE;
-    const int64_t pr = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
-    if (pr >= t.row_start[t.count]) return; /* whole warps leave together */
-    const int i = find_matrix(t.row_start, t.count, pr);
-    const int64_t r = pr - t.row_start[i];
-    const bool real = r < t.rows[i];
-    const T *row = src + (t.src_row0[i] + r) * cols;
-    uint8_t *out = dst + t.dst_off[i] + r * cols;
-    float *factors = scale_inv + t.scale_off[i];
+    padded_row p;
+    const T *row;
+    if (!padded_row_of(t, src, cols, dst, scale_inv, &p, &row)) return; /* whole warps leave together */
     for (int64_t base = 0; base < cols; base += 512) {
         float v[2][8];
         bool in[2][2];
@@ -295,15 +317,16 @@ __global__ void __launch_bounds__(256)
             in[h][0] = c < cols, in[h][1] = c + 4 < cols; /* cols is a multiple of 4 */
 #pragma unroll
             for (int k = 0; k < 8; k++) v[h][k] = 0.f;
-            if (real && in[h][0]) load4(row + c, v[h]);
-            if (real && in[h][1]) load4(row + c + 4, v[h] + 4);
+            if (p.real && in[h][0]) load4(row + c, v[h]);
+            if (p.real && in[h][1]) load4(row + c + 4, v[h] + 4);
         }
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int64_t c = base + h * 256 + lane * 8, kb = c / TILE;
             if (base + h * 256 >= cols) break; /* the whole warp: no tile of this half */
-            block_tile_store(v[h], in[h][0], in[h][1], out + c, fmt, fp8max, pow2,
-                             factors + vec_index(layout, r, kb, t.dst_ld[i], KB), (lane & 15) == 0 && kb < KB);
+            block_tile_store(v[h], in[h][0], in[h][1], p.out + c, fmt, fp8max, pow2,
+                             p.factors + vec_index(layout, p.r, kb, t.dst_ld[p.matrix], p.kb_count),
+                             (lane & 15) == 0 && kb < p.kb_count);
         }
     }
 }
@@ -320,23 +343,17 @@ __global__ void __launch_bounds__(256)
     block_rows_wide_kernel(const mat_table t, const __nv_bfloat16 *__restrict__ src, int64_t cols,
                            uint8_t *__restrict__ dst, int fmt, float fp8max, int pow2, int layout, float *scale_inv)
 {
-    const int64_t KB = (cols + TILE - 1) / TILE;
-    const int64_t pr = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
-    if (pr >= t.row_start[t.count]) return; /* whole warps leave together */
-    const int i = find_matrix(t.row_start, t.count, pr);
-    const int64_t r = pr - t.row_start[i];
-    const bool real = r < t.rows[i];
-    const __nv_bfloat16 *row = src + (t.src_row0[i] + r) * cols;
-    uint8_t *out = dst + t.dst_off[i] + r * cols;
-    float *factors = scale_inv + t.scale_off[i];
+    padded_row p;
+    const __nv_bfloat16 *row;
+    if (!padded_row_of(t, src, cols, dst, scale_inv, &p, &row)) return; /* whole warps leave together */
     for (int64_t base = 0; base < cols; base += 1024) {
         uint4 raw[4];
 #pragma unroll
         for (int q = 0; q < 4; q++) {
             const int64_t c = base + q * 256 + lane * 8;
             raw[q] = make_uint4(0u, 0u, 0u, 0u);
-            if (real && c < cols) raw[q] = *(const uint4 *)(row + c);
+            if (p.real && c < cols) raw[q] = *(const uint4 *)(row + c);
         }
 #pragma unroll
         for (int q = 0; q < 4; q++) {
@@ -360,8 +377,9 @@ __global__ void __launch_bounds__(256)
                 packed.x |= (uint32_t)to_fp8(v[k], scale, fmt) << (8 * k);
                 packed.y |= (uint32_t)to_fp8(v[k + 4], scale, fmt) << (8 * k);
             }
-            if (c < cols) *(uint2 *)(out + c) = packed;
-            if ((lane & 15) == 0 && kb < KB) factors[vec_index(layout, r, kb, t.dst_ld[i], KB)] = __fdiv_rn(1.0f, scale);
+            if (c < cols) *(uint2 *)(p.out + c) = packed;
+            if ((lane & 15) == 0 && kb < p.kb_count)
+                p.factors[vec_index(layout, p.r, kb, t.dst_ld[p.matrix], p.kb_count)] = __fdiv_rn(1.0f, scale);
         }
     }
 }
