@@ -128,6 +128,15 @@ __device__ __forceinline__ uint8_t to_fp8(float x, float scale, int fmt)
     return (uint8_t)__nv_cvt_float_to_fp8(__fmul_rn(x, scale), __NV_SATFINITE, fmt ? __NV_E5M2 : __NV_E4M3);
 }
 
+/* to_fp8 of four values, packed a first (lowest byte): two paired conversions (cvt ... e4m3x2), the same bytes. */
+__device__ __forceinline__ uint32_t to_fp8x4(float a, float b, float c, float d, float scale, int fmt)
+{
+    const __nv_fp8_interpretation_t f = fmt ? __NV_E5M2 : __NV_E4M3;
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(a, scale), __fmul_rn(b, scale)), __NV_SATFINITE, f);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(c, scale), __fmul_rn(d, scale)), __NV_SATFINITE, f);
+    return lo | hi << 16;
+}
+
 /* Index of the VEC128 factor of element (x, block kb) of an operand [X][k] with KB blocks along k. */
 __host__ __device__ __forceinline__ int64_t vec_index(int layout, int64_t x, int64_t kb, int64_t X, int64_t KB)
 {
@@ -371,12 +380,8 @@ __global__ void __launch_bounds__(256)
             for (int k = 0; k < 8; k++) m = max(m, abs_bits(v[k]));
             m = half_warp_max(m);
             const float scale = scale_from_amax(__uint_as_float(m), fp8max, 0, pow2, 1.0f);
-            uint2 packed = make_uint2(0u, 0u);
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                packed.x |= (uint32_t)to_fp8(v[k], scale, fmt) << (8 * k);
-                packed.y |= (uint32_t)to_fp8(v[k + 4], scale, fmt) << (8 * k);
-            }
+            const uint2 packed = make_uint2(to_fp8x4(v[0], v[1], v[2], v[3], scale, fmt),
+                                            to_fp8x4(v[4], v[5], v[6], v[7], scale, fmt));
             if (c < cols) *(uint2 *)(p.out + c) = packed;
             if ((lane & 15) == 0 && kb < p.kb_count)
                 p.factors[vec_index(layout, p.r, kb, t.dst_ld[p.matrix], p.kb_count)] = __fdiv_rn(1.0f, scale);
@@ -413,6 +418,20 @@ __device__ __forceinline__ void load16(const __nv_bfloat16 *p, float *v)
     load4(p + 4, v + 4);
 }
 __device__ __forceinline__ void load16(const float *p, float *v) { load4(p, v); }
+
+/* Two neighbouring values of a row (the first at an even column), widened to fp32: one shared-memory read. */
+__device__ __forceinline__ void load_pair(const __nv_bfloat16 *p, float *a, float *b)
+{
+    const __nv_bfloat162 v = *(const __nv_bfloat162 *)p;
+    *a = __low2float(v);
+    *b = __high2float(v);
+}
+__device__ __forceinline__ void load_pair(const float *p, float *a, float *b)
+{
+    const float2 v = *(const float2 *)p;
+    *a = v.x;
+    *b = v.y;
+}
 
 template <typename T>
 __global__ void __launch_bounds__(256)
@@ -496,27 +515,34 @@ __global__ void __launch_bounds__(256)
         }
     }
     __syncthreads();
-    /* 16 consecutive output bytes (rows) of one column per thread and step: 8 per column */
-    for (int idx = tid; idx < CT_COLS * (TILE / 16); idx += 256) {
-        const int cc = idx / (TILE / 16), g = idx % (TILE / 16);
+    /* Per thread and step, 16 consecutive output bytes (rows) of two neighbouring columns: one shared-memory read per
+     * row gives both columns' values (the swizzle keeps them in one chunk), and 8 threads write a column's 128 rows. */
+    for (int idx = tid; idx < (CT_COLS / 2) * (TILE / 16); idx += 256) {
+        const int cc = 2 * (idx / (TILE / 16)), g = idx % (TILE / 16);
         const int64_t c = cb * CT_COLS + cc, r0 = rb * TILE + g * 16;
         if (c >= C || r0 >= ld) continue;
-        const float sc = mode == SCALE_TENSOR ? scale[4 * e] : mode == SCALE_ALONG_ROWS ? col_scale[cc]
-                         : tile_scale[e * tile_stride + (r0 / TILE) * cb_count + c / TILE];
-        uint32_t w[4];
+        float sc[2];
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
-            uint32_t packed = 0;
+        for (int h = 0; h < 2; h++)
+            sc[h] = c + h >= C ? 1.0f : mode == SCALE_TENSOR ? scale[4 * e] : mode == SCALE_ALONG_ROWS ? col_scale[cc + h]
+                    : tile_scale[e * tile_stride + (r0 / TILE) * cb_count + (c + h) / TILE];
+        uint32_t w[2][4]; /* [column][4 rows] */
 #pragma unroll
-            for (int k = 0; k < 4; k++)
-                packed |= (uint32_t)to_fp8(to_float(tile[tile_at<T>(g * 16 + q * 4 + k, cc)]), sc, fmt) << (8 * k);
-            w[q] = packed;
+        for (int q = 0; q < 4; q++) { /* 4 rows at a time: fewer values live */
+            float v[2][4];
+#pragma unroll
+            for (int k = 0; k < 4; k++) load_pair(&tile[tile_at<T>(g * 16 + 4 * q + k, cc)], &v[0][k], &v[1][k]);
+#pragma unroll
+            for (int h = 0; h < 2; h++) w[h][q] = to_fp8x4(v[h][0], v[h][1], v[h][2], v[h][3], sc[h], fmt);
         }
-        uint8_t *out = dst + t.dst_off[i] + c * ld + r0;
-        if (r0 + 16 <= ld) {
-            *(uint4 *)out = make_uint4(w[0], w[1], w[2], w[3]);
-        } else { /* ld is a multiple of 16, so this does not happen; kept for safety */
-            for (int q = 0; q < 4 && r0 + q * 4 < ld; q++) *(uint32_t *)(out + q * 4) = w[q];
+#pragma unroll
+        for (int h = 0; h < 2 && c + h < C; h++) {
+            uint8_t *out = dst + t.dst_off[i] + (c + h) * ld + r0;
+            if (r0 + 16 <= ld) {
+                *(uint4 *)out = make_uint4(w[h][0], w[h][1], w[h][2], w[h][3]);
+            } else { /* ld is a multiple of 16, so this does not happen; kept for safety */
+                for (int q = 0; q < 4 && r0 + q * 4 < ld; q++) *(uint32_t *)(out + q * 4) = w[h][q];
+            }
         }
     }
 }
