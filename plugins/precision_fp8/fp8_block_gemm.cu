@@ -78,10 +78,6 @@ typedef struct kernel_args {
     int pairs;    /* forward form's main loop: 0 one k-block at a time, 1 in pairs, 2 in pairs, the second consumer
                      warpgroup one block out of step with the first */
     int d_bf16, accumulate;
-    int old_in_registers; /* adding to fp32 D through the TMA epilogue: each consumer thread reads its old values into
-                             registers at the tile's start (in flight during the main loop), so the epilogue warp
-                             only stores (MOERT_FP8_BLOCK_OLD=registers); 0: the epilogue warp loads them into the
-                             output set */
 } kernel_args;
 
 struct moert_fp8_block_ctx {
@@ -93,7 +89,6 @@ struct moert_fp8_block_ctx {
     int staged;       /* TMA epilogue (MOERT_FP8_BLOCK_EPILOGUE=registers turns it off) */
     int stages_set, sets_set; /* MOERT_FP8_BLOCK_STAGES / _SETS (tuning), 0: the defaults (ring_for) */
     int pairs;        /* kernel_args.pairs (MOERT_FP8_BLOCK_PAIRS, tuning; default 2) */
-    int old_regs;     /* kernel_args.old_in_registers where it applies (MOERT_FP8_BLOCK_OLD=registers|tma) */
     size_t smem_max;  /* the device's shared memory per block (opt-in) */
     size_t slot_bytes;
     void *pinned[SLOTS];
@@ -188,24 +183,6 @@ __device__ __forceinline__ void store_tile(const group_dev &g, int row, int col,
             if (row0_ok) p[(base0 + col + 8 * j) / 2] = make_float2(acc[4 * j + 0], acc[4 * j + 1]);
             if (row1_ok) p[(base1 + col + 8 * j) / 2] = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
         }
-    }
-}
-
-/* The old fp32 values of D under this thread's accumulators (rows row and row + 8, columns col + 8 j and + 1; zeros
- * outside the group's m x n), read with streaming loads: issued at the tile's start, they land during its main
- * loop. */
-__device__ __forceinline__ void load_old(const group_dev &g, int row, int col, float *old)
-{
-    const bool row0_ok = row < g.m, row1_ok = row + 8 < g.m;
-    const float2 *p = (const float2 *)g.d;
-    const int64_t base0 = (int64_t)row * g.ldd, base1 = (int64_t)(row + 8) * g.ldd;
-#pragma unroll
-    for (int j = 0; j < 16; j++) {
-        const bool col_ok = col + 8 * j < g.n;
-        float2 a = make_float2(0.f, 0.f), b = make_float2(0.f, 0.f);
-        if (col_ok && row0_ok) a = __ldcs(p + (base0 + col + 8 * j) / 2);
-        if (col_ok && row1_ok) b = __ldcs(p + (base1 + col + 8 * j) / 2);
-        old[4 * j + 0] = a.x, old[4 * j + 1] = a.y, old[4 * j + 2] = b.x, old[4 * j + 3] = b.y;
     }
 }
 
@@ -310,7 +287,7 @@ __device__ __forceinline__ void epilogue_dma(const kernel_args &args, int rank, 
         const int next = pending.map >= 0 ? set ^ 1 : set; /* the set this tile goes into */
         uint8_t *next_boxes = boxes + next * set_bytes;
         bulk_wait_read(); /* the set's last tile has left it */
-        if (args.accumulate && !args.old_in_registers) {
+        if (args.accumulate) {
             mbar_arrive_expect_tx(&d_ready[next], (uint32_t)count * OUT_BOX_BYTES);
             for (int b = 0; b < count; b++)
                 tensor_load_2d(next_boxes + b * OUT_BOX_BYTES, args.maps + g.d_map, x0 + b * box_cols, y0,
@@ -371,12 +348,11 @@ __device__ __forceinline__ void stage_tile_as(const float *acc, uint8_t *boxes, 
 __device__ __forceinline__ void stage_tile(const kernel_args &args, const float *acc, uint8_t *boxes,
                                            uint64_t *d_ready, uint32_t ready_phase, uint64_t *d_staged)
 {
-    const bool add_staged = args.accumulate && !args.old_in_registers;
     if (args.d_bf16) {
-        if (add_staged) stage_tile_as<1, 1>(acc, boxes, d_ready, ready_phase, d_staged);
+        if (args.accumulate) stage_tile_as<1, 1>(acc, boxes, d_ready, ready_phase, d_staged);
         else stage_tile_as<1, 0>(acc, boxes, d_ready, ready_phase, d_staged);
     } else {
-        if (add_staged) stage_tile_as<0, 1>(acc, boxes, d_ready, ready_phase, d_staged);
+        if (args.accumulate) stage_tile_as<0, 1>(acc, boxes, d_ready, ready_phase, d_staged);
         else stage_tile_as<0, 0>(acc, boxes, d_ready, ready_phase, d_staged);
     }
 }
@@ -583,9 +559,6 @@ __device__ __forceinline__ void consume(const kernel_args &args, int rank, int c
         float acc[64], part0[64], part1[64];
 #pragma unroll
         for (int i = 0; i < 64; i++) acc[i] = 0.f;
-        float old[B_PER_ROW ? 64 : 1];
-        const bool old_here = B_PER_ROW && args.old_in_registers && g.d_map >= 0;
-        if (B_PER_ROW && old_here) load_old(g, tp.m_tile * TILE + r0, tp.n_tile * TILE + col0, old);
         /* k-blocks in pairs: the second block's wgmma runs while the first is promoted. (Nothing may be in flight
          * across a branch ptxas cannot prove warpgroup-uniform, such as a loop's test on kb_count, or it serializes
          * every wgmma; so the pair is issued together and drained before the loop goes on.) The per-row form (the
@@ -614,9 +587,6 @@ __device__ __forceinline__ void consume(const kernel_args &args, int rank, int c
         for (; kb < kb_count; kb++)
             single_block<A_FMT, B_FMT, B_PER_ROW>(acc, part0, ring, stages, full, empty, a_tiles, b_tiles, a_factors,
                                                   b_factors, c, r0, col0, cluster, rank);
-        if (B_PER_ROW && old_here)
-#pragma unroll
-            for (int i = 0; i < (B_PER_ROW ? 64 : 1); i++) acc[i] += old[i];
         if (g.d_map >= 0) {
             stage_tile(args, acc, boxes + set * set_bytes, &d_ready[set], (ready_phase >> set) & 1, &d_staged[set]);
             ready_phase ^= 1u << set;
@@ -726,9 +696,6 @@ static void options_from_env(moert_fp8_block_ctx *ctx)
     const char *pairs = getenv("MOERT_FP8_BLOCK_PAIRS");
     if (pairs && (strcmp(pairs, "0") == 0 || strcmp(pairs, "1") == 0 || strcmp(pairs, "2") == 0))
         ctx->pairs = atoi(pairs);
-    const char *old = getenv("MOERT_FP8_BLOCK_OLD");
-    if (old && strcmp(old, "registers") == 0) ctx->old_regs = 1;
-    if (old && strcmp(old, "tma") == 0) ctx->old_regs = 0;
     const char *grid = getenv("MOERT_FP8_BLOCK_CLUSTERS"); /* tuning: fewer resident clusters */
     if (grid && atoi(grid) > 0 && atoi(grid) < ctx->max_clusters) ctx->max_clusters = atoi(grid);
 }
@@ -1001,7 +968,6 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
     args.cluster = cluster;
     args.d_bf16 = gm->d_bf16 != 0;
     args.accumulate = gm->accumulate != 0;
-    args.old_in_registers = ctx->old_regs && args.accumulate && !args.d_bf16 && ctx->staged && gm->b_per_row != 0;
     ring_for(ctx, args.d_bf16, &args.stages, &args.out_sets);
     args.pairs = ctx->pairs;
     const int64_t resident = cluster > 1 ? ctx->max_clusters : ctx->sm_count;
