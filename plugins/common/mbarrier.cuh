@@ -85,16 +85,6 @@ __device__ __forceinline__ void bulk_store(void *dst, const void *src_smem, uint
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 /* This thread's bulk stores so far have read their shared memory (it may be written again). */
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
-/* All but this thread's `pending` (0..3) most recent bulk groups have read their shared memory. */
-__device__ __forceinline__ void bulk_wait_read_all_but(int pending)
-{
-    switch (pending) {
-    case 0: asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); break;
-    case 1: asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory"); break;
-    case 2: asm volatile("cp.async.bulk.wait_group.read 2;" ::: "memory"); break;
-    default: asm volatile("cp.async.bulk.wait_group.read 3;" ::: "memory"); break;
-    }
-}
 /* This thread's bulk stores so far are complete (written). */
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 /* Orders this thread's generic-proxy shared-memory writes before later async-proxy (bulk copy) reads of them. */

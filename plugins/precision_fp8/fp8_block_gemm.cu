@@ -75,7 +75,6 @@ typedef struct kernel_args {
     int cluster; /* CTAs per cluster: 1 or 2 */
     int stages;
     int out_sets; /* staged output sets: 1 or 2 (0 without the TMA epilogue) */
-    int box_pipeline; /* one fp32 output set, adding: a box's old values load once its last store has read it */
     int pairs;    /* forward form's main loop: 0 one k-block at a time, 1 in pairs, 2 in pairs, the second consumer
                      warpgroup one block out of step with the first */
     int d_bf16, accumulate;
@@ -90,7 +89,6 @@ struct moert_fp8_block_ctx {
     int staged;       /* TMA epilogue (MOERT_FP8_BLOCK_EPILOGUE=registers turns it off) */
     int stages_set, sets_set; /* MOERT_FP8_BLOCK_STAGES / _SETS (tuning), 0: the defaults (ring_for) */
     int pairs;        /* kernel_args.pairs (MOERT_FP8_BLOCK_PAIRS, tuning; default 2) */
-    int box_pipeline; /* kernel_args.box_pipeline (MOERT_FP8_BLOCK_BOXES=1|0, for measuring) */
     size_t smem_max;  /* the device's shared memory per block (opt-in) */
     size_t slot_bytes;
     void *pinned[SLOTS];
@@ -250,24 +248,18 @@ typedef struct pending_tile {
     int x0, y0, count, map; /* map -1: none */
 } pending_tile;
 
-/* Waits until the consumer has written tile p into output set `set`, then hands the set's boxes to TMA (a bulk
- * group per box with per_box, so the next tile's loads can follow the boxes one by one; else one group). Returns the
- * boxes stored. */
-__device__ __forceinline__ int store_staged(const kernel_args &args, pending_tile &p, uint8_t *boxes, int set,
-                                            uint64_t *d_staged, uint32_t &staged_phase, bool per_box = false)
+/* Waits until the consumer has written tile p into output set `set`, then hands the set's boxes to TMA. */
+__device__ __forceinline__ void store_staged(const kernel_args &args, pending_tile &p, uint8_t *boxes, int set,
+                                             uint64_t *d_staged, uint32_t &staged_phase)
 {
     const int box_cols = args.d_bf16 ? 64 : 32;
     const size_t set_bytes = set_bytes_of(args.d_bf16);
     mbar_wait(&d_staged[set], (staged_phase >> set) & 1);
     staged_phase ^= 1u << set;
-    for (int b = 0; b < p.count; b++) {
+    for (int b = 0; b < p.count; b++)
         tensor_store_2d(args.maps + p.map, p.x0 + b * box_cols, p.y0, boxes + set * set_bytes + b * OUT_BOX_BYTES);
-        if (per_box) bulk_commit();
-    }
-    if (!per_box) bulk_commit();
-    const int stored = p.count;
+    bulk_commit();
     p.map = -1;
-    return stored;
 }
 
 /* The epilogue warp of consumer warpgroup c (one thread): walks the CTA's tiles in the consumer's order and, for
@@ -291,24 +283,15 @@ __device__ __forceinline__ void epilogue_dma(const kernel_args &args, int rank, 
         int x0, y0;
         const int count = g.d_map >= 0 ? out_box_count(args, g, tp, c, &x0, &y0) : 0;
         if (count == 0) continue;
-        /* one set, adding: the last tile's boxes are stored one bulk group each, and each box of this tile loads as
-         * soon as the store out of its place has read it (args.box_pipeline) */
-        const bool by_box = args.box_pipeline && args.out_sets == 1 && args.accumulate;
-        int stored = 0;
-        if (args.out_sets == 1 && pending.map >= 0)
-            stored = store_staged(args, pending, boxes, set, d_staged, staged_phase, by_box);
+        if (args.out_sets == 1 && pending.map >= 0) store_staged(args, pending, boxes, set, d_staged, staged_phase);
         const int next = pending.map >= 0 ? set ^ 1 : set; /* the set this tile goes into */
         uint8_t *next_boxes = boxes + next * set_bytes;
-        if (!by_box) bulk_wait_read(); /* the set's last tile has left it */
+        bulk_wait_read(); /* the set's last tile has left it */
         if (args.accumulate) {
-            for (int b = 0; b < count; b++) {
-                if (by_box) bulk_wait_read_all_but(b < stored ? stored - 1 - b : 0);
+            mbar_arrive_expect_tx(&d_ready[next], (uint32_t)count * OUT_BOX_BYTES);
+            for (int b = 0; b < count; b++)
                 tensor_load_2d(next_boxes + b * OUT_BOX_BYTES, args.maps + g.d_map, x0 + b * box_cols, y0,
                                &d_ready[next]);
-            }
-            if (by_box && count < stored) bulk_wait_read(); /* the consumer writes every box of the set */
-            /* after the loads: a load may land first (the phase's transaction count goes below zero meanwhile) */
-            mbar_arrive_expect_tx(&d_ready[next], (uint32_t)count * OUT_BOX_BYTES);
         } else {
             mbar_arrive(&d_ready[next]);
         }
@@ -713,8 +696,6 @@ static void options_from_env(moert_fp8_block_ctx *ctx)
     const char *pairs = getenv("MOERT_FP8_BLOCK_PAIRS");
     if (pairs && (strcmp(pairs, "0") == 0 || strcmp(pairs, "1") == 0 || strcmp(pairs, "2") == 0))
         ctx->pairs = atoi(pairs);
-    const char *boxes = getenv("MOERT_FP8_BLOCK_BOXES");
-    if (boxes && (strcmp(boxes, "0") == 0 || strcmp(boxes, "1") == 0)) ctx->box_pipeline = atoi(boxes);
     const char *grid = getenv("MOERT_FP8_BLOCK_CLUSTERS"); /* tuning: fewer resident clusters */
     if (grid && atoi(grid) > 0 && atoi(grid) < ctx->max_clusters) ctx->max_clusters = atoi(grid);
 }
@@ -989,7 +970,6 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
     args.accumulate = gm->accumulate != 0;
     ring_for(ctx, args.d_bf16, &args.stages, &args.out_sets);
     args.pairs = ctx->pairs;
-    args.box_pipeline = ctx->box_pipeline;
     const int64_t resident = cluster > 1 ? ctx->max_clusters : ctx->sm_count;
     const int64_t grid = (units < resident ? units : resident) * cluster;
     cudaLaunchConfig_t cfg = {};
