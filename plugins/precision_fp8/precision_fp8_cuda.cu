@@ -253,22 +253,28 @@ __device__ __forceinline__ uint32_t half_warp_max(uint32_t v)
     return v;
 }
 
-/* Quantizes 8 values (two groups of 4 at c and c + 4, each inside the row when its flag says so) of a 1x128 tile
- * whose 16 lanes form this half-warp: the tile's amax, the scale, the bytes (4-byte stores) and, from the
- * half-warp's first lane, the factor. */
-__device__ __forceinline__ void block_tile_store(const float v[8], bool in0, bool in1, uint8_t *out, int fmt,
-                                                 float fp8max, int pow2, float *factor, bool writes_factor)
+/* Quantizes this lane's 8 values of a 1x128 tile whose 16 lanes form this half-warp: the tile's amax over the
+ * half-warp, its scale (returned) and the 8 bytes (packed, the first value lowest). */
+__device__ __forceinline__ float block_tile_quantize(const float v[8], int fmt, float fp8max, int pow2, uint2 *packed)
 {
     uint32_t m = 0;
 #pragma unroll
     for (int k = 0; k < 8; k++) m = max(m, abs_bits(v[k]));
     m = half_warp_max(m);
     const float scale = scale_from_amax(__uint_as_float(m), fp8max, 0, pow2, 1.0f);
-    uint32_t packed[2] = {0, 0};
-#pragma unroll
-    for (int k = 0; k < 8; k++) packed[k / 4] |= (uint32_t)to_fp8(v[k], scale, fmt) << (8 * (k % 4));
-    if (in0) *(uint32_t *)out = packed[0];
-    if (in1) *(uint32_t *)(out + 4) = packed[1];
+    *packed = make_uint2(to_fp8x4(v[0], v[1], v[2], v[3], scale, fmt), to_fp8x4(v[4], v[5], v[6], v[7], scale, fmt));
+    return scale;
+}
+
+/* block_tile_quantize, then the bytes (two groups of 4 at c and c + 4, each stored when inside the row: 4-byte
+ * stores, for rows whose length is only a multiple of 4) and, from the half-warp's first lane, the factor. */
+__device__ __forceinline__ void block_tile_store(const float v[8], bool in0, bool in1, uint8_t *out, int fmt,
+                                                 float fp8max, int pow2, float *factor, bool writes_factor)
+{
+    uint2 packed;
+    const float scale = block_tile_quantize(v, fmt, fp8max, pow2, &packed);
+    if (in0) *(uint32_t *)out = packed.x;
+    if (in1) *(uint32_t *)(out + 4) = packed.y;
     if (writes_factor) *factor = __fdiv_rn(1.0f, scale);
 }
 
@@ -375,14 +381,9 @@ __global__ void __launch_bounds__(256)
                 v[2 * k] = __uint_as_float(w[k] << 16);
                 v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
             }
-            uint32_t m = 0;
-#pragma unroll
-            for (int k = 0; k < 8; k++) m = max(m, abs_bits(v[k]));
-            m = half_warp_max(m);
-            const float scale = scale_from_amax(__uint_as_float(m), fp8max, 0, pow2, 1.0f);
-            const uint2 packed = make_uint2(to_fp8x4(v[0], v[1], v[2], v[3], scale, fmt),
-                                            to_fp8x4(v[4], v[5], v[6], v[7], scale, fmt));
-            if (c < cols) *(uint2 *)(p.out + c) = packed;
+            uint2 packed;
+            const float scale = block_tile_quantize(v, fmt, fp8max, pow2, &packed);
+            if (c < cols) *(uint2 *)(p.out + c) = packed; /* rows of a multiple of 8: 8-byte aligned */
             if ((lane & 15) == 0 && kb < p.kb_count)
                 p.factors[vec_index(layout, p.r, kb, t.dst_ld[p.matrix], p.kb_count)] = __fdiv_rn(1.0f, scale);
         }
