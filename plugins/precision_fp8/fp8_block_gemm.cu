@@ -1,5 +1,5 @@
-/* Blockwise-scaled FP8 grouped GEMM (see fp8_block_gemm.h): persistent CTAs over 128x128 output tiles, three
- * warpgroups each.
+/* Blockwise-scaled FP8 grouped GEMM (see fp8_block_gemm.h): persistent CTAs over 128x128 output tiles (128x256 in
+ * the forward form with bf16 D, see consume_wide), three warpgroups each.
  * - Producers (warp 0's lane 0: A; warp 3: B and the scale factors): load each 128-long k-block of A and B through
  *   TMA into a ring of stages (128-byte swizzled rows, as wgmma reads them), and the block's factors into the same
  *   stage.
@@ -46,15 +46,27 @@
 #define MAX_OUT_SETS 2               /* staged output sets per consumer (one filled while the other is moved) */
 #define MAX_CLUSTER 2
 
-#define STAGE_BYTES (2 * TILE_BYTES + 2 * TILE * 4 + 2 * 8) /* A and B tiles, their factors, two barriers */
-__host__ __device__ static inline size_t staging_bytes(int d_bf16) { return (size_t)TILE * TILE * (d_bf16 ? 2 : 4); }
+#define WIDE_N (2 * TILE)              /* the wide tile's columns (see consume_wide) */
+
+/* A stage of the ring for output tiles tile_n columns wide: the A tile, the B tile (tile_n rows), their factors and
+ * two barriers. */
+__host__ __device__ static inline size_t stage_bytes(int tile_n)
+{
+    return (size_t)TILE_BYTES + (size_t)TILE * tile_n + 2 * TILE * 4 + 2 * 8;
+}
+/* One staged output set: a whole tile of D. */
+__host__ __device__ static inline size_t staging_bytes(int d_bf16, int tile_n)
+{
+    return (size_t)TILE * tile_n * (d_bf16 ? 2 : 4);
+}
 /* One consumer's output set: half a tile of D. */
-__host__ __device__ static inline size_t set_bytes_of(int d_bf16) { return staging_bytes(d_bf16) / 2; }
+__host__ __device__ static inline size_t set_bytes_of(int d_bf16, int tile_n) { return staging_bytes(d_bf16, tile_n) / 2; }
 /* Dynamic shared memory of a ring of `stages` and `sets` staged output sets (plus alignment and the epilogue's
  * barriers). */
-static inline size_t smem_bytes(int d_bf16, int stages, int sets)
+static inline size_t smem_bytes(int d_bf16, int tile_n, int stages, int sets)
 {
-    return 1024 + (size_t)stages * STAGE_BYTES + (size_t)sets * staging_bytes(d_bf16) + 2 * 2 * MAX_OUT_SETS * 8;
+    return 1024 + (size_t)stages * stage_bytes(tile_n) + (size_t)sets * staging_bytes(d_bf16, tile_n) +
+           2 * 2 * MAX_OUT_SETS * 8;
 }
 
 /* A group as the kernel reads it (the host's moert_fp8_block_group with its tiles counted). */
@@ -78,6 +90,7 @@ typedef struct kernel_args {
     int pairs;    /* forward form's main loop: 0 one k-block at a time, 1 in pairs, 2 in pairs, the second consumer
                      warpgroup one block out of step with the first */
     int d_bf16, accumulate;
+    int tile_n;   /* columns of an output tile: TILE, or WIDE_N for the wide forward form */
 } kernel_args;
 
 struct moert_fp8_block_ctx {
@@ -89,6 +102,8 @@ struct moert_fp8_block_ctx {
     int staged;       /* TMA epilogue (MOERT_FP8_BLOCK_EPILOGUE=registers turns it off) */
     int stages_set, sets_set; /* MOERT_FP8_BLOCK_STAGES / _SETS (tuning), 0: the defaults (ring_for) */
     int pairs;        /* kernel_args.pairs (MOERT_FP8_BLOCK_PAIRS, tuning; default 2) */
+    int tile_n;       /* the forward form's output tile columns with bf16 D: TILE or WIDE_N
+                         (moert_fp8_block_ctx_set_tile_n, MOERT_FP8_BLOCK_TILE_N) */
     size_t smem_max;  /* the device's shared memory per block (opt-in) */
     size_t slot_bytes;
     void *pinned[SLOTS];
@@ -144,9 +159,10 @@ __device__ __forceinline__ int next_group(const group_dev *groups, int count, in
     return group;
 }
 
-/* D's values of one thread (rows row and row + 8, columns col + 8 j and + 1), stored or added, masked to the
- * group's m x n. Adding loads every old value first (into old, free after the main loop), then stores: loads and
- * stores interleaved would wait on each other (they may alias, as far as the compiler knows). */
+/* D's values of one thread (rows row and row + 8, columns col + 8 j and + 1, j < NJ), stored or added, masked to
+ * the group's m x n. Adding loads every old value first (into old, 4 NJ floats free after the main loop), then
+ * stores: loads and stores interleaved would wait on each other (they may alias, as far as the compiler knows). */
+template <int NJ>
 __device__ __forceinline__ void store_tile(const group_dev &g, int row, int col, float *acc, float *old, int d_bf16,
                                            int accumulate)
 {
@@ -154,7 +170,7 @@ __device__ __forceinline__ void store_tile(const group_dev &g, int row, int col,
     const int64_t base0 = (int64_t)row * g.ldd, base1 = (int64_t)(row + 8) * g.ldd;
     if (accumulate) {
 #pragma unroll
-        for (int j = 0; j < 16; j++) {
+        for (int j = 0; j < NJ; j++) {
             const bool col_ok = col + 8 * j < g.n;
             float2 a = make_float2(0.f, 0.f), b = make_float2(0.f, 0.f);
             if (d_bf16) {
@@ -169,10 +185,10 @@ __device__ __forceinline__ void store_tile(const group_dev &g, int row, int col,
             old[4 * j + 0] = a.x, old[4 * j + 1] = a.y, old[4 * j + 2] = b.x, old[4 * j + 3] = b.y;
         }
 #pragma unroll
-        for (int i = 0; i < 64; i++) acc[i] += old[i];
+        for (int i = 0; i < 4 * NJ; i++) acc[i] += old[i];
     }
 #pragma unroll
-    for (int j = 0; j < 16; j++) {
+    for (int j = 0; j < NJ; j++) {
         if (col + 8 * j >= g.n) continue;
         if (d_bf16) {
             __nv_bfloat162 *p = (__nv_bfloat162 *)g.d;
@@ -231,16 +247,16 @@ __device__ __forceinline__ bool walk_next(const kernel_args &args, int rank, til
     return true;
 }
 
-/* The boxes of consumer warpgroup c's 64 x 128 part of tile tp that lie inside D (count; first column x0, row y0);
+/* The boxes of consumer warpgroup c's 64 x tile_n part of tile tp that lie inside D (count; first column x0, row y0);
  * 0 for a dead tile. */
 __device__ __forceinline__ int out_box_count(const kernel_args &args, const group_dev &g, const tile_pos &tp, int c,
                                              int *x0, int *y0)
 {
     const int box_cols = args.d_bf16 ? 64 : 32;
-    *x0 = tp.n_tile * TILE, *y0 = tp.m_tile * TILE + c * 64;
+    *x0 = tp.n_tile * args.tile_n, *y0 = tp.m_tile * TILE + c * 64;
     if (*y0 >= g.m || *x0 >= g.n) return 0;
     const int left = (g.n - *x0 + box_cols - 1) / box_cols;
-    return left < TILE / box_cols ? left : TILE / box_cols;
+    return left < args.tile_n / box_cols ? left : args.tile_n / box_cols;
 }
 
 /* A tile whose stores the epilogue warp has still to issue, once its consumer has staged it. */
@@ -253,7 +269,7 @@ __device__ __forceinline__ void store_staged(const kernel_args &args, pending_ti
                                              uint64_t *d_staged, uint32_t &staged_phase)
 {
     const int box_cols = args.d_bf16 ? 64 : 32;
-    const size_t set_bytes = set_bytes_of(args.d_bf16);
+    const size_t set_bytes = set_bytes_of(args.d_bf16, args.tile_n);
     mbar_wait(&d_staged[set], (staged_phase >> set) & 1);
     staged_phase ^= 1u << set;
     for (int b = 0; b < p.count; b++)
@@ -272,7 +288,7 @@ __device__ __forceinline__ void epilogue_dma(const kernel_args &args, int rank, 
                                              uint64_t *d_ready, uint64_t *d_staged)
 {
     const int box_cols = args.d_bf16 ? 64 : 32;
-    const size_t set_bytes = set_bytes_of(args.d_bf16);
+    const size_t set_bytes = set_bytes_of(args.d_bf16, args.tile_n);
     pending_tile pending = {0, 0, 0, -1};
     int set = 0;
     uint32_t staged_phase = 0; /* bit per set */
@@ -309,7 +325,7 @@ __device__ __forceinline__ void epilogue_dma(const kernel_args &args, int rank, 
  * per tile by stage_tile: testing both at every value, the unrolled loop branched 64 times a tile and stalled on
  * instruction fetch, and the wgrad form (a few k-blocks a tile) spent a quarter of its consumers' time here
  * (session 12 profile). */
-template <int D_BF16, int ACCUMULATE>
+template <int D_BF16, int ACCUMULATE, int NJ>
 __device__ __forceinline__ void stage_tile_as(const float *acc, uint8_t *boxes, uint64_t *d_ready,
                                               uint32_t ready_phase, uint64_t *d_staged)
 {
@@ -318,7 +334,7 @@ __device__ __forceinline__ void stage_tile_as(const float *acc, uint8_t *boxes, 
     const int r = warp * 16 + lane / 4, col0 = 2 * (lane % 4);
     mbar_wait(d_ready, ready_phase);
 #pragma unroll
-    for (int j = 0; j < 16; j++) {
+    for (int j = 0; j < NJ; j++) {
         const int col = col0 + 8 * j;
         uint8_t *box = boxes + (col / box_cols) * OUT_BOX_BYTES;
 #pragma unroll
@@ -349,11 +365,11 @@ __device__ __forceinline__ void stage_tile(const kernel_args &args, const float 
                                            uint64_t *d_ready, uint32_t ready_phase, uint64_t *d_staged)
 {
     if (args.d_bf16) {
-        if (args.accumulate) stage_tile_as<1, 1>(acc, boxes, d_ready, ready_phase, d_staged);
-        else stage_tile_as<1, 0>(acc, boxes, d_ready, ready_phase, d_staged);
+        if (args.accumulate) stage_tile_as<1, 1, 16>(acc, boxes, d_ready, ready_phase, d_staged);
+        else stage_tile_as<1, 0, 16>(acc, boxes, d_ready, ready_phase, d_staged);
     } else {
-        if (args.accumulate) stage_tile_as<0, 1>(acc, boxes, d_ready, ready_phase, d_staged);
-        else stage_tile_as<0, 0>(acc, boxes, d_ready, ready_phase, d_staged);
+        if (args.accumulate) stage_tile_as<0, 1, 16>(acc, boxes, d_ready, ready_phase, d_staged);
+        else stage_tile_as<0, 0, 16>(acc, boxes, d_ready, ready_phase, d_staged);
     }
 }
 
@@ -398,10 +414,11 @@ __device__ __forceinline__ void produce_a(const kernel_args &args, uint8_t *a_ti
  * factors by cp.async (rows, or columns, lane + 32 i: coalesced; zeros past the group, so the warp never waits for
  * a global load) and arrives on the full barrier when they land. The group's fields are read once per tile: inside
  * the loop the copies' memory clobbers would reload them every k-block. */
-template <int B_PER_ROW>
+template <int B_PER_ROW, int TILE_N>
 __device__ __forceinline__ void produce_b(const kernel_args &args, uint8_t *b_tiles, float *a_factors,
                                           float *b_factors, uint64_t *full, uint64_t *empty, int rank)
 {
+    constexpr int b_blocks = TILE_N / TILE; /* 128x128 factor blocks across a tile (per-block form) */
     const int lane = threadIdx.x % 32, stages = args.stages;
     int s = 0;
     uint32_t phase = 0, it = 0;
@@ -411,18 +428,21 @@ __device__ __forceinline__ void produce_b(const kernel_args &args, uint8_t *b_ti
         const group_dev &g = args.groups[tp.group];
         const bool live = tp.n_tile < g.n_tiles;
         const CUtensorMap *map = args.maps + g.b_map;
-        const int row = (int)(g.b_row0 + (int64_t)tp.n_tile * TILE);
-        const int rows_left = g.m - tp.m_tile * TILE - lane, cols_left = g.n - tp.n_tile * TILE - lane;
+        const int row = (int)(g.b_row0 + (int64_t)tp.n_tile * TILE_N);
+        const int rows_left = g.m - tp.m_tile * TILE - lane, cols_left = g.n - tp.n_tile * TILE_N - lane;
         const int64_t a_stride = g.a_scale_kb_stride, b_stride = g.b_scale_stride;
         const float *sa = g.a_scale + tp.m_tile * TILE + lane;
+        /* per block: lane l < b_blocks copies the factor of the tile's l-th column block (zero past the group) */
+        const int b_block = tp.n_tile * b_blocks + lane;
+        const bool b_block_ok = live && lane < b_blocks && b_block * TILE < g.n;
         const float *sb = B_PER_ROW ? g.b_scale + tp.n_tile * TILE + lane
-                                    : g.b_scale + (int64_t)(live ? tp.n_tile : 0) * b_stride;
+                                    : g.b_scale + (int64_t)(b_block_ok ? b_block : 0) * b_stride;
         const int kb_count = g.kb_count;
         for (int kb = 0; kb < kb_count; kb++, it++) {
             if (it >= (uint32_t)stages) mbar_wait(&empty[s], phase ^ 1);
             if (lane == 0) {
-                mbar_arrive_expect_tx(&full[s], live ? TILE_BYTES : 0);
-                if (live) tensor_load_2d(b_tiles + s * TILE_BYTES, map, kb * TILE, row, &full[s]);
+                mbar_arrive_expect_tx(&full[s], live ? TILE * TILE_N : 0);
+                if (live) tensor_load_2d(b_tiles + (size_t)s * TILE * TILE_N, map, kb * TILE, row, &full[s]);
             }
             float *a_dst = a_factors + s * TILE + lane, *b_dst = b_factors + s * TILE + lane;
 #pragma unroll
@@ -430,7 +450,7 @@ __device__ __forceinline__ void produce_b(const kernel_args &args, uint8_t *b_ti
                 async_copy4(a_dst + 32 * i, sa + 32 * i, 32 * i < rows_left);
                 if (B_PER_ROW) async_copy4(b_dst + 32 * i, sb + 32 * i, 32 * i < cols_left);
             }
-            if (!B_PER_ROW && lane == 0) async_copy4(b_dst, sb + kb, live);
+            if (!B_PER_ROW && lane < b_blocks) async_copy4(b_dst, sb + kb, b_block_ok);
             async_copy_arrive(&full[s]);
             sa += a_stride;
             if (B_PER_ROW) sb += b_stride;
@@ -539,7 +559,7 @@ __device__ __forceinline__ void consume(const kernel_args &args, int rank, int c
     const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
     const int r0 = c * 64 + warp * 16 + lane / 4; /* this thread's rows: r0 and r0 + 8 */
     const int col0 = 2 * (lane % 4);              /* and columns col0 + 8 j, + 1 */
-    const size_t set_bytes = set_bytes_of(args.d_bf16);
+    const size_t set_bytes = set_bytes_of(args.d_bf16, args.tile_n);
     ring_pos ring = {0, 0};
     int set = 0;
     uint32_t ready_phase = 0; /* bit per set */
@@ -592,17 +612,94 @@ __device__ __forceinline__ void consume(const kernel_args &args, int rank, int c
             ready_phase ^= 1u << set;
             set ^= args.out_sets - 1;
         } else {
-            store_tile(g, tp.m_tile * TILE + r0, tp.n_tile * TILE + col0, acc, part0, args.d_bf16, args.accumulate);
+            store_tile<16>(g, tp.m_tile * TILE + r0, tp.n_tile * TILE + col0, acc, part0, args.d_bf16,
+                           args.accumulate);
+        }
+    }
+}
+
+/* Consumer warpgroup c in the wide forward form (tiles of 128 x WIDE_N, bf16 D written, 128x128 B factors): per
+ * k-block, the left and then the right 128 columns of its 64 rows go through the tensor cores into one set of
+ * partial sums and are promoted into acc[0..63] and acc[64..127]. Per k-block the SM takes in 48 KB for 8.4 MFLOP
+ * (the 128 x 128 tile: 32 KB for 4.2), and each warpgroup reads the stage's A rows twice and B once. The partial
+ * sums are not double-buffered (acc and part already hold 192 registers): while one warpgroup promotes, the
+ * other's wgmma keep the tensor cores busy. The stage is handed back once the right half's wgmma are done. */
+template <int A_FMT, int B_FMT>
+__device__ __forceinline__ void consume_wide(const kernel_args &args, int rank, int c, const uint8_t *a_tiles,
+                                             const uint8_t *b_tiles, const float *a_factors, const float *b_factors,
+                                             uint64_t *full, uint64_t *empty, uint8_t *boxes, uint64_t *d_ready,
+                                             uint64_t *d_staged)
+{
+    const int stages = args.stages, cluster = args.cluster;
+    const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+    const int r0 = c * 64 + warp * 16 + lane / 4; /* this thread's rows: r0 and r0 + 8 */
+    const int col0 = 2 * (lane % 4);              /* and columns col0 + 8 j, + 1 (j < 32) */
+    const size_t set_bytes = set_bytes_of(1, WIDE_N);
+    ring_pos ring = {0, 0};
+    int set = 0;
+    uint32_t ready_phase = 0; /* bit per set */
+    tile_walk walk = walk_begin(args);
+    tile_pos tp;
+    while (walk_next(args, rank, walk, tp)) {
+        const group_dev &g = args.groups[tp.group];
+        const int kb_count = g.kb_count;
+        if (tp.n_tile >= g.n_tiles || tp.m_tile * TILE + c * 64 >= g.m) { /* no rows or columns of D here */
+            for (int kb = 0; kb < kb_count; kb++) {
+                mbar_wait(&full[ring.s], ring.phase);
+                release_stage(empty, ring.s, cluster, rank);
+                ring_next(ring, stages);
+            }
+            continue;
+        }
+        float acc[128], part[64];
+#pragma unroll
+        for (int i = 0; i < 128; i++) acc[i] = 0.f;
+        for (int kb = 0; kb < kb_count; kb++) {
+            const int s = ring.s;
+            mbar_wait(&full[s], ring.phase);
+            const float sa0 = a_factors[s * TILE + r0], sa1 = a_factors[s * TILE + r0 + 8];
+            const float sb_left = b_factors[s * TILE], sb_right = b_factors[s * TILE + 1];
+            const uint64_t da = wgmma_desc_k_sw128(a_tiles + s * TILE_BYTES + c * 64 * TILE);
+            const uint64_t db = wgmma_desc_k_sw128(b_tiles + (size_t)s * TILE * WIDE_N);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                wgmma_fence();
+#pragma unroll
+                for (int k = 0; k < TILE / 32; k++)
+                    wgmma_tile<A_FMT, B_FMT>(part, da + 2 * k, db + h * (TILE_BYTES >> 4) + 2 * k, k > 0);
+                wgmma_commit();
+                wgmma_wait<0>();
+                if (h == 1) release_stage(empty, s, cluster, rank);
+                fence_registers(part);
+                const float sb = h ? sb_right : sb_left, s0 = sa0 * sb, s1 = sa1 * sb;
+#pragma unroll
+                for (int j = 0; j < 16; j++) {
+                    acc[64 * h + 4 * j + 0] += part[4 * j + 0] * s0;
+                    acc[64 * h + 4 * j + 1] += part[4 * j + 1] * s0;
+                    acc[64 * h + 4 * j + 2] += part[4 * j + 2] * s1;
+                    acc[64 * h + 4 * j + 3] += part[4 * j + 3] * s1;
+                }
+            }
+            ring_next(ring, stages);
+        }
+        if (g.d_map >= 0) {
+            stage_tile_as<1, 0, 32>(acc, boxes + set * set_bytes, &d_ready[set], (ready_phase >> set) & 1,
+                                    &d_staged[set]);
+            ready_phase ^= 1u << set;
+            set ^= args.out_sets - 1;
+        } else {
+            store_tile<32>(g, tp.m_tile * TILE + r0, tp.n_tile * WIDE_N + col0, acc, NULL, 1, 0);
         }
     }
 }
 
 /* Persistent: each cluster takes work units blockIdx.x / cluster, + gridDim.x / cluster, ...; the stage ring runs
  * on across tiles, so the producer loads the next tile's first k-blocks while the consumers finish this one. */
-template <int A_FMT, int B_FMT, int B_PER_ROW>
+template <int A_FMT, int B_FMT, int B_PER_ROW, int WIDE>
 __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel_args args)
 {
 #ifdef FP8_BLOCK_DEVICE
+    constexpr int tile_n = WIDE ? WIDE_N : TILE;
     extern __shared__ uint8_t smem_raw[];
     /* aligned to 1 KB by an offset into smem_raw (not through an integer), so the compiler keeps knowing that the
      * pointers below are shared memory and reads the factors with shared-memory loads */
@@ -610,8 +707,8 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
     const int stages = args.stages, cluster = args.cluster;
     uint8_t *a_tiles = smem;
     uint8_t *b_tiles = a_tiles + stages * TILE_BYTES;
-    uint8_t *out_boxes = b_tiles + stages * TILE_BYTES; /* [2 consumers][out_sets][half a tile of D] */
-    float *a_factors = (float *)(out_boxes + args.out_sets * staging_bytes(args.d_bf16)); /* [stages][128] */
+    uint8_t *out_boxes = b_tiles + (size_t)stages * TILE * tile_n; /* [2 consumers][out_sets][half a tile of D] */
+    float *a_factors = (float *)(out_boxes + args.out_sets * staging_bytes(args.d_bf16, tile_n)); /* [stages][128] */
     float *b_factors = a_factors + stages * TILE; /* [stages][128] (per block: [0] only) */
     uint64_t *full = (uint64_t *)(b_factors + stages * TILE);
     uint64_t *empty = full + stages;
@@ -636,13 +733,13 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
         __syncthreads();
 
     const int wg = threadIdx.x / 128, warp = threadIdx.x / 32;
-    const size_t consumer_boxes = args.out_sets * set_bytes_of(args.d_bf16);
+    const size_t consumer_boxes = args.out_sets * set_bytes_of(args.d_bf16, tile_n);
     if (wg == 0) {
         /* registers move between warpgroups of the CTA: the consumers' increase (256 x (224 - 168)) must not exceed
          * what the producer's warpgroup gives back (128 x (168 - 56)), or setmaxnreg.inc waits forever */
         warpgroup_registers_dec<56>();
         if (warp == 0 && threadIdx.x % 32 == 0) produce_a(args, a_tiles, full, empty, rank);
-        if (warp == 3) produce_b<B_PER_ROW>(args, b_tiles, a_factors, b_factors, full, empty, rank);
+        if (warp == 3) produce_b<B_PER_ROW, tile_n>(args, b_tiles, a_factors, b_factors, full, empty, rank);
         if ((warp == 1 || warp == 2) && threadIdx.x % 32 == 0) {
             const int c = warp - 1;
             epilogue_dma(args, rank, c, out_boxes + c * consumer_boxes, d_ready + c * MAX_OUT_SETS,
@@ -651,9 +748,14 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
     } else {
         warpgroup_registers_inc<224>();
         const int c = wg - 1; /* rows c*64 .. c*64+63 of the tile */
-        consume<A_FMT, B_FMT, B_PER_ROW>(args, rank, c, a_tiles, b_tiles, a_factors, b_factors, full, empty,
-                                         out_boxes + c * consumer_boxes, d_ready + c * MAX_OUT_SETS,
-                                         d_staged + c * MAX_OUT_SETS);
+        if constexpr (WIDE)
+            consume_wide<A_FMT, B_FMT>(args, rank, c, a_tiles, b_tiles, a_factors, b_factors, full, empty,
+                                       out_boxes + c * consumer_boxes, d_ready + c * MAX_OUT_SETS,
+                                       d_staged + c * MAX_OUT_SETS);
+        else
+            consume<A_FMT, B_FMT, B_PER_ROW>(args, rank, c, a_tiles, b_tiles, a_factors, b_factors, full, empty,
+                                             out_boxes + c * consumer_boxes, d_ready + c * MAX_OUT_SETS,
+                                             d_staged + c * MAX_OUT_SETS);
     }
     if (cluster > 1) cluster_sync(); /* no CTA leaves while its peer may still arrive on its barriers */
 #endif
@@ -663,24 +765,39 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
 
 typedef void (*kernel_fn)(const kernel_args);
 
-/* The kernel instance for the formats and the B factor layout; NULL for two E5M2 operands. */
-static kernel_fn kernel_for(int a_format, int b_format, int b_per_row)
+/* The kernel instance for the formats, the B factor layout and the tile width (wide: the forward form only); NULL
+ * for two E5M2 operands. */
+static kernel_fn kernel_for(int a_format, int b_format, int b_per_row, int wide)
 {
-    if (a_format == 0 && b_format == 0) return b_per_row ? fp8_block_gemm_kernel<0, 0, 1> : fp8_block_gemm_kernel<0, 0, 0>;
-    if (a_format == 1 && b_format == 0) return b_per_row ? fp8_block_gemm_kernel<1, 0, 1> : fp8_block_gemm_kernel<1, 0, 0>;
-    if (a_format == 0 && b_format == 1) return b_per_row ? fp8_block_gemm_kernel<0, 1, 1> : fp8_block_gemm_kernel<0, 1, 0>;
+    if (wide && !b_per_row) {
+        if (a_format == 0 && b_format == 0) return fp8_block_gemm_kernel<0, 0, 0, 1>;
+        if (a_format == 1 && b_format == 0) return fp8_block_gemm_kernel<1, 0, 0, 1>;
+        if (a_format == 0 && b_format == 1) return fp8_block_gemm_kernel<0, 1, 0, 1>;
+        return NULL;
+    }
+    if (a_format == 0 && b_format == 0) return b_per_row ? fp8_block_gemm_kernel<0, 0, 1, 0> : fp8_block_gemm_kernel<0, 0, 0, 0>;
+    if (a_format == 1 && b_format == 0) return b_per_row ? fp8_block_gemm_kernel<1, 0, 1, 0> : fp8_block_gemm_kernel<1, 0, 0, 0>;
+    if (a_format == 0 && b_format == 1) return b_per_row ? fp8_block_gemm_kernel<0, 1, 1, 0> : fp8_block_gemm_kernel<0, 1, 0, 0>;
     return NULL;
 }
 
-/* The ring's depth and the staged output sets of a call: by default two bf16 sets (64 KB, the next tile's set
- * ready while this one is stored) or one fp32 set (64 KB), and as many stages as then fit (four); without the TMA
- * epilogue no sets. MOERT_FP8_BLOCK_STAGES / _SETS override them within the shared memory. */
-static void ring_for(const moert_fp8_block_ctx *ctx, int d_bf16, int *stages, int *sets)
+/* The ring's depth and the staged output sets of a call with tiles tile_n columns wide: by default two bf16 sets of
+ * 128 x 128 (64 KB, the next tile's set ready while this one is stored), one of 128 x WIDE_N (64 KB) or one fp32
+ * set (64 KB), and as many stages as then fit (four of 32 KB, three of 48 KB); without the TMA epilogue no sets.
+ * MOERT_FP8_BLOCK_STAGES / _SETS override them within the shared memory. */
+static void ring_for(const moert_fp8_block_ctx *ctx, int d_bf16, int tile_n, int *stages, int *sets)
 {
-    *sets = !ctx->staged ? 0 : ctx->sets_set ? ctx->sets_set : d_bf16 ? 2 : 1;
+    *sets = !ctx->staged ? 0 : ctx->sets_set ? ctx->sets_set : d_bf16 && tile_n == TILE ? 2 : 1;
     *stages = ctx->stages_set ? ctx->stages_set : 16;
-    while (*stages > 2 && smem_bytes(d_bf16, *stages, *sets) > ctx->smem_max) (*stages)--;
-    if (smem_bytes(d_bf16, *stages, *sets) > ctx->smem_max) *sets = 1;
+    while (*stages > 2 && smem_bytes(d_bf16, tile_n, *stages, *sets) > ctx->smem_max) (*stages)--;
+    if (smem_bytes(d_bf16, tile_n, *stages, *sets) > ctx->smem_max) *sets = 1;
+}
+
+/* The output tile's columns of a call: WIDE_N for the forward form writing bf16 D where the context allows it (the
+ * wide consumer keeps 128 accumulators a thread, with no room for fp32 D's staging or old values to add). */
+static int tile_n_for(const moert_fp8_block_ctx *ctx, const moert_fp8_block_gemm *gm)
+{
+    return ctx->tile_n == WIDE_N && !gm->b_per_row && gm->d_bf16 && !gm->accumulate ? WIDE_N : TILE;
 }
 
 /* The cluster size and epilogue from the environment (tuning and A/B runs): MOERT_FP8_BLOCK_CLUSTER=1|2,
@@ -696,6 +813,8 @@ static void options_from_env(moert_fp8_block_ctx *ctx)
     const char *pairs = getenv("MOERT_FP8_BLOCK_PAIRS");
     if (pairs && (strcmp(pairs, "0") == 0 || strcmp(pairs, "1") == 0 || strcmp(pairs, "2") == 0))
         ctx->pairs = atoi(pairs);
+    const char *tile_n = getenv("MOERT_FP8_BLOCK_TILE_N");
+    if (tile_n && (atoi(tile_n) == TILE || atoi(tile_n) == WIDE_N)) ctx->tile_n = atoi(tile_n);
     const char *grid = getenv("MOERT_FP8_BLOCK_CLUSTERS"); /* tuning: fewer resident clusters */
     if (grid && atoi(grid) > 0 && atoi(grid) < ctx->max_clusters) ctx->max_clusters = atoi(grid);
 }
@@ -721,10 +840,13 @@ extern "C" moert_result moert_fp8_block_ctx_create(const moert_host *host, moert
     const size_t smem_max = (size_t)smem_optin;
     for (int a = 0; a < 2; a++)
         for (int b = 0; b < 2; b++)
-            for (int per_row = 0; per_row < 2; per_row++) {
-                kernel_fn k = kernel_for(a, b, per_row);
-                if (k) CUDA_CHECK(host, cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_max));
-            }
+            for (int per_row = 0; per_row < 2; per_row++)
+                for (int wide = 0; wide < 2; wide++) {
+                    kernel_fn k = kernel_for(a, b, per_row, wide);
+                    if (k)
+                        CUDA_CHECK(host,
+                                   cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_max));
+                }
     int sm_count = 0, max_clusters = 0;
     CUDA_CHECK(host, cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev));
     cudaLaunchConfig_t cfg = {};
@@ -736,7 +858,7 @@ extern "C" moert_result moert_fp8_block_ctx_create(const moert_host *host, moert
     cfg.dynamicSmemBytes = smem_max;
     cfg.attrs = &attr;
     cfg.numAttrs = 1;
-    CUDA_CHECK(host, cudaOccupancyMaxActiveClusters(&max_clusters, kernel_for(0, 0, 0), &cfg));
+    CUDA_CHECK(host, cudaOccupancyMaxActiveClusters(&max_clusters, kernel_for(0, 0, 0, 0), &cfg));
     moert_fp8_block_ctx *ctx = (moert_fp8_block_ctx *)calloc(1, sizeof *ctx);
     if (!ctx) return report(host, MOERT_ERR_OUT_OF_MEMORY, "fp8 block gemm: out of host memory");
     ctx->host = host;
@@ -746,6 +868,7 @@ extern "C" moert_result moert_fp8_block_ctx_create(const moert_host *host, moert
     ctx->cluster = max_clusters > 0 ? MAX_CLUSTER : 1;
     ctx->staged = 1;
     ctx->pairs = 2;
+    ctx->tile_n = WIDE_N;
     ctx->smem_max = smem_max;
     options_from_env(ctx);
     if (max_clusters < 1) ctx->cluster = 1;
@@ -771,14 +894,30 @@ extern "C" moert_result moert_fp8_block_ctx_configure(moert_fp8_block_ctx *ctx, 
     return MOERT_OK;
 }
 
+extern "C" moert_result moert_fp8_block_ctx_set_tile_n(moert_fp8_block_ctx *ctx, int tile_n)
+{
+    if (tile_n != TILE && tile_n != WIDE_N)
+        return report(ctx->host, MOERT_ERR_INVALID_ARGUMENT, "fp8 block gemm: output tile of %d columns (%d or %d)",
+                      tile_n, TILE, WIDE_N);
+    ctx->tile_n = tile_n;
+    return MOERT_OK;
+}
+
 extern "C" void moert_fp8_block_ctx_describe(const moert_fp8_block_ctx *ctx, char *buf, size_t size)
 {
-    int stages16, sets16, stages32, sets32;
-    ring_for(ctx, 1, &stages16, &sets16);
-    ring_for(ctx, 0, &stages32, &sets32);
-    char ring[96];
-    snprintf(ring, sizeof ring, "%d stages + %d output sets (bf16 D), %d + %d (fp32 D)", stages16, sets16, stages32,
-             sets32);
+    int stages16, sets16, stages32, sets32, stages_wide, sets_wide;
+    ring_for(ctx, 1, TILE, &stages16, &sets16);
+    ring_for(ctx, 0, TILE, &stages32, &sets32);
+    ring_for(ctx, 1, WIDE_N, &stages_wide, &sets_wide);
+    char ring[160];
+    if (ctx->tile_n == WIDE_N)
+        snprintf(ring, sizeof ring,
+                 "forward form with bf16 D in 128x%d tiles (%d stages + %d output set), else 128x128 tiles (%d stages "
+                 "+ %d output sets with bf16 D, %d + %d with fp32 D)",
+                 WIDE_N, stages_wide, sets_wide, stages16, sets16, stages32, sets32);
+    else
+        snprintf(ring, sizeof ring, "128x128 tiles, %d stages + %d output sets (bf16 D), %d + %d (fp32 D)", stages16,
+                 sets16, stages32, sets32);
     if (ctx->cluster > 1)
         snprintf(buf, size, "%d clusters of 2 CTAs (A multicast), %s epilogue, %s", ctx->max_clusters,
                  ctx->staged ? "TMA" : "register", ring);
@@ -865,7 +1004,8 @@ static int encode_d_map(moert_fp8_block_ctx *ctx, const moert_fp8_block_group *g
 static int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /* Checks one group against the call and fills its kernel form (tile_start and the maps set by the caller). */
-static moert_result group_fill(const moert_host *host, const moert_fp8_block_gemm *gm, int i, group_dev *out)
+static moert_result group_fill(const moert_host *host, const moert_fp8_block_gemm *gm, int i, int tile_n,
+                               group_dev *out)
 {
     const moert_fp8_block_group *g = &gm->groups[i];
     if (g->a_matrix < 0 || g->a_matrix >= gm->matrix_count || g->b_matrix < 0 || g->b_matrix >= gm->matrix_count)
@@ -892,19 +1032,19 @@ static moert_result group_fill(const moert_host *host, const moert_fp8_block_gem
     out->n = (int32_t)g->n;
     out->kb_count = (int32_t)ceil_div64(g->k, TILE);
     out->m_tiles = (int32_t)ceil_div64(g->m, TILE);
-    out->n_tiles = (int32_t)ceil_div64(g->n, TILE);
+    out->n_tiles = (int32_t)ceil_div64(g->n, tile_n);
     out->d_map = -1;
     return MOERT_OK;
 }
 
 /* The index of matrix `index`'s tensor map as an A operand (64-row boxes, half a tile: a CTA of a pair loads one) or
- * as B (whole 128-row tiles, one TMA a k-block), encoded into maps[*count] on first use. */
+ * as B (whole tiles of tile_n rows, one TMA a k-block), encoded into maps[*count] on first use. */
 static moert_result matrix_map(moert_fp8_block_ctx *ctx, const moert_fp8_block_gemm *gm, int index, int as_b,
-                               CUtensorMap *maps, int *count, int32_t *out)
+                               int tile_n, CUtensorMap *maps, int *count, int32_t *out)
 {
     int *slot = &ctx->map_of[2 * index + as_b];
     if (*slot < 0) {
-        MOK(encode_map(ctx, &gm->matrices[index], index, as_b ? TILE : HALF_ROWS, &maps[*count]));
+        MOK(encode_map(ctx, &gm->matrices[index], index, as_b ? tile_n : HALF_ROWS, &maps[*count]));
         *slot = (*count)++;
     }
     *out = *slot;
@@ -915,7 +1055,8 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
                                                  const moert_fp8_block_gemm *gm)
 {
     const moert_host *host = ctx->host;
-    kernel_fn kernel = kernel_for(gm->a_format, gm->b_format, gm->b_per_row != 0);
+    const int tile_n = tile_n_for(ctx, gm);
+    kernel_fn kernel = kernel_for(gm->a_format, gm->b_format, gm->b_per_row != 0, tile_n == WIDE_N);
     if (!kernel || gm->matrix_count < 1 || gm->group_count < 0 || !gm->matrices || (gm->group_count && !gm->groups))
         return report(host, MOERT_ERR_INVALID_ARGUMENT,
                       "fp8 block gemm: formats %d x %d (two E5M2 operands are not supported), %d matrices, %d groups",
@@ -943,9 +1084,9 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
         const moert_fp8_block_group *g = &gm->groups[i];
         if (g->m <= 0 || g->n <= 0 || g->k <= 0) continue;
         group_dev *gd = &groups[count];
-        MOK(group_fill(host, gm, i, gd));
-        MOK(matrix_map(ctx, gm, g->a_matrix, 0, maps, &map_count, &gd->a_map));
-        MOK(matrix_map(ctx, gm, g->b_matrix, 1, maps, &map_count, &gd->b_map));
+        MOK(group_fill(host, gm, i, tile_n, gd));
+        MOK(matrix_map(ctx, gm, g->a_matrix, 0, tile_n, maps, &map_count, &gd->a_map));
+        MOK(matrix_map(ctx, gm, g->b_matrix, 1, tile_n, maps, &map_count, &gd->b_map));
         if (ctx->staged && encode_d_map(ctx, g, gm->d_bf16 != 0, &maps[map_count])) gd->d_map = map_count++;
         gd->tile_start = (int32_t)units;
         units += (int64_t)gd->m_tiles * ceil_div64(gd->n_tiles, cluster);
@@ -968,7 +1109,8 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
     args.cluster = cluster;
     args.d_bf16 = gm->d_bf16 != 0;
     args.accumulate = gm->accumulate != 0;
-    ring_for(ctx, args.d_bf16, &args.stages, &args.out_sets);
+    args.tile_n = tile_n;
+    ring_for(ctx, args.d_bf16, tile_n, &args.stages, &args.out_sets);
     args.pairs = ctx->pairs;
     const int64_t resident = cluster > 1 ? ctx->max_clusters : ctx->sm_count;
     const int64_t grid = (units < resident ? units : resident) * cluster;
@@ -978,7 +1120,7 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
     attr.val.clusterDim.x = (unsigned)cluster, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
     cfg.gridDim = dim3((unsigned)grid);
     cfg.blockDim = dim3(THREADS);
-    cfg.dynamicSmemBytes = smem_bytes(args.d_bf16, args.stages, args.out_sets);
+    cfg.dynamicSmemBytes = smem_bytes(args.d_bf16, tile_n, args.stages, args.out_sets);
     cfg.stream = stream;
     cfg.attrs = &attr;
     cfg.numAttrs = 1;

@@ -78,6 +78,12 @@ void moert_fp8_block_ctx_destroy(moert_fp8_block_ctx *ctx);
  * MOERT_ERR_INVALID_ARGUMENT for another cluster size, MOERT_ERR_UNSUPPORTED for 2 where no pair fits. */
 moert_result moert_fp8_block_ctx_configure(moert_fp8_block_ctx *ctx, int cluster, int staged_epilogue);
 
+/* The output tile of the forward form (b_per_row 0) when it writes bf16 D without adding: 128 x 128 (tile_n 128) or
+ * 128 x 256 (tile_n 256: half the shared-memory and L2 traffic per FLOP for B, three stages of the ring instead of
+ * four). Other calls always run 128 x 128 tiles. MOERT_FP8_BLOCK_TILE_N=128|256 sets a new context's default.
+ * MOERT_ERR_INVALID_ARGUMENT for another width. */
+moert_result moert_fp8_block_ctx_set_tile_n(moert_fp8_block_ctx *ctx, int tile_n);
+
 /* A line naming the configuration above and the stage ring, for reports ("66 clusters of 2 CTAs (A multicast), TMA
  * epilogue, 4 stages + 2 output sets (bf16 D), 4 + 1 (fp32 D)"). */
 void moert_fp8_block_ctx_describe(const moert_fp8_block_ctx *ctx, char *buf, size_t size);

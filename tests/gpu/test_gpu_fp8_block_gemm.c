@@ -11,9 +11,11 @@
  * - k-block counts of 1, 2, 3, 4 and 56 (the forward form's main loop takes blocks in pairs, then a last odd one),
  *   groups of 64 rows or fewer (the second consumer skips its wgmma) and an odd number of column blocks (the
  *   second CTA of a pair has no columns and only loads its half of A).
- * - all of it four times: CTA pairs (neighbouring column blocks) sharing A by TMA multicast or single CTAs, each
+ * - all of it eight times: CTA pairs (neighbouring column blocks) sharing A by TMA multicast or single CTAs, each
  *   with the TMA epilogue (D's row stride a multiple of 16 bytes; "odd ldd" cases are stored from registers even
- *   then) and the register one.
+ *   then) and the register one, each with the forward form's bf16 D in 128 x 256 tiles (n 128, 192, 384, 640: a
+ *   wide tile with one live column block or a partial second one; an odd number of wide tiles) and in 128 x 128.
+ * - refusal of an output tile width other than 128 or 256.
  * Per output the error bound is 5e-4 of the sum of |terms| plus, for bf16, one bf16 rounding: Hopper's FP8 tensor
  * cores sum a k-block's products with about 14 bits (the reason the recipe promotes every 128 to fp32 registers);
  * the first H100 run measured up to 1.6e-4. A wrong factor, row or column is off by the order of the terms.
@@ -303,6 +305,8 @@ int main(void)
         {"forward form, e4m3 x e4m3, fp32 D", 0, 0, 0, 0, 0, 5, {37, 300, 0, 129, 16}, 192, 320, 1, 0, 0},
         {"dgrad form, e5m2 x e4m3, bf16 D", 1, 0, 0, 1, 0, 3, {200, 5, 131}, 256, 384, 1, 0, 0},
         {"forward form, 4 k-blocks, 3 column blocks, bf16 D", 0, 0, 0, 1, 0, 4, {130, 64, 1, 260}, 384, 512, 1, 0, 0},
+        {"forward form, 5 column blocks, bf16 D", 0, 0, 0, 1, 0, 3, {64, 200, 129}, 640, 256, 1, 0, 0},
+        {"forward form, one column block, bf16 D", 1, 0, 0, 1, 0, 2, {100, 30}, 128, 384, 1, 0, 0},
         {"forward form, 2 k-blocks, fp32 D added", 0, 0, 0, 0, 1, 2, {192, 65}, 256, 256, 1, 0, 0},
         {"forward form, e4m3 x e5m2, fp32 D added", 0, 1, 0, 0, 1, 2, {64, 129}, 144, 272, 1, 0, 0},
         {"wgrad form, per-row B, fp32 D added", 0, 0, 1, 0, 1, 3, {192, 70, 130}, 160, 272, 0, 0, 0},
@@ -311,20 +315,25 @@ int main(void)
         {"wgrad form, e5m2 x e4m3, k 128, bf16 D added", 1, 0, 1, 1, 1, 2, {96, 300}, 200, 128, 0, 0, 0},
         {"deepseek-v3 fc1 forward shape (sampled)", 0, 0, 0, 1, 0, 8, {512, 500, 520, 511, 513, 508, 517, 512}, 4096, 7168, 1, 512, 0},
     };
-    /* every case on each way the kernel can run: A multicast in CTA pairs or not, TMA or register epilogue */
-    const int modes[][2] = {{2, 1}, {1, 1}, {2, 0}, {1, 0}};
+    /* every case on each way the kernel can run: A multicast in CTA pairs or not, TMA or register epilogue, the
+     * forward form's bf16 D in 128 x 256 or 128 x 128 tiles */
+    const int modes[][3] = {{2, 1, 256}, {1, 1, 256}, {2, 0, 256}, {1, 0, 256},
+                            {2, 1, 128}, {1, 1, 128}, {2, 0, 128}, {1, 0, 128}};
     for (size_t mi = 0; mi < sizeof modes / sizeof modes[0]; mi++) {
-        if (moert_fp8_block_ctx_configure(ctx, modes[mi][0], modes[mi][1]) != MOERT_OK) {
-            fprintf(stderr, "FAIL: configure %d/%d: %s\n", modes[mi][0], modes[mi][1], gpu_test_error);
+        if (moert_fp8_block_ctx_configure(ctx, modes[mi][0], modes[mi][1]) != MOERT_OK ||
+            moert_fp8_block_ctx_set_tile_n(ctx, modes[mi][2]) != MOERT_OK) {
+            fprintf(stderr, "FAIL: configure %d/%d/%d: %s\n", modes[mi][0], modes[mi][1], modes[mi][2], gpu_test_error);
             test_failures++;
             continue;
         }
-        char mode[192];
+        char mode[320];
         moert_fp8_block_ctx_describe(ctx, mode, sizeof mode);
         printf("-- %s\n", mode);
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
-            if (cases[i].samples == 0 || mi == 0) run_case(ctx, &cases[i]); /* the large shape once: host time */
+            if (cases[i].samples == 0 || mi % 4 == 0) run_case(ctx, &cases[i]); /* the large shape per tile width */
     }
+    EXPECT(moert_fp8_block_ctx_set_tile_n(ctx, 192) == MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT(strstr(gpu_test_error, "192 columns") != NULL);
     EXPECT(moert_fp8_block_ctx_configure(ctx, 3, 1) == MOERT_ERR_INVALID_ARGUMENT);
     EXPECT(strstr(gpu_test_error, "cluster size 3") != NULL);
     EXPECT(moert_fp8_block_ctx_configure(ctx, 2, 1) == MOERT_OK);
