@@ -702,10 +702,11 @@ __device__ __forceinline__ void consume_wide(const kernel_args &args, int rank, 
             ring_next(ring, stages);
         }
         if (g.d_map >= 0) {
-            /* a split tail's 64 x 128 part (acc[0..63]) lands in the set's first two boxes, which are all the
-             * epilogue warp stores of it (out_box_count) */
-            stage_tile_as<1, 0, 32>(acc, boxes + set * set_bytes, &d_ready[set], (ready_phase >> set) & 1,
-                                    &d_staged[set]);
+            /* a split tail stages its 64 x 128 part (acc[0..63]) into the set's first boxes */
+            uint8_t *set_boxes = boxes + set * set_bytes;
+            const uint32_t phase = (ready_phase >> set) & 1;
+            if (split) stage_tile_as<1, 0, 16>(acc, set_boxes, &d_ready[set], phase, &d_staged[set]);
+            else stage_tile_as<1, 0, 32>(acc, set_boxes, &d_ready[set], phase, &d_staged[set]);
             ready_phase ^= 1u << set;
             set ^= args.out_sets - 1;
         } else {
