@@ -91,7 +91,6 @@ typedef struct kernel_args {
                      warpgroup one block out of step with the first */
     int d_bf16, accumulate;
     int tile_n;   /* columns of an output tile: TILE, or WIDE_N for the wide forward form */
-    int split_tails; /* wide form: short last row blocks split by columns (split_tail) */
 } kernel_args;
 
 struct moert_fp8_block_ctx {
@@ -105,7 +104,6 @@ struct moert_fp8_block_ctx {
     int pairs;        /* kernel_args.pairs (MOERT_FP8_BLOCK_PAIRS, tuning; default 2) */
     int tile_n;       /* the forward form's output tile columns with bf16 D: TILE or WIDE_N
                          (moert_fp8_block_ctx_set_tile_n, MOERT_FP8_BLOCK_TILE_N) */
-    int split_tails;  /* kernel_args.split_tails (MOERT_FP8_BLOCK_SPLIT_TAILS=0 turns it off, tuning) */
     size_t smem_max;  /* the device's shared memory per block (opt-in) */
     size_t slot_bytes;
     void *pinned[SLOTS];
@@ -249,26 +247,16 @@ __device__ __forceinline__ bool walk_next(const kernel_args &args, int rank, til
     return true;
 }
 
-/* Whether wide tile tp is split by columns: its rows all lie in the first 64 (an expert's last, short row block),
- * so consumer c takes those 64 rows against columns c * 128 .. c * 128 + 127 instead of rows c * 64 .. against all
- * 256 (where the second consumer would have no rows and the first would run both halves alone). */
-__device__ __forceinline__ bool split_tail(const kernel_args &args, const group_dev &g, const tile_pos &tp)
-{
-    return args.tile_n == WIDE_N && args.split_tails && g.m - tp.m_tile * TILE <= 64;
-}
-
-/* The boxes of consumer warpgroup c's part of tile tp (64 x tile_n; 64 x 128 of a split tail) that lie inside D (count; first column x0, row y0);
+/* The boxes of consumer warpgroup c's 64 x tile_n part of tile tp that lie inside D (count; first column x0, row y0);
  * 0 for a dead tile. */
 __device__ __forceinline__ int out_box_count(const kernel_args &args, const group_dev &g, const tile_pos &tp, int c,
                                              int *x0, int *y0)
 {
     const int box_cols = args.d_bf16 ? 64 : 32;
-    const bool split = split_tail(args, g, tp);
-    const int part_cols = split ? TILE : args.tile_n;
-    *x0 = tp.n_tile * args.tile_n + (split ? c * TILE : 0), *y0 = tp.m_tile * TILE + (split ? 0 : c * 64);
+    *x0 = tp.n_tile * args.tile_n, *y0 = tp.m_tile * TILE + c * 64;
     if (*y0 >= g.m || *x0 >= g.n) return 0;
     const int left = (g.n - *x0 + box_cols - 1) / box_cols;
-    return left < part_cols / box_cols ? left : part_cols / box_cols;
+    return left < args.tile_n / box_cols ? left : args.tile_n / box_cols;
 }
 
 /* A tile whose stores the epilogue warp has still to issue, once its consumer has staged it. */
@@ -644,7 +632,8 @@ __device__ __forceinline__ void consume_wide(const kernel_args &args, int rank, 
 {
     const int stages = args.stages, cluster = args.cluster;
     const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
-    const int col0 = 2 * (lane % 4); /* this thread's columns of a half: col0 + 8 j, + 1 (j < 16) */
+    const int r0 = c * 64 + warp * 16 + lane / 4; /* this thread's rows: r0 and r0 + 8 */
+    const int col0 = 2 * (lane % 4);              /* and columns col0 + 8 j, + 1 (j < 32) */
     const size_t set_bytes = set_bytes_of(1, WIDE_N);
     ring_pos ring = {0, 0};
     int set = 0;
@@ -654,12 +643,7 @@ __device__ __forceinline__ void consume_wide(const kernel_args &args, int rank, 
     while (walk_next(args, rank, walk, tp)) {
         const group_dev &g = args.groups[tp.group];
         const int kb_count = g.kb_count;
-        /* this warpgroup's rows of the tile (from row0) and column halves (from half0: both, or one of a split
-         * tail) */
-        const bool split = split_tail(args, g, tp);
-        const int row0 = split ? 0 : c * 64, half0 = split ? c : 0, halves = split ? 1 : 2;
-        if (tp.n_tile >= g.n_tiles || tp.m_tile * TILE + row0 >= g.m ||
-            tp.n_tile * WIDE_N + half0 * TILE >= g.n) { /* no rows or columns of D here */
+        if (tp.n_tile >= g.n_tiles || tp.m_tile * TILE + c * 64 >= g.m) { /* no rows or columns of D here */
             for (int kb = 0; kb < kb_count; kb++) {
                 mbar_wait(&full[ring.s], ring.phase);
                 release_stage(empty, ring.s, cluster, rank);
@@ -667,30 +651,27 @@ __device__ __forceinline__ void consume_wide(const kernel_args &args, int rank, 
             }
             continue;
         }
-        const int r = row0 + warp * 16 + lane / 4; /* this thread's rows of the tile: r and r + 8 */
         float acc[128], part[64];
 #pragma unroll
         for (int i = 0; i < 128; i++) acc[i] = 0.f;
         for (int kb = 0; kb < kb_count; kb++) {
             const int s = ring.s;
             mbar_wait(&full[s], ring.phase);
-            const float sa0 = a_factors[s * TILE + r], sa1 = a_factors[s * TILE + r + 8];
-            const uint64_t da = wgmma_desc_k_sw128(a_tiles + s * TILE_BYTES + row0 * TILE);
+            const float sa0 = a_factors[s * TILE + r0], sa1 = a_factors[s * TILE + r0 + 8];
+            const float sb_left = b_factors[s * TILE], sb_right = b_factors[s * TILE + 1];
+            const uint64_t da = wgmma_desc_k_sw128(a_tiles + s * TILE_BYTES + c * 64 * TILE);
             const uint64_t db = wgmma_desc_k_sw128(b_tiles + (size_t)s * TILE * WIDE_N);
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                if (h >= halves) break;
-                const int half = half0 + h;
-                const float sb = b_factors[s * TILE + half];
                 wgmma_fence();
 #pragma unroll
                 for (int k = 0; k < TILE / 32; k++)
-                    wgmma_tile<A_FMT, B_FMT>(part, da + 2 * k, db + half * (TILE_BYTES >> 4) + 2 * k, k > 0);
+                    wgmma_tile<A_FMT, B_FMT>(part, da + 2 * k, db + h * (TILE_BYTES >> 4) + 2 * k, k > 0);
                 wgmma_commit();
                 wgmma_wait<0>();
-                if (h == halves - 1) release_stage(empty, s, cluster, rank);
+                if (h == 1) release_stage(empty, s, cluster, rank);
                 fence_registers(part);
-                const float s0 = sa0 * sb, s1 = sa1 * sb;
+                const float sb = h ? sb_right : sb_left, s0 = sa0 * sb, s1 = sa1 * sb;
 #pragma unroll
                 for (int j = 0; j < 16; j++) {
                     acc[64 * h + 4 * j + 0] += part[4 * j + 0] * s0;
@@ -702,17 +683,12 @@ __device__ __forceinline__ void consume_wide(const kernel_args &args, int rank, 
             ring_next(ring, stages);
         }
         if (g.d_map >= 0) {
-            /* a split tail stages its 64 x 128 part (acc[0..63]) into the set's first boxes */
-            uint8_t *set_boxes = boxes + set * set_bytes;
-            const uint32_t phase = (ready_phase >> set) & 1;
-            if (split) stage_tile_as<1, 0, 16>(acc, set_boxes, &d_ready[set], phase, &d_staged[set]);
-            else stage_tile_as<1, 0, 32>(acc, set_boxes, &d_ready[set], phase, &d_staged[set]);
+            stage_tile_as<1, 0, 32>(acc, boxes + set * set_bytes, &d_ready[set], (ready_phase >> set) & 1,
+                                    &d_staged[set]);
             ready_phase ^= 1u << set;
             set ^= args.out_sets - 1;
         } else {
-            const int row = tp.m_tile * TILE + r, col = tp.n_tile * WIDE_N + half0 * TILE + col0;
-            if (split) store_tile<16>(g, row, col, acc, NULL, 1, 0);
-            else store_tile<32>(g, row, col, acc, NULL, 1, 0);
+            store_tile<32>(g, tp.m_tile * TILE + r0, tp.n_tile * WIDE_N + col0, acc, NULL, 1, 0);
         }
     }
 }
@@ -837,8 +813,6 @@ static void options_from_env(moert_fp8_block_ctx *ctx)
     const char *pairs = getenv("MOERT_FP8_BLOCK_PAIRS");
     if (pairs && (strcmp(pairs, "0") == 0 || strcmp(pairs, "1") == 0 || strcmp(pairs, "2") == 0))
         ctx->pairs = atoi(pairs);
-    const char *split = getenv("MOERT_FP8_BLOCK_SPLIT_TAILS");
-    if (split && strcmp(split, "0") == 0) ctx->split_tails = 0;
     const char *tile_n = getenv("MOERT_FP8_BLOCK_TILE_N");
     if (tile_n && (atoi(tile_n) == TILE || atoi(tile_n) == WIDE_N)) ctx->tile_n = atoi(tile_n);
     const char *grid = getenv("MOERT_FP8_BLOCK_CLUSTERS"); /* tuning: fewer resident clusters */
@@ -895,7 +869,6 @@ extern "C" moert_result moert_fp8_block_ctx_create(const moert_host *host, moert
     ctx->staged = 1;
     ctx->pairs = 2;
     ctx->tile_n = WIDE_N;
-    ctx->split_tails = 1;
     ctx->smem_max = smem_max;
     options_from_env(ctx);
     if (max_clusters < 1) ctx->cluster = 1;
@@ -1137,7 +1110,6 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
     args.d_bf16 = gm->d_bf16 != 0;
     args.accumulate = gm->accumulate != 0;
     args.tile_n = tile_n;
-    args.split_tails = ctx->split_tails;
     ring_for(ctx, args.d_bf16, tile_n, &args.stages, &args.out_sets);
     args.pairs = ctx->pairs;
     const int64_t resident = cluster > 1 ? ctx->max_clusters : ctx->sm_count;
