@@ -13,7 +13,7 @@
  *                                                           group's first column, which starts a block)
  *             = b_scale[c + kb * b_scale_stride]           (b_per_row 1: 1x128 factors, one per row of B)
  * The reduction runs over columns 0..k-1 of A and B; columns past a matrix's width read as zero (TMA fill), so k
- * need not be a multiple of 128. Rows of A or B past the group's m / n may be read (a tile is 128 x 128) but never
+ * need not be a multiple of 128. Rows of A or B past the group's m / n may be read (a tile is 128 x 128, or 128 x 256 in the forward form with bf16 D) but never
  * reach D. Requirements: compute capability 9.0 (sm_90a code), FP8 matrices 16-byte aligned with row strides a
  * multiple of 16 bytes.
  */
