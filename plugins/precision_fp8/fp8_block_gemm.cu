@@ -476,6 +476,17 @@ __device__ __forceinline__ void release_stage(uint64_t *empty, int s, int cluste
     mbar_arrive_warp(&empty[s], cluster == 2, (uint32_t)(cluster == 2 ? rank ^ 1 : rank)); /* a CTA that exists */
 }
 
+/* Hands back the next `count` stages unread as they fill (a tile with no rows or columns of D for this consumer). */
+__device__ __forceinline__ void pass_stages(int count, ring_pos &r, int stages, uint64_t *full, uint64_t *empty,
+                                            int cluster, int rank)
+{
+    for (int kb = 0; kb < count; kb++) {
+        mbar_wait(&full[r.s], r.phase);
+        release_stage(empty, r.s, cluster, rank);
+        ring_next(r, stages);
+    }
+}
+
 /* A k-block's row factors for this thread (rows r0 and r0 + 8) and, in the forward form, its column block's factor:
  * read from the stage when its wgmma are issued, so the loads land while they run. */
 typedef struct block_factors {
@@ -569,11 +580,7 @@ __device__ __forceinline__ void consume(const kernel_args &args, int rank, int c
         const group_dev &g = args.groups[tp.group];
         const int kb_count = g.kb_count;
         if (tp.n_tile >= g.n_tiles || tp.m_tile * TILE + c * 64 >= g.m) { /* no rows or columns of D here */
-            for (int kb = 0; kb < kb_count; kb++) {
-                mbar_wait(&full[ring.s], ring.phase);
-                release_stage(empty, ring.s, cluster, rank);
-                ring_next(ring, stages);
-            }
+            pass_stages(kb_count, ring, stages, full, empty, cluster, rank);
             continue;
         }
         float acc[64], part0[64], part1[64];
@@ -644,11 +651,7 @@ __device__ __forceinline__ void consume_wide(const kernel_args &args, int rank, 
         const group_dev &g = args.groups[tp.group];
         const int kb_count = g.kb_count;
         if (tp.n_tile >= g.n_tiles || tp.m_tile * TILE + c * 64 >= g.m) { /* no rows or columns of D here */
-            for (int kb = 0; kb < kb_count; kb++) {
-                mbar_wait(&full[ring.s], ring.phase);
-                release_stage(empty, ring.s, cluster, rank);
-                ring_next(ring, stages);
-            }
+            pass_stages(kb_count, ring, stages, full, empty, cluster, rank);
             continue;
         }
         float acc[128], part[64];
