@@ -373,7 +373,7 @@ int main(int argc, char **argv)
     printf("device: %s, %d SMs; median of %d after %d warm-up calls; %d streams\n", prop.name,
            prop.multiProcessorCount, repeats, warmup, streams);
     /* how the blockwise kernel runs (MOERT_FP8_BLOCK_CLUSTER / MOERT_FP8_BLOCK_EPILOGUE pick it, for A/B runs) */
-    char block_kernel_mode[192] = "unavailable";
+    char block_kernel_mode[384] = "unavailable";
     moert_fp8_block_ctx *probe = NULL;
     if (moert_fp8_block_ctx_create(&bench_host, &probe) == MOERT_OK) {
         moert_fp8_block_ctx_describe(probe, block_kernel_mode, sizeof block_kernel_mode);
