@@ -717,3 +717,36 @@ void dispatch_check_errors(const dispatch_test_plugin *plugin, const char *const
     dispatch_check_init_refusals(plugin, &f.layer);
     fprintf(stderr, "%-40s world 1: %s\n", "errors", "done");
 }
+
+void dispatch_run_common_scenarios(const dispatch_test_plugin *plugin, int world)
+{
+    dispatch_run_scenario(plugin, (dispatch_scenario){.name = "random fp64", .world = world, .dtype = MOERT_F64,
+                                                      .probs_dtype = MOERT_F64, .routing = ROUTE_RANDOM});
+    dispatch_run_scenario(plugin, (dispatch_scenario){.name = "random fp32, fp32 probs", .world = world,
+                                                      .dtype = MOERT_F32, .probs_dtype = MOERT_F32,
+                                                      .routing = ROUTE_RANDOM, .seed = 77});
+    dispatch_run_scenario(plugin, (dispatch_scenario){.name = "hot expert", .world = world, .dtype = MOERT_F64,
+                                                      .probs_dtype = MOERT_F64, .routing = ROUTE_HOT});
+    dispatch_run_scenario(plugin, (dispatch_scenario){.name = "tokens with every copy dropped", .world = world,
+                                                      .dtype = MOERT_F64, .probs_dtype = MOERT_F64,
+                                                      .routing = ROUTE_SOME_DROPPED});
+    dispatch_run_scenario(plugin, (dispatch_scenario){.name = "bf16 rows, bit-exact", .world = world,
+                                                      .dtype = MOERT_BF16, .probs_dtype = MOERT_F64,
+                                                      .routing = ROUTE_RANDOM, .H = 8});
+    dispatch_run_scenario(plugin, (dispatch_scenario){.name = "K=1, E=4 (one expert per rank at 4)", .world = world,
+                                                      .dtype = MOERT_F64, .probs_dtype = MOERT_F64,
+                                                      .routing = ROUTE_RANDOM, .E = 4, .K = 1, .seed = 99});
+    if (world == 1) return;
+    dispatch_run_scenario(plugin, (dispatch_scenario){.name = "rank 0 has no tokens", .world = world,
+                                                      .dtype = MOERT_F64, .probs_dtype = MOERT_F64,
+                                                      .routing = ROUTE_RANDOM, .T = -1});
+    dispatch_run_scenario(plugin, (dispatch_scenario){.name = "rank 0 receives nothing", .world = world,
+                                                      .dtype = MOERT_F64, .probs_dtype = MOERT_F64,
+                                                      .routing = ROUTE_AVOID_RANK0});
+    dispatch_run_scenario(plugin,
+                          (dispatch_scenario){.name = "bad expert id on rank 1", .world = world, .dtype = MOERT_F64,
+                                              .probs_dtype = MOERT_F64, .routing = ROUTE_BAD_INDEX,
+                                              .prepare_error = "rank 1 failed its prepare()",
+                                              .prepare_error_r1 =
+                                                  "topk_idx[2][1] is 99, expected an expert id in [0, 8)"});
+}

@@ -137,6 +137,12 @@ int64_t dispatch_check_compact_layout(const dispatch_scenario *sc, int r, const 
  * a line with the scenario's name and whether it passed. */
 void dispatch_run_scenario(const dispatch_test_plugin *plugin, dispatch_scenario sc);
 
+/* The scenarios every dispatcher passes, at one world: random rows in fp64, fp32 (fp32 probabilities) and bf16
+ * (bit-exact), a hot expert, tokens with every copy dropped, one expert per rank (K 1, E 4); above world 1 also a
+ * rank without tokens, a rank that receives nothing and a bad expert id on rank 1 (its prepare() fails, naming the
+ * index). A plugin's test adds its own scenarios after these. */
+void dispatch_run_common_scenarios(const dispatch_test_plugin *plugin, int world);
+
 /* ---- bad calls at world 1 (a failing rank in a larger world would leave its peers waiting) ---- */
 
 /* What dispatch_check_errors works on (and a plugin's check_after_prepare gets): one instance at world 1 (H 4, E 4,

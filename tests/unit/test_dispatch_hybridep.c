@@ -73,21 +73,10 @@ int main(void)
     const int worlds[3] = {1, 2, 4};
     for (int w = 0; w < 3; w++) {
         int world = worlds[w];
-        run_scenario((scenario){.name = "random fp64", .world = world, .dtype = MOERT_F64,
-                                .probs_dtype = MOERT_F64, .routing = ROUTE_RANDOM});
-        run_scenario((scenario){.name = "random fp32, fp32 probs", .world = world, .dtype = MOERT_F32,
-                                .probs_dtype = MOERT_F32, .routing = ROUTE_RANDOM, .seed = 77});
-        run_scenario((scenario){.name = "hot expert", .world = world, .dtype = MOERT_F64,
-                                .probs_dtype = MOERT_F64, .routing = ROUTE_HOT});
-        run_scenario((scenario){.name = "tokens with every copy dropped", .world = world, .dtype = MOERT_F64,
-                                .probs_dtype = MOERT_F64, .routing = ROUTE_SOME_DROPPED});
-        run_scenario((scenario){.name = "bf16 rows, bit-exact", .world = world, .dtype = MOERT_BF16,
-                                .probs_dtype = MOERT_F64, .routing = ROUTE_RANDOM, .H = 8});
+        dispatch_run_common_scenarios(&hybridep, world);
         run_scenario((scenario){.name = "capped routing, K=4, E=16", .world = world, .dtype = MOERT_F64,
                                 .probs_dtype = MOERT_F64, .routing = ROUTE_CAPPED, .same_T = true, .T = 24, .K = 4,
                                 .E = 16, .capacity_factor = 1.5});
-        run_scenario((scenario){.name = "K=1, E=4 (one expert per rank at 4)", .world = world, .dtype = MOERT_F64,
-                                .probs_dtype = MOERT_F64, .routing = ROUTE_RANDOM, .E = 4, .K = 1, .seed = 99});
         run_scenario((scenario){.name = "low-latency mode on, bf16 H=64", .world = world, .dtype = MOERT_BF16,
                                 .probs_dtype = MOERT_F32, .routing = ROUTE_RANDOM, .H = 64, .K = 3,
                                 .options = "{\"low_latency\": \"on\", \"num_sms\": 4}"});
@@ -95,14 +84,6 @@ int main(void)
                                 .probs_dtype = MOERT_F32, .routing = ROUTE_RANDOM, .T = 20, .small_buffer = true,
                                 .prepare_error = "rows the buffers were sized for at init"});
         if (world > 1) {
-            run_scenario((scenario){.name = "rank 0 has no tokens", .world = world, .dtype = MOERT_F64,
-                                    .probs_dtype = MOERT_F64, .routing = ROUTE_RANDOM, .T = -1});
-            run_scenario((scenario){.name = "rank 0 receives nothing", .world = world, .dtype = MOERT_F64,
-                                    .probs_dtype = MOERT_F64, .routing = ROUTE_AVOID_RANK0});
-            run_scenario((scenario){.name = "bad expert id on rank 1", .world = world, .dtype = MOERT_F64,
-                                    .probs_dtype = MOERT_F64, .routing = ROUTE_BAD_INDEX,
-                                    .prepare_error = "rank 1 failed its prepare()",
-                                    .prepare_error_r1 = "topk_idx[2][1] is 99, expected an expert id in [0, 8)"});
             run_scenario((scenario){.name = "rank 1 skips prepare: notify names it", .world = world,
                                     .dtype = MOERT_F64, .probs_dtype = MOERT_F64, .routing = ROUTE_RANDOM,
                                     .stall_prepare = true, .options = "{\"timeout_ms\": 200}"});
