@@ -9,12 +9,16 @@
  *   tensor cores do not wait for the promotion.
  * - Epilogue warps (warps 1 and 2, one per consumer): move D through shared memory by TMA (see epilogue_dma).
  *
- * CTAs run in clusters of two (by default) on neighbouring SMs: the pair takes column blocks 2j and 2j+1 of the same
- * row block, and each CTA loads half of the shared A tile and multicasts it to both, so L2 serves 24 KB instead of
- * 32 KB per k-block and tile. (Session 10 measured no change in time with or without it: at the kernel's present
- * rate L2 is half busy; see docs/plugins/precision_fp8.md.) Pairs run along N, not M: a group's rows (an expert's tokens) are rarely a multiple of 256, and a
- * pair along M left a CTA without rows for every expert with an odd number of row blocks. A stage is refilled only
- * after the consumers of both CTAs handed it back. A consumer whose 64 rows all lie past the group's m (an expert's
+ * CTAs run in clusters of two (by default) on neighbouring SMs, and share one operand tile by TMA multicast:
+ * - 128x128 tiles: the pair takes column blocks 2j and 2j+1 of the same row block; each CTA loads half of the shared
+ *   A tile and multicasts it to both (24 KB from L2 per k-block and tile instead of 32).
+ * - Wide tiles (since session 16): the pair takes row blocks 2p and 2p+1 of the same 256-column block; each CTA
+ *   loads its own A and half of the shared 32 KB B tile, multicast to both (32 KB per k-block and tile instead of
+ *   40; both CTAs read the expert's weights in step). A group's odd last row block pairs along N as above.
+ *   fc1's forward ran 6% faster for it.
+ * A group's rows (an expert's tokens) are rarely a multiple of 256, so pairing along M alone would leave a CTA
+ * without rows for every expert with an odd number of row blocks. A stage is refilled only after the consumers of
+ * both CTAs handed it back. A consumer whose 64 rows all lie past the group's m (an expert's
  * last, short row block) skips its wgmma, so such a tile costs half.
  *
  * The epilogue: each consumer writes its part of the tile into a set of shared-memory boxes (swizzled, as TMA
@@ -91,6 +95,7 @@ typedef struct kernel_args {
                      warpgroup one block out of step with the first */
     int d_bf16, accumulate;
     int tile_n;   /* columns of an output tile: TILE, or WIDE_N for the wide forward form */
+    int pair_rows; /* wide form in CTA pairs: pairs of row blocks share the B tile (see tile_at) */
 } kernel_args;
 
 struct moert_fp8_block_ctx {
@@ -104,6 +109,7 @@ struct moert_fp8_block_ctx {
     int pairs;        /* kernel_args.pairs (MOERT_FP8_BLOCK_PAIRS, tuning; default 2) */
     int tile_n;       /* the forward form's output tile columns with bf16 D: TILE or WIDE_N
                          (moert_fp8_block_ctx_set_tile_n, MOERT_FP8_BLOCK_TILE_N) */
+    int pair_rows;    /* kernel_args.pair_rows where it applies (MOERT_FP8_BLOCK_PAIR_ROWS=0|1) */
     size_t smem_max;  /* the device's shared memory per block (opt-in) */
     size_t slot_bytes;
     void *pinned[SLOTS];
@@ -209,6 +215,8 @@ __device__ __forceinline__ void store_tile(const group_dev &g, int row, int col,
  * 0 before its first unit, then the last unit's group. */
 typedef struct tile_pos {
     int group, m_tile, n_tile;
+    bool b_shared; /* the pair's CTAs take row blocks 2p and 2p + 1 of one column block: each loads half of B and
+                      multicasts it, and loads its own A */
 } tile_pos;
 
 __device__ __forceinline__ tile_pos tile_at(const kernel_args &args, int u, int rank, int &group)
@@ -218,6 +226,21 @@ __device__ __forceinline__ tile_pos tile_at(const kernel_args &args, int u, int 
     p.group = group;
     const group_dev &g = args.groups[p.group];
     const int local = u - g.tile_start;
+    p.b_shared = false;
+    if (args.pair_rows) { /* pairs of row blocks first (bands of BAND rows), then an odd last row block as usual */
+        const int row_pairs = g.m_tiles / 2, paired = row_pairs * g.n_tiles;
+        if (local < paired) {
+            const int band = local / (BAND / 2 * g.n_tiles), rem = local % (BAND / 2 * g.n_tiles);
+            const int band_pairs = min(BAND / 2, row_pairs - band * (BAND / 2));
+            p.m_tile = 2 * (band * (BAND / 2) + rem % band_pairs) + rank;
+            p.n_tile = rem / band_pairs;
+            p.b_shared = true;
+        } else {
+            p.m_tile = g.m_tiles - 1;
+            p.n_tile = (local - paired) * 2 + rank;
+        }
+        return p;
+    }
     const int n_units = (g.n_tiles + args.cluster - 1) / args.cluster;
     const int band = local / (BAND * n_units), rem = local % (BAND * n_units);
     const int band_rows = min(BAND, g.m_tiles - band * BAND);
@@ -397,7 +420,7 @@ __device__ __forceinline__ void produce_a(const kernel_args &args, uint8_t *a_ti
             if (it >= (uint32_t)stages) mbar_wait(&empty[s], phase ^ 1);
             uint8_t *stage = a_tiles + s * TILE_BYTES;
             mbar_arrive_expect_tx(&full[s], TILE_BYTES);
-            if (cluster == 2) {
+            if (cluster == 2 && !tp.b_shared) {
                 tensor_load_2d_multicast(stage + rank * HALF_ROWS * TILE, map, kb * TILE, row + rank * HALF_ROWS,
                                          &full[s], (uint16_t)0x3);
             } else {
@@ -441,8 +464,14 @@ __device__ __forceinline__ void produce_b(const kernel_args &args, uint8_t *b_ti
         for (int kb = 0; kb < kb_count; kb++, it++) {
             if (it >= (uint32_t)stages) mbar_wait(&empty[s], phase ^ 1);
             if (lane == 0) {
+                uint8_t *stage = b_tiles + (size_t)s * TILE * TILE_N;
                 mbar_arrive_expect_tx(&full[s], live ? TILE * TILE_N : 0);
-                if (live) tensor_load_2d(b_tiles + (size_t)s * TILE * TILE_N, map, kb * TILE, row, &full[s]);
+                if (tp.b_shared) /* its half of the pair's B tile, to both */
+                    tensor_load_2d_multicast(stage + rank * TILE_BYTES, map, kb * TILE, row + rank * TILE, &full[s],
+                                             (uint16_t)0x3);
+                else if (live)
+                    for (int b = 0; b < TILE_N / TILE; b++)
+                        tensor_load_2d(stage + b * TILE_BYTES, map, kb * TILE, row + b * TILE, &full[s]);
             }
             float *a_dst = a_factors + s * TILE + lane, *b_dst = b_factors + s * TILE + lane;
 #pragma unroll
@@ -818,6 +847,8 @@ static void options_from_env(moert_fp8_block_ctx *ctx)
         ctx->pairs = atoi(pairs);
     const char *tile_n = getenv("MOERT_FP8_BLOCK_TILE_N");
     if (tile_n && (atoi(tile_n) == TILE || atoi(tile_n) == WIDE_N)) ctx->tile_n = atoi(tile_n);
+    const char *pair_rows = getenv("MOERT_FP8_BLOCK_PAIR_ROWS");
+    if (pair_rows && strcmp(pair_rows, "0") == 0) ctx->pair_rows = 0;
     const char *grid = getenv("MOERT_FP8_BLOCK_CLUSTERS"); /* tuning: fewer resident clusters */
     if (grid && atoi(grid) > 0 && atoi(grid) < ctx->max_clusters) ctx->max_clusters = atoi(grid);
 }
@@ -872,6 +903,7 @@ extern "C" moert_result moert_fp8_block_ctx_create(const moert_host *host, moert
     ctx->staged = 1;
     ctx->pairs = 2;
     ctx->tile_n = WIDE_N;
+    ctx->pair_rows = 1;
     ctx->smem_max = smem_max;
     options_from_env(ctx);
     if (max_clusters < 1) ctx->cluster = 1;
@@ -922,7 +954,8 @@ extern "C" void moert_fp8_block_ctx_describe(const moert_fp8_block_ctx *ctx, cha
         snprintf(ring, sizeof ring, "128x128 tiles, %d stages + %d output sets (bf16 D), %d + %d (fp32 D)", stages16,
                  sets16, stages32, sets32);
     if (ctx->cluster > 1)
-        snprintf(buf, size, "%d clusters of 2 CTAs (A multicast), %s epilogue, %s", ctx->max_clusters,
+        snprintf(buf, size, "%d clusters of 2 CTAs (%s multicast), %s epilogue, %s", ctx->max_clusters,
+                 ctx->pair_rows && ctx->tile_n == WIDE_N ? "B (wide tiles) or A" : "A",
                  ctx->staged ? "TMA" : "register", ring);
     else
         snprintf(buf, size, "%d CTAs, no clusters, %s epilogue, %s", ctx->sm_count, ctx->staged ? "TMA" : "register",
@@ -1041,13 +1074,13 @@ static moert_result group_fill(const moert_host *host, const moert_fp8_block_gem
 }
 
 /* The index of matrix `index`'s tensor map as an A operand (64-row boxes, half a tile: a CTA of a pair loads one) or
- * as B (whole tiles of tile_n rows, one TMA a k-block), encoded into maps[*count] on first use. */
+ * as B (128-row boxes: a 128x128 tile, or half of a wide one), encoded into maps[*count] on first use. */
 static moert_result matrix_map(moert_fp8_block_ctx *ctx, const moert_fp8_block_gemm *gm, int index, int as_b,
-                               int tile_n, CUtensorMap *maps, int *count, int32_t *out)
+                               CUtensorMap *maps, int *count, int32_t *out)
 {
     int *slot = &ctx->map_of[2 * index + as_b];
     if (*slot < 0) {
-        MOK(encode_map(ctx, &gm->matrices[index], index, as_b ? tile_n : HALF_ROWS, &maps[*count]));
+        MOK(encode_map(ctx, &gm->matrices[index], index, as_b ? TILE : HALF_ROWS, &maps[*count]));
         *slot = (*count)++;
     }
     *out = *slot;
@@ -1081,6 +1114,7 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
     CUtensorMap *maps = (CUtensorMap *)ctx->pinned[slot];
     group_dev *groups = (group_dev *)((char *)ctx->pinned[slot] + maps_bytes);
     const int cluster = ctx->cluster;
+    const int pair_rows = ctx->pair_rows && cluster == 2 && tile_n == WIDE_N;
     int count = 0, map_count = 0;
     int64_t units = 0;
     for (int i = 0; i < gm->group_count; i++) {
@@ -1088,11 +1122,14 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
         if (g->m <= 0 || g->n <= 0 || g->k <= 0) continue;
         group_dev *gd = &groups[count];
         MOK(group_fill(host, gm, i, tile_n, gd));
-        MOK(matrix_map(ctx, gm, g->a_matrix, 0, tile_n, maps, &map_count, &gd->a_map));
-        MOK(matrix_map(ctx, gm, g->b_matrix, 1, tile_n, maps, &map_count, &gd->b_map));
+        MOK(matrix_map(ctx, gm, g->a_matrix, 0, maps, &map_count, &gd->a_map));
+        MOK(matrix_map(ctx, gm, g->b_matrix, 1, maps, &map_count, &gd->b_map));
         if (ctx->staged && encode_d_map(ctx, g, gm->d_bf16 != 0, &maps[map_count])) gd->d_map = map_count++;
         gd->tile_start = (int32_t)units;
-        units += (int64_t)gd->m_tiles * ceil_div64(gd->n_tiles, cluster);
+        if (pair_rows)
+            units += (int64_t)(gd->m_tiles / 2) * gd->n_tiles + (gd->m_tiles % 2 ? ceil_div64(gd->n_tiles, 2) : 0);
+        else
+            units += (int64_t)gd->m_tiles * ceil_div64(gd->n_tiles, cluster);
         count++;
     }
     if (count == 0) return MOERT_OK;
@@ -1113,6 +1150,7 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
     args.d_bf16 = gm->d_bf16 != 0;
     args.accumulate = gm->accumulate != 0;
     args.tile_n = tile_n;
+    args.pair_rows = pair_rows;
     ring_for(ctx, args.d_bf16, tile_n, &args.stages, &args.out_sets);
     args.pairs = ctx->pairs;
     const int64_t resident = cluster > 1 ? ctx->max_clusters : ctx->sm_count;

@@ -72,8 +72,9 @@ void moert_fp8_block_ctx_destroy(moert_fp8_block_ctx *ctx);
  * MOERT_FP8_BLOCK_CLUSTER=1 and MOERT_FP8_BLOCK_EPILOGUE=registers change the defaults of new contexts, and
  * MOERT_FP8_BLOCK_STAGES=N, MOERT_FP8_BLOCK_SETS=1|2 and MOERT_FP8_BLOCK_PAIRS=0|1|2 tune the stage ring, the staged
  * output sets and the forward form's main loop, see docs/plugins/precision_fp8.md):
- *   cluster 2: CTA pairs (neighbouring column blocks) share each A tile through TMA multicast; 1: every CTA
- *              loads its own.
+ *   cluster 2: CTA pairs share an operand tile through TMA multicast: neighbouring column blocks share A
+ *              (128x128 tiles, and a group's odd last row block), neighbouring row blocks share B (128x256 tiles;
+ *              MOERT_FP8_BLOCK_PAIR_ROWS=0 pairs those along N too); 1: every CTA loads its own.
  *   staged_epilogue 1: D is stored or added by TMA from shared memory; 0: from registers.
  * MOERT_ERR_INVALID_ARGUMENT for another cluster size, MOERT_ERR_UNSUPPORTED for 2 where no pair fits. */
 moert_result moert_fp8_block_ctx_configure(moert_fp8_block_ctx *ctx, int cluster, int staged_epilogue);
