@@ -11,7 +11,8 @@
  * - k-block counts of 1, 2, 3, 4 and 56 (the forward form's main loop takes blocks in pairs, then a last odd one),
  *   groups of 64 rows or fewer (the second consumer skips its wgmma) and an odd number of column blocks (the
  *   second CTA of a pair has no columns and only loads its half of A).
- * - all of it eight times: CTA pairs (neighbouring column blocks) sharing A by TMA multicast or single CTAs, each
+ * - all of it eight times: CTA pairs sharing an operand by TMA multicast (neighbouring column blocks sharing A;
+ *   with wide tiles, neighbouring row blocks sharing B, and a group's odd last row block along N) or single CTAs, each
  *   with the TMA epilogue (D's row stride a multiple of 16 bytes; "odd ldd" cases are stored from registers even
  *   then) and the register one, each with the forward form's bf16 D in 128 x 256 tiles (n 128, 192, 384, 640: a
  *   wide tile with one live column block or a partial second one; an odd number of wide tiles) and in 128 x 128.
