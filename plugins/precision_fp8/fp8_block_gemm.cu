@@ -587,6 +587,26 @@ __device__ __forceinline__ void single_block(float *acc, float *part, ring_pos &
     release_stage(empty, s, cluster, rank);
 }
 
+/* A consumer thread's place in its warpgroup's accumulators: rows r0 and r0 + 8 of the tile, columns col0 + 8 j and
+ * + 1 (j < 16 per 128 columns). */
+typedef struct consumer_lane {
+    int r0, col0;
+} consumer_lane;
+
+__device__ __forceinline__ consumer_lane consumer_lane_of(int c)
+{
+    const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+    consumer_lane l = {c * 64 + warp * 16 + lane / 4, 2 * (lane % 4)};
+    return l;
+}
+
+/* Whether consumer warpgroup c has nothing of tile tp to compute: a dead column block, or its 64 rows all past the
+ * group's m (an expert's short last row block). It then hands the tile's stages back unread (pass_stages). */
+__device__ __forceinline__ bool consumer_idle(const group_dev &g, const tile_pos &tp, int c)
+{
+    return tp.n_tile >= g.n_tiles || tp.m_tile * TILE + c * 64 >= g.m;
+}
+
 /* Consumer warpgroup c: per tile, the k-blocks' wgmma into part0 / part1 in turn, one block ahead of the promotion
  * into acc, then the epilogue (staged for the epilogue warp, or stored from registers). */
 template <int A_FMT, int B_FMT, int B_PER_ROW>
@@ -596,9 +616,8 @@ __device__ __forceinline__ void consume(const kernel_args &args, int rank, int c
                                         uint64_t *d_staged)
 {
     const int stages = args.stages, cluster = args.cluster;
-    const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
-    const int r0 = c * 64 + warp * 16 + lane / 4; /* this thread's rows: r0 and r0 + 8 */
-    const int col0 = 2 * (lane % 4);              /* and columns col0 + 8 j, + 1 */
+    const consumer_lane at = consumer_lane_of(c);
+    const int r0 = at.r0, col0 = at.col0;
     const size_t set_bytes = set_bytes_of(args.d_bf16, args.tile_n);
     ring_pos ring = {0, 0};
     int set = 0;
@@ -608,7 +627,7 @@ __device__ __forceinline__ void consume(const kernel_args &args, int rank, int c
     while (walk_next(args, rank, walk, tp)) {
         const group_dev &g = args.groups[tp.group];
         const int kb_count = g.kb_count;
-        if (tp.n_tile >= g.n_tiles || tp.m_tile * TILE + c * 64 >= g.m) { /* no rows or columns of D here */
+        if (consumer_idle(g, tp, c)) {
             pass_stages(kb_count, ring, stages, full, empty, cluster, rank);
             continue;
         }
@@ -667,9 +686,8 @@ __device__ __forceinline__ void consume_wide(const kernel_args &args, int rank, 
                                              uint64_t *d_staged)
 {
     const int stages = args.stages, cluster = args.cluster;
-    const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
-    const int r0 = c * 64 + warp * 16 + lane / 4; /* this thread's rows: r0 and r0 + 8 */
-    const int col0 = 2 * (lane % 4);              /* and columns col0 + 8 j, + 1 (j < 32) */
+    const consumer_lane at = consumer_lane_of(c); /* columns col0 + 8 j, j < 32 */
+    const int r0 = at.r0, col0 = at.col0;
     const size_t set_bytes = set_bytes_of(1, WIDE_N);
     ring_pos ring = {0, 0};
     int set = 0;
@@ -679,7 +697,7 @@ __device__ __forceinline__ void consume_wide(const kernel_args &args, int rank, 
     while (walk_next(args, rank, walk, tp)) {
         const group_dev &g = args.groups[tp.group];
         const int kb_count = g.kb_count;
-        if (tp.n_tile >= g.n_tiles || tp.m_tile * TILE + c * 64 >= g.m) { /* no rows or columns of D here */
+        if (consumer_idle(g, tp, c)) {
             pass_stages(kb_count, ring, stages, full, empty, cluster, rank);
             continue;
         }
