@@ -607,15 +607,15 @@ __device__ __forceinline__ bool consumer_idle(const group_dev &g, const tile_pos
     return tp.n_tile >= g.n_tiles || tp.m_tile * TILE + c * 64 >= g.m;
 }
 
-/* Consumer warpgroup c: per tile, the k-blocks' wgmma into part0 / part1 in turn, one block ahead of the promotion
+/* Consumer warpgroup C (see consumer): per tile, the k-blocks' wgmma into part0 / part1 in turn, one block ahead of the promotion
  * into acc, then the epilogue (staged for the epilogue warp, or stored from registers). */
-template <int A_FMT, int B_FMT, int B_PER_ROW>
-__device__ __forceinline__ void consume(const kernel_args &args, int rank, int c, const uint8_t *a_tiles,
+template <int A_FMT, int B_FMT, int B_PER_ROW, int C>
+__device__ __forceinline__ void consume(const kernel_args &args, int rank, const uint8_t *a_tiles,
                                         const uint8_t *b_tiles, const float *a_factors, const float *b_factors,
                                         uint64_t *full, uint64_t *empty, uint8_t *boxes, uint64_t *d_ready,
                                         uint64_t *d_staged)
 {
-    const int stages = args.stages, cluster = args.cluster;
+    const int stages = args.stages, cluster = args.cluster, c = C;
     const consumer_lane at = consumer_lane_of(c);
     const int r0 = at.r0, col0 = at.col0;
     const size_t set_bytes = set_bytes_of(args.d_bf16, args.tile_n);
@@ -673,19 +673,19 @@ __device__ __forceinline__ void consume(const kernel_args &args, int rank, int c
     }
 }
 
-/* Consumer warpgroup c in the wide forward form (tiles of 128 x WIDE_N, bf16 D written, 128x128 B factors): per
+/* Consumer warpgroup C (see consumer) in the wide forward form (tiles of 128 x WIDE_N, bf16 D written, 128x128 B factors): per
  * k-block, the left and then the right 128 columns of its 64 rows go through the tensor cores into one set of
  * partial sums and are promoted into acc[0..63] and acc[64..127]. Per k-block the SM takes in 48 KB for 8.4 MFLOP
  * (the 128 x 128 tile: 32 KB for 4.2), and each warpgroup reads the stage's A rows twice and B once. The partial
  * sums are not double-buffered (acc and part already hold 192 registers): while one warpgroup promotes, the
  * other's wgmma keep the tensor cores busy. The stage is handed back once the right half's wgmma are done. */
-template <int A_FMT, int B_FMT>
-__device__ __forceinline__ void consume_wide(const kernel_args &args, int rank, int c, const uint8_t *a_tiles,
+template <int A_FMT, int B_FMT, int C>
+__device__ __forceinline__ void consume_wide(const kernel_args &args, int rank, const uint8_t *a_tiles,
                                              const uint8_t *b_tiles, const float *a_factors, const float *b_factors,
                                              uint64_t *full, uint64_t *empty, uint8_t *boxes, uint64_t *d_ready,
                                              uint64_t *d_staged)
 {
-    const int stages = args.stages, cluster = args.cluster;
+    const int stages = args.stages, cluster = args.cluster, c = C;
     const consumer_lane at = consumer_lane_of(c); /* columns col0 + 8 j, j < 32 */
     const int r0 = at.r0, col0 = at.col0;
     const size_t set_bytes = set_bytes_of(1, WIDE_N);
@@ -743,6 +743,27 @@ __device__ __forceinline__ void consume_wide(const kernel_args &args, int rank, 
     }
 }
 
+/* Consumer warpgroup C (rows C * 64 .. C * 64 + 63 of each tile) in the kernel's form, with its output sets and
+ * epilogue barriers. C is a template parameter rather than a value computed from threadIdx, so that ptxas knows it is
+ * the same in the whole warp and computes the stages' wgmma descriptors in uniform registers. From threadIdx, every
+ * descriptor went through R2UR moves and 64-bit adds (some 70 instructions between a stage's arrival and its first
+ * wgmma, 270 per k-block in the wide form instead of 201), and every pass ran 3-6% slower (session 17). */
+template <int A_FMT, int B_FMT, int B_PER_ROW, int WIDE, int C>
+__device__ __forceinline__ void consumer(const kernel_args &args, int rank, const uint8_t *a_tiles,
+                                         const uint8_t *b_tiles, const float *a_factors, const float *b_factors,
+                                         uint64_t *full, uint64_t *empty, uint8_t *out_boxes, size_t consumer_boxes,
+                                         uint64_t *d_ready, uint64_t *d_staged)
+{
+    uint8_t *boxes = out_boxes + C * consumer_boxes;
+    uint64_t *ready = d_ready + C * MAX_OUT_SETS, *staged = d_staged + C * MAX_OUT_SETS;
+    if constexpr (WIDE)
+        consume_wide<A_FMT, B_FMT, C>(args, rank, a_tiles, b_tiles, a_factors, b_factors, full, empty, boxes, ready,
+                                      staged);
+    else
+        consume<A_FMT, B_FMT, B_PER_ROW, C>(args, rank, a_tiles, b_tiles, a_factors, b_factors, full, empty, boxes,
+                                            ready, staged);
+}
+
 /* Persistent: each cluster takes work units blockIdx.x / cluster, + gridDim.x / cluster, ...; the stage ring runs
  * on across tiles, so the producer loads the next tile's first k-blocks while the consumers finish this one. */
 template <int A_FMT, int B_FMT, int B_PER_ROW, int WIDE>
@@ -797,15 +818,12 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
         }
     } else {
         warpgroup_registers_inc<224>();
-        const int c = wg - 1; /* rows c*64 .. c*64+63 of the tile */
-        if constexpr (WIDE)
-            consume_wide<A_FMT, B_FMT>(args, rank, c, a_tiles, b_tiles, a_factors, b_factors, full, empty,
-                                       out_boxes + c * consumer_boxes, d_ready + c * MAX_OUT_SETS,
-                                       d_staged + c * MAX_OUT_SETS);
+        if (wg == 1)
+            consumer<A_FMT, B_FMT, B_PER_ROW, WIDE, 0>(args, rank, a_tiles, b_tiles, a_factors, b_factors, full, empty,
+                                                       out_boxes, consumer_boxes, d_ready, d_staged);
         else
-            consume<A_FMT, B_FMT, B_PER_ROW>(args, rank, c, a_tiles, b_tiles, a_factors, b_factors, full, empty,
-                                             out_boxes + c * consumer_boxes, d_ready + c * MAX_OUT_SETS,
-                                             d_staged + c * MAX_OUT_SETS);
+            consumer<A_FMT, B_FMT, B_PER_ROW, WIDE, 1>(args, rank, a_tiles, b_tiles, a_factors, b_factors, full, empty,
+                                                       out_boxes, consumer_boxes, d_ready, d_staged);
     }
     if (cluster > 1) cluster_sync(); /* no CTA leaves while its peer may still arrive on its barriers */
 #endif
