@@ -607,8 +607,8 @@ __device__ __forceinline__ bool consumer_idle(const group_dev &g, const tile_pos
     return tp.n_tile >= g.n_tiles || tp.m_tile * TILE + c * 64 >= g.m;
 }
 
-/* Consumer warpgroup C (see consumer): per tile, the k-blocks' wgmma into part0 / part1 in turn, one block ahead of the promotion
- * into acc, then the epilogue (staged for the epilogue warp, or stored from registers). */
+/* Consumer warpgroup C (see consumer): per tile, the k-blocks' wgmma into part0 / part1 in turn, one block ahead of
+ * the promotion into acc, then the epilogue (staged for the epilogue warp, or stored from registers). */
 template <int A_FMT, int B_FMT, int B_PER_ROW, int C>
 __device__ __forceinline__ void consume(const kernel_args &args, int rank, const uint8_t *a_tiles,
                                         const uint8_t *b_tiles, const float *a_factors, const float *b_factors,
@@ -673,9 +673,9 @@ __device__ __forceinline__ void consume(const kernel_args &args, int rank, const
     }
 }
 
-/* Consumer warpgroup C (see consumer) in the wide forward form (tiles of 128 x WIDE_N, bf16 D written, 128x128 B factors): per
- * k-block, the left and then the right 128 columns of its 64 rows go through the tensor cores into one set of
- * partial sums and are promoted into acc[0..63] and acc[64..127]. Per k-block the SM takes in 48 KB for 8.4 MFLOP
+/* Consumer warpgroup C (see consumer) in the wide forward form (tiles of 128 x WIDE_N, bf16 D written, 128x128 B
+ * factors): per k-block, the left and then the right 128 columns of its 64 rows go through the tensor cores into one
+ * set of partial sums and are promoted into acc[0..63] and acc[64..127]. Per k-block the SM takes in 48 KB for 8.4 MFLOP
  * (the 128 x 128 tile: 32 KB for 4.2), and each warpgroup reads the stage's A rows twice and B once. The partial
  * sums are not double-buffered (acc and part already hold 192 registers): while one warpgroup promotes, the
  * other's wgmma keep the tensor cores busy. The stage is handed back once the right half's wgmma are done. */
