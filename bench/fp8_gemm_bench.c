@@ -367,8 +367,8 @@ int main(int argc, char **argv)
     const char *only = getenv("MOERT_BENCH_ONLY");
     int repeats = getenv("MOERT_BENCH_REPEATS") ? atoi(getenv("MOERT_BENCH_REPEATS")) : 10;
     if (repeats < 1) repeats = 1;
-    if (getenv("MOERT_BENCH_TOKENS") && atoi(getenv("MOERT_BENCH_TOKENS")) > 0)
-        route_tokens = atoi(getenv("MOERT_BENCH_TOKENS"));
+    const int tokens = getenv("MOERT_BENCH_TOKENS") ? atoi(getenv("MOERT_BENCH_TOKENS")) : 0;
+    if (tokens > 0) route_tokens = tokens;
     int streams = getenv("MOERT_BENCH_STREAMS") ? atoi(getenv("MOERT_BENCH_STREAMS")) : 4;
     if (streams < 1 || streams > MOERT_FP8_CUDA_MAX_STREAMS) streams = 4;
     const int warmup = 3;
@@ -578,7 +578,9 @@ int main(int argc, char **argv)
            "GEMMs alone %.2fx): target %.1fx %s for the GEMMs alone, %s with the activation quantization\n",
            all_flops / (all_ms[0] * 1e-3) / 1e12, all_ratio, all_flops / (all_ms[1] * 1e-3) / 1e12,
            all_ms[2] / all_ms[0], gemm_ratio, BLOCKWISE_TARGET,
-           isnan(gemm_ratio) ? "not measured (refused, or passes left out)" : gemm_ratio >= BLOCKWISE_TARGET ? "met" : "NOT met",
+           isnan(gemm_ratio)                ? "not measured (refused, or passes left out)"
+           : gemm_ratio >= BLOCKWISE_TARGET ? "met"
+                                            : "NOT met",
            isnan(all_ratio) ? "not measured" : all_ratio >= BLOCKWISE_TARGET ? "met" : "not met");
     const char *shapes_run = only ? only : "fc1+fc2";
     printf("fp8 blockwise %s fwd+dgrad (no wgrad): %.2fx bf16, GEMMs alone %.2fx\n", shapes_run,
