@@ -5,6 +5,7 @@
 #include <stdio.h>
 
 #include "moert/dispatcher.h"
+#include "moert/layers.h"
 #include "moert/memory_policy.h"
 #include "moert/plugin.h"
 #include "moert/precision.h"
@@ -17,29 +18,29 @@ extern "C" {
 
 #define MOERT_VERSION_STRING "0.1.0"
 
-const char *moert_version(void);
+MOERT_API const char *moert_version(void);
 
 /* The message of the last failed moert_ call on this thread ("" if none). */
-const char *moert_last_error(void);
+MOERT_API const char *moert_last_error(void);
 
 /* ---- configuration ---- */
 
 typedef struct moert_config moert_config;
 
 /* Parses a JSON config; errors name the file, line and column, or the JSON path of a bad value. */
-moert_result moert_config_load_file(const char *path, moert_config **out);
-moert_result moert_config_load_string(const char *json_text, const char *source_name, moert_config **out);
+MOERT_API moert_result moert_config_load_file(const char *path, moert_config **out);
+MOERT_API moert_result moert_config_load_string(const char *json_text, const char *source_name, moert_config **out);
 /* Replaces one value, e.g. ("train.steps", "10"); the value is JSON text. For command-line overrides. */
-moert_result moert_config_set(moert_config *cfg, const char *dotted_key, const char *json_value);
-void moert_config_free(moert_config *cfg);
+MOERT_API moert_result moert_config_set(moert_config *cfg, const char *dotted_key, const char *json_value);
+MOERT_API void moert_config_free(moert_config *cfg);
 
 /* ---- runtime: the configured MoE layer stack on every rank ---- */
 
 typedef struct moert_runtime moert_runtime;
 
 /* Loads every plugin, checks all options, and initialises one instance per layer and rank. */
-moert_result moert_runtime_create(const moert_config *cfg, moert_runtime **out);
-void moert_runtime_destroy(moert_runtime *rt);
+MOERT_API moert_result moert_runtime_create(const moert_config *cfg, moert_runtime **out);
+MOERT_API void moert_runtime_destroy(moert_runtime *rt);
 
 typedef struct moert_train_options {
     uint32_t struct_size;
@@ -49,12 +50,12 @@ typedef struct moert_train_options {
 
 /* The first rank this process runs: 0 when one process runs every rank as a thread; RANK when a launcher
  * (torchrun, srun) started a process per GPU. Rank 0's process prints progress and writes reports. */
-int moert_runtime_rank(const moert_runtime *rt);
+MOERT_API int moert_runtime_rank(const moert_runtime *rt);
 
 /* Trains the layer stack on the config's synthetic task. */
-moert_result moert_runtime_train(moert_runtime *rt, const moert_train_options *opts);
+MOERT_API moert_result moert_runtime_train(moert_runtime *rt, const moert_train_options *opts);
 /* Writes every figure of the last run as JSON. */
-moert_result moert_runtime_write_report(const moert_runtime *rt, const char *path);
+MOERT_API moert_result moert_runtime_write_report(const moert_runtime *rt, const char *path);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,243 @@
+/* moert embedded: the MoE layers of one rank, run forward and backward on the caller's tensors and stream.
+ *
+ * A training framework (a PyTorch module, a Megatron dispatcher backend, a C program) creates the layers of its rank
+ * from a config and a launch description, binds its own parameter and gradient tensors, and calls forward and
+ * backward per layer and micro-batch. Nothing here prints or exits: every failure is a result code, and
+ * moert_last_error() gives its message on the calling thread. docs/api.md says who owns what, and when each call may
+ * be made. The API is append-only like the plugin ABI: structs start with struct_size, MOERT_API_VERSION grows.
+ */
+#ifndef MOERT_LAYERS_H
+#define MOERT_LAYERS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "moert/plugin.h"
+#include "moert/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Marks the functions libmoert exports; everything else in it is hidden. */
+#if defined(__GNUC__)
+#define MOERT_API __attribute__((visibility("default")))
+#else
+#define MOERT_API
+#endif
+
+/* Version of the embedding API below: 1 is the first. Appended functions and struct members raise it. */
+#define MOERT_API_VERSION 1
+MOERT_API int moert_api_version(void);
+
+typedef struct moert_config moert_config;
+
+/* ---- communicators: how the ranks of one expert-parallel group reach each other ---- */
+
+typedef struct moert_comm moert_comm;
+
+/* Ranks as threads of this process: one communicator shared by the `world_size` threads, each creating its layers
+ * with its own rank. A collective waits at most timeout_s for every rank (MOERT_ERR_TIMEOUT names the late one). On
+ * GPUs (a thread per GPU) the threads also share one NCCL group, created when the first rank needs it. Destroy it
+ * after every rank's layers are destroyed. */
+MOERT_API moert_result moert_comm_create_threads(int world_size, double timeout_s, moert_comm **out);
+
+/*
+ * Collectives the caller implements, e.g. over a PyTorch process group (gloo on CPUs), MPI or a test harness. One
+ * table per rank (the process's own). Every function works on host memory, is called by every rank in the same order,
+ * and returns 0 on success; on failure it returns non-zero and may write a message into error (error_size bytes).
+ * A call must not block for ever: bound it with the caller's own timeout. moert never calls them from two threads
+ * at once for one rank. Peer buffers are not offered through a table: the NVLink dispatchers' CPU paths need the
+ * threads communicator, their CUDA paths NCCL.
+ */
+typedef struct moert_collectives {
+    uint32_t struct_size; /* sizeof(moert_collectives) */
+    void *user;           /* passed back to every call */
+    /* recv gets every rank's `bytes` of send, rank-major (world_size * bytes). */
+    int (*allgather)(void *user, const void *send, void *recv, size_t bytes, char *error, size_t error_size);
+    /* Element-wise sum over ranks, in place; dtype is MOERT_F32, MOERT_F64 or MOERT_I64. */
+    int (*allreduce_sum)(void *user, void *buf, size_t count, moert_dtype dtype, char *error, size_t error_size);
+    /* Sends send_bytes[r] bytes at send + send_offsets[r] to rank r and receives recv_bytes[r] bytes from rank r at
+     * recv + recv_offsets[r]; the arrays have world_size entries, in bytes. */
+    int (*alltoallv)(void *user, const void *send, const size_t *send_bytes, const size_t *send_offsets, void *recv,
+                     const size_t *recv_bytes, const size_t *recv_offsets, char *error, size_t error_size);
+    int (*barrier)(void *user, char *error, size_t error_size);
+} moert_collectives;
+
+/* A communicator of one rank over the caller's collectives; the table is copied, `user` must outlive it. */
+MOERT_API moert_result moert_comm_create_collectives(int world_size, const moert_collectives *table,
+                                                     moert_comm **out);
+
+/* NCCL, one process per GPU, bootstrapped by the caller: rank 0 makes an id with moert_nccl_unique_id, the caller
+ * sends those bytes to every rank (a torch process group broadcast, MPI_Bcast, ...), and each rank creates its
+ * communicator from them; the NCCL communicator itself is initialised when the layers are created (on their
+ * device). No port or environment variable is needed. Builds without CUDA answer MOERT_ERR_UNSUPPORTED. */
+#define MOERT_NCCL_ID_BYTES 128
+MOERT_API moert_result moert_nccl_unique_id(unsigned char id[MOERT_NCCL_ID_BYTES]);
+MOERT_API moert_result moert_comm_create_nccl(const unsigned char id[MOERT_NCCL_ID_BYTES], int world_size,
+                                              double timeout_s, moert_comm **out);
+
+MOERT_API void moert_comm_destroy(moert_comm *comm);
+
+/* ---- the layers of one rank ---- */
+
+/* Where and as what this process runs one rank. */
+typedef struct moert_launch {
+    uint32_t struct_size;  /* sizeof(moert_launch) */
+    int32_t rank;          /* in the expert-parallel group, 0 .. world_size-1 */
+    int32_t world_size;    /* the group's size: $.model.num_experts must divide by it ($.parallel.ranks is ignored) */
+    moert_device device;   /* moert_cpu(), or {MOERT_DEVICE_CUDA, ordinal} */
+    moert_comm *comm;      /* NULL only when world_size is 1; borrowed, must outlive the layers */
+    int64_t max_tokens;    /* tokens per forward on this rank, an upper bound; 0: $.train.tokens_per_rank */
+} moert_launch;
+
+typedef struct moert_layers moert_layers;
+
+/* Loads the config's plugins and creates one instance of each per layer ($.model.num_layers) for this rank. Collective:
+ * every rank of the group calls it (plugins may exchange buffers at init). The config may be freed afterwards. */
+MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_launch *launch, moert_layers **out);
+/* Frees the layers (any outstanding moert_saved too). Not collective, but on GPUs wait for the work queued. */
+MOERT_API void moert_layers_destroy(moert_layers *layers);
+
+/* The model's sizes as this rank sees them. */
+typedef struct moert_layers_info {
+    uint32_t struct_size;
+    int32_t num_layers;
+    int32_t rank, world_size;
+    int64_t hidden, ffn_hidden, num_experts, topk;
+    int64_t num_local_experts, first_local_expert;
+    int64_t max_tokens;
+    moert_dtype dtype;       /* activations x, y, dy, dx */
+    moert_dtype param_dtype; /* parameters and their gradients: fp32 (fp64 when dtype is fp64) */
+    moert_device device;
+} moert_layers_info;
+MOERT_API moert_result moert_layers_get_info(const moert_layers *layers, moert_layers_info *out);
+
+/* ---- parameters: the caller's tensors ---- */
+
+typedef enum moert_param_id {
+    MOERT_PARAM_ROUTER = 0, /* router weight [E, H], replicated on every rank */
+    MOERT_PARAM_FC1 = 1,    /* the local experts' fc1 [E_local, H, 2F] (gate and up halves of SwiGLU) */
+    MOERT_PARAM_FC2 = 2,    /* the local experts' fc2 [E_local, F, H] */
+    MOERT_PARAM_COUNT
+} moert_param_id;
+
+/* The shape, dtype and device a parameter (and its gradient) must have; desc->data is NULL. */
+MOERT_API moert_result moert_layers_param_desc(const moert_layers *layers, int layer, moert_param_id which,
+                                               moert_tensor *desc);
+/* Binds the caller's value and gradient tensors of one parameter (contiguous, as param_desc says). moert reads value
+ * and writes grad in backward; it never frees them. Rebind after the caller reallocates them. Every parameter of a
+ * layer must be bound before its first forward. */
+MOERT_API moert_result moert_layers_bind_param(moert_layers *layers, int layer, moert_param_id which,
+                                               const moert_tensor *value, const moert_tensor *grad);
+/* Writes moert's initial values into the bound parameters of every layer (normal, std 1/sqrt(H) for the router and fc1,
+ * 0.5/sqrt(F) for fc2, from seed; the same values for any split over ranks), ordered on stream. Optional. */
+MOERT_API moert_result moert_layers_init_params(moert_layers *layers, uint64_t seed, moert_stream stream);
+
+/* Tells moert that the caller's optimizer changed the weights (once per optimizer step): precision plugins drop what
+ * they derived from them, such as FP8 weight copies. */
+MOERT_API moert_result moert_layers_weights_changed(moert_layers *layers, moert_stream stream);
+/* The router's once-per-step update, e.g. the aux-loss-free expert bias from the tokens counted since the last call
+ * (collective where the router option reduces over ranks). Call after the backward of the step's last micro-batch. */
+MOERT_API moert_result moert_layers_update_expert_bias(moert_layers *layers, moert_stream stream);
+/* The router's expert bias ([E], param_dtype): copied into dst (get) or from src (set, e.g. from a checkpoint).
+ * MOERT_ERR_UNSUPPORTED when the router keeps none. Ordered on stream. */
+MOERT_API moert_result moert_layers_get_expert_bias(moert_layers *layers, int layer, moert_tensor *dst,
+                                                    moert_stream stream);
+MOERT_API moert_result moert_layers_set_expert_bias(moert_layers *layers, int layer, const moert_tensor *src,
+                                                    moert_stream stream);
+
+/* ---- forward and backward ---- */
+
+/* One micro-batch's saved activations of one layer, from its forward to its backward. The memory policy decides
+ * which of them stay on the device, are recomputed, or are offloaded. One is in flight per layer at a time (the
+ * plugin ABI keeps one forward in flight per instance): forward again only after its backward or moert_saved_free. */
+typedef struct moert_saved moert_saved;
+
+/* What one forward produced besides y (host values, valid once moert_moe_forward returned). */
+typedef struct moert_moe_stats {
+    uint32_t struct_size;
+    double router_loss; /* what enters the training loss: aux_loss + z_loss (coefficients applied) */
+    double aux_loss;
+    double z_loss;
+    int64_t dispatched_rows; /* rows this rank's experts received */
+} moert_moe_stats;
+
+/*
+ * y = MoE(x) for one layer: x and y are [T, H] in the layer's dtype on its device (T <= max_tokens, contiguous;
+ * no residual is added). Work is queued on `stream` (a cudaStream_t, NULL for the default stream; ignored on the
+ * CPU). Collective over the group. With `saved` non-NULL the activations the backward needs are kept, and x must stay
+ * unchanged until that backward; with NULL nothing is kept (inference). stats may be NULL.
+ */
+MOERT_API moert_result moert_moe_forward(moert_layers *layers, int layer, const moert_tensor *x, moert_tensor *y,
+                                         moert_stream stream, moert_saved **saved, moert_moe_stats *stats);
+
+typedef struct moert_backward_options {
+    uint32_t struct_size;
+    /* d(loss)/d(router_loss): the weight the router's aux and z losses have in the caller's loss (often 1, or 1 /
+     * micro-batches). */
+    double router_loss_scale;
+    /* true: gradients are added into the bound grad tensors (accumulation over micro-batches); false: overwritten. */
+    bool accumulate;
+} moert_backward_options;
+
+/* dx = d(loss)/dx from dy = d(loss)/dy, and the parameter gradients (into the bound grad tensors; the router
+ * weight's is this rank's share: reduce it over ranks like any replicated parameter). Consumes and frees saved.
+ * dx may not alias dy. Collective. opts NULL: router_loss_scale 1, accumulate true. */
+MOERT_API moert_result moert_moe_backward(moert_layers *layers, moert_saved *saved, const moert_tensor *dy,
+                                          moert_tensor *dx, const moert_backward_options *opts, moert_stream stream);
+
+/* Tokens this rank routed to each expert in the forward that made saved ([E] int64, over all experts), copied into
+ * dst (host or the layers' device), ordered on stream. */
+MOERT_API moert_result moert_saved_tokens_per_expert(const moert_saved *saved, moert_tensor *dst,
+                                                     moert_stream stream);
+/* Drops a forward's saved activations without a backward. */
+MOERT_API void moert_saved_free(moert_saved *saved);
+
+/* ---- the dispatcher alone: DeepEP-shaped dispatch and combine on the caller's tensors ----
+ *
+ * For a framework that routes and runs its experts itself (e.g. a Megatron token-dispatcher backend): layer `layer`'s
+ * dispatcher moves each token's top-k copies to the ranks owning their experts and back. The calls of one dispatch
+ * come in this order: prepare (collective: counts are exchanged), run (collective), then combine, and for training
+ * combine_backward and backward (collectives), then free. One dispatch is in flight per layer, and not beside a
+ * moert_moe_forward of the same layer.
+ */
+typedef struct moert_dispatch moert_dispatch;
+
+/* Computes the layout of topk_idx ([T, K] int32 expert ids over all experts, -1 for a dropped copy) and gives the
+ * rows this rank receives: *recv_rows is what recv_x must hold (its capacity; rows past the sum of tokens per local
+ * expert are padding). */
+MOERT_API moert_result moert_dispatch_prepare(moert_layers *layers, int layer, const moert_tensor *topk_idx,
+                                              moert_stream stream, moert_dispatch **out, int64_t *recv_rows);
+/* Rows per local expert ([E_local] int64) copied into dst (host or device). */
+MOERT_API moert_result moert_dispatch_tokens_per_expert(const moert_dispatch *d, moert_tensor *dst,
+                                                        moert_stream stream);
+/* recv_x [recv_rows, H] (the layers' dtype) gets the copies grouped by local expert, recv_weights [recv_rows]
+ * (param dtype) their routing weights from topk_weights [T, K] (param dtype). x must stay unchanged until backward. */
+MOERT_API moert_result moert_dispatch_run(moert_dispatch *d, const moert_tensor *x, const moert_tensor *topk_weights,
+                                          moert_tensor *recv_x, moert_tensor *recv_weights, moert_stream stream);
+/* y[t] = sum over token t's kept copies of y_expert[row] ([recv_rows, H] -> [T, H], y overwritten). The routing
+ * weights are not applied here: scale the rows before, as moert's layer does inside SwiGLU. */
+MOERT_API moert_result moert_dispatch_combine(moert_dispatch *d, const moert_tensor *y_expert, moert_tensor *y,
+                                              moert_stream stream);
+/* The adjoint of combine: dy_expert[row] = dy[token of row] ([T, H] -> [recv_rows, H]). */
+MOERT_API moert_result moert_dispatch_combine_backward(moert_dispatch *d, const moert_tensor *dy,
+                                                       moert_tensor *dy_expert, moert_stream stream);
+/* The adjoint of run: dx ([T, H], overwritten) gets each token's copies' row gradients summed, d_topk_weights ([T, K],
+ * overwritten; 0 for dropped copies) the weights' gradients from d_recv_weights. */
+MOERT_API moert_result moert_dispatch_backward(moert_dispatch *d, const moert_tensor *d_recv_x,
+                                               const moert_tensor *d_recv_weights, moert_tensor *dx,
+                                               moert_tensor *d_topk_weights, moert_stream stream);
+MOERT_API void moert_dispatch_free(moert_dispatch *d);
+
+/* ---- logging ---- */
+
+/* Where moert's log lines go (warnings by default, MOERT_LOG=info|debug for more): NULL restores stderr. */
+typedef void (*moert_log_fn)(void *user, moert_log_level level, const char *line);
+MOERT_API void moert_set_log_callback(moert_log_fn fn, void *user);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
