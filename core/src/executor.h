@@ -57,7 +57,6 @@ typedef struct moert_param {
     moert_tensor value, grad, m, v;
 } moert_param;
 
-typedef enum moert_param_id { MOERT_PARAM_ROUTER = 0, MOERT_PARAM_FC1 = 1, MOERT_PARAM_FC2 = 2, MOERT_PARAM_COUNT } moert_param_id;
 
 /* Where a saved activation is between its forward and its backward. */
 typedef enum moert_act_place {
