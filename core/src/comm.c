@@ -6,6 +6,9 @@
  * before it against the reads after it. The barrier counts generations, so it can be reused at once.
  * A rank that does not arrive within timeout_s, or a call to moert_comm_abort, fails the group: every
  * waiting rank returns at once with the same message, and so does every later collective.
+ *
+ * A group may instead be one rank's view of collectives the caller implements (moert_collectives, e.g. a PyTorch
+ * process group across processes): every call then goes to the caller's table, and the rank argument is ignored.
  */
 #include "comm.h"
 
@@ -39,6 +42,8 @@ struct moert_comm_group {
     moert_result failure_code;
     char failure[1024];       /* the message every rank returns once the group failed */
     comm_slot *slots;         /* [world] */
+    bool has_table;           /* the caller's collectives carry every call (one rank's group) */
+    moert_collectives table;
 };
 
 /* A group of world ranks whose collectives wait at most timeout_s for a peer. */
@@ -82,6 +87,47 @@ void moert_comm_group_free(moert_comm_group *g)
 }
 
 int moert_comm_group_size(const moert_comm_group *g) { return g->world; }
+
+static void fail_group_locked(moert_comm_group *g, moert_result code, const char *message);
+
+moert_result moert_comm_group_create_table(int world, const moert_collectives *table, moert_comm_group **out)
+{
+    *out = NULL;
+    if (!table || table->struct_size < sizeof *table)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "comm: the collectives table is %s (struct_size %u, expected %zu)",
+                           table ? "too small" : "NULL", table ? table->struct_size : 0u, sizeof *table);
+    const char *missing = !table->allgather ? "allgather" : !table->allreduce_sum ? "allreduce_sum"
+                        : !table->alltoallv ? "alltoallv" : !table->barrier ? "barrier" : NULL;
+    if (missing) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "comm: the collectives table has no %s", missing);
+    moert_result rc = moert_comm_group_create(world, 1.0, out);
+    if (rc != MOERT_OK) return rc;
+    (*out)->has_table = true;
+    (*out)->table = *table;
+    return MOERT_OK;
+}
+
+/* The outcome of one call into the caller's table: a non-zero answer becomes MOERT_ERR_INTERNAL naming the call,
+ * and fails the group so that later collectives fail at once. */
+static moert_result table_result(moert_comm_group *g, const char *call, int answer, const char *message)
+{
+    if (answer == 0) return MOERT_OK;
+    char text[1024];
+    snprintf(text, sizeof text, "the caller's %s failed (%d)%s%s", call, answer, message[0] ? ": " : "", message);
+    pthread_mutex_lock(&g->lock);
+    fail_group_locked(g, MOERT_ERR_INTERNAL, text);
+    pthread_mutex_unlock(&g->lock);
+    return moert_error(MOERT_ERR_INTERNAL, "%s", text);
+}
+
+/* A group whose table already failed answers every later call with that failure. */
+static bool table_failed(moert_comm_group *g, moert_result *rc)
+{
+    pthread_mutex_lock(&g->lock);
+    bool failed = g->failed;
+    if (failed) *rc = moert_error(g->failure_code, "%s", g->failure);
+    pthread_mutex_unlock(&g->lock);
+    return failed;
+}
 
 /* Marks the group failed with message (the lock is held) and wakes every waiting rank. */
 static void fail_group_locked(moert_comm_group *g, moert_result code, const char *message)
@@ -134,6 +180,12 @@ static struct timespec deadline_after(double seconds)
 /* Waits until every rank arrived; fails the whole group if one does not within the timeout. */
 moert_result moert_comm_barrier(moert_comm_group *g, int rank, const char *what)
 {
+    if (g->has_table) {
+        moert_result rc = MOERT_OK;
+        char message[512] = "";
+        if (table_failed(g, &rc)) return rc;
+        return table_result(g, "barrier", g->table.barrier(g->table.user, message, sizeof message), message);
+    }
     if (rank < 0 || rank >= g->world)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: rank %d outside the group of %d", what, rank, g->world);
     pthread_mutex_lock(&g->lock);
@@ -183,6 +235,13 @@ static moert_result check_rank(const moert_comm_group *g, int rank, const char *
 /* Every rank gets every rank's `bytes` bytes, in rank order. */
 moert_result moert_comm_allgather(moert_comm_group *g, int rank, const void *send, void *recv, size_t bytes)
 {
+    if (g->has_table) {
+        moert_result rc = MOERT_OK;
+        char message[512] = "";
+        if (table_failed(g, &rc)) return rc;
+        return table_result(g, "allgather", g->table.allgather(g->table.user, send, recv, bytes, message, sizeof message),
+                            message);
+    }
     moert_result rc;
     MOERT_CHECK(check_rank(g, rank, "allgather"));
     g->slots[rank].send = send;
@@ -217,6 +276,13 @@ static void sum_in_rank_order(const moert_comm_group *g, size_t count, moert_dty
 /* In-place element-wise sum over ranks (fp32, fp64, int64). */
 moert_result moert_comm_allreduce_sum(moert_comm_group *g, int rank, void *buf, size_t count, moert_dtype dtype)
 {
+    if (g->has_table) {
+        moert_result rc = MOERT_OK;
+        char message[512] = "";
+        if (table_failed(g, &rc)) return rc;
+        return table_result(g, "allreduce_sum",
+                            g->table.allreduce_sum(g->table.user, buf, count, dtype, message, sizeof message), message);
+    }
     moert_result rc = MOERT_OK;
     void *sum = NULL;
     MOERT_CHECK(check_rank(g, rank, "allreduce_sum"));
@@ -246,6 +312,15 @@ moert_result moert_comm_alltoallv(moert_comm_group *g, int rank, const void *sen
                                   const size_t *send_offsets, void *recv, const size_t *recv_bytes,
                                   const size_t *recv_offsets)
 {
+    if (g->has_table) {
+        moert_result rc = MOERT_OK;
+        char message[512] = "";
+        if (table_failed(g, &rc)) return rc;
+        return table_result(g, "alltoallv",
+                            g->table.alltoallv(g->table.user, send, send_bytes, send_offsets, recv, recv_bytes,
+                                               recv_offsets, message, sizeof message),
+                            message);
+    }
     moert_result rc = MOERT_OK;
     MOERT_CHECK(check_rank(g, rank, "alltoallv"));
     g->slots[rank].send = send;
@@ -274,6 +349,9 @@ fail:
 /* peers[r] = the pointer rank r offered. */
 moert_result moert_comm_exchange_pointers(moert_comm_group *g, int rank, void *local, void **peers)
 {
+    if (g->has_table)
+        return moert_error(MOERT_ERR_UNSUPPORTED, "peer buffers need ranks as threads of one process (the threads "
+                           "communicator) or NCCL; the caller's collectives table offers none");
     moert_result rc;
     MOERT_CHECK(check_rank(g, rank, "exchange_pointers"));
     g->slots[rank].pointer = local;

@@ -10,6 +10,8 @@ typedef struct moert_comm_group moert_comm_group; /* shared by all ranks */
 
 /* A group of `world` ranks; a collective waits at most timeout_s for every rank to arrive. */
 moert_result moert_comm_group_create(int world, double timeout_s, moert_comm_group **out);
+/* One rank's group whose collectives are the caller's (moert_collectives); the table is copied. */
+moert_result moert_comm_group_create_table(int world, const moert_collectives *table, moert_comm_group **out);
 void moert_comm_group_free(moert_comm_group *g);
 int moert_comm_group_size(const moert_comm_group *g);
 

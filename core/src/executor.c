@@ -30,6 +30,9 @@ const char *moert_backward_part_name(moert_backward_part p)
     return (p >= 0 && p < MOERT_BWD_PART_COUNT) ? names[p] : "unknown";
 }
 
+static moert_result release_saved(moert_layer *L);
+static int64_t used_rows(const moert_layer *L);
+
 static double now_seconds(void)
 {
     struct timespec ts;
@@ -112,8 +115,8 @@ static uint32_t instance_flags(const moert_instance *inst)
     return moert_host_instance_flags(inst->host, inst->plugin->header->flags);
 }
 
-/* Turns a plugin's failure into a core error naming the plugin, the call, the layer and the rank. */
-static moert_result plugin_failed(const moert_layer *L, const moert_instance *inst, const char *fn, moert_result rc)
+moert_result moert_layer_plugin_failed(const moert_layer *L, const moert_instance *inst, const char *fn,
+                                       moert_result rc)
 {
     const char *msg = moert_host_take_error(inst->host);
     return moert_error(rc, "%s \"%s\" %s failed (layer %d, rank %d): %s%s%s", moert_kind_name(inst->plugin->kind),
@@ -125,7 +128,7 @@ static moert_result plugin_failed(const moert_layer *L, const moert_instance *in
     do {                                                                                                      \
         rc = (call);                                                                                          \
         if (rc != MOERT_OK) {                                                                                 \
-            rc = plugin_failed(L, &(inst), fn, rc);                                                           \
+            rc = moert_layer_plugin_failed(L, &(inst), fn, rc);                                                           \
             goto fail;                                                                                        \
         }                                                                                                     \
     } while (0)
@@ -169,29 +172,61 @@ fail:
     return rc;
 }
 
-moert_result moert_layer_init_params(moert_layer *L, uint64_t seed)
+/* Shapes of the parameters ([E,H], [El,H,2F], [El,F,H]), their initial standard deviations. */
+static void param_shapes(const moert_layer_info *in, int64_t shapes[MOERT_PARAM_COUNT][3], int ndims[MOERT_PARAM_COUNT],
+                         double stds[MOERT_PARAM_COUNT])
+{
+    const int64_t s[MOERT_PARAM_COUNT][3] = {{in->num_experts, in->hidden, 0},
+                                             {in->num_local_experts, in->hidden, 2 * in->ffn_hidden},
+                                             {in->num_local_experts, in->ffn_hidden, in->hidden}};
+    memcpy(shapes, s, sizeof s);
+    ndims[0] = 2;
+    ndims[1] = ndims[2] = 3;
+    stds[0] = 1.0 / sqrt((double)in->hidden);
+    stds[1] = 1.0 / sqrt((double)in->hidden);
+    stds[2] = 0.5 / sqrt((double)in->ffn_hidden);
+}
+
+moert_tensor moert_layer_param_desc(const moert_layer *L, moert_param_id which)
+{
+    int64_t shapes[MOERT_PARAM_COUNT][3];
+    int ndims[MOERT_PARAM_COUNT];
+    double stds[MOERT_PARAM_COUNT];
+    param_shapes(&L->info, shapes, ndims, stds);
+    return moert_tensor_make(NULL, L->info.device, L->param_dtype, ndims[which], shapes[which]);
+}
+
+moert_result moert_layer_fill_params(moert_layer *L, uint64_t seed)
 {
     moert_result rc = MOERT_OK;
     const moert_layer_info *in = &L->info;
-    int64_t shapes[MOERT_PARAM_COUNT][3] = {{in->num_experts, in->hidden, 0},
-                                            {in->num_local_experts, in->hidden, 2 * in->ffn_hidden},
-                                            {in->num_local_experts, in->ffn_hidden, in->hidden}};
-    int ndims[MOERT_PARAM_COUNT] = {2, 3, 3};
-    double stds[MOERT_PARAM_COUNT] = {1.0 / sqrt((double)in->hidden), 1.0 / sqrt((double)in->hidden),
-                                      0.5 / sqrt((double)in->ffn_hidden)};
+    int64_t shapes[MOERT_PARAM_COUNT][3];
+    int ndims[MOERT_PARAM_COUNT];
+    double stds[MOERT_PARAM_COUNT];
+    param_shapes(in, shapes, ndims, stds);
     for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
-        moert_param *pr = &L->params[p];
-        MOERT_CHECK(tensor_alloc(L, &pr->value, L->param_dtype, ndims[p], shapes[p][0], shapes[p][1], shapes[p][2]));
-        MOERT_CHECK(tensor_alloc(L, &pr->grad, L->param_dtype, ndims[p], shapes[p][0], shapes[p][1], shapes[p][2]));
-        if (L->optimizer == MOERT_OPTIMIZER_ADAM) MOERT_CHECK(alloc_adam_state(L, pr));
         /* expert weights start at the first local expert's global offset */
         uint64_t first = p == MOERT_PARAM_ROUTER ? 0
                                                  : (uint64_t)(in->first_local_expert * shapes[p][1] * shapes[p][2]);
-        MOERT_CHECK(moert_fill_normal_on(L->stream, &pr->value, seed,
+        MOERT_CHECK(moert_fill_normal_on(L->stream, &L->params[p].value, seed,
                                          MOERT_STREAM_PARAM + 4 * (uint64_t)in->layer_index + (uint64_t)p, first,
                                          stds[p]));
     }
-    return MOERT_OK;
+fail:
+    return rc;
+}
+
+moert_result moert_layer_init_params(moert_layer *L, uint64_t seed)
+{
+    moert_result rc = MOERT_OK;
+    for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
+        moert_param *pr = &L->params[p];
+        moert_tensor d = moert_layer_param_desc(L, (moert_param_id)p);
+        MOERT_CHECK(tensor_alloc(L, &pr->value, d.dtype, d.ndim, d.shape[0], d.shape[1], d.ndim > 2 ? d.shape[2] : 0));
+        MOERT_CHECK(tensor_alloc(L, &pr->grad, d.dtype, d.ndim, d.shape[0], d.shape[1], d.ndim > 2 ? d.shape[2] : 0));
+        if (L->optimizer == MOERT_OPTIMIZER_ADAM) MOERT_CHECK(alloc_adam_state(L, pr));
+    }
+    MOERT_CHECK(moert_layer_fill_params(L, seed));
 fail:
     return rc;
 }
@@ -248,6 +283,8 @@ moert_result moert_layer_release_finished_offloads(moert_layer *L)
 }
 
 /* Frees what the last forward saved, stream-ordered after the copies still using it. */
+moert_result moert_layer_release_saved(moert_layer *L) { return release_saved(L); }
+
 static moert_result release_saved(moert_layer *L)
 {
     moert_result rc = MOERT_OK;
@@ -316,8 +353,8 @@ void moert_layer_free(moert_layer *L)
     }
     memset(L->mark_events, 0, sizeof L->mark_events);
     for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
-        tensor_release(L, &L->params[p].value);
-        tensor_release(L, &L->params[p].grad);
+        if (!L->params_borrowed) tensor_release(L, &L->params[p].value);
+        if (!L->params_borrowed) tensor_release(L, &L->params[p].grad);
         tensor_release(L, &L->params[p].m);
         tensor_release(L, &L->params[p].v);
     }
@@ -385,6 +422,8 @@ fail:
 }
 
 /* Rows the grouped GEMMs cover: the sum of tokens_per_expert (padding included). */
+int64_t moert_layer_used_rows(const moert_layer *L) { return used_rows(L); }
+
 static int64_t used_rows(const moert_layer *L)
 {
     if (!L->layout.tokens_per_expert_host) return L->layout.capacity;
@@ -732,10 +771,10 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
     after_last_use(L, MOERT_ACT_SWIGLU_OUT);
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_FC2));
 
-    MOERT_CHECK(tensor_alloc(L, &moe_out, in->dtype, 2, t, in->hidden, 0));
-    moert_combine_args ca = {.struct_size = sizeof ca, .y_expert = &y_expert, .y = &moe_out};
+    if (!L->no_residual) MOERT_CHECK(tensor_alloc(L, &moe_out, in->dtype, 2, t, in->hidden, 0));
+    moert_combine_args ca = {.struct_size = sizeof ca, .y_expert = &y_expert, .y = L->no_residual ? y : &moe_out};
     PLUGIN_CALL(L->dispatcher, "combine", DISPATCHER(L)->combine(L->dispatcher.ctx, L->stream, &ca));
-    MOERT_CHECK(moert_add(L->stream, x, &moe_out, y));
+    if (!L->no_residual) MOERT_CHECK(moert_add(L->stream, x, &moe_out, y));
     /* the compute stream waits here for D2H copies still running (counted in the combine stage) */
     if (!L->defer_offload_release) MOERT_CHECK(moert_layer_release_offloaded(L));
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_COMBINE));
@@ -867,7 +906,10 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
 
     MOERT_CHECK(part_begin(L, MOERT_BWD_DISPATCH, L->stream));
     /* the residual passes d_y straight through; the MoE branch adds to it */
-    MOERT_CHECK(moert_copy(L->stream, d_y, d_x));
+    if (L->no_residual)
+        MOERT_CHECK(moert_zero(L->stream, d_x));
+    else
+        MOERT_CHECK(moert_copy(L->stream, d_y, d_x));
     MOERT_CHECK(tensor_alloc(L, &d_probs, L->param_dtype, 2, t, in->topk, 0));
     moert_dispatch_backward_args db = {.struct_size = sizeof db, .d_recv_x = &d_recv_x, .d_recv_probs = &d_recv_probs,
                                        .d_x = d_x, .d_topk_probs = &d_probs};

@@ -75,6 +75,10 @@ typedef struct moert_layer {
     moert_dtype param_dtype;          /* fp32, or fp64 in fp64 mode */
     int64_t seq_length;               /* tokens per sequence (batch-major), 0 = one sequence */
     moert_optimizer optimizer;        /* set before moert_layer_init_params: m and v exist only for Adam */
+    /* the embedding API: parameter values and gradients are the caller's tensors (never freed here), and forward
+     * gives MoE(x) alone, without the residual x (backward then passes no d_y through to d_x) */
+    bool params_borrowed;
+    bool no_residual;
     /* false (default): the device copies of offloaded activations are freed at the end of this layer's forward;
      * true: the caller frees them later with moert_layer_release_offloaded (e.g. after the next layer's forward),
      * so the D2H copies overlap more compute. */
@@ -139,6 +143,15 @@ typedef struct moert_layer {
                                                     when a step's activation outgrows its buffer) */
 } moert_layer;
 
+/* Turns a plugin's failure into a core error naming the plugin, the call, the layer and the rank. */
+moert_result moert_layer_plugin_failed(const moert_layer *L, const moert_instance *inst, const char *fn,
+                                       moert_result rc);
+
+/* The shape, dtype and device of a parameter (data NULL). */
+moert_tensor moert_layer_param_desc(const moert_layer *L, moert_param_id which);
+/* Writes the initial parameter values (from the seed, the same for any rank split) into the layer's parameters,
+ * allocated or bound by the caller. */
+moert_result moert_layer_fill_params(moert_layer *L, uint64_t seed);
 /* Allocates the parameters (values from the seed, the same for any rank split) and their state (Adam's m and v,
  * zeroed, when L->optimizer is Adam). */
 moert_result moert_layer_init_params(moert_layer *L, uint64_t seed);
@@ -168,6 +181,11 @@ moert_result moert_layer_collect_times(moert_layer *L);
  * plugin instances declare MOERT_CAP_GRAPH_CAPTURABLE (header flags, or host->set_flags) and whose last forward kept
  * every activation on the device (offload and recompute have host-side steps). When not, writes why into `why`. */
 bool moert_layer_graph_capturable(const moert_layer *L, char *why, size_t why_size);
+/* Frees the activations the last forward saved for its backward (a forward that will get no backward). */
+moert_result moert_layer_release_saved(moert_layer *L);
+/* Rows the experts of the last forward received (the layout's count where the dispatcher knows it on the host, else
+ * its capacity). */
+int64_t moert_layer_used_rows(const moert_layer *L);
 /* Zeroes the parameter gradients. With allow_lazy, when the precision plugin declares MOERT_CAP_WGRAD_OVERWRITE,
  * the expert weights' gradients are left for the next backward's WGRADs to overwrite instead (no memset); without
  * it every gradient is zeroed now and every WGRAD adds. */

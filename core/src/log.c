@@ -1,6 +1,8 @@
 /* Core logging: lines "moert[level] who: message" on stderr, filtered by MOERT_LOG. */
 #include "log.h"
 
+#include "moert/moert.h"
+
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,6 +12,18 @@
 static const char *const level_names[] = {"error", "warn", "info", "debug"};
 
 static moert_log_level current_level = MOERT_LOG_WARN;
+/* moert_set_log_callback: where lines go instead of stderr (an embedding framework's logger) */
+static moert_log_fn log_callback;
+static void *log_callback_user;
+static pthread_mutex_t log_callback_lock = PTHREAD_MUTEX_INITIALIZER;
+
+MOERT_API void moert_set_log_callback(moert_log_fn fn, void *user)
+{
+    pthread_mutex_lock(&log_callback_lock);
+    log_callback = fn;
+    log_callback_user = user;
+    pthread_mutex_unlock(&log_callback_lock);
+}
 static pthread_once_t level_once = PTHREAD_ONCE_INIT;
 
 /* Reads MOERT_LOG once; an unknown value keeps the default (warn). */
@@ -42,6 +56,16 @@ void moert_logv(moert_log_level level, const char *who, const char *fmt, va_list
     size_t n = strlen(text);
     while (n > 0 && text[n - 1] == '\n') text[--n] = '\0';
     const char *name = (level >= MOERT_LOG_ERROR && level <= MOERT_LOG_DEBUG) ? level_names[level] : "log";
+    pthread_mutex_lock(&log_callback_lock);
+    moert_log_fn fn = log_callback;
+    void *user = log_callback_user;
+    pthread_mutex_unlock(&log_callback_lock);
+    if (fn) {
+        char line[2400];
+        snprintf(line, sizeof line, "%s: %s", who && *who ? who : "core", text);
+        fn(user, level, line);
+        return;
+    }
     if (who && *who)
         fprintf(stderr, "moert[%s] %s: %s\n", name, who, text);
     else

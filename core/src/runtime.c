@@ -24,12 +24,9 @@ struct moert_rank {
     moert_runtime *rt;
     int rank;                            /* in the expert-parallel group */
     int device;                          /* CUDA ordinal on this host */
-    json_t *empty_options;
-    moert_section *core_section;
-    moert_host *core_host;
-    moert_layer *layers;                 /* [num_layers] */
-    moert_section **sections;            /* [num_layers * MOERT_SLOT_COUNT] */
-    moert_host **hosts;                  /* [num_layers * MOERT_SLOT_COUNT] */
+    moert_stack stack;                   /* the layers, their plugin instances and services */
+    moert_host *core_host;               /* stack.core_host */
+    moert_layer *layers;                 /* stack.layers: [num_layers] */
     moert_tensor *acts;                  /* [num_layers + 1] residual stream; acts[0] is the input */
     moert_tensor grad_a, grad_b, target; /* [T,H] on the device */
     moert_tensor x_host, target_host;    /* [T,H] on the host, fp64 */
@@ -211,29 +208,6 @@ static moert_result choose_device(moert_runtime *rt)
     return MOERT_OK;
 }
 
-static moert_layer_info layer_info(const moert_runtime *rt, const moert_rank *r, int layer)
-{
-    int rank = r->rank;
-    const moert_model_config *m = &rt->cfg->model;
-    int64_t local = m->num_experts / rt->world;
-    moert_layer_info info = {
-        .struct_size = sizeof info, .layer_index = layer, .num_layers = (int32_t)m->num_layers, .hidden = m->hidden,
-        .ffn_hidden = m->ffn_hidden, .num_experts = m->num_experts, .topk = m->topk, .num_local_experts = local,
-        .first_local_expert = local * rank, .max_tokens = rt->cfg->train.tokens_per_rank, .dtype = m->dtype,
-        .device = {rt->device_type, rt->device_type == MOERT_DEVICE_CUDA ? r->device : 0}};
-    return info;
-}
-
-static moert_instance *slot_instance(moert_layer *L, moert_slot s)
-{
-    switch (s) {
-    case MOERT_SLOT_ROUTER: return &L->router;
-    case MOERT_SLOT_DISPATCHER: return &L->dispatcher;
-    case MOERT_SLOT_PRECISION: return &L->precision;
-    default: return &L->memory;
-    }
-}
-
 /* Creates this rank's services and one instance of every plugin per layer. */
 static moert_result rank_init(moert_rank *r, void *arg)
 {
@@ -242,13 +216,8 @@ static moert_result rank_init(moert_rank *r, void *arg)
     moert_runtime *rt = r->rt;
     const moert_config *cfg = rt->cfg;
     int nl = (int)cfg->model.num_layers;
-    char who[256];
+    moert_device device = {rt->device_type, rt->device_type == MOERT_DEVICE_CUDA ? r->device : 0};
 
-    r->empty_options = json_object();
-    MOERT_CHECK_ALLOC(r->empty_options);
-    r->core_section = moert_section_create(r->empty_options, "$");
-    MOERT_CHECK_ALLOC(r->core_section);
-    moert_layer_info info0 = layer_info(rt, r, 0);
 #ifdef MOERT_HAVE_CUDA
     if (rt->device_type == MOERT_DEVICE_CUDA) {
         MOERT_CHECK(moert_cuda_pool_create(r->device, &r->pool));
@@ -261,17 +230,16 @@ static moert_result rank_init(moert_rank *r, void *arg)
             MOERT_CHECK(moert_nccl_comm_init_thread(rt->nccl_group, r->rank, r->device, &r->nccl));
     }
 #endif
-    snprintf(who, sizeof who, "core (rank %d)", r->rank);
-    moert_host_setup core_setup = {.who = who, .options = r->core_section, .comm = rt->comm, .rank = r->rank,
-                                   .world_size = rt->world, .device = info0.device, .cuda_pool = r->pool,
-                                   .nccl = r->nccl, .stream = r->stream};
-    MOERT_CHECK(moert_host_create(&core_setup, &r->core_host));
-    MOERT_CHECK(r->core_host->alloc(r->core_host, info0.device, MOERT_SQUARED_ERROR_WORKSPACE_BYTES, &r->workspace));
-
-    r->layers = calloc((size_t)nl, sizeof *r->layers);
-    r->sections = calloc((size_t)nl * MOERT_SLOT_COUNT, sizeof *r->sections);
-    r->hosts = calloc((size_t)nl * MOERT_SLOT_COUNT, sizeof *r->hosts);
+    moert_stack_setup setup = {.cfg = cfg, .plugins = rt->plugins, .rank = r->rank, .world = rt->world,
+                               .device = device, .max_tokens = cfg->train.tokens_per_rank, .comm = rt->comm,
+                               .pool = r->pool, .nccl = r->nccl, .stream = r->stream};
+    rc = moert_stack_init(&r->stack, &setup);
+    r->core_host = r->stack.core_host;
+    r->layers = r->stack.layers;
+    if (rc != MOERT_OK) goto fail;
+    MOERT_CHECK(r->core_host->alloc(r->core_host, device, MOERT_SQUARED_ERROR_WORKSPACE_BYTES, &r->workspace));
     r->acts = calloc((size_t)nl + 1, sizeof *r->acts);
+    MOERT_CHECK_ALLOC(r->acts);
     /* Pinned, so the small device-to-host copies of the step never wait behind an offload copy of
      * the copy engines as pageable copies do (the host thread would block and the GPU idle). */
     const size_t counts_bytes = (size_t)nl * (size_t)cfg->model.num_experts * sizeof *r->counts;
@@ -285,46 +253,13 @@ static moert_result rank_init(moert_rank *r, void *arg)
     MOERT_CHECK(r->core_host->alloc_pinned(r->core_host, sizeof *r->loss_result, (void **)&r->loss_result) == MOERT_OK
                     ? MOERT_OK
                     : moert_error(MOERT_ERR_OUT_OF_MEMORY, "%s", moert_host_take_error(r->core_host)));
-    MOERT_CHECK_ALLOC(r->layers);
-    MOERT_CHECK_ALLOC(r->sections);
-    MOERT_CHECK_ALLOC(r->hosts);
-    MOERT_CHECK_ALLOC(r->acts);
-
     for (int l = 0; l < nl; l++) {
         moert_layer *L = &r->layers[l];
-        L->info = layer_info(rt, r, l);
-        L->core_host = r->core_host;
-        L->stream = r->stream;
-        L->overlap_wgrad = cfg->parallel.overlap_wgrad;
-        L->param_dtype = cfg->model.dtype == MOERT_F64 ? MOERT_F64 : MOERT_F32;
-        L->seq_length = cfg->train.seq_length;
         L->defer_offload_release = true; /* released once their copies finish (rank_forward_backward) */
         /* offload copies start as soon as an activation is produced; MOERT_OFFLOAD_DEFER_START=1 starts them
          * after the next layer's forward instead (the last layer's at once): docs/executor.md, "Deferred start" */
         const char *defer = getenv("MOERT_OFFLOAD_DEFER_START");
         L->defer_offload_start = l + 1 < cfg->model.num_layers && defer && strcmp(defer, "1") == 0;
-        L->optimizer = cfg->train.optimizer;
-        for (int s = 0; s < MOERT_SLOT_COUNT; s++) {
-            const char *key = moert_slot_key((moert_slot)s);
-            char path[64];
-            snprintf(path, sizeof path, "$.%s", key);
-            moert_section *sec = moert_section_create(json_object_get(cfg->root, key), path);
-            MOERT_CHECK_ALLOC(sec);
-            r->sections[l * MOERT_SLOT_COUNT + s] = sec;
-            moert_section_allow(sec, "plugin");
-            snprintf(who, sizeof who, "%s \"%s\" (layer %d, rank %d)", moert_kind_name(rt->plugins[s].kind),
-                     rt->plugins[s].header->name, l, r->rank);
-            moert_host_setup setup = {.who = who, .options = sec, .comm = rt->comm, .rank = r->rank,
-                                      .world_size = rt->world, .device = L->info.device, .cuda_pool = r->pool,
-                                      .nccl = r->nccl, .stream = r->stream};
-            MOERT_CHECK(moert_host_create(&setup, &r->hosts[l * MOERT_SLOT_COUNT + s]));
-            moert_instance *inst = slot_instance(L, (moert_slot)s);
-            inst->plugin = &rt->plugins[s];
-            inst->host = r->hosts[l * MOERT_SLOT_COUNT + s];
-            MOERT_CHECK(moert_plugin_init(inst->plugin, &inst->ctx, inst->host, &L->info));
-            /* options are the same for every layer and rank: checking the first instance is enough */
-            if (l == 0) MOERT_CHECK(moert_section_check_unknown(sec));
-        }
     }
     return MOERT_OK;
 fail:
@@ -344,36 +279,25 @@ static moert_result rank_finalize(moert_rank *r, void *arg)
         r->graph_forward[form] = r->graph_backward[form] = NULL;
     }
 #endif
-    if (r->layers) {
-        for (int l = 0; l < nl; l++) {
-            moert_layer *L = &r->layers[l];
-            if (r->core_host) moert_layer_free(L);
-            for (int s = MOERT_SLOT_COUNT - 1; s >= 0; s--) {
-                moert_instance *inst = slot_instance(L, (moert_slot)s);
-                if (inst->ctx) moert_plugin_finalize(inst->plugin, inst->ctx);
-                inst->ctx = NULL;
-            }
-        }
-    }
-    if (r->acts && r->core_host)
-        for (int l = 0; l <= nl; l++)
+    if (r->core_host) {
+        moert_device device = r->layers ? r->layers[0].info.device : moert_cpu();
+        /* the layers (and their parameters) go first, while the services they free through still exist */
+        for (int l = 0; r->layers && l < nl; l++) moert_layer_free(&r->layers[l]);
+        for (int l = 0; r->acts && l <= nl; l++)
             if (r->acts[l].data) r->core_host->free(r->core_host, r->acts[l].device, r->acts[l].data);
-    moert_tensor *bufs[3] = {&r->grad_a, &r->grad_b, &r->target};
-    for (int i = 0; i < 3; i++)
-        if (bufs[i]->data && r->core_host) r->core_host->free(r->core_host, bufs[i]->device, bufs[i]->data);
-    if (r->workspace && r->core_host) r->core_host->free(r->core_host, r->layers ? r->layers[0].info.device : moert_cpu(), r->workspace);
-    if (r->counts && r->core_host) r->core_host->free_pinned(r->core_host, r->counts);
-    if (r->micro_counts && r->core_host) r->core_host->free_pinned(r->core_host, r->micro_counts);
-    if (r->loss_result && r->core_host) r->core_host->free_pinned(r->core_host, r->loss_result);
+        moert_tensor *bufs[3] = {&r->grad_a, &r->grad_b, &r->target};
+        for (int i = 0; i < 3; i++)
+            if (bufs[i]->data) r->core_host->free(r->core_host, bufs[i]->device, bufs[i]->data);
+        if (r->workspace) r->core_host->free(r->core_host, device, r->workspace);
+        if (r->counts) r->core_host->free_pinned(r->core_host, r->counts);
+        if (r->micro_counts) r->core_host->free_pinned(r->core_host, r->micro_counts);
+        if (r->loss_result) r->core_host->free_pinned(r->core_host, r->loss_result);
+    }
     free(r->x_host.data);
     free(r->target_host.data);
-    if (r->hosts)
-        for (int i = 0; i < nl * MOERT_SLOT_COUNT; i++)
-            if (r->hosts[i]) moert_host_free(r->hosts[i]);
-    if (r->sections)
-        for (int i = 0; i < nl * MOERT_SLOT_COUNT; i++)
-            if (r->sections[i]) moert_section_free(r->sections[i]);
-    if (r->core_host) moert_host_free(r->core_host);
+    moert_stack_finalize(&r->stack);
+    r->core_host = NULL;
+    r->layers = NULL;
 #ifdef MOERT_HAVE_CUDA
     if (r->stream) moert_cuda_stream_synchronize(r->stream);
     if (r->pool && moert_cuda_pool_reserve_release(r->pool) != MOERT_OK) moert_error_clear();
@@ -384,11 +308,6 @@ static moert_result rank_finalize(moert_rank *r, void *arg)
     r->stream = NULL;
     r->nccl = NULL;
 #endif
-    if (r->core_section) moert_section_free(r->core_section);
-    if (r->empty_options) json_decref(r->empty_options);
-    free(r->layers);
-    free(r->hosts);
-    free(r->sections);
     free(r->acts);
     return MOERT_OK;
 }

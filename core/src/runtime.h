@@ -6,6 +6,7 @@
 #include "config.h"
 #include "executor.h"
 #include "loader.h"
+#include "stack.h"
 #include "task.h"
 
 /* What one step produced, for the progress line and the report. */

@@ -20,13 +20,6 @@
 extern "C" {
 #endif
 
-/* Marks the functions libmoert exports; everything else in it is hidden. */
-#if defined(__GNUC__)
-#define MOERT_API __attribute__((visibility("default")))
-#else
-#define MOERT_API
-#endif
-
 /* Version of the embedding API below: 1 is the first. Appended functions and struct members raise it. */
 #define MOERT_API_VERSION 1
 MOERT_API int moert_api_version(void);

@@ -13,6 +13,15 @@
 extern "C" {
 #endif
 
+/* Marks the functions libmoert exports (the public API); everything else in it is hidden. */
+#ifndef MOERT_API
+#if defined(__GNUC__)
+#define MOERT_API __attribute__((visibility("default")))
+#else
+#define MOERT_API
+#endif
+#endif
+
 /* ABI version: major changes break plugins, minor ones only append. */
 #define MOERT_ABI_MAJOR 1
 #define MOERT_ABI_MINOR 1
@@ -39,7 +48,7 @@ typedef enum moert_result {
 } moert_result;
 
 /* A short fixed name for a result code, e.g. "invalid argument". */
-const char *moert_result_name(moert_result r);
+MOERT_API const char *moert_result_name(moert_result r);
 
 typedef enum moert_plugin_kind {
     MOERT_KIND_ROUTER = 1,

@@ -669,34 +669,37 @@ fail:
     return rc;
 }
 
-moert_result moert_nccl_comm_init_env(const moert_dist_env *env, int device, double timeout_s, moert_nccl_comm **out)
+moert_result moert_nccl_unique_id_make(unsigned char *id, size_t bytes)
+{
+    moert_result rc = MOERT_OK;
+    ncclUniqueId uid;
+    if (bytes != sizeof uid)
+        return moert_error(MOERT_ERR_INTERNAL, "an NCCL unique id is %zu bytes, not %zu", sizeof uid, bytes);
+    MOERT_CHECK(nccl_prepare());
+    MOERT_NCCL_CHECK(ncclGetUniqueId(&uid));
+    memcpy(id, &uid, sizeof uid);
+fail:
+    return rc;
+}
+
+moert_result moert_nccl_comm_init_id(const unsigned char *id, size_t id_bytes, int rank, int world, int device,
+                                     double timeout_s, moert_nccl_comm **out)
 {
     moert_result rc = MOERT_OK;
     moert_nccl_comm *c = NULL;
-    ncclUniqueId id;
+    ncclUniqueId uid;
     *out = NULL;
-    if (device < 0) device = env->local_rank;
+    if (id_bytes != sizeof uid)
+        return moert_error(MOERT_ERR_INTERNAL, "an NCCL unique id is %zu bytes, not %zu", sizeof uid, id_bytes);
+    if (rank < 0 || rank >= world)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "NCCL: rank %d out of range for a group of %d", rank, world);
+    memcpy(&uid, id, sizeof uid);
     MOERT_CHECK(nccl_prepare());
-    {
-        int count = 0;
-        MOERT_CHECK(moert_cuda_device_count(&count));
-        if (device >= count) {
-            rc = moert_error(MOERT_ERR_CONFIG, "rank %d: CUDA device %d (LOCAL_RANK=%d) does not exist: %d visible",
-                             env->rank, device, env->local_rank, count);
-            goto fail;
-        }
-    }
-    MOERT_CHECK(new_comm(env->rank, env->world_size, device, timeout_s, MOERT_NCCL_PROCESSES, &c));
-    double deadline = now_seconds() + c->timeout_s;
-    if (env->rank == 0) {
-        MOERT_NCCL_CHECK(ncclGetUniqueId(&id));
-        MOERT_CHECK(serve_unique_id(env, &id, deadline));
-    } else {
-        MOERT_CHECK(fetch_unique_id(env, &id, deadline));
-    }
+    MOERT_CHECK(check_device(device, "moert_nccl_comm_init_id"));
+    MOERT_CHECK(new_comm(rank, world, device, timeout_s, MOERT_NCCL_PROCESSES, &c));
     MOERT_CUDA_CHECK(cudaSetDevice(device));
     MOERT_CHECK(create_internal_resources(c));
-    MOERT_CHECK(init_nccl_comm(c, id));
+    MOERT_CHECK(init_nccl_comm(c, uid));
     *out = c;
     return MOERT_OK;
 fail:
@@ -707,6 +710,33 @@ fail:
         moert_nccl_comm_free(c);
         moert_error(rc, "%s", saved);
     }
+    return rc;
+}
+
+moert_result moert_nccl_comm_init_env(const moert_dist_env *env, int device, double timeout_s, moert_nccl_comm **out)
+{
+    moert_result rc = MOERT_OK;
+    ncclUniqueId id;
+    *out = NULL;
+    if (device < 0) device = env->local_rank;
+    MOERT_CHECK(nccl_prepare());
+    {
+        int count = 0;
+        MOERT_CHECK(moert_cuda_device_count(&count));
+        if (device >= count)
+            return moert_error(MOERT_ERR_CONFIG, "rank %d: CUDA device %d (LOCAL_RANK=%d) does not exist: %d visible",
+                               env->rank, device, env->local_rank, count);
+    }
+    double deadline = now_seconds() + effective_timeout(timeout_s);
+    if (env->rank == 0) {
+        MOERT_NCCL_CHECK(ncclGetUniqueId(&id));
+        MOERT_CHECK(serve_unique_id(env, &id, deadline));
+    } else {
+        MOERT_CHECK(fetch_unique_id(env, &id, deadline));
+    }
+    MOERT_CHECK(moert_nccl_comm_init_id((const unsigned char *)&id, sizeof id, env->rank, env->world_size, device,
+                                        timeout_s, out));
+fail:
     return rc;
 }
 

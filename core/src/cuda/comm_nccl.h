@@ -61,6 +61,14 @@ moert_result moert_dist_env_read(moert_dist_env *out);
 moert_result moert_nccl_comm_init_env(const moert_dist_env *env, int device, double timeout_s,
                                       moert_nccl_comm **out);
 
+/* ---- (c) a process per GPU, the unique id distributed by the caller (the embedding API) ---- */
+
+/* Makes an NCCL unique id (bytes must be sizeof(ncclUniqueId), 128). */
+moert_result moert_nccl_unique_id_make(unsigned char *id, size_t bytes);
+/* Joins the group of `world` ranks that id names, as `rank`, on `device`; the same mode as (b). */
+moert_result moert_nccl_comm_init_id(const unsigned char *id, size_t id_bytes, int rank, int world, int device,
+                                     double timeout_s, moert_nccl_comm **out);
+
 /* ---- either mode ---- */
 
 /* Flushes and destroys the communicator (bounded; aborted if peers do not finish), closes IPC mappings. */

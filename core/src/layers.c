@@ -1,0 +1,932 @@
+/* The embedding API (moert/layers.h): the MoE layers of one rank on the caller's tensors and stream.
+ *
+ * A moert_layers is one rank's stack (core/src/stack.c) whose parameters are bound to the caller's tensors and whose
+ * layers give MoE(x) without the residual. On GPUs the layers keep their own compute stream (the executor, the
+ * memory pool and the plugins order their work on it); each call makes it wait for the caller's stream on entry and
+ * the caller's stream wait for it on return, so the work is ordered as if it ran on the caller's stream.
+ */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "config.h"
+#include "error.h"
+#include "executor.h"
+#include "host.h"
+#include "loader.h"
+#include "stack.h"
+#include "tensor_ops.h"
+#ifdef MOERT_HAVE_CUDA
+#include "cuda/comm_nccl.h"
+#include "cuda/device.h"
+#include "cuda/pool.h"
+#endif
+
+#define DISPATCHER(L) ((const moert_dispatcher_v1 *)(L)->dispatcher.plugin->header)
+#define ROUTER(L) ((const moert_router_v1 *)(L)->router.plugin->header)
+#define PRECISION(L) ((const moert_precision_v1 *)(L)->precision.plugin->header)
+
+MOERT_API int moert_api_version(void) { return MOERT_API_VERSION; }
+
+/* ---- communicators ---- */
+
+typedef enum comm_kind { COMM_THREADS = 0, COMM_TABLE = 1, COMM_NCCL_ID = 2 } comm_kind;
+
+
+struct moert_comm {
+    comm_kind kind;
+    int world;
+    double timeout_s;
+    moert_comm_group *group;              /* threads and table: host-memory collectives */
+    pthread_mutex_t lock;                 /* threads: guards nccl_group */
+    struct moert_nccl_group *nccl_group;  /* threads on GPUs: made by the first rank that needs it */
+    unsigned char nccl_id[MOERT_NCCL_ID_BYTES];
+};
+
+static moert_result comm_new(comm_kind kind, int world_size, double timeout_s, moert_comm **out)
+{
+    if (!out) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_comm_create: out is NULL");
+    *out = NULL;
+    if (world_size < 1 || world_size > 4096)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_comm_create: world_size %d, expected 1 .. 4096",
+                           world_size);
+    if (!(timeout_s > 0) || timeout_s > 86400.0)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_comm_create: timeout_s %g, expected > 0 and <= 86400",
+                           timeout_s);
+    moert_comm *c = calloc(1, sizeof *c);
+    if (!c) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "moert_comm_create: out of memory");
+    c->kind = kind;
+    c->world = world_size;
+    c->timeout_s = timeout_s;
+    pthread_mutex_init(&c->lock, NULL);
+    *out = c;
+    return MOERT_OK;
+}
+
+MOERT_API moert_result moert_comm_create_threads(int world_size, double timeout_s, moert_comm **out)
+{
+    moert_result rc = comm_new(COMM_THREADS, world_size, timeout_s, out);
+    if (rc != MOERT_OK) return rc;
+    rc = moert_comm_group_create(world_size, timeout_s, &(*out)->group);
+    if (rc != MOERT_OK) {
+        moert_comm_destroy(*out);
+        *out = NULL;
+    }
+    return rc;
+}
+
+MOERT_API moert_result moert_comm_create_collectives(int world_size, const moert_collectives *table, moert_comm **out)
+{
+    moert_result rc = comm_new(COMM_TABLE, world_size, 1.0, out);
+    if (rc != MOERT_OK) return rc;
+    rc = moert_comm_group_create_table(world_size, table, &(*out)->group);
+    if (rc != MOERT_OK) {
+        moert_comm_destroy(*out);
+        *out = NULL;
+    }
+    return rc;
+}
+
+MOERT_API moert_result moert_nccl_unique_id(unsigned char id[MOERT_NCCL_ID_BYTES])
+{
+    if (!id) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_nccl_unique_id: id is NULL");
+#ifdef MOERT_HAVE_CUDA
+    return moert_nccl_unique_id_make(id, MOERT_NCCL_ID_BYTES);
+#else
+    return moert_error(MOERT_ERR_UNSUPPORTED, "moert_nccl_unique_id: this build of moert has no CUDA/NCCL");
+#endif
+}
+
+MOERT_API moert_result moert_comm_create_nccl(const unsigned char id[MOERT_NCCL_ID_BYTES], int world_size,
+                                              double timeout_s, moert_comm **out)
+{
+#ifdef MOERT_HAVE_CUDA
+    if (!id) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_comm_create_nccl: id is NULL");
+    moert_result rc = comm_new(COMM_NCCL_ID, world_size, timeout_s, out);
+    if (rc == MOERT_OK) memcpy((*out)->nccl_id, id, MOERT_NCCL_ID_BYTES);
+    return rc;
+#else
+    (void)id; (void)world_size; (void)timeout_s;
+    if (out) *out = NULL;
+    return moert_error(MOERT_ERR_UNSUPPORTED, "moert_comm_create_nccl: this build of moert has no CUDA/NCCL");
+#endif
+}
+
+MOERT_API void moert_comm_destroy(moert_comm *comm)
+{
+    if (!comm) return;
+#ifdef MOERT_HAVE_CUDA
+    if (comm->nccl_group) moert_nccl_group_free(comm->nccl_group);
+#endif
+    if (comm->group) moert_comm_group_free(comm->group);
+    pthread_mutex_destroy(&comm->lock);
+    free(comm);
+}
+
+/* ---- the layers of one rank ---- */
+
+/* One forward's saved activations: a token naming the layer whose executor state holds them. */
+struct moert_saved {
+    moert_layers *owner;
+    int layer;
+    int64_t tokens;
+};
+
+struct moert_dispatch {
+    moert_layers *owner;
+    int layer;
+    int64_t tokens;
+    moert_tensor topk_idx; /* borrowed from prepare's caller */
+    moert_dispatch_layout layout;
+    bool ran;
+};
+
+struct moert_layers {
+    moert_config *cfg;                    /* a private copy: sections borrow its JSON */
+    moert_plugin plugins[MOERT_SLOT_COUNT];
+    moert_comm *comm;
+    int rank, world;
+    moert_device device;
+    int64_t max_tokens;
+    struct moert_cuda_pool *pool;
+    struct moert_nccl_comm *nccl;
+    moert_stream stream;                  /* CUDA: the layers' own compute stream */
+    moert_event enter_event, leave_event; /* CUDA: ordering against the caller's stream */
+    moert_stack stack;
+    bool stack_made;
+    bool (*bound)[MOERT_PARAM_COUNT];     /* [num_layers] */
+    moert_saved **saved;                  /* [num_layers] the forward in flight */
+    moert_dispatch **dispatch;            /* [num_layers] the dispatch in flight */
+};
+
+static moert_result check_layer(const moert_layers *m, int layer, const char *fn)
+{
+    if (!m) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layers is NULL", fn);
+    if (layer < 0 || layer >= m->stack.num_layers)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layer %d, expected 0 .. %d", fn, layer,
+                           m->stack.num_layers - 1);
+    return MOERT_OK;
+}
+
+static const char *device_text(moert_device d, char *buf, size_t size)
+{
+    if (d.type == MOERT_DEVICE_CPU)
+        snprintf(buf, size, "cpu");
+    else if (d.type == MOERT_DEVICE_CUDA)
+        snprintf(buf, size, "cuda:%d", d.id);
+    else if (d.type == MOERT_DEVICE_CUDA_HOST)
+        snprintf(buf, size, "cuda_host");
+    else
+        snprintf(buf, size, "device type %d", d.type);
+    return buf;
+}
+
+/* Checks a caller's tensor: present, dtype, device, contiguous, and the shape `want` (a negative entry: any size up to
+ * its negation, e.g. -max_tokens rows). `name` is the argument's name in the message. */
+static moert_result check_tensor(const char *fn, const char *name, const moert_tensor *t, moert_dtype dtype,
+                                 moert_device dev, int ndim, const int64_t *want)
+{
+    char a[32], b[32];
+    if (!t) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, name);
+    if (t->ndim != ndim)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: %s has %d dimensions, expected %d", fn, name, t->ndim,
+                           ndim);
+    for (int i = 0; i < ndim; i++) {
+        bool ok = want[i] >= 0 ? t->shape[i] == want[i] : (t->shape[i] >= 1 && t->shape[i] <= -want[i]);
+        if (!ok) {
+            if (want[i] >= 0)
+                return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: %s has size %lld in dimension %d, expected %lld",
+                                   fn, name, (long long)t->shape[i], i, (long long)want[i]);
+            return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: %s has size %lld in dimension %d, expected 1 .. %lld",
+                               fn, name, (long long)t->shape[i], i, (long long)-want[i]);
+        }
+    }
+    if (t->dtype != dtype)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: %s is %s, expected %s", fn, name, moert_dtype_name(t->dtype),
+                           moert_dtype_name(dtype));
+    if (t->device.type != dev.type || (dev.type == MOERT_DEVICE_CUDA && t->device.id != dev.id))
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: %s is on %s, expected %s", fn, name,
+                           device_text(t->device, a, sizeof a), device_text(dev, b, sizeof b));
+    if (!moert_tensor_is_contiguous(t))
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: %s is not contiguous (row-major, unit inner stride)", fn,
+                           name);
+    if (!t->data && moert_tensor_numel(t) > 0)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: %s has no data", fn, name);
+    return MOERT_OK;
+}
+
+/* A copy to or from host memory the caller can touch: the host side is plain CPU memory. */
+static bool on_host(moert_device d) { return d.type == MOERT_DEVICE_CPU || d.type == MOERT_DEVICE_CUDA_HOST; }
+
+/* The layers' stream waits for the work the caller queued on `stream` so far (CUDA; nothing on the CPU). */
+static moert_result enter(moert_layers *m, moert_stream stream)
+{
+#ifdef MOERT_HAVE_CUDA
+    moert_result rc = MOERT_OK;
+    if (m->device.type != MOERT_DEVICE_CUDA) return MOERT_OK;
+    MOERT_CHECK(moert_cuda_set_device(m->device.id));
+    MOERT_CHECK(moert_cuda_event_record(m->enter_event, stream));
+    MOERT_CHECK(moert_cuda_stream_wait_event(m->stream, m->enter_event));
+fail:
+    return rc;
+#else
+    (void)m; (void)stream;
+    return MOERT_OK;
+#endif
+}
+
+/* The caller's stream waits for what the layers queued (CUDA; nothing on the CPU). */
+static moert_result leave(moert_layers *m, moert_stream stream)
+{
+#ifdef MOERT_HAVE_CUDA
+    moert_result rc = MOERT_OK;
+    if (m->device.type != MOERT_DEVICE_CUDA) return MOERT_OK;
+    MOERT_CHECK(moert_cuda_event_record(m->leave_event, m->stream));
+    MOERT_CHECK(moert_cuda_stream_wait_event(stream, m->leave_event));
+fail:
+    return rc;
+#else
+    (void)m; (void)stream;
+    return MOERT_OK;
+#endif
+}
+
+/* Waits for the layers' stream (for copies into host memory the caller reads on return). */
+static moert_result finish(moert_layers *m)
+{
+    const moert_host *h = m->stack.core_host;
+    if (h->stream_synchronize(h, m->stream) != MOERT_OK)
+        return moert_error(MOERT_ERR_CUDA, "%s", moert_host_take_error(m->stack.core_host));
+    return MOERT_OK;
+}
+
+/* Copies bytes between the caller's tensor and moert's on the layers' stream; waits when the destination is host. */
+static moert_result copy_tensor(moert_layers *m, const moert_tensor *src, moert_tensor *dst)
+{
+    const moert_host *h = m->stack.core_host;
+    moert_result rc = h->memcpy_async(h, dst->data, dst->device, src->data, src->device, moert_tensor_bytes(src),
+                                      m->stream);
+    if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(m->stack.core_host));
+    if (on_host(dst->device)) return finish(m);
+    return MOERT_OK;
+}
+
+static moert_result check_launch(const moert_config *cfg, const moert_launch *launch)
+{
+    const char *fn = "moert_layers_create";
+    if (!cfg) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: cfg is NULL", fn);
+    if (!launch) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: launch is NULL", fn);
+    if (launch->struct_size < sizeof *launch)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: launch->struct_size %u, expected %zu", fn,
+                           launch->struct_size, sizeof *launch);
+    if (launch->world_size < 1 || launch->rank < 0 || launch->rank >= launch->world_size)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: rank %d of world_size %d, expected 0 <= rank < world_size",
+                           fn, launch->rank, launch->world_size);
+    if (launch->world_size > 1 && !launch->comm)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: world_size %d needs a communicator (launch->comm)", fn,
+                           launch->world_size);
+    const moert_comm *c = launch->comm;
+    if (c && c->world != launch->world_size)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: the communicator has %d ranks, launch->world_size is %d", fn,
+                           c->world, launch->world_size);
+    if (cfg->model.num_experts % launch->world_size != 0)
+        return moert_error(MOERT_ERR_CONFIG, "config error at $.model.num_experts: %lld experts do not split over %d "
+                           "ranks", (long long)cfg->model.num_experts, launch->world_size);
+    if (launch->max_tokens < 0)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: launch->max_tokens %lld, expected >= 0 (0: the config's)",
+                           fn, (long long)launch->max_tokens);
+    moert_device d = launch->device;
+    if (d.type == MOERT_DEVICE_CPU) {
+        if (c && c->kind == COMM_NCCL_ID)
+            return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: a CPU rank cannot use NCCL; use the threads "
+                               "communicator or a collectives table", fn);
+        return MOERT_OK;
+    }
+    if (d.type != MOERT_DEVICE_CUDA)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: launch->device type %d, expected MOERT_DEVICE_CPU or "
+                           "MOERT_DEVICE_CUDA", fn, d.type);
+#ifdef MOERT_HAVE_CUDA
+    if (c && c->kind == COMM_TABLE)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: a CUDA rank needs NCCL (moert_comm_create_nccl) or the "
+                           "threads communicator (a thread per GPU), not a collectives table", fn);
+    int gpus = 0;
+    if (moert_cuda_device_count(&gpus) != MOERT_OK) gpus = 0;
+    if (d.id < 0 || d.id >= gpus)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: CUDA device %d asked for, %d answer on this machine", fn,
+                           d.id, gpus);
+    return MOERT_OK;
+#else
+    return moert_error(MOERT_ERR_UNSUPPORTED, "%s: a CUDA device asked for, but this build of moert has no CUDA", fn);
+#endif
+}
+
+#ifdef MOERT_HAVE_CUDA
+/* The rank's CUDA resources: memory pool, compute stream, ordering events and the NCCL communicator. */
+static moert_result cuda_setup(moert_layers *m, double timeout_s)
+{
+    moert_result rc = MOERT_OK;
+    int dev = m->device.id;
+    MOERT_CHECK(moert_cuda_set_device(dev));
+    MOERT_CHECK(moert_cuda_pool_create(dev, &m->pool));
+    MOERT_CHECK(moert_cuda_stream_create_high_priority(dev, &m->stream));
+    MOERT_CHECK(moert_cuda_event_create(dev, false, &m->enter_event));
+    MOERT_CHECK(moert_cuda_event_create(dev, false, &m->leave_event));
+    moert_comm *c = m->comm;
+    if (!c || m->world == 1) return MOERT_OK;
+    if (c->kind == COMM_NCCL_ID)
+        return moert_nccl_comm_init_id(c->nccl_id, sizeof c->nccl_id, m->rank, m->world, dev, c->timeout_s, &m->nccl);
+    pthread_mutex_lock(&c->lock);
+    if (!c->nccl_group) rc = moert_nccl_group_create(c->world, timeout_s, &c->nccl_group);
+    pthread_mutex_unlock(&c->lock);
+    if (rc != MOERT_OK) return rc;
+    MOERT_CHECK(moert_nccl_comm_init_thread(c->nccl_group, m->rank, dev, &m->nccl));
+fail:
+    return rc;
+}
+#endif
+
+/* A private copy of the config (the plugins' option sections keep pointing into its JSON). */
+static moert_result copy_config(const moert_config *cfg, moert_config **out)
+{
+    char *text = json_dumps(cfg->root, JSON_COMPACT);
+    if (!text) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "moert_layers_create: copying the config");
+    moert_result rc = moert_config_load_string(text, cfg->name, out);
+    free(text);
+    return rc;
+}
+
+MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_launch *launch, moert_layers **out)
+{
+    moert_result rc = MOERT_OK;
+    moert_layers *m = NULL;
+    if (!out) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_layers_create: out is NULL");
+    *out = NULL;
+    MOERT_CHECK(check_launch(cfg, launch));
+    m = calloc(1, sizeof *m);
+    MOERT_CHECK_ALLOC(m);
+    m->comm = launch->comm;
+    m->rank = launch->rank;
+    m->world = launch->world_size;
+    m->device = launch->device;
+    if (m->device.type == MOERT_DEVICE_CPU) m->device.id = 0;
+    m->max_tokens = launch->max_tokens > 0 ? launch->max_tokens : cfg->train.tokens_per_rank;
+    MOERT_CHECK(copy_config(cfg, &m->cfg));
+    for (int s = 0; s < MOERT_SLOT_COUNT; s++) {
+        rc = moert_plugin_load(moert_slot_kind((moert_slot)s), m->cfg->plugin[s], &m->plugins[s]);
+        if (rc != MOERT_OK) {
+            moert_error_prefix("config error at $.%s.plugin", moert_slot_key((moert_slot)s));
+            goto fail;
+        }
+    }
+#ifdef MOERT_HAVE_CUDA
+    if (m->device.type == MOERT_DEVICE_CUDA) MOERT_CHECK(cuda_setup(m, m->cfg->parallel.timeout_s));
+#endif
+    moert_comm_group *group = m->comm && m->comm->kind != COMM_NCCL_ID && m->world > 1 ? m->comm->group : NULL;
+    moert_stack_setup setup = {.cfg = m->cfg, .plugins = m->plugins, .rank = m->rank, .world = m->world,
+                               .device = m->device, .max_tokens = m->max_tokens, .comm = group, .pool = m->pool,
+                               .nccl = m->nccl, .stream = m->stream};
+    m->stack_made = true;
+    MOERT_CHECK(moert_stack_init(&m->stack, &setup));
+    int nl = m->stack.num_layers;
+    m->bound = calloc((size_t)nl, sizeof *m->bound);
+    m->saved = calloc((size_t)nl, sizeof *m->saved);
+    m->dispatch = calloc((size_t)nl, sizeof *m->dispatch);
+    MOERT_CHECK_ALLOC(m->bound);
+    MOERT_CHECK_ALLOC(m->saved);
+    MOERT_CHECK_ALLOC(m->dispatch);
+    for (int l = 0; l < nl; l++) {
+        moert_layer *L = &m->stack.layers[l];
+        L->params_borrowed = true;
+        L->no_residual = true;
+    }
+    *out = m;
+    return MOERT_OK;
+fail:
+    if (m) {
+        char saved[4096];
+        snprintf(saved, sizeof saved, "%s", moert_error_message());
+        if (m->world > 1 && m->comm && m->comm->group) moert_comm_abort(m->comm->group, m->rank, saved);
+#ifdef MOERT_HAVE_CUDA
+        if (m->nccl) moert_nccl_comm_abort(m->nccl, saved);
+#endif
+        moert_layers_destroy(m);
+        moert_error(rc, "%s", saved);
+    }
+    return rc;
+}
+
+MOERT_API void moert_layers_destroy(moert_layers *m)
+{
+    if (!m) return;
+    int nl = m->stack.num_layers;
+    for (int l = 0; m->saved && l < nl; l++) free(m->saved[l]);
+    for (int l = 0; m->dispatch && l < nl; l++) free(m->dispatch[l]);
+#ifdef MOERT_HAVE_CUDA
+    if (m->stream) moert_cuda_stream_synchronize(m->stream);
+#endif
+    if (m->stack_made) moert_stack_finalize(&m->stack);
+#ifdef MOERT_HAVE_CUDA
+    if (m->stream) moert_cuda_stream_synchronize(m->stream);
+    if (m->enter_event) moert_cuda_event_destroy(m->enter_event);
+    if (m->leave_event) moert_cuda_event_destroy(m->leave_event);
+    if (m->pool && moert_cuda_pool_reserve_release(m->pool) != MOERT_OK) moert_error_clear();
+    if (m->pool) moert_cuda_pool_destroy(m->pool);
+    if (m->stream) moert_cuda_stream_destroy(m->stream);
+    if (m->nccl) moert_nccl_comm_free(m->nccl);
+#endif
+    for (int s = 0; s < MOERT_SLOT_COUNT; s++)
+        if (m->plugins[s].dl) moert_plugin_unload(&m->plugins[s]);
+    moert_config_free(m->cfg);
+    free(m->bound);
+    free(m->saved);
+    free(m->dispatch);
+    free(m);
+}
+
+MOERT_API moert_result moert_layers_get_info(const moert_layers *m, moert_layers_info *out)
+{
+    if (!m || !out) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_layers_get_info: a NULL argument");
+    const moert_layer *L = &m->stack.layers[0];
+    *out = (moert_layers_info){.struct_size = sizeof *out, .num_layers = m->stack.num_layers, .rank = m->rank,
+                               .world_size = m->world, .hidden = L->info.hidden, .ffn_hidden = L->info.ffn_hidden,
+                               .num_experts = L->info.num_experts, .topk = L->info.topk,
+                               .num_local_experts = L->info.num_local_experts,
+                               .first_local_expert = L->info.first_local_expert, .max_tokens = m->max_tokens,
+                               .dtype = L->info.dtype, .param_dtype = L->param_dtype, .device = m->device};
+    return MOERT_OK;
+}
+
+/* ---- parameters ---- */
+
+static moert_result check_param(const moert_layers *m, int layer, moert_param_id which, const char *fn)
+{
+    moert_result rc = check_layer(m, layer, fn);
+    if (rc != MOERT_OK) return rc;
+    if ((int)which < 0 || which >= MOERT_PARAM_COUNT)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: parameter %d, expected MOERT_PARAM_ROUTER, _FC1 or _FC2",
+                           fn, (int)which);
+    return MOERT_OK;
+}
+
+static const char *param_name(moert_param_id which)
+{
+    static const char *const names[MOERT_PARAM_COUNT] = {"router weight", "fc1", "fc2"};
+    return names[which];
+}
+
+MOERT_API moert_result moert_layers_param_desc(const moert_layers *m, int layer, moert_param_id which,
+                                               moert_tensor *desc)
+{
+    moert_result rc = check_param(m, layer, which, "moert_layers_param_desc");
+    if (rc != MOERT_OK) return rc;
+    if (!desc) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_layers_param_desc: desc is NULL");
+    *desc = moert_layer_param_desc(&m->stack.layers[layer], which);
+    return MOERT_OK;
+}
+
+MOERT_API moert_result moert_layers_bind_param(moert_layers *m, int layer, moert_param_id which,
+                                               const moert_tensor *value, const moert_tensor *grad)
+{
+    const char *fn = "moert_layers_bind_param";
+    moert_result rc = check_param(m, layer, which, fn);
+    if (rc != MOERT_OK) return rc;
+    moert_layer *L = &m->stack.layers[layer];
+    if (m->saved[layer] || m->dispatch[layer])
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layer %d has a forward in flight; bind after its backward",
+                           fn, layer);
+    moert_tensor d = moert_layer_param_desc(L, which);
+    char vname[64], gname[64];
+    snprintf(vname, sizeof vname, "the %s value", param_name(which));
+    snprintf(gname, sizeof gname, "the %s gradient", param_name(which));
+    if ((rc = check_tensor(fn, vname, value, d.dtype, d.device, d.ndim, d.shape)) != MOERT_OK) return rc;
+    if ((rc = check_tensor(fn, gname, grad, d.dtype, d.device, d.ndim, d.shape)) != MOERT_OK) return rc;
+    if (value->data == grad->data)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: the %s value and gradient are the same memory", fn,
+                           param_name(which));
+    L->params[which].value = *value;
+    L->params[which].grad = *grad;
+    m->bound[layer][which] = true;
+    return MOERT_OK;
+}
+
+/* Every parameter of `layer` is bound, or an error naming the first that is not. */
+static moert_result check_bound(const moert_layers *m, int layer, const char *fn)
+{
+    for (int p = 0; p < MOERT_PARAM_COUNT; p++)
+        if (!m->bound[layer][p])
+            return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layer %d's %s is not bound (moert_layers_bind_param)",
+                               fn, layer, param_name((moert_param_id)p));
+    return MOERT_OK;
+}
+
+MOERT_API moert_result moert_layers_init_params(moert_layers *m, uint64_t seed, moert_stream stream)
+{
+    moert_result rc = MOERT_OK;
+    if (!m) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_layers_init_params: layers is NULL");
+    for (int l = 0; l < m->stack.num_layers; l++) MOERT_CHECK(check_bound(m, l, "moert_layers_init_params"));
+    MOERT_CHECK(enter(m, stream));
+    for (int l = 0; l < m->stack.num_layers; l++) MOERT_CHECK(moert_layer_fill_params(&m->stack.layers[l], seed));
+    MOERT_CHECK(leave(m, stream));
+fail:
+    return rc;
+}
+
+/* Calls one per-step hook (end_step) of every layer's router or precision instance. */
+static moert_result end_step_all(moert_layers *m, moert_stream stream, bool router)
+{
+    moert_result rc = MOERT_OK;
+    if (!m) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_layers_%s: layers is NULL",
+                               router ? "update_expert_bias" : "weights_changed");
+    MOERT_CHECK(enter(m, stream));
+    for (int l = 0; l < m->stack.num_layers; l++) {
+        moert_layer *L = &m->stack.layers[l];
+        moert_instance *inst = router ? &L->router : &L->precision;
+        rc = router ? ROUTER(L)->end_step(inst->ctx, m->stream) : PRECISION(L)->end_step(inst->ctx, m->stream);
+        if (rc != MOERT_OK) {
+            rc = moert_layer_plugin_failed(L, inst, "end_step", rc);
+            goto fail;
+        }
+    }
+    MOERT_CHECK(leave(m, stream));
+fail:
+    return rc;
+}
+
+MOERT_API moert_result moert_layers_weights_changed(moert_layers *m, moert_stream stream)
+{
+    return end_step_all(m, stream, false);
+}
+
+MOERT_API moert_result moert_layers_update_expert_bias(moert_layers *m, moert_stream stream)
+{
+    return end_step_all(m, stream, true);
+}
+
+/* The router's expert bias tensor of `layer`, or MOERT_ERR_UNSUPPORTED. */
+static moert_result expert_bias_of(moert_layers *m, int layer, const char *fn, const moert_tensor **out)
+{
+    moert_result rc = check_layer(m, layer, fn);
+    if (rc != MOERT_OK) return rc;
+    moert_layer *L = &m->stack.layers[layer];
+    *out = ROUTER(L)->expert_bias ? ROUTER(L)->expert_bias(L->router.ctx) : NULL;
+    if (!*out)
+        return moert_error(MOERT_ERR_UNSUPPORTED, "%s: router \"%s\" keeps no expert bias (set $.router.expert_bias)",
+                           fn, L->router.plugin->header->name);
+    return MOERT_OK;
+}
+
+/* Checks the caller's copy of an expert bias: [E] of the bias's dtype, on the host or the layers' device. */
+static moert_result check_bias_copy(const moert_layers *m, const char *fn, const char *name, const moert_tensor *t,
+                                    const moert_tensor *bias)
+{
+    if (!t) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, name);
+    moert_device dev = on_host(t->device) ? t->device : m->device;
+    return check_tensor(fn, name, t, bias->dtype, dev, 1, bias->shape);
+}
+
+MOERT_API moert_result moert_layers_get_expert_bias(moert_layers *m, int layer, moert_tensor *dst, moert_stream stream)
+{
+    const char *fn = "moert_layers_get_expert_bias";
+    moert_result rc = MOERT_OK;
+    const moert_tensor *bias = NULL;
+    MOERT_CHECK(expert_bias_of(m, layer, fn, &bias));
+    MOERT_CHECK(check_bias_copy(m, fn, "dst", dst, bias));
+    MOERT_CHECK(enter(m, stream));
+    MOERT_CHECK(copy_tensor(m, bias, dst));
+    MOERT_CHECK(leave(m, stream));
+fail:
+    return rc;
+}
+
+MOERT_API moert_result moert_layers_set_expert_bias(moert_layers *m, int layer, const moert_tensor *src,
+                                                    moert_stream stream)
+{
+    const char *fn = "moert_layers_set_expert_bias";
+    moert_result rc = MOERT_OK;
+    const moert_tensor *bias = NULL;
+    MOERT_CHECK(expert_bias_of(m, layer, fn, &bias));
+    MOERT_CHECK(check_bias_copy(m, fn, "src", src, bias));
+    MOERT_CHECK(enter(m, stream));
+    moert_tensor target = *bias; /* the router's own buffer: written in place, as a checkpoint restores it */
+    MOERT_CHECK(copy_tensor(m, src, &target));
+    if (on_host(src->device)) MOERT_CHECK(finish(m)); /* the caller may reuse src on return */
+    MOERT_CHECK(leave(m, stream));
+fail:
+    return rc;
+}
+
+/* ---- forward and backward ---- */
+
+/* No forward or dispatch of `layer` in flight, or an error saying which. */
+static moert_result check_idle(const moert_layers *m, int layer, const char *fn)
+{
+    if (m->saved[layer])
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layer %d holds the saved activations of a forward: run its "
+                           "backward or moert_saved_free first (one micro-batch in flight per layer)", fn, layer);
+    if (m->dispatch[layer])
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layer %d has a dispatch in flight: moert_dispatch_free it "
+                           "first", fn, layer);
+    return MOERT_OK;
+}
+
+/* Drops what a failed forward or backward left saved, keeping the failure's message; returns rc. */
+static moert_result release_after_failure(moert_layer *L, moert_result rc)
+{
+    char message[4096];
+    snprintf(message, sizeof message, "%s", moert_error_message());
+    (void)moert_layer_release_saved(L);
+    return moert_error(rc, "%s", message);
+}
+
+MOERT_API moert_result moert_moe_forward(moert_layers *m, int layer, const moert_tensor *x, moert_tensor *y,
+                                         moert_stream stream, moert_saved **saved, moert_moe_stats *stats)
+{
+    const char *fn = "moert_moe_forward";
+    moert_result rc = check_layer(m, layer, fn);
+    if (rc != MOERT_OK) return rc;
+    if (saved) *saved = NULL;
+    moert_layer *L = &m->stack.layers[layer];
+    if ((rc = check_bound(m, layer, fn)) != MOERT_OK) return rc;
+    if ((rc = check_idle(m, layer, fn)) != MOERT_OK) return rc;
+    const int64_t rows_max[2] = {-m->max_tokens, L->info.hidden};
+    if ((rc = check_tensor(fn, "x", x, L->info.dtype, m->device, 2, rows_max)) != MOERT_OK) return rc;
+    const int64_t same[2] = {x->shape[0], L->info.hidden};
+    if ((rc = check_tensor(fn, "y", y, L->info.dtype, m->device, 2, same)) != MOERT_OK) return rc;
+    if (x->data == y->data) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: y may not be x's memory", fn);
+    if (stats && stats->struct_size < sizeof *stats)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: stats->struct_size %u, expected %zu", fn,
+                           stats->struct_size, sizeof *stats);
+    moert_saved *token = NULL;
+    if (saved) {
+        token = calloc(1, sizeof *token);
+        if (!token) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
+        *token = (moert_saved){.owner = m, .layer = layer, .tokens = x->shape[0]};
+    }
+    MOERT_CHECK(enter(m, stream));
+    MOERT_CHECK(moert_layer_forward(L, x, y));
+    if (stats) {
+        stats->router_loss = L->losses.total;
+        stats->aux_loss = L->losses.aux_loss;
+        stats->z_loss = L->losses.z_loss;
+        stats->dispatched_rows = moert_layer_used_rows(L);
+    }
+    if (!saved) MOERT_CHECK(moert_layer_release_saved(L));
+    MOERT_CHECK(leave(m, stream));
+    if (saved) {
+        m->saved[layer] = token;
+        *saved = token;
+    }
+    return MOERT_OK;
+fail:
+    free(token);
+    return release_after_failure(L, rc);
+}
+
+MOERT_API moert_result moert_moe_backward(moert_layers *m, moert_saved *saved, const moert_tensor *dy,
+                                          moert_tensor *dx, const moert_backward_options *opts, moert_stream stream)
+{
+    const char *fn = "moert_moe_backward";
+    moert_result rc = MOERT_OK;
+    if (!m) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layers is NULL", fn);
+    if (!saved || saved->owner != m || saved->layer < 0 || saved->layer >= m->stack.num_layers ||
+        m->saved[saved->layer] != saved)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: saved is not a forward in flight of these layers", fn);
+    if (opts && opts->struct_size < sizeof *opts)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: opts->struct_size %u, expected %zu", fn, opts->struct_size,
+                           sizeof *opts);
+    double scale = opts ? opts->router_loss_scale : 1.0;
+    bool accumulate = opts ? opts->accumulate : true;
+    int layer = saved->layer;
+    moert_layer *L = &m->stack.layers[layer];
+    const int64_t shape[2] = {saved->tokens, L->info.hidden};
+    if ((rc = check_tensor(fn, "dy", dy, L->info.dtype, m->device, 2, shape)) != MOERT_OK) return rc;
+    if ((rc = check_tensor(fn, "dx", dx, L->info.dtype, m->device, 2, shape)) != MOERT_OK) return rc;
+    if (dx->data == dy->data) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: dx may not be dy's memory", fn);
+    /* the activations go with this call, whatever its outcome */
+    m->saved[layer] = NULL;
+    free(saved);
+    MOERT_CHECK(enter(m, stream));
+    if (!accumulate) MOERT_CHECK(moert_layer_zero_grad(L, true));
+    MOERT_CHECK(moert_layer_backward(L, dy, dx, scale));
+    MOERT_CHECK(leave(m, stream));
+    return MOERT_OK;
+fail:
+    return release_after_failure(L, rc);
+}
+
+MOERT_API moert_result moert_saved_tokens_per_expert(const moert_saved *saved, moert_tensor *dst, moert_stream stream)
+{
+    const char *fn = "moert_saved_tokens_per_expert";
+    moert_result rc = MOERT_OK;
+    if (!saved || !saved->owner || saved->owner->saved[saved->layer] != saved)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: saved is not a forward in flight", fn);
+    moert_layers *m = saved->owner;
+    moert_layer *L = &m->stack.layers[saved->layer];
+    const int64_t shape[1] = {L->info.num_experts};
+    MOERT_CHECK(check_tensor(fn, "dst", dst, MOERT_I64, dst && on_host(dst->device) ? dst->device : m->device, 1,
+                             shape));
+    MOERT_CHECK(enter(m, stream));
+    MOERT_CHECK(copy_tensor(m, &L->tokens_per_expert, dst));
+    MOERT_CHECK(leave(m, stream));
+fail:
+    return rc;
+}
+
+MOERT_API void moert_saved_free(moert_saved *saved)
+{
+    if (!saved) return;
+    moert_layers *m = saved->owner;
+    if (m && saved->layer >= 0 && saved->layer < m->stack.num_layers && m->saved[saved->layer] == saved) {
+        m->saved[saved->layer] = NULL;
+        if (moert_layer_release_saved(&m->stack.layers[saved->layer]) != MOERT_OK) moert_error_clear();
+    }
+    free(saved);
+}
+
+/* ---- the dispatcher alone ---- */
+
+/* The dispatch in flight that d names, or an error. */
+static moert_result check_dispatch(const moert_dispatch *d, const char *fn, bool need_run)
+{
+    if (!d || !d->owner || d->layer < 0 || d->layer >= d->owner->stack.num_layers ||
+        d->owner->dispatch[d->layer] != d)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: not a dispatch in flight (prepared and not freed)", fn);
+    if (need_run && !d->ran)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: moert_dispatch_run has not run for this dispatch", fn);
+    return MOERT_OK;
+}
+
+MOERT_API moert_result moert_dispatch_prepare(moert_layers *m, int layer, const moert_tensor *topk_idx,
+                                              moert_stream stream, moert_dispatch **out, int64_t *recv_rows)
+{
+    const char *fn = "moert_dispatch_prepare";
+    moert_result rc = check_layer(m, layer, fn);
+    moert_dispatch *d = NULL;
+    if (rc != MOERT_OK) return rc;
+    if (!out || !recv_rows) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: out or recv_rows is NULL", fn);
+    *out = NULL;
+    moert_layer *L = &m->stack.layers[layer];
+    MOERT_CHECK(check_idle(m, layer, fn));
+    const int64_t shape[2] = {-m->max_tokens, L->info.topk};
+    MOERT_CHECK(check_tensor(fn, "topk_idx", topk_idx, MOERT_I32, m->device, 2, shape));
+    d = calloc(1, sizeof *d);
+    MOERT_CHECK_ALLOC(d);
+    *d = (moert_dispatch){.owner = m, .layer = layer, .tokens = topk_idx->shape[0], .topk_idx = *topk_idx};
+    d->layout.struct_size = sizeof d->layout;
+    MOERT_CHECK(enter(m, stream));
+    rc = DISPATCHER(L)->prepare(L->dispatcher.ctx, m->stream, &d->topk_idx, &d->layout);
+    if (rc != MOERT_OK) {
+        rc = moert_layer_plugin_failed(L, &L->dispatcher, "prepare", rc);
+        goto fail;
+    }
+    MOERT_CHECK(leave(m, stream));
+    m->dispatch[layer] = d;
+    *out = d;
+    *recv_rows = d->layout.capacity;
+    return MOERT_OK;
+fail:
+    free(d);
+    return rc;
+}
+
+MOERT_API moert_result moert_dispatch_tokens_per_expert(const moert_dispatch *d, moert_tensor *dst,
+                                                        moert_stream stream)
+{
+    const char *fn = "moert_dispatch_tokens_per_expert";
+    moert_result rc = check_dispatch(d, fn, false);
+    if (rc != MOERT_OK) return rc;
+    moert_layers *m = d->owner;
+    const int64_t shape[1] = {m->stack.layers[d->layer].info.num_local_experts};
+    MOERT_CHECK(check_tensor(fn, "dst", dst, MOERT_I64, dst && on_host(dst->device) ? dst->device : m->device, 1,
+                             shape));
+    MOERT_CHECK(enter(m, stream));
+    MOERT_CHECK(copy_tensor(m, &d->layout.tokens_per_expert, dst));
+    MOERT_CHECK(leave(m, stream));
+fail:
+    return rc;
+}
+
+/* Checks a [tokens or rows, H] activation of a dispatch (dtype of the layers). */
+static moert_result check_rows(const moert_dispatch *d, const char *fn, const char *name, const moert_tensor *t,
+                               int64_t rows)
+{
+    const moert_layer *L = &d->owner->stack.layers[d->layer];
+    const int64_t shape[2] = {rows, L->info.hidden};
+    return check_tensor(fn, name, t, L->info.dtype, d->owner->device, 2, shape);
+}
+
+/* Checks a [tokens, K] or [rows] routing-weight tensor (the parameters' dtype). */
+static moert_result check_weights(const moert_dispatch *d, const char *fn, const char *name, const moert_tensor *t,
+                                  bool per_token)
+{
+    const moert_layer *L = &d->owner->stack.layers[d->layer];
+    const int64_t shape[2] = {per_token ? d->tokens : d->layout.capacity, L->info.topk};
+    return check_tensor(fn, name, t, L->param_dtype, d->owner->device, per_token ? 2 : 1, shape);
+}
+
+MOERT_API moert_result moert_dispatch_run(moert_dispatch *d, const moert_tensor *x, const moert_tensor *topk_weights,
+                                          moert_tensor *recv_x, moert_tensor *recv_weights, moert_stream stream)
+{
+    const char *fn = "moert_dispatch_run";
+    moert_result rc = check_dispatch(d, fn, false);
+    if (rc != MOERT_OK) return rc;
+    moert_layers *m = d->owner;
+    moert_layer *L = &m->stack.layers[d->layer];
+    MOERT_CHECK(check_rows(d, fn, "x", x, d->tokens));
+    MOERT_CHECK(check_weights(d, fn, "topk_weights", topk_weights, true));
+    MOERT_CHECK(check_rows(d, fn, "recv_x", recv_x, d->layout.capacity));
+    MOERT_CHECK(check_weights(d, fn, "recv_weights", recv_weights, false));
+    MOERT_CHECK(enter(m, stream));
+    moert_dispatch_args a = {.struct_size = sizeof a, .x = x, .topk_probs = topk_weights, .recv_x = recv_x,
+                             .recv_probs = recv_weights};
+    rc = DISPATCHER(L)->dispatch(L->dispatcher.ctx, m->stream, &a);
+    if (rc != MOERT_OK) {
+        rc = moert_layer_plugin_failed(L, &L->dispatcher, "dispatch", rc);
+        goto fail;
+    }
+    d->ran = true;
+    MOERT_CHECK(leave(m, stream));
+fail:
+    return rc;
+}
+
+MOERT_API moert_result moert_dispatch_combine(moert_dispatch *d, const moert_tensor *y_expert, moert_tensor *y,
+                                              moert_stream stream)
+{
+    const char *fn = "moert_dispatch_combine";
+    moert_result rc = check_dispatch(d, fn, true);
+    if (rc != MOERT_OK) return rc;
+    moert_layers *m = d->owner;
+    moert_layer *L = &m->stack.layers[d->layer];
+    MOERT_CHECK(check_rows(d, fn, "y_expert", y_expert, d->layout.capacity));
+    MOERT_CHECK(check_rows(d, fn, "y", y, d->tokens));
+    MOERT_CHECK(enter(m, stream));
+    moert_combine_args a = {.struct_size = sizeof a, .y_expert = y_expert, .y = y};
+    rc = DISPATCHER(L)->combine(L->dispatcher.ctx, m->stream, &a);
+    if (rc != MOERT_OK) {
+        rc = moert_layer_plugin_failed(L, &L->dispatcher, "combine", rc);
+        goto fail;
+    }
+    MOERT_CHECK(leave(m, stream));
+fail:
+    return rc;
+}
+
+MOERT_API moert_result moert_dispatch_combine_backward(moert_dispatch *d, const moert_tensor *dy,
+                                                       moert_tensor *dy_expert, moert_stream stream)
+{
+    const char *fn = "moert_dispatch_combine_backward";
+    moert_result rc = check_dispatch(d, fn, true);
+    if (rc != MOERT_OK) return rc;
+    moert_layers *m = d->owner;
+    moert_layer *L = &m->stack.layers[d->layer];
+    MOERT_CHECK(check_rows(d, fn, "dy", dy, d->tokens));
+    MOERT_CHECK(check_rows(d, fn, "dy_expert", dy_expert, d->layout.capacity));
+    MOERT_CHECK(enter(m, stream));
+    moert_combine_backward_args a = {.struct_size = sizeof a, .d_y = dy, .d_y_expert = dy_expert};
+    rc = DISPATCHER(L)->combine_backward(L->dispatcher.ctx, m->stream, &a);
+    if (rc != MOERT_OK) {
+        rc = moert_layer_plugin_failed(L, &L->dispatcher, "combine_backward", rc);
+        goto fail;
+    }
+    MOERT_CHECK(leave(m, stream));
+fail:
+    return rc;
+}
+
+MOERT_API moert_result moert_dispatch_backward(moert_dispatch *d, const moert_tensor *d_recv_x,
+                                               const moert_tensor *d_recv_weights, moert_tensor *dx,
+                                               moert_tensor *d_topk_weights, moert_stream stream)
+{
+    const char *fn = "moert_dispatch_backward";
+    moert_result rc = check_dispatch(d, fn, true);
+    if (rc != MOERT_OK) return rc;
+    moert_layers *m = d->owner;
+    moert_layer *L = &m->stack.layers[d->layer];
+    MOERT_CHECK(check_rows(d, fn, "d_recv_x", d_recv_x, d->layout.capacity));
+    MOERT_CHECK(check_weights(d, fn, "d_recv_weights", d_recv_weights, false));
+    MOERT_CHECK(check_rows(d, fn, "dx", dx, d->tokens));
+    MOERT_CHECK(check_weights(d, fn, "d_topk_weights", d_topk_weights, true));
+    MOERT_CHECK(enter(m, stream));
+    MOERT_CHECK(moert_zero(m->stream, dx)); /* the plugin adds the rows into it */
+    moert_dispatch_backward_args a = {.struct_size = sizeof a, .d_recv_x = d_recv_x, .d_recv_probs = d_recv_weights,
+                                      .d_x = dx, .d_topk_probs = d_topk_weights};
+    rc = DISPATCHER(L)->dispatch_backward(L->dispatcher.ctx, m->stream, &a);
+    if (rc != MOERT_OK) {
+        rc = moert_layer_plugin_failed(L, &L->dispatcher, "dispatch_backward", rc);
+        goto fail;
+    }
+    MOERT_CHECK(leave(m, stream));
+fail:
+    return rc;
+}
+
+MOERT_API void moert_dispatch_free(moert_dispatch *d)
+{
+    if (!d) return;
+    moert_layers *m = d->owner;
+    if (m && d->layer >= 0 && d->layer < m->stack.num_layers && m->dispatch[d->layer] == d)
+        m->dispatch[d->layer] = NULL;
+    free(d);
+}

@@ -1,0 +1,121 @@
+/* Stack: the MoE layers of one rank, their plugin instances and host services. */
+#include "stack.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "error.h"
+
+moert_layer_info moert_stack_layer_info(const moert_stack_setup *setup, int layer)
+{
+    const moert_model_config *m = &setup->cfg->model;
+    int64_t local = m->num_experts / setup->world;
+    moert_layer_info info = {
+        .struct_size = sizeof info, .layer_index = layer, .num_layers = (int32_t)m->num_layers, .hidden = m->hidden,
+        .ffn_hidden = m->ffn_hidden, .num_experts = m->num_experts, .topk = m->topk, .num_local_experts = local,
+        .first_local_expert = local * setup->rank, .max_tokens = setup->max_tokens, .dtype = m->dtype,
+        .device = setup->device};
+    return info;
+}
+
+static moert_instance *slot_instance(moert_layer *L, moert_slot s)
+{
+    switch (s) {
+    case MOERT_SLOT_ROUTER: return &L->router;
+    case MOERT_SLOT_DISPATCHER: return &L->dispatcher;
+    case MOERT_SLOT_PRECISION: return &L->precision;
+    default: return &L->memory;
+    }
+}
+
+moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
+{
+    moert_result rc = MOERT_OK;
+    const moert_config *cfg = setup->cfg;
+    int nl = (int)cfg->model.num_layers;
+    char who[256];
+
+    memset(s, 0, sizeof *s);
+    s->empty_options = json_object();
+    MOERT_CHECK_ALLOC(s->empty_options);
+    s->core_section = moert_section_create(s->empty_options, "$");
+    MOERT_CHECK_ALLOC(s->core_section);
+    snprintf(who, sizeof who, "core (rank %d)", setup->rank);
+    moert_host_setup core_setup = {.who = who, .options = s->core_section, .comm = setup->comm, .rank = setup->rank,
+                                   .world_size = setup->world, .device = setup->device, .cuda_pool = setup->pool,
+                                   .nccl = setup->nccl, .stream = setup->stream};
+    MOERT_CHECK(moert_host_create(&core_setup, &s->core_host));
+
+    s->layers = calloc((size_t)nl, sizeof *s->layers);
+    s->sections = calloc((size_t)nl * MOERT_SLOT_COUNT, sizeof *s->sections);
+    s->hosts = calloc((size_t)nl * MOERT_SLOT_COUNT, sizeof *s->hosts);
+    MOERT_CHECK_ALLOC(s->layers);
+    MOERT_CHECK_ALLOC(s->sections);
+    MOERT_CHECK_ALLOC(s->hosts);
+    s->num_layers = nl;
+
+    for (int l = 0; l < nl; l++) {
+        moert_layer *L = &s->layers[l];
+        L->info = moert_stack_layer_info(setup, l);
+        L->core_host = s->core_host;
+        L->stream = setup->stream;
+        L->overlap_wgrad = cfg->parallel.overlap_wgrad;
+        L->param_dtype = cfg->model.dtype == MOERT_F64 ? MOERT_F64 : MOERT_F32;
+        L->seq_length = cfg->train.seq_length;
+        L->optimizer = cfg->train.optimizer;
+        for (int k = 0; k < MOERT_SLOT_COUNT; k++) {
+            const char *key = moert_slot_key((moert_slot)k);
+            char path[64];
+            snprintf(path, sizeof path, "$.%s", key);
+            moert_section *sec = moert_section_create(json_object_get(cfg->root, key), path);
+            MOERT_CHECK_ALLOC(sec);
+            s->sections[l * MOERT_SLOT_COUNT + k] = sec;
+            moert_section_allow(sec, "plugin");
+            snprintf(who, sizeof who, "%s \"%s\" (layer %d, rank %d)", moert_kind_name(setup->plugins[k].kind),
+                     setup->plugins[k].header->name, l, setup->rank);
+            moert_host_setup hs = {.who = who, .options = sec, .comm = setup->comm, .rank = setup->rank,
+                                   .world_size = setup->world, .device = L->info.device, .cuda_pool = setup->pool,
+                                   .nccl = setup->nccl, .stream = setup->stream};
+            MOERT_CHECK(moert_host_create(&hs, &s->hosts[l * MOERT_SLOT_COUNT + k]));
+            moert_instance *inst = slot_instance(L, (moert_slot)k);
+            inst->plugin = &setup->plugins[k];
+            inst->host = s->hosts[l * MOERT_SLOT_COUNT + k];
+            MOERT_CHECK(moert_plugin_init(inst->plugin, &inst->ctx, inst->host, &L->info));
+            /* options are the same for every layer and rank: checking the first instance is enough */
+            if (l == 0) MOERT_CHECK(moert_section_check_unknown(sec));
+        }
+    }
+    return MOERT_OK;
+fail:
+    return rc;
+}
+
+void moert_stack_finalize(moert_stack *s)
+{
+    int nl = s->num_layers;
+    if (s->layers) {
+        for (int l = 0; l < nl; l++) {
+            moert_layer *L = &s->layers[l];
+            if (s->core_host) moert_layer_free(L);
+            for (int k = MOERT_SLOT_COUNT - 1; k >= 0; k--) {
+                moert_instance *inst = slot_instance(L, (moert_slot)k);
+                if (inst->ctx) moert_plugin_finalize(inst->plugin, inst->ctx);
+                inst->ctx = NULL;
+            }
+        }
+    }
+    if (s->hosts)
+        for (int i = 0; i < nl * MOERT_SLOT_COUNT; i++)
+            if (s->hosts[i]) moert_host_free(s->hosts[i]);
+    if (s->sections)
+        for (int i = 0; i < nl * MOERT_SLOT_COUNT; i++)
+            if (s->sections[i]) moert_section_free(s->sections[i]);
+    if (s->core_host) moert_host_free(s->core_host);
+    if (s->core_section) moert_section_free(s->core_section);
+    if (s->empty_options) json_decref(s->empty_options);
+    free(s->layers);
+    free(s->hosts);
+    free(s->sections);
+    memset(s, 0, sizeof *s);
+}

@@ -1,0 +1,41 @@
+/* Stack: the MoE layers of one rank with their plugin instances and host services, made from a config. Shared by
+ * the embedding API (core/src/layers.c) and the runtime's trainer (core/src/runtime.c). */
+#ifndef MOERT_CORE_STACK_H
+#define MOERT_CORE_STACK_H
+
+#include "executor.h"
+#include "host.h"
+
+/* What the layers of one rank run on. */
+typedef struct moert_stack_setup {
+    const moert_config *cfg;
+    const moert_plugin *plugins;    /* [MOERT_SLOT_COUNT], loaded; borrowed */
+    int rank, world;
+    moert_device device;
+    int64_t max_tokens;             /* tokens per forward on this rank, an upper bound */
+    moert_comm_group *comm;         /* host-memory collectives; NULL for a world of one or NCCL alone */
+    struct moert_cuda_pool *pool;   /* CUDA ranks (NULL on the CPU) */
+    struct moert_nccl_comm *nccl;   /* CUDA ranks */
+    moert_stream stream;            /* CUDA ranks: the compute stream */
+} moert_stack_setup;
+
+typedef struct moert_stack {
+    int num_layers;
+    json_t *empty_options;
+    moert_section *core_section;
+    moert_host *core_host;          /* the rank's own services */
+    moert_layer *layers;            /* [num_layers] */
+    moert_section **sections;       /* [num_layers * MOERT_SLOT_COUNT] */
+    moert_host **hosts;             /* [num_layers * MOERT_SLOT_COUNT] */
+} moert_stack;
+
+/* Creates the rank's core services and one instance of every plugin per layer; on failure what was made is kept for
+ * moert_stack_finalize. Parameters are not allocated here (moert_layer_init_params, or bound by the caller). */
+moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup);
+/* Frees the layers (moert_layer_free), finalizes the plugin instances and frees the services. */
+void moert_stack_finalize(moert_stack *s);
+
+/* The layer description plugins of layer `layer` get. */
+moert_layer_info moert_stack_layer_info(const moert_stack_setup *setup, int layer);
+
+#endif
