@@ -29,7 +29,7 @@ export PKG_CONFIG_PATH="$(dirname "$pc")"
 libdir="$(pkg-config --variable=libdir moert)"
 plugindir="$(pkg-config --variable=plugindir moert)"
 [ "$libdir" = "$(dirname "$(dirname "$pc")")" ] || fail "pkg-config libdir $libdir is not where moert.pc is"
-for h in moert.h tensor.h plugin.h router.h dispatcher.h precision.h memory_policy.h; do
+for h in moert.h layers.h tensor.h plugin.h router.h dispatcher.h precision.h memory_policy.h; do
     [ -f "$prefix/include/moert/$h" ] || fail "header moert/$h not installed"
 done
 for p in router-topk dispatch-alltoall precision-bf16 memory-default; do
@@ -107,5 +107,19 @@ int main(void)
 C
 cc -std=c11 "$tmp/user.c" $(pkg-config --cflags --libs moert) -o "$tmp/user" || fail "compiling against libmoert"
 LD_LIBRARY_PATH="$libdir" "$tmp/user" || fail "the program linked against libmoert failed ($?)"
+
+step "libmoert exports exactly the functions its installed headers mark MOERT_API"
+lib=$(ls "$libdir"/libmoert.so.* | head -1)
+grep -h '^MOERT_API' "$prefix"/include/moert/*.h | grep -oE 'moert_[a-z0-9_]+\(' | tr -d '(' | sort -u >"$tmp/declared"
+nm -D --defined-only "$lib" | awk '$2 ~ /^[TDRBW]$/ {print $3}' | sort -u >"$tmp/exported"
+[ -s "$tmp/declared" ] || fail "no MOERT_API declaration found in the installed headers"
+diff -u "$tmp/declared" "$tmp/exported" >"$tmp/exports.diff" ||
+    { cat "$tmp/exports.diff"; fail "exported symbols (+) differ from the public declarations (-)"; }
+
+step "examples/embed: built out of tree with pkg-config, run against the installed library"
+cp -r "$src/examples/embed" "$tmp/embed"
+make -C "$tmp/embed" >"$tmp/embed-make.log" 2>&1 || { cat "$tmp/embed-make.log"; fail "make examples/embed"; }
+"$tmp/embed/embed" >"$tmp/embed.log" 2>&1 || { cat "$tmp/embed.log"; fail "examples/embed failed"; }
+grep -qx "embed: ok" "$tmp/embed.log" || { cat "$tmp/embed.log"; fail "examples/embed did not say ok"; }
 
 echo "test_install: all checks passed"
