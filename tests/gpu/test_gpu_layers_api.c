@@ -1,0 +1,426 @@
+/* The embedding API on GPUs with the caller's device buffers, against the same API on the CPU (the reference):
+ * - ranks as threads, one GPU each, at EP1, EP2 and EP4 (as many as answer), on a stream the caller made;
+ * - a process per GPU with a caller-distributed NCCL id (moert_nccl_unique_id in the parent, passed as hex on the
+ *   command line; no port, no environment variable);
+ * outputs, input gradients, expert gradients and the router gradient summed over ranks within fp32 tolerances.
+ * Also times one deepseek-v3-shaped layer's forward+backward through the API (--bench, one GPU).
+ *   usage: test_gpu_layers_api                 (the checks; exits 77 without a GPU)
+ *          test_gpu_layers_api --rank R N HEX   (one process of the NCCL check)
+ *          test_gpu_layers_api --bench CONFIG   (times the first layer of CONFIG at EP1 on GPU 0)
+ */
+#include <cuda_runtime_api.h>
+#include <pthread.h>
+#include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+
+#include "moert/moert.h"
+#include "test_util.h"
+
+extern char **environ;
+
+#define H 64
+#define F 96
+#define E 8
+#define TOTAL 512
+
+static const char *config_json =
+    "{\"model\": {\"hidden\": 64, \"ffn_hidden\": 96, \"num_experts\": 8, \"topk\": 2, \"num_layers\": 2,"
+    " \"dtype\": \"fp32\"}, \"parallel\": {\"ranks\": 1}, \"train\": {\"tokens_per_rank\": 512},"
+    " \"router\": {\"score_function\": \"sigmoid\", \"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.01}}";
+
+#define CK(call)                                                                                                   \
+    do {                                                                                                           \
+        cudaError_t e_ = (call);                                                                                   \
+        if (e_ != cudaSuccess) {                                                                                   \
+            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));          \
+            exit(1);                                                                                               \
+        }                                                                                                          \
+    } while (0)
+
+static float uniform(uint64_t *s)
+{
+    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((double)(*s >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+
+/* What one rank returns to the host: its rows of y and dx, its parameters' gradients. */
+typedef struct rank_out {
+    float *y, *dx;                          /* [t,H] */
+    float *grad[2][MOERT_PARAM_COUNT];
+    int64_t numel[MOERT_PARAM_COUNT];
+} rank_out;
+
+typedef struct rank_job {
+    int rank, world;
+    moert_device device;
+    moert_comm *comm;
+    const moert_config *cfg;
+    const float *x, *r; /* global [TOTAL,H] */
+    rank_out out;
+    moert_result rc;
+    char error[2048];
+} rank_job;
+
+/* Memory of the rank's device (or host for the CPU), and the copy of host data into it. */
+static void *buffer(moert_device d, size_t bytes)
+{
+    void *p = NULL;
+    if (d.type == MOERT_DEVICE_CUDA) CK(cudaMalloc(&p, bytes));
+    else p = calloc(1, bytes);
+    return p;
+}
+static void release(moert_device d, void *p)
+{
+    if (d.type == MOERT_DEVICE_CUDA) cudaFree(p);
+    else free(p);
+}
+static void to_host(moert_device d, void *dst, const void *src, size_t bytes)
+{
+    if (d.type == MOERT_DEVICE_CUDA) CK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+    else memcpy(dst, src, bytes);
+}
+static void from_host(moert_device d, void *dst, const void *src, size_t bytes)
+{
+    if (d.type == MOERT_DEVICE_CUDA) CK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+    else memcpy(dst, src, bytes);
+}
+
+#define FAIL_RC(call)                                                                                              \
+    do {                                                                                                           \
+        j->rc = (call);                                                                                            \
+        if (j->rc != MOERT_OK) {                                                                                   \
+            snprintf(j->error, sizeof j->error, "%s: %s", #call, moert_last_error());                             \
+            goto done;                                                                                             \
+        }                                                                                                          \
+    } while (0)
+
+/* One rank: bind device parameters, init, forward two layers, backward, bring the results to the host. */
+static void *rank_main(void *arg)
+{
+    rank_job *j = arg;
+    moert_layers *m = NULL;
+    void *value[2][MOERT_PARAM_COUNT] = {{0}}, *grad[2][MOERT_PARAM_COUNT] = {{0}};
+    int64_t t = TOTAL / j->world, first = t * j->rank;
+    size_t act = (size_t)(t * H) * sizeof(float);
+    moert_stream stream = NULL;
+    if (j->device.type == MOERT_DEVICE_CUDA) {
+        CK(cudaSetDevice(j->device.id));
+        cudaStream_t s;
+        CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        stream = s;
+    }
+    void *x = buffer(j->device, act), *h = buffer(j->device, act), *y = buffer(j->device, act);
+    void *r = buffer(j->device, act), *dh = buffer(j->device, act), *dx = buffer(j->device, act);
+    from_host(j->device, x, j->x + first * H, act);
+    from_host(j->device, r, j->r + first * H, act);
+    moert_launch launch = {.struct_size = sizeof launch, .rank = j->rank, .world_size = j->world,
+                           .device = j->device, .comm = j->comm};
+    FAIL_RC(moert_layers_create(j->cfg, &launch, &m));
+    for (int l = 0; l < 2; l++)
+        for (int w = 0; w < MOERT_PARAM_COUNT; w++) {
+            moert_tensor v, g;
+            FAIL_RC(moert_layers_param_desc(m, l, (moert_param_id)w, &v));
+            j->out.numel[w] = moert_tensor_numel(&v);
+            size_t bytes = moert_tensor_bytes(&v);
+            g = v;
+            v.data = value[l][w] = buffer(j->device, bytes);
+            g.data = grad[l][w] = buffer(j->device, bytes);
+            FAIL_RC(moert_layers_bind_param(m, l, (moert_param_id)w, &v, &g));
+        }
+    FAIL_RC(moert_layers_init_params(m, 7, stream));
+    moert_tensor tx = moert_tensor_2d(x, j->device, MOERT_F32, t, H), th = tx, ty = tx, tr = tx, tdh = tx, tdx = tx;
+    th.data = h, ty.data = y, tr.data = r, tdh.data = dh, tdx.data = dx;
+    moert_saved *s0 = NULL, *s1 = NULL;
+    moert_backward_options o = {.struct_size = sizeof o, .router_loss_scale = 0.0, .accumulate = false};
+    FAIL_RC(moert_moe_forward(m, 0, &tx, &th, stream, &s0, NULL));
+    FAIL_RC(moert_moe_forward(m, 1, &th, &ty, stream, &s1, NULL));
+    FAIL_RC(moert_moe_backward(m, s1, &tr, &tdh, &o, stream));
+    FAIL_RC(moert_moe_backward(m, s0, &tdh, &tdx, &o, stream));
+    if (stream) CK(cudaStreamSynchronize((cudaStream_t)stream));
+    j->out.y = malloc(act);
+    j->out.dx = malloc(act);
+    to_host(j->device, j->out.y, y, act);
+    to_host(j->device, j->out.dx, dx, act);
+    for (int l = 0; l < 2; l++)
+        for (int w = 0; w < MOERT_PARAM_COUNT; w++) {
+            size_t bytes = (size_t)j->out.numel[w] * sizeof(float);
+            j->out.grad[l][w] = malloc(bytes);
+            to_host(j->device, j->out.grad[l][w], grad[l][w], bytes);
+        }
+done:
+    moert_layers_destroy(m);
+    for (int l = 0; l < 2; l++)
+        for (int w = 0; w < MOERT_PARAM_COUNT; w++) {
+            if (value[l][w]) release(j->device, value[l][w]);
+            if (grad[l][w]) release(j->device, grad[l][w]);
+        }
+    void *bufs[6] = {x, h, y, r, dh, dx};
+    for (int i = 0; i < 6; i++) release(j->device, bufs[i]);
+    if (stream) cudaStreamDestroy((cudaStream_t)stream);
+    return NULL;
+}
+
+/* Runs the stack over `world` ranks as threads on `type` devices; jobs gets each rank's results. */
+static int run_threads(int world, moert_device_type type, const moert_config *cfg, const float *x, const float *r,
+                       rank_job *jobs)
+{
+    moert_comm *comm = NULL;
+    if (world > 1 && moert_comm_create_threads(world, 60.0, &comm) != MOERT_OK) {
+        fprintf(stderr, "threads communicator: %s\n", moert_last_error());
+        return 1;
+    }
+    pthread_t th[8];
+    for (int i = 0; i < world; i++) {
+        jobs[i] = (rank_job){.rank = i, .world = world, .device = {type, type == MOERT_DEVICE_CUDA ? i : 0},
+                             .comm = comm, .cfg = cfg, .x = x, .r = r};
+        pthread_create(&th[i], NULL, rank_main, &jobs[i]);
+    }
+    for (int i = 0; i < world; i++) pthread_join(th[i], NULL);
+    moert_comm_destroy(comm);
+    int bad = 0;
+    for (int i = 0; i < world; i++)
+        if (jobs[i].rc != MOERT_OK) {
+            fprintf(stderr, "rank %d: %s\n", i, jobs[i].error);
+            bad = 1;
+        }
+    return bad;
+}
+
+/* The largest difference of a GPU run's results from the CPU reference, relative to the reference's largest value. */
+static double compare(const rank_job *ref, const rank_job *got, int world)
+{
+    double worst = 0;
+    int64_t t = TOTAL / world;
+    double scale_y = 1e-30, scale_dx = 1e-30;
+    for (int64_t i = 0; i < TOTAL * H; i++) {
+        scale_y = fmax(scale_y, fabs(ref->out.y[i]));
+        scale_dx = fmax(scale_dx, fabs(ref->out.dx[i]));
+    }
+    for (int k = 0; k < world; k++)
+        for (int64_t i = 0; i < t * H; i++) {
+            worst = fmax(worst, fabs(got[k].out.y[i] - ref->out.y[k * t * H + i]) / scale_y);
+            worst = fmax(worst, fabs(got[k].out.dx[i] - ref->out.dx[k * t * H + i]) / scale_dx);
+        }
+    for (int l = 0; l < 2; l++)
+        for (int w = 0; w < MOERT_PARAM_COUNT; w++) {
+            int64_t n = got[0].out.numel[w];
+            double scale = 1e-30;
+            for (int64_t i = 0; i < ref->out.numel[w]; i++) scale = fmax(scale, fabs(ref->out.grad[l][w][i]));
+            for (int64_t i = 0; i < n; i++) {
+                if (w == MOERT_PARAM_ROUTER) {
+                    double s = 0;
+                    for (int k = 0; k < world; k++) s += got[k].out.grad[l][w][i];
+                    worst = fmax(worst, fabs(s - ref->out.grad[l][w][i]) / scale);
+                } else {
+                    for (int k = 0; k < world; k++)
+                        worst = fmax(worst, fabs(got[k].out.grad[l][w][i] - ref->out.grad[l][w][k * n + i]) / scale);
+                }
+            }
+        }
+    return worst;
+}
+
+static void make_inputs(float *x, float *r)
+{
+    uint64_t seed = 99;
+    for (int i = 0; i < TOTAL * H; i++) x[i] = uniform(&seed), r[i] = uniform(&seed);
+}
+
+/* One process of the NCCL check: rank R of N, the id in hex; compares its rows with the CPU reference. */
+static int process_rank(int rank, int world, const char *hex)
+{
+    unsigned char id[MOERT_NCCL_ID_BYTES];
+    for (int i = 0; i < MOERT_NCCL_ID_BYTES; i++) sscanf(hex + 2 * i, "%2hhx", &id[i]);
+    moert_config *cfg = NULL;
+    if (moert_config_load_string(config_json, "gpu-layers-api", &cfg) != MOERT_OK) return 1;
+    static float x[TOTAL * H], r[TOTAL * H];
+    make_inputs(x, r);
+    rank_job ref;
+    if (run_threads(1, MOERT_DEVICE_CPU, cfg, x, r, &ref)) return 1;
+    moert_comm *comm = NULL;
+    if (moert_comm_create_nccl(id, world, 60.0, &comm) != MOERT_OK) {
+        fprintf(stderr, "rank %d: %s\n", rank, moert_last_error());
+        return 1;
+    }
+    rank_job job = {.rank = rank, .world = world, .device = {MOERT_DEVICE_CUDA, rank}, .comm = comm, .cfg = cfg,
+                    .x = x, .r = r};
+    rank_main(&job);
+    moert_comm_destroy(comm);
+    if (job.rc != MOERT_OK) {
+        fprintf(stderr, "rank %d: %s\n", rank, job.error);
+        return 1;
+    }
+    /* only this rank's rows and experts: compare as a world of one rank's slice */
+    int64_t t = TOTAL / world;
+    double worst = 0, sy = 1e-30;
+    for (int64_t i = 0; i < TOTAL * H; i++) sy = fmax(sy, fabs(ref.out.y[i]));
+    for (int64_t i = 0; i < t * H; i++) worst = fmax(worst, fabs(job.out.y[i] - ref.out.y[rank * t * H + i]) / sy);
+    int64_t n = job.out.numel[MOERT_PARAM_FC2];
+    double sg = 1e-30;
+    for (int64_t i = 0; i < ref.out.numel[MOERT_PARAM_FC2]; i++) sg = fmax(sg, fabs(ref.out.grad[0][MOERT_PARAM_FC2][i]));
+    for (int64_t i = 0; i < n; i++)
+        worst = fmax(worst, fabs(job.out.grad[0][MOERT_PARAM_FC2][i] - ref.out.grad[0][MOERT_PARAM_FC2][rank * n + i]) / sg);
+    printf("process rank %d of %d: worst relative difference from the CPU %.2e\n", rank, world, worst);
+    moert_config_free(cfg);
+    return worst < 2e-4 ? 0 : 1;
+}
+
+/* Starts `world` processes of this binary with a fresh NCCL id; 0 when all pass. */
+static int run_processes(const char *self, int world)
+{
+    unsigned char id[MOERT_NCCL_ID_BYTES];
+    if (moert_nccl_unique_id(id) != MOERT_OK) {
+        fprintf(stderr, "moert_nccl_unique_id: %s\n", moert_last_error());
+        return 1;
+    }
+    char hex[2 * MOERT_NCCL_ID_BYTES + 1], rank_s[8][8], world_s[8];
+    for (int i = 0; i < MOERT_NCCL_ID_BYTES; i++) snprintf(hex + 2 * i, 3, "%02x", id[i]);
+    snprintf(world_s, sizeof world_s, "%d", world);
+    pid_t pids[8];
+    for (int k = 0; k < world; k++) {
+        snprintf(rank_s[k], sizeof rank_s[k], "%d", k);
+        char *argv[] = {(char *)self, "--rank", rank_s[k], world_s, hex, NULL};
+        if (posix_spawn(&pids[k], self, NULL, NULL, argv, environ) != 0) return 1;
+    }
+    int bad = 0;
+    for (int k = 0; k < world; k++) {
+        int status = 0;
+        waitpid(pids[k], &status, 0);
+        bad |= !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    }
+    return bad;
+}
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Times layer 0 of CONFIG (its tokens_per_rank tokens, its dtype) forward+backward at EP1 on GPU 0 through the API:
+ * the median of 20 after 5 warm-up passes, printed as one JSON line. */
+static int bench(const char *path)
+{
+    moert_config *cfg = NULL;
+    moert_layers *m = NULL;
+    if (moert_config_load_file(path, &cfg) != MOERT_OK || moert_config_set(cfg, "model.num_layers", "1") != MOERT_OK) {
+        fprintf(stderr, "%s\n", moert_last_error());
+        return 1;
+    }
+    moert_launch launch = {.struct_size = sizeof launch, .rank = 0, .world_size = 1,
+                           .device = {MOERT_DEVICE_CUDA, 0}};
+    if (moert_layers_create(cfg, &launch, &m) != MOERT_OK) {
+        fprintf(stderr, "%s\n", moert_last_error());
+        return 1;
+    }
+    moert_layers_info info = {.struct_size = sizeof info};
+    moert_layers_get_info(m, &info);
+    void *value[MOERT_PARAM_COUNT], *grad[MOERT_PARAM_COUNT];
+    for (int w = 0; w < MOERT_PARAM_COUNT; w++) {
+        moert_tensor v, g;
+        moert_layers_param_desc(m, 0, (moert_param_id)w, &v);
+        g = v;
+        CK(cudaMalloc(&value[w], moert_tensor_bytes(&v)));
+        CK(cudaMalloc(&grad[w], moert_tensor_bytes(&v)));
+        v.data = value[w], g.data = grad[w];
+        moert_layers_bind_param(m, 0, (moert_param_id)w, &v, &g);
+    }
+    moert_layers_init_params(m, 1, NULL);
+    int64_t t = info.max_tokens;
+    size_t bytes = (size_t)(t * info.hidden) * moert_dtype_size(info.dtype);
+    void *x, *y, *dy, *dx;
+    CK(cudaMalloc(&x, bytes));
+    CK(cudaMalloc(&y, bytes));
+    CK(cudaMalloc(&dy, bytes));
+    CK(cudaMalloc(&dx, bytes));
+    /* small random-looking values: bytes of a pattern that reads as modest bf16/fp32 numbers */
+    float *hx = malloc((size_t)(t * info.hidden) * sizeof(float));
+    uint64_t seed = 3;
+    for (int64_t i = 0; i < t * info.hidden; i++) hx[i] = 0.5f * uniform(&seed);
+    if (info.dtype == MOERT_F32) {
+        CK(cudaMemcpy(x, hx, bytes, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(dy, hx, bytes, cudaMemcpyHostToDevice));
+    } else { /* bf16: the upper halves of the fp32 values */
+        uint16_t *hb = malloc(bytes);
+        for (int64_t i = 0; i < t * info.hidden; i++) {
+            uint32_t u;
+            memcpy(&u, &hx[i], 4);
+            hb[i] = (uint16_t)(u >> 16);
+        }
+        CK(cudaMemcpy(x, hb, bytes, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(dy, hb, bytes, cudaMemcpyHostToDevice));
+        free(hb);
+    }
+    free(hx);
+    moert_tensor tx = moert_tensor_2d(x, launch.device, info.dtype, t, info.hidden), ty = tx, tdy = tx, tdx = tx;
+    ty.data = y, tdy.data = dy, tdx.data = dx;
+    double ms[25];
+    int rc = 0;
+    for (int i = 0; i < 25 && rc == 0; i++) {
+        CK(cudaDeviceSynchronize());
+        double t0 = now();
+        moert_saved *s = NULL;
+        moert_backward_options o = {.struct_size = sizeof o, .router_loss_scale = 1.0, .accumulate = false};
+        if (moert_moe_forward(m, 0, &tx, &ty, NULL, &s, NULL) != MOERT_OK ||
+            moert_moe_backward(m, s, &tdy, &tdx, &o, NULL) != MOERT_OK) {
+            fprintf(stderr, "%s\n", moert_last_error());
+            rc = 1;
+        }
+        CK(cudaDeviceSynchronize());
+        ms[i] = (now() - t0) * 1e3;
+    }
+    double sorted[20];
+    memcpy(sorted, ms + 5, sizeof sorted);
+    for (int a = 0; a < 20; a++)
+        for (int b = a + 1; b < 20; b++)
+            if (sorted[b] < sorted[a]) {
+                double tmp = sorted[a];
+                sorted[a] = sorted[b];
+                sorted[b] = tmp;
+            }
+    if (rc == 0)
+        printf("{\"name\": \"layers_api_fwd_bwd\", \"config\": \"%s\", \"experts\": %lld, \"tokens\": %lld, "
+               "\"value\": %.3f, \"unit\": \"ms\"}\n", path, (long long)info.num_experts, (long long)t,
+               0.5 * (sorted[9] + sorted[10]));
+    moert_layers_destroy(m);
+    moert_config_free(cfg);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc == 5 && strcmp(argv[1], "--rank") == 0) return process_rank(atoi(argv[2]), atoi(argv[3]), argv[4]);
+    if (argc == 3 && strcmp(argv[1], "--bench") == 0) return bench(argv[2]);
+    int gpus = 0;
+    if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 1) {
+        printf("test_gpu_layers_api: no GPU, skipped\n");
+        return TEST_SKIP;
+    }
+    moert_config *cfg = NULL;
+    EXPECT_OK(moert_config_load_string(config_json, "gpu-layers-api", &cfg));
+    static float x[TOTAL * H], r[TOTAL * H];
+    make_inputs(x, r);
+    rank_job ref, jobs[4];
+    EXPECT(run_threads(1, MOERT_DEVICE_CPU, cfg, x, r, &ref) == 0);
+    for (int world = 1; world <= 4 && world <= gpus; world *= 2) {
+        if (run_threads(world, MOERT_DEVICE_CUDA, cfg, x, r, jobs)) {
+            test_failures++;
+            continue;
+        }
+        double worst = compare(&ref, jobs, world);
+        printf("threads, %d GPU%s: worst relative difference from the CPU %.2e\n", world, world > 1 ? "s" : "", worst);
+        EXPECT(worst < 2e-4);
+    }
+    for (int world = 2; world <= 4 && world <= gpus; world *= 2) {
+        int bad = run_processes(argv[0], world);
+        printf("a process per GPU, %d GPUs, NCCL id from the caller: %s\n", world, bad ? "FAIL" : "ok");
+        EXPECT(bad == 0);
+    }
+    moert_config_free(cfg);
+    return test_finish("gpu_layers_api");
+}
