@@ -17,6 +17,10 @@
 #include "loader.h"
 #include "stack.h"
 #include "tensor_ops.h"
+
+_Static_assert(MOERT_LAYER_STAGES == MOERT_STAGE_COUNT, "public stage count");
+_Static_assert(MOERT_LAYER_BACKWARD_PARTS == MOERT_BWD_PART_COUNT, "public backward part count");
+_Static_assert(MOERT_LAYER_ACTIVATIONS == MOERT_ACT_COUNT, "public activation count");
 #ifdef MOERT_HAVE_CUDA
 #include "cuda/comm_nccl.h"
 #include "cuda/device.h"
@@ -399,6 +403,9 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
         moert_layer *L = &m->stack.layers[l];
         L->params_borrowed = true;
         L->no_residual = true;
+        /* offloaded activations give their device copies back at a later layer boundary, once the copy is done
+         * (see forward and backward below), so the compute stream never waits for a D2H copy */
+        L->defer_offload_release = true;
     }
     *out = m;
     return MOERT_OK;
@@ -672,6 +679,9 @@ MOERT_API moert_result moert_moe_forward(moert_layers *m, int layer, const moert
         stats->dispatched_rows = moert_layer_used_rows(L);
     }
     if (!saved) MOERT_CHECK(moert_layer_release_saved(L));
+    /* offload copies of the layers below that have finished by now give their device buffers back */
+    for (int below = 0; below < layer; below++)
+        MOERT_CHECK(moert_layer_release_finished_offloads(&m->stack.layers[below]));
     MOERT_CHECK(leave(m, stream));
     if (saved) {
         m->saved[layer] = token;
@@ -707,6 +717,10 @@ MOERT_API moert_result moert_moe_backward(moert_layers *m, moert_saved *saved, c
     m->saved[layer] = NULL;
     free(saved);
     MOERT_CHECK(enter(m, stream));
+    /* the layer below's offloaded activations come back while this layer's backward runs */
+    for (int below = 0; below + 1 < layer; below++)
+        MOERT_CHECK(moert_layer_release_finished_offloads(&m->stack.layers[below]));
+    if (layer > 0 && m->saved[layer - 1]) MOERT_CHECK(moert_layer_prefetch(&m->stack.layers[layer - 1]));
     if (!accumulate) MOERT_CHECK(moert_layer_zero_grad(L, true));
     MOERT_CHECK(moert_layer_backward(L, dy, dx, scale));
     MOERT_CHECK(leave(m, stream));
@@ -742,6 +756,56 @@ MOERT_API void moert_saved_free(moert_saved *saved)
         if (moert_layer_release_saved(&m->stack.layers[saved->layer]) != MOERT_OK) moert_error_clear();
     }
     free(saved);
+}
+
+/* ---- figures ---- */
+
+MOERT_API moert_result moert_layers_figures(moert_layers *m, int layer, moert_layer_figures *out)
+{
+    const char *fn = "moert_layers_figures";
+    moert_result rc = check_layer(m, layer, fn);
+    if (rc != MOERT_OK) return rc;
+    if (!out || out->struct_size < sizeof *out)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: out is NULL or its struct_size is not %zu", fn, sizeof *out);
+    moert_layer *L = &m->stack.layers[layer];
+    MOERT_CHECK(moert_layer_collect_times(L));
+    for (int i = 0; i < MOERT_LAYER_STAGES && i < MOERT_STAGE_COUNT; i++) out->stage_ms[i] = 1e3 * L->stage_seconds[i];
+    for (int i = 0; i < MOERT_LAYER_BACKWARD_PARTS && i < MOERT_BWD_PART_COUNT; i++)
+        out->backward_part_ms[i] = 1e3 * L->backward_part_seconds[i];
+    out->held_bytes = 0;
+    for (int a = 0; a < MOERT_LAYER_ACTIVATIONS && a < MOERT_ACT_COUNT; a++) {
+        out->saved_bytes[a] = L->saved_bytes[a];
+        out->held_bytes += L->held_bytes[a];
+    }
+    out->recompute_saved_bytes = L->recompute_saved_bytes;
+    out->offload_saved_bytes = L->offload_saved_bytes;
+    out->pinned_bytes = L->pinned_bytes;
+    out->device_peak_bytes = 0;
+#ifdef MOERT_HAVE_CUDA
+    if (m->pool) {
+        moert_cuda_pool_stats stats;
+        moert_cuda_pool_get_stats(m->pool, &stats);
+        out->device_peak_bytes = (int64_t)stats.peak_bytes_in_use;
+    }
+#endif
+fail:
+    return rc;
+}
+
+MOERT_API const char *moert_layer_stage_name(int stage)
+{
+    return stage >= 0 && stage < MOERT_STAGE_COUNT ? moert_stage_name((moert_stage)stage) : NULL;
+}
+
+MOERT_API const char *moert_layer_backward_part_name(int part)
+{
+    return part >= 0 && part < MOERT_BWD_PART_COUNT ? moert_backward_part_name((moert_backward_part)part) : NULL;
+}
+
+MOERT_API const char *moert_layer_activation_name(int activation)
+{
+    return activation >= 0 && activation < MOERT_ACT_COUNT ? moert_activation_name((moert_activation)activation)
+                                                           : NULL;
 }
 
 /* ---- the dispatcher alone ---- */

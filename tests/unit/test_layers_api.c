@@ -556,6 +556,71 @@ static void test_dispatcher(void)
     moert_config_free(cfg);
 }
 
+/* ---- memory policies through the API: the same numbers, fewer bytes held, and the figures say so ---- */
+
+/* Two layers forward and backward at EP1 with the memory policy of `policy_json` ("" for the default); fills y, dx and
+ * the first layer's fc1 gradient, and that layer's figures. */
+static void run_policy(const char *policy_json, double *y, double *dx, double *fc1_grad, moert_layer_figures *fig)
+{
+    char json[2048];
+    snprintf(json, sizeof json, "%.*s, \"memory_policy\": {%s}}", (int)strlen(config_json) - 1, config_json,
+             policy_json);
+    moert_config *cfg = NULL;
+    EXPECT_OK(moert_config_load_string(json, "layers-api-policy", &cfg));
+    moert_layers *m = NULL;
+    moert_launch launch = {.struct_size = sizeof launch, .rank = 0, .world_size = 1, .device = moert_cpu()};
+    EXPECT_OK(moert_layers_create(cfg, &launch, &m));
+    moert_config_free(cfg);
+    if (!m) return;
+    rank_params p = {0};
+    bind_all(m, &p);
+    EXPECT_OK(moert_layers_init_params(m, 3, NULL));
+    const int64_t t = 20;
+    uint64_t seed = 8;
+    double x[20 * H], r[20 * H], h[20 * H], dh[20 * H];
+    for (int i = 0; i < t * H; i++) x[i] = uniform(&seed), r[i] = uniform(&seed);
+    moert_tensor tx = t2(x, t, H), th = t2(h, t, H), ty = t2(y, t, H), tr = t2(r, t, H), tdh = t2(dh, t, H);
+    moert_tensor tdx = t2(dx, t, H);
+    moert_saved *s0 = NULL, *s1 = NULL;
+    EXPECT_OK(moert_moe_forward(m, 0, &tx, &th, NULL, &s0, NULL));
+    EXPECT_OK(moert_moe_forward(m, 1, &th, &ty, NULL, &s1, NULL));
+    EXPECT_OK(moert_moe_backward(m, s1, &tr, &tdh, NULL, NULL));
+    EXPECT_OK(moert_moe_backward(m, s0, &tdh, &tdx, NULL, NULL));
+    memcpy(fc1_grad, p.grad[0][MOERT_PARAM_FC1], (size_t)p.numel[MOERT_PARAM_FC1] * sizeof(double));
+    fig->struct_size = sizeof *fig;
+    EXPECT_OK(moert_layers_figures(m, 0, fig));
+    moert_layers_destroy(m);
+    free_params(&p);
+}
+
+static void test_memory_policies(void)
+{
+    static double y[3][20 * H], dx[3][20 * H], g[3][E * H * 2 * F];
+    moert_layer_figures fig[3];
+    run_policy("", y[0], dx[0], g[0], &fig[0]);
+    run_policy("\"dispatched_x\": \"offload\", \"fc1_out\": \"recompute\"", y[1], dx[1], g[1], &fig[1]);
+    run_policy("\"swiglu_out\": \"offload\", \"dispatched_x\": \"recompute\"", y[2], dx[2], g[2], &fig[2]);
+    for (int k = 1; k < 3; k++) {
+        EXPECT(memcmp(y[k], y[0], sizeof y[0]) == 0);
+        EXPECT(memcmp(dx[k], dx[0], sizeof dx[0]) == 0);
+        EXPECT(memcmp(g[k], g[0], sizeof g[0]) == 0);
+    }
+    /* 20 tokens x 2 copies = 40 rows: dispatched_x [40,H], fc1_out [40,2F], swiglu_out [40,F] in fp64 */
+    EXPECT_EQ_INT(fig[0].saved_bytes[0], 40 * H * 8);
+    EXPECT_EQ_INT(fig[0].saved_bytes[1], 40 * 2 * F * 8);
+    EXPECT_EQ_INT(fig[0].saved_bytes[2], 40 * F * 8);
+    EXPECT_EQ_INT(fig[0].held_bytes, 40 * (H + 3 * F) * 8);
+    EXPECT_EQ_INT(fig[1].held_bytes, 40 * F * 8);
+    EXPECT_EQ_INT(fig[1].offload_saved_bytes, 40 * H * 8);
+    EXPECT_EQ_INT(fig[1].recompute_saved_bytes, 40 * 2 * F * 8);
+    EXPECT(fig[1].pinned_bytes >= 40 * H * 8);
+    EXPECT(fig[0].stage_ms[0] >= 0 && fig[0].stage_ms[7] > 0);
+    EXPECT(strcmp(moert_layer_stage_name(7), "backward") == 0);
+    EXPECT(strcmp(moert_layer_backward_part_name(3), "fc2_wgrad") == 0);
+    EXPECT(strcmp(moert_layer_activation_name(1), "fc1_out") == 0);
+    EXPECT(moert_layer_stage_name(8) == NULL);
+}
+
 int main(void)
 {
     EXPECT(moert_api_version() == MOERT_API_VERSION);
@@ -563,5 +628,6 @@ int main(void)
     test_launch_errors();
     test_expert_parallel();
     test_dispatcher();
+    test_memory_policies();
     return test_finish("layers_api");
 }

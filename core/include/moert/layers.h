@@ -188,6 +188,31 @@ MOERT_API moert_result moert_saved_tokens_per_expert(const moert_saved *saved, m
 /* Drops a forward's saved activations without a backward. */
 MOERT_API void moert_saved_free(moert_saved *saved);
 
+/* ---- figures of the last forward and backward of a layer ---- */
+
+#define MOERT_LAYER_STAGES 8          /* router, permute, dispatch, fc1, act, fc2, combine, backward */
+#define MOERT_LAYER_BACKWARD_PARTS 10 /* recompute, combine_bwd, fc2_dgrad, fc2_wgrad, act_bwd, fc1_dgrad, fc1_wgrad,
+                                         dispatch_bwd, router_bwd, wgrad_wait */
+#define MOERT_LAYER_ACTIVATIONS 3     /* dispatched_x, fc1_out, swiglu_out */
+
+typedef struct moert_layer_figures {
+    uint32_t struct_size;
+    double stage_ms[MOERT_LAYER_STAGES];                /* time of each forward stage, and the whole backward */
+    double backward_part_ms[MOERT_LAYER_BACKWARD_PARTS];
+    int64_t saved_bytes[MOERT_LAYER_ACTIVATIONS];       /* size of each activation the forward saved */
+    int64_t held_bytes;        /* of those, held on the device from forward to backward (kept, not dropped/offloaded) */
+    int64_t recompute_saved_bytes, offload_saved_bytes; /* not held because recomputed / offloaded */
+    int64_t pinned_bytes;      /* pinned host memory this layer's offload buffers hold */
+    int64_t device_peak_bytes; /* CUDA: peak bytes in use of the layers' memory pool (all layers); 0 on the CPU */
+} moert_layer_figures;
+
+/* Fills out for `layer` from its last forward and backward (waits for that work on GPUs). */
+MOERT_API moert_result moert_layers_figures(moert_layers *layers, int layer, moert_layer_figures *out);
+/* Names of the stages, backward parts and activations above ("router", "fc2_wgrad", "fc1_out"); NULL out of range. */
+MOERT_API const char *moert_layer_stage_name(int stage);
+MOERT_API const char *moert_layer_backward_part_name(int part);
+MOERT_API const char *moert_layer_activation_name(int activation);
+
 /* ---- the dispatcher alone: DeepEP-shaped dispatch and combine on the caller's tensors ----
  *
  * For a framework that routes and runs its experts itself (e.g. a Megatron token-dispatcher backend): layer `layer`'s
