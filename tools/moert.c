@@ -1,4 +1,4 @@
-/* The `moert` command: run, check, plugins and ab subcommands. */
+/* The `moert` command: run, check, plugins, ab and config subcommands. */
 #include <stdio.h>
 #include <string.h>
 
@@ -13,6 +13,7 @@ static void usage(FILE *f)
             "  check CONFIG [--set KEY=VALUE]...   load CONFIG and every plugin it names, check all options\n"
             "  plugins [--options]                 list the plugins found (and each plugin's options)\n"
             "  ab CONFIG_A CONFIG_B [...]          compare two configs\n"
+            "  config --from-megatron FLAGS...     a config from Megatron-LM's MoE flags, on stdout\n"
             "options:\n"
             "  --help, -h       this text ('moert COMMAND --help' for a command's own)\n"
             "  --version        the version of moert and of its plugin ABI\n"
@@ -40,6 +41,7 @@ int main(int argc, char **argv)
     if (!strcmp(command, "check")) return moert_cmd_check(argc - 2, argv + 2);
     if (!strcmp(command, "plugins")) return moert_cmd_plugins(argc - 2, argv + 2);
     if (!strcmp(command, "ab")) return moert_cmd_ab(argc - 2, argv + 2);
+    if (!strcmp(command, "config")) return moert_cmd_config(argc - 2, argv + 2);
     fprintf(stderr, "moert: unknown command \"%s\"\n", command);
     usage(stderr);
     return 2;

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# `moert config --from-megatron`: each preset's Megatron flags (tests/fixtures/megatron/*.args) give the shipped preset
+# (model, router, dispatcher, precision, memory policy, EP size); flags moert cannot map are refused by name; FP8,
+# flex dispatchers and recompute map onto their moert keys.
+# Usage: test_megatron_import.sh PATH/TO/moert
+set -u
+moert="$1"
+src="${MOERT_TEST_SOURCE_ROOT:-$(cd "$(dirname "$0")/../.." && pwd)}"
+fx="$src/tests/fixtures/megatron"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
+
+# same_layer GOT.json PRESET.json: the sections that describe the layer are equal
+same_layer() {
+    python3 - "$1" "$2" <<'PY'
+import json, sys
+got, want = (json.load(open(p)) for p in sys.argv[1:3])
+bad = [k for k in ("model", "router", "dispatcher", "precision", "memory_policy") if got.get(k) != want.get(k)]
+if got["parallel"]["ranks"] != want["parallel"]["ranks"]: bad.append("parallel.ranks")
+for k in bad: print("  %s: got %s, preset %s" % (k, got.get(k), want.get(k)))
+sys.exit(1 if bad else 0)
+PY
+}
+
+for preset in qwen3-30b-a3b qwen3-235b-a22b mixtral-8x7b deepseek-v3-routed; do
+    cfg="$src/configs/${preset%-routed}.json"
+    if "$moert" config --from-megatron --args-file "$fx/$preset.args" >"$tmp/$preset.json" 2>"$tmp/$preset.err"; then
+        same_layer "$tmp/$preset.json" "$cfg" || fail "$preset: the imported config differs from $cfg"
+        "$moert" check "$tmp/$preset.json" >/dev/null 2>&1 || fail "$preset: moert check refuses the imported config"
+    else
+        fail "$preset: import failed: $(cat "$tmp/$preset.err")"
+    fi
+done
+
+# expect_refused NAME MESSAGE FLAGS...: the import fails and says MESSAGE
+expect_refused() {
+    local name="$1" message="$2"
+    shift 2
+    if "$moert" config --from-megatron "$@" >/dev/null 2>"$tmp/$name.err"; then fail "$name: accepted"; return; fi
+    grep -qF -- "$message" "$tmp/$name.err" || fail "$name: message lacks \"$message\": $(cat "$tmp/$name.err")"
+}
+expect_refused shared "--moe-shared-expert-intermediate-size: moert does not model shared experts yet" \
+    --args-file "$fx/deepseek-v3.args"
+base=(--num-experts 8 --hidden-size 64 --moe-ffn-hidden-size 32 --moe-token-dispatcher-type alltoall)
+expect_refused unknown_moe "--moe-foo: an MoE flag moert does not know how to map" "${base[@]}" --moe-foo 1
+expect_refused unknown "--bar: not a flag moert knows" "${base[@]}" --bar
+expect_refused jitter "--moe-input-jitter-eps: router input jitter is not supported yet" "${base[@]}" \
+    --moe-input-jitter-eps 0.01
+expect_refused allgather "moert has no allgather dispatcher yet" --num-experts 8 --hidden-size 64 \
+    --moe-ffn-hidden-size 32
+expect_refused missing "--hidden-size is required" --num-experts 8 --moe-ffn-hidden-size 32
+expect_refused badint "--num-experts: \"eight\" is not a positive integer" --num-experts eight
+expect_refused badenum "--moe-router-score-function: \"relu\" is not one of Megatron's values" "${base[@]}" \
+    --moe-router-score-function relu
+expect_refused novalue "--moe-router-topk needs a value" "${base[@]}" --moe-router-topk
+
+# mappings that need more than one key
+"$moert" config --from-megatron "${base[@]}" --fp8-format e4m3 --fp8-recipe blockwise --recompute-granularity selective \
+    --recompute-modules moe_act core_attn >"$tmp/fp8.json" 2>&1 || fail "fp8 import: $(cat "$tmp/fp8.json")"
+python3 - "$tmp/fp8.json" <<'PY' || fail "fp8 / recompute mapping"
+import json, sys
+c = json.load(open(sys.argv[1]))
+assert c["precision"] == {"plugin": "fp8", "recipe": "blockwise", "format": "e4m3"}, c["precision"]
+assert c["memory_policy"] == {"plugin": "default", "swiglu_out": "recompute"}, c["memory_policy"]
+assert c["model"]["dtype"] == "bf16" and c["model"]["topk"] == 2, c["model"]
+assert "load_balancing" not in c["router"], c["router"]  # Megatron's default: aux_loss with coefficient 0
+PY
+"$moert" config --from-megatron --num-experts 8 --hidden-size 64 --moe-ffn-hidden-size=32 \
+    --moe-token-dispatcher-type=flex --moe-flex-dispatcher-backend=hybridep --moe-layer-recompute >"$tmp/flex.json" 2>&1 ||
+    fail "flex import: $(cat "$tmp/flex.json")"
+python3 - "$tmp/flex.json" <<'PY' || fail "flex / moe recompute mapping"
+import json, sys
+c = json.load(open(sys.argv[1]))
+assert c["dispatcher"] == {"plugin": "hybridep"}, c["dispatcher"]
+assert c["memory_policy"] == {"plugin": "default", "swiglu_out": "recompute", "dispatched_x": "recompute",
+                              "fc1_out": "recompute"}, c["memory_policy"]
+PY
+
+if [ "$failures" -ne 0 ]; then echo "test_megatron_import: $failures check(s) failed"; exit 1; fi
+echo "test_megatron_import: all checks passed"
