@@ -357,6 +357,8 @@ static moert_result copy_config(const moert_config *cfg, moert_config **out)
     if (!text) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "moert_layers_create: copying the config");
     moert_result rc = moert_config_load_string(text, cfg->name, out);
     free(text);
+    /* plugin paths as the original resolved them (a relative path is taken from the config file's folder) */
+    if (rc == MOERT_OK) memcpy((*out)->plugin, cfg->plugin, sizeof cfg->plugin);
     return rc;
 }
 
