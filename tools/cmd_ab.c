@@ -183,7 +183,8 @@ static double tensor_diff_value(const tensor_diff *d)
 static moert_result compare_first_step(ab_side *a, ab_side *b, ab_agreement *agr)
 {
     moert_result rc = MOERT_OK;
-    static const char *const param_names[MOERT_PARAM_COUNT] = {"router", "fc1", "fc2"};
+    static const char *const param_names[MOERT_PARAM_COUNT] = {"router", "fc1", "fc2", "shared fc1",
+                                                                   "shared fc2", "shared gate"};
     if (a->facts.device_type != MOERT_DEVICE_CPU) return MOERT_OK;
     tensor_diff out = {0, 0};
     for (int64_t i = 0; i < moert_runtime_output_numel(a->rt); i++) {

@@ -433,6 +433,17 @@ static moert_result parse_model(moert_config *cfg, json_t *obj)
     MOERT_CHECK(moert_section_int(sec, "num_layers", 2, 1, 1024, "MoE layers in the stack", &m->num_layers));
     MOERT_CHECK(moert_section_enum(sec, "dtype", dtypes, 0, "activation storage dtype", &dtype));
     m->dtype = dtype_values[dtype];
+    MOERT_CHECK(moert_section_int(sec, "shared_expert_ffn_hidden", 0, 0, 1048576,
+                                  "width of a shared expert: a dense SwiGLU over every token added to the routed "
+                                  "experts' output (0: none)", &m->shared_expert_ffn_hidden));
+    MOERT_CHECK(moert_section_bool(sec, "shared_expert_gate", false,
+                                   "scale the shared expert's output by sigmoid(x . gate), a learned [H] gate",
+                                   &m->shared_expert_gate));
+    if (m->shared_expert_gate && m->shared_expert_ffn_hidden == 0) {
+        rc = moert_error(MOERT_ERR_CONFIG, "config error at $.model.shared_expert_gate: true, but "
+                         "$.model.shared_expert_ffn_hidden is 0 (no shared expert to gate)");
+        goto fail;
+    }
     MOERT_CHECK(moert_section_check_unknown(sec));
 fail:
     moert_section_free(sec);

@@ -24,6 +24,8 @@ moert_plugin_kind moert_slot_kind(moert_slot slot);
 typedef struct moert_model_config {
     int64_t hidden, ffn_hidden, num_experts, topk, num_layers;
     moert_dtype dtype; /* activation storage: fp32, bf16 or fp64 */
+    int64_t shared_expert_ffn_hidden; /* width of the shared expert's SwiGLU, 0: none */
+    bool shared_expert_gate;          /* the shared expert's output scaled by sigmoid(x . gate) (Qwen2-MoE) */
 } moert_model_config;
 
 /* $.parallel.cuda_graph */

@@ -172,19 +172,35 @@ fail:
     return rc;
 }
 
-/* Shapes of the parameters ([E,H], [El,H,2F], [El,F,H]), their initial standard deviations. */
-static void param_shapes(const moert_layer_info *in, int64_t shapes[MOERT_PARAM_COUNT][3], int ndims[MOERT_PARAM_COUNT],
-                         double stds[MOERT_PARAM_COUNT])
+/* Shapes of the parameters ([E,H], [El,H,2F], [El,F,H], the shared expert's [1,H,2Fs], [1,Fs,H], [1,H]; an absent
+ * one has a 0 extent), their initial standard deviations. */
+static void param_shapes(const moert_layer_info *in, int64_t shared_ffn, bool gate, int64_t shapes[MOERT_PARAM_COUNT][3],
+                         int ndims[MOERT_PARAM_COUNT], double stds[MOERT_PARAM_COUNT])
 {
     const int64_t s[MOERT_PARAM_COUNT][3] = {{in->num_experts, in->hidden, 0},
                                              {in->num_local_experts, in->hidden, 2 * in->ffn_hidden},
-                                             {in->num_local_experts, in->ffn_hidden, in->hidden}};
+                                             {in->num_local_experts, in->ffn_hidden, in->hidden},
+                                             {1, in->hidden, 2 * shared_ffn},
+                                             {1, shared_ffn, in->hidden},
+                                             {1, gate ? in->hidden : 0, 0}};
     memcpy(shapes, s, sizeof s);
     ndims[0] = 2;
     ndims[1] = ndims[2] = 3;
+    ndims[3] = ndims[4] = 3;
+    ndims[5] = 2;
     stds[0] = 1.0 / sqrt((double)in->hidden);
     stds[1] = 1.0 / sqrt((double)in->hidden);
     stds[2] = 0.5 / sqrt((double)in->ffn_hidden);
+    stds[3] = 1.0 / sqrt((double)in->hidden);
+    stds[4] = shared_ffn > 0 ? 0.5 / sqrt((double)shared_ffn) : 0.0;
+    stds[5] = 1.0 / sqrt((double)in->hidden);
+}
+
+bool moert_layer_has_param(const moert_layer *L, moert_param_id which)
+{
+    if (which == MOERT_PARAM_SHARED_FC1 || which == MOERT_PARAM_SHARED_FC2) return L->shared_ffn > 0;
+    if (which == MOERT_PARAM_SHARED_GATE) return L->shared_ffn > 0 && L->shared_gate;
+    return which >= 0 && which < MOERT_PARAM_COUNT;
 }
 
 moert_tensor moert_layer_param_desc(const moert_layer *L, moert_param_id which)
@@ -192,7 +208,7 @@ moert_tensor moert_layer_param_desc(const moert_layer *L, moert_param_id which)
     int64_t shapes[MOERT_PARAM_COUNT][3];
     int ndims[MOERT_PARAM_COUNT];
     double stds[MOERT_PARAM_COUNT];
-    param_shapes(&L->info, shapes, ndims, stds);
+    param_shapes(&L->info, L->shared_ffn, L->shared_gate, shapes, ndims, stds);
     return moert_tensor_make(NULL, L->info.device, L->param_dtype, ndims[which], shapes[which]);
 }
 
@@ -203,14 +219,17 @@ moert_result moert_layer_fill_params(moert_layer *L, uint64_t seed)
     int64_t shapes[MOERT_PARAM_COUNT][3];
     int ndims[MOERT_PARAM_COUNT];
     double stds[MOERT_PARAM_COUNT];
-    param_shapes(in, shapes, ndims, stds);
+    param_shapes(in, L->shared_ffn, L->shared_gate, shapes, ndims, stds);
     for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
-        /* expert weights start at the first local expert's global offset */
-        uint64_t first = p == MOERT_PARAM_ROUTER ? 0
-                                                 : (uint64_t)(in->first_local_expert * shapes[p][1] * shapes[p][2]);
-        MOERT_CHECK(moert_fill_normal_on(L->stream, &L->params[p].value, seed,
-                                         MOERT_STREAM_PARAM + 4 * (uint64_t)in->layer_index + (uint64_t)p, first,
-                                         stds[p]));
+        if (!moert_layer_has_param(L, (moert_param_id)p)) continue;
+        /* routed experts' weights start at the first local expert's global offset; the router's and the shared
+         * expert's are the same on every rank */
+        bool routed = p == MOERT_PARAM_FC1 || p == MOERT_PARAM_FC2;
+        uint64_t first = routed ? (uint64_t)(in->first_local_expert * shapes[p][1] * shapes[p][2]) : 0;
+        uint64_t stream = p < MOERT_PARAM_SHARED_FC1
+                              ? MOERT_STREAM_PARAM + 4 * (uint64_t)in->layer_index + (uint64_t)p
+                              : MOERT_STREAM_SHARED_PARAM + 4 * (uint64_t)in->layer_index + (uint64_t)(p - 3);
+        MOERT_CHECK(moert_fill_normal_on(L->stream, &L->params[p].value, seed, stream, first, stds[p]));
     }
 fail:
     return rc;
@@ -222,6 +241,10 @@ moert_result moert_layer_init_params(moert_layer *L, uint64_t seed)
     for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
         moert_param *pr = &L->params[p];
         moert_tensor d = moert_layer_param_desc(L, (moert_param_id)p);
+        if (!moert_layer_has_param(L, (moert_param_id)p)) {
+            pr->value = pr->grad = d; /* empty: data NULL */
+            continue;
+        }
         MOERT_CHECK(tensor_alloc(L, &pr->value, d.dtype, d.ndim, d.shape[0], d.shape[1], d.ndim > 2 ? d.shape[2] : 0));
         MOERT_CHECK(tensor_alloc(L, &pr->grad, d.dtype, d.ndim, d.shape[0], d.shape[1], d.ndim > 2 ? d.shape[2] : 0));
         if (L->optimizer == MOERT_OPTIMIZER_ADAM) MOERT_CHECK(alloc_adam_state(L, pr));
@@ -293,6 +316,10 @@ static moert_result release_saved(moert_layer *L)
     tensor_release(L, &L->topk_probs);
     tensor_release(L, &L->tokens_per_expert);
     tensor_release(L, &L->recv_probs);
+    tensor_release(L, &L->shared_rows);
+    tensor_release(L, &L->shared_fc1_out);
+    tensor_release(L, &L->shared_act);
+    tensor_release(L, &L->shared_prob);
     MOERT_CHECK(moert_layer_release_offloaded(L));
     for (int a = 0; a < MOERT_ACT_COUNT; a++) {
         if (L->place[a] == MOERT_PLACE_LOADING)
@@ -392,10 +419,17 @@ moert_result moert_layer_zero_grad(moert_layer *L, bool allow_lazy)
 {
     moert_result rc = MOERT_OK;
     const bool lazy = allow_lazy && lazy_wgrad_zero(L);
+    const bool shared_lazy = allow_lazy && L->shared_precision.ctx &&
+                             (moert_host_instance_flags(L->shared_precision.host,
+                                                        L->shared_precision.plugin->header->flags) &
+                              MOERT_CAP_WGRAD_OVERWRITE);
     for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
+        if (!moert_layer_has_param(L, (moert_param_id)p)) continue;
         const bool expert = p == MOERT_PARAM_FC1 || p == MOERT_PARAM_FC2;
+        const bool shared = p == MOERT_PARAM_SHARED_FC1 || p == MOERT_PARAM_SHARED_FC2;
         if (expert) L->grad_unwritten[p == MOERT_PARAM_FC1 ? MOERT_GEMM_FC1 : MOERT_GEMM_FC2] = lazy;
-        if (lazy && expert) continue;
+        if (shared) L->shared_grad_unwritten[p == MOERT_PARAM_SHARED_FC1 ? MOERT_GEMM_FC1 : MOERT_GEMM_FC2] = shared_lazy;
+        if ((lazy && expert) || (shared_lazy && shared)) continue;
         MOERT_CHECK(moert_zero(L->stream, &L->params[p].grad));
     }
 fail:
@@ -413,9 +447,15 @@ static moert_result zero_unwritten_grads(moert_layer *L)
 {
     moert_result rc = MOERT_OK;
     for (int w = 0; w < 2; w++) {
-        if (!L->grad_unwritten[w]) continue;
-        MOERT_CHECK(moert_zero(L->stream, &L->params[w == MOERT_GEMM_FC1 ? MOERT_PARAM_FC1 : MOERT_PARAM_FC2].grad));
-        L->grad_unwritten[w] = false;
+        if (L->grad_unwritten[w]) {
+            MOERT_CHECK(moert_zero(L->stream, &L->params[w == MOERT_GEMM_FC1 ? MOERT_PARAM_FC1 : MOERT_PARAM_FC2].grad));
+            L->grad_unwritten[w] = false;
+        }
+        if (L->shared_grad_unwritten[w]) {
+            MOERT_CHECK(moert_zero(L->stream, &L->params[w == MOERT_GEMM_FC1 ? MOERT_PARAM_SHARED_FC1
+                                                                             : MOERT_PARAM_SHARED_FC2].grad));
+            L->shared_grad_unwritten[w] = false;
+        }
     }
 fail:
     return rc;
@@ -432,24 +472,39 @@ static int64_t used_rows(const moert_layer *L)
     return rows;
 }
 
+/* One grouped GEMM pass of the routed experts (shared false) or of the shared expert (one group of every token). */
+static moert_result gemm_of(moert_layer *L, bool shared, moert_stream stream, moert_gemm_weight which,
+                            moert_gemm_pass pass, const moert_tensor *input, const moert_tensor *grad_output,
+                            moert_tensor *output, moert_tensor *grad_input)
+{
+    moert_result rc = MOERT_OK;
+    moert_instance *inst = shared ? &L->shared_precision : &L->precision;
+    bool *unwritten = shared ? L->shared_grad_unwritten : L->grad_unwritten;
+    moert_param *w = &L->params[shared ? (which == MOERT_GEMM_FC1 ? MOERT_PARAM_SHARED_FC1 : MOERT_PARAM_SHARED_FC2)
+                                       : (which == MOERT_GEMM_FC1 ? MOERT_PARAM_FC1 : MOERT_PARAM_FC2)];
+    moert_grouped_gemm_args a = {
+        .struct_size = sizeof a, .which = which, .pass = pass,
+        .tokens_per_expert = shared ? &L->shared_rows : &L->layout.tokens_per_expert,
+        .tokens_per_expert_host = shared ? &L->shared_rows_host : L->layout.tokens_per_expert_host,
+        .input = input, .weight = &w->value, .grad_output = grad_output,
+        .output = output, .grad_input = grad_input, .grad_weight = &w->grad,
+        .overwrite_grad_weight = pass == MOERT_GEMM_WGRAD && unwritten[which]};
+    static const char *const names[3] = {"grouped_gemm(forward)", "grouped_gemm(dgrad)", "grouped_gemm(wgrad)"};
+    static const char *const shared_names[3] = {"grouped_gemm(shared expert, forward)",
+                                                "grouped_gemm(shared expert, dgrad)",
+                                                "grouped_gemm(shared expert, wgrad)"};
+    PLUGIN_CALL(*inst, shared ? shared_names[pass] : names[pass],
+                ((const moert_precision_v1 *)inst->plugin->header)->grouped_gemm(inst->ctx, stream, &a));
+    if (pass == MOERT_GEMM_WGRAD) unwritten[which] = false;
+fail:
+    return rc;
+}
+
 static moert_result run_gemm_on(moert_layer *L, moert_stream stream, moert_gemm_weight which, moert_gemm_pass pass,
                                 const moert_tensor *input, const moert_tensor *grad_output, moert_tensor *output,
                                 moert_tensor *grad_input)
 {
-    moert_result rc = MOERT_OK;
-    moert_param *w = &L->params[which == MOERT_GEMM_FC1 ? MOERT_PARAM_FC1 : MOERT_PARAM_FC2];
-    moert_grouped_gemm_args a = {
-        .struct_size = sizeof a, .which = which, .pass = pass,
-        .tokens_per_expert = &L->layout.tokens_per_expert,
-        .tokens_per_expert_host = L->layout.tokens_per_expert_host,
-        .input = input, .weight = &w->value, .grad_output = grad_output,
-        .output = output, .grad_input = grad_input, .grad_weight = &w->grad,
-        .overwrite_grad_weight = pass == MOERT_GEMM_WGRAD && L->grad_unwritten[which]};
-    static const char *const names[3] = {"grouped_gemm(forward)", "grouped_gemm(dgrad)", "grouped_gemm(wgrad)"};
-    PLUGIN_CALL(L->precision, names[pass], PRECISION(L)->grouped_gemm(L->precision.ctx, stream, &a));
-    if (pass == MOERT_GEMM_WGRAD) L->grad_unwritten[which] = false;
-fail:
-    return rc;
+    return gemm_of(L, false, stream, which, pass, input, grad_output, output, grad_input);
 }
 
 static moert_result run_gemm(moert_layer *L, moert_gemm_weight which, moert_gemm_pass pass, const moert_tensor *input,
@@ -720,6 +775,66 @@ fail:
     return rc;
 }
 
+/* The shared expert: y += fc2(swiglu(fc1(x)) * prob) over every token, prob 1 or sigmoid(x . gate); its
+ * activations stay on the device for the backward. */
+static moert_result shared_forward(moert_layer *L, const moert_tensor *x, moert_tensor *y)
+{
+    moert_result rc = MOERT_OK;
+    const moert_layer_info *in = &L->info;
+    const int64_t t = x->shape[0];
+    moert_tensor out = {0};
+    /* one group of t rows, its count on the host and on the device (written by a kernel: graph-capturable) */
+    L->shared_rows_host = t;
+    MOERT_CHECK(tensor_alloc(L, &L->shared_rows, MOERT_I64, 1, 1, 0, 0));
+    MOERT_CHECK(moert_fill(L->stream, &L->shared_rows, (double)t));
+    MOERT_CHECK(tensor_alloc(L, &L->shared_fc1_out, in->dtype, 2, t, 2 * L->shared_ffn, 0));
+    MOERT_CHECK(gemm_of(L, true, L->stream, MOERT_GEMM_FC1, MOERT_GEMM_FORWARD, x, NULL, &L->shared_fc1_out, NULL));
+    MOERT_CHECK(tensor_alloc(L, &L->shared_prob, L->param_dtype, 1, t, 0, 0));
+    if (L->shared_gate)
+        MOERT_CHECK(moert_gate_forward(L->stream, x, &L->params[MOERT_PARAM_SHARED_GATE].value, &L->shared_prob));
+    else
+        MOERT_CHECK(moert_fill(L->stream, &L->shared_prob, 1.0));
+    MOERT_CHECK(tensor_alloc(L, &L->shared_act, in->dtype, 2, t, L->shared_ffn, 0));
+    MOERT_CHECK(moert_swiglu_forward(L->stream, &L->shared_fc1_out, &L->shared_prob, t, &L->shared_act));
+    MOERT_CHECK(tensor_alloc(L, &out, in->dtype, 2, t, in->hidden, 0));
+    MOERT_CHECK(gemm_of(L, true, L->stream, MOERT_GEMM_FC2, MOERT_GEMM_FORWARD, &L->shared_act, NULL, &out, NULL));
+    MOERT_CHECK(moert_add(L->stream, y, &out, y));
+fail:
+    tensor_release(L, &out);
+    return rc;
+}
+
+/* The shared expert's backward from d_y: its weight (and gate) gradients, and its share of d_x added in. */
+static moert_result shared_backward(moert_layer *L, const moert_tensor *d_y, moert_tensor *d_x)
+{
+    moert_result rc = MOERT_OK;
+    const moert_layer_info *in = &L->info;
+    const int64_t t = d_y->shape[0];
+    moert_tensor d_act = {0}, d_fc1 = {0}, d_prob = {0}, d_xs = {0};
+    MOERT_CHECK(tensor_alloc(L, &d_act, in->dtype, 2, t, L->shared_ffn, 0));
+    MOERT_CHECK(gemm_of(L, true, L->stream, MOERT_GEMM_FC2, MOERT_GEMM_DGRAD, NULL, d_y, NULL, &d_act));
+    MOERT_CHECK(gemm_of(L, true, L->stream, MOERT_GEMM_FC2, MOERT_GEMM_WGRAD, &L->shared_act, d_y, NULL, NULL));
+    tensor_release(L, &L->shared_act);
+    MOERT_CHECK(tensor_alloc(L, &d_fc1, in->dtype, 2, t, 2 * L->shared_ffn, 0));
+    MOERT_CHECK(tensor_alloc(L, &d_prob, L->param_dtype, 1, t, 0, 0));
+    MOERT_CHECK(moert_swiglu_backward(L->stream, &d_act, &L->shared_fc1_out, &L->shared_prob, t, &d_fc1, &d_prob));
+    tensor_release(L, &d_act);
+    tensor_release(L, &L->shared_fc1_out);
+    MOERT_CHECK(tensor_alloc(L, &d_xs, in->dtype, 2, t, in->hidden, 0));
+    MOERT_CHECK(gemm_of(L, true, L->stream, MOERT_GEMM_FC1, MOERT_GEMM_DGRAD, NULL, &d_fc1, NULL, &d_xs));
+    MOERT_CHECK(gemm_of(L, true, L->stream, MOERT_GEMM_FC1, MOERT_GEMM_WGRAD, &L->x, &d_fc1, NULL, NULL));
+    MOERT_CHECK(moert_add(L->stream, d_x, &d_xs, d_x));
+    if (L->shared_gate)
+        MOERT_CHECK(moert_gate_backward(L->stream, &L->x, &L->params[MOERT_PARAM_SHARED_GATE].value, &L->shared_prob,
+                                        &d_prob, d_x, &L->params[MOERT_PARAM_SHARED_GATE].grad));
+fail:
+    tensor_release(L, &d_act);
+    tensor_release(L, &d_fc1);
+    tensor_release(L, &d_prob);
+    tensor_release(L, &d_xs);
+    return rc;
+}
+
 moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_tensor *y)
 {
     moert_result rc = MOERT_OK;
@@ -775,6 +890,7 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
     moert_combine_args ca = {.struct_size = sizeof ca, .y_expert = &y_expert, .y = L->no_residual ? y : &moe_out};
     PLUGIN_CALL(L->dispatcher, "combine", DISPATCHER(L)->combine(L->dispatcher.ctx, L->stream, &ca));
     if (!L->no_residual) MOERT_CHECK(moert_add(L->stream, x, &moe_out, y));
+    if (L->shared_ffn > 0) MOERT_CHECK(shared_forward(L, x, y));
     /* the compute stream waits here for D2H copies still running (counted in the combine stage) */
     if (!L->defer_offload_release) MOERT_CHECK(moert_layer_release_offloaded(L));
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_COMBINE));
@@ -940,6 +1056,7 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
         tensor_release(L, &d_fc1);
         tensor_release(L, &L->saved[MOERT_ACT_DISPATCHED_X]);
     }
+    if (L->shared_ffn > 0) MOERT_CHECK(shared_backward(L, d_y, d_x));
     MOERT_CHECK(zero_unwritten_grads(L));
     MOERT_CHECK(stage_mark(L, MARK_BACKWARD_END));
 fail:
@@ -964,6 +1081,7 @@ moert_result moert_layer_optimizer_step(moert_layer *L, const moert_train_config
     moert_sgd sgd = {.lr = t->lr, .weight_decay = t->weight_decay};
     for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
         moert_param *pr = &L->params[p];
+        if (!moert_layer_has_param(L, (moert_param_id)p)) continue;
         if (t->optimizer == MOERT_OPTIMIZER_SGD) {
             MOERT_CHECK(moert_sgd_update(L->stream, &sgd, &pr->value, &pr->grad));
             continue;

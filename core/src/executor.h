@@ -71,7 +71,7 @@ typedef struct moert_layer {
     const moert_host *core_host;      /* the rank's own services: allocation, streams */
     moert_stream stream;              /* the rank's compute stream (NULL on the CPU) */
     moert_instance router, dispatcher, precision, memory;
-    moert_param params[MOERT_PARAM_COUNT]; /* router [E,H], fc1 [El,H,2F], fc2 [El,F,H] */
+    moert_param params[MOERT_PARAM_COUNT]; /* router [E,H], fc1 [El,H,2F], fc2 [El,F,H], the shared expert's (or empty) */
     moert_dtype param_dtype;          /* fp32, or fp64 in fp64 mode */
     int64_t seq_length;               /* tokens per sequence (batch-major), 0 = one sequence */
     moert_optimizer optimizer;        /* set before moert_layer_init_params: m and v exist only for Adam */
@@ -99,6 +99,17 @@ typedef struct moert_layer {
     bool overlap_wgrad;
     moert_stream wgrad_stream;
     moert_event wgrad_fork_event, wgrad_join_event;
+
+    /* the shared expert ($.model.shared_expert_ffn_hidden > 0): a dense SwiGLU over every token added to the output,
+     * its GEMMs through `shared_precision`, the precision plugin instantiated for one expert of width shared_ffn
+     * (ctx NULL without a shared expert) */
+    moert_instance shared_precision;
+    int64_t shared_ffn;
+    bool shared_gate;
+    bool shared_grad_unwritten[2];    /* as grad_unwritten, for the shared fc1 / fc2 */
+    int64_t shared_rows_host;         /* T of the last forward: the shared expert's one group of rows */
+    moert_tensor shared_rows;         /* [1] int64 on the device, = shared_rows_host */
+    moert_tensor shared_fc1_out, shared_act, shared_prob; /* saved: [T,2Fs], [T,Fs], [T] (1, or the gate) */
 
     /* saved by forward for backward */
     moert_tensor x;                   /* borrowed: the layer input */
@@ -147,6 +158,8 @@ typedef struct moert_layer {
 moert_result moert_layer_plugin_failed(const moert_layer *L, const moert_instance *inst, const char *fn,
                                        moert_result rc);
 
+/* Whether the layer has parameter `which` (the shared expert's only with one). */
+bool moert_layer_has_param(const moert_layer *L, moert_param_id which);
 /* The shape, dtype and device of a parameter (data NULL). */
 moert_tensor moert_layer_param_desc(const moert_layer *L, moert_param_id which);
 /* Writes the initial parameter values (from the seed, the same for any rank split) into the layer's parameters,

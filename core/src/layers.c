@@ -468,21 +468,26 @@ MOERT_API moert_result moert_layers_get_info(const moert_layers *m, moert_layers
 
 /* ---- parameters ---- */
 
+static const char *param_name(moert_param_id which)
+{
+    static const char *const names[MOERT_PARAM_COUNT] = {"router weight", "fc1", "fc2", "shared expert's fc1",
+                                                         "shared expert's fc2", "shared expert's gate"};
+    return names[which];
+}
+
 static moert_result check_param(const moert_layers *m, int layer, moert_param_id which, const char *fn)
 {
     moert_result rc = check_layer(m, layer, fn);
     if (rc != MOERT_OK) return rc;
     if ((int)which < 0 || which >= MOERT_PARAM_COUNT)
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: parameter %d, expected MOERT_PARAM_ROUTER, _FC1 or _FC2",
-                           fn, (int)which);
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: parameter %d, expected 0 .. %d (moert_param_id)", fn,
+                           (int)which, MOERT_PARAM_COUNT - 1);
+    if (!moert_layer_has_param(&m->stack.layers[layer], which))
+        return moert_error(MOERT_ERR_UNSUPPORTED, "%s: the config has no %s (see $.model.shared_expert_ffn_hidden and "
+                           "$.model.shared_expert_gate)", fn, param_name(which));
     return MOERT_OK;
 }
 
-static const char *param_name(moert_param_id which)
-{
-    static const char *const names[MOERT_PARAM_COUNT] = {"router weight", "fc1", "fc2"};
-    return names[which];
-}
 
 MOERT_API moert_result moert_layers_param_desc(const moert_layers *m, int layer, moert_param_id which,
                                                moert_tensor *desc)
@@ -523,7 +528,7 @@ MOERT_API moert_result moert_layers_bind_param(moert_layers *m, int layer, moert
 static moert_result check_bound(const moert_layers *m, int layer, const char *fn)
 {
     for (int p = 0; p < MOERT_PARAM_COUNT; p++)
-        if (!m->bound[layer][p])
+        if (!m->bound[layer][p] && moert_layer_has_param(&m->stack.layers[layer], (moert_param_id)p))
             return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layer %d's %s is not bound (moert_layers_bind_param)",
                                fn, layer, param_name((moert_param_id)p));
     return MOERT_OK;

@@ -705,13 +705,17 @@ static moert_result rank_forward_backward(moert_rank *r, int64_t step)
     memset(r->stage_seconds, 0, sizeof r->stage_seconds);
     memset(r->backward_part_seconds, 0, sizeof r->backward_part_seconds);
     for (int64_t micro = 0; micro < cfg->train.micro_batches; micro++) MOERT_CHECK(micro_batch(r, step, micro));
-    /* the router weight is replicated: its gradient is the sum of every rank's share */
-    for (int l = 0; l < nl && r->rt->world > 1; l++) {
-        moert_tensor *g = &r->layers[l].params[MOERT_PARAM_ROUTER].grad;
-        rc = r->core_host->allreduce_sum(r->core_host, g->data, (size_t)moert_tensor_numel(g), g->dtype, g->device,
-                                         r->stream);
-        if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(r->core_host));
-    }
+    /* the router weight and the shared expert are replicated: their gradients are the sum of every rank's share */
+    static const moert_param_id replicated[] = {MOERT_PARAM_ROUTER, MOERT_PARAM_SHARED_FC1, MOERT_PARAM_SHARED_FC2,
+                                                MOERT_PARAM_SHARED_GATE};
+    for (int l = 0; l < nl && r->rt->world > 1; l++)
+        for (size_t k = 0; k < sizeof replicated / sizeof replicated[0]; k++) {
+            if (!moert_layer_has_param(&r->layers[l], replicated[k])) continue;
+            moert_tensor *g = &r->layers[l].params[replicated[k]].grad;
+            rc = r->core_host->allreduce_sum(r->core_host, g->data, (size_t)moert_tensor_numel(g), g->dtype,
+                                             g->device, r->stream);
+            if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(r->core_host));
+        }
     /* figures over all ranks (the router losses: the mean over ranks and micro-batches) */
     double sums[2] = {r->mse_sum, r->router_loss};
     MOERT_CHECK(allreduce(r, sums, 2, MOERT_F64));
@@ -1025,6 +1029,9 @@ int64_t moert_runtime_param_numel(const moert_runtime *rt, moert_param_id which)
     case MOERT_PARAM_ROUTER: return m->num_experts * m->hidden;
     case MOERT_PARAM_FC1: return m->num_experts * m->hidden * 2 * m->ffn_hidden;
     case MOERT_PARAM_FC2: return m->num_experts * m->ffn_hidden * m->hidden;
+    case MOERT_PARAM_SHARED_FC1: return m->hidden * 2 * m->shared_expert_ffn_hidden;
+    case MOERT_PARAM_SHARED_FC2: return m->shared_expert_ffn_hidden * m->hidden;
+    case MOERT_PARAM_SHARED_GATE: return m->shared_expert_gate ? m->hidden : 0;
     default: return 0;
     }
 }
@@ -1043,7 +1050,7 @@ moert_result moert_runtime_param(moert_runtime *rt, int layer, moert_param_id wh
     for (int i = 0; i < rt->world; i++) {
         moert_param *p = &rt->ranks[i].layers[layer].params[which];
         int64_t local = index;
-        if (which != MOERT_PARAM_ROUTER) {
+        if (which == MOERT_PARAM_FC1 || which == MOERT_PARAM_FC2) { /* split over ranks; the rest is replicated */
             if (index / per_rank != i) continue;
             local = index % per_rank;
         }

@@ -29,6 +29,39 @@ static moert_instance *slot_instance(moert_layer *L, moert_slot s)
     }
 }
 
+/* The shared expert of layer l: the precision plugin again, with the precision options, for one expert of width
+ * $.model.shared_expert_ffn_hidden that every token goes to. */
+static moert_result shared_expert_init(moert_stack *s, const moert_stack_setup *setup, int l)
+{
+    moert_result rc = MOERT_OK;
+    const moert_config *cfg = setup->cfg;
+    const moert_plugin *plugin = &setup->plugins[MOERT_SLOT_PRECISION];
+    moert_layer *L = &s->layers[l];
+    char who[256];
+    L->shared_ffn = cfg->model.shared_expert_ffn_hidden;
+    L->shared_gate = cfg->model.shared_expert_gate;
+    moert_layer_info info = L->info;
+    info.num_experts = info.num_local_experts = 1;
+    info.first_local_expert = 0;
+    info.topk = 1;
+    info.ffn_hidden = L->shared_ffn;
+    moert_section *sec = moert_section_create(json_object_get(cfg->root, "precision"), "$.precision");
+    MOERT_CHECK_ALLOC(sec);
+    s->shared_sections[l] = sec;
+    moert_section_allow(sec, "plugin");
+    snprintf(who, sizeof who, "precision \"%s\" (shared expert, layer %d, rank %d)", plugin->header->name, l,
+             setup->rank);
+    moert_host_setup hs = {.who = who, .options = sec, .comm = setup->comm, .rank = setup->rank,
+                           .world_size = setup->world, .device = L->info.device, .cuda_pool = setup->pool,
+                           .nccl = setup->nccl, .stream = setup->stream};
+    MOERT_CHECK(moert_host_create(&hs, &s->shared_hosts[l]));
+    L->shared_precision.plugin = plugin;
+    L->shared_precision.host = s->shared_hosts[l];
+    MOERT_CHECK(moert_plugin_init(plugin, &L->shared_precision.ctx, L->shared_precision.host, &info));
+fail:
+    return rc;
+}
+
 moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
 {
     moert_result rc = MOERT_OK;
@@ -53,6 +86,10 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
     MOERT_CHECK_ALLOC(s->layers);
     MOERT_CHECK_ALLOC(s->sections);
     MOERT_CHECK_ALLOC(s->hosts);
+    s->shared_sections = calloc((size_t)nl, sizeof *s->shared_sections);
+    s->shared_hosts = calloc((size_t)nl, sizeof *s->shared_hosts);
+    MOERT_CHECK_ALLOC(s->shared_sections);
+    MOERT_CHECK_ALLOC(s->shared_hosts);
     s->num_layers = nl;
 
     for (int l = 0; l < nl; l++) {
@@ -85,6 +122,7 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
             /* options are the same for every layer and rank: checking the first instance is enough */
             if (l == 0) MOERT_CHECK(moert_section_check_unknown(sec));
         }
+        if (cfg->model.shared_expert_ffn_hidden > 0) MOERT_CHECK(shared_expert_init(s, setup, l));
     }
     return MOERT_OK;
 fail:
@@ -98,6 +136,8 @@ void moert_stack_finalize(moert_stack *s)
         for (int l = 0; l < nl; l++) {
             moert_layer *L = &s->layers[l];
             if (s->core_host) moert_layer_free(L);
+            if (L->shared_precision.ctx) moert_plugin_finalize(L->shared_precision.plugin, L->shared_precision.ctx);
+            L->shared_precision.ctx = NULL;
             for (int k = MOERT_SLOT_COUNT - 1; k >= 0; k--) {
                 moert_instance *inst = slot_instance(L, (moert_slot)k);
                 if (inst->ctx) moert_plugin_finalize(inst->plugin, inst->ctx);
@@ -111,6 +151,12 @@ void moert_stack_finalize(moert_stack *s)
     if (s->sections)
         for (int i = 0; i < nl * MOERT_SLOT_COUNT; i++)
             if (s->sections[i]) moert_section_free(s->sections[i]);
+    for (int l = 0; s->shared_hosts && l < nl; l++)
+        if (s->shared_hosts[l]) moert_host_free(s->shared_hosts[l]);
+    for (int l = 0; s->shared_sections && l < nl; l++)
+        if (s->shared_sections[l]) moert_section_free(s->shared_sections[l]);
+    free(s->shared_hosts);
+    free(s->shared_sections);
     if (s->core_host) moert_host_free(s->core_host);
     if (s->core_section) moert_section_free(s->core_section);
     if (s->empty_options) json_decref(s->empty_options);

@@ -27,6 +27,9 @@ typedef struct moert_stack {
     moert_layer *layers;            /* [num_layers] */
     moert_section **sections;       /* [num_layers * MOERT_SLOT_COUNT] */
     moert_host **hosts;             /* [num_layers * MOERT_SLOT_COUNT] */
+    /* the shared expert's precision instance of each layer (NULL entries without a shared expert) */
+    moert_section **shared_sections; /* [num_layers] */
+    moert_host **shared_hosts;       /* [num_layers] */
 } moert_stack;
 
 /* Creates the rank's core services and one instance of every plugin per layer; on failure what was made is kept for

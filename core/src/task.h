@@ -14,7 +14,8 @@ void moert_fill_normal(moert_tensor *t, uint64_t seed, uint64_t stream, uint64_t
 enum {
     MOERT_STREAM_INPUT = 1,
     MOERT_STREAM_TEACHER = 2,
-    MOERT_STREAM_PARAM = 16 /* + 4 * layer + which */
+    MOERT_STREAM_PARAM = 16, /* + 4 * layer + which */
+    MOERT_STREAM_SHARED_PARAM = 1 << 30 /* + 4 * layer + which - MOERT_PARAM_SHARED_FC1: the shared expert's */
 };
 
 /* target = x + scale * (silu(x A1) * (x A2)) B: a dense SwiGLU MLP with a residual, fixed by the seed. */

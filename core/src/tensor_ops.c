@@ -140,6 +140,64 @@ moert_result moert_zero(moert_stream s, moert_tensor *t)
     return MOERT_OK;
 }
 
+moert_result moert_fill(moert_stream s, moert_tensor *t, double value)
+{
+#ifdef MOERT_HAVE_CUDA
+    if (on_cuda(t)) return moert_cuda_fill(s, t->dtype, moert_tensor_numel(t), value, t->data);
+#endif
+    moert_result rc = require_cpu(t, "fill");
+    if (rc != MOERT_OK) return rc;
+    for (int64_t i = 0; i < moert_tensor_numel(t); i++) moert_store(t, i, value);
+    return MOERT_OK;
+}
+
+moert_result moert_gate_forward(moert_stream s, const moert_tensor *x, const moert_tensor *gate, moert_tensor *prob)
+{
+    const int64_t t = x->shape[0], h = x->shape[1];
+#ifdef MOERT_HAVE_CUDA
+    if (on_cuda(x)) {
+        moert_result rc = require_f32(prob, "gate_forward");
+        if (rc == MOERT_OK) rc = require_f32(gate, "gate_forward");
+        if (rc != MOERT_OK) return rc;
+        return moert_cuda_gate_forward(s, x->dtype, t, h, x->data, gate->data, prob->data);
+    }
+#endif
+    moert_result rc = require_cpu(x, "gate_forward");
+    if (rc != MOERT_OK) return rc;
+    for (int64_t r = 0; r < t; r++) {
+        double acc = 0.0;
+        for (int64_t j = 0; j < h; j++) acc += moert_load(x, r * h + j) * moert_load(gate, j);
+        moert_store(prob, r, 1.0 / (1.0 + exp(-acc)));
+    }
+    return MOERT_OK;
+}
+
+moert_result moert_gate_backward(moert_stream s, const moert_tensor *x, const moert_tensor *gate,
+                                 const moert_tensor *prob, const moert_tensor *d_prob, moert_tensor *d_x,
+                                 moert_tensor *d_gate)
+{
+    const int64_t t = x->shape[0], h = x->shape[1];
+#ifdef MOERT_HAVE_CUDA
+    if (on_cuda(x)) {
+        moert_result rc = require_f32(prob, "gate_backward");
+        if (rc == MOERT_OK) rc = require_f32(d_gate, "gate_backward");
+        if (rc != MOERT_OK) return rc;
+        return moert_cuda_gate_backward(s, x->dtype, t, h, x->data, gate->data, prob->data, d_prob->data, d_x->data,
+                                        d_gate->data);
+    }
+#endif
+    moert_result rc = require_cpu(x, "gate_backward");
+    if (rc != MOERT_OK) return rc;
+    for (int64_t r = 0; r < t; r++) {
+        const double p = moert_load(prob, r), d_logit = moert_load(d_prob, r) * p * (1.0 - p);
+        for (int64_t j = 0; j < h; j++) {
+            moert_store(d_x, r * h + j, moert_load(d_x, r * h + j) + d_logit * moert_load(gate, j));
+            moert_store(d_gate, j, moert_load(d_gate, j) + d_logit * moert_load(x, r * h + j));
+        }
+    }
+    return MOERT_OK;
+}
+
 moert_result moert_fill_normal_on(moert_stream s, moert_tensor *t, uint64_t seed, uint64_t stream, uint64_t first,
                                   double std)
 {

@@ -96,7 +96,7 @@ int main(void)
     static params p[LAYERS];
     for (int l = 0; l < LAYERS; l++) {
         double *value[3] = {p[l].router, p[l].fc1, p[l].fc2}, *grad[3] = {p[l].d_router, p[l].d_fc1, p[l].d_fc2};
-        for (int w = 0; w < MOERT_PARAM_COUNT; w++) {
+        for (int w = MOERT_PARAM_ROUTER; w <= MOERT_PARAM_FC2; w++) { /* no shared expert here */
             moert_tensor v, g;
             CHECK(moert_layers_param_desc(layers, l, (moert_param_id)w, &v));
             g = v;

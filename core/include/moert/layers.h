@@ -110,13 +110,18 @@ MOERT_API moert_result moert_layers_get_info(const moert_layers *layers, moert_l
 /* ---- parameters: the caller's tensors ---- */
 
 typedef enum moert_param_id {
-    MOERT_PARAM_ROUTER = 0, /* router weight [E, H], replicated on every rank */
-    MOERT_PARAM_FC1 = 1,    /* the local experts' fc1 [E_local, H, 2F] (gate and up halves of SwiGLU) */
-    MOERT_PARAM_FC2 = 2,    /* the local experts' fc2 [E_local, F, H] */
+    MOERT_PARAM_ROUTER = 0,      /* router weight [E, H], replicated on every rank */
+    MOERT_PARAM_FC1 = 1,         /* the local experts' fc1 [E_local, H, 2F] (gate and up halves of SwiGLU) */
+    MOERT_PARAM_FC2 = 2,         /* the local experts' fc2 [E_local, F, H] */
+    /* the shared expert ($.model.shared_expert_ffn_hidden Fs > 0), replicated on every rank like the router */
+    MOERT_PARAM_SHARED_FC1 = 3,  /* [1, H, 2Fs] */
+    MOERT_PARAM_SHARED_FC2 = 4,  /* [1, Fs, H] */
+    MOERT_PARAM_SHARED_GATE = 5, /* [1, H], with $.model.shared_expert_gate */
     MOERT_PARAM_COUNT
 } moert_param_id;
 
-/* The shape, dtype and device a parameter (and its gradient) must have; desc->data is NULL. */
+/* The shape, dtype and device a parameter (and its gradient) must have; desc->data is NULL. A parameter the config
+ * does not have (the shared expert's, without one) answers MOERT_ERR_UNSUPPORTED, and needs no binding. */
 MOERT_API moert_result moert_layers_param_desc(const moert_layers *layers, int layer, moert_param_id which,
                                                moert_tensor *desc);
 /* Binds the caller's value and gradient tensors of one parameter (contiguous, as param_desc says). moert reads value
@@ -176,7 +181,7 @@ typedef struct moert_backward_options {
 } moert_backward_options;
 
 /* dx = d(loss)/dx from dy = d(loss)/dy, and the parameter gradients (into the bound grad tensors; the router
- * weight's is this rank's share: reduce it over ranks like any replicated parameter). Consumes and frees saved.
+ * weight's and the shared expert's are this rank's share: reduce them over ranks like any replicated parameter). Consumes and frees saved.
  * dx may not alias dy. Collective. opts NULL: router_loss_scale 1, accumulate true. */
 MOERT_API moert_result moert_moe_backward(moert_layers *layers, moert_saved *saved, const moert_tensor *dy,
                                           moert_tensor *dx, const moert_backward_options *opts, moert_stream stream);

@@ -492,3 +492,94 @@ extern "C" moert_result moert_cuda_adam(cudaStream_t stream, int64_t n, int64_t 
     LAUNCH_CHECK("adam_kernel");
     return MOERT_OK;
 }
+
+/* ---- the shared expert's gate: prob[t] = sigmoid(x[t] . g), and its backward ---- */
+
+/* One block per token: the dot product in fp32, a block-wide sum in a fixed order. */
+template <typename T>
+__global__ void gate_forward_kernel(int64_t tokens, int64_t hidden, const T *x, const float *gate, float *prob)
+{
+    for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
+        float acc = 0.f;
+        for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) acc += to_f32(x[t * hidden + h]) * gate[h];
+        acc = block_sum<float>(acc);
+        if (threadIdx.x == 0) prob[t] = 1.f / (1.f + expf(-acc));
+    }
+}
+
+/* d_x[t, h] += d_logit[t] * g[h], with d_logit = d_prob * p * (1 - p). */
+template <typename T>
+__global__ void gate_backward_x_kernel(int64_t tokens, int64_t hidden, const float *gate, const float *prob,
+                                       const float *d_prob, T *d_x)
+{
+    const int64_t n = tokens * hidden;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t t = i / hidden, h = i % hidden;
+        const float p = prob[t], d_logit = d_prob[t] * p * (1.f - p);
+        d_x[i] = from_f32<T>(to_f32(d_x[i]) + d_logit * gate[h]);
+    }
+}
+
+/* d_g[h] += sum over tokens of d_logit[t] * x[t, h]: a thread per column, tokens in order. */
+template <typename T>
+__global__ void gate_backward_g_kernel(int64_t tokens, int64_t hidden, const T *x, const float *prob,
+                                       const float *d_prob, float *d_gate)
+{
+    for (int64_t h = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; h < hidden; h += (int64_t)gridDim.x * blockDim.x) {
+        float acc = 0.f;
+        for (int64_t t = 0; t < tokens; t++) {
+            const float p = prob[t];
+            acc += d_prob[t] * p * (1.f - p) * to_f32(x[t * hidden + h]);
+        }
+        d_gate[h] += acc;
+    }
+}
+
+extern "C" moert_result moert_cuda_gate_forward(cudaStream_t stream, moert_dtype dtype, int64_t tokens, int64_t hidden,
+                                                const void *x, const float *gate, float *prob)
+{
+    if (tokens == 0) return MOERT_OK;
+    int blocks = (int)(tokens < MAX_GRID_BLOCKS ? tokens : MAX_GRID_BLOCKS);
+    switch (dtype) {
+    case MOERT_F32:
+        gate_forward_kernel<float><<<blocks, BLOCK_THREADS, 0, stream>>>(tokens, hidden, (const float *)x, gate, prob);
+        break;
+    case MOERT_BF16:
+        gate_forward_kernel<__nv_bfloat16>
+            <<<blocks, BLOCK_THREADS, 0, stream>>>(tokens, hidden, (const __nv_bfloat16 *)x, gate, prob);
+        break;
+    default:
+        return moert_error(MOERT_ERR_UNSUPPORTED, "shared expert gate on CUDA: dtype %s is not supported (fp32, bf16)",
+                           moert_dtype_name(dtype));
+    }
+    LAUNCH_CHECK("gate_forward_kernel");
+    return MOERT_OK;
+}
+
+extern "C" moert_result moert_cuda_gate_backward(cudaStream_t stream, moert_dtype dtype, int64_t tokens,
+                                                 int64_t hidden, const void *x, const float *gate, const float *prob,
+                                                 const float *d_prob, void *d_x, float *d_gate)
+{
+    if (tokens == 0) return MOERT_OK;
+    switch (dtype) {
+    case MOERT_F32:
+        gate_backward_x_kernel<float><<<grid_for(tokens * hidden), BLOCK_THREADS, 0, stream>>>(
+            tokens, hidden, gate, prob, d_prob, (float *)d_x);
+        LAUNCH_CHECK("gate_backward_x_kernel");
+        gate_backward_g_kernel<float><<<grid_for(hidden), BLOCK_THREADS, 0, stream>>>(
+            tokens, hidden, (const float *)x, prob, d_prob, d_gate);
+        break;
+    case MOERT_BF16:
+        gate_backward_x_kernel<__nv_bfloat16><<<grid_for(tokens * hidden), BLOCK_THREADS, 0, stream>>>(
+            tokens, hidden, gate, prob, d_prob, (__nv_bfloat16 *)d_x);
+        LAUNCH_CHECK("gate_backward_x_kernel");
+        gate_backward_g_kernel<__nv_bfloat16><<<grid_for(hidden), BLOCK_THREADS, 0, stream>>>(
+            tokens, hidden, (const __nv_bfloat16 *)x, prob, d_prob, d_gate);
+        break;
+    default:
+        return moert_error(MOERT_ERR_UNSUPPORTED, "shared expert gate on CUDA: dtype %s is not supported (fp32, bf16)",
+                           moert_dtype_name(dtype));
+    }
+    LAUNCH_CHECK("gate_backward_g_kernel");
+    return MOERT_OK;
+}

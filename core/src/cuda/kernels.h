@@ -91,6 +91,15 @@ typedef struct moert_cuda_adam_config {
 moert_result moert_cuda_adam(cudaStream_t stream, int64_t n, int64_t step, const moert_cuda_adam_config *cfg,
                              float *param, moert_dtype grad_dtype, const void *grad, float *m, float *v);
 
+/* The shared expert's gate: prob[t] = sigmoid(x[t] . gate) for x [tokens, hidden] (fp32 or bf16), gate [hidden] fp32. */
+moert_result moert_cuda_gate_forward(cudaStream_t stream, moert_dtype dtype, int64_t tokens, int64_t hidden,
+                                     const void *x, const float *gate, float *prob);
+/* Its backward from d_prob [tokens]: d_x [tokens, hidden] += d_logit[t] * gate, d_gate [hidden] += sum_t d_logit[t] *
+ * x[t], with d_logit = d_prob * prob * (1 - prob). */
+moert_result moert_cuda_gate_backward(cudaStream_t stream, moert_dtype dtype, int64_t tokens, int64_t hidden,
+                                      const void *x, const float *gate, const float *prob, const float *d_prob,
+                                      void *d_x, float *d_gate);
+
 #ifdef __cplusplus
 }
 #endif
