@@ -74,7 +74,9 @@ static const flag_map flag_table[] = {
     {"--seq-length", MAP_SPECIAL, NULL, NULL, NULL, 1, false, NULL},
     {"--micro-batch-size", MAP_SPECIAL, NULL, NULL, NULL, 1, false, NULL},
     {"--moe-shared-expert-intermediate-size", MAP_SPECIAL, NULL, NULL, NULL, 0, false, NULL},
-    {"--moe-shared-expert-overlap", MAP_REFUSE, NULL, NULL, NULL, 0, true, "moert does not model shared experts yet"},
+    {"--moe-shared-expert-overlap", MAP_REFUSE, NULL, NULL, NULL, 0, true,
+     "moert runs the shared expert after the combine on the compute stream; overlapping it with the dispatch is not "
+     "implemented yet"},
     {"--moe-pad-expert-input-to-capacity", MAP_REFUSE, NULL, NULL, NULL, 0, true,
      "padding every expert's input to its capacity is not supported yet"},
     {"--moe-input-jitter-eps", MAP_REFUSE, NULL, NULL, NULL, 0, false, "router input jitter is not supported yet"},
@@ -235,9 +237,7 @@ static int finish(import_state *st)
     if (!json_object_get(model, "topk")) set_key(st->root, "model.topk", json_integer(2)); /* Megatron's default */
     set_key(st->root, "model.num_layers", json_integer(1));
     set_key(st->root, "model.dtype", json_string(st->bf16 || st->fp8_format ? "bf16" : "fp32"));
-    if (st->shared_ffn > 0)
-        return fail("%s: moert does not model shared experts yet (%s)", "--moe-shared-expert-intermediate-size",
-                    "a dense SwiGLU over every token beside the routed experts");
+    if (st->shared_ffn > 0) set_key(st->root, "model.shared_expert_ffn_hidden", json_integer(st->shared_ffn));
     if (st->etp > 1)
         return fail("%s > 1: expert tensor parallelism is not supported yet%s", "--expert-tensor-parallel-size", "");
 
@@ -365,8 +365,18 @@ int moert_cmd_config(int argc, char **argv)
     char **args = argv + 1, **file_args = NULL, *file_text = NULL;
     int nargs = argc - 1;
     if (nargs >= 2 && !strcmp(args[0], "--args-file")) {
-        if (read_args_file(args[1], &file_args, &nargs, &file_text)) return 1;
-        args = file_args;
+        /* the file's flags, then the ones after it on the command line */
+        int nfile = 0;
+        if (read_args_file(args[1], &file_args, &nfile, &file_text)) return 1;
+        char **all = realloc(file_args, (size_t)(nfile + nargs) * sizeof *all);
+        if (!all) {
+            free(file_args);
+            free(file_text);
+            return fail("%s%s", "out of memory", "");
+        }
+        for (int i = 2; i < nargs; i++) all[nfile + i - 2] = args[i];
+        file_args = args = all;
+        nargs = nfile + nargs - 2;
     }
     import_state st = {.root = json_object()};
     int status = 0;

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # `moert config --from-megatron`: each preset's Megatron flags (tests/fixtures/megatron/*.args) give the shipped preset
+# (deepseek-v3.args, with the shared expert: configs/deepseek-v3-shared.json; deepseek-v3-routed.args: deepseek-v3.json)
 # (model, router, dispatcher, precision, memory policy, EP size); flags moert cannot map are refused by name; FP8,
 # flex dispatchers and recompute map onto their moert keys.
 # Usage: test_megatron_import.sh PATH/TO/moert
@@ -24,8 +25,9 @@ sys.exit(1 if bad else 0)
 PY
 }
 
-for preset in qwen3-30b-a3b qwen3-235b-a22b mixtral-8x7b deepseek-v3-routed; do
+for preset in qwen3-30b-a3b qwen3-235b-a22b mixtral-8x7b deepseek-v3-routed deepseek-v3; do
     cfg="$src/configs/${preset%-routed}.json"
+    [ "$preset" = deepseek-v3 ] && cfg="$src/configs/deepseek-v3-shared.json"
     if "$moert" config --from-megatron --args-file "$fx/$preset.args" >"$tmp/$preset.json" 2>"$tmp/$preset.err"; then
         same_layer "$tmp/$preset.json" "$cfg" || fail "$preset: the imported config differs from $cfg"
         "$moert" check "$tmp/$preset.json" >/dev/null 2>&1 || fail "$preset: moert check refuses the imported config"
@@ -41,8 +43,8 @@ expect_refused() {
     if "$moert" config --from-megatron "$@" >/dev/null 2>"$tmp/$name.err"; then fail "$name: accepted"; return; fi
     grep -qF -- "$message" "$tmp/$name.err" || fail "$name: message lacks \"$message\": $(cat "$tmp/$name.err")"
 }
-expect_refused shared "--moe-shared-expert-intermediate-size: moert does not model shared experts yet" \
-    --args-file "$fx/deepseek-v3.args"
+expect_refused shared_overlap "--moe-shared-expert-overlap: moert runs the shared expert after the combine" \
+    --args-file "$fx/deepseek-v3.args" --moe-shared-expert-overlap
 base=(--num-experts 8 --hidden-size 64 --moe-ffn-hidden-size 32 --moe-token-dispatcher-type alltoall)
 expect_refused unknown_moe "--moe-foo: an MoE flag moert does not know how to map" "${base[@]}" --moe-foo 1
 expect_refused unknown "--bar: not a flag moert knows" "${base[@]}" --bar
