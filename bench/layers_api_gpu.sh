@@ -45,3 +45,4 @@ a.update(name='$1', round=$round, harness_ms=h, ratio=a['value'] / h); print(jso
 shape deepseek-v3 configs/deepseek-v3.json 64 4096
 shape qwen3-30b-a3b configs/qwen3-30b-a3b.json 32 8192
 shape mixtral-8x7b configs/mixtral-8x7b.json 2 8192
+shape deepseek-v3-shared configs/deepseek-v3-shared.json 64 4096
