@@ -74,9 +74,7 @@ static const flag_map flag_table[] = {
     {"--seq-length", MAP_SPECIAL, NULL, NULL, NULL, 1, false, NULL},
     {"--micro-batch-size", MAP_SPECIAL, NULL, NULL, NULL, 1, false, NULL},
     {"--moe-shared-expert-intermediate-size", MAP_SPECIAL, NULL, NULL, NULL, 0, false, NULL},
-    {"--moe-shared-expert-overlap", MAP_REFUSE, NULL, NULL, NULL, 0, true,
-     "moert runs the shared expert after the combine on the compute stream; overlapping it with the dispatch is not "
-     "implemented yet"},
+    {"--moe-shared-expert-overlap", MAP_TRUE, "parallel.shared_expert_overlap", NULL, NULL, 0, true, NULL},
     {"--moe-pad-expert-input-to-capacity", MAP_REFUSE, NULL, NULL, NULL, 0, true,
      "padding every expert's input to its capacity is not supported yet"},
     {"--moe-input-jitter-eps", MAP_REFUSE, NULL, NULL, NULL, 0, false, "router input jitter is not supported yet"},

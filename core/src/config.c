@@ -485,6 +485,10 @@ static moert_result parse_parallel(moert_config *cfg, json_t *obj)
                                    "run the weight-gradient GEMMs on a second stream beside the backward's last "
                                    "all-to-all (dispatch_backward) and the router's backward",
                                    &p->overlap_wgrad));
+    MOERT_CHECK(moert_section_bool(sec, "shared_expert_overlap", true,
+                                   "GPUs: the shared expert's forward and backward on a second stream beside the "
+                                   "routing, dispatch, routed experts and combine (results are the same either way)",
+                                   &p->shared_expert_overlap));
     MOERT_CHECK(moert_section_check_unknown(sec));
 fail:
     moert_section_free(sec);

@@ -40,6 +40,7 @@ typedef struct moert_parallel_config {
     double timeout_s;  /* a collective waits this long for a stalled peer */
     int cuda_graph;    /* moert_cuda_graph_mode */
     bool overlap_wgrad; /* weight-gradient GEMMs on a second stream beside dispatch_backward */
+    bool shared_expert_overlap; /* the shared expert on a second stream beside the routed experts (GPUs) */
 } moert_parallel_config;
 
 /* $.train.optimizer: Adam keeps two moment buffers per parameter; plain SGD keeps none. */

@@ -316,6 +316,11 @@ static moert_result release_saved(moert_layer *L)
     tensor_release(L, &L->topk_probs);
     tensor_release(L, &L->tokens_per_expert);
     tensor_release(L, &L->recv_probs);
+    if (L->shared_stream) HOST_CALL(h->stream_wait_event(h, L->stream, L->shared_join_event),
+                                    "joining the shared expert's stream", MOERT_ACT_COUNT);
+    tensor_release(L, &L->shared_out);
+    tensor_release(L, &L->shared_dx);
+    tensor_release(L, &L->shared_dprob);
     tensor_release(L, &L->shared_rows);
     tensor_release(L, &L->shared_fc1_out);
     tensor_release(L, &L->shared_act);
@@ -379,6 +384,14 @@ void moert_layer_free(moert_layer *L)
         L->wgrad_fork_event = L->wgrad_join_event = NULL;
     }
     memset(L->mark_events, 0, sizeof L->mark_events);
+    if (L->shared_stream) {
+        if (h->stream_synchronize(h, L->shared_stream) != MOERT_OK) (void)moert_host_take_error((moert_host *)h);
+        h->event_destroy(h, L->shared_fork_event);
+        h->event_destroy(h, L->shared_join_event);
+        h->stream_destroy(h, L->shared_stream);
+        L->shared_stream = NULL;
+        L->shared_fork_event = L->shared_join_event = NULL;
+    }
     for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
         if (!L->params_borrowed) tensor_release(L, &L->params[p].value);
         if (!L->params_borrowed) tensor_release(L, &L->params[p].grad);
@@ -775,63 +788,156 @@ fail:
     return rc;
 }
 
-/* The shared expert: y += fc2(swiglu(fc1(x)) * prob) over every token, prob 1 or sigmoid(x . gate); its
- * activations stay on the device for the backward. */
-static moert_result shared_forward(moert_layer *L, const moert_tensor *x, moert_tensor *y)
+/* The shared expert's second stream and its fork and join events (parallel.shared_expert_overlap on a GPU), made at
+ * the first use through the core host; nothing on the CPU. */
+static moert_result ensure_shared_stream(moert_layer *L)
 {
     moert_result rc = MOERT_OK;
-    const moert_layer_info *in = &L->info;
-    const int64_t t = x->shape[0];
-    moert_tensor out = {0};
-    /* one group of t rows, its count on the host and on the device (written by a kernel: graph-capturable) */
-    L->shared_rows_host = t;
-    MOERT_CHECK(tensor_alloc(L, &L->shared_rows, MOERT_I64, 1, 1, 0, 0));
-    MOERT_CHECK(moert_fill(L->stream, &L->shared_rows, (double)t));
-    MOERT_CHECK(tensor_alloc(L, &L->shared_fc1_out, in->dtype, 2, t, 2 * L->shared_ffn, 0));
-    MOERT_CHECK(gemm_of(L, true, L->stream, MOERT_GEMM_FC1, MOERT_GEMM_FORWARD, x, NULL, &L->shared_fc1_out, NULL));
-    MOERT_CHECK(tensor_alloc(L, &L->shared_prob, L->param_dtype, 1, t, 0, 0));
-    if (L->shared_gate)
-        MOERT_CHECK(moert_gate_forward(L->stream, x, &L->params[MOERT_PARAM_SHARED_GATE].value, &L->shared_prob));
-    else
-        MOERT_CHECK(moert_fill(L->stream, &L->shared_prob, 1.0));
-    MOERT_CHECK(tensor_alloc(L, &L->shared_act, in->dtype, 2, t, L->shared_ffn, 0));
-    MOERT_CHECK(moert_swiglu_forward(L->stream, &L->shared_fc1_out, &L->shared_prob, t, &L->shared_act));
-    MOERT_CHECK(tensor_alloc(L, &out, in->dtype, 2, t, in->hidden, 0));
-    MOERT_CHECK(gemm_of(L, true, L->stream, MOERT_GEMM_FC2, MOERT_GEMM_FORWARD, &L->shared_act, NULL, &out, NULL));
-    MOERT_CHECK(moert_add(L->stream, y, &out, y));
+    const moert_host *h = L->core_host;
+    if (L->shared_stream || !L->stream || !L->shared_overlap) return MOERT_OK;
+    moert_stream s = NULL;
+    moert_event fork = NULL, join = NULL;
+    HOST_CALL(h->stream_create(h, &s), "creating the shared expert's stream", MOERT_ACT_COUNT);
+    HOST_CALL(h->event_create(h, &fork), "creating the shared expert's events", MOERT_ACT_COUNT);
+    HOST_CALL(h->event_create(h, &join), "creating the shared expert's events", MOERT_ACT_COUNT);
+    L->shared_stream = s;
+    L->shared_fork_event = fork;
+    L->shared_join_event = join;
+    return MOERT_OK;
 fail:
-    tensor_release(L, &out);
+    if (fork) h->event_destroy(h, fork);
+    if (join) h->event_destroy(h, join);
+    if (s) h->stream_destroy(h, s);
     return rc;
 }
 
-/* The shared expert's backward from d_y: its weight (and gate) gradients, and its share of d_x added in. */
-static moert_result shared_backward(moert_layer *L, const moert_tensor *d_y, moert_tensor *d_x)
+/* Where the shared expert's work goes: its own stream, forked from the compute stream here (the core's and its
+ * precision instance's allocations ordered on it meanwhile), or the compute stream itself. */
+static moert_result shared_begin(moert_layer *L, moert_stream *stream)
 {
     moert_result rc = MOERT_OK;
+    const moert_host *h = L->core_host;
+    *stream = L->stream;
+    MOERT_CHECK(ensure_shared_stream(L));
+    if (!L->shared_stream) return MOERT_OK;
+    HOST_CALL(h->event_record(h, L->shared_fork_event, L->stream), "forking the shared expert's stream", MOERT_ACT_COUNT);
+    HOST_CALL(h->stream_wait_event(h, L->shared_stream, L->shared_fork_event), "forking the shared expert's stream",
+              MOERT_ACT_COUNT);
+    *stream = L->shared_stream;
+    moert_host_use_stream((moert_host *)L->core_host, L->shared_stream);
+    moert_host_use_stream(L->shared_precision.host, L->shared_stream);
+fail:
+    return rc;
+}
+
+/* Back to the compute stream for allocations; the join event marks the end of the shared expert's work. */
+static moert_result shared_end(moert_layer *L)
+{
+    moert_result rc = MOERT_OK;
+    const moert_host *h = L->core_host;
+    if (!L->shared_stream) return MOERT_OK;
+    moert_host_use_stream((moert_host *)L->core_host, L->stream);
+    moert_host_use_stream(L->shared_precision.host, L->stream);
+    HOST_CALL(h->event_record(h, L->shared_join_event, L->shared_stream), "joining the shared expert's stream",
+              MOERT_ACT_COUNT);
+fail:
+    return rc;
+}
+
+/* The compute stream waits for the shared expert's work (nothing to wait for without its own stream). */
+static moert_result shared_join(moert_layer *L)
+{
+    moert_result rc = MOERT_OK;
+    const moert_host *h = L->core_host;
+    if (!L->shared_stream) return MOERT_OK;
+    HOST_CALL(h->stream_wait_event(h, L->stream, L->shared_join_event), "joining the shared expert's stream",
+              MOERT_ACT_COUNT);
+fail:
+    return rc;
+}
+
+/* The shared expert's forward, issued on its stream: shared_out = fc2(swiglu(fc1(x)) * prob) over every token, prob
+ * 1 or sigmoid(x . gate); its activations stay on the device for the backward. shared_forward_finish adds it to y. */
+static moert_result shared_forward_issue(moert_layer *L, const moert_tensor *x)
+{
+    moert_result rc = MOERT_OK, rc_end = MOERT_OK;
+    const moert_layer_info *in = &L->info;
+    const int64_t t = x->shape[0];
+    moert_stream s = NULL;
+    MOERT_CHECK(shared_begin(L, &s));
+    /* one group of t rows, its count on the host and on the device (written by a kernel: graph-capturable) */
+    L->shared_rows_host = t;
+    MOERT_CHECK(tensor_alloc(L, &L->shared_rows, MOERT_I64, 1, 1, 0, 0));
+    MOERT_CHECK(moert_fill(s, &L->shared_rows, (double)t));
+    MOERT_CHECK(tensor_alloc(L, &L->shared_fc1_out, in->dtype, 2, t, 2 * L->shared_ffn, 0));
+    MOERT_CHECK(gemm_of(L, true, s, MOERT_GEMM_FC1, MOERT_GEMM_FORWARD, x, NULL, &L->shared_fc1_out, NULL));
+    MOERT_CHECK(tensor_alloc(L, &L->shared_prob, L->param_dtype, 1, t, 0, 0));
+    if (L->shared_gate)
+        MOERT_CHECK(moert_gate_forward(s, x, &L->params[MOERT_PARAM_SHARED_GATE].value, &L->shared_prob));
+    else
+        MOERT_CHECK(moert_fill(s, &L->shared_prob, 1.0));
+    MOERT_CHECK(tensor_alloc(L, &L->shared_act, in->dtype, 2, t, L->shared_ffn, 0));
+    MOERT_CHECK(moert_swiglu_forward(s, &L->shared_fc1_out, &L->shared_prob, t, &L->shared_act));
+    MOERT_CHECK(tensor_alloc(L, &L->shared_out, in->dtype, 2, t, in->hidden, 0));
+    MOERT_CHECK(gemm_of(L, true, s, MOERT_GEMM_FC2, MOERT_GEMM_FORWARD, &L->shared_act, NULL, &L->shared_out, NULL));
+fail:
+    rc_end = shared_end(L);
+    return rc != MOERT_OK ? rc : rc_end;
+}
+
+/* y += the shared expert's output, on the compute stream once its stream is done. */
+static moert_result shared_forward_finish(moert_layer *L, moert_tensor *y)
+{
+    moert_result rc = MOERT_OK;
+    MOERT_CHECK(shared_join(L));
+    MOERT_CHECK(moert_add(L->stream, y, &L->shared_out, y));
+    tensor_release(L, &L->shared_out);
+fail:
+    return rc;
+}
+
+/* The shared expert's backward from d_y, issued on its stream: its weight gradients, and shared_dx (its share of d_x)
+ * and shared_dprob for shared_backward_finish. */
+static moert_result shared_backward_issue(moert_layer *L, const moert_tensor *d_y)
+{
+    moert_result rc = MOERT_OK, rc_end = MOERT_OK;
     const moert_layer_info *in = &L->info;
     const int64_t t = d_y->shape[0];
-    moert_tensor d_act = {0}, d_fc1 = {0}, d_prob = {0}, d_xs = {0};
+    moert_tensor d_act = {0}, d_fc1 = {0};
+    moert_stream s = NULL;
+    MOERT_CHECK(shared_begin(L, &s));
     MOERT_CHECK(tensor_alloc(L, &d_act, in->dtype, 2, t, L->shared_ffn, 0));
-    MOERT_CHECK(gemm_of(L, true, L->stream, MOERT_GEMM_FC2, MOERT_GEMM_DGRAD, NULL, d_y, NULL, &d_act));
-    MOERT_CHECK(gemm_of(L, true, L->stream, MOERT_GEMM_FC2, MOERT_GEMM_WGRAD, &L->shared_act, d_y, NULL, NULL));
+    MOERT_CHECK(gemm_of(L, true, s, MOERT_GEMM_FC2, MOERT_GEMM_DGRAD, NULL, d_y, NULL, &d_act));
+    MOERT_CHECK(gemm_of(L, true, s, MOERT_GEMM_FC2, MOERT_GEMM_WGRAD, &L->shared_act, d_y, NULL, NULL));
     tensor_release(L, &L->shared_act);
     MOERT_CHECK(tensor_alloc(L, &d_fc1, in->dtype, 2, t, 2 * L->shared_ffn, 0));
-    MOERT_CHECK(tensor_alloc(L, &d_prob, L->param_dtype, 1, t, 0, 0));
-    MOERT_CHECK(moert_swiglu_backward(L->stream, &d_act, &L->shared_fc1_out, &L->shared_prob, t, &d_fc1, &d_prob));
+    MOERT_CHECK(tensor_alloc(L, &L->shared_dprob, L->param_dtype, 1, t, 0, 0));
+    MOERT_CHECK(moert_swiglu_backward(s, &d_act, &L->shared_fc1_out, &L->shared_prob, t, &d_fc1, &L->shared_dprob));
     tensor_release(L, &d_act);
     tensor_release(L, &L->shared_fc1_out);
-    MOERT_CHECK(tensor_alloc(L, &d_xs, in->dtype, 2, t, in->hidden, 0));
-    MOERT_CHECK(gemm_of(L, true, L->stream, MOERT_GEMM_FC1, MOERT_GEMM_DGRAD, NULL, &d_fc1, NULL, &d_xs));
-    MOERT_CHECK(gemm_of(L, true, L->stream, MOERT_GEMM_FC1, MOERT_GEMM_WGRAD, &L->x, &d_fc1, NULL, NULL));
-    MOERT_CHECK(moert_add(L->stream, d_x, &d_xs, d_x));
-    if (L->shared_gate)
-        MOERT_CHECK(moert_gate_backward(L->stream, &L->x, &L->params[MOERT_PARAM_SHARED_GATE].value, &L->shared_prob,
-                                        &d_prob, d_x, &L->params[MOERT_PARAM_SHARED_GATE].grad));
+    MOERT_CHECK(tensor_alloc(L, &L->shared_dx, in->dtype, 2, t, in->hidden, 0));
+    MOERT_CHECK(gemm_of(L, true, s, MOERT_GEMM_FC1, MOERT_GEMM_DGRAD, NULL, &d_fc1, NULL, &L->shared_dx));
+    MOERT_CHECK(gemm_of(L, true, s, MOERT_GEMM_FC1, MOERT_GEMM_WGRAD, &L->x, &d_fc1, NULL, NULL));
 fail:
     tensor_release(L, &d_act);
     tensor_release(L, &d_fc1);
-    tensor_release(L, &d_prob);
-    tensor_release(L, &d_xs);
+    rc_end = shared_end(L);
+    return rc != MOERT_OK ? rc : rc_end;
+}
+
+/* d_x += the shared expert's share (and the gate's), on the compute stream once the shared stream is done. */
+static moert_result shared_backward_finish(moert_layer *L, moert_tensor *d_x)
+{
+    moert_result rc = MOERT_OK;
+    MOERT_CHECK(shared_join(L));
+    MOERT_CHECK(moert_add(L->stream, d_x, &L->shared_dx, d_x));
+    if (L->shared_gate)
+        MOERT_CHECK(moert_gate_backward(L->stream, &L->x, &L->params[MOERT_PARAM_SHARED_GATE].value, &L->shared_prob,
+                                        &L->shared_dprob, d_x, &L->params[MOERT_PARAM_SHARED_GATE].grad));
+    tensor_release(L, &L->shared_dx);
+    tensor_release(L, &L->shared_dprob);
+    tensor_release(L, &L->shared_prob);
+fail:
     return rc;
 }
 
@@ -855,6 +961,8 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
                                     .topk_idx = &L->topk_idx, .topk_probs = &L->topk_probs,
                                     .tokens_per_expert = &L->tokens_per_expert, .losses = &L->losses,
                                     .seq_length = L->seq_length};
+    /* the shared expert needs only x: on its own stream it runs beside the routing, dispatch and experts */
+    if (L->shared_ffn > 0) MOERT_CHECK(shared_forward_issue(L, x));
     PLUGIN_CALL(L->router, "forward", ROUTER(L)->forward(L->router.ctx, L->stream, &ra));
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_ROUTER));
 
@@ -890,7 +998,7 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
     moert_combine_args ca = {.struct_size = sizeof ca, .y_expert = &y_expert, .y = L->no_residual ? y : &moe_out};
     PLUGIN_CALL(L->dispatcher, "combine", DISPATCHER(L)->combine(L->dispatcher.ctx, L->stream, &ca));
     if (!L->no_residual) MOERT_CHECK(moert_add(L->stream, x, &moe_out, y));
-    if (L->shared_ffn > 0) MOERT_CHECK(shared_forward(L, x, y));
+    if (L->shared_ffn > 0) MOERT_CHECK(shared_forward_finish(L, y));
     /* the compute stream waits here for D2H copies still running (counted in the combine stage) */
     if (!L->defer_offload_release) MOERT_CHECK(moert_layer_release_offloaded(L));
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_COMBINE));
@@ -958,6 +1066,8 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
     const bool overlap = L->overlap_wgrad;
     moert_stream side = L->wgrad_stream; /* NULL on the CPU: the wgrads run in order after dispatch_backward */
 
+    /* the shared expert's backward needs only d_y: on its own stream it runs beside the routed experts' */
+    if (L->shared_ffn > 0) MOERT_CHECK(shared_backward_issue(L, d_y));
     /* reloads not yet issued by a prefetch start now; each is waited for just before its first use below */
     MOERT_CHECK(moert_layer_prefetch(L));
     /* recomputation first, in forward order, as every rank does (dispatching again is a collective) */
@@ -1056,7 +1166,7 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
         tensor_release(L, &d_fc1);
         tensor_release(L, &L->saved[MOERT_ACT_DISPATCHED_X]);
     }
-    if (L->shared_ffn > 0) MOERT_CHECK(shared_backward(L, d_y, d_x));
+    if (L->shared_ffn > 0) MOERT_CHECK(shared_backward_finish(L, d_x));
     MOERT_CHECK(zero_unwritten_grads(L));
     MOERT_CHECK(stage_mark(L, MARK_BACKWARD_END));
 fail:

@@ -110,6 +110,13 @@ typedef struct moert_layer {
     int64_t shared_rows_host;         /* T of the last forward: the shared expert's one group of rows */
     moert_tensor shared_rows;         /* [1] int64 on the device, = shared_rows_host */
     moert_tensor shared_fc1_out, shared_act, shared_prob; /* saved: [T,2Fs], [T,Fs], [T] (1, or the gate) */
+    moert_tensor shared_out;          /* forward: its output until the compute stream adds it */
+    moert_tensor shared_dx, shared_dprob; /* backward: its share of d_x and the gate's input, until added */
+    /* $.parallel.shared_expert_overlap on a GPU: its work on a second stream (made at the first use) beside the
+     * routing, dispatch, routed experts and combine, joined where its result is added */
+    bool shared_overlap;
+    moert_stream shared_stream;
+    moert_event shared_fork_event, shared_join_event;
 
     /* saved by forward for backward */
     moert_tensor x;                   /* borrowed: the layer input */

@@ -40,6 +40,7 @@ static moert_result shared_expert_init(moert_stack *s, const moert_stack_setup *
     char who[256];
     L->shared_ffn = cfg->model.shared_expert_ffn_hidden;
     L->shared_gate = cfg->model.shared_expert_gate;
+    L->shared_overlap = cfg->parallel.shared_expert_overlap;
     moert_layer_info info = L->info;
     info.num_experts = info.num_local_experts = 1;
     info.first_local_expert = 0;

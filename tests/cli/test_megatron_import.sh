@@ -43,8 +43,9 @@ expect_refused() {
     if "$moert" config --from-megatron "$@" >/dev/null 2>"$tmp/$name.err"; then fail "$name: accepted"; return; fi
     grep -qF -- "$message" "$tmp/$name.err" || fail "$name: message lacks \"$message\": $(cat "$tmp/$name.err")"
 }
-expect_refused shared_overlap "--moe-shared-expert-overlap: moert runs the shared expert after the combine" \
-    --args-file "$fx/deepseek-v3.args" --moe-shared-expert-overlap
+"$moert" config --from-megatron --args-file "$fx/deepseek-v3.args" --moe-shared-expert-overlap >"$tmp/overlap.json" ||
+    fail "--moe-shared-expert-overlap refused"
+grep -q '"shared_expert_overlap": true' "$tmp/overlap.json" || fail "--moe-shared-expert-overlap not mapped"
 base=(--num-experts 8 --hidden-size 64 --moe-ffn-hidden-size 32 --moe-token-dispatcher-type alltoall)
 expect_refused unknown_moe "--moe-foo: an MoE flag moert does not know how to map" "${base[@]}" --moe-foo 1
 expect_refused unknown "--bar: not a flag moert knows" "${base[@]}" --bar

@@ -106,6 +106,22 @@ for disp in alltoall deepep hybridep; do
     tail -15 "$OUT/ab-overlap-$disp.log"
   fi
 done
+# the shared expert on its own stream gives the same losses as on the compute stream (a gated shared expert, bf16)
+if [ "$gpus" -ge 1 ]; then
+  ab_ranks=$([ "$gpus" -ge 2 ] && echo 2 || echo 1)
+  timeout "${MOERT_GPU_TEST_TIMEOUT:-240}" "$MOERT" ab configs/demo-cpu.json configs/demo-cpu.json --quiet \
+    --warmup 1 --steps 4 --set parallel.device=cuda --set parallel.ranks="$ab_ranks" --set 'model.dtype="bf16"' \
+    --set model.shared_expert_ffn_hidden=96 --set model.shared_expert_gate=true --set router.z_loss_coeff=0 \
+    --set-a parallel.shared_expert_overlap=false --report "$OUT/ab-shared-overlap.json" >"$OUT/ab-shared-overlap.log" 2>&1
+  rc=$?
+  if [ $rc -eq 0 ] && grep -q '^outputs agree: yes (max relative loss difference 0.0e+00 over 5 steps, identical' \
+      "$OUT/ab-shared-overlap.log"; then
+    record "shared_expert_overlap ${ab_ranks}gpu" PASS "losses identical over 5 steps"
+  else
+    record "shared_expert_overlap ${ab_ranks}gpu" FAIL "rc $rc, log ab-shared-overlap.log"
+    tail -15 "$OUT/ab-shared-overlap.log"
+  fi
+fi
 
 echo
 echo "== moert GPU checks =="
