@@ -26,5 +26,6 @@ int moert_cmd_run(int argc, char **argv);     /* tools/cmd_run.c */
 int moert_cmd_ab(int argc, char **argv);      /* tools/cmd_ab.c */
 int moert_cmd_check(int argc, char **argv);   /* tools/cmd_check.c */
 int moert_cmd_plugins(int argc, char **argv); /* tools/cmd_plugins.c */
+int moert_cmd_env(int argc, char **argv);     /* tools/cmd_env.c */
 
 #endif
