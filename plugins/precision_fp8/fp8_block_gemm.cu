@@ -12,7 +12,7 @@
  * CTAs run in clusters of two (by default) on neighbouring SMs, and share one operand tile by TMA multicast:
  * - 128x128 tiles: the pair takes column blocks 2j and 2j+1 of the same row block; each CTA loads half of the shared
  *   A tile and multicasts it to both (24 KB from L2 per k-block and tile instead of 32).
- * - Wide tiles (since session 16): the pair takes row blocks 2p and 2p+1 of the same 256-column block; each CTA
+ * - Wide tiles: the pair takes row blocks 2p and 2p+1 of the same 256-column block; each CTA
  *   loads its own A and half of the shared 32 KB B tile, multicast to both (32 KB per k-block and tile instead of
  *   40; both CTAs read the expert's weights in step). A group's odd last row block pairs along N as above.
  *   fc1's forward ran 6% faster for it.
@@ -348,7 +348,7 @@ __device__ __forceinline__ void epilogue_dma(const kernel_args &args, int rank, 
  * accumulating; then the warps announce the set to the epilogue warp. One instance per D type and mode, picked once
  * per tile by stage_tile: testing both at every value, the unrolled loop branched 64 times a tile and stalled on
  * instruction fetch, and the wgrad form (a few k-blocks a tile) spent a quarter of its consumers' time here
- * (session 12 profile). */
+ * (profiled). */
 template <int D_BF16, int ACCUMULATE, int NJ>
 __device__ __forceinline__ void stage_tile_as(const float *acc, uint8_t *boxes, uint64_t *d_ready,
                                               uint32_t ready_phase, uint64_t *d_staged)
@@ -399,7 +399,7 @@ __device__ __forceinline__ void stage_tile(const kernel_args &args, const float 
 
 /* The producer is two warps, so that one k-block's loads are issued well within the time its wgmma take: one warp
  * issuing both tiles' TMA loads and the factor copies was the kernel's bound (about 1000 cycles a k-block, measured
- * in session 11; a TMA issue alone costs some 15 instructions of uniform-register moves).
+ * with Nsight Compute's source counters; a TMA issue alone costs some 15 instructions of uniform-register moves).
  *
  * produce_a (warp 0, lane 0 alone): per tile and k-block, waits until the stage is free in every CTA of the cluster,
  * announces A's bytes on the stage's full barrier and loads A: its half, multicast to the pair (without a cluster,
@@ -748,7 +748,7 @@ __device__ __forceinline__ void consume_wide(const kernel_args &args, int rank, 
  * epilogue barriers. C is a template parameter rather than a value computed from threadIdx, so that ptxas knows it is
  * the same in the whole warp and computes the stages' wgmma descriptors in uniform registers. From threadIdx, every
  * descriptor went through R2UR moves and 64-bit adds (some 70 instructions between a stage's arrival and its first
- * wgmma, 270 per k-block in the wide form instead of 201), and every pass ran 3-6% slower (session 17). */
+ * wgmma, 270 per k-block in the wide form instead of 201), and every pass ran 3-6% slower (DESIGN.md). */
 template <int A_FMT, int B_FMT, int B_PER_ROW, int WIDE, int C>
 __device__ __forceinline__ void consumer(const kernel_args &args, int rank, const uint8_t *a_tiles,
                                          const uint8_t *b_tiles, const float *a_factors, const float *b_factors,

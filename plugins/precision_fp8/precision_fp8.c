@@ -231,7 +231,7 @@ static moert_result cuda_init(fp8_ctx *c)
     if (rc == MOERT_OK) rc = moert_fp8_cuda_set_block_tuning(c->gemm, &c->block_tuning);
     /* blockwise GEMMs on the wgmma kernel: every pass when asked; with "auto", where it measured faster than
      * cuBLASLt (forward, dgrad, a wgrad that adds to grad_weight), and a wgrad that overwrites it (a step's first
-     * micro-batch) on cuBLASLt, which measured faster there (session 12, see docs/plugins/precision_fp8.md); the
+     * micro-batch) on cuBLASLt, which measured faster there (DESIGN.md, "Which engine serves which pass"); the
      * kernel's code is sm_90a */
     const bool hopper = prop.major == 9 && prop.minor == 0;
     if (rc == MOERT_OK && s->recipe == FP8_RECIPE_BLOCKWISE && c->gemm_engine == GEMM_KERNEL && !hopper)

@@ -352,7 +352,7 @@ __global__ void __launch_bounds__(256)
  * step: four 256-column quarters, one 16-byte load (8 values) per lane in each, all four issued before any is
  * quantized, then a half-warp per 128-column tile and one 8-byte store per lane. On H200 the deepseek-v3 fc1 input
  * (32844 x 7168) takes 245 us against block_rows_kernel's 300 (61% of DRAM bandwidth against 48%); eight quarters in
- * flight were slower (258 us: 76 registers, fewer warps). Session 13, docs/plugins/precision_fp8.md.
+ * flight were slower (258 us: 76 registers, fewer warps). See DESIGN.md, "The quantizers".
  */
 __global__ void __launch_bounds__(256)
     block_rows_wide_kernel(const mat_table t, const __nv_bfloat16 *__restrict__ src, int64_t cols,
