@@ -122,6 +122,10 @@ make -C "$tmp/embed" >"$tmp/embed-make.log" 2>&1 || { cat "$tmp/embed-make.log";
 "$tmp/embed/embed" >"$tmp/embed.log" 2>&1 || { cat "$tmp/embed.log"; fail "examples/embed failed"; }
 grep -qx "embed: ok" "$tmp/embed.log" || { cat "$tmp/embed.log"; fail "examples/embed did not say ok"; }
 
+step "moert ab --plot's drawing script is installed where the installed moert looks for it"
+[ -r "$prefix/share/moert/ab_plot.py" ] || fail "ab_plot.py not installed in $prefix/share/moert"
+grep -qF "$prefix/share/moert/ab_plot.py" "$moert" || fail "the installed moert does not look for $prefix/share/moert/ab_plot.py"
+
 # Only where nvcc is found: the CUDA example builds with it; run here on the CPU path (a GPU run is the same config
 # with "parallel": {"device": "cuda"}).
 if command -v nvcc >/dev/null 2>&1; then
