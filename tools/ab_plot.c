@@ -4,8 +4,10 @@
 #include "ab_plot.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <math.h>
+#include <stdbool.h>
 #include <spawn.h>
 #include <stdio.h>
 #include <string.h>
@@ -19,9 +21,6 @@ extern char **environ;
 #ifndef MOERT_AB_PLOT_SCRIPT
 #define MOERT_AB_PLOT_SCRIPT "/usr/local/share/moert/ab_plot.py"
 #endif
-
-/* The script's exit status when matplotlib cannot be imported (tools/ab_plot.py). */
-#define SCRIPT_MISSING_MATPLOTLIB 3
 
 void moert_ab_plot_data_path(const char *png_path, char *out, size_t size)
 {
@@ -103,35 +102,64 @@ static int find_script(char *out, size_t size, char *err, size_t err_size)
     return -1;
 }
 
+/* Runs argv[0] with argv, stderr to /dev/null when quiet. Returns the exit status, -1 where the program was not found
+ * (ENOENT), -2 on another failure (err set). */
+static int run(char *const argv[], bool quiet, char *err, size_t err_size)
+{
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    if (quiet) posix_spawn_file_actions_addopen(&actions, 2, "/dev/null", O_WRONLY, 0);
+    pid_t pid;
+    int rc = posix_spawnp(&pid, argv[0], &actions, NULL, argv, environ);
+    posix_spawn_file_actions_destroy(&actions);
+    if (rc == ENOENT) return -1;
+    if (rc != 0) {
+        snprintf(err, err_size, "--plot: cannot start %s: %s", argv[0], strerror(rc));
+        return -2;
+    }
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0)
+        if (errno != EINTR) {
+            snprintf(err, err_size, "--plot: waiting for %s: %s", argv[0], strerror(errno));
+            return -2;
+        }
+    if (WIFEXITED(status)) return WEXITSTATUS(status);
+    snprintf(err, err_size, "--plot: %s ended by signal %d", argv[0], WTERMSIG(status));
+    return -2;
+}
+
 int moert_ab_plot_png(const char *path, const moert_ab_plot_data *data, char *err, size_t err_size)
 {
     char data_path[PATH_MAX + 16], script[PATH_MAX + 16];
     moert_ab_plot_data_path(path, data_path, sizeof data_path);
     if (write_data(data_path, data, err, err_size) != 0) return -1;
     if (find_script(script, sizeof script, err, err_size) != 0) return -1;
-    char *argv[] = {"python3", script, data_path, (char *)path, NULL};
-    pid_t pid;
-    int rc = posix_spawnp(&pid, "python3", NULL, NULL, argv, environ);
-    if (rc != 0) {
-        snprintf(err, err_size, "--plot needs python3 with matplotlib, and python3 %s (the data is in %s)",
-                 rc == ENOENT ? "is not on PATH" : strerror(rc), data_path);
+    /* the first python3 that imports matplotlib: the one on PATH, else the system's (a virtualenv or pyenv in front
+     * of a system that has the python3-matplotlib package) */
+    static const char *const pythons[] = {"python3", "/usr/bin/python3"};
+    bool found = false;
+    for (size_t i = 0; i < sizeof pythons / sizeof pythons[0]; i++) {
+        char *probe[] = {(char *)pythons[i], "-c", "import matplotlib", NULL};
+        int rc = run(probe, true, err, err_size);
+        if (rc == -2) return -1;
+        if (rc == -1) continue; /* no such interpreter */
+        found = true;
+        if (rc != 0) continue; /* no matplotlib there */
+        char *argv[] = {(char *)pythons[i], script, data_path, (char *)path, NULL};
+        rc = run(argv, false, err, err_size);
+        if (rc == 0) return 0;
+        if (rc > 0)
+            snprintf(err, err_size, "--plot: %s %s failed (exit status %d); the data is in %s", pythons[i], script, rc,
+                     data_path);
         return -1;
     }
-    int status = 0;
-    while (waitpid(pid, &status, 0) < 0)
-        if (errno != EINTR) {
-            snprintf(err, err_size, "--plot: waiting for python3: %s", strerror(errno));
-            return -1;
-        }
-    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return 0;
-    if (WIFEXITED(status) && WEXITSTATUS(status) == SCRIPT_MISSING_MATPLOTLIB)
+    if (!found)
+        snprintf(err, err_size, "--plot needs python3 with matplotlib, and no python3 was found (PATH, /usr/bin); the "
+                 "data is in %s", data_path);
+    else
         snprintf(err, err_size,
                  "--plot needs the Python module matplotlib (Debian/Ubuntu: apt-get install python3-matplotlib); "
                  "the data is in %s: draw it later with python3 %s %s %s",
                  data_path, script, data_path, path);
-    else
-        snprintf(err, err_size, "--plot: python3 %s failed (%s %d); the data is in %s", script,
-                 WIFEXITED(status) ? "exit status" : "signal",
-                 WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status), data_path);
     return -1;
 }

@@ -37,7 +37,12 @@ echo "{\"name\": \"saver\", $model, \"memory_policy\": {\"dispatched_x\": \"offl
 
 # keep vs recompute+offload: identical losses, fewer bytes kept by B. --plot draws with python3 and matplotlib where
 # they are (exit 0), and otherwise fails saying what is missing (exit 1), after the report and the plot's data
-if python3 -c 'import matplotlib' 2>/dev/null; then have_matplotlib=1; else have_matplotlib=0; fi
+# (moert takes the python3 on PATH, else /usr/bin/python3, whichever imports matplotlib first)
+plot_python=
+for p in python3 /usr/bin/python3; do
+    if [ -z "$plot_python" ] && "$p" -c 'import matplotlib' 2>/dev/null; then plot_python=$p; fi
+done
+if [ -n "$plot_python" ]; then have_matplotlib=1; else have_matplotlib=0; fi
 run policy $((1 - have_matplotlib)) ab "$tmp/keep.json" "$tmp/saver.json" --warmup 2 --report "$tmp/report.json" \
     --plot "$tmp/plot.png"
 expect_match policy out '^moert ab: A "keep" \(.*/keep\.json\) vs B "saver" \(.*/saver\.json\)$'
@@ -101,7 +106,7 @@ if [ "$have_matplotlib" = 1 ]; then
     # a 900 x 640 PNG with A's blue and B's orange lines in it
     [ "$(od -An -tx1 -N16 "$tmp/plot.png" | tr -d ' \n')" = "89504e470d0a1a0a0000000d49484452" ] ||
         fail "plot: no PNG signature followed by an IHDR chunk"
-    python3 - "$tmp/plot.png" <<'EOF' || fail "plot: not the expected image"
+    "$plot_python" - "$tmp/plot.png" <<'EOF' || fail "plot: not the expected image"
 import sys
 import matplotlib.image
 img = matplotlib.image.imread(sys.argv[1])
