@@ -246,6 +246,14 @@ static moert_result cuda_init(fp8_ctx *c)
         moert_fp8_cuda_describe_block_kernel(c->gemm, how, sizeof how);
         h->log(h, MOERT_LOG_DEBUG, "fp8 blockwise GEMMs on %s: %s", dev, how);
     }
+    /* tuning the kernel where it does not run is said, not ignored in silence */
+    const moert_fp8_block_tuning defaults = moert_fp8_block_tuning_default();
+    const bool kernel_runs = s->recipe == FP8_RECIPE_BLOCKWISE &&
+                             (c->gemm_engine == GEMM_KERNEL || (c->gemm_engine == GEMM_AUTO && hopper));
+    if (rc == MOERT_OK && !kernel_runs && memcmp(&defaults, &c->block_tuning, sizeof defaults) != 0)
+        h->log(h, MOERT_LOG_WARN, "$.precision.block_*: set, but the wgmma kernel does not run here (recipe %s, gemm "
+               "%s, %s %d.%d): they change nothing", recipe_choices[s->recipe], gemm_choices[c->gemm_engine], dev,
+               prop.major, prop.minor);
     /* every matmul of the recipe exists in this cuBLASLt (weight gradients accumulate in fp32, as the executor's;
      * with "fp8_wgrad": false they are the bf16 GEMMs', not asked) */
     if (rc == MOERT_OK)
