@@ -10,6 +10,7 @@
 #include <stdbool.h>
 #include <spawn.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -17,10 +18,6 @@
 #include <jansson.h>
 
 extern char **environ;
-
-#ifndef MOERT_AB_PLOT_SCRIPT
-#define MOERT_AB_PLOT_SCRIPT "/usr/local/share/moert/ab_plot.py"
-#endif
 
 void moert_ab_plot_data_path(const char *png_path, char *out, size_t size)
 {
@@ -74,31 +71,27 @@ static int write_data(const char *data_path, const moert_ab_plot_data *d, char *
     return 0;
 }
 
-/* The script: beside the running binary (a build tree, where meson copies it into tools/), else where moert was
- * installed it (<datadir>/moert). Returns 0 with out set, or -1 with err naming both places. */
+/* The script: beside the running binary (a build tree, where meson copies it into tools/), else where an installed
+ * moert's script is (<bindir>/../share/moert). Returns 0 with out set, or -1 with err naming both places. */
 static int find_script(char *out, size_t size, char *err, size_t err_size)
 {
-    char exe[PATH_MAX];
+    char exe[PATH_MAX], beside[PATH_MAX + 32] = "?", installed[PATH_MAX + 32] = "?";
     ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    char beside[PATH_MAX + 16] = "";
-    if (n > 0) {
-        exe[n] = '\0';
-        char *slash = strrchr(exe, '/');
-        if (slash) {
-            *slash = '\0';
-            snprintf(beside, sizeof beside, "%s/ab_plot.py", exe);
-            if (access(beside, R_OK) == 0) {
-                snprintf(out, size, "%s", beside);
-                return 0;
-            }
+    char *slash = n > 0 ? (exe[n] = '\0', strrchr(exe, '/')) : NULL;
+    if (slash) {
+        *slash = '\0';
+        snprintf(beside, sizeof beside, "%s/ab_plot.py", exe);
+        snprintf(installed, sizeof installed, "%s/../share/moert/ab_plot.py", exe);
+        const char *candidates[] = {beside, installed};
+        for (int i = 0; i < 2; i++) {
+            char resolved[PATH_MAX];
+            if (access(candidates[i], R_OK) != 0 || !realpath(candidates[i], resolved)) continue;
+            snprintf(out, size, "%s", resolved);
+            return 0;
         }
     }
-    if (access(MOERT_AB_PLOT_SCRIPT, R_OK) == 0) {
-        snprintf(out, size, "%s", MOERT_AB_PLOT_SCRIPT);
-        return 0;
-    }
     snprintf(err, err_size, "--plot: the drawing script ab_plot.py is neither beside moert (%s) nor installed (%s)",
-             beside[0] ? beside : "?", MOERT_AB_PLOT_SCRIPT);
+             beside, installed);
     return -1;
 }
 

@@ -12,6 +12,7 @@ restyle the figure from the same data. DATA.json holds:
 Exit status: 0 written; 2 bad arguments or data; 3 matplotlib is missing (the message says how to install it).
 """
 import json
+import os
 import sys
 import textwrap
 
@@ -78,8 +79,15 @@ def draw(data, out):
     ax_ms.legend(loc="upper right", fontsize=8, title=legend_text(data), title_fontsize=8, framealpha=0.9)
     fig.suptitle(data.get("title", "moert ab"), fontsize=10)
     fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+    # written beside and renamed into place, so a failed draw leaves the previous figure whole
+    tmp = "%s.%d.tmp.png" % (out, os.getpid())
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, out)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def main(argv):

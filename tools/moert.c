@@ -1,4 +1,4 @@
-/* The `moert` command: run, check, plugins, ab and env subcommands. */
+/* The `moert` command: run, check, plugins and ab subcommands. */
 #include <stdio.h>
 #include <string.h>
 
@@ -12,12 +12,12 @@ static void usage(FILE *f)
             "  run CONFIG [--set KEY=VALUE]...     train the MoE layer stack CONFIG describes\n"
             "  check CONFIG [--set KEY=VALUE]...   load CONFIG and every plugin it names, check all options\n"
             "  plugins [--options]                 list the plugins found (and each plugin's options)\n"
-            "  ab CONFIG_A CONFIG_B [...]          compare two configs\n"
             "  env                                 the environment variables moert reads, and their values here\n"
+            "  ab CONFIG_A CONFIG_B [...]          compare two configs\n"
             "options:\n"
             "  --help, -h       this text ('moert COMMAND --help' for a command's own)\n"
             "  --version        the version of moert and of its plugin ABI\n"
-            "environment ('moert env' lists every variable moert reads):\n"
+            "environment:\n"
             "  MOERT_PLUGIN_PATH   ':'-separated directories searched for plugins before the built-in ones\n"
             "  MOERT_LOG           error, warn (default), info or debug\n");
 }
@@ -40,8 +40,8 @@ int main(int argc, char **argv)
     if (!strcmp(command, "run")) return moert_cmd_run(argc - 2, argv + 2);
     if (!strcmp(command, "check")) return moert_cmd_check(argc - 2, argv + 2);
     if (!strcmp(command, "plugins")) return moert_cmd_plugins(argc - 2, argv + 2);
-    if (!strcmp(command, "ab")) return moert_cmd_ab(argc - 2, argv + 2);
     if (!strcmp(command, "env")) return moert_cmd_env(argc - 2, argv + 2);
+    if (!strcmp(command, "ab")) return moert_cmd_ab(argc - 2, argv + 2);
     fprintf(stderr, "moert: unknown command \"%s\"\n", command);
     usage(stderr);
     return 2;

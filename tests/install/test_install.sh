@@ -124,7 +124,9 @@ grep -qx "embed: ok" "$tmp/embed.log" || { cat "$tmp/embed.log"; fail "examples/
 
 step "moert ab --plot's drawing script is installed where the installed moert looks for it"
 [ -r "$prefix/share/moert/ab_plot.py" ] || fail "ab_plot.py not installed in $prefix/share/moert"
-grep -qF "$prefix/share/moert/ab_plot.py" "$moert" || fail "the installed moert does not look for $prefix/share/moert/ab_plot.py"
+"$moert" ab "$tmp/vendor.json" "$tmp/vendor.json" --warmup 0 --steps 1 --quiet --plot "$tmp/ab.png" >"$tmp/ab.log" 2>&1 ||
+    grep -qF "draw it later with python3 $prefix/share/moert/ab_plot.py $tmp/ab.plot.json" "$tmp/ab.log" ||
+    { cat "$tmp/ab.log"; fail "the installed moert ab --plot neither drew nor named the installed script"; }
 
 # Only where nvcc is found: the CUDA example builds with it; run here on the CPU path (a GPU run is the same config
 # with "parallel": {"device": "cuda"}).
