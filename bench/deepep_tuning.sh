@@ -8,7 +8,7 @@
 #                                                               (MOERT_PLUGIN_PATH=VARIANTS_DIR/<name>), a table
 #   bench/deepep_tuning.sh repeat GPU_BUILD_DIR N OUT           the build's own plugin, N runs, median of the medians
 # Variants: "name:-DFLAG=V -DFLAG2=V ...", see VARIANTS below; "base" is the source's defaults, "old" the
-# defaults before the first sweep (bench/results/2026-11-22-deepep-tuning-sweep-session4-nvidia-h200-x4.txt lists
+# defaults before the first sweep (bench/results/2026-11-22-deepep-tuning-sweep-nvidia-h200-x4.txt lists
 # the variants it timed).
 set -u
 VARIANTS=(

@@ -27,7 +27,9 @@
  *                                MOERT_BENCH_STREAMS (4), MOERT_BENCH_ONLY (substring of a shape name),
  *                                MOERT_BENCH_VARIANTS (comma-separated variant names: only those; for tuning runs),
  *                                MOERT_BENCH_PASSES (comma-separated fwd, dgrad, wgrad: only those; no totals then),
- *                                MOERT_BENCH_TOKENS (tokens per rank of the routing, 4096: other K for the wgrad)
+ *                                MOERT_BENCH_TOKENS (tokens per rank of the routing, 4096: other K for the wgrad),
+ *                                MOERT_BENCH_BLOCK (how the wgmma kernel runs: comma-separated KEY=VALUE of the fp8
+ *                                plugin's block_* options without the prefix, e.g. "tile_n=128,pair_rows=0")
  */
 #include <cuda_runtime_api.h>
 #include <math.h>
@@ -135,6 +137,37 @@ static int list_names(const char *list, const char *name)
 }
 
 /* Whether MOERT_BENCH_VARIANTS (comma-separated names; unset: all) names variant v (quick tuning runs). */
+/* MOERT_BENCH_BLOCK ("tile_n=128,stages=3,...": the fp8 plugin's block_* options without their prefix) into t;
+ * exits with status 2 naming a key or value it does not know, so a tuning run never measures the defaults by
+ * mistake. */
+static void block_tuning_from_env(moert_fp8_block_tuning *t)
+{
+    *t = moert_fp8_block_tuning_default();
+    const char *spec = getenv("MOERT_BENCH_BLOCK");
+    if (!spec || !*spec) return;
+    static const char *const keys[] = {"tile_n", "stages", "pairs", "pair_rows", "cluster", "clusters"};
+    int *const fields[] = {&t->tile_n, &t->stages, &t->pairs, &t->pair_rows, &t->cluster, &t->clusters};
+    char copy[512];
+    snprintf(copy, sizeof copy, "%s", spec);
+    char *save = NULL;
+    for (char *item = strtok_r(copy, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
+        char *eq = strchr(item, '='), *end = NULL;
+        long value = eq ? strtol(eq + 1, &end, 10) : 0;
+        int found = -1;
+        if (eq) {
+            *eq = '\0';
+            for (int i = 0; i < 6; i++)
+                if (!strcmp(item, keys[i])) found = i;
+        }
+        if (found < 0 || !end || end == eq + 1 || *end) {
+            fprintf(stderr, "fp8_gemm_bench: MOERT_BENCH_BLOCK: \"%s\" is not KEY=INTEGER with KEY one of tile_n, "
+                    "stages, pairs, pair_rows, cluster, clusters\n", item);
+            exit(2);
+        }
+        *fields[found] = (int)value;
+    }
+}
+
 static int variant_selected(int v) { return list_names(getenv("MOERT_BENCH_VARIANTS"), variant_names[v]); }
 
 static int variant_is_fp8(int v)
@@ -379,10 +412,13 @@ int main(int argc, char **argv)
     CK(cudaEventCreate(&ev1));
     printf("device: %s, %d SMs; median of %d after %d warm-up calls; %d streams\n", prop.name,
            prop.multiProcessorCount, repeats, warmup, streams);
-    /* how the blockwise kernel runs (MOERT_FP8_BLOCK_CLUSTER / MOERT_FP8_BLOCK_EPILOGUE pick it, for A/B runs) */
+    /* how the blockwise kernel runs (MOERT_BENCH_BLOCK sets it, for A/B runs) */
+    moert_fp8_block_tuning block_tuning;
+    block_tuning_from_env(&block_tuning);
     char block_kernel_mode[384] = "unavailable";
     moert_fp8_block_ctx *probe = NULL;
     if (moert_fp8_block_ctx_create(&bench_host, &probe) == MOERT_OK) {
+        MOK(moert_fp8_block_ctx_tune(probe, &block_tuning));
         moert_fp8_block_ctx_describe(probe, block_kernel_mode, sizeof block_kernel_mode);
         moert_fp8_block_ctx_destroy(probe);
     }
@@ -440,6 +476,7 @@ int main(int argc, char **argv)
                                                i != 1, i == 2 ? 1 : E, 1, 0, 0};
             MOK(moert_fp8_cuda_create(&bench_host, dev0, &cfg, &fp8[i]));
             MOK(moert_fp8_cuda_set_streams(fp8[i], i == 2 ? 1 : streams));
+            MOK(moert_fp8_cuda_set_block_tuning(fp8[i], &block_tuning));
             if (i == 0 || i == 2) MOK(moert_fp8_cuda_set_block_kernel(fp8[i], 1));
         }
         const shape_run run = {s,  K,  N,  E,  R,    streams, counts, dense_counts, counts_device,

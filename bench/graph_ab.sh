@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 6's graph figures: the whole DeepSeek-V3 layer (EP = every visible GPU, bf16) replayed from CUDA graphs (B,
+# CUDA graphs against eager: the whole DeepSeek-V3 layer (EP = every visible GPU, bf16) replayed from CUDA graphs (B,
 # $.parallel.cuda_graph "on") against the same stack run eagerly (A, "off"), at 128, 512 and 4096 tokens per rank,
 # in one call. The stack is the capturable one: router without a loss, dispatcher hybridep (low-latency mode at 128,
 # from its "auto"), precision bf16 with "gemm": "kernel" (moert's grouped GEMM reading the counts on the device).

@@ -1,7 +1,7 @@
 /* The "hybridep" dispatcher's CUDA path on every visible GPU (a thread per GPU, EP = the GPU count), through the plugin
  * as the executor calls it: dispatch and combine of the deepseek-v3 shape (T 4096 tokens per rank, H 7168, top-8 of 256
  * experts, uniform routing, bf16) at 8, 12 and 16 SMs (TMA, then vector copies), "deepep" at 24 SMs in the
- * same run (the issue's reference: its whole call, and its NVLink phase alone with bench_nvlink_only), the floor of a
+ * same run (the reference: its whole call, and its NVLink phase alone with bench_nvlink_only), the floor of a
  * timed call (a 16-byte memset timed alike: launch, events, the ranks' skew), the low-latency mode at T 1, 32, 128 and
  * 256 on every SM, its block count (num_sms) swept at T 1 (8, 32, 128) and T 128 (8, 16, 32, 64, 128), and the normal
  * mode at T 128 beside it; then the low-latency tuning variants (ll_threads, ll_piece, ll_flag, ll_fence: plugin

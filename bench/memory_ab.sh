@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 8's acceptance A/Bs: a stack of 4 DeepSeek-V3 layers, EP4, bf16, against "keep":
+# The memory policies' A/Bs: a stack of 4 DeepSeek-V3 layers, EP4, bf16, against "keep":
 #   recompute of fc1_out and swiglu_out (>= 30% less activation memory at <= 10% step time),
 #   offload of dispatched_x (<= 5% step time; the last layer keeps it: offload_last_layer false).
 # Two runtimes of 4 such layers (28 GB of weights, grads and bf16 copy per layer and rank) do not fit in one

@@ -1,4 +1,4 @@
-/* `moert ab --plot`: a PNG of step time and loss over the steps for both sides, with no library beyond libc. */
+/* `moert ab --plot`: the figure's data as JSON beside the PNG, drawn by tools/ab_plot.py (python3, matplotlib). */
 #ifndef MOERT_AB_PLOT_H
 #define MOERT_AB_PLOT_H
 
@@ -8,16 +8,20 @@
 /* What the plot shows: n steps (1..n) of each side; the first `warmup` are marked as warm-up. */
 typedef struct moert_ab_plot_data {
     int64_t n, warmup;
-    const double *step_ms[2]; /* [n] per side: A, B */
-    const double *loss[2];    /* [n] per side */
-    const char *label[2];     /* legend text per side */
+    const double *step_ms[2];  /* [n] per side: A, B */
+    const double *loss[2];     /* [n] per side */
+    const char *label[2];      /* legend text per side */
+    const char *const *header; /* moert ab's header lines (may be NULL): the title, and its "differs: ..." lines say
+                                  in the legend what B changes */
+    int header_count;
 } moert_ab_plot_data;
 
-/* Draws two panels (step time in ms, loss) into an RGB image and writes it as a PNG to path.
- * Returns 0, or -1 with a message in err. */
+/* Writes the data to the JSON file beside path (FILE.png -> FILE.plot.json) and draws it into path with
+ * `python3 ab_plot.py DATA.json path`. Returns 0, or -1 with a message in err naming what is missing (python3,
+ * matplotlib, the script) and where the data is. */
 int moert_ab_plot_png(const char *path, const moert_ab_plot_data *data, char *err, size_t err_size);
 
-/* Writes an 8-bit RGB image (rows top to bottom, 3 bytes a pixel) as a PNG. Returns 0, or -1 (errno set). */
-int moert_png_write_rgb(const char *path, const uint8_t *rgb, int width, int height);
+/* The data file of a plot path: FILE.png -> FILE.plot.json, any other name gets ".plot.json" appended. */
+void moert_ab_plot_data_path(const char *png_path, char *out, size_t size);
 
 #endif

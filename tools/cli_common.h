@@ -24,6 +24,7 @@ moert_result moert_cli_apply_set(const char *prog, moert_config *cfg, const char
  * (0 ok, 1 the work failed, 2 a usage error). */
 int moert_cmd_run(int argc, char **argv);     /* tools/cmd_run.c */
 int moert_cmd_ab(int argc, char **argv);      /* tools/cmd_ab.c */
+int moert_cmd_env(int argc, char **argv);     /* tools/cmd_env.c */
 int moert_cmd_check(int argc, char **argv);   /* tools/cmd_check.c */
 int moert_cmd_plugins(int argc, char **argv); /* tools/cmd_plugins.c */
 int moert_cmd_config(int argc, char **argv);  /* tools/cmd_config.c */

@@ -35,7 +35,8 @@ static void ab_usage(FILE *f)
             "  --steps N          measured steps (default A's train.steps, at most %d)\n"
             "  --rtol X           relative tolerance of the agreement check (default 1e-3)\n"
             "  --report FILE      write every figure as JSON to FILE and a Markdown table beside it (.md)\n"
-            "  --plot FILE.png    draw step time and loss of both over the steps\n"
+            "  --plot FILE.png    draw step time and loss of both over the steps (python3 with matplotlib;\n"
+            "                     the data goes to FILE.plot.json)\n"
             "  --sequential       run all of A, free it, then all of B: for runs that do not fit in memory\n"
             "                     twice (the figures then lose the interleaving's protection against drift)\n"
             "  --quiet            no progress lines\n",
@@ -897,7 +898,10 @@ int moert_cmd_ab(int argc, char **argv)
             plot.loss[s] = loss;
             plot.label[s] = sides[s].cfg->name;
         }
-        char err[512];
+        const char *header_lines[sizeof header.lines / sizeof header.lines[0]];
+        for (int i = 0; i < header.count; i++) header_lines[i] = header.lines[i];
+        plot.header = header_lines, plot.header_count = header.count; /* the title, and what B changes */
+        char err[1024];
         if (moert_ab_plot_png(plot_path, &plot, err, sizeof err) != 0) {
             fprintf(stderr, PROG ": %s\n", err);
             goto exit;

@@ -12,6 +12,7 @@ static void usage(FILE *f)
             "  run CONFIG [--set KEY=VALUE]...     train the MoE layer stack CONFIG describes\n"
             "  check CONFIG [--set KEY=VALUE]...   load CONFIG and every plugin it names, check all options\n"
             "  plugins [--options]                 list the plugins found (and each plugin's options)\n"
+            "  env                                 the environment variables moert reads, and their values here\n"
             "  ab CONFIG_A CONFIG_B [...]          compare two configs\n"
             "  config --from-megatron FLAGS...     a config from Megatron-LM's MoE flags, on stdout\n"
             "options:\n"
@@ -40,6 +41,7 @@ int main(int argc, char **argv)
     if (!strcmp(command, "run")) return moert_cmd_run(argc - 2, argv + 2);
     if (!strcmp(command, "check")) return moert_cmd_check(argc - 2, argv + 2);
     if (!strcmp(command, "plugins")) return moert_cmd_plugins(argc - 2, argv + 2);
+    if (!strcmp(command, "env")) return moert_cmd_env(argc - 2, argv + 2);
     if (!strcmp(command, "ab")) return moert_cmd_ab(argc - 2, argv + 2);
     if (!strcmp(command, "config")) return moert_cmd_config(argc - 2, argv + 2);
     fprintf(stderr, "moert: unknown command \"%s\"\n", command);

@@ -11,6 +11,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "env.h"
 #include "error.h"
 #include "host.h"
 
@@ -118,7 +119,7 @@ static bool running_build_root(char *out, size_t size)
  * install dir. */
 static void collect_search_dirs(dir_list *l)
 {
-    const char *env = getenv("MOERT_PLUGIN_PATH");
+    const char *env = moert_env_get(MOERT_ENV_PLUGIN_PATH);
     if (env && *env) {
         char *copy = strdup(env);
         char *save = NULL;

@@ -1,6 +1,7 @@
 /* Core logging: lines "moert[level] who: message" on stderr, filtered by MOERT_LOG. */
 #include "log.h"
 
+#include "env.h"
 #include "moert/moert.h"
 
 #include <pthread.h>
@@ -26,10 +27,13 @@ MOERT_API void moert_set_log_callback(moert_log_fn fn, void *user)
 }
 static pthread_once_t level_once = PTHREAD_ONCE_INIT;
 
-/* Reads MOERT_LOG once; an unknown value keeps the default (warn). */
+static void emit(moert_log_level level, const char *who, const char *text);
+
+/* Reads MOERT_LOG once (raw: the logged read would log through here). An unknown value keeps the default (warn) and
+ * says so, whatever the level. */
 static void read_level_from_env(void)
 {
-    const char *env = getenv("MOERT_LOG");
+    const char *env = moert_env_raw(MOERT_ENV_LOG);
     if (!env || !*env) return;
     for (int i = 0; i < 4; i++) {
         if (strcasecmp(env, level_names[i]) == 0) {
@@ -37,7 +41,13 @@ static void read_level_from_env(void)
             return;
         }
     }
-    if (strcasecmp(env, "warning") == 0) current_level = MOERT_LOG_WARN;
+    if (strcasecmp(env, "warning") == 0) {
+        current_level = MOERT_LOG_WARN;
+        return;
+    }
+    char text[256];
+    snprintf(text, sizeof text, "MOERT_LOG=%.64s: expected error, warn, info or debug; logging at warn", env);
+    emit(MOERT_LOG_WARN, "core", text);
 }
 
 /* The level in force: messages above it are dropped. */
@@ -55,6 +65,12 @@ void moert_logv(moert_log_level level, const char *who, const char *fmt, va_list
     vsnprintf(text, sizeof text, fmt, ap);
     size_t n = strlen(text);
     while (n > 0 && text[n - 1] == '\n') text[--n] = '\0';
+    emit(level, who, text);
+}
+
+/* Hands one line to the callback, or writes it on stderr, whatever the level in force. */
+static void emit(moert_log_level level, const char *who, const char *text)
+{
     const char *name = (level >= MOERT_LOG_ERROR && level <= MOERT_LOG_DEBUG) ? level_names[level] : "log";
     pthread_mutex_lock(&log_callback_lock);
     moert_log_fn fn = log_callback;

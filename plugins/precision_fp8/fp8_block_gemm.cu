@@ -12,7 +12,7 @@
  * CTAs run in clusters of two (by default) on neighbouring SMs, and share one operand tile by TMA multicast:
  * - 128x128 tiles: the pair takes column blocks 2j and 2j+1 of the same row block; each CTA loads half of the shared
  *   A tile and multicasts it to both (24 KB from L2 per k-block and tile instead of 32).
- * - Wide tiles (since session 16): the pair takes row blocks 2p and 2p+1 of the same 256-column block; each CTA
+ * - Wide tiles: the pair takes row blocks 2p and 2p+1 of the same 256-column block; each CTA
  *   loads its own A and half of the shared 32 KB B tile, multicast to both (32 KB per k-block and tile instead of
  *   40; both CTAs read the expert's weights in step). A group's odd last row block pairs along N as above.
  *   fc1's forward ran 6% faster for it.
@@ -101,15 +101,16 @@ typedef struct kernel_args {
 struct moert_fp8_block_ctx {
     const moert_host *host;
     PFN_cuTensorMapEncodeTiled_v12000 encode;
-    int sm_count;     /* the persistent grid without clusters: one CTA per SM */
-    int max_clusters; /* clusters of two that fit at once */
-    int cluster;      /* 1 or 2 (MOERT_FP8_BLOCK_CLUSTER) */
-    int staged;       /* TMA epilogue (MOERT_FP8_BLOCK_EPILOGUE=registers turns it off) */
-    int stages_set, sets_set; /* MOERT_FP8_BLOCK_STAGES / _SETS (tuning), 0: the defaults (ring_for) */
-    int pairs;        /* kernel_args.pairs (MOERT_FP8_BLOCK_PAIRS, tuning; default 2) */
-    int tile_n;       /* the forward form's output tile columns with bf16 D: TILE or WIDE_N
-                         (moert_fp8_block_ctx_set_tile_n, MOERT_FP8_BLOCK_TILE_N) */
-    int pair_rows;    /* kernel_args.pair_rows where it applies (MOERT_FP8_BLOCK_PAIR_ROWS=0|1) */
+    int sm_count;     /* SMs of the device: the persistent grid without clusters is one CTA per SM */
+    int fit_clusters; /* clusters of two that fit at once (0: none) */
+    int max_ctas;     /* the resident CTAs a call launches without clusters (tuning.clusters caps it) */
+    int max_clusters; /* the resident clusters a call launches with them (tuning.clusters caps it) */
+    int cluster;      /* 1 or 2 (tuning.cluster, or moert_fp8_block_ctx_configure) */
+    int staged;       /* TMA epilogue (moert_fp8_block_ctx_configure turns it off) */
+    int stages_set;   /* tuning.stages: at most this many stages; 0: as many as fit (ring_for) */
+    int pairs;        /* kernel_args.pairs (tuning.pairs, default 2) */
+    int tile_n;       /* the forward form's output tile columns with bf16 D: TILE or WIDE_N (tuning.tile_n) */
+    int pair_rows;    /* kernel_args.pair_rows where it applies (tuning.pair_rows) */
     size_t smem_max;  /* the device's shared memory per block (opt-in) */
     size_t slot_bytes;
     void *pinned[SLOTS];
@@ -347,7 +348,7 @@ __device__ __forceinline__ void epilogue_dma(const kernel_args &args, int rank, 
  * accumulating; then the warps announce the set to the epilogue warp. One instance per D type and mode, picked once
  * per tile by stage_tile: testing both at every value, the unrolled loop branched 64 times a tile and stalled on
  * instruction fetch, and the wgrad form (a few k-blocks a tile) spent a quarter of its consumers' time here
- * (session 12 profile). */
+ * (profiled). */
 template <int D_BF16, int ACCUMULATE, int NJ>
 __device__ __forceinline__ void stage_tile_as(const float *acc, uint8_t *boxes, uint64_t *d_ready,
                                               uint32_t ready_phase, uint64_t *d_staged)
@@ -398,7 +399,7 @@ __device__ __forceinline__ void stage_tile(const kernel_args &args, const float 
 
 /* The producer is two warps, so that one k-block's loads are issued well within the time its wgmma take: one warp
  * issuing both tiles' TMA loads and the factor copies was the kernel's bound (about 1000 cycles a k-block, measured
- * in session 11; a TMA issue alone costs some 15 instructions of uniform-register moves).
+ * with Nsight Compute's source counters; a TMA issue alone costs some 15 instructions of uniform-register moves).
  *
  * produce_a (warp 0, lane 0 alone): per tile and k-block, waits until the stage is free in every CTA of the cluster,
  * announces A's bytes on the stage's full barrier and loads A: its half, multicast to the pair (without a cluster,
@@ -747,7 +748,7 @@ __device__ __forceinline__ void consume_wide(const kernel_args &args, int rank, 
  * epilogue barriers. C is a template parameter rather than a value computed from threadIdx, so that ptxas knows it is
  * the same in the whole warp and computes the stages' wgmma descriptors in uniform registers. From threadIdx, every
  * descriptor went through R2UR moves and 64-bit adds (some 70 instructions between a stage's arrival and its first
- * wgmma, 270 per k-block in the wide form instead of 201), and every pass ran 3-6% slower (session 17). */
+ * wgmma, 270 per k-block in the wide form instead of 201), and every pass ran 3-6% slower (DESIGN.md). */
 template <int A_FMT, int B_FMT, int B_PER_ROW, int WIDE, int C>
 __device__ __forceinline__ void consumer(const kernel_args &args, int rank, const uint8_t *a_tiles,
                                          const uint8_t *b_tiles, const float *a_factors, const float *b_factors,
@@ -849,13 +850,13 @@ static kernel_fn kernel_for(int a_format, int b_format, int b_per_row, int wide)
     return NULL;
 }
 
-/* The ring's depth and the staged output sets of a call with tiles tile_n columns wide: by default two bf16 sets of
- * 128 x 128 (64 KB, the next tile's set ready while this one is stored), one of 128 x WIDE_N (64 KB) or one fp32
- * set (64 KB), and as many stages as then fit (four of 32 KB, three of 48 KB); without the TMA epilogue no sets.
- * MOERT_FP8_BLOCK_STAGES / _SETS override them within the shared memory. */
+/* The ring's depth and the staged output sets of a call with tiles tile_n columns wide: two bf16 sets of 128 x 128
+ * (64 KB, the next tile's set ready while this one is stored), one of 128 x WIDE_N (64 KB) or one fp32 set (64 KB),
+ * and as many stages as then fit (four of 32 KB, three of 48 KB), at most tuning.stages; without the TMA epilogue no
+ * sets. */
 static void ring_for(const moert_fp8_block_ctx *ctx, int d_bf16, int tile_n, int *stages, int *sets)
 {
-    *sets = !ctx->staged ? 0 : ctx->sets_set ? ctx->sets_set : d_bf16 && tile_n == TILE ? 2 : 1;
+    *sets = !ctx->staged ? 0 : d_bf16 && tile_n == TILE ? 2 : 1;
     *stages = ctx->stages_set ? ctx->stages_set : 16;
     while (*stages > 2 && smem_bytes(d_bf16, tile_n, *stages, *sets) > ctx->smem_max) (*stages)--;
     if (smem_bytes(d_bf16, tile_n, *stages, *sets) > ctx->smem_max) *sets = 1;
@@ -866,27 +867,6 @@ static void ring_for(const moert_fp8_block_ctx *ctx, int d_bf16, int tile_n, int
 static int tile_n_for(const moert_fp8_block_ctx *ctx, const moert_fp8_block_gemm *gm)
 {
     return ctx->tile_n == WIDE_N && !gm->b_per_row && gm->d_bf16 && !gm->accumulate ? WIDE_N : TILE;
-}
-
-/* The cluster size and epilogue from the environment (tuning and A/B runs): MOERT_FP8_BLOCK_CLUSTER=1|2,
- * MOERT_FP8_BLOCK_EPILOGUE=tma|registers. Anything else keeps the default (2, tma). */
-static void options_from_env(moert_fp8_block_ctx *ctx)
-{
-    const char *cluster = getenv("MOERT_FP8_BLOCK_CLUSTER"), *epilogue = getenv("MOERT_FP8_BLOCK_EPILOGUE");
-    if (cluster && strcmp(cluster, "1") == 0) ctx->cluster = 1;
-    if (epilogue && strcmp(epilogue, "registers") == 0) ctx->staged = 0;
-    const char *stages = getenv("MOERT_FP8_BLOCK_STAGES"), *sets = getenv("MOERT_FP8_BLOCK_SETS");
-    if (stages && atoi(stages) >= 2) ctx->stages_set = atoi(stages);
-    if (sets && (atoi(sets) == 1 || atoi(sets) == 2)) ctx->sets_set = atoi(sets);
-    const char *pairs = getenv("MOERT_FP8_BLOCK_PAIRS");
-    if (pairs && (strcmp(pairs, "0") == 0 || strcmp(pairs, "1") == 0 || strcmp(pairs, "2") == 0))
-        ctx->pairs = atoi(pairs);
-    const char *tile_n = getenv("MOERT_FP8_BLOCK_TILE_N");
-    if (tile_n && (atoi(tile_n) == TILE || atoi(tile_n) == WIDE_N)) ctx->tile_n = atoi(tile_n);
-    const char *pair_rows = getenv("MOERT_FP8_BLOCK_PAIR_ROWS");
-    if (pair_rows && strcmp(pair_rows, "0") == 0) ctx->pair_rows = 0;
-    const char *grid = getenv("MOERT_FP8_BLOCK_CLUSTERS"); /* tuning: fewer resident clusters */
-    if (grid && atoi(grid) > 0 && atoi(grid) < ctx->max_clusters) ctx->max_clusters = atoi(grid);
 }
 
 extern "C" moert_result moert_fp8_block_ctx_create(const moert_host *host, moert_fp8_block_ctx **out)
@@ -934,15 +914,12 @@ extern "C" moert_result moert_fp8_block_ctx_create(const moert_host *host, moert
     ctx->host = host;
     ctx->encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
     ctx->sm_count = sm_count > 0 ? sm_count : 1;
-    ctx->max_clusters = max_clusters < sm_count / MAX_CLUSTER ? max_clusters : sm_count / MAX_CLUSTER;
-    ctx->cluster = max_clusters > 0 ? MAX_CLUSTER : 1;
+    ctx->fit_clusters = max_clusters < sm_count / MAX_CLUSTER ? max_clusters : sm_count / MAX_CLUSTER;
+    if (ctx->fit_clusters < 0) ctx->fit_clusters = 0;
     ctx->staged = 1;
-    ctx->pairs = 2;
-    ctx->tile_n = WIDE_N;
-    ctx->pair_rows = 1;
     ctx->smem_max = smem_max;
-    options_from_env(ctx);
-    if (max_clusters < 1) ctx->cluster = 1;
+    const moert_fp8_block_tuning defaults = moert_fp8_block_tuning_default();
+    (void)moert_fp8_block_ctx_tune(ctx, &defaults); /* in range by construction */
     for (int i = 0; i < SLOTS; i++) {
         cudaError_t err = cudaEventCreateWithFlags(&ctx->done[i], cudaEventDisableTiming);
         if (err != cudaSuccess) {
@@ -958,10 +935,40 @@ extern "C" moert_result moert_fp8_block_ctx_configure(moert_fp8_block_ctx *ctx, 
 {
     if (cluster != 1 && cluster != 2)
         return report(ctx->host, MOERT_ERR_INVALID_ARGUMENT, "fp8 block gemm: cluster size %d (1 or 2)", cluster);
-    if (cluster == 2 && ctx->max_clusters < 1)
+    if (cluster == 2 && ctx->fit_clusters < 1)
         return report(ctx->host, MOERT_ERR_UNSUPPORTED, "fp8 block gemm: no cluster of two CTAs fits on this GPU");
     ctx->cluster = cluster;
     ctx->staged = staged_epilogue != 0;
+    return MOERT_OK;
+}
+
+extern "C" moert_result moert_fp8_block_ctx_tune(moert_fp8_block_ctx *ctx, const moert_fp8_block_tuning *t)
+{
+    const moert_host *host = ctx->host;
+    if (t->tile_n != TILE && t->tile_n != WIDE_N)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "fp8 block gemm: output tile of %d columns (%d or %d)",
+                      t->tile_n, TILE, WIDE_N);
+    if (t->stages != 0 && (t->stages < 2 || t->stages > 16))
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "fp8 block gemm: %d stages (2 to 16, or 0: as many as fit)",
+                      t->stages);
+    if (t->pairs < 0 || t->pairs > 2)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "fp8 block gemm: pairs mode %d (0, 1 or 2)", t->pairs);
+    if (t->cluster < 0 || t->cluster > 2)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "fp8 block gemm: cluster size %d (1 or 2; 0: 2 where it fits)",
+                      t->cluster);
+    if (t->cluster == 2 && ctx->fit_clusters < 1)
+        return report(host, MOERT_ERR_UNSUPPORTED, "fp8 block gemm: no cluster of two CTAs fits on this GPU "
+                      "($.precision.block_cluster 2; 0 takes pairs only where they fit)");
+    if (t->clusters < 0)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "fp8 block gemm: %d resident clusters", t->clusters);
+    ctx->tile_n = t->tile_n;
+    ctx->stages_set = t->stages;
+    ctx->pairs = t->pairs;
+    ctx->pair_rows = t->pair_rows != 0;
+    ctx->cluster = t->cluster ? t->cluster : ctx->fit_clusters > 0 ? MAX_CLUSTER : 1;
+    /* a cap above what fits is no cap: the grid never exceeds what is resident at once */
+    ctx->max_clusters = t->clusters > 0 && t->clusters < ctx->fit_clusters ? t->clusters : ctx->fit_clusters;
+    ctx->max_ctas = t->clusters > 0 && t->clusters < ctx->sm_count ? t->clusters : ctx->sm_count;
     return MOERT_OK;
 }
 
@@ -994,7 +1001,7 @@ extern "C" void moert_fp8_block_ctx_describe(const moert_fp8_block_ctx *ctx, cha
                  ctx->pair_rows && ctx->tile_n == WIDE_N ? "B (wide tiles) or A" : "A",
                  ctx->staged ? "TMA" : "register", ring);
     else
-        snprintf(buf, size, "%d CTAs, no clusters, %s epilogue, %s", ctx->sm_count, ctx->staged ? "TMA" : "register",
+        snprintf(buf, size, "%d CTAs, no clusters, %s epilogue, %s", ctx->max_ctas, ctx->staged ? "TMA" : "register",
                  ring);
 }
 
@@ -1189,7 +1196,7 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
     args.pair_rows = pair_rows;
     ring_for(ctx, args.d_bf16, tile_n, &args.stages, &args.out_sets);
     args.pairs = ctx->pairs;
-    const int64_t resident = cluster > 1 ? ctx->max_clusters : ctx->sm_count;
+    const int64_t resident = cluster > 1 ? ctx->max_clusters : ctx->max_ctas;
     const int64_t grid = (units < resident ? units : resident) * cluster;
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr = {};

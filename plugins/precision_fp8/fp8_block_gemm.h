@@ -25,6 +25,7 @@
 #include <stdint.h>
 
 #include "moert/plugin.h"
+#include "fp8_block_tuning.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -68,21 +69,25 @@ typedef struct moert_fp8_block_ctx moert_fp8_block_ctx;
 moert_result moert_fp8_block_ctx_create(const moert_host *host, moert_fp8_block_ctx **out);
 void moert_fp8_block_ctx_destroy(moert_fp8_block_ctx *ctx);
 
-/* How the kernel runs (defaults: clusters of 2 where they fit, TMA epilogue; the environment's
- * MOERT_FP8_BLOCK_CLUSTER=1 and MOERT_FP8_BLOCK_EPILOGUE=registers change the defaults of new contexts, and
- * MOERT_FP8_BLOCK_STAGES=N, MOERT_FP8_BLOCK_SETS=1|2 and MOERT_FP8_BLOCK_PAIRS=0|1|2 tune the stage ring, the staged
- * output sets and the forward form's main loop, see docs/plugins/precision_fp8.md):
- *   cluster 2: CTA pairs share an operand tile through TMA multicast: neighbouring column blocks share A
- *              (128x128 tiles, and a group's odd last row block), neighbouring row blocks share B (128x256 tiles;
- *              MOERT_FP8_BLOCK_PAIR_ROWS=0 pairs those along N too); 1: every CTA loads its own.
- *   staged_epilogue 1: D is stored or added by TMA from shared memory; 0: from registers.
- * MOERT_ERR_INVALID_ARGUMENT for another cluster size, MOERT_ERR_UNSUPPORTED for 2 where no pair fits. */
+/* Sets how the kernel runs (fp8_block_tuning.h; a new context runs moert_fp8_block_tuning_default(), with single
+ * CTAs where no pair fits):
+ *   tile_n: the output tile of the forward form (b_per_row 0) when it writes bf16 D without adding: 128 x 128 or
+ *           128 x 256 (half the shared-memory and L2 traffic per FLOP for B, three stages of the ring instead of
+ *           four). Other calls always run 128 x 128 tiles.
+ *   cluster 2: CTA pairs share an operand tile through TMA multicast: neighbouring column blocks share A (128x128
+ *           tiles, and a group's odd last row block), neighbouring row blocks share B (128x256 tiles; pair_rows 0
+ *           pairs those along N too); 1: every CTA loads its own; 0: 2 where a pair fits, else 1.
+ *   stages, pairs, clusters: the ring's depth cap, the forward form's main loop, the resident clusters' cap.
+ * MOERT_ERR_INVALID_ARGUMENT for a value out of range, MOERT_ERR_UNSUPPORTED for cluster 2 where no pair fits; the
+ * context is unchanged then. */
+moert_result moert_fp8_block_ctx_tune(moert_fp8_block_ctx *ctx, const moert_fp8_block_tuning *tuning);
+
+/* The cluster size as in tuning.cluster, and the epilogue (tests): staged_epilogue 1: D is stored or added by TMA
+ * from shared memory (the default); 0: from registers, no output sets. MOERT_ERR_INVALID_ARGUMENT for another
+ * cluster size, MOERT_ERR_UNSUPPORTED for 2 where no pair fits. */
 moert_result moert_fp8_block_ctx_configure(moert_fp8_block_ctx *ctx, int cluster, int staged_epilogue);
 
-/* The output tile of the forward form (b_per_row 0) when it writes bf16 D without adding: 128 x 128 (tile_n 128) or
- * 128 x 256 (tile_n 256: half the shared-memory and L2 traffic per FLOP for B, three stages of the ring instead of
- * four). Other calls always run 128 x 128 tiles. MOERT_FP8_BLOCK_TILE_N=128|256 sets a new context's default.
- * MOERT_ERR_INVALID_ARGUMENT for another width. */
+/* tuning.tile_n alone (tests): 128 or 256, else MOERT_ERR_INVALID_ARGUMENT. */
 moert_result moert_fp8_block_ctx_set_tile_n(moert_fp8_block_ctx *ctx, int tile_n);
 
 /* A line naming the configuration above and the stage ring, for reports ("66 clusters of 2 CTAs (A multicast), TMA

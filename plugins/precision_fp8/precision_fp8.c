@@ -10,6 +10,7 @@
 
 #include "moert/precision.h"
 #include "precision_fp8_cpu.h"
+#include "fp8_block_tuning.h"
 #include "../common/plugin_report.h"
 #include "../precision_bf16/precision_bf16_cpu.h"
 #ifdef MOERT_HAVE_CUDA
@@ -32,6 +33,7 @@ typedef struct fp8_ctx {
     int gemm_engine;           /* option "gemm": GEMM_AUTO, GEMM_CUBLASLT, GEMM_KERNEL */
     bool fp8_wgrad;            /* option "fp8_wgrad": false runs WGRAD on the bf16 plugin's GEMMs, unquantized */
     bf16_scratch wgrad_scratch; /* their CPU reference's work buffers */
+    moert_fp8_block_tuning block_tuning; /* options "block_*": how the wgmma kernel runs (CUDA, blockwise) */
 #ifdef MOERT_HAVE_CUDA
     moert_fp8_cuda *gemm;      /* quantize kernels, FP8 weight copies, cuBLASLt handle */
     moert_bf16_cuda *wgrad_gemm; /* "fp8_wgrad": false on CUDA: the bf16 plugin's cuBLASLt loop */
@@ -114,6 +116,60 @@ static moert_result read_options(const moert_host *host, fp8_settings *s, int *s
     return MOERT_OK;
 }
 
+/* Reads the "block_*" options into t: how moert's blockwise wgmma kernel runs ("gemm": "kernel" or "auto" on compute
+ * capability 9.0). Tuning for a new GPU or an A/B of one kernel change (`moert ab --set-b precision.block_tile_n=128`);
+ * the defaults are what measured fastest on H100 and H200. Read on every device and recipe, so each key is known; they
+ * change nothing where the kernel does not run. */
+static moert_result read_block_tuning(const moert_host *host, moert_fp8_block_tuning *t)
+{
+    *t = moert_fp8_block_tuning_default();
+    int64_t tile_n = t->tile_n, stages = t->stages, pairs = t->pairs, cluster = t->cluster, clusters = t->clusters;
+    bool pair_rows = t->pair_rows != 0;
+    moert_result rc = host->option_int(host, "block_tile_n", tile_n, 128, 256,
+                                       "CUDA kernel: output tile columns of the forward and dgrad GEMMs writing bf16: "
+                                       "128 or 256 (a third less shared-memory and L2 traffic per FLOP)",
+                                       &tile_n);
+    if (rc != MOERT_OK) return rc;
+    if (tile_n != 128 && tile_n != 256)
+        return report(host, MOERT_ERR_CONFIG, "config error at $.precision.block_tile_n: got %lld, expected 128 or 256",
+                      (long long)tile_n);
+    rc = host->option_int(host, "block_stages", stages, 0, 16,
+                          "CUDA kernel: at most this many stages in the operand ring (2 or more; 0: as many as fit "
+                          "in shared memory)",
+                          &stages);
+    if (rc != MOERT_OK) return rc;
+    if (stages == 1)
+        return report(host, MOERT_ERR_CONFIG, "config error at $.precision.block_stages: got 1, expected 0 (as many as "
+                      "fit) or 2 to 16");
+    rc = host->option_int(host, "block_pairs", pairs, 0, 2,
+                          "CUDA kernel, forward form: 0 one k-block at a time, 1 k-blocks in pairs (the second's wgmma "
+                          "run while the first is promoted), 2 pairs with the second warpgroup one block out of step",
+                          &pairs);
+    if (rc != MOERT_OK) return rc;
+    rc = host->option_bool(host, "block_pair_rows", pair_rows,
+                           "CUDA kernel, 128x256 tiles in CTA pairs: true pairs row blocks sharing the weight tile (B "
+                           "multicast), false pairs column blocks sharing the activation tile (A multicast)",
+                           &pair_rows);
+    if (rc != MOERT_OK) return rc;
+    rc = host->option_int(host, "block_cluster", cluster, 0, 2,
+                          "CUDA kernel: 2 CTA pairs sharing a tile by TMA multicast, 1 single CTAs, 0 pairs where "
+                          "they fit on the GPU",
+                          &cluster);
+    if (rc != MOERT_OK) return rc;
+    rc = host->option_int(host, "block_clusters", clusters, 0, 1 << 16,
+                          "CUDA kernel: at most this many resident clusters (CTAs with block_cluster 1), to measure "
+                          "how the GEMMs scale with SMs; 0: as many as fit",
+                          &clusters);
+    if (rc != MOERT_OK) return rc;
+    t->tile_n = (int)tile_n;
+    t->stages = (int)stages;
+    t->pairs = (int)pairs;
+    t->pair_rows = pair_rows;
+    t->cluster = (int)cluster;
+    t->clusters = (int)clusters;
+    return MOERT_OK;
+}
+
 #ifdef MOERT_HAVE_CUDA
 /*
  * The CUDA path's state: checks the activation dtype (bf16 or fp32) and the sizes (cuBLASLt FP8 needs leading
@@ -172,9 +228,10 @@ static moert_result cuda_init(fp8_ctx *c)
     };
     rc = moert_fp8_cuda_create(h, l->device, &cfg, &c->gemm);
     if (rc == MOERT_OK) rc = moert_fp8_cuda_set_streams(c->gemm, c->gemm_streams);
+    if (rc == MOERT_OK) rc = moert_fp8_cuda_set_block_tuning(c->gemm, &c->block_tuning);
     /* blockwise GEMMs on the wgmma kernel: every pass when asked; with "auto", where it measured faster than
      * cuBLASLt (forward, dgrad, a wgrad that adds to grad_weight), and a wgrad that overwrites it (a step's first
-     * micro-batch) on cuBLASLt, which measured faster there (session 12, see docs/plugins/precision_fp8.md); the
+     * micro-batch) on cuBLASLt, which measured faster there (DESIGN.md, "Which engine serves which pass"); the
      * kernel's code is sm_90a */
     const bool hopper = prop.major == 9 && prop.minor == 0;
     if (rc == MOERT_OK && s->recipe == FP8_RECIPE_BLOCKWISE && c->gemm_engine == GEMM_KERNEL && !hopper)
@@ -184,6 +241,19 @@ static moert_result cuda_init(fp8_ctx *c)
         rc = moert_fp8_cuda_set_block_kernel(c->gemm, 1);
     if (rc == MOERT_OK && s->recipe == FP8_RECIPE_BLOCKWISE && c->gemm_engine == GEMM_AUTO && hopper)
         rc = moert_fp8_cuda_set_block_kernel(c->gemm, 2);
+    if (rc == MOERT_OK && s->recipe == FP8_RECIPE_BLOCKWISE) {
+        char how[384];
+        moert_fp8_cuda_describe_block_kernel(c->gemm, how, sizeof how);
+        h->log(h, MOERT_LOG_DEBUG, "fp8 blockwise GEMMs on %s: %s", dev, how);
+    }
+    /* tuning the kernel where it does not run is said, not ignored in silence */
+    const moert_fp8_block_tuning defaults = moert_fp8_block_tuning_default();
+    const bool kernel_runs = s->recipe == FP8_RECIPE_BLOCKWISE &&
+                             (c->gemm_engine == GEMM_KERNEL || (c->gemm_engine == GEMM_AUTO && hopper));
+    if (rc == MOERT_OK && !kernel_runs && memcmp(&defaults, &c->block_tuning, sizeof defaults) != 0)
+        h->log(h, MOERT_LOG_WARN, "$.precision.block_*: set, but the wgmma kernel does not run here (recipe %s, gemm "
+               "%s, %s %d.%d): they change nothing", recipe_choices[s->recipe], gemm_choices[c->gemm_engine], dev,
+               prop.major, prop.minor);
     /* every matmul of the recipe exists in this cuBLASLt (weight gradients accumulate in fp32, as the executor's;
      * with "fp8_wgrad": false they are the bf16 GEMMs', not asked) */
     if (rc == MOERT_OK)
@@ -220,6 +290,9 @@ static moert_result fp8_init(void **out, const moert_host *host, const moert_lay
     bool fp8_wgrad = true;
     moert_result rc = read_options(host, &settings, &streams, &engine, &fp8_wgrad);
     if (rc != MOERT_OK) return rc;
+    moert_fp8_block_tuning block_tuning;
+    rc = read_block_tuning(host, &block_tuning);
+    if (rc != MOERT_OK) return rc;
     if (engine == GEMM_KERNEL && settings.recipe != FP8_RECIPE_BLOCKWISE) {
         host->set_error(host, "$.precision.gemm: \"kernel\" serves the blockwise recipe only (recipe is \"%s\"); "
                         "use \"auto\" or \"cublaslt\"", recipe_choices[settings.recipe]);
@@ -237,6 +310,7 @@ static moert_result fp8_init(void **out, const moert_host *host, const moert_lay
     c->gemm_streams = streams;
     c->gemm_engine = engine;
     c->fp8_wgrad = fp8_wgrad;
+    c->block_tuning = block_tuning;
     if (settings.recipe == FP8_RECIPE_DELAYED && !c->on_cuda &&
         !fp8_delayed_init(&c->delayed, layer->num_local_experts, settings.amax_history_len)) {
         fp8_finalize(c);

@@ -352,7 +352,7 @@ __global__ void __launch_bounds__(256)
  * step: four 256-column quarters, one 16-byte load (8 values) per lane in each, all four issued before any is
  * quantized, then a half-warp per 128-column tile and one 8-byte store per lane. On H200 the deepseek-v3 fc1 input
  * (32844 x 7168) takes 245 us against block_rows_kernel's 300 (61% of DRAM bandwidth against 48%); eight quarters in
- * flight were slower (258 us: 76 registers, fewer warps). Session 13, docs/plugins/precision_fp8.md.
+ * flight were slower (258 us: 76 registers, fewer warps). See DESIGN.md, "The quantizers".
  */
 __global__ void __launch_bounds__(256)
     block_rows_wide_kernel(const mat_table t, const __nv_bfloat16 *__restrict__ src, int64_t cols,
@@ -740,7 +740,7 @@ struct moert_fp8_cuda {
     moert_fp8_cuda_config cfg;
     int vec_layout, blk_layout;
     int quantize_only; /* benchmarks: no matmuls */
-    int rows_narrow;   /* MOERT_FP8_ROW_QUANTIZER=narrow (A/B runs): block_rows_kernel even where the wide one fits */
+    moert_fp8_block_tuning block_tuning; /* how the wgmma kernel runs (moert_fp8_cuda_set_block_tuning) */
     int64_t wgrad_align; /* blockwise WGRAD: rows padded to 16 or 128 (0: not asked yet) */
     int64_t worst_rows;  /* the current GEMM's most padded rows (capacity + (align - 1) * E); 0: capacity unknown */
     int blk_order;       /* blockwise FORWARD/DGRAD: BLK_ORDER_* (see choose_blk_order) */
@@ -922,8 +922,7 @@ extern "C" moert_result moert_fp8_cuda_create(const moert_host *host, moert_devi
     moert_fp8_cuda *g = (moert_fp8_cuda *)calloc(1, sizeof *g);
     if (!g) return report(host, MOERT_ERR_OUT_OF_MEMORY, "fp8 cuda: out of host memory for the handle");
     g->host = host;
-    const char *rows = getenv("MOERT_FP8_ROW_QUANTIZER");
-    g->rows_narrow = rows && strcmp(rows, "narrow") == 0;
+    g->block_tuning = moert_fp8_block_tuning_default();
     g->device = device;
     g->cfg = *cfg;
     g->streams = 1;
@@ -978,7 +977,30 @@ extern "C" moert_result moert_fp8_cuda_set_block_kernel(moert_fp8_cuda *g, int o
         return report(g->host, MOERT_ERR_UNSUPPORTED, "the FP8 GEMM kernel reads the default scale layouts only");
     g->block_wgrad = on == 1;
     if (g->block) return MOERT_OK;
-    return moert_fp8_block_ctx_create(g->host, &g->block);
+    moert_result rc = moert_fp8_block_ctx_create(g->host, &g->block);
+    if (rc == MOERT_OK) rc = moert_fp8_block_ctx_tune(g->block, &g->block_tuning);
+    if (rc != MOERT_OK) {
+        moert_fp8_block_ctx_destroy(g->block);
+        g->block = NULL;
+    }
+    return rc;
+}
+
+/* How the wgmma kernel runs: kept for a kernel context made later, applied at once to one that exists. */
+extern "C" moert_result moert_fp8_cuda_set_block_tuning(moert_fp8_cuda *g, const moert_fp8_block_tuning *tuning)
+{
+    if (g->block) MOK(moert_fp8_block_ctx_tune(g->block, tuning));
+    g->block_tuning = *tuning;
+    return MOERT_OK;
+}
+
+/* The wgmma kernel's configuration in words (moert_fp8_block_ctx_describe); "cuBLASLt" when it serves no pass. */
+extern "C" void moert_fp8_cuda_describe_block_kernel(const moert_fp8_cuda *g, char *buf, size_t size)
+{
+    if (g->block)
+        moert_fp8_block_ctx_describe(g->block, buf, size);
+    else
+        snprintf(buf, size, "cuBLASLt");
 }
 
 /* Sets the matmul lanes; creates the missing streams and events, grows the workspace. */
@@ -1121,7 +1143,8 @@ typedef struct act_target {
 template <typename T>
 static bool rows_wide_ok(const moert_fp8_cuda *g, const T *src, int64_t cols)
 {
-    return sizeof(T) == 2 && !g->rows_narrow && cols % 8 == 0 && (uintptr_t)src % 16 == 0;
+    (void)g;
+    return sizeof(T) == 2 && cols % 8 == 0 && (uintptr_t)src % 16 == 0;
 }
 
 template <typename T>

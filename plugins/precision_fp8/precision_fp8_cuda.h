@@ -41,6 +41,7 @@
 #include <cuda_runtime.h>
 
 #include "moert/precision.h"
+#include "fp8_block_tuning.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -99,6 +100,14 @@ moert_result moert_fp8_cuda_check_support(moert_fp8_cuda *g, int64_t hidden, int
  * either way; WGRAD's rows are padded to 16 (the kernel takes a reduction that ends inside a block).
  */
 moert_result moert_fp8_cuda_set_block_kernel(moert_fp8_cuda *g, int on);
+
+/* How the wgmma kernel runs (fp8_block_tuning.h; the plugin's "block_*" options): kept for the kernel's context when
+ * set_block_kernel makes it, applied at once when it exists. An error from moert_fp8_block_ctx_tune leaves it as it
+ * was. */
+moert_result moert_fp8_cuda_set_block_tuning(moert_fp8_cuda *g, const moert_fp8_block_tuning *tuning);
+
+/* A line saying how the wgmma kernel runs (moert_fp8_block_ctx_describe), or "cuBLASLt" when it serves no pass. */
+void moert_fp8_cuda_describe_block_kernel(const moert_fp8_cuda *g, char *buf, size_t size);
 
 /* Streams the per-expert matmuls are spread over (1: the caller's only; at most MOERT_FP8_CUDA_MAX_STREAMS). */
 moert_result moert_fp8_cuda_set_streams(moert_fp8_cuda *g, int streams);

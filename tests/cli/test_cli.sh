@@ -58,6 +58,24 @@ expect_match plugins_options out "^  reason +string +it is a test fixture +- +wh
 expect_match plugins_options out "^  fail +bool +true +true\|false +refuse to start$"
 run plugins_bad 2 plugins --bogus
 
+# env: the registry's variables with their values here; a retired knob is named with what replaced it, and warned
+# about when the library starts
+MOERT_LOG=info MOERT_FP8_BLOCK_TILE_N=128 run env 0 env
+expect_line env out "moert reads:"
+expect_line env out "  MOERT_LOG=info"
+expect_line env out "  MOERT_BOOTSTRAP_PORT unset (default: MASTER_PORT)"
+expect_match env out "^  NCCL_NVLS_ENABLE"
+expect_line env out '  MOERT_FP8_BLOCK_TILE_N: no longer read; use the fp8 precision option "block_tile_n"'
+run env_bad 2 env --bogus
+expect_line env_bad err 'moert env: unknown argument "--bogus"'
+MOERT_LOG=info MOERT_FP8_BLOCK_TILE_N=128 run env_logged 0 check "$src/configs/demo-cpu.json"
+expect_line env_logged err "moert[info] core: environment: MOERT_LOG=info"
+expect_line env_logged err 'moert[warn] core: environment: MOERT_FP8_BLOCK_TILE_N is set but no longer read; use the fp8 precision option "block_tile_n"'
+MOERT_LOG=loud run env_log_bad 0 check "$src/configs/demo-cpu.json"
+expect_line env_log_bad err "moert[warn] core: MOERT_LOG=loud: expected error, warn, info or debug; logging at warn"
+run options_fp8 0 plugins --options
+expect_match options_fp8 out "^  block_tile_n +int +256 +"
+
 # check: a good config (the CPU demo, or a small one of our own)
 good="$src/configs/demo-cpu.json"
 if [ ! -f "$good" ]; then

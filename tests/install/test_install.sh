@@ -122,4 +122,31 @@ make -C "$tmp/embed" >"$tmp/embed-make.log" 2>&1 || { cat "$tmp/embed-make.log";
 "$tmp/embed/embed" >"$tmp/embed.log" 2>&1 || { cat "$tmp/embed.log"; fail "examples/embed failed"; }
 grep -qx "embed: ok" "$tmp/embed.log" || { cat "$tmp/embed.log"; fail "examples/embed did not say ok"; }
 
+step "moert ab --plot's drawing script is installed where the installed moert looks for it"
+[ -r "$prefix/share/moert/ab_plot.py" ] || fail "ab_plot.py not installed in $prefix/share/moert"
+"$moert" ab "$tmp/vendor.json" "$tmp/vendor.json" --warmup 0 --steps 1 --quiet --plot "$tmp/ab.png" >"$tmp/ab.log" 2>&1 ||
+    grep -qF "draw it later with python3 $prefix/share/moert/ab_plot.py $tmp/ab.plot.json" "$tmp/ab.log" ||
+    { cat "$tmp/ab.log"; fail "the installed moert ab --plot neither drew nor named the installed script"; }
+
+# Only where nvcc is found: the CUDA example builds with it; run here on the CPU path (a GPU run is the same config
+# with "parallel": {"device": "cuda"}).
+if command -v nvcc >/dev/null 2>&1; then
+    step "examples/vendor_plugin_cuda: a router with a CUDA kernel, built out of tree with pkg-config and nvcc"
+    cp -r "$src/examples/vendor_plugin_cuda" "$tmp/vendor_cuda"
+    make -C "$tmp/vendor_cuda" >"$tmp/make-cuda.log" 2>&1 || { cat "$tmp/make-cuda.log"; fail "make vendor_plugin_cuda"; }
+    cso="$tmp/vendor_cuda/libmoert-router-stride.so"
+    [ -f "$cso" ] || fail "make did not produce $cso"
+    nm -D --defined-only "$cso" | grep -q ' moert_router_v1$' || fail "$cso does not export moert_router_v1"
+    sed "s|\"plugin\": \"$so\", \"offset\": 1|\"plugin\": \"$cso\", \"stride\": 3|" "$tmp/vendor.json" >"$tmp/cuda.json"
+    out=$("$moert" check "$tmp/cuda.json") || fail "moert check with the CUDA example: $out"
+    [ "$out" = "$tmp/cuda.json: ok (router $cso, dispatcher alltoall, precision bf16, memory_policy default; layers 1, ranks 2)" ] ||
+        fail "unexpected check output: $out"
+    "$moert" run "$tmp/cuda.json" >"$tmp/run-cuda.log" 2>&1 || { cat "$tmp/run-cuda.log"; fail "moert run with the CUDA example"; }
+    listing=$(MOERT_PLUGIN_PATH="$tmp/vendor_cuda" "$moert" plugins)
+    echo "$listing" | grep -qE "^router +stride +1\.0\.0 +cpu,cuda +fp32,fp64,bf16 +graph +$cso$" ||
+        { echo "$listing"; fail "moert plugins does not list stride"; }
+else
+    step "examples/vendor_plugin_cuda: skipped (no nvcc)"
+fi
+
 echo "test_install: all checks passed"

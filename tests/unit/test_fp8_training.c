@@ -1,5 +1,5 @@
-/* Training with the fp8 precision plugin (each recipe) against bf16: the issue's criterion, "stays within 1% of
- * the bf16 loss curve", checked on the curve smoothed over windows of WINDOW steps past a short warm-up (single
+/* Training with the fp8 precision plugin (each recipe) against bf16: the criterion "stays within 1% of the bf16
+ * loss curve", checked on the curve smoothed over windows of WINDOW steps past a short warm-up (single
  * steps jitter: plain fp32 GEMMs already land 0.9% from bf16 on some step); the curves are printed.
  * MOERT_FP8_TRAINING_STEPS (default 80, up to 2000) runs longer curves, e.g. the 300-step ones recorded in
  * bench/results/. */

@@ -666,6 +666,29 @@ static void check_errors(void)
                   MOERT_ERR_CONFIG);
     EXPECT_ERROR_CONTAINS("fp8_wgrad");
     test_instance_close(&ti);
+    /* the wgmma kernel's tuning options: checked on every device, each bad value named with its path */
+    EXPECT_OK(test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN,
+                                 "{\"recipe\": \"blockwise\", \"block_tile_n\": 128, \"block_stages\": 3, "
+                                 "\"block_pairs\": 1, \"block_pair_rows\": false, \"block_cluster\": 1, "
+                                 "\"block_clusters\": 33}",
+                                 &layer, NULL, 0, 1));
+    test_instance_close(&ti);
+    EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, "{\"block_tile_n\": 192}", &layer, NULL, 0, 1),
+                  MOERT_ERR_CONFIG);
+    EXPECT_ERROR_CONTAINS("config error at $.precision.block_tile_n: got 192, expected 128 or 256");
+    test_instance_close(&ti);
+    EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, "{\"block_stages\": 1}", &layer, NULL, 0, 1),
+                  MOERT_ERR_CONFIG);
+    EXPECT_ERROR_CONTAINS("$.precision.block_stages: got 1");
+    test_instance_close(&ti);
+    EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, "{\"block_pairs\": 3}", &layer, NULL, 0, 1),
+                  MOERT_ERR_CONFIG);
+    EXPECT_ERROR_CONTAINS("block_pairs");
+    test_instance_close(&ti);
+    EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, "{\"block_cluster\": 4}", &layer, NULL, 0, 1),
+                  MOERT_ERR_CONFIG);
+    EXPECT_ERROR_CONTAINS("block_cluster");
+    test_instance_close(&ti);
     layer.device.type = MOERT_DEVICE_CUDA; /* the FP8 GEMMs on CUDA are not written yet */
     moert_result r = test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, "{}", &layer, NULL, 0, 1);
     EXPECT_EQ_INT(r, MOERT_ERR_UNSUPPORTED);

@@ -22,6 +22,7 @@
 
 #include "cuda_check.h"
 #include "device.h"
+#include "env.h"
 #include "log.h"
 
 #define BOOTSTRAP_MAGIC 0x4d4f4552u /* "MOER" */
@@ -100,12 +101,18 @@ static double effective_timeout(double timeout_s)
 
 static pthread_once_t nccl_env_once = PTHREAD_ONCE_INIT;
 
-/* NVLink multicast (NVLS) stays off unless the user set NCCL_NVLS_ENABLE explicitly. */
+/* NVLink multicast (NVLS) stays off unless the user set NCCL_NVLS_ENABLE explicitly. This is the library's one
+ * setenv, kept on purpose: NCCL reads NVLS_ENABLE from the process environment when it starts and ncclConfig_t has
+ * no member that turns multicast off per communicator, so without it NCCL would take NVLS on NVSwitch hosts (its
+ * buffers, other collective algorithms) and the GPU paths would change. It only fills an unset variable, before the
+ * first communicator, and says so in the log; `moert env` and docs/config.md list it. */
 static void set_nccl_environment(void)
 {
     const char *nvls = getenv("NCCL_NVLS_ENABLE");
-    if (!nvls)
+    if (!nvls) {
         setenv("NCCL_NVLS_ENABLE", "0", 0);
+        moert_log(MOERT_LOG_INFO, "environment: NCCL_NVLS_ENABLE unset, set to 0 (no NVLink multicast)");
+    }
     else if (strcmp(nvls, "0") != 0)
         moert_log(MOERT_LOG_WARN, "NCCL_NVLS_ENABLE=%s was set by the user: NVLink multicast may be used", nvls);
 }
@@ -417,7 +424,7 @@ moert_result moert_dist_env_read(moert_dist_env *out)
     snprintf(out->master_addr, sizeof out->master_addr, "%s", addr);
     MOERT_CHECK(env_int("MASTER_PORT", 1, 65535, &out->master_port));
     out->bootstrap_port = out->master_port;
-    const char *boot = getenv("MOERT_BOOTSTRAP_PORT");
+    const char *boot = moert_env_get(MOERT_ENV_BOOTSTRAP_PORT);
     if (boot && boot[0]) MOERT_CHECK(env_int("MOERT_BOOTSTRAP_PORT", 1, 65535, &out->bootstrap_port));
 fail:
     return rc;

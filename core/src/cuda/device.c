@@ -322,20 +322,14 @@ static void *device_view(const void *p, int device, bool *on_device)
 /* Copies between device memory and pinned host memory of at most this many bytes go through a kernel instead of
  * the copy engine: a copy engine serves the copies of all streams in the order they were issued, so a few-KB copy
  * a dispatcher waits on (token counts) would otherwise queue behind an offload's hundreds of MB on another
- * stream. MOERT_SMALL_COPY_KERNEL=0 turns this off. */
+ * stream. */
 #define SMALL_COPY_BYTES (256u << 10)
-
-static bool small_copy_kernel_enabled(void)
-{
-    const char *env = getenv("MOERT_SMALL_COPY_KERNEL");
-    return !(env && strcmp(env, "0") == 0);
-}
 
 moert_result moert_cuda_memcpy_async(void *dst, const void *src, size_t bytes, moert_stream s)
 {
     moert_result rc = MOERT_OK;
     if (bytes == 0) return MOERT_OK;
-    if (bytes <= SMALL_COPY_BYTES && small_copy_kernel_enabled()) {
+    if (bytes <= SMALL_COPY_BYTES) {
         int device = -1;
         bool dst_dev = false, src_dev = false;
         MOERT_CUDA_CHECK(cudaGetDevice(&device));

@@ -1,0 +1,77 @@
+/* `moert env`: the environment variables moert reads (core/src/env.c's table), their values here and defaults, and
+ * any MOERT_* variable set here that moert does not read (a retired knob says what replaced it). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli_common.h"
+#include "env.h"
+
+extern char **environ;
+
+static void env_usage(FILE *f)
+{
+    fprintf(f,
+            "usage: moert env\n"
+            "  Lists the environment variables moert reads, with their value in this environment (or that they are\n"
+            "  unset and what holds then), their type and what they do; then the variables of launchers and NCCL\n"
+            "  that moert reads, and the MOERT_* variables set here that it does not read. Everything else that\n"
+            "  changes how moert runs is a config key or a plugin option ('moert plugins --options').\n");
+}
+
+/* Whether name (of length len, from environ) is one of the table's. */
+static int is_registered(const char *name, size_t len)
+{
+    int count = 0;
+    const moert_env_var *vars = moert_env_vars(&count);
+    for (int i = 0; i < count; i++)
+        if (strlen(vars[i].name) == len && strncmp(vars[i].name, name, len) == 0) return 1;
+    return 0;
+}
+
+int moert_cmd_env(int argc, char **argv)
+{
+    for (int i = 0; i < argc; i++) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            env_usage(stdout);
+            return 0;
+        }
+        fprintf(stderr, "moert env: unknown argument \"%s\"\n", argv[i]);
+        env_usage(stderr);
+        return 2;
+    }
+    int count = 0;
+    const moert_env_var *vars = moert_env_vars(&count);
+    printf("moert reads:\n");
+    for (int i = 0; i < count; i++) {
+        const char *value = moert_env_raw((moert_env_id)i);
+        char shown[512];
+        if (value)
+            snprintf(shown, sizeof shown, "=%s", value);
+        else
+            snprintf(shown, sizeof shown, " unset (default: %s)", vars[i].default_text);
+        printf("  %s%s\n      %s; %s\n", vars[i].name, shown, vars[i].type, vars[i].help);
+    }
+    const moert_env_foreign *foreign = moert_env_foreign_vars(&count);
+    printf("and, from launchers and NCCL:\n");
+    for (int i = 0; i < count; i++) {
+        const char *value = getenv(foreign[i].name);
+        printf("  %s%s%s\n      %s\n", foreign[i].name, value ? "=" : " unset", value ? value : "", foreign[i].help);
+    }
+    int unread = 0;
+    for (char **e = environ; e && *e; e++) {
+        if (strncmp(*e, "MOERT_", 6) != 0) continue;
+        const char *eq = strchr(*e, '=');
+        const size_t len = eq ? (size_t)(eq - *e) : strlen(*e);
+        if (is_registered(*e, len)) continue;
+        char name[256];
+        snprintf(name, sizeof name, "%.*s", (int)(len < sizeof name ? len : sizeof name - 1), *e);
+        if (!unread++) printf("set here, not read by moert:\n");
+        const moert_env_retired *r = moert_env_find_retired(name);
+        if (r)
+            printf("  %s: no longer read; use %s\n", name, r->instead);
+        else
+            printf("  %s\n", name);
+    }
+    return 0;
+}
