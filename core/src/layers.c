@@ -590,13 +590,38 @@ static moert_result expert_bias_of(moert_layers *m, int layer, const char *fn, c
     return MOERT_OK;
 }
 
-/* Checks the caller's copy of an expert bias: [E] of the bias's dtype, on the host or the layers' device. */
+/* Checks the caller's copy of an expert bias: [E] fp32, fp64 or bf16 (converted from or to the router's own dtype),
+ * on the host or the layers' device. */
 static moert_result check_bias_copy(const moert_layers *m, const char *fn, const char *name, const moert_tensor *t,
                                     const moert_tensor *bias)
 {
     if (!t) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, name);
     moert_device dev = on_host(t->device) ? t->device : m->device;
-    return check_tensor(fn, name, t, bias->dtype, dev, 1, bias->shape);
+    moert_dtype dtype = t->dtype == MOERT_F32 || t->dtype == MOERT_F64 || t->dtype == MOERT_BF16 ? t->dtype : bias->dtype;
+    return check_tensor(fn, name, t, dtype, dev, 1, bias->shape);
+}
+
+/* dst = src converting the dtype where they differ, through host copies (expert biases are small). */
+static moert_result copy_converting(moert_layers *m, const moert_tensor *src, moert_tensor *dst)
+{
+    moert_result rc = MOERT_OK;
+    if (src->dtype == dst->dtype) return copy_tensor(m, src, dst);
+    moert_tensor a = *src, b = *dst;
+    a.device = b.device = moert_cpu();
+    a.data = malloc(moert_tensor_bytes(src) + 1);
+    b.data = malloc(moert_tensor_bytes(dst) + 1);
+    if (!a.data || !b.data) {
+        rc = moert_error(MOERT_ERR_OUT_OF_MEMORY, "converting an expert bias");
+        goto fail;
+    }
+    MOERT_CHECK(copy_tensor(m, src, &a)); /* waits: a is on the host */
+    for (int64_t i = 0; i < moert_tensor_numel(src); i++) moert_store(&b, i, moert_load(&a, i));
+    MOERT_CHECK(copy_tensor(m, &b, dst));
+    MOERT_CHECK(finish(m)); /* b is freed below */
+fail:
+    free(a.data);
+    free(b.data);
+    return rc;
 }
 
 MOERT_API moert_result moert_layers_get_expert_bias(moert_layers *m, int layer, moert_tensor *dst, moert_stream stream)
@@ -607,7 +632,7 @@ MOERT_API moert_result moert_layers_get_expert_bias(moert_layers *m, int layer, 
     MOERT_CHECK(expert_bias_of(m, layer, fn, &bias));
     MOERT_CHECK(check_bias_copy(m, fn, "dst", dst, bias));
     MOERT_CHECK(enter(m, stream));
-    MOERT_CHECK(copy_tensor(m, bias, dst));
+    MOERT_CHECK(copy_converting(m, bias, dst));
     MOERT_CHECK(leave(m, stream));
 fail:
     return rc;
@@ -623,7 +648,7 @@ MOERT_API moert_result moert_layers_set_expert_bias(moert_layers *m, int layer, 
     MOERT_CHECK(check_bias_copy(m, fn, "src", src, bias));
     MOERT_CHECK(enter(m, stream));
     moert_tensor target = *bias; /* the router's own buffer: written in place, as a checkpoint restores it */
-    MOERT_CHECK(copy_tensor(m, src, &target));
+    MOERT_CHECK(copy_converting(m, src, &target));
     if (on_host(src->device)) MOERT_CHECK(finish(m)); /* the caller may reuse src on return */
     MOERT_CHECK(leave(m, stream));
 fail:

@@ -570,6 +570,39 @@ static void test_dispatcher(void)
     moert_config_free(cfg);
 }
 
+/* The expert bias: read and written in the caller's dtype, whatever the router keeps it in. */
+static void test_expert_bias(void)
+{
+    const char *json = "{\"model\": {\"hidden\": 16, \"ffn_hidden\": 24, \"num_experts\": 8, \"topk\": 2, "
+                       "\"num_layers\": 2}, \"train\": {\"tokens_per_rank\": 48}, \"router\": {\"score_function\": "
+                       "\"sigmoid\", \"expert_bias\": true, \"bias_update_rate\": 0.5}}";
+    moert_config *cfg = NULL;
+    moert_layers *m = NULL;
+    EXPECT_OK(moert_config_load_string(json, "bias-test", &cfg));
+    moert_launch launch = {.struct_size = sizeof launch, .rank = 0, .world_size = 1, .device = moert_cpu()};
+    EXPECT_OK(moert_layers_create(cfg, &launch, &m));
+    moert_config_free(cfg);
+    if (!m) return;
+    float set[E], got32[E];
+    double got64[E];
+    for (int e = 0; e < E; e++) set[e] = 0.125f * (float)(e - 3);
+    moert_tensor ts = moert_tensor_1d(set, moert_cpu(), MOERT_F32, E);
+    moert_tensor t32 = moert_tensor_1d(got32, moert_cpu(), MOERT_F32, E);
+    moert_tensor t64 = moert_tensor_1d(got64, moert_cpu(), MOERT_F64, E);
+    EXPECT_OK(moert_layers_set_expert_bias(m, 1, &ts, NULL));
+    EXPECT_OK(moert_layers_get_expert_bias(m, 1, &t32, NULL));
+    EXPECT_OK(moert_layers_get_expert_bias(m, 1, &t64, NULL));
+    for (int e = 0; e < E; e++) {
+        EXPECT(got32[e] == set[e]);
+        EXPECT(got64[e] == (double)set[e]);
+    }
+    int64_t wrong[E];
+    moert_tensor ti = moert_tensor_1d(wrong, moert_cpu(), MOERT_I64, E);
+    EXPECT(moert_layers_get_expert_bias(m, 0, &ti, NULL) == MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT_ERROR_CONTAINS("dst is int64");
+    moert_layers_destroy(m);
+}
+
 /* ---- memory policies through the API: the same numbers, fewer bytes held, and the figures say so ---- */
 
 /* Two layers forward and backward at EP1 with the memory policy of `policy_json` ("" for the default); fills y, dx and
@@ -647,5 +680,6 @@ int main(void)
     test_launch_errors();
     test_dispatcher();
     test_memory_policies();
+    test_expert_bias();
     return test_finish("layers_api");
 }

@@ -126,7 +126,8 @@ MOERT_API moert_result moert_layers_param_desc(const moert_layers *layers, int l
                                                moert_tensor *desc);
 /* Binds the caller's value and gradient tensors of one parameter (contiguous, as param_desc says). moert reads value
  * and writes grad in backward; it never frees them. Rebind after the caller reallocates them. Every parameter of a
- * layer must be bound before its first forward. */
+ * layer must be bound before its first forward, and binding is refused while the layer has a forward in flight: the
+ * gradient a backward writes is the one bound before its forward. */
 MOERT_API moert_result moert_layers_bind_param(moert_layers *layers, int layer, moert_param_id which,
                                                const moert_tensor *value, const moert_tensor *grad);
 /* Writes moert's initial values into the bound parameters of every layer (normal, std 1/sqrt(H) for the router and fc1,
@@ -139,8 +140,9 @@ MOERT_API moert_result moert_layers_weights_changed(moert_layers *layers, moert_
 /* The router's once-per-step update, e.g. the aux-loss-free expert bias from the tokens counted since the last call
  * (collective where the router option reduces over ranks). Call after the backward of the step's last micro-batch. */
 MOERT_API moert_result moert_layers_update_expert_bias(moert_layers *layers, moert_stream stream);
-/* The router's expert bias ([E], param_dtype): copied into dst (get) or from src (set, e.g. from a checkpoint).
- * MOERT_ERR_UNSUPPORTED when the router keeps none. Ordered on stream. */
+/* The router's expert bias ([E]): copied into dst (get) or from src (set, e.g. from a checkpoint), fp32, fp64 or bf16
+ * on the host or the layers' device, converted from or to the router's own dtype. MOERT_ERR_UNSUPPORTED when the
+ * router keeps none. Ordered on stream. */
 MOERT_API moert_result moert_layers_get_expert_bias(moert_layers *layers, int layer, moert_tensor *dst,
                                                     moert_stream stream);
 MOERT_API moert_result moert_layers_set_expert_bias(moert_layers *layers, int layer, const moert_tensor *src,
