@@ -46,6 +46,10 @@ struct moert_comm {
     pthread_mutex_t lock;                 /* threads: guards nccl_group */
     struct moert_nccl_group *nccl_group;  /* threads on GPUs: made by the first rank that needs it */
     unsigned char nccl_id[MOERT_NCCL_ID_BYTES];
+    /* each rank's NCCL communicator, shared by every moert_layers of that rank on this communicator (made by the
+     * first, freed by the last on its own thread); guarded by lock */
+    struct moert_nccl_comm **nccl;        /* [world] */
+    int *nccl_users;                      /* [world] */
 };
 
 static moert_result comm_new(comm_kind kind, int world_size, double timeout_s, moert_comm **out)
@@ -63,6 +67,14 @@ static moert_result comm_new(comm_kind kind, int world_size, double timeout_s, m
     c->kind = kind;
     c->world = world_size;
     c->timeout_s = timeout_s;
+    c->nccl = calloc((size_t)world_size, sizeof *c->nccl);
+    c->nccl_users = calloc((size_t)world_size, sizeof *c->nccl_users);
+    if (!c->nccl || !c->nccl_users) {
+        free(c->nccl);
+        free(c->nccl_users);
+        free(c);
+        return moert_error(MOERT_ERR_OUT_OF_MEMORY, "moert_comm_create: out of memory");
+    }
     pthread_mutex_init(&c->lock, NULL);
     *out = c;
     return MOERT_OK;
@@ -125,6 +137,8 @@ MOERT_API void moert_comm_destroy(moert_comm *comm)
 #endif
     if (comm->group) moert_comm_group_free(comm->group);
     pthread_mutex_destroy(&comm->lock);
+    free(comm->nccl);
+    free(comm->nccl_users);
     free(comm);
 }
 
@@ -338,15 +352,51 @@ static moert_result cuda_setup(moert_layers *m, double timeout_s)
     MOERT_CHECK(moert_cuda_event_create(dev, false, &m->leave_event));
     moert_comm *c = m->comm;
     if (!c || m->world == 1) return MOERT_OK;
-    if (c->kind == COMM_NCCL_ID)
-        return moert_nccl_comm_init_id(c->nccl_id, sizeof c->nccl_id, m->rank, m->world, dev, c->timeout_s, &m->nccl);
+    /* a later moert_layers of this rank shares the NCCL communicator the first made */
     pthread_mutex_lock(&c->lock);
-    if (!c->nccl_group) rc = moert_nccl_group_create(c->world, timeout_s, &c->nccl_group);
+    if (c->nccl[m->rank]) {
+        int other = moert_nccl_comm_device(c->nccl[m->rank]);
+        if (other == dev) {
+            m->nccl = c->nccl[m->rank];
+            c->nccl_users[m->rank]++;
+        }
+        pthread_mutex_unlock(&c->lock);
+        if (other != dev)
+            return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_layers_create: rank %d's communicator runs on CUDA "
+                               "device %d, these layers on device %d", m->rank, other, dev);
+        return MOERT_OK;
+    }
+    if (c->kind == COMM_THREADS && !c->nccl_group) rc = moert_nccl_group_create(c->world, timeout_s, &c->nccl_group);
     pthread_mutex_unlock(&c->lock);
     if (rc != MOERT_OK) return rc;
-    MOERT_CHECK(moert_nccl_comm_init_thread(c->nccl_group, m->rank, dev, &m->nccl));
+    if (c->kind == COMM_NCCL_ID)
+        MOERT_CHECK(moert_nccl_comm_init_id(c->nccl_id, sizeof c->nccl_id, m->rank, m->world, dev, c->timeout_s,
+                                            &m->nccl));
+    else
+        MOERT_CHECK(moert_nccl_comm_init_thread(c->nccl_group, m->rank, dev, &m->nccl));
+    pthread_mutex_lock(&c->lock);
+    c->nccl[m->rank] = m->nccl;
+    c->nccl_users[m->rank] = 1;
+    pthread_mutex_unlock(&c->lock);
 fail:
     return rc;
+}
+
+/* Lets go of the rank's NCCL communicator: the last moert_layers using it frees it. */
+static void nccl_release(moert_layers *m)
+{
+    moert_comm *c = m->comm;
+    bool last = true;
+    if (c) {
+        pthread_mutex_lock(&c->lock);
+        if (c->nccl[m->rank] == m->nccl) {
+            last = --c->nccl_users[m->rank] == 0;
+            if (last) c->nccl[m->rank] = NULL;
+        }
+        pthread_mutex_unlock(&c->lock);
+    }
+    if (last) moert_nccl_comm_free(m->nccl);
+    m->nccl = NULL;
 }
 #endif
 
@@ -417,7 +467,14 @@ fail:
         snprintf(saved, sizeof saved, "%s", moert_error_message());
         if (m->world > 1 && m->comm && m->comm->group) moert_comm_abort(m->comm->group, m->rank, saved);
 #ifdef MOERT_HAVE_CUDA
-        if (m->nccl) moert_nccl_comm_abort(m->nccl, saved);
+        /* peers waiting on this rank's communicator return now, unless other layers of this rank use it */
+        bool sole = true;
+        if (m->nccl && m->comm) {
+            pthread_mutex_lock(&m->comm->lock);
+            sole = m->comm->nccl_users[m->rank] <= 1;
+            pthread_mutex_unlock(&m->comm->lock);
+        }
+        if (m->nccl && sole) moert_nccl_comm_abort(m->nccl, saved);
 #endif
         moert_layers_destroy(m);
         moert_error(rc, "%s", saved);
@@ -442,7 +499,7 @@ MOERT_API void moert_layers_destroy(moert_layers *m)
     if (m->pool && moert_cuda_pool_reserve_release(m->pool) != MOERT_OK) moert_error_clear();
     if (m->pool) moert_cuda_pool_destroy(m->pool);
     if (m->stream) moert_cuda_stream_destroy(m->stream);
-    if (m->nccl) moert_nccl_comm_free(m->nccl);
+    if (m->nccl) nccl_release(m);
 #endif
     for (int s = 0; s < MOERT_SLOT_COUNT; s++)
         if (m->plugins[s].dl) moert_plugin_unload(&m->plugins[s]);

@@ -108,7 +108,7 @@ static void from_host(moert_device d, void *dst, const void *src, size_t bytes)
 static void *rank_main(void *arg)
 {
     rank_job *j = arg;
-    moert_layers *m = NULL;
+    moert_layers *m = NULL, *m2 = NULL;
     void *value[2][MOERT_PARAM_COUNT] = {{0}}, *grad[2][MOERT_PARAM_COUNT] = {{0}};
     int64_t t = TOTAL / j->world, first = t * j->rank;
     size_t act = (size_t)(t * H) * sizeof(float);
@@ -146,7 +146,27 @@ static void *rank_main(void *arg)
     FAIL_RC(moert_moe_forward(m, 1, &th, &ty, stream, &s1, NULL));
     FAIL_RC(moert_moe_backward(m, s1, &tr, &tdh, &o, stream));
     FAIL_RC(moert_moe_backward(m, s0, &tdh, &tdx, &o, stream));
+    /* a second moert_layers of this rank on the same communicator shares its NCCL communicator */
+    FAIL_RC(moert_layers_create(j->cfg, &launch, &m2));
+    for (int l = 0; l < 2; l++)
+        for (int w = 0; w < MOERT_PARAM_COUNT; w++) {
+            moert_tensor v, g;
+            if (moert_layers_param_desc(m2, l, (moert_param_id)w, &v) != MOERT_OK) continue;
+            g = v;
+            v.data = value[l][w];
+            g.data = grad[l][w];
+            FAIL_RC(moert_layers_bind_param(m2, l, (moert_param_id)w, &v, &g));
+        }
+    void *h2 = buffer(j->device, act);
+    moert_tensor th2 = tx;
+    th2.data = h2;
+    j->rc = moert_moe_forward(m2, 0, &tx, &th2, stream, NULL, NULL);
     if (stream) CK(cudaStreamSynchronize((cudaStream_t)stream));
+    release(j->device, h2);
+    if (j->rc != MOERT_OK) {
+        snprintf(j->error, sizeof j->error, "a second moert_layers on the same communicator: %s", moert_last_error());
+        goto done;
+    }
     j->out.y = malloc(act);
     j->out.dx = malloc(act);
     to_host(j->device, j->out.y, y, act);
@@ -159,6 +179,7 @@ static void *rank_main(void *arg)
             to_host(j->device, j->out.grad[l][w], grad[l][w], bytes);
         }
 done:
+    moert_layers_destroy(m2);
     moert_layers_destroy(m);
     for (int l = 0; l < 2; l++)
         for (int w = 0; w < MOERT_PARAM_COUNT; w++) {
@@ -284,7 +305,7 @@ static int run_processes(const char *self, int world)
         fprintf(stderr, "moert_nccl_unique_id: %s\n", moert_last_error());
         return 1;
     }
-    char hex[2 * MOERT_NCCL_ID_BYTES + 1], rank_s[8][8], world_s[8];
+    char hex[2 * MOERT_NCCL_ID_BYTES + 1], rank_s[8][16], world_s[16];
     for (int i = 0; i < MOERT_NCCL_ID_BYTES; i++) snprintf(hex + 2 * i, 3, "%02x", id[i]);
     snprintf(world_s, sizeof world_s, "%d", world);
     pid_t pids[8];
