@@ -15,6 +15,8 @@ command -v cc >/dev/null || need+=(gcc libc6-dev)
 pkg-config --exists jansson 2>/dev/null || need+=(libjansson-dev)
 command -v valgrind >/dev/null || need+=(valgrind)
 command -v make >/dev/null || need+=(make)
+# the tests include the PyTorch package's (python/tests): Debian's torch for the system python3
+if [ "${1:-build}" = test ] && ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then need+=(python3-torch); fi
 if [ ${#need[@]} -gt 0 ]; then
   echo "build.sh: installing ${need[*]}"
   sudo_cmd=""

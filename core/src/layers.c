@@ -519,7 +519,10 @@ MOERT_API moert_result moert_layers_get_info(const moert_layers *m, moert_layers
                                .num_experts = L->info.num_experts, .topk = L->info.topk,
                                .num_local_experts = L->info.num_local_experts,
                                .first_local_expert = L->info.first_local_expert, .max_tokens = m->max_tokens,
-                               .dtype = L->info.dtype, .param_dtype = L->param_dtype, .device = m->device};
+                               .dtype = L->info.dtype, .param_dtype = L->param_dtype, .device = m->device,
+                               .expert_bias_dtype = MOERT_DTYPE_COUNT};
+    const moert_tensor *bias = ROUTER(L)->expert_bias ? ROUTER(L)->expert_bias(L->router.ctx) : NULL;
+    if (bias) out->expert_bias_dtype = bias->dtype;
     return MOERT_OK;
 }
 

@@ -31,10 +31,10 @@ from torch import nn
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _PY = os.path.join(os.path.dirname(os.path.dirname(_HERE)), "python")
 try:
-    import moert  # noqa: F401
+    import moert
 except ImportError:  # running from a checkout: the package's sources are in python/
     sys.path.insert(0, _PY)
-import moert  # noqa: E402
+    import moert
 import moert.reference  # noqa: E402
 import moert.torch  # noqa: E402
 

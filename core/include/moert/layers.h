@@ -104,6 +104,7 @@ typedef struct moert_layers_info {
     moert_dtype dtype;       /* activations x, y, dy, dx */
     moert_dtype param_dtype; /* parameters and their gradients: fp32 (fp64 when dtype is fp64) */
     moert_device device;
+    moert_dtype expert_bias_dtype; /* the dtype the router keeps its expert bias in; MOERT_DTYPE_COUNT: it keeps none */
 } moert_layers_info;
 MOERT_API moert_result moert_layers_get_info(const moert_layers *layers, moert_layers_info *out);
 

@@ -1,0 +1,116 @@
+"""A moert config on the Python side: the C moert_config (what moert reads) and a dict mirror (what the
+Python side reads: the pure-PyTorch reference's router options, the bundled plugin rewrite)."""
+import copy
+import ctypes
+import json
+import os
+
+from . import _capi
+
+# slot -> (file part of the plugin's kind, default plugin): docs/config.md, docs/abi.md
+PLUGIN_SLOTS = {"router": ("router", "topk"), "dispatcher": ("dispatch", "alltoall"),
+                "precision": ("precision", "bf16"), "memory_policy": ("memory", "default")}
+
+
+def _json_value(value):
+    return value if isinstance(value, str) and _is_json(value) else json.dumps(value)
+
+
+def _is_json(text):
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _set_dotted(d, key, value):
+    parts = key.split(".")
+    for p in parts[:-1]:
+        if not isinstance(d.get(p), dict):
+            d[p] = {}
+        d = d[p]
+    d[parts[-1]] = value
+
+
+class Config:
+    """A config from a path, a JSON string, a dict or another Config, with optional overrides
+    ({"model.num_layers": 1, ...}, applied with moert_config_set in order)."""
+
+    def __init__(self, config, overrides=None):
+        lib = _capi.lib()
+        self._ptr = ctypes.c_void_p()
+        if isinstance(config, Config):
+            self.data = copy.deepcopy(config.data)
+            text, source = json.dumps(self.data), config.source
+        elif isinstance(config, dict):
+            self.data = copy.deepcopy(config)
+            text, source = json.dumps(self.data), "<dict>"
+        elif isinstance(config, (str, bytes, os.PathLike)):
+            s = config.decode() if isinstance(config, bytes) else config
+            if isinstance(s, str) and s.lstrip().startswith("{"):
+                text, source = s, "<string>"
+            else:
+                path = os.fspath(s)
+                if not os.path.exists(path):
+                    raise FileNotFoundError("moert config: no such file: %s" % path)
+                # moert reads the file itself, so its errors name the file, line and column
+                _capi.check(lib.moert_config_load_file(path.encode(), ctypes.byref(self._ptr)),
+                            "moert_config_load_file")
+                with open(path) as f:
+                    self.data = json.load(f)
+                text, source = None, path
+        else:
+            raise TypeError("moert config: expected a path, a JSON string, a dict or a moert Config, got %s"
+                            % type(config).__name__)
+        if text is not None:
+            _capi.check(lib.moert_config_load_string(text.encode(), source.encode(), ctypes.byref(self._ptr)),
+                        "moert_config_load_string")
+            if not hasattr(self, "data"):
+                self.data = json.loads(text)
+        self.source = source
+        for key, value in (overrides or {}).items():
+            self.set(key, value)
+        self._use_bundled_plugins()
+
+    def set(self, key, value):
+        """moert_config_set(key, value): value is a Python value (JSON-encoded here) or JSON text."""
+        jv = _json_value(value)
+        _capi.check(_capi.lib().moert_config_set(self._ptr, key.encode(), jv.encode()), "moert_config_set(%s)" % key)
+        _set_dotted(self.data, key, json.loads(jv))
+
+    def get(self, dotted, default=None):
+        d = self.data
+        for p in dotted.split("."):
+            if not isinstance(d, dict) or p not in d:
+                return default
+            d = d[p]
+        return d
+
+    def _use_bundled_plugins(self):
+        """In an installed package, plugin names become the bundled files' paths (a value with '/' is a path,
+        docs/abi.md): the C library's own search would look in the install prefix it was configured with."""
+        pdir = _capi.bundled_plugin_dir()
+        if pdir is None:
+            return
+        for slot, (part, default) in PLUGIN_SLOTS.items():
+            sec = self.data.get(slot)
+            name = sec.get("plugin", default) if isinstance(sec, dict) else default
+            if not isinstance(name, str) or "/" in name:
+                continue
+            fname = "libmoert-%s-%s.so" % (part, name)
+            f = os.path.join(pdir, fname)
+            # MOERT_PLUGIN_PATH comes first in moert's own search: a file of that name there is left to it
+            user = [d for d in os.environ.get("MOERT_PLUGIN_PATH", "").split(":") if d]
+            if os.path.exists(f) and not any(os.path.exists(os.path.join(d, fname)) for d in user):
+                self.set(slot + ".plugin", f)
+
+    @property
+    def ptr(self):
+        return self._ptr
+
+    def __del__(self):
+        p = getattr(self, "_ptr", None)
+        if p and _capi._lib is not None:
+            _capi._lib.moert_config_free(p)
+            self._ptr = ctypes.c_void_p()
