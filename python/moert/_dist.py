@@ -219,11 +219,8 @@ _comms_lock = threading.Lock()
 
 
 def communicator(process_group, device, timeout_s):
-    """The Communicator of (process_group, device): shared on CPUs (a collectives table holds no state); on GPUs a
-    new one (a new NCCL id) per call, since every moert_layers initialises its own NCCL communicator from its comm's
-    id, and an NCCL id serves one communicator."""
-    if device.type == "cuda":
-        return Communicator(process_group, device, timeout_s)
+    """The Communicator of (process_group, device), shared by every module of that group: on GPUs its layers share
+    one NCCL communicator per rank (moert makes it with the first of them and frees it with the last)."""
     key = (id(process_group) if process_group is not None else None, str(device))
     with _comms_lock:
         c = _comms.get(key)
