@@ -515,6 +515,8 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--cpu", action="store_true", help="gloo on CPU, to check the logic without GPUs")
+    p.add_argument("--experts-per-rank", type=int, default=0,
+                   help="experts per rank (default: the preset's E over all ranks), e.g. EP4's per-GPU shape on 2 GPUs")
     p.add_argument("--shrink", type=int, default=1,
                    help="divide H, F and T by this (for --cpu checks; results are not comparable)")
     args = p.parse_args()
@@ -561,6 +563,8 @@ def main():
         cfg = dict(PRESETS[n])
         for key in ("H", "F", "T"):
             cfg[key] = max(cfg[key] // args.shrink // 8 * 8, 8)  # keep rows 16-byte aligned
+        if args.experts_per_rank:  # e.g. EP4's per-GPU shape on 2 GPUs
+            cfg["E"] = args.experts_per_rank * world
         if cfg["E"] % world != 0 or (cfg["T"] * cfg["K"]) % world != 0:
             fail(f"preset {n}: E={cfg['E']} experts and T*K={cfg['T'] * cfg['K']} must divide by "
                  f"the {world} ranks")
