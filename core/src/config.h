@@ -45,6 +45,15 @@ typedef enum moert_optimizer { MOERT_OPTIMIZER_ADAM = 0, MOERT_OPTIMIZER_SGD = 1
 
 #define MOERT_MAX_MICRO_BATCHES 65536 /* $.train.micro_batches */
 
+/* Upper bounds of the size keys (docs/config.md). Each is far above any real model, and with them no product of
+ * sizes the core or a plugin computes can wrap an int64; moert_config_parse also refuses a config whose largest
+ * per-rank buffer would exceed MOERT_MAX_BUFFER_BYTES, more than any device holds. */
+#define MOERT_MAX_HIDDEN 65536            /* $.model.hidden */
+#define MOERT_MAX_FFN_HIDDEN 262144       /* $.model.ffn_hidden */
+#define MOERT_MAX_EXPERTS 16384           /* $.model.num_experts */
+#define MOERT_MAX_TOKENS_PER_RANK 16777216 /* $.train.tokens_per_rank and $.train.seq_length */
+#define MOERT_MAX_BUFFER_BYTES ((int64_t)1 << 44) /* 16 TiB */
+
 typedef struct moert_train_config {
     int64_t steps, tokens_per_rank, seq_length, seed, log_every;
     int64_t micro_batches; /* forward+backward passes per optimizer step, tokens_per_rank tokens each (gradient

@@ -89,6 +89,15 @@ expect_match check_option err "config error at \\\$\.router\.capacity_facter: un
 run check_nofile 1 check "$tmp/none.json"
 expect_line check_nofile err "moert check: $tmp/none.json: cannot open config: No such file or directory"
 
+# sizes: keys beyond their bound are refused before anything is allocated (these wrapped size products and wrote
+# past the heap in the bf16 CPU GEMM and the task's buffers; num_experts 2^28 zero-filled 32 GiB in check)
+run size_ffn 1 run "$good" --steps 1 --set model.ffn_hidden=2305843009213693953
+expect_line size_ffn err "moert run: --set model.ffn_hidden=2305843009213693953: config error at \$.model.ffn_hidden: got 2305843009213693953, expected an integer in [1, 262144]"
+run size_hidden 1 run "$good" --steps 1 --set model.hidden=2305843009213693952
+expect_line size_hidden err "moert run: --set model.hidden=2305843009213693952: config error at \$.model.hidden: got 2305843009213693952, expected an integer in [1, 65536]"
+run size_experts 1 check "$good" --set model.num_experts=268435456
+expect_line size_experts err "moert check: --set model.num_experts=268435456: config error at \$.model.num_experts: got 268435456, expected an integer in [1, 16384]"
+
 if [ "$failures" -ne 0 ]; then
     echo "test_cli: $failures check(s) failed" >&2
     exit 1
