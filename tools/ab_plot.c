@@ -3,6 +3,9 @@
  * Adler-32 computed here, so the plot needs no library and always works. */
 #include "ab_plot.h"
 
+#include "moert/moert.h"
+#include "output.h"
+
 #include <errno.h>
 #include <math.h>
 #include <stdbool.h>
@@ -63,6 +66,21 @@ static int write_chunk(FILE *f, const char type[4], const uint8_t *data, uint32_
     return fwrite(tail, 1, 4, f) == 4 ? 0 : -1;
 }
 
+/* The PNG's bytes, for moert_output_write. */
+typedef struct png_parts {
+    const uint8_t *signature, *ihdr, *z;
+    uint32_t z_size;
+} png_parts;
+
+static int write_png_parts(FILE *f, void *user)
+{
+    const png_parts *p = user;
+    if (fwrite(p->signature, 1, 8, f) != 8 || write_chunk(f, "IHDR", p->ihdr, 13) != 0 ||
+        write_chunk(f, "IDAT", p->z, p->z_size) != 0 || write_chunk(f, "IEND", NULL, 0) != 0)
+        return -1;
+    return 0;
+}
+
 int moert_png_write_rgb(const char *path, const uint8_t *rgb, int width, int height)
 {
     static const uint8_t signature[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1A, '\n'};
@@ -72,7 +90,6 @@ int moert_png_write_rgb(const char *path, const uint8_t *rgb, int width, int hei
     size_t z_size = 2 + raw_size + 5 * blocks + 4;
     uint8_t *raw = malloc(raw_size), *z = malloc(z_size);
     int rc = -1;
-    FILE *f = NULL;
     if (!raw || !z) {
         errno = ENOMEM;
         goto exit;
@@ -107,14 +124,14 @@ int moert_png_write_rgb(const char *path, const uint8_t *rgb, int width, int hei
     ihdr[10] = 0; /* compression: deflate */
     ihdr[11] = 0; /* filter method 0 */
     ihdr[12] = 0; /* no interlace */
-    f = fopen(path, "wb");
-    if (!f) goto exit;
-    if (fwrite(signature, 1, 8, f) != 8 || write_chunk(f, "IHDR", ihdr, 13) != 0 ||
-        write_chunk(f, "IDAT", z, (uint32_t)at) != 0 || write_chunk(f, "IEND", NULL, 0) != 0)
+    /* written atomically: a failed write leaves the previous plot in place */
+    png_parts parts = {signature, ihdr, z, (uint32_t)at};
+    if (moert_output_write(path, write_png_parts, &parts) != MOERT_OK) {
+        errno = EIO;
         goto exit;
+    }
     rc = 0;
 exit:
-    if (f && fclose(f) != 0) rc = -1;
     free(raw);
     free(z);
     return rc;
@@ -310,7 +327,10 @@ int moert_ab_plot_png(const char *path, const moert_ab_plot_data *d, char *err, 
     draw_panel(&c, left, 90 + panel_h + 70, plot_w, panel_h, "loss", d, losses, false);
     draw_text(&c, left + plot_w / 2 - text_width("step", 2) / 2, height - 26, "step", 2, BLACK);
     int rc = moert_png_write_rgb(path, c.rgb, width, height);
-    if (rc != 0) snprintf(err, err_size, "writing %s: %s", path, strerror(errno));
+    if (rc != 0 && errno == ENOMEM)
+        snprintf(err, err_size, "writing %s: %s", path, strerror(errno));
+    else if (rc != 0)
+        snprintf(err, err_size, "%s", moert_last_error());
     free(c.rgb);
     return rc;
 }

@@ -5,6 +5,7 @@
 
 #include "cli_common.h"
 #include "moert/moert.h"
+#include "output.h"
 
 static void run_usage(FILE *f)
 {
@@ -65,6 +66,11 @@ int moert_cmd_run(int argc, char **argv)
 
     moert_config *cfg = NULL;
     moert_runtime *rt = NULL;
+    /* the report's path is checked before anything runs: never the config, never a link, a writable folder */
+    if (report_path && moert_output_check("--report", report_path, &config_path, 1) != MOERT_OK) {
+        fprintf(stderr, "moert run: %s\n", moert_last_error());
+        goto exit;
+    }
     if (moert_cli_load_config("moert run", config_path, sets, nsets, &cfg) != MOERT_OK) goto exit;
     if (moert_runtime_create(cfg, &rt) != MOERT_OK) {
         fprintf(stderr, "moert run: %s\n", moert_last_error());
