@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "cli_common.h"
+#include "loader.h"
 
 static void usage(FILE *f)
 {
@@ -28,6 +29,8 @@ int main(int argc, char **argv)
         return 2;
     }
     const char *command = argv[1];
+    /* a plugin whose init crashes or exits is named on stderr before the process goes */
+    moert_plugin_guard_crashes();
     if (!strcmp(command, "--help") || !strcmp(command, "-h") || !strcmp(command, "help")) {
         usage(stdout);
         return 0;

@@ -89,6 +89,24 @@ expect_match check_option err "config error at \\\$\.router\.capacity_facter: un
 run check_nofile 1 check "$tmp/none.json"
 expect_line check_nofile err "moert check: $tmp/none.json: cannot open config: No such file or directory"
 
+# plugins: a plugin whose init aborts (fixture-init-crashes, probed in a child) does not hide the others
+run plugins_crash 0 plugins --options
+expect_match plugins_crash out "^router topk \(/.*/libmoert-router-topk\.so\)$"
+expect_match plugins_crash out "^  /.*/libmoert-router-fixture-init-crashes\.so: crashed \(signal 6, Aborted\) while starting it with the default options \(--options\)$"
+expect_match plugins_crash out "^router fixture-init-crashes \(/.*\)$"
+expect_match plugins_crash out "^memory_policy default \(/.*/libmoert-memory-default\.so\)$"
+expect_match plugins_crash out "^options go in the plugin's section of a config"
+expect_match plugins_crash out "^  router plugin /.*/libmoert-router-fixture-null-member\.so has no backward function$"
+
+# a plugin whose init crashes or exits is named, with the call, layer and rank
+run init_segv 139 check "$good" --set router.plugin=fixture-init-crashes --set router.how=segv
+expect_match init_segv err "^moert: router plugin \"fixture-init-crashes\" \(/.*/libmoert-router-fixture-init-crashes\.so\) crashed \(SIGSEGV, invalid memory access\) in init \(layer 0, rank [0-9]+\)$"
+run init_exit 1 check "$good" --set router.plugin=fixture-init-crashes --set router.how=exit
+expect_match init_exit err "^moert: router plugin \"fixture-init-crashes\" \(/.*\) called exit\(\) \(a plugin must return an error instead\) in init \(layer 0, rank [0-9]+\)$"
+# a NULL vtable member is refused when the plugin loads, naming the member
+run null_member 1 check "$good" --set router.plugin=fixture-null-member
+expect_match null_member err "config error at \\\$\.router\.plugin: router plugin \"fixture-null-member\" \(/.*\) has no backward function$"
+
 # sizes: keys beyond their bound are refused before anything is allocated (these wrapped size products and wrote
 # past the heap in the bf16 CPU GEMM and the task's buffers; num_experts 2^28 zero-filled 32 GiB in check)
 run size_ffn 1 run "$good" --steps 1 --set model.ffn_hidden=2305843009213693953

@@ -109,6 +109,11 @@ static void test_refusals(void)
              sizeof(moert_router_v1));
     expect_load_error("fixture-small-struct", MOERT_ERR_ABI_MISMATCH, message);
 
+    /* a NULL member the core calls is refused by name, not met as a crash at the first step */
+    fixture_path("null-member", path, sizeof path);
+    snprintf(message, sizeof message, "router plugin \"fixture-null-member\" (%s) has no backward function", path);
+    expect_load_error("fixture-null-member", MOERT_ERR_ABI_MISMATCH, message);
+
     /* by path, the path is said once */
     fixture_path("bad-abi", path, sizeof path);
     snprintf(message, sizeof message, "router plugin \"%s\" was built for ABI 2.0, this moert supports ABI 1.x", path);
