@@ -544,10 +544,14 @@ static moert_result parse_slot(moert_config *cfg, moert_slot slot)
         }
         name = json_string_value(v);
     }
-    if (strlen(name) >= sizeof cfg->plugin[slot])
-        return moert_error(MOERT_ERR_CONFIG, "config error at $.%s.plugin: the value is longer than %zu characters",
-                           slot_keys[slot], sizeof cfg->plugin[slot] - 1);
-    snprintf(cfg->plugin[slot], sizeof cfg->plugin[slot], "%s", name);
+    if (strlen(name) >= 512)
+        return moert_error(MOERT_ERR_CONFIG, "config error at $.%s.plugin: the value is longer than 511 characters",
+                           slot_keys[slot]);
+    /* a relative path means the same file wherever moert is started from: it is taken from the config's folder */
+    if (strchr(name, '/') && name[0] != '/' && cfg->folder[0])
+        snprintf(cfg->plugin[slot], sizeof cfg->plugin[slot], "%s/%s", cfg->folder, name);
+    else
+        snprintf(cfg->plugin[slot], sizeof cfg->plugin[slot], "%s", name);
     return MOERT_OK;
 }
 
@@ -654,8 +658,9 @@ fail:
     return rc;
 }
 
-/* Takes ownership of root, parses it, and returns the config (or frees everything on error). */
-static moert_result config_from_json(json_t *root, const char *source, moert_config **out)
+/* Takes ownership of root, parses it, and returns the config (or frees everything on error). folder: the file's
+ * folder, absolute, or NULL for a config from a string. */
+static moert_result config_from_json(json_t *root, const char *source, const char *folder, moert_config **out)
 {
     moert_result rc = MOERT_OK;
     *out = NULL;
@@ -666,6 +671,7 @@ static moert_result config_from_json(json_t *root, const char *source, moert_con
     }
     cfg->root = root;
     snprintf(cfg->source, sizeof cfg->source, "%s", source);
+    snprintf(cfg->folder, sizeof cfg->folder, "%s", folder ? folder : "");
     MOERT_CHECK(moert_config_parse(cfg));
     *out = cfg;
     return MOERT_OK;
@@ -684,7 +690,18 @@ moert_result moert_config_load_file(const char *path, moert_config **out)
     json_t *root = json_loadf(f, JSON_REJECT_DUPLICATES, &jerr);
     fclose(f);
     if (!root) return moert_error(MOERT_ERR_CONFIG, "%s:%d:%d: invalid JSON: %s", path, jerr.line, jerr.column, jerr.text);
-    return config_from_json(root, path, out);
+    /* the file's folder, absolute: what relative plugin paths in it are relative to */
+    char dir[PATH_MAX], folder[PATH_MAX];
+    const char *slash = strrchr(path, '/');
+    if (!slash)
+        snprintf(dir, sizeof dir, ".");
+    else
+        snprintf(dir, sizeof dir, "%.*s", slash == path ? 1 : (int)(slash - path), path);
+    if (!realpath(dir, folder) || strlen(folder) >= sizeof ((moert_config *)0)->folder) {
+        json_decref(root);
+        return moert_error(MOERT_ERR_IO, "%s: cannot resolve the config's folder %s", path, dir);
+    }
+    return config_from_json(root, path, folder, out);
 }
 
 /* Parses JSON text; source_name stands for the file name in messages and the default name. */
@@ -697,7 +714,7 @@ moert_result moert_config_load_string(const char *json_text, const char *source_
     json_t *root = json_loads(json_text, JSON_REJECT_DUPLICATES, &jerr);
     if (!root)
         return moert_error(MOERT_ERR_CONFIG, "%s:%d:%d: invalid JSON: %s", source, jerr.line, jerr.column, jerr.text);
-    return config_from_json(root, source, out);
+    return config_from_json(root, source, NULL, out);
 }
 
 /* Sets dotted_key (e.g. "train.steps") to the JSON value in root, creating missing objects on the way. */

@@ -69,10 +69,13 @@ struct moert_config {
     json_t *root;
     char source[512];          /* file name or the name given to load_string */
     char name[128];            /* $.name, or the file's base name */
+    char folder[1024];         /* the config file's folder, absolute ("" for a config from a string): relative
+                                  plugin paths are taken from it */
     moert_model_config model;
     moert_parallel_config parallel;
     moert_train_config train;
-    char plugin[MOERT_SLOT_COUNT][512]; /* $.<slot>.plugin, a name or a path */
+    char plugin[MOERT_SLOT_COUNT][1600]; /* $.<slot>.plugin, a name or a path (a relative path made absolute from
+                                            the config's folder) */
 };
 
 /* Fills the typed fields from root; every error names the JSON path. Called by the load functions. */

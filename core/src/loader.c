@@ -7,6 +7,7 @@
 #include <stdatomic.h>
 #include <stddef.h>
 #include <glob.h>
+#include <link.h>
 #include <limits.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -116,15 +117,36 @@ static void dir_list_free(dir_list *l)
     memset(l, 0, sizeof *l);
 }
 
-/* The build tree the running code comes from: the parent of the folder holding the binary that contains
- * this function (tools/moert, tests/test_x or core/libmoert.so), when that parent has a build.ninja. An
- * installed moert therefore never looks into a build tree, and a build tree copied elsewhere still works. */
-static bool running_build_root(char *out, size_t size)
+/* The absolute path of the file (executable or shared library) holding this function, never resolved against the
+ * current directory: the main program's own name comes from /proc/self/exe (dladdr would give argv[0], which a
+ * command started through PATH has without a folder); a library's from its link map, used only when absolute. */
+static bool running_binary_path(char *out, size_t size)
 {
     Dl_info info;
+    struct link_map *map = NULL;
     char path[PATH_MAX];
-    if (!dladdr((void *)&running_build_root, &info) || !info.dli_fname) return false;
-    if (!realpath(info.dli_fname, path) && !realpath("/proc/self/exe", path)) return false;
+    if (!dladdr1((void *)&running_binary_path, &info, (void **)&map, RTLD_DL_LINKMAP) || !map) return false;
+    if (!map->l_name || !map->l_name[0]) { /* the main program */
+        ssize_t n = readlink("/proc/self/exe", path, sizeof path - 1);
+        if (n <= 0) return false;
+        path[n] = '\0';
+    } else if (map->l_name[0] == '/') {
+        if (!realpath(map->l_name, path)) return false;
+    } else {
+        return false;
+    }
+    snprintf(out, size, "%s", path);
+    return true;
+}
+
+/* The build tree the running code comes from: the parent of the folder holding the binary that contains this
+ * function (tools/moert, tests/test_x or core/libmoert.so), when that parent has a build.ninja. An installed moert
+ * therefore never looks into a build tree, whatever the current directory, and a build tree copied elsewhere still
+ * works. */
+static bool running_build_root(char *out, size_t size)
+{
+    char path[PATH_MAX];
+    if (!running_binary_path(path, sizeof path)) return false;
     for (int up = 0; up < 2; up++) {
         char *slash = strrchr(path, '/');
         if (!slash || slash == path) return false;

@@ -107,6 +107,15 @@ expect_match init_exit err "^moert: router plugin \"fixture-init-crashes\" \(/.*
 run null_member 1 check "$good" --set router.plugin=fixture-null-member
 expect_match null_member err "config error at \\\$\.router\.plugin: router plugin \"fixture-null-member\" \(/.*\) has no backward function$"
 
+# a relative plugin path in a config is taken from the config's folder, not from the current directory
+build_root="${MOERT_TEST_BUILD_ROOT:-$(cd "$(dirname "$moert")/.." && pwd)}"
+mkdir -p "$tmp/sub/plug"
+cp "$build_root/plugins/router/libmoert-router-topk.so" "$tmp/sub/plug/"
+echo '{"model": {"num_layers": 1}, "parallel": {"ranks": 2}, "router": {"plugin": "plug/libmoert-router-topk.so"}}' \
+    >"$tmp/sub/rel.json"
+(cd "$tmp" && "$moert" check sub/rel.json) >"$tmp/relative.out" 2>"$tmp/relative.err" || fail "relative: check failed"
+expect_line relative out "sub/rel.json: ok (router $tmp/sub/plug/libmoert-router-topk.so, dispatcher alltoall, precision bf16, memory_policy default; layers 1, ranks 2)"
+
 # sizes: keys beyond their bound are refused before anything is allocated (these wrapped size products and wrote
 # past the heap in the bf16 CPU GEMM and the task's buffers; num_experts 2^28 zero-filled 32 GiB in check)
 run size_ffn 1 run "$good" --steps 1 --set model.ffn_hidden=2305843009213693953

@@ -87,6 +87,18 @@ make -C "$tmp/vendor" install >/dev/null || fail "make install"
 [ -f "$plugindir/libmoert-router-roundrobin.so" ] || fail "make install did not copy the plugin"
 "$moert" check "$tmp/byname.json" >/dev/null || fail "roundrobin not found in the install dir"
 
+step "the installed moert, started through PATH from a folder that looks like a build tree, ignores it"
+# a folder holding an entry named moert whose parent has build.ninja and plugins/*/: the installed moert used to
+# resolve its argv[0] against the current directory here and load the plugins it found (docs/abi.md says never)
+mkdir -p "$tmp/trap/bin" "$tmp/trap/plugins/evil"
+touch "$tmp/trap/build.ninja" "$tmp/trap/bin/moert"
+cp "$plugindir/libmoert-router-topk.so" "$tmp/trap/plugins/evil/libmoert-router-trapped.so"
+listing=$(cd "$tmp/trap/bin" && PATH="$prefix/bin:$PATH" moert plugins) || fail "moert plugins through PATH"
+case "$listing" in
+*"$tmp/trap"*) echo "$listing"; fail "the installed moert searched the build-tree look-alike around the current directory" ;;
+esac
+echo "$listing" | grep -qE "^router +topk .* $plugindir/libmoert-router-topk\.so$" || { echo "$listing"; fail "topk not listed"; }
+
 step "a program linked against libmoert through pkg-config"
 cat >"$tmp/user.c" <<'C'
 #include <moert/moert.h>
