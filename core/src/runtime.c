@@ -361,7 +361,8 @@ static moert_result rank_finalize(moert_rank *r, void *arg)
     moert_tensor *bufs[3] = {&r->grad_a, &r->grad_b, &r->target};
     for (int i = 0; i < 3; i++)
         if (bufs[i]->data && r->core_host) r->core_host->free(r->core_host, bufs[i]->device, bufs[i]->data);
-    if (r->workspace && r->core_host) r->core_host->free(r->core_host, r->layers ? r->layers[0].info.device : moert_cpu(), r->workspace);
+    /* the device it was allocated on: layers[0].info is not filled yet when rank_init failed before the layers */
+    if (r->workspace && r->core_host) r->core_host->free(r->core_host, layer_info(rt, r, 0).device, r->workspace);
     if (r->counts && r->core_host) r->core_host->free_pinned(r->core_host, r->counts);
     if (r->micro_counts && r->core_host) r->core_host->free_pinned(r->core_host, r->micro_counts);
     if (r->loss_result && r->core_host) r->core_host->free_pinned(r->core_host, r->loss_result);
