@@ -116,9 +116,19 @@ static moert_result run_on_ranks(moert_runtime *rt, rank_phase_fn fn, void *arg)
     if (rt->nlocal == 1) {
         phase_main(&calls[0]);
     } else {
-        for (int i = 0; i < rt->nlocal; i++)
-            if (pthread_create(&threads[i], NULL, phase_main, &calls[i]) != 0)
-                return moert_error(MOERT_ERR_INTERNAL, "pthread_create for rank %d failed", rt->ranks[i].rank);
+        int started = 0;
+        int err = 0;
+        while (started < rt->nlocal && (err = pthread_create(&threads[started], NULL, phase_main, &calls[started])) == 0)
+            started++;
+        if (started < rt->nlocal) {
+            /* the ranks already started use calls[] and the runtime: fail the group so that none waits for the
+             * missing rank in a collective, and join them before returning */
+            char why[160];
+            snprintf(why, sizeof why, "pthread_create for rank %d failed: %s", rt->ranks[started].rank, strerror(err));
+            if (rt->comm) moert_comm_abort(rt->comm, rt->ranks[started].rank, why);
+            for (int i = 0; i < started; i++) pthread_join(threads[i], NULL);
+            return moert_error(MOERT_ERR_INTERNAL, "%s", why);
+        }
         for (int i = 0; i < rt->nlocal; i++) pthread_join(threads[i], NULL);
     }
     for (int i = 0; i < rt->nlocal; i++)
