@@ -863,8 +863,12 @@ int moert_cmd_ab(int argc, char **argv)
         }
     }
     /* Interleaved: both runtimes live at once. Sequential: A runs to the end and is freed before B starts. */
+    moert_result failed_rc = MOERT_OK; /* a failed creation or step: its code gives the exit status */
     for (int s = 0; s < (sequential ? 1 : 2); s++)
-        if (create_side(&sides[s], sequential) != MOERT_OK) goto exit;
+        if ((failed_rc = create_side(&sides[s], sequential)) != MOERT_OK) {
+            status = moert_cli_failure_status(failed_rc);
+            goto exit;
+        }
     ab_header header;
     build_header(&sides[0], &sides[1], warmup, steps, sequential, &header);
     for (int i = 0; i < header.count; i++) printf("%s%s\n", i == 0 ? PROG ": " : "  ", header.lines[i]);
@@ -877,7 +881,7 @@ int moert_cmd_ab(int argc, char **argv)
         }
         for (int64_t step = 1; step <= total; step++) {
             for (int s = 0; s < 2; s++)
-                if (step_side(&sides[s], step, failure, sizeof failure) != MOERT_OK) goto finish;
+                if ((failed_rc = step_side(&sides[s], step, failure, sizeof failure)) != MOERT_OK) goto finish;
             if (step == 1 && compare_first_step(&sides[0], &sides[1], &agr) != MOERT_OK) {
                 fprintf(stderr, PROG ": comparing the first step: %s\n", moert_last_error());
                 goto exit;
@@ -890,14 +894,17 @@ int moert_cmd_ab(int argc, char **argv)
             if (s == 1) {
                 moert_runtime_destroy(sides[0].rt);
                 sides[0].rt = NULL;
-                if (create_side(&sides[1], sequential) != MOERT_OK) goto exit;
+                if ((failed_rc = create_side(&sides[1], sequential)) != MOERT_OK) {
+                    status = moert_cli_failure_status(failed_rc);
+                    goto exit;
+                }
                 if (check_same_device(&sides[0], &sides[1]) != 0) {
                     status = 2;
                     goto exit;
                 }
             }
             for (int64_t step = 1; step <= total; step++) {
-                if (step_side(&sides[s], step, failure, sizeof failure) != MOERT_OK) goto finish;
+                if ((failed_rc = step_side(&sides[s], step, failure, sizeof failure)) != MOERT_OK) goto finish;
                 if (!quiet && (step % log_every == 0 || step == 1 || step == total || step == warmup))
                     print_side_progress(&sides[s], step, warmup, total);
             }
@@ -969,7 +976,7 @@ finish:;
         }
         if (!quiet) printf("plot written to %s\n", plot_path);
     }
-    status = failed ? 1 : 0;
+    status = failed ? moert_cli_failure_status(failed_rc) : 0;
 exit:
     free(values);
     free(series);

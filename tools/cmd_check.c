@@ -54,8 +54,10 @@ int moert_cmd_check(int argc, char **argv)
     moert_runtime *rt = NULL;
     int status = 1;
     if (moert_cli_load_config("moert check", path, sets, nsets, &cfg) != MOERT_OK) goto exit;
-    if (moert_runtime_create(cfg, &rt) != MOERT_OK) {
+    moert_result rc = moert_runtime_create(cfg, &rt);
+    if (rc != MOERT_OK) {
         moert_cli_print_error("moert check", path, moert_last_error());
+        status = moert_cli_failure_status(rc);
         goto exit;
     }
     printf("%s: ok (router %s, dispatcher %s, precision %s, memory_policy %s; layers %lld, ranks %lld)\n", path,

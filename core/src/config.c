@@ -466,6 +466,11 @@ static moert_result parse_parallel(moert_config *cfg, json_t *obj)
                                    &p->device));
     MOERT_CHECK(section_positive(sec, "timeout_s", 60.0, "seconds a collective waits for a stalled rank",
                                  &p->timeout_s));
+    /* deadlines are computed from it: a day is longer than any collective should wait, and keeps them exact */
+    if (p->timeout_s > MOERT_MAX_TIMEOUT_S) {
+        rc = bad_value(sec, "timeout_s", json_object_get(sec->obj, "timeout_s"), "a number > 0 and <= 86400 (a day)");
+        goto fail;
+    }
     MOERT_CHECK(moert_section_enum(sec, "cuda_graph", cuda_graph_modes, 0,
                                    "capture the layers' forward and backward in CUDA graphs and replay them: auto "
                                    "when every plugin can be captured, on requires it",

@@ -53,6 +53,7 @@ typedef enum moert_optimizer { MOERT_OPTIMIZER_ADAM = 0, MOERT_OPTIMIZER_SGD = 1
 #define MOERT_MAX_EXPERTS 16384           /* $.model.num_experts */
 #define MOERT_MAX_TOKENS_PER_RANK 16777216 /* $.train.tokens_per_rank and $.train.seq_length */
 #define MOERT_MAX_BUFFER_BYTES ((int64_t)1 << 44) /* 16 TiB */
+#define MOERT_MAX_TIMEOUT_S 86400.0        /* $.parallel.timeout_s: a day */
 
 typedef struct moert_train_config {
     int64_t steps, tokens_per_rank, seq_length, seed, log_every;

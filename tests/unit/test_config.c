@@ -172,6 +172,11 @@ static void test_errors(void)
                         "config error at $.parallel.cuda_graph: got true, expected one of auto|off|on");
     expect_config_error("{\"parallel\": {\"timeout_s\": 0}}", MOERT_ERR_CONFIG,
                         "config error at $.parallel.timeout_s: got 0, expected a number > 0");
+    /* deadlines are computed from it: at most a day (1e19 s used to wrap the deadline and spin for ever) */
+    expect_config_error("{\"parallel\": {\"timeout_s\": 1e19}}", MOERT_ERR_CONFIG,
+                        "config error at $.parallel.timeout_s: got 1e19, expected a number > 0 and <= 86400 (a day)");
+    expect_config_error("{\"parallel\": {\"timeout_s\": 86401}}", MOERT_ERR_CONFIG,
+                        "config error at $.parallel.timeout_s: got 86401, expected a number > 0 and <= 86400 (a day)");
     expect_config_error("{\"train\": {\"lr\": \"fast\"}}", MOERT_ERR_CONFIG,
                         "config error at $.train.lr: got \"fast\", expected a number > 0");
     expect_config_error("{\"train\": {\"steps\": -1}}", MOERT_ERR_CONFIG,
