@@ -4,6 +4,7 @@
 
 #include "cli_common.h"
 #include "config.h"
+#include "runtime.h"
 
 static void check_usage(FILE *f)
 {
@@ -63,6 +64,9 @@ int moert_cmd_check(int argc, char **argv)
     printf("%s: ok (router %s, dispatcher %s, precision %s, memory_policy %s; layers %lld, ranks %lld)\n", path,
            cfg->plugin[MOERT_SLOT_ROUTER], cfg->plugin[MOERT_SLOT_DISPATCHER], cfg->plugin[MOERT_SLOT_PRECISION],
            cfg->plugin[MOERT_SLOT_MEMORY_POLICY], (long long)cfg->model.num_layers, (long long)cfg->parallel.ranks);
+    char line[768];
+    moert_memory_estimate_line(&rt->memory, line, sizeof line);
+    printf("memory (estimate, balanced routing): %s\n", line);
     status = 0;
 exit:
     moert_runtime_destroy(rt);

@@ -521,6 +521,9 @@ moert_result moert_runtime_create(const moert_config *cfg, moert_runtime **out)
     rt->world = (int)cfg->parallel.ranks;
     MOERT_CHECK(detect_processes(rt));
     MOERT_CHECK(choose_device(rt));
+    /* refuse what cannot fit before any plugin starts or any rank allocates */
+    moert_memory_estimate_config(cfg, rt->world, rt->device_type, &rt->memory);
+    MOERT_CHECK(moert_memory_estimate_check(cfg, &rt->memory));
     for (int s = 0; s < MOERT_SLOT_COUNT; s++) {
         rc = moert_plugin_load(moert_slot_kind((moert_slot)s), cfg->plugin[s], &rt->plugins[s]);
         if (rc != MOERT_OK) {
@@ -618,28 +621,10 @@ fail:
     return rc;
 }
 
-/* Estimated bytes of parameters and optimizer state per rank, to refuse runs that cannot fit. */
-static double param_bytes_per_rank(const moert_runtime *rt)
-{
-    const moert_model_config *m = &rt->cfg->model;
-    double local = (double)(m->num_experts / rt->world);
-    double per_layer = (double)(m->num_experts * m->hidden) + local * 3.0 * (double)(m->hidden * m->ffn_hidden);
-    double tensors = rt->cfg->train.optimizer == MOERT_OPTIMIZER_SGD ? 2.0 /* value, grad */ : 4.0 /* and m, v */;
-    return per_layer * (double)m->num_layers * tensors * (m->dtype == MOERT_F64 ? 8.0 : 4.0);
-}
-
 static moert_result ensure_params(moert_runtime *rt)
 {
     if (rt->params_ready) return MOERT_OK;
-    if (rt->device_type == MOERT_DEVICE_CPU) {
-        double need = param_bytes_per_rank(rt) * rt->world;
-        double have = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE);
-        if (need > 0.5 * have)
-            return moert_error(MOERT_ERR_OUT_OF_MEMORY,
-                               "config \"%s\": parameters and Adam state need %.1f GiB on the CPU, more than half of "
-                               "this machine's %.1f GiB; run it on GPUs ($.parallel.device \"cuda\") or shrink $.model",
-                               rt->cfg->name, need / 1073741824.0, have / 1073741824.0);
-    }
+    /* what fits was checked by moert_runtime_create (core/src/memory_estimate.c) */
     moert_result rc = moert_teacher_create(rt->cfg->model.hidden, (uint64_t)rt->cfg->train.seed + 7777,
                                            rt->cfg->train.teacher_scale, rt->cfg->train.input_shift, &rt->teacher);
     if (rc != MOERT_OK) return rc;

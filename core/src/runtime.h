@@ -6,6 +6,7 @@
 #include "config.h"
 #include "executor.h"
 #include "loader.h"
+#include "memory_estimate.h"
 #include "task.h"
 
 /* What one step produced, for the progress line and the report. */
@@ -59,6 +60,7 @@ struct moert_runtime {
     int abandoned_ranks;          /* rank threads left running after a stall: the runtime can only be destroyed, which
                                      then frees nothing (docs/config.md, $.parallel.timeout_s) */
     moert_step_record step_record; /* moert_runtime_step's, filled by rank 0 */
+    moert_memory_estimate memory;  /* per rank, estimated before the plugins start (moert check prints it) */
 };
 
 /* One step's forward and backward on every rank without the optimizer, over all its micro-batches

@@ -66,6 +66,7 @@ if [ ! -f "$good" ]; then
 fi
 run check_good 0 check "$good"
 expect_match check_good out "^$good: ok \(router topk, dispatcher alltoall, precision bf16, memory_policy default; layers [0-9]+, ranks [0-9]+\)$"
+expect_match check_good out "^memory \(estimate, balanced routing\): parameters [0-9.]+ [KMG]?i?B, gradients [0-9.]+ [KMG]?i?B, optimizer [0-9.]+ [KMG]?i?B, activations [0-9.]+ [KMG]?i?B, dispatcher buffers [0-9.]+ [KMG]?i?B, workspace [0-9.]+ [KMG]?i?B; [0-9.]+ [KMG]?i?B per rank x [0-9]+ ranks = [0-9.]+ [KMG]?i?B, of this machine's memory, shared by the [0-9]+ rank threads \([0-9.]+ GiB\)$"
 run check_set 0 check "$good" --set train.steps=3 --set model.num_layers=1
 expect_match check_set out "^$good: ok \(.*; layers 1, ranks [0-9]+\)$"
 
@@ -115,6 +116,21 @@ echo '{"model": {"num_layers": 1}, "parallel": {"ranks": 2}, "router": {"plugin"
     >"$tmp/sub/rel.json"
 (cd "$tmp" && "$moert" check sub/rel.json) >"$tmp/relative.out" 2>"$tmp/relative.err" || fail "relative: check failed"
 expect_line relative out "sub/rel.json: ok (router $tmp/sub/plug/libmoert-router-topk.so, dispatcher alltoall, precision bf16, memory_policy default; layers 1, ranks 2)"
+
+# memory: what cannot fit is refused by check and run before any plugin starts, with the estimate per rank
+huge="--set parallel.device=cpu --set train.tokens_per_rank=16777216 --set model.hidden=4096 --set model.ffn_hidden=4096"
+run memory_check 1 check "$good" $huge
+expect_match memory_check err "^moert check: $good: config \"demo-cpu\" does not fit: it needs an estimated [0-9.]+ [GT]iB, more than 90% of this machine's memory, shared by the 4 rank threads \\([0-9.]+ GiB\\); parameters .*, activations [0-9.]+ TiB, .* per rank\\. Shrink \\\$\.model or \\\$\.train\.tokens_per_rank, use more ranks, or run it on GPUs"
+run memory_run 1 run "$good" --steps 1 $huge
+expect_match memory_run err "^moert run: config \"demo-cpu\" does not fit: it needs an estimated"
+expect_no_match() { if grep -qE -- "$3" "$tmp/$1.$2"; then fail "$1: $2 matches: $3"; fi; }
+expect_no_match memory_run out "^step "
+# the qwen3-30b-a3b preset needs about 32.5 GiB on the CPU: refused (not killed) wherever that does not fit
+mem_kib=$(sed -n 's/^MemTotal: *\([0-9]*\) kB$/\1/p' /proc/meminfo)
+if [ -n "$mem_kib" ] && [ "$mem_kib" -lt 35000000 ]; then
+    run memory_qwen 1 check "$src/configs/qwen3-30b-a3b.json" --set parallel.device=cpu
+    expect_match memory_qwen err "config \"qwen3-30b-a3b\" does not fit: it needs an estimated 3[0-9]\.[0-9] GiB"
+fi
 
 # sizes: keys beyond their bound are refused before anything is allocated (these wrapped size products and wrote
 # past the heap in the bf16 CPU GEMM and the task's buffers; num_experts 2^28 zero-filled 32 GiB in check)
