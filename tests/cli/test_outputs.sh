@@ -3,7 +3,7 @@
 # folder), written atomically (a failed write leaves the previous file), and `ab` writes what it has when a step fails.
 # Usage: test_outputs.sh PATH/TO/moert   (meson test runs it with MOERT_TEST_SOURCE_ROOT set)
 set -u
-moert="$1"
+moert="$(cd "$(dirname "$1")" && pwd)/$(basename "$1")" # absolute: some checks run from other folders
 src="${MOERT_TEST_SOURCE_ROOT:-$(cd "$(dirname "$0")/../.." && pwd)}"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT

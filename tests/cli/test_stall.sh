@@ -5,7 +5,7 @@
 # a hang fails the test instead of hanging it.
 # Usage: test_stall.sh PATH/TO/moert
 set -u
-moert="$1"
+moert="$(cd "$(dirname "$1")" && pwd)/$(basename "$1")" # absolute: some checks run from other folders
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 failures=0
