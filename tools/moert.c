@@ -17,6 +17,8 @@ static void usage(FILE *f)
             "options:\n"
             "  --help, -h       this text ('moert COMMAND --help' for a command's own)\n"
             "  --version        the version of moert and of its plugin ABI\n"
+            "exit status:\n"
+            "  0 done, 1 the work failed, 2 a usage error, 3 a rank stalled ($.parallel.timeout_s)\n"
             "environment:\n"
             "  MOERT_PLUGIN_PATH   ':'-separated directories searched for plugins before the built-in ones\n"
             "  MOERT_LOG           error, warn (default), info or debug\n");
