@@ -15,6 +15,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "config.h"
 #include "error.h"
 #include "host.h"
 
@@ -432,6 +433,42 @@ void moert_plugin_guard_crashes(void)
     for (int i = 0; i < 65; i++) atexit(exit_handler);
 }
 
+/* The layer a plugin instance is started for must have sizes inside the config's bounds (config.h), whoever built
+ * it (the runtime from a config, or a caller of the embedding API): plugins size their buffers from these, and the
+ * bounds keep every such product from wrapping. */
+static moert_result check_layer_sizes(const moert_plugin *p, const moert_layer_info *l, int world)
+{
+    struct {
+        const char *name;
+        int64_t value, min, max;
+    } sizes[] = {
+        {"hidden", l->hidden, 1, MOERT_MAX_HIDDEN},
+        {"ffn_hidden", l->ffn_hidden, 1, MOERT_MAX_FFN_HIDDEN},
+        {"num_experts", l->num_experts, 1, MOERT_MAX_EXPERTS},
+        {"topk", l->topk, 1, l->num_experts},
+        {"num_local_experts", l->num_local_experts, 1, l->num_experts},
+        {"max_tokens", l->max_tokens, 0, MOERT_MAX_TOKENS_PER_RANK},
+    };
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
+        if (sizes[i].value < sizes[i].min || sizes[i].value > sizes[i].max)
+            return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                               "%s plugin \"%s\": layer %d has %s %lld, expected %lld .. %lld", moert_kind_name(p->kind),
+                               p->header->name, (int)l->layer_index, sizes[i].name, (long long)sizes[i].value,
+                               (long long)sizes[i].min, (long long)sizes[i].max);
+    /* the largest buffers: a rank's fc1 weights, and every routed row of the group arriving at one rank */
+    int64_t fc1 = 0, rows = 0, row_bytes = 0;
+    int64_t widest = 2 * l->ffn_hidden > l->hidden ? 2 * l->ffn_hidden : l->hidden;
+    bool wraps = __builtin_mul_overflow(l->num_local_experts * l->hidden, 2 * l->ffn_hidden * 8, &fc1) ||
+                 __builtin_mul_overflow((int64_t)(world > 0 ? world : 1) * l->max_tokens, l->topk, &rows) ||
+                 __builtin_mul_overflow(rows, widest * 8, &row_bytes);
+    if (wraps || fc1 > MOERT_MAX_BUFFER_BYTES || row_bytes > MOERT_MAX_BUFFER_BYTES)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                           "%s plugin \"%s\": layer %d's buffers (fc1 weights, or world x max_tokens x topk rows) "
+                           "would exceed %lld TiB", moert_kind_name(p->kind), p->header->name, (int)l->layer_index,
+                           (long long)(MOERT_MAX_BUFFER_BYTES >> 40));
+    return MOERT_OK;
+}
+
 /* Calls the plugin's init; a failure comes back with the plugin's message, prefixed with its kind and name. */
 moert_result moert_plugin_init(const moert_plugin *p, void **ctx, moert_host *host, const moert_layer_info *layer)
 {
@@ -439,6 +476,10 @@ moert_result moert_plugin_init(const moert_plugin *p, void **ctx, moert_host *ho
     if (!p || !p->header)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_plugin_init: the plugin is not loaded");
     const vtable_prefix *v = (const vtable_prefix *)p->header;
+    if (layer) {
+        moert_result sized = check_layer_sizes(p, layer, host ? host->world_size : 1);
+        if (sized != MOERT_OK) return sized;
+    }
     moert_host_take_error(host); /* forget anything set before */
     call_begin(p, "init", host, layer);
     moert_result rc = v->init(ctx, host, layer);

@@ -228,6 +228,20 @@ static void test_init(void)
                   MOERT_ERR_CONFIG);
     EXPECT(strcmp(moert_error_message(), "config error at $.test.reasn: unknown key (did you mean \"reason\"?)") == 0);
     test_instance_close(&ti);
+
+    /* a layer whose sizes would wrap the plugin's buffer sizes never reaches its init, whoever built the layer */
+    moert_layer_info huge = test_layer((int64_t)1 << 61, 128, 8, 2, 256, 1, 0, MOERT_F32);
+    EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_ROUTER, "topk", "{}", &huge, NULL, 0, 1),
+                  MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT(strcmp(moert_error_message(),
+                  "router plugin \"topk\": layer 0 has hidden 2305843009213693952, expected 1 .. 65536") == 0);
+    test_instance_close(&ti);
+    moert_layer_info wide = test_layer(65536, 262144, 16384, 16384, 16777216, 1, 0, MOERT_F32);
+    EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_ROUTER, "topk", "{}", &wide, NULL, 0, 1),
+                  MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT(strcmp(moert_error_message(), "router plugin \"topk\": layer 0's buffers (fc1 weights, or world x max_tokens x "
+                  "topk rows) would exceed 16 TiB") == 0);
+    test_instance_close(&ti);
 }
 
 typedef struct scan_result {
