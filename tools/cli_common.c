@@ -53,3 +53,6 @@ moert_result moert_cli_load_config(const char *prog, const char *path, const cha
     *out = cfg;
     return MOERT_OK;
 }
+
+/* 3 for a stalled rank, so that scripts and schedulers can tell a hang from an error. */
+int moert_cli_failure_status(moert_result rc) { return rc == MOERT_ERR_TIMEOUT ? MOERT_CLI_EXIT_STALLED : 1; }

@@ -20,8 +20,13 @@ void moert_cli_print_error(const char *prog, const char *path, const char *messa
 /* Applies one "KEY=VALUE" override; prints "PROG: ..." on error. */
 moert_result moert_cli_apply_set(const char *prog, moert_config *cfg, const char *assignment);
 
+/* The exit status of a command whose work failed with rc: MOERT_CLI_EXIT_STALLED when a rank stalled (a collective
+ * timed out, $.parallel.timeout_s), else 1. */
+#define MOERT_CLI_EXIT_STALLED 3
+int moert_cli_failure_status(moert_result rc);
+
 /* Subcommands: argv holds the arguments after the subcommand's name; each returns the exit status
- * (0 ok, 1 the work failed, 2 a usage error). */
+ * (0 ok, 1 the work failed, 2 a usage error, 3 a rank stalled). */
 int moert_cmd_run(int argc, char **argv);     /* tools/cmd_run.c */
 int moert_cmd_ab(int argc, char **argv);      /* tools/cmd_ab.c */
 int moert_cmd_env(int argc, char **argv);     /* tools/cmd_env.c */

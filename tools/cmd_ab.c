@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "ab_plot.h"
+#include "output.h"
 #include "cli_common.h"
 #include "config.h"
 #include "runtime.h"
@@ -136,6 +137,7 @@ typedef struct ab_side {
     moert_runtime *rt;           /* NULL once destroyed */
     ab_run_facts facts;          /* taken after the last step */
     moert_step_record *records;  /* [warmup + steps], every step */
+    int64_t done;                /* steps completed (fewer than warmup + steps when a step failed) */
     spread figures[FIGURE_COUNT]; /* over the measured steps */
 } ab_side;
 
@@ -445,6 +447,7 @@ static json_t *memory_json(const ab_run_facts *rt)
 
 static json_t *side_json(const ab_side *s, int64_t total_steps, int64_t warmup)
 {
+    if (total_steps > s->done) total_steps = s->done; /* a failed step: the ones completed */
     json_t *o = json_object(), *plugins = json_object(), *steps = json_array(), *medians = json_object();
     for (int slot = 0; slot < MOERT_SLOT_COUNT; slot++)
         json_object_set_new(plugins, moert_slot_key((moert_slot)slot), plugin_section(s->cfg, (moert_slot)slot));
@@ -463,6 +466,7 @@ static json_t *side_json(const ab_side *s, int64_t total_steps, int64_t warmup)
                                               "teacher_scale", s->cfg->train.teacher_scale));
     json_object_set_new(o, "ms", medians);
     json_object_set_new(o, "activation_bytes_rank0", memory_json(&s->facts));
+    json_object_set_new(o, "completed_steps", json_integer(s->done));
     json_object_set_new(o, "steps", steps);
     return o;
 }
@@ -549,22 +553,68 @@ static void markdown_path(const char *json_path, char *out, size_t size)
         snprintf(out, size, "%s.md", json_path);
 }
 
-static int write_markdown(const char *path, const ab_header *h, const table_row *rows, int nrows,
-                          const char *verdict, const char *summary)
+/* The first line of every table `moert ab` writes: a file beside the report that does not start with it is someone
+ * else's, and is not overwritten. */
+#define MARKDOWN_TITLE "# moert ab\n"
+
+typedef struct markdown_parts {
+    const ab_header *h;
+    const table_row *rows;
+    int nrows;
+    const char *verdict, *summary;
+} markdown_parts;
+
+static int markdown_writer(FILE *f, void *user)
 {
-    FILE *f = fopen(path, "w");
-    if (!f) return -1;
-    fprintf(f, "# moert ab\n\n");
+    const markdown_parts *m = user;
+    const ab_header *h = m->h;
+    const table_row *rows = m->rows;
+    int nrows = m->nrows;
+    const char *verdict = m->verdict, *summary = m->summary;
+    fprintf(f, MARKDOWN_TITLE "\n");
     for (int i = 0; i < h->count; i++) fprintf(f, "- %s\n", h->lines[i]);
     fprintf(f, "\n| figure | A median [p10-p90] | B median [p10-p90] | B/A |\n|---|---:|---:|---:|\n");
     for (int i = 0; i < nrows; i++) fprintf(f, "| %s | %s | %s | %s |\n", rows[i].label, rows[i].a, rows[i].b, rows[i].ratio);
     fprintf(f, "\n%s\n\n%s\n", verdict, summary);
-    return fclose(f) == 0 ? 0 : -1;
+    return ferror(f) ? -1 : 0;
+}
+
+static int dump_json(FILE *f, void *root) { return json_dumpf(root, f, JSON_INDENT(1) | JSON_REAL_PRECISION(8)); }
+
+/* Checks, before anything runs, that the report, its table and the plot can be written: none is an input config or
+ * another output, none is a link, their folders are writable, and an existing table is one `moert ab` wrote. */
+static int check_outputs(const char *const configs[2], const char *report, const char *md, const char *plot)
+{
+    const char *inputs[4] = {configs[0], configs[1], report, md};
+    if (report && moert_output_check("--report", report, inputs, 2) != MOERT_OK) goto refused;
+    if (report && moert_output_check("--report's table", md, inputs, 3) != MOERT_OK) goto refused;
+    if (report) {
+        FILE *f = fopen(md, "r");
+        char first[64] = "";
+        if (f) {
+            if (!fgets(first, sizeof first, f)) first[0] = '\0';
+            fclose(f);
+            if (strcmp(first, MARKDOWN_TITLE) != 0) {
+                fprintf(stderr, PROG ": --report %s: the table beside it, %s, exists and was not written by moert ab; "
+                        "move it away or choose another report name\n", report, md);
+                return 1;
+            }
+        }
+    }
+    if (plot && moert_output_check("--plot", plot, inputs, report ? 4 : 2) != MOERT_OK) goto refused;
+    if (plot && report && (!strcmp(plot, report) || !strcmp(plot, md))) {
+        fprintf(stderr, PROG ": --plot %s is also the report or its table\n", plot);
+        return 1;
+    }
+    return 0;
+refused:
+    fprintf(stderr, PROG ": %s\n", moert_last_error());
+    return 1;
 }
 
 static moert_result write_report(const char *path, const ab_side *a, const ab_side *b, const ab_header *h,
                                  const ab_agreement *agr, int64_t warmup, int64_t steps, const char *verdict,
-                                 const char *summary, const table_row *rows, int nrows)
+                                 const char *summary, const table_row *rows, int nrows, const char *failure)
 {
     const moert_config *cfg = a->cfg;
     json_t *root = json_object(), *ratios = json_object(), *header = json_array(), *differ = json_array();
@@ -617,19 +667,20 @@ static moert_result write_report(const char *path, const ab_side *a, const ab_si
     json_object_set_new(root, "agreement", agreement);
     json_object_set_new(root, "verdict", json_string(verdict));
     json_object_set_new(root, "summary", json_string(summary));
-    int failed = json_dump_file(root, path, JSON_INDENT(1) | JSON_REAL_PRECISION(8));
+    json_object_set_new(root, "complete", json_boolean(failure == NULL));
+    json_object_set_new(root, "failure", failure ? json_string(failure) : json_null());
+    moert_result rc = moert_output_write(path, dump_json, root);
     json_decref(root);
-    if (failed) {
-        fprintf(stderr, PROG ": writing the report to %s failed\n", path);
-        return MOERT_ERR_IO;
+    if (rc != MOERT_OK) {
+        fprintf(stderr, PROG ": %s\n", moert_last_error());
+        return rc;
     }
     char md[4096];
     markdown_path(path, md, sizeof md);
-    if (write_markdown(md, h, rows, nrows, verdict, summary) != 0) {
-        fprintf(stderr, PROG ": writing %s failed\n", md);
-        return MOERT_ERR_IO;
-    }
-    return MOERT_OK;
+    markdown_parts parts = {h, rows, nrows, verdict, summary};
+    rc = moert_output_write(md, markdown_writer, &parts);
+    if (rc != MOERT_OK) fprintf(stderr, PROG ": %s\n", moert_last_error());
+    return rc;
 }
 
 /* ---- the command ---- */
@@ -692,14 +743,16 @@ static moert_result create_side(ab_side *side, bool sequential)
 }
 
 /* One training step of a side, recorded; the memory figures are those of the last step. */
-static moert_result step_side(ab_side *side, int64_t step)
+static moert_result step_side(ab_side *side, int64_t step, char *failure, size_t failure_size)
 {
     moert_result rc = moert_runtime_step(side->rt, step, &side->records[step - 1]);
     if (rc != MOERT_OK) {
-        fprintf(stderr, PROG ": %c (%s), step %lld: %s\n", side->letter, side->path, (long long)step,
-                moert_last_error());
+        snprintf(failure, failure_size, "%c (%s), step %lld: %s", side->letter, side->path, (long long)step,
+                 moert_last_error());
+        fprintf(stderr, PROG ": %s\n", failure);
         return rc;
     }
+    side->done = step;
     take_facts(side);
     return MOERT_OK;
 }
@@ -778,10 +831,14 @@ int moert_cmd_ab(int argc, char **argv)
         ab_usage(stderr);
         return 2;
     }
+    char md[4096] = "";
+    if (report_path) markdown_path(report_path, md, sizeof md);
+    if (check_outputs(paths, report_path, report_path ? md : NULL, plot_path) != 0) return 1;
 
     ab_side sides[2] = {{.path = paths[0], .letter = 'A'}, {.path = paths[1], .letter = 'B'}};
     ab_agreement agr = {.rtol = rtol, .losses_identical = true, .sequential = sequential};
     double *values = NULL, *series = NULL;
+    char failure[4096] = ""; /* the step that failed: the report then holds the steps completed */
     for (int s = 0; s < 2; s++) {
         const char *mine[MOERT_CLI_MAX_SETS];
         int nmine = 0;
@@ -808,8 +865,12 @@ int moert_cmd_ab(int argc, char **argv)
         }
     }
     /* Interleaved: both runtimes live at once. Sequential: A runs to the end and is freed before B starts. */
+    moert_result failed_rc = MOERT_OK; /* a failed creation or step: its code gives the exit status */
     for (int s = 0; s < (sequential ? 1 : 2); s++)
-        if (create_side(&sides[s], sequential) != MOERT_OK) goto exit;
+        if ((failed_rc = create_side(&sides[s], sequential)) != MOERT_OK) {
+            status = moert_cli_failure_status(failed_rc);
+            goto exit;
+        }
     ab_header header;
     build_header(&sides[0], &sides[1], warmup, steps, sequential, &header);
     for (int i = 0; i < header.count; i++) printf("%s%s\n", i == 0 ? PROG ": " : "  ", header.lines[i]);
@@ -822,7 +883,7 @@ int moert_cmd_ab(int argc, char **argv)
         }
         for (int64_t step = 1; step <= total; step++) {
             for (int s = 0; s < 2; s++)
-                if (step_side(&sides[s], step) != MOERT_OK) goto exit;
+                if ((failed_rc = step_side(&sides[s], step, failure, sizeof failure)) != MOERT_OK) goto finish;
             if (step == 1 && compare_first_step(&sides[0], &sides[1], &agr) != MOERT_OK) {
                 fprintf(stderr, PROG ": comparing the first step: %s\n", moert_last_error());
                 goto exit;
@@ -835,20 +896,28 @@ int moert_cmd_ab(int argc, char **argv)
             if (s == 1) {
                 moert_runtime_destroy(sides[0].rt);
                 sides[0].rt = NULL;
-                if (create_side(&sides[1], sequential) != MOERT_OK) goto exit;
+                if ((failed_rc = create_side(&sides[1], sequential)) != MOERT_OK) {
+                    status = moert_cli_failure_status(failed_rc);
+                    goto exit;
+                }
                 if (check_same_device(&sides[0], &sides[1]) != 0) {
                     status = 2;
                     goto exit;
                 }
             }
             for (int64_t step = 1; step <= total; step++) {
-                if (step_side(&sides[s], step) != MOERT_OK) goto exit;
+                if ((failed_rc = step_side(&sides[s], step, failure, sizeof failure)) != MOERT_OK) goto finish;
                 if (!quiet && (step % log_every == 0 || step == 1 || step == total || step == warmup))
                     print_side_progress(&sides[s], step, warmup, total);
             }
         }
     }
-    for (int64_t step = 1; step <= total; step++) {
+finish:;
+    /* after a failed step: the figures of the steps each side completed, and the losses of those both completed */
+    const bool failed = failure[0] != '\0';
+    int64_t both_done = sides[0].done < sides[1].done ? sides[0].done : sides[1].done;
+    if (failed) header_add(&header, "INCOMPLETE: %s", failure);
+    for (int64_t step = 1; step <= both_done; step++) {
         double la = sides[0].records[step - 1].loss, lb = sides[1].records[step - 1].loss;
         double d = relative_difference(la, lb);
         if (d > agr.loss_diff) {
@@ -862,32 +931,36 @@ int moert_cmd_ab(int argc, char **argv)
 
     values = malloc(sizeof(double) * (size_t)steps);
     if (!values) goto exit;
-    for (int s = 0; s < 2; s++)
+    for (int s = 0; s < 2; s++) {
+        int64_t measured = sides[s].done > warmup ? sides[s].done - warmup : 0;
         for (int f = 0; f < FIGURE_COUNT; f++) {
-            for (int64_t i = 0; i < steps; i++) values[i] = figure_ms(&sides[s].records[warmup + i], f);
-            sides[s].figures[f] = spread_of(values, steps);
+            for (int64_t i = 0; i < measured; i++) values[i] = figure_ms(&sides[s].records[warmup + i], f);
+            sides[s].figures[f] = spread_of(values, measured);
         }
+    }
     table_row rows[FIGURE_COUNT + MEMORY_ROWS];
     int nrows = build_table(&sides[0], &sides[1], rows);
     char verdict[1024], summary[1536];
-    format_verdict(&agr, total, verdict, sizeof verdict);
+    format_verdict(&agr, both_done, verdict, sizeof verdict);
     format_summary(&sides[0], &sides[1], &agr, summary, sizeof summary);
+    if (failed)
+        snprintf(verdict, sizeof verdict, "INCOMPLETE: %s. The figures cover the steps each side completed (A %lld, B "
+                 "%lld of %lld).", failure, (long long)sides[0].done, (long long)sides[1].done, (long long)total);
     printf("\n");
     print_table(stdout, rows, nrows);
     printf("\n%s\n%s\n", verdict, summary);
 
     if (report_path) {
         if (write_report(report_path, &sides[0], &sides[1], &header, &agr, warmup, steps, verdict, summary, rows,
-                         nrows) != MOERT_OK)
+                         nrows, failed ? failure : NULL) != MOERT_OK)
             goto exit;
-        char md[4096];
-        markdown_path(report_path, md, sizeof md);
-        if (!quiet) printf("report written to %s and %s\n", report_path, md);
+        if (!quiet) printf("%sreport written to %s and %s\n", failed ? "incomplete " : "", report_path, md);
     }
-    if (plot_path) {
+    if (plot_path && both_done > 0) {
+        total = both_done;
         series = malloc(sizeof(double) * 4 * (size_t)total);
         if (!series) goto exit;
-        moert_ab_plot_data plot = {.n = total, .warmup = warmup};
+        moert_ab_plot_data plot = {.n = total, .warmup = warmup < total ? warmup : total};
         for (int s = 0; s < 2; s++) {
             double *ms = series + (2 * s) * total, *loss = series + (2 * s + 1) * total;
             for (int64_t i = 0; i < total; i++) {
@@ -908,7 +981,7 @@ int moert_cmd_ab(int argc, char **argv)
         }
         if (!quiet) printf("plot written to %s\n", plot_path);
     }
-    status = 0;
+    status = failed ? moert_cli_failure_status(failed_rc) : 0;
 exit:
     free(values);
     free(series);

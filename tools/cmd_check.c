@@ -4,6 +4,7 @@
 
 #include "cli_common.h"
 #include "config.h"
+#include "runtime.h"
 
 static void check_usage(FILE *f)
 {
@@ -54,13 +55,18 @@ int moert_cmd_check(int argc, char **argv)
     moert_runtime *rt = NULL;
     int status = 1;
     if (moert_cli_load_config("moert check", path, sets, nsets, &cfg) != MOERT_OK) goto exit;
-    if (moert_runtime_create(cfg, &rt) != MOERT_OK) {
+    moert_result rc = moert_runtime_create(cfg, &rt);
+    if (rc != MOERT_OK) {
         moert_cli_print_error("moert check", path, moert_last_error());
+        status = moert_cli_failure_status(rc);
         goto exit;
     }
     printf("%s: ok (router %s, dispatcher %s, precision %s, memory_policy %s; layers %lld, ranks %lld)\n", path,
            cfg->plugin[MOERT_SLOT_ROUTER], cfg->plugin[MOERT_SLOT_DISPATCHER], cfg->plugin[MOERT_SLOT_PRECISION],
            cfg->plugin[MOERT_SLOT_MEMORY_POLICY], (long long)cfg->model.num_layers, (long long)cfg->parallel.ranks);
+    char line[768];
+    moert_memory_estimate_line(&rt->memory, line, sizeof line);
+    printf("memory (estimate, balanced routing): %s\n", line);
     status = 0;
 exit:
     moert_runtime_destroy(rt);

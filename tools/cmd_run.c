@@ -5,6 +5,7 @@
 
 #include "cli_common.h"
 #include "moert/moert.h"
+#include "output.h"
 
 static void run_usage(FILE *f)
 {
@@ -65,17 +66,26 @@ int moert_cmd_run(int argc, char **argv)
 
     moert_config *cfg = NULL;
     moert_runtime *rt = NULL;
-    if (moert_cli_load_config("moert run", config_path, sets, nsets, &cfg) != MOERT_OK) goto exit;
-    if (moert_runtime_create(cfg, &rt) != MOERT_OK) {
+    /* the report's path is checked before anything runs: never the config, never a link, a writable folder */
+    if (report_path && moert_output_check("--report", report_path, &config_path, 1) != MOERT_OK) {
         fprintf(stderr, "moert run: %s\n", moert_last_error());
+        goto exit;
+    }
+    if (moert_cli_load_config("moert run", config_path, sets, nsets, &cfg) != MOERT_OK) goto exit;
+    moert_result rc = moert_runtime_create(cfg, &rt);
+    if (rc != MOERT_OK) {
+        fprintf(stderr, "moert run: %s\n", moert_last_error());
+        status = moert_cli_failure_status(rc);
         goto exit;
     }
     /* a process per GPU: rank 0's process prints and writes the report */
     int root = moert_runtime_rank(rt) == 0;
     moert_train_options opts = {.struct_size = sizeof opts, .progress = quiet || !root ? NULL : stdout,
                                 .steps = steps};
-    if (moert_runtime_train(rt, &opts) != MOERT_OK) {
+    rc = moert_runtime_train(rt, &opts);
+    if (rc != MOERT_OK) {
         fprintf(stderr, "moert run: %s\n", moert_last_error());
+        status = moert_cli_failure_status(rc);
         goto exit;
     }
     if (report_path && root) {

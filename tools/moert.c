@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "cli_common.h"
+#include "loader.h"
 
 static void usage(FILE *f)
 {
@@ -18,6 +19,8 @@ static void usage(FILE *f)
             "options:\n"
             "  --help, -h       this text ('moert COMMAND --help' for a command's own)\n"
             "  --version        the version of moert and of its plugin ABI\n"
+            "exit status:\n"
+            "  0 done, 1 the work failed, 2 a usage error, 3 a rank stalled ($.parallel.timeout_s)\n"
             "environment:\n"
             "  MOERT_PLUGIN_PATH   ':'-separated directories searched for plugins before the built-in ones\n"
             "  MOERT_LOG           error, warn (default), info or debug\n");
@@ -30,6 +33,8 @@ int main(int argc, char **argv)
         return 2;
     }
     const char *command = argv[1];
+    /* a plugin whose init crashes or exits is named on stderr before the process goes */
+    moert_plugin_guard_crashes();
     if (!strcmp(command, "--help") || !strcmp(command, "-h") || !strcmp(command, "help")) {
         usage(stdout);
         return 0;

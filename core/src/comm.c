@@ -52,7 +52,9 @@ moert_result moert_comm_group_create(int world, double timeout_s, moert_comm_gro
     moert_result rc = MOERT_OK;
     *out = NULL;
     if (world < 1) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "comm: world size %d, expected >= 1", world);
-    if (!(timeout_s > 0)) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "comm: timeout %g s, expected > 0", timeout_s);
+    /* at most a day ($.parallel.timeout_s's bound): deadlines past it wrapped and made the waits spin */
+    if (!(timeout_s > 0) || timeout_s > 86400.0)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "comm: timeout %g s, expected > 0 and <= 86400", timeout_s);
     moert_comm_group *g = calloc(1, sizeof *g);
     MOERT_CHECK_ALLOC(g);
     g->present = calloc((size_t)world, sizeof *g->present);

@@ -424,10 +424,10 @@ static moert_result parse_model(moert_config *cfg, json_t *obj)
     int dtype = 0;
     moert_section *sec = moert_section_create(obj, "$.model");
     MOERT_CHECK_ALLOC(sec);
-    MOERT_CHECK(moert_section_int(sec, "hidden", 64, 1, INT64_MAX, "H, the model width", &m->hidden));
-    MOERT_CHECK(moert_section_int(sec, "ffn_hidden", 128, 1, INT64_MAX, "F, each expert's FFN width",
+    MOERT_CHECK(moert_section_int(sec, "hidden", 64, 1, MOERT_MAX_HIDDEN, "H, the model width", &m->hidden));
+    MOERT_CHECK(moert_section_int(sec, "ffn_hidden", 128, 1, MOERT_MAX_FFN_HIDDEN, "F, each expert's FFN width",
                                   &m->ffn_hidden));
-    MOERT_CHECK(moert_section_int(sec, "num_experts", 8, 1, INT64_MAX, "E, experts over all ranks",
+    MOERT_CHECK(moert_section_int(sec, "num_experts", 8, 1, MOERT_MAX_EXPERTS, "E, experts over all ranks",
                                   &m->num_experts));
     MOERT_CHECK(moert_section_int(sec, "topk", 2, 1, m->num_experts, "K, experts per token", &m->topk));
     MOERT_CHECK(moert_section_int(sec, "num_layers", 2, 1, 1024, "MoE layers in the stack", &m->num_layers));
@@ -477,6 +477,11 @@ static moert_result parse_parallel(moert_config *cfg, json_t *obj)
                                    &p->device));
     MOERT_CHECK(section_positive(sec, "timeout_s", 60.0, "seconds a collective waits for a stalled rank",
                                  &p->timeout_s));
+    /* deadlines are computed from it: a day is longer than any collective should wait, and keeps them exact */
+    if (p->timeout_s > MOERT_MAX_TIMEOUT_S) {
+        rc = bad_value(sec, "timeout_s", json_object_get(sec->obj, "timeout_s"), "a number > 0 and <= 86400 (a day)");
+        goto fail;
+    }
     MOERT_CHECK(moert_section_enum(sec, "cuda_graph", cuda_graph_modes, 0,
                                    "capture the layers' forward and backward in CUDA graphs and replay them: auto "
                                    "when every plugin can be captured, on requires it",
@@ -503,12 +508,12 @@ static moert_result parse_train(moert_config *cfg, json_t *obj)
     moert_section *sec = moert_section_create(obj, "$.train");
     MOERT_CHECK_ALLOC(sec);
     MOERT_CHECK(moert_section_int(sec, "steps", 100, 0, INT64_MAX, "optimizer steps", &t->steps));
-    MOERT_CHECK(moert_section_int(sec, "tokens_per_rank", 256, 1, INT64_MAX, "tokens per rank per micro-batch",
+    MOERT_CHECK(moert_section_int(sec, "tokens_per_rank", 256, 1, MOERT_MAX_TOKENS_PER_RANK, "tokens per rank per micro-batch",
                                   &t->tokens_per_rank));
     MOERT_CHECK(moert_section_int(sec, "micro_batches", 1, 1, MOERT_MAX_MICRO_BATCHES,
                                   "micro-batches per optimizer step: their gradients add up (gradient accumulation)",
                                   &t->micro_batches));
-    MOERT_CHECK(moert_section_int(sec, "seq_length", 0, 0, INT64_MAX, "tokens per sequence (0: one per rank)",
+    MOERT_CHECK(moert_section_int(sec, "seq_length", 0, 0, MOERT_MAX_TOKENS_PER_RANK, "tokens per sequence (0: one per rank)",
                                   &t->seq_length));
     MOERT_CHECK(moert_section_int(sec, "seed", 1, 0, INT64_MAX, "seed of weights and data", &t->seed));
     MOERT_CHECK(moert_section_int(sec, "log_every", 1, 1, INT64_MAX, "steps between progress lines",
@@ -559,10 +564,14 @@ static moert_result parse_slot(moert_config *cfg, moert_slot slot)
         }
         name = json_string_value(v);
     }
-    if (strlen(name) >= sizeof cfg->plugin[slot])
-        return moert_error(MOERT_ERR_CONFIG, "config error at $.%s.plugin: the value is longer than %zu characters",
-                           slot_keys[slot], sizeof cfg->plugin[slot] - 1);
-    snprintf(cfg->plugin[slot], sizeof cfg->plugin[slot], "%s", name);
+    if (strlen(name) >= 512)
+        return moert_error(MOERT_ERR_CONFIG, "config error at $.%s.plugin: the value is longer than 511 characters",
+                           slot_keys[slot]);
+    /* a relative path means the same file wherever moert is started from: it is taken from the config's folder */
+    if (strchr(name, '/') && name[0] != '/' && cfg->folder[0])
+        snprintf(cfg->plugin[slot], sizeof cfg->plugin[slot], "%s/%s", cfg->folder, name);
+    else
+        snprintf(cfg->plugin[slot], sizeof cfg->plugin[slot], "%s", name);
     return MOERT_OK;
 }
 
@@ -576,6 +585,59 @@ static void base_name(const char *path, char *buf, size_t size)
     if (n >= size) n = size - 1;
     memcpy(buf, base, n);
     buf[n] = '\0';
+}
+
+/* a * b into *out; false when the product does not fit an int64. */
+static bool mul_fits(int64_t a, int64_t b, int64_t *out) { return !__builtin_mul_overflow(a, b, out); }
+
+/* The product of n sizes, or -1 when it does not fit an int64. */
+static int64_t checked_product(int n, const int64_t *factors)
+{
+    int64_t p = 1;
+    for (int i = 0; i < n; i++)
+        if (factors[i] < 0 || !mul_fits(p, factors[i], &p)) return -1;
+    return p;
+}
+
+/*
+ * Refuses sizes whose products would not fit a device: the largest buffers one rank holds, computed with overflow
+ * checks, must each stay within MOERT_MAX_BUFFER_BYTES. With the key bounds this keeps every size product the core
+ * and the plugins compute (rows x width x element size) far from wrapping. Counted at 8 bytes an element (fp64,
+ * the widest storage). The message names the key that makes the buffer large.
+ */
+static moert_result check_size_products(const moert_config *cfg)
+{
+    const moert_model_config *m = &cfg->model;
+    const int64_t world = cfg->parallel.ranks, t = cfg->train.tokens_per_rank;
+    /* a rank may receive every routed row of every rank: world x T x K rows */
+    const int64_t fc1_width = 2 * m->ffn_hidden;
+    const int64_t widest_row = fc1_width > m->hidden ? fc1_width : m->hidden;
+    struct {
+        const char *key, *what;
+        int n;
+        int64_t f[5];
+    } buffers[] = {
+        {"$.model.ffn_hidden", "the fc1 weights of a rank (experts per rank x hidden x 2 x ffn_hidden)", 4,
+         {m->num_experts / world, m->hidden, fc1_width, 8}},
+        {"$.train.tokens_per_rank", "the rows dispatched to a rank (ranks x tokens_per_rank x topk rows of "
+         "max(hidden, 2 x ffn_hidden) values)", 5, {world, t, m->topk, widest_row, 8}},
+        {"$.model.num_experts", "the router's scores of a rank (tokens_per_rank x num_experts)", 3,
+         {t, m->num_experts, 8}},
+        {"$.model.hidden", "the router's weights (num_experts x hidden)", 3, {m->num_experts, m->hidden, 8}},
+        {"$.train.tokens_per_rank", "the residual stream of a rank (num_layers + 1 x tokens_per_rank x hidden)", 4,
+         {m->num_layers + 1, t, m->hidden, 8}},
+    };
+    for (size_t i = 0; i < sizeof buffers / sizeof buffers[0]; i++) {
+        int64_t bytes = checked_product(buffers[i].n, buffers[i].f);
+        if (bytes < 0 || bytes > MOERT_MAX_BUFFER_BYTES)
+            return moert_error(MOERT_ERR_CONFIG,
+                               "config error at %s: %s would take %s%.1f TiB, more than the %lld TiB any device holds; "
+                               "shrink the sizes",
+                               buffers[i].key, buffers[i].what, bytes < 0 ? "more than " : "",
+                               bytes < 0 ? 8388608.0 : (double)bytes / 1099511627776.0,
+                               (long long)(MOERT_MAX_BUFFER_BYTES >> 40));
+    }
+    return MOERT_OK;
 }
 
 /* Fills the typed fields from cfg->root. */
@@ -609,14 +671,16 @@ moert_result moert_config_parse(moert_config *cfg)
     MOERT_CHECK(parse_model(cfg, model));
     MOERT_CHECK(parse_parallel(cfg, parallel));
     MOERT_CHECK(parse_train(cfg, train));
+    MOERT_CHECK(check_size_products(cfg));
     for (int s = 0; s < MOERT_SLOT_COUNT; s++) MOERT_CHECK(parse_slot(cfg, (moert_slot)s));
 fail:
     moert_section_free(top);
     return rc;
 }
 
-/* Takes ownership of root, parses it, and returns the config (or frees everything on error). */
-static moert_result config_from_json(json_t *root, const char *source, moert_config **out)
+/* Takes ownership of root, parses it, and returns the config (or frees everything on error). folder: the file's
+ * folder, absolute, or NULL for a config from a string. */
+static moert_result config_from_json(json_t *root, const char *source, const char *folder, moert_config **out)
 {
     moert_result rc = MOERT_OK;
     *out = NULL;
@@ -627,6 +691,7 @@ static moert_result config_from_json(json_t *root, const char *source, moert_con
     }
     cfg->root = root;
     snprintf(cfg->source, sizeof cfg->source, "%s", source);
+    snprintf(cfg->folder, sizeof cfg->folder, "%s", folder ? folder : "");
     MOERT_CHECK(moert_config_parse(cfg));
     *out = cfg;
     return MOERT_OK;
@@ -645,7 +710,18 @@ moert_result moert_config_load_file(const char *path, moert_config **out)
     json_t *root = json_loadf(f, JSON_REJECT_DUPLICATES, &jerr);
     fclose(f);
     if (!root) return moert_error(MOERT_ERR_CONFIG, "%s:%d:%d: invalid JSON: %s", path, jerr.line, jerr.column, jerr.text);
-    return config_from_json(root, path, out);
+    /* the file's folder, absolute: what relative plugin paths in it are relative to */
+    char dir[PATH_MAX], folder[PATH_MAX];
+    const char *slash = strrchr(path, '/');
+    if (!slash)
+        snprintf(dir, sizeof dir, ".");
+    else
+        snprintf(dir, sizeof dir, "%.*s", slash == path ? 1 : (int)(slash - path), path);
+    if (!realpath(dir, folder) || strlen(folder) >= sizeof ((moert_config *)0)->folder) {
+        json_decref(root);
+        return moert_error(MOERT_ERR_IO, "%s: cannot resolve the config's folder %s", path, dir);
+    }
+    return config_from_json(root, path, folder, out);
 }
 
 /* Parses JSON text; source_name stands for the file name in messages and the default name. */
@@ -658,7 +734,7 @@ moert_result moert_config_load_string(const char *json_text, const char *source_
     json_t *root = json_loads(json_text, JSON_REJECT_DUPLICATES, &jerr);
     if (!root)
         return moert_error(MOERT_ERR_CONFIG, "%s:%d:%d: invalid JSON: %s", source, jerr.line, jerr.column, jerr.text);
-    return config_from_json(root, source, out);
+    return config_from_json(root, source, NULL, out);
 }
 
 /* Sets dotted_key (e.g. "train.steps") to the JSON value in root, creating missing objects on the way. */

@@ -48,6 +48,16 @@ typedef enum moert_optimizer { MOERT_OPTIMIZER_ADAM = 0, MOERT_OPTIMIZER_SGD = 1
 
 #define MOERT_MAX_MICRO_BATCHES 65536 /* $.train.micro_batches */
 
+/* Upper bounds of the size keys (docs/config.md). Each is far above any real model, and with them no product of
+ * sizes the core or a plugin computes can wrap an int64; moert_config_parse also refuses a config whose largest
+ * per-rank buffer would exceed MOERT_MAX_BUFFER_BYTES, more than any device holds. */
+#define MOERT_MAX_HIDDEN 65536            /* $.model.hidden */
+#define MOERT_MAX_FFN_HIDDEN 262144       /* $.model.ffn_hidden */
+#define MOERT_MAX_EXPERTS 16384           /* $.model.num_experts */
+#define MOERT_MAX_TOKENS_PER_RANK 16777216 /* $.train.tokens_per_rank and $.train.seq_length */
+#define MOERT_MAX_BUFFER_BYTES ((int64_t)1 << 44) /* 16 TiB */
+#define MOERT_MAX_TIMEOUT_S 86400.0        /* $.parallel.timeout_s: a day */
+
 typedef struct moert_train_config {
     int64_t steps, tokens_per_rank, seq_length, seed, log_every;
     int64_t micro_batches; /* forward+backward passes per optimizer step, tokens_per_rank tokens each (gradient
@@ -63,10 +73,13 @@ struct moert_config {
     json_t *root;
     char source[512];          /* file name or the name given to load_string */
     char name[128];            /* $.name, or the file's base name */
+    char folder[1024];         /* the config file's folder, absolute ("" for a config from a string): relative
+                                  plugin paths are taken from it */
     moert_model_config model;
     moert_parallel_config parallel;
     moert_train_config train;
-    char plugin[MOERT_SLOT_COUNT][512]; /* $.<slot>.plugin, a name or a path */
+    char plugin[MOERT_SLOT_COUNT][1600]; /* $.<slot>.plugin, a name or a path (a relative path made absolute from
+                                            the config's folder) */
 };
 
 /* Fills the typed fields from root; every error names the JSON path. Called by the load functions. */

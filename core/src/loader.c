@@ -3,7 +3,11 @@
 
 #include <dirent.h>
 #include <dlfcn.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stddef.h>
 #include <glob.h>
+#include <link.h>
 #include <limits.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -11,6 +15,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "config.h"
 #include "env.h"
 #include "error.h"
 #include "host.h"
@@ -24,21 +29,41 @@
  * on H100: a hang, or a crash in __cudaGetKernel). Unloading is cheap to give up; a second load is free. */
 #define PLUGIN_DLOPEN_FLAGS (RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE)
 
-/* What the loader knows about each kind: names, the exported symbol, the size of its v1 vtable. */
+/* A function member of a vtable the core calls without checking it: the loader refuses a NULL one, by name. */
+typedef struct vtable_member {
+    const char *name;
+    size_t offset;
+} vtable_member;
+
+#define MEMBER(type, m) {#m, offsetof(type, m)}
+#define MAX_MEMBERS 8
+
+/* What the loader knows about each kind: names, the exported symbol, the size of its v1 vtable, the members that
+ * must not be NULL (every function of the v1 vtable but the router's expert_bias, which may be absent). */
 typedef struct kind_info {
     moert_plugin_kind kind;
     const char *name;      /* "dispatcher" */
     const char *file_part; /* "dispatch" */
     const char *symbol;    /* "moert_dispatcher_v1" (newest first once there are several versions) */
     size_t v1_size;
+    vtable_member required[MAX_MEMBERS];
 } kind_info;
 
 static const kind_info kinds[] = {
-    {MOERT_KIND_ROUTER, "router", "router", MOERT_ROUTER_V1_SYMBOL, sizeof(moert_router_v1)},
-    {MOERT_KIND_DISPATCHER, "dispatcher", "dispatch", MOERT_DISPATCHER_V1_SYMBOL, sizeof(moert_dispatcher_v1)},
-    {MOERT_KIND_PRECISION, "precision", "precision", MOERT_PRECISION_V1_SYMBOL, sizeof(moert_precision_v1)},
+    {MOERT_KIND_ROUTER, "router", "router", MOERT_ROUTER_V1_SYMBOL, sizeof(moert_router_v1),
+     {MEMBER(moert_router_v1, init), MEMBER(moert_router_v1, finalize), MEMBER(moert_router_v1, forward),
+      MEMBER(moert_router_v1, backward), MEMBER(moert_router_v1, end_step)}},
+    {MOERT_KIND_DISPATCHER, "dispatcher", "dispatch", MOERT_DISPATCHER_V1_SYMBOL, sizeof(moert_dispatcher_v1),
+     {MEMBER(moert_dispatcher_v1, init), MEMBER(moert_dispatcher_v1, finalize), MEMBER(moert_dispatcher_v1, prepare),
+      MEMBER(moert_dispatcher_v1, dispatch), MEMBER(moert_dispatcher_v1, combine),
+      MEMBER(moert_dispatcher_v1, combine_backward), MEMBER(moert_dispatcher_v1, dispatch_backward)}},
+    {MOERT_KIND_PRECISION, "precision", "precision", MOERT_PRECISION_V1_SYMBOL, sizeof(moert_precision_v1),
+     {MEMBER(moert_precision_v1, init), MEMBER(moert_precision_v1, finalize),
+      MEMBER(moert_precision_v1, grouped_gemm), MEMBER(moert_precision_v1, end_step)}},
     {MOERT_KIND_MEMORY_POLICY, "memory_policy", "memory", MOERT_MEMORY_POLICY_V1_SYMBOL,
-     sizeof(moert_memory_policy_v1)},
+     sizeof(moert_memory_policy_v1),
+     {MEMBER(moert_memory_policy_v1, init), MEMBER(moert_memory_policy_v1, finalize),
+      MEMBER(moert_memory_policy_v1, decide)}},
 };
 #define KIND_COUNT ((int)(sizeof kinds / sizeof kinds[0]))
 
@@ -94,15 +119,36 @@ static void dir_list_free(dir_list *l)
     memset(l, 0, sizeof *l);
 }
 
-/* The build tree the running code comes from: the parent of the folder holding the binary that contains
- * this function (tools/moert, tests/test_x or core/libmoert.so), when that parent has a build.ninja. An
- * installed moert therefore never looks into a build tree, and a build tree copied elsewhere still works. */
-static bool running_build_root(char *out, size_t size)
+/* The absolute path of the file (executable or shared library) holding this function, never resolved against the
+ * current directory: the main program's own name comes from /proc/self/exe (dladdr would give argv[0], which a
+ * command started through PATH has without a folder); a library's from its link map, used only when absolute. */
+static bool running_binary_path(char *out, size_t size)
 {
     Dl_info info;
+    struct link_map *map = NULL;
     char path[PATH_MAX];
-    if (!dladdr((void *)&running_build_root, &info) || !info.dli_fname) return false;
-    if (!realpath(info.dli_fname, path) && !realpath("/proc/self/exe", path)) return false;
+    if (!dladdr1((void *)&running_binary_path, &info, (void **)&map, RTLD_DL_LINKMAP) || !map) return false;
+    if (!map->l_name || !map->l_name[0]) { /* the main program */
+        ssize_t n = readlink("/proc/self/exe", path, sizeof path - 1);
+        if (n <= 0) return false;
+        path[n] = '\0';
+    } else if (map->l_name[0] == '/') {
+        if (!realpath(map->l_name, path)) return false;
+    } else {
+        return false;
+    }
+    snprintf(out, size, "%s", path);
+    return true;
+}
+
+/* The build tree the running code comes from: the parent of the folder holding the binary that contains this
+ * function (tools/moert, tests/test_x or core/libmoert.so), when that parent has a build.ninja. An installed moert
+ * therefore never looks into a build tree, whatever the current directory, and a build tree copied elsewhere still
+ * works. */
+static bool running_build_root(char *out, size_t size)
+{
+    char path[PATH_MAX];
+    if (!running_binary_path(path, sizeof path)) return false;
     for (int up = 0; up < 2; up++) {
         char *slash = strrchr(path, '/');
         if (!slash || slash == path) return false;
@@ -200,10 +246,12 @@ static moert_result check_header(const moert_plugin_header *h, const kind_info *
                            h->struct_size, want->v1_size, want->symbol, MOERT_ABI_MAJOR, MOERT_ABI_MINOR);
     if (!h->name || !h->name[0])
         return moert_error(MOERT_ERR_ABI_MISMATCH, "%s has no name in its header", where);
-    const vtable_prefix *v = (const vtable_prefix *)h;
-    if (!v->init || !v->finalize)
-        return moert_error(MOERT_ERR_ABI_MISMATCH, "%s has no %s function", where,
-                           v->init ? "finalize" : "init");
+    /* a NULL member would crash the first call to it, at a step, far from here */
+    for (int i = 0; i < MAX_MEMBERS && want->required[i].name; i++) {
+        void (*fn)(void);
+        memcpy(&fn, (const char *)h + want->required[i].offset, sizeof fn);
+        if (!fn) return moert_error(MOERT_ERR_ABI_MISMATCH, "%s has no %s function", where, want->required[i].name);
+    }
     return MOERT_OK;
 }
 
@@ -301,6 +349,127 @@ void moert_plugin_unload(moert_plugin *p)
     memset(p, 0, sizeof *p);
 }
 
+/* ---- attributing a crash or an exit inside a plugin's init or finalize ---- */
+
+/* The message printed if the plugin call running on this thread crashes or exits, built before the call (a signal
+ * handler can only write it); empty outside plugin calls. */
+static _Thread_local char current_call[1600];
+static struct sigaction previous_action[NSIG];
+static const int guarded_signals[] = {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT};
+
+/* Notes the plugin call starting on this thread, for the crash and exit reports. */
+static void call_begin(const moert_plugin *p, const char *call, const moert_host *host, const moert_layer_info *layer)
+{
+    char where[64] = "";
+    if (layer && host) snprintf(where, sizeof where, " (layer %d, rank %d)", (int)layer->layer_index, (int)host->rank);
+    snprintf(current_call, sizeof current_call, "moert: %s plugin \"%s\" (%s) %%s in %s%s", moert_kind_name(p->kind),
+             p->header->name, p->path, call, where);
+}
+
+static void call_end(void) { current_call[0] = '\0'; }
+
+/* Writes the current call's message with `what` in place of its %s, in one write so that two threads crashing
+ * together do not mix their lines, and only for the first crash or exit of the process (async-signal-safe). */
+static void write_call_message(const char *what)
+{
+    static atomic_flag reported = ATOMIC_FLAG_INIT;
+    char line[sizeof current_call + 128];
+    const char *m = current_call, *hole = strstr(m, "%s");
+    if (!hole || atomic_flag_test_and_set(&reported)) return;
+    size_t n = 0, part = (size_t)(hole - m);
+    memcpy(line + n, m, part);
+    n += part;
+    part = strlen(what);
+    if (part > 120) part = 120;
+    memcpy(line + n, what, part);
+    n += part;
+    part = strlen(hole + 2);
+    memcpy(line + n, hole + 2, part);
+    n += part;
+    line[n++] = '\n';
+    ssize_t ignored = write(2, line, n);
+    (void)ignored;
+}
+
+/* A fatal signal: name the plugin call it came from, then let the previous handler (or the default) take it. */
+static void crash_handler(int sig)
+{
+    if (current_call[0]) {
+        const char *what = sig == SIGSEGV ? "crashed (SIGSEGV, invalid memory access)"
+                           : sig == SIGBUS ? "crashed (SIGBUS)"
+                           : sig == SIGILL ? "crashed (SIGILL)"
+                           : sig == SIGFPE ? "crashed (SIGFPE, arithmetic error)"
+                                           : "aborted the process (SIGABRT)";
+        write_call_message(what);
+        current_call[0] = '\0';
+    }
+    /* the faulting instruction runs again, or abort() raises again, into the previous disposition */
+    sigaction(sig, &previous_action[sig], NULL);
+}
+
+/* exit() called inside a plugin call: say which plugin, and make the status a failure. */
+static void exit_handler(void)
+{
+    if (!current_call[0]) return;
+    write_call_message("called exit() (a plugin must return an error instead)");
+    fflush(stdout);
+    _exit(1);
+}
+
+void moert_plugin_guard_crashes(void)
+{
+    static bool installed = false;
+    if (installed) return;
+    installed = true;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = crash_handler;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_NODEFER;
+    for (size_t i = 0; i < sizeof guarded_signals / sizeof guarded_signals[0]; i++)
+        sigaction(guarded_signals[i], &sa, &previous_action[guarded_signals[i]]);
+    /* rank threads may call exit() together: glibc runs each registered handler once, on whichever exiting thread
+     * takes it, and a thread that finds none left ends the process with its own status. One registration per
+     * possible rank thread (at most 64) and one for the main thread lets every exiting thread run the handler. */
+    for (int i = 0; i < 65; i++) atexit(exit_handler);
+}
+
+/* The layer a plugin instance is started for must have sizes inside the config's bounds (config.h), whoever built
+ * it (the runtime from a config, or a caller of the embedding API): plugins size their buffers from these, and the
+ * bounds keep every such product from wrapping. */
+static moert_result check_layer_sizes(const moert_plugin *p, const moert_layer_info *l, int world)
+{
+    struct {
+        const char *name;
+        int64_t value, min, max;
+    } sizes[] = {
+        {"hidden", l->hidden, 1, MOERT_MAX_HIDDEN},
+        {"ffn_hidden", l->ffn_hidden, 1, MOERT_MAX_FFN_HIDDEN},
+        {"num_experts", l->num_experts, 1, MOERT_MAX_EXPERTS},
+        {"topk", l->topk, 1, l->num_experts},
+        {"num_local_experts", l->num_local_experts, 1, l->num_experts},
+        {"max_tokens", l->max_tokens, 0, MOERT_MAX_TOKENS_PER_RANK},
+    };
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
+        if (sizes[i].value < sizes[i].min || sizes[i].value > sizes[i].max)
+            return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                               "%s plugin \"%s\": layer %d has %s %lld, expected %lld .. %lld", moert_kind_name(p->kind),
+                               p->header->name, (int)l->layer_index, sizes[i].name, (long long)sizes[i].value,
+                               (long long)sizes[i].min, (long long)sizes[i].max);
+    /* the largest buffers: a rank's fc1 weights, and every routed row of the group arriving at one rank */
+    int64_t fc1 = 0, rows = 0, row_bytes = 0;
+    int64_t widest = 2 * l->ffn_hidden > l->hidden ? 2 * l->ffn_hidden : l->hidden;
+    bool wraps = __builtin_mul_overflow(l->num_local_experts * l->hidden, 2 * l->ffn_hidden * 8, &fc1) ||
+                 __builtin_mul_overflow((int64_t)(world > 0 ? world : 1) * l->max_tokens, l->topk, &rows) ||
+                 __builtin_mul_overflow(rows, widest * 8, &row_bytes);
+    if (wraps || fc1 > MOERT_MAX_BUFFER_BYTES || row_bytes > MOERT_MAX_BUFFER_BYTES)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                           "%s plugin \"%s\": layer %d's buffers (fc1 weights, or world x max_tokens x topk rows) "
+                           "would exceed %lld TiB", moert_kind_name(p->kind), p->header->name, (int)l->layer_index,
+                           (long long)(MOERT_MAX_BUFFER_BYTES >> 40));
+    return MOERT_OK;
+}
+
 /* Calls the plugin's init; a failure comes back with the plugin's message, prefixed with its kind and name. */
 moert_result moert_plugin_init(const moert_plugin *p, void **ctx, moert_host *host, const moert_layer_info *layer)
 {
@@ -308,8 +477,14 @@ moert_result moert_plugin_init(const moert_plugin *p, void **ctx, moert_host *ho
     if (!p || !p->header)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_plugin_init: the plugin is not loaded");
     const vtable_prefix *v = (const vtable_prefix *)p->header;
+    if (layer) {
+        moert_result sized = check_layer_sizes(p, layer, host ? host->world_size : 1);
+        if (sized != MOERT_OK) return sized;
+    }
     moert_host_take_error(host); /* forget anything set before */
+    call_begin(p, "init", host, layer);
     moert_result rc = v->init(ctx, host, layer);
+    call_end();
     if (rc == MOERT_OK) return MOERT_OK;
     const char *msg = moert_host_take_error(host);
     *ctx = NULL;
@@ -323,7 +498,9 @@ void moert_plugin_finalize(const moert_plugin *p, void *ctx)
 {
     if (!p || !p->header) return;
     const vtable_prefix *v = (const vtable_prefix *)p->header;
+    call_begin(p, "finalize", NULL, NULL);
     v->finalize(ctx);
+    call_end();
 }
 
 /* The kind a file name libmoert-<part>-<name>.so says it has, or 0. */
@@ -340,8 +517,8 @@ static moert_plugin_kind kind_from_file_name(const char *file)
 /* Sorts file names so listings are stable. */
 static int compare_names(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
-/* Visits every libmoert-*.so along the search path (each directory once). */
-int moert_plugin_scan(moert_plugin_visit_fn fn, void *user)
+/* Lists every libmoert-*.so along the search path (each directory once, names sorted), without loading it. */
+int moert_plugin_list_files(moert_plugin_file_fn fn, void *user)
 {
     dir_list dirs = {0};
     collect_search_dirs(&dirs);
@@ -362,26 +539,48 @@ int moert_plugin_scan(moert_plugin_visit_fn fn, void *user)
             char path[2048];
             snprintf(path, sizeof path, "%s/%s", dirs.dirs[i], files.dirs[f]);
             seen++;
-            moert_plugin_kind kind = kind_from_file_name(files.dirs[f]);
-            if (!kind) {
-                moert_error(MOERT_ERR_NOT_FOUND, "%s: the name does not say a kind (libmoert-router|dispatch|"
-                            "precision|memory-<name>.so)", path);
-                fn(user, NULL, path, MOERT_ERR_NOT_FOUND, moert_error_message());
-                continue;
-            }
-            moert_plugin p;
-            char label[2100];
-            snprintf(label, sizeof label, "%s plugin %s", moert_kind_name(kind), path);
-            moert_result rc = open_checked(find_kind(kind), label, path, &p);
-            if (rc == MOERT_OK) {
-                fn(user, &p, path, rc, "");
-                moert_plugin_unload(&p);
-            } else {
-                fn(user, NULL, path, rc, moert_error_message());
-            }
+            fn(user, path, kind_from_file_name(files.dirs[f]));
         }
         dir_list_free(&files);
     }
     dir_list_free(&dirs);
     return seen;
+}
+
+/* Opens one listed file as the kind its name says, labelled by its path. */
+moert_result moert_plugin_open_file(moert_plugin_kind kind, const char *path, moert_plugin *out)
+{
+    memset(out, 0, sizeof *out);
+    if (!find_kind(kind))
+        return moert_error(MOERT_ERR_NOT_FOUND, "%s: the name does not say a kind (libmoert-router|dispatch|"
+                           "precision|memory-<name>.so)", path);
+    char label[2100];
+    snprintf(label, sizeof label, "%s plugin %s", moert_kind_name(kind), path);
+    return open_checked(find_kind(kind), label, path, out);
+}
+
+typedef struct scan_call {
+    moert_plugin_visit_fn fn;
+    void *user;
+} scan_call;
+
+/* One listed file: loaded, checked, handed to the visitor, unloaded. */
+static void scan_one(void *user, const char *path, moert_plugin_kind kind)
+{
+    scan_call *c = user;
+    moert_plugin p;
+    moert_result rc = moert_plugin_open_file(kind, path, &p);
+    if (rc == MOERT_OK) {
+        c->fn(c->user, &p, path, rc, "");
+        moert_plugin_unload(&p);
+    } else {
+        c->fn(c->user, NULL, path, rc, moert_error_message());
+    }
+}
+
+/* Visits every libmoert-*.so along the search path (each directory once), loaded and checked in this process. */
+int moert_plugin_scan(moert_plugin_visit_fn fn, void *user)
+{
+    scan_call c = {fn, user};
+    return moert_plugin_list_files(scan_one, &c);
 }

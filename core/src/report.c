@@ -2,6 +2,7 @@
 #include <jansson.h>
 
 #include "error.h"
+#include "output.h"
 #include "runtime.h"
 
 static json_t *plugin_json(const moert_plugin *p)
@@ -49,9 +50,16 @@ static double median_ms(const moert_runtime *rt, int stage)
     return m * 1e3;
 }
 
+/* json_dumpf for moert_output_write. */
+static int dump_json(FILE *f, void *root) { return json_dumpf(root, f, JSON_INDENT(1) | JSON_REAL_PRECISION(8)); }
+
 moert_result moert_runtime_write_report(const moert_runtime *rt, const char *path)
 {
     const moert_config *cfg = rt->cfg;
+    /* never onto the config the run read (the CLI checks this before the run; here for library callers) */
+    const char *inputs[1] = {cfg->source};
+    moert_result checked = moert_output_check("the report", path, inputs, 1);
+    if (checked != MOERT_OK) return checked;
     int nl = (int)cfg->model.num_layers;
     int64_t e = cfg->model.num_experts;
     json_t *root = json_object(), *plugins = json_array(), *steps = json_array(), *medians = json_object();
@@ -110,8 +118,7 @@ moert_result moert_runtime_write_report(const moert_runtime *rt, const char *pat
     json_object_set_new(root, "activation_bytes_rank0", memory);
     json_object_set_new(root, "layers", layers);
     json_object_set_new(root, "steps", steps);
-    int ok = json_dump_file(root, path, JSON_INDENT(1) | JSON_REAL_PRECISION(8));
+    moert_result rc = moert_output_write(path, dump_json, root);
     json_decref(root);
-    if (ok != 0) return moert_error(MOERT_ERR_IO, "writing the report to %s failed", path);
-    return MOERT_OK;
+    return rc;
 }

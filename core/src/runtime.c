@@ -1,6 +1,7 @@
 /* Runtime: loads the configured plugins, runs one thread per rank, and trains the layer stack. */
 #include "runtime.h"
 
+#include <errno.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -65,12 +66,35 @@ static double now_seconds(void)
 
 typedef moert_result (*rank_phase_fn)(moert_rank *r, void *arg);
 
+typedef struct phase_run phase_run;
+
 typedef struct phase_call {
     moert_rank *r;
     rank_phase_fn fn;
     void *arg;
     atomic_int *fail_counter;
+    phase_run *run; /* NULL when the caller's thread runs the only rank */
 } phase_call;
+
+/* One run_on_ranks call with rank threads: heap-allocated, so that a rank thread abandoned after a stall (it may
+ * still wake up and finish) never touches freed memory; it is then left allocated on purpose. */
+struct phase_run {
+    pthread_mutex_t lock;
+    pthread_cond_t cond; /* on CLOCK_MONOTONIC */
+    int running;         /* rank threads not finished */
+    bool finished[64];
+    atomic_int fail_counter;
+    phase_call calls[64];
+    pthread_t threads[64];
+};
+
+/* Once a rank failed (a peer stalled past $.parallel.timeout_s, or any error), the other ranks get this long to
+ * return before they are abandoned: between 1 and 5 s, timeout_s where it is shorter. */
+static double stall_grace_s(const moert_runtime *rt)
+{
+    double t = rt->cfg->parallel.timeout_s;
+    return t < 1.0 ? 1.0 : t > 5.0 ? 5.0 : t;
+}
 
 static void *phase_main(void *p)
 {
@@ -96,27 +120,120 @@ static void *phase_main(void *p)
         if (r->nccl) moert_nccl_comm_abort(r->nccl, r->error);
 #endif
     }
+    if (c->run) {
+        pthread_mutex_lock(&c->run->lock);
+        c->run->finished[c - c->run->calls] = true;
+        c->run->running--;
+        pthread_cond_broadcast(&c->run->cond);
+        pthread_mutex_unlock(&c->run->lock);
+    }
     return NULL;
 }
 
-/* Runs fn on every rank, one thread each; the first rank to fail gives the error. */
+/* The monotonic time `seconds` from now. */
+static struct timespec monotonic_after(double seconds)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    long long nanos = t.tv_nsec + (long long)(seconds * 1e9);
+    t.tv_sec += (time_t)(nanos / 1000000000LL);
+    t.tv_nsec = (long)(nanos % 1000000000LL);
+    return t;
+}
+
+/* Waits for the rank threads of run; once one failed, waits at most the stall grace more. Returns the number of
+ * threads that did not finish (then left running, detached). The caller holds no lock. */
+static int wait_for_ranks(moert_runtime *rt, phase_run *run)
+{
+    bool failing = false;
+    struct timespec deadline = {0, 0};
+    pthread_mutex_lock(&run->lock);
+    while (run->running > 0) {
+        if (!failing && atomic_load(&run->fail_counter) > 0) {
+            failing = true;
+            deadline = monotonic_after(stall_grace_s(rt));
+        }
+        /* a rank failing does not signal the condition: look again every 100 ms */
+        struct timespec wake = monotonic_after(0.1);
+        if (failing && (deadline.tv_sec < wake.tv_sec || (deadline.tv_sec == wake.tv_sec && deadline.tv_nsec < wake.tv_nsec)))
+            wake = deadline;
+        int w = pthread_cond_timedwait(&run->cond, &run->lock, &wake);
+        if (failing && w == ETIMEDOUT && wake.tv_sec == deadline.tv_sec && wake.tv_nsec == deadline.tv_nsec) break;
+    }
+    int left = run->running;
+    pthread_mutex_unlock(&run->lock);
+    return left;
+}
+
+/* Runs fn on every rank, one thread each; the first rank to fail gives the error. A rank that has not returned
+ * within the stall grace after another failed (a stalled rank its peers timed out on) is abandoned: the call returns
+ * MOERT_ERR_TIMEOUT naming it, and the runtime can only be destroyed (which then frees nothing the rank may use). */
 static moert_result run_on_ranks(moert_runtime *rt, rank_phase_fn fn, void *arg)
 {
-    atomic_int fail_counter = 0;
-    phase_call calls[64];
-    pthread_t threads[64];
+    if (rt->abandoned_ranks > 0)
+        return moert_error(MOERT_ERR_TIMEOUT, "%d rank%s of this runtime stalled and %s abandoned: destroy it",
+                           rt->abandoned_ranks, rt->abandoned_ranks == 1 ? "" : "s",
+                           rt->abandoned_ranks == 1 ? "was" : "were");
     for (int i = 0; i < rt->nlocal; i++) {
-        calls[i] = (phase_call){&rt->ranks[i], fn, arg, &fail_counter};
         rt->ranks[i].rc = MOERT_OK;
         rt->ranks[i].fail_order = -1;
     }
     if (rt->nlocal == 1) {
-        phase_main(&calls[0]);
+        atomic_int fail_counter = 0;
+        phase_call call = {&rt->ranks[0], fn, arg, &fail_counter, NULL};
+        phase_main(&call);
     } else {
-        for (int i = 0; i < rt->nlocal; i++)
-            if (pthread_create(&threads[i], NULL, phase_main, &calls[i]) != 0)
-                return moert_error(MOERT_ERR_INTERNAL, "pthread_create for rank %d failed", rt->ranks[i].rank);
-        for (int i = 0; i < rt->nlocal; i++) pthread_join(threads[i], NULL);
+        phase_run *run = calloc(1, sizeof *run);
+        if (!run) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "run_on_ranks: out of memory");
+        pthread_mutex_init(&run->lock, NULL);
+        pthread_condattr_t attr;
+        pthread_condattr_init(&attr);
+        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+        pthread_cond_init(&run->cond, &attr);
+        pthread_condattr_destroy(&attr);
+        for (int i = 0; i < rt->nlocal; i++) run->calls[i] = (phase_call){&rt->ranks[i], fn, arg, &run->fail_counter, run};
+        int started = 0;
+        int err = 0;
+        pthread_mutex_lock(&run->lock);
+        while (started < rt->nlocal &&
+               (err = pthread_create(&run->threads[started], NULL, phase_main, &run->calls[started])) == 0) {
+            started++;
+            run->running++;
+        }
+        pthread_mutex_unlock(&run->lock);
+        char why[160] = "";
+        if (started < rt->nlocal) {
+            /* the ranks already started use run and the runtime: fail the group so that none waits for the
+             * missing rank in a collective, and wait for them before returning */
+            snprintf(why, sizeof why, "pthread_create for rank %d failed: %s", rt->ranks[started].rank, strerror(err));
+            if (rt->comm) moert_comm_abort(rt->comm, rt->ranks[started].rank, why);
+            atomic_fetch_add(&run->fail_counter, 1);
+        }
+        int left = wait_for_ranks(rt, run);
+        char stalled[256] = "";
+        for (int i = 0; i < started; i++) {
+            if (run->finished[i]) {
+                pthread_join(run->threads[i], NULL);
+            } else { /* stuck: left running, with run, the ranks and the runtime left allocated */
+                pthread_detach(run->threads[i]);
+                size_t used = strlen(stalled);
+                snprintf(stalled + used, sizeof stalled - used, "%s%d", used ? ", " : "", rt->ranks[i].rank);
+            }
+        }
+        if (left > 0) {
+            rt->abandoned_ranks = left;
+            char first[2400] = "";
+            for (int i = 0; i < rt->nlocal; i++)
+                if (rt->ranks[i].fail_order == 0 && run->finished[i])
+                    snprintf(first, sizeof first, "rank %d: %s", rt->ranks[i].rank, rt->ranks[i].error);
+            return moert_error(MOERT_ERR_TIMEOUT, "%s%s%s %s still running %.1f s later and abandoned (stalled)",
+                               first[0] ? first : why, first[0] || why[0] ? "; " : "",
+                               left == 1 ? "rank" : "ranks", stalled, stall_grace_s(rt));
+        }
+        pthread_cond_destroy(&run->cond);
+        pthread_mutex_destroy(&run->lock);
+        free(run);
+        if (why[0]) return moert_error(MOERT_ERR_INTERNAL, "%s", why);
     }
     for (int i = 0; i < rt->nlocal; i++)
         if (rt->ranks[i].fail_order == 0) {
@@ -280,7 +397,8 @@ static moert_result rank_finalize(moert_rank *r, void *arg)
     }
 #endif
     if (r->core_host) {
-        moert_device device = r->layers ? r->layers[0].info.device : moert_cpu();
+        /* the device the rank's buffers were allocated on (the layers' info may not be filled when init failed) */
+        moert_device device = {rt->device_type, rt->device_type == MOERT_DEVICE_CUDA ? r->device : 0};
         /* the layers (and their parameters) go first, while the services they free through still exist */
         for (int l = 0; r->layers && l < nl; l++) moert_layer_free(&r->layers[l]);
         for (int l = 0; r->acts && l <= nl; l++)
@@ -322,6 +440,9 @@ moert_result moert_runtime_create(const moert_config *cfg, moert_runtime **out)
     rt->world = (int)cfg->parallel.ranks;
     MOERT_CHECK(detect_processes(rt));
     MOERT_CHECK(choose_device(rt));
+    /* refuse what cannot fit before any plugin starts or any rank allocates */
+    moert_memory_estimate_config(cfg, rt->world, rt->device_type, &rt->memory);
+    MOERT_CHECK(moert_memory_estimate_check(cfg, &rt->memory));
     for (int s = 0; s < MOERT_SLOT_COUNT; s++) {
         rc = moert_plugin_load(moert_slot_kind((moert_slot)s), cfg->plugin[s], &rt->plugins[s]);
         if (rc != MOERT_OK) {
@@ -366,6 +487,8 @@ fail:
 void moert_runtime_destroy(moert_runtime *rt)
 {
     if (!rt) return;
+    /* a stalled rank left running may still use all of it (its rank, the group, the plugins): nothing is freed */
+    if (rt->abandoned_ranks > 0) return;
     if (rt->ranks) {
         /* finalize on one thread per rank too: a plugin may tie resources to its rank's thread */
         run_on_ranks(rt, rank_finalize, NULL);
@@ -417,28 +540,10 @@ fail:
     return rc;
 }
 
-/* Estimated bytes of parameters and optimizer state per rank, to refuse runs that cannot fit. */
-static double param_bytes_per_rank(const moert_runtime *rt)
-{
-    const moert_model_config *m = &rt->cfg->model;
-    double local = (double)(m->num_experts / rt->world);
-    double per_layer = (double)(m->num_experts * m->hidden) + local * 3.0 * (double)(m->hidden * m->ffn_hidden);
-    double tensors = rt->cfg->train.optimizer == MOERT_OPTIMIZER_SGD ? 2.0 /* value, grad */ : 4.0 /* and m, v */;
-    return per_layer * (double)m->num_layers * tensors * (m->dtype == MOERT_F64 ? 8.0 : 4.0);
-}
-
 static moert_result ensure_params(moert_runtime *rt)
 {
     if (rt->params_ready) return MOERT_OK;
-    if (rt->device_type == MOERT_DEVICE_CPU) {
-        double need = param_bytes_per_rank(rt) * rt->world;
-        double have = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE);
-        if (need > 0.5 * have)
-            return moert_error(MOERT_ERR_OUT_OF_MEMORY,
-                               "config \"%s\": parameters and Adam state need %.1f GiB on the CPU, more than half of "
-                               "this machine's %.1f GiB; run it on GPUs ($.parallel.device \"cuda\") or shrink $.model",
-                               rt->cfg->name, need / 1073741824.0, have / 1073741824.0);
-    }
+    /* what fits was checked by moert_runtime_create (core/src/memory_estimate.c) */
     moert_result rc = moert_teacher_create(rt->cfg->model.hidden, (uint64_t)rt->cfg->train.seed + 7777,
                                            rt->cfg->train.teacher_scale, rt->cfg->train.input_shift, &rt->teacher);
     if (rc != MOERT_OK) return rc;
@@ -905,12 +1010,12 @@ moert_result moert_runtime_step(moert_runtime *rt, int64_t step, moert_step_reco
                                      (long long)step);
     moert_result rc = ensure_params(rt);
     if (rc != MOERT_OK) return rc;
-    moert_step_record rec;
-    step_arg sa = {.step = step, .rec = &rec};
+    /* the record lives in the runtime: rank 0 fills it, and an abandoned rank 0 may still do so later */
+    step_arg sa = {.step = step, .rec = &rt->step_record};
     rc = run_on_ranks(rt, rank_train_step_phase, &sa);
     if (rc != MOERT_OK) return rc;
     collect_memory(rt);
-    if (record) *record = rec;
+    if (record) *record = rt->step_record;
     return MOERT_OK;
 }
 

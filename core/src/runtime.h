@@ -6,6 +6,7 @@
 #include "config.h"
 #include "executor.h"
 #include "loader.h"
+#include "memory_estimate.h"
 #include "stack.h"
 #include "task.h"
 
@@ -57,6 +58,10 @@ struct moert_runtime {
     double graph_capture_seconds; /* wall time of the capturing step's forward and backward */
     bool graph_failed;            /* a capture failed: the run stops with its error */
     char graph_reason[256];       /* why the steps ran without graphs */
+    int abandoned_ranks;          /* rank threads left running after a stall: the runtime can only be destroyed, which
+                                     then frees nothing (docs/config.md, $.parallel.timeout_s) */
+    moert_step_record step_record; /* moert_runtime_step's, filled by rank 0 */
+    moert_memory_estimate memory;  /* per rank, estimated before the plugins start (moert check prints it) */
 };
 
 /* One step's forward and backward on every rank without the optimizer, over all its micro-batches

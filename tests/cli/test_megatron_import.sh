@@ -30,7 +30,6 @@ for preset in qwen3-30b-a3b qwen3-235b-a22b mixtral-8x7b deepseek-v3-routed deep
     [ "$preset" = deepseek-v3 ] && cfg="$src/configs/deepseek-v3-shared.json"
     if "$moert" config --from-megatron --args-file "$fx/$preset.args" >"$tmp/$preset.json" 2>"$tmp/$preset.err"; then
         same_layer "$tmp/$preset.json" "$cfg" || fail "$preset: the imported config differs from $cfg"
-        "$moert" check "$tmp/$preset.json" >/dev/null 2>&1 || fail "$preset: moert check refuses the imported config"
     else
         fail "$preset: import failed: $(cat "$tmp/$preset.err")"
     fi

@@ -55,7 +55,7 @@ cat >"$tmp/vendor.json" <<JSON
  "train": {"steps": 2, "tokens_per_rank": 32},
  "router": {"plugin": "$so", "offset": 1}}
 JSON
-out=$("$moert" check "$tmp/vendor.json") || fail "moert check: $out"
+out=$("$moert" check "$tmp/vendor.json" | head -1) || fail "moert check: $out"
 [ "$out" = "$tmp/vendor.json: ok (router $so, dispatcher alltoall, precision bf16, memory_policy default; layers 1, ranks 2)" ] ||
     fail "unexpected check output: $out"
 
@@ -86,6 +86,18 @@ step "make install puts the plugin in plugindir, where it is found by name"
 make -C "$tmp/vendor" install >/dev/null || fail "make install"
 [ -f "$plugindir/libmoert-router-roundrobin.so" ] || fail "make install did not copy the plugin"
 "$moert" check "$tmp/byname.json" >/dev/null || fail "roundrobin not found in the install dir"
+
+step "the installed moert, started through PATH from a folder that looks like a build tree, ignores it"
+# a folder holding an entry named moert whose parent has build.ninja and plugins/*/: the installed moert used to
+# resolve its argv[0] against the current directory here and load the plugins it found (docs/abi.md says never)
+mkdir -p "$tmp/trap/bin" "$tmp/trap/plugins/evil"
+touch "$tmp/trap/build.ninja" "$tmp/trap/bin/moert"
+cp "$plugindir/libmoert-router-topk.so" "$tmp/trap/plugins/evil/libmoert-router-trapped.so"
+listing=$(cd "$tmp/trap/bin" && PATH="$prefix/bin:$PATH" moert plugins) || fail "moert plugins through PATH"
+case "$listing" in
+*"$tmp/trap"*) echo "$listing"; fail "the installed moert searched the build-tree look-alike around the current directory" ;;
+esac
+echo "$listing" | grep -qE "^router +topk .* $plugindir/libmoert-router-topk\.so$" || { echo "$listing"; fail "topk not listed"; }
 
 step "a program linked against libmoert through pkg-config"
 cat >"$tmp/user.c" <<'C'
@@ -138,7 +150,7 @@ if command -v nvcc >/dev/null 2>&1; then
     [ -f "$cso" ] || fail "make did not produce $cso"
     nm -D --defined-only "$cso" | grep -q ' moert_router_v1$' || fail "$cso does not export moert_router_v1"
     sed "s|\"plugin\": \"$so\", \"offset\": 1|\"plugin\": \"$cso\", \"stride\": 3|" "$tmp/vendor.json" >"$tmp/cuda.json"
-    out=$("$moert" check "$tmp/cuda.json") || fail "moert check with the CUDA example: $out"
+    out=$("$moert" check "$tmp/cuda.json" | head -1) || fail "moert check with the CUDA example: $out"
     [ "$out" = "$tmp/cuda.json: ok (router $cso, dispatcher alltoall, precision bf16, memory_policy default; layers 1, ranks 2)" ] ||
         fail "unexpected check output: $out"
     "$moert" run "$tmp/cuda.json" >"$tmp/run-cuda.log" 2>&1 || { cat "$tmp/run-cuda.log"; fail "moert run with the CUDA example"; }

@@ -278,8 +278,20 @@ static void test_mismatch(void)
     moert_comm_group_free(run.group);
 }
 
+/* Timeouts beyond a day are refused (1e19 s wrapped the deadline: the first collective spun for ever). */
+static void test_timeout_bounds(void)
+{
+    moert_comm_group *g = NULL;
+    EXPECT(moert_comm_group_create(2, 1e19, &g) == MOERT_ERR_INVALID_ARGUMENT && g == NULL);
+    EXPECT(strcmp(moert_error_message(), "comm: timeout 1e+19 s, expected > 0 and <= 86400") == 0);
+    EXPECT(moert_comm_group_create(2, 0.0, &g) == MOERT_ERR_INVALID_ARGUMENT && g == NULL);
+    EXPECT_OK(moert_comm_group_create(2, 86400.0, &g));
+    moert_comm_group_free(g);
+}
+
 int main(void)
 {
+    test_timeout_bounds();
     test_collectives();
     test_world_of_one();
     test_timeout();

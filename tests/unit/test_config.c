@@ -130,11 +130,28 @@ static void test_errors(void)
     expect_config_error("{\"train\": {\"optimizer\": \"adamw\"}}", MOERT_ERR_CONFIG,
                         "config error at $.train.optimizer: got \"adamw\", expected one of adam|sgd (did you mean \"adam\"?)");
     expect_config_error("{\"model\": {\"hidden\": \"64\"}}", MOERT_ERR_CONFIG,
-                        "config error at $.model.hidden: got \"64\", expected an integer >= 1");
+                        "config error at $.model.hidden: got \"64\", expected an integer in [1, 65536]");
     expect_config_error("{\"model\": {\"hidden\": 64.5}}", MOERT_ERR_CONFIG,
-                        "config error at $.model.hidden: got 64.5, expected an integer >= 1");
+                        "config error at $.model.hidden: got 64.5, expected an integer in [1, 65536]");
     expect_config_error("{\"model\": {\"hidden\": 0}}", MOERT_ERR_CONFIG,
-                        "config error at $.model.hidden: got 0, expected an integer >= 1");
+                        "config error at $.model.hidden: got 0, expected an integer in [1, 65536]");
+    /* size keys have upper bounds, and the largest per-rank buffers are computed with overflow checks */
+    expect_config_error("{\"model\": {\"ffn_hidden\": 2305843009213693953}}", MOERT_ERR_CONFIG,
+                        "config error at $.model.ffn_hidden: got 2305843009213693953, expected an integer in [1, 262144]");
+    expect_config_error("{\"model\": {\"num_experts\": 268435456}}", MOERT_ERR_CONFIG,
+                        "config error at $.model.num_experts: got 268435456, expected an integer in [1, 16384]");
+    expect_config_error("{\"train\": {\"tokens_per_rank\": 16777217}}", MOERT_ERR_CONFIG,
+                        "config error at $.train.tokens_per_rank: got 16777217, expected an integer in [1, 16777216]");
+    expect_config_error("{\"model\": {\"hidden\": 65536, \"ffn_hidden\": 262144, \"num_experts\": 16384}}",
+                        MOERT_ERR_CONFIG,
+                        "config error at $.model.ffn_hidden: the fc1 weights of a rank (experts per rank x hidden x 2 x "
+                        "ffn_hidden) would take 4096.0 TiB, more than the 16 TiB any device holds; shrink the sizes");
+    expect_config_error("{\"model\": {\"ffn_hidden\": 262144, \"num_experts\": 16384, \"topk\": 16384},"
+                        " \"train\": {\"tokens_per_rank\": 16777216}, \"parallel\": {\"ranks\": 64}}",
+                        MOERT_ERR_CONFIG,
+                        "config error at $.train.tokens_per_rank: the rows dispatched to a rank (ranks x tokens_per_rank "
+                        "x topk rows of max(hidden, 2 x ffn_hidden) values) would take more than 8388608.0 TiB, more "
+                        "than the 16 TiB any device holds; shrink the sizes");
     expect_config_error("{\"model\": {\"topk\": 9}}", MOERT_ERR_CONFIG,
                         "config error at $.model.topk: got 9, expected an integer in [1, 8]");
     expect_config_error("{\"model\": {\"num_experts\": 4, \"topk\": 5}}", MOERT_ERR_CONFIG,
@@ -155,6 +172,11 @@ static void test_errors(void)
                         "config error at $.parallel.cuda_graph: got true, expected one of auto|off|on");
     expect_config_error("{\"parallel\": {\"timeout_s\": 0}}", MOERT_ERR_CONFIG,
                         "config error at $.parallel.timeout_s: got 0, expected a number > 0");
+    /* deadlines are computed from it: at most a day (1e19 s used to wrap the deadline and spin for ever) */
+    expect_config_error("{\"parallel\": {\"timeout_s\": 1e19}}", MOERT_ERR_CONFIG,
+                        "config error at $.parallel.timeout_s: got 1e19, expected a number > 0 and <= 86400 (a day)");
+    expect_config_error("{\"parallel\": {\"timeout_s\": 86401}}", MOERT_ERR_CONFIG,
+                        "config error at $.parallel.timeout_s: got 86401, expected a number > 0 and <= 86400 (a day)");
     expect_config_error("{\"train\": {\"lr\": \"fast\"}}", MOERT_ERR_CONFIG,
                         "config error at $.train.lr: got \"fast\", expected a number > 0");
     expect_config_error("{\"train\": {\"steps\": -1}}", MOERT_ERR_CONFIG,

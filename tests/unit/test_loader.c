@@ -109,6 +109,11 @@ static void test_refusals(void)
              sizeof(moert_router_v1));
     expect_load_error("fixture-small-struct", MOERT_ERR_ABI_MISMATCH, message);
 
+    /* a NULL member the core calls is refused by name, not met as a crash at the first step */
+    fixture_path("null-member", path, sizeof path);
+    snprintf(message, sizeof message, "router plugin \"fixture-null-member\" (%s) has no backward function", path);
+    expect_load_error("fixture-null-member", MOERT_ERR_ABI_MISMATCH, message);
+
     /* by path, the path is said once */
     fixture_path("bad-abi", path, sizeof path);
     snprintf(message, sizeof message, "router plugin \"%s\" was built for ABI 2.0, this moert supports ABI 1.x", path);
@@ -222,6 +227,20 @@ static void test_init(void)
                                      "{\"fail\": false, \"reasn\": \"x\"}", &layer, NULL, 0, 1),
                   MOERT_ERR_CONFIG);
     EXPECT(strcmp(moert_error_message(), "config error at $.test.reasn: unknown key (did you mean \"reason\"?)") == 0);
+    test_instance_close(&ti);
+
+    /* a layer whose sizes would wrap the plugin's buffer sizes never reaches its init, whoever built the layer */
+    moert_layer_info huge = test_layer((int64_t)1 << 61, 128, 8, 2, 256, 1, 0, MOERT_F32);
+    EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_ROUTER, "topk", "{}", &huge, NULL, 0, 1),
+                  MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT(strcmp(moert_error_message(),
+                  "router plugin \"topk\": layer 0 has hidden 2305843009213693952, expected 1 .. 65536") == 0);
+    test_instance_close(&ti);
+    moert_layer_info wide = test_layer(65536, 262144, 16384, 16384, 16777216, 1, 0, MOERT_F32);
+    EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_ROUTER, "topk", "{}", &wide, NULL, 0, 1),
+                  MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT(strcmp(moert_error_message(), "router plugin \"topk\": layer 0's buffers (fc1 weights, or world x max_tokens x "
+                  "topk rows) would exceed 16 TiB") == 0);
     test_instance_close(&ti);
 }
 

@@ -234,7 +234,7 @@ static void check_delayed(void)
         fp8_delayed_state d;
         EXPECT(fp8_delayed_init(&d, 1, 3));
         fp8_scratch scratch = {0};
-        double in[8], wt[24], out[6];
+        double in[2 * 4], wt[4 * 2 * 3], out[2 * 2 * 3]; /* [rows, H], [H, 2F], [rows, 2F] */
         moert_tensor input = moert_tensor_2d(in, moert_cpu(), MOERT_F64, rows, H);
         moert_tensor weight = moert_tensor_3d(wt, moert_cpu(), MOERT_F64, 1, H, 2 * F);
         moert_tensor output = moert_tensor_2d(out, moert_cpu(), MOERT_F64, rows, 2 * F);
