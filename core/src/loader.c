@@ -161,8 +161,25 @@ static bool running_build_root(char *out, size_t size)
     return true;
 }
 
-/* MOERT_PLUGIN_PATH, then the build tree moert runs from (plugins/<each>/ and tests/fixtures/), then the
- * install dir. */
+/* When this code runs from libmoert.so (not linked into a program): the folder holding it, so that the plugins
+ * installed beside it (<libdir>/moert/plugins) are found wherever the library was moved (a Python wheel, a relocated
+ * prefix). */
+static bool running_library_dir(char *out, size_t size)
+{
+    Dl_info info;
+    struct link_map *map = NULL;
+    char path[PATH_MAX];
+    if (!dladdr1((void *)&running_library_dir, &info, (void **)&map, RTLD_DL_LINKMAP) || !map) return false;
+    if (!map->l_name || map->l_name[0] != '/' || !realpath(map->l_name, path)) return false;
+    char *slash = strrchr(path, '/');
+    if (!slash || slash == path) return false;
+    *slash = '\0';
+    snprintf(out, size, "%s", path);
+    return true;
+}
+
+/* MOERT_PLUGIN_PATH, then the build tree moert runs from (plugins/<each>/ and tests/fixtures/), then the folder
+ * beside the libmoert.so in use, then the install dir. */
 static void collect_search_dirs(dir_list *l)
 {
     const char *env = moert_env_get(MOERT_ENV_PLUGIN_PATH);
@@ -183,6 +200,10 @@ static void collect_search_dirs(dir_list *l)
         }
         snprintf(pattern, sizeof pattern, "%s/tests/fixtures", root);
         dir_list_add(l, pattern);
+    }
+    if (running_library_dir(root, sizeof root)) {
+        snprintf(pattern, sizeof pattern, "%s/moert/plugins", root);
+        if (strcmp(pattern, MOERT_INSTALL_PLUGIN_DIR) != 0) dir_list_add(l, pattern);
     }
     dir_list_add(l, MOERT_INSTALL_PLUGIN_DIR);
 }

@@ -161,4 +161,13 @@ else
     step "examples/vendor_plugin_cuda: skipped (no nvcc)"
 fi
 
+step "a relocated install: libmoert finds the plugins installed beside it (moert/plugins in its folder)"
+mv "$prefix" "$tmp/moved"
+mlib=$(dirname "$(find "$tmp/moved" -name 'libmoert.so' | head -1)")
+[ -d "$mlib/moert/plugins" ] || fail "no moert/plugins beside the moved libmoert.so ($mlib)"
+cc -std=c11 -I"$tmp/moved/include" "$src/examples/embed/embed.c" -o "$tmp/embed-moved" "$mlib/libmoert.so" \
+    -Wl,-rpath,"$mlib" -lm || fail "compiling the embedding example against the moved library"
+"$tmp/embed-moved" >"$tmp/embed-moved.log" 2>&1 || { cat "$tmp/embed-moved.log"; fail "the moved install's plugins were not found"; }
+grep -qx "embed: ok" "$tmp/embed-moved.log" || { cat "$tmp/embed-moved.log"; fail "examples/embed against the moved install"; }
+
 echo "test_install: all checks passed"
