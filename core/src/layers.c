@@ -791,8 +791,12 @@ MOERT_API moert_result moert_moe_backward(moert_layers *m, moert_saved *saved, c
     const char *fn = "moert_moe_backward";
     moert_result rc = MOERT_OK;
     if (!m) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layers is NULL", fn);
-    if (!saved || saved->owner != m || saved->layer < 0 || saved->layer >= m->stack.num_layers ||
-        m->saved[saved->layer] != saved)
+    /* the handle is found among these layers' forwards in flight before anything reads it: a handle a backward
+     * already consumed (freed) is refused, not read */
+    int found = -1;
+    for (int l = 0; saved && l < m->stack.num_layers && found < 0; l++)
+        if (m->saved[l] == saved) found = l;
+    if (found < 0)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: saved is not a forward in flight of these layers", fn);
     if (opts && opts->struct_size < sizeof *opts)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: opts->struct_size %u, expected %zu", fn, opts->struct_size,

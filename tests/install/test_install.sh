@@ -131,7 +131,8 @@ diff -u "$tmp/declared" "$tmp/exported" >"$tmp/exports.diff" ||
 step "examples/embed: built out of tree with pkg-config, run against the installed library"
 cp -r "$src/examples/embed" "$tmp/embed"
 make -C "$tmp/embed" >"$tmp/embed-make.log" 2>&1 || { cat "$tmp/embed-make.log"; fail "make examples/embed"; }
-"$tmp/embed/embed" >"$tmp/embed.log" 2>&1 || { cat "$tmp/embed.log"; fail "examples/embed failed"; }
+# the installed libraries only (meson test's LD_LIBRARY_PATH names the build tree's, sanitized in CI's ASan build)
+LD_LIBRARY_PATH="$libdir" "$tmp/embed/embed" >"$tmp/embed.log" 2>&1 || { cat "$tmp/embed.log"; fail "examples/embed failed"; }
 grep -qx "embed: ok" "$tmp/embed.log" || { cat "$tmp/embed.log"; fail "examples/embed did not say ok"; }
 
 step "moert ab --plot's drawing script is installed where the installed moert looks for it"
@@ -167,7 +168,7 @@ mlib=$(dirname "$(find "$tmp/moved" -name 'libmoert.so' | head -1)")
 [ -d "$mlib/moert/plugins" ] || fail "no moert/plugins beside the moved libmoert.so ($mlib)"
 cc -std=c11 -I"$tmp/moved/include" "$src/examples/embed/embed.c" -o "$tmp/embed-moved" "$mlib/libmoert.so" \
     -Wl,-rpath,"$mlib" -lm || fail "compiling the embedding example against the moved library"
-"$tmp/embed-moved" >"$tmp/embed-moved.log" 2>&1 || { cat "$tmp/embed-moved.log"; fail "the moved install's plugins were not found"; }
+LD_LIBRARY_PATH="$mlib" "$tmp/embed-moved" >"$tmp/embed-moved.log" 2>&1 || { cat "$tmp/embed-moved.log"; fail "the moved install's plugins were not found"; }
 grep -qx "embed: ok" "$tmp/embed-moved.log" || { cat "$tmp/embed-moved.log"; fail "examples/embed against the moved install"; }
 
 echo "test_install: all checks passed"
