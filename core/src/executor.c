@@ -788,27 +788,35 @@ fail:
     return rc;
 }
 
-/* The shared expert's second stream and its fork and join events (parallel.shared_expert_overlap on a GPU), made at
- * the first use through the core host; nothing on the CPU. */
-static moert_result ensure_shared_stream(moert_layer *L)
+/* A second stream of the layer and its fork and join events (overlap_wgrad, the shared expert's), made at the first use
+ * through the core host; nothing on the CPU, where every call is synchronous. */
+static moert_result ensure_side_stream(moert_layer *L, moert_stream *stream, moert_event *fork_event,
+                                       moert_event *join_event, const char *what)
 {
     moert_result rc = MOERT_OK;
     const moert_host *h = L->core_host;
-    if (L->shared_stream || !L->stream || !L->shared_overlap) return MOERT_OK;
+    if (*stream || !L->stream) return MOERT_OK;
     moert_stream s = NULL;
     moert_event fork = NULL, join = NULL;
-    HOST_CALL(h->stream_create(h, &s), "creating the shared expert's stream", MOERT_ACT_COUNT);
-    HOST_CALL(h->event_create(h, &fork), "creating the shared expert's events", MOERT_ACT_COUNT);
-    HOST_CALL(h->event_create(h, &join), "creating the shared expert's events", MOERT_ACT_COUNT);
-    L->shared_stream = s;
-    L->shared_fork_event = fork;
-    L->shared_join_event = join;
+    HOST_CALL(h->stream_create(h, &s), what, MOERT_ACT_COUNT);
+    HOST_CALL(h->event_create(h, &fork), what, MOERT_ACT_COUNT);
+    HOST_CALL(h->event_create(h, &join), what, MOERT_ACT_COUNT);
+    *stream = s;
+    *fork_event = fork;
+    *join_event = join;
     return MOERT_OK;
 fail:
     if (fork) h->event_destroy(h, fork);
     if (join) h->event_destroy(h, join);
     if (s) h->stream_destroy(h, s);
     return rc;
+}
+
+static moert_result ensure_shared_stream(moert_layer *L)
+{
+    if (!L->shared_overlap) return MOERT_OK;
+    return ensure_side_stream(L, &L->shared_stream, &L->shared_fork_event, &L->shared_join_event,
+                              "creating the shared expert's stream and events");
 }
 
 /* Where the shared expert's work goes: its own stream, forked from the compute stream here (the core's and its
@@ -1010,31 +1018,12 @@ fail:
     return rc;
 }
 
-/* The second stream of overlap_wgrad and its fork and join events, created at the first backward through the core
- * host (nothing on the CPU, where every call is synchronous). */
 static moert_result ensure_wgrad_stream(moert_layer *L)
 {
-    moert_result rc = MOERT_OK;
-    const moert_host *h = L->core_host;
-    if (L->wgrad_stream || !L->stream) return MOERT_OK;
-    moert_stream s = NULL;
-    moert_event fork = NULL, join = NULL;
-    HOST_CALL(h->stream_create(h, &s), "creating the wgrad stream", MOERT_ACT_COUNT);
-    HOST_CALL(h->event_create(h, &fork), "creating the wgrad stream's events", MOERT_ACT_COUNT);
-    HOST_CALL(h->event_create(h, &join), "creating the wgrad stream's events", MOERT_ACT_COUNT);
-    L->wgrad_stream = s;
-    L->wgrad_fork_event = fork;
-    L->wgrad_join_event = join;
-    return MOERT_OK;
-fail:
-    if (fork) h->event_destroy(h, fork);
-    if (join) h->event_destroy(h, join);
-    if (s) h->stream_destroy(h, s);
-    return rc;
+    return ensure_side_stream(L, &L->wgrad_stream, &L->wgrad_fork_event, &L->wgrad_join_event,
+                              "creating the wgrad stream and its events");
 }
 
-/* One WGRAD on `stream` (the compute stream, or the wgrad stream with the precision instance's allocations ordered on
- * it for the call), timed as backward part p. */
 static moert_result wgrad_on(moert_layer *L, moert_stream stream, moert_backward_part p, moert_gemm_weight which,
                              const moert_tensor *input, const moert_tensor *grad_output)
 {

@@ -31,6 +31,16 @@ _Static_assert(MOERT_LAYER_ACTIVATIONS == MOERT_ACT_COUNT, "public activation co
 #define ROUTER(L) ((const moert_router_v1 *)(L)->router.plugin->header)
 #define PRECISION(L) ((const moert_precision_v1 *)(L)->precision.plugin->header)
 
+/* One call of layer L's dispatcher; a failure names the plugin, the call, the layer and the rank. */
+#define DISPATCHER_CALL(name, call)                                                                                 \
+    do {                                                                                                           \
+        rc = (call);                                                                                               \
+        if (rc != MOERT_OK) {                                                                                      \
+            rc = moert_layer_plugin_failed(L, &L->dispatcher, name, rc);                                           \
+            goto fail;                                                                                             \
+        }                                                                                                          \
+    } while (0)
+
 MOERT_API int moert_api_version(void) { return MOERT_API_VERSION; }
 
 /* ---- communicators ---- */
@@ -288,6 +298,17 @@ static moert_result copy_tensor(moert_layers *m, const moert_tensor *src, moert_
     if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(m->stack.core_host));
     if (on_host(dst->device)) return finish(m);
     return MOERT_OK;
+}
+
+/* Copies one of moert's tensors into the caller's, ordered on the caller's stream (waits when dst is host memory). */
+static moert_result copy_out(moert_layers *m, const moert_tensor *src, moert_tensor *dst, moert_stream stream)
+{
+    moert_result rc = MOERT_OK;
+    MOERT_CHECK(enter(m, stream));
+    MOERT_CHECK(copy_tensor(m, src, dst));
+    MOERT_CHECK(leave(m, stream));
+fail:
+    return rc;
 }
 
 static moert_result check_launch(const moert_config *cfg, const moert_launch *launch)
@@ -836,9 +857,7 @@ MOERT_API moert_result moert_saved_tokens_per_expert(const moert_saved *saved, m
     const int64_t shape[1] = {L->info.num_experts};
     MOERT_CHECK(check_tensor(fn, "dst", dst, MOERT_I64, dst && on_host(dst->device) ? dst->device : m->device, 1,
                              shape));
-    MOERT_CHECK(enter(m, stream));
-    MOERT_CHECK(copy_tensor(m, &L->tokens_per_expert, dst));
-    MOERT_CHECK(leave(m, stream));
+    MOERT_CHECK(copy_out(m, &L->tokens_per_expert, dst, stream));
 fail:
     return rc;
 }
@@ -935,11 +954,7 @@ MOERT_API moert_result moert_dispatch_prepare(moert_layers *m, int layer, const 
     *d = (moert_dispatch){.owner = m, .layer = layer, .tokens = topk_idx->shape[0], .topk_idx = *topk_idx};
     d->layout.struct_size = sizeof d->layout;
     MOERT_CHECK(enter(m, stream));
-    rc = DISPATCHER(L)->prepare(L->dispatcher.ctx, m->stream, &d->topk_idx, &d->layout);
-    if (rc != MOERT_OK) {
-        rc = moert_layer_plugin_failed(L, &L->dispatcher, "prepare", rc);
-        goto fail;
-    }
+    DISPATCHER_CALL("prepare", DISPATCHER(L)->prepare(L->dispatcher.ctx, m->stream, &d->topk_idx, &d->layout));
     MOERT_CHECK(leave(m, stream));
     m->dispatch[layer] = d;
     *out = d;
@@ -960,9 +975,7 @@ MOERT_API moert_result moert_dispatch_tokens_per_expert(const moert_dispatch *d,
     const int64_t shape[1] = {m->stack.layers[d->layer].info.num_local_experts};
     MOERT_CHECK(check_tensor(fn, "dst", dst, MOERT_I64, dst && on_host(dst->device) ? dst->device : m->device, 1,
                              shape));
-    MOERT_CHECK(enter(m, stream));
-    MOERT_CHECK(copy_tensor(m, &d->layout.tokens_per_expert, dst));
-    MOERT_CHECK(leave(m, stream));
+    MOERT_CHECK(copy_out(m, &d->layout.tokens_per_expert, dst, stream));
 fail:
     return rc;
 }
@@ -1000,11 +1013,7 @@ MOERT_API moert_result moert_dispatch_run(moert_dispatch *d, const moert_tensor 
     MOERT_CHECK(enter(m, stream));
     moert_dispatch_args a = {.struct_size = sizeof a, .x = x, .topk_probs = topk_weights, .recv_x = recv_x,
                              .recv_probs = recv_weights};
-    rc = DISPATCHER(L)->dispatch(L->dispatcher.ctx, m->stream, &a);
-    if (rc != MOERT_OK) {
-        rc = moert_layer_plugin_failed(L, &L->dispatcher, "dispatch", rc);
-        goto fail;
-    }
+    DISPATCHER_CALL("dispatch", DISPATCHER(L)->dispatch(L->dispatcher.ctx, m->stream, &a));
     d->ran = true;
     MOERT_CHECK(leave(m, stream));
 fail:
@@ -1023,11 +1032,7 @@ MOERT_API moert_result moert_dispatch_combine(moert_dispatch *d, const moert_ten
     MOERT_CHECK(check_rows(d, fn, "y", y, d->tokens));
     MOERT_CHECK(enter(m, stream));
     moert_combine_args a = {.struct_size = sizeof a, .y_expert = y_expert, .y = y};
-    rc = DISPATCHER(L)->combine(L->dispatcher.ctx, m->stream, &a);
-    if (rc != MOERT_OK) {
-        rc = moert_layer_plugin_failed(L, &L->dispatcher, "combine", rc);
-        goto fail;
-    }
+    DISPATCHER_CALL("combine", DISPATCHER(L)->combine(L->dispatcher.ctx, m->stream, &a));
     MOERT_CHECK(leave(m, stream));
 fail:
     return rc;
@@ -1045,11 +1050,7 @@ MOERT_API moert_result moert_dispatch_combine_backward(moert_dispatch *d, const 
     MOERT_CHECK(check_rows(d, fn, "dy_expert", dy_expert, d->layout.capacity));
     MOERT_CHECK(enter(m, stream));
     moert_combine_backward_args a = {.struct_size = sizeof a, .d_y = dy, .d_y_expert = dy_expert};
-    rc = DISPATCHER(L)->combine_backward(L->dispatcher.ctx, m->stream, &a);
-    if (rc != MOERT_OK) {
-        rc = moert_layer_plugin_failed(L, &L->dispatcher, "combine_backward", rc);
-        goto fail;
-    }
+    DISPATCHER_CALL("combine_backward", DISPATCHER(L)->combine_backward(L->dispatcher.ctx, m->stream, &a));
     MOERT_CHECK(leave(m, stream));
 fail:
     return rc;
@@ -1072,11 +1073,7 @@ MOERT_API moert_result moert_dispatch_backward(moert_dispatch *d, const moert_te
     MOERT_CHECK(moert_zero(m->stream, dx)); /* the plugin adds the rows into it */
     moert_dispatch_backward_args a = {.struct_size = sizeof a, .d_recv_x = d_recv_x, .d_recv_probs = d_recv_weights,
                                       .d_x = dx, .d_topk_probs = d_topk_weights};
-    rc = DISPATCHER(L)->dispatch_backward(L->dispatcher.ctx, m->stream, &a);
-    if (rc != MOERT_OK) {
-        rc = moert_layer_plugin_failed(L, &L->dispatcher, "dispatch_backward", rc);
-        goto fail;
-    }
+    DISPATCHER_CALL("dispatch_backward", DISPATCHER(L)->dispatch_backward(L->dispatcher.ctx, m->stream, &a));
     MOERT_CHECK(leave(m, stream));
 fail:
     return rc;

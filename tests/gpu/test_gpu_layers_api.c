@@ -18,7 +18,7 @@
 #include <time.h>
 
 #include "moert/moert.h"
-#include "test_util.h"
+#include "gpu_test_util.h" /* CK: a checked CUDA call of the test itself */
 
 extern char **environ;
 
@@ -38,14 +38,6 @@ static const char *shared_json =
     " \"parallel\": {\"ranks\": 1}, \"train\": {\"tokens_per_rank\": 512},"
     " \"router\": {\"score_function\": \"sigmoid\", \"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.01}}";
 
-#define CK(call)                                                                                                   \
-    do {                                                                                                           \
-        cudaError_t e_ = (call);                                                                                   \
-        if (e_ != cudaSuccess) {                                                                                   \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));          \
-            exit(1);                                                                                               \
-        }                                                                                                          \
-    } while (0)
 
 static float uniform(uint64_t *s)
 {
