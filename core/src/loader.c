@@ -314,6 +314,33 @@ static void append(char *buf, size_t size, const char *text)
 }
 
 /* Loads a plugin by name (along the search path) or by path (a spec with '/'). */
+/* The names of the plugins of one kind ("libmoert-<file_part>-<name>.so") along the search path, ", "-joined, each once:
+ * what a misspelt name is told it could have been. */
+static void known_names(const dir_list *dirs, const char *file_part, char *out, size_t size)
+{
+    char prefix[64];
+    snprintf(prefix, sizeof prefix, "libmoert-%s-", file_part);
+    size_t plen = strlen(prefix);
+    out[0] = '\0';
+    for (int i = 0; i < dirs->count; i++) {
+        DIR *d = opendir(dirs->dirs[i]);
+        if (!d) continue;
+        for (struct dirent *e = readdir(d); e; e = readdir(d)) {
+            size_t n = strlen(e->d_name);
+            if (n <= plen + 3 || strncmp(e->d_name, prefix, plen) || strcmp(e->d_name + n - 3, ".so")) continue;
+            char name[256];
+            snprintf(name, sizeof name, "%.*s", (int)(n - plen - 3), e->d_name + plen);
+            if (strstr(name, "fixture")) continue; /* the tests' deliberately broken plugins */
+            char quoted[260];
+            snprintf(quoted, sizeof quoted, "\"%s\"", name);
+            if (strstr(out, quoted)) continue;
+            if (out[0]) append(out, size, ", ");
+            append(out, size, quoted);
+        }
+        closedir(d);
+    }
+}
+
 moert_result moert_plugin_load(moert_plugin_kind kind, const char *spec, moert_plugin *out)
 {
     const kind_info *want = find_kind(kind);
@@ -355,11 +382,14 @@ moert_result moert_plugin_load(moert_plugin_kind kind, const char *spec, moert_p
         found = true;
         rc = open_checked(want, label, path, out);
     }
+    char known[1024] = "";
+    if (!found) known_names(&dirs, want->file_part, known, sizeof known);
     dir_list_free(&dirs);
     if (!found)
         return moert_error(MOERT_ERR_NOT_FOUND,
-                           "no %s plugin \"%s\": tried %s (set MOERT_PLUGIN_PATH or give a path to the .so)",
-                           want->name, spec, tried[0] ? tried : "no directories");
+                           "no %s plugin \"%s\": tried %s (set MOERT_PLUGIN_PATH or give a path to the .so)%s%s%s%s",
+                           want->name, spec, tried[0] ? tried : "no directories", known[0] ? "; " : "",
+                           known[0] ? want->name : "", known[0] ? " plugins found: " : "", known);
     return rc;
 }
 

@@ -68,7 +68,8 @@ static void test_plugin_mistakes(void)
         first = false;
     }
     size_t used = strlen(message);
-    snprintf(message + used, sizeof message - used, " (set MOERT_PLUGIN_PATH or give a path to the .so)");
+    snprintf(message + used, sizeof message - used,
+             " (set MOERT_PLUGIN_PATH or give a path to the .so); router plugins found: \"topk\"");
     expect_failure("{\"router\": {\"plugin\": \"nope\"}}", MOERT_ERR_NOT_FOUND, message);
 
     /* a router named as the dispatcher, and a dispatcher in a router's file */

@@ -148,7 +148,8 @@ static void test_not_found(void)
         first = false;
     }
     size_t used = strlen(message);
-    snprintf(message + used, sizeof message - used, " (set MOERT_PLUGIN_PATH or give a path to the .so)");
+    snprintf(message + used, sizeof message - used,
+             " (set MOERT_PLUGIN_PATH or give a path to the .so); router plugins found: \"topk\"");
     expect_load_error("nope", MOERT_ERR_NOT_FOUND, message);
     EXPECT(strstr(moert_error_message(), "/nonexistent/a/libmoert-router-nope.so, "
                                          "/nonexistent/b/libmoert-router-nope.so, ") != NULL);
