@@ -103,6 +103,10 @@ expect_line check_set_form err 'moert check: --set expects KEY=VALUE (e.g. train
 echo '{"router": {"plugin": "nope"}}' >"$tmp/missing.json"
 run check_missing 1 check "$tmp/missing.json"
 expect_match check_missing err "^moert check: $tmp/missing.json: .*no router plugin \"nope\": tried /.*/libmoert-router-nope\.so, "
+# a misspelt name is told the names of that kind there are (not the tests' fixtures)
+echo '{"dispatcher": {"plugin": "deeepep"}}' >"$tmp/misspelt.json"
+run check_misspelt 1 check "$tmp/misspelt.json"
+expect_match check_misspelt err '; dispatcher plugins found: ("[a-z]+", )*"deepep"(, "[a-z]+")*$'
 echo '{"router": {"plugin": "topk", "capacity_facter": 1.0}}' >"$tmp/option.json"
 run check_option 1 check "$tmp/option.json"
 expect_match check_option err "config error at \\\$\.router\.capacity_facter: unknown key \(did you mean \"capacity_factor\"\?\)$"
