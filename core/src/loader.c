@@ -198,8 +198,13 @@ static void collect_search_dirs(dir_list *l)
             for (size_t i = 0; i < g.gl_pathc; i++) dir_list_add(l, g.gl_pathv[i]);
             globfree(&g);
         }
-        snprintf(pattern, sizeof pattern, "%s/tests/fixtures", root);
-        dir_list_add(l, pattern);
+        /* the tests' deliberately broken plugins, for the tests' own binaries only: never in `moert plugins` */
+        char binary[PATH_MAX], tests[PATH_MAX + 16];
+        snprintf(tests, sizeof tests, "%s/tests/", root);
+        if (running_binary_path(binary, sizeof binary) && strncmp(binary, tests, strlen(tests)) == 0) {
+            snprintf(pattern, sizeof pattern, "%s/tests/fixtures", root);
+            dir_list_add(l, pattern);
+        }
     }
     if (running_library_dir(root, sizeof root)) {
         snprintf(pattern, sizeof pattern, "%s/moert/plugins", root);

@@ -3,6 +3,8 @@
 # Usage: test_cli.sh PATH/TO/moert   (meson test runs it with MOERT_TEST_SOURCE_ROOT set)
 set -u
 moert="$(cd "$(dirname "$1")" && pwd)/$(basename "$1")" # absolute: some checks run from other folders
+# the tests' fixture plugins: the build tree's moert does not search them by itself
+export MOERT_PLUGIN_PATH="$(cd "$(dirname "$moert")/.." && pwd)/tests/fixtures"
 src="${MOERT_TEST_SOURCE_ROOT:-$(cd "$(dirname "$0")/../.." && pwd)}"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
@@ -113,6 +115,10 @@ expect_match check_option err "config error at \\\$\.router\.capacity_facter: un
 run check_nofile 1 check "$tmp/none.json"
 expect_line check_nofile err "moert check: $tmp/none.json: cannot open config: No such file or directory"
 
+# the build tree's moert lists its plugins, never the tests' fixtures
+MOERT_PLUGIN_PATH= "$moert" plugins >"$tmp/plugins_plain.out" 2>&1 || fail "moert plugins failed"
+grep -q "^router topk" "$tmp/plugins_plain.out" || fail "moert plugins does not list topk"
+if grep -q fixture "$tmp/plugins_plain.out"; then fail "moert plugins lists the tests' fixtures"; fi
 # plugins: a plugin whose init aborts (fixture-init-crashes, probed in a child) does not hide the others
 run plugins_crash 0 plugins --options
 expect_match plugins_crash out "^router topk \(/.*/libmoert-router-topk\.so\)$"

@@ -4,6 +4,8 @@
 # Usage: test_outputs.sh PATH/TO/moert   (meson test runs it with MOERT_TEST_SOURCE_ROOT set)
 set -u
 moert="$(cd "$(dirname "$1")" && pwd)/$(basename "$1")" # absolute: some checks run from other folders
+# the tests' fixture plugins: the build tree's moert does not search them by itself
+export MOERT_PLUGIN_PATH="$(cd "$(dirname "$moert")/.." && pwd)/tests/fixtures"
 src="${MOERT_TEST_SOURCE_ROOT:-$(cd "$(dirname "$0")/../.." && pwd)}"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT

@@ -6,6 +6,8 @@
 # Usage: test_stall.sh PATH/TO/moert
 set -u
 moert="$(cd "$(dirname "$1")" && pwd)/$(basename "$1")" # absolute: some checks run from other folders
+# the tests' fixture plugins: the build tree's moert does not search them by itself
+export MOERT_PLUGIN_PATH="$(cd "$(dirname "$moert")/.." && pwd)/tests/fixtures"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 failures=0
