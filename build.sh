@@ -2,6 +2,7 @@
 # One command from a fresh Debian/Ubuntu machine: installs what is missing, configures, builds, then
 #   ./build.sh run    runs the main job (configs/demo-cpu.json: on the CPU, or on the GPUs where 4 answer)
 #   ./build.sh test   runs the test suites (meson test)
+#   ./build.sh install PREFIX   installs headers, libmoert, its plugins, moert.pc and the moert command under PREFIX
 #   ./build.sh        only builds
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -28,6 +29,11 @@ fi
 if [ ! -f "$BUILD_DIR/build.ninja" ]; then
   meson setup "$BUILD_DIR"
 fi
+# install: the prefix goes into the build (meson setup would keep an existing build's prefix without a word)
+if [ "${1:-build}" = install ]; then
+  [ $# -ge 2 ] || { echo "usage: ./build.sh install PREFIX" >&2; exit 2; }
+  meson configure "$BUILD_DIR" --prefix="$(mkdir -p "$2" && cd "$2" && pwd)"
+fi
 meson compile -C "$BUILD_DIR"
 
 case "${1:-build}" in
@@ -40,6 +46,9 @@ case "${1:-build}" in
     shift
     exec meson test -C "$BUILD_DIR" --print-errorlogs "$@"
     ;;
+  install)
+    exec meson install -C "$BUILD_DIR" --no-rebuild
+    ;;
   build) ;;
-  *) echo "usage: ./build.sh [run|test|build]" >&2; exit 2 ;;
+  *) echo "usage: ./build.sh [run|test|install PREFIX|build]" >&2; exit 2 ;;
 esac
