@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # One command from a fresh Debian/Ubuntu machine: installs what is missing, configures, builds, then
 #   ./build.sh run    runs the main job (configs/demo-cpu.json: on the CPU, or on the GPUs where 4 answer)
 #   ./build.sh test   runs the test suites (meson test)

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Sweeps the launch shape of the "deepep" dispatcher's NVLink phase (threads per block, 16-byte units in flight per
 # lane, the FP8 dispatch's, a store hint): each variant is the plugin built with -D flags, timed by dispatch_bench's
 # NVLink-phase rows at 24 and 12 SMs (and checked there bit for bit against alltoall).

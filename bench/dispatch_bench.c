@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Dispatcher benchmark: the "deepep" dispatcher's CUDA path (NVLink writes into peer buffers) at several SM counts,
  * against the "alltoall" dispatcher (permute, NCCL all-to-all, regroup) on the same routing, through the plugins as
  * the executor calls them. EP = every visible GPU, a thread per GPU. Default shape: the deepseek-v3 layer (T 4096

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # EP8 figures on one 8-GPU host (nvidia-h200-x8), all from a build made elsewhere with -Dcuda=enabled:
 #   1. correctness at 1, 2, 4, 8 GPUs: tests/test_gpu_plugins (alltoall) and every deepep/hybridep GPU test built
 #   2. bench/dispatch_bench (deepep, alltoall) and bench/hybridep_bench at EP8: dispatch bf16 / fp8 and combine,

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* FP8 expert GEMM benchmark: the fp8 precision plugin's CUDA path (blockwise and current scaling) against the bf16
  * plugin's cuBLASLt loop on the deepseek-v3 expert shapes of one EP4 rank (64 local experts, H=7168, F=2048; rows
  * per expert from a random top-8 routing of T=4096 tokens per rank over 256 experts: 4 x 4096 tokens, each to 8

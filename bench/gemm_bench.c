@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Grouped expert GEMM benchmark: the bf16 precision plugin's CUDA path on the expert shapes of the presets, against
  * one dense cuBLASLt GEMM of the same total shape (same FLOPs). FORWARD, DGRAD and WGRAD; CUDA events, warm-up, the
  * variants interleaved, median of 20; random inputs. Prints a table and, given a path, writes JSON.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # CUDA graphs against eager: the whole DeepSeek-V3 layer (EP = every visible GPU, bf16) replayed from CUDA graphs (B,
 # $.parallel.cuda_graph "on") against the same stack run eagerly (A, "off"), at 128, 512 and 4096 tokens per rank,
 # in one call. The stack is the capturable one: router without a loss, dispatcher hybridep (low-latency mode at 128,

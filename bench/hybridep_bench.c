@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The "hybridep" dispatcher's CUDA path on every visible GPU (a thread per GPU, EP = the GPU count), through the plugin
  * as the executor calls it: dispatch and combine of the deepseek-v3 shape (T 4096 tokens per rank, H 7168, top-8 of 256
  * experts, uniform routing, bf16) at 8, 12 and 16 SMs (TMA, then vector copies), "deepep" at 24 SMs in the

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Times `moert run` on the layer presets (forward+backward, per stage) and records the figures.
 
 Runs each preset with --report, takes the median over the steps after warm-up of the layer's

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The embedding API on a GPU machine, in one call: its checks against the CPU (tests/gpu/test_gpu_layers_api: ranks as
 # threads on 1, 2 and 4 GPUs, a process per GPU with a caller-distributed NCCL id), then one layer's forward+backward
 # through the API against the same layer in moert's own harness (`moert run`, stage times), at the per-GPU shapes of

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The memory policies' A/Bs: a stack of 4 DeepSeek-V3 layers, EP4, bf16, against "keep":
 #   recompute of fc1_out and swiglu_out (>= 30% less activation memory at <= 10% step time),
 #   offload of dispatched_x (<= 5% step time; the last layer keeps it: offload_last_layer false).

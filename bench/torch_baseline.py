@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Peer baseline: a plain PyTorch expert-parallel MoE layer, forward + backward, bf16.
 
 This is the measurement moert is compared against: the layer written the way a user writes it

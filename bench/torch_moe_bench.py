@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """moert.torch.MoE inside a torch training step: one layer's forward + backward, timed like bench/torch_baseline.py
 times the plain PyTorch expert-parallel layer, so the two can run in the same call and be compared.
 

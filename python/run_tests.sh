@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: Apache-2.0
 # Runs the Python package's tests (python/tests, unittest) against the libmoert.so and plugins of a meson build dir.
 #
 #   python/run_tests.sh BUILD_DIR [unittest args, e.g. test_moe or -k Dispatcher]

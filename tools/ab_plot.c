@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* `moert ab --plot`: writes the figure's data (both sides' step times and losses, the warm-up, what B changes) as
  * JSON beside the PNG and runs tools/ab_plot.py on it with python3 and matplotlib, which draw it far better than a
  * hand-written encoder could. The data stays, so the figure can be redrawn or restyled without running again. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* `moert ab --plot`: the figure's data as JSON beside the PNG, drawn by tools/ab_plot.py (python3, matplotlib). */
 #ifndef MOERT_AB_PLOT_H
 #define MOERT_AB_PLOT_H

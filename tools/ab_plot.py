@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Draws `moert ab --plot`'s figure: step time and loss of both sides over the steps.
 
     python3 ab_plot.py DATA.json OUT.png

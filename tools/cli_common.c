@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Shared by the `moert` subcommands: loading a config with --set overrides. */
 #include "cli_common.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Shared by the `moert` subcommands: loading a config with --set overrides, and the subcommand entry points. */
 #ifndef MOERT_CLI_COMMON_H
 #define MOERT_CLI_COMMON_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* `moert ab A.json B.json`: trains two configs of the same model side by side in one process, steps
  * interleaved A, B, A, B..., and compares step and stage times, activation memory and the losses. */
 #include <jansson.h>

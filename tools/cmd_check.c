@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* `moert check CONFIG [--set KEY=VALUE]...`: loads the config, every plugin it names, and checks all options. */
 #include <stdio.h>
 #include <string.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* `moert config --from-megatron ARGS...`: a moert config from Megatron-LM's MoE and model flags.
  *
  * Each flag a Megatron user passes for an MoE layer maps onto one moert key (the table below, also in

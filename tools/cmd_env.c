@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* `moert env`: the environment variables moert reads (core/src/env.c's table), their values here and defaults, and
  * any MOERT_* variable set here that moert does not read (a retired knob says what replaced it). */
 #include <stdio.h>

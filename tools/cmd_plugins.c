@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* `moert plugins [--options]`: the plugins found along the search path, and each plugin's options. */
 #include <errno.h>
 #include <fcntl.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* `moert run CONFIG`: trains the configured MoE layer stack and prints a line per step. */
 #include <stdio.h>
 #include <stdlib.h>

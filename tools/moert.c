@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The `moert` command: run, check, plugins, ab and config subcommands. */
 #include <stdio.h>
 #include <string.h>

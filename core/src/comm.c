@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Communicator of the expert-parallel group: ranks are threads of one process sharing memory.
  *
  * Every collective has the same shape: each rank posts what it offers in its slot, waits at a barrier,

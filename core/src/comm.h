@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Communicator of the expert-parallel group. This file: ranks as threads of one process sharing memory. */
 #ifndef MOERT_CORE_COMM_H
 #define MOERT_CORE_COMM_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Config: JSON files read with jansson, typed sections with JSON-path errors and unknown-key checks. */
 #include "config.h"
 

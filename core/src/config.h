@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Config: the parsed JSON file, typed sections with JSON-path errors and unknown-key checks. */
 #ifndef MOERT_CORE_CONFIG_H
 #define MOERT_CORE_CONFIG_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The environment variables the library reads (see env.h): the one table of them, and the reads that log. */
 #include "env.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The environment variables the library reads, declared once (env.c): name, type, default and help, so that
  * `moert env`, the log and docs/config.md all say the same. Everything else that changes how moert runs is a config

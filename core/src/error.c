@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Error messages of the core: one message buffer per thread, plus the public names of result codes. */
 #include "error.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Error messages and checked-call macros of the core. */
 #ifndef MOERT_CORE_ERROR_H
 #define MOERT_CORE_ERROR_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Executor: the sequence of one MoE layer's forward and backward; plugins each own one stage. */
 #include "executor.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Executor: one MoE layer on one rank, forward and backward, calling each plugin for its stage. */
 #ifndef MOERT_CORE_EXECUTOR_H
 #define MOERT_CORE_EXECUTOR_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Host services: the moert_host table handed to one plugin instance.
  *
  * Device-specific work goes through the small device_* functions below: the CPU (and pinned host memory,

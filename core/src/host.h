@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Host services: builds the moert_host table handed to one plugin instance. */
 #ifndef MOERT_CORE_HOST_H
 #define MOERT_CORE_HOST_H

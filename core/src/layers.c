@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The embedding API (moert/layers.h): the MoE layers of one rank on the caller's tensors and stream.
  *
  * A moert_layers is one rank's stack (core/src/stack.c) whose parameters are bound to the caller's tensors and whose

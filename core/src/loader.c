@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Loader: finds plugin .so files by name or path, dlopens them, and checks their vtable header. */
 #include "loader.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Loader: finds plugin .so files by name or path, dlopens them, and checks their vtable header. */
 #ifndef MOERT_CORE_LOADER_H
 #define MOERT_CORE_LOADER_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Core logging: lines "moert[level] who: message" on stderr, filtered by MOERT_LOG. */
 #include "log.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Core logging; the level comes from MOERT_LOG (error, warn, info, debug; default warn). */
 #ifndef MOERT_CORE_LOG_H
 #define MOERT_CORE_LOG_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The memory a config needs per rank, estimated from its sizes before any plugin starts (moert check prints it, and
  * moert_runtime_create refuses a config that cannot fit), so that a config too large for the machine is refused with
  * a figure instead of being killed by the kernel half-way through its first step. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* What a config needs in memory on each rank, estimated before any plugin starts, and whether it fits the device. */
 #ifndef MOERT_CORE_MEMORY_ESTIMATE_H
 #define MOERT_CORE_MEMORY_ESTIMATE_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Output files: checked before a run starts (never onto an input, never through a link) and written atomically
  * (a temporary file beside the target, flushed, then renamed over it), so a failed write never leaves a truncated
  * file where the previous one was. */

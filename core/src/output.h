@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Output files (reports, tables, plots): checked before a run starts and written atomically. */
 #ifndef MOERT_CORE_OUTPUT_H
 #define MOERT_CORE_OUTPUT_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Counter-based normal random numbers: value i of a stream depends only on (seed, stream, i), so any slice of
  * a tensor can be filled on its own, on the CPU (task.c) or on a GPU (cuda/kernels.cu), in any order. */
 #ifndef MOERT_CORE_RANDOM_H

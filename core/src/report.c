@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The run report: every figure of the last run as JSON. */
 #include <jansson.h>
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Runtime: loads the configured plugins, runs one thread per rank, and trains the layer stack. */
 #include "runtime.h"
 

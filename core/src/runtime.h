@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Runtime internals: the layer stack on every rank, the training loop, and what tests reach into. */
 #ifndef MOERT_CORE_RUNTIME_H
 #define MOERT_CORE_RUNTIME_H

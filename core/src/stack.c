@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Stack: the MoE layers of one rank, their plugin instances and host services. */
 #include "stack.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Synthetic task: counter-based random numbers and the teacher function. */
 #include "task.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The synthetic training task: reproducible random data and a fixed random teacher to regress onto. */
 #ifndef MOERT_CORE_TASK_H
 #define MOERT_CORE_TASK_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* CPU implementations of the executor's element-wise work (the reference; CUDA kernels follow them). */
 #include "tensor_ops.h"
 

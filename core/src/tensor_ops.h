@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Element-wise work the executor does itself: SwiGLU, residual adds, the loss, the optimizer. */
 #ifndef MOERT_CORE_TENSOR_OPS_H
 #define MOERT_CORE_TENSOR_OPS_H

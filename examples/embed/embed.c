@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Embedding moert in a C program: a 2-layer MoE stack of one rank on the CPU, run forward and backward on buffers
  * this program owns, checked against a naive reference written here from the formulas (softmax top-k router,
  * SwiGLU experts weighted by their routing probability, copies summed back into their token).

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """A small byte-level Transformer language model whose feed-forward layers are moert MoE layers, trained on the
 license texts every Debian system ships (/usr/share/common-licenses).
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * An out-of-tree router plugin, built against an installed moert with nothing but its headers:
  * "roundrobin" sends token t to experts (t*K + j + offset) mod E, j = 0..K-1, each with weight 1/K.

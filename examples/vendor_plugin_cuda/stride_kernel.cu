@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The CUDA half of the "stride" example router: one kernel that routes every token on the device, and a C entry point
  * the plugin (stride_router.c) calls with its stream. Kept apart from the plugin so the plugin itself stays C11 and

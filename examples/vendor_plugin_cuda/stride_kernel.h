@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The CUDA entry points of the "stride" example router (stride_kernel.cu), callable from C. */
 #ifndef STRIDE_KERNEL_H
 #define STRIDE_KERNEL_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * An out-of-tree router plugin with a CUDA kernel, built against an installed moert with its headers and nvcc:
  * "stride" sends copy j of token t to expert (t * stride + j) mod E, each with weight 1/K. Like the CPU example

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # The steps the NVLink dispatchers' GPU check scripts share (plugins/dispatch_deepep/gpu_check.sh,
 # plugins/dispatch_hybridep/gpu_check.sh): sourced by them, not run. Each step runs under its own time limit (killed 3 s
 # after) with its log in OUT, prints a "== NAME: rc RC, S s" line and what its log says, and sets status=1 when it

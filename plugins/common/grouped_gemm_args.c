@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Argument checks shared by the precision plugins (see grouped_gemm_args.h). */
 #include "grouped_gemm_args.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Argument checks shared by the precision plugins: one grouped GEMM's tensors, shapes and row counts. Compiled
  * into each plugin (plugins do not link libmoert). */
 #ifndef MOERT_PLUGIN_GROUPED_GEMM_ARGS_H

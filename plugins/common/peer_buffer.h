@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The peer-visible buffer of the NVLink dispatchers ("deepep", "hybridep"), shared by their CPU and CUDA paths (plain
  * C, no CUDA types; under nvcc the inline functions are host and device functions).
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* What the NVLink dispatchers share on the host (see peer_dispatch.h). */
 #include "peer_dispatch.h"
 

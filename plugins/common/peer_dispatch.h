@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* What the NVLink dispatchers ("deepep", "hybridep") share on the host: the part of an instance every call reads (the
  * host and layer, the rank's place in the group, the peer buffer, the step's bookkeeping), the argument checks of the
  * calls, the peer buffer's setup and release, the CPU path's calls and the CUDA path's device checks. Compiled into

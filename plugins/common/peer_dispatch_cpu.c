@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The NVLink dispatchers' shared CPU path (see peer_dispatch_cpu.h): plan sizes, and send/receive through peer
  * buffers with flags. */
 #include "peer_dispatch_cpu.h"

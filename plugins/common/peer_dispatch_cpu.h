@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The CPU path the NVLink dispatchers ("deepep", "hybridep") share, over plain arrays: the plan's sizes after the count
  * exchange, and the calls' send/receive through the peers' buffers (peer_buffer.h) with bounded waits on their flags.
  * Each plugin makes its routing (layout pass, count exchange) its own way; the send/receive is the reference of both

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Error reporting shared by the plugins' CUDA code: checked CUDA calls and launches, reported through
  * plugin_report.h's report(). Header-only: plugins do not link libmoert. */
 #ifndef MOERT_PLUGIN_CUDA_CHECK_H

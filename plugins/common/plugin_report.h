@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* How a plugin reports an error: it never prints, it hands the message to its host (host->set_error) and returns
  * a result code, so checks can `return report(host, code, ...)`. Header-only, C and CUDA alike (plugins do not link
  * libmoert); each plugin's `fail(ctx, ...)` is this with its instance's host. */

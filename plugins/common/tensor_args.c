@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Argument checks shared by the dispatcher plugins (see tensor_args.h). */
 #include "tensor_args.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Argument checks shared by the dispatcher plugins: one tensor argument, an args struct's size, and the text
  * of devices and shapes for messages. Compiled into each plugin (plugins do not link libmoert). */
 #ifndef MOERT_PLUGIN_TENSOR_ARGS_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The "alltoall" dispatcher plugin: Megatron's all-to-all token dispatcher over the host's communicator.
  * This file: vtable, options, argument checks, buffers and communication, and the CUDA path (the same
  * algorithm, step by step, through the kernels of dispatch_alltoall_cuda.cu); the CPU algorithm over plain

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The all-to-all dispatcher's CPU reference: Megatron's alltoall algorithm over plain arrays. */
 #include "dispatch_alltoall_cpu.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The all-to-all dispatcher's algorithm over plain arrays: counting, send order, regrouping, reductions.
  * dispatch_alltoall.c owns the vtable, options, checks and communication; this part is what a CUDA path
  * replaces kernel by kernel. */

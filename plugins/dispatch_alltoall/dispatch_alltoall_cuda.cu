@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* CUDA kernels of the all-to-all dispatcher: layout, permutation, row gathers, combine, regroup maps. */
 #include "dispatch_alltoall_cuda.h"
 

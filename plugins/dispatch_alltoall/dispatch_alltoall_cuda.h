@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * CUDA kernels of the all-to-all dispatcher: routing layout (counts and a stable permutation by expert),
  * row gathers (permute, regroup, and the adjoint of combine) and the per-token sum of copies (combine, and

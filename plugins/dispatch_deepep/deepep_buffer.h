@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* How the "deepep" dispatcher uses the peer buffer (../common/peer_buffer.h: the layout it shares with "hybridep"),
  * on its CPU and CUDA paths (plain C, no CUDA types).
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The "deepep" dispatcher's layout over plain arrays (see deepep_cpu.h). */
 #include "deepep_cpu.h"
 

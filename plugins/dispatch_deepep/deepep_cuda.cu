@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* CUDA kernels of the "deepep" dispatcher: token-rank layout, the NVLink phase of dispatch and combine (every block
  * sends), and the local kernels around it (expansion, reduction, final sum) over every SM. */
 #include "deepep_cuda.h"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * CUDA kernels of the "deepep" dispatcher: the token-rank layout pass, and each call as an NVLink phase of `channels`
  * blocks (every block sends) between local kernels over every SM (deepep_buffer.h describes the buffer and the flags).

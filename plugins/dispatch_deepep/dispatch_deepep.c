@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The "deepep" dispatcher plugin: tokens move by direct writes into the peers' buffers (exchanged once at init),
  * the way DeepEP's intranode kernels work. This file: vtable, options, the peer buffer's size, prepare() (layout
  * pass, then the count exchange, "notify") and the calls of both paths; what it shares with "hybridep" (argument

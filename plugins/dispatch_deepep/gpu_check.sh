@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The "deepep" dispatcher's GPU checks and figures in one go, on a GPU machine (4 GPUs for all of it):
 #   1. tests/test_gpu_deepep: the CUDA path against the CPU path on 1, 2, 4 GPUs, and a stalled peer
 #   2. bench/dispatch_bench: deepep dispatch bf16 / fp8 and combine at 8, 12, 16, 24 and all SMs, each as the whole

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The "hybridep" dispatcher plugin, in the spirit of NVIDIA's HybridEP: tokens move by direct writes into the peers'
  * buffers (exchanged once at init), TMA bulk copies on CUDA, the permutation fused into dispatch (each copy written
  * straight into its expert-grouped row) and the unpermutation into combine, buffers sized for the worst case so that

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The "hybridep" dispatcher's GPU checks and figures in one go, on a GPU machine (4 GPUs for the acceptance figures):
 #   1. tests/test_gpu_hybridep: the CUDA path against the CPU path on 1/2/4/8 GPUs, a stalled peer, bad ids, the
 #      low-latency tuning options, and CUDA-graph capture + replays (low-latency and normal mode)

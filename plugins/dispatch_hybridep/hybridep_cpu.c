@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The "hybridep" dispatcher's layout and notify over plain arrays (see hybridep_cpu.h). */
 #include "hybridep_cpu.h"
 

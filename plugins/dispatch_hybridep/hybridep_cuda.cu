@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* CUDA kernels of the "hybridep" dispatcher: fused layout + notify; normal mode: an NVLink phase of `channels` sending
  * blocks (TMA or vector copies) and local kernels over every SM; low-latency mode: one kernel per call. */
 #include "hybridep_cuda.h"

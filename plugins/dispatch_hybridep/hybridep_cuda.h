@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * CUDA kernels of the "hybridep" dispatcher (hybridep_buffer.h describes the buffer and the flag protocol).
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The "default" memory policy plugin: a fixed action per saved activation, read from the config. */
 #include <stdbool.h>
 #include <stdlib.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * bf16 grouped GEMM with the per-expert row counts read on the device (see device_gemm.h).
  *

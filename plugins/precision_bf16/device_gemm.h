@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * A bf16 grouped GEMM kernel that reads the per-expert row counts on the device: no host sync, no allocation,
  * capturable in a CUDA graph. Two engines: tensor cores through mma.sync m16n8k16 (bf16 operands, fp32 accumulation),

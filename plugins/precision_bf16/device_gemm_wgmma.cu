@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The Hopper engine of the device-count bf16 grouped GEMM (see device_gemm_wgmma.h and device_gemm.h).
  *

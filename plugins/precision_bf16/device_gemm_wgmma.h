@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The Hopper engine of the device-count bf16 grouped GEMM (device_gemm.h): FORWARD and DGRAD on a persistent
  * wgmma kernel fed by TMA (device_gemm_wgmma.cu). bf16_device_gemm picks it where the GPU has it (compute capability

@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: Apache-2.0
 # GPU check of the bf16 plugin's device-count grouped GEMM kernel ("gemm": "kernel", and its wgmma engine that
 # "gemm": "auto" runs FORWARD/DGRAD on), one command (run from the repository root on one sm_90 GPU):
 #

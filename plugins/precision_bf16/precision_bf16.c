@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The "bf16" precision plugin: the experts' grouped GEMMs with bf16 operands and fp32 accumulation
  * (or plain fp32 / fp64). This file: vtable, options, argument checks and the CUDA path's state (bf16 weight
  * copies, the cuBLASLt handle); the CPU math is in precision_bf16_cpu.c, the CUDA GEMMs in precision_bf16_cuda.cu

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The bf16 precision recipe's CPU reference: grouped GEMMs emulating a bf16 tensor-core GEMM (or fp32, fp64). */
 #ifndef MOERT_PRECISION_BF16_CPU_H
 #define MOERT_PRECISION_BF16_CPU_H

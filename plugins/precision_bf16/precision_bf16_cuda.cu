@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Grouped expert GEMMs on CUDA through cuBLASLt (one matmul per non-empty expert) or cuBLAS's
  * cublasGemmGroupedBatchedEx (one call for all experts). cuBLASLt 13.1 has no grouped batch mode in its

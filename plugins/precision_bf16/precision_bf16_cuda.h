@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * CUDA path of the bf16 precision recipe: the experts' grouped GEMMs through cuBLASLt.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Blockwise-scaled FP8 grouped GEMM (see fp8_block_gemm.h): persistent CTAs over 128x128 output tiles (128x256 in
  * the forward form with bf16 D, see consume_wide), three warpgroups each.
  * - Producers (warp 0's lane 0: A; warp 3: B and the scale factors): load each 128-long k-block of A and B through

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Blockwise-scaled FP8 grouped GEMM on Hopper tensor cores (wgmma, TMA), for the fp8 plugin's blockwise recipe: the
  * FP8 products of each 128-long block of the reduction are summed in fp32 by the tensor cores, then multiplied by

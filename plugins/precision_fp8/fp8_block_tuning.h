@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * How the blockwise FP8 wgmma kernel (fp8_block_gemm.cu) runs: the fp8 plugin's "block_*" options, read per instance
  * by precision_fp8.c and handed to the kernel's context. A plain C header with no CUDA types, so the CPU-only build

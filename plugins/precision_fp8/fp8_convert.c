@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* FP8 conversions written from the formats' definitions: the value is rounded on the format's grid (whose
  * spacing below the smallest normal stays that of the smallest binade, giving the subnormals), then
  * saturated and encoded. The results equal cuda_fp8.h's __nv_cvt_float_to_fp8(x, __NV_SATFINITE, ...). */

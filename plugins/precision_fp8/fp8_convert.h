@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* FP8 (E4M3 and E5M2) conversions with the semantics of CUDA's cuda_fp8.h under __NV_SATFINITE: round to
  * nearest even, subnormals kept, finite overflow (and +-inf) saturated to +-max, any NaN to 0x7f. */
 #ifndef MOERT_FP8_CONVERT_H

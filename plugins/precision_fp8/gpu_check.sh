@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: Apache-2.0
 # GPU check of the fp8 plugin's CUDA path, one command (run from the repository root on one sm_90 GPU):
 #
 #   plugins/precision_fp8/gpu_check.sh BUILD [OUT]     (BUILD made with -Dcuda=enabled, e.g. on a CPU machine; OUT

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The "fp8" precision plugin: the experts' grouped GEMMs with FP8 operands (E4M3, or E4M3 forward and E5M2
  * gradients) under one of three scaling recipes (current, delayed, blockwise). This file: vtable, options, argument
  * checks, the delayed recipe's per-step update and the CUDA path's state; the quantization and the CPU GEMMs are in

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The fp8 precision recipes' CPU reference. Each expert's GEMM loads its two operands into dense double
  * blocks (transposed where the pass needs it, so the reduction always runs along A's rows and B's columns),
  * quantizes each block to FP8 per the recipe and replaces it by its dequantized values, multiplies in double

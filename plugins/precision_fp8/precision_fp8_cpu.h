@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The fp8 precision recipes' CPU reference: scales (current, delayed, blockwise), quantization of dense
  * blocks to FP8 and back, and the grouped GEMMs computed in double from the dequantized operands. */
 #ifndef MOERT_PRECISION_FP8_CPU_H

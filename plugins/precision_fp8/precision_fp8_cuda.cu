@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The fp8 precision recipes on CUDA (see precision_fp8_cuda.h for layouts and scale tensors).
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * CUDA path of the fp8 precision recipes: quantize kernels (amax, scale, cast, transpose) and the experts'
  * grouped GEMMs through cuBLASLt FP8 matmuls (one per non-empty expert), with the same numbers as the CPU

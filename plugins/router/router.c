@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The "topk" router plugin: options, state, tensor checks and the moert_router_v1 vtable. The math is in
  * router_cpu.c (CPU reference) and, for a layer on a CUDA device, router_gpu.c (cuBLASLt and the kernels of

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* CPU reference math of the top-k router (see router_cpu.h and docs/plugins/router.md). */
 #include "router_cpu.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * CPU reference math of the top-k router: plain row-major arrays of doubles, no moert types beyond ints.
  * router.c owns options, tensors and state and calls these; a CUDA path will offer the same functions

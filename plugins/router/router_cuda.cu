@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* CUDA router: one warp per token; lane l holds experts l, l+32, ... (8 slots for E <= 256). */
 #include "router_cuda.h"
 

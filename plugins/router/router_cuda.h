@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * CUDA path of the top-k router: scores, (group-limited) top-k, probs and counts from fp32 logits [T,E]
  * (the caller computes logits = x @ Wr^T), and the backward from d_topk_probs to d_logits.

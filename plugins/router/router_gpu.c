@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The router plugin's CUDA path (see router_gpu.h and docs/plugins/router.md, "CUDA path").
  *

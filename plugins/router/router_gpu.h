@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The router plugin's CUDA path (built only with CUDA): the instance's device buffers, the router's linear
  * layer through cuBLASLt (fp32), and the sequence of router_cuda.cu kernels for forward, backward, the

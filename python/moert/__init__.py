@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """moert: Mixture-of-Experts layers from a C runtime whose parts are plugins, for PyTorch.
 
     import moert.torch

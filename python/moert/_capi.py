@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """ctypes declarations of moert's public C API (core/include/moert/{moert,layers,tensor,plugin}.h).
 
 Only this module touches ctypes types; everything else goes through `lib()` (the loaded CDLL with typed

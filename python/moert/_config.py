@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A moert config on the Python side: the C moert_config (what moert reads) and a dict mirror (what the
 Python side reads: the pure-PyTorch reference's router options, the bundled plugin rewrite)."""
 import copy

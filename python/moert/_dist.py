@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """moert communicators from torch.distributed: NCCL (a unique id broadcast through the process group) on GPUs,
 and on CPUs moert's collectives through the process group (gloo) via a moert_collectives table of ctypes
 callbacks."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A pure-PyTorch MoE layer (torch ops only) computing what moert's layer computes, for tests and A/B runs.
 
 It follows docs/executor.md and docs/plugins/router.md (the CPU reference path):

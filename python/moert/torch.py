@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """PyTorch modules over moert's embedding API (moert/layers.h): MoE (a whole MoE feed-forward layer) and
 Dispatcher (DeepEP-shaped dispatch and combine alone). Tensors pass zero-copy by data_ptr; work goes on torch's
 current CUDA stream on GPUs. See docs/python.md."""

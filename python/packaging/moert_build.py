@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """PEP 517 build backend of the moert Python package (pyproject.toml: backend-path = ["python/packaging"]).
 
 `pip install .` from a checkout runs meson (setup + compile, in a temporary build directory unless the config

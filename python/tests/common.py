@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What the Python tests share: finding the package and libmoert, configs, the pure-PyTorch reference's inputs,
 and running a function on N CPU processes (gloo)."""
 import os

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The package on CUDA (a GPU machine, a build with CUDA): MoE and Dispatcher against the pure-PyTorch reference on
 one GPU, with 2 GPUs a process each over NCCL (the id broadcast through the process group), and the LM example
 on a GPU. Not part of the CPU suite (run_tests.sh): python3 python/tests/gpu_check.py BUILD_DIR."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """moert.torch.Dispatcher (DeepEP-shaped dispatch and combine) at one rank against plain torch ops: the rows each
 local expert receives, tokens_per_expert, combine, and the gradients of x and topk_weights through both autograd
 Functions; dropped copies (-1), int64 indices, bad input."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """moert.torch.MoE and Dispatcher on 2 and 4 CPU processes (torch.multiprocessing, gloo): moert's collectives go
 through the process group (a moert_collectives table). Each rank's output and gradients equal the pure-PyTorch
 reference's on the whole batch (every rank's tokens, every expert); the router weight's gradient summed over

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """examples/torch/train_lm.py: the byte-level Transformer LM trains 20 steps with moert MoE feed-forward layers and
 with the pure-PyTorch MoE from the same initial weights; the loss curves agree within 1e-5 relative (fp32). A
 state_dict round trip (model and optimizer, the expert bias included) restores the same losses."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """moert.torch.MoE at one rank against the pure-PyTorch reference (moert.reference), fp32 and fp64: outputs,
 router losses, gradients (x, router weight, fc1, fc2, through the router loss too), the expert bias, the state_dict,
 bad input and the one-forward-in-flight rule."""

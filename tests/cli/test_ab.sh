@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # `moert ab`: keep vs recompute+offload agree bit for bit and B keeps fewer bytes; a different model is
 # refused naming the key; the JSON report holds both sides and the ratios; the plot's data and, with matplotlib, its PNG.
 # Usage: test_ab.sh PATH/TO/moert

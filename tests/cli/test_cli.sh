@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The `moert` command: help, version, unknown commands, `plugins`, and `check` on good and broken configs.
 # Usage: test_cli.sh PATH/TO/moert   (meson test runs it with MOERT_TEST_SOURCE_ROOT set)
 set -u

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # `moert config --from-megatron`: each preset's Megatron flags (tests/fixtures/megatron/*.args) give the shipped preset
 # (deepseek-v3.args, with the shared expert: configs/deepseek-v3-shared.json; deepseek-v3-routed.args: deepseek-v3.json)
 # (model, router, dispatcher, precision, memory policy, EP size); flags moert cannot map are refused by name; FP8,

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Outputs of `moert run` and `moert ab`: checked before anything runs (never an input, never a link, a writable
 # folder), written atomically (a failed write leaves the previous file), and `ab` writes what it has when a step fails.
 # Usage: test_outputs.sh PATH/TO/moert   (meson test runs it with MOERT_TEST_SOURCE_ROOT set)

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The stall bound ($.parallel.timeout_s) holds for the whole process: a rank that stalls (the fixture-misbehave memory
 # policy sleeping in a step, for 30 s or for ever) ends `moert run` within timeout_s and the grace, with a message
 # naming the stalled rank and where its peers waited, and exit status 3. Each run is bounded by `timeout 60` so that

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The harness shared by the dispatcher tests (tests/unit/test_dispatch_*.c): a scenario of simulated ranks
  * (threads) with routing and data made on the main thread, a reference of what each rank must receive written
  * independently of any plugin, one rank's full round of checks (prepare, dispatch, combine, the backward calls and

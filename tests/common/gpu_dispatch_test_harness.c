@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 #include "gpu_dispatch_test_harness.h"
 
 #include "error.h"

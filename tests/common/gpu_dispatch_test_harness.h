@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The harness shared by the GPU tests of the peer-buffer dispatchers (tests/gpu/test_gpu_deepep.c,
  * test_gpu_hybridep.c; CUDA builds only): a case (shape, routing, options), one step's host data, the four calls
  * after prepare(), a CUDA step with poisoned outputs, its comparison with the CPU path (the reference) into a table

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Helpers of the GPU tests (CUDA builds only; link gpu_test_util.c):
  * - for tests that call plugin CUDA code directly (no runtime): a checked CUDA call that ends the test, and a host
  *   table that keeps the last error message a plugin hands over;

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Helpers shared by moert's tests: assertions, plugin instances, ranks as threads. */
 #ifndef MOERT_TEST_UTIL_H
 #define MOERT_TEST_UTIL_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Conformance: every plugin built under MOERT_TEST_BUILD_ROOT/plugins loads through the loader, has a
  * complete header and vtable, and starts and stops with default options at world 1 and 2, side by side,

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Config fuzz target: any bytes as a config's JSON text. Loading must either succeed or fail with a message, never
  * crash, leak or overflow; a config that loads is also taken through what its sizes feed before any plugin starts

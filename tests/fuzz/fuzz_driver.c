@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * A deterministic driver for fuzz_config.c where libFuzzer is not available: runs every seed file given (files, or
  * every file of a folder), then mutates them for the given number of seconds (byte flips, deletions, duplications,

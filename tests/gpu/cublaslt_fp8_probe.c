@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Probe of cuBLASLt's blockwise FP8 matmuls on this GPU (not a test: built with CUDA only, run by hand or by
  * plugins/precision_fp8/gpu_check.sh). Part 1 asks cublasLtMatmulAlgoGetHeuristic for a grid of variants (which

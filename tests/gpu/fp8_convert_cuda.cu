@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* CUDA's own FP8 conversions of every bf16 bit pattern, for tests/gpu/test_fp8_convert.c. */
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* One rank of the multi-process NCCL test (tests/gpu/test_nccl_multiprocess.sh): joins the group described by
  * RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, then checks against host-computed values an allreduce,
  * writes into every peer's buffer through CUDA IPC mappings, and an uneven alltoallv.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Every GPU check of moert, in one go, on a GPU machine: the GPU tests (each against the CPU reference),
 # then the whole layer on the GPUs against the CPU run, and 1, 2 and 4 GPUs against each other.
 # Prints a table last; logs and reports go to OUT_DIR.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* GPU test of the "deepep" dispatcher's CUDA path (NVLink writes into the peers' buffers) against its CPU path, the
  * reference, on 1, 2 and 4 GPUs (as many as there are; a thread per GPU). Same routing and data on both paths:
  * uniform, one hot expert with the last rank's experts receiving nothing, a rank with no tokens, tokens with every

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* GPU test of the bf16 grouped GEMM kernel that reads the counts on the device (plugins/precision_bf16/device_gemm.cu):
  * - the kernel directly against the CPU reference (precision_bf16_cpu.c, bf16 mode), with both tile widths (128 and
  *   256 output columns): FORWARD, DGRAD, WGRAD into fp32

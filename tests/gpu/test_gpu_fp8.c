@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* GPU test of the fp8 precision plugin's CUDA path against its CPU reference (precision_fp8_cpu.c):
  * - the CUDA handle directly, for each recipe (current, delayed, blockwise; hybrid and e4m3; power-of-2 scales on
  *   and off), both weights and every pass, with ragged experts (one with 0 rows, one with 5, one past 256):

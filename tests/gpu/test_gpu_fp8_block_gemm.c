@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* GPU test of the blockwise FP8 grouped GEMM kernel (plugins/precision_fp8/fp8_block_gemm.cu) against a
  * double-precision reference computed here from the same FP8 bytes and factors (fp8_convert.c decodes them):
  * - forward/dgrad form: groups of 37, 300, 0, 129 and 16 rows sharing one A matrix at 16-row aligned offsets, B

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* CUDA graphs ($.parallel.cuda_graph) on the visible GPUs (up to 4):
  * - the pool's reservation: blocks handed out or freed inside it stay out of the free lists until the release;
  * - the runtime with a capturable stack (router without a loss, dispatcher hybridep, precision bf16 with

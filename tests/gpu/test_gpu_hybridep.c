@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* GPU test of the "hybridep" dispatcher's CUDA path (TMA bulk copies or vector copies into the peers' buffers, no host
  * sync in a step) against its CPU path, the reference, on 1, 2, 4 and 8 GPUs (as many as there are; a thread per GPU).
  * Same routing and data on both paths: uniform, one hot expert with the last rank's experts receiving nothing, a rank

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The embedding API on GPUs with the caller's device buffers, against the same API on the CPU (the reference):
  * - ranks as threads, one GPU each, at EP1, EP2 and EP4 (as many as answer), on a stream the caller made;
  * - a process per GPU with a caller-distributed NCCL id (moert_nccl_unique_id in the parent, passed as hex on the

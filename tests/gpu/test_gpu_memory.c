@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Memory actions on cuda:0 (one rank), bf16 activations:
  * - one layer driven through the executor (tests/unit/layer_harness.h) with keep, offload, recompute and mixed
  *   actions, plain, with the prefetch hook called before backward, and with a deferred release: outputs, d_x and

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* GPU test of the plugins' CUDA paths against their CPU paths, which are the reference:
  * - the "alltoall" dispatcher on 1, 2 and 4 GPUs (as many as there are; a thread per GPU, NCCL for device
  *   buffers, the threads communicator for the count exchange), on the same random routing for both paths:

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The "topk" router plugin's CUDA path against its CPU path (the reference), the same inputs through both:
  * every mode the CUDA path serves (softmax post and pre, sigmoid with expert bias, group-limited top-k and

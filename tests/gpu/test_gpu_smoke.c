@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* GPU smoke test of the CUDA core: device queries, the caching pool (steady-state reuse, stream-ordered
  * safety, out-of-memory path), pinned copies and, with two or more GPUs, the thread-per-GPU NCCL
  * communicator (allgather, allreduce, uneven alltoallv, barrier, peer buffers) checked against values

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* GPU test of moert's CUDA kernels against plain CPU loops in double: the grouped expert GEMMs
  * (cuBLASLt loop and grouped mode), SwiGLU x prob, the element-wise helpers, the all-to-all dispatcher's
  * layout / permute / combine / regroup kernels and the router. Awkward sizes throughout: empty experts,

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Multi-process NCCL test: launches ranks of nccl_mp_driver the way torchrun does (RANK, WORLD_SIZE, LOCAL_RANK,
 # MASTER_ADDR, MASTER_PORT), checks the environment errors, the bootstrap timeouts (a missing rank 0, a missing
 # rank 1), then two real ranks exchanging CUDA IPC peer buffers and doing an alltoallv. Exits 77 without 2 GPUs.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Installs moert into a temporary prefix (a fresh `meson setup --prefix` of this source tree), builds the
 # out-of-tree example plugin with its Makefile through pkg-config, and uses it with the installed `moert`:
 # `check` on a config naming the .so by path, and by name through MOERT_PLUGIN_PATH, `plugins`, and a

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* One MoE layer on one rank driven straight through the executor (no runtime), on the CPU or on a CUDA device:
  * for tests that read the layer's own state and figures (memory actions, pinned buffers, optimizer state).
  * Header-only (static functions); include after test_util.h. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* moert_runtime_step, the one-step function `moert ab` drives: N calls train exactly as moert_runtime_train
  * for N steps, and the step leaves its output and parameter gradients in place, equal to those of
  * moert_runtime_forward_backward on a fresh runtime. */

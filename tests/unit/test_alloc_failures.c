@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Every allocation the core makes while it creates a runtime (config sections, hosts, rank state, communicator) fails
  * in turn: moert_runtime_create must then return MOERT_ERR_OUT_OF_MEMORY (or another error) with a message, never

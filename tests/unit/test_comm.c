@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Thread communicator: collectives against hand-computed results, reuse, timeouts naming the rank, abort. */
 #include <pthread.h>
 #include <stdint.h>

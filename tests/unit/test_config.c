@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Config: defaults, typed values, exact error messages, --set overrides, sections and suggestions. */
 #include <float.h>
 #include <stdint.h>

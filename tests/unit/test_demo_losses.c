@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The CPU demo (configs/demo-cpu.json, 60 steps) gives the same loss, mse and router loss at every step, bit for bit,
  * as the revision before the embedding API (tests/fixtures/demo-cpu-losses.txt, hexadecimal doubles): moving code
  * between the runtime, the stack and the embedding API must not change a single result. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The "alltoall" dispatcher at world 1, 2 and 4 (ranks as threads): exact rows against a reference written
  * here, combine round trips, adjointness of the four calls, skewed routing, padding, bf16 bit-exact moves,
  * metrics, and the messages of bad calls. */

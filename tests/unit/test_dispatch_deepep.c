@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The "deepep" dispatcher's CPU path at world 1, 2 and 4 (ranks as threads, rows written into each other's peer
  * buffers): exact rows against a reference written here (the "alltoall" dispatcher's order), combine round trips,
  * adjointness of the four calls, skewed routing (one hot expert, a rank receiving nothing, tokens with every copy

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The "hybridep" dispatcher's CPU path at world 1, 2 and 4 (ranks as threads, counts and rows written into each
  * other's peer buffers, no collective in a step): exact rows against a reference written here (the "alltoall"
  * dispatcher's order), the worst-case capacity with rows past the received ones left untouched (and never read by

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* What a user sees for each kind of mistake, through the public API (config load + runtime create). */
 #include <stdint.h>
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Expert parallelism changes nothing: 1, 2 and 4 ranks give the same loss, gradients and training curve. */
 #include "runtime.h"
 #include "test_util.h"

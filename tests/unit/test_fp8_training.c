@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Training with the fp8 precision plugin (each recipe) against bf16: the criterion "stays within 1% of the bf16
  * loss curve", checked on the curve smoothed over windows of WINDOW steps past a short warm-up (single
  * steps jitter: plain fp32 GEMMs already land 0.9% from bf16 on some step); the curves are printed.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Host services: every member set, CPU memory, streams, options, errors, logging, metrics, collectives. */
 #include <fcntl.h>
 #include <stdint.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A launcher's environment (RANK, WORLD_SIZE, ...) makes moert run one rank per process; where that cannot
  * work (no CUDA, no GPU, a mismatched world, the CPU asked for) the error says why. */
 #include <stdlib.h>

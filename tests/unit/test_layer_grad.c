@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Gradients of the whole layer stack (router with its losses, dispatch, experts, combine, the shared expert) against central
  * finite differences, in fp64, over 2 ranks. */
 #include "runtime.h"

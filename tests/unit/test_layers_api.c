@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The embedding API (moert/layers.h) on the CPU, through public calls only:
  * - gradients of the layers' forward against finite differences (fp64, EP1): x, router weight, fc1, fc2, and the
  *   router loss's own gradient;

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Loader: name resolution along the search path, exact refusal messages, init failures, scanning. */
 #include <stdint.h>
 #include <sys/stat.h>

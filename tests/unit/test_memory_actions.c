@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Memory actions and the optimizer choice, on the CPU:
  * - all 27 combinations of keep/recompute/offload over the three saved activations give the same loss, stack
  *   output and parameter gradients as keeping everything, bit for bit, over two steps of a 2-rank, 2-layer run

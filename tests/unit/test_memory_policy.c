@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The "default" memory policy: options parsed, decide() answers what was configured, bad values refused. */
 #include "test_util.h"
 

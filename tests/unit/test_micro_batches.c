@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Gradient accumulation ($.train.micro_batches): a step of M micro-batches of T tokens per rank gives the loss,
  * gradients, tokens per expert and training curve of one step of M*T tokens (the same tokens: micro-batch m of
  * step s is batch s*M + m of the data stream), on one rank and across ranks; the first micro-batch's WGRAD

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The "bf16" precision plugin: every pass of both GEMMs against a naive triple loop written here (fp64 exact,
  * fp32 exact against an fp32-accumulating loop and close to fp64, bf16 mode exact against a bf16-rounded
  * reference), experts with no rows, untouched padding rows, WGRAD accumulation, "auto", and bad arguments. */

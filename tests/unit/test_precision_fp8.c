@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The "fp8" precision plugin: FP8 conversions (hand-picked values, every byte, and an independent nearest-value
  * search), scales, quantization error bounds per format, blockwise tile scales, the delayed recipe's amax history,
  * and every GEMM pass of both weights per recipe: exactly equal to a naive loop over operands quantized here, and

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The "topk" router plugin, forward values against hand-worked cases: every score function and mode,
  * the balancing losses, capacity, the expert-bias update over two ranks, global_aux_loss over two ranks,

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The "topk" router's backward against central finite differences, in fp64, for every mode:
  * L = sum(G * topk_probs) + loss_scale * losses.total; d_x and d_weight from backward must match

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * pthread_create failing part-way through the rank threads (as under a thread limit with many ranks): the runtime
  * must fail with a message naming the rank, and must not return while the ranks already started still run on its

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The main job trains: the loss falls, expert-bias balancing evens the load, and the memory policies
  * (recompute, offload) give bit-identical results to keeping everything. */
 #include <string.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Token dispatcher plugin ABI v1: moves token copies to the ranks owning their experts and back. */
 #ifndef MOERT_DISPATCHER_H
 #define MOERT_DISPATCHER_H

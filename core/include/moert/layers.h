@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* moert embedded: the MoE layers of one rank, run forward and backward on the caller's tensors and stream.
  *
  * A training framework (a PyTorch module, a Megatron dispatcher backend, a C program) creates the layers of its rank

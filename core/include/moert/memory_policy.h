@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Memory policy plugin ABI v1: what happens to each activation saved for backward. */
 #ifndef MOERT_MEMORY_POLICY_H
 #define MOERT_MEMORY_POLICY_H

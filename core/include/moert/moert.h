@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* moert: a runtime for Mixture-of-Experts layers whose parts are plugins. The one header users include. */
 #ifndef MOERT_H
 #define MOERT_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* What every moert plugin shares: ABI version, vtable header, result codes, host services. */
 #ifndef MOERT_PLUGIN_H
 #define MOERT_PLUGIN_H

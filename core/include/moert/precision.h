@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Precision recipe plugin ABI v1: the experts' grouped GEMMs (forward, dgrad, wgrad) in some number format. */
 #ifndef MOERT_PRECISION_H
 #define MOERT_PRECISION_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Router plugin ABI v1: scores, top-k selection, balancing losses, and their backward. */
 #ifndef MOERT_ROUTER_H
 #define MOERT_ROUTER_H

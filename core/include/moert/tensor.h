@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* moert tensor descriptor: DLPack-shaped view of memory owned by someone else. */
 #ifndef MOERT_TENSOR_H
 #define MOERT_TENSOR_H

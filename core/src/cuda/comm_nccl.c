@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* NCCL communicator of the expert-parallel group: bootstrap, nonblocking init, bounded waits, collectives
  * and peer-buffer exchange (see comm_nccl.h). */
 #include "comm_nccl.h"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* NCCL communicator of the expert-parallel group: the operations of core/src/comm.h on device buffers,
  * queued on a given stream.
  *

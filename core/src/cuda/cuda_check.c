@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Messages for failed CUDA runtime, NCCL and cuBLASLt calls (see cuda_check.h). */
 #include "cuda_check.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Checked-call macros for CUDA runtime, NCCL and cuBLASLt calls in the core's CUDA modules.
  * Each sets this thread's message, e.g.
  *   "cudaMalloc(&ptr, bytes) failed: out of memory (core/src/cuda/pool.c:42)"

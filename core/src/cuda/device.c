@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* CUDA devices, streams, events, pinned memory and copies (see device.h). */
 #include "device.h"
 

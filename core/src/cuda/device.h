@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* CUDA devices for the core: counting them (0 without a driver), properties for reports, streams,
  * events, pinned host memory and async copies. Streams and events are moert_stream / moert_event
  * (a cudaStream_t / cudaEvent_t), so callers need no CUDA header. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* CUDA kernels of the core's executor: SwiGLU x prob (forward, backward) and element-wise helpers. */
 #include "kernels.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * CUDA kernels of the core's MoE executor: SwiGLU with the routing prob fused (forward and backward) and
  * small element-wise helpers (fill, axpby, convert, sum of squares, Adam). Plain C interfaces; every call

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Caching device-memory pool with size classes and stream-ordered reuse (see pool.h). */
 #include "pool.h"
 

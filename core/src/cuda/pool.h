@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A caching device-memory pool, one per CUDA device.
  *
  * Requests are rounded up to a size class (powers of two from 512 B to 1 MiB; above that, four classes per
