@@ -156,47 +156,64 @@ static void world_of_two(const moert_plugin *p, const char *label)
     moert_comm_group_free(run.group);
 }
 
-int main(void)
+/* Checks one plugin file; prints its line. */
+static void check_file(const char *path)
 {
+    const char *slash = strrchr(path, '/');
+    const char *file = slash ? slash + 1 : path;
+    const char *name = NULL;
+    moert_plugin_kind kind = kind_of_file(file, &name);
+    if (!kind) {
+        fprintf(stderr, "%s: the file name does not say a kind (libmoert-<router|dispatch|precision|memory>-NAME.so)\n",
+                path);
+        test_failures++;
+        return;
+    }
+    moert_plugin p;
+    if (moert_plugin_load(kind, path, &p) != MOERT_OK) {
+        fprintf(stderr, "%s: %s\n", path, moert_error_message());
+        test_failures++;
+        return;
+    }
+    char label[256];
+    snprintf(label, sizeof label, "%s %s", moert_kind_name(kind), p.header->name);
+    int before = test_failures;
+    check_header(&p, kind, name, label);
+    static const moert_dtype dtypes[] = {MOERT_F32, MOERT_BF16, MOERT_F64};
+    for (int d = 0; d < 3; d++)
+        if (p.header->dtypes & MOERT_CAP_DTYPE(dtypes[d])) start_stop_one(&p, dtypes[d], label);
+    side_by_side(&p, label);
+    world_of_two(&p, label);
+    printf("%-40s %s\n", label, test_failures == before ? "ok" : "FAILED");
+    moert_plugin_unload(&p);
+}
+
+/* moert-conformance PLUGIN.so...: the files given (an out-of-tree plugin: installed with moert); without arguments,
+ * every plugin built under MOERT_TEST_BUILD_ROOT/plugins (meson test). */
+int main(int argc, char **argv)
+{
+    setenv("MOERT_LOG", "error", 0);
+    if (argc > 1) {
+        if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
+            printf("usage: moert-conformance PLUGIN.so...\n  checks each plugin's header and vtable, and that it "
+                   "starts and stops with default options at world 1 and 2, side by side (docs/writing-a-plugin.md)\n");
+            return 0;
+        }
+        for (int i = 1; i < argc; i++) check_file(argv[i]);
+        return test_finish("moert-conformance");
+    }
     const char *root = getenv("MOERT_TEST_BUILD_ROOT");
     if (!root) {
-        fprintf(stderr, "test_conformance: MOERT_TEST_BUILD_ROOT is not set (run it with meson test)\n");
+        fprintf(stderr, "test_conformance: give plugin files (moert-conformance PLUGIN.so...), or run it with meson "
+                        "test (MOERT_TEST_BUILD_ROOT)\n");
         return 1;
     }
-    setenv("MOERT_LOG", "error", 0);
     char pattern[1200];
     snprintf(pattern, sizeof pattern, "%s/plugins/*/libmoert-*.so", root);
     glob_t g;
     int found = glob(pattern, 0, NULL, &g) == 0 ? (int)g.gl_pathc : 0;
     EXPECT(found >= 4);
-    for (int i = 0; i < found; i++) {
-        const char *path = g.gl_pathv[i];
-        const char *file = strrchr(path, '/') + 1;
-        const char *name = NULL;
-        moert_plugin_kind kind = kind_of_file(file, &name);
-        if (!kind) {
-            fprintf(stderr, "%s: the file name does not say a kind\n", path);
-            test_failures++;
-            continue;
-        }
-        moert_plugin p;
-        if (moert_plugin_load(kind, path, &p) != MOERT_OK) {
-            fprintf(stderr, "%s: %s\n", path, moert_error_message());
-            test_failures++;
-            continue;
-        }
-        char label[256];
-        snprintf(label, sizeof label, "%s %s", moert_kind_name(kind), p.header->name);
-        int before = test_failures;
-        check_header(&p, kind, name, label);
-        static const moert_dtype dtypes[] = {MOERT_F32, MOERT_BF16, MOERT_F64};
-        for (int d = 0; d < 3; d++)
-            if (p.header->dtypes & MOERT_CAP_DTYPE(dtypes[d])) start_stop_one(&p, dtypes[d], label);
-        side_by_side(&p, label);
-        world_of_two(&p, label);
-        printf("%-40s %s\n", label, test_failures == before ? "ok" : "FAILED");
-        moert_plugin_unload(&p);
-    }
-    globfree(&g);
+    for (int i = 0; i < found; i++) check_file(g.gl_pathv[i]);
+    if (found) globfree(&g);
     return test_finish("test_conformance");
 }

@@ -19,7 +19,7 @@ step "configure, build and install into $prefix"
 meson setup "$tmp/build" "$src" --prefix="$prefix" -Dcuda=disabled -Dbuildtype=debugoptimized >"$tmp/setup.log" 2>&1 ||
     { cat "$tmp/setup.log"; fail "meson setup"; }
 # only what is installed: the library, the command and the plugins
-targets=$(cd "$tmp/build" && ninja -t targets all | sed -n 's/^\(core\/libmoert\.so[^:]*\|tools\/moert\|plugins\/[^:]*\.so\): .*/\1/p')
+targets=$(cd "$tmp/build" && ninja -t targets all | sed -n 's/^\(core\/libmoert\.so[^:]*\|tools\/moert\|tests\/moert-conformance\|plugins\/[^:]*\.so\): .*/\1/p')
 ninja -C "$tmp/build" $targets >"$tmp/build.log" 2>&1 || { tail -40 "$tmp/build.log"; fail "build"; }
 meson install -C "$tmp/build" --no-rebuild >"$tmp/install.log" 2>&1 || { tail -40 "$tmp/install.log"; fail "install"; }
 rm -rf "$tmp/build"
@@ -48,6 +48,12 @@ nm -D --defined-only "$so" | grep -q ' moert_router_v1$' || fail "$so does not e
 if nm -D --defined-only "$so" | grep -v ' moert_router_v1$' | grep -q ' [TDR] '; then
     fail "$so exports more than moert_router_v1"
 fi
+
+step "the installed conformance tool passes the out-of-tree plugin on its own"
+[ -x "$prefix/bin/moert-conformance" ] || fail "moert-conformance is not installed"
+out=$("$prefix/bin/moert-conformance" "$so" 2>&1) || { echo "$out"; fail "moert-conformance refused the example plugin"; }
+echo "$out" | grep -qE "^router +roundrobin +ok$" || { echo "$out"; fail "moert-conformance did not check the plugin"; }
+if "$prefix/bin/moert-conformance" "$tmp/vendor/vendor_router.c" >/dev/null 2>&1; then fail "moert-conformance passed a non-plugin"; fi
 
 step "moert check with the plugin given by path"
 cat >"$tmp/vendor.json" <<JSON
