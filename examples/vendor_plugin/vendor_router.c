@@ -98,10 +98,8 @@ static const moert_tensor *roundrobin_expert_bias(void *ctx) { return NULL; }
 
 /* The one exported symbol. The variable needs its own C name (moert_router_v1 is the type's name), so
  * the asm label gives the symbol its ABI name. */
-MOERT_PLUGIN_EXPORT const moert_router_v1 roundrobin_vtable __asm__(MOERT_ROUTER_V1_SYMBOL) = {
-    .header = {.abi_version = MOERT_ABI_CURRENT,
-               .struct_size = sizeof(moert_router_v1),
-               .kind = MOERT_KIND_ROUTER,
+MOERT_ROUTER_V1_EXPORT(roundrobin_vtable) = {
+    .header = {MOERT_ROUTER_V1_HEADER,
                .name = "roundrobin",
                .version = "1.0.0",
                .description = "example vendor router: token t to experts (t*K+j+offset) mod E, weights 1/K",

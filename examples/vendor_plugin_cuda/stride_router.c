@@ -117,10 +117,8 @@ static moert_result stride_end_step(void *ctx, moert_stream stream) { return MOE
 static const moert_tensor *stride_expert_bias(void *ctx) { return NULL; }
 
 /* The one exported symbol, named by an asm label (moert_router_v1 is also the type's name). */
-MOERT_PLUGIN_EXPORT const moert_router_v1 stride_vtable __asm__(MOERT_ROUTER_V1_SYMBOL) = {
-    .header = {.abi_version = MOERT_ABI_CURRENT,
-               .struct_size = sizeof(moert_router_v1),
-               .kind = MOERT_KIND_ROUTER,
+MOERT_ROUTER_V1_EXPORT(stride_vtable) = {
+    .header = {MOERT_ROUTER_V1_HEADER,
                .name = "stride",
                .version = "1.0.0",
                .description = "example vendor router with a CUDA kernel: copy j of token t to expert (t*stride+j) mod E",

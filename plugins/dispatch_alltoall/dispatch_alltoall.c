@@ -892,11 +892,9 @@ static moert_result alltoall_dispatch_backward(void *ctx, moert_stream stream,
 
 /* The one exported symbol. Its name equals the vtable's typedef name, which C does not allow for an object in the
  * same scope, so the object gets a private C name and its linker name through an asm label. */
-MOERT_PLUGIN_EXPORT const moert_dispatcher_v1 alltoall_vtable __asm__(MOERT_DISPATCHER_V1_SYMBOL) = {
+MOERT_DISPATCHER_V1_EXPORT(alltoall_vtable) = {
     .header = {
-        .abi_version = MOERT_ABI_CURRENT,
-        .struct_size = sizeof(moert_dispatcher_v1),
-        .kind = MOERT_KIND_DISPATCHER,
+        MOERT_DISPATCHER_V1_HEADER,
         .name = "alltoall",
         .version = "0.1.0",
         .description = "Megatron-style all-to-all token dispatcher (count exchange, alltoallv, regroup by expert)",

@@ -643,11 +643,9 @@ static moert_result deepep_dispatch_backward(void *ctx, moert_stream stream, con
     return cpu_combine_like(c, call, args->d_recv_x, args->d_recv_probs, args->d_x, true, args->d_topk_probs);
 }
 
-MOERT_PLUGIN_EXPORT const moert_dispatcher_v1 deepep_vtable __asm__(MOERT_DISPATCHER_V1_SYMBOL) = {
+MOERT_DISPATCHER_V1_EXPORT(deepep_vtable) = {
     .header = {
-        .abi_version = MOERT_ABI_CURRENT,
-        .struct_size = sizeof(moert_dispatcher_v1),
-        .kind = MOERT_KIND_DISPATCHER,
+        MOERT_DISPATCHER_V1_HEADER,
         .name = "deepep",
         .version = "0.1.0",
         .description = "NVLink dispatcher in the way of DeepEP's intranode kernels: each token written once into "

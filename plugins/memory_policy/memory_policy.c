@@ -77,11 +77,9 @@ static moert_result policy_decide(void *ctx, const moert_activation_info *info, 
 
 /* The one exported symbol. Its name equals the vtable's typedef name, which C does not allow for an object in the
  * same scope, so the object gets a private C name and its linker name through an asm label. */
-MOERT_PLUGIN_EXPORT const moert_memory_policy_v1 policy_vtable __asm__(MOERT_MEMORY_POLICY_V1_SYMBOL) = {
+MOERT_MEMORY_POLICY_V1_EXPORT(policy_vtable) = {
     .header = {
-        .abi_version = MOERT_ABI_CURRENT,
-        .struct_size = sizeof(moert_memory_policy_v1),
-        .kind = MOERT_KIND_MEMORY_POLICY,
+        MOERT_MEMORY_POLICY_V1_HEADER,
         .name = "default",
         .version = "0.1.0",
         .description = "a fixed keep/recompute/offload action per saved activation, from the config",

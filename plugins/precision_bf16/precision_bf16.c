@@ -534,11 +534,9 @@ static moert_result bf16_end_step(void *ctx, moert_stream stream)
 
 /* The one exported symbol. Its name equals the vtable's typedef name, which C does not allow for an object in the
  * same scope, so the object gets a private C name and its linker name through an asm label. */
-MOERT_PLUGIN_EXPORT const moert_precision_v1 bf16_vtable __asm__(MOERT_PRECISION_V1_SYMBOL) = {
+MOERT_PRECISION_V1_EXPORT(bf16_vtable) = {
     .header = {
-        .abi_version = MOERT_ABI_CURRENT,
-        .struct_size = sizeof(moert_precision_v1),
-        .kind = MOERT_KIND_PRECISION,
+        MOERT_PRECISION_V1_HEADER,
         .name = "bf16",
         .version = "0.1.0",
         .description = "grouped GEMMs with bf16 operands and fp32 accumulation (or fp32, fp64)",

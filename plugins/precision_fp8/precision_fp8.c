@@ -494,11 +494,9 @@ static moert_result fp8_end_step(void *ctx, moert_stream stream)
 }
 
 /* The one exported symbol, under the vtable's typedef name through an asm label (see precision_bf16.c). */
-MOERT_PLUGIN_EXPORT const moert_precision_v1 fp8_vtable __asm__(MOERT_PRECISION_V1_SYMBOL) = {
+MOERT_PRECISION_V1_EXPORT(fp8_vtable) = {
     .header = {
-        .abi_version = MOERT_ABI_CURRENT,
-        .struct_size = sizeof(moert_precision_v1),
-        .kind = MOERT_KIND_PRECISION,
+        MOERT_PRECISION_V1_HEADER,
         .name = "fp8",
         .version = "0.1.0",
         .description = "grouped GEMMs with FP8 operands (E4M3/E5M2), current, delayed or blockwise scaling",

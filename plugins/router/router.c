@@ -695,12 +695,10 @@ static const moert_tensor *router_expert_bias(void *ctx)
 }
 
 /* The one exported symbol. C cannot name a variable like its type, so the symbol name comes from an asm label. */
-MOERT_PLUGIN_EXPORT const moert_router_v1 topk_router_vtable __asm__(MOERT_ROUTER_V1_SYMBOL) = {
+MOERT_ROUTER_V1_EXPORT(topk_router_vtable) = {
     .header =
         {
-            .abi_version = MOERT_ABI_CURRENT,
-            .struct_size = sizeof(moert_router_v1),
-            .kind = MOERT_KIND_ROUTER,
+            MOERT_ROUTER_V1_HEADER,
             .name = ROUTER_NAME,
             .version = "0.1.0",
             .description = "top-k router: softmax/sigmoid scores, group-limited top-k, aux/seq/global aux loss, "

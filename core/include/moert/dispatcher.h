@@ -65,6 +65,11 @@ typedef struct moert_dispatcher_v1 {
 } moert_dispatcher_v1;
 
 #define MOERT_DISPATCHER_V1_SYMBOL "moert_dispatcher_v1"
+/* The header fields of a dispatcher vtable, and its one exported definition (the symbol gets its name through an asm label:
+ * C cannot name an object like its type):
+ *   MOERT_DISPATCHER_V1_EXPORT(my_vtable) = {.header = {MOERT_DISPATCHER_V1_HEADER, .name = "x", ...}, .init = ..., ...}; */
+#define MOERT_DISPATCHER_V1_HEADER MOERT_PLUGIN_HEADER(moert_dispatcher_v1, MOERT_KIND_DISPATCHER)
+#define MOERT_DISPATCHER_V1_EXPORT(var) MOERT_PLUGIN_EXPORT const moert_dispatcher_v1 var __asm__(MOERT_DISPATCHER_V1_SYMBOL)
 
 #ifdef __cplusplus
 }

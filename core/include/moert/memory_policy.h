@@ -40,6 +40,11 @@ typedef struct moert_memory_policy_v1 {
 } moert_memory_policy_v1;
 
 #define MOERT_MEMORY_POLICY_V1_SYMBOL "moert_memory_policy_v1"
+/* The header fields of a memory policy vtable, and its one exported definition (the symbol gets its name through an asm label:
+ * C cannot name an object like its type):
+ *   MOERT_MEMORY_POLICY_V1_EXPORT(my_vtable) = {.header = {MOERT_MEMORY_POLICY_V1_HEADER, .name = "x", ...}, .init = ..., ...}; */
+#define MOERT_MEMORY_POLICY_V1_HEADER MOERT_PLUGIN_HEADER(moert_memory_policy_v1, MOERT_KIND_MEMORY_POLICY)
+#define MOERT_MEMORY_POLICY_V1_EXPORT(var) MOERT_PLUGIN_EXPORT const moert_memory_policy_v1 var __asm__(MOERT_MEMORY_POLICY_V1_SYMBOL)
 
 /* Names used in configs and reports: "dispatched_x", "fc1_out", "swiglu_out"; "keep", "recompute", "offload". */
 static inline const char *moert_activation_name(moert_activation a)

@@ -92,6 +92,12 @@ typedef struct moert_plugin_header {
 #define MOERT_PLUGIN_EXPORT
 #endif
 
+/* The fields every vtable's header starts with, for a plugin of this build's ABI:
+ *   .header = {MOERT_PLUGIN_HEADER(moert_router_v1, MOERT_KIND_ROUTER), .name = "x", .version = "1.0.0", ...}
+ * (each kind's header has its own shorthand, e.g. MOERT_ROUTER_V1_HEADER). */
+#define MOERT_PLUGIN_HEADER(vtable_type, kind_value)                                                         \
+    .abi_version = MOERT_ABI_CURRENT, .struct_size = sizeof(vtable_type), .kind = (kind_value)
+
 /* Opaque stream and event handles: a cudaStream_t / cudaEvent_t on CUDA, NULL on the CPU (synchronous). */
 typedef void *moert_stream;
 typedef void *moert_event;

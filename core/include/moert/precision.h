@@ -55,6 +55,11 @@ typedef struct moert_precision_v1 {
 } moert_precision_v1;
 
 #define MOERT_PRECISION_V1_SYMBOL "moert_precision_v1"
+/* The header fields of a precision vtable, and its one exported definition (the symbol gets its name through an asm label:
+ * C cannot name an object like its type):
+ *   MOERT_PRECISION_V1_EXPORT(my_vtable) = {.header = {MOERT_PRECISION_V1_HEADER, .name = "x", ...}, .init = ..., ...}; */
+#define MOERT_PRECISION_V1_HEADER MOERT_PLUGIN_HEADER(moert_precision_v1, MOERT_KIND_PRECISION)
+#define MOERT_PRECISION_V1_EXPORT(var) MOERT_PLUGIN_EXPORT const moert_precision_v1 var __asm__(MOERT_PRECISION_V1_SYMBOL)
 
 #ifdef __cplusplus
 }

@@ -54,6 +54,11 @@ typedef struct moert_router_v1 {
 
 /* The symbol a router plugin exports. */
 #define MOERT_ROUTER_V1_SYMBOL "moert_router_v1"
+/* The header fields of a router vtable, and its one exported definition (the symbol gets its name through an asm label:
+ * C cannot name an object like its type):
+ *   MOERT_ROUTER_V1_EXPORT(my_vtable) = {.header = {MOERT_ROUTER_V1_HEADER, .name = "x", ...}, .init = ..., ...}; */
+#define MOERT_ROUTER_V1_HEADER MOERT_PLUGIN_HEADER(moert_router_v1, MOERT_KIND_ROUTER)
+#define MOERT_ROUTER_V1_EXPORT(var) MOERT_PLUGIN_EXPORT const moert_router_v1 var __asm__(MOERT_ROUTER_V1_SYMBOL)
 
 #ifdef __cplusplus
 }
