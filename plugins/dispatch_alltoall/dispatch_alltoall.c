@@ -19,7 +19,7 @@
 
 #include "plugin_cuda_check.h"
 
-#include "dispatch_alltoall_cuda.h"
+#include "../lib/dispatch_alltoall_cuda.h"
 #endif
 
 /* A buffer on the layer's device, grown on demand and reused across steps. */
@@ -117,7 +117,7 @@ static moert_result check_prepared(const alltoall_ctx *c, const char *call)
     return MOERT_ERR_INVALID_ARGUMENT;
 }
 
-/* The shared checks (plugins/common/tensor_args.h) for this instance's host and layer device. */
+/* The shared checks (plugins/lib/tensor_args.h) for this instance's host and layer device. */
 static moert_result check_tensor(const alltoall_ctx *c, const char *call, const char *name, const moert_tensor *t,
                                  int ndim, int64_t rows, bool rows_at_least, int64_t cols, const char *rows_what,
                                  int need_dtype)

@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* How the "deepep" dispatcher uses the peer buffer (../common/peer_buffer.h: the layout it shares with "hybridep"),
+/* How the "deepep" dispatcher uses the peer buffer (../lib/peer_buffer.h: the layout it shares with "hybridep"),
  * on its CPU and CUDA paths (plain C, no CUDA types).
  *
  * Every rank owns one buffer, offered once to the group with host->exchange_peer_buffers; peers write into it.

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The "deepep" dispatcher's layout over plain arrays: the layout pass before the count exchange (notify) and the CPU
  * path's per-copy rows after it. The plan's sizes and the CPU path's send/receive are shared with "hybridep"
- * (../common/peer_dispatch_cpu.h); the CUDA path (deepep_cuda.cu) runs the same algorithm with channels of tokens. */
+ * (../lib/peer_dispatch_cpu.h); the CUDA path (deepep_cuda.cu) runs the same algorithm with channels of tokens. */
 #ifndef MOERT_DEEPEP_CPU_H
 #define MOERT_DEEPEP_CPU_H
 

@@ -7,8 +7,8 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
-#include "../common/peer_dispatch.cuh"
-#include "../common/plugin_cuda_check.h"
+#include "../lib/peer_dispatch.cuh"
+#include "../lib/plugin_cuda_check.h"
 
 /* Launch shapes. The NVLink phase's may be set with -D at build time: bench/deepep_tuning.sh builds and times
  * variants. The defaults are that sweep's best on H200 x4 (bench/results/2026-11-22-deepep-tuning-*): the bf16

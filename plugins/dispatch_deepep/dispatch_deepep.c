@@ -2,7 +2,7 @@
 /* The "deepep" dispatcher plugin: tokens move by direct writes into the peers' buffers (exchanged once at init),
  * the way DeepEP's intranode kernels work. This file: vtable, options, the peer buffer's size, prepare() (layout
  * pass, then the count exchange, "notify") and the calls of both paths; what it shares with "hybridep" (argument
- * checks, the peer buffer, the CPU path's send/receive) is in ../common/peer_dispatch.c and peer_dispatch_cpu.c, its
+ * checks, the peer buffer, the CPU path's send/receive) is in ../lib/peer_dispatch.c and peer_dispatch_cpu.c, its
  * own layout pass in deepep_cpu.c, the CUDA kernels in deepep_cuda.cu. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,10 +11,10 @@
 #include "deepep_buffer.h"
 #include "deepep_cpu.h"
 #include "moert/dispatcher.h"
-#include "peer_dispatch.h"
+#include "../lib/peer_dispatch.h"
 #ifdef MOERT_HAVE_CUDA
 #include "deepep_cuda.h"
-#include "dispatch_alltoall_cuda.h"
+#include "../lib/dispatch_alltoall_cuda.h"
 #endif
 
 /* A host or device array grown on demand and reused across steps. */

@@ -8,9 +8,9 @@
 # usage: plugins/dispatch_deepep/gpu_check.sh BUILD_DIR OUT_DIR      (BUILD_DIR made with -Dcuda=enabled)
 # It never builds. Each step has its own time limit (75 + 130 + 90 s, killed 3 s after), so the script ends within 5 minutes
 # even if a step hangs; the test and the bench print progress line by line, so a killed step's log shows where it was.
-# The steps it shares with plugins/dispatch_hybridep/gpu_check.sh are in plugins/common/gpu_check_dispatch.sh.
+# The steps it shares with plugins/dispatch_hybridep/gpu_check.sh are in plugins/lib/gpu_check_dispatch.sh.
 set -u
-. "$(dirname "$0")/../common/gpu_check_dispatch.sh"
+. "$(dirname "$0")/../lib/gpu_check_dispatch.sh"
 gpu_check_begin deepep /tmp/moert-deepep "$@"
 
 gpu_check_test deepep 75

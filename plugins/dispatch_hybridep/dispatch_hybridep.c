@@ -4,7 +4,7 @@
  * straight into its expert-grouped row) and the unpermutation into combine, buffers sized for the worst case so that
  * no call of a step waits for the GPU on the host. This file: vtable, options, the peer buffer's size, prepare() and
  * the calls of both paths; what it shares with "deepep" (argument checks, the peer buffer, the CPU path's
- * send/receive) is in ../common/peer_dispatch.c and peer_dispatch_cpu.c, its own layout pass and notify in
+ * send/receive) is in ../lib/peer_dispatch.c and peer_dispatch_cpu.c, its own layout pass and notify in
  * hybridep_cpu.c, the CUDA kernels in hybridep_cuda.cu. */
 #include <stddef.h>
 #include <stdio.h>
@@ -14,7 +14,7 @@
 #include "hybridep_buffer.h"
 #include "hybridep_cpu.h"
 #include "moert/dispatcher.h"
-#include "peer_dispatch.h"
+#include "../lib/peer_dispatch.h"
 #ifdef MOERT_HAVE_CUDA
 #include "hybridep_cuda.h"
 #endif

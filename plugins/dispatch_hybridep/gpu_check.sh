@@ -9,9 +9,9 @@
 # usage: plugins/dispatch_hybridep/gpu_check.sh BUILD_DIR OUT_DIR      (BUILD_DIR made with -Dcuda=enabled; no rebuild)
 # Each step has its own time limit (130 + 80 s, killed 3 s after), so the script ends within 3.6 minutes even if a
 # step hangs; both print progress line by line, so a killed step's log shows where it was.
-# The steps it shares with plugins/dispatch_deepep/gpu_check.sh are in plugins/common/gpu_check_dispatch.sh.
+# The steps it shares with plugins/dispatch_deepep/gpu_check.sh are in plugins/lib/gpu_check_dispatch.sh.
 set -u
-. "$(dirname "$0")/../common/gpu_check_dispatch.sh"
+. "$(dirname "$0")/../lib/gpu_check_dispatch.sh"
 gpu_check_begin hybridep /tmp/moert-hybridep "$@"
 
 gpu_check_test hybridep 130 stdbuf -oL -eL

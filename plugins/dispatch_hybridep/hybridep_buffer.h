@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* How the "hybridep" dispatcher uses the peer buffer (../common/peer_buffer.h: the layout it shares with "deepep"), on
+/* How the "hybridep" dispatcher uses the peer buffer (../lib/peer_buffer.h: the layout it shares with "deepep"), on
  * its CPU and CUDA paths (plain C, no CUDA types).
  *
  * Every rank owns one buffer, offered once to the group at init with host->exchange_peer_buffers; peers write into it.

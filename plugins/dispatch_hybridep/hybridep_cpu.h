@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The "hybridep" dispatcher's layout over plain arrays: the layout pass, the notify through the peers' buffers (no
  * collective: each rank writes its counts into every peer's buffer) and the per-copy rows of the plan. The plan's sizes
- * and the CPU path's send/receive are shared with "deepep" (../common/peer_dispatch_cpu.h); the CUDA path
+ * and the CPU path's send/receive are shared with "deepep" (../lib/peer_dispatch_cpu.h); the CUDA path
  * (hybridep_cuda.cu) runs the same algorithm; this is its reference. */
 #ifndef MOERT_HYBRIDEP_CPU_H
 #define MOERT_HYBRIDEP_CPU_H

@@ -6,9 +6,9 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-#include "../common/mbarrier.cuh"
-#include "../common/peer_dispatch.cuh"
-#include "../common/plugin_cuda_check.h"
+#include "../lib/mbarrier.cuh"
+#include "../lib/peer_dispatch.cuh"
+#include "../lib/plugin_cuda_check.h"
 
 #define SEND_THREADS 1024     /* a vector-copy NVLink-phase block: 32 warps, one row each at a time */
 #define LOCAL_THREADS 512     /* a block of the local kernels (and of the low-latency kernels): 16 warps */

@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The "bf16" precision plugin: the experts' grouped GEMMs with bf16 operands and fp32 accumulation
  * (or plain fp32 / fp64). This file: vtable, options, argument checks and the CUDA path's state (bf16 weight
- * copies, the cuBLASLt handle); the CPU math is in precision_bf16_cpu.c, the CUDA GEMMs in precision_bf16_cuda.cu
- * (cuBLASLt) and device_gemm.cu (counts read on the device: option "gemm": "kernel", graph-capturable, and under
+ * copies, the cuBLASLt handle); the CPU math is in plugins/lib/grouped_gemm_cpu.c, the CUDA GEMMs in
+ * plugins/lib/precision_bf16_cuda.cu (cuBLASLt) and device_gemm.cu (counts read on the device: option "gemm": "kernel", graph-capturable, and under
  * "auto" the Hopper engine's FORWARD and DGRAD). */
 #include <stdarg.h>
 #include <stddef.h>
@@ -11,17 +11,17 @@
 #include <string.h>
 
 #include "moert/precision.h"
-#include "../common/grouped_gemm_args.h"
-#include "precision_bf16_cpu.h"
-#include "../common/plugin_report.h"
+#include "../lib/grouped_gemm_args.h"
+#include "../lib/grouped_gemm_cpu.h"
+#include "../lib/plugin_report.h"
 #ifdef MOERT_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
-#include "../common/plugin_cuda_check.h"
+#include "../lib/plugin_cuda_check.h"
 
-#include "device_gemm.h"
-#include "device_gemm_wgmma.h"
-#include "precision_bf16_cuda.h"
+#include "../lib/device_gemm.h"
+#include "../lib/device_gemm_wgmma.h"
+#include "../lib/precision_bf16_cuda.h"
 #endif
 
 #ifdef MOERT_HAVE_CUDA

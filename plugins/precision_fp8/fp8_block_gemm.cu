@@ -36,9 +36,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../common/mbarrier.cuh"
-#include "../common/wgmma.cuh"
-#include "../common/plugin_cuda_check.h"
+#include "../lib/mbarrier.cuh"
+#include "../lib/wgmma.cuh"
+#include "../lib/plugin_cuda_check.h"
 
 #define TILE 128                     /* BM = BN = BK */
 #define TILE_BYTES (TILE * TILE)     /* one FP8 tile of A or B */

@@ -12,13 +12,13 @@
 #include "moert/precision.h"
 #include "precision_fp8_cpu.h"
 #include "fp8_block_tuning.h"
-#include "../common/plugin_report.h"
-#include "../precision_bf16/precision_bf16_cpu.h"
+#include "../lib/plugin_report.h"
+#include "../lib/grouped_gemm_cpu.h"
 #ifdef MOERT_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
-#include "../common/plugin_cuda_check.h"
-#include "../precision_bf16/precision_bf16_cuda.h"
+#include "../lib/plugin_cuda_check.h"
+#include "../lib/precision_bf16_cuda.h"
 
 #include "precision_fp8_cuda.h"
 #endif

@@ -8,8 +8,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "fp8_convert.h"
-#include "../common/grouped_gemm_args.h"
+#include "../lib/fp8_convert.h"
+#include "../lib/grouped_gemm_args.h"
 #include "moert/precision.h"
 
 /* The option "recipe": how scales are chosen. */
@@ -62,7 +62,7 @@ typedef struct fp8_scratch {
     size_t a_elems, b_elems, c_elems;
 } fp8_scratch;
 
-/* The shape of one grouped GEMM, checked by the caller (plugins/common/grouped_gemm_args.h). */
+/* The shape of one grouped GEMM, checked by the caller (plugins/lib/grouped_gemm_args.h). */
 typedef moert_gemm_shape fp8_gemm_shape;
 
 /* The format an operand is quantized to: E4M3, or E5M2 for gradients under "hybrid". */

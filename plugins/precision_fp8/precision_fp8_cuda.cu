@@ -31,7 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../common/plugin_cuda_check.h"
+#include "../lib/plugin_cuda_check.h"
 #include "fp8_block_gemm.h"
 
 #define TILE 128              /* block edge of the blockwise recipe */

@@ -12,7 +12,7 @@
 #define FULL_MASK 0xffffffffu
 #define NORMALIZE_EPS 1e-20f
 
-#include "../common/plugin_cuda_check.h"
+#include "../lib/plugin_cuda_check.h"
 
 
 

@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The C emulation of the FP8 conversions (plugins/precision_fp8/fp8_convert.c) against CUDA's own
+/* The C emulation of the FP8 conversions (plugins/lib/fp8_convert.c) against CUDA's own
  * (__nv_cvt_bfloat16raw_to_fp8, saturating to the largest finite value) for every one of the 2^16 bf16
  * inputs, E4M3 and E5M2: bit-exact, so the CPU reference and the GPU agree. 77 without a GPU. */
 #include <cuda_runtime.h>

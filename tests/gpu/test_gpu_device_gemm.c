@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* GPU test of the bf16 grouped GEMM kernel that reads the counts on the device (plugins/precision_bf16/device_gemm.cu):
- * - the kernel directly against the CPU reference (precision_bf16_cpu.c, bf16 mode), with both tile widths (128 and
+/* GPU test of the bf16 grouped GEMM kernel that reads the counts on the device (plugins/lib/device_gemm.cu):
+ * - the kernel directly against the CPU reference (plugins/lib/grouped_gemm_cpu.c, bf16 mode), with both tile widths (128 and
  *   256 output columns): FORWARD, DGRAD, WGRAD into fp32
  *   accumulating and overwriting (and into bf16), with empty experts, odd counts (1, 17, 129, ...), one hot expert,
  *   no rows at all and counts that sum past the capacity (the kernel drops the rows past it); K_in 64..256, N_out
@@ -37,7 +37,7 @@ int main(void)
 #include "device_gemm.h"
 #include "gpu_test_util.h"
 #include "moert/precision.h"
-#include "precision_bf16_cpu.h"
+#include "grouped_gemm_cpu.h"
 #include "precision_bf16_cuda.h"
 
 #define MAX_E 16

@@ -27,9 +27,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "../common/mbarrier.cuh"
-#include "../common/plugin_cuda_check.h"
-#include "../common/wgmma.cuh"
+#include "mbarrier.cuh"
+#include "plugin_cuda_check.h"
+#include "wgmma.cuh"
 #include "expert_prefix.cuh"
 
 #define WG_BM 128

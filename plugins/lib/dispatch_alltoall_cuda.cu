@@ -11,7 +11,7 @@
 #define ROW_WARPS 8           /* warps per block in the row kernels: one warp per row */
 #define MAX_GRID_BLOCKS 8192
 
-#include "../common/plugin_cuda_check.h"
+#include "plugin_cuda_check.h"
 
 
 

@@ -6,7 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../common/grouped_gemm_args.h"
+#include "grouped_gemm_args.h"
 #include "moert/precision.h"
 
 /* How the GEMMs compute: the option "mode" after "auto" was resolved. */
@@ -22,7 +22,7 @@ typedef struct bf16_scratch {
     size_t a_elems, b_elems, c_elems;
 } bf16_scratch;
 
-/* The shape of one grouped GEMM, checked by the caller (plugins/common/grouped_gemm_args.h). */
+/* The shape of one grouped GEMM, checked by the caller (plugins/lib/grouped_gemm_args.h). */
 typedef moert_gemm_shape bf16_gemm_shape;
 
 /* The mode "auto" resolves to for activations of dtype: bf16 for bf16, fp64 for fp64, fp32 otherwise. */

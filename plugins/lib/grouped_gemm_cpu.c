@@ -2,7 +2,7 @@
 /* The bf16 precision recipe's CPU reference. Each expert's GEMM converts its operands once into a dense
  * float (or double) block, then multiplies with an i-p-j loop whose inner loop runs along contiguous rows
  * (it vectorises; the sum over p still runs in order, like a naive triple loop). */
-#include "precision_bf16_cpu.h"
+#include "grouped_gemm_cpu.h"
 
 #include <stdbool.h>
 #include <stdlib.h>

@@ -42,7 +42,7 @@
 #define GROUPED_CHUNK 256         /* experts per cublasGemmGroupedBatchedEx call (pointer kernel's by-value list) */
 #define GRAPH_CACHE_SLOTS 16      /* kept count vectors (and their executable graphs), least recently used out */
 
-#include "../common/plugin_cuda_check.h"
+#include "plugin_cuda_check.h"
 
 
 /* Checked cuBLASLt / cuBLAS call. */

@@ -33,7 +33,7 @@
 #include <limits.h>
 #include <stdint.h>
 
-#include "../common/plugin_cuda_check.h"
+#include "plugin_cuda_check.h"
 #include "device_gemm_wgmma.h"
 #include "expert_prefix.cuh"
 
