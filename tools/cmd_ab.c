@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "ab_plot.h"
+#include "ab_stats.h"
 #include "output.h"
 #include "cli_common.h"
 #include "config.h"
@@ -18,6 +19,8 @@
 #define PROG "moert ab"
 #define DEFAULT_WARMUP 3
 #define DEFAULT_MAX_STEPS 50
+#define BOOTSTRAP_RESAMPLES 2000
+#define BOOTSTRAP_SEED 20261126u /* fixed, and written in the report: the same steps give the same intervals */
 
 static void ab_usage(FILE *f)
 {
@@ -141,6 +144,9 @@ typedef struct ab_side {
     int64_t done;                /* steps completed (fewer than warmup + steps when a step failed) */
     spread figures[FIGURE_COUNT]; /* over the measured steps */
 } ab_side;
+
+/* B/A of each timed figure over the measured steps both sides completed, with its bootstrap interval. */
+static ab_interval intervals[FIGURE_COUNT];
 
 /* What agreement means here: the loss of every step, and on the CPU the first step's output and gradients. */
 typedef struct ab_agreement {
@@ -541,7 +547,7 @@ static void build_header(const ab_side *a, const ab_side *b, int64_t warmup, int
                    cb->parallel.overlap_wgrad ? "true" : "false");
     header_add(h, "%lld warm-up step%s, then %lld measured step%s, %s", (long long)warmup, warmup == 1 ? "" : "s",
                (long long)steps, steps == 1 ? "" : "s",
-               sequential ? "sequential: all of A, then all of B (--sequential)" : "interleaved A, B, A, B...");
+               sequential ? "sequential: all of A, then all of B (--sequential)" : "interleaved ABBA: A first on odd steps, B on even ones");
 }
 
 /* FILE.json -> FILE.md; any other name gets ".md" appended. */
@@ -577,6 +583,16 @@ static int markdown_writer(FILE *f, void *user)
     fprintf(f, "\n| figure | A median [p10-p90] | B median [p10-p90] | B/A |\n|---|---:|---:|---:|\n");
     for (int i = 0; i < nrows; i++) fprintf(f, "| %s | %s | %s | %s |\n", rows[i].label, rows[i].a, rows[i].b, rows[i].ratio);
     fprintf(f, "\n%s\n\n%s\n", verdict, summary);
+    /* each timed figure's B/A with its interval (the figures both sides measured) */
+    fprintf(f, "\n| figure | B/A | 95%% CI | verdict |\n|---|---:|---|---|\n");
+    for (int fig = 0; fig < FIGURE_COUNT; fig++) {
+        const ab_interval *iv = &intervals[fig];
+        if (isnan(iv->ratio) || isnan(iv->low)) continue;
+        char text[160], buf[40];
+        ab_verdict_text(iv, text, sizeof text);
+        fprintf(f, "| %s | %.3f | %.3f-%.3f | %s |\n", figure_label(fig, buf, sizeof buf), iv->ratio, iv->low, iv->high,
+                text);
+    }
     return ferror(f) ? -1 : 0;
 }
 
@@ -627,6 +643,20 @@ static moert_result write_report(const char *path, const ab_side *a, const ab_si
         json_object_set_new(ratios, figure_name(f),
                             a->figures[f].median > 0 ? json_number(b->figures[f].median / a->figures[f].median)
                                                      : json_null());
+    json_t *ivs = json_object();
+    for (int f = 0; f < FIGURE_COUNT; f++) {
+        const ab_interval *iv = &intervals[f];
+        if (isnan(iv->ratio)) continue;
+        char text[160];
+        ab_verdict_text(iv, text, sizeof text);
+        json_object_set_new(ivs, figure_name(f), json_pack("{s:o, s:o, s:o, s:I, s:s}", "ratio", json_number(iv->ratio),
+                                                           "ci_low", json_number(iv->low), "ci_high",
+                                                           json_number(iv->high), "pairs", (json_int_t)iv->pairs,
+                                                           "verdict", text));
+    }
+    json_t *stats = json_pack("{s:s, s:f, s:i, s:I, s:o}", "order", agr->sequential ? "sequential" : "ABBA",
+                              "level", 0.95, "resamples", BOOTSTRAP_RESAMPLES, "seed", (json_int_t)BOOTSTRAP_SEED,
+                              "figures", ivs);
     json_object_set_new(ratios, "kept_from_forward_to_backward",
                         a->facts.kept_bytes > 0 ? json_real((double)b->facts.kept_bytes / (double)a->facts.kept_bytes)
                                               : json_null());
@@ -665,6 +695,7 @@ static moert_result write_report(const char *path, const ab_side *a, const ab_si
     json_object_set_new(root, "a", side_json(a, warmup + steps, warmup));
     json_object_set_new(root, "b", side_json(b, warmup + steps, warmup));
     json_object_set_new(root, "b_over_a", ratios);
+    json_object_set_new(root, "b_over_a_intervals", stats);
     json_object_set_new(root, "agreement", agreement);
     json_object_set_new(root, "verdict", json_string(verdict));
     json_object_set_new(root, "summary", json_string(summary));
@@ -883,8 +914,12 @@ int moert_cmd_ab(int argc, char **argv)
             goto exit;
         }
         for (int64_t step = 1; step <= total; step++) {
-            for (int s = 0; s < 2; s++)
-                if ((failed_rc = step_side(&sides[s], step, failure, sizeof failure)) != MOERT_OK) goto finish;
+            /* ABBA: A first on odd steps, B first on even ones, so neither side always runs after the other's work */
+            const int first = ab_b_first(step);
+            for (int k = 0; k < 2; k++) {
+                ab_side *side = &sides[k == 0 ? first : 1 - first];
+                if ((failed_rc = step_side(side, step, failure, sizeof failure)) != MOERT_OK) goto finish;
+            }
             if (step == 1 && compare_first_step(&sides[0], &sides[1], &agr) != MOERT_OK) {
                 fprintf(stderr, PROG ": comparing the first step: %s\n", moert_last_error());
                 goto exit;
@@ -939,6 +974,23 @@ finish:;
             sides[s].figures[f] = spread_of(values, measured);
         }
     }
+    /* B/A with its interval, over the steps both sides measured (paired by step) */
+    int64_t pairs = both_done > warmup ? both_done - warmup : 0;
+    double *pa = malloc(sizeof(double) * (size_t)(pairs + 1)), *pb = malloc(sizeof(double) * (size_t)(pairs + 1));
+    if (!pa || !pb) {
+        free(pa);
+        free(pb);
+        goto exit;
+    }
+    for (int f = 0; f < FIGURE_COUNT; f++) {
+        for (int64_t i = 0; i < pairs; i++) {
+            pa[i] = figure_ms(&sides[0].records[warmup + i], f);
+            pb[i] = figure_ms(&sides[1].records[warmup + i], f);
+        }
+        ab_ratio_interval(pa, pb, pairs, BOOTSTRAP_SEED + (uint64_t)f, BOOTSTRAP_RESAMPLES, 0.95, &intervals[f]);
+    }
+    free(pa);
+    free(pb);
     table_row rows[FIGURE_COUNT + MEMORY_ROWS];
     int nrows = build_table(&sides[0], &sides[1], rows);
     char verdict[1024], summary[1536];
@@ -950,6 +1002,11 @@ finish:;
     printf("\n");
     print_table(stdout, rows, nrows);
     printf("\n%s\n%s\n", verdict, summary);
+    char step_text[160], layer_text[160];
+    ab_verdict_text(&intervals[FIGURE_STEP], step_text, sizeof step_text);
+    ab_verdict_text(&intervals[FIGURE_LAYER], layer_text, sizeof layer_text);
+    printf("timing (B/A, %s order, bootstrap over %lld paired steps): step %s; layer fwd+bwd %s\n",
+           sequential ? "sequential" : "ABBA", (long long)intervals[FIGURE_STEP].pairs, step_text, layer_text);
 
     if (report_path) {
         if (write_report(report_path, &sides[0], &sides[1], &header, &agr, warmup, steps, verdict, summary, rows,

@@ -49,12 +49,13 @@ run policy $((1 - have_matplotlib)) ab "$tmp/keep.json" "$tmp/saver.json" --warm
 expect_match policy out '^moert ab: A "keep" \(.*/keep\.json\) vs B "saver" \(.*/saver\.json\)$'
 expect_match policy out '^  same in both: router topk, dispatcher alltoall, precision bf16$'
 expect_match policy out '^  differs: memory_policy: A \{"plugin":"default"\}, B \{.*"fc1_out":"recompute".*\}$'
-expect_line policy out "  2 warm-up steps, then 6 measured steps, interleaved A, B, A, B..."
+expect_line policy out "  2 warm-up steps, then 6 measured steps, interleaved ABBA: A first on odd steps, B on even ones"
 expect_match policy out '^figure +A median \[p10-p90\] +B median \[p10-p90\] +B/A$'
 expect_match policy out '^layer fwd\+bwd \(ms\) +[0-9.]+ \[[0-9.]+-[0-9.]+\] +[0-9.]+ \[[0-9.]+-[0-9.]+\] +[0-9.]+$'
 expect_match policy out '^kept fwd->bwd \(rank 0\) +[0-9.]+ KiB +0 B +0\.000$'
 expect_match policy out '^outputs agree: yes \(max relative loss difference 0\.0e\+00 over 8 steps, identical; first step: output 0\.0e\+00, gradients 0\.0e\+00; rtol 1e-03\)$'
 expect_match policy out '^summary: B/A step time [0-9.]+x.*activations kept 0\.00x; outputs agree$'
+expect_match policy out '^timing \(B/A, ABBA order, bootstrap over 6 paired steps\): step (B (faster|slower) by [0-9.]+% \(95% CI [0-9.]+% to [0-9.]+%\)|no difference detected \(95% CI [-+][0-9.]+% to [-+][0-9.]+%\)); layer fwd\+bwd .*$'
 [ -f "$tmp/report.md" ] || fail "policy: no Markdown report beside the JSON"
 grep -qF '| figure | A median [p10-p90] | B median [p10-p90] | B/A |' "$tmp/report.md" 2>/dev/null ||
     fail "policy: report.md lacks the table header"
@@ -88,6 +89,10 @@ m = r["a"]["ms"]["step"]["median"]
 check(m > 0 and abs(r["b_over_a"]["step"] - r["b"]["ms"]["step"]["median"] / m) < 1e-6 * r["b_over_a"]["step"],
       "step ratio is B's median over A's")
 check(r["b_over_a"]["kept_from_forward_to_backward"] == kb / ka, "kept ratio")
+iv = r["b_over_a_intervals"]
+st = iv["figures"]["step"]
+check(iv["order"] == "ABBA" and iv["seed"] > 0 and st["ci_low"] <= st["ratio"] <= st["ci_high"] and st["pairs"] == 6
+      and abs(st["ratio"] - r["b_over_a"]["step"]) < 1e-6 * st["ratio"], "the step's interval")
 ag = r["agreement"]
 check(ag["agree"] is True and ag["losses_identical"] is True and ag["loss_max_relative_difference"] == 0, "agreement")
 check(ag["first_step"]["compared"] is True and ag["first_step"]["gradient_max_relative_difference"] == 0, "first step")

@@ -1,0 +1,31 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The statistics of `moert ab`: the ratio B/A of a figure over paired steps, with a bootstrap confidence interval,
+ * and the one-line verdict a reader can trust ("B faster by 4.1% (95% CI 3.2-5.0%)"). */
+#ifndef MOERT_TOOLS_AB_STATS_H
+#define MOERT_TOOLS_AB_STATS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct ab_interval {
+    double ratio;     /* median(B) / median(A) over the paired steps */
+    double low, high; /* the percentile bootstrap interval of that ratio */
+    double level;     /* e.g. 0.95 */
+    int64_t pairs;    /* steps with both figures */
+} ab_interval;
+
+/* The ratio of medians B/A over n paired steps and its `level` interval: `resamples` bootstrap resamples of the step
+ * indices (pairs kept together, so a slow moment of the machine weighs on both sides), drawn from `seed`. Returns -1
+ * when there are fewer than 2 pairs or A's median is 0 (out->ratio is NAN then). */
+int ab_ratio_interval(const double *a, const double *b, int64_t n, uint64_t seed, int resamples, double level,
+                      ab_interval *out);
+
+/* The verdict of a timing interval: "B faster by 4.1% (95% CI 3.2% to 5.0%)", "B slower by ...", or "no difference
+ * detected (95% CI -1.1% to +0.8%)"; for a figure where lower is better (times). */
+void ab_verdict_text(const ab_interval *iv, char *out, size_t size);
+
+/* The order of a step's two runs: 0 when A runs first. ABBA over pairs of steps (A,B then B,A), so neither side
+ * always runs first after the other's work. */
+int ab_b_first(int64_t step);
+
+#endif
