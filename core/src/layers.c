@@ -1021,40 +1021,41 @@ fail:
     return rc;
 }
 
-MOERT_API moert_result moert_dispatch_combine(moert_dispatch *d, const moert_tensor *y_expert, moert_tensor *y,
-                                              moert_stream stream)
+/* combine (rows -> tokens) or its adjoint (tokens -> rows): the same checks and order, the plugin's call for each. */
+static moert_result combine_pass(moert_dispatch *d, bool backward, const char *in_name, const moert_tensor *in,
+                                 const char *out_name, moert_tensor *out, moert_stream stream)
 {
-    const char *fn = "moert_dispatch_combine";
+    const char *fn = backward ? "moert_dispatch_combine_backward" : "moert_dispatch_combine";
     moert_result rc = check_dispatch(d, fn, true);
     if (rc != MOERT_OK) return rc;
     moert_layers *m = d->owner;
     moert_layer *L = &m->stack.layers[d->layer];
-    MOERT_CHECK(check_rows(d, fn, "y_expert", y_expert, d->layout.capacity));
-    MOERT_CHECK(check_rows(d, fn, "y", y, d->tokens));
+    const int64_t rows = d->layout.capacity, tokens = d->tokens;
+    MOERT_CHECK(check_rows(d, fn, in_name, in, backward ? tokens : rows));
+    MOERT_CHECK(check_rows(d, fn, out_name, out, backward ? rows : tokens));
     MOERT_CHECK(enter(m, stream));
-    moert_combine_args a = {.struct_size = sizeof a, .y_expert = y_expert, .y = y};
-    DISPATCHER_CALL("combine", DISPATCHER(L)->combine(L->dispatcher.ctx, m->stream, &a));
+    if (backward) {
+        moert_combine_backward_args a = {.struct_size = sizeof a, .d_y = in, .d_y_expert = out};
+        DISPATCHER_CALL("combine_backward", DISPATCHER(L)->combine_backward(L->dispatcher.ctx, m->stream, &a));
+    } else {
+        moert_combine_args a = {.struct_size = sizeof a, .y_expert = in, .y = out};
+        DISPATCHER_CALL("combine", DISPATCHER(L)->combine(L->dispatcher.ctx, m->stream, &a));
+    }
     MOERT_CHECK(leave(m, stream));
 fail:
     return rc;
 }
 
+MOERT_API moert_result moert_dispatch_combine(moert_dispatch *d, const moert_tensor *y_expert, moert_tensor *y,
+                                              moert_stream stream)
+{
+    return combine_pass(d, false, "y_expert", y_expert, "y", y, stream);
+}
+
 MOERT_API moert_result moert_dispatch_combine_backward(moert_dispatch *d, const moert_tensor *dy,
                                                        moert_tensor *dy_expert, moert_stream stream)
 {
-    const char *fn = "moert_dispatch_combine_backward";
-    moert_result rc = check_dispatch(d, fn, true);
-    if (rc != MOERT_OK) return rc;
-    moert_layers *m = d->owner;
-    moert_layer *L = &m->stack.layers[d->layer];
-    MOERT_CHECK(check_rows(d, fn, "dy", dy, d->tokens));
-    MOERT_CHECK(check_rows(d, fn, "dy_expert", dy_expert, d->layout.capacity));
-    MOERT_CHECK(enter(m, stream));
-    moert_combine_backward_args a = {.struct_size = sizeof a, .d_y = dy, .d_y_expert = dy_expert};
-    DISPATCHER_CALL("combine_backward", DISPATCHER(L)->combine_backward(L->dispatcher.ctx, m->stream, &a));
-    MOERT_CHECK(leave(m, stream));
-fail:
-    return rc;
+    return combine_pass(d, true, "dy", dy, "dy_expert", dy_expert, stream);
 }
 
 MOERT_API moert_result moert_dispatch_backward(moert_dispatch *d, const moert_tensor *d_recv_x,
