@@ -7,27 +7,7 @@ set -u
 moert="$1"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
-failures=0
-
-fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
-
-# run NAME EXPECTED_STATUS ARGS...: runs moert, keeps stdout/stderr in $tmp/NAME.out/.err
-run() {
-    local name="$1" want="$2"
-    shift 2
-    "$moert" "$@" >"$tmp/$name.out" 2>"$tmp/$name.err"
-    local got=$?
-    if [ "$got" != "$want" ]; then
-        fail "$name: moert $* exited $got, expected $want"
-        sed 's/^/  | /' "$tmp/$name.out" "$tmp/$name.err" >&2
-    fi
-}
-expect_line() {
-    grep -qxF -- "$3" "$tmp/$1.$2" || { fail "$1: $2 lacks the line: $3"; sed 's/^/  | /' "$tmp/$1.$2" >&2; }
-}
-expect_match() {
-    grep -qE -- "$3" "$tmp/$1.$2" || { fail "$1: $2 does not match: $3"; sed 's/^/  | /' "$tmp/$1.$2" >&2; }
-}
+. "$(dirname "$0")/cli_lib.sh"
 
 # A tiny model: two configs that differ only in the memory policy (and the name)
 model='"model": {"hidden": 16, "ffn_hidden": 24, "num_experts": 4, "topk": 2, "num_layers": 2},

@@ -9,30 +9,7 @@ export MOERT_PLUGIN_PATH="$(cd "$(dirname "$moert")/.." && pwd)/tests/fixtures"
 src="${MOERT_TEST_SOURCE_ROOT:-$(cd "$(dirname "$0")/../.." && pwd)}"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
-failures=0
-
-fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
-
-# run NAME EXPECTED_STATUS ARGS...: runs moert (EXPECTED_STATUS may list several, "139|1"), keeps stdout/stderr in $tmp/NAME.out/.err
-run() {
-    local name="$1" want="$2"
-    shift 2
-    "$moert" "$@" >"$tmp/$name.out" 2>"$tmp/$name.err"
-    local got=$?
-    case "|$want|" in *"|$got|"*) ;; *) false ;; esac
-    if [ $? -ne 0 ]; then
-        fail "$name: moert $* exited $got, expected $want"
-        sed 's/^/  | /' "$tmp/$name.out" "$tmp/$name.err" >&2
-    fi
-}
-# expect_line NAME FILE(out|err) EXACT_LINE
-expect_line() {
-    grep -qxF -- "$3" "$tmp/$1.$2" || { fail "$1: $2 lacks the line: $3"; sed 's/^/  | /' "$tmp/$1.$2" >&2; }
-}
-# expect_match NAME FILE(out|err) EXTENDED_REGEX
-expect_match() {
-    grep -qE -- "$3" "$tmp/$1.$2" || { fail "$1: $2 does not match: $3"; sed 's/^/  | /' "$tmp/$1.$2" >&2; }
-}
+. "$(dirname "$0")/cli_lib.sh"
 
 # help, version, usage errors
 run help 0 --help
@@ -154,7 +131,6 @@ run memory_check 1 check "$good" $huge
 expect_match memory_check err "^moert check: $good: config \"demo-cpu\" does not fit: it needs an estimated [0-9.]+ [GT]iB, more than 90% of this machine's memory, shared by the 4 rank threads \\([0-9.]+ GiB\\); parameters .*, activations [0-9.]+ TiB, .* per rank\\. Shrink \\\$\.model or \\\$\.train\.tokens_per_rank, use more ranks, or run it on GPUs"
 run memory_run 1 run "$good" --steps 1 $huge
 expect_match memory_run err "^moert run: config \"demo-cpu\" does not fit: it needs an estimated"
-expect_no_match() { if grep -qE -- "$3" "$tmp/$1.$2"; then fail "$1: $2 matches: $3"; fi; }
 expect_no_match memory_run out "^step "
 # the qwen3-30b-a3b preset needs about 32.5 GiB on the CPU: refused (not killed) wherever that does not fit
 mem_kib=$(sed -n 's/^MemTotal: *\([0-9]*\) kB$/\1/p' /proc/meminfo)

@@ -11,8 +11,7 @@ src="${MOERT_TEST_SOURCE_ROOT:-$(cd "$(dirname "$0")/../.." && pwd)}"
 fx="$src/tests/fixtures/megatron"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
-failures=0
-fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
+. "$(dirname "$0")/cli_lib.sh"
 
 # same_layer GOT.json PRESET.json: the sections that describe the layer are equal
 same_layer() {

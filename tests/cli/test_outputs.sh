@@ -10,25 +10,8 @@ export MOERT_PLUGIN_PATH="$(cd "$(dirname "$moert")/.." && pwd)/tests/fixtures"
 src="${MOERT_TEST_SOURCE_ROOT:-$(cd "$(dirname "$0")/../.." && pwd)}"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
-failures=0
-fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
-# run NAME EXPECTED_STATUS ARGS...: runs moert in $tmp, keeps stdout/stderr in $tmp/NAME.out/.err
-run() {
-    local name="$1" want="$2"
-    shift 2
-    (cd "$tmp" && "$moert" "$@") >"$tmp/$name.out" 2>"$tmp/$name.err"
-    local got=$?
-    if [ "$got" != "$want" ]; then
-        fail "$name: moert $* exited $got, expected $want"
-        sed 's/^/  | /' "$tmp/$name.out" "$tmp/$name.err" >&2
-    fi
-}
-expect_line() {
-    grep -qxF -- "$3" "$tmp/$1.$2" || { fail "$1: $2 lacks the line: $3"; sed 's/^/  | /' "$tmp/$1.$2" >&2; }
-}
-expect_no_match() {
-    if grep -qE -- "$3" "$tmp/$1.$2"; then fail "$1: $2 matches: $3"; sed 's/^/  | /' "$tmp/$1.$2" >&2; fi
-}
+run_dir="$tmp" # the command runs in $tmp: relative paths are the tests' files
+. "$(dirname "$0")/cli_lib.sh"
 same() { cmp -s "$1" "$2" || fail "$3: $1 was changed"; }
 
 # a small, quick config

@@ -11,8 +11,7 @@ moert="$(cd "$(dirname "$1")" && pwd)/$(basename "$1")" # absolute: some checks 
 export MOERT_PLUGIN_PATH="$(cd "$(dirname "$moert")/.." && pwd)/tests/fixtures"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
-failures=0
-fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
+. "$(dirname "$0")/cli_lib.sh"
 
 cat >"$tmp/c.json" <<JSON
 {"model": {"hidden": 16, "ffn_hidden": 32, "num_experts": 4, "topk": 2, "num_layers": 1},
