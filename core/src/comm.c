@@ -122,6 +122,16 @@ static moert_result table_result(moert_comm_group *g, const char *call, int answ
     return moert_error(MOERT_ERR_INTERNAL, "%s", text);
 }
 
+/* One call into the caller's table (`call` may use `message`, the buffer its error text goes into), after a check that
+ * the group has not failed already. Returns from the calling function. */
+#define TABLE_CALL(g, name, call)                                                                            \
+    do {                                                                                                     \
+        moert_result failed_rc_ = MOERT_OK;                                                                  \
+        char message[512] = "";                                                                              \
+        if (table_failed((g), &failed_rc_)) return failed_rc_;                                               \
+        return table_result((g), (name), (call), message);                                                   \
+    } while (0)
+
 /* A group whose table already failed answers every later call with that failure. */
 static bool table_failed(moert_comm_group *g, moert_result *rc)
 {
@@ -183,12 +193,7 @@ static struct timespec deadline_after(double seconds)
 /* Waits until every rank arrived; fails the whole group if one does not within the timeout. */
 moert_result moert_comm_barrier(moert_comm_group *g, int rank, const char *what)
 {
-    if (g->has_table) {
-        moert_result rc = MOERT_OK;
-        char message[512] = "";
-        if (table_failed(g, &rc)) return rc;
-        return table_result(g, "barrier", g->table.barrier(g->table.user, message, sizeof message), message);
-    }
+    if (g->has_table) TABLE_CALL(g, "barrier", g->table.barrier(g->table.user, message, sizeof message));
     if (rank < 0 || rank >= g->world)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: rank %d outside the group of %d", what, rank, g->world);
     pthread_mutex_lock(&g->lock);
@@ -238,13 +243,8 @@ static moert_result check_rank(const moert_comm_group *g, int rank, const char *
 /* Every rank gets every rank's `bytes` bytes, in rank order. */
 moert_result moert_comm_allgather(moert_comm_group *g, int rank, const void *send, void *recv, size_t bytes)
 {
-    if (g->has_table) {
-        moert_result rc = MOERT_OK;
-        char message[512] = "";
-        if (table_failed(g, &rc)) return rc;
-        return table_result(g, "allgather", g->table.allgather(g->table.user, send, recv, bytes, message, sizeof message),
-                            message);
-    }
+    if (g->has_table)
+        TABLE_CALL(g, "allgather", g->table.allgather(g->table.user, send, recv, bytes, message, sizeof message));
     moert_result rc;
     MOERT_CHECK(check_rank(g, rank, "allgather"));
     g->slots[rank].send = send;
@@ -279,13 +279,9 @@ static void sum_in_rank_order(const moert_comm_group *g, size_t count, moert_dty
 /* In-place element-wise sum over ranks (fp32, fp64, int64). */
 moert_result moert_comm_allreduce_sum(moert_comm_group *g, int rank, void *buf, size_t count, moert_dtype dtype)
 {
-    if (g->has_table) {
-        moert_result rc = MOERT_OK;
-        char message[512] = "";
-        if (table_failed(g, &rc)) return rc;
-        return table_result(g, "allreduce_sum",
-                            g->table.allreduce_sum(g->table.user, buf, count, dtype, message, sizeof message), message);
-    }
+    if (g->has_table)
+        TABLE_CALL(g, "allreduce_sum",
+                   g->table.allreduce_sum(g->table.user, buf, count, dtype, message, sizeof message));
     moert_result rc = MOERT_OK;
     void *sum = NULL;
     MOERT_CHECK(check_rank(g, rank, "allreduce_sum"));
@@ -315,15 +311,9 @@ moert_result moert_comm_alltoallv(moert_comm_group *g, int rank, const void *sen
                                   const size_t *send_offsets, void *recv, const size_t *recv_bytes,
                                   const size_t *recv_offsets)
 {
-    if (g->has_table) {
-        moert_result rc = MOERT_OK;
-        char message[512] = "";
-        if (table_failed(g, &rc)) return rc;
-        return table_result(g, "alltoallv",
-                            g->table.alltoallv(g->table.user, send, send_bytes, send_offsets, recv, recv_bytes,
-                                               recv_offsets, message, sizeof message),
-                            message);
-    }
+    if (g->has_table)
+        TABLE_CALL(g, "alltoallv", g->table.alltoallv(g->table.user, send, send_bytes, send_offsets, recv, recv_bytes,
+                                                      recv_offsets, message, sizeof message));
     moert_result rc = MOERT_OK;
     MOERT_CHECK(check_rank(g, rank, "alltoallv"));
     g->slots[rank].send = send;

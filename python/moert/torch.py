@@ -395,7 +395,7 @@ class MoE(nn.Module):
                                                   ctypes.byref(stats)), "moert_moe_forward")
         if saved is not None:
             L.in_flight = weakref.ref(saved)
-            tpe = torch.zeros(self.num_experts, dtype=torch.int64, device=self.device)
+            tpe = torch.empty(self.num_experts, dtype=torch.int64, device=self.device)  # overwritten by the copy
             _capi.check(_capi.lib().moert_saved_tokens_per_expert(saved.ptr, _ref(tpe), _stream(self.device)),
                         "moert_saved_tokens_per_expert")
             self.last_tokens_per_expert = tpe
