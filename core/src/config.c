@@ -495,6 +495,10 @@ static moert_result parse_parallel(moert_config *cfg, json_t *obj)
                                    "GPUs: the shared expert's forward and backward on a second stream beside the "
                                    "routing, dispatch, routed experts and combine (results are the same either way)",
                                    &p->shared_expert_overlap));
+    MOERT_CHECK(moert_section_bool(sec, "offload_defer_start", false,
+                                   "an offloaded activation's copy starts after the next layer's forward instead of "
+                                   "when it is produced (docs/executor.md, \"Deferred start\")",
+                                   &p->offload_defer_start));
     MOERT_CHECK(moert_section_check_unknown(sec));
 fail:
     moert_section_free(sec);

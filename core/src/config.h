@@ -42,6 +42,7 @@ typedef struct moert_parallel_config {
     int cuda_graph;    /* moert_cuda_graph_mode */
     bool overlap_wgrad; /* weight-gradient GEMMs on a second stream beside dispatch_backward */
     bool shared_expert_overlap; /* the shared expert on a second stream beside the routed experts (GPUs) */
+    bool offload_defer_start;   /* an offloaded activation's copy starts after the next layer's forward */
 } moert_parallel_config;
 
 /* $.train.optimizer: Adam keeps two moment buffers per parameter; plain SGD keeps none. */

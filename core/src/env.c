@@ -19,9 +19,6 @@ static const moert_env_var env_vars[MOERT_ENV_COUNT] = {
     [MOERT_ENV_BOOTSTRAP_PORT] = {"MOERT_BOOTSTRAP_PORT", "integer 1..65535", "MASTER_PORT",
                                   "one process per GPU: the TCP port on MASTER_ADDR where rank 0 hands out the NCCL "
                                   "id (when MASTER_PORT is taken, e.g. by torch.distributed's own store)"},
-    [MOERT_ENV_OFFLOAD_DEFER_START] = {"MOERT_OFFLOAD_DEFER_START", "0|1", "0",
-                                       "1: an offloaded activation's copy starts after the next layer's forward "
-                                       "instead of when it is produced (docs/executor.md, \"Deferred start\")"},
 };
 
 static const moert_env_foreign foreign_vars[] = {
@@ -45,6 +42,7 @@ static const moert_env_retired retired_vars[] = {
     {"MOERT_FP8_BLOCK_EPILOGUE", "nothing (removed: the TMA epilogue always runs)"},
     {"MOERT_FP8_BLOCK_SETS", "nothing (removed: the output sets follow the tile)"},
     {"MOERT_FP8_ROW_QUANTIZER", "nothing (removed: the wide row quantizer runs wherever rows allow it)"},
+    {"MOERT_OFFLOAD_DEFER_START", "the config key $.parallel.offload_defer_start"},
     {"MOERT_SMALL_COPY_KERNEL", "nothing (removed: small device-host copies always go through a kernel)"},
 };
 

@@ -12,7 +12,6 @@ typedef enum moert_env_id {
     MOERT_ENV_LOG = 0,        /* log level */
     MOERT_ENV_PLUGIN_PATH,    /* directories searched for plugins first */
     MOERT_ENV_BOOTSTRAP_PORT, /* process per GPU: the TCP port of the NCCL id's bootstrap */
-    MOERT_ENV_OFFLOAD_DEFER_START, /* offloaded activations: copies start after the next layer's forward */
     MOERT_ENV_COUNT
 } moert_env_id;
 

@@ -371,13 +371,13 @@ static moert_result rank_init(moert_rank *r, void *arg)
     MOERT_CHECK(r->core_host->alloc_pinned(r->core_host, sizeof *r->loss_result, (void **)&r->loss_result) == MOERT_OK
                     ? MOERT_OK
                     : moert_error(MOERT_ERR_OUT_OF_MEMORY, "%s", moert_host_take_error(r->core_host)));
+    /* offload copies start as soon as an activation is produced; $.parallel.offload_defer_start starts them after the
+     * next layer's forward instead (the last layer's at once): docs/executor.md, "Deferred start" */
+    const bool defer_start = cfg->parallel.offload_defer_start;
     for (int l = 0; l < nl; l++) {
         moert_layer *L = &r->layers[l];
         L->defer_offload_release = true; /* released once their copies finish (rank_forward_backward) */
-        /* offload copies start as soon as an activation is produced; MOERT_OFFLOAD_DEFER_START=1 starts them
-         * after the next layer's forward instead (the last layer's at once): docs/executor.md, "Deferred start" */
-        const char *defer = getenv("MOERT_OFFLOAD_DEFER_START");
-        L->defer_offload_start = l + 1 < cfg->model.num_layers && defer && strcmp(defer, "1") == 0;
+        L->defer_offload_start = l + 1 < cfg->model.num_layers && defer_start;
     }
     return MOERT_OK;
 fail:
