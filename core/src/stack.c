@@ -8,7 +8,8 @@
 
 #include "error.h"
 
-moert_layer_info moert_stack_layer_info(const moert_stack_setup *setup, int layer)
+/* The layer description plugins of layer `layer` get. */
+static moert_layer_info layer_info_of(const moert_stack_setup *setup, int layer)
 {
     const moert_model_config *m = &setup->cfg->model;
     int64_t local = m->num_experts / setup->world;
@@ -96,7 +97,7 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
 
     for (int l = 0; l < nl; l++) {
         moert_layer *L = &s->layers[l];
-        L->info = moert_stack_layer_info(setup, l);
+        L->info = layer_info_of(setup, l);
         L->core_host = s->core_host;
         L->stream = setup->stream;
         L->overlap_wgrad = cfg->parallel.overlap_wgrad;

@@ -39,7 +39,4 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup);
 /* Frees the layers (moert_layer_free), finalizes the plugin instances and frees the services. */
 void moert_stack_finalize(moert_stack *s);
 
-/* The layer description plugins of layer `layer` get. */
-moert_layer_info moert_stack_layer_info(const moert_stack_setup *setup, int layer);
-
 #endif
