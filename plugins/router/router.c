@@ -12,6 +12,7 @@
 
 #include "moert/router.h"
 #include "router_cpu.h"
+#include "router_noise.h"
 #ifdef MOERT_HAVE_CUDA
 #include "router_gpu.h"
 #endif
@@ -33,6 +34,13 @@ typedef struct router_ctx {
     double aux_loss_coeff;
     double z_loss_coeff;
     int gemm;              /* router_gpu_gemm: the CUDA path's GEMM arithmetic (option "gemm") */
+    int compute_dtype;     /* router_compute_dtype (option "compute_dtype") */
+    double jitter_eps;     /* option "input_jitter_eps" (0: off) */
+    bool force_balance;    /* option "force_load_balancing" */
+    uint64_t jitter_key;   /* router_noise keys of this instance (seed, layer, rank, purpose) */
+    uint64_t random_logits_key;
+    uint64_t forward_calls; /* forwards so far: the `call` of the noise of the next one */
+    uint64_t fwd_call;      /* the noise call of the last forward, for backward */
 
     /* work buffers, sized for buffer_tokens tokens */
     int64_t buffer_tokens;
@@ -54,6 +62,7 @@ typedef struct router_ctx {
     unsigned char *bytes;  /* [E + num_groups] */
     int64_t *cap_scratch;  /* router_cpu_capacity_scratch_ints */
     int64_t *counts;       /* [E+1] int64 counts for all-reduces */
+    int64_t *kept_counts;  /* [E] copies kept per expert (tokens_per_expert before padding) */
 
     /* the last forward, for backward */
     bool have_forward;
@@ -96,12 +105,12 @@ static void free_buffers(router_ctx *c)
     free(c->x); free(c->w); free(c->logits); free(c->aux_scores); free(c->aux_f); free(c->probs);
     free(c->d_probs); free(c->d_logits); free(c->d_x); free(c->d_w); free(c->route_scratch);
     free(c->k_scratch); free(c->sel_idx); free(c->aux_idx); free(c->kept); free(c->bytes);
-    free(c->cap_scratch); free(c->counts);
+    free(c->cap_scratch); free(c->counts); free(c->kept_counts);
     c->x = c->w = c->logits = c->aux_scores = c->aux_f = c->probs = c->d_probs = c->d_logits = NULL;
     c->d_x = c->d_w = c->route_scratch = c->k_scratch = NULL;
     c->sel_idx = c->aux_idx = NULL;
     c->kept = c->bytes = NULL;
-    c->cap_scratch = c->counts = NULL;
+    c->cap_scratch = c->counts = c->kept_counts = NULL;
     c->buffer_tokens = 0;
 }
 
@@ -131,7 +140,8 @@ static moert_result ensure_buffers(router_ctx *c, int64_t T)
     c->bytes = malloc((size_t)(E + c->params.num_groups));
     c->cap_scratch = malloc((size_t)router_cpu_capacity_scratch_ints(n, K, E) * sizeof(int64_t));
     c->counts = malloc((size_t)(E + 1) * sizeof(int64_t));
-    if (!c->x || !c->w || !c->logits || !c->aux_scores || !c->aux_f || !c->probs || !c->d_probs ||
+    c->kept_counts = malloc((size_t)E * sizeof(int64_t));
+    if (!c->kept_counts || !c->x || !c->w || !c->logits || !c->aux_scores || !c->aux_f || !c->probs || !c->d_probs ||
         !c->d_logits || !c->d_x || !c->d_w || !c->route_scratch || !c->k_scratch || !c->sel_idx ||
         !c->aux_idx || !c->kept || !c->bytes || !c->cap_scratch || !c->counts) {
         free_buffers(c);
@@ -144,17 +154,18 @@ static moert_result ensure_buffers(router_ctx *c, int64_t T)
 }
 
 /* Reads every option (so the core knows them all), then checks the combinations. */
-static moert_result read_options(router_ctx *c, const moert_host *h)
+static moert_result read_options(router_ctx *c, const moert_host *h, const moert_layer_info *layer)
 {
     static const char *const score_choices[] = {"softmax", "sigmoid", NULL};
     static const char *const balancing_choices[] = {"none", "aux_loss", "seq_aux_loss", "global_aux_loss",
                                                     "sinkhorn", NULL};
     static const char *const drop_choices[] = {"probs", "position", NULL};
     static const char *const gemm_choices[] = {"auto", "fp32", "bf16x3", NULL}; /* by router_gpu_gemm */
+    static const char *const compute_choices[] = {"auto", "fp32", "fp64", NULL}; /* by router_compute_dtype */
     router_params *p = &c->params;
     moert_result rc;
     int score = 0, balancing = 0, drop = 0;
-    bool pre_softmax = false;
+    bool pre_softmax = false, pad = false;
     int64_t num_groups = 0, group_topk = 0;
     double scaling = 1.0, capacity = 0.0;
 
@@ -205,6 +216,32 @@ static moert_result read_options(router_ctx *c, const moert_host *h)
                         "bf16 terms, tensor cores, fp32 accumulation; bf16 activations only); auto picks bf16x3 for "
                         "bf16 activations. Ignored on the CPU", &c->gemm);
     if (rc != MOERT_OK) return rc;
+    rc = h->option_bool(h, "pad_to_capacity", false,
+                        "with capacity_factor: every expert reports exactly its capacity of rows in tokens_per_expert "
+                        "(static shapes; the dispatcher fills the padding with zero-weight rows, e.g. alltoall's "
+                        "pad_to_capacity)", &pad);
+    if (rc != MOERT_OK) return rc;
+    rc = h->option_float(h, "input_jitter_eps", 0.0, 0.0, 1.0,
+                         "multiply the router's input by uniform(1-eps, 1+eps) noise, drawn from a counter-based hash "
+                         "of (seed, layer, rank, forward, token, column) (0: off)", &c->jitter_eps);
+    if (rc != MOERT_OK) return rc;
+    rc = h->option_bool(h, "force_load_balancing", false,
+                        "benchmarks: replace the logits by standard normal noise (balanced routing on average); the "
+                        "gradient passes straight through to the real logits", &c->force_balance);
+    if (rc != MOERT_OK) return rc;
+    int64_t seed = 0;
+    rc = h->option_int(h, "seed", 42, 0, INT64_MAX,
+                       "seed of input_jitter_eps's noise and force_load_balancing's logits (mixed with the layer "
+                       "index and the rank)", &seed);
+    if (rc != MOERT_OK) return rc;
+    rc = h->option_enum(h, "compute_dtype", compute_choices, 0,
+                        "the dtype of the logits and scores: fp32 or fp64 on both paths; auto: the CPU path in fp64, "
+                        "CUDA in fp32", &c->compute_dtype);
+    if (rc != MOERT_OK) return rc;
+    c->jitter_key = router_noise_key((uint64_t)seed, (uint64_t)layer->layer_index, (uint64_t)h->rank,
+                                     ROUTER_NOISE_JITTER);
+    c->random_logits_key = router_noise_key((uint64_t)seed, (uint64_t)layer->layer_index, (uint64_t)h->rank,
+                                            ROUTER_NOISE_RANDOM_LOGITS);
 
     p->num_experts = c->num_experts;
     p->topk = c->topk;
@@ -216,6 +253,8 @@ static moert_result read_options(router_ctx *c, const moert_host *h)
     p->balancing = (router_balancing)balancing;
     p->capacity_factor = capacity;
     p->drop_policy = (router_drop_policy)drop;
+    p->pad_to_capacity = pad;
+    p->compute_f32 = c->compute_dtype == ROUTER_COMPUTE_FP32;
 
     /* combinations */
     int64_t E = c->num_experts, K = c->topk;
@@ -266,6 +305,20 @@ static moert_result read_options(router_ctx *c, const moert_host *h)
             return MOERT_ERR_CONFIG;
         }
     }
+    if (pad && !(capacity > 0.0)) {
+        h->set_error(h, "option pad_to_capacity: needs capacity_factor > 0 (the capacity every expert is padded to)");
+        return MOERT_ERR_CONFIG;
+    }
+    if (c->gemm == 2 && c->jitter_eps > 0.0) { /* ROUTER_GEMM_BF16X3 */
+        h->set_error(h, "option gemm: \"bf16x3\" takes the bf16 activations as they are, but input_jitter_eps %g "
+                        "multiplies them by fp32 noise; use gemm \"auto\" or \"fp32\"", c->jitter_eps);
+        return MOERT_ERR_CONFIG;
+    }
+    if (c->compute_dtype == ROUTER_COMPUTE_FP64 && c->gemm != 0) {
+        h->set_error(h, "option gemm: \"%s\" is an fp32 GEMM, but compute_dtype fp64 computes the logits in fp64; "
+                        "leave gemm \"auto\"", gemm_choices[c->gemm]);
+        return MOERT_ERR_CONFIG;
+    }
     bool aux_kind = p->balancing == ROUTER_BALANCE_AUX_LOSS || p->balancing == ROUTER_BALANCE_SEQ_AUX_LOSS ||
                     p->balancing == ROUTER_BALANCE_GLOBAL_AUX_LOSS;
     if (c->aux_loss_coeff > 0.0 && !aux_kind) {
@@ -314,7 +367,7 @@ static moert_result router_init(void **ctx, const moert_host *host, const moert_
     c->hidden = layer->hidden;
     c->num_experts = layer->num_experts;
     c->topk = layer->topk;
-    moert_result rc = read_options(c, host);
+    moert_result rc = read_options(c, host, layer);
     if (rc != MOERT_OK) {
         free(c);
         return rc;
@@ -324,7 +377,10 @@ static moert_result router_init(void **ctx, const moert_host *host, const moert_
     if (on_cuda) {
         router_gpu_config cfg = {.name = ROUTER_NAME, .params = c->params, .use_expert_bias = c->use_expert_bias,
                                  .bias_update_rate = c->bias_update_rate, .aux_loss_coeff = c->aux_loss_coeff,
-                                 .z_loss_coeff = c->z_loss_coeff, .gemm = (router_gpu_gemm)c->gemm};
+                                 .z_loss_coeff = c->z_loss_coeff, .gemm = (router_gpu_gemm)c->gemm,
+                                 .compute_dtype = (router_compute_dtype)c->compute_dtype,
+                                 .jitter_eps = c->jitter_eps, .jitter_key = c->jitter_key,
+                                 .force_balance = c->force_balance, .random_logits_key = c->random_logits_key};
         rc = router_gpu_create(host, layer, &cfg, &c->gpu);
         if (rc != MOERT_OK) {
             free(c);
@@ -360,11 +416,12 @@ static moert_result router_init(void **ctx, const moert_host *host, const moert_
     }
     host->log(host, MOERT_LOG_DEBUG,
               "router '%s': E=%lld K=%lld score_function=%s pre_softmax=%d groups=%lld/%lld scaling=%g "
-              "expert_bias=%d load_balancing=%d capacity_factor=%g",
+              "expert_bias=%d load_balancing=%d capacity_factor=%g pad=%d jitter=%g force_balance=%d compute_dtype=%d",
               ROUTER_NAME, (long long)E, (long long)c->topk,
               c->params.score_function == ROUTER_SCORE_SOFTMAX ? "softmax" : "sigmoid", c->params.pre_softmax,
               (long long)c->params.num_groups, (long long)c->params.group_topk, c->params.scaling_factor,
-              c->use_expert_bias, (int)c->params.balancing, c->params.capacity_factor);
+              c->use_expert_bias, (int)c->params.balancing, c->params.capacity_factor, c->params.pad_to_capacity,
+              c->jitter_eps, c->force_balance, c->compute_dtype);
     *ctx = c;
     return MOERT_OK;
 }
@@ -454,6 +511,27 @@ static void load_all(const moert_tensor *t, int64_t n, double *out)
     for (int64_t i = 0; i < n; i++) out[i] = moert_load(t, i);
 }
 
+/* Input jitter of forward number `call`: x [T,H] *= uniform(1-eps, 1+eps), as the compute dtype stores it. */
+static void apply_jitter(const router_ctx *c, uint64_t call, int64_t T, double *x)
+{
+    const int64_t H = c->hidden;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < H; i++)
+            x[t * H + i] = router_cpu_as_compute(c->params.compute_f32,
+                                                 x[t * H + i] * router_noise_jitter(c->jitter_key, call, (uint64_t)t,
+                                                                                    (uint64_t)i, c->jitter_eps));
+}
+
+/* force_load_balancing: logits [T,E] replaced by standard normal numbers of forward number `call`. */
+static void random_logits(const router_ctx *c, uint64_t call, int64_t T, double *logits)
+{
+    const int64_t E = c->num_experts;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t e = 0; e < E; e++)
+            logits[t * E + e] = router_cpu_as_compute(
+                c->params.compute_f32, router_noise_normal(c->random_logits_key, call, (uint64_t)t, (uint64_t)e));
+}
+
 /* The balancing losses and the z-loss of one forward; fills losses and keeps what backward needs. */
 static moert_result compute_losses(router_ctx *c, int64_t T, int64_t seq_length, moert_router_losses *losses)
 {
@@ -537,9 +615,12 @@ static moert_result router_forward(void *ctx, moert_stream stream, const moert_r
         h->set_error(h, "router '%s' forward: seq_length %lld is negative", ROUTER_NAME, (long long)seq_length);
         return MOERT_ERR_INVALID_ARGUMENT;
     }
+    /* the noise of this forward (jitter, random logits) is that of call number `call`, on either path */
+    const uint64_t call = c->forward_calls++;
+    c->fwd_call = call;
 #ifdef MOERT_HAVE_CUDA
     if (c->gpu) {
-        if ((rc = router_gpu_forward(c->gpu, stream, a, seq_length)) != MOERT_OK) return rc;
+        if ((rc = router_gpu_forward(c->gpu, stream, a, seq_length, call)) != MOERT_OK) return rc;
         c->fwd_tokens = T;
         c->have_forward = true;
         return MOERT_OK;
@@ -548,6 +629,7 @@ static moert_result router_forward(void *ctx, moert_stream stream, const moert_r
     if ((rc = ensure_buffers(c, T)) != MOERT_OK) return rc;
 
     load_all(a->x, T * H, c->x);
+    if (c->jitter_eps > 0.0) apply_jitter(c, call, T, c->x);
     load_all(a->weight, E * H, c->w);
     router_cpu_logits(c->x, c->w, T, H, E, c->logits);
     for (int64_t i = 0; i < T * E; i++) {
@@ -556,7 +638,11 @@ static moert_result router_forward(void *ctx, moert_stream stream, const moert_r
                          ROUTER_NAME, (long long)(i / E), (long long)(i % E), c->logits[i]);
             return MOERT_ERR_INVALID_ARGUMENT;
         }
+        c->logits[i] = router_cpu_as_compute(c->params.compute_f32, c->logits[i]);
     }
+    /* Megatron's force-load-balancing: the routing (and its losses) sees random logits; backward hands their
+     * gradient to the real logits unchanged (a straight-through estimator) */
+    if (c->force_balance) random_logits(c, call, T, c->logits);
 
     router_scratch scratch = {c->route_scratch, c->bytes};
     if (T > 0) {
@@ -565,9 +651,9 @@ static moert_result router_forward(void *ctx, moert_stream stream, const moert_r
         if (iters < 0) h->log(h, MOERT_LOG_WARN, "router '%s': sinkhorn did not converge", ROUTER_NAME);
     }
 
-    int64_t dropped = 0;
+    int64_t dropped = 0, cap = 0;
     if (c->params.capacity_factor > 0.0 && T > 0) {
-        int64_t cap = router_cpu_capacity(T, K, E, c->params.capacity_factor);
+        cap = router_cpu_capacity(T, K, E, c->params.capacity_factor);
         dropped = router_cpu_apply_capacity(c->sel_idx, c->probs, T, K, E, cap, c->params.drop_policy, c->cap_scratch,
                                             c->kept);
     } else {
@@ -576,19 +662,23 @@ static moert_result router_forward(void *ctx, moert_stream stream, const moert_r
 
     int64_t *tpe = a->tokens_per_expert->data;
     int32_t *out_idx = a->topk_idx->data;
-    for (int64_t e = 0; e < E; e++) tpe[e] = 0;
+    int64_t *kept_counts = c->kept_counts;
+    for (int64_t e = 0; e < E; e++) kept_counts[e] = 0;
     for (int64_t i = 0; i < T * K; i++) {
         if (c->kept[i]) {
             out_idx[i] = c->sel_idx[i];
             moert_store(a->topk_probs, i, c->probs[i]);
-            tpe[c->sel_idx[i]]++;
+            kept_counts[c->sel_idx[i]]++;
         } else {
             out_idx[i] = -1;
             moert_store(a->topk_probs, i, 0.0);
         }
     }
+    /* pad_to_capacity: every expert gets `cap` rows, the kept copies and zero-weight padding */
+    for (int64_t e = 0; e < E; e++) tpe[e] = c->params.pad_to_capacity ? cap : kept_counts[e];
+    /* the bias follows the tokens really routed, never the padding */
     if (c->use_expert_bias)
-        for (int64_t e = 0; e < E; e++) c->bias_counts[e] += tpe[e];
+        for (int64_t e = 0; e < E; e++) c->bias_counts[e] += kept_counts[e];
 
     if ((rc = compute_losses(c, T, seq_length, a->losses)) != MOERT_OK) return rc;
 
@@ -599,7 +689,7 @@ static moert_result router_forward(void *ctx, moert_stream stream, const moert_r
     if (T > 0) {
         int64_t max_count = 0;
         for (int64_t e = 0; e < E; e++)
-            if (tpe[e] > max_count) max_count = tpe[e];
+            if (kept_counts[e] > max_count) max_count = kept_counts[e];
         report_metric(c, "router.max_load_ratio", (double)max_count / ((double)(T * K) / (double)E), "");
     }
 
@@ -630,7 +720,7 @@ static moert_result router_backward(void *ctx, moert_stream stream, const moert_
     if ((rc = check_tensor(c, "backward", "d_x", a->d_x, T, H, CLASS_FLOAT)) != MOERT_OK) return rc;
     if ((rc = check_tensor(c, "backward", "d_weight", a->d_weight, E, H, CLASS_FLOAT)) != MOERT_OK) return rc;
 #ifdef MOERT_HAVE_CUDA
-    if (c->gpu) return router_gpu_backward(c->gpu, stream, a, T);
+    if (c->gpu) return router_gpu_backward(c->gpu, stream, a, T, c->fwd_call);
 #endif
     if (T == 0) return MOERT_OK;
 
@@ -644,10 +734,16 @@ static moert_result router_backward(void *ctx, moert_stream stream, const moert_
         router_cpu_z_loss_backward(c->logits, T, E, c->z_loss_coeff, a->loss_scale, c->d_logits);
 
     load_all(a->x, T * H, c->x);
+    if (c->jitter_eps > 0.0) apply_jitter(c, c->fwd_call, T, c->x); /* the logits' x was the jittered one */
     load_all(a->weight, E * H, c->w);
     memset(c->d_x, 0, (size_t)(T * H) * sizeof(double));
     memset(c->d_w, 0, (size_t)(E * H) * sizeof(double));
     router_cpu_linear_backward(c->d_logits, c->x, c->w, T, H, E, c->d_x, c->d_w);
+    if (c->jitter_eps > 0.0) /* d x = d (x * noise) * noise */
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t i = 0; i < H; i++)
+                c->d_x[t * H + i] *= router_noise_jitter(c->jitter_key, c->fwd_call, (uint64_t)t, (uint64_t)i,
+                                                         c->jitter_eps);
     for (int64_t i = 0; i < T * H; i++) moert_store(a->d_x, i, moert_load(a->d_x, i) + c->d_x[i]);
     for (int64_t i = 0; i < E * H; i++) moert_store(a->d_weight, i, moert_load(a->d_weight, i) + c->d_w[i]);
     return MOERT_OK;
@@ -702,7 +798,7 @@ MOERT_ROUTER_V1_EXPORT(topk_router_vtable) = {
             .name = ROUTER_NAME,
             .version = "0.1.0",
             .description = "top-k router: softmax/sigmoid scores, group-limited top-k, aux/seq/global aux loss, "
-                           "z-loss, sinkhorn, expert bias, capacity",
+                           "z-loss, sinkhorn, expert bias, capacity and padding, input jitter, forced balance, fp32/fp64",
 #ifdef MOERT_HAVE_CUDA
             .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU) | MOERT_CAP_DEVICE(MOERT_DEVICE_CUDA),
 #else

@@ -194,6 +194,7 @@ int64_t router_cpu_route(const router_params *p, const double *logits, const dou
     double *full = row + E;                      /* E: softmax or sigmoid of one token */
     double *group = full + E;                    /* num_groups */
     double *sink = group + max_i64(p->num_groups, 1); /* T*E sinkhorn output, then T+2E of its scratch */
+    const bool f32 = p->compute_f32;
     int64_t iters = 0;
 
     if (p->balancing == ROUTER_BALANCE_SINKHORN)
@@ -208,9 +209,9 @@ int64_t router_cpu_route(const router_params *p, const double *logits, const dou
             router_cpu_topk(sink + t * E, E, K, NULL, idx);
             if (K > 1) {
                 router_cpu_softmax(l, E, full);
-                for (int64_t k = 0; k < K; k++) pr[k] = full[idx[k]];
+                for (int64_t k = 0; k < K; k++) pr[k] = router_cpu_as_compute(f32, full[idx[k]]);
             } else {
-                pr[0] = router_cpu_sigmoid(l[idx[0]]);
+                pr[0] = router_cpu_as_compute(f32, router_cpu_sigmoid(l[idx[0]]));
             }
         } else if (p->score_function == ROUTER_SCORE_SOFTMAX && !p->pre_softmax) {
             /* top-k on the logits, softmax over the K selected */
@@ -223,17 +224,18 @@ int64_t router_cpu_route(const router_params *p, const double *logits, const dou
                 pr[k] = exp(l[idx[k]] - m);
                 z += pr[k];
             }
-            for (int64_t k = 0; k < K; k++) pr[k] /= z;
+            for (int64_t k = 0; k < K; k++) pr[k] = router_cpu_as_compute(f32, pr[k] / z);
         } else if (p->score_function == ROUTER_SCORE_SOFTMAX) {
             /* softmax over all experts, top-k of it, no renormalisation */
             router_cpu_softmax(l, E, full);
+            for (int64_t e = 0; e < E; e++) full[e] = router_cpu_as_compute(f32, full[e]);
             select_experts(p, full, scratch, group, idx);
             for (int64_t k = 0; k < K; k++) pr[k] = full[idx[k]];
         } else {
             /* sigmoid; the bias moves the selection only; normalised over the K selected when K > 1 */
             for (int64_t e = 0; e < E; e++) {
-                full[e] = router_cpu_sigmoid(l[e]);
-                row[e] = full[e] + (expert_bias ? expert_bias[e] : 0.0);
+                full[e] = router_cpu_as_compute(f32, router_cpu_sigmoid(l[e]));
+                row[e] = router_cpu_as_compute(f32, full[e] + (expert_bias ? expert_bias[e] : 0.0));
             }
             select_experts(p, row, scratch, group, idx);
             double sum = 0.0;
@@ -242,9 +244,9 @@ int64_t router_cpu_route(const router_params *p, const double *logits, const dou
                 sum += pr[k];
             }
             if (K > 1)
-                for (int64_t k = 0; k < K; k++) pr[k] /= sum + ROUTER_SIGMOID_NORM_EPS;
+                for (int64_t k = 0; k < K; k++) pr[k] = router_cpu_as_compute(f32, pr[k] / (sum + ROUTER_SIGMOID_NORM_EPS));
         }
-        for (int64_t k = 0; k < K; k++) pr[k] *= p->scaling_factor;
+        for (int64_t k = 0; k < K; k++) pr[k] = router_cpu_as_compute(f32, pr[k] * p->scaling_factor);
     }
     return iters;
 }

@@ -31,6 +31,14 @@ typedef enum router_drop_policy {
     ROUTER_DROP_POSITION = 1
 } router_drop_policy;
 
+/* Option compute_dtype: the arithmetic of the logits and scores (Megatron's --moe-router-dtype). auto: each path's
+ * own (the CPU reference in fp64, CUDA in fp32). */
+typedef enum router_compute_dtype {
+    ROUTER_COMPUTE_AUTO = 0,
+    ROUTER_COMPUTE_FP32 = 1,
+    ROUTER_COMPUTE_FP64 = 2
+} router_compute_dtype;
+
 /* Everything that decides how logits become a selection and probs (validated by router.c). */
 typedef struct router_params {
     int64_t num_experts;           /* E */
@@ -43,6 +51,8 @@ typedef struct router_params {
     router_balancing balancing;
     double capacity_factor;        /* 0: no capacity */
     router_drop_policy drop_policy;
+    bool pad_to_capacity;          /* every expert reports `capacity` rows (the dispatcher pads with zero rows) */
+    bool compute_f32;              /* compute_dtype fp32: scores and probs rounded to fp32 as an fp32 path stores them */
 } router_params;
 
 /* Scratch router_cpu_route needs: router_cpu_route_scratch_doubles(p, T) doubles and E + num_groups bytes. */
@@ -93,6 +103,9 @@ int64_t router_cpu_sinkhorn(const double *logits, int64_t T, int64_t E, double t
  */
 int64_t router_cpu_route(const router_params *p, const double *logits, const double *expert_bias, int64_t T,
                          router_scratch *scratch, int32_t *sel_idx, double *probs);
+
+/* v as the compute dtype stores it: rounded to fp32 with compute_f32, else unchanged. */
+static inline double router_cpu_as_compute(bool compute_f32, double v) { return compute_f32 ? (double)(float)v : v; }
 
 /* ceil(T*K/E * capacity_factor), Megatron's get_capacity; only meaningful when capacity_factor > 0. */
 int64_t router_cpu_capacity(int64_t T, int64_t K, int64_t E, double capacity_factor);

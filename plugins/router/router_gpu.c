@@ -382,6 +382,10 @@ static bool cpu_only_option(const router_gpu_config *cfg, const moert_layer_info
     } else if (p->capacity_factor > 0.0) {
         snprintf(why, size, "capacity_factor %g (token dropping) runs on the CPU path only for now; use 0 on CUDA",
                  p->capacity_factor);
+    } else if (p->pad_to_capacity || cfg->jitter_eps > 0.0 || cfg->force_balance ||
+               cfg->compute_dtype == ROUTER_COMPUTE_FP64) {
+        snprintf(why, size, "pad_to_capacity, input_jitter_eps, force_load_balancing and compute_dtype fp64 run on the "
+                            "CPU path only for now");
     } else if (layer->num_experts > MOERT_ROUTER_CUDA_MAX_EXPERTS) {
         snprintf(why, size, "num_experts %lld is more than the CUDA kernels' %d (the CPU path has no limit)",
                  (long long)layer->num_experts, MOERT_ROUTER_CUDA_MAX_EXPERTS);
@@ -638,8 +642,10 @@ static moert_result forward_losses(router_gpu *g, cudaStream_t stream, int64_t T
     return MOERT_OK;
 }
 
-moert_result router_gpu_forward(router_gpu *g, moert_stream s, const moert_router_forward_args *a, int64_t seq_length)
+moert_result router_gpu_forward(router_gpu *g, moert_stream s, const moert_router_forward_args *a, int64_t seq_length,
+                                uint64_t call)
 {
+    (void)call;
     cudaStream_t stream = (cudaStream_t)s;
     const moert_host *h = g->host;
     int64_t T = a->x->shape[0], H = g->hidden, E = g->num_experts, K = g->topk;
@@ -715,8 +721,10 @@ static moert_result backward_x3(router_gpu *g, cudaStream_t stream, const moert_
     return MOERT_OK;
 }
 
-moert_result router_gpu_backward(router_gpu *g, moert_stream s, const moert_router_backward_args *a, int64_t T)
+moert_result router_gpu_backward(router_gpu *g, moert_stream s, const moert_router_backward_args *a, int64_t T,
+                                 uint64_t call)
 {
+    (void)call;
     cudaStream_t stream = (cudaStream_t)s;
     const moert_host *h = g->host;
     int64_t H = g->hidden, E = g->num_experts;

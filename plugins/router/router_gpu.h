@@ -12,6 +12,7 @@
 #define MOERT_ROUTER_GPU_H
 
 #include <stdbool.h>
+#include <stdint.h>
 
 #include "moert/router.h"
 #include "router_cpu.h"
@@ -31,6 +32,11 @@ typedef struct router_gpu_config {
     double aux_loss_coeff;
     double z_loss_coeff;
     router_gpu_gemm gemm;
+    router_compute_dtype compute_dtype;
+    double jitter_eps;          /* input jitter (0: off) with its router_noise key */
+    uint64_t jitter_key;
+    bool force_balance;         /* force_load_balancing with the key of its random logits */
+    uint64_t random_logits_key;
 } router_gpu_config;
 
 /* Creates the CUDA state on layer->device: refuses (MOERT_ERR_UNSUPPORTED, naming the option) what runs on
@@ -41,9 +47,10 @@ void router_gpu_destroy(router_gpu *g);
 
 /* Forward of T = x->shape[0] tokens; tensors already checked for device, shape and contiguity (not dtype). */
 moert_result router_gpu_forward(router_gpu *g, moert_stream stream, const moert_router_forward_args *a,
-                                int64_t seq_length);
-/* Backward of the last forward (of T tokens); tensors checked as for forward. */
-moert_result router_gpu_backward(router_gpu *g, moert_stream stream, const moert_router_backward_args *a, int64_t T);
+                                int64_t seq_length, uint64_t call);
+/* Backward of the last forward (of T tokens, noise call `call`); tensors checked as for forward. */
+moert_result router_gpu_backward(router_gpu *g, moert_stream stream, const moert_router_backward_args *a, int64_t T,
+                                 uint64_t call);
 /* The expert-bias update (collective when expert_bias is on) and the global_aux_loss restart. */
 moert_result router_gpu_end_step(router_gpu *g, moert_stream stream);
 /* The device fp32 [E] bias, or NULL without expert_bias. */

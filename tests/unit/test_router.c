@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The "topk" router plugin, forward values against hand-worked cases: every score function and mode,
- * the balancing losses, capacity, the expert-bias update over two ranks, global_aux_loss over two ranks,
- * and option errors. The router weight is the identity (H = E), so x is the logits and every case can be
+ * the balancing losses, capacity and padding, input jitter, forced balance, the compute dtype, the expert-bias
+ * update over two ranks, global_aux_loss over two ranks, and option errors. The router weight is the identity (H = E), so x is the logits and every case can be
  * written down directly.
  */
 #include "test_util.h"
@@ -476,6 +476,214 @@ static void test_capacity(void)
     test_instance_close(&c.ti);
 }
 
+/* ---- padding, input jitter, forced balance, compute dtype ---- */
+
+/* pad_to_capacity: the same routing as dropping, and every expert reports `cap` rows; the bias still follows the
+ * copies really kept. */
+static void test_pad_to_capacity(void)
+{
+    router_case c;
+    route_out out;
+    double l[] = {3, 0, 1, 0, 2, 0, 0.5, 0};
+    double p[] = {sigmoid(3), sigmoid(1), sigmoid(2), sigmoid(0.5)};
+    EXPECT_OK(open_router(&c, "{\"pre_softmax\": true, \"capacity_factor\": 1.0, \"pad_to_capacity\": true}", 2, 1,
+                          NULL, 0, 1));
+    if (!c.vt) return;
+    EXPECT_OK(route(&c, l, 4, 0, MOERT_F64, &out));
+    int32_t idx[] = {0, -1, 0, -1};
+    double probs[] = {p[0], 0, p[2], 0};
+    expect_route("pad probs", &out, idx, probs, 4, 1e-14);
+    int64_t counts[] = {2, 2}; /* cap = 2 each: expert 1 holds two zero-weight padding rows */
+    expect_counts("pad probs", &out, counts, 2);
+    test_instance_close(&c.ti);
+
+    /* position policy, top-2 of 4, factor 1.5: cap = ceil(3*2/4*1.5) = 3 for every expert */
+    EXPECT_OK(open_router(&c, "{\"capacity_factor\": 1.5, \"drop_policy\": \"position\", \"pad_to_capacity\": true}", 4,
+                          2, NULL, 0, 1));
+    if (!c.vt) return;
+    EXPECT_OK(route(&c, aux_logits, 3, 0, MOERT_F64, &out));
+    int64_t counts2[] = {3, 3, 3, 3};
+    expect_counts("pad position", &out, counts2, 4);
+    for (int i = 0; i < 6; i++) EXPECT(out.idx[i] >= 0); /* nothing over capacity */
+    test_instance_close(&c.ti);
+
+    /* sigmoid + expert bias: 4 tokens all pick expert 0 (cap 2: two dropped); the bias moves by the kept copies
+     * [2, 0], mean 1 -> [-rate, +rate], not by the padded [2, 2] (which would not move it) */
+    EXPECT_OK(open_router(&c, "{\"score_function\": \"sigmoid\", \"expert_bias\": true, \"bias_update_rate\": 0.1, "
+                              "\"capacity_factor\": 1.0, \"pad_to_capacity\": true}", 2, 1, NULL, 0, 1));
+    if (!c.vt) return;
+    EXPECT_OK(route(&c, l, 4, 0, MOERT_F64, &out));
+    expect_counts("pad bias", &out, counts, 2);
+    EXPECT_OK(c.vt->end_step(c.ti.ctx, NULL));
+    const moert_tensor *bias = c.vt->expert_bias(c.ti.ctx);
+    EXPECT(bias != NULL);
+    if (bias) {
+        EXPECT_NEAR(moert_load(bias, 0), -0.1, 1e-15, 0);
+        EXPECT_NEAR(moert_load(bias, 1), 0.1, 1e-15, 0);
+    }
+    test_instance_close(&c.ti);
+}
+
+/* The noise of docs/plugins/router.md ("Input jitter"), written out again independently of the plugin's header:
+ * splitmix64's finaliser chained over (seed, layer, rank, purpose), then over (call, row, column). */
+static uint64_t ref_mix(uint64_t z)
+{
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static double ref_uniform(uint64_t seed, uint64_t purpose, uint64_t call, uint64_t row, uint64_t col)
+{
+    uint64_t key = ref_mix(ref_mix(ref_mix(ref_mix(seed) ^ 0 /* layer */) ^ 0 /* rank */) ^ purpose);
+    return (double)(ref_mix(ref_mix(ref_mix(key ^ call) ^ row) ^ col) >> 11) / 9007199254740992.0;
+}
+
+static double ref_normal(uint64_t seed, uint64_t call, uint64_t row, uint64_t col)
+{
+    double u1 = 1.0 - ref_uniform(seed, 2, call, row, 2 * col), u2 = ref_uniform(seed, 2, call, row, 2 * col + 1);
+    return sqrt(-2.0 * log(u1)) * cos(2.0 * 3.14159265358979323846 * u2);
+}
+
+/* Input jitter: with the identity weight the logits are x times the noise; sigmoid top-1 probs show them. */
+static void test_input_jitter(void)
+{
+    router_case c;
+    route_out out;
+    const double eps = 0.2;
+    double x[] = {1.0, 0.5, -0.25, 2.0, -1.0, 0.75, 0.1, -0.3};
+    EXPECT_OK(open_router(&c, "{\"score_function\": \"sigmoid\", \"input_jitter_eps\": 0.2, \"seed\": 7}", 4, 1, NULL,
+                          0, 1));
+    if (!c.vt) return;
+    for (uint64_t call = 0; call < 3; call++) {
+        EXPECT_OK(route(&c, x, 2, 0, MOERT_F64, &out));
+        int moved = 0;
+        for (int t = 0; t < 2; t++) {
+            double j[4];
+            int best = 0;
+            for (int e = 0; e < 4; e++) {
+                double n = 1.0 - eps + 2.0 * eps * ref_uniform(7, 1, call, (uint64_t)t, (uint64_t)e);
+                EXPECT(n >= 1.0 - eps && n < 1.0 + eps);
+                j[e] = x[t * 4 + e] * n;
+                if (j[e] > j[best]) best = e;
+                if (fabs(n - 1.0) > 1e-3) moved++;
+            }
+            EXPECT_EQ_INT(out.idx[t], best);
+            EXPECT_NEAR(out.probs[t], sigmoid(j[best]), 0, 1e-14);
+        }
+        EXPECT(moved > 0);
+    }
+    test_instance_close(&c.ti);
+    /* another seed draws other noise */
+    EXPECT_OK(open_router(&c, "{\"score_function\": \"sigmoid\", \"input_jitter_eps\": 0.2, \"seed\": 8}", 4, 1, NULL,
+                          0, 1));
+    if (!c.vt) return;
+    EXPECT_OK(route(&c, x, 2, 0, MOERT_F64, &out));
+    double n7 = 1.0 - eps + 2.0 * eps * ref_uniform(7, 1, 0, 0, out.idx[0]);
+    EXPECT(fabs(out.probs[0] - sigmoid(x[out.idx[0]] * n7)) > 1e-9);
+    test_instance_close(&c.ti);
+}
+
+/* force_load_balancing: the routing sees standard normal logits, whatever x is. */
+static void test_force_load_balancing(void)
+{
+    router_case a, b;
+    route_out oa, ob;
+    double x1[3 * 4] = {5, -5, 0, 0, 9, 0, 0, 0, 0, 0, 0, 7};
+    double x2[3 * 4] = {0};
+    EXPECT_OK(open_router(&a, "{\"force_load_balancing\": true, \"seed\": 3}", 4, 2, NULL, 0, 1));
+    EXPECT_OK(open_router(&b, "{\"force_load_balancing\": true, \"seed\": 3}", 4, 2, NULL, 0, 1));
+    if (!a.vt || !b.vt) return;
+    EXPECT_OK(route(&a, x1, 3, 0, MOERT_F64, &oa));
+    EXPECT_OK(route(&b, x2, 3, 0, MOERT_F64, &ob));
+    for (int t = 0; t < 3; t++) {
+        double r[4];
+        for (int e = 0; e < 4; e++) r[e] = ref_normal(3, 0, (uint64_t)t, (uint64_t)e);
+        int i0 = 0;
+        for (int e = 1; e < 4; e++)
+            if (r[e] > r[i0]) i0 = e;
+        int i1 = i0 == 0 ? 1 : 0;
+        for (int e = 0; e < 4; e++)
+            if (e != i0 && r[e] > r[i1]) i1 = e;
+        int32_t idx[2] = {i0, i1};
+        double z = exp(r[i0]) + exp(r[i1]);
+        double probs[2] = {exp(r[i0]) / z, exp(r[i1]) / z};
+        for (int k = 0; k < 2; k++) {
+            EXPECT_EQ_INT(oa.idx[t * 2 + k], idx[k]);
+            EXPECT_EQ_INT(ob.idx[t * 2 + k], idx[k]);
+            EXPECT_NEAR(oa.probs[t * 2 + k], probs[k], 0, 1e-13);
+            EXPECT_NEAR(ob.probs[t * 2 + k], probs[k], 0, 1e-13);
+        }
+    }
+    test_instance_close(&a.ti);
+    test_instance_close(&b.ti);
+
+    /* balanced on average: 4000 tokens, 8 experts, top-2: each expert within 6 sigma of 1000 copies, however
+     * skewed x is (every token prefers expert 0 by a wide margin) */
+    enum { BT = 4000, BE = 8, BK = 2 };
+    static double bx[BT * BE], bw[BE * BE], bprobs[BT * BK];
+    static int32_t bidx[BT * BK];
+    int64_t btpe[BE];
+    for (int i = 0; i < BT * BE; i++) bx[i] = i % BE == 0 ? 10.0 : 0.0;
+    for (int i = 0; i < BE * BE; i++) bw[i] = i / BE == i % BE ? 1.0 : 0.0;
+    test_instance ti;
+    moert_layer_info layer = test_layer(BE, 4, BE, BK, BT, 1, 0, MOERT_F64);
+    EXPECT_OK(test_instance_open(&ti, MOERT_KIND_ROUTER, "topk", "{\"force_load_balancing\": true}", &layer, NULL, 0,
+                                 1));
+    if (!ti.ctx) return;
+    const moert_router_v1 *vt = (const moert_router_v1 *)ti.plugin.header;
+    moert_router_losses losses;
+    moert_tensor tx = moert_tensor_2d(bx, moert_cpu(), MOERT_F64, BT, BE);
+    moert_tensor tw = moert_tensor_2d(bw, moert_cpu(), MOERT_F64, BE, BE);
+    moert_tensor tidx = moert_tensor_2d(bidx, moert_cpu(), MOERT_I32, BT, BK);
+    moert_tensor tprobs = moert_tensor_2d(bprobs, moert_cpu(), MOERT_F64, BT, BK);
+    moert_tensor ttpe = moert_tensor_1d(btpe, moert_cpu(), MOERT_I64, BE);
+    moert_router_forward_args args = {.struct_size = sizeof args, .x = &tx, .weight = &tw, .topk_idx = &tidx,
+                                      .topk_probs = &tprobs, .tokens_per_expert = &ttpe, .losses = &losses};
+    EXPECT_OK(vt->forward(ti.ctx, NULL, &args));
+    double mean = (double)(BT * BK) / BE, sd = sqrt(mean * (1.0 - 1.0 / BE));
+    for (int e = 0; e < BE; e++)
+        if (fabs((double)btpe[e] - mean) > 6.0 * sd) {
+            fprintf(stderr, "forced balance: expert %d got %lld copies, mean %.0f\n", e, (long long)btpe[e], mean);
+            test_failures++;
+        }
+    test_instance_close(&ti);
+}
+
+/* compute_dtype: fp32 rounds the logits and scores to fp32 (a near tie becomes a tie: the lower index wins),
+ * fp64 and auto keep the CPU reference's doubles. */
+static void test_compute_dtype(void)
+{
+    router_case c;
+    route_out out;
+    double l[] = {1.0, 1.0 + 1e-9, 0.0, -1.0};
+    const char *opts[] = {"{\"compute_dtype\": \"fp32\"}", "{\"compute_dtype\": \"fp64\"}", "{}"};
+    for (int i = 0; i < 3; i++) {
+        EXPECT_OK(open_router(&c, opts[i], 4, 1, NULL, 0, 1));
+        if (!c.vt) return;
+        EXPECT_OK(route(&c, l, 1, 0, MOERT_F64, &out));
+        EXPECT_EQ_INT(out.idx[0], i == 0 ? 0 : 1);
+        EXPECT_NEAR(out.probs[0], 1.0, 0, 0); /* post-softmax top-1 */
+        test_instance_close(&c.ti);
+    }
+    /* pre-softmax probs in fp32: the fp32 rounding of the fp32 logits' softmax */
+    double l2[] = {0.1, 0.7, 1.0 / 3.0, -0.2};
+    EXPECT_OK(open_router(&c, "{\"compute_dtype\": \"fp32\", \"pre_softmax\": true}", 4, 2, NULL, 0, 1));
+    if (!c.vt) return;
+    EXPECT_OK(route(&c, l2, 1, 0, MOERT_F64, &out));
+    double lf[4], P[4];
+    for (int e = 0; e < 4; e++) lf[e] = (float)l2[e];
+    softmax_rows(lf, 1, 4, P);
+    EXPECT_EQ_INT(out.idx[0], 1);
+    EXPECT_EQ_INT(out.idx[1], 2);
+    for (int k = 0; k < 2; k++) EXPECT(out.probs[k] == (double)(float)out.probs[k]); /* fp32 values */
+    EXPECT_NEAR(out.probs[0], (double)(float)P[1], 1e-15, 0);
+    EXPECT_NEAR(out.probs[1], (double)(float)P[2], 1e-15, 0);
+    EXPECT(fabs(out.probs[0] - P[1]) > 0.0); /* and not the fp64 ones */
+    test_instance_close(&c.ti);
+}
+
 /* ---- two ranks ---- */
 
 typedef struct two_rank_state {
@@ -624,6 +832,17 @@ static void test_option_errors(void)
     expect_init_error("{\"capacity_factor\": -1}", 4, 2, MOERT_ERR_CONFIG, "capacity_factor");
     expect_init_error("{\"drop_policy\": \"random\"}", 4, 2, MOERT_ERR_CONFIG, "drop_policy");
     expect_init_error("{\"capacity_factr\": 1.0}", 4, 2, MOERT_ERR_CONFIG, "capacity_factor");
+    expect_init_error("{\"pad_to_capacity\": true}", 4, 2, MOERT_ERR_CONFIG,
+                      "pad_to_capacity: needs capacity_factor > 0");
+    expect_init_error("{\"input_jitter_eps\": -0.1}", 4, 2, MOERT_ERR_CONFIG, "input_jitter_eps");
+    expect_init_error("{\"input_jitter_eps\": 1.5}", 4, 2, MOERT_ERR_CONFIG, "input_jitter_eps");
+    expect_init_error("{\"input_jitter_eps\": 0.01, \"gemm\": \"bf16x3\"}", 4, 2, MOERT_ERR_CONFIG,
+                      "input_jitter_eps 0.01 multiplies them by fp32 noise");
+    expect_init_error("{\"compute_dtype\": \"fp64\", \"gemm\": \"fp32\"}", 4, 2, MOERT_ERR_CONFIG,
+                      "compute_dtype fp64 computes the logits in fp64");
+    expect_init_error("{\"compute_dtype\": \"bf16\"}", 4, 2, MOERT_ERR_CONFIG, "compute_dtype");
+    expect_init_error("{\"force_load_balancing\": 1}", 4, 2, MOERT_ERR_CONFIG, "force_load_balancing");
+    expect_init_error("{\"seed\": -1}", 4, 2, MOERT_ERR_CONFIG, "seed");
 
     /* a CUDA layer: not served yet, and the message names the device (init called directly, with the host of
      * a CPU instance, so the plugin's own check answers) */
@@ -685,6 +904,10 @@ int main(void)
     test_z_loss();
     test_sinkhorn();
     test_capacity();
+    test_pad_to_capacity();
+    test_input_jitter();
+    test_force_load_balancing();
+    test_compute_dtype();
     test_bias_two_ranks();
     test_global_aux_two_ranks();
     test_option_errors();
