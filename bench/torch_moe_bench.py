@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 """moert.torch.MoE inside a torch training step: one layer's forward + backward, timed like bench/torch_baseline.py
-times the plain PyTorch expert-parallel layer, so the two can run in the same call and be compared.
+times the plain PyTorch expert-parallel layer, so the two can run in the same call and be compared; and beside it
+moert's own figure of the same passes (the sum of its stage times, what `moert run` reports for the layer), so the
+cost of the torch integration is read off one process.
 
 Launch (one process per GPU; the preset's experts are divided so that each GPU holds as many as at EP4 unless
 --experts says otherwise):
@@ -71,36 +73,45 @@ def main():
     x = (torch.randn(tokens, m["hidden"], generator=gen) * 0.5).to(device=device, dtype=dtype).requires_grad_(True)
     dy = (torch.randn(tokens, m["hidden"], generator=gen) * 0.5).to(device=device, dtype=dtype)
 
-    def step():
-        y, router_loss = moe(x)
-        torch.autograd.backward([y, router_loss], [dy, torch.ones_like(router_loss)])
-
-    times = []
+    times, stage_sums, fwd_times = [], [], []
     for i in range(a.warmup + a.iters):
         dist.barrier()
         if a.cpu:
             t0 = time.perf_counter()
-            step()
+            y, router_loss = moe(x)
+            fwd = (time.perf_counter() - t0) * 1e3
+            torch.autograd.backward([y, router_loss], [dy, torch.ones_like(router_loss)])
             ms = (time.perf_counter() - t0) * 1e3
         else:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
             start.record()
-            step()
+            y, router_loss = moe(x)
+            mid.record()
+            torch.autograd.backward([y, router_loss], [dy, torch.ones_like(router_loss)])
             end.record()
             torch.cuda.synchronize()
-            ms = start.elapsed_time(end)
+            ms, fwd = start.elapsed_time(end), start.elapsed_time(mid)
+            del y, router_loss
+        # moert's own figure of the same forward and backward: the sum of its stage times, what `moert run`
+        # reports as the layer's time
+        stage_sum = sum(moe.figures()["stage_ms"].values())
         x.grad = None
         for p in moe.parameters():
             p.grad = None
         if i >= a.warmup:
             times.append(ms)
-    med = statistics.median(times)
-    # the slowest rank's median is the layer's time
-    t = torch.tensor([med], dtype=torch.float64, device=device if not a.cpu else "cpu")
+            stage_sums.append(stage_sum)
+            fwd_times.append(fwd)
+    # the slowest rank's medians are the layer's
+    t = torch.tensor([statistics.median(times), statistics.median(stage_sums), statistics.median(fwd_times)],
+                     dtype=torch.float64, device=device if not a.cpu else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:
-        res = {"name": "moert_torch_moe_fwd_bwd", "preset": a.preset, "value": round(float(t.item()), 3),
-               "unit": "ms", "world": world, "experts": experts, "tokens_per_rank": tokens,
+        layer, stages, fwd = (float(v) for v in t.tolist())
+        res = {"name": "moert_torch_moe_fwd_bwd", "preset": a.preset, "value": round(layer, 3), "unit": "ms",
+               "forward_ms": round(fwd, 3), "moert_stage_sum_ms": round(stages, 3),
+               "torch_over_stage_sum": round(layer / stages, 4) if stages > 0 else None,
+               "world": world, "experts": experts, "tokens_per_rank": tokens,
                "dispatcher": cfg.get("dispatcher", {}).get("plugin", "alltoall"),
                "device": "cpu" if a.cpu else torch.cuda.get_device_name(device), "torch": torch.__version__}
         print(json.dumps(res), flush=True)

@@ -176,16 +176,6 @@ def package_lib_dir():
     return d if os.path.exists(os.path.join(d, "libmoert.so")) else None
 
 
-def bundled_plugin_dir():
-    """The folder of the bundled plugins, next to the bundled libmoert.so like an installed
-    <libdir>/moert/plugins (None when not bundled)."""
-    d = package_lib_dir()
-    if d is None:
-        return None
-    p = os.path.join(d, "moert", "plugins")
-    return p if os.path.isdir(p) else None
-
-
 def _candidates():
     """Where libmoert.so is looked for without load_library(): the copy `pip install .` bundled; else (development
     only) MOERT_TORCH_LIBRARY, a libmoert.so or a meson build directory."""

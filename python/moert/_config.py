@@ -1,16 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """A moert config on the Python side: the C moert_config (what moert reads) and a dict mirror (what the
-Python side reads: the pure-PyTorch reference's router options, the bundled plugin rewrite)."""
+Python side reads: the pure-PyTorch reference's router options). Plugin names are left to moert's own search,
+which finds the plugins a wheel bundles beside its libmoert.so (<libdir>/moert/plugins)."""
 import copy
 import ctypes
 import json
 import os
 
 from . import _capi
-
-# slot -> (file part of the plugin's kind, default plugin): docs/config.md, docs/abi.md
-PLUGIN_SLOTS = {"router": ("router", "topk"), "dispatcher": ("dispatch", "alltoall"),
-                "precision": ("precision", "bf16"), "memory_policy": ("memory", "default")}
 
 
 def _json_value(value):
@@ -72,7 +69,6 @@ class Config:
         self.source = source
         for key, value in (overrides or {}).items():
             self.set(key, value)
-        self._use_bundled_plugins()
 
     def set(self, key, value):
         """moert_config_set(key, value): value is a Python value (JSON-encoded here) or JSON text."""
@@ -87,24 +83,6 @@ class Config:
                 return default
             d = d[p]
         return d
-
-    def _use_bundled_plugins(self):
-        """In an installed package, plugin names become the bundled files' paths (a value with '/' is a path,
-        docs/abi.md): the C library's own search would look in the install prefix it was configured with."""
-        pdir = _capi.bundled_plugin_dir()
-        if pdir is None:
-            return
-        for slot, (part, default) in PLUGIN_SLOTS.items():
-            sec = self.data.get(slot)
-            name = sec.get("plugin", default) if isinstance(sec, dict) else default
-            if not isinstance(name, str) or "/" in name:
-                continue
-            fname = "libmoert-%s-%s.so" % (part, name)
-            f = os.path.join(pdir, fname)
-            # MOERT_PLUGIN_PATH comes first in moert's own search: a file of that name there is left to it
-            user = [d for d in os.environ.get("MOERT_PLUGIN_PATH", "").split(":") if d]
-            if os.path.exists(f) and not any(os.path.exists(os.path.join(d, fname)) for d in user):
-                self.set(slot + ".plugin", f)
 
     @property
     def ptr(self):
