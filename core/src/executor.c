@@ -273,39 +273,6 @@ static moert_result host_failed(const moert_layer *L, moert_result rc, const cha
         }                                                                                                     \
     } while (0)
 
-moert_result moert_layer_release_offloaded(moert_layer *L)
-{
-    moert_result rc = MOERT_OK;
-    const moert_host *h = L->core_host;
-    MOERT_CHECK(moert_layer_start_offloads(L)); /* a buffer is never freed before its copy */
-    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
-        if (!L->offload_pending[a].data) continue;
-        /* the pool hands a block freed on the compute stream to the next compute-stream request at once: the
-         * compute stream must first wait for the D2H copy still reading it */
-        HOST_CALL(h->stream_wait_event(h, L->stream, L->offload_event[a]), "waiting for the offload copy of",
-                  (moert_activation)a);
-        tensor_release(L, &L->offload_pending[a]);
-    }
-fail:
-    return rc;
-}
-
-moert_result moert_layer_release_finished_offloads(moert_layer *L)
-{
-    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
-        if (!L->offload_pending[a].data || L->offload_queued[a]) continue;
-        bool done = true; /* on the CPU the copy was synchronous */
-#ifdef MOERT_HAVE_CUDA
-        if (L->info.device.type == MOERT_DEVICE_CUDA) {
-            moert_result rc = moert_cuda_event_query(L->offload_event[a], &done);
-            if (rc != MOERT_OK) return rc;
-        }
-#endif
-        if (done) tensor_release(L, &L->offload_pending[a]);
-    }
-    return MOERT_OK;
-}
-
 /* Frees what the last forward saved, stream-ordered after the copies still using it. */
 moert_result moert_layer_release_saved(moert_layer *L) { return release_saved(L); }
 
@@ -326,26 +293,7 @@ static moert_result release_saved(moert_layer *L)
     tensor_release(L, &L->shared_fc1_out);
     tensor_release(L, &L->shared_act);
     tensor_release(L, &L->shared_prob);
-    MOERT_CHECK(moert_layer_release_offloaded(L));
-    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
-        if (L->place[a] == MOERT_PLACE_LOADING)
-            HOST_CALL(h->stream_wait_event(h, L->stream, L->reload_event[a]), "waiting for the reload copy of",
-                      (moert_activation)a);
-        tensor_release(L, &L->saved[a]);
-        L->place[a] = MOERT_PLACE_DEVICE;
-    }
-fail:
-    return rc;
-}
-
-/* Waits for the layer's copy streams (before their buffers are freed or replaced). */
-static moert_result sync_copy_streams(moert_layer *L)
-{
-    moert_result rc = MOERT_OK;
-    const moert_host *h = L->core_host;
-    if (!L->copy_streams_ready) return MOERT_OK;
-    HOST_CALL(h->stream_synchronize(h, L->d2h_stream), "synchronizing the offload stream", MOERT_ACT_COUNT);
-    HOST_CALL(h->stream_synchronize(h, L->h2d_stream), "synchronizing the reload stream", MOERT_ACT_COUNT);
+    MOERT_CHECK(moert_act_store_release(&L->acts));
 fail:
     return rc;
 }
@@ -353,25 +301,9 @@ fail:
 void moert_layer_free(moert_layer *L)
 {
     const moert_host *h = L->core_host;
-    /* copies in flight read or write buffers freed below */
-    if (sync_copy_streams(L) != MOERT_OK) moert_error_clear();
     if (release_saved(L) != MOERT_OK) moert_error_clear();
-    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
-        if (L->pinned[a]) h->free_pinned(h, L->pinned[a]);
-        L->pinned[a] = NULL;
-        L->pinned_capacity[a] = 0;
-    }
-    L->pinned_bytes = 0;
-    if (L->copy_streams_ready) {
-        for (int a = 0; a < MOERT_ACT_COUNT; a++) {
-            h->event_destroy(h, L->offload_event[a]);
-            h->event_destroy(h, L->reload_event[a]);
-        }
-        h->event_destroy(h, L->compute_event);
-        h->stream_destroy(h, L->d2h_stream);
-        h->stream_destroy(h, L->h2d_stream);
-        L->copy_streams_ready = false;
-    }
+    /* its copies in flight read or write buffers it frees: it waits for them first */
+    moert_act_store_free(&L->acts);
 #ifdef MOERT_HAVE_CUDA
     for (int m = 0; m < MOERT_LAYER_MARKS; m++)
         if (L->mark_events[m]) moert_cuda_event_destroy(L->mark_events[m]);
@@ -422,7 +354,7 @@ bool moert_layer_graph_capturable(const moert_layer *L, char *why, size_t why_si
         return false;
     }
     for (int a = 0; a < MOERT_ACT_COUNT; a++) {
-        if (L->action[a] == MOERT_MEMORY_KEEP) continue;
+        if (L->acts.action[a] == MOERT_MEMORY_KEEP) continue;
         snprintf(why, why_size, "the memory policy offloads or recomputes %s", moert_activation_name((moert_activation)a));
         return false;
     }
@@ -531,7 +463,7 @@ static moert_result run_dispatch(moert_layer *L)
 {
     moert_result rc = MOERT_OK;
     moert_dispatch_args d = {.struct_size = sizeof d, .x = &L->x, .topk_probs = &L->topk_probs,
-                             .recv_x = &L->saved[MOERT_ACT_DISPATCHED_X], .recv_probs = &L->recv_probs};
+                             .recv_x = moert_act_store_tensor(&L->acts, MOERT_ACT_DISPATCHED_X), .recv_probs = &L->recv_probs};
     PLUGIN_CALL(L->dispatcher, "dispatch", DISPATCHER(L)->dispatch(L->dispatcher.ctx, L->stream, &d));
 fail:
     return rc;
@@ -539,220 +471,39 @@ fail:
 
 static moert_result run_fc1(moert_layer *L)
 {
-    return run_gemm(L, MOERT_GEMM_FC1, MOERT_GEMM_FORWARD, &L->saved[MOERT_ACT_DISPATCHED_X], NULL,
-                    &L->saved[MOERT_ACT_FC1_OUT], NULL);
+    return run_gemm(L, MOERT_GEMM_FC1, MOERT_GEMM_FORWARD, moert_act_store_tensor(&L->acts, MOERT_ACT_DISPATCHED_X), NULL,
+                    moert_act_store_tensor(&L->acts, MOERT_ACT_FC1_OUT), NULL);
 }
 
 static moert_result run_act(moert_layer *L)
 {
-    return moert_swiglu_forward(L->stream, &L->saved[MOERT_ACT_FC1_OUT], &L->recv_probs, used_rows(L),
-                                &L->saved[MOERT_ACT_SWIGLU_OUT]);
+    return moert_swiglu_forward(L->stream, moert_act_store_tensor(&L->acts, MOERT_ACT_FC1_OUT), &L->recv_probs, used_rows(L),
+                                moert_act_store_tensor(&L->acts, MOERT_ACT_SWIGLU_OUT));
 }
 
 /* Allocates saved activation a for this step's capacity. */
 static moert_result alloc_activation(moert_layer *L, moert_activation a)
 {
     int64_t cols[MOERT_ACT_COUNT] = {L->info.hidden, 2 * L->info.ffn_hidden, L->info.ffn_hidden};
-    return tensor_alloc(L, &L->saved[a], L->info.dtype, 2, L->layout.capacity, cols[a], 0);
+    return moert_act_store_alloc(&L->acts, a, L->info.dtype, L->layout.capacity, cols[a]);
 }
 
-/* The layer's D2H and H2D streams and their events, created at the first offload through the core host. */
-static moert_result ensure_copy_streams(moert_layer *L)
-{
-    moert_result rc = MOERT_OK;
-    const moert_host *h = L->core_host;
-    if (L->copy_streams_ready) return MOERT_OK;
-    /* created one by one; on failure the ones made so far are destroyed */
-    moert_stream d2h = NULL, h2d = NULL;
-    moert_event compute = NULL, offload[MOERT_ACT_COUNT] = {NULL}, reload[MOERT_ACT_COUNT] = {NULL};
-    HOST_CALL(h->stream_create(h, &d2h), "creating the offload stream", MOERT_ACT_COUNT);
-    HOST_CALL(h->stream_create(h, &h2d), "creating the reload stream", MOERT_ACT_COUNT);
-    HOST_CALL(h->event_create(h, &compute), "creating the offload events", MOERT_ACT_COUNT);
-    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
-        HOST_CALL(h->event_create(h, &offload[a]), "creating the offload events", MOERT_ACT_COUNT);
-        HOST_CALL(h->event_create(h, &reload[a]), "creating the offload events", MOERT_ACT_COUNT);
-    }
-    L->d2h_stream = d2h;
-    L->h2d_stream = h2d;
-    L->compute_event = compute;
-    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
-        L->offload_event[a] = offload[a];
-        L->reload_event[a] = reload[a];
-    }
-    L->copy_streams_ready = true;
-    return MOERT_OK;
-fail:
-    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
-        if (offload[a]) h->event_destroy(h, offload[a]);
-        if (reload[a]) h->event_destroy(h, reload[a]);
-    }
-    if (compute) h->event_destroy(h, compute);
-    if (d2h) h->stream_destroy(h, d2h);
-    if (h2d) h->stream_destroy(h, h2d);
-    return rc;
-}
-
-/* Makes copy_stream wait for everything queued on the compute stream so far. */
-static moert_result order_after_compute(moert_layer *L, moert_stream copy_stream, moert_activation a)
-{
-    moert_result rc = MOERT_OK;
-    const moert_host *h = L->core_host;
-    /* a wait takes the event's latest record at the time of the call, so one event serves every such order */
-    HOST_CALL(h->event_record(h, L->compute_event, L->stream), "ordering the copy of", a);
-    HOST_CALL(h->stream_wait_event(h, copy_stream, L->compute_event), "ordering the copy of", a);
-fail:
-    return rc;
-}
-
-/* Pinned host room for `bytes` of activation a: kept across steps, grown (by an eighth more than asked, so a
- * step whose capacity grows a little does not allocate again) only when a step needs more. */
-static moert_result reserve_pinned(moert_layer *L, moert_activation a, size_t bytes)
-{
-    moert_result rc = MOERT_OK;
-    const moert_host *h = L->core_host;
-    if (bytes <= L->pinned_capacity[a]) return MOERT_OK;
-    if (L->pinned[a]) {
-        MOERT_CHECK(sync_copy_streams(L)); /* the old buffer may still be in a copy */
-        h->free_pinned(h, L->pinned[a]);
-        L->pinned_bytes -= (int64_t)L->pinned_capacity[a];
-        L->pinned[a] = NULL;
-        L->pinned_capacity[a] = 0;
-    }
-    size_t want = bytes + bytes / 8;
-    want = (want + 4095) / 4096 * 4096;
-    HOST_CALL(h->alloc_pinned(h, want, &L->pinned[a]), "allocating pinned host memory for", a);
-    L->pinned_capacity[a] = want;
-    L->pinned_bytes += (int64_t)want;
-    L->pinned_allocations++;
-fail:
-    return rc;
-}
-
-/* Offload: the D2H stream is ordered after the compute stream's work so far (the activation's production), and
- * the copy into the pinned buffer is issued on it at once, or, under defer_offload_start, queued for
- * moert_layer_start_offloads. Either way it overlaps the compute that follows. */
-static moert_result start_offload(moert_layer *L, moert_activation a)
-{
-    moert_result rc = MOERT_OK;
-    MOERT_CHECK(ensure_copy_streams(L));
-    MOERT_CHECK(reserve_pinned(L, a, moert_tensor_bytes(&L->saved[a])));
-    MOERT_CHECK(order_after_compute(L, L->d2h_stream, a));
-    L->offload_queued[a] = true;
-    if (!L->defer_offload_start) MOERT_CHECK(moert_layer_start_offloads(L));
-fail:
-    return rc;
-}
-
-/* Issues the queued D2H copies: the D2H stream already waits for the work that produced them. Each copies the
- * device buffer, which is saved[a] until its last forward use and offload_pending[a] after it. */
-moert_result moert_layer_start_offloads(moert_layer *L)
-{
-    moert_result rc = MOERT_OK;
-    const moert_host *h = L->core_host;
-    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
-        if (!L->offload_queued[a]) continue;
-        const moert_tensor *t = L->offload_pending[a].data ? &L->offload_pending[a] : &L->saved[a];
-        HOST_CALL(h->memcpy_async(h, L->pinned[a], moert_cpu(), t->data, t->device, moert_tensor_bytes(t),
-                                  L->d2h_stream),
-                  "offloading", (moert_activation)a);
-        HOST_CALL(h->event_record(h, L->offload_event[a], L->d2h_stream), "offloading", (moert_activation)a);
-        L->offload_queued[a] = false;
-    }
-fail:
-    return rc;
-}
-
-/* Right after activation a is produced: asks the memory policy what to do with it, and for an offload starts the
- * copy to pinned memory at once. */
+/* Right after activation a is produced: asks the memory policy what to do with it and hands the answer to the
+ * activation store (which starts an offload's copy at once). */
 static moert_result decide_action(moert_layer *L, moert_activation a)
 {
     moert_result rc = MOERT_OK;
-    L->saved_bytes[a] = (int64_t)moert_tensor_bytes(&L->saved[a]);
+    moert_memory_action action = MOERT_MEMORY_KEEP;
     moert_activation_info info = {.struct_size = sizeof info, .layer_index = L->info.layer_index, .activation = a,
-                                  .bytes = L->saved_bytes[a], .device = L->info.device};
-    PLUGIN_CALL(L->memory, "decide", MEMORY(L)->decide(L->memory.ctx, &info, &L->action[a]));
-    switch (L->action[a]) {
-    case MOERT_MEMORY_KEEP:
-    case MOERT_MEMORY_RECOMPUTE:
-        break;
-    case MOERT_MEMORY_OFFLOAD:
-        MOERT_CHECK(start_offload(L, a));
-        break;
-    default:
+                                  .bytes = (int64_t)moert_tensor_bytes(moert_act_store_tensor(&L->acts, a)),
+                                  .device = L->info.device};
+    PLUGIN_CALL(L->memory, "decide", MEMORY(L)->decide(L->memory.ctx, &info, &action));
+    if (action != MOERT_MEMORY_KEEP && action != MOERT_MEMORY_RECOMPUTE && action != MOERT_MEMORY_OFFLOAD) {
         rc = moert_error(MOERT_ERR_INVALID_ARGUMENT, "memory policy \"%s\" answered action %d for %s",
-                         L->memory.plugin->header->name, (int)L->action[a], moert_activation_name(a));
+                         L->memory.plugin->header->name, (int)action, moert_activation_name(a));
         goto fail;
     }
-fail:
-    return rc;
-}
-
-/* After activation a's last forward use, carries the action out: keep leaves it in place, recompute frees it,
- * offload hands the device buffer to offload_pending (freed behind its copy by moert_layer_release_offloaded). */
-static void after_last_use(moert_layer *L, moert_activation a)
-{
-    switch (L->action[a]) {
-    case MOERT_MEMORY_RECOMPUTE:
-        tensor_release(L, &L->saved[a]);
-        L->place[a] = MOERT_PLACE_DROPPED;
-        L->recompute_saved_bytes += L->saved_bytes[a];
-        break;
-    case MOERT_MEMORY_OFFLOAD:
-        L->offload_pending[a] = L->saved[a];
-        L->saved[a].data = NULL;
-        L->place[a] = MOERT_PLACE_HOST;
-        L->offload_saved_bytes += L->saved_bytes[a];
-        break;
-    default:
-        L->place[a] = MOERT_PLACE_DEVICE;
-        L->held_bytes[a] = L->saved_bytes[a];
-        break;
-    }
-}
-
-/* Issues the H2D copy of offloaded activation a into a new device buffer, after the compute stream's work so far
- * (the pool may hand out a block that work still uses) and after its D2H copy. When the D2H copy has not finished
- * yet, its device buffer was never freed: that buffer is used as it is (the offload is cancelled and counted as
- * kept), so neither stream waits for a copy that could not hide behind the forward. */
-static moert_result start_reload(moert_layer *L, moert_activation a)
-{
-    moert_result rc = MOERT_OK;
-    const moert_host *h = L->core_host;
-    if (L->offload_pending[a].data) {
-        bool done = !L->offload_queued[a]; /* a copy never issued is not done (and is dropped below) */
-#ifdef MOERT_HAVE_CUDA
-        if (done && L->info.device.type == MOERT_DEVICE_CUDA)
-            MOERT_CHECK(moert_cuda_event_query(L->offload_event[a], &done));
-#endif
-        if (!done) {
-            L->saved[a] = L->offload_pending[a];
-            L->offload_pending[a].data = NULL;
-            L->offload_queued[a] = false;
-            L->place[a] = MOERT_PLACE_DEVICE;
-            L->offload_saved_bytes -= L->saved_bytes[a];
-            L->kept_bytes_peak += L->saved_bytes[a];
-            L->offload_cancelled_bytes += L->saved_bytes[a];
-            return MOERT_OK;
-        }
-    }
-    MOERT_CHECK(moert_layer_release_offloaded(L));
-    MOERT_CHECK(alloc_activation(L, a));
-    moert_tensor *t = &L->saved[a];
-    MOERT_CHECK(order_after_compute(L, L->h2d_stream, a));
-    HOST_CALL(h->stream_wait_event(h, L->h2d_stream, L->offload_event[a]), "reloading", a);
-    HOST_CALL(h->memcpy_async(h, t->data, t->device, L->pinned[a], moert_cpu(), moert_tensor_bytes(t), L->h2d_stream),
-              "reloading", a);
-    HOST_CALL(h->event_record(h, L->reload_event[a], L->h2d_stream), "reloading", a);
-    L->place[a] = MOERT_PLACE_LOADING;
-fail:
-    return rc;
-}
-
-moert_result moert_layer_prefetch(moert_layer *L)
-{
-    moert_result rc = MOERT_OK;
-    for (int a = 0; a < MOERT_ACT_COUNT; a++)
-        if (L->place[a] == MOERT_PLACE_HOST) MOERT_CHECK(start_reload(L, (moert_activation)a));
+    MOERT_CHECK(moert_act_store_put(&L->acts, a, action));
 fail:
     return rc;
 }
@@ -762,28 +513,16 @@ fail:
 static moert_result materialize(moert_layer *L, moert_activation a)
 {
     moert_result rc = MOERT_OK;
-    const moert_host *h = L->core_host;
-    switch (L->place[a]) {
-    case MOERT_PLACE_DEVICE:
-        return MOERT_OK;
-    case MOERT_PLACE_HOST:
-        MOERT_CHECK(start_reload(L, a));
-        /* fall through */
-    case MOERT_PLACE_LOADING:
-        HOST_CALL(h->stream_wait_event(h, L->stream, L->reload_event[a]), "waiting for the reload of", a);
-        L->place[a] = MOERT_PLACE_DEVICE;
-        return MOERT_OK;
-    case MOERT_PLACE_DROPPED:
-        if (a > MOERT_ACT_DISPATCHED_X) MOERT_CHECK(materialize(L, (moert_activation)(a - 1)));
-        MOERT_CHECK(alloc_activation(L, a));
-        switch (a) {
-        case MOERT_ACT_DISPATCHED_X: MOERT_CHECK(run_dispatch(L)); break;
-        case MOERT_ACT_FC1_OUT: MOERT_CHECK(run_fc1(L)); break;
-        case MOERT_ACT_SWIGLU_OUT: MOERT_CHECK(run_act(L)); break;
-        default: break;
-        }
-        L->place[a] = MOERT_PLACE_DEVICE;
-        return MOERT_OK;
+    bool dropped = false;
+    MOERT_CHECK(moert_act_store_get(&L->acts, a, &dropped));
+    if (!dropped) return MOERT_OK;
+    if (a > MOERT_ACT_DISPATCHED_X) MOERT_CHECK(materialize(L, (moert_activation)(a - 1)));
+    MOERT_CHECK(alloc_activation(L, a));
+    switch (a) {
+    case MOERT_ACT_DISPATCHED_X: MOERT_CHECK(run_dispatch(L)); break;
+    case MOERT_ACT_FC1_OUT: MOERT_CHECK(run_fc1(L)); break;
+    case MOERT_ACT_SWIGLU_OUT: MOERT_CHECK(run_act(L)); break;
+    default: break;
     }
 fail:
     return rc;
@@ -958,9 +697,7 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
     moert_tensor y_expert = {0}, moe_out = {0};
     MOERT_CHECK(release_saved(L));
     L->x = *x;
-    memset(L->saved_bytes, 0, sizeof L->saved_bytes);
-    memset(L->held_bytes, 0, sizeof L->held_bytes);
-    L->kept_bytes_peak = L->recompute_saved_bytes = L->offload_saved_bytes = L->offload_cancelled_bytes = 0;
+    moert_act_store_begin_forward(&L->acts);
     MOERT_CHECK(stage_mark(L, 0));
     MOERT_CHECK(tensor_alloc(L, &L->topk_idx, MOERT_I32, 2, t, in->topk, 0));
     MOERT_CHECK(tensor_alloc(L, &L->topk_probs, L->param_dtype, 2, t, in->topk, 0));
@@ -989,18 +726,18 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
     MOERT_CHECK(alloc_activation(L, MOERT_ACT_FC1_OUT));
     MOERT_CHECK(run_fc1(L));
     MOERT_CHECK(decide_action(L, MOERT_ACT_FC1_OUT));
-    after_last_use(L, MOERT_ACT_DISPATCHED_X);
+    moert_act_store_after_last_use(&L->acts, MOERT_ACT_DISPATCHED_X);
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_FC1));
 
     MOERT_CHECK(alloc_activation(L, MOERT_ACT_SWIGLU_OUT));
     MOERT_CHECK(run_act(L));
     MOERT_CHECK(decide_action(L, MOERT_ACT_SWIGLU_OUT));
-    after_last_use(L, MOERT_ACT_FC1_OUT);
+    moert_act_store_after_last_use(&L->acts, MOERT_ACT_FC1_OUT);
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_ACT));
 
     MOERT_CHECK(tensor_alloc(L, &y_expert, in->dtype, 2, L->layout.capacity, in->hidden, 0));
-    MOERT_CHECK(run_gemm(L, MOERT_GEMM_FC2, MOERT_GEMM_FORWARD, &L->saved[MOERT_ACT_SWIGLU_OUT], NULL, &y_expert, NULL));
-    after_last_use(L, MOERT_ACT_SWIGLU_OUT);
+    MOERT_CHECK(run_gemm(L, MOERT_GEMM_FC2, MOERT_GEMM_FORWARD, moert_act_store_tensor(&L->acts, MOERT_ACT_SWIGLU_OUT), NULL, &y_expert, NULL));
+    moert_act_store_after_last_use(&L->acts, MOERT_ACT_SWIGLU_OUT);
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_FC2));
 
     if (!L->no_residual) MOERT_CHECK(tensor_alloc(L, &moe_out, in->dtype, 2, t, in->hidden, 0));
@@ -1008,11 +745,10 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
     PLUGIN_CALL(L->dispatcher, "combine", DISPATCHER(L)->combine(L->dispatcher.ctx, L->stream, &ca));
     if (!L->no_residual) MOERT_CHECK(moert_add(L->stream, x, &moe_out, y));
     if (L->shared_ffn > 0) MOERT_CHECK(shared_forward_finish(L, y));
-    /* the compute stream waits here for D2H copies still running (counted in the combine stage) */
-    if (!L->defer_offload_release) MOERT_CHECK(moert_layer_release_offloaded(L));
+    /* the compute stream waits here for D2H copies still running, unless the caller frees them later (counted in
+     * the combine stage) */
+    MOERT_CHECK(moert_act_store_end_forward(&L->acts));
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_COMBINE));
-
-    for (int a = 0; a < MOERT_ACT_COUNT; a++) L->kept_bytes_peak += L->held_bytes[a];
 fail:
     tensor_release(L, &y_expert);
     tensor_release(L, &moe_out);
@@ -1059,10 +795,10 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
     /* the shared expert's backward needs only d_y: on its own stream it runs beside the routed experts' */
     if (L->shared_ffn > 0) MOERT_CHECK(shared_backward_issue(L, d_y));
     /* reloads not yet issued by a prefetch start now; each is waited for just before its first use below */
-    MOERT_CHECK(moert_layer_prefetch(L));
+    MOERT_CHECK(moert_act_store_prefetch(&L->acts));
     /* recomputation first, in forward order, as every rank does (dispatching again is a collective) */
     for (int a = 0; a < MOERT_ACT_COUNT; a++) {
-        if (L->place[a] != MOERT_PLACE_DROPPED) continue;
+        if (!moert_act_store_dropped(&L->acts, (moert_activation)a)) continue;
         if (!L->backward_part_ran[MOERT_BWD_RECOMPUTE]) MOERT_CHECK(part_begin(L, MOERT_BWD_RECOMPUTE, L->stream));
         MOERT_CHECK(materialize(L, (moert_activation)a));
     }
@@ -1081,20 +817,20 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
     MOERT_CHECK(materialize(L, MOERT_ACT_SWIGLU_OUT));
     MOERT_CHECK(part_end(L, MOERT_BWD_FC2_DGRAD, L->stream));
     if (!overlap) {
-        MOERT_CHECK(wgrad_on(L, L->stream, MOERT_BWD_FC2_WGRAD, MOERT_GEMM_FC2, &L->saved[MOERT_ACT_SWIGLU_OUT],
+        MOERT_CHECK(wgrad_on(L, L->stream, MOERT_BWD_FC2_WGRAD, MOERT_GEMM_FC2, moert_act_store_tensor(&L->acts, MOERT_ACT_SWIGLU_OUT),
                              &d_y_expert));
         tensor_release(L, &d_y_expert);
-        tensor_release(L, &L->saved[MOERT_ACT_SWIGLU_OUT]);
+        moert_act_store_done(&L->acts, MOERT_ACT_SWIGLU_OUT);
     }
 
     MOERT_CHECK(part_begin(L, MOERT_BWD_ACT, L->stream));
     MOERT_CHECK(tensor_alloc(L, &d_fc1, in->dtype, 2, cap, 2 * in->ffn_hidden, 0));
     MOERT_CHECK(tensor_alloc(L, &d_recv_probs, L->param_dtype, 1, cap, 0, 0));
     MOERT_CHECK(materialize(L, MOERT_ACT_FC1_OUT));
-    MOERT_CHECK(moert_swiglu_backward(L->stream, &d_act, &L->saved[MOERT_ACT_FC1_OUT], &L->recv_probs, used_rows(L),
+    MOERT_CHECK(moert_swiglu_backward(L->stream, &d_act, moert_act_store_tensor(&L->acts, MOERT_ACT_FC1_OUT), &L->recv_probs, used_rows(L),
                                       &d_fc1, &d_recv_probs));
     tensor_release(L, &d_act);
-    tensor_release(L, &L->saved[MOERT_ACT_FC1_OUT]);
+    moert_act_store_done(&L->acts, MOERT_ACT_FC1_OUT);
     MOERT_CHECK(part_end(L, MOERT_BWD_ACT, L->stream));
 
     MOERT_CHECK(part_begin(L, MOERT_BWD_FC1_DGRAD, L->stream));
@@ -1103,19 +839,19 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
     MOERT_CHECK(materialize(L, MOERT_ACT_DISPATCHED_X));
     MOERT_CHECK(part_end(L, MOERT_BWD_FC1_DGRAD, L->stream));
     if (!overlap) {
-        MOERT_CHECK(wgrad_on(L, L->stream, MOERT_BWD_FC1_WGRAD, MOERT_GEMM_FC1, &L->saved[MOERT_ACT_DISPATCHED_X],
+        MOERT_CHECK(wgrad_on(L, L->stream, MOERT_BWD_FC1_WGRAD, MOERT_GEMM_FC1, moert_act_store_tensor(&L->acts, MOERT_ACT_DISPATCHED_X),
                              &d_fc1));
         tensor_release(L, &d_fc1);
-        tensor_release(L, &L->saved[MOERT_ACT_DISPATCHED_X]);
+        moert_act_store_done(&L->acts, MOERT_ACT_DISPATCHED_X);
     } else if (side) {
         /* the wgrads are queued first, so a dispatcher that waits on the host cannot hold them back; the compute
          * stream has the higher priority, so the dispatcher's kernels still take SMs first as they free up */
         HOST_CALL(h->event_record(h, L->wgrad_fork_event, L->stream), "forking the wgrad stream", MOERT_ACT_COUNT);
         HOST_CALL(h->stream_wait_event(h, side, L->wgrad_fork_event), "forking the wgrad stream", MOERT_ACT_COUNT);
         forked = true;
-        MOERT_CHECK(wgrad_on(L, side, MOERT_BWD_FC2_WGRAD, MOERT_GEMM_FC2, &L->saved[MOERT_ACT_SWIGLU_OUT],
+        MOERT_CHECK(wgrad_on(L, side, MOERT_BWD_FC2_WGRAD, MOERT_GEMM_FC2, moert_act_store_tensor(&L->acts, MOERT_ACT_SWIGLU_OUT),
                              &d_y_expert));
-        MOERT_CHECK(wgrad_on(L, side, MOERT_BWD_FC1_WGRAD, MOERT_GEMM_FC1, &L->saved[MOERT_ACT_DISPATCHED_X],
+        MOERT_CHECK(wgrad_on(L, side, MOERT_BWD_FC1_WGRAD, MOERT_GEMM_FC1, moert_act_store_tensor(&L->acts, MOERT_ACT_DISPATCHED_X),
                              &d_fc1));
         HOST_CALL(h->event_record(h, L->wgrad_join_event, side), "joining the wgrad stream", MOERT_ACT_COUNT);
     }
@@ -1147,14 +883,14 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
         HOST_CALL(h->stream_wait_event(h, L->stream, L->wgrad_join_event), "joining the wgrad stream", MOERT_ACT_COUNT);
         MOERT_CHECK(part_end(L, MOERT_BWD_WGRAD_WAIT, L->stream));
     } else if (overlap) { /* the CPU: the same work where a GPU joins its second stream */
-        MOERT_CHECK(wgrad_on(L, NULL, MOERT_BWD_FC2_WGRAD, MOERT_GEMM_FC2, &L->saved[MOERT_ACT_SWIGLU_OUT], &d_y_expert));
-        MOERT_CHECK(wgrad_on(L, NULL, MOERT_BWD_FC1_WGRAD, MOERT_GEMM_FC1, &L->saved[MOERT_ACT_DISPATCHED_X], &d_fc1));
+        MOERT_CHECK(wgrad_on(L, NULL, MOERT_BWD_FC2_WGRAD, MOERT_GEMM_FC2, moert_act_store_tensor(&L->acts, MOERT_ACT_SWIGLU_OUT), &d_y_expert));
+        MOERT_CHECK(wgrad_on(L, NULL, MOERT_BWD_FC1_WGRAD, MOERT_GEMM_FC1, moert_act_store_tensor(&L->acts, MOERT_ACT_DISPATCHED_X), &d_fc1));
     }
     if (overlap) {
         tensor_release(L, &d_y_expert);
-        tensor_release(L, &L->saved[MOERT_ACT_SWIGLU_OUT]);
+        moert_act_store_done(&L->acts, MOERT_ACT_SWIGLU_OUT);
         tensor_release(L, &d_fc1);
-        tensor_release(L, &L->saved[MOERT_ACT_DISPATCHED_X]);
+        moert_act_store_done(&L->acts, MOERT_ACT_DISPATCHED_X);
     }
     if (L->shared_ffn > 0) MOERT_CHECK(shared_backward_finish(L, d_x));
     MOERT_CHECK(zero_unwritten_grads(L));

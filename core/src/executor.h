@@ -3,6 +3,7 @@
 #ifndef MOERT_CORE_EXECUTOR_H
 #define MOERT_CORE_EXECUTOR_H
 
+#include "activation_store.h"
 #include "config.h"
 #include "loader.h"
 #include "moert/moert.h"
@@ -59,13 +60,6 @@ typedef struct moert_param {
 } moert_param;
 
 
-/* Where a saved activation is between its forward and its backward. */
-typedef enum moert_act_place {
-    MOERT_PLACE_DEVICE = 0,  /* saved[a] holds it (valid in the compute stream's order) */
-    MOERT_PLACE_DROPPED = 1, /* recompute: freed after its last forward use, recomputed in backward */
-    MOERT_PLACE_HOST = 2,    /* offload: in pinned[a] (the D2H copy may still be running) */
-    MOERT_PLACE_LOADING = 3  /* offload: the H2D copy into saved[a] is issued; wait for reload_event[a] before use */
-} moert_act_place;
 
 typedef struct moert_layer {
     moert_layer_info info;
@@ -80,16 +74,6 @@ typedef struct moert_layer {
      * gives MoE(x) alone, without the residual x (backward then passes no d_y through to d_x) */
     bool params_borrowed;
     bool no_residual;
-    /* false (default): the device copies of offloaded activations are freed at the end of this layer's forward;
-     * true: the caller frees them later with moert_layer_release_offloaded (e.g. after the next layer's forward),
-     * so the D2H copies overlap more compute. */
-    bool defer_offload_release;
-    /* false (default): an offload's D2H copy is issued as soon as the activation is produced; true: it is queued
-     * (ordered after the producing work already) and issued by moert_layer_start_offloads, which the runtime calls
-     * once the next layer's forward has been issued. A GPU's copy engine runs the copies of all streams in the
-     * order they were issued, so a copy issued at production would hold the next layer's dispatcher count copy
-     * (a host sync) behind hundreds of MB; issued after that sync, it runs behind the next layer's compute. */
-    bool defer_offload_start;
     /* fc1 / fc2 weight gradients zeroed lazily: zero_grad leaves them as they are when the precision plugin
      * declares MOERT_CAP_WGRAD_OVERWRITE, and the first WGRAD overwrites them; backward zeroes any left */
     bool grad_unwritten[2];
@@ -124,23 +108,11 @@ typedef struct moert_layer {
     moert_tensor topk_idx, topk_probs, tokens_per_expert;
     moert_dispatch_layout layout;
     moert_tensor recv_probs;
-    moert_tensor saved[MOERT_ACT_COUNT];         /* recv_x, fc1_out, swiglu_out (data NULL when not on the device) */
-    moert_memory_action action[MOERT_ACT_COUNT]; /* the memory policy's answer in the last forward */
-    moert_act_place place[MOERT_ACT_COUNT];
     moert_router_losses losses;
 
-    /* offload (docs/executor.md, "Memory"): pinned host buffers kept across steps and grown only; two copy
-     * streams of this layer and their events, created through core_host at the first offload (NULL handles on
-     * the CPU, where copies are synchronous) */
-    void *pinned[MOERT_ACT_COUNT];
-    size_t pinned_capacity[MOERT_ACT_COUNT];
-    moert_tensor offload_pending[MOERT_ACT_COUNT]; /* device copies the D2H stream may still read; freed by release */
-    bool offload_queued[MOERT_ACT_COUNT];          /* D2H copy ordered but not issued yet (defer_offload_start) */
-    bool copy_streams_ready;
-    moert_stream d2h_stream, h2d_stream;
-    moert_event compute_event;                     /* recorded on `stream` for a copy stream to wait on */
-    moert_event offload_event[MOERT_ACT_COUNT];    /* the D2H copy of activation a is done */
-    moert_event reload_event[MOERT_ACT_COUNT];     /* the H2D copy of activation a is done */
+    /* dispatched_x, fc1_out and swiglu_out from forward to backward: kept, dropped or offloaded as the memory policy
+     * answers, with their memory figures (activation_store.h) */
+    moert_activation_store acts;
 
     /* figures of the last step: stage boundaries are marked with the wall clock on the CPU and with CUDA
      * events on GPUs (read by moert_layer_collect_times once the step's work is done) */
@@ -149,17 +121,6 @@ typedef struct moert_layer {
     double stage_seconds[MOERT_STAGE_COUNT];
     double backward_part_seconds[MOERT_BWD_PART_COUNT];
     bool backward_part_ran[MOERT_BWD_PART_COUNT];
-    /* memory figures of the last forward (bytes; "held" = on the device from the end of forward to backward) */
-    int64_t saved_bytes[MOERT_ACT_COUNT];        /* size of each activation saved for backward */
-    int64_t held_bytes[MOERT_ACT_COUNT];         /* saved_bytes[a] when kept, 0 when recomputed or offloaded */
-    int64_t kept_bytes_peak;                     /* sum of held_bytes: activation bytes held from forward to backward */
-    int64_t recompute_saved_bytes;               /* bytes not held because recomputed (sum over those activations) */
-    int64_t offload_saved_bytes;                 /* bytes not held because offloaded to pinned host memory */
-    int64_t offload_cancelled_bytes;             /* offloads whose D2H copy was still running at reload: kept */
-    /* since the layer was created */
-    int64_t pinned_bytes;                        /* pinned host memory held by the offload buffers */
-    int64_t pinned_allocations;                  /* alloc_pinned calls (the first offload of each activation, and
-                                                    when a step's activation outgrows its buffer) */
 } moert_layer;
 
 /* Turns a plugin's failure into a core error naming the plugin, the call, the layer and the rank. */
@@ -182,20 +143,8 @@ void moert_layer_free(moert_layer *L);
 moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_tensor *y);
 /* From d_y computes d_x (overwritten) and adds parameter gradients; router losses enter with loss_scale. */
 moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert_tensor *d_x, double loss_scale);
-/* Issues the copies back to the device of this layer's offloaded activations on its H2D stream, ordered after
- * the compute stream's work so far; the backward waits for each copy just before its first use. Idempotent;
- * nothing to do when nothing is offloaded. moert_layer_backward calls it itself; calling it one layer ahead (when
- * the next-higher layer's backward starts) overlaps the copies with that layer's backward. */
-moert_result moert_layer_prefetch(moert_layer *L);
-/* Frees the device copies of activations offloaded in the last forward, stream-ordered after their D2H copies
- * (the compute stream waits for the copy, then the block goes back to the pool). Done at the end of the forward
- * unless defer_offload_release is set; prefetch, backward and the next forward do it too. */
-moert_result moert_layer_release_offloaded(moert_layer *L);
-/* Issues the D2H copies queued under defer_offload_start (nothing to do otherwise). */
-moert_result moert_layer_start_offloads(moert_layer *L);
-/* Frees only the offloaded activations whose D2H copy has already finished, without making any stream wait:
- * the runtime calls it at each layer boundary, so a slow copy delays the free, not the compute. */
-moert_result moert_layer_release_finished_offloads(moert_layer *L);
+/* Between forward and backward a layer's saved activations are in L->acts: its callers run the layer boundaries of the
+ * store (moert_act_store_start_offloads, _release_finished, _prefetch; activation_store.h). */
 /* Fills stage_seconds and backward_part_seconds from the last forward and backward (waits for their work on GPUs). */
 moert_result moert_layer_collect_times(moert_layer *L);
 /* Whether the layer's forward and backward can be captured in a CUDA graph and replayed: a CUDA layer whose four

@@ -479,7 +479,7 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
         L->no_residual = true;
         /* offloaded activations give their device copies back at a later layer boundary, once the copy is done
          * (see forward and backward below), so the compute stream never waits for a D2H copy */
-        L->defer_offload_release = true;
+        L->acts.defer_release = true;
     }
     *out = m;
     return MOERT_OK;
@@ -795,7 +795,7 @@ MOERT_API moert_result moert_moe_forward(moert_layers *m, int layer, const moert
     if (!saved) MOERT_CHECK(moert_layer_release_saved(L));
     /* offload copies of the layers below that have finished by now give their device buffers back */
     for (int below = 0; below < layer; below++)
-        MOERT_CHECK(moert_layer_release_finished_offloads(&m->stack.layers[below]));
+        MOERT_CHECK(moert_act_store_release_finished(&m->stack.layers[below].acts));
     MOERT_CHECK(leave(m, stream));
     if (saved) {
         m->saved[layer] = token;
@@ -837,8 +837,8 @@ MOERT_API moert_result moert_moe_backward(moert_layers *m, moert_saved *saved, c
     MOERT_CHECK(enter(m, stream));
     /* the layer below's offloaded activations come back while this layer's backward runs */
     for (int below = 0; below + 1 < layer; below++)
-        MOERT_CHECK(moert_layer_release_finished_offloads(&m->stack.layers[below]));
-    if (layer > 0 && m->saved[layer - 1]) MOERT_CHECK(moert_layer_prefetch(&m->stack.layers[layer - 1]));
+        MOERT_CHECK(moert_act_store_release_finished(&m->stack.layers[below].acts));
+    if (layer > 0 && m->saved[layer - 1]) MOERT_CHECK(moert_act_store_prefetch(&m->stack.layers[layer - 1].acts));
     if (!accumulate) MOERT_CHECK(moert_layer_zero_grad(L, true));
     MOERT_CHECK(moert_layer_backward(L, dy, dx, scale));
     MOERT_CHECK(leave(m, stream));
@@ -890,12 +890,12 @@ MOERT_API moert_result moert_layers_figures(moert_layers *m, int layer, moert_la
         out->backward_part_ms[i] = 1e3 * L->backward_part_seconds[i];
     out->held_bytes = 0;
     for (int a = 0; a < MOERT_LAYER_ACTIVATIONS && a < MOERT_ACT_COUNT; a++) {
-        out->saved_bytes[a] = L->saved_bytes[a];
-        out->held_bytes += L->held_bytes[a];
+        out->saved_bytes[a] = L->acts.saved_bytes[a];
+        out->held_bytes += L->acts.held_bytes[a];
     }
-    out->recompute_saved_bytes = L->recompute_saved_bytes;
-    out->offload_saved_bytes = L->offload_saved_bytes;
-    out->pinned_bytes = L->pinned_bytes;
+    out->recompute_saved_bytes = L->acts.recompute_saved_bytes;
+    out->offload_saved_bytes = L->acts.offload_saved_bytes;
+    out->pinned_bytes = L->acts.pinned_bytes;
     out->device_peak_bytes = 0;
 #ifdef MOERT_HAVE_CUDA
     if (m->pool) {

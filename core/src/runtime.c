@@ -376,8 +376,8 @@ static moert_result rank_init(moert_rank *r, void *arg)
     const bool defer_start = cfg->parallel.offload_defer_start;
     for (int l = 0; l < nl; l++) {
         moert_layer *L = &r->layers[l];
-        L->defer_offload_release = true; /* released once their copies finish (rank_forward_backward) */
-        L->defer_offload_start = l + 1 < cfg->model.num_layers && defer_start;
+        L->acts.defer_release = true; /* released once their copies finish (rank_forward_backward) */
+        L->acts.defer_start = l + 1 < cfg->model.num_layers && defer_start;
     }
     return MOERT_OK;
 fail:
@@ -692,12 +692,12 @@ static moert_result stack_forward(moert_rank *r, graph_plan plan, int form)
         MOERT_CHECK(moert_layer_forward(&r->layers[l], &r->acts[l], &r->acts[l + 1]));
         /* the layer below's offload copies start now that this layer's dispatcher has synced on its counts: a copy
          * engine serves copies in issue order, so issued earlier they would have held that small copy back */
-        if (l > 0) MOERT_CHECK(moert_layer_start_offloads(&r->layers[l - 1]));
+        if (l > 0) MOERT_CHECK(moert_act_store_start_offloads(&r->layers[l - 1].acts));
         /* offload copies of the layers below that have finished by now give their device buffers back; a copy
          * still running keeps its buffer until a later boundary (or its reload), so the compute never waits */
-        for (int below = 0; below < l; below++) MOERT_CHECK(moert_layer_release_finished_offloads(&r->layers[below]));
+        for (int below = 0; below < l; below++) MOERT_CHECK(moert_act_store_release_finished(&r->layers[below].acts));
     }
-    MOERT_CHECK(moert_layer_start_offloads(&r->layers[nl - 1]));
+    MOERT_CHECK(moert_act_store_start_offloads(&r->layers[nl - 1].acts));
 fail:
     return rc;
 }
@@ -720,8 +720,8 @@ static moert_result stack_backward(moert_rank *r, graph_plan plan, int form, dou
         if (plan == GRAPH_EAGER) {
             /* the layer below's offloaded activations come back while this layer's backward runs */
             for (int below = 0; below + 1 < l; below++)
-                MOERT_CHECK(moert_layer_release_finished_offloads(&r->layers[below]));
-            if (l > 0) MOERT_CHECK(moert_layer_prefetch(&r->layers[l - 1]));
+                MOERT_CHECK(moert_act_store_release_finished(&r->layers[below].acts));
+            if (l > 0) MOERT_CHECK(moert_act_store_prefetch(&r->layers[l - 1].acts));
         }
         inside = moert_layer_backward(&r->layers[l], d_y, d_x, loss_scale);
         moert_tensor *tmp = d_y;
@@ -765,7 +765,7 @@ static moert_result micro_batch(moert_rank *r, int64_t step, int64_t micro)
                     ? MOERT_OK
                     : moert_error(MOERT_ERR_CUDA, "%s", moert_host_take_error(r->core_host)));
     if (plan == GRAPH_EAGER)
-        for (int l = 0; l < nl; l++) MOERT_CHECK(moert_layer_release_finished_offloads(&r->layers[l]));
+        for (int l = 0; l < nl; l++) MOERT_CHECK(moert_act_store_release_finished(&r->layers[l].acts));
     double mse_sum = 0.0;
     MOERT_CHECK(moert_squared_error(r->stream, &r->acts[nl], &r->target, 1.0 / step_elems, r->workspace,
                                     r->loss_result, &mse_sum, &r->grad_a));
@@ -989,8 +989,8 @@ static void collect_memory(moert_runtime *rt)
     memset(rt->activation_bytes, 0, sizeof rt->activation_bytes);
     rt->kept_bytes = 0;
     for (int l = 0; l < nl; l++) {
-        for (int a = 0; a < MOERT_ACT_COUNT; a++) rt->activation_bytes[a] += rt->ranks[0].layers[l].saved_bytes[a];
-        rt->kept_bytes += rt->ranks[0].layers[l].kept_bytes_peak;
+        for (int a = 0; a < MOERT_ACT_COUNT; a++) rt->activation_bytes[a] += rt->ranks[0].layers[l].acts.saved_bytes[a];
+        rt->kept_bytes += rt->ranks[0].layers[l].acts.kept_bytes_peak;
     }
     rt->device_peak_bytes = 0;
 #ifdef MOERT_HAVE_CUDA
@@ -1035,6 +1035,92 @@ moert_result moert_runtime_output(const moert_runtime *rt, int64_t index, double
 int64_t moert_runtime_output_numel(const moert_runtime *rt)
 {
     return (int64_t)rt->world * rt->cfg->train.tokens_per_rank * rt->cfg->model.hidden;
+}
+
+/* ---- bulk reads for comparing runs ---- */
+
+int moert_runtime_local_ranks(const moert_runtime *rt) { return rt->nlocal; }
+
+int64_t moert_runtime_local_output_numel(const moert_runtime *rt)
+{
+    return rt->cfg->train.tokens_per_rank * rt->cfg->model.hidden;
+}
+
+int64_t moert_runtime_local_grad_numel(const moert_runtime *rt, int layer, moert_param_id which)
+{
+    if (!rt->params_ready || layer < 0 || layer >= rt->cfg->model.num_layers || (int)which < 0 ||
+        (int)which >= MOERT_PARAM_COUNT)
+        return 0;
+    const moert_tensor *g = &rt->ranks[0].layers[layer].params[which].grad;
+    return g->data ? moert_tensor_numel(g) : 0;
+}
+
+/* What one bulk read copies: the output (layer < 0) or a gradient, elements [first, first + count) of each rank. */
+typedef struct read_arg {
+    int layer;
+    moert_param_id which;
+    int64_t first, count;
+    double *out;
+} read_arg;
+
+/* On a rank's thread (its device current): copies its slice to a host buffer on its stream, waits, widens it. */
+static moert_result rank_read(moert_rank *r, void *arg)
+{
+    const read_arg *a = arg;
+    const moert_config *cfg = r->rt->cfg;
+    const moert_tensor *t = a->layer < 0 ? &r->acts[cfg->model.num_layers] : &r->layers[a->layer].params[a->which].grad;
+    double *out = a->out + (size_t)(r - r->rt->ranks) * (size_t)a->count;
+    if (a->first < 0 || a->count < 0 || a->first + a->count > moert_tensor_numel(t))
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "reading elements %lld..%lld of a tensor of %lld",
+                           (long long)a->first, (long long)(a->first + a->count), (long long)moert_tensor_numel(t));
+    if (t->dtype != MOERT_F32 && t->dtype != MOERT_F64 && t->dtype != MOERT_BF16 && t->dtype != MOERT_F16)
+        return moert_error(MOERT_ERR_UNSUPPORTED, "reading a %s tensor as double", moert_dtype_name(t->dtype));
+    moert_result rc = MOERT_OK;
+    const size_t esize = moert_dtype_size(t->dtype);
+    moert_tensor host = moert_tensor_2d(malloc((size_t)a->count * esize + 1), moert_cpu(), t->dtype, 1, a->count);
+    MOERT_CHECK_ALLOC(host.data);
+    rc = r->core_host->memcpy_async(r->core_host, host.data, host.device, (const char *)t->data + (size_t)a->first * esize,
+                                    t->device, (size_t)a->count * esize, r->stream);
+    if (rc == MOERT_OK) rc = r->core_host->stream_synchronize(r->core_host, r->stream);
+    if (rc != MOERT_OK) {
+        rc = moert_error(rc, "copying a tensor to the host: %s", moert_host_take_error(r->core_host));
+        goto fail;
+    }
+    for (int64_t i = 0; i < a->count; i++) out[i] = moert_load(&host, i);
+fail:
+    free(host.data);
+    return rc;
+}
+
+moert_result moert_runtime_read_output(moert_runtime *rt, int64_t first, int64_t count, double *out)
+{
+    if (!rt->params_ready) return moert_error(MOERT_ERR_UNSUPPORTED, "the stack's output is readable after a step");
+    read_arg a = {.layer = -1, .first = first, .count = count, .out = out};
+    return run_on_ranks(rt, rank_read, &a);
+}
+
+moert_result moert_runtime_read_grad(moert_runtime *rt, int layer, moert_param_id which, int64_t first, int64_t count,
+                                     double *out)
+{
+    if (moert_runtime_local_grad_numel(rt, layer, which) == 0)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "layer %d has no gradient of parameter %d (or no step ran)",
+                           layer, (int)which);
+    read_arg a = {.layer = layer, .which = which, .first = first, .count = count, .out = out};
+    return run_on_ranks(rt, rank_read, &a);
+}
+
+double moert_precision_agreement_rtol(const moert_plugin_header *precision)
+{
+    const size_t end = offsetof(moert_precision_v1, agreement_rtol) + sizeof(double);
+    if (!precision || precision->kind != MOERT_KIND_PRECISION || precision->struct_size < end)
+        return MOERT_PRECISION_DEFAULT_AGREEMENT_RTOL;
+    const double rtol = ((const moert_precision_v1 *)precision)->agreement_rtol;
+    return rtol > 0.0 && isfinite(rtol) ? rtol : MOERT_PRECISION_DEFAULT_AGREEMENT_RTOL;
+}
+
+double moert_runtime_agreement_rtol(const moert_runtime *rt)
+{
+    return moert_precision_agreement_rtol(rt->plugins[MOERT_SLOT_PRECISION].header);
 }
 
 static moert_result rank_forward_backward_phase(moert_rank *r, void *arg)

@@ -100,6 +100,7 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
         L->info = layer_info_of(setup, l);
         L->core_host = s->core_host;
         L->stream = setup->stream;
+        moert_act_store_init(&L->acts, s->core_host, setup->stream, L->info.device, l);
         L->overlap_wgrad = cfg->parallel.overlap_wgrad;
         L->param_dtype = cfg->model.dtype == MOERT_F64 ? MOERT_F64 : MOERT_F32;
         L->seq_length = cfg->train.seq_length;

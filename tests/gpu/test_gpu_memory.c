@@ -87,7 +87,7 @@ static void check_layer(const int act[MOERT_ACT_COUNT], bool prefetch, bool defe
     EXPECT_OK(rc);
     if (rc != MOERT_OK) goto exit;
     moert_layer *L = &hz.L;
-    L->defer_offload_release = defer;
+    L->acts.defer_release = defer;
     int offloaded = 0;
     for (int a = 0; a < MOERT_ACT_COUNT; a++) offloaded += act[a] == MOERT_MEMORY_OFFLOAD;
 
@@ -97,14 +97,14 @@ static void check_layer(const int act[MOERT_ACT_COUNT], bool prefetch, bool defe
         fprintf(stderr, "step 1: %s differs from keep\n", differs);
         test_failures++;
     }
-    int64_t pinned_allocations = L->pinned_allocations, pinned_bytes = L->pinned_bytes;
+    int64_t pinned_allocations = L->acts.pinned_allocations, pinned_bytes = L->acts.pinned_bytes;
     EXPECT_EQ_INT(pinned_allocations, offloaded);
-    EXPECT_EQ_INT(L->copy_streams_ready, offloaded > 0);
+    EXPECT_EQ_INT(L->acts.copy_streams_ready, offloaded > 0);
     if (offloaded) {
-        EXPECT(L->d2h_stream && L->h2d_stream && L->d2h_stream != L->stream && L->h2d_stream != L->stream &&
-               L->d2h_stream != L->h2d_stream);
+        EXPECT(L->acts.d2h_stream && L->acts.h2d_stream && L->acts.d2h_stream != L->stream && L->acts.h2d_stream != L->stream &&
+               L->acts.d2h_stream != L->acts.h2d_stream);
         /* an offload whose D2H copy still runs at its reload is cancelled (kept on the device, no H2D copy) */
-        EXPECT(L->offload_saved_bytes + L->offload_cancelled_bytes > 0);
+        EXPECT(L->acts.offload_saved_bytes + L->acts.offload_cancelled_bytes > 0);
     }
 
     moert_cuda_pool_stats stats2 = {0}, stats3 = {0};
@@ -119,17 +119,17 @@ static void check_layer(const int act[MOERT_ACT_COUNT], bool prefetch, bool defe
         }
         free_result(&later);
         /* the pinned buffers of step 1 serve every later step */
-        EXPECT_EQ_INT(L->pinned_allocations, pinned_allocations);
-        EXPECT_EQ_INT(L->pinned_bytes, pinned_bytes);
+        EXPECT_EQ_INT(L->acts.pinned_allocations, pinned_allocations);
+        EXPECT_EQ_INT(L->acts.pinned_bytes, pinned_bytes);
     }
     EXPECT_EQ_INT(stats3.cuda_malloc_count, stats2.cuda_malloc_count);
-    for (int a = 0; a < MOERT_ACT_COUNT; a++) EXPECT(L->offload_pending[a].data == NULL);
+    for (int a = 0; a < MOERT_ACT_COUNT; a++) EXPECT(L->acts.offload_pending[a].data == NULL);
     printf("%-70s fc1 %6.3f  act %6.3f  fc2 %6.3f  combine %6.3f  backward %6.3f ms; held %5.1f MiB, pinned %5.1f "
            "MiB in %lld buffers; pool peak %.1f MiB\n",
            json, 1e3 * L->stage_seconds[MOERT_STAGE_FC1], 1e3 * L->stage_seconds[MOERT_STAGE_ACT],
            1e3 * L->stage_seconds[MOERT_STAGE_FC2], 1e3 * L->stage_seconds[MOERT_STAGE_COMBINE],
-           1e3 * L->stage_seconds[MOERT_STAGE_BACKWARD], L->kept_bytes_peak / 1048576.0, L->pinned_bytes / 1048576.0,
-           (long long)L->pinned_allocations, stats3.peak_bytes_in_use / 1048576.0);
+           1e3 * L->stage_seconds[MOERT_STAGE_BACKWARD], L->acts.kept_bytes_peak / 1048576.0, L->acts.pinned_bytes / 1048576.0,
+           (long long)L->acts.pinned_allocations, stats3.peak_bytes_in_use / 1048576.0);
 exit:
     if (test_failures != before)
         fprintf(stderr, "  ... layer with %s (prefetch %d, deferred release %d)\n", json, prefetch, defer);

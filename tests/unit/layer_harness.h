@@ -80,6 +80,7 @@ static moert_result harness_open(layer_harness *hz, moert_device device, int64_t
     L->info.device = device;
     L->core_host = hz->core_host;
     L->stream = hz->stream;
+    moert_act_store_init(&L->acts, hz->core_host, hz->stream, device, 0);
     L->param_dtype = MOERT_F32;
     L->optimizer = optimizer;
     static const char *const specs[MOERT_SLOT_COUNT] = {"topk", "alltoall", "bf16", "default"};
@@ -109,7 +110,7 @@ static moert_result harness_step(layer_harness *hz, bool prefetch)
     moert_layer *L = &hz->L;
     MOERT_CHECK(moert_layer_zero_grad(L, true));
     MOERT_CHECK(moert_layer_forward(L, &hz->x, &hz->y));
-    if (prefetch) MOERT_CHECK(moert_layer_prefetch(L));
+    if (prefetch) MOERT_CHECK(moert_act_store_prefetch(&L->acts));
     MOERT_CHECK(moert_layer_backward(L, &hz->d_y, &hz->d_x, 1.0));
     MOERT_CHECK(moert_layer_collect_times(L));
     rc = hz->core_host->stream_synchronize(hz->core_host, hz->stream);

@@ -185,8 +185,8 @@ static void check_layer(const int act[MOERT_ACT_COUNT], bool prefetch, bool defe
     EXPECT_OK(rc);
     if (rc != MOERT_OK) goto exit;
     moert_layer *L = &hz.L;
-    L->defer_offload_release = defer;
-    L->defer_offload_start = defer;
+    L->acts.defer_release = defer;
+    L->acts.defer_start = defer;
 
     EXPECT_OK(moert_layer_zero_grad(L, true));
     EXPECT_OK(moert_layer_forward(L, &hz.x, &hz.y));
@@ -194,25 +194,25 @@ static void check_layer(const int act[MOERT_ACT_COUNT], bool prefetch, bool defe
     for (int a = 0; a < MOERT_ACT_COUNT; a++) {
         offloaded += act[a] == MOERT_MEMORY_OFFLOAD;
         /* deferred: the device copy waits for moert_layer_release_offloaded */
-        EXPECT((L->offload_pending[a].data != NULL) == (defer && act[a] == MOERT_MEMORY_OFFLOAD));
-        EXPECT((L->saved[a].data != NULL) == (act[a] == MOERT_MEMORY_KEEP));
+        EXPECT((L->acts.offload_pending[a].data != NULL) == (defer && act[a] == MOERT_MEMORY_OFFLOAD));
+        EXPECT((L->acts.saved[a].data != NULL) == (act[a] == MOERT_MEMORY_KEEP));
     }
     if (defer) {
         /* deferred start: the copies wait for moert_layer_start_offloads (or a release, which issues them first) */
-        for (int a = 0; a < MOERT_ACT_COUNT; a++) EXPECT_EQ_INT(L->offload_queued[a], act[a] == MOERT_MEMORY_OFFLOAD);
-        if (act[0] != MOERT_MEMORY_KEEP) EXPECT_OK(moert_layer_start_offloads(L));
-        for (int a = 0; a < MOERT_ACT_COUNT && act[0] != MOERT_MEMORY_KEEP; a++) EXPECT(!L->offload_queued[a]);
-        EXPECT_OK(moert_layer_release_offloaded(L));
-        for (int a = 0; a < MOERT_ACT_COUNT; a++) EXPECT(!L->offload_queued[a]);
-        for (int a = 0; a < MOERT_ACT_COUNT; a++) EXPECT(L->offload_pending[a].data == NULL);
+        for (int a = 0; a < MOERT_ACT_COUNT; a++) EXPECT_EQ_INT(L->acts.offload_queued[a], act[a] == MOERT_MEMORY_OFFLOAD);
+        if (act[0] != MOERT_MEMORY_KEEP) EXPECT_OK(moert_act_store_start_offloads(&L->acts));
+        for (int a = 0; a < MOERT_ACT_COUNT && act[0] != MOERT_MEMORY_KEEP; a++) EXPECT(!L->acts.offload_queued[a]);
+        EXPECT_OK(moert_act_store_release_offloaded(&L->acts));
+        for (int a = 0; a < MOERT_ACT_COUNT; a++) EXPECT(!L->acts.offload_queued[a]);
+        for (int a = 0; a < MOERT_ACT_COUNT; a++) EXPECT(L->acts.offload_pending[a].data == NULL);
     }
     if (prefetch) {
-        EXPECT_OK(moert_layer_prefetch(L));
+        EXPECT_OK(moert_act_store_prefetch(&L->acts));
         for (int a = 0; a < MOERT_ACT_COUNT; a++)
-            EXPECT_EQ_INT(L->place[a], act[a] == MOERT_MEMORY_OFFLOAD ? MOERT_PLACE_LOADING
+            EXPECT_EQ_INT(L->acts.place[a], act[a] == MOERT_MEMORY_OFFLOAD ? MOERT_PLACE_LOADING
                                        : act[a] == MOERT_MEMORY_RECOMPUTE ? MOERT_PLACE_DROPPED
                                                                           : MOERT_PLACE_DEVICE);
-        EXPECT_OK(moert_layer_prefetch(L)); /* idempotent */
+        EXPECT_OK(moert_act_store_prefetch(&L->acts)); /* idempotent */
     }
     EXPECT_OK(moert_layer_backward(L, &hz.d_y, &hz.d_x, 1.0));
     download_result(&hz, out);
@@ -223,34 +223,34 @@ static void check_layer(const int act[MOERT_ACT_COUNT], bool prefetch, bool defe
     int64_t kept = 0, recomputed = 0, moved = 0;
     for (int a = 0; a < MOERT_ACT_COUNT; a++) {
         int64_t bytes = LT * LK * cols[a] * 4;
-        EXPECT_EQ_INT(L->saved_bytes[a], bytes);
-        EXPECT_EQ_INT(L->action[a], act[a]);
-        EXPECT_EQ_INT(L->held_bytes[a], act[a] == MOERT_MEMORY_KEEP ? bytes : 0);
+        EXPECT_EQ_INT(L->acts.saved_bytes[a], bytes);
+        EXPECT_EQ_INT(L->acts.action[a], act[a]);
+        EXPECT_EQ_INT(L->acts.held_bytes[a], act[a] == MOERT_MEMORY_KEEP ? bytes : 0);
         if (act[a] == MOERT_MEMORY_KEEP) kept += bytes;
         if (act[a] == MOERT_MEMORY_RECOMPUTE) recomputed += bytes;
         if (act[a] == MOERT_MEMORY_OFFLOAD) {
             moved += bytes;
-            EXPECT(L->pinned_capacity[a] >= (size_t)bytes);
+            EXPECT(L->acts.pinned_capacity[a] >= (size_t)bytes);
         } else {
-            EXPECT(L->pinned[a] == NULL);
+            EXPECT(L->acts.pinned[a] == NULL);
         }
     }
-    EXPECT_EQ_INT(L->kept_bytes_peak, kept);
-    EXPECT_EQ_INT(L->recompute_saved_bytes, recomputed);
-    EXPECT_EQ_INT(L->offload_saved_bytes, moved);
-    EXPECT_EQ_INT(L->pinned_allocations, offloaded);
-    EXPECT(L->pinned_bytes >= moved);
-    EXPECT_EQ_INT(L->copy_streams_ready, offloaded > 0);
+    EXPECT_EQ_INT(L->acts.kept_bytes_peak, kept);
+    EXPECT_EQ_INT(L->acts.recompute_saved_bytes, recomputed);
+    EXPECT_EQ_INT(L->acts.offload_saved_bytes, moved);
+    EXPECT_EQ_INT(L->acts.pinned_allocations, offloaded);
+    EXPECT(L->acts.pinned_bytes >= moved);
+    EXPECT_EQ_INT(L->acts.copy_streams_ready, offloaded > 0);
     if (reference) EXPECT(same_result(&hz, out, reference));
 
     /* a second step: the same bits, no new pinned buffer */
-    int64_t pinned_bytes = L->pinned_bytes;
+    int64_t pinned_bytes = L->acts.pinned_bytes;
     EXPECT_OK(harness_step(&hz, prefetch));
     layer_result second = {0};
     download_result(&hz, &second);
     EXPECT(same_result(&hz, &second, out));
-    EXPECT_EQ_INT(L->pinned_allocations, offloaded);
-    EXPECT_EQ_INT(L->pinned_bytes, pinned_bytes);
+    EXPECT_EQ_INT(L->acts.pinned_allocations, offloaded);
+    EXPECT_EQ_INT(L->acts.pinned_bytes, pinned_bytes);
     free_result(&second);
 exit:
     if (test_failures != before)
@@ -280,15 +280,15 @@ static void check_layer_figures(void)
     if (harness_open(&hz, moert_cpu(), LH, LF, LE, LK, LT, MOERT_F32, "{\"dispatched_x\": \"offload\"}",
                      MOERT_OPTIMIZER_ADAM) == MOERT_OK) {
         moert_layer *L = &hz.L;
-        L->defer_offload_release = L->defer_offload_start = true;
+        L->acts.defer_release = L->acts.defer_start = true;
         EXPECT_OK(moert_layer_zero_grad(L, true));
         EXPECT_OK(moert_layer_forward(L, &hz.x, &hz.y));
-        EXPECT(L->offload_queued[MOERT_ACT_DISPATCHED_X]);
-        EXPECT_OK(moert_layer_prefetch(L));
-        EXPECT(!L->offload_queued[MOERT_ACT_DISPATCHED_X]);
-        EXPECT_EQ_INT(L->place[MOERT_ACT_DISPATCHED_X], MOERT_PLACE_DEVICE);
-        EXPECT_EQ_INT(L->offload_cancelled_bytes, L->saved_bytes[MOERT_ACT_DISPATCHED_X]);
-        EXPECT_EQ_INT(L->offload_saved_bytes, 0);
+        EXPECT(L->acts.offload_queued[MOERT_ACT_DISPATCHED_X]);
+        EXPECT_OK(moert_act_store_prefetch(&L->acts));
+        EXPECT(!L->acts.offload_queued[MOERT_ACT_DISPATCHED_X]);
+        EXPECT_EQ_INT(L->acts.place[MOERT_ACT_DISPATCHED_X], MOERT_PLACE_DEVICE);
+        EXPECT_EQ_INT(L->acts.offload_cancelled_bytes, L->acts.saved_bytes[MOERT_ACT_DISPATCHED_X]);
+        EXPECT_EQ_INT(L->acts.offload_saved_bytes, 0);
         EXPECT_OK(moert_layer_backward(L, &hz.d_y, &hz.d_x, 1.0));
         layer_result r = {0};
         download_result(&hz, &r);
