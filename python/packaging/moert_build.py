@@ -7,8 +7,8 @@ setting `builddir` names one) and writes a wheel holding
     moert/_lib/libmoert.so              the C library (ctypes loads it by path)
     moert/_lib/moert/plugins/*.so       every built plugin (next to the library as in <libdir>/moert/plugins)
 The wheel is tagged py3-none-<platform>: the binding is ctypes, so it serves any Python 3 of that platform.
-Config settings: `setup-args` (extra `meson setup` arguments, e.g. "-Dcuda=disabled"; also MOERT_MESON_ARGS) and
-`builddir`. meson and ninja come from PATH, else from PyPI (get_requires_for_build_wheel asks for them).
+Config settings: `setup-args` (extra `meson setup` arguments, e.g. "-Dcuda=disabled"; also MOERT_MESON_ARGS),
+`builddir`, and `compile=false` (package that build directory as it is, without running meson compile in it). meson and ninja come from PATH, else from PyPI (get_requires_for_build_wheel asks for them).
 """
 import base64
 import csv
@@ -117,7 +117,8 @@ def _build(builddir, config_settings):
         _meson("setup", builddir, ROOT, "--buildtype=release", "-Db_ndebug=true", *extra)
     elif extra:
         _meson("configure", builddir, *extra)
-    _meson("compile", "-C", builddir)
+    if _setting(config_settings, "compile") != "false":
+        _meson("compile", "-C", builddir)
     lib = os.path.join(builddir, "core", "libmoert.so")
     plugins = sorted(p for p in glob.glob(os.path.join(builddir, "plugins", "*", "libmoert-*.so")))
     if not os.path.exists(lib) or not plugins:

@@ -46,7 +46,7 @@ class WheelTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as tmp:
             wheels, site = os.path.join(tmp, "wheels"), os.path.join(tmp, "site")
             os.makedirs(wheels)
-            name = moert_build.build_wheel(wheels, {"builddir": build})
+            name = moert_build.build_wheel(wheels, {"builddir": build, "compile": "false"})
             with zipfile.ZipFile(os.path.join(wheels, name)) as z:
                 names = z.namelist()
                 z.extractall(site)
