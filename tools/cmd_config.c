@@ -255,20 +255,18 @@ static int finish(import_state *st)
     }
     if (!json_object_get(router, "score_function")) set_key(st->root, "router.score_function", json_string("softmax"));
 
-    /* dispatcher: alltoall, or flex with a DeepEP / HybridEP backend */
+    /* dispatcher: allgather (Megatron's default), alltoall, or flex with a DeepEP / HybridEP backend */
     const char *plugin = "alltoall";
     const char *dtype = st->dispatcher ? st->dispatcher : "allgather"; /* Megatron's default */
     if (st->deepep) dtype = "flex";
     if (!strcmp(dtype, "alltoall")) plugin = "alltoall";
+    else if (!strcmp(dtype, "allgather")) plugin = "allgather";
     else if (!strcmp(dtype, "flex")) {
         const char *backend = st->flex_backend ? st->flex_backend : "deepep";
         if (!strcmp(backend, "deepep")) plugin = "deepep";
         else if (!strcmp(backend, "hybridep")) plugin = "hybridep";
         else return fail("--moe-flex-dispatcher-backend: \"%s\" is not deepep or hybridep%s", backend, "");
-    } else if (!strcmp(dtype, "allgather"))
-        return fail("--moe-token-dispatcher-type %s: moert has no allgather dispatcher yet (use alltoall)%s",
-                    st->dispatcher ? "allgather" : "allgather (Megatron's default when the flag is left out)", "");
-    else if (!strcmp(dtype, "alltoall_seq"))
+    } else if (!strcmp(dtype, "alltoall_seq"))
         return fail("--moe-token-dispatcher-type %s: use alltoall%s", dtype, "");
     else
         return fail("--moe-token-dispatcher-type: \"%s\" is not one of Megatron's values%s", dtype, "");

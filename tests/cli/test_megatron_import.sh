@@ -50,8 +50,10 @@ expect_refused unknown_moe "--moe-foo: an MoE flag moert does not know how to ma
 expect_refused unknown "--bar: not a flag moert knows" "${base[@]}" --bar
 expect_refused jitter "--moe-input-jitter-eps: router input jitter is not supported yet" "${base[@]}" \
     --moe-input-jitter-eps 0.01
-expect_refused allgather "moert has no allgather dispatcher yet" --num-experts 8 --hidden-size 64 \
-    --moe-ffn-hidden-size 32
+# Megatron's default dispatcher, allgather, when the flag is left out
+"$moert" config --from-megatron --num-experts 8 --hidden-size 64 --moe-ffn-hidden-size 32 >"$tmp/allgather.json" 2>&1 ||
+    fail "default dispatcher import: $(cat "$tmp/allgather.json")"
+grep -q '"plugin": "allgather"' "$tmp/allgather.json" || fail "Megatron's default dispatcher not mapped to allgather"
 expect_refused missing "--hidden-size is required" --num-experts 8 --moe-ffn-hidden-size 32
 expect_refused badint "--num-experts: \"eight\" is not a positive integer" --num-experts eight
 expect_refused badenum "--moe-router-score-function: \"relu\" is not one of Megatron's values" "${base[@]}" \
