@@ -1,0 +1,462 @@
+# SPDX-License-Identifier: Apache-2.0
+"""moert.megatron without Megatron installed: what the Megatron backend adds on top of moert.torch, tested on its
+own. The routing conversions (Megatron's [T, E] routing map and probs <-> moert's [T, K] indices and weights) against
+a loop reference, gradients included; the config mappings both ways on the presets (and moert's own parser accepting
+them) and the refusals; the expert weight layouts through copy_to_moert into moert.torch.MoE against Megatron's
+SwiGLU MLP math; and MoertDispatch, the dispatcher backend's six steps in the order Megatron's MoELayer calls them,
+over a real moert.torch.Dispatcher with SequentialMLP-style experts, against the dense MoE on 1 and 2 CPU processes
+(gloo). Megatron's own MoELayer against the backend is bench/megatron_bench.py (GPUs; docs/megatron.md)."""
+import json
+import os
+import types
+import unittest
+
+import torch
+import torch.nn.functional as F
+
+from common import ROOT, Case, assert_close, moert, run_distributed
+import moert.megatron as mm
+
+
+def random_routing(T, E, K, seed, drop=0.0, dtype=torch.float64):
+    """A Megatron-style router output: logits -> top-K -> softmax over the K (post-softmax), routing_map [T, E] bool
+    and probs [T, E] (0 off the map); copies dropped with probability `drop` (capacity: map False, prob 0, the kept
+    probs unchanged). Returns logits (requires grad), routing_map, probs."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    top, idx = torch.topk(logits, K, dim=1)
+    p = torch.softmax(top, dim=1)
+    routing_map = torch.zeros(T, E, dtype=torch.bool).scatter(1, idx, True)
+    probs = torch.zeros(T, E, dtype=dtype).scatter(1, idx, p)
+    if drop:
+        keep = torch.rand(T, E, generator=g) >= drop
+        routing_map = routing_map & keep
+        probs = probs * routing_map
+    return logits, routing_map, probs
+
+
+class RoutingConversion(Case):
+    def reference(self, routing_map, probs, K):
+        T = routing_map.shape[0]
+        idx = torch.full((T, K), -1, dtype=torch.int32)
+        w = torch.zeros(T, K, dtype=torch.float64)
+        for t in range(T):
+            es = [e for e in range(routing_map.shape[1]) if routing_map[t, e]][:K]
+            for k, e in enumerate(es):
+                idx[t, k] = e
+                w[t, k] = probs[t, e].item()
+        return idx, w
+
+    def test_to_topk_matches_loop(self):
+        for T, E, K, drop in ((17, 8, 2, 0.0), (33, 16, 4, 0.3), (5, 4, 4, 0.5), (9, 6, 1, 0.0), (0, 4, 2, 0.0)):
+            _, rm, pr = random_routing(T, E, K, seed=T + E, drop=drop)
+            idx, w = mm.routing_map_to_topk(rm, pr, K, torch.float64)
+            ridx, rw = self.reference(rm, pr, K)
+            self.assertEqual(idx.dtype, torch.int32)
+            self.assertTrue(torch.equal(idx, ridx), "T=%d E=%d K=%d drop=%g" % (T, E, K, drop))
+            self.assertTrue(torch.equal(w, rw))
+            self.assertTrue(idx.is_contiguous() and w.is_contiguous())
+
+    def test_weight_dtype(self):
+        _, rm, pr = random_routing(12, 8, 2, seed=3, dtype=torch.bfloat16)
+        idx, w = mm.routing_map_to_topk(rm, pr, 2)
+        self.assertEqual(w.dtype, torch.float32)
+        ridx, rw = self.reference(rm, pr.double(), 2)
+        self.assertTrue(torch.equal(w.double(), rw))  # bf16 -> fp32 is exact
+
+    def test_gradient_reaches_probs(self):
+        logits, rm, pr = random_routing(20, 8, 3, seed=5, drop=0.2)
+        gw = torch.randn(20, 3, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+        idx, w = mm.routing_map_to_topk(rm, pr, 3, torch.float64)
+        got, = torch.autograd.grad((w * gw).sum(), logits, retain_graph=True)
+        ridx, _ = self.reference(rm, pr.detach(), 3)
+        loss = sum(pr[t, ridx[t, k]] * gw[t, k] for t in range(20) for k in range(3) if ridx[t, k] >= 0)
+        want, = torch.autograd.grad(loss, logits)
+        self.close(got, want, 1e-12, "d logits")
+
+    def test_round_trip(self):
+        for drop in (0.0, 0.4):
+            _, rm, pr = random_routing(25, 16, 4, seed=11, drop=drop)
+            idx, w = mm.routing_map_to_topk(rm, pr, 4, torch.float64)
+            rm2, pr2 = mm.topk_to_routing_map(idx, w, 16)
+            self.assertTrue(torch.equal(rm2, rm))
+            self.assertTrue(torch.equal(pr2, pr.detach()))
+
+    def test_bad_input(self):
+        _, rm, pr = random_routing(4, 8, 2, seed=1)
+        with self.assertRaisesRegex(ValueError, "same"):
+            mm.routing_map_to_topk(rm, pr[:, :4], 2)
+        with self.assertRaisesRegex(TypeError, "bool"):
+            mm.routing_map_to_topk(rm.int(), pr, 2)
+        with self.assertRaisesRegex(ValueError, "topk"):
+            mm.routing_map_to_topk(rm, pr, 9)
+
+
+# Megatron's TransformerConfig defaults for what the mapping reads (megatron-core 0.16.1)
+MEGATRON_DEFAULTS = dict(moe_ffn_hidden_size=None, moe_router_topk=2, bf16=False, fp16=False,
+                         params_dtype=torch.float32, moe_shared_expert_intermediate_size=None,
+                         moe_shared_expert_gate=False, moe_shared_expert_overlap=False,
+                         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None,
+                         moe_router_score_function="softmax", moe_router_pre_softmax=False,
+                         moe_router_num_groups=None, moe_router_group_topk=None, moe_router_topk_scaling_factor=None,
+                         moe_router_enable_expert_bias=False, moe_router_bias_update_rate=1e-3,
+                         moe_expert_capacity_factor=None, moe_token_drop_policy="probs",
+                         moe_pad_expert_input_to_capacity=False, moe_router_padding_for_quantization=False,
+                         moe_latent_size=None, expert_tensor_parallel_size=1, gated_linear_unit=False,
+                         activation_func=F.gelu, add_bias_linear=True, moe_router_dtype=None,
+                         moe_input_jitter_eps=None, moe_apply_probs_on_input=False)
+
+
+def megatron_config(**kw):
+    d = dict(MEGATRON_DEFAULTS)
+    d.update(kw)
+    return types.SimpleNamespace(**d)
+
+
+PRESETS = ("deepseek-v3", "deepseek-v3-shared", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b",
+           "mixtral-8x22b", "qwen2-57b-a14b")
+
+
+class ConfigMapping(Case):
+    def load(self, name):
+        with open(os.path.join(ROOT, "configs", name + ".json")) as f:
+            return json.load(f)
+
+    def test_presets_round_trip(self):
+        for name in PRESETS:
+            cfg = self.load(name)
+            kw = mm.megatron_kwargs_from_moert(cfg)
+            tc = megatron_config(num_layers=1, **kw)
+            back = mm.moert_config_from_megatron(tc, base=cfg)
+            want_model = {k: v for k, v in cfg["model"].items()}
+            self.assertEqual(back["model"], want_model, name)
+            want_router = {k: v for k, v in cfg["router"].items() if not (k == "load_balancing" and v == "none")}
+            self.assertEqual(back["router"], want_router, name)
+            for sec in ("dispatcher", "precision", "memory_policy", "train", "parallel"):
+                self.assertEqual(back.get(sec), cfg.get(sec), name + " " + sec)
+            moert.Config(back)  # moert's parser takes it
+
+    def test_from_megatron(self):
+        tc = megatron_config(hidden_size=64, ffn_hidden_size=256, moe_ffn_hidden_size=32, num_moe_experts=16,
+                             moe_router_topk=4, bf16=True, params_dtype=torch.bfloat16, gated_linear_unit=True,
+                             activation_func=F.silu, add_bias_linear=False, moe_router_score_function="sigmoid",
+                             moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
+                             moe_router_enable_expert_bias=True, moe_router_load_balancing_type="seq_aux_loss",
+                             moe_aux_loss_coeff=1e-4, moe_z_loss_coeff=1e-3, moe_expert_capacity_factor=1.25,
+                             moe_token_drop_policy="position", moe_shared_expert_intermediate_size=48,
+                             moe_shared_expert_gate=True)
+        cfg = mm.moert_config_from_megatron(tc, base={"dispatcher": {"plugin": "deepep", "num_sms": 24}},
+                                            seq_length=128)
+        self.assertEqual(cfg["model"], {"hidden": 64, "ffn_hidden": 32, "num_experts": 16, "topk": 4,
+                                        "dtype": "bf16", "shared_expert_ffn_hidden": 48, "shared_expert_gate": True})
+        self.assertEqual(cfg["router"], {"plugin": "topk", "score_function": "sigmoid", "num_groups": 4,
+                                         "group_topk": 2, "scaling_factor": 2.5, "expert_bias": True,
+                                         "bias_update_rate": 1e-3, "load_balancing": "seq_aux_loss",
+                                         "aux_loss_coeff": 1e-4, "z_loss_coeff": 1e-3, "capacity_factor": 1.25,
+                                         "drop_policy": "position"})
+        self.assertEqual(cfg["dispatcher"], {"plugin": "deepep", "num_sms": 24})
+        self.assertEqual(cfg["train"], {"seq_length": 128})
+        # Megatron's default: aux_loss with coefficient 0 does nothing; a list of one type is that type
+        tc2 = megatron_config(hidden_size=8, ffn_hidden_size=8, num_moe_experts=4, gated_linear_unit=True,
+                              activation_func=F.silu, add_bias_linear=False)
+        self.assertNotIn("load_balancing", mm.moert_config_from_megatron(tc2)["router"])
+        tc2.moe_router_load_balancing_type, tc2.moe_aux_loss_coeff = ["aux_loss"], [0.02]
+        r = mm.moert_config_from_megatron(tc2)["router"]
+        self.assertEqual((r["load_balancing"], r["aux_loss_coeff"]), ("aux_loss", 0.02))
+        self.assertEqual(mm.moert_config_from_megatron(tc2)["model"]["dtype"], "fp32")
+
+    def test_refusals(self):
+        ok = dict(hidden_size=8, ffn_hidden_size=8, num_moe_experts=4, gated_linear_unit=True,
+                  activation_func=F.silu, add_bias_linear=False)
+        for bad, what in ((dict(expert_tensor_parallel_size=2), "expert_tensor_parallel_size"),
+                          (dict(moe_shared_expert_overlap=True), "moe_shared_expert_overlap"),
+                          (dict(moe_pad_expert_input_to_capacity=True), "moe_pad_expert_input_to_capacity"),
+                          (dict(moe_router_padding_for_quantization=True), "padding_for_quantization"),
+                          (dict(gated_linear_unit=False), "gated_linear_unit"),
+                          (dict(activation_func=F.gelu), "activation_func gelu"),
+                          (dict(add_bias_linear=True), "add_bias_linear"),
+                          (dict(fp16=True, params_dtype=torch.float16), "fp16"),
+                          (dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"],
+                                moe_aux_loss_coeff=[1e-3, 1e-4]), "one balancing loss")):
+            kw = dict(ok)
+            kw.update(bad)
+            with self.assertRaisesRegex(ValueError, what):
+                mm.moert_config_from_megatron(megatron_config(**kw))
+        # the dispatcher backend alone does not care about the experts' form
+        mm.check_supported(megatron_config(**dict(ok, gated_linear_unit=False, add_bias_linear=True)))
+        with self.assertRaisesRegex(ValueError, "moe_shared_expert_overlap"):
+            mm.check_supported(megatron_config(**dict(ok, moe_shared_expert_overlap=True)))
+
+
+# ---- Megatron-shaped modules in plain torch (the layouts and math of megatron-core's local spec) ----
+
+
+def megatron_mlp(x, w1, w2, prob=None):
+    """Megatron's MLP with gated_linear_unit and silu: linear_fc1 (weight [2F, H]) -> chunk -> silu(gate) * up
+    (x per-token scale) -> linear_fc2 (weight [H, F])."""
+    h = x @ w1.t()
+    gate, up = torch.chunk(h, 2, dim=-1)
+    a = F.silu(gate) * up
+    if prob is not None:
+        a = (a * prob.unsqueeze(-1)).to(a.dtype)
+    return a @ w2.t()
+
+
+def expert_weights(E, H, Fh, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    w1 = [(torch.randn(2 * Fh, H, generator=g, dtype=torch.float64) / H ** 0.5).to(dtype) for _ in range(E)]
+    w2 = [(torch.randn(H, Fh, generator=g, dtype=torch.float64) / Fh ** 0.5).to(dtype) for _ in range(E)]
+    return w1, w2
+
+
+class SequentialExperts(torch.nn.Module):
+    """SequentialMLP's forward: the rows of each local expert (split by tokens_per_expert) through its MLP, the
+    per-row probs applied after the activation."""
+
+    def __init__(self, w1, w2):
+        super().__init__()
+        self.w1 = torch.nn.ParameterList([torch.nn.Parameter(w.clone()) for w in w1])
+        self.w2 = torch.nn.ParameterList([torch.nn.Parameter(w.clone()) for w in w2])
+
+    def forward(self, x, tokens_per_expert, probs):
+        counts = tokens_per_expert.tolist()
+        outs = [megatron_mlp(xi, self.w1[i], self.w2[i], pi)
+                for i, (xi, pi) in enumerate(zip(torch.split(x, counts), torch.split(probs, counts)))]
+        return torch.cat(outs) if outs else x.new_zeros(0, self.w2[0].shape[0])
+
+
+class WeightLayout(Case):
+    def test_layout_both_ways(self):
+        w1, w2 = expert_weights(3, 8, 5, seed=2)
+        fc1, fc2 = mm.expert_weights_to_moert(w1, w2)
+        self.assertEqual((tuple(fc1.shape), tuple(fc2.shape)), ((3, 8, 10), (3, 5, 8)))
+        x = torch.randn(7, 8, dtype=torch.float64)
+        for e in range(3):
+            # moert's layout: fc1 columns 0..F-1 the gate, F..2F-1 the up projection; y = (silu(x g) * x u) fc2
+            h = x @ fc1[e]
+            want = (F.silu(h[:, :5]) * h[:, 5:]) @ fc2[e]
+            self.close(megatron_mlp(x, w1[e], w2[e]), want, 1e-14, "expert %d" % e)
+        b1, b2 = mm.expert_weights_from_moert(fc1, fc2)
+        self.assertTrue(all(torch.equal(a, b) for a, b in zip(b1 + b2, w1 + w2)))
+        # GroupedMLP keeps weight1 [H, E*2F] and weight2 [E*F, H], viewed per expert as moert's layout
+        grouped = types.SimpleNamespace(num_local_experts=3, config=types.SimpleNamespace(hidden_size=8),
+                                        weight1=fc1.reshape(8, 30), weight2=fc2.reshape(15, 8))
+        g1, g2 = mm.megatron_expert_weights(grouped)
+        self.assertTrue(torch.equal(g1, fc1) and torch.equal(g2, fc2))
+        seq = types.SimpleNamespace(local_experts=[types.SimpleNamespace(
+            linear_fc1=types.SimpleNamespace(weight=a), linear_fc2=types.SimpleNamespace(weight=b))
+            for a, b in zip(w1, w2)])
+        s1, s2 = mm.megatron_expert_weights(seq)
+        self.assertTrue(torch.equal(s1, fc1) and torch.equal(s2, fc2))
+        with self.assertRaisesRegex(TypeError, "unknown experts"):
+            mm.megatron_expert_weights(types.SimpleNamespace(num_local_experts=1))
+
+    def test_copy_to_moert(self):
+        """A Megatron-shaped layer (router.weight [E, H], SequentialMLP experts, a gated shared expert) copied into
+        moert.torch.MoE (fp64 on the CPU) gives Megatron's output: post-softmax top-k routing, experts, shared
+        expert scaled by sigmoid(x . gate)."""
+        E, H, Fh, K, Fs, T = 8, 16, 12, 2, 20, 30
+        w1, w2 = expert_weights(E, H, Fh, seed=4)
+        s1, s2 = expert_weights(1, H, Fs, seed=6)
+        g = torch.Generator().manual_seed(8)
+        router = torch.randn(E, H, generator=g, dtype=torch.float64) / H ** 0.5
+        gate = torch.randn(1, H, generator=g, dtype=torch.float64) / H ** 0.5
+        ns = types.SimpleNamespace
+        layer = ns(local_expert_indices=list(range(E)), num_local_experts=E, router=ns(weight=router, expert_bias=None),
+                   experts=ns(local_experts=[ns(linear_fc1=ns(weight=a), linear_fc2=ns(weight=b))
+                                             for a, b in zip(w1, w2)]),
+                   shared_experts=ns(linear_fc1=ns(weight=s1[0]), linear_fc2=ns(weight=s2[0]), gate_weight=gate))
+        tc = megatron_config(hidden_size=H, ffn_hidden_size=Fh, num_moe_experts=E, moe_router_topk=K,
+                             params_dtype=torch.float64, gated_linear_unit=True, activation_func=F.silu,
+                             add_bias_linear=False, moe_shared_expert_intermediate_size=Fs,
+                             moe_shared_expert_gate=True, moe_router_load_balancing_type="none")
+        cfg = mm.moert_config_from_megatron(tc, base={"train": {"tokens_per_rank": T},
+                                                      "parallel": {"device": "cpu"}})
+        moe = moert.torch.MoE(cfg)
+        mm.copy_to_moert(layer, moe)
+        x = torch.randn(T, H, generator=g, dtype=torch.float64)
+        with torch.no_grad():
+            y, _ = moe(x)
+        logits = x @ router.t()
+        top, idx = torch.topk(logits, K, dim=1)
+        p = torch.softmax(top, dim=1)
+        want = torch.zeros(T, H, dtype=torch.float64)
+        for t in range(T):
+            for k in range(K):
+                e = idx[t, k].item()
+                want[t] += p[t, k] * megatron_mlp(x[t:t + 1], w1[e], w2[e])[0]
+        want += torch.sigmoid(x @ gate.t()) * megatron_mlp(x, s1[0], s2[0])
+        self.close(y, want, 1e-12, "moert.torch.MoE with Megatron's weights")
+        wrong = types.SimpleNamespace(**dict(vars(layer), local_expert_indices=[4, 5, 6, 7], num_local_experts=4))
+        with self.assertRaisesRegex(ValueError, "different experts"):
+            mm.copy_to_moert(wrong, moe)
+
+
+# ---- the dispatcher backend's six steps over a real moert.torch.Dispatcher ----
+
+
+def layer_forward(d, experts, hidden, routing_map, probs):
+    """What Megatron's MoELayer.forward does around its token dispatcher (route done by the caller):
+    preprocess -> dispatch -> routed_experts_compute (dispatch_postprocess, experts, combine_preprocess) -> combine ->
+    postprocess."""
+    h, p = d.dispatch_preprocess(hidden, routing_map, probs)
+    h, p = d.token_dispatch(h, p)
+    h, tpe, p = d.dispatch_postprocess(h, p)
+    out = experts(h, tpe, p)
+    out = d.combine_preprocess(out)
+    out = d.token_combine(out)
+    return d.combine_postprocess(out)
+
+
+def dense_reference(x, routing_map, probs, w1, w2):
+    """y[t] = sum over the experts e routed for t of probs[t, e] * MLP_e(x[t])."""
+    y = torch.zeros_like(x)
+    for e in range(routing_map.shape[1]):
+        t = routing_map[:, e].nonzero(as_tuple=True)[0]
+        if t.numel():
+            y = y.index_add(0, t, megatron_mlp(x[t], w1[e], w2[e], probs[t, e]))
+    return y
+
+
+def rank_data(rank, T, S, E, K, H, dtype, drop):
+    """Rank r's micro-batch: hidden [S, T/S, H], the router output, the output gradient (from seeds: every rank can
+    make every rank's)."""
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(S, T // S, H, generator=g, dtype=torch.float64).to(dtype)
+    gy = torch.randn(S, T // S, H, generator=g, dtype=torch.float64).to(dtype)
+    logits, rm, pr = random_routing(T, E, K, seed=200 + rank, drop=drop, dtype=dtype)
+    return x, gy, logits, rm, pr
+
+
+def check_backend(tc, rank, world, group, dtype, tol, drop, tokens=(24, 16), step_count=2, max_tokens=None):
+    E, K, H, Fh = 8, 3, 16, 12
+    cfg = types.SimpleNamespace(hidden_size=H, num_moe_experts=E, moe_router_topk=K, moe_ffn_hidden_size=Fh,
+                                ffn_hidden_size=4 * Fh)
+    n = E // world
+    local = list(range(rank * n, (rank + 1) * n))
+    d = mm.MoertDispatch()
+    d._moert_setup(n, local, cfg, group, {"dispatcher": {"plugin": "alltoall"}, "parallel": {"device": "cpu"}},
+                   max_tokens=max_tokens)
+    w1, w2 = expert_weights(E, H, Fh, seed=3, dtype=dtype)
+    experts = SequentialExperts(w1[local[0]:local[-1] + 1], w2[local[0]:local[-1] + 1])
+    for step in range(step_count):
+        Ts = [tokens[(r + step) % len(tokens)] for r in range(world)]
+        data = [rank_data(10 * step + r, Ts[r], 4, E, K, H, dtype, drop) for r in range(world)]
+        x, gy, logits, rm, pr = data[rank]
+        xr = x.clone().requires_grad_()
+        for p in experts.parameters():
+            p.grad = None
+        y = layer_forward(d, experts, xr, rm, pr)
+        tc.assertEqual(tuple(y.shape), tuple(x.shape))
+        (y * gy).sum().backward()
+        what = "rank %d/%d %s step %d" % (rank, world, dtype, step)
+        # the reference: every rank's tokens through the dense MoE (the local experts' gradients sum them all)
+        rw1 = [w.clone().requires_grad_() for w in w1]
+        rw2 = [w.clone().requires_grad_() for w in w2]
+        outs = []
+        for r, (xq, gq, lq, rmq, prq) in enumerate(rank_data(10 * step + r, Ts[r], 4, E, K, H, dtype, drop)
+                                                   for r in range(world)):
+            xq = xq.clone().requires_grad_()
+            yq = dense_reference(xq.reshape(-1, H), rmq, prq, rw1, rw2)
+            (yq * gq.reshape(-1, H)).sum().backward()
+            outs.append((yq, xq.grad, lq.grad))
+        assert_close(tc, y.reshape(-1, H), outs[rank][0], tol, what + " y")
+        assert_close(tc, xr.grad, outs[rank][1], tol, what + " dx")
+        assert_close(tc, logits.grad, outs[rank][2], tol, what + " d router logits (through the probs)")
+        for i, e in enumerate(local):
+            assert_close(tc, experts.w1[i].grad, rw1[e].grad, tol, what + " fc1 of expert %d" % e)
+            assert_close(tc, experts.w2[i].grad, rw2[e].grad, tol, what + " fc2 of expert %d" % e)
+    return d
+
+
+class _Checks(unittest.TestCase):
+    """Assertions inside a worker process (not a test of its own)."""
+
+
+def backend_worker(rank, world, dtype_name, drop):
+    import torch.distributed as dist
+    dtype = {"fp64": torch.float64, "fp32": torch.float32}[dtype_name]
+    d = check_backend(_Checks(), rank, world, dist.group.WORLD, dtype, 1e-12 if dtype == torch.float64 else 2e-5,
+                      drop)
+    assert d.moert_dispatcher.world_size == world
+    # the dispatcher was made for the largest first micro-batch of the group: 24 tokens
+    assert d.moert_dispatcher.max_tokens == 24, d.moert_dispatcher.max_tokens
+
+
+class DispatcherBackend(Case):
+    def test_one_rank(self):
+        for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-5)):
+            for drop in (0.0, 0.25):
+                check_backend(self, 0, 1, None, dtype, tol, drop, tokens=(24, 16, 12), step_count=3)
+
+    def test_bf16_probs_go_back_in_their_dtype(self):
+        E, K, H = 4, 2, 8
+        cfg = types.SimpleNamespace(hidden_size=H, num_moe_experts=E, moe_router_topk=K, moe_ffn_hidden_size=8)
+        d = mm.MoertDispatch()
+        d._moert_setup(E, list(range(E)), cfg, None, {"parallel": {"device": "cpu"}})
+        _, rm, pr = random_routing(8, E, K, seed=2, dtype=torch.bfloat16)
+        x = torch.randn(8, 1, H, dtype=torch.float32)  # fp32 hidden states, bf16 router probs
+        h, p = d.dispatch_preprocess(x, rm, pr)
+        self.assertEqual(p.dtype, torch.float32)
+        h, p = d.token_dispatch(h, p)
+        h, tpe, p = d.dispatch_postprocess(h, p)
+        self.assertEqual(p.dtype, torch.bfloat16)
+        self.assertEqual(int(tpe.sum()), 16)
+        y = d.combine_postprocess(d.token_combine(d.combine_preprocess(h * p.float()[:, None])))
+        self.assertEqual(tuple(y.shape), (8, 1, H))
+        self.close(y.reshape(8, H), x.reshape(8, H) * (pr.float().sum(1, keepdim=True)), 1e-6, "sum of probs x")
+
+    def test_preset_as_moert_config(self):
+        """A preset with a gated shared expert as the backend's config: its model section is Megatron's (the shared
+        expert stays Megatron's MoELayer's), its dispatcher section used."""
+        cfg = types.SimpleNamespace(hidden_size=8, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8)
+        d = mm.MoertDispatch()
+        d._moert_setup(4, list(range(4)), cfg, None, os.path.join(ROOT, "configs", "qwen2-57b-a14b.json"),
+                       overrides={"parallel.device": "cpu"})
+        _, rm, pr = random_routing(8, 4, 2, seed=2)
+        h, p = d.dispatch_preprocess(torch.randn(8, 1, 8, dtype=torch.float64), rm, pr)
+        disp = d.moert_dispatcher
+        with open(os.path.join(ROOT, "configs", "qwen2-57b-a14b.json")) as f:
+            tokens = json.load(f)["train"]["tokens_per_rank"]  # max_tokens: the preset's
+        self.assertEqual((disp.hidden, disp.num_experts, disp.topk, disp.dtype, disp.max_tokens),
+                         (8, 4, 2, torch.float64, tokens))
+
+    def test_more_tokens_than_made_for(self):
+        E, K, H = 4, 2, 8
+        cfg = types.SimpleNamespace(hidden_size=H, num_moe_experts=E, moe_router_topk=K, moe_ffn_hidden_size=8)
+        d = mm.MoertDispatch()
+        d._moert_setup(E, list(range(E)), cfg, None, {"parallel": {"device": "cpu"}}, max_tokens=10)
+        _, rm, pr = random_routing(10, E, K, seed=2)
+        d.dispatch_preprocess(torch.randn(10, 1, H, dtype=torch.float64), rm, pr)
+        self.assertEqual(d.moert_dispatcher.max_tokens, 10)
+        _, rm, pr = random_routing(12, E, K, seed=2)
+        with self.assertRaisesRegex(ValueError, "max_tokens="):
+            d.dispatch_preprocess(torch.randn(12, 1, H, dtype=torch.float64), rm, pr)
+        with self.assertRaisesRegex(NotImplementedError, "shared expert overlap"):
+            d.set_shared_experts(object())
+
+    def test_two_ranks(self):
+        run_distributed(2, backend_worker, "fp64", 0.2)
+        run_distributed(2, backend_worker, "fp32", 0.0)
+
+
+class MegatronParts(Case):
+    def test_megatron_only_where_needed(self):
+        """The conversions and MoertDispatch import without Megatron; MoertTokenDispatcher needs it (an ImportError
+        naming it without, a MoETokenDispatcher subclass with)."""
+        try:
+            from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+        except ImportError:
+            MoETokenDispatcher = None
+        if MoETokenDispatcher is None:
+            with self.assertRaisesRegex(ImportError, "megatron"):
+                mm.MoertTokenDispatcher  # noqa: B018
+        else:
+            self.assertTrue(issubclass(mm.MoertTokenDispatcher, MoETokenDispatcher))
+            self.assertTrue(issubclass(mm.MoertTokenDispatcher, mm.MoertDispatch))
+        with self.assertRaises(AttributeError):
+            mm.NoSuchThing  # noqa: B018
+
+
+if __name__ == "__main__":
+    unittest.main()
