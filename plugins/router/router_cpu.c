@@ -8,10 +8,8 @@
 
 /* Added to the sum of sigmoid scores before dividing by it, as Megatron does. */
 #define ROUTER_SIGMOID_NORM_EPS 1e-20
-/* Sinkhorn: the epsilon inside its two divisions and its stopping tolerance (Megatron's values). */
+/* Sinkhorn: the epsilon inside its two divisions (Megatron's value). */
 #define ROUTER_SINKHORN_EPS 1e-8
-#define ROUTER_SINKHORN_TOL 1e-4
-#define ROUTER_SINKHORN_MAX_ITERS 10000
 
 /* The larger of two sizes. */
 static int64_t max_i64(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -198,7 +196,8 @@ int64_t router_cpu_route(const router_params *p, const double *logits, const dou
     int64_t iters = 0;
 
     if (p->balancing == ROUTER_BALANCE_SINKHORN)
-        iters = router_cpu_sinkhorn(logits, T, E, ROUTER_SINKHORN_TOL, ROUTER_SINKHORN_MAX_ITERS, sink + T * E, sink);
+        iters = router_cpu_sinkhorn(logits, T, E, ROUTER_SINKHORN_TOLERANCE, ROUTER_SINKHORN_MAX_ROUNDS, sink + T * E,
+                                    sink);
 
     for (int64_t t = 0; t < T; t++) {
         const double *l = logits + t * E;

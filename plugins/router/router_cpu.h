@@ -87,6 +87,10 @@ void router_cpu_topk(const double *scores, int64_t E, int64_t K, const unsigned 
 void router_cpu_group_topk(const double *scores, int64_t E, int64_t K, int64_t G, int64_t Kg,
                            unsigned char *bytes_scratch, double *group_scratch, int32_t *idx);
 
+/* Sinkhorn's stopping rule on both paths: Megatron's tolerance on mean |d1 - d1_old|, and a bound on the rounds. */
+#define ROUTER_SINKHORN_TOLERANCE 1e-4
+#define ROUTER_SINKHORN_MAX_ROUNDS 10000
+
 /*
  * Sinkhorn normalisation of exp(logits) [T,E] (Megatron's): d0 = (1/T)/(c.d1 + 1e-8),
  * d1 = (1/E)/(c^T.d0 + 1e-8), repeated until mean|d1 - d1_old| <= tol; out = d1 * c * d0.

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* CUDA router: one warp per token; lane l holds experts l, l+32, ... (8 slots for E <= 256). */
 #include "router_cuda.h"
+#include "router_noise.h"
 
 #include <math.h>
 #include <stdarg.h>
@@ -19,11 +20,20 @@
 /* The parameters the kernels read, checked and narrowed on the host. */
 typedef struct kernel_params {
     int tokens, experts, topk, score, groups, group_topk, normalize;
-    float scale;
+    double scale;
 } kernel_params;
 
+/* exp, log and max in the arithmetic of the scalar type (the kernels run in fp32, or fp64 for compute_dtype fp64). */
+__device__ __forceinline__ float s_exp(float v) { return expf(v); }
+__device__ __forceinline__ double s_exp(double v) { return exp(v); }
+__device__ __forceinline__ float s_log(float v) { return logf(v); }
+__device__ __forceinline__ double s_log(double v) { return log(v); }
+__device__ __forceinline__ float s_max(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double s_max(double a, double b) { return fmax(a, b); }
+
 /* Strict order of candidates: higher value first, then lower index; index < 0 is "none". */
-__device__ __forceinline__ bool better(float v, int i, float best_v, int best_i)
+template <typename S>
+__device__ __forceinline__ bool better(S v, int i, S best_v, int best_i)
 {
     if (i < 0) return false;
     if (best_i < 0) return true;
@@ -31,12 +41,13 @@ __device__ __forceinline__ bool better(float v, int i, float best_v, int best_i)
 }
 
 /* Warp-wide best of (value, index, payload); every lane gets the same answer. */
-__device__ __forceinline__ void warp_best(float &v, int &i, float &payload)
+template <typename S>
+__device__ __forceinline__ void warp_best(S &v, int &i, S &payload)
 {
     for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(FULL_MASK, v, o);
+        S ov = __shfl_xor_sync(FULL_MASK, v, o);
         int oi = __shfl_xor_sync(FULL_MASK, i, o);
-        float op = __shfl_xor_sync(FULL_MASK, payload, o);
+        S op = __shfl_xor_sync(FULL_MASK, payload, o);
         if (better(ov, oi, v, i)) {
             v = ov;
             i = oi;
@@ -45,20 +56,23 @@ __device__ __forceinline__ void warp_best(float &v, int &i, float &payload)
     }
 }
 
-__device__ __forceinline__ float warp_max(float x)
+template <typename S>
+__device__ __forceinline__ S warp_max(S x)
 {
-    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(FULL_MASK, x, o));
+    for (int o = 16; o > 0; o >>= 1) x = s_max(x, __shfl_xor_sync(FULL_MASK, x, o));
     return x;
 }
 
-__device__ __forceinline__ float warp_sum(float x)
+template <typename S>
+__device__ __forceinline__ S warp_sum(S x)
 {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(FULL_MASK, x, o);
     return x;
 }
 
 /* Loads a token's logits into the lane's slots (-inf past E). */
-__device__ __forceinline__ void load_logits(const float *row, int experts, int lane, float (&l)[SLOTS])
+template <typename S>
+__device__ __forceinline__ void load_logits(const S *row, int experts, int lane, S (&l)[SLOTS])
 {
 #pragma unroll
     for (int j = 0; j < SLOTS; j++) {
@@ -68,28 +82,31 @@ __device__ __forceinline__ void load_logits(const float *row, int experts, int l
 }
 
 /* Full softmax over the experts, in place (slots past E get 0). */
-__device__ __forceinline__ void softmax_slots(int experts, int lane, const float (&l)[SLOTS], float (&s)[SLOTS])
+template <typename S>
+__device__ __forceinline__ void softmax_slots(int experts, int lane, const S (&l)[SLOTS], S (&s)[SLOTS])
 {
-    float m = -INFINITY;
+    S m = -INFINITY;
 #pragma unroll
-    for (int j = 0; j < SLOTS; j++) m = fmaxf(m, l[j]);
+    for (int j = 0; j < SLOTS; j++) m = s_max(m, l[j]);
     m = warp_max(m);
-    float sum = 0.0f;
+    S sum = (S)0;
 #pragma unroll
     for (int j = 0; j < SLOTS; j++) {
-        s[j] = (j * 32 + lane < experts) ? expf(l[j] - m) : 0.0f;
+        s[j] = (j * 32 + lane < experts) ? s_exp(l[j] - m) : (S)0;
         sum += s[j];
     }
     sum = warp_sum(sum);
-    const float inv = 1.0f / sum;
+    const S inv = (S)1 / sum;
 #pragma unroll
     for (int j = 0; j < SLOTS; j++) s[j] *= inv;
 }
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+template <typename S>
+__device__ __forceinline__ S sigmoid(S x) { return (S)1 / ((S)1 + s_exp(-x)); }
 
 /* Group-limited selection: the bit mask (bit j: slot j of this lane) of experts in the best Kg groups. */
-__device__ unsigned group_allowed_mask(const kernel_params &p, int lane, const float (&sel)[SLOTS], float *stage,
+template <typename S>
+__device__ unsigned group_allowed_mask(const kernel_params &p, int lane, const S (&sel)[SLOTS], S *stage,
                                        unsigned allowed)
 {
 #pragma unroll
@@ -100,14 +117,14 @@ __device__ unsigned group_allowed_mask(const kernel_params &p, int lane, const f
     __syncwarp();
     const int group_size = p.experts / p.groups, per_group = p.topk / p.group_topk;
     /* lane g: sum of the top per_group scores of group g, walking the (value desc, index asc) order */
-    float group_score = -INFINITY;
+    S group_score = -INFINITY;
     int group_id = -1;
     if (lane < p.groups) {
-        const float *g = stage + lane * group_size;
-        float prev_v = INFINITY, sum = 0.0f;
+        const S *g = stage + lane * group_size;
+        S prev_v = INFINITY, sum = (S)0;
         int prev_i = -1;
         for (int r = 0; r < per_group; r++) {
-            float bv = 0.0f;
+            S bv = (S)0;
             int bi = -1;
             for (int i = 0; i < group_size; i++) {
                 const bool after = g[i] < prev_v || (g[i] == prev_v && i > prev_i);
@@ -126,7 +143,7 @@ __device__ unsigned group_allowed_mask(const kernel_params &p, int lane, const f
     __syncwarp(); /* stage is rewritten by the next token */
     unsigned groups_kept = 0;
     for (int r = 0; r < p.group_topk; r++) {
-        float v = group_score, unused = 0.0f;
+        S v = group_score, unused = (S)0;
         int i = ((groups_kept >> lane) & 1u) ? -1 : group_id;
         warp_best(v, i, unused);
         if (i >= 0) groups_kept |= 1u << i;
@@ -140,19 +157,21 @@ __device__ unsigned group_allowed_mask(const kernel_params &p, int lane, const f
     return mask;
 }
 
-__global__ void router_forward_kernel(const kernel_params p, const float *__restrict__ logits,
+template <typename S>
+__global__ void router_forward_kernel(const kernel_params p, const S *__restrict__ logits,
                                       const float *__restrict__ bias, int32_t *__restrict__ idx_out,
                                       float *__restrict__ probs_out, unsigned long long *__restrict__ counts,
-                                      float *__restrict__ scores_out)
+                                      float *__restrict__ scores_out, const double *__restrict__ sinkhorn_d0,
+                                      const double *__restrict__ sinkhorn_d1)
 {
-    __shared__ float stage[WARPS_PER_BLOCK][MOERT_ROUTER_CUDA_MAX_EXPERTS];
+    __shared__ S stage[WARPS_PER_BLOCK][MOERT_ROUTER_CUDA_MAX_EXPERTS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens; t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
-        float l[SLOTS], s[SLOTS], sel[SLOTS];
+        S l[SLOTS], s[SLOTS], sel[SLOTS];
         load_logits(logits + t * p.experts, p.experts, lane, l);
         if (p.score == MOERT_ROUTER_CUDA_SIGMOID) {
 #pragma unroll
-            for (int j = 0; j < SLOTS; j++) s[j] = (j * 32 + lane < p.experts) ? sigmoid(l[j]) : 0.0f;
+            for (int j = 0; j < SLOTS; j++) s[j] = (j * 32 + lane < p.experts) ? sigmoid(l[j]) : (S)0;
         } else {
             softmax_slots(p.experts, lane, l, s);
         }
@@ -161,23 +180,25 @@ __global__ void router_forward_kernel(const kernel_params p, const float *__rest
         for (int j = 0; j < SLOTS; j++) {
             int e = j * 32 + lane;
             if (e < p.experts) allowed |= 1u << j;
-            if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_POST) sel[j] = l[j];
+            if (sinkhorn_d1) /* sinkhorn: the balanced scores d1 * exp(l) * d0, formed in double as on the CPU */
+                sel[j] = e < p.experts ? (S)(sinkhorn_d1[e] * exp((double)l[j]) * sinkhorn_d0[t]) : (S)-INFINITY;
+            else if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_POST) sel[j] = l[j];
             else if (p.score == MOERT_ROUTER_CUDA_SIGMOID && bias) sel[j] = e < p.experts ? s[j] + bias[e] : -INFINITY;
             else sel[j] = s[j];
-            if (scores_out && e < p.experts) scores_out[t * p.experts + e] = s[j];
+            if (scores_out && e < p.experts) scores_out[t * p.experts + e] = (float)s[j];
         }
         if (p.groups > 1) allowed = group_allowed_mask(p, lane, sel, stage[warp], allowed);
 
         /* top-k: K rounds of a warp-wide best over the lanes' allowed, untaken slots */
         int top_idx[MAXK];
-        float top_pay[MAXK];
+        S top_pay[MAXK];
         unsigned taken = 0;
 #pragma unroll
         for (int k = 0; k < MAXK; k++) {
             top_idx[k] = -1;
-            top_pay[k] = 0.0f;
+            top_pay[k] = (S)0;
             if (k >= p.topk) continue;
-            float bv = 0.0f, bp = 0.0f;
+            S bv = (S)0, bp = (S)0;
             int bi = -1;
 #pragma unroll
             for (int j = 0; j < SLOTS; j++) {
@@ -196,24 +217,24 @@ __global__ void router_forward_kernel(const kernel_params p, const float *__rest
         }
 
         /* probs from the payloads: logits (softmax post) or scores */
-        float prob[MAXK];
+        S prob[MAXK];
         if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_POST) {
-            float m = -INFINITY, sum = 0.0f;
+            S m = -INFINITY, sum = (S)0;
 #pragma unroll
             for (int k = 0; k < MAXK; k++)
-                if (top_idx[k] >= 0) m = fmaxf(m, top_pay[k]);
+                if (top_idx[k] >= 0) m = s_max(m, top_pay[k]);
 #pragma unroll
             for (int k = 0; k < MAXK; k++) {
-                prob[k] = top_idx[k] >= 0 ? expf(top_pay[k] - m) : 0.0f;
+                prob[k] = top_idx[k] >= 0 ? s_exp(top_pay[k] - m) : (S)0;
                 sum += prob[k];
             }
 #pragma unroll
             for (int k = 0; k < MAXK; k++) prob[k] /= sum;
         } else {
-            float sum = 0.0f;
+            S sum = (S)0;
 #pragma unroll
             for (int k = 0; k < MAXK; k++) {
-                prob[k] = top_idx[k] >= 0 ? top_pay[k] : 0.0f;
+                prob[k] = top_idx[k] >= 0 ? top_pay[k] : (S)0;
                 sum += prob[k];
             }
             if (p.normalize && p.topk > 1) {
@@ -225,7 +246,7 @@ __global__ void router_forward_kernel(const kernel_params p, const float *__rest
         for (int k = 0; k < MAXK; k++) {
             if (k < p.topk && lane == k) {
                 idx_out[t * p.topk + k] = top_idx[k];
-                probs_out[t * p.topk + k] = prob[k] * p.scale;
+                probs_out[t * p.topk + k] = (float)(prob[k] * (S)p.scale);
                 if (counts && top_idx[k] >= 0) atomicAdd(&counts[top_idx[k]], 1ull);
             }
         }
@@ -233,9 +254,10 @@ __global__ void router_forward_kernel(const kernel_params p, const float *__rest
 }
 
 /* The value of the slot that holds expert e in the lane that owns it, broadcast to the warp. */
-__device__ __forceinline__ float value_of_expert(const float (&v)[SLOTS], int e)
+template <typename S>
+__device__ __forceinline__ S value_of_expert(const S (&v)[SLOTS], int e)
 {
-    float mine = 0.0f;
+    S mine = (S)0;
     const int slot = e >= 0 ? (e >> 5) : 0;
 #pragma unroll
     for (int j = 0; j < SLOTS; j++)
@@ -243,25 +265,28 @@ __device__ __forceinline__ float value_of_expert(const float (&v)[SLOTS], int e)
     return __shfl_sync(FULL_MASK, mine, e >= 0 ? (e & 31) : 0);
 }
 
-__global__ void router_backward_kernel(const kernel_params p, const float *__restrict__ logits,
+template <typename S>
+__global__ void router_backward_kernel(const kernel_params p, const S *__restrict__ logits,
                                        const int32_t *__restrict__ idx_in, const float *__restrict__ d_probs,
-                                       float *__restrict__ d_logits, int accumulate)
+                                       const int32_t *__restrict__ kept_idx, S *__restrict__ d_logits, int accumulate)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens; t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
-        float l[SLOTS], s[SLOTS];
+        S l[SLOTS], s[SLOTS];
         load_logits(logits + t * p.experts, p.experts, lane, l);
         if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_PRE) softmax_slots(p.experts, lane, l, s);
         int idx[MAXK];
-        float q[MAXK], dp[MAXK], dq[MAXK];
+        S q[MAXK], dp[MAXK], dq[MAXK];
 #pragma unroll
         for (int k = 0; k < MAXK; k++) {
             idx[k] = k < p.topk ? idx_in[t * p.topk + k] : -1;
             if (idx[k] >= p.experts) idx[k] = -1;
-            dp[k] = idx[k] >= 0 ? d_probs[t * p.topk + k] * p.scale : 0.0f;
+            /* a copy dropped by capacity (kept_idx < 0) keeps its place in the normalisation but gets no gradient */
+            const bool dropped = kept_idx && k < p.topk && kept_idx[t * p.topk + k] < 0;
+            dp[k] = idx[k] >= 0 && !dropped ? (S)d_probs[t * p.topk + k] * (S)p.scale : (S)0;
             /* idx[k] is the same in every lane, so these branches (and their shuffles) are warp-uniform */
-            float lk = value_of_expert(l, idx[k]);
-            q[k] = 0.0f;
+            S lk = value_of_expert(l, idx[k]);
+            q[k] = (S)0;
             if (idx[k] >= 0) {
                 if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_POST) q[k] = lk;
                 else if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_PRE) q[k] = value_of_expert(s, idx[k]);
@@ -270,58 +295,58 @@ __global__ void router_backward_kernel(const kernel_params p, const float *__res
         }
         /* dq: gradient with respect to the selected logits (post) or selected scores (pre, sigmoid) */
         if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_POST) {
-            float m = -INFINITY, sum = 0.0f, prob[MAXK], dot = 0.0f;
+            S m = -INFINITY, sum = (S)0, prob[MAXK], dot = (S)0;
 #pragma unroll
             for (int k = 0; k < MAXK; k++)
-                if (idx[k] >= 0) m = fmaxf(m, q[k]);
+                if (idx[k] >= 0) m = s_max(m, q[k]);
 #pragma unroll
             for (int k = 0; k < MAXK; k++) {
-                prob[k] = idx[k] >= 0 ? expf(q[k] - m) : 0.0f;
+                prob[k] = idx[k] >= 0 ? s_exp(q[k] - m) : (S)0;
                 sum += prob[k];
             }
 #pragma unroll
             for (int k = 0; k < MAXK; k++) {
-                prob[k] = sum > 0.0f ? prob[k] / sum : 0.0f;
+                prob[k] = sum > (S)0 ? prob[k] / sum : (S)0;
                 dot += prob[k] * dp[k];
             }
 #pragma unroll
             for (int k = 0; k < MAXK; k++) dq[k] = prob[k] * (dp[k] - dot);
         } else if (p.normalize && p.topk > 1) {
-            float sum = 0.0f, dot = 0.0f;
+            S sum = (S)0, dot = (S)0;
 #pragma unroll
             for (int k = 0; k < MAXK; k++) {
                 sum += q[k];
                 dot += dp[k] * q[k];
             }
-            const float Q = sum + NORMALIZE_EPS;
+            const S Q = sum + NORMALIZE_EPS;
 #pragma unroll
-            for (int k = 0; k < MAXK; k++) dq[k] = idx[k] >= 0 ? dp[k] / Q - dot / (Q * Q) : 0.0f;
+            for (int k = 0; k < MAXK; k++) dq[k] = idx[k] >= 0 ? dp[k] / Q - dot / (Q * Q) : (S)0;
         } else {
 #pragma unroll
             for (int k = 0; k < MAXK; k++) dq[k] = dp[k];
         }
         /* softmax pre: the chain through the full softmax needs sum_k dq_k q_k */
-        float dq_dot_q = 0.0f;
+        S dq_dot_q = (S)0;
 #pragma unroll
         for (int k = 0; k < MAXK; k++) dq_dot_q += dq[k] * q[k];
 #pragma unroll
         for (int j = 0; j < SLOTS; j++) {
             const int e = j * 32 + lane;
             if (e >= p.experts) continue;
-            float ds = 0.0f;
+            S ds = (S)0;
 #pragma unroll
             for (int k = 0; k < MAXK; k++)
                 if (idx[k] == e) ds += dq[k];
-            float g;
+            S g;
             if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_POST) {
                 g = ds;
             } else if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_PRE) {
                 g = s[j] * (ds - dq_dot_q);
             } else {
-                const float sg = sigmoid(l[j]);
-                g = ds * sg * (1.0f - sg);
+                const S sg = sigmoid(l[j]);
+                g = ds * sg * ((S)1 - sg);
             }
-            float *out = d_logits + t * p.experts + e;
+            S *out = d_logits + t * p.experts + e;
             *out = accumulate ? *out + g : g;
         }
     }
@@ -359,7 +384,7 @@ static moert_result check_params(const moert_host *host, const moert_router_cuda
     kp->groups = (int)groups;
     kp->group_topk = groups > 1 ? (int)p->group_topk : 1;
     kp->normalize = p->normalize ? 1 : 0;
-    kp->scale = p->scaling_factor != 0.0 ? (float)p->scaling_factor : 1.0f;
+    kp->scale = p->scaling_factor != 0.0 ? p->scaling_factor : 1.0;
     return MOERT_OK;
 }
 
@@ -369,11 +394,12 @@ static int grid_for_tokens(int64_t tokens)
     return (int)(blocks < 16384 ? (blocks > 0 ? blocks : 1) : 16384);
 }
 
-/* Scores, top-k, probs and counts; see router_cuda.h. */
-extern "C" moert_result moert_router_cuda_forward(const moert_host *host, cudaStream_t stream,
-                                                  const moert_router_cuda_params *p, const float *logits,
-                                                  const float *expert_bias, int32_t *topk_idx, float *topk_probs,
-                                                  int64_t *tokens_per_expert, float *scores)
+/* Scores, top-k, probs and counts, with the plugin path's extras; see router_cuda.h. */
+extern "C" moert_result moert_router_cuda_forward_ext(const moert_host *host, cudaStream_t stream,
+                                                      const moert_router_cuda_params *p,
+                                                      const moert_router_cuda_route_ext *ext, const void *logits,
+                                                      const float *expert_bias, int32_t *topk_idx, float *topk_probs,
+                                                      int64_t *tokens_per_expert, float *scores)
 {
     kernel_params kp;
     moert_result rc = check_params(host, p, &kp);
@@ -383,18 +409,38 @@ extern "C" moert_result moert_router_cuda_forward(const moert_host *host, cudaSt
     if (kp.tokens == 0) return MOERT_OK;
     if (!logits || !topk_idx || !topk_probs)
         return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda forward: logits, topk_idx and topk_probs are required");
-    router_forward_kernel<<<grid_for_tokens(kp.tokens), WARPS_PER_BLOCK * 32, 0, stream>>>(
-        kp, logits, kp.score == MOERT_ROUTER_CUDA_SIGMOID ? expert_bias : NULL, topk_idx, topk_probs,
-        (unsigned long long *)tokens_per_expert, scores);
+    const double *d0 = ext ? ext->sinkhorn_d0 : NULL, *d1 = ext ? ext->sinkhorn_d1 : NULL;
+    if ((d0 == NULL) != (d1 == NULL))
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda forward: sinkhorn needs both d0 and d1");
+    const float *bias = kp.score == MOERT_ROUTER_CUDA_SIGMOID && !d1 ? expert_bias : NULL;
+    if (ext && ext->logits_f64)
+        router_forward_kernel<double><<<grid_for_tokens(kp.tokens), WARPS_PER_BLOCK * 32, 0, stream>>>(
+            kp, (const double *)logits, bias, topk_idx, topk_probs, (unsigned long long *)tokens_per_expert, scores, d0,
+            d1);
+    else
+        router_forward_kernel<float><<<grid_for_tokens(kp.tokens), WARPS_PER_BLOCK * 32, 0, stream>>>(
+            kp, (const float *)logits, bias, topk_idx, topk_probs, (unsigned long long *)tokens_per_expert, scores, d0,
+            d1);
     LAUNCH_CHECK(host, "router_forward_kernel");
     return MOERT_OK;
 }
 
-/* d_logits from d_topk_probs; see router_cuda.h. */
-extern "C" moert_result moert_router_cuda_backward(const moert_host *host, cudaStream_t stream,
-                                                   const moert_router_cuda_params *p, const float *logits,
-                                                   const int32_t *topk_idx, const float *d_topk_probs,
-                                                   float *d_logits, int accumulate)
+/* The plain fp32 route; see router_cuda.h. */
+extern "C" moert_result moert_router_cuda_forward(const moert_host *host, cudaStream_t stream,
+                                                  const moert_router_cuda_params *p, const float *logits,
+                                                  const float *expert_bias, int32_t *topk_idx, float *topk_probs,
+                                                  int64_t *tokens_per_expert, float *scores)
+{
+    return moert_router_cuda_forward_ext(host, stream, p, NULL, logits, expert_bias, topk_idx, topk_probs,
+                                         tokens_per_expert, scores);
+}
+
+/* d_logits from d_topk_probs, with the plugin path's extras; see router_cuda.h. */
+extern "C" moert_result moert_router_cuda_backward_ext(const moert_host *host, cudaStream_t stream,
+                                                       const moert_router_cuda_params *p,
+                                                       const moert_router_cuda_route_ext *ext, const void *logits,
+                                                       const int32_t *topk_idx, const float *d_topk_probs,
+                                                       void *d_logits, int accumulate)
 {
     kernel_params kp;
     moert_result rc = check_params(host, p, &kp);
@@ -403,11 +449,24 @@ extern "C" moert_result moert_router_cuda_backward(const moert_host *host, cudaS
     if (!logits || !topk_idx || !d_topk_probs || !d_logits)
         return report(host, MOERT_ERR_INVALID_ARGUMENT,
                       "router cuda backward: logits, topk_idx, d_topk_probs and d_logits are required");
-    router_backward_kernel<<<grid_for_tokens(kp.tokens), WARPS_PER_BLOCK * 32, 0, stream>>>(kp, logits, topk_idx,
-                                                                                           d_topk_probs, d_logits,
-                                                                                           accumulate);
+    const int32_t *kept = ext ? ext->kept_idx : NULL;
+    if (ext && ext->logits_f64)
+        router_backward_kernel<double><<<grid_for_tokens(kp.tokens), WARPS_PER_BLOCK * 32, 0, stream>>>(
+            kp, (const double *)logits, topk_idx, d_topk_probs, kept, (double *)d_logits, accumulate);
+    else
+        router_backward_kernel<float><<<grid_for_tokens(kp.tokens), WARPS_PER_BLOCK * 32, 0, stream>>>(
+            kp, (const float *)logits, topk_idx, d_topk_probs, kept, (float *)d_logits, accumulate);
     LAUNCH_CHECK(host, "router_backward_kernel");
     return MOERT_OK;
+}
+
+/* The plain fp32 backward; see router_cuda.h. */
+extern "C" moert_result moert_router_cuda_backward(const moert_host *host, cudaStream_t stream,
+                                                   const moert_router_cuda_params *p, const float *logits,
+                                                   const int32_t *topk_idx, const float *d_topk_probs,
+                                                   float *d_logits, int accumulate)
+{
+    return moert_router_cuda_backward_ext(host, stream, p, NULL, logits, topk_idx, d_topk_probs, d_logits, accumulate);
 }
 
 /* ---- helpers of the plugin's CUDA path: conversions, counts, balancing losses, bias update ---- */
@@ -492,36 +551,38 @@ __global__ void add_counts_kernel(int64_t n, const long long *__restrict__ src, 
 }
 
 /* The full score distribution P of one token in the lane's slots (0 past E). */
-__device__ __forceinline__ void aux_scores_slots(int sigmoid_scores, int experts, int lane, const float (&l)[SLOTS],
-                                                 float (&P)[SLOTS])
+template <typename S>
+__device__ __forceinline__ void aux_scores_slots(int sigmoid_scores, int experts, int lane, const S (&l)[SLOTS],
+                                                 S (&P)[SLOTS])
 {
     if (!sigmoid_scores) {
         softmax_slots(experts, lane, l, P);
         return;
     }
-    float sum = 0.0f;
+    S sum = (S)0;
 #pragma unroll
     for (int j = 0; j < SLOTS; j++) {
-        P[j] = (j * 32 + lane < experts) ? sigmoid(l[j]) : 0.0f;
+        P[j] = (j * 32 + lane < experts) ? sigmoid(l[j]) : (S)0;
         sum += P[j];
     }
-    const float denom = warp_sum(sum) + NORMALIZE_EPS;
+    const S denom = warp_sum(sum) + NORMALIZE_EPS;
 #pragma unroll
     for (int j = 0; j < SLOTS; j++) P[j] /= denom;
 }
 
 /* logsumexp of one token's logits, the same in every lane. */
-__device__ __forceinline__ float logsumexp_slots(int experts, int lane, const float (&l)[SLOTS])
+template <typename S>
+__device__ __forceinline__ S logsumexp_slots(int experts, int lane, const S (&l)[SLOTS])
 {
-    float m = -INFINITY;
+    S m = -INFINITY;
 #pragma unroll
-    for (int j = 0; j < SLOTS; j++) m = fmaxf(m, l[j]);
+    for (int j = 0; j < SLOTS; j++) m = s_max(m, l[j]);
     m = warp_max(m);
-    float sum = 0.0f;
+    S sum = (S)0;
 #pragma unroll
     for (int j = 0; j < SLOTS; j++)
-        if (j * 32 + lane < experts) sum += expf(l[j] - m);
-    return m + logf(warp_sum(sum));
+        if (j * 32 + lane < experts) sum += s_exp(l[j] - m);
+    return m + s_log(warp_sum(sum));
 }
 
 __device__ __forceinline__ double warp_sum_double(double x)
@@ -532,20 +593,21 @@ __device__ __forceinline__ double warp_sum_double(double x)
 
 /* The loss kernels' sizes, narrowed. */
 typedef struct loss_kernel_params {
-    int tokens, experts, topk, seq, sigmoid;
+    int tokens, experts, topk, seq, sigmoid, f64;
 } loss_kernel_params;
 
-__global__ void aux_counts_kernel(const loss_kernel_params p, const float *__restrict__ logits,
+template <typename S>
+__global__ void aux_counts_kernel(const loss_kernel_params p, const S *__restrict__ logits,
                                   unsigned long long *__restrict__ counts, long long *__restrict__ total_slot)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (blockIdx.x == 0 && threadIdx.x == 0) *total_slot = p.tokens;
     for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens; t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
-        float l[SLOTS];
+        S l[SLOTS];
         load_logits(logits + t * p.experts, p.experts, lane, l);
         unsigned taken = 0;
         for (int k = 0; k < p.topk; k++) {
-            float bv = 0.0f, unused = 0.0f;
+            S bv = (S)0, unused = (S)0;
             int bi = -1;
 #pragma unroll
             for (int j = 0; j < SLOTS; j++) {
@@ -587,17 +649,18 @@ __global__ void aux_finish_kernel(int64_t n, const long long *__restrict__ count
 }
 
 /* Per-block partial sums of the aux and z terms over a fixed grid (LOSS_BLOCKS blocks). */
-__global__ void loss_values_kernel(const loss_kernel_params p, const float *__restrict__ logits,
+template <typename S>
+__global__ void loss_values_kernel(const loss_kernel_params p, const S *__restrict__ logits,
                                    const double *__restrict__ f, int want_z, double *__restrict__ partials)
 {
     __shared__ double block_aux[WARPS_PER_BLOCK], block_z[WARPS_PER_BLOCK];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     double aux_acc = 0.0, z_acc = 0.0;
     for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens; t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
-        float l[SLOTS];
+        S l[SLOTS];
         load_logits(logits + t * p.experts, p.experts, lane, l);
         if (f) {
-            float P[SLOTS];
+            S P[SLOTS];
             aux_scores_slots(p.sigmoid, p.experts, lane, l, P);
             const double *ft = f + (t / p.seq) * p.experts;
 #pragma unroll
@@ -642,26 +705,27 @@ __global__ void loss_finish_kernel(const double *__restrict__ partials, const do
     out[1] = z;
 }
 
-__global__ void loss_backward_kernel(const loss_kernel_params p, const float *__restrict__ logits,
+template <typename S>
+__global__ void loss_backward_kernel(const loss_kernel_params p, const S *__restrict__ logits,
                                      const double *__restrict__ f, const double *__restrict__ aux_scale,
-                                     double aux_grad_scale, float z_grad, float *__restrict__ d_logits)
+                                     double aux_grad_scale, S z_grad, S *__restrict__ d_logits)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const float aux_coeff = f ? (float)(aux_grad_scale * *aux_scale) : 0.0f;
+    const S aux_coeff = f ? (S)(aux_grad_scale * *aux_scale) : (S)0;
     for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens; t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
-        float l[SLOTS], g[SLOTS];
+        S l[SLOTS], g[SLOTS];
         load_logits(logits + t * p.experts, p.experts, lane, l);
 #pragma unroll
-        for (int j = 0; j < SLOTS; j++) g[j] = 0.0f;
+        for (int j = 0; j < SLOTS; j++) g[j] = (S)0;
         if (f) {
             /* dP_e = scale * A * f_e; dot = sum_e dP_e P_e */
             const double *ft = f + (t / p.seq) * p.experts;
-            float dP[SLOTS], P[SLOTS], s[SLOTS], dot = 0.0f, denom = 1.0f;
+            S dP[SLOTS], P[SLOTS], s[SLOTS], dot = (S)0, denom = (S)1;
             if (p.sigmoid) {
-                float sum = 0.0f;
+                S sum = (S)0;
 #pragma unroll
                 for (int j = 0; j < SLOTS; j++) {
-                    s[j] = (j * 32 + lane < p.experts) ? sigmoid(l[j]) : 0.0f;
+                    s[j] = (j * 32 + lane < p.experts) ? sigmoid(l[j]) : (S)0;
                     sum += s[j];
                 }
                 denom = warp_sum(sum) + NORMALIZE_EPS;
@@ -673,29 +737,29 @@ __global__ void loss_backward_kernel(const loss_kernel_params p, const float *__
 #pragma unroll
             for (int j = 0; j < SLOTS; j++) {
                 const int e = j * 32 + lane;
-                dP[j] = e < p.experts ? aux_coeff * (float)ft[e] : 0.0f;
+                dP[j] = e < p.experts ? aux_coeff * (S)ft[e] : (S)0;
                 dot += dP[j] * P[j];
             }
             dot = warp_sum(dot);
 #pragma unroll
             for (int j = 0; j < SLOTS; j++) {
-                if (p.sigmoid) g[j] += (dP[j] - dot) / denom * s[j] * (1.0f - s[j]);
+                if (p.sigmoid) g[j] += (dP[j] - dot) / denom * s[j] * ((S)1 - s[j]);
                 else g[j] += P[j] * (dP[j] - dot);
             }
         }
-        if (z_grad != 0.0f) {
-            float m = -INFINITY;
+        if (z_grad != (S)0) {
+            S m = -INFINITY;
 #pragma unroll
-            for (int j = 0; j < SLOTS; j++) m = fmaxf(m, l[j]);
+            for (int j = 0; j < SLOTS; j++) m = s_max(m, l[j]);
             m = warp_max(m);
-            float ex[SLOTS], sum = 0.0f;
+            S ex[SLOTS], sum = (S)0;
 #pragma unroll
             for (int j = 0; j < SLOTS; j++) {
-                ex[j] = (j * 32 + lane < p.experts) ? expf(l[j] - m) : 0.0f;
+                ex[j] = (j * 32 + lane < p.experts) ? s_exp(l[j] - m) : (S)0;
                 sum += ex[j];
             }
             sum = warp_sum(sum);
-            const float gz = z_grad * (m + logf(sum));
+            const S gz = z_grad * (m + s_log(sum));
 #pragma unroll
             for (int j = 0; j < SLOTS; j++) g[j] += gz * ex[j] / sum;
         }
@@ -748,6 +812,7 @@ static moert_result check_loss_params(const moert_host *host, const moert_router
     kp->topk = (int)p->topk;
     kp->seq = p->seq_length > INT32_MAX ? INT32_MAX : (int)p->seq_length;
     kp->sigmoid = p->sigmoid ? 1 : 0;
+    kp->f64 = p->logits_f64 ? 1 : 0;
     return MOERT_OK;
 }
 
@@ -823,7 +888,7 @@ extern "C" moert_result moert_router_cuda_add_counts(const moert_host *host, cud
 
 /* Plain top-K counts per sequence; see router_cuda.h. */
 extern "C" moert_result moert_router_cuda_aux_counts(const moert_host *host, cudaStream_t stream,
-                                                     const moert_router_cuda_loss_params *p, const float *logits,
+                                                     const moert_router_cuda_loss_params *p, const void *logits,
                                                      int64_t *counts)
 {
     loss_kernel_params kp;
@@ -832,8 +897,12 @@ extern "C" moert_result moert_router_cuda_aux_counts(const moert_host *host, cud
     const int64_t rows = kp.tokens > 0 ? kp.tokens / kp.seq : 1;
     const int64_t slots = rows * kp.experts;
     CUDA_CHECK(host, cudaMemsetAsync(counts, 0, (size_t)(slots + 1) * sizeof(int64_t), stream));
-    aux_counts_kernel<<<grid_for_tokens(kp.tokens), WARPS_PER_BLOCK * 32, 0, stream>>>(
-        kp, logits, (unsigned long long *)counts, (long long *)counts + slots);
+    if (kp.f64)
+        aux_counts_kernel<double><<<grid_for_tokens(kp.tokens), WARPS_PER_BLOCK * 32, 0, stream>>>(
+            kp, (const double *)logits, (unsigned long long *)counts, (long long *)counts + slots);
+    else
+        aux_counts_kernel<float><<<grid_for_tokens(kp.tokens), WARPS_PER_BLOCK * 32, 0, stream>>>(
+            kp, (const float *)logits, (unsigned long long *)counts, (long long *)counts + slots);
     LAUNCH_CHECK(host, "aux_counts_kernel");
     return MOERT_OK;
 }
@@ -854,7 +923,7 @@ extern "C" moert_result moert_router_cuda_aux_finish(const moert_host *host, cud
 
 /* Loss values over a fixed grid; see router_cuda.h. */
 extern "C" moert_result moert_router_cuda_loss_values(const moert_host *host, cudaStream_t stream,
-                                                      const moert_router_cuda_loss_params *p, const float *logits,
+                                                      const moert_router_cuda_loss_params *p, const void *logits,
                                                       const double *f, const double *aux_scale, int want_z,
                                                       double *workspace, double *out)
 {
@@ -863,7 +932,12 @@ extern "C" moert_result moert_router_cuda_loss_values(const moert_host *host, cu
     if (rc != MOERT_OK) return rc;
     if (f && !aux_scale)
         return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda loss values: f needs aux_scale");
-    loss_values_kernel<<<LOSS_BLOCKS, WARPS_PER_BLOCK * 32, 0, stream>>>(kp, logits, f, want_z, workspace);
+    if (kp.f64)
+        loss_values_kernel<double><<<LOSS_BLOCKS, WARPS_PER_BLOCK * 32, 0, stream>>>(kp, (const double *)logits, f,
+                                                                                      want_z, workspace);
+    else
+        loss_values_kernel<float><<<LOSS_BLOCKS, WARPS_PER_BLOCK * 32, 0, stream>>>(kp, (const float *)logits, f,
+                                                                                     want_z, workspace);
     LAUNCH_CHECK(host, "loss_values_kernel");
     loss_finish_kernel<<<1, 32, 0, stream>>>(workspace, f ? aux_scale : NULL, out);
     LAUNCH_CHECK(host, "loss_finish_kernel");
@@ -872,9 +946,9 @@ extern "C" moert_result moert_router_cuda_loss_values(const moert_host *host, cu
 
 /* Loss gradients into d_logits; see router_cuda.h. */
 extern "C" moert_result moert_router_cuda_loss_backward(const moert_host *host, cudaStream_t stream,
-                                                        const moert_router_cuda_loss_params *p, const float *logits,
+                                                        const moert_router_cuda_loss_params *p, const void *logits,
                                                         const double *f, const double *aux_scale,
-                                                        double aux_grad_scale, double z_grad, float *d_logits)
+                                                        double aux_grad_scale, double z_grad, void *d_logits)
 {
     loss_kernel_params kp;
     moert_result rc = check_loss_params(host, p, &kp);
@@ -882,8 +956,12 @@ extern "C" moert_result moert_router_cuda_loss_backward(const moert_host *host, 
     if (f && !aux_scale)
         return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda loss backward: f needs aux_scale");
     if (kp.tokens == 0 || (!f && z_grad == 0.0)) return MOERT_OK;
-    loss_backward_kernel<<<grid_for_tokens(kp.tokens), WARPS_PER_BLOCK * 32, 0, stream>>>(
-        kp, logits, f, aux_scale, aux_grad_scale, (float)z_grad, d_logits);
+    if (kp.f64)
+        loss_backward_kernel<double><<<grid_for_tokens(kp.tokens), WARPS_PER_BLOCK * 32, 0, stream>>>(
+            kp, (const double *)logits, f, aux_scale, aux_grad_scale, z_grad, (double *)d_logits);
+    else
+        loss_backward_kernel<float><<<grid_for_tokens(kp.tokens), WARPS_PER_BLOCK * 32, 0, stream>>>(
+            kp, (const float *)logits, f, aux_scale, aux_grad_scale, (float)z_grad, (float *)d_logits);
     LAUNCH_CHECK(host, "loss_backward_kernel");
     return MOERT_OK;
 }
@@ -897,5 +975,285 @@ extern "C" moert_result moert_router_cuda_bias_update(const moert_host *host, cu
                       (long long)num_experts, BIAS_THREADS);
     bias_update_kernel<<<1, BIAS_THREADS, 0, stream>>>((int)num_experts, (long long *)counts, rate, bias);
     LAUNCH_CHECK(host, "bias_update_kernel");
+    return MOERT_OK;
+}
+
+/* ---- capacity, sinkhorn, noise (the options of Megatron's router the plugin's CUDA path serves) ---- */
+
+#define CAPACITY_THREADS 256
+
+/* One block per expert: its copies listed in slot (= token) order, then those past `capacity` dropped. */
+__global__ void capacity_kernel(int tokens, int topk, int experts, long long capacity, int policy, int pad,
+                                const int32_t *__restrict__ sel_idx, int32_t *__restrict__ out_idx,
+                                float *__restrict__ probs, long long *__restrict__ kept_counts,
+                                long long *__restrict__ tokens_per_expert, int32_t *__restrict__ scratch)
+{
+    __shared__ int warp_total[CAPACITY_THREADS / 32];
+    __shared__ int listed;
+    const int e = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    int32_t *list = scratch + (int64_t)e * tokens;
+    const int64_t slots = (int64_t)tokens * topk;
+    if (threadIdx.x == 0) listed = 0;
+    __syncthreads();
+    /* the slots holding e, compacted in order: a ballot per warp, the warps' totals in order */
+    for (int64_t start = 0; start < slots; start += blockDim.x) {
+        const int64_t i = start + threadIdx.x;
+        const bool mine = i < slots && sel_idx[i] == e;
+        const unsigned ballot = __ballot_sync(FULL_MASK, mine);
+        if (lane == 0) warp_total[warp] = __popc(ballot);
+        __syncthreads();
+        int before = listed;
+        for (int w = 0; w < warp; w++) before += warp_total[w];
+        before += __popc(ballot & ((1u << lane) - 1u));
+        if (mine && before < tokens) list[before] = (int32_t)i;
+        __syncthreads();
+        if (threadIdx.x == 0)
+            for (int w = 0; w < warps; w++) listed += warp_total[w];
+        __syncthreads();
+    }
+    const int n = listed < tokens ? listed : tokens;
+    if (n > capacity) {
+        /* the rank of each copy among the expert's: by position, or by prob (higher first, then earlier slot) */
+        for (int j = threadIdx.x; j < n; j += blockDim.x) {
+            const int32_t pj = list[j];
+            long long rank = j;
+            if (policy == 0) {
+                const float vj = probs[pj];
+                rank = 0;
+                for (int i = 0; i < n; i++) {
+                    const int32_t pi = list[i];
+                    const float vi = probs[pi];
+                    if (vi > vj || (vi == vj && pi < pj)) rank++;
+                }
+            }
+            if (rank >= capacity) out_idx[pj] = -1;
+        }
+        __syncthreads(); /* every rank read the probs before any is zeroed */
+        for (int j = threadIdx.x; j < n; j += blockDim.x)
+            if (out_idx[list[j]] < 0) probs[list[j]] = 0.0f;
+    }
+    if (threadIdx.x == 0) {
+        const long long kept = n < capacity ? n : capacity;
+        kept_counts[e] = kept;
+        tokens_per_expert[e] = pad ? capacity : kept;
+    }
+}
+
+/* Token dropping; see router_cuda.h. */
+extern "C" moert_result moert_router_cuda_capacity(const moert_host *host, cudaStream_t stream, int64_t tokens,
+                                                   int64_t topk, int64_t experts, int64_t capacity, int policy, int pad,
+                                                   const int32_t *sel_idx, int32_t *out_idx, float *probs,
+                                                   int64_t *kept_counts, int64_t *tokens_per_expert, int32_t *scratch)
+{
+    if (tokens < 0 || tokens > INT32_MAX || topk < 1 || experts < 1 || experts > 65535 || capacity < 0 ||
+        tokens * topk > INT32_MAX || (policy != 0 && policy != 1))
+        return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                      "router cuda capacity: bad sizes (tokens %lld, topk %lld, experts %lld, capacity %lld, policy %d)",
+                      (long long)tokens, (long long)topk, (long long)experts, (long long)capacity, policy);
+    if (tokens == 0) {
+        CUDA_CHECK(host, cudaMemsetAsync(kept_counts, 0, (size_t)experts * sizeof(int64_t), stream));
+        return MOERT_OK;
+    }
+    capacity_kernel<<<(unsigned)experts, CAPACITY_THREADS, 0, stream>>>(
+        (int)tokens, (int)topk, (int)experts, (long long)capacity, policy, pad, sel_idx, out_idx, probs,
+        (long long *)kept_counts, (long long *)tokens_per_expert, scratch);
+    LAUNCH_CHECK(host, "capacity_kernel");
+    return MOERT_OK;
+}
+
+#define SINKHORN_THREADS 1024
+
+/* c = exp(logits) in fp64, one element per thread. */
+template <typename S>
+__global__ void sinkhorn_exp_kernel(int64_t n, const S *__restrict__ logits, double *__restrict__ c)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        c[i] = exp((double)logits[i]);
+}
+
+/* The whole normalisation in one block: row sums by warps, column sums by parts of the tokens, fixed orders. */
+__global__ void sinkhorn_kernel(int tokens, int experts, const double *__restrict__ c, double tol, long long max_iters,
+                                double *__restrict__ d0, double *__restrict__ d1_out, int *__restrict__ iterations)
+{
+    __shared__ double d1[MOERT_ROUTER_CUDA_MAX_EXPERTS], d1_old[MOERT_ROUTER_CUDA_MAX_EXPERTS];
+    __shared__ double part[SINKHORN_THREADS];
+    __shared__ int done;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int parts = blockDim.x / experts > 0 ? blockDim.x / experts : 1;
+    const int chunk = (tokens + parts - 1) / parts;
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) d1[e] = d1_old[e] = 1.0;
+    if (threadIdx.x == 0) done = 0;
+    __syncthreads();
+    long long iters = 0;
+    while (iters < max_iters) {
+        iters++;
+        for (int t = warp; t < tokens; t += warps) {
+            double acc = 0.0;
+            for (int e = lane; e < experts; e += 32) acc += d1[e] * c[(int64_t)t * experts + e];
+            acc = warp_sum_double(acc);
+            if (lane == 0) d0[t] = (1.0 / (double)tokens) / (acc + 1e-8);
+        }
+        __syncthreads();
+        {
+            const int e = threadIdx.x % experts, p = threadIdx.x / experts;
+            if (p < parts) {
+                double acc = 0.0;
+                const int t_end = (p + 1) * chunk < tokens ? (p + 1) * chunk : tokens;
+                for (int t = p * chunk; t < t_end; t++) acc += d0[t] * c[(int64_t)t * experts + e];
+                part[p * experts + e] = acc;
+            }
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+            double acc = 0.0;
+            for (int p = 0; p < parts; p++) acc += part[p * experts + e];
+            d1[e] = (1.0 / (double)experts) / (acc + 1e-8);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            double err = 0.0;
+            for (int e = 0; e < experts; e++) {
+                err += fabs(d1_old[e] - d1[e]);
+                d1_old[e] = d1[e];
+            }
+            done = err / (double)experts <= tol;
+        }
+        __syncthreads();
+        if (done) break;
+    }
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) d1_out[e] = d1[e];
+    if (threadIdx.x == 0 && iterations) *iterations = done ? (int)iters : -1;
+}
+
+/* Sinkhorn normalisation; see router_cuda.h. */
+extern "C" moert_result moert_router_cuda_sinkhorn(const moert_host *host, cudaStream_t stream, int64_t tokens,
+                                                   int64_t experts, const void *logits, int logits_f64, double tol,
+                                                   int64_t max_iters, double *workspace, double *d0, double *d1,
+                                                   int *iterations)
+{
+    if (tokens < 0 || tokens > INT32_MAX || experts < 1 || experts > MOERT_ROUTER_CUDA_MAX_EXPERTS || max_iters < 1)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda sinkhorn: bad sizes (tokens %lld, experts %lld)",
+                      (long long)tokens, (long long)experts);
+    if (tokens == 0) return MOERT_OK;
+    const int64_t n = tokens * experts;
+    if (logits_f64)
+        sinkhorn_exp_kernel<double><<<grid_for_elements(n), ELEMENTWISE_THREADS, 0, stream>>>(
+            n, (const double *)logits, workspace);
+    else
+        sinkhorn_exp_kernel<float><<<grid_for_elements(n), ELEMENTWISE_THREADS, 0, stream>>>(
+            n, (const float *)logits, workspace);
+    LAUNCH_CHECK(host, "sinkhorn_exp_kernel");
+    sinkhorn_kernel<<<1, SINKHORN_THREADS, 0, stream>>>((int)tokens, (int)experts, workspace, tol,
+                                                        (long long)max_iters, d0, d1, iterations);
+    LAUNCH_CHECK(host, "sinkhorn_kernel");
+    return MOERT_OK;
+}
+
+/* dst = src (bf16 or fp32) times the jitter factor (when jitter), in fp64, rounded once to the dst type. */
+template <typename D>
+__global__ void convert_kernel(int64_t rows, int64_t cols, int bf16, const void *__restrict__ src, int jitter,
+                               moert_router_cuda_noise noise, D *__restrict__ dst)
+{
+    const int64_t n = rows * cols;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        double v = bf16 ? (double)bf16_bits_to_float(((const uint16_t *)src)[i]) : (double)((const float *)src)[i];
+        if (jitter)
+            v *= router_noise_jitter(noise.key, noise.call, (uint64_t)(i / cols), (uint64_t)(i % cols), noise.eps);
+        dst[i] = (D)v;
+    }
+}
+
+/* x or W widened (and jittered); see router_cuda.h. */
+extern "C" moert_result moert_router_cuda_convert(const moert_host *host, cudaStream_t stream, moert_dtype src_dtype,
+                                                  int64_t rows, int64_t cols, const void *src,
+                                                  const moert_router_cuda_noise *jitter, void *dst, int dst_f64)
+{
+    if (src_dtype != MOERT_BF16 && src_dtype != MOERT_F32)
+        return report(host, MOERT_ERR_UNSUPPORTED, "router cuda: cannot convert %s (bf16 or fp32 only)",
+                      moert_dtype_name(src_dtype));
+    if (rows < 0 || cols < 0)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda convert: bad sizes (%lld, %lld)", (long long)rows,
+                      (long long)cols);
+    if (rows * cols == 0) return MOERT_OK;
+    moert_router_cuda_noise noise = jitter ? *jitter : moert_router_cuda_noise{0, 0, 0.0};
+    const int bf16 = src_dtype == MOERT_BF16;
+    if (dst_f64)
+        convert_kernel<double><<<grid_for_elements(rows * cols), ELEMENTWISE_THREADS, 0, stream>>>(
+            rows, cols, bf16, src, jitter != NULL, noise, (double *)dst);
+    else
+        convert_kernel<float><<<grid_for_elements(rows * cols), ELEMENTWISE_THREADS, 0, stream>>>(
+            rows, cols, bf16, src, jitter != NULL, noise, (float *)dst);
+    LAUNCH_CHECK(host, "convert_kernel");
+    return MOERT_OK;
+}
+
+template <typename D>
+__global__ void random_logits_kernel(int64_t tokens, int64_t experts, moert_router_cuda_noise noise,
+                                     D *__restrict__ logits)
+{
+    const int64_t n = tokens * experts;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        logits[i] = (D)router_noise_normal(noise.key, noise.call, (uint64_t)(i / experts), (uint64_t)(i % experts));
+}
+
+/* force_load_balancing's logits; see router_cuda.h. */
+extern "C" moert_result moert_router_cuda_random_logits(const moert_host *host, cudaStream_t stream, int64_t tokens,
+                                                        int64_t experts, const moert_router_cuda_noise *noise,
+                                                        void *logits, int logits_f64)
+{
+    if (tokens < 0 || experts < 1 || !noise)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda random logits: bad arguments");
+    if (tokens == 0) return MOERT_OK;
+    if (logits_f64)
+        random_logits_kernel<double><<<grid_for_elements(tokens * experts), ELEMENTWISE_THREADS, 0, stream>>>(
+            tokens, experts, *noise, (double *)logits);
+    else
+        random_logits_kernel<float><<<grid_for_elements(tokens * experts), ELEMENTWISE_THREADS, 0, stream>>>(
+            tokens, experts, *noise, (float *)logits);
+    LAUNCH_CHECK(host, "random_logits_kernel");
+    return MOERT_OK;
+}
+
+template <typename S>
+__global__ void accumulate_ext_kernel(int64_t rows, int64_t cols, int bf16, const S *__restrict__ src, int jitter,
+                                      moert_router_cuda_noise noise, void *__restrict__ dst)
+{
+    const int64_t n = rows * cols;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        double v = (double)src[i];
+        if (jitter)
+            v *= router_noise_jitter(noise.key, noise.call, (uint64_t)(i / cols), (uint64_t)(i % cols), noise.eps);
+        if (bf16) {
+            uint16_t *d = (uint16_t *)dst;
+            d[i] = float_to_bf16_bits((float)((double)bf16_bits_to_float(d[i]) + v));
+        } else {
+            float *d = (float *)dst;
+            d[i] = (float)((double)d[i] + v);
+        }
+    }
+}
+
+/* dst += src (times the jitter); see router_cuda.h. */
+extern "C" moert_result moert_router_cuda_accumulate_ext(const moert_host *host, cudaStream_t stream,
+                                                         moert_dtype dst_dtype, int64_t rows, int64_t cols,
+                                                         const void *src, int src_f64,
+                                                         const moert_router_cuda_noise *jitter, void *dst)
+{
+    if (dst_dtype != MOERT_BF16 && dst_dtype != MOERT_F32)
+        return report(host, MOERT_ERR_UNSUPPORTED, "router cuda: cannot accumulate into %s (bf16 or fp32 only)",
+                      moert_dtype_name(dst_dtype));
+    if (rows < 0 || cols < 0)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda accumulate: bad sizes (%lld, %lld)",
+                      (long long)rows, (long long)cols);
+    if (rows * cols == 0) return MOERT_OK;
+    moert_router_cuda_noise noise = jitter ? *jitter : moert_router_cuda_noise{0, 0, 0.0};
+    const int bf16 = dst_dtype == MOERT_BF16;
+    if (src_f64)
+        accumulate_ext_kernel<double><<<grid_for_elements(rows * cols), ELEMENTWISE_THREADS, 0, stream>>>(
+            rows, cols, bf16, (const double *)src, jitter != NULL, noise, dst);
+    else
+        accumulate_ext_kernel<float><<<grid_for_elements(rows * cols), ELEMENTWISE_THREADS, 0, stream>>>(
+            rows, cols, bf16, (const float *)src, jitter != NULL, noise, dst);
+    LAUNCH_CHECK(host, "accumulate_ext_kernel");
     return MOERT_OK;
 }

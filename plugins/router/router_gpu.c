@@ -41,13 +41,16 @@
 #define HOST_HAS(h, member)                                                                                  \
     ((h)->struct_size >= offsetof(moert_host, member) + sizeof((h)->member) && (h)->member != NULL)
 
-/* The fp32 GEMMs, then the same three with bf16 operands (bf16x3, GEMM_X3 past the fp32 one). */
+/* The fp32 GEMMs, the same three with bf16 operands (bf16x3, GEMM_X3 past the fp32 one) and in fp64 (compute_dtype
+ * fp64, GEMM_F64 past the fp32 one). */
 typedef enum gemm_kind {
     GEMM_LOGITS = 0, GEMM_DGRAD = 1, GEMM_WGRAD = 2,
     GEMM_LOGITS_X3 = 3, GEMM_DGRAD_X3 = 4, GEMM_WGRAD_X3 = 5,
-    GEMM_KINDS = 6
+    GEMM_LOGITS_F64 = 6, GEMM_DGRAD_F64 = 7, GEMM_WGRAD_F64 = 8,
+    GEMM_KINDS = 9
 } gemm_kind;
 #define GEMM_X3 3
+#define GEMM_F64 6
 #define X3_PLANES 3
 
 /* One GEMM's descriptors and the algorithm chosen for its last shape. */
@@ -70,6 +73,10 @@ struct router_gpu {
     int world_size;
     bool aux_on;   /* an aux / seq-aux / global-aux loss with a coefficient > 0 */
     bool z_on;
+    bool f64;      /* compute_dtype fp64: fp64 GEMMs, logits and kernels */
+    bool jitter;   /* input_jitter_eps > 0 */
+    bool capacity; /* capacity_factor > 0 */
+    bool sinkhorn; /* load_balancing sinkhorn */
 
     cublasLtHandle_t lt;
     cublasLtMatmulPreference_t pref;
@@ -78,8 +85,8 @@ struct router_gpu {
 
     /* per-token buffers, sized for buffer_tokens tokens */
     int64_t buffer_tokens;
-    float *logits;        /* [T,E] kept for backward */
-    float *d_logits;      /* [T,E] */
+    void *logits;         /* [T,E] fp32 (fp64 with f64), kept for backward */
+    void *d_logits;       /* [T,E] as logits */
     int32_t *sel_idx;     /* [T,K] the selection, kept for backward */
     float *x32;           /* [T,H] x widened to fp32 (bf16 x), or the fp32 d_x product before it is added */
     /* bf16x3 (option "gemm"): W's planes [3E,H] (split by each forward, kept for backward), d_logits' planes [T,3E]
@@ -108,6 +115,25 @@ struct router_gpu {
     float *bias;          /* [E] */
     int64_t *bias_counts; /* [E] copies kept per expert since the last end_step, this rank */
     moert_tensor bias_tensor;
+
+    /* the x the GEMMs multiply when it is not x itself: jittered (fp32, or fp64 with f64) or widened to fp64, and with
+     * f64 the weight in fp64 and the fp64 products of the backward before they are added to d_x and d_weight */
+    void *xc;
+    int64_t xc_tokens;
+    double *w64, *dw64, *dx64;
+    int64_t dx64_tokens;
+
+    /* capacity: the ids after dropping [T,K] (kept for backward), the copies kept [E], the kernel's lists [T*E] */
+    int32_t *kept_idx;
+    int64_t *kept_counts;
+    int32_t *cap_scratch;
+    int64_t cap_tokens;
+    int64_t *kept_host;   /* pinned [E] */
+
+    /* sinkhorn: exp(logits) [T*E] fp64, d0 [T], d1 [E], the rounds taken */
+    double *sk_c, *sk_d0, *sk_d1;
+    int *sk_iters;
+    int64_t sk_tokens;
 
     /* the last forward, for backward */
     bool fwd_aux;
@@ -186,8 +212,9 @@ static moert_result ensure_token_buffers(router_gpu *g, int64_t T)
     g->logits = g->d_logits = NULL;
     g->sel_idx = NULL;
     g->buffer_tokens = 0;
-    GPU_TRY(device_alloc(g, (size_t)(n * E) * sizeof(float), (void **)&g->logits));
-    GPU_TRY(device_alloc(g, (size_t)(n * E) * sizeof(float), (void **)&g->d_logits));
+    const size_t scalar = g->f64 ? sizeof(double) : sizeof(float);
+    GPU_TRY(device_alloc(g, (size_t)(n * E) * scalar, (void **)&g->logits));
+    GPU_TRY(device_alloc(g, (size_t)(n * E) * scalar, (void **)&g->d_logits));
     GPU_TRY(device_alloc(g, (size_t)(n * K) * sizeof(int32_t), (void **)&g->sel_idx));
     g->buffer_tokens = n;
     return MOERT_OK;
@@ -225,6 +252,60 @@ static moert_result ensure_x3_buffers(router_gpu *g, int64_t T)
     GPU_TRY(device_alloc(g, (size_t)(X3_PLANES * E * n) * sizeof(uint16_t), (void **)&g->dl_pairs));
     GPU_TRY(device_alloc(g, (size_t)partial * sizeof(float), (void **)&g->partial));
     g->x3_tokens = n;
+    return MOERT_OK;
+}
+
+/* Makes the compute-type x buffer (and with f64 the fp64 d_x product) hold T tokens (grows only). */
+static moert_result ensure_xc(router_gpu *g, int64_t T)
+{
+    const int64_t n = T > 0 ? T : 1, H = g->hidden;
+    const size_t scalar = g->f64 ? sizeof(double) : sizeof(float);
+    if (!g->xc || n > g->xc_tokens) {
+        device_free(g, g->xc);
+        g->xc = NULL;
+        g->xc_tokens = 0;
+        GPU_TRY(device_alloc(g, (size_t)(n * H) * scalar, &g->xc));
+        g->xc_tokens = n;
+    }
+    if (g->f64 && (!g->dx64 || n > g->dx64_tokens)) {
+        device_free(g, g->dx64);
+        g->dx64 = NULL;
+        g->dx64_tokens = 0;
+        GPU_TRY(device_alloc(g, (size_t)(n * H) * sizeof(double), (void **)&g->dx64));
+        g->dx64_tokens = n;
+    }
+    return MOERT_OK;
+}
+
+/* Makes the capacity buffers hold T tokens (grows only). */
+static moert_result ensure_capacity_buffers(router_gpu *g, int64_t T)
+{
+    const int64_t n = T > 0 ? T : 1, E = g->num_experts, K = g->topk;
+    if (g->kept_idx && n <= g->cap_tokens) return MOERT_OK;
+    device_free(g, g->kept_idx);
+    device_free(g, g->cap_scratch);
+    g->kept_idx = NULL;
+    g->cap_scratch = NULL;
+    g->cap_tokens = 0;
+    GPU_TRY(device_alloc(g, (size_t)(n * K) * sizeof(int32_t), (void **)&g->kept_idx));
+    GPU_TRY(device_alloc(g, (size_t)(n * E) * sizeof(int32_t), (void **)&g->cap_scratch));
+    g->cap_tokens = n;
+    return MOERT_OK;
+}
+
+/* Makes the sinkhorn buffers hold T tokens (grows only). */
+static moert_result ensure_sinkhorn_buffers(router_gpu *g, int64_t T)
+{
+    const int64_t n = T > 0 ? T : 1, E = g->num_experts;
+    if (g->sk_c && n <= g->sk_tokens) return MOERT_OK;
+    device_free(g, g->sk_c);
+    device_free(g, g->sk_d0);
+    g->sk_c = g->sk_d0 = NULL;
+    g->sk_tokens = 0;
+    GPU_TRY(device_alloc(g, (size_t)MOERT_ROUTER_CUDA_SINKHORN_WORKSPACE_DOUBLES(n, E) * sizeof(double),
+                         (void **)&g->sk_c));
+    GPU_TRY(device_alloc(g, (size_t)n * sizeof(double), (void **)&g->sk_d0));
+    g->sk_tokens = n;
     return MOERT_OK;
 }
 
@@ -290,7 +371,8 @@ static const char *gemm_name(gemm_kind kind)
 {
     static const char *const names[GEMM_KINDS] = {
         "logits = x W^T", "d_x = d_logits W", "d_W += d_logits^T x",
-        "bf16x3 logits = x W^T", "bf16x3 d_x = d_logits W", "bf16x3 d_W += d_logits^T x"};
+        "bf16x3 logits = x W^T", "bf16x3 d_x = d_logits W", "bf16x3 d_W += d_logits^T x",
+        "fp64 logits = x W^T", "fp64 d_x = d_logits W", "fp64 d_W = d_logits^T x"};
     return names[kind];
 }
 
@@ -337,7 +419,10 @@ static moert_result gemm_run_ld(router_gpu *g, cudaStream_t stream, gemm_kind ki
         p->ready = true;
     }
     const float alpha = 1.0f, beta = beta_one ? 1.0f : 0.0f;
-    GPU_CUBLAS(g, cublasLtMatmul(g->lt, p->desc, &alpha, A, p->a, B, p->b, &beta, C, p->c, C, p->c, &p->algo,
+    const double alpha64 = 1.0, beta64 = beta_one ? 1.0 : 0.0;
+    const bool f64 = kind >= GEMM_F64;
+    GPU_CUBLAS(g, cublasLtMatmul(g->lt, p->desc, f64 ? (const void *)&alpha64 : (const void *)&alpha, A, p->a, B, p->b,
+                                 f64 ? (const void *)&beta64 : (const void *)&beta, C, p->c, C, p->c, &p->algo,
                                  g->workspace, GEMM_WORKSPACE_BYTES, stream));
     return MOERT_OK;
 }
@@ -360,13 +445,15 @@ static moert_result gemm_setup(router_gpu *g)
         gemm_plan *p = &g->plans[kind];
         cublasOperation_t ta = kind % GEMM_X3 == GEMM_LOGITS ? CUBLAS_OP_T : CUBLAS_OP_N;
         cublasOperation_t tb = kind % GEMM_X3 == GEMM_WGRAD ? CUBLAS_OP_T : CUBLAS_OP_N;
-        cudaDataType_t operands = kind >= GEMM_X3 ? CUDA_R_16BF : CUDA_R_32F;
-        GPU_CUBLAS(g, cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+        const bool f64 = kind >= GEMM_F64;
+        cudaDataType_t operands = f64 ? CUDA_R_64F : kind >= GEMM_X3 ? CUDA_R_16BF : CUDA_R_32F;
+        cudaDataType_t result = f64 ? CUDA_R_64F : CUDA_R_32F;
+        GPU_CUBLAS(g, cublasLtMatmulDescCreate(&p->desc, f64 ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F, result));
         GPU_CUBLAS(g, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
         GPU_CUBLAS(g, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
         GPU_CUBLAS(g, cublasLtMatrixLayoutCreate(&p->a, operands, 1, 1, 1));
         GPU_CUBLAS(g, cublasLtMatrixLayoutCreate(&p->b, operands, 1, 1, 1));
-        GPU_CUBLAS(g, cublasLtMatrixLayoutCreate(&p->c, CUDA_R_32F, 1, 1, 1));
+        GPU_CUBLAS(g, cublasLtMatrixLayoutCreate(&p->c, result, 1, 1, 1));
     }
     return MOERT_OK;
 }
@@ -377,16 +464,7 @@ static moert_result gemm_setup(router_gpu *g)
 static bool cpu_only_option(const router_gpu_config *cfg, const moert_layer_info *layer, char *why, size_t size)
 {
     const router_params *p = &cfg->params;
-    if (p->balancing == ROUTER_BALANCE_SINKHORN) {
-        snprintf(why, size, "load_balancing sinkhorn runs on the CPU path only for now");
-    } else if (p->capacity_factor > 0.0) {
-        snprintf(why, size, "capacity_factor %g (token dropping) runs on the CPU path only for now; use 0 on CUDA",
-                 p->capacity_factor);
-    } else if (p->pad_to_capacity || cfg->jitter_eps > 0.0 || cfg->force_balance ||
-               cfg->compute_dtype == ROUTER_COMPUTE_FP64) {
-        snprintf(why, size, "pad_to_capacity, input_jitter_eps, force_load_balancing and compute_dtype fp64 run on the "
-                            "CPU path only for now");
-    } else if (layer->num_experts > MOERT_ROUTER_CUDA_MAX_EXPERTS) {
+    if (layer->num_experts > MOERT_ROUTER_CUDA_MAX_EXPERTS) {
         snprintf(why, size, "num_experts %lld is more than the CUDA kernels' %d (the CPU path has no limit)",
                  (long long)layer->num_experts, MOERT_ROUTER_CUDA_MAX_EXPERTS);
     } else if (layer->topk > MOERT_ROUTER_CUDA_MAX_TOPK) {
@@ -395,6 +473,9 @@ static bool cpu_only_option(const router_gpu_config *cfg, const moert_layer_info
     } else if (p->num_groups > MOERT_ROUTER_CUDA_MAX_GROUPS) {
         snprintf(why, size, "option num_groups %lld is more than the CUDA kernels' %d (the CPU path has no limit)",
                  (long long)p->num_groups, MOERT_ROUTER_CUDA_MAX_GROUPS);
+    } else if (p->capacity_factor > 0.0 && layer->max_tokens * layer->topk > INT32_MAX) {
+        snprintf(why, size, "capacity_factor with max_tokens x topk = %lld copies is more than the CUDA kernels' %d",
+                 (long long)(layer->max_tokens * layer->topk), INT32_MAX);
     } else if (layer->max_tokens > INT32_MAX) {
         snprintf(why, size, "max_tokens %lld is more than the CUDA kernels' %d", (long long)layer->max_tokens,
                  INT32_MAX);
@@ -439,6 +520,21 @@ static moert_result create_state(router_gpu *g, const moert_layer_info *layer)
         return gpu_fail(g, MOERT_ERR_UNSUPPORTED, "the host has no pinned memory service");
     GPU_TRY(h->alloc_pinned(h, 2 * sizeof(double), (void **)&g->loss_host));
     GPU_TRY(h->alloc_pinned(h, (size_t)E * sizeof(int64_t), (void **)&g->counts_host));
+    if (g->capacity) {
+        GPU_TRY(device_alloc(g, (size_t)E * sizeof(int64_t), (void **)&g->kept_counts));
+        GPU_TRY(h->alloc_pinned(h, (size_t)E * sizeof(int64_t), (void **)&g->kept_host));
+        if (layer->max_tokens > 0) GPU_TRY(ensure_capacity_buffers(g, layer->max_tokens));
+    }
+    if (g->sinkhorn) {
+        GPU_TRY(device_alloc(g, (size_t)E * sizeof(double), (void **)&g->sk_d1));
+        GPU_TRY(device_alloc(g, sizeof(int), (void **)&g->sk_iters));
+        if (layer->max_tokens > 0) GPU_TRY(ensure_sinkhorn_buffers(g, layer->max_tokens));
+    }
+    if (g->f64) {
+        GPU_TRY(device_alloc(g, (size_t)(E * g->hidden) * sizeof(double), (void **)&g->w64));
+        GPU_TRY(device_alloc(g, (size_t)(E * g->hidden) * sizeof(double), (void **)&g->dw64));
+    }
+    if ((g->f64 || g->jitter) && layer->max_tokens > 0) GPU_TRY(ensure_xc(g, layer->max_tokens));
     /* The state that starts at zero. init has no stream: wait for the device (so no earlier user of these pool
      * blocks has work pending on any stream), zero them on the legacy stream and wait for that. Once, here;
      * nothing in a step waits like this. */
@@ -478,7 +574,13 @@ moert_result router_gpu_create(const moert_host *host, const moert_layer_info *l
     g->aux_on = (b == ROUTER_BALANCE_AUX_LOSS || b == ROUTER_BALANCE_SEQ_AUX_LOSS ||
                  b == ROUTER_BALANCE_GLOBAL_AUX_LOSS) && cfg->aux_loss_coeff > 0.0;
     g->z_on = cfg->z_loss_coeff > 0.0;
-    g->x3 = cfg->gemm == ROUTER_GEMM_BF16X3 || (cfg->gemm == ROUTER_GEMM_AUTO && layer->dtype == MOERT_BF16);
+    g->f64 = cfg->compute_dtype == ROUTER_COMPUTE_FP64;
+    g->jitter = cfg->jitter_eps > 0.0;
+    g->capacity = cfg->params.capacity_factor > 0.0;
+    g->sinkhorn = b == ROUTER_BALANCE_SINKHORN;
+    /* auto takes bf16x3 for bf16 activations unless they are jittered (no longer bf16) or the GEMMs are fp64 */
+    g->x3 = cfg->gemm == ROUTER_GEMM_BF16X3 ||
+            (cfg->gemm == ROUTER_GEMM_AUTO && layer->dtype == MOERT_BF16 && !g->jitter && !g->f64);
     if (g->x3 && layer->dtype != MOERT_BF16) {
         host->set_error(host, "router '%s' on cuda:%d: option gemm: \"bf16x3\" needs bf16 activations (the layer has "
                         "%s); use \"fp32\" or \"auto\"", cfg->name, (int)layer->device.id, moert_dtype_name(layer->dtype));
@@ -514,10 +616,13 @@ void router_gpu_destroy(router_gpu *g)
     void *device_buffers[] = {g->workspace, g->logits,    g->d_logits,       g->sel_idx,  g->x32,
                               g->aux_counts, g->aux_f,    g->aux_scale,      g->loss_out, g->loss_workspace,
                               g->global_sum, g->bias,     g->bias_counts,    g->w_planes, g->dl_planes,
-                              g->partial,   g->w_pairs,   g->dl_pairs};
+                              g->partial,   g->w_pairs,   g->dl_pairs,       g->xc,       g->w64,
+                              g->dw64,      g->dx64,      g->kept_idx,       g->kept_counts, g->cap_scratch,
+                              g->sk_c,      g->sk_d0,     g->sk_d1,          g->sk_iters};
     for (size_t i = 0; i < sizeof device_buffers / sizeof device_buffers[0]; i++) device_free(g, device_buffers[i]);
     if (g->loss_host) h->free_pinned(h, g->loss_host);
     if (g->counts_host) h->free_pinned(h, g->counts_host);
+    if (g->kept_host) h->free_pinned(h, g->kept_host);
     free(g);
 }
 
@@ -540,6 +645,14 @@ static moert_router_cuda_params route_params(const router_gpu *g, int64_t T)
     /* as the CPU reference: sigmoid probs are normalised over the K selected (K > 1), pre-softmax ones not */
     rp.normalize = p->score_function == ROUTER_SCORE_SIGMOID ? 1 : 0;
     rp.scaling_factor = p->scaling_factor;
+    if (g->sinkhorn) {
+        /* the selection comes from the balanced scores; the probs are Megatron's sinkhorn activation: softmax over
+         * all experts for K > 1, the sigmoid of the selected logit for K = 1, neither renormalised */
+        rp.score = g->topk > 1 ? MOERT_ROUTER_CUDA_SOFTMAX_PRE : MOERT_ROUTER_CUDA_SIGMOID;
+        rp.normalize = 0;
+        rp.num_groups = 0;
+        rp.group_topk = 0;
+    }
     return rp;
 }
 
@@ -553,6 +666,7 @@ static moert_router_cuda_loss_params loss_params(const router_gpu *g, int64_t T,
     lp.topk = g->topk;
     lp.seq_length = S > 0 ? S : 1;
     lp.sigmoid = g->cfg.params.score_function == ROUTER_SCORE_SIGMOID;
+    lp.logits_f64 = g->f64;
     return lp;
 }
 
@@ -631,24 +745,111 @@ static moert_result forward_losses(router_gpu *g, cudaStream_t stream, int64_t T
                                           z ? 1 : 0, g->loss_workspace, g->loss_out));
     moert_device pinned = {MOERT_DEVICE_CUDA_HOST, 0};
     GPU_TRY(h->memcpy_async(h, g->loss_host, pinned, g->loss_out, g->device, 2 * sizeof(double), stream));
-    GPU_TRY(h->memcpy_async(h, g->counts_host, pinned, counts->data, g->device, (size_t)E * sizeof(int64_t), stream));
+    /* the copies really routed: with capacity (and padding) the kept counts, not tokens_per_expert */
+    const void *kept = g->capacity && T > 0 ? (const void *)g->kept_counts : counts->data;
+    GPU_TRY(h->memcpy_async(h, g->counts_host, pinned, kept, g->device, (size_t)E * sizeof(int64_t), stream));
     GPU_TRY(h->stream_synchronize(h, stream));
     if (g->fwd_aux) losses->aux_loss = g->loss_host[0];
     if (z) losses->z_loss = g->cfg.z_loss_coeff * g->loss_host[1] / (double)T;
-    int64_t max_count = 0;
-    for (int64_t e = 0; e < E; e++)
+    int64_t max_count = 0, total = 0;
+    for (int64_t e = 0; e < E; e++) {
         if (g->counts_host[e] > max_count) max_count = g->counts_host[e];
-    report_metric(g, "router.max_load_ratio", (double)max_count / ((double)(T * K) / (double)E), "");
+        total += g->counts_host[e];
+    }
+    if (T > 0) report_metric(g, "router.max_load_ratio", (double)max_count / ((double)(T * K) / (double)E), "");
+    if (g->capacity) report_metric(g, "router.dropped_copies", (double)(T * K - total), "tokens");
+    return MOERT_OK;
+}
+
+/* The noise of forward number `call` (jitter factors or random logits) of the stream `key`. */
+static moert_router_cuda_noise noise_of(uint64_t key, uint64_t call, double eps)
+{
+    moert_router_cuda_noise n = {key, call, eps};
+    return n;
+}
+
+/* The logits of the compute dtype: fp64 GEMM on x and W widened (x jittered); fp32 GEMM on the jittered x; else the
+ * fp32 or bf16x3 GEMM of x as it is. */
+static moert_result forward_logits(router_gpu *g, cudaStream_t stream, const moert_router_forward_args *a, int64_t T,
+                                   uint64_t call)
+{
+    const moert_host *h = g->host;
+    const int64_t H = g->hidden, E = g->num_experts;
+    const moert_router_cuda_noise jitter = noise_of(g->cfg.jitter_key, call, g->cfg.jitter_eps);
+    if (g->f64 || g->jitter) {
+        GPU_TRY(ensure_xc(g, T));
+        GPU_TRY(moert_router_cuda_convert(h, stream, a->x->dtype, T, H, a->x->data, g->jitter ? &jitter : NULL, g->xc,
+                                          g->f64));
+        if (g->f64) {
+            GPU_TRY(moert_router_cuda_convert(h, stream, MOERT_F32, E, H, a->weight->data, NULL, g->w64, 1));
+            GPU_TRY(gemm_run_ld(g, stream, GEMM_LOGITS_F64, E, T, H, g->w64, g->xc, 0, g->logits, 0));
+        } else {
+            GPU_TRY(gemm_run(g, stream, GEMM_LOGITS, E, T, H, (const float *)a->weight->data, g->xc, g->logits, 0));
+        }
+    } else if (g->x3) {
+        GPU_TRY(ensure_x3_buffers(g, T));
+        static const int terms[3] = {0, 1, 2};
+        GPU_TRY(moert_router_cuda_split_bf16(h, stream, 1, E * H, terms, (const float *)a->weight->data, g->w_planes));
+        GPU_TRY(gemm_run_ld(g, stream, GEMM_LOGITS_X3, X3_PLANES * E, T, H, g->w_planes, a->x->data, 0, g->partial, 0));
+        GPU_TRY(moert_router_cuda_sum_planes(h, stream, T, E, X3_PLANES, 0, g->partial, g->logits));
+    } else {
+        const float *x32 = NULL;
+        GPU_TRY(x_as_f32(g, stream, a->x, T, true, &x32));
+        GPU_TRY(gemm_run(g, stream, GEMM_LOGITS, E, T, H, (const float *)a->weight->data, x32, g->logits, 0));
+    }
+    /* force_load_balancing: the routing sees random logits; backward passes their gradient straight through */
+    if (g->cfg.force_balance) {
+        const moert_router_cuda_noise random = noise_of(g->cfg.random_logits_key, call, 0.0);
+        GPU_TRY(moert_router_cuda_random_logits(h, stream, T, E, &random, g->logits, g->f64));
+    }
+    return MOERT_OK;
+}
+
+/* Selection, probs and counts of T tokens: sinkhorn's balanced scores, the route, capacity. topk_idx gets the ids
+ * kept; the selection (sel_idx) and the kept ids (kept_idx) stay for backward. */
+static moert_result forward_route(router_gpu *g, cudaStream_t stream, const moert_router_forward_args *a, int64_t T)
+{
+    const moert_host *h = g->host;
+    const int64_t E = g->num_experts, K = g->topk;
+    moert_router_cuda_params rp = route_params(g, T);
+    moert_router_cuda_route_ext ext;
+    memset(&ext, 0, sizeof ext);
+    ext.logits_f64 = g->f64;
+    if (g->sinkhorn && T > 0) {
+        GPU_TRY(ensure_sinkhorn_buffers(g, T));
+        GPU_TRY(moert_router_cuda_sinkhorn(h, stream, T, E, g->logits, g->f64, ROUTER_SINKHORN_TOLERANCE,
+                                           ROUTER_SINKHORN_MAX_ROUNDS, g->sk_c, g->sk_d0, g->sk_d1, g->sk_iters));
+        ext.sinkhorn_d0 = g->sk_d0;
+        ext.sinkhorn_d1 = g->sk_d1;
+    }
+    int64_t *tpe = a->tokens_per_expert->data;
+    float *probs = (float *)a->topk_probs->data;
+    GPU_TRY(moert_router_cuda_forward_ext(h, stream, &rp, &ext, g->logits, g->cfg.use_expert_bias ? g->bias : NULL,
+                                          g->sel_idx, probs, tpe, NULL));
+    if (T == 0) return MOERT_OK;
+    const int32_t *out = g->sel_idx;
+    if (g->capacity) {
+        const router_params *p = &g->cfg.params;
+        GPU_TRY(ensure_capacity_buffers(g, T));
+        GPU_CUDA(g, cudaMemcpyAsync(g->kept_idx, g->sel_idx, (size_t)(T * K) * sizeof(int32_t),
+                                    cudaMemcpyDeviceToDevice, stream));
+        GPU_TRY(moert_router_cuda_capacity(h, stream, T, K, E, router_cpu_capacity(T, K, E, p->capacity_factor),
+                                           p->drop_policy == ROUTER_DROP_POSITION ? 1 : 0, p->pad_to_capacity ? 1 : 0,
+                                           g->sel_idx, g->kept_idx, probs, g->kept_counts, tpe, g->cap_scratch));
+        out = g->kept_idx;
+    }
+    GPU_CUDA(g, cudaMemcpyAsync(a->topk_idx->data, out, (size_t)(T * K) * sizeof(int32_t), cudaMemcpyDeviceToDevice,
+                                stream));
     return MOERT_OK;
 }
 
 moert_result router_gpu_forward(router_gpu *g, moert_stream s, const moert_router_forward_args *a, int64_t seq_length,
                                 uint64_t call)
 {
-    (void)call;
     cudaStream_t stream = (cudaStream_t)s;
     const moert_host *h = g->host;
-    int64_t T = a->x->shape[0], H = g->hidden, E = g->num_experts, K = g->topk;
+    int64_t T = a->x->shape[0], E = g->num_experts;
+    int64_t *tpe = a->tokens_per_expert->data;
     g->fwd_aux = false;
     GPU_TRY(check_dtype(g, "forward", "x", a->x, true));
     GPU_TRY(check_dtype(g, "forward", "weight", a->weight, false));
@@ -661,28 +862,13 @@ moert_result router_gpu_forward(router_gpu *g, moert_stream s, const moert_route
     if (T > INT32_MAX) return gpu_fail(g, MOERT_ERR_UNSUPPORTED, "forward: %lld tokens (at most %d)", (long long)T, INT32_MAX);
     GPU_TRY(ensure_token_buffers(g, T));
 
-    /* logits = x W^T in fp32, or from W's bf16 planes (bf16x3) */
-    if (T > 0 && g->x3) {
-        GPU_TRY(ensure_x3_buffers(g, T));
-        static const int terms[3] = {0, 1, 2};
-        GPU_TRY(moert_router_cuda_split_bf16(h, stream, 1, E * H, terms, (const float *)a->weight->data, g->w_planes));
-        GPU_TRY(gemm_run_ld(g, stream, GEMM_LOGITS_X3, X3_PLANES * E, T, H, g->w_planes, a->x->data, 0, g->partial, 0));
-        GPU_TRY(moert_router_cuda_sum_planes(h, stream, T, E, X3_PLANES, 0, g->partial, g->logits));
-    } else if (T > 0) {
-        const float *x32 = NULL;
-        GPU_TRY(x_as_f32(g, stream, a->x, T, true, &x32));
-        GPU_TRY(gemm_run(g, stream, GEMM_LOGITS, E, T, H, (const float *)a->weight->data, x32, g->logits, 0));
-    }
-
-    /* selection, probs, counts; the selection is kept for backward */
-    moert_router_cuda_params rp = route_params(g, T);
-    int64_t *tpe = a->tokens_per_expert->data;
-    GPU_TRY(moert_router_cuda_forward(h, stream, &rp, g->logits, g->cfg.use_expert_bias ? g->bias : NULL, g->sel_idx,
-                                      (float *)a->topk_probs->data, tpe, NULL));
-    if (T > 0)
-        GPU_CUDA(g, cudaMemcpyAsync(a->topk_idx->data, g->sel_idx, (size_t)(T * K) * sizeof(int32_t),
-                                    cudaMemcpyDeviceToDevice, stream));
-    if (g->cfg.use_expert_bias) GPU_TRY(moert_router_cuda_add_counts(h, stream, E, tpe, g->bias_counts));
+    /* logits in the compute dtype (jittered x, random logits), then the selection, probs and counts */
+    if (T > 0) GPU_TRY(forward_logits(g, stream, a, T, call));
+    GPU_TRY(forward_route(g, stream, a, T));
+    /* the bias follows the copies really kept, never the padding */
+    if (g->cfg.use_expert_bias)
+        GPU_TRY(moert_router_cuda_add_counts(h, stream, E, g->capacity && T > 0 ? g->kept_counts : tpe,
+                                             g->bias_counts));
 
     /* losses */
     moert_router_losses *losses = a->losses;
@@ -721,10 +907,36 @@ static moert_result backward_x3(router_gpu *g, cudaStream_t stream, const moert_
     return MOERT_OK;
 }
 
+/* The linear layer's backward in fp64 (compute_dtype fp64), or in fp32 on the jittered x: x and W converted again as
+ * the forward did (same noise), the products into scratch, then added to d_weight and (times the noise) to d_x. */
+static moert_result backward_converted(router_gpu *g, cudaStream_t stream, const moert_router_backward_args *a,
+                                       int64_t T, uint64_t call)
+{
+    const moert_host *h = g->host;
+    const int64_t H = g->hidden, E = g->num_experts;
+    const moert_router_cuda_noise jitter = noise_of(g->cfg.jitter_key, call, g->cfg.jitter_eps);
+    const moert_router_cuda_noise *noise = g->jitter ? &jitter : NULL;
+    GPU_TRY(ensure_xc(g, T));
+    GPU_TRY(moert_router_cuda_convert(h, stream, a->x->dtype, T, H, a->x->data, noise, g->xc, g->f64));
+    if (g->f64) {
+        GPU_TRY(moert_router_cuda_convert(h, stream, MOERT_F32, E, H, a->weight->data, NULL, g->w64, 1));
+        GPU_TRY(gemm_run_ld(g, stream, GEMM_WGRAD_F64, H, E, T, g->xc, g->d_logits, 0, g->dw64, 0));
+        GPU_TRY(moert_router_cuda_accumulate_ext(h, stream, MOERT_F32, E, H, g->dw64, 1, NULL, a->d_weight->data));
+        GPU_TRY(gemm_run_ld(g, stream, GEMM_DGRAD_F64, H, T, E, g->w64, g->d_logits, 0, g->dx64, 0));
+        GPU_TRY(moert_router_cuda_accumulate_ext(h, stream, a->d_x->dtype, T, H, g->dx64, 1, noise, a->d_x->data));
+        return MOERT_OK;
+    }
+    GPU_TRY(gemm_run(g, stream, GEMM_WGRAD, H, E, T, g->xc, g->d_logits, (float *)a->d_weight->data, 1));
+    GPU_TRY(ensure_x32(g, T));
+    g->x32_source = NULL; /* the d_x product goes there */
+    GPU_TRY(gemm_run(g, stream, GEMM_DGRAD, H, T, E, (const float *)a->weight->data, g->d_logits, g->x32, 0));
+    GPU_TRY(moert_router_cuda_accumulate_ext(h, stream, a->d_x->dtype, T, H, g->x32, 0, noise, a->d_x->data));
+    return MOERT_OK;
+}
+
 moert_result router_gpu_backward(router_gpu *g, moert_stream s, const moert_router_backward_args *a, int64_t T,
                                  uint64_t call)
 {
-    (void)call;
     cudaStream_t stream = (cudaStream_t)s;
     const moert_host *h = g->host;
     int64_t H = g->hidden, E = g->num_experts;
@@ -735,10 +947,15 @@ moert_result router_gpu_backward(router_gpu *g, moert_stream s, const moert_rout
     GPU_TRY(check_dtype(g, "backward", "d_weight", a->d_weight, false));
     if (T == 0) return MOERT_OK;
 
-    /* d_logits: through the probs (overwrites), then the losses (adds), times loss_scale */
+    /* d_logits: through the probs (overwrites; copies dropped by capacity get none), then the losses (adds), times
+     * loss_scale; with force_load_balancing these are the random logits' gradients, handed on unchanged */
     moert_router_cuda_params rp = route_params(g, T);
-    GPU_TRY(moert_router_cuda_backward(h, stream, &rp, g->logits, g->sel_idx, (const float *)a->d_topk_probs->data,
-                                       g->d_logits, 0));
+    moert_router_cuda_route_ext ext;
+    memset(&ext, 0, sizeof ext);
+    ext.logits_f64 = g->f64;
+    ext.kept_idx = g->capacity ? g->kept_idx : NULL;
+    GPU_TRY(moert_router_cuda_backward_ext(h, stream, &rp, &ext, g->logits, g->sel_idx,
+                                           (const float *)a->d_topk_probs->data, g->d_logits, 0));
     double z_grad = g->z_on ? a->loss_scale * 2.0 * g->cfg.z_loss_coeff / (double)T : 0.0;
     if (g->fwd_aux || z_grad != 0.0) {
         moert_router_cuda_loss_params lp = loss_params(g, T, g->fwd_aux ? g->fwd_aux_seq : T);
@@ -746,6 +963,7 @@ moert_result router_gpu_backward(router_gpu *g, moert_stream s, const moert_rout
                                                 a->loss_scale, z_grad, g->d_logits));
     }
 
+    if (g->f64 || g->jitter) return backward_converted(g, stream, a, T, call);
     if (g->x3) return backward_x3(g, stream, a, T);
 
     /* d_weight += d_logits^T x (fp32, beta 1) */

@@ -2,8 +2,9 @@
 /*
  * The "topk" router plugin's CUDA path against its CPU path (the reference), the same inputs through both:
  * every mode the CUDA path serves (softmax post and pre, sigmoid with expert bias, group-limited top-k and
- * scaling, aux_loss, seq_aux_loss, global_aux_loss, z_loss), x in fp32 and bf16, several steps so the expert
- * bias moves. Checked per step: topk_idx equal (a mismatch is allowed only at a near tie of the CPU's
+ * scaling, aux_loss, seq_aux_loss, global_aux_loss, z_loss, capacity with both drop policies and padding, sinkhorn,
+ * input jitter, force_load_balancing, compute_dtype fp32 and fp64), x in fp32 and bf16, several steps so the expert
+ * bias moves; a padded capacity route captured in a CUDA graph. Checked per step: topk_idx equal (a mismatch is allowed only at a near tie of the CPU's
  * selection scores, |a - b| <= 1e-5, and counted), probs (fp32 x: within 1e-4; bf16 x: 2e-2 relative),
  * tokens_per_expert, the losses (1e-4 relative), d_x and d_weight after backward (1e-3 relative to the norm
  * of the CPU's increment), the expert bias after end_step; no new cudaMalloc in a steady-state step; the
@@ -29,7 +30,9 @@ int main(void)
 #include "cuda/device.h"
 #include "cuda/pool.h"
 #include "error.h"
+#include "host.h"
 #include "moert/router.h"
+#include "router_noise.h"
 
 #define TIE 1e-5
 
@@ -43,7 +46,7 @@ int main(void)
         }                                                                                                    \
     } while (0)
 
-enum score_kind { SCORE_POST = 0, SCORE_PRE = 1, SCORE_SIGMOID = 2 };
+enum score_kind { SCORE_POST = 0, SCORE_PRE = 1, SCORE_SIGMOID = 2, SCORE_SINKHORN = 3 };
 
 /* One configuration of the router, run on the CPU and on the GPU. */
 typedef struct router_mode {
@@ -55,6 +58,11 @@ typedef struct router_mode {
     int64_t seq_length;
     int steps;             /* optimizer steps (forward, backward, end_step) */
     int forwards_per_step; /* forwards (each with its backward) before each end_step */
+    /* what the near-tie analysis must know of the options: */
+    bool capacity;         /* capacity_factor: dropped copies may differ where probs nearly tie */
+    double jitter_eps;     /* input_jitter_eps */
+    bool force_balance;    /* force_load_balancing */
+    uint64_t seed;         /* the option "seed" (42 when not given) */
 } router_mode;
 
 /* One rank's CUDA resources, as the runtime gives them. */
@@ -290,18 +298,69 @@ static moert_result end_step_and_bias(test_instance *ti, moert_stream stream, in
 
 /* ---- comparisons ---- */
 
-/* The CPU's selection scores of one token in double (the bias as the CPU had it at the forward). */
-static void selection_scores(const router_mode *m, const step_data *d, int64_t t, const double *bias, double *sc)
+/* The logits of token t in forward number `call`, as the CPU forms them: x jittered, or random (router_noise.h). */
+static void token_logits(const router_mode *m, const step_data *d, uint64_t call, int64_t t, double *l)
 {
     int64_t E = d->E, H = d->H;
-    double mx = -INFINITY;
+    uint64_t seed = m->seed ? m->seed : 42;
+    uint64_t jitter_key = router_noise_key(seed, 0, 0, ROUTER_NOISE_JITTER);
+    uint64_t random_key = router_noise_key(seed, 0, 0, ROUTER_NOISE_RANDOM_LOGITS);
     for (int64_t e = 0; e < E; e++) {
         double acc = 0.0;
-        for (int64_t h = 0; h < H; h++) acc += load_dtype(d->dtype, d->x, t * H + h) * (double)d->w[e * H + h];
-        sc[e] = acc;
-        if (acc > mx) mx = acc;
+        for (int64_t h = 0; h < H; h++) {
+            double x = load_dtype(d->dtype, d->x, t * H + h);
+            if (m->jitter_eps > 0.0) x *= router_noise_jitter(jitter_key, call, (uint64_t)t, (uint64_t)h, m->jitter_eps);
+            acc += x * (double)d->w[e * H + h];
+        }
+        l[e] = m->force_balance ? router_noise_normal(random_key, call, (uint64_t)t, (uint64_t)e) : acc;
     }
-    if (m->score == SCORE_PRE) {
+}
+
+/* Sinkhorn's d1 [E] over all tokens of a forward, as the CPU computes it (for the near-tie analysis). */
+static void sinkhorn_d1(const router_mode *m, const step_data *d, uint64_t call, double *d1)
+{
+    int64_t T = d->T, E = d->E;
+    double *c = calloc((size_t)(T * E), sizeof(double)), *d0 = calloc((size_t)T, sizeof(double));
+    double *old = calloc((size_t)E, sizeof(double));
+    for (int64_t t = 0; t < T; t++) {
+        token_logits(m, d, call, t, c + t * E);
+        for (int64_t e = 0; e < E; e++) c[t * E + e] = exp(c[t * E + e]);
+    }
+    for (int64_t e = 0; e < E; e++) d1[e] = old[e] = 1.0;
+    for (int it = 0; it < 10000; it++) {
+        for (int64_t t = 0; t < T; t++) {
+            double acc = 0.0;
+            for (int64_t e = 0; e < E; e++) acc += d1[e] * c[t * E + e];
+            d0[t] = (1.0 / (double)T) / (acc + 1e-8);
+        }
+        double err = 0.0;
+        for (int64_t e = 0; e < E; e++) {
+            double acc = 0.0;
+            for (int64_t t = 0; t < T; t++) acc += d0[t] * c[t * E + e];
+            d1[e] = (1.0 / (double)E) / (acc + 1e-8);
+            err += fabs(d1[e] - old[e]);
+            old[e] = d1[e];
+        }
+        if (err / (double)E <= 1e-4) break;
+    }
+    free(c);
+    free(d0);
+    free(old);
+}
+
+/* The CPU's selection scores of one token in double (the bias as the CPU had it at the forward); sinkhorn's are
+ * log(d1 * exp(l)) = l + log d1, ordered as the balanced scores (d0 is a per-token factor). */
+static void selection_scores(const router_mode *m, const step_data *d, uint64_t call, int64_t t, const double *bias,
+                             const double *d1, double *sc)
+{
+    int64_t E = d->E;
+    double mx = -INFINITY;
+    token_logits(m, d, call, t, sc);
+    for (int64_t e = 0; e < E; e++)
+        if (sc[e] > mx) mx = sc[e];
+    if (m->score == SCORE_SINKHORN) {
+        for (int64_t e = 0; e < E; e++) sc[e] += log(d1[e]);
+    } else if (m->score == SCORE_PRE) {
         double z = 0.0;
         for (int64_t e = 0; e < E; e++) z += exp(sc[e] - mx);
         for (int64_t e = 0; e < E; e++) sc[e] = exp(sc[e] - mx) / z;
@@ -390,18 +449,30 @@ static double relative_error(moert_dtype dtype, const void *a, const void *b, co
 static bool close_rel(double a, double b, double rtol) { return fabs(a - b) <= 1e-12 + rtol * fabs(b); }
 
 /* Compares one step; returns the number of near-tie mismatches (hard ones are counted as failures). */
-static int64_t compare_step(const char *what, const router_mode *m, const step_data *d, const double *cpu_bias,
-                            const side_out *c, const side_out *g, bool compare_grads)
+static int64_t compare_step(const char *what, const router_mode *m, const step_data *d, uint64_t call,
+                            const double *cpu_bias, const side_out *c, const side_out *g, bool compare_grads)
 {
     int64_t T = d->T, E = d->E, K = d->K, H = d->H;
-    int64_t ties = 0, hard = 0, prob_bad = 0;
+    int64_t ties = 0, hard = 0, prob_bad = 0, capacity_diffs = 0;
     double worst_prob = 0.0;
-    double *sc = calloc((size_t)E, sizeof(double));
+    double *sc = calloc((size_t)E, sizeof(double)), *d1 = calloc((size_t)E, sizeof(double));
+    bool have_d1 = false;
     for (int64_t t = 0; t < T; t++) {
         const int32_t *a = c->idx + t * K, *b = g->idx + t * K;
         if (memcmp(a, b, (size_t)K * sizeof(int32_t)) != 0) {
-            selection_scores(m, d, t, cpu_bias, sc);
-            if (near_tie(m, sc, a, b, E, K)) {
+            if (m->score == SCORE_SINKHORN && !have_d1) {
+                sinkhorn_d1(m, d, call, d1);
+                have_d1 = true;
+            }
+            selection_scores(m, d, call, t, cpu_bias, d1, sc);
+            bool dropped = false;
+            for (int64_t k = 0; k < K; k++) dropped = dropped || a[k] < 0 || b[k] < 0;
+            if (m->capacity && dropped) {
+                /* which copies an expert keeps turns on its copies' probs: fp32 on the GPU, fp64 on the CPU; a
+                 * near tie there (or in the selection) moves a drop. Counted, and bounded below. */
+                capacity_diffs++;
+                ties++;
+            } else if (near_tie(m, sc, a, b, E, K)) {
                 ties++;
             } else {
                 if (hard < 5) {
@@ -430,6 +501,12 @@ static int64_t compare_step(const char *what, const router_mode *m, const step_d
         }
     }
     free(sc);
+    free(d1);
+    if (capacity_diffs > 1 + T / 50) {
+        fprintf(stderr, "%s: %lld tokens differ in their dropped copies (at most %lld near ties expected)\n", what,
+                (long long)capacity_diffs, (long long)(1 + T / 50));
+        hard++;
+    }
     test_failures += (int)(hard + prob_bad);
     if (ties == 0) {
         for (int64_t e = 0; e < E; e++)
@@ -438,7 +515,7 @@ static int64_t compare_step(const char *what, const router_mode *m, const step_d
                         (long long)g->tpe[e], (long long)c->tpe[e]);
                 test_failures++;
             }
-    } else {
+    } else if (!m->capacity) {
         int64_t sum = 0;
         for (int64_t e = 0; e < E; e++) sum += g->tpe[e];
         EXPECT_EQ_INT(sum, T * K);
@@ -513,7 +590,9 @@ static void check_mode(const router_mode *m, moert_dtype dtype, const gpu_rank *
                 test_failures++;
             }
             snprintf(what, sizeof what, "%s %s step %d.%d", m->name, moert_dtype_name(dtype), step, f);
-            if (compare_step(what, m, &d, cpu_bias, &c, &o, true) > 0) all_equal = false;
+            /* both instances count their forwards alike: the noise of this one is call number `call` on both */
+            uint64_t call = (uint64_t)(step * m->forwards_per_step + f);
+            if (compare_step(what, m, &d, call, cpu_bias, &c, &o, true) > 0) all_equal = false;
             side_out_free(&c);
             side_out_free(&o);
             step_data_free(&d);
@@ -562,8 +641,6 @@ static void expect_gpu_refusal(const gpu_rank *g, const char *options, int64_t E
 
 static void check_refusals_and_edges(const gpu_rank *g)
 {
-    expect_gpu_refusal(g, "{\"load_balancing\": \"sinkhorn\"}", 8, 2, "load_balancing sinkhorn runs on the CPU path");
-    expect_gpu_refusal(g, "{\"capacity_factor\": 1.25}", 8, 2, "capacity_factor 1.25 (token dropping) runs on the CPU");
     expect_gpu_refusal(g, "{}", 300, 2, "num_experts 300 is more than the CUDA kernels' 256");
     expect_gpu_refusal(g, "{}", 16, 9, "topk 9 is more than the CUDA kernels' 8");
     expect_gpu_refusal(g, "{\"gemm\": \"bf16x3\"}", 8, 2, "option gemm: \"bf16x3\" needs bf16 activations");
@@ -642,6 +719,91 @@ static void check_refusals_and_edges(const gpu_rank *g)
     cudaFree(dprobs);
     cudaFree(dtpe);
     side_out_free(&o);
+    step_data_free(&d);
+    test_instance_close(&ti);
+}
+
+/* ---- capacity with padding: capturable in a CUDA graph ---- */
+
+/* A padded capacity route without losses declares itself capturable, and a forward captured in a CUDA graph and
+ * replayed gives what the same forward gave eagerly (every expert reports exactly its capacity). */
+static void check_capture_without_sync(const gpu_rank *g)
+{
+    router_mode m = {.name = "capture", .T = 64, .H = 32, .E = 8, .K = 2};
+    const char *options = "{\"capacity_factor\": 1.0, \"pad_to_capacity\": true, \"input_jitter_eps\": 0.01}";
+    test_instance ti;
+    moert_layer_info layer = test_layer(m.H, 4, m.E, m.K, m.T, 1, 0, MOERT_F32);
+    layer.device.type = MOERT_DEVICE_CUDA;
+    layer.device.id = g->device;
+    EXPECT_OK(test_instance_open_cuda(&ti, MOERT_KIND_ROUTER, "topk", options, &layer, NULL, 0, 1, g->pool, g->nccl,
+                                      g->stream));
+    if (!ti.ctx) return;
+    const moert_router_v1 *vt = (const moert_router_v1 *)ti.plugin.header;
+    EXPECT(moert_host_instance_flags(ti.host, vt->header.flags) & MOERT_CAP_GRAPH_CAPTURABLE);
+    step_data d;
+    step_data_make(&d, &m, MOERT_F32, 77);
+    side_out eager, replay;
+    side_out_alloc(&eager, &d);
+    side_out_alloc(&replay, &d);
+    cudaStream_t stream = (cudaStream_t)g->stream;
+    moert_device dev = {MOERT_DEVICE_CUDA, g->device};
+    void *x = device_copy(d.x, (size_t)(m.T * m.H) * sizeof(float)), *w = device_copy(d.w, (size_t)(m.E * m.H) * 4);
+    void *idx = NULL, *probs = NULL, *tpe = NULL;
+    CUDA_OK(cudaMalloc(&idx, (size_t)(m.T * m.K) * sizeof(int32_t)));
+    CUDA_OK(cudaMalloc(&probs, (size_t)(m.T * m.K) * sizeof(float)));
+    CUDA_OK(cudaMalloc(&tpe, (size_t)m.E * sizeof(int64_t)));
+    CUDA_OK(cudaDeviceSynchronize());
+    moert_tensor tx = moert_tensor_2d(x, dev, MOERT_F32, m.T, m.H), tw = moert_tensor_2d(w, dev, MOERT_F32, m.E, m.H);
+    moert_tensor tidx = moert_tensor_2d(idx, dev, MOERT_I32, m.T, m.K);
+    moert_tensor tprobs = moert_tensor_2d(probs, dev, MOERT_F32, m.T, m.K);
+    moert_tensor ttpe = moert_tensor_1d(tpe, dev, MOERT_I64, m.E);
+    moert_router_losses losses;
+    moert_router_forward_args fa = {.struct_size = sizeof fa, .x = &tx, .weight = &tw, .topk_idx = &tidx,
+                                    .topk_probs = &tprobs, .tokens_per_expert = &ttpe, .losses = &losses};
+    /* an eager forward grows the buffers; the captured one allocates nothing */
+    EXPECT_OK(vt->forward(ti.ctx, g->stream, &fa));
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    moert_result rc = vt->forward(ti.ctx, g->stream, &fa);
+    CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    EXPECT_OK(rc);
+    if (graph) CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    /* the graph replays forward number 1 (its noise call was fixed at capture) */
+    if (exec) {
+        CUDA_OK(cudaGraphLaunch(exec, stream));
+        CUDA_OK(cudaStreamSynchronize(stream));
+        CUDA_OK(cudaMemcpy(replay.idx, idx, (size_t)(m.T * m.K) * sizeof(int32_t), cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(replay.probs, probs, (size_t)(m.T * m.K) * sizeof(float), cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(replay.tpe, tpe, (size_t)m.E * sizeof(int64_t), cudaMemcpyDeviceToHost));
+    }
+    /* the replay against forward number 1 of a second instance, run eagerly */
+    test_instance t2;
+    EXPECT_OK(test_instance_open_cuda(&t2, MOERT_KIND_ROUTER, "topk", options, &layer, NULL, 0, 1, g->pool, g->nccl,
+                                      g->stream));
+    if (t2.ctx) {
+        EXPECT_OK(vt->forward(t2.ctx, g->stream, &fa));
+        EXPECT_OK(vt->forward(t2.ctx, g->stream, &fa));
+        CUDA_OK(cudaStreamSynchronize(stream));
+        CUDA_OK(cudaMemcpy(eager.idx, idx, (size_t)(m.T * m.K) * sizeof(int32_t), cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(eager.probs, probs, (size_t)(m.T * m.K) * sizeof(float), cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(eager.tpe, tpe, (size_t)m.E * sizeof(int64_t), cudaMemcpyDeviceToHost));
+        EXPECT(memcmp(eager.idx, replay.idx, (size_t)(m.T * m.K) * sizeof(int32_t)) == 0);
+        EXPECT(memcmp(eager.probs, replay.probs, (size_t)(m.T * m.K) * sizeof(float)) == 0);
+        int64_t cap = (int64_t)ceil((double)(m.T * m.K) / (double)m.E * 1.0);
+        for (int64_t e = 0; e < m.E; e++) EXPECT_EQ_INT(replay.tpe[e], cap);
+        printf("capacity 1.0 padded + jitter, no loss: captured in a CUDA graph, replay equals the eager forward\n");
+    }
+    test_instance_close(&t2);
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+    cudaFree(x);
+    cudaFree(w);
+    cudaFree(idx);
+    cudaFree(probs);
+    cudaFree(tpe);
+    side_out_free(&eager);
+    side_out_free(&replay);
     step_data_free(&d);
     test_instance_close(&ti);
 }
@@ -805,6 +967,48 @@ int main(void)
                     "\"expert_bias\": true, \"bias_update_rate\": 0.01, \"gemm\": \"fp32\"}",
          .steps = 2, .forwards_per_step = 1},
     };
+    /* Megatron's options of issue 31 on the CUDA path (capacity, padding, sinkhorn, input jitter, forced balance,
+     * the compute dtype), each against the CPU path */
+    const router_mode more_modes[] = {
+        {.name = "capacity 0.5, drop probs, aux_loss", .score = SCORE_POST, .T = 128, .H = 64, .E = 16, .K = 2,
+         .options = "{\"capacity_factor\": 0.5, \"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.01}",
+         .steps = 2, .forwards_per_step = 1, .capacity = true},
+        {.name = "capacity 0.75, drop position, padded, pre", .score = SCORE_PRE, .T = 96, .H = 48, .E = 32, .K = 4,
+         .options = "{\"pre_softmax\": true, \"capacity_factor\": 0.75, \"drop_policy\": \"position\", "
+                    "\"pad_to_capacity\": true}",
+         .steps = 2, .forwards_per_step = 1, .capacity = true},
+        {.name = "capacity 1.0, sigmoid bias G4/2, padded", .score = SCORE_SIGMOID, .groups = 4, .group_topk = 2,
+         .T = 128, .H = 64, .E = 64, .K = 8,
+         .options = "{\"score_function\": \"sigmoid\", \"num_groups\": 4, \"group_topk\": 2, \"expert_bias\": true, "
+                    "\"bias_update_rate\": 0.01, \"capacity_factor\": 1.0, \"pad_to_capacity\": true}",
+         .steps = 3, .forwards_per_step = 1, .capacity = true},
+        {.name = "sinkhorn top-2", .score = SCORE_SINKHORN, .T = 128, .H = 64, .E = 16, .K = 2,
+         .options = "{\"load_balancing\": \"sinkhorn\"}", .steps = 2, .forwards_per_step = 1},
+        {.name = "sinkhorn top-1, z_loss", .score = SCORE_SINKHORN, .T = 100, .H = 40, .E = 8, .K = 1,
+         .options = "{\"load_balancing\": \"sinkhorn\", \"z_loss_coeff\": 0.001}", .steps = 1, .forwards_per_step = 1},
+        {.name = "input jitter 0.05, aux_loss, 2 forwards/step", .score = SCORE_POST, .T = 128, .H = 64, .E = 16,
+         .K = 2, .options = "{\"input_jitter_eps\": 0.05, \"seed\": 9, \"load_balancing\": \"aux_loss\", "
+                            "\"aux_loss_coeff\": 0.01}",
+         .steps = 2, .forwards_per_step = 2, .jitter_eps = 0.05, .seed = 9},
+        {.name = "force_load_balancing, z_loss, capacity 1.0", .score = SCORE_POST, .T = 160, .H = 48, .E = 32, .K = 4,
+         .options = "{\"force_load_balancing\": true, \"z_loss_coeff\": 0.001, \"capacity_factor\": 1.0}",
+         .steps = 2, .forwards_per_step = 1, .force_balance = true, .capacity = true},
+        {.name = "compute_dtype fp64, aux + z_loss", .score = SCORE_POST, .T = 128, .H = 96, .E = 64, .K = 8,
+         .options = "{\"compute_dtype\": \"fp64\", \"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.01, "
+                    "\"z_loss_coeff\": 0.001}",
+         .steps = 2, .forwards_per_step = 1},
+        {.name = "compute_dtype fp64, sigmoid bias, jitter", .score = SCORE_SIGMOID, .T = 96, .H = 64, .E = 32, .K = 4,
+         .options = "{\"compute_dtype\": \"fp64\", \"score_function\": \"sigmoid\", \"expert_bias\": true, "
+                    "\"input_jitter_eps\": 0.02}",
+         .steps = 2, .forwards_per_step = 1, .jitter_eps = 0.02},
+        {.name = "compute_dtype fp32, pre_softmax", .score = SCORE_PRE, .T = 100, .H = 72, .E = 40, .K = 3,
+         .options = "{\"compute_dtype\": \"fp32\", \"pre_softmax\": true}", .steps = 1, .forwards_per_step = 1},
+    };
+    for (size_t i = 0; i < sizeof more_modes / sizeof more_modes[0]; i++) {
+        check_mode(&more_modes[i], MOERT_F32, &g);
+        check_mode(&more_modes[i], MOERT_BF16, &g);
+    }
+    check_capture_without_sync(&g);
     for (size_t i = 0; i < sizeof modes / sizeof modes[0]; i++) {
         check_mode(&modes[i], MOERT_F32, &g);
         check_mode(&modes[i], MOERT_BF16, &g);
