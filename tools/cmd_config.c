@@ -76,11 +76,9 @@ static const flag_map flag_table[] = {
     {"--micro-batch-size", MAP_SPECIAL, NULL, NULL, NULL, 1, false, NULL},
     {"--moe-shared-expert-intermediate-size", MAP_SPECIAL, NULL, NULL, NULL, 0, false, NULL},
     {"--moe-shared-expert-overlap", MAP_TRUE, "parallel.shared_expert_overlap", NULL, NULL, 0, true, NULL},
-    {"--moe-pad-expert-input-to-capacity", MAP_REFUSE, NULL, NULL, NULL, 0, true,
-     "padding every expert's input to its capacity is not supported yet"},
-    {"--moe-input-jitter-eps", MAP_REFUSE, NULL, NULL, NULL, 0, false, "router input jitter is not supported yet"},
-    {"--moe-router-force-load-balancing", MAP_REFUSE, NULL, NULL, NULL, 0, true,
-     "forced load balancing (a benchmarking mode) is not supported yet"},
+    {"--moe-pad-expert-input-to-capacity", MAP_SPECIAL, NULL, NULL, NULL, 0, true, NULL},
+    {"--moe-input-jitter-eps", MAP_FLOAT, "router.input_jitter_eps", NULL, NULL, 0, false, NULL},
+    {"--moe-router-force-load-balancing", MAP_TRUE, "router.force_load_balancing", NULL, NULL, 0, true, NULL},
     {"--moe-layer-recompute", MAP_SPECIAL, NULL, NULL, NULL, 0, true, NULL},
     {"--moe-grouped-gemm", MAP_IGNORE, NULL, NULL, NULL, 0, true, "moert's expert GEMMs are always grouped"},
     {"--moe-permute-fusion", MAP_IGNORE, NULL, NULL, NULL, 0, true, "moert's dispatchers fuse their permutes"},
@@ -121,7 +119,7 @@ typedef struct import_state {
     json_t *root;
     const char *dispatcher, *flex_backend, *fp8_format, *fp8_recipe, *recompute_modules, *granularity;
     long long seq_length, micro_batch, ffn_hidden, shared_ffn, etp;
-    bool bf16, deepep, moe_layer_recompute;
+    bool bf16, deepep, moe_layer_recompute, pad_to_capacity;
     char modules[512]; /* --recompute-modules takes a list: its words, space-separated */
 } import_state;
 
@@ -210,8 +208,10 @@ static int apply_flag(import_state *st, const flag_map *f, const char *value)
     else if (!strcmp(flag, "--moe-router-dtype")) {
         if (strcmp(value, "fp32") && strcmp(value, "fp64"))
             return fail("%s: \"%s\" is not one of Megatron's values for it (fp32, fp64)", flag, value);
-        /* moert's router computes in at least fp32 on every path; fp64 compute is not offered yet */
-        if (!strcmp(value, "fp64")) return fail("%s %s: a router computing in fp64 is not supported yet", flag, value);
+        /* fp32 is what the router's default compute_dtype ("auto") gives at least: left to it */
+        if (!strcmp(value, "fp64")) set_key(st->root, "router.compute_dtype", json_string(value));
+    } else if (!strcmp(flag, "--moe-pad-expert-input-to-capacity")) {
+        st->pad_to_capacity = true;
     } else {
         long long *slot = !strcmp(flag, "--seq-length")                          ? &st->seq_length
                           : !strcmp(flag, "--micro-batch-size")                  ? &st->micro_batch
@@ -271,6 +271,17 @@ static int finish(import_state *st)
     else
         return fail("--moe-token-dispatcher-type: \"%s\" is not one of Megatron's values%s", dtype, "");
     set_key(st->root, "dispatcher.plugin", json_string(plugin));
+    /* padding to capacity: the router reports every expert at capacity, the dispatcher fills the rows */
+    if (st->pad_to_capacity) {
+        json_t *factor = json_object_get(router, "capacity_factor");
+        if (!factor) return fail("%s needs %s", "--moe-pad-expert-input-to-capacity", "--moe-expert-capacity-factor");
+        if (strcmp(plugin, "alltoall"))
+            return fail("--moe-pad-expert-input-to-capacity: moert's %s dispatcher does not pad (alltoall does)%s",
+                        plugin, "");
+        set_key(st->root, "router.pad_to_capacity", json_true());
+        set_key(st->root, "dispatcher.pad_to_capacity", json_true());
+        set_key(st->root, "dispatcher.capacity_factor", json_real(json_number_value(factor)));
+    }
 
     /* precision: bf16, or fp8 with its recipe and format */
     if (!st->fp8_format && st->fp8_recipe) return fail("%s needs %s", "--fp8-recipe", "--fp8-format");

@@ -48,8 +48,25 @@ grep -q '"shared_expert_overlap": true' "$tmp/overlap.json" || fail "--moe-share
 base=(--num-experts 8 --hidden-size 64 --moe-ffn-hidden-size 32 --moe-token-dispatcher-type alltoall)
 expect_refused unknown_moe "--moe-foo: an MoE flag moert does not know how to map" "${base[@]}" --moe-foo 1
 expect_refused unknown "--bar: not a flag moert knows" "${base[@]}" --bar
-expect_refused jitter "--moe-input-jitter-eps: router input jitter is not supported yet" "${base[@]}" \
-    --moe-input-jitter-eps 0.01
+expect_refused pad "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor" "${base[@]}" \
+    --moe-pad-expert-input-to-capacity
+expect_refused pad_deepep "moert's deepep dispatcher does not pad" "${base[@]}" --moe-expert-capacity-factor 1.5 \
+    --moe-pad-expert-input-to-capacity --moe-enable-deepep
+expect_refused router_dtype "--moe-router-dtype: \"bf16\" is not one of Megatron's values" "${base[@]}" \
+    --moe-router-dtype bf16
+# the router's Megatron options: jitter, fp64 compute, forced balancing, capacity with padding
+"$moert" config --from-megatron "${base[@]}" --moe-input-jitter-eps 0.01 --moe-router-dtype fp64 \
+    --moe-router-force-load-balancing --moe-expert-capacity-factor 1.5 --moe-token-drop-policy position \
+    --moe-pad-expert-input-to-capacity >"$tmp/router.json" 2>&1 || fail "router options import: $(cat "$tmp/router.json")"
+python3 - "$tmp/router.json" <<'PY' || fail "router options mapping"
+import json, sys
+c = json.load(open(sys.argv[1]))
+r, d = c["router"], c["dispatcher"]
+assert r["input_jitter_eps"] == 0.01 and r["compute_dtype"] == "fp64" and r["force_load_balancing"] is True, r
+assert r["capacity_factor"] == 1.5 and r["drop_policy"] == "position" and r["pad_to_capacity"] is True, r
+assert d == {"plugin": "alltoall", "pad_to_capacity": True, "capacity_factor": 1.5}, d
+PY
+"$moert" check "$tmp/router.json" >"$tmp/router.check" 2>&1 || fail "imported router options refused: $(cat "$tmp/router.check")"
 # Megatron's default dispatcher, allgather, when the flag is left out
 "$moert" config --from-megatron --num-experts 8 --hidden-size 64 --moe-ffn-hidden-size 32 >"$tmp/allgather.json" 2>&1 ||
     fail "default dispatcher import: $(cat "$tmp/allgather.json")"
