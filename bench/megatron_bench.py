@@ -189,13 +189,14 @@ def megatron_step(layer, x, gy, collect=False):
     if not collect:
         return None
     ex = layer.experts.local_experts
-    fc1, fc2 = mm.expert_weights_to_moert([e.linear_fc1.weight.grad for e in ex], [e.linear_fc2.weight.grad for e in ex])
+    fc1, fc2 = mm.expert_weights_to_moert([e.linear_fc1.weight.grad for e in ex],
+                                          [e.linear_fc2.weight.grad for e in ex])
     tr = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
     coeff = layer.config.moe_aux_loss_coeff
     aux = float(tr["values"][0]) * coeff if tr is not None and coeff else None
     H = y.shape[-1]
-    out = {"y": y.detach().reshape(-1, H), "dx": xr.grad.reshape(-1, H), "router_grad": layer.router.weight.grad.clone(),
-           "fc1_grad": fc1, "fc2_grad": fc2, "aux": aux}
+    out = {"y": y.detach().reshape(-1, H), "dx": xr.grad.reshape(-1, H),
+           "router_grad": layer.router.weight.grad.clone(), "fc1_grad": fc1, "fc2_grad": fc2, "aux": aux}
     sh = layer.shared_experts
     if sh is not None:
         out["shared_fc1_grad"], out["shared_fc2_grad"] = mm.expert_weights_to_moert([sh.linear_fc1.weight.grad],
