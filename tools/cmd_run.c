@@ -18,12 +18,15 @@ static void run_usage(FILE *f)
             "  --steps N         override train.steps\n"
             "  --set KEY=JSON    override any config value, e.g. --set model.num_layers=4 (repeatable)\n"
             "  --report FILE     write every figure of the run as JSON\n"
+            "  --trace FILE      write a Chrome trace (Perfetto, chrome://tracing) of every rank's stage\n"
+            "                    spans on its streams over the run (a process per GPU: rank N > 0 writes\n"
+            "                    FILE.rankN)\n"
             "  --quiet           no progress lines\n");
 }
 
 int moert_cmd_run(int argc, char **argv)
 {
-    const char *config_path = NULL, *report_path = NULL;
+    const char *config_path = NULL, *report_path = NULL, *trace_path = NULL;
     long long steps = 0;
     int quiet = 0, status = 1;
     const char *sets[MOERT_CLI_MAX_SETS];
@@ -41,6 +44,8 @@ int moert_cmd_run(int argc, char **argv)
             }
         } else if (!strcmp(argv[i], "--report") && i + 1 < argc) {
             report_path = argv[++i];
+        } else if (!strcmp(argv[i], "--trace") && i + 1 < argc) {
+            trace_path = argv[++i];
         } else if (!strcmp(argv[i], "--set") && i + 1 < argc) {
             if (nsets == MOERT_CLI_MAX_SETS) {
                 fprintf(stderr, "moert run: at most %d --set options\n", MOERT_CLI_MAX_SETS);
@@ -68,8 +73,13 @@ int moert_cmd_run(int argc, char **argv)
     moert_config *cfg = NULL;
     moert_runtime *rt = NULL;
     /* the report's path is checked before anything runs: never the config, never a link, a writable folder */
-    if (report_path && moert_output_check("--report", report_path, &config_path, 1) != MOERT_OK) {
+    if ((report_path && moert_output_check("--report", report_path, &config_path, 1) != MOERT_OK) ||
+        (trace_path && moert_output_check("--trace", trace_path, &config_path, 1) != MOERT_OK)) {
         fprintf(stderr, "moert run: %s\n", moert_last_error());
+        goto exit;
+    }
+    if (report_path && trace_path && !strcmp(report_path, trace_path)) {
+        fprintf(stderr, "moert run: --report and --trace name the same file \"%s\"\n", trace_path);
         goto exit;
     }
     if (moert_cli_load_config("moert run", config_path, sets, nsets, &cfg) != MOERT_OK) goto exit;
@@ -82,7 +92,7 @@ int moert_cmd_run(int argc, char **argv)
     /* a process per GPU: rank 0's process prints and writes the report */
     int root = moert_runtime_rank(rt) == 0;
     moert_train_options opts = {.struct_size = sizeof opts, .progress = quiet || !root ? NULL : stdout,
-                                .steps = steps};
+                                .steps = steps, .trace_path = trace_path};
     rc = moert_runtime_train(rt, &opts);
     if (rc != MOERT_OK) {
         fprintf(stderr, "moert run: %s\n", moert_last_error());
@@ -96,6 +106,7 @@ int moert_cmd_run(int argc, char **argv)
         }
         if (!quiet) printf("report written to %s\n", report_path);
     }
+    if (trace_path && root && !quiet) printf("trace written to %s (open it in https://ui.perfetto.dev)\n", trace_path);
     status = 0;
 exit:
     moert_runtime_destroy(rt);

@@ -69,6 +69,7 @@ static moert_result stage_mark(moert_layer *L, int mark) { return mark_on(L, mar
 static moert_result part_begin(moert_layer *L, moert_backward_part p, moert_stream stream)
 {
     L->backward_part_ran[p] = true;
+    L->backward_part_on_side[p] = stream != L->stream;
     return mark_on(L, MARK_FIRST_PART + 2 * p, stream);
 }
 
@@ -90,6 +91,44 @@ static moert_result mark_interval(moert_layer *L, int from, int to, double *out)
 #endif
     *out = L->mark_seconds[to] - L->mark_seconds[from];
     return MOERT_OK;
+}
+
+/* Seconds from `origin`'s forward start to mark `mark` of L (both recorded in this micro-batch). */
+static moert_result mark_offset(const moert_layer *L, const moert_layer *origin, int mark, double *out)
+{
+#ifdef MOERT_HAVE_CUDA
+    if (L->info.device.type == MOERT_DEVICE_CUDA) {
+        float ms = 0.0f;
+        moert_result rc = moert_cuda_event_elapsed_ms(origin->mark_events[0], L->mark_events[mark], &ms);
+        *out = 1e-3 * ms;
+        return rc;
+    }
+#endif
+    *out = L->mark_seconds[mark] - origin->mark_seconds[0];
+    return MOERT_OK;
+}
+
+moert_result moert_layer_spans(const moert_layer *L, const moert_layer *origin, moert_layer_span *out, int *count)
+{
+    moert_result rc = MOERT_OK;
+    int n = 0;
+    for (int s = 0; s < MOERT_STAGE_COUNT - 1; s++) {
+        moert_layer_span *sp = &out[n++];
+        *sp = (moert_layer_span){.name = moert_stage_name((moert_stage)s), .stream = "compute",
+                                 .dur_s = L->stage_seconds[s]};
+        MOERT_CHECK(mark_offset(L, origin, s, &sp->start_s));
+    }
+    for (int p = 0; p < MOERT_BWD_PART_COUNT; p++) {
+        if (!L->backward_part_ran[p]) continue;
+        moert_layer_span *sp = &out[n++];
+        *sp = (moert_layer_span){.name = moert_backward_part_name((moert_backward_part)p),
+                                 .stream = L->backward_part_on_side[p] ? "wgrad" : "compute",
+                                 .dur_s = L->backward_part_seconds[p]};
+        MOERT_CHECK(mark_offset(L, origin, MARK_FIRST_PART + 2 * p, &sp->start_s));
+    }
+fail:
+    *count = n;
+    return rc;
 }
 
 moert_result moert_layer_collect_times(moert_layer *L)

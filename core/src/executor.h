@@ -121,6 +121,7 @@ typedef struct moert_layer {
     double stage_seconds[MOERT_STAGE_COUNT];
     double backward_part_seconds[MOERT_BWD_PART_COUNT];
     bool backward_part_ran[MOERT_BWD_PART_COUNT];
+    bool backward_part_on_side[MOERT_BWD_PART_COUNT]; /* ran on wgrad_stream, not the compute stream */
 } moert_layer;
 
 /* Turns a plugin's failure into a core error naming the plugin, the call, the layer and the rank. */
@@ -147,6 +148,18 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
  * store (moert_act_store_start_offloads, _release_finished, _prefetch; activation_store.h). */
 /* Fills stage_seconds and backward_part_seconds from the last forward and backward (waits for their work on GPUs). */
 moert_result moert_layer_collect_times(moert_layer *L);
+
+/* One span of the layer's last forward or backward: a forward stage or a backward part, on the stream it ran on,
+ * starting start_s seconds after the forward start of a chosen origin layer. */
+typedef struct moert_layer_span {
+    const char *name;   /* moert_stage_name / moert_backward_part_name */
+    const char *stream; /* "compute", or "wgrad" for the wgrad parts moved to the second stream (overlap_wgrad) */
+    double start_s, dur_s;
+} moert_layer_span;
+#define MOERT_LAYER_MAX_SPANS (MOERT_STAGE_COUNT - 1 + MOERT_BWD_PART_COUNT)
+/* The spans of the last forward and backward (after moert_layer_collect_times), placed against the forward start of
+ * `origin` (a layer of the same rank whose marks are of the same micro-batch, e.g. the first layer): for the trace. */
+moert_result moert_layer_spans(const moert_layer *L, const moert_layer *origin, moert_layer_span *out, int *count);
 /* Whether the layer's forward and backward can be captured in a CUDA graph and replayed: a CUDA layer whose four
  * plugin instances declare MOERT_CAP_GRAPH_CAPTURABLE (header flags, or host->set_flags) and whose last forward kept
  * every activation on the device (offload and recompute have host-side steps). When not, writes why into `why`. */

@@ -6,6 +6,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -15,6 +16,7 @@
 #include "host.h"
 #include "log.h"
 #include "tensor_ops.h"
+#include "trace.h"
 #ifdef MOERT_HAVE_CUDA
 #include "cuda/comm_nccl.h"
 #include "cuda/device.h"
@@ -45,6 +47,7 @@ struct moert_rank {
     double stage_seconds[MOERT_STAGE_COUNT];              /* summed over layers and micro-batches */
     double backward_part_seconds[MOERT_BWD_PART_COUNT];
     float *loss_result;                  /* pinned: the loss sum comes back through it */
+    moert_trace trace;                   /* the stage spans of this rank's streams, when the run is traced */
     /* CUDA graphs ($.parallel.cuda_graph): the stack's forward and backward, captured once, then replayed; one pair
      * per form: [0] a step's first micro-batch (its WGRADs overwrite the expert gradients), [1] the later ones */
     void *graph_forward[2], *graph_backward[2]; /* moert_cuda_graph */
@@ -414,6 +417,7 @@ static moert_result rank_finalize(moert_rank *r, void *arg)
     }
     free(r->x_host.data);
     free(r->target_host.data);
+    moert_trace_clear(&r->trace);
     moert_stack_finalize(&r->stack);
     r->core_host = NULL;
     r->layers = NULL;
@@ -736,6 +740,27 @@ fail:
     return rc;
 }
 
+/* Appends the spans of every layer of this micro-batch to the rank's trace: placed on the run's clock by the
+ * micro-batch's start on the host, and within it by the streams' own times (CUDA events on GPUs). */
+static moert_result trace_micro_batch(moert_rank *r, int64_t step, int64_t micro, double started)
+{
+    moert_result rc = MOERT_OK;
+    const double base_us = 1e6 * (started - r->rt->trace_origin);
+    for (int l = 0; l < r->rt->cfg->model.num_layers; l++) {
+        moert_layer_span spans[MOERT_LAYER_MAX_SPANS];
+        int n = 0;
+        MOERT_CHECK(moert_layer_spans(&r->layers[l], &r->layers[0], spans, &n));
+        for (int i = 0; i < n; i++) {
+            moert_trace_span span = {.name = spans[i].name, .stream = spans[i].stream, .rank = r->rank, .layer = l,
+                                     .step = step, .micro = micro, .start_us = base_us + 1e6 * spans[i].start_s,
+                                     .dur_us = 1e6 * spans[i].dur_s};
+            MOERT_CHECK(moert_trace_add(&r->trace, &span));
+        }
+    }
+fail:
+    return rc;
+}
+
 /* One micro-batch's forward and backward on one rank: its squared error, router losses, tokens per expert and times
  * are added to the step's. The first micro-batch of a step zeroes the gradients; the others add to them. Each
  * micro-batch's losses enter as its share of the step's mean, so the gradients of a step are those of one batch of
@@ -790,6 +815,7 @@ static moert_result micro_batch(moert_rank *r, int64_t step, int64_t micro)
         for (int s = 0; s < MOERT_STAGE_COUNT; s++) r->stage_seconds[s] += r->layers[l].stage_seconds[s];
         for (int p = 0; p < MOERT_BWD_PART_COUNT; p++) r->backward_part_seconds[p] += r->layers[l].backward_part_seconds[p];
     }
+    if (rt->tracing) MOERT_CHECK(trace_micro_batch(r, step, micro, t0));
     MOERT_CHECK(r->core_host->stream_synchronize(r->core_host, r->stream) == MOERT_OK /* the counts have landed */
                     ? MOERT_OK
                     : moert_error(MOERT_ERR_CUDA, "%s", moert_host_take_error(r->core_host)));
@@ -1142,6 +1168,21 @@ moert_result moert_runtime_forward_backward(moert_runtime *rt, int64_t step, dou
     return MOERT_OK;
 }
 
+/* Writes the traces of the ranks this process hosts: all of them to `path` with ranks as threads; with a process per
+ * GPU, rank 0's to `path` and rank N's to `path`.rankN. */
+static moert_result write_trace(moert_runtime *rt, const char *path)
+{
+    moert_trace *traces = calloc((size_t)rt->nlocal, sizeof *traces);
+    if (!traces) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "the trace");
+    for (int i = 0; i < rt->nlocal; i++) traces[i] = rt->ranks[i].trace;
+    char ranked[4096];
+    const int rank = rt->ranks[0].rank;
+    if (rt->processes && rank != 0) snprintf(ranked, sizeof ranked, "%s.rank%d", path, rank);
+    moert_result rc = moert_trace_write(traces, rt->nlocal, rt->cfg->name, rt->processes && rank != 0 ? ranked : path);
+    free(traces);
+    return rc;
+}
+
 moert_result moert_runtime_train(moert_runtime *rt, const moert_train_options *opts)
 {
     moert_result rc = ensure_params(rt);
@@ -1168,9 +1209,16 @@ moert_result moert_runtime_train(moert_runtime *rt, const moert_train_options *o
                 rt->plugins[2].header->name, rt->plugins[3].header->name);
     rc = snapshot_bias(rt, &rt->bias_start);
     if (rc != MOERT_OK) return rc;
+    const char *trace_path = opts && opts->struct_size >= offsetof(moert_train_options, trace_path) + sizeof(char *)
+                                 ? opts->trace_path
+                                 : NULL;
+    rt->tracing = trace_path != NULL;
+    for (int i = 0; i < rt->nlocal; i++) rt->ranks[i].trace.count = 0;
     double t0 = now_seconds();
+    rt->trace_origin = t0;
     rc = run_on_ranks(rt, rank_train, &ta);
     rt->total_seconds = now_seconds() - t0;
+    if (rc == MOERT_OK && trace_path) rc = write_trace(rt, trace_path);
     if (rc != MOERT_OK) return rc;
 
     int nl = (int)cfg->model.num_layers;

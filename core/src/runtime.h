@@ -62,6 +62,8 @@ struct moert_runtime {
     int abandoned_ranks;          /* rank threads left running after a stall: the runtime can only be destroyed, which
                                      then frees nothing (docs/config.md, $.parallel.timeout_s) */
     moert_step_record step_record; /* moert_runtime_step's, filled by rank 0 */
+    bool tracing;                  /* moert_train_options.trace_path: each rank records its stage spans */
+    double trace_origin;           /* the run's start on the host clock, time 0 of the trace */
     moert_memory_estimate memory;  /* per rank, estimated before the plugins start (moert check prints it) */
 };
 

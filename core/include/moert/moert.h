@@ -47,6 +47,10 @@ typedef struct moert_train_options {
     uint32_t struct_size;
     FILE *progress;   /* a line per step goes here; NULL for quiet */
     int64_t steps;    /* 0: the config's train.steps */
+    /* appended: a Chrome trace (JSON; Perfetto, chrome://tracing) of the stage spans of every rank's streams over the
+     * run, or NULL. With ranks as threads one file holds every rank; with a process per GPU rank N (N > 0) writes
+     * trace_path.rankN. */
+    const char *trace_path;
 } moert_train_options;
 
 /* The first rank this process runs: 0 when one process runs every rank as a thread; RANK when a launcher

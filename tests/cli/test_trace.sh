@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# `moert run --trace FILE`: a Chrome trace of every rank's stage spans. Checks that it is valid JSON with, for each rank,
+# every forward stage and backward part of every layer in every micro-batch of every step, in order on the compute
+# stream (no two spans of one rank's compute stream overlap, each layer's stages follow each other), and that the
+# trace's path is checked before the run like --report's.
+# Usage: test_trace.sh PATH/TO/moert
+set -u
+moert="$(cd "$(dirname "$1")" && pwd)/$(basename "$1")"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+run_dir="$tmp"
+. "$(dirname "$0")/cli_lib.sh"
+
+cat >"$tmp/c.json" <<JSON
+{"model": {"hidden": 16, "ffn_hidden": 32, "num_experts": 4, "topk": 2, "num_layers": 2},
+ "parallel": {"ranks": 2, "device": "cpu"}, "train": {"steps": 3, "tokens_per_rank": 32, "micro_batches": 2}}
+JSON
+run traced 0 run c.json --trace t.json --quiet
+python3 - "$tmp/t.json" <<'PY' || fail "trace content"
+import collections, json, sys
+d = json.load(open(sys.argv[1]))
+spans = [e for e in d["traceEvents"] if e["ph"] == "X"]
+names = {(e["pid"], e["tid"]): e["args"]["name"] for e in d["traceEvents"] if e["name"] == "thread_name"}
+stages = ["router", "permute", "dispatch", "fc1", "act", "fc2", "combine"]
+parts = ["combine_bwd", "fc2_dgrad", "fc2_wgrad", "act_bwd", "fc1_dgrad", "fc1_wgrad", "dispatch_bwd", "router_bwd"]
+per = collections.defaultdict(list)
+for e in spans:
+    per[(e["pid"], e["args"]["step"], e["args"]["micro_batch"], e["args"]["layer"])].append(e)
+keys = {(r, s, m, l) for r in (0, 1) for s in (1, 2, 3) for m in (0, 1) for l in (0, 1)}
+assert set(per) == keys, sorted(set(per) ^ keys)
+for k, es in per.items():
+    got = [e["name"].split(" ", 1)[1] for e in es]
+    for n in stages + parts:
+        assert n in got, (k, n, got)
+    fwd = [e for e in es if e["name"].split(" ", 1)[1] in stages]
+    for a, b in zip(fwd, fwd[1:]):  # stages back to back
+        assert abs(a["ts"] + a["dur"] - b["ts"]) < 1.0, (k, a, b)
+for (pid, tid), stream in names.items():  # one rank's compute stream runs one span at a time
+    es = sorted((e for e in spans if e["pid"] == pid and e["tid"] == tid), key=lambda e: e["ts"])
+    if stream == "compute":
+        for a, b in zip(es, es[1:]):
+            assert a["ts"] + a["dur"] <= b["ts"] + 1.0, (a, b)
+print("trace ok: %d spans" % len(spans))
+PY
+# drawn without a browser (matplotlib, which CI installs)
+src="${MOERT_TEST_SOURCE_ROOT:-$(cd "$(dirname "$0")/../.." && pwd)}"
+if python3 "$src/tools/trace_plot.py" "$tmp/t.json" "$tmp/t.png" --step 2 2>"$tmp/plot.err"; then
+    [ "$(head -c 4 "$tmp/t.png" | od -An -c | tr -d ' ')" = "211PNG" ] || fail "trace_plot: not a PNG"
+else
+    fail "trace_plot: $(cat "$tmp/plot.err")"
+fi
+python3 "$src/tools/trace_plot.py" "$tmp/t.json" "$tmp/t9.png" --step 9 2>"$tmp/plot9.err" && fail "trace_plot: step 9 drawn"
+grep -q "step 9 is not in the trace" "$tmp/plot9.err" || fail "trace_plot: no message for a missing step"
+# the trace's path is checked before the run: never the config
+cp "$tmp/c.json" "$tmp/c.orig"
+run onto_config 1 run c.json --trace c.json
+expect_match onto_config err "--trace c.json is the input c.json"
+cmp -s "$tmp/c.json" "$tmp/c.orig" || fail "onto_config: the config was changed"
+run same_file 1 run c.json --trace o.json --report o.json
+expect_match same_file err "--report and --trace name the same file"
+
+if [ "$failures" -ne 0 ]; then echo "test_trace: $failures check(s) failed" >&2; exit 1; fi
+echo "test_trace: all checks passed"
