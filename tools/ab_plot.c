@@ -37,6 +37,23 @@ static json_t *series(const double *v, int64_t n)
     return a;
 }
 
+/* A ratio with its interval, for the distributions' panel: {"what": "B/A", "ratio", "ci_low", "ci_high", "level",
+ * "pairs", "verdict"}; null numbers where there was no interval. */
+static json_t *interval_json(const ab_interval *iv, const char *what)
+{
+    char text[160];
+    ab_verdict_text(iv, text, sizeof text);
+    json_t *o = json_object();
+    json_object_set_new(o, "what", json_string(what));
+    json_object_set_new(o, "ratio", isfinite(iv->ratio) ? json_real(iv->ratio) : json_null());
+    json_object_set_new(o, "ci_low", isfinite(iv->low) ? json_real(iv->low) : json_null());
+    json_object_set_new(o, "ci_high", isfinite(iv->high) ? json_real(iv->high) : json_null());
+    json_object_set_new(o, "level", json_real(iv->level));
+    json_object_set_new(o, "pairs", json_integer(iv->pairs));
+    json_object_set_new(o, "verdict", json_string(text));
+    return o;
+}
+
 /* Writes the data file. Returns 0, or -1 with err set. */
 static int write_data(const char *data_path, const moert_ab_plot_data *d, char *err, size_t err_size)
 {
@@ -50,9 +67,11 @@ static int write_data(const char *data_path, const moert_ab_plot_data *d, char *
         snprintf(title, sizeof title, "%s\n%s", d->header[0], d->header[1]);
     else if (d->header && d->header_count == 1)
         snprintf(title, sizeof title, "%s", d->header[0]);
-    for (int s = 0; s < 2; s++) {
+    static const char *const tags[3] = {"A", "B", "A'"};
+    const int nsides = d->nsides == 3 ? 3 : 2;
+    for (int s = 0; s < nsides; s++) {
         char label[300];
-        snprintf(label, sizeof label, "%c: %s", "AB"[s], d->label[s] ? d->label[s] : "");
+        snprintf(label, sizeof label, "%s: %s", tags[s], d->label[s] ? d->label[s] : "");
         json_t *side = json_object();
         json_object_set_new(side, "label", json_string(label));
         json_object_set_new(side, "step_ms", series(d->step_ms[s], d->n));
@@ -63,6 +82,8 @@ static int write_data(const char *data_path, const moert_ab_plot_data *d, char *
     json_object_set_new(root, "differs", differs);
     json_object_set_new(root, "warmup", json_integer(d->warmup));
     json_object_set_new(root, "sides", sides);
+    if (d->step_ratio) json_object_set_new(root, "step_ratio", interval_json(d->step_ratio, "B/A"));
+    if (d->step_noise) json_object_set_new(root, "step_noise", interval_json(d->step_noise, "A'/A"));
     int rc = json_dump_file(root, data_path, JSON_INDENT(1) | JSON_REAL_PRECISION(9));
     json_decref(root);
     if (rc != 0) {

@@ -6,15 +6,20 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "ab_stats.h"
+
 /* What the plot shows: n steps (1..n) of each side; the first `warmup` are marked as warm-up. */
 typedef struct moert_ab_plot_data {
     int64_t n, warmup;
-    const double *step_ms[2];  /* [n] per side: A, B */
-    const double *loss[2];     /* [n] per side */
-    const char *label[2];      /* legend text per side */
+    int nsides;                /* 2 (A, B), or 3 with --aa (A' last); 0 reads as 2 */
+    const double *step_ms[3];  /* [n] per side: A, B, A' */
+    const double *loss[3];     /* [n] per side */
+    const char *label[3];      /* legend text per side */
     const char *const *header; /* moert ab's header lines (may be NULL): the title, and its "differs: ..." lines say
                                   in the legend what B changes */
     int header_count;
+    /* the step time's B/A over the measured steps with its interval, and with --aa A'/A's (NULL: none) */
+    const ab_interval *step_ratio, *step_noise;
 } moert_ab_plot_data;
 
 /* Writes the data to the JSON file beside path (FILE.png -> FILE.plot.json) and draws it into path with

@@ -89,3 +89,26 @@ void ab_verdict_text(const ab_interval *iv, char *out, size_t size)
 }
 
 int ab_b_first(int64_t step) { return step % 2 == 0; }
+
+void ab_step_order(int64_t step, int nsides, int order[3])
+{
+    static const int three[6][3] = {{0, 1, 2}, {1, 2, 0}, {2, 0, 1}, {0, 2, 1}, {1, 0, 2}, {2, 1, 0}};
+    if (nsides == 3) {
+        const int64_t p = (step - 1) % 6;
+        for (int k = 0; k < 3; k++) order[k] = three[p][k];
+        return;
+    }
+    order[0] = ab_b_first(step);
+    order[1] = 1 - order[0];
+    order[2] = -1;
+}
+
+void ab_noise_text(const ab_interval *aa, char *out, size_t size)
+{
+    if (isnan(aa->ratio) || isnan(aa->low)) {
+        snprintf(out, size, "A'/A not enough steps");
+        return;
+    }
+    snprintf(out, size, "A'/A %d%% CI %+.1f%% to %+.1f%%", (int)lround(aa->level * 100.0), 100.0 * (aa->low - 1.0),
+             100.0 * (aa->high - 1.0));
+}

@@ -28,4 +28,14 @@ void ab_verdict_text(const ab_interval *iv, char *out, size_t size);
  * always runs first after the other's work. */
 int ab_b_first(int64_t step);
 
+/* The order of a step's runs of nsides sides (2: A, B; 3: A, B and A', a second copy of A for an A/A beside the A/B):
+ * order[k] is the side (0 A, 1 B, 2 A') that runs k-th. Two sides: ABBA as ab_b_first. Three: the six orders of the
+ * three in turn (A B A', B A' A, A' A B, A A' B, B A A', A' B A), so over 6 steps every side runs in every place,
+ * right after every other side, and before each other side, equally often. */
+void ab_step_order(int64_t step, int nsides, int order[3]);
+
+/* The A/A's interval written beside a B/A verdict, the machine's noise floor: "A'/A 95% CI -0.8% to +1.2%", or
+ * "A'/A not enough steps". */
+void ab_noise_text(const ab_interval *aa, char *out, size_t size);
+
 #endif

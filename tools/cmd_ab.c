@@ -14,6 +14,7 @@
 #include "output.h"
 #include "cli_common.h"
 #include "config.h"
+#include "error.h"
 #include "runtime.h"
 
 #define PROG "moert ab"
@@ -38,7 +39,10 @@ static void ab_usage(FILE *f)
             "  --set-b KEY=JSON   override a value of B only (repeatable)\n"
             "  --warmup N         unmeasured steps first (default %d)\n"
             "  --steps N          measured steps (default A's train.steps, at most %d)\n"
-            "  --rtol X           relative tolerance of the agreement check (default 1e-3)\n"
+            "  --rtol X           relative tolerance of the agreement check (default: the looser of the\n"
+            "                     tolerances A's and B's precision recipes declare)\n"
+            "  --aa               also run A' (a second copy of A) interleaved with A and B, and print the\n"
+            "                     A'/A interval beside each B/A one: the machine's noise floor\n"
             "  --report FILE      write every figure as JSON to FILE and a Markdown table beside it (.md)\n"
             "  --plot FILE.png    draw step time and loss of both over the steps (python3 with matplotlib;\n"
             "                     the data goes to FILE.plot.json)\n"
@@ -132,11 +136,13 @@ typedef struct ab_run_facts {
     int64_t device_peak_bytes;
     int64_t device_pool_calls;
     char graph[512];             /* moert_runtime_graph_summary: CUDA graphs captured and replayed, or why not */
+    double agreement_rtol;       /* what the precision recipe declares (moert_runtime_agreement_rtol) */
+    char precision[64];          /* the precision plugin's name */
 } ab_run_facts;
 
 typedef struct ab_side {
     const char *path;
-    char letter;                 /* 'A' or 'B' */
+    const char *tag;             /* "A", "B", or "A'" (--aa: a second copy of A) */
     moert_config *cfg;
     moert_runtime *rt;           /* NULL once destroyed */
     ab_run_facts facts;          /* taken after the last step */
@@ -145,16 +151,22 @@ typedef struct ab_side {
     spread figures[FIGURE_COUNT]; /* over the measured steps */
 } ab_side;
 
-/* B/A of each timed figure over the measured steps both sides completed, with its bootstrap interval. */
+/* B/A of each timed figure over the measured steps both sides completed, with its bootstrap interval; with --aa also
+ * A'/A, the same for two copies of A (the noise floor). */
 static ab_interval intervals[FIGURE_COUNT];
+static ab_interval aa_intervals[FIGURE_COUNT];
+/* Seeds of the intervals: BOOTSTRAP_SEED + figure for B/A, this + figure for A'/A. */
+#define AA_SEED_OFFSET 1000u
 
-/* What agreement means here: the loss of every step, and on the CPU the first step's output and gradients. */
+/* What agreement means here: the loss of every step, and the first step's output and gradients. */
 typedef struct ab_agreement {
     double rtol;
+    char rtol_source[320];     /* where rtol comes from, as the verdict goes on after it: " from --rtol", " declared by
+                                  precision bf16", ", the looser of A's precision bf16 (0.01) and B's fp8 (0.125)" */
     double loss_diff;          /* max over steps of |loss_A - loss_B| / max(|loss_A|, |loss_B|) */
     int64_t loss_worst_step;
     bool losses_identical;     /* bit for bit, every step */
-    bool first_step_compared;  /* CPU runs, interleaved */
+    bool first_step_compared;  /* interleaved runs */
     bool sequential;           /* --sequential: A is gone when B runs, so only losses are compared */
     double output_diff;        /* max |out_A - out_B| / max |out| over the first step's output */
     double gradient_diff;      /* the same per parameter tensor, the largest over tensors */
@@ -189,40 +201,70 @@ static double tensor_diff_value(const tensor_diff *d)
     return d->max_abs > 0.0 ? d->max_diff / d->max_abs : INFINITY;
 }
 
-/* After the first step: compares the stack's output and every parameter gradient of A and B (CPU only). */
+/* Elements per local rank in one bulk read of a tensor (32 MiB of doubles per rank and side). */
+#define COMPARE_CHUNK ((int64_t)1 << 22)
+
+/* Compares one tensor of two runs, the output (layer < 0) or a parameter's gradient, on every local rank, a chunk at a
+ * time (a gradient of DeepSeek-V3's experts is gigabytes): its difference in *diff. bufa, bufb: [nlocal * COMPARE_CHUNK]. */
+static moert_result compare_tensor(moert_runtime *a, moert_runtime *b, int layer, moert_param_id which, int64_t numel,
+                                   double *bufa, double *bufb, double *diff)
+{
+    moert_result rc = MOERT_OK;
+    const int64_t nvalues = moert_runtime_local_ranks(a);
+    tensor_diff d = {0, 0};
+    for (int64_t first = 0; first < numel; first += COMPARE_CHUNK) {
+        const int64_t count = numel - first < COMPARE_CHUNK ? numel - first : COMPARE_CHUNK;
+        if (layer < 0) {
+            MOERT_CHECK(moert_runtime_read_output(a, first, count, bufa));
+            MOERT_CHECK(moert_runtime_read_output(b, first, count, bufb));
+        } else {
+            MOERT_CHECK(moert_runtime_read_grad(a, layer, which, first, count, bufa));
+            MOERT_CHECK(moert_runtime_read_grad(b, layer, which, first, count, bufb));
+        }
+        for (int64_t i = 0; i < nvalues * count; i++) tensor_diff_add(&d, bufa[i], bufb[i]);
+    }
+    *diff = tensor_diff_value(&d);
+fail:
+    return rc;
+}
+
+/* After the first step: compares the stack's output and every parameter gradient of two sides (A and B, or A and A'),
+ * on any device: bulk reads of every rank this process hosts, through the runtime's host services. */
 static moert_result compare_first_step(ab_side *a, ab_side *b, ab_agreement *agr)
 {
     moert_result rc = MOERT_OK;
     static const char *const param_names[MOERT_PARAM_COUNT] = {"router", "fc1", "fc2", "shared fc1",
                                                                    "shared fc2", "shared gate"};
-    if (a->facts.device_type != MOERT_DEVICE_CPU) return MOERT_OK;
-    tensor_diff out = {0, 0};
-    for (int64_t i = 0; i < moert_runtime_output_numel(a->rt); i++) {
-        double va = 0, vb = 0;
-        if ((rc = moert_runtime_output(a->rt, i, &va)) != MOERT_OK) return rc;
-        if ((rc = moert_runtime_output(b->rt, i, &vb)) != MOERT_OK) return rc;
-        tensor_diff_add(&out, va, vb);
+    const int nlocal = moert_runtime_local_ranks(a->rt);
+    double *bufa = NULL, *bufb = NULL;
+    if (moert_runtime_local_ranks(b->rt) != nlocal)
+        return moert_error(MOERT_ERR_INTERNAL, "%s hosts %d ranks here and %s %d", a->tag, nlocal, b->tag,
+                           moert_runtime_local_ranks(b->rt));
+    bufa = malloc(sizeof(double) * (size_t)nlocal * (size_t)COMPARE_CHUNK);
+    bufb = malloc(sizeof(double) * (size_t)nlocal * (size_t)COMPARE_CHUNK);
+    if (!bufa || !bufb) {
+        rc = moert_error(MOERT_ERR_OUT_OF_MEMORY, "the buffers comparing the first step");
+        goto fail;
     }
-    agr->output_diff = tensor_diff_value(&out);
+    MOERT_CHECK(compare_tensor(a->rt, b->rt, -1, MOERT_PARAM_ROUTER, moert_runtime_local_output_numel(a->rt), bufa,
+                               bufb, &agr->output_diff));
     agr->gradient_diff = 0.0;
     for (int l = 0; l < a->cfg->model.num_layers; l++)
         for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
-            tensor_diff grad = {0, 0};
-            for (int64_t i = 0; i < moert_runtime_param_numel(a->rt, (moert_param_id)p); i++) {
-                double ga = 0, gb = 0;
-                rc = moert_runtime_param(a->rt, l, (moert_param_id)p, i, MOERT_PARAM_READ, NULL, &ga);
-                if (rc == MOERT_OK) rc = moert_runtime_param(b->rt, l, (moert_param_id)p, i, MOERT_PARAM_READ, NULL, &gb);
-                if (rc != MOERT_OK) return rc;
-                tensor_diff_add(&grad, ga, gb);
-            }
-            double d = tensor_diff_value(&grad);
+            const int64_t numel = moert_runtime_local_grad_numel(a->rt, l, (moert_param_id)p);
+            if (numel == 0) continue; /* no shared expert */
+            double d = 0.0;
+            MOERT_CHECK(compare_tensor(a->rt, b->rt, l, (moert_param_id)p, numel, bufa, bufb, &d));
             if (d > agr->gradient_diff) {
                 agr->gradient_diff = d;
                 snprintf(agr->gradient_worst, sizeof agr->gradient_worst, "layer %d %s", l, param_names[p]);
             }
         }
     agr->first_step_compared = true;
-    return MOERT_OK;
+fail:
+    free(bufa);
+    free(bufb);
+    return rc;
 }
 
 /* ---- the refusal rule: A and B must be the same model, data and run ---- */
@@ -371,8 +413,9 @@ static int build_table(const ab_side *a, const ab_side *b, table_row *rows)
     return n;
 }
 
-/* "outputs agree: yes (max relative loss difference 3.1e-07 over 23 steps; ...)" */
-static void format_verdict(const ab_agreement *agr, int64_t steps, char *out, size_t size)
+/* "outputs agree: yes (max relative loss difference 3.1e-07 over 23 steps; ...)"; with --aa the A/A's line follows,
+ * "A' (a second copy of A) agrees with A: ..." */
+static void format_agreement(const ab_agreement *agr, const char *what, int64_t steps, char *out, size_t size)
 {
     char first[256];
     if (agr->first_step_compared)
@@ -381,16 +424,40 @@ static void format_verdict(const ab_agreement *agr, int64_t steps, char *out, si
                  agr->gradient_worst[0] ? ")" : "");
     else
         snprintf(first, sizeof first, "first step's output and gradients not compared %s",
-                 agr->sequential ? "when sequential" : "on GPUs");
+                 agr->sequential ? "when sequential" : "(no step completed)");
     char worst[64] = "";
     if (agr->loss_diff > 0.0) snprintf(worst, sizeof worst, " (step %lld)", (long long)agr->loss_worst_step);
-    snprintf(out, size, "outputs agree: %s (max relative loss difference %.1e%s over %lld steps%s; %s; rtol %.0e)",
+    snprintf(out, size, "%s: %s (max relative loss difference %.1e%s over %lld steps%s; %s; rtol %g%s)", what,
              agr->agree ? "yes" : "no", agr->loss_diff, worst, (long long)steps,
-             agr->losses_identical ? ", identical" : "", first, agr->rtol);
+             agr->losses_identical ? ", identical" : "", first, agr->rtol, agr->rtol_source);
 }
 
-/* "B/A: step 0.93x (B 7.0% faster), layer fwd+bwd 0.95x, activations kept 0.33x; outputs agree" */
-static void format_summary(const ab_side *a, const ab_side *b, const ab_agreement *agr, char *out, size_t size)
+/* The tolerance of a comparison of two sides and where it comes from: --rtol, else the looser of what the two
+ * precision recipes declare. */
+static void choose_rtol(const ab_side *x, const ab_side *y, double option_rtol, ab_agreement *agr)
+{
+    double rx = x->facts.agreement_rtol, ry = y->facts.agreement_rtol;
+    if (rx == 0.0) rx = ry; /* a side never created (--sequential, after a failed step): the other's */
+    if (ry == 0.0) ry = rx;
+    const char *px = x->facts.precision[0] ? x->facts.precision : y->facts.precision;
+    const char *py = y->facts.precision[0] ? y->facts.precision : px;
+    if (option_rtol >= 0.0) {
+        agr->rtol = option_rtol;
+        snprintf(agr->rtol_source, sizeof agr->rtol_source, " from --rtol");
+    } else if (!strcmp(px, py) && rx == ry) {
+        agr->rtol = rx;
+        snprintf(agr->rtol_source, sizeof agr->rtol_source, " declared by precision %s", px);
+    } else {
+        agr->rtol = rx > ry ? rx : ry;
+        snprintf(agr->rtol_source, sizeof agr->rtol_source, ", the looser of %s's precision %s (%g) and %s's %s (%g)",
+                 x->tag, px, rx, y->tag, py, ry);
+    }
+}
+
+/* "B/A: step 0.93x (B 7.0% faster), layer fwd+bwd 0.95x, activations kept 0.33x; outputs agree"; with --aa (aprime
+ * not NULL) A'/A's step time follows. */
+static void format_summary(const ab_side *a, const ab_side *b, const ab_side *aprime, const ab_agreement *agr,
+                           char *out, size_t size)
 {
     double step = a->figures[FIGURE_STEP].median > 0 ? b->figures[FIGURE_STEP].median / a->figures[FIGURE_STEP].median : NAN;
     double layer = a->figures[FIGURE_LAYER].median > 0
@@ -403,6 +470,12 @@ static void format_summary(const ab_side *a, const ab_side *b, const ab_agreemen
     else snprintf(kept, sizeof kept, "%s", b->facts.kept_bytes == 0 ? "1.00x" : "-");
     snprintf(out, size, "summary: B/A step time %.3fx%s, layer fwd+bwd %.3fx, activations kept %s; outputs %s",
              step, faster, layer, kept, agr->agree ? "agree" : "differ");
+    if (aprime) {
+        size_t len = strlen(out);
+        double noise = a->figures[FIGURE_STEP].median > 0
+                           ? aprime->figures[FIGURE_STEP].median / a->figures[FIGURE_STEP].median : NAN;
+        snprintf(out + len, size - len, "; A'/A step time %.3fx (the same config twice)", noise);
+    }
     if (a->facts.device_type == MOERT_DEVICE_CUDA) {
         size_t len = strlen(out);
         snprintf(out + len, size - len, "\ncuda graph: A %s; B %s", a->facts.graph, b->facts.graph);
@@ -502,7 +575,7 @@ static void train_key_difference(char *out, size_t size, const char *key, double
     snprintf(out + len, size - len, "%s%s %g in A, %g in B", len ? "; " : "", key, a, b);
 }
 
-static void build_header(const ab_side *a, const ab_side *b, int64_t warmup, int64_t steps, bool sequential,
+static void build_header(const ab_side *a, const ab_side *b, int64_t warmup, int64_t steps, bool sequential, bool aa,
                          ab_header *h)
 {
     const moert_config *ca = a->cfg, *cb = b->cfg;
@@ -545,9 +618,13 @@ static void build_header(const ab_side *a, const ab_side *b, int64_t warmup, int
     if (ca->parallel.overlap_wgrad != cb->parallel.overlap_wgrad)
         header_add(h, "differs: parallel.overlap_wgrad: A %s, B %s", ca->parallel.overlap_wgrad ? "true" : "false",
                    cb->parallel.overlap_wgrad ? "true" : "false");
+    const char *order = sequential ? (aa ? "sequential: all of A, then all of B, then all of A' (--sequential)"
+                                         : "sequential: all of A, then all of B (--sequential)")
+                                   : (aa ? "interleaved: A, B and A' in each of their 6 orders in turn"
+                                         : "interleaved ABBA: A first on odd steps, B on even ones");
     header_add(h, "%lld warm-up step%s, then %lld measured step%s, %s", (long long)warmup, warmup == 1 ? "" : "s",
-               (long long)steps, steps == 1 ? "" : "s",
-               sequential ? "sequential: all of A, then all of B (--sequential)" : "interleaved ABBA: A first on odd steps, B on even ones");
+               (long long)steps, steps == 1 ? "" : "s", order);
+    if (aa) header_add(h, "A/A: A' is a second copy of A (--aa); A'/A is the machine's noise floor beside B/A");
 }
 
 /* FILE.json -> FILE.md; any other name gets ".md" appended. */
@@ -568,7 +645,8 @@ typedef struct markdown_parts {
     const ab_header *h;
     const table_row *rows;
     int nrows;
-    const char *verdict, *summary;
+    const char *verdict, *aa_verdict, *summary; /* aa_verdict: "" without --aa */
+    bool aa;
 } markdown_parts;
 
 static int markdown_writer(FILE *f, void *user)
@@ -582,16 +660,25 @@ static int markdown_writer(FILE *f, void *user)
     for (int i = 0; i < h->count; i++) fprintf(f, "- %s\n", h->lines[i]);
     fprintf(f, "\n| figure | A median [p10-p90] | B median [p10-p90] | B/A |\n|---|---:|---:|---:|\n");
     for (int i = 0; i < nrows; i++) fprintf(f, "| %s | %s | %s | %s |\n", rows[i].label, rows[i].a, rows[i].b, rows[i].ratio);
-    fprintf(f, "\n%s\n\n%s\n", verdict, summary);
-    /* each timed figure's B/A with its interval (the figures both sides measured) */
-    fprintf(f, "\n| figure | B/A | 95%% CI | verdict |\n|---|---:|---|---|\n");
+    fprintf(f, "\n%s\n\n", verdict);
+    if (m->aa_verdict[0]) fprintf(f, "%s\n\n", m->aa_verdict);
+    fprintf(f, "%s\n", summary);
+    /* each timed figure's B/A with its interval (the figures both sides measured); with --aa, A'/A beside it */
+    if (m->aa)
+        fprintf(f, "\n| figure | B/A | 95%% CI | verdict | A'/A (noise floor) | A'/A 95%% CI |\n"
+                   "|---|---:|---|---|---:|---|\n");
+    else
+        fprintf(f, "\n| figure | B/A | 95%% CI | verdict |\n|---|---:|---|---|\n");
     for (int fig = 0; fig < FIGURE_COUNT; fig++) {
-        const ab_interval *iv = &intervals[fig];
+        const ab_interval *iv = &intervals[fig], *aa = &aa_intervals[fig];
         if (isnan(iv->ratio) || isnan(iv->low)) continue;
         char text[160], buf[40];
         ab_verdict_text(iv, text, sizeof text);
-        fprintf(f, "| %s | %.3f | %.3f-%.3f | %s |\n", figure_label(fig, buf, sizeof buf), iv->ratio, iv->low, iv->high,
+        fprintf(f, "| %s | %.3f | %.3f-%.3f | %s |", figure_label(fig, buf, sizeof buf), iv->ratio, iv->low, iv->high,
                 text);
+        if (m->aa && !isnan(aa->low)) fprintf(f, " %.3f | %.3f-%.3f |", aa->ratio, aa->low, aa->high);
+        else if (m->aa) fprintf(f, " - | - |");
+        fprintf(f, "\n");
     }
     return ferror(f) ? -1 : 0;
 }
@@ -629,10 +716,66 @@ refused:
     return 1;
 }
 
-static moert_result write_report(const char *path, const ab_side *a, const ab_side *b, const ab_header *h,
-                                 const ab_agreement *agr, int64_t warmup, int64_t steps, const char *verdict,
-                                 const char *summary, const table_row *rows, int nrows, const char *failure)
+/* The intervals of every timed figure as the report holds them (b_over_a_intervals, a_over_a_intervals). */
+static json_t *intervals_json(const ab_interval *ivs, const char *order, uint64_t seed)
 {
+    json_t *figures = json_object();
+    for (int f = 0; f < FIGURE_COUNT; f++) {
+        const ab_interval *iv = &ivs[f];
+        if (isnan(iv->ratio)) continue;
+        char text[160];
+        ab_verdict_text(iv, text, sizeof text);
+        json_object_set_new(figures, figure_name(f), json_pack("{s:o, s:o, s:o, s:I, s:s}", "ratio", json_number(iv->ratio),
+                                                               "ci_low", json_number(iv->low), "ci_high",
+                                                               json_number(iv->high), "pairs", (json_int_t)iv->pairs,
+                                                               "verdict", text));
+    }
+    return json_pack("{s:s, s:f, s:i, s:I, s:o}", "order", order, "level", 0.95, "resamples", BOOTSTRAP_RESAMPLES,
+                     "seed", (json_int_t)seed, "figures", figures);
+}
+
+/* The agreement of two sides as the report holds it. */
+static json_t *agreement_json(const ab_agreement *agr)
+{
+    json_t *first = json_object();
+    json_object_set_new(first, "compared", json_boolean(agr->first_step_compared));
+    if (agr->first_step_compared) {
+        json_object_set_new(first, "output_max_relative_difference", json_number(agr->output_diff));
+        json_object_set_new(first, "gradient_max_relative_difference", json_number(agr->gradient_diff));
+        json_object_set_new(first, "gradient_worst",
+                            agr->gradient_worst[0] ? json_string(agr->gradient_worst) : json_null());
+    }
+    json_t *agreement = json_object();
+    const char *source = agr->rtol_source;
+    while (*source == ' ' || *source == ',') source++;
+    json_object_set_new(agreement, "rtol", json_real(agr->rtol));
+    json_object_set_new(agreement, "rtol_source", json_string(source));
+    json_object_set_new(agreement, "agree", json_boolean(agr->agree));
+    json_object_set_new(agreement, "losses_identical", json_boolean(agr->losses_identical));
+    json_object_set_new(agreement, "loss_max_relative_difference", json_number(agr->loss_diff));
+    json_object_set_new(agreement, "loss_worst_step",
+                        agr->loss_worst_step > 0 ? json_integer(agr->loss_worst_step) : json_null());
+    json_object_set_new(agreement, "first_step", first);
+    return agreement;
+}
+
+/* What the report and its table hold beyond the two sides: with --aa, A' and its agreement with A. */
+typedef struct report_parts {
+    const ab_header *h;
+    const ab_agreement *agr, *aa_agr; /* aa_agr: NULL without --aa */
+    const ab_side *aprime;            /* NULL without --aa */
+    int64_t warmup, steps;
+    const char *verdict, *aa_verdict, *summary, *timing, *order, *failure;
+    const table_row *rows;
+    int nrows;
+} report_parts;
+
+static moert_result write_report(const char *path, const ab_side *a, const ab_side *b, const report_parts *rp)
+{
+    const ab_header *h = rp->h;
+    const ab_agreement *agr = rp->agr;
+    const int64_t warmup = rp->warmup, steps = rp->steps;
+    const char *verdict = rp->verdict, *summary = rp->summary, *failure = rp->failure;
     const moert_config *cfg = a->cfg;
     json_t *root = json_object(), *ratios = json_object(), *header = json_array(), *differ = json_array();
     for (int i = 0; i < h->count; i++) json_array_append_new(header, json_string(h->lines[i]));
@@ -643,39 +786,11 @@ static moert_result write_report(const char *path, const ab_side *a, const ab_si
         json_object_set_new(ratios, figure_name(f),
                             a->figures[f].median > 0 ? json_number(b->figures[f].median / a->figures[f].median)
                                                      : json_null());
-    json_t *ivs = json_object();
-    for (int f = 0; f < FIGURE_COUNT; f++) {
-        const ab_interval *iv = &intervals[f];
-        if (isnan(iv->ratio)) continue;
-        char text[160];
-        ab_verdict_text(iv, text, sizeof text);
-        json_object_set_new(ivs, figure_name(f), json_pack("{s:o, s:o, s:o, s:I, s:s}", "ratio", json_number(iv->ratio),
-                                                           "ci_low", json_number(iv->low), "ci_high",
-                                                           json_number(iv->high), "pairs", (json_int_t)iv->pairs,
-                                                           "verdict", text));
-    }
-    json_t *stats = json_pack("{s:s, s:f, s:i, s:I, s:o}", "order", agr->sequential ? "sequential" : "ABBA",
-                              "level", 0.95, "resamples", BOOTSTRAP_RESAMPLES, "seed", (json_int_t)BOOTSTRAP_SEED,
-                              "figures", ivs);
     json_object_set_new(ratios, "kept_from_forward_to_backward",
                         a->facts.kept_bytes > 0 ? json_real((double)b->facts.kept_bytes / (double)a->facts.kept_bytes)
                                               : json_null());
-    json_t *first = json_object();
-    json_object_set_new(first, "compared", json_boolean(agr->first_step_compared));
-    if (agr->first_step_compared) {
-        json_object_set_new(first, "output_max_relative_difference", json_number(agr->output_diff));
-        json_object_set_new(first, "gradient_max_relative_difference", json_number(agr->gradient_diff));
-        json_object_set_new(first, "gradient_worst",
-                            agr->gradient_worst[0] ? json_string(agr->gradient_worst) : json_null());
-    }
-    json_t *agreement = json_object();
-    json_object_set_new(agreement, "rtol", json_real(agr->rtol));
-    json_object_set_new(agreement, "agree", json_boolean(agr->agree));
-    json_object_set_new(agreement, "losses_identical", json_boolean(agr->losses_identical));
-    json_object_set_new(agreement, "loss_max_relative_difference", json_number(agr->loss_diff));
-    json_object_set_new(agreement, "loss_worst_step",
-                        agr->loss_worst_step > 0 ? json_integer(agr->loss_worst_step) : json_null());
-    json_object_set_new(agreement, "first_step", first);
+    json_t *agreement = agreement_json(agr);
+    if (rp->aa_agr) json_object_set_new(agreement, "a_prime", agreement_json(rp->aa_agr));
 
     json_object_set_new(root, "moert_version", json_string(MOERT_VERSION_STRING));
     json_object_set_new(root, "device", json_string(a->facts.device_name));
@@ -695,10 +810,17 @@ static moert_result write_report(const char *path, const ab_side *a, const ab_si
     json_object_set_new(root, "a", side_json(a, warmup + steps, warmup));
     json_object_set_new(root, "b", side_json(b, warmup + steps, warmup));
     json_object_set_new(root, "b_over_a", ratios);
-    json_object_set_new(root, "b_over_a_intervals", stats);
+    json_object_set_new(root, "b_over_a_intervals", intervals_json(intervals, rp->order, BOOTSTRAP_SEED));
+    if (rp->aprime) {
+        json_object_set_new(root, "a_prime", side_json(rp->aprime, warmup + steps, warmup));
+        json_object_set_new(root, "a_over_a_intervals",
+                            intervals_json(aa_intervals, rp->order, BOOTSTRAP_SEED + AA_SEED_OFFSET));
+        json_object_set_new(root, "aa_verdict", json_string(rp->aa_verdict));
+    }
     json_object_set_new(root, "agreement", agreement);
     json_object_set_new(root, "verdict", json_string(verdict));
     json_object_set_new(root, "summary", json_string(summary));
+    json_object_set_new(root, "timing", json_string(rp->timing));
     json_object_set_new(root, "complete", json_boolean(failure == NULL));
     json_object_set_new(root, "failure", failure ? json_string(failure) : json_null());
     moert_result rc = moert_output_write(path, dump_json, root);
@@ -709,7 +831,7 @@ static moert_result write_report(const char *path, const ab_side *a, const ab_si
     }
     char md[4096];
     markdown_path(path, md, sizeof md);
-    markdown_parts parts = {h, rows, nrows, verdict, summary};
+    markdown_parts parts = {h, rp->rows, rp->nrows, verdict, rp->aa_verdict, summary, rp->aprime != NULL};
     rc = moert_output_write(md, markdown_writer, &parts);
     if (rc != MOERT_OK) fprintf(stderr, PROG ": %s\n", moert_last_error());
     return rc;
@@ -735,12 +857,15 @@ static long long parse_count(const char *option, const char *text, long long min
     return v;
 }
 
-static void print_progress(const ab_side *sides, int64_t step, int64_t warmup, int64_t total)
+static void print_progress(const ab_side *sides, int nsides, int64_t step, int64_t warmup, int64_t total)
 {
     const moert_step_record *a = &sides[0].records[step - 1], *b = &sides[1].records[step - 1];
-    printf("step %*lld/%lld%s  A loss %.6f %8.2f ms   B loss %.6f %8.2f ms\n",
+    printf("step %*lld/%lld%s  A loss %.6f %8.2f ms   B loss %.6f %8.2f ms",
            (int)snprintf(NULL, 0, "%lld", (long long)total), (long long)step, (long long)total,
            step <= warmup ? " (warm-up)" : "          ", a->loss, a->seconds * 1e3, b->loss, b->seconds * 1e3);
+    if (nsides == 3)
+        printf("   A' loss %.6f %8.2f ms", sides[2].records[step - 1].loss, sides[2].records[step - 1].seconds * 1e3);
+    printf("\n");
     fflush(stdout);
 }
 
@@ -756,6 +881,8 @@ static void take_facts(ab_side *side)
     f->kept_bytes = rt->kept_bytes;
     f->device_peak_bytes = rt->device_peak_bytes;
     f->device_pool_calls = rt->device_pool_calls;
+    f->agreement_rtol = moert_runtime_agreement_rtol(rt);
+    snprintf(f->precision, sizeof f->precision, "%.63s", rt->plugins[MOERT_SLOT_PRECISION].header->name);
     moert_runtime_graph_summary(rt, f->graph, sizeof f->graph);
 }
 
@@ -764,8 +891,8 @@ static moert_result create_side(ab_side *side, bool sequential)
 {
     moert_result rc = moert_runtime_create(side->cfg, &side->rt);
     if (rc != MOERT_OK) {
-        fprintf(stderr, PROG ": %c (%s): %s\n", side->letter, side->path, moert_last_error());
-        if (!sequential && side->letter == 'B')
+        fprintf(stderr, PROG ": %s (%s): %s\n", side->tag, side->path, moert_last_error());
+        if (!sequential && strcmp(side->tag, "A") != 0)
             fprintf(stderr, PROG ": if A and B do not fit in memory together, --sequential runs A to the end, "
                             "frees it, then runs B\n");
         return rc;
@@ -779,7 +906,7 @@ static moert_result step_side(ab_side *side, int64_t step, char *failure, size_t
 {
     moert_result rc = moert_runtime_step(side->rt, step, &side->records[step - 1]);
     if (rc != MOERT_OK) {
-        snprintf(failure, failure_size, "%c (%s), step %lld: %s", side->letter, side->path, (long long)step,
+        snprintf(failure, failure_size, "%s (%s), step %lld: %s", side->tag, side->path, (long long)step,
                  moert_last_error());
         fprintf(stderr, PROG ": %s\n", failure);
         return rc;
@@ -793,27 +920,81 @@ static moert_result step_side(ab_side *side, int64_t step, char *failure, size_t
 static int check_same_device(const ab_side *a, const ab_side *b)
 {
     if (a->facts.device_type == b->facts.device_type) return 0;
-    fprintf(stderr, PROG ": not an A/B: $.parallel.device gives %s in A and %s in B\n", a->facts.device_name,
-            b->facts.device_name);
+    fprintf(stderr, PROG ": not an A/B: $.parallel.device gives %s in %s and %s in %s\n", a->facts.device_name, a->tag,
+            b->facts.device_name, b->tag);
     return 1;
 }
 
 static void print_side_progress(const ab_side *side, int64_t step, int64_t warmup, int64_t total)
 {
     const moert_step_record *r = &side->records[step - 1];
-    printf("%c step %*lld/%lld%s  loss %.6f %8.2f ms\n", side->letter,
+    printf("%s step %*lld/%lld%s  loss %.6f %8.2f ms\n", side->tag,
            (int)snprintf(NULL, 0, "%lld", (long long)total), (long long)step, (long long)total,
            step <= warmup ? " (warm-up)" : "          ", r->loss, r->seconds * 1e3);
     fflush(stdout);
+}
+
+/* The agreement of y with x over the steps both completed: every loss (the first step's output and gradients were
+ * compared after step 1). */
+static void finish_agreement(const ab_side *x, const ab_side *y, ab_agreement *agr)
+{
+    const int64_t done = x->done < y->done ? x->done : y->done;
+    for (int64_t step = 1; step <= done; step++) {
+        double lx = x->records[step - 1].loss, ly = y->records[step - 1].loss;
+        double d = relative_difference(lx, ly);
+        if (d > agr->loss_diff) {
+            agr->loss_diff = d;
+            agr->loss_worst_step = step;
+        }
+        if (memcmp(&lx, &ly, sizeof lx) != 0) agr->losses_identical = false;
+    }
+    agr->agree = agr->loss_diff <= agr->rtol &&
+                 (!agr->first_step_compared || (agr->output_diff <= agr->rtol && agr->gradient_diff <= agr->rtol));
+}
+
+/* y/x of every timed figure with its bootstrap interval, over the measured steps both completed (paired by step). */
+static moert_result ratio_intervals(const ab_side *x, const ab_side *y, int64_t warmup, uint64_t seed, ab_interval *out)
+{
+    const int64_t done = x->done < y->done ? x->done : y->done;
+    const int64_t pairs = done > warmup ? done - warmup : 0;
+    double *px = malloc(sizeof(double) * (size_t)(pairs + 1)), *py = malloc(sizeof(double) * (size_t)(pairs + 1));
+    moert_result rc = MOERT_OK;
+    MOERT_CHECK_ALLOC(px);
+    MOERT_CHECK_ALLOC(py);
+    for (int f = 0; f < FIGURE_COUNT; f++) {
+        for (int64_t i = 0; i < pairs; i++) {
+            px[i] = figure_ms(&x->records[warmup + i], f);
+            py[i] = figure_ms(&y->records[warmup + i], f);
+        }
+        ab_ratio_interval(px, py, pairs, seed + (uint64_t)f, BOOTSTRAP_RESAMPLES, 0.95, &out[f]);
+    }
+fail:
+    free(px);
+    free(py);
+    return rc;
+}
+
+/* One figure's timing verdict, with --aa followed by the A/A's interval: "step B faster by 4.1% (95% CI 3.2% to
+ * 5.0%) [A'/A 95% CI -0.5% to +0.6%]". */
+static void timing_text(int f, bool aa, char *out, size_t size)
+{
+    char verdict[160], noise[96] = "";
+    ab_verdict_text(&intervals[f], verdict, sizeof verdict);
+    if (aa) {
+        char text[80];
+        ab_noise_text(&aa_intervals[f], text, sizeof text);
+        snprintf(noise, sizeof noise, " [%s]", text);
+    }
+    snprintf(out, size, "%s%s", verdict, noise);
 }
 
 int moert_cmd_ab(int argc, char **argv)
 {
     const char *paths[2] = {NULL, NULL}, *report_path = NULL, *plot_path = NULL;
     long long warmup = DEFAULT_WARMUP, steps = 0;
-    double rtol = 1e-3;
+    double rtol = -1.0; /* --rtol; below 0: the tolerance the precision recipes declare */
     int quiet = 0, status = 1;
-    bool sequential = false;
+    bool sequential = false, aa = false;
     ab_set sets[MOERT_CLI_MAX_SETS];
     int nsets = 0;
     for (int i = 0; i < argc; i++) {
@@ -848,6 +1029,8 @@ int moert_cmd_ab(int argc, char **argv)
             quiet = 1;
         } else if (!strcmp(arg, "--sequential")) {
             sequential = true;
+        } else if (!strcmp(arg, "--aa")) {
+            aa = true;
         } else if (arg[0] == '-') {
             fprintf(stderr, PROG ": unknown or incomplete option \"%s\"\n", arg);
             ab_usage(stderr);
@@ -867,17 +1050,21 @@ int moert_cmd_ab(int argc, char **argv)
     if (report_path) markdown_path(report_path, md, sizeof md);
     if (check_outputs(paths, report_path, report_path ? md : NULL, plot_path) != 0) return 1;
 
-    ab_side sides[2] = {{.path = paths[0], .letter = 'A'}, {.path = paths[1], .letter = 'B'}};
-    ab_agreement agr = {.rtol = rtol, .losses_identical = true, .sequential = sequential};
+    /* A, B and, with --aa, A': A's config with A's overrides, run as a third side */
+    ab_side sides[3] = {{.path = paths[0], .tag = "A"}, {.path = paths[1], .tag = "B"}, {.path = paths[0], .tag = "A'"}};
+    const int nsides = aa ? 3 : 2;
+    ab_agreement agr = {.losses_identical = true, .sequential = sequential};
+    ab_agreement aa_agr = {.losses_identical = true, .sequential = sequential}; /* A' against A */
     double *values = NULL, *series = NULL;
     char failure[4096] = ""; /* the step that failed: the report then holds the steps completed */
-    for (int s = 0; s < 2; s++) {
+    for (int s = 0; s < nsides; s++) {
+        const int from = s == 2 ? 0 : s; /* whose --set-a/--set-b apply */
         const char *mine[MOERT_CLI_MAX_SETS];
         int nmine = 0;
         for (int i = 0; i < nsets; i++)
-            if (sets[i].side < 0 || sets[i].side == s) mine[nmine++] = sets[i].assignment;
+            if (sets[i].side < 0 || sets[i].side == from) mine[nmine++] = sets[i].assignment;
         char prog[32];
-        snprintf(prog, sizeof prog, PROG " (%c)", sides[s].letter);
+        snprintf(prog, sizeof prog, PROG " (%s)", sides[s].tag);
         if (moert_cli_load_config(prog, sides[s].path, mine, nmine, &sides[s].cfg) != MOERT_OK) goto exit;
     }
     if (check_same_run(sides[0].cfg, sides[1].cfg) > 0) {
@@ -889,54 +1076,57 @@ int moert_cmd_ab(int argc, char **argv)
         if (steps < 1) steps = 1;
     }
     int64_t total = (int64_t)warmup + (int64_t)steps;
-    for (int s = 0; s < 2; s++) {
+    for (int s = 0; s < nsides; s++) {
         sides[s].records = calloc((size_t)total, sizeof *sides[s].records);
         if (!sides[s].records) {
             fprintf(stderr, PROG ": out of memory\n");
             goto exit;
         }
     }
-    /* Interleaved: both runtimes live at once. Sequential: A runs to the end and is freed before B starts. */
+    /* Interleaved: every runtime lives at once. Sequential: each side runs to the end and is freed before the next. */
     moert_result failed_rc = MOERT_OK; /* a failed creation or step: its code gives the exit status */
-    for (int s = 0; s < (sequential ? 1 : 2); s++)
+    for (int s = 0; s < (sequential ? 1 : nsides); s++)
         if ((failed_rc = create_side(&sides[s], sequential)) != MOERT_OK) {
             status = moert_cli_failure_status(failed_rc);
             goto exit;
         }
     ab_header header;
-    build_header(&sides[0], &sides[1], warmup, steps, sequential, &header);
+    build_header(&sides[0], &sides[1], warmup, steps, sequential, aa, &header);
     for (int i = 0; i < header.count; i++) printf("%s%s\n", i == 0 ? PROG ": " : "  ", header.lines[i]);
 
     int log_every = (int)(sides[0].cfg->train.log_every > 0 ? sides[0].cfg->train.log_every : 1);
     if (!sequential) {
-        if (check_same_device(&sides[0], &sides[1]) != 0) {
-            status = 2;
-            goto exit;
-        }
-        for (int64_t step = 1; step <= total; step++) {
-            /* ABBA: A first on odd steps, B first on even ones, so neither side always runs after the other's work */
-            const int first = ab_b_first(step);
-            for (int k = 0; k < 2; k++) {
-                ab_side *side = &sides[k == 0 ? first : 1 - first];
-                if ((failed_rc = step_side(side, step, failure, sizeof failure)) != MOERT_OK) goto finish;
-            }
-            if (step == 1 && compare_first_step(&sides[0], &sides[1], &agr) != MOERT_OK) {
-                fprintf(stderr, PROG ": comparing the first step: %s\n", moert_last_error());
+        for (int s = 1; s < nsides; s++)
+            if (check_same_device(&sides[0], &sides[s]) != 0) {
+                status = 2;
                 goto exit;
             }
+        for (int64_t step = 1; step <= total; step++) {
+            /* ABBA (with A': all six orders in turn), so that no side always runs after the same other's work */
+            int order[3];
+            ab_step_order(step, nsides, order);
+            for (int k = 0; k < nsides; k++)
+                if ((failed_rc = step_side(&sides[order[k]], step, failure, sizeof failure)) != MOERT_OK) goto finish;
+            if (step == 1) {
+                if (compare_first_step(&sides[0], &sides[1], &agr) != MOERT_OK ||
+                    (aa && compare_first_step(&sides[0], &sides[2], &aa_agr) != MOERT_OK)) {
+                    fprintf(stderr, PROG ": comparing the first step: %s\n", moert_last_error());
+                    goto exit;
+                }
+            }
             if (!quiet && (step % log_every == 0 || step == 1 || step == total || step == warmup))
-                print_progress(sides, step, warmup, total);
+                print_progress(sides, nsides, step, warmup, total);
         }
     } else {
-        for (int s = 0; s < 2; s++) {
-            if (s == 1) {
-                moert_runtime_destroy(sides[0].rt);
-                sides[0].rt = NULL;
-                if ((failed_rc = create_side(&sides[1], sequential)) != MOERT_OK) {
+        for (int s = 0; s < nsides; s++) {
+            if (s > 0) {
+                moert_runtime_destroy(sides[s - 1].rt);
+                sides[s - 1].rt = NULL;
+                if ((failed_rc = create_side(&sides[s], sequential)) != MOERT_OK) {
                     status = moert_cli_failure_status(failed_rc);
                     goto exit;
                 }
-                if (check_same_device(&sides[0], &sides[1]) != 0) {
+                if (check_same_device(&sides[0], &sides[s]) != 0) {
                     status = 2;
                     goto exit;
                 }
@@ -953,73 +1143,67 @@ finish:;
     const bool failed = failure[0] != '\0';
     int64_t both_done = sides[0].done < sides[1].done ? sides[0].done : sides[1].done;
     if (failed) header_add(&header, "INCOMPLETE: %s", failure);
-    for (int64_t step = 1; step <= both_done; step++) {
-        double la = sides[0].records[step - 1].loss, lb = sides[1].records[step - 1].loss;
-        double d = relative_difference(la, lb);
-        if (d > agr.loss_diff) {
-            agr.loss_diff = d;
-            agr.loss_worst_step = step;
-        }
-        if (memcmp(&la, &lb, sizeof la) != 0) agr.losses_identical = false;
+    choose_rtol(&sides[0], &sides[1], rtol, &agr);
+    finish_agreement(&sides[0], &sides[1], &agr);
+    if (aa) {
+        choose_rtol(&sides[0], &sides[2], rtol, &aa_agr);
+        finish_agreement(&sides[0], &sides[2], &aa_agr);
     }
-    agr.agree = agr.loss_diff <= rtol &&
-                (!agr.first_step_compared || (agr.output_diff <= rtol && agr.gradient_diff <= rtol));
 
     values = malloc(sizeof(double) * (size_t)steps);
     if (!values) goto exit;
-    for (int s = 0; s < 2; s++) {
+    for (int s = 0; s < nsides; s++) {
         int64_t measured = sides[s].done > warmup ? sides[s].done - warmup : 0;
         for (int f = 0; f < FIGURE_COUNT; f++) {
             for (int64_t i = 0; i < measured; i++) values[i] = figure_ms(&sides[s].records[warmup + i], f);
             sides[s].figures[f] = spread_of(values, measured);
         }
     }
-    /* B/A with its interval, over the steps both sides measured (paired by step) */
-    int64_t pairs = both_done > warmup ? both_done - warmup : 0;
-    double *pa = malloc(sizeof(double) * (size_t)(pairs + 1)), *pb = malloc(sizeof(double) * (size_t)(pairs + 1));
-    if (!pa || !pb) {
-        free(pa);
-        free(pb);
+    if (ratio_intervals(&sides[0], &sides[1], warmup, BOOTSTRAP_SEED, intervals) != MOERT_OK ||
+        (aa && ratio_intervals(&sides[0], &sides[2], warmup, BOOTSTRAP_SEED + AA_SEED_OFFSET, aa_intervals) != MOERT_OK)) {
+        fprintf(stderr, PROG ": %s\n", moert_last_error());
         goto exit;
     }
-    for (int f = 0; f < FIGURE_COUNT; f++) {
-        for (int64_t i = 0; i < pairs; i++) {
-            pa[i] = figure_ms(&sides[0].records[warmup + i], f);
-            pb[i] = figure_ms(&sides[1].records[warmup + i], f);
-        }
-        ab_ratio_interval(pa, pb, pairs, BOOTSTRAP_SEED + (uint64_t)f, BOOTSTRAP_RESAMPLES, 0.95, &intervals[f]);
-    }
-    free(pa);
-    free(pb);
     table_row rows[FIGURE_COUNT + MEMORY_ROWS];
     int nrows = build_table(&sides[0], &sides[1], rows);
-    char verdict[1024], summary[1536];
-    format_verdict(&agr, both_done, verdict, sizeof verdict);
-    format_summary(&sides[0], &sides[1], &agr, summary, sizeof summary);
+    char verdict[1024], aa_verdict[1024] = "", summary[1536], timing[1024];
+    format_agreement(&agr, "outputs agree", both_done, verdict, sizeof verdict);
+    if (aa)
+        format_agreement(&aa_agr, "A' (a second copy of A) agrees with A",
+                         sides[0].done < sides[2].done ? sides[0].done : sides[2].done, aa_verdict, sizeof aa_verdict);
+    format_summary(&sides[0], &sides[1], aa ? &sides[2] : NULL, &agr, summary, sizeof summary);
     if (failed)
         snprintf(verdict, sizeof verdict, "INCOMPLETE: %s. The figures cover the steps each side completed (A %lld, B "
                  "%lld of %lld).", failure, (long long)sides[0].done, (long long)sides[1].done, (long long)total);
+    const char *order = sequential ? "sequential" : aa ? "A B A' rotating" : "ABBA";
+    char step_text[300], layer_text[300];
+    timing_text(FIGURE_STEP, aa, step_text, sizeof step_text);
+    timing_text(FIGURE_LAYER, aa, layer_text, sizeof layer_text);
+    snprintf(timing, sizeof timing, "timing (B/A, %s order, bootstrap over %lld paired steps%s): step %s; layer fwd+bwd %s",
+             order, (long long)intervals[FIGURE_STEP].pairs, aa ? "; in brackets A'/A, the noise floor" : "", step_text,
+             layer_text);
     printf("\n");
     print_table(stdout, rows, nrows);
-    printf("\n%s\n%s\n", verdict, summary);
-    char step_text[160], layer_text[160];
-    ab_verdict_text(&intervals[FIGURE_STEP], step_text, sizeof step_text);
-    ab_verdict_text(&intervals[FIGURE_LAYER], layer_text, sizeof layer_text);
-    printf("timing (B/A, %s order, bootstrap over %lld paired steps): step %s; layer fwd+bwd %s\n",
-           sequential ? "sequential" : "ABBA", (long long)intervals[FIGURE_STEP].pairs, step_text, layer_text);
+    printf("\n%s\n", verdict);
+    if (aa) printf("%s\n", aa_verdict);
+    printf("%s\n%s\n", summary, timing);
 
     if (report_path) {
-        if (write_report(report_path, &sides[0], &sides[1], &header, &agr, warmup, steps, verdict, summary, rows,
-                         nrows, failed ? failure : NULL) != MOERT_OK)
-            goto exit;
+        report_parts rp = {.h = &header, .agr = &agr, .aa_agr = aa ? &aa_agr : NULL, .aprime = aa ? &sides[2] : NULL,
+                           .warmup = warmup, .steps = steps, .verdict = verdict, .aa_verdict = aa_verdict,
+                           .summary = summary, .timing = timing, .order = order, .failure = failed ? failure : NULL,
+                           .rows = rows, .nrows = nrows};
+        if (write_report(report_path, &sides[0], &sides[1], &rp) != MOERT_OK) goto exit;
         if (!quiet) printf("%sreport written to %s and %s\n", failed ? "incomplete " : "", report_path, md);
     }
     if (plot_path && both_done > 0) {
         total = both_done;
-        series = malloc(sizeof(double) * 4 * (size_t)total);
+        for (int s = 2; s < nsides; s++) total = sides[s].done < total ? sides[s].done : total;
+        series = malloc(sizeof(double) * 2 * (size_t)nsides * (size_t)(total + 1));
         if (!series) goto exit;
-        moert_ab_plot_data plot = {.n = total, .warmup = warmup < total ? warmup : total};
-        for (int s = 0; s < 2; s++) {
+        moert_ab_plot_data plot = {.n = total, .warmup = warmup < total ? warmup : total, .nsides = nsides,
+                                   .step_ratio = &intervals[FIGURE_STEP], .step_noise = aa ? &aa_intervals[FIGURE_STEP] : NULL};
+        for (int s = 0; s < nsides; s++) {
             double *ms = series + (2 * s) * total, *loss = series + (2 * s + 1) * total;
             for (int64_t i = 0; i < total; i++) {
                 ms[i] = sides[s].records[i].seconds * 1e3;
@@ -1043,7 +1227,7 @@ finish:;
 exit:
     free(values);
     free(series);
-    for (int s = 0; s < 2; s++) {
+    for (int s = 0; s < nsides; s++) {
         moert_runtime_destroy(sides[s].rt);
         moert_config_free(sides[s].cfg);
         free(sides[s].records);

@@ -58,7 +58,8 @@ static const kind_info kinds[] = {
      {MEMBER(moert_dispatcher_v1, init), MEMBER(moert_dispatcher_v1, finalize), MEMBER(moert_dispatcher_v1, prepare),
       MEMBER(moert_dispatcher_v1, dispatch), MEMBER(moert_dispatcher_v1, combine),
       MEMBER(moert_dispatcher_v1, combine_backward), MEMBER(moert_dispatcher_v1, dispatch_backward)}},
-    {MOERT_KIND_PRECISION, "precision", "precision", MOERT_PRECISION_V1_SYMBOL, sizeof(moert_precision_v1),
+    /* precision: the size before agreement_rtol was appended (a plugin built against that header still loads) */
+    {MOERT_KIND_PRECISION, "precision", "precision", MOERT_PRECISION_V1_SYMBOL, MOERT_PRECISION_V1_BASE_SIZE,
      {MEMBER(moert_precision_v1, init), MEMBER(moert_precision_v1, finalize),
       MEMBER(moert_precision_v1, grouped_gemm), MEMBER(moert_precision_v1, end_step)}},
     {MOERT_KIND_MEMORY_POLICY, "memory_policy", "memory", MOERT_MEMORY_POLICY_V1_SYMBOL,

@@ -84,6 +84,27 @@ moert_result moert_runtime_step(moert_runtime *rt, int64_t step, moert_step_reco
 moert_result moert_runtime_output(const moert_runtime *rt, int64_t index, double *value);
 int64_t moert_runtime_output_numel(const moert_runtime *rt);
 
+/* Reading a step's results in bulk, on any device, to compare two runs (`moert ab`): the ranks this process hosts
+ * (all of them with rank threads, one with a process per GPU), each rank's own copy of a tensor. After a step, until
+ * the next one. */
+int moert_runtime_local_ranks(const moert_runtime *rt);
+/* Elements of a local rank's output of the stack ([tokens_per_rank, hidden]) and of its gradient of a parameter
+ * (router [E,H] and the shared expert's replicated; fc1 [E_local,H,2F], fc2 [E_local,F,H] its own experts). */
+int64_t moert_runtime_local_output_numel(const moert_runtime *rt);
+int64_t moert_runtime_local_grad_numel(const moert_runtime *rt, int layer, moert_param_id which);
+/* Elements [first, first + count) of every local rank's output (or gradient) as double: out[local * count + i].
+ * Each rank copies its slice to the host through its host services (stream-ordered after the step's work on CUDA),
+ * waits for the copy, then widens it. */
+moert_result moert_runtime_read_output(moert_runtime *rt, int64_t first, int64_t count, double *out);
+moert_result moert_runtime_read_grad(moert_runtime *rt, int layer, moert_param_id which, int64_t first, int64_t count,
+                                     double *out);
+
+/* The relative tolerance a precision recipe declares for the agreement of two runs (moert_precision_v1's
+ * agreement_rtol), or MOERT_PRECISION_DEFAULT_AGREEMENT_RTOL where its vtable predates the field or leaves it 0. */
+double moert_precision_agreement_rtol(const moert_plugin_header *precision);
+/* The same for the runtime's precision plugin. */
+double moert_runtime_agreement_rtol(const moert_runtime *rt);
+
 /* One line on the run's use of CUDA graphs: the step captured and the replays, or why there were none. */
 void moert_runtime_graph_summary(const moert_runtime *rt, char *buf, size_t size);
 

@@ -33,7 +33,7 @@ expect_line policy out "  2 warm-up steps, then 6 measured steps, interleaved AB
 expect_match policy out '^figure +A median \[p10-p90\] +B median \[p10-p90\] +B/A$'
 expect_match policy out '^layer fwd\+bwd \(ms\) +[0-9.]+ \[[0-9.]+-[0-9.]+\] +[0-9.]+ \[[0-9.]+-[0-9.]+\] +[0-9.]+$'
 expect_match policy out '^kept fwd->bwd \(rank 0\) +[0-9.]+ KiB +0 B +0\.000$'
-expect_match policy out '^outputs agree: yes \(max relative loss difference 0\.0e\+00 over 8 steps, identical; first step: output 0\.0e\+00, gradients 0\.0e\+00; rtol 1e-03\)$'
+expect_match policy out '^outputs agree: yes \(max relative loss difference 0\.0e\+00 over 8 steps, identical; first step: output 0\.0e\+00, gradients 0\.0e\+00; rtol 0\.01 declared by precision bf16\)$'
 expect_match policy out '^summary: B/A step time [0-9.]+x.*activations kept 0\.00x; outputs agree$'
 expect_match policy out '^timing \(B/A, ABBA order, bootstrap over 6 paired steps\): step (B (faster|slower) by [0-9.]+% \(95% CI [0-9.]+% to [0-9.]+%\)|no difference detected \(95% CI [-+][0-9.]+% to [-+][0-9.]+%\)); layer fwd\+bwd .*$'
 [ -f "$tmp/report.md" ] || fail "policy: no Markdown report beside the JSON"
@@ -122,14 +122,14 @@ expect_match micro2 out '^outputs agree: yes'
 # a differing learning rate is allowed, said in the header, and the losses then differ
 run lr 0 ab "$tmp/keep.json" "$tmp/saver.json" --set-b train.lr=0.05 --warmup 1 --steps 3
 expect_line lr out "  differs: train.lr 0.01 in A, 0.05 in B"
-expect_match lr out '^outputs agree: no \(max relative loss difference [0-9.]+e-[0-9]+ \(step [2-4]\) over 4 steps; first step: output 0\.0e\+00, gradients 0\.0e\+00; rtol 1e-03\)$'
+expect_match lr out '^outputs agree: no \(max relative loss difference [0-9.]+e-[0-9]+ \(step [2-4]\) over 4 steps; first step: output 0\.0e\+00, gradients 0\.0e\+00; rtol 0\.01 declared by precision bf16\)$'
 
 # the wgrad overlap changes only where the wgrads run: the same losses bit for bit, said in the header; the backward's
 # parts get rows, and the JSON steps carry them
 run overlap 0 ab "$tmp/keep.json" "$tmp/keep.json" --set-a parallel.overlap_wgrad=false --warmup 1 --steps 3 \
     --report "$tmp/overlap.json"
 expect_line overlap out "  differs: parallel.overlap_wgrad: A false, B true"
-expect_match overlap out '^outputs agree: yes \(max relative loss difference 0\.0e\+00 over 4 steps, identical; first step: output 0\.0e\+00, gradients 0\.0e\+00; rtol 1e-03\)$'
+expect_match overlap out '^outputs agree: yes \(max relative loss difference 0\.0e\+00 over 4 steps, identical; first step: output 0\.0e\+00, gradients 0\.0e\+00; rtol 0\.01 declared by precision bf16\)$'
 expect_match overlap out '^backward: fc1_wgrad \(ms\) +[0-9.]+ \[[0-9.]+-[0-9.]+\] +[0-9.]+ \[[0-9.]+-[0-9.]+\] +[0-9.]+$'
 expect_match overlap out '^backward: dispatch_bwd \(ms\) '
 grep -q '^backward: recompute' "$tmp/overlap.out" && fail "overlap: a recompute row though neither side recomputes"
@@ -149,7 +149,7 @@ EOF
 # --sequential: A runs to the end and is freed before B starts; the same losses, all of A's progress lines first
 run seq 0 ab "$tmp/keep.json" "$tmp/saver.json" --sequential --warmup 1 --steps 3 --report "$tmp/seq.json"
 expect_line seq out "  1 warm-up step, then 3 measured steps, sequential: all of A, then all of B (--sequential)"
-expect_match seq out '^outputs agree: yes \(max relative loss difference 0\.0e\+00 over 4 steps, identical; first step.s output and gradients not compared when sequential; rtol 1e-03\)$'
+expect_match seq out '^outputs agree: yes \(max relative loss difference 0\.0e\+00 over 4 steps, identical; first step.s output and gradients not compared when sequential; rtol 0\.01 declared by precision bf16\)$'
 expect_match seq out '^kept fwd->bwd \(rank 0\) +[0-9.]+ KiB +0 B +0\.000$'
 [ "$(grep -E '^[AB] step' "$tmp/seq.out" | cut -c1 | uniq | tr -d '\n')" = "AB" ] ||
     fail "seq: progress lines are not all of A then all of B"
@@ -159,6 +159,61 @@ r = json.load(open(sys.argv[1]))
 la, lb = [x["loss"] for x in r["a"]["steps"]], [x["loss"] for x in r["b"]["steps"]]
 sys.exit(0 if len(la) == 4 and la == lb and r["agreement"]["first_step"]["compared"] is False else 1)
 EOF
+
+# --rtol overrides the recipes' tolerance; a bf16 against fp8 A/B takes the looser of the two declared (fp8's)
+run rtol 0 ab "$tmp/keep.json" "$tmp/keep.json" --warmup 0 --steps 1 --quiet --rtol 1e-3
+expect_match rtol out '^outputs agree: yes \(.*; rtol 0\.001 from --rtol\)$'
+run fp8 0 ab "$tmp/keep.json" "$tmp/keep.json" --set model.dtype='"bf16"' --set-b 'precision={"plugin":"fp8"}' \
+    --warmup 0 --steps 2 --quiet --report "$tmp/fp8.json"
+expect_match fp8 out "^outputs agree: (yes|no) \(.*first step: output [0-9.]+e[-+][0-9]+, gradients [0-9.]+e[-+][0-9]+ \(layer [01] [a-z0-9 ]+\); rtol 0\.125, the looser of A's precision bf16 \(0\.01\) and B's fp8 \(0\.125\)\)$"
+python3 - "$tmp/fp8.json" <<'EOF' || fail "fp8: the report's tolerance"
+import json, sys
+ag = json.load(open(sys.argv[1]))["agreement"]
+assert ag["rtol"] == 0.125 and ag["rtol_source"].startswith("the looser of A's precision bf16"), ag
+assert ag["first_step"]["compared"] is True and ag["first_step"]["gradient_max_relative_difference"] > 0, ag
+EOF
+
+# --aa on the demo config: A' (a second copy of A) runs interleaved with A and B; its losses are A's bit for bit, and
+# the A'/A interval (the noise floor) stands beside each B/A one in the timing line, the Markdown table and the JSON
+demo="${MOERT_TEST_SOURCE_ROOT:-$(cd "$(dirname "$0")/../.." && pwd)}/configs/demo-cpu.json"
+run aa $((1 - have_matplotlib)) ab "$demo" "$demo" --set train.tokens_per_rank=64 --set-b memory_policy.fc1_out=recompute \
+    --aa --warmup 1 --steps 6 --report "$tmp/aa.json" --plot "$tmp/aa.png"
+expect_line aa out "  1 warm-up step, then 6 measured steps, interleaved: A, B and A' in each of their 6 orders in turn"
+expect_line aa out "  A/A: A' is a second copy of A (--aa); A'/A is the machine's noise floor beside B/A"
+expect_match aa out "^step 7/7            A loss [0-9.]+ +[0-9.]+ ms   B loss [0-9.]+ +[0-9.]+ ms   A' loss [0-9.]+ +[0-9.]+ ms$"
+expect_match aa out "^A' \(a second copy of A\) agrees with A: yes \(max relative loss difference 0\.0e\+00 over 7 steps, identical; first step: output 0\.0e\+00, gradients 0\.0e\+00; rtol 0\.01 declared by precision bf16\)$"
+expect_match aa out "^summary: .*; A'/A step time [0-9.]+x \(the same config twice\)$"
+expect_match aa out "^timing \(B/A, A B A' rotating order, bootstrap over 6 paired steps; in brackets A'/A, the noise floor\): step .* \[A'/A 95% CI [-+][0-9.]+% to [-+][0-9.]+%\]; layer fwd\+bwd .* \[A'/A 95% CI [-+][0-9.]+% to [-+][0-9.]+%\]$"
+grep -qF "| figure | B/A | 95% CI | verdict | A'/A (noise floor) | A'/A 95% CI |" "$tmp/aa.md" ||
+    fail "aa: aa.md lacks the A'/A columns"
+python3 - "$tmp/aa.json" <<'EOF' || fail "aa: the JSON report is not as expected"
+import json, sys
+r = json.load(open(sys.argv[1]))
+la, lp = [x["loss"] for x in r["a"]["steps"]], [x["loss"] for x in r["a_prime"]["steps"]]
+assert len(la) == 7 and la == lp, (la, lp)
+aa, ba = r["a_over_a_intervals"], r["b_over_a_intervals"]
+assert aa["order"] == ba["order"] == "A B A' rotating" and aa["seed"] != ba["seed"], (aa, ba)
+for f in ("step", "layer"):
+    iv = aa["figures"][f]
+    assert iv["pairs"] == 6 and iv["ci_low"] <= iv["ratio"] <= iv["ci_high"], iv
+ap = r["agreement"]["a_prime"]
+assert ap["agree"] and ap["losses_identical"] and ap["first_step"]["compared"], ap
+assert ap["first_step"]["output_max_relative_difference"] == 0 and ap["first_step"]["gradient_max_relative_difference"] == 0
+assert r["aa_verdict"].startswith("A' (a second copy of A) agrees with A: yes"), r["aa_verdict"]
+assert "[A'/A 95% CI" in r["timing"], r["timing"]
+EOF
+# the plot's data: the three sides, and the step time's B/A and A'/A with their intervals for the distributions' panel
+python3 - "$tmp/aa.plot.json" "$tmp/aa.json" <<'EOF' || fail "aa: bad plot data"
+import json, sys
+d, r = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+assert [s["label"] for s in d["sides"]] == ["A: demo-cpu", "B: demo-cpu", "A': demo-cpu"], d["sides"]
+assert d["step_ratio"]["what"] == "B/A" and d["step_noise"]["what"] == "A'/A", d
+assert abs(d["step_noise"]["ci_low"] - r["a_over_a_intervals"]["figures"]["step"]["ci_low"]) < 1e-6, d["step_noise"]
+assert d["differs"][0].startswith("memory_policy: A "), d["differs"]
+EOF
+if [ "$have_matplotlib" = 1 ]; then
+    [ -s "$tmp/aa.png" ] || fail "aa: no plot"
+fi
 
 # usage errors
 run one_config 2 ab "$tmp/keep.json"

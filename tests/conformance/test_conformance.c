@@ -32,7 +32,7 @@ static size_t vtable_size(moert_plugin_kind kind)
     switch (kind) {
     case MOERT_KIND_ROUTER: return sizeof(moert_router_v1);
     case MOERT_KIND_DISPATCHER: return sizeof(moert_dispatcher_v1);
-    case MOERT_KIND_PRECISION: return sizeof(moert_precision_v1);
+    case MOERT_KIND_PRECISION: return MOERT_PRECISION_V1_BASE_SIZE; /* its functions; agreement_rtol follows */
     case MOERT_KIND_MEMORY_POLICY: return sizeof(moert_memory_policy_v1);
     default: return 0;
     }
@@ -62,6 +62,15 @@ static void check_header(const moert_plugin *p, moert_plugin_kind kind, const ch
         memcpy(&fn, (const char *)h + off, sizeof fn);
         if (!fn) {
             fprintf(stderr, "%s: vtable member at offset %zu is NULL\n", label, off);
+            test_failures++;
+        }
+    }
+    /* a precision recipe's agreement_rtol, where its header has one: 0 (not declared: the default) or in (0, 1) */
+    if (kind == MOERT_KIND_PRECISION &&
+        h->struct_size >= offsetof(moert_precision_v1, agreement_rtol) + sizeof(double)) {
+        double rtol = ((const moert_precision_v1 *)h)->agreement_rtol;
+        if (!(rtol == 0.0 || (rtol > 0.0 && rtol < 1.0))) {
+            fprintf(stderr, "%s: agreement_rtol %g is neither 0 (not declared) nor in (0, 1)\n", label, rtol);
             test_failures++;
         }
     }

@@ -56,5 +56,39 @@ int main(void)
     EXPECT(strcmp(text, "not enough steps for an interval") == 0);
     /* ABBA: A first on odd steps, B first on even ones */
     EXPECT(!ab_b_first(1) && ab_b_first(2) && !ab_b_first(3) && ab_b_first(4));
+    int order[3];
+    for (int64_t step = 1; step <= 4; step++) {
+        ab_step_order(step, 2, order);
+        EXPECT(order[0] == ab_b_first(step) && order[1] == 1 - order[0]);
+    }
+    /* --aa, A B A' over 6 steps: each side once in each place, after each other side once, before B in half */
+    int place[3][3] = {{0}}, after[3][3] = {{0}}, a_before_b = 0, aprime_before_a = 0;
+    for (int64_t step = 7; step <= 12; step++) { /* the second cycle: the same as the first */
+        ab_step_order(step, 3, order);
+        int seen = 0;
+        for (int k = 0; k < 3; k++) {
+            place[order[k]][k]++;
+            seen |= 1 << order[k];
+            if (k > 0) after[order[k]][order[k - 1]]++;
+        }
+        EXPECT(seen == 7);
+        int pos[3];
+        for (int k = 0; k < 3; k++) pos[order[k]] = k;
+        a_before_b += pos[0] < pos[1];
+        aprime_before_a += pos[2] < pos[0];
+    }
+    for (int x = 0; x < 3; x++)
+        for (int y = 0; y < 3; y++) {
+            EXPECT_EQ_INT(place[x][y], 2);
+            EXPECT_EQ_INT(after[x][y], x == y ? 0 : 2);
+        }
+    EXPECT(a_before_b == 3 && aprime_before_a == 3);
+    ab_step_order(1, 3, order);
+    EXPECT(order[0] == 0 && order[1] == 1 && order[2] == 2);
+    /* the noise floor beside a verdict */
+    ab_noise_text(&(ab_interval){.ratio = 1.001, .low = 0.992, .high = 1.006, .level = 0.95}, text, sizeof text);
+    EXPECT(strcmp(text, "A'/A 95% CI -0.8% to +0.6%") == 0);
+    ab_noise_text(&iv, text, sizeof text);
+    EXPECT(strcmp(text, "A'/A not enough steps") == 0);
     return test_finish("ab_stats");
 }

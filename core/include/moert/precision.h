@@ -52,7 +52,18 @@ typedef struct moert_precision_v1 {
     moert_result (*grouped_gemm)(void *ctx, moert_stream stream, const moert_grouped_gemm_args *args);
     /* Once per optimizer step, after the weights changed: drop caches derived from them. */
     moert_result (*end_step)(void *ctx, moert_stream stream);
+    /* Appended (read only when header.struct_size covers it; a plugin built against the older header, or one that
+     * leaves it 0, gets MOERT_PRECISION_DEFAULT_AGREEMENT_RTOL): the relative tolerance by which two runs of this recipe, or one of
+     * them against a run of another recipe, may differ in the stack's outputs and parameter gradients, measured as
+     * max |a - b| / max(|a|, |b|) over a tensor. `moert ab` checks agreement against the looser of A's and B's
+     * (docs/abi.md has the rule of thumb). */
+    double agreement_rtol;
 } moert_precision_v1;
+
+/* The size of moert_precision_v1 before agreement_rtol was appended: the smallest vtable the loader accepts. */
+#define MOERT_PRECISION_V1_BASE_SIZE offsetof(moert_precision_v1, agreement_rtol)
+/* The tolerance of a recipe that declares none. */
+#define MOERT_PRECISION_DEFAULT_AGREEMENT_RTOL 1e-3
 
 #define MOERT_PRECISION_V1_SYMBOL "moert_precision_v1"
 /* The header fields of a precision vtable, and its one exported definition (the symbol gets its name through an asm label:
