@@ -201,19 +201,20 @@ static double tensor_diff_value(const tensor_diff *d)
     return d->max_abs > 0.0 ? d->max_diff / d->max_abs : INFINITY;
 }
 
-/* Elements per local rank in one bulk read of a tensor (32 MiB of doubles per rank and side). */
+/* At most this many elements per local rank in one bulk read of a tensor (32 MiB of doubles per rank and side). */
 #define COMPARE_CHUNK ((int64_t)1 << 22)
 
-/* Compares one tensor of two runs, the output (layer < 0) or a parameter's gradient, on every local rank, a chunk at a
- * time (a gradient of DeepSeek-V3's experts is gigabytes): its difference in *diff. bufa, bufb: [nlocal * COMPARE_CHUNK]. */
+/* Compares one tensor of two runs, the output (layer < 0) or a parameter's gradient, on every local rank, `chunk`
+ * elements at a time (a gradient of DeepSeek-V3's experts is gigabytes): its difference in *diff. bufa, bufb:
+ * [nlocal * chunk]. */
 static moert_result compare_tensor(moert_runtime *a, moert_runtime *b, int layer, moert_param_id which, int64_t numel,
-                                   double *bufa, double *bufb, double *diff)
+                                   int64_t chunk, double *bufa, double *bufb, double *diff)
 {
     moert_result rc = MOERT_OK;
     const int64_t nvalues = moert_runtime_local_ranks(a);
     tensor_diff d = {0, 0};
-    for (int64_t first = 0; first < numel; first += COMPARE_CHUNK) {
-        const int64_t count = numel - first < COMPARE_CHUNK ? numel - first : COMPARE_CHUNK;
+    for (int64_t first = 0; first < numel; first += chunk) {
+        const int64_t count = numel - first < chunk ? numel - first : chunk;
         if (layer < 0) {
             MOERT_CHECK(moert_runtime_read_output(a, first, count, bufa));
             MOERT_CHECK(moert_runtime_read_output(b, first, count, bufb));
@@ -240,21 +241,29 @@ static moert_result compare_first_step(ab_side *a, ab_side *b, ab_agreement *agr
     if (moert_runtime_local_ranks(b->rt) != nlocal)
         return moert_error(MOERT_ERR_INTERNAL, "%s hosts %d ranks here and %s %d", a->tag, nlocal, b->tag,
                            moert_runtime_local_ranks(b->rt));
-    bufa = malloc(sizeof(double) * (size_t)nlocal * (size_t)COMPARE_CHUNK);
-    bufb = malloc(sizeof(double) * (size_t)nlocal * (size_t)COMPARE_CHUNK);
+    /* the buffers: the largest tensor's size, up to COMPARE_CHUNK */
+    int64_t chunk = moert_runtime_local_output_numel(a->rt);
+    for (int l = 0; l < a->cfg->model.num_layers; l++)
+        for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
+            const int64_t n = moert_runtime_local_grad_numel(a->rt, l, (moert_param_id)p);
+            if (n > chunk) chunk = n;
+        }
+    if (chunk > COMPARE_CHUNK) chunk = COMPARE_CHUNK;
+    bufa = malloc(sizeof(double) * (size_t)nlocal * (size_t)chunk);
+    bufb = malloc(sizeof(double) * (size_t)nlocal * (size_t)chunk);
     if (!bufa || !bufb) {
         rc = moert_error(MOERT_ERR_OUT_OF_MEMORY, "the buffers comparing the first step");
         goto fail;
     }
-    MOERT_CHECK(compare_tensor(a->rt, b->rt, -1, MOERT_PARAM_ROUTER, moert_runtime_local_output_numel(a->rt), bufa,
-                               bufb, &agr->output_diff));
+    MOERT_CHECK(compare_tensor(a->rt, b->rt, -1, MOERT_PARAM_ROUTER, moert_runtime_local_output_numel(a->rt), chunk,
+                               bufa, bufb, &agr->output_diff));
     agr->gradient_diff = 0.0;
     for (int l = 0; l < a->cfg->model.num_layers; l++)
         for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
             const int64_t numel = moert_runtime_local_grad_numel(a->rt, l, (moert_param_id)p);
             if (numel == 0) continue; /* no shared expert */
             double d = 0.0;
-            MOERT_CHECK(compare_tensor(a->rt, b->rt, l, (moert_param_id)p, numel, bufa, bufb, &d));
+            MOERT_CHECK(compare_tensor(a->rt, b->rt, l, (moert_param_id)p, numel, chunk, bufa, bufb, &d));
             if (d > agr->gradient_diff) {
                 agr->gradient_diff = d;
                 snprintf(agr->gradient_worst, sizeof agr->gradient_worst, "layer %d %s", l, param_names[p]);
