@@ -246,7 +246,10 @@ def verdict(err, kind, tokens):
     for k, e in err.items():
         if k == "flipped_rows":
             continue
-        loose = kind == "moe" and err["flipped_rows"] and k in ("y", "dx")  # a flipped row's own error is large
+        # a token routed to other experts (a near-tie that fp32 routers of two codes break apart) moves its whole
+        # contribution: its own row of y and dx, and the gradients of the experts and router rows it touches, so
+        # the largest element error says nothing then; the L2 bound still holds every tensor
+        loose = kind == "moe" and err["flipped_rows"] > 0
         if e["l2"] > tol["l2"] or (e["max"] > tol["max"] and not loose):
             bad.append(k)
     if err["flipped_rows"] > (MAX_FLIPPED_ROWS * tokens if kind == "moe" else 0):
