@@ -745,7 +745,8 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
     moert_router_forward_args ra = {.struct_size = sizeof ra, .x = x, .weight = &L->params[MOERT_PARAM_ROUTER].value,
                                     .topk_idx = &L->topk_idx, .topk_probs = &L->topk_probs,
                                     .tokens_per_expert = &L->tokens_per_expert, .losses = &L->losses,
-                                    .seq_length = L->seq_length};
+                                    .seq_length = L->seq_length,
+                                    .flags = L->inference ? MOERT_ROUTER_FORWARD_INFERENCE : 0u};
     /* the shared expert needs only x: on its own stream it runs beside the routing, dispatch and experts */
     if (L->shared_ffn > 0) MOERT_CHECK(shared_forward_issue(L, x));
     PLUGIN_CALL(L->router, "forward", ROUTER(L)->forward(L->router.ctx, L->stream, &ra));

@@ -74,6 +74,8 @@ typedef struct moert_layer {
      * gives MoE(x) alone, without the residual x (backward then passes no d_y through to d_x) */
     bool params_borrowed;
     bool no_residual;
+    /* the next forward is an inference one (no backward follows): the router draws no training noise */
+    bool inference;
     /* fc1 / fc2 weight gradients zeroed lazily: zero_grad leaves them as they are when the precision plugin
      * declares MOERT_CAP_WGRAD_OVERWRITE, and the first WGRAD overwrites them; backward zeroes any left */
     bool grad_unwritten[2];

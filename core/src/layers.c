@@ -785,6 +785,7 @@ MOERT_API moert_result moert_moe_forward(moert_layers *m, int layer, const moert
         *token = (moert_saved){.owner = m, .layer = layer, .tokens = x->shape[0]};
     }
     MOERT_CHECK(enter(m, stream));
+    L->inference = saved == NULL; /* no saved activations: no backward follows */
     MOERT_CHECK(moert_layer_forward(L, x, y));
     if (stats) {
         stats->router_loss = L->losses.total;

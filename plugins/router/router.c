@@ -36,6 +36,7 @@ typedef struct router_ctx {
     int gemm;              /* router_gpu_gemm: the CUDA path's GEMM arithmetic (option "gemm") */
     int compute_dtype;     /* router_compute_dtype (option "compute_dtype") */
     double jitter_eps;     /* option "input_jitter_eps" (0: off) */
+    double fwd_jitter_eps; /* the last forward's: jitter_eps, or 0 for an inference forward */
     bool force_balance;    /* option "force_load_balancing" */
     uint64_t jitter_key;   /* router_noise keys of this instance (seed, layer, rank, purpose) */
     uint64_t random_logits_key;
@@ -519,7 +520,7 @@ static void apply_jitter(const router_ctx *c, uint64_t call, int64_t T, double *
         for (int64_t i = 0; i < H; i++)
             x[t * H + i] = router_cpu_as_compute(c->params.compute_f32,
                                                  x[t * H + i] * router_noise_jitter(c->jitter_key, call, (uint64_t)t,
-                                                                                    (uint64_t)i, c->jitter_eps));
+                                                                                    (uint64_t)i, c->fwd_jitter_eps));
 }
 
 /* force_load_balancing: logits [T,E] replaced by standard normal numbers of forward number `call`. */
@@ -615,12 +616,16 @@ static moert_result router_forward(void *ctx, moert_stream stream, const moert_r
         h->set_error(h, "router '%s' forward: seq_length %lld is negative", ROUTER_NAME, (long long)seq_length);
         return MOERT_ERR_INVALID_ARGUMENT;
     }
-    /* the noise of this forward (jitter, random logits) is that of call number `call`, on either path */
+    /* the noise of this forward (jitter, random logits) is that of call number `call`, on either path; an inference
+     * forward draws no jitter */
     const uint64_t call = c->forward_calls++;
     c->fwd_call = call;
+    const bool inference = a->struct_size >= offsetof(moert_router_forward_args, flags) + sizeof a->flags &&
+                           (a->flags & MOERT_ROUTER_FORWARD_INFERENCE);
+    c->fwd_jitter_eps = inference ? 0.0 : c->jitter_eps;
 #ifdef MOERT_HAVE_CUDA
     if (c->gpu) {
-        if ((rc = router_gpu_forward(c->gpu, stream, a, seq_length, call)) != MOERT_OK) return rc;
+        if ((rc = router_gpu_forward(c->gpu, stream, a, seq_length, call, c->fwd_jitter_eps)) != MOERT_OK) return rc;
         c->fwd_tokens = T;
         c->have_forward = true;
         return MOERT_OK;
@@ -629,7 +634,7 @@ static moert_result router_forward(void *ctx, moert_stream stream, const moert_r
     if ((rc = ensure_buffers(c, T)) != MOERT_OK) return rc;
 
     load_all(a->x, T * H, c->x);
-    if (c->jitter_eps > 0.0) apply_jitter(c, call, T, c->x);
+    if (c->fwd_jitter_eps > 0.0) apply_jitter(c, call, T, c->x);
     load_all(a->weight, E * H, c->w);
     router_cpu_logits(c->x, c->w, T, H, E, c->logits);
     for (int64_t i = 0; i < T * E; i++) {
@@ -734,16 +739,16 @@ static moert_result router_backward(void *ctx, moert_stream stream, const moert_
         router_cpu_z_loss_backward(c->logits, T, E, c->z_loss_coeff, a->loss_scale, c->d_logits);
 
     load_all(a->x, T * H, c->x);
-    if (c->jitter_eps > 0.0) apply_jitter(c, c->fwd_call, T, c->x); /* the logits' x was the jittered one */
+    if (c->fwd_jitter_eps > 0.0) apply_jitter(c, c->fwd_call, T, c->x); /* the logits' x was the jittered one */
     load_all(a->weight, E * H, c->w);
     memset(c->d_x, 0, (size_t)(T * H) * sizeof(double));
     memset(c->d_w, 0, (size_t)(E * H) * sizeof(double));
     router_cpu_linear_backward(c->d_logits, c->x, c->w, T, H, E, c->d_x, c->d_w);
-    if (c->jitter_eps > 0.0) /* d x = d (x * noise) * noise */
+    if (c->fwd_jitter_eps > 0.0) /* d x = d (x * noise) * noise */
         for (int64_t t = 0; t < T; t++)
             for (int64_t i = 0; i < H; i++)
                 c->d_x[t * H + i] *= router_noise_jitter(c->jitter_key, c->fwd_call, (uint64_t)t, (uint64_t)i,
-                                                         c->jitter_eps);
+                                                         c->fwd_jitter_eps);
     for (int64_t i = 0; i < T * H; i++) moert_store(a->d_x, i, moert_load(a->d_x, i) + c->d_x[i]);
     for (int64_t i = 0; i < E * H; i++) moert_store(a->d_weight, i, moert_load(a->d_weight, i) + c->d_w[i]);
     return MOERT_OK;

@@ -138,6 +138,7 @@ struct router_gpu {
     /* the last forward, for backward */
     bool fwd_aux;
     int64_t fwd_aux_seq;
+    double fwd_jitter_eps; /* the last forward's jitter (0 for an inference forward): its backward draws the same */
 };
 
 /* Sets the instance's message, prefixed with the plugin and device, and returns code. */
@@ -775,7 +776,7 @@ static moert_result forward_logits(router_gpu *g, cudaStream_t stream, const moe
 {
     const moert_host *h = g->host;
     const int64_t H = g->hidden, E = g->num_experts;
-    const moert_router_cuda_noise jitter = noise_of(g->cfg.jitter_key, call, g->cfg.jitter_eps);
+    const moert_router_cuda_noise jitter = noise_of(g->cfg.jitter_key, call, g->fwd_jitter_eps);
     if (g->f64 || g->jitter) {
         GPU_TRY(ensure_xc(g, T));
         GPU_TRY(moert_router_cuda_convert(h, stream, a->x->dtype, T, H, a->x->data, g->jitter ? &jitter : NULL, g->xc,
@@ -844,13 +845,14 @@ static moert_result forward_route(router_gpu *g, cudaStream_t stream, const moer
 }
 
 moert_result router_gpu_forward(router_gpu *g, moert_stream s, const moert_router_forward_args *a, int64_t seq_length,
-                                uint64_t call)
+                                uint64_t call, double jitter_eps)
 {
     cudaStream_t stream = (cudaStream_t)s;
     const moert_host *h = g->host;
     int64_t T = a->x->shape[0], E = g->num_experts;
     int64_t *tpe = a->tokens_per_expert->data;
     g->fwd_aux = false;
+    g->fwd_jitter_eps = jitter_eps;
     GPU_TRY(check_dtype(g, "forward", "x", a->x, true));
     GPU_TRY(check_dtype(g, "forward", "weight", a->weight, false));
     GPU_TRY(check_dtype(g, "forward", "topk_probs", a->topk_probs, false));
@@ -914,7 +916,7 @@ static moert_result backward_converted(router_gpu *g, cudaStream_t stream, const
 {
     const moert_host *h = g->host;
     const int64_t H = g->hidden, E = g->num_experts;
-    const moert_router_cuda_noise jitter = noise_of(g->cfg.jitter_key, call, g->cfg.jitter_eps);
+    const moert_router_cuda_noise jitter = noise_of(g->cfg.jitter_key, call, g->fwd_jitter_eps);
     const moert_router_cuda_noise *noise = g->jitter ? &jitter : NULL;
     GPU_TRY(ensure_xc(g, T));
     GPU_TRY(moert_router_cuda_convert(h, stream, a->x->dtype, T, H, a->x->data, noise, g->xc, g->f64));

@@ -45,9 +45,10 @@ moert_result router_gpu_create(const moert_host *host, const moert_layer_info *l
                                router_gpu **out);
 void router_gpu_destroy(router_gpu *g);
 
-/* Forward of T = x->shape[0] tokens; tensors already checked for device, shape and contiguity (not dtype). */
+/* Forward of T = x->shape[0] tokens; tensors already checked for device, shape and contiguity (not dtype). The input
+ * jitter of this forward is jitter_eps (0 for an inference forward, which then multiplies x by exactly 1). */
 moert_result router_gpu_forward(router_gpu *g, moert_stream stream, const moert_router_forward_args *a,
-                                int64_t seq_length, uint64_t call);
+                                int64_t seq_length, uint64_t call, double jitter_eps);
 /* Backward of the last forward (of T tokens, noise call `call`); tensors checked as for forward. */
 moert_result router_gpu_backward(router_gpu *g, moert_stream stream, const moert_router_backward_args *a, int64_t T,
                                  uint64_t call);

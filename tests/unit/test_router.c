@@ -41,6 +41,9 @@ static moert_result open_router(router_case *c, const char *options, int64_t E, 
 }
 
 /* One forward with x = logits [T,E] and the identity weight; probs stored as `probs_dtype`. */
+/* MOERT_ROUTER_FORWARD_* bits of the next route() calls (0: training forwards) */
+static uint32_t route_flags;
+
 static moert_result route(router_case *c, const double *logits, int64_t T, int64_t seq_length, moert_dtype probs_dtype,
                           route_out *out)
 {
@@ -61,7 +64,7 @@ static moert_result route(router_case *c, const double *logits, int64_t T, int64
     moert_tensor ttpe = moert_tensor_1d(out->tokens_per_expert, moert_cpu(), MOERT_I64, E);
     moert_router_forward_args args = {
         .struct_size = sizeof args, .x = &tx, .weight = &tw, .topk_idx = &tidx, .topk_probs = &tprobs,
-        .tokens_per_expert = &ttpe, .losses = &out->losses, .seq_length = seq_length};
+        .tokens_per_expert = &ttpe, .losses = &out->losses, .seq_length = seq_length, .flags = route_flags};
     moert_result rc = c->vt->forward(c->ti.ctx, NULL, &args);
     if (rc != MOERT_OK) snprintf(out->error, sizeof out->error, "%s", moert_host_take_error(c->ti.host));
     if (f32)
@@ -585,6 +588,31 @@ static void test_input_jitter(void)
     test_instance_close(&c.ti);
 }
 
+/* An inference forward (MOERT_ROUTER_FORWARD_INFERENCE) draws no jitter: it routes like a router without it, and the
+ * training forward after it still jitters. */
+static void test_jitter_off_in_inference(void)
+{
+    router_case jit, plain;
+    route_out oj, op;
+    double x[] = {1.0, 0.5, -0.25, 2.0, -1.0, 0.75, 0.1, -0.3};
+    EXPECT_OK(open_router(&jit, "{\"score_function\": \"sigmoid\", \"input_jitter_eps\": 0.2, \"seed\": 7}", 4, 1, NULL,
+                          0, 1));
+    EXPECT_OK(open_router(&plain, "{\"score_function\": \"sigmoid\"}", 4, 1, NULL, 0, 1));
+    if (!jit.vt || !plain.vt) return;
+    route_flags = MOERT_ROUTER_FORWARD_INFERENCE;
+    EXPECT_OK(route(&jit, x, 2, 0, MOERT_F64, &oj));
+    route_flags = 0;
+    EXPECT_OK(route(&plain, x, 2, 0, MOERT_F64, &op));
+    for (int t = 0; t < 2; t++) {
+        EXPECT_EQ_INT(oj.idx[t], op.idx[t]);
+        EXPECT(oj.probs[t] == op.probs[t]);
+    }
+    EXPECT_OK(route(&jit, x, 2, 0, MOERT_F64, &oj)); /* training again: jittered */
+    EXPECT(oj.probs[0] != op.probs[0] || oj.probs[1] != op.probs[1]);
+    test_instance_close(&jit.ti);
+    test_instance_close(&plain.ti);
+}
+
 /* force_load_balancing: the routing sees standard normal logits, whatever x is. */
 static void test_force_load_balancing(void)
 {
@@ -906,6 +934,7 @@ int main(void)
     test_capacity();
     test_pad_to_capacity();
     test_input_jitter();
+    test_jitter_off_in_inference();
     test_force_load_balancing();
     test_compute_dtype();
     test_bias_two_ranks();

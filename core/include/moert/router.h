@@ -25,7 +25,12 @@ typedef struct moert_router_forward_args {
     moert_tensor *tokens_per_expert;  /* out [E] int64: copies kept per expert from this rank's tokens */
     moert_router_losses *losses;      /* out, host */
     int64_t seq_length;               /* tokens per sequence, for seq_aux_loss (0: one sequence) */
+    /* appended: MOERT_ROUTER_FORWARD_* bits (a caller built before it passes a shorter struct: 0, training) */
+    uint32_t flags;
 } moert_router_forward_args;
+
+/* An inference forward: no backward follows and training-only noise (input jitter) is off. */
+#define MOERT_ROUTER_FORWARD_INFERENCE (1u << 0)
 
 typedef struct moert_router_backward_args {
     uint32_t struct_size;
