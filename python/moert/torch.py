@@ -401,7 +401,9 @@ class MoE(nn.Module):
             self.last_tokens_per_expert = tpe
         self.last_stats = {"router_loss": stats.router_loss, "aux_loss": stats.aux_loss, "z_loss": stats.z_loss,
                            "dispatched_rows": stats.dispatched_rows}
-        loss = torch.tensor(stats.router_loss, dtype=self.param_dtype, device=self.device)
+        # a fill kernel with the value as its argument: torch.tensor(value, device=cuda) would copy from pageable
+        # memory, which waits for the stream (the forward's tail) before the caller can queue more work
+        loss = torch.full((), stats.router_loss, dtype=self.param_dtype, device=self.device)
         return y, loss
 
     def _run_backward(self, saved_ptr, x, dy, dloss):
