@@ -187,6 +187,8 @@ static moert_result deepep_init(void **out, const moert_host *host, const moert_
 #ifdef MOERT_HAVE_CUDA
     if (c->core.on_cuda) {
         rc = cuda_init(c);
+        /* ranks whose GPUs cannot reach each other by peer access are refused before any buffer is exchanged */
+        if (rc == MOERT_OK) rc = peer_dispatch_cuda_check_reach(&c->core);
         if (rc != MOERT_OK) goto fail;
     }
 #endif

@@ -169,6 +169,10 @@ static moert_result hybridep_init(void **out, const moert_host *host, const moer
     if (rc != MOERT_OK) return rc;
     hybridep_ctx *c = made;
     rc = read_options(c);
+#ifdef MOERT_HAVE_CUDA
+    /* ranks whose GPUs cannot reach each other by peer access are refused before any buffer is exchanged */
+    if (rc == MOERT_OK && c->core.on_cuda) rc = peer_dispatch_cuda_check_reach(&c->core);
+#endif
     if (rc != MOERT_OK) goto fail;
 
     /* every rank's slot holds the largest max_tokens of the group (collective, as the exchange is); the mode and the

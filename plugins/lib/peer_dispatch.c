@@ -5,8 +5,11 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
+#include <unistd.h>
 
+#include "peer_reach.h"
 #include "tensor_args.h"
 #ifdef MOERT_HAVE_CUDA
 #include "plugin_cuda_check.h"
@@ -385,6 +388,63 @@ moert_result peer_dispatch_cuda_check_layer(const peer_dispatch *d, int64_t max_
         return peer_dispatch_fail(d, MOERT_ERR_UNSUPPORTED, "the %s dispatcher's CUDA path moves bf16 or fp32 rows, "
                                   "the layer is %s", d->name, moert_dtype_name(d->layer.dtype));
     return MOERT_OK;
+}
+
+/* What each rank tells the others about its device for the reachability check. */
+typedef struct peer_device_record {
+    char host[64]; /* gethostname: ranks on different hosts never reach each other by peer access */
+    char pci[32];  /* cudaDeviceGetPCIBusId of the layer's device: finds it among this process's devices */
+    int32_t device;
+    int32_t pad;
+} peer_device_record;
+
+/* Whether this rank's device `mine` can reach the device of record `peer` (same host, then peer access). */
+static bool device_reaches(const peer_device_record *self, const peer_device_record *peer, int mine)
+{
+    if (strcmp(self->host, peer->host) != 0) return false;
+    if (strcmp(self->pci, peer->pci) == 0) return true; /* the same GPU */
+    int theirs = -1, can = 0;
+    if (cudaDeviceGetByPCIBusId(&theirs, peer->pci) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return true; /* hidden from this process: cannot be asked about here */
+    }
+    if (cudaDeviceCanAccessPeer(&can, mine, theirs) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    return can != 0;
+}
+
+moert_result peer_dispatch_cuda_check_reach(peer_dispatch *d)
+{
+    const moert_host *h = d->host;
+    const int W = d->world, mine = (int)d->layer.device.id;
+    if (W == 1) return MOERT_OK;
+    peer_device_record records[PEER_MAX_RANKS];
+    unsigned char row[PEER_MAX_RANKS], matrix[PEER_MAX_RANKS * PEER_MAX_RANKS];
+    peer_device_record self;
+    memset(&self, 0, sizeof self);
+    if (gethostname(self.host, sizeof self.host - 1) != 0) snprintf(self.host, sizeof self.host, "unknown host");
+    self.device = mine;
+    cudaError_t err = cudaDeviceGetPCIBusId(self.pci, (int)sizeof self.pci, mine);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        snprintf(self.pci, sizeof self.pci, "rank %d", d->rank);
+    }
+    moert_result rc = h->allgather(h, &self, records, sizeof self, moert_cpu(), NULL);
+    if (rc != MOERT_OK) return rc;
+    for (int r = 0; r < W; r++) row[r] = r == d->rank || device_reaches(&self, &records[r], mine);
+    rc = h->allgather(h, row, matrix, (size_t)W, moert_cpu(), NULL);
+    if (rc != MOERT_OK) return rc;
+    char labels[PEER_MAX_RANKS][96];
+    const char *where[PEER_MAX_RANKS];
+    for (int r = 0; r < W; r++) {
+        snprintf(labels[r], sizeof labels[r], "%.63s cuda:%d", records[r].host, (int)records[r].device);
+        where[r] = labels[r];
+    }
+    char msg[2048];
+    if (peer_reach_unreachable(W, matrix, where, d->name, msg, sizeof msg) == 0) return MOERT_OK;
+    return peer_dispatch_fail(d, MOERT_ERR_UNSUPPORTED, "%s", msg);
 }
 
 moert_result peer_dispatch_cuda_sm_count(const peer_dispatch *d, int *sms)

@@ -145,6 +145,13 @@ moert_result peer_dispatch_cuda_combine_dtypes(const peer_dispatch *d, const cha
  * topk <= 32, bf16 or fp32 rows. */
 moert_result peer_dispatch_cuda_check_layer(const peer_dispatch *d, int64_t max_experts);
 
+/* Collective, at init, before the peer buffers are exchanged: every rank's device must be reachable by peer access
+ * from every other rank's (same host, cudaDeviceCanAccessPeer between the devices); otherwise every rank refuses with
+ * MOERT_ERR_UNSUPPORTED and one message naming the ranks that cannot reach each other and the dispatchers that can
+ * serve such a group (peer_reach.h). A peer's device hidden from this process (CUDA_VISIBLE_DEVICES) cannot be asked
+ * about and counts as reachable (CUDA IPC may still map it). */
+moert_result peer_dispatch_cuda_check_reach(peer_dispatch *d);
+
 /* SMs of the layer's device. */
 moert_result peer_dispatch_cuda_sm_count(const peer_dispatch *d, int *sms);
 
