@@ -443,7 +443,7 @@ static moert_result count_local(hier_ctx *c, moert_stream stream, const moert_te
             if (rc != MOERT_OK) return rc;
             c->cu.pinned_idx_bytes = grown;
         }
-        rc = h->memcpy_async(h, c->cu.pinned_idx, moert_cpu(), topk_idx->data, c->layer.device, bytes, stream);
+        if (bytes) rc = h->memcpy_async(h, c->cu.pinned_idx, moert_cpu(), topk_idx->data, c->layer.device, bytes, stream);
         if (rc == MOERT_OK) rc = h->stream_synchronize(h, stream);
         if (rc != MOERT_OK) return rc;
         *idx_host = c->cu.pinned_idx;
