@@ -41,16 +41,16 @@ typedef enum hier_phase { PHASE_NODES, PHASE_LOCAL } hier_phase;
 #ifdef MOERT_HAVE_CUDA
 /* The index maps the CUDA path's kernels take, int32 each, as offsets into one device buffer (cuda_plan). */
 enum {
-    MAP_NODE_ROW_TOKEN,      /* [num_node_send] token of each phase-1 row */
-    MAP_COPY_OF_NODE_SLOT,   /* [num_node_send_copies] copy t*K+k of each phase-1 prob slot */
-    MAP_LOCAL_ROW_FWD,       /* [num_local_send] received token (phase-1 row) of each phase-2 row */
-    MAP_LOCAL_ROW_FWD_SLOT,  /* [num_local_send] received prob slot of each phase-2 row */
-    MAP_FWD_SLOT_LOCAL_ROW,  /* [num_node_recv_copies] phase-2 row of each received prob slot */
-    MAP_GROUPED_SRC,         /* [capacity] phase-2 received row of each grouped row */
-    MAP_STAGING_SRC,         /* [num_recv] grouped row of each phase-2 received row */
-    MAP_FWD_COPY_ROW,        /* [num_node_recv*K] phase-2 row of each received copy, -1 */
-    MAP_TOKEN_NODE_ROW,      /* [T*N] phase-1 row of token t for node m, -1 */
-    MAP_COPY_NODE_SLOT,      /* [T*K] phase-1 prob slot of each copy, -1 */
+    MAP_NODE_ROW_TOKEN,     /* [num_node_send] token of each phase-1 row */
+    MAP_COPY_OF_NODE_SLOT,  /* [num_node_send_copies] copy t*K+k of each phase-1 prob slot */
+    MAP_LOCAL_ROW_FWD,      /* [num_local_send] received token (phase-1 row) of each phase-2 row */
+    MAP_LOCAL_ROW_FWD_SLOT, /* [num_local_send] received prob slot of each phase-2 row */
+    MAP_FWD_SLOT_LOCAL_ROW, /* [num_node_recv_copies] phase-2 row of each received prob slot */
+    MAP_GROUPED_SRC,        /* [capacity] phase-2 received row of each grouped row */
+    MAP_STAGING_SRC,        /* [num_recv] grouped row of each phase-2 received row */
+    MAP_FWD_COPY_ROW,       /* [num_node_recv*K] phase-2 row of each received copy, -1 */
+    MAP_TOKEN_NODE_ROW,     /* [T*N] phase-1 row of token t for node m, -1 */
+    MAP_COPY_NODE_SLOT,     /* [T*K] phase-1 prob slot of each copy, -1 */
     MAP_COUNT
 };
 
@@ -60,9 +60,9 @@ typedef struct hier_cuda_state {
     size_t map_at[MAP_COUNT];      /* offset (in int32) of each map */
     int32_t *pinned_maps;          /* pinned host, grown: the maps before their upload */
     size_t pinned_maps_bytes;
-    int32_t *pinned_idx;           /* pinned host, grown: topk_idx copied down */
+    int32_t *pinned_idx; /* pinned host, grown: topk_idx copied down */
     size_t pinned_idx_bytes;
-    int64_t *pinned_counts;        /* pinned host [El]: tokens_per_expert before its upload */
+    int64_t *pinned_counts; /* pinned host [El]: tokens_per_expert before its upload */
 } hier_cuda_state;
 #endif
 
@@ -72,28 +72,28 @@ typedef struct hier_ctx {
     int world, rank;
     int64_t ranks_per_node;
 
-    bool prepared;                 /* prepare() succeeded since init */
-    hier_plan plan;                /* this step's routing; its per-step arrays point into the host buffers below */
-    int64_t row_len;               /* E + N + 2: the exchanged counts of one rank */
-    int64_t *exchange_row;         /* [row_len] copies per expert, tokens per node, T, a failure flag */
-    int64_t *gathered;             /* [world][row_len] */
-    int64_t *all_counts;           /* [world][E] */
-    int64_t *all_node_tokens;      /* [world][N] */
+    bool prepared;            /* prepare() succeeded since init */
+    hier_plan plan;           /* this step's routing; its per-step arrays point into the host buffers below */
+    int64_t row_len;          /* E + N + 2: the exchanged counts of one rank */
+    int64_t *exchange_row;    /* [row_len] copies per expert, tokens per node, T, a failure flag */
+    int64_t *gathered;        /* [world][row_len] */
+    int64_t *all_counts;      /* [world][E] */
+    int64_t *all_node_tokens; /* [world][N] */
     size_t *send_bytes, *send_offsets, *recv_bytes, *recv_offsets; /* [world] for alltoallv */
 
     /* host memory: the plan's per-step arrays and the routing that crosses in prepare() */
     hier_buffer token_node_row, node_row_token, copy_node_slot, fwd_idx, fwd_copy_row, recv_final_row;
-    hier_buffer routing_send;      /* int32 [num_node_send][K] */
+    hier_buffer routing_send; /* int32 [num_node_send][K] */
 
     /* the layer's device: rows and probs at each stage */
-    hier_buffer node_rows;         /* [num_node_send] phase-1 rows at the token's rank */
-    hier_buffer fwd_rows;          /* [num_node_recv] phase-1 rows at the forwarder (partials on the way back) */
-    hier_buffer local_rows;        /* [num_local_send] phase-2 rows at the forwarder */
-    hier_buffer staging_rows;      /* [num_recv] phase-2 rows at the expert's rank */
+    hier_buffer node_rows;    /* [num_node_send] phase-1 rows at the token's rank */
+    hier_buffer fwd_rows;     /* [num_node_recv] phase-1 rows at the forwarder (partials on the way back) */
+    hier_buffer local_rows;   /* [num_local_send] phase-2 rows at the forwarder */
+    hier_buffer staging_rows; /* [num_recv] phase-2 rows at the expert's rank */
     hier_buffer node_probs, fwd_probs, local_probs, staging_probs; /* the same for the probs */
-    hier_buffer acc;               /* double [H] scratch of the CPU reductions */
+    hier_buffer acc;                                               /* double [H] scratch of the CPU reductions */
 
-    bool on_cuda;                  /* the layer is on a CUDA device: the CUDA path serves it */
+    bool on_cuda; /* the layer is on a CUDA device: the CUDA path serves it */
 #ifdef MOERT_HAVE_CUDA
     hier_cuda_state cu;
 #endif
@@ -106,8 +106,7 @@ typedef struct hier_ctx {
 static void report_metric(const hier_ctx *c, const char *name, double value, const char *unit)
 {
     const moert_host *h = c->host;
-    if (h->struct_size >= offsetof(moert_host, metric) + sizeof h->metric && h->metric)
-        h->metric(h, name, value, unit);
+    if (h->struct_size >= offsetof(moert_host, metric) + sizeof h->metric && h->metric) h->metric(h, name, value, unit);
 }
 
 /* Makes buf at least `bytes` long on the layer's device (contents not kept). */
@@ -141,7 +140,8 @@ static moert_result host_reserve(hier_ctx *c, hier_buffer *buf, size_t bytes)
     size_t grown = bytes + bytes / 2;
     buf->data = malloc(grown);
     buf->bytes = buf->data ? grown : 0;
-    if (!buf->data) return fail(c, MOERT_ERR_OUT_OF_MEMORY, "out of host memory for the dispatch plan (%zu bytes)", grown);
+    if (!buf->data)
+        return fail(c, MOERT_ERR_OUT_OF_MEMORY, "out of host memory for the dispatch plan (%zu bytes)", grown);
     return MOERT_OK;
 }
 
@@ -153,12 +153,11 @@ static void host_release(hier_buffer *buf)
 }
 
 /* The shared checks (plugins/lib/tensor_args.h) for this instance's host and layer device. */
-static moert_result check_tensor(const hier_ctx *c, const char *call, const char *name, const moert_tensor *t,
-                                 int ndim, int64_t rows, bool rows_at_least, int64_t cols, const char *rows_what,
-                                 int need_dtype)
+static moert_result check_tensor(const hier_ctx *c, const char *call, const char *name, const moert_tensor *t, int ndim,
+                                 int64_t rows, bool rows_at_least, int64_t cols, const char *rows_what, int need_dtype)
 {
-    return moert_arg_check_tensor(c->host, c->layer.device, call, name, t, ndim, rows, rows_at_least, cols,
-                                  rows_what, need_dtype);
+    return moert_arg_check_tensor(c->host, c->layer.device, call, name, t, ndim, rows, rows_at_least, cols, rows_what,
+                                  need_dtype);
 }
 
 /* What every call after prepare() checks first: prepare() succeeded, args is there and big enough. */
@@ -198,7 +197,8 @@ static moert_result exchange(hier_ctx *c, moert_stream stream, moert_device dev,
     const hier_plan *p = &c->plan;
     const int peers = phase == PHASE_NODES ? p->num_nodes : p->ranks_per_node;
     if (peers == 1) return device_copy(c, stream, dev, recv, send, (size_t)send_rows[0] * row_bytes);
-    for (int r = 0; r < c->world; r++) c->send_bytes[r] = c->send_offsets[r] = c->recv_bytes[r] = c->recv_offsets[r] = 0;
+    for (int r = 0; r < c->world; r++)
+        c->send_bytes[r] = c->send_offsets[r] = c->recv_bytes[r] = c->recv_offsets[r] = 0;
     size_t send_at = 0, recv_at = 0;
     for (int i = 0; i < peers; i++) {
         const int r = phase_peer(p, phase, i);
@@ -209,8 +209,8 @@ static moert_result exchange(hier_ctx *c, moert_stream stream, moert_device dev,
         c->recv_offsets[r] = recv_at;
         recv_at += c->recv_bytes[r];
     }
-    return c->host->alltoallv(c->host, send, c->send_bytes, c->send_offsets, recv, c->recv_bytes, c->recv_offsets,
-                              dev, stream);
+    return c->host->alltoallv(c->host, send, c->send_bytes, c->send_offsets, recv, c->recv_bytes, c->recv_offsets, dev,
+                              stream);
 }
 
 /* Bytes of `rows[i] * row_bytes` to the peers of a phase other than this rank (inside the node: the other ranks of
@@ -258,8 +258,10 @@ static moert_result cuda_init(hier_ctx *c)
     MOK(check_cuda_device_visible(h, (int)c->layer.device.id, dev));
     moert_result rc = buffer_reserve(c, &c->cu.tokens_per_expert, (size_t)c->layer.num_local_experts * sizeof(int64_t));
     if (rc == MOERT_ERR_UNSUPPORTED)
-        return fail(c, rc, "the host serving this instance cannot allocate on %s (a CPU-only host): only a CPU path is "
-                    "usable with it", dev);
+        return fail(c, rc,
+                    "the host serving this instance cannot allocate on %s (a CPU-only host): only a CPU path is "
+                    "usable with it",
+                    dev);
     if (rc == MOERT_OK)
         rc = h->alloc_pinned(h, (size_t)c->layer.num_local_experts * sizeof(int64_t), (void **)&c->cu.pinned_counts);
     return rc;
@@ -285,9 +287,10 @@ static moert_result check_ranks_per_node(const moert_host *host, int64_t ranks_p
     size_t at = 0;
     for (int d = 1; d <= world && at < sizeof divisors - 16; d++)
         if (world % d == 0) at += (size_t)snprintf(divisors + at, sizeof divisors - at, "%s%d", at ? ", " : "", d);
-    host->set_error(host, "config error: ranks_per_node %lld does not divide the expert-parallel world of %d ranks "
-                    "(every node has the same number of ranks); expected one of %s", (long long)ranks_per_node, world,
-                    divisors);
+    host->set_error(host,
+                    "config error: ranks_per_node %lld does not divide the expert-parallel world of %d ranks "
+                    "(every node has the same number of ranks); expected one of %s",
+                    (long long)ranks_per_node, world, divisors);
     return MOERT_ERR_CONFIG;
 }
 
@@ -301,7 +304,8 @@ static moert_result hier_init(void **out, const moert_host *host, const moert_la
     rc = host->option_int(host, "ranks_per_node", host->world_size, 1, 1 << 20,
                           "ranks of one node (default: the whole world, one node): a token crosses between nodes once "
                           "per node holding one of its experts, to the rank with its own local index there; must "
-                          "divide the world", &ranks_per_node);
+                          "divide the world",
+                          &ranks_per_node);
     if (rc == MOERT_OK) rc = check_ranks_per_node(host, ranks_per_node, host->world_size);
     if (rc != MOERT_OK) return rc;
 
@@ -374,9 +378,9 @@ static void hier_finalize(void *ctx)
 {
     hier_ctx *c = ctx;
     if (!c) return;
-    hier_buffer *device_buffers[] = {&c->node_rows,  &c->fwd_rows,  &c->local_rows,  &c->staging_rows,
-                                     &c->node_probs, &c->fwd_probs, &c->local_probs, &c->staging_probs,
-                                     &c->acc};
+    hier_buffer *device_buffers[] = {&c->node_rows,    &c->fwd_rows,      &c->local_rows,
+                                     &c->staging_rows, &c->node_probs,    &c->fwd_probs,
+                                     &c->local_probs,  &c->staging_probs, &c->acc};
     for (size_t i = 0; i < sizeof device_buffers / sizeof device_buffers[0]; i++) buffer_release(c, device_buffers[i]);
     hier_buffer *host_buffers[] = {&c->token_node_row, &c->node_row_token, &c->copy_node_slot, &c->fwd_idx,
                                    &c->fwd_copy_row,   &c->recv_final_row, &c->routing_send};
@@ -422,8 +426,8 @@ static moert_result count_local(hier_ctx *c, moert_stream stream, const moert_te
     if (topk_idx->ndim != 2 || topk_idx->shape[1] != K)
         return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: topk_idx has shape %s, expected [T, %lld] (T tokens, topk)",
                     call, moert_arg_shape_text(topk_idx, a, sizeof a), (long long)K);
-    moert_result rc = check_tensor(c, call, "topk_idx", topk_idx, 2, topk_idx->shape[0], false, K, "T tokens, topk",
-                                   MOERT_I32);
+    moert_result rc =
+        check_tensor(c, call, "topk_idx", topk_idx, 2, topk_idx->shape[0], false, K, "T tokens, topk", MOERT_I32);
     if (rc != MOERT_OK) return rc;
     const int64_t T = topk_idx->shape[0];
     *idx_host = topk_idx->data;
@@ -443,7 +447,8 @@ static moert_result count_local(hier_ctx *c, moert_stream stream, const moert_te
             if (rc != MOERT_OK) return rc;
             c->cu.pinned_idx_bytes = grown;
         }
-        if (bytes) rc = h->memcpy_async(h, c->cu.pinned_idx, moert_cpu(), topk_idx->data, c->layer.device, bytes, stream);
+        if (bytes)
+            rc = h->memcpy_async(h, c->cu.pinned_idx, moert_cpu(), topk_idx->data, c->layer.device, bytes, stream);
         if (rc == MOERT_OK) rc = h->stream_synchronize(h, stream);
         if (rc != MOERT_OK) return rc;
         *idx_host = c->cu.pinned_idx;
@@ -485,12 +490,16 @@ static moert_result cuda_plan(hier_ctx *c, moert_stream stream)
     const moert_host *h = c->host;
     const hier_plan *p = &c->plan;
     const int64_t K = p->topk, N = p->num_nodes, T = p->num_tokens, El = p->num_local_experts;
-    const int64_t sizes[MAP_COUNT] = {
-        [MAP_NODE_ROW_TOKEN] = p->num_node_send,    [MAP_COPY_OF_NODE_SLOT] = p->num_node_send_copies,
-        [MAP_LOCAL_ROW_FWD] = p->num_local_send,    [MAP_LOCAL_ROW_FWD_SLOT] = p->num_local_send,
-        [MAP_FWD_SLOT_LOCAL_ROW] = p->num_node_recv_copies, [MAP_GROUPED_SRC] = p->capacity,
-        [MAP_STAGING_SRC] = p->num_recv,            [MAP_FWD_COPY_ROW] = p->num_node_recv * K,
-        [MAP_TOKEN_NODE_ROW] = T * N,               [MAP_COPY_NODE_SLOT] = T * K};
+    const int64_t sizes[MAP_COUNT] = {[MAP_NODE_ROW_TOKEN] = p->num_node_send,
+                                      [MAP_COPY_OF_NODE_SLOT] = p->num_node_send_copies,
+                                      [MAP_LOCAL_ROW_FWD] = p->num_local_send,
+                                      [MAP_LOCAL_ROW_FWD_SLOT] = p->num_local_send,
+                                      [MAP_FWD_SLOT_LOCAL_ROW] = p->num_node_recv_copies,
+                                      [MAP_GROUPED_SRC] = p->capacity,
+                                      [MAP_STAGING_SRC] = p->num_recv,
+                                      [MAP_FWD_COPY_ROW] = p->num_node_recv * K,
+                                      [MAP_TOKEN_NODE_ROW] = T * N,
+                                      [MAP_COPY_NODE_SLOT] = T * K};
     size_t total = 0;
     for (int i = 0; i < MAP_COUNT; i++) {
         if (sizes[i] > INT32_MAX)
@@ -544,10 +553,7 @@ static moert_result cuda_plan(hier_ctx *c, moert_stream stream)
 }
 
 /* The device copy of map i. */
-static const int32_t *cuda_map(const hier_ctx *c, int i)
-{
-    return (const int32_t *)c->cu.maps.data + c->cu.map_at[i];
-}
+static const int32_t *cuda_map(const hier_ctx *c, int i) { return (const int32_t *)c->cu.maps.data + c->cu.map_at[i]; }
 #endif
 
 /*
@@ -651,8 +657,8 @@ static moert_result cpu_rows_to_experts(hier_ctx *c, moert_stream stream, const 
                   p->node_recv_tokens, row_bytes);
     if (rc != MOERT_OK) return rc;
     hier_pack_local_rows(p, c->fwd_rows.data, row_bytes, c->local_rows.data);
-    rc = exchange(c, stream, c->layer.device, PHASE_LOCAL, c->local_rows.data, p->local_send_rows,
-                  c->staging_rows.data, p->local_recv_rows, row_bytes);
+    rc = exchange(c, stream, c->layer.device, PHASE_LOCAL, c->local_rows.data, p->local_send_rows, c->staging_rows.data,
+                  p->local_recv_rows, row_bytes);
     if (rc != MOERT_OK) return rc;
     hier_scatter_rows(p, c->staging_rows.data, row_bytes, grouped);
     return MOERT_OK;
@@ -673,8 +679,8 @@ static moert_result cpu_rows_to_tokens(hier_ctx *c, moert_stream stream, const v
     if (rc == MOERT_OK) rc = buffer_reserve(c, &c->acc, (size_t)H * sizeof(double));
     if (rc != MOERT_OK) return rc;
     hier_gather_rows(p, grouped, row_bytes, c->staging_rows.data);
-    rc = exchange(c, stream, c->layer.device, PHASE_LOCAL, c->staging_rows.data, p->local_recv_rows,
-                  c->local_rows.data, p->local_send_rows, row_bytes);
+    rc = exchange(c, stream, c->layer.device, PHASE_LOCAL, c->staging_rows.data, p->local_recv_rows, c->local_rows.data,
+                  p->local_send_rows, row_bytes);
     if (rc != MOERT_OK) return rc;
     hier_partial_rows(p, c->local_rows.data, dtype, H, c->fwd_rows.data, c->acc.data);
     rc = exchange(c, stream, c->layer.device, PHASE_NODES, c->fwd_rows.data, p->node_recv_tokens, c->node_rows.data,
@@ -703,8 +709,8 @@ static moert_result cpu_probs_to_experts(hier_ctx *c, moert_stream stream, const
     moert_result rc = cpu_reserve_probs(c);
     if (rc != MOERT_OK) return rc;
     hier_pack_node_probs(p, probs->data, probs->dtype, c->node_probs.data);
-    rc = exchange(c, stream, c->layer.device, PHASE_NODES, c->node_probs.data, p->node_send_copies,
-                  c->fwd_probs.data, p->node_recv_copies, sizeof(double));
+    rc = exchange(c, stream, c->layer.device, PHASE_NODES, c->node_probs.data, p->node_send_copies, c->fwd_probs.data,
+                  p->node_recv_copies, sizeof(double));
     if (rc != MOERT_OK) return rc;
     hier_pack_local_probs(p, c->fwd_probs.data, c->local_probs.data);
     rc = exchange(c, stream, c->layer.device, PHASE_LOCAL, c->local_probs.data, p->local_send_rows,
@@ -726,8 +732,8 @@ static moert_result cpu_probs_to_tokens(hier_ctx *c, moert_stream stream, const 
                   c->local_probs.data, p->local_send_rows, sizeof(double));
     if (rc != MOERT_OK) return rc;
     hier_unpack_local_probs(p, c->local_probs.data, c->fwd_probs.data);
-    rc = exchange(c, stream, c->layer.device, PHASE_NODES, c->fwd_probs.data, p->node_recv_copies,
-                  c->node_probs.data, p->node_send_copies, sizeof(double));
+    rc = exchange(c, stream, c->layer.device, PHASE_NODES, c->fwd_probs.data, p->node_recv_copies, c->node_probs.data,
+                  p->node_send_copies, sizeof(double));
     if (rc != MOERT_OK) return rc;
     hier_unpack_probs(p, c->node_probs.data, d_topk_probs->data, d_topk_probs->dtype);
     return MOERT_OK;
@@ -812,8 +818,8 @@ static moert_result cuda_rows_to_tokens(hier_ctx *c, moert_stream stream, moert_
         rc = moert_a2a_cuda_combine_rows(h, s, dtype, p->num_node_recv, p->topk, H, cuda_map(c, MAP_FWD_COPY_ROW),
                                          c->local_rows.data, c->fwd_rows.data, 0);
     if (rc == MOERT_OK)
-        rc = exchange(c, stream, c->layer.device, PHASE_NODES, c->fwd_rows.data, p->node_recv_tokens,
-                      c->node_rows.data, p->node_send_tokens, row_bytes);
+        rc = exchange(c, stream, c->layer.device, PHASE_NODES, c->fwd_rows.data, p->node_recv_tokens, c->node_rows.data,
+                      p->node_send_tokens, row_bytes);
     if (rc == MOERT_OK)
         rc = moert_a2a_cuda_combine_rows(h, s, dtype, p->num_tokens, p->num_nodes, H, cuda_map(c, MAP_TOKEN_NODE_ROW),
                                          c->node_rows.data, out, accumulate);
@@ -839,8 +845,8 @@ static moert_result cuda_probs_to_tokens(hier_ctx *c, moert_stream stream, moert
         rc = exchange(c, stream, c->layer.device, PHASE_LOCAL, c->staging_probs.data, p->local_recv_rows,
                       c->local_probs.data, p->local_send_rows, es);
     if (rc == MOERT_OK)
-        rc = moert_a2a_cuda_gather_rows(h, s, dtype, p->num_node_recv_copies, 1, cuda_map(c, MAP_FWD_SLOT_LOCAL_ROW),
-                                        1, NULL, c->local_probs.data, c->fwd_probs.data);
+        rc = moert_a2a_cuda_gather_rows(h, s, dtype, p->num_node_recv_copies, 1, cuda_map(c, MAP_FWD_SLOT_LOCAL_ROW), 1,
+                                        NULL, c->local_probs.data, c->fwd_probs.data);
     if (rc == MOERT_OK)
         rc = exchange(c, stream, c->layer.device, PHASE_NODES, c->fwd_probs.data, p->node_recv_copies,
                       c->node_probs.data, p->node_send_copies, es);
@@ -881,12 +887,14 @@ static moert_result hier_dispatch(void *ctx, moert_stream stream, const moert_di
         rc = cuda_check_dtypes(c, call, "x", args->x, "recv_x", args->recv_x);
         if (rc == MOERT_OK && args->topk_probs)
             rc = cuda_check_dtypes(c, call, "topk_probs", args->topk_probs, "recv_probs", args->recv_probs);
-        if (rc == MOERT_OK) rc = cuda_to_experts(c, stream, false, args->x->dtype, H, args->x->data, args->recv_x->data);
+        if (rc == MOERT_OK)
+            rc = cuda_to_experts(c, stream, false, args->x->dtype, H, args->x->data, args->recv_x->data);
         if (rc == MOERT_OK && args->topk_probs)
             rc = cuda_to_experts(c, stream, true, args->topk_probs->dtype, 1, args->topk_probs->data,
                                  args->recv_probs->data);
         if (rc == MOERT_OK)
-            report_dispatch_bytes(c, row_bytes, args->topk_probs ? (double)moert_dtype_size(args->topk_probs->dtype) : 0);
+            report_dispatch_bytes(c, row_bytes,
+                                  args->topk_probs ? (double)moert_dtype_size(args->topk_probs->dtype) : 0);
         return rc;
     }
 #endif
@@ -985,27 +993,30 @@ static moert_result hier_dispatch_backward(void *ctx, moert_stream stream, const
 #endif
     rc = cpu_rows_to_tokens(c, stream, args->d_recv_x->data, args->d_recv_x->dtype, 1, args->d_x->data,
                             args->d_x->dtype);
-    if (rc == MOERT_OK && args->d_recv_probs) rc = cpu_probs_to_tokens(c, stream, args->d_recv_probs, args->d_topk_probs);
+    if (rc == MOERT_OK && args->d_recv_probs)
+        rc = cpu_probs_to_tokens(c, stream, args->d_recv_probs, args->d_topk_probs);
     return rc;
 }
 
 /* The one exported symbol (its linker name through an asm label: C cannot name an object like its type). */
 MOERT_DISPATCHER_V1_EXPORT(hierarchical_vtable) = {
-    .header = {
-        MOERT_DISPATCHER_V1_HEADER,
-        .name = "hierarchical",
-        .version = "0.1.0",
-        .description = "two-level token dispatcher: a token crosses between nodes once per destination node and fans "
-                       "out inside it; combine reduces inside the node first",
+    .header =
+        {
+            MOERT_DISPATCHER_V1_HEADER,
+            .name = "hierarchical",
+            .version = "0.1.0",
+            .description =
+                "two-level token dispatcher: a token crosses between nodes once per destination node and fans "
+                "out inside it; combine reduces inside the node first",
 #ifdef MOERT_HAVE_CUDA
-        .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU) | MOERT_CAP_DEVICE(MOERT_DEVICE_CUDA),
+            .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU) | MOERT_CAP_DEVICE(MOERT_DEVICE_CUDA),
 #else
-        .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU),
+            .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU),
 #endif
-        .dtypes = MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) |
-                  MOERT_CAP_DTYPE(MOERT_F16),
-        .flags = MOERT_CAP_NEEDS_HOST_SYNC,
-    },
+            .dtypes = MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) |
+                      MOERT_CAP_DTYPE(MOERT_F16),
+            .flags = MOERT_CAP_NEEDS_HOST_SYNC,
+        },
     .init = hier_init,
     .finalize = hier_finalize,
     .prepare = hier_prepare,

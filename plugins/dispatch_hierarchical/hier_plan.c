@@ -284,8 +284,8 @@ void hier_unpack_local_probs(const hier_plan *p, const double *local_probs, doub
         if (p->fwd_copy_row[c] >= 0) fwd_probs[slot++] = local_probs[p->fwd_copy_row[c]];
 }
 
-void hier_sum_nodes(const hier_plan *p, const void *node_rows, moert_dtype rows_dtype, int64_t hidden,
-                    int accumulate, void *out, moert_dtype out_dtype, double *acc)
+void hier_sum_nodes(const hier_plan *p, const void *node_rows, moert_dtype rows_dtype, int64_t hidden, int accumulate,
+                    void *out, moert_dtype out_dtype, double *acc)
 {
     const int N = p->num_nodes;
     moert_tensor rows = flat_view(node_rows, rows_dtype, p->num_node_send * hidden);

@@ -31,36 +31,36 @@
 /* One step's routing as this rank sees it. Arrays are owned by the plugin (sizes in the comments). */
 typedef struct hier_plan {
     int world, rank;
-    int ranks_per_node, num_nodes;  /* R, N = world / R */
-    int node, local;                /* rank = node * R + local */
-    int64_t num_experts;            /* E */
-    int64_t num_local_experts;      /* El */
-    int64_t topk;                   /* K */
-    int64_t num_tokens;             /* T of this rank's step */
+    int ranks_per_node, num_nodes; /* R, N = world / R */
+    int node, local;               /* rank = node * R + local */
+    int64_t num_experts;           /* E */
+    int64_t num_local_experts;     /* El */
+    int64_t topk;                  /* K */
+    int64_t num_tokens;            /* T of this rank's step */
 
     /* phase 1, between nodes: this rank and the rank (m, local) of every node m */
-    int64_t *node_send_tokens;      /* [N] this rank's tokens with a kept copy on node m */
-    int64_t *node_recv_tokens;      /* [N] tokens received from (m, local) */
-    int64_t *node_send_copies;      /* [N] this rank's kept copies on node m (its probs go along) */
-    int64_t *node_recv_copies;      /* [N] copies received from (m, local) */
+    int64_t *node_send_tokens; /* [N] this rank's tokens with a kept copy on node m */
+    int64_t *node_recv_tokens; /* [N] tokens received from (m, local) */
+    int64_t *node_send_copies; /* [N] this rank's kept copies on node m (its probs go along) */
+    int64_t *node_recv_copies; /* [N] copies received from (m, local) */
     int64_t num_node_send, num_node_recv, num_node_send_copies, num_node_recv_copies;
-    int64_t *token_node_row;        /* [T*N] phase-1 send row of token t for node m, -1 if none */
-    int64_t *node_row_token;        /* [T*N] token of each phase-1 send row (num_node_send used) */
-    int64_t *copy_node_slot;        /* [T*K] phase-1 prob slot of copy (t,k), -1 if dropped */
+    int64_t *token_node_row; /* [T*N] phase-1 send row of token t for node m, -1 if none */
+    int64_t *node_row_token; /* [T*N] token of each phase-1 send row (num_node_send used) */
+    int64_t *copy_node_slot; /* [T*K] phase-1 prob slot of copy (t,k), -1 if dropped */
 
     /* phase 2, inside this node: what this rank forwards */
-    int32_t *fwd_idx;               /* [num_node_recv*K] experts of the received tokens' copies on this node, else -1 */
-    int64_t *fwd_copy_row;          /* [num_node_recv*K] phase-2 send row of each received copy, -1 if none */
-    int64_t *local_send_rows;       /* [R] rows to (node, l') */
-    int64_t *local_recv_rows;       /* [R] rows from (node, l'') */
-    int64_t num_local_send;         /* = num_node_recv_copies */
+    int32_t *fwd_idx;         /* [num_node_recv*K] experts of the received tokens' copies on this node, else -1 */
+    int64_t *fwd_copy_row;    /* [num_node_recv*K] phase-2 send row of each received copy, -1 if none */
+    int64_t *local_send_rows; /* [R] rows to (node, l') */
+    int64_t *local_recv_rows; /* [R] rows from (node, l'') */
+    int64_t num_local_send;   /* = num_node_recv_copies */
 
     /* what this rank receives for its experts */
-    int64_t num_recv, capacity;     /* capacity = num_recv (compact groups) */
-    int64_t *tokens_per_expert;     /* [El] */
-    int64_t *group_start;           /* [El] */
-    int64_t *recv_final_row;        /* [num_recv] grouped row of each phase-2 received row */
-    int64_t *cursor;                /* [E + 2N] scratch of the planning functions */
+    int64_t num_recv, capacity; /* capacity = num_recv (compact groups) */
+    int64_t *tokens_per_expert; /* [El] */
+    int64_t *group_start;       /* [El] */
+    int64_t *recv_final_row;    /* [num_recv] grouped row of each phase-2 received row */
+    int64_t *cursor;            /* [E + 2N] scratch of the planning functions */
 } hier_plan;
 
 /* Counts kept copies per expert into counts[E] and tokens with a kept copy per node into node_tokens[N] (both zeroed
@@ -106,8 +106,8 @@ void hier_gather_probs(const hier_plan *plan, const void *probs, moert_dtype dty
  * copies (local_rows in phase-2 send order), rounded once to dtype: the one row per token that crosses back.
  * acc: hidden doubles of scratch.
  */
-void hier_partial_rows(const hier_plan *plan, const void *local_rows, moert_dtype dtype, int64_t hidden,
-                       void *partial, double *acc);
+void hier_partial_rows(const hier_plan *plan, const void *local_rows, moert_dtype dtype, int64_t hidden, void *partial,
+                       double *acc);
 /* At the forwarder: the prob gradients of the phase-2 rows back to phase-1 order (the inverse of pack_local_probs). */
 void hier_unpack_local_probs(const hier_plan *plan, const double *local_probs, double *fwd_probs);
 /*

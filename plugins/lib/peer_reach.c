@@ -35,8 +35,10 @@ int peer_reach_unreachable(int world, const unsigned char *reach, const char *co
     if (!missing || !size) return missing;
 
     size_t at = 0;
-    append(msg, size, &at, "the %s dispatcher writes into every other rank's GPU memory by peer access (NVLink or PCIe "
-           "P2P), but ", dispatcher);
+    append(msg, size, &at,
+           "the %s dispatcher writes into every other rank's GPU memory by peer access (NVLink or PCIe "
+           "P2P), but ",
+           dispatcher);
     bool first_rank = true;
     for (int a = 0; a < world; a++) {
         int count = 0;
@@ -54,7 +56,8 @@ int peer_reach_unreachable(int world, const unsigned char *reach, const char *co
         }
         first_rank = false;
     }
-    append(msg, size, &at, "; use the \"alltoall\" dispatcher, or \"hierarchical\" with ranks_per_node set to the ranks "
+    append(msg, size, &at,
+           "; use the \"alltoall\" dispatcher, or \"hierarchical\" with ranks_per_node set to the ranks "
            "of one NVLink domain (both go through NCCL, which crosses hosts)");
     return missing;
 }

@@ -28,9 +28,9 @@ int main(void)
 #include "moert/dispatcher.h"
 
 #define DISPATCHER "hierarchical"
-#define TIMEOUT_S 60.0
-#define MAX_WORLD 4
-#define MAX_ROWS 16 /* table rows per case: (world, ranks_per_node) pairs */
+#define TIMEOUT_S  60.0
+#define MAX_WORLD  4
+#define MAX_ROWS   16 /* table rows per case: (world, ranks_per_node) pairs */
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -56,7 +56,7 @@ static const test_case cases[] = {
     {"no tokens on rank 0 bf16 K3", MOERT_BF16, 48, 16, 3, 50, 0.05, 0.0, true},
     {"E32 K8 fp32 H128", MOERT_F32, 128, 32, 8, 200, 0.05, 0.0, false},
 };
-#define CASES ((int)(sizeof cases / sizeof cases[0]))
+#define CASES      ((int)(sizeof cases / sizeof cases[0]))
 
 static result_row table[MAX_ROWS * CASES];
 static int table_rows;
@@ -97,7 +97,7 @@ typedef struct step_data {
     float *probs, *d_recv_probs;
     void *recv_x, *y, *d_y_expert, *d_x; /* outputs; recv_x with 2 rows past capacity */
     float *recv_probs, *d_topk_probs;
-    double inter_bytes, intra_bytes;     /* dispatch.bytes_internode / _intranode of the last dispatch */
+    double inter_bytes, intra_bytes; /* dispatch.bytes_internode / _intranode of the last dispatch */
 } step_data;
 
 static void outputs_alloc(step_data *o, const step_data *d)
@@ -139,8 +139,8 @@ static bool run_calls(test_instance *ti, moert_stream stream, moert_device dev, 
     moert_tensor drx = moert_tensor_2d(d_recv_x, dev, dt, cap, H);
     moert_tensor drp = moert_tensor_1d(d_recv_probs, dev, MOERT_F32, cap);
     moert_tensor dx = moert_tensor_2d(d_x, dev, dt, T, H), dtp = moert_tensor_2d(d_topk_probs, dev, MOERT_F32, T, K);
-    moert_dispatch_backward_args db = {.struct_size = sizeof db, .d_recv_x = &drx, .d_recv_probs = &drp, .d_x = &dx,
-                                       .d_topk_probs = &dtp};
+    moert_dispatch_backward_args db = {
+        .struct_size = sizeof db, .d_recv_x = &drx, .d_recv_probs = &drp, .d_x = &dx, .d_topk_probs = &dtp};
     return CALL(ti, vt->dispatch(ti->ctx, stream, &da), where) && CALL(ti, vt->combine(ti->ctx, stream, &ca), where) &&
            CALL(ti, vt->combine_backward(ti->ctx, stream, &cb), where) &&
            CALL(ti, vt->dispatch_backward(ti->ctx, stream, &db), where);
@@ -283,9 +283,16 @@ static moert_result open_cuda_instance(test_instance *ti, const char *options, c
     if (!ti->options) return moert_error(MOERT_ERR_CONFIG, "test options: %s", jerr.text);
     ti->section = moert_section_create(ti->options, "$.test");
     moert_section_allow(ti->section, "plugin");
-    moert_host_setup setup = {.who = DISPATCHER, .options = ti->section, .comm = env->comm, .rank = env->rank,
-                              .world_size = env->world, .device = layer->device, .metric = metric_sink,
-                              .metric_user = g, .cuda_pool = env->pool, .nccl = env->nccl,
+    moert_host_setup setup = {.who = DISPATCHER,
+                              .options = ti->section,
+                              .comm = env->comm,
+                              .rank = env->rank,
+                              .world_size = env->world,
+                              .device = layer->device,
+                              .metric = metric_sink,
+                              .metric_user = g,
+                              .cuda_pool = env->pool,
+                              .nccl = env->nccl,
                               .stream = (moert_stream)env->stream};
     rc = moert_host_create(&setup, &ti->host);
     if (rc == MOERT_OK) rc = moert_plugin_init(&ti->plugin, &ti->ctx, ti->host, layer);

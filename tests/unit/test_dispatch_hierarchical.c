@@ -37,11 +37,11 @@ typedef struct cross_case {
     moert_dtype probs_dtype; /* topk_probs, recv_probs and their gradients */
     int64_t H, E, K, T;      /* T: rank 0's tokens; rank r has T + 3r unless same_T */
     bool same_T;
-    double drop;             /* probability that a copy is dropped */
-    bool one_per_node;       /* every token has at most one copy per node (the sums bit for bit) */
-    bool empty_rank0;        /* rank 0 has no tokens */
-    bool no_probs;           /* dispatch without probs, dispatch_backward without prob gradients */
-    bool bad_index;          /* rank 1's token 2, copy 1 names expert 99: every prepare() fails */
+    double drop;       /* probability that a copy is dropped */
+    bool one_per_node; /* every token has at most one copy per node (the sums bit for bit) */
+    bool empty_rank0;  /* rank 0 has no tokens */
+    bool no_probs;     /* dispatch without probs, dispatch_backward without prob gradients */
+    bool bad_index;    /* rank 1's token 2, copy 1 names expert 99: every prepare() fails */
     uint64_t seed;
 } cross_case;
 
@@ -110,8 +110,14 @@ static moert_result open_dispatcher(test_instance *ti, const char *name, const c
     if (!ti->options) return MOERT_ERR_CONFIG;
     ti->section = moert_section_create(ti->options, "$.dispatcher");
     moert_section_allow(ti->section, "plugin");
-    moert_host_setup setup = {.who = name, .options = ti->section, .comm = world > 1 ? comm : NULL, .rank = rank,
-                              .world_size = world, .device = layer->device, .metric = metric_sink, .metric_user = m};
+    moert_host_setup setup = {.who = name,
+                              .options = ti->section,
+                              .comm = world > 1 ? comm : NULL,
+                              .rank = rank,
+                              .world_size = world,
+                              .device = layer->device,
+                              .metric = metric_sink,
+                              .metric_user = m};
     rc = moert_host_create(&setup, &ti->host);
     if (rc != MOERT_OK) return rc;
     rc = moert_plugin_init(&ti->plugin, &ti->ctx, ti->host, layer);
@@ -152,7 +158,8 @@ static void make_routing(const cross_case *cs, int r, int32_t *idx, int64_t T, u
                 row[k] = (int32_t)((int64_t)((test_uniform(rng) + 1.0) * 0.5 * (double)E) % E);
                 fresh = true;
                 for (int64_t j = 0; j < k; j++)
-                    fresh = fresh && row[j] != row[k] && (!cs->one_per_node || node_of(cs, row[j]) != node_of(cs, row[k]));
+                    fresh =
+                        fresh && row[j] != row[k] && (!cs->one_per_node || node_of(cs, row[j]) != node_of(cs, row[k]));
             } while (!fresh);
         }
         for (int64_t k = 0; k < K; k++)
@@ -234,8 +241,11 @@ static bool run_dispatcher(test_instance *ti, const cross_case *cs, const rank_i
     moert_tensor probs = moert_tensor_2d(in->probs, cpu, cs->probs_dtype, T, K);
     moert_tensor rx = moert_tensor_2d(out->recv_x, cpu, cs->dtype, cap + 2, H);
     moert_tensor rp = moert_tensor_1d(out->recv_probs, cpu, cs->probs_dtype, cap + 2);
-    moert_dispatch_args da = {.struct_size = sizeof da, .x = &x, .topk_probs = cs->no_probs ? NULL : &probs,
-                              .recv_x = &rx, .recv_probs = cs->no_probs ? NULL : &rp};
+    moert_dispatch_args da = {.struct_size = sizeof da,
+                              .x = &x,
+                              .topk_probs = cs->no_probs ? NULL : &probs,
+                              .recv_x = &rx,
+                              .recv_probs = cs->no_probs ? NULL : &rp};
     EXPECT_CALL_OK(ti, vt->dispatch(ti->ctx, NULL, &da));
 
     out->y = malloc((size_t)(T * H + 1) * es);
@@ -260,8 +270,10 @@ static bool run_dispatcher(test_instance *ti, const cross_case *cs, const rank_i
     moert_tensor drp = moert_tensor_1d(ci->d_recv_probs, cpu, cs->probs_dtype, cap);
     moert_tensor dx = moert_tensor_2d(out->d_x, cpu, cs->dtype, T, H);
     moert_tensor dtp = moert_tensor_2d(out->d_topk_probs, cpu, cs->probs_dtype, T, K);
-    moert_dispatch_backward_args db = {.struct_size = sizeof db, .d_recv_x = &drx,
-                                       .d_recv_probs = cs->no_probs ? NULL : &drp, .d_x = &dx,
+    moert_dispatch_backward_args db = {.struct_size = sizeof db,
+                                       .d_recv_x = &drx,
+                                       .d_recv_probs = cs->no_probs ? NULL : &drp,
+                                       .d_x = &dx,
                                        .d_topk_probs = cs->no_probs ? NULL : &dtp};
     EXPECT_CALL_OK(ti, vt->dispatch_backward(ti->ctx, NULL, &db));
     return true;
@@ -316,15 +328,17 @@ static int64_t sums_differ(const cross_case *cs, const rank_input *in, const voi
                            int64_t *shared)
 {
     const size_t es = moert_dtype_size(cs->dtype);
-    const double rounded_tol = cs->dtype == MOERT_F64 ? 1e-14 : cs->dtype == MOERT_F32 ? 1e-6
-                                                        : cs->dtype == MOERT_F16 ? 4e-3 : 3e-2;
+    const double rounded_tol = cs->dtype == MOERT_F64   ? 1e-14
+                               : cs->dtype == MOERT_F32 ? 1e-6
+                               : cs->dtype == MOERT_F16 ? 4e-3
+                                                        : 3e-2;
     int64_t bad = 0;
     for (int64_t t = 0; t < in->T; t++) {
         bool rounded = token_shares_node(cs, in->idx, t);
         *shared += rounded;
         double tol = rounded ? rounded_tol : cs->dtype == MOERT_F64 ? 1e-14 : 0;
-        bad += values_differ((const char *)got + (size_t)(t * cs->H) * es, (const char *)want + (size_t)(t * cs->H) * es,
-                             cs->dtype, cs->H, tol);
+        bad += values_differ((const char *)got + (size_t)(t * cs->H) * es,
+                             (const char *)want + (size_t)(t * cs->H) * es, cs->dtype, cs->H, tol);
     }
     return bad;
 }
@@ -538,24 +552,67 @@ static void run_case(cross_case cs)
 /* Every case at one world and node size. */
 static void run_cases(int W, int R)
 {
-    run_case((cross_case){.name = "random fp64", .world = W, .ranks_per_node = R, .dtype = MOERT_F64,
-                          .probs_dtype = MOERT_F64, .drop = 0.15});
-    run_case((cross_case){.name = "random fp32, K 4, fp32 probs", .world = W, .ranks_per_node = R, .dtype = MOERT_F32,
-                          .probs_dtype = MOERT_F32, .drop = 0.15, .K = 4, .H = 9, .E = 16, .seed = 77});
-    run_case((cross_case){.name = "random bf16, K 3", .world = W, .ranks_per_node = R, .dtype = MOERT_BF16,
-                          .probs_dtype = MOERT_F32, .drop = 0.1, .H = 8, .E = 16, .K = 3});
-    run_case((cross_case){.name = "random fp16", .world = W, .ranks_per_node = R, .dtype = MOERT_F16,
-                          .probs_dtype = MOERT_F64, .drop = 0.1, .same_T = true});
-    run_case((cross_case){.name = "one copy per node, fp32 (bit-exact)", .world = W, .ranks_per_node = R,
-                          .dtype = MOERT_F32, .probs_dtype = MOERT_F32, .one_per_node = true,
-                          .K = W / R < 3 ? W / R : 3, .E = 16});
-    run_case((cross_case){.name = "most copies dropped, bf16, no probs", .world = W, .ranks_per_node = R,
-                          .dtype = MOERT_BF16, .probs_dtype = MOERT_F32, .drop = 0.8, .no_probs = true});
+    run_case((cross_case){.name = "random fp64",
+                          .world = W,
+                          .ranks_per_node = R,
+                          .dtype = MOERT_F64,
+                          .probs_dtype = MOERT_F64,
+                          .drop = 0.15});
+    run_case((cross_case){.name = "random fp32, K 4, fp32 probs",
+                          .world = W,
+                          .ranks_per_node = R,
+                          .dtype = MOERT_F32,
+                          .probs_dtype = MOERT_F32,
+                          .drop = 0.15,
+                          .K = 4,
+                          .H = 9,
+                          .E = 16,
+                          .seed = 77});
+    run_case((cross_case){.name = "random bf16, K 3",
+                          .world = W,
+                          .ranks_per_node = R,
+                          .dtype = MOERT_BF16,
+                          .probs_dtype = MOERT_F32,
+                          .drop = 0.1,
+                          .H = 8,
+                          .E = 16,
+                          .K = 3});
+    run_case((cross_case){.name = "random fp16",
+                          .world = W,
+                          .ranks_per_node = R,
+                          .dtype = MOERT_F16,
+                          .probs_dtype = MOERT_F64,
+                          .drop = 0.1,
+                          .same_T = true});
+    run_case((cross_case){.name = "one copy per node, fp32 (bit-exact)",
+                          .world = W,
+                          .ranks_per_node = R,
+                          .dtype = MOERT_F32,
+                          .probs_dtype = MOERT_F32,
+                          .one_per_node = true,
+                          .K = W / R < 3 ? W / R : 3,
+                          .E = 16});
+    run_case((cross_case){.name = "most copies dropped, bf16, no probs",
+                          .world = W,
+                          .ranks_per_node = R,
+                          .dtype = MOERT_BF16,
+                          .probs_dtype = MOERT_F32,
+                          .drop = 0.8,
+                          .no_probs = true});
     if (W == 1) return;
-    run_case((cross_case){.name = "rank 0 has no tokens, fp32", .world = W, .ranks_per_node = R, .dtype = MOERT_F32,
-                          .probs_dtype = MOERT_F32, .drop = 0.1, .empty_rank0 = true});
-    run_case((cross_case){.name = "bad expert id on rank 1", .world = W, .ranks_per_node = R, .dtype = MOERT_F64,
-                          .probs_dtype = MOERT_F64, .bad_index = true});
+    run_case((cross_case){.name = "rank 0 has no tokens, fp32",
+                          .world = W,
+                          .ranks_per_node = R,
+                          .dtype = MOERT_F32,
+                          .probs_dtype = MOERT_F32,
+                          .drop = 0.1,
+                          .empty_rank0 = true});
+    run_case((cross_case){.name = "bad expert id on rank 1",
+                          .world = W,
+                          .ranks_per_node = R,
+                          .dtype = MOERT_F64,
+                          .probs_dtype = MOERT_F64,
+                          .bad_index = true});
 }
 
 /* ranks_per_node that does not divide the world is refused at init on every rank, naming the divisors. */
