@@ -10,6 +10,10 @@
  *
  * A group may instead be one rank's view of collectives the caller implements (moert_collectives, e.g. a PyTorch
  * process group across processes): every call then goes to the caller's table, and the rank argument is ignored.
+ *
+ * A group may also be one rank's view of a subgroup of such a group (moert_comm_subgroup_create, the expert groups of
+ * docs/parallel.md): its collectives are the parent's all-to-all with zero sizes to non-members, so one design serves
+ * the threads group and the caller's table alike.
  */
 #include "comm.h"
 
@@ -45,6 +49,11 @@ struct moert_comm_group {
     comm_slot *slots;         /* [world] */
     bool has_table;           /* the caller's collectives carry every call (one rank's group) */
     moert_collectives table;
+    /* a subgroup view: its collectives go through the parent (members[i] is subgroup rank i's rank there) */
+    moert_comm_group *parent;
+    int *members;             /* [world] */
+    int member_index;         /* this view's rank in the subgroup */
+    int parent_rank;          /* and in the parent */
 };
 
 /* A group of world ranks whose collectives wait at most timeout_s for a peer. */
@@ -82,6 +91,11 @@ fail:
 void moert_comm_group_free(moert_comm_group *g)
 {
     if (!g) return;
+    if (g->parent) { /* a view: no lock or slots of its own */
+        free(g->members);
+        free(g);
+        return;
+    }
     pthread_cond_destroy(&g->cond);
     pthread_mutex_destroy(&g->lock);
     free(g->present);
@@ -90,6 +104,48 @@ void moert_comm_group_free(moert_comm_group *g)
 }
 
 int moert_comm_group_size(const moert_comm_group *g) { return g->world; }
+
+bool moert_comm_group_is_subgroup(const moert_comm_group *g) { return g->parent != NULL; }
+
+int moert_comm_group_world_size(const moert_comm_group *g) { return g->parent ? g->parent->world : g->world; }
+
+moert_result moert_comm_subgroup_create(moert_comm_group *parent, int parent_rank, const int *members, int count,
+                                        moert_comm_group **out)
+{
+    moert_result rc = MOERT_OK;
+    moert_comm_group *g = NULL;
+    *out = NULL;
+    if (!parent || parent->parent)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "comm: a subgroup needs a parent group that is not a view");
+    if (count < 1 || count > parent->world)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "comm: a subgroup of %d ranks in a group of %d", count,
+                           parent->world);
+    int index = -1;
+    for (int i = 0; i < count; i++) {
+        if (members[i] < 0 || members[i] >= parent->world)
+            return moert_error(MOERT_ERR_INVALID_ARGUMENT, "comm: subgroup member %d outside the group of %d",
+                               members[i], parent->world);
+        if (members[i] == parent_rank) index = i;
+    }
+    if (index < 0)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "comm: rank %d is not a member of its subgroup", parent_rank);
+    g = calloc(1, sizeof *g);
+    MOERT_CHECK_ALLOC(g);
+    g->members = malloc((size_t)count * sizeof *g->members);
+    MOERT_CHECK_ALLOC(g->members);
+    memcpy(g->members, members, (size_t)count * sizeof *g->members);
+    g->world = count;
+    g->timeout_s = parent->timeout_s;
+    g->parent = parent;
+    g->member_index = index;
+    g->parent_rank = parent_rank;
+    *out = g;
+    return MOERT_OK;
+fail:
+    if (g) free(g->members);
+    free(g);
+    return rc;
+}
 
 static void fail_group_locked(moert_comm_group *g, moert_result code, const char *message);
 
@@ -156,6 +212,10 @@ static void fail_group_locked(moert_comm_group *g, moert_result code, const char
 void moert_comm_abort(moert_comm_group *g, int rank, const char *why)
 {
     if (!g) return;
+    if (g->parent) {
+        moert_comm_abort(g->parent, g->parent_rank, why);
+        return;
+    }
     char message[1024];
     snprintf(message, sizeof message, "rank %d aborted the group: %s", rank, why ? why : "(no reason given)");
     pthread_mutex_lock(&g->lock);
@@ -190,9 +250,120 @@ static struct timespec deadline_after(double seconds)
     return t;
 }
 
+/* ---- subgroup views: collectives over the parent's all-to-all ---- */
+
+/* A view's collective is called with its rank in the subgroup. */
+static moert_result check_view_rank(const moert_comm_group *g, int rank, const char *what)
+{
+    if (rank != g->member_index)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: rank %d on the view of subgroup rank %d", what, rank,
+                           g->member_index);
+    return MOERT_OK;
+}
+
+/* The parent's all-to-all for a subgroup exchange: sizes and offsets per subgroup rank (NULL sizes: none) spread over
+ * the parent's ranks, zero for the ranks outside the subgroup. */
+static moert_result subgroup_exchange(moert_comm_group *g, const void *send, const size_t *send_bytes,
+                                      const size_t *send_offsets, void *recv, const size_t *recv_bytes,
+                                      const size_t *recv_offsets)
+{
+    moert_result rc = MOERT_OK;
+    const int world = g->parent->world;
+    size_t *sizes = calloc(4 * (size_t)world, sizeof *sizes);
+    if (!sizes) {
+        moert_comm_abort(g, g->member_index, "a subgroup collective: out of memory");
+        return moert_error(MOERT_ERR_OUT_OF_MEMORY, "comm: out of memory for a subgroup collective");
+    }
+    size_t *sb = sizes, *so = sizes + world, *rb = sizes + 2 * world, *ro = sizes + 3 * world;
+    for (int i = 0; i < g->world; i++) {
+        int p = g->members[i];
+        sb[p] = send_bytes[i];
+        so[p] = send_offsets[i];
+        rb[p] = recv_bytes[i];
+        ro[p] = recv_offsets[i];
+    }
+    rc = moert_comm_alltoallv(g->parent, g->parent_rank, send, sb, so, recv, rb, ro);
+    free(sizes);
+    return rc;
+}
+
+/* Gathers every member's `bytes` (the same on every member) into recv, in subgroup rank order. */
+static moert_result subgroup_allgather(moert_comm_group *g, int rank, const void *send, void *recv, size_t bytes)
+{
+    moert_result rc = MOERT_OK;
+    size_t *sizes = NULL;
+    MOERT_CHECK(check_view_rank(g, rank, "allgather"));
+    sizes = calloc(4 * (size_t)g->world, sizeof *sizes);
+    MOERT_CHECK_ALLOC(sizes);
+    size_t *sb = sizes, *so = sizes + g->world, *rb = sizes + 2 * g->world, *ro = sizes + 3 * g->world;
+    for (int i = 0; i < g->world; i++) {
+        sb[i] = rb[i] = bytes;
+        so[i] = 0; /* the same block goes to every member */
+        ro[i] = (size_t)i * bytes;
+    }
+    rc = subgroup_exchange(g, send, sb, so, recv, rb, ro);
+fail:
+    free(sizes);
+    return rc;
+}
+
+/* Sums element i of the `n` buffers of `count` elements laid one after the other in `parts`, in buffer order (fp32
+ * through a double, as the threads group sums), into out. */
+static void sum_parts_in_order(const void *parts, int n, size_t count, moert_dtype dtype, void *out)
+{
+    for (size_t i = 0; i < count; i++) {
+        if (dtype == MOERT_I64) {
+            int64_t s = 0;
+            for (int r = 0; r < n; r++) s += ((const int64_t *)parts)[(size_t)r * count + i];
+            ((int64_t *)out)[i] = s;
+        } else if (dtype == MOERT_F64) {
+            double s = 0.0;
+            for (int r = 0; r < n; r++) s += ((const double *)parts)[(size_t)r * count + i];
+            ((double *)out)[i] = s;
+        } else {
+            double s = 0.0;
+            for (int r = 0; r < n; r++) s += ((const float *)parts)[(size_t)r * count + i];
+            ((float *)out)[i] = (float)s;
+        }
+    }
+}
+
+/* The sum over the members in subgroup rank order (every member gets the same bits): an allgather, then the sum. */
+static moert_result subgroup_allreduce_sum(moert_comm_group *g, int rank, void *buf, size_t count, moert_dtype dtype)
+{
+    moert_result rc = MOERT_OK;
+    void *parts = NULL;
+    MOERT_CHECK(check_view_rank(g, rank, "allreduce_sum"));
+    if (dtype != MOERT_F32 && dtype != MOERT_F64 && dtype != MOERT_I64)
+        return moert_error(MOERT_ERR_UNSUPPORTED, "allreduce_sum: dtype %s, expected fp32, fp64 or int64",
+                           moert_dtype_name(dtype));
+    size_t bytes = count * moert_dtype_size(dtype);
+    parts = malloc((size_t)g->world * bytes + 1);
+    if (!parts) {
+        moert_comm_abort(g, rank, "allreduce_sum: out of memory");
+        return moert_error(MOERT_ERR_OUT_OF_MEMORY, "allreduce_sum: out of memory for %zu bytes",
+                           (size_t)g->world * bytes);
+    }
+    MOERT_CHECK(subgroup_allgather(g, rank, buf, parts, bytes));
+    sum_parts_in_order(parts, g->world, count, dtype, buf);
+fail:
+    free(parts);
+    return rc;
+}
+
+static moert_result subgroup_alltoallv(moert_comm_group *g, int rank, const void *send, const size_t *send_bytes,
+                                       const size_t *send_offsets, void *recv, const size_t *recv_bytes,
+                                       const size_t *recv_offsets)
+{
+    moert_result rc = check_view_rank(g, rank, "alltoallv");
+    if (rc != MOERT_OK) return rc;
+    return subgroup_exchange(g, send, send_bytes, send_offsets, recv, recv_bytes, recv_offsets);
+}
+
 /* Waits until every rank arrived; fails the whole group if one does not within the timeout. */
 moert_result moert_comm_barrier(moert_comm_group *g, int rank, const char *what)
 {
+    if (g->parent) return moert_comm_barrier(g->parent, g->parent_rank, what);
     if (g->has_table) TABLE_CALL(g, "barrier", g->table.barrier(g->table.user, message, sizeof message));
     if (rank < 0 || rank >= g->world)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: rank %d outside the group of %d", what, rank, g->world);
@@ -243,6 +414,7 @@ static moert_result check_rank(const moert_comm_group *g, int rank, const char *
 /* Every rank gets every rank's `bytes` bytes, in rank order. */
 moert_result moert_comm_allgather(moert_comm_group *g, int rank, const void *send, void *recv, size_t bytes)
 {
+    if (g->parent) return subgroup_allgather(g, rank, send, recv, bytes);
     if (g->has_table)
         TABLE_CALL(g, "allgather", g->table.allgather(g->table.user, send, recv, bytes, message, sizeof message));
     moert_result rc;
@@ -279,6 +451,7 @@ static void sum_in_rank_order(const moert_comm_group *g, size_t count, moert_dty
 /* In-place element-wise sum over ranks (fp32, fp64, int64). */
 moert_result moert_comm_allreduce_sum(moert_comm_group *g, int rank, void *buf, size_t count, moert_dtype dtype)
 {
+    if (g->parent) return subgroup_allreduce_sum(g, rank, buf, count, dtype);
     if (g->has_table)
         TABLE_CALL(g, "allreduce_sum",
                    g->table.allreduce_sum(g->table.user, buf, count, dtype, message, sizeof message));
@@ -311,6 +484,8 @@ moert_result moert_comm_alltoallv(moert_comm_group *g, int rank, const void *sen
                                   const size_t *send_offsets, void *recv, const size_t *recv_bytes,
                                   const size_t *recv_offsets)
 {
+    if (g->parent)
+        return subgroup_alltoallv(g, rank, send, send_bytes, send_offsets, recv, recv_bytes, recv_offsets);
     if (g->has_table)
         TABLE_CALL(g, "alltoallv", g->table.alltoallv(g->table.user, send, send_bytes, send_offsets, recv, recv_bytes,
                                                       recv_offsets, message, sizeof message));
@@ -342,6 +517,11 @@ fail:
 /* peers[r] = the pointer rank r offered. */
 moert_result moert_comm_exchange_pointers(moert_comm_group *g, int rank, void *local, void **peers)
 {
+    if (g->parent)
+        return moert_error(MOERT_ERR_UNSUPPORTED, "peer buffers need an expert-parallel group of every rank; this one "
+                           "has %d of the %d ranks ($.parallel.expert_parallel): the NVLink dispatchers (deepep, "
+                           "hybridep) cannot run in a smaller group yet, use \"alltoall\" or \"allgather\" there",
+                           g->world, g->parent->world);
     if (g->has_table)
         return moert_error(MOERT_ERR_UNSUPPORTED, "peer buffers need ranks as threads of one process (the threads "
                            "communicator) or NCCL; the caller's collectives table offers none");

@@ -3,6 +3,7 @@
 #ifndef MOERT_CORE_COMM_H
 #define MOERT_CORE_COMM_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 #include "moert/moert.h"
@@ -15,6 +16,18 @@ moert_result moert_comm_group_create(int world, double timeout_s, moert_comm_gro
 moert_result moert_comm_group_create_table(int world, const moert_collectives *table, moert_comm_group **out);
 void moert_comm_group_free(moert_comm_group *g);
 int moert_comm_group_size(const moert_comm_group *g);
+
+/* One rank's view of a subgroup of `parent` (the world): `members` lists the subgroup's ranks in the parent, in
+ * subgroup rank order, and must hold parent_rank. A view belongs to that rank alone (every member makes its own); free it with
+ * moert_comm_group_free before the parent. Its collectives take the rank's index in `members` and are carried out over
+ * the parent's collectives, so every rank of the parent calls each collective of its own subgroup at the same point
+ * of the program (the subgroups partition the parent, as the expert groups of a layer do): non-members exchange no
+ * data with each other. Peer pointers are not offered on a view. */
+moert_result moert_comm_subgroup_create(moert_comm_group *parent, int parent_rank, const int *members, int count,
+                                        moert_comm_group **out);
+/* Whether g is a view of a subgroup (moert_comm_subgroup_create), and the size of the world it is part of. */
+bool moert_comm_group_is_subgroup(const moert_comm_group *g);
+int moert_comm_group_world_size(const moert_comm_group *g);
 
 /* Collectives, called by the thread acting as `rank` (each rank calls in the same order). Host memory.
  * `what` names the operation in timeout messages. */

@@ -458,7 +458,64 @@ const char *moert_cuda_graph_mode_name(int mode)
     return mode >= MOERT_GRAPH_AUTO && mode <= MOERT_GRAPH_ON ? cuda_graph_modes[mode] : "unknown";
 }
 
-/* $.parallel (after $.model: ranks must divide num_experts) */
+/* The MoE layers' ETP x EP x EDP grid over $.parallel.ranks (docs/parallel.md): expert_tensor_parallel and
+ * expert_data_parallel (default 1), expert_parallel (default ranks / (ETP x EDP)); their product must be the ranks,
+ * the experts must split evenly over EP and the FFN width over ETP. */
+static moert_result parse_expert_layout(moert_config *cfg, moert_section *sec)
+{
+    moert_parallel_config *p = &cfg->parallel;
+    const int64_t ranks = p->ranks, experts = cfg->model.num_experts, ffn = cfg->model.ffn_hidden;
+    moert_result rc = MOERT_OK;
+    MOERT_CHECK(moert_section_int(sec, "expert_tensor_parallel", 1, 1, 64,
+                                  "ETP: ranks that split every expert's FFN width (each holds ffn_hidden / ETP "
+                                  "columns)",
+                                  &p->expert_tensor_parallel));
+    MOERT_CHECK(moert_section_int(sec, "expert_data_parallel", 1, 1, 64,
+                                  "EDP: ranks that hold replicas of the same experts (their gradients are summed)",
+                                  &p->expert_data_parallel));
+    const int64_t etp = p->expert_tensor_parallel, edp = p->expert_data_parallel;
+    const bool ep_given = json_object_get(sec->obj, "expert_parallel") != NULL;
+    if (!ep_given && ranks % (etp * edp) != 0)
+        return moert_error(MOERT_ERR_CONFIG,
+                           "config error at $.parallel.%s: expert_tensor_parallel x expert_data_parallel (%" PRId64
+                           " x %" PRId64 ") does not divide $.parallel.ranks (%" PRId64 "): expert_parallel x "
+                           "expert_tensor_parallel x expert_data_parallel must equal the ranks",
+                           edp > 1 ? "expert_data_parallel" : "expert_tensor_parallel", etp, edp, ranks);
+    MOERT_CHECK(moert_section_int(sec, "expert_parallel", ranks / (etp * edp), 1, 64,
+                                  "EP: ranks the experts are split over (default ranks / (ETP x EDP))",
+                                  &p->expert_parallel));
+    const int64_t ep = p->expert_parallel;
+    if (ep * etp * edp != ranks)
+        return moert_error(MOERT_ERR_CONFIG,
+                           "config error at $.parallel.expert_parallel: got %" PRId64 ", expected %s: expert_parallel "
+                           "x expert_tensor_parallel x expert_data_parallel (%" PRId64 " x %" PRId64 " x %" PRId64
+                           ") must equal $.parallel.ranks (%" PRId64 ")",
+                           ep, ranks % (etp * edp) == 0 ? "ranks / (expert_tensor_parallel x expert_data_parallel)"
+                                                         : "a size whose product with the others is the ranks",
+                           ep, etp, edp, ranks);
+    if (experts % ep != 0) {
+        if (!ep_given && etp == 1 && edp == 1) /* the plain layout: every rank is an expert-parallel rank */
+            return moert_error(MOERT_ERR_CONFIG,
+                               "config error at $.parallel.ranks: got %" PRId64 ", expected a divisor of "
+                               "$.model.num_experts (%" PRId64 "): every rank holds the same number of experts",
+                               ranks, experts);
+        return moert_error(MOERT_ERR_CONFIG,
+                           "config error at $.parallel.expert_parallel: got %" PRId64 "%s, expected a divisor of "
+                           "$.model.num_experts (%" PRId64 "): every rank of an expert-parallel group holds the same "
+                           "number of experts",
+                           ep, ep_given ? "" : " (ranks / (expert_tensor_parallel x expert_data_parallel))", experts);
+    }
+    if (ffn % etp != 0)
+        return moert_error(MOERT_ERR_CONFIG,
+                           "config error at $.parallel.expert_tensor_parallel: got %" PRId64 ", expected a divisor of "
+                           "$.model.ffn_hidden (%" PRId64 "): each rank holds ffn_hidden / expert_tensor_parallel "
+                           "columns of every expert",
+                           etp, ffn);
+fail:
+    return rc;
+}
+
+/* $.parallel (after $.model: the expert layout must split num_experts and ffn_hidden) */
 static moert_result parse_parallel(moert_config *cfg, json_t *obj)
 {
     static const char *const devices[] = {"auto", "cpu", "cuda", NULL};
@@ -466,14 +523,8 @@ static moert_result parse_parallel(moert_config *cfg, json_t *obj)
     moert_result rc = MOERT_OK;
     moert_section *sec = moert_section_create(obj, "$.parallel");
     MOERT_CHECK_ALLOC(sec);
-    MOERT_CHECK(moert_section_int(sec, "ranks", 1, 1, 64, "expert-parallel ranks", &p->ranks));
-    if (cfg->model.num_experts % p->ranks != 0) {
-        rc = moert_error(MOERT_ERR_CONFIG,
-                         "config error at $.parallel.ranks: got %" PRId64 ", expected a divisor of "
-                         "$.model.num_experts (%" PRId64 "): every rank holds the same number of experts",
-                         p->ranks, cfg->model.num_experts);
-        goto fail;
-    }
+    MOERT_CHECK(moert_section_int(sec, "ranks", 1, 1, 64, "ranks: threads on the CPU, a GPU each on CUDA", &p->ranks));
+    MOERT_CHECK(parse_expert_layout(cfg, sec));
     MOERT_CHECK(moert_section_enum(sec, "device", devices, 0, "where ranks run: auto picks cuda if present",
                                    &p->device));
     MOERT_CHECK(section_positive(sec, "timeout_s", 60.0, "seconds a collective waits for a stalled rank",
@@ -623,7 +674,8 @@ static moert_result check_size_products(const moert_config *cfg)
         int64_t f[5];
     } buffers[] = {
         {"$.model.ffn_hidden", "the fc1 weights of a rank (experts per rank x hidden x 2 x ffn_hidden)", 4,
-         {m->num_experts / world, m->hidden, fc1_width, 8}},
+         {m->num_experts / cfg->parallel.expert_parallel, m->hidden, fc1_width / cfg->parallel.expert_tensor_parallel,
+          8}},
         {"$.train.tokens_per_rank", "the rows dispatched to a rank (ranks x tokens_per_rank x topk rows of "
          "max(hidden, 2 x ffn_hidden) values)", 5, {world, t, m->topk, widest_row, 8}},
         {"$.model.num_experts", "the router's scores of a rank (tokens_per_rank x num_experts)", 3,

@@ -36,7 +36,10 @@ typedef enum moert_cuda_graph_mode { MOERT_GRAPH_AUTO = 0, MOERT_GRAPH_OFF = 1, 
 const char *moert_cuda_graph_mode_name(int mode);
 
 typedef struct moert_parallel_config {
-    int64_t ranks;     /* expert-parallel group size */
+    int64_t ranks;     /* every rank: threads on the CPU, one per GPU on CUDA */
+    /* the MoE layers' grid over the ranks (docs/parallel.md): expert_parallel x expert_tensor_parallel x
+     * expert_data_parallel = ranks */
+    int64_t expert_parallel, expert_tensor_parallel, expert_data_parallel;
     int device;        /* 0 auto, 1 cpu, 2 cuda */
     double timeout_s;  /* a collective waits this long for a stalled peer */
     int cuda_graph;    /* moert_cuda_graph_mode */

@@ -213,9 +213,11 @@ fail:
 }
 
 /* Shapes of the parameters ([E,H], [El,H,2F], [El,F,H], the shared expert's [1,H,2Fs], [1,Fs,H], [1,H]; an absent
- * one has a 0 extent), their initial standard deviations. */
-static void param_shapes(const moert_layer_info *in, int64_t shared_ffn, bool gate, int64_t shapes[MOERT_PARAM_COUNT][3],
-                         int ndims[MOERT_PARAM_COUNT], double stds[MOERT_PARAM_COUNT])
+ * one has a 0 extent; F is the rank's shard of the experts' width, F/ETP), their initial standard deviations (of the
+ * whole experts, the same for any split). */
+static void param_shapes(const moert_layer_info *in, int etp_size, int64_t shared_ffn, bool gate,
+                         int64_t shapes[MOERT_PARAM_COUNT][3], int ndims[MOERT_PARAM_COUNT],
+                         double stds[MOERT_PARAM_COUNT])
 {
     const int64_t s[MOERT_PARAM_COUNT][3] = {{in->num_experts, in->hidden, 0},
                                              {in->num_local_experts, in->hidden, 2 * in->ffn_hidden},
@@ -230,7 +232,8 @@ static void param_shapes(const moert_layer_info *in, int64_t shared_ffn, bool ga
     ndims[5] = 2;
     stds[0] = 1.0 / sqrt((double)in->hidden);
     stds[1] = 1.0 / sqrt((double)in->hidden);
-    stds[2] = 0.5 / sqrt((double)in->ffn_hidden);
+    /* the whole width: F/ETP times ETP (etp_size 0 in a layer made without a stack: 1) */
+    stds[2] = 0.5 / sqrt((double)(in->ffn_hidden * (etp_size > 1 ? etp_size : 1)));
     stds[3] = 1.0 / sqrt((double)in->hidden);
     stds[4] = shared_ffn > 0 ? 0.5 / sqrt((double)shared_ffn) : 0.0;
     stds[5] = 1.0 / sqrt((double)in->hidden);
@@ -248,8 +251,43 @@ moert_tensor moert_layer_param_desc(const moert_layer *L, moert_param_id which)
     int64_t shapes[MOERT_PARAM_COUNT][3];
     int ndims[MOERT_PARAM_COUNT];
     double stds[MOERT_PARAM_COUNT];
-    param_shapes(&L->info, L->shared_ffn, L->shared_gate, shapes, ndims, stds);
+    param_shapes(&L->info, L->etp_size, L->shared_ffn, L->shared_gate, shapes, ndims, stds);
     return moert_tensor_make(NULL, L->info.device, L->param_dtype, ndims[which], shapes[which]);
+}
+
+/* Fills `n` elements at `at` (of `value`'s dtype and device) with the elements [first, first + n) of the generator's
+ * stream: a contiguous run of a global tensor. */
+static moert_result fill_run(moert_layer *L, const moert_tensor *value, int64_t at, int64_t n, uint64_t seed,
+                             uint64_t stream, int64_t first, double std)
+{
+    moert_tensor run = moert_tensor_1d((char *)value->data + (size_t)at * moert_dtype_size(value->dtype),
+                                       value->device, value->dtype, n);
+    return moert_fill_normal_on(L->stream, &run, seed, stream, (uint64_t)first, std);
+}
+
+/* ETP > 1: the rank's shard of the global expert weights, element for element the values the unsplit experts have.
+ * fc1 [El, H, 2F/ETP] holds, per row, the gate columns [j F/ETP, (j+1) F/ETP) of the global [.., 2F] row, then the
+ * up columns of the same range (j the ETP rank); fc2 [El, F/ETP, H] the rows of that range. */
+static moert_result fill_expert_shard(moert_layer *L, int p, uint64_t seed, uint64_t stream, double std)
+{
+    moert_result rc = MOERT_OK;
+    const moert_layer_info *in = &L->info;
+    const moert_tensor *value = &L->params[p].value;
+    const int64_t fl = in->ffn_hidden, f = fl * L->etp_size, h = in->hidden, j = L->etp_rank;
+    for (int64_t e = 0; e < in->num_local_experts; e++) {
+        const int64_t global_e = in->first_local_expert + e;
+        if (p == MOERT_PARAM_FC2) {
+            MOERT_CHECK(fill_run(L, value, e * fl * h, fl * h, seed, stream, (global_e * f + j * fl) * h, std));
+            continue;
+        }
+        for (int64_t row = 0; row < h; row++) {
+            const int64_t local_row = (e * h + row) * 2 * fl, global_row = (global_e * h + row) * 2 * f;
+            MOERT_CHECK(fill_run(L, value, local_row, fl, seed, stream, global_row + j * fl, std));
+            MOERT_CHECK(fill_run(L, value, local_row + fl, fl, seed, stream, global_row + f + j * fl, std));
+        }
+    }
+fail:
+    return rc;
 }
 
 moert_result moert_layer_fill_params(moert_layer *L, uint64_t seed)
@@ -259,17 +297,20 @@ moert_result moert_layer_fill_params(moert_layer *L, uint64_t seed)
     int64_t shapes[MOERT_PARAM_COUNT][3];
     int ndims[MOERT_PARAM_COUNT];
     double stds[MOERT_PARAM_COUNT];
-    param_shapes(in, L->shared_ffn, L->shared_gate, shapes, ndims, stds);
+    param_shapes(in, L->etp_size, L->shared_ffn, L->shared_gate, shapes, ndims, stds);
     for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
         if (!moert_layer_has_param(L, (moert_param_id)p)) continue;
-        /* routed experts' weights start at the first local expert's global offset; the router's and the shared
-         * expert's are the same on every rank */
+        /* routed experts' weights start at the first local expert's global offset (ETP shards pick their columns out
+         * of the global tensor); the router's and the shared expert's are the same on every rank */
         bool routed = p == MOERT_PARAM_FC1 || p == MOERT_PARAM_FC2;
         uint64_t first = routed ? (uint64_t)(in->first_local_expert * shapes[p][1] * shapes[p][2]) : 0;
         uint64_t stream = p < MOERT_PARAM_SHARED_FC1
                               ? MOERT_STREAM_PARAM + 4 * (uint64_t)in->layer_index + (uint64_t)p
                               : MOERT_STREAM_SHARED_PARAM + 4 * (uint64_t)in->layer_index + (uint64_t)(p - 3);
-        MOERT_CHECK(moert_fill_normal_on(L->stream, &L->params[p].value, seed, stream, first, stds[p]));
+        if (routed && L->etp_size > 1)
+            MOERT_CHECK(fill_expert_shard(L, p, seed, stream, stds[p]));
+        else
+            MOERT_CHECK(moert_fill_normal_on(L->stream, &L->params[p].value, seed, stream, first, stds[p]));
     }
 fail:
     return rc;
@@ -311,6 +352,150 @@ static moert_result host_failed(const moert_layer *L, moert_result rc, const cha
             goto fail;                                                                                        \
         }                                                                                                     \
     } while (0)
+
+/* ---- expert tensor parallelism (ETP > 1, host memory; docs/parallel.md) ----
+ *
+ * The ETP ranks of a group hold the same experts, each a shard of their FFN width, and each has its own dispatched
+ * rows. The experts compute on every ETP rank's rows: after the dispatch they are gathered over the group and grouped
+ * by local expert (each expert's rows in ETP rank order); fc2's partial outputs, and in the backward the partial row
+ * and prob gradients, are summed back over the group onto the rank that dispatched each row. */
+
+static bool etp_on(const moert_layer *L) { return L->etp_size > 1; }
+
+/* Rows the experts compute on: the dispatcher's capacity, or with ETP every ETP rank's rows. */
+static int64_t expert_rows(const moert_layer *L) { return etp_on(L) ? L->expert_rows : L->layout.capacity; }
+
+/* Rows of ETP rank j's dispatcher. */
+static int64_t etp_rows_of(const moert_layer *L, int j)
+{
+    int64_t rows = 0;
+    for (int64_t e = 0; e < L->info.num_local_experts; e++) rows += L->etp_counts[j * L->info.num_local_experts + e];
+    return rows;
+}
+
+/* After prepare: every ETP rank's rows per local expert (an allgather over the group), their sums and the blocks'
+ * offsets in both orders. */
+static moert_result etp_gather_counts(moert_layer *L)
+{
+    moert_result rc = MOERT_OK;
+    const int n = L->etp_size;
+    const int64_t el = L->info.num_local_experts;
+    if (!L->etp_counts) {
+        L->etp_counts = calloc((size_t)(n * el), sizeof *L->etp_counts);
+        L->etp_rank_major = calloc((size_t)(n * el), sizeof *L->etp_rank_major);
+        L->etp_expert_major = calloc((size_t)(n * el), sizeof *L->etp_expert_major);
+        L->expert_counts_host = calloc((size_t)el, sizeof *L->expert_counts_host);
+        MOERT_CHECK_ALLOC(L->etp_counts);
+        MOERT_CHECK_ALLOC(L->etp_rank_major);
+        MOERT_CHECK_ALLOC(L->etp_expert_major);
+        MOERT_CHECK_ALLOC(L->expert_counts_host);
+    }
+    /* the dispatcher's counts on the host (ETP runs on the CPU, where its tensor is host memory too) */
+    const int64_t *mine = L->layout.tokens_per_expert_host ? L->layout.tokens_per_expert_host
+                                                           : (const int64_t *)L->layout.tokens_per_expert.data;
+    MOERT_CHECK(moert_comm_allgather(L->etp_comm, L->etp_rank, mine, L->etp_counts, (size_t)el * sizeof(int64_t)));
+    int64_t at = 0;
+    for (int j = 0; j < n; j++)
+        for (int64_t e = 0; e < el; e++) {
+            L->etp_rank_major[j * el + e] = at;
+            at += L->etp_counts[j * el + e];
+        }
+    at = 0;
+    for (int64_t e = 0; e < el; e++) {
+        L->expert_counts_host[e] = 0;
+        for (int j = 0; j < n; j++) {
+            L->etp_expert_major[j * el + e] = at;
+            at += L->etp_counts[j * el + e];
+            L->expert_counts_host[e] += L->etp_counts[j * el + e];
+        }
+    }
+    L->expert_rows = at;
+    L->expert_counts = moert_tensor_1d(L->expert_counts_host, L->info.device, MOERT_I64, el);
+fail:
+    return rc;
+}
+
+/* The bytes of one row of a [rows, cols] or [rows] tensor. */
+static size_t row_bytes_of(const moert_tensor *t)
+{
+    return (t->ndim > 1 ? (size_t)t->shape[1] : 1) * moert_dtype_size(t->dtype);
+}
+
+/* gathered (the experts' rows, grouped by local expert) from every ETP rank's `local` (its dispatcher's rows): each
+ * rank sends its rows to every rank of the group, and the blocks are put in expert order. */
+static moert_result etp_gather_rows(moert_layer *L, const moert_tensor *local, moert_tensor *gathered)
+{
+    moert_result rc = MOERT_OK;
+    const int n = L->etp_size, me = L->etp_rank;
+    const int64_t el = L->info.num_local_experts;
+    const size_t rb = row_bytes_of(local);
+    char *staging = malloc((size_t)L->expert_rows * rb + 1);
+    size_t *sizes = calloc(4 * (size_t)n, sizeof *sizes);
+    MOERT_CHECK_ALLOC(staging);
+    MOERT_CHECK_ALLOC(sizes);
+    size_t *sb = sizes, *so = sizes + n, *recv_b = sizes + 2 * n, *ro = sizes + 3 * n;
+    for (int j = 0; j < n; j++) {
+        sb[j] = (size_t)etp_rows_of(L, me) * rb;
+        so[j] = 0;
+        recv_b[j] = (size_t)etp_rows_of(L, j) * rb;
+        ro[j] = (size_t)L->etp_rank_major[j * el] * rb;
+    }
+    MOERT_CHECK(moert_comm_alltoallv(L->etp_comm, me, local->data, sb, so, staging, recv_b, ro));
+    for (int j = 0; j < n; j++)
+        for (int64_t e = 0; e < el; e++) {
+            const int64_t b = j * el + e;
+            if (L->etp_counts[b])
+                memcpy((char *)gathered->data + (size_t)L->etp_expert_major[b] * rb,
+                       staging + (size_t)L->etp_rank_major[b] * rb, (size_t)L->etp_counts[b] * rb);
+        }
+fail:
+    free(staging);
+    free(sizes);
+    return rc;
+}
+
+/* The adjoint of etp_gather_rows for partial sums: `local`'s rows (this rank's dispatched rows) get the sum, over the
+ * ETP ranks in rank order, of their rows in each rank's `gathered` (partial fc2 outputs, or partial gradients). */
+static moert_result etp_reduce_scatter_rows(moert_layer *L, const moert_tensor *gathered, moert_tensor *local)
+{
+    moert_result rc = MOERT_OK;
+    const int n = L->etp_size, me = L->etp_rank;
+    const int64_t el = L->info.num_local_experts, mine = etp_rows_of(L, me);
+    const size_t rb = row_bytes_of(gathered);
+    const int64_t cols = (int64_t)(rb / moert_dtype_size(gathered->dtype));
+    char *send = malloc((size_t)L->expert_rows * rb + 1), *recv = malloc((size_t)(n * mine) * rb + 1);
+    size_t *sizes = calloc(4 * (size_t)n, sizeof *sizes);
+    MOERT_CHECK_ALLOC(send);
+    MOERT_CHECK_ALLOC(recv);
+    MOERT_CHECK_ALLOC(sizes);
+    for (int j = 0; j < n; j++) /* ranks one after the other, each rank's rows in its own order */
+        for (int64_t e = 0; e < el; e++) {
+            const int64_t b = j * el + e;
+            if (L->etp_counts[b])
+                memcpy(send + (size_t)L->etp_rank_major[b] * rb,
+                       (const char *)gathered->data + (size_t)L->etp_expert_major[b] * rb,
+                       (size_t)L->etp_counts[b] * rb);
+        }
+    size_t *sb = sizes, *so = sizes + n, *recv_b = sizes + 2 * n, *ro = sizes + 3 * n;
+    for (int j = 0; j < n; j++) {
+        sb[j] = (size_t)etp_rows_of(L, j) * rb;
+        so[j] = (size_t)L->etp_rank_major[j * el] * rb;
+        recv_b[j] = (size_t)mine * rb;
+        ro[j] = (size_t)(j * mine) * rb;
+    }
+    MOERT_CHECK(moert_comm_alltoallv(L->etp_comm, me, send, sb, so, recv, recv_b, ro));
+    const moert_tensor parts = moert_tensor_1d(recv, moert_cpu(), gathered->dtype, n * mine * cols);
+    for (int64_t i = 0; i < mine * cols; i++) {
+        double sum = 0.0;
+        for (int j = 0; j < n; j++) sum += moert_load(&parts, j * mine * cols + i);
+        moert_store(local, i, sum);
+    }
+fail:
+    free(send);
+    free(recv);
+    free(sizes);
+    return rc;
+}
 
 /* Frees what the last forward saved, stream-ordered after the copies still using it. */
 moert_result moert_layer_release_saved(moert_layer *L) { return release_saved(L); }
@@ -364,6 +549,11 @@ void moert_layer_free(moert_layer *L)
         L->shared_stream = NULL;
         L->shared_fork_event = L->shared_join_event = NULL;
     }
+    free(L->etp_counts);
+    free(L->etp_rank_major);
+    free(L->etp_expert_major);
+    free(L->expert_counts_host);
+    L->etp_counts = L->etp_rank_major = L->etp_expert_major = L->expert_counts_host = NULL;
     for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
         if (!L->params_borrowed) tensor_release(L, &L->params[p].value);
         if (!L->params_borrowed) tensor_release(L, &L->params[p].grad);
@@ -451,6 +641,7 @@ int64_t moert_layer_used_rows(const moert_layer *L) { return used_rows(L); }
 
 static int64_t used_rows(const moert_layer *L)
 {
+    if (L->etp_size > 1) return L->expert_rows;
     if (!L->layout.tokens_per_expert_host) return L->layout.capacity;
     int64_t rows = 0;
     for (int64_t e = 0; e < L->info.num_local_experts; e++) rows += L->layout.tokens_per_expert_host[e];
@@ -469,8 +660,9 @@ static moert_result gemm_of(moert_layer *L, bool shared, moert_stream stream, mo
                                        : (which == MOERT_GEMM_FC1 ? MOERT_PARAM_FC1 : MOERT_PARAM_FC2)];
     moert_grouped_gemm_args a = {
         .struct_size = sizeof a, .which = which, .pass = pass,
-        .tokens_per_expert = shared ? &L->shared_rows : &L->layout.tokens_per_expert,
-        .tokens_per_expert_host = shared ? &L->shared_rows_host : L->layout.tokens_per_expert_host,
+        .tokens_per_expert = shared ? &L->shared_rows : etp_on(L) ? &L->expert_counts : &L->layout.tokens_per_expert,
+        .tokens_per_expert_host = shared ? &L->shared_rows_host
+                                  : etp_on(L) ? L->expert_counts_host : L->layout.tokens_per_expert_host,
         .input = input, .weight = &w->value, .grad_output = grad_output,
         .output = output, .grad_input = grad_input, .grad_weight = &w->grad,
         .overwrite_grad_weight = pass == MOERT_GEMM_WGRAD && unwritten[which]};
@@ -498,13 +690,29 @@ static moert_result run_gemm(moert_layer *L, moert_gemm_weight which, moert_gemm
     return run_gemm_on(L, L->stream, which, pass, input, grad_output, output, grad_input);
 }
 
+/* The dispatch into the experts' rows (dispatched_x and recv_probs). With ETP the dispatcher's rows go to buffers of
+ * this rank, and every ETP rank's rows are gathered from them, grouped by local expert. */
 static moert_result run_dispatch(moert_layer *L)
 {
     moert_result rc = MOERT_OK;
+    moert_tensor *recv_x = moert_act_store_tensor(&L->acts, MOERT_ACT_DISPATCHED_X);
+    moert_tensor local_x = {0}, local_probs = {0};
     moert_dispatch_args d = {.struct_size = sizeof d, .x = &L->x, .topk_probs = &L->topk_probs,
-                             .recv_x = moert_act_store_tensor(&L->acts, MOERT_ACT_DISPATCHED_X), .recv_probs = &L->recv_probs};
+                             .recv_x = recv_x, .recv_probs = &L->recv_probs};
+    if (etp_on(L)) {
+        MOERT_CHECK(tensor_alloc(L, &local_x, L->info.dtype, 2, L->layout.capacity, L->info.hidden, 0));
+        MOERT_CHECK(tensor_alloc(L, &local_probs, L->param_dtype, 1, L->layout.capacity, 0, 0));
+        d.recv_x = &local_x;
+        d.recv_probs = &local_probs;
+    }
     PLUGIN_CALL(L->dispatcher, "dispatch", DISPATCHER(L)->dispatch(L->dispatcher.ctx, L->stream, &d));
+    if (etp_on(L)) {
+        MOERT_CHECK(etp_gather_rows(L, &local_x, recv_x));
+        MOERT_CHECK(etp_gather_rows(L, &local_probs, &L->recv_probs));
+    }
 fail:
+    tensor_release(L, &local_x);
+    tensor_release(L, &local_probs);
     return rc;
 }
 
@@ -520,11 +728,11 @@ static moert_result run_act(moert_layer *L)
                                 moert_act_store_tensor(&L->acts, MOERT_ACT_SWIGLU_OUT));
 }
 
-/* Allocates saved activation a for this step's capacity. */
+/* Allocates saved activation a for this step's rows. */
 static moert_result alloc_activation(moert_layer *L, moert_activation a)
 {
     int64_t cols[MOERT_ACT_COUNT] = {L->info.hidden, 2 * L->info.ffn_hidden, L->info.ffn_hidden};
-    return moert_act_store_alloc(&L->acts, a, L->info.dtype, L->layout.capacity, cols[a]);
+    return moert_act_store_alloc(&L->acts, a, L->info.dtype, expert_rows(L), cols[a]);
 }
 
 /* Right after activation a is produced: asks the memory policy what to do with it and hands the answer to the
@@ -755,10 +963,11 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
     memset(&L->layout, 0, sizeof L->layout);
     L->layout.struct_size = sizeof L->layout;
     PLUGIN_CALL(L->dispatcher, "prepare", DISPATCHER(L)->prepare(L->dispatcher.ctx, L->stream, &L->topk_idx, &L->layout));
+    if (etp_on(L)) MOERT_CHECK(etp_gather_counts(L));
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_PERMUTE));
 
     MOERT_CHECK(alloc_activation(L, MOERT_ACT_DISPATCHED_X));
-    MOERT_CHECK(tensor_alloc(L, &L->recv_probs, L->param_dtype, 1, L->layout.capacity, 0, 0));
+    MOERT_CHECK(tensor_alloc(L, &L->recv_probs, L->param_dtype, 1, expert_rows(L), 0, 0));
     MOERT_CHECK(run_dispatch(L));
     MOERT_CHECK(decide_action(L, MOERT_ACT_DISPATCHED_X));
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_DISPATCH));
@@ -775,9 +984,16 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
     moert_act_store_after_last_use(&L->acts, MOERT_ACT_FC1_OUT);
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_ACT));
 
-    MOERT_CHECK(tensor_alloc(L, &y_expert, in->dtype, 2, L->layout.capacity, in->hidden, 0));
+    MOERT_CHECK(tensor_alloc(L, &y_expert, in->dtype, 2, expert_rows(L), in->hidden, 0));
     MOERT_CHECK(run_gemm(L, MOERT_GEMM_FC2, MOERT_GEMM_FORWARD, moert_act_store_tensor(&L->acts, MOERT_ACT_SWIGLU_OUT), NULL, &y_expert, NULL));
     moert_act_store_after_last_use(&L->acts, MOERT_ACT_SWIGLU_OUT);
+    if (etp_on(L)) { /* each ETP rank's fc2 output is a partial sum: summed back onto the rows this rank dispatched */
+        moert_tensor partial = y_expert;
+        rc = tensor_alloc(L, &y_expert, in->dtype, 2, L->layout.capacity, in->hidden, 0);
+        if (rc == MOERT_OK) rc = etp_reduce_scatter_rows(L, &partial, &y_expert);
+        tensor_release(L, &partial);
+        if (rc != MOERT_OK) goto fail;
+    }
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_FC2));
 
     if (!L->no_residual) MOERT_CHECK(tensor_alloc(L, &moe_out, in->dtype, 2, t, in->hidden, 0));
@@ -823,8 +1039,9 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
     moert_result rc = MOERT_OK;
     const moert_host *h = L->core_host;
     const moert_layer_info *in = &L->info;
-    int64_t t = d_y->shape[0], cap = L->layout.capacity;
+    int64_t t = d_y->shape[0], cap = L->layout.capacity, rows = expert_rows(L);
     moert_tensor d_y_expert = {0}, d_act = {0}, d_fc1 = {0}, d_recv_probs = {0}, d_recv_x = {0}, d_probs = {0};
+    moert_tensor local_d_recv_x = {0}, local_d_recv_probs = {0}; /* ETP: the sums of the partials, this rank's rows */
     bool forked = false;
     MOERT_CHECK(stage_mark(L, MARK_BACKWARD_START));
     memset(L->backward_part_ran, 0, sizeof L->backward_part_ran);
@@ -849,10 +1066,17 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
     moert_combine_backward_args cb = {.struct_size = sizeof cb, .d_y = d_y, .d_y_expert = &d_y_expert};
     PLUGIN_CALL(L->dispatcher, "combine_backward",
                 DISPATCHER(L)->combine_backward(L->dispatcher.ctx, L->stream, &cb));
+    if (etp_on(L)) { /* every ETP rank's output gradients, on the experts' rows */
+        moert_tensor local = d_y_expert;
+        rc = tensor_alloc(L, &d_y_expert, in->dtype, 2, rows, in->hidden, 0);
+        if (rc == MOERT_OK) rc = etp_gather_rows(L, &local, &d_y_expert);
+        tensor_release(L, &local);
+        if (rc != MOERT_OK) goto fail;
+    }
     MOERT_CHECK(part_end(L, MOERT_BWD_COMBINE, L->stream));
 
     MOERT_CHECK(part_begin(L, MOERT_BWD_FC2_DGRAD, L->stream));
-    MOERT_CHECK(tensor_alloc(L, &d_act, in->dtype, 2, cap, in->ffn_hidden, 0));
+    MOERT_CHECK(tensor_alloc(L, &d_act, in->dtype, 2, rows, in->ffn_hidden, 0));
     MOERT_CHECK(run_gemm(L, MOERT_GEMM_FC2, MOERT_GEMM_DGRAD, NULL, &d_y_expert, NULL, &d_act));
     MOERT_CHECK(materialize(L, MOERT_ACT_SWIGLU_OUT));
     MOERT_CHECK(part_end(L, MOERT_BWD_FC2_DGRAD, L->stream));
@@ -864,8 +1088,8 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
     }
 
     MOERT_CHECK(part_begin(L, MOERT_BWD_ACT, L->stream));
-    MOERT_CHECK(tensor_alloc(L, &d_fc1, in->dtype, 2, cap, 2 * in->ffn_hidden, 0));
-    MOERT_CHECK(tensor_alloc(L, &d_recv_probs, L->param_dtype, 1, cap, 0, 0));
+    MOERT_CHECK(tensor_alloc(L, &d_fc1, in->dtype, 2, rows, 2 * in->ffn_hidden, 0));
+    MOERT_CHECK(tensor_alloc(L, &d_recv_probs, L->param_dtype, 1, rows, 0, 0));
     MOERT_CHECK(materialize(L, MOERT_ACT_FC1_OUT));
     MOERT_CHECK(moert_swiglu_backward(L->stream, &d_act, moert_act_store_tensor(&L->acts, MOERT_ACT_FC1_OUT), &L->recv_probs, used_rows(L),
                                       &d_fc1, &d_recv_probs));
@@ -874,7 +1098,7 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
     MOERT_CHECK(part_end(L, MOERT_BWD_ACT, L->stream));
 
     MOERT_CHECK(part_begin(L, MOERT_BWD_FC1_DGRAD, L->stream));
-    MOERT_CHECK(tensor_alloc(L, &d_recv_x, in->dtype, 2, cap, in->hidden, 0));
+    MOERT_CHECK(tensor_alloc(L, &d_recv_x, in->dtype, 2, rows, in->hidden, 0));
     MOERT_CHECK(run_gemm(L, MOERT_GEMM_FC1, MOERT_GEMM_DGRAD, NULL, &d_fc1, NULL, &d_recv_x));
     MOERT_CHECK(materialize(L, MOERT_ACT_DISPATCHED_X));
     MOERT_CHECK(part_end(L, MOERT_BWD_FC1_DGRAD, L->stream));
@@ -905,6 +1129,14 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
     MOERT_CHECK(tensor_alloc(L, &d_probs, L->param_dtype, 2, t, in->topk, 0));
     moert_dispatch_backward_args db = {.struct_size = sizeof db, .d_recv_x = &d_recv_x, .d_recv_probs = &d_recv_probs,
                                        .d_x = d_x, .d_topk_probs = &d_probs};
+    if (etp_on(L)) { /* each ETP rank's row and prob gradients are partial sums over its shard of the width */
+        MOERT_CHECK(tensor_alloc(L, &local_d_recv_x, in->dtype, 2, cap, in->hidden, 0));
+        MOERT_CHECK(tensor_alloc(L, &local_d_recv_probs, L->param_dtype, 1, cap, 0, 0));
+        MOERT_CHECK(etp_reduce_scatter_rows(L, &d_recv_x, &local_d_recv_x));
+        MOERT_CHECK(etp_reduce_scatter_rows(L, &d_recv_probs, &local_d_recv_probs));
+        db.d_recv_x = &local_d_recv_x;
+        db.d_recv_probs = &local_d_recv_probs;
+    }
     PLUGIN_CALL(L->dispatcher, "dispatch_backward",
                 DISPATCHER(L)->dispatch_backward(L->dispatcher.ctx, L->stream, &db));
     MOERT_CHECK(part_end(L, MOERT_BWD_DISPATCH, L->stream));
@@ -946,6 +1178,8 @@ fail:
     tensor_release(L, &d_recv_probs);
     tensor_release(L, &d_recv_x);
     tensor_release(L, &d_probs);
+    tensor_release(L, &local_d_recv_x);
+    tensor_release(L, &local_d_recv_probs);
     return rc;
 }
 

@@ -7,6 +7,7 @@
  * the caller's stream wait for it on return, so the work is ordered as if it ran on the caller's stream.
  */
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -176,6 +177,7 @@ struct moert_layers {
     moert_plugin plugins[MOERT_SLOT_COUNT];
     moert_comm *comm;
     int rank, world;
+    int etp, edp;                         /* the expert layout (docs/parallel.md) */
     moert_device device;
     int64_t max_tokens;
     struct moert_cuda_pool *pool;
@@ -312,14 +314,61 @@ fail:
     return rc;
 }
 
+/* The size of moert_launch in API version 1 (up to max_tokens), which callers built against it still pass. */
+#define LAUNCH_V1_SIZE (offsetof(moert_launch, max_tokens) + sizeof(int64_t))
+
+/* The expert layout a launch asks for (docs/parallel.md): 1 and 1 from a version 1 struct, or for 0. */
+static void launch_layout(const moert_launch *launch, int *etp, int *edp)
+{
+    bool v2 = launch->struct_size >= offsetof(moert_launch, expert_data_parallel) + sizeof(int32_t);
+    *etp = v2 && launch->expert_tensor_parallel > 1 ? launch->expert_tensor_parallel : 1;
+    *edp = v2 && launch->expert_data_parallel > 1 ? launch->expert_data_parallel : 1;
+}
+
+/* The expert layout against the world and the model: EP x ETP x EDP ranks, experts split over EP, their width over
+ * ETP; ETP and EDP on CPU ranks only for now. */
+static moert_result check_launch_layout(const moert_config *cfg, const moert_launch *launch)
+{
+    const char *fn = "moert_layers_create";
+    int etp = 1, edp = 1;
+    launch_layout(launch, &etp, &edp);
+    if (launch->struct_size >= sizeof *launch &&
+        (launch->expert_tensor_parallel < 0 || launch->expert_data_parallel < 0))
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: launch->expert_tensor_parallel %d and "
+                           "expert_data_parallel %d, expected >= 0 (0: 1)", fn, launch->expert_tensor_parallel,
+                           launch->expert_data_parallel);
+    if (etp > launch->world_size || edp > launch->world_size || launch->world_size % (etp * edp) != 0)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: launch->expert_tensor_parallel %d x "
+                           "launch->expert_data_parallel %d does not divide world_size %d: expert parallel x expert "
+                           "tensor parallel x expert data parallel must be the world", fn, etp, edp,
+                           launch->world_size);
+    const int ep = launch->world_size / (etp * edp);
+    if (cfg->model.num_experts % ep != 0) {
+        if (etp == 1 && edp == 1)
+            return moert_error(MOERT_ERR_CONFIG, "config error at $.model.num_experts: %lld experts do not split over "
+                               "%d ranks", (long long)cfg->model.num_experts, launch->world_size);
+        return moert_error(MOERT_ERR_CONFIG, "config error at $.model.num_experts: %lld experts do not split over %d "
+                           "expert-parallel ranks (world_size %d / (expert_tensor_parallel %d x expert_data_parallel "
+                           "%d))", (long long)cfg->model.num_experts, ep, launch->world_size, etp, edp);
+    }
+    if (cfg->model.ffn_hidden % etp != 0)
+        return moert_error(MOERT_ERR_CONFIG, "config error at $.model.ffn_hidden: %lld does not split over "
+                           "launch->expert_tensor_parallel %d ranks", (long long)cfg->model.ffn_hidden, etp);
+    if ((etp > 1 || edp > 1) && launch->device.type != MOERT_DEVICE_CPU)
+        return moert_error(MOERT_ERR_UNSUPPORTED, "%s: launch->expert_tensor_parallel %d and expert_data_parallel %d: "
+                           "expert tensor and expert data parallelism run on CPU ranks only for now (set both to 1 "
+                           "on GPUs)", fn, etp, edp);
+    return MOERT_OK;
+}
+
 static moert_result check_launch(const moert_config *cfg, const moert_launch *launch)
 {
     const char *fn = "moert_layers_create";
     if (!cfg) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: cfg is NULL", fn);
     if (!launch) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: launch is NULL", fn);
-    if (launch->struct_size < sizeof *launch)
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: launch->struct_size %u, expected %zu", fn,
-                           launch->struct_size, sizeof *launch);
+    if (launch->struct_size < LAUNCH_V1_SIZE)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: launch->struct_size %u, expected %zu (or %zu, API version "
+                           "1)", fn, launch->struct_size, sizeof *launch, (size_t)LAUNCH_V1_SIZE);
     if (launch->world_size < 1 || launch->rank < 0 || launch->rank >= launch->world_size)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: rank %d of world_size %d, expected 0 <= rank < world_size",
                            fn, launch->rank, launch->world_size);
@@ -330,9 +379,8 @@ static moert_result check_launch(const moert_config *cfg, const moert_launch *la
     if (c && c->world != launch->world_size)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: the communicator has %d ranks, launch->world_size is %d", fn,
                            c->world, launch->world_size);
-    if (cfg->model.num_experts % launch->world_size != 0)
-        return moert_error(MOERT_ERR_CONFIG, "config error at $.model.num_experts: %lld experts do not split over %d "
-                           "ranks", (long long)cfg->model.num_experts, launch->world_size);
+    moert_result rc = check_launch_layout(cfg, launch);
+    if (rc != MOERT_OK) return rc;
     if (launch->max_tokens < 0)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: launch->max_tokens %lld, expected >= 0 (0: the config's)",
                            fn, (long long)launch->max_tokens);
@@ -446,6 +494,7 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
     m->comm = launch->comm;
     m->rank = launch->rank;
     m->world = launch->world_size;
+    launch_layout(launch, &m->etp, &m->edp);
     m->device = launch->device;
     if (m->device.type == MOERT_DEVICE_CPU) m->device.id = 0;
     m->max_tokens = launch->max_tokens > 0 ? launch->max_tokens : cfg->train.tokens_per_rank;
@@ -462,8 +511,8 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
 #endif
     moert_comm_group *group = m->comm && m->comm->kind != COMM_NCCL_ID && m->world > 1 ? m->comm->group : NULL;
     moert_stack_setup setup = {.cfg = m->cfg, .plugins = m->plugins, .rank = m->rank, .world = m->world,
-                               .device = m->device, .max_tokens = m->max_tokens, .comm = group, .pool = m->pool,
-                               .nccl = m->nccl, .stream = m->stream};
+                               .device = m->device, .max_tokens = m->max_tokens, .comm = group, .etp = m->etp,
+                               .edp = m->edp, .pool = m->pool, .nccl = m->nccl, .stream = m->stream};
     m->stack_made = true;
     MOERT_CHECK(moert_stack_init(&m->stack, &setup));
     int nl = m->stack.num_layers;
@@ -532,19 +581,29 @@ MOERT_API void moert_layers_destroy(moert_layers *m)
     free(m);
 }
 
+/* The size of moert_layers_info in API version 1 (up to expert_bias_dtype). */
+#define LAYERS_INFO_V1_SIZE (offsetof(moert_layers_info, expert_bias_dtype) + sizeof(moert_dtype))
+
 MOERT_API moert_result moert_layers_get_info(const moert_layers *m, moert_layers_info *out)
 {
     if (!m || !out) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_layers_get_info: a NULL argument");
+    /* a caller built against version 1 gets its members only (0: the whole struct, as version 1 wrote it) */
+    size_t size = out->struct_size == 0 || out->struct_size > sizeof *out ? sizeof *out : out->struct_size;
+    if (size < LAYERS_INFO_V1_SIZE)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_layers_get_info: out->struct_size %u, expected %zu (or "
+                           "%zu, API version 1)", out->struct_size, sizeof *out, (size_t)LAYERS_INFO_V1_SIZE);
     const moert_layer *L = &m->stack.layers[0];
-    *out = (moert_layers_info){.struct_size = sizeof *out, .num_layers = m->stack.num_layers, .rank = m->rank,
-                               .world_size = m->world, .hidden = L->info.hidden, .ffn_hidden = L->info.ffn_hidden,
-                               .num_experts = L->info.num_experts, .topk = L->info.topk,
-                               .num_local_experts = L->info.num_local_experts,
-                               .first_local_expert = L->info.first_local_expert, .max_tokens = m->max_tokens,
-                               .dtype = L->info.dtype, .param_dtype = L->param_dtype, .device = m->device,
-                               .expert_bias_dtype = MOERT_DTYPE_COUNT};
+    moert_layers_info info = {
+        .struct_size = (uint32_t)size, .num_layers = m->stack.num_layers, .rank = m->rank, .world_size = m->world,
+        .hidden = L->info.hidden, .ffn_hidden = L->info.ffn_hidden * L->etp_size, .num_experts = L->info.num_experts,
+        .topk = L->info.topk, .num_local_experts = L->info.num_local_experts,
+        .first_local_expert = L->info.first_local_expert, .max_tokens = m->max_tokens, .dtype = L->info.dtype,
+        .param_dtype = L->param_dtype, .device = m->device, .expert_bias_dtype = MOERT_DTYPE_COUNT,
+        .ep_rank = L->ep_rank, .ep_size = L->ep_size, .etp_rank = L->etp_rank, .etp_size = L->etp_size,
+        .edp_rank = L->edp_rank, .edp_size = L->edp_size, .local_ffn_hidden = L->info.ffn_hidden};
     const moert_tensor *bias = ROUTER(L)->expert_bias ? ROUTER(L)->expert_bias(L->router.ctx) : NULL;
-    if (bias) out->expert_bias_dtype = bias->dtype;
+    if (bias) info.expert_bias_dtype = bias->dtype;
+    memcpy(out, &info, size);
     return MOERT_OK;
 }
 

@@ -23,7 +23,13 @@ void moert_memory_estimate_config(const moert_config *cfg, int world, int device
     /* doubles: the sizes are bounded (config.c), and products of them stay exact enough in a double */
     const double h = (double)m->hidden, f = (double)m->ffn_hidden, e = (double)m->num_experts, k = (double)m->topk;
     const double t = (double)cfg->train.tokens_per_rank, layers = (double)m->num_layers;
-    const double local_experts = (double)(m->num_experts / (world > 0 ? world : 1));
+    /* the MoE layers' grid (docs/parallel.md): a rank holds E/EP experts, each a shard of width F/ETP, and computes on
+     * the rows of its ETP group */
+    const int64_t etp = cfg->parallel.expert_tensor_parallel > 1 ? cfg->parallel.expert_tensor_parallel : 1;
+    const int64_t edp = cfg->parallel.expert_data_parallel > 1 ? cfg->parallel.expert_data_parallel : 1;
+    const int64_t ep = world / (etp * edp) > 0 ? world / (etp * edp) : 1;
+    const double local_experts = (double)(m->num_experts / ep);
+    const double fl = f / (double)etp, expert_rows = t * k * (double)etp;
     const double act = (double)moert_dtype_size(m->dtype);   /* activation storage */
     const double param = m->dtype == MOERT_F64 ? 8.0 : 4.0;  /* parameters are fp32 (fp64 with fp64 storage) */
     /* the CPU paths compute in double precision scratch; the CUDA paths in the storage dtype (or fp32) */
@@ -31,7 +37,7 @@ void moert_memory_estimate_config(const moert_config *cfg, int world, int device
     const double rows = t * k; /* rows dispatched to a rank, balanced routing */
 
     const double fs = (double)m->shared_expert_ffn_hidden; /* the shared expert's width, 0 without one */
-    const double params_per_layer = e * h + local_experts * 3.0 * h * f + 3.0 * h * fs + (m->shared_expert_gate ? h : 0.0);
+    const double params_per_layer = e * h + local_experts * 3.0 * h * fl + 3.0 * h * fs + (m->shared_expert_gate ? h : 0.0);
     out->parameters = layers * params_per_layer * param;
     out->gradients = out->parameters;
     out->optimizer = cfg->train.optimizer == MOERT_OPTIMIZER_SGD ? 0.0 : 2.0 * out->parameters;
@@ -39,7 +45,7 @@ void moert_memory_estimate_config(const moert_config *cfg, int world, int device
      * operands the precision plugin keeps for its weight gradients (as many again); then the residual stream
      * [layers + 1] and grad/target [T, H] on the device, the batch and its targets in fp64 on the host. (Measured on
      * the CPU paths: 1.0x to 1.45x the peak resident memory of a step.) */
-    out->activations = layers * (2.0 * rows * (h + 3.0 * f) * act + rows * 8.0 + t * k * 12.0) +
+    out->activations = layers * (2.0 * expert_rows * (h + 3.0 * fl) * act + expert_rows * 8.0 + t * k * 12.0) +
                        (layers + 4.0) * t * h * act + 2.0 * t * h * 8.0;
     /* the shared expert: its fc1 and SwiGLU outputs [T, 3Fs] kept per layer, its output [T, H] until added */
     out->activations += layers * t * (3.0 * fs + h) * act;
@@ -48,7 +54,7 @@ void moert_memory_estimate_config(const moert_config *cfg, int world, int device
     /* one layer at a time: the backward's transients and the GEMMs' converted operands [rows, 3F + H] in scratch
      * precision; every layer: the router's scores and their gradients [T, 4E], its input and input gradient [T, 2H]
      * and weights [E, 2H] in double precision */
-    out->workspace = rows * (3.0 * f + h) * scratch + layers * (t * (4.0 * e + 2.0 * h) + 2.0 * e * h) * 8.0 + 8192.0;
+    out->workspace = expert_rows * (3.0 * fl + h) * scratch + layers * (t * (4.0 * e + 2.0 * h) + 2.0 * e * h) * 8.0 + 8192.0;
     out->per_rank = out->parameters + out->gradients + out->optimizer + out->activations + out->dispatcher +
                     out->workspace;
     out->ranks_sharing = device == MOERT_DEVICE_CUDA ? 1 : world;

@@ -353,7 +353,9 @@ static moert_result rank_init(moert_rank *r, void *arg)
 #endif
     moert_stack_setup setup = {.cfg = cfg, .plugins = rt->plugins, .rank = r->rank, .world = rt->world,
                                .device = device, .max_tokens = cfg->train.tokens_per_rank, .comm = rt->comm,
-                               .pool = r->pool, .nccl = r->nccl, .stream = r->stream};
+                               .etp = (int)cfg->parallel.expert_tensor_parallel,
+                               .edp = (int)cfg->parallel.expert_data_parallel, .pool = r->pool, .nccl = r->nccl,
+                               .stream = r->stream};
     rc = moert_stack_init(&r->stack, &setup);
     r->core_host = r->stack.core_host;
     r->layers = r->stack.layers;
@@ -848,6 +850,15 @@ static moert_result rank_forward_backward(moert_rank *r, int64_t step)
                                              g->device, r->stream);
             if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(r->core_host));
         }
+    /* the experts are replicated over the expert-data-parallel group (docs/parallel.md): their gradients are the sum
+     * of every replica's share */
+    moert_comm_group *edp = r->stack.group[MOERT_AXIS_EDP];
+    for (int l = 0; l < nl && edp; l++)
+        for (int k = MOERT_PARAM_FC1; k <= MOERT_PARAM_FC2; k++) {
+            moert_tensor *g = &r->layers[l].params[k].grad;
+            MOERT_CHECK(moert_comm_allreduce_sum(edp, r->stack.coords.edp, g->data, (size_t)moert_tensor_numel(g),
+                                                 g->dtype));
+        }
     /* figures over all ranks (the router losses: the mean over ranks and micro-batches) */
     double sums[2] = {r->mse_sum, r->router_loss};
     MOERT_CHECK(allreduce(r, sums, 2, MOERT_F64));
@@ -1276,6 +1287,28 @@ int64_t moert_runtime_param_numel(const moert_runtime *rt, moert_param_id which)
     }
 }
 
+/* Whether rank r holds element `index` of the global expert weight `which` (fc1 [E,H,2F] or fc2 [E,F,H]), and where
+ * in its shard ([El,H,2F/ETP] with the gate columns of its range, then the up columns; [El,F/ETP,H]). */
+static bool expert_element_local(const moert_rank *r, moert_param_id which, int64_t index, int64_t *local)
+{
+    const moert_layer *L = &r->layers[0];
+    const int64_t h = L->info.hidden, fl = L->info.ffn_hidden, f = fl * L->etp_size;
+    const int64_t first = L->info.first_local_expert, el = L->info.num_local_experts;
+    const int64_t per_expert = h * f * (which == MOERT_PARAM_FC1 ? 2 : 1), e = index / per_expert - first;
+    const int64_t rest = index % per_expert;
+    if (e < 0 || e >= el) return false;
+    if (which == MOERT_PARAM_FC2) {
+        const int64_t row = rest / h;
+        if (row / fl != L->etp_rank) return false;
+        *local = (e * fl + row % fl) * h + rest % h;
+        return true;
+    }
+    const int64_t row = rest / (2 * f), col = rest % (2 * f), up = col >= f, in_half = col - up * f;
+    if (in_half / fl != L->etp_rank) return false;
+    *local = (e * h + row) * 2 * fl + up * fl + in_half % fl;
+    return true;
+}
+
 moert_result moert_runtime_param(moert_runtime *rt, int layer, moert_param_id which, int64_t index,
                                  moert_param_access access, double *value, double *grad)
 {
@@ -1286,14 +1319,13 @@ moert_result moert_runtime_param(moert_runtime *rt, int layer, moert_param_id wh
                            (long long)index, layer);
     if (rt->device_type != MOERT_DEVICE_CPU)
         return moert_error(MOERT_ERR_UNSUPPORTED, "parameter access is for CPU runs");
-    int64_t per_rank = moert_runtime_param_numel(rt, which) / rt->world;
     for (int i = 0; i < rt->world; i++) {
         moert_param *p = &rt->ranks[i].layers[layer].params[which];
         int64_t local = index;
-        if (which == MOERT_PARAM_FC1 || which == MOERT_PARAM_FC2) { /* split over ranks; the rest is replicated */
-            if (index / per_rank != i) continue;
-            local = index % per_rank;
-        }
+        /* the experts are split over EP and ETP ranks (replicated over EDP ranks); the rest is replicated */
+        if ((which == MOERT_PARAM_FC1 || which == MOERT_PARAM_FC2) &&
+            !expert_element_local(&rt->ranks[i], which, index, &local))
+            continue;
         if (access == MOERT_PARAM_WRITE) {
             moert_store(&p->value, local, *value);
         } else {

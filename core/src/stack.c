@@ -8,17 +8,53 @@
 
 #include "error.h"
 
-/* The layer description plugins of layer `layer` get. */
-static moert_layer_info layer_info_of(const moert_stack_setup *setup, int layer)
+/* The layer description plugins of layer `layer` get: the experts of the rank's expert-parallel rank, each of the
+ * width of its expert-tensor-parallel shard. */
+static moert_layer_info layer_info_of(const moert_stack *s, const moert_stack_setup *setup, int layer)
 {
     const moert_model_config *m = &setup->cfg->model;
-    int64_t local = m->num_experts / setup->world;
+    int64_t local = m->num_experts / s->layout.ep;
     moert_layer_info info = {
         .struct_size = sizeof info, .layer_index = layer, .num_layers = (int32_t)m->num_layers, .hidden = m->hidden,
-        .ffn_hidden = m->ffn_hidden, .num_experts = m->num_experts, .topk = m->topk, .num_local_experts = local,
-        .first_local_expert = local * setup->rank, .max_tokens = setup->max_tokens, .dtype = m->dtype,
-        .device = setup->device};
+        .ffn_hidden = m->ffn_hidden / s->layout.etp, .num_experts = m->num_experts, .topk = m->topk,
+        .num_local_experts = local, .first_local_expert = local * s->coords.ep, .max_tokens = setup->max_tokens,
+        .dtype = m->dtype, .device = setup->device};
     return info;
+}
+
+/* The rank's place in the ETP x EP x EDP grid and its three groups (docs/parallel.md). The layout was checked against
+ * the model by the config or moert_layers_create; ETP and EDP are refused on CUDA for now. */
+static moert_result expert_groups_init(moert_stack *s, const moert_stack_setup *setup)
+{
+    moert_result rc = MOERT_OK;
+    int *members = NULL;
+    const int etp = setup->etp > 1 ? setup->etp : 1, edp = setup->edp > 1 ? setup->edp : 1;
+    if (setup->world % (etp * edp) != 0)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "expert layout: expert tensor parallel %d x expert data "
+                           "parallel %d does not divide the %d ranks", etp, edp, setup->world);
+    if (setup->device.type == MOERT_DEVICE_CUDA && (etp > 1 || edp > 1))
+        return moert_error(MOERT_ERR_CONFIG, "config error at $.parallel.%s: got %d, but expert tensor and expert data "
+                           "parallelism ($.parallel.expert_tensor_parallel, $.parallel.expert_data_parallel) run on "
+                           "the CPU only for now; set both to 1 on CUDA",
+                           etp > 1 ? "expert_tensor_parallel" : "expert_data_parallel", etp > 1 ? etp : edp);
+    s->layout = (moert_expert_layout){.etp = etp, .ep = setup->world / (etp * edp), .edp = edp};
+    s->coords = moert_expert_coords_of(s->layout, setup->rank);
+    members = malloc((size_t)setup->world * sizeof *members);
+    MOERT_CHECK_ALLOC(members);
+    for (int a = 0; a < 3; a++) {
+        int size = moert_expert_axis_size(s->layout, (moert_expert_axis)a);
+        if (size == 1) continue; /* this rank alone: no communicator */
+        if (size == setup->world) {
+            s->group[a] = setup->comm;
+            continue;
+        }
+        moert_expert_group_members(s->layout, setup->rank, (moert_expert_axis)a, members);
+        MOERT_CHECK(moert_comm_subgroup_create(setup->comm, setup->rank, members, size, &s->group[a]));
+        s->group_owned[a] = true;
+    }
+fail:
+    free(members);
+    return rc;
 }
 
 static moert_instance *slot_instance(moert_layer *L, moert_slot s)
@@ -73,6 +109,7 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
     char who[256];
 
     memset(s, 0, sizeof *s);
+    MOERT_CHECK(expert_groups_init(s, setup));
     s->empty_options = json_object();
     MOERT_CHECK_ALLOC(s->empty_options);
     s->core_section = moert_section_create(s->empty_options, "$");
@@ -97,7 +134,14 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
 
     for (int l = 0; l < nl; l++) {
         moert_layer *L = &s->layers[l];
-        L->info = layer_info_of(setup, l);
+        L->info = layer_info_of(s, setup, l);
+        L->ep_rank = s->coords.ep;
+        L->ep_size = s->layout.ep;
+        L->etp_rank = s->coords.etp;
+        L->etp_size = s->layout.etp;
+        L->edp_rank = s->coords.edp;
+        L->edp_size = s->layout.edp;
+        L->etp_comm = s->group[MOERT_AXIS_ETP];
         L->core_host = s->core_host;
         L->stream = setup->stream;
         moert_act_store_init(&L->acts, s->core_host, setup->stream, L->info.device, l);
@@ -118,6 +162,11 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
             moert_host_setup hs = {.who = who, .options = sec, .comm = setup->comm, .rank = setup->rank,
                                    .world_size = setup->world, .device = L->info.device, .cuda_pool = setup->pool,
                                    .nccl = setup->nccl, .stream = setup->stream};
+            if (k == MOERT_SLOT_DISPATCHER) { /* the dispatcher works over the expert-parallel group alone */
+                hs.comm = s->group[MOERT_AXIS_EP];
+                hs.rank = s->coords.ep;
+                hs.world_size = s->layout.ep;
+            }
             MOERT_CHECK(moert_host_create(&hs, &s->hosts[l * MOERT_SLOT_COUNT + k]));
             moert_instance *inst = slot_instance(L, (moert_slot)k);
             inst->plugin = &setup->plugins[k];
@@ -164,6 +213,8 @@ void moert_stack_finalize(moert_stack *s)
     if (s->core_host) moert_host_free(s->core_host);
     if (s->core_section) moert_section_free(s->core_section);
     if (s->empty_options) json_decref(s->empty_options);
+    for (int a = 0; a < 3; a++)
+        if (s->group_owned[a]) moert_comm_group_free(s->group[a]);
     free(s->layers);
     free(s->hosts);
     free(s->sections);

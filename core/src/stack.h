@@ -5,6 +5,7 @@
 #define MOERT_CORE_STACK_H
 
 #include "executor.h"
+#include "expert_layout.h"
 #include "host.h"
 
 /* What the layers of one rank run on. */
@@ -14,7 +15,10 @@ typedef struct moert_stack_setup {
     int rank, world;
     moert_device device;
     int64_t max_tokens;             /* tokens per forward on this rank, an upper bound */
-    moert_comm_group *comm;         /* host-memory collectives; NULL for a world of one or NCCL alone */
+    moert_comm_group *comm;         /* host-memory collectives of the world; NULL for a world of one or NCCL alone */
+    /* the MoE layers' grid over the world (docs/parallel.md): expert tensor and expert data parallel sizes (0 or 1:
+     * none); expert parallel is world / (etp x edp). ETP or EDP > 1 runs on the CPU only for now. */
+    int etp, edp;
     struct moert_cuda_pool *pool;   /* CUDA ranks (NULL on the CPU) */
     struct moert_nccl_comm *nccl;   /* CUDA ranks */
     moert_stream stream;            /* CUDA ranks: the compute stream */
@@ -31,6 +35,12 @@ typedef struct moert_stack {
     /* the shared expert's precision instance of each layer (NULL entries without a shared expert) */
     moert_section **shared_sections; /* [num_layers] */
     moert_host **shared_hosts;       /* [num_layers] */
+    /* the rank's expert groups (docs/parallel.md): the world's communicator itself when a group is every rank, a
+     * subgroup view of it (owned) when smaller, NULL when the group is this rank alone */
+    moert_expert_layout layout;
+    moert_expert_coords coords;
+    moert_comm_group *group[3];      /* [moert_expert_axis] */
+    bool group_owned[3];
 } moert_stack;
 
 /* Creates the rank's core services and one instance of every plugin per layer; on failure what was made is kept for

@@ -21,8 +21,9 @@
 extern "C" {
 #endif
 
-/* Version of the embedding API below: 1 is the first. Appended functions and struct members raise it. */
-#define MOERT_API_VERSION 1
+/* Version of the embedding API below: 1 is the first. Appended functions and struct members raise it. 2: the expert
+ * layout in moert_launch and moert_layers_info (MoE Parallel Folding, docs/parallel.md). */
+#define MOERT_API_VERSION 2
 MOERT_API int moert_api_version(void);
 
 typedef struct moert_config moert_config;
@@ -78,12 +79,19 @@ MOERT_API void moert_comm_destroy(moert_comm *comm);
 
 /* Where and as what this process runs one rank. */
 typedef struct moert_launch {
-    uint32_t struct_size;  /* sizeof(moert_launch) */
-    int32_t rank;          /* in the expert-parallel group, 0 .. world_size-1 */
-    int32_t world_size;    /* the group's size: $.model.num_experts must divide by it ($.parallel.ranks is ignored) */
+    uint32_t struct_size;  /* sizeof(moert_launch); the size of API version 1 (up to max_tokens) is accepted too */
+    int32_t rank;          /* in the world, 0 .. world_size-1 */
+    int32_t world_size;    /* every rank of the layers ($.parallel.ranks is ignored); with the default layout the
+                              expert-parallel group, and $.model.num_experts must divide by it */
     moert_device device;   /* moert_cpu(), or {MOERT_DEVICE_CUDA, ordinal} */
-    moert_comm *comm;      /* NULL only when world_size is 1; borrowed, must outlive the layers */
+    moert_comm *comm;      /* the world's; NULL only when world_size is 1; borrowed, must outlive the layers */
     int64_t max_tokens;    /* tokens per forward on this rank, an upper bound; 0: $.train.tokens_per_rank */
+    /* API version 2: the MoE layers' own grid over the world (MoE Parallel Folding, docs/parallel.md), in Megatron's
+     * expert rank order: rank = etp + ETP * (ep + EP * edp), EP = world_size / (ETP x EDP). 0 or 1: none. Each rank
+     * holds E/EP experts, each a shard of F/ETP of their width; experts are replicated over the EDP ranks. The
+     * config's $.parallel.expert_* keys are ignored, as $.parallel.ranks is. ETP or EDP > 1: CPU ranks only for now. */
+    int32_t expert_tensor_parallel;
+    int32_t expert_data_parallel;
 } moert_launch;
 
 typedef struct moert_layers moert_layers;
@@ -96,7 +104,7 @@ MOERT_API void moert_layers_destroy(moert_layers *layers);
 
 /* The model's sizes as this rank sees them. */
 typedef struct moert_layers_info {
-    uint32_t struct_size;
+    uint32_t struct_size;    /* sizeof(moert_layers_info), or the size of API version 1 (up to expert_bias_dtype) */
     int32_t num_layers;
     int32_t rank, world_size;
     int64_t hidden, ffn_hidden, num_experts, topk;
@@ -106,6 +114,10 @@ typedef struct moert_layers_info {
     moert_dtype param_dtype; /* parameters and their gradients: fp32 (fp64 when dtype is fp64) */
     moert_device device;
     moert_dtype expert_bias_dtype; /* the dtype the router keeps its expert bias in; MOERT_DTYPE_COUNT: it keeps none */
+    /* API version 2: the rank's place in the expert grid (docs/parallel.md) and its experts' width here. ffn_hidden
+     * above is the model's F; the fc1 and fc2 shards are local_ffn_hidden = F / etp_size wide. */
+    int32_t ep_rank, ep_size, etp_rank, etp_size, edp_rank, edp_size;
+    int64_t local_ffn_hidden;
 } moert_layers_info;
 MOERT_API moert_result moert_layers_get_info(const moert_layers *layers, moert_layers_info *out);
 
@@ -185,7 +197,9 @@ typedef struct moert_backward_options {
 } moert_backward_options;
 
 /* dx = d(loss)/dx from dy = d(loss)/dy, and the parameter gradients (into the bound grad tensors; the router
- * weight's and the shared expert's are this rank's share: reduce them over ranks like any replicated parameter). Consumes and frees saved.
+ * weight's and the shared expert's are this rank's share: reduce them over every rank like any replicated parameter;
+ * with expert data parallelism the experts' fc1 and fc2 are this replica's share: reduce them over the rank's EDP
+ * group, docs/api.md). Consumes and frees saved.
  * dx may not alias dy. Collective. opts NULL: router_loss_scale 1, accumulate true. */
 MOERT_API moert_result moert_moe_backward(moert_layers *layers, moert_saved *saved, const moert_tensor *dy,
                                           moert_tensor *dx, const moert_backward_options *opts, moert_stream stream);
