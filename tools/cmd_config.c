@@ -237,8 +237,15 @@ static int finish(import_state *st)
     set_key(st->root, "model.num_layers", json_integer(1));
     set_key(st->root, "model.dtype", json_string(st->bf16 || st->fp8_format ? "bf16" : "fp32"));
     if (st->shared_ffn > 0) set_key(st->root, "model.shared_expert_ffn_hidden", json_integer(st->shared_ffn));
-    if (st->etp > 1)
-        return fail("%s > 1: expert tensor parallelism is not supported yet%s", "--expert-tensor-parallel-size", "");
+    /* expert tensor parallelism (parallel folding, docs/parallel.md): the MoE ranks are EP x ETP */
+    if (st->etp > 1) {
+        json_t *parallel = json_object_get(st->root, "parallel");
+        json_t *ep = parallel ? json_object_get(parallel, "ranks") : NULL;
+        long long ep_size = ep ? (long long)json_integer_value(ep) : 1;
+        set_key(st->root, "parallel.expert_parallel", json_integer(ep_size));
+        set_key(st->root, "parallel.expert_tensor_parallel", json_integer(st->etp));
+        set_key(st->root, "parallel.ranks", json_integer(ep_size * st->etp));
+    }
 
     /* router: Megatron's balancing default is aux_loss with coefficient 0, which does nothing: none in moert */
     set_key(st->root, "router.plugin", json_string("topk"));

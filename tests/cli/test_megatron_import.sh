@@ -67,6 +67,15 @@ assert r["capacity_factor"] == 1.5 and r["drop_policy"] == "position" and r["pad
 assert d == {"plugin": "alltoall", "pad_to_capacity": True, "capacity_factor": 1.5}, d
 PY
 "$moert" check "$tmp/router.json" >"$tmp/router.check" 2>&1 || fail "imported router options refused: $(cat "$tmp/router.check")"
+# expert tensor parallelism: EP x ETP ranks (parallel folding)
+"$moert" config --from-megatron "${base[@]}" --expert-model-parallel-size 2 --expert-tensor-parallel-size 2 \
+    >"$tmp/etp.json" 2>&1 || fail "ETP import: $(cat "$tmp/etp.json")"
+python3 - "$tmp/etp.json" <<'PY' || fail "ETP mapping"
+import json, sys
+p = json.load(open(sys.argv[1]))["parallel"]
+assert p["ranks"] == 4 and p["expert_parallel"] == 2 and p["expert_tensor_parallel"] == 2, p
+PY
+"$moert" check "$tmp/etp.json" >"$tmp/etp.check" 2>&1 || fail "imported ETP layout refused: $(cat "$tmp/etp.check")"
 # Megatron's default dispatcher, allgather, when the flag is left out
 "$moert" config --from-megatron --num-experts 8 --hidden-size 64 --moe-ffn-hidden-size 32 >"$tmp/allgather.json" 2>&1 ||
     fail "default dispatcher import: $(cat "$tmp/allgather.json")"
