@@ -3,7 +3,7 @@
  * gradients) under one of three scaling recipes (current, delayed, blockwise). This file: vtable, options, argument
  * checks, the delayed recipe's per-step update and the CUDA path's state; the quantization and the CPU GEMMs are in
  * precision_fp8_cpu.c (the reference), the FP8 conversions in fp8_convert.c, the CUDA kernels and cuBLASLt FP8
- * GEMMs in precision_fp8_cuda.cu. */
+ * GEMMs behind precision_fp8_cuda.h (its files are listed in precision_fp8_cuda_internal.h). */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
