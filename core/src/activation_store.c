@@ -11,11 +11,11 @@
 #endif
 
 /* A failed host service call as a core error naming what the store was doing (and the activation, if any:
- * a < MOERT_ACT_COUNT). */
-static moert_result host_failed(const moert_activation_store *S, moert_result rc, const char *what, moert_activation a)
+ * a < MOERT_STORE_SLOTS). */
+static moert_result host_failed(const moert_activation_store *S, moert_result rc, const char *what, int a)
 {
-    return moert_error(rc, "%s%s%s of layer %d (rank %d): %s", what, a < MOERT_ACT_COUNT ? " " : "",
-                       a < MOERT_ACT_COUNT ? moert_activation_name(a) : "", S->layer_index, S->host->rank,
+    return moert_error(rc, "%s%s%s of layer %d (rank %d): %s", what, a < MOERT_STORE_SLOTS ? " " : "",
+                       a < MOERT_STORE_SLOTS ? moert_act_store_slot_name(a) : "", S->layer_index, S->host->rank,
                        moert_host_take_error((moert_host *)S->host));
 }
 
@@ -28,6 +28,22 @@ static moert_result host_failed(const moert_activation_store *S, moert_result rc
         }                                                                                                     \
     } while (0)
 
+const char *moert_act_store_slot_name(int a)
+{
+    if (a >= 0 && a < MOERT_ACT_COUNT) return moert_activation_name((moert_activation)a);
+    if (a == MOERT_STORE_SHARED_FC1_OUT) return "shared_fc1_out";
+    if (a == MOERT_STORE_SHARED_ACT) return "shared_act";
+    return "unknown";
+}
+
+/* The stream slot a is produced and used on. */
+static moert_stream stream_of(const moert_activation_store *S, int a)
+{
+    return S->slot_stream[a] ? S->slot_stream[a] : S->stream;
+}
+
+void moert_act_store_set_stream(moert_activation_store *S, int a, moert_stream stream) { S->slot_stream[a] = stream; }
+
 static void tensor_release(moert_activation_store *S, moert_tensor *t)
 {
     if (t->data) S->host->free(S->host, t->device, t->data);
@@ -35,7 +51,7 @@ static void tensor_release(moert_activation_store *S, moert_tensor *t)
 }
 
 /* Whether the D2H copy of activation a has finished (on the CPU it was synchronous). */
-static moert_result offload_done(const moert_activation_store *S, moert_activation a, bool *done)
+static moert_result offload_done(const moert_activation_store *S, int a, bool *done)
 {
     *done = true;
 #ifdef MOERT_HAVE_CUDA
@@ -54,7 +70,7 @@ void moert_act_store_init(moert_activation_store *S, const moert_host *host, moe
     S->layer_index = layer_index;
 }
 
-moert_result moert_act_store_alloc(moert_activation_store *S, moert_activation a, moert_dtype dtype, int64_t rows,
+moert_result moert_act_store_alloc(moert_activation_store *S, int a, moert_dtype dtype, int64_t rows,
                                    int64_t cols)
 {
     moert_tensor *t = &S->saved[a];
@@ -62,7 +78,7 @@ moert_result moert_act_store_alloc(moert_activation_store *S, moert_activation a
     size_t bytes = moert_tensor_bytes(t);
     moert_result rc = S->host->alloc(S->host, S->device, bytes ? bytes : 1, &t->data);
     if (rc != MOERT_OK)
-        return moert_error(rc, "allocating %zu bytes for %s of layer %d: %s", bytes, moert_activation_name(a),
+        return moert_error(rc, "allocating %zu bytes for %s of layer %d: %s", bytes, moert_act_store_slot_name(a),
                            S->layer_index, moert_host_take_error((moert_host *)S->host));
     S->place[a] = MOERT_PLACE_DEVICE;
     return MOERT_OK;
@@ -74,8 +90,8 @@ static moert_result sync_copy_streams(moert_activation_store *S)
     moert_result rc = MOERT_OK;
     const moert_host *h = S->host;
     if (!S->copy_streams_ready) return MOERT_OK;
-    HOST_CALL(h->stream_synchronize(h, S->d2h_stream), "synchronizing the offload stream", MOERT_ACT_COUNT);
-    HOST_CALL(h->stream_synchronize(h, S->h2d_stream), "synchronizing the reload stream", MOERT_ACT_COUNT);
+    HOST_CALL(h->stream_synchronize(h, S->d2h_stream), "synchronizing the offload stream", MOERT_STORE_SLOTS);
+    HOST_CALL(h->stream_synchronize(h, S->h2d_stream), "synchronizing the reload stream", MOERT_STORE_SLOTS);
 fail:
     return rc;
 }
@@ -88,25 +104,25 @@ static moert_result ensure_copy_streams(moert_activation_store *S)
     if (S->copy_streams_ready) return MOERT_OK;
     /* created one by one; on failure the ones made so far are destroyed */
     moert_stream d2h = NULL, h2d = NULL;
-    moert_event compute = NULL, offload[MOERT_ACT_COUNT] = {NULL}, reload[MOERT_ACT_COUNT] = {NULL};
-    HOST_CALL(h->stream_create(h, &d2h), "creating the offload stream", MOERT_ACT_COUNT);
-    HOST_CALL(h->stream_create(h, &h2d), "creating the reload stream", MOERT_ACT_COUNT);
-    HOST_CALL(h->event_create(h, &compute), "creating the offload events", MOERT_ACT_COUNT);
-    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
-        HOST_CALL(h->event_create(h, &offload[a]), "creating the offload events", MOERT_ACT_COUNT);
-        HOST_CALL(h->event_create(h, &reload[a]), "creating the offload events", MOERT_ACT_COUNT);
+    moert_event compute = NULL, offload[MOERT_STORE_SLOTS] = {NULL}, reload[MOERT_STORE_SLOTS] = {NULL};
+    HOST_CALL(h->stream_create(h, &d2h), "creating the offload stream", MOERT_STORE_SLOTS);
+    HOST_CALL(h->stream_create(h, &h2d), "creating the reload stream", MOERT_STORE_SLOTS);
+    HOST_CALL(h->event_create(h, &compute), "creating the offload events", MOERT_STORE_SLOTS);
+    for (int a = 0; a < MOERT_STORE_SLOTS; a++) {
+        HOST_CALL(h->event_create(h, &offload[a]), "creating the offload events", MOERT_STORE_SLOTS);
+        HOST_CALL(h->event_create(h, &reload[a]), "creating the offload events", MOERT_STORE_SLOTS);
     }
     S->d2h_stream = d2h;
     S->h2d_stream = h2d;
     S->compute_event = compute;
-    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
+    for (int a = 0; a < MOERT_STORE_SLOTS; a++) {
         S->offload_event[a] = offload[a];
         S->reload_event[a] = reload[a];
     }
     S->copy_streams_ready = true;
     return MOERT_OK;
 fail:
-    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
+    for (int a = 0; a < MOERT_STORE_SLOTS; a++) {
         if (offload[a]) h->event_destroy(h, offload[a]);
         if (reload[a]) h->event_destroy(h, reload[a]);
     }
@@ -116,13 +132,13 @@ fail:
     return rc;
 }
 
-/* Makes copy_stream wait for everything queued on the compute stream so far. */
-static moert_result order_after_compute(moert_activation_store *S, moert_stream copy_stream, moert_activation a)
+/* Makes copy_stream wait for everything queued on `after` (the compute stream, or a slot's own stream) so far. */
+static moert_result order_after(moert_activation_store *S, moert_stream copy_stream, moert_stream after, int a)
 {
     moert_result rc = MOERT_OK;
     const moert_host *h = S->host;
     /* a wait takes the event's latest record at the time of the call, so one event serves every such order */
-    HOST_CALL(h->event_record(h, S->compute_event, S->stream), "ordering the copy of", a);
+    HOST_CALL(h->event_record(h, S->compute_event, after), "ordering the copy of", a);
     HOST_CALL(h->stream_wait_event(h, copy_stream, S->compute_event), "ordering the copy of", a);
 fail:
     return rc;
@@ -130,7 +146,7 @@ fail:
 
 /* Pinned host room for `bytes` of activation a: kept across steps, grown (by an eighth more than asked, so a step
  * whose capacity grows a little does not allocate again) only when a step needs more. */
-static moert_result reserve_pinned(moert_activation_store *S, moert_activation a, size_t bytes)
+static moert_result reserve_pinned(moert_activation_store *S, int a, size_t bytes)
 {
     moert_result rc = MOERT_OK;
     const moert_host *h = S->host;
@@ -162,7 +178,7 @@ void moert_act_store_begin_forward(moert_activation_store *S)
 /* Offload: the D2H stream is ordered after the compute stream's work so far (the activation's production), and the
  * copy into the pinned buffer is issued on it at once, or, under defer_start, queued for start_offloads. Either way
  * it overlaps the compute that follows. */
-moert_result moert_act_store_put(moert_activation_store *S, moert_activation a, moert_memory_action action)
+moert_result moert_act_store_put(moert_activation_store *S, int a, moert_memory_action action)
 {
     moert_result rc = MOERT_OK;
     S->saved_bytes[a] = (int64_t)moert_tensor_bytes(&S->saved[a]);
@@ -174,13 +190,13 @@ moert_result moert_act_store_put(moert_activation_store *S, moert_activation a, 
     case MOERT_MEMORY_OFFLOAD:
         MOERT_CHECK(ensure_copy_streams(S));
         MOERT_CHECK(reserve_pinned(S, a, moert_tensor_bytes(&S->saved[a])));
-        MOERT_CHECK(order_after_compute(S, S->d2h_stream, a));
+        MOERT_CHECK(order_after(S, S->d2h_stream, stream_of(S, a), a)); /* after the stream that produced it */
         S->offload_queued[a] = true;
         if (!S->defer_start) MOERT_CHECK(moert_act_store_start_offloads(S));
         break;
     default:
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "unknown memory action %d for %s", (int)action,
-                           moert_activation_name(a));
+                           moert_act_store_slot_name(a));
     }
 fail:
     return rc;
@@ -191,20 +207,20 @@ moert_result moert_act_store_start_offloads(moert_activation_store *S)
 {
     moert_result rc = MOERT_OK;
     const moert_host *h = S->host;
-    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
+    for (int a = 0; a < MOERT_STORE_SLOTS; a++) {
         if (!S->offload_queued[a]) continue;
         const moert_tensor *t = S->offload_pending[a].data ? &S->offload_pending[a] : &S->saved[a];
         HOST_CALL(h->memcpy_async(h, S->pinned[a], moert_cpu(), t->data, t->device, moert_tensor_bytes(t),
                                   S->d2h_stream),
-                  "offloading", (moert_activation)a);
-        HOST_CALL(h->event_record(h, S->offload_event[a], S->d2h_stream), "offloading", (moert_activation)a);
+                  "offloading", a);
+        HOST_CALL(h->event_record(h, S->offload_event[a], S->d2h_stream), "offloading", a);
         S->offload_queued[a] = false;
     }
 fail:
     return rc;
 }
 
-void moert_act_store_after_last_use(moert_activation_store *S, moert_activation a)
+void moert_act_store_after_last_use(moert_activation_store *S, int a)
 {
     switch (S->action[a]) {
     case MOERT_MEMORY_RECOMPUTE:
@@ -227,7 +243,7 @@ void moert_act_store_after_last_use(moert_activation_store *S, moert_activation 
 
 moert_result moert_act_store_end_forward(moert_activation_store *S)
 {
-    for (int a = 0; a < MOERT_ACT_COUNT; a++) S->kept_bytes_peak += S->held_bytes[a];
+    for (int a = 0; a < MOERT_STORE_SLOTS; a++) S->kept_bytes_peak += S->held_bytes[a];
     return S->defer_release ? MOERT_OK : moert_act_store_release_offloaded(S);
 }
 
@@ -236,12 +252,15 @@ moert_result moert_act_store_release_offloaded(moert_activation_store *S)
     moert_result rc = MOERT_OK;
     const moert_host *h = S->host;
     MOERT_CHECK(moert_act_store_start_offloads(S)); /* a buffer is never freed before its copy */
-    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
+    for (int a = 0; a < MOERT_STORE_SLOTS; a++) {
         if (!S->offload_pending[a].data) continue;
         /* the pool hands a block freed on the compute stream to the next compute-stream request at once: the
          * compute stream must first wait for the D2H copy still reading it */
         HOST_CALL(h->stream_wait_event(h, S->stream, S->offload_event[a]), "waiting for the offload copy of",
-                  (moert_activation)a);
+                  a);
+        if (stream_of(S, a) != S->stream) /* a shared expert's slot may be freed on its own stream */
+            HOST_CALL(h->stream_wait_event(h, stream_of(S, a), S->offload_event[a]),
+                      "waiting for the offload copy of", a);
         tensor_release(S, &S->offload_pending[a]);
     }
 fail:
@@ -250,10 +269,10 @@ fail:
 
 moert_result moert_act_store_release_finished(moert_activation_store *S)
 {
-    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
+    for (int a = 0; a < MOERT_STORE_SLOTS; a++) {
         if (!S->offload_pending[a].data || S->offload_queued[a]) continue;
         bool done = true;
-        moert_result rc = offload_done(S, (moert_activation)a, &done);
+        moert_result rc = offload_done(S, a, &done);
         if (rc != MOERT_OK) return rc;
         if (done) tensor_release(S, &S->offload_pending[a]);
     }
@@ -264,7 +283,7 @@ moert_result moert_act_store_release_finished(moert_activation_store *S)
  * pool may hand out a block that work still uses) and after its D2H copy. When the D2H copy has not finished yet, its
  * device buffer was never freed: that buffer is used as it is (the offload is cancelled and counted as kept), so
  * neither stream waits for a copy that could not hide behind the forward. */
-static moert_result start_reload(moert_activation_store *S, moert_activation a)
+static moert_result start_reload(moert_activation_store *S, int a)
 {
     moert_result rc = MOERT_OK;
     const moert_host *h = S->host;
@@ -286,7 +305,8 @@ static moert_result start_reload(moert_activation_store *S, moert_activation a)
     /* the same shape as when it was saved: saved_bytes[a] over the pinned copy */
     moert_tensor *t = &S->saved[a];
     MOERT_CHECK(moert_act_store_alloc(S, a, t->dtype, t->shape[0], t->shape[1]));
-    MOERT_CHECK(order_after_compute(S, S->h2d_stream, a));
+    MOERT_CHECK(order_after(S, S->h2d_stream, S->stream, a));
+    if (stream_of(S, a) != S->stream) MOERT_CHECK(order_after(S, S->h2d_stream, stream_of(S, a), a));
     HOST_CALL(h->stream_wait_event(h, S->h2d_stream, S->offload_event[a]), "reloading", a);
     HOST_CALL(h->memcpy_async(h, t->data, t->device, S->pinned[a], moert_cpu(), moert_tensor_bytes(t), S->h2d_stream),
               "reloading", a);
@@ -299,13 +319,13 @@ fail:
 moert_result moert_act_store_prefetch(moert_activation_store *S)
 {
     moert_result rc = MOERT_OK;
-    for (int a = 0; a < MOERT_ACT_COUNT; a++)
-        if (S->place[a] == MOERT_PLACE_HOST) MOERT_CHECK(start_reload(S, (moert_activation)a));
+    for (int a = 0; a < MOERT_STORE_SLOTS; a++)
+        if (S->place[a] == MOERT_PLACE_HOST) MOERT_CHECK(start_reload(S, a));
 fail:
     return rc;
 }
 
-moert_result moert_act_store_get(moert_activation_store *S, moert_activation a, bool *dropped)
+moert_result moert_act_store_get(moert_activation_store *S, int a, bool *dropped)
 {
     moert_result rc = MOERT_OK;
     const moert_host *h = S->host;
@@ -321,7 +341,7 @@ moert_result moert_act_store_get(moert_activation_store *S, moert_activation a, 
         if (S->place[a] == MOERT_PLACE_DEVICE) return MOERT_OK; /* the offload was cancelled */
         /* fall through */
     case MOERT_PLACE_LOADING:
-        HOST_CALL(h->stream_wait_event(h, S->stream, S->reload_event[a]), "waiting for the reload of", a);
+        HOST_CALL(h->stream_wait_event(h, stream_of(S, a), S->reload_event[a]), "waiting for the reload of", a);
         S->place[a] = MOERT_PLACE_DEVICE;
         return MOERT_OK;
     }
@@ -329,17 +349,17 @@ fail:
     return rc;
 }
 
-void moert_act_store_done(moert_activation_store *S, moert_activation a) { tensor_release(S, &S->saved[a]); }
+void moert_act_store_done(moert_activation_store *S, int a) { tensor_release(S, &S->saved[a]); }
 
 moert_result moert_act_store_release(moert_activation_store *S)
 {
     moert_result rc = MOERT_OK;
     const moert_host *h = S->host;
     MOERT_CHECK(moert_act_store_release_offloaded(S));
-    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
+    for (int a = 0; a < MOERT_STORE_SLOTS; a++) {
         if (S->place[a] == MOERT_PLACE_LOADING)
             HOST_CALL(h->stream_wait_event(h, S->stream, S->reload_event[a]), "waiting for the reload copy of",
-                      (moert_activation)a);
+                      a);
         tensor_release(S, &S->saved[a]);
         S->place[a] = MOERT_PLACE_DEVICE;
     }
@@ -354,14 +374,14 @@ void moert_act_store_free(moert_activation_store *S)
     /* copies in flight read or write buffers freed below */
     if (sync_copy_streams(S) != MOERT_OK) moert_error_clear();
     if (moert_act_store_release(S) != MOERT_OK) moert_error_clear();
-    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
+    for (int a = 0; a < MOERT_STORE_SLOTS; a++) {
         if (S->pinned[a]) h->free_pinned(h, S->pinned[a]);
         S->pinned[a] = NULL;
         S->pinned_capacity[a] = 0;
     }
     S->pinned_bytes = 0;
     if (S->copy_streams_ready) {
-        for (int a = 0; a < MOERT_ACT_COUNT; a++) {
+        for (int a = 0; a < MOERT_STORE_SLOTS; a++) {
             h->event_destroy(h, S->offload_event[a]);
             h->event_destroy(h, S->reload_event[a]);
         }

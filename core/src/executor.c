@@ -514,8 +514,6 @@ static moert_result release_saved(moert_layer *L)
     tensor_release(L, &L->shared_dx);
     tensor_release(L, &L->shared_dprob);
     tensor_release(L, &L->shared_rows);
-    tensor_release(L, &L->shared_fc1_out);
-    tensor_release(L, &L->shared_act);
     tensor_release(L, &L->shared_prob);
     MOERT_CHECK(moert_act_store_release(&L->acts));
 fail:
@@ -582,9 +580,9 @@ bool moert_layer_graph_capturable(const moert_layer *L, char *why, size_t why_si
                  instance_flags(inst[i]) & MOERT_CAP_NEEDS_HOST_SYNC ? " (it synchronises the host)" : "");
         return false;
     }
-    for (int a = 0; a < MOERT_ACT_COUNT; a++) {
+    for (int a = 0; a < MOERT_STORE_SLOTS; a++) {
         if (L->acts.action[a] == MOERT_MEMORY_KEEP) continue;
-        snprintf(why, why_size, "the memory policy offloads or recomputes %s", moert_activation_name((moert_activation)a));
+        snprintf(why, why_size, "the memory policy offloads or recomputes %s", moert_act_store_slot_name(a));
         return false;
     }
     return true;
@@ -735,19 +733,25 @@ static moert_result alloc_activation(moert_layer *L, moert_activation a)
     return moert_act_store_alloc(&L->acts, a, L->info.dtype, expert_rows(L), cols[a]);
 }
 
-/* Right after activation a is produced: asks the memory policy what to do with it and hands the answer to the
- * activation store (which starts an offload's copy at once). */
-static moert_result decide_action(moert_layer *L, moert_activation a)
+/* Right after activation a (a store slot) is produced: asks the memory policy what to do with it and hands the answer
+ * to the activation store (which starts an offload's copy at once). The shared expert's fc1 and SwiGLU outputs are
+ * asked about as fc1_out and swiglu_out, flagged MOERT_ACTIVATION_SHARED_EXPERT: a policy that does not read the flag
+ * treats them as the routed experts' (docs/executor.md, "Shared expert"). */
+static moert_result decide_action(moert_layer *L, int a)
 {
     moert_result rc = MOERT_OK;
     moert_memory_action action = MOERT_MEMORY_KEEP;
-    moert_activation_info info = {.struct_size = sizeof info, .layer_index = L->info.layer_index, .activation = a,
+    const bool shared = a >= MOERT_ACT_COUNT;
+    moert_activation asked = !shared                            ? (moert_activation)a
+                             : a == MOERT_STORE_SHARED_FC1_OUT ? MOERT_ACT_FC1_OUT
+                                                                : MOERT_ACT_SWIGLU_OUT;
+    moert_activation_info info = {.struct_size = sizeof info, .layer_index = L->info.layer_index, .activation = asked,
                                   .bytes = (int64_t)moert_tensor_bytes(moert_act_store_tensor(&L->acts, a)),
-                                  .device = L->info.device};
+                                  .device = L->info.device, .flags = shared ? MOERT_ACTIVATION_SHARED_EXPERT : 0u};
     PLUGIN_CALL(L->memory, "decide", MEMORY(L)->decide(L->memory.ctx, &info, &action));
     if (action != MOERT_MEMORY_KEEP && action != MOERT_MEMORY_RECOMPUTE && action != MOERT_MEMORY_OFFLOAD) {
         rc = moert_error(MOERT_ERR_INVALID_ARGUMENT, "memory policy \"%s\" answered action %d for %s",
-                         L->memory.plugin->header->name, (int)action, moert_activation_name(a));
+                         L->memory.plugin->header->name, (int)action, moert_act_store_slot_name(a));
         goto fail;
     }
     MOERT_CHECK(moert_act_store_put(&L->acts, a, action));
@@ -851,8 +855,41 @@ fail:
     return rc;
 }
 
+/* The shared expert's fc1 output (from the layer input x) or its SwiGLU output (from the fc1 output and the prob) into
+ * a new buffer of its store slot, on stream s: the forward, and the recomputation of a dropped one in backward. */
+static moert_result shared_compute(moert_layer *L, int a, const moert_tensor *x, moert_stream s)
+{
+    moert_result rc = MOERT_OK;
+    const int64_t t = L->shared_rows_host;
+    moert_tensor *fc1_out = moert_act_store_tensor(&L->acts, MOERT_STORE_SHARED_FC1_OUT);
+    if (a == MOERT_STORE_SHARED_FC1_OUT) {
+        MOERT_CHECK(moert_act_store_alloc(&L->acts, a, L->info.dtype, t, 2 * L->shared_ffn));
+        MOERT_CHECK(gemm_of(L, true, s, MOERT_GEMM_FC1, MOERT_GEMM_FORWARD, x, NULL, fc1_out, NULL));
+    } else {
+        MOERT_CHECK(moert_act_store_alloc(&L->acts, a, L->info.dtype, t, L->shared_ffn));
+        MOERT_CHECK(moert_swiglu_forward(s, fc1_out, &L->shared_prob, t, moert_act_store_tensor(&L->acts, a)));
+    }
+fail:
+    return rc;
+}
+
+/* Makes a shared expert's slot usable on its stream s in backward: waits for its reload, or recomputes it (the SwiGLU
+ * output from the fc1 output, which is then made usable first). */
+static moert_result shared_materialize(moert_layer *L, int a, moert_stream s)
+{
+    moert_result rc = MOERT_OK;
+    bool dropped = false;
+    MOERT_CHECK(moert_act_store_get(&L->acts, a, &dropped));
+    if (!dropped) return MOERT_OK;
+    if (a == MOERT_STORE_SHARED_ACT) MOERT_CHECK(shared_materialize(L, MOERT_STORE_SHARED_FC1_OUT, s));
+    MOERT_CHECK(shared_compute(L, a, &L->x, s));
+fail:
+    return rc;
+}
+
 /* The shared expert's forward, issued on its stream: shared_out = fc2(swiglu(fc1(x)) * prob) over every token, prob
- * 1 or sigmoid(x . gate); its activations stay on the device for the backward. shared_forward_finish adds it to y. */
+ * 1 or sigmoid(x . gate). Its fc1 and SwiGLU outputs go to the activation store as the memory policy answers (their
+ * copies ordered after this stream). shared_forward_finish adds the output to y. */
 static moert_result shared_forward_issue(moert_layer *L, const moert_tensor *x)
 {
     moert_result rc = MOERT_OK, rc_end = MOERT_OK;
@@ -860,21 +897,26 @@ static moert_result shared_forward_issue(moert_layer *L, const moert_tensor *x)
     const int64_t t = x->shape[0];
     moert_stream s = NULL;
     MOERT_CHECK(shared_begin(L, &s));
+    moert_act_store_set_stream(&L->acts, MOERT_STORE_SHARED_FC1_OUT, L->shared_stream);
+    moert_act_store_set_stream(&L->acts, MOERT_STORE_SHARED_ACT, L->shared_stream);
     /* one group of t rows, its count on the host and on the device (written by a kernel: graph-capturable) */
     L->shared_rows_host = t;
     MOERT_CHECK(tensor_alloc(L, &L->shared_rows, MOERT_I64, 1, 1, 0, 0));
     MOERT_CHECK(moert_fill(s, &L->shared_rows, (double)t));
-    MOERT_CHECK(tensor_alloc(L, &L->shared_fc1_out, in->dtype, 2, t, 2 * L->shared_ffn, 0));
-    MOERT_CHECK(gemm_of(L, true, s, MOERT_GEMM_FC1, MOERT_GEMM_FORWARD, x, NULL, &L->shared_fc1_out, NULL));
+    MOERT_CHECK(shared_compute(L, MOERT_STORE_SHARED_FC1_OUT, x, s));
+    MOERT_CHECK(decide_action(L, MOERT_STORE_SHARED_FC1_OUT));
     MOERT_CHECK(tensor_alloc(L, &L->shared_prob, L->param_dtype, 1, t, 0, 0));
     if (L->shared_gate)
         MOERT_CHECK(moert_gate_forward(s, x, &L->params[MOERT_PARAM_SHARED_GATE].value, &L->shared_prob));
     else
         MOERT_CHECK(moert_fill(s, &L->shared_prob, 1.0));
-    MOERT_CHECK(tensor_alloc(L, &L->shared_act, in->dtype, 2, t, L->shared_ffn, 0));
-    MOERT_CHECK(moert_swiglu_forward(s, &L->shared_fc1_out, &L->shared_prob, t, &L->shared_act));
+    MOERT_CHECK(shared_compute(L, MOERT_STORE_SHARED_ACT, x, s));
+    MOERT_CHECK(decide_action(L, MOERT_STORE_SHARED_ACT));
+    moert_act_store_after_last_use(&L->acts, MOERT_STORE_SHARED_FC1_OUT);
     MOERT_CHECK(tensor_alloc(L, &L->shared_out, in->dtype, 2, t, in->hidden, 0));
-    MOERT_CHECK(gemm_of(L, true, s, MOERT_GEMM_FC2, MOERT_GEMM_FORWARD, &L->shared_act, NULL, &L->shared_out, NULL));
+    MOERT_CHECK(gemm_of(L, true, s, MOERT_GEMM_FC2, MOERT_GEMM_FORWARD,
+                        moert_act_store_tensor(&L->acts, MOERT_STORE_SHARED_ACT), NULL, &L->shared_out, NULL));
+    moert_act_store_after_last_use(&L->acts, MOERT_STORE_SHARED_ACT);
 fail:
     rc_end = shared_end(L);
     return rc != MOERT_OK ? rc : rc_end;
@@ -892,7 +934,8 @@ fail:
 }
 
 /* The shared expert's backward from d_y, issued on its stream: its weight gradients, and shared_dx (its share of d_x)
- * and shared_dprob for shared_backward_finish. */
+ * and shared_dprob for shared_backward_finish. Its saved activations are reloaded or recomputed on that stream just
+ * before their first use. */
 static moert_result shared_backward_issue(moert_layer *L, const moert_tensor *d_y)
 {
     moert_result rc = MOERT_OK, rc_end = MOERT_OK;
@@ -903,13 +946,17 @@ static moert_result shared_backward_issue(moert_layer *L, const moert_tensor *d_
     MOERT_CHECK(shared_begin(L, &s));
     MOERT_CHECK(tensor_alloc(L, &d_act, in->dtype, 2, t, L->shared_ffn, 0));
     MOERT_CHECK(gemm_of(L, true, s, MOERT_GEMM_FC2, MOERT_GEMM_DGRAD, NULL, d_y, NULL, &d_act));
-    MOERT_CHECK(gemm_of(L, true, s, MOERT_GEMM_FC2, MOERT_GEMM_WGRAD, &L->shared_act, d_y, NULL, NULL));
-    tensor_release(L, &L->shared_act);
+    MOERT_CHECK(shared_materialize(L, MOERT_STORE_SHARED_ACT, s));
+    MOERT_CHECK(gemm_of(L, true, s, MOERT_GEMM_FC2, MOERT_GEMM_WGRAD,
+                        moert_act_store_tensor(&L->acts, MOERT_STORE_SHARED_ACT), d_y, NULL, NULL));
+    moert_act_store_done(&L->acts, MOERT_STORE_SHARED_ACT);
     MOERT_CHECK(tensor_alloc(L, &d_fc1, in->dtype, 2, t, 2 * L->shared_ffn, 0));
     MOERT_CHECK(tensor_alloc(L, &L->shared_dprob, L->param_dtype, 1, t, 0, 0));
-    MOERT_CHECK(moert_swiglu_backward(s, &d_act, &L->shared_fc1_out, &L->shared_prob, t, &d_fc1, &L->shared_dprob));
+    MOERT_CHECK(shared_materialize(L, MOERT_STORE_SHARED_FC1_OUT, s));
+    MOERT_CHECK(moert_swiglu_backward(s, &d_act, moert_act_store_tensor(&L->acts, MOERT_STORE_SHARED_FC1_OUT),
+                                      &L->shared_prob, t, &d_fc1, &L->shared_dprob));
     tensor_release(L, &d_act);
-    tensor_release(L, &L->shared_fc1_out);
+    moert_act_store_done(&L->acts, MOERT_STORE_SHARED_FC1_OUT);
     MOERT_CHECK(tensor_alloc(L, &L->shared_dx, in->dtype, 2, t, in->hidden, 0));
     MOERT_CHECK(gemm_of(L, true, s, MOERT_GEMM_FC1, MOERT_GEMM_DGRAD, NULL, &d_fc1, NULL, &L->shared_dx));
     MOERT_CHECK(gemm_of(L, true, s, MOERT_GEMM_FC1, MOERT_GEMM_WGRAD, &L->x, &d_fc1, NULL, NULL));
@@ -1049,10 +1096,11 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
     const bool overlap = L->overlap_wgrad;
     moert_stream side = L->wgrad_stream; /* NULL on the CPU: the wgrads run in order after dispatch_backward */
 
+    /* reloads not yet issued by a prefetch start now (their buffers allocated on the compute stream, the shared
+     * expert's too); each is waited for just before its first use below, or on the shared expert's stream */
+    MOERT_CHECK(moert_act_store_prefetch(&L->acts));
     /* the shared expert's backward needs only d_y: on its own stream it runs beside the routed experts' */
     if (L->shared_ffn > 0) MOERT_CHECK(shared_backward_issue(L, d_y));
-    /* reloads not yet issued by a prefetch start now; each is waited for just before its first use below */
-    MOERT_CHECK(moert_act_store_prefetch(&L->acts));
     /* recomputation first, in forward order, as every rank does (dispatching again is a collective) */
     for (int a = 0; a < MOERT_ACT_COUNT; a++) {
         if (!moert_act_store_dropped(&L->acts, (moert_activation)a)) continue;

@@ -110,7 +110,8 @@ typedef struct moert_layer {
     bool shared_grad_unwritten[2];    /* as grad_unwritten, for the shared fc1 / fc2 */
     int64_t shared_rows_host;         /* T of the last forward: the shared expert's one group of rows */
     moert_tensor shared_rows;         /* [1] int64 on the device, = shared_rows_host */
-    moert_tensor shared_fc1_out, shared_act, shared_prob; /* saved: [T,2Fs], [T,Fs], [T] (1, or the gate) */
+    moert_tensor shared_prob;         /* saved: [T] (1, or the gate); its fc1 and SwiGLU outputs are in `acts`, slots
+                                         MOERT_STORE_SHARED_FC1_OUT and _ACT, as the memory policy answers */
     moert_tensor shared_out;          /* forward: its output until the compute stream adds it */
     moert_tensor shared_dx, shared_dprob; /* backward: its share of d_x and the gate's input, until added */
     /* $.parallel.shared_expert_overlap on a GPU: its work on a second stream (made at the first use) beside the
@@ -126,8 +127,8 @@ typedef struct moert_layer {
     moert_tensor recv_probs;
     moert_router_losses losses;
 
-    /* dispatched_x, fc1_out and swiglu_out from forward to backward: kept, dropped or offloaded as the memory policy
-     * answers, with their memory figures (activation_store.h) */
+    /* dispatched_x, fc1_out and swiglu_out (and the shared expert's two) from forward to backward: kept, dropped or
+     * offloaded as the memory policy answers, with their memory figures (activation_store.h) */
     moert_activation_store acts;
 
     /* figures of the last step: stage boundaries are marked with the wall clock on the CPU and with CUDA

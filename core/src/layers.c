@@ -23,6 +23,8 @@
 _Static_assert(MOERT_LAYER_STAGES == MOERT_STAGE_COUNT, "public stage count");
 _Static_assert(MOERT_LAYER_BACKWARD_PARTS == MOERT_BWD_PART_COUNT, "public backward part count");
 _Static_assert(MOERT_LAYER_ACTIVATIONS == MOERT_ACT_COUNT, "public activation count");
+_Static_assert(MOERT_LAYER_ACTIVATIONS + MOERT_LAYER_SHARED_ACTIVATIONS == MOERT_STORE_SLOTS,
+               "public shared activations");
 #ifdef MOERT_HAVE_CUDA
 #include "cuda/comm_nccl.h"
 #include "cuda/device.h"
@@ -941,7 +943,8 @@ MOERT_API moert_result moert_layers_figures(moert_layers *m, int layer, moert_la
     const char *fn = "moert_layers_figures";
     moert_result rc = check_layer(m, layer, fn);
     if (rc != MOERT_OK) return rc;
-    if (!out || out->struct_size < sizeof *out)
+    const size_t v2_size = offsetof(moert_layer_figures, shared_saved_bytes); /* before API version 3 */
+    if (!out || out->struct_size < v2_size)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: out is NULL or its struct_size is not %zu", fn, sizeof *out);
     moert_layer *L = &m->stack.layers[layer];
     MOERT_CHECK(moert_layer_collect_times(L));
@@ -949,10 +952,12 @@ MOERT_API moert_result moert_layers_figures(moert_layers *m, int layer, moert_la
     for (int i = 0; i < MOERT_LAYER_BACKWARD_PARTS && i < MOERT_BWD_PART_COUNT; i++)
         out->backward_part_ms[i] = 1e3 * L->backward_part_seconds[i];
     out->held_bytes = 0;
-    for (int a = 0; a < MOERT_LAYER_ACTIVATIONS && a < MOERT_ACT_COUNT; a++) {
+    for (int a = 0; a < MOERT_LAYER_ACTIVATIONS && a < MOERT_ACT_COUNT; a++)
         out->saved_bytes[a] = L->acts.saved_bytes[a];
-        out->held_bytes += L->acts.held_bytes[a];
-    }
+    for (int a = 0; a < MOERT_STORE_SLOTS; a++) out->held_bytes += L->acts.held_bytes[a];
+    if (out->struct_size >= sizeof *out)
+        for (int a = 0; a < MOERT_LAYER_SHARED_ACTIVATIONS; a++)
+            out->shared_saved_bytes[a] = L->acts.saved_bytes[MOERT_STORE_SHARED_FC1_OUT + a];
     out->recompute_saved_bytes = L->acts.recompute_saved_bytes;
     out->offload_saved_bytes = L->acts.offload_saved_bytes;
     out->pinned_bytes = L->acts.pinned_bytes;
@@ -980,8 +985,7 @@ MOERT_API const char *moert_layer_backward_part_name(int part)
 
 MOERT_API const char *moert_layer_activation_name(int activation)
 {
-    return activation >= 0 && activation < MOERT_ACT_COUNT ? moert_activation_name((moert_activation)activation)
-                                                           : NULL;
+    return activation >= 0 && activation < MOERT_STORE_SLOTS ? moert_act_store_slot_name(activation) : NULL;
 }
 
 /* ---- the dispatcher alone ---- */

@@ -19,8 +19,7 @@
 
 #include "peer_buffer.h"
 
-/* The error word a CUDA kernel leaves after a bounded wait ran out: seq << 16 | kind << 8 | peer. */
-#define DEEPEP_WAIT_ARRIVAL 1  /* waited for a peer's rows */
-#define DEEPEP_WAIT_CONSUMED 2 /* waited for a peer to read the previous call's rows */
+/* The error word a CUDA kernel leaves after a bounded wait ran out: seq << 16 | kind << 8 | peer, kind one of
+ * PEER_WAIT_ARRIVAL, PEER_WAIT_CONSUMED (peer_buffer.h). */
 
 #endif

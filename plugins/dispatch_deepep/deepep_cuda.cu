@@ -50,8 +50,6 @@ template <> __device__ __forceinline__ void store_peer<int4>(int4 *p, const int4
 }
 #endif
 
-__device__ __forceinline__ peer_header *header(void *buf) { return (peer_header *)buf; }
-
 /* Records the first stall of the instance and raises its abort flag. */
 __device__ void record_stall(const deepep_cuda_call &k, int kind, int peer)
 {
@@ -64,16 +62,7 @@ __device__ void record_stall(const deepep_cuda_call &k, int kind, int peer)
 /* Spins until *p >= target, at most the call's timeout; false after a stall (this one or an earlier one). */
 __device__ bool wait_geq(const int64_t *p, int64_t target, const deepep_cuda_call &k, int kind, int peer)
 {
-    if (ld_acquire_sys(p) >= target) return true;
-    const uint64_t start = now_ns();
-    while (ld_acquire_sys(p) < target) {
-        if (*(volatile int *)k.abort_flag) return false;
-        if (now_ns() - start > (uint64_t)k.timeout_ns) {
-            record_stall(k, kind, peer);
-            return false;
-        }
-    }
-    return true;
+    return peer_wait_geq(p, target, k, [&] { record_stall(k, kind, peer); });
 }
 
 /* Waits, with the whole block, for the flags selected by `arrivals`: this call's arrival of every channel from every
@@ -87,15 +76,15 @@ __device__ bool block_wait(const deepep_cuda_call &k, bool arrivals)
 {
     __shared__ int stalled;
     const int W = k.geo.world, C = k.channels;
-    peer_header *h = header(k.local);
+    peer_header *h = peer_header_at(k.local);
     if (threadIdx.x == 0) stalled = *(volatile int *)k.abort_flag;
     __syncthreads();
     for (int j = arrivals ? 1 : 0; j < W; j++) {
         const int s = (k.rank + j) % W;
         if (!stalled)
             for (int c = threadIdx.x; c < C; c += blockDim.x) {
-                const bool ok = arrivals ? wait_geq(&h->arrived[s][c].seq, k.seq, k, DEEPEP_WAIT_ARRIVAL, s)
-                                         : wait_geq(&h->consumed[s][c], k.seq - 1, k, DEEPEP_WAIT_CONSUMED, s);
+                const bool ok = arrivals ? wait_geq(&h->arrived[s][c].seq, k.seq, k, PEER_WAIT_ARRIVAL, s)
+                                         : wait_geq(&h->consumed[s][c], k.seq - 1, k, PEER_WAIT_CONSUMED, s);
                 if (!ok) {
                     stalled = 1;
                     break;
@@ -114,7 +103,7 @@ __device__ void block_publish(const deepep_cuda_call &k)
     __syncthreads();
     const int d = threadIdx.x;
     if (d < k.geo.world && d != k.rank) {
-        peer_flag *f = &header(k.peers[d])->arrived[k.rank][blockIdx.x];
+        peer_flag *f = &peer_header_at(k.peers[d])->arrived[k.rank][blockIdx.x];
         st_release_sys(&f->seq, k.seq);
     }
 }
@@ -136,7 +125,7 @@ __device__ void block_finish(const deepep_cuda_call &k)
     __threadfence();
     const int W = k.geo.world, C = k.channels;
     for (int i = threadIdx.x; i < W * C; i += blockDim.x)
-        st_release_sys(&header(k.peers[i / C])->consumed[k.rank][i % C], k.seq);
+        st_release_sys(&peer_header_at(k.peers[i / C])->consumed[k.rank][i % C], k.seq);
 }
 
 /* Staging row and metadata entry j of a combine call. */

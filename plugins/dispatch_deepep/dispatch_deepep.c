@@ -1,9 +1,10 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The "deepep" dispatcher plugin: tokens move by direct writes into the peers' buffers (exchanged once at init),
  * the way DeepEP's intranode kernels work. This file: vtable, options, the peer buffer's size, prepare() (layout
- * pass, then the count exchange, "notify") and the calls of both paths; what it shares with "hybridep" (argument
- * checks, the peer buffer, the CPU path's send/receive) is in ../lib/peer_dispatch.c and peer_dispatch_cpu.c, its
- * own layout pass in deepep_cpu.c, the CUDA kernels in deepep_cuda.cu. */
+ * pass, then the count exchange through host->allgather) and the CUDA path's backend (NVLink copies by warps,
+ * deepep_cuda.cu); the frame it shares with "hybridep" (argument checks, the peer buffer, prepare()'s shared steps,
+ * the calls after prepare() and the CPU path's send/receive) is ../lib/peer_dispatch.c and peer_dispatch_cpu.c, its
+ * own layout pass deepep_cpu.c. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,7 +24,7 @@ typedef struct deepep_array {
     size_t bytes;
 } deepep_array;
 
-#define CALL_NAMES 64 /* names of recent calls by sequence number, for the CUDA path's stall messages */
+#define CALL_NAMES 64 /* names of recent CUDA calls by sequence number, for the stall messages */
 
 #ifdef MOERT_HAVE_CUDA
 /* The CUDA path's state: the layout on the device, the saved receive metadata, the stall word. */
@@ -48,8 +49,7 @@ typedef struct deepep_cuda_state {
 #endif
 
 typedef struct deepep_ctx {
-    peer_dispatch core;         /* first: what it shares with "hybridep" (host, layer, peer buffer, bookkeeping) */
-    bool fp8;                   /* dispatch_dtype "fp8" */
+    peer_dispatch core;         /* first: the frame it shares with "hybridep" (host, layer, peer buffer, the step) */
     bool nvlink_only;           /* bench_nvlink_only: CUDA calls run only their NVLink phase */
     char call_names[CALL_NAMES][24];
 
@@ -87,13 +87,6 @@ static void array_release(deepep_ctx *c, deepep_array *a, bool on_device)
     a->bytes = 0;
 }
 
-/* The next call's sequence number, with its name remembered for stall messages. */
-static int64_t next_seq(deepep_ctx *c, const char *call)
-{
-    c->core.seq++;
-    snprintf(c->call_names[c->core.seq % CALL_NAMES], sizeof c->call_names[0], "%s", call);
-    return c->core.seq;
-}
 
 /* ---- the peer buffer ---- */
 
@@ -103,7 +96,7 @@ static size_t buffer_row_bytes(const deepep_ctx *c)
     const int64_t H = c->core.layer.hidden;
     size_t es = c->core.on_cuda ? moert_dtype_size(c->core.layer.dtype) : 8;
     size_t bytes = (size_t)H * es;
-    if (c->fp8 && peer_fp8_row_bytes(H) > bytes) bytes = peer_fp8_row_bytes(H);
+    if (c->core.fp8 && peer_fp8_row_bytes(H) > bytes) bytes = peer_fp8_row_bytes(H);
     return bytes;
 }
 
@@ -128,6 +121,7 @@ static void deepep_finalize(void *ctx);
 #ifdef MOERT_HAVE_CUDA
 static moert_result cuda_init(deepep_ctx *c);
 static void cuda_finalize(deepep_ctx *c);
+static const peer_dispatch_cuda deepep_cuda_backend;
 #endif
 
 static moert_result deepep_init(void **out, const moert_host *host, const moert_layer_info *layer)
@@ -154,9 +148,9 @@ static moert_result deepep_init(void **out, const moert_host *host, const moert_
                                "released; recv_x, y and the prob outputs are not written); never for a layer",
                                &c->nvlink_only);
     if (rc != MOERT_OK) goto fail;
-    c->fp8 = dispatch_dtype == 1;
+    c->core.fp8 = dispatch_dtype == 1;
     c->core.channels = c->core.num_sms < 1 ? 1 : c->core.num_sms; /* 0 (every SM) is resolved by cuda_init() */
-    if (c->fp8 && layer->hidden % PEER_FP8_BLOCK != 0) {
+    if (c->core.fp8 && layer->hidden % PEER_FP8_BLOCK != 0) {
         host->set_error(host, "config error: dispatch_dtype \"fp8\" needs hidden divisible by %d (1x%d scale "
                         "blocks); hidden is %lld", PEER_FP8_BLOCK, PEER_FP8_BLOCK, (long long)layer->hidden);
         rc = MOERT_ERR_CONFIG;
@@ -236,10 +230,7 @@ static moert_result count_local(deepep_ctx *c, const moert_tensor *topk_idx, int
     const int64_t E = c->core.layer.num_experts, K = c->core.layer.topk;
     *num_tokens = topk_idx->shape[0];
     int64_t bad = deepep_count(topk_idx->data, *num_tokens, K, E, c->core.world, c->exchange_row, c->exchange_row + E);
-    if (bad >= 0)
-        return peer_dispatch_fail(&c->core, MOERT_ERR_INVALID_ARGUMENT, "prepare(): topk_idx[%lld][%lld] is %d, "
-                                  "expected an expert id in [0, %lld) or -1 (dropped)", (long long)(bad / K),
-                                  (long long)(bad % K), (int)((const int32_t *)topk_idx->data)[bad], (long long)E);
+    if (bad >= 0) return peer_dispatch_bad_expert(&c->core, topk_idx, bad);
     return MOERT_OK;
 }
 
@@ -248,6 +239,16 @@ static moert_result cuda_count_local(deepep_ctx *c, moert_stream stream, const m
                                      int64_t *num_tokens);
 static moert_result cuda_plan(deepep_ctx *c, moert_stream stream);
 #endif
+
+/* This step's routing on this rank, as the shared CPU calls read it. */
+static peer_cpu_route cpu_route(const deepep_ctx *c)
+{
+    const deepep_plan *p = &c->plan;
+    peer_cpu_route r = {.num_tokens = p->num_tokens, .topk = p->topk, .num_local_experts = p->num_local_experts,
+                        .num_recv = p->num_recv, .topk_idx = c->idx.data, .copy_dst = p->copy_dst, .excl = p->excl,
+                        .tokens_to = p->tokens_to + (int64_t)p->rank * p->world};
+    return r;
+}
 
 /* Layout pass, then the count exchange (every rank takes part even after a local failure, so all fail together),
  * then the plan: sizes, each copy's row on its expert's rank, and this rank's layout. */
@@ -258,15 +259,9 @@ static moert_result deepep_prepare(void *ctx, moert_stream stream, const moert_t
     const moert_host *h = c->core.host;
     const int64_t E = c->core.layer.num_experts, El = c->core.layer.num_local_experts, K = c->core.layer.topk;
     const int W = c->core.world;
-    c->core.prepared = false;
-    c->core.dispatched = false;
-
     int64_t num_tokens = 0;
     memset(c->exchange_row, 0, (size_t)c->row_len * sizeof(int64_t));
-    moert_result local_rc = MOERT_OK;
-    if (c->core.broken != MOERT_OK)
-        local_rc = peer_dispatch_fail(&c->core, c->core.broken, "prepare(): %s", c->core.broken_msg);
-    else local_rc = peer_dispatch_check_layout(&c->core, layout);
+    moert_result local_rc = peer_dispatch_prepare_begin(&c->core, layout);
     if (local_rc == MOERT_OK) {
 #ifdef MOERT_HAVE_CUDA
         if (c->core.on_cuda) local_rc = cuda_count_local(c, stream, topk_idx, &num_tokens);
@@ -288,13 +283,8 @@ static moert_result deepep_prepare(void *ctx, moert_stream stream, const moert_t
     int64_t max_tokens = 0;
     for (int s = 0; s < W; s++) {
         const int64_t *row = c->gathered + (int64_t)s * c->row_len;
-        if (row[E + W + 2] != MOERT_OK)
-            return peer_dispatch_fail(&c->core, MOERT_ERR_INVALID_ARGUMENT, "prepare(): rank %d failed its prepare() "
-                                      "(see its error), so this step cannot dispatch", s);
-        if (row[E + W + 1] != c->core.channels)
-            return peer_dispatch_fail(&c->core, MOERT_ERR_CONFIG, "prepare(): rank %d sends with %lld blocks "
-                                      "(num_sms), this rank with %lld: every rank needs the same num_sms", s,
-                                      (long long)row[E + W + 1], (long long)c->core.channels);
+        rc = peer_dispatch_check_peer_prepare(&c->core, s, row[E + W + 2], row[E + W + 1]);
+        if (rc != MOERT_OK) return rc;
         memcpy(c->plan.all_counts + (int64_t)s * E, row, (size_t)E * sizeof(int64_t));
         memcpy(c->plan.tokens_to + (int64_t)s * W, row + E, (size_t)W * sizeof(int64_t));
         if (row[E + W] > max_tokens) max_tokens = row[E + W];
@@ -335,46 +325,13 @@ static moert_result deepep_prepare(void *ctx, moert_stream stream, const moert_t
         p->copy_dst = c->copy_dst.data;
         p->excl = c->excl.data;
         deepep_plan_copies(p, topk_idx->data);
+        c->core.route = cpu_route(c);
+        c->core.recv_meta = c->recv_meta.data;
     }
-    layout->num_recv = p->num_recv;
-    layout->capacity = p->num_recv;
-    layout->tokens_per_expert = moert_tensor_1d(tokens_per_expert_data, c->core.layer.device, MOERT_I64, El);
-    layout->tokens_per_expert_host = p->tokens_per_expert;
-    c->core.prepared = true;
-    peer_dispatch_metric(&c->core, "dispatch.recv_tokens", (double)p->num_recv, "tokens");
+    peer_dispatch_prepare_done(&c->core, layout, num_tokens, p->num_recv, p->num_recv, tokens_per_expert_data,
+                               p->tokens_per_expert, p->tokens_to + (int64_t)c->core.rank * W);
     h->log(h, MOERT_LOG_DEBUG, "prepare: T %lld, receive %lld rows", (long long)num_tokens, (long long)p->num_recv);
     return MOERT_OK;
-}
-
-/* ---- the CPU path's calls ---- */
-
-/* This step's routing on this rank, as the shared CPU calls read it. */
-static peer_cpu_route cpu_route(const deepep_ctx *c)
-{
-    const deepep_plan *p = &c->plan;
-    peer_cpu_route r = {.num_tokens = p->num_tokens, .topk = p->topk, .num_local_experts = p->num_local_experts,
-                        .num_recv = p->num_recv, .topk_idx = c->idx.data, .copy_dst = p->copy_dst, .excl = p->excl,
-                        .tokens_to = p->tokens_to + (int64_t)p->rank * p->world};
-    return r;
-}
-
-/* A dispatch-like call on the CPU (dispatch, combine_backward). */
-static moert_result cpu_dispatch_like(deepep_ctx *c, const char *call, bool fp8, const moert_tensor *x,
-                                      const moert_tensor *probs, moert_tensor *out, moert_tensor *out_probs)
-{
-    const peer_cpu_route route = cpu_route(c);
-    return peer_dispatch_cpu_dispatch(&c->core, call, next_seq(c, call), c->recv_meta.data, &route, fp8, x, probs,
-                                      out, out_probs);
-}
-
-/* A combine-like call on the CPU (combine, dispatch_backward). */
-static moert_result cpu_combine_like(deepep_ctx *c, const char *call, const moert_tensor *rows,
-                                     const moert_tensor *row_probs, moert_tensor *out, bool accumulate,
-                                     moert_tensor *out_probs)
-{
-    const peer_cpu_route route = cpu_route(c);
-    return peer_dispatch_cpu_combine(&c->core, call, next_seq(c, call), c->recv_meta.data, &route, rows, row_probs,
-                                     out, accumulate, out_probs);
 }
 
 #ifdef MOERT_HAVE_CUDA
@@ -386,7 +343,8 @@ static moert_result cuda_init(deepep_ctx *c)
     const int64_t E = c->core.layer.num_experts, El = c->core.layer.num_local_experts, W = c->core.world;
     moert_result rc = peer_dispatch_cuda_check_layer(&c->core, MOERT_A2A_CUDA_MAX_EXPERTS);
     if (rc != MOERT_OK) return rc;
-    if (c->fp8 && c->core.layer.dtype != MOERT_BF16)
+    c->core.cuda = &deepep_cuda_backend;
+    if (c->core.fp8 && c->core.layer.dtype != MOERT_BF16)
         return peer_dispatch_fail(&c->core, MOERT_ERR_UNSUPPORTED, "dispatch_dtype \"fp8\" on CUDA quantizes bf16 "
                                   "rows, the layer is %s", moert_dtype_name(c->core.layer.dtype));
     deepep_cuda_state *cu = &c->cu;
@@ -422,12 +380,8 @@ static moert_result cuda_report_stall(deepep_ctx *c, unsigned long long word)
     const int64_t seq = (int64_t)(word >> 16);
     const int kind = (int)((word >> 8) & 0xff), peer = (int)(word & 0xff);
     char why[256];
-    if (kind == DEEPEP_WAIT_ARRIVAL)
-        snprintf(why, sizeof why, "rank %d did not deliver its rows within %lld ms (timeout_ms)", peer,
-                 (long long)c->core.timeout_ms);
-    else
-        snprintf(why, sizeof why, "rank %d did not read the rows of the previous call within %lld ms (timeout_ms)",
-                 peer, (long long)c->core.timeout_ms);
+    if (!peer_dispatch_wait_text(&c->core, kind, peer, why, sizeof why))
+        snprintf(why, sizeof why, "unknown failure word 0x%llx", word);
     char call[64];
     snprintf(call, sizeof call, "%s (call %lld)", c->call_names[seq % CALL_NAMES], (long long)seq);
     return peer_dispatch_mark_broken(&c->core, MOERT_ERR_TIMEOUT, call, why);
@@ -517,6 +471,15 @@ static moert_result cuda_plan(deepep_ctx *c, moert_stream stream)
     return rc;
 }
 
+/* The next CUDA call's sequence number, with its name remembered for stall messages (the CPU path's calls are
+ * numbered by the frame). */
+static int64_t next_seq(deepep_ctx *c, const char *call)
+{
+    c->core.seq++;
+    snprintf(c->call_names[c->core.seq % CALL_NAMES], sizeof c->call_names[0], "%s", call);
+    return c->core.seq;
+}
+
 /* The kernels' view of this step and call. */
 static deepep_cuda_call cuda_call(deepep_ctx *c, int64_t seq)
 {
@@ -554,96 +517,38 @@ static deepep_cuda_call cuda_call(deepep_ctx *c, int64_t seq)
     return k;
 }
 
-static moert_result cuda_dispatch_like(deepep_ctx *c, moert_stream stream, const char *call, bool fp8,
+/* A dispatch-like call on the NVLink kernels (peer_dispatch_cuda: the frame checked its arguments). */
+static moert_result cuda_dispatch_like(peer_dispatch *d, moert_stream stream, const char *call, int call_id, bool fp8,
                                        const moert_tensor *x, const moert_tensor *probs, moert_tensor *out,
                                        moert_tensor *out_probs)
 {
-    moert_result rc = peer_dispatch_cuda_dispatch_dtypes(&c->core, call, x, probs, out_probs);
-    if (rc != MOERT_OK) return rc;
+    deepep_ctx *c = (deepep_ctx *)d;
+    (void)call_id;
     deepep_cuda_call k = cuda_call(c, next_seq(c, call));
-    rc = deepep_cuda_dispatch(c->core.host, (cudaStream_t)stream, &k, x->dtype, fp8, x->data,
-                              probs ? probs->data : NULL, out->data, out_probs ? out_probs->data : NULL);
-    if (rc == MOERT_OK) c->core.dispatched = true;
-    return rc;
+    return deepep_cuda_dispatch(d->host, (cudaStream_t)stream, &k, x->dtype, fp8, x->data, probs ? probs->data : NULL,
+                                out->data, out_probs ? out_probs->data : NULL);
 }
 
-static moert_result cuda_combine_like(deepep_ctx *c, moert_stream stream, const char *call, const moert_tensor *rows,
-                                      const moert_tensor *row_probs, moert_tensor *out, bool accumulate,
-                                      moert_tensor *out_probs)
+/* A combine-like call on the NVLink kernels. */
+static moert_result cuda_combine_like(peer_dispatch *d, moert_stream stream, const char *call, int call_id,
+                                      const moert_tensor *rows, const moert_tensor *row_probs, moert_tensor *out,
+                                      bool accumulate, moert_tensor *out_probs)
 {
-    moert_result rc = peer_dispatch_cuda_combine_dtypes(&c->core, call, rows, out, row_probs, out_probs);
-    if (rc != MOERT_OK) return rc;
+    deepep_ctx *c = (deepep_ctx *)d;
+    (void)call_id;
     deepep_cuda_call k = cuda_call(c, next_seq(c, call));
-    return deepep_cuda_combine(c->core.host, (cudaStream_t)stream, &k, rows->dtype, rows->data,
+    return deepep_cuda_combine(d->host, (cudaStream_t)stream, &k, rows->dtype, rows->data,
                                row_probs ? row_probs->data : NULL, out->data, accumulate,
                                out_probs ? out_probs->data : NULL);
 }
-#endif
 
-/* ---- the calls ---- */
-
-/* Sends each token once to every rank holding one of its experts; the receiver expands it into its copies' rows. */
-static moert_result deepep_dispatch(void *ctx, moert_stream stream, const moert_dispatch_args *args)
-{
-    deepep_ctx *c = ctx;
-    const char *call = "dispatch()";
-    const deepep_plan *p = &c->plan;
-    moert_result rc = peer_dispatch_check_dispatch(&c->core, args, p->num_tokens, p->num_recv);
-    if (rc != MOERT_OK) return rc;
-#ifdef MOERT_HAVE_CUDA
-    if (c->core.on_cuda)
-        rc = cuda_dispatch_like(c, stream, call, c->fp8, args->x, args->topk_probs, args->recv_x, args->recv_probs);
-    else
+/* The CUDA backend the shared calls run (stalls are read at prepare()'s sync: no status check per call). */
+static const peer_dispatch_cuda deepep_cuda_backend = {
+    .check_status = NULL,
+    .dispatch_like = cuda_dispatch_like,
+    .combine_like = cuda_combine_like,
+};
 #endif
-        rc = cpu_dispatch_like(c, call, c->fp8, args->x, args->topk_probs, args->recv_x, args->recv_probs);
-    if (rc != MOERT_OK) return rc;
-    const int64_t H = c->core.layer.hidden;
-    const size_t row_bytes = c->fp8 ? peer_fp8_row_bytes(H) : (size_t)H * moert_dtype_size(args->x->dtype);
-    peer_dispatch_report_sent(&c->core, p->tokens_to + (int64_t)c->core.rank * c->core.world, row_bytes);
-    return MOERT_OK;
-}
-
-/* Each expert rank sums its copies of a token into one partial row, sends it back; the token's rank sums the
- * partials in rank order (fp32; fp64 for fp64 rows), y overwritten in the original token order. */
-static moert_result deepep_combine(void *ctx, moert_stream stream, const moert_combine_args *args)
-{
-    deepep_ctx *c = ctx;
-    const char *call = "combine()";
-    moert_result rc = peer_dispatch_check_combine(&c->core, args, c->plan.num_tokens, c->plan.num_recv);
-    if (rc != MOERT_OK) return rc;
-#ifdef MOERT_HAVE_CUDA
-    if (c->core.on_cuda) return cuda_combine_like(c, stream, call, args->y_expert, NULL, args->y, false, NULL);
-#endif
-    return cpu_combine_like(c, call, args->y_expert, NULL, args->y, false, NULL);
-}
-
-/* The adjoint of combine: a dispatch of d_y's rows (bf16 on every path, no probs). */
-static moert_result deepep_combine_backward(void *ctx, moert_stream stream, const moert_combine_backward_args *args)
-{
-    deepep_ctx *c = ctx;
-    const char *call = "combine_backward()";
-    moert_result rc = peer_dispatch_check_combine_backward(&c->core, args, c->plan.num_tokens, c->plan.num_recv);
-    if (rc != MOERT_OK) return rc;
-#ifdef MOERT_HAVE_CUDA
-    if (c->core.on_cuda) return cuda_dispatch_like(c, stream, call, false, args->d_y, NULL, args->d_y_expert, NULL);
-#endif
-    return cpu_dispatch_like(c, call, false, args->d_y, NULL, args->d_y_expert, NULL);
-}
-
-/* The adjoint of dispatch: a combine of d_recv_x added into d_x, and each row's prob gradient to its (t, k) slot. */
-static moert_result deepep_dispatch_backward(void *ctx, moert_stream stream, const moert_dispatch_backward_args *args)
-{
-    deepep_ctx *c = ctx;
-    const char *call = "dispatch_backward()";
-    moert_result rc = peer_dispatch_check_dispatch_backward(&c->core, args, c->plan.num_tokens, c->plan.num_recv);
-    if (rc != MOERT_OK) return rc;
-#ifdef MOERT_HAVE_CUDA
-    if (c->core.on_cuda)
-        return cuda_combine_like(c, stream, call, args->d_recv_x, args->d_recv_probs, args->d_x, true,
-                                 args->d_topk_probs);
-#endif
-    return cpu_combine_like(c, call, args->d_recv_x, args->d_recv_probs, args->d_x, true, args->d_topk_probs);
-}
 
 MOERT_DISPATCHER_V1_EXPORT(deepep_vtable) = {
     .header = {
@@ -659,8 +564,8 @@ MOERT_DISPATCHER_V1_EXPORT(deepep_vtable) = {
     .init = deepep_init,
     .finalize = deepep_finalize,
     .prepare = deepep_prepare,
-    .dispatch = deepep_dispatch,
-    .combine = deepep_combine,
-    .combine_backward = deepep_combine_backward,
-    .dispatch_backward = deepep_dispatch_backward,
+    .dispatch = peer_dispatch_run_dispatch,
+    .combine = peer_dispatch_run_combine,
+    .combine_backward = peer_dispatch_run_combine_backward,
+    .dispatch_backward = peer_dispatch_run_dispatch_backward,
 };

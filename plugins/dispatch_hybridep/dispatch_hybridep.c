@@ -2,10 +2,11 @@
 /* The "hybridep" dispatcher plugin, in the spirit of NVIDIA's HybridEP: tokens move by direct writes into the peers'
  * buffers (exchanged once at init), TMA bulk copies on CUDA, the permutation fused into dispatch (each copy written
  * straight into its expert-grouped row) and the unpermutation into combine, buffers sized for the worst case so that
- * no call of a step waits for the GPU on the host. This file: vtable, options, the peer buffer's size, prepare() and
- * the calls of both paths; what it shares with "deepep" (argument checks, the peer buffer, the CPU path's
- * send/receive) is in ../lib/peer_dispatch.c and peer_dispatch_cpu.c, its own layout pass and notify in
- * hybridep_cpu.c, the CUDA kernels in hybridep_cuda.cu. */
+ * no call of a step waits for the GPU on the host. This file: vtable, options, the peer buffer's size, prepare()
+ * (layout and notify through the buffers) and the CUDA path's backend (TMA copies, hybridep_cuda.cu); the frame it
+ * shares with "deepep" (argument checks, the peer buffer, prepare()'s shared steps, the calls after prepare() and the
+ * CPU path's send/receive) is ../lib/peer_dispatch.c and peer_dispatch_cpu.c, its own layout pass and notify
+ * hybridep_cpu.c. */
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -39,7 +40,7 @@ typedef struct hybridep_cuda_state {
 #endif
 
 typedef struct hybridep_ctx {
-    peer_dispatch core;         /* first: what it shares with "deepep" (host, layer, peer buffer, bookkeeping) */
+    peer_dispatch core;         /* first: the frame it shares with "deepep" (host, layer, peer buffer, the step) */
     int64_t low_latency_tokens;
     int low_latency_mode;       /* 0 auto, 1 on, 2 off */
     bool low_latency;           /* decided at init from the group's largest max_tokens */
@@ -62,19 +63,6 @@ typedef struct hybridep_ctx {
 static int64_t next_seq(hybridep_ctx *c)
 {
     return ++c->core.seq;
-}
-
-#ifdef MOERT_HAVE_CUDA
-static moert_result cuda_check_status(hybridep_ctx *c);
-#endif
-
-/* What every call checks first on CUDA: a failure an earlier call's kernels reported (read without a sync). */
-static moert_result check_device_status(hybridep_ctx *c)
-{
-#ifdef MOERT_HAVE_CUDA
-    if (c->core.on_cuda && c->core.broken == MOERT_OK) return cuda_check_status(c);
-#endif
-    return MOERT_OK;
 }
 
 /* ---- the peer buffer ---- */
@@ -104,6 +92,7 @@ static void hybridep_finalize(void *ctx);
 #ifdef MOERT_HAVE_CUDA
 static moert_result cuda_init(hybridep_ctx *c);
 static void cuda_finalize(hybridep_ctx *c);
+static const peer_dispatch_cuda hybridep_cuda_backend;
 #endif
 
 /* Reads the options into c; MOERT_ERR_CONFIG with the message set on a bad one. */
@@ -204,6 +193,7 @@ static moert_result hybridep_init(void **out, const moert_host *host, const moer
         c->notify_rows = calloc((size_t)(W * (E + HYBRIDEP_NOTIFY_EXTRA)), sizeof(int64_t));
         c->recv_meta = calloc((size_t)(W * rows_cap * K), sizeof(int64_t));
         c->idx = calloc((size_t)(rows_cap * K), sizeof(int32_t));
+        c->core.recv_meta = c->recv_meta;
         if (!p->counts || !p->tokens_to || !p->all_counts || !p->tokens_per_expert || !p->base || !p->copy_index ||
             !p->copy_dst || !p->excl || !c->notify_row || !c->notify_rows || !c->recv_meta || !c->idx) {
             host->set_error(host, "out of memory for the dispatcher state (max_tokens %lld)", (long long)rows_cap);
@@ -269,6 +259,16 @@ static moert_result check_topk_idx(const hybridep_ctx *c, const moert_tensor *to
     return MOERT_OK;
 }
 
+/* This step's routing on this rank, as the shared CPU calls read it. */
+static peer_cpu_route cpu_route(const hybridep_ctx *c)
+{
+    const hybridep_plan *p = &c->plan;
+    peer_cpu_route r = {.num_tokens = p->num_tokens, .topk = p->topk, .num_local_experts = p->num_local_experts,
+                        .num_recv = p->num_recv, .topk_idx = c->idx, .copy_dst = p->copy_dst, .excl = p->excl,
+                        .tokens_to = p->tokens_to};
+    return r;
+}
+
 /* The CPU path's prepare: layout, notify through the buffers (every rank takes part even after a local failure, so
  * all fail together), plan. */
 static moert_result cpu_prepare(hybridep_ctx *c, const moert_tensor *topk_idx, moert_result local_rc)
@@ -281,11 +281,7 @@ static moert_result cpu_prepare(hybridep_ctx *c, const moert_tensor *topk_idx, m
     if (local_rc == MOERT_OK) {
         p->num_tokens = topk_idx->shape[0];
         bad = hybridep_layout(p, topk_idx->data);
-        if (bad >= 0)
-            local_rc = peer_dispatch_fail(&c->core, MOERT_ERR_INVALID_ARGUMENT, "prepare(): topk_idx[%lld][%lld] is "
-                                          "%d, expected an expert id in [0, %lld) or -1 (dropped)",
-                                          (long long)(bad / K), (long long)(bad % K),
-                                          (int)((const int32_t *)topk_idx->data)[bad], (long long)E);
+        if (bad >= 0) local_rc = peer_dispatch_bad_expert(&c->core, topk_idx, bad);
         else memcpy(c->notify_row, p->counts, (size_t)E * sizeof(int64_t));
     }
     c->notify_row[E + HYBRIDEP_NOTIFY_STATUS] = local_rc != MOERT_OK;
@@ -301,20 +297,16 @@ static moert_result cpu_prepare(hybridep_ctx *c, const moert_tensor *topk_idx, m
     if (local_rc != MOERT_OK) return local_rc;
     for (int s = 0; s < W; s++) {
         const int64_t *row = c->notify_rows + s * n;
-        if (row[E + HYBRIDEP_NOTIFY_STATUS] != 0)
-            return peer_dispatch_fail(&c->core, MOERT_ERR_INVALID_ARGUMENT, "prepare(): rank %d failed its prepare() "
-                                      "(see its error), so this step cannot dispatch", s);
-        if (row[E + HYBRIDEP_NOTIFY_CHANNELS] != c->core.channels)
-            return peer_dispatch_fail(&c->core, MOERT_ERR_CONFIG, "prepare(): rank %d uses %lld channels (num_sms "
-                                      "%lld), this rank %lld: every rank needs the same num_sms", s,
-                                      (long long)row[E + HYBRIDEP_NOTIFY_CHANNELS],
-                                      (long long)row[E + HYBRIDEP_NOTIFY_CHANNELS], (long long)c->core.channels);
+        const moert_result peer_rc =
+            peer_dispatch_check_peer_prepare(&c->core, s, row[E + HYBRIDEP_NOTIFY_STATUS], row[E + HYBRIDEP_NOTIFY_CHANNELS]);
+        if (peer_rc != MOERT_OK) return peer_rc;
         memcpy(p->all_counts + s * E, row, (size_t)E * sizeof(int64_t));
     }
     p->num_recv = peer_plan_sizes(p->world, p->rank, E, p->num_local_experts, p->all_counts, p->tokens_per_expert,
                                   NULL, p->base);
     hybridep_plan_copies(p, topk_idx->data);
     memcpy(c->idx, topk_idx->data, (size_t)(p->num_tokens * K) * sizeof(int32_t));
+    c->core.route = cpu_route(c);
     return MOERT_OK;
 }
 
@@ -327,14 +319,12 @@ static moert_result hybridep_prepare(void *ctx, moert_stream stream, const moert
                                      moert_dispatch_layout *layout)
 {
     hybridep_ctx *c = ctx;
-    const int64_t El = c->core.layer.num_local_experts;
     c->core.prepared = false;
     c->core.dispatched = false;
-    moert_result rc = check_device_status(c);
+    moert_result rc = peer_dispatch_check_status(&c->core);
     if (rc != MOERT_OK) return rc;
-    if (c->core.broken != MOERT_OK)
-        return peer_dispatch_fail(&c->core, c->core.broken, "prepare(): %s", c->core.broken_msg);
-    moert_result local_rc = peer_dispatch_check_layout(&c->core, layout);
+    moert_result local_rc = peer_dispatch_prepare_begin(&c->core, layout);
+    if (c->core.broken != MOERT_OK) return local_rc;
     if (local_rc == MOERT_OK) local_rc = check_topk_idx(c, topk_idx);
     void *counts = c->plan.tokens_per_expert;
 #ifdef MOERT_HAVE_CUDA
@@ -346,44 +336,10 @@ static moert_result hybridep_prepare(void *ctx, moert_stream stream, const moert
 #endif
         rc = cpu_prepare(c, topk_idx, local_rc);
     if (rc != MOERT_OK) return rc;
-    layout->num_recv = c->core.on_cuda ? -1 : c->plan.num_recv;
-    layout->capacity = c->capacity;
-    layout->tokens_per_expert = moert_tensor_1d(counts, c->core.layer.device, MOERT_I64, El);
-    layout->tokens_per_expert_host = NULL;
-    c->core.prepared = true;
-    if (!c->core.on_cuda) peer_dispatch_metric(&c->core, "dispatch.recv_tokens", (double)c->plan.num_recv, "tokens");
+    /* CUDA: the counts stay on the device; the received-row tensors hold the worst case */
+    peer_dispatch_prepare_done(&c->core, layout, c->plan.num_tokens, c->core.on_cuda ? -1 : c->plan.num_recv,
+                               c->capacity, counts, NULL, c->core.on_cuda ? NULL : c->plan.tokens_to);
     return MOERT_OK;
-}
-
-/* ---- the CPU path's calls ---- */
-
-/* This step's routing on this rank, as the shared CPU calls read it. */
-static peer_cpu_route cpu_route(const hybridep_ctx *c)
-{
-    const hybridep_plan *p = &c->plan;
-    peer_cpu_route r = {.num_tokens = p->num_tokens, .topk = p->topk, .num_local_experts = p->num_local_experts,
-                        .num_recv = p->num_recv, .topk_idx = c->idx, .copy_dst = p->copy_dst, .excl = p->excl,
-                        .tokens_to = p->tokens_to};
-    return r;
-}
-
-/* A dispatch-like call on the CPU (dispatch, combine_backward). */
-static moert_result cpu_dispatch_like(hybridep_ctx *c, const char *call, const moert_tensor *x,
-                                      const moert_tensor *probs, moert_tensor *out, moert_tensor *out_probs)
-{
-    const peer_cpu_route route = cpu_route(c);
-    return peer_dispatch_cpu_dispatch(&c->core, call, next_seq(c), c->recv_meta, &route, false, x, probs, out,
-                                      out_probs);
-}
-
-/* A combine-like call on the CPU (combine, dispatch_backward). */
-static moert_result cpu_combine_like(hybridep_ctx *c, const char *call, const moert_tensor *rows,
-                                     const moert_tensor *row_probs, moert_tensor *out, bool accumulate,
-                                     moert_tensor *out_probs)
-{
-    const peer_cpu_route route = cpu_route(c);
-    return peer_dispatch_cpu_combine(&c->core, call, next_seq(c), c->recv_meta, &route, rows, row_probs, out,
-                                     accumulate, out_probs);
 }
 
 #ifdef MOERT_HAVE_CUDA
@@ -396,6 +352,7 @@ static moert_result cuda_init(hybridep_ctx *c)
     const int64_t W = c->core.world, R = c->core.geo.rows_cap;
     moert_result rc = peer_dispatch_cuda_check_layer(&c->core, 1024);
     if (rc != MOERT_OK) return rc;
+    c->core.cuda = &hybridep_cuda_backend;
     if (R * K > INT32_MAX / 2 || c->capacity > INT32_MAX)
         return peer_dispatch_fail(&c->core, MOERT_ERR_UNSUPPORTED, "the hybridep dispatcher's CUDA path takes fewer "
                                   "than 2^31 rows (max_tokens %lld, capacity %lld)", (long long)R,
@@ -462,8 +419,9 @@ static void cuda_finalize(hybridep_ctx *c)
 
 /* Reads the status word the kernels mirror into pinned host memory (no sync): a failure of an earlier call (a stalled
  * peer, bad expert ids, a channel-count mismatch) is reported here, naming the call it happened in. */
-static moert_result cuda_check_status(hybridep_ctx *c)
+static moert_result cuda_check_status(peer_dispatch *d)
 {
+    hybridep_ctx *c = (hybridep_ctx *)d;
     static const char *const names[] = {"prepare()", "dispatch()", "combine()", "combine_backward()",
                                         "dispatch_backward()"};
     const unsigned long long word = __atomic_load_n(c->cu.pinned, __ATOMIC_ACQUIRE);
@@ -474,14 +432,6 @@ static moert_result cuda_check_status(hybridep_ctx *c)
     char why[256];
     moert_result code = MOERT_ERR_TIMEOUT;
     switch (kind) {
-    case HYBRIDEP_WAIT_ARRIVAL:
-        snprintf(why, sizeof why, "rank %d did not deliver its rows within %lld ms (timeout_ms)", peer,
-                 (long long)c->core.timeout_ms);
-        break;
-    case HYBRIDEP_WAIT_CONSUMED:
-        snprintf(why, sizeof why, "rank %d did not read the rows of the previous call within %lld ms (timeout_ms)",
-                 peer, (long long)c->core.timeout_ms);
-        break;
     case HYBRIDEP_WAIT_NOTIFY:
         snprintf(why, sizeof why, "rank %d did not send its counts within %lld ms (timeout_ms)", peer,
                  (long long)c->core.timeout_ms);
@@ -496,17 +446,19 @@ static moert_result cuda_check_status(hybridep_ctx *c)
         snprintf(why, sizeof why, "rank %d uses another channel count than this rank's %lld: every rank needs the "
                  "same num_sms", peer, (long long)c->core.channels);
         break;
-    default:
-        code = MOERT_ERR_INTERNAL;
-        snprintf(why, sizeof why, "unknown failure word 0x%llx", word);
+    default: /* PEER_WAIT_ARRIVAL, PEER_WAIT_CONSUMED */
+        if (!peer_dispatch_wait_text(&c->core, kind, peer, why, sizeof why)) {
+            code = MOERT_ERR_INTERNAL;
+            snprintf(why, sizeof why, "unknown failure word 0x%llx", word);
+        }
     }
     char call[64];
-    snprintf(call, sizeof call, "%s (call %lld)", call_id <= HYBRIDEP_CALL_DISPATCH_BACKWARD ? names[call_id] : "?",
+    snprintf(call, sizeof call, "%s (call %lld)", call_id <= PEER_CALL_DISPATCH_BACKWARD ? names[call_id] : "?",
              (long long)seq);
     return peer_dispatch_mark_broken(&c->core, code, call, why);
 }
 
-/* The kernels' view of this step and of a call (HYBRIDEP_CALL_*); its sequence number lives on the device. */
+/* The kernels' view of this step and of a call (PEER_CALL_*); its sequence number lives on the device. */
 static hybridep_cuda_call cuda_call(hybridep_ctx *c, int call)
 {
     hybridep_cuda_state *cu = &c->cu;
@@ -553,109 +505,45 @@ static moert_result cuda_prepare(hybridep_ctx *c, moert_stream stream, const moe
 {
     c->plan.num_tokens = topk_idx->shape[0];
     next_seq(c);
-    hybridep_cuda_call k = cuda_call(c, HYBRIDEP_CALL_PREPARE);
+    hybridep_cuda_call k = cuda_call(c, PEER_CALL_PREPARE);
     return hybridep_cuda_prepare(c->core.host, (cudaStream_t)stream, &k, topk_idx->data);
 }
 
-static moert_result cuda_dispatch_like(hybridep_ctx *c, moert_stream stream, const char *call, int call_id,
-                                       const moert_tensor *x,
-                                       const moert_tensor *probs, moert_tensor *out, moert_tensor *out_probs)
+/* A dispatch-like call on the TMA kernels (peer_dispatch_cuda: the frame checked its arguments; rows as they are). */
+static moert_result cuda_dispatch_like(peer_dispatch *d, moert_stream stream, const char *call, int call_id, bool fp8,
+                                       const moert_tensor *x, const moert_tensor *probs, moert_tensor *out,
+                                       moert_tensor *out_probs)
 {
-    moert_result rc = peer_dispatch_cuda_dispatch_dtypes(&c->core, call, x, probs, out_probs);
-    if (rc != MOERT_OK) return rc;
+    hybridep_ctx *c = (hybridep_ctx *)d;
+    (void)call;
+    (void)fp8;
     next_seq(c);
     hybridep_cuda_call k = cuda_call(c, call_id);
-    rc = hybridep_cuda_dispatch(c->core.host, (cudaStream_t)stream, &k, x->dtype, x->data, probs ? probs->data : NULL,
-                                out->data, out_probs ? out_probs->data : NULL);
-    if (rc == MOERT_OK) c->core.dispatched = true;
-    return rc;
+    return hybridep_cuda_dispatch(d->host, (cudaStream_t)stream, &k, x->dtype, x->data, probs ? probs->data : NULL,
+                                  out->data, out_probs ? out_probs->data : NULL);
 }
 
-static moert_result cuda_combine_like(hybridep_ctx *c, moert_stream stream, const char *call, int call_id,
-                                      const moert_tensor *rows,
-                                      const moert_tensor *row_probs, moert_tensor *out, bool accumulate,
-                                      moert_tensor *out_probs)
+/* A combine-like call on the TMA kernels. */
+static moert_result cuda_combine_like(peer_dispatch *d, moert_stream stream, const char *call, int call_id,
+                                      const moert_tensor *rows, const moert_tensor *row_probs, moert_tensor *out,
+                                      bool accumulate, moert_tensor *out_probs)
 {
-    moert_result rc = peer_dispatch_cuda_combine_dtypes(&c->core, call, rows, out, row_probs, out_probs);
-    if (rc != MOERT_OK) return rc;
+    hybridep_ctx *c = (hybridep_ctx *)d;
+    (void)call;
     next_seq(c);
     hybridep_cuda_call k = cuda_call(c, call_id);
-    return hybridep_cuda_combine(c->core.host, (cudaStream_t)stream, &k, rows->dtype, rows->data,
+    return hybridep_cuda_combine(d->host, (cudaStream_t)stream, &k, rows->dtype, rows->data,
                                  row_probs ? row_probs->data : NULL, out->data, accumulate,
                                  out_probs ? out_probs->data : NULL);
 }
-#endif
 
-/* ---- the calls ---- */
-
-/* Each token once to every rank holding one of its experts, written there into its copies' expert-grouped rows. */
-static moert_result hybridep_dispatch(void *ctx, moert_stream stream, const moert_dispatch_args *args)
-{
-    hybridep_ctx *c = ctx;
-    const char *call = "dispatch()";
-    moert_result rc = check_device_status(c);
-    if (rc == MOERT_OK) rc = peer_dispatch_check_dispatch(&c->core, args, c->plan.num_tokens, c->capacity);
-    if (rc != MOERT_OK) return rc;
-#ifdef MOERT_HAVE_CUDA
-    if (c->core.on_cuda)
-        return cuda_dispatch_like(c, stream, call, HYBRIDEP_CALL_DISPATCH, args->x, args->topk_probs, args->recv_x,
-                                  args->recv_probs);
+/* The CUDA backend the shared calls run: every call first reads the status word the kernels mirror (no sync). */
+static const peer_dispatch_cuda hybridep_cuda_backend = {
+    .check_status = cuda_check_status,
+    .dispatch_like = cuda_dispatch_like,
+    .combine_like = cuda_combine_like,
+};
 #endif
-    (void)stream;
-    rc = cpu_dispatch_like(c, call, args->x, args->topk_probs, args->recv_x, args->recv_probs);
-    if (rc != MOERT_OK) return rc;
-    peer_dispatch_report_sent(&c->core, c->plan.tokens_to,
-                              (size_t)c->core.layer.hidden * moert_dtype_size(args->x->dtype));
-    return MOERT_OK;
-}
-
-/* Each expert rank sums its copies of a token into one partial row, sends it back; the token's rank sums the
- * partials in rank order (fp32; fp64 for fp64 rows) straight into y[t]. */
-static moert_result hybridep_combine(void *ctx, moert_stream stream, const moert_combine_args *args)
-{
-    hybridep_ctx *c = ctx;
-    const char *call = "combine()";
-    moert_result rc = check_device_status(c);
-    if (rc == MOERT_OK) rc = peer_dispatch_check_combine(&c->core, args, c->plan.num_tokens, c->capacity);
-    if (rc != MOERT_OK) return rc;
-#ifdef MOERT_HAVE_CUDA
-    if (c->core.on_cuda)
-        return cuda_combine_like(c, stream, call, HYBRIDEP_CALL_COMBINE, args->y_expert, NULL, args->y, false, NULL);
-#endif
-    return cpu_combine_like(c, call, args->y_expert, NULL, args->y, false, NULL);
-}
-
-/* The adjoint of combine: a dispatch of d_y's rows without probs. */
-static moert_result hybridep_combine_backward(void *ctx, moert_stream stream, const moert_combine_backward_args *args)
-{
-    hybridep_ctx *c = ctx;
-    const char *call = "combine_backward()";
-    moert_result rc = check_device_status(c);
-    if (rc == MOERT_OK) rc = peer_dispatch_check_combine_backward(&c->core, args, c->plan.num_tokens, c->capacity);
-    if (rc != MOERT_OK) return rc;
-#ifdef MOERT_HAVE_CUDA
-    if (c->core.on_cuda)
-        return cuda_dispatch_like(c, stream, call, HYBRIDEP_CALL_COMBINE_BACKWARD, args->d_y, NULL, args->d_y_expert,
-                                  NULL);
-#endif
-    return cpu_dispatch_like(c, call, args->d_y, NULL, args->d_y_expert, NULL);
-}
-
-/* The adjoint of dispatch: a combine of d_recv_x added into d_x, and each row's prob gradient to its (t, k) slot. */
-static moert_result hybridep_dispatch_backward(void *ctx, moert_stream stream, const moert_dispatch_backward_args *args)
-{
-    hybridep_ctx *c = ctx;
-    const char *call = "dispatch_backward()";
-    moert_result rc = check_device_status(c);
-    if (rc == MOERT_OK) rc = peer_dispatch_check_dispatch_backward(&c->core, args, c->plan.num_tokens, c->capacity);
-    if (rc != MOERT_OK) return rc;
-#ifdef MOERT_HAVE_CUDA
-    if (c->core.on_cuda)
-        return cuda_combine_like(c, stream, call, HYBRIDEP_CALL_DISPATCH_BACKWARD, args->d_recv_x, args->d_recv_probs,
-                                 args->d_x, true, args->d_topk_probs);
-#endif
-    return cpu_combine_like(c, call, args->d_recv_x, args->d_recv_probs, args->d_x, true, args->d_topk_probs);
-}
 
 MOERT_DISPATCHER_V1_EXPORT(hybridep_vtable) = {
     .header = {
@@ -671,8 +559,8 @@ MOERT_DISPATCHER_V1_EXPORT(hybridep_vtable) = {
     .init = hybridep_init,
     .finalize = hybridep_finalize,
     .prepare = hybridep_prepare,
-    .dispatch = hybridep_dispatch,
-    .combine = hybridep_combine,
-    .combine_backward = hybridep_combine_backward,
-    .dispatch_backward = hybridep_dispatch_backward,
+    .dispatch = peer_dispatch_run_dispatch,
+    .combine = peer_dispatch_run_combine,
+    .combine_backward = peer_dispatch_run_combine_backward,
+    .dispatch_backward = peer_dispatch_run_dispatch_backward,
 };

@@ -28,12 +28,6 @@
 #define HYBRIDEP_NOTIFY_EXTRA (3 + PEER_MAX_RANKS)
 
 /* The calls, as a CUDA failure word names them. */
-#define HYBRIDEP_CALL_PREPARE 0
-#define HYBRIDEP_CALL_DISPATCH 1
-#define HYBRIDEP_CALL_COMBINE 2
-#define HYBRIDEP_CALL_COMBINE_BACKWARD 3
-#define HYBRIDEP_CALL_DISPATCH_BACKWARD 4
-
 /* CUDA low-latency mode: how a source publishes that its rows of a call are in place (ll_flag), and who fences first
  * (ll_fence). LAST_BLOCK: every block counts itself in a device counter, the last one stores seq in arrived[src][0] of
  * every destination. PER_BLOCK: every block adds 1 (release reduction) to arrived[src][1].seq of every destination, a
@@ -43,9 +37,8 @@
 #define HYBRIDEP_LL_FENCE_THREAD 0 /* every thread fences (system scope) before the block barrier */
 #define HYBRIDEP_LL_FENCE_BLOCK 1  /* after the block barrier, only the threads that publish fence */
 
-/* The status word a CUDA kernel leaves after a failure: seq << 20 | call << 16 | kind << 8 | peer. */
-#define HYBRIDEP_WAIT_ARRIVAL 1  /* waited for a peer's rows */
-#define HYBRIDEP_WAIT_CONSUMED 2 /* waited for a peer to read the previous call's rows */
+/* The status word a CUDA kernel leaves after a failure: seq << 20 | call << 16 | kind << 8 | peer; call one of
+ * PEER_CALL_*, kind PEER_WAIT_ARRIVAL, PEER_WAIT_CONSUMED (peer_buffer.h) or one of these. */
 #define HYBRIDEP_WAIT_NOTIFY 3   /* waited for a peer's notify row */
 #define HYBRIDEP_BAD_IDS 4       /* a rank's topk_idx had ids outside [-1, E) (treated as dropped) */
 #define HYBRIDEP_CHANNELS 5      /* a rank uses another channel count */

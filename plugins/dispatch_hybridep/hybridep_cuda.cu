@@ -38,8 +38,6 @@ __device__ __forceinline__ void fence_proxy_async()
 
 /* ---- failures and bounded waits ---- */
 
-__device__ __forceinline__ peer_header *header(void *buf) { return (peer_header *)buf; }
-
 /* ---- call numbers on the device ----
  * The sequence number of the running call (and, in low-latency mode, its epoch: the low-latency calls so far, this one
  * included) live in device memory: thread 0 of every block reads them when its kernel starts (begin_call), the last
@@ -64,7 +62,7 @@ __device__ __forceinline__ void begin_call(const hybridep_cuda_call &k)
 __device__ __forceinline__ void end_call(const hybridep_cuda_call &k)
 {
     *(volatile int64_t *)k.seq_dev = cur_seq();
-    if (k.low_latency && k.call != HYBRIDEP_CALL_PREPARE) *(volatile int64_t *)k.ll_calls = cur_epoch();
+    if (k.low_latency && k.call != PEER_CALL_PREPARE) *(volatile int64_t *)k.ll_calls = cur_epoch();
 }
 
 /* Records the first failure of the instance (device word and its pinned host mirror) and raises the abort flag. */
@@ -83,16 +81,7 @@ __device__ void record_failure(const hybridep_cuda_call &k, int kind, int peer)
 /* Spins until *p >= target, at most the call's timeout; false after a failure (this one or an earlier one). */
 __device__ bool wait_geq(const int64_t *p, int64_t target, const hybridep_cuda_call &k, int kind, int peer)
 {
-    if (ld_acquire_sys(p) >= target) return true;
-    const uint64_t start = now_ns();
-    while (ld_acquire_sys(p) < target) {
-        if (*(volatile int *)k.abort_flag) return false;
-        if (now_ns() - start > (uint64_t)k.timeout_ns) {
-            record_failure(k, kind, peer);
-            return false;
-        }
-    }
-    return true;
+    return peer_wait_geq(p, target, k, [&] { record_failure(k, kind, peer); });
 }
 
 /* What block_wait waits for. */
@@ -107,7 +96,7 @@ __device__ bool block_wait(const hybridep_cuda_call &k, wait_what what)
 {
     __shared__ int stalled;
     const int W = k.geo.world, C = k.channels;
-    peer_header *h = header(k.local);
+    peer_header *h = peer_header_at(k.local);
     if (threadIdx.x == 0) stalled = *(volatile int *)k.abort_flag;
     __syncthreads();
     for (int j = 1; j <= W; j++) {
@@ -115,11 +104,11 @@ __device__ bool block_wait(const hybridep_cuda_call &k, wait_what what)
         if (what == WAIT_ARRIVED_OTHERS && s == k.rank) continue;
         if (!stalled) {
             if (what == WAIT_CONSUMED) {
-                if (threadIdx.x == 0 && !wait_geq(&h->consumed[s][0], cur_seq() - 1, k, HYBRIDEP_WAIT_CONSUMED, s))
+                if (threadIdx.x == 0 && !wait_geq(&h->consumed[s][0], cur_seq() - 1, k, PEER_WAIT_CONSUMED, s))
                     stalled = 1;
             } else {
                 for (int c = threadIdx.x; c < C; c += blockDim.x)
-                    if (!wait_geq(&h->arrived[s][c].seq, cur_seq(), k, HYBRIDEP_WAIT_ARRIVAL, s)) {
+                    if (!wait_geq(&h->arrived[s][c].seq, cur_seq(), k, PEER_WAIT_ARRIVAL, s)) {
                         stalled = 1;
                         break;
                     }
@@ -138,7 +127,7 @@ __device__ void block_publish(const hybridep_cuda_call &k, int c, bool self)
     __syncthreads();
     const int d = threadIdx.x;
     if (d < k.geo.world && (self || d != k.rank))
-        st_release_sys(&header(k.peers[d])->arrived[k.rank][c].seq, cur_seq());
+        st_release_sys(&peer_header_at(k.peers[d])->arrived[k.rank][c].seq, cur_seq());
 }
 
 /* The end of every block of a consuming kernel (the last kernel of a call): the last block to finish ends the call
@@ -160,7 +149,7 @@ __device__ void block_finish(const hybridep_cuda_call &k)
     __syncthreads();
     if (!last || *(volatile int *)k.abort_flag) return;
     __threadfence();
-    if (threadIdx.x < k.geo.world) st_release_sys(&header(k.peers[threadIdx.x])->consumed[k.rank][0], cur_seq());
+    if (threadIdx.x < k.geo.world) st_release_sys(&peer_header_at(k.peers[threadIdx.x])->consumed[k.rank][0], cur_seq());
 }
 
 /* A release reduction at system scope: *p += v (a peer's arrival count). */
@@ -191,7 +180,7 @@ __device__ void ll_publish(const hybridep_cuda_call &k, bool self)
     if (per_block) {
         if (!dest || *(volatile int *)k.abort_flag) return;
         if (k.ll_fence == HYBRIDEP_LL_FENCE_BLOCK) __threadfence_system();
-        red_release_sys(&header(k.peers[d])->arrived[k.rank][1].seq, 1);
+        red_release_sys(&peer_header_at(k.peers[d])->arrived[k.rank][1].seq, 1);
         return;
     }
     if (threadIdx.x == 0) {
@@ -205,7 +194,7 @@ __device__ void ll_publish(const hybridep_cuda_call &k, bool self)
     }
     __syncthreads();
     if (!last || *(volatile int *)k.abort_flag) return;
-    if (dest) st_release_sys(&header(k.peers[d])->arrived[k.rank][0].seq, cur_seq());
+    if (dest) st_release_sys(&peer_header_at(k.peers[d])->arrived[k.rank][0].seq, cur_seq());
 }
 
 /* One warp waits (lane s polls rank s, acquire) until every rank of `mask` has published this call's arrival
@@ -215,7 +204,7 @@ __device__ void ll_publish(const hybridep_cuda_call &k, bool self)
 __device__ bool warp_wait(const hybridep_cuda_call &k, unsigned mask, bool arrival)
 {
     const int lane = threadIdx.x & 31, W = k.geo.world;
-    const peer_header *h = header(k.local);
+    const peer_header *h = peer_header_at(k.local);
     const bool count = arrival && k.ll_flag == HYBRIDEP_LL_FLAG_PER_BLOCK; /* a running count of sending blocks */
     const int64_t target = count ? cur_epoch() * (int64_t)gridDim.x : arrival ? cur_seq() : cur_seq() - 1;
     const int64_t *f = nullptr;
@@ -244,7 +233,7 @@ __device__ bool warp_wait(const hybridep_cuda_call &k, unsigned mask, bool arriv
             for (int j = 1; j <= W; j++) {
                 const int s = (k.rank + j) % W;
                 if ((short_lanes >> s) & 1u) {
-                    record_failure(k, arrival ? HYBRIDEP_WAIT_ARRIVAL : HYBRIDEP_WAIT_CONSUMED, s);
+                    record_failure(k, arrival ? PEER_WAIT_ARRIVAL : PEER_WAIT_CONSUMED, s);
                     break;
                 }
             }
@@ -401,7 +390,7 @@ __global__ void __launch_bounds__(PREP_THREADS) prepare_kernel(hybridep_cuda_cal
      * every rank's buffer, publish it; wait for every rank's row */
     const int n = E + HYBRIDEP_NOTIFY_EXTRA;
     if (threadIdx.x < W)
-        if (!wait_geq(&header(k.local)->consumed[threadIdx.x][0], cur_seq() - 1, k, HYBRIDEP_WAIT_CONSUMED,
+        if (!wait_geq(&peer_header_at(k.local)->consumed[threadIdx.x][0], cur_seq() - 1, k, PEER_WAIT_CONSUMED,
                       threadIdx.x))
             stalled = 1;
     __syncthreads();
@@ -418,9 +407,9 @@ __global__ void __launch_bounds__(PREP_THREADS) prepare_kernel(hybridep_cuda_cal
     }
     __threadfence_system();
     __syncthreads();
-    if (threadIdx.x < W) st_release_sys(&header(k.peers[threadIdx.x])->notified[me], cur_seq());
+    if (threadIdx.x < W) st_release_sys(&peer_header_at(k.peers[threadIdx.x])->notified[me], cur_seq());
     if (threadIdx.x < W)
-        if (!wait_geq(&header(k.local)->notified[threadIdx.x], cur_seq(), k, HYBRIDEP_WAIT_NOTIFY, threadIdx.x))
+        if (!wait_geq(&peer_header_at(k.local)->notified[threadIdx.x], cur_seq(), k, HYBRIDEP_WAIT_NOTIFY, threadIdx.x))
             stalled = 1;
     __syncthreads();
     if (stalled) goto done;
@@ -450,7 +439,7 @@ __global__ void __launch_bounds__(PREP_THREADS) prepare_kernel(hybridep_cuda_cal
     }
     __syncthreads();
     /* the rows are read: release them */
-    if (threadIdx.x < W) st_release_sys(&header(k.peers[threadIdx.x])->consumed[me][0], cur_seq());
+    if (threadIdx.x < W) st_release_sys(&peer_header_at(k.peers[threadIdx.x])->consumed[me][0], cur_seq());
 done: /* the call is done, failed or not (every thread has read the numbers at begin_call) */
     if (threadIdx.x == 0) end_call(k);
 }

@@ -36,7 +36,7 @@ typedef struct hybridep_cuda_call {
     int sms;                         /* SMs of the device: the local kernels use all of them */
     int tma;                         /* 1: TMA bulk copies in the NVLink phase, 0: vector copies */
     int low_latency;                 /* 1: one kernel per call (channels <= sms, every block resident) */
-    int call;                        /* HYBRIDEP_CALL_*: which call this is (named in a failure word) */
+    int call;                        /* PEER_CALL_*: which call this is (named in a failure word) */
     int ll_threads;                  /* low-latency: threads per block (512 or 1024) */
     int ll_flag;                     /* low-latency: HYBRIDEP_LL_FLAG_* (how a source publishes its arrival) */
     int ll_fence;                    /* low-latency: HYBRIDEP_LL_FENCE_* (who fences before the arrival flag) */

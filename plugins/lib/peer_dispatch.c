@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* What the NVLink dispatchers share on the host (see peer_dispatch.h). */
+/* The frame of the NVLink dispatchers on the host (see peer_dispatch.h). */
 #include "peer_dispatch.h"
 
 #include <stdarg.h>
@@ -203,12 +203,167 @@ moert_result peer_dispatch_check_dispatch_backward(const peer_dispatch *d, const
     return rc;
 }
 
+bool peer_dispatch_wait_text(const peer_dispatch *d, int kind, int peer, char *why, size_t size)
+{
+    if (kind == PEER_WAIT_ARRIVAL)
+        snprintf(why, size, "rank %d did not deliver its rows within %lld ms (timeout_ms)", peer,
+                 (long long)d->timeout_ms);
+    else if (kind == PEER_WAIT_CONSUMED)
+        snprintf(why, size, "rank %d did not read the rows of the previous call within %lld ms (timeout_ms)", peer,
+                 (long long)d->timeout_ms);
+    else
+        return false;
+    return true;
+}
+
 moert_result peer_dispatch_alloc_failed(const peer_dispatch *d, moert_result rc)
 {
     char dev[32];
     if (rc != MOERT_ERR_UNSUPPORTED || !d->on_cuda) return rc;
     return peer_dispatch_fail(d, rc, "the host serving this instance cannot allocate on %s (a CPU-only host): only a "
                               "CPU path can run here", moert_arg_device_text(d->layer.device, dev, sizeof dev));
+}
+
+/* ---- prepare() ---- */
+
+moert_result peer_dispatch_prepare_begin(peer_dispatch *d, const moert_dispatch_layout *layout)
+{
+    d->prepared = false;
+    d->dispatched = false;
+    if (d->broken != MOERT_OK) return peer_dispatch_fail(d, d->broken, "prepare(): %s", d->broken_msg);
+    return peer_dispatch_check_layout(d, layout);
+}
+
+moert_result peer_dispatch_bad_expert(const peer_dispatch *d, const moert_tensor *topk_idx, int64_t bad)
+{
+    const int64_t K = d->layer.topk;
+    return peer_dispatch_fail(d, MOERT_ERR_INVALID_ARGUMENT, "prepare(): topk_idx[%lld][%lld] is %d, expected an "
+                              "expert id in [0, %lld) or -1 (dropped)", (long long)(bad / K), (long long)(bad % K),
+                              (int)((const int32_t *)topk_idx->data)[bad], (long long)d->layer.num_experts);
+}
+
+moert_result peer_dispatch_check_peer_prepare(const peer_dispatch *d, int s, int64_t status, int64_t channels)
+{
+    if (status != 0)
+        return peer_dispatch_fail(d, MOERT_ERR_INVALID_ARGUMENT, "prepare(): rank %d failed its prepare() (see its "
+                                  "error), so this step cannot dispatch", s);
+    if (channels != d->channels)
+        return peer_dispatch_fail(d, MOERT_ERR_CONFIG, "prepare(): rank %d sends with %lld blocks (num_sms), this "
+                                  "rank with %lld: every rank needs the same num_sms", s, (long long)channels,
+                                  (long long)d->channels);
+    return MOERT_OK;
+}
+
+void peer_dispatch_prepare_done(peer_dispatch *d, moert_dispatch_layout *layout, int64_t tokens, int64_t num_recv,
+                                int64_t rows, void *counts, int64_t *counts_host, const int64_t *sent_to)
+{
+    d->step_tokens = tokens;
+    d->step_rows = rows;
+    d->step_sent_to = sent_to;
+    layout->num_recv = num_recv;
+    layout->capacity = rows;
+    layout->tokens_per_expert = moert_tensor_1d(counts, d->layer.device, MOERT_I64, d->layer.num_local_experts);
+    layout->tokens_per_expert_host = counts_host;
+    d->prepared = true;
+    if (num_recv >= 0) peer_dispatch_metric(d, "dispatch.recv_tokens", (double)num_recv, "tokens");
+}
+
+/* ---- the calls after prepare() ---- */
+
+moert_result peer_dispatch_check_status(peer_dispatch *d)
+{
+    if (d->on_cuda && d->broken == MOERT_OK && d->cuda && d->cuda->check_status) return d->cuda->check_status(d);
+    return MOERT_OK;
+}
+
+/* A dispatch-like call (dispatch, combine_backward) on the instance's path; a success lets combine-like calls run. */
+static moert_result dispatch_like(peer_dispatch *d, moert_stream stream, const char *call, int call_id, bool fp8,
+                                  const moert_tensor *x, const moert_tensor *probs, moert_tensor *out,
+                                  moert_tensor *out_probs)
+{
+    moert_result rc;
+#ifdef MOERT_HAVE_CUDA
+    if (d->on_cuda) {
+        rc = peer_dispatch_cuda_dispatch_dtypes(d, call, x, probs, out_probs);
+        if (rc == MOERT_OK) rc = d->cuda->dispatch_like(d, stream, call, call_id, fp8, x, probs, out, out_probs);
+    } else
+#endif
+    {
+        (void)stream;
+        (void)call_id;
+        rc = peer_dispatch_cpu_dispatch(d, call, ++d->seq, d->recv_meta, &d->route, fp8, x, probs, out, out_probs);
+    }
+    if (rc == MOERT_OK) d->dispatched = true;
+    return rc;
+}
+
+/* A combine-like call (combine, dispatch_backward) on the instance's path. */
+static moert_result combine_like(peer_dispatch *d, moert_stream stream, const char *call, int call_id,
+                                 const moert_tensor *rows, const moert_tensor *row_probs, moert_tensor *out,
+                                 bool accumulate, moert_tensor *out_probs)
+{
+#ifdef MOERT_HAVE_CUDA
+    if (d->on_cuda) {
+        moert_result rc = peer_dispatch_cuda_combine_dtypes(d, call, rows, out, row_probs, out_probs);
+        if (rc != MOERT_OK) return rc;
+        return d->cuda->combine_like(d, stream, call, call_id, rows, row_probs, out, accumulate, out_probs);
+    }
+#endif
+    (void)stream;
+    (void)call_id;
+    return peer_dispatch_cpu_combine(d, call, ++d->seq, d->recv_meta, &d->route, rows, row_probs, out, accumulate,
+                                     out_probs);
+}
+
+/* Sends each token once to every rank holding one of its experts; the receiver writes it into its copies' rows. */
+moert_result peer_dispatch_run_dispatch(void *ctx, moert_stream stream, const moert_dispatch_args *args)
+{
+    peer_dispatch *d = ctx;
+    moert_result rc = peer_dispatch_check_status(d);
+    if (rc == MOERT_OK) rc = peer_dispatch_check_dispatch(d, args, d->step_tokens, d->step_rows);
+    if (rc == MOERT_OK)
+        rc = dispatch_like(d, stream, "dispatch()", PEER_CALL_DISPATCH, d->fp8, args->x, args->topk_probs,
+                           args->recv_x, args->recv_probs);
+    if (rc != MOERT_OK || !d->step_sent_to) return rc;
+    const int64_t H = d->layer.hidden;
+    peer_dispatch_report_sent(d, d->step_sent_to,
+                              d->fp8 ? peer_fp8_row_bytes(H) : (size_t)H * moert_dtype_size(args->x->dtype));
+    return MOERT_OK;
+}
+
+/* Each expert rank sums its copies of a token into one partial row and sends it back; the token's rank sums the
+ * partials in rank order (fp32; fp64 for fp64 rows) into y, overwritten. */
+moert_result peer_dispatch_run_combine(void *ctx, moert_stream stream, const moert_combine_args *args)
+{
+    peer_dispatch *d = ctx;
+    moert_result rc = peer_dispatch_check_status(d);
+    if (rc == MOERT_OK) rc = peer_dispatch_check_combine(d, args, d->step_tokens, d->step_rows);
+    if (rc != MOERT_OK) return rc;
+    return combine_like(d, stream, "combine()", PEER_CALL_COMBINE, args->y_expert, NULL, args->y, false, NULL);
+}
+
+/* The adjoint of combine: a dispatch of d_y's rows (as they are, no probs). */
+moert_result peer_dispatch_run_combine_backward(void *ctx, moert_stream stream,
+                                                const moert_combine_backward_args *args)
+{
+    peer_dispatch *d = ctx;
+    moert_result rc = peer_dispatch_check_status(d);
+    if (rc == MOERT_OK) rc = peer_dispatch_check_combine_backward(d, args, d->step_tokens, d->step_rows);
+    if (rc != MOERT_OK) return rc;
+    return dispatch_like(d, stream, "combine_backward()", PEER_CALL_COMBINE_BACKWARD, false, args->d_y, NULL,
+                         args->d_y_expert, NULL);
+}
+
+/* The adjoint of dispatch: a combine of d_recv_x added into d_x, and each row's prob gradient to its (t, k) slot. */
+moert_result peer_dispatch_run_dispatch_backward(void *ctx, moert_stream stream,
+                                                 const moert_dispatch_backward_args *args)
+{
+    peer_dispatch *d = ctx;
+    moert_result rc = peer_dispatch_check_status(d);
+    if (rc == MOERT_OK) rc = peer_dispatch_check_dispatch_backward(d, args, d->step_tokens, d->step_rows);
+    if (rc != MOERT_OK) return rc;
+    return combine_like(d, stream, "dispatch_backward()", PEER_CALL_DISPATCH_BACKWARD, args->d_recv_x,
+                        args->d_recv_probs, args->d_x, true, args->d_topk_probs);
 }
 
 /* ---- the peer buffer ---- */
@@ -312,7 +467,6 @@ moert_result peer_dispatch_cpu_dispatch(peer_dispatch *d, const char *call, int6
                               out_probs ? out_probs->data : NULL, out_probs ? out_probs->dtype : MOERT_F64);
     if (r > 0) return peer_dispatch_mark_broken(d, MOERT_ERR_TIMEOUT, call, why);
     if (r < 0) return peer_dispatch_fail(d, MOERT_ERR_OUT_OF_MEMORY, "%s: %s", call, why);
-    d->dispatched = true;
     return MOERT_OK;
 }
 

@@ -1,11 +1,15 @@
-/* Device helpers the NVLink dispatchers' kernels share (deepep_cuda.cu, hybridep_cuda.cu): memory-order primitives at
- * system scope (peers' memory over NVLink), the clock of bounded waits, read-only loads of a call's inputs, and the
- * element types and packed loads of combine's sums. Header-only, for one .cu file each. */
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The device frame of the NVLink dispatchers' kernels (deepep_cuda.cu, hybridep_cuda.cu): memory-order primitives at
+ * system scope (peers' memory over NVLink), the peer buffer's header, bounded waits on its flags, read-only loads of
+ * a call's inputs, and the element types and packed loads of combine's sums. Each plugin adds its own flag protocol
+ * and copies (deepep: NVLink copies by warps; hybridep: TMA bulk copies). Header-only, for one .cu file each. */
 #ifndef MOERT_PEER_DISPATCH_CUH
 #define MOERT_PEER_DISPATCH_CUH
 
 #include <cuda_bf16.h>
 #include <stdint.h>
+
+#include "peer_buffer.h"
 
 /* ---- memory-order primitives (system scope: peers' memory over NVLink) ---- */
 
@@ -27,6 +31,29 @@ __device__ __forceinline__ uint64_t now_ns()
     uint64_t t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
+}
+
+/* ---- the peer buffer's flags ---- */
+
+/* The header (flags) of a rank's peer buffer. */
+__device__ __forceinline__ peer_header *peer_header_at(void *buf) { return (peer_header *)buf; }
+
+/* Spins until *p >= target, at most the call's timeout (k.timeout_ns); false once k.abort_flag is raised (an earlier
+ * failure of the instance) or when the time runs out, after on_stall() (the plugin records the failure and raises
+ * the flag). Call: a plugin's kernel view of a call (deepep_cuda_call, hybridep_cuda_call). */
+template <typename Call, typename Stall>
+__device__ __forceinline__ bool peer_wait_geq(const int64_t *p, int64_t target, const Call &k, Stall on_stall)
+{
+    if (ld_acquire_sys(p) >= target) return true;
+    const uint64_t start = now_ns();
+    while (ld_acquire_sys(p) < target) {
+        if (*(volatile int *)k.abort_flag) return false;
+        if (now_ns() - start > (uint64_t)k.timeout_ns) {
+            on_stall();
+            return false;
+        }
+    }
+    return true;
 }
 
 /* Read-only loads of the call's inputs (never written while the kernel runs): the non-coherent path, no L1 line. */

@@ -1,9 +1,10 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* What the NVLink dispatchers ("deepep", "hybridep") share on the host: the part of an instance every call reads (the
- * host and layer, the rank's place in the group, the peer buffer, the step's bookkeeping), the argument checks of the
- * calls, the peer buffer's setup and release, the CPU path's calls and the CUDA path's device checks. Compiled into
- * each plugin (plugins do not link libmoert); each plugin's context holds a peer_dispatch as its first member,
- * `core`. */
+/* The frame of the NVLink dispatchers ("deepep", "hybridep") on the host: the part of an instance every call reads
+ * (the host and layer, the rank's place in the group, the peer buffer, the step's bookkeeping), the argument checks,
+ * the peer buffer's setup and release, prepare()'s shared steps, and the calls after prepare() (dispatch, combine and
+ * their adjoints) with the CPU path's send/receive; a plugin adds its options, its layout pass and count exchange in
+ * prepare(), and its CUDA kernels as a peer_dispatch_cuda backend. Compiled into each plugin (plugins do not link
+ * libmoert); each plugin's context holds a peer_dispatch as its first member, `core`, so the calls' ctx is one. */
 #ifndef MOERT_PEER_DISPATCH_H
 #define MOERT_PEER_DISPATCH_H
 
@@ -26,8 +27,26 @@
     (MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) |                     \
      MOERT_CAP_DTYPE(MOERT_F16))
 
+typedef struct peer_dispatch peer_dispatch;
+
+/* A plugin's CUDA path, as the shared calls run it (after the argument and dtype checks): its kernels moving the rows
+ * of one call. call_id is PEER_CALL_* (peer_buffer.h). */
+typedef struct peer_dispatch_cuda {
+    /* A failure an earlier call's kernels reported, read without a sync, checked first by every call (NULL: none; the
+     * plugin reads it in prepare()). */
+    moert_result (*check_status)(peer_dispatch *d);
+    /* A dispatch-like call (dispatch, combine_backward); fp8: E4M3 rows with 1x128 scales on the wire. */
+    moert_result (*dispatch_like)(peer_dispatch *d, moert_stream stream, const char *call, int call_id, bool fp8,
+                                  const moert_tensor *x, const moert_tensor *probs, moert_tensor *out,
+                                  moert_tensor *out_probs);
+    /* A combine-like call (combine, dispatch_backward); accumulate: added into out. */
+    moert_result (*combine_like)(peer_dispatch *d, moert_stream stream, const char *call, int call_id,
+                                 const moert_tensor *rows, const moert_tensor *row_probs, moert_tensor *out,
+                                 bool accumulate, moert_tensor *out_probs);
+} peer_dispatch_cuda;
+
 /* The shared part of a dispatcher instance. */
-typedef struct peer_dispatch {
+struct peer_dispatch {
     const moert_host *host;
     moert_layer_info layer;
     const char *name;           /* the plugin's name, for messages */
@@ -45,7 +64,16 @@ typedef struct peer_dispatch {
     size_t buf_bytes;
     void *peers[PEER_MAX_RANKS];
     int64_t recv_rows[PEER_MAX_RANKS]; /* CPU path: rows received from each rank by the last dispatch-like call */
-} peer_dispatch;
+
+    bool fp8;                   /* forward dispatch() sends E4M3 rows with 1x128 scales (deepep's dispatch_dtype) */
+    const peer_dispatch_cuda *cuda; /* the plugin's CUDA path (set at init on CUDA) */
+    /* this step, set by the plugin's prepare() */
+    int64_t step_tokens;        /* T */
+    int64_t step_rows;          /* rows a tensor of received rows must hold: num_recv, or the worst-case capacity */
+    const int64_t *step_sent_to; /* [world] this rank's tokens per destination on the host; NULL: not known there */
+    peer_cpu_route route;       /* CPU path: this step's routing on this rank */
+    int64_t *recv_meta;         /* CPU path: [world][rows_cap][K], saved by dispatch-like calls */
+};
 
 /*
  * The start of init: the layer checks every dispatcher makes (moert_arg_check_dispatch_layer, at most PEER_MAX_RANKS
@@ -92,6 +120,47 @@ moert_result peer_dispatch_check_combine_backward(const peer_dispatch *d, const 
                                                   int64_t tokens, int64_t recv_rows);
 moert_result peer_dispatch_check_dispatch_backward(const peer_dispatch *d, const moert_dispatch_backward_args *args,
                                                    int64_t tokens, int64_t recv_rows);
+
+/* ---- prepare() ---- */
+
+/* The start of prepare(): the step's calls refused until it succeeds; the instance's earlier failure, else the layout
+ * argument's check (a plugin whose ranks exchange counts still takes part in the exchange after a local failure). */
+moert_result peer_dispatch_prepare_begin(peer_dispatch *d, const moert_dispatch_layout *layout);
+
+/* prepare()'s error for entry `bad` (t * topk + k) of topk_idx, an id outside [0, E) and not -1. */
+moert_result peer_dispatch_bad_expert(const peer_dispatch *d, const moert_tensor *topk_idx, int64_t bad);
+
+/* Rank s's part of prepare()'s count exchange: its prepare() succeeded (status 0) and it sends with this rank's
+ * channel count; otherwise this step's error, naming rank s. */
+moert_result peer_dispatch_check_peer_prepare(const peer_dispatch *d, int s, int64_t status, int64_t channels);
+
+/*
+ * The end of a successful prepare(): this step's sizes for the calls (T tokens; rows: what the received-row tensors
+ * must hold; sent_to: this rank's tokens per destination on the host, or NULL) and the layout handed to the core
+ * (num_recv, -1 when not known on the host; counts: tokens per local expert on the layer's device, counts_host the
+ * same on the host or NULL). The metric dispatch.recv_tokens when num_recv is known.
+ */
+void peer_dispatch_prepare_done(peer_dispatch *d, moert_dispatch_layout *layout, int64_t tokens, int64_t num_recv,
+                                int64_t rows, void *counts, int64_t *counts_host, const int64_t *sent_to);
+
+/* ---- the calls after prepare() ---- */
+
+/* A failure the CUDA path's kernels reported in an earlier call (peer_dispatch_cuda.check_status). */
+moert_result peer_dispatch_check_status(peer_dispatch *d);
+
+/* The dispatcher's calls (vtable members; ctx is the plugin's context, whose first member is its peer_dispatch): the
+ * shared checks, then the CPU path's send/receive or the plugin's CUDA path. dispatch() sends d->fp8 rows and reports
+ * dispatch.bytes_sent when the step's sent_to is known. */
+moert_result peer_dispatch_run_dispatch(void *ctx, moert_stream stream, const moert_dispatch_args *args);
+moert_result peer_dispatch_run_combine(void *ctx, moert_stream stream, const moert_combine_args *args);
+moert_result peer_dispatch_run_combine_backward(void *ctx, moert_stream stream,
+                                                const moert_combine_backward_args *args);
+moert_result peer_dispatch_run_dispatch_backward(void *ctx, moert_stream stream,
+                                                 const moert_dispatch_backward_args *args);
+
+/* The message of a bounded wait that ran out (the kind of a kernel's failure word: PEER_WAIT_ARRIVAL or
+ * PEER_WAIT_CONSUMED), naming the late peer; false for another kind (a plugin's own). */
+bool peer_dispatch_wait_text(const peer_dispatch *d, int kind, int peer, char *why, size_t size);
 
 /* A failed allocation on the layer's device: explained when the host cannot allocate on CUDA at all. */
 moert_result peer_dispatch_alloc_failed(const peer_dispatch *d, moert_result rc);

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The "default" memory policy plugin: a fixed action per saved activation, read from the config. */
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdlib.h>
 
 #include "moert/memory_policy.h"
@@ -8,15 +9,20 @@
 typedef struct policy_ctx {
     const moert_host *host;
     moert_memory_action action[MOERT_ACT_COUNT]; /* by moert_activation */
+    /* the shared expert's fc1 output and SwiGLU output (asked as fc1_out / swiglu_out with the shared-expert flag):
+     * an action, or -1 for the answer of the routed activation of the same id */
+    int shared_action[2];
     bool offload_last_layer; /* false: the stack's last layer keeps what the others offload */
     int32_t num_layers;
 } policy_ctx;
 
 /* Config names of the actions, in moert_memory_action order. */
 static const char *const action_choices[] = {"keep", "recompute", "offload", NULL};
+/* The shared expert's: the same, and "same" (index 3) for the answer of the routed activation of the same id. */
+static const char *const shared_choices[] = {"keep", "recompute", "offload", "same", NULL};
 
-/* Creates one instance: one option per activation, each keep|recompute|offload (keep by default), and whether
- * the last layer offloads too. */
+/* Creates one instance: one option per activation, each keep|recompute|offload (keep by default), one per shared
+ * expert activation (same as the routed one by default), and whether the last layer offloads too. */
 static moert_result policy_init(void **out, const moert_host *host, const moert_layer_info *layer)
 {
     static const char *const help[MOERT_ACT_COUNT] = {
@@ -40,6 +46,20 @@ static moert_result policy_init(void **out, const moert_host *host, const moert_
             return rc;
         }
         c->action[a] = (moert_memory_action)choice;
+    }
+    static const char *const shared_names[2] = {"shared_fc1_out", "shared_act"};
+    static const char *const shared_help[2] = {
+        "the shared expert's fc1 output: keep, recompute (its fc1 again), offload, or same (as fc1_out)",
+        "the shared expert's SwiGLU output: keep, recompute, offload, or same (as swiglu_out)",
+    };
+    for (int i = 0; i < 2; i++) {
+        int choice = 3;
+        moert_result rc = host->option_enum(host, shared_names[i], shared_choices, 3, shared_help[i], &choice);
+        if (rc != MOERT_OK) {
+            free(c);
+            return rc;
+        }
+        c->shared_action[i] = choice == 3 ? -1 : choice;
     }
     moert_result rc = host->option_bool(host, "offload_last_layer", true,
                                         "offload in the stack's last layer too; its backward follows its forward at "
@@ -70,6 +90,13 @@ static moert_result policy_decide(void *ctx, const moert_activation_info *info, 
         return MOERT_ERR_INVALID_ARGUMENT;
     }
     *action = c->action[info->activation];
+    /* the shared expert's activations (a flag appended to the info: read only where its struct_size covers it) */
+    bool shared = info->struct_size >= offsetof(moert_activation_info, flags) + sizeof info->flags &&
+                  (info->flags & MOERT_ACTIVATION_SHARED_EXPERT);
+    if (shared && info->activation != MOERT_ACT_DISPATCHED_X) {
+        int i = info->activation == MOERT_ACT_FC1_OUT ? 0 : 1;
+        if (c->shared_action[i] >= 0) *action = (moert_memory_action)c->shared_action[i];
+    }
     if (*action == MOERT_MEMORY_OFFLOAD && !c->offload_last_layer && info->layer_index == c->num_layers - 1)
         *action = MOERT_MEMORY_KEEP;
     return MOERT_OK;

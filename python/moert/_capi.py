@@ -67,6 +67,7 @@ class BackwardOptions(ctypes.Structure):
 
 
 LAYER_STAGES, LAYER_BACKWARD_PARTS, LAYER_ACTIVATIONS = 8, 10, 3
+LAYER_SHARED_ACTIVATIONS = 2  # the shared expert's, after the routed ones (API version 3)
 
 
 class LayerFigures(ctypes.Structure):
@@ -74,7 +75,8 @@ class LayerFigures(ctypes.Structure):
                 ("backward_part_ms", ctypes.c_double * LAYER_BACKWARD_PARTS),
                 ("saved_bytes", ctypes.c_int64 * LAYER_ACTIVATIONS), ("held_bytes", ctypes.c_int64),
                 ("recompute_saved_bytes", ctypes.c_int64), ("offload_saved_bytes", ctypes.c_int64),
-                ("pinned_bytes", ctypes.c_int64), ("device_peak_bytes", ctypes.c_int64)]
+                ("pinned_bytes", ctypes.c_int64), ("device_peak_bytes", ctypes.c_int64),
+                ("shared_saved_bytes", ctypes.c_int64 * LAYER_SHARED_ACTIVATIONS)]
 
 
 

@@ -428,7 +428,8 @@ class MoE(nn.Module):
 
     def figures(self):
         """The last forward's and backward's figures (moert_layers_figures): stage and backward-part times in ms,
-        bytes saved, held, recomputed and offloaded per activation, pinned bytes and the device pool's peak."""
+        bytes saved per activation (the shared expert's too, as shared_fc1_out and shared_act), the bytes held,
+        recomputed and offloaded, pinned bytes and the device pool's peak."""
         f = _capi.LayerFigures()
         f.struct_size = ctypes.sizeof(_capi.LayerFigures)
         lib = _capi.lib()
@@ -437,8 +438,10 @@ class MoE(nn.Module):
         return {"stage_ms": {name(lib.moert_layer_stage_name, i): f.stage_ms[i] for i in range(_capi.LAYER_STAGES)},
                 "backward_part_ms": {name(lib.moert_layer_backward_part_name, i): f.backward_part_ms[i]
                                      for i in range(_capi.LAYER_BACKWARD_PARTS)},
-                "saved_bytes": {name(lib.moert_layer_activation_name, i): f.saved_bytes[i]
-                                for i in range(_capi.LAYER_ACTIVATIONS)},
+                "saved_bytes": dict([(name(lib.moert_layer_activation_name, i), f.saved_bytes[i])
+                                     for i in range(_capi.LAYER_ACTIVATIONS)] +
+                                    [(name(lib.moert_layer_activation_name, _capi.LAYER_ACTIVATIONS + i),
+                                      f.shared_saved_bytes[i]) for i in range(_capi.LAYER_SHARED_ACTIVATIONS)]),
                 "held_bytes": f.held_bytes, "recompute_saved_bytes": f.recompute_saved_bytes,
                 "offload_saved_bytes": f.offload_saved_bytes, "pinned_bytes": f.pinned_bytes,
                 "device_peak_bytes": f.device_peak_bytes}

@@ -111,6 +111,7 @@ class MoEAgainstReference(Case):
         self.assertIn("router", f["stage_ms"])
         self.assertIn("fc1_out", f["saved_bytes"])
         self.assertGreater(f["saved_bytes"]["fc1_out"], 0)
+        self.assertEqual(f["saved_bytes"]["shared_act"], 0)  # no shared expert
 
     def test_grads_accumulate_over_micro_batches(self):
         cfg = config(dtype="fp64")

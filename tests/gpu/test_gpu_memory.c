@@ -6,7 +6,10 @@
  *   buffers are allocated at the first step only (a second and third step make no new pinned allocation) and
  *   the pool makes no new cudaMalloc in the third step; stage times are printed (fc1 is where dispatched_x's
  *   offload is issued);
- * - the runtime (moert_runtime_step, one GPU, 2 layers): losses of three steps bit-identical to keep.
+ * - the runtime (moert_runtime_step, one GPU, 2 layers): losses of three steps bit-identical to keep;
+ * - the same with a shared expert (gated or not, on its own stream or on the compute stream, with and without the
+ *   deferred offload start) whose saved activations are kept, recomputed or offloaded: losses bit-identical to keeping
+ *   everything, and fewer bytes kept from forward to backward.
  * Exits 77 without a GPU (and in builds without CUDA). */
 #include "test_util.h"
 
@@ -216,6 +219,77 @@ static void check_runtime(void)
     }
 }
 
+/* ---- the shared expert's activations, through the runtime on one GPU ---- */
+
+static const char *shared_config =
+    "{\"model\": {\"hidden\": 512, \"ffn_hidden\": 1024, \"num_experts\": 8, \"topk\": 2, \"num_layers\": 2,"
+    " \"dtype\": \"bf16\", \"shared_expert_ffn_hidden\": 768, \"shared_expert_gate\": %s},"
+    " \"parallel\": {\"ranks\": 1, \"device\": \"cuda\", \"shared_expert_overlap\": %s, \"offload_defer_start\": %s},"
+    " \"train\": {\"tokens_per_rank\": 4096, \"seed\": 3, \"lr\": 0.001, \"data\": \"repeat\"},"
+    " \"router\": {\"score_function\": \"sigmoid\", \"expert_bias\": true},"
+    " \"memory_policy\": {\"dispatched_x\": \"%s\", \"shared_fc1_out\": \"%s\", \"shared_act\": \"%s\"}}";
+
+/* Losses of RUN_STEPS steps with a shared expert and the given actions (dispatched_x, shared_fc1_out, shared_act). */
+static bool run_shared_losses(bool gate, bool overlap, bool defer, const int act[3], double *losses, int64_t *kept)
+{
+    char json[1536];
+    snprintf(json, sizeof json, shared_config, gate ? "true" : "false", overlap ? "true" : "false",
+             defer ? "true" : "false", action_names[act[0]], action_names[act[1]], action_names[act[2]]);
+    moert_config *cfg = NULL;
+    moert_runtime *rt = NULL;
+    bool ok = false;
+    EXPECT_OK(moert_config_load_string(json, "gpu-memory-shared", &cfg));
+    if (!cfg) return false;
+    EXPECT_OK(moert_runtime_create(cfg, &rt));
+    if (!rt) goto exit;
+    for (int s = 1; s <= RUN_STEPS; s++) {
+        moert_step_record rec;
+        moert_result rc = moert_runtime_step(rt, s, &rec);
+        EXPECT_OK(rc);
+        if (rc != MOERT_OK) goto exit;
+        losses[s - 1] = rec.loss;
+    }
+    *kept = rt->kept_bytes;
+    ok = true;
+exit:
+    moert_runtime_destroy(rt);
+    moert_config_free(cfg);
+    return ok;
+}
+
+static void check_shared_expert(void)
+{
+    const int cases[][3] = {{0, 2, 2}, {0, 1, 1}, {0, 2, 1}, {0, 1, 2}, {2, 2, 2}, {1, 2, 0}};
+    for (int g = 0; g < 2; g++)
+        for (int o = 0; o < 2; o++)
+            for (int d = 0; d < 2; d++) {
+                if (d && !o) continue; /* the deferred start is checked with the shared expert's own stream */
+                double keep[RUN_STEPS], other[RUN_STEPS];
+                int64_t keep_kept = 0, kept = 0;
+                const int keep_all[3] = {0, 0, 0};
+                if (!run_shared_losses(g, o, d, keep_all, keep, &keep_kept)) {
+                    test_failures++;
+                    continue;
+                }
+                for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+                    if (!run_shared_losses(g, o, d, cases[i], other, &kept)) {
+                        test_failures++;
+                        continue;
+                    }
+                    int same = 0;
+                    for (int s = 0; s < RUN_STEPS; s++) same += memcmp(&keep[s], &other[s], sizeof(double)) == 0;
+                    printf("shared expert (gate %d, overlap %d, deferred start %d) %s/%s/%s: %d of %d losses "
+                           "bit-identical to keep; kept %lld of %lld bytes\n",
+                           g, o, d, action_names[cases[i][0]], action_names[cases[i][1]], action_names[cases[i][2]],
+                           same, RUN_STEPS, (long long)kept, (long long)keep_kept);
+                    EXPECT_EQ_INT(same, RUN_STEPS);
+                    /* an offload whose copy still runs at its reload is cancelled and counted as kept */
+                    bool recomputes = cases[i][0] == 1 || cases[i][1] == 1 || cases[i][2] == 1;
+                    EXPECT(recomputes ? kept < keep_kept : kept <= keep_kept);
+                }
+            }
+}
+
 int main(void)
 {
     int gpus = 0;
@@ -225,6 +299,7 @@ int main(void)
     }
     check_layers();
     check_runtime();
+    check_shared_expert();
     return test_finish("gpu_memory");
 }
 

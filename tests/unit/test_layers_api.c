@@ -32,6 +32,13 @@ static const char *const shared_json =
     " \"parallel\": {\"ranks\": 1, \"device\": \"cpu\"}, \"train\": {\"tokens_per_rank\": 48},"
     " \"router\": {\"score_function\": \"softmax\", \"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.01,"
     " \"z_loss_coeff\": 0.001}}";
+/* the gated shared expert with its activations recomputed and offloaded (fc1_out's offload: shared_fc1_out's "same") */
+static const char *const shared_policy_json =
+    "{\"model\": {\"hidden\": 16, \"ffn_hidden\": 24, \"num_experts\": 8, \"topk\": 2, \"num_layers\": 2,"
+    " \"dtype\": \"fp64\", \"shared_expert_ffn_hidden\": 20, \"shared_expert_gate\": true},"
+    " \"parallel\": {\"ranks\": 1, \"device\": \"cpu\"}, \"train\": {\"tokens_per_rank\": 48},"
+    " \"router\": {\"score_function\": \"softmax\", \"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.01,"
+    " \"z_loss_coeff\": 0.001}, \"memory_policy\": {\"fc1_out\": \"offload\", \"shared_act\": \"recompute\"}}";
 static const char *config_json; /* the one the tests below use */
 
 static double uniform(uint64_t *s)
@@ -669,11 +676,132 @@ static void test_memory_policies(void)
     EXPECT(moert_layer_stage_name(8) == NULL);
 }
 
+/* ---- the shared expert's saved activations under the memory policy ---- */
+
+/* One run of two layers with a shared expert: the output, d_x, every gradient and both layers' figures. */
+typedef struct shared_run {
+    double y[20 * H], dx[20 * H];
+    rank_params p;
+    moert_layer_figures fig[2];
+} shared_run;
+
+/* Two layers with a shared expert (gated or not, on its own stream or not: the CPU runs both alike) forward and
+ * backward at EP1 with the memory policy options `policy_json`. */
+static void run_shared_policy(bool gate, bool overlap, const char *policy_json, shared_run *out)
+{
+    char json[2048];
+    snprintf(json, sizeof json,
+             "{\"model\": {\"hidden\": 16, \"ffn_hidden\": 24, \"num_experts\": 8, \"topk\": 2, \"num_layers\": 2,"
+             " \"dtype\": \"fp64\", \"shared_expert_ffn_hidden\": 20, \"shared_expert_gate\": %s},"
+             " \"parallel\": {\"ranks\": 1, \"device\": \"cpu\", \"shared_expert_overlap\": %s},"
+             " \"train\": {\"tokens_per_rank\": 48}, \"router\": {\"score_function\": \"softmax\","
+             " \"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.01}, \"memory_policy\": {%s}}",
+             gate ? "true" : "false", overlap ? "true" : "false", policy_json);
+    memset(out, 0, sizeof *out);
+    moert_config *cfg = NULL;
+    EXPECT_OK(moert_config_load_string(json, "layers-api-shared-policy", &cfg));
+    moert_layers *m = NULL;
+    moert_launch launch = {.struct_size = sizeof launch, .rank = 0, .world_size = 1, .device = moert_cpu()};
+    EXPECT_OK(moert_layers_create(cfg, &launch, &m));
+    moert_config_free(cfg);
+    if (!m) return;
+    bind_all(m, &out->p);
+    EXPECT_OK(moert_layers_init_params(m, 5, NULL));
+    const int64_t t = 20;
+    uint64_t seed = 9;
+    double x[20 * H], r[20 * H], h[20 * H], dh[20 * H];
+    for (int i = 0; i < t * H; i++) x[i] = uniform(&seed), r[i] = uniform(&seed);
+    moert_tensor tx = t2(x, t, H), th = t2(h, t, H), ty = t2(out->y, t, H), tr = t2(r, t, H), tdh = t2(dh, t, H);
+    moert_tensor tdx = t2(out->dx, t, H);
+    moert_saved *s0 = NULL, *s1 = NULL;
+    EXPECT_OK(moert_moe_forward(m, 0, &tx, &th, NULL, &s0, NULL));
+    EXPECT_OK(moert_moe_forward(m, 1, &th, &ty, NULL, &s1, NULL));
+    EXPECT_OK(moert_moe_backward(m, s1, &tr, &tdh, NULL, NULL));
+    EXPECT_OK(moert_moe_backward(m, s0, &tdh, &tdx, NULL, NULL));
+    for (int l = 0; l < 2; l++) {
+        out->fig[l].struct_size = sizeof out->fig[l];
+        EXPECT_OK(moert_layers_figures(m, l, &out->fig[l]));
+    }
+    /* a caller of API version 2 (figures without the shared expert's member) is served, its struct not overrun */
+    moert_layer_figures old;
+    memset(&old, 0xff, sizeof old);
+    old.struct_size = (uint32_t)offsetof(moert_layer_figures, shared_saved_bytes);
+    EXPECT_OK(moert_layers_figures(m, 0, &old));
+    EXPECT(old.held_bytes == out->fig[0].held_bytes && old.shared_saved_bytes[0] == -1);
+    moert_layers_destroy(m);
+}
+
+/* Whether two runs gave the same bits: output, d_x and every gradient of both layers. */
+static bool same_shared_run(const shared_run *a, const shared_run *b)
+{
+    if (memcmp(a->y, b->y, sizeof a->y) != 0 || memcmp(a->dx, b->dx, sizeof a->dx) != 0) return false;
+    for (int l = 0; l < 2; l++)
+        for (int w = 0; w < MOERT_PARAM_COUNT; w++)
+            if (a->p.numel[w] != b->p.numel[w] ||
+                (a->p.numel[w] && memcmp(a->p.grad[l][w], b->p.grad[l][w], (size_t)a->p.numel[w] * sizeof(double))))
+                return false;
+    return true;
+}
+
+/* Every keep/recompute/offload combination of shared_fc1_out and shared_act, with and without the gate and the
+ * overlap option, and their "same" answers through fc1_out / swiglu_out: the bits of keeping everything, and the
+ * figures count the shared expert's bytes as the actions say. */
+static void test_shared_memory_policies(void)
+{
+    static const char *const names[3] = {"keep", "recompute", "offload"};
+    const int64_t fc1_bytes = 20 * 2 * 20 * 8, act_bytes = 20 * 20 * 8; /* [T, 2Fs] and [T, Fs], fp64 */
+    const int64_t routed_bytes = 40 * (H + 3 * F) * 8;                  /* 40 rows of the routed experts, all kept */
+    static shared_run keep, run;
+    for (int g = 0; g < 2; g++)
+        for (int o = 0; o < 2; o++) {
+            run_shared_policy(g, o, "", &keep);
+            EXPECT_EQ_INT(keep.fig[0].shared_saved_bytes[0], fc1_bytes);
+            EXPECT_EQ_INT(keep.fig[0].shared_saved_bytes[1], act_bytes);
+            EXPECT_EQ_INT(keep.fig[0].held_bytes, routed_bytes + fc1_bytes + act_bytes);
+            for (int a1 = 0; a1 < 3; a1++)
+                for (int a2 = 0; a2 < 3; a2++) {
+                    char policy[256];
+                    snprintf(policy, sizeof policy, "\"shared_fc1_out\": \"%s\", \"shared_act\": \"%s\"", names[a1],
+                             names[a2]);
+                    run_shared_policy(g, o, policy, &run);
+                    if (!same_shared_run(&run, &keep)) {
+                        fprintf(stderr, "shared expert (gate %d, overlap %d) %s: differs from keep\n", g, o, policy);
+                        test_failures++;
+                    }
+                    for (int l = 0; l < 2; l++) {
+                        const moert_layer_figures *f = &run.fig[l];
+                        int64_t held = routed_bytes, recomputed = 0, offloaded = 0;
+                        int64_t *to[3] = {&held, &recomputed, &offloaded};
+                        *to[a1] += fc1_bytes;
+                        *to[a2] += act_bytes;
+                        EXPECT_EQ_INT(f->shared_saved_bytes[0], fc1_bytes);
+                        EXPECT_EQ_INT(f->shared_saved_bytes[1], act_bytes);
+                        EXPECT_EQ_INT(f->held_bytes, held);
+                        EXPECT_EQ_INT(f->recompute_saved_bytes, recomputed);
+                        EXPECT_EQ_INT(f->offload_saved_bytes, offloaded);
+                        if (offloaded) EXPECT(f->pinned_bytes >= offloaded);
+                    }
+                    free_params(&run.p);
+                }
+            /* "same": the routed activations' answers */
+            run_shared_policy(g, o, "\"fc1_out\": \"offload\", \"swiglu_out\": \"recompute\"", &run);
+            EXPECT(same_shared_run(&run, &keep));
+            EXPECT_EQ_INT(run.fig[0].held_bytes, 40 * H * 8);
+            EXPECT_EQ_INT(run.fig[0].offload_saved_bytes, 40 * 2 * F * 8 + fc1_bytes);
+            EXPECT_EQ_INT(run.fig[0].recompute_saved_bytes, 40 * F * 8 + act_bytes);
+            free_params(&run.p);
+            free_params(&keep.p);
+        }
+    EXPECT(strcmp(moert_layer_activation_name(MOERT_LAYER_ACTIVATIONS), "shared_fc1_out") == 0);
+    EXPECT(strcmp(moert_layer_activation_name(MOERT_LAYER_ACTIVATIONS + 1), "shared_act") == 0);
+    EXPECT(moert_layer_activation_name(MOERT_LAYER_ACTIVATIONS + 2) == NULL);
+}
+
 int main(void)
 {
     EXPECT(moert_api_version() == MOERT_API_VERSION);
-    for (int c = 0; c < 2; c++) {
-        config_json = c == 0 ? routed_json : shared_json;
+    for (int c = 0; c < 3; c++) {
+        config_json = c == 0 ? routed_json : c == 1 ? shared_json : shared_policy_json;
         test_gradients();
         test_expert_parallel();
     }
@@ -681,6 +809,7 @@ int main(void)
     test_launch_errors();
     test_dispatcher();
     test_memory_policies();
+    test_shared_memory_policies();
     test_expert_bias();
     return test_finish("layers_api");
 }

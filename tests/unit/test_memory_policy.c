@@ -41,6 +41,35 @@ static void check_actions(const char *options, moert_memory_action dispatched_x,
     test_instance_close(&ti);
 }
 
+/* The shared expert's activations (asked as fc1_out and swiglu_out with MOERT_ACTIVATION_SHARED_EXPERT): their own
+ * options, or the routed answer ("same", the default); an info of the size before the flag reads as routed. */
+static void check_shared(const char *options, moert_memory_action shared_fc1_out, moert_memory_action shared_act,
+                         moert_memory_action routed_fc1_out)
+{
+    moert_layer_info layer = test_layer(8, 16, 4, 2, 32, 1, 0, MOERT_F32);
+    test_instance ti;
+    if (test_instance_open(&ti, MOERT_KIND_MEMORY_POLICY, PLUGIN, options, &layer, NULL, 0, 1) != MOERT_OK) {
+        fprintf(stderr, "%s: open failed: %s\n", options, moert_error_message());
+        test_failures++;
+        test_instance_close(&ti);
+        return;
+    }
+    const moert_memory_policy_v1 *vt = (const moert_memory_policy_v1 *)ti.plugin.header;
+    moert_activation_info info = {.struct_size = sizeof info, .activation = MOERT_ACT_FC1_OUT, .bytes = 4096,
+                                  .device = moert_cpu(), .flags = MOERT_ACTIVATION_SHARED_EXPERT};
+    moert_memory_action got = (moert_memory_action)-1;
+    EXPECT_EQ_INT(vt->decide(ti.ctx, &info, &got), MOERT_OK);
+    EXPECT_EQ_INT(got, shared_fc1_out);
+    info.activation = MOERT_ACT_SWIGLU_OUT;
+    EXPECT_EQ_INT(vt->decide(ti.ctx, &info, &got), MOERT_OK);
+    EXPECT_EQ_INT(got, shared_act);
+    info.activation = MOERT_ACT_FC1_OUT;
+    info.struct_size = (uint32_t)offsetof(moert_activation_info, flags); /* an older host: no flags */
+    EXPECT_EQ_INT(vt->decide(ti.ctx, &info, &got), MOERT_OK);
+    EXPECT_EQ_INT(got, routed_fc1_out);
+    test_instance_close(&ti);
+}
+
 /* A config that must be refused with MOERT_ERR_CONFIG and a message containing every needle. */
 static void check_refused(const char *options, const char *const *needles)
 {
@@ -90,6 +119,16 @@ int main(void)
                   MOERT_MEMORY_OFFLOAD, MOERT_MEMORY_KEEP, MOERT_MEMORY_RECOMPUTE);
     check_actions("{\"plugin\": \"default\", \"swiglu_out\": \"offload\"}", MOERT_MEMORY_KEEP, MOERT_MEMORY_KEEP,
                   MOERT_MEMORY_OFFLOAD);
+
+    check_shared("{}", MOERT_MEMORY_KEEP, MOERT_MEMORY_KEEP, MOERT_MEMORY_KEEP);
+    check_shared("{\"fc1_out\": \"offload\", \"swiglu_out\": \"recompute\"}", MOERT_MEMORY_OFFLOAD,
+                 MOERT_MEMORY_RECOMPUTE, MOERT_MEMORY_OFFLOAD);
+    check_shared("{\"fc1_out\": \"offload\", \"shared_fc1_out\": \"recompute\", \"shared_act\": \"offload\"}",
+                 MOERT_MEMORY_RECOMPUTE, MOERT_MEMORY_OFFLOAD, MOERT_MEMORY_OFFLOAD);
+    check_shared("{\"shared_fc1_out\": \"keep\", \"fc1_out\": \"recompute\", \"shared_act\": \"same\"}",
+                 MOERT_MEMORY_KEEP, MOERT_MEMORY_KEEP, MOERT_MEMORY_RECOMPUTE);
+    const char *const bad_shared[] = {"shared_act", "keep", "recompute", "offload", "same", NULL};
+    check_refused("{\"shared_act\": \"drop\"}", bad_shared);
 
     check_last_layer("{\"dispatched_x\": \"offload\", \"fc1_out\": \"recompute\"}", true);
     check_last_layer("{\"dispatched_x\": \"offload\", \"fc1_out\": \"recompute\", \"offload_last_layer\": true}",

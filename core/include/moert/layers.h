@@ -22,8 +22,9 @@ extern "C" {
 #endif
 
 /* Version of the embedding API below: 1 is the first. Appended functions and struct members raise it. 2: the expert
- * layout in moert_launch and moert_layers_info (MoE Parallel Folding, docs/parallel.md). */
-#define MOERT_API_VERSION 2
+ * layout in moert_launch and moert_layers_info (MoE Parallel Folding, docs/parallel.md). 3: the shared expert's saved
+ * activations in moert_layer_figures. */
+#define MOERT_API_VERSION 3
 MOERT_API int moert_api_version(void);
 
 typedef struct moert_config moert_config;
@@ -217,6 +218,7 @@ MOERT_API void moert_saved_free(moert_saved *saved);
 #define MOERT_LAYER_BACKWARD_PARTS 10 /* recompute, combine_bwd, fc2_dgrad, fc2_wgrad, act_bwd, fc1_dgrad, fc1_wgrad,
                                          dispatch_bwd, router_bwd, wgrad_wait */
 #define MOERT_LAYER_ACTIVATIONS 3     /* dispatched_x, fc1_out, swiglu_out */
+#define MOERT_LAYER_SHARED_ACTIVATIONS 2 /* the shared expert's: shared_fc1_out, shared_act (API version 3) */
 
 typedef struct moert_layer_figures {
     uint32_t struct_size;
@@ -227,11 +229,15 @@ typedef struct moert_layer_figures {
     int64_t recompute_saved_bytes, offload_saved_bytes; /* not held because recomputed / offloaded */
     int64_t pinned_bytes;      /* pinned host memory this layer's offload buffers hold */
     int64_t device_peak_bytes; /* CUDA: peak bytes in use of the layers' memory pool (all layers); 0 on the CPU */
+    /* API version 3 (filled when struct_size covers it): the shared expert's saved activations, shared_fc1_out and
+     * shared_act (0 without one). held_bytes, recompute_saved_bytes and offload_saved_bytes above count them too. */
+    int64_t shared_saved_bytes[MOERT_LAYER_SHARED_ACTIVATIONS];
 } moert_layer_figures;
 
 /* Fills out for `layer` from its last forward and backward (waits for that work on GPUs). */
 MOERT_API moert_result moert_layers_figures(moert_layers *layers, int layer, moert_layer_figures *out);
-/* Names of the stages, backward parts and activations above ("router", "fc2_wgrad", "fc1_out"); NULL out of range. */
+/* Names of the stages, backward parts and activations above ("router", "fc2_wgrad", "fc1_out"); NULL out of range.
+ * Activations MOERT_LAYER_ACTIVATIONS and the one after it are the shared expert's ("shared_fc1_out", "shared_act"). */
 MOERT_API const char *moert_layer_stage_name(int stage);
 MOERT_API const char *moert_layer_backward_part_name(int part);
 MOERT_API const char *moert_layer_activation_name(int activation);

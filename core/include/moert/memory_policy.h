@@ -29,7 +29,14 @@ typedef struct moert_activation_info {
     moert_activation activation;
     int64_t bytes;           /* size of this step's tensor */
     moert_device device;
+    /* Appended (read it only when struct_size covers it; absent means 0): MOERT_ACTIVATION_* flags. */
+    uint32_t flags;
 } moert_activation_info;
+
+/* The activation belongs to the layer's shared expert ($.model.shared_expert_ffn_hidden): `activation` is then
+ * MOERT_ACT_FC1_OUT for its fc1 output [T, 2Fs] and MOERT_ACT_SWIGLU_OUT for its SwiGLU output [T, Fs]. A policy that
+ * ignores the flag answers for them what it answers for the routed experts' activations of the same id. */
+#define MOERT_ACTIVATION_SHARED_EXPERT 0x1u
 
 typedef struct moert_memory_policy_v1 {
     moert_plugin_header header; /* kind MOERT_KIND_MEMORY_POLICY */
