@@ -4,11 +4,7 @@
 
 #include <string.h>
 
-/* A flat view of n elements of dtype at data, so moert_load/moert_store can read and write it. */
-static moert_tensor flat_view(const void *data, moert_dtype dtype, int64_t n)
-{
-    return moert_tensor_1d((void *)data, moert_cpu(), dtype, n);
-}
+#include "dispatch_common.h"
 
 /* Whether token t of topk_idx [T,K] has at least one kept copy. */
 static int has_kept_copy(const int32_t *topk_idx, int64_t t, int64_t topk)
@@ -18,31 +14,11 @@ static int has_kept_copy(const int32_t *topk_idx, int64_t t, int64_t topk)
     return 0;
 }
 
-int64_t ag_count_copies(const int32_t *topk_idx, int64_t num_tokens, int64_t topk, int64_t num_experts,
-                        int64_t *counts)
-{
-    memset(counts, 0, (size_t)num_experts * sizeof *counts);
-    for (int64_t i = 0; i < num_tokens * topk; i++) {
-        int32_t e = topk_idx[i];
-        if (e == -1) continue;
-        if (e < -1 || e >= num_experts) return i;
-        counts[e]++;
-    }
-    return -1;
-}
-
 void ag_plan_sizes(ag_plan *plan, const int64_t *all_counts)
 {
-    const int64_t E = plan->num_experts, El = plan->num_local_experts;
-    const int64_t first_local = (int64_t)plan->rank * El;
-    plan->num_recv = 0;
-    for (int64_t l = 0; l < El; l++) {
-        int64_t rows = 0;
-        for (int s = 0; s < plan->world; s++) rows += all_counts[(int64_t)s * E + first_local + l];
-        plan->tokens_per_expert[l] = rows;
-        plan->group_start[l] = plan->num_recv;
-        plan->num_recv += rows;
-    }
+    plan->num_recv = moert_dispatch_plan_groups(all_counts, plan->world, plan->rank, plan->num_experts,
+                                                plan->num_local_experts, 0, NULL, plan->tokens_per_expert,
+                                                plan->group_start);
 }
 
 /* One pass over the gathered copies in order, each local one taking the next free row of its expert's group. */
@@ -75,14 +51,14 @@ void ag_gather_rows(const ag_plan *plan, const void *gathered_rows, size_t row_b
 
 void ag_gather_probs(const ag_plan *plan, const double *gathered_probs, void *probs_out, moert_dtype dtype)
 {
-    moert_tensor view = flat_view(probs_out, dtype, plan->num_recv);
+    moert_tensor view = moert_dispatch_flat_view(probs_out, dtype, plan->num_recv);
     for (int64_t j = 0; j < plan->num_recv; j++) moert_store(&view, j, gathered_probs[plan->grouped_copy[j]]);
 }
 
 void ag_partial_rows(const ag_plan *plan, const void *grouped, moert_dtype dtype, int64_t hidden, double *partial)
 {
     const int64_t K = plan->topk, tokens = (int64_t)plan->world * plan->max_tokens;
-    moert_tensor rows = flat_view(grouped, dtype, plan->num_recv * hidden);
+    moert_tensor rows = moert_dispatch_flat_view(grouped, dtype, plan->num_recv * hidden);
     for (int64_t g = 0; g < tokens; g++) {
         double *acc = partial + g * hidden;
         /* -0 is the additive identity (+0 would turn a single -0 row into +0): one copy's row stays bit-exact */
@@ -98,7 +74,7 @@ void ag_partial_rows(const ag_plan *plan, const void *grouped, moert_dtype dtype
 void ag_partial_probs(const ag_plan *plan, const void *grouped, moert_dtype dtype, double *partial)
 {
     const int64_t copies = (int64_t)plan->world * plan->max_tokens * plan->topk;
-    moert_tensor probs = flat_view(grouped, dtype, plan->num_recv);
+    moert_tensor probs = moert_dispatch_flat_view(grouped, dtype, plan->num_recv);
     for (int64_t c = 0; c < copies; c++) {
         const int64_t row = plan->copy_row[c];
         partial[c] = row >= 0 ? moert_load(&probs, row) : -0.0;
@@ -109,7 +85,7 @@ void ag_sum_partial_rows(const ag_plan *plan, const double *recv, int64_t hidden
                          int accumulate, void *out, moert_dtype out_dtype)
 {
     const int64_t T = plan->num_tokens;
-    moert_tensor y = flat_view(out, out_dtype, T * hidden);
+    moert_tensor y = moert_dispatch_flat_view(out, out_dtype, T * hidden);
     for (int64_t t = 0; t < T; t++) {
         const int kept = has_kept_copy(topk_idx, t, plan->topk);
         if (accumulate && !kept) continue; /* d_x of a token without kept copies stays as it was */
@@ -125,7 +101,7 @@ void ag_sum_partial_probs(const ag_plan *plan, const double *recv, const int32_t
                           moert_dtype dtype)
 {
     const int64_t n = plan->num_tokens * plan->topk;
-    moert_tensor view = flat_view(probs_out, dtype, n);
+    moert_tensor view = moert_dispatch_flat_view(probs_out, dtype, n);
     for (int64_t i = 0; i < n; i++) {
         double acc = -0.0;
         for (int s = 0; s < plan->world; s++) acc += recv[(int64_t)s * n + i];

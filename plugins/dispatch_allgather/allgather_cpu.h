@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The allgather dispatcher's algorithm over plain arrays: counting, the local permutation of the gathered copies,
- * row and prob moves, and the partial sums of the reduce-scatter. dispatch_allgather.c owns the vtable, options,
- * checks and communication; allgather_cuda.cu replaces these functions kernel by kernel. */
+/* The allgather dispatcher's algorithm over plain arrays: the local permutation of the gathered copies, row and prob
+ * moves, and the partial sums of the reduce-scatter (counting copies and the expert groups are
+ * plugins/lib/dispatch_common.h's). dispatch_allgather.c owns the vtable, options and communication;
+ * allgather_cuda.cu replaces these functions kernel by kernel. */
 #ifndef MOERT_DISPATCH_ALLGATHER_CPU_H
 #define MOERT_DISPATCH_ALLGATHER_CPU_H
 
@@ -31,11 +32,6 @@ typedef struct ag_plan {
     int64_t *copy_row;           /* [world*max_tokens*K] grouped row of each gathered copy, -1 if not for this rank */
     int64_t *cursor;             /* [El] scratch of the planning functions */
 } ag_plan;
-
-/* Counts kept copies per expert from topk_idx [T,K] (-1 = dropped) into counts[E] (zeroed first).
- * Returns the flat index of the first entry outside [-1, E), or -1 when all are valid. */
-int64_t ag_count_copies(const int32_t *topk_idx, int64_t num_tokens, int64_t topk, int64_t num_experts,
-                        int64_t *counts);
 
 /* Rows per local expert, group starts and num_recv from all_counts [world][E] (copies from rank s to expert e). */
 void ag_plan_sizes(ag_plan *plan, const int64_t *all_counts);

@@ -2,9 +2,10 @@
 /* The "allgather" dispatcher plugin: Megatron's allgather token dispatcher (MoEAllGatherTokenDispatcher) over the
  * host's communicator. Every rank gathers every rank's tokens, routing and probs, keeps the copies routed to its own
  * experts (grouped by local expert), and the combine is a reduce-scatter of each rank's partial sums back to the
- * tokens' owners. This file: vtable, checks, buffers and communication, and the CUDA path's sequence (the kernels
- * are in allgather_cuda.cu and plugins/lib/dispatch_alltoall_cuda.cu); the CPU algorithm over plain arrays is in
- * allgather_cpu.c. */
+ * tokens' owners. This file: vtable, buffers and communication, and the CUDA path's sequence (the kernels are in
+ * allgather_cuda.cu and plugins/lib/dispatch_alltoall_cuda.cu); the CPU algorithm over plain arrays is in
+ * allgather_cpu.c; the argument checks, buffers and count exchange the host-collective dispatchers share are
+ * plugins/lib/dispatch_common.c's. */
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -12,6 +13,7 @@
 #include <string.h>
 
 #include "allgather_cpu.h"
+#include "dispatch_common.h"
 #include "moert/dispatcher.h"
 #include "plugin_report.h"
 #include "tensor_args.h"
@@ -25,10 +27,7 @@
 #endif
 
 /* A buffer on the layer's device, grown on demand and reused across steps. */
-typedef struct ag_buffer {
-    void *data;
-    size_t bytes;
-} ag_buffer;
+typedef moert_dispatch_buffer ag_buffer;
 
 #ifdef MOERT_HAVE_CUDA
 /* The CUDA path's step state: the routing of the gathered tokens on the device. */
@@ -54,7 +53,7 @@ typedef struct allgather_ctx {
     int64_t *exchange_row;      /* [E+2] this rank's copies per expert, then T, then a failure flag */
     int64_t *gathered;          /* [world][E+2] every rank's exchange_row */
     int64_t *all_counts;        /* [world][E] copies from rank s to expert e */
-    size_t *send_bytes, *send_offsets, *recv_bytes, *recv_offsets; /* [world] for the reduce-scatter's alltoallv */
+    moert_dispatch_alltoallv a2av; /* [world] sizes and offsets for the reduce-scatter's alltoallv */
 
     ag_buffer idx_send;         /* int32 [max_tokens*K]: this rank's topk_idx, padded with -1 */
     ag_buffer gathered_idx;     /* int32 [world*max_tokens*K]: every rank's (this rank's own at rank*max_tokens*K) */
@@ -76,9 +75,7 @@ typedef struct allgather_ctx {
 /* Reports a figure for this step's report, if the host is new enough to take it. */
 static void report_metric(const allgather_ctx *c, const char *name, double value, const char *unit)
 {
-    const moert_host *h = c->host;
-    if (h->struct_size >= offsetof(moert_host, metric) + sizeof h->metric && h->metric)
-        h->metric(h, name, value, unit);
+    moert_dispatch_metric(c->host, name, value, unit);
 }
 
 /* Sets the instance's error message and returns code, so checks can `return fail(...)`. */
@@ -87,41 +84,21 @@ static void report_metric(const allgather_ctx *c, const char *name, double value
 /* Makes buf at least `bytes` long on the layer's device (contents not kept). */
 static moert_result buffer_reserve(allgather_ctx *c, ag_buffer *buf, size_t bytes)
 {
-    if (bytes < 64) bytes = 64; /* never hand a NULL pointer to the communicator */
-    if (buf->bytes >= bytes) return MOERT_OK;
-    if (buf->data) c->host->free(c->host, c->layer.device, buf->data);
-    buf->data = NULL;
-    buf->bytes = 0;
-    size_t grown = bytes + bytes / 2; /* some slack: routing changes from step to step */
-    moert_result rc = c->host->alloc(c->host, c->layer.device, grown, &buf->data);
-    if (rc != MOERT_OK) return rc;
-    buf->bytes = grown;
-    return MOERT_OK;
+    return moert_dispatch_buffer_reserve(c->host, c->layer.device, buf, bytes);
 }
 
 static void buffer_release(allgather_ctx *c, ag_buffer *buf)
 {
-    if (buf->data) c->host->free(c->host, c->layer.device, buf->data);
-    buf->data = NULL;
-    buf->bytes = 0;
+    moert_dispatch_buffer_release(c->host, c->layer.device, buf);
 }
 
-/* The shared checks (plugins/lib/tensor_args.h) for this instance's host and layer device. */
-static moert_result check_tensor(const allgather_ctx *c, const char *call, const char *name, const moert_tensor *t,
-                                 int ndim, int64_t rows, bool rows_at_least, int64_t cols, const char *rows_what,
-                                 int need_dtype)
+/* What the checks of the calls after prepare() know of this step (plugins/lib/dispatch_common.h); the grouped buffers
+ * have num_recv rows. */
+static moert_dispatch_step_shape step_shape(const allgather_ctx *c)
 {
-    return moert_arg_check_tensor(c->host, c->layer.device, call, name, t, ndim, rows, rows_at_least, cols,
-                                  rows_what, need_dtype);
-}
-
-/* What every call after prepare() checks first: prepare() succeeded, args is there and big enough. */
-static moert_result check_call(allgather_ctx *c, const char *call, const void *args, uint32_t struct_size,
-                               size_t expected_size)
-{
-    if (!c->prepared) return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: called before a successful prepare()", call);
-    if (!args) return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: args is NULL", call);
-    return moert_arg_check_struct_size(c->host, call, "args", struct_size, expected_size);
+    return (moert_dispatch_step_shape){.prepared = c->prepared, .device = c->layer.device,
+                                       .tokens = c->plan.num_tokens, .topk = c->layer.topk,
+                                       .hidden = c->layer.hidden, .capacity = c->plan.num_recv};
 }
 
 /* The gathered copies of this step: world blocks of max_tokens tokens with K copies each. */
@@ -139,10 +116,7 @@ static const int32_t *own_idx(const allgather_ctx *c)
 /* Copies `bytes` on the layer's device (stream-ordered on CUDA). */
 static moert_result device_copy(allgather_ctx *c, moert_stream stream, void *dst, const void *src, size_t bytes)
 {
-    if (!bytes) return MOERT_OK;
-    if (c->on_cuda) return c->host->memcpy_async(c->host, dst, c->layer.device, src, c->layer.device, bytes, stream);
-    memcpy(dst, src, bytes);
-    return MOERT_OK;
+    return moert_dispatch_copy(c->host, c->layer.device, stream, dst, src, bytes);
 }
 
 /* The allgather: recv gets every rank's block of block_bytes, in rank order. At world 1 a copy, no collective. */
@@ -170,15 +144,16 @@ static moert_result reduce_scatter_exchange(allgather_ctx *c, moert_stream strea
     }
     moert_result rc = buffer_reserve(c, &c->recv_partial, (size_t)(c->world * p->num_tokens) * token_bytes);
     if (rc != MOERT_OK) return rc;
+    moert_dispatch_alltoallv *v = &c->a2av;
     for (int s = 0; s < c->world; s++) {
-        c->send_bytes[s] = (size_t)p->rank_tokens[s] * token_bytes;
-        c->send_offsets[s] = (size_t)((int64_t)s * p->max_tokens) * token_bytes;
-        c->recv_bytes[s] = (size_t)p->num_tokens * token_bytes;
-        c->recv_offsets[s] = (size_t)((int64_t)s * p->num_tokens) * token_bytes;
+        v->send_bytes[s] = (size_t)p->rank_tokens[s] * token_bytes;
+        v->send_offsets[s] = (size_t)((int64_t)s * p->max_tokens) * token_bytes;
+        v->recv_bytes[s] = (size_t)p->num_tokens * token_bytes;
+        v->recv_offsets[s] = (size_t)((int64_t)s * p->num_tokens) * token_bytes;
     }
     *sums = c->recv_partial.data;
-    return c->host->alltoallv(c->host, c->partial.data, c->send_bytes, c->send_offsets, c->recv_partial.data,
-                              c->recv_bytes, c->recv_offsets, c->layer.device, stream);
+    return c->host->alltoallv(c->host, c->partial.data, v->send_bytes, v->send_offsets, c->recv_partial.data,
+                              v->recv_bytes, v->recv_offsets, c->layer.device, stream);
 }
 
 /*
@@ -229,10 +204,8 @@ static moert_result cuda_init(allgather_ctx *c)
         return fail(c, MOERT_ERR_UNSUPPORTED, "the allgather dispatcher's CUDA path takes at most %d experts, the "
                     "layer has %lld", MOERT_AG_CUDA_MAX_EXPERTS, (long long)E);
     MOK(check_cuda_device_visible(c->host, (int)c->layer.device.id, dev));
-    moert_result rc = buffer_reserve(c, &c->cu.counts, (size_t)(E + 1) * sizeof(int64_t));
-    if (rc == MOERT_ERR_UNSUPPORTED)
-        return fail(c, rc, "the host serving this instance cannot allocate on %s (a CPU-only host): only a CPU path is "
-                    "usable with it", dev);
+    moert_result rc = moert_dispatch_buffer_reserve_first(h, c->layer.device, &c->cu.counts,
+                                                          (size_t)(E + 1) * sizeof(int64_t));
     if (rc == MOERT_OK) rc = h->alloc_pinned(h, (size_t)(E + 1) * sizeof(int64_t), (void **)&c->cu.pinned_counts);
     return rc;
 }
@@ -270,17 +243,13 @@ static moert_result allgather_init(void **out, const moert_host *host, const moe
     c->exchange_row = calloc((size_t)(E + 2), sizeof(int64_t));
     c->gathered = calloc((size_t)(W * (E + 2)), sizeof(int64_t));
     c->all_counts = calloc((size_t)(W * E), sizeof(int64_t));
-    c->send_bytes = calloc((size_t)W, sizeof(size_t));
-    c->send_offsets = calloc((size_t)W, sizeof(size_t));
-    c->recv_bytes = calloc((size_t)W, sizeof(size_t));
-    c->recv_offsets = calloc((size_t)W, sizeof(size_t));
+    bool a2av_ok = moert_dispatch_alltoallv_alloc(&c->a2av, c->world);
     c->plan.rank_tokens = calloc((size_t)W, sizeof(int64_t));
     c->plan.tokens_per_expert = calloc((size_t)El, sizeof(int64_t));
     c->plan.group_start = calloc((size_t)El, sizeof(int64_t));
     c->plan.cursor = calloc((size_t)El, sizeof(int64_t));
-    if (!c->exchange_row || !c->gathered || !c->all_counts || !c->send_bytes || !c->send_offsets ||
-        !c->recv_bytes || !c->recv_offsets || !c->plan.rank_tokens || !c->plan.tokens_per_expert ||
-        !c->plan.group_start || !c->plan.cursor) {
+    if (!c->exchange_row || !c->gathered || !c->all_counts || !a2av_ok || !c->plan.rank_tokens ||
+        !c->plan.tokens_per_expert || !c->plan.group_start || !c->plan.cursor) {
         allgather_finalize(c);
         host->set_error(host, "out of memory for the dispatcher state");
         return MOERT_ERR_OUT_OF_MEMORY;
@@ -319,10 +288,7 @@ static void allgather_finalize(void *ctx)
     free(c->exchange_row);
     free(c->gathered);
     free(c->all_counts);
-    free(c->send_bytes);
-    free(c->send_offsets);
-    free(c->recv_bytes);
-    free(c->recv_offsets);
+    moert_dispatch_alltoallv_free(&c->a2av);
     free(c->plan.rank_tokens);
     free(c->plan.tokens_per_expert);
     free(c->plan.group_start);
@@ -333,18 +299,7 @@ static void allgather_finalize(void *ctx)
 /* Checks topk_idx's shape, dtype and device (every path); sets *num_tokens. */
 static moert_result check_topk_idx(allgather_ctx *c, const moert_tensor *topk_idx, int64_t *num_tokens)
 {
-    const char *call = "prepare()";
-    const int64_t K = c->layer.topk;
-    char a[64];
-    if (!topk_idx) return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: topk_idx is NULL", call);
-    if (topk_idx->ndim != 2 || topk_idx->shape[1] != K)
-        return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: topk_idx has shape %s, expected [T, %lld] (T tokens, topk)",
-                    call, moert_arg_shape_text(topk_idx, a, sizeof a), (long long)K);
-    moert_result rc = check_tensor(c, call, "topk_idx", topk_idx, 2, topk_idx->shape[0], false, K, "T tokens, topk",
-                                   MOERT_I32);
-    if (rc != MOERT_OK) return rc;
-    *num_tokens = topk_idx->shape[0];
-    return MOERT_OK;
+    return moert_dispatch_check_topk_idx(c->host, c->layer.device, topk_idx, c->layer.topk, num_tokens);
 }
 
 /* prepare()'s local part on the CPU: counts this rank's copies per expert into exchange_row[0..E). */
@@ -352,13 +307,9 @@ static moert_result count_local(allgather_ctx *c, const moert_tensor *topk_idx, 
 {
     moert_result rc = check_topk_idx(c, topk_idx, num_tokens);
     if (rc != MOERT_OK) return rc;
-    const int64_t K = c->layer.topk;
-    int64_t bad = ag_count_copies(topk_idx->data, *num_tokens, K, c->layer.num_experts, c->exchange_row);
-    if (bad >= 0)
-        return fail(c, MOERT_ERR_INVALID_ARGUMENT,
-                    "prepare(): topk_idx[%lld][%lld] is %d, expected an expert id in [0, %lld) or -1 (dropped)",
-                    (long long)(bad / K), (long long)(bad % K), (int)((const int32_t *)topk_idx->data)[bad],
-                    (long long)c->layer.num_experts);
+    const int64_t K = c->layer.topk, E = c->layer.num_experts;
+    int64_t bad = moert_dispatch_count_copies(topk_idx->data, *num_tokens, K, E, c->exchange_row);
+    if (bad >= 0) return moert_dispatch_bad_expert(c->host, topk_idx->data, bad, K, E);
     return MOERT_OK;
 }
 
@@ -382,10 +333,7 @@ static moert_result cuda_count_local(allgather_ctx *c, moert_stream stream, cons
     MOK(h->stream_synchronize(h, stream));
     unsigned long long bad = 0;
     memcpy(&bad, c->cu.pinned_counts + E, sizeof bad);
-    if (bad)
-        return fail(c, MOERT_ERR_INVALID_ARGUMENT,
-                    "prepare(): %llu entries of topk_idx are outside [0, %lld) and not -1 (dropped); expected expert ids",
-                    bad, (long long)E);
+    if (bad) return moert_dispatch_bad_expert_count(h, bad, E);
     memcpy(c->exchange_row, c->cu.pinned_counts, (size_t)E * sizeof(int64_t));
     return MOERT_OK;
 }
@@ -455,11 +403,7 @@ static moert_result allgather_prepare(void *ctx, moert_stream stream, const moer
 
     int64_t num_tokens = 0;
     memset(c->exchange_row, 0, (size_t)(E + 2) * sizeof(int64_t));
-    moert_result local_rc = MOERT_OK;
-    if (!layout)
-        local_rc = fail(c, MOERT_ERR_INVALID_ARGUMENT, "prepare(): layout is NULL");
-    else
-        local_rc = moert_arg_check_struct_size(h, "prepare()", "layout", layout->struct_size, sizeof *layout);
+    moert_result local_rc = moert_dispatch_check_layout(h, layout);
     if (local_rc == MOERT_OK) {
 #ifdef MOERT_HAVE_CUDA
         if (c->on_cuda)
@@ -475,20 +419,12 @@ static moert_result allgather_prepare(void *ctx, moert_stream stream, const moer
     c->exchange_row[E] = num_tokens;
     c->exchange_row[E + 1] = local_rc;
 
-    moert_result rc = MOERT_OK;
-    if (c->world == 1)
-        memcpy(c->gathered, c->exchange_row, (size_t)(E + 2) * sizeof(int64_t));
-    else /* host memory on every device: the threads communicator serves it */
-        rc = h->allgather(h, c->exchange_row, c->gathered, (size_t)(E + 2) * sizeof(int64_t), moert_cpu(), NULL);
+    moert_result rc = moert_dispatch_exchange_counts(h, c->world, c->exchange_row, c->gathered, E + 2, local_rc);
     if (rc != MOERT_OK) return rc;
-    if (local_rc != MOERT_OK) return local_rc;
 
     int64_t max_tokens = 0;
     for (int s = 0; s < c->world; s++) {
         const int64_t *row = c->gathered + (int64_t)s * (E + 2);
-        if (row[E + 1] != MOERT_OK)
-            return fail(c, MOERT_ERR_INVALID_ARGUMENT,
-                        "prepare(): rank %d failed its prepare() (see its error), so this step cannot dispatch", s);
         memcpy(c->all_counts + (int64_t)s * E, row, (size_t)E * sizeof(int64_t));
         p->rank_tokens[s] = row[E];
         if (row[E] > max_tokens) max_tokens = row[E];
@@ -545,13 +481,7 @@ static moert_result allgather_prepare(void *ctx, moert_stream stream, const moer
 static moert_result cuda_check_dtypes(const allgather_ctx *c, const char *call, const char *name_a,
                                       const moert_tensor *a, const char *name_b, const moert_tensor *b)
 {
-    if (a->dtype != MOERT_F32 && a->dtype != MOERT_BF16)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "%s: %s has dtype %s; the CUDA path moves fp32 or bf16", call, name_a,
-                    moert_dtype_name(a->dtype));
-    if (b->dtype != a->dtype)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "%s: %s has dtype %s but %s has %s; on CUDA they must match", call,
-                    name_b, moert_dtype_name(b->dtype), name_a, moert_dtype_name(a->dtype));
-    return MOERT_OK;
+    return moert_dispatch_check_cuda_dtypes(c->host, call, name_a, a, name_b, b);
 }
 
 /*
@@ -612,22 +542,10 @@ static moert_result cuda_dispatch(allgather_ctx *c, moert_stream stream, const m
 static moert_result allgather_dispatch(void *ctx, moert_stream stream, const moert_dispatch_args *args)
 {
     allgather_ctx *c = ctx;
-    const char *call = "dispatch()";
     const ag_plan *p = &c->plan;
     const int64_t H = c->layer.hidden, T = p->num_tokens, K = c->layer.topk;
-    moert_result rc = check_call(c, call, args, args ? args->struct_size : 0, sizeof *args);
-    if (rc == MOERT_OK) rc = check_tensor(c, call, "x", args->x, 2, T, false, H, "T from prepare(), hidden", -1);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "recv_x", args->recv_x, 2, p->num_recv, true, H, "capacity from prepare(), hidden",
-                          args->x->dtype);
-    if (rc == MOERT_OK && (args->topk_probs == NULL) != (args->recv_probs == NULL))
-        rc = fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: topk_probs and recv_probs must be given together (or both NULL)",
-                  call);
-    if (rc == MOERT_OK && args->topk_probs)
-        rc = check_tensor(c, call, "topk_probs", args->topk_probs, 2, T, false, K, "T from prepare(), topk", -1);
-    if (rc == MOERT_OK && args->recv_probs)
-        rc = check_tensor(c, call, "recv_probs", args->recv_probs, 1, p->num_recv, true, 0, "capacity from prepare()",
-                          -1);
+    const moert_dispatch_step_shape shape = step_shape(c);
+    moert_result rc = moert_dispatch_check_dispatch(c->host, &shape, args);
     if (rc != MOERT_OK) return rc;
 #ifdef MOERT_HAVE_CUDA
     if (c->on_cuda) return cuda_dispatch(c, stream, args);
@@ -716,15 +634,8 @@ static moert_result cpu_backward_rows(allgather_ctx *c, moert_stream stream, con
 static moert_result allgather_combine(void *ctx, moert_stream stream, const moert_combine_args *args)
 {
     allgather_ctx *c = ctx;
-    const char *call = "combine()";
-    const ag_plan *p = &c->plan;
-    const int64_t H = c->layer.hidden;
-    moert_result rc = check_call(c, call, args, args ? args->struct_size : 0, sizeof *args);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "y_expert", args->y_expert, 2, p->num_recv, true, H,
-                          "capacity from prepare(), hidden", -1);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "y", args->y, 2, p->num_tokens, false, H, "T from prepare(), hidden", -1);
+    const moert_dispatch_step_shape shape = step_shape(c);
+    moert_result rc = moert_dispatch_check_combine(c->host, &shape, args);
     if (rc != MOERT_OK) return rc;
 #ifdef MOERT_HAVE_CUDA
     if (c->on_cuda) return cuda_combine(c, stream, args);
@@ -736,15 +647,10 @@ static moert_result allgather_combine(void *ctx, moert_stream stream, const moer
 static moert_result allgather_combine_backward(void *ctx, moert_stream stream, const moert_combine_backward_args *args)
 {
     allgather_ctx *c = ctx;
-    const char *call = "combine_backward()";
     const ag_plan *p = &c->plan;
     const int64_t H = c->layer.hidden;
-    moert_result rc = check_call(c, call, args, args ? args->struct_size : 0, sizeof *args);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "d_y", args->d_y, 2, p->num_tokens, false, H, "T from prepare(), hidden", -1);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "d_y_expert", args->d_y_expert, 2, p->num_recv, true, H,
-                          "capacity from prepare(), hidden", args->d_y->dtype);
+    const moert_dispatch_step_shape shape = step_shape(c);
+    moert_result rc = moert_dispatch_check_combine_backward(c->host, &shape, args);
     if (rc != MOERT_OK) return rc;
 #ifdef MOERT_HAVE_CUDA
     if (c->on_cuda) return cuda_combine_backward(c, stream, args);
@@ -762,22 +668,10 @@ static moert_result allgather_dispatch_backward(void *ctx, moert_stream stream,
                                                 const moert_dispatch_backward_args *args)
 {
     allgather_ctx *c = ctx;
-    const char *call = "dispatch_backward()";
     const ag_plan *p = &c->plan;
-    const int64_t H = c->layer.hidden, T = p->num_tokens, K = c->layer.topk;
-    moert_result rc = check_call(c, call, args, args ? args->struct_size : 0, sizeof *args);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "d_recv_x", args->d_recv_x, 2, p->num_recv, true, H,
-                          "capacity from prepare(), hidden", -1);
-    if (rc == MOERT_OK) rc = check_tensor(c, call, "d_x", args->d_x, 2, T, false, H, "T from prepare(), hidden", -1);
-    if (rc == MOERT_OK && (args->d_recv_probs == NULL) != (args->d_topk_probs == NULL))
-        rc = fail(c, MOERT_ERR_INVALID_ARGUMENT,
-                  "%s: d_recv_probs and d_topk_probs must be given together (or both NULL)", call);
-    if (rc == MOERT_OK && args->d_recv_probs)
-        rc = check_tensor(c, call, "d_recv_probs", args->d_recv_probs, 1, p->num_recv, true, 0,
-                          "capacity from prepare()", -1);
-    if (rc == MOERT_OK && args->d_topk_probs)
-        rc = check_tensor(c, call, "d_topk_probs", args->d_topk_probs, 2, T, false, K, "T from prepare(), topk", -1);
+    const int64_t K = c->layer.topk;
+    const moert_dispatch_step_shape shape = step_shape(c);
+    moert_result rc = moert_dispatch_check_dispatch_backward(c->host, &shape, args);
     if (rc != MOERT_OK) return rc;
 #ifdef MOERT_HAVE_CUDA
     if (c->on_cuda) return cuda_dispatch_backward(c, stream, args);
@@ -803,13 +697,8 @@ MOERT_DISPATCHER_V1_EXPORT(allgather_vtable) = {
         .version = "0.1.0",
         .description = "Megatron-style allgather token dispatcher (allgather of tokens, routing and probs, local "
                        "permutation, reduce-scatter combine)",
-#ifdef MOERT_HAVE_CUDA
-        .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU) | MOERT_CAP_DEVICE(MOERT_DEVICE_CUDA),
-#else
-        .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU),
-#endif
-        .dtypes = MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) |
-                  MOERT_CAP_DTYPE(MOERT_F16),
+        .devices = MOERT_DISPATCH_DEVICES,
+        .dtypes = MOERT_DISPATCH_DTYPES,
         .flags = MOERT_CAP_NEEDS_HOST_SYNC,
     },
     .init = allgather_init,

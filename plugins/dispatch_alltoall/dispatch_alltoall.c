@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The "alltoall" dispatcher plugin: Megatron's all-to-all token dispatcher over the host's communicator.
- * This file: vtable, options, argument checks, buffers and communication, and the CUDA path (the same
- * algorithm, step by step, through the kernels of dispatch_alltoall_cuda.cu); the CPU algorithm over plain
- * arrays is in dispatch_alltoall_cpu.c. */
+ * This file: vtable, options, buffers and communication, and the CUDA path (the same algorithm, step by step,
+ * through the kernels of dispatch_alltoall_cuda.cu); the CPU algorithm over plain arrays is in
+ * dispatch_alltoall_cpu.c; the argument checks, buffers and moves the host-collective dispatchers share are
+ * plugins/lib/dispatch_common.c's. */
 #include <math.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -11,6 +12,7 @@
 #include <string.h>
 
 #include "dispatch_alltoall_cpu.h"
+#include "dispatch_common.h"
 #include "moert/dispatcher.h"
 #include "plugin_report.h"
 #include "tensor_args.h"
@@ -23,10 +25,7 @@
 #endif
 
 /* A buffer on the layer's device, grown on demand and reused across steps. */
-typedef struct a2a_buffer {
-    void *data;
-    size_t bytes;
-} a2a_buffer;
+typedef moert_dispatch_buffer a2a_buffer;
 
 #ifdef MOERT_HAVE_CUDA
 /* The CUDA path's step state: the layout on the device and the maps between received and grouped order. */
@@ -60,7 +59,7 @@ typedef struct alltoall_ctx {
     int64_t *exchange_row;      /* [E+2] this rank's copies per expert, then T, then a failure flag */
     int64_t *gathered;          /* [world][E+2] every rank's exchange_row */
     int64_t *all_counts;        /* [world][E] copies from rank s to expert e */
-    size_t *send_bytes, *send_offsets, *recv_bytes, *recv_offsets; /* [world] for alltoallv */
+    moert_dispatch_alltoallv a2av; /* [world] sizes and offsets for alltoallv */
 
     a2a_buffer copy_send_row;   /* int64 [T*K] */
     a2a_buffer recv_final_row;  /* int64 [num_recv] */
@@ -79,9 +78,7 @@ typedef struct alltoall_ctx {
 /* Reports a figure for this step's report, if the host is new enough to take it. */
 static void report_metric(const alltoall_ctx *c, const char *name, double value, const char *unit)
 {
-    const moert_host *h = c->host;
-    if (h->struct_size >= offsetof(moert_host, metric) + sizeof h->metric && h->metric)
-        h->metric(h, name, value, unit);
+    moert_dispatch_metric(c->host, name, value, unit);
 }
 
 /* Sets the instance's error message and returns code, so checks can `return fail(...)`. */
@@ -90,56 +87,20 @@ static void report_metric(const alltoall_ctx *c, const char *name, double value,
 /* Makes buf at least `bytes` long on the layer's device (contents not kept). */
 static moert_result buffer_reserve(alltoall_ctx *c, a2a_buffer *buf, size_t bytes)
 {
-    if (bytes < 64) bytes = 64; /* never hand a NULL pointer to the communicator */
-    if (buf->bytes >= bytes) return MOERT_OK;
-    if (buf->data) c->host->free(c->host, c->layer.device, buf->data);
-    buf->data = NULL;
-    buf->bytes = 0;
-    size_t grown = bytes + bytes / 2; /* some slack: routing changes from step to step */
-    moert_result rc = c->host->alloc(c->host, c->layer.device, grown, &buf->data);
-    if (rc != MOERT_OK) return rc;
-    buf->bytes = grown;
-    return MOERT_OK;
+    return moert_dispatch_buffer_reserve(c->host, c->layer.device, buf, bytes);
 }
 
 static void buffer_release(alltoall_ctx *c, a2a_buffer *buf)
 {
-    if (buf->data) c->host->free(c->host, c->layer.device, buf->data);
-    buf->data = NULL;
-    buf->bytes = 0;
+    moert_dispatch_buffer_release(c->host, c->layer.device, buf);
 }
 
-/* Fails when prepare() has not run (every other step call uses its plan). */
-static moert_result check_prepared(const alltoall_ctx *c, const char *call)
+/* What the checks of the calls after prepare() know of this step (plugins/lib/dispatch_common.h). */
+static moert_dispatch_step_shape step_shape(const alltoall_ctx *c)
 {
-    if (c->prepared) return MOERT_OK;
-    c->host->set_error(c->host, "%s: called before a successful prepare()", call);
-    return MOERT_ERR_INVALID_ARGUMENT;
-}
-
-/* The shared checks (plugins/lib/tensor_args.h) for this instance's host and layer device. */
-static moert_result check_tensor(const alltoall_ctx *c, const char *call, const char *name, const moert_tensor *t,
-                                 int ndim, int64_t rows, bool rows_at_least, int64_t cols, const char *rows_what,
-                                 int need_dtype)
-{
-    return moert_arg_check_tensor(c->host, c->layer.device, call, name, t, ndim, rows, rows_at_least, cols,
-                                  rows_what, need_dtype);
-}
-
-static moert_result check_struct_size(const alltoall_ctx *c, const char *call, const char *what, uint32_t got,
-                                      size_t need)
-{
-    return moert_arg_check_struct_size(c->host, call, what, got, need);
-}
-
-/* What every call after prepare() checks first: prepare() succeeded, args is there and big enough. */
-static moert_result check_call(alltoall_ctx *c, const char *call, const void *args, uint32_t struct_size,
-                               size_t expected_size)
-{
-    moert_result rc = check_prepared(c, call);
-    if (rc == MOERT_OK && !args) rc = fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: args is NULL", call);
-    if (rc == MOERT_OK) rc = check_struct_size(c, call, "args", struct_size, expected_size);
-    return rc;
+    return (moert_dispatch_step_shape){.prepared = c->prepared, .device = c->layer.device,
+                                       .tokens = c->plan.num_tokens, .topk = c->layer.topk,
+                                       .hidden = c->layer.hidden, .capacity = c->plan.capacity};
 }
 
 /*
@@ -149,34 +110,14 @@ static moert_result check_call(alltoall_ctx *c, const char *call, const void *ar
 static moert_result exchange(alltoall_ctx *c, moert_stream stream, const void *send, const int64_t *send_rows,
                              void *recv, const int64_t *recv_rows, size_t row_bytes)
 {
-    if (c->world == 1) {
-        size_t bytes = (size_t)send_rows[0] * row_bytes;
-        if (c->on_cuda)
-            return bytes ? c->host->memcpy_async(c->host, recv, c->layer.device, send, c->layer.device, bytes, stream)
-                         : MOERT_OK;
-        memcpy(recv, send, bytes);
-        return MOERT_OK;
-    }
-    size_t send_at = 0, recv_at = 0;
-    for (int r = 0; r < c->world; r++) {
-        c->send_bytes[r] = (size_t)send_rows[r] * row_bytes;
-        c->send_offsets[r] = send_at;
-        send_at += c->send_bytes[r];
-        c->recv_bytes[r] = (size_t)recv_rows[r] * row_bytes;
-        c->recv_offsets[r] = recv_at;
-        recv_at += c->recv_bytes[r];
-    }
-    return c->host->alltoallv(c->host, send, c->send_bytes, c->send_offsets, recv, c->recv_bytes, c->recv_offsets,
-                              c->layer.device, stream);
+    return moert_dispatch_exchange_rows(c->host, c->layer.device, stream, &c->a2av, c->world, c->world, 0, 1, send,
+                                        send_rows, recv, recv_rows, row_bytes);
 }
 
 /* Bytes this rank sends to other ranks as rows of row_bytes (rows kept on this rank not counted). */
 static double bytes_to_peers(const alltoall_ctx *c, size_t row_bytes)
 {
-    double total = 0;
-    for (int r = 0; r < c->world; r++)
-        if (r != c->rank) total += (double)c->plan.send_rows[r] * (double)row_bytes;
-    return total;
+    return moert_dispatch_bytes_to_peers(c->plan.send_rows, c->world, c->rank, (double)row_bytes);
 }
 
 static void alltoall_finalize(void *ctx);
@@ -199,10 +140,7 @@ static moert_result cuda_init(alltoall_ctx *c)
                     "has %lld", MOERT_A2A_CUDA_MAX_EXPERTS, (long long)E);
     MOK(check_cuda_device_visible(c->host, id, dev));
     const size_t upload_bytes = (size_t)(El + W * El) * sizeof(int64_t);
-    moert_result rc = buffer_reserve(c, &c->cu.upload, upload_bytes);
-    if (rc == MOERT_ERR_UNSUPPORTED)
-        return fail(c, rc, "the host serving this instance cannot allocate on %s (a CPU-only host): only a CPU path is "
-                    "usable with it", dev);
+    moert_result rc = moert_dispatch_buffer_reserve_first(h, c->layer.device, &c->cu.upload, upload_bytes);
     if (rc == MOERT_OK) rc = h->alloc_pinned(h, (size_t)(E + 1) * sizeof(int64_t), (void **)&c->cu.pinned_counts);
     if (rc == MOERT_OK) rc = h->alloc_pinned(h, upload_bytes, (void **)&c->cu.pinned_upload);
     return rc;
@@ -258,18 +196,14 @@ static moert_result alltoall_init(void **out, const moert_host *host, const moer
     c->exchange_row = calloc((size_t)(E + 2), sizeof(int64_t));
     c->gathered = calloc((size_t)(W * (E + 2)), sizeof(int64_t));
     c->all_counts = calloc((size_t)(W * E), sizeof(int64_t));
-    c->send_bytes = calloc((size_t)W, sizeof(size_t));
-    c->send_offsets = calloc((size_t)W, sizeof(size_t));
-    c->recv_bytes = calloc((size_t)W, sizeof(size_t));
-    c->recv_offsets = calloc((size_t)W, sizeof(size_t));
+    bool a2av_ok = moert_dispatch_alltoallv_alloc(&c->a2av, c->world);
     c->plan.send_rows = calloc((size_t)W, sizeof(int64_t));
     c->plan.recv_rows = calloc((size_t)W, sizeof(int64_t));
     c->plan.expert_rows = calloc((size_t)El, sizeof(int64_t));
     c->plan.tokens_per_expert = calloc((size_t)El, sizeof(int64_t));
     c->plan.group_start = calloc((size_t)El, sizeof(int64_t));
     c->plan.cursor = calloc((size_t)E, sizeof(int64_t));
-    if (!c->exchange_row || !c->gathered || !c->all_counts || !c->send_bytes || !c->send_offsets ||
-        !c->recv_bytes || !c->recv_offsets || !c->plan.send_rows || !c->plan.recv_rows || !c->plan.expert_rows ||
+    if (!c->exchange_row || !c->gathered || !c->all_counts || !a2av_ok || !c->plan.send_rows || !c->plan.recv_rows || !c->plan.expert_rows ||
         !c->plan.tokens_per_expert || !c->plan.group_start || !c->plan.cursor) {
         alltoall_finalize(c);
         host->set_error(host, "out of memory for the dispatcher state");
@@ -312,10 +246,7 @@ static void alltoall_finalize(void *ctx)
     free(c->exchange_row);
     free(c->gathered);
     free(c->all_counts);
-    free(c->send_bytes);
-    free(c->send_offsets);
-    free(c->recv_bytes);
-    free(c->recv_offsets);
+    moert_dispatch_alltoallv_free(&c->a2av);
     free(c->plan.send_rows);
     free(c->plan.recv_rows);
     free(c->plan.expert_rows);
@@ -328,49 +259,15 @@ static void alltoall_finalize(void *ctx)
 /* Checks topk_idx and counts this rank's copies per expert into exchange_row; sets the message on failure. */
 static moert_result count_local(alltoall_ctx *c, const moert_tensor *topk_idx, int64_t *num_tokens)
 {
-    const char *call = "prepare()";
-    const moert_host *h = c->host;
-    char a[64];
-    if (!topk_idx) {
-        h->set_error(h, "%s: topk_idx is NULL", call);
-        return MOERT_ERR_INVALID_ARGUMENT;
-    }
-    if (topk_idx->ndim != 2 || topk_idx->shape[1] != c->layer.topk) {
-        h->set_error(h, "%s: topk_idx has shape %s, expected [T, %lld] (T tokens, topk)", call,
-                     moert_arg_shape_text(topk_idx, a, sizeof a), (long long)c->layer.topk);
-        return MOERT_ERR_INVALID_ARGUMENT;
-    }
-    moert_result rc = check_tensor(c, call, "topk_idx", topk_idx, 2, topk_idx->shape[0], false, c->layer.topk,
-                                   "T tokens, topk", MOERT_I32);
+    const int64_t K = c->layer.topk, E = c->layer.num_experts;
+    moert_result rc = moert_dispatch_check_topk_idx(c->host, c->layer.device, topk_idx, K, num_tokens);
     if (rc != MOERT_OK) return rc;
-    *num_tokens = topk_idx->shape[0];
-    int64_t bad = a2a_count_copies(topk_idx->data, *num_tokens, c->layer.topk, c->layer.num_experts,
-                                   c->exchange_row);
-    if (bad >= 0) {
-        h->set_error(h, "%s: topk_idx[%lld][%lld] is %d, expected an expert id in [0, %lld) or -1 (dropped)", call,
-                     (long long)(bad / c->layer.topk), (long long)(bad % c->layer.topk),
-                     (int)((const int32_t *)topk_idx->data)[bad], (long long)c->layer.num_experts);
-        return MOERT_ERR_INVALID_ARGUMENT;
-    }
+    int64_t bad = moert_dispatch_count_copies(topk_idx->data, *num_tokens, K, E, c->exchange_row);
+    if (bad >= 0) return moert_dispatch_bad_expert(c->host, topk_idx->data, bad, K, E);
     return MOERT_OK;
 }
 
 #ifdef MOERT_HAVE_CUDA
-/* Grows a pinned host array to `bytes` (contents not kept; the caller has waited for copies out of it). */
-static moert_result pinned_reserve(alltoall_ctx *c, void **ptr, size_t *have, size_t bytes)
-{
-    if (bytes < 64) bytes = 64;
-    if (*have >= bytes) return MOERT_OK;
-    if (*ptr) c->host->free_pinned(c->host, *ptr);
-    *ptr = NULL;
-    *have = 0;
-    size_t grown = bytes + bytes / 2;
-    moert_result rc = c->host->alloc_pinned(c->host, grown, ptr);
-    if (rc != MOERT_OK) return rc;
-    *have = grown;
-    return MOERT_OK;
-}
-
 /*
  * prepare()'s local part on CUDA: checks topk_idx (int32 [T,K] on the layer's device), runs the layout
  * kernels (counts per expert and the stable send order, row_of_copy / copy_of_row) and copies the counts and
@@ -383,15 +280,9 @@ static moert_result cuda_count_local(alltoall_ctx *c, moert_stream stream, const
     const char *call = "prepare()";
     const moert_host *h = c->host;
     const int64_t E = c->layer.num_experts, K = c->layer.topk;
-    char a[64];
-    if (!topk_idx) return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: topk_idx is NULL", call);
-    if (topk_idx->ndim != 2 || topk_idx->shape[1] != K)
-        return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: topk_idx has shape %s, expected [T, %lld] (T tokens, topk)",
-                    call, moert_arg_shape_text(topk_idx, a, sizeof a), (long long)K);
-    moert_result rc = check_tensor(c, call, "topk_idx", topk_idx, 2, topk_idx->shape[0], false, K, "T tokens, topk",
-                                   MOERT_I32);
+    int64_t T = 0;
+    moert_result rc = moert_dispatch_check_topk_idx(h, c->layer.device, topk_idx, K, &T);
     if (rc != MOERT_OK) return rc;
-    const int64_t T = topk_idx->shape[0];
     if (T * K > INT32_MAX)
         return fail(c, MOERT_ERR_UNSUPPORTED, "%s: %lld token copies (T*K), the CUDA path takes at most %d", call,
                     (long long)(T * K), INT32_MAX);
@@ -420,10 +311,7 @@ static moert_result cuda_count_local(alltoall_ctx *c, moert_stream stream, const
     if (rc != MOERT_OK) return rc;
     unsigned long long bad = 0;
     memcpy(&bad, cu->pinned_counts + E, sizeof bad);
-    if (bad)
-        return fail(c, MOERT_ERR_INVALID_ARGUMENT,
-                    "%s: %llu entries of topk_idx are outside [0, %lld) and not -1 (dropped); expected expert ids",
-                    call, bad, (long long)E);
+    if (bad) return moert_dispatch_bad_expert_count(h, bad, E);
     memcpy(c->exchange_row, cu->pinned_counts, (size_t)E * sizeof(int64_t));
     *num_tokens = T;
     return MOERT_OK;
@@ -469,7 +357,7 @@ static moert_result cuda_plan(alltoall_ctx *c, moert_stream stream, int64_t grou
     p->recv_final_row = cu->recv_final_row;
     a2a_plan_recv_order(p, c->all_counts);
     const size_t map_bytes = (size_t)(p->capacity + p->num_recv) * sizeof(int32_t);
-    rc = pinned_reserve(c, (void **)&cu->pinned_maps, &cu->pinned_maps_bytes, map_bytes);
+    rc = moert_dispatch_pinned_reserve(h, (void **)&cu->pinned_maps, &cu->pinned_maps_bytes, map_bytes);
     if (rc != MOERT_OK) return rc;
     int32_t *grouped_src = cu->pinned_maps, *staging_src = cu->pinned_maps + p->capacity;
     for (int64_t j = 0; j < p->capacity; j++) grouped_src[j] = -1;
@@ -500,11 +388,7 @@ static moert_result alltoall_prepare(void *ctx, moert_stream stream, const moert
 
     int64_t num_tokens = 0;
     memset(c->exchange_row, 0, (size_t)(E + 2) * sizeof(int64_t));
-    moert_result local_rc = MOERT_OK;
-    if (!layout)
-        local_rc = fail(c, MOERT_ERR_INVALID_ARGUMENT, "prepare(): layout is NULL");
-    else
-        local_rc = check_struct_size(c, "prepare()", "layout", layout->struct_size, sizeof *layout);
+    moert_result local_rc = moert_dispatch_check_layout(h, layout);
     if (local_rc == MOERT_OK) {
 #ifdef MOERT_HAVE_CUDA
         if (c->on_cuda)
@@ -517,22 +401,12 @@ static moert_result alltoall_prepare(void *ctx, moert_stream stream, const moert
     c->exchange_row[E] = num_tokens;
     c->exchange_row[E + 1] = local_rc;
 
-    moert_result rc = MOERT_OK;
-    if (c->world == 1)
-        memcpy(c->gathered, c->exchange_row, (size_t)(E + 2) * sizeof(int64_t));
-    else /* host memory on every device: the threads communicator serves it */
-        rc = h->allgather(h, c->exchange_row, c->gathered, (size_t)(E + 2) * sizeof(int64_t), moert_cpu(), NULL);
+    moert_result rc = moert_dispatch_exchange_counts(h, c->world, c->exchange_row, c->gathered, E + 2, local_rc);
     if (rc != MOERT_OK) return rc;
-    if (local_rc != MOERT_OK) return local_rc;
 
     int64_t max_tokens = 0;
     for (int s = 0; s < c->world; s++) {
         const int64_t *row = c->gathered + (int64_t)s * (E + 2);
-        if (row[E + 1] != MOERT_OK) {
-            h->set_error(h, "prepare(): rank %d failed its prepare() (see its error), so this step cannot dispatch",
-                         s);
-            return MOERT_ERR_INVALID_ARGUMENT;
-        }
         memcpy(c->all_counts + (int64_t)s * E, row, (size_t)E * sizeof(int64_t));
         if (row[E] > max_tokens) max_tokens = row[E];
     }
@@ -592,13 +466,7 @@ static moert_result alltoall_prepare(void *ctx, moert_stream stream, const moert
 static moert_result cuda_check_dtypes(const alltoall_ctx *c, const char *call, const char *name_a,
                                       const moert_tensor *a, const char *name_b, const moert_tensor *b)
 {
-    if (a->dtype != MOERT_F32 && a->dtype != MOERT_BF16)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "%s: %s has dtype %s; the CUDA path moves fp32 or bf16", call, name_a,
-                    moert_dtype_name(a->dtype));
-    if (b->dtype != a->dtype)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "%s: %s has dtype %s but %s has %s; on CUDA they must match", call,
-                    name_b, moert_dtype_name(b->dtype), name_a, moert_dtype_name(a->dtype));
-    return MOERT_OK;
+    return moert_dispatch_check_cuda_dtypes(c->host, call, name_a, a, name_b, b);
 }
 
 /* Makes the send (num_send rows) and staging (num_recv rows) buffers hold rows of row_bytes. */
@@ -731,23 +599,10 @@ static moert_result cuda_dispatch_backward(alltoall_ctx *c, moert_stream stream,
 static moert_result alltoall_dispatch(void *ctx, moert_stream stream, const moert_dispatch_args *args)
 {
     alltoall_ctx *c = ctx;
-    const char *call = "dispatch()";
     const a2a_plan *p = &c->plan;
     const int64_t H = c->layer.hidden, T = p->num_tokens, K = c->layer.topk;
-    moert_result rc = check_call(c, call, args, args ? args->struct_size : 0, sizeof *args);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "x", args->x, 2, T, false, H, "T from prepare(), hidden", -1);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "recv_x", args->recv_x, 2, p->capacity, true, H,
-                          "capacity from prepare(), hidden", args->x->dtype);
-    if (rc == MOERT_OK && (args->topk_probs == NULL) != (args->recv_probs == NULL))
-        rc = fail(c, MOERT_ERR_INVALID_ARGUMENT,
-                  "%s: topk_probs and recv_probs must be given together (or both NULL)", call);
-    if (rc == MOERT_OK && args->topk_probs)
-        rc = check_tensor(c, call, "topk_probs", args->topk_probs, 2, T, false, K, "T from prepare(), topk", -1);
-    if (rc == MOERT_OK && args->recv_probs)
-        rc = check_tensor(c, call, "recv_probs", args->recv_probs, 1, p->capacity, true, 0,
-                          "capacity from prepare()", -1);
+    const moert_dispatch_step_shape shape = step_shape(c);
+    moert_result rc = moert_dispatch_check_dispatch(c->host, &shape, args);
     if (rc != MOERT_OK) return rc;
 #ifdef MOERT_HAVE_CUDA
     if (c->on_cuda) return cuda_dispatch(c, stream, args);
@@ -760,7 +615,7 @@ static moert_result alltoall_dispatch(void *ctx, moert_stream stream, const moer
     a2a_pack_rows(p, args->x->data, row_bytes, c->send_rows.data);
     rc = exchange(c, stream, c->send_rows.data, p->send_rows, c->staging_rows.data, p->recv_rows, row_bytes);
     if (rc != MOERT_OK) return rc;
-    a2a_scatter_rows(p, c->staging_rows.data, row_bytes, args->recv_x->data);
+    moert_dispatch_scatter_rows(p->recv_final_row, p->num_recv, c->staging_rows.data, row_bytes, args->recv_x->data);
     a2a_zero_padding(p, args->recv_x->data, row_bytes);
     double sent = bytes_to_peers(c, row_bytes);
 
@@ -768,7 +623,8 @@ static moert_result alltoall_dispatch(void *ctx, moert_stream stream, const moer
         rc = buffer_reserve(c, &c->send_probs, (size_t)p->num_send * sizeof(double));
         if (rc == MOERT_OK) rc = buffer_reserve(c, &c->staging_probs, (size_t)p->num_recv * sizeof(double));
         if (rc != MOERT_OK) return rc;
-        a2a_pack_probs(p, args->topk_probs->data, args->topk_probs->dtype, c->send_probs.data);
+        moert_dispatch_pack_probs(p->copy_send_row, T * K, args->topk_probs->data, args->topk_probs->dtype,
+                                  c->send_probs.data);
         rc = exchange(c, stream, c->send_probs.data, p->send_rows, c->staging_probs.data, p->recv_rows, sizeof(double));
         if (rc != MOERT_OK) return rc;
         a2a_scatter_probs(p, c->staging_probs.data, args->recv_probs->data, args->recv_probs->dtype);
@@ -782,15 +638,10 @@ static moert_result alltoall_dispatch(void *ctx, moert_stream stream, const moer
 static moert_result alltoall_combine(void *ctx, moert_stream stream, const moert_combine_args *args)
 {
     alltoall_ctx *c = ctx;
-    const char *call = "combine()";
     const a2a_plan *p = &c->plan;
     const int64_t H = c->layer.hidden;
-    moert_result rc = check_call(c, call, args, args ? args->struct_size : 0, sizeof *args);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "y_expert", args->y_expert, 2, p->capacity, true, H,
-                          "capacity from prepare(), hidden", -1);
-    if (rc == MOERT_OK) rc = check_tensor(c, call, "y", args->y, 2, p->num_tokens, false, H,
-                                          "T from prepare(), hidden", -1);
+    const moert_dispatch_step_shape shape = step_shape(c);
+    moert_result rc = moert_dispatch_check_combine(c->host, &shape, args);
     if (rc != MOERT_OK) return rc;
 #ifdef MOERT_HAVE_CUDA
     if (c->on_cuda) return cuda_combine(c, stream, args);
@@ -801,10 +652,11 @@ static moert_result alltoall_combine(void *ctx, moert_stream stream, const moert
     if (rc == MOERT_OK) rc = buffer_reserve(c, &c->staging_rows, (size_t)p->num_recv * row_bytes);
     if (rc == MOERT_OK) rc = buffer_reserve(c, &c->acc, (size_t)H * sizeof(double));
     if (rc != MOERT_OK) return rc;
-    a2a_gather_rows(p, args->y_expert->data, row_bytes, c->staging_rows.data);
+    moert_dispatch_gather_rows(p->recv_final_row, p->num_recv, args->y_expert->data, row_bytes, c->staging_rows.data);
     rc = exchange(c, stream, c->staging_rows.data, p->recv_rows, c->send_rows.data, p->send_rows, row_bytes);
     if (rc != MOERT_OK) return rc;
-    a2a_sum_copies(p, c->send_rows.data, args->y_expert->dtype, H, 0, args->y->data, args->y->dtype, c->acc.data);
+    moert_dispatch_sum_rows(p->copy_send_row, p->num_tokens, c->layer.topk, c->send_rows.data, args->y_expert->dtype,
+                            p->num_send, H, 0, args->y->data, args->y->dtype, c->acc.data);
     return MOERT_OK;
 }
 
@@ -812,15 +664,10 @@ static moert_result alltoall_combine(void *ctx, moert_stream stream, const moert
 static moert_result alltoall_combine_backward(void *ctx, moert_stream stream, const moert_combine_backward_args *args)
 {
     alltoall_ctx *c = ctx;
-    const char *call = "combine_backward()";
     const a2a_plan *p = &c->plan;
     const int64_t H = c->layer.hidden;
-    moert_result rc = check_call(c, call, args, args ? args->struct_size : 0, sizeof *args);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "d_y", args->d_y, 2, p->num_tokens, false, H, "T from prepare(), hidden", -1);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "d_y_expert", args->d_y_expert, 2, p->capacity, true, H,
-                          "capacity from prepare(), hidden", args->d_y->dtype);
+    const moert_dispatch_step_shape shape = step_shape(c);
+    moert_result rc = moert_dispatch_check_combine_backward(c->host, &shape, args);
     if (rc != MOERT_OK) return rc;
 #ifdef MOERT_HAVE_CUDA
     if (c->on_cuda) return cuda_combine_backward(c, stream, args);
@@ -833,7 +680,8 @@ static moert_result alltoall_combine_backward(void *ctx, moert_stream stream, co
     a2a_pack_rows(p, args->d_y->data, row_bytes, c->send_rows.data);
     rc = exchange(c, stream, c->send_rows.data, p->send_rows, c->staging_rows.data, p->recv_rows, row_bytes);
     if (rc != MOERT_OK) return rc;
-    a2a_scatter_rows(p, c->staging_rows.data, row_bytes, args->d_y_expert->data);
+    moert_dispatch_scatter_rows(p->recv_final_row, p->num_recv, c->staging_rows.data, row_bytes,
+                                args->d_y_expert->data);
     a2a_zero_padding(p, args->d_y_expert->data, row_bytes);
     return MOERT_OK;
 }
@@ -843,25 +691,10 @@ static moert_result alltoall_dispatch_backward(void *ctx, moert_stream stream,
                                                const moert_dispatch_backward_args *args)
 {
     alltoall_ctx *c = ctx;
-    const char *call = "dispatch_backward()";
     const a2a_plan *p = &c->plan;
     const int64_t H = c->layer.hidden, T = p->num_tokens, K = c->layer.topk;
-    moert_result rc = check_call(c, call, args, args ? args->struct_size : 0, sizeof *args);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "d_recv_x", args->d_recv_x, 2, p->capacity, true, H,
-                          "capacity from prepare(), hidden", -1);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "d_x", args->d_x, 2, T, false, H, "T from prepare(), hidden", -1);
-    if (rc == MOERT_OK && (args->d_recv_probs == NULL) != (args->d_topk_probs == NULL))
-        rc = fail(c, MOERT_ERR_INVALID_ARGUMENT,
-                  "%s: d_recv_probs and d_topk_probs must be given together (or both NULL)",
-                           call);
-    if (rc == MOERT_OK && args->d_recv_probs)
-        rc = check_tensor(c, call, "d_recv_probs", args->d_recv_probs, 1, p->capacity, true, 0,
-                          "capacity from prepare()", -1);
-    if (rc == MOERT_OK && args->d_topk_probs)
-        rc = check_tensor(c, call, "d_topk_probs", args->d_topk_probs, 2, T, false, K, "T from prepare(), topk",
-                          -1);
+    const moert_dispatch_step_shape shape = step_shape(c);
+    moert_result rc = moert_dispatch_check_dispatch_backward(c->host, &shape, args);
     if (rc != MOERT_OK) return rc;
 #ifdef MOERT_HAVE_CUDA
     if (c->on_cuda) return cuda_dispatch_backward(c, stream, args);
@@ -872,20 +705,23 @@ static moert_result alltoall_dispatch_backward(void *ctx, moert_stream stream,
     if (rc == MOERT_OK) rc = buffer_reserve(c, &c->staging_rows, (size_t)p->num_recv * row_bytes);
     if (rc == MOERT_OK) rc = buffer_reserve(c, &c->acc, (size_t)H * sizeof(double));
     if (rc != MOERT_OK) return rc;
-    a2a_gather_rows(p, args->d_recv_x->data, row_bytes, c->staging_rows.data);
+    moert_dispatch_gather_rows(p->recv_final_row, p->num_recv, args->d_recv_x->data, row_bytes,
+                               c->staging_rows.data);
     rc = exchange(c, stream, c->staging_rows.data, p->recv_rows, c->send_rows.data, p->send_rows, row_bytes);
     if (rc != MOERT_OK) return rc;
-    a2a_sum_copies(p, c->send_rows.data, args->d_recv_x->dtype, H, 1, args->d_x->data, args->d_x->dtype,
-                   c->acc.data);
+    moert_dispatch_sum_rows(p->copy_send_row, T, K, c->send_rows.data, args->d_recv_x->dtype, p->num_send, H, 1,
+                            args->d_x->data, args->d_x->dtype, c->acc.data);
 
     if (args->d_recv_probs) {
         rc = buffer_reserve(c, &c->send_probs, (size_t)p->num_send * sizeof(double));
         if (rc == MOERT_OK) rc = buffer_reserve(c, &c->staging_probs, (size_t)p->num_recv * sizeof(double));
         if (rc != MOERT_OK) return rc;
-        a2a_gather_probs(p, args->d_recv_probs->data, args->d_recv_probs->dtype, c->staging_probs.data);
+        moert_dispatch_gather_probs(p->recv_final_row, p->num_recv, args->d_recv_probs->data,
+                                    args->d_recv_probs->dtype, p->capacity, c->staging_probs.data);
         rc = exchange(c, stream, c->staging_probs.data, p->recv_rows, c->send_probs.data, p->send_rows, sizeof(double));
         if (rc != MOERT_OK) return rc;
-        a2a_unpack_probs(p, c->send_probs.data, args->d_topk_probs->data, args->d_topk_probs->dtype);
+        moert_dispatch_unpack_probs(p->copy_send_row, T * K, c->send_probs.data, args->d_topk_probs->data,
+                                    args->d_topk_probs->dtype);
     }
     return MOERT_OK;
 }
@@ -898,13 +734,8 @@ MOERT_DISPATCHER_V1_EXPORT(alltoall_vtable) = {
         .name = "alltoall",
         .version = "0.1.0",
         .description = "Megatron-style all-to-all token dispatcher (count exchange, alltoallv, regroup by expert)",
-#ifdef MOERT_HAVE_CUDA
-        .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU) | MOERT_CAP_DEVICE(MOERT_DEVICE_CUDA),
-#else
-        .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU),
-#endif
-        .dtypes = MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) |
-                  MOERT_CAP_DTYPE(MOERT_F16),
+        .devices = MOERT_DISPATCH_DEVICES,
+        .dtypes = MOERT_DISPATCH_DTYPES,
         .flags = MOERT_CAP_NEEDS_HOST_SYNC,
     },
     .init = alltoall_init,

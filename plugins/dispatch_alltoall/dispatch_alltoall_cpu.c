@@ -4,25 +4,7 @@
 
 #include <string.h>
 
-/* A flat view of n elements of dtype at data, so moert_load/moert_store can read and write it. */
-static moert_tensor flat_view(const void *data, moert_dtype dtype, int64_t n)
-{
-    return moert_tensor_1d((void *)data, moert_cpu(), dtype, n);
-}
-
-/* Counts kept copies per expert; returns the first invalid entry's flat index, or -1. */
-int64_t a2a_count_copies(const int32_t *topk_idx, int64_t num_tokens, int64_t topk, int64_t num_experts,
-                         int64_t *counts)
-{
-    memset(counts, 0, (size_t)num_experts * sizeof *counts);
-    for (int64_t i = 0; i < num_tokens * topk; i++) {
-        int32_t e = topk_idx[i];
-        if (e == -1) continue;
-        if (e < -1 || e >= num_experts) return i;
-        counts[e]++;
-    }
-    return -1;
-}
+#include "dispatch_common.h"
 
 /* Finds an expert whose rows from all ranks exceed the padded group size. */
 int64_t a2a_find_overflow(const int64_t *all_counts, int world, int64_t num_experts, int64_t group_rows,
@@ -60,15 +42,8 @@ void a2a_plan_sizes(a2a_plan *plan, const int64_t *all_counts, int64_t group_row
         plan->recv_rows[s] = rows;
         plan->num_recv += rows;
     }
-    plan->capacity = 0;
-    for (int64_t l = 0; l < El; l++) {
-        int64_t rows = 0;
-        for (int s = 0; s < plan->world; s++) rows += all_counts[(int64_t)s * E + first_local + l];
-        plan->expert_rows[l] = rows;
-        plan->tokens_per_expert[l] = group_rows > 0 ? group_rows : rows;
-        plan->group_start[l] = plan->capacity;
-        plan->capacity += plan->tokens_per_expert[l];
-    }
+    plan->capacity = moert_dispatch_plan_groups(all_counts, plan->world, plan->rank, E, El, group_rows,
+                                                plan->expert_rows, plan->tokens_per_expert, plan->group_start);
 }
 
 /* Counting sort of this rank's copies by expert; within an expert, copies keep (token, k) order.
@@ -115,34 +90,6 @@ void a2a_pack_rows(const a2a_plan *plan, const void *rows, size_t row_bytes, voi
         }
 }
 
-/* Copies each kept copy's routing weight into its send slot, as double. */
-void a2a_pack_probs(const a2a_plan *plan, const void *probs, moert_dtype dtype, double *send)
-{
-    moert_tensor view = flat_view(probs, dtype, plan->num_tokens * plan->topk);
-    for (int64_t i = 0; i < plan->num_tokens * plan->topk; i++) {
-        int64_t slot = plan->copy_send_row[i];
-        if (slot >= 0) send[slot] = moert_load(&view, i);
-    }
-}
-
-/* Received rows to their place in the expert groups. */
-void a2a_scatter_rows(const a2a_plan *plan, const void *staging, size_t row_bytes, void *grouped)
-{
-    const char *src = staging;
-    char *dst = grouped;
-    for (int64_t i = 0; i < plan->num_recv; i++)
-        memcpy(dst + (size_t)plan->recv_final_row[i] * row_bytes, src + (size_t)i * row_bytes, row_bytes);
-}
-
-/* Grouped rows back to the order they were received in. */
-void a2a_gather_rows(const a2a_plan *plan, const void *grouped, size_t row_bytes, void *staging)
-{
-    const char *src = grouped;
-    char *dst = staging;
-    for (int64_t i = 0; i < plan->num_recv; i++)
-        memcpy(dst + (size_t)i * row_bytes, src + (size_t)plan->recv_final_row[i] * row_bytes, row_bytes);
-}
-
 /* Zero rows after each expert's received rows, up to its (padded) group size. */
 void a2a_zero_padding(const a2a_plan *plan, void *grouped, size_t row_bytes)
 {
@@ -158,47 +105,9 @@ void a2a_zero_padding(const a2a_plan *plan, void *grouped, size_t row_bytes)
 /* Received routing weights to their grouped rows; padding rows get weight 0. */
 void a2a_scatter_probs(const a2a_plan *plan, const double *staging, void *probs_out, moert_dtype dtype)
 {
-    moert_tensor view = flat_view(probs_out, dtype, plan->capacity);
+    moert_tensor view = moert_dispatch_flat_view(probs_out, dtype, plan->capacity);
     for (int64_t l = 0; l < plan->num_local_experts; l++)
         for (int64_t j = plan->expert_rows[l]; j < plan->tokens_per_expert[l]; j++)
             moert_store(&view, plan->group_start[l] + j, 0.0);
-    for (int64_t i = 0; i < plan->num_recv; i++) moert_store(&view, plan->recv_final_row[i], staging[i]);
-}
-
-/* Grouped routing-weight gradients back to the order they were received in. */
-void a2a_gather_probs(const a2a_plan *plan, const void *probs, moert_dtype dtype, double *staging)
-{
-    moert_tensor view = flat_view(probs, dtype, plan->capacity);
-    for (int64_t i = 0; i < plan->num_recv; i++) staging[i] = moert_load(&view, plan->recv_final_row[i]);
-}
-
-/* Sums the rows of each token's kept copies in double and writes (or adds) them to the token's row. */
-void a2a_sum_copies(const a2a_plan *plan, const void *copy_rows, moert_dtype rows_dtype, int64_t hidden,
-                    int accumulate, void *out, moert_dtype out_dtype, double *acc)
-{
-    moert_tensor rows = flat_view(copy_rows, rows_dtype, plan->num_send * hidden);
-    moert_tensor y = flat_view(out, out_dtype, plan->num_tokens * hidden);
-    for (int64_t t = 0; t < plan->num_tokens; t++) {
-        /* Starting from -0 (the additive identity, unlike +0 for a -0 row) keeps one copy's row bit-exact. */
-        for (int64_t h = 0; h < hidden; h++) acc[h] = accumulate ? moert_load(&y, t * hidden + h) : -0.0;
-        int kept = 0;
-        for (int64_t k = 0; k < plan->topk; k++) {
-            int64_t slot = plan->copy_send_row[t * plan->topk + k];
-            if (slot < 0) continue;
-            kept++;
-            for (int64_t h = 0; h < hidden; h++) acc[h] += moert_load(&rows, slot * hidden + h);
-        }
-        if (accumulate && kept == 0) continue; /* d_x of a token without kept copies stays as it was */
-        for (int64_t h = 0; h < hidden; h++) moert_store(&y, t * hidden + h, kept ? acc[h] : 0.0);
-    }
-}
-
-/* Routing-weight gradients back to their (token, k) slots; dropped copies get 0. */
-void a2a_unpack_probs(const a2a_plan *plan, const double *copy_probs, void *probs_out, moert_dtype dtype)
-{
-    moert_tensor view = flat_view(probs_out, dtype, plan->num_tokens * plan->topk);
-    for (int64_t i = 0; i < plan->num_tokens * plan->topk; i++) {
-        int64_t slot = plan->copy_send_row[i];
-        moert_store(&view, i, slot >= 0 ? copy_probs[slot] : 0.0);
-    }
+    moert_dispatch_scatter_probs(plan->recv_final_row, plan->num_recv, staging, probs_out, dtype, plan->capacity);
 }

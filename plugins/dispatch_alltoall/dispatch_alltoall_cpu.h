@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The all-to-all dispatcher's algorithm over plain arrays: counting, send order, regrouping, reductions.
- * dispatch_alltoall.c owns the vtable, options, checks and communication; this part is what a CUDA path
- * replaces kernel by kernel. */
+/* The all-to-all dispatcher's algorithm over plain arrays: sizes, send order, regrouping, padding. The moves and
+ * reductions by the plan's maps (copy_send_row, recv_final_row) are plugins/lib/dispatch_common.h's, shared with the
+ * other host-collective dispatchers. dispatch_alltoall.c owns the vtable, options and communication; this part is
+ * what a CUDA path replaces kernel by kernel. */
 #ifndef MOERT_DISPATCH_ALLTOALL_CPU_H
 #define MOERT_DISPATCH_ALLTOALL_CPU_H
 
@@ -31,11 +32,6 @@ typedef struct a2a_plan {
     int64_t *cursor;             /* [E] scratch of the planning functions */
 } a2a_plan;
 
-/* Counts kept copies per expert from topk_idx [T,K] (-1 = dropped) into counts[E] (zeroed first).
- * Returns the flat index of the first entry outside [-1, E), or -1 when all are valid. */
-int64_t a2a_count_copies(const int32_t *topk_idx, int64_t num_tokens, int64_t topk, int64_t num_experts,
-                         int64_t *counts);
-
 /* The first expert receiving more than group_rows rows, from all_counts [world][E]; -1 if none. */
 int64_t a2a_find_overflow(const int64_t *all_counts, int world, int64_t num_experts, int64_t group_rows,
                           int64_t *rows_out);
@@ -55,31 +51,10 @@ void a2a_plan_recv_order(a2a_plan *plan, const int64_t *all_counts);
 /* send[copy_send_row[t*K+k]] = rows[t] for every kept copy; rows are row_bytes long. */
 void a2a_pack_rows(const a2a_plan *plan, const void *rows, size_t row_bytes, void *send);
 
-/* send[copy_send_row[t*K+k]] = probs[t,k] as double, probs of any float dtype. */
-void a2a_pack_probs(const a2a_plan *plan, const void *probs, moert_dtype dtype, double *send);
-
-/* grouped[recv_final_row[i]] = staging[i]: received rows to their expert group. */
-void a2a_scatter_rows(const a2a_plan *plan, const void *staging, size_t row_bytes, void *grouped);
-
-/* staging[i] = grouped[recv_final_row[i]]: the inverse of a2a_scatter_rows. */
-void a2a_gather_rows(const a2a_plan *plan, const void *grouped, size_t row_bytes, void *staging);
-
 /* Zeroes the padding rows of every expert group (rows past expert_rows within tokens_per_expert). */
 void a2a_zero_padding(const a2a_plan *plan, void *grouped, size_t row_bytes);
 
 /* probs_out[recv_final_row[i]] = staging[i] stored in dtype; padding entries set to 0. */
 void a2a_scatter_probs(const a2a_plan *plan, const double *staging, void *probs_out, moert_dtype dtype);
-
-/* staging[i] = probs[recv_final_row[i]] read as double from dtype. */
-void a2a_gather_probs(const a2a_plan *plan, const void *probs, moert_dtype dtype, double *staging);
-
-/* out[t] (= or +=) sum over kept copies of token t of copy_rows[copy_send_row[t*K+k]], in double.
- * copy_rows: [num_send, hidden] in rows_dtype; out: [T, hidden] in out_dtype; acc: hidden doubles of scratch.
- * A token without kept copies gets 0 (or keeps its value when accumulating). */
-void a2a_sum_copies(const a2a_plan *plan, const void *copy_rows, moert_dtype rows_dtype, int64_t hidden,
-                    int accumulate, void *out, moert_dtype out_dtype, double *acc);
-
-/* probs_out[t,k] = copy_probs[copy_send_row[t*K+k]], 0 for dropped copies; stored in dtype. */
-void a2a_unpack_probs(const a2a_plan *plan, const double *copy_probs, void *probs_out, moert_dtype dtype);
 
 #endif

@@ -8,7 +8,8 @@
  * This file: vtable, options, checks, buffers and communication (two alltoallv phases over the world, zero sizes to
  * the ranks that are not peers of the phase), and the CUDA path's sequence (the row kernels of
  * plugins/lib/dispatch_alltoall_cuda.cu driven by index maps planned on the host). The CPU algorithm over plain arrays
- * is in hier_plan.c.
+ * is in hier_plan.c; the argument checks, buffers, count exchange and alltoallv the host-collective dispatchers share
+ * are plugins/lib/dispatch_common.c's.
  */
 #include <stdbool.h>
 #include <stddef.h>
@@ -16,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dispatch_common.h"
 #include "hier_plan.h"
 #include "moert/dispatcher.h"
 #include "plugin_report.h"
@@ -29,10 +31,7 @@
 #endif
 
 /* A buffer, grown on demand and reused across steps: on the layer's device (rows) or in host memory (plans). */
-typedef struct hier_buffer {
-    void *data;
-    size_t bytes;
-} hier_buffer;
+typedef moert_dispatch_buffer hier_buffer;
 
 /* The two phases of every call: between nodes (peers: the rank with this local index in each node), and inside this
  * node (peers: its ranks). */
@@ -79,7 +78,7 @@ typedef struct hier_ctx {
     int64_t *gathered;        /* [world][row_len] */
     int64_t *all_counts;      /* [world][E] */
     int64_t *all_node_tokens; /* [world][N] */
-    size_t *send_bytes, *send_offsets, *recv_bytes, *recv_offsets; /* [world] for alltoallv */
+    moert_dispatch_alltoallv a2av; /* [world] sizes and offsets for alltoallv */
 
     /* host memory: the plan's per-step arrays and the routing that crosses in prepare() */
     hier_buffer token_node_row, node_row_token, copy_node_slot, fwd_idx, fwd_copy_row, recv_final_row;
@@ -105,30 +104,18 @@ typedef struct hier_ctx {
 /* Reports a figure for this step's report, if the host is new enough to take it. */
 static void report_metric(const hier_ctx *c, const char *name, double value, const char *unit)
 {
-    const moert_host *h = c->host;
-    if (h->struct_size >= offsetof(moert_host, metric) + sizeof h->metric && h->metric) h->metric(h, name, value, unit);
+    moert_dispatch_metric(c->host, name, value, unit);
 }
 
 /* Makes buf at least `bytes` long on the layer's device (contents not kept). */
 static moert_result buffer_reserve(hier_ctx *c, hier_buffer *buf, size_t bytes)
 {
-    if (bytes < 64) bytes = 64; /* never hand a NULL pointer to the communicator */
-    if (buf->bytes >= bytes) return MOERT_OK;
-    if (buf->data) c->host->free(c->host, c->layer.device, buf->data);
-    buf->data = NULL;
-    buf->bytes = 0;
-    size_t grown = bytes + bytes / 2; /* some slack: routing changes from step to step */
-    moert_result rc = c->host->alloc(c->host, c->layer.device, grown, &buf->data);
-    if (rc != MOERT_OK) return rc;
-    buf->bytes = grown;
-    return MOERT_OK;
+    return moert_dispatch_buffer_reserve(c->host, c->layer.device, buf, bytes);
 }
 
 static void buffer_release(hier_ctx *c, hier_buffer *buf)
 {
-    if (buf->data) c->host->free(c->host, c->layer.device, buf->data);
-    buf->data = NULL;
-    buf->bytes = 0;
+    moert_dispatch_buffer_release(c->host, c->layer.device, buf);
 }
 
 /* Makes a host-memory buffer at least `bytes` long (contents not kept). */
@@ -152,37 +139,12 @@ static void host_release(hier_buffer *buf)
     buf->bytes = 0;
 }
 
-/* The shared checks (plugins/lib/tensor_args.h) for this instance's host and layer device. */
-static moert_result check_tensor(const hier_ctx *c, const char *call, const char *name, const moert_tensor *t, int ndim,
-                                 int64_t rows, bool rows_at_least, int64_t cols, const char *rows_what, int need_dtype)
+/* What the checks of the calls after prepare() know of this step (plugins/lib/dispatch_common.h). */
+static moert_dispatch_step_shape step_shape(const hier_ctx *c)
 {
-    return moert_arg_check_tensor(c->host, c->layer.device, call, name, t, ndim, rows, rows_at_least, cols, rows_what,
-                                  need_dtype);
-}
-
-/* What every call after prepare() checks first: prepare() succeeded, args is there and big enough. */
-static moert_result check_call(hier_ctx *c, const char *call, const void *args, uint32_t struct_size,
-                               size_t expected_size)
-{
-    if (!c->prepared) return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: called before a successful prepare()", call);
-    if (!args) return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: args is NULL", call);
-    return moert_arg_check_struct_size(c->host, call, "args", struct_size, expected_size);
-}
-
-/* Copies `bytes` on device `dev` (stream-ordered on CUDA). */
-static moert_result device_copy(hier_ctx *c, moert_stream stream, moert_device dev, void *dst, const void *src,
-                                size_t bytes)
-{
-    if (!bytes) return MOERT_OK;
-    if (dev.type == MOERT_DEVICE_CUDA) return c->host->memcpy_async(c->host, dst, dev, src, dev, bytes, stream);
-    memcpy(dst, src, bytes);
-    return MOERT_OK;
-}
-
-/* Peer i of a phase: the rank with this local index in node i, or rank i of this node. */
-static int phase_peer(const hier_plan *p, hier_phase phase, int i)
-{
-    return phase == PHASE_NODES ? i * p->ranks_per_node + p->local : p->node * p->ranks_per_node + i;
+    return (moert_dispatch_step_shape){.prepared = c->prepared, .device = c->layer.device,
+                                       .tokens = c->plan.num_tokens, .topk = c->layer.topk,
+                                       .hidden = c->layer.hidden, .capacity = c->plan.capacity};
 }
 
 /*
@@ -195,22 +157,13 @@ static moert_result exchange(hier_ctx *c, moert_stream stream, moert_device dev,
                              const int64_t *send_rows, void *recv, const int64_t *recv_rows, size_t row_bytes)
 {
     const hier_plan *p = &c->plan;
-    const int peers = phase == PHASE_NODES ? p->num_nodes : p->ranks_per_node;
-    if (peers == 1) return device_copy(c, stream, dev, recv, send, (size_t)send_rows[0] * row_bytes);
-    for (int r = 0; r < c->world; r++)
-        c->send_bytes[r] = c->send_offsets[r] = c->recv_bytes[r] = c->recv_offsets[r] = 0;
-    size_t send_at = 0, recv_at = 0;
-    for (int i = 0; i < peers; i++) {
-        const int r = phase_peer(p, phase, i);
-        c->send_bytes[r] = (size_t)send_rows[i] * row_bytes;
-        c->send_offsets[r] = send_at;
-        send_at += c->send_bytes[r];
-        c->recv_bytes[r] = (size_t)recv_rows[i] * row_bytes;
-        c->recv_offsets[r] = recv_at;
-        recv_at += c->recv_bytes[r];
-    }
-    return c->host->alltoallv(c->host, send, c->send_bytes, c->send_offsets, recv, c->recv_bytes, c->recv_offsets, dev,
-                              stream);
+    const int R = p->ranks_per_node;
+    /* peer i: the rank with this local index in node i, or rank i of this node */
+    if (phase == PHASE_NODES)
+        return moert_dispatch_exchange_rows(c->host, dev, stream, &c->a2av, c->world, p->num_nodes, p->local, R, send,
+                                            send_rows, recv, recv_rows, row_bytes);
+    return moert_dispatch_exchange_rows(c->host, dev, stream, &c->a2av, c->world, R, p->node * R, 1, send, send_rows,
+                                        recv, recv_rows, row_bytes);
 }
 
 /* Bytes of `rows[i] * row_bytes` to the peers of a phase other than this rank (inside the node: the other ranks of
@@ -220,10 +173,7 @@ static double phase_bytes(const hier_ctx *c, hier_phase phase, const int64_t *ro
     const hier_plan *p = &c->plan;
     const int peers = phase == PHASE_NODES ? p->num_nodes : p->ranks_per_node;
     const int self = phase == PHASE_NODES ? p->node : p->local;
-    double total = 0;
-    for (int i = 0; i < peers; i++)
-        if (i != self) total += (double)rows[i] * row_bytes;
-    return total;
+    return moert_dispatch_bytes_to_peers(rows, peers, self, row_bytes);
 }
 
 /* The figures of a dispatch-like call: rows (and probs of prob_bytes each, 0 without) between nodes and inside. */
@@ -256,12 +206,8 @@ static moert_result cuda_init(hier_ctx *c)
     char dev[32];
     moert_arg_device_text(c->layer.device, dev, sizeof dev);
     MOK(check_cuda_device_visible(h, (int)c->layer.device.id, dev));
-    moert_result rc = buffer_reserve(c, &c->cu.tokens_per_expert, (size_t)c->layer.num_local_experts * sizeof(int64_t));
-    if (rc == MOERT_ERR_UNSUPPORTED)
-        return fail(c, rc,
-                    "the host serving this instance cannot allocate on %s (a CPU-only host): only a CPU path is "
-                    "usable with it",
-                    dev);
+    moert_result rc = moert_dispatch_buffer_reserve_first(h, c->layer.device, &c->cu.tokens_per_expert,
+                                                          (size_t)c->layer.num_local_experts * sizeof(int64_t));
     if (rc == MOERT_OK)
         rc = h->alloc_pinned(h, (size_t)c->layer.num_local_experts * sizeof(int64_t), (void **)&c->cu.pinned_counts);
     return rc;
@@ -326,10 +272,7 @@ static moert_result hier_init(void **out, const moert_host *host, const moert_la
     c->gathered = calloc((size_t)(W * c->row_len), sizeof(int64_t));
     c->all_counts = calloc((size_t)(W * E), sizeof(int64_t));
     c->all_node_tokens = calloc((size_t)(W * N), sizeof(int64_t));
-    c->send_bytes = calloc((size_t)W, sizeof(size_t));
-    c->send_offsets = calloc((size_t)W, sizeof(size_t));
-    c->recv_bytes = calloc((size_t)W, sizeof(size_t));
-    c->recv_offsets = calloc((size_t)W, sizeof(size_t));
+    bool a2av_ok = moert_dispatch_alltoallv_alloc(&c->a2av, W);
     hier_plan *p = &c->plan;
     p->node_send_tokens = calloc((size_t)N, sizeof(int64_t));
     p->node_recv_tokens = calloc((size_t)N, sizeof(int64_t));
@@ -340,8 +283,8 @@ static moert_result hier_init(void **out, const moert_host *host, const moert_la
     p->tokens_per_expert = calloc((size_t)El, sizeof(int64_t));
     p->group_start = calloc((size_t)El, sizeof(int64_t));
     p->cursor = calloc((size_t)(E + 2 * N), sizeof(int64_t));
-    if (!c->exchange_row || !c->gathered || !c->all_counts || !c->all_node_tokens || !c->send_bytes ||
-        !c->send_offsets || !c->recv_bytes || !c->recv_offsets || !p->node_send_tokens || !p->node_recv_tokens ||
+    if (!c->exchange_row || !c->gathered || !c->all_counts || !c->all_node_tokens || !a2av_ok ||
+        !p->node_send_tokens || !p->node_recv_tokens ||
         !p->node_send_copies || !p->node_recv_copies || !p->local_send_rows || !p->local_recv_rows ||
         !p->tokens_per_expert || !p->group_start || !p->cursor) {
         hier_finalize(c);
@@ -393,10 +336,7 @@ static void hier_finalize(void *ctx)
     free(c->gathered);
     free(c->all_counts);
     free(c->all_node_tokens);
-    free(c->send_bytes);
-    free(c->send_offsets);
-    free(c->recv_bytes);
-    free(c->recv_offsets);
+    moert_dispatch_alltoallv_free(&c->a2av);
     free(p->node_send_tokens);
     free(p->node_recv_tokens);
     free(p->node_send_copies);
@@ -419,34 +359,21 @@ static void hier_finalize(void *ctx)
 static moert_result count_local(hier_ctx *c, moert_stream stream, const moert_tensor *topk_idx, int64_t *num_tokens,
                                 const int32_t **idx_host)
 {
-    const char *call = "prepare()";
     const int64_t K = c->layer.topk, E = c->layer.num_experts;
-    char a[64];
-    if (!topk_idx) return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: topk_idx is NULL", call);
-    if (topk_idx->ndim != 2 || topk_idx->shape[1] != K)
-        return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: topk_idx has shape %s, expected [T, %lld] (T tokens, topk)",
-                    call, moert_arg_shape_text(topk_idx, a, sizeof a), (long long)K);
-    moert_result rc =
-        check_tensor(c, call, "topk_idx", topk_idx, 2, topk_idx->shape[0], false, K, "T tokens, topk", MOERT_I32);
+    int64_t T = 0;
+    moert_result rc = moert_dispatch_check_topk_idx(c->host, c->layer.device, topk_idx, K, &T);
     if (rc != MOERT_OK) return rc;
-    const int64_t T = topk_idx->shape[0];
     *idx_host = topk_idx->data;
 #ifdef MOERT_HAVE_CUDA
     if (c->on_cuda) {
+        const char *call = "prepare()";
         const moert_host *h = c->host;
         if (T * K > INT32_MAX || T * c->plan.num_nodes > INT32_MAX)
             return fail(c, MOERT_ERR_UNSUPPORTED, "%s: %lld token copies (T*K), the CUDA path takes at most %d", call,
                         (long long)(T * K), INT32_MAX);
         size_t bytes = (size_t)(T * K) * sizeof(int32_t);
-        if (c->cu.pinned_idx_bytes < bytes || !c->cu.pinned_idx) {
-            if (c->cu.pinned_idx) h->free_pinned(h, c->cu.pinned_idx);
-            c->cu.pinned_idx = NULL;
-            c->cu.pinned_idx_bytes = 0;
-            size_t grown = (bytes < 64 ? 64 : bytes) * 3 / 2;
-            rc = h->alloc_pinned(h, grown, (void **)&c->cu.pinned_idx);
-            if (rc != MOERT_OK) return rc;
-            c->cu.pinned_idx_bytes = grown;
-        }
+        rc = moert_dispatch_pinned_reserve(h, (void **)&c->cu.pinned_idx, &c->cu.pinned_idx_bytes, bytes);
+        if (rc != MOERT_OK) return rc;
         if (bytes)
             rc = h->memcpy_async(h, c->cu.pinned_idx, moert_cpu(), topk_idx->data, c->layer.device, bytes, stream);
         if (rc == MOERT_OK) rc = h->stream_synchronize(h, stream);
@@ -455,10 +382,7 @@ static moert_result count_local(hier_ctx *c, moert_stream stream, const moert_te
     }
 #endif
     int64_t bad = hier_count(&c->plan, *idx_host, T, c->exchange_row, c->exchange_row + E);
-    if (bad >= 0)
-        return fail(c, MOERT_ERR_INVALID_ARGUMENT,
-                    "%s: topk_idx[%lld][%lld] is %d, expected an expert id in [0, %lld) or -1 (dropped)", call,
-                    (long long)(bad / K), (long long)(bad % K), (int)(*idx_host)[bad], (long long)E);
+    if (bad >= 0) return moert_dispatch_bad_expert(c->host, *idx_host, bad, K, E);
     *num_tokens = T;
     return MOERT_OK;
 }
@@ -509,15 +433,7 @@ static moert_result cuda_plan(hier_ctx *c, moert_stream stream)
         total += (size_t)sizes[i];
     }
     const size_t bytes = (total ? total : 1) * sizeof(int32_t);
-    if (c->cu.pinned_maps_bytes < bytes || !c->cu.pinned_maps) {
-        if (c->cu.pinned_maps) h->free_pinned(h, c->cu.pinned_maps);
-        c->cu.pinned_maps = NULL;
-        c->cu.pinned_maps_bytes = 0;
-        size_t grown = (bytes < 64 ? 64 : bytes) * 3 / 2;
-        moert_result rc = h->alloc_pinned(h, grown, (void **)&c->cu.pinned_maps);
-        if (rc != MOERT_OK) return rc;
-        c->cu.pinned_maps_bytes = grown;
-    }
+    MOK(moert_dispatch_pinned_reserve(h, (void **)&c->cu.pinned_maps, &c->cu.pinned_maps_bytes, bytes));
     int32_t *m[MAP_COUNT];
     for (int i = 0; i < MAP_COUNT; i++) m[i] = c->cu.pinned_maps + c->cu.map_at[i];
     for (int64_t r = 0; r < p->num_node_send; r++) m[MAP_NODE_ROW_TOKEN][r] = (int32_t)p->node_row_token[r];
@@ -573,29 +489,17 @@ static moert_result hier_prepare(void *ctx, moert_stream stream, const moert_ten
     int64_t num_tokens = 0;
     const int32_t *idx_host = NULL;
     memset(c->exchange_row, 0, (size_t)c->row_len * sizeof(int64_t));
-    moert_result local_rc = MOERT_OK;
-    if (!layout)
-        local_rc = fail(c, MOERT_ERR_INVALID_ARGUMENT, "prepare(): layout is NULL");
-    else
-        local_rc = moert_arg_check_struct_size(h, "prepare()", "layout", layout->struct_size, sizeof *layout);
+    moert_result local_rc = moert_dispatch_check_layout(h, layout);
     if (local_rc == MOERT_OK) local_rc = count_local(c, stream, topk_idx, &num_tokens, &idx_host);
     if (local_rc == MOERT_OK) local_rc = reserve_token_arrays(c, num_tokens);
     if (local_rc != MOERT_OK) memset(c->exchange_row, 0, (size_t)(E + N) * sizeof(int64_t));
     c->exchange_row[E + N] = num_tokens;
     c->exchange_row[E + N + 1] = local_rc;
 
-    moert_result rc = MOERT_OK;
-    if (c->world == 1)
-        memcpy(c->gathered, c->exchange_row, (size_t)c->row_len * sizeof(int64_t));
-    else /* host memory on every device */
-        rc = h->allgather(h, c->exchange_row, c->gathered, (size_t)c->row_len * sizeof(int64_t), moert_cpu(), NULL);
+    moert_result rc = moert_dispatch_exchange_counts(h, c->world, c->exchange_row, c->gathered, c->row_len, local_rc);
     if (rc != MOERT_OK) return rc;
-    if (local_rc != MOERT_OK) return local_rc;
     for (int s = 0; s < c->world; s++) {
         const int64_t *row = c->gathered + (int64_t)s * c->row_len;
-        if (row[E + N + 1] != MOERT_OK)
-            return fail(c, MOERT_ERR_INVALID_ARGUMENT,
-                        "prepare(): rank %d failed its prepare() (see its error), so this step cannot dispatch", s);
         memcpy(c->all_counts + (int64_t)s * E, row, (size_t)E * sizeof(int64_t));
         memcpy(c->all_node_tokens + (int64_t)s * N, row + E, (size_t)N * sizeof(int64_t));
     }
@@ -746,13 +650,7 @@ static moert_result cpu_probs_to_tokens(hier_ctx *c, moert_stream stream, const 
 static moert_result cuda_check_dtypes(const hier_ctx *c, const char *call, const char *name_a, const moert_tensor *a,
                                       const char *name_b, const moert_tensor *b)
 {
-    if (a->dtype != MOERT_F32 && a->dtype != MOERT_BF16)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "%s: %s has dtype %s; the CUDA path moves fp32 or bf16", call, name_a,
-                    moert_dtype_name(a->dtype));
-    if (b->dtype != a->dtype)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "%s: %s has dtype %s but %s has %s; on CUDA they must match", call,
-                    name_b, moert_dtype_name(b->dtype), name_a, moert_dtype_name(a->dtype));
-    return MOERT_OK;
+    return moert_dispatch_check_cuda_dtypes(c->host, call, name_a, a, name_b, b);
 }
 
 /* Rows (probs: per-copy values, width 1) of `src` to the grouped buffer on the experts' ranks: gather into phase-1
@@ -864,26 +762,14 @@ static moert_result cuda_probs_to_tokens(hier_ctx *c, moert_stream stream, moert
 static moert_result hier_dispatch(void *ctx, moert_stream stream, const moert_dispatch_args *args)
 {
     hier_ctx *c = ctx;
-    const char *call = "dispatch()";
-    const hier_plan *p = &c->plan;
-    const int64_t H = c->layer.hidden, T = p->num_tokens, K = c->layer.topk;
-    moert_result rc = check_call(c, call, args, args ? args->struct_size : 0, sizeof *args);
-    if (rc == MOERT_OK) rc = check_tensor(c, call, "x", args->x, 2, T, false, H, "T from prepare(), hidden", -1);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "recv_x", args->recv_x, 2, p->capacity, true, H, "capacity from prepare(), hidden",
-                          args->x->dtype);
-    if (rc == MOERT_OK && (args->topk_probs == NULL) != (args->recv_probs == NULL))
-        rc = fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: topk_probs and recv_probs must be given together (or both NULL)",
-                  call);
-    if (rc == MOERT_OK && args->topk_probs)
-        rc = check_tensor(c, call, "topk_probs", args->topk_probs, 2, T, false, K, "T from prepare(), topk", -1);
-    if (rc == MOERT_OK && args->recv_probs)
-        rc = check_tensor(c, call, "recv_probs", args->recv_probs, 1, p->capacity, true, 0, "capacity from prepare()",
-                          -1);
+    const int64_t H = c->layer.hidden;
+    const moert_dispatch_step_shape shape = step_shape(c);
+    moert_result rc = moert_dispatch_check_dispatch(c->host, &shape, args);
     if (rc != MOERT_OK) return rc;
     const double row_bytes = (double)H * (double)moert_dtype_size(args->x->dtype);
 #ifdef MOERT_HAVE_CUDA
     if (c->on_cuda) {
+        const char *call = "dispatch()";
         rc = cuda_check_dtypes(c, call, "x", args->x, "recv_x", args->recv_x);
         if (rc == MOERT_OK && args->topk_probs)
             rc = cuda_check_dtypes(c, call, "topk_probs", args->topk_probs, "recv_probs", args->recv_probs);
@@ -909,19 +795,14 @@ static moert_result hier_dispatch(void *ctx, moert_stream stream, const moert_di
 static moert_result hier_combine(void *ctx, moert_stream stream, const moert_combine_args *args)
 {
     hier_ctx *c = ctx;
-    const char *call = "combine()";
-    const hier_plan *p = &c->plan;
     const int64_t H = c->layer.hidden;
-    moert_result rc = check_call(c, call, args, args ? args->struct_size : 0, sizeof *args);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "y_expert", args->y_expert, 2, p->capacity, true, H,
-                          "capacity from prepare(), hidden", -1);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "y", args->y, 2, p->num_tokens, false, H, "T from prepare(), hidden", -1);
+    const moert_dispatch_step_shape shape = step_shape(c);
+    moert_result rc = moert_dispatch_check_combine(c->host, &shape, args);
     if (rc != MOERT_OK) return rc;
     const moert_dtype dtype = args->y_expert->dtype;
 #ifdef MOERT_HAVE_CUDA
     if (c->on_cuda) {
+        const char *call = "combine()";
         rc = cuda_check_dtypes(c, call, "y_expert", args->y_expert, "y", args->y);
         if (rc == MOERT_OK) rc = cuda_rows_to_tokens(c, stream, dtype, args->y_expert->data, args->y->data, 0);
     } else
@@ -935,18 +816,13 @@ static moert_result hier_combine(void *ctx, moert_stream stream, const moert_com
 static moert_result hier_combine_backward(void *ctx, moert_stream stream, const moert_combine_backward_args *args)
 {
     hier_ctx *c = ctx;
-    const char *call = "combine_backward()";
-    const hier_plan *p = &c->plan;
     const int64_t H = c->layer.hidden;
-    moert_result rc = check_call(c, call, args, args ? args->struct_size : 0, sizeof *args);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "d_y", args->d_y, 2, p->num_tokens, false, H, "T from prepare(), hidden", -1);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "d_y_expert", args->d_y_expert, 2, p->capacity, true, H,
-                          "capacity from prepare(), hidden", args->d_y->dtype);
+    const moert_dispatch_step_shape shape = step_shape(c);
+    moert_result rc = moert_dispatch_check_combine_backward(c->host, &shape, args);
     if (rc != MOERT_OK) return rc;
 #ifdef MOERT_HAVE_CUDA
     if (c->on_cuda) {
+        const char *call = "combine_backward()";
         rc = cuda_check_dtypes(c, call, "d_y", args->d_y, "d_y_expert", args->d_y_expert);
         if (rc != MOERT_OK) return rc;
         return cuda_to_experts(c, stream, false, args->d_y->dtype, H, args->d_y->data, args->d_y_expert->data);
@@ -961,25 +837,12 @@ static moert_result hier_combine_backward(void *ctx, moert_stream stream, const 
 static moert_result hier_dispatch_backward(void *ctx, moert_stream stream, const moert_dispatch_backward_args *args)
 {
     hier_ctx *c = ctx;
-    const char *call = "dispatch_backward()";
-    const hier_plan *p = &c->plan;
-    const int64_t H = c->layer.hidden, T = p->num_tokens, K = c->layer.topk;
-    moert_result rc = check_call(c, call, args, args ? args->struct_size : 0, sizeof *args);
-    if (rc == MOERT_OK)
-        rc = check_tensor(c, call, "d_recv_x", args->d_recv_x, 2, p->capacity, true, H,
-                          "capacity from prepare(), hidden", -1);
-    if (rc == MOERT_OK) rc = check_tensor(c, call, "d_x", args->d_x, 2, T, false, H, "T from prepare(), hidden", -1);
-    if (rc == MOERT_OK && (args->d_recv_probs == NULL) != (args->d_topk_probs == NULL))
-        rc = fail(c, MOERT_ERR_INVALID_ARGUMENT,
-                  "%s: d_recv_probs and d_topk_probs must be given together (or both NULL)", call);
-    if (rc == MOERT_OK && args->d_recv_probs)
-        rc = check_tensor(c, call, "d_recv_probs", args->d_recv_probs, 1, p->capacity, true, 0,
-                          "capacity from prepare()", -1);
-    if (rc == MOERT_OK && args->d_topk_probs)
-        rc = check_tensor(c, call, "d_topk_probs", args->d_topk_probs, 2, T, false, K, "T from prepare(), topk", -1);
+    const moert_dispatch_step_shape shape = step_shape(c);
+    moert_result rc = moert_dispatch_check_dispatch_backward(c->host, &shape, args);
     if (rc != MOERT_OK) return rc;
 #ifdef MOERT_HAVE_CUDA
     if (c->on_cuda) {
+        const char *call = "dispatch_backward()";
         rc = cuda_check_dtypes(c, call, "d_recv_x", args->d_recv_x, "d_x", args->d_x);
         if (rc == MOERT_OK && args->d_recv_probs)
             rc = cuda_check_dtypes(c, call, "d_recv_probs", args->d_recv_probs, "d_topk_probs", args->d_topk_probs);
@@ -1008,13 +871,8 @@ MOERT_DISPATCHER_V1_EXPORT(hierarchical_vtable) = {
             .description =
                 "two-level token dispatcher: a token crosses between nodes once per destination node and fans "
                 "out inside it; combine reduces inside the node first",
-#ifdef MOERT_HAVE_CUDA
-            .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU) | MOERT_CAP_DEVICE(MOERT_DEVICE_CUDA),
-#else
-            .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU),
-#endif
-            .dtypes = MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) |
-                      MOERT_CAP_DTYPE(MOERT_F16),
+            .devices = MOERT_DISPATCH_DEVICES,
+            .dtypes = MOERT_DISPATCH_DTYPES,
             .flags = MOERT_CAP_NEEDS_HOST_SYNC,
         },
     .init = hier_init,

@@ -5,11 +5,7 @@
 #include <stdbool.h>
 #include <string.h>
 
-/* A flat view of n elements of dtype at data, so moert_load/moert_store can read and write it. */
-static moert_tensor flat_view(const void *data, moert_dtype dtype, int64_t n)
-{
-    return moert_tensor_1d((void *)data, moert_cpu(), dtype, n);
-}
+#include "dispatch_common.h"
 
 /* The node owning expert e. */
 static int node_of_expert(const hier_plan *p, int64_t e)
@@ -86,15 +82,8 @@ void hier_plan_sizes(hier_plan *p, const int64_t *all_counts, const int64_t *all
         p->local_recv_rows[l] = in;
         p->num_local_send += out;
     }
-    p->num_recv = 0;
-    const int64_t first_local = (int64_t)p->rank * El;
-    for (int64_t l = 0; l < El; l++) {
-        int64_t rows = 0;
-        for (int s = 0; s < p->world; s++) rows += all_counts[(int64_t)s * E + first_local + l];
-        p->tokens_per_expert[l] = rows;
-        p->group_start[l] = p->num_recv;
-        p->num_recv += rows;
-    }
+    p->num_recv = moert_dispatch_plan_groups(all_counts, p->world, p->rank, E, El, 0, NULL, p->tokens_per_expert,
+                                             p->group_start);
     p->capacity = p->num_recv;
 }
 
@@ -205,11 +194,7 @@ void hier_pack_node_rows(const hier_plan *p, const void *rows, size_t row_bytes,
 
 void hier_pack_node_probs(const hier_plan *p, const void *probs, moert_dtype dtype, double *send)
 {
-    moert_tensor view = flat_view(probs, dtype, p->num_tokens * p->topk);
-    for (int64_t i = 0; i < p->num_tokens * p->topk; i++) {
-        int64_t slot = p->copy_node_slot[i];
-        if (slot >= 0) send[slot] = moert_load(&view, i);
-    }
+    moert_dispatch_pack_probs(p->copy_node_slot, p->num_tokens * p->topk, probs, dtype, send);
 }
 
 void hier_pack_local_rows(const hier_plan *p, const void *fwd_rows, size_t row_bytes, void *send)
@@ -231,30 +216,22 @@ void hier_pack_local_probs(const hier_plan *p, const double *fwd_probs, double *
 
 void hier_scatter_rows(const hier_plan *p, const void *staging, size_t row_bytes, void *grouped)
 {
-    const char *src = staging;
-    char *dst = grouped;
-    for (int64_t i = 0; i < p->num_recv; i++)
-        memcpy(dst + (size_t)p->recv_final_row[i] * row_bytes, src + (size_t)i * row_bytes, row_bytes);
+    moert_dispatch_scatter_rows(p->recv_final_row, p->num_recv, staging, row_bytes, grouped);
 }
 
 void hier_gather_rows(const hier_plan *p, const void *grouped, size_t row_bytes, void *staging)
 {
-    const char *src = grouped;
-    char *dst = staging;
-    for (int64_t i = 0; i < p->num_recv; i++)
-        memcpy(dst + (size_t)i * row_bytes, src + (size_t)p->recv_final_row[i] * row_bytes, row_bytes);
+    moert_dispatch_gather_rows(p->recv_final_row, p->num_recv, grouped, row_bytes, staging);
 }
 
 void hier_scatter_probs(const hier_plan *p, const double *staging, void *probs_out, moert_dtype dtype)
 {
-    moert_tensor view = flat_view(probs_out, dtype, p->capacity);
-    for (int64_t i = 0; i < p->num_recv; i++) moert_store(&view, p->recv_final_row[i], staging[i]);
+    moert_dispatch_scatter_probs(p->recv_final_row, p->num_recv, staging, probs_out, dtype, p->capacity);
 }
 
 void hier_gather_probs(const hier_plan *p, const void *probs, moert_dtype dtype, double *staging)
 {
-    moert_tensor view = flat_view(probs, dtype, p->capacity);
-    for (int64_t i = 0; i < p->num_recv; i++) staging[i] = moert_load(&view, p->recv_final_row[i]);
+    moert_dispatch_gather_probs(p->recv_final_row, p->num_recv, probs, dtype, p->capacity, staging);
 }
 
 /* ---- combine-like moves ---- */
@@ -263,8 +240,8 @@ void hier_partial_rows(const hier_plan *p, const void *local_rows, moert_dtype d
                        double *acc)
 {
     const int64_t K = p->topk;
-    moert_tensor rows = flat_view(local_rows, dtype, p->num_local_send * hidden);
-    moert_tensor out = flat_view(partial, dtype, p->num_node_recv * hidden);
+    moert_tensor rows = moert_dispatch_flat_view(local_rows, dtype, p->num_local_send * hidden);
+    moert_tensor out = moert_dispatch_flat_view(partial, dtype, p->num_node_recv * hidden);
     for (int64_t j = 0; j < p->num_node_recv; j++) {
         /* -0 is the additive identity: one copy's row (a -0 included) crosses back bit for bit */
         for (int64_t h = 0; h < hidden; h++) acc[h] = -0.0;
@@ -287,28 +264,11 @@ void hier_unpack_local_probs(const hier_plan *p, const double *local_probs, doub
 void hier_sum_nodes(const hier_plan *p, const void *node_rows, moert_dtype rows_dtype, int64_t hidden, int accumulate,
                     void *out, moert_dtype out_dtype, double *acc)
 {
-    const int N = p->num_nodes;
-    moert_tensor rows = flat_view(node_rows, rows_dtype, p->num_node_send * hidden);
-    moert_tensor y = flat_view(out, out_dtype, p->num_tokens * hidden);
-    for (int64_t t = 0; t < p->num_tokens; t++) {
-        for (int64_t h = 0; h < hidden; h++) acc[h] = accumulate ? moert_load(&y, t * hidden + h) : -0.0;
-        int kept = 0;
-        for (int m = 0; m < N; m++) {
-            int64_t r = p->token_node_row[t * N + m];
-            if (r < 0) continue;
-            kept++;
-            for (int64_t h = 0; h < hidden; h++) acc[h] += moert_load(&rows, r * hidden + h);
-        }
-        if (accumulate && kept == 0) continue; /* d_x of a token without kept copies stays as it was */
-        for (int64_t h = 0; h < hidden; h++) moert_store(&y, t * hidden + h, kept ? acc[h] : 0.0);
-    }
+    moert_dispatch_sum_rows(p->token_node_row, p->num_tokens, p->num_nodes, node_rows, rows_dtype, p->num_node_send,
+                            hidden, accumulate, out, out_dtype, acc);
 }
 
 void hier_unpack_probs(const hier_plan *p, const double *node_probs, void *probs_out, moert_dtype dtype)
 {
-    moert_tensor view = flat_view(probs_out, dtype, p->num_tokens * p->topk);
-    for (int64_t i = 0; i < p->num_tokens * p->topk; i++) {
-        int64_t slot = p->copy_node_slot[i];
-        moert_store(&view, i, slot >= 0 ? node_probs[slot] : 0.0);
-    }
+    moert_dispatch_unpack_probs(p->copy_node_slot, p->num_tokens * p->topk, node_probs, probs_out, dtype);
 }

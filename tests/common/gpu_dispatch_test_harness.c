@@ -5,6 +5,48 @@
 
 pthread_mutex_t gpu_dispatch_table_lock = PTHREAD_MUTEX_INITIALIZER;
 
+void gpu_dispatch_read_host_cpu_layout(const moert_dispatch_layout *layout, int64_t local_experts,
+                                       gpu_dispatch_step *d)
+{
+    d->nrecv = layout->capacity;
+    d->num_recv = layout->num_recv;
+    for (int64_t l = 0; l < local_experts; l++) d->tokens_per_expert[l] = layout->tokens_per_expert_host[l];
+}
+
+void gpu_dispatch_read_host_cuda_layout(const gpu_test_rank_env *env, const gpu_dispatch_case *cs,
+                                        const moert_dispatch_layout *layout, const int64_t *device_counts,
+                                        gpu_dispatch_step *o)
+{
+    const int64_t El = cs->experts / env->world;
+    if (layout->num_recv != o->num_recv || layout->tokens_per_expert.device.type != MOERT_DEVICE_CUDA ||
+        layout->tokens_per_expert.device.id != env->rank || !layout->tokens_per_expert_host) {
+        gpu_test_failure("%s %s: CUDA layout: num_recv %lld (CPU %lld), counts on device type %d id %d, host counts %s",
+                         env->where, cs->name, (long long)layout->num_recv, (long long)o->num_recv,
+                         (int)layout->tokens_per_expert.device.type, (int)layout->tokens_per_expert.device.id,
+                         layout->tokens_per_expert_host ? "given" : "NULL");
+        for (int64_t l = 0; l < El; l++) o->tokens_per_expert[l] = -1; /* shows as layout diffs */
+        return;
+    }
+    /* the host copy must equal the device's counts (a difference shows in the comparison with the CPU's) */
+    for (int64_t l = 0; l < El; l++)
+        o->tokens_per_expert[l] =
+            layout->tokens_per_expert_host[l] + 1000 * (device_counts[l] != layout->tokens_per_expert_host[l]);
+}
+
+/* The figures of the CUDA instance a plugin names (gpu_dispatch_plugin.figures): the last value of each. */
+typedef struct figure_sink {
+    const gpu_dispatch_plugin *plugin;
+    double value[2];
+} figure_sink;
+
+static void figure_metric(void *user, const char *name, double value, const char *unit)
+{
+    figure_sink *f = user;
+    (void)unit;
+    for (int i = 0; i < 2; i++)
+        if (f->plugin->figures[i] && strcmp(name, f->plugin->figures[i]) == 0) f->value[i] = value;
+}
+
 void gpu_dispatch_make_routing(const gpu_dispatch_case *cs, int world, int64_t tokens, uint64_t *rng, int32_t *idx)
 {
     const int64_t E = cs->experts, K = cs->topk, El = E / world;
@@ -163,16 +205,21 @@ void gpu_dispatch_run_case(const gpu_dispatch_plugin *plugin, const gpu_test_ran
     char where[128];
     snprintf(where, sizeof where, "%s %s", env->where, cs->name);
     char options[160]; /* the case's options with timeout_ms */
-    snprintf(options, sizeof options, "{\"timeout_ms\": " GPU_DISPATCH_CASE_TIMEOUT "%s%s",
-             strlen(cs->options) > 2 ? ", " : "", cs->options + 1);
+    if (plugin->no_timeout_option)
+        snprintf(options, sizeof options, "%s", cs->options);
+    else
+        snprintf(options, sizeof options, "{\"timeout_ms\": " GPU_DISPATCH_CASE_TIMEOUT "%s%s",
+                 strlen(cs->options) > 2 ? ", " : "", cs->options + 1);
     if (rank == 0) gpu_test_progress("world %d, case \"%s\" %s: open", W, cs->name, options);
 
     test_instance cpu, gpu;
+    figure_sink figures = {.plugin = plugin};
     moert_result rc = test_instance_open(&cpu, MOERT_KIND_DISPATCHER, plugin->name, options, &layer, env->comm, rank,
                                          W);
     if (rc != MOERT_OK) gpu_test_failure("%s: CPU dispatcher: %s", where, moert_error_message());
-    moert_result rc2 = test_instance_open_cuda(&gpu, MOERT_KIND_DISPATCHER, plugin->name, options, &gpu_layer,
-                                               env->comm, rank, W, env->pool, env->nccl, (moert_stream)env->stream);
+    moert_result rc2 = test_instance_open_metrics(&gpu, MOERT_KIND_DISPATCHER, plugin->name, options, &gpu_layer,
+                                                  env->comm, rank, W, env->pool, env->nccl, (moert_stream)env->stream,
+                                                  figure_metric, &figures);
     if (rc2 != MOERT_OK) gpu_test_failure("%s: CUDA dispatcher: %s", where, moert_error_message());
     if (rc != MOERT_OK || rc2 != MOERT_OK) {
         test_instance_close(&cpu);
@@ -235,7 +282,10 @@ void gpu_dispatch_run_case(const gpu_dispatch_plugin *plugin, const gpu_test_ran
     if (rank == 0) gpu_test_progress("world %d, case \"%s\": CUDA step 1", W, cs->name);
     bool ok1 = gpu_dispatch_cuda_step(plugin, env, &gpu, cs, &d, in, &g1);
     if (rank == 0) gpu_test_progress("world %d, case \"%s\": CUDA step 2", W, cs->name);
+    moert_cuda_pool_stats before, after;
+    moert_cuda_pool_get_stats(env->pool, &before);
     bool ok2 = ok1 && gpu_dispatch_cuda_step(plugin, env, &gpu, cs, &d, in, &g2);
+    moert_cuda_pool_get_stats(env->pool, &after);
     if (rank == 0) gpu_test_progress("world %d, case \"%s\": compare", W, cs->name);
     if (ok && ok1) gpu_dispatch_compare(env, cs, &d, &g1, row);
     if (ok && ok2) {
@@ -244,11 +294,16 @@ void gpu_dispatch_run_case(const gpu_dispatch_plugin *plugin, const gpu_test_ran
                       gpu_test_bytes_differ(g1.y, g2.y, (size_t)d.T * rowb) +
                       gpu_test_bytes_differ(g1.d_x, g2.d_x, (size_t)d.T * rowb) +
                       gpu_test_bytes_differ(g1.d_y_expert, g2.d_y_expert, (size_t)d.nrecv * rowb);
+        const int64_t mallocs =
+            plugin->count_step2_mallocs ? (int64_t)(after.cuda_malloc_count - before.cuda_malloc_count) : 0;
         pthread_mutex_lock(&gpu_dispatch_table_lock);
         row->repeat_diffs += rep;
         row->recv_rows += d.nrecv;
+        row->step2_mallocs += mallocs;
+        for (int i = 0; i < 2; i++) row->figures[i] += figures.value[i];
         pthread_mutex_unlock(&gpu_dispatch_table_lock);
         if (rep) gpu_test_failure("%s: the second step differs in %lld bytes", where, (long long)rep);
+        if (mallocs) gpu_test_failure("%s: the second step made %lld cudaMalloc calls", where, (long long)mallocs);
     }
     CK(cudaStreamSynchronize(s));
     for (int i = 0; i < 7; i++) CK(cudaFree(in[i]));
@@ -276,16 +331,24 @@ void gpu_dispatch_rows_init(gpu_dispatch_row *rows, int world, const gpu_dispatc
 void gpu_dispatch_print_rows(const gpu_dispatch_plugin *plugin, const gpu_dispatch_row *rows, int count)
 {
     printf("\n%s dispatcher, CUDA vs CPU (diffs: bytes that differ; err: relative Frobenius error)\n", plugin->name);
-    printf("%-5s  %-34s  %7s  %6s  %8s  %9s  %7s  %8s  %9s  %7s  %7s  %6s  %s\n", "world", "case", "recv", "layout",
-           "dispatch", "combine", "(bytes)", "comb_bwd", "d_x", "(bytes)", "d_probs", "repeat", "ok");
+    printf("%-5s  %-34s  %7s  %6s  %8s  %9s  %7s  %8s  %9s  %7s  %7s  %6s  ", "world", "case", "recv", "layout",
+           "dispatch", "combine", "(bytes)", "comb_bwd", "d_x", "(bytes)", "d_probs", "repeat");
+    if (plugin->count_step2_mallocs) printf("%6s  ", "malloc");
+    for (int f = 0; f < 2; f++)
+        if (plugin->figures[f]) printf("%10s  ", plugin->figure_labels[f]);
+    printf("ok\n");
     for (int i = 0; i < count; i++) {
         const gpu_dispatch_row *r = &rows[i];
         if (!r->ran) continue;
         bool ok = !r->layout_diffs && !r->dispatch_diffs && !r->cb_diffs && !r->dprobs_diffs && !r->repeat_diffs &&
-                  r->combine_err <= r->tol && r->dx_err <= r->tol;
-        printf("%-5d  %-34s  %7lld  %6lld  %8lld  %9.2e  %7lld  %8lld  %9.2e  %7lld  %7lld  %6lld  %s\n", r->world,
-               r->name, (long long)r->recv_rows, (long long)r->layout_diffs, (long long)r->dispatch_diffs,
-               r->combine_err, (long long)r->combine_bytes, (long long)r->cb_diffs, r->dx_err, (long long)r->dx_bytes,
-               (long long)r->dprobs_diffs, (long long)r->repeat_diffs, ok ? "ok" : "FAIL");
+                  !r->step2_mallocs && r->combine_err <= r->tol && r->dx_err <= r->tol;
+        printf("%-5d  %-34s  %7lld  %6lld  %8lld  %9.2e  %7lld  %8lld  %9.2e  %7lld  %7lld  %6lld  ", r->world, r->name,
+               (long long)r->recv_rows, (long long)r->layout_diffs, (long long)r->dispatch_diffs, r->combine_err,
+               (long long)r->combine_bytes, (long long)r->cb_diffs, r->dx_err, (long long)r->dx_bytes,
+               (long long)r->dprobs_diffs, (long long)r->repeat_diffs);
+        if (plugin->count_step2_mallocs) printf("%6lld  ", (long long)r->step2_mallocs);
+        for (int f = 0; f < 2; f++)
+            if (plugin->figures[f]) printf("%10.0f  ", r->figures[f]);
+        printf("%s\n", ok ? "ok" : "FAIL");
     }
 }

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The harness shared by the GPU tests of the peer-buffer dispatchers (tests/gpu/test_gpu_deepep.c,
- * test_gpu_hybridep.c; CUDA builds only): a case (shape, routing, options), one step's host data, the four calls
+/* The harness shared by the GPU tests of the dispatchers (the peer-buffer ones, tests/gpu/test_gpu_deepep.c and
+ * test_gpu_hybridep.c, and the host-collective ones, test_gpu_plugins.c's alltoall, test_gpu_allgather.c and
+ * test_gpu_hierarchical.c; CUDA builds only): a case (shape, routing, options), one step's host data, the four calls
  * after prepare(), a CUDA step with poisoned outputs, its comparison with the CPU path (the reference) into a table
  * row, a whole case on one rank (CPU once, CUDA twice), and the table. A test describes its dispatcher with a
  * gpu_dispatch_plugin and keeps its own cases and its plugin-specific runs (stalled peers, graphs). */
@@ -36,6 +37,8 @@ typedef struct gpu_dispatch_row {
     int64_t recv_rows, layout_diffs, dispatch_diffs, combine_bytes, cb_diffs, dx_bytes, dprobs_diffs, repeat_diffs;
     double combine_err, dx_err, tol;
     bool ran;
+    int64_t step2_mallocs; /* cudaMalloc calls of the pool during the second CUDA step (count_step2_mallocs) */
+    double figures[2];     /* the plugin's figures of the second CUDA step, summed over ranks */
 } gpu_dispatch_row;
 
 /* The stalled-peer run of one world: what rank 0 saw, and when. */
@@ -60,6 +63,7 @@ typedef struct gpu_dispatch_step {
     int64_t tokens_per_expert[256];
     void *recv_x, *y, *d_y_expert, *d_x; /* recv_x with 2 rows past capacity */
     float *recv_probs, *d_topk_probs;
+    int64_t num_recv; /* the CPU layout's num_recv (gpu_dispatch_read_host_cpu_layout) */
 } gpu_dispatch_step;
 
 /* What the harness needs to know of the dispatcher under test. */
@@ -72,7 +76,25 @@ typedef struct gpu_dispatch_plugin {
      * CPU's) and the checks of the layout's host side. */
     void (*read_cuda_layout)(const gpu_test_rank_env *env, const gpu_dispatch_case *cs,
                              const moert_dispatch_layout *layout, const int64_t *device_counts, gpu_dispatch_step *o);
+    /* The plugin has no timeout_ms option (the host-collective dispatchers: the communicator's timeout serves): the
+     * case's options are given as they are. */
+    bool no_timeout_option;
+    /* The second CUDA step must make no cudaMalloc in the rank's pool (its buffers reused); a "malloc" column. */
+    bool count_step2_mallocs;
+    /* Up to two metrics of the CUDA instance (e.g. "dispatch.bytes_internode"), their last value in the second
+     * step summed over ranks into the table under figure_labels; NULL: none. */
+    const char *figures[2];
+    const char *figure_labels[2];
 } gpu_dispatch_plugin;
+
+/* read_cpu_layout and read_cuda_layout of the dispatchers that sync with the host in prepare() (alltoall, allgather,
+ * hierarchical): every row up to capacity is compared (padding rows are zeros on both paths); the CUDA layout must
+ * have the CPU's num_recv, its counts on the rank's GPU and a host copy of them equal to the device's. */
+void gpu_dispatch_read_host_cpu_layout(const moert_dispatch_layout *layout, int64_t local_experts,
+                                       gpu_dispatch_step *d);
+void gpu_dispatch_read_host_cuda_layout(const gpu_test_rank_env *env, const gpu_dispatch_case *cs,
+                                        const moert_dispatch_layout *layout, const int64_t *device_counts,
+                                        gpu_dispatch_step *o);
 
 /* topk_idx [tokens, topk]: distinct experts per token, some dropped, optionally one hot expert, a starved rank,
  * dropped tokens. */

@@ -36,6 +36,16 @@ moert_result test_instance_open_cuda(test_instance *ti, moert_plugin_kind kind, 
                                      int rank, int world, struct moert_cuda_pool *pool, struct moert_nccl_comm *nccl,
                                      moert_stream stream)
 {
+    return test_instance_open_metrics(ti, kind, spec, options_json, layer, comm, rank, world, pool, nccl, stream, NULL,
+                                      NULL);
+}
+
+moert_result test_instance_open_metrics(test_instance *ti, moert_plugin_kind kind, const char *spec,
+                                        const char *options_json, const moert_layer_info *layer,
+                                        moert_comm_group *comm, int rank, int world, struct moert_cuda_pool *pool,
+                                        struct moert_nccl_comm *nccl, moert_stream stream, test_metric_fn metric,
+                                        void *metric_user)
+{
     memset(ti, 0, sizeof *ti);
     moert_result rc = moert_plugin_load(kind, spec, &ti->plugin);
     if (rc != MOERT_OK) return rc;
@@ -46,7 +56,7 @@ moert_result test_instance_open_cuda(test_instance *ti, moert_plugin_kind kind, 
     moert_section_allow(ti->section, "plugin");
     moert_host_setup setup = {
         .who = spec, .options = ti->section, .comm = comm, .rank = rank, .world_size = world,
-        .device = layer->device, .metric = NULL, .metric_user = NULL, .cuda_pool = pool, .nccl = nccl,
+        .device = layer->device, .metric = metric, .metric_user = metric_user, .cuda_pool = pool, .nccl = nccl,
         .stream = stream};
     rc = moert_host_create(&setup, &ti->host);
     if (rc != MOERT_OK) return rc;

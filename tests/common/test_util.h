@@ -88,6 +88,15 @@ moert_result test_instance_open_cuda(test_instance *ti, moert_plugin_kind kind, 
                                      const char *options_json, const moert_layer_info *layer, moert_comm_group *comm,
                                      int rank, int world, struct moert_cuda_pool *pool, struct moert_nccl_comm *nccl,
                                      moert_stream stream);
+/* Receives the figures a plugin reports (host->metric): name, value and unit of each. */
+typedef void (*test_metric_fn)(void *user, const char *name, double value, const char *unit);
+/* test_instance_open_cuda (pool, nccl and stream may be NULL on the CPU) with the host's figures handed to
+ * metric(metric_user, ...), so a test can check what a plugin reports. */
+moert_result test_instance_open_metrics(test_instance *ti, moert_plugin_kind kind, const char *spec,
+                                        const char *options_json, const moert_layer_info *layer,
+                                        moert_comm_group *comm, int rank, int world, struct moert_cuda_pool *pool,
+                                        struct moert_nccl_comm *nccl, moert_stream stream, test_metric_fn metric,
+                                        void *metric_user);
 void test_instance_close(test_instance *ti);
 
 /* Runs fn(rank, user) on `world` threads and waits for them. */
