@@ -2,9 +2,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Megatron Core's own MoELayer (local spec: SequentialMLP experts, no TransformerEngine) with its own alltoall token
 dispatcher against the same layer with moert's dispatcher backend (moert.megatron.use_moert; alltoall, deepep,
-hybridep), and against moert.torch.MoE with the layer's weights copied in: outputs, input gradients, router and
-expert weight gradients (and the aux loss) agree within bf16 tolerance; forward+backward times of all of them in the
-same call. Shapes: moert's presets (configs/), each GPU holding as many experts as at EP4 unless --experts says
+hybridep), the same layer with moert's dispatcher and moert's grouped GEMMs as its experts (use_moert(...,
+experts=True): a MoertGroupedMLP with the SequentialMLP's weights), and against moert.torch.MoE with the layer's
+weights copied in: outputs, input gradients, router and expert weight gradients (and the aux loss) agree within bf16
+tolerance; forward+backward times of all of them in the same call. Shapes: moert's presets (configs/), each GPU holding as many experts as at EP4 unless --experts says
 otherwise (as bench/torch_moe_bench.py).
 
 GPU machine (a CUDA build of moert, megatron-core wheels in .whl/ when Megatron is not importable):
@@ -43,7 +44,8 @@ import moert.torch  # noqa: E402
 MEGATRON_VERSION = "0.16.1"
 PRESETS = "deepseek-v3,qwen3-30b-a3b,mixtral-8x7b"
 # bf16 tolerances: of the largest reference value (max), and the relative L2 norm of the difference (l2)
-TOL = {"dispatcher": {"max": 2e-2, "l2": 1e-2}, "moe": {"max": 5e-2, "l2": 2e-2}}
+TOL = {"dispatcher": {"max": 2e-2, "l2": 1e-2}, "experts": {"max": 2e-2, "l2": 1e-2},
+       "moe": {"max": 5e-2, "l2": 2e-2}}
 # moert.torch.MoE routes on its own (fp32 logits): a token whose top-k has a near-tie may pick another expert than
 # Megatron's router. Such rows are counted (a row of y off by more than 10% of its norm) and allowed up to this share.
 MAX_FLIPPED_ROWS = 2e-3
@@ -188,9 +190,14 @@ def megatron_step(layer, x, gy, collect=False):
     y.backward(gy)
     if not collect:
         return None
-    ex = layer.experts.local_experts
-    fc1, fc2 = mm.expert_weights_to_moert([e.linear_fc1.weight.grad for e in ex],
-                                          [e.linear_fc2.weight.grad for e in ex])
+    if hasattr(layer.experts, "local_experts"):  # Megatron's SequentialMLP
+        ex = layer.experts.local_experts
+        fc1, fc2 = mm.expert_weights_to_moert([e.linear_fc1.weight.grad for e in ex],
+                                              [e.linear_fc2.weight.grad for e in ex])
+    else:  # moert's experts (MoertGroupedMLP): GroupedMLP's weight1/weight2, moert's layout per expert
+        ex, H = layer.experts, y.shape[-1]
+        fc1 = ex.weight1.grad.view(ex.num_local_experts, H, -1)
+        fc2 = ex.weight2.grad.view(ex.num_local_experts, -1, H)
     tr = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
     coeff = layer.config.moe_aux_loss_coeff
     aux = float(tr["values"][0]) * coeff if tr is not None and coeff else None
@@ -337,6 +344,32 @@ def run_preset(name, a, world, rank, device, ep_group, dispatchers):
         rows.append(row)
         sync(device)
 
+    # the same layer with moert's dispatcher backend and moert's grouped GEMMs as its experts
+    own_experts = layer.experts
+    for d in (dispatchers if a.experts_all_dispatchers else dispatchers[:1]):
+        row = dict(shape, variant="megatron + moert %s + experts" % d)
+        try:
+            mcfg = json.loads(json.dumps(cfg))
+            mcfg["dispatcher"] = {"plugin": d}
+            mcfg["precision"] = {"plugin": a.experts_precision}
+            layer.token_dispatcher, layer.experts = own, own_experts
+            mm.use_moert(layer, mcfg, max_tokens=tokens, experts=True)
+            got = megatron_step(layer, x, gy, collect=True)
+            err = errors(got, ref)
+            del got
+            bad = verdict(err, "experts", tokens)
+            row["ms"] = timed(lambda: megatron_step(layer, x, gy))
+            row["errors"] = gather_errors(err, device)
+            ok = all_ok(not bad, device)
+            row["status"] = "PASS" if ok else "FAIL"
+            row["failed"] = bad
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            traceback.print_exc()
+            row.update(status="FAIL", error="%s: %s" % (type(e).__name__, e))
+        layer.token_dispatcher, layer.experts = own, own_experts
+        rows.append(row)
+        sync(device)
+
     # moert.torch.MoE with the layer's weights
     layer.zero_grad(set_to_none=True)
     for d in (dispatchers if a.moe_all_dispatchers else dispatchers[:1]):
@@ -386,7 +419,7 @@ def run_preset(name, a, world, rank, device, ep_group, dispatchers):
 
 
 def table(rows):
-    lines = ["%-15s %2s %5s %-26s %9s %6s  %s" % ("preset", "EP", "E", "variant", "fwd+bwd", "", "largest errors")]
+    lines = ["%-15s %2s %5s %-34s %9s %6s  %s" % ("preset", "EP", "E", "variant", "fwd+bwd", "", "largest errors")]
     for r in rows:
         e = r.get("errors") or {}
         worst = ", ".join("%s %.1e/%.1e" % (k, v["max"], v["l2"]) for k, v in e.items() if isinstance(v, dict))
@@ -395,7 +428,7 @@ def table(rows):
         if r.get("error"):
             worst = r["error"][:200]
         ms = "%7.2f ms" % r["ms"] if r.get("ms") is not None else "       - "
-        lines.append("%-15s %2d %5d %-26s %9s %6s  %s" % (r["preset"], r["world"], r["experts"], r["variant"], ms,
+        lines.append("%-15s %2d %5d %-34s %9s %6s  %s" % (r["preset"], r["world"], r["experts"], r["variant"], ms,
                                                           r["status"], worst))
     return "\n".join(lines)
 
@@ -410,6 +443,11 @@ def main():
     ap.add_argument("--moe-all-dispatchers", action="store_true",
                     help="moert.torch.MoE with every dispatcher (default: the first only)")
     ap.add_argument("--experts", type=int, default=0, help="experts over all ranks (default: world * E / 4)")
+    ap.add_argument("--experts-all-dispatchers", action="store_true",
+                    help="megatron + moert dispatcher + moert experts with every dispatcher (default: the first only)")
+    ap.add_argument("--experts-precision", default="bf16",
+                    help="the precision plugin of moert's experts in that variant (bf16; fp8 is held to bf16's "
+                         "tolerances, so expect FAIL rows that measure its error)")
     ap.add_argument("--shrink", type=int, default=1, help="divide H, F and T by this (quick runs)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)

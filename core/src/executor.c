@@ -515,6 +515,8 @@ static moert_result release_saved(moert_layer *L)
     tensor_release(L, &L->shared_dprob);
     tensor_release(L, &L->shared_rows);
     tensor_release(L, &L->shared_prob);
+    tensor_release(L, &L->experts_counts);
+    L->experts_only = false;
     MOERT_CHECK(moert_act_store_release(&L->acts));
 fail:
     return rc;
@@ -551,6 +553,8 @@ void moert_layer_free(moert_layer *L)
     free(L->etp_rank_major);
     free(L->etp_expert_major);
     free(L->expert_counts_host);
+    free(L->experts_counts_host_buf);
+    L->experts_counts_host_buf = NULL;
     L->etp_counts = L->etp_rank_major = L->etp_expert_major = L->expert_counts_host = NULL;
     for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
         if (!L->params_borrowed) tensor_release(L, &L->params[p].value);
@@ -658,8 +662,9 @@ static moert_result gemm_of(moert_layer *L, bool shared, moert_stream stream, mo
                                        : (which == MOERT_GEMM_FC1 ? MOERT_PARAM_FC1 : MOERT_PARAM_FC2)];
     moert_grouped_gemm_args a = {
         .struct_size = sizeof a, .which = which, .pass = pass,
-        .tokens_per_expert = shared ? &L->shared_rows : etp_on(L) ? &L->expert_counts : &L->layout.tokens_per_expert,
-        .tokens_per_expert_host = shared ? &L->shared_rows_host
+        .tokens_per_expert = shared ? &L->shared_rows : L->experts_only ? &L->experts_counts
+                                                    : etp_on(L) ? &L->expert_counts : &L->layout.tokens_per_expert,
+        .tokens_per_expert_host = shared ? &L->shared_rows_host : L->experts_only ? L->experts_counts_host
                                   : etp_on(L) ? L->expert_counts_host : L->layout.tokens_per_expert_host,
         .input = input, .weight = &w->value, .grad_output = grad_output,
         .output = output, .grad_input = grad_input, .grad_weight = &w->grad,
@@ -1248,5 +1253,123 @@ moert_result moert_layer_optimizer_step(moert_layer *L, const moert_train_config
         MOERT_CHECK(moert_adam_update(L->stream, &adam, &pr->value, &pr->grad, &pr->m, &pr->v));
     }
 fail:
+    return rc;
+}
+
+/* ---- the routed experts alone (the embedding API's moert_experts_forward / _backward) ---- */
+
+/* Takes the caller's rows per local expert for the grouped GEMMs: a copy on the device, and on the host when the
+ * caller's are in host memory (then checked against the rows, and whether rows are left over as padding). */
+static moert_result experts_set_counts(moert_layer *L, const moert_tensor *counts, int64_t rows)
+{
+    moert_result rc = MOERT_OK;
+    const moert_host *h = L->core_host;
+    const int64_t el = L->info.num_local_experts;
+    MOERT_CHECK(tensor_alloc(L, &L->experts_counts, MOERT_I64, 1, el, 0, 0));
+    HOST_CALL(h->memcpy_async(h, L->experts_counts.data, L->experts_counts.device, counts->data, counts->device,
+                              (size_t)el * sizeof(int64_t), L->stream),
+              "copying tokens_per_expert", MOERT_ACT_COUNT);
+    L->experts_counts_host = NULL;
+    L->experts_padded = true; /* counts on the device: the sum is not known here */
+    if (counts->device.type != MOERT_DEVICE_CPU && counts->device.type != MOERT_DEVICE_CUDA_HOST) return MOERT_OK;
+    if (!L->experts_counts_host_buf) {
+        L->experts_counts_host_buf = calloc((size_t)el, sizeof(int64_t));
+        if (!L->experts_counts_host_buf) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "tokens_per_expert copy");
+    }
+    memcpy(L->experts_counts_host_buf, counts->data, (size_t)el * sizeof(int64_t));
+    int64_t sum = 0;
+    for (int64_t e = 0; e < el; e++) {
+        if (L->experts_counts_host_buf[e] < 0)
+            return moert_error(MOERT_ERR_INVALID_ARGUMENT, "tokens_per_expert[%lld] is %lld, expected >= 0",
+                               (long long)e, (long long)L->experts_counts_host_buf[e]);
+        sum += L->experts_counts_host_buf[e];
+    }
+    if (sum > rows)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "tokens_per_expert sums to %lld, more than the %lld rows",
+                           (long long)sum, (long long)rows);
+    L->experts_counts_host = L->experts_counts_host_buf;
+    L->experts_padded = sum < rows;
+fail:
+    return rc;
+}
+
+/* The same GEMMs, SwiGLU and prob multiply as moert_layer_forward's experts, on the caller's rows. Padding rows (past
+ * the counts) are zeroed where a GEMM does not write them, so nothing uninitialised reaches an output. */
+moert_result moert_layer_experts_forward(moert_layer *L, const moert_tensor *x, const moert_tensor *counts,
+                                         const moert_tensor *probs, moert_tensor *y)
+{
+    moert_result rc = MOERT_OK;
+    const moert_layer_info *in = &L->info;
+    const int64_t rows = x->shape[0];
+    MOERT_CHECK(release_saved(L));
+    L->x = *x;
+    L->experts_only = true;
+    moert_act_store_begin_forward(&L->acts);
+    MOERT_CHECK(experts_set_counts(L, counts, rows));
+    /* the probs are copied (the caller may reuse theirs at once); none: 1, the caller applied them */
+    MOERT_CHECK(tensor_alloc(L, &L->recv_probs, L->param_dtype, 1, rows, 0, 0));
+    if (probs)
+        MOERT_CHECK(moert_copy(L->stream, probs, &L->recv_probs));
+    else
+        MOERT_CHECK(moert_fill(L->stream, &L->recv_probs, 1.0));
+
+    moert_tensor *fc1_out = moert_act_store_tensor(&L->acts, MOERT_ACT_FC1_OUT);
+    moert_tensor *act = moert_act_store_tensor(&L->acts, MOERT_ACT_SWIGLU_OUT);
+    MOERT_CHECK(moert_act_store_alloc(&L->acts, MOERT_ACT_FC1_OUT, in->dtype, rows, 2 * in->ffn_hidden));
+    if (L->experts_padded) MOERT_CHECK(moert_zero(L->stream, fc1_out));
+    MOERT_CHECK(run_gemm(L, MOERT_GEMM_FC1, MOERT_GEMM_FORWARD, x, NULL, fc1_out, NULL));
+    MOERT_CHECK(moert_act_store_put(&L->acts, MOERT_ACT_FC1_OUT, MOERT_MEMORY_KEEP));
+    MOERT_CHECK(moert_act_store_alloc(&L->acts, MOERT_ACT_SWIGLU_OUT, in->dtype, rows, in->ffn_hidden));
+    MOERT_CHECK(moert_swiglu_forward(L->stream, fc1_out, &L->recv_probs, rows, act));
+    MOERT_CHECK(moert_act_store_put(&L->acts, MOERT_ACT_SWIGLU_OUT, MOERT_MEMORY_KEEP));
+    moert_act_store_after_last_use(&L->acts, MOERT_ACT_FC1_OUT);
+    if (L->experts_padded) MOERT_CHECK(moert_zero(L->stream, y));
+    MOERT_CHECK(run_gemm(L, MOERT_GEMM_FC2, MOERT_GEMM_FORWARD, act, NULL, y, NULL));
+    moert_act_store_after_last_use(&L->acts, MOERT_ACT_SWIGLU_OUT);
+    MOERT_CHECK(moert_act_store_end_forward(&L->acts));
+fail:
+    return rc;
+}
+
+moert_result moert_layer_experts_backward(moert_layer *L, const moert_tensor *d_y, moert_tensor *d_x,
+                                          moert_tensor *d_probs, bool overwrite)
+{
+    moert_result rc = MOERT_OK;
+    const moert_layer_info *in = &L->info;
+    const int64_t rows = d_y->shape[0];
+    moert_tensor d_act = {0}, d_fc1 = {0}, d_recv_probs = {0};
+    if (!L->experts_only)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "layer %d: no experts forward to run the backward of",
+                           in->layer_index);
+    if (overwrite) { /* the first WGRAD of each weight writes its gradient, or it is zeroed now */
+        const bool lazy = lazy_wgrad_zero(L);
+        for (int w = 0; w < 2; w++) {
+            L->grad_unwritten[w] = lazy;
+            if (!lazy)
+                MOERT_CHECK(moert_zero(L->stream,
+                                       &L->params[w == MOERT_GEMM_FC1 ? MOERT_PARAM_FC1 : MOERT_PARAM_FC2].grad));
+        }
+    }
+    moert_tensor *fc1_out = moert_act_store_tensor(&L->acts, MOERT_ACT_FC1_OUT);
+    moert_tensor *act = moert_act_store_tensor(&L->acts, MOERT_ACT_SWIGLU_OUT);
+    MOERT_CHECK(tensor_alloc(L, &d_act, in->dtype, 2, rows, in->ffn_hidden, 0));
+    if (L->experts_padded) MOERT_CHECK(moert_zero(L->stream, &d_act));
+    MOERT_CHECK(run_gemm(L, MOERT_GEMM_FC2, MOERT_GEMM_DGRAD, NULL, d_y, NULL, &d_act));
+    MOERT_CHECK(run_gemm(L, MOERT_GEMM_FC2, MOERT_GEMM_WGRAD, act, d_y, NULL, NULL));
+    moert_act_store_done(&L->acts, MOERT_ACT_SWIGLU_OUT);
+    MOERT_CHECK(tensor_alloc(L, &d_fc1, in->dtype, 2, rows, 2 * in->ffn_hidden, 0));
+    MOERT_CHECK(tensor_alloc(L, &d_recv_probs, L->param_dtype, 1, rows, 0, 0));
+    MOERT_CHECK(moert_swiglu_backward(L->stream, &d_act, fc1_out, &L->recv_probs, rows, &d_fc1, &d_recv_probs));
+    moert_act_store_done(&L->acts, MOERT_ACT_FC1_OUT);
+    if (L->experts_padded) MOERT_CHECK(moert_zero(L->stream, d_x));
+    MOERT_CHECK(run_gemm(L, MOERT_GEMM_FC1, MOERT_GEMM_DGRAD, NULL, &d_fc1, NULL, d_x));
+    MOERT_CHECK(run_gemm(L, MOERT_GEMM_FC1, MOERT_GEMM_WGRAD, &L->x, &d_fc1, NULL, NULL));
+    if (d_probs) MOERT_CHECK(moert_copy(L->stream, &d_recv_probs, d_probs));
+    MOERT_CHECK(zero_unwritten_grads(L));
+    MOERT_CHECK(release_saved(L));
+fail:
+    tensor_release(L, &d_act);
+    tensor_release(L, &d_fc1);
+    tensor_release(L, &d_recv_probs);
     return rc;
 }

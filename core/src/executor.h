@@ -120,6 +120,15 @@ typedef struct moert_layer {
     moert_stream shared_stream;
     moert_event shared_fork_event, shared_join_event;
 
+    /* the experts alone (moert_layer_experts_forward): set from that forward to its backward, the grouped GEMMs then
+     * take the caller's rows per local expert, on the device and, when the caller gave them there, on the host
+     * (experts_counts_host; NULL otherwise) */
+    bool experts_only;
+    moert_tensor experts_counts;
+    int64_t *experts_counts_host_buf; /* [E_local], kept across calls */
+    const int64_t *experts_counts_host;
+    bool experts_padded;              /* rows past the counts' sum, or a sum the host does not know: zero-filled */
+
     /* saved by forward for backward */
     moert_tensor x;                   /* borrowed: the layer input */
     moert_tensor topk_idx, topk_probs, tokens_per_expert;
@@ -186,6 +195,17 @@ moert_result moert_layer_release_saved(moert_layer *L);
 /* Rows the experts of the last forward received (the layout's count where the dispatcher knows it on the host, else
  * its capacity). */
 int64_t moert_layer_used_rows(const moert_layer *L);
+/* The routed experts alone on rows already grouped by local expert (the embedding API's moert_experts_forward):
+ * y = fc2(SwiGLU(fc1(x)) * probs) per local expert, x and y [rows, H], counts [E_local] int64 (host or device memory,
+ * summing to at most rows; rows past the sum are padding and come out zero), probs [rows] in the param dtype or NULL
+ * (1). fc1_out and swiglu_out are kept for the backward (the memory policy is not asked: a framework driving the
+ * experts alone recomputes on its own), x is borrowed until then. */
+moert_result moert_layer_experts_forward(moert_layer *L, const moert_tensor *x, const moert_tensor *counts,
+                                         const moert_tensor *probs, moert_tensor *y);
+/* Its backward from d_y: d_x (overwritten), d_probs ([rows], overwritten; NULL: not wanted) and the fc1 and fc2 weight
+ * gradients (added, or written when `overwrite`). */
+moert_result moert_layer_experts_backward(moert_layer *L, const moert_tensor *d_y, moert_tensor *d_x,
+                                          moert_tensor *d_probs, bool overwrite);
 /* Zeroes the parameter gradients. With allow_lazy, when the precision plugin declares MOERT_CAP_WGRAD_OVERWRITE,
  * the expert weights' gradients are left for the next backward's WGRADs to overwrite instead (no memset); without
  * it every gradient is zeroed now and every WGRAD adds. */

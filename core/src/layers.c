@@ -163,6 +163,7 @@ struct moert_saved {
     moert_layers *owner;
     int layer;
     int64_t tokens;
+    bool experts; /* a moert_experts_forward's (tokens: its rows) */
 };
 
 struct moert_dispatch {
@@ -882,6 +883,9 @@ MOERT_API moert_result moert_moe_backward(moert_layers *m, moert_saved *saved, c
         if (m->saved[l] == saved) found = l;
     if (found < 0)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: saved is not a forward in flight of these layers", fn);
+    if (saved->experts)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: saved is moert_experts_forward's: run moert_experts_backward",
+                           fn);
     if (opts && opts->struct_size < sizeof *opts)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: opts->struct_size %u, expected %zu", fn, opts->struct_size,
                            sizeof *opts);
@@ -915,6 +919,7 @@ MOERT_API moert_result moert_saved_tokens_per_expert(const moert_saved *saved, m
     moert_result rc = MOERT_OK;
     if (!saved || !saved->owner || saved->owner->saved[saved->layer] != saved)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: saved is not a forward in flight", fn);
+    if (saved->experts) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: saved is an experts forward's", fn);
     moert_layers *m = saved->owner;
     moert_layer *L = &m->stack.layers[saved->layer];
     const int64_t shape[1] = {L->info.num_experts};
@@ -1152,4 +1157,130 @@ MOERT_API void moert_dispatch_free(moert_dispatch *d)
     if (m && d->layer >= 0 && d->layer < m->stack.num_layers && m->dispatch[d->layer] == d)
         m->dispatch[d->layer] = NULL;
     free(d);
+}
+
+/* ---- the experts alone ---- */
+
+/* fc1 and fc2 of `layer` are bound (the experts need no other parameter), or an error naming the first that is not. */
+static moert_result check_experts_bound(const moert_layers *m, int layer, const char *fn)
+{
+    const moert_param_id need[2] = {MOERT_PARAM_FC1, MOERT_PARAM_FC2};
+    for (int i = 0; i < 2; i++)
+        if (!m->bound[layer][need[i]])
+            return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layer %d's %s is not bound (moert_layers_bind_param)",
+                               fn, layer, param_name(need[i]));
+    return MOERT_OK;
+}
+
+/* The last error's message again, prefixed with the public function's name. */
+static moert_result prefixed_error(const char *fn, moert_result rc)
+{
+    char message[4096];
+    snprintf(message, sizeof message, "%s", moert_error_message());
+    return moert_error(rc, "%s: %s", fn, message);
+}
+
+/* A [rows, cols] tensor of the caller's with any number of rows (0 too), or an error naming it. */
+static moert_result check_rows_tensor(const char *fn, const char *name, const moert_tensor *t, moert_dtype dtype,
+                                      moert_device dev, int ndim, int64_t rows, int64_t cols)
+{
+    if (!t) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, name);
+    const int64_t want[2] = {rows >= 0 ? rows : (t->ndim >= 1 ? t->shape[0] : 0), cols};
+    if (want[0] < 0) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: %s has a negative size", fn, name);
+    return check_tensor(fn, name, t, dtype, dev, ndim, want);
+}
+
+MOERT_API moert_result moert_experts_forward(moert_layers *m, int layer, const moert_tensor *x_rows,
+                                             const moert_tensor *tokens_per_expert, const moert_tensor *probs,
+                                             moert_tensor *y_rows, moert_stream stream, moert_saved **saved)
+{
+    const char *fn = "moert_experts_forward";
+    moert_result rc = check_layer(m, layer, fn);
+    if (rc != MOERT_OK) return rc;
+    if (saved) *saved = NULL;
+    moert_layer *L = &m->stack.layers[layer];
+    if ((rc = check_experts_bound(m, layer, fn)) != MOERT_OK) return rc;
+    if ((rc = check_idle(m, layer, fn)) != MOERT_OK) return rc;
+    if (L->etp_size > 1)
+        return moert_error(MOERT_ERR_UNSUPPORTED, "%s: the experts alone with expert tensor parallelism (ETP %d) are "
+                           "not supported", fn, L->etp_size);
+    if ((rc = check_rows_tensor(fn, "x_rows", x_rows, L->info.dtype, m->device, 2, -1, L->info.hidden)) != MOERT_OK)
+        return rc;
+    const int64_t rows = x_rows->shape[0];
+    if ((rc = check_rows_tensor(fn, "y_rows", y_rows, L->info.dtype, m->device, 2, rows, L->info.hidden)) != MOERT_OK)
+        return rc;
+    if (rows > 0 && x_rows->data == y_rows->data)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: y_rows may not be x_rows's memory", fn);
+    const int64_t el[1] = {L->info.num_local_experts};
+    if ((rc = check_tensor(fn, "tokens_per_expert", tokens_per_expert, MOERT_I64,
+                           tokens_per_expert && on_host(tokens_per_expert->device) ? tokens_per_expert->device
+                                                                                   : m->device,
+                           1, el)) != MOERT_OK)
+        return rc;
+    if (probs && (rc = check_rows_tensor(fn, "probs", probs, L->param_dtype, m->device, 1, rows, 0)) != MOERT_OK)
+        return rc;
+    moert_saved *token = NULL;
+    if (saved) {
+        token = calloc(1, sizeof *token);
+        if (!token) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
+        *token = (moert_saved){.owner = m, .layer = layer, .tokens = rows, .experts = true};
+    }
+    MOERT_CHECK(enter(m, stream));
+    rc = moert_layer_experts_forward(L, x_rows, tokens_per_expert, probs, y_rows);
+    if (rc != MOERT_OK) {
+        rc = prefixed_error(fn, rc);
+        goto fail;
+    }
+    if (!saved) MOERT_CHECK(moert_layer_release_saved(L));
+    MOERT_CHECK(leave(m, stream));
+    if (saved) {
+        m->saved[layer] = token;
+        *saved = token;
+    }
+    return MOERT_OK;
+fail:
+    free(token);
+    return release_after_failure(L, rc);
+}
+
+MOERT_API moert_result moert_experts_backward(moert_layers *m, moert_saved *saved, const moert_tensor *dy_rows,
+                                              moert_tensor *dx_rows, moert_tensor *d_probs,
+                                              const moert_backward_options *opts, moert_stream stream)
+{
+    const char *fn = "moert_experts_backward";
+    moert_result rc = MOERT_OK;
+    if (!m) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layers is NULL", fn);
+    int found = -1;
+    for (int l = 0; saved && l < m->stack.num_layers && found < 0; l++)
+        if (m->saved[l] == saved) found = l;
+    if (found < 0)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: saved is not a forward in flight of these layers", fn);
+    if (!saved->experts)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: saved is moert_moe_forward's: run moert_moe_backward", fn);
+    if (opts && opts->struct_size < sizeof *opts)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: opts->struct_size %u, expected %zu", fn, opts->struct_size,
+                           sizeof *opts);
+    bool accumulate = opts ? opts->accumulate : true;
+    int layer = saved->layer;
+    moert_layer *L = &m->stack.layers[layer];
+    const int64_t rows = saved->tokens, h = L->info.hidden;
+    if ((rc = check_rows_tensor(fn, "dy_rows", dy_rows, L->info.dtype, m->device, 2, rows, h)) != MOERT_OK) return rc;
+    if ((rc = check_rows_tensor(fn, "dx_rows", dx_rows, L->info.dtype, m->device, 2, rows, h)) != MOERT_OK) return rc;
+    if (rows > 0 && dx_rows->data == dy_rows->data)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: dx_rows may not be dy_rows's memory", fn);
+    if (d_probs && (rc = check_rows_tensor(fn, "d_probs", d_probs, L->param_dtype, m->device, 1, rows, 0)) != MOERT_OK)
+        return rc;
+    /* the activations go with this call, whatever its outcome */
+    m->saved[layer] = NULL;
+    free(saved);
+    MOERT_CHECK(enter(m, stream));
+    rc = moert_layer_experts_backward(L, dy_rows, dx_rows, d_probs, !accumulate);
+    if (rc != MOERT_OK) {
+        rc = prefixed_error(fn, rc);
+        goto fail;
+    }
+    MOERT_CHECK(leave(m, stream));
+    return MOERT_OK;
+fail:
+    return release_after_failure(L, rc);
 }

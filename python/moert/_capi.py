@@ -163,13 +163,15 @@ _PROTOTYPES = {
     "moert_dispatch_combine_backward": (_R, [_P, _T, _T, _P]),
     "moert_dispatch_backward": (_R, [_P, _T, _T, _T, _T, _P]),
     "moert_dispatch_free": (None, [_P]),
+    "moert_experts_forward": (_R, [_P, ctypes.c_int, _T, _T, _T, _T, _P, _PP]),
+    "moert_experts_backward": (_R, [_P, _P, _T, _T, _T, ctypes.POINTER(BackwardOptions), _P]),
     "moert_set_log_callback": (None, [LOG_FN, _P]),
 }
 
 
 # appended to the API after its first version: used where present
 _OPTIONAL = {"moert_layers_figures", "moert_layer_stage_name", "moert_layer_backward_part_name",
-             "moert_layer_activation_name"}
+             "moert_layer_activation_name", "moert_experts_forward", "moert_experts_backward"}
 
 
 def package_lib_dir():

@@ -13,8 +13,15 @@ import torch.distributed as dist
 from . import _capi
 
 
+# A process group of this rank alone, whatever torch.distributed says: moert.torch.Experts, whose layers never
+# communicate (the experts of one rank on rows already dispatched).
+ALONE = "alone"
+
+
 def group_rank_world(process_group):
     """(rank, world_size) in the expert-parallel group: process_group, else the default group, else (0, 1)."""
+    if process_group is ALONE:
+        return 0, 1
     if not (dist.is_available() and dist.is_initialized()):
         if process_group is not None:
             raise ValueError("moert: process_group given but torch.distributed is not initialized")

@@ -17,7 +17,8 @@ import torch
 
 __all__ = ["routing_map_to_topk", "topk_to_routing_map", "moert_config_from_megatron", "megatron_kwargs_from_moert",
            "expert_weights_to_moert", "expert_weights_from_moert", "megatron_expert_weights", "copy_to_moert",
-           "MoertDispatch", "use_moert", "patch_moe_layers"]  # and MoertTokenDispatcher (imports Megatron)
+           "MoertDispatch", "MoertExperts", "use_moert", "patch_moe_layers"]
+# and MoertTokenDispatcher, MoertGroupedMLP (they import Megatron)
 
 # ---- routing: Megatron's [T, E] map and probs <-> moert's [T, K] indices and weights ----
 
@@ -450,9 +451,148 @@ def _token_dispatcher_class():
     return _CLASS
 
 
+# ---- moert's grouped GEMMs as Megatron's experts ----
+
+
+def check_experts_supported(tc):
+    """Refuses (ValueError, naming the option) what moert's experts cannot compute for a Megatron TransformerConfig:
+    they are SwiGLU (gated_linear_unit, silu) without bias, one rank's whole width (no expert tensor parallelism)."""
+    bad = []
+    if _get(tc, "expert_tensor_parallel_size", 1) not in (1, None):
+        bad.append("expert_tensor_parallel_size %s (use 1)" % tc.expert_tensor_parallel_size)
+    if not _get(tc, "gated_linear_unit", False):
+        bad.append("gated_linear_unit False (moert's experts are SwiGLU)")
+    act = getattr(tc, "activation_func", None)
+    if act is not None and act is not torch.nn.functional.silu:
+        bad.append("activation_func %s (moert's experts are SwiGLU: silu)" % getattr(act, "__name__", act))
+    if _get(tc, "add_bias_linear", False):
+        bad.append("add_bias_linear (moert's experts have no bias)")
+    if _get(tc, "moe_latent_size", None):
+        bad.append("moe_latent_size")
+    if _get(tc, "moe_apply_probs_on_input", False) and int(_get(tc, "moe_router_topk", 1)) != 1:
+        bad.append("moe_apply_probs_on_input with moe_router_topk %s (Megatron allows it with top-1 only)"
+                   % tc.moe_router_topk)
+    if bad:
+        raise ValueError("moert.megatron: experts: not supported: " + "; ".join(bad))
+
+
+class MoertExperts(torch.nn.Module):
+    """Megatron's experts interface (GroupedMLP, SequentialMLP, TEGroupedMLP) over moert's grouped GEMMs
+    (moert.torch.Experts): forward(permuted_local_hidden_states [R, H], tokens_per_expert [E_local],
+    permuted_probs [R]) -> (output [R, H], None), the probs multiplied after the activation as Megatron does (or, with
+    moe_apply_probs_on_input, on the input, then 1). Parameters weight1 [H, E_local*2F] and weight2 [E_local*F, H]
+    with GroupedMLP's names, shapes and memory layout (weight1.view(E_local, H, 2F) is moert's fc1), so GroupedMLP
+    state dicts load; in moert's parameter dtype (fp32; fp64 for fp64 layers), flagged `allreduce` False under expert
+    parallelism as Megatron flags its experts. The moert config (moert_config: a path, JSON, dict or moert.Config)
+    gives the precision section (bf16, fp8 and their options); the sizes and dtype come from Megatron's config.
+
+    Independent of Megatron (a plain torch Module, for the CPU tests); MoertGroupedMLP adds Megatron's MegatronModule
+    base and GroupedMLP's constructor, (num_local_experts, config, submodules=None, pg_collection=None)."""
+
+    def __init__(self, num_local_experts, config, *, ep_size=1, moert_config=None, device=None, overrides=None):
+        torch.nn.Module.__init__(self)
+        self._moert_setup(num_local_experts, config, ep_size, moert_config, device, overrides)
+
+    def _moert_setup(self, num_local_experts, config, ep_size, moert_config, device, overrides):
+        import moert.torch as mt
+        check_experts_supported(config)
+        tc = config
+        self.config = config
+        self.num_local_experts = int(num_local_experts)
+        self.hidden = int(tc.hidden_size)
+        ffn = int(_get(tc, "moe_ffn_hidden_size", None) or tc.ffn_hidden_size)
+        data = _load_config(moert_config)
+        model = data.setdefault("model", {})
+        model.update(hidden=self.hidden, ffn_hidden=ffn, num_experts=self.num_local_experts, dtype=_layer_dtype(tc))
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        # the engine holds no parameters (parameters=False) and is not a submodule: the weights are weight1/weight2
+        self.__dict__["_moert_engine"] = mt.Experts(data, self.num_local_experts, device=device, overrides=overrides,
+                                                     parameters=False)
+        e = self._moert_engine
+        n, H, F = self.num_local_experts, self.hidden, ffn
+        self.weight1 = torch.nn.Parameter(torch.empty(H, n * 2 * F, dtype=e.param_dtype, device=e.device))
+        self.weight2 = torch.nn.Parameter(torch.empty(n * F, H, dtype=e.param_dtype, device=e.device))
+        for w in (self.weight1, self.weight2):
+            setattr(w, "allreduce", not ep_size > 1)  # as Megatron's GroupedMLP: expert-parallel weights
+        init = getattr(tc, "init_method", None)
+        out_init = getattr(tc, "output_layer_init_method", None) or init
+        with torch.no_grad():
+            if callable(init) and _get(tc, "perform_initialization", True):
+                init(self.weight1)
+                out_init(self.weight2)
+            else:
+                self.weight1.normal_(0.0, 1.0 / H ** 0.5)
+                self.weight2.normal_(0.0, 0.5 / F ** 0.5)
+
+    @property
+    def moert_experts(self):
+        """The moert.torch.Experts that computes (no parameters of its own)."""
+        return self._moert_engine
+
+    def load_megatron_weights(self, experts):
+        """Copies the weights of a Megatron experts module of the same sizes (SequentialMLP, GroupedMLP,
+        TEGroupedMLP) into weight1 and weight2."""
+        fc1, fc2 = megatron_expert_weights(experts, self.hidden)
+        n, H = self.num_local_experts, self.hidden
+        if fc1.shape[0] != n:
+            raise ValueError("moert.megatron: %d experts in the Megatron module, %d here" % (fc1.shape[0], n))
+        with torch.no_grad():
+            self.weight1.view(n, H, -1).copy_(fc1)
+            self.weight2.view(n, -1, H).copy_(fc2)
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        e = self._moert_engine
+        x, probs = permuted_local_hidden_states, permuted_probs
+        dtype = x.dtype
+        if _get(self.config, "moe_apply_probs_on_input", False):
+            # Megatron's order: the probs scale the input, cast back to its dtype, and count as 1 afterwards
+            x = (probs.unsqueeze(-1) * x).to(dtype)
+            probs = None
+        if x.dtype != e.dtype:
+            x = x.to(e.dtype)
+        n, H = self.num_local_experts, self.hidden
+        y = e.run(x.contiguous(), tokens_per_expert, probs, self.weight1.view(n, H, -1), self.weight2.view(n, -1, H))
+        return y.to(dtype), None
+
+    def backward_dw(self):
+        """Megatron's delayed weight gradients: moert computes them in the backward (nothing left to do)."""
+
+
+_EXPERTS_CLASS = None
+
+
+def _experts_class():
+    """MoertGroupedMLP: MoertExperts on Megatron's MegatronModule with GroupedMLP's constructor (imports Megatron)."""
+    global _EXPERTS_CLASS
+    if _EXPERTS_CLASS is None:
+        from megatron.core.transformer.module import MegatronModule
+
+        def __init__(self, num_local_experts, config, submodules=None, pg_collection=None, *, moert_config=None,
+                     device=None, overrides=None):
+            MegatronModule.__init__(self, config=config)
+            if pg_collection is None:
+                from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+                pg_collection = get_default_pg_collection()
+            ep = getattr(pg_collection, "ep", None)
+            tp = getattr(pg_collection, "expt_tp", None)
+            if tp is not None and tp.size() > 1:
+                raise ValueError("moert.megatron: expert tensor parallelism (size %d) is not supported: use 1"
+                                 % tp.size())
+            self._moert_setup(num_local_experts, config, ep.size() if ep is not None else 1, moert_config, device,
+                              overrides)
+
+        _EXPERTS_CLASS = type("MoertGroupedMLP", (MoertExperts, MegatronModule),
+                              {"__init__": __init__, "__module__": __name__,
+                               "__doc__": "Megatron's experts module over moert's grouped GEMMs (see MoertExperts)."})
+    return _EXPERTS_CLASS
+
+
 def __getattr__(name):
     if name == "MoertTokenDispatcher":
         return _token_dispatcher_class()
+    if name == "MoertGroupedMLP":
+        return _experts_class()
     raise AttributeError("module %r has no attribute %r" % (__name__, name))
 
 
@@ -461,35 +601,54 @@ def _moe_layers(model):
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
-def use_moert(model, config=None, *, max_tokens=None, overrides=None):
+def _experts_device(experts):
+    p = next(experts.parameters(), None)
+    return p.device if p is not None else None
+
+
+def use_moert(model, config=None, *, max_tokens=None, overrides=None, experts=False, dispatcher=True):
     """Makes every Megatron MoELayer in model (a MoELayer itself, a block, a GPTModel, ...) dispatch its tokens
     through moert: its token_dispatcher becomes a MoertTokenDispatcher over the same expert-parallel group. config:
     a moert config (path, JSON, dict or moert.Config) whose dispatcher section picks alltoall, deepep or hybridep
-    and their options (None: alltoall); its model section is taken from Megatron's config. Returns the new
-    dispatchers. Router, experts and shared experts stay Megatron's."""
+    and their options (None: alltoall); its model section is taken from Megatron's config. experts=True also puts
+    moert's grouped GEMMs in place of the layer's experts module (a MoertGroupedMLP with the old module's weights; the
+    config's precision section picks bf16 or fp8); do it before the optimizer and the data-parallel wrapper are built,
+    since the experts' parameters are new. dispatcher=False keeps Megatron's dispatcher. Returns the new dispatchers
+    (with dispatcher=False, the new experts modules). Router and shared experts stay Megatron's."""
     layers = _moe_layers(model)
     if not layers:
         raise ValueError("moert.megatron.use_moert: no Megatron MoELayer in %s" % type(model).__name__)
-    cls = _token_dispatcher_class()
     out = []
     for m in layers:
-        old = m.token_dispatcher
-        pg = types.SimpleNamespace(ep=old.ep_group, expt_tp=old.tp_group, tp_ep=old.tp_ep_group)
-        m.token_dispatcher = cls(m.num_local_experts, m.local_expert_indices, m.config, pg, moert_config=config,
-                                 max_tokens=max_tokens, overrides=overrides)
-        out.append(m.token_dispatcher)
+        if dispatcher:
+            old = m.token_dispatcher
+            pg = types.SimpleNamespace(ep=old.ep_group, expt_tp=old.tp_group, tp_ep=old.tp_ep_group)
+            m.token_dispatcher = _token_dispatcher_class()(m.num_local_experts, m.local_expert_indices, m.config, pg,
+                                                           moert_config=config, max_tokens=max_tokens,
+                                                           overrides=overrides)
+            out.append(m.token_dispatcher)
+        if experts:
+            old = m.experts
+            pg = types.SimpleNamespace(ep=old.ep_group, expt_tp=getattr(old, "tp_group", None))
+            new = _experts_class()(m.num_local_experts, m.config, None, pg, moert_config=config,
+                                   device=_experts_device(old), overrides=overrides)
+            new.load_megatron_weights(old)
+            m.experts = new
+            if not dispatcher:
+                out.append(new)
     return out
 
 
-def patch_moe_layers(config=None, *, max_tokens=None, overrides=None):
+def patch_moe_layers(config=None, *, max_tokens=None, overrides=None, experts=False, dispatcher=True):
     """For a model not built yet (e.g. in a Megatron-LM training script): every MoELayer constructed after this call
-    gets moert's dispatcher (use_moert on itself). Returns a function that undoes the patch."""
+    gets moert's dispatcher, and with experts=True moert's experts (use_moert on itself). Returns a function that
+    undoes the patch."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
     orig = MoELayer.__init__
 
     def __init__(self, *args, **kwargs):
         orig(self, *args, **kwargs)
-        use_moert(self, config, max_tokens=max_tokens, overrides=overrides)
+        use_moert(self, config, max_tokens=max_tokens, overrides=overrides, experts=experts, dispatcher=dispatcher)
 
     MoELayer.__init__ = __init__
 

@@ -12,7 +12,7 @@ from . import _capi, _dist
 from ._capi import MoertError
 from ._config import Config
 
-__all__ = ["MoE", "Dispatcher", "DispatchHandle", "MoertError", "attach_optimizer", "moe_modules",
+__all__ = ["MoE", "Dispatcher", "DispatchHandle", "Experts", "MoertError", "attach_optimizer", "moe_modules",
            "after_optimizer_step", "expert_parameter_names"]
 
 _DTYPES = {torch.float32: _capi.F32, torch.float64: _capi.F64, torch.bfloat16: _capi.BF16,
@@ -671,3 +671,165 @@ class Dispatcher(nn.Module):
                 % (self.hidden, self.num_experts, self.topk, self.first_local_expert,
                    self.first_local_expert + self.num_local_experts - 1, self.rank, self.world_size, self.dtype,
                    self.device))
+
+
+# ---- the experts alone ----
+
+
+class _ExpertsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, module, x, tokens_per_expert, probs, fc1, fc2):
+        saved = _Saved(module._layers)
+        # fresh gradient buffers, bound before the forward: its backward overwrites them for autograd
+        grads = (torch.empty_like(fc1), torch.empty_like(fc2))
+        y = module._run_forward(x, tokens_per_expert, probs, (fc1, fc2), saved, grads)
+        ctx.module, ctx.saved, ctx.grads = module, saved, grads
+        ctx.has_probs = probs is not None
+        ctx.save_for_backward(x)  # moert reads x again in the backward (fc1's weight gradient)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        module = ctx.module
+        x, = ctx.saved_tensors
+        saved_ptr = ctx.saved.take()
+        ctx.saved = None
+        grads, ctx.grads = ctx.grads, None
+        needs = ctx.needs_input_grad
+        dx, dprobs = module._run_backward(saved_ptr, x, dy, ctx.has_probs and needs[3])
+        return (None, dx if needs[1] else None, None, dprobs, grads[0] if needs[4] else None,
+                grads[1] if needs[5] else None)
+
+
+class Experts(nn.Module):
+    """moert's routed experts alone, on rows already dispatched and grouped by local expert (Megatron's GroupedMLP
+    contract): forward(x [R, H], tokens_per_expert [E_local] int64, probs [R] or None) -> y [R, H], where each row r
+    of expert e gets fc2_e(silu(a) * g * probs[r]) with [a | g] = x[r] fc1_e, through the config's precision plugin
+    (bf16, fp8). Rows past the sum of tokens_per_expert (on the CPU or the device) are padding and come out 0. The
+    prob is multiplied in fp32 after the activation, before the cast to x's dtype, as Megatron's experts do; probs
+    None: 1. An autograd Function: gradients for x, probs, fc1 and fc2.
+
+    Parameters fc1 [E_local, H, 2F] (gate and up halves of SwiGLU) and fc2 [E_local, F, H], in the parameter dtype
+    (fp32; fp64 for fp64 models). config: a moert config (path, JSON, dict or moert.Config) of which the model's
+    hidden, ffn_hidden and dtype and the precision section are used; num_local_experts: the experts this module holds
+    (default $.model.num_experts). No communication: the experts of one rank. parameters=False: no fc1/fc2 of its own
+    (the caller passes its weights to run(), as moert.megatron's experts module does). One forward in flight per
+    module: each forward's backward runs before the next forward. A forward after the weights changed (a new tensor,
+    or an in-place update such as an optimizer step: torch's version counter) tells the precision plugin first, so
+    its cached weight copies (bf16 or fp8 on GPUs) are made again."""
+
+    def __init__(self, config, num_local_experts=None, *, device=None, overrides=None, init_seed=1, parameters=True):
+        super().__init__()
+        lib = _capi.lib()
+        if not hasattr(lib, "moert_experts_forward"):
+            raise MoertError(_capi.ERR_UNSUPPORTED, "moert.torch.Experts: this libmoert (%s) has no "
+                             "moert_experts_forward (API version 4)" % _capi.library_path())
+        base = Config(config, overrides)
+        model = base.get("model", {}) or {}
+        n = int(num_local_experts if num_local_experts is not None else model.get("num_experts", 8))
+        # a layer of this rank's experts alone: no routing, no dispatch, no shared expert
+        data = {"model": {"hidden": model.get("hidden", 64), "ffn_hidden": model.get("ffn_hidden", 128),
+                          "num_experts": n, "topk": 1, "num_layers": 1, "dtype": model.get("dtype", "fp32")},
+                "precision": base.get("precision", {}) or {},
+                "parallel": {"device": base.get("parallel.device", "auto")}, "train": {"tokens_per_rank": 1}}
+        self._layers = _Layers(data, _dist.ALONE, device, 1, None)
+        info = self._layers.info
+        self.hidden, self.ffn_hidden, self.num_local_experts = info.hidden, info.ffn_hidden, info.num_local_experts
+        self.dtype, self.param_dtype, self.device = self._layers.dtype, self._layers.param_dtype, self._layers.device
+        self.fc1_shape = self._layers.param_desc(_capi.PARAM_FC1)[0]
+        self.fc2_shape = self._layers.param_desc(_capi.PARAM_FC2)[0]
+        self._placeholder_grads = None
+        self._weights_seen = None
+        if parameters:
+            self.fc1 = nn.Parameter(torch.zeros(self.fc1_shape, dtype=self.param_dtype, device=self.device))
+            self.fc2 = nn.Parameter(torch.zeros(self.fc2_shape, dtype=self.param_dtype, device=self.device))
+            if init_seed is not None:
+                self.reset_parameters(init_seed)
+        else:
+            self.fc1 = self.fc2 = None
+
+    def reset_parameters(self, seed=1):
+        """Initial values: normal, std 1/sqrt(H) for fc1 and 0.5/sqrt(F) for fc2, from torch's generator seeded with
+        seed."""
+        g = torch.Generator().manual_seed(int(seed))
+        with torch.no_grad():
+            self.fc1.copy_(torch.randn(self.fc1_shape, generator=g, dtype=torch.float64) / self.hidden ** 0.5)
+            self.fc2.copy_(torch.randn(self.fc2_shape, generator=g, dtype=torch.float64) * 0.5 / self.ffn_hidden ** 0.5)
+
+    def weights_changed(self):
+        """Call once per optimizer step (FP8 weight copies are made again)."""
+        _capi.check(_capi.lib().moert_layers_weights_changed(self._layers.ptr, _stream(self.device)),
+                    "moert_layers_weights_changed")
+
+    def forward(self, x, tokens_per_expert, probs=None):
+        if self.fc1 is None:
+            raise RuntimeError("moert.torch.Experts: made with parameters=False: call run(x, tokens_per_expert, probs, "
+                               "fc1, fc2)")
+        return self.run(x, tokens_per_expert, probs, self.fc1, self.fc2)
+
+    def run(self, x, tokens_per_expert, probs, fc1, fc2):
+        """forward() with the weights given: fc1 [E_local, H, 2F] and fc2 [E_local, F, H] (contiguous, the parameter
+        dtype and device; views of the caller's parameters, which get the gradients)."""
+        _check_tensor(x, "x", shape=[None, self.hidden], dtype=self.dtype, device=self.device)
+        if not isinstance(tokens_per_expert, torch.Tensor):
+            raise TypeError("tokens_per_expert: expected a torch.Tensor, got %s" % type(tokens_per_expert).__name__)
+        tpe = tokens_per_expert.to(torch.int64).contiguous()
+        if tpe.device.type != "cpu":
+            tpe = tpe.to(self.device)
+        _check_tensor(tpe, "tokens_per_expert", shape=[self.num_local_experts])
+        if probs is not None:
+            if probs.dim() == 2 and probs.shape[1] == 1:
+                probs = probs.reshape(-1)
+            probs = probs.to(self.param_dtype).contiguous()
+            _check_tensor(probs, "probs", shape=[x.shape[0]], device=self.device)
+        _check_tensor(fc1, "fc1", shape=self.fc1_shape, dtype=self.param_dtype, device=self.device)
+        _check_tensor(fc2, "fc2", shape=self.fc2_shape, dtype=self.param_dtype, device=self.device)
+        seen = (fc1.data_ptr(), fc1._version, fc2.data_ptr(), fc2._version)
+        if self._weights_seen is not None and seen != self._weights_seen:
+            self.weights_changed()
+        self._weights_seen = seen
+        if torch.is_grad_enabled() and (x.requires_grad or fc1.requires_grad or fc2.requires_grad or
+                                        (probs is not None and probs.requires_grad)):
+            return _ExpertsFunction.apply(self, x, tpe, probs, fc1, fc2)
+        with torch.no_grad():
+            if self._placeholder_grads is None:  # bound, never written: no backward follows
+                self._placeholder_grads = (torch.empty_like(fc1), torch.empty_like(fc2))
+            return self._run_forward(x, tpe, probs, (fc1.detach(), fc2.detach()), None, self._placeholder_grads)
+
+    def _run_forward(self, x, tpe, probs, weights, saved, grads):
+        L = self._layers
+        L.release_in_flight()
+        lib = _capi.lib()
+        for which, v, g in ((_capi.PARAM_FC1, weights[0], grads[0]), (_capi.PARAM_FC2, weights[1], grads[1])):
+            _capi.check(lib.moert_layers_bind_param(L.ptr, 0, which, _ref(v), _ref(g)),
+                        "moert_layers_bind_param(%s)" % _capi.PARAM_NAMES[which])
+        y = torch.empty_like(x)
+        sp = ctypes.byref(saved.ptr) if saved is not None else None
+        _capi.check(lib.moert_experts_forward(L.ptr, 0, _ref(x), _ref(tpe), _ref(probs) if probs is not None else None,
+                                              _ref(y), _stream(self.device), sp), "moert_experts_forward")
+        if saved is not None:
+            L.in_flight = weakref.ref(saved)
+        return y
+
+    def _run_backward(self, saved_ptr, x, dy, want_dprobs):
+        try:
+            # an empty gradient may come expanded (stride 0), which moert does not call contiguous
+            dy = torch.zeros_like(x) if dy is None or dy.numel() == 0 else dy.contiguous()
+            _check_tensor(dy, "grad of y", shape=list(x.shape), dtype=self.dtype, device=self.device)
+            dx = torch.empty_like(x)
+            dp = torch.empty(x.shape[0], dtype=self.param_dtype, device=self.device) if want_dprobs else None
+        except BaseException:
+            _capi.lib().moert_saved_free(saved_ptr)
+            raise
+        opts = _capi.BackwardOptions()
+        opts.struct_size = ctypes.sizeof(_capi.BackwardOptions)
+        opts.router_loss_scale = 0.0
+        opts.accumulate = False
+        _capi.check(_capi.lib().moert_experts_backward(self._layers.ptr, saved_ptr, _ref(dy), _ref(dx),
+                                                       _ref(dp) if dp is not None else None, ctypes.byref(opts),
+                                                       _stream(self.device)), "moert_experts_backward")
+        return dx, dp
+
+    def extra_repr(self):
+        return "hidden=%d, ffn_hidden=%d, local_experts=%d, dtype=%s, device=%s" % (
+            self.hidden, self.ffn_hidden, self.num_local_experts, self.dtype, self.device)

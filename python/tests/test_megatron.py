@@ -303,6 +303,9 @@ def layer_forward(d, experts, hidden, routing_map, probs):
     h, p = d.token_dispatch(h, p)
     h, tpe, p = d.dispatch_postprocess(h, p)
     out = experts(h, tpe, p)
+    if isinstance(out, tuple):  # Megatron's experts modules return (output, bias)
+        out, bias = out
+        assert bias is None
     out = d.combine_preprocess(out)
     out = d.token_combine(out)
     return d.combine_postprocess(out)
@@ -328,7 +331,20 @@ def rank_data(rank, T, S, E, K, H, dtype, drop):
     return x, gy, logits, rm, pr
 
 
-def check_backend(tc, rank, world, group, dtype, tol, drop, tokens=(24, 16), step_count=2, max_tokens=None):
+def moert_experts_of(n, H, Fh, dtype, w1, w2, ep_size=1, **tc_fields):
+    """A MoertExperts (the experts adapter without Megatron) of n experts with Megatron-layout weights w1, w2."""
+    tc = types.SimpleNamespace(hidden_size=H, moe_ffn_hidden_size=Fh, ffn_hidden_size=4 * Fh, gated_linear_unit=True,
+                               activation_func=F.silu, add_bias_linear=False, params_dtype=dtype, **tc_fields)
+    mx = mm.MoertExperts(n, tc, ep_size=ep_size, moert_config={"parallel": {"device": "cpu"}}, device="cpu")
+    fc1, fc2 = mm.expert_weights_to_moert(w1, w2)
+    with torch.no_grad():
+        mx.weight1.view(n, H, -1).copy_(fc1)
+        mx.weight2.view(n, -1, H).copy_(fc2)
+    return mx
+
+
+def check_backend(tc, rank, world, group, dtype, tol, drop, tokens=(24, 16), step_count=2, max_tokens=None,
+                  moert_experts=False):
     E, K, H, Fh = 8, 3, 16, 12
     cfg = types.SimpleNamespace(hidden_size=H, num_moe_experts=E, moe_router_topk=K, moe_ffn_hidden_size=Fh,
                                 ffn_hidden_size=4 * Fh)
@@ -339,6 +355,9 @@ def check_backend(tc, rank, world, group, dtype, tol, drop, tokens=(24, 16), ste
                    max_tokens=max_tokens)
     w1, w2 = expert_weights(E, H, Fh, seed=3, dtype=dtype)
     experts = SequentialExperts(w1[local[0]:local[-1] + 1], w2[local[0]:local[-1] + 1])
+    if moert_experts:  # moert's grouped GEMMs in the SequentialMLP's place: the same math, the same reference
+        experts = moert_experts_of(n, H, Fh, dtype, w1[local[0]:local[-1] + 1], w2[local[0]:local[-1] + 1],
+                                   ep_size=world)
     for step in range(step_count):
         Ts = [tokens[(r + step) % len(tokens)] for r in range(world)]
         data = [rank_data(10 * step + r, Ts[r], 4, E, K, H, dtype, drop) for r in range(world)]
@@ -364,8 +383,13 @@ def check_backend(tc, rank, world, group, dtype, tol, drop, tokens=(24, 16), ste
         assert_close(tc, xr.grad, outs[rank][1], tol, what + " dx")
         assert_close(tc, logits.grad, outs[rank][2], tol, what + " d router logits (through the probs)")
         for i, e in enumerate(local):
-            assert_close(tc, experts.w1[i].grad, rw1[e].grad, tol, what + " fc1 of expert %d" % e)
-            assert_close(tc, experts.w2[i].grad, rw2[e].grad, tol, what + " fc2 of expert %d" % e)
+            if moert_experts:
+                g1 = experts.weight1.grad.view(n, H, -1)[i].t()
+                g2 = experts.weight2.grad.view(n, -1, H)[i].t()
+            else:
+                g1, g2 = experts.w1[i].grad, experts.w2[i].grad
+            assert_close(tc, g1, rw1[e].grad, tol, what + " fc1 of expert %d" % e)
+            assert_close(tc, g2, rw2[e].grad, tol, what + " fc2 of expert %d" % e)
     return d
 
 
@@ -373,11 +397,11 @@ class _Checks(unittest.TestCase):
     """Assertions inside a worker process (not a test of its own)."""
 
 
-def backend_worker(rank, world, dtype_name, drop):
+def backend_worker(rank, world, dtype_name, drop, moert_experts=False):
     import torch.distributed as dist
     dtype = {"fp64": torch.float64, "fp32": torch.float32}[dtype_name]
     d = check_backend(_Checks(), rank, world, dist.group.WORLD, dtype, 1e-12 if dtype == torch.float64 else 2e-5,
-                      drop)
+                      drop, moert_experts=moert_experts)
     assert d.moert_dispatcher.world_size == world
     # the dispatcher was made for the largest first micro-batch of the group: 24 tokens
     assert d.moert_dispatcher.max_tokens == 24, d.moert_dispatcher.max_tokens
@@ -439,6 +463,108 @@ class DispatcherBackend(Case):
         run_distributed(2, backend_worker, "fp64", 0.2)
         run_distributed(2, backend_worker, "fp32", 0.0)
 
+    def test_moert_experts(self):
+        """The dispatcher backend with moert's experts (MoertExperts) in the SequentialMLP's place: the dense MoE's
+        outputs and gradients, on one rank and on two."""
+        for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-5)):
+            check_backend(self, 0, 1, None, dtype, tol, 0.25, tokens=(24, 16), step_count=2, moert_experts=True)
+        run_distributed(2, backend_worker, "fp64", 0.2, True)
+
+
+# ---- moert's grouped GEMMs as Megatron's experts, without Megatron ----
+
+
+class ExpertsAdapter(Case):
+    def test_against_sequential_mlp(self):
+        """MoertExperts against SequentialMLP's math (each expert's rows through Megatron's SwiGLU MLP, the prob
+        after the activation): output, dx, d probs and every expert's weight gradients; an expert without rows."""
+        n, H, Fh = 4, 16, 12
+        for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-5)):
+            w1, w2 = expert_weights(n, H, Fh, seed=8, dtype=dtype)
+            seq = SequentialExperts(w1, w2)
+            mx = moert_experts_of(n, H, Fh, dtype, w1, w2)
+            self.assertEqual((tuple(mx.weight1.shape), tuple(mx.weight2.shape)), ((H, n * 2 * Fh), (n * Fh, H)))
+            self.assertEqual(mx.weight1.dtype, dtype)
+            self.assertTrue(mx.weight1.allreduce and mx.weight2.allreduce)  # one rank: not expert-parallel
+            self.assertEqual(sorted(n for n, _ in mx.named_parameters()), ["weight1", "weight2"])
+            g = torch.Generator().manual_seed(4)
+            tpe = torch.tensor([5, 0, 7, 3])
+            x = torch.randn(15, H, generator=g, dtype=torch.float64).to(dtype)
+            probs = torch.rand(15, generator=g, dtype=torch.float64).to(dtype)
+            gy = torch.randn(15, H, generator=g, dtype=torch.float64).to(dtype)
+            xs, ps = x.clone().requires_grad_(), probs.clone().requires_grad_()
+            xm, pm = x.clone().requires_grad_(), probs.clone().requires_grad_()
+            ys = seq(xs, tpe, ps)
+            ym, bias = mx(xm, tpe, pm)
+            self.assertIsNone(bias)
+            (ys * gy).sum().backward()
+            (ym * gy).sum().backward()
+            what = "%s" % dtype
+            self.close(ym, ys, tol, what + " y")
+            self.close(xm.grad, xs.grad, tol, what + " dx")
+            self.close(pm.grad, ps.grad, tol, what + " d probs")
+            for i in range(n):
+                self.close(mx.weight1.grad.view(n, H, -1)[i].t(), seq.w1[i].grad if seq.w1[i].grad is not None
+                           else torch.zeros_like(seq.w1[i]), tol, what + " fc1 %d" % i)
+                self.close(mx.weight2.grad.view(n, -1, H)[i].t(), seq.w2[i].grad if seq.w2[i].grad is not None
+                           else torch.zeros_like(seq.w2[i]), tol, what + " fc2 %d" % i)
+            mx.backward_dw()  # Megatron's delayed wgrad hook: nothing to do
+
+    def test_apply_probs_on_input(self):
+        """moe_apply_probs_on_input (top-1): the probs scale the input, cast to its dtype, and count as 1 after."""
+        n, H, Fh = 2, 8, 6
+        w1, w2 = expert_weights(n, H, Fh, seed=9)
+        mx = moert_experts_of(n, H, Fh, torch.float64, w1, w2, moe_apply_probs_on_input=True, moe_router_topk=1)
+        g = torch.Generator().manual_seed(2)
+        x = torch.randn(7, H, generator=g, dtype=torch.float64)
+        probs = torch.rand(7, generator=g, dtype=torch.float64)
+        tpe = torch.tensor([3, 4])
+        y, _ = mx(x, tpe, probs)
+        xs = probs[:, None] * x
+        want = torch.cat([megatron_mlp(xs[:3], w1[0], w2[0]), megatron_mlp(xs[3:], w1[1], w2[1])])
+        self.close(y, want, 1e-12, "probs on the input")
+
+    def test_weights_from_megatron_modules(self):
+        """load_megatron_weights takes a GroupedMLP's weight1/weight2 (the same memory layout) or a SequentialMLP's
+        linear layers; a GroupedMLP state dict loads by name; an in-place update shows in the next forward."""
+        n, H, Fh = 3, 8, 5
+        w1, w2 = expert_weights(n, H, Fh, seed=10)
+        fc1, fc2 = mm.expert_weights_to_moert(w1, w2)
+        grouped = types.SimpleNamespace(num_local_experts=n, config=types.SimpleNamespace(hidden_size=H),
+                                        weight1=fc1.reshape(H, -1), weight2=fc2.reshape(-1, H))
+        mx = moert_experts_of(n, H, Fh, torch.float64, *expert_weights(n, H, Fh, seed=11))
+        mx.load_megatron_weights(grouped)
+        self.assertTrue(torch.equal(mx.weight1, fc1.reshape(H, -1)) and torch.equal(mx.weight2, fc2.reshape(-1, H)))
+        other = moert_experts_of(n, H, Fh, torch.float64, *expert_weights(n, H, Fh, seed=12))
+        other.load_state_dict({"weight1": grouped.weight1, "weight2": grouped.weight2})
+        x = torch.randn(6, H, dtype=torch.float64)
+        tpe, probs = torch.tensor([2, 2, 2]), torch.ones(6, dtype=torch.float64)
+        self.close(other(x, tpe, probs)[0], mx(x, tpe, probs)[0], 0.0, "loaded by name")
+        with torch.no_grad():
+            mx.weight2.mul_(3.0)
+        self.close(mx(x, tpe, probs)[0], 3 * other(x, tpe, probs)[0], 1e-14, "after an in-place update")
+        with self.assertRaisesRegex(ValueError, "2 experts in the Megatron module, 3 here"):
+            mx.load_megatron_weights(types.SimpleNamespace(num_local_experts=2, config=grouped.config,
+                                                           weight1=fc1[:2].reshape(H, -1),
+                                                           weight2=fc2[:2].reshape(-1, H)))
+
+    def test_refusals(self):
+        base = dict(hidden_size=8, moe_ffn_hidden_size=4, ffn_hidden_size=4, gated_linear_unit=True,
+                    activation_func=F.silu, add_bias_linear=False, moe_router_topk=2)
+        for change, needle in (({"gated_linear_unit": False}, "gated_linear_unit False"),
+                               ({"activation_func": F.gelu}, "activation_func gelu"),
+                               ({"add_bias_linear": True}, "add_bias_linear"),
+                               ({"expert_tensor_parallel_size": 2}, "expert_tensor_parallel_size 2"),
+                               ({"moe_apply_probs_on_input": True}, "moe_apply_probs_on_input with moe_router_topk 2")):
+            tc = types.SimpleNamespace(**dict(base, **change))
+            with self.assertRaisesRegex(ValueError, needle):
+                mm.MoertExperts(2, tc, moert_config={"parallel": {"device": "cpu"}}, device="cpu")
+        mm.check_experts_supported(types.SimpleNamespace(**base))
+
+    def test_expert_parallel_flag(self):
+        mx = moert_experts_of(2, 8, 4, torch.float64, *expert_weights(2, 8, 4, seed=1), ep_size=2)
+        self.assertFalse(mx.weight1.allreduce or mx.weight2.allreduce)
+
 
 class MegatronParts(Case):
     def test_megatron_only_where_needed(self):
@@ -451,9 +577,12 @@ class MegatronParts(Case):
         if MoETokenDispatcher is None:
             with self.assertRaisesRegex(ImportError, "megatron"):
                 mm.MoertTokenDispatcher  # noqa: B018
+            with self.assertRaisesRegex(ImportError, "megatron"):
+                mm.MoertGroupedMLP  # noqa: B018
         else:
             self.assertTrue(issubclass(mm.MoertTokenDispatcher, MoETokenDispatcher))
             self.assertTrue(issubclass(mm.MoertTokenDispatcher, mm.MoertDispatch))
+            self.assertTrue(issubclass(mm.MoertGroupedMLP, mm.MoertExperts))
         with self.assertRaises(AttributeError):
             mm.NoSuchThing  # noqa: B018
 

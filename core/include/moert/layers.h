@@ -23,8 +23,8 @@ extern "C" {
 
 /* Version of the embedding API below: 1 is the first. Appended functions and struct members raise it. 2: the expert
  * layout in moert_launch and moert_layers_info (MoE Parallel Folding, docs/parallel.md). 3: the shared expert's saved
- * activations in moert_layer_figures. */
-#define MOERT_API_VERSION 3
+ * activations in moert_layer_figures. 4: the experts alone (moert_experts_forward / _backward). */
+#define MOERT_API_VERSION 4
 MOERT_API int moert_api_version(void);
 
 typedef struct moert_config moert_config;
@@ -277,6 +277,31 @@ MOERT_API moert_result moert_dispatch_backward(moert_dispatch *d, const moert_te
                                                const moert_tensor *d_recv_weights, moert_tensor *dx,
                                                moert_tensor *d_topk_weights, moert_stream stream);
 MOERT_API void moert_dispatch_free(moert_dispatch *d);
+
+/* ---- the experts alone: moert's grouped GEMMs on rows already dispatched (API version 4) ----
+ *
+ * For a framework that routes and dispatches itself and wants moert's experts (e.g. in place of Megatron's GroupedMLP):
+ * layer `layer`'s local experts, fc1, SwiGLU times the routing prob and fc2, through the configured precision plugin,
+ * on rows grouped by local expert. Only the layer's fc1 and fc2 need binding. A forward and its backward hold the
+ * layer like moert_moe_forward (one in flight per layer, the same moert_saved; moert_saved_free drops it). Not with
+ * expert tensor parallelism (ETP > 1). The memory policy is not asked: fc1's output and the SwiGLU output are kept.
+ */
+
+/* y_rows[r] = fc2_e(silu(a) * g * probs[r]) where [a | g] = x_rows[r] fc1_e and e is row r's local expert: x_rows and
+ * y_rows [rows, H] in the layers' dtype (any rows, 0 too), grouped by local expert, tokens_per_expert[e] rows each
+ * ([E_local] int64 on the host or the layers' device; on the host their sum is checked); rows past the sum are padding
+ * and get 0. probs [rows] in the param dtype, multiplied in fp32 after the activation and before the cast, as
+ * Megatron's experts do; NULL: 1 (the caller applied them, e.g. on the input). probs are copied; x_rows must stay
+ * unchanged until the backward. saved NULL: nothing kept (inference). */
+MOERT_API moert_result moert_experts_forward(moert_layers *layers, int layer, const moert_tensor *x_rows,
+                                             const moert_tensor *tokens_per_expert, const moert_tensor *probs,
+                                             moert_tensor *y_rows, moert_stream stream, moert_saved **saved);
+/* From dy_rows [rows, H]: dx_rows [rows, H] (overwritten, 0 on padding), d_probs [rows] (param dtype, overwritten; NULL
+ * when not wanted), and the fc1 and fc2 weight gradients into the bound grad tensors (opts->accumulate as for
+ * moert_moe_backward; router_loss_scale is not used). Consumes saved. dx_rows may not alias dy_rows. */
+MOERT_API moert_result moert_experts_backward(moert_layers *layers, moert_saved *saved, const moert_tensor *dy_rows,
+                                              moert_tensor *dx_rows, moert_tensor *d_probs,
+                                              const moert_backward_options *opts, moert_stream stream);
 
 /* ---- logging ---- */
 
