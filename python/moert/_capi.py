@@ -45,7 +45,8 @@ class Tensor(ctypes.Structure):
 
 class Launch(ctypes.Structure):
     _fields_ = [("struct_size", ctypes.c_uint32), ("rank", ctypes.c_int32), ("world_size", ctypes.c_int32),
-                ("device", Device), ("comm", ctypes.c_void_p), ("max_tokens", ctypes.c_int64)]
+                ("device", Device), ("comm", ctypes.c_void_p), ("max_tokens", ctypes.c_int64),
+                ("expert_tensor_parallel", ctypes.c_int32), ("expert_data_parallel", ctypes.c_int32)]
 
 
 class LayersInfo(ctypes.Structure):
@@ -53,7 +54,10 @@ class LayersInfo(ctypes.Structure):
                 ("world_size", ctypes.c_int32), ("hidden", ctypes.c_int64), ("ffn_hidden", ctypes.c_int64),
                 ("num_experts", ctypes.c_int64), ("topk", ctypes.c_int64), ("num_local_experts", ctypes.c_int64),
                 ("first_local_expert", ctypes.c_int64), ("max_tokens", ctypes.c_int64), ("dtype", ctypes.c_int),
-                ("param_dtype", ctypes.c_int), ("device", Device), ("expert_bias_dtype", ctypes.c_int)]
+                ("param_dtype", ctypes.c_int), ("device", Device), ("expert_bias_dtype", ctypes.c_int),
+                ("ep_rank", ctypes.c_int32), ("ep_size", ctypes.c_int32), ("etp_rank", ctypes.c_int32),
+                ("etp_size", ctypes.c_int32), ("edp_rank", ctypes.c_int32), ("edp_size", ctypes.c_int32),
+                ("local_ffn_hidden", ctypes.c_int64)]
 
 
 class MoeStats(ctypes.Structure):

@@ -40,14 +40,19 @@ class Config:
         self._ptr = ctypes.c_void_p()
         if isinstance(config, Config):
             self.data = copy.deepcopy(config.data)
-            text, source = json.dumps(self.data), config.source
+            text, source = self._with_overrides(overrides), config.source
         elif isinstance(config, dict):
             self.data = copy.deepcopy(config)
-            text, source = json.dumps(self.data), "<dict>"
+            text, source = self._with_overrides(overrides), "<dict>"
         elif isinstance(config, (str, bytes, os.PathLike)):
             s = config.decode() if isinstance(config, bytes) else config
             if isinstance(s, str) and s.lstrip().startswith("{"):
-                text, source = s, "<string>"
+                try:
+                    self.data = json.loads(s)
+                    text = self._with_overrides(overrides)
+                except ValueError:
+                    text = s  # moert's parser says where the text is broken
+                source = "<string>"
             else:
                 path = os.fspath(s)
                 if not os.path.exists(path):
@@ -69,6 +74,14 @@ class Config:
         self.source = source
         for key, value in (overrides or {}).items():
             self.set(key, value)
+
+    def _with_overrides(self, overrides):
+        """The JSON text of self.data with the overrides already in it: moert checks the config as a whole when it
+        loads it, so keys that must agree (the expert layout and $.parallel.ranks) are set together. They are set
+        again after loading, which checks each one as moert_config_set does."""
+        for key, value in (overrides or {}).items():
+            _set_dotted(self.data, key, json.loads(_json_value(value)))
+        return json.dumps(self.data)
 
     def set(self, key, value):
         """moert_config_set(key, value): value is a Python value (JSON-encoded here) or JSON text."""

@@ -109,6 +109,8 @@ class _Layers:
 
     def __init__(self, config, process_group, device, max_tokens, overrides):
         ov = {"model.num_layers": 1}
+        # the config describes this group's layers: its size is the group's (the layout keys are checked against it)
+        ov["parallel.ranks"] = _dist.group_rank_world(process_group)[1]
         ov.update(overrides or {})
         self.config = Config(config, ov)
         self.device = _resolve_device(device, self.config)
@@ -123,6 +125,9 @@ class _Layers:
         launch.device = _moert_device(self.device)
         launch.comm = self.comm.ptr if world > 1 else None
         launch.max_tokens = int(max_tokens or 0)
+        # the MoE layers' own grid over the group (parallel folding, docs/parallel.md): from the config's keys
+        launch.expert_tensor_parallel = int(self.config.get("parallel.expert_tensor_parallel", 1))
+        launch.expert_data_parallel = int(self.config.get("parallel.expert_data_parallel", 1))
         self.ptr = ctypes.c_void_p()
         lib = _capi.lib()
         if self.device.type == "cuda":
@@ -241,7 +246,14 @@ class MoE(nn.Module):
     initialized, else one rank). device: default from $.parallel.device ("auto": the current CUDA device when
     torch has one). max_tokens: the most tokens per forward on this rank (default $.train.tokens_per_rank).
     overrides: {dotted key: value} applied to the config. init_seed: moert's initial values (moert_layers_init_params:
-    the same for any split over ranks); None keeps torch's zeros for the caller to fill."""
+    the same for any split over ranks); None keeps torch's zeros for the caller to fill.
+
+    Parallel folding (docs/parallel.md; CPU ranks for now): $.parallel.expert_tensor_parallel (ETP) and
+    $.parallel.expert_data_parallel (EDP) lay the MoE layer's own ETP x EP x EDP grid over the process group, in
+    Megatron's order (rank = etp + ETP * (ep + EP * edp)). Each rank then holds num_local_experts = E/EP experts, each
+    a shard of local_ffn_hidden = F/ETP columns of fc1's gate and up halves ([E_local, H, 2F/ETP], the shard's gate
+    then its up) and rows of fc2 ([E_local, F/ETP, H]). The caller sums the expert gradients over the EDP group
+    (expert_data_parallel_ranks()) and the router's and shared expert's over the whole group, as without folding."""
 
     def __init__(self, config, process_group=None, *, device=None, max_tokens=None, overrides=None, init_seed=1):
         super().__init__()
@@ -252,6 +264,10 @@ class MoE(nn.Module):
         self.num_experts, self.topk = info.num_experts, info.topk
         self.num_local_experts, self.first_local_expert = info.num_local_experts, info.first_local_expert
         self.rank, self.world_size = info.rank, info.world_size
+        self.ep_rank, self.ep_size = info.ep_rank, info.ep_size
+        self.etp_rank, self.etp_size = info.etp_rank, info.etp_size
+        self.edp_rank, self.edp_size = info.edp_rank, info.edp_size
+        self.local_ffn_hidden = info.local_ffn_hidden
         self.max_tokens = info.max_tokens
         self.dtype = L.dtype
         self.param_dtype = L.param_dtype
@@ -288,6 +304,13 @@ class MoE(nn.Module):
             self.expert_bias = None
         self.last_stats = None
         self.last_tokens_per_expert = None
+
+    def expert_data_parallel_ranks(self):
+        """The ranks of the group (by their rank in it) that hold the same experts as this one: its EDP group, over
+        which the expert gradients (fc1, fc2) are summed. [rank] without expert data parallelism."""
+        etp, ep = self.etp_size, self.ep_size
+        base = self.etp_rank + etp * self.ep_rank
+        return [base + etp * ep * d for d in range(self.edp_size)]
 
     # ---- parameters ----
 
