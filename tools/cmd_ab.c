@@ -5,17 +5,18 @@
 #include <math.h>
 #include <stdarg.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "ab_plot.h"
 #include "ab_stats.h"
-#include "output.h"
 #include "cli_common.h"
-#include "config.h"
-#include "error.h"
-#include "runtime.h"
+#include "harness.h"
+#include "output.h"
+#include "report.h"
+#include "trainer.h"
 
 #define PROG "moert ab"
 #define DEFAULT_WARMUP 3
@@ -58,17 +59,17 @@ static void ab_usage(FILE *f)
 enum {
     FIGURE_STEP = 0,
     FIGURE_FIRST_STAGE = 1,
-    FIGURE_LAYER = 1 + MOERT_STAGE_COUNT,
+    FIGURE_LAYER = 1 + MOERT_LAYER_STAGES,
     FIGURE_FIRST_PART = FIGURE_LAYER + 1,
-    FIGURE_COUNT = FIGURE_FIRST_PART + MOERT_BWD_PART_COUNT
+    FIGURE_COUNT = FIGURE_FIRST_PART + MOERT_LAYER_BACKWARD_PARTS
 };
 
 static const char *figure_name(int f)
 {
     if (f == FIGURE_STEP) return "step";
     if (f == FIGURE_LAYER) return "layer";
-    if (f >= FIGURE_FIRST_PART) return moert_backward_part_name((moert_backward_part)(f - FIGURE_FIRST_PART));
-    return moert_stage_name((moert_stage)(f - FIGURE_FIRST_STAGE));
+    if (f >= FIGURE_FIRST_PART) return moert_layer_backward_part_name(f - FIGURE_FIRST_PART);
+    return moert_layer_stage_name(f - FIGURE_FIRST_STAGE);
 }
 
 /* What the table calls the figure. */
@@ -89,7 +90,7 @@ static double figure_ms(const moert_step_record *r, int f)
     if (f >= FIGURE_FIRST_PART) return r->backward_part_seconds[f - FIGURE_FIRST_PART] * 1e3;
     if (f != FIGURE_LAYER) return r->stage_seconds[f - FIGURE_FIRST_STAGE] * 1e3;
     double sum = 0.0;
-    for (int s = 0; s < MOERT_STAGE_COUNT; s++) sum += r->stage_seconds[s];
+    for (int s = 0; s < MOERT_LAYER_STAGES; s++) sum += r->stage_seconds[s];
     return sum * 1e3;
 }
 
@@ -124,6 +125,88 @@ static spread spread_of(double *values, int64_t n)
     return s;
 }
 
+/* ---- the config values an A/B compares and reports ---- */
+
+#define AB_SLOTS 4 /* router, dispatcher, precision, memory_policy: the plugin sections */
+static const char *const slot_keys[AB_SLOTS] = {"router", "dispatcher", "precision", "memory_policy"};
+
+/* A side's config as the run uses it (moert_config_get_*: defaults filled in). */
+typedef struct ab_config {
+    char name[256], source[512];
+    struct {
+        int64_t hidden, ffn_hidden, num_experts, topk, num_layers;
+        char dtype[16];
+    } model;
+    struct {
+        int64_t ranks, overlap_wgrad;
+        char cuda_graph[16];
+    } parallel;
+    struct {
+        int64_t steps, tokens_per_rank, seq_length, micro_batches, seed, log_every;
+        double lr, weight_decay, teacher_scale, input_shift;
+        char data[16];
+    } train;
+    char plugin[AB_SLOTS][1600]; /* each section's plugin, resolved */
+    json_t *section[AB_SLOTS];   /* each plugin section with its "plugin" filled in */
+} ab_config;
+
+/* Reads what the A/B needs from cfg into c (c->section[] to be freed with free_ab_config). */
+static moert_result read_ab_config(const moert_config *cfg, ab_config *c)
+{
+    moert_result rc = MOERT_OK;
+    static const struct { const char *key; size_t offset; } ints[] = {
+        {"model.hidden", offsetof(ab_config, model.hidden)},
+        {"model.ffn_hidden", offsetof(ab_config, model.ffn_hidden)},
+        {"model.num_experts", offsetof(ab_config, model.num_experts)},
+        {"model.topk", offsetof(ab_config, model.topk)},
+        {"model.num_layers", offsetof(ab_config, model.num_layers)},
+        {"parallel.ranks", offsetof(ab_config, parallel.ranks)},
+        {"parallel.overlap_wgrad", offsetof(ab_config, parallel.overlap_wgrad)},
+        {"train.steps", offsetof(ab_config, train.steps)},
+        {"train.tokens_per_rank", offsetof(ab_config, train.tokens_per_rank)},
+        {"train.seq_length", offsetof(ab_config, train.seq_length)},
+        {"train.micro_batches", offsetof(ab_config, train.micro_batches)},
+        {"train.seed", offsetof(ab_config, train.seed)},
+        {"train.log_every", offsetof(ab_config, train.log_every)},
+    };
+    static const struct { const char *key; size_t offset; } reals[] = {
+        {"train.lr", offsetof(ab_config, train.lr)},
+        {"train.weight_decay", offsetof(ab_config, train.weight_decay)},
+        {"train.teacher_scale", offsetof(ab_config, train.teacher_scale)},
+        {"train.input_shift", offsetof(ab_config, train.input_shift)},
+    };
+    memset(c, 0, sizeof *c);
+    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++)
+        HARNESS_CHECK(moert_config_get_int(cfg, ints[i].key, (int64_t *)((char *)c + ints[i].offset)));
+    for (size_t i = 0; i < sizeof reals / sizeof reals[0]; i++)
+        HARNESS_CHECK(moert_config_get_double(cfg, reals[i].key, (double *)((char *)c + reals[i].offset)));
+    HARNESS_CHECK(moert_config_get_string(cfg, "name", c->name, sizeof c->name));
+    HARNESS_CHECK(moert_config_get_string(cfg, "model.dtype", c->model.dtype, sizeof c->model.dtype));
+    HARNESS_CHECK(moert_config_get_string(cfg, "parallel.cuda_graph", c->parallel.cuda_graph,
+                                          sizeof c->parallel.cuda_graph));
+    HARNESS_CHECK(moert_config_get_string(cfg, "train.data", c->train.data, sizeof c->train.data));
+    snprintf(c->source, sizeof c->source, "%s", moert_config_source(cfg));
+    for (int s = 0; s < AB_SLOTS; s++) {
+        char key[64], text[16384];
+        snprintf(key, sizeof key, "%s.plugin", slot_keys[s]);
+        HARNESS_CHECK(moert_config_get_string(cfg, key, c->plugin[s], sizeof c->plugin[s]));
+        HARNESS_CHECK(moert_config_get_json(cfg, slot_keys[s], text, sizeof text));
+        c->section[s] = json_loads(text, 0, NULL);
+        if (!c->section[s]) {
+            rc = moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "reading the config's $.%s", slot_keys[s]);
+            goto fail;
+        }
+    }
+fail:
+    return rc;
+}
+
+static void free_ab_config(ab_config *c)
+{
+    for (int s = 0; s < AB_SLOTS; s++) json_decref(c->section[s]);
+    memset(c->section, 0, sizeof c->section);
+}
+
 /* ---- one side of the comparison ---- */
 
 /* What the report needs from a runtime, kept after it is destroyed (--sequential frees A before B starts). */
@@ -131,7 +214,7 @@ typedef struct ab_run_facts {
     moert_device_type device_type;
     char device_name[400];
     int world;
-    int64_t activation_bytes[MOERT_ACT_COUNT];
+    int64_t activation_bytes[MOERT_LAYER_ACTIVATIONS];
     int64_t kept_bytes;
     int64_t device_peak_bytes;
     int64_t device_pool_calls;
@@ -144,6 +227,7 @@ typedef struct ab_side {
     const char *path;
     const char *tag;             /* "A", "B", or "A'" (--aa: a second copy of A) */
     moert_config *cfg;
+    ab_config conf;              /* what the A/B reads of cfg */
     moert_runtime *rt;           /* NULL once destroyed */
     ab_run_facts facts;          /* taken after the last step */
     moert_step_record *records;  /* [warmup + steps], every step */
@@ -216,11 +300,11 @@ static moert_result compare_tensor(moert_runtime *a, moert_runtime *b, int layer
     for (int64_t first = 0; first < numel; first += chunk) {
         const int64_t count = numel - first < chunk ? numel - first : chunk;
         if (layer < 0) {
-            MOERT_CHECK(moert_runtime_read_output(a, first, count, bufa));
-            MOERT_CHECK(moert_runtime_read_output(b, first, count, bufb));
+            HARNESS_CHECK(moert_runtime_read_output(a, first, count, bufa));
+            HARNESS_CHECK(moert_runtime_read_output(b, first, count, bufb));
         } else {
-            MOERT_CHECK(moert_runtime_read_grad(a, layer, which, first, count, bufa));
-            MOERT_CHECK(moert_runtime_read_grad(b, layer, which, first, count, bufb));
+            HARNESS_CHECK(moert_runtime_read_grad(a, layer, which, first, count, bufa));
+            HARNESS_CHECK(moert_runtime_read_grad(b, layer, which, first, count, bufb));
         }
         for (int64_t i = 0; i < nvalues * count; i++) tensor_diff_add(&d, bufa[i], bufb[i]);
     }
@@ -239,11 +323,11 @@ static moert_result compare_first_step(ab_side *a, ab_side *b, ab_agreement *agr
     const int nlocal = moert_runtime_local_ranks(a->rt);
     double *bufa = NULL, *bufb = NULL;
     if (moert_runtime_local_ranks(b->rt) != nlocal)
-        return moert_error(MOERT_ERR_INTERNAL, "%s hosts %d ranks here and %s %d", a->tag, nlocal, b->tag,
+        return moert_set_last_error(MOERT_ERR_INTERNAL, "%s hosts %d ranks here and %s %d", a->tag, nlocal, b->tag,
                            moert_runtime_local_ranks(b->rt));
     /* the buffers: the largest tensor's size, up to COMPARE_CHUNK */
     int64_t chunk = moert_runtime_local_output_numel(a->rt);
-    for (int l = 0; l < a->cfg->model.num_layers; l++)
+    for (int l = 0; l < a->conf.model.num_layers; l++)
         for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
             const int64_t n = moert_runtime_local_grad_numel(a->rt, l, (moert_param_id)p);
             if (n > chunk) chunk = n;
@@ -252,18 +336,18 @@ static moert_result compare_first_step(ab_side *a, ab_side *b, ab_agreement *agr
     bufa = malloc(sizeof(double) * (size_t)nlocal * (size_t)chunk);
     bufb = malloc(sizeof(double) * (size_t)nlocal * (size_t)chunk);
     if (!bufa || !bufb) {
-        rc = moert_error(MOERT_ERR_OUT_OF_MEMORY, "the buffers comparing the first step");
+        rc = moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "the buffers comparing the first step");
         goto fail;
     }
-    MOERT_CHECK(compare_tensor(a->rt, b->rt, -1, MOERT_PARAM_ROUTER, moert_runtime_local_output_numel(a->rt), chunk,
+    HARNESS_CHECK(compare_tensor(a->rt, b->rt, -1, MOERT_PARAM_ROUTER, moert_runtime_local_output_numel(a->rt), chunk,
                                bufa, bufb, &agr->output_diff));
     agr->gradient_diff = 0.0;
-    for (int l = 0; l < a->cfg->model.num_layers; l++)
+    for (int l = 0; l < a->conf.model.num_layers; l++)
         for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
             const int64_t numel = moert_runtime_local_grad_numel(a->rt, l, (moert_param_id)p);
             if (numel == 0) continue; /* no shared expert */
             double d = 0.0;
-            MOERT_CHECK(compare_tensor(a->rt, b->rt, l, (moert_param_id)p, numel, chunk, bufa, bufb, &d));
+            HARNESS_CHECK(compare_tensor(a->rt, b->rt, l, (moert_param_id)p, numel, chunk, bufa, bufb, &d));
             if (d > agr->gradient_diff) {
                 agr->gradient_diff = d;
                 snprintf(agr->gradient_worst, sizeof agr->gradient_worst, "layer %d %s", l, param_names[p]);
@@ -293,7 +377,7 @@ static int report_text_difference(const char *key, const char *a, const char *b)
 }
 
 /* Prints a line for every key that must match and does not; returns how many differ. */
-static int check_same_run(const moert_config *a, const moert_config *b)
+static int check_same_run(const ab_config *a, const ab_config *b)
 {
     int n = 0;
     n += report_int_difference("$.model.hidden", a->model.hidden, b->model.hidden);
@@ -301,14 +385,13 @@ static int check_same_run(const moert_config *a, const moert_config *b)
     n += report_int_difference("$.model.num_experts", a->model.num_experts, b->model.num_experts);
     n += report_int_difference("$.model.topk", a->model.topk, b->model.topk);
     n += report_int_difference("$.model.num_layers", a->model.num_layers, b->model.num_layers);
-    n += report_text_difference("$.model.dtype", moert_dtype_name(a->model.dtype), moert_dtype_name(b->model.dtype));
+    n += report_text_difference("$.model.dtype", a->model.dtype, b->model.dtype);
     n += report_int_difference("$.parallel.ranks", a->parallel.ranks, b->parallel.ranks);
     n += report_int_difference("$.train.tokens_per_rank", a->train.tokens_per_rank, b->train.tokens_per_rank);
     n += report_int_difference("$.train.seq_length", a->train.seq_length, b->train.seq_length);
     n += report_int_difference("$.train.micro_batches", a->train.micro_batches, b->train.micro_batches);
     n += report_int_difference("$.train.seed", a->train.seed, b->train.seed);
-    n += report_text_difference("$.train.data", a->train.repeat_batch ? "repeat" : "fresh",
-                                b->train.repeat_batch ? "repeat" : "fresh");
+    n += report_text_difference("$.train.data", a->train.data, b->train.data);
     if (a->train.input_shift != b->train.input_shift) {
         fprintf(stderr, PROG ": not an A/B: $.train.input_shift is %g in A and %g in B\n", a->train.input_shift,
                 b->train.input_shift);
@@ -321,15 +404,9 @@ static int check_same_run(const moert_config *a, const moert_config *b)
 }
 
 /* A plugin section as the runtime sees it: the object with "plugin" filled in (the default when absent). */
-static json_t *plugin_section(const moert_config *cfg, moert_slot slot)
-{
-    json_t *sec = json_object_get(cfg->root, moert_slot_key(slot));
-    json_t *copy = json_is_object(sec) ? json_deep_copy(sec) : json_object();
-    if (copy) json_object_set_new(copy, "plugin", json_string(cfg->plugin[slot]));
-    return copy;
-}
+static json_t *plugin_section(const ab_config *cfg, int slot) { return json_deep_copy(cfg->section[slot]); }
 
-static bool sections_equal(const moert_config *a, const moert_config *b, moert_slot slot)
+static bool sections_equal(const ab_config *a, const ab_config *b, int slot)
 {
     json_t *sa = plugin_section(a, slot), *sb = plugin_section(b, slot);
     bool same = sa && sb && json_equal(sa, sb);
@@ -339,7 +416,7 @@ static bool sections_equal(const moert_config *a, const moert_config *b, moert_s
 }
 
 /* Compact JSON of a plugin section, for the header. */
-static void section_text(const moert_config *cfg, moert_slot slot, char *out, size_t size)
+static void section_text(const ab_config *cfg, int slot, char *out, size_t size)
 {
     json_t *sec = plugin_section(cfg, slot);
     char *text = sec ? json_dumps(sec, JSON_COMPACT | JSON_SORT_KEYS) : NULL;
@@ -374,7 +451,7 @@ typedef struct table_row {
     char label[48], a[64], b[64], ratio[32];
 } table_row;
 
-enum { MEMORY_ROWS = MOERT_ACT_COUNT + 3 };
+enum { MEMORY_ROWS = MOERT_LAYER_ACTIVATIONS + 3 };
 
 static int build_table(const ab_side *a, const ab_side *b, table_row *rows)
 {
@@ -391,15 +468,15 @@ static int build_table(const ab_side *a, const ab_side *b, table_row *rows)
     }
     for (int m = 0; m < MEMORY_ROWS; m++) {
         int64_t va, vb;
-        if (m < MOERT_ACT_COUNT) {
-            snprintf(rows[n].label, sizeof rows[n].label, "%s size (rank 0)", moert_activation_name((moert_activation)m));
+        if (m < MOERT_LAYER_ACTIVATIONS) {
+            snprintf(rows[n].label, sizeof rows[n].label, "%s size (rank 0)", moert_layer_activation_name(m));
             va = a->facts.activation_bytes[m];
             vb = b->facts.activation_bytes[m];
-        } else if (m == MOERT_ACT_COUNT) {
+        } else if (m == MOERT_LAYER_ACTIVATIONS) {
             snprintf(rows[n].label, sizeof rows[n].label, "kept fwd->bwd (rank 0)");
             va = a->facts.kept_bytes;
             vb = b->facts.kept_bytes;
-        } else if (m == MOERT_ACT_COUNT + 1) {
+        } else if (m == MOERT_LAYER_ACTIVATIONS + 1) {
             if (a->facts.device_type != MOERT_DEVICE_CUDA) continue;
             snprintf(rows[n].label, sizeof rows[n].label, "GPU pool peak (rank 0)");
             va = a->facts.device_peak_bytes;
@@ -524,8 +601,8 @@ static json_t *spread_json(const spread *s)
 static json_t *memory_json(const ab_run_facts *rt)
 {
     json_t *o = json_object();
-    for (int m = 0; m < MOERT_ACT_COUNT; m++)
-        json_object_set_new(o, moert_activation_name((moert_activation)m), json_integer(rt->activation_bytes[m]));
+    for (int m = 0; m < MOERT_LAYER_ACTIVATIONS; m++)
+        json_object_set_new(o, moert_layer_activation_name(m), json_integer(rt->activation_bytes[m]));
     json_object_set_new(o, "kept_from_forward_to_backward", json_integer(rt->kept_bytes));
     if (rt->device_type == MOERT_DEVICE_CUDA)
         json_object_set_new(o, "gpu_pool_peak_bytes", json_integer(rt->device_peak_bytes));
@@ -538,8 +615,8 @@ static json_t *side_json(const ab_side *s, int64_t total_steps, int64_t warmup)
 {
     if (total_steps > s->done) total_steps = s->done; /* a failed step: the ones completed */
     json_t *o = json_object(), *plugins = json_object(), *steps = json_array(), *medians = json_object();
-    for (int slot = 0; slot < MOERT_SLOT_COUNT; slot++)
-        json_object_set_new(plugins, moert_slot_key((moert_slot)slot), plugin_section(s->cfg, (moert_slot)slot));
+    for (int slot = 0; slot < AB_SLOTS; slot++)
+        json_object_set_new(plugins, slot_keys[slot], plugin_section(&s->conf, slot));
     for (int f = 0; f < FIGURE_COUNT; f++) json_object_set_new(medians, figure_name(f), spread_json(&s->figures[f]));
     json_object_set_new(o, "cuda_graph", json_string(s->facts.graph));
     for (int64_t i = 0; i < total_steps; i++) {
@@ -547,12 +624,12 @@ static json_t *side_json(const ab_side *s, int64_t total_steps, int64_t warmup)
         json_object_set_new(step, "warmup", json_boolean(i < warmup));
         json_array_append_new(steps, step);
     }
-    json_object_set_new(o, "config", json_string(s->cfg->source));
-    json_object_set_new(o, "name", json_string(s->cfg->name));
+    json_object_set_new(o, "config", json_string(s->conf.source));
+    json_object_set_new(o, "name", json_string(s->conf.name));
     json_object_set_new(o, "plugins", plugins);
-    json_object_set_new(o, "train", json_pack("{s:I, s:f, s:f, s:f}", "steps", (json_int_t)s->cfg->train.steps, "lr",
-                                              s->cfg->train.lr, "weight_decay", s->cfg->train.weight_decay,
-                                              "teacher_scale", s->cfg->train.teacher_scale));
+    json_object_set_new(o, "train", json_pack("{s:I, s:f, s:f, s:f}", "steps", (json_int_t)s->conf.train.steps, "lr",
+                                              s->conf.train.lr, "weight_decay", s->conf.train.weight_decay,
+                                              "teacher_scale", s->conf.train.teacher_scale));
     json_object_set_new(o, "ms", medians);
     json_object_set_new(o, "activation_bytes_rank0", memory_json(&s->facts));
     json_object_set_new(o, "completed_steps", json_integer(s->done));
@@ -563,7 +640,7 @@ static json_t *side_json(const ab_side *s, int64_t total_steps, int64_t warmup)
 /* The header lines: what is compared with what, on what. */
 typedef struct ab_header {
     int count;
-    char lines[8 + MOERT_SLOT_COUNT][1200];
+    char lines[8 + AB_SLOTS][1200];
 } ab_header;
 
 static void header_add(ab_header *h, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -587,7 +664,7 @@ static void train_key_difference(char *out, size_t size, const char *key, double
 static void build_header(const ab_side *a, const ab_side *b, int64_t warmup, int64_t steps, bool sequential, bool aa,
                          ab_header *h)
 {
-    const moert_config *ca = a->cfg, *cb = b->cfg;
+    const ab_config *ca = &a->conf, *cb = &b->conf;
     h->count = 0;
     header_add(h, "A \"%s\" (%s) vs B \"%s\" (%s)", ca->name, a->path, cb->name, b->path);
     char micro[64] = "";
@@ -597,22 +674,22 @@ static void build_header(const ab_side *a, const ab_side *b, int64_t warmup, int
     header_add(h, "on %s; %lld layer%s, H=%lld F=%lld E=%lld K=%lld, %lld tokens per rank%s, %s storage, seed %lld",
                a->facts.device_name, (long long)ca->model.num_layers, ca->model.num_layers > 1 ? "s" : "",
                (long long)ca->model.hidden, (long long)ca->model.ffn_hidden, (long long)ca->model.num_experts,
-               (long long)ca->model.topk, (long long)ca->train.tokens_per_rank, micro, moert_dtype_name(ca->model.dtype),
+               (long long)ca->model.topk, (long long)ca->train.tokens_per_rank, micro, ca->model.dtype,
                (long long)ca->train.seed);
     char same[512] = "";
-    for (int s = 0; s < MOERT_SLOT_COUNT; s++) {
-        if (!sections_equal(ca, cb, (moert_slot)s)) continue;
+    for (int s = 0; s < AB_SLOTS; s++) {
+        if (!sections_equal(ca, cb, s)) continue;
         size_t len = strlen(same);
-        snprintf(same + len, sizeof same - len, "%s%s %s", len ? ", " : "", moert_slot_key((moert_slot)s),
+        snprintf(same + len, sizeof same - len, "%s%s %s", len ? ", " : "", slot_keys[s],
                  ca->plugin[s]);
     }
     if (same[0]) header_add(h, "same in both: %s", same);
-    for (int s = 0; s < MOERT_SLOT_COUNT; s++) {
-        if (sections_equal(ca, cb, (moert_slot)s)) continue;
+    for (int s = 0; s < AB_SLOTS; s++) {
+        if (sections_equal(ca, cb, s)) continue;
         char ta[500], tb[500];
-        section_text(ca, (moert_slot)s, ta, sizeof ta);
-        section_text(cb, (moert_slot)s, tb, sizeof tb);
-        header_add(h, "differs: %s: A %s, B %s", moert_slot_key((moert_slot)s), ta, tb);
+        section_text(ca, s, ta, sizeof ta);
+        section_text(cb, s, tb, sizeof tb);
+        header_add(h, "differs: %s: A %s, B %s", slot_keys[s], ta, tb);
     }
     char train[512] = "";
     train_key_difference(train, sizeof train, "train.steps", (double)ca->train.steps, (double)cb->train.steps);
@@ -621,9 +698,9 @@ static void build_header(const ab_side *a, const ab_side *b, int64_t warmup, int
     train_key_difference(train, sizeof train, "train.teacher_scale", ca->train.teacher_scale, cb->train.teacher_scale);
     train_key_difference(train, sizeof train, "train.log_every", (double)ca->train.log_every, (double)cb->train.log_every);
     if (train[0]) header_add(h, "differs: %s", train);
-    if (ca->parallel.cuda_graph != cb->parallel.cuda_graph)
-        header_add(h, "differs: parallel.cuda_graph: A \"%s\", B \"%s\"", moert_cuda_graph_mode_name(ca->parallel.cuda_graph),
-                   moert_cuda_graph_mode_name(cb->parallel.cuda_graph));
+    if (strcmp(ca->parallel.cuda_graph, cb->parallel.cuda_graph) != 0)
+        header_add(h, "differs: parallel.cuda_graph: A \"%s\", B \"%s\"", ca->parallel.cuda_graph,
+                   cb->parallel.cuda_graph);
     if (ca->parallel.overlap_wgrad != cb->parallel.overlap_wgrad)
         header_add(h, "differs: parallel.overlap_wgrad: A %s, B %s", ca->parallel.overlap_wgrad ? "true" : "false",
                    cb->parallel.overlap_wgrad ? "true" : "false");
@@ -785,12 +862,12 @@ static moert_result write_report(const char *path, const ab_side *a, const ab_si
     const ab_agreement *agr = rp->agr;
     const int64_t warmup = rp->warmup, steps = rp->steps;
     const char *verdict = rp->verdict, *summary = rp->summary, *failure = rp->failure;
-    const moert_config *cfg = a->cfg;
+    const ab_config *cfg = &a->conf;
     json_t *root = json_object(), *ratios = json_object(), *header = json_array(), *differ = json_array();
     for (int i = 0; i < h->count; i++) json_array_append_new(header, json_string(h->lines[i]));
-    for (int s = 0; s < MOERT_SLOT_COUNT; s++)
-        if (!sections_equal(a->cfg, b->cfg, (moert_slot)s))
-            json_array_append_new(differ, json_string(moert_slot_key((moert_slot)s)));
+    for (int s = 0; s < AB_SLOTS; s++)
+        if (!sections_equal(&a->conf, &b->conf, s))
+            json_array_append_new(differ, json_string(slot_keys[s]));
     for (int f = 0; f < FIGURE_COUNT; f++)
         json_object_set_new(ratios, figure_name(f),
                             a->figures[f].median > 0 ? json_number(b->figures[f].median / a->figures[f].median)
@@ -808,7 +885,7 @@ static moert_result write_report(const char *path, const ab_side *a, const ab_si
                                                  "ffn_hidden", (json_int_t)cfg->model.ffn_hidden, "num_experts",
                                                  (json_int_t)cfg->model.num_experts, "topk", (json_int_t)cfg->model.topk,
                                                  "num_layers", (json_int_t)cfg->model.num_layers, "dtype",
-                                                 moert_dtype_name(cfg->model.dtype)));
+                                                 cfg->model.dtype));
     json_object_set_new(root, "tokens_per_rank", json_integer(cfg->train.tokens_per_rank));
     json_object_set_new(root, "micro_batches", json_integer(cfg->train.micro_batches));
     json_object_set_new(root, "seed", json_integer(cfg->train.seed));
@@ -881,7 +958,9 @@ static void print_progress(const ab_side *sides, int nsides, int64_t step, int64
 /* Copies what the report needs from a side's runtime. */
 static void take_facts(ab_side *side)
 {
-    const moert_runtime *rt = side->rt;
+    moert_run_summary summary;
+    moert_runtime_summary(side->rt, &summary);
+    const moert_run_summary *rt = &summary;
     ab_run_facts *f = &side->facts;
     f->device_type = rt->device_type;
     snprintf(f->device_name, sizeof f->device_name, "%s", rt->device_name);
@@ -890,9 +969,9 @@ static void take_facts(ab_side *side)
     f->kept_bytes = rt->kept_bytes;
     f->device_peak_bytes = rt->device_peak_bytes;
     f->device_pool_calls = rt->device_pool_calls;
-    f->agreement_rtol = moert_runtime_agreement_rtol(rt);
-    snprintf(f->precision, sizeof f->precision, "%.63s", rt->plugins[MOERT_SLOT_PRECISION].header->name);
-    moert_runtime_graph_summary(rt, f->graph, sizeof f->graph);
+    f->agreement_rtol = moert_runtime_agreement_rtol(side->rt);
+    snprintf(f->precision, sizeof f->precision, "%.63s", rt->plugins[2].name); /* the precision plugin */
+    moert_runtime_graph_summary(side->rt, f->graph, sizeof f->graph);
 }
 
 /* Creates a side's runtime and notes what the report needs from it. */
@@ -968,8 +1047,8 @@ static moert_result ratio_intervals(const ab_side *x, const ab_side *y, int64_t 
     const int64_t pairs = done > warmup ? done - warmup : 0;
     double *px = malloc(sizeof(double) * (size_t)(pairs + 1)), *py = malloc(sizeof(double) * (size_t)(pairs + 1));
     moert_result rc = MOERT_OK;
-    MOERT_CHECK_ALLOC(px);
-    MOERT_CHECK_ALLOC(py);
+    HARNESS_CHECK_ALLOC(px);
+    HARNESS_CHECK_ALLOC(py);
     for (int f = 0; f < FIGURE_COUNT; f++) {
         for (int64_t i = 0; i < pairs; i++) {
             px[i] = figure_ms(&x->records[warmup + i], f);
@@ -1075,13 +1154,17 @@ int moert_cmd_ab(int argc, char **argv)
         char prog[32];
         snprintf(prog, sizeof prog, PROG " (%s)", sides[s].tag);
         if (moert_cli_load_config(prog, sides[s].path, mine, nmine, &sides[s].cfg) != MOERT_OK) goto exit;
+        if (read_ab_config(sides[s].cfg, &sides[s].conf) != MOERT_OK) {
+            fprintf(stderr, "%s: %s\n", prog, moert_last_error());
+            goto exit;
+        }
     }
-    if (check_same_run(sides[0].cfg, sides[1].cfg) > 0) {
+    if (check_same_run(&sides[0].conf, &sides[1].conf) > 0) {
         status = 2;
         goto exit;
     }
     if (steps == 0) {
-        steps = sides[0].cfg->train.steps < DEFAULT_MAX_STEPS ? sides[0].cfg->train.steps : DEFAULT_MAX_STEPS;
+        steps = sides[0].conf.train.steps < DEFAULT_MAX_STEPS ? sides[0].conf.train.steps : DEFAULT_MAX_STEPS;
         if (steps < 1) steps = 1;
     }
     int64_t total = (int64_t)warmup + (int64_t)steps;
@@ -1103,7 +1186,7 @@ int moert_cmd_ab(int argc, char **argv)
     build_header(&sides[0], &sides[1], warmup, steps, sequential, aa, &header);
     for (int i = 0; i < header.count; i++) printf("%s%s\n", i == 0 ? PROG ": " : "  ", header.lines[i]);
 
-    int log_every = (int)(sides[0].cfg->train.log_every > 0 ? sides[0].cfg->train.log_every : 1);
+    int log_every = (int)(sides[0].conf.train.log_every > 0 ? sides[0].conf.train.log_every : 1);
     if (!sequential) {
         for (int s = 1; s < nsides; s++)
             if (check_same_device(&sides[0], &sides[s]) != 0) {
@@ -1220,7 +1303,7 @@ finish:;
             }
             plot.step_ms[s] = ms;
             plot.loss[s] = loss;
-            plot.label[s] = sides[s].cfg->name;
+            plot.label[s] = sides[s].conf.name;
         }
         const char *header_lines[sizeof header.lines / sizeof header.lines[0]];
         for (int i = 0; i < header.count; i++) header_lines[i] = header.lines[i];
@@ -1238,6 +1321,7 @@ exit:
     free(series);
     for (int s = 0; s < nsides; s++) {
         moert_runtime_destroy(sides[s].rt);
+        free_ab_config(&sides[s].conf);
         moert_config_free(sides[s].cfg);
         free(sides[s].records);
     }

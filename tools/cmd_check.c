@@ -4,8 +4,7 @@
 #include <string.h>
 
 #include "cli_common.h"
-#include "config.h"
-#include "runtime.h"
+#include "trainer.h"
 
 static void check_usage(FILE *f)
 {
@@ -62,11 +61,23 @@ int moert_cmd_check(int argc, char **argv)
         status = moert_cli_failure_status(rc);
         goto exit;
     }
+    static const char *const slots[4] = {"router", "dispatcher", "precision", "memory_policy"};
+    char plugins[4][1600];
+    int64_t layers = 0, ranks = 0;
+    for (int s = 0; s < 4; s++) {
+        char key[64];
+        snprintf(key, sizeof key, "%s.plugin", slots[s]);
+        if (moert_config_get_string(cfg, key, plugins[s], sizeof plugins[s]) != MOERT_OK) plugins[s][0] = '\0';
+    }
+    if (moert_config_get_int(cfg, "model.num_layers", &layers) != MOERT_OK ||
+        moert_config_get_int(cfg, "parallel.ranks", &ranks) != MOERT_OK) {
+        moert_cli_print_error("moert check", path, moert_last_error());
+        goto exit;
+    }
     printf("%s: ok (router %s, dispatcher %s, precision %s, memory_policy %s; layers %lld, ranks %lld)\n", path,
-           cfg->plugin[MOERT_SLOT_ROUTER], cfg->plugin[MOERT_SLOT_DISPATCHER], cfg->plugin[MOERT_SLOT_PRECISION],
-           cfg->plugin[MOERT_SLOT_MEMORY_POLICY], (long long)cfg->model.num_layers, (long long)cfg->parallel.ranks);
+           plugins[0], plugins[1], plugins[2], plugins[3], (long long)layers, (long long)ranks);
     char line[768];
-    moert_memory_estimate_line(&rt->memory, line, sizeof line);
+    moert_runtime_memory_line(rt, line, sizeof line);
     printf("memory (estimate, balanced routing): %s\n", line);
     status = 0;
 exit:

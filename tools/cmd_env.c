@@ -1,12 +1,11 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* `moert env`: the environment variables moert reads (core/src/env.c's table), their values here and defaults, and
+/* `moert env`: the environment variables moert reads (moert_env_table_entry), their values here and defaults, and
  * any MOERT_* variable set here that moert does not read (a retired knob says what replaced it). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cli_common.h"
-#include "env.h"
 
 extern char **environ;
 
@@ -23,11 +22,25 @@ static void env_usage(FILE *f)
 /* Whether name (of length len, from environ) is one of the table's. */
 static int is_registered(const char *name, size_t len)
 {
-    int count = 0;
-    const moert_env_var *vars = moert_env_vars(&count);
-    for (int i = 0; i < count; i++)
-        if (strlen(vars[i].name) == len && strncmp(vars[i].name, name, len) == 0) return 1;
+    const int count = moert_env_table_size(MOERT_ENV_TABLE_READ);
+    for (int i = 0; i < count; i++) {
+        moert_env_entry var;
+        if (moert_env_table_entry(MOERT_ENV_TABLE_READ, i, &var) != MOERT_OK) continue;
+        if (strlen(var.name) == len && strncmp(var.name, name, len) == 0) return 1;
+    }
     return 0;
+}
+
+/* What replaced a retired variable, or NULL when name is not one. */
+static const char *retired_instead(const char *name)
+{
+    const int count = moert_env_table_size(MOERT_ENV_TABLE_RETIRED);
+    for (int i = 0; i < count; i++) {
+        moert_env_entry var;
+        if (moert_env_table_entry(MOERT_ENV_TABLE_RETIRED, i, &var) == MOERT_OK && strcmp(var.name, name) == 0)
+            return var.help;
+    }
+    return NULL;
 }
 
 int moert_cmd_env(int argc, char **argv)
@@ -41,23 +54,26 @@ int moert_cmd_env(int argc, char **argv)
         env_usage(stderr);
         return 2;
     }
-    int count = 0;
-    const moert_env_var *vars = moert_env_vars(&count);
+    int count = moert_env_table_size(MOERT_ENV_TABLE_READ);
     printf("moert reads:\n");
     for (int i = 0; i < count; i++) {
-        const char *value = moert_env_raw((moert_env_id)i);
+        moert_env_entry var;
+        if (moert_env_table_entry(MOERT_ENV_TABLE_READ, i, &var) != MOERT_OK) continue;
+        const char *value = getenv(var.name);
         char shown[512];
         if (value)
             snprintf(shown, sizeof shown, "=%s", value);
         else
-            snprintf(shown, sizeof shown, " unset (default: %s)", vars[i].default_text);
-        printf("  %s%s\n      %s; %s\n", vars[i].name, shown, vars[i].type, vars[i].help);
+            snprintf(shown, sizeof shown, " unset (default: %s)", var.default_text);
+        printf("  %s%s\n      %s; %s\n", var.name, shown, var.type, var.help);
     }
-    const moert_env_foreign *foreign = moert_env_foreign_vars(&count);
+    count = moert_env_table_size(MOERT_ENV_TABLE_FOREIGN);
     printf("and, from launchers and NCCL:\n");
     for (int i = 0; i < count; i++) {
-        const char *value = getenv(foreign[i].name);
-        printf("  %s%s%s\n      %s\n", foreign[i].name, value ? "=" : " unset", value ? value : "", foreign[i].help);
+        moert_env_entry var;
+        if (moert_env_table_entry(MOERT_ENV_TABLE_FOREIGN, i, &var) != MOERT_OK) continue;
+        const char *value = getenv(var.name);
+        printf("  %s%s%s\n      %s\n", var.name, value ? "=" : " unset", value ? value : "", var.help);
     }
     int unread = 0;
     for (char **e = environ; e && *e; e++) {
@@ -68,9 +84,9 @@ int moert_cmd_env(int argc, char **argv)
         char name[256];
         snprintf(name, sizeof name, "%.*s", (int)(len < sizeof name ? len : sizeof name - 1), *e);
         if (!unread++) printf("set here, not read by moert:\n");
-        const moert_env_retired *r = moert_env_find_retired(name);
-        if (r)
-            printf("  %s: no longer read; use %s\n", name, r->instead);
+        const char *instead = retired_instead(name);
+        if (instead)
+            printf("  %s: no longer read; use %s\n", name, instead);
         else
             printf("  %s\n", name);
     }

@@ -12,10 +12,6 @@
 #include <unistd.h>
 
 #include "cli_common.h"
-#include "config.h"
-#include "error.h"
-#include "host.h"
-#include "loader.h"
 
 static void plugins_usage(FILE *f)
 {
@@ -65,14 +61,6 @@ static void flag_names(uint32_t bits, char *buf, size_t size)
     if (!buf[0]) snprintf(buf, size, "-");
 }
 
-/* The config key of a kind's section, for option paths. */
-static const char *section_key(moert_plugin_kind kind)
-{
-    for (int s = 0; s < MOERT_SLOT_COUNT; s++)
-        if (moert_slot_kind((moert_slot)s) == kind) return moert_slot_key((moert_slot)s);
-    return "plugin";
-}
-
 /* One plugin file that loaded. */
 typedef struct plugin_row {
     char kind[16], name[64], version[24], devices[64], dtypes[128], flags[32], path[1024];
@@ -96,37 +84,27 @@ static bool seen_before(const listing *l, const char *kind, const char *name)
     return false;
 }
 
-/* Starts the plugin once in describe mode and writes the options it read to f. */
-static void print_options(FILE *f, const moert_plugin *p)
+/* Where print_options writes each option, and how many it wrote. */
+typedef struct option_sink {
+    FILE *f;
+    int count;
+} option_sink;
+
+static void print_option(void *user, const moert_plugin_option *d)
 {
-    char path[64];
-    snprintf(path, sizeof path, "$.%s", section_key(p->kind));
-    moert_section *sec = moert_section_create(NULL, path);
-    moert_host *host = NULL;
-    void *ctx = NULL;
-    if (!sec) return;
-    moert_section_set_describe(sec, true);
-    char who[256];
-    snprintf(who, sizeof who, "%s[%s] describe", moert_kind_name(p->kind), p->header->name);
-    moert_host_setup setup = {.who = who, .options = sec, .comm = NULL, .rank = 0, .world_size = 1,
-                              .device = moert_cpu()};
-    moert_layer_info layer = {.struct_size = sizeof layer, .layer_index = 0, .num_layers = 1, .hidden = 64,
-                              .ffn_hidden = 128, .num_experts = 8, .topk = 2, .num_local_experts = 8,
-                              .first_local_expert = 0, .max_tokens = 256, .dtype = MOERT_F32, .device = moert_cpu()};
-    moert_result rc = moert_host_create(&setup, &host);
-    if (rc == MOERT_OK) rc = moert_plugin_init(p, &ctx, host, &layer);
-    int count = moert_section_option_count(sec);
-    if (count == 0 && rc == MOERT_OK) fprintf(f, "  (no options)\n");
-    if (count > 0) fprintf(f, "  %-22s %-7s %-12s %-24s %s\n", "OPTION", "TYPE", "DEFAULT", "RANGE", "HELP");
-    for (int i = 0; i < count; i++) {
-        const moert_option_desc *d = moert_section_option(sec, i);
-        fprintf(f, "  %-22s %-7s %-12s %-24s %s\n", d->key, d->type, d->def[0] ? d->def : "\"\"",
-                d->range[0] ? d->range : "-", d->help);
-    }
+    option_sink *sink = user;
+    if (sink->count++ == 0) fprintf(sink->f, "  %-22s %-7s %-12s %-24s %s\n", "OPTION", "TYPE", "DEFAULT", "RANGE", "HELP");
+    fprintf(sink->f, "  %-22s %-7s %-12s %-24s %s\n", d->key, d->type, d->default_text[0] ? d->default_text : "\"\"",
+            d->range[0] ? d->range : "-", d->help);
+}
+
+/* Starts the plugin once with its default options and writes the options it read to f. */
+static void print_options(FILE *f, moert_plugin_kind kind, const char *path)
+{
+    option_sink sink = {f, 0};
+    moert_result rc = moert_plugin_list_options(kind, path, print_option, &sink);
+    if (sink.count == 0 && rc == MOERT_OK) fprintf(f, "  (no options)\n");
     if (rc != MOERT_OK) fprintf(f, "  (init failed with the default options: %s)\n", moert_last_error());
-    if (ctx) moert_plugin_finalize(p, ctx);
-    moert_host_free(host);
-    moert_section_free(sec);
 }
 
 /* Adds a line to the report of files that did not load or start. */
@@ -149,17 +127,16 @@ static void add_problem(listing *l, const char *fmt, ...)
     l->problems_len += (size_t)n;
 }
 
-/* A row from a loaded plugin's header. */
-static void fill_row(plugin_row *row, const moert_plugin *p, const char *path)
+/* A row from what a plugin's header declares. */
+static void fill_row(plugin_row *row, const moert_plugin_description *d, const char *path)
 {
     memset(row, 0, sizeof *row);
-    const moert_plugin_header *h = p->header;
-    snprintf(row->kind, sizeof row->kind, "%s", moert_kind_name(p->kind));
-    snprintf(row->name, sizeof row->name, "%s", h->name);
-    snprintf(row->version, sizeof row->version, "%s", h->version ? h->version : "-");
-    device_names(h->devices, row->devices, sizeof row->devices);
-    dtype_names(h->dtypes, row->dtypes, sizeof row->dtypes);
-    flag_names(h->flags, row->flags, sizeof row->flags);
+    snprintf(row->kind, sizeof row->kind, "%s", d->kind_name);
+    snprintf(row->name, sizeof row->name, "%s", d->name);
+    snprintf(row->version, sizeof row->version, "%s", d->version[0] ? d->version : "-");
+    device_names(d->devices, row->devices, sizeof row->devices);
+    dtype_names(d->dtypes, row->dtypes, sizeof row->dtypes);
+    flag_names(d->flags, row->flags, sizeof row->flags);
     snprintf(row->path, sizeof row->path, "%s", path);
 }
 
@@ -201,8 +178,8 @@ static void probe_child(int fd, const char *path, moert_plugin_kind kind, bool o
         close(null_fd);
     }
     put_all(fd, "L", 1);
-    moert_plugin p;
-    moert_result rc = moert_plugin_open_file(kind, path, &p);
+    moert_plugin_description p = {.struct_size = sizeof p};
+    moert_result rc = moert_plugin_describe(kind, path, &p);
     if (rc != MOERT_OK) {
         int32_t code = rc;
         put_all(fd, "E", 1);
@@ -220,8 +197,8 @@ static void probe_child(int fd, const char *path, moert_plugin_kind kind, bool o
         size_t size = 0;
         FILE *f = open_memstream(&text, &size);
         if (f) {
-            if (p.header->description && p.header->description[0]) fprintf(f, "  %s\n", p.header->description);
-            print_options(f, &p);
+            if (p.description[0]) fprintf(f, "  %s\n", p.description);
+            print_options(f, kind, path);
             fclose(f);
             put_text(fd, 'O', text ? text : "");
         }

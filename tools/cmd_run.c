@@ -7,6 +7,7 @@
 #include "cli_common.h"
 #include "moert/moert.h"
 #include "output.h"
+#include "trainer.h"
 
 static void run_usage(FILE *f)
 {

@@ -4,7 +4,6 @@
 #include <string.h>
 
 #include "cli_common.h"
-#include "loader.h"
 
 static void usage(FILE *f)
 {

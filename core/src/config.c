@@ -866,3 +866,168 @@ void moert_config_free(moert_config *cfg)
     json_decref(cfg->root);
     free(cfg);
 }
+
+/* ---- reading a config back (moert/moert.h) ---- */
+
+/* The config as moert resolved it: the core's sections with every default filled in, each plugin section with its
+ * plugin resolved, and the rest of the file as written. A new object (NULL when out of memory). */
+static json_t *resolved_json(const moert_config *cfg)
+{
+    static const char *const devices[] = {"auto", "cpu", "cuda"};
+    json_t *root = json_deep_copy(cfg->root);
+    if (!json_is_object(root)) {
+        json_decref(root);
+        root = json_object();
+    }
+    if (!root) return NULL;
+    const moert_model_config *m = &cfg->model;
+    const moert_parallel_config *p = &cfg->parallel;
+    const moert_train_config *t = &cfg->train;
+    json_t *model = json_pack("{s:I, s:I, s:I, s:I, s:I, s:s, s:I, s:b}", "hidden", (json_int_t)m->hidden,
+                              "ffn_hidden", (json_int_t)m->ffn_hidden, "num_experts", (json_int_t)m->num_experts,
+                              "topk", (json_int_t)m->topk, "num_layers", (json_int_t)m->num_layers, "dtype",
+                              moert_dtype_name(m->dtype), "shared_expert_ffn_hidden",
+                              (json_int_t)m->shared_expert_ffn_hidden, "shared_expert_gate", m->shared_expert_gate);
+    json_t *parallel = json_pack(
+        "{s:I, s:I, s:I, s:I, s:s, s:f, s:s, s:b, s:b, s:b}", "ranks", (json_int_t)p->ranks, "expert_parallel",
+        (json_int_t)p->expert_parallel, "expert_tensor_parallel", (json_int_t)p->expert_tensor_parallel,
+        "expert_data_parallel", (json_int_t)p->expert_data_parallel, "device",
+        p->device >= 0 && p->device <= 2 ? devices[p->device] : "auto", "timeout_s", p->timeout_s, "cuda_graph",
+        moert_cuda_graph_mode_name(p->cuda_graph), "overlap_wgrad", p->overlap_wgrad, "shared_expert_overlap",
+        p->shared_expert_overlap, "offload_defer_start", p->offload_defer_start);
+    json_t *train = json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:f, s:f, s:f, s:f, s:s, s:s}", "steps",
+                              (json_int_t)t->steps, "tokens_per_rank", (json_int_t)t->tokens_per_rank, "micro_batches",
+                              (json_int_t)t->micro_batches, "seq_length", (json_int_t)t->seq_length, "seed",
+                              (json_int_t)t->seed, "log_every", (json_int_t)t->log_every, "lr", t->lr, "weight_decay", t->weight_decay,
+                              "teacher_scale", t->teacher_scale, "input_shift", t->input_shift, "data",
+                              t->repeat_batch ? "repeat" : "fresh", "optimizer",
+                              t->optimizer == MOERT_OPTIMIZER_SGD ? "sgd" : "adam");
+    if (!model || !parallel || !train) {
+        json_decref(model);
+        json_decref(parallel);
+        json_decref(train);
+        json_decref(root);
+        return NULL;
+    }
+    /* the core's sections replace what the file wrote (a key the core does not read was refused at load) */
+    json_object_set_new(root, "name", json_string(cfg->name));
+    json_object_set_new(root, "model", model);
+    json_object_set_new(root, "parallel", parallel);
+    json_object_set_new(root, "train", train);
+    for (int s = 0; s < MOERT_SLOT_COUNT; s++) {
+        json_t *sec = json_object_get(root, slot_keys[s]);
+        if (!json_is_object(sec)) {
+            sec = json_object();
+            json_object_set_new(root, slot_keys[s], sec);
+        }
+        json_object_set_new(sec, "plugin", json_string(cfg->plugin[s]));
+    }
+    return root;
+}
+
+/* The value at a dotted key of the resolved config, or NULL (with the error set); *root must be freed after use. */
+static json_t *config_lookup(const moert_config *cfg, const char *dotted_key, json_t **root)
+{
+    *root = NULL;
+    if (!cfg || !dotted_key) {
+        moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_config_get: cfg or dotted_key is NULL");
+        return NULL;
+    }
+    *root = resolved_json(cfg);
+    if (!*root) {
+        moert_error(MOERT_ERR_OUT_OF_MEMORY, "moert_config_get: out of memory");
+        return NULL;
+    }
+    json_t *v = *root;
+    const char *at = dotted_key;
+    while (v && *at) {
+        const char *dot = strchr(at, '.');
+        size_t n = dot ? (size_t)(dot - at) : strlen(at);
+        char key[256];
+        if (n >= sizeof key) break;
+        memcpy(key, at, n);
+        key[n] = '\0';
+        v = json_is_object(v) ? json_object_get(v, key) : NULL;
+        at = dot ? dot + 1 : at + n;
+    }
+    if (!v || *at) moert_error(MOERT_ERR_NOT_FOUND, "%s: no value at $.%s", cfg->source, dotted_key);
+    return v && !*at ? v : NULL;
+}
+
+MOERT_API moert_result moert_config_get_json(const moert_config *cfg, const char *dotted_key, char *buf, size_t size)
+{
+    json_t *root = NULL;
+    json_t *v = config_lookup(cfg, dotted_key, &root);
+    moert_result rc = MOERT_OK;
+    if (!v) rc = root ? MOERT_ERR_NOT_FOUND : MOERT_ERR_INVALID_ARGUMENT;
+    if (v) {
+        char *text = json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT | JSON_REAL_PRECISION(17));
+        if (!text)
+            rc = moert_error(MOERT_ERR_OUT_OF_MEMORY, "moert_config_get_json: out of memory");
+        else if (!buf || strlen(text) >= size)
+            rc = moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_config_get_json: $.%s takes %zu bytes, buf has %zu",
+                             dotted_key, strlen(text) + 1, size);
+        else
+            memcpy(buf, text, strlen(text) + 1);
+        free(text);
+    }
+    json_decref(root);
+    return rc;
+}
+
+/* A number or boolean of the resolved config as double and int64 (both exact where the value is an integer). */
+static moert_result config_get_number(const moert_config *cfg, const char *dotted_key, double *real, int64_t *integer)
+{
+    json_t *root = NULL;
+    json_t *v = config_lookup(cfg, dotted_key, &root);
+    moert_result rc = MOERT_OK;
+    if (!v)
+        rc = root ? MOERT_ERR_NOT_FOUND : MOERT_ERR_INVALID_ARGUMENT;
+    else if (json_is_integer(v)) {
+        *integer = (int64_t)json_integer_value(v);
+        *real = (double)*integer;
+    } else if (json_is_real(v)) {
+        *real = json_real_value(v);
+        *integer = (int64_t)*real;
+    } else if (json_is_boolean(v)) {
+        *integer = json_is_true(v);
+        *real = (double)*integer;
+    } else {
+        rc = moert_error(MOERT_ERR_CONFIG, "%s: $.%s is not a number", cfg->source, dotted_key);
+    }
+    json_decref(root);
+    return rc;
+}
+
+MOERT_API moert_result moert_config_get_int(const moert_config *cfg, const char *dotted_key, int64_t *out)
+{
+    double real = 0.0;
+    return config_get_number(cfg, dotted_key, &real, out);
+}
+
+MOERT_API moert_result moert_config_get_double(const moert_config *cfg, const char *dotted_key, double *out)
+{
+    int64_t integer = 0;
+    return config_get_number(cfg, dotted_key, out, &integer);
+}
+
+MOERT_API moert_result moert_config_get_string(const moert_config *cfg, const char *dotted_key, char *buf,
+                                               size_t size)
+{
+    json_t *root = NULL;
+    json_t *v = config_lookup(cfg, dotted_key, &root);
+    moert_result rc = MOERT_OK;
+    if (!v)
+        rc = root ? MOERT_ERR_NOT_FOUND : MOERT_ERR_INVALID_ARGUMENT;
+    else if (!json_is_string(v))
+        rc = moert_error(MOERT_ERR_CONFIG, "%s: $.%s is not a string", cfg->source, dotted_key);
+    else if (!buf || json_string_length(v) >= size)
+        rc = moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_config_get_string: $.%s takes %zu bytes, buf has %zu",
+                         dotted_key, json_string_length(v) + 1, size);
+    else
+        memcpy(buf, json_string_value(v), json_string_length(v) + 1);
+    json_decref(root);
+    return rc;
+}
+
+MOERT_API const char *moert_config_source(const moert_config *cfg) { return cfg ? cfg->source : ""; }

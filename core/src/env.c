@@ -6,7 +6,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "error.h"
 #include "log.h"
+#include "moert/moert.h"
 
 extern char **environ;
 
@@ -102,4 +104,36 @@ const char *moert_env_get(moert_env_id id)
 {
     pthread_once(&noted_once, note_environment);
     return moert_env_raw(id);
+}
+
+MOERT_API int moert_env_table_size(moert_env_table table)
+{
+    int count = 0;
+    switch (table) {
+    case MOERT_ENV_TABLE_READ: moert_env_vars(&count); break;
+    case MOERT_ENV_TABLE_FOREIGN: moert_env_foreign_vars(&count); break;
+    case MOERT_ENV_TABLE_RETIRED: moert_env_retired_vars(&count); break;
+    default: break;
+    }
+    return count;
+}
+
+MOERT_API moert_result moert_env_table_entry(moert_env_table table, int index, moert_env_entry *out)
+{
+    if (!out || index < 0 || index >= moert_env_table_size(table))
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_env_table_entry: no entry %d in table %d", index,
+                           (int)table);
+    int count = 0;
+    memset(out, 0, sizeof *out);
+    if (table == MOERT_ENV_TABLE_READ) {
+        const moert_env_var *v = &moert_env_vars(&count)[index];
+        *out = (moert_env_entry){.name = v->name, .type = v->type, .default_text = v->default_text, .help = v->help};
+    } else if (table == MOERT_ENV_TABLE_FOREIGN) {
+        const moert_env_foreign *v = &moert_env_foreign_vars(&count)[index];
+        *out = (moert_env_entry){.name = v->name, .help = v->help};
+    } else {
+        const moert_env_retired *v = &moert_env_retired_vars(&count)[index];
+        *out = (moert_env_entry){.name = v->name, .help = v->instead};
+    }
+    return MOERT_OK;
 }

@@ -24,6 +24,17 @@ moert_result moert_error(moert_result code, const char *fmt, ...)
     return code;
 }
 
+MOERT_API moert_result moert_set_last_error(moert_result code, const char *fmt, ...)
+{
+    char text[MOERT_ERROR_BUFFER_SIZE];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof text, fmt, ap);
+    va_end(ap);
+    memcpy(error_buffer, text, sizeof text);
+    return code;
+}
+
 /* Appends text to buf (size bytes, NUL-terminated), cutting what does not fit. */
 static void append_text(char *buf, size_t size, const char *text)
 {

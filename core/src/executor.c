@@ -13,7 +13,7 @@
 #ifdef MOERT_HAVE_CUDA
 #include "cuda/device.h"
 #endif
-#include "task.h"
+#include "random.h"
 #include "tensor_ops.h"
 
 const char *moert_stage_name(moert_stage s)

@@ -216,7 +216,7 @@ static void collect_search_dirs(dir_list *l)
 }
 
 /* The directories searched, ':'-joined. */
-void moert_plugin_search_path(char *buf, size_t size)
+MOERT_API void moert_plugin_search_path(char *buf, size_t size)
 {
     dir_list l = {0};
     collect_search_dirs(&l);
@@ -474,7 +474,7 @@ static void exit_handler(void)
     _exit(1);
 }
 
-void moert_plugin_guard_crashes(void)
+MOERT_API void moert_plugin_guard_crashes(void)
 {
     static bool installed = false;
     if (installed) return;
@@ -576,7 +576,7 @@ static moert_plugin_kind kind_from_file_name(const char *file)
 static int compare_names(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
 /* Lists every libmoert-*.so along the search path (each directory once, names sorted), without loading it. */
-int moert_plugin_list_files(moert_plugin_file_fn fn, void *user)
+MOERT_API int moert_plugin_list_files(moert_plugin_file_fn fn, void *user)
 {
     dir_list dirs = {0};
     collect_search_dirs(&dirs);
@@ -641,4 +641,79 @@ int moert_plugin_scan(moert_plugin_visit_fn fn, void *user)
 {
     scan_call c = {fn, user};
     return moert_plugin_list_files(scan_one, &c);
+}
+
+MOERT_API moert_result moert_plugin_describe(moert_plugin_kind kind, const char *path, moert_plugin_description *out)
+{
+    if (!path || !out) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_plugin_describe: path or out is NULL");
+    if (out->struct_size < sizeof *out)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_plugin_describe: out->struct_size %u, expected %zu",
+                           out->struct_size, sizeof *out);
+    moert_plugin p;
+    moert_result rc = moert_plugin_open_file(kind, path, &p);
+    if (rc != MOERT_OK) return rc;
+    const moert_plugin_header *h = p.header;
+    memset(out, 0, sizeof *out);
+    out->struct_size = sizeof *out;
+    out->kind = p.kind;
+    out->kind_name = moert_kind_name(p.kind);
+    snprintf(out->name, sizeof out->name, "%s", h->name);
+    snprintf(out->version, sizeof out->version, "%s", h->version ? h->version : "");
+    snprintf(out->description, sizeof out->description, "%s", h->description ? h->description : "");
+    snprintf(out->path, sizeof out->path, "%s", path);
+    out->devices = h->devices;
+    out->dtypes = h->dtypes;
+    out->flags = h->flags;
+    moert_plugin_unload(&p);
+    return MOERT_OK;
+}
+
+/* The config key of a kind's section, for the options' JSON paths. */
+static const char *section_key_of(moert_plugin_kind kind)
+{
+    for (int s = 0; s < MOERT_SLOT_COUNT; s++)
+        if (moert_slot_kind((moert_slot)s) == kind) return moert_slot_key((moert_slot)s);
+    return "plugin";
+}
+
+MOERT_API moert_result moert_plugin_list_options(moert_plugin_kind kind, const char *path, moert_plugin_option_fn fn,
+                                                 void *user)
+{
+    if (!path || !fn) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_plugin_list_options: path or fn is NULL");
+    moert_plugin p;
+    moert_result rc = moert_plugin_open_file(kind, path, &p);
+    if (rc != MOERT_OK) return rc;
+    char json_path[64], who[256];
+    snprintf(json_path, sizeof json_path, "$.%s", section_key_of(p.kind));
+    snprintf(who, sizeof who, "%s[%s] describe", moert_kind_name(p.kind), p.header->name);
+    moert_section *sec = moert_section_create(NULL, json_path);
+    moert_host *host = NULL;
+    void *ctx = NULL;
+    if (!sec) {
+        moert_plugin_unload(&p);
+        return moert_error(MOERT_ERR_OUT_OF_MEMORY, "moert_plugin_list_options: out of memory");
+    }
+    /* describe mode: every option the plugin reads is recorded with its type, default, range and help */
+    moert_section_set_describe(sec, true);
+    moert_host_setup setup = {.who = who, .options = sec, .comm = NULL, .rank = 0, .world_size = 1,
+                              .device = moert_cpu()};
+    moert_layer_info layer = {.struct_size = sizeof layer, .layer_index = 0, .num_layers = 1, .hidden = 64,
+                              .ffn_hidden = 128, .num_experts = 8, .topk = 2, .num_local_experts = 8,
+                              .first_local_expert = 0, .max_tokens = 256, .dtype = MOERT_F32, .device = moert_cpu()};
+    rc = moert_host_create(&setup, &host);
+    if (rc == MOERT_OK) rc = moert_plugin_init(&p, &ctx, host, &layer);
+    char saved[2048] = "";
+    if (rc != MOERT_OK) snprintf(saved, sizeof saved, "%s", moert_error_message());
+    for (int i = 0; i < moert_section_option_count(sec); i++) {
+        const moert_option_desc *d = moert_section_option(sec, i);
+        moert_plugin_option option = {.key = d->key, .type = d->type, .default_text = d->def, .range = d->range,
+                                      .help = d->help};
+        fn(user, &option);
+    }
+    if (ctx) moert_plugin_finalize(&p, ctx);
+    moert_host_free(host);
+    moert_section_free(sec);
+    moert_plugin_unload(&p);
+    if (rc != MOERT_OK) moert_error(rc, "%s", saved);
+    return rc;
 }

@@ -36,20 +36,13 @@ typedef void (*moert_plugin_visit_fn)(void *user, const moert_plugin *p, const c
                                       const char *error);
 int moert_plugin_scan(moert_plugin_visit_fn fn, void *user);
 
-/* For the moert command: when a plugin's init or finalize crashes (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT) or
- * calls exit(), prints to stderr which plugin, which call, layer and rank (then the signal takes its course; an
- * exit becomes status 1). Installs signal handlers and an atexit handler once; libraries embedding moert need not. */
-void moert_plugin_guard_crashes(void);
 
 /* Opens and checks one file as a plugin of kind, labelled as `moert plugins` lists it (no init). */
 moert_result moert_plugin_open_file(moert_plugin_kind kind, const char *path, moert_plugin *out);
 
-/* Calls fn for every libmoert-*.so along the search path without loading it: its path and the kind its name says
- * (0 when the name says none). Returns the number of files. */
-typedef void (*moert_plugin_file_fn)(void *user, const char *path, moert_plugin_kind kind);
-int moert_plugin_list_files(moert_plugin_file_fn fn, void *user);
 
-/* The directories searched, in order, ':'-joined (for messages and `moert plugins`). */
-void moert_plugin_search_path(char *buf, size_t size);
+
+/* moert_plugin_guard_crashes, moert_plugin_list_files, moert_plugin_search_path, moert_plugin_describe and
+ * moert_plugin_list_options are public (moert/moert.h). */
 
 #endif

@@ -38,4 +38,9 @@ static inline MOERT_HOST_DEVICE double moert_normal_at(uint64_t seed, uint64_t s
     return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
 }
 
+/* The random streams of moert's initial parameters (moert_layers_init_params): layer l's parameter p draws from
+ * MOERT_STREAM_PARAM + 4 l + p, its shared expert's from MOERT_STREAM_SHARED_PARAM + 4 l + (p - MOERT_PARAM_SHARED_FC1).
+ * Streams below 16 are left to the callers' own data (moert's trainer draws its synthetic task from 1 to 4). */
+enum { MOERT_STREAM_PARAM = 16, MOERT_STREAM_SHARED_PARAM = 1 << 30 };
+
 #endif

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Stack: the MoE layers of one rank with their plugin instances and host services, made from a config. Shared by
- * the embedding API (core/src/layers.c) and the runtime's trainer (core/src/runtime.c). */
+ * the embedding API (core/src/layers.c) and the runtime's trainer (harness/runtime.c). */
 #ifndef MOERT_CORE_STACK_H
 #define MOERT_CORE_STACK_H
 

@@ -5,7 +5,7 @@
 #include <math.h>
 
 #include "error.h"
-#include "task.h"
+#include "random.h"
 #ifdef MOERT_HAVE_CUDA
 #include "cuda/device.h"
 #include "cuda/kernels.h"
@@ -199,6 +199,18 @@ moert_result moert_gate_backward(moert_stream s, const moert_tensor *x, const mo
     return MOERT_OK;
 }
 
+MOERT_API double moert_random_normal(uint64_t seed, uint64_t stream, uint64_t index)
+{
+    return moert_normal_at(seed, stream, index);
+}
+
+/* Fills a host tensor with std * N(0,1), element i taking index first_index + i. */
+static void fill_normal_host(moert_tensor *t, uint64_t seed, uint64_t stream, uint64_t first_index, double std)
+{
+    int64_t n = moert_tensor_numel(t);
+    for (int64_t i = 0; i < n; i++) moert_store(t, i, std * moert_normal_at(seed, stream, first_index + (uint64_t)i));
+}
+
 moert_result moert_fill_normal_on(moert_stream s, moert_tensor *t, uint64_t seed, uint64_t stream, uint64_t first,
                                   double std)
 {
@@ -207,7 +219,7 @@ moert_result moert_fill_normal_on(moert_stream s, moert_tensor *t, uint64_t seed
 #endif
     moert_result rc = require_cpu(t, "fill_normal");
     if (rc != MOERT_OK) return rc;
-    moert_fill_normal(t, seed, stream, first, std);
+    fill_normal_host(t, seed, stream, first, std);
     return MOERT_OK;
 }
 

@@ -5,7 +5,7 @@
  * one hot expert, rows and widths that are not multiples of 8, misaligned pointers. Outputs are poisoned
  * (NaN bytes) before each run so an unwritten element fails. Prints a table last. Exits 77 without a GPU. */
 #include "test_util.h"
-#include "task.h"
+#include "moert/moert.h"
 
 #ifndef MOERT_HAVE_CUDA
 

@@ -117,9 +117,13 @@ int main(void)
     if (moert_config_load_string("{\"model\": {\"hiden\": 1}}", "x", &cfg) != MOERT_ERR_CONFIG) return 2;
     if (!strstr(moert_last_error(), "did you mean \"hidden\"")) return 3;
     if (moert_config_load_string("{}", "x", &cfg) != MOERT_OK) return 4;
-    moert_runtime *rt = NULL;
-    if (moert_runtime_create(cfg, &rt) != MOERT_OK) return 5; /* plugins from the install dir */
-    moert_runtime_destroy(rt);
+    moert_launch launch = {.struct_size = sizeof launch, .rank = 0, .world_size = 1, .device = moert_cpu()};
+    moert_layers *layers = NULL;
+    if (moert_layers_create(cfg, &launch, &layers) != MOERT_OK) return 5; /* plugins from the install dir */
+    moert_layers_destroy(layers);
+    char plugin[1600];
+    if (moert_config_get_string(cfg, "router.plugin", plugin, sizeof plugin) != MOERT_OK) return 6;
+    if (strcmp(plugin, "topk") != 0) return 7;
     moert_config_free(cfg);
     return 0;
 }

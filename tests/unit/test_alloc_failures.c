@@ -10,6 +10,7 @@
 #include <stdlib.h>
 
 #include "test_util.h"
+#include "trainer.h"
 
 void *__real_malloc(size_t size);
 void *__real_calloc(size_t n, size_t size);

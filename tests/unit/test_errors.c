@@ -3,6 +3,7 @@
 #include <stdint.h>
 
 #include "test_util.h"
+#include "trainer.h"
 
 static char build_root[1024];
 

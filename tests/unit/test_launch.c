@@ -4,6 +4,7 @@
 #include <stdlib.h>
 
 #include "test_util.h"
+#include "trainer.h"
 #ifdef MOERT_HAVE_CUDA
 #include "cuda/device.h"
 #endif

@@ -23,8 +23,9 @@ extern "C" {
 
 /* Version of the embedding API below: 1 is the first. Appended functions and struct members raise it. 2: the expert
  * layout in moert_launch and moert_layers_info (MoE Parallel Folding, docs/parallel.md). 3: the shared expert's saved
- * activations in moert_layer_figures. 4: the experts alone (moert_experts_forward / _backward). */
-#define MOERT_API_VERSION 4
+ * activations in moert_layer_figures. 4: the experts alone (moert_experts_forward / _backward). 5: moert_random_normal,
+ * and in moert.h moert_set_last_error, the config getters, plugin listing and the environment tables. */
+#define MOERT_API_VERSION 5
 MOERT_API int moert_api_version(void);
 
 typedef struct moert_config moert_config;
@@ -148,6 +149,13 @@ MOERT_API moert_result moert_layers_bind_param(moert_layers *layers, int layer, 
 /* Writes moert's initial values into the bound parameters of every layer (normal, std 1/sqrt(H) for the router and fc1,
  * 0.5/sqrt(F) for fc2, from seed; the same values for any split over ranks), ordered on stream. Optional. */
 MOERT_API moert_result moert_layers_init_params(moert_layers *layers, uint64_t seed, moert_stream stream);
+
+/* The counter-based generator moert_layers_init_params draws from: the index-th standard normal number of (seed,
+ * stream), the same on any split over ranks and in any order. Layer l's parameter p takes stream 16 + 4 l + p (its
+ * shared expert's 2^30 + 4 l + p - MOERT_PARAM_SHARED_FC1) and index (its global element, over all experts), scaled
+ * by the std above: a caller can reproduce moert's initial weights, or draw reproducible data of its own from
+ * streams below 16. */
+MOERT_API double moert_random_normal(uint64_t seed, uint64_t stream, uint64_t index);
 
 /* Tells moert that the caller's optimizer changed the weights (once per optimizer step): precision plugins drop what
  * they derived from them, such as FP8 weight copies. */

@@ -35,32 +35,84 @@ MOERT_API moert_result moert_config_load_string(const char *json_text, const cha
 MOERT_API moert_result moert_config_set(moert_config *cfg, const char *dotted_key, const char *json_value);
 MOERT_API void moert_config_free(moert_config *cfg);
 
-/* ---- runtime: the configured MoE layer stack on every rank ---- */
+/* Sets the message moert_last_error() returns on this thread, and returns code: for code around moert (a trainer, a
+ * collectives table, a framework's glue) that reports its own failures through the same channel as moert's. */
+MOERT_API moert_result moert_set_last_error(moert_result code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
-typedef struct moert_runtime moert_runtime;
+/* ---- reading a config: its values after defaults and overrides ---- */
 
-/* Loads every plugin, checks all options, and initialises one instance per layer and rank. */
-MOERT_API moert_result moert_runtime_create(const moert_config *cfg, moert_runtime **out);
-MOERT_API void moert_runtime_destroy(moert_runtime *rt);
+/* The value at dotted_key as compact JSON text: "model.hidden" -> 64, "model.dtype" -> "fp32", "router" -> the whole
+ * section. The core's own keys ($.name, $.model, $.parallel, $.train and each plugin section's "plugin") read as moert
+ * resolved them: defaults filled in, a relative plugin path made absolute. A plugin's own options read as written;
+ * MOERT_ERR_NOT_FOUND where the config leaves them to their default (`moert plugins --options` lists those).
+ * MOERT_ERR_INVALID_ARGUMENT when buf (size bytes) is too small. */
+MOERT_API moert_result moert_config_get_json(const moert_config *cfg, const char *dotted_key, char *buf, size_t size);
+/* The same for one number, boolean (0 or 1 as an integer) or string value; a value of another type is
+ * MOERT_ERR_CONFIG. */
+MOERT_API moert_result moert_config_get_int(const moert_config *cfg, const char *dotted_key, int64_t *out);
+MOERT_API moert_result moert_config_get_double(const moert_config *cfg, const char *dotted_key, double *out);
+MOERT_API moert_result moert_config_get_string(const moert_config *cfg, const char *dotted_key, char *buf,
+                                               size_t size);
+/* The file the config was read from, or the source name given to moert_config_load_string. */
+MOERT_API const char *moert_config_source(const moert_config *cfg);
 
-typedef struct moert_train_options {
-    uint32_t struct_size;
-    FILE *progress;   /* a line per step goes here; NULL for quiet */
-    int64_t steps;    /* 0: the config's train.steps */
-    /* appended: a Chrome trace (JSON; Perfetto, chrome://tracing) of the stage spans of every rank's streams over the
-     * run, or NULL. With ranks as threads one file holds every rank; with a process per GPU rank N (N > 0) writes
-     * trace_path.rankN. */
-    const char *trace_path;
-} moert_train_options;
+/* ---- plugins: what is installed, and what each reads ---- */
 
-/* The first rank this process runs: 0 when one process runs every rank as a thread; RANK when a launcher
- * (torchrun, srun) started a process per GPU. Rank 0's process prints progress and writes reports. */
-MOERT_API int moert_runtime_rank(const moert_runtime *rt);
+/* Calls fn for every plugin file (libmoert-KIND-NAME.so) along the search path (MOERT_PLUGIN_PATH, the build tree,
+ * the install dir), in search order, without loading it: its path and the kind its name says (0 when it says none).
+ * Returns the number of files. */
+typedef void (*moert_plugin_file_fn)(void *user, const char *path, moert_plugin_kind kind);
+MOERT_API int moert_plugin_list_files(moert_plugin_file_fn fn, void *user);
+/* The directories searched, in order, ':'-joined. */
+MOERT_API void moert_plugin_search_path(char *buf, size_t size);
 
-/* Trains the layer stack on the config's synthetic task. */
-MOERT_API moert_result moert_runtime_train(moert_runtime *rt, const moert_train_options *opts);
-/* Writes every figure of the last run as JSON. */
-MOERT_API moert_result moert_runtime_write_report(const moert_runtime *rt, const char *path);
+/* What a plugin file's header declares. */
+typedef struct moert_plugin_description {
+    uint32_t struct_size;     /* sizeof(moert_plugin_description) */
+    moert_plugin_kind kind;
+    const char *kind_name;    /* "router", "dispatcher", "precision", "memory_policy" (static storage) */
+    char name[64], version[24], description[512], path[1024];
+    uint32_t devices, dtypes, flags; /* the header's capability bits (MOERT_CAP_*) */
+} moert_plugin_description;
+/* Loads the file as a plugin of kind, checks its ABI, copies what its header declares, and unloads it; the plugin is
+ * not started. Errors as for a config naming it (MOERT_ERR_ABI_MISMATCH, ...). */
+MOERT_API moert_result moert_plugin_describe(moert_plugin_kind kind, const char *path,
+                                             moert_plugin_description *out);
+
+/* One option a plugin reads from its config section; the strings live until the callback returns. */
+typedef struct moert_plugin_option {
+    const char *key, *type; /* type: "int", "float", "bool", "string" or "enum" */
+    const char *default_text, *range, *help;
+} moert_plugin_option;
+typedef void (*moert_plugin_option_fn)(void *user, const moert_plugin_option *option);
+/* Starts the plugin file once with all-default options on a default layer (H=64 F=128 E=8 K=2, 256 tokens, one
+ * rank, the CPU), calls fn for every option it read, in order, and finalizes it. Returns the start's result: the
+ * options read before a failing start are reported too. The plugin runs in this process; start an untrusted one in a
+ * child process. */
+MOERT_API moert_result moert_plugin_list_options(moert_plugin_kind kind, const char *path, moert_plugin_option_fn fn,
+                                                 void *user);
+
+/* For programs: when a plugin's init or finalize crashes (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT) or calls exit(),
+ * prints to stderr which plugin, which call, layer and rank (then the signal takes its course; an exit becomes status
+ * 1). Installs signal handlers and an atexit handler once; libraries embedding moert need not call it. */
+MOERT_API void moert_plugin_guard_crashes(void);
+
+/* ---- the environment variables moert reads ---- */
+
+typedef enum moert_env_table {
+    MOERT_ENV_TABLE_READ = 0,    /* moert's own variables (MOERT_LOG, MOERT_PLUGIN_PATH, ...) */
+    MOERT_ENV_TABLE_FOREIGN = 1, /* launchers' and NCCL's that moert reads (RANK, WORLD_SIZE, ...) */
+    MOERT_ENV_TABLE_RETIRED = 2  /* MOERT_* variables earlier versions read: set, they are warned about */
+} moert_env_table;
+typedef struct moert_env_entry {
+    const char *name;
+    const char *type;         /* READ: how the value reads, e.g. "error|warn|info|debug"; NULL in the other tables */
+    const char *default_text; /* READ: what holds when it is unset; NULL in the other tables */
+    const char *help;         /* READ and FOREIGN: one line; RETIRED: what replaced it */
+} moert_env_entry;
+/* The number of entries of a table, and entry `index` of it (static strings). */
+MOERT_API int moert_env_table_size(moert_env_table table);
+MOERT_API moert_result moert_env_table_entry(moert_env_table table, int index, moert_env_entry *out);
 
 #ifdef __cplusplus
 }

@@ -1,22 +1,15 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The synthetic training task: reproducible random data and a fixed random teacher to regress onto. */
-#ifndef MOERT_CORE_TASK_H
-#define MOERT_CORE_TASK_H
+#ifndef MOERT_HARNESS_TASK_H
+#define MOERT_HARNESS_TASK_H
 
 #include "moert/moert.h"
 
-/* A standard normal number that depends only on (seed, stream, index): any split over ranks sees the same. */
-double moert_random_normal(uint64_t seed, uint64_t stream, uint64_t index);
-
-/* Fills a host tensor with std * N(0,1), element i taking index first_index + i. */
-void moert_fill_normal(moert_tensor *t, uint64_t seed, uint64_t stream, uint64_t first_index, double std);
-
-/* Random streams of the task, so parameters and data never share numbers. */
+/* Random streams of the task (moert_random_normal), below the streams of moert's initial parameters (16 and up), so
+ * parameters and data never share numbers. */
 enum {
     MOERT_STREAM_INPUT = 1,
-    MOERT_STREAM_TEACHER = 2,
-    MOERT_STREAM_PARAM = 16, /* + 4 * layer + which */
-    MOERT_STREAM_SHARED_PARAM = 1 << 30 /* + 4 * layer + which - MOERT_PARAM_SHARED_FC1: the shared expert's */
+    MOERT_STREAM_TEACHER = 2 /* 2, 3 and 4: the teacher's A, B and input mean */
 };
 
 /* target = x + scale * (silu(x A1) * (x A2)) B: a dense SwiGLU MLP with a residual, fixed by the seed. */

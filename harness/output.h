@@ -1,11 +1,11 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Output files (reports, tables, plots): checked before a run starts and written atomically. */
-#ifndef MOERT_CORE_OUTPUT_H
-#define MOERT_CORE_OUTPUT_H
+#ifndef MOERT_HARNESS_OUTPUT_H
+#define MOERT_HARNESS_OUTPUT_H
 
 #include <stdio.h>
 
-#include "moert/plugin.h"
+#include "moert/moert.h"
 
 /*
  * Checks, before any work starts, that `path` can take an output: it is not one of the `ninputs` input files (the

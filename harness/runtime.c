@@ -1,5 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Runtime: loads the configured plugins, runs one thread per rank, and trains the layer stack. */
+/* moert's own trainer: loads the configured plugins, runs one thread per rank, and trains the layer stack on the
+ * synthetic task. Part of the harness (harness/trainer.h), not of libmoert; the step loop still drives the core's
+ * stack, executor and activation store directly (docs/api.md, "moert's own trainer", lists what it reaches). */
 #include "runtime.h"
 
 #include <errno.h>
@@ -1335,4 +1337,39 @@ moert_result moert_runtime_param(moert_runtime *rt, int layer, moert_param_id wh
         }
     }
     return MOERT_OK;
+}
+
+/* ---- figures for reports and comparisons ---- */
+
+void moert_runtime_summary(const moert_runtime *rt, moert_run_summary *out)
+{
+    memset(out, 0, sizeof *out);
+    out->cfg = rt->cfg;
+    out->world = rt->world;
+    out->device_type = rt->device_type;
+    out->device_name = rt->device_name;
+    for (int s = 0; s < MOERT_SLOT_COUNT; s++) {
+        const moert_plugin *p = &rt->plugins[s];
+        out->plugins[s] = (moert_run_plugin){.kind = moert_kind_name(p->kind), .name = p->header->name,
+                                             .version = p->header->version ? p->header->version : "",
+                                             .path = p->path};
+    }
+    out->records = rt->records;
+    out->record_count = rt->record_count;
+    out->final_counts = rt->final_counts;
+    out->final_bias = rt->final_bias;
+    out->bias_start = rt->bias_start;
+    memcpy(out->activation_bytes, rt->activation_bytes, sizeof out->activation_bytes);
+    out->kept_bytes = rt->kept_bytes;
+    out->device_peak_bytes = rt->device_peak_bytes;
+    out->device_pool_calls = rt->device_pool_calls;
+    out->total_seconds = rt->total_seconds;
+    out->graph_captured_step = rt->graph_captured_step;
+    out->graph_replays = rt->graph_replays;
+    out->graph_capture_seconds = rt->graph_capture_seconds;
+}
+
+void moert_runtime_memory_line(const moert_runtime *rt, char *buf, size_t size)
+{
+    moert_memory_estimate_line(&rt->memory, buf, size);
 }

@@ -1,38 +1,26 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Synthetic task: counter-based random numbers and the teacher function. */
+/* The synthetic task of the trainer: reproducible inputs and the teacher function they are regressed onto. */
 #include "task.h"
 
 #include <math.h>
 #include <stdlib.h>
 
-#include "error.h"
-#include "random.h"
-
-double moert_random_normal(uint64_t seed, uint64_t stream, uint64_t index)
-{
-    return moert_normal_at(seed, stream, index);
-}
-
-void moert_fill_normal(moert_tensor *t, uint64_t seed, uint64_t stream, uint64_t first_index, double std)
-{
-    int64_t n = moert_tensor_numel(t);
-    for (int64_t i = 0; i < n; i++) moert_store(t, i, std * moert_random_normal(seed, stream, first_index + (uint64_t)i));
-}
+#include "harness.h"
 
 moert_result moert_teacher_create(int64_t hidden, uint64_t seed, double scale, double input_shift, moert_teacher **out)
 {
     moert_result rc = MOERT_OK;
     moert_teacher *t = calloc(1, sizeof *t);
-    MOERT_CHECK_ALLOC(t);
+    HARNESS_CHECK_ALLOC(t);
     t->hidden = hidden;
     t->width = 2 * hidden < 128 ? 2 * hidden : 128; /* a narrow teacher: cheap on the CPU for big H */
     t->scale = scale;
     t->a = malloc(sizeof(double) * (size_t)(hidden * 2 * t->width));
     t->b = malloc(sizeof(double) * (size_t)(t->width * hidden));
-    MOERT_CHECK_ALLOC(t->a);
-    MOERT_CHECK_ALLOC(t->b);
+    HARNESS_CHECK_ALLOC(t->a);
+    HARNESS_CHECK_ALLOC(t->b);
     t->input_mean = malloc(sizeof(double) * (size_t)hidden);
-    MOERT_CHECK_ALLOC(t->input_mean);
+    HARNESS_CHECK_ALLOC(t->input_mean);
     for (int64_t i = 0; i < hidden; i++) t->input_mean[i] = input_shift * moert_random_normal(seed, MOERT_STREAM_TEACHER + 2, (uint64_t)i);
     for (int64_t i = 0; i < hidden * 2 * t->width; i++)
         t->a[i] = moert_random_normal(seed, MOERT_STREAM_TEACHER, (uint64_t)i) / sqrt((double)hidden);

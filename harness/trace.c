@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
+#include "harness.h"
 #include "output.h"
 
 moert_result moert_trace_add(moert_trace *t, const moert_trace_span *span)
@@ -14,7 +14,7 @@ moert_result moert_trace_add(moert_trace *t, const moert_trace_span *span)
     if (t->count == t->capacity) {
         int64_t capacity = t->capacity ? 2 * t->capacity : 256;
         moert_trace_span *grown = realloc(t->spans, (size_t)capacity * sizeof *grown);
-        if (!grown) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "growing the trace to %lld spans", (long long)capacity);
+        if (!grown) return moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "growing the trace to %lld spans", (long long)capacity);
         t->spans = grown;
         t->capacity = capacity;
     }
@@ -53,7 +53,7 @@ moert_result moert_trace_write(const moert_trace *traces, int count, const char 
     if (!root || !events) {
         json_decref(root);
         json_decref(events);
-        return moert_error(MOERT_ERR_OUT_OF_MEMORY, "building the trace");
+        return moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "building the trace");
     }
     json_object_set_new(root, "traceEvents", events);
     json_object_set_new(root, "displayTimeUnit", json_string("ms"));
@@ -78,7 +78,7 @@ moert_result moert_trace_write(const moert_trace *traces, int count, const char 
                                   s->dur_us > 0.0 ? s->dur_us : 0.0, "args", "layer", s->layer, "step",
                                   (json_int_t)s->step, "micro_batch", (json_int_t)s->micro);
             if (!e || json_array_append_new(events, e) != 0) {
-                rc = moert_error(MOERT_ERR_OUT_OF_MEMORY, "building the trace");
+                rc = moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "building the trace");
                 goto exit;
             }
         }

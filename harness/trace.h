@@ -1,12 +1,12 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Trace: the stage spans of every rank's streams over a run, written as a Chrome trace (JSON, opened by Perfetto or
  * chrome://tracing), so a user sees what runs where and what overlaps (`moert run --trace FILE`, docs/executor.md). */
-#ifndef MOERT_CORE_TRACE_H
-#define MOERT_CORE_TRACE_H
+#ifndef MOERT_HARNESS_TRACE_H
+#define MOERT_HARNESS_TRACE_H
 
 #include <stdint.h>
 
-#include "moert/plugin.h"
+#include "moert/moert.h"
 
 /* One span: what ran, on which rank and stream, from when (microseconds since the run started) and how long. */
 typedef struct moert_trace_span {
