@@ -36,11 +36,11 @@
 #include "cuda/pool.h"
 #include "moert/dispatcher.h"
 
-#define MAX_GPUS 8
-#define MAX_VARIANTS 48
-#define MAX_REPEATS 200
-#define WARMUP 3
-#define NVLINK_GBS 450.0
+#define MAX_GPUS       8
+#define MAX_VARIANTS   48
+#define MAX_REPEATS    200
+#define WARMUP         3
+#define NVLINK_GBS     450.0
 #define DEEPEP_TIMEOUT "\"timeout_ms\": 10000" /* a stalled peer fails a call within 10 s, never hangs the bench */
 
 static pthread_mutex_t die_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -55,24 +55,24 @@ static void die(void)
     _exit(1);
 }
 
-#define CK(call)                                                                                             \
-    do {                                                                                                     \
-        cudaError_t e_ = (call);                                                                             \
-        if (e_ != cudaSuccess) {                                                                             \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));    \
-            die();                                                                                           \
-        }                                                                                                    \
+#define CK(call)                                                                                                       \
+    do {                                                                                                               \
+        cudaError_t e_ = (call);                                                                                       \
+        if (e_ != cudaSuccess) {                                                                                       \
+            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));              \
+            die();                                                                                                     \
+        }                                                                                                              \
     } while (0)
 
 /* A plugin call that must succeed: the benchmark stops otherwise. */
-#define PCALL(ti, call)                                                                                      \
-    do {                                                                                                     \
-        moert_result r_ = (call);                                                                            \
-        if (r_ != MOERT_OK) {                                                                                \
-            fprintf(stderr, "%s:%d: %s failed (%s): %s\n", __FILE__, __LINE__, #call, moert_result_name(r_), \
-                    moert_host_take_error((ti)->host));                                                      \
-            die();                                                                                           \
-        }                                                                                                    \
+#define PCALL(ti, call)                                                                                                \
+    do {                                                                                                               \
+        moert_result r_ = (call);                                                                                      \
+        if (r_ != MOERT_OK) {                                                                                          \
+            fprintf(stderr, "%s:%d: %s failed (%s): %s\n", __FILE__, __LINE__, #call, moert_result_name(r_),           \
+                    moert_host_take_error((ti)->host));                                                                \
+            die();                                                                                                     \
+        }                                                                                                              \
     } while (0)
 
 typedef enum op_kind { OP_DISPATCH, OP_COMBINE } op_kind;
@@ -81,9 +81,9 @@ typedef struct variant {
     char name[64];
     const char *plugin;
     char options[96];
-    int num_sms;           /* 0 for alltoall */
+    int num_sms; /* 0 for alltoall */
     bool fp8;
-    bool nvlink_only;       /* deepep with bench_nvlink_only: the NVLink phase alone (rows cross, arrive, released) */
+    bool nvlink_only; /* deepep with bench_nvlink_only: the NVLink phase alone (rows cross, arrive, released) */
     op_kind op;
     double ms[MAX_REPEATS]; /* per repeat: the largest over ranks */
     double bytes;           /* the largest over ranks */
@@ -178,8 +178,10 @@ static void time_calls(rank_state *st, test_instance *ti, variant *v)
         CK(cudaStreamSynchronize(st->stream));
         barrier(st->rank);
         CK(cudaEventRecord(e0, st->stream));
-        if (v->op == OP_DISPATCH) PCALL(ti, vt->dispatch(ti->ctx, s, &da));
-        else PCALL(ti, vt->combine(ti->ctx, s, &ca));
+        if (v->op == OP_DISPATCH)
+            PCALL(ti, vt->dispatch(ti->ctx, s, &da));
+        else
+            PCALL(ti, vt->combine(ti->ctx, s, &ca));
         CK(cudaEventRecord(e1, st->stream));
         CK(cudaEventSynchronize(e1));
         float ms = 0;
@@ -244,7 +246,8 @@ static void check_against_alltoall(rank_state *st)
     moert_tensor ye = moert_tensor_2d(st->y_expert, gpu, MOERT_BF16, cap, B.H);
     moert_tensor ref_rx = moert_tensor_2d(st->ref_recv, gpu, MOERT_BF16, cap, B.H);
     moert_tensor ref_y = moert_tensor_2d(st->ref_y, gpu, MOERT_BF16, st->T, B.H);
-    moert_dispatch_args da = {.struct_size = sizeof da, .x = &x, .topk_probs = &p, .recv_x = &ref_rx, .recv_probs = &rp};
+    moert_dispatch_args da = {
+        .struct_size = sizeof da, .x = &x, .topk_probs = &p, .recv_x = &ref_rx, .recv_probs = &rp};
     moert_combine_args ca = {.struct_size = sizeof ca, .y_expert = &ye, .y = &ref_y};
     const moert_dispatcher_v1 *vt = (const moert_dispatcher_v1 *)a.plugin.header;
     PCALL(&a, vt->dispatch(a.ctx, s, &da));
@@ -336,7 +339,8 @@ static void rank_main(int rank, void *user)
     for (int i = 0; i < B.nv; i++) {
         variant *v = &B.v[i];
         if (v->op == OP_COMBINE && i > 0 && !strcmp(B.v[i - 1].options, v->options)) continue; /* done with dispatch */
-        if (rank == 0) printf("timing %s%s\n", v->name, i + 1 < B.nv && B.v[i + 1].op == OP_COMBINE ? " (and its combine)" : "");
+        if (rank == 0)
+            printf("timing %s%s\n", v->name, i + 1 < B.nv && B.v[i + 1].op == OP_COMBINE ? " (and its combine)" : "");
         test_instance ti;
         open_instance(&st, &ti, v->plugin, v->options);
         prepare(&st, &ti);
@@ -369,7 +373,10 @@ static variant *add_variant(const char *plugin, int sms, bool fp8, bool nvlink_o
         snprintf(v->options, sizeof v->options, "{\"num_sms\": %d, %s%s%s}", sms, DEEPEP_TIMEOUT,
                  fp8 ? ", \"dispatch_dtype\": \"fp8\"" : "", nvlink_only ? ", \"bench_nvlink_only\": true" : "");
         snprintf(v->name, sizeof v->name, "deepep %s %s %s SMs%s", op == OP_DISPATCH ? "dispatch" : "combine",
-                 op == OP_COMBINE ? "bf16" : fp8 ? "fp8" : "bf16", count, nvlink_only ? " nvlink" : "");
+                 op == OP_COMBINE ? "bf16"
+                 : fp8            ? "fp8"
+                                  : "bf16",
+                 count, nvlink_only ? " nvlink" : "");
     } else {
         snprintf(v->options, sizeof v->options, "{}");
         snprintf(v->name, sizeof v->name, "alltoall %s bf16", op == OP_DISPATCH ? "dispatch" : "combine");
@@ -410,7 +417,8 @@ int main(int argc, char **argv)
             add_variant("deepep", sms, true, false, OP_DISPATCH);
         }
         if (nvlink_phase) {
-            add_variant("deepep", sms, false, true, OP_DISPATCH); /* the NVLink phase alone: what DeepEP's figures are */
+            add_variant("deepep", sms, false, true,
+                        OP_DISPATCH); /* the NVLink phase alone: what DeepEP's figures are */
             add_variant("deepep", sms, false, true, OP_COMBINE);
             add_variant("deepep", sms, true, true, OP_DISPATCH);
         }
@@ -432,8 +440,10 @@ int main(int argc, char **argv)
 
     struct cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
-    printf("\ndispatch_bench: EP%d on %s, T %lld per rank, H %lld, top-%lld of %lld experts, uniform routing, median of "
-           "%d\n", B.gpus, prop.name, (long long)B.T, (long long)B.H, (long long)B.K, (long long)B.E, B.repeats);
+    printf(
+        "\ndispatch_bench: EP%d on %s, T %lld per rank, H %lld, top-%lld of %lld experts, uniform routing, median of "
+        "%d\n",
+        B.gpus, prop.name, (long long)B.T, (long long)B.H, (long long)B.K, (long long)B.E, B.repeats);
     printf("check: deepep bf16 recv_x vs alltoall: %lld bytes differ; combine relative error %.2e\n",
            (long long)B.check_diffs, B.check_combine_err);
     printf("%-32s  %10s  %12s  %9s  %12s\n", "variant", "time us", "MB per rank", "GB/s", "of 450 GB/s");
@@ -453,13 +463,17 @@ int main(int argc, char **argv)
         time_t now = time(NULL);
         char date[32];
         strftime(date, sizeof date, "%Y-%m-%d", gmtime(&now));
-        fprintf(f, "{\n  \"command\": \"bench/dispatch_bench %s\",\n  \"machine\": \"%s\",\n  \"gpus\": %d,\n"
-                   "  \"device\": \"%s\",\n  \"git\": \"%s\",\n  \"date\": \"%s\",\n",
-                argv[1], env_or("MOERT_BENCH_MACHINE", "unknown"), B.gpus, prop.name, env_or("MOERT_BENCH_GIT", "unknown"),
-                date);
-        fprintf(f, "  \"shape\": {\"tokens_per_rank\": %lld, \"hidden\": %lld, \"topk\": %lld, \"experts\": %lld, "
-                   "\"routing\": \"uniform\"},\n", (long long)B.T, (long long)B.H, (long long)B.K, (long long)B.E);
-        fprintf(f, "  \"check\": {\"recv_x_bytes_differ_vs_alltoall\": %lld, \"combine_rel_error_vs_alltoall\": %.3e},\n",
+        fprintf(f,
+                "{\n  \"command\": \"bench/dispatch_bench %s\",\n  \"machine\": \"%s\",\n  \"gpus\": %d,\n"
+                "  \"device\": \"%s\",\n  \"git\": \"%s\",\n  \"date\": \"%s\",\n",
+                argv[1], env_or("MOERT_BENCH_MACHINE", "unknown"), B.gpus, prop.name,
+                env_or("MOERT_BENCH_GIT", "unknown"), date);
+        fprintf(f,
+                "  \"shape\": {\"tokens_per_rank\": %lld, \"hidden\": %lld, \"topk\": %lld, \"experts\": %lld, "
+                "\"routing\": \"uniform\"},\n",
+                (long long)B.T, (long long)B.H, (long long)B.K, (long long)B.E);
+        fprintf(f,
+                "  \"check\": {\"recv_x_bytes_differ_vs_alltoall\": %lld, \"combine_rel_error_vs_alltoall\": %.3e},\n",
                 (long long)B.check_diffs, B.check_combine_err);
         fprintf(f, "  \"nvlink_ceiling_gbs\": %.0f,\n  \"results\": [\n", NVLINK_GBS);
         for (int i = 0; i < B.nv; i++) {

@@ -46,13 +46,13 @@
 #include "precision_bf16_cuda.h"
 #include "precision_fp8_cuda.h"
 
-#define CK(call)                                                                                             \
-    do {                                                                                                     \
-        cudaError_t e_ = (call);                                                                             \
-        if (e_ != cudaSuccess) {                                                                             \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));    \
-            exit(1);                                                                                         \
-        }                                                                                                    \
+#define CK(call)                                                                                                       \
+    do {                                                                                                               \
+        cudaError_t e_ = (call);                                                                                       \
+        if (e_ != cudaSuccess) {                                                                                       \
+            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));              \
+            exit(1);                                                                                                   \
+        }                                                                                                              \
     } while (0)
 
 static char host_error[2048];
@@ -73,13 +73,13 @@ static void bench_set_error(const moert_host *h, const char *fmt, ...)
 
 static moert_host bench_host = {.struct_size = sizeof(moert_host), .log = bench_log, .set_error = bench_set_error};
 
-#define MOK(call)                                                                                            \
-    do {                                                                                                     \
-        moert_result r_ = (call);                                                                            \
-        if (r_ != MOERT_OK) {                                                                                \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, host_error);                \
-            exit(1);                                                                                         \
-        }                                                                                                    \
+#define MOK(call)                                                                                                      \
+    do {                                                                                                               \
+        moert_result r_ = (call);                                                                                      \
+        if (r_ != MOERT_OK) {                                                                                          \
+            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, host_error);                          \
+            exit(1);                                                                                                   \
+        }                                                                                                              \
     } while (0)
 
 typedef struct bench_shape {
@@ -96,12 +96,12 @@ static const bench_shape shapes[] = {
 /* The routing the row counts come from: deepseek-v3 at EP4 (tokens per rank, ranks, experts, top-k). */
 #define ROUTE_TOKENS 4096
 static int route_tokens = ROUTE_TOKENS; /* MOERT_BENCH_TOKENS */
-#define ROUTE_RANKS 4
-#define ROUTE_EXPERTS 256
-#define ROUTE_TOPK 8
+#define ROUTE_RANKS      4
+#define ROUTE_EXPERTS    256
+#define ROUTE_TOPK       8
 #define BLOCKWISE_TARGET 1.4 /* the speed-up over bf16 the blockwise recipe aims at (fwd+dgrad+wgrad) */
-#define MAX_REL_ERR 0.2      /* an FP8 variant further than this from bf16 computes something else: the bench fails */
-#define ERR_VALUES ((int64_t)4 << 20) /* outputs compared against bf16 */
+#define MAX_REL_ERR      0.2 /* an FP8 variant further than this from bf16 computes something else: the bench fails */
+#define ERR_VALUES       ((int64_t)4 << 20) /* outputs compared against bf16 */
 
 enum {
     V_BF16,
@@ -115,9 +115,15 @@ enum {
     V_BF16_WGMMA,
     V_COUNT
 };
-static const char *const variant_names[V_COUNT] = {"bf16", "fp8_blockwise", "fp8_current", "dense_bf16",
-                                                   "dense_fp8_blockwise", "bf16_first", "fp8_blockwise_first",
-                                                   "fp8_blockwise_cublaslt", "bf16_wgmma"};
+static const char *const variant_names[V_COUNT] = {"bf16",
+                                                   "fp8_blockwise",
+                                                   "fp8_current",
+                                                   "dense_bf16",
+                                                   "dense_fp8_blockwise",
+                                                   "bf16_first",
+                                                   "fp8_blockwise_first",
+                                                   "fp8_blockwise_cublaslt",
+                                                   "bf16_wgmma"};
 
 /* Whether variant v runs in pass: the "first micro-batch" ones (overwrite_grad_weight) in WGRAD only, the wgmma
  * engine in FORWARD and DGRAD only. */
@@ -161,8 +167,10 @@ static void block_tuning_from_env(moert_fp8_block_tuning *t)
                 if (!strcmp(item, keys[i])) found = i;
         }
         if (found < 0 || !end || end == eq + 1 || *end) {
-            fprintf(stderr, "fp8_gemm_bench: MOERT_BENCH_BLOCK: \"%s\" is not KEY=INTEGER with KEY one of tile_n, "
-                    "stages, pairs, pair_rows, cluster, clusters\n", item);
+            fprintf(stderr,
+                    "fp8_gemm_bench: MOERT_BENCH_BLOCK: \"%s\" is not KEY=INTEGER with KEY one of tile_n, "
+                    "stages, pairs, pair_rows, cluster, clusters\n",
+                    item);
             exit(2);
         }
         *fields[found] = (int)value;
@@ -227,8 +235,10 @@ static void *random_device(int64_t n, int fp32, double scale)
     if (!host) exit(1);
     for (int64_t i = 0; i < block; i++) {
         const float v = (float)(scale * (2 * rnd() - 1));
-        if (fp32) ((float *)host)[i] = from_bf16(to_bf16(v));
-        else ((uint16_t *)host)[i] = to_bf16(v);
+        if (fp32)
+            ((float *)host)[i] = from_bf16(to_bf16(v));
+        else
+            ((uint16_t *)host)[i] = to_bf16(v);
     }
     void *d = NULL;
     CK(cudaMalloc(&d, (size_t)n * es + 256));
@@ -339,29 +349,56 @@ static moert_result launch(const shape_run *r, cudaStream_t stream, int var, int
     const int dense = var == V_DENSE_BF16 || var == V_DENSE_FP8;
     overwrite = pass == MOERT_GEMM_WGRAD && (overwrite || var == V_BF16_FIRST || var == V_FP8_BLOCK_FIRST);
     if (var == V_BF16_WGMMA) {
-        const bf16_device_gemm_args a = {.pass = (moert_gemm_pass)pass, .num_experts = r->E,
-                                         .counts_device = r->counts_device, .capacity = r->R, .k_in = r->K,
-                                         .n_out = r->N, .input = r->x, .weight = r->w16, .grad_output = r->dy,
-                                         .output = r->y[var], .grad_input = r->dx[var],
+        const bf16_device_gemm_args a = {.pass = (moert_gemm_pass)pass,
+                                         .num_experts = r->E,
+                                         .counts_device = r->counts_device,
+                                         .capacity = r->R,
+                                         .k_in = r->K,
+                                         .n_out = r->N,
+                                         .input = r->x,
+                                         .weight = r->w16,
+                                         .grad_output = r->dy,
+                                         .output = r->y[var],
+                                         .grad_input = r->dx[var],
                                          .engine = BF16_DEVICE_GEMM_ENGINE_WGMMA};
         return bf16_device_gemm(&bench_host, stream, &a);
     }
     if (!variant_is_fp8(var)) {
-        moert_bf16_cuda_gemm gm = {.pass = (moert_gemm_pass)pass, .dtype = MOERT_BF16, .num_experts = dense ? 1 : r->E,
-                                   .rows_per_expert = dense ? r->dense_counts : r->counts, .k_in = r->K,
-                                   .n_out = r->N, .input = r->x, .weight = r->w16, .grad_output = r->dy,
-                                   .output = r->y[var], .grad_input = r->dx[var], .grad_weight = grad_weight,
-                                   .accumulate = !overwrite, .output_fp32 = pass == MOERT_GEMM_WGRAD};
+        moert_bf16_cuda_gemm gm = {.pass = (moert_gemm_pass)pass,
+                                   .dtype = MOERT_BF16,
+                                   .num_experts = dense ? 1 : r->E,
+                                   .rows_per_expert = dense ? r->dense_counts : r->counts,
+                                   .k_in = r->K,
+                                   .n_out = r->N,
+                                   .input = r->x,
+                                   .weight = r->w16,
+                                   .grad_output = r->dy,
+                                   .output = r->y[var],
+                                   .grad_input = r->dx[var],
+                                   .grad_weight = grad_weight,
+                                   .accumulate = !overwrite,
+                                   .output_fp32 = pass == MOERT_GEMM_WGRAD};
         moert_result rc = moert_bf16_cuda_set_streams(r->bf16, dense ? 1 : (int)r->streams);
         return rc != MOERT_OK ? rc : moert_bf16_cuda_grouped_gemm(r->bf16, stream, &gm);
     }
     moert_fp8_cuda *h = r->fp8[var == V_FP8_CURRENT ? 1 : var == V_DENSE_FP8 ? 2 : var == V_FP8_BLOCK_CUBLASLT ? 3 : 0];
-    moert_fp8_cuda_gemm gm = {.which = r->s->which, .pass = (moert_gemm_pass)pass, .act_dtype = MOERT_BF16,
-                              .weight_dtype = MOERT_F32, .grad_weight_dtype = MOERT_F32,
-                              .num_experts = dense ? 1 : r->E, .rows_per_expert = dense ? r->dense_counts : r->counts,
-                              .capacity = r->R, .k_in = r->K, .n_out = r->N, .input = r->x, .weight = r->w32,
-                              .grad_output = r->dy, .output = r->y[var], .grad_input = r->dx[var],
-                              .grad_weight = grad_weight, .overwrite_grad_weight = overwrite};
+    moert_fp8_cuda_gemm gm = {.which = r->s->which,
+                              .pass = (moert_gemm_pass)pass,
+                              .act_dtype = MOERT_BF16,
+                              .weight_dtype = MOERT_F32,
+                              .grad_weight_dtype = MOERT_F32,
+                              .num_experts = dense ? 1 : r->E,
+                              .rows_per_expert = dense ? r->dense_counts : r->counts,
+                              .capacity = r->R,
+                              .k_in = r->K,
+                              .n_out = r->N,
+                              .input = r->x,
+                              .weight = r->w32,
+                              .grad_output = r->dy,
+                              .output = r->y[var],
+                              .grad_input = r->dx[var],
+                              .grad_weight = grad_weight,
+                              .overwrite_grad_weight = overwrite};
     moert_fp8_cuda_set_quantize_only(h, quant_only);
     const moert_result rc = moert_fp8_cuda_grouped_gemm(h, stream, &gm);
     moert_fp8_cuda_set_quantize_only(h, 0);
@@ -411,8 +448,8 @@ int main(int argc, char **argv)
     cudaEvent_t ev0, ev1;
     CK(cudaEventCreate(&ev0));
     CK(cudaEventCreate(&ev1));
-    printf("device: %s, %d SMs; median of %d after %d warm-up calls; %d streams\n", prop.name,
-           prop.multiProcessorCount, repeats, warmup, streams);
+    printf("device: %s, %d SMs; median of %d after %d warm-up calls; %d streams\n", prop.name, prop.multiProcessorCount,
+           repeats, warmup, streams);
     /* how the blockwise kernel runs (MOERT_BENCH_BLOCK sets it, for A/B runs) */
     moert_fp8_block_tuning block_tuning;
     block_tuning_from_env(&block_tuning);
@@ -474,14 +511,18 @@ int main(int argc, char **argv)
         for (int i = 0; i < 4; i++) {
             const moert_fp8_cuda_config cfg = {i == 1 ? MOERT_FP8_CUDA_CURRENT : MOERT_FP8_CUDA_BLOCKWISE,
                                                i == 1, /* current: hybrid (E5M2 gradients); blockwise: E4M3 */
-                                               i != 1, i == 2 ? 1 : E, 1, 0, 0};
+                                               i != 1,
+                                               i == 2 ? 1 : E,
+                                               1,
+                                               0,
+                                               0};
             MOK(moert_fp8_cuda_create(&bench_host, dev0, &cfg, &fp8[i]));
             MOK(moert_fp8_cuda_set_streams(fp8[i], i == 2 ? 1 : streams));
             MOK(moert_fp8_cuda_set_block_tuning(fp8[i], &block_tuning));
             if (i == 0 || i == 2) MOK(moert_fp8_cuda_set_block_kernel(fp8[i], 1));
         }
-        const shape_run run = {s,  K,  N,  E,  R,    streams, counts, dense_counts, counts_device,
-                               x,  dy, w32, w16, y, dx,      bf16,   fp8};
+        const shape_run run = {s, K,  N,   E,   R, streams, counts, dense_counts, counts_device,
+                               x, dy, w32, w16, y, dx,      bf16,   fp8};
         const double flops = 2.0 * (double)R * (double)K * (double)N;
         for (int pass = 0; pass < 3; pass++) {
             if (!list_names(getenv("MOERT_BENCH_PASSES"), pass_names[pass])) { /* left out: no totals */
@@ -499,7 +540,8 @@ int main(int argc, char **argv)
                 for (int v = 0; v < V_COUNT + 2; v++) { /* the variants, then the two quantization-only runs */
                     const int quant_only = v >= V_COUNT;
                     const int var = quant_only ? (v == V_COUNT ? V_FP8_BLOCK : V_FP8_CURRENT) : v;
-                    if (!quant_only && (refused[var] || !variant_applies(var, pass) || !variant_selected(var))) continue;
+                    if (!quant_only && (refused[var] || !variant_applies(var, pass) || !variant_selected(var)))
+                        continue;
                     CK(cudaEventRecord(ev0, stream));
                     const moert_result grc = launch(&run, stream, var, pass, dw, 0, quant_only);
                     if (grc != MOERT_OK && (variant_is_fp8(var) || var == V_BF16_WGMMA) && !quant_only) {
@@ -518,13 +560,16 @@ int main(int argc, char **argv)
                     float ms = 0;
                     CK(cudaEventElapsedTime(&ms, ev0, ev1));
                     if (it >= 0) {
-                        if (quant_only) qtimes[v - V_COUNT][it] = ms;
-                        else times[v][it] = ms;
+                        if (quant_only)
+                            qtimes[v - V_COUNT][it] = ms;
+                        else
+                            times[v][it] = ms;
                     }
                 }
             double med[V_COUNT], qmed[2];
             for (int v = 0; v < V_COUNT; v++)
-                med[v] = refused[v] || !variant_applies(v, pass) || !variant_selected(v) ? NAN : median(times[v], repeats);
+                med[v] =
+                    refused[v] || !variant_applies(v, pass) || !variant_selected(v) ? NAN : median(times[v], repeats);
             for (int q = 0; q < 2; q++) qmed[q] = median(qtimes[q], repeats);
             if (si < 2) {
                 add_pass(sum_ms[si], med, qmed[0]);
@@ -564,7 +609,8 @@ int main(int argc, char **argv)
         }
         moert_fp8_cuda_stats st;
         moert_fp8_cuda_get_stats(fp8[3], &st);
-        printf("%s fp8 blockwise on cuBLASLt: %lld matmuls, %lld heuristic queries, %lld cache hits, %lld exact fallbacks\n",
+        printf("%s fp8 blockwise on cuBLASLt: %lld matmuls, %lld heuristic queries, %lld cache hits, %lld exact "
+               "fallbacks\n",
                s->name, (long long)st.matmuls, (long long)st.heuristic_queries, (long long)st.cache_hits,
                (long long)st.exact_fallbacks);
         for (int i = 0; i < 4; i++) moert_fp8_cuda_destroy(fp8[i]);
@@ -619,7 +665,9 @@ int main(int argc, char **argv)
            isnan(gemm_ratio)                ? "not measured (refused, or passes left out)"
            : gemm_ratio >= BLOCKWISE_TARGET ? "met"
                                             : "NOT met",
-           isnan(all_ratio) ? "not measured" : all_ratio >= BLOCKWISE_TARGET ? "met" : "not met");
+           isnan(all_ratio)                ? "not measured"
+           : all_ratio >= BLOCKWISE_TARGET ? "met"
+                                           : "not met");
     const char *shapes_run = only ? only : "fc1+fc2";
     printf("fp8 blockwise %s fwd+dgrad (no wgrad): %.2fx bf16, GEMMs alone %.2fx\n", shapes_run,
            fwd_dgrad_ms[1] / fwd_dgrad_ms[0], fwd_dgrad_ms[1] / fwd_dgrad_ms[3]);
@@ -660,18 +708,19 @@ int main(int argc, char **argv)
         const char *sep = "\n";
         for (int i = 0; i < result_count; i++) {
             const bench_result *r = &results[i];
-            if (isnan(r->ms)) continue; /* refused: listed under "skipped" */
+            if (isnan(r->ms)) continue;                                 /* refused: listed under "skipped" */
             char quant[32] = "null", err[32] = "null", vs[32] = "null"; /* NaN (not run) is null in JSON */
             if (!isnan(r->quant_ms)) snprintf(quant, sizeof quant, "%.5f", r->quant_ms);
             if (!isnan(r->vs_bf16)) snprintf(vs, sizeof vs, "%.4f", r->vs_bf16);
             if (!isnan(r->rel_err)) snprintf(err, sizeof err, "%.6f", r->rel_err);
-            fprintf(f,
-                    "%s    {\"name\": \"fp8 gemm %s %s %s\", \"value\": %.4f, \"unit\": \"TFLOP/s\", \"median_ms\": %.5f, "
-                    "\"vs_bf16\": %s, \"quant_ms\": %s, \"rel_err_vs_bf16\": %s, "
-                    "\"config\": {\"rows\": %lld, \"experts\": %lld, \"k_in\": %lld, \"n_out\": %lld, \"pass\": \"%s\", "
-                    "\"variant\": \"%s\"}}",
-                    sep, r->shape, r->pass, r->variant, r->tflops, r->ms, vs, quant, err, (long long)r->rows,
-                    (long long)r->experts, (long long)r->k_in, (long long)r->n_out, r->pass, r->variant);
+            fprintf(
+                f,
+                "%s    {\"name\": \"fp8 gemm %s %s %s\", \"value\": %.4f, \"unit\": \"TFLOP/s\", \"median_ms\": %.5f, "
+                "\"vs_bf16\": %s, \"quant_ms\": %s, \"rel_err_vs_bf16\": %s, "
+                "\"config\": {\"rows\": %lld, \"experts\": %lld, \"k_in\": %lld, \"n_out\": %lld, \"pass\": \"%s\", "
+                "\"variant\": \"%s\"}}",
+                sep, r->shape, r->pass, r->variant, r->tflops, r->ms, vs, quant, err, (long long)r->rows,
+                (long long)r->experts, (long long)r->k_in, (long long)r->n_out, r->pass, r->variant);
             sep = ",\n";
         }
         for (size_t si = 0; si < 3; si++) { /* blockwise fwd+dgrad+wgrad: each shape, then both */
@@ -680,20 +729,22 @@ int main(int argc, char **argv)
             const double loop = si < 2 ? sum_ms[si][2] : all_ms[2], gemm = si < 2 ? sum_ms[si][3] : all_ms[3];
             const double fl = si < 2 ? sum_flops[si] : all_flops;
             if (isnan(ms) || isnan(bf) || isnan(loop) || !(ms > 0)) continue; /* refused, or not run */
-            fprintf(f, "%s    {\"name\": \"fp8 gemm %s fwd+dgrad+wgrad fp8_blockwise\", \"value\": %.4f, "
-                       "\"unit\": \"TFLOP/s\", \"sum_of_median_ms\": %.5f, \"vs_bf16\": %.4f, \"bf16_tflops\": %.4f, "
-                       "\"vs_bf16_cublaslt_loop\": %.4f, \"gemm_alone_ms\": %.5f, \"gemm_alone_vs_bf16\": %.4f, "
-                       "\"target_vs_bf16\": %.2f, \"config\": {\"routing\": \"uniform top-%d of %d, %d tokens x %d "
-                       "ranks, rank 0's %lld experts\"}}",
+            fprintf(f,
+                    "%s    {\"name\": \"fp8 gemm %s fwd+dgrad+wgrad fp8_blockwise\", \"value\": %.4f, "
+                    "\"unit\": \"TFLOP/s\", \"sum_of_median_ms\": %.5f, \"vs_bf16\": %.4f, \"bf16_tflops\": %.4f, "
+                    "\"vs_bf16_cublaslt_loop\": %.4f, \"gemm_alone_ms\": %.5f, \"gemm_alone_vs_bf16\": %.4f, "
+                    "\"target_vs_bf16\": %.2f, \"config\": {\"routing\": \"uniform top-%d of %d, %d tokens x %d "
+                    "ranks, rank 0's %lld experts\"}}",
                     sep, si < 2 ? shapes[si].name : "deepseek-v3 fc1+fc2", fl / (ms * 1e-3) / 1e12, ms, bf / ms,
                     fl / (bf * 1e-3) / 1e12, loop / ms, gemm, bf / gemm, BLOCKWISE_TARGET, ROUTE_TOPK, ROUTE_EXPERTS,
                     route_tokens, ROUTE_RANKS, (long long)shapes[0].experts);
             sep = ",\n";
         }
         if (fwd_dgrad_ms[0] > 0 && !isnan(fwd_dgrad_ms[1])) { /* refused or not run: no row */
-            fprintf(f, "%s    {\"name\": \"fp8 gemm fwd+dgrad fp8_blockwise\", \"value\": %.4f, \"unit\": \"x bf16\", "
-                       "\"sum_of_median_ms\": %.5f, \"bf16_ms\": %.5f, \"gemm_alone_ms\": %.5f, "
-                       "\"gemm_alone_vs_bf16\": %.4f, \"config\": {\"shapes\": \"%s\"}}",
+            fprintf(f,
+                    "%s    {\"name\": \"fp8 gemm fwd+dgrad fp8_blockwise\", \"value\": %.4f, \"unit\": \"x bf16\", "
+                    "\"sum_of_median_ms\": %.5f, \"bf16_ms\": %.5f, \"gemm_alone_ms\": %.5f, "
+                    "\"gemm_alone_vs_bf16\": %.4f, \"config\": {\"shapes\": \"%s\"}}",
                     sep, fwd_dgrad_ms[1] / fwd_dgrad_ms[0], fwd_dgrad_ms[0], fwd_dgrad_ms[1], fwd_dgrad_ms[3],
                     fwd_dgrad_ms[1] / fwd_dgrad_ms[3], shapes_run);
             sep = ",\n";
@@ -701,8 +752,9 @@ int main(int argc, char **argv)
         for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
             if (only && !strstr(shapes[si].name, only)) continue;
             for (int i = 0; i < 2; i++) {
-                fprintf(f, "%s    {\"name\": \"fp8 weight quantization %s %s\", \"value\": %.5f, \"unit\": \"ms\", "
-                           "\"config\": {\"experts\": %lld, \"k_in\": %lld, \"n_out\": %lld, \"layouts\": 2}}",
+                fprintf(f,
+                        "%s    {\"name\": \"fp8 weight quantization %s %s\", \"value\": %.5f, \"unit\": \"ms\", "
+                        "\"config\": {\"experts\": %lld, \"k_in\": %lld, \"n_out\": %lld, \"layouts\": 2}}",
                         sep, shapes[si].name, i ? "current" : "blockwise", weight_quant_ms[si][i],
                         (long long)shapes[si].experts, (long long)shapes[si].k_in, (long long)shapes[si].n_out);
                 sep = ",\n";
@@ -718,9 +770,10 @@ int main(int argc, char **argv)
         const bench_result *r = &results[i];
         if (isnan(r->ms) || !strstr(r->variant, "fp8")) continue;
         if (!(r->rel_err <= MAX_REL_ERR)) {
-            fprintf(stderr, "fp8_gemm_bench: FAIL: %s %s %s: relative error against bf16 %.4g, above %.2f (or not "
-                    "measured): the FP8 GEMM does not compute what bf16 does\n", r->shape, r->pass, r->variant,
-                    r->rel_err, MAX_REL_ERR);
+            fprintf(stderr,
+                    "fp8_gemm_bench: FAIL: %s %s %s: relative error against bf16 %.4g, above %.2f (or not "
+                    "measured): the FP8 GEMM does not compute what bf16 does\n",
+                    r->shape, r->pass, r->variant, r->rel_err, MAX_REL_ERR);
             bad++;
         }
     }

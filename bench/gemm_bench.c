@@ -37,13 +37,13 @@
 #include "device_gemm.h"
 #include "precision_bf16_cuda.h"
 
-#define CK(call)                                                                                             \
-    do {                                                                                                     \
-        cudaError_t e_ = (call);                                                                             \
-        if (e_ != cudaSuccess) {                                                                             \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));    \
-            exit(1);                                                                                         \
-        }                                                                                                    \
+#define CK(call)                                                                                                       \
+    do {                                                                                                               \
+        cudaError_t e_ = (call);                                                                                       \
+        if (e_ != cudaSuccess) {                                                                                       \
+            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));              \
+            exit(1);                                                                                                   \
+        }                                                                                                              \
     } while (0)
 
 static char host_error[1024];
@@ -66,13 +66,13 @@ static void bench_set_error(const moert_host *h, const char *fmt, ...)
 
 static moert_host bench_host = {.struct_size = sizeof(moert_host), .log = bench_log, .set_error = bench_set_error};
 
-#define MOK(call)                                                                                            \
-    do {                                                                                                     \
-        moert_result r_ = (call);                                                                            \
-        if (r_ != MOERT_OK) {                                                                                \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, host_error);                \
-            exit(1);                                                                                         \
-        }                                                                                                    \
+#define MOK(call)                                                                                                      \
+    do {                                                                                                               \
+        moert_result r_ = (call);                                                                                      \
+        if (r_ != MOERT_OK) {                                                                                          \
+            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, host_error);                          \
+            exit(1);                                                                                                   \
+        }                                                                                                              \
     } while (0)
 
 /* One expert GEMM shape of a preset (per rank). */
@@ -82,28 +82,25 @@ typedef struct bench_shape {
 } bench_shape;
 
 static const bench_shape shapes[] = {
-    {"deepseek-v3 fc1", 32768, 64, 7168, 4096},
-    {"deepseek-v3 fc2", 32768, 64, 2048, 7168},
-    {"qwen3-30b-a3b fc1", 16384, 32, 2048, 1536},
-    {"qwen3-30b-a3b fc2", 16384, 32, 768, 2048},
-    {"mixtral-8x7b fc1", 16384, 2, 4096, 28672},
-    {"mixtral-8x7b fc2", 16384, 2, 14336, 4096},
+    {"deepseek-v3 fc1", 32768, 64, 7168, 4096},   {"deepseek-v3 fc2", 32768, 64, 2048, 7168},
+    {"qwen3-30b-a3b fc1", 16384, 32, 2048, 1536}, {"qwen3-30b-a3b fc2", 16384, 32, 768, 2048},
+    {"mixtral-8x7b fc1", 16384, 2, 4096, 28672},  {"mixtral-8x7b fc2", 16384, 2, 14336, 4096},
 };
 
 /* One way of running the grouped GEMM. */
 typedef struct bench_variant {
     char name[24];
-    int streams;  /* moert_bf16_cuda_set_streams */
-    int vary;     /* new random counts every iteration */
-    int graphs;   /* moert_bf16_cuda_set_graphs */
-    int grouped;  /* MOERT_BF16_CUDA_GROUPED */
-    int dense;    /* one expert with all rows */
-    int kernel;   /* 1: bf16_device_gemm (bf16 gradient), 2: the same into an fp32 gradient, 3: its mma.sync engine */
+    int streams;    /* moert_bf16_cuda_set_streams */
+    int vary;       /* new random counts every iteration */
+    int graphs;     /* moert_bf16_cuda_set_graphs */
+    int grouped;    /* MOERT_BF16_CUDA_GROUPED */
+    int dense;      /* one expert with all rows */
+    int kernel;     /* 1: bf16_device_gemm (bf16 gradient), 2: the same into an fp32 gradient, 3: its mma.sync engine */
     int wgrad_only; /* 1: WGRAD only, -1: FORWARD and DGRAD only */
 } bench_variant;
 
 #define MAX_VARIANTS 10
-#define MAX_EXPERTS 256
+#define MAX_EXPERTS  256
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 
@@ -220,7 +217,7 @@ static double now_ms(void)
 typedef struct bench_result {
     char shape[48], pass[8], variant[24];
     double median_ms, tflops, ratio_to_dense, host_ms, queries_per_iter;
-    int same_bits; /* -1: not checked; 0/1: output equal bit for bit to the 1-stream loop's */
+    int same_bits;  /* -1: not checked; 0/1: output equal bit for bit to the 1-stream loop's */
     double rel_err; /* kernel: relative Frobenius difference to the loop's output; -1: not checked */
 } bench_result;
 
@@ -244,7 +241,8 @@ static void result_of(moert_bf16_cuda *g, cudaStream_t stream, const bench_varia
     for (int i = 0; i < calls; i++) MOK(moert_bf16_cuda_grouped_gemm(g, stream, &gm));
     CK(cudaStreamSynchronize(stream));
     const void *dst = gm.pass == MOERT_GEMM_FORWARD ? gm.output
-                      : gm.pass == MOERT_GEMM_DGRAD ? (const void *)gm.grad_input : (const void *)gm.grad_weight;
+                      : gm.pass == MOERT_GEMM_DGRAD ? (const void *)gm.grad_input
+                                                    : (const void *)gm.grad_weight;
     CK(cudaMemcpy(host, dst, bytes, cudaMemcpyDeviceToHost));
 }
 
@@ -325,15 +323,23 @@ int main(int argc, char **argv)
             double host_total[MAX_VARIANTS] = {0};
             int64_t queries[MAX_VARIANTS] = {0};
             for (int v = 0; v < nv; v++) times[v] = malloc((size_t)repeats * sizeof(float));
-            moert_bf16_cuda_gemm gm = {.pass = (moert_gemm_pass)pass, .dtype = MOERT_BF16, .k_in = K, .n_out = N,
-                                       .input = x, .weight = w, .grad_output = dy, .output = y, .grad_input = dx,
-                                       .grad_weight = dw, .accumulate = 1};
+            moert_bf16_cuda_gemm gm = {.pass = (moert_gemm_pass)pass,
+                                       .dtype = MOERT_BF16,
+                                       .k_in = K,
+                                       .n_out = N,
+                                       .input = x,
+                                       .weight = w,
+                                       .grad_output = dy,
+                                       .output = y,
+                                       .grad_input = dx,
+                                       .grad_weight = dw,
+                                       .accumulate = 1};
             for (int it = -warmup; it < repeats; it++)
                 for (int v = 0; v < nv; v++) { /* interleaved */
                     const bench_variant *var = &variants[v];
                     if (!runs_on(var, pass)) continue;
                     gm.num_experts = var->dense ? 1 : E;
-                    gm.rows_per_expert = var->dense ? dense_counts
+                    gm.rows_per_expert = var->dense  ? dense_counts
                                          : var->vary ? vary_counts + (size_t)(it + warmup) * MAX_EXPERTS
                                                      : counts;
                     configure(g, var);
@@ -366,8 +372,8 @@ int main(int argc, char **argv)
                 median[v] = 0;
                 if (!runs_on(&variants[v], pass)) continue;
                 qsort(times[v], (size_t)repeats, sizeof(float), cmp_float);
-                median[v] = repeats % 2 ? times[v][repeats / 2]
-                                        : 0.5 * (times[v][repeats / 2 - 1] + times[v][repeats / 2]);
+                median[v] =
+                    repeats % 2 ? times[v][repeats / 2] : 0.5 * (times[v][repeats / 2 - 1] + times[v][repeats / 2]);
             }
 
             /* bit-for-bit: the S-stream loop and the graph replay against the 1-stream loop */
@@ -442,7 +448,10 @@ int main(int argc, char **argv)
         if (r->rel_err >= 0) snprintf(err, sizeof err, "%.2e", r->rel_err);
         printf("%-20s %-6s %-13s %10.3f %10.1f %9.2fx %10.3f %10.2f %6s %9s\n", r->shape, r->pass, r->variant,
                r->median_ms, r->tflops, r->ratio_to_dense, r->host_ms, r->queries_per_iter,
-               r->same_bits < 0 ? "" : r->same_bits ? "same" : "DIFF", err);
+               r->same_bits < 0 ? ""
+               : r->same_bits   ? "same"
+                                : "DIFF",
+               err);
     }
     printf("cuBLASLt heuristic queries %lld, plan cache hits %lld, exact-shape fallbacks %lld; graphs: %lld replays, "
            "%lld updates, %lld instantiations\n",
@@ -452,7 +461,8 @@ int main(int argc, char **argv)
     for (int i = 0; i < result_count; i++) differ |= results[i].same_bits == 0;
     if (differ) printf("WARNING: some outputs differ bit for bit from the 1-stream loop (column bits)\n");
     int kernel_bad = 0;
-    for (int i = 0; i < result_count; i++) kernel_bad |= results[i].rel_err > 1e-2 || results[i].rel_err != results[i].rel_err;
+    for (int i = 0; i < result_count; i++)
+        kernel_bad |= results[i].rel_err > 1e-2 || results[i].rel_err != results[i].rel_err;
     if (kernel_bad) printf("FAIL: the kernel's output differs from the loop's by more than 1e-2 (column err)\n");
 
     if (out_path) {
@@ -468,14 +478,18 @@ int main(int argc, char **argv)
         fprintf(f, "{\n  \"command\": \"%s%s%s\",\n", argv[0], out_path ? " " : "", out_path);
         fprintf(f, "  \"machine\": \"%s\",\n  \"gpus\": 1,\n  \"device\": \"%s\",\n", machine ? machine : "unknown",
                 prop.name);
-        fprintf(f, "  \"git\": \"%s\",\n  \"date\": \"%s\",\n  \"repeats\": %d,\n", git ? git : "unknown", date, repeats);
-        fprintf(f, "  \"note\": \"bf16 storage, fp32 accumulation; rows spread over experts with weights 0.5..1.5 "
-                   "(_vary: new counts, same total, every iteration); loop_sN: N streams; graph_sN: CUDA graph replay; "
-                   "dense = one cuBLASLt GEMM of the same total shape; ratio_to_dense > 1 is faster; "
-                   "queries_per_iter: cuBLASLt heuristic queries per measured iteration; same_bits: output equal bit "
-                   "for bit to the 1-stream loop's (null: not checked); kernel: device-count grouped GEMM kernel (bf16 dW), "
-                   "kernel_mma: its mma.sync engine (fwd/dgrad; kernel runs wgmma there on sm_90); kernel_f32w: the kernel accumulating into fp32 dW (wgrad only); rel_err: kernel vs loop output, "
-                   "relative Frobenius\",\n");
+        fprintf(f, "  \"git\": \"%s\",\n  \"date\": \"%s\",\n  \"repeats\": %d,\n", git ? git : "unknown", date,
+                repeats);
+        fprintf(
+            f,
+            "  \"note\": \"bf16 storage, fp32 accumulation; rows spread over experts with weights 0.5..1.5 "
+            "(_vary: new counts, same total, every iteration); loop_sN: N streams; graph_sN: CUDA graph replay; "
+            "dense = one cuBLASLt GEMM of the same total shape; ratio_to_dense > 1 is faster; "
+            "queries_per_iter: cuBLASLt heuristic queries per measured iteration; same_bits: output equal bit "
+            "for bit to the 1-stream loop's (null: not checked); kernel: device-count grouped GEMM kernel (bf16 dW), "
+            "kernel_mma: its mma.sync engine (fwd/dgrad; kernel runs wgmma there on sm_90); kernel_f32w: the kernel "
+            "accumulating into fp32 dW (wgrad only); rel_err: kernel vs loop output, "
+            "relative Frobenius\",\n");
         fprintf(f, "  \"results\": [\n");
         for (int i = 0; i < result_count; i++) {
             const bench_result *r = &results[i];
@@ -484,16 +498,20 @@ int main(int argc, char **argv)
             if (r->rel_err >= 0) snprintf(err_json, sizeof err_json, "%.3e", r->rel_err);
             for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++)
                 if (!strcmp(shapes[k].name, r->shape)) s = &shapes[k];
-            fprintf(f,
-                    "    {\"name\": \"gemm %s %s %s\", \"value\": %.4f, \"unit\": \"TFLOP/s\", \"median_ms\": %.5f, "
-                    "\"ratio_to_dense\": %.4f, \"enqueue_ms\": %.5f, \"queries_per_iter\": %.3f, \"same_bits\": %s, "
-                    "\"rel_err\": %s, "
-                    "\"config\": {\"rows\": %lld, \"experts\": %lld, \"k_in\": %lld, \"n_out\": %lld, \"pass\": \"%s\", "
-                    "\"variant\": \"%s\"}}%s\n",
-                    r->shape, r->pass, r->variant, r->tflops, r->median_ms, r->ratio_to_dense, r->host_ms,
-                    r->queries_per_iter, r->same_bits < 0 ? "null" : r->same_bits ? "true" : "false", err_json,
-                    (long long)s->rows, (long long)s->experts, (long long)s->k_in, (long long)s->n_out, r->pass,
-                    r->variant, i + 1 < result_count ? "," : "");
+            fprintf(
+                f,
+                "    {\"name\": \"gemm %s %s %s\", \"value\": %.4f, \"unit\": \"TFLOP/s\", \"median_ms\": %.5f, "
+                "\"ratio_to_dense\": %.4f, \"enqueue_ms\": %.5f, \"queries_per_iter\": %.3f, \"same_bits\": %s, "
+                "\"rel_err\": %s, "
+                "\"config\": {\"rows\": %lld, \"experts\": %lld, \"k_in\": %lld, \"n_out\": %lld, \"pass\": \"%s\", "
+                "\"variant\": \"%s\"}}%s\n",
+                r->shape, r->pass, r->variant, r->tflops, r->median_ms, r->ratio_to_dense, r->host_ms,
+                r->queries_per_iter,
+                r->same_bits < 0 ? "null"
+                : r->same_bits   ? "true"
+                                 : "false",
+                err_json, (long long)s->rows, (long long)s->experts, (long long)s->k_in, (long long)s->n_out, r->pass,
+                r->variant, i + 1 < result_count ? "," : "");
         }
         fprintf(f, "  ]\n}\n");
         fclose(f);

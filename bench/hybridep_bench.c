@@ -39,10 +39,10 @@
 #include "cuda/pool.h"
 #include "moert/dispatcher.h"
 
-#define MAX_GPUS 8
+#define MAX_GPUS    8
 #define MAX_REPEATS 200
-#define WARMUP 3
-#define NVLINK_GBS 450.0
+#define WARMUP      3
+#define NVLINK_GBS  450.0
 
 static pthread_mutex_t die_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -55,23 +55,23 @@ static void die(void)
     _exit(1);
 }
 
-#define CK(call)                                                                                             \
-    do {                                                                                                     \
-        cudaError_t e_ = (call);                                                                             \
-        if (e_ != cudaSuccess) {                                                                             \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));    \
-            die();                                                                                           \
-        }                                                                                                    \
+#define CK(call)                                                                                                       \
+    do {                                                                                                               \
+        cudaError_t e_ = (call);                                                                                       \
+        if (e_ != cudaSuccess) {                                                                                       \
+            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));              \
+            die();                                                                                                     \
+        }                                                                                                              \
     } while (0)
 
-#define PCALL(ti, call)                                                                                      \
-    do {                                                                                                     \
-        moert_result r_ = (call);                                                                            \
-        if (r_ != MOERT_OK) {                                                                                \
-            fprintf(stderr, "%s:%d: %s failed (%s): %s\n", __FILE__, __LINE__, #call, moert_result_name(r_), \
-                    moert_host_take_error((ti)->host));                                                      \
-            die();                                                                                           \
-        }                                                                                                    \
+#define PCALL(ti, call)                                                                                                \
+    do {                                                                                                               \
+        moert_result r_ = (call);                                                                                      \
+        if (r_ != MOERT_OK) {                                                                                          \
+            fprintf(stderr, "%s:%d: %s failed (%s): %s\n", __FILE__, __LINE__, #call, moert_result_name(r_),           \
+                    moert_host_take_error((ti)->host));                                                                \
+            die();                                                                                                     \
+        }                                                                                                              \
     } while (0)
 
 typedef struct variant {
@@ -79,8 +79,8 @@ typedef struct variant {
     const char *plugin;
     char options[200];
     int64_t T;
-    bool normal;                                              /* a hybridep normal-mode line at T 4096 (compared) */
-    int ll_group;                                             /* a low-latency tuning variant: its row + 1, else 0 */
+    bool normal;       /* a hybridep normal-mode line at T 4096 (compared) */
+    int ll_group;      /* a low-latency tuning variant: its row + 1, else 0 */
     bool back_to_back; /* timed in a stream of dispatch, combine, dispatch, ... after one barrier (steady state) */
     double dispatch_ms[MAX_REPEATS], combine_ms[MAX_REPEATS]; /* per repeat: the largest over ranks */
     double bytes;                                             /* the largest over ranks */
@@ -88,8 +88,9 @@ typedef struct variant {
 } variant;
 
 #define MAX_VARIANTS 80
-#define LL_GROUPS 9
-static const char *const ll_groups[LL_GROUPS][2] = { /* name, options added to the low-latency ones */
+#define LL_GROUPS    9
+static const char *const ll_groups[LL_GROUPS][2] = {
+    /* name, options added to the low-latency ones */
     {"default (512 thr, 1 KB, last_block, block)", ""},
     {"ll_threads 1024", ", \"ll_threads\": 1024"},
     {"ll_fence thread", ", \"ll_fence\": \"thread\""},
@@ -297,8 +298,10 @@ static void run_variant(rank_env *env, variant *v)
             CK(cudaStreamSynchronize(s));
             pthread_barrier_wait(&B.barrier);
             CK(cudaEventRecord(e0, s));
-            if (op == 0) PCALL(&ti, vt->dispatch(ti.ctx, (moert_stream)s, &da));
-            else PCALL(&ti, vt->combine(ti.ctx, (moert_stream)s, &ca));
+            if (op == 0)
+                PCALL(&ti, vt->dispatch(ti.ctx, (moert_stream)s, &da));
+            else
+                PCALL(&ti, vt->combine(ti.ctx, (moert_stream)s, &ca));
             CK(cudaEventRecord(e1, s));
             CK(cudaEventSynchronize(e1));
             float ms = 0;
@@ -384,15 +387,14 @@ int main(int argc, char **argv)
     const bool ll_only = only && strcmp(only, "ll") == 0;
     B.ref = add("deepep 24 SMs (reference, whole call)", "deepep", "{\"timeout_ms\": 10000, \"num_sms\": 24}",
                 ll_only ? 128 : 4096, false);
-    B.ref_nvlink = add("deepep 24 SMs (NVLink phase only)", "deepep",
-                       "{\"timeout_ms\": 10000, \"num_sms\": 24, \"bench_nvlink_only\": true}",
-                       ll_only ? 128 : 4096, false);
+    B.ref_nvlink =
+        add("deepep 24 SMs (NVLink phase only)", "deepep",
+            "{\"timeout_ms\": 10000, \"num_sms\": 24, \"bench_nvlink_only\": true}", ll_only ? 128 : 4096, false);
     const int sms[3] = {8, 12, 16};
     for (int i = 0; i < 3 && !ll_only; i++) {
         char name[64], options[160];
         snprintf(name, sizeof name, "hybridep %d SMs (tma)", sms[i]);
-        snprintf(options, sizeof options, "{\"timeout_ms\": 10000, \"num_sms\": %d, \"low_latency\": \"off\"}",
-                 sms[i]);
+        snprintf(options, sizeof options, "{\"timeout_ms\": 10000, \"num_sms\": %d, \"low_latency\": \"off\"}", sms[i]);
         add(name, "hybridep", options, 4096, true);
     }
     for (int i = 0; i < 3 && !ll_only; i++) { /* the same with vector copies in the NVLink phase (copy "vector") */
@@ -422,7 +424,8 @@ int main(int argc, char **argv)
     /* the same calls back to back (a decode-like loop's steady state), beside deepep's at T 128 */
     for (int i = 0; i < 4; i++) {
         B.v[add("hybridep low-latency back-to-back (every SM)", "hybridep", "{\"timeout_ms\": 10000}", ll_tokens[i],
-                false)].back_to_back = true;
+                false)]
+            .back_to_back = true;
         B.v[add("hybridep low-latency back-to-back, ll_fence thread", "hybridep",
                 "{\"timeout_ms\": 10000, \"low_latency\": \"on\", \"ll_fence\": \"thread\"}", ll_tokens[i], false)]
             .back_to_back = true;
@@ -434,8 +437,7 @@ int main(int argc, char **argv)
         for (int i = 0; i < 4; i++) {
             char name[80], options[200];
             snprintf(name, sizeof name, "ll: %s", ll_groups[gi][0]);
-            snprintf(options, sizeof options, "{\"timeout_ms\": 10000, \"low_latency\": \"on\"%s}",
-                     ll_groups[gi][1]);
+            snprintf(options, sizeof options, "{\"timeout_ms\": 10000, \"low_latency\": \"on\"%s}", ll_groups[gi][1]);
             B.v[add(name, "hybridep", options, ll_tokens[i], false)].ll_group = gi + 1;
         }
     printf("hybridep_bench: EP%d, H %lld, top-%lld of %lld experts, bf16, %d repeats\n", B.gpus, (long long)B.H,
@@ -467,9 +469,8 @@ int main(int argc, char **argv)
     for (int i = 0; i < B.nv; i++) {
         const variant *v = &B.v[i];
         if (!v->plugin || v->back_to_back || (strstr(v->name, "low-latency") && !v->ll_group))
-            printf("  %-36s T %4lld: dispatch %6.1f us, combine %6.1f us%s\n", v->name, (long long)v->T,
-                   v->dispatch_us, v->combine_us,
-                   v->T == 128 && strstr(v->name, "low-latency") ? "  (targets 40 / 50)" : "");
+            printf("  %-36s T %4lld: dispatch %6.1f us, combine %6.1f us%s\n", v->name, (long long)v->T, v->dispatch_us,
+                   v->combine_us, v->T == 128 && strstr(v->name, "low-latency") ? "  (targets 40 / 50)" : "");
     }
     printf("\nlow-latency variants, dispatch / combine us (targets at T 128: 40 / 50)\n  %-40s", "variant");
     for (int i = 0; i < 4; i++) printf("  T %-13lld", (long long)ll_tokens[i]);
@@ -492,19 +493,23 @@ int main(int argc, char **argv)
         char date[32];
         strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", gmtime(&now));
         const char *machine = getenv("MOERT_BENCH_MACHINE"), *git = getenv("MOERT_BENCH_GIT");
-        fprintf(f, "{\n  \"command\": \"bench/hybridep_bench %s\",\n  \"machine\": \"%s\",\n  \"date\": \"%s\",\n"
-                "  \"git\": \"%s\",\n  \"ep\": %d, \"hidden\": %lld, \"topk\": %lld, \"experts\": %lld, \"repeats\": %d,\n"
-                "  \"variants\": [\n", argv[1], machine ? machine : "unknown", date, git ? git : "unknown", B.gpus,
-                (long long)B.H, (long long)B.K, (long long)B.E, B.repeats);
+        fprintf(
+            f,
+            "{\n  \"command\": \"bench/hybridep_bench %s\",\n  \"machine\": \"%s\",\n  \"date\": \"%s\",\n"
+            "  \"git\": \"%s\",\n  \"ep\": %d, \"hidden\": %lld, \"topk\": %lld, \"experts\": %lld, \"repeats\": %d,\n"
+            "  \"variants\": [\n",
+            argv[1], machine ? machine : "unknown", date, git ? git : "unknown", B.gpus, (long long)B.H, (long long)B.K,
+            (long long)B.E, B.repeats);
         for (int i = 0; i < B.nv; i++) {
             const variant *v = &B.v[i];
             char opts[320];
-            fprintf(f, "    {\"name\": \"%s\", \"plugin\": \"%s\", \"options\": \"%s\", \"tokens\": %lld, "
+            fprintf(f,
+                    "    {\"name\": \"%s\", \"plugin\": \"%s\", \"options\": \"%s\", \"tokens\": %lld, "
                     "\"dispatch_us\": %.2f, \"combine_us\": %.2f, \"bytes_out\": %.0f, \"dispatch_gbs\": %.2f, "
                     "\"combine_gbs\": %.2f",
                     v->name, v->plugin ? v->plugin : "none", json_options(v->options, opts, sizeof opts),
-                    (long long)v->T, v->dispatch_us,
-                    v->combine_us, v->bytes, gbs(v->bytes, v->dispatch_us), gbs(v->bytes, v->combine_us));
+                    (long long)v->T, v->dispatch_us, v->combine_us, v->bytes, gbs(v->bytes, v->dispatch_us),
+                    gbs(v->bytes, v->combine_us));
             fprintf(f, ", \"timing\": \"%s\"", v->back_to_back ? "back_to_back" : "after_host_barrier");
             if (v->normal)
                 fprintf(f, ", \"dispatch_pct_of_deepep_whole\": %.1f, \"combine_pct_of_deepep_whole\": %.1f",

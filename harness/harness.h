@@ -9,19 +9,19 @@
 #include "moert/moert.h"
 
 /* Calls a function returning moert_result; on failure keeps its message and jumps to fail with rc set. */
-#define HARNESS_CHECK(call)                                                                                  \
-    do {                                                                                                     \
-        rc = (call);                                                                                         \
-        if (rc != MOERT_OK) goto fail;                                                                       \
+#define HARNESS_CHECK(call)                                                                                            \
+    do {                                                                                                               \
+        rc = (call);                                                                                                   \
+        if (rc != MOERT_OK) goto fail;                                                                                 \
     } while (0)
 
 /* Checks an allocation; on NULL sets an error naming the call and jumps to fail. */
-#define HARNESS_CHECK_ALLOC(ptr)                                                                             \
-    do {                                                                                                     \
-        if ((ptr) == NULL) {                                                                                 \
-            rc = moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "%s failed (%s:%d)", #ptr, __FILE__, __LINE__); \
-            goto fail;                                                                                       \
-        }                                                                                                    \
+#define HARNESS_CHECK_ALLOC(ptr)                                                                                       \
+    do {                                                                                                               \
+        if ((ptr) == NULL) {                                                                                           \
+            rc = moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "%s failed (%s:%d)", #ptr, __FILE__, __LINE__);         \
+            goto fail;                                                                                                 \
+        }                                                                                                              \
     } while (0)
 
 #endif

@@ -33,15 +33,17 @@ moert_result moert_output_check(const char *what, const char *path, const char *
     if (!path || !path[0]) return moert_set_last_error(MOERT_ERR_IO, "%s: an empty path", what);
     if (lstat(path, &st) == 0) {
         if (S_ISLNK(st.st_mode))
-            return moert_set_last_error(MOERT_ERR_IO, "%s %s is a symbolic link: moert writes outputs only to plain files "
-                               "(give the link's target, or another path)", what, path);
+            return moert_set_last_error(MOERT_ERR_IO,
+                                        "%s %s is a symbolic link: moert writes outputs only to plain files "
+                                        "(give the link's target, or another path)",
+                                        what, path);
         if (!S_ISREG(st.st_mode))
             return moert_set_last_error(MOERT_ERR_IO, "%s %s exists and is not a regular file", what, path);
         for (int i = 0; i < ninputs; i++) {
             struct stat in;
             if (inputs[i] && stat(inputs[i], &in) == 0 && in.st_dev == st.st_dev && in.st_ino == st.st_ino)
-                return moert_set_last_error(MOERT_ERR_IO, "%s %s is the input %s: refusing to overwrite an input", what, path,
-                                   inputs[i]);
+                return moert_set_last_error(MOERT_ERR_IO, "%s %s is the input %s: refusing to overwrite an input", what,
+                                            path, inputs[i]);
         }
         if (access(path, W_OK) != 0)
             return moert_set_last_error(MOERT_ERR_IO, "%s %s: cannot write it: %s", what, path, strerror(errno));
@@ -56,7 +58,7 @@ moert_result moert_output_check(const char *what, const char *path, const char *
         return moert_set_last_error(MOERT_ERR_IO, "%s %s: %s is not a folder", what, path, folder);
     if (access(folder, W_OK | X_OK) != 0)
         return moert_set_last_error(MOERT_ERR_IO, "%s %s: cannot write in its folder %s: %s", what, path, folder,
-                           strerror(errno));
+                                    strerror(errno));
     return MOERT_OK;
 }
 
@@ -75,10 +77,12 @@ moert_result moert_output_write(const char *path, moert_output_writer write, voi
     const char *base = slash ? slash + 1 : path;
     folder_of(path, folder, sizeof folder);
     int n = snprintf(temp, sizeof temp, "%s/.%s.tmp-XXXXXX", folder, base);
-    if (n < 0 || (size_t)n >= sizeof temp) return moert_set_last_error(MOERT_ERR_IO, "writing %s: the path is too long", path);
+    if (n < 0 || (size_t)n >= sizeof temp)
+        return moert_set_last_error(MOERT_ERR_IO, "writing %s: the path is too long", path);
     int fd = mkstemp(temp);
-    if (fd < 0) return moert_set_last_error(MOERT_ERR_IO, "writing %s: cannot create a temporary file in %s: %s", path, folder,
-                                   strerror(errno));
+    if (fd < 0)
+        return moert_set_last_error(MOERT_ERR_IO, "writing %s: cannot create a temporary file in %s: %s", path, folder,
+                                    strerror(errno));
     /* an existing file keeps its mode; a new one gets what open() would have given it */
     struct stat st;
     mode_t mode = stat(path, &st) == 0 ? (st.st_mode & 07777) : new_file_mode();
@@ -107,12 +111,13 @@ moert_result moert_output_write(const char *path, moert_output_writer write, voi
     if (failed) {
         unlink(temp);
         return moert_set_last_error(MOERT_ERR_IO, "writing %s failed (%s); the file was left as it was", path,
-                           err ? strerror(err) : "the writer failed");
+                                    err ? strerror(err) : "the writer failed");
     }
     if (rename(temp, path) != 0) {
         err = errno;
         unlink(temp);
-        return moert_set_last_error(MOERT_ERR_IO, "writing %s: renaming the temporary file over it: %s", path, strerror(err));
+        return moert_set_last_error(MOERT_ERR_IO, "writing %s: renaming the temporary file over it: %s", path,
+                                    strerror(err));
     }
     return MOERT_OK;
 }

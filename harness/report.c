@@ -20,12 +20,11 @@ json_t *moert_report_step_json(const moert_step_record *r)
         json_object_set_new(stages, moert_layer_stage_name(s), json_real(r->stage_seconds[s] * 1e3));
     json_t *parts = json_object();
     for (int p = 0; p < MOERT_LAYER_BACKWARD_PARTS; p++)
-        json_object_set_new(parts, moert_layer_backward_part_name(p),
-                            json_real(r->backward_part_seconds[p] * 1e3));
+        json_object_set_new(parts, moert_layer_backward_part_name(p), json_real(r->backward_part_seconds[p] * 1e3));
     return json_pack("{s:I, s:f, s:f, s:f, s:f, s:f, s:f, s:o, s:o}", "step", (json_int_t)r->step, "loss", r->loss,
                      "mse", r->mse, "router_loss", r->router_loss, "load_max_over_mean", r->imbalance,
-                     "load_max_over_mean_worst_layer", r->imbalance_max, "step_ms", r->seconds * 1e3,
-                     "stage_ms_rank0", stages, "backward_parts_ms_rank0", parts);
+                     "load_max_over_mean_worst_layer", r->imbalance_max, "step_ms", r->seconds * 1e3, "stage_ms_rank0",
+                     stages, "backward_parts_ms_rank0", parts);
 }
 
 /* Median over the run of one stage's time (the step's when stage < 0, backward part stage - MOERT_STAGE_COUNT's past
@@ -95,7 +94,8 @@ moert_result moert_runtime_write_report(const moert_runtime *runtime, const char
     json_t *root = json_object(), *plugins = json_array(), *steps = json_array(), *medians = json_object();
     json_t *layers = json_array(), *memory = json_object();
     for (int s = 0; s < 4; s++) json_array_append_new(plugins, plugin_json(&rt->plugins[s]));
-    for (int64_t i = 0; i < rt->record_count; i++) json_array_append_new(steps, moert_report_step_json(&rt->records[i]));
+    for (int64_t i = 0; i < rt->record_count; i++)
+        json_array_append_new(steps, moert_report_step_json(&rt->records[i]));
     json_object_set_new(medians, "step", json_real(median_ms(rt, -1)));
     for (int s = 0; s < MOERT_LAYER_STAGES; s++)
         json_object_set_new(medians, moert_layer_stage_name(s), json_real(median_ms(rt, s)));
@@ -134,10 +134,11 @@ moert_result moert_runtime_write_report(const moert_runtime *runtime, const char
                                   rt->graph_captured_step > 0, "captured_step", (json_int_t)rt->graph_captured_step,
                                   "replays", (json_int_t)rt->graph_replays, "capture_ms",
                                   1e3 * rt->graph_capture_seconds, "summary", graph_line));
-    json_object_set_new(root, "model", json_pack("{s:I, s:I, s:I, s:I, s:I, s:s}", "hidden", (json_int_t)cfg->hidden,
-                                                 "ffn_hidden", (json_int_t)cfg->ffn_hidden, "num_experts",
-                                                 (json_int_t)cfg->num_experts, "topk", (json_int_t)cfg->topk,
-                                                 "num_layers", (json_int_t)cfg->num_layers, "dtype", cfg->dtype));
+    json_object_set_new(root, "model",
+                        json_pack("{s:I, s:I, s:I, s:I, s:I, s:s}", "hidden", (json_int_t)cfg->hidden, "ffn_hidden",
+                                  (json_int_t)cfg->ffn_hidden, "num_experts", (json_int_t)cfg->num_experts, "topk",
+                                  (json_int_t)cfg->topk, "num_layers", (json_int_t)cfg->num_layers, "dtype",
+                                  cfg->dtype));
     json_object_set_new(root, "tokens_per_rank", json_integer(cfg->tokens_per_rank));
     json_object_set_new(root, "micro_batches", json_integer(cfg->micro_batches));
     json_object_set_new(root, "plugins", plugins);

@@ -43,23 +43,22 @@ struct moert_rank {
     bool batch_loaded;                   /* train.data "repeat": the one batch is on the device */
     /* per step (summed over its micro-batches) */
     double mse_sum, router_loss;
-    int64_t *counts;                     /* [num_layers * E] tokens per expert, pinned (all-reduced through the stream) */
-    int64_t *micro_counts;               /* [num_layers * E], pinned: one micro-batch's, copied into while copy
+    int64_t *counts;       /* [num_layers * E] tokens per expert, pinned (all-reduced through the stream) */
+    int64_t *micro_counts; /* [num_layers * E], pinned: one micro-batch's, copied into while copy
                                             streams are busy */
-    double stage_seconds[MOERT_STAGE_COUNT];              /* summed over layers and micro-batches */
+    double stage_seconds[MOERT_STAGE_COUNT]; /* summed over layers and micro-batches */
     double backward_part_seconds[MOERT_BWD_PART_COUNT];
-    float *loss_result;                  /* pinned: the loss sum comes back through it */
-    moert_trace trace;                   /* the stage spans of this rank's streams, when the run is traced */
+    float *loss_result; /* pinned: the loss sum comes back through it */
+    moert_trace trace;  /* the stage spans of this rank's streams, when the run is traced */
     /* CUDA graphs ($.parallel.cuda_graph): the stack's forward and backward, captured once, then replayed; one pair
      * per form: [0] a step's first micro-batch (its WGRADs overwrite the expert gradients), [1] the later ones */
     void *graph_forward[2], *graph_backward[2]; /* moert_cuda_graph */
-    int64_t eager_steps;                 /* forward+backward passes run without graphs */
+    int64_t eager_steps;                        /* forward+backward passes run without graphs */
     /* outcome of the phase running on this rank */
     moert_result rc;
     int fail_order;
     char error[2048];
 };
-
 
 static double now_seconds(void)
 {
@@ -161,7 +160,8 @@ static int wait_for_ranks(moert_runtime *rt, phase_run *run)
         }
         /* a rank failing does not signal the condition: look again every 100 ms */
         struct timespec wake = monotonic_after(0.1);
-        if (failing && (deadline.tv_sec < wake.tv_sec || (deadline.tv_sec == wake.tv_sec && deadline.tv_nsec < wake.tv_nsec)))
+        if (failing &&
+            (deadline.tv_sec < wake.tv_sec || (deadline.tv_sec == wake.tv_sec && deadline.tv_nsec < wake.tv_nsec)))
             wake = deadline;
         int w = pthread_cond_timedwait(&run->cond, &run->lock, &wake);
         if (failing && w == ETIMEDOUT && wake.tv_sec == deadline.tv_sec && wake.tv_nsec == deadline.tv_nsec) break;
@@ -197,7 +197,8 @@ static moert_result run_on_ranks(moert_runtime *rt, rank_phase_fn fn, void *arg)
         pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
         pthread_cond_init(&run->cond, &attr);
         pthread_condattr_destroy(&attr);
-        for (int i = 0; i < rt->nlocal; i++) run->calls[i] = (phase_call){&rt->ranks[i], fn, arg, &run->fail_counter, run};
+        for (int i = 0; i < rt->nlocal; i++)
+            run->calls[i] = (phase_call){&rt->ranks[i], fn, arg, &run->fail_counter, run};
         int started = 0;
         int err = 0;
         pthread_mutex_lock(&run->lock);
@@ -233,8 +234,8 @@ static moert_result run_on_ranks(moert_runtime *rt, rank_phase_fn fn, void *arg)
                 if (rt->ranks[i].fail_order == 0 && run->finished[i])
                     snprintf(first, sizeof first, "rank %d: %s", rt->ranks[i].rank, rt->ranks[i].error);
             return moert_error(MOERT_ERR_TIMEOUT, "%s%s%s %s still running %.1f s later and abandoned (stalled)",
-                               first[0] ? first : why, first[0] || why[0] ? "; " : "",
-                               left == 1 ? "rank" : "ranks", stalled, stall_grace_s(rt));
+                               first[0] ? first : why, first[0] || why[0] ? "; " : "", left == 1 ? "rank" : "ranks",
+                               stalled, stall_grace_s(rt));
         }
         pthread_cond_destroy(&run->cond);
         pthread_mutex_destroy(&run->lock);
@@ -268,18 +269,23 @@ static moert_result detect_processes(moert_runtime *rt)
     MOERT_CHECK_ALLOC(rt->dist_env);
     MOERT_CHECK(moert_dist_env_read(rt->dist_env));
     if (rt->dist_env->world_size != rt->world)
-        return moert_error(MOERT_ERR_CONFIG, "config error at $.parallel.ranks: %d ranks, but the launcher started %d "
-                           "processes (WORLD_SIZE)", rt->world, rt->dist_env->world_size);
+        return moert_error(MOERT_ERR_CONFIG,
+                           "config error at $.parallel.ranks: %d ranks, but the launcher started %d "
+                           "processes (WORLD_SIZE)",
+                           rt->world, rt->dist_env->world_size);
     if (rt->cfg->parallel.device == 1)
-        return moert_error(MOERT_ERR_CONFIG, "config error at $.parallel.device: \"cpu\", but the launcher started a "
+        return moert_error(MOERT_ERR_CONFIG,
+                           "config error at $.parallel.device: \"cpu\", but the launcher started a "
                            "process per rank (RANK, WORLD_SIZE set); on the CPU run moert without a launcher (ranks "
                            "as threads)");
     rt->processes = true;
 fail:
     return rc;
 #else
-    return moert_error(MOERT_ERR_UNSUPPORTED, "launched as a process per rank (WORLD_SIZE=%s), but this build has "
-                       "no CUDA/NCCL; run moert without a launcher (ranks as threads)", getenv("WORLD_SIZE"));
+    return moert_error(MOERT_ERR_UNSUPPORTED,
+                       "launched as a process per rank (WORLD_SIZE=%s), but this build has "
+                       "no CUDA/NCCL; run moert without a launcher (ranks as threads)",
+                       getenv("WORLD_SIZE"));
 #endif
 }
 
@@ -312,8 +318,10 @@ static moert_result choose_device(moert_runtime *rt)
 #endif
         );
     if (want == 2 && gpus < rt->world)
-        return moert_error(MOERT_ERR_CONFIG, "config error at $.parallel.ranks: %d ranks on \"cuda\" need %d GPUs, "
-                           "this machine has %d", rt->world, rt->world, gpus);
+        return moert_error(MOERT_ERR_CONFIG,
+                           "config error at $.parallel.ranks: %d ranks on \"cuda\" need %d GPUs, "
+                           "this machine has %d",
+                           rt->world, rt->world, gpus);
     if (gpus >= rt->world && want != 1) {
         rt->device_type = MOERT_DEVICE_CUDA;
 #ifdef MOERT_HAVE_CUDA
@@ -353,10 +361,17 @@ static moert_result rank_init(moert_rank *r, void *arg)
             MOERT_CHECK(moert_nccl_comm_init_thread(rt->nccl_group, r->rank, r->device, &r->nccl));
     }
 #endif
-    moert_stack_setup setup = {.cfg = cfg, .plugins = rt->plugins, .rank = r->rank, .world = rt->world,
-                               .device = device, .max_tokens = cfg->train.tokens_per_rank, .comm = rt->comm,
+    moert_stack_setup setup = {.cfg = cfg,
+                               .plugins = rt->plugins,
+                               .rank = r->rank,
+                               .world = rt->world,
+                               .device = device,
+                               .max_tokens = cfg->train.tokens_per_rank,
+                               .comm = rt->comm,
                                .etp = (int)cfg->parallel.expert_tensor_parallel,
-                               .edp = (int)cfg->parallel.expert_data_parallel, .pool = r->pool, .nccl = r->nccl,
+                               .edp = (int)cfg->parallel.expert_data_parallel,
+                               .pool = r->pool,
+                               .nccl = r->nccl,
                                .stream = r->stream};
     rc = moert_stack_init(&r->stack, &setup);
     r->core_host = r->stack.core_host;
@@ -536,8 +551,10 @@ static moert_result rank_prepare(moert_rank *r, void *arg)
     moert_result rc = MOERT_OK;
     const moert_config *cfg = r->rt->cfg;
     int64_t t = cfg->train.tokens_per_rank, h = cfg->model.hidden;
-    for (int l = 0; l < cfg->model.num_layers; l++) MOERT_CHECK(moert_layer_init_params(&r->layers[l], (uint64_t)cfg->train.seed));
-    for (int l = 0; l <= cfg->model.num_layers; l++) MOERT_CHECK(rank_alloc_tensor(r, &r->acts[l], cfg->model.dtype, t, h));
+    for (int l = 0; l < cfg->model.num_layers; l++)
+        MOERT_CHECK(moert_layer_init_params(&r->layers[l], (uint64_t)cfg->train.seed));
+    for (int l = 0; l <= cfg->model.num_layers; l++)
+        MOERT_CHECK(rank_alloc_tensor(r, &r->acts[l], cfg->model.dtype, t, h));
     MOERT_CHECK(rank_alloc_tensor(r, &r->grad_a, cfg->model.dtype, t, h));
     MOERT_CHECK(rank_alloc_tensor(r, &r->grad_b, cfg->model.dtype, t, h));
     MOERT_CHECK(rank_alloc_tensor(r, &r->target, cfg->model.dtype, t, h));
@@ -574,8 +591,8 @@ static moert_result load_batch(moert_rank *r, int64_t step, int64_t micro)
         r->batch_loaded = true;
     }
     int64_t t = cfg->train.tokens_per_rank, h = cfg->model.hidden;
-    uint64_t first = ((uint64_t)batch * (uint64_t)r->rt->world * (uint64_t)t + (uint64_t)r->rank * (uint64_t)t) *
-                     (uint64_t)h;
+    uint64_t first =
+        ((uint64_t)batch * (uint64_t)r->rt->world * (uint64_t)t + (uint64_t)r->rank * (uint64_t)t) * (uint64_t)h;
     moert_teacher_sample_inputs(r->rt->teacher, &r->x_host, (uint64_t)cfg->train.seed, first);
     moert_teacher_apply(r->rt->teacher, &r->x_host, &r->target_host);
     /* round through the storage dtype on the host, then copy */
@@ -625,7 +642,8 @@ static moert_result graph_plan_of(moert_rank *r, int form, graph_plan *plan)
         return MOERT_OK;
     }
     if (mode == MOERT_GRAPH_OFF || rt->graph_failed) {
-        if (r->rank == 0 && !rt->graph_reason[0]) snprintf(rt->graph_reason, sizeof rt->graph_reason, "$.parallel.cuda_graph is \"off\"");
+        if (r->rank == 0 && !rt->graph_reason[0])
+            snprintf(rt->graph_reason, sizeof rt->graph_reason, "$.parallel.cuda_graph is \"off\"");
         return MOERT_OK;
     }
     char why[256] = "";
@@ -634,11 +652,14 @@ static moert_result graph_plan_of(moert_rank *r, int form, graph_plan *plan)
         snprintf(why, sizeof why, "the ranks run on the CPU");
         ok = false;
     }
-    for (int l = 0; ok && l < rt->cfg->model.num_layers; l++) ok = moert_layer_graph_capturable(&r->layers[l], why, sizeof why);
+    for (int l = 0; ok && l < rt->cfg->model.num_layers; l++)
+        ok = moert_layer_graph_capturable(&r->layers[l], why, sizeof why);
     if (!ok) {
         if (mode == MOERT_GRAPH_ON)
-            return moert_error(MOERT_ERR_CONFIG, "config error at $.parallel.cuda_graph: \"on\" needs a layer step that "
-                               "can be captured in a CUDA graph, but %s (use \"auto\" to run without graphs then)", why);
+            return moert_error(MOERT_ERR_CONFIG,
+                               "config error at $.parallel.cuda_graph: \"on\" needs a layer step that "
+                               "can be captured in a CUDA graph, but %s (use \"auto\" to run without graphs then)",
+                               why);
         if (r->rank == 0) snprintf(rt->graph_reason, sizeof rt->graph_reason, "%s", why);
         return MOERT_OK;
     }
@@ -670,8 +691,10 @@ static moert_result capture_end(moert_rank *r, moert_result rc_inside, const cha
     rc = moert_cuda_capture_end(r->stream, what, (moert_cuda_graph *)graph);
     if (last || rc != MOERT_OK || rc_inside != MOERT_OK) moert_cuda_pool_reserve_end(r->pool);
     if (rc_inside != MOERT_OK)
-        return moert_error(rc_inside, "while capturing %s into a CUDA graph: %s (set $.parallel.cuda_graph to \"off\" "
-                           "to run it without graphs)", what, inside);
+        return moert_error(rc_inside,
+                           "while capturing %s into a CUDA graph: %s (set $.parallel.cuda_graph to \"off\" "
+                           "to run it without graphs)",
+                           what, inside);
     if (rc != MOERT_OK) return rc;
     return moert_cuda_graph_launch(*graph, r->stream);
 }
@@ -755,8 +778,13 @@ static moert_result trace_micro_batch(moert_rank *r, int64_t step, int64_t micro
         int n = 0;
         MOERT_CHECK(moert_layer_spans(&r->layers[l], &r->layers[0], spans, &n));
         for (int i = 0; i < n; i++) {
-            moert_trace_span span = {.name = spans[i].name, .stream = spans[i].stream, .rank = r->rank, .layer = l,
-                                     .step = step, .micro = micro, .start_us = base_us + 1e6 * spans[i].start_s,
+            moert_trace_span span = {.name = spans[i].name,
+                                     .stream = spans[i].stream,
+                                     .rank = r->rank,
+                                     .layer = l,
+                                     .step = step,
+                                     .micro = micro,
+                                     .start_us = base_us + 1e6 * spans[i].start_s,
                                      .dur_us = 1e6 * spans[i].dur_s};
             MOERT_CHECK(moert_trace_add(&r->trace, &span));
         }
@@ -777,7 +805,8 @@ static moert_result micro_batch(moert_rank *r, int64_t step, int64_t micro)
     int nl = (int)cfg->model.num_layers;
     int64_t e = cfg->model.num_experts;
     const double micro_batches = (double)cfg->train.micro_batches;
-    double step_elems = micro_batches * (double)rt->world * (double)cfg->train.tokens_per_rank * (double)cfg->model.hidden;
+    double step_elems =
+        micro_batches * (double)rt->world * (double)cfg->train.tokens_per_rank * (double)cfg->model.hidden;
     graph_plan plan = GRAPH_EAGER;
     double t0 = now_seconds();
 
@@ -796,8 +825,8 @@ static moert_result micro_batch(moert_rank *r, int64_t step, int64_t micro)
     if (plan == GRAPH_EAGER)
         for (int l = 0; l < nl; l++) MOERT_CHECK(moert_act_store_release_finished(&r->layers[l].acts));
     double mse_sum = 0.0;
-    MOERT_CHECK(moert_squared_error(r->stream, &r->acts[nl], &r->target, 1.0 / step_elems, r->workspace,
-                                    r->loss_result, &mse_sum, &r->grad_a));
+    MOERT_CHECK(moert_squared_error(r->stream, &r->acts[nl], &r->target, 1.0 / step_elems, r->workspace, r->loss_result,
+                                    &mse_sum, &r->grad_a));
     r->mse_sum += mse_sum;
     MOERT_CHECK(stack_backward(r, plan, form, 1.0 / (micro_batches * rt->world)));
     if (plan == GRAPH_EAGER) r->eager_steps++;
@@ -817,7 +846,8 @@ static moert_result micro_batch(moert_rank *r, int64_t step, int64_t micro)
     for (int l = 0; l < nl; l++) {
         MOERT_CHECK(moert_layer_collect_times(&r->layers[l])); /* waits for the layer's backward */
         for (int s = 0; s < MOERT_STAGE_COUNT; s++) r->stage_seconds[s] += r->layers[l].stage_seconds[s];
-        for (int p = 0; p < MOERT_BWD_PART_COUNT; p++) r->backward_part_seconds[p] += r->layers[l].backward_part_seconds[p];
+        for (int p = 0; p < MOERT_BWD_PART_COUNT; p++)
+            r->backward_part_seconds[p] += r->layers[l].backward_part_seconds[p];
     }
     if (rt->tracing) MOERT_CHECK(trace_micro_batch(r, step, micro, t0));
     MOERT_CHECK(r->core_host->stream_synchronize(r->core_host, r->stream) == MOERT_OK /* the counts have landed */
@@ -848,8 +878,8 @@ static moert_result rank_forward_backward(moert_rank *r, int64_t step)
         for (size_t k = 0; k < sizeof replicated / sizeof replicated[0]; k++) {
             if (!moert_layer_has_param(&r->layers[l], replicated[k])) continue;
             moert_tensor *g = &r->layers[l].params[replicated[k]].grad;
-            rc = r->core_host->allreduce_sum(r->core_host, g->data, (size_t)moert_tensor_numel(g), g->dtype,
-                                             g->device, r->stream);
+            rc = r->core_host->allreduce_sum(r->core_host, g->data, (size_t)moert_tensor_numel(g), g->dtype, g->device,
+                                             r->stream);
             if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(r->core_host));
         }
     /* the experts are replicated over the expert-data-parallel group (docs/parallel.md): their gradients are the sum
@@ -858,8 +888,8 @@ static moert_result rank_forward_backward(moert_rank *r, int64_t step)
     for (int l = 0; l < nl && edp; l++)
         for (int k = MOERT_PARAM_FC1; k <= MOERT_PARAM_FC2; k++) {
             moert_tensor *g = &r->layers[l].params[k].grad;
-            MOERT_CHECK(moert_comm_allreduce_sum(edp, r->stack.coords.edp, g->data, (size_t)moert_tensor_numel(g),
-                                                 g->dtype));
+            MOERT_CHECK(
+                moert_comm_allreduce_sum(edp, r->stack.coords.edp, g->data, (size_t)moert_tensor_numel(g), g->dtype));
         }
     /* figures over all ranks (the router losses: the mean over ranks and micro-batches) */
     double sums[2] = {r->mse_sum, r->router_loss};
@@ -912,8 +942,8 @@ static void fill_record(moert_runtime *rt, int64_t step, double seconds, moert_s
     int64_t e = cfg->model.num_experts;
     memset(rec, 0, sizeof *rec);
     rec->step = step;
-    rec->mse = r0->mse_sum / ((double)cfg->train.micro_batches * (double)rt->world * (double)cfg->train.tokens_per_rank *
-                              (double)cfg->model.hidden);
+    rec->mse = r0->mse_sum / ((double)cfg->train.micro_batches * (double)rt->world *
+                              (double)cfg->train.tokens_per_rank * (double)cfg->model.hidden);
     rec->router_loss = r0->router_loss;
     rec->loss = rec->mse + rec->router_loss;
     for (int l = 0; l < nl; l++) {
@@ -1046,8 +1076,8 @@ static void collect_memory(moert_runtime *rt)
 
 moert_result moert_runtime_step(moert_runtime *rt, int64_t step, moert_step_record *record)
 {
-    if (step < 1) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_runtime_step: step %lld, expected >= 1",
-                                     (long long)step);
+    if (step < 1)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_runtime_step: step %lld, expected >= 1", (long long)step);
     moert_result rc = ensure_params(rt);
     if (rc != MOERT_OK) return rc;
     /* the record lives in the runtime: rank 0 fills it, and an abandoned rank 0 may still do so later */
@@ -1118,8 +1148,9 @@ static moert_result rank_read(moert_rank *r, void *arg)
     const size_t esize = moert_dtype_size(t->dtype);
     moert_tensor host = moert_tensor_2d(malloc((size_t)a->count * esize + 1), moert_cpu(), t->dtype, 1, a->count);
     MOERT_CHECK_ALLOC(host.data);
-    rc = r->core_host->memcpy_async(r->core_host, host.data, host.device, (const char *)t->data + (size_t)a->first * esize,
-                                    t->device, (size_t)a->count * esize, r->stream);
+    rc = r->core_host->memcpy_async(r->core_host, host.data, host.device,
+                                    (const char *)t->data + (size_t)a->first * esize, t->device,
+                                    (size_t)a->count * esize, r->stream);
     if (rc == MOERT_OK) rc = r->core_host->stream_synchronize(r->core_host, r->stream);
     if (rc != MOERT_OK) {
         rc = moert_error(rc, "copying a tensor to the host: %s", moert_host_take_error(r->core_host));
@@ -1213,7 +1244,8 @@ moert_result moert_runtime_train(moert_runtime *rt, const moert_train_options *o
     if (cfg->train.micro_batches > 1)
         snprintf(micro, sizeof micro, " x %lld micro-batches per step", (long long)cfg->train.micro_batches);
     if (ta.progress)
-        fprintf(ta.progress, "moert %s: \"%s\" on %s; %lld layer%s, H=%lld F=%lld E=%lld K=%lld, %lld tokens per rank%s, "
+        fprintf(ta.progress,
+                "moert %s: \"%s\" on %s; %lld layer%s, H=%lld F=%lld E=%lld K=%lld, %lld tokens per rank%s, "
                 "%s storage; router %s, dispatcher %s, precision %s, memory policy %s\n",
                 MOERT_VERSION_STRING, cfg->name, rt->device_name, (long long)cfg->model.num_layers,
                 cfg->model.num_layers > 1 ? "s" : "", (long long)cfg->model.hidden, (long long)cfg->model.ffn_hidden,
@@ -1245,7 +1277,8 @@ moert_result moert_runtime_train(moert_runtime *rt, const moert_train_options *o
     if (rc != MOERT_OK) return rc;
     if (ta.progress && rt->record_count > 0) {
         const moert_step_record *first = &rt->records[0], *last = &rt->records[rt->record_count - 1];
-        fprintf(ta.progress, "done: %lld steps in %.2f s; loss %.6f -> %.6f (%.1f%% lower); load max/mean %.3f -> %.3f\n",
+        fprintf(ta.progress,
+                "done: %lld steps in %.2f s; loss %.6f -> %.6f (%.1f%% lower); load max/mean %.3f -> %.3f\n",
                 (long long)rt->record_count, rt->total_seconds, first->loss, last->loss,
                 first->loss > 0 ? 100.0 * (first->loss - last->loss) / first->loss : 0.0, first->imbalance,
                 last->imbalance);
@@ -1266,7 +1299,9 @@ void moert_runtime_graph_summary(const moert_runtime *rt, char *buf, size_t size
                  rt->cfg->model.num_layers > 1 ? "s" : "",
                  rt->cfg->train.micro_batches > 1 ? "; a step's first micro-batch and the later ones" : "",
                  (long long)rt->graph_replays, rt->cfg->train.micro_batches > 1 ? "micro-batch" : "step",
-                 rt->graph_replays == 1 ? "" : rt->cfg->train.micro_batches > 1 ? "es" : "s");
+                 rt->graph_replays == 1             ? ""
+                 : rt->cfg->train.micro_batches > 1 ? "es"
+                                                    : "s");
     else if (rt->graph_reason[0])
         snprintf(buf, size, "not used: %s", rt->graph_reason);
     else
@@ -1350,7 +1385,8 @@ void moert_runtime_summary(const moert_runtime *rt, moert_run_summary *out)
     out->device_name = rt->device_name;
     for (int s = 0; s < MOERT_SLOT_COUNT; s++) {
         const moert_plugin *p = &rt->plugins[s];
-        out->plugins[s] = (moert_run_plugin){.kind = moert_kind_name(p->kind), .name = p->header->name,
+        out->plugins[s] = (moert_run_plugin){.kind = moert_kind_name(p->kind),
+                                             .name = p->header->name,
                                              .version = p->header->version ? p->header->version : "",
                                              .path = p->path};
     }

@@ -24,34 +24,34 @@ struct moert_runtime {
     moert_device_type device_type;
     char device_name[400];
     moert_plugin plugins[MOERT_SLOT_COUNT];
-    moert_comm_group *comm;          /* host-memory collectives (ranks as threads) */
+    moert_comm_group *comm;              /* host-memory collectives (ranks as threads) */
     struct moert_nccl_group *nccl_group; /* CUDA: device-memory collectives */
-    moert_rank *ranks;               /* the ranks this process hosts: all of them, or one per process */
-    int nlocal;                      /* how many: world with threads, 1 with a process per GPU */
-    bool processes;                  /* launched as a process per GPU (RANK, WORLD_SIZE, ... set) */
-    struct moert_dist_env *dist_env; /* the launcher's variables, in process mode */
+    moert_rank *ranks;                   /* the ranks this process hosts: all of them, or one per process */
+    int nlocal;                          /* how many: world with threads, 1 with a process per GPU */
+    bool processes;                      /* launched as a process per GPU (RANK, WORLD_SIZE, ... set) */
+    struct moert_dist_env *dist_env;     /* the launcher's variables, in process mode */
     moert_teacher *teacher;
     bool params_ready;
 
     /* the last run */
     moert_step_record *records;
     int64_t record_count;
-    int64_t *final_counts;  /* [num_layers, num_experts] tokens per expert of the last step, all ranks */
-    double *final_bias;     /* [num_layers, num_experts] expert bias after the run, or NULL */
-    double *bias_start;     /* [num_layers, num_experts] expert bias before the run, or NULL */
+    int64_t *final_counts; /* [num_layers, num_experts] tokens per expert of the last step, all ranks */
+    double *final_bias;    /* [num_layers, num_experts] expert bias after the run, or NULL */
+    double *bias_start;    /* [num_layers, num_experts] expert bias before the run, or NULL */
     int64_t activation_bytes[MOERT_ACT_COUNT]; /* rank 0, summed over layers, last step */
-    int64_t kept_bytes;     /* rank 0, activations held from forward to backward, summed over layers */
+    int64_t kept_bytes;        /* rank 0, activations held from forward to backward, summed over layers */
     int64_t device_peak_bytes; /* CUDA: rank 0's memory pool, peak bytes in use since creation; 0 on the CPU */
     int64_t device_pool_calls; /* CUDA: rank 0's pool, cudaMalloc + cudaFree calls in the last step (0 once warm) */
     int64_t device_pool_calls_total; /* the same since creation (what the last step's figure is taken from) */
     double total_seconds;
     /* CUDA graphs ($.parallel.cuda_graph): set by rank 0 */
-    int64_t graph_captured_step;  /* the step whose forward and backward were captured (then replayed); 0: none */
-    int64_t graph_replays;        /* steps run by replaying the graphs */
-    double graph_capture_seconds; /* wall time of the capturing step's forward and backward */
-    bool graph_failed;            /* a capture failed: the run stops with its error */
-    char graph_reason[256];       /* why the steps ran without graphs */
-    int abandoned_ranks;          /* rank threads left running after a stall: the runtime can only be destroyed, which
+    int64_t graph_captured_step;   /* the step whose forward and backward were captured (then replayed); 0: none */
+    int64_t graph_replays;         /* steps run by replaying the graphs */
+    double graph_capture_seconds;  /* wall time of the capturing step's forward and backward */
+    bool graph_failed;             /* a capture failed: the run stops with its error */
+    char graph_reason[256];        /* why the steps ran without graphs */
+    int abandoned_ranks;           /* rank threads left running after a stall: the runtime can only be destroyed, which
                                      then frees nothing (docs/config.md, $.parallel.timeout_s) */
     moert_step_record step_record; /* moert_runtime_step's, filled by rank 0 */
     bool tracing;                  /* moert_train_options.trace_path: each rank records its stage spans */

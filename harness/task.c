@@ -21,7 +21,8 @@ moert_result moert_teacher_create(int64_t hidden, uint64_t seed, double scale, d
     HARNESS_CHECK_ALLOC(t->b);
     t->input_mean = malloc(sizeof(double) * (size_t)hidden);
     HARNESS_CHECK_ALLOC(t->input_mean);
-    for (int64_t i = 0; i < hidden; i++) t->input_mean[i] = input_shift * moert_random_normal(seed, MOERT_STREAM_TEACHER + 2, (uint64_t)i);
+    for (int64_t i = 0; i < hidden; i++)
+        t->input_mean[i] = input_shift * moert_random_normal(seed, MOERT_STREAM_TEACHER + 2, (uint64_t)i);
     for (int64_t i = 0; i < hidden * 2 * t->width; i++)
         t->a[i] = moert_random_normal(seed, MOERT_STREAM_TEACHER, (uint64_t)i) / sqrt((double)hidden);
     for (int64_t i = 0; i < t->width * hidden; i++)
@@ -46,7 +47,9 @@ void moert_teacher_sample_inputs(const moert_teacher *t, moert_tensor *x, uint64
 {
     int64_t n = moert_tensor_numel(x);
     for (int64_t i = 0; i < n; i++)
-        moert_store(x, i, t->input_mean[i % t->hidden] + moert_random_normal(seed, MOERT_STREAM_INPUT, first_index + (uint64_t)i));
+        moert_store(x, i,
+                    t->input_mean[i % t->hidden] +
+                        moert_random_normal(seed, MOERT_STREAM_INPUT, first_index + (uint64_t)i));
 }
 
 void moert_teacher_apply(const moert_teacher *t, const moert_tensor *x, moert_tensor *target)

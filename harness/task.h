@@ -16,8 +16,8 @@ enum {
 typedef struct moert_teacher {
     int64_t hidden, width;
     double scale;
-    double *a; /* [H, 2W] */
-    double *b; /* [W, H] */
+    double *a;          /* [H, 2W] */
+    double *b;          /* [W, H] */
     double *input_mean; /* [H]: inputs are N(input_mean, I), so routing starts systematically unbalanced */
 } moert_teacher;
 

@@ -14,7 +14,9 @@ moert_result moert_trace_add(moert_trace *t, const moert_trace_span *span)
     if (t->count == t->capacity) {
         int64_t capacity = t->capacity ? 2 * t->capacity : 256;
         moert_trace_span *grown = realloc(t->spans, (size_t)capacity * sizeof *grown);
-        if (!grown) return moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "growing the trace to %lld spans", (long long)capacity);
+        if (!grown)
+            return moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "growing the trace to %lld spans",
+                                        (long long)capacity);
         t->spans = grown;
         t->capacity = capacity;
     }

@@ -20,8 +20,8 @@ void moert_runtime_destroy(moert_runtime *rt);
 
 typedef struct moert_train_options {
     uint32_t struct_size;
-    FILE *progress;   /* a line per step goes here; NULL for quiet */
-    int64_t steps;    /* 0: the config's train.steps */
+    FILE *progress; /* a line per step goes here; NULL for quiet */
+    int64_t steps;  /* 0: the config's train.steps */
     /* a Chrome trace (JSON; Perfetto, chrome://tracing) of the stage spans of every rank's streams over the run, or
      * NULL. With ranks as threads one file holds every rank; with a process per GPU rank N (N > 0) writes
      * trace_path.rankN. */
@@ -40,39 +40,39 @@ moert_result moert_runtime_write_report(const moert_runtime *rt, const char *pat
 /* What one step produced, for the progress line and the report. */
 typedef struct moert_step_record {
     int64_t step;
-    double loss;        /* mse + router losses */
+    double loss; /* mse + router losses */
     double mse;
-    double router_loss; /* sum over layers, averaged over ranks */
-    double imbalance;   /* max/mean of tokens per expert, averaged over layers */
-    double imbalance_max; /* the worst layer's max/mean */
-    double seconds;     /* wall time of the step on rank 0 */
-    double stage_seconds[MOERT_LAYER_STAGES]; /* rank 0, summed over layers and micro-batches */
+    double router_loss;                                       /* sum over layers, averaged over ranks */
+    double imbalance;                                         /* max/mean of tokens per expert, averaged over layers */
+    double imbalance_max;                                     /* the worst layer's max/mean */
+    double seconds;                                           /* wall time of the step on rank 0 */
+    double stage_seconds[MOERT_LAYER_STAGES];                 /* rank 0, summed over layers and micro-batches */
     double backward_part_seconds[MOERT_LAYER_BACKWARD_PARTS]; /* rank 0, summed over layers and micro-batches */
 } moert_step_record;
 
 /* One plugin of the run, as loaded. */
 typedef struct moert_run_plugin {
-    const char *kind;    /* "router", "dispatcher", "precision", "memory_policy" */
+    const char *kind; /* "router", "dispatcher", "precision", "memory_policy" */
     const char *name, *version, *path;
 } moert_run_plugin;
 
 /* The figures of the runtime and its last run (train or step), for reports and comparisons; pointers stay valid
  * until the next run or the runtime's destruction. */
 typedef struct moert_run_summary {
-    const moert_config *cfg;     /* read with moert_config_get_* */
-    int world;                   /* every rank */
+    const moert_config *cfg; /* read with moert_config_get_* */
+    int world;               /* every rank */
     moert_device_type device_type;
-    const char *device_name;     /* e.g. "cpu (4 ranks as threads)" */
-    moert_run_plugin plugins[4]; /* router, dispatcher, precision, memory_policy */
+    const char *device_name;          /* e.g. "cpu (4 ranks as threads)" */
+    moert_run_plugin plugins[4];      /* router, dispatcher, precision, memory_policy */
     const moert_step_record *records; /* moert_runtime_train's steps */
     int64_t record_count;
-    const int64_t *final_counts; /* [num_layers, num_experts] tokens per expert of the last step, or NULL */
+    const int64_t *final_counts;           /* [num_layers, num_experts] tokens per expert of the last step, or NULL */
     const double *final_bias, *bias_start; /* [num_layers, num_experts] expert bias after and before, or NULL */
     int64_t activation_bytes[MOERT_LAYER_ACTIVATIONS]; /* rank 0, summed over layers, last step */
-    int64_t kept_bytes;          /* rank 0, activations held from forward to backward, summed over layers */
-    int64_t device_peak_bytes;   /* CUDA: rank 0's memory pool, peak bytes in use; 0 on the CPU */
-    int64_t device_pool_calls;   /* CUDA: rank 0's pool, cudaMalloc + cudaFree calls in the last step */
-    double total_seconds;        /* the last moert_runtime_train */
+    int64_t kept_bytes;        /* rank 0, activations held from forward to backward, summed over layers */
+    int64_t device_peak_bytes; /* CUDA: rank 0's memory pool, peak bytes in use; 0 on the CPU */
+    int64_t device_pool_calls; /* CUDA: rank 0's pool, cudaMalloc + cudaFree calls in the last step */
+    double total_seconds;      /* the last moert_runtime_train */
     int64_t graph_captured_step, graph_replays; /* CUDA graphs ($.parallel.cuda_graph): 0 when none */
     double graph_capture_seconds;
 } moert_run_summary;

@@ -169,8 +169,10 @@ int moert_ab_plot_png(const char *path, const moert_ab_plot_data *data, char *er
         return -1;
     }
     if (!found)
-        snprintf(err, err_size, "--plot needs python3 with matplotlib, and no python3 was found (PATH, /usr/bin); the "
-                 "data is in %s", data_path);
+        snprintf(err, err_size,
+                 "--plot needs python3 with matplotlib, and no python3 was found (PATH, /usr/bin); the "
+                 "data is in %s",
+                 data_path);
     else
         snprintf(err, err_size,
                  "--plot needs the Python module matplotlib (Debian/Ubuntu: apt-get install python3-matplotlib); "

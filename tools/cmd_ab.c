@@ -18,11 +18,11 @@
 #include "report.h"
 #include "trainer.h"
 
-#define PROG "moert ab"
-#define DEFAULT_WARMUP 3
-#define DEFAULT_MAX_STEPS 50
+#define PROG                "moert ab"
+#define DEFAULT_WARMUP      3
+#define DEFAULT_MAX_STEPS   50
 #define BOOTSTRAP_RESAMPLES 2000
-#define BOOTSTRAP_SEED 20261126u /* fixed, and written in the report: the same steps give the same intervals */
+#define BOOTSTRAP_SEED      20261126u /* fixed, and written in the report: the same steps give the same intervals */
 
 static void ab_usage(FILE *f)
 {
@@ -154,7 +154,10 @@ typedef struct ab_config {
 static moert_result read_ab_config(const moert_config *cfg, ab_config *c)
 {
     moert_result rc = MOERT_OK;
-    static const struct { const char *key; size_t offset; } ints[] = {
+    static const struct {
+        const char *key;
+        size_t offset;
+    } ints[] = {
         {"model.hidden", offsetof(ab_config, model.hidden)},
         {"model.ffn_hidden", offsetof(ab_config, model.ffn_hidden)},
         {"model.num_experts", offsetof(ab_config, model.num_experts)},
@@ -169,7 +172,10 @@ static moert_result read_ab_config(const moert_config *cfg, ab_config *c)
         {"train.seed", offsetof(ab_config, train.seed)},
         {"train.log_every", offsetof(ab_config, train.log_every)},
     };
-    static const struct { const char *key; size_t offset; } reals[] = {
+    static const struct {
+        const char *key;
+        size_t offset;
+    } reals[] = {
         {"train.lr", offsetof(ab_config, train.lr)},
         {"train.weight_decay", offsetof(ab_config, train.weight_decay)},
         {"train.teacher_scale", offsetof(ab_config, train.teacher_scale)},
@@ -182,8 +188,8 @@ static moert_result read_ab_config(const moert_config *cfg, ab_config *c)
         HARNESS_CHECK(moert_config_get_double(cfg, reals[i].key, (double *)((char *)c + reals[i].offset)));
     HARNESS_CHECK(moert_config_get_string(cfg, "name", c->name, sizeof c->name));
     HARNESS_CHECK(moert_config_get_string(cfg, "model.dtype", c->model.dtype, sizeof c->model.dtype));
-    HARNESS_CHECK(moert_config_get_string(cfg, "parallel.cuda_graph", c->parallel.cuda_graph,
-                                          sizeof c->parallel.cuda_graph));
+    HARNESS_CHECK(
+        moert_config_get_string(cfg, "parallel.cuda_graph", c->parallel.cuda_graph, sizeof c->parallel.cuda_graph));
     HARNESS_CHECK(moert_config_get_string(cfg, "train.data", c->train.data, sizeof c->train.data));
     snprintf(c->source, sizeof c->source, "%s", moert_config_source(cfg));
     for (int s = 0; s < AB_SLOTS; s++) {
@@ -218,20 +224,20 @@ typedef struct ab_run_facts {
     int64_t kept_bytes;
     int64_t device_peak_bytes;
     int64_t device_pool_calls;
-    char graph[512];             /* moert_runtime_graph_summary: CUDA graphs captured and replayed, or why not */
-    double agreement_rtol;       /* what the precision recipe declares (moert_runtime_agreement_rtol) */
-    char precision[64];          /* the precision plugin's name */
+    char graph[512];       /* moert_runtime_graph_summary: CUDA graphs captured and replayed, or why not */
+    double agreement_rtol; /* what the precision recipe declares (moert_runtime_agreement_rtol) */
+    char precision[64];    /* the precision plugin's name */
 } ab_run_facts;
 
 typedef struct ab_side {
     const char *path;
-    const char *tag;             /* "A", "B", or "A'" (--aa: a second copy of A) */
+    const char *tag; /* "A", "B", or "A'" (--aa: a second copy of A) */
     moert_config *cfg;
-    ab_config conf;              /* what the A/B reads of cfg */
-    moert_runtime *rt;           /* NULL once destroyed */
-    ab_run_facts facts;          /* taken after the last step */
-    moert_step_record *records;  /* [warmup + steps], every step */
-    int64_t done;                /* steps completed (fewer than warmup + steps when a step failed) */
+    ab_config conf;               /* what the A/B reads of cfg */
+    moert_runtime *rt;            /* NULL once destroyed */
+    ab_run_facts facts;           /* taken after the last step */
+    moert_step_record *records;   /* [warmup + steps], every step */
+    int64_t done;                 /* steps completed (fewer than warmup + steps when a step failed) */
     spread figures[FIGURE_COUNT]; /* over the measured steps */
 } ab_side;
 
@@ -245,16 +251,16 @@ static ab_interval aa_intervals[FIGURE_COUNT];
 /* What agreement means here: the loss of every step, and the first step's output and gradients. */
 typedef struct ab_agreement {
     double rtol;
-    char rtol_source[320];     /* where rtol comes from, as the verdict goes on after it: " from --rtol", " declared by
+    char rtol_source[320]; /* where rtol comes from, as the verdict goes on after it: " from --rtol", " declared by
                                   precision bf16", ", the looser of A's precision bf16 (0.01) and B's fp8 (0.125)" */
-    double loss_diff;          /* max over steps of |loss_A - loss_B| / max(|loss_A|, |loss_B|) */
+    double loss_diff;      /* max over steps of |loss_A - loss_B| / max(|loss_A|, |loss_B|) */
     int64_t loss_worst_step;
-    bool losses_identical;     /* bit for bit, every step */
-    bool first_step_compared;  /* interleaved runs */
-    bool sequential;           /* --sequential: A is gone when B runs, so only losses are compared */
-    double output_diff;        /* max |out_A - out_B| / max |out| over the first step's output */
-    double gradient_diff;      /* the same per parameter tensor, the largest over tensors */
-    char gradient_worst[64];   /* that tensor, e.g. "layer 0 fc1" */
+    bool losses_identical;    /* bit for bit, every step */
+    bool first_step_compared; /* interleaved runs */
+    bool sequential;          /* --sequential: A is gone when B runs, so only losses are compared */
+    double output_diff;       /* max |out_A - out_B| / max |out| over the first step's output */
+    double gradient_diff;     /* the same per parameter tensor, the largest over tensors */
+    char gradient_worst[64];  /* that tensor, e.g. "layer 0 fc1" */
     bool agree;
 } ab_agreement;
 
@@ -318,13 +324,13 @@ fail:
 static moert_result compare_first_step(ab_side *a, ab_side *b, ab_agreement *agr)
 {
     moert_result rc = MOERT_OK;
-    static const char *const param_names[MOERT_PARAM_COUNT] = {"router", "fc1", "fc2", "shared fc1",
-                                                                   "shared fc2", "shared gate"};
+    static const char *const param_names[MOERT_PARAM_COUNT] = {"router",     "fc1",        "fc2",
+                                                               "shared fc1", "shared fc2", "shared gate"};
     const int nlocal = moert_runtime_local_ranks(a->rt);
     double *bufa = NULL, *bufb = NULL;
     if (moert_runtime_local_ranks(b->rt) != nlocal)
         return moert_set_last_error(MOERT_ERR_INTERNAL, "%s hosts %d ranks here and %s %d", a->tag, nlocal, b->tag,
-                           moert_runtime_local_ranks(b->rt));
+                                    moert_runtime_local_ranks(b->rt));
     /* the buffers: the largest tensor's size, up to COMPARE_CHUNK */
     int64_t chunk = moert_runtime_local_output_numel(a->rt);
     for (int l = 0; l < a->conf.model.num_layers; l++)
@@ -340,7 +346,7 @@ static moert_result compare_first_step(ab_side *a, ab_side *b, ab_agreement *agr
         goto fail;
     }
     HARNESS_CHECK(compare_tensor(a->rt, b->rt, -1, MOERT_PARAM_ROUTER, moert_runtime_local_output_numel(a->rt), chunk,
-                               bufa, bufb, &agr->output_diff));
+                                 bufa, bufb, &agr->output_diff));
     agr->gradient_diff = 0.0;
     for (int l = 0; l < a->conf.model.num_layers; l++)
         for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
@@ -399,7 +405,7 @@ static int check_same_run(const ab_config *a, const ab_config *b)
     }
     if (n > 0)
         fprintf(stderr, PROG ": A and B must describe the same model and run; they may differ in their plugin "
-                        "sections and in train.steps, lr, weight_decay, teacher_scale and log_every\n");
+                             "sections and in train.steps, lr, weight_decay, teacher_scale and log_every\n");
     return n;
 }
 
@@ -429,10 +435,14 @@ static void section_text(const ab_config *cfg, int slot, char *out, size_t size)
 
 static void format_bytes(int64_t bytes, char *out, size_t size)
 {
-    if (bytes >= (int64_t)1 << 30) snprintf(out, size, "%.2f GiB", (double)bytes / (double)(1 << 30));
-    else if (bytes >= (int64_t)1 << 20) snprintf(out, size, "%.2f MiB", (double)bytes / (double)(1 << 20));
-    else if (bytes >= 1024) snprintf(out, size, "%.1f KiB", (double)bytes / 1024.0);
-    else snprintf(out, size, "%lld B", (long long)bytes);
+    if (bytes >= (int64_t)1 << 30)
+        snprintf(out, size, "%.2f GiB", (double)bytes / (double)(1 << 30));
+    else if (bytes >= (int64_t)1 << 20)
+        snprintf(out, size, "%.2f MiB", (double)bytes / (double)(1 << 20));
+    else if (bytes >= 1024)
+        snprintf(out, size, "%.1f KiB", (double)bytes / 1024.0);
+    else
+        snprintf(out, size, "%lld B", (long long)bytes);
 }
 
 static void format_spread(const spread *s, char *out, size_t size)
@@ -442,8 +452,10 @@ static void format_spread(const spread *s, char *out, size_t size)
 
 static void format_ratio(double b, double a, char *out, size_t size)
 {
-    if (a > 0.0) snprintf(out, size, "%.3f", b / a);
-    else snprintf(out, size, "%s", b == 0.0 ? "1" : "-");
+    if (a > 0.0)
+        snprintf(out, size, "%.3f", b / a);
+    else
+        snprintf(out, size, "%s", b == 0.0 ? "1" : "-");
 }
 
 /* The table's rows, the same for the terminal and the Markdown file: label and the three cells. */
@@ -545,21 +557,25 @@ static void choose_rtol(const ab_side *x, const ab_side *y, double option_rtol, 
 static void format_summary(const ab_side *a, const ab_side *b, const ab_side *aprime, const ab_agreement *agr,
                            char *out, size_t size)
 {
-    double step = a->figures[FIGURE_STEP].median > 0 ? b->figures[FIGURE_STEP].median / a->figures[FIGURE_STEP].median : NAN;
-    double layer = a->figures[FIGURE_LAYER].median > 0
-                       ? b->figures[FIGURE_LAYER].median / a->figures[FIGURE_LAYER].median : NAN;
+    double step =
+        a->figures[FIGURE_STEP].median > 0 ? b->figures[FIGURE_STEP].median / a->figures[FIGURE_STEP].median : NAN;
+    double layer =
+        a->figures[FIGURE_LAYER].median > 0 ? b->figures[FIGURE_LAYER].median / a->figures[FIGURE_LAYER].median : NAN;
     char faster[48] = "";
     if (isfinite(step) && step != 1.0)
         snprintf(faster, sizeof faster, " (B %.1f%% %s)", fabs(1.0 - step) * 100.0, step < 1.0 ? "faster" : "slower");
     char kept[48];
-    if (a->facts.kept_bytes > 0) snprintf(kept, sizeof kept, "%.2fx", (double)b->facts.kept_bytes / (double)a->facts.kept_bytes);
-    else snprintf(kept, sizeof kept, "%s", b->facts.kept_bytes == 0 ? "1.00x" : "-");
-    snprintf(out, size, "summary: B/A step time %.3fx%s, layer fwd+bwd %.3fx, activations kept %s; outputs %s",
-             step, faster, layer, kept, agr->agree ? "agree" : "differ");
+    if (a->facts.kept_bytes > 0)
+        snprintf(kept, sizeof kept, "%.2fx", (double)b->facts.kept_bytes / (double)a->facts.kept_bytes);
+    else
+        snprintf(kept, sizeof kept, "%s", b->facts.kept_bytes == 0 ? "1.00x" : "-");
+    snprintf(out, size, "summary: B/A step time %.3fx%s, layer fwd+bwd %.3fx, activations kept %s; outputs %s", step,
+             faster, layer, kept, agr->agree ? "agree" : "differ");
     if (aprime) {
         size_t len = strlen(out);
         double noise = a->figures[FIGURE_STEP].median > 0
-                           ? aprime->figures[FIGURE_STEP].median / a->figures[FIGURE_STEP].median : NAN;
+                           ? aprime->figures[FIGURE_STEP].median / a->figures[FIGURE_STEP].median
+                           : NAN;
         snprintf(out + len, size - len, "; A'/A step time %.3fx (the same config twice)", noise);
     }
     if (a->facts.device_type == MOERT_DEVICE_CUDA) {
@@ -584,10 +600,7 @@ static void print_table(FILE *f, const table_row *rows, int n)
 /* ---- the JSON report and its Markdown twin ---- */
 
 /* A JSON number, or null where the value is not finite (JSON has no infinity). */
-static json_t *json_number(double v)
-{
-    return isfinite(v) ? json_real(v) : json_null();
-}
+static json_t *json_number(double v) { return isfinite(v) ? json_real(v) : json_null(); }
 
 static json_t *spread_json(const spread *s)
 {
@@ -627,9 +640,10 @@ static json_t *side_json(const ab_side *s, int64_t total_steps, int64_t warmup)
     json_object_set_new(o, "config", json_string(s->conf.source));
     json_object_set_new(o, "name", json_string(s->conf.name));
     json_object_set_new(o, "plugins", plugins);
-    json_object_set_new(o, "train", json_pack("{s:I, s:f, s:f, s:f}", "steps", (json_int_t)s->conf.train.steps, "lr",
-                                              s->conf.train.lr, "weight_decay", s->conf.train.weight_decay,
-                                              "teacher_scale", s->conf.train.teacher_scale));
+    json_object_set_new(o, "train",
+                        json_pack("{s:I, s:f, s:f, s:f}", "steps", (json_int_t)s->conf.train.steps, "lr",
+                                  s->conf.train.lr, "weight_decay", s->conf.train.weight_decay, "teacher_scale",
+                                  s->conf.train.teacher_scale));
     json_object_set_new(o, "ms", medians);
     json_object_set_new(o, "activation_bytes_rank0", memory_json(&s->facts));
     json_object_set_new(o, "completed_steps", json_integer(s->done));
@@ -680,8 +694,7 @@ static void build_header(const ab_side *a, const ab_side *b, int64_t warmup, int
     for (int s = 0; s < AB_SLOTS; s++) {
         if (!sections_equal(ca, cb, s)) continue;
         size_t len = strlen(same);
-        snprintf(same + len, sizeof same - len, "%s%s %s", len ? ", " : "", slot_keys[s],
-                 ca->plugin[s]);
+        snprintf(same + len, sizeof same - len, "%s%s %s", len ? ", " : "", slot_keys[s], ca->plugin[s]);
     }
     if (same[0]) header_add(h, "same in both: %s", same);
     for (int s = 0; s < AB_SLOTS; s++) {
@@ -696,7 +709,8 @@ static void build_header(const ab_side *a, const ab_side *b, int64_t warmup, int
     train_key_difference(train, sizeof train, "train.lr", ca->train.lr, cb->train.lr);
     train_key_difference(train, sizeof train, "train.weight_decay", ca->train.weight_decay, cb->train.weight_decay);
     train_key_difference(train, sizeof train, "train.teacher_scale", ca->train.teacher_scale, cb->train.teacher_scale);
-    train_key_difference(train, sizeof train, "train.log_every", (double)ca->train.log_every, (double)cb->train.log_every);
+    train_key_difference(train, sizeof train, "train.log_every", (double)ca->train.log_every,
+                         (double)cb->train.log_every);
     if (train[0]) header_add(h, "differs: %s", train);
     if (strcmp(ca->parallel.cuda_graph, cb->parallel.cuda_graph) != 0)
         header_add(h, "differs: parallel.cuda_graph: A \"%s\", B \"%s\"", ca->parallel.cuda_graph,
@@ -745,7 +759,8 @@ static int markdown_writer(FILE *f, void *user)
     fprintf(f, MARKDOWN_TITLE "\n");
     for (int i = 0; i < h->count; i++) fprintf(f, "- %s\n", h->lines[i]);
     fprintf(f, "\n| figure | A median [p10-p90] | B median [p10-p90] | B/A |\n|---|---:|---:|---:|\n");
-    for (int i = 0; i < nrows; i++) fprintf(f, "| %s | %s | %s | %s |\n", rows[i].label, rows[i].a, rows[i].b, rows[i].ratio);
+    for (int i = 0; i < nrows; i++)
+        fprintf(f, "| %s | %s | %s | %s |\n", rows[i].label, rows[i].a, rows[i].b, rows[i].ratio);
     fprintf(f, "\n%s\n\n", verdict);
     if (m->aa_verdict[0]) fprintf(f, "%s\n\n", m->aa_verdict);
     fprintf(f, "%s\n", summary);
@@ -762,8 +777,10 @@ static int markdown_writer(FILE *f, void *user)
         ab_verdict_text(iv, text, sizeof text);
         fprintf(f, "| %s | %.3f | %.3f-%.3f | %s |", figure_label(fig, buf, sizeof buf), iv->ratio, iv->low, iv->high,
                 text);
-        if (m->aa && !isnan(aa->low)) fprintf(f, " %.3f | %.3f-%.3f |", aa->ratio, aa->low, aa->high);
-        else if (m->aa) fprintf(f, " - | - |");
+        if (m->aa && !isnan(aa->low))
+            fprintf(f, " %.3f | %.3f-%.3f |", aa->ratio, aa->low, aa->high);
+        else if (m->aa)
+            fprintf(f, " - | - |");
         fprintf(f, "\n");
     }
     return ferror(f) ? -1 : 0;
@@ -785,8 +802,10 @@ static int check_outputs(const char *const configs[2], const char *report, const
             if (!fgets(first, sizeof first, f)) first[0] = '\0';
             fclose(f);
             if (strcmp(first, MARKDOWN_TITLE) != 0) {
-                fprintf(stderr, PROG ": --report %s: the table beside it, %s, exists and was not written by moert ab; "
-                        "move it away or choose another report name\n", report, md);
+                fprintf(stderr,
+                        PROG ": --report %s: the table beside it, %s, exists and was not written by moert ab; "
+                             "move it away or choose another report name\n",
+                        report, md);
                 return 1;
             }
         }
@@ -811,10 +830,10 @@ static json_t *intervals_json(const ab_interval *ivs, const char *order, uint64_
         if (isnan(iv->ratio)) continue;
         char text[160];
         ab_verdict_text(iv, text, sizeof text);
-        json_object_set_new(figures, figure_name(f), json_pack("{s:o, s:o, s:o, s:I, s:s}", "ratio", json_number(iv->ratio),
-                                                               "ci_low", json_number(iv->low), "ci_high",
-                                                               json_number(iv->high), "pairs", (json_int_t)iv->pairs,
-                                                               "verdict", text));
+        json_object_set_new(figures, figure_name(f),
+                            json_pack("{s:o, s:o, s:o, s:I, s:s}", "ratio", json_number(iv->ratio), "ci_low",
+                                      json_number(iv->low), "ci_high", json_number(iv->high), "pairs",
+                                      (json_int_t)iv->pairs, "verdict", text));
     }
     return json_pack("{s:s, s:f, s:i, s:I, s:o}", "order", order, "level", 0.95, "resamples", BOOTSTRAP_RESAMPLES,
                      "seed", (json_int_t)seed, "figures", figures);
@@ -866,26 +885,25 @@ static moert_result write_report(const char *path, const ab_side *a, const ab_si
     json_t *root = json_object(), *ratios = json_object(), *header = json_array(), *differ = json_array();
     for (int i = 0; i < h->count; i++) json_array_append_new(header, json_string(h->lines[i]));
     for (int s = 0; s < AB_SLOTS; s++)
-        if (!sections_equal(&a->conf, &b->conf, s))
-            json_array_append_new(differ, json_string(slot_keys[s]));
+        if (!sections_equal(&a->conf, &b->conf, s)) json_array_append_new(differ, json_string(slot_keys[s]));
     for (int f = 0; f < FIGURE_COUNT; f++)
         json_object_set_new(ratios, figure_name(f),
                             a->figures[f].median > 0 ? json_number(b->figures[f].median / a->figures[f].median)
                                                      : json_null());
     json_object_set_new(ratios, "kept_from_forward_to_backward",
                         a->facts.kept_bytes > 0 ? json_real((double)b->facts.kept_bytes / (double)a->facts.kept_bytes)
-                                              : json_null());
+                                                : json_null());
     json_t *agreement = agreement_json(agr);
     if (rp->aa_agr) json_object_set_new(agreement, "a_prime", agreement_json(rp->aa_agr));
 
     json_object_set_new(root, "moert_version", json_string(MOERT_VERSION_STRING));
     json_object_set_new(root, "device", json_string(a->facts.device_name));
     json_object_set_new(root, "ranks", json_integer(a->facts.world));
-    json_object_set_new(root, "model", json_pack("{s:I, s:I, s:I, s:I, s:I, s:s}", "hidden", (json_int_t)cfg->model.hidden,
-                                                 "ffn_hidden", (json_int_t)cfg->model.ffn_hidden, "num_experts",
-                                                 (json_int_t)cfg->model.num_experts, "topk", (json_int_t)cfg->model.topk,
-                                                 "num_layers", (json_int_t)cfg->model.num_layers, "dtype",
-                                                 cfg->model.dtype));
+    json_object_set_new(root, "model",
+                        json_pack("{s:I, s:I, s:I, s:I, s:I, s:s}", "hidden", (json_int_t)cfg->model.hidden,
+                                  "ffn_hidden", (json_int_t)cfg->model.ffn_hidden, "num_experts",
+                                  (json_int_t)cfg->model.num_experts, "topk", (json_int_t)cfg->model.topk, "num_layers",
+                                  (json_int_t)cfg->model.num_layers, "dtype", cfg->model.dtype));
     json_object_set_new(root, "tokens_per_rank", json_integer(cfg->train.tokens_per_rank));
     json_object_set_new(root, "micro_batches", json_integer(cfg->train.micro_batches));
     json_object_set_new(root, "seed", json_integer(cfg->train.seed));
@@ -982,7 +1000,7 @@ static moert_result create_side(ab_side *side, bool sequential)
         fprintf(stderr, PROG ": %s (%s): %s\n", side->tag, side->path, moert_last_error());
         if (!sequential && strcmp(side->tag, "A") != 0)
             fprintf(stderr, PROG ": if A and B do not fit in memory together, --sequential runs A to the end, "
-                            "frees it, then runs B\n");
+                                 "frees it, then runs B\n");
         return rc;
     }
     take_facts(side);
@@ -1016,9 +1034,8 @@ static int check_same_device(const ab_side *a, const ab_side *b)
 static void print_side_progress(const ab_side *side, int64_t step, int64_t warmup, int64_t total)
 {
     const moert_step_record *r = &side->records[step - 1];
-    printf("%s step %*lld/%lld%s  loss %.6f %8.2f ms\n", side->tag,
-           (int)snprintf(NULL, 0, "%lld", (long long)total), (long long)step, (long long)total,
-           step <= warmup ? " (warm-up)" : "          ", r->loss, r->seconds * 1e3);
+    printf("%s step %*lld/%lld%s  loss %.6f %8.2f ms\n", side->tag, (int)snprintf(NULL, 0, "%lld", (long long)total),
+           (long long)step, (long long)total, step <= warmup ? " (warm-up)" : "          ", r->loss, r->seconds * 1e3);
     fflush(stdout);
 }
 
@@ -1139,7 +1156,8 @@ int moert_cmd_ab(int argc, char **argv)
     if (check_outputs(paths, report_path, report_path ? md : NULL, plot_path) != 0) return 1;
 
     /* A, B and, with --aa, A': A's config with A's overrides, run as a third side */
-    ab_side sides[3] = {{.path = paths[0], .tag = "A"}, {.path = paths[1], .tag = "B"}, {.path = paths[0], .tag = "A'"}};
+    ab_side sides[3] = {
+        {.path = paths[0], .tag = "A"}, {.path = paths[1], .tag = "B"}, {.path = paths[0], .tag = "A'"}};
     const int nsides = aa ? 3 : 2;
     ab_agreement agr = {.losses_identical = true, .sequential = sequential};
     ab_agreement aa_agr = {.losses_identical = true, .sequential = sequential}; /* A' against A */
@@ -1252,7 +1270,8 @@ finish:;
         }
     }
     if (ratio_intervals(&sides[0], &sides[1], warmup, BOOTSTRAP_SEED, intervals) != MOERT_OK ||
-        (aa && ratio_intervals(&sides[0], &sides[2], warmup, BOOTSTRAP_SEED + AA_SEED_OFFSET, aa_intervals) != MOERT_OK)) {
+        (aa &&
+         ratio_intervals(&sides[0], &sides[2], warmup, BOOTSTRAP_SEED + AA_SEED_OFFSET, aa_intervals) != MOERT_OK)) {
         fprintf(stderr, PROG ": %s\n", moert_last_error());
         goto exit;
     }
@@ -1265,14 +1284,17 @@ finish:;
                          sides[0].done < sides[2].done ? sides[0].done : sides[2].done, aa_verdict, sizeof aa_verdict);
     format_summary(&sides[0], &sides[1], aa ? &sides[2] : NULL, &agr, summary, sizeof summary);
     if (failed)
-        snprintf(verdict, sizeof verdict, "INCOMPLETE: %s. The figures cover the steps each side completed (A %lld, B "
-                 "%lld of %lld).", failure, (long long)sides[0].done, (long long)sides[1].done, (long long)total);
+        snprintf(verdict, sizeof verdict,
+                 "INCOMPLETE: %s. The figures cover the steps each side completed (A %lld, B "
+                 "%lld of %lld).",
+                 failure, (long long)sides[0].done, (long long)sides[1].done, (long long)total);
     const char *order = sequential ? "sequential" : aa ? "A B A' rotating" : "ABBA";
     char step_text[300], layer_text[300];
     timing_text(FIGURE_STEP, aa, step_text, sizeof step_text);
     timing_text(FIGURE_LAYER, aa, layer_text, sizeof layer_text);
-    snprintf(timing, sizeof timing, "timing (B/A, %s order, bootstrap over %lld paired steps%s): step %s; layer fwd+bwd %s",
-             order, (long long)intervals[FIGURE_STEP].pairs, aa ? "; in brackets A'/A, the noise floor" : "", step_text,
+    snprintf(timing, sizeof timing,
+             "timing (B/A, %s order, bootstrap over %lld paired steps%s): step %s; layer fwd+bwd %s", order,
+             (long long)intervals[FIGURE_STEP].pairs, aa ? "; in brackets A'/A, the noise floor" : "", step_text,
              layer_text);
     printf("\n");
     print_table(stdout, rows, nrows);
@@ -1281,10 +1303,20 @@ finish:;
     printf("%s\n%s\n", summary, timing);
 
     if (report_path) {
-        report_parts rp = {.h = &header, .agr = &agr, .aa_agr = aa ? &aa_agr : NULL, .aprime = aa ? &sides[2] : NULL,
-                           .warmup = warmup, .steps = steps, .verdict = verdict, .aa_verdict = aa_verdict,
-                           .summary = summary, .timing = timing, .order = order, .failure = failed ? failure : NULL,
-                           .rows = rows, .nrows = nrows};
+        report_parts rp = {.h = &header,
+                           .agr = &agr,
+                           .aa_agr = aa ? &aa_agr : NULL,
+                           .aprime = aa ? &sides[2] : NULL,
+                           .warmup = warmup,
+                           .steps = steps,
+                           .verdict = verdict,
+                           .aa_verdict = aa_verdict,
+                           .summary = summary,
+                           .timing = timing,
+                           .order = order,
+                           .failure = failed ? failure : NULL,
+                           .rows = rows,
+                           .nrows = nrows};
         if (write_report(report_path, &sides[0], &sides[1], &rp) != MOERT_OK) goto exit;
         if (!quiet) printf("%sreport written to %s and %s\n", failed ? "incomplete " : "", report_path, md);
     }
@@ -1293,8 +1325,11 @@ finish:;
         for (int s = 2; s < nsides; s++) total = sides[s].done < total ? sides[s].done : total;
         series = malloc(sizeof(double) * 2 * (size_t)nsides * (size_t)(total + 1));
         if (!series) goto exit;
-        moert_ab_plot_data plot = {.n = total, .warmup = warmup < total ? warmup : total, .nsides = nsides,
-                                   .step_ratio = &intervals[FIGURE_STEP], .step_noise = aa ? &aa_intervals[FIGURE_STEP] : NULL};
+        moert_ab_plot_data plot = {.n = total,
+                                   .warmup = warmup < total ? warmup : total,
+                                   .nsides = nsides,
+                                   .step_ratio = &intervals[FIGURE_STEP],
+                                   .step_noise = aa ? &aa_intervals[FIGURE_STEP] : NULL};
         for (int s = 0; s < nsides; s++) {
             double *ms = series + (2 * s) * total, *loss = series + (2 * s + 1) * total;
             for (int64_t i = 0; i < total; i++) {

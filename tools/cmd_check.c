@@ -8,11 +8,10 @@
 
 static void check_usage(FILE *f)
 {
-    fprintf(f,
-            "usage: moert check CONFIG [--set KEY=VALUE]...\n"
-            "  Loads CONFIG, applies the overrides, loads the four plugins it names, and starts every layer on\n"
-            "  every rank, so that each plugin reads (and the core checks) its options. Prints\n"
-            "  \"CONFIG: ok (...)\" or the first error; the exit status is 1 on error.\n");
+    fprintf(f, "usage: moert check CONFIG [--set KEY=VALUE]...\n"
+               "  Loads CONFIG, applies the overrides, loads the four plugins it names, and starts every layer on\n"
+               "  every rank, so that each plugin reads (and the core checks) its options. Prints\n"
+               "  \"CONFIG: ok (...)\" or the first error; the exit status is 1 on error.\n");
 }
 
 int moert_cmd_check(int argc, char **argv)

@@ -27,17 +27,17 @@ typedef enum map_kind {
 typedef struct flag_map {
     const char *flag;
     map_kind kind;
-    const char *key;                  /* dotted moert key */
-    const char *const *choices;       /* MAP_ENUM: Megatron's values */
-    const char *const *values;        /* MAP_ENUM: moert's, same positions */
-    long long min;                    /* MAP_INT */
-    bool no_value;                    /* a switch */
-    const char *why;                  /* MAP_IGNORE, MAP_REFUSE */
+    const char *key;            /* dotted moert key */
+    const char *const *choices; /* MAP_ENUM: Megatron's values */
+    const char *const *values;  /* MAP_ENUM: moert's, same positions */
+    long long min;              /* MAP_INT */
+    bool no_value;              /* a switch */
+    const char *why;            /* MAP_IGNORE, MAP_REFUSE */
 } flag_map;
 
 static const char *const score_choices[] = {"softmax", "sigmoid", NULL};
-static const char *const balancing_choices[] = {"aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none",
-                                                NULL};
+static const char *const balancing_choices[] = {"aux_loss", "seq_aux_loss", "global_aux_loss",
+                                                "sinkhorn", "none",         NULL};
 static const char *const drop_choices[] = {"probs", "position", NULL};
 
 /* clang-format off */
@@ -186,25 +186,30 @@ static int apply_flag(import_state *st, const flag_map *f, const char *value)
                 return 0;
             }
         return fail("%s: \"%s\" is not one of Megatron's values for it", f->flag, value);
-    case MAP_TRUE:
-        set_key(st->root, f->key, json_true());
-        return 0;
-    case MAP_IGNORE:
-        return 0;
-    case MAP_REFUSE:
-        return fail("%s: %s", f->flag, f->why);
+    case MAP_TRUE: set_key(st->root, f->key, json_true()); return 0;
+    case MAP_IGNORE: return 0;
+    case MAP_REFUSE: return fail("%s: %s", f->flag, f->why);
     case MAP_SPECIAL: break;
     }
     const char *flag = f->flag;
-    if (!strcmp(flag, "--bf16")) st->bf16 = true;
-    else if (!strcmp(flag, "--moe-enable-deepep")) st->deepep = true;
-    else if (!strcmp(flag, "--moe-layer-recompute")) st->moe_layer_recompute = true;
-    else if (!strcmp(flag, "--moe-token-dispatcher-type")) st->dispatcher = value;
-    else if (!strcmp(flag, "--moe-flex-dispatcher-backend")) st->flex_backend = value;
-    else if (!strcmp(flag, "--fp8-format")) st->fp8_format = value;
-    else if (!strcmp(flag, "--fp8-recipe")) st->fp8_recipe = value;
-    else if (!strcmp(flag, "--recompute-modules")) st->recompute_modules = value;
-    else if (!strcmp(flag, "--recompute-granularity")) st->granularity = value;
+    if (!strcmp(flag, "--bf16"))
+        st->bf16 = true;
+    else if (!strcmp(flag, "--moe-enable-deepep"))
+        st->deepep = true;
+    else if (!strcmp(flag, "--moe-layer-recompute"))
+        st->moe_layer_recompute = true;
+    else if (!strcmp(flag, "--moe-token-dispatcher-type"))
+        st->dispatcher = value;
+    else if (!strcmp(flag, "--moe-flex-dispatcher-backend"))
+        st->flex_backend = value;
+    else if (!strcmp(flag, "--fp8-format"))
+        st->fp8_format = value;
+    else if (!strcmp(flag, "--fp8-recipe"))
+        st->fp8_recipe = value;
+    else if (!strcmp(flag, "--recompute-modules"))
+        st->recompute_modules = value;
+    else if (!strcmp(flag, "--recompute-granularity"))
+        st->granularity = value;
     else if (!strcmp(flag, "--moe-router-dtype")) {
         if (strcmp(value, "fp32") && strcmp(value, "fp64"))
             return fail("%s: \"%s\" is not one of Megatron's values for it (fp32, fp64)", flag, value);
@@ -213,11 +218,11 @@ static int apply_flag(import_state *st, const flag_map *f, const char *value)
     } else if (!strcmp(flag, "--moe-pad-expert-input-to-capacity")) {
         st->pad_to_capacity = true;
     } else {
-        long long *slot = !strcmp(flag, "--seq-length")                          ? &st->seq_length
-                          : !strcmp(flag, "--micro-batch-size")                  ? &st->micro_batch
-                          : !strcmp(flag, "--ffn-hidden-size")                   ? &st->ffn_hidden
-                          : !strcmp(flag, "--expert-tensor-parallel-size")       ? &st->etp
-                                                                                 : &st->shared_ffn;
+        long long *slot = !strcmp(flag, "--seq-length")                    ? &st->seq_length
+                          : !strcmp(flag, "--micro-batch-size")            ? &st->micro_batch
+                          : !strcmp(flag, "--ffn-hidden-size")             ? &st->ffn_hidden
+                          : !strcmp(flag, "--expert-tensor-parallel-size") ? &st->etp
+                                                                           : &st->shared_ffn;
         if (!parse_int(value, f->min, slot)) return fail("%s: \"%s\" is not an integer in range", flag, value);
     }
     return 0;
@@ -266,13 +271,18 @@ static int finish(import_state *st)
     const char *plugin = "alltoall";
     const char *dtype = st->dispatcher ? st->dispatcher : "allgather"; /* Megatron's default */
     if (st->deepep) dtype = "flex";
-    if (!strcmp(dtype, "alltoall")) plugin = "alltoall";
-    else if (!strcmp(dtype, "allgather")) plugin = "allgather";
+    if (!strcmp(dtype, "alltoall"))
+        plugin = "alltoall";
+    else if (!strcmp(dtype, "allgather"))
+        plugin = "allgather";
     else if (!strcmp(dtype, "flex")) {
         const char *backend = st->flex_backend ? st->flex_backend : "deepep";
-        if (!strcmp(backend, "deepep")) plugin = "deepep";
-        else if (!strcmp(backend, "hybridep")) plugin = "hybridep";
-        else return fail("--moe-flex-dispatcher-backend: \"%s\" is not deepep or hybridep%s", backend, "");
+        if (!strcmp(backend, "deepep"))
+            plugin = "deepep";
+        else if (!strcmp(backend, "hybridep"))
+            plugin = "hybridep";
+        else
+            return fail("--moe-flex-dispatcher-backend: \"%s\" is not deepep or hybridep%s", backend, "");
     } else if (!strcmp(dtype, "alltoall_seq"))
         return fail("--moe-token-dispatcher-type %s: use alltoall%s", dtype, "");
     else
@@ -294,7 +304,7 @@ static int finish(import_state *st)
     if (!st->fp8_format && st->fp8_recipe) return fail("%s needs %s", "--fp8-recipe", "--fp8-format");
     if (st->fp8_format) {
         const char *recipe = st->fp8_recipe ? st->fp8_recipe : "delayed";
-        const char *moert_recipe = !strcmp(recipe, "delayed")     ? "delayed"
+        const char *moert_recipe = !strcmp(recipe, "delayed")      ? "delayed"
                                    : !strcmp(recipe, "tensorwise") ? "current"
                                    : !strcmp(recipe, "blockwise")  ? "blockwise"
                                                                    : NULL;
@@ -318,8 +328,10 @@ static int finish(import_state *st)
         char modules[512];
         snprintf(modules, sizeof modules, "%s", st->recompute_modules);
         for (char *save = NULL, *m = strtok_r(modules, ", ", &save); m; m = strtok_r(NULL, ", ", &save)) {
-            if (!strcmp(m, "moe_act")) act = true;
-            else if (!strcmp(m, "moe")) whole = true;
+            if (!strcmp(m, "moe_act"))
+                act = true;
+            else if (!strcmp(m, "moe"))
+                whole = true;
             else if (strcmp(m, "core_attn") && strcmp(m, "layernorm") && strcmp(m, "mla_up_proj") && strcmp(m, "mlp") &&
                      strcmp(m, "shared_experts"))
                 return fail("--recompute-modules: \"%s\" is not one of Megatron's modules%s", m, "");
@@ -408,9 +420,12 @@ int moert_cmd_config(int argc, char **argv)
             break;
         }
         if (!f->no_value) {
-            if (eq) value = eq + 1;
-            else if (i + 1 < nargs) value = args[++i];
-            else status = fail("%s needs a value%s", flag, "");
+            if (eq)
+                value = eq + 1;
+            else if (i + 1 < nargs)
+                value = args[++i];
+            else
+                status = fail("%s needs a value%s", flag, "");
         }
         /* Megatron reads --recompute-modules as a list (nargs '*'): every word up to the next flag */
         if (status == 0 && !strcmp(flag, "--recompute-modules")) {

@@ -11,12 +11,11 @@ extern char **environ;
 
 static void env_usage(FILE *f)
 {
-    fprintf(f,
-            "usage: moert env\n"
-            "  Lists the environment variables moert reads, with their value in this environment (or that they are\n"
-            "  unset and what holds then), their type and what they do; then the variables of launchers and NCCL\n"
-            "  that moert reads, and the MOERT_* variables set here that it does not read. Everything else that\n"
-            "  changes how moert runs is a config key or a plugin option ('moert plugins --options').\n");
+    fprintf(f, "usage: moert env\n"
+               "  Lists the environment variables moert reads, with their value in this environment (or that they are\n"
+               "  unset and what holds then), their type and what they do; then the variables of launchers and NCCL\n"
+               "  that moert reads, and the MOERT_* variables set here that it does not read. Everything else that\n"
+               "  changes how moert runs is a config key or a plugin option ('moert plugins --options').\n");
 }
 
 /* Whether name (of length len, from environ) is one of the table's. */

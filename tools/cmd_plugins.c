@@ -15,22 +15,23 @@
 
 static void plugins_usage(FILE *f)
 {
-    fprintf(f,
-            "usage: moert plugins [--options]\n"
-            "  Lists every plugin file found along the search path (MOERT_PLUGIN_PATH, the build tree, the\n"
-            "  install dir): kind, name, version, devices, dtypes, flags and path. A name found twice is\n"
-            "  loaded from the first place; the later ones are marked shadowed.\n"
-            "  --options   also start each plugin once with a default layer (H=64 F=128 E=8 K=2 T=256, one rank,\n"
-            "              CPU) and list the options it reads: key, type, default, range, help.\n"
-            "  Each file is loaded (and started) in a child process: one that crashes, exits or hangs is reported\n"
-            "  and the others are listed.\n");
+    fprintf(f, "usage: moert plugins [--options]\n"
+               "  Lists every plugin file found along the search path (MOERT_PLUGIN_PATH, the build tree, the\n"
+               "  install dir): kind, name, version, devices, dtypes, flags and path. A name found twice is\n"
+               "  loaded from the first place; the later ones are marked shadowed.\n"
+               "  --options   also start each plugin once with a default layer (H=64 F=128 E=8 K=2 T=256, one rank,\n"
+               "              CPU) and list the options it reads: key, type, default, range, help.\n"
+               "  Each file is loaded (and started) in a child process: one that crashes, exits or hangs is reported\n"
+               "  and the others are listed.\n");
 }
 
 /* "cpu,cuda" from capability bits. */
 static void device_names(uint32_t bits, char *buf, size_t size)
 {
-    static const struct { int type; const char *name; } devices[] = {
-        {MOERT_DEVICE_CPU, "cpu"}, {MOERT_DEVICE_CUDA, "cuda"}, {MOERT_DEVICE_CUDA_HOST, "cuda_host"}};
+    static const struct {
+        int type;
+        const char *name;
+    } devices[] = {{MOERT_DEVICE_CPU, "cpu"}, {MOERT_DEVICE_CUDA, "cuda"}, {MOERT_DEVICE_CUDA_HOST, "cuda_host"}};
     buf[0] = '\0';
     for (size_t i = 0; i < sizeof devices / sizeof devices[0]; i++) {
         if (!(bits & MOERT_CAP_DEVICE(devices[i].type))) continue;
@@ -72,7 +73,7 @@ typedef struct listing {
     bool options;
     plugin_row *rows;
     int row_count, row_cap;
-    char *problems;     /* files that did not load, printed after the table */
+    char *problems; /* files that did not load, printed after the table */
     size_t problems_len;
 } listing;
 
@@ -93,7 +94,8 @@ typedef struct option_sink {
 static void print_option(void *user, const moert_plugin_option *d)
 {
     option_sink *sink = user;
-    if (sink->count++ == 0) fprintf(sink->f, "  %-22s %-7s %-12s %-24s %s\n", "OPTION", "TYPE", "DEFAULT", "RANGE", "HELP");
+    if (sink->count++ == 0)
+        fprintf(sink->f, "  %-22s %-7s %-12s %-24s %s\n", "OPTION", "TYPE", "DEFAULT", "RANGE", "HELP");
     fprintf(sink->f, "  %-22s %-7s %-12s %-24s %s\n", d->key, d->type, d->default_text[0] ? d->default_text : "\"\"",
             d->range[0] ? d->range : "-", d->help);
 }
@@ -221,8 +223,10 @@ static char *read_all(int fd, size_t *len)
             cap *= 2;
         }
         ssize_t r = read(fd, buf + n, cap - n);
-        if (r > 0) n += (size_t)r;
-        else if (r == 0 || errno != EINTR) break;
+        if (r > 0)
+            n += (size_t)r;
+        else if (r == 0 || errno != EINTR)
+            break;
     }
     *len = n;
     return buf;
@@ -278,9 +282,8 @@ static void probe_file(void *user, const char *path, moert_plugin_kind kind)
     char *buf = read_all(fds[0], &len);
     close(fds[0]);
     int status = 0;
-    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-    }
-    char stage = 0;       /* the last stage the child reported */
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
+    char stage = 0; /* the last stage the child reported */
     bool done = false;
     plugin_row row;
     bool have_row = false;
@@ -350,12 +353,12 @@ static void probe_file(void *user, const char *path, moert_plugin_kind kind)
 }
 
 /* Width of the widest value of a column (and its title). */
-#define COLUMN_WIDTH(l, field, title)                                                                        \
-    ({                                                                                                       \
-        int _w = (int)strlen(title);                                                                         \
-        for (int _i = 0; _i < (l)->row_count; _i++)                                                          \
-            if ((int)strlen((l)->rows[_i].field) > _w) _w = (int)strlen((l)->rows[_i].field);                \
-        _w;                                                                                                  \
+#define COLUMN_WIDTH(l, field, title)                                                                                  \
+    ({                                                                                                                 \
+        int _w = (int)strlen(title);                                                                                   \
+        for (int _i = 0; _i < (l)->row_count; _i++)                                                                    \
+            if ((int)strlen((l)->rows[_i].field) > _w) _w = (int)strlen((l)->rows[_i].field);                          \
+        _w;                                                                                                            \
     })
 
 /* The table, with columns as wide as their widest value. */

@@ -11,18 +11,17 @@
 
 static void run_usage(FILE *f)
 {
-    fprintf(f,
-            "usage: moert run CONFIG [options]\n"
-            "  Trains the MoE layer stack CONFIG describes on its synthetic task (regression onto a fixed\n"
-            "  random teacher), on the CPU with ranks as threads, or on the GPUs when the config asks.\n"
-            "options:\n"
-            "  --steps N         override train.steps\n"
-            "  --set KEY=JSON    override any config value, e.g. --set model.num_layers=4 (repeatable)\n"
-            "  --report FILE     write every figure of the run as JSON\n"
-            "  --trace FILE      write a Chrome trace (Perfetto, chrome://tracing) of every rank's stage\n"
-            "                    spans on its streams over the run (a process per GPU: rank N > 0 writes\n"
-            "                    FILE.rankN)\n"
-            "  --quiet           no progress lines\n");
+    fprintf(f, "usage: moert run CONFIG [options]\n"
+               "  Trains the MoE layer stack CONFIG describes on its synthetic task (regression onto a fixed\n"
+               "  random teacher), on the CPU with ranks as threads, or on the GPUs when the config asks.\n"
+               "options:\n"
+               "  --steps N         override train.steps\n"
+               "  --set KEY=JSON    override any config value, e.g. --set model.num_layers=4 (repeatable)\n"
+               "  --report FILE     write every figure of the run as JSON\n"
+               "  --trace FILE      write a Chrome trace (Perfetto, chrome://tracing) of every rank's stage\n"
+               "                    spans on its streams over the run (a process per GPU: rank N > 0 writes\n"
+               "                    FILE.rankN)\n"
+               "  --quiet           no progress lines\n");
 }
 
 int moert_cmd_run(int argc, char **argv)
@@ -92,8 +91,10 @@ int moert_cmd_run(int argc, char **argv)
     }
     /* a process per GPU: rank 0's process prints and writes the report */
     int root = moert_runtime_rank(rt) == 0;
-    moert_train_options opts = {.struct_size = sizeof opts, .progress = quiet || !root ? NULL : stdout,
-                                .steps = steps, .trace_path = trace_path};
+    moert_train_options opts = {.struct_size = sizeof opts,
+                                .progress = quiet || !root ? NULL : stdout,
+                                .steps = steps,
+                                .trace_path = trace_path};
     rc = moert_runtime_train(rt, &opts);
     if (rc != MOERT_OK) {
         fprintf(stderr, "moert run: %s\n", moert_last_error());

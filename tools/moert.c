@@ -7,23 +7,22 @@
 
 static void usage(FILE *f)
 {
-    fprintf(f,
-            "usage: moert COMMAND [ARGS]\n"
-            "commands:\n"
-            "  run CONFIG [--set KEY=VALUE]...     train the MoE layer stack CONFIG describes\n"
-            "  check CONFIG [--set KEY=VALUE]...   load CONFIG and every plugin it names, check all options\n"
-            "  plugins [--options]                 list the plugins found (and each plugin's options)\n"
-            "  env                                 the environment variables moert reads, and their values here\n"
-            "  ab CONFIG_A CONFIG_B [...]          compare two configs\n"
-            "  config --from-megatron FLAGS...     a config from Megatron-LM's MoE flags, on stdout\n"
-            "options:\n"
-            "  --help, -h       this text ('moert COMMAND --help' for a command's own)\n"
-            "  --version        the version of moert and of its plugin ABI\n"
-            "exit status:\n"
-            "  0 done, 1 the work failed, 2 a usage error, 3 a rank stalled ($.parallel.timeout_s)\n"
-            "environment:\n"
-            "  MOERT_PLUGIN_PATH   ':'-separated directories searched for plugins before the built-in ones\n"
-            "  MOERT_LOG           error, warn (default), info or debug\n");
+    fprintf(f, "usage: moert COMMAND [ARGS]\n"
+               "commands:\n"
+               "  run CONFIG [--set KEY=VALUE]...     train the MoE layer stack CONFIG describes\n"
+               "  check CONFIG [--set KEY=VALUE]...   load CONFIG and every plugin it names, check all options\n"
+               "  plugins [--options]                 list the plugins found (and each plugin's options)\n"
+               "  env                                 the environment variables moert reads, and their values here\n"
+               "  ab CONFIG_A CONFIG_B [...]          compare two configs\n"
+               "  config --from-megatron FLAGS...     a config from Megatron-LM's MoE flags, on stdout\n"
+               "options:\n"
+               "  --help, -h       this text ('moert COMMAND --help' for a command's own)\n"
+               "  --version        the version of moert and of its plugin ABI\n"
+               "exit status:\n"
+               "  0 done, 1 the work failed, 2 a usage error, 3 a rank stalled ($.parallel.timeout_s)\n"
+               "environment:\n"
+               "  MOERT_PLUGIN_PATH   ':'-separated directories searched for plugins before the built-in ones\n"
+               "  MOERT_LOG           error, warn (default), info or debug\n");
 }
 
 int main(int argc, char **argv)

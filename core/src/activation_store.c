@@ -19,13 +19,13 @@ static moert_result host_failed(const moert_activation_store *S, moert_result rc
                        moert_host_take_error((moert_host *)S->host));
 }
 
-#define HOST_CALL(call, what, a)                                                                              \
-    do {                                                                                                      \
-        rc = (call);                                                                                          \
-        if (rc != MOERT_OK) {                                                                                 \
-            rc = host_failed(S, rc, what, a);                                                                 \
-            goto fail;                                                                                        \
-        }                                                                                                     \
+#define HOST_CALL(call, what, a)                                                                                       \
+    do {                                                                                                               \
+        rc = (call);                                                                                                   \
+        if (rc != MOERT_OK) {                                                                                          \
+            rc = host_failed(S, rc, what, a);                                                                          \
+            goto fail;                                                                                                 \
+        }                                                                                                              \
     } while (0)
 
 const char *moert_act_store_slot_name(int a)
@@ -70,8 +70,7 @@ void moert_act_store_init(moert_activation_store *S, const moert_host *host, moe
     S->layer_index = layer_index;
 }
 
-moert_result moert_act_store_alloc(moert_activation_store *S, int a, moert_dtype dtype, int64_t rows,
-                                   int64_t cols)
+moert_result moert_act_store_alloc(moert_activation_store *S, int a, moert_dtype dtype, int64_t rows, int64_t cols)
 {
     moert_tensor *t = &S->saved[a];
     *t = moert_tensor_2d(NULL, S->device, dtype, rows, cols);
@@ -185,8 +184,7 @@ moert_result moert_act_store_put(moert_activation_store *S, int a, moert_memory_
     S->action[a] = action;
     switch (action) {
     case MOERT_MEMORY_KEEP:
-    case MOERT_MEMORY_RECOMPUTE:
-        break;
+    case MOERT_MEMORY_RECOMPUTE: break;
     case MOERT_MEMORY_OFFLOAD:
         MOERT_CHECK(ensure_copy_streams(S));
         MOERT_CHECK(reserve_pinned(S, a, moert_tensor_bytes(&S->saved[a])));
@@ -210,9 +208,9 @@ moert_result moert_act_store_start_offloads(moert_activation_store *S)
     for (int a = 0; a < MOERT_STORE_SLOTS; a++) {
         if (!S->offload_queued[a]) continue;
         const moert_tensor *t = S->offload_pending[a].data ? &S->offload_pending[a] : &S->saved[a];
-        HOST_CALL(h->memcpy_async(h, S->pinned[a], moert_cpu(), t->data, t->device, moert_tensor_bytes(t),
-                                  S->d2h_stream),
-                  "offloading", a);
+        HOST_CALL(
+            h->memcpy_async(h, S->pinned[a], moert_cpu(), t->data, t->device, moert_tensor_bytes(t), S->d2h_stream),
+            "offloading", a);
         HOST_CALL(h->event_record(h, S->offload_event[a], S->d2h_stream), "offloading", a);
         S->offload_queued[a] = false;
     }
@@ -256,11 +254,10 @@ moert_result moert_act_store_release_offloaded(moert_activation_store *S)
         if (!S->offload_pending[a].data) continue;
         /* the pool hands a block freed on the compute stream to the next compute-stream request at once: the
          * compute stream must first wait for the D2H copy still reading it */
-        HOST_CALL(h->stream_wait_event(h, S->stream, S->offload_event[a]), "waiting for the offload copy of",
-                  a);
+        HOST_CALL(h->stream_wait_event(h, S->stream, S->offload_event[a]), "waiting for the offload copy of", a);
         if (stream_of(S, a) != S->stream) /* a shared expert's slot may be freed on its own stream */
-            HOST_CALL(h->stream_wait_event(h, stream_of(S, a), S->offload_event[a]),
-                      "waiting for the offload copy of", a);
+            HOST_CALL(h->stream_wait_event(h, stream_of(S, a), S->offload_event[a]), "waiting for the offload copy of",
+                      a);
         tensor_release(S, &S->offload_pending[a]);
     }
 fail:
@@ -331,11 +328,8 @@ moert_result moert_act_store_get(moert_activation_store *S, int a, bool *dropped
     const moert_host *h = S->host;
     *dropped = false;
     switch (S->place[a]) {
-    case MOERT_PLACE_DEVICE:
-        return MOERT_OK;
-    case MOERT_PLACE_DROPPED:
-        *dropped = true;
-        return MOERT_OK;
+    case MOERT_PLACE_DEVICE: return MOERT_OK;
+    case MOERT_PLACE_DROPPED: *dropped = true; return MOERT_OK;
     case MOERT_PLACE_HOST:
         MOERT_CHECK(start_reload(S, a));
         if (S->place[a] == MOERT_PLACE_DEVICE) return MOERT_OK; /* the offload was cancelled */
@@ -358,8 +352,7 @@ moert_result moert_act_store_release(moert_activation_store *S)
     MOERT_CHECK(moert_act_store_release_offloaded(S));
     for (int a = 0; a < MOERT_STORE_SLOTS; a++) {
         if (S->place[a] == MOERT_PLACE_LOADING)
-            HOST_CALL(h->stream_wait_event(h, S->stream, S->reload_event[a]), "waiting for the reload copy of",
-                      a);
+            HOST_CALL(h->stream_wait_event(h, S->stream, S->reload_event[a]), "waiting for the reload copy of", a);
         tensor_release(S, &S->saved[a]);
         S->place[a] = MOERT_PLACE_DEVICE;
     }

@@ -42,10 +42,10 @@ typedef enum moert_act_place {
 } moert_act_place;
 
 typedef struct moert_activation_store {
-    const moert_host *host;  /* the rank's core services: allocation, streams, events, copies */
-    moert_stream stream;     /* the compute stream the activations are produced and used on */
+    const moert_host *host; /* the rank's core services: allocation, streams, events, copies */
+    moert_stream stream;    /* the compute stream the activations are produced and used on */
     moert_device device;
-    int layer_index;         /* for messages */
+    int layer_index; /* for messages */
     /* false (default): the device copies of offloaded activations are freed at end_forward; true: the caller frees
      * them later (release_offloaded, release_finished), so the D2H copies overlap more compute. */
     bool defer_release;
@@ -72,20 +72,20 @@ typedef struct moert_activation_store {
     bool offload_queued[MOERT_STORE_SLOTS];          /* D2H copy ordered but not issued yet (defer_start) */
     bool copy_streams_ready;
     moert_stream d2h_stream, h2d_stream;
-    moert_event compute_event;                       /* recorded on `stream` for a copy stream to wait on */
-    moert_event offload_event[MOERT_STORE_SLOTS];    /* the D2H copy of activation a is done */
-    moert_event reload_event[MOERT_STORE_SLOTS];     /* the H2D copy of activation a is done */
+    moert_event compute_event;                    /* recorded on `stream` for a copy stream to wait on */
+    moert_event offload_event[MOERT_STORE_SLOTS]; /* the D2H copy of activation a is done */
+    moert_event reload_event[MOERT_STORE_SLOTS];  /* the H2D copy of activation a is done */
 
     /* figures of the last forward (bytes; "held" = on the device from the end of forward to backward) */
-    int64_t saved_bytes[MOERT_STORE_SLOTS];      /* size of each activation saved for backward */
-    int64_t held_bytes[MOERT_STORE_SLOTS];       /* saved_bytes[a] when kept, 0 when recomputed or offloaded */
-    int64_t kept_bytes_peak;                     /* sum of held_bytes: activation bytes held from forward to backward */
-    int64_t recompute_saved_bytes;               /* bytes not held because recomputed (sum over those activations) */
-    int64_t offload_saved_bytes;                 /* bytes not held because offloaded to pinned host memory */
-    int64_t offload_cancelled_bytes;             /* offloads whose D2H copy was still running at reload: kept */
+    int64_t saved_bytes[MOERT_STORE_SLOTS]; /* size of each activation saved for backward */
+    int64_t held_bytes[MOERT_STORE_SLOTS];  /* saved_bytes[a] when kept, 0 when recomputed or offloaded */
+    int64_t kept_bytes_peak;                /* sum of held_bytes: activation bytes held from forward to backward */
+    int64_t recompute_saved_bytes;          /* bytes not held because recomputed (sum over those activations) */
+    int64_t offload_saved_bytes;            /* bytes not held because offloaded to pinned host memory */
+    int64_t offload_cancelled_bytes;        /* offloads whose D2H copy was still running at reload: kept */
     /* since the store was made */
-    int64_t pinned_bytes;                        /* pinned host memory held by the offload buffers */
-    int64_t pinned_allocations;                  /* alloc_pinned calls (the first offload of each activation, and
+    int64_t pinned_bytes;       /* pinned host memory held by the offload buffers */
+    int64_t pinned_allocations; /* alloc_pinned calls (the first offload of each activation, and
                                                     when a step's activation outgrows its buffer) */
 } moert_activation_store;
 
@@ -100,14 +100,10 @@ void moert_act_store_free(moert_activation_store *S);
 void moert_act_store_set_stream(moert_activation_store *S, int a, moert_stream stream);
 
 /* The device buffer of activation a (data NULL when it is not on the device). */
-static inline moert_tensor *moert_act_store_tensor(moert_activation_store *S, int a)
-{
-    return &S->saved[a];
-}
+static inline moert_tensor *moert_act_store_tensor(moert_activation_store *S, int a) { return &S->saved[a]; }
 
 /* A new device buffer of rows x cols for activation a (forward, or its recomputation in backward). */
-moert_result moert_act_store_alloc(moert_activation_store *S, int a, moert_dtype dtype, int64_t rows,
-                                   int64_t cols);
+moert_result moert_act_store_alloc(moert_activation_store *S, int a, moert_dtype dtype, int64_t rows, int64_t cols);
 
 /* Start of a forward: resets the figures of the last one. */
 void moert_act_store_begin_forward(moert_activation_store *S);

@@ -45,15 +45,15 @@ struct moert_comm_group {
     bool *present;            /* [world] which ranks are in the current barrier */
     bool failed;
     moert_result failure_code;
-    char failure[1024];       /* the message every rank returns once the group failed */
-    comm_slot *slots;         /* [world] */
-    bool has_table;           /* the caller's collectives carry every call (one rank's group) */
+    char failure[1024]; /* the message every rank returns once the group failed */
+    comm_slot *slots;   /* [world] */
+    bool has_table;     /* the caller's collectives carry every call (one rank's group) */
     moert_collectives table;
     /* a subgroup view: its collectives go through the parent (members[i] is subgroup rank i's rank there) */
     moert_comm_group *parent;
-    int *members;             /* [world] */
-    int member_index;         /* this view's rank in the subgroup */
-    int parent_rank;          /* and in the parent */
+    int *members;     /* [world] */
+    int member_index; /* this view's rank in the subgroup */
+    int parent_rank;  /* and in the parent */
 };
 
 /* A group of world ranks whose collectives wait at most timeout_s for a peer. */
@@ -153,10 +153,14 @@ moert_result moert_comm_group_create_table(int world, const moert_collectives *t
 {
     *out = NULL;
     if (!table || table->struct_size < sizeof *table)
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "comm: the collectives table is %s (struct_size %u, expected %zu)",
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                           "comm: the collectives table is %s (struct_size %u, expected %zu)",
                            table ? "too small" : "NULL", table ? table->struct_size : 0u, sizeof *table);
-    const char *missing = !table->allgather ? "allgather" : !table->allreduce_sum ? "allreduce_sum"
-                        : !table->alltoallv ? "alltoallv" : !table->barrier ? "barrier" : NULL;
+    const char *missing = !table->allgather       ? "allgather"
+                          : !table->allreduce_sum ? "allreduce_sum"
+                          : !table->alltoallv     ? "alltoallv"
+                          : !table->barrier       ? "barrier"
+                                                  : NULL;
     if (missing) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "comm: the collectives table has no %s", missing);
     moert_result rc = moert_comm_group_create(world, 1.0, out);
     if (rc != MOERT_OK) return rc;
@@ -180,12 +184,12 @@ static moert_result table_result(moert_comm_group *g, const char *call, int answ
 
 /* One call into the caller's table (`call` may use `message`, the buffer its error text goes into), after a check that
  * the group has not failed already. Returns from the calling function. */
-#define TABLE_CALL(g, name, call)                                                                            \
-    do {                                                                                                     \
-        moert_result failed_rc_ = MOERT_OK;                                                                  \
-        char message[512] = "";                                                                              \
-        if (table_failed((g), &failed_rc_)) return failed_rc_;                                               \
-        return table_result((g), (name), (call), message);                                                   \
+#define TABLE_CALL(g, name, call)                                                                                      \
+    do {                                                                                                               \
+        moert_result failed_rc_ = MOERT_OK;                                                                            \
+        char message[512] = "";                                                                                        \
+        if (table_failed((g), &failed_rc_)) return failed_rc_;                                                         \
+        return table_result((g), (name), (call), message);                                                             \
     } while (0)
 
 /* A group whose table already failed answers every later call with that failure. */
@@ -484,11 +488,11 @@ moert_result moert_comm_alltoallv(moert_comm_group *g, int rank, const void *sen
                                   const size_t *send_offsets, void *recv, const size_t *recv_bytes,
                                   const size_t *recv_offsets)
 {
-    if (g->parent)
-        return subgroup_alltoallv(g, rank, send, send_bytes, send_offsets, recv, recv_bytes, recv_offsets);
+    if (g->parent) return subgroup_alltoallv(g, rank, send, send_bytes, send_offsets, recv, recv_bytes, recv_offsets);
     if (g->has_table)
-        TABLE_CALL(g, "alltoallv", g->table.alltoallv(g->table.user, send, send_bytes, send_offsets, recv, recv_bytes,
-                                                      recv_offsets, message, sizeof message));
+        TABLE_CALL(g, "alltoallv",
+                   g->table.alltoallv(g->table.user, send, send_bytes, send_offsets, recv, recv_bytes, recv_offsets,
+                                      message, sizeof message));
     moert_result rc = MOERT_OK;
     MOERT_CHECK(check_rank(g, rank, "alltoallv"));
     g->slots[rank].send = send;
@@ -518,13 +522,14 @@ fail:
 moert_result moert_comm_exchange_pointers(moert_comm_group *g, int rank, void *local, void **peers)
 {
     if (g->parent)
-        return moert_error(MOERT_ERR_UNSUPPORTED, "peer buffers need an expert-parallel group of every rank; this one "
+        return moert_error(MOERT_ERR_UNSUPPORTED,
+                           "peer buffers need an expert-parallel group of every rank; this one "
                            "has %d of the %d ranks ($.parallel.expert_parallel): the NVLink dispatchers (deepep, "
                            "hybridep) cannot run in a smaller group yet, use \"alltoall\" or \"allgather\" there",
                            g->world, g->parent->world);
     if (g->has_table)
         return moert_error(MOERT_ERR_UNSUPPORTED, "peer buffers need ranks as threads of one process (the threads "
-                           "communicator) or NCCL; the caller's collectives table offers none");
+                                                  "communicator) or NCCL; the caller's collectives table offers none");
     moert_result rc;
     MOERT_CHECK(check_rank(g, rank, "exchange_pointers"));
     g->slots[rank].pointer = local;

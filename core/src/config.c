@@ -27,9 +27,9 @@
 #define SECTION_VALUE_TEXT 96
 
 struct moert_section {
-    json_t *obj;        /* borrowed; NULL: every key takes its default */
-    char path[256];     /* "$.router" */
-    char **known;       /* keys read or allowed, for the unknown-key check and its suggestion */
+    json_t *obj;    /* borrowed; NULL: every key takes its default */
+    char path[256]; /* "$.router" */
+    char **known;   /* keys read or allowed, for the unknown-key check and its suggestion */
     int known_count, known_cap;
     bool describe;
     moert_option_desc *options;
@@ -94,8 +94,8 @@ const moert_option_desc *moert_section_option(const moert_section *sec, int i)
 }
 
 /* In describe mode, records one option (the first description of a key wins); the caller holds the lock. */
-static void describe_locked(moert_section *sec, const char *key, const char *type, const char *def,
-                            const char *range, const char *help)
+static void describe_locked(moert_section *sec, const char *key, const char *type, const char *def, const char *range,
+                            const char *help)
 {
     if (!sec->describe) return;
     for (int i = 0; i < sec->option_count; i++)
@@ -137,8 +137,7 @@ static moert_result bad_value(const moert_section *sec, const char *key, const j
 {
     char got[SECTION_VALUE_TEXT];
     value_text(value, got, sizeof got);
-    return moert_error(MOERT_ERR_CONFIG, "config error at %s.%s: got %s, expected %s", sec->path, key, got,
-                       expected);
+    return moert_error(MOERT_ERR_CONFIG, "config error at %s.%s: got %s, expected %s", sec->path, key, got, expected);
 }
 
 /* Text of an integer range: "any integer", "an integer >= 1", "an integer in [1, 8]". */
@@ -306,7 +305,7 @@ moert_result moert_section_check_unknown(const moert_section *sec)
     pthread_mutex_lock(&s->lock);
     const char *key;
     json_t *value;
-    json_object_foreach(sec->obj, key, value) {
+    json_object_foreach (sec->obj, key, value) {
         bool known = false;
         for (int i = 0; i < sec->known_count && !known; i++) known = strcmp(sec->known[i], key) == 0;
         if (known) continue;
@@ -428,21 +427,22 @@ static moert_result parse_model(moert_config *cfg, json_t *obj)
     MOERT_CHECK(moert_section_int(sec, "hidden", 64, 1, MOERT_MAX_HIDDEN, "H, the model width", &m->hidden));
     MOERT_CHECK(moert_section_int(sec, "ffn_hidden", 128, 1, MOERT_MAX_FFN_HIDDEN, "F, each expert's FFN width",
                                   &m->ffn_hidden));
-    MOERT_CHECK(moert_section_int(sec, "num_experts", 8, 1, MOERT_MAX_EXPERTS, "E, experts over all ranks",
-                                  &m->num_experts));
+    MOERT_CHECK(
+        moert_section_int(sec, "num_experts", 8, 1, MOERT_MAX_EXPERTS, "E, experts over all ranks", &m->num_experts));
     MOERT_CHECK(moert_section_int(sec, "topk", 2, 1, m->num_experts, "K, experts per token", &m->topk));
     MOERT_CHECK(moert_section_int(sec, "num_layers", 2, 1, 1024, "MoE layers in the stack", &m->num_layers));
     MOERT_CHECK(moert_section_enum(sec, "dtype", dtypes, 0, "activation storage dtype", &dtype));
     m->dtype = dtype_values[dtype];
     MOERT_CHECK(moert_section_int(sec, "shared_expert_ffn_hidden", 0, 0, 1048576,
                                   "width of a shared expert: a dense SwiGLU over every token added to the routed "
-                                  "experts' output (0: none)", &m->shared_expert_ffn_hidden));
+                                  "experts' output (0: none)",
+                                  &m->shared_expert_ffn_hidden));
     MOERT_CHECK(moert_section_bool(sec, "shared_expert_gate", false,
                                    "scale the shared expert's output by sigmoid(x . gate), a learned [H] gate",
                                    &m->shared_expert_gate));
     if (m->shared_expert_gate && m->shared_expert_ffn_hidden == 0) {
         rc = moert_error(MOERT_ERR_CONFIG, "config error at $.model.shared_expert_gate: true, but "
-                         "$.model.shared_expert_ffn_hidden is 0 (no shared expert to gate)");
+                                           "$.model.shared_expert_ffn_hidden is 0 (no shared expert to gate)");
         goto fail;
     }
     MOERT_CHECK(moert_section_check_unknown(sec));
@@ -490,8 +490,9 @@ static moert_result parse_expert_layout(moert_config *cfg, moert_section *sec)
                            "config error at $.parallel.expert_parallel: got %" PRId64 ", expected %s: expert_parallel "
                            "x expert_tensor_parallel x expert_data_parallel (%" PRId64 " x %" PRId64 " x %" PRId64
                            ") must equal $.parallel.ranks (%" PRId64 ")",
-                           ep, ranks % (etp * edp) == 0 ? "ranks / (expert_tensor_parallel x expert_data_parallel)"
-                                                         : "a size whose product with the others is the ranks",
+                           ep,
+                           ranks % (etp * edp) == 0 ? "ranks / (expert_tensor_parallel x expert_data_parallel)"
+                                                    : "a size whose product with the others is the ranks",
                            ep, etp, edp, ranks);
     if (experts % ep != 0) {
         if (!ep_given && etp == 1 && edp == 1) /* the plain layout: every rank is an expert-parallel rank */
@@ -525,10 +526,10 @@ static moert_result parse_parallel(moert_config *cfg, json_t *obj)
     MOERT_CHECK_ALLOC(sec);
     MOERT_CHECK(moert_section_int(sec, "ranks", 1, 1, 64, "ranks: threads on the CPU, a GPU each on CUDA", &p->ranks));
     MOERT_CHECK(parse_expert_layout(cfg, sec));
-    MOERT_CHECK(moert_section_enum(sec, "device", devices, 0, "where ranks run: auto picks cuda if present",
-                                   &p->device));
-    MOERT_CHECK(section_positive(sec, "timeout_s", 60.0, "seconds a collective waits for a stalled rank",
-                                 &p->timeout_s));
+    MOERT_CHECK(
+        moert_section_enum(sec, "device", devices, 0, "where ranks run: auto picks cuda if present", &p->device));
+    MOERT_CHECK(
+        section_positive(sec, "timeout_s", 60.0, "seconds a collective waits for a stalled rank", &p->timeout_s));
     /* deadlines are computed from it: a day is longer than any collective should wait, and keeps them exact */
     if (p->timeout_s > MOERT_MAX_TIMEOUT_S) {
         rc = bad_value(sec, "timeout_s", json_object_get(sec->obj, "timeout_s"), "a number > 0 and <= 86400 (a day)");
@@ -564,19 +565,18 @@ static moert_result parse_train(moert_config *cfg, json_t *obj)
     moert_section *sec = moert_section_create(obj, "$.train");
     MOERT_CHECK_ALLOC(sec);
     MOERT_CHECK(moert_section_int(sec, "steps", 100, 0, INT64_MAX, "optimizer steps", &t->steps));
-    MOERT_CHECK(moert_section_int(sec, "tokens_per_rank", 256, 1, MOERT_MAX_TOKENS_PER_RANK, "tokens per rank per micro-batch",
-                                  &t->tokens_per_rank));
+    MOERT_CHECK(moert_section_int(sec, "tokens_per_rank", 256, 1, MOERT_MAX_TOKENS_PER_RANK,
+                                  "tokens per rank per micro-batch", &t->tokens_per_rank));
     MOERT_CHECK(moert_section_int(sec, "micro_batches", 1, 1, MOERT_MAX_MICRO_BATCHES,
                                   "micro-batches per optimizer step: their gradients add up (gradient accumulation)",
                                   &t->micro_batches));
-    MOERT_CHECK(moert_section_int(sec, "seq_length", 0, 0, MOERT_MAX_TOKENS_PER_RANK, "tokens per sequence (0: one per rank)",
-                                  &t->seq_length));
+    MOERT_CHECK(moert_section_int(sec, "seq_length", 0, 0, MOERT_MAX_TOKENS_PER_RANK,
+                                  "tokens per sequence (0: one per rank)", &t->seq_length));
     MOERT_CHECK(moert_section_int(sec, "seed", 1, 0, INT64_MAX, "seed of weights and data", &t->seed));
-    MOERT_CHECK(moert_section_int(sec, "log_every", 1, 1, INT64_MAX, "steps between progress lines",
-                                  &t->log_every));
+    MOERT_CHECK(moert_section_int(sec, "log_every", 1, 1, INT64_MAX, "steps between progress lines", &t->log_every));
     MOERT_CHECK(section_positive(sec, "lr", 1e-3, "learning rate", &t->lr));
-    MOERT_CHECK(moert_section_float(sec, "weight_decay", 0.0, 0.0, DBL_MAX, "decoupled weight decay",
-                                    &t->weight_decay));
+    MOERT_CHECK(
+        moert_section_float(sec, "weight_decay", 0.0, 0.0, DBL_MAX, "decoupled weight decay", &t->weight_decay));
     MOERT_CHECK(moert_section_float(sec, "teacher_scale", 1.0, 0.0, DBL_MAX,
                                     "size of the teacher's output relative to its input", &t->teacher_scale));
     MOERT_CHECK(moert_section_float(sec, "input_shift", 0.5, 0.0, DBL_MAX,
@@ -673,15 +673,24 @@ static moert_result check_size_products(const moert_config *cfg)
         int n;
         int64_t f[5];
     } buffers[] = {
-        {"$.model.ffn_hidden", "the fc1 weights of a rank (experts per rank x hidden x 2 x ffn_hidden)", 4,
+        {"$.model.ffn_hidden",
+         "the fc1 weights of a rank (experts per rank x hidden x 2 x ffn_hidden)",
+         4,
          {m->num_experts / cfg->parallel.expert_parallel, m->hidden, fc1_width / cfg->parallel.expert_tensor_parallel,
           8}},
-        {"$.train.tokens_per_rank", "the rows dispatched to a rank (ranks x tokens_per_rank x topk rows of "
-         "max(hidden, 2 x ffn_hidden) values)", 5, {world, t, m->topk, widest_row, 8}},
-        {"$.model.num_experts", "the router's scores of a rank (tokens_per_rank x num_experts)", 3,
+        {"$.train.tokens_per_rank",
+         "the rows dispatched to a rank (ranks x tokens_per_rank x topk rows of "
+         "max(hidden, 2 x ffn_hidden) values)",
+         5,
+         {world, t, m->topk, widest_row, 8}},
+        {"$.model.num_experts",
+         "the router's scores of a rank (tokens_per_rank x num_experts)",
+         3,
          {t, m->num_experts, 8}},
         {"$.model.hidden", "the router's weights (num_experts x hidden)", 3, {m->num_experts, m->hidden, 8}},
-        {"$.train.tokens_per_rank", "the residual stream of a rank (num_layers + 1 x tokens_per_rank x hidden)", 4,
+        {"$.train.tokens_per_rank",
+         "the residual stream of a rank (num_layers + 1 x tokens_per_rank x hidden)",
+         4,
          {m->num_layers + 1, t, m->hidden, 8}},
     };
     for (size_t i = 0; i < sizeof buffers / sizeof buffers[0]; i++) {
@@ -766,7 +775,8 @@ moert_result moert_config_load_file(const char *path, moert_config **out)
     if (!f) return moert_error(MOERT_ERR_IO, "%s: cannot open config: %s", path, strerror(errno));
     json_t *root = json_loadf(f, JSON_REJECT_DUPLICATES, &jerr);
     fclose(f);
-    if (!root) return moert_error(MOERT_ERR_CONFIG, "%s:%d:%d: invalid JSON: %s", path, jerr.line, jerr.column, jerr.text);
+    if (!root)
+        return moert_error(MOERT_ERR_CONFIG, "%s:%d:%d: invalid JSON: %s", path, jerr.line, jerr.column, jerr.text);
     /* the file's folder, absolute: what relative plugin paths in it are relative to */
     char dir[PATH_MAX], folder[PATH_MAX];
     const char *slash = strrchr(path, '/');
@@ -774,7 +784,7 @@ moert_result moert_config_load_file(const char *path, moert_config **out)
         snprintf(dir, sizeof dir, ".");
     else
         snprintf(dir, sizeof dir, "%.*s", slash == path ? 1 : (int)(slash - path), path);
-    if (!realpath(dir, folder) || strlen(folder) >= sizeof ((moert_config *)0)->folder) {
+    if (!realpath(dir, folder) || strlen(folder) >= sizeof((moert_config *)0)->folder) {
         json_decref(root);
         return moert_error(MOERT_ERR_IO, "%s: cannot resolve the config's folder %s", path, dir);
     }
@@ -808,9 +818,10 @@ static moert_result set_in_json(json_t *root, const char *dotted_key, json_t *va
         if (dot) *dot = '\0';
         if (*part == '\0')
             return moert_error(MOERT_ERR_INVALID_ARGUMENT, "config --set: key \"%s\" has an empty part", dotted_key);
-        if (!dot) return json_object_set(obj, part, value) == 0
-                             ? MOERT_OK
-                             : moert_error(MOERT_ERR_OUT_OF_MEMORY, "config --set: out of memory");
+        if (!dot)
+            return json_object_set(obj, part, value) == 0
+                       ? MOERT_OK
+                       : moert_error(MOERT_ERR_OUT_OF_MEMORY, "config --set: out of memory");
         size_t used = strlen(seen);
         snprintf(seen + used, sizeof seen - used, ".%s", part);
         json_t *next = json_object_get(obj, part);
@@ -821,8 +832,8 @@ static moert_result set_in_json(json_t *root, const char *dotted_key, json_t *va
         } else if (!json_is_object(next)) {
             char got[SECTION_VALUE_TEXT];
             value_text(next, got, sizeof got);
-            return moert_error(MOERT_ERR_CONFIG, "config error at %s: cannot set %s: got %s, expected an object",
-                               seen, dotted_key, got);
+            return moert_error(MOERT_ERR_CONFIG, "config error at %s: cannot set %s: got %s, expected an object", seen,
+                               dotted_key, got);
         }
         obj = next;
         part = dot + 1;
@@ -883,25 +894,24 @@ static json_t *resolved_json(const moert_config *cfg)
     const moert_model_config *m = &cfg->model;
     const moert_parallel_config *p = &cfg->parallel;
     const moert_train_config *t = &cfg->train;
-    json_t *model = json_pack("{s:I, s:I, s:I, s:I, s:I, s:s, s:I, s:b}", "hidden", (json_int_t)m->hidden,
-                              "ffn_hidden", (json_int_t)m->ffn_hidden, "num_experts", (json_int_t)m->num_experts,
-                              "topk", (json_int_t)m->topk, "num_layers", (json_int_t)m->num_layers, "dtype",
+    json_t *model = json_pack("{s:I, s:I, s:I, s:I, s:I, s:s, s:I, s:b}", "hidden", (json_int_t)m->hidden, "ffn_hidden",
+                              (json_int_t)m->ffn_hidden, "num_experts", (json_int_t)m->num_experts, "topk",
+                              (json_int_t)m->topk, "num_layers", (json_int_t)m->num_layers, "dtype",
                               moert_dtype_name(m->dtype), "shared_expert_ffn_hidden",
                               (json_int_t)m->shared_expert_ffn_hidden, "shared_expert_gate", m->shared_expert_gate);
-    json_t *parallel = json_pack(
-        "{s:I, s:I, s:I, s:I, s:s, s:f, s:s, s:b, s:b, s:b}", "ranks", (json_int_t)p->ranks, "expert_parallel",
-        (json_int_t)p->expert_parallel, "expert_tensor_parallel", (json_int_t)p->expert_tensor_parallel,
-        "expert_data_parallel", (json_int_t)p->expert_data_parallel, "device",
-        p->device >= 0 && p->device <= 2 ? devices[p->device] : "auto", "timeout_s", p->timeout_s, "cuda_graph",
-        moert_cuda_graph_mode_name(p->cuda_graph), "overlap_wgrad", p->overlap_wgrad, "shared_expert_overlap",
-        p->shared_expert_overlap, "offload_defer_start", p->offload_defer_start);
-    json_t *train = json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:f, s:f, s:f, s:f, s:s, s:s}", "steps",
-                              (json_int_t)t->steps, "tokens_per_rank", (json_int_t)t->tokens_per_rank, "micro_batches",
-                              (json_int_t)t->micro_batches, "seq_length", (json_int_t)t->seq_length, "seed",
-                              (json_int_t)t->seed, "log_every", (json_int_t)t->log_every, "lr", t->lr, "weight_decay", t->weight_decay,
-                              "teacher_scale", t->teacher_scale, "input_shift", t->input_shift, "data",
-                              t->repeat_batch ? "repeat" : "fresh", "optimizer",
-                              t->optimizer == MOERT_OPTIMIZER_SGD ? "sgd" : "adam");
+    json_t *parallel =
+        json_pack("{s:I, s:I, s:I, s:I, s:s, s:f, s:s, s:b, s:b, s:b}", "ranks", (json_int_t)p->ranks,
+                  "expert_parallel", (json_int_t)p->expert_parallel, "expert_tensor_parallel",
+                  (json_int_t)p->expert_tensor_parallel, "expert_data_parallel", (json_int_t)p->expert_data_parallel,
+                  "device", p->device >= 0 && p->device <= 2 ? devices[p->device] : "auto", "timeout_s", p->timeout_s,
+                  "cuda_graph", moert_cuda_graph_mode_name(p->cuda_graph), "overlap_wgrad", p->overlap_wgrad,
+                  "shared_expert_overlap", p->shared_expert_overlap, "offload_defer_start", p->offload_defer_start);
+    json_t *train = json_pack(
+        "{s:I, s:I, s:I, s:I, s:I, s:I, s:f, s:f, s:f, s:f, s:s, s:s}", "steps", (json_int_t)t->steps,
+        "tokens_per_rank", (json_int_t)t->tokens_per_rank, "micro_batches", (json_int_t)t->micro_batches, "seq_length",
+        (json_int_t)t->seq_length, "seed", (json_int_t)t->seed, "log_every", (json_int_t)t->log_every, "lr", t->lr,
+        "weight_decay", t->weight_decay, "teacher_scale", t->teacher_scale, "input_shift", t->input_shift, "data",
+        t->repeat_batch ? "repeat" : "fresh", "optimizer", t->optimizer == MOERT_OPTIMIZER_SGD ? "sgd" : "adam");
     if (!model || !parallel || !train) {
         json_decref(model);
         json_decref(parallel);
@@ -1011,8 +1021,7 @@ MOERT_API moert_result moert_config_get_double(const moert_config *cfg, const ch
     return config_get_number(cfg, dotted_key, out, &integer);
 }
 
-MOERT_API moert_result moert_config_get_string(const moert_config *cfg, const char *dotted_key, char *buf,
-                                               size_t size)
+MOERT_API moert_result moert_config_get_string(const moert_config *cfg, const char *dotted_key, char *buf, size_t size)
 {
     json_t *root = NULL;
     json_t *v = config_lookup(cfg, dotted_key, &root);

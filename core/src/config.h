@@ -24,26 +24,30 @@ moert_plugin_kind moert_slot_kind(moert_slot slot);
 /* Plain values of the core's own sections, filled by moert_config_parse(). */
 typedef struct moert_model_config {
     int64_t hidden, ffn_hidden, num_experts, topk, num_layers;
-    moert_dtype dtype; /* activation storage: fp32, bf16 or fp64 */
+    moert_dtype dtype;                /* activation storage: fp32, bf16 or fp64 */
     int64_t shared_expert_ffn_hidden; /* width of the shared expert's SwiGLU, 0: none */
     bool shared_expert_gate;          /* the shared expert's output scaled by sigmoid(x . gate) (Qwen2-MoE) */
 } moert_model_config;
 
 /* $.parallel.cuda_graph */
-typedef enum moert_cuda_graph_mode { MOERT_GRAPH_AUTO = 0, MOERT_GRAPH_OFF = 1, MOERT_GRAPH_ON = 2 } moert_cuda_graph_mode;
+typedef enum moert_cuda_graph_mode {
+    MOERT_GRAPH_AUTO = 0,
+    MOERT_GRAPH_OFF = 1,
+    MOERT_GRAPH_ON = 2
+} moert_cuda_graph_mode;
 
 /* "auto", "off" or "on": the config's spelling of a mode. */
 const char *moert_cuda_graph_mode_name(int mode);
 
 typedef struct moert_parallel_config {
-    int64_t ranks;     /* every rank: threads on the CPU, one per GPU on CUDA */
+    int64_t ranks; /* every rank: threads on the CPU, one per GPU on CUDA */
     /* the MoE layers' grid over the ranks (docs/parallel.md): expert_parallel x expert_tensor_parallel x
      * expert_data_parallel = ranks */
     int64_t expert_parallel, expert_tensor_parallel, expert_data_parallel;
-    int device;        /* 0 auto, 1 cpu, 2 cuda */
-    double timeout_s;  /* a collective waits this long for a stalled peer */
-    int cuda_graph;    /* moert_cuda_graph_mode */
-    bool overlap_wgrad; /* weight-gradient GEMMs on a second stream beside dispatch_backward */
+    int device;                 /* 0 auto, 1 cpu, 2 cuda */
+    double timeout_s;           /* a collective waits this long for a stalled peer */
+    int cuda_graph;             /* moert_cuda_graph_mode */
+    bool overlap_wgrad;         /* weight-gradient GEMMs on a second stream beside dispatch_backward */
     bool shared_expert_overlap; /* the shared expert on a second stream beside the routed experts (GPUs) */
     bool offload_defer_start;   /* an offloaded activation's copy starts after the next layer's forward */
 } moert_parallel_config;
@@ -56,29 +60,29 @@ typedef enum moert_optimizer { MOERT_OPTIMIZER_ADAM = 0, MOERT_OPTIMIZER_SGD = 1
 /* Upper bounds of the size keys (docs/config.md). Each is far above any real model, and with them no product of
  * sizes the core or a plugin computes can wrap an int64; moert_config_parse also refuses a config whose largest
  * per-rank buffer would exceed MOERT_MAX_BUFFER_BYTES, more than any device holds. */
-#define MOERT_MAX_HIDDEN 65536            /* $.model.hidden */
-#define MOERT_MAX_FFN_HIDDEN 262144       /* $.model.ffn_hidden */
-#define MOERT_MAX_EXPERTS 16384           /* $.model.num_experts */
-#define MOERT_MAX_TOKENS_PER_RANK 16777216 /* $.train.tokens_per_rank and $.train.seq_length */
-#define MOERT_MAX_BUFFER_BYTES ((int64_t)1 << 44) /* 16 TiB */
-#define MOERT_MAX_TIMEOUT_S 86400.0        /* $.parallel.timeout_s: a day */
+#define MOERT_MAX_HIDDEN          65536              /* $.model.hidden */
+#define MOERT_MAX_FFN_HIDDEN      262144             /* $.model.ffn_hidden */
+#define MOERT_MAX_EXPERTS         16384              /* $.model.num_experts */
+#define MOERT_MAX_TOKENS_PER_RANK 16777216           /* $.train.tokens_per_rank and $.train.seq_length */
+#define MOERT_MAX_BUFFER_BYTES    ((int64_t)1 << 44) /* 16 TiB */
+#define MOERT_MAX_TIMEOUT_S       86400.0            /* $.parallel.timeout_s: a day */
 
 typedef struct moert_train_config {
     int64_t steps, tokens_per_rank, seq_length, seed, log_every;
     int64_t micro_batches; /* forward+backward passes per optimizer step, tokens_per_rank tokens each (gradient
                               accumulation) */
     double lr, weight_decay;
-    double teacher_scale; /* size of the teacher's output relative to its input */
-    double input_shift;   /* inputs are N(input_shift * m, I), m ~ N(0, I) fixed: how unevenly routing starts */
-    bool repeat_batch;    /* "data": "repeat": draw one batch and reuse it every step (benchmarks) */
+    double teacher_scale;      /* size of the teacher's output relative to its input */
+    double input_shift;        /* inputs are N(input_shift * m, I), m ~ N(0, I) fixed: how unevenly routing starts */
+    bool repeat_batch;         /* "data": "repeat": draw one batch and reuse it every step (benchmarks) */
     moert_optimizer optimizer; /* "adam" (default) or "sgd" */
 } moert_train_config;
 
 struct moert_config {
     json_t *root;
-    char source[512];          /* file name or the name given to load_string */
-    char name[128];            /* $.name, or the file's base name */
-    char folder[1024];         /* the config file's folder, absolute ("" for a config from a string): relative
+    char source[512];  /* file name or the name given to load_string */
+    char name[128];    /* $.name, or the file's base name */
+    char folder[1024]; /* the config file's folder, absolute ("" for a config from a string): relative
                                   plugin paths are taken from it */
     moert_model_config model;
     moert_parallel_config parallel;
@@ -94,9 +98,9 @@ moert_result moert_config_parse(moert_config *cfg);
 
 typedef struct moert_option_desc {
     char key[64];
-    char type[16];       /* "int", "float", "bool", "string", "enum" */
-    char def[64];        /* the default, as text */
-    char range[192];     /* "[min, max]" or "a|b|c" */
+    char type[16];   /* "int", "float", "bool", "string", "enum" */
+    char def[64];    /* the default, as text */
+    char range[192]; /* "[min, max]" or "a|b|c" */
     char help[192];
 } moert_option_desc;
 

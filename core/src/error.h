@@ -13,19 +13,19 @@ const char *moert_error_message(void);
 void moert_error_clear(void);
 
 /* Calls a moert function; on failure keeps its message and jumps to fail with rc set. */
-#define MOERT_CHECK(call)                                                                                    \
-    do {                                                                                                     \
-        rc = (call);                                                                                         \
-        if (rc != MOERT_OK) goto fail;                                                                       \
+#define MOERT_CHECK(call)                                                                                              \
+    do {                                                                                                               \
+        rc = (call);                                                                                                   \
+        if (rc != MOERT_OK) goto fail;                                                                                 \
     } while (0)
 
 /* Checks an allocation; on NULL sets an error naming the call and jumps to fail. */
-#define MOERT_CHECK_ALLOC(ptr)                                                                               \
-    do {                                                                                                     \
-        if ((ptr) == NULL) {                                                                                 \
-            rc = moert_error(MOERT_ERR_OUT_OF_MEMORY, "%s failed (%s:%d)", #ptr, __FILE__, __LINE__);        \
-            goto fail;                                                                                       \
-        }                                                                                                    \
+#define MOERT_CHECK_ALLOC(ptr)                                                                                         \
+    do {                                                                                                               \
+        if ((ptr) == NULL) {                                                                                           \
+            rc = moert_error(MOERT_ERR_OUT_OF_MEMORY, "%s failed (%s:%d)", #ptr, __FILE__, __LINE__);                  \
+            goto fail;                                                                                                 \
+        }                                                                                                              \
     } while (0)
 
 #endif

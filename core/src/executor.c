@@ -25,9 +25,9 @@ const char *moert_stage_name(moert_stage s)
 
 const char *moert_backward_part_name(moert_backward_part p)
 {
-    static const char *const names[MOERT_BWD_PART_COUNT] = {
-        "recompute", "combine_bwd", "fc2_dgrad", "fc2_wgrad", "act_bwd", "fc1_dgrad", "fc1_wgrad", "dispatch_bwd",
-        "router_bwd", "wgrad_wait"};
+    static const char *const names[MOERT_BWD_PART_COUNT] = {"recompute",  "combine_bwd", "fc2_dgrad", "fc2_wgrad",
+                                                            "act_bwd",    "fc1_dgrad",   "fc1_wgrad", "dispatch_bwd",
+                                                            "router_bwd", "wgrad_wait"};
     return (p >= 0 && p < MOERT_BWD_PART_COUNT) ? names[p] : "unknown";
 }
 
@@ -114,8 +114,8 @@ moert_result moert_layer_spans(const moert_layer *L, const moert_layer *origin, 
     int n = 0;
     for (int s = 0; s < MOERT_STAGE_COUNT - 1; s++) {
         moert_layer_span *sp = &out[n++];
-        *sp = (moert_layer_span){.name = moert_stage_name((moert_stage)s), .stream = "compute",
-                                 .dur_s = L->stage_seconds[s]};
+        *sp = (moert_layer_span){
+            .name = moert_stage_name((moert_stage)s), .stream = "compute", .dur_s = L->stage_seconds[s]};
         MOERT_CHECK(mark_offset(L, origin, s, &sp->start_s));
     }
     for (int p = 0; p < MOERT_BWD_PART_COUNT; p++) {
@@ -135,15 +135,16 @@ moert_result moert_layer_collect_times(moert_layer *L)
 {
     moert_result rc = MOERT_OK;
 #ifdef MOERT_HAVE_CUDA
-    if (L->info.device.type == MOERT_DEVICE_CUDA) MOERT_CHECK(moert_cuda_event_synchronize(L->mark_events[MARK_BACKWARD_END]));
+    if (L->info.device.type == MOERT_DEVICE_CUDA)
+        MOERT_CHECK(moert_cuda_event_synchronize(L->mark_events[MARK_BACKWARD_END]));
 #endif
     for (int s = 0; s < MOERT_STAGE_COUNT - 1; s++) MOERT_CHECK(mark_interval(L, s, s + 1, &L->stage_seconds[s]));
     MOERT_CHECK(mark_interval(L, MARK_BACKWARD_START, MARK_BACKWARD_END, &L->stage_seconds[MOERT_STAGE_BACKWARD]));
     for (int p = 0; p < MOERT_BWD_PART_COUNT; p++) {
         L->backward_part_seconds[p] = 0.0;
         if (L->backward_part_ran[p])
-            MOERT_CHECK(mark_interval(L, MARK_FIRST_PART + 2 * p, MARK_FIRST_PART + 2 * p + 1,
-                                      &L->backward_part_seconds[p]));
+            MOERT_CHECK(
+                mark_interval(L, MARK_FIRST_PART + 2 * p, MARK_FIRST_PART + 2 * p + 1, &L->backward_part_seconds[p]));
     }
 fail:
     return rc;
@@ -160,23 +161,23 @@ moert_result moert_layer_plugin_failed(const moert_layer *L, const moert_instanc
 {
     const char *msg = moert_host_take_error(inst->host);
     return moert_error(rc, "%s \"%s\" %s failed (layer %d, rank %d): %s%s%s", moert_kind_name(inst->plugin->kind),
-                       inst->plugin->header->name, fn, L->info.layer_index, L->core_host->rank,
-                       moert_result_name(rc), *msg ? ": " : "", msg);
+                       inst->plugin->header->name, fn, L->info.layer_index, L->core_host->rank, moert_result_name(rc),
+                       *msg ? ": " : "", msg);
 }
 
-#define PLUGIN_CALL(inst, fn, call)                                                                           \
-    do {                                                                                                      \
-        rc = (call);                                                                                          \
-        if (rc != MOERT_OK) {                                                                                 \
-            rc = moert_layer_plugin_failed(L, &(inst), fn, rc);                                                           \
-            goto fail;                                                                                        \
-        }                                                                                                     \
+#define PLUGIN_CALL(inst, fn, call)                                                                                    \
+    do {                                                                                                               \
+        rc = (call);                                                                                                   \
+        if (rc != MOERT_OK) {                                                                                          \
+            rc = moert_layer_plugin_failed(L, &(inst), fn, rc);                                                        \
+            goto fail;                                                                                                 \
+        }                                                                                                              \
     } while (0)
 
-#define ROUTER(L) ((const moert_router_v1 *)(L)->router.plugin->header)
+#define ROUTER(L)     ((const moert_router_v1 *)(L)->router.plugin->header)
 #define DISPATCHER(L) ((const moert_dispatcher_v1 *)(L)->dispatcher.plugin->header)
-#define PRECISION(L) ((const moert_precision_v1 *)(L)->precision.plugin->header)
-#define MEMORY(L) ((const moert_memory_policy_v1 *)(L)->memory.plugin->header)
+#define PRECISION(L)  ((const moert_precision_v1 *)(L)->precision.plugin->header)
+#define MEMORY(L)     ((const moert_memory_policy_v1 *)(L)->memory.plugin->header)
 
 /* A zeroed tensor on the layer's device. */
 static moert_result tensor_alloc(moert_layer *L, moert_tensor *t, moert_dtype dtype, int ndim, int64_t d0, int64_t d1,
@@ -187,8 +188,9 @@ static moert_result tensor_alloc(moert_layer *L, moert_tensor *t, moert_dtype dt
     size_t bytes = moert_tensor_bytes(t);
     void *p = NULL;
     moert_result rc = L->core_host->alloc(L->core_host, L->info.device, bytes ? bytes : 1, &p);
-    if (rc != MOERT_OK) return moert_error(rc, "allocating %zu bytes for layer %d: %s", bytes, L->info.layer_index,
-                                           moert_host_take_error((moert_host *)L->core_host));
+    if (rc != MOERT_OK)
+        return moert_error(rc, "allocating %zu bytes for layer %d: %s", bytes, L->info.layer_index,
+                           moert_host_take_error((moert_host *)L->core_host));
     t->data = p;
     return MOERT_OK;
 }
@@ -260,8 +262,8 @@ moert_tensor moert_layer_param_desc(const moert_layer *L, moert_param_id which)
 static moert_result fill_run(moert_layer *L, const moert_tensor *value, int64_t at, int64_t n, uint64_t seed,
                              uint64_t stream, int64_t first, double std)
 {
-    moert_tensor run = moert_tensor_1d((char *)value->data + (size_t)at * moert_dtype_size(value->dtype),
-                                       value->device, value->dtype, n);
+    moert_tensor run = moert_tensor_1d((char *)value->data + (size_t)at * moert_dtype_size(value->dtype), value->device,
+                                       value->dtype, n);
     return moert_fill_normal_on(L->stream, &run, seed, stream, (uint64_t)first, std);
 }
 
@@ -344,13 +346,13 @@ static moert_result host_failed(const moert_layer *L, moert_result rc, const cha
                        moert_host_take_error((moert_host *)L->core_host));
 }
 
-#define HOST_CALL(call, what, a)                                                                              \
-    do {                                                                                                      \
-        rc = (call);                                                                                          \
-        if (rc != MOERT_OK) {                                                                                 \
-            rc = host_failed(L, rc, what, a);                                                                 \
-            goto fail;                                                                                        \
-        }                                                                                                     \
+#define HOST_CALL(call, what, a)                                                                                       \
+    do {                                                                                                               \
+        rc = (call);                                                                                                   \
+        if (rc != MOERT_OK) {                                                                                          \
+            rc = host_failed(L, rc, what, a);                                                                          \
+            goto fail;                                                                                                 \
+        }                                                                                                              \
     } while (0)
 
 /* ---- expert tensor parallelism (ETP > 1, host memory; docs/parallel.md) ----
@@ -508,8 +510,9 @@ static moert_result release_saved(moert_layer *L)
     tensor_release(L, &L->topk_probs);
     tensor_release(L, &L->tokens_per_expert);
     tensor_release(L, &L->recv_probs);
-    if (L->shared_stream) HOST_CALL(h->stream_wait_event(h, L->stream, L->shared_join_event),
-                                    "joining the shared expert's stream", MOERT_ACT_COUNT);
+    if (L->shared_stream)
+        HOST_CALL(h->stream_wait_event(h, L->stream, L->shared_join_event), "joining the shared expert's stream",
+                  MOERT_ACT_COUNT);
     tensor_release(L, &L->shared_out);
     tensor_release(L, &L->shared_dx);
     tensor_release(L, &L->shared_dprob);
@@ -596,16 +599,17 @@ moert_result moert_layer_zero_grad(moert_layer *L, bool allow_lazy)
 {
     moert_result rc = MOERT_OK;
     const bool lazy = allow_lazy && lazy_wgrad_zero(L);
-    const bool shared_lazy = allow_lazy && L->shared_precision.ctx &&
-                             (moert_host_instance_flags(L->shared_precision.host,
-                                                        L->shared_precision.plugin->header->flags) &
-                              MOERT_CAP_WGRAD_OVERWRITE);
+    const bool shared_lazy =
+        allow_lazy && L->shared_precision.ctx &&
+        (moert_host_instance_flags(L->shared_precision.host, L->shared_precision.plugin->header->flags) &
+         MOERT_CAP_WGRAD_OVERWRITE);
     for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
         if (!moert_layer_has_param(L, (moert_param_id)p)) continue;
         const bool expert = p == MOERT_PARAM_FC1 || p == MOERT_PARAM_FC2;
         const bool shared = p == MOERT_PARAM_SHARED_FC1 || p == MOERT_PARAM_SHARED_FC2;
         if (expert) L->grad_unwritten[p == MOERT_PARAM_FC1 ? MOERT_GEMM_FC1 : MOERT_GEMM_FC2] = lazy;
-        if (shared) L->shared_grad_unwritten[p == MOERT_PARAM_SHARED_FC1 ? MOERT_GEMM_FC1 : MOERT_GEMM_FC2] = shared_lazy;
+        if (shared)
+            L->shared_grad_unwritten[p == MOERT_PARAM_SHARED_FC1 ? MOERT_GEMM_FC1 : MOERT_GEMM_FC2] = shared_lazy;
         if ((lazy && expert) || (shared_lazy && shared)) continue;
         MOERT_CHECK(moert_zero(L->stream, &L->params[p].grad));
     }
@@ -625,12 +629,13 @@ static moert_result zero_unwritten_grads(moert_layer *L)
     moert_result rc = MOERT_OK;
     for (int w = 0; w < 2; w++) {
         if (L->grad_unwritten[w]) {
-            MOERT_CHECK(moert_zero(L->stream, &L->params[w == MOERT_GEMM_FC1 ? MOERT_PARAM_FC1 : MOERT_PARAM_FC2].grad));
+            MOERT_CHECK(
+                moert_zero(L->stream, &L->params[w == MOERT_GEMM_FC1 ? MOERT_PARAM_FC1 : MOERT_PARAM_FC2].grad));
             L->grad_unwritten[w] = false;
         }
         if (L->shared_grad_unwritten[w]) {
-            MOERT_CHECK(moert_zero(L->stream, &L->params[w == MOERT_GEMM_FC1 ? MOERT_PARAM_SHARED_FC1
-                                                                             : MOERT_PARAM_SHARED_FC2].grad));
+            MOERT_CHECK(moert_zero(
+                L->stream, &L->params[w == MOERT_GEMM_FC1 ? MOERT_PARAM_SHARED_FC1 : MOERT_PARAM_SHARED_FC2].grad));
             L->shared_grad_unwritten[w] = false;
         }
     }
@@ -660,15 +665,24 @@ static moert_result gemm_of(moert_layer *L, bool shared, moert_stream stream, mo
     bool *unwritten = shared ? L->shared_grad_unwritten : L->grad_unwritten;
     moert_param *w = &L->params[shared ? (which == MOERT_GEMM_FC1 ? MOERT_PARAM_SHARED_FC1 : MOERT_PARAM_SHARED_FC2)
                                        : (which == MOERT_GEMM_FC1 ? MOERT_PARAM_FC1 : MOERT_PARAM_FC2)];
-    moert_grouped_gemm_args a = {
-        .struct_size = sizeof a, .which = which, .pass = pass,
-        .tokens_per_expert = shared ? &L->shared_rows : L->experts_only ? &L->experts_counts
-                                                    : etp_on(L) ? &L->expert_counts : &L->layout.tokens_per_expert,
-        .tokens_per_expert_host = shared ? &L->shared_rows_host : L->experts_only ? L->experts_counts_host
-                                  : etp_on(L) ? L->expert_counts_host : L->layout.tokens_per_expert_host,
-        .input = input, .weight = &w->value, .grad_output = grad_output,
-        .output = output, .grad_input = grad_input, .grad_weight = &w->grad,
-        .overwrite_grad_weight = pass == MOERT_GEMM_WGRAD && unwritten[which]};
+    moert_grouped_gemm_args a = {.struct_size = sizeof a,
+                                 .which = which,
+                                 .pass = pass,
+                                 .tokens_per_expert = shared            ? &L->shared_rows
+                                                      : L->experts_only ? &L->experts_counts
+                                                      : etp_on(L)       ? &L->expert_counts
+                                                                        : &L->layout.tokens_per_expert,
+                                 .tokens_per_expert_host = shared            ? &L->shared_rows_host
+                                                           : L->experts_only ? L->experts_counts_host
+                                                           : etp_on(L)       ? L->expert_counts_host
+                                                                             : L->layout.tokens_per_expert_host,
+                                 .input = input,
+                                 .weight = &w->value,
+                                 .grad_output = grad_output,
+                                 .output = output,
+                                 .grad_input = grad_input,
+                                 .grad_weight = &w->grad,
+                                 .overwrite_grad_weight = pass == MOERT_GEMM_WGRAD && unwritten[which]};
     static const char *const names[3] = {"grouped_gemm(forward)", "grouped_gemm(dgrad)", "grouped_gemm(wgrad)"};
     static const char *const shared_names[3] = {"grouped_gemm(shared expert, forward)",
                                                 "grouped_gemm(shared expert, dgrad)",
@@ -700,8 +714,11 @@ static moert_result run_dispatch(moert_layer *L)
     moert_result rc = MOERT_OK;
     moert_tensor *recv_x = moert_act_store_tensor(&L->acts, MOERT_ACT_DISPATCHED_X);
     moert_tensor local_x = {0}, local_probs = {0};
-    moert_dispatch_args d = {.struct_size = sizeof d, .x = &L->x, .topk_probs = &L->topk_probs,
-                             .recv_x = recv_x, .recv_probs = &L->recv_probs};
+    moert_dispatch_args d = {.struct_size = sizeof d,
+                             .x = &L->x,
+                             .topk_probs = &L->topk_probs,
+                             .recv_x = recv_x,
+                             .recv_probs = &L->recv_probs};
     if (etp_on(L)) {
         MOERT_CHECK(tensor_alloc(L, &local_x, L->info.dtype, 2, L->layout.capacity, L->info.hidden, 0));
         MOERT_CHECK(tensor_alloc(L, &local_probs, L->param_dtype, 1, L->layout.capacity, 0, 0));
@@ -721,14 +738,14 @@ fail:
 
 static moert_result run_fc1(moert_layer *L)
 {
-    return run_gemm(L, MOERT_GEMM_FC1, MOERT_GEMM_FORWARD, moert_act_store_tensor(&L->acts, MOERT_ACT_DISPATCHED_X), NULL,
-                    moert_act_store_tensor(&L->acts, MOERT_ACT_FC1_OUT), NULL);
+    return run_gemm(L, MOERT_GEMM_FC1, MOERT_GEMM_FORWARD, moert_act_store_tensor(&L->acts, MOERT_ACT_DISPATCHED_X),
+                    NULL, moert_act_store_tensor(&L->acts, MOERT_ACT_FC1_OUT), NULL);
 }
 
 static moert_result run_act(moert_layer *L)
 {
-    return moert_swiglu_forward(L->stream, moert_act_store_tensor(&L->acts, MOERT_ACT_FC1_OUT), &L->recv_probs, used_rows(L),
-                                moert_act_store_tensor(&L->acts, MOERT_ACT_SWIGLU_OUT));
+    return moert_swiglu_forward(L->stream, moert_act_store_tensor(&L->acts, MOERT_ACT_FC1_OUT), &L->recv_probs,
+                                used_rows(L), moert_act_store_tensor(&L->acts, MOERT_ACT_SWIGLU_OUT));
 }
 
 /* Allocates saved activation a for this step's rows. */
@@ -747,12 +764,15 @@ static moert_result decide_action(moert_layer *L, int a)
     moert_result rc = MOERT_OK;
     moert_memory_action action = MOERT_MEMORY_KEEP;
     const bool shared = a >= MOERT_ACT_COUNT;
-    moert_activation asked = !shared                            ? (moert_activation)a
+    moert_activation asked = !shared                           ? (moert_activation)a
                              : a == MOERT_STORE_SHARED_FC1_OUT ? MOERT_ACT_FC1_OUT
-                                                                : MOERT_ACT_SWIGLU_OUT;
-    moert_activation_info info = {.struct_size = sizeof info, .layer_index = L->info.layer_index, .activation = asked,
+                                                               : MOERT_ACT_SWIGLU_OUT;
+    moert_activation_info info = {.struct_size = sizeof info,
+                                  .layer_index = L->info.layer_index,
+                                  .activation = asked,
                                   .bytes = (int64_t)moert_tensor_bytes(moert_act_store_tensor(&L->acts, a)),
-                                  .device = L->info.device, .flags = shared ? MOERT_ACTIVATION_SHARED_EXPERT : 0u};
+                                  .device = L->info.device,
+                                  .flags = shared ? MOERT_ACTIVATION_SHARED_EXPERT : 0u};
     PLUGIN_CALL(L->memory, "decide", MEMORY(L)->decide(L->memory.ctx, &info, &action));
     if (action != MOERT_MEMORY_KEEP && action != MOERT_MEMORY_RECOMPUTE && action != MOERT_MEMORY_OFFLOAD) {
         rc = moert_error(MOERT_ERR_INVALID_ARGUMENT, "memory policy \"%s\" answered action %d for %s",
@@ -824,7 +844,8 @@ static moert_result shared_begin(moert_layer *L, moert_stream *stream)
     *stream = L->stream;
     MOERT_CHECK(ensure_shared_stream(L));
     if (!L->shared_stream) return MOERT_OK;
-    HOST_CALL(h->event_record(h, L->shared_fork_event, L->stream), "forking the shared expert's stream", MOERT_ACT_COUNT);
+    HOST_CALL(h->event_record(h, L->shared_fork_event, L->stream), "forking the shared expert's stream",
+              MOERT_ACT_COUNT);
     HOST_CALL(h->stream_wait_event(h, L->shared_stream, L->shared_fork_event), "forking the shared expert's stream",
               MOERT_ACT_COUNT);
     *stream = L->shared_stream;
@@ -1002,9 +1023,13 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
     MOERT_CHECK(tensor_alloc(L, &L->topk_probs, L->param_dtype, 2, t, in->topk, 0));
     MOERT_CHECK(tensor_alloc(L, &L->tokens_per_expert, MOERT_I64, 1, in->num_experts, 0, 0));
     memset(&L->losses, 0, sizeof L->losses);
-    moert_router_forward_args ra = {.struct_size = sizeof ra, .x = x, .weight = &L->params[MOERT_PARAM_ROUTER].value,
-                                    .topk_idx = &L->topk_idx, .topk_probs = &L->topk_probs,
-                                    .tokens_per_expert = &L->tokens_per_expert, .losses = &L->losses,
+    moert_router_forward_args ra = {.struct_size = sizeof ra,
+                                    .x = x,
+                                    .weight = &L->params[MOERT_PARAM_ROUTER].value,
+                                    .topk_idx = &L->topk_idx,
+                                    .topk_probs = &L->topk_probs,
+                                    .tokens_per_expert = &L->tokens_per_expert,
+                                    .losses = &L->losses,
                                     .seq_length = L->seq_length,
                                     .flags = L->inference ? MOERT_ROUTER_FORWARD_INFERENCE : 0u};
     /* the shared expert needs only x: on its own stream it runs beside the routing, dispatch and experts */
@@ -1014,7 +1039,8 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
 
     memset(&L->layout, 0, sizeof L->layout);
     L->layout.struct_size = sizeof L->layout;
-    PLUGIN_CALL(L->dispatcher, "prepare", DISPATCHER(L)->prepare(L->dispatcher.ctx, L->stream, &L->topk_idx, &L->layout));
+    PLUGIN_CALL(L->dispatcher, "prepare",
+                DISPATCHER(L)->prepare(L->dispatcher.ctx, L->stream, &L->topk_idx, &L->layout));
     if (etp_on(L)) MOERT_CHECK(etp_gather_counts(L));
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_PERMUTE));
 
@@ -1037,7 +1063,8 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_ACT));
 
     MOERT_CHECK(tensor_alloc(L, &y_expert, in->dtype, 2, expert_rows(L), in->hidden, 0));
-    MOERT_CHECK(run_gemm(L, MOERT_GEMM_FC2, MOERT_GEMM_FORWARD, moert_act_store_tensor(&L->acts, MOERT_ACT_SWIGLU_OUT), NULL, &y_expert, NULL));
+    MOERT_CHECK(run_gemm(L, MOERT_GEMM_FC2, MOERT_GEMM_FORWARD, moert_act_store_tensor(&L->acts, MOERT_ACT_SWIGLU_OUT),
+                         NULL, &y_expert, NULL));
     moert_act_store_after_last_use(&L->acts, MOERT_ACT_SWIGLU_OUT);
     if (etp_on(L)) { /* each ETP rank's fc2 output is a partial sum: summed back onto the rows this rank dispatched */
         moert_tensor partial = y_expert;
@@ -1117,8 +1144,7 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
     MOERT_CHECK(part_begin(L, MOERT_BWD_COMBINE, L->stream));
     MOERT_CHECK(tensor_alloc(L, &d_y_expert, in->dtype, 2, cap, in->hidden, 0));
     moert_combine_backward_args cb = {.struct_size = sizeof cb, .d_y = d_y, .d_y_expert = &d_y_expert};
-    PLUGIN_CALL(L->dispatcher, "combine_backward",
-                DISPATCHER(L)->combine_backward(L->dispatcher.ctx, L->stream, &cb));
+    PLUGIN_CALL(L->dispatcher, "combine_backward", DISPATCHER(L)->combine_backward(L->dispatcher.ctx, L->stream, &cb));
     if (etp_on(L)) { /* every ETP rank's output gradients, on the experts' rows */
         moert_tensor local = d_y_expert;
         rc = tensor_alloc(L, &d_y_expert, in->dtype, 2, rows, in->hidden, 0);
@@ -1134,8 +1160,8 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
     MOERT_CHECK(materialize(L, MOERT_ACT_SWIGLU_OUT));
     MOERT_CHECK(part_end(L, MOERT_BWD_FC2_DGRAD, L->stream));
     if (!overlap) {
-        MOERT_CHECK(wgrad_on(L, L->stream, MOERT_BWD_FC2_WGRAD, MOERT_GEMM_FC2, moert_act_store_tensor(&L->acts, MOERT_ACT_SWIGLU_OUT),
-                             &d_y_expert));
+        MOERT_CHECK(wgrad_on(L, L->stream, MOERT_BWD_FC2_WGRAD, MOERT_GEMM_FC2,
+                             moert_act_store_tensor(&L->acts, MOERT_ACT_SWIGLU_OUT), &d_y_expert));
         tensor_release(L, &d_y_expert);
         moert_act_store_done(&L->acts, MOERT_ACT_SWIGLU_OUT);
     }
@@ -1144,8 +1170,8 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
     MOERT_CHECK(tensor_alloc(L, &d_fc1, in->dtype, 2, rows, 2 * in->ffn_hidden, 0));
     MOERT_CHECK(tensor_alloc(L, &d_recv_probs, L->param_dtype, 1, rows, 0, 0));
     MOERT_CHECK(materialize(L, MOERT_ACT_FC1_OUT));
-    MOERT_CHECK(moert_swiglu_backward(L->stream, &d_act, moert_act_store_tensor(&L->acts, MOERT_ACT_FC1_OUT), &L->recv_probs, used_rows(L),
-                                      &d_fc1, &d_recv_probs));
+    MOERT_CHECK(moert_swiglu_backward(L->stream, &d_act, moert_act_store_tensor(&L->acts, MOERT_ACT_FC1_OUT),
+                                      &L->recv_probs, used_rows(L), &d_fc1, &d_recv_probs));
     tensor_release(L, &d_act);
     moert_act_store_done(&L->acts, MOERT_ACT_FC1_OUT);
     MOERT_CHECK(part_end(L, MOERT_BWD_ACT, L->stream));
@@ -1156,8 +1182,8 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
     MOERT_CHECK(materialize(L, MOERT_ACT_DISPATCHED_X));
     MOERT_CHECK(part_end(L, MOERT_BWD_FC1_DGRAD, L->stream));
     if (!overlap) {
-        MOERT_CHECK(wgrad_on(L, L->stream, MOERT_BWD_FC1_WGRAD, MOERT_GEMM_FC1, moert_act_store_tensor(&L->acts, MOERT_ACT_DISPATCHED_X),
-                             &d_fc1));
+        MOERT_CHECK(wgrad_on(L, L->stream, MOERT_BWD_FC1_WGRAD, MOERT_GEMM_FC1,
+                             moert_act_store_tensor(&L->acts, MOERT_ACT_DISPATCHED_X), &d_fc1));
         tensor_release(L, &d_fc1);
         moert_act_store_done(&L->acts, MOERT_ACT_DISPATCHED_X);
     } else if (side) {
@@ -1166,10 +1192,10 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
         HOST_CALL(h->event_record(h, L->wgrad_fork_event, L->stream), "forking the wgrad stream", MOERT_ACT_COUNT);
         HOST_CALL(h->stream_wait_event(h, side, L->wgrad_fork_event), "forking the wgrad stream", MOERT_ACT_COUNT);
         forked = true;
-        MOERT_CHECK(wgrad_on(L, side, MOERT_BWD_FC2_WGRAD, MOERT_GEMM_FC2, moert_act_store_tensor(&L->acts, MOERT_ACT_SWIGLU_OUT),
-                             &d_y_expert));
-        MOERT_CHECK(wgrad_on(L, side, MOERT_BWD_FC1_WGRAD, MOERT_GEMM_FC1, moert_act_store_tensor(&L->acts, MOERT_ACT_DISPATCHED_X),
-                             &d_fc1));
+        MOERT_CHECK(wgrad_on(L, side, MOERT_BWD_FC2_WGRAD, MOERT_GEMM_FC2,
+                             moert_act_store_tensor(&L->acts, MOERT_ACT_SWIGLU_OUT), &d_y_expert));
+        MOERT_CHECK(wgrad_on(L, side, MOERT_BWD_FC1_WGRAD, MOERT_GEMM_FC1,
+                             moert_act_store_tensor(&L->acts, MOERT_ACT_DISPATCHED_X), &d_fc1));
         HOST_CALL(h->event_record(h, L->wgrad_join_event, side), "joining the wgrad stream", MOERT_ACT_COUNT);
     }
 
@@ -1180,8 +1206,11 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
     else
         MOERT_CHECK(moert_copy(L->stream, d_y, d_x));
     MOERT_CHECK(tensor_alloc(L, &d_probs, L->param_dtype, 2, t, in->topk, 0));
-    moert_dispatch_backward_args db = {.struct_size = sizeof db, .d_recv_x = &d_recv_x, .d_recv_probs = &d_recv_probs,
-                                       .d_x = d_x, .d_topk_probs = &d_probs};
+    moert_dispatch_backward_args db = {.struct_size = sizeof db,
+                                       .d_recv_x = &d_recv_x,
+                                       .d_recv_probs = &d_recv_probs,
+                                       .d_x = d_x,
+                                       .d_topk_probs = &d_probs};
     if (etp_on(L)) { /* each ETP rank's row and prob gradients are partial sums over its shard of the width */
         MOERT_CHECK(tensor_alloc(L, &local_d_recv_x, in->dtype, 2, cap, in->hidden, 0));
         MOERT_CHECK(tensor_alloc(L, &local_d_recv_probs, L->param_dtype, 1, cap, 0, 0));
@@ -1195,9 +1224,12 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
     MOERT_CHECK(part_end(L, MOERT_BWD_DISPATCH, L->stream));
 
     MOERT_CHECK(part_begin(L, MOERT_BWD_ROUTER, L->stream));
-    moert_router_backward_args rb = {.struct_size = sizeof rb, .x = &L->x,
-                                     .weight = &L->params[MOERT_PARAM_ROUTER].value, .d_topk_probs = &d_probs,
-                                     .loss_scale = loss_scale, .d_x = d_x,
+    moert_router_backward_args rb = {.struct_size = sizeof rb,
+                                     .x = &L->x,
+                                     .weight = &L->params[MOERT_PARAM_ROUTER].value,
+                                     .d_topk_probs = &d_probs,
+                                     .loss_scale = loss_scale,
+                                     .d_x = d_x,
                                      .d_weight = &L->params[MOERT_PARAM_ROUTER].grad};
     PLUGIN_CALL(L->router, "backward", ROUTER(L)->backward(L->router.ctx, L->stream, &rb));
     MOERT_CHECK(part_end(L, MOERT_BWD_ROUTER, L->stream));
@@ -1208,8 +1240,10 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
         HOST_CALL(h->stream_wait_event(h, L->stream, L->wgrad_join_event), "joining the wgrad stream", MOERT_ACT_COUNT);
         MOERT_CHECK(part_end(L, MOERT_BWD_WGRAD_WAIT, L->stream));
     } else if (overlap) { /* the CPU: the same work where a GPU joins its second stream */
-        MOERT_CHECK(wgrad_on(L, NULL, MOERT_BWD_FC2_WGRAD, MOERT_GEMM_FC2, moert_act_store_tensor(&L->acts, MOERT_ACT_SWIGLU_OUT), &d_y_expert));
-        MOERT_CHECK(wgrad_on(L, NULL, MOERT_BWD_FC1_WGRAD, MOERT_GEMM_FC1, moert_act_store_tensor(&L->acts, MOERT_ACT_DISPATCHED_X), &d_fc1));
+        MOERT_CHECK(wgrad_on(L, NULL, MOERT_BWD_FC2_WGRAD, MOERT_GEMM_FC2,
+                             moert_act_store_tensor(&L->acts, MOERT_ACT_SWIGLU_OUT), &d_y_expert));
+        MOERT_CHECK(wgrad_on(L, NULL, MOERT_BWD_FC1_WGRAD, MOERT_GEMM_FC1,
+                             moert_act_store_tensor(&L->acts, MOERT_ACT_DISPATCHED_X), &d_fc1));
     }
     if (overlap) {
         tensor_release(L, &d_y_expert);
@@ -1239,8 +1273,8 @@ fail:
 moert_result moert_layer_optimizer_step(moert_layer *L, const moert_train_config *t, int64_t step)
 {
     moert_result rc = MOERT_OK;
-    moert_adam adam = {.lr = t->lr, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = t->weight_decay,
-                       .step = step};
+    moert_adam adam = {
+        .lr = t->lr, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = t->weight_decay, .step = step};
     moert_sgd sgd = {.lr = t->lr, .weight_decay = t->weight_decay};
     for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
         moert_param *pr = &L->params[p];
@@ -1346,8 +1380,8 @@ moert_result moert_layer_experts_backward(moert_layer *L, const moert_tensor *d_
         for (int w = 0; w < 2; w++) {
             L->grad_unwritten[w] = lazy;
             if (!lazy)
-                MOERT_CHECK(moert_zero(L->stream,
-                                       &L->params[w == MOERT_GEMM_FC1 ? MOERT_PARAM_FC1 : MOERT_PARAM_FC2].grad));
+                MOERT_CHECK(
+                    moert_zero(L->stream, &L->params[w == MOERT_GEMM_FC1 ? MOERT_PARAM_FC1 : MOERT_PARAM_FC2].grad));
         }
     }
     moert_tensor *fc1_out = moert_act_store_tensor(&L->acts, MOERT_ACT_FC1_OUT);

@@ -33,12 +33,12 @@ typedef enum moert_backward_part {
     MOERT_BWD_COMBINE,       /* dispatcher.combine_backward: output gradients back to the experts' rows */
     MOERT_BWD_FC2_DGRAD,
     MOERT_BWD_FC2_WGRAD,
-    MOERT_BWD_ACT,           /* SwiGLU backward, with the routing probabilities' gradient */
+    MOERT_BWD_ACT, /* SwiGLU backward, with the routing probabilities' gradient */
     MOERT_BWD_FC1_DGRAD,
     MOERT_BWD_FC1_WGRAD,
-    MOERT_BWD_DISPATCH,      /* dispatcher.dispatch_backward: row gradients back to the tokens, and the residual */
+    MOERT_BWD_DISPATCH, /* dispatcher.dispatch_backward: row gradients back to the tokens, and the residual */
     MOERT_BWD_ROUTER,
-    MOERT_BWD_WGRAD_WAIT,    /* overlap_wgrad: the compute stream waiting for the second stream */
+    MOERT_BWD_WGRAD_WAIT, /* overlap_wgrad: the compute stream waiting for the second stream */
     MOERT_BWD_PART_COUNT
 } moert_backward_part;
 
@@ -60,10 +60,8 @@ typedef struct moert_param {
     moert_tensor value, grad, m, v;
 } moert_param;
 
-
-
 typedef struct moert_layer {
-    moert_layer_info info;            /* as the plugins see it: num_local_experts E/EP, ffn_hidden F/ETP (the shard) */
+    moert_layer_info info; /* as the plugins see it: num_local_experts E/EP, ffn_hidden F/ETP (the shard) */
     /* the rank's place in the MoE layers' grid (docs/parallel.md) and its expert-tensor-parallel group (ETP > 1: a
      * host-memory communicator; the executor gathers the experts' rows over it) */
     int ep_rank, ep_size, etp_rank, etp_size, edp_rank, edp_size;
@@ -77,13 +75,14 @@ typedef struct moert_layer {
     int64_t *expert_counts_host;
     moert_tensor expert_counts;
     int64_t expert_rows;
-    const moert_host *core_host;      /* the rank's own services: allocation, streams */
-    moert_stream stream;              /* the rank's compute stream (NULL on the CPU) */
+    const moert_host *core_host; /* the rank's own services: allocation, streams */
+    moert_stream stream;         /* the rank's compute stream (NULL on the CPU) */
     moert_instance router, dispatcher, precision, memory;
-    moert_param params[MOERT_PARAM_COUNT]; /* router [E,H], fc1 [El,H,2F], fc2 [El,F,H], the shared expert's (or empty) */
-    moert_dtype param_dtype;          /* fp32, or fp64 in fp64 mode */
-    int64_t seq_length;               /* tokens per sequence (batch-major), 0 = one sequence */
-    moert_optimizer optimizer;        /* set before moert_layer_init_params: m and v exist only for Adam */
+    moert_param
+        params[MOERT_PARAM_COUNT]; /* router [E,H], fc1 [El,H,2F], fc2 [El,F,H], the shared expert's (or empty) */
+    moert_dtype param_dtype;       /* fp32, or fp64 in fp64 mode */
+    int64_t seq_length;            /* tokens per sequence (batch-major), 0 = one sequence */
+    moert_optimizer optimizer;     /* set before moert_layer_init_params: m and v exist only for Adam */
     /* the embedding API: parameter values and gradients are the caller's tensors (never freed here), and forward
      * gives MoE(x) alone, without the residual x (backward then passes no d_y through to d_x) */
     bool params_borrowed;
@@ -107,12 +106,12 @@ typedef struct moert_layer {
     moert_instance shared_precision;
     int64_t shared_ffn;
     bool shared_gate;
-    bool shared_grad_unwritten[2];    /* as grad_unwritten, for the shared fc1 / fc2 */
-    int64_t shared_rows_host;         /* T of the last forward: the shared expert's one group of rows */
-    moert_tensor shared_rows;         /* [1] int64 on the device, = shared_rows_host */
-    moert_tensor shared_prob;         /* saved: [T] (1, or the gate); its fc1 and SwiGLU outputs are in `acts`, slots
+    bool shared_grad_unwritten[2]; /* as grad_unwritten, for the shared fc1 / fc2 */
+    int64_t shared_rows_host;      /* T of the last forward: the shared expert's one group of rows */
+    moert_tensor shared_rows;      /* [1] int64 on the device, = shared_rows_host */
+    moert_tensor shared_prob;      /* saved: [T] (1, or the gate); its fc1 and SwiGLU outputs are in `acts`, slots
                                          MOERT_STORE_SHARED_FC1_OUT and _ACT, as the memory policy answers */
-    moert_tensor shared_out;          /* forward: its output until the compute stream adds it */
+    moert_tensor shared_out;       /* forward: its output until the compute stream adds it */
     moert_tensor shared_dx, shared_dprob; /* backward: its share of d_x and the gate's input, until added */
     /* $.parallel.shared_expert_overlap on a GPU: its work on a second stream (made at the first use) beside the
      * routing, dispatch, routed experts and combine, joined where its result is added */
@@ -127,10 +126,10 @@ typedef struct moert_layer {
     moert_tensor experts_counts;
     int64_t *experts_counts_host_buf; /* [E_local], kept across calls */
     const int64_t *experts_counts_host;
-    bool experts_padded;              /* rows past the counts' sum, or a sum the host does not know: zero-filled */
+    bool experts_padded; /* rows past the counts' sum, or a sum the host does not know: zero-filled */
 
     /* saved by forward for backward */
-    moert_tensor x;                   /* borrowed: the layer input */
+    moert_tensor x; /* borrowed: the layer input */
     moert_tensor topk_idx, topk_probs, tokens_per_expert;
     moert_dispatch_layout layout;
     moert_tensor recv_probs;

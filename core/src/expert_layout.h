@@ -43,9 +43,12 @@ static inline void moert_expert_group_members(moert_expert_layout l, int rank, m
     moert_expert_coords c = moert_expert_coords_of(l, rank);
     for (int i = 0; i < moert_expert_axis_size(l, a); i++) {
         moert_expert_coords m = c;
-        if (a == MOERT_AXIS_ETP) m.etp = i;
-        else if (a == MOERT_AXIS_EP) m.ep = i;
-        else m.edp = i;
+        if (a == MOERT_AXIS_ETP)
+            m.etp = i;
+        else if (a == MOERT_AXIS_EP)
+            m.ep = i;
+        else
+            m.edp = i;
         members[i] = moert_expert_rank_of(l, m);
     }
 }

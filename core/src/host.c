@@ -21,24 +21,24 @@
 #endif
 
 #define HOST_MESSAGE_SIZE 4096
-#define HOST_ALIGNMENT 64
+#define HOST_ALIGNMENT    64
 
 typedef struct host_impl {
-    moert_host table;            /* what the plugin sees; table.impl points back here */
+    moert_host table; /* what the plugin sees; table.impl points back here */
     char who[256];
-    moert_section *options;      /* borrowed, or owned_options */
+    moert_section *options; /* borrowed, or owned_options */
     moert_section *owned_options;
-    moert_comm_group *comm;      /* NULL: a world of one */
+    moert_comm_group *comm; /* NULL: a world of one */
     moert_device device;
     moert_metric_sink metric;
     void *metric_user;
-    struct moert_cuda_pool *pool;  /* CUDA ranks: device memory */
-    struct moert_nccl_comm *nccl;  /* CUDA ranks: collectives on device buffers */
-    moert_stream stream;           /* CUDA ranks: the stream allocations are ordered on */
+    struct moert_cuda_pool *pool; /* CUDA ranks: device memory */
+    struct moert_nccl_comm *nccl; /* CUDA ranks: collectives on device buffers */
+    moert_stream stream;          /* CUDA ranks: the stream allocations are ordered on */
     char error[HOST_MESSAGE_SIZE];
     char taken[HOST_MESSAGE_SIZE];
-    bool flags_set;                /* the plugin called set_flags */
-    uint32_t flags;                /* what it declared */
+    bool flags_set; /* the plugin called set_flags */
+    uint32_t flags; /* what it declared */
 } host_impl;
 
 static host_impl *impl_of(const moert_host *h) { return (host_impl *)h->impl; }
@@ -369,8 +369,12 @@ static moert_result host_allgather(const moert_host *h, const void *send, void *
 #endif
 #ifdef MOERT_HAVE_CUDA
     if (staged_comm(impl, h, dev)) {
-        staged_args a = {.op = STAGED_ALLGATHER, .send = send, .recv = recv, .send_bytes = bytes_per_rank,
-                         .recv_bytes = bytes_per_rank * (size_t)h->world_size, .bytes_per_rank = bytes_per_rank};
+        staged_args a = {.op = STAGED_ALLGATHER,
+                         .send = send,
+                         .recv = recv,
+                         .send_bytes = bytes_per_rank,
+                         .recv_bytes = bytes_per_rank * (size_t)h->world_size,
+                         .bytes_per_rank = bytes_per_rank};
         return staged_collective(impl, &a);
     }
 #endif
@@ -394,8 +398,13 @@ static moert_result host_allreduce_sum(const moert_host *h, void *buf, size_t co
 #ifdef MOERT_HAVE_CUDA
     if (staged_comm(impl, h, dev)) {
         size_t bytes = count * moert_dtype_size(dtype);
-        staged_args a = {.op = STAGED_ALLREDUCE, .send = buf, .recv = buf, .send_bytes = bytes, .recv_bytes = bytes,
-                         .count = count, .dtype = dtype};
+        staged_args a = {.op = STAGED_ALLREDUCE,
+                         .send = buf,
+                         .recv = buf,
+                         .send_bytes = bytes,
+                         .recv_bytes = bytes,
+                         .count = count,
+                         .dtype = dtype};
         return staged_collective(impl, &a);
     }
 #endif
@@ -417,15 +426,20 @@ static moert_result host_alltoallv(const moert_host *h, const void *send, const 
     host_impl *impl = impl_of(h);
 #ifdef MOERT_HAVE_CUDA
     if (dev.type == MOERT_DEVICE_CUDA && impl->nccl)
-        return host_keep_error(impl, moert_nccl_alltoallv(impl->nccl, send, send_bytes, send_offsets, recv, recv_bytes,
-                                                          recv_offsets, s));
+        return host_keep_error(
+            impl, moert_nccl_alltoallv(impl->nccl, send, send_bytes, send_offsets, recv, recv_bytes, recv_offsets, s));
 #endif
 #ifdef MOERT_HAVE_CUDA
     if (staged_comm(impl, h, dev)) {
-        staged_args a = {.op = STAGED_ALLTOALLV, .send = send, .recv = recv,
+        staged_args a = {.op = STAGED_ALLTOALLV,
+                         .send = send,
+                         .recv = recv,
                          .send_bytes = region_extent(h->world_size, send_bytes, send_offsets),
                          .recv_bytes = region_extent(h->world_size, recv_bytes, recv_offsets),
-                         .sb = send_bytes, .so = send_offsets, .rb = recv_bytes, .ro = recv_offsets};
+                         .sb = send_bytes,
+                         .so = send_offsets,
+                         .rb = recv_bytes,
+                         .ro = recv_offsets};
         return staged_collective(impl, &a);
     }
 #endif
@@ -436,8 +450,7 @@ static moert_result host_alltoallv(const moert_host *h, const void *send, const 
             return host_fail(impl, MOERT_ERR_INVALID_ARGUMENT,
                              "alltoallv: rank 0 sends %zu bytes to rank 0, which expects %zu", send_bytes[0],
                              recv_bytes[0]);
-        if (send_bytes[0])
-            memmove((char *)recv + recv_offsets[0], (const char *)send + send_offsets[0], send_bytes[0]);
+        if (send_bytes[0]) memmove((char *)recv + recv_offsets[0], (const char *)send + send_offsets[0], send_bytes[0]);
         return MOERT_OK;
     }
     return host_keep_error(impl, moert_comm_alltoallv(impl->comm, h->rank, send, send_bytes, send_offsets, recv,
@@ -464,7 +477,8 @@ static moert_result host_exchange_peer_buffers(const moert_host *h, void *local,
         return host_keep_error(impl, moert_nccl_exchange_peer_buffers(impl->nccl, local, bytes, peers));
 #endif
     if (device_is_host(dev) && !impl->comm && h->world_size > 1)
-        return host_fail(impl, MOERT_ERR_UNSUPPORTED, "exchange_peer_buffers: host memory cannot be shared between "
+        return host_fail(impl, MOERT_ERR_UNSUPPORTED,
+                         "exchange_peer_buffers: host memory cannot be shared between "
                          "ranks that are separate processes; offer a device buffer");
     moert_result rc = device_check_comm(impl, "exchange_peer_buffers", dev);
     if (rc != MOERT_OK) return rc;

@@ -11,9 +11,9 @@
 typedef void (*moert_metric_sink)(void *user, const char *name, double value, const char *unit);
 
 typedef struct moert_host_setup {
-    const char *who;             /* "router[topk] layer 0 rank 1", prefixes log lines and errors */
-    moert_section *options;      /* the plugin's JSON object; borrowed */
-    moert_comm_group *comm;      /* may be NULL for a world of one */
+    const char *who;        /* "router[topk] layer 0 rank 1", prefixes log lines and errors */
+    moert_section *options; /* the plugin's JSON object; borrowed */
+    moert_comm_group *comm; /* may be NULL for a world of one */
     int rank, world_size;
     moert_device device;
     moert_metric_sink metric;

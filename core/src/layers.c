@@ -32,17 +32,17 @@ _Static_assert(MOERT_LAYER_ACTIVATIONS + MOERT_LAYER_SHARED_ACTIVATIONS == MOERT
 #endif
 
 #define DISPATCHER(L) ((const moert_dispatcher_v1 *)(L)->dispatcher.plugin->header)
-#define ROUTER(L) ((const moert_router_v1 *)(L)->router.plugin->header)
-#define PRECISION(L) ((const moert_precision_v1 *)(L)->precision.plugin->header)
+#define ROUTER(L)     ((const moert_router_v1 *)(L)->router.plugin->header)
+#define PRECISION(L)  ((const moert_precision_v1 *)(L)->precision.plugin->header)
 
 /* One call of layer L's dispatcher; a failure names the plugin, the call, the layer and the rank. */
-#define DISPATCHER_CALL(name, call)                                                                                 \
-    do {                                                                                                           \
-        rc = (call);                                                                                               \
-        if (rc != MOERT_OK) {                                                                                      \
-            rc = moert_layer_plugin_failed(L, &L->dispatcher, name, rc);                                           \
-            goto fail;                                                                                             \
-        }                                                                                                          \
+#define DISPATCHER_CALL(name, call)                                                                                    \
+    do {                                                                                                               \
+        rc = (call);                                                                                                   \
+        if (rc != MOERT_OK) {                                                                                          \
+            rc = moert_layer_plugin_failed(L, &L->dispatcher, name, rc);                                               \
+            goto fail;                                                                                                 \
+        }                                                                                                              \
     } while (0)
 
 MOERT_API int moert_api_version(void) { return MOERT_API_VERSION; }
@@ -51,19 +51,18 @@ MOERT_API int moert_api_version(void) { return MOERT_API_VERSION; }
 
 typedef enum comm_kind { COMM_THREADS = 0, COMM_TABLE = 1, COMM_NCCL_ID = 2 } comm_kind;
 
-
 struct moert_comm {
     comm_kind kind;
     int world;
     double timeout_s;
-    moert_comm_group *group;              /* threads and table: host-memory collectives */
-    pthread_mutex_t lock;                 /* threads: guards nccl_group */
-    struct moert_nccl_group *nccl_group;  /* threads on GPUs: made by the first rank that needs it */
+    moert_comm_group *group;             /* threads and table: host-memory collectives */
+    pthread_mutex_t lock;                /* threads: guards nccl_group */
+    struct moert_nccl_group *nccl_group; /* threads on GPUs: made by the first rank that needs it */
     unsigned char nccl_id[MOERT_NCCL_ID_BYTES];
     /* each rank's NCCL communicator, shared by every moert_layers of that rank on this communicator (made by the
      * first, freed by the last on its own thread); guarded by lock */
-    struct moert_nccl_comm **nccl;        /* [world] */
-    int *nccl_users;                      /* [world] */
+    struct moert_nccl_comm **nccl; /* [world] */
+    int *nccl_users;               /* [world] */
 };
 
 static moert_result comm_new(comm_kind kind, int world_size, double timeout_s, moert_comm **out)
@@ -137,7 +136,9 @@ MOERT_API moert_result moert_comm_create_nccl(const unsigned char id[MOERT_NCCL_
     if (rc == MOERT_OK) memcpy((*out)->nccl_id, id, MOERT_NCCL_ID_BYTES);
     return rc;
 #else
-    (void)id; (void)world_size; (void)timeout_s;
+    (void)id;
+    (void)world_size;
+    (void)timeout_s;
     if (out) *out = NULL;
     return moert_error(MOERT_ERR_UNSUPPORTED, "moert_comm_create_nccl: this build of moert has no CUDA/NCCL");
 #endif
@@ -176,11 +177,11 @@ struct moert_dispatch {
 };
 
 struct moert_layers {
-    moert_config *cfg;                    /* a private copy: sections borrow its JSON */
+    moert_config *cfg; /* a private copy: sections borrow its JSON */
     moert_plugin plugins[MOERT_SLOT_COUNT];
     moert_comm *comm;
     int rank, world;
-    int etp, edp;                         /* the expert layout (docs/parallel.md) */
+    int etp, edp; /* the expert layout (docs/parallel.md) */
     moert_device device;
     int64_t max_tokens;
     struct moert_cuda_pool *pool;
@@ -189,9 +190,9 @@ struct moert_layers {
     moert_event enter_event, leave_event; /* CUDA: ordering against the caller's stream */
     moert_stack stack;
     bool stack_made;
-    bool (*bound)[MOERT_PARAM_COUNT];     /* [num_layers] */
-    moert_saved **saved;                  /* [num_layers] the forward in flight */
-    moert_dispatch **dispatch;            /* [num_layers] the dispatch in flight */
+    bool (*bound)[MOERT_PARAM_COUNT]; /* [num_layers] */
+    moert_saved **saved;              /* [num_layers] the forward in flight */
+    moert_dispatch **dispatch;        /* [num_layers] the dispatch in flight */
 };
 
 static moert_result check_layer(const moert_layers *m, int layer, const char *fn)
@@ -237,8 +238,8 @@ static moert_result check_tensor(const char *fn, const char *name, const moert_t
         }
     }
     if (t->dtype != dtype)
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: %s is %s, expected %s", fn, name, moert_dtype_name(t->dtype),
-                           moert_dtype_name(dtype));
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: %s is %s, expected %s", fn, name,
+                           moert_dtype_name(t->dtype), moert_dtype_name(dtype));
     if (t->device.type != dev.type || (dev.type == MOERT_DEVICE_CUDA && t->device.id != dev.id))
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: %s is on %s, expected %s", fn, name,
                            device_text(t->device, a, sizeof a), device_text(dev, b, sizeof b));
@@ -265,7 +266,8 @@ static moert_result enter(moert_layers *m, moert_stream stream)
 fail:
     return rc;
 #else
-    (void)m; (void)stream;
+    (void)m;
+    (void)stream;
     return MOERT_OK;
 #endif
 }
@@ -281,7 +283,8 @@ static moert_result leave(moert_layers *m, moert_stream stream)
 fail:
     return rc;
 #else
-    (void)m; (void)stream;
+    (void)m;
+    (void)stream;
     return MOERT_OK;
 #endif
 }
@@ -299,8 +302,8 @@ static moert_result finish(moert_layers *m)
 static moert_result copy_tensor(moert_layers *m, const moert_tensor *src, moert_tensor *dst)
 {
     const moert_host *h = m->stack.core_host;
-    moert_result rc = h->memcpy_async(h, dst->data, dst->device, src->data, src->device, moert_tensor_bytes(src),
-                                      m->stream);
+    moert_result rc =
+        h->memcpy_async(h, dst->data, dst->device, src->data, src->device, moert_tensor_bytes(src), m->stream);
     if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(m->stack.core_host));
     if (on_host(dst->device)) return finish(m);
     return MOERT_OK;
@@ -337,30 +340,40 @@ static moert_result check_launch_layout(const moert_config *cfg, const moert_lau
     launch_layout(launch, &etp, &edp);
     if (launch->struct_size >= sizeof *launch &&
         (launch->expert_tensor_parallel < 0 || launch->expert_data_parallel < 0))
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: launch->expert_tensor_parallel %d and "
-                           "expert_data_parallel %d, expected >= 0 (0: 1)", fn, launch->expert_tensor_parallel,
-                           launch->expert_data_parallel);
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                           "%s: launch->expert_tensor_parallel %d and "
+                           "expert_data_parallel %d, expected >= 0 (0: 1)",
+                           fn, launch->expert_tensor_parallel, launch->expert_data_parallel);
     if (etp > launch->world_size || edp > launch->world_size || launch->world_size % (etp * edp) != 0)
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: launch->expert_tensor_parallel %d x "
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                           "%s: launch->expert_tensor_parallel %d x "
                            "launch->expert_data_parallel %d does not divide world_size %d: expert parallel x expert "
-                           "tensor parallel x expert data parallel must be the world", fn, etp, edp,
-                           launch->world_size);
+                           "tensor parallel x expert data parallel must be the world",
+                           fn, etp, edp, launch->world_size);
     const int ep = launch->world_size / (etp * edp);
     if (cfg->model.num_experts % ep != 0) {
         if (etp == 1 && edp == 1)
-            return moert_error(MOERT_ERR_CONFIG, "config error at $.model.num_experts: %lld experts do not split over "
-                               "%d ranks", (long long)cfg->model.num_experts, launch->world_size);
-        return moert_error(MOERT_ERR_CONFIG, "config error at $.model.num_experts: %lld experts do not split over %d "
+            return moert_error(MOERT_ERR_CONFIG,
+                               "config error at $.model.num_experts: %lld experts do not split over "
+                               "%d ranks",
+                               (long long)cfg->model.num_experts, launch->world_size);
+        return moert_error(MOERT_ERR_CONFIG,
+                           "config error at $.model.num_experts: %lld experts do not split over %d "
                            "expert-parallel ranks (world_size %d / (expert_tensor_parallel %d x expert_data_parallel "
-                           "%d))", (long long)cfg->model.num_experts, ep, launch->world_size, etp, edp);
+                           "%d))",
+                           (long long)cfg->model.num_experts, ep, launch->world_size, etp, edp);
     }
     if (cfg->model.ffn_hidden % etp != 0)
-        return moert_error(MOERT_ERR_CONFIG, "config error at $.model.ffn_hidden: %lld does not split over "
-                           "launch->expert_tensor_parallel %d ranks", (long long)cfg->model.ffn_hidden, etp);
+        return moert_error(MOERT_ERR_CONFIG,
+                           "config error at $.model.ffn_hidden: %lld does not split over "
+                           "launch->expert_tensor_parallel %d ranks",
+                           (long long)cfg->model.ffn_hidden, etp);
     if ((etp > 1 || edp > 1) && launch->device.type != MOERT_DEVICE_CPU)
-        return moert_error(MOERT_ERR_UNSUPPORTED, "%s: launch->expert_tensor_parallel %d and expert_data_parallel %d: "
+        return moert_error(MOERT_ERR_UNSUPPORTED,
+                           "%s: launch->expert_tensor_parallel %d and expert_data_parallel %d: "
                            "expert tensor and expert data parallelism run on CPU ranks only for now (set both to 1 "
-                           "on GPUs)", fn, etp, edp);
+                           "on GPUs)",
+                           fn, etp, edp);
     return MOERT_OK;
 }
 
@@ -370,8 +383,10 @@ static moert_result check_launch(const moert_config *cfg, const moert_launch *la
     if (!cfg) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: cfg is NULL", fn);
     if (!launch) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: launch is NULL", fn);
     if (launch->struct_size < LAUNCH_V1_SIZE)
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: launch->struct_size %u, expected %zu (or %zu, API version "
-                           "1)", fn, launch->struct_size, sizeof *launch, (size_t)LAUNCH_V1_SIZE);
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                           "%s: launch->struct_size %u, expected %zu (or %zu, API version "
+                           "1)",
+                           fn, launch->struct_size, sizeof *launch, (size_t)LAUNCH_V1_SIZE);
     if (launch->world_size < 1 || launch->rank < 0 || launch->rank >= launch->world_size)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: rank %d of world_size %d, expected 0 <= rank < world_size",
                            fn, launch->rank, launch->world_size);
@@ -380,8 +395,8 @@ static moert_result check_launch(const moert_config *cfg, const moert_launch *la
                            launch->world_size);
     const moert_comm *c = launch->comm;
     if (c && c->world != launch->world_size)
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: the communicator has %d ranks, launch->world_size is %d", fn,
-                           c->world, launch->world_size);
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: the communicator has %d ranks, launch->world_size is %d",
+                           fn, c->world, launch->world_size);
     moert_result rc = check_launch_layout(cfg, launch);
     if (rc != MOERT_OK) return rc;
     if (launch->max_tokens < 0)
@@ -390,17 +405,23 @@ static moert_result check_launch(const moert_config *cfg, const moert_launch *la
     moert_device d = launch->device;
     if (d.type == MOERT_DEVICE_CPU) {
         if (c && c->kind == COMM_NCCL_ID)
-            return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: a CPU rank cannot use NCCL; use the threads "
-                               "communicator or a collectives table", fn);
+            return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                               "%s: a CPU rank cannot use NCCL; use the threads "
+                               "communicator or a collectives table",
+                               fn);
         return MOERT_OK;
     }
     if (d.type != MOERT_DEVICE_CUDA)
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: launch->device type %d, expected MOERT_DEVICE_CPU or "
-                           "MOERT_DEVICE_CUDA", fn, d.type);
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                           "%s: launch->device type %d, expected MOERT_DEVICE_CPU or "
+                           "MOERT_DEVICE_CUDA",
+                           fn, d.type);
 #ifdef MOERT_HAVE_CUDA
     if (c && c->kind == COMM_TABLE)
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: a CUDA rank needs NCCL (moert_comm_create_nccl) or the "
-                           "threads communicator (a thread per GPU), not a collectives table", fn);
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                           "%s: a CUDA rank needs NCCL (moert_comm_create_nccl) or the "
+                           "threads communicator (a thread per GPU), not a collectives table",
+                           fn);
     int gpus = 0;
     if (moert_cuda_device_count(&gpus) != MOERT_OK) gpus = 0;
     if (d.id < 0 || d.id >= gpus)
@@ -435,16 +456,18 @@ static moert_result cuda_setup(moert_layers *m, double timeout_s)
         }
         pthread_mutex_unlock(&c->lock);
         if (other != dev)
-            return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_layers_create: rank %d's communicator runs on CUDA "
-                               "device %d, these layers on device %d", m->rank, other, dev);
+            return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                               "moert_layers_create: rank %d's communicator runs on CUDA "
+                               "device %d, these layers on device %d",
+                               m->rank, other, dev);
         return MOERT_OK;
     }
     if (c->kind == COMM_THREADS && !c->nccl_group) rc = moert_nccl_group_create(c->world, timeout_s, &c->nccl_group);
     pthread_mutex_unlock(&c->lock);
     if (rc != MOERT_OK) return rc;
     if (c->kind == COMM_NCCL_ID)
-        MOERT_CHECK(moert_nccl_comm_init_id(c->nccl_id, sizeof c->nccl_id, m->rank, m->world, dev, c->timeout_s,
-                                            &m->nccl));
+        MOERT_CHECK(
+            moert_nccl_comm_init_id(c->nccl_id, sizeof c->nccl_id, m->rank, m->world, dev, c->timeout_s, &m->nccl));
     else
         MOERT_CHECK(moert_nccl_comm_init_thread(c->nccl_group, m->rank, dev, &m->nccl));
     pthread_mutex_lock(&c->lock);
@@ -513,9 +536,18 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
     if (m->device.type == MOERT_DEVICE_CUDA) MOERT_CHECK(cuda_setup(m, m->cfg->parallel.timeout_s));
 #endif
     moert_comm_group *group = m->comm && m->comm->kind != COMM_NCCL_ID && m->world > 1 ? m->comm->group : NULL;
-    moert_stack_setup setup = {.cfg = m->cfg, .plugins = m->plugins, .rank = m->rank, .world = m->world,
-                               .device = m->device, .max_tokens = m->max_tokens, .comm = group, .etp = m->etp,
-                               .edp = m->edp, .pool = m->pool, .nccl = m->nccl, .stream = m->stream};
+    moert_stack_setup setup = {.cfg = m->cfg,
+                               .plugins = m->plugins,
+                               .rank = m->rank,
+                               .world = m->world,
+                               .device = m->device,
+                               .max_tokens = m->max_tokens,
+                               .comm = group,
+                               .etp = m->etp,
+                               .edp = m->edp,
+                               .pool = m->pool,
+                               .nccl = m->nccl,
+                               .stream = m->stream};
     m->stack_made = true;
     MOERT_CHECK(moert_stack_init(&m->stack, &setup));
     int nl = m->stack.num_layers;
@@ -593,17 +625,33 @@ MOERT_API moert_result moert_layers_get_info(const moert_layers *m, moert_layers
     /* a caller built against version 1 gets its members only (0: the whole struct, as version 1 wrote it) */
     size_t size = out->struct_size == 0 || out->struct_size > sizeof *out ? sizeof *out : out->struct_size;
     if (size < LAYERS_INFO_V1_SIZE)
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_layers_get_info: out->struct_size %u, expected %zu (or "
-                           "%zu, API version 1)", out->struct_size, sizeof *out, (size_t)LAYERS_INFO_V1_SIZE);
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                           "moert_layers_get_info: out->struct_size %u, expected %zu (or "
+                           "%zu, API version 1)",
+                           out->struct_size, sizeof *out, (size_t)LAYERS_INFO_V1_SIZE);
     const moert_layer *L = &m->stack.layers[0];
-    moert_layers_info info = {
-        .struct_size = (uint32_t)size, .num_layers = m->stack.num_layers, .rank = m->rank, .world_size = m->world,
-        .hidden = L->info.hidden, .ffn_hidden = L->info.ffn_hidden * L->etp_size, .num_experts = L->info.num_experts,
-        .topk = L->info.topk, .num_local_experts = L->info.num_local_experts,
-        .first_local_expert = L->info.first_local_expert, .max_tokens = m->max_tokens, .dtype = L->info.dtype,
-        .param_dtype = L->param_dtype, .device = m->device, .expert_bias_dtype = MOERT_DTYPE_COUNT,
-        .ep_rank = L->ep_rank, .ep_size = L->ep_size, .etp_rank = L->etp_rank, .etp_size = L->etp_size,
-        .edp_rank = L->edp_rank, .edp_size = L->edp_size, .local_ffn_hidden = L->info.ffn_hidden};
+    moert_layers_info info = {.struct_size = (uint32_t)size,
+                              .num_layers = m->stack.num_layers,
+                              .rank = m->rank,
+                              .world_size = m->world,
+                              .hidden = L->info.hidden,
+                              .ffn_hidden = L->info.ffn_hidden * L->etp_size,
+                              .num_experts = L->info.num_experts,
+                              .topk = L->info.topk,
+                              .num_local_experts = L->info.num_local_experts,
+                              .first_local_expert = L->info.first_local_expert,
+                              .max_tokens = m->max_tokens,
+                              .dtype = L->info.dtype,
+                              .param_dtype = L->param_dtype,
+                              .device = m->device,
+                              .expert_bias_dtype = MOERT_DTYPE_COUNT,
+                              .ep_rank = L->ep_rank,
+                              .ep_size = L->ep_size,
+                              .etp_rank = L->etp_rank,
+                              .etp_size = L->etp_size,
+                              .edp_rank = L->edp_rank,
+                              .edp_size = L->edp_size,
+                              .local_ffn_hidden = L->info.ffn_hidden};
     const moert_tensor *bias = ROUTER(L)->expert_bias ? ROUTER(L)->expert_bias(L->router.ctx) : NULL;
     if (bias) info.expert_bias_dtype = bias->dtype;
     memcpy(out, &info, size);
@@ -614,8 +662,8 @@ MOERT_API moert_result moert_layers_get_info(const moert_layers *m, moert_layers
 
 static const char *param_name(moert_param_id which)
 {
-    static const char *const names[MOERT_PARAM_COUNT] = {"router weight", "fc1", "fc2", "shared expert's fc1",
-                                                         "shared expert's fc2", "shared expert's gate"};
+    static const char *const names[MOERT_PARAM_COUNT] = {
+        "router weight", "fc1", "fc2", "shared expert's fc1", "shared expert's fc2", "shared expert's gate"};
     return names[which];
 }
 
@@ -627,11 +675,12 @@ static moert_result check_param(const moert_layers *m, int layer, moert_param_id
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: parameter %d, expected 0 .. %d (moert_param_id)", fn,
                            (int)which, MOERT_PARAM_COUNT - 1);
     if (!moert_layer_has_param(&m->stack.layers[layer], which))
-        return moert_error(MOERT_ERR_UNSUPPORTED, "%s: the config has no %s (see $.model.shared_expert_ffn_hidden and "
-                           "$.model.shared_expert_gate)", fn, param_name(which));
+        return moert_error(MOERT_ERR_UNSUPPORTED,
+                           "%s: the config has no %s (see $.model.shared_expert_ffn_hidden and "
+                           "$.model.shared_expert_gate)",
+                           fn, param_name(which));
     return MOERT_OK;
 }
-
 
 MOERT_API moert_result moert_layers_param_desc(const moert_layers *m, int layer, moert_param_id which,
                                                moert_tensor *desc)
@@ -694,8 +743,9 @@ fail:
 static moert_result end_step_all(moert_layers *m, moert_stream stream, bool router)
 {
     moert_result rc = MOERT_OK;
-    if (!m) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_layers_%s: layers is NULL",
-                               router ? "update_expert_bias" : "weights_changed");
+    if (!m)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_layers_%s: layers is NULL",
+                           router ? "update_expert_bias" : "weights_changed");
     MOERT_CHECK(enter(m, stream));
     for (int l = 0; l < m->stack.num_layers; l++) {
         moert_layer *L = &m->stack.layers[l];
@@ -741,7 +791,8 @@ static moert_result check_bias_copy(const moert_layers *m, const char *fn, const
 {
     if (!t) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, name);
     moert_device dev = on_host(t->device) ? t->device : m->device;
-    moert_dtype dtype = t->dtype == MOERT_F32 || t->dtype == MOERT_F64 || t->dtype == MOERT_BF16 ? t->dtype : bias->dtype;
+    moert_dtype dtype =
+        t->dtype == MOERT_F32 || t->dtype == MOERT_F64 || t->dtype == MOERT_BF16 ? t->dtype : bias->dtype;
     return check_tensor(fn, name, t, dtype, dev, 1, bias->shape);
 }
 
@@ -805,11 +856,15 @@ fail:
 static moert_result check_idle(const moert_layers *m, int layer, const char *fn)
 {
     if (m->saved[layer])
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layer %d holds the saved activations of a forward: run its "
-                           "backward or moert_saved_free first (one micro-batch in flight per layer)", fn, layer);
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                           "%s: layer %d holds the saved activations of a forward: run its "
+                           "backward or moert_saved_free first (one micro-batch in flight per layer)",
+                           fn, layer);
     if (m->dispatch[layer])
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layer %d has a dispatch in flight: moert_dispatch_free it "
-                           "first", fn, layer);
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                           "%s: layer %d has a dispatch in flight: moert_dispatch_free it "
+                           "first",
+                           fn, layer);
     return MOERT_OK;
 }
 
@@ -870,8 +925,8 @@ fail:
     return release_after_failure(L, rc);
 }
 
-MOERT_API moert_result moert_moe_backward(moert_layers *m, moert_saved *saved, const moert_tensor *dy,
-                                          moert_tensor *dx, const moert_backward_options *opts, moert_stream stream)
+MOERT_API moert_result moert_moe_backward(moert_layers *m, moert_saved *saved, const moert_tensor *dy, moert_tensor *dx,
+                                          const moert_backward_options *opts, moert_stream stream)
 {
     const char *fn = "moert_moe_backward";
     moert_result rc = MOERT_OK;
@@ -884,8 +939,8 @@ MOERT_API moert_result moert_moe_backward(moert_layers *m, moert_saved *saved, c
     if (found < 0)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: saved is not a forward in flight of these layers", fn);
     if (saved->experts)
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: saved is moert_experts_forward's: run moert_experts_backward",
-                           fn);
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                           "%s: saved is moert_experts_forward's: run moert_experts_backward", fn);
     if (opts && opts->struct_size < sizeof *opts)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: opts->struct_size %u, expected %zu", fn, opts->struct_size,
                            sizeof *opts);
@@ -923,8 +978,8 @@ MOERT_API moert_result moert_saved_tokens_per_expert(const moert_saved *saved, m
     moert_layers *m = saved->owner;
     moert_layer *L = &m->stack.layers[saved->layer];
     const int64_t shape[1] = {L->info.num_experts};
-    MOERT_CHECK(check_tensor(fn, "dst", dst, MOERT_I64, dst && on_host(dst->device) ? dst->device : m->device, 1,
-                             shape));
+    MOERT_CHECK(
+        check_tensor(fn, "dst", dst, MOERT_I64, dst && on_host(dst->device) ? dst->device : m->device, 1, shape));
     MOERT_CHECK(copy_out(m, &L->tokens_per_expert, dst, stream));
 fail:
     return rc;
@@ -950,7 +1005,8 @@ MOERT_API moert_result moert_layers_figures(moert_layers *m, int layer, moert_la
     if (rc != MOERT_OK) return rc;
     const size_t v2_size = offsetof(moert_layer_figures, shared_saved_bytes); /* before API version 3 */
     if (!out || out->struct_size < v2_size)
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: out is NULL or its struct_size is not %zu", fn, sizeof *out);
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: out is NULL or its struct_size is not %zu", fn,
+                           sizeof *out);
     moert_layer *L = &m->stack.layers[layer];
     MOERT_CHECK(moert_layer_collect_times(L));
     for (int i = 0; i < MOERT_LAYER_STAGES && i < MOERT_STAGE_COUNT; i++) out->stage_ms[i] = 1e3 * L->stage_seconds[i];
@@ -998,8 +1054,7 @@ MOERT_API const char *moert_layer_activation_name(int activation)
 /* The dispatch in flight that d names, or an error. */
 static moert_result check_dispatch(const moert_dispatch *d, const char *fn, bool need_run)
 {
-    if (!d || !d->owner || d->layer < 0 || d->layer >= d->owner->stack.num_layers ||
-        d->owner->dispatch[d->layer] != d)
+    if (!d || !d->owner || d->layer < 0 || d->layer >= d->owner->stack.num_layers || d->owner->dispatch[d->layer] != d)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: not a dispatch in flight (prepared and not freed)", fn);
     if (need_run && !d->ran)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: moert_dispatch_run has not run for this dispatch", fn);
@@ -1035,16 +1090,15 @@ fail:
     return rc;
 }
 
-MOERT_API moert_result moert_dispatch_tokens_per_expert(const moert_dispatch *d, moert_tensor *dst,
-                                                        moert_stream stream)
+MOERT_API moert_result moert_dispatch_tokens_per_expert(const moert_dispatch *d, moert_tensor *dst, moert_stream stream)
 {
     const char *fn = "moert_dispatch_tokens_per_expert";
     moert_result rc = check_dispatch(d, fn, false);
     if (rc != MOERT_OK) return rc;
     moert_layers *m = d->owner;
     const int64_t shape[1] = {m->stack.layers[d->layer].info.num_local_experts};
-    MOERT_CHECK(check_tensor(fn, "dst", dst, MOERT_I64, dst && on_host(dst->device) ? dst->device : m->device, 1,
-                             shape));
+    MOERT_CHECK(
+        check_tensor(fn, "dst", dst, MOERT_I64, dst && on_host(dst->device) ? dst->device : m->device, 1, shape));
     MOERT_CHECK(copy_out(m, &d->layout.tokens_per_expert, dst, stream));
 fail:
     return rc;
@@ -1081,8 +1135,8 @@ MOERT_API moert_result moert_dispatch_run(moert_dispatch *d, const moert_tensor 
     MOERT_CHECK(check_rows(d, fn, "recv_x", recv_x, d->layout.capacity));
     MOERT_CHECK(check_weights(d, fn, "recv_weights", recv_weights, false));
     MOERT_CHECK(enter(m, stream));
-    moert_dispatch_args a = {.struct_size = sizeof a, .x = x, .topk_probs = topk_weights, .recv_x = recv_x,
-                             .recv_probs = recv_weights};
+    moert_dispatch_args a = {
+        .struct_size = sizeof a, .x = x, .topk_probs = topk_weights, .recv_x = recv_x, .recv_probs = recv_weights};
     DISPATCHER_CALL("dispatch", DISPATCHER(L)->dispatch(L->dispatcher.ctx, m->stream, &a));
     d->ran = true;
     MOERT_CHECK(leave(m, stream));
@@ -1142,8 +1196,11 @@ MOERT_API moert_result moert_dispatch_backward(moert_dispatch *d, const moert_te
     MOERT_CHECK(check_weights(d, fn, "d_topk_weights", d_topk_weights, true));
     MOERT_CHECK(enter(m, stream));
     MOERT_CHECK(moert_zero(m->stream, dx)); /* the plugin adds the rows into it */
-    moert_dispatch_backward_args a = {.struct_size = sizeof a, .d_recv_x = d_recv_x, .d_recv_probs = d_recv_weights,
-                                      .d_x = dx, .d_topk_probs = d_topk_weights};
+    moert_dispatch_backward_args a = {.struct_size = sizeof a,
+                                      .d_recv_x = d_recv_x,
+                                      .d_recv_probs = d_recv_weights,
+                                      .d_x = dx,
+                                      .d_topk_probs = d_topk_weights};
     DISPATCHER_CALL("dispatch_backward", DISPATCHER(L)->dispatch_backward(L->dispatcher.ctx, m->stream, &a));
     MOERT_CHECK(leave(m, stream));
 fail:
@@ -1202,8 +1259,10 @@ MOERT_API moert_result moert_experts_forward(moert_layers *m, int layer, const m
     if ((rc = check_experts_bound(m, layer, fn)) != MOERT_OK) return rc;
     if ((rc = check_idle(m, layer, fn)) != MOERT_OK) return rc;
     if (L->etp_size > 1)
-        return moert_error(MOERT_ERR_UNSUPPORTED, "%s: the experts alone with expert tensor parallelism (ETP %d) are "
-                           "not supported", fn, L->etp_size);
+        return moert_error(MOERT_ERR_UNSUPPORTED,
+                           "%s: the experts alone with expert tensor parallelism (ETP %d) are "
+                           "not supported",
+                           fn, L->etp_size);
     if ((rc = check_rows_tensor(fn, "x_rows", x_rows, L->info.dtype, m->device, 2, -1, L->info.hidden)) != MOERT_OK)
         return rc;
     const int64_t rows = x_rows->shape[0];
@@ -1212,10 +1271,10 @@ MOERT_API moert_result moert_experts_forward(moert_layers *m, int layer, const m
     if (rows > 0 && x_rows->data == y_rows->data)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: y_rows may not be x_rows's memory", fn);
     const int64_t el[1] = {L->info.num_local_experts};
-    if ((rc = check_tensor(fn, "tokens_per_expert", tokens_per_expert, MOERT_I64,
-                           tokens_per_expert && on_host(tokens_per_expert->device) ? tokens_per_expert->device
-                                                                                   : m->device,
-                           1, el)) != MOERT_OK)
+    if ((rc = check_tensor(
+             fn, "tokens_per_expert", tokens_per_expert, MOERT_I64,
+             tokens_per_expert && on_host(tokens_per_expert->device) ? tokens_per_expert->device : m->device, 1, el)) !=
+        MOERT_OK)
         return rc;
     if (probs && (rc = check_rows_tensor(fn, "probs", probs, L->param_dtype, m->device, 1, rows, 0)) != MOERT_OK)
         return rc;

@@ -36,7 +36,10 @@ typedef struct vtable_member {
     size_t offset;
 } vtable_member;
 
-#define MEMBER(type, m) {#m, offsetof(type, m)}
+#define MEMBER(type, m)                                                                                                \
+    {                                                                                                                  \
+#m, offsetof(type, m)                                                                                          \
+    }
 #define MAX_MEMBERS 8
 
 /* What the loader knows about each kind: names, the exported symbol, the size of its v1 vtable, the members that
@@ -51,18 +54,33 @@ typedef struct kind_info {
 } kind_info;
 
 static const kind_info kinds[] = {
-    {MOERT_KIND_ROUTER, "router", "router", MOERT_ROUTER_V1_SYMBOL, sizeof(moert_router_v1),
+    {MOERT_KIND_ROUTER,
+     "router",
+     "router",
+     MOERT_ROUTER_V1_SYMBOL,
+     sizeof(moert_router_v1),
      {MEMBER(moert_router_v1, init), MEMBER(moert_router_v1, finalize), MEMBER(moert_router_v1, forward),
       MEMBER(moert_router_v1, backward), MEMBER(moert_router_v1, end_step)}},
-    {MOERT_KIND_DISPATCHER, "dispatcher", "dispatch", MOERT_DISPATCHER_V1_SYMBOL, sizeof(moert_dispatcher_v1),
+    {MOERT_KIND_DISPATCHER,
+     "dispatcher",
+     "dispatch",
+     MOERT_DISPATCHER_V1_SYMBOL,
+     sizeof(moert_dispatcher_v1),
      {MEMBER(moert_dispatcher_v1, init), MEMBER(moert_dispatcher_v1, finalize), MEMBER(moert_dispatcher_v1, prepare),
       MEMBER(moert_dispatcher_v1, dispatch), MEMBER(moert_dispatcher_v1, combine),
       MEMBER(moert_dispatcher_v1, combine_backward), MEMBER(moert_dispatcher_v1, dispatch_backward)}},
     /* precision: the size before agreement_rtol was appended (a plugin built against that header still loads) */
-    {MOERT_KIND_PRECISION, "precision", "precision", MOERT_PRECISION_V1_SYMBOL, MOERT_PRECISION_V1_BASE_SIZE,
-     {MEMBER(moert_precision_v1, init), MEMBER(moert_precision_v1, finalize),
-      MEMBER(moert_precision_v1, grouped_gemm), MEMBER(moert_precision_v1, end_step)}},
-    {MOERT_KIND_MEMORY_POLICY, "memory_policy", "memory", MOERT_MEMORY_POLICY_V1_SYMBOL,
+    {MOERT_KIND_PRECISION,
+     "precision",
+     "precision",
+     MOERT_PRECISION_V1_SYMBOL,
+     MOERT_PRECISION_V1_BASE_SIZE,
+     {MEMBER(moert_precision_v1, init), MEMBER(moert_precision_v1, finalize), MEMBER(moert_precision_v1, grouped_gemm),
+      MEMBER(moert_precision_v1, end_step)}},
+    {MOERT_KIND_MEMORY_POLICY,
+     "memory_policy",
+     "memory",
+     MOERT_MEMORY_POLICY_V1_SYMBOL,
      sizeof(moert_memory_policy_v1),
      {MEMBER(moert_memory_policy_v1, init), MEMBER(moert_memory_policy_v1, finalize),
       MEMBER(moert_memory_policy_v1, decide)}},
@@ -242,8 +260,8 @@ static moert_result find_vtable(void *dl, const kind_info *want, const char *whe
             return moert_error(MOERT_ERR_ABI_MISMATCH, "%s is a %s plugin, expected a %s", where, kinds[i].name,
                                want->name);
     }
-    return moert_error(MOERT_ERR_NOT_FOUND, "%s exports no %s symbol: not a %s plugin for ABI %d.x", where, want->symbol,
-                       want->name, MOERT_ABI_MAJOR);
+    return moert_error(MOERT_ERR_NOT_FOUND, "%s exports no %s symbol: not a %s plugin for ABI %d.x", where,
+                       want->symbol, want->name, MOERT_ABI_MAJOR);
 }
 
 /* The init and finalize members, which every vtable has right after its header. */
@@ -272,8 +290,7 @@ static moert_result check_header(const moert_plugin_header *h, const kind_info *
         return moert_error(MOERT_ERR_ABI_MISMATCH,
                            "%s has a %u-byte vtable, smaller than the %zu bytes of %s (ABI %d.%d)", where,
                            h->struct_size, want->v1_size, want->symbol, MOERT_ABI_MAJOR, MOERT_ABI_MINOR);
-    if (!h->name || !h->name[0])
-        return moert_error(MOERT_ERR_ABI_MISMATCH, "%s has no name in its header", where);
+    if (!h->name || !h->name[0]) return moert_error(MOERT_ERR_ABI_MISMATCH, "%s has no name in its header", where);
     /* a NULL member would crash the first call to it, at a step, far from here */
     for (int i = 0; i < MAX_MEMBERS && want->required[i].name; i++) {
         void (*fn)(void);
@@ -353,7 +370,8 @@ moert_result moert_plugin_load(moert_plugin_kind kind, const char *spec, moert_p
     const kind_info *want = find_kind(kind);
     memset(out, 0, sizeof *out);
     if (!want) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_plugin_load: unknown plugin kind %d", (int)kind);
-    if (!spec || !spec[0]) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "no %s plugin named (empty name)", want->name);
+    if (!spec || !spec[0])
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "no %s plugin named (empty name)", want->name);
     char label[1100];
     snprintf(label, sizeof label, "%s plugin \"%s\"", want->name, spec);
 
@@ -453,7 +471,7 @@ static void write_call_message(const char *what)
 static void crash_handler(int sig)
 {
     if (current_call[0]) {
-        const char *what = sig == SIGSEGV ? "crashed (SIGSEGV, invalid memory access)"
+        const char *what = sig == SIGSEGV  ? "crashed (SIGSEGV, invalid memory access)"
                            : sig == SIGBUS ? "crashed (SIGBUS)"
                            : sig == SIGILL ? "crashed (SIGILL)"
                            : sig == SIGFPE ? "crashed (SIGFPE, arithmetic error)"
@@ -511,9 +529,9 @@ static moert_result check_layer_sizes(const moert_plugin *p, const moert_layer_i
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
         if (sizes[i].value < sizes[i].min || sizes[i].value > sizes[i].max)
             return moert_error(MOERT_ERR_INVALID_ARGUMENT,
-                               "%s plugin \"%s\": layer %d has %s %lld, expected %lld .. %lld", moert_kind_name(p->kind),
-                               p->header->name, (int)l->layer_index, sizes[i].name, (long long)sizes[i].value,
-                               (long long)sizes[i].min, (long long)sizes[i].max);
+                               "%s plugin \"%s\": layer %d has %s %lld, expected %lld .. %lld",
+                               moert_kind_name(p->kind), p->header->name, (int)l->layer_index, sizes[i].name,
+                               (long long)sizes[i].value, (long long)sizes[i].min, (long long)sizes[i].max);
     /* the largest buffers: a rank's fc1 weights, and every routed row of the group arriving at one rank */
     int64_t fc1 = 0, rows = 0, row_bytes = 0;
     int64_t widest = 2 * l->ffn_hidden > l->hidden ? 2 * l->ffn_hidden : l->hidden;
@@ -523,7 +541,8 @@ static moert_result check_layer_sizes(const moert_plugin *p, const moert_layer_i
     if (wraps || fc1 > MOERT_MAX_BUFFER_BYTES || row_bytes > MOERT_MAX_BUFFER_BYTES)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT,
                            "%s plugin \"%s\": layer %d's buffers (fc1 weights, or world x max_tokens x topk rows) "
-                           "would exceed %lld TiB", moert_kind_name(p->kind), p->header->name, (int)l->layer_index,
+                           "would exceed %lld TiB",
+                           moert_kind_name(p->kind), p->header->name, (int)l->layer_index,
                            (long long)(MOERT_MAX_BUFFER_BYTES >> 40));
     return MOERT_OK;
 }
@@ -532,8 +551,7 @@ static moert_result check_layer_sizes(const moert_plugin *p, const moert_layer_i
 moert_result moert_plugin_init(const moert_plugin *p, void **ctx, moert_host *host, const moert_layer_info *layer)
 {
     *ctx = NULL;
-    if (!p || !p->header)
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_plugin_init: the plugin is not loaded");
+    if (!p || !p->header) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_plugin_init: the plugin is not loaded");
     const vtable_prefix *v = (const vtable_prefix *)p->header;
     if (layer) {
         moert_result sized = check_layer_sizes(p, layer, host ? host->world_size : 1);
@@ -546,8 +564,7 @@ moert_result moert_plugin_init(const moert_plugin *p, void **ctx, moert_host *ho
     if (rc == MOERT_OK) return MOERT_OK;
     const char *msg = moert_host_take_error(host);
     *ctx = NULL;
-    if (msg[0])
-        return moert_error(rc, "%s plugin \"%s\": %s", moert_kind_name(p->kind), p->header->name, msg);
+    if (msg[0]) return moert_error(rc, "%s plugin \"%s\": %s", moert_kind_name(p->kind), p->header->name, msg);
     return moert_error(rc, "%s plugin \"%s\": init failed (%s) without a message", moert_kind_name(p->kind),
                        p->header->name, moert_result_name(rc));
 }
@@ -610,8 +627,10 @@ moert_result moert_plugin_open_file(moert_plugin_kind kind, const char *path, mo
 {
     memset(out, 0, sizeof *out);
     if (!find_kind(kind))
-        return moert_error(MOERT_ERR_NOT_FOUND, "%s: the name does not say a kind (libmoert-router|dispatch|"
-                           "precision|memory-<name>.so)", path);
+        return moert_error(MOERT_ERR_NOT_FOUND,
+                           "%s: the name does not say a kind (libmoert-router|dispatch|"
+                           "precision|memory-<name>.so)",
+                           path);
     char label[2100];
     snprintf(label, sizeof label, "%s plugin %s", moert_kind_name(kind), path);
     return open_checked(find_kind(kind), label, path, out);
@@ -695,19 +714,28 @@ MOERT_API moert_result moert_plugin_list_options(moert_plugin_kind kind, const c
     }
     /* describe mode: every option the plugin reads is recorded with its type, default, range and help */
     moert_section_set_describe(sec, true);
-    moert_host_setup setup = {.who = who, .options = sec, .comm = NULL, .rank = 0, .world_size = 1,
+    moert_host_setup setup = {
+        .who = who, .options = sec, .comm = NULL, .rank = 0, .world_size = 1, .device = moert_cpu()};
+    moert_layer_info layer = {.struct_size = sizeof layer,
+                              .layer_index = 0,
+                              .num_layers = 1,
+                              .hidden = 64,
+                              .ffn_hidden = 128,
+                              .num_experts = 8,
+                              .topk = 2,
+                              .num_local_experts = 8,
+                              .first_local_expert = 0,
+                              .max_tokens = 256,
+                              .dtype = MOERT_F32,
                               .device = moert_cpu()};
-    moert_layer_info layer = {.struct_size = sizeof layer, .layer_index = 0, .num_layers = 1, .hidden = 64,
-                              .ffn_hidden = 128, .num_experts = 8, .topk = 2, .num_local_experts = 8,
-                              .first_local_expert = 0, .max_tokens = 256, .dtype = MOERT_F32, .device = moert_cpu()};
     rc = moert_host_create(&setup, &host);
     if (rc == MOERT_OK) rc = moert_plugin_init(&p, &ctx, host, &layer);
     char saved[2048] = "";
     if (rc != MOERT_OK) snprintf(saved, sizeof saved, "%s", moert_error_message());
     for (int i = 0; i < moert_section_option_count(sec); i++) {
         const moert_option_desc *d = moert_section_option(sec, i);
-        moert_plugin_option option = {.key = d->key, .type = d->type, .default_text = d->def, .range = d->range,
-                                      .help = d->help};
+        moert_plugin_option option = {
+            .key = d->key, .type = d->type, .default_text = d->def, .range = d->range, .help = d->help};
         fn(user, &option);
     }
     if (ctx) moert_plugin_finalize(&p, ctx);

@@ -6,10 +6,10 @@
 #include "moert/moert.h"
 
 typedef struct moert_plugin {
-    void *dl;                           /* dlopen handle */
-    const moert_plugin_header *header;  /* the vtable; cast by kind */
+    void *dl;                          /* dlopen handle */
+    const moert_plugin_header *header; /* the vtable; cast by kind */
     moert_plugin_kind kind;
-    char path[1024];                    /* the file that was loaded */
+    char path[1024]; /* the file that was loaded */
 } moert_plugin;
 
 /* "router" -> "router", MOERT_KIND_DISPATCHER -> "dispatch" (file prefix), and readable names. */
@@ -36,11 +36,8 @@ typedef void (*moert_plugin_visit_fn)(void *user, const moert_plugin *p, const c
                                       const char *error);
 int moert_plugin_scan(moert_plugin_visit_fn fn, void *user);
 
-
 /* Opens and checks one file as a plugin of kind, labelled as `moert plugins` lists it (no init). */
 moert_result moert_plugin_open_file(moert_plugin_kind kind, const char *path, moert_plugin *out);
-
-
 
 /* moert_plugin_guard_crashes, moert_plugin_list_files, moert_plugin_search_path, moert_plugin_describe and
  * moert_plugin_list_options are public (moert/moert.h). */

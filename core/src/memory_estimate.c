@@ -30,14 +30,15 @@ void moert_memory_estimate_config(const moert_config *cfg, int world, int device
     const int64_t ep = world / (etp * edp) > 0 ? world / (etp * edp) : 1;
     const double local_experts = (double)(m->num_experts / ep);
     const double fl = f / (double)etp, expert_rows = t * k * (double)etp;
-    const double act = (double)moert_dtype_size(m->dtype);   /* activation storage */
-    const double param = m->dtype == MOERT_F64 ? 8.0 : 4.0;  /* parameters are fp32 (fp64 with fp64 storage) */
+    const double act = (double)moert_dtype_size(m->dtype);  /* activation storage */
+    const double param = m->dtype == MOERT_F64 ? 8.0 : 4.0; /* parameters are fp32 (fp64 with fp64 storage) */
     /* the CPU paths compute in double precision scratch; the CUDA paths in the storage dtype (or fp32) */
     const double scratch = device == MOERT_DEVICE_CUDA ? 4.0 : 8.0;
     const double rows = t * k; /* rows dispatched to a rank, balanced routing */
 
     const double fs = (double)m->shared_expert_ffn_hidden; /* the shared expert's width, 0 without one */
-    const double params_per_layer = e * h + local_experts * 3.0 * h * fl + 3.0 * h * fs + (m->shared_expert_gate ? h : 0.0);
+    const double params_per_layer =
+        e * h + local_experts * 3.0 * h * fl + 3.0 * h * fs + (m->shared_expert_gate ? h : 0.0);
     out->parameters = layers * params_per_layer * param;
     out->gradients = out->parameters;
     out->optimizer = cfg->train.optimizer == MOERT_OPTIMIZER_SGD ? 0.0 : 2.0 * out->parameters;
@@ -54,9 +55,10 @@ void moert_memory_estimate_config(const moert_config *cfg, int world, int device
     /* one layer at a time: the backward's transients and the GEMMs' converted operands [rows, 3F + H] in scratch
      * precision; every layer: the router's scores and their gradients [T, 4E], its input and input gradient [T, 2H]
      * and weights [E, 2H] in double precision */
-    out->workspace = expert_rows * (3.0 * fl + h) * scratch + layers * (t * (4.0 * e + 2.0 * h) + 2.0 * e * h) * 8.0 + 8192.0;
-    out->per_rank = out->parameters + out->gradients + out->optimizer + out->activations + out->dispatcher +
-                    out->workspace;
+    out->workspace =
+        expert_rows * (3.0 * fl + h) * scratch + layers * (t * (4.0 * e + 2.0 * h) + 2.0 * e * h) * 8.0 + 8192.0;
+    out->per_rank =
+        out->parameters + out->gradients + out->optimizer + out->activations + out->dispatcher + out->workspace;
     out->ranks_sharing = device == MOERT_DEVICE_CUDA ? 1 : world;
     moert_memory_estimate_capacity(device, out);
 }
@@ -101,9 +103,10 @@ static void categories_text(const moert_memory_estimate *est, char *buf, size_t 
     moert_format_bytes(est->dispatcher, d, sizeof d);
     moert_format_bytes(est->workspace, w, sizeof w);
     moert_format_bytes(est->per_rank, total, sizeof total);
-    snprintf(buf, size,
-             "parameters %s, gradients %s, optimizer %s, activations %s, dispatcher buffers %s, workspace %s; %s per rank",
-             p, g, o, a, d, w, total);
+    snprintf(
+        buf, size,
+        "parameters %s, gradients %s, optimizer %s, activations %s, dispatcher buffers %s, workspace %s; %s per rank",
+        p, g, o, a, d, w, total);
 }
 
 void moert_memory_estimate_line(const moert_memory_estimate *est, char *buf, size_t size)

@@ -9,15 +9,15 @@
 
 /* Bytes one rank needs, by what holds them (docs/config.md, "Memory estimate"). */
 typedef struct moert_memory_estimate {
-    double parameters;  /* router [E,H] and this rank's experts' fc1 [H,2F] and fc2 [F,H], every layer */
-    double gradients;   /* the same again */
-    double optimizer;   /* Adam's two moments (none with SGD) */
-    double activations; /* saved from forward to backward, the residual stream, the batch */
-    double dispatcher;  /* the routed rows sent and received, and their staging */
-    double workspace;   /* backward transients, the router's and the GEMMs' scratch */
-    double per_rank;    /* the sum */
-    int ranks_sharing;  /* ranks that share one memory: every rank on the CPU (threads), 1 on GPUs */
-    double capacity;    /* bytes of that memory: the machine's on the CPU, one GPU's */
+    double parameters;     /* router [E,H] and this rank's experts' fc1 [H,2F] and fc2 [F,H], every layer */
+    double gradients;      /* the same again */
+    double optimizer;      /* Adam's two moments (none with SGD) */
+    double activations;    /* saved from forward to backward, the residual stream, the batch */
+    double dispatcher;     /* the routed rows sent and received, and their staging */
+    double workspace;      /* backward transients, the router's and the GEMMs' scratch */
+    double per_rank;       /* the sum */
+    int ranks_sharing;     /* ranks that share one memory: every rank on the CPU (threads), 1 on GPUs */
+    double capacity;       /* bytes of that memory: the machine's on the CPU, one GPU's */
     char memory_name[160]; /* "the CPU's memory", "cuda:0 (NVIDIA H100)" */
 } moert_memory_estimate;
 

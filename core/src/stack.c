@@ -14,11 +14,18 @@ static moert_layer_info layer_info_of(const moert_stack *s, const moert_stack_se
 {
     const moert_model_config *m = &setup->cfg->model;
     int64_t local = m->num_experts / s->layout.ep;
-    moert_layer_info info = {
-        .struct_size = sizeof info, .layer_index = layer, .num_layers = (int32_t)m->num_layers, .hidden = m->hidden,
-        .ffn_hidden = m->ffn_hidden / s->layout.etp, .num_experts = m->num_experts, .topk = m->topk,
-        .num_local_experts = local, .first_local_expert = local * s->coords.ep, .max_tokens = setup->max_tokens,
-        .dtype = m->dtype, .device = setup->device};
+    moert_layer_info info = {.struct_size = sizeof info,
+                             .layer_index = layer,
+                             .num_layers = (int32_t)m->num_layers,
+                             .hidden = m->hidden,
+                             .ffn_hidden = m->ffn_hidden / s->layout.etp,
+                             .num_experts = m->num_experts,
+                             .topk = m->topk,
+                             .num_local_experts = local,
+                             .first_local_expert = local * s->coords.ep,
+                             .max_tokens = setup->max_tokens,
+                             .dtype = m->dtype,
+                             .device = setup->device};
     return info;
 }
 
@@ -30,10 +37,13 @@ static moert_result expert_groups_init(moert_stack *s, const moert_stack_setup *
     int *members = NULL;
     const int etp = setup->etp > 1 ? setup->etp : 1, edp = setup->edp > 1 ? setup->edp : 1;
     if (setup->world % (etp * edp) != 0)
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "expert layout: expert tensor parallel %d x expert data "
-                           "parallel %d does not divide the %d ranks", etp, edp, setup->world);
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                           "expert layout: expert tensor parallel %d x expert data "
+                           "parallel %d does not divide the %d ranks",
+                           etp, edp, setup->world);
     if (setup->device.type == MOERT_DEVICE_CUDA && (etp > 1 || edp > 1))
-        return moert_error(MOERT_ERR_CONFIG, "config error at $.parallel.%s: got %d, but expert tensor and expert data "
+        return moert_error(MOERT_ERR_CONFIG,
+                           "config error at $.parallel.%s: got %d, but expert tensor and expert data "
                            "parallelism ($.parallel.expert_tensor_parallel, $.parallel.expert_data_parallel) run on "
                            "the CPU only for now; set both to 1 on CUDA",
                            etp > 1 ? "expert_tensor_parallel" : "expert_data_parallel", etp > 1 ? etp : edp);
@@ -90,9 +100,15 @@ static moert_result shared_expert_init(moert_stack *s, const moert_stack_setup *
     moert_section_allow(sec, "plugin");
     snprintf(who, sizeof who, "precision \"%s\" (shared expert, layer %d, rank %d)", plugin->header->name, l,
              setup->rank);
-    moert_host_setup hs = {.who = who, .options = sec, .comm = setup->comm, .rank = setup->rank,
-                           .world_size = setup->world, .device = L->info.device, .cuda_pool = setup->pool,
-                           .nccl = setup->nccl, .stream = setup->stream};
+    moert_host_setup hs = {.who = who,
+                           .options = sec,
+                           .comm = setup->comm,
+                           .rank = setup->rank,
+                           .world_size = setup->world,
+                           .device = L->info.device,
+                           .cuda_pool = setup->pool,
+                           .nccl = setup->nccl,
+                           .stream = setup->stream};
     MOERT_CHECK(moert_host_create(&hs, &s->shared_hosts[l]));
     L->shared_precision.plugin = plugin;
     L->shared_precision.host = s->shared_hosts[l];
@@ -115,9 +131,15 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
     s->core_section = moert_section_create(s->empty_options, "$");
     MOERT_CHECK_ALLOC(s->core_section);
     snprintf(who, sizeof who, "core (rank %d)", setup->rank);
-    moert_host_setup core_setup = {.who = who, .options = s->core_section, .comm = setup->comm, .rank = setup->rank,
-                                   .world_size = setup->world, .device = setup->device, .cuda_pool = setup->pool,
-                                   .nccl = setup->nccl, .stream = setup->stream};
+    moert_host_setup core_setup = {.who = who,
+                                   .options = s->core_section,
+                                   .comm = setup->comm,
+                                   .rank = setup->rank,
+                                   .world_size = setup->world,
+                                   .device = setup->device,
+                                   .cuda_pool = setup->pool,
+                                   .nccl = setup->nccl,
+                                   .stream = setup->stream};
     MOERT_CHECK(moert_host_create(&core_setup, &s->core_host));
 
     s->layers = calloc((size_t)nl, sizeof *s->layers);
@@ -159,9 +181,15 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
             moert_section_allow(sec, "plugin");
             snprintf(who, sizeof who, "%s \"%s\" (layer %d, rank %d)", moert_kind_name(setup->plugins[k].kind),
                      setup->plugins[k].header->name, l, setup->rank);
-            moert_host_setup hs = {.who = who, .options = sec, .comm = setup->comm, .rank = setup->rank,
-                                   .world_size = setup->world, .device = L->info.device, .cuda_pool = setup->pool,
-                                   .nccl = setup->nccl, .stream = setup->stream};
+            moert_host_setup hs = {.who = who,
+                                   .options = sec,
+                                   .comm = setup->comm,
+                                   .rank = setup->rank,
+                                   .world_size = setup->world,
+                                   .device = L->info.device,
+                                   .cuda_pool = setup->pool,
+                                   .nccl = setup->nccl,
+                                   .stream = setup->stream};
             if (k == MOERT_SLOT_DISPATCHER) { /* the dispatcher works over the expert-parallel group alone */
                 hs.comm = s->group[MOERT_AXIS_EP];
                 hs.rank = s->coords.ep;

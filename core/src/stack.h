@@ -11,27 +11,27 @@
 /* What the layers of one rank run on. */
 typedef struct moert_stack_setup {
     const moert_config *cfg;
-    const moert_plugin *plugins;    /* [MOERT_SLOT_COUNT], loaded; borrowed */
+    const moert_plugin *plugins; /* [MOERT_SLOT_COUNT], loaded; borrowed */
     int rank, world;
     moert_device device;
-    int64_t max_tokens;             /* tokens per forward on this rank, an upper bound */
-    moert_comm_group *comm;         /* host-memory collectives of the world; NULL for a world of one or NCCL alone */
+    int64_t max_tokens;     /* tokens per forward on this rank, an upper bound */
+    moert_comm_group *comm; /* host-memory collectives of the world; NULL for a world of one or NCCL alone */
     /* the MoE layers' grid over the world (docs/parallel.md): expert tensor and expert data parallel sizes (0 or 1:
      * none); expert parallel is world / (etp x edp). ETP or EDP > 1 runs on the CPU only for now. */
     int etp, edp;
-    struct moert_cuda_pool *pool;   /* CUDA ranks (NULL on the CPU) */
-    struct moert_nccl_comm *nccl;   /* CUDA ranks */
-    moert_stream stream;            /* CUDA ranks: the compute stream */
+    struct moert_cuda_pool *pool; /* CUDA ranks (NULL on the CPU) */
+    struct moert_nccl_comm *nccl; /* CUDA ranks */
+    moert_stream stream;          /* CUDA ranks: the compute stream */
 } moert_stack_setup;
 
 typedef struct moert_stack {
     int num_layers;
     json_t *empty_options;
     moert_section *core_section;
-    moert_host *core_host;          /* the rank's own services */
-    moert_layer *layers;            /* [num_layers] */
-    moert_section **sections;       /* [num_layers * MOERT_SLOT_COUNT] */
-    moert_host **hosts;             /* [num_layers * MOERT_SLOT_COUNT] */
+    moert_host *core_host;    /* the rank's own services */
+    moert_layer *layers;      /* [num_layers] */
+    moert_section **sections; /* [num_layers * MOERT_SLOT_COUNT] */
+    moert_host **hosts;       /* [num_layers * MOERT_SLOT_COUNT] */
     /* the shared expert's precision instance of each layer (NULL entries without a shared expert) */
     moert_section **shared_sections; /* [num_layers] */
     moert_host **shared_hosts;       /* [num_layers] */
@@ -39,7 +39,7 @@ typedef struct moert_stack {
      * subgroup view of it (owned) when smaller, NULL when the group is this rank alone */
     moert_expert_layout layout;
     moert_expert_coords coords;
-    moert_comm_group *group[3];      /* [moert_expert_axis] */
+    moert_comm_group *group[3]; /* [moert_expert_axis] */
     bool group_owned[3];
 } moert_stack;
 

@@ -61,8 +61,7 @@ moert_result moert_swiglu_forward(moert_stream s, const moert_tensor *in, const 
 }
 
 moert_result moert_swiglu_backward(moert_stream s, const moert_tensor *d_out, const moert_tensor *in,
-                                   const moert_tensor *prob, int64_t rows, moert_tensor *d_in,
-                                   moert_tensor *d_prob)
+                                   const moert_tensor *prob, int64_t rows, moert_tensor *d_in, moert_tensor *d_prob)
 {
     int64_t f = d_out->shape[1];
 #ifdef MOERT_HAVE_CUDA
@@ -215,7 +214,8 @@ moert_result moert_fill_normal_on(moert_stream s, moert_tensor *t, uint64_t seed
                                   double std)
 {
 #ifdef MOERT_HAVE_CUDA
-    if (on_cuda(t)) return moert_cuda_fill_normal(s, t->dtype, moert_tensor_numel(t), seed, stream, first, std, t->data);
+    if (on_cuda(t))
+        return moert_cuda_fill_normal(s, t->dtype, moert_tensor_numel(t), seed, stream, first, std, t->data);
 #endif
     moert_result rc = require_cpu(t, "fill_normal");
     if (rc != MOERT_OK) return rc;
@@ -226,8 +226,7 @@ moert_result moert_fill_normal_on(moert_stream s, moert_tensor *t, uint64_t seed
 #ifdef MOERT_HAVE_CUDA
 /* On CUDA: the sum comes back to the host (one sync); grad = 2*scale*pred - 2*scale*target. */
 static moert_result cuda_squared_error(moert_stream s, const moert_tensor *pred, const moert_tensor *target,
-                                       double scale, void *work, float *pinned_result, double *sum,
-                                       moert_tensor *grad)
+                                       double scale, void *work, float *pinned_result, double *sum, moert_tensor *grad)
 {
     moert_result rc = MOERT_OK;
     int64_t n = moert_tensor_numel(pred);
@@ -276,8 +275,12 @@ moert_result moert_adam_update(moert_stream s, const moert_adam *opt, moert_tens
         if (rc == MOERT_OK) rc = require_f32(m, "adam_update");
         if (rc == MOERT_OK) rc = require_f32(v, "adam_update");
         if (rc != MOERT_OK) return rc;
-        moert_cuda_adam_config cfg = {.lr = opt->lr, .beta1 = opt->beta1, .beta2 = opt->beta2, .eps = opt->eps,
-                                      .weight_decay = opt->weight_decay, .grad_scale = 1.0};
+        moert_cuda_adam_config cfg = {.lr = opt->lr,
+                                      .beta1 = opt->beta1,
+                                      .beta2 = opt->beta2,
+                                      .eps = opt->eps,
+                                      .weight_decay = opt->weight_decay,
+                                      .grad_scale = 1.0};
         return moert_cuda_adam(s, moert_tensor_numel(param), opt->step, &cfg, param->data, grad->dtype, grad->data,
                                m->data, v->data);
     }

@@ -10,8 +10,7 @@ moert_result moert_swiglu_forward(moert_stream s, const moert_tensor *in, const 
                                   moert_tensor *out);
 /* Gradients of the above: d_in [rows, 2F] overwritten, d_prob [rows] overwritten. */
 moert_result moert_swiglu_backward(moert_stream s, const moert_tensor *d_out, const moert_tensor *in,
-                                   const moert_tensor *prob, int64_t rows, moert_tensor *d_in,
-                                   moert_tensor *d_prob);
+                                   const moert_tensor *prob, int64_t rows, moert_tensor *d_in, moert_tensor *d_prob);
 /* y = a + b, element-wise (same shape; y may alias a). */
 moert_result moert_add(moert_stream s, const moert_tensor *a, const moert_tensor *b, moert_tensor *y);
 /* dst = src, converting dtype if they differ. */

@@ -18,13 +18,13 @@ static const char *config =
     "{\"model\": {\"hidden\": 12, \"ffn_hidden\": 10, \"num_experts\": 6, \"topk\": 2, \"num_layers\": 2,"
     " \"dtype\": \"fp64\"}, \"train\": {\"tokens_per_rank\": 20}, \"router\": {\"score_function\": \"softmax\"}}";
 
-#define CHECK(call)                                                                                                 \
-    do {                                                                                                            \
-        moert_result r_ = (call);                                                                                   \
-        if (r_ != MOERT_OK) {                                                                                       \
-            fprintf(stderr, "embed: %s failed: %s: %s\n", #call, moert_result_name(r_), moert_last_error());        \
-            exit(1);                                                                                                \
-        }                                                                                                           \
+#define CHECK(call)                                                                                                    \
+    do {                                                                                                               \
+        moert_result r_ = (call);                                                                                      \
+        if (r_ != MOERT_OK) {                                                                                          \
+            fprintf(stderr, "embed: %s failed: %s: %s\n", #call, moert_result_name(r_), moert_last_error());           \
+            exit(1);                                                                                                   \
+        }                                                                                                              \
     } while (0)
 
 /* The layer's parameters, owned here: router [E,H], fc1 [E,H,2F], fc2 [E,F,H], and their gradients. */

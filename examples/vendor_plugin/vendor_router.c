@@ -23,8 +23,8 @@ typedef struct roundrobin_ctx {
 static moert_result roundrobin_init(void **ctx, const moert_host *host, const moert_layer_info *layer)
 {
     int64_t offset = 0;
-    moert_result rc = host->option_int(host, "offset", 0, 0, 1 << 20, "added to every expert id before the modulo",
-                                       &offset);
+    moert_result rc =
+        host->option_int(host, "offset", 0, 0, 1 << 20, "added to every expert id before the modulo", &offset);
     if (rc != MOERT_OK) return rc; /* the host has set the message */
     if (layer->device.type != MOERT_DEVICE_CPU) {
         host->set_error(host, "roundrobin: only the CPU is supported (device type %d)", (int)layer->device.type);
@@ -66,8 +66,9 @@ static moert_result roundrobin_forward(void *ctx, moert_stream stream, const moe
     if (!x || x->ndim != 2 || x->shape[1] != c->hidden || !shaped(args->topk_idx, 2, T, K, MOERT_I32) ||
         !shaped(args->topk_probs, 2, T, K, -1) || !shaped(args->tokens_per_expert, 1, E, 0, MOERT_I64) ||
         !args->losses) {
-        c->host->set_error(c->host, "roundrobin forward: expected x [T,%lld], topk_idx [T,%lld] int32, topk_probs "
-                                    "[T,%lld] and tokens_per_expert [%lld] int64 on the CPU",
+        c->host->set_error(c->host,
+                           "roundrobin forward: expected x [T,%lld], topk_idx [T,%lld] int32, topk_probs "
+                           "[T,%lld] and tokens_per_expert [%lld] int64 on the CPU",
                            (long long)c->hidden, (long long)K, (long long)K, (long long)E);
         return MOERT_ERR_INVALID_ARGUMENT;
     }
@@ -99,9 +100,7 @@ static const moert_tensor *roundrobin_expert_bias(void *ctx) { return NULL; }
 /* The one exported symbol. The variable needs its own C name (moert_router_v1 is the type's name), so
  * the asm label gives the symbol its ABI name. */
 MOERT_ROUTER_V1_EXPORT(roundrobin_vtable) = {
-    .header = {MOERT_ROUTER_V1_HEADER,
-               .name = "roundrobin",
-               .version = "1.0.0",
+    .header = {MOERT_ROUTER_V1_HEADER, .name = "roundrobin", .version = "1.0.0",
                .description = "example vendor router: token t to experts (t*K+j+offset) mod E, weights 1/K",
                .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU),
                .dtypes = MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16),

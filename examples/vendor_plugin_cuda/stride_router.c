@@ -78,8 +78,9 @@ static moert_result stride_forward(void *ctx, moert_stream stream, const moert_r
     if (!x || x->ndim != 2 || x->shape[1] != c->hidden || !shaped(args->topk_idx, 2, T, K, MOERT_I32, c->device) ||
         !shaped(args->topk_probs, 2, T, K, -1, c->device) ||
         !shaped(args->tokens_per_expert, 1, E, 0, MOERT_I64, c->device) || !args->losses) {
-        c->host->set_error(c->host, "stride forward: expected x [T,%lld], topk_idx [T,%lld] int32, topk_probs [T,%lld] "
-                                    "fp32 or fp64 and tokens_per_expert [%lld] int64 on the layer's device",
+        c->host->set_error(c->host,
+                           "stride forward: expected x [T,%lld], topk_idx [T,%lld] int32, topk_probs [T,%lld] "
+                           "fp32 or fp64 and tokens_per_expert [%lld] int64 on the layer's device",
                            (long long)c->hidden, (long long)K, (long long)K, (long long)E);
         return MOERT_ERR_INVALID_ARGUMENT;
     }
@@ -88,7 +89,8 @@ static moert_result stride_forward(void *ctx, moert_stream stream, const moert_r
         int err = stride_route_cuda(stream, T, K, E, c->stride, args->topk_idx->data, args->topk_probs->data,
                                     args->topk_probs->dtype == MOERT_F64, args->tokens_per_expert->data);
         if (err) {
-            c->host->set_error(c->host, "stride forward on cuda:%d: %s", (int)c->device.id, stride_cuda_error_text(err));
+            c->host->set_error(c->host, "stride forward on cuda:%d: %s", (int)c->device.id,
+                               stride_cuda_error_text(err));
             return MOERT_ERR_CUDA;
         }
         return MOERT_OK;
@@ -118,10 +120,9 @@ static const moert_tensor *stride_expert_bias(void *ctx) { return NULL; }
 
 /* The one exported symbol, named by an asm label (moert_router_v1 is also the type's name). */
 MOERT_ROUTER_V1_EXPORT(stride_vtable) = {
-    .header = {MOERT_ROUTER_V1_HEADER,
-               .name = "stride",
-               .version = "1.0.0",
-               .description = "example vendor router with a CUDA kernel: copy j of token t to expert (t*stride+j) mod E",
+    .header = {MOERT_ROUTER_V1_HEADER, .name = "stride", .version = "1.0.0",
+               .description =
+                   "example vendor router with a CUDA kernel: copy j of token t to expert (t*stride+j) mod E",
                .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU) | MOERT_CAP_DEVICE(MOERT_DEVICE_CUDA),
                .dtypes = MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16),
                .flags = MOERT_CAP_GRAPH_CAPTURABLE},

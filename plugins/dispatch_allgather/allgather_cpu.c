@@ -16,9 +16,9 @@ static int has_kept_copy(const int32_t *topk_idx, int64_t t, int64_t topk)
 
 void ag_plan_sizes(ag_plan *plan, const int64_t *all_counts)
 {
-    plan->num_recv = moert_dispatch_plan_groups(all_counts, plan->world, plan->rank, plan->num_experts,
-                                                plan->num_local_experts, 0, NULL, plan->tokens_per_expert,
-                                                plan->group_start);
+    plan->num_recv =
+        moert_dispatch_plan_groups(all_counts, plan->world, plan->rank, plan->num_experts, plan->num_local_experts, 0,
+                                   NULL, plan->tokens_per_expert, plan->group_start);
 }
 
 /* One pass over the gathered copies in order, each local one taking the next free row of its expert's group. */

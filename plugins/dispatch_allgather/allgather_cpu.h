@@ -17,20 +17,20 @@
  * t of rank s, and the gathered copy c = g*K + k its copy k.
  */
 typedef struct ag_plan {
-    int world;                   /* ranks in the expert-parallel group */
-    int rank;                    /* this rank */
-    int64_t num_experts;         /* E over all ranks; rank d owns experts [d*El, (d+1)*El) */
-    int64_t num_local_experts;   /* El */
-    int64_t topk;                /* K */
-    int64_t num_tokens;          /* T of this rank's step */
-    int64_t max_tokens;          /* the largest T of any rank: the block of each rank in the gathered buffers */
-    int64_t *rank_tokens;        /* [world] T of each rank */
-    int64_t num_recv;            /* rows for the local experts (the grouped buffers' rows) */
-    int64_t *tokens_per_expert;  /* [El] rows per local expert */
-    int64_t *group_start;        /* [El] first grouped row of each local expert */
-    int64_t *grouped_copy;       /* [num_recv] the gathered copy of each grouped row */
-    int64_t *copy_row;           /* [world*max_tokens*K] grouped row of each gathered copy, -1 if not for this rank */
-    int64_t *cursor;             /* [El] scratch of the planning functions */
+    int world;                  /* ranks in the expert-parallel group */
+    int rank;                   /* this rank */
+    int64_t num_experts;        /* E over all ranks; rank d owns experts [d*El, (d+1)*El) */
+    int64_t num_local_experts;  /* El */
+    int64_t topk;               /* K */
+    int64_t num_tokens;         /* T of this rank's step */
+    int64_t max_tokens;         /* the largest T of any rank: the block of each rank in the gathered buffers */
+    int64_t *rank_tokens;       /* [world] T of each rank */
+    int64_t num_recv;           /* rows for the local experts (the grouped buffers' rows) */
+    int64_t *tokens_per_expert; /* [El] rows per local expert */
+    int64_t *group_start;       /* [El] first grouped row of each local expert */
+    int64_t *grouped_copy;      /* [num_recv] the gathered copy of each grouped row */
+    int64_t *copy_row;          /* [world*max_tokens*K] grouped row of each gathered copy, -1 if not for this rank */
+    int64_t *cursor;            /* [El] scratch of the planning functions */
 } ag_plan;
 
 /* Rows per local expert, group starts and num_recv from all_counts [world][E] (copies from rank s to expert e). */

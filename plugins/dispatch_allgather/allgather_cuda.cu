@@ -7,8 +7,8 @@
 
 #include "plugin_cuda_check.h"
 
-#define THREADS 256          /* threads per block of the element-wise kernels */
-#define ROW_WARPS 8          /* warps per block of the row kernel: one warp per token */
+#define THREADS         256  /* threads per block of the element-wise kernels */
+#define ROW_WARPS       8    /* warps per block of the row kernel: one warp per token */
 #define MAX_GRID_BLOCKS 8192 /* grid-stride loops beyond this */
 
 __device__ __forceinline__ float to_f32(float x) { return x; }
@@ -74,8 +74,9 @@ extern "C" moert_result moert_ag_cuda_pad_idx(const moert_host *host, cudaStream
                                               int64_t tokens, int64_t max_tokens, int64_t topk, int32_t *out)
 {
     if (tokens < 0 || tokens > max_tokens || topk <= 0)
-        return report(host, MOERT_ERR_INVALID_ARGUMENT, "allgather cuda pad: bad sizes (tokens %lld of %lld, topk %lld)",
-                      (long long)tokens, (long long)max_tokens, (long long)topk);
+        return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                      "allgather cuda pad: bad sizes (tokens %lld of %lld, topk %lld)", (long long)tokens,
+                      (long long)max_tokens, (long long)topk);
     const size_t own = (size_t)(tokens * topk) * sizeof(int32_t);
     const size_t pad = (size_t)((max_tokens - tokens) * topk) * sizeof(int32_t);
     if (own) CUDA_CHECK(host, cudaMemcpyAsync(out, topk_idx, own, cudaMemcpyDeviceToDevice, stream));
@@ -97,11 +98,12 @@ extern "C" moert_result moert_ag_cuda_localize(const moert_host *host, cudaStrea
                                                int32_t *local_idx)
 {
     if (copies < 0 || first_expert < 0 || local_experts <= 0 || first_expert + local_experts > INT32_MAX)
-        return report(host, MOERT_ERR_INVALID_ARGUMENT, "allgather cuda localize: bad sizes (copies %lld, experts %lld+%lld)",
-                      (long long)copies, (long long)first_expert, (long long)local_experts);
+        return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                      "allgather cuda localize: bad sizes (copies %lld, experts %lld+%lld)", (long long)copies,
+                      (long long)first_expert, (long long)local_experts);
     if (copies == 0) return MOERT_OK;
     localize_kernel<<<grid_for(copies, THREADS), THREADS, 0, stream>>>(gathered_idx, copies, (int32_t)first_expert,
-                                                                      (int32_t)local_experts, local_idx);
+                                                                       (int32_t)local_experts, local_idx);
     LAUNCH_CHECK(host, "allgather localize_kernel");
     return MOERT_OK;
 }
@@ -113,7 +115,8 @@ template <int VEC> __device__ __forceinline__ void store_f32(float *dst, const f
 {
     if constexpr (VEC % 4 == 0) {
 #pragma unroll
-        for (int i = 0; i < VEC; i += 4) *reinterpret_cast<float4 *>(dst + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+        for (int i = 0; i < VEC; i += 4)
+            *reinterpret_cast<float4 *>(dst + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
     } else {
 #pragma unroll
         for (int i = 0; i < VEC; i++) dst[i] = v[i];
@@ -147,31 +150,34 @@ __global__ void partial_rows_kernel(int64_t tokens, int topk, int64_t hidden, co
 }
 
 template <typename T>
-static moert_result partial_rows_typed(const moert_host *host, cudaStream_t s, int64_t tokens, int topk,
-                                       int64_t hidden, const int32_t *copy_row, const void *grouped, float *partial)
+static moert_result partial_rows_typed(const moert_host *host, cudaStream_t s, int64_t tokens, int topk, int64_t hidden,
+                                       const int32_t *copy_row, const void *grouped, float *partial)
 {
     constexpr int VEC = 16 / sizeof(T); /* 4 fp32 or 8 bf16: 16-byte loads, one or two 16-byte stores */
     const int grid = grid_for(tokens, ROW_WARPS);
     if (hidden % VEC == 0 && aligned(grouped, 16) && aligned(partial, 16))
-        partial_rows_kernel<T, VEC><<<grid, ROW_WARPS * 32, 0, s>>>(tokens, topk, hidden, copy_row, (const T *)grouped,
-                                                                   partial);
+        partial_rows_kernel<T, VEC>
+            <<<grid, ROW_WARPS * 32, 0, s>>>(tokens, topk, hidden, copy_row, (const T *)grouped, partial);
     else
-        partial_rows_kernel<T, 1><<<grid, ROW_WARPS * 32, 0, s>>>(tokens, topk, hidden, copy_row, (const T *)grouped,
-                                                                 partial);
+        partial_rows_kernel<T, 1>
+            <<<grid, ROW_WARPS * 32, 0, s>>>(tokens, topk, hidden, copy_row, (const T *)grouped, partial);
     LAUNCH_CHECK(host, "allgather partial_rows_kernel");
     return MOERT_OK;
 }
 
 extern "C" moert_result moert_ag_cuda_partial_rows(const moert_host *host, cudaStream_t stream, moert_dtype dtype,
-                                                   int64_t tokens, int64_t topk, int64_t hidden, const int32_t *copy_row,
-                                                   const void *grouped, float *partial)
+                                                   int64_t tokens, int64_t topk, int64_t hidden,
+                                                   const int32_t *copy_row, const void *grouped, float *partial)
 {
     if (tokens < 0 || topk <= 0 || hidden <= 0)
-        return report(host, MOERT_ERR_INVALID_ARGUMENT, "allgather cuda partial rows: bad sizes (tokens %lld, topk %lld, "
-                      "hidden %lld)", (long long)tokens, (long long)topk, (long long)hidden);
+        return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                      "allgather cuda partial rows: bad sizes (tokens %lld, topk %lld, "
+                      "hidden %lld)",
+                      (long long)tokens, (long long)topk, (long long)hidden);
     if (tokens == 0) return MOERT_OK;
     switch (dtype) {
-    case MOERT_F32: return partial_rows_typed<float>(host, stream, tokens, (int)topk, hidden, copy_row, grouped, partial);
+    case MOERT_F32:
+        return partial_rows_typed<float>(host, stream, tokens, (int)topk, hidden, copy_row, grouped, partial);
     case MOERT_BF16:
         return partial_rows_typed<__nv_bfloat16>(host, stream, tokens, (int)topk, hidden, copy_row, grouped, partial);
     default:
@@ -194,17 +200,18 @@ extern "C" moert_result moert_ag_cuda_partial_probs(const moert_host *host, cuda
                                                     int64_t copies, const int32_t *copy_row, const void *grouped_probs,
                                                     float *partial)
 {
-    if (copies < 0) return report(host, MOERT_ERR_INVALID_ARGUMENT, "allgather cuda partial probs: %lld copies",
-                                  (long long)copies);
+    if (copies < 0)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "allgather cuda partial probs: %lld copies", (long long)copies);
     if (copies == 0) return MOERT_OK;
     const int grid = grid_for(copies, THREADS);
     switch (dtype) {
     case MOERT_F32:
-        partial_probs_kernel<float><<<grid, THREADS, 0, stream>>>(copies, copy_row, (const float *)grouped_probs, partial);
+        partial_probs_kernel<float>
+            <<<grid, THREADS, 0, stream>>>(copies, copy_row, (const float *)grouped_probs, partial);
         break;
     case MOERT_BF16:
-        partial_probs_kernel<__nv_bfloat16><<<grid, THREADS, 0, stream>>>(copies, copy_row,
-                                                                         (const __nv_bfloat16 *)grouped_probs, partial);
+        partial_probs_kernel<__nv_bfloat16>
+            <<<grid, THREADS, 0, stream>>>(copies, copy_row, (const __nv_bfloat16 *)grouped_probs, partial);
         break;
     default:
         return report(host, MOERT_ERR_UNSUPPORTED, "allgather cuda partial probs: dtype %s (fp32 or bf16 on CUDA)",
@@ -246,8 +253,10 @@ extern "C" moert_result moert_ag_cuda_sum_partials(const moert_host *host, cudaS
                                                    int accumulate, void *out)
 {
     if (world <= 0 || tokens < 0 || width <= 0 || topk <= 0 || (per_copy && width != topk))
-        return report(host, MOERT_ERR_INVALID_ARGUMENT, "allgather cuda sum: bad sizes (world %lld, tokens %lld, width "
-                      "%lld, topk %lld)", (long long)world, (long long)tokens, (long long)width, (long long)topk);
+        return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                      "allgather cuda sum: bad sizes (world %lld, tokens %lld, width "
+                      "%lld, topk %lld)",
+                      (long long)world, (long long)tokens, (long long)width, (long long)topk);
     const int64_t n = tokens * width;
     if (n == 0) return MOERT_OK;
     const int grid = grid_for(n, THREADS);

@@ -29,8 +29,8 @@ moert_result moert_ag_cuda_count(const moert_host *host, cudaStream_t stream, co
                                  int64_t topk, int64_t num_experts, int64_t *counts, unsigned long long *bad_ids);
 
 /* out [max_tokens, topk] = topk_idx [tokens, topk] followed by -1 (dropped) for the padding tokens. */
-moert_result moert_ag_cuda_pad_idx(const moert_host *host, cudaStream_t stream, const int32_t *topk_idx,
-                                   int64_t tokens, int64_t max_tokens, int64_t topk, int32_t *out);
+moert_result moert_ag_cuda_pad_idx(const moert_host *host, cudaStream_t stream, const int32_t *topk_idx, int64_t tokens,
+                                   int64_t max_tokens, int64_t topk, int32_t *out);
 
 /* local_idx[c] = gathered_idx[c] - first_expert where that is a local expert (in [0, local_experts)), else -1. */
 moert_result moert_ag_cuda_localize(const moert_host *host, cudaStream_t stream, const int32_t *gathered_idx,
@@ -38,14 +38,13 @@ moert_result moert_ag_cuda_localize(const moert_host *host, cudaStream_t stream,
 
 /* partial[g, :] = sum over k of grouped[copy_row[g*K + k], :] in fp32 and k order, from -0 (tokens without a local
  * copy get -0); grouped rows fp32 or bf16 [*, hidden], partial fp32 [tokens, hidden]. */
-moert_result moert_ag_cuda_partial_rows(const moert_host *host, cudaStream_t stream, moert_dtype dtype,
-                                        int64_t tokens, int64_t topk, int64_t hidden, const int32_t *copy_row,
-                                        const void *grouped, float *partial);
+moert_result moert_ag_cuda_partial_rows(const moert_host *host, cudaStream_t stream, moert_dtype dtype, int64_t tokens,
+                                        int64_t topk, int64_t hidden, const int32_t *copy_row, const void *grouped,
+                                        float *partial);
 
 /* partial[c] = grouped_probs[copy_row[c]] as fp32 (fp32 or bf16 probs), -0 where copy_row[c] < 0. */
-moert_result moert_ag_cuda_partial_probs(const moert_host *host, cudaStream_t stream, moert_dtype dtype,
-                                         int64_t copies, const int32_t *copy_row, const void *grouped_probs,
-                                         float *partial);
+moert_result moert_ag_cuda_partial_probs(const moert_host *host, cudaStream_t stream, moert_dtype dtype, int64_t copies,
+                                         const int32_t *copy_row, const void *grouped_probs, float *partial);
 
 /*
  * The owner's reduction of partials fp32 [world][tokens][width] into out [tokens, width] (fp32 or bf16), summed in

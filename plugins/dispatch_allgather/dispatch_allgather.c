@@ -48,25 +48,25 @@ typedef struct allgather_ctx {
     moert_layer_info layer;
     int world, rank;
 
-    bool prepared;              /* prepare() succeeded since init */
-    ag_plan plan;               /* this step's routing; grouped_copy and copy_row point into the buffers below */
-    int64_t *exchange_row;      /* [E+2] this rank's copies per expert, then T, then a failure flag */
-    int64_t *gathered;          /* [world][E+2] every rank's exchange_row */
-    int64_t *all_counts;        /* [world][E] copies from rank s to expert e */
+    bool prepared;                 /* prepare() succeeded since init */
+    ag_plan plan;                  /* this step's routing; grouped_copy and copy_row point into the buffers below */
+    int64_t *exchange_row;         /* [E+2] this rank's copies per expert, then T, then a failure flag */
+    int64_t *gathered;             /* [world][E+2] every rank's exchange_row */
+    int64_t *all_counts;           /* [world][E] copies from rank s to expert e */
     moert_dispatch_alltoallv a2av; /* [world] sizes and offsets for the reduce-scatter's alltoallv */
 
-    ag_buffer idx_send;         /* int32 [max_tokens*K]: this rank's topk_idx, padded with -1 */
-    ag_buffer gathered_idx;     /* int32 [world*max_tokens*K]: every rank's (this rank's own at rank*max_tokens*K) */
-    ag_buffer grouped_copy;     /* CPU: int64 [num_recv] */
-    ag_buffer copy_row;         /* CPU: int64 [world*max_tokens*K] */
-    ag_buffer rows_send;        /* [max_tokens, H]: x or d_y, padded (when T < max_tokens) */
-    ag_buffer gathered_rows;    /* [world*max_tokens, H] */
-    ag_buffer probs_send;       /* [max_tokens*K]: double on the CPU, the probs' dtype on CUDA */
-    ag_buffer gathered_probs;   /* [world*max_tokens*K] */
-    ag_buffer partial;          /* [world*max_tokens, width]: double on the CPU, fp32 on CUDA */
-    ag_buffer recv_partial;     /* [world][T][width]: every rank's partials of this rank's tokens */
+    ag_buffer idx_send;       /* int32 [max_tokens*K]: this rank's topk_idx, padded with -1 */
+    ag_buffer gathered_idx;   /* int32 [world*max_tokens*K]: every rank's (this rank's own at rank*max_tokens*K) */
+    ag_buffer grouped_copy;   /* CPU: int64 [num_recv] */
+    ag_buffer copy_row;       /* CPU: int64 [world*max_tokens*K] */
+    ag_buffer rows_send;      /* [max_tokens, H]: x or d_y, padded (when T < max_tokens) */
+    ag_buffer gathered_rows;  /* [world*max_tokens, H] */
+    ag_buffer probs_send;     /* [max_tokens*K]: double on the CPU, the probs' dtype on CUDA */
+    ag_buffer gathered_probs; /* [world*max_tokens*K] */
+    ag_buffer partial;        /* [world*max_tokens, width]: double on the CPU, fp32 on CUDA */
+    ag_buffer recv_partial;   /* [world][T][width]: every rank's partials of this rank's tokens */
 
-    bool on_cuda;               /* the layer is on a CUDA device: the CUDA path serves it */
+    bool on_cuda; /* the layer is on a CUDA device: the CUDA path serves it */
 #ifdef MOERT_HAVE_CUDA
     ag_cuda_state cu;
 #endif
@@ -96,16 +96,16 @@ static void buffer_release(allgather_ctx *c, ag_buffer *buf)
  * have num_recv rows. */
 static moert_dispatch_step_shape step_shape(const allgather_ctx *c)
 {
-    return (moert_dispatch_step_shape){.prepared = c->prepared, .device = c->layer.device,
-                                       .tokens = c->plan.num_tokens, .topk = c->layer.topk,
-                                       .hidden = c->layer.hidden, .capacity = c->plan.num_recv};
+    return (moert_dispatch_step_shape){.prepared = c->prepared,
+                                       .device = c->layer.device,
+                                       .tokens = c->plan.num_tokens,
+                                       .topk = c->layer.topk,
+                                       .hidden = c->layer.hidden,
+                                       .capacity = c->plan.num_recv};
 }
 
 /* The gathered copies of this step: world blocks of max_tokens tokens with K copies each. */
-static int64_t gathered_copies(const allgather_ctx *c)
-{
-    return (int64_t)c->world * c->plan.max_tokens * c->plan.topk;
-}
+static int64_t gathered_copies(const allgather_ctx *c) { return (int64_t)c->world * c->plan.max_tokens * c->plan.topk; }
 
 /* This rank's own topk_idx [T,K], its block of the gathered routing (prepare() keeps it for the reductions). */
 static const int32_t *own_idx(const allgather_ctx *c)
@@ -201,11 +201,13 @@ static moert_result cuda_init(allgather_ctx *c)
     char dev[32];
     moert_arg_device_text(c->layer.device, dev, sizeof dev);
     if (E > MOERT_AG_CUDA_MAX_EXPERTS || E > MOERT_A2A_CUDA_MAX_EXPERTS)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "the allgather dispatcher's CUDA path takes at most %d experts, the "
-                    "layer has %lld", MOERT_AG_CUDA_MAX_EXPERTS, (long long)E);
+        return fail(c, MOERT_ERR_UNSUPPORTED,
+                    "the allgather dispatcher's CUDA path takes at most %d experts, the "
+                    "layer has %lld",
+                    MOERT_AG_CUDA_MAX_EXPERTS, (long long)E);
     MOK(check_cuda_device_visible(c->host, (int)c->layer.device.id, dev));
-    moert_result rc = moert_dispatch_buffer_reserve_first(h, c->layer.device, &c->cu.counts,
-                                                          (size_t)(E + 1) * sizeof(int64_t));
+    moert_result rc =
+        moert_dispatch_buffer_reserve_first(h, c->layer.device, &c->cu.counts, (size_t)(E + 1) * sizeof(int64_t));
     if (rc == MOERT_OK) rc = h->alloc_pinned(h, (size_t)(E + 1) * sizeof(int64_t), (void **)&c->cu.pinned_counts);
     return rc;
 }
@@ -213,8 +215,8 @@ static moert_result cuda_init(allgather_ctx *c)
 /* Frees the CUDA path's buffers (device ones back to the host's pool, stream-ordered). */
 static void cuda_finalize(allgather_ctx *c)
 {
-    ag_buffer *device_buffers[] = {&c->cu.counts,           &c->cu.local_idx,      &c->cu.copy_row,
-                                   &c->cu.grouped_copy,     &c->cu.tokens_per_expert, &c->cu.expert_offsets,
+    ag_buffer *device_buffers[] = {&c->cu.counts,        &c->cu.local_idx,         &c->cu.copy_row,
+                                   &c->cu.grouped_copy,  &c->cu.tokens_per_expert, &c->cu.expert_offsets,
                                    &c->cu.layout_scratch};
     for (size_t i = 0; i < sizeof device_buffers / sizeof device_buffers[0]; i++) buffer_release(c, device_buffers[i]);
     if (c->cu.pinned_counts) c->host->free_pinned(c->host, c->cu.pinned_counts);
@@ -278,9 +280,8 @@ static void allgather_finalize(void *ctx)
 {
     allgather_ctx *c = ctx;
     if (!c) return;
-    ag_buffer *buffers[] = {&c->idx_send,      &c->gathered_idx,   &c->grouped_copy, &c->copy_row,
-                            &c->rows_send,     &c->gathered_rows,  &c->probs_send,   &c->gathered_probs,
-                            &c->partial,       &c->recv_partial};
+    ag_buffer *buffers[] = {&c->idx_send,      &c->gathered_idx, &c->grouped_copy,   &c->copy_row, &c->rows_send,
+                            &c->gathered_rows, &c->probs_send,   &c->gathered_probs, &c->partial,  &c->recv_partial};
     for (size_t i = 0; i < sizeof buffers / sizeof buffers[0]; i++) buffer_release(c, buffers[i]);
 #ifdef MOERT_HAVE_CUDA
     cuda_finalize(c);
@@ -435,14 +436,15 @@ static moert_result allgather_prepare(void *ctx, moert_stream stream, const moer
 #ifdef MOERT_HAVE_CUDA
     /* every rank sees the same sizes, so every rank refuses together */
     if (c->on_cuda && (gathered_copies(c) > INT32_MAX || p->num_recv > INT32_MAX))
-        return fail(c, MOERT_ERR_UNSUPPORTED, "prepare(): %lld gathered token copies (world x largest T x topk), the "
-                    "CUDA path takes at most %d", (long long)gathered_copies(c), INT32_MAX);
+        return fail(c, MOERT_ERR_UNSUPPORTED,
+                    "prepare(): %lld gathered token copies (world x largest T x topk), the "
+                    "CUDA path takes at most %d",
+                    (long long)gathered_copies(c), INT32_MAX);
 #endif
 
     /* the routing allgather: every rank's topk_idx, padded to the largest T */
     rc = pad_idx(c, stream, topk_idx);
-    if (rc == MOERT_OK)
-        rc = buffer_reserve(c, &c->gathered_idx, (size_t)gathered_copies(c) * sizeof(int32_t));
+    if (rc == MOERT_OK) rc = buffer_reserve(c, &c->gathered_idx, (size_t)gathered_copies(c) * sizeof(int32_t));
     if (rc == MOERT_OK)
         rc = gather_blocks(c, stream, c->idx_send.data, c->gathered_idx.data,
                            (size_t)(max_tokens * K) * sizeof(int32_t));
@@ -520,7 +522,8 @@ static moert_result cuda_dispatch(allgather_ctx *c, moert_stream stream, const m
     const char *call = "dispatch()";
     const int64_t H = c->layer.hidden;
     MOK(cuda_check_dtypes(c, call, "x", args->x, "recv_x", args->recv_x));
-    if (args->topk_probs) MOK(cuda_check_dtypes(c, call, "topk_probs", args->topk_probs, "recv_probs", args->recv_probs));
+    if (args->topk_probs)
+        MOK(cuda_check_dtypes(c, call, "topk_probs", args->topk_probs, "recv_probs", args->recv_probs));
     const moert_dtype dtype = args->x->dtype;
     MOK(cuda_forward_rows(c, stream, dtype, H, H, (int32_t)c->layer.topk, args->x->data, &c->rows_send,
                           &c->gathered_rows, args->recv_x->data));
@@ -585,8 +588,8 @@ static moert_result cuda_combine_backward(allgather_ctx *c, moert_stream stream,
 {
     const int64_t H = c->layer.hidden;
     MOK(cuda_check_dtypes(c, "combine_backward()", "d_y", args->d_y, "d_y_expert", args->d_y_expert));
-    return cuda_forward_rows(c, stream, args->d_y->dtype, H, H, (int32_t)c->layer.topk, args->d_y->data,
-                             &c->rows_send, &c->gathered_rows, args->d_y_expert->data);
+    return cuda_forward_rows(c, stream, args->d_y->dtype, H, H, (int32_t)c->layer.topk, args->d_y->data, &c->rows_send,
+                             &c->gathered_rows, args->d_y_expert->data);
 }
 
 /* dispatch_backward() on CUDA: row gradients reduce-scattered into d_x (+=); prob gradients the same way, one value
@@ -691,16 +694,17 @@ static moert_result allgather_dispatch_backward(void *ctx, moert_stream stream,
 /* The one exported symbol. Its name equals the vtable's typedef name, which C does not allow for an object in the
  * same scope, so the object gets a private C name and its linker name through an asm label. */
 MOERT_DISPATCHER_V1_EXPORT(allgather_vtable) = {
-    .header = {
-        MOERT_DISPATCHER_V1_HEADER,
-        .name = "allgather",
-        .version = "0.1.0",
-        .description = "Megatron-style allgather token dispatcher (allgather of tokens, routing and probs, local "
-                       "permutation, reduce-scatter combine)",
-        .devices = MOERT_DISPATCH_DEVICES,
-        .dtypes = MOERT_DISPATCH_DTYPES,
-        .flags = MOERT_CAP_NEEDS_HOST_SYNC,
-    },
+    .header =
+        {
+            MOERT_DISPATCHER_V1_HEADER,
+            .name = "allgather",
+            .version = "0.1.0",
+            .description = "Megatron-style allgather token dispatcher (allgather of tokens, routing and probs, local "
+                           "permutation, reduce-scatter combine)",
+            .devices = MOERT_DISPATCH_DEVICES,
+            .dtypes = MOERT_DISPATCH_DTYPES,
+            .flags = MOERT_CAP_NEEDS_HOST_SYNC,
+        },
     .init = allgather_init,
     .finalize = allgather_finalize,
     .prepare = allgather_prepare,

@@ -30,19 +30,19 @@ typedef moert_dispatch_buffer a2a_buffer;
 #ifdef MOERT_HAVE_CUDA
 /* The CUDA path's step state: the layout on the device and the maps between received and grouped order. */
 typedef struct a2a_cuda_state {
-    a2a_buffer expert_counts;   /* int64 [E]: this rank's kept copies per expert (layout kernel) */
-    a2a_buffer expert_offsets;  /* int64 [E+1]: their exclusive prefix sum */
-    a2a_buffer row_of_copy;     /* int32 [T*K]: send row of copy t*K+k, -1 if dropped */
-    a2a_buffer copy_of_row;     /* int32 [T*K]: the copy in each send row (num_send of them) */
-    a2a_buffer layout_scratch;  /* moert_a2a_cuda_layout_scratch_bytes(T, E) */
-    a2a_buffer upload;          /* int64 [El + world*El]: tokens_per_expert, then counts [source rank][local expert] */
-    a2a_buffer grouped_src;     /* int32 [capacity]: staging row of each grouped row, -1 for padding */
-    a2a_buffer staging_src;     /* int32 [num_recv]: grouped row of each staging row */
-    int64_t *pinned_counts;     /* [E+1] pinned host: the counts, then the bad-id counter, copied down */
-    int64_t *pinned_upload;     /* [El + world*El] pinned host: what `upload` gets */
-    int32_t *pinned_maps;       /* pinned host, grown: host-built maps (with pad_to_capacity) */
+    a2a_buffer expert_counts;  /* int64 [E]: this rank's kept copies per expert (layout kernel) */
+    a2a_buffer expert_offsets; /* int64 [E+1]: their exclusive prefix sum */
+    a2a_buffer row_of_copy;    /* int32 [T*K]: send row of copy t*K+k, -1 if dropped */
+    a2a_buffer copy_of_row;    /* int32 [T*K]: the copy in each send row (num_send of them) */
+    a2a_buffer layout_scratch; /* moert_a2a_cuda_layout_scratch_bytes(T, E) */
+    a2a_buffer upload;         /* int64 [El + world*El]: tokens_per_expert, then counts [source rank][local expert] */
+    a2a_buffer grouped_src;    /* int32 [capacity]: staging row of each grouped row, -1 for padding */
+    a2a_buffer staging_src;    /* int32 [num_recv]: grouped row of each staging row */
+    int64_t *pinned_counts;    /* [E+1] pinned host: the counts, then the bad-id counter, copied down */
+    int64_t *pinned_upload;    /* [El + world*El] pinned host: what `upload` gets */
+    int32_t *pinned_maps;      /* pinned host, grown: host-built maps (with pad_to_capacity) */
     size_t pinned_maps_bytes;
-    int64_t *recv_final_row;    /* host [num_recv], grown: a2a_plan_recv_order's answer (with pad_to_capacity) */
+    int64_t *recv_final_row; /* host [num_recv], grown: a2a_plan_recv_order's answer (with pad_to_capacity) */
     size_t recv_final_row_len;
 } a2a_cuda_state;
 #endif
@@ -54,22 +54,22 @@ typedef struct alltoall_ctx {
     bool pad_to_capacity;
     double capacity_factor;
 
-    bool prepared;              /* prepare() succeeded since init */
-    a2a_plan plan;              /* this step's routing; its arrays point into the buffers below */
-    int64_t *exchange_row;      /* [E+2] this rank's copies per expert, then T, then a failure flag */
-    int64_t *gathered;          /* [world][E+2] every rank's exchange_row */
-    int64_t *all_counts;        /* [world][E] copies from rank s to expert e */
+    bool prepared;                 /* prepare() succeeded since init */
+    a2a_plan plan;                 /* this step's routing; its arrays point into the buffers below */
+    int64_t *exchange_row;         /* [E+2] this rank's copies per expert, then T, then a failure flag */
+    int64_t *gathered;             /* [world][E+2] every rank's exchange_row */
+    int64_t *all_counts;           /* [world][E] copies from rank s to expert e */
     moert_dispatch_alltoallv a2av; /* [world] sizes and offsets for alltoallv */
 
-    a2a_buffer copy_send_row;   /* int64 [T*K] */
-    a2a_buffer recv_final_row;  /* int64 [num_recv] */
-    a2a_buffer send_rows;       /* rows in send order (copy order) */
-    a2a_buffer staging_rows;    /* rows in receive order */
-    a2a_buffer send_probs;      /* double, in send order */
-    a2a_buffer staging_probs;   /* double, in receive order */
-    a2a_buffer acc;             /* double [H] scratch of the reductions */
+    a2a_buffer copy_send_row;  /* int64 [T*K] */
+    a2a_buffer recv_final_row; /* int64 [num_recv] */
+    a2a_buffer send_rows;      /* rows in send order (copy order) */
+    a2a_buffer staging_rows;   /* rows in receive order */
+    a2a_buffer send_probs;     /* double, in send order */
+    a2a_buffer staging_probs;  /* double, in receive order */
+    a2a_buffer acc;            /* double [H] scratch of the reductions */
 
-    bool on_cuda;               /* the layer is on a CUDA device: the CUDA path serves it */
+    bool on_cuda; /* the layer is on a CUDA device: the CUDA path serves it */
 #ifdef MOERT_HAVE_CUDA
     a2a_cuda_state cu;
 #endif
@@ -98,9 +98,12 @@ static void buffer_release(alltoall_ctx *c, a2a_buffer *buf)
 /* What the checks of the calls after prepare() know of this step (plugins/lib/dispatch_common.h). */
 static moert_dispatch_step_shape step_shape(const alltoall_ctx *c)
 {
-    return (moert_dispatch_step_shape){.prepared = c->prepared, .device = c->layer.device,
-                                       .tokens = c->plan.num_tokens, .topk = c->layer.topk,
-                                       .hidden = c->layer.hidden, .capacity = c->plan.capacity};
+    return (moert_dispatch_step_shape){.prepared = c->prepared,
+                                       .device = c->layer.device,
+                                       .tokens = c->plan.num_tokens,
+                                       .topk = c->layer.topk,
+                                       .hidden = c->layer.hidden,
+                                       .capacity = c->plan.capacity};
 }
 
 /*
@@ -136,8 +139,10 @@ static moert_result cuda_init(alltoall_ctx *c)
     char dev[32];
     moert_arg_device_text(c->layer.device, dev, sizeof dev);
     if (E > MOERT_A2A_CUDA_MAX_EXPERTS)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "the alltoall dispatcher's CUDA path takes at most %d experts, the layer "
-                    "has %lld", MOERT_A2A_CUDA_MAX_EXPERTS, (long long)E);
+        return fail(c, MOERT_ERR_UNSUPPORTED,
+                    "the alltoall dispatcher's CUDA path takes at most %d experts, the layer "
+                    "has %lld",
+                    MOERT_A2A_CUDA_MAX_EXPERTS, (long long)E);
     MOK(check_cuda_device_visible(c->host, id, dev));
     const size_t upload_bytes = (size_t)(El + W * El) * sizeof(int64_t);
     moert_result rc = moert_dispatch_buffer_reserve_first(h, c->layer.device, &c->cu.upload, upload_bytes);
@@ -203,8 +208,8 @@ static moert_result alltoall_init(void **out, const moert_host *host, const moer
     c->plan.tokens_per_expert = calloc((size_t)El, sizeof(int64_t));
     c->plan.group_start = calloc((size_t)El, sizeof(int64_t));
     c->plan.cursor = calloc((size_t)E, sizeof(int64_t));
-    if (!c->exchange_row || !c->gathered || !c->all_counts || !a2av_ok || !c->plan.send_rows || !c->plan.recv_rows || !c->plan.expert_rows ||
-        !c->plan.tokens_per_expert || !c->plan.group_start || !c->plan.cursor) {
+    if (!c->exchange_row || !c->gathered || !c->all_counts || !a2av_ok || !c->plan.send_rows || !c->plan.recv_rows ||
+        !c->plan.expert_rows || !c->plan.tokens_per_expert || !c->plan.group_start || !c->plan.cursor) {
         alltoall_finalize(c);
         host->set_error(host, "out of memory for the dispatcher state");
         return MOERT_ERR_OUT_OF_MEMORY;
@@ -335,8 +340,7 @@ static moert_result cuda_plan(alltoall_ctx *c, moert_stream stream, int64_t grou
                     (long long)p->capacity, INT32_MAX);
     for (int64_t l = 0; l < El; l++) cu->pinned_upload[l] = p->tokens_per_expert[l];
     for (int64_t s = 0; s < W; s++)
-        for (int64_t l = 0; l < El; l++)
-            cu->pinned_upload[El + s * El + l] = c->all_counts[s * E + first_local + l];
+        for (int64_t l = 0; l < El; l++) cu->pinned_upload[El + s * El + l] = c->all_counts[s * E + first_local + l];
     moert_result rc = h->memcpy_async(h, cu->upload.data, c->layer.device, cu->pinned_upload, moert_cpu(),
                                       (size_t)(El + W * El) * sizeof(int64_t), stream);
     if (rc == MOERT_OK) rc = buffer_reserve(c, &cu->grouped_src, (size_t)p->capacity * sizeof(int32_t));
@@ -528,8 +532,8 @@ static moert_result cuda_dispatch(alltoall_ctx *c, moert_stream stream, const mo
         rc = cuda_check_dtypes(c, call, "topk_probs", args->topk_probs, "recv_probs", args->recv_probs);
     if (rc != MOERT_OK) return rc;
     const moert_dtype dtype = args->x->dtype;
-    rc = cuda_forward_rows(c, stream, dtype, H, (int32_t)c->layer.topk, args->x->data, &c->send_rows,
-                           &c->staging_rows, args->recv_x->data);
+    rc = cuda_forward_rows(c, stream, dtype, H, (int32_t)c->layer.topk, args->x->data, &c->send_rows, &c->staging_rows,
+                           args->recv_x->data);
     if (rc != MOERT_OK) return rc;
     double sent = bytes_to_peers(c, (size_t)H * moert_dtype_size(dtype));
     if (args->topk_probs) {
@@ -559,8 +563,7 @@ static moert_result cuda_combine(alltoall_ctx *c, moert_stream stream, const moe
 }
 
 /* combine_backward() on CUDA: a dispatch of d_y's rows without probs. */
-static moert_result cuda_combine_backward(alltoall_ctx *c, moert_stream stream,
-                                          const moert_combine_backward_args *args)
+static moert_result cuda_combine_backward(alltoall_ctx *c, moert_stream stream, const moert_combine_backward_args *args)
 {
     const char *call = "combine_backward()";
     moert_result rc = cuda_check_dtypes(c, call, "d_y", args->d_y, "d_y_expert", args->d_y_expert);
@@ -590,8 +593,8 @@ static moert_result cuda_dispatch_backward(alltoall_ctx *c, moert_stream stream,
     rc = cuda_backward_rows(c, stream, pd, 1, args->d_recv_probs->data, &c->send_probs, &c->staging_probs);
     if (rc != MOERT_OK) return rc;
     /* d_topk_probs[t*K+k] = the gradient in copy (t,k)'s send row; 0 for a dropped copy (row -1) */
-    return moert_a2a_cuda_gather_rows(c->host, (cudaStream_t)stream, pd, p->num_tokens * K, 1,
-                                      c->cu.row_of_copy.data, 1, NULL, c->send_probs.data, args->d_topk_probs->data);
+    return moert_a2a_cuda_gather_rows(c->host, (cudaStream_t)stream, pd, p->num_tokens * K, 1, c->cu.row_of_copy.data,
+                                      1, NULL, c->send_probs.data, args->d_topk_probs->data);
 }
 #endif
 
@@ -687,8 +690,7 @@ static moert_result alltoall_combine_backward(void *ctx, moert_stream stream, co
 }
 
 /* The adjoint of dispatch: row gradients summed into their tokens (+=), weight gradients to their slots. */
-static moert_result alltoall_dispatch_backward(void *ctx, moert_stream stream,
-                                               const moert_dispatch_backward_args *args)
+static moert_result alltoall_dispatch_backward(void *ctx, moert_stream stream, const moert_dispatch_backward_args *args)
 {
     alltoall_ctx *c = ctx;
     const a2a_plan *p = &c->plan;
@@ -705,8 +707,7 @@ static moert_result alltoall_dispatch_backward(void *ctx, moert_stream stream,
     if (rc == MOERT_OK) rc = buffer_reserve(c, &c->staging_rows, (size_t)p->num_recv * row_bytes);
     if (rc == MOERT_OK) rc = buffer_reserve(c, &c->acc, (size_t)H * sizeof(double));
     if (rc != MOERT_OK) return rc;
-    moert_dispatch_gather_rows(p->recv_final_row, p->num_recv, args->d_recv_x->data, row_bytes,
-                               c->staging_rows.data);
+    moert_dispatch_gather_rows(p->recv_final_row, p->num_recv, args->d_recv_x->data, row_bytes, c->staging_rows.data);
     rc = exchange(c, stream, c->staging_rows.data, p->recv_rows, c->send_rows.data, p->send_rows, row_bytes);
     if (rc != MOERT_OK) return rc;
     moert_dispatch_sum_rows(p->copy_send_row, T, K, c->send_rows.data, args->d_recv_x->dtype, p->num_send, H, 1,
@@ -716,8 +717,8 @@ static moert_result alltoall_dispatch_backward(void *ctx, moert_stream stream,
         rc = buffer_reserve(c, &c->send_probs, (size_t)p->num_send * sizeof(double));
         if (rc == MOERT_OK) rc = buffer_reserve(c, &c->staging_probs, (size_t)p->num_recv * sizeof(double));
         if (rc != MOERT_OK) return rc;
-        moert_dispatch_gather_probs(p->recv_final_row, p->num_recv, args->d_recv_probs->data,
-                                    args->d_recv_probs->dtype, p->capacity, c->staging_probs.data);
+        moert_dispatch_gather_probs(p->recv_final_row, p->num_recv, args->d_recv_probs->data, args->d_recv_probs->dtype,
+                                    p->capacity, c->staging_probs.data);
         rc = exchange(c, stream, c->staging_probs.data, p->recv_rows, c->send_probs.data, p->send_rows, sizeof(double));
         if (rc != MOERT_OK) return rc;
         moert_dispatch_unpack_probs(p->copy_send_row, T * K, c->send_probs.data, args->d_topk_probs->data,
@@ -729,15 +730,16 @@ static moert_result alltoall_dispatch_backward(void *ctx, moert_stream stream,
 /* The one exported symbol. Its name equals the vtable's typedef name, which C does not allow for an object in the
  * same scope, so the object gets a private C name and its linker name through an asm label. */
 MOERT_DISPATCHER_V1_EXPORT(alltoall_vtable) = {
-    .header = {
-        MOERT_DISPATCHER_V1_HEADER,
-        .name = "alltoall",
-        .version = "0.1.0",
-        .description = "Megatron-style all-to-all token dispatcher (count exchange, alltoallv, regroup by expert)",
-        .devices = MOERT_DISPATCH_DEVICES,
-        .dtypes = MOERT_DISPATCH_DTYPES,
-        .flags = MOERT_CAP_NEEDS_HOST_SYNC,
-    },
+    .header =
+        {
+            MOERT_DISPATCHER_V1_HEADER,
+            .name = "alltoall",
+            .version = "0.1.0",
+            .description = "Megatron-style all-to-all token dispatcher (count exchange, alltoallv, regroup by expert)",
+            .devices = MOERT_DISPATCH_DEVICES,
+            .dtypes = MOERT_DISPATCH_DTYPES,
+            .flags = MOERT_CAP_NEEDS_HOST_SYNC,
+        },
     .init = alltoall_init,
     .finalize = alltoall_finalize,
     .prepare = alltoall_prepare,

@@ -97,8 +97,7 @@ void a2a_zero_padding(const a2a_plan *plan, void *grouped, size_t row_bytes)
     for (int64_t l = 0; l < plan->num_local_experts; l++) {
         int64_t pad = plan->tokens_per_expert[l] - plan->expert_rows[l];
         if (pad > 0)
-            memset(dst + (size_t)(plan->group_start[l] + plan->expert_rows[l]) * row_bytes, 0,
-                   (size_t)pad * row_bytes);
+            memset(dst + (size_t)(plan->group_start[l] + plan->expert_rows[l]) * row_bytes, 0, (size_t)pad * row_bytes);
     }
 }
 

@@ -13,23 +13,23 @@
 
 /* Where every kept token copy of one step goes and where every received row lands. */
 typedef struct a2a_plan {
-    int world;                   /* ranks in the expert-parallel group */
-    int rank;                    /* this rank */
-    int64_t num_experts;         /* E over all ranks; rank d owns experts [d*El, (d+1)*El) */
-    int64_t num_local_experts;   /* El */
-    int64_t num_tokens;          /* T of this rank's step */
-    int64_t topk;                /* K */
-    int64_t num_send;            /* kept copies of this rank's tokens (rows sent, to itself included) */
-    int64_t num_recv;            /* rows received for the local experts */
-    int64_t capacity;            /* rows of the grouped buffers: num_recv, or the padded size */
-    int64_t *send_rows;          /* [world] rows sent to each rank */
-    int64_t *recv_rows;          /* [world] rows received from each rank */
-    int64_t *expert_rows;        /* [El] rows received per local expert (before padding) */
-    int64_t *tokens_per_expert;  /* [El] rows per local expert in the grouped buffers (padded when padding) */
-    int64_t *group_start;        /* [El] first grouped row of each local expert */
-    int64_t *copy_send_row;      /* [T*K] row of copy (t,k) in the send buffer, -1 for a dropped copy */
-    int64_t *recv_final_row;     /* [num_recv] grouped row of each received (staging) row */
-    int64_t *cursor;             /* [E] scratch of the planning functions */
+    int world;                  /* ranks in the expert-parallel group */
+    int rank;                   /* this rank */
+    int64_t num_experts;        /* E over all ranks; rank d owns experts [d*El, (d+1)*El) */
+    int64_t num_local_experts;  /* El */
+    int64_t num_tokens;         /* T of this rank's step */
+    int64_t topk;               /* K */
+    int64_t num_send;           /* kept copies of this rank's tokens (rows sent, to itself included) */
+    int64_t num_recv;           /* rows received for the local experts */
+    int64_t capacity;           /* rows of the grouped buffers: num_recv, or the padded size */
+    int64_t *send_rows;         /* [world] rows sent to each rank */
+    int64_t *recv_rows;         /* [world] rows received from each rank */
+    int64_t *expert_rows;       /* [El] rows received per local expert (before padding) */
+    int64_t *tokens_per_expert; /* [El] rows per local expert in the grouped buffers (padded when padding) */
+    int64_t *group_start;       /* [El] first grouped row of each local expert */
+    int64_t *copy_send_row;     /* [T*K] row of copy (t,k) in the send buffer, -1 for a dropped copy */
+    int64_t *recv_final_row;    /* [num_recv] grouped row of each received (staging) row */
+    int64_t *cursor;            /* [E] scratch of the planning functions */
 } a2a_plan;
 
 /* The first expert receiving more than group_rows rows, from all_counts [world][E]; -1 if none. */

@@ -14,16 +14,16 @@
  * variants. The defaults are that sweep's best on H200 x4 (bench/results/2026-11-22-deepep-tuning-*): the bf16
  * dispatch at 16 warps with 8 units in flight per lane, the FP8 dispatch at 32 warps with one 512-value step. */
 #ifndef SEND_THREADS
-#define SEND_THREADS 512         /* threads per block of the dispatch's NVLink phase: warps moving one row at a time */
+#define SEND_THREADS 512 /* threads per block of the dispatch's NVLink phase: warps moving one row at a time */
 #endif
 #ifndef SEND_UNROLL
-#define SEND_UNROLL 8            /* 16-byte units each lane has in flight in the dispatch's row copy */
+#define SEND_UNROLL 8 /* 16-byte units each lane has in flight in the dispatch's row copy */
 #endif
 #ifndef FP8_SEND_THREADS
-#define FP8_SEND_THREADS 1024    /* the FP8 dispatch's */
+#define FP8_SEND_THREADS 1024 /* the FP8 dispatch's */
 #endif
 #ifndef FP8_UNROLL
-#define FP8_UNROLL 1             /* 512-value steps each lane has in flight when quantizing (32 bytes each) */
+#define FP8_UNROLL 1 /* 512-value steps each lane has in flight when quantizing (32 bytes each) */
 #endif
 #ifndef COMBINE_SEND_THREADS
 #define COMBINE_SEND_THREADS 1024 /* the combine's NVLink phase */
@@ -31,12 +31,12 @@
 #ifndef COMBINE_UNROLL
 #define COMBINE_UNROLL 4
 #endif
-#define LOCAL_THREADS 512        /* threads per block of the local kernels: 16 warps */
-#define LOCAL_WARPS (LOCAL_THREADS / 32)
+#define LOCAL_THREADS       512 /* threads per block of the local kernels: 16 warps */
+#define LOCAL_WARPS         (LOCAL_THREADS / 32)
 #define LOCAL_BLOCKS_PER_SM 2
-#define SCAN_THREADS 1024        /* the token-rank layout: one block per destination rank */
-#define UNROLL 4                 /* 16-byte units each lane has in flight in a local row copy */
-#define FULL 0xffffffffu
+#define SCAN_THREADS        1024 /* the token-rank layout: one block per destination rank */
+#define UNROLL              4    /* 16-byte units each lane has in flight in a local row copy */
+#define FULL                0xffffffffu
 
 /* A store into a peer's buffer (over NVLink). PEER_STORE_NO_ALLOCATE (a -D tuning knob) adds the L1::no_allocate
  * hint to 16-byte stores. */
@@ -256,8 +256,8 @@ __device__ __forceinline__ void dequantize16(int4 q, float inv, int4 out[2])
  * written once into every other rank holding one of its experts (metadata: its copies' rows there and their probs;
  * the row as it is, or E4M3 with 1x128 scales), then the block's arrival flag in every other rank. */
 template <typename V, bool FP8>
-__global__ void __launch_bounds__(FP8 ? FP8_SEND_THREADS : SEND_THREADS) dispatch_send_kernel(deepep_cuda_call k, const void *x,
-                                                                     const float *probs, int64_t units)
+__global__ void __launch_bounds__(FP8 ? FP8_SEND_THREADS : SEND_THREADS)
+    dispatch_send_kernel(deepep_cuda_call k, const void *x, const float *probs, int64_t units)
 {
     const int W = k.geo.world, me = k.rank, K = (int)k.topk, c = blockIdx.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
@@ -371,9 +371,9 @@ __device__ __forceinline__ void expand_row(const V *src, int64_t units, unsigned
  * or one of this rank's own tokens (its copies computed as the sender does, the row straight from x; FP8 quantized
  * and dequantized in registers). The copies' rows are saved for combine; the last block releases the slots. */
 template <typename V, bool FP8>
-__global__ void __launch_bounds__(LOCAL_THREADS) dispatch_expand_kernel(deepep_cuda_call k, const void *x,
-                                                                        const float *probs, void *out,
-                                                                        float *out_probs, int64_t units)
+__global__ void __launch_bounds__(LOCAL_THREADS)
+    dispatch_expand_kernel(deepep_cuda_call k, const void *x, const float *probs, void *out, float *out_probs,
+                           int64_t units)
 {
     const int me = k.rank, K = (int)k.topk;
     const int lane = threadIdx.x & 31;
@@ -416,8 +416,10 @@ __global__ void __launch_bounds__(LOCAL_THREADS) dispatch_expand_kernel(deepep_c
             }
             const unsigned copies = __ballot_sync(FULL, dst >= 0);
             if (!FP8) {
-                if (s == me) expand_row<V, true>((const V *)row, units, copies, dst, out, out_row);
-                else expand_row<V, false>((const V *)row, units, copies, dst, out, out_row);
+                if (s == me)
+                    expand_row<V, true>((const V *)row, units, copies, dst, out, out_row);
+                else
+                    expand_row<V, false>((const V *)row, units, copies, dst, out, out_row);
             } else {
                 for (int64_t e0 = 0; e0 < H; e0 += 512) {
                     const int64_t at = e0 + lane * 16;
@@ -529,8 +531,8 @@ __device__ __forceinline__ void warp_sum_rows(const T *const *src, int n, int64_
  * rows' dtype, into this rank's own slot (own tokens) or the staging area (the NVLink phase sends those), with the
  * copies' prob gradients in the metadata entry when asked. */
 template <typename T, int N>
-__global__ void __launch_bounds__(LOCAL_THREADS) combine_reduce_kernel(deepep_cuda_call k, const T *rows,
-                                                                       const float *row_probs)
+__global__ void __launch_bounds__(LOCAL_THREADS)
+    combine_reduce_kernel(deepep_cuda_call k, const T *rows, const float *row_probs)
 {
     __shared__ const T *src[LOCAL_WARPS][32];
     if (*(volatile int *)k.abort_flag) return; /* no block-wide barrier below: a per-thread return is fine */
@@ -557,7 +559,8 @@ __global__ void __launch_bounds__(LOCAL_THREADS) combine_reduce_kernel(deepep_cu
             o = staged_row(k, j);
             meta = staged_meta(k, j);
         }
-        if (row_probs && lane < K) ((double *)(meta + k.geo.meta_prob_offset))[lane] = dst >= 0 ? (double)row_probs[dst] : 0.0;
+        if (row_probs && lane < K)
+            ((double *)(meta + k.geo.meta_prob_offset))[lane] = dst >= 0 ? (double)row_probs[dst] : 0.0;
         __syncwarp();
         if (n > 0) {
             warp_sum_rows<T, N>(src[warp], n, packs, (T *)o, false);
@@ -575,7 +578,8 @@ __global__ void __launch_bounds__(LOCAL_THREADS) combine_reduce_kernel(deepep_cu
  * ranks (item g: row g / (W-1) of the (g % (W-1))-th other rank), one warp per row, each written into the token's
  * rank (this rank's slot there, the row the token had in dispatch), with the prob gradients when asked; then the
  * block's arrival flag in every other rank. Rows move as whole 16-byte units (slots and staging rows are padded). */
-__global__ void __launch_bounds__(COMBINE_SEND_THREADS) combine_send_kernel(deepep_cuda_call k, int64_t units, bool with_probs)
+__global__ void __launch_bounds__(COMBINE_SEND_THREADS)
+    combine_send_kernel(deepep_cuda_call k, int64_t units, bool with_probs)
 {
     const int W = k.geo.world, me = k.rank, K = (int)k.topk, c = blockIdx.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
@@ -621,8 +625,8 @@ __global__ void __launch_bounds__(COMBINE_SEND_THREADS) combine_send_kernel(deep
  * this rank: its partials summed in rank order (fp32, from -0 or from out's value) into out (0 / untouched without a
  * kept copy), prob gradients to their (t, k) slots; the last block releases the slots. */
 template <typename T, int N>
-__global__ void __launch_bounds__(LOCAL_THREADS) combine_final_kernel(deepep_cuda_call k, T *out, bool accumulate,
-                                                                      float *out_probs)
+__global__ void __launch_bounds__(LOCAL_THREADS)
+    combine_final_kernel(deepep_cuda_call k, T *out, bool accumulate, float *out_probs)
 {
     __shared__ const T *src[LOCAL_WARPS][PEER_MAX_RANKS];
     const int W = k.geo.world, K = (int)k.topk;
@@ -692,16 +696,16 @@ template <typename V, bool FP8>
 static moert_result launch_dispatch(const moert_host *host, cudaStream_t stream, const deepep_cuda_call *call,
                                     const void *x, const float *probs, void *out, float *out_probs, int64_t units)
 {
-    dispatch_send_kernel<V, FP8><<<call->channels, FP8 ? FP8_SEND_THREADS : SEND_THREADS, 0, stream>>>(*call, x, probs,
-                                                                                                    units);
+    dispatch_send_kernel<V, FP8>
+        <<<call->channels, FP8 ? FP8_SEND_THREADS : SEND_THREADS, 0, stream>>>(*call, x, probs, units);
     LAUNCH_CHECK(host, "deepep dispatch_send_kernel");
     if (call->nvlink_only) {
         release_kernel<<<1, LOCAL_THREADS, 0, stream>>>(*call);
         LAUNCH_CHECK(host, "deepep release_kernel");
         return MOERT_OK;
     }
-    dispatch_expand_kernel<V, FP8><<<call->sms * LOCAL_BLOCKS_PER_SM, LOCAL_THREADS, 0, stream>>>(
-        *call, x, probs, out, out_probs, units);
+    dispatch_expand_kernel<V, FP8>
+        <<<call->sms * LOCAL_BLOCKS_PER_SM, LOCAL_THREADS, 0, stream>>>(*call, x, probs, out, out_probs, units);
     LAUNCH_CHECK(host, "deepep dispatch_expand_kernel");
     return MOERT_OK;
 }
@@ -713,9 +717,10 @@ extern "C" moert_result deepep_cuda_dispatch(const moert_host *host, cudaStream_
     const size_t row_bytes = (size_t)call->hidden * moert_dtype_size(dtype);
     if (fp8) {
         if (dtype != MOERT_BF16 || call->hidden % PEER_FP8_BLOCK != 0 || !aligned16(x) || !aligned16(out))
-            return report(host, MOERT_ERR_UNSUPPORTED, "deepep fp8 dispatch: needs bf16 rows, hidden %% 128 == 0 and "
-                          "16-byte aligned tensors (dtype %s, hidden %lld)", moert_dtype_name(dtype),
-                          (long long)call->hidden);
+            return report(host, MOERT_ERR_UNSUPPORTED,
+                          "deepep fp8 dispatch: needs bf16 rows, hidden %% 128 == 0 and "
+                          "16-byte aligned tensors (dtype %s, hidden %lld)",
+                          moert_dtype_name(dtype), (long long)call->hidden);
         return launch_dispatch<int4, true>(host, stream, call, x, probs, out, out_probs, 0);
     }
     if (row_bytes % 16 == 0 && aligned16(x) && aligned16(out))

@@ -29,26 +29,26 @@ extern "C" {
 /* The kernels' view of one call: the buffers, this step's layout, and where received metadata is saved. */
 typedef struct deepep_cuda_call {
     peer_geometry geo;
-    void *local;                    /* this rank's buffer */
-    void *peers[PEER_MAX_RANKS];    /* every rank's buffer, as this device reaches it */
-    int rank, channels;             /* channels: blocks of the NVLink phase */
-    int sms;                        /* SMs of the device: grid of the local kernels is 2 * sms */
-    bool nvlink_only;               /* bench aid: run only the NVLink phase (rows cross, arrive, are released) */
+    void *local;                 /* this rank's buffer */
+    void *peers[PEER_MAX_RANKS]; /* every rank's buffer, as this device reaches it */
+    int rank, channels;          /* channels: blocks of the NVLink phase */
+    int sms;                     /* SMs of the device: grid of the local kernels is 2 * sms */
+    bool nvlink_only;            /* bench aid: run only the NVLink phase (rows cross, arrive, are released) */
     int64_t seq, timeout_ns;
     int64_t tokens, topk, hidden, local_experts;
-    const int32_t *topk_idx;        /* [T,K] */
-    const int32_t *excl;            /* [world][T+1]: tokens before t with a copy on rank d */
-    const int32_t *row_of_copy;     /* [T*K] the alltoall layout's stable order by expert */
-    const int64_t *expert_offsets;  /* [E+1] its per-expert starts */
-    const int64_t *base;            /* [E] first row, on expert e's rank, of this rank's copies to e */
-    int32_t *recv_meta;             /* [world][rows_cap][K] rows of each received copy (dispatch-like calls save) */
+    const int32_t *topk_idx;       /* [T,K] */
+    const int32_t *excl;           /* [world][T+1]: tokens before t with a copy on rank d */
+    const int32_t *row_of_copy;    /* [T*K] the alltoall layout's stable order by expert */
+    const int64_t *expert_offsets; /* [E+1] its per-expert starts */
+    const int64_t *base;           /* [E] first row, on expert e's rank, of this rank's copies to e */
+    int32_t *recv_meta;            /* [world][rows_cap][K] rows of each received copy (dispatch-like calls save) */
     int64_t recv_tokens[PEER_MAX_RANKS]; /* tokens of rank s with a copy here (rows in this rank's slot s) */
     int64_t staged_off[PEER_MAX_RANKS];  /* combine: first staging row of source s (s != rank) */
-    void *staging;                  /* combine: staged partials, rows of geo.row_stride, then metadata entries */
-    int64_t staging_rows;           /* rows of the staging area (sum of recv_tokens[s], s != rank) */
-    unsigned long long *error_word; /* device: the first stall */
-    int *abort_flag;                /* device: set with the error word */
-    unsigned *done_blocks;          /* device: blocks of a local kernel that finished (the last one releases) */
+    void *staging;                       /* combine: staged partials, rows of geo.row_stride, then metadata entries */
+    int64_t staging_rows;                /* rows of the staging area (sum of recv_tokens[s], s != rank) */
+    unsigned long long *error_word;      /* device: the first stall */
+    int *abort_flag;                     /* device: set with the error word */
+    unsigned *done_blocks;               /* device: blocks of a local kernel that finished (the last one releases) */
 } deepep_cuda_call;
 
 /* Bytes of the combine staging area for `rows` rows of this geometry. */

@@ -29,34 +29,34 @@ typedef struct deepep_array {
 #ifdef MOERT_HAVE_CUDA
 /* The CUDA path's state: the layout on the device, the saved receive metadata, the stall word. */
 typedef struct deepep_cuda_state {
-    deepep_array expert_counts;   /* int64 [E] */
-    deepep_array expert_offsets;  /* int64 [E+1] */
-    deepep_array row_of_copy;     /* int32 [T*K] */
-    deepep_array copy_of_row;     /* int32 [T*K] (the layout kernel's, unused here) */
+    deepep_array expert_counts;  /* int64 [E] */
+    deepep_array expert_offsets; /* int64 [E+1] */
+    deepep_array row_of_copy;    /* int32 [T*K] */
+    deepep_array copy_of_row;    /* int32 [T*K] (the layout kernel's, unused here) */
     deepep_array layout_scratch;
-    deepep_array excl;            /* int32 [W][T+1] */
-    deepep_array tokens_to;       /* int64 [W] */
-    deepep_array upload;          /* int64 [El + E]: tokens_per_expert, then base */
-    deepep_array recv_meta;       /* int32 [W][rows_cap][K] */
-    deepep_array staging;         /* combine: staged partials, deepep_cuda_staging_bytes() */
-    int sms;                      /* SMs of the device: the local kernels' grid */
-    deepep_array topk_idx;        /* int32 [T*K]: prepare()'s routing, kept for the step */
-    deepep_array status;          /* device: unsigned long long error word, int abort flag (at 8), unsigned
+    deepep_array excl;      /* int32 [W][T+1] */
+    deepep_array tokens_to; /* int64 [W] */
+    deepep_array upload;    /* int64 [El + E]: tokens_per_expert, then base */
+    deepep_array recv_meta; /* int32 [W][rows_cap][K] */
+    deepep_array staging;   /* combine: staged partials, deepep_cuda_staging_bytes() */
+    int sms;                /* SMs of the device: the local kernels' grid */
+    deepep_array topk_idx;  /* int32 [T*K]: prepare()'s routing, kept for the step */
+    deepep_array status;    /* device: unsigned long long error word, int abort flag (at 8), unsigned
                                    * finished-block counter (at 16) */
-    int64_t *pinned;              /* [E + W + 2]: counts, tokens_to, bad ids, error word */
-    int64_t *pinned_upload;       /* [El + E] */
+    int64_t *pinned;        /* [E + W + 2]: counts, tokens_to, bad ids, error word */
+    int64_t *pinned_upload; /* [El + E] */
 } deepep_cuda_state;
 #endif
 
 typedef struct deepep_ctx {
-    peer_dispatch core;         /* first: the frame it shares with "hybridep" (host, layer, peer buffer, the step) */
-    bool nvlink_only;           /* bench_nvlink_only: CUDA calls run only their NVLink phase */
+    peer_dispatch core; /* first: the frame it shares with "hybridep" (host, layer, peer buffer, the step) */
+    bool nvlink_only;   /* bench_nvlink_only: CUDA calls run only their NVLink phase */
     char call_names[CALL_NAMES][24];
 
     deepep_plan plan;
-    int64_t row_len;            /* entries of an exchange row: E counts, W tokens_to, T, channels, rc */
-    int64_t *exchange_row;      /* [row_len] */
-    int64_t *gathered;          /* [W][row_len] */
+    int64_t row_len;       /* entries of an exchange row: E counts, W tokens_to, T, channels, rc */
+    int64_t *exchange_row; /* [row_len] */
+    int64_t *gathered;     /* [W][row_len] */
     deepep_array copy_dst, excl, recv_meta, idx; /* host arrays of the CPU path (idx: topk_idx kept from prepare) */
 #ifdef MOERT_HAVE_CUDA
     deepep_cuda_state cu;
@@ -87,7 +87,6 @@ static void array_release(deepep_ctx *c, deepep_array *a, bool on_device)
     a->bytes = 0;
 }
 
-
 /* ---- the peer buffer ---- */
 
 /* Bytes per buffer row: rows of the layer's dtype on CUDA, of any dtype (8 bytes) on the CPU; FP8 rows fit. */
@@ -101,10 +100,7 @@ static size_t buffer_row_bytes(const deepep_ctx *c)
 }
 
 /* Frees this rank's buffer once every peer has released every channel of the last call. */
-static void buffer_release(deepep_ctx *c)
-{
-    peer_dispatch_buffer_release(&c->core, (int)c->core.channels, NULL);
-}
+static void buffer_release(deepep_ctx *c) { peer_dispatch_buffer_release(&c->core, (int)c->core.channels, NULL); }
 
 /* Collective: (re)allocates this rank's buffer for rows_cap rows per source and exchanges it with every rank (no
  * notify area: the counts go through host->allgather). */
@@ -136,12 +132,14 @@ static moert_result deepep_init(void **out, const moert_host *host, const moert_
     rc = host->option_int(host, "num_sms", 0, 0, PEER_MAX_CHANNELS,
                           "SMs (thread blocks) of the NVLink phase of each call, every one sending; the local "
                           "expansion and reductions around it use every SM; 0: every SM of the device (at most 132); "
-                          "the CPU path ignores it", &c->core.num_sms);
+                          "the CPU path ignores it",
+                          &c->core.num_sms);
     if (rc == MOERT_OK) rc = peer_dispatch_read_timeout(&c->core);
     if (rc == MOERT_OK)
         rc = host->option_enum(host, "dispatch_dtype", dtypes, 0,
                                "what forward dispatch() sends: the rows as they are (\"bf16\"), or E4M3 with one fp32 "
-                               "scale per 1x128 block (\"fp8\"), dequantized on receipt", &dispatch_dtype);
+                               "scale per 1x128 block (\"fp8\"), dequantized on receipt",
+                               &dispatch_dtype);
     if (rc == MOERT_OK)
         rc = host->option_bool(host, "bench_nvlink_only", false,
                                "benchmark aid: CUDA calls run only their NVLink phase (rows cross, arrive and are "
@@ -151,8 +149,10 @@ static moert_result deepep_init(void **out, const moert_host *host, const moert_
     c->core.fp8 = dispatch_dtype == 1;
     c->core.channels = c->core.num_sms < 1 ? 1 : c->core.num_sms; /* 0 (every SM) is resolved by cuda_init() */
     if (c->core.fp8 && layer->hidden % PEER_FP8_BLOCK != 0) {
-        host->set_error(host, "config error: dispatch_dtype \"fp8\" needs hidden divisible by %d (1x%d scale "
-                        "blocks); hidden is %lld", PEER_FP8_BLOCK, PEER_FP8_BLOCK, (long long)layer->hidden);
+        host->set_error(host,
+                        "config error: dispatch_dtype \"fp8\" needs hidden divisible by %d (1x%d scale "
+                        "blocks); hidden is %lld",
+                        PEER_FP8_BLOCK, PEER_FP8_BLOCK, (long long)layer->hidden);
         rc = MOERT_ERR_CONFIG;
         goto fail;
     }
@@ -166,8 +166,8 @@ static moert_result deepep_init(void **out, const moert_host *host, const moert_
     c->plan.tokens_per_expert = calloc((size_t)layer->num_local_experts, sizeof(int64_t));
     c->plan.group_start = calloc((size_t)layer->num_local_experts, sizeof(int64_t));
     c->plan.base = calloc((size_t)E, sizeof(int64_t));
-    if (!c->exchange_row || !c->gathered || !c->plan.all_counts || !c->plan.tokens_to ||
-        !c->plan.tokens_per_expert || !c->plan.group_start || !c->plan.base) {
+    if (!c->exchange_row || !c->gathered || !c->plan.all_counts || !c->plan.tokens_to || !c->plan.tokens_per_expert ||
+        !c->plan.group_start || !c->plan.base) {
         host->set_error(host, "out of memory for the dispatcher state");
         rc = MOERT_ERR_OUT_OF_MEMORY;
         goto fail;
@@ -244,8 +244,13 @@ static moert_result cuda_plan(deepep_ctx *c, moert_stream stream);
 static peer_cpu_route cpu_route(const deepep_ctx *c)
 {
     const deepep_plan *p = &c->plan;
-    peer_cpu_route r = {.num_tokens = p->num_tokens, .topk = p->topk, .num_local_experts = p->num_local_experts,
-                        .num_recv = p->num_recv, .topk_idx = c->idx.data, .copy_dst = p->copy_dst, .excl = p->excl,
+    peer_cpu_route r = {.num_tokens = p->num_tokens,
+                        .topk = p->topk,
+                        .num_local_experts = p->num_local_experts,
+                        .num_recv = p->num_recv,
+                        .topk_idx = c->idx.data,
+                        .copy_dst = p->copy_dst,
+                        .excl = p->excl,
                         .tokens_to = p->tokens_to + (int64_t)p->rank * p->world};
     return r;
 }
@@ -264,7 +269,8 @@ static moert_result deepep_prepare(void *ctx, moert_stream stream, const moert_t
     moert_result local_rc = peer_dispatch_prepare_begin(&c->core, layout);
     if (local_rc == MOERT_OK) {
 #ifdef MOERT_HAVE_CUDA
-        if (c->core.on_cuda) local_rc = cuda_count_local(c, stream, topk_idx, &num_tokens);
+        if (c->core.on_cuda)
+            local_rc = cuda_count_local(c, stream, topk_idx, &num_tokens);
         else
 #endif
             local_rc = count_local(c, topk_idx, &num_tokens);
@@ -275,8 +281,10 @@ static moert_result deepep_prepare(void *ctx, moert_stream stream, const moert_t
     c->exchange_row[E + W + 2] = local_rc;
 
     moert_result rc = MOERT_OK;
-    if (W == 1) memcpy(c->gathered, c->exchange_row, (size_t)c->row_len * sizeof(int64_t));
-    else rc = h->allgather(h, c->exchange_row, c->gathered, (size_t)c->row_len * sizeof(int64_t), moert_cpu(), NULL);
+    if (W == 1)
+        memcpy(c->gathered, c->exchange_row, (size_t)c->row_len * sizeof(int64_t));
+    else
+        rc = h->allgather(h, c->exchange_row, c->gathered, (size_t)c->row_len * sizeof(int64_t), moert_cpu(), NULL);
     if (rc != MOERT_OK) return rc;
     if (local_rc != MOERT_OK) return local_rc;
 
@@ -315,8 +323,7 @@ static moert_result deepep_prepare(void *ctx, moert_stream stream, const moert_t
 #endif
     {
         rc = array_reserve(c, &c->copy_dst, (size_t)(num_tokens * K) * sizeof(int64_t), false);
-        if (rc == MOERT_OK)
-            rc = array_reserve(c, &c->excl, (size_t)(W * (num_tokens + 1)) * sizeof(int64_t), false);
+        if (rc == MOERT_OK) rc = array_reserve(c, &c->excl, (size_t)(W * (num_tokens + 1)) * sizeof(int64_t), false);
         if (rc == MOERT_OK)
             rc = array_reserve(c, &c->recv_meta, (size_t)(W * c->core.geo.rows_cap * K) * sizeof(int64_t), false);
         if (rc == MOERT_OK) rc = array_reserve(c, &c->idx, (size_t)(num_tokens * K) * sizeof(int32_t), false);
@@ -345,8 +352,10 @@ static moert_result cuda_init(deepep_ctx *c)
     if (rc != MOERT_OK) return rc;
     c->core.cuda = &deepep_cuda_backend;
     if (c->core.fp8 && c->core.layer.dtype != MOERT_BF16)
-        return peer_dispatch_fail(&c->core, MOERT_ERR_UNSUPPORTED, "dispatch_dtype \"fp8\" on CUDA quantizes bf16 "
-                                  "rows, the layer is %s", moert_dtype_name(c->core.layer.dtype));
+        return peer_dispatch_fail(&c->core, MOERT_ERR_UNSUPPORTED,
+                                  "dispatch_dtype \"fp8\" on CUDA quantizes bf16 "
+                                  "rows, the layer is %s",
+                                  moert_dtype_name(c->core.layer.dtype));
     deepep_cuda_state *cu = &c->cu;
     rc = peer_dispatch_cuda_sm_count(&c->core, &cu->sms);
     if (rc != MOERT_OK) return rc;
@@ -365,9 +374,9 @@ static moert_result cuda_init(deepep_ctx *c)
 static void cuda_finalize(deepep_ctx *c)
 {
     deepep_cuda_state *cu = &c->cu;
-    deepep_array *arrays[] = {&cu->expert_counts, &cu->expert_offsets, &cu->row_of_copy, &cu->copy_of_row,
-                              &cu->layout_scratch, &cu->excl, &cu->tokens_to, &cu->upload, &cu->recv_meta,
-                              &cu->staging, &cu->status, &cu->topk_idx};
+    deepep_array *arrays[] = {&cu->expert_counts,  &cu->expert_offsets, &cu->row_of_copy, &cu->copy_of_row,
+                              &cu->layout_scratch, &cu->excl,           &cu->tokens_to,   &cu->upload,
+                              &cu->recv_meta,      &cu->staging,        &cu->status,      &cu->topk_idx};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) array_release(c, arrays[i], true);
     if (cu->pinned) c->core.host->free_pinned(c->core.host, cu->pinned);
     if (cu->pinned_upload) c->core.host->free_pinned(c->core.host, cu->pinned_upload);
@@ -399,8 +408,10 @@ static moert_result cuda_count_local(deepep_ctx *c, moert_stream stream, const m
     if (rc != MOERT_OK) return rc;
     const int64_t T = topk_idx->shape[0];
     if (T * K > INT32_MAX)
-        return peer_dispatch_fail(&c->core, MOERT_ERR_UNSUPPORTED, "prepare(): %lld token copies (T*K), the CUDA path "
-                                  "takes at most %d", (long long)(T * K), INT32_MAX);
+        return peer_dispatch_fail(&c->core, MOERT_ERR_UNSUPPORTED,
+                                  "prepare(): %lld token copies (T*K), the CUDA path "
+                                  "takes at most %d",
+                                  (long long)(T * K), INT32_MAX);
     deepep_cuda_state *cu = &c->cu;
     rc = array_reserve(c, &cu->expert_counts, (size_t)E * sizeof(int64_t), true);
     if (rc == MOERT_OK) rc = array_reserve(c, &cu->expert_offsets, (size_t)(E + 1) * sizeof(int64_t), true);
@@ -421,8 +432,8 @@ static moert_result cuda_count_local(deepep_ctx *c, moert_stream stream, const m
                                           .scratch = cu->layout_scratch.data};
     rc = moert_a2a_cuda_layout(h, (cudaStream_t)stream, topk_idx->data, T, K, E, &bufs, NULL);
     if (rc == MOERT_OK)
-        rc = deepep_cuda_token_ranks(h, (cudaStream_t)stream, topk_idx->data, T, K, c->core.layer.num_local_experts,
-                                     E, c->core.world, cu->excl.data, cu->tokens_to.data);
+        rc = deepep_cuda_token_ranks(h, (cudaStream_t)stream, topk_idx->data, T, K, c->core.layer.num_local_experts, E,
+                                     c->core.world, cu->excl.data, cu->tokens_to.data);
     const moert_device dev = c->core.layer.device, cpu = moert_cpu();
     if (rc == MOERT_OK)
         rc = h->memcpy_async(h, cu->pinned, cpu, cu->expert_counts.data, dev, (size_t)E * sizeof(int64_t), stream);
@@ -440,8 +451,10 @@ static moert_result cuda_count_local(deepep_ctx *c, moert_stream stream, const m
     memcpy(&bad, cu->pinned + E + W, sizeof bad);
     if (stall) return cuda_report_stall(c, stall);
     if (bad)
-        return peer_dispatch_fail(&c->core, MOERT_ERR_INVALID_ARGUMENT, "prepare(): %llu entries of topk_idx are "
-                                  "outside [0, %lld) and not -1 (dropped); expected expert ids", bad, (long long)E);
+        return peer_dispatch_fail(&c->core, MOERT_ERR_INVALID_ARGUMENT,
+                                  "prepare(): %llu entries of topk_idx are "
+                                  "outside [0, %lld) and not -1 (dropped); expected expert ids",
+                                  bad, (long long)E);
     memcpy(c->exchange_row, cu->pinned, (size_t)(E + W) * sizeof(int64_t));
     *num_tokens = T;
     return MOERT_OK;
@@ -456,8 +469,10 @@ static moert_result cuda_plan(deepep_ctx *c, moert_stream stream)
     const int64_t W = c->core.world;
     deepep_cuda_state *cu = &c->cu;
     if (c->plan.num_recv > INT32_MAX)
-        return peer_dispatch_fail(&c->core, MOERT_ERR_UNSUPPORTED, "prepare(): %lld rows to receive, the CUDA path "
-                                  "takes at most %d", (long long)c->plan.num_recv, INT32_MAX);
+        return peer_dispatch_fail(&c->core, MOERT_ERR_UNSUPPORTED,
+                                  "prepare(): %lld rows to receive, the CUDA path "
+                                  "takes at most %d",
+                                  (long long)c->plan.num_recv, INT32_MAX);
     memcpy(cu->pinned_upload, c->plan.tokens_per_expert, (size_t)El * sizeof(int64_t));
     memcpy(cu->pinned_upload + El, c->plan.base, (size_t)E * sizeof(int64_t));
     moert_result rc = h->memcpy_async(h, cu->upload.data, c->core.layer.device, cu->pinned_upload, moert_cpu(),
@@ -551,16 +566,17 @@ static const peer_dispatch_cuda deepep_cuda_backend = {
 #endif
 
 MOERT_DISPATCHER_V1_EXPORT(deepep_vtable) = {
-    .header = {
-        MOERT_DISPATCHER_V1_HEADER,
-        .name = "deepep",
-        .version = "0.1.0",
-        .description = "NVLink dispatcher in the way of DeepEP's intranode kernels: each token written once into "
-                       "each destination rank's peer buffer, expanded there by local expert; bf16 or fp8 dispatch",
-        .devices = PEER_DISPATCH_DEVICES,
-        .dtypes = PEER_DISPATCH_DTYPES,
-        .flags = MOERT_CAP_NEEDS_HOST_SYNC,
-    },
+    .header =
+        {
+            MOERT_DISPATCHER_V1_HEADER,
+            .name = "deepep",
+            .version = "0.1.0",
+            .description = "NVLink dispatcher in the way of DeepEP's intranode kernels: each token written once into "
+                           "each destination rank's peer buffer, expanded there by local expert; bf16 or fp8 dispatch",
+            .devices = PEER_DISPATCH_DEVICES,
+            .dtypes = PEER_DISPATCH_DTYPES,
+            .flags = MOERT_CAP_NEEDS_HOST_SYNC,
+        },
     .init = deepep_init,
     .finalize = deepep_finalize,
     .prepare = deepep_prepare,

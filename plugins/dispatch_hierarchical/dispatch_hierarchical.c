@@ -71,13 +71,13 @@ typedef struct hier_ctx {
     int world, rank;
     int64_t ranks_per_node;
 
-    bool prepared;            /* prepare() succeeded since init */
-    hier_plan plan;           /* this step's routing; its per-step arrays point into the host buffers below */
-    int64_t row_len;          /* E + N + 2: the exchanged counts of one rank */
-    int64_t *exchange_row;    /* [row_len] copies per expert, tokens per node, T, a failure flag */
-    int64_t *gathered;        /* [world][row_len] */
-    int64_t *all_counts;      /* [world][E] */
-    int64_t *all_node_tokens; /* [world][N] */
+    bool prepared;                 /* prepare() succeeded since init */
+    hier_plan plan;                /* this step's routing; its per-step arrays point into the host buffers below */
+    int64_t row_len;               /* E + N + 2: the exchanged counts of one rank */
+    int64_t *exchange_row;         /* [row_len] copies per expert, tokens per node, T, a failure flag */
+    int64_t *gathered;             /* [world][row_len] */
+    int64_t *all_counts;           /* [world][E] */
+    int64_t *all_node_tokens;      /* [world][N] */
     moert_dispatch_alltoallv a2av; /* [world] sizes and offsets for alltoallv */
 
     /* host memory: the plan's per-step arrays and the routing that crosses in prepare() */
@@ -142,9 +142,12 @@ static void host_release(hier_buffer *buf)
 /* What the checks of the calls after prepare() know of this step (plugins/lib/dispatch_common.h). */
 static moert_dispatch_step_shape step_shape(const hier_ctx *c)
 {
-    return (moert_dispatch_step_shape){.prepared = c->prepared, .device = c->layer.device,
-                                       .tokens = c->plan.num_tokens, .topk = c->layer.topk,
-                                       .hidden = c->layer.hidden, .capacity = c->plan.capacity};
+    return (moert_dispatch_step_shape){.prepared = c->prepared,
+                                       .device = c->layer.device,
+                                       .tokens = c->plan.num_tokens,
+                                       .topk = c->layer.topk,
+                                       .hidden = c->layer.hidden,
+                                       .capacity = c->plan.capacity};
 }
 
 /*
@@ -283,10 +286,9 @@ static moert_result hier_init(void **out, const moert_host *host, const moert_la
     p->tokens_per_expert = calloc((size_t)El, sizeof(int64_t));
     p->group_start = calloc((size_t)El, sizeof(int64_t));
     p->cursor = calloc((size_t)(E + 2 * N), sizeof(int64_t));
-    if (!c->exchange_row || !c->gathered || !c->all_counts || !c->all_node_tokens || !a2av_ok ||
-        !p->node_send_tokens || !p->node_recv_tokens ||
-        !p->node_send_copies || !p->node_recv_copies || !p->local_send_rows || !p->local_recv_rows ||
-        !p->tokens_per_expert || !p->group_start || !p->cursor) {
+    if (!c->exchange_row || !c->gathered || !c->all_counts || !c->all_node_tokens || !a2av_ok || !p->node_send_tokens ||
+        !p->node_recv_tokens || !p->node_send_copies || !p->node_recv_copies || !p->local_send_rows ||
+        !p->local_recv_rows || !p->tokens_per_expert || !p->group_start || !p->cursor) {
         hier_finalize(c);
         host->set_error(host, "out of memory for the dispatcher state");
         return MOERT_ERR_OUT_OF_MEMORY;

@@ -82,8 +82,8 @@ void hier_plan_sizes(hier_plan *p, const int64_t *all_counts, const int64_t *all
         p->local_recv_rows[l] = in;
         p->num_local_send += out;
     }
-    p->num_recv = moert_dispatch_plan_groups(all_counts, p->world, p->rank, E, El, 0, NULL, p->tokens_per_expert,
-                                             p->group_start);
+    p->num_recv =
+        moert_dispatch_plan_groups(all_counts, p->world, p->rank, E, El, 0, NULL, p->tokens_per_expert, p->group_start);
     p->capacity = p->num_recv;
 }
 

@@ -23,7 +23,7 @@
 #ifdef MOERT_HAVE_CUDA
 /* The CUDA path's state: every array sized at init for the worst case, so a step allocates nothing. */
 typedef struct hybridep_cuda_state {
-    void *arrays;                 /* one device block holding the arrays below */
+    void *arrays; /* one device block holding the arrays below */
     int32_t *topk_idx, *copy_index, *excl, *recv_meta;
     int64_t *base, *tokens_per_expert, *recv_tokens;
     unsigned *done_blocks;          /* the consuming kernels' finished-block counter */
@@ -40,30 +40,27 @@ typedef struct hybridep_cuda_state {
 #endif
 
 typedef struct hybridep_ctx {
-    peer_dispatch core;         /* first: the frame it shares with "deepep" (host, layer, peer buffer, the step) */
+    peer_dispatch core; /* first: the frame it shares with "deepep" (host, layer, peer buffer, the step) */
     int64_t low_latency_tokens;
-    int low_latency_mode;       /* 0 auto, 1 on, 2 off */
-    bool low_latency;           /* decided at init from the group's largest max_tokens */
-    int copy;                   /* 0 tma, 1 vector */
+    int low_latency_mode;         /* 0 auto, 1 on, 2 off */
+    bool low_latency;             /* decided at init from the group's largest max_tokens */
+    int copy;                     /* 0 tma, 1 vector */
     int64_t ll_threads, ll_piece; /* low-latency CUDA kernels: threads per block, bytes per row piece */
-    int ll_flag, ll_fence;      /* HYBRIDEP_LL_FLAG_*, HYBRIDEP_LL_FENCE_* */
-    int64_t capacity;           /* rows_cap * world * min(K, El): the worst case a rank receives */
+    int ll_flag, ll_fence;        /* HYBRIDEP_LL_FLAG_*, HYBRIDEP_LL_FENCE_* */
+    int64_t capacity;             /* rows_cap * world * min(K, El): the worst case a rank receives */
 
     hybridep_plan plan;
-    int64_t *notify_row;        /* [E + extra] (CPU path) */
-    int64_t *notify_rows;       /* [W][E + extra] (CPU path) */
-    int64_t *recv_meta;         /* [W][rows_cap][K] (CPU path) */
-    int32_t *idx;               /* [rows_cap*K] topk_idx kept from prepare (CPU path) */
+    int64_t *notify_row;  /* [E + extra] (CPU path) */
+    int64_t *notify_rows; /* [W][E + extra] (CPU path) */
+    int64_t *recv_meta;   /* [W][rows_cap][K] (CPU path) */
+    int32_t *idx;         /* [rows_cap*K] topk_idx kept from prepare (CPU path) */
 #ifdef MOERT_HAVE_CUDA
     hybridep_cuda_state cu;
 #endif
 } hybridep_ctx;
 
 /* The next call's sequence number (the CPU path's; the CUDA kernels keep theirs on the device, alike in eager use). */
-static int64_t next_seq(hybridep_ctx *c)
-{
-    return ++c->core.seq;
-}
+static int64_t next_seq(hybridep_ctx *c) { return ++c->core.seq; }
 
 /* ---- the peer buffer ---- */
 
@@ -103,11 +100,12 @@ static moert_result read_options(hybridep_ctx *c)
     static const char *const copies[] = {"tma", "vector", NULL};
     static const char *const flags[] = {"last_block", "per_block", NULL};
     static const char *const fences[] = {"thread", "block", NULL};
-    moert_result rc = host->option_int(host, "num_sms", 0, 0, PEER_MAX_CHANNELS,
-                                       "SMs (thread blocks, every one sending) of the NVLink phase of each call; 0: 16, "
-                                       "or every SM in low-latency mode (one kernel per call, at most every SM); the "
-                                       "local kernels around the NVLink phase use every SM; the CPU path ignores it",
-                                       &c->core.num_sms);
+    moert_result rc =
+        host->option_int(host, "num_sms", 0, 0, PEER_MAX_CHANNELS,
+                         "SMs (thread blocks, every one sending) of the NVLink phase of each call; 0: 16, "
+                         "or every SM in low-latency mode (one kernel per call, at most every SM); the "
+                         "local kernels around the NVLink phase use every SM; the CPU path ignores it",
+                         &c->core.num_sms);
     if (rc == MOERT_OK) rc = peer_dispatch_read_timeout(&c->core);
     if (rc == MOERT_OK)
         rc = host->option_enum(host, "low_latency", modes, 0,
@@ -121,7 +119,8 @@ static moert_result read_options(hybridep_ctx *c)
     if (rc == MOERT_OK)
         rc = host->option_enum(host, "copy", copies, 0,
                                "how CUDA rows move outside low-latency mode: \"tma\" bulk copies through shared "
-                               "memory, or \"vector\" 16-byte loads and stores by warps", &c->copy);
+                               "memory, or \"vector\" 16-byte loads and stores by warps",
+                               &c->copy);
     if (rc == MOERT_OK)
         rc = host->option_int(host, "ll_threads", 512, 512, 1024,
                               "low-latency CUDA kernels: threads per block, 512 or 1024 (16 or 32 warps)",
@@ -142,11 +141,13 @@ static moert_result read_options(hybridep_ctx *c)
         rc = host->option_enum(host, "ll_flag", flags, 0,
                                "low-latency CUDA kernels: how a source flags its rows: \"last_block\" (the last "
                                "sending block stores one flag per destination) or \"per_block\" (every block adds "
-                               "to a count at every destination)", &c->ll_flag);
+                               "to a count at every destination)",
+                               &c->ll_flag);
     if (rc == MOERT_OK)
         rc = host->option_enum(host, "ll_fence", fences, 1,
                                "low-latency CUDA kernels: after the block barrier, only the publishing threads fence "
-                               "(\"block\") or, before the flag, every thread fences (\"thread\")", &c->ll_fence);
+                               "(\"block\") or, before the flag, every thread fences (\"thread\")",
+                               &c->ll_fence);
     return rc;
 }
 
@@ -252,10 +253,12 @@ static moert_result check_topk_idx(const hybridep_ctx *c, const moert_tensor *to
     moert_result rc = peer_dispatch_check_topk_idx(&c->core, topk_idx);
     if (rc != MOERT_OK) return rc;
     if (topk_idx->shape[0] > c->core.geo.rows_cap)
-        return peer_dispatch_fail(&c->core, MOERT_ERR_INVALID_ARGUMENT, "prepare(): topk_idx has %lld tokens, more "
+        return peer_dispatch_fail(&c->core, MOERT_ERR_INVALID_ARGUMENT,
+                                  "prepare(): topk_idx has %lld tokens, more "
                                   "than the %lld rows the buffers were sized for at init (the largest max_tokens of "
                                   "the group; no step may exceed it, the buffers never grow: that would need a host "
-                                  "sync)", (long long)topk_idx->shape[0], (long long)c->core.geo.rows_cap);
+                                  "sync)",
+                                  (long long)topk_idx->shape[0], (long long)c->core.geo.rows_cap);
     return MOERT_OK;
 }
 
@@ -263,8 +266,13 @@ static moert_result check_topk_idx(const hybridep_ctx *c, const moert_tensor *to
 static peer_cpu_route cpu_route(const hybridep_ctx *c)
 {
     const hybridep_plan *p = &c->plan;
-    peer_cpu_route r = {.num_tokens = p->num_tokens, .topk = p->topk, .num_local_experts = p->num_local_experts,
-                        .num_recv = p->num_recv, .topk_idx = c->idx, .copy_dst = p->copy_dst, .excl = p->excl,
+    peer_cpu_route r = {.num_tokens = p->num_tokens,
+                        .topk = p->topk,
+                        .num_local_experts = p->num_local_experts,
+                        .num_recv = p->num_recv,
+                        .topk_idx = c->idx,
+                        .copy_dst = p->copy_dst,
+                        .excl = p->excl,
                         .tokens_to = p->tokens_to};
     return r;
 }
@@ -281,8 +289,10 @@ static moert_result cpu_prepare(hybridep_ctx *c, const moert_tensor *topk_idx, m
     if (local_rc == MOERT_OK) {
         p->num_tokens = topk_idx->shape[0];
         bad = hybridep_layout(p, topk_idx->data);
-        if (bad >= 0) local_rc = peer_dispatch_bad_expert(&c->core, topk_idx, bad);
-        else memcpy(c->notify_row, p->counts, (size_t)E * sizeof(int64_t));
+        if (bad >= 0)
+            local_rc = peer_dispatch_bad_expert(&c->core, topk_idx, bad);
+        else
+            memcpy(c->notify_row, p->counts, (size_t)E * sizeof(int64_t));
     }
     c->notify_row[E + HYBRIDEP_NOTIFY_STATUS] = local_rc != MOERT_OK;
     c->notify_row[E + HYBRIDEP_NOTIFY_CHANNELS] = c->core.channels;
@@ -297,13 +307,13 @@ static moert_result cpu_prepare(hybridep_ctx *c, const moert_tensor *topk_idx, m
     if (local_rc != MOERT_OK) return local_rc;
     for (int s = 0; s < W; s++) {
         const int64_t *row = c->notify_rows + s * n;
-        const moert_result peer_rc =
-            peer_dispatch_check_peer_prepare(&c->core, s, row[E + HYBRIDEP_NOTIFY_STATUS], row[E + HYBRIDEP_NOTIFY_CHANNELS]);
+        const moert_result peer_rc = peer_dispatch_check_peer_prepare(&c->core, s, row[E + HYBRIDEP_NOTIFY_STATUS],
+                                                                      row[E + HYBRIDEP_NOTIFY_CHANNELS]);
         if (peer_rc != MOERT_OK) return peer_rc;
         memcpy(p->all_counts + s * E, row, (size_t)E * sizeof(int64_t));
     }
-    p->num_recv = peer_plan_sizes(p->world, p->rank, E, p->num_local_experts, p->all_counts, p->tokens_per_expert,
-                                  NULL, p->base);
+    p->num_recv =
+        peer_plan_sizes(p->world, p->rank, E, p->num_local_experts, p->all_counts, p->tokens_per_expert, NULL, p->base);
     hybridep_plan_copies(p, topk_idx->data);
     memcpy(c->idx, topk_idx->data, (size_t)(p->num_tokens * K) * sizeof(int32_t));
     c->core.route = cpu_route(c);
@@ -354,9 +364,10 @@ static moert_result cuda_init(hybridep_ctx *c)
     if (rc != MOERT_OK) return rc;
     c->core.cuda = &hybridep_cuda_backend;
     if (R * K > INT32_MAX / 2 || c->capacity > INT32_MAX)
-        return peer_dispatch_fail(&c->core, MOERT_ERR_UNSUPPORTED, "the hybridep dispatcher's CUDA path takes fewer "
-                                  "than 2^31 rows (max_tokens %lld, capacity %lld)", (long long)R,
-                                  (long long)c->capacity);
+        return peer_dispatch_fail(&c->core, MOERT_ERR_UNSUPPORTED,
+                                  "the hybridep dispatcher's CUDA path takes fewer "
+                                  "than 2^31 rows (max_tokens %lld, capacity %lld)",
+                                  (long long)R, (long long)c->capacity);
     hybridep_cuda_state *cu = &c->cu;
     rc = peer_dispatch_cuda_sm_count(&c->core, &cu->sms);
     if (rc != MOERT_OK) return rc;
@@ -438,13 +449,17 @@ static moert_result cuda_check_status(peer_dispatch *d)
         break;
     case HYBRIDEP_BAD_IDS:
         code = MOERT_ERR_INVALID_ARGUMENT;
-        snprintf(why, sizeof why, "rank %d's topk_idx had expert ids outside [0, %lld) and not -1 (dropped); they "
-                 "were treated as dropped in that step", peer, (long long)c->core.layer.num_experts);
+        snprintf(why, sizeof why,
+                 "rank %d's topk_idx had expert ids outside [0, %lld) and not -1 (dropped); they "
+                 "were treated as dropped in that step",
+                 peer, (long long)c->core.layer.num_experts);
         break;
     case HYBRIDEP_CHANNELS:
         code = MOERT_ERR_CONFIG;
-        snprintf(why, sizeof why, "rank %d uses another channel count than this rank's %lld: every rank needs the "
-                 "same num_sms", peer, (long long)c->core.channels);
+        snprintf(why, sizeof why,
+                 "rank %d uses another channel count than this rank's %lld: every rank needs the "
+                 "same num_sms",
+                 peer, (long long)c->core.channels);
         break;
     default: /* PEER_WAIT_ARRIVAL, PEER_WAIT_CONSUMED */
         if (!peer_dispatch_wait_text(&c->core, kind, peer, why, sizeof why)) {
@@ -546,16 +561,18 @@ static const peer_dispatch_cuda hybridep_cuda_backend = {
 #endif
 
 MOERT_DISPATCHER_V1_EXPORT(hybridep_vtable) = {
-    .header = {
-        MOERT_DISPATCHER_V1_HEADER,
-        .name = "hybridep",
-        .version = "0.1.0",
-        .description = "NVLink dispatcher in the spirit of HybridEP: TMA bulk copies into peers' buffers, permutation "
-                       "fused into dispatch, worst-case buffers, no host sync in a step; low-latency mode",
-        .devices = PEER_DISPATCH_DEVICES,
-        .dtypes = PEER_DISPATCH_DTYPES,
-        .flags = 0,
-    },
+    .header =
+        {
+            MOERT_DISPATCHER_V1_HEADER,
+            .name = "hybridep",
+            .version = "0.1.0",
+            .description =
+                "NVLink dispatcher in the spirit of HybridEP: TMA bulk copies into peers' buffers, permutation "
+                "fused into dispatch, worst-case buffers, no host sync in a step; low-latency mode",
+            .devices = PEER_DISPATCH_DEVICES,
+            .dtypes = PEER_DISPATCH_DTYPES,
+            .flags = 0,
+        },
     .init = hybridep_init,
     .finalize = hybridep_finalize,
     .prepare = hybridep_prepare,

@@ -21,11 +21,11 @@
 #include "peer_buffer.h"
 
 /* Entries of a notify row after the E counts. */
-#define HYBRIDEP_NOTIFY_STATUS 0   /* 0, or the number of bad expert ids the source found */
-#define HYBRIDEP_NOTIFY_CHANNELS 1 /* the source's channel count (every rank must use the same) */
-#define HYBRIDEP_NOTIFY_TOKENS 2   /* the source's T of this step */
+#define HYBRIDEP_NOTIFY_STATUS    0 /* 0, or the number of bad expert ids the source found */
+#define HYBRIDEP_NOTIFY_CHANNELS  1 /* the source's channel count (every rank must use the same) */
+#define HYBRIDEP_NOTIFY_TOKENS    2 /* the source's T of this step */
 #define HYBRIDEP_NOTIFY_TOKENS_TO 3 /* [PEER_MAX_RANKS]: the source's tokens with a copy on rank d */
-#define HYBRIDEP_NOTIFY_EXTRA (3 + PEER_MAX_RANKS)
+#define HYBRIDEP_NOTIFY_EXTRA     (3 + PEER_MAX_RANKS)
 
 /* The calls, as a CUDA failure word names them. */
 /* CUDA low-latency mode: how a source publishes that its rows of a call are in place (ll_flag), and who fences first
@@ -33,15 +33,15 @@
  * every destination. PER_BLOCK: every block adds 1 (release reduction) to arrived[src][1].seq of every destination, a
  * running count the reader waits to reach epoch * blocks (epoch: low-latency calls so far, alike on every rank). */
 #define HYBRIDEP_LL_FLAG_LAST_BLOCK 0
-#define HYBRIDEP_LL_FLAG_PER_BLOCK 1
-#define HYBRIDEP_LL_FENCE_THREAD 0 /* every thread fences (system scope) before the block barrier */
-#define HYBRIDEP_LL_FENCE_BLOCK 1  /* after the block barrier, only the threads that publish fence */
+#define HYBRIDEP_LL_FLAG_PER_BLOCK  1
+#define HYBRIDEP_LL_FENCE_THREAD    0 /* every thread fences (system scope) before the block barrier */
+#define HYBRIDEP_LL_FENCE_BLOCK     1 /* after the block barrier, only the threads that publish fence */
 
 /* The status word a CUDA kernel leaves after a failure: seq << 20 | call << 16 | kind << 8 | peer; call one of
  * PEER_CALL_*, kind PEER_WAIT_ARRIVAL, PEER_WAIT_CONSUMED (peer_buffer.h) or one of these. */
-#define HYBRIDEP_WAIT_NOTIFY 3   /* waited for a peer's notify row */
-#define HYBRIDEP_BAD_IDS 4       /* a rank's topk_idx had ids outside [-1, E) (treated as dropped) */
-#define HYBRIDEP_CHANNELS 5      /* a rank uses another channel count */
-#define HYBRIDEP_TOO_MANY 6      /* a rank has more tokens than the buffers' rows_cap */
+#define HYBRIDEP_WAIT_NOTIFY 3 /* waited for a peer's notify row */
+#define HYBRIDEP_BAD_IDS     4 /* a rank's topk_idx had ids outside [-1, E) (treated as dropped) */
+#define HYBRIDEP_CHANNELS    5 /* a rank uses another channel count */
+#define HYBRIDEP_TOO_MANY    6 /* a rank has more tokens than the buffers' rows_cap */
 
 #endif

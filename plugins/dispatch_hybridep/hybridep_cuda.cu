@@ -10,16 +10,16 @@
 #include "../lib/peer_dispatch.cuh"
 #include "../lib/plugin_cuda_check.h"
 
-#define SEND_THREADS 1024     /* a vector-copy NVLink-phase block: 32 warps, one row each at a time */
-#define LOCAL_THREADS 512     /* a block of the local kernels (and of the low-latency kernels): 16 warps */
-#define LOCAL_WARPS (LOCAL_THREADS / 32)
+#define SEND_THREADS        1024 /* a vector-copy NVLink-phase block: 32 warps, one row each at a time */
+#define LOCAL_THREADS       512  /* a block of the local kernels (and of the low-latency kernels): 16 warps */
+#define LOCAL_WARPS         (LOCAL_THREADS / 32)
 #define LOCAL_BLOCKS_PER_SM 2
-#define PREP_THREADS 1024     /* the prepare kernel: one block, 32 warps */
-#define UNROLL 4              /* 16-byte units each lane has in flight in a vector row copy */
-#define TMA_SMEM_BUDGET (200 * 1024)
-#define MAX_PIPE_WARPS 16
-#define MAX_STAGES 4
-#define FULL 0xffffffffu
+#define PREP_THREADS        1024 /* the prepare kernel: one block, 32 warps */
+#define UNROLL              4    /* 16-byte units each lane has in flight in a vector row copy */
+#define TMA_SMEM_BUDGET     (200 * 1024)
+#define MAX_PIPE_WARPS      16
+#define MAX_STAGES          4
+#define FULL                0xffffffffu
 
 /* ---- TMA bulk copies and mbarriers ---- */
 
@@ -86,8 +86,8 @@ __device__ bool wait_geq(const int64_t *p, int64_t target, const hybridep_cuda_c
 
 /* What block_wait waits for. */
 enum wait_what {
-    WAIT_CONSUMED,       /* every rank's stamp that it read what this rank wrote into it in the previous call */
-    WAIT_ARRIVED_OTHERS  /* this call's arrival flag of every channel from every other rank (normal mode) */
+    WAIT_CONSUMED,      /* every rank's stamp that it read what this rank wrote into it in the previous call */
+    WAIT_ARRIVED_OTHERS /* this call's arrival flag of every channel from every other rank (normal mode) */
 };
 
 /* Waits with the whole block; peers one after the other from rank + 1 on (this rank last), so a stall names the first
@@ -149,7 +149,8 @@ __device__ void block_finish(const hybridep_cuda_call &k)
     __syncthreads();
     if (!last || *(volatile int *)k.abort_flag) return;
     __threadfence();
-    if (threadIdx.x < k.geo.world) st_release_sys(&peer_header_at(k.peers[threadIdx.x])->consumed[k.rank][0], cur_seq());
+    if (threadIdx.x < k.geo.world)
+        st_release_sys(&peer_header_at(k.peers[threadIdx.x])->consumed[k.rank][0], cur_seq());
 }
 
 /* A release reduction at system scope: *p += v (a peer's arrival count). */
@@ -310,8 +311,10 @@ __global__ void __launch_bounds__(PREP_THREADS) prepare_kernel(hybridep_cuda_cal
     for (int64_t c = tw0 * K + lane; c < tw1 * K; c += 32) {
         const int32_t e = idx_in[c];
         k.topk_idx[c] = e;
-        if (e >= 0 && e < E) atomicAdd(&cnt[warp * E + e], 1);
-        else if (e != -1) bad++;
+        if (e >= 0 && e < E)
+            atomicAdd(&cnt[warp * E + e], 1);
+        else if (e != -1)
+            bad++;
     }
     if (bad) atomicAdd(&bad_total, bad);
     for (int64_t t0 = tw0; t0 < tw1; t0 += 32) {
@@ -643,8 +646,8 @@ struct dispatch_job {
 /* The NVLink phase of a dispatch-like call, block c: this rank's tokens [T*c/C, T*(c+1)/C), each written once into
  * every other rank holding one of its experts; then the block's arrival flag there. */
 template <typename V, bool TMA>
-__global__ void __launch_bounds__(SEND_THREADS) dispatch_send_kernel(hybridep_cuda_call k, const void *x,
-                                                                     const float *probs, int64_t units, int stages)
+__global__ void __launch_bounds__(SEND_THREADS)
+    dispatch_send_kernel(hybridep_cuda_call k, const void *x, const float *probs, int64_t units, int stages)
 {
     extern __shared__ __align__(128) char stage_mem[];
     const int c = blockIdx.x;
@@ -700,9 +703,9 @@ __device__ __forceinline__ const V *expand_item(const hybridep_cuda_call &k, int
  * rows of its copies (the fused permutation) with their probs; the copies' rows are saved for combine; the last
  * block releases the slots. */
 template <typename V>
-__global__ void __launch_bounds__(LOCAL_THREADS) dispatch_expand_kernel(hybridep_cuda_call k, const void *x,
-                                                                        const float *probs, void *out,
-                                                                        float *out_probs, int64_t units)
+__global__ void __launch_bounds__(LOCAL_THREADS)
+    dispatch_expand_kernel(hybridep_cuda_call k, const void *x, const float *probs, void *out, float *out_probs,
+                           int64_t units)
 {
     const int K = (int)k.topk, lane = threadIdx.x & 31;
     const size_t row_bytes = (size_t)units * sizeof(V);
@@ -721,8 +724,10 @@ __global__ void __launch_bounds__(LOCAL_THREADS) dispatch_expand_kernel(hybridep
                 if (dst >= 0 && out_probs) out_probs[dst] = p;
             }
             const unsigned copies = __ballot_sync(FULL, dst >= 0);
-            if (s == k.rank) warp_expand<V, true>(row, 0, units, copies, dst, out, row_bytes);
-            else warp_expand<V, false>(row, 0, units, copies, dst, out, row_bytes);
+            if (s == k.rank)
+                warp_expand<V, true>(row, 0, units, copies, dst, out, row_bytes);
+            else
+                warp_expand<V, false>(row, 0, units, copies, dst, out, row_bytes);
         }
     }
     block_finish(k);
@@ -745,8 +750,10 @@ __device__ __forceinline__ void ll_expand_piece(const hybridep_cuda_call &k, int
         if (dst >= 0 && out_probs) out_probs[dst] = p;
     }
     const unsigned copies = __ballot_sync(FULL, dst >= 0);
-    if (s == k.rank) warp_expand<V, true>(row, u0, u1, copies, dst, out, row_bytes);
-    else warp_expand<V, false>(row, u0, u1, copies, dst, out, row_bytes);
+    if (s == k.rank)
+        warp_expand<V, true>(row, u0, u1, copies, dst, out, row_bytes);
+    else
+        warp_expand<V, false>(row, u0, u1, copies, dst, out, row_bytes);
 }
 
 /* Low-latency dispatch, one kernel over `channels` resident blocks of THREADS threads (ll_threads). (1) Every warp of
@@ -758,9 +765,9 @@ __device__ __forceinline__ void ll_expand_piece(const hybridep_cuda_call &k, int
  * with work waits for every other rank's flag, then (received row, piece) items of the expansion; the last block
  * releases the slots. */
 template <typename V, int THREADS>
-__global__ void __launch_bounds__(THREADS, 1) ll_dispatch_kernel(hybridep_cuda_call k, const void *x,
-                                                                 const float *probs, void *out, float *out_probs,
-                                                                 int64_t units)
+__global__ void __launch_bounds__(THREADS, 1)
+    ll_dispatch_kernel(hybridep_cuda_call k, const void *x, const float *probs, void *out, float *out_probs,
+                       int64_t units)
 {
     constexpr int WARPS = THREADS / 32;
     const int lane = threadIdx.x & 31;
@@ -781,7 +788,7 @@ __global__ void __launch_bounds__(THREADS, 1) ll_dispatch_kernel(hybridep_cuda_c
         float p;
         const unsigned ranks = token_copies(k, t, lane, &dr, &d, &p, probs) & ~(1u << k.rank);
         if (!ranks) continue; /* the same on every lane */
-        if (!released) { /* before a warp's first send: every rank has read the previous call */
+        if (!released) {      /* before a warp's first send: every rank has read the previous call */
             released = warp_wait(k, ranks_mask(k, false), false);
             if (!released) {
                 ok = false;
@@ -922,8 +929,8 @@ __device__ __forceinline__ void token_prob_grads(const hybridep_cuda_call &k, in
  * dtype, into this rank's own slot (own tokens, with the prob gradients) or the staging area (the NVLink phase sends
  * those). */
 template <typename T, int N>
-__global__ void __launch_bounds__(LOCAL_THREADS) combine_reduce_kernel(hybridep_cuda_call k, const T *rows,
-                                                                       const float *row_probs)
+__global__ void __launch_bounds__(LOCAL_THREADS)
+    combine_reduce_kernel(hybridep_cuda_call k, const T *rows, const float *row_probs)
 {
     __shared__ const T *src[LOCAL_WARPS][32];
     if (*(volatile int *)k.abort_flag) return; /* no block-wide barrier below */
@@ -985,8 +992,8 @@ struct combine_job {
 /* The NVLink phase of a combine-like call, block c: its share of the staged partials, then its arrival flag in every
  * other rank. Rows move as whole 16-byte units (slot and staging rows are padded to row_stride). */
 template <bool TMA>
-__global__ void __launch_bounds__(SEND_THREADS) combine_send_kernel(hybridep_cuda_call k, const float *row_probs,
-                                                                    int64_t units, int stages)
+__global__ void __launch_bounds__(SEND_THREADS)
+    combine_send_kernel(hybridep_cuda_call k, const float *row_probs, int64_t units, int stages)
 {
     extern __shared__ __align__(128) char stage_mem[];
     const int W = k.geo.world, c = blockIdx.x;
@@ -1007,8 +1014,8 @@ __global__ void __launch_bounds__(SEND_THREADS) combine_send_kernel(hybridep_cud
  * of this rank: its partials summed in rank order (fp32, from -0 or from out's value) into out (0 / untouched without a
  * kept copy), prob gradients to their (t, k) slots; the last block releases the slots. */
 template <typename T, int N>
-__global__ void __launch_bounds__(LOCAL_THREADS) combine_final_kernel(hybridep_cuda_call k, T *out, bool accumulate,
-                                                                      float *out_probs)
+__global__ void __launch_bounds__(LOCAL_THREADS)
+    combine_final_kernel(hybridep_cuda_call k, T *out, bool accumulate, float *out_probs)
 {
     __shared__ const T *src[LOCAL_WARPS][PEER_MAX_RANKS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1033,9 +1040,9 @@ __global__ void __launch_bounds__(LOCAL_THREADS) combine_final_kernel(hybridep_c
  * with work waits for every rank's flag, then (token, piece) items of the final sum; the last block releases the
  * slots. */
 template <typename T, int N, int THREADS>
-__global__ void __launch_bounds__(THREADS, 1) ll_combine_kernel(hybridep_cuda_call k, const T *rows,
-                                                                const float *row_probs, T *out, bool accumulate,
-                                                                float *out_probs)
+__global__ void __launch_bounds__(THREADS, 1)
+    ll_combine_kernel(hybridep_cuda_call k, const T *rows, const float *row_probs, T *out, bool accumulate,
+                      float *out_probs)
 {
     constexpr int WARPS = THREADS / 32;
     __shared__ const T *src[WARPS][32];
@@ -1139,8 +1146,8 @@ static moert_result launch_dispatch(const moert_host *host, cudaStream_t stream,
         if (call->ll_threads == 1024)
             ll_dispatch_kernel<V, 1024><<<call->channels, 1024, 0, stream>>>(*call, x, probs, out, out_probs, units);
         else
-            ll_dispatch_kernel<V, LOCAL_THREADS><<<call->channels, LOCAL_THREADS, 0, stream>>>(*call, x, probs, out,
-                                                                                               out_probs, units);
+            ll_dispatch_kernel<V, LOCAL_THREADS>
+                <<<call->channels, LOCAL_THREADS, 0, stream>>>(*call, x, probs, out, out_probs, units);
         LAUNCH_CHECK(host, "hybridep ll_dispatch_kernel");
         return MOERT_OK;
     }
@@ -1153,8 +1160,8 @@ static moert_result launch_dispatch(const moert_host *host, cudaStream_t stream,
         dispatch_send_kernel<V, false><<<call->channels, SEND_THREADS, 0, stream>>>(*call, x, probs, units, 0);
     }
     LAUNCH_CHECK(host, tma ? "hybridep dispatch_send_kernel (tma)" : "hybridep dispatch_send_kernel (vector)");
-    dispatch_expand_kernel<V><<<call->sms * LOCAL_BLOCKS_PER_SM, LOCAL_THREADS, 0, stream>>>(*call, x, probs, out,
-                                                                                             out_probs, units);
+    dispatch_expand_kernel<V>
+        <<<call->sms * LOCAL_BLOCKS_PER_SM, LOCAL_THREADS, 0, stream>>>(*call, x, probs, out, out_probs, units);
     LAUNCH_CHECK(host, "hybridep dispatch_expand_kernel");
     return MOERT_OK;
 }
@@ -1184,7 +1191,7 @@ static moert_result launch_combine(const moert_host *host, cudaStream_t stream, 
     if (call->low_latency) {
         if (call->ll_threads == 1024)
             ll_combine_kernel<T, N, 1024><<<call->channels, 1024, 0, stream>>>(*call, (const T *)rows, row_probs,
-                                                                                (T *)out, accumulate, out_probs);
+                                                                               (T *)out, accumulate, out_probs);
         else
             ll_combine_kernel<T, N, LOCAL_THREADS><<<call->channels, LOCAL_THREADS, 0, stream>>>(
                 *call, (const T *)rows, row_probs, (T *)out, accumulate, out_probs);

@@ -30,34 +30,34 @@ extern "C" {
 /* The kernels' view of one call. */
 typedef struct hybridep_cuda_call {
     peer_geometry geo;
-    void *local;                     /* this rank's buffer */
-    void *peers[PEER_MAX_RANKS];     /* every rank's buffer, as this device reaches it */
-    int rank, channels;              /* blocks of the NVLink phase (every one sends), or of a low-latency kernel */
-    int sms;                         /* SMs of the device: the local kernels use all of them */
-    int tma;                         /* 1: TMA bulk copies in the NVLink phase, 0: vector copies */
-    int low_latency;                 /* 1: one kernel per call (channels <= sms, every block resident) */
-    int call;                        /* PEER_CALL_*: which call this is (named in a failure word) */
-    int ll_threads;                  /* low-latency: threads per block (512 or 1024) */
-    int ll_flag;                     /* low-latency: HYBRIDEP_LL_FLAG_* (how a source publishes its arrival) */
-    int ll_fence;                    /* low-latency: HYBRIDEP_LL_FENCE_* (who fences before the arrival flag) */
-    int64_t piece;                   /* low-latency: 16-byte units (or packs) per row piece, a multiple of 32 */
+    void *local;                 /* this rank's buffer */
+    void *peers[PEER_MAX_RANKS]; /* every rank's buffer, as this device reaches it */
+    int rank, channels;          /* blocks of the NVLink phase (every one sends), or of a low-latency kernel */
+    int sms;                     /* SMs of the device: the local kernels use all of them */
+    int tma;                     /* 1: TMA bulk copies in the NVLink phase, 0: vector copies */
+    int low_latency;             /* 1: one kernel per call (channels <= sms, every block resident) */
+    int call;                    /* PEER_CALL_*: which call this is (named in a failure word) */
+    int ll_threads;              /* low-latency: threads per block (512 or 1024) */
+    int ll_flag;                 /* low-latency: HYBRIDEP_LL_FLAG_* (how a source publishes its arrival) */
+    int ll_fence;                /* low-latency: HYBRIDEP_LL_FENCE_* (who fences before the arrival flag) */
+    int64_t piece;               /* low-latency: 16-byte units (or packs) per row piece, a multiple of 32 */
     int64_t timeout_ns;
     int64_t tokens, topk, hidden, num_experts, local_experts;
-    int32_t *topk_idx;               /* [rows_cap*K] this step's routing, kept by prepare */
-    int32_t *copy_index;             /* [rows_cap*K] place of each copy among this rank's copies to its expert */
-    int32_t *excl;                   /* [world][rows_cap+1] tokens before t with a copy on rank d */
-    int64_t *base;                   /* [E] first row, on expert e's rank, of this rank's copies to e */
-    int64_t *tokens_per_expert;      /* [El] rows per local expert (the layout's device counts) */
-    int64_t *recv_tokens;            /* [world] tokens rank s sends to this rank in this step (from the notify) */
-    int32_t *recv_meta;              /* [world][rows_cap][K] rows of each received copy (dispatch-like calls save) */
-    void *staging;                   /* normal mode: [(world-1)*rows_cap] rows of row_stride, combine partials */
-    unsigned *done_blocks;           /* blocks of a consuming kernel that finished (the last one resets it) */
-    unsigned *sent_blocks;           /* low-latency: blocks whose sends are complete (the last one flags, resets) */
-    int64_t *seq_dev;                /* device: sequence number of the last call (kernels number their calls) */
-    int64_t *ll_calls;               /* device: low-latency calls so far (the per-block flag's epoch) */
-    unsigned long long *error_word;  /* device: the first failure */
-    int *abort_flag;                 /* device: set with the error word */
-    unsigned long long *host_word;   /* mapped pinned host memory: the same word, read by the host without a sync */
+    int32_t *topk_idx;              /* [rows_cap*K] this step's routing, kept by prepare */
+    int32_t *copy_index;            /* [rows_cap*K] place of each copy among this rank's copies to its expert */
+    int32_t *excl;                  /* [world][rows_cap+1] tokens before t with a copy on rank d */
+    int64_t *base;                  /* [E] first row, on expert e's rank, of this rank's copies to e */
+    int64_t *tokens_per_expert;     /* [El] rows per local expert (the layout's device counts) */
+    int64_t *recv_tokens;           /* [world] tokens rank s sends to this rank in this step (from the notify) */
+    int32_t *recv_meta;             /* [world][rows_cap][K] rows of each received copy (dispatch-like calls save) */
+    void *staging;                  /* normal mode: [(world-1)*rows_cap] rows of row_stride, combine partials */
+    unsigned *done_blocks;          /* blocks of a consuming kernel that finished (the last one resets it) */
+    unsigned *sent_blocks;          /* low-latency: blocks whose sends are complete (the last one flags, resets) */
+    int64_t *seq_dev;               /* device: sequence number of the last call (kernels number their calls) */
+    int64_t *ll_calls;              /* device: low-latency calls so far (the per-block flag's epoch) */
+    unsigned long long *error_word; /* device: the first failure */
+    int *abort_flag;                /* device: set with the error word */
+    unsigned long long *host_word;  /* mapped pinned host memory: the same word, read by the host without a sync */
 } hybridep_cuda_call;
 
 /* The device address of pinned host memory (mapped: the kernels write the status word there). */

@@ -37,25 +37,25 @@
 #include "device_gemm_wgmma.h"
 #include "expert_prefix.cuh"
 
-#define BM 128            /* tile rows (M) */
-#define BK 64             /* reduction step (K) */
-#define THREADS 256       /* 8 warps */
+#define BM           128  /* tile rows (M) */
+#define BK           64   /* reduction step (K) */
+#define THREADS      256  /* 8 warps */
 #define A_TILE_ELEMS 8192 /* bf16 elements of the A tile: 128 x 64 */
 
 enum { PASS_FORWARD = 0, PASS_DGRAD = 1, PASS_WGRAD = 2 };
 
 /* What one launch needs (by value). */
 typedef struct gemm_params {
-    const __nv_bfloat16 *a;   /* FORWARD: input; DGRAD: grad_output; WGRAD: input */
-    const __nv_bfloat16 *b;   /* FORWARD, DGRAD: weight; WGRAD: grad_output */
-    void *c;                  /* output, grad_input or grad_weight */
+    const __nv_bfloat16 *a; /* FORWARD: input; DGRAD: grad_output; WGRAD: input */
+    const __nv_bfloat16 *b; /* FORWARD, DGRAD: weight; WGRAD: grad_output */
+    void *c;                /* output, grad_input or grad_weight */
     const int64_t *counts;
     int64_t capacity;
     int64_t k_in, n_out;
     int num_experts;
-    int tiles_m;              /* WGRAD: k_in tiles */
-    int tiles_n;              /* N tiles (of BN columns) */
-    int accumulate;           /* WGRAD */
+    int tiles_m;    /* WGRAD: k_in tiles */
+    int tiles_n;    /* N tiles (of BN columns) */
+    int accumulate; /* WGRAD */
 } gemm_params;
 
 /* The pipeline depth of a tile width: 3 stages of 32 KiB (two blocks per SM) or 4 of 48 KiB (one block). */
@@ -80,8 +80,7 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, int sr
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t *r, uint32_t addr)
 {
@@ -109,8 +108,7 @@ __device__ __forceinline__ void mma_bf16(float *d, const uint32_t *a, const uint
 /* ---- shared-memory tiles ---- */
 
 /* Element offset of (row, 16-byte chunk) in a tile of CPR chunks per row (CPR 8 or 16), chunk swizzled by row. */
-template <int CPR>
-__device__ __forceinline__ int tile_offset(int row, int chunk)
+template <int CPR> __device__ __forceinline__ int tile_offset(int row, int chunk)
 {
     return row * (CPR * 8) + ((chunk ^ (row & 7)) << 3);
 }
@@ -174,8 +172,10 @@ __global__ void __launch_bounds__(THREADS, BN == 128 ? 2 : 1) grouped_gemm_kerne
         int lo = 0, hi = E - 1;          /* the last expert whose first tile is <= mt (it has tiles) */
         while (lo < hi) {
             const int mid = (lo + hi + 1) >> 1;
-            if (tile_start[mid] <= mt) lo = mid;
-            else hi = mid - 1;
+            if (tile_start[mid] <= mt)
+                lo = mid;
+            else
+                hi = mid - 1;
         }
         e = lo;
         r0 = row_start[e] + (int64_t)(mt - tile_start[e]) * BM;
@@ -190,14 +190,14 @@ __global__ void __launch_bounds__(THREADS, BN == 128 ? 2 : 1) grouped_gemm_kerne
         const int64_t k0 = (int64_t)kt * BK;
         __nv_bfloat16 *ta = sa + st * A_TILE_ELEMS, *tb = sb + st * B_TILE_ELEMS;
         if (PASS == PASS_FORWARD) {
-            load_tile<BM, 8>(ta, p.a + r0 * K + k0, K, rows_valid, K - k0, p.a, tid);             /* [m][k] */
-            load_tile<BK, BN / 8>(tb, p.b + wslice + k0 * N + n0, N, K - k0, N - n0, p.b, tid);   /* [k][n] */
+            load_tile<BM, 8>(ta, p.a + r0 * K + k0, K, rows_valid, K - k0, p.a, tid);           /* [m][k] */
+            load_tile<BK, BN / 8>(tb, p.b + wslice + k0 * N + n0, N, K - k0, N - n0, p.b, tid); /* [k][n] */
         } else if (PASS == PASS_DGRAD) {
-            load_tile<BM, 8>(ta, p.a + r0 * N + k0, N, rows_valid, N - k0, p.a, tid);             /* [m][k] */
-            load_tile<BN, 8>(tb, p.b + wslice + n0 * N + k0, N, K - n0, N - k0, p.b, tid);        /* [n][k] */
+            load_tile<BM, 8>(ta, p.a + r0 * N + k0, N, rows_valid, N - k0, p.a, tid);      /* [m][k] */
+            load_tile<BN, 8>(tb, p.b + wslice + n0 * N + k0, N, K - n0, N - k0, p.b, tid); /* [n][k] */
         } else {
-            load_tile<BK, BM / 8>(ta, p.a + (r0 + k0) * K + m0, K, red - k0, K - m0, p.a, tid);   /* [k][m] */
-            load_tile<BK, BN / 8>(tb, p.b + (r0 + k0) * N + n0, N, red - k0, N - n0, p.b, tid);   /* [k][n] */
+            load_tile<BK, BM / 8>(ta, p.a + (r0 + k0) * K + m0, K, red - k0, K - m0, p.a, tid); /* [k][m] */
+            load_tile<BK, BN / 8>(tb, p.b + (r0 + k0) * N + n0, N, red - k0, N - n0, p.b, tid); /* [k][n] */
         }
     };
 
@@ -283,8 +283,10 @@ __global__ void __launch_bounds__(THREADS, BN == 128 ? 2 : 1) grouped_gemm_kerne
                         if (n >= N) continue;
                         const int64_t at = wslice + m * N + n;
                         float2 old;
-                        if (OUT_F32) old = __ldcs((const float2 *)((const float *)p.c + at));
-                        else old = __bfloat1622float2(*(const __nv_bfloat162 *)((const __nv_bfloat16 *)p.c + at));
+                        if (OUT_F32)
+                            old = __ldcs((const float2 *)((const float *)p.c + at));
+                        else
+                            old = __bfloat1622float2(*(const __nv_bfloat162 *)((const __nv_bfloat16 *)p.c + at));
                         acc[mi][ni][2 * half] += old.x;
                         acc[mi][ni][2 * half + 1] += old.y;
                     }
@@ -302,8 +304,10 @@ __global__ void __launch_bounds__(THREADS, BN == 128 ? 2 : 1) grouped_gemm_kerne
                     if (n >= N) continue;
                     const int64_t at = wslice + m * N + n;
                     const float v0 = acc[mi][ni][2 * half], v1 = acc[mi][ni][2 * half + 1];
-                    if (OUT_F32) __stcs((float2 *)((float *)p.c + at), make_float2(v0, v1));
-                    else *(__nv_bfloat162 *)((__nv_bfloat16 *)p.c + at) = __floats2bfloat162_rn(v0, v1);
+                    if (OUT_F32)
+                        __stcs((float2 *)((float *)p.c + at), make_float2(v0, v1));
+                    else
+                        *(__nv_bfloat162 *)((__nv_bfloat16 *)p.c + at) = __floats2bfloat162_rn(v0, v1);
                 }
             }
     } else {
@@ -333,8 +337,7 @@ static const char *pass_text(moert_gemm_pass p)
 }
 
 /* Raises the dynamic shared-memory limit of the kernels of one tile width to what BF16_DEVICE_GEMM_MAX_EXPERTS needs. */
-template <int BN>
-static moert_result prepare_width(const moert_host *host)
+template <int BN> static moert_result prepare_width(const moert_host *host)
 {
     const int bytes = (int)smem_bytes(BN, BF16_DEVICE_GEMM_MAX_EXPERTS);
     CUDA_CHECK(host, cudaFuncSetAttribute(grouped_gemm_kernel<PASS_FORWARD, false, BN>,
@@ -361,15 +364,13 @@ static void launch(const bf16_device_gemm_args *a, const gemm_params &p, unsigne
 {
     const size_t smem = smem_bytes(BN, p.num_experts);
     switch (a->pass) {
-    case MOERT_GEMM_FORWARD:
-        grouped_gemm_kernel<PASS_FORWARD, false, BN><<<blocks, THREADS, smem, stream>>>(p);
-        break;
-    case MOERT_GEMM_DGRAD:
-        grouped_gemm_kernel<PASS_DGRAD, false, BN><<<blocks, THREADS, smem, stream>>>(p);
-        break;
+    case MOERT_GEMM_FORWARD: grouped_gemm_kernel<PASS_FORWARD, false, BN><<<blocks, THREADS, smem, stream>>>(p); break;
+    case MOERT_GEMM_DGRAD: grouped_gemm_kernel<PASS_DGRAD, false, BN><<<blocks, THREADS, smem, stream>>>(p); break;
     default:
-        if (a->grad_weight_bf16) grouped_gemm_kernel<PASS_WGRAD, false, BN><<<blocks, THREADS, smem, stream>>>(p);
-        else grouped_gemm_kernel<PASS_WGRAD, true, BN><<<blocks, THREADS, smem, stream>>>(p);
+        if (a->grad_weight_bf16)
+            grouped_gemm_kernel<PASS_WGRAD, false, BN><<<blocks, THREADS, smem, stream>>>(p);
+        else
+            grouped_gemm_kernel<PASS_WGRAD, true, BN><<<blocks, THREADS, smem, stream>>>(p);
         break;
     }
 }
@@ -381,18 +382,24 @@ extern "C" moert_result bf16_device_gemm(const moert_host *host, cudaStream_t st
 {
     if (!a) return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 device gemm: args is NULL");
     if (a->pass != MOERT_GEMM_FORWARD && a->pass != MOERT_GEMM_DGRAD && a->pass != MOERT_GEMM_WGRAD)
-        return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 device gemm: pass is %d, expected FORWARD (0), DGRAD (1) "
-                      "or WGRAD (2)", (int)a->pass);
+        return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                      "bf16 device gemm: pass is %d, expected FORWARD (0), DGRAD (1) "
+                      "or WGRAD (2)",
+                      (int)a->pass);
     const char *pass = pass_text(a->pass);
     if (a->num_experts < 1 || a->num_experts > BF16_DEVICE_GEMM_MAX_EXPERTS)
-        return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 device gemm %s: %lld local experts, expected 1 to %d", pass,
-                      (long long)a->num_experts, BF16_DEVICE_GEMM_MAX_EXPERTS);
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 device gemm %s: %lld local experts, expected 1 to %d",
+                      pass, (long long)a->num_experts, BF16_DEVICE_GEMM_MAX_EXPERTS);
     if (!a->counts_device)
-        return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 device gemm %s: counts_device is NULL (int64 [%lld] on "
-                      "the device expected)", pass, (long long)a->num_experts);
+        return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                      "bf16 device gemm %s: counts_device is NULL (int64 [%lld] on "
+                      "the device expected)",
+                      pass, (long long)a->num_experts);
     if (a->k_in <= 0 || a->n_out <= 0 || a->k_in % 8 || a->n_out % 8)
-        return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 device gemm %s: k_in %lld and n_out %lld must be positive "
-                      "multiples of 8 (16-byte rows)", pass, (long long)a->k_in, (long long)a->n_out);
+        return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                      "bf16 device gemm %s: k_in %lld and n_out %lld must be positive "
+                      "multiples of 8 (16-byte rows)",
+                      pass, (long long)a->k_in, (long long)a->n_out);
     if (a->capacity < 0)
         return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 device gemm %s: capacity %lld rows, expected >= 0", pass,
                       (long long)a->capacity);
@@ -400,8 +407,10 @@ extern "C" moert_result bf16_device_gemm(const moert_host *host, cudaStream_t st
         return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 device gemm %s: tile_n %d, expected 0 (auto), 128 or 256",
                       pass, a->tile_n);
     if (a->engine < BF16_DEVICE_GEMM_ENGINE_AUTO || a->engine > BF16_DEVICE_GEMM_ENGINE_WGMMA)
-        return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 device gemm %s: engine %d, expected 0 (auto), 1 (mma.sync) "
-                      "or 2 (wgmma)", pass, a->engine);
+        return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                      "bf16 device gemm %s: engine %d, expected 0 (auto), 1 (mma.sync) "
+                      "or 2 (wgmma)",
+                      pass, a->engine);
     const void *ops[2], *dst;
     const char *names[3];
     switch (a->pass) {
@@ -421,17 +430,21 @@ extern "C" moert_result bf16_device_gemm(const moert_host *host, cudaStream_t st
     const void *ptrs[3] = {ops[0], ops[1], dst};
     for (int i = 0; i < 3; i++)
         if (!aligned16(ptrs[i]))
-            return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 device gemm %s: %s is %s, expected a 16-byte aligned "
-                          "device pointer", pass, names[i], ptrs[i] ? "misaligned" : "NULL");
+            return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                          "bf16 device gemm %s: %s is %s, expected a 16-byte aligned "
+                          "device pointer",
+                          pass, names[i], ptrs[i] ? "misaligned" : "NULL");
 
     if (a->pass != MOERT_GEMM_WGRAD && a->engine != BF16_DEVICE_GEMM_ENGINE_MMA &&
         (a->engine == BF16_DEVICE_GEMM_ENGINE_WGMMA || bf16_wgmma_available())) {
         if (a->capacity == 0) return MOERT_OK; /* no rows at all */
-        if (((a->capacity + BM - 1) / BM + a->num_experts) * ((a->pass == MOERT_GEMM_DGRAD ? a->k_in : a->n_out) + 255) /
-                256 > INT_MAX)
-            return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 device gemm %s: capacity %lld, k_in %lld, n_out %lld "
-                          "make more than 2^31 tiles", pass, (long long)a->capacity, (long long)a->k_in,
-                          (long long)a->n_out);
+        if (((a->capacity + BM - 1) / BM + a->num_experts) *
+                ((a->pass == MOERT_GEMM_DGRAD ? a->k_in : a->n_out) + 255) / 256 >
+            INT_MAX)
+            return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                          "bf16 device gemm %s: capacity %lld, k_in %lld, n_out %lld "
+                          "make more than 2^31 tiles",
+                          pass, (long long)a->capacity, (long long)a->k_in, (long long)a->n_out);
         return bf16_wgmma_gemm(host, stream, a);
     }
 
@@ -458,13 +471,17 @@ extern "C" moert_result bf16_device_gemm(const moert_host *host, cudaStream_t st
         blocks = ((a->capacity + BM - 1) / BM + a->num_experts) * tiles_n;
     }
     if (blocks > INT_MAX || tiles_m * tiles_n > INT_MAX)
-        return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 device gemm %s: %lld blocks (capacity %lld, k_in %lld, "
-                      "n_out %lld, %lld experts) exceed the grid limit", pass, (long long)blocks,
-                      (long long)a->capacity, (long long)a->k_in, (long long)a->n_out, (long long)a->num_experts);
+        return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                      "bf16 device gemm %s: %lld blocks (capacity %lld, k_in %lld, "
+                      "n_out %lld, %lld experts) exceed the grid limit",
+                      pass, (long long)blocks, (long long)a->capacity, (long long)a->k_in, (long long)a->n_out,
+                      (long long)a->num_experts);
     p.tiles_m = (int)tiles_m;
     p.tiles_n = (int)tiles_n;
-    if (bn == 128) launch<128>(a, p, (unsigned)blocks, stream);
-    else launch<256>(a, p, (unsigned)blocks, stream);
+    if (bn == 128)
+        launch<128>(a, p, (unsigned)blocks, stream);
+    else
+        launch<256>(a, p, (unsigned)blocks, stream);
     LAUNCH_CHECK(host, "grouped_gemm_kernel");
     return MOERT_OK;
 }

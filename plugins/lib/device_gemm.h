@@ -37,21 +37,21 @@ extern "C" {
 /* One grouped GEMM. Every pointer is device memory, 16-byte aligned; k_in and n_out are multiples of 8. */
 typedef struct bf16_device_gemm_args {
     moert_gemm_pass pass;
-    int64_t num_experts;           /* E_local, 1 .. BF16_DEVICE_GEMM_MAX_EXPERTS */
-    const int64_t *counts_device;  /* [E_local] int64 rows per expert, on the device; never read on the host */
-    int64_t capacity;              /* rows of the activation buffers (what the grid is sized for) */
+    int64_t num_experts;          /* E_local, 1 .. BF16_DEVICE_GEMM_MAX_EXPERTS */
+    const int64_t *counts_device; /* [E_local] int64 rows per expert, on the device; never read on the host */
+    int64_t capacity;             /* rows of the activation buffers (what the grid is sized for) */
     int64_t k_in, n_out;
-    const void *input;             /* FORWARD, WGRAD */
-    const void *weight;            /* FORWARD, DGRAD */
-    const void *grad_output;       /* DGRAD, WGRAD */
-    void *output;                  /* FORWARD */
-    void *grad_input;              /* DGRAD */
-    void *grad_weight;             /* WGRAD */
-    int grad_weight_bf16;          /* WGRAD: 0 grad_weight is fp32 (the usual master gradients), 1 it is bf16 */
-    int accumulate;                /* WGRAD: 1 adds into grad_weight (beta 1), 0 overwrites it (beta 0) */
-    int tile_n;                    /* mma.sync output tile width: 0 picks (256 where a FORWARD/DGRAD output has >= 1024
+    const void *input;       /* FORWARD, WGRAD */
+    const void *weight;      /* FORWARD, DGRAD */
+    const void *grad_output; /* DGRAD, WGRAD */
+    void *output;            /* FORWARD */
+    void *grad_input;        /* DGRAD */
+    void *grad_weight;       /* WGRAD */
+    int grad_weight_bf16;    /* WGRAD: 0 grad_weight is fp32 (the usual master gradients), 1 it is bf16 */
+    int accumulate;          /* WGRAD: 1 adds into grad_weight (beta 1), 0 overwrites it (beta 0) */
+    int tile_n;              /* mma.sync output tile width: 0 picks (256 where a FORWARD/DGRAD output has >= 1024
                                       columns, else 128; WGRAD 128), or 128 / 256 (tests, benchmarks) */
-    int engine;                    /* BF16_DEVICE_GEMM_ENGINE_*: which kernel runs FORWARD/DGRAD */
+    int engine;              /* BF16_DEVICE_GEMM_ENGINE_*: which kernel runs FORWARD/DGRAD */
 } bf16_device_gemm_args;
 
 /* The kernels behind FORWARD and DGRAD (WGRAD always runs on mma.sync):

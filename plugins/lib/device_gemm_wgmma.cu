@@ -32,17 +32,17 @@
 #include "wgmma.cuh"
 #include "expert_prefix.cuh"
 
-#define WG_BM 128
-#define WG_BN 256
-#define WG_BK 64                             /* bf16 elements in one 128-byte row */
-#define WG_STAGES 3
-#define WG_THREADS 384                       /* producer warpgroup + two consumer warpgroups */
-#define WG_BAND 8                            /* row tiles of an expert that run side by side */
-#define WG_BOX_BYTES 8192                    /* one TMA box: 64 rows of 128 bytes */
-#define WG_A_BYTES (WG_BM * WG_BK * 2)       /* 16 KiB */
-#define WG_B_BYTES (WG_BN * WG_BK * 2)       /* 32 KiB */
+#define WG_BM            128
+#define WG_BN            256
+#define WG_BK            64 /* bf16 elements in one 128-byte row */
+#define WG_STAGES        3
+#define WG_THREADS       384                 /* producer warpgroup + two consumer warpgroups */
+#define WG_BAND          8                   /* row tiles of an expert that run side by side */
+#define WG_BOX_BYTES     8192                /* one TMA box: 64 rows of 128 bytes */
+#define WG_A_BYTES       (WG_BM * WG_BK * 2) /* 16 KiB */
+#define WG_B_BYTES       (WG_BN * WG_BK * 2) /* 32 KiB */
 #define WG_STAGING_BYTES (WG_BM * WG_BN * 2) /* the bf16 output tile: 64 KiB */
-#define WG_MAX_DEVICES 64
+#define WG_MAX_DEVICES   64
 
 /* Bytes of dynamic shared memory with E experts: alignment slack, stages, output staging, barriers, prefix arrays. */
 static size_t wg_smem_bytes(int experts)
@@ -73,7 +73,8 @@ __device__ __forceinline__ void wgmma_m64n256k16(float *d, uint64_t desc_a, uint
 {
 #ifdef WG_DEVICE
     asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" WGMMA_REGS_128 "}, %128, %129, p, 1, 1, 0, %131;\n}\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" WGMMA_REGS_128
+                 "}, %128, %129, p, 1, 1, 0, %131;\n}\n"
                  : WGMMA_OPERANDS_128(d)
                  : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(N_MAJOR));
 #endif
@@ -87,14 +88,17 @@ typedef struct wg_tile {
 
 /* Work unit u (the unit ranges of the experts follow their row tiles: expert e owns units tile_start[e] * n_tiles ..
  * tile_start[e + 1] * n_tiles - 1), ordered in bands of WG_BAND row tiles, row tiles fastest. */
-__device__ __forceinline__ wg_tile wg_tile_at(const wg_params &p, const int64_t *row_start, const int *tile_start, int u)
+__device__ __forceinline__ wg_tile wg_tile_at(const wg_params &p, const int64_t *row_start, const int *tile_start,
+                                              int u)
 {
     const int t = u / p.n_tiles;
     int lo = 0, hi = p.num_experts - 1; /* the last expert whose first row tile is <= t: it has t */
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
-        if (tile_start[mid] <= t) lo = mid;
-        else hi = mid - 1;
+        if (tile_start[mid] <= t)
+            lo = mid;
+        else
+            hi = mid - 1;
     }
     wg_tile w;
     w.e = lo;
@@ -112,8 +116,9 @@ __device__ __forceinline__ wg_tile wg_tile_at(const wg_params &p, const int64_t 
 /* The producer thread: per tile and k-block, waits for the stage to be free, announces its bytes and starts the TMA
  * loads of A's 128 rows and B's 256 columns. */
 template <int N_MAJOR>
-__device__ __forceinline__ void wg_produce(const wg_params &p, const int64_t *row_start, const int *tile_start, int units,
-                                           uint8_t *a_stages, uint8_t *b_stages, uint64_t *full, uint64_t *empty)
+__device__ __forceinline__ void wg_produce(const wg_params &p, const int64_t *row_start, const int *tile_start,
+                                           int units, uint8_t *a_stages, uint8_t *b_stages, uint64_t *full,
+                                           uint64_t *empty)
 {
     int s = 0;
     uint32_t phase = 0, it = 0;
@@ -185,9 +190,9 @@ __device__ __forceinline__ void wg_store(const wg_params &p, const wg_tile &w, i
 
 /* A consumer warpgroup (c: rows c * 64 .. c * 64 + 63 of each tile). */
 template <int N_MAJOR>
-__device__ __forceinline__ void wg_consume(const wg_params &p, const int64_t *row_start, const int *tile_start, int units,
-                                           const uint8_t *a_stages, const uint8_t *b_stages, uint8_t *staging,
-                                           uint64_t *full, uint64_t *empty, int c)
+__device__ __forceinline__ void wg_consume(const wg_params &p, const int64_t *row_start, const int *tile_start,
+                                           int units, const uint8_t *a_stages, const uint8_t *b_stages,
+                                           uint8_t *staging, uint64_t *full, uint64_t *empty, int c)
 {
     int s = 0;
     uint32_t phase = 0;
@@ -204,7 +209,8 @@ __device__ __forceinline__ void wg_consume(const wg_params &p, const int64_t *ro
 #pragma unroll
             for (int k = 0; k < WG_BK / 16; k++) {
                 const uint64_t da = wgmma_desc_k_sw128(a) + 2 * k;
-                const uint64_t db = N_MAJOR ? wgmma_desc_mn_sw128(b + k * 2048, WG_BOX_BYTES) : wgmma_desc_k_sw128(b) + 2 * k;
+                const uint64_t db =
+                    N_MAJOR ? wgmma_desc_mn_sw128(b + k * 2048, WG_BOX_BYTES) : wgmma_desc_k_sw128(b) + 2 * k;
                 wgmma_m64n256k16<N_MAJOR>(acc, da, db, (kb | k) != 0);
             }
             wgmma_commit();
@@ -307,10 +313,10 @@ static moert_result encode_bf16_map(const moert_host *host, CUtensorMap *map, co
                                     int rank, const uint64_t *dims, const uint64_t *strides, const uint32_t *box)
 {
     const cuuint32_t elem[3] = {1, 1, 1};
-    CUresult r = encode_fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, (void *)base, (const cuuint64_t *)dims,
-                           (const cuuint64_t *)strides, (const cuuint32_t *)box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                           CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    CUresult r =
+        encode_fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, (void *)base, (const cuuint64_t *)dims,
+                  (const cuuint64_t *)strides, (const cuuint32_t *)box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS)
         return report(host, MOERT_ERR_CUDA, "bf16 wgmma gemm: cuTensorMapEncodeTiled(%s, %llu x %llu) failed: error %d",
                       what, (unsigned long long)dims[rank - 1], (unsigned long long)dims[0], (int)r);
@@ -321,7 +327,8 @@ extern "C" moert_result bf16_wgmma_gemm(const moert_host *host, cudaStream_t str
 {
     const int dev = prepared_device();
     if (dev < 0)
-        return report(host, MOERT_ERR_UNSUPPORTED, "bf16 device gemm: the wgmma engine needs a compute capability 9.0 GPU "
+        return report(host, MOERT_ERR_UNSUPPORTED,
+                      "bf16 device gemm: the wgmma engine needs a compute capability 9.0 GPU "
                       "prepared with bf16_device_gemm_prepare");
     const int dgrad = a->pass == MOERT_GEMM_DGRAD;
     const int64_t out_cols = dgrad ? a->k_in : a->n_out, depth = dgrad ? a->n_out : a->k_in;
@@ -351,8 +358,10 @@ extern "C" moert_result bf16_wgmma_gemm(const moert_host *host, cudaStream_t str
     const int64_t bound = ((a->capacity + WG_BM - 1) / WG_BM + a->num_experts) * p.n_tiles; /* units at most */
     const unsigned grid = (unsigned)(bound < sms ? bound : sms);
     const size_t smem = wg_smem_bytes(p.num_experts);
-    if (dgrad) bf16_wgmma_kernel<0><<<grid, WG_THREADS, smem, stream>>>(p);
-    else bf16_wgmma_kernel<1><<<grid, WG_THREADS, smem, stream>>>(p);
+    if (dgrad)
+        bf16_wgmma_kernel<0><<<grid, WG_THREADS, smem, stream>>>(p);
+    else
+        bf16_wgmma_kernel<1><<<grid, WG_THREADS, smem, stream>>>(p);
     LAUNCH_CHECK(host, "bf16_wgmma_kernel");
     return MOERT_OK;
 }

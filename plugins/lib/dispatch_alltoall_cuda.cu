@@ -6,14 +6,12 @@
 #include <stdarg.h>
 #include <stdio.h>
 
-#define LAYOUT_WARPS 8        /* warps per block in the layout kernels; each warp owns 32 tokens */
+#define LAYOUT_WARPS    8 /* warps per block in the layout kernels; each warp owns 32 tokens */
 #define TOKENS_PER_WARP 32
-#define ROW_WARPS 8           /* warps per block in the row kernels: one warp per row */
+#define ROW_WARPS       8 /* warps per block in the row kernels: one warp per row */
 #define MAX_GRID_BLOCKS 8192
 
 #include "plugin_cuda_check.h"
-
-
 
 template <typename T, int N> struct alignas(sizeof(T) * N) vec_t {
     T v[N];
@@ -207,8 +205,8 @@ extern "C" moert_result moert_a2a_cuda_layout(const moert_host *host, cudaStream
 
     CUDA_CHECK(host, cudaMemsetAsync(bad_ids, 0, sizeof *bad_ids, stream));
     if (num_warps > 0) {
-        layout_count_kernel<<<blocks, LAYOUT_WARPS * 32, smem, stream>>>(topk_idx, tokens, K, E, num_warps,
-                                                                          warp_counts, bad_ids);
+        layout_count_kernel<<<blocks, LAYOUT_WARPS * 32, smem, stream>>>(topk_idx, tokens, K, E, num_warps, warp_counts,
+                                                                         bad_ids);
         LAUNCH_CHECK(host, "layout_count_kernel");
     }
     layout_scan_warps_kernel<<<E, 256, 0, stream>>>(num_warps, E, warp_counts, totals);
@@ -216,9 +214,8 @@ extern "C" moert_result moert_a2a_cuda_layout(const moert_host *host, cudaStream
     layout_scan_experts_kernel<<<1, 1024, 0, stream>>>(E, totals, out->tokens_per_expert, out->expert_offsets);
     LAUNCH_CHECK(host, "layout_scan_experts_kernel");
     if (num_warps > 0) {
-        layout_place_kernel<<<blocks, LAYOUT_WARPS * 32, smem, stream>>>(topk_idx, tokens, K, E, num_warps, warp_counts,
-                                                                          out->expert_offsets, out->row_of_copy,
-                                                                          out->copy_of_row);
+        layout_place_kernel<<<blocks, LAYOUT_WARPS * 32, smem, stream>>>(
+            topk_idx, tokens, K, E, num_warps, warp_counts, out->expert_offsets, out->row_of_copy, out->copy_of_row);
         LAUNCH_CHECK(host, "layout_place_kernel");
     }
     if (counts_host) {
@@ -254,7 +251,8 @@ __global__ void gather_rows_kernel(int64_t rows, int64_t hidden, const int32_t *
             vec_t<T, VEC> zero;
 #pragma unroll
             for (int k = 0; k < VEC; k++) zero.v[k] = T(0);
-            for (int64_t j = (int64_t)lane * VEC; j < hidden; j += 32 * VEC) *reinterpret_cast<vec_t<T, VEC> *>(d + j) = zero;
+            for (int64_t j = (int64_t)lane * VEC; j < hidden; j += 32 * VEC)
+                *reinterpret_cast<vec_t<T, VEC> *>(d + j) = zero;
         } else {
             const T *s = src + (int64_t)(i / divisor) * hidden;
             for (int64_t j = (int64_t)lane * VEC; j < hidden; j += 32 * VEC)
@@ -273,7 +271,8 @@ __global__ void gather_narrow_rows_kernel(int64_t rows, int64_t hidden, const in
     if (rows_limit && *rows_limit < n) n = *rows_limit;
     for (int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; r < n; r += (int64_t)gridDim.x * blockDim.x) {
         const int32_t i = index[r];
-        for (int64_t j = 0; j < hidden; j++) dst[r * hidden + j] = i < 0 ? T(0) : src[(int64_t)(i / divisor) * hidden + j];
+        for (int64_t j = 0; j < hidden; j++)
+            dst[r * hidden + j] = i < 0 ? T(0) : src[(int64_t)(i / divisor) * hidden + j];
     }
 }
 
@@ -293,11 +292,11 @@ static moert_result gather_rows_typed(const moert_host *host, cudaStream_t s, in
     int64_t blocks = (rows + ROW_WARPS - 1) / ROW_WARPS;
     const int grid = (int)(blocks < MAX_GRID_BLOCKS ? blocks : MAX_GRID_BLOCKS);
     if (hidden % VEC == 0 && aligned(src, 16) && aligned(dst, 16))
-        gather_rows_kernel<T, VEC><<<grid, ROW_WARPS * 32, 0, s>>>(rows, hidden, index, divisor, limit, (const T *)src,
-                                                                  (T *)dst);
+        gather_rows_kernel<T, VEC>
+            <<<grid, ROW_WARPS * 32, 0, s>>>(rows, hidden, index, divisor, limit, (const T *)src, (T *)dst);
     else
-        gather_rows_kernel<T, 1><<<grid, ROW_WARPS * 32, 0, s>>>(rows, hidden, index, divisor, limit, (const T *)src,
-                                                                (T *)dst);
+        gather_rows_kernel<T, 1>
+            <<<grid, ROW_WARPS * 32, 0, s>>>(rows, hidden, index, divisor, limit, (const T *)src, (T *)dst);
     LAUNCH_CHECK(host, "gather_rows_kernel");
     return MOERT_OK;
 }
@@ -309,14 +308,16 @@ extern "C" moert_result moert_a2a_cuda_gather_rows(const moert_host *host, cudaS
                                                    void *dst)
 {
     if (rows < 0 || hidden <= 0 || index_divisor <= 0)
-        return report(host, MOERT_ERR_INVALID_ARGUMENT, "alltoall cuda gather: bad sizes (rows %lld, hidden %lld, divisor %d)",
-                      (long long)rows, (long long)hidden, (int)index_divisor);
+        return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                      "alltoall cuda gather: bad sizes (rows %lld, hidden %lld, divisor %d)", (long long)rows,
+                      (long long)hidden, (int)index_divisor);
     if (rows == 0) return MOERT_OK;
     if (!index || !src || !dst)
         return report(host, MOERT_ERR_INVALID_ARGUMENT, "alltoall cuda gather: index, src and dst are required");
     /* a gather only moves bits: bf16 rows travel as 2-byte integers */
     switch (dtype) {
-    case MOERT_F32: return gather_rows_typed<float>(host, stream, rows, hidden, index, index_divisor, rows_limit, src, dst);
+    case MOERT_F32:
+        return gather_rows_typed<float>(host, stream, rows, hidden, index, index_divisor, rows_limit, src, dst);
     case MOERT_BF16:
         return gather_rows_typed<uint16_t>(host, stream, rows, hidden, index, index_divisor, rows_limit, src, dst);
     default:
@@ -369,11 +370,11 @@ static moert_result combine_rows_typed(const moert_host *host, cudaStream_t s, i
     int64_t blocks = (tokens + ROW_WARPS - 1) / ROW_WARPS;
     const int grid = (int)(blocks < MAX_GRID_BLOCKS ? blocks : MAX_GRID_BLOCKS);
     if (hidden % VEC == 0 && aligned(rows, 16) && aligned(out, 16))
-        combine_rows_kernel<T, VEC><<<grid, ROW_WARPS * 32, 0, s>>>(tokens, topk, hidden, row_of_copy, (const T *)rows,
-                                                                   (T *)out, accumulate);
+        combine_rows_kernel<T, VEC>
+            <<<grid, ROW_WARPS * 32, 0, s>>>(tokens, topk, hidden, row_of_copy, (const T *)rows, (T *)out, accumulate);
     else
-        combine_rows_kernel<T, 1><<<grid, ROW_WARPS * 32, 0, s>>>(tokens, topk, hidden, row_of_copy, (const T *)rows,
-                                                                 (T *)out, accumulate);
+        combine_rows_kernel<T, 1>
+            <<<grid, ROW_WARPS * 32, 0, s>>>(tokens, topk, hidden, row_of_copy, (const T *)rows, (T *)out, accumulate);
     LAUNCH_CHECK(host, "combine_rows_kernel");
     return MOERT_OK;
 }
@@ -385,11 +386,13 @@ extern "C" moert_result moert_a2a_cuda_combine_rows(const moert_host *host, cuda
                                                     int accumulate)
 {
     if (tokens < 0 || topk <= 0 || hidden <= 0)
-        return report(host, MOERT_ERR_INVALID_ARGUMENT, "alltoall cuda combine: bad sizes (tokens %lld, topk %lld, hidden %lld)",
-                      (long long)tokens, (long long)topk, (long long)hidden);
+        return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                      "alltoall cuda combine: bad sizes (tokens %lld, topk %lld, hidden %lld)", (long long)tokens,
+                      (long long)topk, (long long)hidden);
     if (tokens == 0) return MOERT_OK;
     if (!row_of_copy || !rows || !out)
-        return report(host, MOERT_ERR_INVALID_ARGUMENT, "alltoall cuda combine: row_of_copy, rows and out are required");
+        return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                      "alltoall cuda combine: row_of_copy, rows and out are required");
     switch (dtype) {
     case MOERT_F32:
         return combine_rows_typed<float>(host, stream, tokens, (int)topk, hidden, row_of_copy, rows, out, accumulate);
@@ -432,8 +435,10 @@ __global__ void regroup_maps_kernel(int world, int local_experts, const int64_t 
     __shared__ int64_t rank_major_off[MOERT_A2A_CUDA_MAX_CHUNKS + 1];   /* chunk s*EL+e */
     __shared__ int64_t expert_major_off[MOERT_A2A_CUDA_MAX_CHUNKS + 1]; /* chunk e*W+s */
     const int n = world * local_experts;
-    block_scan_array(n, [&](int i) { return counts[i]; }, rank_major_off);
-    block_scan_array(n, [&](int i) { return counts[(i % world) * local_experts + i / world]; }, expert_major_off);
+    block_scan_array(
+        n, [&](int i) { return counts[i]; }, rank_major_off);
+    block_scan_array(
+        n, [&](int i) { return counts[(i % world) * local_experts + i / world]; }, expert_major_off);
     const int64_t total = rank_major_off[n];
     if (blockIdx.x == 0) {
         if (total_rows && threadIdx.x == 0) *total_rows = total;
@@ -447,7 +452,10 @@ __global__ void regroup_maps_kernel(int world, int local_experts, const int64_t 
         int lo = 0, hi = n - 1;
         while (lo < hi) {
             int mid = (lo + hi + 1) / 2;
-            if (rank_major_off[mid] <= j) lo = mid; else hi = mid - 1;
+            if (rank_major_off[mid] <= j)
+                lo = mid;
+            else
+                hi = mid - 1;
         }
         const int s = lo / local_experts, e = lo % local_experts;
         const int64_t dst = expert_major_off[e * world + s] + (j - rank_major_off[lo]);
@@ -467,8 +475,9 @@ extern "C" moert_result moert_a2a_cuda_regroup_maps(const moert_host *host, cuda
                       "alltoall cuda regroup: bad sizes (world %lld, local experts %lld, capacity %lld)",
                       (long long)world, (long long)local_experts, (long long)rows_capacity);
     if (world * local_experts > MOERT_A2A_CUDA_MAX_CHUNKS)
-        return report(host, MOERT_ERR_UNSUPPORTED, "alltoall cuda regroup: %lld ranks x %lld local experts exceeds %d chunks",
-                      (long long)world, (long long)local_experts, MOERT_A2A_CUDA_MAX_CHUNKS);
+        return report(host, MOERT_ERR_UNSUPPORTED,
+                      "alltoall cuda regroup: %lld ranks x %lld local experts exceeds %d chunks", (long long)world,
+                      (long long)local_experts, MOERT_A2A_CUDA_MAX_CHUNKS);
     if (!counts) return report(host, MOERT_ERR_INVALID_ARGUMENT, "alltoall cuda regroup: counts are required");
     int64_t blocks = (rows_capacity + REGROUP_THREADS - 1) / REGROUP_THREADS;
     if (blocks < 1) blocks = 1;

@@ -49,9 +49,9 @@ size_t moert_a2a_cuda_layout_scratch_bytes(int64_t tokens, int64_t num_experts);
  * ([E] int64) are copied to it, the stream is synchronised (the one host sync here), and a flagged id is
  * reported as MOERT_ERR_INVALID_ARGUMENT.
  */
-moert_result moert_a2a_cuda_layout(const moert_host *host, cudaStream_t stream, const int32_t *topk_idx,
-                                   int64_t tokens, int64_t topk, int64_t num_experts,
-                                   const moert_a2a_cuda_layout_buffers *out, int64_t *counts_host);
+moert_result moert_a2a_cuda_layout(const moert_host *host, cudaStream_t stream, const int32_t *topk_idx, int64_t tokens,
+                                   int64_t topk, int64_t num_experts, const moert_a2a_cuda_layout_buffers *out,
+                                   int64_t *counts_host);
 
 /*
  * The device counter (one unsigned long long) of expert ids outside [-1, E) that moert_a2a_cuda_layout()
@@ -77,9 +77,9 @@ moert_result moert_a2a_cuda_gather_rows(const moert_host *host, cudaStream_t str
  * dropped copies (-1) add nothing. accumulate 0 overwrites out, 1 adds to it. Uses: combine (y from the
  * expert outputs, overwrite) and the adjoint of permute (d_x += the row gradients of each token's copies).
  */
-moert_result moert_a2a_cuda_combine_rows(const moert_host *host, cudaStream_t stream, moert_dtype dtype,
-                                         int64_t tokens, int64_t topk, int64_t hidden, const int32_t *row_of_copy,
-                                         const void *rows, void *out, int accumulate);
+moert_result moert_a2a_cuda_combine_rows(const moert_host *host, cudaStream_t stream, moert_dtype dtype, int64_t tokens,
+                                         int64_t topk, int64_t hidden, const int32_t *row_of_copy, const void *rows,
+                                         void *out, int accumulate);
 
 /*
  * Maps between the received order, chunks [source rank s][local expert e] of counts[s*E_local + e] rows

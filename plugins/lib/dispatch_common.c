@@ -23,8 +23,8 @@ moert_result moert_dispatch_buffer_reserve(const moert_host *host, moert_device 
     return MOERT_OK;
 }
 
-moert_result moert_dispatch_buffer_reserve_first(const moert_host *host, moert_device dev,
-                                                 moert_dispatch_buffer *buf, size_t bytes)
+moert_result moert_dispatch_buffer_reserve_first(const moert_host *host, moert_device dev, moert_dispatch_buffer *buf,
+                                                 size_t bytes)
 {
     moert_result rc = moert_dispatch_buffer_reserve(host, dev, buf, bytes);
     if (rc != MOERT_ERR_UNSUPPORTED) return rc;
@@ -156,8 +156,8 @@ moert_result moert_dispatch_check_dispatch(const moert_host *host, const moert_d
     if (rc == MOERT_OK && args->topk_probs)
         rc = check_tensor(host, s, call, "topk_probs", args->topk_probs, 2, T, false, K, "T from prepare(), topk", -1);
     if (rc == MOERT_OK && args->recv_probs)
-        rc = check_tensor(host, s, call, "recv_probs", args->recv_probs, 1, cap, true, 0, "capacity from prepare()",
-                          -1);
+        rc =
+            check_tensor(host, s, call, "recv_probs", args->recv_probs, 1, cap, true, 0, "capacity from prepare()", -1);
     return rc;
 }
 
@@ -203,8 +203,8 @@ moert_result moert_dispatch_check_dispatch_backward(const moert_host *host, cons
         rc = report(host, MOERT_ERR_INVALID_ARGUMENT,
                     "%s: d_recv_probs and d_topk_probs must be given together (or both NULL)", call);
     if (rc == MOERT_OK && args->d_recv_probs)
-        rc = check_tensor(host, s, call, "d_recv_probs", args->d_recv_probs, 1, cap, true, 0,
-                          "capacity from prepare()", -1);
+        rc = check_tensor(host, s, call, "d_recv_probs", args->d_recv_probs, 1, cap, true, 0, "capacity from prepare()",
+                          -1);
     if (rc == MOERT_OK && args->d_topk_probs)
         rc = check_tensor(host, s, call, "d_topk_probs", args->d_topk_probs, 2, T, false, K, "T from prepare(), topk",
                           -1);
@@ -224,8 +224,9 @@ moert_result moert_dispatch_check_topk_idx(const moert_host *host, moert_device 
     char a[64];
     if (!topk_idx) return report(host, MOERT_ERR_INVALID_ARGUMENT, "%s: topk_idx is NULL", call);
     if (topk_idx->ndim != 2 || topk_idx->shape[1] != topk)
-        return report(host, MOERT_ERR_INVALID_ARGUMENT, "%s: topk_idx has shape %s, expected [T, %lld] (T tokens, topk)",
-                      call, moert_arg_shape_text(topk_idx, a, sizeof a), (long long)topk);
+        return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                      "%s: topk_idx has shape %s, expected [T, %lld] (T tokens, topk)", call,
+                      moert_arg_shape_text(topk_idx, a, sizeof a), (long long)topk);
     moert_result rc = moert_arg_check_tensor(host, dev, call, "topk_idx", topk_idx, 2, topk_idx->shape[0], false, topk,
                                              "T tokens, topk", MOERT_I32);
     if (rc != MOERT_OK) return rc;

@@ -25,9 +25,8 @@
 #else
 #define MOERT_DISPATCH_DEVICES MOERT_CAP_DEVICE(MOERT_DEVICE_CPU)
 #endif
-#define MOERT_DISPATCH_DTYPES                                                                                \
-    (MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) |                 \
-     MOERT_CAP_DTYPE(MOERT_F16))
+#define MOERT_DISPATCH_DTYPES                                                                                          \
+    (MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) | MOERT_CAP_DTYPE(MOERT_F16))
 
 /* ---- buffers ---- */
 
@@ -44,8 +43,8 @@ moert_result moert_dispatch_buffer_reserve(const moert_host *host, moert_device 
 
 /* moert_dispatch_buffer_reserve for the first device buffer of a CUDA path's init: a host that cannot allocate on
  * the device (a CPU-only host) is refused with a message saying so. */
-moert_result moert_dispatch_buffer_reserve_first(const moert_host *host, moert_device dev,
-                                                 moert_dispatch_buffer *buf, size_t bytes);
+moert_result moert_dispatch_buffer_reserve_first(const moert_host *host, moert_device dev, moert_dispatch_buffer *buf,
+                                                 size_t bytes);
 
 /* Gives buf's memory on `dev` back to the host. */
 void moert_dispatch_buffer_release(const moert_host *host, moert_device dev, moert_dispatch_buffer *buf);
@@ -91,10 +90,10 @@ double moert_dispatch_bytes_to_peers(const int64_t *rows, int peers, int self, d
 
 /* What the checks of the calls after prepare() know of the step. */
 typedef struct moert_dispatch_step_shape {
-    bool prepared;                  /* prepare() succeeded since init */
-    moert_device device;            /* the layer's */
-    int64_t tokens, topk, hidden;   /* T of the step, K, H */
-    int64_t capacity;               /* rows of the grouped buffers */
+    bool prepared;                /* prepare() succeeded since init */
+    moert_device device;          /* the layer's */
+    int64_t tokens, topk, hidden; /* T of the step, K, H */
+    int64_t capacity;             /* rows of the grouped buffers */
 } moert_dispatch_step_shape;
 
 /* The checks of each call after prepare(): prepare() succeeded, args is there and big enough, its tensors have the
@@ -156,10 +155,8 @@ int64_t moert_dispatch_plan_groups(const int64_t *all_counts, int world, int ran
                                    int64_t *tokens_per_expert, int64_t *group_start);
 
 /* grouped[dest[i]] = staging[i] for n rows of row_bytes, and its inverse. */
-void moert_dispatch_scatter_rows(const int64_t *dest, int64_t n, const void *staging, size_t row_bytes,
-                                 void *grouped);
-void moert_dispatch_gather_rows(const int64_t *dest, int64_t n, const void *grouped, size_t row_bytes,
-                                void *staging);
+void moert_dispatch_scatter_rows(const int64_t *dest, int64_t n, const void *staging, size_t row_bytes, void *grouped);
+void moert_dispatch_gather_rows(const int64_t *dest, int64_t n, const void *grouped, size_t row_bytes, void *staging);
 
 /* The same for probs: out[dest[i]] = staging[i] stored in dtype, and staging[i] = probs[dest[i]] read as double
  * (out and probs: `size` values). */

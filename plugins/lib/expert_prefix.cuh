@@ -6,8 +6,7 @@
 #include <stdint.h>
 
 /* The inclusive prefix sum of v over the warp's lanes (all 32 present). */
-template <typename T>
-__device__ __forceinline__ T warp_inclusive_sum(T v)
+template <typename T> __device__ __forceinline__ T warp_inclusive_sum(T v)
 {
     const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -23,8 +22,8 @@ __device__ __forceinline__ T warp_inclusive_sum(T v)
  * clamped to the capacity; [E] is the end of the last) and tile_start[0..E] (each expert's first row tile of
  * tile_rows rows; [E] the total). Lane l handles a run of consecutive experts; row_start parks the clamped counts in between. The caller syncs.
  */
-__device__ __forceinline__ void expert_prefix(const int64_t *counts, int E, int64_t cap, int tile_rows, int64_t *row_start,
-                                              int *tile_start)
+__device__ __forceinline__ void expert_prefix(const int64_t *counts, int E, int64_t cap, int tile_rows,
+                                              int64_t *row_start, int *tile_start)
 {
     const int lane = threadIdx.x & 31;
     const int per = (E + 31) / 32;

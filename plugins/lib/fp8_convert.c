@@ -71,8 +71,10 @@ float fp8_to_float(uint8_t bits, fp8_format format)
     if (format == FP8_E4M3 && (bits & 0x7f) == 0x7f) return NAN;
     if (format == FP8_E5M2 && exponent_field == 31) return mantissa_field ? NAN : (float)(sign * INFINITY);
     double value;
-    if (exponent_field == 0) value = ldexp((double)mantissa_field, f.min_exponent - f.mantissa_bits);
-    else value = ldexp((double)((1u << f.mantissa_bits) | mantissa_field),
-                       (int)exponent_field - f.exponent_bias - f.mantissa_bits);
+    if (exponent_field == 0)
+        value = ldexp((double)mantissa_field, f.min_exponent - f.mantissa_bits);
+    else
+        value = ldexp((double)((1u << f.mantissa_bits) | mantissa_field),
+                      (int)exponent_field - f.exponent_bias - f.mantissa_bits);
     return (float)(sign * value);
 }

@@ -30,13 +30,17 @@ const char *moert_gemm_dims_text(int ndim, const int64_t *shape, char *buf, size
 
 const char *moert_gemm_device_text(moert_device dev, char *buf, size_t size)
 {
-    if (dev.type == MOERT_DEVICE_CUDA) snprintf(buf, size, "cuda:%d", (int)dev.id);
-    else snprintf(buf, size, "%s", dev.type == MOERT_DEVICE_CPU ? "cpu" : dev.type == MOERT_DEVICE_CUDA_HOST
-                                                                             ? "cuda_host" : "unknown");
+    if (dev.type == MOERT_DEVICE_CUDA)
+        snprintf(buf, size, "cuda:%d", (int)dev.id);
+    else
+        snprintf(buf, size, "%s",
+                 dev.type == MOERT_DEVICE_CPU         ? "cpu"
+                 : dev.type == MOERT_DEVICE_CUDA_HOST ? "cuda_host"
+                                                      : "unknown");
     return buf;
 }
 
-#define dims_text moert_gemm_dims_text
+#define dims_text   moert_gemm_dims_text
 #define device_name moert_gemm_device_text
 
 /* Whether a tensor's memory is the layer's device (the same CUDA ordinal on CUDA). */
@@ -85,9 +89,10 @@ static moert_result read_counts(const gemm_check *c, const char *call, const moe
     const moert_tensor *t = args->tokens_per_expert;
     char a[64], b[64];
     if (t && (t->dtype != MOERT_I64 || t->ndim != 1 || t->shape[0] != El))
-        return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: tokens_per_expert is %s %s, expected int64 [%lld] "
-                    "(num_local_experts)", call, moert_dtype_name(t->dtype), dims_text(t->ndim, t->shape, a, sizeof a),
-                    (long long)El);
+        return fail(c, MOERT_ERR_INVALID_ARGUMENT,
+                    "%s: tokens_per_expert is %s %s, expected int64 [%lld] "
+                    "(num_local_experts)",
+                    call, moert_dtype_name(t->dtype), dims_text(t->ndim, t->shape, a, sizeof a), (long long)El);
     if (args->tokens_per_expert_host) {
         *counts = args->tokens_per_expert_host;
     } else if (!t || !t->data) {
@@ -97,9 +102,10 @@ static moert_result read_counts(const gemm_check *c, const char *call, const moe
         moert_result rc = c->fetch(c->user, t, counts);
         if (rc != MOERT_OK) return rc;
     } else if (t->device.type != MOERT_DEVICE_CPU) {
-        return fail(c, MOERT_ERR_UNSUPPORTED, "%s: tokens_per_expert is on %s and tokens_per_expert_host is NULL; "
-                    "the counts must be on the host or on the layer's device (%s)", call,
-                    device_name(t->device, a, sizeof a), device_name(c->layer->device, b, sizeof b));
+        return fail(c, MOERT_ERR_UNSUPPORTED,
+                    "%s: tokens_per_expert is on %s and tokens_per_expert_host is NULL; "
+                    "the counts must be on the host or on the layer's device (%s)",
+                    call, device_name(t->device, a, sizeof a), device_name(c->layer->device, b, sizeof b));
     } else {
         *counts = t->data;
     }
@@ -121,13 +127,17 @@ moert_result moert_gemm_check_args(const moert_host *host, const moert_layer_inf
         return fail(c, MOERT_ERR_INVALID_ARGUMENT, "grouped_gemm(): which is %d, expected fc1 (0) or fc2 (1)",
                     (int)args->which);
     if (args->pass < MOERT_GEMM_FORWARD || args->pass > MOERT_GEMM_WGRAD)
-        return fail(c, MOERT_ERR_INVALID_ARGUMENT, "grouped_gemm(): pass is %d, expected forward (0), dgrad (1) "
-                    "or wgrad (2)", (int)args->pass);
+        return fail(c, MOERT_ERR_INVALID_ARGUMENT,
+                    "grouped_gemm(): pass is %d, expected forward (0), dgrad (1) "
+                    "or wgrad (2)",
+                    (int)args->pass);
     snprintf(call, call_size, "grouped_gemm(%s, %s)", args->which == MOERT_GEMM_FC1 ? "fc1" : "fc2",
              pass_names[args->pass]);
     if (args->struct_size < sizeof *args)
-        return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: args.struct_size is %u, expected at least %zu (set it to "
-                    "sizeof the struct)", call, args->struct_size, sizeof *args);
+        return fail(c, MOERT_ERR_INVALID_ARGUMENT,
+                    "%s: args.struct_size is %u, expected at least %zu (set it to "
+                    "sizeof the struct)",
+                    call, args->struct_size, sizeof *args);
 
     const int64_t El = c->layer->num_local_experts, H = c->layer->hidden, F = c->layer->ffn_hidden;
     shape->num_experts = El;
@@ -162,8 +172,8 @@ moert_result moert_gemm_check_args(const moert_host *host, const moert_layer_inf
                : check_tensor(c, call, lead_name, lead, 2, in_shape, in_why);
     if (rc != MOERT_OK) return rc;
     if (total > rows)
-        return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: tokens_per_expert sums to %lld rows but %s has only %lld",
-                    call, (long long)total, lead_name, (long long)rows);
+        return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: tokens_per_expert sums to %lld rows but %s has only %lld", call,
+                    (long long)total, lead_name, (long long)rows);
 
     switch (args->pass) {
     case MOERT_GEMM_FORWARD:

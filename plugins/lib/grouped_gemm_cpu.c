@@ -56,7 +56,8 @@ static void load_block_double(const moert_tensor *t, int64_t base, int64_t rows,
                               double *dst)
 {
     for (int64_t i = 0; i < rows; i++)
-        for (int64_t j = 0; j < cols; j++) dst[transpose ? j * rows + i : i * cols + j] = moert_load(t, base + i * cols + j);
+        for (int64_t j = 0; j < cols; j++)
+            dst[transpose ? j * rows + i : i * cols + j] = moert_load(t, base + i * cols + j);
 }
 
 /* c[m,n] = a[m,kk] @ b[kk,n] with fp32 accumulation, summing over kk in order. */
@@ -106,8 +107,8 @@ static void store_block(moert_tensor *t, int64_t base, int64_t m, int64_t n, con
 }
 
 /* Runs one pass over all experts; each expert's operands are converted, multiplied and stored. */
-moert_result bf16_cpu_grouped_gemm(const moert_grouped_gemm_args *args, const bf16_gemm_shape *shape,
-                                   bf16_mode mode, bf16_scratch *scratch)
+moert_result bf16_cpu_grouped_gemm(const moert_grouped_gemm_args *args, const bf16_gemm_shape *shape, bf16_mode mode,
+                                   bf16_scratch *scratch)
 {
     const int64_t K = shape->k_in, N = shape->n_out;
     const bool wide = mode == BF16_MODE_FP64;
@@ -127,7 +128,8 @@ moert_result bf16_cpu_grouped_gemm(const moert_grouped_gemm_args *args, const bf
         /* a: [m,K] (FORWARD), [m,N] (DGRAD), [K,m] (WGRAD); b: [K,N], [N,K], [m,N]; c: [m,N], [m,K], [K,N]. */
         size_t a_elems = (size_t)(m * (args->pass == MOERT_GEMM_DGRAD ? N : K));
         size_t b_elems = (size_t)(args->pass == MOERT_GEMM_WGRAD ? m * N : K * N);
-        size_t c_elems = (size_t)(args->pass == MOERT_GEMM_WGRAD ? K * N : m * (args->pass == MOERT_GEMM_DGRAD ? K : N));
+        size_t c_elems =
+            (size_t)(args->pass == MOERT_GEMM_WGRAD ? K * N : m * (args->pass == MOERT_GEMM_DGRAD ? K : N));
         if (!scratch_reserve(&scratch->a, &scratch->a_elems, a_elems) ||
             !scratch_reserve(&scratch->b, &scratch->b_elems, b_elems) ||
             !scratch_reserve(&scratch->c, &scratch->c_elems, c_elems))

@@ -29,8 +29,8 @@ typedef moert_gemm_shape bf16_gemm_shape;
 bf16_mode bf16_mode_for_dtype(moert_dtype dtype);
 
 /* Runs args->pass for every expert. Returns MOERT_ERR_OUT_OF_MEMORY if scratch cannot grow, else MOERT_OK. */
-moert_result bf16_cpu_grouped_gemm(const moert_grouped_gemm_args *args, const bf16_gemm_shape *shape,
-                                   bf16_mode mode, bf16_scratch *scratch);
+moert_result bf16_cpu_grouped_gemm(const moert_grouped_gemm_args *args, const bf16_gemm_shape *shape, bf16_mode mode,
+                                   bf16_scratch *scratch);
 
 void bf16_scratch_free(bf16_scratch *scratch);
 

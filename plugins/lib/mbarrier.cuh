@@ -24,10 +24,11 @@ __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity)
 {
     uint32_t done = 0;
     while (!done)
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(done)
-                     : "r"(smem_addr(bar)), "r"(parity)
-                     : "memory");
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(done)
+            : "r"(smem_addr(bar)), "r"(parity)
+            : "memory");
 }
 
 /* One arrival (release: this thread's earlier shared-memory writes are seen by whoever waits on the phase). */
@@ -39,8 +40,7 @@ __device__ __forceinline__ void mbar_arrive(uint64_t *bar)
 /* One arrival that also announces `bytes` of copies completing on this phase. */
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t *bar, uint32_t bytes)
 {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
-                 : "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
 
 /* Global -> shared bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned), completing on bar. */
@@ -150,8 +150,7 @@ __device__ __forceinline__ void tensor_store_2d(const void *tensor_map, int32_t 
  * load); with valid 0 it writes zeros and reads nothing (src need not point anywhere then). */
 __device__ __forceinline__ void async_copy4(void *dst_smem, const void *src, bool valid)
 {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(dst_smem)), "l"(src),
-                 "r"(valid ? 4 : 0)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(dst_smem)), "l"(src), "r"(valid ? 4 : 0)
                  : "memory");
 }
 

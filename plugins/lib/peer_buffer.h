@@ -22,21 +22,21 @@
 #define PEER_BUFFER_INLINE static inline
 #endif
 
-#define PEER_MAX_RANKS 8
-#define PEER_MAX_CHANNELS 132 /* sending blocks of a call: num_sms, at most 132 */
-#define PEER_FP8_BLOCK 128    /* elements per FP8 scale (1x128 blocks) */
-#define PEER_FP8_MAX 448.0f   /* largest E4M3 value */
+#define PEER_MAX_RANKS    8
+#define PEER_MAX_CHANNELS 132    /* sending blocks of a call: num_sms, at most 132 */
+#define PEER_FP8_BLOCK    128    /* elements per FP8 scale (1x128 blocks) */
+#define PEER_FP8_MAX      448.0f /* largest E4M3 value */
 
 /* What a bounded wait that ran out waited for (the kind in the failure word the kernels record; each plugin's buffer
  * header adds kinds of its own after these). */
-#define PEER_WAIT_ARRIVAL 1  /* waited for a peer's rows */
+#define PEER_WAIT_ARRIVAL  1 /* waited for a peer's rows */
 #define PEER_WAIT_CONSUMED 2 /* waited for a peer to read the previous call's rows */
 
 /* The calls, as the shared call frame names them to a plugin's CUDA path (peer_dispatch.h). */
-#define PEER_CALL_PREPARE 0
-#define PEER_CALL_DISPATCH 1
-#define PEER_CALL_COMBINE 2
-#define PEER_CALL_COMBINE_BACKWARD 3
+#define PEER_CALL_PREPARE           0
+#define PEER_CALL_DISPATCH          1
+#define PEER_CALL_COMBINE           2
+#define PEER_CALL_COMBINE_BACKWARD  3
 #define PEER_CALL_DISPATCH_BACKWARD 4
 
 /* One arrival record: the writer's rows are slot rows [begin, end); seq is written last. */

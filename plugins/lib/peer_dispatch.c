@@ -72,8 +72,8 @@ moert_result peer_dispatch_mark_broken(peer_dispatch *d, moert_result code, cons
 /* ---- argument checks ---- */
 
 moert_result peer_dispatch_check_tensor(const peer_dispatch *d, const char *call, const char *name,
-                                        const moert_tensor *t, int ndim, int64_t rows, bool rows_at_least,
-                                        int64_t cols, const char *rows_what, int need_dtype)
+                                        const moert_tensor *t, int ndim, int64_t rows, bool rows_at_least, int64_t cols,
+                                        const char *rows_what, int need_dtype)
 {
     return moert_arg_check_tensor(d->host, d->layer.device, call, name, t, ndim, rows, rows_at_least, cols, rows_what,
                                   need_dtype);
@@ -106,8 +106,10 @@ static moert_result check_call(const peer_dispatch *d, const char *call, const v
     if (!d->prepared)
         return peer_dispatch_fail(d, MOERT_ERR_INVALID_ARGUMENT, "%s: called before a successful prepare()", call);
     if (needs_dispatch && !d->dispatched)
-        return peer_dispatch_fail(d, MOERT_ERR_INVALID_ARGUMENT, "%s: called before dispatch() or combine_backward() "
-                                  "of this step (the rows to combine are known from the dispatch)", call);
+        return peer_dispatch_fail(d, MOERT_ERR_INVALID_ARGUMENT,
+                                  "%s: called before dispatch() or combine_backward() "
+                                  "of this step (the rows to combine are known from the dispatch)",
+                                  call);
     if (!args) return peer_dispatch_fail(d, MOERT_ERR_INVALID_ARGUMENT, "%s: args is NULL", call);
     return moert_arg_check_struct_size(d->host, call, "args", struct_size, expected_size);
 }
@@ -130,8 +132,7 @@ static moert_result check_received_rows(const peer_dispatch *d, const char *call
 
 /* Two optional prob tensors, given together or not at all (named in the message in this order). */
 static moert_result check_probs_together(const peer_dispatch *d, const char *call, const char *first_name,
-                                         const moert_tensor *first, const char *second_name,
-                                         const moert_tensor *second)
+                                         const moert_tensor *first, const char *second_name, const moert_tensor *second)
 {
     if ((first == NULL) == (second == NULL)) return MOERT_OK;
     return peer_dispatch_fail(d, MOERT_ERR_INVALID_ARGUMENT, "%s: %s and %s must be given together (or both NULL)",
@@ -139,8 +140,8 @@ static moert_result check_probs_together(const peer_dispatch *d, const char *cal
 }
 
 /* Probs per token copy, [T, topk], when given. */
-static moert_result check_token_probs(const peer_dispatch *d, const char *call, const char *name,
-                                      const moert_tensor *t, int64_t tokens)
+static moert_result check_token_probs(const peer_dispatch *d, const char *call, const char *name, const moert_tensor *t,
+                                      int64_t tokens)
 {
     if (!t) return MOERT_OK;
     return peer_dispatch_check_tensor(d, call, name, t, 2, tokens, false, d->layer.topk, "T from prepare(), topk", -1);
@@ -184,8 +185,7 @@ moert_result peer_dispatch_check_combine_backward(const peer_dispatch *d, const 
     const char *call = "combine_backward()";
     moert_result rc = check_call(d, call, args, args ? args->struct_size : 0, sizeof *args, false);
     if (rc == MOERT_OK) rc = check_token_rows(d, call, "d_y", args->d_y, tokens);
-    if (rc == MOERT_OK)
-        rc = check_received_rows(d, call, "d_y_expert", args->d_y_expert, recv_rows, args->d_y->dtype);
+    if (rc == MOERT_OK) rc = check_received_rows(d, call, "d_y_expert", args->d_y_expert, recv_rows, args->d_y->dtype);
     return rc;
 }
 
@@ -220,8 +220,10 @@ moert_result peer_dispatch_alloc_failed(const peer_dispatch *d, moert_result rc)
 {
     char dev[32];
     if (rc != MOERT_ERR_UNSUPPORTED || !d->on_cuda) return rc;
-    return peer_dispatch_fail(d, rc, "the host serving this instance cannot allocate on %s (a CPU-only host): only a "
-                              "CPU path can run here", moert_arg_device_text(d->layer.device, dev, sizeof dev));
+    return peer_dispatch_fail(d, rc,
+                              "the host serving this instance cannot allocate on %s (a CPU-only host): only a "
+                              "CPU path can run here",
+                              moert_arg_device_text(d->layer.device, dev, sizeof dev));
 }
 
 /* ---- prepare() ---- */
@@ -237,20 +239,25 @@ moert_result peer_dispatch_prepare_begin(peer_dispatch *d, const moert_dispatch_
 moert_result peer_dispatch_bad_expert(const peer_dispatch *d, const moert_tensor *topk_idx, int64_t bad)
 {
     const int64_t K = d->layer.topk;
-    return peer_dispatch_fail(d, MOERT_ERR_INVALID_ARGUMENT, "prepare(): topk_idx[%lld][%lld] is %d, expected an "
-                              "expert id in [0, %lld) or -1 (dropped)", (long long)(bad / K), (long long)(bad % K),
-                              (int)((const int32_t *)topk_idx->data)[bad], (long long)d->layer.num_experts);
+    return peer_dispatch_fail(d, MOERT_ERR_INVALID_ARGUMENT,
+                              "prepare(): topk_idx[%lld][%lld] is %d, expected an "
+                              "expert id in [0, %lld) or -1 (dropped)",
+                              (long long)(bad / K), (long long)(bad % K), (int)((const int32_t *)topk_idx->data)[bad],
+                              (long long)d->layer.num_experts);
 }
 
 moert_result peer_dispatch_check_peer_prepare(const peer_dispatch *d, int s, int64_t status, int64_t channels)
 {
     if (status != 0)
-        return peer_dispatch_fail(d, MOERT_ERR_INVALID_ARGUMENT, "prepare(): rank %d failed its prepare() (see its "
-                                  "error), so this step cannot dispatch", s);
+        return peer_dispatch_fail(d, MOERT_ERR_INVALID_ARGUMENT,
+                                  "prepare(): rank %d failed its prepare() (see its "
+                                  "error), so this step cannot dispatch",
+                                  s);
     if (channels != d->channels)
-        return peer_dispatch_fail(d, MOERT_ERR_CONFIG, "prepare(): rank %d sends with %lld blocks (num_sms), this "
-                                  "rank with %lld: every rank needs the same num_sms", s, (long long)channels,
-                                  (long long)d->channels);
+        return peer_dispatch_fail(d, MOERT_ERR_CONFIG,
+                                  "prepare(): rank %d sends with %lld blocks (num_sms), this "
+                                  "rank with %lld: every rank needs the same num_sms",
+                                  s, (long long)channels, (long long)d->channels);
     return MOERT_OK;
 }
 
@@ -322,8 +329,8 @@ moert_result peer_dispatch_run_dispatch(void *ctx, moert_stream stream, const mo
     moert_result rc = peer_dispatch_check_status(d);
     if (rc == MOERT_OK) rc = peer_dispatch_check_dispatch(d, args, d->step_tokens, d->step_rows);
     if (rc == MOERT_OK)
-        rc = dispatch_like(d, stream, "dispatch()", PEER_CALL_DISPATCH, d->fp8, args->x, args->topk_probs,
-                           args->recv_x, args->recv_probs);
+        rc = dispatch_like(d, stream, "dispatch()", PEER_CALL_DISPATCH, d->fp8, args->x, args->topk_probs, args->recv_x,
+                           args->recv_probs);
     if (rc != MOERT_OK || !d->step_sent_to) return rc;
     const int64_t H = d->layer.hidden;
     peer_dispatch_report_sent(d, d->step_sent_to,
@@ -343,8 +350,7 @@ moert_result peer_dispatch_run_combine(void *ctx, moert_stream stream, const moe
 }
 
 /* The adjoint of combine: a dispatch of d_y's rows (as they are, no probs). */
-moert_result peer_dispatch_run_combine_backward(void *ctx, moert_stream stream,
-                                                const moert_combine_backward_args *args)
+moert_result peer_dispatch_run_combine_backward(void *ctx, moert_stream stream, const moert_combine_backward_args *args)
 {
     peer_dispatch *d = ctx;
     moert_result rc = peer_dispatch_check_status(d);
@@ -432,13 +438,16 @@ void peer_dispatch_buffer_release(peer_dispatch *d, int channels, const int64_t 
     if (d->buf && d->seq > 0 && d->broken == MOERT_OK) {
         int late = -1;
 #ifdef MOERT_HAVE_CUDA
-        if (d->on_cuda) late = cuda_wait_released(d->buf, d->world, channels, device_seq, d->seq, d->timeout_ms);
+        if (d->on_cuda)
+            late = cuda_wait_released(d->buf, d->world, channels, device_seq, d->seq, d->timeout_ms);
         else
 #endif
             late = peer_cpu_wait_released(d->buf, d->world, d->seq, d->timeout_ms);
         if (late >= 0)
-            d->host->log(d->host, MOERT_LOG_WARN, "rank %d did not release this rank's rows of call %lld within %lld "
-                         "ms; freeing the buffer anyway", late, (long long)d->seq, (long long)d->timeout_ms);
+            d->host->log(d->host, MOERT_LOG_WARN,
+                         "rank %d did not release this rank's rows of call %lld within %lld "
+                         "ms; freeing the buffer anyway",
+                         late, (long long)d->seq, (long long)d->timeout_ms);
     }
     if (d->buf) d->host->free(d->host, d->layer.device, d->buf);
     d->buf = NULL;
@@ -447,12 +456,18 @@ void peer_dispatch_buffer_release(peer_dispatch *d, int channels, const int64_t 
 
 /* ---- the CPU path's calls ---- */
 
-peer_cpu_link peer_dispatch_cpu_link(peer_dispatch *d, int64_t seq, int64_t *recv_meta, char *error,
-                                     size_t error_size)
+peer_cpu_link peer_dispatch_cpu_link(peer_dispatch *d, int64_t seq, int64_t *recv_meta, char *error, size_t error_size)
 {
-    peer_cpu_link l = {.geo = &d->geo, .local = d->buf, .peers = d->peers, .rank = d->rank, .seq = seq,
-                       .timeout_ms = d->timeout_ms, .recv_meta = recv_meta, .recv_rows = d->recv_rows,
-                       .error = error, .error_size = error_size};
+    peer_cpu_link l = {.geo = &d->geo,
+                       .local = d->buf,
+                       .peers = d->peers,
+                       .rank = d->rank,
+                       .seq = seq,
+                       .timeout_ms = d->timeout_ms,
+                       .recv_meta = recv_meta,
+                       .recv_rows = d->recv_rows,
+                       .error = error,
+                       .error_size = error_size};
     return l;
 }
 
@@ -532,15 +547,20 @@ moert_result peer_dispatch_cuda_check_layer(const peer_dispatch *d, int64_t max_
     moert_arg_device_text(d->layer.device, dev, sizeof dev);
     MOK(check_cuda_device_visible(d->host, id, dev));
     if (d->layer.num_experts > max_experts)
-        return peer_dispatch_fail(d, MOERT_ERR_UNSUPPORTED, "the %s dispatcher's CUDA path takes at most %lld experts, "
-                                  "the layer has %lld", d->name, (long long)max_experts,
-                                  (long long)d->layer.num_experts);
+        return peer_dispatch_fail(d, MOERT_ERR_UNSUPPORTED,
+                                  "the %s dispatcher's CUDA path takes at most %lld experts, "
+                                  "the layer has %lld",
+                                  d->name, (long long)max_experts, (long long)d->layer.num_experts);
     if (d->layer.topk > 32)
-        return peer_dispatch_fail(d, MOERT_ERR_UNSUPPORTED, "the %s dispatcher's CUDA path takes topk <= 32 (a warp's "
-                                  "lanes), the layer has %lld", d->name, (long long)d->layer.topk);
+        return peer_dispatch_fail(d, MOERT_ERR_UNSUPPORTED,
+                                  "the %s dispatcher's CUDA path takes topk <= 32 (a warp's "
+                                  "lanes), the layer has %lld",
+                                  d->name, (long long)d->layer.topk);
     if (d->layer.dtype != MOERT_BF16 && d->layer.dtype != MOERT_F32)
-        return peer_dispatch_fail(d, MOERT_ERR_UNSUPPORTED, "the %s dispatcher's CUDA path moves bf16 or fp32 rows, "
-                                  "the layer is %s", d->name, moert_dtype_name(d->layer.dtype));
+        return peer_dispatch_fail(d, MOERT_ERR_UNSUPPORTED,
+                                  "the %s dispatcher's CUDA path moves bf16 or fp32 rows, "
+                                  "the layer is %s",
+                                  d->name, moert_dtype_name(d->layer.dtype));
     return MOERT_OK;
 }
 

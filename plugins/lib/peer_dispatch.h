@@ -23,9 +23,8 @@
 #else
 #define PEER_DISPATCH_DEVICES MOERT_CAP_DEVICE(MOERT_DEVICE_CPU)
 #endif
-#define PEER_DISPATCH_DTYPES                                                                                       \
-    (MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) |                     \
-     MOERT_CAP_DTYPE(MOERT_F16))
+#define PEER_DISPATCH_DTYPES                                                                                           \
+    (MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) | MOERT_CAP_DTYPE(MOERT_F16))
 
 typedef struct peer_dispatch peer_dispatch;
 
@@ -49,30 +48,30 @@ typedef struct peer_dispatch_cuda {
 struct peer_dispatch {
     const moert_host *host;
     moert_layer_info layer;
-    const char *name;           /* the plugin's name, for messages */
+    const char *name; /* the plugin's name, for messages */
     int world, rank;
     bool on_cuda;
     int64_t num_sms, channels, timeout_ms;
-    moert_result broken;        /* MOERT_OK, or the code of a failure after which the group's buffers are out of step */
+    moert_result broken; /* MOERT_OK, or the code of a failure after which the group's buffers are out of step */
     char broken_msg[512];
 
-    bool prepared, dispatched;  /* prepare() succeeded; a dispatch-like call ran since */
-    int64_t seq;                /* sequence number of the last call through the buffers (the host's count) */
+    bool prepared, dispatched; /* prepare() succeeded; a dispatch-like call ran since */
+    int64_t seq;               /* sequence number of the last call through the buffers (the host's count) */
 
     peer_geometry geo;
-    void *buf;                  /* this rank's peer-visible buffer on the layer's device */
+    void *buf; /* this rank's peer-visible buffer on the layer's device */
     size_t buf_bytes;
     void *peers[PEER_MAX_RANKS];
     int64_t recv_rows[PEER_MAX_RANKS]; /* CPU path: rows received from each rank by the last dispatch-like call */
 
-    bool fp8;                   /* forward dispatch() sends E4M3 rows with 1x128 scales (deepep's dispatch_dtype) */
+    bool fp8;                       /* forward dispatch() sends E4M3 rows with 1x128 scales (deepep's dispatch_dtype) */
     const peer_dispatch_cuda *cuda; /* the plugin's CUDA path (set at init on CUDA) */
     /* this step, set by the plugin's prepare() */
-    int64_t step_tokens;        /* T */
-    int64_t step_rows;          /* rows a tensor of received rows must hold: num_recv, or the worst-case capacity */
+    int64_t step_tokens;         /* T */
+    int64_t step_rows;           /* rows a tensor of received rows must hold: num_recv, or the worst-case capacity */
     const int64_t *step_sent_to; /* [world] this rank's tokens per destination on the host; NULL: not known there */
-    peer_cpu_route route;       /* CPU path: this step's routing on this rank */
-    int64_t *recv_meta;         /* CPU path: [world][rows_cap][K], saved by dispatch-like calls */
+    peer_cpu_route route;        /* CPU path: this step's routing on this rank */
+    int64_t *recv_meta;          /* CPU path: [world][rows_cap][K], saved by dispatch-like calls */
 };
 
 /*
@@ -100,8 +99,8 @@ moert_result peer_dispatch_mark_broken(peer_dispatch *d, moert_result code, cons
 
 /* The shared checks (tensor_args.h) of one tensor argument, for this instance's host and layer device. */
 moert_result peer_dispatch_check_tensor(const peer_dispatch *d, const char *call, const char *name,
-                                        const moert_tensor *t, int ndim, int64_t rows, bool rows_at_least,
-                                        int64_t cols, const char *rows_what, int need_dtype);
+                                        const moert_tensor *t, int ndim, int64_t rows, bool rows_at_least, int64_t cols,
+                                        const char *rows_what, int need_dtype);
 
 /* prepare()'s layout argument: present and large enough. */
 moert_result peer_dispatch_check_layout(const peer_dispatch *d, const moert_dispatch_layout *layout);
@@ -182,8 +181,7 @@ moert_result peer_dispatch_buffer_setup(peer_dispatch *d, int64_t rows_cap, size
 void peer_dispatch_buffer_release(peer_dispatch *d, int channels, const int64_t *device_seq);
 
 /* The CPU path's link for call number seq (recv_meta: the plugin's [world][rows_cap][K] array). */
-peer_cpu_link peer_dispatch_cpu_link(peer_dispatch *d, int64_t seq, int64_t *recv_meta, char *error,
-                                     size_t error_size);
+peer_cpu_link peer_dispatch_cpu_link(peer_dispatch *d, int64_t seq, int64_t *recv_meta, char *error, size_t error_size);
 
 /* A dispatch-like call on the CPU (dispatch, combine_backward) as call number seq; a stall breaks the instance. */
 moert_result peer_dispatch_cpu_dispatch(peer_dispatch *d, const char *call, int64_t seq, int64_t *recv_meta,

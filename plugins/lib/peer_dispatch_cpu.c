@@ -243,8 +243,7 @@ int peer_cpu_combine(const peer_cpu_link *link, const peer_cpu_route *route, int
                     moert_store(&pv, h, a);
                 }
             }
-            for (int64_t k = 0; k < K; k++)
-                pr[k] = (row_probs && saved[k] >= 0) ? moert_load(&rpv, saved[k]) : 0.0;
+            for (int64_t k = 0; k < K; k++) pr[k] = (row_probs && saved[k] >= 0) ? moert_load(&rpv, saved[k]) : 0.0;
         }
         publish(link, s, n);
     }

@@ -25,26 +25,26 @@ int64_t peer_plan_sizes(int world, int rank, int64_t num_experts, int64_t num_lo
 /* What a CPU call needs to talk to its peers. */
 typedef struct peer_cpu_link {
     const peer_geometry *geo;
-    void *local;            /* this rank's buffer */
-    void *const *peers;     /* [world] every rank's buffer */
-    int rank;               /* this rank */
-    int64_t seq;            /* this call's sequence number (>= 1) */
-    int64_t timeout_ms;     /* bound of every wait */
-    int64_t *recv_meta;     /* [world][rows_cap][K] saved by dispatch-like calls: rows of each received copy */
-    int64_t *recv_rows;     /* [world] rows received from each rank by the last dispatch-like call */
-    char *error;            /* the message of a stall */
+    void *local;        /* this rank's buffer */
+    void *const *peers; /* [world] every rank's buffer */
+    int rank;           /* this rank */
+    int64_t seq;        /* this call's sequence number (>= 1) */
+    int64_t timeout_ms; /* bound of every wait */
+    int64_t *recv_meta; /* [world][rows_cap][K] saved by dispatch-like calls: rows of each received copy */
+    int64_t *recv_rows; /* [world] rows received from each rank by the last dispatch-like call */
+    char *error;        /* the message of a stall */
     size_t error_size;
 } peer_cpu_link;
 
 /* One step's routing on this rank, as the CPU calls read it. */
 typedef struct peer_cpu_route {
-    int64_t num_tokens;        /* T of this rank */
+    int64_t num_tokens; /* T of this rank */
     int64_t topk, num_local_experts;
-    int64_t num_recv;          /* rows this rank receives */
-    const int32_t *topk_idx;   /* [T*K] the step's expert ids (-1: dropped) */
-    const int64_t *copy_dst;   /* [T*K] row of copy (t,k) on its expert's rank, -1 if dropped */
-    const int64_t *excl;       /* [world][T+1] tokens before t with a copy on rank d */
-    const int64_t *tokens_to;  /* [world] tokens with at least one copy on rank d */
+    int64_t num_recv;         /* rows this rank receives */
+    const int32_t *topk_idx;  /* [T*K] the step's expert ids (-1: dropped) */
+    const int64_t *copy_dst;  /* [T*K] row of copy (t,k) on its expert's rank, -1 if dropped */
+    const int64_t *excl;      /* [world][T+1] tokens before t with a copy on rank d */
+    const int64_t *tokens_to; /* [world] tokens with at least one copy on rank d */
 } peer_cpu_route;
 
 /* Waits until *p >= target (acquire), at most timeout_ms. */

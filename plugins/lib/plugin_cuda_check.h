@@ -9,21 +9,21 @@
 #include "plugin_report.h"
 
 /* Checked CUDA runtime call: on failure reports the call, the CUDA message and the line, and returns. */
-#define CUDA_CHECK(host, call)                                                                               \
-    do {                                                                                                     \
-        cudaError_t err_ = (call);                                                                           \
-        if (err_ != cudaSuccess)                                                                             \
-            return report((host), MOERT_ERR_CUDA, "%s failed: %s (%s:%d)", #call, cudaGetErrorString(err_),  \
-                          __FILE__, __LINE__);                                                               \
+#define CUDA_CHECK(host, call)                                                                                         \
+    do {                                                                                                               \
+        cudaError_t err_ = (call);                                                                                     \
+        if (err_ != cudaSuccess)                                                                                       \
+            return report((host), MOERT_ERR_CUDA, "%s failed: %s (%s:%d)", #call, cudaGetErrorString(err_), __FILE__,  \
+                          __LINE__);                                                                                   \
     } while (0)
 
 /* Checks the kernel launch just made, naming the kernel. */
-#define LAUNCH_CHECK(host, name)                                                                             \
-    do {                                                                                                     \
-        cudaError_t err_ = cudaGetLastError();                                                               \
-        if (err_ != cudaSuccess)                                                                             \
-            return report((host), MOERT_ERR_CUDA, "launch of %s failed: %s (%s:%d)", name,                  \
-                          cudaGetErrorString(err_), __FILE__, __LINE__);                                     \
+#define LAUNCH_CHECK(host, name)                                                                                       \
+    do {                                                                                                               \
+        cudaError_t err_ = cudaGetLastError();                                                                         \
+        if (err_ != cudaSuccess)                                                                                       \
+            return report((host), MOERT_ERR_CUDA, "launch of %s failed: %s (%s:%d)", name, cudaGetErrorString(err_),   \
+                          __FILE__, __LINE__);                                                                         \
     } while (0)
 
 /* MOERT_OK when this process sees CUDA device `id` (a layer's device, named `dev` in the message); else reports
@@ -43,10 +43,10 @@ static inline moert_result check_cuda_device_visible(const moert_host *host, int
 }
 
 /* Checked internal call returning moert_result: a failure returns it (its message already handed over). */
-#define MOK(call)                                                                                            \
-    do {                                                                                                     \
-        moert_result r_ = (call);                                                                            \
-        if (r_ != MOERT_OK) return r_;                                                                       \
+#define MOK(call)                                                                                                      \
+    do {                                                                                                               \
+        moert_result r_ = (call);                                                                                      \
+        if (r_ != MOERT_OK) return r_;                                                                                 \
     } while (0)
 
 #endif

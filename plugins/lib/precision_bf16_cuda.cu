@@ -37,21 +37,20 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define PLAN_CACHE_SLOTS 4096     /* cache of heuristic results, by shape bucket and alignment */
+#define PLAN_CACHE_SLOTS  4096 /* cache of heuristic results, by shape bucket and alignment */
 #define PLAN_CACHE_PROBES 8
-#define GROUPED_CHUNK 256         /* experts per cublasGemmGroupedBatchedEx call (pointer kernel's by-value list) */
-#define GRAPH_CACHE_SLOTS 16      /* kept count vectors (and their executable graphs), least recently used out */
+#define GROUPED_CHUNK     256 /* experts per cublasGemmGroupedBatchedEx call (pointer kernel's by-value list) */
+#define GRAPH_CACHE_SLOTS 16  /* kept count vectors (and their executable graphs), least recently used out */
 
 #include "plugin_cuda_check.h"
 
-
 /* Checked cuBLASLt / cuBLAS call. */
-#define CUBLAS_CHECK(host, call)                                                                             \
-    do {                                                                                                     \
-        cublasStatus_t st_ = (call);                                                                         \
-        if (st_ != CUBLAS_STATUS_SUCCESS)                                                                    \
-            return report((host), MOERT_ERR_CUDA, "%s failed: %s (%s:%d)", #call, cublasLtGetStatusString(st_), \
-                          __FILE__, __LINE__);                                                               \
+#define CUBLAS_CHECK(host, call)                                                                                       \
+    do {                                                                                                               \
+        cublasStatus_t st_ = (call);                                                                                   \
+        if (st_ != CUBLAS_STATUS_SUCCESS)                                                                              \
+            return report((host), MOERT_ERR_CUDA, "%s failed: %s (%s:%d)", #call, cublasLtGetStatusString(st_),        \
+                          __FILE__, __LINE__);                                                                         \
     } while (0)
 
 /* What a cached heuristic answer is valid for. The row-sized dimension (n for FORWARD and DGRAD, k for WGRAD)
@@ -80,10 +79,10 @@ typedef struct graph_entry {
     int valid;
     int32_t pass, dtype, accumulate, output_fp32, mode, streams;
     int64_t num_experts, k_in, n_out;
-    int64_t *counts;          /* [counts_cap], the first num_experts used */
+    int64_t *counts; /* [counts_cap], the first num_experts used */
     int64_t counts_cap;
-    const void *ptrs[6];      /* input, weight, grad_output, output, grad_input, grad_weight of the capture */
-    cudaGraphExec_t exec;     /* NULL: seen once, not captured yet */
+    const void *ptrs[6];  /* input, weight, grad_output, output, grad_input, grad_weight of the capture */
+    cudaGraphExec_t exec; /* NULL: seen once, not captured yet */
     uint64_t last_used;
 } graph_entry;
 
@@ -99,21 +98,21 @@ struct moert_bf16_cuda {
     cudaStream_t lane_stream[MOERT_BF16_CUDA_MAX_STREAMS]; /* [1, streams): internal, created on first need */
     cudaEvent_t join_event[MOERT_BF16_CUDA_MAX_STREAMS];   /* [1, streams): recorded on lane i, waited by lane 0 */
     cudaEvent_t fork_event;                                /* recorded on lane 0, waited by the others */
-    cublasLtMatmulDesc_t desc[3];            /* per pass: transposes set once */
-    layout_state layout[2][3];               /* [fp32, bf16][A, B, C] */
+    cublasLtMatmulDesc_t desc[3];                          /* per pass: transposes set once */
+    layout_state layout[2][3];                             /* [fp32, bf16][A, B, C] */
     cublasLtMatmulPreference_t pref;
-    int32_t pref_align[3];                   /* alignments last written into pref (A, B, C and D); 0: none */
+    int32_t pref_align[3]; /* alignments last written into pref (A, B, C and D); 0: none */
     plan_entry *cache;
-    plan_entry *last_plan;                   /* the previous expert's plan: a repeat key skips the hash */
+    plan_entry *last_plan; /* the previous expert's plan: a repeat key skips the hash */
     moert_bf16_cuda_stats stats;
-    int64_t *offsets;                        /* [scratch_len] row offset of each expert */
-    int32_t *order;                          /* [scratch_len] non-empty experts in issue order */
-    uint64_t *sort_keys;                     /* [scratch_len] */
+    int64_t *offsets;    /* [scratch_len] row offset of each expert */
+    int32_t *order;      /* [scratch_len] non-empty experts in issue order */
+    uint64_t *sort_keys; /* [scratch_len] */
     int64_t scratch_len;
-    void **grouped_ptrs;                     /* device [3 * GROUPED_CHUNK]: A, B, C pointer arrays */
-    int64_t *host_counts;                    /* for moert_bf16_cuda_run without host counts */
+    void **grouped_ptrs;  /* device [3 * GROUPED_CHUNK]: A, B, C pointer arrays */
+    int64_t *host_counts; /* for moert_bf16_cuda_run without host counts */
     int64_t host_counts_len;
-    int graphs;                              /* CUDA graph replay on */
+    int graphs; /* CUDA graph replay on */
     cudaStream_t capture_stream;
     graph_entry graph[GRAPH_CACHE_SLOTS];
     uint64_t graph_clock;
@@ -208,8 +207,8 @@ extern "C" moert_result moert_bf16_cuda_create(const moert_host *host, void *wor
             }
         CUBLAS_CHECK(host, cublasLtMatmulPreferenceCreate(&g->pref));
         uint64_t ws = MOERT_BF16_CUDA_STREAM_WORKSPACE_BYTES; /* per stream: plans do not depend on the streams */
-        CUBLAS_CHECK(host, cublasLtMatmulPreferenceSetAttribute(g->pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                                &ws, sizeof ws));
+        CUBLAS_CHECK(host, cublasLtMatmulPreferenceSetAttribute(g->pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                                                sizeof ws));
         return MOERT_OK;
     }();
     if (rc != MOERT_OK) goto fail;
@@ -272,9 +271,10 @@ extern "C" moert_result moert_bf16_cuda_set_streams(moert_bf16_cuda *g, int stre
     const size_t need = (size_t)streams * MOERT_BF16_CUDA_STREAM_WORKSPACE_BYTES;
     if (g->workspace_bytes < need) {
         if (!g->owns_workspace)
-            return report(host, MOERT_ERR_INVALID_ARGUMENT,
-                          "bf16 cuda: %d streams need a workspace of %zu bytes (%zu per stream), the handle was given %zu",
-                          streams, need, MOERT_BF16_CUDA_STREAM_WORKSPACE_BYTES, g->workspace_bytes);
+            return report(
+                host, MOERT_ERR_INVALID_ARGUMENT,
+                "bf16 cuda: %d streams need a workspace of %zu bytes (%zu per stream), the handle was given %zu",
+                streams, need, MOERT_BF16_CUDA_STREAM_WORKSPACE_BYTES, g->workspace_bytes);
         void *grown = NULL;
         cudaError_t e = cudaMalloc(&grown, need);
         if (e != cudaSuccess)
@@ -343,22 +343,55 @@ static void expert_problem_make(const moert_bf16_cuda_gemm *gm, int64_t e, int64
     const char *w = (const char *)gm->weight + (size_t)e * (size_t)K * (size_t)N * es;
     switch (gm->pass) {
     case MOERT_GEMM_FORWARD:
-        p->m = N; p->n = rows; p->k = K;
-        p->a = w; p->a_rows = N; p->a_cols = K; p->lda = N;
-        p->b = (const char *)gm->input + (size_t)row_offset * K * es; p->b_rows = K; p->b_cols = rows; p->ldb = K;
-        p->c = (char *)gm->output + (size_t)row_offset * N * ces; p->c_rows = N; p->c_cols = rows; p->ldc = N;
+        p->m = N;
+        p->n = rows;
+        p->k = K;
+        p->a = w;
+        p->a_rows = N;
+        p->a_cols = K;
+        p->lda = N;
+        p->b = (const char *)gm->input + (size_t)row_offset * K * es;
+        p->b_rows = K;
+        p->b_cols = rows;
+        p->ldb = K;
+        p->c = (char *)gm->output + (size_t)row_offset * N * ces;
+        p->c_rows = N;
+        p->c_cols = rows;
+        p->ldc = N;
         break;
     case MOERT_GEMM_DGRAD:
-        p->m = K; p->n = rows; p->k = N;
-        p->a = w; p->a_rows = N; p->a_cols = K; p->lda = N;
-        p->b = (const char *)gm->grad_output + (size_t)row_offset * N * es; p->b_rows = N; p->b_cols = rows; p->ldb = N;
-        p->c = (char *)gm->grad_input + (size_t)row_offset * K * ces; p->c_rows = K; p->c_cols = rows; p->ldc = K;
+        p->m = K;
+        p->n = rows;
+        p->k = N;
+        p->a = w;
+        p->a_rows = N;
+        p->a_cols = K;
+        p->lda = N;
+        p->b = (const char *)gm->grad_output + (size_t)row_offset * N * es;
+        p->b_rows = N;
+        p->b_cols = rows;
+        p->ldb = N;
+        p->c = (char *)gm->grad_input + (size_t)row_offset * K * ces;
+        p->c_rows = K;
+        p->c_cols = rows;
+        p->ldc = K;
         break;
     default: /* WGRAD */
-        p->m = N; p->n = K; p->k = rows;
-        p->a = (const char *)gm->grad_output + (size_t)row_offset * N * es; p->a_rows = N; p->a_cols = rows; p->lda = N;
-        p->b = (const char *)gm->input + (size_t)row_offset * K * es; p->b_rows = K; p->b_cols = rows; p->ldb = K;
-        p->c = (char *)gm->grad_weight + (size_t)e * K * N * ces; p->c_rows = N; p->c_cols = K; p->ldc = N;
+        p->m = N;
+        p->n = K;
+        p->k = rows;
+        p->a = (const char *)gm->grad_output + (size_t)row_offset * N * es;
+        p->a_rows = N;
+        p->a_cols = rows;
+        p->lda = N;
+        p->b = (const char *)gm->input + (size_t)row_offset * K * es;
+        p->b_rows = K;
+        p->b_cols = rows;
+        p->ldb = K;
+        p->c = (char *)gm->grad_weight + (size_t)e * K * N * ces;
+        p->c_rows = N;
+        p->c_cols = K;
+        p->ldc = N;
         break;
     }
 }
@@ -451,8 +484,10 @@ static moert_result plan_get(moert_bf16_cuda *g, const moert_bf16_cuda_gemm *gm,
     plan_entry *slot = NULL, *free_slot = NULL;
     for (int probe = 0; probe < PLAN_CACHE_PROBES && !slot; probe++) {
         plan_entry *s = &g->cache[(home + (uint64_t)probe) % PLAN_CACHE_SLOTS];
-        if (s->valid && memcmp(&s->key, &key, sizeof key) == 0) slot = s;
-        else if (!s->valid && !free_slot) free_slot = s;
+        if (s->valid && memcmp(&s->key, &key, sizeof key) == 0)
+            slot = s;
+        else if (!s->valid && !free_slot)
+            free_slot = s;
     }
     if (slot) {
         g->stats.cache_hits++;
@@ -632,19 +667,28 @@ static moert_result grouped_gemm_cublas(moert_bf16_cuda *g, cudaStream_t stream,
     cublasOperation_t tb = (gm->pass == MOERT_GEMM_WGRAD) ? CUBLAS_OP_T : CUBLAS_OP_N;
     switch (gm->pass) {
     case MOERT_GEMM_FORWARD:
-        list.a_base = (const char *)gm->weight; list.a_expert_stride = KN;
-        list.b_base = (const char *)gm->input; list.b_row_stride = K * es;
-        list.c_base = (char *)gm->output; list.c_row_stride = N * es;
+        list.a_base = (const char *)gm->weight;
+        list.a_expert_stride = KN;
+        list.b_base = (const char *)gm->input;
+        list.b_row_stride = K * es;
+        list.c_base = (char *)gm->output;
+        list.c_row_stride = N * es;
         break;
     case MOERT_GEMM_DGRAD:
-        list.a_base = (const char *)gm->weight; list.a_expert_stride = KN;
-        list.b_base = (const char *)gm->grad_output; list.b_row_stride = N * es;
-        list.c_base = (char *)gm->grad_input; list.c_row_stride = K * es;
+        list.a_base = (const char *)gm->weight;
+        list.a_expert_stride = KN;
+        list.b_base = (const char *)gm->grad_output;
+        list.b_row_stride = N * es;
+        list.c_base = (char *)gm->grad_input;
+        list.c_row_stride = K * es;
         break;
     default:
-        list.a_base = (const char *)gm->grad_output; list.a_row_stride = N * es;
-        list.b_base = (const char *)gm->input; list.b_row_stride = K * es;
-        list.c_base = (char *)gm->grad_weight; list.c_expert_stride = KN;
+        list.a_base = (const char *)gm->grad_output;
+        list.a_row_stride = N * es;
+        list.b_base = (const char *)gm->input;
+        list.b_row_stride = K * es;
+        list.c_base = (char *)gm->grad_weight;
+        list.c_expert_stride = KN;
         break;
     }
     cublasOperation_t tas[GROUPED_CHUNK], tbs[GROUPED_CHUNK];
@@ -665,21 +709,26 @@ static moert_result grouped_gemm_cublas(moert_bf16_cuda *g, cudaStream_t stream,
             int i = list.count++;
             list.expert[i] = (int32_t)e;
             list.row_offset[i] = row_offsets[e];
-            tas[i] = ta; tbs[i] = tb;
-            ms[i] = p.m; ns[i] = p.n; ks[i] = p.k;
-            ldas[i] = p.lda; ldbs[i] = p.ldb; ldcs[i] = p.ldc;
+            tas[i] = ta;
+            tbs[i] = tb;
+            ms[i] = p.m;
+            ns[i] = p.n;
+            ks[i] = p.k;
+            ldas[i] = p.lda;
+            ldbs[i] = p.ldb;
+            ldcs[i] = p.ldc;
             sizes[i] = 1;
-            alphas[i] = 1.0f; betas[i] = beta;
+            alphas[i] = 1.0f;
+            betas[i] = beta;
         }
         if (list.count == 0) break;
         grouped_pointers_kernel<<<1, 256, 0, stream>>>(list, g->grouped_ptrs);
         CUDA_CHECK(host, cudaGetLastError());
         void **ptrs = g->grouped_ptrs;
-        CUBLAS_CHECK(host, cublasGemmGroupedBatchedEx_64(g->blas, tas, tbs, ms, ns, ks, alphas,
-                                                         (const void *const *)ptrs, t, ldas,
-                                                         (const void *const *)(ptrs + GROUPED_CHUNK), t, ldbs, betas,
-                                                         ptrs + 2 * GROUPED_CHUNK, t, ldcs, list.count, sizes,
-                                                         CUBLAS_COMPUTE_32F));
+        CUBLAS_CHECK(host, cublasGemmGroupedBatchedEx_64(
+                               g->blas, tas, tbs, ms, ns, ks, alphas, (const void *const *)ptrs, t, ldas,
+                               (const void *const *)(ptrs + GROUPED_CHUNK), t, ldbs, betas, ptrs + 2 * GROUPED_CHUNK, t,
+                               ldcs, list.count, sizes, CUBLAS_COMPUTE_32F));
     }
     return MOERT_OK;
 }
@@ -908,11 +957,10 @@ extern "C" moert_result moert_bf16_cuda_grouped_gemm(moert_bf16_cuda *g, cudaStr
 static moert_result check_tensor(const moert_host *host, const moert_tensor *t, const char *name, moert_dtype dtype,
                                  int ndim)
 {
-    if (!t || !t->data)
-        return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 cuda: %s is missing", name);
+    if (!t || !t->data) return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 cuda: %s is missing", name);
     if (t->device.type != MOERT_DEVICE_CUDA)
-        return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 cuda: %s is not on a CUDA device (device type %d)",
-                      name, (int)t->device.type);
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 cuda: %s is not on a CUDA device (device type %d)", name,
+                      (int)t->device.type);
     if (t->dtype != dtype)
         return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 cuda: %s is %s, expected %s", name,
                       moert_dtype_name(t->dtype), moert_dtype_name(dtype));
@@ -925,7 +973,8 @@ static moert_result check_tensor(const moert_host *host, const moert_tensor *t, 
 }
 
 /* The precision ABI's grouped_gemm on CUDA tensors. */
-extern "C" moert_result moert_bf16_cuda_run(moert_bf16_cuda *g, cudaStream_t stream, const moert_grouped_gemm_args *args)
+extern "C" moert_result moert_bf16_cuda_run(moert_bf16_cuda *g, cudaStream_t stream,
+                                            const moert_grouped_gemm_args *args)
 {
     const moert_host *host = g->host;
     moert_result rc;
@@ -952,13 +1001,17 @@ extern "C" moert_result moert_bf16_cuda_run(moert_bf16_cuda *g, cudaStream_t str
     case MOERT_GEMM_FORWARD:
         if ((rc = check_tensor(host, args->input, "input", dtype, 2)) != MOERT_OK) return rc;
         if ((rc = check_tensor(host, args->output, "output", dtype, 2)) != MOERT_OK) return rc;
-        if (args->input->shape[1] != K || args->output->shape[1] != N || args->output->shape[0] != args->input->shape[0])
-            return report(host, MOERT_ERR_INVALID_ARGUMENT,
-                          "bf16 cuda: FORWARD shapes disagree: input [%lld,%lld], weight [%lld,%lld,%lld], output [%lld,%lld]",
-                          (long long)args->input->shape[0], (long long)args->input->shape[1], (long long)experts,
-                          (long long)K, (long long)N, (long long)args->output->shape[0], (long long)args->output->shape[1]);
+        if (args->input->shape[1] != K || args->output->shape[1] != N ||
+            args->output->shape[0] != args->input->shape[0])
+            return report(
+                host, MOERT_ERR_INVALID_ARGUMENT,
+                "bf16 cuda: FORWARD shapes disagree: input [%lld,%lld], weight [%lld,%lld,%lld], output [%lld,%lld]",
+                (long long)args->input->shape[0], (long long)args->input->shape[1], (long long)experts, (long long)K,
+                (long long)N, (long long)args->output->shape[0], (long long)args->output->shape[1]);
         rows = args->input->shape[0];
-        gm.input = args->input->data; gm.weight = args->weight->data; gm.output = args->output->data;
+        gm.input = args->input->data;
+        gm.weight = args->weight->data;
+        gm.output = args->output->data;
         break;
     case MOERT_GEMM_DGRAD:
         if ((rc = check_tensor(host, args->grad_output, "grad_output", dtype, 2)) != MOERT_OK) return rc;
@@ -966,12 +1019,15 @@ extern "C" moert_result moert_bf16_cuda_run(moert_bf16_cuda *g, cudaStream_t str
         if (args->grad_output->shape[1] != N || args->grad_input->shape[1] != K ||
             args->grad_input->shape[0] != args->grad_output->shape[0])
             return report(host, MOERT_ERR_INVALID_ARGUMENT,
-                          "bf16 cuda: DGRAD shapes disagree: grad_output [%lld,%lld], weight [%lld,%lld,%lld], grad_input [%lld,%lld]",
+                          "bf16 cuda: DGRAD shapes disagree: grad_output [%lld,%lld], weight [%lld,%lld,%lld], "
+                          "grad_input [%lld,%lld]",
                           (long long)args->grad_output->shape[0], (long long)args->grad_output->shape[1],
                           (long long)experts, (long long)K, (long long)N, (long long)args->grad_input->shape[0],
                           (long long)args->grad_input->shape[1]);
         rows = args->grad_output->shape[0];
-        gm.grad_output = args->grad_output->data; gm.weight = args->weight->data; gm.grad_input = args->grad_input->data;
+        gm.grad_output = args->grad_output->data;
+        gm.weight = args->weight->data;
+        gm.grad_input = args->grad_input->data;
         break;
     case MOERT_GEMM_WGRAD:
         if ((rc = check_tensor(host, args->input, "input", dtype, 2)) != MOERT_OK) return rc;
@@ -979,22 +1035,25 @@ extern "C" moert_result moert_bf16_cuda_run(moert_bf16_cuda *g, cudaStream_t str
         if (args->input->shape[1] != K || args->grad_output->shape[1] != N ||
             args->input->shape[0] != args->grad_output->shape[0])
             return report(host, MOERT_ERR_INVALID_ARGUMENT,
-                          "bf16 cuda: WGRAD shapes disagree: input [%lld,%lld], grad_output [%lld,%lld], grad_weight [%lld,%lld,%lld]",
+                          "bf16 cuda: WGRAD shapes disagree: input [%lld,%lld], grad_output [%lld,%lld], grad_weight "
+                          "[%lld,%lld,%lld]",
                           (long long)args->input->shape[0], (long long)args->input->shape[1],
                           (long long)args->grad_output->shape[0], (long long)args->grad_output->shape[1],
                           (long long)experts, (long long)K, (long long)N);
         rows = args->input->shape[0];
-        gm.input = args->input->data; gm.grad_output = args->grad_output->data; gm.grad_weight = args->grad_weight->data;
+        gm.input = args->input->data;
+        gm.grad_output = args->grad_output->data;
+        gm.grad_weight = args->grad_weight->data;
         break;
-    default:
-        return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 cuda: unknown GEMM pass %d", (int)args->pass);
+    default: return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 cuda: unknown GEMM pass %d", (int)args->pass);
     }
     if (args->pass != MOERT_GEMM_WGRAD && (rc = check_tensor(host, args->weight, "weight", dtype, 3)) != MOERT_OK)
         return rc;
     const moert_tensor *tpe = args->tokens_per_expert;
     if (tpe->dtype != MOERT_I64 || moert_tensor_numel(tpe) != experts)
-        return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 cuda: tokens_per_expert must be int64 [%lld], got %s [%lld]",
-                      (long long)experts, moert_dtype_name(tpe->dtype), (long long)moert_tensor_numel(tpe));
+        return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                      "bf16 cuda: tokens_per_expert must be int64 [%lld], got %s [%lld]", (long long)experts,
+                      moert_dtype_name(tpe->dtype), (long long)moert_tensor_numel(tpe));
 
     const int64_t *counts = args->tokens_per_expert_host;
     if (!counts) { /* no host copy: fetch one (a host sync, documented in the header) */
@@ -1017,15 +1076,15 @@ extern "C" moert_result moert_bf16_cuda_run(moert_bf16_cuda *g, cudaStream_t str
     for (int64_t e = 0; e < experts; e++) total += counts[e];
     if (total > rows)
         return report(host, MOERT_ERR_INVALID_ARGUMENT,
-                      "bf16 cuda: tokens_per_expert sums to %lld rows but the activations have %lld",
-                      (long long)total, (long long)rows);
+                      "bf16 cuda: tokens_per_expert sums to %lld rows but the activations have %lld", (long long)total,
+                      (long long)rows);
     gm.rows_per_expert = counts;
     return moert_bf16_cuda_grouped_gemm(g, stream, &gm);
 }
 
 /* ---- fp32 -> bf16 conversion (e.g. the bf16 copy of fp32 weights) ---- */
 
-#define CONVERT_THREADS 256
+#define CONVERT_THREADS    256
 #define CONVERT_MAX_BLOCKS 4096
 
 /* Four elements per thread and step: one 16-byte load, one 8-byte store. */
@@ -1050,7 +1109,8 @@ __global__ void round_to_bf16_kernel(int64_t n, const float *__restrict__ src, _
 extern "C" moert_result moert_bf16_cuda_round_to_bf16(const moert_host *host, cudaStream_t stream, int64_t n,
                                                       const float *src, void *dst)
 {
-    if (n < 0) return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 cuda: round_to_bf16 of %lld elements", (long long)n);
+    if (n < 0)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 cuda: round_to_bf16 of %lld elements", (long long)n);
     if (n == 0) return MOERT_OK;
     if (!src || !dst) return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 cuda: round_to_bf16 needs src and dst");
     const bool vec = n % 4 == 0 && (uintptr_t)src % 16 == 0 && (uintptr_t)dst % 8 == 0;
@@ -1059,7 +1119,7 @@ extern "C" moert_result moert_bf16_cuda_round_to_bf16(const moert_host *host, cu
     if (blocks > CONVERT_MAX_BLOCKS) blocks = CONVERT_MAX_BLOCKS;
     if (vec)
         round_to_bf16_vec4_kernel<<<(int)blocks, CONVERT_THREADS, 0, stream>>>(work, (const float4 *)src,
-                                                                              (__nv_bfloat162 *)dst);
+                                                                               (__nv_bfloat162 *)dst);
     else
         round_to_bf16_kernel<<<(int)blocks, CONVERT_THREADS, 0, stream>>>(n, src, (__nv_bfloat16 *)dst);
     cudaError_t err = cudaGetLastError();

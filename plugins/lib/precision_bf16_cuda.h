@@ -77,18 +77,18 @@ moert_result moert_bf16_cuda_set_graphs(moert_bf16_cuda *g, int enabled);
 /* One grouped GEMM described by raw device pointers (see the layouts above). */
 typedef struct moert_bf16_cuda_gemm {
     moert_gemm_pass pass;
-    moert_dtype dtype;               /* MOERT_BF16 or MOERT_F32, for every operand */
-    int64_t num_experts;             /* E_local */
-    const int64_t *rows_per_expert;  /* [E_local] on the host */
+    moert_dtype dtype;              /* MOERT_BF16 or MOERT_F32, for every operand */
+    int64_t num_experts;            /* E_local */
+    const int64_t *rows_per_expert; /* [E_local] on the host */
     int64_t k_in, n_out;
-    const void *input;               /* FORWARD, WGRAD */
-    const void *weight;              /* FORWARD, DGRAD */
-    const void *grad_output;         /* DGRAD, WGRAD */
-    void *output;                    /* FORWARD */
-    void *grad_input;                /* DGRAD */
-    void *grad_weight;               /* WGRAD */
-    int accumulate;                  /* WGRAD: 1 adds into grad_weight (beta 1), 0 overwrites it */
-    int output_fp32;                 /* with dtype MOERT_BF16: the result (output, grad_input or grad_weight) is
+    const void *input;       /* FORWARD, WGRAD */
+    const void *weight;      /* FORWARD, DGRAD */
+    const void *grad_output; /* DGRAD, WGRAD */
+    void *output;            /* FORWARD */
+    void *grad_input;        /* DGRAD */
+    void *grad_weight;       /* WGRAD */
+    int accumulate;          /* WGRAD: 1 adds into grad_weight (beta 1), 0 overwrites it */
+    int output_fp32;         /* with dtype MOERT_BF16: the result (output, grad_input or grad_weight) is
                                         fp32 (cuBLASLt's C and D in fp32, still CUBLAS_COMPUTE_32F); always the
                                         per-expert cuBLASLt loop, whatever the mode. Ignored for MOERT_F32. */
 } moert_bf16_cuda_gemm;

@@ -6,11 +6,14 @@
 
 const char *moert_arg_device_text(moert_device dev, char *buf, size_t size)
 {
-    const char *type = dev.type == MOERT_DEVICE_CPU ? "cpu"
-                       : dev.type == MOERT_DEVICE_CUDA ? "cuda"
-                       : dev.type == MOERT_DEVICE_CUDA_HOST ? "cuda_host" : "unknown";
-    if (dev.type == MOERT_DEVICE_CUDA) snprintf(buf, size, "%s:%d", type, (int)dev.id);
-    else snprintf(buf, size, "%s", type);
+    const char *type = dev.type == MOERT_DEVICE_CPU         ? "cpu"
+                       : dev.type == MOERT_DEVICE_CUDA      ? "cuda"
+                       : dev.type == MOERT_DEVICE_CUDA_HOST ? "cuda_host"
+                                                            : "unknown";
+    if (dev.type == MOERT_DEVICE_CUDA)
+        snprintf(buf, size, "%s:%d", type, (int)dev.id);
+    else
+        snprintf(buf, size, "%s", type);
     return buf;
 }
 
@@ -98,8 +101,10 @@ moert_result moert_arg_check_dispatch_layer(const moert_host *host, const moert_
     }
 #ifndef MOERT_HAVE_CUDA
     if (layer->device.type == MOERT_DEVICE_CUDA) {
-        host->set_error(host, "the %s dispatcher has only a CPU path in this build (built without CUDA); the layer is "
-                        "on %s", name, moert_arg_device_text(layer->device, dev, sizeof dev));
+        host->set_error(host,
+                        "the %s dispatcher has only a CPU path in this build (built without CUDA); the layer is "
+                        "on %s",
+                        name, moert_arg_device_text(layer->device, dev, sizeof dev));
         return MOERT_ERR_UNSUPPORTED;
     }
 #endif
@@ -117,10 +122,12 @@ moert_result moert_arg_check_dispatch_layer(const moert_host *host, const moert_
     if (layer->num_experts % host->world_size != 0 ||
         layer->num_local_experts != layer->num_experts / host->world_size ||
         layer->first_local_expert != layer->num_local_experts * host->rank) {
-        host->set_error(host, "the %s dispatcher needs num_experts (%lld) divisible by world_size (%d), with rank r "
+        host->set_error(host,
+                        "the %s dispatcher needs num_experts (%lld) divisible by world_size (%d), with rank r "
                         "owning experts [r*E/world, (r+1)*E/world); got num_local_experts %lld, first_local_expert "
-                        "%lld on rank %d", name, (long long)layer->num_experts, (int)host->world_size,
-                        (long long)layer->num_local_experts, (long long)layer->first_local_expert, (int)host->rank);
+                        "%lld on rank %d",
+                        name, (long long)layer->num_experts, (int)host->world_size, (long long)layer->num_local_experts,
+                        (long long)layer->first_local_expert, (int)host->rank);
         return MOERT_ERR_INVALID_ARGUMENT;
     }
     return MOERT_OK;

@@ -85,8 +85,10 @@ static moert_result policy_decide(void *ctx, const moert_activation_info *info, 
         return MOERT_ERR_INVALID_ARGUMENT;
     }
     if (info->activation < 0 || info->activation >= MOERT_ACT_COUNT) {
-        c->host->set_error(c->host, "decide(): activation is %d, expected 0 (dispatched_x), 1 (fc1_out) or "
-                           "2 (swiglu_out)", (int)info->activation);
+        c->host->set_error(c->host,
+                           "decide(): activation is %d, expected 0 (dispatched_x), 1 (fc1_out) or "
+                           "2 (swiglu_out)",
+                           (int)info->activation);
         return MOERT_ERR_INVALID_ARGUMENT;
     }
     *action = c->action[info->activation];
@@ -105,16 +107,17 @@ static moert_result policy_decide(void *ctx, const moert_activation_info *info, 
 /* The one exported symbol. Its name equals the vtable's typedef name, which C does not allow for an object in the
  * same scope, so the object gets a private C name and its linker name through an asm label. */
 MOERT_MEMORY_POLICY_V1_EXPORT(policy_vtable) = {
-    .header = {
-        MOERT_MEMORY_POLICY_V1_HEADER,
-        .name = "default",
-        .version = "0.1.0",
-        .description = "a fixed keep/recompute/offload action per saved activation, from the config",
-        .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU) | MOERT_CAP_DEVICE(MOERT_DEVICE_CUDA),
-        .dtypes = MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) |
-                  MOERT_CAP_DTYPE(MOERT_F16) | MOERT_CAP_DTYPE(MOERT_F8E4M3) | MOERT_CAP_DTYPE(MOERT_F8E5M2),
-        .flags = MOERT_CAP_GRAPH_CAPTURABLE,
-    },
+    .header =
+        {
+            MOERT_MEMORY_POLICY_V1_HEADER,
+            .name = "default",
+            .version = "0.1.0",
+            .description = "a fixed keep/recompute/offload action per saved activation, from the config",
+            .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU) | MOERT_CAP_DEVICE(MOERT_DEVICE_CUDA),
+            .dtypes = MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) |
+                      MOERT_CAP_DTYPE(MOERT_F16) | MOERT_CAP_DTYPE(MOERT_F8E4M3) | MOERT_CAP_DTYPE(MOERT_F8E5M2),
+            .flags = MOERT_CAP_GRAPH_CAPTURABLE,
+        },
     .init = policy_init,
     .finalize = policy_finalize,
     .decide = policy_decide,

@@ -27,10 +27,10 @@
 #ifdef MOERT_HAVE_CUDA
 /* A bf16 copy of one fp32 expert weight: made on first use, remade by end_step() after each optimizer step. */
 typedef struct bf16_weight_copy {
-    void *data;          /* bf16 [E_local, K_in, N_out] on the layer's device */
+    void *data; /* bf16 [E_local, K_in, N_out] on the layer's device */
     size_t bytes;
-    const void *source;  /* the fp32 weight it was made from; NULL when stale */
-    int64_t numel;       /* elements converted from source */
+    const void *source; /* the fp32 weight it was made from; NULL when stale */
+    int64_t numel;      /* elements converted from source */
 } bf16_weight_copy;
 #endif
 
@@ -39,25 +39,25 @@ typedef struct bf16_ctx {
     moert_layer_info layer;
     bf16_mode mode;
     bf16_scratch scratch;
-    bool on_cuda;                     /* the layer is on a CUDA device: the CUDA path serves it */
-    int gemm_streams;                 /* option: streams of the CUDA per-expert loop (1: the caller's only) */
-    bool gemm_graphs;                 /* option: CUDA graph replay of repeated count vectors */
-    int gemm_engine;                  /* option "gemm": GEMM_AUTO, GEMM_CUBLASLT or GEMM_KERNEL */
+    bool on_cuda;     /* the layer is on a CUDA device: the CUDA path serves it */
+    int gemm_streams; /* option: streams of the CUDA per-expert loop (1: the caller's only) */
+    bool gemm_graphs; /* option: CUDA graph replay of repeated count vectors */
+    int gemm_engine;  /* option "gemm": GEMM_AUTO, GEMM_CUBLASLT or GEMM_KERNEL */
 #ifdef MOERT_HAVE_CUDA
-    bool use_kernel;                  /* the CUDA path runs device_gemm for every pass ("kernel" on a CUDA layer) */
-    bool wgmma_fwd_dgrad;             /* "auto" on Hopper: FORWARD/DGRAD with device counts on device_gemm's wgmma
+    bool use_kernel;                 /* the CUDA path runs device_gemm for every pass ("kernel" on a CUDA layer) */
+    bool wgmma_fwd_dgrad;            /* "auto" on Hopper: FORWARD/DGRAD with device counts on device_gemm's wgmma
                                          engine, WGRAD on cuBLASLt */
-    int64_t *zero_counts;             /* [E_local] zeros: what the argument checks see when counts are device-only */
-    moert_bf16_cuda *gemm;            /* cuBLASLt handle, created on the layer's device (not in kernel mode) */
-    void *workspace;                  /* its workspace, from the host's pool */
-    bf16_weight_copy weight_copy[2];  /* by moert_gemm_weight (FC1, FC2) */
-    int64_t *counts_host;             /* [E_local] pinned: device counts copied down when no host copy is given */
+    int64_t *zero_counts;            /* [E_local] zeros: what the argument checks see when counts are device-only */
+    moert_bf16_cuda *gemm;           /* cuBLASLt handle, created on the layer's device (not in kernel mode) */
+    void *workspace;                 /* its workspace, from the host's pool */
+    bf16_weight_copy weight_copy[2]; /* by moert_gemm_weight (FC1, FC2) */
+    int64_t *counts_host;            /* [E_local] pinned: device counts copied down when no host copy is given */
 #endif
 } bf16_ctx;
 
 static const char *const mode_choices[] = {"auto", "bf16", "fp32", "fp64", NULL};
 static const char *const gemm_choices[] = {"auto", "cublaslt", "kernel", NULL};
-enum { GEMM_AUTO = 0, GEMM_CUBLASLT = 1, GEMM_KERNEL = 2 }; /* by gemm_choices */
+enum { GEMM_AUTO = 0, GEMM_CUBLASLT = 1, GEMM_KERNEL = 2 };       /* by gemm_choices */
 static const char *const mode_names[] = {"bf16", "fp32", "fp64"}; /* by bf16_mode */
 
 /* Sets the instance's error message and returns code, so checks can `return fail(...)`. */
@@ -78,15 +78,20 @@ static moert_result kernel_init(bf16_ctx *c, const char *dev)
     const moert_host *h = c->host;
     const int64_t E = c->layer.num_local_experts, H = c->layer.hidden, F = c->layer.ffn_hidden;
     if (c->mode != BF16_MODE_BF16 || c->layer.dtype != MOERT_BF16)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "$.precision.gemm: \"kernel\" needs bf16 storage (model.dtype bf16 and "
+        return fail(c, MOERT_ERR_UNSUPPORTED,
+                    "$.precision.gemm: \"kernel\" needs bf16 storage (model.dtype bf16 and "
                     "mode \"auto\" or \"bf16\"); the layer on %s has %s activations and mode %s: use \"cublaslt\"",
                     dev, moert_dtype_name(c->layer.dtype), mode_names[c->mode]);
     if (H % 8 || F % 8)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "$.precision.gemm: \"kernel\" needs hidden and ffn_hidden multiples of 8 "
-                    "(16-byte rows), got hidden %lld, ffn_hidden %lld: use \"cublaslt\"", (long long)H, (long long)F);
+        return fail(c, MOERT_ERR_UNSUPPORTED,
+                    "$.precision.gemm: \"kernel\" needs hidden and ffn_hidden multiples of 8 "
+                    "(16-byte rows), got hidden %lld, ffn_hidden %lld: use \"cublaslt\"",
+                    (long long)H, (long long)F);
     if (E < 1 || E > BF16_DEVICE_GEMM_MAX_EXPERTS)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "$.precision.gemm: \"kernel\" takes 1 to %d local experts, the layer has "
-                    "%lld: use \"cublaslt\"", BF16_DEVICE_GEMM_MAX_EXPERTS, (long long)E);
+        return fail(c, MOERT_ERR_UNSUPPORTED,
+                    "$.precision.gemm: \"kernel\" takes 1 to %d local experts, the layer has "
+                    "%lld: use \"cublaslt\"",
+                    BF16_DEVICE_GEMM_MAX_EXPERTS, (long long)E);
     c->zero_counts = calloc((size_t)E, sizeof(int64_t));
     if (!c->zero_counts) return fail(c, MOERT_ERR_OUT_OF_MEMORY, "out of memory for the precision state");
     const int64_t numel[2] = {E * H * 2 * F, E * F * H}; /* FC1, FC2 */
@@ -94,8 +99,10 @@ static moert_result kernel_init(bf16_ctx *c, const char *dev)
         const size_t bytes = (size_t)numel[w] * sizeof(uint16_t);
         moert_result rc = h->alloc(h, c->layer.device, bytes, &c->weight_copy[w].data);
         if (rc == MOERT_ERR_UNSUPPORTED)
-            return fail(c, rc, "the host serving this instance cannot allocate on %s (a CPU-only host): only a CPU path "
-                        "is usable with it", dev);
+            return fail(c, rc,
+                        "the host serving this instance cannot allocate on %s (a CPU-only host): only a CPU path "
+                        "is usable with it",
+                        dev);
         if (rc != MOERT_OK) return rc;
         c->weight_copy[w].bytes = bytes;
     }
@@ -114,7 +121,8 @@ static moert_result kernel_init(bf16_ctx *c, const char *dev)
     if (h->struct_size >= offsetof(moert_host, set_flags) + sizeof h->set_flags && h->set_flags)
         h->set_flags(h, MOERT_CAP_GRAPH_CAPTURABLE | MOERT_CAP_WGRAD_OVERWRITE);
     else
-        h->log(h, MOERT_LOG_WARN, "bf16 precision: \"gemm\": \"kernel\" is graph-capturable, but this host (ABI "
+        h->log(h, MOERT_LOG_WARN,
+               "bf16 precision: \"gemm\": \"kernel\" is graph-capturable, but this host (ABI "
                "older than 1.1) cannot take the instance's flags");
     return MOERT_OK;
 }
@@ -132,15 +140,19 @@ static moert_result cuda_init(bf16_ctx *c, int choice)
     char dev[32];
     device_name(c->layer.device, dev, sizeof dev);
     if (c->mode == BF16_MODE_FP64 || act == MOERT_F64)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "the bf16 precision plugin has no fp64 GEMMs on CUDA (layer on %s, "
+        return fail(c, MOERT_ERR_UNSUPPORTED,
+                    "the bf16 precision plugin has no fp64 GEMMs on CUDA (layer on %s, "
                     "activations %s, mode \"%s\"): use model.dtype bf16 or fp32, or run on the CPU",
                     dev, moert_dtype_name(act), mode_choices[choice]);
     if (act != MOERT_BF16 && act != MOERT_F32)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "the bf16 precision plugin on CUDA (%s) takes bf16 or fp32 activations, "
-                    "not %s", dev, moert_dtype_name(act));
+        return fail(c, MOERT_ERR_UNSUPPORTED,
+                    "the bf16 precision plugin on CUDA (%s) takes bf16 or fp32 activations, "
+                    "not %s",
+                    dev, moert_dtype_name(act));
     const moert_dtype want = c->mode == BF16_MODE_BF16 ? MOERT_BF16 : MOERT_F32;
     if (act != want)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "option \"mode\": \"%s\" with %s activations is not supported on CUDA "
+        return fail(c, MOERT_ERR_UNSUPPORTED,
+                    "option \"mode\": \"%s\" with %s activations is not supported on CUDA "
                     "(%s): bf16 GEMMs need bf16 activations and fp32 GEMMs fp32 ones; use \"auto\"",
                     mode_choices[choice], moert_dtype_name(act), dev);
     MOK(check_cuda_device_visible(c->host, id, dev));
@@ -148,8 +160,10 @@ static moert_result cuda_init(bf16_ctx *c, int choice)
     const size_t workspace_bytes = (size_t)c->gemm_streams * MOERT_BF16_CUDA_STREAM_WORKSPACE_BYTES;
     moert_result rc = h->alloc(h, c->layer.device, workspace_bytes, &c->workspace);
     if (rc == MOERT_ERR_UNSUPPORTED)
-        return fail(c, rc, "the host serving this instance cannot allocate on %s (a CPU-only host): only a CPU path is "
-                    "usable with it", dev);
+        return fail(c, rc,
+                    "the host serving this instance cannot allocate on %s (a CPU-only host): only a CPU path is "
+                    "usable with it",
+                    dev);
     if (rc != MOERT_OK) return rc;
     rc = h->alloc_pinned(h, (size_t)c->layer.num_local_experts * sizeof(int64_t), (void **)&c->counts_host);
     if (rc != MOERT_OK) return rc;
@@ -190,8 +204,10 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
     }
 #ifndef MOERT_HAVE_CUDA
     if (layer->device.type == MOERT_DEVICE_CUDA) {
-        host->set_error(host, "the bf16 precision plugin has only a CPU path in this build (built without CUDA); the "
-                        "layer is on %s", device_name(layer->device, dev, sizeof dev));
+        host->set_error(host,
+                        "the bf16 precision plugin has only a CPU path in this build (built without CUDA); the "
+                        "layer is on %s",
+                        device_name(layer->device, dev, sizeof dev));
         return MOERT_ERR_UNSUPPORTED;
     }
 #endif
@@ -312,16 +328,22 @@ static moert_result cuda_grouped_gemm(bf16_ctx *c, moert_stream stream, const mo
     const char *act_names[2];
     switch (args->pass) {
     case MOERT_GEMM_FORWARD:
-        acts[0] = args->input; act_names[0] = "input";
-        acts[1] = args->output; act_names[1] = "output";
+        acts[0] = args->input;
+        act_names[0] = "input";
+        acts[1] = args->output;
+        act_names[1] = "output";
         break;
     case MOERT_GEMM_DGRAD:
-        acts[0] = args->grad_output; act_names[0] = "grad_output";
-        acts[1] = args->grad_input; act_names[1] = "grad_input";
+        acts[0] = args->grad_output;
+        act_names[0] = "grad_output";
+        acts[1] = args->grad_input;
+        act_names[1] = "grad_input";
         break;
     default:
-        acts[0] = args->input; act_names[0] = "input";
-        acts[1] = args->grad_output; act_names[1] = "grad_output";
+        acts[0] = args->input;
+        act_names[0] = "input";
+        acts[1] = args->grad_output;
+        act_names[1] = "grad_output";
         break;
     }
     for (int i = 0; i < 2; i++)
@@ -341,8 +363,10 @@ static moert_result cuda_grouped_gemm(bf16_ctx *c, moert_stream stream, const mo
     if (args->pass == MOERT_GEMM_WGRAD) {
         const moert_dtype gw = args->grad_weight->dtype;
         if (gw != act && !(act == MOERT_BF16 && gw == MOERT_F32))
-            return fail(c, MOERT_ERR_UNSUPPORTED, "%s: grad_weight has dtype %s; on CUDA, mode %s accumulates into "
-                        "%s%s", call, moert_dtype_name(gw), mode_names[c->mode], moert_dtype_name(act),
+            return fail(c, MOERT_ERR_UNSUPPORTED,
+                        "%s: grad_weight has dtype %s; on CUDA, mode %s accumulates into "
+                        "%s%s",
+                        call, moert_dtype_name(gw), mode_names[c->mode], moert_dtype_name(act),
                         act == MOERT_BF16 ? " or fp32" : "");
         gm.output_fp32 = gw != act;
         gm.input = args->input->data;
@@ -384,9 +408,10 @@ static moert_result kernel_grouped_gemm(bf16_ctx *c, moert_stream stream, const 
     char a_dev[32], b_dev[32];
     const moert_tensor *tpe = args->tokens_per_expert;
     if (!tpe || !tpe->data || tpe->device.type != MOERT_DEVICE_CUDA || tpe->device.id != c->layer.device.id)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "%s: \"gemm\": \"kernel\" reads the counts on the device: "
-                    "tokens_per_expert must be int64 [%lld] on %s, it is %s", call, (long long)shape->num_experts,
-                    device_name(c->layer.device, a_dev, sizeof a_dev),
+        return fail(c, MOERT_ERR_UNSUPPORTED,
+                    "%s: \"gemm\": \"kernel\" reads the counts on the device: "
+                    "tokens_per_expert must be int64 [%lld] on %s, it is %s",
+                    call, (long long)shape->num_experts, device_name(c->layer.device, a_dev, sizeof a_dev),
                     !tpe || !tpe->data ? "missing" : device_name(tpe->device, b_dev, sizeof b_dev));
     const moert_tensor *acts[2];
     const char *act_names[2];
@@ -419,8 +444,10 @@ static moert_result kernel_grouped_gemm(bf16_ctx *c, moert_stream stream, const 
     if (args->pass == MOERT_GEMM_WGRAD) {
         const moert_dtype gw = args->grad_weight->dtype;
         if (gw != MOERT_F32 && gw != MOERT_BF16)
-            return fail(c, MOERT_ERR_UNSUPPORTED, "%s: grad_weight has dtype %s; \"gemm\": \"kernel\" accumulates "
-                        "into fp32 or bf16", call, moert_dtype_name(gw));
+            return fail(c, MOERT_ERR_UNSUPPORTED,
+                        "%s: grad_weight has dtype %s; \"gemm\": \"kernel\" accumulates "
+                        "into fp32 or bf16",
+                        call, moert_dtype_name(gw));
         ka.input = args->input->data;
         ka.grad_output = args->grad_output->data;
         ka.grad_weight = args->grad_weight->data;
@@ -434,8 +461,10 @@ static moert_result kernel_grouped_gemm(bf16_ctx *c, moert_stream stream, const 
             moert_result rc = weight_copy_get(c, stream, args->which, args->weight, &ka.weight);
             if (rc != MOERT_OK) return rc;
         } else {
-            return fail(c, MOERT_ERR_UNSUPPORTED, "%s: weight has dtype %s; \"gemm\": \"kernel\" takes bf16 or fp32 "
-                        "weights", call, moert_dtype_name(wd));
+            return fail(c, MOERT_ERR_UNSUPPORTED,
+                        "%s: weight has dtype %s; \"gemm\": \"kernel\" takes bf16 or fp32 "
+                        "weights",
+                        call, moert_dtype_name(wd));
         }
         if (args->pass == MOERT_GEMM_FORWARD) {
             ka.input = args->input->data;
@@ -463,8 +492,7 @@ static bool wgmma_serves(const bf16_ctx *c, const moert_grouped_gemm_args *args)
 {
     const moert_tensor *tpe = args->tokens_per_expert;
     return c->wgmma_fwd_dgrad && args->pass != MOERT_GEMM_WGRAD && tpe && tpe->data &&
-           tpe->device.type == MOERT_DEVICE_CUDA && tpe->device.id == c->layer.device.id &&
-           tpe->dtype == MOERT_I64;
+           tpe->device.type == MOERT_DEVICE_CUDA && tpe->device.id == c->layer.device.id && tpe->dtype == MOERT_I64;
 }
 
 /* Counts that live only on the layer's GPU: copied down into pinned memory with a bounded wait for the stream. When
@@ -518,8 +546,7 @@ static moert_result bf16_end_step(void *ctx, moert_stream stream)
     for (int w = 0; w < 2; w++) {
         bf16_weight_copy *wc = &c->weight_copy[w];
         if (!wc->source || !wc->data) continue;
-        moert_result rc = moert_bf16_cuda_round_to_bf16(c->host, (cudaStream_t)stream, wc->numel, wc->source,
-                                                        wc->data);
+        moert_result rc = moert_bf16_cuda_round_to_bf16(c->host, (cudaStream_t)stream, wc->numel, wc->source, wc->data);
         if (rc != MOERT_OK) {
             wc->source = NULL; /* remade on first use instead */
             return rc;
@@ -535,20 +562,21 @@ static moert_result bf16_end_step(void *ctx, moert_stream stream)
 /* The one exported symbol. Its name equals the vtable's typedef name, which C does not allow for an object in the
  * same scope, so the object gets a private C name and its linker name through an asm label. */
 MOERT_PRECISION_V1_EXPORT(bf16_vtable) = {
-    .header = {
-        MOERT_PRECISION_V1_HEADER,
-        .name = "bf16",
-        .version = "0.1.0",
-        .description = "grouped GEMMs with bf16 operands and fp32 accumulation (or fp32, fp64)",
+    .header =
+        {
+            MOERT_PRECISION_V1_HEADER,
+            .name = "bf16",
+            .version = "0.1.0",
+            .description = "grouped GEMMs with bf16 operands and fp32 accumulation (or fp32, fp64)",
 #ifdef MOERT_HAVE_CUDA
-        .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU) | MOERT_CAP_DEVICE(MOERT_DEVICE_CUDA),
+            .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU) | MOERT_CAP_DEVICE(MOERT_DEVICE_CUDA),
 #else
-        .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU),
+            .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU),
 #endif
-        .dtypes = MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) |
-                  MOERT_CAP_DTYPE(MOERT_F16),
-        .flags = MOERT_CAP_NEEDS_HOST_SYNC | MOERT_CAP_WGRAD_OVERWRITE,
-    },
+            .dtypes = MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) |
+                      MOERT_CAP_DTYPE(MOERT_F16),
+            .flags = MOERT_CAP_NEEDS_HOST_SYNC | MOERT_CAP_WGRAD_OVERWRITE,
+        },
     .init = bf16_init,
     .finalize = bf16_finalize,
     .grouped_gemm = bf16_grouped_gemm,

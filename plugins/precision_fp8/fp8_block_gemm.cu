@@ -40,18 +40,18 @@
 #include "../lib/wgmma.cuh"
 #include "../lib/plugin_cuda_check.h"
 
-#define TILE 128                     /* BM = BN = BK */
-#define TILE_BYTES (TILE * TILE)     /* one FP8 tile of A or B */
-#define HALF_ROWS (TILE / 2)         /* the rows of an A map's box: half a tile (each CTA of a pair loads one) */
-#define THREADS 384                  /* producer warpgroup + two consumer warpgroups */
+#define TILE           128           /* BM = BN = BK */
+#define TILE_BYTES     (TILE * TILE) /* one FP8 tile of A or B */
+#define HALF_ROWS      (TILE / 2)    /* the rows of an A map's box: half a tile (each CTA of a pair loads one) */
+#define THREADS        384           /* producer warpgroup + two consumer warpgroups */
 #define CONSUMER_WARPS 8
-#define SLOTS 16                     /* tables in flight */
-#define BAND 8                       /* row blocks of a group that run side by side (see tile_at) */
-#define OUT_BOX_BYTES 8192           /* one staged output box: 64 rows of 128 bytes */
-#define MAX_OUT_SETS 2               /* staged output sets per consumer (one filled while the other is moved) */
-#define MAX_CLUSTER 2
+#define SLOTS          16   /* tables in flight */
+#define BAND           8    /* row blocks of a group that run side by side (see tile_at) */
+#define OUT_BOX_BYTES  8192 /* one staged output box: 64 rows of 128 bytes */
+#define MAX_OUT_SETS   2    /* staged output sets per consumer (one filled while the other is moved) */
+#define MAX_CLUSTER    2
 
-#define WIDE_N (2 * TILE)              /* the wide tile's columns (see consume_wide) */
+#define WIDE_N (2 * TILE) /* the wide tile's columns (see consume_wide) */
 
 /* A stage of the ring for output tiles tile_n columns wide: the A tile, the B tile (tile_n rows), their factors and
  * two barriers. */
@@ -65,7 +65,10 @@ __host__ __device__ static inline size_t staging_bytes(int d_bf16, int tile_n)
     return (size_t)TILE * tile_n * (d_bf16 ? 2 : 4);
 }
 /* One consumer's output set: half a tile of D. */
-__host__ __device__ static inline size_t set_bytes_of(int d_bf16, int tile_n) { return staging_bytes(d_bf16, tile_n) / 2; }
+__host__ __device__ static inline size_t set_bytes_of(int d_bf16, int tile_n)
+{
+    return staging_bytes(d_bf16, tile_n) / 2;
+}
 /* Dynamic shared memory of a ring of `stages` and `sets` staged output sets (plus alignment and the epilogue's
  * barriers). */
 static inline size_t smem_bytes(int d_bf16, int tile_n, int stages, int sets)
@@ -95,7 +98,7 @@ typedef struct kernel_args {
     int pairs;    /* forward form's main loop: 0 one k-block at a time, 1 in pairs, 2 in pairs, the second consumer
                      warpgroup one block out of step with the first */
     int d_bf16, accumulate;
-    int tile_n;   /* columns of an output tile: TILE, or WIDE_N for the wide forward form */
+    int tile_n;    /* columns of an output tile: TILE, or WIDE_N for the wide forward form */
     int pair_rows; /* wide form in CTA pairs: pairs of row blocks share the B tile (see tile_at) */
 } kernel_args;
 
@@ -119,7 +122,7 @@ struct moert_fp8_block_ctx {
     cudaEvent_t done[SLOTS];
     int used[SLOTS];
     unsigned next;
-    int *map_of;      /* per matrix and role (2 i: as A, 64-row boxes; 2 i + 1: as B, whole tiles): its tensor
+    int *map_of; /* per matrix and role (2 i: as A, 64-row boxes; 2 i + 1: as B, whole tiles): its tensor
                          map's index in this call, -1 none yet */
     int map_of_count;
 };
@@ -131,10 +134,10 @@ struct moert_fp8_block_ctx {
 #endif
 
 /* d (+)= A (64 x 32, shared, desc_a) * B^T (128 x 32, shared, desc_b), both K-major; the formats A_FMT/B_FMT. */
-#define WGMMA_ASM(types)                                                                                  \
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"                                           \
-                 "wgmma.mma_async.sync.aligned.m64n128k32.f32." types " {" WGMMA_REGS_64 "}, %64, %65, p, 1, 1;\n}\n" \
-                 : WGMMA_OPERANDS_64(d)                                                                    \
+#define WGMMA_ASM(types)                                                                                               \
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"                                                        \
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32." types " {" WGMMA_REGS_64 "}, %64, %65, p, 1, 1;\n}\n"  \
+                 : WGMMA_OPERANDS_64(d)                                                                                \
                  : "l"(desc_a), "l"(desc_b), "r"(accumulate))
 
 template <int A_FMT, int B_FMT>
@@ -351,8 +354,8 @@ __device__ __forceinline__ void epilogue_dma(const kernel_args &args, int rank, 
  * instruction fetch, and the wgrad form (a few k-blocks a tile) spent a quarter of its consumers' time here
  * (profiled). */
 template <int D_BF16, int ACCUMULATE, int NJ>
-__device__ __forceinline__ void stage_tile_as(const float *acc, uint8_t *boxes, uint64_t *d_ready,
-                                              uint32_t ready_phase, uint64_t *d_staged)
+__device__ __forceinline__ void stage_tile_as(const float *acc, uint8_t *boxes, uint64_t *d_ready, uint32_t ready_phase,
+                                              uint64_t *d_staged)
 {
     constexpr int box_cols = D_BF16 ? 64 : 32, bytes = D_BF16 ? 2 : 4;
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -386,15 +389,19 @@ __device__ __forceinline__ void stage_tile_as(const float *acc, uint8_t *boxes, 
     if (lane == 0) mbar_arrive(d_staged);
 }
 
-__device__ __forceinline__ void stage_tile(const kernel_args &args, const float *acc, uint8_t *boxes,
-                                           uint64_t *d_ready, uint32_t ready_phase, uint64_t *d_staged)
+__device__ __forceinline__ void stage_tile(const kernel_args &args, const float *acc, uint8_t *boxes, uint64_t *d_ready,
+                                           uint32_t ready_phase, uint64_t *d_staged)
 {
     if (args.d_bf16) {
-        if (args.accumulate) stage_tile_as<1, 1, 16>(acc, boxes, d_ready, ready_phase, d_staged);
-        else stage_tile_as<1, 0, 16>(acc, boxes, d_ready, ready_phase, d_staged);
+        if (args.accumulate)
+            stage_tile_as<1, 1, 16>(acc, boxes, d_ready, ready_phase, d_staged);
+        else
+            stage_tile_as<1, 0, 16>(acc, boxes, d_ready, ready_phase, d_staged);
     } else {
-        if (args.accumulate) stage_tile_as<0, 1, 16>(acc, boxes, d_ready, ready_phase, d_staged);
-        else stage_tile_as<0, 0, 16>(acc, boxes, d_ready, ready_phase, d_staged);
+        if (args.accumulate)
+            stage_tile_as<0, 1, 16>(acc, boxes, d_ready, ready_phase, d_staged);
+        else
+            stage_tile_as<0, 0, 16>(acc, boxes, d_ready, ready_phase, d_staged);
     }
 }
 
@@ -440,8 +447,8 @@ __device__ __forceinline__ void produce_a(const kernel_args &args, uint8_t *a_ti
  * a global load) and arrives on the full barrier when they land. The group's fields are read once per tile: inside
  * the loop the copies' memory clobbers would reload them every k-block. */
 template <int B_PER_ROW, int TILE_N>
-__device__ __forceinline__ void produce_b(const kernel_args &args, uint8_t *b_tiles, float *a_factors,
-                                          float *b_factors, uint64_t *full, uint64_t *empty, int rank)
+__device__ __forceinline__ void produce_b(const kernel_args &args, uint8_t *b_tiles, float *a_factors, float *b_factors,
+                                          uint64_t *full, uint64_t *empty, int rank)
 {
     constexpr int b_blocks = TILE_N / TILE; /* 128x128 factor blocks across a tile (per-block form) */
     const int lane = threadIdx.x % 32, stages = args.stages;
@@ -582,8 +589,8 @@ __device__ __forceinline__ void single_block(float *acc, float *part, ring_pos &
                                              int cluster, int rank)
 {
     block_factors f;
-    const int s = issue_block<A_FMT, B_FMT, B_PER_ROW>(part, f, r, stages, full, a_tiles, b_tiles, a_factors,
-                                                       b_factors, c, r0);
+    const int s =
+        issue_block<A_FMT, B_FMT, B_PER_ROW>(part, f, r, stages, full, a_tiles, b_tiles, a_factors, b_factors, c, r0);
     wgmma_wait<0>();
     promote<B_PER_ROW>(acc, part, f, b_factors, s, col0);
     release_stage(empty, s, cluster, rank);
@@ -612,10 +619,9 @@ __device__ __forceinline__ bool consumer_idle(const group_dev &g, const tile_pos
 /* Consumer warpgroup C (see consumer): per tile, the k-blocks' wgmma into part0 / part1 in turn, one block ahead of
  * the promotion into acc, then the epilogue (staged for the epilogue warp, or stored from registers). */
 template <int A_FMT, int B_FMT, int B_PER_ROW, int C>
-__device__ __forceinline__ void consume(const kernel_args &args, int rank, const uint8_t *a_tiles,
-                                        const uint8_t *b_tiles, const float *a_factors, const float *b_factors,
-                                        uint64_t *full, uint64_t *empty, uint8_t *boxes, uint64_t *d_ready,
-                                        uint64_t *d_staged)
+__device__ __forceinline__ void
+consume(const kernel_args &args, int rank, const uint8_t *a_tiles, const uint8_t *b_tiles, const float *a_factors,
+        const float *b_factors, uint64_t *full, uint64_t *empty, uint8_t *boxes, uint64_t *d_ready, uint64_t *d_staged)
 {
     const int stages = args.stages, cluster = args.cluster, c = C;
     const consumer_lane at = consumer_lane_of(c);
@@ -669,8 +675,7 @@ __device__ __forceinline__ void consume(const kernel_args &args, int rank, const
             ready_phase ^= 1u << set;
             set ^= args.out_sets - 1;
         } else {
-            store_tile<16>(g, tp.m_tile * TILE + r0, tp.n_tile * TILE + col0, acc, part0, args.d_bf16,
-                           args.accumulate);
+            store_tile<16>(g, tp.m_tile * TILE + r0, tp.n_tile * TILE + col0, acc, part0, args.d_bf16, args.accumulate);
         }
     }
 }
@@ -845,9 +850,12 @@ static kernel_fn kernel_for(int a_format, int b_format, int b_per_row, int wide)
         if (a_format == 0 && b_format == 1) return fp8_block_gemm_kernel<0, 1, 0, 1>;
         return NULL;
     }
-    if (a_format == 0 && b_format == 0) return b_per_row ? fp8_block_gemm_kernel<0, 0, 1, 0> : fp8_block_gemm_kernel<0, 0, 0, 0>;
-    if (a_format == 1 && b_format == 0) return b_per_row ? fp8_block_gemm_kernel<1, 0, 1, 0> : fp8_block_gemm_kernel<1, 0, 0, 0>;
-    if (a_format == 0 && b_format == 1) return b_per_row ? fp8_block_gemm_kernel<0, 1, 1, 0> : fp8_block_gemm_kernel<0, 1, 0, 0>;
+    if (a_format == 0 && b_format == 0)
+        return b_per_row ? fp8_block_gemm_kernel<0, 0, 1, 0> : fp8_block_gemm_kernel<0, 0, 0, 0>;
+    if (a_format == 1 && b_format == 0)
+        return b_per_row ? fp8_block_gemm_kernel<1, 0, 1, 0> : fp8_block_gemm_kernel<1, 0, 0, 0>;
+    if (a_format == 0 && b_format == 1)
+        return b_per_row ? fp8_block_gemm_kernel<0, 1, 1, 0> : fp8_block_gemm_kernel<0, 1, 0, 0>;
     return NULL;
 }
 
@@ -885,7 +893,8 @@ extern "C" moert_result moert_fp8_block_ctx_create(const moert_host *host, moert
     cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
     CUDA_CHECK(host, cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
     if (!fn || found != cudaDriverEntryPointSuccess)
-        return report(host, MOERT_ERR_UNSUPPORTED, "the CUDA driver has no cuTensorMapEncodeTiled (needs 12.0 or newer)");
+        return report(host, MOERT_ERR_UNSUPPORTED,
+                      "the CUDA driver has no cuTensorMapEncodeTiled (needs 12.0 or newer)");
     int smem_optin = 0;
     CUDA_CHECK(host, cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     const size_t smem_max = (size_t)smem_optin;
@@ -958,7 +967,8 @@ extern "C" moert_result moert_fp8_block_ctx_tune(moert_fp8_block_ctx *ctx, const
         return report(host, MOERT_ERR_INVALID_ARGUMENT, "fp8 block gemm: cluster size %d (1 or 2; 0: 2 where it fits)",
                       t->cluster);
     if (t->cluster == 2 && ctx->fit_clusters < 1)
-        return report(host, MOERT_ERR_UNSUPPORTED, "fp8 block gemm: no cluster of two CTAs fits on this GPU "
+        return report(host, MOERT_ERR_UNSUPPORTED,
+                      "fp8 block gemm: no cluster of two CTAs fits on this GPU "
                       "($.precision.block_cluster 2; 0 takes pairs only where they fit)");
     if (t->clusters < 0)
         return report(host, MOERT_ERR_INVALID_ARGUMENT, "fp8 block gemm: %d resident clusters", t->clusters);
@@ -1057,8 +1067,8 @@ static moert_result encode_map(moert_fp8_block_ctx *ctx, const moert_fp8_block_m
     const cuuint32_t box[2] = {TILE, (cuuint32_t)box_rows};
     const cuuint32_t elem[2] = {1, 1};
     CUresult r = ctx->encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, (void *)mx->base, dims, strides, box, elem,
-                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS)
         return report(host, MOERT_ERR_CUDA, "cuTensorMapEncodeTiled(matrix %d, %lld x %lld, ld %lld) failed: error %d",
                       index, (long long)mx->rows, (long long)mx->cols, (long long)mx->ld, (int)r);
@@ -1099,7 +1109,8 @@ static moert_result group_fill(const moert_host *host, const moert_fp8_block_gem
                       "fp8 block gemm: group %d (m %lld, n %lld, k %lld, rows from %lld / %lld, ldd %lld) does not fit "
                       "its matrices (%lld x %lld, %lld x %lld) or has an odd n / ldd or a NULL pointer",
                       i, (long long)g->m, (long long)g->n, (long long)g->k, (long long)g->a_row0, (long long)g->b_row0,
-                      (long long)g->ldd, (long long)a->rows, (long long)a->cols, (long long)b->rows, (long long)b->cols);
+                      (long long)g->ldd, (long long)a->rows, (long long)a->cols, (long long)b->rows,
+                      (long long)b->cols);
     out->a_row0 = g->a_row0;
     out->b_row0 = g->b_row0;
     out->a_scale = g->a_scale;
@@ -1178,8 +1189,8 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
     }
     if (count == 0) return MOERT_OK;
     if (units > INT32_MAX)
-        return report(host, MOERT_ERR_INVALID_ARGUMENT, "fp8 block gemm: %lld work units (at most %d)", (long long)units,
-                      INT32_MAX);
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "fp8 block gemm: %lld work units (at most %d)",
+                      (long long)units, INT32_MAX);
     /* the groups follow the maps actually encoded */
     group_dev *packed = (group_dev *)((char *)ctx->pinned[slot] + (size_t)map_count * sizeof(CUtensorMap));
     memmove(packed, groups, (size_t)count * sizeof(group_dev));

@@ -41,22 +41,22 @@ typedef struct moert_fp8_block_matrix {
 } moert_fp8_block_matrix;
 
 typedef struct moert_fp8_block_group {
-    int a_matrix, b_matrix;  /* indices into the call's matrices */
-    int64_t a_row0, b_row0;  /* the group's first row of A and of B in them */
-    int64_t m, n, k;         /* D is m x n; the reduction is k long */
-    const float *a_scale;    /* device */
+    int a_matrix, b_matrix; /* indices into the call's matrices */
+    int64_t a_row0, b_row0; /* the group's first row of A and of B in them */
+    int64_t m, n, k;        /* D is m x n; the reduction is k long */
+    const float *a_scale;   /* device */
     int64_t a_scale_kb_stride;
-    const float *b_scale;    /* device */
+    const float *b_scale; /* device */
     int64_t b_scale_stride;
-    void *d;                 /* device, D[r][c] at d + r * ldd + c elements */
+    void *d; /* device, D[r][c] at d + r * ldd + c elements */
     int64_t ldd;
 } moert_fp8_block_group;
 
 typedef struct moert_fp8_block_gemm {
-    int a_format, b_format;  /* 0 E4M3, 1 E5M2 (not both E5M2) */
-    int b_per_row;           /* B's factors per row (1x128) instead of per 128x128 block */
-    int d_bf16;              /* D in bf16 (else fp32) */
-    int accumulate;          /* D += product (else D = product) */
+    int a_format, b_format; /* 0 E4M3, 1 E5M2 (not both E5M2) */
+    int b_per_row;          /* B's factors per row (1x128) instead of per 128x128 block */
+    int d_bf16;             /* D in bf16 (else fp32) */
+    int accumulate;         /* D += product (else D = product) */
     const moert_fp8_block_matrix *matrices;
     int matrix_count;
     const moert_fp8_block_group *groups;

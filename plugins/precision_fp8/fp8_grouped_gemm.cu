@@ -34,13 +34,17 @@ static moert_result check_gemm(moert_fp8_cuda *g, const moert_fp8_cuda_gemm *gm)
         return report(host, MOERT_ERR_UNSUPPORTED, "fp8 cuda: grad_weight must be fp32 or bf16, not %s",
                       moert_dtype_name(gm->grad_weight_dtype));
     if (gm->k_in <= 0 || gm->n_out <= 0 || gm->k_in % 16 || gm->n_out % 16)
-        return report(host, MOERT_ERR_UNSUPPORTED, "fp8 cuda: k_in %lld and n_out %lld must be positive multiples of 16 "
-                      "(cuBLASLt FP8 leading dimensions)", (long long)gm->k_in, (long long)gm->n_out);
+        return report(host, MOERT_ERR_UNSUPPORTED,
+                      "fp8 cuda: k_in %lld and n_out %lld must be positive multiples of 16 "
+                      "(cuBLASLt FP8 leading dimensions)",
+                      (long long)gm->k_in, (long long)gm->n_out);
     const int fwd = gm->pass == MOERT_GEMM_FORWARD, dgrad = gm->pass == MOERT_GEMM_DGRAD;
     if ((!dgrad && !gm->input) || (!fwd && !gm->grad_output) || (gm->pass != MOERT_GEMM_WGRAD && !gm->weight) ||
         (fwd && !gm->output) || (dgrad && !gm->grad_input) || (gm->pass == MOERT_GEMM_WGRAD && !gm->grad_weight))
         return report(host, MOERT_ERR_INVALID_ARGUMENT, "fp8 cuda: the %s GEMM needs its two operands and its output",
-                      fwd ? "forward" : dgrad ? "dgrad" : "wgrad");
+                      fwd     ? "forward"
+                      : dgrad ? "dgrad"
+                              : "wgrad");
     const size_t align = gm->act_dtype == MOERT_BF16 ? 8 : 16;
     const void *acts[2] = {gm->pass == MOERT_GEMM_DGRAD ? gm->grad_output : gm->input,
                            gm->pass == MOERT_GEMM_WGRAD ? gm->grad_output : NULL};
@@ -123,11 +127,11 @@ static moert_result untranspose(moert_fp8_cuda *g, cudaStream_t stream, const mo
         }
         const dim3 grid((unsigned)tiles, (unsigned)count), block(32, 8);
         if (es == 2)
-            untranspose_kernel<uint16_t><<<grid, block, 0, stream>>>(t, (const uint16_t *)g->dscratch.p, cols,
-                                                                      (uint16_t *)dst);
+            untranspose_kernel<uint16_t>
+                <<<grid, block, 0, stream>>>(t, (const uint16_t *)g->dscratch.p, cols, (uint16_t *)dst);
         else
-            untranspose_kernel<uint32_t><<<grid, block, 0, stream>>>(t, (const uint32_t *)g->dscratch.p, cols,
-                                                                      (uint32_t *)dst);
+            untranspose_kernel<uint32_t>
+                <<<grid, block, 0, stream>>>(t, (const uint32_t *)g->dscratch.p, cols, (uint32_t *)dst);
         LAUNCH_CHECK(g->host, "untranspose_kernel");
     }
     return MOERT_OK;
@@ -190,10 +194,19 @@ static moert_result block_gemm(moert_fp8_cuda *g, cudaStream_t stream, const moe
         call.d_bf16 = gm->act_dtype == MOERT_BF16;
         for (int64_t j = 0; j < n_active; j++) {
             const int64_t e = g->active[j];
-            gr[j] = (moert_fp8_block_group){0, 1, g->prow0[e], e * cols, gm->rows_per_expert[e], cols, kk,
-                                            (const float *)g->b_blk.p + g->b_soff[e], g->rows16[e],
-                                            winv + e * wc->blk_stride, round_up(ceil_div(kk, 128), 4),
-                                            dst + (size_t)(g->row0[e] * cols) * act_es, cols};
+            gr[j] = (moert_fp8_block_group){0,
+                                            1,
+                                            g->prow0[e],
+                                            e * cols,
+                                            gm->rows_per_expert[e],
+                                            cols,
+                                            kk,
+                                            (const float *)g->b_blk.p + g->b_soff[e],
+                                            g->rows16[e],
+                                            winv + e * wc->blk_stride,
+                                            round_up(ceil_div(kk, 128), 4),
+                                            dst + (size_t)(g->row0[e] * cols) * act_es,
+                                            cols};
         }
     } else {
         const size_t gw_es = moert_dtype_size(gm->grad_weight_dtype);
@@ -205,11 +218,21 @@ static moert_result block_gemm(moert_fp8_cuda *g, cudaStream_t stream, const moe
         for (int64_t j = 0; j < n_active; j++) {
             const int64_t e = g->active[j], r16 = g->rows16[e];
             mx[2 * j] = (moert_fp8_block_matrix){(const uint8_t *)g->act_b.p + (size_t)g->prow0[e] * K, K, r16, r16};
-            mx[2 * j + 1] = (moert_fp8_block_matrix){(const uint8_t *)g->act_a.p + (size_t)g->prow0[e] * N, N, r16, r16};
-            gr[j] = (moert_fp8_block_group){(int)(2 * j), (int)(2 * j + 1), 0, 0, K, N, r16,
-                                            (const float *)g->b_blk.p + g->b_soff[e], K,
-                                            (const float *)g->a_blk.p + g->a_soff[e], N,
-                                            (char *)gm->grad_weight + (size_t)(e * K * N) * gw_es, N};
+            mx[2 * j + 1] =
+                (moert_fp8_block_matrix){(const uint8_t *)g->act_a.p + (size_t)g->prow0[e] * N, N, r16, r16};
+            gr[j] = (moert_fp8_block_group){(int)(2 * j),
+                                            (int)(2 * j + 1),
+                                            0,
+                                            0,
+                                            K,
+                                            N,
+                                            r16,
+                                            (const float *)g->b_blk.p + g->b_soff[e],
+                                            K,
+                                            (const float *)g->a_blk.p + g->a_soff[e],
+                                            N,
+                                            (char *)gm->grad_weight + (size_t)(e * K * N) * gw_es,
+                                            N};
         }
     }
     const moert_result rc = moert_fp8_block_gemm_run(g->block, stream, &call);
@@ -241,8 +264,9 @@ extern "C" moert_result moert_fp8_cuda_grouped_gemm(moert_fp8_cuda *g, cudaStrea
     const cudaDataType_t act_type = gm->act_dtype == MOERT_BF16 ? CUDA_R_16BF : CUDA_R_32F;
     const size_t act_es = moert_dtype_size(gm->act_dtype);
     expert_mm *mms = (expert_mm *)calloc((size_t)g->active_count, sizeof *mms);
-    if (!mms) return report(host, MOERT_ERR_OUT_OF_MEMORY, "fp8 cuda: out of host memory for %lld matmuls",
-                            (long long)g->active_count);
+    if (!mms)
+        return report(host, MOERT_ERR_OUT_OF_MEMORY, "fp8 cuda: out of host memory for %lld matmuls",
+                      (long long)g->active_count);
     moert_result rc = MOERT_OK;
     act_target ta = {&g->act_a, &g->a_scale, &g->a_inv, &g->a_blk, g->a_soff};
     act_target tb = {&g->act_b, &g->b_scale, &g->b_inv, &g->b_blk, g->b_soff};

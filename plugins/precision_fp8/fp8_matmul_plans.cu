@@ -35,7 +35,6 @@ static int64_t row_bucket(int64_t rows)
     return rows;
 }
 
-
 /* The matmul descriptor for p's types and scale modes (TN, fp32 compute, no fast accumulation), made once. */
 static moert_result desc_get(moert_fp8_cuda *g, const expert_mm *p, cublasLtMatmulDesc_t *out)
 {
@@ -61,16 +60,19 @@ static moert_result desc_get(moert_fp8_cuda *g, const expert_mm *p, cublasLtMatm
     CUBLAS_CHECK(host, cublasLtMatmulDescSetAttribute(d->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
     CUBLAS_CHECK(host, cublasLtMatmulDescSetAttribute(d->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
     CUBLAS_CHECK(host, cublasLtMatmulDescSetAttribute(d->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof fast));
-    CUBLAS_CHECK(host, cublasLtMatmulDescSetAttribute(d->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &d->a_mode,
-                                                      sizeof d->a_mode));
-    CUBLAS_CHECK(host, cublasLtMatmulDescSetAttribute(d->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &d->b_mode,
-                                                      sizeof d->b_mode));
+    CUBLAS_CHECK(
+        host, cublasLtMatmulDescSetAttribute(d->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &d->a_mode, sizeof d->a_mode));
+    CUBLAS_CHECK(
+        host, cublasLtMatmulDescSetAttribute(d->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &d->b_mode, sizeof d->b_mode));
     *out = d->desc;
     return MOERT_OK;
 }
 
 /* The expert's row count in p (its m, n or k). */
-static int64_t expert_rows(const expert_mm *p) { return p->row_dim == ROW_K ? p->k : p->row_dim == ROW_M ? p->m : p->n; }
+static int64_t expert_rows(const expert_mm *p)
+{
+    return p->row_dim == ROW_K ? p->k : p->row_dim == ROW_M ? p->m : p->n;
+}
 
 /* Makes a layout describe type, rows x cols, ld, writing only what differs. */
 static moert_result layout_fit(const moert_host *host, layout_state *s, cudaDataType_t type, int64_t rows, int64_t cols,
@@ -103,9 +105,12 @@ static moert_result layouts_fit(moert_fp8_cuda *g, const expert_mm *p, int64_t r
 {
     const moert_host *host = g->host;
     int64_t m = p->m, n = p->n, k = p->k, lda = p->lda, ldb = p->ldb, ldd = p->ldd;
-    if (p->row_dim == ROW_K) k = lda = ldb = rows;
-    else if (p->row_dim == ROW_M) m = rows, ldd = round_up(rows, 16);
-    else n = rows;
+    if (p->row_dim == ROW_K)
+        k = lda = ldb = rows;
+    else if (p->row_dim == ROW_M)
+        m = rows, ldd = round_up(rows, 16);
+    else
+        n = rows;
     MOK(layout_fit(host, &g->layout[0], p->a_type, k, m, lda));
     MOK(layout_fit(host, &g->layout[1], p->b_type, k, n, ldb));
     return layout_fit(host, &g->layout[2], p->d_type, m, n, ldd);
@@ -155,8 +160,9 @@ static const char *type_name(cudaDataType_t t)
 
 static const char *mode_name(int32_t m)
 {
-    return m == CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F ? "scalar" : m == CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
-                                                                          ? "vec128" : "blk128x128";
+    return m == CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F   ? "scalar"
+           : m == CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F ? "vec128"
+                                                          : "blk128x128";
 }
 
 /* The plan of p for the bucket of its rows (exact = 0) or its exact shape; leaves the layouts fit to the query. */
@@ -198,18 +204,21 @@ static moert_result plan_get(moert_fp8_cuda *g, cublasLtMatmulDesc_t desc, const
     cublasLtMatmulHeuristicResult_t result;
     int found = 0;
     g->stats.heuristic_queries++;
-    cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(g->lt, desc, g->layout[0].layout, g->layout[1].layout,
-                                                       g->layout[2].layout, g->layout[2].layout, g->pref, 1, &result,
-                                                       &found);
-    if ((st != CUBLAS_STATUS_SUCCESS || found < 1) && !exact) return MOERT_ERR_UNSUPPORTED; /* the caller tries the
+    cublasStatus_t st =
+        cublasLtMatmulAlgoGetHeuristic(g->lt, desc, g->layout[0].layout, g->layout[1].layout, g->layout[2].layout,
+                                       g->layout[2].layout, g->pref, 1, &result, &found);
+    if ((st != CUBLAS_STATUS_SUCCESS || found < 1) && !exact)
+        return MOERT_ERR_UNSUPPORTED; /* the caller tries the
                                                                                               exact shape */
     if (st != CUBLAS_STATUS_SUCCESS || found < 1)
-        return report(host, MOERT_ERR_UNSUPPORTED,
-                      "fp8 cuda: cuBLASLt has no FP8 matmul for expert %lld: A %s (%s scales) x B %s (%s scales) -> %s%s, "
-                      "m=%lld n=%lld k=%lld (%s)", (long long)p->expert, type_name(p->a_type), mode_name(p->a_mode),
-                      type_name(p->b_type), mode_name(p->b_mode), type_name(p->d_type), p->beta1 ? " accumulated" : "",
-                      (long long)key.m, (long long)key.n, (long long)key.k,
-                      st != CUBLAS_STATUS_SUCCESS ? cublasLtGetStatusString(st) : "no algorithm found");
+        return report(
+            host, MOERT_ERR_UNSUPPORTED,
+            "fp8 cuda: cuBLASLt has no FP8 matmul for expert %lld: A %s (%s scales) x B %s (%s scales) -> %s%s, "
+            "m=%lld n=%lld k=%lld (%s)",
+            (long long)p->expert, type_name(p->a_type), mode_name(p->a_mode), type_name(p->b_type),
+            mode_name(p->b_mode), type_name(p->d_type), p->beta1 ? " accumulated" : "", (long long)key.m,
+            (long long)key.n, (long long)key.k,
+            st != CUBLAS_STATUS_SUCCESS ? cublasLtGetStatusString(st) : "no algorithm found");
     slot->key = key;
     slot->algo = result.algo;
     slot->valid = 1;
@@ -251,7 +260,8 @@ static moert_result matmul_expert(moert_fp8_cuda *g, cudaStream_t stream, void *
         if (exact || (st != CUBLAS_STATUS_NOT_SUPPORTED && st != CUBLAS_STATUS_INVALID_VALUE)) break;
         g->stats.exact_fallbacks++;
     }
-    return report(host, MOERT_ERR_CUDA, "cublasLtMatmul(fp8 expert %lld: %s x %s -> %s, m=%lld n=%lld k=%lld) failed: %s",
+    return report(host, MOERT_ERR_CUDA,
+                  "cublasLtMatmul(fp8 expert %lld: %s x %s -> %s, m=%lld n=%lld k=%lld) failed: %s",
                   (long long)p->expert, type_name(p->a_type), type_name(p->b_type), type_name(p->d_type),
                   (long long)p->m, (long long)p->n, (long long)p->k, cublasLtGetStatusString(st));
 }
@@ -285,10 +295,10 @@ static moert_result matmul_available(moert_fp8_cuda *g, const expert_mm *p, int 
     cublasLtMatmulDesc_t desc = NULL;
     MOK(desc_get(g, p, &desc));
     const void *dummy = g->workspace.p;
-    CUBLAS_CHECK(g->host, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &dummy,
-                                                         sizeof dummy));
-    CUBLAS_CHECK(g->host, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &dummy,
-                                                         sizeof dummy));
+    CUBLAS_CHECK(g->host,
+                 cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &dummy, sizeof dummy));
+    CUBLAS_CHECK(g->host,
+                 cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &dummy, sizeof dummy));
     MOK(layouts_fit(g, p, expert_rows(p)));
     plan_key key;
     memset(&key, 0, sizeof key);
@@ -297,9 +307,9 @@ static moert_result matmul_available(moert_fp8_cuda *g, const expert_mm *p, int 
     cublasLtMatmulHeuristicResult_t result;
     *found = 0;
     g->stats.heuristic_queries++;
-    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(g->lt, desc, g->layout[0].layout, g->layout[1].layout,
-                                                             g->layout[2].layout, g->layout[2].layout, g->pref, 1,
-                                                             &result, found);
+    const cublasStatus_t st =
+        cublasLtMatmulAlgoGetHeuristic(g->lt, desc, g->layout[0].layout, g->layout[1].layout, g->layout[2].layout,
+                                       g->layout[2].layout, g->pref, 1, &result, found);
     if (st != CUBLAS_STATUS_SUCCESS) *found = 0;
     return MOERT_OK;
 }
@@ -374,7 +384,7 @@ extern "C" moert_result moert_fp8_cuda_check_support(moert_fp8_cuda *g, int64_t 
     for (int w = 0; w < 2; w++)
         for (int pass = 0; pass < 3; pass++) {
             if (kernel_serves(g, (moert_gemm_pass)pass, 1)) continue; /* overwriting: cuBLASLt's case, if any */
-            if (pass == MOERT_GEMM_WGRAD && !fp8_wgrad) continue;    /* the bf16 GEMMs make the weight gradients */
+            if (pass == MOERT_GEMM_WGRAD && !fp8_wgrad) continue;     /* the bf16 GEMMs make the weight gradients */
             const int64_t K = w == 0 ? hidden : ffn_hidden, N = w == 0 ? 2 * ffn_hidden : hidden;
             expert_mm p;
             matmul_shape(g, (moert_gemm_pass)pass, K, N, act_dtype, grad_weight_dtype, rows, &p);
@@ -383,11 +393,13 @@ extern "C" moert_result moert_fp8_cuda_check_support(moert_fp8_cuda *g, int64_t 
             if (!found)
                 return report(g->host, MOERT_ERR_UNSUPPORTED,
                               "cuBLASLt on this GPU has no FP8 matmul for the fc%d %s GEMM of this recipe: A %s (%s "
-                              "scales) x B %s (%s scales) -> %s%s, m=%lld n=%lld k=%lld%s%s", w + 1, pass_label[pass],
-                              type_name(p.a_type), mode_name(p.a_mode), type_name(p.b_type), mode_name(p.b_mode),
-                              type_name(p.d_type), p.beta1 ? " accumulated" : "", (long long)p.m, (long long)p.n,
-                              (long long)p.k, is_blockwise(g) && pass != MOERT_GEMM_WGRAD
-                                  ? " (the weight's 128x128 blocks tried as A and as B)" : "",
+                              "scales) x B %s (%s scales) -> %s%s, m=%lld n=%lld k=%lld%s%s",
+                              w + 1, pass_label[pass], type_name(p.a_type), mode_name(p.a_mode), type_name(p.b_type),
+                              mode_name(p.b_mode), type_name(p.d_type), p.beta1 ? " accumulated" : "", (long long)p.m,
+                              (long long)p.n, (long long)p.k,
+                              is_blockwise(g) && pass != MOERT_GEMM_WGRAD
+                                  ? " (the weight's 128x128 blocks tried as A and as B)"
+                                  : "",
                               g->cfg.hybrid ? " (try \"format\": \"e4m3\")" : "");
         }
     return MOERT_OK;
@@ -417,7 +429,7 @@ moert_result fp8_cuda_wgrad_row_align(moert_fp8_cuda *g, const moert_fp8_cuda_ge
 
 /* Issues the experts' matmuls over the lanes: largest first, each to the lane with the fewest rows. */
 moert_result fp8_cuda_run_matmuls(moert_fp8_cuda *g, cudaStream_t stream, expert_mm *mms, int64_t count,
-                                const int64_t *counts)
+                                  const int64_t *counts)
 {
     if (count == 0) return MOERT_OK;
     const int lanes = g->streams < count ? g->streams : (int)count;
@@ -433,8 +445,8 @@ moert_result fp8_cuda_run_matmuls(moert_fp8_cuda *g, cudaStream_t stream, expert
         cudaStream_t s = lane ? g->lane_stream[lane] : stream;
         rc = matmul_expert(g, s, ws, &mms[i]);
         if (rc == MOERT_OK && mms[i].copy_bytes) { /* the real rows of a padded D, on the same lane */
-            const cudaError_t err = cudaMemcpyAsync(mms[i].copy_to, mms[i].d, mms[i].copy_bytes,
-                                                    cudaMemcpyDeviceToDevice, s);
+            const cudaError_t err =
+                cudaMemcpyAsync(mms[i].copy_to, mms[i].d, mms[i].copy_bytes, cudaMemcpyDeviceToDevice, s);
             if (err != cudaSuccess)
                 rc = report(g->host, MOERT_ERR_CUDA, "cudaMemcpyAsync (fp8 expert %lld's output rows) failed: %s",
                             (long long)mms[i].expert, cudaGetErrorString(err));

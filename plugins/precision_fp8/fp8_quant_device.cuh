@@ -65,8 +65,10 @@ __device__ __forceinline__ uint8_t to_fp8(float x, float scale, int fmt)
 __device__ __forceinline__ uint32_t to_fp8x4(float a, float b, float c, float d, float scale, int fmt)
 {
     const __nv_fp8_interpretation_t f = fmt ? __NV_E5M2 : __NV_E4M3;
-    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(a, scale), __fmul_rn(b, scale)), __NV_SATFINITE, f);
-    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(c, scale), __fmul_rn(d, scale)), __NV_SATFINITE, f);
+    const uint32_t lo =
+        __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(a, scale), __fmul_rn(b, scale)), __NV_SATFINITE, f);
+    const uint32_t hi =
+        __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(c, scale), __fmul_rn(d, scale)), __NV_SATFINITE, f);
     return lo | hi << 16;
 }
 
@@ -86,7 +88,6 @@ __host__ __device__ __forceinline__ int64_t blk_index(int layout, int64_t xb, in
     default: return xb + kb * XB;
     }
 }
-
 
 /* Largest of the block's values, into *out by atomicMax (out may be NULL). */
 static __device__ void block_max_to(uint32_t v, uint32_t *out)

@@ -32,7 +32,8 @@ __global__ void amax_kernel(const mat_table t, const T *__restrict__ src, int64_
     const int64_t n = (int64_t)t.rows[i] * cols;
     const T *s = src + t.src_row0[i] * cols;
     uint32_t m = 0;
-    for (int64_t q = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * 4; q < n; q += (int64_t)gridDim.x * blockDim.x * 4) {
+    for (int64_t q = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * 4; q < n;
+         q += (int64_t)gridDim.x * blockDim.x * 4) {
         float v[4];
         load4(s + q, v);
         for (int k = 0; k < 4; k++) m = max(m, abs_bits(v[k]));
@@ -67,7 +68,8 @@ __global__ void cast_rows_kernel(const mat_table t, const T *__restrict__ src, i
     uint8_t *d = dst + t.dst_off[i];
     float sc = tile_scale ? 0.0f : scale[4 * e];
     uint32_t m = 0;
-    for (int64_t q = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * 4; q < n; q += (int64_t)gridDim.x * blockDim.x * 4) {
+    for (int64_t q = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * 4; q < n;
+         q += (int64_t)gridDim.x * blockDim.x * 4) {
         float v[4];
         load4(s + q, v);
         if (tile_scale) sc = tile_scale[e * tile_stride + (q / cols / TILE) * cb + (q % cols) / TILE];
@@ -90,8 +92,10 @@ __device__ __forceinline__ int find_matrix(const int64_t *start, int count, int6
     int lo = 0, hi = count - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
-        if (start[mid] <= key) lo = mid;
-        else hi = mid - 1;
+        if (start[mid] <= key)
+            lo = mid;
+        else
+            hi = mid - 1;
     }
     return lo;
 }
@@ -253,8 +257,7 @@ __global__ void __launch_bounds__(256)
 /* Where element (row, col) of a cast_transpose_kernel tile lies in shared memory: rows of CT_COLS values, their
  * 16-byte chunks permuted by the row's 16-row group (chunk ^ group), so that the 8 threads reading 16 rows each of one
  * column (the output loop) hit 8 different banks, and a row's chunks still fill one 128-byte line (the loads). */
-template <typename T>
-__device__ __forceinline__ int tile_at(int row, int col)
+template <typename T> __device__ __forceinline__ int tile_at(int row, int col)
 {
     constexpr int VEC = 16 / sizeof(T);
     return row * CT_COLS + (((col / VEC) ^ ((row / 16) & 7)) * VEC) + col % VEC;
@@ -291,15 +294,17 @@ __global__ void __launch_bounds__(256)
                           float fp8max, int pow2, int layout, float *scale_inv, uint32_t *record_amax, int *record_seen)
 {
     constexpr int VEC = 16 / sizeof(T), CPR = CT_COLS / VEC; /* elements per chunk, chunks per tile row */
-    constexpr int ROWS_PER_PASS = 256 / CPR;                   /* chunked loads: rows a pass of the block covers */
-    __shared__ __align__(16) T tile[TILE * CT_COLS];           /* the source values as they are, swizzled: tile_at */
-    __shared__ uint32_t part_max[8][CT_COLS];                  /* a column's amax over one warp's (or part's) rows */
+    constexpr int ROWS_PER_PASS = 256 / CPR;                 /* chunked loads: rows a pass of the block covers */
+    __shared__ __align__(16) T tile[TILE * CT_COLS];         /* the source values as they are, swizzled: tile_at */
+    __shared__ uint32_t part_max[8][CT_COLS];                /* a column's amax over one warp's (or part's) rows */
     __shared__ float col_scale[CT_COLS];
     int lo = 0, hi = t.count - 1; /* the matrix holding this tile */
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
-        if (t.tile_start[mid] <= (int32_t)blockIdx.x) lo = mid;
-        else hi = mid - 1;
+        if (t.tile_start[mid] <= (int32_t)blockIdx.x)
+            lo = mid;
+        else
+            hi = mid - 1;
     }
     const int i = lo, e = t.expert[i], tid = threadIdx.x, lane = tid % 32;
     const int64_t rows = t.rows[i], ld = t.dst_ld[i];
@@ -355,7 +360,8 @@ __global__ void __launch_bounds__(256)
         if (mode == SCALE_ALONG_ROWS) {
             const float sc = scale_from_amax(__uint_as_float(m), fp8max, 0, pow2, 1.0f);
             col_scale[tid] = sc;
-            if (c < C) scale_inv[t.scale_off[i] + vec_index(layout, c, rb, C, (ld + TILE - 1) / TILE)] = __fdiv_rn(1.0f, sc);
+            if (c < C)
+                scale_inv[t.scale_off[i] + vec_index(layout, c, rb, C, (ld + TILE - 1) / TILE)] = __fdiv_rn(1.0f, sc);
         }
         if (record_amax) { /* one atomic per warp of the 64 columns */
             m = __reduce_max_sync(0xffffffffu, m);
@@ -375,8 +381,10 @@ __global__ void __launch_bounds__(256)
         float sc[2];
 #pragma unroll
         for (int h = 0; h < 2; h++)
-            sc[h] = c + h >= C ? 1.0f : mode == SCALE_TENSOR ? scale[4 * e] : mode == SCALE_ALONG_ROWS ? col_scale[cc + h]
-                    : tile_scale[e * tile_stride + (r0 / TILE) * cb_count + (c + h) / TILE];
+            sc[h] = c + h >= C                 ? 1.0f
+                    : mode == SCALE_TENSOR     ? scale[4 * e]
+                    : mode == SCALE_ALONG_ROWS ? col_scale[cc + h]
+                                               : tile_scale[e * tile_stride + (r0 / TILE) * cb_count + (c + h) / TILE];
         uint32_t w[2][4]; /* [column][4 rows] */
 #pragma unroll
         for (int q = 0; q < 4; q++) { /* 4 rows at a time: fewer values live */
@@ -403,8 +411,10 @@ __global__ void __launch_bounds__(256)
 void fp8_launch_amax_kernel(dim3 grid, dim3 block, cudaStream_t stream, int bf16, const mat_table &t, const void *src,
                             int64_t cols, uint32_t *amax_bits)
 {
-    if (bf16) amax_kernel<<<grid, block, 0, stream>>>(t, (const __nv_bfloat16 *)src, cols, amax_bits);
-    else amax_kernel<<<grid, block, 0, stream>>>(t, (const float *)src, cols, amax_bits);
+    if (bf16)
+        amax_kernel<<<grid, block, 0, stream>>>(t, (const __nv_bfloat16 *)src, cols, amax_bits);
+    else
+        amax_kernel<<<grid, block, 0, stream>>>(t, (const float *)src, cols, amax_bits);
 }
 
 void fp8_launch_scales_kernel(dim3 grid, dim3 block, cudaStream_t stream, int64_t n, const uint32_t *amax_bits,

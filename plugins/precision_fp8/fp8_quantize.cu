@@ -19,9 +19,9 @@ static int64_t blk_floats(int64_t XB, int64_t KB) { return round_up(round_up(XB,
 
 /* What table_fill needs to know about an activation operand. */
 typedef struct table_spec {
-    int64_t cols;           /* source columns */
-    int transposed;         /* destination [cols][rows16] at prow0 * cols */
-    int padded;             /* destination [rows16][cols] at prow0 * cols (blockwise FORWARD/DGRAD) */
+    int64_t cols;             /* source columns */
+    int transposed;           /* destination [cols][rows16] at prow0 * cols */
+    int padded;               /* destination [rows16][cols] at prow0 * cols (blockwise FORWARD/DGRAD) */
     const int64_t *scale_off; /* per expert, or NULL (0) */
 } table_spec;
 
@@ -75,10 +75,8 @@ static unsigned grid_chunks(const mat_table *t, int64_t cols)
     return (unsigned)(chunks < 1 ? 1 : chunks > 64 ? 64 : chunks);
 }
 
-
 /* Whether block_rows_wide_kernel takes these rows: bf16, 16-byte aligned rows. */
-template <typename T>
-static bool rows_wide_ok(const moert_fp8_cuda *g, const T *src, int64_t cols)
+template <typename T> static bool rows_wide_ok(const moert_fp8_cuda *g, const T *src, int64_t cols)
 {
     (void)g;
     return sizeof(T) == 2 && cols % 8 == 0 && (uintptr_t)src % 16 == 0;
@@ -99,8 +97,8 @@ static moert_result quantize_activation_t(moert_fp8_cuda *g, cudaStream_t stream
     const int64_t E = g->cfg.num_experts;
     const int padded = !transposed && is_blockwise(g);
     const int64_t last = g->active[g->active_count - 1];
-    const int64_t stored_rows = transposed || padded ? g->prow0[last] + g->rows16[last]
-                                                     : g->row0[last] + gm->rows_per_expert[last];
+    const int64_t stored_rows =
+        transposed || padded ? g->prow0[last] + g->rows16[last] : g->row0[last] + gm->rows_per_expert[last];
     MOK(fp8_cuda_buf_reserve_worst(g, tg->bytes, (size_t)(stored_rows * cols), (size_t)(g->worst_rows * cols)));
     MOK(fp8_cuda_buf_reserve(g, tg->scale, (size_t)(4 * E) * 4));
     MOK(fp8_cuda_buf_reserve(g, tg->inv, (size_t)(4 * E) * 4));
@@ -114,8 +112,9 @@ static moert_result quantize_activation_t(moert_fp8_cuda *g, cudaStream_t stream
                                 : round_up(g->rows16[e] * ceil_div(cols, TILE), 4);
     }
     if (is_blockwise(g)) {
-        const int64_t worst = g->worst_rows == 0 ? 0 : transposed ? cols * (ceil_div(g->worst_rows, TILE) + E) + 4 * E
-                                                                  : g->worst_rows * ceil_div(cols, TILE) + 4 * E;
+        const int64_t worst = g->worst_rows == 0 ? 0
+                              : transposed       ? cols * (ceil_div(g->worst_rows, TILE) + E) + 4 * E
+                                                 : g->worst_rows * ceil_div(cols, TILE) + 4 * E;
         MOK(fp8_cuda_buf_reserve_worst(g, tg->blk, (size_t)(blk_total > 0 ? blk_total : 1) * 4, (size_t)worst * 4));
     }
 
@@ -186,7 +185,7 @@ static moert_result quantize_activation_t(moert_fp8_cuda *g, cudaStream_t stream
 
 /* quantize_activation_t for the activation dtype (bf16 or fp32). */
 moert_result fp8_cuda_quantize_activation(moert_fp8_cuda *g, cudaStream_t stream, const moert_fp8_cuda_gemm *gm,
-                                        const void *src, int64_t cols, int operand, int transposed, act_target *tg)
+                                          const void *src, int64_t cols, int operand, int transposed, act_target *tg)
 {
     if (gm->act_dtype == MOERT_BF16)
         return quantize_activation_t<__nv_bfloat16>(g, stream, gm, (const __nv_bfloat16 *)src, cols, operand,
@@ -260,7 +259,8 @@ static moert_result weight_scales_t(moert_fp8_cuda *g, cudaStream_t stream, int 
         LAUNCH_CHECK(host, "amax_kernel");
     }
     const float *slot = g->cfg.recipe == MOERT_FP8_CUDA_DELAYED
-                            ? (const float *)g->slot_scale.p + slot_base(g, which, OP_WEIGHT) : NULL;
+                            ? (const float *)g->slot_scale.p + slot_base(g, which, OP_WEIGHT)
+                            : NULL;
     if (E > 0) {
         fp8_launch_scales_kernel((unsigned)ceil_div(E, 128), 128, stream, E, (const uint32_t *)c->amax.p, slot, fmax,
                                  g->cfg.power_of_2, (float *)c->scale.p, (float *)c->inv.p);
@@ -329,24 +329,32 @@ moert_result fp8_cuda_weight_make(moert_fp8_cuda *g, cudaStream_t stream, int wh
 {
     const int both = fwd && dgrad && !c->fwd_valid && !c->dgrad_valid;
     if (!c->scales_valid && !(both && is_blockwise(g))) {
-        if (c->dtype == MOERT_BF16) MOK(weight_scales_t<__nv_bfloat16>(g, stream, which, c, (const __nv_bfloat16 *)c->source));
-        else MOK(weight_scales_t<float>(g, stream, which, c, (const float *)c->source));
+        if (c->dtype == MOERT_BF16)
+            MOK(weight_scales_t<__nv_bfloat16>(g, stream, which, c, (const __nv_bfloat16 *)c->source));
+        else
+            MOK(weight_scales_t<float>(g, stream, which, c, (const float *)c->source));
         c->scales_valid = 1;
     }
     if (both) {
-        if (c->dtype == MOERT_BF16) MOK(weight_both_t<__nv_bfloat16>(g, stream, c, (const __nv_bfloat16 *)c->source));
-        else MOK(weight_both_t<float>(g, stream, c, (const float *)c->source));
+        if (c->dtype == MOERT_BF16)
+            MOK(weight_both_t<__nv_bfloat16>(g, stream, c, (const __nv_bfloat16 *)c->source));
+        else
+            MOK(weight_both_t<float>(g, stream, c, (const float *)c->source));
         c->scales_valid = c->fwd_valid = c->dgrad_valid = 1;
         return MOERT_OK;
     }
     if (fwd && !c->fwd_valid) {
-        if (c->dtype == MOERT_BF16) MOK(weight_cast_t<__nv_bfloat16>(g, stream, c, (const __nv_bfloat16 *)c->source, 1));
-        else MOK(weight_cast_t<float>(g, stream, c, (const float *)c->source, 1));
+        if (c->dtype == MOERT_BF16)
+            MOK(weight_cast_t<__nv_bfloat16>(g, stream, c, (const __nv_bfloat16 *)c->source, 1));
+        else
+            MOK(weight_cast_t<float>(g, stream, c, (const float *)c->source, 1));
         c->fwd_valid = 1;
     }
     if (dgrad && !c->dgrad_valid) {
-        if (c->dtype == MOERT_BF16) MOK(weight_cast_t<__nv_bfloat16>(g, stream, c, (const __nv_bfloat16 *)c->source, 0));
-        else MOK(weight_cast_t<float>(g, stream, c, (const float *)c->source, 0));
+        if (c->dtype == MOERT_BF16)
+            MOK(weight_cast_t<__nv_bfloat16>(g, stream, c, (const __nv_bfloat16 *)c->source, 0));
+        else
+            MOK(weight_cast_t<float>(g, stream, c, (const float *)c->source, 0));
         c->dgrad_valid = 1;
     }
     return MOERT_OK;
@@ -355,7 +363,7 @@ moert_result fp8_cuda_weight_make(moert_fp8_cuda *g, cudaStream_t stream, int wh
 /* The FP8 copy of gm's weight in the layout its pass needs: kept while the weight pointer and shape stay (until
  * end_step), else made now. */
 moert_result fp8_cuda_weight_get(moert_fp8_cuda *g, cudaStream_t stream, const moert_fp8_cuda_gemm *gm,
-                               weight_cache **out)
+                                 weight_cache **out)
 {
     weight_cache *c = &g->weights[gm->which];
     if (c->source != gm->weight || c->dtype != gm->weight_dtype || c->k != gm->k_in || c->n != gm->n_out) {

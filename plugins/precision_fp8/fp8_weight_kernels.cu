@@ -89,7 +89,8 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
             for (int q = 0; q < 4; q++)
                 col[q] = ((rows[4 * q] >> (8 * c)) & 0xffu) | (((rows[4 * q + 1] >> (8 * c)) & 0xffu) << 8) |
-                         (((rows[4 * q + 2] >> (8 * c)) & 0xffu) << 16) | (((rows[4 * q + 3] >> (8 * c)) & 0xffu) << 24);
+                         (((rows[4 * q + 2] >> (8 * c)) & 0xffu) << 16) |
+                         (((rows[4 * q + 3] >> (8 * c)) & 0xffu) << 24);
             *(uint4 *)(fwd + e * K * N + (n0 + c) * K + k0) = make_uint4(col[0], col[1], col[2], col[3]);
         }
 }
@@ -111,7 +112,8 @@ __global__ void tile_scales_kernel(const T *__restrict__ w, int64_t K, int64_t N
     const int64_t c = nb * TILE + col;
     uint32_t m = 0;
     if (c < N)
-        for (int64_t r = kb * TILE + half; r < K && r < (kb + 1) * TILE; r += 2) m = max(m, abs_bits(load_f(base + r * N + c)));
+        for (int64_t r = kb * TILE + half; r < K && r < (kb + 1) * TILE; r += 2)
+            m = max(m, abs_bits(load_f(base + r * N + c)));
     tile_scale_of_block(m, e, kb, nb, KB, NB, fp8max, pow2, layout, tile_scale, tile_stride, inv_fwd, inv_dgrad,
                         blk_stride);
 }
@@ -177,8 +179,8 @@ void fp8_launch_tile_scales_kernel(dim3 grid, dim3 block, cudaStream_t stream, i
                                    int64_t tile_stride, float *inv_fwd, float *inv_dgrad, int64_t blk_stride)
 {
     if (bf16)
-        tile_scales_kernel<<<grid, block, 0, stream>>>((const __nv_bfloat16 *)w, K, N, fp8max, pow2, layout,
-                                                       tile_scale, tile_stride, inv_fwd, inv_dgrad, blk_stride);
+        tile_scales_kernel<<<grid, block, 0, stream>>>((const __nv_bfloat16 *)w, K, N, fp8max, pow2, layout, tile_scale,
+                                                       tile_stride, inv_fwd, inv_dgrad, blk_stride);
     else
         tile_scales_kernel<<<grid, block, 0, stream>>>((const float *)w, K, N, fp8max, pow2, layout, tile_scale,
                                                        tile_stride, inv_fwd, inv_dgrad, blk_stride);
@@ -190,9 +192,9 @@ void fp8_launch_note_kernel(dim3 grid, dim3 block, cudaStream_t stream, const ma
     note_kernel<<<grid, block, 0, stream>>>(t, amax_bits, slot_amax, slot_seen);
 }
 
-void fp8_launch_end_step_kernel(dim3 grid, dim3 block, cudaStream_t stream, int64_t slots, int64_t experts,
-                                int64_t len, float *history, int32_t *next, int32_t *filled, float *scale,
-                                uint32_t *step_amax, int *seen, int most_recent, int margin, int pow2, int hybrid)
+void fp8_launch_end_step_kernel(dim3 grid, dim3 block, cudaStream_t stream, int64_t slots, int64_t experts, int64_t len,
+                                float *history, int32_t *next, int32_t *filled, float *scale, uint32_t *step_amax,
+                                int *seen, int most_recent, int margin, int pow2, int hybrid)
 {
     end_step_kernel<<<grid, block, 0, stream>>>(slots, experts, len, history, next, filled, scale, step_amax, seen,
                                                 most_recent, margin, pow2, hybrid);

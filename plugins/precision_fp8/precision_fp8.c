@@ -29,16 +29,16 @@ typedef struct fp8_ctx {
     fp8_settings settings;
     fp8_delayed_state delayed; /* delayed recipe on the CPU only (the CUDA path keeps its histories on the device) */
     fp8_scratch scratch;
-    bool on_cuda;              /* the layer is on a CUDA device: the CUDA path serves it */
-    int gemm_streams;          /* option: streams of the CUDA per-expert loop */
-    int gemm_engine;           /* option "gemm": GEMM_AUTO, GEMM_CUBLASLT, GEMM_KERNEL */
-    bool fp8_wgrad;            /* option "fp8_wgrad": false runs WGRAD on the bf16 plugin's GEMMs, unquantized */
+    bool on_cuda;               /* the layer is on a CUDA device: the CUDA path serves it */
+    int gemm_streams;           /* option: streams of the CUDA per-expert loop */
+    int gemm_engine;            /* option "gemm": GEMM_AUTO, GEMM_CUBLASLT, GEMM_KERNEL */
+    bool fp8_wgrad;             /* option "fp8_wgrad": false runs WGRAD on the bf16 plugin's GEMMs, unquantized */
     bf16_scratch wgrad_scratch; /* their CPU reference's work buffers */
     moert_fp8_block_tuning block_tuning; /* options "block_*": how the wgmma kernel runs (CUDA, blockwise) */
 #ifdef MOERT_HAVE_CUDA
-    moert_fp8_cuda *gemm;      /* quantize kernels, FP8 weight copies, cuBLASLt handle */
+    moert_fp8_cuda *gemm;        /* quantize kernels, FP8 weight copies, cuBLASLt handle */
     moert_bf16_cuda *wgrad_gemm; /* "fp8_wgrad": false on CUDA: the bf16 plugin's cuBLASLt loop */
-    int64_t *counts_host;      /* [E_local] pinned: device counts copied down when no host copy is given */
+    int64_t *counts_host;        /* [E_local] pinned: device counts copied down when no host copy is given */
 #endif
 } fp8_ctx;
 
@@ -58,8 +58,7 @@ static void fp8_finalize(void *ctx);
 /* Reads the options into s, *streams, *engine and *fp8_wgrad; "power_of_2_scales" defaults to true for blockwise,
  * false otherwise, and "format" to e4m3 for blockwise (its per-128 scales cover the gradients' range, as in DeepSeek-V3's recipe; with
  * E5M2 gradients the 300-step demo curve ran 2.9% above bf16's, with E4M3 within 0.5%), hybrid otherwise. */
-static moert_result read_options(const moert_host *host, fp8_settings *s, int *streams, int *engine,
-                                 bool *fp8_wgrad)
+static moert_result read_options(const moert_host *host, fp8_settings *s, int *streams, int *engine, bool *fp8_wgrad)
 {
     int recipe = 0, format = 1, amax_compute = 0;
     moert_result rc = host->option_enum(host, "recipe", recipe_choices, 0,
@@ -140,7 +139,8 @@ static moert_result read_block_tuning(const moert_host *host, moert_fp8_block_tu
                           &stages);
     if (rc != MOERT_OK) return rc;
     if (stages == 1)
-        return report(host, MOERT_ERR_CONFIG, "config error at $.precision.block_stages: got 1, expected 0 (as many as "
+        return report(host, MOERT_ERR_CONFIG,
+                      "config error at $.precision.block_stages: got 1, expected 0 (as many as "
                       "fit) or 2 to 16");
     rc = host->option_int(host, "block_pairs", pairs, 0, 2,
                           "CUDA kernel, forward form: 0 one k-block at a time, 1 k-blocks in pairs (the second's wgmma "
@@ -185,10 +185,13 @@ static moert_result cuda_init(fp8_ctx *c)
     char dev[32];
     device_name(l->device, dev, sizeof dev);
     if (l->dtype != MOERT_BF16 && l->dtype != MOERT_F32)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "the fp8 precision plugin on CUDA (%s) takes bf16 or fp32 activations, "
-                    "not %s", dev, moert_dtype_name(l->dtype));
+        return fail(c, MOERT_ERR_UNSUPPORTED,
+                    "the fp8 precision plugin on CUDA (%s) takes bf16 or fp32 activations, "
+                    "not %s",
+                    dev, moert_dtype_name(l->dtype));
     if (l->hidden % 16 || l->ffn_hidden % 16)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "the fp8 precision plugin on CUDA (%s) needs hidden (%lld) and ffn_hidden "
+        return fail(c, MOERT_ERR_UNSUPPORTED,
+                    "the fp8 precision plugin on CUDA (%s) needs hidden (%lld) and ffn_hidden "
                     "(%lld) to be multiples of 16 (cuBLASLt FP8 leading dimensions); use the bf16 plugin or the CPU",
                     dev, (long long)l->hidden, (long long)l->ffn_hidden);
     MOK(check_cuda_device_visible(c->host, id, dev));
@@ -199,13 +202,17 @@ static moert_result cuda_init(fp8_ctx *c)
         return fail(c, MOERT_ERR_CUDA, "cudaGetDeviceProperties(%d) failed: %s", id, cudaGetErrorString(err));
     }
     if (prop.major < 9)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "the fp8 precision plugin's CUDA path needs a Hopper GPU or newer "
-                    "(compute capability 9.0); %s is %s (%d.%d)", dev, prop.name, prop.major, prop.minor);
+        return fail(c, MOERT_ERR_UNSUPPORTED,
+                    "the fp8 precision plugin's CUDA path needs a Hopper GPU or newer "
+                    "(compute capability 9.0); %s is %s (%d.%d)",
+                    dev, prop.name, prop.major, prop.minor);
     void *probe = NULL; /* a host whose alloc cannot serve the device is a CPU-only host */
     moert_result rc = h->alloc(h, l->device, 1, &probe);
     if (rc == MOERT_ERR_UNSUPPORTED)
-        return fail(c, rc, "the host serving this instance cannot allocate on %s (a CPU-only host): only a CPU path is "
-                    "usable with it", dev);
+        return fail(c, rc,
+                    "the host serving this instance cannot allocate on %s (a CPU-only host): only a CPU path is "
+                    "usable with it",
+                    dev);
     if (rc != MOERT_OK) return rc;
     h->free(h, l->device, probe);
     rc = h->alloc_pinned(h, (size_t)l->num_local_experts * sizeof(int64_t) + 8, (void **)&c->counts_host);
@@ -236,8 +243,10 @@ static moert_result cuda_init(fp8_ctx *c)
      * kernel's code is sm_90a */
     const bool hopper = prop.major == 9 && prop.minor == 0;
     if (rc == MOERT_OK && s->recipe == FP8_RECIPE_BLOCKWISE && c->gemm_engine == GEMM_KERNEL && !hopper)
-        rc = fail(c, MOERT_ERR_UNSUPPORTED, "$.precision.gemm: \"kernel\" needs a compute capability 9.0 GPU "
-                  "(wgmma); %s is %s (%d.%d): use \"cublaslt\" or \"auto\"", dev, prop.name, prop.major, prop.minor);
+        rc = fail(c, MOERT_ERR_UNSUPPORTED,
+                  "$.precision.gemm: \"kernel\" needs a compute capability 9.0 GPU "
+                  "(wgmma); %s is %s (%d.%d): use \"cublaslt\" or \"auto\"",
+                  dev, prop.name, prop.major, prop.minor);
     if (rc == MOERT_OK && s->recipe == FP8_RECIPE_BLOCKWISE && c->gemm_engine == GEMM_KERNEL)
         rc = moert_fp8_cuda_set_block_kernel(c->gemm, 1);
     if (rc == MOERT_OK && s->recipe == FP8_RECIPE_BLOCKWISE && c->gemm_engine == GEMM_AUTO && hopper)
@@ -249,12 +258,13 @@ static moert_result cuda_init(fp8_ctx *c)
     }
     /* tuning the kernel where it does not run is said, not ignored in silence */
     const moert_fp8_block_tuning defaults = moert_fp8_block_tuning_default();
-    const bool kernel_runs = s->recipe == FP8_RECIPE_BLOCKWISE &&
-                             (c->gemm_engine == GEMM_KERNEL || (c->gemm_engine == GEMM_AUTO && hopper));
+    const bool kernel_runs =
+        s->recipe == FP8_RECIPE_BLOCKWISE && (c->gemm_engine == GEMM_KERNEL || (c->gemm_engine == GEMM_AUTO && hopper));
     if (rc == MOERT_OK && !kernel_runs && memcmp(&defaults, &c->block_tuning, sizeof defaults) != 0)
-        h->log(h, MOERT_LOG_WARN, "$.precision.block_*: set, but the wgmma kernel does not run here (recipe %s, gemm "
-               "%s, %s %d.%d): they change nothing", recipe_choices[s->recipe], gemm_choices[c->gemm_engine], dev,
-               prop.major, prop.minor);
+        h->log(h, MOERT_LOG_WARN,
+               "$.precision.block_*: set, but the wgmma kernel does not run here (recipe %s, gemm "
+               "%s, %s %d.%d): they change nothing",
+               recipe_choices[s->recipe], gemm_choices[c->gemm_engine], dev, prop.major, prop.minor);
     /* every matmul of the recipe exists in this cuBLASLt (weight gradients accumulate in fp32, as the executor's;
      * with "fp8_wgrad": false they are the bf16 GEMMs', not asked) */
     if (rc == MOERT_OK)
@@ -281,8 +291,10 @@ static moert_result fp8_init(void **out, const moert_host *host, const moert_lay
     }
 #ifndef MOERT_HAVE_CUDA
     if (layer->device.type == MOERT_DEVICE_CUDA) {
-        host->set_error(host, "the fp8 precision plugin has only a CPU path in this build (built without CUDA); the "
-                        "layer is on %s", device_name(layer->device, dev, sizeof dev));
+        host->set_error(host,
+                        "the fp8 precision plugin has only a CPU path in this build (built without CUDA); the "
+                        "layer is on %s",
+                        device_name(layer->device, dev, sizeof dev));
         return MOERT_ERR_UNSUPPORTED;
     }
 #endif
@@ -295,8 +307,10 @@ static moert_result fp8_init(void **out, const moert_host *host, const moert_lay
     rc = read_block_tuning(host, &block_tuning);
     if (rc != MOERT_OK) return rc;
     if (engine == GEMM_KERNEL && settings.recipe != FP8_RECIPE_BLOCKWISE) {
-        host->set_error(host, "$.precision.gemm: \"kernel\" serves the blockwise recipe only (recipe is \"%s\"); "
-                        "use \"auto\" or \"cublaslt\"", recipe_choices[settings.recipe]);
+        host->set_error(host,
+                        "$.precision.gemm: \"kernel\" serves the blockwise recipe only (recipe is \"%s\"); "
+                        "use \"auto\" or \"cublaslt\"",
+                        recipe_choices[settings.recipe]);
         return MOERT_ERR_CONFIG;
     }
     fp8_ctx *c = calloc(1, sizeof *c);
@@ -330,8 +344,8 @@ static moert_result fp8_init(void **out, const moert_host *host, const moert_lay
 #endif
     host->log(host, MOERT_LOG_DEBUG,
               "fp8 precision: recipe %s, format %s, power-of-2 scales %s, weight gradients %s (activations %s, %s)",
-              recipe_choices[settings.recipe], settings.hybrid ? "hybrid" : "e4m3",
-              settings.power_of_2 ? "on" : "off", fp8_wgrad ? "fp8" : "unquantized", moert_dtype_name(layer->dtype),
+              recipe_choices[settings.recipe], settings.hybrid ? "hybrid" : "e4m3", settings.power_of_2 ? "on" : "off",
+              fp8_wgrad ? "fp8" : "unquantized", moert_dtype_name(layer->dtype),
               device_name(layer->device, dev, sizeof dev));
     *out = c;
     return MOERT_OK;
@@ -379,11 +393,18 @@ static moert_result cuda_unquantized_wgrad(fp8_ctx *c, moert_stream stream, cons
 {
     const moert_dtype act = c->layer.dtype, gw = args->grad_weight->dtype;
     if (act == MOERT_F32 && gw != MOERT_F32)
-        return fail(c, MOERT_ERR_UNSUPPORTED, "%s: with \"fp8_wgrad\": false and fp32 activations, grad_weight must be "
-                    "fp32, not %s", call, moert_dtype_name(gw));
-    const moert_bf16_cuda_gemm gm = {.pass = MOERT_GEMM_WGRAD, .dtype = act, .num_experts = shape->num_experts,
-                                     .rows_per_expert = shape->counts, .k_in = shape->k_in, .n_out = shape->n_out,
-                                     .input = args->input->data, .grad_output = args->grad_output->data,
+        return fail(c, MOERT_ERR_UNSUPPORTED,
+                    "%s: with \"fp8_wgrad\": false and fp32 activations, grad_weight must be "
+                    "fp32, not %s",
+                    call, moert_dtype_name(gw));
+    const moert_bf16_cuda_gemm gm = {.pass = MOERT_GEMM_WGRAD,
+                                     .dtype = act,
+                                     .num_experts = shape->num_experts,
+                                     .rows_per_expert = shape->counts,
+                                     .k_in = shape->k_in,
+                                     .n_out = shape->n_out,
+                                     .input = args->input->data,
+                                     .grad_output = args->grad_output->data,
                                      .grad_weight = args->grad_weight->data,
                                      .accumulate = !moert_gemm_overwrites_grad(args),
                                      .output_fp32 = act == MOERT_BF16 && gw == MOERT_F32};
@@ -406,14 +427,14 @@ static moert_result cuda_grouped_gemm(fp8_ctx *c, moert_stream stream, const moe
     case MOERT_GEMM_DGRAD:
         acts[0] = args->grad_output, names[0] = "grad_output", acts[1] = args->grad_input, names[1] = "grad_input";
         break;
-    default:
-        acts[0] = args->input, names[0] = "input", acts[1] = args->grad_output, names[1] = "grad_output";
-        break;
+    default: acts[0] = args->input, names[0] = "input", acts[1] = args->grad_output, names[1] = "grad_output"; break;
     }
     for (int i = 0; i < 2; i++)
         if (acts[i]->dtype != act)
-            return fail(c, MOERT_ERR_UNSUPPORTED, "%s: %s has dtype %s; on CUDA the fp8 plugin takes the layer's %s "
-                        "activations", call, names[i], moert_dtype_name(acts[i]->dtype), moert_dtype_name(act));
+            return fail(c, MOERT_ERR_UNSUPPORTED,
+                        "%s: %s has dtype %s; on CUDA the fp8 plugin takes the layer's %s "
+                        "activations",
+                        call, names[i], moert_dtype_name(acts[i]->dtype), moert_dtype_name(act));
     moert_fp8_cuda_gemm gm;
     memset(&gm, 0, sizeof gm);
     gm.which = args->which;
@@ -427,8 +448,10 @@ static moert_result cuda_grouped_gemm(fp8_ctx *c, moert_stream stream, const moe
     if (args->pass == MOERT_GEMM_WGRAD) {
         const moert_dtype gw = args->grad_weight->dtype;
         if (gw != MOERT_F32 && gw != MOERT_BF16)
-            return fail(c, MOERT_ERR_UNSUPPORTED, "%s: grad_weight has dtype %s; on CUDA the fp8 plugin accumulates into "
-                        "fp32 or bf16", call, moert_dtype_name(gw));
+            return fail(c, MOERT_ERR_UNSUPPORTED,
+                        "%s: grad_weight has dtype %s; on CUDA the fp8 plugin accumulates into "
+                        "fp32 or bf16",
+                        call, moert_dtype_name(gw));
         if (!c->fp8_wgrad) return cuda_unquantized_wgrad(c, stream, args, shape, call);
         gm.grad_weight_dtype = gw;
         gm.input = args->input->data;
@@ -438,8 +461,10 @@ static moert_result cuda_grouped_gemm(fp8_ctx *c, moert_stream stream, const moe
     } else {
         const moert_dtype wd = args->weight->dtype;
         if (wd != MOERT_F32 && wd != MOERT_BF16)
-            return fail(c, MOERT_ERR_UNSUPPORTED, "%s: weight has dtype %s; on CUDA the fp8 plugin takes fp32 or bf16 "
-                        "weights", call, moert_dtype_name(wd));
+            return fail(c, MOERT_ERR_UNSUPPORTED,
+                        "%s: weight has dtype %s; on CUDA the fp8 plugin takes fp32 or bf16 "
+                        "weights",
+                        call, moert_dtype_name(wd));
         gm.weight_dtype = wd;
         gm.weight = args->weight->data;
         if (args->pass == MOERT_GEMM_FORWARD) {
@@ -495,20 +520,21 @@ static moert_result fp8_end_step(void *ctx, moert_stream stream)
 
 /* The one exported symbol, under the vtable's typedef name through an asm label (see precision_bf16.c). */
 MOERT_PRECISION_V1_EXPORT(fp8_vtable) = {
-    .header = {
-        MOERT_PRECISION_V1_HEADER,
-        .name = "fp8",
-        .version = "0.1.0",
-        .description = "grouped GEMMs with FP8 operands (E4M3/E5M2), current, delayed or blockwise scaling",
+    .header =
+        {
+            MOERT_PRECISION_V1_HEADER,
+            .name = "fp8",
+            .version = "0.1.0",
+            .description = "grouped GEMMs with FP8 operands (E4M3/E5M2), current, delayed or blockwise scaling",
 #ifdef MOERT_HAVE_CUDA
-        .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU) | MOERT_CAP_DEVICE(MOERT_DEVICE_CUDA),
+            .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU) | MOERT_CAP_DEVICE(MOERT_DEVICE_CUDA),
 #else
-        .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU),
+            .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU),
 #endif
-        .dtypes = MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) |
-                  MOERT_CAP_DTYPE(MOERT_F16),
-        .flags = MOERT_CAP_NEEDS_HOST_SYNC | MOERT_CAP_WGRAD_OVERWRITE,
-    },
+            .dtypes = MOERT_CAP_DTYPE(MOERT_F32) | MOERT_CAP_DTYPE(MOERT_F64) | MOERT_CAP_DTYPE(MOERT_BF16) |
+                      MOERT_CAP_DTYPE(MOERT_F16),
+            .flags = MOERT_CAP_NEEDS_HOST_SYNC | MOERT_CAP_WGRAD_OVERWRITE,
+        },
     .init = fp8_init,
     .finalize = fp8_finalize,
     .grouped_gemm = fp8_grouped_gemm,

@@ -46,8 +46,8 @@ double fp8_quantize_block(double *v, int64_t rows, int64_t cols, int64_t tile_ro
                     const double a = fabs((double)(float)v[i * cols + j]);
                     if (isnan(a) || a > amax) amax = isnan(amax) ? amax : a;
                 }
-            const float scale = fixed_scale > 0.0f ? fixed_scale
-                                                   : fp8_scale_from_amax(amax, max_value, 0, power_of_2, 1.0f);
+            const float scale =
+                fixed_scale > 0.0f ? fixed_scale : fp8_scale_from_amax(amax, max_value, 0, power_of_2, 1.0f);
             const float scale_inv = 1.0f / scale;
             if (scales) scales[(r0 / tile_rows) * tiles_across + c0 / tile_cols] = scale;
             for (int64_t i = r0; i < r1; i++)
@@ -142,7 +142,8 @@ void fp8_scratch_free(fp8_scratch *scratch)
 static void load_block(const moert_tensor *t, int64_t base, int64_t rows, int64_t cols, bool transpose, double *dst)
 {
     for (int64_t i = 0; i < rows; i++)
-        for (int64_t j = 0; j < cols; j++) dst[transpose ? j * rows + i : i * cols + j] = moert_load(t, base + i * cols + j);
+        for (int64_t j = 0; j < cols; j++)
+            dst[transpose ? j * rows + i : i * cols + j] = moert_load(t, base + i * cols + j);
 }
 
 /* c[m,n] = a[m,kk] @ b[kk,n] in double, summing over kk in order. */
@@ -176,8 +177,8 @@ static void quantize_operand(double *block, int64_t rows, int64_t cols, bool red
         break;
     case FP8_RECIPE_DELAYED: {
         fp8_amax_slot *slot = fp8_delayed_slot(delayed, which, operand, e);
-        const double amax = fp8_quantize_block(block, rows, cols, rows, cols, format, s->power_of_2, slot->scale,
-                                               NULL, NULL);
+        const double amax =
+            fp8_quantize_block(block, rows, cols, rows, cols, format, s->power_of_2, slot->scale, NULL, NULL);
         if (!slot->seen || isnan(amax) || amax > slot->step_amax) slot->step_amax = amax;
         slot->seen = true;
         break;
@@ -223,7 +224,8 @@ moert_result fp8_cpu_grouped_gemm(const moert_grouped_gemm_args *args, const fp8
         /* a: [m,K] (FORWARD), [m,N] (DGRAD), [K,m] (WGRAD); b: [K,N], [N,K], [m,N]; c: [m,N], [m,K], [K,N]. */
         size_t a_elems = (size_t)(m * (args->pass == MOERT_GEMM_DGRAD ? N : K));
         size_t b_elems = (size_t)(args->pass == MOERT_GEMM_WGRAD ? m * N : K * N);
-        size_t c_elems = (size_t)(args->pass == MOERT_GEMM_WGRAD ? K * N : m * (args->pass == MOERT_GEMM_DGRAD ? K : N));
+        size_t c_elems =
+            (size_t)(args->pass == MOERT_GEMM_WGRAD ? K * N : m * (args->pass == MOERT_GEMM_DGRAD ? K : N));
         if (!scratch_reserve(&scratch->a, &scratch->a_elems, a_elems) ||
             !scratch_reserve(&scratch->b, &scratch->b_elems, b_elems) ||
             !scratch_reserve(&scratch->c, &scratch->c_elems, c_elems))

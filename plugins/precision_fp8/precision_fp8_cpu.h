@@ -31,29 +31,29 @@ typedef enum fp8_operand {
 /* The options after parsing. */
 typedef struct fp8_settings {
     fp8_recipe recipe;
-    bool hybrid;               /* format "hybrid": gradients in E5M2; "e4m3": everything E4M3 */
-    bool power_of_2;           /* scales truncated to a power of two */
-    int64_t amax_history_len;  /* delayed */
-    bool amax_most_recent;     /* delayed: "most_recent" instead of "max" over the history */
-    int64_t margin;            /* delayed: scale = fp8_max * 2^-margin / amax */
+    bool hybrid;              /* format "hybrid": gradients in E5M2; "e4m3": everything E4M3 */
+    bool power_of_2;          /* scales truncated to a power of two */
+    int64_t amax_history_len; /* delayed */
+    bool amax_most_recent;    /* delayed: "most_recent" instead of "max" over the history */
+    int64_t margin;           /* delayed: scale = fp8_max * 2^-margin / amax */
 } fp8_settings;
 
 /* One delayed-scaling slot: the scale in force and the amax history (a ring of amax_history_len entries). */
 typedef struct fp8_amax_slot {
-    float scale;        /* used by this step's quantizations; starts at 1 */
-    double step_amax;   /* the largest amax seen in this step (when seen) */
-    bool seen;          /* the slot was used since the last end_step */
-    int64_t filled;     /* valid history entries */
-    int64_t next;       /* ring position of the next entry */
-    double *history;    /* [amax_history_len] */
+    float scale;      /* used by this step's quantizations; starts at 1 */
+    double step_amax; /* the largest amax seen in this step (when seen) */
+    bool seen;        /* the slot was used since the last end_step */
+    int64_t filled;   /* valid history entries */
+    int64_t next;     /* ring position of the next entry */
+    double *history;  /* [amax_history_len] */
 } fp8_amax_slot;
 
 /* The delayed recipe's state: slots indexed [which][operand][expert]. */
 typedef struct fp8_delayed_state {
     int64_t num_experts;
     int64_t history_len;
-    fp8_amax_slot *slots;   /* [2 * 3 * num_experts] */
-    double *history_store;  /* [2 * 3 * num_experts * history_len] */
+    fp8_amax_slot *slots;  /* [2 * 3 * num_experts] */
+    double *history_store; /* [2 * 3 * num_experts * history_len] */
 } fp8_delayed_state;
 
 /* Work buffers reused across calls (grown on demand). */

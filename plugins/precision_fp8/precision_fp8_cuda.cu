@@ -23,7 +23,8 @@ static moert_result dev_alloc(moert_fp8_cuda *g, size_t bytes, void **out)
     cudaError_t err = cudaMalloc(out, bytes ? bytes : 1);
     if (err != cudaSuccess) {
         *out = NULL;
-        return report(h, MOERT_ERR_OUT_OF_MEMORY, "fp8 cuda: cudaMalloc(%zu) failed: %s", bytes, cudaGetErrorString(err));
+        return report(h, MOERT_ERR_OUT_OF_MEMORY, "fp8 cuda: cudaMalloc(%zu) failed: %s", bytes,
+                      cudaGetErrorString(err));
     }
     return MOERT_OK;
 }
@@ -33,8 +34,10 @@ static void dev_free(moert_fp8_cuda *g, void *p)
 {
     if (!p) return;
     const moert_host *h = g->host;
-    if (h && h->alloc && h->free) h->free(h, g->device, p);
-    else cudaFree(p);
+    if (h && h->alloc && h->free)
+        h->free(h, g->device, p);
+    else
+        cudaFree(p);
 }
 
 /* Grows b to at least bytes; slack: a quarter more, so activations whose counts vary do not regrow every step
@@ -88,9 +91,9 @@ extern "C" void moert_fp8_cuda_destroy(moert_fp8_cuda *g)
         if (g->layout[i].layout) cublasLtMatrixLayoutDestroy(g->layout[i].layout);
     if (g->pref) cublasLtMatmulPreferenceDestroy(g->pref);
     if (g->lt) cublasLtDestroy(g->lt);
-    dev_buf *bufs[] = {&g->workspace, &g->act_a, &g->act_b, &g->a_scale, &g->a_inv, &g->b_scale, &g->b_inv,
-                       &g->a_blk, &g->b_blk, &g->amax, &g->slot_scale, &g->slot_amax, &g->slot_seen, &g->history,
-                       &g->next, &g->filled, &g->dscratch};
+    dev_buf *bufs[] = {&g->workspace, &g->act_a,   &g->act_b, &g->a_scale, &g->a_inv,      &g->b_scale,
+                       &g->b_inv,     &g->a_blk,   &g->b_blk, &g->amax,    &g->slot_scale, &g->slot_amax,
+                       &g->slot_seen, &g->history, &g->next,  &g->filled,  &g->dscratch};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) buf_release(g, bufs[i]);
     for (int w = 0; w < 2; w++) {
         weight_cache *c = &g->weights[w];
@@ -116,11 +119,11 @@ static moert_result lt_setup(moert_fp8_cuda *g)
     CUBLAS_CHECK(host, cublasLtCreate(&g->lt));
     CUBLAS_CHECK(host, cublasLtMatmulPreferenceCreate(&g->pref));
     uint64_t ws = MOERT_FP8_CUDA_STREAM_WORKSPACE_BYTES;
-    CUBLAS_CHECK(host, cublasLtMatmulPreferenceSetAttribute(g->pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
-                                                            sizeof ws));
+    CUBLAS_CHECK(
+        host, cublasLtMatmulPreferenceSetAttribute(g->pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
     for (int i = 0; i < 3; i++) {
-        CUBLAS_CHECK(host, cublasLtMatrixLayoutCreate(&g->layout[i].layout, i < 2 ? CUDA_R_8F_E4M3 : CUDA_R_16BF, 16,
-                                                      16, 16));
+        CUBLAS_CHECK(
+            host, cublasLtMatrixLayoutCreate(&g->layout[i].layout, i < 2 ? CUDA_R_8F_E4M3 : CUDA_R_16BF, 16, 16, 16));
         g->layout[i].type = i < 2 ? CUDA_R_8F_E4M3 : CUDA_R_16BF;
         g->layout[i].rows = g->layout[i].cols = g->layout[i].ld = 16;
     }
@@ -157,8 +160,10 @@ extern "C" moert_result moert_fp8_cuda_create(const moert_host *host, moert_devi
     *out = NULL;
     if (cfg->num_experts < 0 || cfg->num_experts > 0xFFFFFF || cfg->recipe < MOERT_FP8_CUDA_CURRENT ||
         cfg->recipe > MOERT_FP8_CUDA_BLOCKWISE || cfg->amax_history_len < 1)
-        return report(host, MOERT_ERR_INVALID_ARGUMENT, "fp8 cuda: bad configuration (experts %lld, recipe %d, "
-                      "history %lld)", (long long)cfg->num_experts, (int)cfg->recipe, (long long)cfg->amax_history_len);
+        return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                      "fp8 cuda: bad configuration (experts %lld, recipe %d, "
+                      "history %lld)",
+                      (long long)cfg->num_experts, (int)cfg->recipe, (long long)cfg->amax_history_len);
     moert_fp8_cuda *g = (moert_fp8_cuda *)calloc(1, sizeof *g);
     if (!g) return report(host, MOERT_ERR_OUT_OF_MEMORY, "fp8 cuda: out of host memory for the handle");
     g->host = host;
@@ -192,7 +197,6 @@ fail:
     moert_fp8_cuda_destroy(g);
     return rc;
 }
-
 
 /* The blockwise recipe's GEMMs on the wgmma kernel: every pass (on 1), all but the WGRADs that overwrite grad_weight
  * (2), none (0). */
@@ -249,7 +253,8 @@ extern "C" moert_result moert_fp8_cuda_set_streams(moert_fp8_cuda *g, int stream
         CUDA_CHECK(host, cudaDeviceSynchronize()); /* a setup call: the old workspace may be in use */
         MOK(fp8_cuda_buf_reserve(g, &g->workspace, need));
     }
-    if (streams > 1 && !g->fork_event) CUDA_CHECK(host, cudaEventCreateWithFlags(&g->fork_event, cudaEventDisableTiming));
+    if (streams > 1 && !g->fork_event)
+        CUDA_CHECK(host, cudaEventCreateWithFlags(&g->fork_event, cudaEventDisableTiming));
     for (int i = 1; i < streams; i++) {
         if (!g->lane_stream[i]) CUDA_CHECK(host, cudaStreamCreateWithFlags(&g->lane_stream[i], cudaStreamNonBlocking));
         if (!g->join_event[i]) CUDA_CHECK(host, cudaEventCreateWithFlags(&g->join_event[i], cudaEventDisableTiming));

@@ -49,8 +49,9 @@ extern "C" {
 #endif
 
 #define MOERT_FP8_CUDA_STREAM_WORKSPACE_BYTES ((size_t)32 << 20) /* cuBLASLt workspace per stream */
-#define MOERT_FP8_CUDA_MAX_STREAMS 8
-#define MOERT_FP8_CUDA_ROW_ALIGN 16 /* rows per expert padded to this: WGRAD (FP8 leading dimension; or 128) and the
+#define MOERT_FP8_CUDA_MAX_STREAMS            8
+#define MOERT_FP8_CUDA_ROW_ALIGN                                                                                       \
+    16 /* rows per expert padded to this: WGRAD (FP8 leading dimension; or 128) and the
                                        blockwise FORWARD/DGRAD activations (cuBLASLt's VEC128 operand) */
 
 /* The recipe (the same numbers as fp8_recipe in precision_fp8_cpu.h). */
@@ -115,20 +116,20 @@ moert_result moert_fp8_cuda_set_streams(moert_fp8_cuda *g, int streams);
 
 /* One grouped GEMM by raw device pointers (see the layouts above). */
 typedef struct moert_fp8_cuda_gemm {
-    moert_gemm_weight which;         /* FC1 or FC2: whose FP8 weight copy and delayed slots */
+    moert_gemm_weight which; /* FC1 or FC2: whose FP8 weight copy and delayed slots */
     moert_gemm_pass pass;
-    moert_dtype act_dtype;           /* bf16 or fp32: input, grad_output, output, grad_input */
-    moert_dtype weight_dtype;        /* fp32 or bf16 */
-    moert_dtype grad_weight_dtype;   /* fp32 or bf16 (WGRAD) */
-    int64_t num_experts;             /* the handle's */
-    const int64_t *rows_per_expert;  /* [num_experts] on the host */
-    int64_t capacity;                /* rows of the activation tensors (an upper bound of the counts' sum), so the
+    moert_dtype act_dtype;          /* bf16 or fp32: input, grad_output, output, grad_input */
+    moert_dtype weight_dtype;       /* fp32 or bf16 */
+    moert_dtype grad_weight_dtype;  /* fp32 or bf16 (WGRAD) */
+    int64_t num_experts;            /* the handle's */
+    const int64_t *rows_per_expert; /* [num_experts] on the host */
+    int64_t capacity;               /* rows of the activation tensors (an upper bound of the counts' sum), so the
                                         padded scratch buffers are sized once for the worst case; 0: unknown
                                         (sized from the counts, grown with slack when they grow) */
     int64_t k_in, n_out;
     const void *input, *weight, *grad_output;
     void *output, *grad_input, *grad_weight;
-    int overwrite_grad_weight;       /* WGRAD: 1 writes grad_weight (beta 0; experts with no rows zeroed), 0 adds */
+    int overwrite_grad_weight; /* WGRAD: 1 writes grad_weight (beta 0; experts with no rows zeroed), 0 adds */
 } moert_fp8_cuda_gemm;
 
 /* Enqueues the grouped GEMM on stream (WGRAD accumulates unless overwrite_grad_weight). Experts with no rows are
@@ -183,8 +184,8 @@ void moert_fp8_cuda_last_operands(const moert_fp8_cuda *g, moert_fp8_cuda_operan
 
 /* The delayed recipe's scale of slot (which, operand 0 input / 1 weight / 2 grad_output, expert), copied to the
  * host with a stream sync (tests). */
-moert_result moert_fp8_cuda_delayed_scale(moert_fp8_cuda *g, cudaStream_t stream, moert_gemm_weight which,
-                                          int operand, int64_t expert, float *out);
+moert_result moert_fp8_cuda_delayed_scale(moert_fp8_cuda *g, cudaStream_t stream, moert_gemm_weight which, int operand,
+                                          int64_t expert, float *out);
 
 /* Benchmarks: 1 makes grouped GEMMs quantize their operands (and weights) but issue no matmul, so the quantization
  * can be timed alone; 0 (the default) runs everything. */
@@ -192,11 +193,11 @@ void moert_fp8_cuda_set_quantize_only(moert_fp8_cuda *g, int enabled);
 
 /* Counters since creation, for tests and reports. */
 typedef struct moert_fp8_cuda_stats {
-    int64_t heuristic_queries;   /* cublasLtMatmulAlgoGetHeuristic calls */
-    int64_t cache_hits;          /* expert matmuls that found their plan cached */
-    int64_t exact_fallbacks;     /* bucket plans cuBLASLt refused for the actual shape */
-    int64_t weight_quantizations;/* FP8 weight copies made (each of the two layouts counts once) */
-    int64_t matmuls;             /* expert matmuls enqueued */
+    int64_t heuristic_queries;    /* cublasLtMatmulAlgoGetHeuristic calls */
+    int64_t cache_hits;           /* expert matmuls that found their plan cached */
+    int64_t exact_fallbacks;      /* bucket plans cuBLASLt refused for the actual shape */
+    int64_t weight_quantizations; /* FP8 weight copies made (each of the two layouts counts once) */
+    int64_t matmuls;              /* expert matmuls enqueued */
 } moert_fp8_cuda_stats;
 void moert_fp8_cuda_get_stats(const moert_fp8_cuda *g, moert_fp8_cuda_stats *out);
 

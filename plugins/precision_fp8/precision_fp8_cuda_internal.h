@@ -25,22 +25,22 @@
 #include "../lib/plugin_cuda_check.h"
 #include "fp8_block_gemm.h"
 
-#define TILE 128              /* block edge of the blockwise recipe */
-#define CT_COLS 64            /* columns of a cast_transpose_kernel tile (the host counts its tiles) */
-#define TABLE_MAX 64          /* matrices per kernel launch (the table goes by value) */
-#define PLAN_SLOTS 2048
+#define TILE        128 /* block edge of the blockwise recipe */
+#define CT_COLS     64  /* columns of a cast_transpose_kernel tile (the host counts its tiles) */
+#define TABLE_MAX   64  /* matrices per kernel launch (the table goes by value) */
+#define PLAN_SLOTS  2048
 #define PLAN_PROBES 8
-#define MAX_DESCS 16
-#define E4M3_MAX 448.0f
-#define E5M2_MAX 57344.0f
+#define MAX_DESCS   16
+#define E4M3_MAX    448.0f
+#define E5M2_MAX    57344.0f
 
 /* Checked cuBLASLt call. */
-#define CUBLAS_CHECK(host, call)                                                                             \
-    do {                                                                                                     \
-        cublasStatus_t st_ = (call);                                                                         \
-        if (st_ != CUBLAS_STATUS_SUCCESS)                                                                    \
-            return report((host), MOERT_ERR_CUDA, "%s failed: %s (%s:%d)", #call, cublasLtGetStatusString(st_), \
-                          __FILE__, __LINE__);                                                               \
+#define CUBLAS_CHECK(host, call)                                                                                       \
+    do {                                                                                                               \
+        cublasStatus_t st_ = (call);                                                                                   \
+        if (st_ != CUBLAS_STATUS_SUCCESS)                                                                              \
+            return report((host), MOERT_ERR_CUDA, "%s failed: %s (%s:%d)", #call, cublasLtGetStatusString(st_),        \
+                          __FILE__, __LINE__);                                                                         \
     } while (0)
 
 enum { OP_INPUT = 0, OP_WEIGHT = 1, OP_GRAD = 2 };
@@ -71,7 +71,7 @@ struct mat_table {
     int64_t src_row0[TABLE_MAX];
     int64_t dst_off[TABLE_MAX];
     int64_t scale_off[TABLE_MAX];
-    int64_t row_start[TABLE_MAX + 1];  /* block_rows_kernel: first padded row of each matrix in the launch */
+    int64_t row_start[TABLE_MAX + 1]; /* block_rows_kernel: first padded row of each matrix in the launch */
 };
 
 /* ---- the handle ---- */
@@ -84,13 +84,13 @@ typedef struct dev_buf {
 
 /* The FP8 copies of one weight and their scales. */
 typedef struct weight_cache {
-    const void *source;  /* the weight they were made from; NULL: none */
+    const void *source; /* the weight they were made from; NULL: none */
     moert_dtype dtype;
     int64_t k, n;
     int scales_valid, fwd_valid, dgrad_valid;
-    dev_buf fwd, dgrad;  /* [E][N][K] and [E][K][N] bytes */
-    dev_buf scale, inv; /* per-tensor: [4E] each */
-    dev_buf amax;       /* [E] bits */
+    dev_buf fwd, dgrad;                     /* [E][N][K] and [E][K][N] bytes */
+    dev_buf scale, inv;                     /* per-tensor: [4E] each */
+    dev_buf amax;                           /* [E] bits */
     dev_buf tile_scale, inv_fwd, inv_dgrad; /* blockwise */
     int64_t tile_stride, blk_stride;
 } weight_cache;
@@ -123,11 +123,11 @@ struct moert_fp8_cuda {
     moert_device device;
     moert_fp8_cuda_config cfg;
     int vec_layout, blk_layout;
-    int quantize_only; /* benchmarks: no matmuls */
+    int quantize_only;                   /* benchmarks: no matmuls */
     moert_fp8_block_tuning block_tuning; /* how the wgmma kernel runs (moert_fp8_cuda_set_block_tuning) */
-    int64_t wgrad_align; /* blockwise WGRAD: rows padded to 16 or 128 (0: not asked yet) */
-    int64_t worst_rows;  /* the current GEMM's most padded rows (capacity + (align - 1) * E); 0: capacity unknown */
-    int blk_order;       /* blockwise FORWARD/DGRAD: BLK_ORDER_* (see choose_blk_order) */
+    int64_t wgrad_align;                 /* blockwise WGRAD: rows padded to 16 or 128 (0: not asked yet) */
+    int64_t worst_rows; /* the current GEMM's most padded rows (capacity + (align - 1) * E); 0: capacity unknown */
+    int blk_order;      /* blockwise FORWARD/DGRAD: BLK_ORDER_* (see choose_blk_order) */
     moert_fp8_block_ctx *block; /* blockwise GEMMs on the wgmma kernel (fp8_block_gemm.cu); NULL: cuBLASLt */
     int block_wgrad;            /* with block: the kernel serves every WGRAD (set_block_kernel 1); 0: the
                                    accumulating ones only, those overwriting grad_weight go to cuBLASLt (2) */
@@ -145,11 +145,11 @@ struct moert_fp8_cuda {
     cudaEvent_t join_event[MOERT_FP8_CUDA_MAX_STREAMS];
     cudaEvent_t fork_event;
     /* activation operands of the current GEMM */
-    dev_buf act_a, act_b;                 /* FP8 bytes */
+    dev_buf act_a, act_b;                   /* FP8 bytes */
     dev_buf a_scale, a_inv, b_scale, b_inv; /* per-tensor [4E] */
-    dev_buf a_blk, b_blk;                 /* blockwise factors */
-    dev_buf amax;                         /* [E] bits, current recipe */
-    dev_buf dscratch;                     /* BLK_ORDER_WEIGHT_B: the experts' outputs, transposed */
+    dev_buf a_blk, b_blk;                   /* blockwise factors */
+    dev_buf amax;                           /* [E] bits, current recipe */
+    dev_buf dscratch;                       /* BLK_ORDER_WEIGHT_B: the experts' outputs, transposed */
     weight_cache weights[2];
     /* delayed recipe (slots [which][operand][expert]) */
     dev_buf slot_scale, slot_amax, slot_seen, history, next, filled;
@@ -166,13 +166,13 @@ typedef struct expert_mm {
     cudaDataType_t a_type, b_type, d_type;
     int32_t a_mode, b_mode; /* cublasLtMatmulMatrixScale_t */
     int beta1;
-    int row_dim;            /* ROW_N (FORWARD/DGRAD), ROW_K (WGRAD), ROW_M (BLK_ORDER_WEIGHT_B) */
+    int row_dim;                    /* ROW_N (FORWARD/DGRAD), ROW_K (WGRAD), ROW_M (BLK_ORDER_WEIGHT_B) */
     int64_t m, n, k, lda, ldb, ldd; /* ROW_M: ldd is round_up(m, 16) */
     const void *a, *b;
     void *d;
     const float *a_scale, *b_scale;
     int64_t expert;
-    void *copy_to;     /* blockwise, weight as A: D went to a padded scratch; its first copy_bytes go here after */
+    void *copy_to; /* blockwise, weight as A: D went to a padded scratch; its first copy_bytes go here after */
     size_t copy_bytes;
 } expert_mm;
 
@@ -280,9 +280,9 @@ void fp8_launch_tile_scales_kernel(dim3 grid, dim3 block, cudaStream_t stream, i
                                    int64_t tile_stride, float *inv_fwd, float *inv_dgrad, int64_t blk_stride);
 void fp8_launch_note_kernel(dim3 grid, dim3 block, cudaStream_t stream, const mat_table &t, const uint32_t *amax_bits,
                             uint32_t *slot_amax, int *slot_seen);
-void fp8_launch_end_step_kernel(dim3 grid, dim3 block, cudaStream_t stream, int64_t slots, int64_t experts,
-                                int64_t len, float *history, int32_t *next, int32_t *filled, float *scale,
-                                uint32_t *step_amax, int *seen, int most_recent, int margin, int pow2, int hybrid);
+void fp8_launch_end_step_kernel(dim3 grid, dim3 block, cudaStream_t stream, int64_t slots, int64_t experts, int64_t len,
+                                float *history, int32_t *next, int32_t *filled, float *scale, uint32_t *step_amax,
+                                int *seen, int most_recent, int margin, int pow2, int hybrid);
 void fp8_launch_fill_kernel(dim3 grid, dim3 block, cudaStream_t stream, float *p, int64_t n, float v);
 
 #endif

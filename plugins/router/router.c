@@ -20,12 +20,12 @@
 #define ROUTER_NAME "topk"
 
 /* True when the host table is new enough to have `member` and it is set. */
-#define HOST_HAS(h, member)                                                                                  \
+#define HOST_HAS(h, member)                                                                                            \
     ((h)->struct_size >= offsetof(moert_host, member) + sizeof((h)->member) && (h)->member != NULL)
 
 typedef struct router_ctx {
     const moert_host *host;
-    moert_device device;   /* the layer's device: where every tensor argument must be */
+    moert_device device;    /* the layer's device: where every tensor argument must be */
     struct router_gpu *gpu; /* the CUDA path's state when the layer is on a CUDA device; NULL on the CPU */
     int64_t hidden, num_experts, topk;
     router_params params;
@@ -68,17 +68,17 @@ typedef struct router_ctx {
     /* the last forward, for backward */
     bool have_forward;
     int64_t fwd_tokens;
-    bool fwd_aux;          /* a balancing loss contributed */
-    int64_t fwd_aux_seq;   /* S of the balancing loss */
-    double fwd_aux_scale;  /* A of the balancing loss */
+    bool fwd_aux;         /* a balancing loss contributed */
+    int64_t fwd_aux_seq;  /* S of the balancing loss */
+    double fwd_aux_scale; /* A of the balancing loss */
 
     /* aux-loss-free balancing */
-    double *expert_bias;    /* [E] */
+    double *expert_bias; /* [E] */
     moert_tensor bias_tensor;
-    int64_t *bias_counts;   /* [E] copies kept per expert since the last end_step, this rank */
+    int64_t *bias_counts; /* [E] copies kept per expert since the last end_step, this rank */
 
     /* global_aux_loss: all-reduced counts summed over the forwards since the last end_step */
-    double *global_counts;  /* [E] */
+    double *global_counts; /* [E] */
     int64_t global_forwards;
 } router_ctx;
 
@@ -103,10 +103,25 @@ static void report_metric(const router_ctx *c, const char *name, double value, c
 /* Frees the work buffers (not the bias or the accumulated counts). */
 static void free_buffers(router_ctx *c)
 {
-    free(c->x); free(c->w); free(c->logits); free(c->aux_scores); free(c->aux_f); free(c->probs);
-    free(c->d_probs); free(c->d_logits); free(c->d_x); free(c->d_w); free(c->route_scratch);
-    free(c->k_scratch); free(c->sel_idx); free(c->aux_idx); free(c->kept); free(c->bytes);
-    free(c->cap_scratch); free(c->counts); free(c->kept_counts);
+    free(c->x);
+    free(c->w);
+    free(c->logits);
+    free(c->aux_scores);
+    free(c->aux_f);
+    free(c->probs);
+    free(c->d_probs);
+    free(c->d_logits);
+    free(c->d_x);
+    free(c->d_w);
+    free(c->route_scratch);
+    free(c->k_scratch);
+    free(c->sel_idx);
+    free(c->aux_idx);
+    free(c->kept);
+    free(c->bytes);
+    free(c->cap_scratch);
+    free(c->counts);
+    free(c->kept_counts);
     c->x = c->w = c->logits = c->aux_scores = c->aux_f = c->probs = c->d_probs = c->d_logits = NULL;
     c->d_x = c->d_w = c->route_scratch = c->k_scratch = NULL;
     c->sel_idx = c->aux_idx = NULL;
@@ -143,8 +158,8 @@ static moert_result ensure_buffers(router_ctx *c, int64_t T)
     c->counts = malloc((size_t)(E + 1) * sizeof(int64_t));
     c->kept_counts = malloc((size_t)E * sizeof(int64_t));
     if (!c->kept_counts || !c->x || !c->w || !c->logits || !c->aux_scores || !c->aux_f || !c->probs || !c->d_probs ||
-        !c->d_logits || !c->d_x || !c->d_w || !c->route_scratch || !c->k_scratch || !c->sel_idx ||
-        !c->aux_idx || !c->kept || !c->bytes || !c->cap_scratch || !c->counts) {
+        !c->d_logits || !c->d_x || !c->d_w || !c->route_scratch || !c->k_scratch || !c->sel_idx || !c->aux_idx ||
+        !c->kept || !c->bytes || !c->cap_scratch || !c->counts) {
         free_buffers(c);
         c->host->set_error(c->host, "router '%s': out of memory for work buffers of %lld tokens", ROUTER_NAME,
                            (long long)T);
@@ -158,10 +173,10 @@ static moert_result ensure_buffers(router_ctx *c, int64_t T)
 static moert_result read_options(router_ctx *c, const moert_host *h, const moert_layer_info *layer)
 {
     static const char *const score_choices[] = {"softmax", "sigmoid", NULL};
-    static const char *const balancing_choices[] = {"none", "aux_loss", "seq_aux_loss", "global_aux_loss",
+    static const char *const balancing_choices[] = {"none",     "aux_loss", "seq_aux_loss", "global_aux_loss",
                                                     "sinkhorn", NULL};
     static const char *const drop_choices[] = {"probs", "position", NULL};
-    static const char *const gemm_choices[] = {"auto", "fp32", "bf16x3", NULL}; /* by router_gpu_gemm */
+    static const char *const gemm_choices[] = {"auto", "fp32", "bf16x3", NULL};  /* by router_gpu_gemm */
     static const char *const compute_choices[] = {"auto", "fp32", "fp64", NULL}; /* by router_compute_dtype */
     router_params *p = &c->params;
     moert_result rc;
@@ -174,12 +189,10 @@ static moert_result read_options(router_ctx *c, const moert_host *h, const moert
                         "how logits become scores: softmax over the experts, or one sigmoid per expert", &score);
     if (rc != MOERT_OK) return rc;
     rc = h->option_bool(h, "pre_softmax", false,
-                        "softmax over all experts before top-k, probs not renormalised (softmax only)",
-                        &pre_softmax);
+                        "softmax over all experts before top-k, probs not renormalised (softmax only)", &pre_softmax);
     if (rc != MOERT_OK) return rc;
     rc = h->option_int(h, "num_groups", 0, 0, 1 << 20,
-                       "expert groups of group-limited top-k (0: off); must divide the number of experts",
-                       &num_groups);
+                       "expert groups of group-limited top-k (0: off); must divide the number of experts", &num_groups);
     if (rc != MOERT_OK) return rc;
     rc = h->option_int(h, "group_topk", 0, 0, 1 << 20,
                        "groups a token may take experts from (group-limited top-k); must divide topk", &group_topk);
@@ -192,12 +205,10 @@ static moert_result read_options(router_ctx *c, const moert_host *h, const moert
                         &c->use_expert_bias);
     if (rc != MOERT_OK) return rc;
     rc = h->option_float(h, "bias_update_rate", 1e-3, 0.0, 1.0,
-                         "expert_bias step: bias += rate * sign(mean count - count) at end_step",
-                         &c->bias_update_rate);
+                         "expert_bias step: bias += rate * sign(mean count - count) at end_step", &c->bias_update_rate);
     if (rc != MOERT_OK) return rc;
     rc = h->option_enum(h, "load_balancing", balancing_choices, 0,
-                        "balancing: none, a switch aux loss (per batch, per sequence, global) or sinkhorn",
-                        &balancing);
+                        "balancing: none, a switch aux loss (per batch, per sequence, global) or sinkhorn", &balancing);
     if (rc != MOERT_OK) return rc;
     rc = h->option_float(h, "aux_loss_coeff", 0.0, 0.0, 1e6, "coefficient of the aux loss chosen by load_balancing",
                          &c->aux_loss_coeff);
@@ -209,40 +220,45 @@ static moert_result read_options(router_ctx *c, const moert_host *h, const moert
                          "expert capacity ceil(T*K/E * factor) per expert on this rank (0: no capacity)", &capacity);
     if (rc != MOERT_OK) return rc;
     rc = h->option_enum(h, "drop_policy", drop_choices, 0,
-                        "over capacity, keep the highest-prob copies (probs) or the earliest tokens (position)",
-                        &drop);
+                        "over capacity, keep the highest-prob copies (probs) or the earliest tokens (position)", &drop);
     if (rc != MOERT_OK) return rc;
     rc = h->option_enum(h, "gemm", gemm_choices, 0,
                         "CUDA: the linear layer's arithmetic: fp32 GEMMs, or bf16x3 (fp32 operands split into three "
                         "bf16 terms, tensor cores, fp32 accumulation; bf16 activations only); auto picks bf16x3 for "
-                        "bf16 activations. Ignored on the CPU", &c->gemm);
+                        "bf16 activations. Ignored on the CPU",
+                        &c->gemm);
     if (rc != MOERT_OK) return rc;
     rc = h->option_bool(h, "pad_to_capacity", false,
                         "with capacity_factor: every expert reports exactly its capacity of rows in tokens_per_expert "
                         "(static shapes; the dispatcher fills the padding with zero-weight rows, e.g. alltoall's "
-                        "pad_to_capacity)", &pad);
+                        "pad_to_capacity)",
+                        &pad);
     if (rc != MOERT_OK) return rc;
     rc = h->option_float(h, "input_jitter_eps", 0.0, 0.0, 1.0,
                          "multiply the router's input by uniform(1-eps, 1+eps) noise, drawn from a counter-based hash "
-                         "of (seed, layer, rank, forward, token, column) (0: off)", &c->jitter_eps);
+                         "of (seed, layer, rank, forward, token, column) (0: off)",
+                         &c->jitter_eps);
     if (rc != MOERT_OK) return rc;
     rc = h->option_bool(h, "force_load_balancing", false,
                         "benchmarks: replace the logits by standard normal noise (balanced routing on average); the "
-                        "gradient passes straight through to the real logits", &c->force_balance);
+                        "gradient passes straight through to the real logits",
+                        &c->force_balance);
     if (rc != MOERT_OK) return rc;
     int64_t seed = 0;
     rc = h->option_int(h, "seed", 42, 0, INT64_MAX,
                        "seed of input_jitter_eps's noise and force_load_balancing's logits (mixed with the layer "
-                       "index and the rank)", &seed);
+                       "index and the rank)",
+                       &seed);
     if (rc != MOERT_OK) return rc;
     rc = h->option_enum(h, "compute_dtype", compute_choices, 0,
                         "the dtype of the logits and scores: fp32 or fp64 on both paths; auto: the CPU path in fp64, "
-                        "CUDA in fp32", &c->compute_dtype);
+                        "CUDA in fp32",
+                        &c->compute_dtype);
     if (rc != MOERT_OK) return rc;
-    c->jitter_key = router_noise_key((uint64_t)seed, (uint64_t)layer->layer_index, (uint64_t)h->rank,
-                                     ROUTER_NOISE_JITTER);
-    c->random_logits_key = router_noise_key((uint64_t)seed, (uint64_t)layer->layer_index, (uint64_t)h->rank,
-                                            ROUTER_NOISE_RANDOM_LOGITS);
+    c->jitter_key =
+        router_noise_key((uint64_t)seed, (uint64_t)layer->layer_index, (uint64_t)h->rank, ROUTER_NOISE_JITTER);
+    c->random_logits_key =
+        router_noise_key((uint64_t)seed, (uint64_t)layer->layer_index, (uint64_t)h->rank, ROUTER_NOISE_RANDOM_LOGITS);
 
     p->num_experts = c->num_experts;
     p->topk = c->topk;
@@ -268,8 +284,10 @@ static moert_result read_options(router_ctx *c, const moert_host *h, const moert
         return MOERT_ERR_CONFIG;
     }
     if ((num_groups > 0) != (group_topk > 0)) {
-        h->set_error(h, "options num_groups and group_topk: set both for group-limited top-k, or neither "
-                        "(num_groups %lld, group_topk %lld)", (long long)num_groups, (long long)group_topk);
+        h->set_error(h,
+                     "options num_groups and group_topk: set both for group-limited top-k, or neither "
+                     "(num_groups %lld, group_topk %lld)",
+                     (long long)num_groups, (long long)group_topk);
         return MOERT_ERR_CONFIG;
     }
     if (num_groups > 0) {
@@ -295,14 +313,21 @@ static moert_result read_options(router_ctx *c, const moert_host *h, const moert
     }
     if (p->balancing == ROUTER_BALANCE_SINKHORN) {
         const char *clash = NULL;
-        if (p->score_function != ROUTER_SCORE_SOFTMAX) clash = "score_function sigmoid";
-        else if (pre_softmax) clash = "pre_softmax";
-        else if (num_groups > 0) clash = "num_groups";
-        else if (c->use_expert_bias) clash = "expert_bias";
-        else if (scaling != 1.0) clash = "scaling_factor";
+        if (p->score_function != ROUTER_SCORE_SOFTMAX)
+            clash = "score_function sigmoid";
+        else if (pre_softmax)
+            clash = "pre_softmax";
+        else if (num_groups > 0)
+            clash = "num_groups";
+        else if (c->use_expert_bias)
+            clash = "expert_bias";
+        else if (scaling != 1.0)
+            clash = "scaling_factor";
         if (clash) {
-            h->set_error(h, "option load_balancing: sinkhorn does not combine with %s (sinkhorn picks its own "
-                            "activation: softmax for topk > 1, sigmoid for topk 1)", clash);
+            h->set_error(h,
+                         "option load_balancing: sinkhorn does not combine with %s (sinkhorn picks its own "
+                         "activation: softmax for topk > 1, sigmoid for topk 1)",
+                         clash);
             return MOERT_ERR_CONFIG;
         }
     }
@@ -311,20 +336,26 @@ static moert_result read_options(router_ctx *c, const moert_host *h, const moert
         return MOERT_ERR_CONFIG;
     }
     if (c->gemm == 2 && c->jitter_eps > 0.0) { /* ROUTER_GEMM_BF16X3 */
-        h->set_error(h, "option gemm: \"bf16x3\" takes the bf16 activations as they are, but input_jitter_eps %g "
-                        "multiplies them by fp32 noise; use gemm \"auto\" or \"fp32\"", c->jitter_eps);
+        h->set_error(h,
+                     "option gemm: \"bf16x3\" takes the bf16 activations as they are, but input_jitter_eps %g "
+                     "multiplies them by fp32 noise; use gemm \"auto\" or \"fp32\"",
+                     c->jitter_eps);
         return MOERT_ERR_CONFIG;
     }
     if (c->compute_dtype == ROUTER_COMPUTE_FP64 && c->gemm != 0) {
-        h->set_error(h, "option gemm: \"%s\" is an fp32 GEMM, but compute_dtype fp64 computes the logits in fp64; "
-                        "leave gemm \"auto\"", gemm_choices[c->gemm]);
+        h->set_error(h,
+                     "option gemm: \"%s\" is an fp32 GEMM, but compute_dtype fp64 computes the logits in fp64; "
+                     "leave gemm \"auto\"",
+                     gemm_choices[c->gemm]);
         return MOERT_ERR_CONFIG;
     }
     bool aux_kind = p->balancing == ROUTER_BALANCE_AUX_LOSS || p->balancing == ROUTER_BALANCE_SEQ_AUX_LOSS ||
                     p->balancing == ROUTER_BALANCE_GLOBAL_AUX_LOSS;
     if (c->aux_loss_coeff > 0.0 && !aux_kind) {
-        h->set_error(h, "option aux_loss_coeff: %g has no effect with load_balancing %s (choose aux_loss, "
-                        "seq_aux_loss or global_aux_loss)", c->aux_loss_coeff, balancing_choices[balancing]);
+        h->set_error(h,
+                     "option aux_loss_coeff: %g has no effect with load_balancing %s (choose aux_loss, "
+                     "seq_aux_loss or global_aux_loss)",
+                     c->aux_loss_coeff, balancing_choices[balancing]);
         return MOERT_ERR_CONFIG;
     }
     if (aux_kind && c->aux_loss_coeff == 0.0)
@@ -346,16 +377,18 @@ static moert_result router_init(void **ctx, const moert_host *host, const moert_
     }
 #ifndef MOERT_HAVE_CUDA
     if (on_cuda) {
-        host->set_error(host, "router '%s': device %s is not supported by this build (the CPU path only; build "
-                              "with -Dcuda=enabled for the CUDA path)", ROUTER_NAME,
-                        device_name(layer->device, dev, sizeof dev));
+        host->set_error(host,
+                        "router '%s': device %s is not supported by this build (the CPU path only; build "
+                        "with -Dcuda=enabled for the CUDA path)",
+                        ROUTER_NAME, device_name(layer->device, dev, sizeof dev));
         return MOERT_ERR_UNSUPPORTED;
     }
 #endif
     if (layer->hidden < 1 || layer->num_experts < 1 || layer->topk < 1 || layer->topk > layer->num_experts) {
-        host->set_error(host, "router '%s': layer needs hidden >= 1 and 1 <= topk <= num_experts "
-                              "(hidden %lld, num_experts %lld, topk %lld)", ROUTER_NAME, (long long)layer->hidden,
-                        (long long)layer->num_experts, (long long)layer->topk);
+        host->set_error(host,
+                        "router '%s': layer needs hidden >= 1 and 1 <= topk <= num_experts "
+                        "(hidden %lld, num_experts %lld, topk %lld)",
+                        ROUTER_NAME, (long long)layer->hidden, (long long)layer->num_experts, (long long)layer->topk);
         return MOERT_ERR_INVALID_ARGUMENT;
     }
     router_ctx *c = calloc(1, sizeof *c);
@@ -376,12 +409,18 @@ static moert_result router_init(void **ctx, const moert_host *host, const moert_
     int64_t E = c->num_experts;
 #ifdef MOERT_HAVE_CUDA
     if (on_cuda) {
-        router_gpu_config cfg = {.name = ROUTER_NAME, .params = c->params, .use_expert_bias = c->use_expert_bias,
-                                 .bias_update_rate = c->bias_update_rate, .aux_loss_coeff = c->aux_loss_coeff,
-                                 .z_loss_coeff = c->z_loss_coeff, .gemm = (router_gpu_gemm)c->gemm,
+        router_gpu_config cfg = {.name = ROUTER_NAME,
+                                 .params = c->params,
+                                 .use_expert_bias = c->use_expert_bias,
+                                 .bias_update_rate = c->bias_update_rate,
+                                 .aux_loss_coeff = c->aux_loss_coeff,
+                                 .z_loss_coeff = c->z_loss_coeff,
+                                 .gemm = (router_gpu_gemm)c->gemm,
                                  .compute_dtype = (router_compute_dtype)c->compute_dtype,
-                                 .jitter_eps = c->jitter_eps, .jitter_key = c->jitter_key,
-                                 .force_balance = c->force_balance, .random_logits_key = c->random_logits_key};
+                                 .jitter_eps = c->jitter_eps,
+                                 .jitter_key = c->jitter_key,
+                                 .force_balance = c->force_balance,
+                                 .random_logits_key = c->random_logits_key};
         rc = router_gpu_create(host, layer, &cfg, &c->gpu);
         if (rc != MOERT_OK) {
             free(c);
@@ -482,21 +521,23 @@ static moert_result check_tensor(const router_ctx *c, const char *call, const ch
             return MOERT_ERR_INVALID_ARGUMENT;
         }
     } else if (t->device.type != MOERT_DEVICE_CPU && t->device.type != MOERT_DEVICE_CUDA_HOST) {
-        h->set_error(h, "router '%s' %s: %s is on %s; this instance runs on the CPU and needs host memory",
-                     ROUTER_NAME, call, name, device_name(t->device, dev, sizeof dev));
+        h->set_error(h, "router '%s' %s: %s is on %s; this instance runs on the CPU and needs host memory", ROUTER_NAME,
+                     call, name, device_name(t->device, dev, sizeof dev));
         return MOERT_ERR_UNSUPPORTED;
     }
     bool shape_ok = t->ndim == ndim && t->shape[0] == d0 && (ndim == 1 || t->shape[1] == d1);
     if (!shape_ok || !dtype_in_class(t->dtype, cls)) {
         char want[64], got[64];
-        if (ndim == 1) snprintf(want, sizeof want, "[%lld]", (long long)d0);
-        else snprintf(want, sizeof want, "[%lld, %lld]", (long long)d0, (long long)d1);
+        if (ndim == 1)
+            snprintf(want, sizeof want, "[%lld]", (long long)d0);
+        else
+            snprintf(want, sizeof want, "[%lld, %lld]", (long long)d0, (long long)d1);
         int n = snprintf(got, sizeof got, "[");
         for (int i = 0; i < t->ndim && i < MOERT_MAX_DIMS && n < (int)sizeof got - 24; i++)
             n += snprintf(got + n, sizeof got - (size_t)n, "%s%lld", i ? ", " : "", (long long)t->shape[i]);
         snprintf(got + n, sizeof got - (size_t)n, "]");
-        h->set_error(h, "router '%s' %s: %s must be %s %s, got %s %s", ROUTER_NAME, call, name, want,
-                     class_name(cls), got, moert_dtype_name(t->dtype));
+        h->set_error(h, "router '%s' %s: %s must be %s %s, got %s %s", ROUTER_NAME, call, name, want, class_name(cls),
+                     got, moert_dtype_name(t->dtype));
         return MOERT_ERR_INVALID_ARGUMENT;
     }
     if (!moert_tensor_is_contiguous(t)) {
@@ -518,9 +559,9 @@ static void apply_jitter(const router_ctx *c, uint64_t call, int64_t T, double *
     const int64_t H = c->hidden;
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < H; i++)
-            x[t * H + i] = router_cpu_as_compute(c->params.compute_f32,
-                                                 x[t * H + i] * router_noise_jitter(c->jitter_key, call, (uint64_t)t,
-                                                                                    (uint64_t)i, c->fwd_jitter_eps));
+            x[t * H + i] = router_cpu_as_compute(
+                c->params.compute_f32,
+                x[t * H + i] * router_noise_jitter(c->jitter_key, call, (uint64_t)t, (uint64_t)i, c->fwd_jitter_eps));
 }
 
 /* force_load_balancing: logits [T,E] replaced by standard normal numbers of forward number `call`. */
@@ -543,14 +584,16 @@ static moert_result compute_losses(router_ctx *c, int64_t T, int64_t seq_length,
     losses->z_loss = 0.0;
     c->fwd_aux = false;
 
-    bool aux_kind = b == ROUTER_BALANCE_AUX_LOSS || b == ROUTER_BALANCE_SEQ_AUX_LOSS ||
-                    b == ROUTER_BALANCE_GLOBAL_AUX_LOSS;
+    bool aux_kind =
+        b == ROUTER_BALANCE_AUX_LOSS || b == ROUTER_BALANCE_SEQ_AUX_LOSS || b == ROUTER_BALANCE_GLOBAL_AUX_LOSS;
     if (aux_kind && c->aux_loss_coeff > 0.0) {
         int64_t S = T;
         if (b == ROUTER_BALANCE_SEQ_AUX_LOSS && seq_length > 0) {
             if (T % seq_length != 0) {
-                h->set_error(h, "router '%s' forward: seq_aux_loss needs whole sequences: seq_length %lld does not "
-                                "divide the %lld tokens", ROUTER_NAME, (long long)seq_length, (long long)T);
+                h->set_error(h,
+                             "router '%s' forward: seq_aux_loss needs whole sequences: seq_length %lld does not "
+                             "divide the %lld tokens",
+                             ROUTER_NAME, (long long)seq_length, (long long)T);
                 return MOERT_ERR_INVALID_ARGUMENT;
             }
             S = seq_length;
@@ -609,9 +652,8 @@ static moert_result router_forward(void *ctx, moert_stream stream, const moert_r
     if ((rc = check_tensor(c, "forward", "tokens_per_expert", a->tokens_per_expert, E, -1, CLASS_I64)) != MOERT_OK)
         return rc;
     /* a caller built before seq_length existed passes a shorter struct: one sequence */
-    int64_t seq_length = a->struct_size >= offsetof(moert_router_forward_args, seq_length) + sizeof a->seq_length
-                             ? a->seq_length
-                             : 0;
+    int64_t seq_length =
+        a->struct_size >= offsetof(moert_router_forward_args, seq_length) + sizeof a->seq_length ? a->seq_length : 0;
     if (seq_length < 0) {
         h->set_error(h, "router '%s' forward: seq_length %lld is negative", ROUTER_NAME, (long long)seq_length);
         return MOERT_ERR_INVALID_ARGUMENT;
@@ -651,8 +693,8 @@ static moert_result router_forward(void *ctx, moert_stream stream, const moert_r
 
     router_scratch scratch = {c->route_scratch, c->bytes};
     if (T > 0) {
-        int64_t iters = router_cpu_route(&c->params, c->logits, c->use_expert_bias ? c->expert_bias : NULL, T,
-                                         &scratch, c->sel_idx, c->probs);
+        int64_t iters = router_cpu_route(&c->params, c->logits, c->use_expert_bias ? c->expert_bias : NULL, T, &scratch,
+                                         c->sel_idx, c->probs);
         if (iters < 0) h->log(h, MOERT_LOG_WARN, "router '%s': sinkhorn did not converge", ROUTER_NAME);
     }
 
@@ -733,10 +775,9 @@ static moert_result router_backward(void *ctx, moert_stream stream, const moert_
     load_all(a->d_topk_probs, T * K, c->d_probs);
     router_cpu_probs_backward(&c->params, c->logits, c->sel_idx, c->kept, c->d_probs, T, c->k_scratch, c->d_logits);
     if (c->fwd_aux)
-        router_cpu_aux_loss_backward(c->params.score_function, c->logits, c->aux_scores, c->aux_f, T, E,
-                                     c->fwd_aux_seq, c->fwd_aux_scale, a->loss_scale, c->d_logits);
-    if (c->z_loss_coeff > 0.0)
-        router_cpu_z_loss_backward(c->logits, T, E, c->z_loss_coeff, a->loss_scale, c->d_logits);
+        router_cpu_aux_loss_backward(c->params.score_function, c->logits, c->aux_scores, c->aux_f, T, E, c->fwd_aux_seq,
+                                     c->fwd_aux_scale, a->loss_scale, c->d_logits);
+    if (c->z_loss_coeff > 0.0) router_cpu_z_loss_backward(c->logits, T, E, c->z_loss_coeff, a->loss_scale, c->d_logits);
 
     load_all(a->x, T * H, c->x);
     if (c->fwd_jitter_eps > 0.0) apply_jitter(c, c->fwd_call, T, c->x); /* the logits' x was the jittered one */
@@ -747,8 +788,8 @@ static moert_result router_backward(void *ctx, moert_stream stream, const moert_
     if (c->fwd_jitter_eps > 0.0) /* d x = d (x * noise) * noise */
         for (int64_t t = 0; t < T; t++)
             for (int64_t i = 0; i < H; i++)
-                c->d_x[t * H + i] *= router_noise_jitter(c->jitter_key, c->fwd_call, (uint64_t)t, (uint64_t)i,
-                                                         c->fwd_jitter_eps);
+                c->d_x[t * H + i] *=
+                    router_noise_jitter(c->jitter_key, c->fwd_call, (uint64_t)t, (uint64_t)i, c->fwd_jitter_eps);
     for (int64_t i = 0; i < T * H; i++) moert_store(a->d_x, i, moert_load(a->d_x, i) + c->d_x[i]);
     for (int64_t i = 0; i < E * H; i++) moert_store(a->d_weight, i, moert_load(a->d_weight, i) + c->d_w[i]);
     return MOERT_OK;
@@ -799,11 +840,10 @@ static const moert_tensor *router_expert_bias(void *ctx)
 MOERT_ROUTER_V1_EXPORT(topk_router_vtable) = {
     .header =
         {
-            MOERT_ROUTER_V1_HEADER,
-            .name = ROUTER_NAME,
-            .version = "0.1.0",
-            .description = "top-k router: softmax/sigmoid scores, group-limited top-k, aux/seq/global aux loss, "
-                           "z-loss, sinkhorn, expert bias, capacity and padding, input jitter, forced balance, fp32/fp64",
+            MOERT_ROUTER_V1_HEADER, .name = ROUTER_NAME, .version = "0.1.0",
+            .description =
+                "top-k router: softmax/sigmoid scores, group-limited top-k, aux/seq/global aux loss, "
+                "z-loss, sinkhorn, expert bias, capacity and padding, input jitter, forced balance, fp32/fp64",
 #ifdef MOERT_HAVE_CUDA
             .devices = MOERT_CAP_DEVICE(MOERT_DEVICE_CPU) | MOERT_CAP_DEVICE(MOERT_DEVICE_CUDA),
 #else

@@ -84,7 +84,10 @@ void router_cpu_topk(const double *scores, int64_t E, int64_t K, const unsigned 
             if (allowed && !allowed[e]) continue;
             bool taken = false;
             for (int64_t j = 0; j < k; j++)
-                if (idx[j] == e) { taken = true; break; }
+                if (idx[j] == e) {
+                    taken = true;
+                    break;
+                }
             if (taken) continue;
             /* best < 0 also takes a NaN score, so every slot gets an expert */
             if (best < 0 || scores[e] > scores[best]) best = e;
@@ -112,7 +115,7 @@ static double sum_of_largest(const double *v, int64_t m, int64_t n, unsigned cha
 void router_cpu_group_topk(const double *scores, int64_t E, int64_t K, int64_t G, int64_t Kg,
                            unsigned char *bytes_scratch, double *group_scratch, int32_t *idx)
 {
-    unsigned char *allowed = bytes_scratch;     /* E */
+    unsigned char *allowed = bytes_scratch;         /* E */
     unsigned char *group_taken = bytes_scratch + E; /* G */
     if (G < 1 || Kg < 1) {
         router_cpu_topk(scores, E, K, NULL, idx);
@@ -135,8 +138,8 @@ void router_cpu_group_topk(const double *scores, int64_t E, int64_t K, int64_t G
 }
 
 /* Megatron's sinkhorn(): balances exp(logits) towards uniform token and expert marginals. */
-int64_t router_cpu_sinkhorn(const double *logits, int64_t T, int64_t E, double tol, int64_t max_iters,
-                            double *scratch, double *out)
+int64_t router_cpu_sinkhorn(const double *logits, int64_t T, int64_t E, double tol, int64_t max_iters, double *scratch,
+                            double *out)
 {
     double *d0 = scratch, *d1 = scratch + T, *d1_old = scratch + T + E;
     double *c = out;
@@ -177,8 +180,8 @@ static void select_experts(const router_params *p, const double *scores, router_
                            int32_t *idx)
 {
     if (p->num_groups > 0)
-        router_cpu_group_topk(scores, p->num_experts, p->topk, p->num_groups, p->group_topk, s->bytes,
-                              group_scratch, idx);
+        router_cpu_group_topk(scores, p->num_experts, p->topk, p->num_groups, p->group_topk, s->bytes, group_scratch,
+                              idx);
     else
         router_cpu_topk(scores, p->num_experts, p->topk, NULL, idx);
 }
@@ -188,9 +191,9 @@ int64_t router_cpu_route(const router_params *p, const double *logits, const dou
                          router_scratch *scratch, int32_t *sel_idx, double *probs)
 {
     int64_t E = p->num_experts, K = p->topk;
-    double *row = scratch->doubles;              /* E: selection scores of one token */
-    double *full = row + E;                      /* E: softmax or sigmoid of one token */
-    double *group = full + E;                    /* num_groups */
+    double *row = scratch->doubles;                   /* E: selection scores of one token */
+    double *full = row + E;                           /* E: softmax or sigmoid of one token */
+    double *group = full + E;                         /* num_groups */
     double *sink = group + max_i64(p->num_groups, 1); /* T*E sinkhorn output, then T+2E of its scratch */
     const bool f32 = p->compute_f32;
     int64_t iters = 0;
@@ -243,7 +246,8 @@ int64_t router_cpu_route(const router_params *p, const double *logits, const dou
                 sum += pr[k];
             }
             if (K > 1)
-                for (int64_t k = 0; k < K; k++) pr[k] = router_cpu_as_compute(f32, pr[k] / (sum + ROUTER_SIGMOID_NORM_EPS));
+                for (int64_t k = 0; k < K; k++)
+                    pr[k] = router_cpu_as_compute(f32, pr[k] / (sum + ROUTER_SIGMOID_NORM_EPS));
         }
         for (int64_t k = 0; k < K; k++) pr[k] = router_cpu_as_compute(f32, pr[k] * p->scaling_factor);
     }
@@ -277,14 +281,13 @@ static void sort_by_prob_desc(int64_t *pos, int64_t n, const double *probs, int6
 
 /* Megatron's apply_router_token_dropping without padding: at most `capacity` copies per expert. */
 int64_t router_cpu_apply_capacity(const int32_t *sel_idx, const double *probs, int64_t T, int64_t K, int64_t E,
-                                  int64_t capacity, router_drop_policy policy, int64_t *scratch,
-                                  unsigned char *kept)
+                                  int64_t capacity, router_drop_policy policy, int64_t *scratch, unsigned char *kept)
 {
     int64_t N = T * K;
-    int64_t *order = scratch;          /* N: positions t*K+k grouped by expert, in token order */
-    int64_t *tmp = scratch + N;        /* N: merge sort buffer */
-    int64_t *start = scratch + 2 * N;  /* E+1: where each expert's positions begin */
-    int64_t *cursor = start + E + 1;   /* E+1: where the next position of each expert goes */
+    int64_t *order = scratch;         /* N: positions t*K+k grouped by expert, in token order */
+    int64_t *tmp = scratch + N;       /* N: merge sort buffer */
+    int64_t *start = scratch + 2 * N; /* E+1: where each expert's positions begin */
+    int64_t *cursor = start + E + 1;  /* E+1: where the next position of each expert goes */
     memset(start, 0, (size_t)(E + 1) * sizeof *start);
     for (int64_t i = 0; i < N; i++) start[sel_idx[i] + 1]++;
     for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
@@ -400,8 +403,7 @@ void router_cpu_z_loss_backward(const double *logits, int64_t T, int64_t E, doub
 }
 
 /* Gradient of probs through a softmax over all E experts whose entries idx[k] received g[k]. */
-static void softmax_all_backward(const double *l, int64_t E, const int32_t *idx, const double *g, int64_t K,
-                                 double *dl)
+static void softmax_all_backward(const double *l, int64_t E, const int32_t *idx, const double *g, int64_t K, double *dl)
 {
     double m = row_max(l, E);
     double z = 0.0;
@@ -465,8 +467,10 @@ void router_cpu_probs_backward(const router_params *p, const double *logits, con
         for (int64_t k = 0; k < K; k++)
             g[k] = (kept && !kept[t * K + k]) ? 0.0 : d_probs[t * K + k] * p->scaling_factor;
         if (p->balancing == ROUTER_BALANCE_SINKHORN) {
-            if (K > 1) softmax_all_backward(l, E, idx, g, K, dl);
-            else sigmoid_selected_backward(l, idx, g, K, dl);
+            if (K > 1)
+                softmax_all_backward(l, E, idx, g, K, dl);
+            else
+                sigmoid_selected_backward(l, idx, g, K, dl);
         } else if (p->score_function == ROUTER_SCORE_SOFTMAX && !p->pre_softmax) {
             softmax_selected_backward(l, idx, g, K, dl);
         } else if (p->score_function == ROUTER_SCORE_SOFTMAX) {

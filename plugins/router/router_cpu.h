@@ -13,10 +13,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-typedef enum router_score_function {
-    ROUTER_SCORE_SOFTMAX = 0,
-    ROUTER_SCORE_SIGMOID = 1
-} router_score_function;
+typedef enum router_score_function { ROUTER_SCORE_SOFTMAX = 0, ROUTER_SCORE_SIGMOID = 1 } router_score_function;
 
 typedef enum router_balancing {
     ROUTER_BALANCE_NONE = 0,
@@ -26,10 +23,7 @@ typedef enum router_balancing {
     ROUTER_BALANCE_SINKHORN = 4
 } router_balancing;
 
-typedef enum router_drop_policy {
-    ROUTER_DROP_PROBS = 0,
-    ROUTER_DROP_POSITION = 1
-} router_drop_policy;
+typedef enum router_drop_policy { ROUTER_DROP_PROBS = 0, ROUTER_DROP_POSITION = 1 } router_drop_policy;
 
 /* Option compute_dtype: the arithmetic of the logits and scores (Megatron's --moe-router-dtype). auto: each path's
  * own (the CPU reference in fp64, CUDA in fp32). */
@@ -41,18 +35,18 @@ typedef enum router_compute_dtype {
 
 /* Everything that decides how logits become a selection and probs (validated by router.c). */
 typedef struct router_params {
-    int64_t num_experts;           /* E */
-    int64_t topk;                  /* K */
+    int64_t num_experts; /* E */
+    int64_t topk;        /* K */
     router_score_function score_function;
-    bool pre_softmax;              /* softmax only */
-    int64_t num_groups;            /* 0: no group-limited top-k */
-    int64_t group_topk;            /* groups kept per token when num_groups > 0 */
-    double scaling_factor;         /* multiplies probs last */
+    bool pre_softmax;      /* softmax only */
+    int64_t num_groups;    /* 0: no group-limited top-k */
+    int64_t group_topk;    /* groups kept per token when num_groups > 0 */
+    double scaling_factor; /* multiplies probs last */
     router_balancing balancing;
-    double capacity_factor;        /* 0: no capacity */
+    double capacity_factor; /* 0: no capacity */
     router_drop_policy drop_policy;
-    bool pad_to_capacity;          /* every expert reports `capacity` rows (the dispatcher pads with zero rows) */
-    bool compute_f32;              /* compute_dtype fp32: scores and probs rounded to fp32 as an fp32 path stores them */
+    bool pad_to_capacity; /* every expert reports `capacity` rows (the dispatcher pads with zero rows) */
+    bool compute_f32;     /* compute_dtype fp32: scores and probs rounded to fp32 as an fp32 path stores them */
 } router_params;
 
 /* Scratch router_cpu_route needs: router_cpu_route_scratch_doubles(p, T) doubles and E + num_groups bytes. */
@@ -88,7 +82,7 @@ void router_cpu_group_topk(const double *scores, int64_t E, int64_t K, int64_t G
                            unsigned char *bytes_scratch, double *group_scratch, int32_t *idx);
 
 /* Sinkhorn's stopping rule on both paths: Megatron's tolerance on mean |d1 - d1_old|, and a bound on the rounds. */
-#define ROUTER_SINKHORN_TOLERANCE 1e-4
+#define ROUTER_SINKHORN_TOLERANCE  1e-4
 #define ROUTER_SINKHORN_MAX_ROUNDS 10000
 
 /*
@@ -97,8 +91,8 @@ void router_cpu_group_topk(const double *scores, int64_t E, int64_t K, int64_t G
  * Returns the number of iterations, or -1 if max_iters passed without converging (out still written).
  * scratch holds T + 2E doubles.
  */
-int64_t router_cpu_sinkhorn(const double *logits, int64_t T, int64_t E, double tol, int64_t max_iters,
-                            double *scratch, double *out);
+int64_t router_cpu_sinkhorn(const double *logits, int64_t T, int64_t E, double tol, int64_t max_iters, double *scratch,
+                            double *out);
 
 /*
  * Selection and probs of T tokens, before capacity: sel_idx [T,K], probs [T,K] (times scaling_factor).
@@ -121,8 +115,7 @@ int64_t router_cpu_capacity(int64_t T, int64_t K, int64_t E, double capacity_fac
  */
 int64_t router_cpu_capacity_scratch_ints(int64_t T, int64_t K, int64_t E);
 int64_t router_cpu_apply_capacity(const int32_t *sel_idx, const double *probs, int64_t T, int64_t K, int64_t E,
-                                  int64_t capacity, router_drop_policy policy, int64_t *scratch,
-                                  unsigned char *kept);
+                                  int64_t capacity, router_drop_policy policy, int64_t *scratch, unsigned char *kept);
 
 /*
  * The full score distribution the balancing losses use, P [T,E]: softmax over all experts, or the

@@ -8,14 +8,12 @@
 #include <stdio.h>
 
 #define WARPS_PER_BLOCK 4
-#define SLOTS (MOERT_ROUTER_CUDA_MAX_EXPERTS / 32)
-#define MAXK MOERT_ROUTER_CUDA_MAX_TOPK
-#define FULL_MASK 0xffffffffu
-#define NORMALIZE_EPS 1e-20f
+#define SLOTS           (MOERT_ROUTER_CUDA_MAX_EXPERTS / 32)
+#define MAXK            MOERT_ROUTER_CUDA_MAX_TOPK
+#define FULL_MASK       0xffffffffu
+#define NORMALIZE_EPS   1e-20f
 
 #include "../lib/plugin_cuda_check.h"
-
-
 
 /* The parameters the kernels read, checked and narrowed on the host. */
 typedef struct kernel_params {
@@ -32,8 +30,7 @@ __device__ __forceinline__ float s_max(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double s_max(double a, double b) { return fmax(a, b); }
 
 /* Strict order of candidates: higher value first, then lower index; index < 0 is "none". */
-template <typename S>
-__device__ __forceinline__ bool better(S v, int i, S best_v, int best_i)
+template <typename S> __device__ __forceinline__ bool better(S v, int i, S best_v, int best_i)
 {
     if (i < 0) return false;
     if (best_i < 0) return true;
@@ -41,8 +38,7 @@ __device__ __forceinline__ bool better(S v, int i, S best_v, int best_i)
 }
 
 /* Warp-wide best of (value, index, payload); every lane gets the same answer. */
-template <typename S>
-__device__ __forceinline__ void warp_best(S &v, int &i, S &payload)
+template <typename S> __device__ __forceinline__ void warp_best(S &v, int &i, S &payload)
 {
     for (int o = 16; o > 0; o >>= 1) {
         S ov = __shfl_xor_sync(FULL_MASK, v, o);
@@ -56,23 +52,20 @@ __device__ __forceinline__ void warp_best(S &v, int &i, S &payload)
     }
 }
 
-template <typename S>
-__device__ __forceinline__ S warp_max(S x)
+template <typename S> __device__ __forceinline__ S warp_max(S x)
 {
     for (int o = 16; o > 0; o >>= 1) x = s_max(x, __shfl_xor_sync(FULL_MASK, x, o));
     return x;
 }
 
-template <typename S>
-__device__ __forceinline__ S warp_sum(S x)
+template <typename S> __device__ __forceinline__ S warp_sum(S x)
 {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(FULL_MASK, x, o);
     return x;
 }
 
 /* Loads a token's logits into the lane's slots (-inf past E). */
-template <typename S>
-__device__ __forceinline__ void load_logits(const S *row, int experts, int lane, S (&l)[SLOTS])
+template <typename S> __device__ __forceinline__ void load_logits(const S *row, int experts, int lane, S (&l)[SLOTS])
 {
 #pragma unroll
     for (int j = 0; j < SLOTS; j++) {
@@ -101,8 +94,7 @@ __device__ __forceinline__ void softmax_slots(int experts, int lane, const S (&l
     for (int j = 0; j < SLOTS; j++) s[j] *= inv;
 }
 
-template <typename S>
-__device__ __forceinline__ S sigmoid(S x) { return (S)1 / ((S)1 + s_exp(-x)); }
+template <typename S> __device__ __forceinline__ S sigmoid(S x) { return (S)1 / ((S)1 + s_exp(-x)); }
 
 /* Group-limited selection: the bit mask (bit j: slot j of this lane) of experts in the best Kg groups. */
 template <typename S>
@@ -166,7 +158,8 @@ __global__ void router_forward_kernel(const kernel_params p, const S *__restrict
 {
     __shared__ S stage[WARPS_PER_BLOCK][MOERT_ROUTER_CUDA_MAX_EXPERTS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens; t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
+    for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens;
+         t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
         S l[SLOTS], s[SLOTS], sel[SLOTS];
         load_logits(logits + t * p.experts, p.experts, lane, l);
         if (p.score == MOERT_ROUTER_CUDA_SIGMOID) {
@@ -182,9 +175,12 @@ __global__ void router_forward_kernel(const kernel_params p, const S *__restrict
             if (e < p.experts) allowed |= 1u << j;
             if (sinkhorn_d1) /* sinkhorn: the balanced scores d1 * exp(l) * d0, formed in double as on the CPU */
                 sel[j] = e < p.experts ? (S)(sinkhorn_d1[e] * exp((double)l[j]) * sinkhorn_d0[t]) : (S)-INFINITY;
-            else if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_POST) sel[j] = l[j];
-            else if (p.score == MOERT_ROUTER_CUDA_SIGMOID && bias) sel[j] = e < p.experts ? s[j] + bias[e] : -INFINITY;
-            else sel[j] = s[j];
+            else if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_POST)
+                sel[j] = l[j];
+            else if (p.score == MOERT_ROUTER_CUDA_SIGMOID && bias)
+                sel[j] = e < p.experts ? s[j] + bias[e] : -INFINITY;
+            else
+                sel[j] = s[j];
             if (scores_out && e < p.experts) scores_out[t * p.experts + e] = (float)s[j];
         }
         if (p.groups > 1) allowed = group_allowed_mask(p, lane, sel, stage[warp], allowed);
@@ -254,8 +250,7 @@ __global__ void router_forward_kernel(const kernel_params p, const S *__restrict
 }
 
 /* The value of the slot that holds expert e in the lane that owns it, broadcast to the warp. */
-template <typename S>
-__device__ __forceinline__ S value_of_expert(const S (&v)[SLOTS], int e)
+template <typename S> __device__ __forceinline__ S value_of_expert(const S (&v)[SLOTS], int e)
 {
     S mine = (S)0;
     const int slot = e >= 0 ? (e >> 5) : 0;
@@ -271,7 +266,8 @@ __global__ void router_backward_kernel(const kernel_params p, const S *__restric
                                        const int32_t *__restrict__ kept_idx, S *__restrict__ d_logits, int accumulate)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens; t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
+    for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens;
+         t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
         S l[SLOTS], s[SLOTS];
         load_logits(logits + t * p.experts, p.experts, lane, l);
         if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_PRE) softmax_slots(p.experts, lane, l, s);
@@ -288,9 +284,12 @@ __global__ void router_backward_kernel(const kernel_params p, const S *__restric
             S lk = value_of_expert(l, idx[k]);
             q[k] = (S)0;
             if (idx[k] >= 0) {
-                if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_POST) q[k] = lk;
-                else if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_PRE) q[k] = value_of_expert(s, idx[k]);
-                else q[k] = sigmoid(lk);
+                if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_POST)
+                    q[k] = lk;
+                else if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_PRE)
+                    q[k] = value_of_expert(s, idx[k]);
+                else
+                    q[k] = sigmoid(lk);
             }
         }
         /* dq: gradient with respect to the selected logits (post) or selected scores (pre, sigmoid) */
@@ -360,17 +359,16 @@ static moert_result check_params(const moert_host *host, const moert_router_cuda
         return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda: bad sizes (tokens %lld, experts %lld, topk %lld)",
                       (long long)p->tokens, (long long)p->num_experts, (long long)p->topk);
     if (p->num_experts > MOERT_ROUTER_CUDA_MAX_EXPERTS || p->topk > MOERT_ROUTER_CUDA_MAX_TOPK)
-        return report(host, MOERT_ERR_UNSUPPORTED, "router cuda: %lld experts, top-%lld exceed the limits (%d experts, top-%d)",
-                      (long long)p->num_experts, (long long)p->topk, MOERT_ROUTER_CUDA_MAX_EXPERTS,
-                      MOERT_ROUTER_CUDA_MAX_TOPK);
+        return report(
+            host, MOERT_ERR_UNSUPPORTED, "router cuda: %lld experts, top-%lld exceed the limits (%d experts, top-%d)",
+            (long long)p->num_experts, (long long)p->topk, MOERT_ROUTER_CUDA_MAX_EXPERTS, MOERT_ROUTER_CUDA_MAX_TOPK);
     if (p->score != MOERT_ROUTER_CUDA_SOFTMAX_POST && p->score != MOERT_ROUTER_CUDA_SOFTMAX_PRE &&
         p->score != MOERT_ROUTER_CUDA_SIGMOID)
         return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda: unknown score function %d", (int)p->score);
     const int64_t groups = p->num_groups > 1 ? p->num_groups : 1;
     if (groups > 1) {
         if (groups > MOERT_ROUTER_CUDA_MAX_GROUPS || p->num_experts % groups != 0 || p->group_topk < 1 ||
-            p->group_topk > groups || p->topk % p->group_topk != 0 ||
-            p->topk / p->group_topk > p->num_experts / groups)
+            p->group_topk > groups || p->topk % p->group_topk != 0 || p->topk / p->group_topk > p->num_experts / groups)
             return report(host, MOERT_ERR_INVALID_ARGUMENT,
                           "router cuda: group-limited top-k needs groups <= %d dividing %lld experts, 1 <= group_topk "
                           "<= groups and topk a multiple of group_topk (groups %lld, group_topk %lld, topk %lld)",
@@ -408,7 +406,8 @@ extern "C" moert_result moert_router_cuda_forward_ext(const moert_host *host, cu
         CUDA_CHECK(host, cudaMemsetAsync(tokens_per_expert, 0, (size_t)kp.experts * sizeof(int64_t), stream));
     if (kp.tokens == 0) return MOERT_OK;
     if (!logits || !topk_idx || !topk_probs)
-        return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda forward: logits, topk_idx and topk_probs are required");
+        return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                      "router cuda forward: logits, topk_idx and topk_probs are required");
     const double *d0 = ext ? ext->sinkhorn_d0 : NULL, *d1 = ext ? ext->sinkhorn_d1 : NULL;
     if ((d0 == NULL) != (d1 == NULL))
         return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda forward: sinkhorn needs both d0 and d1");
@@ -463,8 +462,8 @@ extern "C" moert_result moert_router_cuda_backward_ext(const moert_host *host, c
 /* The plain fp32 backward; see router_cuda.h. */
 extern "C" moert_result moert_router_cuda_backward(const moert_host *host, cudaStream_t stream,
                                                    const moert_router_cuda_params *p, const float *logits,
-                                                   const int32_t *topk_idx, const float *d_topk_probs,
-                                                   float *d_logits, int accumulate)
+                                                   const int32_t *topk_idx, const float *d_topk_probs, float *d_logits,
+                                                   int accumulate)
 {
     return moert_router_cuda_backward_ext(host, stream, p, NULL, logits, topk_idx, d_topk_probs, d_logits, accumulate);
 }
@@ -472,7 +471,7 @@ extern "C" moert_result moert_router_cuda_backward(const moert_host *host, cudaS
 /* ---- helpers of the plugin's CUDA path: conversions, counts, balancing losses, bias update ---- */
 
 #define ELEMENTWISE_THREADS 256
-#define LOSS_BLOCKS (MOERT_ROUTER_CUDA_LOSS_WORKSPACE_DOUBLES / 2)
+#define LOSS_BLOCKS         (MOERT_ROUTER_CUDA_LOSS_WORKSPACE_DOUBLES / 2)
 
 /* A grid for n elements, one per thread, capped (the kernels stride over the rest). */
 static int grid_for_elements(int64_t n)
@@ -571,8 +570,7 @@ __device__ __forceinline__ void aux_scores_slots(int sigmoid_scores, int experts
 }
 
 /* logsumexp of one token's logits, the same in every lane. */
-template <typename S>
-__device__ __forceinline__ S logsumexp_slots(int experts, int lane, const S (&l)[SLOTS])
+template <typename S> __device__ __forceinline__ S logsumexp_slots(int experts, int lane, const S (&l)[SLOTS])
 {
     S m = -INFINITY;
 #pragma unroll
@@ -602,7 +600,8 @@ __global__ void aux_counts_kernel(const loss_kernel_params p, const S *__restric
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (blockIdx.x == 0 && threadIdx.x == 0) *total_slot = p.tokens;
-    for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens; t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
+    for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens;
+         t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
         S l[SLOTS];
         load_logits(logits + t * p.experts, p.experts, lane, l);
         unsigned taken = 0;
@@ -656,7 +655,8 @@ __global__ void loss_values_kernel(const loss_kernel_params p, const S *__restri
     __shared__ double block_aux[WARPS_PER_BLOCK], block_z[WARPS_PER_BLOCK];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     double aux_acc = 0.0, z_acc = 0.0;
-    for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens; t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
+    for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens;
+         t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
         S l[SLOTS];
         load_logits(logits + t * p.experts, p.experts, lane, l);
         if (f) {
@@ -712,7 +712,8 @@ __global__ void loss_backward_kernel(const loss_kernel_params p, const S *__rest
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const S aux_coeff = f ? (S)(aux_grad_scale * *aux_scale) : (S)0;
-    for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens; t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
+    for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens;
+         t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
         S l[SLOTS], g[SLOTS];
         load_logits(logits + t * p.experts, p.experts, lane, l);
 #pragma unroll
@@ -743,8 +744,10 @@ __global__ void loss_backward_kernel(const loss_kernel_params p, const S *__rest
             dot = warp_sum(dot);
 #pragma unroll
             for (int j = 0; j < SLOTS; j++) {
-                if (p.sigmoid) g[j] += (dP[j] - dot) / denom * s[j] * ((S)1 - s[j]);
-                else g[j] += P[j] * (dP[j] - dot);
+                if (p.sigmoid)
+                    g[j] += (dP[j] - dot) / denom * s[j] * ((S)1 - s[j]);
+                else
+                    g[j] += P[j] * (dP[j] - dot);
             }
         }
         if (z_grad != (S)0) {
@@ -804,9 +807,9 @@ static moert_result check_loss_params(const moert_host *host, const moert_router
                       "router cuda loss: bad sizes (tokens %lld, experts %lld, topk %lld, seq_length %lld)",
                       (long long)p->tokens, (long long)p->num_experts, (long long)p->topk, (long long)p->seq_length);
     if (p->num_experts > MOERT_ROUTER_CUDA_MAX_EXPERTS || p->topk > MOERT_ROUTER_CUDA_MAX_TOPK)
-        return report(host, MOERT_ERR_UNSUPPORTED, "router cuda: %lld experts, top-%lld exceed the limits (%d experts, top-%d)",
-                      (long long)p->num_experts, (long long)p->topk, MOERT_ROUTER_CUDA_MAX_EXPERTS,
-                      MOERT_ROUTER_CUDA_MAX_TOPK);
+        return report(
+            host, MOERT_ERR_UNSUPPORTED, "router cuda: %lld experts, top-%lld exceed the limits (%d experts, top-%d)",
+            (long long)p->num_experts, (long long)p->topk, MOERT_ROUTER_CUDA_MAX_EXPERTS, MOERT_ROUTER_CUDA_MAX_TOPK);
     kp->tokens = (int)p->tokens;
     kp->experts = (int)p->num_experts;
     kp->topk = (int)p->topk;
@@ -854,8 +857,8 @@ extern "C" moert_result moert_router_cuda_split_bf16(const moert_host *host, cud
         return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda split: bad sizes (rows %lld, cols %lld)",
                       (long long)rows, (long long)cols);
     if (rows * cols == 0) return MOERT_OK;
-    split_bf16_kernel<<<grid_for_elements(rows * cols), ELEMENTWISE_THREADS, 0, stream>>>(rows, cols, order[0], order[1],
-                                                                                         order[2], src, dst);
+    split_bf16_kernel<<<grid_for_elements(rows * cols), ELEMENTWISE_THREADS, 0, stream>>>(rows, cols, order[0],
+                                                                                          order[1], order[2], src, dst);
     LAUNCH_CHECK(host, "split_bf16_kernel");
     return MOERT_OK;
 }
@@ -870,7 +873,7 @@ extern "C" moert_result moert_router_cuda_sum_planes(const moert_host *host, cud
                       (long long)rows, (long long)cols, planes);
     if (rows * cols == 0) return MOERT_OK;
     sum_planes_kernel<<<grid_for_elements(rows * cols), ELEMENTWISE_THREADS, 0, stream>>>(rows, cols, planes,
-                                                                                         accumulate, src, dst);
+                                                                                          accumulate, src, dst);
     LAUNCH_CHECK(host, "sum_planes_kernel");
     return MOERT_OK;
 }
@@ -930,14 +933,13 @@ extern "C" moert_result moert_router_cuda_loss_values(const moert_host *host, cu
     loss_kernel_params kp;
     moert_result rc = check_loss_params(host, p, &kp);
     if (rc != MOERT_OK) return rc;
-    if (f && !aux_scale)
-        return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda loss values: f needs aux_scale");
+    if (f && !aux_scale) return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda loss values: f needs aux_scale");
     if (kp.f64)
-        loss_values_kernel<double><<<LOSS_BLOCKS, WARPS_PER_BLOCK * 32, 0, stream>>>(kp, (const double *)logits, f,
-                                                                                      want_z, workspace);
+        loss_values_kernel<double>
+            <<<LOSS_BLOCKS, WARPS_PER_BLOCK * 32, 0, stream>>>(kp, (const double *)logits, f, want_z, workspace);
     else
-        loss_values_kernel<float><<<LOSS_BLOCKS, WARPS_PER_BLOCK * 32, 0, stream>>>(kp, (const float *)logits, f,
-                                                                                     want_z, workspace);
+        loss_values_kernel<float>
+            <<<LOSS_BLOCKS, WARPS_PER_BLOCK * 32, 0, stream>>>(kp, (const float *)logits, f, want_z, workspace);
     LAUNCH_CHECK(host, "loss_values_kernel");
     loss_finish_kernel<<<1, 32, 0, stream>>>(workspace, f ? aux_scale : NULL, out);
     LAUNCH_CHECK(host, "loss_finish_kernel");
@@ -947,8 +949,8 @@ extern "C" moert_result moert_router_cuda_loss_values(const moert_host *host, cu
 /* Loss gradients into d_logits; see router_cuda.h. */
 extern "C" moert_result moert_router_cuda_loss_backward(const moert_host *host, cudaStream_t stream,
                                                         const moert_router_cuda_loss_params *p, const void *logits,
-                                                        const double *f, const double *aux_scale,
-                                                        double aux_grad_scale, double z_grad, void *d_logits)
+                                                        const double *f, const double *aux_scale, double aux_grad_scale,
+                                                        double z_grad, void *d_logits)
 {
     loss_kernel_params kp;
     moert_result rc = check_loss_params(host, p, &kp);
@@ -1047,9 +1049,10 @@ extern "C" moert_result moert_router_cuda_capacity(const moert_host *host, cudaS
 {
     if (tokens < 0 || tokens > INT32_MAX || topk < 1 || experts < 1 || experts > 65535 || capacity < 0 ||
         tokens * topk > INT32_MAX || (policy != 0 && policy != 1))
-        return report(host, MOERT_ERR_INVALID_ARGUMENT,
-                      "router cuda capacity: bad sizes (tokens %lld, topk %lld, experts %lld, capacity %lld, policy %d)",
-                      (long long)tokens, (long long)topk, (long long)experts, (long long)capacity, policy);
+        return report(
+            host, MOERT_ERR_INVALID_ARGUMENT,
+            "router cuda capacity: bad sizes (tokens %lld, topk %lld, experts %lld, capacity %lld, policy %d)",
+            (long long)tokens, (long long)topk, (long long)experts, (long long)capacity, policy);
     if (tokens == 0) {
         CUDA_CHECK(host, cudaMemsetAsync(kept_counts, 0, (size_t)experts * sizeof(int64_t), stream));
         return MOERT_OK;
@@ -1137,14 +1140,14 @@ extern "C" moert_result moert_router_cuda_sinkhorn(const moert_host *host, cudaS
     if (tokens == 0) return MOERT_OK;
     const int64_t n = tokens * experts;
     if (logits_f64)
-        sinkhorn_exp_kernel<double><<<grid_for_elements(n), ELEMENTWISE_THREADS, 0, stream>>>(
-            n, (const double *)logits, workspace);
+        sinkhorn_exp_kernel<double>
+            <<<grid_for_elements(n), ELEMENTWISE_THREADS, 0, stream>>>(n, (const double *)logits, workspace);
     else
-        sinkhorn_exp_kernel<float><<<grid_for_elements(n), ELEMENTWISE_THREADS, 0, stream>>>(
-            n, (const float *)logits, workspace);
+        sinkhorn_exp_kernel<float>
+            <<<grid_for_elements(n), ELEMENTWISE_THREADS, 0, stream>>>(n, (const float *)logits, workspace);
     LAUNCH_CHECK(host, "sinkhorn_exp_kernel");
-    sinkhorn_kernel<<<1, SINKHORN_THREADS, 0, stream>>>((int)tokens, (int)experts, workspace, tol,
-                                                        (long long)max_iters, d0, d1, iterations);
+    sinkhorn_kernel<<<1, SINKHORN_THREADS, 0, stream>>>((int)tokens, (int)experts, workspace, tol, (long long)max_iters,
+                                                        d0, d1, iterations);
     LAUNCH_CHECK(host, "sinkhorn_kernel");
     return MOERT_OK;
 }

@@ -28,8 +28,8 @@ extern "C" {
 #endif
 
 #define MOERT_ROUTER_CUDA_MAX_EXPERTS 256
-#define MOERT_ROUTER_CUDA_MAX_TOPK 8
-#define MOERT_ROUTER_CUDA_MAX_GROUPS 32
+#define MOERT_ROUTER_CUDA_MAX_TOPK    8
+#define MOERT_ROUTER_CUDA_MAX_GROUPS  32
 
 typedef enum moert_router_cuda_score {
     MOERT_ROUTER_CUDA_SOFTMAX_POST = 0,
@@ -72,7 +72,7 @@ typedef struct moert_router_cuda_route_ext {
                                 * d1[e] * exp(logits[t,e]) * d0[t]; with params score SOFTMAX_PRE (K > 1) or SIGMOID,
                                 * normalize 0 (K = 1) the probs are Megatron's sinkhorn activation of the logits */
     const double *sinkhorn_d1;
-    const int32_t *kept_idx;   /* backward: [T,K] ids after capacity; a slot < 0 there gets no gradient but stays in
+    const int32_t *kept_idx; /* backward: [T,K] ids after capacity; a slot < 0 there gets no gradient but stays in
                                 * the normalisation of the others (the selection is topk_idx) */
 } moert_router_cuda_route_ext;
 
@@ -122,8 +122,8 @@ typedef struct moert_router_cuda_noise {
 /* dst [rows, cols] (fp32, or fp64 with dst_f64) = src (bf16, fp32) times the jitter factor of (row, col) when jitter
  * is given (else an exact conversion); the product is formed in fp64 and rounded once. */
 moert_result moert_router_cuda_convert(const moert_host *host, cudaStream_t stream, moert_dtype src_dtype, int64_t rows,
-                                       int64_t cols, const void *src, const moert_router_cuda_noise *jitter,
-                                       void *dst, int dst_f64);
+                                       int64_t cols, const void *src, const moert_router_cuda_noise *jitter, void *dst,
+                                       int dst_f64);
 /* force_load_balancing: logits [T,E] (fp32, or fp64 with logits_f64) = router_noise_normal of (call, t, e). */
 moert_result moert_router_cuda_random_logits(const moert_host *host, cudaStream_t stream, int64_t tokens,
                                              int64_t experts, const moert_router_cuda_noise *noise, void *logits,
@@ -173,8 +173,7 @@ typedef struct moert_router_cuda_loss_params {
  * in the logits for both score functions, so the top-K is taken over the logits.
  */
 moert_result moert_router_cuda_aux_counts(const moert_host *host, cudaStream_t stream,
-                                          const moert_router_cuda_loss_params *p, const void *logits,
-                                          int64_t *counts);
+                                          const moert_router_cuda_loss_params *p, const void *logits, int64_t *counts);
 /*
  * The f and the scale A of the balancing loss, on the device (one block):
  *   global_sum NULL: f[i] = counts[i] for i < n, *scale = scale_value;
@@ -194,9 +193,8 @@ moert_result moert_router_cuda_aux_finish(const moert_host *host, cudaStream_t s
  * order, so the bits depend neither on the run nor on the GPU.
  */
 moert_result moert_router_cuda_loss_values(const moert_host *host, cudaStream_t stream,
-                                           const moert_router_cuda_loss_params *p, const void *logits,
-                                           const double *f, const double *aux_scale, int want_z, double *workspace,
-                                           double *out);
+                                           const moert_router_cuda_loss_params *p, const void *logits, const double *f,
+                                           const double *aux_scale, int want_z, double *workspace, double *out);
 /*
  * d_logits [T,E] += aux_grad_scale * d(A sum P f)/d(logits) (when f is given; A read from *aux_scale)
  *                 + z_grad * lse_t * softmax(logits[t])   (z_grad = loss_scale * 2 * z_coeff / T; 0: off).

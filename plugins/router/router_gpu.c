@@ -38,19 +38,25 @@
 #define GEMM_WORKSPACE_BYTES ((size_t)4 << 20)
 
 /* True when the host table is new enough to have `member` and it is set. */
-#define HOST_HAS(h, member)                                                                                  \
+#define HOST_HAS(h, member)                                                                                            \
     ((h)->struct_size >= offsetof(moert_host, member) + sizeof((h)->member) && (h)->member != NULL)
 
 /* The fp32 GEMMs, the same three with bf16 operands (bf16x3, GEMM_X3 past the fp32 one) and in fp64 (compute_dtype
  * fp64, GEMM_F64 past the fp32 one). */
 typedef enum gemm_kind {
-    GEMM_LOGITS = 0, GEMM_DGRAD = 1, GEMM_WGRAD = 2,
-    GEMM_LOGITS_X3 = 3, GEMM_DGRAD_X3 = 4, GEMM_WGRAD_X3 = 5,
-    GEMM_LOGITS_F64 = 6, GEMM_DGRAD_F64 = 7, GEMM_WGRAD_F64 = 8,
+    GEMM_LOGITS = 0,
+    GEMM_DGRAD = 1,
+    GEMM_WGRAD = 2,
+    GEMM_LOGITS_X3 = 3,
+    GEMM_DGRAD_X3 = 4,
+    GEMM_WGRAD_X3 = 5,
+    GEMM_LOGITS_F64 = 6,
+    GEMM_DGRAD_F64 = 7,
+    GEMM_WGRAD_F64 = 8,
     GEMM_KINDS = 9
 } gemm_kind;
-#define GEMM_X3 3
-#define GEMM_F64 6
+#define GEMM_X3   3
+#define GEMM_F64  6
 #define X3_PLANES 3
 
 /* One GEMM's descriptors and the algorithm chosen for its last shape. */
@@ -71,7 +77,7 @@ struct router_gpu {
     moert_device device;
     int64_t hidden, num_experts, topk;
     int world_size;
-    bool aux_on;   /* an aux / seq-aux / global-aux loss with a coefficient > 0 */
+    bool aux_on; /* an aux / seq-aux / global-aux loss with a coefficient > 0 */
     bool z_on;
     bool f64;      /* compute_dtype fp64: fp64 GEMMs, logits and kernels */
     bool jitter;   /* input_jitter_eps > 0 */
@@ -85,10 +91,10 @@ struct router_gpu {
 
     /* per-token buffers, sized for buffer_tokens tokens */
     int64_t buffer_tokens;
-    void *logits;         /* [T,E] fp32 (fp64 with f64), kept for backward */
-    void *d_logits;       /* [T,E] as logits */
-    int32_t *sel_idx;     /* [T,K] the selection, kept for backward */
-    float *x32;           /* [T,H] x widened to fp32 (bf16 x), or the fp32 d_x product before it is added */
+    void *logits;     /* [T,E] fp32 (fp64 with f64), kept for backward */
+    void *d_logits;   /* [T,E] as logits */
+    int32_t *sel_idx; /* [T,K] the selection, kept for backward */
+    float *x32;       /* [T,H] x widened to fp32 (bf16 x), or the fp32 d_x product before it is added */
     /* bf16x3 (option "gemm"): W's planes [3E,H] (split by each forward, kept for backward), d_logits' planes [T,3E]
      * (per-token buffers) and the fp32 partial products [max(T*3E, 3E*H)] */
     bool x3;
@@ -100,13 +106,13 @@ struct router_gpu {
     const void *x32_source; /* the x whose fp32 copy x32 holds now; NULL when it holds something else */
 
     /* balancing losses */
-    int64_t *aux_counts;  /* [aux_slots + 1]: top-K counts per sequence and expert, then T */
-    double *aux_f;        /* [aux_slots] f of the loss, kept for backward */
+    int64_t *aux_counts; /* [aux_slots + 1]: top-K counts per sequence and expert, then T */
+    double *aux_f;       /* [aux_slots] f of the loss, kept for backward */
     int64_t aux_slots;
-    double *aux_scale;    /* [1] A of the loss, kept for backward */
+    double *aux_scale;      /* [1] A of the loss, kept for backward */
     double *loss_workspace; /* [MOERT_ROUTER_CUDA_LOSS_WORKSPACE_DOUBLES] */
-    double *loss_out;     /* [2] aux value, sum of lse^2 */
-    double *global_sum;   /* [E] global_aux_loss: all-reduced counts summed since the last end_step */
+    double *loss_out;       /* [2] aux value, sum of lse^2 */
+    double *global_sum;     /* [E] global_aux_loss: all-reduced counts summed since the last end_step */
     int64_t global_forwards;
     double *loss_host;    /* pinned [2] */
     int64_t *counts_host; /* pinned [E] */
@@ -128,7 +134,7 @@ struct router_gpu {
     int64_t *kept_counts;
     int32_t *cap_scratch;
     int64_t cap_tokens;
-    int64_t *kept_host;   /* pinned [E] */
+    int64_t *kept_host; /* pinned [E] */
 
     /* sinkhorn: exp(logits) [T*E] fp64, d0 [T], d1 [E], the rounds taken */
     double *sk_c, *sk_d0, *sk_d1;
@@ -156,30 +162,30 @@ static moert_result gpu_fail(const router_gpu *g, moert_result code, const char 
 }
 
 /* Checked CUDA runtime call inside a function returning moert_result. */
-#define GPU_CUDA(g, call)                                                                                    \
-    do {                                                                                                     \
-        cudaError_t e_ = (call);                                                                             \
-        if (e_ != cudaSuccess) {                                                                             \
-            (void)cudaGetLastError();                                                                        \
-            return gpu_fail((g), e_ == cudaErrorMemoryAllocation ? MOERT_ERR_OUT_OF_MEMORY : MOERT_ERR_CUDA,  \
-                            "%s failed: %s (%s:%d)", #call, cudaGetErrorString(e_), __FILE__, __LINE__);     \
-        }                                                                                                    \
+#define GPU_CUDA(g, call)                                                                                              \
+    do {                                                                                                               \
+        cudaError_t e_ = (call);                                                                                       \
+        if (e_ != cudaSuccess) {                                                                                       \
+            (void)cudaGetLastError();                                                                                  \
+            return gpu_fail((g), e_ == cudaErrorMemoryAllocation ? MOERT_ERR_OUT_OF_MEMORY : MOERT_ERR_CUDA,           \
+                            "%s failed: %s (%s:%d)", #call, cudaGetErrorString(e_), __FILE__, __LINE__);               \
+        }                                                                                                              \
     } while (0)
 
 /* Checked cuBLASLt call. */
-#define GPU_CUBLAS(g, call)                                                                                  \
-    do {                                                                                                     \
-        cublasStatus_t s_ = (call);                                                                          \
-        if (s_ != CUBLAS_STATUS_SUCCESS)                                                                     \
-            return gpu_fail((g), s_ == CUBLAS_STATUS_ALLOC_FAILED ? MOERT_ERR_OUT_OF_MEMORY : MOERT_ERR_CUDA, \
-                            "%s failed: %s (%s:%d)", #call, cublasLtGetStatusString(s_), __FILE__, __LINE__); \
+#define GPU_CUBLAS(g, call)                                                                                            \
+    do {                                                                                                               \
+        cublasStatus_t s_ = (call);                                                                                    \
+        if (s_ != CUBLAS_STATUS_SUCCESS)                                                                               \
+            return gpu_fail((g), s_ == CUBLAS_STATUS_ALLOC_FAILED ? MOERT_ERR_OUT_OF_MEMORY : MOERT_ERR_CUDA,          \
+                            "%s failed: %s (%s:%d)", #call, cublasLtGetStatusString(s_), __FILE__, __LINE__);          \
     } while (0)
 
 /* A call returning moert_result whose message is already set. */
-#define GPU_TRY(call)                                                                                        \
-    do {                                                                                                     \
-        moert_result r_ = (call);                                                                            \
-        if (r_ != MOERT_OK) return r_;                                                                       \
+#define GPU_TRY(call)                                                                                                  \
+    do {                                                                                                               \
+        moert_result r_ = (call);                                                                                      \
+        if (r_ != MOERT_OK) return r_;                                                                                 \
     } while (0)
 
 /* Reports a metric when the host has the service. */
@@ -352,16 +358,22 @@ static void gemm_operand_sizes(gemm_kind kind, int64_t m, int64_t n, int64_t k, 
 {
     switch (kind % GEMM_X3) {
     case GEMM_LOGITS: /* A = W [k=H, m=E] op T; B = x [H, n=T] */
-        sizes[0][0] = k; sizes[0][1] = m;
-        sizes[1][0] = k; sizes[1][1] = n;
+        sizes[0][0] = k;
+        sizes[0][1] = m;
+        sizes[1][0] = k;
+        sizes[1][1] = n;
         break;
     case GEMM_DGRAD: /* A = W [m=H, k=E]; B = d_logits [E, n=T] */
-        sizes[0][0] = m; sizes[0][1] = k;
-        sizes[1][0] = k; sizes[1][1] = n;
+        sizes[0][0] = m;
+        sizes[0][1] = k;
+        sizes[1][0] = k;
+        sizes[1][1] = n;
         break;
     default: /* WGRAD: A = x [m=H, k=T]; B = d_logits [n=E, T] op T */
-        sizes[0][0] = m; sizes[0][1] = k;
-        sizes[1][0] = n; sizes[1][1] = k;
+        sizes[0][0] = m;
+        sizes[0][1] = k;
+        sizes[1][0] = n;
+        sizes[1][1] = k;
         break;
     }
     sizes[2][0] = m;
@@ -371,9 +383,9 @@ static void gemm_operand_sizes(gemm_kind kind, int64_t m, int64_t n, int64_t k, 
 static const char *gemm_name(gemm_kind kind)
 {
     static const char *const names[GEMM_KINDS] = {
-        "logits = x W^T", "d_x = d_logits W", "d_W += d_logits^T x",
+        "logits = x W^T",        "d_x = d_logits W",        "d_W += d_logits^T x",
         "bf16x3 logits = x W^T", "bf16x3 d_x = d_logits W", "bf16x3 d_W += d_logits^T x",
-        "fp64 logits = x W^T", "fp64 d_x = d_logits W", "fp64 d_W = d_logits^T x"};
+        "fp64 logits = x W^T",   "fp64 d_x = d_logits W",   "fp64 d_W = d_logits^T x"};
     return names[kind];
 }
 
@@ -384,8 +396,8 @@ static moert_result gemm_run_ld(router_gpu *g, cudaStream_t stream, gemm_kind ki
 {
     gemm_plan *p = &g->plans[kind];
     uint32_t aa = pointer_alignment(A), ab = pointer_alignment(B), ac = pointer_alignment(C);
-    if (!p->ready || p->m != m || p->n != n || p->k != k || p->align_a != aa || p->align_b != ab ||
-        p->align_c != ac || p->beta_one != beta_one || p->ldb != ldb) {
+    if (!p->ready || p->m != m || p->n != n || p->k != k || p->align_a != aa || p->align_b != ab || p->align_c != ac ||
+        p->beta_one != beta_one || p->ldb != ldb) {
         int64_t sizes[3][2];
         gemm_operand_sizes(kind, m, n, k, sizes);
         p->ready = false;
@@ -403,8 +415,8 @@ static moert_result gemm_run_ld(router_gpu *g, cudaStream_t stream, gemm_kind ki
         cublasLtMatmulHeuristicResult_t result;
         int found = 0;
         memset(&result, 0, sizeof result);
-        GPU_CUBLAS(g, cublasLtMatmulAlgoGetHeuristic(g->lt, p->desc, p->a, p->b, p->c, p->c, g->pref, 1, &result,
-                                                     &found));
+        GPU_CUBLAS(g,
+                   cublasLtMatmulAlgoGetHeuristic(g->lt, p->desc, p->a, p->b, p->c, p->c, g->pref, 1, &result, &found));
         if (found < 1)
             return gpu_fail(g, MOERT_ERR_UNSUPPORTED, "cuBLASLt has no algorithm for %s (m=%lld n=%lld k=%lld)",
                             gemm_name(kind), (long long)m, (long long)n, (long long)k);
@@ -440,8 +452,8 @@ static moert_result gemm_setup(router_gpu *g)
     GPU_CUBLAS(g, cublasLtCreate(&g->lt));
     GPU_CUBLAS(g, cublasLtMatmulPreferenceCreate(&g->pref));
     uint64_t ws = GEMM_WORKSPACE_BYTES;
-    GPU_CUBLAS(g, cublasLtMatmulPreferenceSetAttribute(g->pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
-                                                       sizeof ws));
+    GPU_CUBLAS(g,
+               cublasLtMatmulPreferenceSetAttribute(g->pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
     for (int kind = 0; kind < GEMM_KINDS; kind++) {
         gemm_plan *p = &g->plans[kind];
         cublasOperation_t ta = kind % GEMM_X3 == GEMM_LOGITS ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -496,8 +508,10 @@ static moert_result create_state(router_gpu *g, const moert_layer_info *layer)
     if (err != cudaSuccess || count <= g->device.id) {
         (void)cudaGetLastError();
         char reason[160];
-        if (err != cudaSuccess) snprintf(reason, sizeof reason, "no usable CUDA device (%s)", cudaGetErrorString(err));
-        else snprintf(reason, sizeof reason, "%d CUDA device(s) visible", count);
+        if (err != cudaSuccess)
+            snprintf(reason, sizeof reason, "no usable CUDA device (%s)", cudaGetErrorString(err));
+        else
+            snprintf(reason, sizeof reason, "%d CUDA device(s) visible", count);
         h->set_error(h, "router '%s': device cuda:%d is not supported here: %s", g->cfg.name, (int)g->device.id,
                      reason);
         return MOERT_ERR_UNSUPPORTED;
@@ -505,8 +519,10 @@ static moert_result create_state(router_gpu *g, const moert_layer_info *layer)
     GPU_CUDA(g, cudaSetDevice(g->device.id));
     moert_result rc = device_alloc(g, GEMM_WORKSPACE_BYTES, &g->workspace);
     if (rc == MOERT_ERR_UNSUPPORTED) {
-        h->set_error(h, "router '%s': device cuda:%d is not supported by this host (its alloc service has no CUDA "
-                        "memory: a CUDA rank's host needs the rank's memory pool)", g->cfg.name, (int)g->device.id);
+        h->set_error(h,
+                     "router '%s': device cuda:%d is not supported by this host (its alloc service has no CUDA "
+                     "memory: a CUDA rank's host needs the rank's memory pool)",
+                     g->cfg.name, (int)g->device.id);
         return rc;
     }
     if (rc != MOERT_OK) return rc;
@@ -555,8 +571,8 @@ moert_result router_gpu_create(const moert_host *host, const moert_layer_info *l
     *out = NULL;
     char why[256];
     if (cpu_only_option(cfg, layer, why, sizeof why)) {
-        host->set_error(host, "router '%s' on cuda:%d: %s (the CPU path has it: place the layer on the CPU)",
-                        cfg->name, (int)layer->device.id, why);
+        host->set_error(host, "router '%s' on cuda:%d: %s (the CPU path has it: place the layer on the CPU)", cfg->name,
+                        (int)layer->device.id, why);
         return MOERT_ERR_UNSUPPORTED;
     }
     router_gpu *g = calloc(1, sizeof *g);
@@ -572,8 +588,9 @@ moert_result router_gpu_create(const moert_host *host, const moert_layer_info *l
     g->topk = layer->topk;
     g->world_size = host->world_size;
     router_balancing b = cfg->params.balancing;
-    g->aux_on = (b == ROUTER_BALANCE_AUX_LOSS || b == ROUTER_BALANCE_SEQ_AUX_LOSS ||
-                 b == ROUTER_BALANCE_GLOBAL_AUX_LOSS) && cfg->aux_loss_coeff > 0.0;
+    g->aux_on =
+        (b == ROUTER_BALANCE_AUX_LOSS || b == ROUTER_BALANCE_SEQ_AUX_LOSS || b == ROUTER_BALANCE_GLOBAL_AUX_LOSS) &&
+        cfg->aux_loss_coeff > 0.0;
     g->z_on = cfg->z_loss_coeff > 0.0;
     g->f64 = cfg->compute_dtype == ROUTER_COMPUTE_FP64;
     g->jitter = cfg->jitter_eps > 0.0;
@@ -583,8 +600,10 @@ moert_result router_gpu_create(const moert_host *host, const moert_layer_info *l
     g->x3 = cfg->gemm == ROUTER_GEMM_BF16X3 ||
             (cfg->gemm == ROUTER_GEMM_AUTO && layer->dtype == MOERT_BF16 && !g->jitter && !g->f64);
     if (g->x3 && layer->dtype != MOERT_BF16) {
-        host->set_error(host, "router '%s' on cuda:%d: option gemm: \"bf16x3\" needs bf16 activations (the layer has "
-                        "%s); use \"fp32\" or \"auto\"", cfg->name, (int)layer->device.id, moert_dtype_name(layer->dtype));
+        host->set_error(host,
+                        "router '%s' on cuda:%d: option gemm: \"bf16x3\" needs bf16 activations (the layer has "
+                        "%s); use \"fp32\" or \"auto\"",
+                        cfg->name, (int)layer->device.id, moert_dtype_name(layer->dtype));
         free(g);
         return MOERT_ERR_UNSUPPORTED;
     }
@@ -614,12 +633,12 @@ void router_gpu_destroy(router_gpu *g)
     }
     if (g->pref) cublasLtMatmulPreferenceDestroy(g->pref);
     if (g->lt) cublasLtDestroy(g->lt);
-    void *device_buffers[] = {g->workspace, g->logits,    g->d_logits,       g->sel_idx,  g->x32,
-                              g->aux_counts, g->aux_f,    g->aux_scale,      g->loss_out, g->loss_workspace,
-                              g->global_sum, g->bias,     g->bias_counts,    g->w_planes, g->dl_planes,
-                              g->partial,   g->w_pairs,   g->dl_pairs,       g->xc,       g->w64,
-                              g->dw64,      g->dx64,      g->kept_idx,       g->kept_counts, g->cap_scratch,
-                              g->sk_c,      g->sk_d0,     g->sk_d1,          g->sk_iters};
+    void *device_buffers[] = {g->workspace,  g->logits,  g->d_logits,    g->sel_idx,     g->x32,
+                              g->aux_counts, g->aux_f,   g->aux_scale,   g->loss_out,    g->loss_workspace,
+                              g->global_sum, g->bias,    g->bias_counts, g->w_planes,    g->dl_planes,
+                              g->partial,    g->w_pairs, g->dl_pairs,    g->xc,          g->w64,
+                              g->dw64,       g->dx64,    g->kept_idx,    g->kept_counts, g->cap_scratch,
+                              g->sk_c,       g->sk_d0,   g->sk_d1,       g->sk_iters};
     for (size_t i = 0; i < sizeof device_buffers / sizeof device_buffers[0]; i++) device_free(g, device_buffers[i]);
     if (g->loss_host) h->free_pinned(h, g->loss_host);
     if (g->counts_host) h->free_pinned(h, g->counts_host);
@@ -672,8 +691,7 @@ static moert_router_cuda_loss_params loss_params(const router_gpu *g, int64_t T,
 }
 
 /* A float tensor's dtype is one of the two the CUDA path takes (fp32, or also bf16). */
-static moert_result check_dtype(router_gpu *g, const char *call, const char *name, const moert_tensor *t,
-                                bool bf16_too)
+static moert_result check_dtype(router_gpu *g, const char *call, const char *name, const moert_tensor *t, bool bf16_too)
 {
     if (t->dtype == MOERT_F32 || (bf16_too && t->dtype == MOERT_BF16)) return MOERT_OK;
     return gpu_fail(g, MOERT_ERR_UNSUPPORTED, "%s: %s is %s; the CUDA path takes %s", call, name,
@@ -715,16 +733,16 @@ static moert_result forward_aux(router_gpu *g, cudaStream_t stream, int64_t T, i
             GPU_TRY(g->host->allreduce_sum(g->host, g->aux_counts, (size_t)(E + 1), MOERT_I64, g->device, stream));
         g->global_forwards++;
         GPU_TRY(moert_router_cuda_aux_finish(g->host, stream, E, g->aux_counts, g->global_sum,
-                                             (double)g->global_forwards,
-                                             g->cfg.aux_loss_coeff * (double)E / (double)K, g->aux_f, g->aux_scale));
+                                             (double)g->global_forwards, g->cfg.aux_loss_coeff * (double)E / (double)K,
+                                             g->aux_f, g->aux_scale));
     } else if (T > 0) {
         int64_t B = T / S;
         double A = g->cfg.aux_loss_coeff * (double)E / ((double)K * (double)S * (double)S * (double)B);
         moert_router_cuda_loss_params lp = loss_params(g, T, S);
         GPU_TRY(ensure_aux_buffers(g, B * E));
         GPU_TRY(moert_router_cuda_aux_counts(g->host, stream, &lp, g->logits, g->aux_counts));
-        GPU_TRY(moert_router_cuda_aux_finish(g->host, stream, B * E, g->aux_counts, NULL, 0.0, A, g->aux_f,
-                                             g->aux_scale));
+        GPU_TRY(
+            moert_router_cuda_aux_finish(g->host, stream, B * E, g->aux_counts, NULL, 0.0, A, g->aux_f, g->aux_scale));
     }
     if (T > 0) {
         g->fwd_aux = true;
@@ -857,11 +875,14 @@ moert_result router_gpu_forward(router_gpu *g, moert_stream s, const moert_route
     GPU_TRY(check_dtype(g, "forward", "weight", a->weight, false));
     GPU_TRY(check_dtype(g, "forward", "topk_probs", a->topk_probs, false));
     if (g->cfg.params.balancing == ROUTER_BALANCE_SEQ_AUX_LOSS && g->aux_on && seq_length > 0 && T % seq_length != 0) {
-        h->set_error(h, "router '%s' forward: seq_aux_loss needs whole sequences: seq_length %lld does not divide the "
-                        "%lld tokens", g->cfg.name, (long long)seq_length, (long long)T);
+        h->set_error(h,
+                     "router '%s' forward: seq_aux_loss needs whole sequences: seq_length %lld does not divide the "
+                     "%lld tokens",
+                     g->cfg.name, (long long)seq_length, (long long)T);
         return MOERT_ERR_INVALID_ARGUMENT;
     }
-    if (T > INT32_MAX) return gpu_fail(g, MOERT_ERR_UNSUPPORTED, "forward: %lld tokens (at most %d)", (long long)T, INT32_MAX);
+    if (T > INT32_MAX)
+        return gpu_fail(g, MOERT_ERR_UNSUPPORTED, "forward: %lld tokens (at most %d)", (long long)T, INT32_MAX);
     GPU_TRY(ensure_token_buffers(g, T));
 
     /* logits in the compute dtype (jittered x, random logits), then the selection, probs and counts */
@@ -869,8 +890,8 @@ moert_result router_gpu_forward(router_gpu *g, moert_stream s, const moert_route
     GPU_TRY(forward_route(g, stream, a, T));
     /* the bias follows the copies really kept, never the padding */
     if (g->cfg.use_expert_bias)
-        GPU_TRY(moert_router_cuda_add_counts(h, stream, E, g->capacity && T > 0 ? g->kept_counts : tpe,
-                                             g->bias_counts));
+        GPU_TRY(
+            moert_router_cuda_add_counts(h, stream, E, g->capacity && T > 0 ? g->kept_counts : tpe, g->bias_counts));
 
     /* losses */
     moert_router_losses *losses = a->losses;
@@ -902,7 +923,8 @@ static moert_result backward_x3(router_gpu *g, cudaStream_t stream, const moert_
     GPU_TRY(moert_router_cuda_split_bf16(h, stream, T, E, terms, g->d_logits, g->dl_planes));
     GPU_TRY(gemm_run_ld(g, stream, GEMM_WGRAD_X3, H, X3_PLANES * E, T, a->x->data, g->dl_planes, 0, g->partial, 0));
     GPU_TRY(moert_router_cuda_sum_planes(h, stream, 1, E * H, X3_PLANES, 1, g->partial, (float *)a->d_weight->data));
-    GPU_TRY(moert_router_cuda_split_bf16(h, stream, 1, E * H, w_pair_terms, (const float *)a->weight->data, g->w_pairs));
+    GPU_TRY(
+        moert_router_cuda_split_bf16(h, stream, 1, E * H, w_pair_terms, (const float *)a->weight->data, g->w_pairs));
     GPU_TRY(moert_router_cuda_split_bf16(h, stream, T, E, dl_pair_terms, g->d_logits, g->dl_pairs));
     GPU_TRY(gemm_run_ld(g, stream, GEMM_DGRAD_X3, H, T, X3_PLANES * E, g->w_pairs, g->dl_pairs, 0, g->x32, 0));
     GPU_TRY(moert_router_cuda_accumulate(h, stream, MOERT_BF16, T * H, g->x32, a->d_x->data));
@@ -994,8 +1016,7 @@ moert_result router_gpu_end_step(router_gpu *g, moert_stream s)
     const moert_host *h = g->host;
     int64_t E = g->num_experts;
     if (g->cfg.use_expert_bias) {
-        if (g->world_size > 1)
-            GPU_TRY(h->allreduce_sum(h, g->bias_counts, (size_t)E, MOERT_I64, g->device, stream));
+        if (g->world_size > 1) GPU_TRY(h->allreduce_sum(h, g->bias_counts, (size_t)E, MOERT_I64, g->device, stream));
         GPU_TRY(moert_router_cuda_bias_update(h, stream, E, g->bias_counts, g->cfg.bias_update_rate, g->bias));
     }
     GPU_CUDA(g, cudaMemsetAsync(g->global_sum, 0, (size_t)E * sizeof(double), stream));
@@ -1003,7 +1024,4 @@ moert_result router_gpu_end_step(router_gpu *g, moert_stream s)
     return MOERT_OK;
 }
 
-const moert_tensor *router_gpu_expert_bias(router_gpu *g)
-{
-    return g->cfg.use_expert_bias ? &g->bias_tensor : NULL;
-}
+const moert_tensor *router_gpu_expert_bias(router_gpu *g) { return g->cfg.use_expert_bias ? &g->bias_tensor : NULL; }

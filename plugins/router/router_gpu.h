@@ -25,7 +25,7 @@ typedef enum router_gpu_gemm { ROUTER_GEMM_AUTO = 0, ROUTER_GEMM_FP32 = 1, ROUTE
 
 /* What the CUDA path needs of the instance's options (validated by router.c). */
 typedef struct router_gpu_config {
-    const char *name;          /* the plugin's name, for messages */
+    const char *name; /* the plugin's name, for messages */
     router_params params;
     bool use_expert_bias;
     double bias_update_rate;
@@ -33,9 +33,9 @@ typedef struct router_gpu_config {
     double z_loss_coeff;
     router_gpu_gemm gemm;
     router_compute_dtype compute_dtype;
-    double jitter_eps;          /* input jitter (0: off) with its router_noise key */
+    double jitter_eps; /* input jitter (0: off) with its router_noise key */
     uint64_t jitter_key;
-    bool force_balance;         /* force_load_balancing with the key of its random logits */
+    bool force_balance; /* force_load_balancing with the key of its random logits */
     uint64_t random_logits_key;
 } router_gpu_config;
 

@@ -21,7 +21,7 @@
 #endif
 
 /* What a stream of numbers is for (part of its key). */
-#define ROUTER_NOISE_JITTER 1u
+#define ROUTER_NOISE_JITTER        1u
 #define ROUTER_NOISE_RANDOM_LOGITS 2u
 
 /* splitmix64's output function: a well-mixed 64-bit word from any 64-bit word. */

@@ -77,8 +77,8 @@ static void make_routing(const cross_case *cs, int r, int32_t *idx, int64_t T, u
         for (int64_t k = 0; k < K; k++) {
             bool fresh;
             do {
-                row[k] = (int32_t)(first + (int64_t)((test_uniform(rng) + 1.0) * 0.5 * (double)(E - first)) %
-                                               (E - first));
+                row[k] =
+                    (int32_t)(first + (int64_t)((test_uniform(rng) + 1.0) * 0.5 * (double)(E - first)) % (E - first));
                 fresh = true;
                 for (int64_t j = 0; j < k; j++)
                     fresh = fresh && row[j] != row[k] &&
@@ -170,8 +170,11 @@ static bool run_dispatcher(test_instance *ti, const cross_case *cs, const cross_
     moert_tensor probs = moert_tensor_2d(in->probs, cpu, cs->probs_dtype, T, K);
     moert_tensor rx = moert_tensor_2d(out->recv_x, cpu, cs->dtype, cap + 2, H);
     moert_tensor rp = moert_tensor_1d(out->recv_probs, cpu, cs->probs_dtype, cap + 2);
-    moert_dispatch_args da = {.struct_size = sizeof da, .x = &x, .topk_probs = cs->no_probs ? NULL : &probs,
-                              .recv_x = &rx, .recv_probs = cs->no_probs ? NULL : &rp};
+    moert_dispatch_args da = {.struct_size = sizeof da,
+                              .x = &x,
+                              .topk_probs = cs->no_probs ? NULL : &probs,
+                              .recv_x = &rx,
+                              .recv_probs = cs->no_probs ? NULL : &rp};
     EXPECT_CALL_OK(ti, vt->dispatch(ti->ctx, NULL, &da));
     if (second_dispatch) {
         out->recv_again = malloc((size_t)(cap + 2) * H * es);
@@ -203,8 +206,10 @@ static bool run_dispatcher(test_instance *ti, const cross_case *cs, const cross_
     moert_tensor drp = moert_tensor_1d(ci->d_recv_probs, cpu, cs->probs_dtype, cap);
     moert_tensor dx = moert_tensor_2d(out->d_x, cpu, cs->dtype, T, H);
     moert_tensor dtp = moert_tensor_2d(out->d_topk_probs, cpu, cs->probs_dtype, T, K);
-    moert_dispatch_backward_args db = {.struct_size = sizeof db, .d_recv_x = &drx,
-                                       .d_recv_probs = cs->no_probs ? NULL : &drp, .d_x = &dx,
+    moert_dispatch_backward_args db = {.struct_size = sizeof db,
+                                       .d_recv_x = &drx,
+                                       .d_recv_probs = cs->no_probs ? NULL : &drp,
+                                       .d_x = &dx,
                                        .d_topk_probs = cs->no_probs ? NULL : &dtp};
     EXPECT_CALL_OK(ti, vt->dispatch_backward(ti->ctx, NULL, &db));
     return true;
@@ -242,7 +247,8 @@ static void expect_same(const cross_case *cs, int r, const char *what, int64_t b
 {
     if (!bad) return;
     if (cs->ranks_per_node)
-        fprintf(stderr, "%s world %d ranks_per_node %d rank %d: %s: %lld values differ from the alltoall dispatcher's\n",
+        fprintf(stderr,
+                "%s world %d ranks_per_node %d rank %d: %s: %lld values differ from the alltoall dispatcher's\n",
                 cs->name, cs->world, cs->ranks_per_node, r, what, (long long)bad);
     else
         fprintf(stderr, "%s world %d rank %d: %s: %lld values differ from the alltoall dispatcher's\n", cs->name,

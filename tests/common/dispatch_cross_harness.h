@@ -26,15 +26,15 @@ typedef struct cross_case {
     moert_dtype probs_dtype; /* topk_probs, recv_probs and their gradients */
     int64_t H, E, K, T;      /* T: rank 0's tokens; rank r has T + 3r unless same_T */
     bool same_T;
-    double drop;             /* probability that a copy is dropped */
-    bool hot;                /* every kept first copy goes to the last expert */
-    bool avoid_rank0;        /* no copy goes to rank 0's experts (world > 1) */
-    bool one_per_node;       /* every token has at most one copy per node of ranks_per_node ranks */
-    bool empty_rank0;        /* rank 0 has no tokens */
-    bool no_probs;           /* dispatch without probs, dispatch_backward without prob gradients */
-    bool bad_index;          /* rank 1's token 2, copy 1 names expert 99: every prepare() fails */
+    double drop;       /* probability that a copy is dropped */
+    bool hot;          /* every kept first copy goes to the last expert */
+    bool avoid_rank0;  /* no copy goes to rank 0's experts (world > 1) */
+    bool one_per_node; /* every token has at most one copy per node of ranks_per_node ranks */
+    bool empty_rank0;  /* rank 0 has no tokens */
+    bool no_probs;     /* dispatch without probs, dispatch_backward without prob gradients */
+    bool bad_index;    /* rank 1's token 2, copy 1 names expert 99: every prepare() fails */
     uint64_t seed;
-    const char *options;     /* of the dispatcher under test (JSON; NULL: none) */
+    const char *options; /* of the dispatcher under test (JSON; NULL: none) */
 } cross_case;
 
 /* One rank's inputs, made on the main thread. */
@@ -66,7 +66,7 @@ typedef struct cross_output {
     int64_t num_recv, capacity, tokens_per_expert[64];
     void *recv_x, *recv_probs; /* [cap + 2] rows: the 2 past capacity must stay as they were */
     void *y, *d_y_expert, *d_x, *d_topk_probs;
-    void *recv_again;          /* a second dispatch of the step (second_dispatch), else NULL */
+    void *recv_again; /* a second dispatch of the step (second_dispatch), else NULL */
     cross_metrics m;
 } cross_output;
 

@@ -35,8 +35,14 @@ static moert_result dispatch_test_open(test_instance *ti, const dispatch_test_pl
     moert_section_allow(ti->section, "plugin");
     char who[64];
     snprintf(who, sizeof who, "dispatcher[%s]", plugin->name);
-    moert_host_setup setup = {.who = who, .options = ti->section, .comm = comm, .rank = rank, .world_size = world,
-                              .device = layer->device, .metric = metric_sink, .metric_user = metrics};
+    moert_host_setup setup = {.who = who,
+                              .options = ti->section,
+                              .comm = comm,
+                              .rank = rank,
+                              .world_size = world,
+                              .device = layer->device,
+                              .metric = metric_sink,
+                              .metric_user = metrics};
     rc = moert_host_create(&setup, &ti->host);
     if (rc != MOERT_OK) return rc;
     rc = moert_plugin_init(&ti->plugin, &ti->ctx, ti->host, layer);
@@ -274,8 +280,8 @@ static void run_rank(int r, void *user)
     /* max_tokens sizes the peer buffers; below T, prepare() must grow them (on every rank together) or refuse */
     moert_layer_info layer = test_layer(H, 16, sc->E, K, sc->small_buffer ? d->T / 3 : d->T, sc->world, r, sc->dtype);
     test_instance ti;
-    moert_result rc = dispatch_test_open(&ti, sc->plugin, sc->options, &layer, sc->world > 1 ? sc->comm : NULL, r,
-                                         sc->world, res);
+    moert_result rc =
+        dispatch_test_open(&ti, sc->plugin, sc->options, &layer, sc->world > 1 ? sc->comm : NULL, r, sc->world, res);
     if (rc != MOERT_OK) {
         fprintf(stderr, "%s rank %d: open failed: %s\n", sc->name, r, moert_error_message());
         test_failures++;
@@ -323,8 +329,8 @@ static void run_rank(int r, void *user)
     for (int64_t i = 0; i < d->T * K; i++) moert_store(&probs, i, d->probs[i]);
     moert_tensor rx = moert_tensor_2d(recv_x, moert_cpu(), sc->dtype, cap + extra, H);
     moert_tensor rp = moert_tensor_1d(recv_probs, moert_cpu(), MOERT_F64, cap + extra);
-    moert_dispatch_args dargs = {.struct_size = sizeof dargs, .x = &x, .topk_probs = &probs, .recv_x = &rx,
-                                 .recv_probs = &rp};
+    moert_dispatch_args dargs = {
+        .struct_size = sizeof dargs, .x = &x, .topk_probs = &probs, .recv_x = &rx, .recv_probs = &rp};
     if (sc->stall) { /* rank 1 never sends: rank 0 must give up after timeout_ms, naming rank 1 */
         if (r == 0) {
             EXPECT_CALL_FAILS(&ti, vt->dispatch(ti.ctx, NULL, &dargs), MOERT_ERR_TIMEOUT,
@@ -470,8 +476,8 @@ static void run_rank(int r, void *user)
     moert_tensor r_pt = moert_tensor_1d(r_p, moert_cpu(), MOERT_F64, cap);
     moert_tensor d_xt = moert_tensor_2d(d_x, moert_cpu(), MOERT_F64, d->T, H);
     moert_tensor d_pt = moert_tensor_2d(d_p, moert_cpu(), MOERT_F64, d->T, K);
-    moert_dispatch_backward_args dba = {.struct_size = sizeof dba, .d_recv_x = &r_xt, .d_recv_probs = &r_pt,
-                                        .d_x = &d_xt, .d_topk_probs = &d_pt};
+    moert_dispatch_backward_args dba = {
+        .struct_size = sizeof dba, .d_recv_x = &r_xt, .d_recv_probs = &r_pt, .d_x = &d_xt, .d_topk_probs = &d_pt};
     EXPECT_CALL_OK(&ti, vt->dispatch_backward(ti.ctx, NULL, &dba));
     moert_tensor rp_cap = moert_tensor_1d(recv_probs, moert_cpu(), MOERT_F64, cap);
     res->rows_lhs = 0;
@@ -485,8 +491,10 @@ static void run_rank(int r, void *user)
     for (int64_t t = 0; t < d->T; t++) {
         int kept = 0;
         for (int64_t k = 0; k < K; k++) {
-            if (d->idx[t * K + k] >= 0) kept++;
-            else bad_dropped += d_p[t * K + k] != 0.0;
+            if (d->idx[t * K + k] >= 0)
+                kept++;
+            else
+                bad_dropped += d_p[t * K + k] != 0.0;
         }
         if (!kept)
             for (int64_t h = 0; h < H; h++) bad_dropped += d_x[t * H + h] != c0[t * H + h];
@@ -556,8 +564,7 @@ void dispatch_run_scenario(const dispatch_test_plugin *plugin, dispatch_scenario
 /* ---- bad calls at world 1 ---- */
 
 /* Opens the fixture's instance and checks that dispatch() before prepare() is refused. */
-static void dispatch_error_fixture_open(dispatch_error_fixture *f, const dispatch_test_plugin *plugin,
-                                        int64_t capacity)
+static void dispatch_error_fixture_open(dispatch_error_fixture *f, const dispatch_test_plugin *plugin, int64_t capacity)
 {
     memset(f, 0, sizeof *f);
     f->plugin = plugin;
@@ -574,8 +581,8 @@ static void dispatch_error_fixture_open(dispatch_error_fixture *f, const dispatc
     f->rpt = moert_tensor_1d(f->recv_probs, moert_cpu(), MOERT_F64, capacity);
     f->it = moert_tensor_2d(f->idx, moert_cpu(), MOERT_I32, 3, 2);
     f->yt = moert_tensor_2d(f->y, moert_cpu(), MOERT_F64, 3, 4);
-    f->da = (moert_dispatch_args){.struct_size = sizeof f->da, .x = &f->xt, .topk_probs = &f->pt,
-                                  .recv_x = &f->rxt, .recv_probs = &f->rpt};
+    f->da = (moert_dispatch_args){
+        .struct_size = sizeof f->da, .x = &f->xt, .topk_probs = &f->pt, .recv_x = &f->rxt, .recv_probs = &f->rpt};
     f->ca = (moert_combine_args){.struct_size = sizeof f->ca, .y_expert = &f->rxt, .y = &f->yt};
     f->layout = (moert_dispatch_layout){.struct_size = sizeof f->layout};
     EXPECT_CALL_FAILS(&f->ti, f->vt->dispatch(f->ti.ctx, NULL, &f->da), MOERT_ERR_INVALID_ARGUMENT,
@@ -677,8 +684,8 @@ static void dispatch_check_init_refusals(const dispatch_test_plugin *plugin, con
     moert_host *host = NULL;
     char who[64];
     snprintf(who, sizeof who, "dispatcher[%s]", plugin->name);
-    moert_host_setup setup = {.who = who, .options = sec, .comm = NULL, .rank = 0, .world_size = 1,
-                              .device = moert_cpu()};
+    moert_host_setup setup = {
+        .who = who, .options = sec, .comm = NULL, .rank = 0, .world_size = 1, .device = moert_cpu()};
     EXPECT_OK(moert_host_create(&setup, &host));
     if (host) {
         const moert_dispatcher_v1 *pv = (const moert_dispatcher_v1 *)loaded.header;
@@ -721,33 +728,58 @@ void dispatch_check_errors(const dispatch_test_plugin *plugin, const char *const
 
 void dispatch_run_common_scenarios(const dispatch_test_plugin *plugin, int world)
 {
-    dispatch_run_scenario(plugin, (dispatch_scenario){.name = "random fp64", .world = world, .dtype = MOERT_F64,
-                                                      .probs_dtype = MOERT_F64, .routing = ROUTE_RANDOM});
-    dispatch_run_scenario(plugin, (dispatch_scenario){.name = "random fp32, fp32 probs", .world = world,
-                                                      .dtype = MOERT_F32, .probs_dtype = MOERT_F32,
-                                                      .routing = ROUTE_RANDOM, .seed = 77});
-    dispatch_run_scenario(plugin, (dispatch_scenario){.name = "hot expert", .world = world, .dtype = MOERT_F64,
-                                                      .probs_dtype = MOERT_F64, .routing = ROUTE_HOT});
-    dispatch_run_scenario(plugin, (dispatch_scenario){.name = "tokens with every copy dropped", .world = world,
-                                                      .dtype = MOERT_F64, .probs_dtype = MOERT_F64,
+    dispatch_run_scenario(plugin, (dispatch_scenario){.name = "random fp64",
+                                                      .world = world,
+                                                      .dtype = MOERT_F64,
+                                                      .probs_dtype = MOERT_F64,
+                                                      .routing = ROUTE_RANDOM});
+    dispatch_run_scenario(plugin, (dispatch_scenario){.name = "random fp32, fp32 probs",
+                                                      .world = world,
+                                                      .dtype = MOERT_F32,
+                                                      .probs_dtype = MOERT_F32,
+                                                      .routing = ROUTE_RANDOM,
+                                                      .seed = 77});
+    dispatch_run_scenario(
+        plugin,
+        (dispatch_scenario){
+            .name = "hot expert", .world = world, .dtype = MOERT_F64, .probs_dtype = MOERT_F64, .routing = ROUTE_HOT});
+    dispatch_run_scenario(plugin, (dispatch_scenario){.name = "tokens with every copy dropped",
+                                                      .world = world,
+                                                      .dtype = MOERT_F64,
+                                                      .probs_dtype = MOERT_F64,
                                                       .routing = ROUTE_SOME_DROPPED});
-    dispatch_run_scenario(plugin, (dispatch_scenario){.name = "bf16 rows, bit-exact", .world = world,
-                                                      .dtype = MOERT_BF16, .probs_dtype = MOERT_F64,
-                                                      .routing = ROUTE_RANDOM, .H = 8});
-    dispatch_run_scenario(plugin, (dispatch_scenario){.name = "K=1, E=4 (one expert per rank at 4)", .world = world,
-                                                      .dtype = MOERT_F64, .probs_dtype = MOERT_F64,
-                                                      .routing = ROUTE_RANDOM, .E = 4, .K = 1, .seed = 99});
+    dispatch_run_scenario(plugin, (dispatch_scenario){.name = "bf16 rows, bit-exact",
+                                                      .world = world,
+                                                      .dtype = MOERT_BF16,
+                                                      .probs_dtype = MOERT_F64,
+                                                      .routing = ROUTE_RANDOM,
+                                                      .H = 8});
+    dispatch_run_scenario(plugin, (dispatch_scenario){.name = "K=1, E=4 (one expert per rank at 4)",
+                                                      .world = world,
+                                                      .dtype = MOERT_F64,
+                                                      .probs_dtype = MOERT_F64,
+                                                      .routing = ROUTE_RANDOM,
+                                                      .E = 4,
+                                                      .K = 1,
+                                                      .seed = 99});
     if (world == 1) return;
-    dispatch_run_scenario(plugin, (dispatch_scenario){.name = "rank 0 has no tokens", .world = world,
-                                                      .dtype = MOERT_F64, .probs_dtype = MOERT_F64,
-                                                      .routing = ROUTE_RANDOM, .T = -1});
-    dispatch_run_scenario(plugin, (dispatch_scenario){.name = "rank 0 receives nothing", .world = world,
-                                                      .dtype = MOERT_F64, .probs_dtype = MOERT_F64,
+    dispatch_run_scenario(plugin, (dispatch_scenario){.name = "rank 0 has no tokens",
+                                                      .world = world,
+                                                      .dtype = MOERT_F64,
+                                                      .probs_dtype = MOERT_F64,
+                                                      .routing = ROUTE_RANDOM,
+                                                      .T = -1});
+    dispatch_run_scenario(plugin, (dispatch_scenario){.name = "rank 0 receives nothing",
+                                                      .world = world,
+                                                      .dtype = MOERT_F64,
+                                                      .probs_dtype = MOERT_F64,
                                                       .routing = ROUTE_AVOID_RANK0});
-    dispatch_run_scenario(plugin,
-                          (dispatch_scenario){.name = "bad expert id on rank 1", .world = world, .dtype = MOERT_F64,
-                                              .probs_dtype = MOERT_F64, .routing = ROUTE_BAD_INDEX,
-                                              .prepare_error = "rank 1 failed its prepare()",
-                                              .prepare_error_r1 =
-                                                  "topk_idx[2][1] is 99, expected an expert id in [0, 8)"});
+    dispatch_run_scenario(
+        plugin, (dispatch_scenario){.name = "bad expert id on rank 1",
+                                    .world = world,
+                                    .dtype = MOERT_F64,
+                                    .probs_dtype = MOERT_F64,
+                                    .routing = ROUTE_BAD_INDEX,
+                                    .prepare_error = "rank 1 failed its prepare()",
+                                    .prepare_error_r1 = "topk_idx[2][1] is 99, expected an expert id in [0, 8)"});
 }

@@ -16,26 +16,26 @@
 #define DISPATCH_MAX_WORLD 4
 
 /* A plugin call that must succeed; prints the plugin's message otherwise. */
-#define EXPECT_CALL_OK(ti, call)                                                                             \
-    do {                                                                                                     \
-        moert_result _r = (call);                                                                            \
-        if (_r != MOERT_OK) {                                                                                \
-            fprintf(stderr, "%s:%d: %s failed (%s): %s\n", __FILE__, __LINE__, #call, moert_result_name(_r), \
-                    moert_host_take_error((ti)->host));                                                      \
-            test_failures++;                                                                                 \
-        }                                                                                                    \
+#define EXPECT_CALL_OK(ti, call)                                                                                       \
+    do {                                                                                                               \
+        moert_result _r = (call);                                                                                      \
+        if (_r != MOERT_OK) {                                                                                          \
+            fprintf(stderr, "%s:%d: %s failed (%s): %s\n", __FILE__, __LINE__, #call, moert_result_name(_r),           \
+                    moert_host_take_error((ti)->host));                                                                \
+            test_failures++;                                                                                           \
+        }                                                                                                              \
     } while (0)
 
 /* A plugin call that must fail with `code` and a message containing `needle`. */
-#define EXPECT_CALL_FAILS(ti, call, code, needle)                                                            \
-    do {                                                                                                     \
-        moert_result _r = (call);                                                                            \
-        const char *_m = moert_host_take_error((ti)->host);                                                  \
-        if (_r != (code) || !strstr(_m, (needle))) {                                                         \
-            fprintf(stderr, "%s:%d: %s gave %s \"%s\", expected %s with \"%s\"\n", __FILE__, __LINE__, #call, \
-                    moert_result_name(_r), _m, moert_result_name(code), (needle));                           \
-            test_failures++;                                                                                 \
-        }                                                                                                    \
+#define EXPECT_CALL_FAILS(ti, call, code, needle)                                                                      \
+    do {                                                                                                               \
+        moert_result _r = (call);                                                                                      \
+        const char *_m = moert_host_take_error((ti)->host);                                                            \
+        if (_r != (code) || !strstr(_m, (needle))) {                                                                   \
+            fprintf(stderr, "%s:%d: %s gave %s \"%s\", expected %s with \"%s\"\n", __FILE__, __LINE__, #call,          \
+                    moert_result_name(_r), _m, moert_result_name(code), (needle));                                     \
+            test_failures++;                                                                                           \
+        }                                                                                                              \
     } while (0)
 
 typedef enum dispatch_routing {
@@ -50,16 +50,16 @@ typedef enum dispatch_routing {
 /* One rank's input, made on the main thread so that every rank's reference sees all of it. */
 typedef struct dispatch_rank_data {
     int64_t T;
-    int32_t *idx;   /* [T*K] */
-    double *probs;  /* [T*K], 0 for dropped copies; normalised over the kept copies */
-    void *x;        /* [T*H] in the scenario's dtype */
+    int32_t *idx;  /* [T*K] */
+    double *probs; /* [T*K], 0 for dropped copies; normalised over the kept copies */
+    void *x;       /* [T*H] in the scenario's dtype */
 } dispatch_rank_data;
 
 /* Figures a rank reports back to the main thread. */
 typedef struct dispatch_rank_result {
-    double combine_lhs, combine_rhs;    /* <combine(a), b>, <a, combine_backward(b)> */
-    double rows_lhs, rows_rhs;          /* <dispatch(x).rows, r_x>, <x, dispatch_backward(r).d_x> */
-    double probs_lhs, probs_rhs;        /* <dispatch(x).probs, r_p>, <probs, dispatch_backward(r).d_probs> */
+    double combine_lhs, combine_rhs; /* <combine(a), b>, <a, combine_backward(b)> */
+    double rows_lhs, rows_rhs;       /* <dispatch(x).rows, r_x>, <x, dispatch_backward(r).d_x> */
+    double probs_lhs, probs_rhs;     /* <dispatch(x).probs, r_p>, <probs, dispatch_backward(r).d_probs> */
     double metric_recv_tokens, metric_bytes_sent;
     int metric_recv_seen, metric_bytes_seen;
 } dispatch_rank_result;
@@ -72,9 +72,9 @@ struct dispatch_error_fixture;
 typedef struct dispatch_scenario {
     const char *name;
     int world;
-    int64_t H, E, K, T;     /* T: tokens of rank 0; rank r has T + 3r unless same_T */
+    int64_t H, E, K, T; /* T: tokens of rank 0; rank r has T + 3r unless same_T */
     bool same_T;
-    moert_dtype dtype;      /* rows */
+    moert_dtype dtype; /* rows */
     moert_dtype probs_dtype;
     dispatch_routing routing;
     double capacity_factor; /* for ROUTE_CAPPED and the padded capacity */
@@ -90,7 +90,7 @@ typedef struct dispatch_scenario {
     dispatch_rank_data rank[DISPATCH_MAX_WORLD];
     dispatch_rank_result result[DISPATCH_MAX_WORLD];
     moert_comm_group *comm;
-    pthread_barrier_t barrier;    /* the stall cases: peers keep their buffers until rank 0 has failed */
+    pthread_barrier_t barrier;                 /* the stall cases: peers keep their buffers until rank 0 has failed */
     const struct dispatch_test_plugin *plugin; /* set by dispatch_run_scenario */
 } dispatch_scenario;
 
@@ -102,11 +102,11 @@ typedef struct dispatch_ref_row {
 
 /* What rank r must receive, in order, independent of the plugin. */
 typedef struct dispatch_reference {
-    int64_t expert_rows[64];  /* rows per local expert */
-    int64_t group_rows[64];   /* rows per local expert in the buffers (padded) */
+    int64_t expert_rows[64]; /* rows per local expert */
+    int64_t group_rows[64];  /* rows per local expert in the buffers (padded) */
     int64_t group_start[64];
     int64_t num_recv, capacity;
-    dispatch_ref_row *rows;   /* [num_recv]: for each local expert, each source rank, tokens in order */
+    dispatch_ref_row *rows; /* [num_recv]: for each local expert, each source rank, tokens in order */
 } dispatch_reference;
 
 /* What the harness needs to know of the dispatcher under test. */
@@ -156,11 +156,11 @@ typedef struct dispatch_error_fixture {
     const moert_dispatcher_v1 *vt;
     int64_t capacity; /* what prepare() gives for idx: rows of recv_x and recv_probs */
     double x[12], probs[6], recv_x[24], recv_probs[6], y[12];
-    int32_t idx[6];                 /* {0, 1, 2, -1, 3, 0}: 5 rows received */
-    moert_tensor xt, pt, rxt, rpt;  /* x [3, 4], probs [3, 2], recv_x [capacity, 4], recv_probs [capacity] */
-    moert_tensor it, yt;            /* idx [3, 2], y [3, 4] */
-    moert_dispatch_args da;         /* x, probs, recv_x, recv_probs */
-    moert_combine_args ca;          /* recv_x as y_expert, y */
+    int32_t idx[6];                /* {0, 1, 2, -1, 3, 0}: 5 rows received */
+    moert_tensor xt, pt, rxt, rpt; /* x [3, 4], probs [3, 2], recv_x [capacity, 4], recv_probs [capacity] */
+    moert_tensor it, yt;           /* idx [3, 2], y [3, 4] */
+    moert_dispatch_args da;        /* x, probs, recv_x, recv_probs */
+    moert_combine_args ca;         /* recv_x as y_expert, y */
     moert_dispatch_layout layout;
 } dispatch_error_fixture;
 

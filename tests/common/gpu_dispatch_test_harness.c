@@ -5,8 +5,7 @@
 
 pthread_mutex_t gpu_dispatch_table_lock = PTHREAD_MUTEX_INITIALIZER;
 
-void gpu_dispatch_read_host_cpu_layout(const moert_dispatch_layout *layout, int64_t local_experts,
-                                       gpu_dispatch_step *d)
+void gpu_dispatch_read_host_cpu_layout(const moert_dispatch_layout *layout, int64_t local_experts, gpu_dispatch_step *d)
 {
     d->nrecv = layout->capacity;
     d->num_recv = layout->num_recv;
@@ -103,8 +102,8 @@ bool gpu_dispatch_run_calls(test_instance *ti, moert_stream stream, moert_device
     moert_tensor drx = moert_tensor_2d(d_recv_x, dev, dt, cap, H);
     moert_tensor drp = moert_tensor_1d(d_recv_probs, dev, MOERT_F32, cap);
     moert_tensor dx = moert_tensor_2d(d_x, dev, dt, T, H), dtp = moert_tensor_2d(d_topk_probs, dev, MOERT_F32, T, K);
-    moert_dispatch_backward_args db = {.struct_size = sizeof db, .d_recv_x = &drx, .d_recv_probs = &drp, .d_x = &dx,
-                                       .d_topk_probs = &dtp};
+    moert_dispatch_backward_args db = {
+        .struct_size = sizeof db, .d_recv_x = &drx, .d_recv_probs = &drp, .d_x = &dx, .d_topk_probs = &dtp};
     return CALL(ti, vt->dispatch(ti->ctx, stream, &da), where) && CALL(ti, vt->combine(ti->ctx, stream, &ca), where) &&
            CALL(ti, vt->combine_backward(ti->ctx, stream, &cb), where) &&
            CALL(ti, vt->dispatch_backward(ti->ctx, stream, &db), where);
@@ -137,8 +136,8 @@ bool gpu_dispatch_cuda_step(const gpu_dispatch_plugin *plugin, const gpu_test_ra
     void *d_y_expert = gpu_test_device_poisoned(s, (size_t)cap * row);
     void *d_x = gpu_test_device_copy(s, d->d_x0, (size_t)T * row);
     void *d_topk_probs = gpu_test_device_poisoned(s, (size_t)(T * K) * 4);
-    bool ok = gpu_dispatch_run_calls(ti, (moert_stream)s, gpu, cs->dtype, d, in[1], in[2], recv_x, recv_probs, in[3],
-                                     y, in[4], d_y_expert, in[5], in[6], d_x, d_topk_probs, env->where);
+    bool ok = gpu_dispatch_run_calls(ti, (moert_stream)s, gpu, cs->dtype, d, in[1], in[2], recv_x, recv_probs, in[3], y,
+                                     in[4], d_y_expert, in[5], in[6], d_x, d_topk_probs, env->where);
     if (ok) {
         gpu_test_download(s, o->recv_x, recv_x, (size_t)(cap + 2) * row);
         gpu_test_download(s, o->recv_probs, recv_probs, (size_t)cap * 4);
@@ -183,13 +182,13 @@ void gpu_dispatch_compare(const gpu_test_rank_env *env, const gpu_dispatch_case 
     pthread_mutex_unlock(&gpu_dispatch_table_lock);
     if (layout_diffs || disp || cb || dp || !(comb_err <= row->tol) || !(dx_err <= row->tol))
         gpu_test_failure("%s %s: layout %lld, dispatch %lld bytes differ, combine error %.3g, combine_backward %lld, "
-                         "d_x error %.3g, d_topk_probs %lld (tolerance %.3g)", env->where, cs->name,
-                         (long long)layout_diffs, (long long)disp, comb_err, (long long)cb, dx_err, (long long)dp,
-                         row->tol);
+                         "d_x error %.3g, d_topk_probs %lld (tolerance %.3g)",
+                         env->where, cs->name, (long long)layout_diffs, (long long)disp, comb_err, (long long)cb,
+                         dx_err, (long long)dp, row->tol);
 }
 
-void gpu_dispatch_run_case(const gpu_dispatch_plugin *plugin, const gpu_test_rank_env *env,
-                           const gpu_dispatch_case *cs, int ci, gpu_dispatch_row *row)
+void gpu_dispatch_run_case(const gpu_dispatch_plugin *plugin, const gpu_test_rank_env *env, const gpu_dispatch_case *cs,
+                           int ci, gpu_dispatch_row *row)
 {
     const int W = env->world, rank = env->rank;
     gpu_dispatch_step d;
@@ -214,12 +213,12 @@ void gpu_dispatch_run_case(const gpu_dispatch_plugin *plugin, const gpu_test_ran
 
     test_instance cpu, gpu;
     figure_sink figures = {.plugin = plugin};
-    moert_result rc = test_instance_open(&cpu, MOERT_KIND_DISPATCHER, plugin->name, options, &layer, env->comm, rank,
-                                         W);
+    moert_result rc =
+        test_instance_open(&cpu, MOERT_KIND_DISPATCHER, plugin->name, options, &layer, env->comm, rank, W);
     if (rc != MOERT_OK) gpu_test_failure("%s: CPU dispatcher: %s", where, moert_error_message());
-    moert_result rc2 = test_instance_open_metrics(&gpu, MOERT_KIND_DISPATCHER, plugin->name, options, &gpu_layer,
-                                                  env->comm, rank, W, env->pool, env->nccl, (moert_stream)env->stream,
-                                                  figure_metric, &figures);
+    moert_result rc2 =
+        test_instance_open_metrics(&gpu, MOERT_KIND_DISPATCHER, plugin->name, options, &gpu_layer, env->comm, rank, W,
+                                   env->pool, env->nccl, (moert_stream)env->stream, figure_metric, &figures);
     if (rc2 != MOERT_OK) gpu_test_failure("%s: CUDA dispatcher: %s", where, moert_error_message());
     if (rc != MOERT_OK || rc2 != MOERT_OK) {
         test_instance_close(&cpu);

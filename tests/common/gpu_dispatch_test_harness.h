@@ -122,8 +122,8 @@ void gpu_dispatch_compare(const gpu_test_rank_env *env, const gpu_dispatch_case 
                           const gpu_dispatch_step *g, gpu_dispatch_row *row);
 
 /* Case number ci on one rank: CPU once, CUDA twice, compared. Every rank makes the same collective calls in order. */
-void gpu_dispatch_run_case(const gpu_dispatch_plugin *plugin, const gpu_test_rank_env *env,
-                           const gpu_dispatch_case *cs, int ci, gpu_dispatch_row *row);
+void gpu_dispatch_run_case(const gpu_dispatch_plugin *plugin, const gpu_test_rank_env *env, const gpu_dispatch_case *cs,
+                           int ci, gpu_dispatch_row *row);
 
 /* Readies the rows of `count` cases in one world for gpu_dispatch_print_rows. */
 void gpu_dispatch_rows_init(gpu_dispatch_row *rows, int world, const gpu_dispatch_case *cases, int count);

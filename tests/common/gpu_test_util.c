@@ -59,10 +59,7 @@ int gpu_test_device_count(const char *test_name)
     return gpus;
 }
 
-moert_device gpu_test_rank_device(const gpu_test_rank_env *env)
-{
-    return (moert_device){MOERT_DEVICE_CUDA, env->rank};
-}
+moert_device gpu_test_rank_device(const gpu_test_rank_env *env) { return (moert_device){MOERT_DEVICE_CUDA, env->rank}; }
 
 /* What each rank thread of gpu_test_run_world gets. */
 typedef struct world_run {
@@ -102,8 +99,10 @@ void gpu_test_run_world(int world, double timeout_s, void (*rank_fn)(const gpu_t
     world_run w = {.world = world, .rank_fn = rank_fn, .user = user};
     moert_result rc = moert_comm_group_create(world, timeout_s, &w.comm);
     if (rc == MOERT_OK) rc = moert_nccl_group_create(world, timeout_s, &w.nccl_group);
-    if (rc != MOERT_OK) gpu_test_failure("world %d: creating the communicators: %s", world, moert_error_message());
-    else test_run_ranks(world, rank_main, &w);
+    if (rc != MOERT_OK)
+        gpu_test_failure("world %d: creating the communicators: %s", world, moert_error_message());
+    else
+        test_run_ranks(world, rank_main, &w);
     if (w.nccl_group) moert_nccl_group_free(w.nccl_group);
     if (w.comm) moert_comm_group_free(w.comm);
 }

@@ -24,13 +24,13 @@
 void gpu_test_die(void) __attribute__((noreturn));
 
 /* A CUDA call of the test's own scaffolding: a failure ends the test. */
-#define CK(call)                                                                                             \
-    do {                                                                                                     \
-        cudaError_t e_ = (call);                                                                             \
-        if (e_ != cudaSuccess) {                                                                             \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));    \
-            gpu_test_die();                                                                                  \
-        }                                                                                                    \
+#define CK(call)                                                                                                       \
+    do {                                                                                                               \
+        cudaError_t e_ = (call);                                                                                       \
+        if (e_ != cudaSuccess) {                                                                                       \
+            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));              \
+            gpu_test_die();                                                                                            \
+        }                                                                                                              \
     } while (0)
 
 /* ---- tests that call plugin CUDA code directly ---- */
@@ -53,8 +53,8 @@ static void gpu_test_set_error(const moert_host *h, const char *fmt, ...)
 }
 
 /* A host with messages only (no memory services: plugin code falls back to cudaMalloc). */
-static const moert_host gpu_test_host = {.struct_size = sizeof(moert_host), .log = gpu_test_log,
-                                         .set_error = gpu_test_set_error};
+static const moert_host gpu_test_host = {
+    .struct_size = sizeof(moert_host), .log = gpu_test_log, .set_error = gpu_test_set_error};
 
 /* Host -> device uploads that have landed when they return. A pageable cudaMemcpy (or a cudaMemset) may return
  * before the device has all of it, and the plugin code under test runs on non-blocking streams, which do not wait

@@ -24,9 +24,8 @@ static moert_result instance_init(test_instance *ti, const moert_layer_info *lay
     return moert_section_check_unknown(ti->section);
 }
 
-moert_result test_instance_open(test_instance *ti, moert_plugin_kind kind, const char *spec,
-                                const char *options_json, const moert_layer_info *layer, moert_comm_group *comm,
-                                int rank, int world)
+moert_result test_instance_open(test_instance *ti, moert_plugin_kind kind, const char *spec, const char *options_json,
+                                const moert_layer_info *layer, moert_comm_group *comm, int rank, int world)
 {
     return test_instance_open_cuda(ti, kind, spec, options_json, layer, comm, rank, world, NULL, NULL, NULL);
 }
@@ -41,10 +40,9 @@ moert_result test_instance_open_cuda(test_instance *ti, moert_plugin_kind kind, 
 }
 
 moert_result test_instance_open_metrics(test_instance *ti, moert_plugin_kind kind, const char *spec,
-                                        const char *options_json, const moert_layer_info *layer,
-                                        moert_comm_group *comm, int rank, int world, struct moert_cuda_pool *pool,
-                                        struct moert_nccl_comm *nccl, moert_stream stream, test_metric_fn metric,
-                                        void *metric_user)
+                                        const char *options_json, const moert_layer_info *layer, moert_comm_group *comm,
+                                        int rank, int world, struct moert_cuda_pool *pool, struct moert_nccl_comm *nccl,
+                                        moert_stream stream, test_metric_fn metric, void *metric_user)
 {
     memset(ti, 0, sizeof *ti);
     moert_result rc = moert_plugin_load(kind, spec, &ti->plugin);
@@ -54,10 +52,17 @@ moert_result test_instance_open_metrics(test_instance *ti, moert_plugin_kind kin
     if (!ti->options) return moert_error(MOERT_ERR_CONFIG, "test options: %s", jerr.text);
     ti->section = moert_section_create(ti->options, "$.test");
     moert_section_allow(ti->section, "plugin");
-    moert_host_setup setup = {
-        .who = spec, .options = ti->section, .comm = comm, .rank = rank, .world_size = world,
-        .device = layer->device, .metric = metric, .metric_user = metric_user, .cuda_pool = pool, .nccl = nccl,
-        .stream = stream};
+    moert_host_setup setup = {.who = spec,
+                              .options = ti->section,
+                              .comm = comm,
+                              .rank = rank,
+                              .world_size = world,
+                              .device = layer->device,
+                              .metric = metric,
+                              .metric_user = metric_user,
+                              .cuda_pool = pool,
+                              .nccl = nccl,
+                              .stream = stream};
     rc = moert_host_create(&setup, &ti->host);
     if (rc != MOERT_OK) return rc;
     return instance_init(ti, layer);
@@ -109,10 +114,17 @@ double test_uniform(uint64_t *state)
 moert_layer_info test_layer(int64_t hidden, int64_t ffn, int64_t experts, int64_t topk, int64_t tokens, int world,
                             int rank, moert_dtype dtype)
 {
-    moert_layer_info l = {
-        .struct_size = sizeof(moert_layer_info), .layer_index = 0, .num_layers = 1, .hidden = hidden,
-        .ffn_hidden = ffn, .num_experts = experts, .topk = topk, .num_local_experts = experts / world,
-        .first_local_expert = (experts / world) * rank, .max_tokens = tokens, .dtype = dtype,
-        .device = moert_cpu()};
+    moert_layer_info l = {.struct_size = sizeof(moert_layer_info),
+                          .layer_index = 0,
+                          .num_layers = 1,
+                          .hidden = hidden,
+                          .ffn_hidden = ffn,
+                          .num_experts = experts,
+                          .topk = topk,
+                          .num_local_experts = experts / world,
+                          .first_local_expert = (experts / world) * rank,
+                          .max_tokens = tokens,
+                          .dtype = dtype,
+                          .device = moert_cpu()};
     return l;
 }

@@ -19,51 +19,51 @@
 
 extern int test_failures;
 
-#define EXPECT(cond)                                                                                         \
-    do {                                                                                                     \
-        if (!(cond)) {                                                                                       \
-            fprintf(stderr, "%s:%d: expected %s\n", __FILE__, __LINE__, #cond);                              \
-            test_failures++;                                                                                 \
-        }                                                                                                    \
+#define EXPECT(cond)                                                                                                   \
+    do {                                                                                                               \
+        if (!(cond)) {                                                                                                 \
+            fprintf(stderr, "%s:%d: expected %s\n", __FILE__, __LINE__, #cond);                                        \
+            test_failures++;                                                                                           \
+        }                                                                                                              \
     } while (0)
 
-#define EXPECT_EQ_INT(a, b)                                                                                  \
-    do {                                                                                                     \
-        long long _a = (long long)(a), _b = (long long)(b);                                                  \
-        if (_a != _b) {                                                                                      \
-            fprintf(stderr, "%s:%d: %s == %lld, expected %s == %lld\n", __FILE__, __LINE__, #a, _a, #b, _b); \
-            test_failures++;                                                                                 \
-        }                                                                                                    \
+#define EXPECT_EQ_INT(a, b)                                                                                            \
+    do {                                                                                                               \
+        long long _a = (long long)(a), _b = (long long)(b);                                                            \
+        if (_a != _b) {                                                                                                \
+            fprintf(stderr, "%s:%d: %s == %lld, expected %s == %lld\n", __FILE__, __LINE__, #a, _a, #b, _b);           \
+            test_failures++;                                                                                           \
+        }                                                                                                              \
     } while (0)
 
 /* |a-b| <= atol + rtol*|b| */
-#define EXPECT_NEAR(a, b, atol, rtol)                                                                        \
-    do {                                                                                                     \
-        double _a = (double)(a), _b = (double)(b);                                                           \
-        if (!(fabs(_a - _b) <= (atol) + (rtol) * fabs(_b))) {                                                \
-            fprintf(stderr, "%s:%d: %s = %.10g, expected %.10g (%s)\n", __FILE__, __LINE__, #a, _a, _b, #b); \
-            test_failures++;                                                                                 \
-        }                                                                                                    \
+#define EXPECT_NEAR(a, b, atol, rtol)                                                                                  \
+    do {                                                                                                               \
+        double _a = (double)(a), _b = (double)(b);                                                                     \
+        if (!(fabs(_a - _b) <= (atol) + (rtol)*fabs(_b))) {                                                            \
+            fprintf(stderr, "%s:%d: %s = %.10g, expected %.10g (%s)\n", __FILE__, __LINE__, #a, _a, _b, #b);           \
+            test_failures++;                                                                                           \
+        }                                                                                                              \
     } while (0)
 
 /* A moert call that must succeed; prints the error message otherwise. */
-#define EXPECT_OK(call)                                                                                      \
-    do {                                                                                                     \
-        moert_result _r = (call);                                                                            \
-        if (_r != MOERT_OK) {                                                                                \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, moert_error_message());     \
-            test_failures++;                                                                                 \
-        }                                                                                                    \
+#define EXPECT_OK(call)                                                                                                \
+    do {                                                                                                               \
+        moert_result _r = (call);                                                                                      \
+        if (_r != MOERT_OK) {                                                                                          \
+            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, moert_error_message());               \
+            test_failures++;                                                                                           \
+        }                                                                                                              \
     } while (0)
 
 /* The last error message must contain `needle`. */
-#define EXPECT_ERROR_CONTAINS(needle)                                                                        \
-    do {                                                                                                     \
-        const char *_m = moert_error_message();                                                              \
-        if (!strstr(_m, (needle))) {                                                                         \
-            fprintf(stderr, "%s:%d: error message \"%s\" lacks \"%s\"\n", __FILE__, __LINE__, _m, (needle));  \
-            test_failures++;                                                                                 \
-        }                                                                                                    \
+#define EXPECT_ERROR_CONTAINS(needle)                                                                                  \
+    do {                                                                                                               \
+        const char *_m = moert_error_message();                                                                        \
+        if (!strstr(_m, (needle))) {                                                                                   \
+            fprintf(stderr, "%s:%d: error message \"%s\" lacks \"%s\"\n", __FILE__, __LINE__, _m, (needle));           \
+            test_failures++;                                                                                           \
+        }                                                                                                              \
     } while (0)
 
 /* Ends a test: 0 if nothing failed. */
@@ -79,9 +79,8 @@ typedef struct test_instance {
 } test_instance;
 
 /* Loads plugin `spec` of `kind`, builds its host (comm may be NULL for one rank) and calls init. */
-moert_result test_instance_open(test_instance *ti, moert_plugin_kind kind, const char *spec,
-                                const char *options_json, const moert_layer_info *layer, moert_comm_group *comm,
-                                int rank, int world);
+moert_result test_instance_open(test_instance *ti, moert_plugin_kind kind, const char *spec, const char *options_json,
+                                const moert_layer_info *layer, moert_comm_group *comm, int rank, int world);
 /* The same on a CUDA rank: the host gets the rank's memory pool, NCCL communicator (may be NULL for a world
  * of one) and stream, as the runtime's rank_init gives them (core/src/host.h). No CUDA header needed. */
 moert_result test_instance_open_cuda(test_instance *ti, moert_plugin_kind kind, const char *spec,
@@ -93,10 +92,9 @@ typedef void (*test_metric_fn)(void *user, const char *name, double value, const
 /* test_instance_open_cuda (pool, nccl and stream may be NULL on the CPU) with the host's figures handed to
  * metric(metric_user, ...), so a test can check what a plugin reports. */
 moert_result test_instance_open_metrics(test_instance *ti, moert_plugin_kind kind, const char *spec,
-                                        const char *options_json, const moert_layer_info *layer,
-                                        moert_comm_group *comm, int rank, int world, struct moert_cuda_pool *pool,
-                                        struct moert_nccl_comm *nccl, moert_stream stream, test_metric_fn metric,
-                                        void *metric_user);
+                                        const char *options_json, const moert_layer_info *layer, moert_comm_group *comm,
+                                        int rank, int world, struct moert_cuda_pool *pool, struct moert_nccl_comm *nccl,
+                                        moert_stream stream, test_metric_fn metric, void *metric_user);
 void test_instance_close(test_instance *ti);
 
 /* Runs fn(rank, user) on `world` threads and waits for them. */

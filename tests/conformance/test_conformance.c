@@ -135,8 +135,8 @@ static void world_rank(int rank, void *user)
 {
     world_run *run = user;
     moert_section *sec = moert_section_create(NULL, "$.plugin");
-    moert_host_setup setup = {.who = "conformance", .options = sec, .comm = run->group, .rank = rank,
-                              .world_size = 2, .device = moert_cpu()};
+    moert_host_setup setup = {
+        .who = "conformance", .options = sec, .comm = run->group, .rank = rank, .world_size = 2, .device = moert_cpu()};
     moert_host *host = NULL;
     void *ctx = NULL;
     moert_layer_info layer = test_layer(64, 128, 8, 2, 256, 2, rank, MOERT_F32);

@@ -40,8 +40,10 @@ static void read_section(json_t *root, const char *key)
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
-    static const char *const keys[] = {"model.hidden", "model.num_experts", "parallel.timeout_s",
-                                       "train.tokens_per_rank", "router.plugin", "model", "train.lr", "x.y.z"};
+    static const char *const keys[] = {"model.hidden",       "model.num_experts",
+                                       "parallel.timeout_s", "train.tokens_per_rank",
+                                       "router.plugin",      "model",
+                                       "train.lr",           "x.y.z"};
     char *text = malloc(size + 1);
     if (!text) return 0;
     memcpy(text, data, size);

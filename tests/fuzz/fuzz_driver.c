@@ -24,7 +24,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 void __sanitizer_set_death_callback(void (*callback)(void)) __attribute__((weak));
 
 #define FUZZ_MAX_INPUT 65536
-#define MAX_SEEDS 256
+#define MAX_SEEDS      256
 
 static uint8_t current[FUZZ_MAX_INPUT];
 static size_t current_size;
@@ -110,11 +110,48 @@ static uint64_t next_random(void)
 
 /* Tokens that reach the checks: structure, keys of the core's sections, extreme and odd numbers. */
 static const char *const tokens[] = {
-    "{", "}", "[", "]", "\"", ",", ":", "null", "true", "false", "0", "-1", "1e308", "-1e308", "1e19", "0.5",
-    "9223372036854775807", "-9223372036854775808", "18446744073709551616", "2305843009213693953", "268435456",
-    "65536", "16777216", "\"hidden\":", "\"ffn_hidden\":", "\"num_experts\":", "\"topk\":", "\"num_layers\":",
-    "\"ranks\":", "\"timeout_s\":", "\"tokens_per_rank\":", "\"micro_batches\":", "\"plugin\":", "\"model\":",
-    "\"parallel\":", "\"train\":", "\"router\":", "\\u0000", "\\ud800", "\"a\":1,\"a\":2", "NaN", "Infinity",
+    "{",
+    "}",
+    "[",
+    "]",
+    "\"",
+    ",",
+    ":",
+    "null",
+    "true",
+    "false",
+    "0",
+    "-1",
+    "1e308",
+    "-1e308",
+    "1e19",
+    "0.5",
+    "9223372036854775807",
+    "-9223372036854775808",
+    "18446744073709551616",
+    "2305843009213693953",
+    "268435456",
+    "65536",
+    "16777216",
+    "\"hidden\":",
+    "\"ffn_hidden\":",
+    "\"num_experts\":",
+    "\"topk\":",
+    "\"num_layers\":",
+    "\"ranks\":",
+    "\"timeout_s\":",
+    "\"tokens_per_rank\":",
+    "\"micro_batches\":",
+    "\"plugin\":",
+    "\"model\":",
+    "\"parallel\":",
+    "\"train\":",
+    "\"router\":",
+    "\\u0000",
+    "\\ud800",
+    "\"a\":1,\"a\":2",
+    "NaN",
+    "Infinity",
 };
 
 /* One mutation of buf (size in *n, room for FUZZ_MAX_INPUT). */

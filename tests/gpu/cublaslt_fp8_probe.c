@@ -30,25 +30,28 @@
 #define WS_BYTES ((size_t)32 << 20)
 
 /* A CUDA or cuBLASLt call of the probe's own scaffolding: a failure ends the probe. */
-#define CK(call)                                                                                             \
-    do {                                                                                                     \
-        cudaError_t e_ = (call);                                                                             \
-        if (e_ != cudaSuccess) {                                                                             \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));    \
-            exit(1);                                                                                         \
-        }                                                                                                    \
+#define CK(call)                                                                                                       \
+    do {                                                                                                               \
+        cudaError_t e_ = (call);                                                                                       \
+        if (e_ != cudaSuccess) {                                                                                       \
+            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));              \
+            exit(1);                                                                                                   \
+        }                                                                                                              \
     } while (0)
-#define LT(call)                                                                                             \
-    do {                                                                                                     \
-        cublasStatus_t s_ = (call);                                                                          \
-        if (s_ != CUBLAS_STATUS_SUCCESS) {                                                                   \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cublasLtGetStatusString(s_)); \
-            exit(1);                                                                                         \
-        }                                                                                                    \
+#define LT(call)                                                                                                       \
+    do {                                                                                                               \
+        cublasStatus_t s_ = (call);                                                                                    \
+        if (s_ != CUBLAS_STATUS_SUCCESS) {                                                                             \
+            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cublasLtGetStatusString(s_));         \
+            exit(1);                                                                                                   \
+        }                                                                                                              \
     } while (0)
 
-enum { M_SCALAR = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, M_VEC = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F,
-       M_BLK = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F };
+enum {
+    M_SCALAR = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F,
+    M_VEC = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F,
+    M_BLK = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
+};
 
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static int64_t rup(int64_t a, int64_t b) { return cdiv(a, b) * b; }
@@ -272,24 +275,27 @@ int main(int argc, char **argv)
     CK(cudaStreamCreate(&stream));
 
     /* part 1: the heuristic over a grid. Orders: the "weight" (X = wdim rows) and the "activation" (X = rows). */
-    static const struct { int a_mode, b_mode; const char *name; } orders[] = {
+    static const struct {
+        int a_mode, b_mode;
+        const char *name;
+    } orders[] = {
         {M_BLK, M_VEC, "A=weight blk128x128, B=act vec128"},
         {M_VEC, M_BLK, "A=act vec128, B=weight blk128x128"},
         {M_VEC, M_VEC, "A vec128, B vec128"},
         {M_SCALAR, M_SCALAR, "A scalar, B scalar"},
     };
-    static const int64_t shapes[][3] = {{256, 512, 256}, {256, 37, 256}, {4096, 743, 7168}, {7168, 512, 2048},
-                                        {256, 144, 256}, {4096, 768, 7168}};
+    static const int64_t shapes[][3] = {{256, 512, 256},   {256, 37, 256},  {4096, 743, 7168},
+                                        {7168, 512, 2048}, {256, 144, 256}, {4096, 768, 7168}};
     /* short: the plugin's padded shapes ({weight rows, activation rows, k}); for A vec128 x B vec128 (WGRAD) the
      * activation rows are the reduction k (the last two) */
-    static const int64_t short_shapes[][3] = {{256, 37, 256}, {256, 48, 256}, {4096, 743, 7168}, {4096, 752, 7168},
-                                              {7168, 2048, 144}, {7168, 2048, 752}};
+    static const int64_t short_shapes[][3] = {{256, 37, 256},    {256, 48, 256},    {4096, 743, 7168},
+                                              {4096, 752, 7168}, {7168, 2048, 144}, {7168, 2048, 752}};
     const int shape_count = 6; /* either list */
     int total[4] = {0}, ok[4] = {0};
-    printf("\n%-36s %-10s %-5s %-5s %-4s %-5s %-4s %6s %6s %6s  %s\n", "order", "types", "D", "fast", "ws", "Dord",
-           "", "m", "n", "k", "result");
+    printf("\n%-36s %-10s %-5s %-5s %-4s %-5s %-4s %6s %6s %6s  %s\n", "order", "types", "D", "fast", "ws", "Dord", "",
+           "m", "n", "k", "result");
     for (int o = 0; o < 4; o++)
-        for (int t = 0; t < 2; t++)                 /* activation e4m3 / e5m2 */
+        for (int t = 0; t < 2; t++) /* activation e4m3 / e5m2 */
             for (int s = 0; s < shape_count; s++)
                 for (int wdims = 0; wdims < 2; wdims++) /* weight rows as given, or swapped with the rows */
                     for (int dt = 0; dt < 2; dt++)
@@ -299,8 +305,8 @@ int main(int argc, char **argv)
                                     /* keep the grid readable: vary one of fast / ws / D order at a time */
                                     if ((fast != 0) + (ws != 1) + (dro != 0) > 1) continue;
                                     /* short: the plugin's settings, its shapes (k for WGRAD only), no scalar order */
-                                    if (short_run && (fast != 0 || ws != 1 || dro != 0 || wdims || o == 3 ||
-                                                      (o == 2) != (s >= 4)))
+                                    if (short_run &&
+                                        (fast != 0 || ws != 1 || dro != 0 || wdims || o == 3 || (o == 2) != (s >= 4)))
                                         continue;
                                     variant v;
                                     memset(&v, 0, sizeof v);
@@ -324,9 +330,11 @@ int main(int argc, char **argv)
                                     snprintf(types, sizeof types, "%sx%s", type_str(v.a_type), type_str(v.b_type));
                                     printf("%-36s %-10s %-5s %-5s %-4s %-5s %-4s %6lld %6lld %6lld  %s%s%s\n",
                                            orders[o].name, types, type_str(v.d_type),
-                                           fast < 0 ? "unset" : fast ? "1" : "0", ws ? "32M" : "0",
-                                           dro ? "row" : "col", "", (long long)v.m, (long long)v.n, (long long)v.k,
-                                           acc ? "ACCEPTED" : "refused",
+                                           fast < 0 ? "unset"
+                                           : fast   ? "1"
+                                                    : "0",
+                                           ws ? "32M" : "0", dro ? "row" : "col", "", (long long)v.m, (long long)v.n,
+                                           (long long)v.k, acc ? "ACCEPTED" : "refused",
                                            st != CUBLAS_STATUS_SUCCESS ? " status " : "",
                                            st != CUBLAS_STATUS_SUCCESS ? cublasLtGetStatusString(st) : "");
                                 }

@@ -23,36 +23,30 @@
 static int failures = 0;
 static int my_rank = -1;
 
-#define CHECK(cond)                                                                                          \
-    do {                                                                                                     \
-        if (!(cond)) {                                                                                       \
-            fprintf(stderr, "rank %d: %s:%d: expected %s\n", my_rank, __FILE__, __LINE__, #cond);            \
-            failures++;                                                                                      \
-        }                                                                                                    \
+#define CHECK(cond)                                                                                                    \
+    do {                                                                                                               \
+        if (!(cond)) {                                                                                                 \
+            fprintf(stderr, "rank %d: %s:%d: expected %s\n", my_rank, __FILE__, __LINE__, #cond);                      \
+            failures++;                                                                                                \
+        }                                                                                                              \
     } while (0)
 
 /* A moert call that must succeed; the run stops at the first failure (later steps depend on it). */
-#define MUST(call)                                                                                           \
-    do {                                                                                                     \
-        moert_result _r = (call);                                                                            \
-        if (_r != MOERT_OK) {                                                                                \
-            fprintf(stderr, "rank %d: %s failed (%s): %s\n", my_rank, #call, moert_result_name(_r),          \
-                    moert_error_message());                                                                  \
-            failures++;                                                                                      \
-            goto exit;                                                                                       \
-        }                                                                                                    \
+#define MUST(call)                                                                                                     \
+    do {                                                                                                               \
+        moert_result _r = (call);                                                                                      \
+        if (_r != MOERT_OK) {                                                                                          \
+            fprintf(stderr, "rank %d: %s failed (%s): %s\n", my_rank, #call, moert_result_name(_r),                    \
+                    moert_error_message());                                                                            \
+            failures++;                                                                                                \
+            goto exit;                                                                                                 \
+        }                                                                                                              \
     } while (0)
 
 /* Elements rank `from` sends to rank `to`: uneven, zero for some pairs. */
-static size_t a2a_count(int from, int to)
-{
-    return (size_t)(((from * 7 + to * 3) % 5) * 777 + (from == to ? 3 : 0));
-}
+static size_t a2a_count(int from, int to) { return (size_t)(((from * 7 + to * 3) % 5) * 777 + (from == to ? 3 : 0)); }
 
-static int32_t a2a_value(int from, int to, size_t j)
-{
-    return (int32_t)(from * 10000000 + to * 100000 + (int)j);
-}
+static int32_t a2a_value(int from, int to, size_t j) { return (int32_t)(from * 10000000 + to * 100000 + (int)j); }
 
 /* Binds port 0 and prints the port the kernel chose. */
 static int print_free_port(void)
@@ -63,7 +57,8 @@ static int print_free_port(void)
     sa.sin_family = AF_INET;
     sa.sin_addr.s_addr = htonl(INADDR_ANY);
     socklen_t len = sizeof sa;
-    if (fd < 0 || bind(fd, (struct sockaddr *)&sa, sizeof sa) != 0 || getsockname(fd, (struct sockaddr *)&sa, &len) != 0) {
+    if (fd < 0 || bind(fd, (struct sockaddr *)&sa, sizeof sa) != 0 ||
+        getsockname(fd, (struct sockaddr *)&sa, &len) != 0) {
         perror("free port");
         return 1;
     }

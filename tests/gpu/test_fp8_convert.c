@@ -31,8 +31,8 @@ int main(void)
             uint8_t mine = fp8_from_float(moert_bf16_to_float((uint16_t)i), formats[f]);
             if (mine != cuda[f][i]) {
                 if (mismatches < 8)
-                    fprintf(stderr, "%s: bf16 0x%04x (%g): moert 0x%02x, CUDA 0x%02x\n", fp8_format_name(formats[f]),
-                            i, (double)moert_bf16_to_float((uint16_t)i), mine, cuda[f][i]);
+                    fprintf(stderr, "%s: bf16 0x%04x (%g): moert 0x%02x, CUDA 0x%02x\n", fp8_format_name(formats[f]), i,
+                            (double)moert_bf16_to_float((uint16_t)i), mine, cuda[f][i]);
                 mismatches++;
             }
         }

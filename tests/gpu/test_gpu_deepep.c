@@ -29,8 +29,8 @@ int main(void)
 #include "gpu_dispatch_test_harness.h"
 
 #define DISPATCHER "deepep"
-#define TIMEOUT_S 20.0          /* the rank threads' communicators */
-#define MAX_WORLD 4
+#define TIMEOUT_S  20.0 /* the rank threads' communicators */
+#define MAX_WORLD  4
 
 /* ---- cases ---- */
 
@@ -45,7 +45,7 @@ static const gpu_dispatch_case cases[] = {
     {"deepseek shape fp8 8 SMs", MOERT_BF16, 7168, 256, 8, 256, 0.0, 0.05, false, false, false,
      "{\"num_sms\": 8, \"dispatch_dtype\": \"fp8\"}"},
 };
-#define CASES ((int)(sizeof cases / sizeof cases[0]))
+#define CASES      ((int)(sizeof cases / sizeof cases[0]))
 
 #define WORLDS 4 /* 1, 2, 4 and 8 GPUs, as many as the machine has */
 static gpu_dispatch_row table[WORLDS * CASES];

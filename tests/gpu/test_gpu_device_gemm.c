@@ -40,14 +40,13 @@ int main(void)
 #include "grouped_gemm_cpu.h"
 #include "precision_bf16_cuda.h"
 
-#define MAX_E 16
+#define MAX_E    16
 #define PAD_ROWS 5    /* rows past the counts: NaN inputs, outputs never written */
-#define TOL 1e-3      /* fp32 outputs: accumulation order only */
+#define TOL      1e-3 /* fp32 outputs: accumulation order only */
 #define TOL_BF16 4e-3 /* bf16 outputs: one bf16 rounding (2^-8) apart at most, see test_gpu_fp8.c */
 #define BF16_NAN 0x7fc0
 
 static const char *const pass_names[3] = {"forward", "dgrad", "wgrad"};
-
 
 /* ---- the result table ---- */
 
@@ -123,13 +122,13 @@ static int64_t bytes_not(const void *p, size_t from, size_t to, unsigned char by
 /* The operands of one call: bf16 activations (rows past the counts NaN), bf16 weights, an fp32 gradient with old values. */
 typedef struct problem {
     int E;
-    int64_t K, N, cap;              /* cap: rows of the activations */
-    int64_t counts[MAX_E];          /* what the device gets */
-    int64_t eff[MAX_E];             /* the rows each expert really has (counts clamped to cap) */
-    int64_t total;                  /* sum of eff */
-    uint16_t *input, *grad_output;  /* [cap, K], [cap, N] */
-    uint16_t *weight;               /* [E, K, N] */
-    float *grad_weight;             /* [E, K, N] old values */
+    int64_t K, N, cap;             /* cap: rows of the activations */
+    int64_t counts[MAX_E];         /* what the device gets */
+    int64_t eff[MAX_E];            /* the rows each expert really has (counts clamped to cap) */
+    int64_t total;                 /* sum of eff */
+    uint16_t *input, *grad_output; /* [cap, K], [cap, N] */
+    uint16_t *weight;              /* [E, K, N] */
+    float *grad_weight;            /* [E, K, N] old values */
     void *d_input, *d_grad_output, *d_weight, *d_counts;
 } problem;
 
@@ -209,9 +208,16 @@ static void *cpu_pass(const problem *p, int pass, bool overwrite, bool bf16_grad
     void *out = out_initial(p, pass, bf16_grad);
     moert_tensor tout = moert_tensor_2d(out, moert_cpu(), MOERT_BF16, p->cap, pass == MOERT_GEMM_FORWARD ? N : K);
     moert_tensor tgw = moert_tensor_3d(out, moert_cpu(), bf16_grad ? MOERT_BF16 : MOERT_F32, p->E, K, N);
-    moert_grouped_gemm_args a = {.struct_size = sizeof a, .which = MOERT_GEMM_FC1, .pass = (moert_gemm_pass)pass,
-                                 .tokens_per_expert_host = p->eff, .input = &tin, .weight = &tw, .grad_output = &tgo,
-                                 .output = &tout, .grad_input = &tout, .grad_weight = &tgw,
+    moert_grouped_gemm_args a = {.struct_size = sizeof a,
+                                 .which = MOERT_GEMM_FC1,
+                                 .pass = (moert_gemm_pass)pass,
+                                 .tokens_per_expert_host = p->eff,
+                                 .input = &tin,
+                                 .weight = &tw,
+                                 .grad_output = &tgo,
+                                 .output = &tout,
+                                 .grad_input = &tout,
+                                 .grad_weight = &tgw,
                                  .overwrite_grad_weight = overwrite};
     const bf16_gemm_shape shape = {p->E, K, N, p->eff};
     bf16_scratch scratch = {0};
@@ -270,8 +276,10 @@ static void compare(const char *what, const problem *p, int pass, bool overwrite
             if (p->eff[e]) continue;
             const unsigned char *g = (const unsigned char *)got + (size_t)(e * slice) * es;
             const unsigned char *w = (const unsigned char *)want + (size_t)(e * slice) * es;
-            if (overwrite) diffs += bytes_not(g, 0, (size_t)slice * es, 0);
-            else diffs += memcmp(g, w, (size_t)slice * es) != 0 ? 1 : 0;
+            if (overwrite)
+                diffs += bytes_not(g, 0, (size_t)slice * es, 0);
+            else
+                diffs += memcmp(g, w, (size_t)slice * es) != 0 ? 1 : 0;
         }
     } else {
         const int64_t cols = pass == MOERT_GEMM_FORWARD ? p->N : p->K;
@@ -346,7 +354,8 @@ static double dot(const problem *p, int pass, int e, int64_t r0, int64_t i, int6
     const uint16_t *w = p->weight + (size_t)e * K * N;
     double s = 0;
     if (pass == MOERT_GEMM_FORWARD) /* out[i][j] = sum_k in[i][k] W[k][j] */
-        for (int64_t k = 0; k < K; k++) s += (double)moert_bf16_to_float(p->input[i * K + k]) * moert_bf16_to_float(w[k * N + j]);
+        for (int64_t k = 0; k < K; k++)
+            s += (double)moert_bf16_to_float(p->input[i * K + k]) * moert_bf16_to_float(w[k * N + j]);
     else if (pass == MOERT_GEMM_DGRAD) /* din[i][j] = sum_n dout[i][n] W[j][n] */
         for (int64_t n = 0; n < N; n++)
             s += (double)moert_bf16_to_float(p->grad_output[i * N + n]) * moert_bf16_to_float(w[j * N + n]);
@@ -381,10 +390,19 @@ static void run_big(cudaStream_t stream)
         /* cuBLASLt on the same operands (WGRAD overwriting an fp32 gradient) */
         void *want = out_initial(&p, pass, false);
         void *d_ref = gpu_upload_new(want, bytes);
-        moert_bf16_cuda_gemm gm = {.pass = (moert_gemm_pass)pass, .dtype = MOERT_BF16, .num_experts = E,
-                                   .rows_per_expert = p.eff, .k_in = K, .n_out = N, .input = p.d_input,
-                                   .weight = p.d_weight, .grad_output = p.d_grad_output, .output = d_ref,
-                                   .grad_input = d_ref, .grad_weight = d_ref, .accumulate = 0,
+        moert_bf16_cuda_gemm gm = {.pass = (moert_gemm_pass)pass,
+                                   .dtype = MOERT_BF16,
+                                   .num_experts = E,
+                                   .rows_per_expert = p.eff,
+                                   .k_in = K,
+                                   .n_out = N,
+                                   .input = p.d_input,
+                                   .weight = p.d_weight,
+                                   .grad_output = p.d_grad_output,
+                                   .output = d_ref,
+                                   .grad_input = d_ref,
+                                   .grad_weight = d_ref,
+                                   .accumulate = 0,
                                    .output_fp32 = pass == MOERT_GEMM_WGRAD};
         if (moert_bf16_cuda_grouped_gemm(lt, stream, &gm) != MOERT_OK) {
             fprintf(stderr, "cuBLASLt %s: %s\n", pass_names[pass], gpu_test_error);
@@ -544,8 +562,10 @@ static void *plugin_pass(test_instance *ti, bool on_gpu, cudaStream_t stream, co
     const int64_t cols = pass == MOERT_GEMM_FORWARD ? N : K;
     const size_t out_b = pass == MOERT_GEMM_WGRAD ? w_b : (size_t)(p->cap * cols) * 2;
     void *out = xalloc(out_b);
-    if (pass == MOERT_GEMM_WGRAD) memcpy(out, p->grad_weight, w_b);
-    else memset(out, 0xFF, out_b);
+    if (pass == MOERT_GEMM_WGRAD)
+        memcpy(out, p->grad_weight, w_b);
+    else
+        memset(out, 0xFF, out_b);
     void *input = on_gpu ? p->d_input : p->input;
     void *grad_output = on_gpu ? p->d_grad_output : p->grad_output;
     void *w = on_gpu ? dev_weight : (void *)weight;
@@ -557,8 +577,11 @@ static void *plugin_pass(test_instance *ti, bool on_gpu, cudaStream_t stream, co
     moert_tensor tc = moert_tensor_1d(counts, dev, MOERT_I64, PE);
     moert_tensor tout = moert_tensor_2d(result, dev, MOERT_BF16, p->cap, cols);
     moert_tensor tgw = moert_tensor_3d(result, dev, MOERT_F32, PE, K, N);
-    moert_grouped_gemm_args a = {.struct_size = sizeof a, .which = which, .pass = (moert_gemm_pass)pass,
-                                 .tokens_per_expert = &tc, .tokens_per_expert_host = on_gpu ? NULL : p->counts,
+    moert_grouped_gemm_args a = {.struct_size = sizeof a,
+                                 .which = which,
+                                 .pass = (moert_gemm_pass)pass,
+                                 .tokens_per_expert = &tc,
+                                 .tokens_per_expert_host = on_gpu ? NULL : p->counts,
                                  .overwrite_grad_weight = overwrite};
     switch (pass) {
     case MOERT_GEMM_FORWARD: a.input = &tin, a.weight = &tw, a.output = &tout; break;
@@ -619,7 +642,10 @@ static void run_plugin(moert_cuda_pool *pool, cudaStream_t stream)
     const uint32_t flags = moert_host_instance_flags(gpu.host, gpu.plugin.header->flags);
     record("plugin kernel: flags capturable, overwrite, no host sync",
            (flags & MOERT_CAP_GRAPH_CAPTURABLE) && (flags & MOERT_CAP_WGRAD_OVERWRITE) &&
-                   !(flags & MOERT_CAP_NEEDS_HOST_SYNC) ? 0 : 1, 0, 0);
+                   !(flags & MOERT_CAP_NEEDS_HOST_SYNC)
+               ? 0
+               : 1,
+           0, 0);
     const int64_t counts[PE] = {90, 0, 37, 129};
     for (int w = 0; w < 2; w++) {
         const int64_t K = w == 0 ? H : F, N = w == 0 ? 2 * F : H;
@@ -634,14 +660,17 @@ static void run_plugin(moert_cuda_pool *pool, cudaStream_t stream)
         for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) {
             const int pass = runs[i][0];
             const bool overwrite = runs[i][1], capture = runs[i][2];
-            void *want = plugin_pass(&cpu, false, stream, &p, weight, NULL, (moert_gemm_weight)w, pass, overwrite, false);
-            void *got = plugin_pass(&gpu, true, stream, &p, weight, d_weight, (moert_gemm_weight)w, pass, overwrite,
-                                    capture);
+            void *want =
+                plugin_pass(&cpu, false, stream, &p, weight, NULL, (moert_gemm_weight)w, pass, overwrite, false);
+            void *got =
+                plugin_pass(&gpu, true, stream, &p, weight, d_weight, (moert_gemm_weight)w, pass, overwrite, capture);
             char what[80];
             snprintf(what, sizeof what, "plugin kernel fc%d %s%s%s (device counts)", w + 1, pass_names[pass],
                      pass == 2 ? (overwrite ? " overwrite" : " accumulate") : "", capture ? " captured" : "");
-            if (got && want) compare(what, &p, pass, overwrite, false, got, want);
-            else record(what, INFINITY, 0, 0);
+            if (got && want)
+                compare(what, &p, pass, overwrite, false, got, want);
+            else
+                record(what, INFINITY, 0, 0);
             free(got), free(want);
         }
         free(weight);
@@ -661,11 +690,11 @@ static void run_refusals(moert_cuda_pool *pool, cudaStream_t stream)
         const char *options;
         moert_result code;
         const char *needle, *path; /* the option's path: the plugin names $.precision, the test's host $.test */
-    } cases[] = {{256, 128, MOERT_F32, "{\"gemm\": \"kernel\"}", MOERT_ERR_UNSUPPORTED, "needs bf16 storage",
-                  "$.precision.gemm"},
-                 {260, 128, MOERT_BF16, "{\"gemm\": \"kernel\"}", MOERT_ERR_UNSUPPORTED, "multiples of 8",
-                  "$.precision.gemm"},
-                 {256, 128, MOERT_BF16, "{\"gemm\": \"fast\"}", MOERT_ERR_CONFIG, "kernel", "$.test.gemm"}};
+    } cases[] = {
+        {256, 128, MOERT_F32, "{\"gemm\": \"kernel\"}", MOERT_ERR_UNSUPPORTED, "needs bf16 storage",
+         "$.precision.gemm"},
+        {260, 128, MOERT_BF16, "{\"gemm\": \"kernel\"}", MOERT_ERR_UNSUPPORTED, "multiples of 8", "$.precision.gemm"},
+        {256, 128, MOERT_BF16, "{\"gemm\": \"fast\"}", MOERT_ERR_CONFIG, "kernel", "$.test.gemm"}};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         moert_layer_info layer = test_layer(cases[i].hidden, cases[i].ffn, PE, 2, 64, 1, 0, cases[i].dtype);
         layer.device = (moert_device){MOERT_DEVICE_CUDA, 0};
@@ -717,9 +746,8 @@ int main(void)
         {"E16 K192 N64 odd", 16, 192, 64, {1, 3, 0, 5, 7, 9, 11, 13, 15, 17, 0, 19, 21, 23, 127, 129}, 0},
     };
     /* every case on mma.sync with both tile widths, and on the wgmma engine where the GPU has it (sm_90) */
-    static const int configs[][2] = {{128, BF16_DEVICE_GEMM_ENGINE_MMA},
-                                     {256, BF16_DEVICE_GEMM_ENGINE_MMA},
-                                     {0, BF16_DEVICE_GEMM_ENGINE_WGMMA}};
+    static const int configs[][2] = {
+        {128, BF16_DEVICE_GEMM_ENGINE_MMA}, {256, BF16_DEVICE_GEMM_ENGINE_MMA}, {0, BF16_DEVICE_GEMM_ENGINE_WGMMA}};
     const bool hopper = prop.major == 9 && prop.minor == 0;
     for (size_t c = 0; c < sizeof configs / sizeof configs[0]; c++) {
         tile_n = configs[c][0], engine = configs[c][1];

@@ -41,9 +41,9 @@ int main(void)
 #include "precision_fp8_cpu.h"
 #include "precision_fp8_cuda.h"
 
-#define EXPERTS 4
-#define PAD_ROWS 3 /* rows past the counts: never read, never written */
-#define TOL 1e-3     /* fp32 outputs (dW accumulated in fp32): accumulation order only */
+#define EXPERTS  4
+#define PAD_ROWS 3    /* rows past the counts: never read, never written */
+#define TOL      1e-3 /* fp32 outputs (dW accumulated in fp32): accumulation order only */
 /* bf16 outputs: the GPU and the CPU accumulate the same FP8 products in fp32 in a different order, then both round
  * to bf16. An element whose fp32 sum lies near a bf16 rounding boundary can land one bf16 ulp apart, which is up to
  * 2^-8 = 3.9e-3 of its magnitude; so the relative Frobenius error is bounded by about 2^-8 (all elements flipped)
@@ -52,7 +52,6 @@ int main(void)
 
 /* The tolerance of an output of dtype dt (see TOL, TOL_BF16). */
 static double tol_for(moert_dtype dt) { return dt == MOERT_BF16 ? TOL_BF16 : TOL; }
-
 
 /* ---- the result table ---- */
 
@@ -138,7 +137,8 @@ static void data_make(gemm_data *d, int64_t K, int64_t N, const int64_t *counts,
     for (int e = 0; e < EXPERTS; e++)
         for (int64_t r = 0; r < counts[e]; r++, row++) {
             const double s = ldexp(1.0, e - 1) * (r == 2 ? 40.0 : 1.0);
-            for (int64_t k = 0; k < K; k++) d->input[row * K + k] = moert_bf16_from_float((float)(s * test_uniform(rng)));
+            for (int64_t k = 0; k < K; k++)
+                d->input[row * K + k] = moert_bf16_from_float((float)(s * test_uniform(rng)));
             for (int64_t n = 0; n < N; n++)
                 d->grad_output[row * N + n] = moert_bf16_from_float((float)(1e-3 * s * test_uniform(rng)));
         }
@@ -150,10 +150,7 @@ static void data_make(gemm_data *d, int64_t K, int64_t N, const int64_t *counts,
     }
 }
 
-static void data_free(gemm_data *d)
-{
-    free(d->input), free(d->grad_output), free(d->weight), free(d->grad_weight);
-}
+static void data_free(gemm_data *d) { free(d->input), free(d->grad_output), free(d->weight), free(d->grad_weight); }
 
 /* ---- the CPU side ---- */
 
@@ -178,9 +175,16 @@ static void *cpu_pass(const gemm_data *d, moert_gemm_weight which, moert_gemm_pa
         memset(out, 0xFF, (size_t)(d->rows * cols) * 2);
         tout = moert_tensor_2d(out, moert_cpu(), MOERT_BF16, d->rows, cols);
     }
-    moert_grouped_gemm_args a = {.struct_size = sizeof a, .which = which, .pass = pass, .tokens_per_expert_host = counts,
-                                 .input = &tin, .weight = &tw, .grad_output = &tgo, .output = &tout,
-                                 .grad_input = &tout, .grad_weight = &tout};
+    moert_grouped_gemm_args a = {.struct_size = sizeof a,
+                                 .which = which,
+                                 .pass = pass,
+                                 .tokens_per_expert_host = counts,
+                                 .input = &tin,
+                                 .weight = &tw,
+                                 .grad_output = &tgo,
+                                 .output = &tout,
+                                 .grad_input = &tout,
+                                 .grad_weight = &tout};
     const fp8_gemm_shape shape = {EXPERTS, K, N, counts};
     if (fp8_cpu_grouped_gemm(&a, &shape, s, delayed, scratch) != MOERT_OK) {
         fprintf(stderr, "cpu reference: out of memory\n");
@@ -213,9 +217,9 @@ typedef struct recipe_case {
     fp8_recipe recipe;
     bool hybrid, power_of_2;
     int64_t hidden, ffn;
-    int64_t counts[EXPERTS];  /* rows per expert in one call */
-    bool capacity_unknown;    /* the handle is not told the rows' capacity (its buffers grow from the counts) */
-    bool kernel;              /* blockwise GEMMs on the wgmma kernel (moert_fp8_cuda_set_block_kernel), not cuBLASLt */
+    int64_t counts[EXPERTS]; /* rows per expert in one call */
+    bool capacity_unknown;   /* the handle is not told the rows' capacity (its buffers grow from the counts) */
+    bool kernel;             /* blockwise GEMMs on the wgmma kernel (moert_fp8_cuda_set_block_kernel), not cuBLASLt */
 } recipe_case;
 
 /* Whether gpu_pass tells the handle the rows' capacity (moert_fp8_cuda_gemm.capacity). */
@@ -225,9 +229,9 @@ static bool pass_capacity = true;
  * stores it, and its tiles. */
 typedef struct operand_view {
     fp8_operand role;
-    bool weight;      /* S = weight[e] [K][N] */
-    bool transposed;  /* GPU stores S^T ([s_cols][ld]) */
-    bool rows_tiles;  /* blockwise tiles of 128 rows x 1 column (WGRAD activations); else 1 x 128 */
+    bool weight;     /* S = weight[e] [K][N] */
+    bool transposed; /* GPU stores S^T ([s_cols][ld]) */
+    bool rows_tiles; /* blockwise tiles of 128 rows x 1 column (WGRAD activations); else 1 x 128 */
 } operand_view;
 
 static void pass_operands(moert_gemm_pass pass, operand_view *a, operand_view *b)
@@ -256,7 +260,8 @@ static void pass_operands(moert_gemm_pass pass, operand_view *a, operand_view *b
 static void compare_operand(const gemm_data *d, const int64_t *counts, const recipe_case *rc, const fp8_settings *s,
                             fp8_delayed_state *delayed, moert_gemm_weight which, const operand_view *v,
                             const uint8_t *dev_bytes, const float *dev_inv, const int64_t *offsets,
-                            const int64_t *scale_offsets, const int64_t *rows16, int64_t *bytes_bad, int64_t *scales_bad)
+                            const int64_t *scale_offsets, const int64_t *rows16, int64_t *bytes_bad,
+                            int64_t *scales_bad)
 {
     const int64_t K = d->K, N = d->N;
     const fp8_format f = fp8_operand_format(s, v->role);
@@ -271,9 +276,10 @@ static void compare_operand(const gemm_data *d, const int64_t *counts, const rec
         double *blk = xalloc((size_t)(sr * sc) * 8);
         for (int64_t i = 0; i < sr; i++)
             for (int64_t j = 0; j < sc; j++)
-                blk[i * sc + j] = v->weight ? d->weight[(int64_t)e * K * N + i * N + j]
-                                  : moert_bf16_to_float(v->role == FP8_OPERAND_GRAD ? d->grad_output[(row0 + i) * N + j]
-                                                                                    : d->input[(row0 + i) * K + j]);
+                blk[i * sc + j] =
+                    v->weight ? d->weight[(int64_t)e * K * N + i * N + j]
+                              : moert_bf16_to_float(v->role == FP8_OPERAND_GRAD ? d->grad_output[(row0 + i) * N + j]
+                                                                                : d->input[(row0 + i) * K + j]);
         int64_t tr = sr, tc = sc;
         if (blockwise) {
             tr = v->weight ? FP8_BLOCK : v->rows_tiles ? FP8_BLOCK : 1;
@@ -282,7 +288,8 @@ static void compare_operand(const gemm_data *d, const int64_t *counts, const rec
         const int64_t TR = (sr + tr - 1) / tr, TC = (sc + tc - 1) / tc;
         float *scales = xalloc((size_t)(TR * TC) * 4);
         uint8_t *bytes = xalloc((size_t)(sr * sc));
-        const float fixed = rc->recipe == FP8_RECIPE_DELAYED ? fp8_delayed_slot(delayed, which, v->role, e)->scale : 0.0f;
+        const float fixed =
+            rc->recipe == FP8_RECIPE_DELAYED ? fp8_delayed_slot(delayed, which, v->role, e)->scale : 0.0f;
         (void)fp8_quantize_block(blk, sr, sc, tr, tc, f, s->power_of_2, fixed, scales, bytes);
         /* bytes: the GPU's [sr][sc] ([rows16][sc] when padded) or [sc][ld] */
         const int64_t ld = v->transposed ? (v->weight ? sr : rows16[e]) : sc;
@@ -299,7 +306,8 @@ static void compare_operand(const gemm_data *d, const int64_t *counts, const rec
         uint8_t *got = xalloc((size_t)span);
         from_device(got, dev_bytes + offsets[e], (size_t)span);
         for (int64_t i = 0; i < sr; i++)
-            for (int64_t j = 0; j < sc; j++) *bytes_bad += got[v->transposed ? j * ld + i : i * sc + j] != bytes[i * sc + j];
+            for (int64_t j = 0; j < sc; j++)
+                *bytes_bad += got[v->transposed ? j * ld + i : i * sc + j] != bytes[i * sc + j];
         if (v->transposed)
             for (int64_t j = 0; j < sc; j++)
                 for (int64_t i = sr; i < ld; i++) *bytes_bad += got[j * ld + i] != 0;
@@ -327,7 +335,8 @@ static void compare_operand(const gemm_data *d, const int64_t *counts, const rec
             *scales_bad += memcmp(&inv[at[t]], &want, 4) != 0;
         }
         for (int64_t i = sr; i < xr && padded; i++) /* padding rows: factor 1 (any finite value would do; 1 is ours) */
-            for (int64_t tj = 0; tj < TC; tj++) *scales_bad += inv[vec_at(MOERT_FP8_VEC128_X_MAJOR, i, tj, xr, TC)] != 1.0f;
+            for (int64_t tj = 0; tj < TC; tj++)
+                *scales_bad += inv[vec_at(MOERT_FP8_VEC128_X_MAJOR, i, tj, xr, TC)] != 1.0f;
         free(blk), free(scales), free(bytes), free(got), free(at), free(inv);
         row0 += m;
     }
@@ -361,10 +370,22 @@ static void *gpu_pass(moert_fp8_cuda *h, cudaStream_t stream, const gemm_data *d
     const int64_t cols = pass == MOERT_GEMM_FORWARD ? N : K;
     const size_t obytes = pass == MOERT_GEMM_WGRAD ? wbytes : (size_t)(d->rows * cols) * 2;
     void *dst = pass == MOERT_GEMM_WGRAD ? gpu_upload_new(d->grad_weight, wbytes) : gpu_filled_new(obytes, 0xFF);
-    moert_fp8_cuda_gemm gm = {.which = which, .pass = pass, .act_dtype = MOERT_BF16, .weight_dtype = MOERT_F32,
-                              .grad_weight_dtype = MOERT_F32, .num_experts = EXPERTS, .rows_per_expert = counts,
-                              .capacity = pass_capacity ? d->rows : 0, .k_in = K, .n_out = N, .input = dv->input, .weight = dv->weight,
-                              .grad_output = dv->grad_output, .output = dst, .grad_input = dst, .grad_weight = dst};
+    moert_fp8_cuda_gemm gm = {.which = which,
+                              .pass = pass,
+                              .act_dtype = MOERT_BF16,
+                              .weight_dtype = MOERT_F32,
+                              .grad_weight_dtype = MOERT_F32,
+                              .num_experts = EXPERTS,
+                              .rows_per_expert = counts,
+                              .capacity = pass_capacity ? d->rows : 0,
+                              .k_in = K,
+                              .n_out = N,
+                              .input = dv->input,
+                              .weight = dv->weight,
+                              .grad_output = dv->grad_output,
+                              .output = dst,
+                              .grad_input = dst,
+                              .grad_weight = dst};
     void *out = NULL;
     if (moert_fp8_cuda_grouped_gemm(h, stream, &gm) != MOERT_OK) {
         fprintf(stderr, "fp8 cuda grouped_gemm (fc%d, pass %d) failed: %s\n", which + 1, (int)pass, gpu_test_error);
@@ -385,8 +406,9 @@ static void *gpu_pass(moert_fp8_cuda *h, cudaStream_t stream, const gemm_data *d
 static int64_t out_elems(const gemm_data *d, moert_gemm_pass pass, moert_dtype *dtype)
 {
     *dtype = pass == MOERT_GEMM_WGRAD ? MOERT_F32 : MOERT_BF16;
-    return pass == MOERT_GEMM_FORWARD ? d->total * d->N : pass == MOERT_GEMM_DGRAD ? d->total * d->K
-                                                                                    : EXPERTS * d->K * d->N;
+    return pass == MOERT_GEMM_FORWARD ? d->total * d->N
+           : pass == MOERT_GEMM_DGRAD ? d->total * d->K
+                                      : EXPERTS * d->K * d->N;
 }
 
 static const char *const pass_names[3] = {"fwd", "dgrad", "wgrad"};
@@ -404,7 +426,8 @@ static void diagnose_layout(const recipe_case *rc, const moert_fp8_cuda_config *
     for (int vec = 0; vec < 2; vec++)
         for (int blk = 0; blk < 4; blk++) {
             moert_fp8_cuda *h = NULL;
-            if (moert_fp8_cuda_create(&gpu_test_host, (moert_device){MOERT_DEVICE_CUDA, 0}, cfg, &h) != MOERT_OK) return;
+            if (moert_fp8_cuda_create(&gpu_test_host, (moert_device){MOERT_DEVICE_CUDA, 0}, cfg, &h) != MOERT_OK)
+                return;
             moert_fp8_cuda_set_scale_layout(h, (moert_fp8_cuda_vec_layout)vec, (moert_fp8_cuda_blk_layout)blk);
             int64_t pad = 0;
             void *got = gpu_pass(h, stream, d, dv, which, pass, counts, &pad);
@@ -493,7 +516,8 @@ static void run_case(const recipe_case *rc, cudaStream_t stream)
                 char what[128];
                 snprintf(what, sizeof what, "%s step %d fc%d %s: fp8 bytes", rc->name, step + 1, w + 1, pass_names[p]);
                 record(what, got ? 0 : INFINITY, 0, bytes_bad);
-                snprintf(what, sizeof what, "%s step %d fc%d %s: scale factors", rc->name, step + 1, w + 1, pass_names[p]);
+                snprintf(what, sizeof what, "%s step %d fc%d %s: scale factors", rc->name, step + 1, w + 1,
+                         pass_names[p]);
                 record(what, got ? 0 : INFINITY, 0, scales_bad);
                 moert_dtype dt;
                 const int64_t n = out_elems(d, pass, &dt);
@@ -501,8 +525,8 @@ static void run_case(const recipe_case *rc, cudaStream_t stream)
                 snprintf(what, sizeof what, "%s step %d fc%d %s: vs CPU%s", rc->name, step + 1, w + 1, pass_names[p],
                          pass == MOERT_GEMM_WGRAD ? " (fp32 dW +=)" : "");
                 record(what, err, tol_for(dt), padding_bad);
-                if (got && !(err <= tol_for(dt)) && rc->recipe == FP8_RECIPE_BLOCKWISE && !diagnosed && bytes_bad == 0 &&
-                    scales_bad == 0) {
+                if (got && !(err <= tol_for(dt)) && rc->recipe == FP8_RECIPE_BLOCKWISE && !diagnosed &&
+                    bytes_bad == 0 && scales_bad == 0) {
                     diagnose_layout(rc, &cfg, stream, d, &dev[w], which, pass, counts, want);
                     diagnosed = true;
                 }
@@ -520,7 +544,8 @@ static void run_case(const recipe_case *rc, cudaStream_t stream)
             void *after = gpu_pass(h, stream, d, &dev[0], MOERT_GEMM_FC1, MOERT_GEMM_FORWARD, counts, &pad);
             int64_t differ = before && after ? 0 : -1;
             if (before && after)
-                for (int64_t i = 0; i < d->total * d->N; i++) differ += ((uint16_t *)before)[i] != ((uint16_t *)after)[i];
+                for (int64_t i = 0; i < d->total * d->N; i++)
+                    differ += ((uint16_t *)before)[i] != ((uint16_t *)after)[i];
             char what[128];
             snprintf(what, sizeof what, "%s: weight changed within a step unseen", rc->name);
             record(what, differ < 0 ? INFINITY : 0, 0, differ);
@@ -548,8 +573,9 @@ static void run_case(const recipe_case *rc, cudaStream_t stream)
     moert_fp8_cuda_stats st;
     moert_fp8_cuda_get_stats(h, &st);
     printf("%s: %lld matmuls, %lld heuristic queries, %lld plan cache hits, %lld exact-shape fallbacks, %lld weight "
-           "quantizations\n", rc->name, (long long)st.matmuls, (long long)st.heuristic_queries,
-           (long long)st.cache_hits, (long long)st.exact_fallbacks, (long long)st.weight_quantizations);
+           "quantizations\n",
+           rc->name, (long long)st.matmuls, (long long)st.heuristic_queries, (long long)st.cache_hits,
+           (long long)st.exact_fallbacks, (long long)st.weight_quantizations);
     for (int w = 0; w < 2; w++) {
         dev_free(&dev[w]);
         data_free(&data[w]);
@@ -575,8 +601,10 @@ static void *plugin_pass(test_instance *ti, bool on_gpu, cudaStream_t stream, co
     const int64_t cols = pass == MOERT_GEMM_FORWARD ? N : K;
     const size_t out_b = pass == MOERT_GEMM_WGRAD ? w_b : (size_t)(d->rows * cols) * 2;
     void *out = xalloc(out_b);
-    if (pass == MOERT_GEMM_WGRAD) memcpy(out, d->grad_weight, w_b);
-    else memset(out, 0xFF, out_b);
+    if (pass == MOERT_GEMM_WGRAD)
+        memcpy(out, d->grad_weight, w_b);
+    else
+        memset(out, 0xFF, out_b);
     void *input = on_gpu ? gpu_upload_new(d->input, in_b) : d->input;
     void *grad_output = on_gpu ? gpu_upload_new(d->grad_output, go_b) : d->grad_output;
     void *weight = on_gpu ? dev_weight : d->weight; /* on the GPU kept by the caller, as the executor keeps it */
@@ -588,7 +616,10 @@ static void *plugin_pass(test_instance *ti, bool on_gpu, cudaStream_t stream, co
     moert_tensor tc = moert_tensor_1d(counts_dev, dev, MOERT_I64, EXPERTS);
     moert_tensor tout = moert_tensor_2d(result, dev, MOERT_BF16, d->rows, cols);
     moert_tensor tgw = moert_tensor_3d(result, dev, MOERT_F32, EXPERTS, K, N);
-    moert_grouped_gemm_args a = {.struct_size = sizeof a, .which = which, .pass = pass, .tokens_per_expert = &tc,
+    moert_grouped_gemm_args a = {.struct_size = sizeof a,
+                                 .which = which,
+                                 .pass = pass,
+                                 .tokens_per_expert = &tc,
                                  .tokens_per_expert_host = host_counts ? counts : NULL,
                                  .overwrite_grad_weight = overwrite};
     switch (pass) {
@@ -694,8 +725,8 @@ static void run_plugin(const char *options, moert_cuda_pool *pool, cudaStream_t 
                 free(got);
                 free(want);
             }
-            if (step == 0) check_plugin_overwrite(&cpu, &gpu, stream, d, counts, weights[w], (moert_gemm_weight)w,
-                                                  options);
+            if (step == 0)
+                check_plugin_overwrite(&cpu, &gpu, stream, d, counts, weights[w], (moert_gemm_weight)w, options);
         }
         /* the optimizer step: new values in the same weight buffers (and new activations), then end_step */
         for (int w = 0; w < 2; w++) {
@@ -726,8 +757,7 @@ static void run_refusals(moert_cuda_pool *pool, cudaStream_t stream)
         int64_t hidden, ffn;
         moert_dtype dtype;
         const char *needle;
-    } cases[] = {{256, 128, MOERT_F16, "takes bf16 or fp32 activations"},
-                 {200, 128, MOERT_BF16, "multiples of 16"}};
+    } cases[] = {{256, 128, MOERT_F16, "takes bf16 or fp32 activations"}, {200, 128, MOERT_BF16, "multiples of 16"}};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         moert_layer_info layer = test_layer(cases[i].hidden, cases[i].ffn, EXPERTS, 2, 64, 1, 0, cases[i].dtype);
         layer.device = (moert_device){MOERT_DEVICE_CUDA, 0};
@@ -782,7 +812,14 @@ int main(void)
         {"blockwise e4m3 kernel", FP8_RECIPE_BLOCKWISE, false, false, 256, 128, {0, 37, 5, 300}, false, true},
         {"blockwise hybrid pow2 kernel", FP8_RECIPE_BLOCKWISE, true, true, 256, 128, {0, 37, 5, 300}, false, true},
         {"blockwise ragged F=192 kernel", FP8_RECIPE_BLOCKWISE, false, true, 384, 192, {0, 37, 5, 300}, false, true},
-        {"blockwise hybrid 3,17,0,41 nocap kernel", FP8_RECIPE_BLOCKWISE, true, false, 256, 128, {3, 17, 0, 41}, true,
+        {"blockwise hybrid 3,17,0,41 nocap kernel",
+         FP8_RECIPE_BLOCKWISE,
+         true,
+         false,
+         256,
+         128,
+         {3, 17, 0, 41},
+         true,
          true},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i], raw_stream);

@@ -40,7 +40,7 @@ int main(void)
 #include "fp8_convert.h"
 #include "gpu_test_util.h"
 
-#define MAXG 8
+#define MAXG   8
 #define POISON 12345.0f
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
@@ -90,7 +90,7 @@ typedef struct case_spec {
     int a_fmt, b_fmt, b_per_row, d_bf16, accumulate;
     int groups;
     int64_t m[MAXG], n, k;
-    int shared; /* 1: forward form (one A of stacked rows, one B of stacked weights); 0: wgrad form */
+    int shared;  /* 1: forward form (one A of stacked rows, one B of stacked weights); 0: wgrad form */
     int samples; /* 0: every output; else this many random outputs per group */
     int odd_ldd; /* 1: D's row stride is not a multiple of 16 bytes (no tensor map: stored from registers) */
 } case_spec;
@@ -189,8 +189,19 @@ static void run_case(moert_fp8_block_ctx *ctx, const case_spec *cs)
         } else {
             d_dev[g] = gpu_upload_new(d[g], (size_t)(drows * ldd) * 4);
         }
-        groups[g] = (moert_fp8_block_group){amat[g], bmat[g], arow[g], brow[g], m, N, K, (const float *)sa_dev[g],
-                                            sa_stride[g], (const float *)sb_dev[g], sb_stride[g], d_dev[g], ldd};
+        groups[g] = (moert_fp8_block_group){amat[g],
+                                            bmat[g],
+                                            arow[g],
+                                            brow[g],
+                                            m,
+                                            N,
+                                            K,
+                                            (const float *)sa_dev[g],
+                                            sa_stride[g],
+                                            (const float *)sb_dev[g],
+                                            sb_stride[g],
+                                            d_dev[g],
+                                            ldd};
     }
     moert_fp8_block_gemm gm = {cs->a_fmt, cs->b_fmt, cs->b_per_row, cs->d_bf16, cs->accumulate, dm, nmats, groups, G};
     cudaStream_t stream;
@@ -315,7 +326,19 @@ int main(void)
         {"wgrad form, per-row B, fp32 D added, odd ldd", 0, 0, 1, 0, 1, 3, {192, 70, 130}, 160, 272, 0, 0, 1},
         {"wgrad form, per-row B, k 48, fp32 D written", 0, 1, 1, 0, 0, 2, {128, 256}, 128, 48, 0, 0, 0},
         {"wgrad form, e5m2 x e4m3, k 128, bf16 D added", 1, 0, 1, 1, 1, 2, {96, 300}, 200, 128, 0, 0, 0},
-        {"deepseek-v3 fc1 forward shape (sampled)", 0, 0, 0, 1, 0, 8, {512, 500, 520, 511, 513, 508, 517, 512}, 4096, 7168, 1, 512, 0},
+        {"deepseek-v3 fc1 forward shape (sampled)",
+         0,
+         0,
+         0,
+         1,
+         0,
+         8,
+         {512, 500, 520, 511, 513, 508, 517, 512},
+         4096,
+         7168,
+         1,
+         512,
+         0},
     };
     /* every case on each way the kernel can run: A multicast in CTA pairs or not, TMA or register epilogue, the
      * forward form's bf16 D in 128 x 256 or 128 x 128 tiles */

@@ -68,7 +68,7 @@ static void check_reservation(void)
     moert_cuda_pool_stats st;
     moert_cuda_pool_get_stats(pool, &st);
     EXPECT_EQ_INT(st.live_blocks, 0);
-    EXPECT_EQ_INT(st.cached_blocks, z == w ? 2 : 3); /* a (= x), w and z, all back */
+    EXPECT_EQ_INT(st.cached_blocks, z == w ? 2 : 3);   /* a (= x), w and z, all back */
     EXPECT_OK(moert_cuda_pool_reserve_begin(pool, s)); /* a new reservation may open after the release */
     EXPECT_OK(moert_cuda_pool_reserve_release(pool));
 exit:

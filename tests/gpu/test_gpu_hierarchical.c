@@ -26,9 +26,9 @@ int main(void)
 #include "gpu_dispatch_test_harness.h"
 
 #define DISPATCHER "hierarchical"
-#define TIMEOUT_S 60.0
-#define MAX_WORLD 4
-#define MAX_RUNS 16 /* (world, ranks_per_node) pairs */
+#define TIMEOUT_S  60.0
+#define MAX_WORLD  4
+#define MAX_RUNS   16 /* (world, ranks_per_node) pairs */
 
 static const gpu_dispatch_case cases[] = {
     {"uniform bf16 H64 K2", MOERT_BF16, 64, 8, 2, 96, 0.10, 0.0, false, false, false, "{}"},
@@ -36,7 +36,7 @@ static const gpu_dispatch_case cases[] = {
     {"no tokens on rank 0 bf16 K3", MOERT_BF16, 48, 16, 3, 50, 0.05, 0.0, false, true, false, "{}"},
     {"E32 K8 fp32 H128", MOERT_F32, 128, 32, 8, 200, 0.05, 0.0, false, false, false, "{}"},
 };
-#define CASES ((int)(sizeof cases / sizeof cases[0]))
+#define CASES      ((int)(sizeof cases / sizeof cases[0]))
 
 /* One (world, ranks_per_node) run: the cases with its option and its name, and their table rows. */
 typedef struct node_run {

@@ -35,8 +35,8 @@ int main(void)
 #include "gpu_dispatch_test_harness.h"
 
 #define DISPATCHER "hybridep"
-#define TIMEOUT_S 20.0          /* the rank threads' communicators */
-#define MAX_WORLD 8
+#define TIMEOUT_S  20.0 /* the rank threads' communicators */
+#define MAX_WORLD  8
 
 /* ---- cases ---- */
 
@@ -67,9 +67,9 @@ static const gpu_dispatch_case cases[] = {
     {"ll thread fence (before the default)", MOERT_BF16, 7168, 256, 8, 128, 0.02, 0.1, false, false, true,
      "{\"low_latency\": \"on\", \"ll_fence\": \"thread\"}"},
 };
-#define CASES ((int)(sizeof cases / sizeof cases[0]))
+#define CASES      ((int)(sizeof cases / sizeof cases[0]))
 
-#define WORLDS 4 /* 1, 2, 4 and 8 GPUs, as many as the machine has */
+#define WORLDS      4 /* 1, 2, 4 and 8 GPUs, as many as the machine has */
 static gpu_dispatch_row table[WORLDS * CASES];
 static gpu_dispatch_row graph_case_rows[WORLDS * 4]; /* the graph cases against the CPU (GRAPH_CASES, defined below) */
 static gpu_dispatch_stall_row stall_table[WORLDS];
@@ -123,8 +123,8 @@ static void run_stall(const gpu_test_rank_env *env, gpu_dispatch_stall_row *row)
     moert_dispatch_layout layout = {.struct_size = sizeof layout};
     for (int round = 0; round < 2; round++) {
         test_instance ti;
-        if (test_instance_open_cuda(&ti, MOERT_KIND_DISPATCHER, DISPATCHER, "{\"timeout_ms\": 300}", &layer,
-                                    env->comm, rank, W, env->pool, env->nccl, (moert_stream)env->stream) != MOERT_OK) {
+        if (test_instance_open_cuda(&ti, MOERT_KIND_DISPATCHER, DISPATCHER, "{\"timeout_ms\": 300}", &layer, env->comm,
+                                    rank, W, env->pool, env->nccl, (moert_stream)env->stream) != MOERT_OK) {
             gpu_test_failure("%s stall: open: %s", env->where, moert_error_message());
             test_instance_close(&ti);
             break;
@@ -141,8 +141,10 @@ static void run_stall(const gpu_test_rank_env *env, gpu_dispatch_stall_row *row)
         if (round == 0) {
             if (rank == 0) gpu_test_progress("world %d, stall: rank 0 dispatches alone", W);
             if (CALL(&ti, vt->prepare(ti.ctx, (moert_stream)s, &it, &layout), env->where)) {
-                if (rank == 0) CALL(&ti, vt->dispatch(ti.ctx, (moert_stream)s, &da), env->where); /* fails later */
-                else CALL(&ti, vt->prepare(ti.ctx, (moert_stream)s, &it, &layout), env->where);  /* notify: in vain */
+                if (rank == 0)
+                    CALL(&ti, vt->dispatch(ti.ctx, (moert_stream)s, &da), env->where); /* fails later */
+                else
+                    CALL(&ti, vt->prepare(ti.ctx, (moert_stream)s, &it, &layout), env->where); /* notify: in vain */
                 CK(cudaStreamSynchronize(s)); /* bounded: the kernels give up after timeout_ms */
                 rc = vt->prepare(ti.ctx, (moert_stream)s, &it, &layout);
                 msg = moert_host_take_error(ti.host);
@@ -197,7 +199,7 @@ static const gpu_dispatch_case graph_cases[] = {
      "{\"low_latency\": \"off\", \"num_sms\": 3}"},
 };
 #define GRAPH_CASES ((int)(sizeof graph_cases / sizeof graph_cases[0]))
-#define REPLAYS 3
+#define REPLAYS     3
 
 typedef struct graph_row {
     int world;
@@ -234,8 +236,8 @@ static void run_graph_case(const gpu_test_rank_env *env, const gpu_dispatch_case
     test_instance cpu, gpu;
     moert_result rc = test_instance_open(&cpu, MOERT_KIND_DISPATCHER, DISPATCHER, options, &layer, env->comm, rank, W);
     if (rc != MOERT_OK) gpu_test_failure("%s: CPU dispatcher: %s", where, moert_error_message());
-    moert_result rc2 = test_instance_open_cuda(&gpu, MOERT_KIND_DISPATCHER, DISPATCHER, options, &gpu_layer,
-                                               env->comm, rank, W, env->pool, env->nccl, (moert_stream)s);
+    moert_result rc2 = test_instance_open_cuda(&gpu, MOERT_KIND_DISPATCHER, DISPATCHER, options, &gpu_layer, env->comm,
+                                               rank, W, env->pool, env->nccl, (moert_stream)s);
     if (rc2 != MOERT_OK) gpu_test_failure("%s: CUDA dispatcher: %s", where, moert_error_message());
     if (rc != MOERT_OK || rc2 != MOERT_OK) {
         test_instance_close(&cpu);
@@ -243,8 +245,7 @@ static void run_graph_case(const gpu_test_rank_env *env, const gpu_dispatch_case
         return;
     }
     const moert_dispatcher_v1 *vt = (const moert_dispatcher_v1 *)gpu.plugin.header;
-    const bool capturable =
-        (moert_host_instance_flags(gpu.host, vt->header.flags) & MOERT_CAP_GRAPH_CAPTURABLE) != 0;
+    const bool capturable = (moert_host_instance_flags(gpu.host, vt->header.flags) & MOERT_CAP_GRAPH_CAPTURABLE) != 0;
     if (!capturable) gpu_test_failure("%s: the CUDA instance does not declare MOERT_CAP_GRAPH_CAPTURABLE", where);
 
     /* fixed inputs; the routing changes per replay */
@@ -341,9 +342,9 @@ static void run_graph_case(const gpu_test_rank_env *env, const gpu_dispatch_case
             read_cpu_layout(&cl, El, &d);
             memset(d.recv_x, 0xFF, (size_t)(d.cap + 2) * rowb);
             memcpy(d.d_x, d.d_x0, (size_t)T * rowb);
-            cok = gpu_dispatch_run_calls(&cpu, NULL, moert_cpu(), cs->dtype, &d, d.x, d.probs, d.recv_x,
-                                         d.recv_probs, d.y_expert, d.y, d.d_y, d.d_y_expert, d.d_recv_x,
-                                         d.d_recv_probs, d.d_x, d.d_topk_probs, where);
+            cok = gpu_dispatch_run_calls(&cpu, NULL, moert_cpu(), cs->dtype, &d, d.x, d.probs, d.recv_x, d.recv_probs,
+                                         d.y_expert, d.y, d.d_y, d.d_y_expert, d.d_recv_x, d.d_recv_probs, d.d_x,
+                                         d.d_topk_probs, where);
         }
         if (!cok || !eok) continue;
         gpu_dispatch_compare(env, cs, &d, &e, row);
@@ -425,16 +426,16 @@ int main(void)
                   r->combine_err <= r->tol && r->dx_err <= r->tol && gr->capturable && gr->captured &&
                   gr->replays == REPLAYS && !gr->vs_eager_diffs;
         printf("%-5d  %-34s  %7lld  %6lld  %8lld  %9.2e  %7lld  %8lld  %9.2e  %7lld  %7lld  %6s  %s  (capturable %s, "
-               "%lld replays, %lld bytes differ from eager)\n", r->world, r->name, (long long)r->recv_rows,
-               (long long)r->layout_diffs, (long long)r->dispatch_diffs, r->combine_err, (long long)r->combine_bytes,
-               (long long)r->cb_diffs, r->dx_err, (long long)r->dx_bytes, (long long)r->dprobs_diffs, "-",
-               ok ? "ok" : "FAIL", gr->capturable ? "yes" : "no", (long long)gr->replays,
-               (long long)gr->vs_eager_diffs);
+               "%lld replays, %lld bytes differ from eager)\n",
+               r->world, r->name, (long long)r->recv_rows, (long long)r->layout_diffs, (long long)r->dispatch_diffs,
+               r->combine_err, (long long)r->combine_bytes, (long long)r->cb_diffs, r->dx_err, (long long)r->dx_bytes,
+               (long long)r->dprobs_diffs, "-", ok ? "ok" : "FAIL", gr->capturable ? "yes" : "no",
+               (long long)gr->replays, (long long)gr->vs_eager_diffs);
     }
     for (int i = 0; i < WORLDS; i++)
         if (stall_table[i].ran)
-            printf("stall and bad ids, world %d: %s after %.2f s: %s\n", stall_table[i].world, stall_table[i].ok ? "ok" : "FAIL",
-                   stall_table[i].seconds, stall_table[i].message);
+            printf("stall and bad ids, world %d: %s after %.2f s: %s\n", stall_table[i].world,
+                   stall_table[i].ok ? "ok" : "FAIL", stall_table[i].seconds, stall_table[i].message);
     moert_plugin_unload(&keep);
     return test_finish("gpu_hybridep");
 }

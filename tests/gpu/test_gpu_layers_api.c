@@ -23,9 +23,9 @@
 
 extern char **environ;
 
-#define H 64
-#define F 96
-#define E 8
+#define H     64
+#define F     96
+#define E     8
 #define TOTAL 512
 
 static const char *config_json =
@@ -39,7 +39,6 @@ static const char *shared_json =
     " \"parallel\": {\"ranks\": 1}, \"train\": {\"tokens_per_rank\": 512},"
     " \"router\": {\"score_function\": \"sigmoid\", \"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.01}}";
 
-
 static float uniform(uint64_t *s)
 {
     *s = *s * 6364136223846793005ull + 1442695040888963407ull;
@@ -48,7 +47,7 @@ static float uniform(uint64_t *s)
 
 /* What one rank returns to the host: its rows of y and dx, its parameters' gradients. */
 typedef struct rank_out {
-    float *y, *dx;                          /* [t,H] */
+    float *y, *dx; /* [t,H] */
     float *grad[2][MOERT_PARAM_COUNT];
     int64_t numel[MOERT_PARAM_COUNT];
 } rank_out;
@@ -68,33 +67,41 @@ typedef struct rank_job {
 static void *buffer(moert_device d, size_t bytes)
 {
     void *p = NULL;
-    if (d.type == MOERT_DEVICE_CUDA) CK(cudaMalloc(&p, bytes));
-    else p = calloc(1, bytes);
+    if (d.type == MOERT_DEVICE_CUDA)
+        CK(cudaMalloc(&p, bytes));
+    else
+        p = calloc(1, bytes);
     return p;
 }
 static void release(moert_device d, void *p)
 {
-    if (d.type == MOERT_DEVICE_CUDA) cudaFree(p);
-    else free(p);
+    if (d.type == MOERT_DEVICE_CUDA)
+        cudaFree(p);
+    else
+        free(p);
 }
 static void to_host(moert_device d, void *dst, const void *src, size_t bytes)
 {
-    if (d.type == MOERT_DEVICE_CUDA) CK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
-    else memcpy(dst, src, bytes);
+    if (d.type == MOERT_DEVICE_CUDA)
+        CK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+    else
+        memcpy(dst, src, bytes);
 }
 static void from_host(moert_device d, void *dst, const void *src, size_t bytes)
 {
-    if (d.type == MOERT_DEVICE_CUDA) CK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
-    else memcpy(dst, src, bytes);
+    if (d.type == MOERT_DEVICE_CUDA)
+        CK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+    else
+        memcpy(dst, src, bytes);
 }
 
-#define FAIL_RC(call)                                                                                              \
-    do {                                                                                                           \
-        j->rc = (call);                                                                                            \
-        if (j->rc != MOERT_OK) {                                                                                   \
-            snprintf(j->error, sizeof j->error, "%s: %s", #call, moert_last_error());                             \
-            goto done;                                                                                             \
-        }                                                                                                          \
+#define FAIL_RC(call)                                                                                                  \
+    do {                                                                                                               \
+        j->rc = (call);                                                                                                \
+        if (j->rc != MOERT_OK) {                                                                                       \
+            snprintf(j->error, sizeof j->error, "%s: %s", #call, moert_last_error());                                  \
+            goto done;                                                                                                 \
+        }                                                                                                              \
     } while (0)
 
 /* One rank: bind device parameters, init, forward two layers, backward, bring the results to the host. */
@@ -116,8 +123,8 @@ static void *rank_main(void *arg)
     void *r = buffer(j->device, act), *dh = buffer(j->device, act), *dx = buffer(j->device, act);
     from_host(j->device, x, j->x + first * H, act);
     from_host(j->device, r, j->r + first * H, act);
-    moert_launch launch = {.struct_size = sizeof launch, .rank = j->rank, .world_size = j->world,
-                           .device = j->device, .comm = j->comm};
+    moert_launch launch = {
+        .struct_size = sizeof launch, .rank = j->rank, .world_size = j->world, .device = j->device, .comm = j->comm};
     FAIL_RC(moert_layers_create(j->cfg, &launch, &m));
     for (int l = 0; l < 2; l++)
         for (int w = 0; w < MOERT_PARAM_COUNT; w++) {
@@ -196,8 +203,13 @@ static int run_threads(int world, moert_device_type type, const moert_config *cf
     }
     pthread_t th[8];
     for (int i = 0; i < world; i++) {
-        jobs[i] = (rank_job){.rank = i, .world = world, .device = {type, type == MOERT_DEVICE_CUDA ? i : 0},
-                             .comm = comm, .cfg = cfg, .x = x, .r = r};
+        jobs[i] = (rank_job){.rank = i,
+                             .world = world,
+                             .device = {type, type == MOERT_DEVICE_CUDA ? i : 0},
+                             .comm = comm,
+                             .cfg = cfg,
+                             .x = x,
+                             .r = r};
         pthread_create(&th[i], NULL, rank_main, &jobs[i]);
     }
     for (int i = 0; i < world; i++) pthread_join(th[i], NULL);
@@ -267,8 +279,8 @@ static int process_rank(int rank, int world, const char *hex)
         fprintf(stderr, "rank %d: %s\n", rank, moert_last_error());
         return 1;
     }
-    rank_job job = {.rank = rank, .world = world, .device = {MOERT_DEVICE_CUDA, rank}, .comm = comm, .cfg = cfg,
-                    .x = x, .r = r};
+    rank_job job = {
+        .rank = rank, .world = world, .device = {MOERT_DEVICE_CUDA, rank}, .comm = comm, .cfg = cfg, .x = x, .r = r};
     rank_main(&job);
     moert_comm_destroy(comm);
     if (job.rc != MOERT_OK) {
@@ -282,9 +294,11 @@ static int process_rank(int rank, int world, const char *hex)
     for (int64_t i = 0; i < t * H; i++) worst = fmax(worst, fabs(job.out.y[i] - ref.out.y[rank * t * H + i]) / sy);
     int64_t n = job.out.numel[MOERT_PARAM_FC2];
     double sg = 1e-30;
-    for (int64_t i = 0; i < ref.out.numel[MOERT_PARAM_FC2]; i++) sg = fmax(sg, fabs(ref.out.grad[0][MOERT_PARAM_FC2][i]));
+    for (int64_t i = 0; i < ref.out.numel[MOERT_PARAM_FC2]; i++)
+        sg = fmax(sg, fabs(ref.out.grad[0][MOERT_PARAM_FC2][i]));
     for (int64_t i = 0; i < n; i++)
-        worst = fmax(worst, fabs(job.out.grad[0][MOERT_PARAM_FC2][i] - ref.out.grad[0][MOERT_PARAM_FC2][rank * n + i]) / sg);
+        worst = fmax(worst,
+                     fabs(job.out.grad[0][MOERT_PARAM_FC2][i] - ref.out.grad[0][MOERT_PARAM_FC2][rank * n + i]) / sg);
     printf("process rank %d of %d: worst relative difference from the CPU %.2e\n", rank, world, worst);
     moert_config_free(cfg);
     return worst < 2e-4 ? 0 : 1;
@@ -333,8 +347,7 @@ static int bench(const char *path)
         fprintf(stderr, "%s\n", moert_last_error());
         return 1;
     }
-    moert_launch launch = {.struct_size = sizeof launch, .rank = 0, .world_size = 1,
-                           .device = {MOERT_DEVICE_CUDA, 0}};
+    moert_launch launch = {.struct_size = sizeof launch, .rank = 0, .world_size = 1, .device = {MOERT_DEVICE_CUDA, 0}};
     if (moert_layers_create(cfg, &launch, &m) != MOERT_OK) {
         fprintf(stderr, "%s\n", moert_last_error());
         return 1;
@@ -406,8 +419,8 @@ static int bench(const char *path)
             }
     if (rc == 0)
         printf("{\"name\": \"layers_api_fwd_bwd\", \"config\": \"%s\", \"experts\": %lld, \"tokens\": %lld, "
-               "\"value\": %.3f, \"unit\": \"ms\"}\n", path, (long long)info.num_experts, (long long)t,
-               0.5 * (sorted[9] + sorted[10]));
+               "\"value\": %.3f, \"unit\": \"ms\"}\n",
+               path, (long long)info.num_experts, (long long)t, 0.5 * (sorted[9] + sorted[10]));
     moert_layers_destroy(m);
     moert_config_free(cfg);
     return rc;

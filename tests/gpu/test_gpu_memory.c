@@ -104,8 +104,8 @@ static void check_layer(const int act[MOERT_ACT_COUNT], bool prefetch, bool defe
     EXPECT_EQ_INT(pinned_allocations, offloaded);
     EXPECT_EQ_INT(L->acts.copy_streams_ready, offloaded > 0);
     if (offloaded) {
-        EXPECT(L->acts.d2h_stream && L->acts.h2d_stream && L->acts.d2h_stream != L->stream && L->acts.h2d_stream != L->stream &&
-               L->acts.d2h_stream != L->acts.h2d_stream);
+        EXPECT(L->acts.d2h_stream && L->acts.h2d_stream && L->acts.d2h_stream != L->stream &&
+               L->acts.h2d_stream != L->stream && L->acts.d2h_stream != L->acts.h2d_stream);
         /* an offload whose D2H copy still runs at its reload is cancelled (kept on the device, no H2D copy) */
         EXPECT(L->acts.offload_saved_bytes + L->acts.offload_cancelled_bytes > 0);
     }
@@ -131,8 +131,9 @@ static void check_layer(const int act[MOERT_ACT_COUNT], bool prefetch, bool defe
            "MiB in %lld buffers; pool peak %.1f MiB\n",
            json, 1e3 * L->stage_seconds[MOERT_STAGE_FC1], 1e3 * L->stage_seconds[MOERT_STAGE_ACT],
            1e3 * L->stage_seconds[MOERT_STAGE_FC2], 1e3 * L->stage_seconds[MOERT_STAGE_COMBINE],
-           1e3 * L->stage_seconds[MOERT_STAGE_BACKWARD], L->acts.kept_bytes_peak / 1048576.0, L->acts.pinned_bytes / 1048576.0,
-           (long long)L->acts.pinned_allocations, stats3.peak_bytes_in_use / 1048576.0);
+           1e3 * L->stage_seconds[MOERT_STAGE_BACKWARD], L->acts.kept_bytes_peak / 1048576.0,
+           L->acts.pinned_bytes / 1048576.0, (long long)L->acts.pinned_allocations,
+           stats3.peak_bytes_in_use / 1048576.0);
 exit:
     if (test_failures != before)
         fprintf(stderr, "  ... layer with %s (prefetch %d, deferred release %d)\n", json, prefetch, defer);

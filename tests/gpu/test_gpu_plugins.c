@@ -32,9 +32,9 @@ int main(void)
 #include "moert/precision.h"
 
 #define DISPATCHER "alltoall"
-#define PRECISION "bf16"
-#define TIMEOUT_S 60.0
-#define MAX_WORLD 4
+#define PRECISION  "bf16"
+#define TIMEOUT_S  60.0
+#define MAX_WORLD  4
 
 /* ---- the result tables ---- */
 
@@ -47,7 +47,7 @@ typedef struct precision_row {
     double err, tol;
 } precision_row;
 
-#define WORLDS 4 /* 1, 2, 4 and 8 GPUs, as many as the machine has */
+#define WORLDS         4 /* 1, 2, 4 and 8 GPUs, as many as the machine has */
 static gpu_dispatch_row dispatch_table[WORLDS * 8];
 static precision_row precision_table[64];
 static int precision_len;
@@ -106,10 +106,10 @@ static const gpu_dispatch_plugin alltoall = {.name = DISPATCHER,
 
 /* ---- the bf16 precision plugin ---- */
 
-#define P_HIDDEN 64
-#define P_FFN 40
+#define P_HIDDEN  64
+#define P_FFN     40
 #define P_EXPERTS 4
-#define P_PAD 3 /* rows past the counts: must stay untouched */
+#define P_PAD     3 /* rows past the counts: must stay untouched */
 
 /* Operands of one grouped GEMM on the host (activations in act, weights and weight gradients fp32). */
 typedef struct gemm_host {
@@ -176,22 +176,41 @@ static bool gemm_run(test_instance *ti, const gpu_test_rank_env *env, bool on_gp
     out->valid_elems = pass == MOERT_GEMM_FORWARD ? used * N : pass == MOERT_GEMM_DGRAD ? used * K : wn;
     out->data = gpu_test_host_alloc(out->bytes);
     void *result = NULL;
-    if (pass == MOERT_GEMM_WGRAD) result = on_gpu ? gpu_test_device_copy(s, g->grad_weight, w_b) : out->data;
-    else result = on_gpu ? gpu_test_device_poisoned(s, out->bytes) : out->data;
+    if (pass == MOERT_GEMM_WGRAD)
+        result = on_gpu ? gpu_test_device_copy(s, g->grad_weight, w_b) : out->data;
+    else
+        result = on_gpu ? gpu_test_device_poisoned(s, out->bytes) : out->data;
     if (pass == MOERT_GEMM_WGRAD && !on_gpu) memcpy(out->data, g->grad_weight, w_b);
     if (pass != MOERT_GEMM_WGRAD && !on_gpu) memset(out->data, 0xFF, out->bytes);
 
-    moert_tensor tin = moert_tensor_2d(input, dev, g->act, rows, K), tgo = moert_tensor_2d(grad_output, dev, g->act, rows, N);
+    moert_tensor tin = moert_tensor_2d(input, dev, g->act, rows, K),
+                 tgo = moert_tensor_2d(grad_output, dev, g->act, rows, N);
     moert_tensor tw = moert_tensor_3d(weight, dev, MOERT_F32, P_EXPERTS, K, N);
     moert_tensor tcounts = moert_tensor_1d(counts_dev, dev, MOERT_I64, P_EXPERTS);
-    moert_tensor tout = moert_tensor_2d(result, dev, g->act, rows, N), tgi = moert_tensor_2d(result, dev, g->act, rows, K);
+    moert_tensor tout = moert_tensor_2d(result, dev, g->act, rows, N),
+                 tgi = moert_tensor_2d(result, dev, g->act, rows, K);
     moert_tensor tgw = moert_tensor_3d(result, dev, MOERT_F32, P_EXPERTS, K, N);
-    moert_grouped_gemm_args a = {.struct_size = sizeof a, .which = which, .pass = pass, .tokens_per_expert = &tcounts,
+    moert_grouped_gemm_args a = {.struct_size = sizeof a,
+                                 .which = which,
+                                 .pass = pass,
+                                 .tokens_per_expert = &tcounts,
                                  .tokens_per_expert_host = host_counts ? counts : NULL};
     switch (pass) {
-    case MOERT_GEMM_FORWARD: a.input = &tin; a.weight = &tw; a.output = &tout; break;
-    case MOERT_GEMM_DGRAD: a.grad_output = &tgo; a.weight = &tw; a.grad_input = &tgi; break;
-    default: a.input = &tin; a.grad_output = &tgo; a.grad_weight = &tgw; break;
+    case MOERT_GEMM_FORWARD:
+        a.input = &tin;
+        a.weight = &tw;
+        a.output = &tout;
+        break;
+    case MOERT_GEMM_DGRAD:
+        a.grad_output = &tgo;
+        a.weight = &tw;
+        a.grad_input = &tgi;
+        break;
+    default:
+        a.input = &tin;
+        a.grad_output = &tgo;
+        a.grad_weight = &tgw;
+        break;
     }
     bool ok = CALL(ti, vt->grouped_gemm(ti->ctx, (moert_stream)s, &a), env->where);
     if (on_gpu) {
@@ -228,8 +247,8 @@ static void precision_passes(const gpu_test_rank_env *env, moert_dtype act, cons
     moert_layer_info gpu_layer = layer;
     gpu_layer.device = gpu_test_rank_device(env);
     test_instance cpu, gpu;
-    if (test_instance_open(&cpu, MOERT_KIND_PRECISION, PRECISION, bf16 ? "{\"mode\": \"bf16\"}" : "{\"mode\": \"fp32\"}",
-                           &layer, NULL, 0, 1) != MOERT_OK ||
+    if (test_instance_open(&cpu, MOERT_KIND_PRECISION, PRECISION,
+                           bf16 ? "{\"mode\": \"bf16\"}" : "{\"mode\": \"fp32\"}", &layer, NULL, 0, 1) != MOERT_OK ||
         test_instance_open_cuda(&gpu, MOERT_KIND_PRECISION, PRECISION, "{}", &gpu_layer, NULL, 0, 1, env->pool, NULL,
                                 (moert_stream)env->stream) != MOERT_OK) {
         gpu_test_failure("%s: opening the precision plugin: %s", env->where, moert_error_message());
@@ -245,8 +264,9 @@ static void precision_passes(const gpu_test_rank_env *env, moert_dtype act, cons
         gemm_host_make(&g, (moert_gemm_weight)w, act, rows, rng);
         for (int pass = 0; pass < 3; pass++) {
             gemm_result rg = {0}, rc = {0};
-            bool ok = gemm_run(&cpu, env, false, (moert_gemm_weight)w, (moert_gemm_pass)pass, &g, counts, true, NULL, &rc) &&
-                      gemm_run(&gpu, env, true, (moert_gemm_weight)w, (moert_gemm_pass)pass, &g, counts, true, NULL, &rg);
+            bool ok =
+                gemm_run(&cpu, env, false, (moert_gemm_weight)w, (moert_gemm_pass)pass, &g, counts, true, NULL, &rc) &&
+                gemm_run(&gpu, env, true, (moert_gemm_weight)w, (moert_gemm_pass)pass, &g, counts, true, NULL, &rg);
             char label[48];
             snprintf(label, sizeof label, "%s fc%d %s%s", bf16 ? "bf16" : "fp32", w + 1, pass_names[pass],
                      pass == MOERT_GEMM_WGRAD ? " (fp32 dW +=)" : "");
@@ -270,8 +290,8 @@ static void precision_passes(const gpu_test_rank_env *env, moert_dtype act, cons
  */
 static void precision_cache(const gpu_test_rank_env *env, const int64_t *counts, uint64_t *rng)
 {
-    moert_layer_info gpu_layer = test_layer(P_HIDDEN, P_FFN, P_EXPERTS * env->world, 2, 256, env->world, env->rank,
-                                            MOERT_BF16);
+    moert_layer_info gpu_layer =
+        test_layer(P_HIDDEN, P_FFN, P_EXPERTS * env->world, 2, 256, env->world, env->rank, MOERT_BF16);
     gpu_layer.num_local_experts = P_EXPERTS;
     gpu_layer.first_local_expert = P_EXPERTS * env->rank;
     moert_layer_info cpu_layer = gpu_layer;
@@ -407,7 +427,8 @@ int main(void)
         if (worlds[i] <= gpus) largest = worlds[i];
     for (int i = 0; i < WORLDS; i++) {
         if (worlds[i] > gpus) continue;
-        world_run w = {.world = worlds[i], .dispatch_rows = &dispatch_table[i * DISPATCH_CASES],
+        world_run w = {.world = worlds[i],
+                       .dispatch_rows = &dispatch_table[i * DISPATCH_CASES],
                        .run_precision = worlds[i] == largest};
         gpu_dispatch_rows_init(w.dispatch_rows, worlds[i], dispatch_cases, DISPATCH_CASES);
         gpu_test_run_world(w.world, TIMEOUT_S, rank_main, &w);

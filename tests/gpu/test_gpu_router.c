@@ -37,13 +37,13 @@ int main(void)
 #define TIE 1e-5
 
 /* A CUDA call in the test itself. */
-#define CUDA_OK(call)                                                                                        \
-    do {                                                                                                     \
-        cudaError_t e_ = (call);                                                                             \
-        if (e_ != cudaSuccess) {                                                                             \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));     \
-            test_failures++;                                                                                 \
-        }                                                                                                    \
+#define CUDA_OK(call)                                                                                                  \
+    do {                                                                                                               \
+        cudaError_t e_ = (call);                                                                                       \
+        if (e_ != cudaSuccess) {                                                                                       \
+            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));              \
+            test_failures++;                                                                                           \
+        }                                                                                                              \
     } while (0)
 
 enum score_kind { SCORE_POST = 0, SCORE_PRE = 1, SCORE_SIGMOID = 2, SCORE_SINKHORN = 3 };
@@ -59,10 +59,10 @@ typedef struct router_mode {
     int steps;             /* optimizer steps (forward, backward, end_step) */
     int forwards_per_step; /* forwards (each with its backward) before each end_step */
     /* what the near-tie analysis must know of the options: */
-    bool capacity;         /* capacity_factor: dropped copies may differ where probs nearly tie */
-    double jitter_eps;     /* input_jitter_eps */
-    bool force_balance;    /* force_load_balancing */
-    uint64_t seed;         /* the option "seed" (42 when not given) */
+    bool capacity;      /* capacity_factor: dropped copies may differ where probs nearly tie */
+    double jitter_eps;  /* input_jitter_eps */
+    bool force_balance; /* force_load_balancing */
+    uint64_t seed;      /* the option "seed" (42 when not given) */
 } router_mode;
 
 /* One rank's CUDA resources, as the runtime gives them. */
@@ -77,11 +77,11 @@ typedef struct gpu_rank {
 typedef struct step_data {
     int64_t T, H, E, K;
     moert_dtype dtype;
-    void *x;          /* [T,H] dtype */
-    float *w;         /* [E,H] */
-    float *d_probs;   /* [T,K] */
-    void *d_x0;       /* [T,H] dtype: d_x before backward */
-    float *d_w0;      /* [E,H] */
+    void *x;        /* [T,H] dtype */
+    float *w;       /* [E,H] */
+    float *d_probs; /* [T,K] */
+    void *d_x0;     /* [T,H] dtype: d_x before backward */
+    float *d_w0;    /* [E,H] */
 } step_data;
 
 /* Outputs of one side (host copies). */
@@ -91,7 +91,7 @@ typedef struct side_out {
     int64_t *tpe;
     void *d_x;
     float *d_w;
-    double *bias;     /* [E] after end_step (NULL without expert bias) */
+    double *bias; /* [E] after end_step (NULL without expert bias) */
     moert_router_losses losses;
 } side_out;
 
@@ -177,8 +177,13 @@ static moert_result run_cpu(test_instance *ti, const step_data *d, int64_t seq_l
     moert_tensor tidx = moert_tensor_2d(o->idx, cpu, MOERT_I32, T, K);
     moert_tensor tprobs = moert_tensor_2d(o->probs, cpu, MOERT_F32, T, K);
     moert_tensor ttpe = moert_tensor_1d(o->tpe, cpu, MOERT_I64, E);
-    moert_router_forward_args fa = {.struct_size = sizeof fa, .x = &tx, .weight = &tw, .topk_idx = &tidx,
-                                    .topk_probs = &tprobs, .tokens_per_expert = &ttpe, .losses = &o->losses,
+    moert_router_forward_args fa = {.struct_size = sizeof fa,
+                                    .x = &tx,
+                                    .weight = &tw,
+                                    .topk_idx = &tidx,
+                                    .topk_probs = &tprobs,
+                                    .tokens_per_expert = &ttpe,
+                                    .losses = &o->losses,
                                     .seq_length = seq_length};
     moert_result rc = vt->forward(ti->ctx, NULL, &fa);
     if (rc != MOERT_OK) return moert_error(rc, "cpu forward: %s", moert_host_take_error(ti->host));
@@ -187,8 +192,13 @@ static moert_result run_cpu(test_instance *ti, const step_data *d, int64_t seq_l
     moert_tensor tdp = moert_tensor_2d(d->d_probs, cpu, MOERT_F32, T, K);
     moert_tensor tdx = moert_tensor_2d(o->d_x, cpu, d->dtype, T, H);
     moert_tensor tdw = moert_tensor_2d(o->d_w, cpu, MOERT_F32, E, H);
-    moert_router_backward_args ba = {.struct_size = sizeof ba, .x = &tx, .weight = &tw, .d_topk_probs = &tdp,
-                                     .loss_scale = 0.7, .d_x = &tdx, .d_weight = &tdw};
+    moert_router_backward_args ba = {.struct_size = sizeof ba,
+                                     .x = &tx,
+                                     .weight = &tw,
+                                     .d_topk_probs = &tdp,
+                                     .loss_scale = 0.7,
+                                     .d_x = &tdx,
+                                     .d_weight = &tdw};
     rc = vt->backward(ti->ctx, NULL, &ba);
     if (rc != MOERT_OK) return moert_error(rc, "cpu backward: %s", moert_host_take_error(ti->host));
     return MOERT_OK;
@@ -216,8 +226,8 @@ static void *device_copy(const void *src, size_t bytes)
 }
 
 /* The GPU side: the same step on device tensors of `dev`, results copied back. */
-static moert_result run_gpu(test_instance *ti, const gpu_rank *g, const step_data *d, int64_t seq_length,
-                            bool backward, side_out *o)
+static moert_result run_gpu(test_instance *ti, const gpu_rank *g, const step_data *d, int64_t seq_length, bool backward,
+                            side_out *o)
 {
     const moert_router_v1 *vt = (const moert_router_v1 *)ti->plugin.header;
     int64_t T = d->T, H = d->H, E = d->E, K = d->K;
@@ -245,8 +255,13 @@ static moert_result run_gpu(test_instance *ti, const gpu_rank *g, const step_dat
     moert_tensor tidx = moert_tensor_2d(s.idx, dev, MOERT_I32, T, K);
     moert_tensor tprobs = moert_tensor_2d(s.probs, dev, MOERT_F32, T, K);
     moert_tensor ttpe = moert_tensor_1d(s.tpe, dev, MOERT_I64, E);
-    moert_router_forward_args fa = {.struct_size = sizeof fa, .x = &tx, .weight = &tw, .topk_idx = &tidx,
-                                    .topk_probs = &tprobs, .tokens_per_expert = &ttpe, .losses = &o->losses,
+    moert_router_forward_args fa = {.struct_size = sizeof fa,
+                                    .x = &tx,
+                                    .weight = &tw,
+                                    .topk_idx = &tidx,
+                                    .topk_probs = &tprobs,
+                                    .tokens_per_expert = &ttpe,
+                                    .losses = &o->losses,
                                     .seq_length = seq_length};
     moert_result rc = vt->forward(ti->ctx, g->stream, &fa);
     if (rc != MOERT_OK) {
@@ -257,8 +272,13 @@ static moert_result run_gpu(test_instance *ti, const gpu_rank *g, const step_dat
         moert_tensor tdp = moert_tensor_2d(s.d_probs, dev, MOERT_F32, T, K);
         moert_tensor tdx = moert_tensor_2d(s.d_x, dev, d->dtype, T, H);
         moert_tensor tdw = moert_tensor_2d(s.d_w, dev, MOERT_F32, E, H);
-        moert_router_backward_args ba = {.struct_size = sizeof ba, .x = &tx, .weight = &tw, .d_topk_probs = &tdp,
-                                         .loss_scale = 0.7, .d_x = &tdx, .d_weight = &tdw};
+        moert_router_backward_args ba = {.struct_size = sizeof ba,
+                                         .x = &tx,
+                                         .weight = &tw,
+                                         .d_topk_probs = &tdp,
+                                         .loss_scale = 0.7,
+                                         .d_x = &tdx,
+                                         .d_weight = &tdw};
         rc = vt->backward(ti->ctx, g->stream, &ba);
         if (rc != MOERT_OK) {
             device_step_free(&s);
@@ -285,7 +305,8 @@ static moert_result end_step_and_bias(test_instance *ti, moert_stream stream, in
     for (int64_t e = 0; e < E; e++) bias[e] = 0.0;
     if (!b) return MOERT_OK;
     if (b->device.type == MOERT_DEVICE_CUDA) {
-        if (b->dtype != MOERT_F32 || b->shape[0] != E) return moert_error(MOERT_ERR_INTERNAL, "bias tensor shape/dtype");
+        if (b->dtype != MOERT_F32 || b->shape[0] != E)
+            return moert_error(MOERT_ERR_INTERNAL, "bias tensor shape/dtype");
         float tmp[1024];
         CUDA_OK(cudaStreamSynchronize((cudaStream_t)stream));
         CUDA_OK(cudaMemcpy(tmp, b->data, (size_t)E * sizeof(float), cudaMemcpyDeviceToHost));
@@ -309,7 +330,8 @@ static void token_logits(const router_mode *m, const step_data *d, uint64_t call
         double acc = 0.0;
         for (int64_t h = 0; h < H; h++) {
             double x = load_dtype(d->dtype, d->x, t * H + h);
-            if (m->jitter_eps > 0.0) x *= router_noise_jitter(jitter_key, call, (uint64_t)t, (uint64_t)h, m->jitter_eps);
+            if (m->jitter_eps > 0.0)
+                x *= router_noise_jitter(jitter_key, call, (uint64_t)t, (uint64_t)h, m->jitter_eps);
             acc += x * (double)d->w[e * H + h];
         }
         l[e] = m->force_balance ? router_noise_normal(random_key, call, (uint64_t)t, (uint64_t)e) : acc;
@@ -665,8 +687,13 @@ static void check_refusals_and_edges(const gpu_rank *g)
     moert_tensor tidx = moert_tensor_2d(o.idx, cpu, MOERT_I32, m.T, m.K);
     moert_tensor tprobs = moert_tensor_2d(o.probs, cpu, MOERT_F32, m.T, m.K);
     moert_tensor ttpe = moert_tensor_1d(o.tpe, cpu, MOERT_I64, m.E);
-    moert_router_forward_args fa = {.struct_size = sizeof fa, .x = &tx, .weight = &tw, .topk_idx = &tidx,
-                                    .topk_probs = &tprobs, .tokens_per_expert = &ttpe, .losses = &o.losses};
+    moert_router_forward_args fa = {.struct_size = sizeof fa,
+                                    .x = &tx,
+                                    .weight = &tw,
+                                    .topk_idx = &tidx,
+                                    .topk_probs = &tprobs,
+                                    .tokens_per_expert = &ttpe,
+                                    .losses = &o.losses};
     EXPECT_EQ_INT(vt->forward(ti.ctx, g->stream, &fa), MOERT_ERR_INVALID_ARGUMENT);
     const char *msg = moert_host_take_error(ti.host);
     if (!strstr(msg, "x is on cpu; this instance runs on cuda:")) {
@@ -709,8 +736,13 @@ static void check_refusals_and_edges(const gpu_rank *g)
     moert_tensor tdp = moert_tensor_2d(dprobs, dev, MOERT_F32, 0, m.K);
     moert_tensor tdx = moert_tensor_2d(dx, dev, MOERT_F32, 0, m.H);
     moert_tensor tdw = moert_tensor_2d(dw, dev, MOERT_F32, m.E, m.H);
-    moert_router_backward_args ba = {.struct_size = sizeof ba, .x = &tx, .weight = &tw, .d_topk_probs = &tdp,
-                                     .loss_scale = 1.0, .d_x = &tdx, .d_weight = &tdw};
+    moert_router_backward_args ba = {.struct_size = sizeof ba,
+                                     .x = &tx,
+                                     .weight = &tw,
+                                     .d_topk_probs = &tdp,
+                                     .loss_scale = 1.0,
+                                     .d_x = &tdx,
+                                     .d_weight = &tdw};
     EXPECT_OK(vt->backward(ti.ctx, g->stream, &ba));
     EXPECT(vt->expert_bias(ti.ctx) == NULL);
     cudaFree(dx);
@@ -758,8 +790,13 @@ static void check_capture_without_sync(const gpu_rank *g)
     moert_tensor tprobs = moert_tensor_2d(probs, dev, MOERT_F32, m.T, m.K);
     moert_tensor ttpe = moert_tensor_1d(tpe, dev, MOERT_I64, m.E);
     moert_router_losses losses;
-    moert_router_forward_args fa = {.struct_size = sizeof fa, .x = &tx, .weight = &tw, .topk_idx = &tidx,
-                                    .topk_probs = &tprobs, .tokens_per_expert = &ttpe, .losses = &losses};
+    moert_router_forward_args fa = {.struct_size = sizeof fa,
+                                    .x = &tx,
+                                    .weight = &tw,
+                                    .topk_idx = &tidx,
+                                    .topk_probs = &tprobs,
+                                    .tokens_per_expert = &ttpe,
+                                    .losses = &losses};
     /* an eager forward grows the buffers; the captured one allocates nothing */
     EXPECT_OK(vt->forward(ti.ctx, g->stream, &fa));
     cudaGraph_t graph = NULL;
@@ -810,10 +847,10 @@ static void check_capture_without_sync(const gpu_rank *g)
 
 /* ---- two GPUs: the expert-bias update over ranks ---- */
 
-#define BIAS_E 16
-#define BIAS_K 2
-#define BIAS_T 64
-#define BIAS_H 32
+#define BIAS_E    16
+#define BIAS_K    2
+#define BIAS_T    64
+#define BIAS_H    32
 #define BIAS_RATE 0.01
 
 typedef struct bias_test {
@@ -836,8 +873,8 @@ static void bias_rank(int rank, void *user)
     if (rc == MOERT_OK) rc = moert_cuda_stream_create(rank, &g.stream);
     if (rc == MOERT_OK) rc = moert_nccl_comm_init_thread(bt->group, rank, rank, &g.nccl);
     char options[160];
-    snprintf(options, sizeof options, "{\"score_function\": \"sigmoid\", \"expert_bias\": true, \"bias_update_rate\": %g}",
-             BIAS_RATE);
+    snprintf(options, sizeof options,
+             "{\"score_function\": \"sigmoid\", \"expert_bias\": true, \"bias_update_rate\": %g}", BIAS_RATE);
     moert_layer_info layer = test_layer(BIAS_H, 4, BIAS_E, BIAS_K, BIAS_T, 2, rank, MOERT_F32);
     layer.device.type = MOERT_DEVICE_CUDA;
     layer.device.id = rank;
@@ -905,9 +942,10 @@ static void check_bias_two_gpus(void)
                 expected[e] += BIAS_RATE * (off > 0 ? 1.0 : off < 0 ? -1.0 : 0.0);
                 for (int r = 0; r < 2; r++)
                     if (fabs(bt.bias[s][r][e] - expected[e]) > 1e-6) {
-                        fprintf(stderr, "two GPUs, end_step %d, rank %d: bias[%lld] = %.8f, expected %.8f (all-reduced "
-                                        "count %lld, mean %.2f)\n", s, r, (long long)e, bt.bias[s][r][e], expected[e],
-                                (long long)total[e], mean);
+                        fprintf(stderr,
+                                "two GPUs, end_step %d, rank %d: bias[%lld] = %.8f, expected %.8f (all-reduced "
+                                "count %lld, mean %.2f)\n",
+                                s, r, (long long)e, bt.bias[s][r][e], expected[e], (long long)total[e], mean);
                         test_failures++;
                     }
                 if (expected[e] != 0.0) moved++;
@@ -936,73 +974,200 @@ int main(void)
     if (!g.pool || !g.stream) return test_finish("gpu_router");
 
     const router_mode modes[] = {
-        {.name = "softmax post, aux_loss (mixtral)", .score = SCORE_POST, .T = 256, .H = 64, .E = 8, .K = 2,
-         .options = "{\"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.02}", .steps = 2, .forwards_per_step = 1},
-        {.name = "softmax post, aux_loss + z_loss (qwen3)", .score = SCORE_POST, .T = 160, .H = 96, .E = 128, .K = 8,
+        {.name = "softmax post, aux_loss (mixtral)",
+         .score = SCORE_POST,
+         .T = 256,
+         .H = 64,
+         .E = 8,
+         .K = 2,
+         .options = "{\"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.02}",
+         .steps = 2,
+         .forwards_per_step = 1},
+        {.name = "softmax post, aux_loss + z_loss (qwen3)",
+         .score = SCORE_POST,
+         .T = 160,
+         .H = 96,
+         .E = 128,
+         .K = 8,
          .options = "{\"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.001, \"z_loss_coeff\": 0.001}",
-         .steps = 2, .forwards_per_step = 1},
-        {.name = "softmax pre, z_loss", .score = SCORE_PRE, .T = 100, .H = 72, .E = 40, .K = 3,
-         .options = "{\"pre_softmax\": true, \"z_loss_coeff\": 0.01}", .steps = 1, .forwards_per_step = 1},
-        {.name = "sigmoid bias G8/4 x2.5 seq_aux (deepseek-v3)", .score = SCORE_SIGMOID, .groups = 8, .group_topk = 4,
-         .T = 128, .H = 80, .E = 64, .K = 8, .seq_length = 32,
+         .steps = 2,
+         .forwards_per_step = 1},
+        {.name = "softmax pre, z_loss",
+         .score = SCORE_PRE,
+         .T = 100,
+         .H = 72,
+         .E = 40,
+         .K = 3,
+         .options = "{\"pre_softmax\": true, \"z_loss_coeff\": 0.01}",
+         .steps = 1,
+         .forwards_per_step = 1},
+        {.name = "sigmoid bias G8/4 x2.5 seq_aux (deepseek-v3)",
+         .score = SCORE_SIGMOID,
+         .groups = 8,
+         .group_topk = 4,
+         .T = 128,
+         .H = 80,
+         .E = 64,
+         .K = 8,
+         .seq_length = 32,
          .options = "{\"score_function\": \"sigmoid\", \"num_groups\": 8, \"group_topk\": 4, \"scaling_factor\": 2.5, "
                     "\"expert_bias\": true, \"bias_update_rate\": 0.01, \"load_balancing\": \"seq_aux_loss\", "
                     "\"aux_loss_coeff\": 0.0001}",
-         .steps = 3, .forwards_per_step = 1},
-        {.name = "sigmoid K1, global_aux_loss, 2 forwards/step", .score = SCORE_SIGMOID, .T = 90, .H = 48, .E = 33,
-         .K = 1, .options = "{\"score_function\": \"sigmoid\", \"load_balancing\": \"global_aux_loss\", "
-                            "\"aux_loss_coeff\": 0.01}",
-         .steps = 2, .forwards_per_step = 2},
-        {.name = "softmax post, no loss, E256 K8", .score = SCORE_POST, .T = 70, .H = 40, .E = 256, .K = 8,
-         .options = "{}", .steps = 1, .forwards_per_step = 1},
+         .steps = 3,
+         .forwards_per_step = 1},
+        {.name = "sigmoid K1, global_aux_loss, 2 forwards/step",
+         .score = SCORE_SIGMOID,
+         .T = 90,
+         .H = 48,
+         .E = 33,
+         .K = 1,
+         .options = "{\"score_function\": \"sigmoid\", \"load_balancing\": \"global_aux_loss\", "
+                    "\"aux_loss_coeff\": 0.01}",
+         .steps = 2,
+         .forwards_per_step = 2},
+        {.name = "softmax post, no loss, E256 K8",
+         .score = SCORE_POST,
+         .T = 70,
+         .H = 40,
+         .E = 256,
+         .K = 8,
+         .options = "{}",
+         .steps = 1,
+         .forwards_per_step = 1},
         /* option gemm: the bf16 runs above take bf16x3 (auto); here a longer H, bf16x3 and fp32 on the same data */
-        {.name = "sigmoid bias G8/4 x2.5, H 1024, gemm auto", .score = SCORE_SIGMOID, .groups = 8, .group_topk = 4,
-         .T = 192, .H = 1024, .E = 256, .K = 8,
+        {.name = "sigmoid bias G8/4 x2.5, H 1024, gemm auto",
+         .score = SCORE_SIGMOID,
+         .groups = 8,
+         .group_topk = 4,
+         .T = 192,
+         .H = 1024,
+         .E = 256,
+         .K = 8,
          .options = "{\"score_function\": \"sigmoid\", \"num_groups\": 8, \"group_topk\": 4, \"scaling_factor\": 2.5, "
                     "\"expert_bias\": true, \"bias_update_rate\": 0.01}",
-         .steps = 2, .forwards_per_step = 1},
-        {.name = "sigmoid bias G8/4 x2.5, H 1024, gemm fp32", .score = SCORE_SIGMOID, .groups = 8, .group_topk = 4,
-         .T = 192, .H = 1024, .E = 256, .K = 8,
+         .steps = 2,
+         .forwards_per_step = 1},
+        {.name = "sigmoid bias G8/4 x2.5, H 1024, gemm fp32",
+         .score = SCORE_SIGMOID,
+         .groups = 8,
+         .group_topk = 4,
+         .T = 192,
+         .H = 1024,
+         .E = 256,
+         .K = 8,
          .options = "{\"score_function\": \"sigmoid\", \"num_groups\": 8, \"group_topk\": 4, \"scaling_factor\": 2.5, "
                     "\"expert_bias\": true, \"bias_update_rate\": 0.01, \"gemm\": \"fp32\"}",
-         .steps = 2, .forwards_per_step = 1},
+         .steps = 2,
+         .forwards_per_step = 1},
     };
     /* Megatron's options of issue 31 on the CUDA path (capacity, padding, sinkhorn, input jitter, forced balance,
      * the compute dtype), each against the CPU path */
     const router_mode more_modes[] = {
-        {.name = "capacity 0.5, drop probs, aux_loss", .score = SCORE_POST, .T = 128, .H = 64, .E = 16, .K = 2,
+        {.name = "capacity 0.5, drop probs, aux_loss",
+         .score = SCORE_POST,
+         .T = 128,
+         .H = 64,
+         .E = 16,
+         .K = 2,
          .options = "{\"capacity_factor\": 0.5, \"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.01}",
-         .steps = 2, .forwards_per_step = 1, .capacity = true},
-        {.name = "capacity 0.75, drop position, padded, pre", .score = SCORE_PRE, .T = 96, .H = 48, .E = 32, .K = 4,
+         .steps = 2,
+         .forwards_per_step = 1,
+         .capacity = true},
+        {.name = "capacity 0.75, drop position, padded, pre",
+         .score = SCORE_PRE,
+         .T = 96,
+         .H = 48,
+         .E = 32,
+         .K = 4,
          .options = "{\"pre_softmax\": true, \"capacity_factor\": 0.75, \"drop_policy\": \"position\", "
                     "\"pad_to_capacity\": true}",
-         .steps = 2, .forwards_per_step = 1, .capacity = true},
-        {.name = "capacity 1.0, sigmoid bias G4/2, padded", .score = SCORE_SIGMOID, .groups = 4, .group_topk = 2,
-         .T = 128, .H = 64, .E = 64, .K = 8,
+         .steps = 2,
+         .forwards_per_step = 1,
+         .capacity = true},
+        {.name = "capacity 1.0, sigmoid bias G4/2, padded",
+         .score = SCORE_SIGMOID,
+         .groups = 4,
+         .group_topk = 2,
+         .T = 128,
+         .H = 64,
+         .E = 64,
+         .K = 8,
          .options = "{\"score_function\": \"sigmoid\", \"num_groups\": 4, \"group_topk\": 2, \"expert_bias\": true, "
                     "\"bias_update_rate\": 0.01, \"capacity_factor\": 1.0, \"pad_to_capacity\": true}",
-         .steps = 3, .forwards_per_step = 1, .capacity = true},
-        {.name = "sinkhorn top-2", .score = SCORE_SINKHORN, .T = 128, .H = 64, .E = 16, .K = 2,
-         .options = "{\"load_balancing\": \"sinkhorn\"}", .steps = 2, .forwards_per_step = 1},
-        {.name = "sinkhorn top-1, z_loss", .score = SCORE_SINKHORN, .T = 100, .H = 40, .E = 8, .K = 1,
-         .options = "{\"load_balancing\": \"sinkhorn\", \"z_loss_coeff\": 0.001}", .steps = 1, .forwards_per_step = 1},
-        {.name = "input jitter 0.05, aux_loss, 2 forwards/step", .score = SCORE_POST, .T = 128, .H = 64, .E = 16,
-         .K = 2, .options = "{\"input_jitter_eps\": 0.05, \"seed\": 9, \"load_balancing\": \"aux_loss\", "
-                            "\"aux_loss_coeff\": 0.01}",
-         .steps = 2, .forwards_per_step = 2, .jitter_eps = 0.05, .seed = 9},
-        {.name = "force_load_balancing, z_loss, capacity 1.0", .score = SCORE_POST, .T = 160, .H = 48, .E = 32, .K = 4,
+         .steps = 3,
+         .forwards_per_step = 1,
+         .capacity = true},
+        {.name = "sinkhorn top-2",
+         .score = SCORE_SINKHORN,
+         .T = 128,
+         .H = 64,
+         .E = 16,
+         .K = 2,
+         .options = "{\"load_balancing\": \"sinkhorn\"}",
+         .steps = 2,
+         .forwards_per_step = 1},
+        {.name = "sinkhorn top-1, z_loss",
+         .score = SCORE_SINKHORN,
+         .T = 100,
+         .H = 40,
+         .E = 8,
+         .K = 1,
+         .options = "{\"load_balancing\": \"sinkhorn\", \"z_loss_coeff\": 0.001}",
+         .steps = 1,
+         .forwards_per_step = 1},
+        {.name = "input jitter 0.05, aux_loss, 2 forwards/step",
+         .score = SCORE_POST,
+         .T = 128,
+         .H = 64,
+         .E = 16,
+         .K = 2,
+         .options = "{\"input_jitter_eps\": 0.05, \"seed\": 9, \"load_balancing\": \"aux_loss\", "
+                    "\"aux_loss_coeff\": 0.01}",
+         .steps = 2,
+         .forwards_per_step = 2,
+         .jitter_eps = 0.05,
+         .seed = 9},
+        {.name = "force_load_balancing, z_loss, capacity 1.0",
+         .score = SCORE_POST,
+         .T = 160,
+         .H = 48,
+         .E = 32,
+         .K = 4,
          .options = "{\"force_load_balancing\": true, \"z_loss_coeff\": 0.001, \"capacity_factor\": 1.0}",
-         .steps = 2, .forwards_per_step = 1, .force_balance = true, .capacity = true},
-        {.name = "compute_dtype fp64, aux + z_loss", .score = SCORE_POST, .T = 128, .H = 96, .E = 64, .K = 8,
+         .steps = 2,
+         .forwards_per_step = 1,
+         .force_balance = true,
+         .capacity = true},
+        {.name = "compute_dtype fp64, aux + z_loss",
+         .score = SCORE_POST,
+         .T = 128,
+         .H = 96,
+         .E = 64,
+         .K = 8,
          .options = "{\"compute_dtype\": \"fp64\", \"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.01, "
                     "\"z_loss_coeff\": 0.001}",
-         .steps = 2, .forwards_per_step = 1},
-        {.name = "compute_dtype fp64, sigmoid bias, jitter", .score = SCORE_SIGMOID, .T = 96, .H = 64, .E = 32, .K = 4,
+         .steps = 2,
+         .forwards_per_step = 1},
+        {.name = "compute_dtype fp64, sigmoid bias, jitter",
+         .score = SCORE_SIGMOID,
+         .T = 96,
+         .H = 64,
+         .E = 32,
+         .K = 4,
          .options = "{\"compute_dtype\": \"fp64\", \"score_function\": \"sigmoid\", \"expert_bias\": true, "
                     "\"input_jitter_eps\": 0.02}",
-         .steps = 2, .forwards_per_step = 1, .jitter_eps = 0.02},
-        {.name = "compute_dtype fp32, pre_softmax", .score = SCORE_PRE, .T = 100, .H = 72, .E = 40, .K = 3,
-         .options = "{\"compute_dtype\": \"fp32\", \"pre_softmax\": true}", .steps = 1, .forwards_per_step = 1},
+         .steps = 2,
+         .forwards_per_step = 1,
+         .jitter_eps = 0.02},
+        {.name = "compute_dtype fp32, pre_softmax",
+         .score = SCORE_PRE,
+         .T = 100,
+         .H = 72,
+         .E = 40,
+         .K = 3,
+         .options = "{\"compute_dtype\": \"fp32\", \"pre_softmax\": true}",
+         .steps = 1,
+         .forwards_per_step = 1},
     };
     for (size_t i = 0; i < sizeof more_modes / sizeof more_modes[0]; i++) {
         check_mode(&more_modes[i], MOERT_F32, &g);
@@ -1020,8 +1185,10 @@ int main(void)
     moert_cuda_stream_destroy(g.stream);
     moert_cuda_pool_destroy(g.pool);
 
-    if (count >= 2) check_bias_two_gpus();
-    else printf("one GPU: the two-GPU bias all-reduce check is skipped\n");
+    if (count >= 2)
+        check_bias_two_gpus();
+    else
+        printf("one GPU: the two-GPU bias all-reduce check is skipped\n");
     return test_finish("gpu_router");
 }
 

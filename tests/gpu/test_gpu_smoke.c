@@ -60,7 +60,7 @@ static void check_round_sizes(void)
     EXPECT_EQ_INT(moert_cuda_pool_round_size(1), 512);
     EXPECT_EQ_INT(moert_cuda_pool_round_size(513), 1024);
     EXPECT_EQ_INT(moert_cuda_pool_round_size(1u << 20), 1u << 20);
-    EXPECT_EQ_INT(moert_cuda_pool_round_size((1u << 20) + 1), (1u << 20) + (1u << 18));  /* 1.25 MiB */
+    EXPECT_EQ_INT(moert_cuda_pool_round_size((1u << 20) + 1), (1u << 20) + (1u << 18)); /* 1.25 MiB */
     EXPECT_EQ_INT(moert_cuda_pool_round_size(3u << 20), 3u << 20);
     EXPECT_EQ_INT(moert_cuda_pool_round_size((5u << 20) + 1), 6u << 20);
     EXPECT_EQ_INT(moert_cuda_pool_round_size((7u << 20) + 1), 8u << 20);
@@ -259,34 +259,28 @@ typedef struct nccl_test {
 } nccl_test;
 
 /* A check inside a rank thread: counts into that rank's slot (EXPECT is not thread-safe). */
-#define RANK_EXPECT(t, rank, cond)                                                                           \
-    do {                                                                                                     \
-        if (!(cond)) {                                                                                       \
-            fprintf(stderr, "%s:%d: rank %d: expected %s\n", __FILE__, __LINE__, rank, #cond);               \
-            (t)->failures[rank]++;                                                                           \
-        }                                                                                                    \
+#define RANK_EXPECT(t, rank, cond)                                                                                     \
+    do {                                                                                                               \
+        if (!(cond)) {                                                                                                 \
+            fprintf(stderr, "%s:%d: rank %d: expected %s\n", __FILE__, __LINE__, rank, #cond);                         \
+            (t)->failures[rank]++;                                                                                     \
+        }                                                                                                              \
     } while (0)
 
-#define RANK_OK(t, rank, call)                                                                               \
-    do {                                                                                                     \
-        moert_result _r = (call);                                                                            \
-        if (_r != MOERT_OK) {                                                                                \
-            fprintf(stderr, "%s:%d: rank %d: %s failed: %s\n", __FILE__, __LINE__, rank, #call,               \
-                    moert_error_message());                                                                  \
-            (t)->failures[rank]++;                                                                           \
-        }                                                                                                    \
+#define RANK_OK(t, rank, call)                                                                                         \
+    do {                                                                                                               \
+        moert_result _r = (call);                                                                                      \
+        if (_r != MOERT_OK) {                                                                                          \
+            fprintf(stderr, "%s:%d: rank %d: %s failed: %s\n", __FILE__, __LINE__, rank, #call,                        \
+                    moert_error_message());                                                                            \
+            (t)->failures[rank]++;                                                                                     \
+        }                                                                                                              \
     } while (0)
 
 /* Elements rank `from` sends to rank `to` in the alltoallv: uneven, zero for some pairs. */
-static size_t a2a_count(int from, int to)
-{
-    return (size_t)(((from * 3 + to * 5) % 4) * 1000 + (from == to ? 7 : 0));
-}
+static size_t a2a_count(int from, int to) { return (size_t)(((from * 3 + to * 5) % 4) * 1000 + (from == to ? 7 : 0)); }
 
-static int32_t a2a_value(int from, int to, size_t j)
-{
-    return (int32_t)(from * 10000000 + to * 100000 + (int)j);
-}
+static int32_t a2a_value(int from, int to, size_t j) { return (int32_t)(from * 10000000 + to * 100000 + (int)j); }
 
 static void nccl_rank(int rank, void *user)
 {
@@ -337,7 +331,8 @@ static void nccl_rank(int rank, void *user)
     RANK_OK(t, rank, moert_cuda_memcpy_async(h_f64, d_send, n * sizeof(double), s));
     RANK_OK(t, rank, moert_nccl_stream_wait(c, s, "allreduce f64 test"));
     bad = 0;
-    for (size_t i = 0; i < n; i++) bad += fabs(h_f64[i] - 0.1 * world * (world + 1) / 2 * (double)(i + 1)) > 1e-9 * (double)(i + 1);
+    for (size_t i = 0; i < n; i++)
+        bad += fabs(h_f64[i] - 0.1 * world * (world + 1) / 2 * (double)(i + 1)) > 1e-9 * (double)(i + 1);
     RANK_EXPECT(t, rank, bad == 0);
 
     int64_t *h_i64 = (int64_t *)h_f32;
@@ -348,8 +343,7 @@ static void nccl_rank(int rank, void *user)
     RANK_OK(t, rank, moert_nccl_stream_wait(c, s, "allreduce i64 test"));
     bad = 0;
     int64_t rank_sum = (int64_t)world * (world - 1) / 2;
-    for (size_t i = 0; i < n; i++)
-        bad += h_i64[i] != ((int64_t)1 << 40) * (rank_sum + world) + (int64_t)i * rank_sum;
+    for (size_t i = 0; i < n; i++) bad += h_i64[i] != ((int64_t)1 << 40) * (rank_sum + world) + (int64_t)i * rank_sum;
     RANK_EXPECT(t, rank, bad == 0);
     RANK_EXPECT(t, rank, moert_nccl_allreduce_sum(c, d_send, n, MOERT_F8E4M3, s) == MOERT_ERR_UNSUPPORTED);
 
@@ -395,8 +389,9 @@ static void nccl_rank(int rank, void *user)
     RANK_OK(t, rank, moert_nccl_barrier(c, "peer buffers zeroed")); /* every buffer zeroed before anyone writes */
     for (int p = 0; p < world; p++) {
         if (!peers[p]) continue;
-        RANK_EXPECT(t, rank, cudaMemcpyPeerAsync((int32_t *)peers[p] + rank * slot, p, (int32_t *)d_src + p * slot,
-                                                 rank, slot * sizeof(int32_t), (cudaStream_t)s) == cudaSuccess);
+        RANK_EXPECT(t, rank,
+                    cudaMemcpyPeerAsync((int32_t *)peers[p] + rank * slot, p, (int32_t *)d_src + p * slot, rank,
+                                        slot * sizeof(int32_t), (cudaStream_t)s) == cudaSuccess);
     }
     RANK_OK(t, rank, moert_nccl_stream_wait(c, s, "peer writes"));
     RANK_OK(t, rank, moert_nccl_barrier(c, "peer writes done"));

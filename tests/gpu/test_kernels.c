@@ -30,24 +30,24 @@ int main(void)
 
 /* ---- plumbing: checked CUDA calls, a host table for the plugins' error messages, the result table ---- */
 
-#define CK(call)                                                                                             \
-    do {                                                                                                     \
-        cudaError_t e_ = (call);                                                                             \
-        if (e_ != cudaSuccess) {                                                                             \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));    \
-            exit(1);                                                                                         \
-        }                                                                                                    \
+#define CK(call)                                                                                                       \
+    do {                                                                                                               \
+        cudaError_t e_ = (call);                                                                                       \
+        if (e_ != cudaSuccess) {                                                                                       \
+            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));              \
+            exit(1);                                                                                                   \
+        }                                                                                                              \
     } while (0)
 
 /* A moert call that must succeed (plugin kernels report through the test host, core ones via moert_error). */
-#define OK(call)                                                                                             \
-    do {                                                                                                     \
-        moert_result r_ = (call);                                                                            \
-        if (r_ != MOERT_OK) {                                                                                \
-            fprintf(stderr, "%s:%d: %s failed (%s): %s%s\n", __FILE__, __LINE__, #call, moert_result_name(r_), \
-                    host_error, moert_error_message());                                                      \
-            test_failures++;                                                                                 \
-        }                                                                                                    \
+#define OK(call)                                                                                                       \
+    do {                                                                                                               \
+        moert_result r_ = (call);                                                                                      \
+        if (r_ != MOERT_OK) {                                                                                          \
+            fprintf(stderr, "%s:%d: %s failed (%s): %s%s\n", __FILE__, __LINE__, #call, moert_result_name(r_),         \
+                    host_error, moert_error_message());                                                                \
+            test_failures++;                                                                                           \
+        }                                                                                                              \
     } while (0)
 
 static char host_error[1024];
@@ -68,7 +68,8 @@ static void test_host_set_error(const moert_host *h, const char *fmt, ...)
     va_end(ap);
 }
 
-static moert_host test_host = {.struct_size = sizeof(moert_host), .log = test_host_log, .set_error = test_host_set_error};
+static moert_host test_host = {
+    .struct_size = sizeof(moert_host), .log = test_host_log, .set_error = test_host_set_error};
 
 typedef struct table_row {
     char what[48];
@@ -208,7 +209,8 @@ static void check_gemm_case(moert_bf16_cuda *g, const gemm_case *c, moert_dtype 
             }
     int untouched = 1;
     for (int64_t i = rows * N; i < (rows + pad) * N; i++) untouched &= isnan(got[i]);
-    record("gemm forward", rel_error(got, ref, rows * N), tol_for(t), "%s %s %s", c->name, moert_dtype_name(t), mode_name);
+    record("gemm forward", rel_error(got, ref, rows * N), tol_for(t), "%s %s %s", c->name, moert_dtype_name(t),
+           mode_name);
     record("gemm pad rows untouched", untouched ? 0 : 1, 0, "%s %s %s", c->name, moert_dtype_name(t), mode_name);
 
     /* DGRAD */
@@ -226,7 +228,8 @@ static void check_gemm_case(moert_bf16_cuda *g, const gemm_case *c, moert_dtype 
                 for (int64_t n = 0; n < N; n++) s += dy[r * N + n] * w[(e * K + k) * N + n];
                 ref[r * K + k] = s;
             }
-    record("gemm dgrad", rel_error(got, ref, rows * K), tol_for(t), "%s %s %s", c->name, moert_dtype_name(t), mode_name);
+    record("gemm dgrad", rel_error(got, ref, rows * K), tol_for(t), "%s %s %s", c->name, moert_dtype_name(t),
+           mode_name);
 
     /* WGRAD accumulating into random values, then overwriting a poisoned buffer (empty experts -> 0) */
     for (int accumulate = 1; accumulate >= 0; accumulate--) {
@@ -295,8 +298,13 @@ static void check_gemm(void)
     moert_device dev = {MOERT_DEVICE_CUDA, 0};
     moert_tensor tx = moert_tensor_2d(dx, dev, MOERT_F32, 13, 16), tw = moert_tensor_3d(dw, dev, MOERT_F32, 3, 16, 8);
     moert_tensor ty = moert_tensor_2d(dy, dev, MOERT_F32, 13, 8), tc = moert_tensor_1d(dcounts, dev, MOERT_I64, 3);
-    moert_grouped_gemm_args a = {.struct_size = sizeof a, .which = MOERT_GEMM_FC1, .pass = MOERT_GEMM_FORWARD,
-                                 .tokens_per_expert = &tc, .input = &tx, .weight = &tw, .output = &ty};
+    moert_grouped_gemm_args a = {.struct_size = sizeof a,
+                                 .which = MOERT_GEMM_FC1,
+                                 .pass = MOERT_GEMM_FORWARD,
+                                 .tokens_per_expert = &tc,
+                                 .input = &tx,
+                                 .weight = &tw,
+                                 .output = &ty};
     OK(moert_bf16_cuda_run(g, NULL, &a));
     double got[13 * 8], ref[13 * 8];
     download(got, dy, 13 * 8, MOERT_F32);
@@ -313,8 +321,9 @@ static void check_gemm(void)
     a.output = &ty_bad;
     host_error[0] = '\0';
     moert_result rc = moert_bf16_cuda_run(g, NULL, &a);
-    record("gemm ABI bad shape refused", rc == MOERT_ERR_INVALID_ARGUMENT && strstr(host_error, "FORWARD shapes disagree")
-                                             ? 0 : 1, 0, "output [13,7]");
+    record("gemm ABI bad shape refused",
+           rc == MOERT_ERR_INVALID_ARGUMENT && strstr(host_error, "FORWARD shapes disagree") ? 0 : 1, 0,
+           "output [13,7]");
     CK(cudaFree(dx));
     CK(cudaFree(dw));
     CK(cudaFree(dy));
@@ -355,7 +364,8 @@ static void check_swiglu_case(moert_dtype t, int64_t rows, int64_t F, int with_p
         }
     download(got, d_out, n_out + off, t);
     record("swiglu forward", rel_error(got + off, ref, n_out), tol_for(t), "%s rows %lld F %lld%s%s",
-           moert_dtype_name(t), (long long)rows, (long long)F, with_prob ? "" : " no prob", misalign ? " misaligned" : "");
+           moert_dtype_name(t), (long long)rows, (long long)F, with_prob ? "" : " no prob",
+           misalign ? " misaligned" : "");
     for (int64_t r = 0; r < rows; r++)
         for (int64_t j = 0; j < F; j++) {
             double p = with_prob ? prob[r] : 1.0, a = x[r * 2 * F + j], gg = x[r * 2 * F + F + j], d = dy[r * F + j];
@@ -366,7 +376,8 @@ static void check_swiglu_case(moert_dtype t, int64_t rows, int64_t F, int with_p
         }
     download(got, d_din, n_in + off, t);
     record("swiglu backward d_in", rel_error(got + off, ref, n_in), tol_for(t), "%s rows %lld F %lld%s%s",
-           moert_dtype_name(t), (long long)rows, (long long)F, with_prob ? "" : " no prob", misalign ? " misaligned" : "");
+           moert_dtype_name(t), (long long)rows, (long long)F, with_prob ? "" : " no prob",
+           misalign ? " misaligned" : "");
     download(got, d_dprob, rows, MOERT_F32);
     record("swiglu backward d_prob", rel_error(got, ref_dprob, rows), 1e-4, "%s rows %lld F %lld", moert_dtype_name(t),
            (long long)rows, (long long)F);
@@ -389,7 +400,8 @@ static void check_swiglu(void)
     const int64_t sizes[][2] = {{1, 8}, {7, 13}, {129, 768}, {33, 1000}, {5, 2048}};
     for (int d = 0; d < 2; d++) {
         moert_dtype t = d ? MOERT_F32 : MOERT_BF16;
-        for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) check_swiglu_case(t, sizes[i][0], sizes[i][1], 1, 0);
+        for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
+            check_swiglu_case(t, sizes[i][0], sizes[i][1], 1, 0);
         check_swiglu_case(t, 9, 64, 0, 0);
         check_swiglu_case(t, 9, 64, 1, 1);
     }
@@ -417,8 +429,7 @@ static void check_small_copies(void)
             OK(moert_cuda_memcpy_async(host + off, dev + off, n, NULL));
             CK(cudaDeviceSynchronize());
             double bad = 0;
-            for (size_t i = 0; i < cap; i++)
-                bad += host[i] != (i >= off && i < off + n ? pattern[i] : 0xA5);
+            for (size_t i = 0; i < cap; i++) bad += host[i] != (i >= off && i < off + n ? pattern[i] : 0xA5);
             record("memcpy_async D2H pinned", bad, 0, "%zu bytes at offset %zu", n, off);
             /* pinned host -> device */
             memcpy(host, pattern, cap);
@@ -427,8 +438,7 @@ static void check_small_copies(void)
             CK(cudaDeviceSynchronize());
             CK(cudaMemcpy(back, dev, cap, cudaMemcpyDeviceToHost));
             bad = 0;
-            for (size_t i = 0; i < cap; i++)
-                bad += back[i] != (i >= off && i < off + n ? pattern[i] : 0x5A);
+            for (size_t i = 0; i < cap; i++) bad += back[i] != (i >= off && i < off + n ? pattern[i] : 0x5A);
             record("memcpy_async H2D pinned", bad, 0, "%zu bytes at offset %zu", n, off);
         }
     CK(cudaFreeHost(host));
@@ -520,7 +530,8 @@ static void check_elementwise(void)
             CK(cudaMemcpy(res, d_res, sizeof res, cudaMemcpyDeviceToHost));
             double ref = 0;
             for (int64_t i = 0; i < m; i++) ref += (x[i] - y[i]) * (x[i] - y[i]);
-            record("sum_squares (x-y)^2", fabs(res[0] - ref) / ref, 1e-5, "%s n %lld", moert_dtype_name(t), (long long)m);
+            record("sum_squares (x-y)^2", fabs(res[0] - ref) / ref, 1e-5, "%s n %lld", moert_dtype_name(t),
+                   (long long)m);
             record("sum_squares deterministic", memcmp(&res[0], &res[1], sizeof(float)) ? 1 : 0, 0, "%s n %lld",
                    moert_dtype_name(t), (long long)m);
             OK(moert_cuda_sum_squares(NULL, t, m, d_x, NULL, d_res, ws));
@@ -538,8 +549,8 @@ static void check_elementwise(void)
 
     /* Adam: three steps against the formula in double */
     const int64_t np = 4099;
-    moert_cuda_adam_config cfg = {.lr = 1e-2, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1,
-                                  .grad_scale = 0.5};
+    moert_cuda_adam_config cfg = {
+        .lr = 1e-2, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1, .grad_scale = 0.5};
     for (int d = 0; d < 2; d++) {
         moert_dtype gt = d ? MOERT_F32 : MOERT_BF16;
         double *p = random_values(np, MOERT_F32, 1.0), *mref = calloc((size_t)np, sizeof(double));
@@ -565,7 +576,8 @@ static void check_elementwise(void)
         record("adam params after 3 steps", rel_error(got, p, np), 1e-5, "grad %s n %lld", moert_dtype_name(gt),
                (long long)np);
         download(got, d_v, np, MOERT_F32);
-        record("adam second moment", rel_error(got, vref, np), 1e-5, "grad %s n %lld", moert_dtype_name(gt), (long long)np);
+        record("adam second moment", rel_error(got, vref, np), 1e-5, "grad %s n %lld", moert_dtype_name(gt),
+               (long long)np);
         CK(cudaFree(d_p));
         CK(cudaFree(d_m));
         CK(cudaFree(d_v));
@@ -588,8 +600,10 @@ static int32_t *random_routing(int64_t T, int64_t K, int64_t E, double drop, int
             int32_t e;
             int fresh;
             do {
-                if (k == 0 && hot >= 0 && (uniform() + 1) / 2 < hot_share) e = (int32_t)hot;
-                else e = (int32_t)((uint64_t)((uniform() + 1) / 2 * (double)E) % (uint64_t)E);
+                if (k == 0 && hot >= 0 && (uniform() + 1) / 2 < hot_share)
+                    e = (int32_t)hot;
+                else
+                    e = (int32_t)((uint64_t)((uniform() + 1) / 2 * (double)E) % (uint64_t)E);
                 fresh = 1;
                 for (int64_t j = 0; j < k; j++) fresh &= idx[t * K + j] != e;
             } while (!fresh);
@@ -605,10 +619,11 @@ static void check_layout_case(int64_t T, int64_t K, int64_t E, double drop, int6
     int32_t *idx = random_routing(T, K, E, drop, hot, 0.7);
     void *d_idx = dalloc((size_t)(T * K + 1) * 4);
     if (T) CK(cudaMemcpy(d_idx, idx, (size_t)(T * K) * 4, cudaMemcpyHostToDevice));
-    moert_a2a_cuda_layout_buffers L = {
-        .tokens_per_expert = dalloc((size_t)E * 8), .expert_offsets = dalloc((size_t)(E + 1) * 8),
-        .row_of_copy = dalloc((size_t)(T * K + 1) * 4), .copy_of_row = dalloc((size_t)(T * K + 1) * 4),
-        .scratch = dalloc(moert_a2a_cuda_layout_scratch_bytes(T, E))};
+    moert_a2a_cuda_layout_buffers L = {.tokens_per_expert = dalloc((size_t)E * 8),
+                                       .expert_offsets = dalloc((size_t)(E + 1) * 8),
+                                       .row_of_copy = dalloc((size_t)(T * K + 1) * 4),
+                                       .copy_of_row = dalloc((size_t)(T * K + 1) * 4),
+                                       .scratch = dalloc(moert_a2a_cuda_layout_scratch_bytes(T, E))};
     int64_t *counts_host = malloc((size_t)E * 8);
     OK(moert_a2a_cuda_layout(&test_host, NULL, d_idx, T, K, E, &L, counts_host));
 
@@ -696,7 +711,8 @@ static void check_layout_case(int64_t T, int64_t K, int64_t E, double drop, int6
         void *d_limit = dalloc(8);
         CK(cudaMemcpy(d_limit, &offsets[E], 8, cudaMemcpyHostToDevice));
         /* rows bounded on the device (no host count): launch for T*K, stop at the kept total */
-        OK(moert_a2a_cuda_gather_rows(&test_host, NULL, MOERT_F32, T * K, 1, L.copy_of_row, 1, d_limit, d_probs, d_recv));
+        OK(moert_a2a_cuda_gather_rows(&test_host, NULL, MOERT_F32, T * K, 1, L.copy_of_row, 1, d_limit, d_probs,
+                                      d_recv));
         OK(moert_a2a_cuda_gather_rows(&test_host, NULL, MOERT_F32, T * K, 1, L.row_of_copy, 1, NULL, d_recv, d_back));
         double *got = malloc((size_t)(T * K + 1) * sizeof(double));
         download(got, d_recv, T * K, MOERT_F32);
@@ -811,8 +827,8 @@ static void check_regroup_case(int64_t W, int64_t EL)
 
 static void check_dispatch(void)
 {
-    check_layout_case(1000, 4, 64, 0.1, 5);   /* one hot expert, drops, T not a multiple of 32 */
-    check_layout_case(77, 2, 8, 0.0, -1);     /* mixtral-like */
+    check_layout_case(1000, 4, 64, 0.1, 5);    /* one hot expert, drops, T not a multiple of 32 */
+    check_layout_case(77, 2, 8, 0.0, -1);      /* mixtral-like */
     check_layout_case(4096, 8, 256, 0.02, -1); /* deepseek-like */
     check_layout_case(33, 3, 1000, 0.3, -1);   /* many experts, most empty */
     check_layout_case(0, 2, 8, 0.0, -1);       /* no tokens */
@@ -824,14 +840,17 @@ static void check_dispatch(void)
     int32_t idx[4] = {0, 9, 1, -1};
     void *d_idx = dalloc(sizeof idx);
     CK(cudaMemcpy(d_idx, idx, sizeof idx, cudaMemcpyHostToDevice));
-    moert_a2a_cuda_layout_buffers L = {.tokens_per_expert = dalloc(4 * 8), .expert_offsets = dalloc(5 * 8),
-                                       .row_of_copy = dalloc(16), .copy_of_row = dalloc(16),
+    moert_a2a_cuda_layout_buffers L = {.tokens_per_expert = dalloc(4 * 8),
+                                       .expert_offsets = dalloc(5 * 8),
+                                       .row_of_copy = dalloc(16),
+                                       .copy_of_row = dalloc(16),
                                        .scratch = dalloc(moert_a2a_cuda_layout_scratch_bytes(2, 4))};
     int64_t counts[4];
     host_error[0] = '\0';
     moert_result rc = moert_a2a_cuda_layout(&test_host, NULL, d_idx, 2, 2, 4, &L, counts);
     record("a2a bad expert id reported",
-           rc == MOERT_ERR_INVALID_ARGUMENT && strstr(host_error, "1 expert ids of topk_idx are outside [-1, 4)") ? 0 : 1,
+           rc == MOERT_ERR_INVALID_ARGUMENT && strstr(host_error, "1 expert ids of topk_idx are outside [-1, 4)") ? 0
+                                                                                                                  : 1,
            0, "id 9 of 4 experts");
     CK(cudaFree(d_idx));
     CK(cudaFree(L.tokens_per_expert));
@@ -909,7 +928,8 @@ static void router_cpu_token(const moert_router_cuda_params *p, const double *l,
 }
 
 /* Probs of a fixed selection as a function of the logits (for finite differences of the backward). */
-static void router_cpu_probs_fixed(const moert_router_cuda_params *p, const double *l, const int32_t *idx, double *probs)
+static void router_cpu_probs_fixed(const moert_router_cuda_params *p, const double *l, const int32_t *idx,
+                                   double *probs)
 {
     const int64_t E = p->num_experts, K = p->topk;
     double q[8], sum = 0;
@@ -1030,22 +1050,34 @@ static void check_router_case(const char *name, moert_router_cuda_params p, int 
 
 static void check_router(void)
 {
-    moert_router_cuda_params mixtral = {.tokens = 77, .num_experts = 8, .topk = 2, .score = MOERT_ROUTER_CUDA_SOFTMAX_POST};
+    moert_router_cuda_params mixtral = {
+        .tokens = 77, .num_experts = 8, .topk = 2, .score = MOERT_ROUTER_CUDA_SOFTMAX_POST};
     check_router_case("softmax post E8 K2", mixtral, 0);
-    moert_router_cuda_params qwen = {.tokens = 300, .num_experts = 128, .topk = 8, .score = MOERT_ROUTER_CUDA_SOFTMAX_POST};
+    moert_router_cuda_params qwen = {
+        .tokens = 300, .num_experts = 128, .topk = 8, .score = MOERT_ROUTER_CUDA_SOFTMAX_POST};
     check_router_case("softmax post E128 K8", qwen, 0);
     moert_router_cuda_params pre = {.tokens = 65, .num_experts = 40, .topk = 3, .score = MOERT_ROUTER_CUDA_SOFTMAX_PRE};
     check_router_case("softmax pre E40 K3", pre, 0);
     pre.normalize = 1;
     pre.scaling_factor = 1.5;
     check_router_case("softmax pre norm x1.5 E40 K3", pre, 0);
-    moert_router_cuda_params dsv3 = {.tokens = 129, .num_experts = 256, .topk = 8, .score = MOERT_ROUTER_CUDA_SIGMOID,
-                                     .num_groups = 8, .group_topk = 4, .normalize = 1, .scaling_factor = 2.5};
+    moert_router_cuda_params dsv3 = {.tokens = 129,
+                                     .num_experts = 256,
+                                     .topk = 8,
+                                     .score = MOERT_ROUTER_CUDA_SIGMOID,
+                                     .num_groups = 8,
+                                     .group_topk = 4,
+                                     .normalize = 1,
+                                     .scaling_factor = 2.5};
     check_router_case("sigmoid+bias G8/4 x2.5 E256 K8", dsv3, 1);
     moert_router_cuda_params sig = {.tokens = 50, .num_experts = 33, .topk = 1, .score = MOERT_ROUTER_CUDA_SIGMOID};
     check_router_case("sigmoid E33 K1", sig, 0);
-    moert_router_cuda_params grp = {.tokens = 70, .num_experts = 96, .topk = 6, .score = MOERT_ROUTER_CUDA_SOFTMAX_POST,
-                                    .num_groups = 12, .group_topk = 3};
+    moert_router_cuda_params grp = {.tokens = 70,
+                                    .num_experts = 96,
+                                    .topk = 6,
+                                    .score = MOERT_ROUTER_CUDA_SOFTMAX_POST,
+                                    .num_groups = 12,
+                                    .group_topk = 3};
     check_router_case("softmax post G12/3 E96 K6", grp, 0);
 
     moert_router_cuda_params bad = {.tokens = 4, .num_experts = 300, .topk = 2};

@@ -28,8 +28,10 @@ static double step_time(uint64_t *s, double scale)
 
 static void number(FILE *f, double v)
 {
-    if (isfinite(v)) fprintf(f, "%.17g", v);
-    else fprintf(f, "null");
+    if (isfinite(v))
+        fprintf(f, "%.17g", v);
+    else
+        fprintf(f, "null");
 }
 
 static void array(FILE *f, const double *v, int n)
@@ -72,12 +74,12 @@ static void write_case(FILE *f, bool first, uint64_t data_seed, int n, double sc
 static void write_all(FILE *f)
 {
     fprintf(f, "{\"cases\": [");
-    write_case(f, true, 7, 40, 1.05, 1, 2000, 0.95);            /* planted 5% slower */
-    write_case(f, false, 8, 40, 0.95, 2, 2000, 0.95);           /* planted 5% faster */
-    write_case(f, false, 1000, 30, 1.0, 3, 1000, 0.95);         /* an A/A */
-    write_case(f, false, 11, 9, 1.02, 20261126, 2000, 0.9);     /* few steps, odd count, another level */
+    write_case(f, true, 7, 40, 1.05, 1, 2000, 0.95);                    /* planted 5% slower */
+    write_case(f, false, 8, 40, 0.95, 2, 2000, 0.95);                   /* planted 5% faster */
+    write_case(f, false, 1000, 30, 1.0, 3, 1000, 0.95);                 /* an A/A */
+    write_case(f, false, 11, 9, 1.02, 20261126, 2000, 0.9);             /* few steps, odd count, another level */
     write_case(f, false, 12, 2, 1.0, 0xfffffffffffffff0ull, 500, 0.95); /* two steps, a seed that wraps */
-    write_case(f, false, 13, 1, 1.0, 5, 2000, 0.95);            /* too few steps: no interval */
+    write_case(f, false, 13, 1, 1.0, 5, 2000, 0.95);                    /* too few steps: no interval */
     fprintf(f, "],\n \"orders\": {\"2\": [");
     for (int64_t step = 1; step <= 12; step++) {
         int order[3];
@@ -118,8 +120,10 @@ int main(int argc, char **argv)
         printf("ab_stats_driver: %s is current\n", argv[1]);
         rc = 0;
     } else {
-        fprintf(stderr, "ab_stats_driver: %s differs from what tools/ab_stats.c gives now; if the statistics changed "
-                        "on purpose (and moert.ab with them), rewrite it: ab_stats_driver > %s\n", argv[1], argv[1]);
+        fprintf(stderr,
+                "ab_stats_driver: %s differs from what tools/ab_stats.c gives now; if the statistics changed "
+                "on purpose (and moert.ab with them), rewrite it: ab_stats_driver > %s\n",
+                argv[1], argv[1]);
     }
 exit:
     free(mine);

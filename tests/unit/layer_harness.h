@@ -21,7 +21,7 @@ typedef struct layer_harness {
     moert_host *core_host;
     test_instance inst[MOERT_SLOT_COUNT]; /* router, dispatcher, precision, memory policy */
     moert_layer L;
-    moert_tensor x, y, d_y, d_x;  /* [T, H] on the device */
+    moert_tensor x, y, d_y, d_x; /* [T, H] on the device */
 } layer_harness;
 
 /* Copies n bytes between host memory and the harness device, waiting for the copy. */
@@ -71,8 +71,13 @@ static moert_result harness_open(layer_harness *hz, moert_device device, int64_t
 #endif
     hz->empty_options = json_object();
     hz->core_section = moert_section_create(hz->empty_options, "$");
-    moert_host_setup setup = {.who = "core (test)", .options = hz->core_section, .rank = 0, .world_size = 1,
-                              .device = device, .cuda_pool = hz->pool, .stream = hz->stream};
+    moert_host_setup setup = {.who = "core (test)",
+                              .options = hz->core_section,
+                              .rank = 0,
+                              .world_size = 1,
+                              .device = device,
+                              .cuda_pool = hz->pool,
+                              .stream = hz->stream};
     MOERT_CHECK(moert_host_create(&setup, &hz->core_host));
 
     moert_layer *L = &hz->L;

@@ -23,8 +23,10 @@ static void read_chunked(moert_runtime *rt, int layer, moert_param_id which, int
     }
     for (int64_t first = 0; first < numel; first += chunk) {
         const int64_t count = numel - first < chunk ? numel - first : chunk;
-        if (layer < 0) EXPECT_OK(moert_runtime_read_output(rt, first, count, buf));
-        else EXPECT_OK(moert_runtime_read_grad(rt, layer, which, first, count, buf));
+        if (layer < 0)
+            EXPECT_OK(moert_runtime_read_output(rt, first, count, buf));
+        else
+            EXPECT_OK(moert_runtime_read_grad(rt, layer, which, first, count, buf));
         for (int r = 0; r < nlocal; r++)
             for (int64_t i = 0; i < count; i++) out[r * numel + first + i] = buf[r * count + i];
     }

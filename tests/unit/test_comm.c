@@ -26,13 +26,13 @@ static void rank_fail(int rank, const char *what, const char *detail)
     test_failures++;
     pthread_mutex_unlock(&failures_lock);
 }
-#define RANK_CHECK(rank, cond)                                                                               \
-    do {                                                                                                     \
-        if (!(cond)) rank_fail(rank, "expected", #cond);                                                     \
+#define RANK_CHECK(rank, cond)                                                                                         \
+    do {                                                                                                               \
+        if (!(cond)) rank_fail(rank, "expected", #cond);                                                               \
     } while (0)
-#define RANK_OK(rank, call)                                                                                  \
-    do {                                                                                                     \
-        if ((call) != MOERT_OK) rank_fail(rank, #call, moert_error_message());                               \
+#define RANK_OK(rank, call)                                                                                            \
+    do {                                                                                                               \
+        if ((call) != MOERT_OK) rank_fail(rank, #call, moert_error_message());                                         \
     } while (0)
 
 typedef struct collectives_run {
@@ -43,7 +43,10 @@ typedef struct collectives_run {
 } collectives_run;
 
 /* A value that differs per rank, element and iteration, with fractions that make summation order visible. */
-static double rank_value(int rank, int i, int iter) { return (rank + 1) * 0.1 + i * 1e-7 + iter * 3.3e-3 + 1e8 * (i == 2) * (rank == 0 ? 1 : -1); }
+static double rank_value(int rank, int i, int iter)
+{
+    return (rank + 1) * 0.1 + i * 1e-7 + iter * 3.3e-3 + 1e8 * (i == 2) * (rank == 0 ? 1 : -1);
+}
 
 /* Every collective many times in a row, checked each time. */
 static void collectives_rank(int rank, void *user)
@@ -156,7 +159,7 @@ static void test_world_of_one(void)
 
 typedef struct stall_run {
     moert_comm_group *group;
-    int stalled;              /* this rank never arrives (-1: none) */
+    int stalled; /* this rank never arrives (-1: none) */
     moert_result rc[WORLD];
     char message[WORLD][512];
     double elapsed[WORLD];

@@ -64,7 +64,8 @@ static void test_values(void)
         " \"model\": {\"hidden\": 32, \"ffn_hidden\": 48, \"num_experts\": 16, \"topk\": 4, \"num_layers\": 3,"
         " \"dtype\": \"bf16\"},\n"
         " \"parallel\": {\"ranks\": 4, \"device\": \"cuda\", \"timeout_s\": 2.5, \"cuda_graph\": \"on\"},\n"
-        " \"train\": {\"steps\": 0, \"tokens_per_rank\": 64, \"micro_batches\": 3, \"seq_length\": 16, \"seed\": 7, \"log_every\": 5,"
+        " \"train\": {\"steps\": 0, \"tokens_per_rank\": 64, \"micro_batches\": 3, \"seq_length\": 16, \"seed\": 7, "
+        "\"log_every\": 5,"
         " \"lr\": 0.01, \"weight_decay\": 0.1, \"teacher_scale\": 2, \"optimizer\": \"sgd\"},\n"
         " \"router\": {\"plugin\": \"/opt/x/libmoert-router-mine.so\", \"anything\": [1, 2]},\n"
         " \"dispatcher\": {\"plugin\": \"deepep\"}, \"precision\": {}, \"memory_policy\": {\"plugin\": \"lean\"}}";
@@ -121,15 +122,17 @@ static void test_errors(void)
                         "config error at $.model.hiden: unknown key (did you mean \"hidden\"?)");
     expect_config_error("{\"modle\": {}}", MOERT_ERR_CONFIG,
                         "config error at $.modle: unknown key (did you mean \"model\"?)");
-    expect_config_error("{\"train\": {\"learning_rate\": 0.1}}", MOERT_ERR_CONFIG,
-                        "config error at $.train.learning_rate: unknown key (known keys: steps, tokens_per_rank, "
-                        "micro_batches, seq_length, seed, log_every, lr, weight_decay, teacher_scale, input_shift, data, optimizer)");
+    expect_config_error(
+        "{\"train\": {\"learning_rate\": 0.1}}", MOERT_ERR_CONFIG,
+        "config error at $.train.learning_rate: unknown key (known keys: steps, tokens_per_rank, "
+        "micro_batches, seq_length, seed, log_every, lr, weight_decay, teacher_scale, input_shift, data, optimizer)");
     expect_config_error("{\"train\": {\"micro_batches\": 0}}", MOERT_ERR_CONFIG,
                         "config error at $.train.micro_batches: got 0, expected an integer in [1, 65536]");
     expect_config_error("{\"train\": {\"micro_batches\": \"4\"}}", MOERT_ERR_CONFIG,
                         "config error at $.train.micro_batches: got \"4\", expected an integer in [1, 65536]");
-    expect_config_error("{\"train\": {\"optimizer\": \"adamw\"}}", MOERT_ERR_CONFIG,
-                        "config error at $.train.optimizer: got \"adamw\", expected one of adam|sgd (did you mean \"adam\"?)");
+    expect_config_error(
+        "{\"train\": {\"optimizer\": \"adamw\"}}", MOERT_ERR_CONFIG,
+        "config error at $.train.optimizer: got \"adamw\", expected one of adam|sgd (did you mean \"adam\"?)");
     expect_config_error("{\"model\": {\"hidden\": \"64\"}}", MOERT_ERR_CONFIG,
                         "config error at $.model.hidden: got \"64\", expected an integer in [1, 65536]");
     expect_config_error("{\"model\": {\"hidden\": 64.5}}", MOERT_ERR_CONFIG,
@@ -137,22 +140,24 @@ static void test_errors(void)
     expect_config_error("{\"model\": {\"hidden\": 0}}", MOERT_ERR_CONFIG,
                         "config error at $.model.hidden: got 0, expected an integer in [1, 65536]");
     /* size keys have upper bounds, and the largest per-rank buffers are computed with overflow checks */
-    expect_config_error("{\"model\": {\"ffn_hidden\": 2305843009213693953}}", MOERT_ERR_CONFIG,
-                        "config error at $.model.ffn_hidden: got 2305843009213693953, expected an integer in [1, 262144]");
+    expect_config_error(
+        "{\"model\": {\"ffn_hidden\": 2305843009213693953}}", MOERT_ERR_CONFIG,
+        "config error at $.model.ffn_hidden: got 2305843009213693953, expected an integer in [1, 262144]");
     expect_config_error("{\"model\": {\"num_experts\": 268435456}}", MOERT_ERR_CONFIG,
                         "config error at $.model.num_experts: got 268435456, expected an integer in [1, 16384]");
     expect_config_error("{\"train\": {\"tokens_per_rank\": 16777217}}", MOERT_ERR_CONFIG,
                         "config error at $.train.tokens_per_rank: got 16777217, expected an integer in [1, 16777216]");
-    expect_config_error("{\"model\": {\"hidden\": 65536, \"ffn_hidden\": 262144, \"num_experts\": 16384}}",
-                        MOERT_ERR_CONFIG,
-                        "config error at $.model.ffn_hidden: the fc1 weights of a rank (experts per rank x hidden x 2 x "
-                        "ffn_hidden) would take 4096.0 TiB, more than the 16 TiB any device holds; shrink the sizes");
-    expect_config_error("{\"model\": {\"ffn_hidden\": 262144, \"num_experts\": 16384, \"topk\": 16384},"
-                        " \"train\": {\"tokens_per_rank\": 16777216}, \"parallel\": {\"ranks\": 64}}",
-                        MOERT_ERR_CONFIG,
-                        "config error at $.train.tokens_per_rank: the rows dispatched to a rank (ranks x tokens_per_rank "
-                        "x topk rows of max(hidden, 2 x ffn_hidden) values) would take more than 8388608.0 TiB, more "
-                        "than the 16 TiB any device holds; shrink the sizes");
+    expect_config_error(
+        "{\"model\": {\"hidden\": 65536, \"ffn_hidden\": 262144, \"num_experts\": 16384}}", MOERT_ERR_CONFIG,
+        "config error at $.model.ffn_hidden: the fc1 weights of a rank (experts per rank x hidden x 2 x "
+        "ffn_hidden) would take 4096.0 TiB, more than the 16 TiB any device holds; shrink the sizes");
+    expect_config_error(
+        "{\"model\": {\"ffn_hidden\": 262144, \"num_experts\": 16384, \"topk\": 16384},"
+        " \"train\": {\"tokens_per_rank\": 16777216}, \"parallel\": {\"ranks\": 64}}",
+        MOERT_ERR_CONFIG,
+        "config error at $.train.tokens_per_rank: the rows dispatched to a rank (ranks x tokens_per_rank "
+        "x topk rows of max(hidden, 2 x ffn_hidden) values) would take more than 8388608.0 TiB, more "
+        "than the 16 TiB any device holds; shrink the sizes");
     expect_config_error("{\"model\": {\"topk\": 9}}", MOERT_ERR_CONFIG,
                         "config error at $.model.topk: got 9, expected an integer in [1, 8]");
     expect_config_error("{\"model\": {\"num_experts\": 4, \"topk\": 5}}", MOERT_ERR_CONFIG,
@@ -272,7 +277,8 @@ static void test_sections(void)
 {
     json_error_t jerr;
     json_t *obj = json_loads("{\"plugin\": \"x\", \"count\": 3, \"scale\": 2, \"on\": false, \"mode\": \"b\","
-                             " \"label\": \"hi\"}", 0, &jerr);
+                             " \"label\": \"hi\"}",
+                             0, &jerr);
     moert_section *sec = moert_section_create(obj, "$.router");
     moert_section_allow(sec, "plugin");
     moert_section_set_describe(sec, true);
@@ -330,7 +336,8 @@ static void test_sections(void)
     EXPECT_OK(moert_section_int(sec, "counts", 1, 0, 10, "", &count));
     EXPECT_OK(moert_section_float(sec, "scale", 1, 0, 10, "", &scale));
     EXPECT_EQ_INT(moert_section_check_unknown(sec), MOERT_ERR_CONFIG);
-    EXPECT(strcmp(moert_error_message(), "config error at $.router.count: unknown key (did you mean \"counts\"?)") == 0);
+    EXPECT(strcmp(moert_error_message(), "config error at $.router.count: unknown key (did you mean \"counts\"?)") ==
+           0);
     moert_section_free(sec);
 
     sec = moert_section_create(obj, "$.x");
@@ -393,7 +400,8 @@ static void test_error_module(void)
     EXPECT(strcmp(moert_result_name(MOERT_ERR_TIMEOUT), "timeout") == 0);
     EXPECT(strcmp(moert_result_name(MOERT_ERR_ABI_MISMATCH), "ABI mismatch") == 0);
     EXPECT(strcmp(moert_result_name((moert_result)99), "unknown result") == 0);
-    for (int r = 0; r < MOERT_RESULT_COUNT; r++) EXPECT(strcmp(moert_result_name((moert_result)r), "unknown result") != 0);
+    for (int r = 0; r < MOERT_RESULT_COUNT; r++)
+        EXPECT(strcmp(moert_result_name((moert_result)r), "unknown result") != 0);
     EXPECT(strcmp(moert_version(), MOERT_VERSION_STRING) == 0);
     char big[6000];
     memset(big, 'x', sizeof big - 1);

@@ -31,7 +31,10 @@ int main(void)
         double got[3] = {rec.loss, rec.mse, rec.router_loss};
         for (int i = 0; i < 3; i++)
             if (got[i] != want[i]) {
-                fprintf(stderr, "step %lld: %s %a, expected %a\n", step, i == 0 ? "loss" : i == 1 ? "mse" : "router_loss",
+                fprintf(stderr, "step %lld: %s %a, expected %a\n", step,
+                        i == 0   ? "loss"
+                        : i == 1 ? "mse"
+                                 : "router_loss",
                         got[i], want[i]);
                 test_failures++;
             }

@@ -72,29 +72,72 @@ int main(void)
     const int worlds[3] = {1, 2, 4};
     for (int w = 0; w < 3; w++) {
         const int W = worlds[w];
-        run_case((cross_case){.name = "random fp64", .world = W, .dtype = MOERT_F64, .probs_dtype = MOERT_F64,
-                              .drop = 0.15});
-        run_case((cross_case){.name = "random fp32, fp32 probs", .world = W, .dtype = MOERT_F32,
-                              .probs_dtype = MOERT_F32, .drop = 0.15, .K = 4, .H = 9, .seed = 77});
-        run_case((cross_case){.name = "random bf16 (bit-exact)", .world = W, .dtype = MOERT_BF16,
-                              .probs_dtype = MOERT_F32, .drop = 0.1, .H = 8, .E = 16, .K = 3});
-        run_case((cross_case){.name = "random fp16", .world = W, .dtype = MOERT_F16, .probs_dtype = MOERT_F64,
-                              .drop = 0.1, .same_T = true});
-        run_case((cross_case){.name = "hot expert, fp32", .world = W, .dtype = MOERT_F32, .probs_dtype = MOERT_F64,
-                              .hot = true, .T = 20});
-        run_case((cross_case){.name = "most copies dropped, fp32", .world = W, .dtype = MOERT_F32,
-                              .probs_dtype = MOERT_F32, .drop = 0.8});
-        run_case((cross_case){.name = "no probs, bf16", .world = W, .dtype = MOERT_BF16, .probs_dtype = MOERT_F32,
-                              .drop = 0.1, .no_probs = true});
-        run_case((cross_case){.name = "K=1, E=4, fp32", .world = W, .dtype = MOERT_F32, .probs_dtype = MOERT_F32,
-                              .E = 4, .K = 1, .seed = 99});
+        run_case((cross_case){
+            .name = "random fp64", .world = W, .dtype = MOERT_F64, .probs_dtype = MOERT_F64, .drop = 0.15});
+        run_case((cross_case){.name = "random fp32, fp32 probs",
+                              .world = W,
+                              .dtype = MOERT_F32,
+                              .probs_dtype = MOERT_F32,
+                              .drop = 0.15,
+                              .K = 4,
+                              .H = 9,
+                              .seed = 77});
+        run_case((cross_case){.name = "random bf16 (bit-exact)",
+                              .world = W,
+                              .dtype = MOERT_BF16,
+                              .probs_dtype = MOERT_F32,
+                              .drop = 0.1,
+                              .H = 8,
+                              .E = 16,
+                              .K = 3});
+        run_case((cross_case){.name = "random fp16",
+                              .world = W,
+                              .dtype = MOERT_F16,
+                              .probs_dtype = MOERT_F64,
+                              .drop = 0.1,
+                              .same_T = true});
+        run_case((cross_case){.name = "hot expert, fp32",
+                              .world = W,
+                              .dtype = MOERT_F32,
+                              .probs_dtype = MOERT_F64,
+                              .hot = true,
+                              .T = 20});
+        run_case((cross_case){.name = "most copies dropped, fp32",
+                              .world = W,
+                              .dtype = MOERT_F32,
+                              .probs_dtype = MOERT_F32,
+                              .drop = 0.8});
+        run_case((cross_case){.name = "no probs, bf16",
+                              .world = W,
+                              .dtype = MOERT_BF16,
+                              .probs_dtype = MOERT_F32,
+                              .drop = 0.1,
+                              .no_probs = true});
+        run_case((cross_case){.name = "K=1, E=4, fp32",
+                              .world = W,
+                              .dtype = MOERT_F32,
+                              .probs_dtype = MOERT_F32,
+                              .E = 4,
+                              .K = 1,
+                              .seed = 99});
         if (W == 1) continue;
-        run_case((cross_case){.name = "rank 0 has no tokens, fp32", .world = W, .dtype = MOERT_F32,
-                              .probs_dtype = MOERT_F32, .drop = 0.1, .empty_rank0 = true});
-        run_case((cross_case){.name = "rank 0 receives nothing, fp64", .world = W, .dtype = MOERT_F64,
-                              .probs_dtype = MOERT_F64, .drop = 0.1, .avoid_rank0 = true});
-        run_case((cross_case){.name = "bad expert id on rank 1", .world = W, .dtype = MOERT_F64,
-                              .probs_dtype = MOERT_F64, .bad_index = true});
+        run_case((cross_case){.name = "rank 0 has no tokens, fp32",
+                              .world = W,
+                              .dtype = MOERT_F32,
+                              .probs_dtype = MOERT_F32,
+                              .drop = 0.1,
+                              .empty_rank0 = true});
+        run_case((cross_case){.name = "rank 0 receives nothing, fp64",
+                              .world = W,
+                              .dtype = MOERT_F64,
+                              .probs_dtype = MOERT_F64,
+                              .drop = 0.1,
+                              .avoid_rank0 = true});
+        run_case((cross_case){.name = "bad expert id on rank 1",
+                              .world = W,
+                              .dtype = MOERT_F64,
+                              .probs_dtype = MOERT_F64,
+                              .bad_index = true});
     }
     static const char *const no_bad_options[1][2] = {{"", ""}};
     dispatch_check_errors(&allgather, no_bad_options, 0);

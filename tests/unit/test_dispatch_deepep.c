@@ -36,10 +36,7 @@ static const dispatch_test_plugin deepep = {.name = "deepep",
 /* The cases in main() below. */
 typedef dispatch_scenario scenario;
 
-static void run_scenario(scenario sc)
-{
-    dispatch_run_scenario(&deepep, sc);
-}
+static void run_scenario(scenario sc) { dispatch_run_scenario(&deepep, sc); }
 
 /* ---- errors at world 1 (a failing rank in a larger world would leave its peers waiting) ---- */
 
@@ -61,17 +58,39 @@ int main(void)
     for (int w = 0; w < 3; w++) {
         int world = worlds[w];
         dispatch_run_common_scenarios(&deepep, world);
-        run_scenario((scenario){.name = "capped routing, K=4, E=16", .world = world, .dtype = MOERT_F64,
-                                .probs_dtype = MOERT_F64, .routing = ROUTE_CAPPED, .same_T = true, .T = 24, .K = 4,
-                                .E = 16, .capacity_factor = 1.5});
-        run_scenario((scenario){.name = "fp8 dispatch, bf16, H=256", .world = world, .dtype = MOERT_BF16,
-                                .probs_dtype = MOERT_F32, .routing = ROUTE_RANDOM, .H = 256, .K = 3, .fp8 = true,
+        run_scenario((scenario){.name = "capped routing, K=4, E=16",
+                                .world = world,
+                                .dtype = MOERT_F64,
+                                .probs_dtype = MOERT_F64,
+                                .routing = ROUTE_CAPPED,
+                                .same_T = true,
+                                .T = 24,
+                                .K = 4,
+                                .E = 16,
+                                .capacity_factor = 1.5});
+        run_scenario((scenario){.name = "fp8 dispatch, bf16, H=256",
+                                .world = world,
+                                .dtype = MOERT_BF16,
+                                .probs_dtype = MOERT_F32,
+                                .routing = ROUTE_RANDOM,
+                                .H = 256,
+                                .K = 3,
+                                .fp8 = true,
                                 .options = "{\"dispatch_dtype\": \"fp8\"}"});
-        run_scenario((scenario){.name = "buffer grown in prepare()", .world = world, .dtype = MOERT_F32,
-                                .probs_dtype = MOERT_F32, .routing = ROUTE_RANDOM, .T = 20, .small_buffer = true});
+        run_scenario((scenario){.name = "buffer grown in prepare()",
+                                .world = world,
+                                .dtype = MOERT_F32,
+                                .probs_dtype = MOERT_F32,
+                                .routing = ROUTE_RANDOM,
+                                .T = 20,
+                                .small_buffer = true});
         if (world > 1) {
-            run_scenario((scenario){.name = "rank 1 stalls: timeout names it", .world = world, .dtype = MOERT_F64,
-                                    .probs_dtype = MOERT_F64, .routing = ROUTE_RANDOM, .stall = true,
+            run_scenario((scenario){.name = "rank 1 stalls: timeout names it",
+                                    .world = world,
+                                    .dtype = MOERT_F64,
+                                    .probs_dtype = MOERT_F64,
+                                    .routing = ROUTE_RANDOM,
+                                    .stall = true,
                                     .options = "{\"timeout_ms\": 200}"});
         }
     }

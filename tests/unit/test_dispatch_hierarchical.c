@@ -56,11 +56,10 @@ static int64_t sums_differ(const cross_case *cs, const cross_input *in, const vo
         bool rounded = token_shares_node(cs, in->idx, t);
         double tol = rounded ? rounded_tol : cs->dtype == MOERT_F64 ? 1e-14 : 0;
         bad += cross_values_differ((const char *)got + (size_t)(t * cs->H) * es,
-                             (const char *)want + (size_t)(t * cs->H) * es, cs->dtype, cs->H, tol);
+                                   (const char *)want + (size_t)(t * cs->H) * es, cs->dtype, cs->H, tol);
     }
     return bad;
 }
-
 
 /* ---- the figures, worked out from every rank's routing ---- */
 

@@ -49,10 +49,7 @@ static const dispatch_test_plugin hybridep = {.name = "hybridep",
 /* The cases in main() below. */
 typedef dispatch_scenario scenario;
 
-static void run_scenario(scenario sc)
-{
-    dispatch_run_scenario(&hybridep, sc);
-}
+static void run_scenario(scenario sc) { dispatch_run_scenario(&hybridep, sc); }
 
 /* ---- errors at world 1 (a failing rank in a larger world would leave its peers waiting) ---- */
 
@@ -75,21 +72,46 @@ int main(void)
     for (int w = 0; w < 3; w++) {
         int world = worlds[w];
         dispatch_run_common_scenarios(&hybridep, world);
-        run_scenario((scenario){.name = "capped routing, K=4, E=16", .world = world, .dtype = MOERT_F64,
-                                .probs_dtype = MOERT_F64, .routing = ROUTE_CAPPED, .same_T = true, .T = 24, .K = 4,
-                                .E = 16, .capacity_factor = 1.5});
-        run_scenario((scenario){.name = "low-latency mode on, bf16 H=64", .world = world, .dtype = MOERT_BF16,
-                                .probs_dtype = MOERT_F32, .routing = ROUTE_RANDOM, .H = 64, .K = 3,
+        run_scenario((scenario){.name = "capped routing, K=4, E=16",
+                                .world = world,
+                                .dtype = MOERT_F64,
+                                .probs_dtype = MOERT_F64,
+                                .routing = ROUTE_CAPPED,
+                                .same_T = true,
+                                .T = 24,
+                                .K = 4,
+                                .E = 16,
+                                .capacity_factor = 1.5});
+        run_scenario((scenario){.name = "low-latency mode on, bf16 H=64",
+                                .world = world,
+                                .dtype = MOERT_BF16,
+                                .probs_dtype = MOERT_F32,
+                                .routing = ROUTE_RANDOM,
+                                .H = 64,
+                                .K = 3,
                                 .options = "{\"low_latency\": \"on\", \"num_sms\": 4}"});
-        run_scenario((scenario){.name = "T above max_tokens refused", .world = world, .dtype = MOERT_F32,
-                                .probs_dtype = MOERT_F32, .routing = ROUTE_RANDOM, .T = 20, .small_buffer = true,
+        run_scenario((scenario){.name = "T above max_tokens refused",
+                                .world = world,
+                                .dtype = MOERT_F32,
+                                .probs_dtype = MOERT_F32,
+                                .routing = ROUTE_RANDOM,
+                                .T = 20,
+                                .small_buffer = true,
                                 .prepare_error = "rows the buffers were sized for at init"});
         if (world > 1) {
-            run_scenario((scenario){.name = "rank 1 skips prepare: notify names it", .world = world,
-                                    .dtype = MOERT_F64, .probs_dtype = MOERT_F64, .routing = ROUTE_RANDOM,
-                                    .stall_prepare = true, .options = "{\"timeout_ms\": 200}"});
-            run_scenario((scenario){.name = "rank 1 stalls: timeout names it", .world = world, .dtype = MOERT_F64,
-                                    .probs_dtype = MOERT_F64, .routing = ROUTE_RANDOM, .stall = true,
+            run_scenario((scenario){.name = "rank 1 skips prepare: notify names it",
+                                    .world = world,
+                                    .dtype = MOERT_F64,
+                                    .probs_dtype = MOERT_F64,
+                                    .routing = ROUTE_RANDOM,
+                                    .stall_prepare = true,
+                                    .options = "{\"timeout_ms\": 200}"});
+            run_scenario((scenario){.name = "rank 1 stalls: timeout names it",
+                                    .world = world,
+                                    .dtype = MOERT_F64,
+                                    .probs_dtype = MOERT_F64,
+                                    .routing = ROUTE_RANDOM,
+                                    .stall = true,
                                     .options = "{\"timeout_ms\": 200}"});
         }
     }

@@ -80,7 +80,8 @@ static void test_plugin_mistakes(void)
     snprintf(text, sizeof text, "{\"dispatcher\": {\"plugin\": \"%s\"}}", topk);
     snprintf(message, sizeof message,
              "config error at $.dispatcher.plugin: dispatcher plugin \"%s\" is a router plugin, expected a "
-             "dispatcher", topk);
+             "dispatcher",
+             topk);
     expect_failure(text, MOERT_ERR_ABI_MISMATCH, message);
     snprintf(message, sizeof message,
              "config error at $.router.plugin: router plugin \"fixture-wrong-kind\" "
@@ -92,7 +93,8 @@ static void test_plugin_mistakes(void)
     snprintf(message, sizeof message,
              "config error at $.router.plugin: router plugin \"fixture-bad-abi\" "
              "(%s/tests/fixtures/libmoert-router-fixture-bad-abi.so) was built for ABI 2.0, this moert supports "
-             "ABI 1.x", build_root);
+             "ABI 1.x",
+             build_root);
     expect_failure("{\"router\": {\"plugin\": \"fixture-bad-abi\"}}", MOERT_ERR_ABI_MISMATCH, message);
 
     /* init refuses: the plugin's own message, with its name */
@@ -125,8 +127,8 @@ static void test_good_config(void)
 {
     moert_config *cfg = NULL;
     moert_runtime *rt = NULL;
-    EXPECT_OK(moert_config_load_string("{\"parallel\": {\"ranks\": 2}, \"model\": {\"num_layers\": 1}}", "t.json",
-                                       &cfg));
+    EXPECT_OK(
+        moert_config_load_string("{\"parallel\": {\"ranks\": 2}, \"model\": {\"num_layers\": 1}}", "t.json", &cfg));
     if (cfg) EXPECT_OK(moert_runtime_create(cfg, &rt));
     moert_runtime_destroy(rt);
     moert_config_free(cfg);

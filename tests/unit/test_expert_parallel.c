@@ -6,7 +6,8 @@
 #define GLOBAL_TOKENS 32
 
 static const char *config_fmt =
-    "{\"model\": {\"hidden\": 8, \"ffn_hidden\": 6, \"num_experts\": 8, \"topk\": 2, \"num_layers\": 2, \"dtype\": \"fp64\"},"
+    "{\"model\": {\"hidden\": 8, \"ffn_hidden\": 6, \"num_experts\": 8, \"topk\": 2, \"num_layers\": 2, \"dtype\": "
+    "\"fp64\"},"
     " \"parallel\": {\"ranks\": %d}, \"train\": {\"tokens_per_rank\": %d, \"seed\": 11, \"lr\": 0.01},"
     " \"router\": {\"score_function\": \"%s\", \"expert_bias\": %s, \"z_loss_coeff\": 0.001},"
     " \"precision\": {\"mode\": \"fp64\"}}";

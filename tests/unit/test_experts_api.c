@@ -176,7 +176,8 @@ static void test_fp64(void)
     /* zero rows: nothing computed, the gradients written as zeros */
     int64_t none[E] = {0, 0, 0, 0};
     moert_tensor tnone = moert_tensor_1d(none, moert_cpu(), MOERT_I64, E);
-    moert_tensor empty_x = t2(NULL, 0, H), empty_y = t2(NULL, 0, H), empty_dy = t2(NULL, 0, H), empty_dx = t2(NULL, 0, H);
+    moert_tensor empty_x = t2(NULL, 0, H), empty_y = t2(NULL, 0, H), empty_dy = t2(NULL, 0, H),
+                 empty_dx = t2(NULL, 0, H);
     EXPECT_OK(moert_experts_forward(m, 1, &empty_x, &tnone, NULL, &empty_y, NULL, &s));
     EXPECT_OK(moert_experts_backward(m, s, &empty_dy, &empty_dx, NULL, &overwrite, NULL));
     double gmax = 0;

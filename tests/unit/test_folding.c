@@ -20,13 +20,13 @@
 #include "runtime.h"
 #include "test_util.h"
 
-#define WORLD 8
-#define H 8
-#define F 16
-#define E 8
-#define FS 6 /* the shared expert's width */
-#define TOKENS 6 /* per rank */
-#define TOTAL (WORLD * TOKENS)
+#define WORLD     8
+#define H         8
+#define F         16
+#define E         8
+#define FS        6 /* the shared expert's width */
+#define TOKENS    6 /* per rank */
+#define TOTAL     (WORLD * TOKENS)
 #define TOLERANCE 1e-12
 
 typedef struct layout {
@@ -91,7 +91,8 @@ static void train(layout l, const char *dispatcher, const char *memory, outcome 
     for (int layer = 0; layer < 2; layer++)
         for (int p = 0; p < MOERT_PARAM_COUNT; p++)
             for (int64_t i = 0; i < moert_runtime_param_numel(rt, (moert_param_id)p); i++)
-                EXPECT_OK(moert_runtime_param(rt, layer, (moert_param_id)p, i, MOERT_PARAM_READ, NULL, &out->grads[k++]));
+                EXPECT_OK(
+                    moert_runtime_param(rt, layer, (moert_param_id)p, i, MOERT_PARAM_READ, NULL, &out->grads[k++]));
     moert_train_options opts = {.struct_size = sizeof opts, .progress = NULL, .steps = CURVE};
     EXPECT_OK(moert_runtime_train(rt, &opts));
     for (int s = 0; s < CURVE && s < rt->record_count; s++) out->curve[s] = rt->records[s].loss;
@@ -129,7 +130,8 @@ static void compare_trainer(const char *dispatcher, const char *memory)
             worst = fmax(worst, worst_of(ref.grads, got.grads, ref.grad_count));
             worst = fmax(worst, worst_of(ref.curve, got.curve, CURVE));
             printf("trainer, %s, memory %s: ETP%d x EP%d x EDP%d against EP1 (EDP8): loss %.15f, worst difference "
-                   "%.2e\n", dispatcher, memory, l.etp, l.ep, l.edp, got.loss, worst);
+                   "%.2e\n",
+                   dispatcher, memory, l.etp, l.ep, l.edp, got.loss, worst);
             EXPECT(worst <= TOLERANCE);
         }
         free_outcome(&got);
@@ -173,13 +175,13 @@ static int tbl_allreduce(void *user, void *buf, size_t count, moert_dtype dtype,
     return moert_comm_allreduce_sum(u->group, u->rank, buf, count, dtype) != MOERT_OK;
 }
 
-static int tbl_alltoallv(void *user, const void *send, const size_t *send_bytes, const size_t *send_offsets,
-                         void *recv, const size_t *recv_bytes, const size_t *recv_offsets, char *error, size_t size)
+static int tbl_alltoallv(void *user, const void *send, const size_t *send_bytes, const size_t *send_offsets, void *recv,
+                         const size_t *recv_bytes, const size_t *recv_offsets, char *error, size_t size)
 {
     table_user *u = user;
     (void)error, (void)size;
-    return moert_comm_alltoallv(u->group, u->rank, send, send_bytes, send_offsets, recv, recv_bytes,
-                                recv_offsets) != MOERT_OK;
+    return moert_comm_alltoallv(u->group, u->rank, send, send_bytes, send_offsets, recv, recv_bytes, recv_offsets) !=
+           MOERT_OK;
 }
 
 static int tbl_barrier(void *user, char *error, size_t size)
@@ -193,11 +195,11 @@ static int tbl_barrier(void *user, char *error, size_t size)
 typedef struct api_rank {
     int rank;
     layout l;
-    moert_comm *comm;          /* the threads communicator, or NULL: a table over `group` */
+    moert_comm *comm; /* the threads communicator, or NULL: a table over `group` */
     moert_comm_group *group;
     const moert_config *cfg;
-    const double *x, *r;       /* global [TOTAL, H] */
-    double *y, *dx;            /* global: this rank writes its rows */
+    const double *x, *r; /* global [TOTAL, H] */
+    double *y, *dx;      /* global: this rank writes its rows */
     double *value[2][MOERT_PARAM_COUNT], *grad[2][MOERT_PARAM_COUNT];
     int64_t numel[MOERT_PARAM_COUNT];
     moert_layers_info info;
@@ -210,13 +212,21 @@ static void *api_main(void *arg)
     moert_comm *own = NULL;
     table_user user = {.group = a->group, .rank = a->rank};
     if (!a->comm) {
-        moert_collectives table = {.struct_size = sizeof table, .user = &user, .allgather = tbl_allgather,
-                                   .allreduce_sum = tbl_allreduce, .alltoallv = tbl_alltoallv, .barrier = tbl_barrier};
+        moert_collectives table = {.struct_size = sizeof table,
+                                   .user = &user,
+                                   .allgather = tbl_allgather,
+                                   .allreduce_sum = tbl_allreduce,
+                                   .alltoallv = tbl_alltoallv,
+                                   .barrier = tbl_barrier};
         a->rc = moert_comm_create_collectives(WORLD, &table, &own);
         if (a->rc != MOERT_OK) return NULL;
     }
-    moert_launch launch = {.struct_size = sizeof launch, .rank = a->rank, .world_size = WORLD, .device = moert_cpu(),
-                           .comm = a->comm ? a->comm : own, .expert_tensor_parallel = a->l.etp,
+    moert_launch launch = {.struct_size = sizeof launch,
+                           .rank = a->rank,
+                           .world_size = WORLD,
+                           .device = moert_cpu(),
+                           .comm = a->comm ? a->comm : own,
+                           .expert_tensor_parallel = a->l.etp,
                            .expert_data_parallel = a->l.edp};
     moert_layers *m = NULL;
     moert_result rc = moert_layers_create(a->cfg, &launch, &m);
@@ -275,8 +285,8 @@ static void run_api(layout l, bool table, const moert_config *cfg, const double 
         EXPECT_OK(moert_comm_create_threads(WORLD, 10.0, &comm));
     pthread_t th[WORLD];
     for (int i = 0; i < WORLD; i++) {
-        ranks[i] = (api_rank){.rank = i, .l = l, .comm = comm, .group = group, .cfg = cfg, .x = x, .r = r, .y = y,
-                              .dx = dx};
+        ranks[i] =
+            (api_rank){.rank = i, .l = l, .comm = comm, .group = group, .cfg = cfg, .x = x, .r = r, .y = y, .dx = dx};
         pthread_create(&th[i], NULL, api_main, &ranks[i]);
     }
     for (int i = 0; i < WORLD; i++) pthread_join(th[i], NULL);
@@ -340,7 +350,8 @@ static void compare_api(void)
                 if (p == MOERT_PARAM_FC1 || p == MOERT_PARAM_FC2) continue;
                 for (int64_t e = 0; e < ref[0].numel[p]; e++) {
                     double s_ref = 0, s_got = 0;
-                    for (int k = 0; k < WORLD; k++) s_ref += ref[k].grad[layer][p][e], s_got += got[k].grad[layer][p][e];
+                    for (int k = 0; k < WORLD; k++)
+                        s_ref += ref[k].grad[layer][p][e], s_got += got[k].grad[layer][p][e];
                     worst = fmax(worst, fabs(s_ref - s_got) / fmax(1.0, fabs(s_ref)));
                 }
             }
@@ -390,16 +401,18 @@ static void test_errors(void)
     expect_config_error("{\"model\": {\"num_experts\": 6}, \"parallel\": {\"ranks\": 8, \"expert_data_parallel\": 2}}",
                         "config error at $.parallel.expert_parallel: got 4 (ranks / (expert_tensor_parallel x "
                         "expert_data_parallel)), expected a divisor of $.model.num_experts (6)");
-    expect_config_error("{\"model\": {\"ffn_hidden\": 12}, \"parallel\": {\"ranks\": 8, \"expert_tensor_parallel\": 8}}",
-                        "config error at $.parallel.expert_tensor_parallel: got 8, expected a divisor of "
-                        "$.model.ffn_hidden (12)");
+    expect_config_error(
+        "{\"model\": {\"ffn_hidden\": 12}, \"parallel\": {\"ranks\": 8, \"expert_tensor_parallel\": 8}}",
+        "config error at $.parallel.expert_tensor_parallel: got 8, expected a divisor of "
+        "$.model.ffn_hidden (12)");
     /* the plain layout keeps its message */
     expect_config_error("{\"parallel\": {\"ranks\": 3}}",
                         "config error at $.parallel.ranks: got 3, expected a divisor of $.model.num_experts (8)");
     /* a good layout: the sizes as given and derived */
     moert_config *cfg = NULL;
     EXPECT_OK(moert_config_load_string("{\"parallel\": {\"ranks\": 8, \"expert_tensor_parallel\": 2, "
-                                       "\"expert_data_parallel\": 2}}", "folding-layout", &cfg));
+                                       "\"expert_data_parallel\": 2}}",
+                                       "folding-layout", &cfg));
     if (cfg) {
         EXPECT_EQ_INT(cfg->parallel.expert_parallel, 2);
         EXPECT_EQ_INT(cfg->parallel.expert_tensor_parallel, 2);
@@ -411,7 +424,8 @@ static void test_errors(void)
     cfg = NULL;
     moert_runtime *rt = NULL;
     EXPECT_OK(moert_config_load_string("{\"parallel\": {\"ranks\": 8, \"expert_data_parallel\": 2, \"device\": "
-                                       "\"cpu\"}, \"dispatcher\": {\"plugin\": \"deepep\"}}", "folding-deepep", &cfg));
+                                       "\"cpu\"}, \"dispatcher\": {\"plugin\": \"deepep\"}}",
+                                       "folding-deepep", &cfg));
     if (cfg) {
         EXPECT(moert_runtime_create(cfg, &rt) != MOERT_OK);
         EXPECT_ERROR_CONTAINS("deepep");
@@ -428,8 +442,12 @@ static void test_errors(void)
     moert_comm *comm = NULL;
     EXPECT_OK(moert_comm_create_threads(WORLD, 10.0, &comm));
     moert_layers *m = NULL;
-    moert_launch launch = {.struct_size = sizeof launch, .rank = 0, .world_size = WORLD, .device = moert_cpu(),
-                           .comm = comm, .expert_tensor_parallel = 3};
+    moert_launch launch = {.struct_size = sizeof launch,
+                           .rank = 0,
+                           .world_size = WORLD,
+                           .device = moert_cpu(),
+                           .comm = comm,
+                           .expert_tensor_parallel = 3};
     EXPECT(moert_layers_create(cfg, &launch, &m) == MOERT_ERR_INVALID_ARGUMENT);
     EXPECT_ERROR_CONTAINS("launch->expert_tensor_parallel 3 x launch->expert_data_parallel 1 does not divide "
                           "world_size 8");
@@ -438,8 +456,10 @@ static void test_errors(void)
     EXPECT(moert_layers_create(cfg, &launch, &m) == MOERT_ERR_UNSUPPORTED);
     EXPECT_ERROR_CONTAINS("CPU ranks only");
     moert_comm_destroy(comm);
-    launch = (moert_launch){.struct_size = (uint32_t)offsetof(moert_launch, expert_tensor_parallel), .rank = 0,
-                            .world_size = 1, .device = moert_cpu()};
+    launch = (moert_launch){.struct_size = (uint32_t)offsetof(moert_launch, expert_tensor_parallel),
+                            .rank = 0,
+                            .world_size = 1,
+                            .device = moert_cpu()};
     EXPECT_OK(moert_layers_create(cfg, &launch, &m));
     if (m) {
         moert_layers_info info = {.struct_size = (uint32_t)offsetof(moert_layers_info, ep_rank)};

@@ -10,10 +10,10 @@
 #include <stdlib.h>
 
 #define DEFAULT_STEPS 80
-#define MAX_STEPS 2000
-#define WARMUP 5
-#define TOLERANCE 0.01
-#define WINDOW 10
+#define MAX_STEPS     2000
+#define WARMUP        5
+#define TOLERANCE     0.01
+#define WINDOW        10
 
 static const char *base =
     "{\"model\": {\"hidden\": 32, \"ffn_hidden\": 48, \"num_experts\": 8, \"topk\": 2, \"num_layers\": 2,"
@@ -48,10 +48,8 @@ static moert_runtime *train(const char *precision, moert_config **cfg)
 int main(void)
 {
     static const char *const precisions[] = {
-        "{\"plugin\": \"bf16\", \"mode\": \"bf16\"}",
-        "{\"plugin\": \"fp8\", \"recipe\": \"current\"}",
-        "{\"plugin\": \"fp8\", \"recipe\": \"delayed\"}",
-        "{\"plugin\": \"fp8\", \"recipe\": \"blockwise\"}",
+        "{\"plugin\": \"bf16\", \"mode\": \"bf16\"}",     "{\"plugin\": \"fp8\", \"recipe\": \"current\"}",
+        "{\"plugin\": \"fp8\", \"recipe\": \"delayed\"}", "{\"plugin\": \"fp8\", \"recipe\": \"blockwise\"}",
         "{\"plugin\": \"bf16\", \"mode\": \"fp32\"}", /* the noise floor: fp32 against bf16, printed only */
     };
     static const char *const names[] = {"bf16", "current", "delayed", "blockwise", "fp32"};
@@ -102,11 +100,13 @@ int main(void)
             if (!rt[r]) continue;
             if (r >= fp8_runs) { /* not a criterion: how far plain fp32 GEMMs drift from bf16 on this metric */
                 printf("%s (reference only): largest |loss / bf16 loss - 1| over %d-step windows %.4f, single steps "
-                       "%.4f\n", names[r], WINDOW, worst_window[r], worst[r]);
+                       "%.4f\n",
+                       names[r], WINDOW, worst_window[r], worst[r]);
                 continue;
             }
             printf("%s: largest |loss / bf16 loss - 1| over %d-step windows from step %d: %.4f (tolerance %.2f); "
-                   "single steps %.4f\n", names[r], WINDOW, WARMUP, worst_window[r], TOLERANCE, worst[r]);
+                   "single steps %.4f\n",
+                   names[r], WINDOW, WARMUP, worst_window[r], TOLERANCE, worst[r]);
             EXPECT(worst_window[r] <= TOLERANCE);
             EXPECT(worst[r] > 0); /* fp8 arithmetic really differs from bf16 */
         }

@@ -25,8 +25,13 @@ static void sink(void *user, const char *name, double value, const char *unit)
 static moert_host *make_host(moert_section *options, moert_comm_group *comm, int rank, int world, moert_device dev,
                              metric_record *metrics)
 {
-    moert_host_setup setup = {.who = "router[test] layer 0 rank 0", .options = options, .comm = comm,
-                              .rank = rank, .world_size = world, .device = dev, .metric = metrics ? sink : NULL,
+    moert_host_setup setup = {.who = "router[test] layer 0 rank 0",
+                              .options = options,
+                              .comm = comm,
+                              .rank = rank,
+                              .world_size = world,
+                              .device = dev,
+                              .metric = metrics ? sink : NULL,
                               .metric_user = metrics};
     moert_host *h = NULL;
     EXPECT_OK(moert_host_create(&setup, &h));
@@ -133,7 +138,8 @@ static void test_options(void)
 {
     json_error_t jerr;
     json_t *obj = json_loads("{\"plugin\": \"x\", \"n\": 5, \"f\": 0.5, \"b\": true, \"s\": \"hi\", \"e\": \"two\","
-                             " \"bad\": \"oops\"}", 0, &jerr);
+                             " \"bad\": \"oops\"}",
+                             0, &jerr);
     moert_section *sec = moert_section_create(obj, "$.router");
     moert_section_allow(sec, "plugin");
     moert_section_set_describe(sec, true);
@@ -160,8 +166,8 @@ static void test_options(void)
 
     int64_t bad = 0;
     EXPECT_EQ_INT(h->option_int(h, "bad", 1, 0, 10, "a bad one", &bad), MOERT_ERR_CONFIG);
-    EXPECT(strcmp(moert_host_take_error(h), "config error at $.router.bad: got \"oops\", expected an integer in [0, 10]")
-           == 0);
+    EXPECT(strcmp(moert_host_take_error(h),
+                  "config error at $.router.bad: got \"oops\", expected an integer in [0, 10]") == 0);
     EXPECT_OK(moert_section_check_unknown(sec));
     EXPECT_EQ_INT(moert_section_option_count(sec), 6);
     const moert_option_desc *d = moert_section_option(sec, 4);

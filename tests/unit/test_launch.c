@@ -45,7 +45,8 @@ int main(void)
     setenv("MASTER_PORT", "29999", 1);
 #ifdef MOERT_HAVE_CUDA
     EXPECT_EQ_INT(create("auto", 4), MOERT_ERR_CONFIG);
-    EXPECT_ERROR_CONTAINS("config error at $.parallel.ranks: 4 ranks, but the launcher started 2 processes (WORLD_SIZE)");
+    EXPECT_ERROR_CONTAINS(
+        "config error at $.parallel.ranks: 4 ranks, but the launcher started 2 processes (WORLD_SIZE)");
     EXPECT_EQ_INT(create("cpu", 2), MOERT_ERR_CONFIG);
     EXPECT_ERROR_CONTAINS("config error at $.parallel.device: \"cpu\", but the launcher started a process per rank");
     int gpus = 0;

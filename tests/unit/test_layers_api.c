@@ -14,10 +14,10 @@
 #include "moert/moert.h"
 #include "test_util.h"
 
-#define H 16
-#define F 24
-#define E 8
-#define K 2
+#define H     16
+#define F     24
+#define E     8
+#define K     2
 #define TOTAL 48 /* tokens over all ranks */
 
 static const char *const routed_json =
@@ -300,7 +300,8 @@ static void xchg_barrier(void)
 
 static int tbl_barrier(void *user, char *error, size_t size)
 {
-    (void)error; (void)size;
+    (void)error;
+    (void)size;
     ((table_user *)user)->calls++;
     xchg_barrier();
     return 0;
@@ -308,7 +309,8 @@ static int tbl_barrier(void *user, char *error, size_t size)
 
 static int tbl_allgather(void *user, const void *send, void *recv, size_t bytes, char *error, size_t size)
 {
-    (void)error; (void)size;
+    (void)error;
+    (void)size;
     table_user *u = user;
     u->calls++;
     xchg.send[u->rank] = send;
@@ -331,24 +333,32 @@ static int tbl_allreduce(void *user, void *buf, size_t count, moert_dtype dtype,
         double d = 0;
         int64_t n = 0;
         for (int r = 0; r < xchg.world; r++) {
-            if (dtype == MOERT_F64) d += ((const double *)xchg.send[r])[i];
-            else if (dtype == MOERT_F32) d += ((const float *)xchg.send[r])[i];
-            else if (dtype == MOERT_I64) n += ((const int64_t *)xchg.send[r])[i];
+            if (dtype == MOERT_F64)
+                d += ((const double *)xchg.send[r])[i];
+            else if (dtype == MOERT_F32)
+                d += ((const float *)xchg.send[r])[i];
+            else if (dtype == MOERT_I64)
+                n += ((const int64_t *)xchg.send[r])[i];
         }
-        if (dtype == MOERT_F64) ((double *)buf)[i] = d;
-        else if (dtype == MOERT_F32) ((float *)buf)[i] = (float)d;
-        else if (dtype == MOERT_I64) ((int64_t *)buf)[i] = n;
-        else snprintf(error, size, "dtype %d", (int)dtype);
+        if (dtype == MOERT_F64)
+            ((double *)buf)[i] = d;
+        else if (dtype == MOERT_F32)
+            ((float *)buf)[i] = (float)d;
+        else if (dtype == MOERT_I64)
+            ((int64_t *)buf)[i] = n;
+        else
+            snprintf(error, size, "dtype %d", (int)dtype);
     }
     xchg_barrier();
     free(copy);
     return dtype == MOERT_F64 || dtype == MOERT_F32 || dtype == MOERT_I64 ? 0 : 1;
 }
 
-static int tbl_alltoallv(void *user, const void *send, const size_t *send_bytes, const size_t *send_offsets,
-                         void *recv, const size_t *recv_bytes, const size_t *recv_offsets, char *error, size_t size)
+static int tbl_alltoallv(void *user, const void *send, const size_t *send_bytes, const size_t *send_offsets, void *recv,
+                         const size_t *recv_bytes, const size_t *recv_offsets, char *error, size_t size)
 {
-    (void)error; (void)size;
+    (void)error;
+    (void)size;
     table_user *u = user;
     u->calls++;
     xchg.send[u->rank] = send;
@@ -365,10 +375,10 @@ static int tbl_alltoallv(void *user, const void *send, const size_t *send_bytes,
 /* What one rank computes on its share of the global tokens. */
 typedef struct ep_rank {
     int rank, world;
-    moert_comm *comm;        /* threads communicator (shared), or NULL: make a table communicator */
+    moert_comm *comm; /* threads communicator (shared), or NULL: make a table communicator */
     const moert_config *cfg;
-    const double *x, *r;     /* global [TOTAL,H] */
-    double *y, *dx;          /* global [TOTAL,H]: this rank writes its rows */
+    const double *x, *r; /* global [TOTAL,H] */
+    double *y, *dx;      /* global [TOTAL,H]: this rank writes its rows */
     rank_params params;
     table_user user;
     moert_result rc;
@@ -379,15 +389,21 @@ static void *ep_main(void *arg)
     ep_rank *er = arg;
     moert_comm *own = NULL;
     if (!er->comm) {
-        moert_collectives table = {.struct_size = sizeof table, .user = &er->user, .allgather = tbl_allgather,
-                                   .allreduce_sum = tbl_allreduce, .alltoallv = tbl_alltoallv,
+        moert_collectives table = {.struct_size = sizeof table,
+                                   .user = &er->user,
+                                   .allgather = tbl_allgather,
+                                   .allreduce_sum = tbl_allreduce,
+                                   .alltoallv = tbl_alltoallv,
                                    .barrier = tbl_barrier};
         er->user.rank = er->rank;
         er->rc = moert_comm_create_collectives(er->world, &table, &own);
         if (er->rc != MOERT_OK) return NULL;
     }
-    moert_launch launch = {.struct_size = sizeof launch, .rank = er->rank, .world_size = er->world,
-                           .device = moert_cpu(), .comm = er->comm ? er->comm : own};
+    moert_launch launch = {.struct_size = sizeof launch,
+                           .rank = er->rank,
+                           .world_size = er->world,
+                           .device = moert_cpu(),
+                           .comm = er->comm ? er->comm : own};
     moert_layers *m = NULL;
     er->rc = moert_layers_create(er->cfg, &launch, &m);
     if (er->rc != MOERT_OK) {
@@ -503,8 +519,8 @@ typedef struct dispatch_rank {
 static void *dispatch_main(void *arg)
 {
     dispatch_rank *dr = arg;
-    moert_launch launch = {.struct_size = sizeof launch, .rank = dr->rank, .world_size = 2, .device = moert_cpu(),
-                           .comm = dr->comm};
+    moert_launch launch = {
+        .struct_size = sizeof launch, .rank = dr->rank, .world_size = 2, .device = moert_cpu(), .comm = dr->comm};
     moert_layers *m = NULL;
     if ((dr->rc = moert_layers_create(dr->cfg, &launch, &m)) != MOERT_OK) return NULL;
     const int64_t t = 10;

@@ -100,14 +100,15 @@ static void test_refusals(void)
     fixture_path("no-symbol", path, sizeof path);
     snprintf(message, sizeof message,
              "router plugin \"fixture-no-symbol\" (%s) exports no moert_router_v1 symbol: not a router plugin for "
-             "ABI 1.x", path);
+             "ABI 1.x",
+             path);
     expect_load_error("fixture-no-symbol", MOERT_ERR_NOT_FOUND, message);
 
     fixture_path("small-struct", path, sizeof path);
     snprintf(message, sizeof message,
              "router plugin \"fixture-small-struct\" (%s) has a %zu-byte vtable, smaller than the %zu bytes of "
-             "moert_router_v1 (ABI 1.1)", path, sizeof(moert_plugin_header) + 2 * sizeof(void *),
-             sizeof(moert_router_v1));
+             "moert_router_v1 (ABI 1.1)",
+             path, sizeof(moert_plugin_header) + 2 * sizeof(void *), sizeof(moert_router_v1));
     expect_load_error("fixture-small-struct", MOERT_ERR_ABI_MISMATCH, message);
 
     /* a NULL member the core calls is refused by name, not met as a crash at the first step */
@@ -179,7 +180,8 @@ static void test_not_found(void)
     }
     EXPECT_EQ_INT(moert_plugin_load(MOERT_KIND_ROUTER, "nope2", &p), MOERT_ERR_NOT_FOUND);
     char needle[600];
-    snprintf(needle, sizeof needle, "no router plugin \"nope2\": tried %s (exists but failed to load: %s: ", junk, junk);
+    snprintf(needle, sizeof needle, "no router plugin \"nope2\": tried %s (exists but failed to load: %s: ", junk,
+             junk);
     EXPECT_ERROR_CONTAINS(needle);
     unlink(junk);
 
@@ -207,8 +209,8 @@ static void test_init(void)
     EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_ROUTER, "fixture-init-fails", "{\"reason\": \"no GPU today\"}",
                                      &layer, NULL, 0, 1),
                   MOERT_ERR_CONFIG);
-    EXPECT(strcmp(moert_error_message(), "router plugin \"fixture-init-fails\": fixture refuses to start: no GPU today")
-           == 0);
+    EXPECT(strcmp(moert_error_message(),
+                  "router plugin \"fixture-init-fails\": fixture refuses to start: no GPU today") == 0);
     EXPECT(ti.ctx == NULL);
     test_instance_close(&ti);
 
@@ -216,13 +218,13 @@ static void test_init(void)
     EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_ROUTER, "fixture-init-fails", "{\"fail\": 1}", &layer, NULL, 0, 1),
                   MOERT_ERR_CONFIG);
     EXPECT(strcmp(moert_error_message(),
-                  "router plugin \"fixture-init-fails\": config error at $.test.fail: got 1, expected true or false")
-           == 0);
+                  "router plugin \"fixture-init-fails\": config error at $.test.fail: got 1, expected true or false") ==
+           0);
     test_instance_close(&ti);
 
     /* it starts with fail=false; then a misspelt option is reported by the core */
-    EXPECT_OK(test_instance_open(&ti, MOERT_KIND_ROUTER, "fixture-init-fails", "{\"fail\": false}", &layer, NULL, 0,
-                                 1));
+    EXPECT_OK(
+        test_instance_open(&ti, MOERT_KIND_ROUTER, "fixture-init-fails", "{\"fail\": false}", &layer, NULL, 0, 1));
     EXPECT(ti.ctx != NULL);
     test_instance_close(&ti);
     EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_ROUTER, "fixture-init-fails",
@@ -241,7 +243,8 @@ static void test_init(void)
     moert_layer_info wide = test_layer(65536, 262144, 16384, 16384, 16777216, 1, 0, MOERT_F32);
     EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_ROUTER, "topk", "{}", &wide, NULL, 0, 1),
                   MOERT_ERR_INVALID_ARGUMENT);
-    EXPECT(strcmp(moert_error_message(), "router plugin \"topk\": layer 0's buffers (fc1 weights, or world x max_tokens x "
+    EXPECT(strcmp(moert_error_message(),
+                  "router plugin \"topk\": layer 0's buffers (fc1 weights, or world x max_tokens x "
                   "topk rows) would exceed 16 TiB") == 0);
     test_instance_close(&ti);
 }
@@ -288,8 +291,8 @@ static void test_scan(void)
     scan_result s = {0};
     int seen = moert_plugin_scan(visit, &s);
     EXPECT_EQ_INT(seen, s.loaded + s.failed);
-    EXPECT(s.loaded >= 5);  /* the 4 built plugins and the init-fails fixture */
-    EXPECT(s.failed >= 5);  /* 4 broken fixtures and the odd file */
+    EXPECT(s.loaded >= 5); /* the 4 built plugins and the init-fails fixture */
+    EXPECT(s.failed >= 5); /* 4 broken fixtures and the odd file */
     EXPECT(s.saw_topk && s.saw_bad_abi && s.saw_no_kind);
     unlink(odd);
     rmdir(dir);

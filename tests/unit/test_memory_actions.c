@@ -20,8 +20,8 @@ static const char *const action_names[3] = {"keep", "recompute", "offload"};
 
 typedef struct run_snapshot {
     double loss[2];
-    double *output[2];  /* the stack's output after each step */
-    double *grads[2];   /* every parameter gradient of every layer after each step, in a fixed order */
+    double *output[2]; /* the stack's output after each step */
+    double *grads[2];  /* every parameter gradient of every layer after each step, in a fixed order */
     int64_t output_numel, grad_numel;
     int64_t activation_bytes[MOERT_ACT_COUNT];
     int64_t kept_bytes;
@@ -29,7 +29,8 @@ typedef struct run_snapshot {
 
 static const char *run_config =
     "{\"model\": {\"hidden\": 16, \"ffn_hidden\": 24, \"num_experts\": 4, \"topk\": 2, \"num_layers\": 2},"
-    " \"parallel\": {\"ranks\": 2, \"device\": \"cpu\"}, \"train\": {\"tokens_per_rank\": 32, \"seed\": 4, \"lr\": 0.01},"
+    " \"parallel\": {\"ranks\": 2, \"device\": \"cpu\"}, \"train\": {\"tokens_per_rank\": 32, \"seed\": 4, \"lr\": "
+    "0.01},"
     " \"router\": {\"score_function\": \"sigmoid\", \"expert_bias\": true, \"bias_update_rate\": 0.01},"
     " \"memory_policy\": {\"dispatched_x\": \"%s\", \"fc1_out\": \"%s\", \"swiglu_out\": \"%s\"}}";
 
@@ -129,7 +130,8 @@ static void check_all_combinations(void)
         free_snapshot(&s);
     }
     printf("runtime: %d of %d combinations bit-identical to keep over 2 steps (loss %.6f, %lld activation bytes "
-           "kept with keep)\n", identical, combos, keep.loss[0], (long long)keep.kept_bytes);
+           "kept with keep)\n",
+           identical, combos, keep.loss[0], (long long)keep.kept_bytes);
     free_snapshot(&keep);
 }
 
@@ -199,7 +201,8 @@ static void check_layer(const int act[MOERT_ACT_COUNT], bool prefetch, bool defe
     }
     if (defer) {
         /* deferred start: the copies wait for moert_layer_start_offloads (or a release, which issues them first) */
-        for (int a = 0; a < MOERT_ACT_COUNT; a++) EXPECT_EQ_INT(L->acts.offload_queued[a], act[a] == MOERT_MEMORY_OFFLOAD);
+        for (int a = 0; a < MOERT_ACT_COUNT; a++)
+            EXPECT_EQ_INT(L->acts.offload_queued[a], act[a] == MOERT_MEMORY_OFFLOAD);
         if (act[0] != MOERT_MEMORY_KEEP) EXPECT_OK(moert_act_store_start_offloads(&L->acts));
         for (int a = 0; a < MOERT_ACT_COUNT && act[0] != MOERT_MEMORY_KEEP; a++) EXPECT(!L->acts.offload_queued[a]);
         EXPECT_OK(moert_act_store_release_offloaded(&L->acts));
@@ -209,9 +212,9 @@ static void check_layer(const int act[MOERT_ACT_COUNT], bool prefetch, bool defe
     if (prefetch) {
         EXPECT_OK(moert_act_store_prefetch(&L->acts));
         for (int a = 0; a < MOERT_ACT_COUNT; a++)
-            EXPECT_EQ_INT(L->acts.place[a], act[a] == MOERT_MEMORY_OFFLOAD ? MOERT_PLACE_LOADING
-                                       : act[a] == MOERT_MEMORY_RECOMPUTE ? MOERT_PLACE_DROPPED
-                                                                          : MOERT_PLACE_DEVICE);
+            EXPECT_EQ_INT(L->acts.place[a], act[a] == MOERT_MEMORY_OFFLOAD     ? MOERT_PLACE_LOADING
+                                            : act[a] == MOERT_MEMORY_RECOMPUTE ? MOERT_PLACE_DROPPED
+                                                                               : MOERT_PLACE_DEVICE);
         EXPECT_OK(moert_act_store_prefetch(&L->acts)); /* idempotent */
     }
     EXPECT_OK(moert_layer_backward(L, &hz.d_y, &hz.d_x, 1.0));
@@ -362,8 +365,9 @@ static void check_runtime_optimizer(const char *optimizer, double weight_decay)
                 checked++;
             }
     printf("optimizer %s (weight decay %g): %lld parameters, %lld moved, %lld exactly p - lr*update in fp32, "
-           "worst error %.2e\n", optimizer ? optimizer : "(default adam)", weight_decay, (long long)checked,
-           (long long)moved, (long long)exact, worst);
+           "worst error %.2e\n",
+           optimizer ? optimizer : "(default adam)", weight_decay, (long long)checked, (long long)moved,
+           (long long)exact, worst);
     EXPECT_EQ_INT(bad, 0);
     EXPECT(moved > checked / 2);
     if (sgd && weight_decay == 0.0) EXPECT_EQ_INT(exact, checked);
@@ -412,7 +416,8 @@ static void check_layer_optimizer_state(void)
             if (!moert_layer_has_param(&hz.L, (moert_param_id)p)) continue;
             EXPECT(pr->m.data && pr->v.data);
             int64_t zeros = 0, n = moert_tensor_numel(&pr->m);
-            for (int64_t i = 0; pr->m.data && i < n; i++) zeros += moert_load(&pr->m, i) == 0.0 && moert_load(&pr->v, i) == 0.0;
+            for (int64_t i = 0; pr->m.data && i < n; i++)
+                zeros += moert_load(&pr->m, i) == 0.0 && moert_load(&pr->v, i) == 0.0;
             EXPECT_EQ_INT(zeros, n);
         }
     }

@@ -22,8 +22,11 @@ static void check_actions(const char *options, moert_memory_action dispatched_x,
     const moert_memory_policy_v1 *vt = (const moert_memory_policy_v1 *)ti.plugin.header;
     const moert_memory_action want[MOERT_ACT_COUNT] = {dispatched_x, fc1_out, swiglu_out};
     for (int a = 0; a < MOERT_ACT_COUNT; a++) {
-        moert_activation_info info = {.struct_size = sizeof info, .layer_index = 0, .activation = (moert_activation)a,
-                                      .bytes = 4096, .device = moert_cpu()};
+        moert_activation_info info = {.struct_size = sizeof info,
+                                      .layer_index = 0,
+                                      .activation = (moert_activation)a,
+                                      .bytes = 4096,
+                                      .device = moert_cpu()};
         moert_memory_action got = (moert_memory_action)-1;
         EXPECT_EQ_INT(vt->decide(ti.ctx, &info, &got), MOERT_OK);
         if (got != want[a])
@@ -55,8 +58,11 @@ static void check_shared(const char *options, moert_memory_action shared_fc1_out
         return;
     }
     const moert_memory_policy_v1 *vt = (const moert_memory_policy_v1 *)ti.plugin.header;
-    moert_activation_info info = {.struct_size = sizeof info, .activation = MOERT_ACT_FC1_OUT, .bytes = 4096,
-                                  .device = moert_cpu(), .flags = MOERT_ACTIVATION_SHARED_EXPERT};
+    moert_activation_info info = {.struct_size = sizeof info,
+                                  .activation = MOERT_ACT_FC1_OUT,
+                                  .bytes = 4096,
+                                  .device = moert_cpu(),
+                                  .flags = MOERT_ACTIVATION_SHARED_EXPERT};
     moert_memory_action got = (moert_memory_action)-1;
     EXPECT_EQ_INT(vt->decide(ti.ctx, &info, &got), MOERT_OK);
     EXPECT_EQ_INT(got, shared_fc1_out);
@@ -99,8 +105,11 @@ static void check_last_layer(const char *options, bool offload_last)
             return;
         }
         const moert_memory_policy_v1 *vt = (const moert_memory_policy_v1 *)ti.plugin.header;
-        moert_activation_info info = {.struct_size = sizeof info, .layer_index = index,
-                                      .activation = MOERT_ACT_DISPATCHED_X, .bytes = 4096, .device = moert_cpu()};
+        moert_activation_info info = {.struct_size = sizeof info,
+                                      .layer_index = index,
+                                      .activation = MOERT_ACT_DISPATCHED_X,
+                                      .bytes = 4096,
+                                      .device = moert_cpu()};
         moert_memory_action got = (moert_memory_action)-1;
         EXPECT_EQ_INT(vt->decide(ti.ctx, &info, &got), MOERT_OK);
         EXPECT_EQ_INT(got, (index == 2 && !offload_last) ? MOERT_MEMORY_KEEP : MOERT_MEMORY_OFFLOAD);
@@ -131,8 +140,7 @@ int main(void)
     check_refused("{\"shared_act\": \"drop\"}", bad_shared);
 
     check_last_layer("{\"dispatched_x\": \"offload\", \"fc1_out\": \"recompute\"}", true);
-    check_last_layer("{\"dispatched_x\": \"offload\", \"fc1_out\": \"recompute\", \"offload_last_layer\": true}",
-                     true);
+    check_last_layer("{\"dispatched_x\": \"offload\", \"fc1_out\": \"recompute\", \"offload_last_layer\": true}", true);
     check_last_layer("{\"dispatched_x\": \"offload\", \"fc1_out\": \"recompute\", \"offload_last_layer\": false}",
                      false);
     const char *const bad_bool[] = {"offload_last_layer", NULL};

@@ -80,7 +80,8 @@ static void compare(int ranks, int tokens, int micro)
     EXPECT_OK(moert_runtime_forward_backward(whole, 1, &loss_whole));
     const double grad_diff = gradient_difference(split, whole, 2);
     printf("%d rank(s), %d micro-batches of %d tokens vs one of %d: loss %.15f / %.15f, gradients differ by %.2e "
-           "(relative to the largest)\n", ranks, micro, tokens, tokens * micro, loss_split, loss_whole, grad_diff);
+           "(relative to the largest)\n",
+           ranks, micro, tokens, tokens * micro, loss_split, loss_whole, grad_diff);
     EXPECT_NEAR(loss_split, loss_whole, 0, 1e-12);
     EXPECT(grad_diff < 1e-11);
     /* the check can fail: one micro-batch alone (the second's gradients lost) is far off */

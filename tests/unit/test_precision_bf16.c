@@ -6,9 +6,9 @@
 
 #include "error.h"
 
-#define PLUGIN "bf16"
-#define HIDDEN 6
-#define FFN 5
+#define PLUGIN  "bf16"
+#define HIDDEN  6
+#define FFN     5
 #define EXPERTS 3
 
 typedef enum arith { ARITH_FP64, ARITH_FP32, ARITH_BF16 } arith;
@@ -85,7 +85,7 @@ static void make_data(gemm_data *g, moert_gemm_weight which, moert_dtype act, mo
     g->grad_weight = make_tensor(wdt, 3, EXPERTS, g->k_in, g->n_out);
     fill(&g->input, &rng, total, NAN);
     fill(&g->grad_output, &rng, total, NAN);
-    fill(&g->output, &rng, 0, 77.0);      /* all rows 77: the valid ones get overwritten */
+    fill(&g->output, &rng, 0, 77.0); /* all rows 77: the valid ones get overwritten */
     fill(&g->grad_input, &rng, 0, -55.0);
     fill(&g->weight, &rng, EXPERTS, 0);
     fill(&g->grad_weight, &rng, EXPERTS, 0);
@@ -95,8 +95,8 @@ static void make_data(gemm_data *g, moert_gemm_weight which, moert_dtype act, mo
 }
 
 /* One output element of a pass, the naive way: the sum over p of its two operands, in `a`'s accumulator. */
-static ref_dot reference_element(const gemm_data *g, moert_gemm_pass pass, arith a, int64_t e, int64_t row0,
-                                 int64_t m, int64_t i, int64_t j)
+static ref_dot reference_element(const gemm_data *g, moert_gemm_pass pass, arith a, int64_t e, int64_t row0, int64_t m,
+                                 int64_t i, int64_t j)
 {
     ref_dot d = {0, 0, 0};
     float acc_f = 0.0f;
@@ -116,8 +116,10 @@ static ref_dot reference_element(const gemm_data *g, moert_gemm_pass pass, arith
             y = moert_load(&g->grad_output, (row0 + p) * N + j);
         }
         double xo = operand(x, a), yo = operand(y, a);
-        if (a == ARITH_FP64) acc_d += xo * yo;
-        else acc_f += (float)xo * (float)yo;
+        if (a == ARITH_FP64)
+            acc_d += xo * yo;
+        else
+            acc_f += (float)xo * (float)yo;
         d.abs_sum += fabs(x * y);
         d.exact += x * y;
     }
@@ -164,11 +166,18 @@ static void check_pass(const char *mode, moert_dtype act, moert_dtype wdt, arith
     gemm_data g;
     make_data(&g, which, act, wdt, counts, seed);
     moert_tensor tpe = moert_tensor_1d((void *)counts, moert_cpu(), MOERT_I64, EXPERTS);
-    moert_grouped_gemm_args args = {.struct_size = sizeof args, .which = which, .pass = pass,
-                                    .tokens_per_expert = &tpe, .tokens_per_expert_host = NULL,
-                                    .input = &g.input, .weight = &g.weight, .grad_output = &g.grad_output,
-                                    .output = &g.output, .grad_input = &g.grad_input,
-                                    .grad_weight = &g.grad_weight, .overwrite_grad_weight = overwrite};
+    moert_grouped_gemm_args args = {.struct_size = sizeof args,
+                                    .which = which,
+                                    .pass = pass,
+                                    .tokens_per_expert = &tpe,
+                                    .tokens_per_expert_host = NULL,
+                                    .input = &g.input,
+                                    .weight = &g.weight,
+                                    .grad_output = &g.grad_output,
+                                    .output = &g.output,
+                                    .grad_input = &g.grad_input,
+                                    .grad_weight = &g.grad_weight,
+                                    .overwrite_grad_weight = overwrite};
     EXPECT(!overwrite || (ti.plugin.header->flags & MOERT_CAP_WGRAD_OVERWRITE));
     moert_result rc = vt->grouped_gemm(ti.ctx, NULL, &args);
     args.overwrite_grad_weight = 0;
@@ -185,8 +194,9 @@ static void check_pass(const char *mode, moert_dtype act, moert_dtype wdt, arith
     double tol = a == ARITH_FP64 ? 1e-15 : a == ARITH_FP32 ? 1e-6 : 1.6e-2;
     if (act == MOERT_BF16 || (pass == MOERT_GEMM_WGRAD && wdt == MOERT_BF16)) tol += 8e-3;
     const int64_t K = g.k_in, N = g.n_out;
-    const moert_tensor *out = pass == MOERT_GEMM_FORWARD ? &g.output : pass == MOERT_GEMM_DGRAD ? &g.grad_input
-                                                                                                : &g.grad_weight;
+    const moert_tensor *out = pass == MOERT_GEMM_FORWARD ? &g.output
+                              : pass == MOERT_GEMM_DGRAD ? &g.grad_input
+                                                         : &g.grad_weight;
     const int64_t cols = pass == MOERT_GEMM_DGRAD ? K : N;
     int64_t row0 = 0;
     for (int64_t e = 0; e < EXPERTS; e++) {
@@ -210,8 +220,8 @@ static void check_pass(const char *mode, moert_dtype act, moert_dtype wdt, arith
             for (int64_t i = 0; i < m; i++)
                 for (int64_t j = 0; j < cols; j++) {
                     ref_dot d = reference_element(&g, pass, a, e, row0, m, i, j);
-                    compare(label, moert_load(out, (row0 + i) * cols + j), stored(d.value, act), d.exact,
-                            d.abs_sum, tol);
+                    compare(label, moert_load(out, (row0 + i) * cols + j), stored(d.value, act), d.exact, d.abs_sum,
+                            tol);
                 }
         }
         row0 += m;
@@ -253,10 +263,14 @@ static void check_bf16_rounds(void)
         make_data(&g, MOERT_GEMM_FC1, MOERT_F32, MOERT_F32, counts, 5);
         moert_tensor out2 = make_tensor(MOERT_F32, 2, g.rows, g.n_out, 0);
         moert_tensor tpe = moert_tensor_1d((void *)counts, moert_cpu(), MOERT_I64, EXPERTS);
-        moert_grouped_gemm_args args = {.struct_size = sizeof args, .which = MOERT_GEMM_FC1,
-                                        .pass = MOERT_GEMM_FORWARD, .tokens_per_expert = &tpe,
+        moert_grouped_gemm_args args = {.struct_size = sizeof args,
+                                        .which = MOERT_GEMM_FC1,
+                                        .pass = MOERT_GEMM_FORWARD,
+                                        .tokens_per_expert = &tpe,
                                         .tokens_per_expert_host = counts, /* the host copy serves as well */
-                                        .input = &g.input, .weight = &g.weight, .output = &g.output};
+                                        .input = &g.input,
+                                        .weight = &g.weight,
+                                        .output = &g.output};
         EXPECT_OK(((const moert_precision_v1 *)bf.plugin.header)->grouped_gemm(bf.ctx, NULL, &args));
         args.output = &out2;
         args.tokens_per_expert = NULL;
@@ -275,8 +289,7 @@ static void check_bf16_rounds(void)
 }
 
 /* A call that must fail with `code` and a message containing `needle`. */
-static void expect_gemm_error(test_instance *ti, moert_grouped_gemm_args *args, moert_result code,
-                              const char *needle)
+static void expect_gemm_error(test_instance *ti, moert_grouped_gemm_args *args, moert_result code, const char *needle)
 {
     moert_result rc = ((const moert_precision_v1 *)ti->plugin.header)->grouped_gemm(ti->ctx, NULL, args);
     const char *m = moert_host_take_error(ti->host);
@@ -297,10 +310,16 @@ static void check_errors(void)
     gemm_data g;
     make_data(&g, MOERT_GEMM_FC1, MOERT_F32, MOERT_F32, counts, 9); /* rows 13 */
     moert_tensor tpe = moert_tensor_1d((void *)counts, moert_cpu(), MOERT_I64, EXPERTS);
-    moert_grouped_gemm_args base = {.struct_size = sizeof base, .which = MOERT_GEMM_FC1, .pass = MOERT_GEMM_FORWARD,
-                                    .tokens_per_expert = &tpe, .input = &g.input, .weight = &g.weight,
-                                    .grad_output = &g.grad_output, .output = &g.output,
-                                    .grad_input = &g.grad_input, .grad_weight = &g.grad_weight};
+    moert_grouped_gemm_args base = {.struct_size = sizeof base,
+                                    .which = MOERT_GEMM_FC1,
+                                    .pass = MOERT_GEMM_FORWARD,
+                                    .tokens_per_expert = &tpe,
+                                    .input = &g.input,
+                                    .weight = &g.weight,
+                                    .grad_output = &g.grad_output,
+                                    .output = &g.output,
+                                    .grad_input = &g.grad_input,
+                                    .grad_weight = &g.grad_weight};
     moert_grouped_gemm_args a = base;
 
     moert_tensor out_bad = g.output;
@@ -346,7 +365,8 @@ static void check_errors(void)
     expect_gemm_error(&ti, &a, MOERT_ERR_INVALID_ARGUMENT,
                       "tokens_per_expert is int64 [2], expected int64 [3] (num_local_experts)");
     a.tokens_per_expert = NULL;
-    expect_gemm_error(&ti, &a, MOERT_ERR_INVALID_ARGUMENT, "tokens_per_expert and tokens_per_expert_host are both NULL");
+    expect_gemm_error(&ti, &a, MOERT_ERR_INVALID_ARGUMENT,
+                      "tokens_per_expert and tokens_per_expert_host are both NULL");
     a = base;
     moert_tensor in_i32 = g.input;
     in_i32.dtype = MOERT_I32;
@@ -375,11 +395,11 @@ int main(void)
     check_mode("auto", MOERT_F64, MOERT_F64, ARITH_FP64);
     check_mode("fp32", MOERT_F32, MOERT_F32, ARITH_FP32);
     check_mode("auto", MOERT_F32, MOERT_F32, ARITH_FP32);
-    check_mode("bf16", MOERT_BF16, MOERT_F32, ARITH_BF16);  /* bf16 activations, fp32 master weights */
+    check_mode("bf16", MOERT_BF16, MOERT_F32, ARITH_BF16); /* bf16 activations, fp32 master weights */
     check_mode("auto", MOERT_BF16, MOERT_BF16, ARITH_BF16);
-    check_mode("bf16", MOERT_F32, MOERT_F32, ARITH_BF16);   /* fp32 data, bf16 arithmetic: operands rounded */
+    check_mode("bf16", MOERT_F32, MOERT_F32, ARITH_BF16); /* fp32 data, bf16 arithmetic: operands rounded */
     check_mode("bf16", MOERT_F64, MOERT_F64, ARITH_BF16);
-    check_mode("fp64", MOERT_BF16, MOERT_F32, ARITH_FP64);  /* bf16 storage, fp64 arithmetic */
+    check_mode("fp64", MOERT_BF16, MOERT_F32, ARITH_FP64); /* bf16 storage, fp64 arithmetic */
     check_bf16_rounds();
     check_errors();
     return test_finish("test_precision_bf16");

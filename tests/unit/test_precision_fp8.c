@@ -164,8 +164,8 @@ static void check_quantize_error(void)
             double worst = 0;
             for (int i = 0; i < n; i++) {
                 double scaled = fabs(orig[i]) * scale, err = fabs(v[i] - orig[i]);
-                double bound = scaled >= ldexp(1, emin) ? ldexp(fabs(orig[i]), -(mbits + 1))
-                                                        : ldexp(1, emin - mbits - 1) / scale;
+                double bound =
+                    scaled >= ldexp(1, emin) ? ldexp(fabs(orig[i]), -(mbits + 1)) : ldexp(1, emin - mbits - 1) / scale;
                 normal += scaled >= ldexp(1, emin);
                 if (scaled >= ldexp(1, emin)) worst = fmax(worst, err / fabs(orig[i]));
                 bad += err > bound * (1 + 1e-12);
@@ -193,7 +193,8 @@ static void check_tiles(void)
     uint64_t rng = 11;
     for (int i = 0; i < r1; i++)
         for (int j = 0; j < c1; j++) /* tile (i, jt) has magnitude 2^(3 i - 4 jt) ; row 2's last tile is zero */
-            a[i * c1 + j] = a0[i * c1 + j] = i == 2 && j >= 256 ? 0.0 : ldexp(test_uniform(&rng), 3 * i - 4 * (j / 128));
+            a[i * c1 + j] = a0[i * c1 + j] =
+                i == 2 && j >= 256 ? 0.0 : ldexp(test_uniform(&rng), 3 * i - 4 * (j / 128));
     float scales[9] = {0};
     (void)fp8_quantize_block(a, r1, c1, 1, FP8_BLOCK, FP8_E4M3, true, 0.0f, scales, bytes);
     int bad = 0;
@@ -216,7 +217,7 @@ static void check_tiles(void)
     for (int i = 0; i < r2 * c2; i++) w[i] = (i / c2 < 128 && i % c2 < 128) ? 1000.0 : test_uniform(&rng);
     float wscales[6] = {0};
     (void)fp8_quantize_block(w, r2, c2, FP8_BLOCK, FP8_BLOCK, FP8_E4M3, true, 0.0f, wscales, NULL);
-    EXPECT(wscales[0] == 0.25f); /* 448 / 1000 -> 2^-2 */
+    EXPECT(wscales[0] == 0.25f);                              /* 448 / 1000 -> 2^-2 */
     for (int t = 1; t < 6; t++) EXPECT(wscales[t] == 256.0f); /* amax just below 1: 448 / amax -> 2^8 */
 }
 
@@ -227,11 +228,15 @@ static void check_delayed(void)
 {
     const int64_t H = 4, F = 3, rows = 2;
     const double amaxes[6] = {2.0, 8.0, 1.0, 0.5, 0.5, NAN};
-    const float want_max[6] = {224.0f, 56.0f, 56.0f, 56.0f, 448.0f, 448.0f};    /* history length 3 */
+    const float want_max[6] = {224.0f, 56.0f, 56.0f, 56.0f, 448.0f, 448.0f};      /* history length 3 */
     const float want_recent[6] = {112.0f, 28.0f, 224.0f, 448.0f, 448.0f, 448.0f}; /* margin 1 */
     for (int variant = 0; variant < 2; variant++) {
-        fp8_settings s = {.recipe = FP8_RECIPE_DELAYED, .hybrid = true, .power_of_2 = false, .amax_history_len = 3,
-                          .amax_most_recent = variant == 1, .margin = variant == 1 ? 1 : 0};
+        fp8_settings s = {.recipe = FP8_RECIPE_DELAYED,
+                          .hybrid = true,
+                          .power_of_2 = false,
+                          .amax_history_len = 3,
+                          .amax_most_recent = variant == 1,
+                          .margin = variant == 1 ? 1 : 0};
         fp8_delayed_state d;
         EXPECT(fp8_delayed_init(&d, 1, 3));
         fp8_scratch scratch = {0};
@@ -242,9 +247,13 @@ static void check_delayed(void)
         for (int i = 0; i < 24; i++) wt[i] = 0.25;
         const int64_t counts[1] = {rows};
         fp8_gemm_shape shape = {1, H, 2 * F, counts};
-        moert_grouped_gemm_args args = {.struct_size = sizeof args, .which = MOERT_GEMM_FC1,
-                                        .pass = MOERT_GEMM_FORWARD, .tokens_per_expert_host = counts,
-                                        .input = &input, .weight = &weight, .output = &output};
+        moert_grouped_gemm_args args = {.struct_size = sizeof args,
+                                        .which = MOERT_GEMM_FC1,
+                                        .pass = MOERT_GEMM_FORWARD,
+                                        .tokens_per_expert_host = counts,
+                                        .input = &input,
+                                        .weight = &weight,
+                                        .output = &output};
         fp8_amax_slot *slot = fp8_delayed_slot(&d, MOERT_GEMM_FC1, FP8_OPERAND_INPUT, 0);
         EXPECT(slot->scale == 1.0f);
         for (int step = 0; step < 6; step++) {
@@ -268,8 +277,8 @@ static void check_delayed(void)
 
 /* ---- GEMMs through the plugin ---- */
 
-#define G_HIDDEN 136 /* > 128: blockwise tiles cross a boundary along K */
-#define G_FFN 72
+#define G_HIDDEN  136 /* > 128: blockwise tiles cross a boundary along K */
+#define G_FFN     72
 #define G_EXPERTS 2
 
 typedef struct recipe_case {
@@ -289,14 +298,15 @@ static void ref_quantize(double *x, double *err, int64_t rows, int64_t cols, int
         for (int64_t c0 = 0; c0 < cols; c0 += tc) {
             double amax = 0;
             for (int64_t i = r0; i < rows && i < r0 + tr; i++)
-                for (int64_t j = c0; j < cols && j < c0 + tc; j++) amax = fmax(amax, fabs((double)(float)x[i * cols + j]));
+                for (int64_t j = c0; j < cols && j < c0 + tc; j++)
+                    amax = fmax(amax, fabs((double)(float)x[i * cols + j]));
             float scale = fp8_scale_from_amax(amax, fp8_max(f), 0, pow2, 1.0f); /* delayed's first step: also 1 */
             for (int64_t i = r0; i < rows && i < r0 + tr; i++)
                 for (int64_t j = c0; j < cols && j < c0 + tc; j++) {
                     double v = x[i * cols + j];
                     err[i * cols + j] = ldexp(fabs(v), -(mbits + 1)) + ldexp(1, emin - mbits - 1) / scale;
-                    x[i * cols + j] = (double)fp8_to_float(fp8_from_float((float)v * scale, f), f) *
-                                      (double)(1.0f / scale);
+                    x[i * cols + j] =
+                        (double)fp8_to_float(fp8_from_float((float)v * scale, f), f) * (double)(1.0f / scale);
                 }
         }
 }
@@ -333,9 +343,15 @@ static void check_gemm(const recipe_case *rc, moert_gemm_weight which, moert_gem
     for (int64_t i = total * N; i < rows * N; i++) moert_store(&grad_output, i, NAN);
     double *gw_before = malloc((size_t)(G_EXPERTS * K * N) * sizeof(double));
     for (int64_t i = 0; i < G_EXPERTS * K * N; i++) gw_before[i] = moert_load(&grad_weight, i);
-    moert_grouped_gemm_args args = {.struct_size = sizeof args, .which = which, .pass = pass,
-                                    .tokens_per_expert_host = counts, .input = &input, .weight = &weight,
-                                    .grad_output = &grad_output, .output = &output, .grad_input = &grad_input,
+    moert_grouped_gemm_args args = {.struct_size = sizeof args,
+                                    .which = which,
+                                    .pass = pass,
+                                    .tokens_per_expert_host = counts,
+                                    .input = &input,
+                                    .weight = &weight,
+                                    .grad_output = &grad_output,
+                                    .output = &output,
+                                    .grad_input = &grad_input,
                                     .grad_weight = &grad_weight};
     EXPECT_OK(((const moert_precision_v1 *)ti.plugin.header)->grouped_gemm(ti.ctx, NULL, &args));
     const char *err = moert_host_take_error(ti.host);
@@ -350,7 +366,8 @@ static void check_gemm(const recipe_case *rc, moert_gemm_weight which, moert_gem
         /* GEMM orientation: FORWARD A = in [m,K], B = W [K,N]; DGRAD A = gout [m,N], B = W^T [N,K];
          * WGRAD A = in^T [K,m], B = gout [m,N] */
         const int64_t am = pass == MOERT_GEMM_WGRAD ? K : m, kk = pass == MOERT_GEMM_FORWARD ? K
-                                                                  : pass == MOERT_GEMM_DGRAD ? N : m;
+                                                                  : pass == MOERT_GEMM_DGRAD ? N
+                                                                                             : m;
         const int64_t bn = pass == MOERT_GEMM_FORWARD ? N : pass == MOERT_GEMM_DGRAD ? K : N;
         double *a = malloc((size_t)(am * kk) * 8), *b = malloc((size_t)(kk * bn) * 8);
         double *qa = malloc((size_t)(am * kk) * 8), *qb = malloc((size_t)(kk * bn) * 8);
@@ -418,9 +435,10 @@ static void check_gemm(const recipe_case *rc, moert_gemm_weight which, moert_gem
     if (pass == MOERT_GEMM_DGRAD)
         for (int64_t i = total * K; i < rows * K; i++) touched += moert_load(&grad_input, i) != -55;
     if (bad || exact_bad || touched)
-        fprintf(stderr, "%s, %s, pass %d: %d outside the FP8 bound, %d differ from the quantized naive loop, "
-                "%d padding written\n", rc->options, which == MOERT_GEMM_FC1 ? "fc1" : "fc2", (int)pass, bad,
-                exact_bad, touched);
+        fprintf(stderr,
+                "%s, %s, pass %d: %d outside the FP8 bound, %d differ from the quantized naive loop, "
+                "%d padding written\n",
+                rc->options, which == MOERT_GEMM_FC1 ? "fc1" : "fc2", (int)pass, bad, exact_bad, touched);
     EXPECT_EQ_INT(bad, 0);
     EXPECT_EQ_INT(exact_bad, 0);
     EXPECT_EQ_INT(touched, 0);
@@ -438,8 +456,8 @@ static void check_gemms(void)
         {"{\"recipe\": \"delayed\"}", FP8_RECIPE_DELAYED, true, false},
         {"{\"recipe\": \"blockwise\"}", FP8_RECIPE_BLOCKWISE, false, true}, /* defaults: e4m3, power-of-2 scales */
         {"{\"recipe\": \"blockwise\", \"format\": \"hybrid\"}", FP8_RECIPE_BLOCKWISE, true, true},
-        {"{\"recipe\": \"blockwise\", \"format\": \"e4m3\", \"power_of_2_scales\": false}", FP8_RECIPE_BLOCKWISE,
-         false, false},
+        {"{\"recipe\": \"blockwise\", \"format\": \"e4m3\", \"power_of_2_scales\": false}", FP8_RECIPE_BLOCKWISE, false,
+         false},
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         double worst = 0;
@@ -457,9 +475,14 @@ static void check_gemms(void)
 static moert_result wgrad_call(test_instance *ti, moert_gemm_weight which, const int64_t *counts, moert_tensor *input,
                                moert_tensor *grad_output, moert_tensor *grad_weight, int overwrite)
 {
-    moert_grouped_gemm_args args = {.struct_size = sizeof args, .which = which, .pass = MOERT_GEMM_WGRAD,
-                                    .tokens_per_expert_host = counts, .input = input, .grad_output = grad_output,
-                                    .grad_weight = grad_weight, .overwrite_grad_weight = overwrite};
+    moert_grouped_gemm_args args = {.struct_size = sizeof args,
+                                    .which = which,
+                                    .pass = MOERT_GEMM_WGRAD,
+                                    .tokens_per_expert_host = counts,
+                                    .input = input,
+                                    .grad_output = grad_output,
+                                    .grad_weight = grad_weight,
+                                    .overwrite_grad_weight = overwrite};
     return ((const moert_precision_v1 *)ti->plugin.header)->grouped_gemm(ti->ctx, NULL, &args);
 }
 
@@ -509,8 +532,10 @@ static void check_overwrite(const char *options)
             int64_t nonzero_empty = 0, rows_nonzero = 0;
             for (int64_t e = 0; e < 3; e++)
                 for (int64_t i = e * K * N; i < (e + 1) * K * N; i++) {
-                    if (counts[e] == 0) nonzero_empty += moert_load(&over, i) != 0.0;
-                    else rows_nonzero += moert_load(&over, i) != 0.0;
+                    if (counts[e] == 0)
+                        nonzero_empty += moert_load(&over, i) != 0.0;
+                    else
+                        rows_nonzero += moert_load(&over, i) != 0.0;
                 }
             /* the next micro-batch accumulates onto the overwritten gradient, as onto the zeroed one */
             EXPECT_OK(wgrad_call(&ti, w, counts, &input, &grad_output, &over, 0));
@@ -521,16 +546,19 @@ static void check_overwrite(const char *options)
             int64_t empty_changed = 0, added = 0;
             for (int64_t e = 0; e < 3; e++)
                 for (int64_t i = e * K * N; i < (e + 1) * K * N; i++) {
-                    if (counts[e] == 0) empty_changed += moert_load(&kept, i) != moert_load(&old, i);
-                    else added += moert_load(&kept, i) != moert_load(&old, i);
+                    if (counts[e] == 0)
+                        empty_changed += moert_load(&kept, i) != moert_load(&old, i);
+                    else
+                        added += moert_load(&kept, i) != moert_load(&old, i);
                 }
             const int64_t with_rows = (counts[0] != 0) + (counts[1] != 0) + (counts[2] != 0);
             if (differ || nonzero_empty || differ2 || empty_changed)
-                fprintf(stderr, "overwrite %s, fc%d, counts {%lld, %lld, %lld}: %lld differ from the WGRAD onto zeros, "
+                fprintf(stderr,
+                        "overwrite %s, fc%d, counts {%lld, %lld, %lld}: %lld differ from the WGRAD onto zeros, "
                         "%lld not zeroed in empty experts, %lld differ after accumulating, %lld old values of empty "
-                        "experts changed without overwrite\n", options, which + 1, (long long)counts[0],
-                        (long long)counts[1], (long long)counts[2], (long long)differ, (long long)nonzero_empty,
-                        (long long)differ2, (long long)empty_changed);
+                        "experts changed without overwrite\n",
+                        options, which + 1, (long long)counts[0], (long long)counts[1], (long long)counts[2],
+                        (long long)differ, (long long)nonzero_empty, (long long)differ2, (long long)empty_changed);
             EXPECT(differ == 0);
             EXPECT(nonzero_empty == 0);
             EXPECT(differ2 == 0);
@@ -548,21 +576,29 @@ static void check_overwrite(const char *options)
 
 /* One grouped GEMM of pass through plugin instance ti; the result's values (output, grad_input or grad_weight) as an
  * fp64 tensor on the host (free its data). */
-static moert_tensor pass_values(test_instance *ti, moert_gemm_weight which, moert_gemm_pass pass,
-                                const int64_t *counts, moert_tensor *input, moert_tensor *weight,
-                                moert_tensor *grad_output, const moert_tensor *grad_weight_start, int overwrite)
+static moert_tensor pass_values(test_instance *ti, moert_gemm_weight which, moert_gemm_pass pass, const int64_t *counts,
+                                moert_tensor *input, moert_tensor *weight, moert_tensor *grad_output,
+                                const moert_tensor *grad_weight_start, int overwrite)
 {
     const int64_t rows = input->shape[0], K = input->shape[1], N = grad_output->shape[1];
     moert_tensor output = make_f32(2, rows, N, 0, NULL, 0), grad_input = make_f32(2, rows, K, 0, NULL, 0);
     moert_tensor grad_weight = make_f32(3, G_EXPERTS, K, N, NULL, 0);
     for (int64_t i = 0; i < G_EXPERTS * K * N; i++) moert_store(&grad_weight, i, moert_load(grad_weight_start, i));
-    moert_grouped_gemm_args args = {.struct_size = sizeof args, .which = which, .pass = pass,
-                                    .tokens_per_expert_host = counts, .input = input, .weight = weight,
-                                    .grad_output = grad_output, .output = &output, .grad_input = &grad_input,
-                                    .grad_weight = &grad_weight, .overwrite_grad_weight = overwrite};
+    moert_grouped_gemm_args args = {.struct_size = sizeof args,
+                                    .which = which,
+                                    .pass = pass,
+                                    .tokens_per_expert_host = counts,
+                                    .input = input,
+                                    .weight = weight,
+                                    .grad_output = grad_output,
+                                    .output = &output,
+                                    .grad_input = &grad_input,
+                                    .grad_weight = &grad_weight,
+                                    .overwrite_grad_weight = overwrite};
     EXPECT_OK(((const moert_precision_v1 *)ti->plugin.header)->grouped_gemm(ti->ctx, NULL, &args));
-    const moert_tensor *result = pass == MOERT_GEMM_FORWARD ? &output : pass == MOERT_GEMM_DGRAD ? &grad_input
-                                                                                                 : &grad_weight;
+    const moert_tensor *result = pass == MOERT_GEMM_FORWARD ? &output
+                                 : pass == MOERT_GEMM_DGRAD ? &grad_input
+                                                            : &grad_weight;
     const int64_t n = moert_tensor_numel(result);
     moert_tensor v = moert_tensor_1d(malloc((size_t)n * sizeof(double)), moert_cpu(), MOERT_F64, n);
     for (int64_t i = 0; i < n; i++) moert_store(&v, i, moert_load(result, i));
@@ -595,10 +631,11 @@ static void check_unquantized_wgrad(const char *fp8_options, const char *unquant
                                                        &input, &weight, &grad_output, &start, overwrite);
                 const moert_tensor v_unq = pass_values(&unq, (moert_gemm_weight)which, (moert_gemm_pass)pass, counts,
                                                        &input, &weight, &grad_output, &start, overwrite);
-                const moert_tensor v_bf16 = pass_values(&bf16, (moert_gemm_weight)which, (moert_gemm_pass)pass,
-                                                        counts, &input, &weight, &grad_output, &start, overwrite);
+                const moert_tensor v_bf16 = pass_values(&bf16, (moert_gemm_weight)which, (moert_gemm_pass)pass, counts,
+                                                        &input, &weight, &grad_output, &start, overwrite);
                 const int64_t n = moert_tensor_numel(&v_unq);
-                const int64_t vs_fp8 = count_differing(&v_unq, &v_fp8, n), vs_bf16 = count_differing(&v_unq, &v_bf16, n);
+                const int64_t vs_fp8 = count_differing(&v_unq, &v_fp8, n),
+                              vs_bf16 = count_differing(&v_unq, &v_bf16, n);
                 if (pass == MOERT_GEMM_WGRAD) {
                     EXPECT_EQ_INT(vs_bf16, 0);
                     EXPECT(vs_fp8 > n / 2);
@@ -627,8 +664,12 @@ static void check_errors(void)
         uint64_t rng = 1;
         moert_tensor input = make_f32(2, 13, 6, 0, &rng, 0), weight = make_f32(3, 3, 6, 10, &rng, 0);
         moert_tensor output = make_f32(2, 13, 9, 0, NULL, 0);
-        moert_grouped_gemm_args a = {.struct_size = sizeof a, .which = MOERT_GEMM_FC1, .pass = MOERT_GEMM_FORWARD,
-                                     .tokens_per_expert_host = counts, .input = &input, .weight = &weight,
+        moert_grouped_gemm_args a = {.struct_size = sizeof a,
+                                     .which = MOERT_GEMM_FC1,
+                                     .pass = MOERT_GEMM_FORWARD,
+                                     .tokens_per_expert_host = counts,
+                                     .input = &input,
+                                     .weight = &weight,
                                      .output = &output};
         const moert_precision_v1 *vt = (const moert_precision_v1 *)ti.plugin.header;
         EXPECT_EQ_INT(vt->grouped_gemm(ti.ctx, NULL, &a), MOERT_ERR_INVALID_ARGUMENT);
@@ -646,13 +687,15 @@ static void check_errors(void)
     EXPECT_ERROR_CONTAINS("recipe");
     EXPECT_ERROR_CONTAINS("blockwise");
     test_instance_close(&ti);
-    EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, "{\"amax_history_len\": 0}", &layer, NULL, 0,
-                                     1), MOERT_ERR_CONFIG);
+    EXPECT_EQ_INT(
+        test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, "{\"amax_history_len\": 0}", &layer, NULL, 0, 1),
+        MOERT_ERR_CONFIG);
     EXPECT_ERROR_CONTAINS("amax_history_len");
     test_instance_close(&ti);
     /* the wgmma kernel serves the blockwise recipe only; a bad engine names the key and the choices */
-    EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, "{\"recipe\": \"current\", \"gemm\": \"kernel\"}",
-                                     &layer, NULL, 0, 1), MOERT_ERR_CONFIG);
+    EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN,
+                                     "{\"recipe\": \"current\", \"gemm\": \"kernel\"}", &layer, NULL, 0, 1),
+                  MOERT_ERR_CONFIG);
     EXPECT_ERROR_CONTAINS("$.precision.gemm: \"kernel\" serves the blockwise recipe only (recipe is \"current\")");
     test_instance_close(&ti);
     EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, "{\"gemm\": \"cutlass\"}", &layer, NULL, 0, 1),

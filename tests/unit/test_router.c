@@ -62,9 +62,15 @@ static moert_result route(router_case *c, const double *logits, int64_t T, int64
     moert_tensor tidx = moert_tensor_2d(out->idx, moert_cpu(), MOERT_I32, T, K);
     moert_tensor tprobs = moert_tensor_2d(f32 ? (void *)probs32 : (void *)out->probs, moert_cpu(), probs_dtype, T, K);
     moert_tensor ttpe = moert_tensor_1d(out->tokens_per_expert, moert_cpu(), MOERT_I64, E);
-    moert_router_forward_args args = {
-        .struct_size = sizeof args, .x = &tx, .weight = &tw, .topk_idx = &tidx, .topk_probs = &tprobs,
-        .tokens_per_expert = &ttpe, .losses = &out->losses, .seq_length = seq_length, .flags = route_flags};
+    moert_router_forward_args args = {.struct_size = sizeof args,
+                                      .x = &tx,
+                                      .weight = &tw,
+                                      .topk_idx = &tidx,
+                                      .topk_probs = &tprobs,
+                                      .tokens_per_expert = &ttpe,
+                                      .losses = &out->losses,
+                                      .seq_length = seq_length,
+                                      .flags = route_flags};
     moert_result rc = c->vt->forward(c->ti.ctx, NULL, &args);
     if (rc != MOERT_OK) snprintf(out->error, sizeof out->error, "%s", moert_host_take_error(c->ti.host));
     if (f32)
@@ -166,8 +172,8 @@ static void test_sigmoid_bias(void)
 {
     router_case c;
     route_out out;
-    EXPECT_OK(open_router(&c, "{\"score_function\": \"sigmoid\", \"expert_bias\": true, \"bias_update_rate\": 0.5}",
-                          4, 2, NULL, 0, 1));
+    EXPECT_OK(open_router(&c, "{\"score_function\": \"sigmoid\", \"expert_bias\": true, \"bias_update_rate\": 0.5}", 4,
+                          2, NULL, 0, 1));
     if (!c.vt) return;
     const moert_tensor *bias = c.vt->expert_bias(c.ti.ctx);
     EXPECT(bias != NULL);
@@ -221,8 +227,10 @@ static void test_group_topk(void)
 
     /* sigmoid + groups + scaling, DeepSeek-V3 style: 4 groups of 2, 2 groups, top-4; group scores (sums of
      * sigmoids) g0 .850, g1 1.401, g2 .768, g3 1.0 -> experts 2,3,6,7. Plain top-4 would be 0, 4, 2, 3. */
-    EXPECT_OK(open_router(&c, "{\"score_function\": \"sigmoid\", \"num_groups\": 4, \"group_topk\": 2, "
-                              "\"scaling_factor\": 2.5}", 8, 4, NULL, 0, 1));
+    EXPECT_OK(open_router(&c,
+                          "{\"score_function\": \"sigmoid\", \"num_groups\": 4, \"group_topk\": 2, "
+                          "\"scaling_factor\": 2.5}",
+                          8, 4, NULL, 0, 1));
     if (!c.vt) return;
     double l2[] = {1, -2, 0.9, 0.8, 0.95, -3, 0, 0};
     EXPECT_OK(route(&c, l2, 1, 0, MOERT_F64, &out));
@@ -275,8 +283,10 @@ static void test_aux_loss(void)
     test_instance_close(&c.ti);
 
     /* sigmoid: P is the sigmoid normalised over all experts */
-    EXPECT_OK(open_router(&c, "{\"score_function\": \"sigmoid\", \"load_balancing\": \"aux_loss\", "
-                              "\"aux_loss_coeff\": 0.01}", 4, 2, NULL, 0, 1));
+    EXPECT_OK(open_router(&c,
+                          "{\"score_function\": \"sigmoid\", \"load_balancing\": \"aux_loss\", "
+                          "\"aux_loss_coeff\": 0.01}",
+                          4, 2, NULL, 0, 1));
     if (!c.vt) return;
     EXPECT_OK(route(&c, aux_logits, 3, 0, MOERT_F64, &out));
     for (int t = 0; t < 3; t++) {
@@ -512,8 +522,10 @@ static void test_pad_to_capacity(void)
 
     /* sigmoid + expert bias: 4 tokens all pick expert 0 (cap 2: two dropped); the bias moves by the kept copies
      * [2, 0], mean 1 -> [-rate, +rate], not by the padded [2, 2] (which would not move it) */
-    EXPECT_OK(open_router(&c, "{\"score_function\": \"sigmoid\", \"expert_bias\": true, \"bias_update_rate\": 0.1, "
-                              "\"capacity_factor\": 1.0, \"pad_to_capacity\": true}", 2, 1, NULL, 0, 1));
+    EXPECT_OK(open_router(&c,
+                          "{\"score_function\": \"sigmoid\", \"expert_bias\": true, \"bias_update_rate\": 0.1, "
+                          "\"capacity_factor\": 1.0, \"pad_to_capacity\": true}",
+                          2, 1, NULL, 0, 1));
     if (!c.vt) return;
     EXPECT_OK(route(&c, l, 4, 0, MOERT_F64, &out));
     expect_counts("pad bias", &out, counts, 2);
@@ -556,8 +568,8 @@ static void test_input_jitter(void)
     route_out out;
     const double eps = 0.2;
     double x[] = {1.0, 0.5, -0.25, 2.0, -1.0, 0.75, 0.1, -0.3};
-    EXPECT_OK(open_router(&c, "{\"score_function\": \"sigmoid\", \"input_jitter_eps\": 0.2, \"seed\": 7}", 4, 1, NULL,
-                          0, 1));
+    EXPECT_OK(
+        open_router(&c, "{\"score_function\": \"sigmoid\", \"input_jitter_eps\": 0.2, \"seed\": 7}", 4, 1, NULL, 0, 1));
     if (!c.vt) return;
     for (uint64_t call = 0; call < 3; call++) {
         EXPECT_OK(route(&c, x, 2, 0, MOERT_F64, &out));
@@ -579,8 +591,8 @@ static void test_input_jitter(void)
     }
     test_instance_close(&c.ti);
     /* another seed draws other noise */
-    EXPECT_OK(open_router(&c, "{\"score_function\": \"sigmoid\", \"input_jitter_eps\": 0.2, \"seed\": 8}", 4, 1, NULL,
-                          0, 1));
+    EXPECT_OK(
+        open_router(&c, "{\"score_function\": \"sigmoid\", \"input_jitter_eps\": 0.2, \"seed\": 8}", 4, 1, NULL, 0, 1));
     if (!c.vt) return;
     EXPECT_OK(route(&c, x, 2, 0, MOERT_F64, &out));
     double n7 = 1.0 - eps + 2.0 * eps * ref_uniform(7, 1, 0, 0, out.idx[0]);
@@ -657,8 +669,8 @@ static void test_force_load_balancing(void)
     for (int i = 0; i < BE * BE; i++) bw[i] = i / BE == i % BE ? 1.0 : 0.0;
     test_instance ti;
     moert_layer_info layer = test_layer(BE, 4, BE, BK, BT, 1, 0, MOERT_F64);
-    EXPECT_OK(test_instance_open(&ti, MOERT_KIND_ROUTER, "topk", "{\"force_load_balancing\": true}", &layer, NULL, 0,
-                                 1));
+    EXPECT_OK(
+        test_instance_open(&ti, MOERT_KIND_ROUTER, "topk", "{\"force_load_balancing\": true}", &layer, NULL, 0, 1));
     if (!ti.ctx) return;
     const moert_router_v1 *vt = (const moert_router_v1 *)ti.plugin.header;
     moert_router_losses losses;
@@ -667,8 +679,13 @@ static void test_force_load_balancing(void)
     moert_tensor tidx = moert_tensor_2d(bidx, moert_cpu(), MOERT_I32, BT, BK);
     moert_tensor tprobs = moert_tensor_2d(bprobs, moert_cpu(), MOERT_F64, BT, BK);
     moert_tensor ttpe = moert_tensor_1d(btpe, moert_cpu(), MOERT_I64, BE);
-    moert_router_forward_args args = {.struct_size = sizeof args, .x = &tx, .weight = &tw, .topk_idx = &tidx,
-                                      .topk_probs = &tprobs, .tokens_per_expert = &ttpe, .losses = &losses};
+    moert_router_forward_args args = {.struct_size = sizeof args,
+                                      .x = &tx,
+                                      .weight = &tw,
+                                      .topk_idx = &tidx,
+                                      .topk_probs = &tprobs,
+                                      .tokens_per_expert = &ttpe,
+                                      .losses = &losses};
     EXPECT_OK(vt->forward(ti.ctx, NULL, &args));
     double mean = (double)(BT * BK) / BE, sd = sqrt(mean * (1.0 - 1.0 / BE));
     for (int e = 0; e < BE; e++)
@@ -717,7 +734,7 @@ static void test_compute_dtype(void)
 typedef struct two_rank_state {
     moert_comm_group *comm;
     double bias[2][MAX_E];
-    double aux[2][3];      /* aux loss of three forwards per rank */
+    double aux[2][3]; /* aux loss of three forwards per rank */
     int ok[2];
 } two_rank_state;
 
@@ -760,7 +777,8 @@ static void test_bias_two_ranks(void)
 /* global_aux_loss over two ranks with 2 and 3 tokens; two forwards, end_step, a third forward. */
 static const double global_logits[2][3][3 * 4] = {
     {{1, 3, 2, 0, 0.5, 0.4, -1, 2}, {2, 1, 0, -1, 1, 2, 0, -1}, {0, 0.1, 2, 1, 3, 0, 0.2, 1}},
-    {{1.5, 1.2, 0.3, -0.2, -1, 0, 2, 1, 0, 1, 0.5, 3}, {1, 0, 2, 3, 0.3, 0.2, 1, 2, 2, 3, 1, 0},
+    {{1.5, 1.2, 0.3, -0.2, -1, 0, 2, 1, 0, 1, 0.5, 3},
+     {1, 0, 2, 3, 0.3, 0.2, 1, 2, 2, 3, 1, 0},
      {1, 2, 0, 0, 0, 1, 2, 0, 0, 0, 1, 2}}};
 static const int64_t global_tokens[2] = {2, 3};
 
@@ -768,8 +786,8 @@ static void global_rank(int rank, void *user)
 {
     two_rank_state *s = user;
     router_case c;
-    if (open_router(&c, "{\"load_balancing\": \"global_aux_loss\", \"aux_loss_coeff\": 0.1}", 4, 2, s->comm, rank,
-                    2) != MOERT_OK)
+    if (open_router(&c, "{\"load_balancing\": \"global_aux_loss\", \"aux_loss_coeff\": 0.1}", 4, 2, s->comm, rank, 2) !=
+        MOERT_OK)
         return;
     route_out out;
     int ok = 1;
@@ -901,9 +919,14 @@ static void test_option_errors(void)
     moert_tensor tidx = moert_tensor_2d(idx, moert_cpu(), MOERT_I32, 2, 3);
     moert_tensor tprobs = moert_tensor_2d(probs, moert_cpu(), MOERT_F64, 2, 2);
     moert_tensor ttpe = moert_tensor_1d(tpe, moert_cpu(), MOERT_I64, 4);
-    moert_router_forward_args args = {
-        .struct_size = sizeof args, .x = &tx, .weight = &tw, .topk_idx = &tidx, .topk_probs = &tprobs,
-        .tokens_per_expert = &ttpe, .losses = &losses, .seq_length = 0};
+    moert_router_forward_args args = {.struct_size = sizeof args,
+                                      .x = &tx,
+                                      .weight = &tw,
+                                      .topk_idx = &tidx,
+                                      .topk_probs = &tprobs,
+                                      .tokens_per_expert = &ttpe,
+                                      .losses = &losses,
+                                      .seq_length = 0};
     EXPECT_EQ_INT(c.vt->forward(c.ti.ctx, NULL, &args), MOERT_ERR_INVALID_ARGUMENT);
     msg = moert_host_take_error(c.ti.host);
     if (!strstr(msg, "topk_idx must be [2, 2] int32, got [2, 3] int32")) {
@@ -911,8 +934,13 @@ static void test_option_errors(void)
         test_failures++;
     }
     /* backward before any successful forward */
-    moert_router_backward_args bargs = {.struct_size = sizeof bargs, .x = &tx, .weight = &tw, .d_topk_probs = &tprobs,
-                                        .loss_scale = 1.0, .d_x = &tx, .d_weight = &tw};
+    moert_router_backward_args bargs = {.struct_size = sizeof bargs,
+                                        .x = &tx,
+                                        .weight = &tw,
+                                        .d_topk_probs = &tprobs,
+                                        .loss_scale = 1.0,
+                                        .d_x = &tx,
+                                        .d_weight = &tw};
     EXPECT_EQ_INT(c.vt->backward(c.ti.ctx, NULL, &bargs), MOERT_ERR_INVALID_ARGUMENT);
     msg = moert_host_take_error(c.ti.host);
     EXPECT(strstr(msg, "no forward") != NULL);

@@ -7,9 +7,9 @@
  */
 #include "test_util.h"
 
-#define T 6
-#define H 5
-#define E 8
+#define T     6
+#define H     5
+#define E     8
 #define MAX_K 4
 
 typedef struct grad_mode {
@@ -31,31 +31,39 @@ static const grad_mode modes[] = {
     {"group top-k softmax", "{\"num_groups\": 4, \"group_topk\": 2}", 2, 0, 1.0, false, false},
     {"group top-k sigmoid + bias + scaling",
      "{\"score_function\": \"sigmoid\", \"num_groups\": 4, \"group_topk\": 2, \"scaling_factor\": 2.5, "
-     "\"expert_bias\": true}", 4, 0, 1.0, false, false},
+     "\"expert_bias\": true}",
+     4, 0, 1.0, false, false},
     {"aux_loss", "{\"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.1}", 2, 0, 1.0, false, false},
     {"aux_loss alone", "{\"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.1}", 2, 0, 1.0, true, false},
-    {"aux_loss sigmoid alone", "{\"score_function\": \"sigmoid\", \"load_balancing\": \"aux_loss\", "
-                               "\"aux_loss_coeff\": 0.1}", 2, 0, 1.0, true, false},
+    {"aux_loss sigmoid alone",
+     "{\"score_function\": \"sigmoid\", \"load_balancing\": \"aux_loss\", "
+     "\"aux_loss_coeff\": 0.1}",
+     2, 0, 1.0, true, false},
     {"seq_aux_loss", "{\"load_balancing\": \"seq_aux_loss\", \"aux_loss_coeff\": 0.1}", 2, 3, 1.0, false, false},
     {"seq_aux_loss alone", "{\"load_balancing\": \"seq_aux_loss\", \"aux_loss_coeff\": 0.1}", 2, 2, 1.0, true, false},
     {"global_aux_loss", "{\"load_balancing\": \"global_aux_loss\", \"aux_loss_coeff\": 0.1}", 2, 0, 1.0, false, false},
     {"z_loss", "{\"z_loss_coeff\": 0.05}", 2, 0, 2.0, false, false},
     {"z_loss alone", "{\"z_loss_coeff\": 0.05}", 2, 0, 1.0, true, false},
     {"capacity probs", "{\"capacity_factor\": 0.5}", 2, 0, 1.0, false, false},
-    {"capacity position pre_softmax", "{\"pre_softmax\": true, \"capacity_factor\": 0.5, "
-                                      "\"drop_policy\": \"position\"}", 2, 0, 1.0, false, false},
+    {"capacity position pre_softmax",
+     "{\"pre_softmax\": true, \"capacity_factor\": 0.5, "
+     "\"drop_policy\": \"position\"}",
+     2, 0, 1.0, false, false},
     {"capacity sigmoid", "{\"score_function\": \"sigmoid\", \"capacity_factor\": 0.6}", 3, 0, 1.0, false, false},
     {"sinkhorn", "{\"load_balancing\": \"sinkhorn\"}", 2, 0, 1.0, false, false},
     {"sinkhorn top-1", "{\"load_balancing\": \"sinkhorn\"}", 1, 0, 1.0, false, false},
     {"capacity padded", "{\"capacity_factor\": 0.5, \"pad_to_capacity\": true}", 2, 0, 1.0, false, false},
     {"compute_dtype fp64 + z_loss", "{\"compute_dtype\": \"fp64\", \"z_loss_coeff\": 0.05}", 2, 0, 1.0, false, false},
     {"input jitter", "{\"input_jitter_eps\": 0.1, \"seed\": 5}", 2, 0, 1.0, false, true},
-    {"input jitter sigmoid + aux_loss", "{\"score_function\": \"sigmoid\", \"input_jitter_eps\": 0.05, "
-                                       "\"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.1}", 3, 0, 1.0,
-     false, true},
-    {"pre_softmax + aux + z + capacity", "{\"pre_softmax\": true, \"load_balancing\": \"aux_loss\", "
-                                         "\"aux_loss_coeff\": 0.05, \"z_loss_coeff\": 0.01, "
-                                         "\"capacity_factor\": 0.5}", 2, 0, 0.5, false, false},
+    {"input jitter sigmoid + aux_loss",
+     "{\"score_function\": \"sigmoid\", \"input_jitter_eps\": 0.05, "
+     "\"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.1}",
+     3, 0, 1.0, false, true},
+    {"pre_softmax + aux + z + capacity",
+     "{\"pre_softmax\": true, \"load_balancing\": \"aux_loss\", "
+     "\"aux_loss_coeff\": 0.05, \"z_loss_coeff\": 0.01, "
+     "\"capacity_factor\": 0.5}",
+     2, 0, 0.5, false, false},
 };
 
 typedef struct grad_state {
@@ -94,9 +102,14 @@ static double forward_loss(grad_state *s)
     moert_tensor tidx = moert_tensor_2d(s->idx, moert_cpu(), MOERT_I32, T, s->K);
     moert_tensor tprobs = moert_tensor_2d(s->probs, moert_cpu(), MOERT_F64, T, s->K);
     moert_tensor ttpe = moert_tensor_1d(s->tpe, moert_cpu(), MOERT_I64, E);
-    moert_router_forward_args args = {
-        .struct_size = sizeof args, .x = &tx, .weight = &tw, .topk_idx = &tidx, .topk_probs = &tprobs,
-        .tokens_per_expert = &ttpe, .losses = &s->losses, .seq_length = s->seq_length};
+    moert_router_forward_args args = {.struct_size = sizeof args,
+                                      .x = &tx,
+                                      .weight = &tw,
+                                      .topk_idx = &tidx,
+                                      .topk_probs = &tprobs,
+                                      .tokens_per_expert = &ttpe,
+                                      .losses = &s->losses,
+                                      .seq_length = s->seq_length};
     if (s->vt->forward(s->ti.ctx, NULL, &args) != MOERT_OK) {
         fprintf(stderr, "forward failed: %s\n", moert_host_take_error(s->ti.host));
         return NAN;
@@ -119,8 +132,8 @@ static void check_no_near_ties(const grad_state *s, double gap, const char *name
         for (int a = 0; a < E; a++)
             for (int b = a + 1; b < E; b++)
                 if (fabs(l[a] - l[b]) < gap) {
-                    fprintf(stderr, "%s: token %d has a near-tie between experts %d and %d; pick another seed\n",
-                            name, t, a, b);
+                    fprintf(stderr, "%s: token %d has a near-tie between experts %d and %d; pick another seed\n", name,
+                            t, a, b);
                     test_failures++;
                 }
     }
@@ -171,8 +184,13 @@ static void check_mode(const grad_mode *m, uint64_t seed)
     moert_tensor tdp = moert_tensor_2d(dG, moert_cpu(), MOERT_F64, T, m->K);
     moert_tensor tdx = moert_tensor_2d(dx, moert_cpu(), MOERT_F64, T, H);
     moert_tensor tdw = moert_tensor_2d(dw, moert_cpu(), MOERT_F64, E, H);
-    moert_router_backward_args bargs = {.struct_size = sizeof bargs, .x = &tx, .weight = &tw, .d_topk_probs = &tdp,
-                                        .loss_scale = m->loss_scale, .d_x = &tdx, .d_weight = &tdw};
+    moert_router_backward_args bargs = {.struct_size = sizeof bargs,
+                                        .x = &tx,
+                                        .weight = &tw,
+                                        .d_topk_probs = &tdp,
+                                        .loss_scale = m->loss_scale,
+                                        .d_x = &tdx,
+                                        .d_weight = &tdw};
     rc = s.vt->backward(s.ti.ctx, NULL, &bargs);
     if (rc != MOERT_OK) {
         fprintf(stderr, "%s: backward failed: %s\n", m->name, moert_host_take_error(s.ti.host));
@@ -241,8 +259,8 @@ static double ref_normal(uint64_t seed, uint64_t call, uint64_t row, uint64_t co
     uint64_t key = ref_mix(ref_mix(ref_mix(ref_mix(seed) ^ 0) ^ 0) ^ 2);
     double u[2];
     for (int i = 0; i < 2; i++)
-        u[i] = (double)(ref_mix(ref_mix(ref_mix(key ^ call) ^ row) ^ (2 * col + (uint64_t)i)) >> 11) /
-               9007199254740992.0;
+        u[i] =
+            (double)(ref_mix(ref_mix(ref_mix(key ^ call) ^ row) ^ (2 * col + (uint64_t)i)) >> 11) / 9007199254740992.0;
     return sqrt(-2.0 * log(1.0 - u[0])) * cos(2.0 * 3.14159265358979323846 * u[1]);
 }
 
@@ -284,16 +302,26 @@ static void check_force_balance_gradient(void)
         moert_tensor tidx = moert_tensor_2d(idx[side], moert_cpu(), MOERT_I32, FT, FK);
         moert_tensor tprobs = moert_tensor_2d(probs[side], moert_cpu(), MOERT_F64, FT, FK);
         moert_tensor ttpe = moert_tensor_1d(tpe, moert_cpu(), MOERT_I64, FE);
-        moert_router_forward_args fa = {.struct_size = sizeof fa, .x = &tx, .weight = &tw, .topk_idx = &tidx,
-                                        .topk_probs = &tprobs, .tokens_per_expert = &ttpe, .losses = &losses[side]};
+        moert_router_forward_args fa = {.struct_size = sizeof fa,
+                                        .x = &tx,
+                                        .weight = &tw,
+                                        .topk_idx = &tidx,
+                                        .topk_probs = &tprobs,
+                                        .tokens_per_expert = &ttpe,
+                                        .losses = &losses[side]};
         EXPECT_OK(vt->forward(ti.ctx, NULL, &fa));
         memset(dx[side], 0, sizeof dx[side]);
         memset(dw[side], 0, sizeof dw[side]);
         moert_tensor tdp = moert_tensor_2d(G, moert_cpu(), MOERT_F64, FT, FK);
         moert_tensor tdx = moert_tensor_2d(dx[side], moert_cpu(), MOERT_F64, FT, FE);
         moert_tensor tdw = moert_tensor_2d(dw[side], moert_cpu(), MOERT_F64, FE, FE);
-        moert_router_backward_args ba = {.struct_size = sizeof ba, .x = &tx, .weight = &tw, .d_topk_probs = &tdp,
-                                         .loss_scale = 1.0, .d_x = &tdx, .d_weight = &tdw};
+        moert_router_backward_args ba = {.struct_size = sizeof ba,
+                                         .x = &tx,
+                                         .weight = &tw,
+                                         .d_topk_probs = &tdp,
+                                         .loss_scale = 1.0,
+                                         .d_x = &tdx,
+                                         .d_weight = &tdw};
         EXPECT_OK(vt->backward(ti.ctx, NULL, &ba));
         test_instance_close(&ti);
     }

@@ -27,8 +27,7 @@ typedef struct delayed_start {
 static void sleep_ms(long ms)
 {
     struct timespec t = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000L};
-    while (nanosleep(&t, &t) != 0) {
-    }
+    while (nanosleep(&t, &t) != 0) {}
 }
 
 /* A started rank thread: waits 200 ms, then runs the rank. */

@@ -111,8 +111,9 @@ int main(void)
                 EXPECT(strcmp(line, "not used: the ranks run on the CPU") == 0);
             } else {
                 EXPECT_EQ_INT(rc, MOERT_ERR_CONFIG);
-                EXPECT(strstr(moert_error_message(), "config error at $.parallel.cuda_graph: \"on\" needs a layer step "
-                                                     "that can be captured in a CUDA graph, but the ranks run on the CPU"));
+                EXPECT(strstr(moert_error_message(),
+                              "config error at $.parallel.cuda_graph: \"on\" needs a layer step "
+                              "that can be captured in a CUDA graph, but the ranks run on the CPU"));
             }
         }
         moert_runtime_destroy(rt);

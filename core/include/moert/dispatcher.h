@@ -12,12 +12,12 @@ extern "C" {
 /* What prepare() learned about one step's routing; valid until the next prepare(). */
 typedef struct moert_dispatch_layout {
     uint32_t struct_size;
-    int64_t num_recv;             /* rows this rank receives: token copies for its local experts; -1 when the
+    int64_t num_recv;                      /* rows this rank receives: token copies for its local experts; -1 when the
                                      dispatcher does not sync (tokens_per_expert_host NULL: the count is on the device) */
-    int64_t capacity;             /* rows the receive buffers must hold (>= num_recv; worst case when the
+    int64_t capacity;                      /* rows the receive buffers must hold (>= num_recv; worst case when the
                                      dispatcher avoids host syncs) */
-    moert_tensor tokens_per_expert;          /* [E_local] int64 rows per local expert, on the layer device */
-    const int64_t *tokens_per_expert_host;   /* the same on the host, or NULL if the dispatcher does not sync */
+    moert_tensor tokens_per_expert;        /* [E_local] int64 rows per local expert, on the layer device */
+    const int64_t *tokens_per_expert_host; /* the same on the host, or NULL if the dispatcher does not sync */
 } moert_dispatch_layout;
 
 typedef struct moert_dispatch_args {
@@ -31,15 +31,15 @@ typedef struct moert_dispatch_args {
 /* combine: y[t] = sum over the K copies of token t of y_expert[row of that copy]; y is overwritten. */
 typedef struct moert_combine_args {
     uint32_t struct_size;
-    const moert_tensor *y_expert;   /* [capacity,H] expert outputs, rows as dispatched */
-    moert_tensor *y;                /* out [T,H] */
+    const moert_tensor *y_expert; /* [capacity,H] expert outputs, rows as dispatched */
+    moert_tensor *y;              /* out [T,H] */
 } moert_combine_args;
 
 /* Adjoint of combine: each received row gets the gradient of its token. */
 typedef struct moert_combine_backward_args {
     uint32_t struct_size;
-    const moert_tensor *d_y;        /* [T,H] */
-    moert_tensor *d_y_expert;       /* out [capacity,H] */
+    const moert_tensor *d_y;  /* [T,H] */
+    moert_tensor *d_y_expert; /* out [capacity,H] */
 } moert_combine_backward_args;
 
 /* Adjoint of dispatch: row gradients summed back into their tokens, prob gradients to their slots. */
@@ -69,7 +69,8 @@ typedef struct moert_dispatcher_v1 {
  * C cannot name an object like its type):
  *   MOERT_DISPATCHER_V1_EXPORT(my_vtable) = {.header = {MOERT_DISPATCHER_V1_HEADER, .name = "x", ...}, .init = ..., ...}; */
 #define MOERT_DISPATCHER_V1_HEADER MOERT_PLUGIN_HEADER(moert_dispatcher_v1, MOERT_KIND_DISPATCHER)
-#define MOERT_DISPATCHER_V1_EXPORT(var) MOERT_PLUGIN_EXPORT const moert_dispatcher_v1 var __asm__(MOERT_DISPATCHER_V1_SYMBOL)
+#define MOERT_DISPATCHER_V1_EXPORT(var)                                                                                \
+    MOERT_PLUGIN_EXPORT const moert_dispatcher_v1 var __asm__(MOERT_DISPATCHER_V1_SYMBOL)
 
 #ifdef __cplusplus
 }

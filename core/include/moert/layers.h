@@ -63,8 +63,7 @@ typedef struct moert_collectives {
 } moert_collectives;
 
 /* A communicator of one rank over the caller's collectives; the table is copied, `user` must outlive it. */
-MOERT_API moert_result moert_comm_create_collectives(int world_size, const moert_collectives *table,
-                                                     moert_comm **out);
+MOERT_API moert_result moert_comm_create_collectives(int world_size, const moert_collectives *table, moert_comm **out);
 
 /* NCCL, one process per GPU, bootstrapped by the caller: rank 0 makes an id with moert_nccl_unique_id, the caller
  * sends those bytes to every rank (a torch process group broadcast, MPI_Bcast, ...), and each rank creates its
@@ -81,13 +80,13 @@ MOERT_API void moert_comm_destroy(moert_comm *comm);
 
 /* Where and as what this process runs one rank. */
 typedef struct moert_launch {
-    uint32_t struct_size;  /* sizeof(moert_launch); the size of API version 1 (up to max_tokens) is accepted too */
-    int32_t rank;          /* in the world, 0 .. world_size-1 */
-    int32_t world_size;    /* every rank of the layers ($.parallel.ranks is ignored); with the default layout the
+    uint32_t struct_size; /* sizeof(moert_launch); the size of API version 1 (up to max_tokens) is accepted too */
+    int32_t rank;         /* in the world, 0 .. world_size-1 */
+    int32_t world_size;   /* every rank of the layers ($.parallel.ranks is ignored); with the default layout the
                               expert-parallel group, and $.model.num_experts must divide by it */
-    moert_device device;   /* moert_cpu(), or {MOERT_DEVICE_CUDA, ordinal} */
-    moert_comm *comm;      /* the world's; NULL only when world_size is 1; borrowed, must outlive the layers */
-    int64_t max_tokens;    /* tokens per forward on this rank, an upper bound; 0: $.train.tokens_per_rank */
+    moert_device device;  /* moert_cpu(), or {MOERT_DEVICE_CUDA, ordinal} */
+    moert_comm *comm;     /* the world's; NULL only when world_size is 1; borrowed, must outlive the layers */
+    int64_t max_tokens;   /* tokens per forward on this rank, an upper bound; 0: $.train.tokens_per_rank */
     /* API version 2: the MoE layers' own grid over the world (MoE Parallel Folding, docs/parallel.md), in Megatron's
      * expert rank order: rank = etp + ETP * (ep + EP * edp), EP = world_size / (ETP x EDP). 0 or 1: none. Each rank
      * holds E/EP experts, each a shard of F/ETP of their width; experts are replicated over the EDP ranks. The
@@ -106,7 +105,7 @@ MOERT_API void moert_layers_destroy(moert_layers *layers);
 
 /* The model's sizes as this rank sees them. */
 typedef struct moert_layers_info {
-    uint32_t struct_size;    /* sizeof(moert_layers_info), or the size of API version 1 (up to expert_bias_dtype) */
+    uint32_t struct_size; /* sizeof(moert_layers_info), or the size of API version 1 (up to expert_bias_dtype) */
     int32_t num_layers;
     int32_t rank, world_size;
     int64_t hidden, ffn_hidden, num_experts, topk;
@@ -126,9 +125,9 @@ MOERT_API moert_result moert_layers_get_info(const moert_layers *layers, moert_l
 /* ---- parameters: the caller's tensors ---- */
 
 typedef enum moert_param_id {
-    MOERT_PARAM_ROUTER = 0,      /* router weight [E, H], replicated on every rank */
-    MOERT_PARAM_FC1 = 1,         /* the local experts' fc1 [E_local, H, 2F] (gate and up halves of SwiGLU) */
-    MOERT_PARAM_FC2 = 2,         /* the local experts' fc2 [E_local, F, H] */
+    MOERT_PARAM_ROUTER = 0, /* router weight [E, H], replicated on every rank */
+    MOERT_PARAM_FC1 = 1,    /* the local experts' fc1 [E_local, H, 2F] (gate and up halves of SwiGLU) */
+    MOERT_PARAM_FC2 = 2,    /* the local experts' fc2 [E_local, F, H] */
     /* the shared expert ($.model.shared_expert_ffn_hidden Fs > 0), replicated on every rank like the router */
     MOERT_PARAM_SHARED_FC1 = 3,  /* [1, H, 2Fs] */
     MOERT_PARAM_SHARED_FC2 = 4,  /* [1, Fs, H] */
@@ -215,27 +214,27 @@ MOERT_API moert_result moert_moe_backward(moert_layers *layers, moert_saved *sav
 
 /* Tokens this rank routed to each expert in the forward that made saved ([E] int64, over all experts), copied into
  * dst (host or the layers' device), ordered on stream. */
-MOERT_API moert_result moert_saved_tokens_per_expert(const moert_saved *saved, moert_tensor *dst,
-                                                     moert_stream stream);
+MOERT_API moert_result moert_saved_tokens_per_expert(const moert_saved *saved, moert_tensor *dst, moert_stream stream);
 /* Drops a forward's saved activations without a backward. */
 MOERT_API void moert_saved_free(moert_saved *saved);
 
 /* ---- figures of the last forward and backward of a layer ---- */
 
-#define MOERT_LAYER_STAGES 8          /* router, permute, dispatch, fc1, act, fc2, combine, backward */
-#define MOERT_LAYER_BACKWARD_PARTS 10 /* recompute, combine_bwd, fc2_dgrad, fc2_wgrad, act_bwd, fc1_dgrad, fc1_wgrad,
+#define MOERT_LAYER_STAGES 8 /* router, permute, dispatch, fc1, act, fc2, combine, backward */
+#define MOERT_LAYER_BACKWARD_PARTS                                                                                     \
+    10                                   /* recompute, combine_bwd, fc2_dgrad, fc2_wgrad, act_bwd, fc1_dgrad, fc1_wgrad,
                                          dispatch_bwd, router_bwd, wgrad_wait */
-#define MOERT_LAYER_ACTIVATIONS 3     /* dispatched_x, fc1_out, swiglu_out */
+#define MOERT_LAYER_ACTIVATIONS        3 /* dispatched_x, fc1_out, swiglu_out */
 #define MOERT_LAYER_SHARED_ACTIVATIONS 2 /* the shared expert's: shared_fc1_out, shared_act (API version 3) */
 
 typedef struct moert_layer_figures {
     uint32_t struct_size;
-    double stage_ms[MOERT_LAYER_STAGES];                /* time of each forward stage, and the whole backward */
+    double stage_ms[MOERT_LAYER_STAGES]; /* time of each forward stage, and the whole backward */
     double backward_part_ms[MOERT_LAYER_BACKWARD_PARTS];
-    int64_t saved_bytes[MOERT_LAYER_ACTIVATIONS];       /* size of each activation the forward saved */
-    int64_t held_bytes;        /* of those, held on the device from forward to backward (kept, not dropped/offloaded) */
+    int64_t saved_bytes[MOERT_LAYER_ACTIVATIONS]; /* size of each activation the forward saved */
+    int64_t held_bytes; /* of those, held on the device from forward to backward (kept, not dropped/offloaded) */
     int64_t recompute_saved_bytes, offload_saved_bytes; /* not held because recomputed / offloaded */
-    int64_t pinned_bytes;      /* pinned host memory this layer's offload buffers hold */
+    int64_t pinned_bytes;                               /* pinned host memory this layer's offload buffers hold */
     int64_t device_peak_bytes; /* CUDA: peak bytes in use of the layers' memory pool (all layers); 0 on the CPU */
     /* API version 3 (filled when struct_size covers it): the shared expert's saved activations, shared_fc1_out and
      * shared_act (0 without one). held_bytes, recompute_saved_bytes and offload_saved_bytes above count them too. */

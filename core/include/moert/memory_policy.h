@@ -27,7 +27,7 @@ typedef struct moert_activation_info {
     uint32_t struct_size;
     int32_t layer_index;
     moert_activation activation;
-    int64_t bytes;           /* size of this step's tensor */
+    int64_t bytes; /* size of this step's tensor */
     moert_device device;
     /* Appended (read it only when struct_size covers it; absent means 0): MOERT_ACTIVATION_* flags. */
     uint32_t flags;
@@ -51,7 +51,8 @@ typedef struct moert_memory_policy_v1 {
  * C cannot name an object like its type):
  *   MOERT_MEMORY_POLICY_V1_EXPORT(my_vtable) = {.header = {MOERT_MEMORY_POLICY_V1_HEADER, .name = "x", ...}, .init = ..., ...}; */
 #define MOERT_MEMORY_POLICY_V1_HEADER MOERT_PLUGIN_HEADER(moert_memory_policy_v1, MOERT_KIND_MEMORY_POLICY)
-#define MOERT_MEMORY_POLICY_V1_EXPORT(var) MOERT_PLUGIN_EXPORT const moert_memory_policy_v1 var __asm__(MOERT_MEMORY_POLICY_V1_SYMBOL)
+#define MOERT_MEMORY_POLICY_V1_EXPORT(var)                                                                             \
+    MOERT_PLUGIN_EXPORT const moert_memory_policy_v1 var __asm__(MOERT_MEMORY_POLICY_V1_SYMBOL)
 
 /* Names used in configs and reports: "dispatched_x", "fc1_out", "swiglu_out"; "keep", "recompute", "offload". */
 static inline const char *moert_activation_name(moert_activation a)

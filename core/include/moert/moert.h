@@ -37,7 +37,8 @@ MOERT_API void moert_config_free(moert_config *cfg);
 
 /* Sets the message moert_last_error() returns on this thread, and returns code: for code around moert (a trainer, a
  * collectives table, a framework's glue) that reports its own failures through the same channel as moert's. */
-MOERT_API moert_result moert_set_last_error(moert_result code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+MOERT_API moert_result moert_set_last_error(moert_result code, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 
 /* ---- reading a config: its values after defaults and overrides ---- */
 
@@ -51,8 +52,7 @@ MOERT_API moert_result moert_config_get_json(const moert_config *cfg, const char
  * MOERT_ERR_CONFIG. */
 MOERT_API moert_result moert_config_get_int(const moert_config *cfg, const char *dotted_key, int64_t *out);
 MOERT_API moert_result moert_config_get_double(const moert_config *cfg, const char *dotted_key, double *out);
-MOERT_API moert_result moert_config_get_string(const moert_config *cfg, const char *dotted_key, char *buf,
-                                               size_t size);
+MOERT_API moert_result moert_config_get_string(const moert_config *cfg, const char *dotted_key, char *buf, size_t size);
 /* The file the config was read from, or the source name given to moert_config_load_string. */
 MOERT_API const char *moert_config_source(const moert_config *cfg);
 
@@ -68,16 +68,15 @@ MOERT_API void moert_plugin_search_path(char *buf, size_t size);
 
 /* What a plugin file's header declares. */
 typedef struct moert_plugin_description {
-    uint32_t struct_size;     /* sizeof(moert_plugin_description) */
+    uint32_t struct_size; /* sizeof(moert_plugin_description) */
     moert_plugin_kind kind;
-    const char *kind_name;    /* "router", "dispatcher", "precision", "memory_policy" (static storage) */
+    const char *kind_name; /* "router", "dispatcher", "precision", "memory_policy" (static storage) */
     char name[64], version[24], description[512], path[1024];
     uint32_t devices, dtypes, flags; /* the header's capability bits (MOERT_CAP_*) */
 } moert_plugin_description;
 /* Loads the file as a plugin of kind, checks its ABI, copies what its header declares, and unloads it; the plugin is
  * not started. Errors as for a config naming it (MOERT_ERR_ABI_MISMATCH, ...). */
-MOERT_API moert_result moert_plugin_describe(moert_plugin_kind kind, const char *path,
-                                             moert_plugin_description *out);
+MOERT_API moert_result moert_plugin_describe(moert_plugin_kind kind, const char *path, moert_plugin_description *out);
 
 /* One option a plugin reads from its config section; the strings live until the callback returns. */
 typedef struct moert_plugin_option {

@@ -24,12 +24,12 @@ extern "C" {
 #endif
 
 /* ABI version: major changes break plugins, minor ones only append. */
-#define MOERT_ABI_MAJOR 1
-#define MOERT_ABI_MINOR 1
-#define MOERT_ABI_VERSION(major, minor) ((uint32_t)(((uint32_t)(major) << 16) | ((uint32_t)(minor) & 0xffffu)))
-#define MOERT_ABI_VERSION_MAJOR(v) ((uint32_t)(v) >> 16)
-#define MOERT_ABI_VERSION_MINOR(v) ((uint32_t)(v) & 0xffffu)
-#define MOERT_ABI_CURRENT MOERT_ABI_VERSION(MOERT_ABI_MAJOR, MOERT_ABI_MINOR)
+#define MOERT_ABI_MAJOR                 1
+#define MOERT_ABI_MINOR                 1
+#define MOERT_ABI_VERSION(major, minor) ((uint32_t)(((uint32_t)(major) << 16) | ((uint32_t)(minor)&0xffffu)))
+#define MOERT_ABI_VERSION_MAJOR(v)      ((uint32_t)(v) >> 16)
+#define MOERT_ABI_VERSION_MINOR(v)      ((uint32_t)(v)&0xffffu)
+#define MOERT_ABI_CURRENT               MOERT_ABI_VERSION(MOERT_ABI_MAJOR, MOERT_ABI_MINOR)
 
 /* Every plugin and core call returns one of these; the message is set through host->set_error. */
 typedef enum moert_result {
@@ -66,23 +66,23 @@ typedef enum moert_log_level {
 } moert_log_level;
 
 /* Capability bits. */
-#define MOERT_CAP_DEVICE(type) (1u << (type))             /* e.g. MOERT_CAP_DEVICE(MOERT_DEVICE_CUDA) */
-#define MOERT_CAP_DTYPE(dtype) (1u << (dtype))            /* activation dtypes the plugin accepts */
-#define MOERT_CAP_GRAPH_CAPTURABLE (1u << 0)              /* no host sync, no allocation in a step */
-#define MOERT_CAP_NEEDS_HOST_SYNC (1u << 1)               /* reads device data on the host in a step */
-#define MOERT_CAP_WGRAD_OVERWRITE (1u << 2)               /* precision: honours overwrite_grad_weight */
+#define MOERT_CAP_DEVICE(type)     (1u << (type))  /* e.g. MOERT_CAP_DEVICE(MOERT_DEVICE_CUDA) */
+#define MOERT_CAP_DTYPE(dtype)     (1u << (dtype)) /* activation dtypes the plugin accepts */
+#define MOERT_CAP_GRAPH_CAPTURABLE (1u << 0)       /* no host sync, no allocation in a step */
+#define MOERT_CAP_NEEDS_HOST_SYNC  (1u << 1)       /* reads device data on the host in a step */
+#define MOERT_CAP_WGRAD_OVERWRITE  (1u << 2)       /* precision: honours overwrite_grad_weight */
 
 /* The first member of every vtable. */
 typedef struct moert_plugin_header {
-    uint32_t abi_version;     /* MOERT_ABI_CURRENT when built */
-    uint32_t struct_size;     /* sizeof the whole vtable, for append-only growth */
-    uint32_t kind;            /* moert_plugin_kind */
-    const char *name;         /* short name, e.g. "alltoall" */
-    const char *version;      /* the plugin's own version, e.g. "0.1.0" */
-    const char *description;  /* one line */
-    uint32_t devices;         /* MOERT_CAP_DEVICE bits */
-    uint32_t dtypes;          /* MOERT_CAP_DTYPE bits */
-    uint32_t flags;           /* MOERT_CAP_GRAPH_CAPTURABLE, MOERT_CAP_NEEDS_HOST_SYNC, MOERT_CAP_WGRAD_OVERWRITE */
+    uint32_t abi_version;    /* MOERT_ABI_CURRENT when built */
+    uint32_t struct_size;    /* sizeof the whole vtable, for append-only growth */
+    uint32_t kind;           /* moert_plugin_kind */
+    const char *name;        /* short name, e.g. "alltoall" */
+    const char *version;     /* the plugin's own version, e.g. "0.1.0" */
+    const char *description; /* one line */
+    uint32_t devices;        /* MOERT_CAP_DEVICE bits */
+    uint32_t dtypes;         /* MOERT_CAP_DTYPE bits */
+    uint32_t flags;          /* MOERT_CAP_GRAPH_CAPTURABLE, MOERT_CAP_NEEDS_HOST_SYNC, MOERT_CAP_WGRAD_OVERWRITE */
 } moert_plugin_header;
 
 /* Marks the one symbol a plugin exports (plugins build with -fvisibility=hidden). */
@@ -95,7 +95,7 @@ typedef struct moert_plugin_header {
 /* The fields every vtable's header starts with, for a plugin of this build's ABI:
  *   .header = {MOERT_PLUGIN_HEADER(moert_router_v1, MOERT_KIND_ROUTER), .name = "x", .version = "1.0.0", ...}
  * (each kind's header has its own shorthand, e.g. MOERT_ROUTER_V1_HEADER). */
-#define MOERT_PLUGIN_HEADER(vtable_type, kind_value)                                                         \
+#define MOERT_PLUGIN_HEADER(vtable_type, kind_value)                                                                   \
     .abi_version = MOERT_ABI_CURRENT, .struct_size = sizeof(vtable_type), .kind = (kind_value)
 
 /* Opaque stream and event handles: a cudaStream_t / cudaEvent_t on CUDA, NULL on the CPU (synchronous). */
@@ -105,7 +105,7 @@ typedef void *moert_event;
 /* What a plugin instance serves: one MoE layer on one rank. */
 typedef struct moert_layer_info {
     uint32_t struct_size;
-    int32_t layer_index;       /* 0 .. num_layers-1 */
+    int32_t layer_index; /* 0 .. num_layers-1 */
     int32_t num_layers;
     int64_t hidden;            /* H */
     int64_t ffn_hidden;        /* F, per expert */
@@ -113,9 +113,9 @@ typedef struct moert_layer_info {
     int64_t topk;              /* K */
     int64_t num_local_experts; /* E / world_size */
     int64_t first_local_expert;
-    int64_t max_tokens;        /* T: tokens per rank per step, an upper bound */
-    moert_dtype dtype;         /* activation storage dtype */
-    moert_device device;       /* where this rank's tensors live */
+    int64_t max_tokens;  /* T: tokens per rank per step, an upper bound */
+    moert_dtype dtype;   /* activation storage dtype */
+    moert_device device; /* where this rank's tensors live */
 } moert_layer_info;
 
 typedef struct moert_host moert_host;
@@ -127,8 +127,8 @@ typedef struct moert_host moert_host;
 struct moert_host {
     uint32_t struct_size;
     uint32_t abi_version;
-    void *impl;      /* the core's private state for this instance */
-    int32_t rank;    /* this instance's rank in the expert-parallel group */
+    void *impl;   /* the core's private state for this instance */
+    int32_t rank; /* this instance's rank in the expert-parallel group */
     int32_t world_size;
 
     /* logging and errors */

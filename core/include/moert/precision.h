@@ -30,14 +30,14 @@ typedef struct moert_grouped_gemm_args {
     uint32_t struct_size;
     moert_gemm_weight which;
     moert_gemm_pass pass;
-    const moert_tensor *tokens_per_expert;     /* [E_local] int64, on the layer device */
-    const int64_t *tokens_per_expert_host;     /* the same on the host, or NULL */
-    const moert_tensor *input;       /* [rows, K_in]   FORWARD, WGRAD */
-    const moert_tensor *weight;      /* [E_local, K_in, N_out] FORWARD, DGRAD */
-    const moert_tensor *grad_output; /* [rows, N_out]  DGRAD, WGRAD */
-    moert_tensor *output;            /* [rows, N_out]  FORWARD (overwritten) */
-    moert_tensor *grad_input;        /* [rows, K_in]   DGRAD (overwritten) */
-    moert_tensor *grad_weight;       /* [E_local, K_in, N_out] WGRAD (accumulated into) */
+    const moert_tensor *tokens_per_expert; /* [E_local] int64, on the layer device */
+    const int64_t *tokens_per_expert_host; /* the same on the host, or NULL */
+    const moert_tensor *input;             /* [rows, K_in]   FORWARD, WGRAD */
+    const moert_tensor *weight;            /* [E_local, K_in, N_out] FORWARD, DGRAD */
+    const moert_tensor *grad_output;       /* [rows, N_out]  DGRAD, WGRAD */
+    moert_tensor *output;                  /* [rows, N_out]  FORWARD (overwritten) */
+    moert_tensor *grad_input;              /* [rows, K_in]   DGRAD (overwritten) */
+    moert_tensor *grad_weight;             /* [E_local, K_in, N_out] WGRAD (accumulated into) */
     /* Appended (read only when struct_size covers it, and passed nonzero only to a plugin whose header flags
      * carry MOERT_CAP_WGRAD_OVERWRITE): WGRAD writes grad_weight[e] = input^T @ grad_output instead of adding,
      * every local expert's slice, zeros for an expert with no rows. The executor asks for it on the first WGRAD
@@ -70,7 +70,8 @@ typedef struct moert_precision_v1 {
  * C cannot name an object like its type):
  *   MOERT_PRECISION_V1_EXPORT(my_vtable) = {.header = {MOERT_PRECISION_V1_HEADER, .name = "x", ...}, .init = ..., ...}; */
 #define MOERT_PRECISION_V1_HEADER MOERT_PLUGIN_HEADER(moert_precision_v1, MOERT_KIND_PRECISION)
-#define MOERT_PRECISION_V1_EXPORT(var) MOERT_PLUGIN_EXPORT const moert_precision_v1 var __asm__(MOERT_PRECISION_V1_SYMBOL)
+#define MOERT_PRECISION_V1_EXPORT(var)                                                                                 \
+    MOERT_PLUGIN_EXPORT const moert_precision_v1 var __asm__(MOERT_PRECISION_V1_SYMBOL)
 
 #ifdef __cplusplus
 }

@@ -18,13 +18,13 @@ typedef struct moert_router_losses {
 
 typedef struct moert_router_forward_args {
     uint32_t struct_size;
-    const moert_tensor *x;            /* [T,H] activations */
-    const moert_tensor *weight;       /* [E,H] router weight, fp32 or fp64 */
-    moert_tensor *topk_idx;           /* out [T,K] int32 expert ids; -1 where a copy was dropped (capacity) */
-    moert_tensor *topk_probs;         /* out [T,K] routing weights (0 where dropped), dtype of weight */
-    moert_tensor *tokens_per_expert;  /* out [E] int64: copies kept per expert from this rank's tokens */
-    moert_router_losses *losses;      /* out, host */
-    int64_t seq_length;               /* tokens per sequence, for seq_aux_loss (0: one sequence) */
+    const moert_tensor *x;           /* [T,H] activations */
+    const moert_tensor *weight;      /* [E,H] router weight, fp32 or fp64 */
+    moert_tensor *topk_idx;          /* out [T,K] int32 expert ids; -1 where a copy was dropped (capacity) */
+    moert_tensor *topk_probs;        /* out [T,K] routing weights (0 where dropped), dtype of weight */
+    moert_tensor *tokens_per_expert; /* out [E] int64: copies kept per expert from this rank's tokens */
+    moert_router_losses *losses;     /* out, host */
+    int64_t seq_length;              /* tokens per sequence, for seq_aux_loss (0: one sequence) */
     /* appended: MOERT_ROUTER_FORWARD_* bits (a caller built before it passes a shorter struct: 0, training) */
     uint32_t flags;
 } moert_router_forward_args;
@@ -62,7 +62,7 @@ typedef struct moert_router_v1 {
 /* The header fields of a router vtable, and its one exported definition (the symbol gets its name through an asm label:
  * C cannot name an object like its type):
  *   MOERT_ROUTER_V1_EXPORT(my_vtable) = {.header = {MOERT_ROUTER_V1_HEADER, .name = "x", ...}, .init = ..., ...}; */
-#define MOERT_ROUTER_V1_HEADER MOERT_PLUGIN_HEADER(moert_router_v1, MOERT_KIND_ROUTER)
+#define MOERT_ROUTER_V1_HEADER      MOERT_PLUGIN_HEADER(moert_router_v1, MOERT_KIND_ROUTER)
 #define MOERT_ROUTER_V1_EXPORT(var) MOERT_PLUGIN_EXPORT const moert_router_v1 var __asm__(MOERT_ROUTER_V1_SYMBOL)
 
 #ifdef __cplusplus

@@ -48,23 +48,31 @@ typedef struct moert_tensor {
     int64_t strides[MOERT_MAX_DIMS];
 } moert_tensor;
 
-static inline moert_device moert_cpu(void) { moert_device d = {MOERT_DEVICE_CPU, 0}; return d; }
+static inline moert_device moert_cpu(void)
+{
+    moert_device d = {MOERT_DEVICE_CPU, 0};
+    return d;
+}
 
 static inline size_t moert_dtype_size(moert_dtype t)
 {
     switch (t) {
-    case MOERT_F32: case MOERT_I32: return 4;
-    case MOERT_F64: case MOERT_I64: return 8;
-    case MOERT_BF16: case MOERT_F16: return 2;
-    case MOERT_F8E4M3: case MOERT_F8E5M2: return 1;
+    case MOERT_F32:
+    case MOERT_I32: return 4;
+    case MOERT_F64:
+    case MOERT_I64: return 8;
+    case MOERT_BF16:
+    case MOERT_F16: return 2;
+    case MOERT_F8E4M3:
+    case MOERT_F8E5M2: return 1;
     default: return 0;
     }
 }
 
 static inline const char *moert_dtype_name(moert_dtype t)
 {
-    static const char *const names[MOERT_DTYPE_COUNT] = {
-        "fp32", "fp64", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int32", "int64"};
+    static const char *const names[MOERT_DTYPE_COUNT] = {"fp32",     "fp64",     "bf16",  "fp16",
+                                                         "fp8_e4m3", "fp8_e5m2", "int32", "int64"};
     return (t >= 0 && t < MOERT_DTYPE_COUNT) ? names[t] : "unknown";
 }
 
@@ -157,10 +165,10 @@ static inline uint16_t moert_f16_from_float(float f)
     uint32_t absu = u & 0x7fffffffu;
     if (absu > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);
     if (absu >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to >= 65520: inf */
-    if (absu < 0x38800000u) {                                     /* below the smallest normal half */
-        if (absu < 0x33000000u) return (uint16_t)sign;            /* rounds to zero */
+    if (absu < 0x38800000u) {                                   /* below the smallest normal half */
+        if (absu < 0x33000000u) return (uint16_t)sign;          /* rounds to zero */
         uint32_t mant = (absu & 0x7fffffu) | 0x800000u;
-        int shift = 113 - (int)(absu >> 23) + 13;                 /* 126 - exp + 13 */
+        int shift = 113 - (int)(absu >> 23) + 13; /* 126 - exp + 13 */
         uint32_t half = mant >> shift;
         uint32_t rem = mant & ((1u << shift) - 1u);
         uint32_t mid = 1u << (shift - 1);
@@ -185,7 +193,10 @@ static inline float moert_f16_to_float(uint16_t h)
             u = sign;
         } else { /* subnormal: normalise */
             int e = -1;
-            do { e++; mant <<= 1; } while (!(mant & 0x400u));
+            do {
+                e++;
+                mant <<= 1;
+            } while (!(mant & 0x400u));
             u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((mant & 0x3ffu) << 13);
         }
     } else if (exp == 31) {

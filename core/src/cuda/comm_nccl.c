@@ -26,7 +26,7 @@
 #include "env.h"
 #include "log.h"
 
-#define BOOTSTRAP_MAGIC 0x4d4f4552u /* "MOER" */
+#define BOOTSTRAP_MAGIC    0x4d4f4552u /* "MOER" */
 #define BOOTSTRAP_PROTOCOL 1u
 
 /* Status codes of the bootstrap reply. */
@@ -37,8 +37,8 @@ struct moert_nccl_group {
     double timeout_s;
     ncclUniqueId id;
     pthread_mutex_t mutex;
-    bool *joined;        /* rank r has called init_thread */
-    atomic_int aborted;  /* set by the first rank that aborts */
+    bool *joined;       /* rank r has called init_thread */
+    atomic_int aborted; /* set by the first rank that aborts */
     char abort_reason[512];
 };
 
@@ -93,10 +93,7 @@ static void poll_pause(long *pause_us)
     if (*pause_us < 1000) *pause_us *= 2;
 }
 
-static double effective_timeout(double timeout_s)
-{
-    return timeout_s > 0 ? timeout_s : MOERT_NCCL_DEFAULT_TIMEOUT_S;
-}
+static double effective_timeout(double timeout_s) { return timeout_s > 0 ? timeout_s : MOERT_NCCL_DEFAULT_TIMEOUT_S; }
 
 /* ---- process-wide NCCL setup ---- */
 
@@ -113,8 +110,7 @@ static void set_nccl_environment(void)
     if (!nvls) {
         setenv("NCCL_NVLS_ENABLE", "0", 0);
         moert_log(MOERT_LOG_INFO, "environment: NCCL_NVLS_ENABLE unset, set to 0 (no NVLink multicast)");
-    }
-    else if (strcmp(nvls, "0") != 0)
+    } else if (strcmp(nvls, "0") != 0)
         moert_log(MOERT_LOG_WARN, "NCCL_NVLS_ENABLE=%s was set by the user: NVLink multicast may be used", nvls);
 }
 
@@ -124,7 +120,8 @@ static moert_result nccl_prepare(void)
     pthread_once(&nccl_env_once, set_nccl_environment);
     int v = 0;
     if (ncclGetVersion(&v) != ncclSuccess)
-        return moert_error(MOERT_ERR_NCCL, "ncclGetVersion failed: the NCCL library cannot be used (built against %d.%d.%d)",
+        return moert_error(MOERT_ERR_NCCL,
+                           "ncclGetVersion failed: the NCCL library cannot be used (built against %d.%d.%d)",
                            NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH);
     if (v < MOERT_NCCL_MIN_VERSION_CODE)
         return moert_error(MOERT_ERR_UNSUPPORTED,
@@ -164,8 +161,8 @@ static moert_result check_alive(moert_nccl_comm *c, const char *what)
         abort_comm(c, MOERT_ERR_TIMEOUT, reason);
     }
     if (c->aborted)
-        return moert_error(c->abort_code, "NCCL %s on rank %d of %d: the communicator was aborted: %s", what,
-                           c->rank, c->world, c->abort_reason);
+        return moert_error(c->abort_code, "NCCL %s on rank %d of %d: the communicator was aborted: %s", what, c->rank,
+                           c->world, c->abort_reason);
     return MOERT_OK;
 }
 
@@ -174,8 +171,8 @@ static moert_result timeout_error(moert_nccl_comm *c, const char *what)
 {
     char why[512];
     snprintf(why, sizeof why,
-             "%s did not complete within %.1f s on rank %d of %d (device %d): a peer rank stalled or died",
-             what, c->timeout_s, c->rank, c->world, c->device);
+             "%s did not complete within %.1f s on rank %d of %d (device %d): a peer rank stalled or died", what,
+             c->timeout_s, c->rank, c->world, c->device);
     abort_comm(c, MOERT_ERR_TIMEOUT, why);
     return moert_error(MOERT_ERR_TIMEOUT, "NCCL %s; the communicator was aborted (NCCL %s)", why,
                        moert_nccl_runtime_version());
@@ -207,10 +204,10 @@ static moert_result nccl_settle(moert_nccl_comm *c, ncclResult_t r, const char *
 }
 
 /* An NCCL call on communicator c, settled (see nccl_settle); on failure jumps to fail with rc set. */
-#define NCCL_COMM_CHECK(c, call)                                                                             \
-    do {                                                                                                     \
-        rc = nccl_settle((c), (call), #call, __FILE__, __LINE__);                                            \
-        if (rc != MOERT_OK) goto fail;                                                                       \
+#define NCCL_COMM_CHECK(c, call)                                                                                       \
+    do {                                                                                                               \
+        rc = nccl_settle((c), (call), #call, __FILE__, __LINE__);                                                      \
+        if (rc != MOERT_OK) goto fail;                                                                                 \
     } while (0)
 
 moert_result moert_nccl_stream_wait(moert_nccl_comm *c, moert_stream s, const char *what)
@@ -303,8 +300,8 @@ static moert_result check_device(int device, const char *origin)
     int count = 0;
     MOERT_CHECK(moert_cuda_device_count(&count));
     if (device < 0 || device >= count)
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: CUDA device %d does not exist (%d visible)", origin,
-                           device, count);
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: CUDA device %d does not exist (%d visible)", origin, device,
+                           count);
 fail:
     return rc;
 }
@@ -353,15 +350,16 @@ moert_result moert_nccl_comm_init_thread(moert_nccl_group *g, int rank, int devi
     bool marked = false;
     *out = NULL;
     if (rank < 0 || rank >= g->world)
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_nccl_comm_init_thread: rank %d out of range for a group of %d",
-                           rank, g->world);
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                           "moert_nccl_comm_init_thread: rank %d out of range for a group of %d", rank, g->world);
     MOERT_CHECK(check_device(device, "moert_nccl_comm_init_thread"));
     pthread_mutex_lock(&g->mutex);
     bool already = g->joined[rank];
     g->joined[rank] = true;
     pthread_mutex_unlock(&g->mutex);
     if (already)
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_nccl_comm_init_thread: rank %d joined the group twice", rank);
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_nccl_comm_init_thread: rank %d joined the group twice",
+                           rank);
     marked = true;
     MOERT_CHECK(new_comm(rank, g->world, device, g->timeout_s, MOERT_NCCL_THREADS, &c));
     c->group = g;
@@ -390,17 +388,19 @@ static moert_result env_int(const char *name, long min, long max, int *out)
 {
     const char *text = getenv(name);
     if (!text || !text[0])
-        return moert_error(MOERT_ERR_CONFIG,
-                           "environment variable %s is not set (one process per GPU needs RANK, WORLD_SIZE, LOCAL_RANK, "
-                           "MASTER_ADDR and MASTER_PORT, as torchrun sets them)",
-                           name);
+        return moert_error(
+            MOERT_ERR_CONFIG,
+            "environment variable %s is not set (one process per GPU needs RANK, WORLD_SIZE, LOCAL_RANK, "
+            "MASTER_ADDR and MASTER_PORT, as torchrun sets them)",
+            name);
     char *end = NULL;
     errno = 0;
     long v = strtol(text, &end, 10);
     if (errno || end == text || *end != '\0')
         return moert_error(MOERT_ERR_CONFIG, "environment variable %s='%s' is not an integer", name, text);
     if (v < min || v > max)
-        return moert_error(MOERT_ERR_CONFIG, "environment variable %s=%ld is out of range [%ld, %ld]", name, v, min, max);
+        return moert_error(MOERT_ERR_CONFIG, "environment variable %s=%ld is out of range [%ld, %ld]", name, v, min,
+                           max);
     *out = (int)v;
     return MOERT_OK;
 }
@@ -412,8 +412,8 @@ moert_result moert_dist_env_read(moert_dist_env *out)
     MOERT_CHECK(env_int("WORLD_SIZE", 1, 1 << 20, &out->world_size));
     MOERT_CHECK(env_int("RANK", 0, 1 << 20, &out->rank));
     if (out->rank >= out->world_size)
-        return moert_error(MOERT_ERR_CONFIG, "environment variable RANK=%d is out of range for WORLD_SIZE=%d", out->rank,
-                           out->world_size);
+        return moert_error(MOERT_ERR_CONFIG, "environment variable RANK=%d is out of range for WORLD_SIZE=%d",
+                           out->rank, out->world_size);
     MOERT_CHECK(env_int("LOCAL_RANK", 0, 1 << 20, &out->local_rank));
     const char *addr = getenv("MASTER_ADDR");
     if (!addr || !addr[0])
@@ -421,7 +421,8 @@ moert_result moert_dist_env_read(moert_dist_env *out)
                            "environment variable MASTER_ADDR is not set (one process per GPU needs RANK, WORLD_SIZE, "
                            "LOCAL_RANK, MASTER_ADDR and MASTER_PORT, as torchrun sets them)");
     if (strlen(addr) >= sizeof out->master_addr)
-        return moert_error(MOERT_ERR_CONFIG, "environment variable MASTER_ADDR is too long (%zu characters)", strlen(addr));
+        return moert_error(MOERT_ERR_CONFIG, "environment variable MASTER_ADDR is too long (%zu characters)",
+                           strlen(addr));
     snprintf(out->master_addr, sizeof out->master_addr, "%s", addr);
     MOERT_CHECK(env_int("MASTER_PORT", 1, 65535, &out->master_port));
     out->bootstrap_port = out->master_port;
@@ -665,10 +666,11 @@ static moert_result fetch_unique_id(const moert_dist_env *env, ncclUniqueId *id,
     if (status != BOOT_OK) {
         rc = moert_error(MOERT_ERR_CONFIG, "NCCL bootstrap: rank 0 at %s:%d refused rank %d: %s", env->master_addr,
                          env->bootstrap_port, env->rank,
-                         status == BOOT_WORLD_MISMATCH ? "WORLD_SIZE differs"
+                         status == BOOT_WORLD_MISMATCH   ? "WORLD_SIZE differs"
                          : status == BOOT_DUPLICATE_RANK ? "another process already has this RANK"
                                                          : "RANK out of range");
-        if (status == BOOT_WORLD_MISMATCH) moert_error_prefix("WORLD_SIZE=%d here, %d on rank 0", env->world_size, world);
+        if (status == BOOT_WORLD_MISMATCH)
+            moert_error_prefix("WORLD_SIZE=%d here, %d on rank 0", env->world_size, world);
         goto fail;
     }
     memcpy(id, &reply.id, sizeof *id);
@@ -819,8 +821,10 @@ moert_result moert_nccl_allreduce_sum(moert_nccl_comm *c, void *buf, size_t coun
     moert_result rc = MOERT_OK;
     ncclDataType_t type;
     if (!nccl_type_of(dtype, &type))
-        return moert_error(MOERT_ERR_UNSUPPORTED, "NCCL allreduce_sum: dtype %s is not supported (fp32, fp64, int64, "
-                                                  "int32, bf16, fp16 are)", moert_dtype_name(dtype));
+        return moert_error(MOERT_ERR_UNSUPPORTED,
+                           "NCCL allreduce_sum: dtype %s is not supported (fp32, fp64, int64, "
+                           "int32, bf16, fp16 are)",
+                           moert_dtype_name(dtype));
     MOERT_CHECK(check_alive(c, "allreduce_sum"));
     NCCL_COMM_CHECK(c, ncclAllReduce(buf, buf, count, type, ncclSum, c->comm, (cudaStream_t)s));
 fail:
@@ -848,9 +852,11 @@ moert_result moert_nccl_alltoallv(moert_nccl_comm *c, const void *send, const si
     for (int r = 0; r < c->world; r++) {
         if (r == c->rank) continue;
         if (send_bytes[r] > 0)
-            NCCL_COMM_CHECK(c, ncclSend(sendp + send_offsets[r], send_bytes[r], ncclUint8, r, c->comm, (cudaStream_t)s));
+            NCCL_COMM_CHECK(c,
+                            ncclSend(sendp + send_offsets[r], send_bytes[r], ncclUint8, r, c->comm, (cudaStream_t)s));
         if (recv_bytes[r] > 0)
-            NCCL_COMM_CHECK(c, ncclRecv(recvp + recv_offsets[r], recv_bytes[r], ncclUint8, r, c->comm, (cudaStream_t)s));
+            NCCL_COMM_CHECK(c,
+                            ncclRecv(recvp + recv_offsets[r], recv_bytes[r], ncclUint8, r, c->comm, (cudaStream_t)s));
     }
     in_group = false;
     NCCL_COMM_CHECK(c, ncclGroupEnd());
@@ -882,7 +888,8 @@ static void load_address_range(void)
 {
     void *fn = NULL;
     enum cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &status) == cudaSuccess &&
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &status) ==
+            cudaSuccess &&
         status == cudaDriverEntryPointSuccess)
         address_range = (address_range_fn)fn;
     (void)cudaGetLastError();
@@ -987,8 +994,8 @@ moert_result moert_nccl_exchange_peer_buffers(moert_nccl_comm *c, void *local, s
     memcpy(&host[c->rank], &mine, sizeof mine);
     MOERT_CUDA_CHECK(cudaMemcpyAsync(dev + (size_t)c->rank * sizeof mine, &host[c->rank], sizeof mine,
                                      cudaMemcpyHostToDevice, c->internal));
-    NCCL_COMM_CHECK(c, ncclAllGather(dev + (size_t)c->rank * sizeof mine, dev, sizeof mine, ncclUint8, c->comm,
-                                     c->internal));
+    NCCL_COMM_CHECK(
+        c, ncclAllGather(dev + (size_t)c->rank * sizeof mine, dev, sizeof mine, ncclUint8, c->comm, c->internal));
     MOERT_CUDA_CHECK(cudaMemcpyAsync(host, dev, (size_t)c->world * sizeof mine, cudaMemcpyDeviceToHost, c->internal));
     MOERT_CHECK(moert_nccl_stream_wait(c, (moert_stream)c->internal, "exchange_peer_buffers"));
 

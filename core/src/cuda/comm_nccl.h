@@ -59,8 +59,7 @@ typedef struct moert_dist_env {
 /* Reads and checks the variables; MOERT_ERR_CONFIG naming a missing or malformed one. */
 moert_result moert_dist_env_read(moert_dist_env *out);
 /* Joins the group described by env on `device` (-1: env->local_rank). */
-moert_result moert_nccl_comm_init_env(const moert_dist_env *env, int device, double timeout_s,
-                                      moert_nccl_comm **out);
+moert_result moert_nccl_comm_init_env(const moert_dist_env *env, int device, double timeout_s, moert_nccl_comm **out);
 
 /* ---- (c) a process per GPU, the unique id distributed by the caller (the embedding API) ---- */
 
@@ -83,8 +82,7 @@ moert_nccl_mode moert_nccl_comm_mode(const moert_nccl_comm *c);
 moert_result moert_nccl_allgather(moert_nccl_comm *c, const void *send, void *recv, size_t bytes_per_rank,
                                   moert_stream s);
 /* In place. dtype: fp32, fp64, int64 (also bf16, fp16, int32). */
-moert_result moert_nccl_allreduce_sum(moert_nccl_comm *c, void *buf, size_t count, moert_dtype dtype,
-                                      moert_stream s);
+moert_result moert_nccl_allreduce_sum(moert_nccl_comm *c, void *buf, size_t count, moert_dtype dtype, moert_stream s);
 /* Sends send_bytes[r] bytes at send + send_offsets[r] to rank r and receives recv_bytes[r] at
  * recv + recv_offsets[r] from r (arrays of world entries on the host; zero sizes are skipped). */
 moert_result moert_nccl_alltoallv(moert_nccl_comm *c, const void *send, const size_t *send_bytes,

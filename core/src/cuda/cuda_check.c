@@ -46,8 +46,8 @@ moert_result moert_nccl_fail(const char *call, ncclResult_t err, ncclComm_t comm
 {
     const char *detail = ncclGetLastError(comm);
     if (detail && detail[0])
-        return moert_error(MOERT_ERR_NCCL, "%s failed: %s: %s (NCCL %s, %s:%d)", call, ncclGetErrorString(err),
-                           detail, moert_nccl_runtime_version(), short_path(file), line);
+        return moert_error(MOERT_ERR_NCCL, "%s failed: %s: %s (NCCL %s, %s:%d)", call, ncclGetErrorString(err), detail,
+                           moert_nccl_runtime_version(), short_path(file), line);
     return moert_error(MOERT_ERR_NCCL, "%s failed: %s (NCCL %s, %s:%d)", call, ncclGetErrorString(err),
                        moert_nccl_runtime_version(), short_path(file), line);
 }

@@ -22,32 +22,32 @@ moert_result moert_cublas_fail(const char *call, cublasStatus_t status, const ch
 /* "2.28.3": the NCCL library found at run time ("unknown" if ncclGetVersion fails); cached. */
 const char *moert_nccl_runtime_version(void);
 
-#define MOERT_CUDA_CHECK(call)                                                                               \
-    do {                                                                                                     \
-        cudaError_t _moert_cuda_err = (call);                                                                \
-        if (_moert_cuda_err != cudaSuccess) {                                                                \
-            rc = moert_cuda_fail(#call, _moert_cuda_err, __FILE__, __LINE__);                                \
-            goto fail;                                                                                       \
-        }                                                                                                    \
+#define MOERT_CUDA_CHECK(call)                                                                                         \
+    do {                                                                                                               \
+        cudaError_t _moert_cuda_err = (call);                                                                          \
+        if (_moert_cuda_err != cudaSuccess) {                                                                          \
+            rc = moert_cuda_fail(#call, _moert_cuda_err, __FILE__, __LINE__);                                          \
+            goto fail;                                                                                                 \
+        }                                                                                                              \
     } while (0)
 
 /* For NCCL calls on a communicator-less path (ncclGetUniqueId, ncclGroupStart/End without a comm). */
-#define MOERT_NCCL_CHECK(call)                                                                               \
-    do {                                                                                                     \
-        ncclResult_t _moert_nccl_err = (call);                                                               \
-        if (_moert_nccl_err != ncclSuccess) {                                                                \
-            rc = moert_nccl_fail(#call, _moert_nccl_err, NULL, __FILE__, __LINE__);                          \
-            goto fail;                                                                                       \
-        }                                                                                                    \
+#define MOERT_NCCL_CHECK(call)                                                                                         \
+    do {                                                                                                               \
+        ncclResult_t _moert_nccl_err = (call);                                                                         \
+        if (_moert_nccl_err != ncclSuccess) {                                                                          \
+            rc = moert_nccl_fail(#call, _moert_nccl_err, NULL, __FILE__, __LINE__);                                    \
+            goto fail;                                                                                                 \
+        }                                                                                                              \
     } while (0)
 
-#define MOERT_CUBLAS_CHECK(call)                                                                             \
-    do {                                                                                                     \
-        cublasStatus_t _moert_cublas_status = (call);                                                        \
-        if (_moert_cublas_status != CUBLAS_STATUS_SUCCESS) {                                                 \
-            rc = moert_cublas_fail(#call, _moert_cublas_status, __FILE__, __LINE__);                         \
-            goto fail;                                                                                       \
-        }                                                                                                    \
+#define MOERT_CUBLAS_CHECK(call)                                                                                       \
+    do {                                                                                                               \
+        cublasStatus_t _moert_cublas_status = (call);                                                                  \
+        if (_moert_cublas_status != CUBLAS_STATUS_SUCCESS) {                                                           \
+            rc = moert_cublas_fail(#call, _moert_cublas_status, __FILE__, __LINE__);                                   \
+            goto fail;                                                                                                 \
+        }                                                                                                              \
     } while (0)
 
 #endif

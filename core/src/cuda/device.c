@@ -21,10 +21,8 @@ static bool means_no_gpu(cudaError_t err)
     case cudaErrorCompatNotSupportedOnDevice:
     case cudaErrorDevicesUnavailable:
     case cudaErrorSystemNotReady:
-    case cudaErrorCallRequiresNewerDriver:
-        return true;
-    default:
-        return false;
+    case cudaErrorCallRequiresNewerDriver: return true;
+    default: return false;
     }
 }
 

@@ -18,10 +18,10 @@ moert_result moert_cuda_device_count(int *out);
 typedef struct moert_cuda_device_info {
     int id;
     char name[256];
-    int cc_major, cc_minor;      /* compute capability, 9.0 on H100/H200 */
+    int cc_major, cc_minor; /* compute capability, 9.0 on H100/H200 */
     int sm_count;
-    size_t total_bytes;          /* device memory */
-    size_t free_bytes;           /* free now (cudaMemGetInfo) */
+    size_t total_bytes; /* device memory */
+    size_t free_bytes;  /* free now (cudaMemGetInfo) */
     int l2_bytes;
     size_t smem_per_block_optin; /* shared memory a block may opt in to */
     int pci_bus, pci_device;

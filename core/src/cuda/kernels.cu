@@ -14,15 +14,15 @@ extern "C" {
 #include "random.h"
 }
 
-#define BLOCK_THREADS 256
-#define MAX_GRID_BLOCKS 4096
+#define BLOCK_THREADS      256
+#define MAX_GRID_BLOCKS    4096
 #define SUM_SQUARES_BLOCKS 1024 /* fixed, so the reduction tree does not depend on the GPU */
 
 /* Checks the launch just made; the message names the kernel, e.g. "swiglu_forward_kernel<<<>>> failed: ...". */
-#define LAUNCH_CHECK(name)                                                                                   \
-    do {                                                                                                     \
-        cudaError_t err_ = cudaGetLastError();                                                               \
-        if (err_ != cudaSuccess) return moert_cuda_fail(name "<<<>>>", err_, __FILE__, __LINE__);            \
+#define LAUNCH_CHECK(name)                                                                                             \
+    do {                                                                                                               \
+        cudaError_t err_ = cudaGetLastError();                                                                         \
+        if (err_ != cudaSuccess) return moert_cuda_fail(name "<<<>>>", err_, __FILE__, __LINE__);                      \
     } while (0)
 
 /* ---- element access ---- */
@@ -170,11 +170,11 @@ static moert_result swiglu_backward_typed(cudaStream_t s, int64_t rows, int64_t 
     constexpr int VEC = 16 / sizeof(T);
     const bool vec_ok = ffn % VEC == 0 && aligned(in, 16) && aligned(d_out, 16) && aligned(d_in, 16);
     if (vec_ok)
-        swiglu_backward_kernel<T, VEC><<<row_grid(rows), 128, 0, s>>>(rows, ffn, (const T *)in, prob, (const T *)d_out,
-                                                                      (T *)d_in, d_prob);
+        swiglu_backward_kernel<T, VEC>
+            <<<row_grid(rows), 128, 0, s>>>(rows, ffn, (const T *)in, prob, (const T *)d_out, (T *)d_in, d_prob);
     else
-        swiglu_backward_kernel<T, 1><<<row_grid(rows), 128, 0, s>>>(rows, ffn, (const T *)in, prob, (const T *)d_out,
-                                                                    (T *)d_in, d_prob);
+        swiglu_backward_kernel<T, 1>
+            <<<row_grid(rows), 128, 0, s>>>(rows, ffn, (const T *)in, prob, (const T *)d_out, (T *)d_in, d_prob);
     LAUNCH_CHECK("swiglu_backward_kernel");
     return MOERT_OK;
 }
@@ -202,8 +202,8 @@ extern "C" moert_result moert_cuda_swiglu_backward(cudaStream_t stream, moert_dt
                                                    float *d_prob)
 {
     if (rows < 0 || ffn <= 0)
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "swiglu backward: bad sizes rows %lld ffn %lld",
-                           (long long)rows, (long long)ffn);
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "swiglu backward: bad sizes rows %lld ffn %lld", (long long)rows,
+                           (long long)ffn);
     if (rows == 0) return MOERT_OK;
     switch (dtype) {
     case MOERT_F32: return swiglu_backward_typed<float>(stream, rows, ffn, in, prob, d_out, d_in, d_prob);
@@ -422,8 +422,8 @@ extern "C" moert_result moert_cuda_sum_squares(cudaStream_t stream, moert_dtype 
     float *partials = (float *)workspace;
     switch (dtype) {
     case MOERT_F32:
-        sum_squares_partial_kernel<float><<<SUM_SQUARES_BLOCKS, BLOCK_THREADS, 0, stream>>>(n, (const float *)x,
-                                                                                            (const float *)y, partials);
+        sum_squares_partial_kernel<float>
+            <<<SUM_SQUARES_BLOCKS, BLOCK_THREADS, 0, stream>>>(n, (const float *)x, (const float *)y, partials);
         break;
     case MOERT_BF16:
         sum_squares_partial_kernel<__nv_bfloat16><<<SUM_SQUARES_BLOCKS, BLOCK_THREADS, 0, stream>>>(
@@ -442,10 +442,10 @@ extern "C" moert_result moert_cuda_sum_squares(cudaStream_t stream, moert_dtype 
 /* ---- Adam ---- */
 
 template <typename TG>
-__global__ void adam_kernel(int64_t n, float lr, float beta1, float one_minus_beta1, float beta2,
-                            float one_minus_beta2, float eps, float decay_factor,
-                            float grad_scale, float inv_bc1, float inv_sqrt_bc2, float *__restrict__ param,
-                            const TG *__restrict__ grad, float *__restrict__ m, float *__restrict__ v)
+__global__ void adam_kernel(int64_t n, float lr, float beta1, float one_minus_beta1, float beta2, float one_minus_beta2,
+                            float eps, float decay_factor, float grad_scale, float inv_bc1, float inv_sqrt_bc2,
+                            float *__restrict__ param, const TG *__restrict__ grad, float *__restrict__ m,
+                            float *__restrict__ v)
 {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         float g = to_f32(grad[i]) * grad_scale;
@@ -477,14 +477,14 @@ extern "C" moert_result moert_cuda_adam(cudaStream_t stream, int64_t n, int64_t 
     case MOERT_F32:
         adam_kernel<float><<<grid_for(n), BLOCK_THREADS, 0, stream>>>(
             n, (float)cfg->lr, (float)cfg->beta1, (float)(1.0 - cfg->beta1), (float)cfg->beta2,
-            (float)(1.0 - cfg->beta2), (float)cfg->eps, decay, scale, inv_bc1,
-            inv_sqrt_bc2, param, (const float *)grad, m, v);
+            (float)(1.0 - cfg->beta2), (float)cfg->eps, decay, scale, inv_bc1, inv_sqrt_bc2, param, (const float *)grad,
+            m, v);
         break;
     case MOERT_BF16:
         adam_kernel<__nv_bfloat16><<<grid_for(n), BLOCK_THREADS, 0, stream>>>(
             n, (float)cfg->lr, (float)cfg->beta1, (float)(1.0 - cfg->beta1), (float)cfg->beta2,
-            (float)(1.0 - cfg->beta2), (float)cfg->eps, decay, scale, inv_bc1,
-            inv_sqrt_bc2, param, (const __nv_bfloat16 *)grad, m, v);
+            (float)(1.0 - cfg->beta2), (float)cfg->eps, decay, scale, inv_bc1, inv_sqrt_bc2, param,
+            (const __nv_bfloat16 *)grad, m, v);
         break;
     default:
         return moert_error(MOERT_ERR_UNSUPPORTED, "adam on CUDA: gradient dtype %s is not supported (fp32, bf16)",
@@ -557,18 +557,18 @@ extern "C" moert_result moert_cuda_gate_forward(cudaStream_t stream, moert_dtype
     return MOERT_OK;
 }
 
-extern "C" moert_result moert_cuda_gate_backward(cudaStream_t stream, moert_dtype dtype, int64_t tokens,
-                                                 int64_t hidden, const void *x, const float *gate, const float *prob,
+extern "C" moert_result moert_cuda_gate_backward(cudaStream_t stream, moert_dtype dtype, int64_t tokens, int64_t hidden,
+                                                 const void *x, const float *gate, const float *prob,
                                                  const float *d_prob, void *d_x, float *d_gate)
 {
     if (tokens == 0) return MOERT_OK;
     switch (dtype) {
     case MOERT_F32:
-        gate_backward_x_kernel<float><<<grid_for(tokens * hidden), BLOCK_THREADS, 0, stream>>>(
-            tokens, hidden, gate, prob, d_prob, (float *)d_x);
+        gate_backward_x_kernel<float>
+            <<<grid_for(tokens * hidden), BLOCK_THREADS, 0, stream>>>(tokens, hidden, gate, prob, d_prob, (float *)d_x);
         LAUNCH_CHECK("gate_backward_x_kernel");
-        gate_backward_g_kernel<float><<<grid_for(hidden), BLOCK_THREADS, 0, stream>>>(
-            tokens, hidden, (const float *)x, prob, d_prob, d_gate);
+        gate_backward_g_kernel<float>
+            <<<grid_for(hidden), BLOCK_THREADS, 0, stream>>>(tokens, hidden, (const float *)x, prob, d_prob, d_gate);
         break;
     case MOERT_BF16:
         gate_backward_x_kernel<__nv_bfloat16><<<grid_for(tokens * hidden), BLOCK_THREADS, 0, stream>>>(

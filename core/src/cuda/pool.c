@@ -11,11 +11,11 @@
 #include "cuda_check.h"
 #include "log.h"
 
-#define POOL_MIN_SHIFT 9            /* smallest class: 512 B */
-#define POOL_POW2_MAX_SHIFT 20      /* classes are powers of two up to 1 MiB */
-#define POOL_MAX_SHIFT 46           /* largest request: 64 TiB, far beyond any device */
-#define POOL_CLASS_COUNT (POOL_POW2_MAX_SHIFT - POOL_MIN_SHIFT + 1 + (POOL_MAX_SHIFT - POOL_POW2_MAX_SHIFT + 1) * 4)
-#define POOL_HASH_BUCKETS 1024
+#define POOL_MIN_SHIFT      9  /* smallest class: 512 B */
+#define POOL_POW2_MAX_SHIFT 20 /* classes are powers of two up to 1 MiB */
+#define POOL_MAX_SHIFT      46 /* largest request: 64 TiB, far beyond any device */
+#define POOL_CLASS_COUNT    (POOL_POW2_MAX_SHIFT - POOL_MIN_SHIFT + 1 + (POOL_MAX_SHIFT - POOL_POW2_MAX_SHIFT + 1) * 4)
+#define POOL_HASH_BUCKETS   1024
 
 typedef struct pool_block {
     void *ptr;
@@ -23,10 +23,10 @@ typedef struct pool_block {
     size_t requested; /* while live */
     int size_class;
     bool in_use;
-    bool has_stream;         /* false after forget_stream: reuse only through the event */
-    cudaStream_t stream;     /* the stream it was last freed on */
-    cudaEvent_t event;       /* recorded on `stream` at the last free; created at the first free */
-    bool reserved;           /* in the pool's reservation (moert_cuda_pool_reserve_begin) */
+    bool has_stream;     /* false after forget_stream: reuse only through the event */
+    cudaStream_t stream; /* the stream it was last freed on */
+    cudaEvent_t event;   /* recorded on `stream` at the last free; created at the first free */
+    bool reserved;       /* in the pool's reservation (moert_cuda_pool_reserve_begin) */
     struct pool_block *hash_next;
     struct pool_block *free_next;
     struct pool_block *reserve_next; /* the reservation's list of its blocks */
@@ -47,10 +47,7 @@ struct moert_cuda_pool {
 };
 
 /* floor(log2(n)) for n > 0. */
-static int floor_log2(size_t n)
-{
-    return 63 - __builtin_clzll((unsigned long long)n);
-}
+static int floor_log2(size_t n) { return 63 - __builtin_clzll((unsigned long long)n); }
 
 /* The class of a request: its index and the size it is rounded up to. False if too large. */
 static bool size_class_of(size_t bytes, int *index, size_t *class_size)
@@ -146,8 +143,9 @@ static pool_block *take_cached(moert_cuda_pool *pool, int index, cudaStream_t st
         for (link = &pool->free_lists[index]; *link; link = &(*link)->free_next) {
             cudaError_t err = cudaEventQuery((*link)->event);
             if (err == cudaSuccess) break;
-            if (err != cudaErrorNotReady) moert_log(MOERT_LOG_WARN, "CUDA pool on device %d: cudaEventQuery: %s",
-                                                    pool->device, cudaGetErrorString(err));
+            if (err != cudaErrorNotReady)
+                moert_log(MOERT_LOG_WARN, "CUDA pool on device %d: cudaEventQuery: %s", pool->device,
+                          cudaGetErrorString(err));
             (void)cudaGetLastError();
         }
     }
@@ -205,7 +203,8 @@ static void mark_live(moert_cuda_pool *pool, pool_block *b, size_t bytes)
     pool->stats.live_blocks++;
     pool->stats.bytes_in_use += b->size;
     pool->stats.bytes_requested += bytes;
-    if (pool->stats.bytes_in_use > pool->stats.peak_bytes_in_use) pool->stats.peak_bytes_in_use = pool->stats.bytes_in_use;
+    if (pool->stats.bytes_in_use > pool->stats.peak_bytes_in_use)
+        pool->stats.peak_bytes_in_use = pool->stats.bytes_in_use;
     if (pool->stats.bytes_reserved > pool->stats.peak_bytes_reserved)
         pool->stats.peak_bytes_reserved = pool->stats.bytes_reserved;
 }

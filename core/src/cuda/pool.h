@@ -26,12 +26,12 @@ typedef struct moert_cuda_pool moert_cuda_pool;
 /* Figures for memory reports. Sizes in bytes. */
 typedef struct moert_cuda_pool_stats {
     int device;
-    size_t bytes_in_use;        /* size classes of live blocks */
-    size_t bytes_requested;     /* what callers asked for, of live blocks */
+    size_t bytes_in_use;    /* size classes of live blocks */
+    size_t bytes_requested; /* what callers asked for, of live blocks */
     size_t peak_bytes_in_use;
-    size_t bytes_reserved;      /* held from cudaMalloc: live plus cached blocks */
+    size_t bytes_reserved; /* held from cudaMalloc: live plus cached blocks */
     size_t peak_bytes_reserved;
-    size_t bytes_cached;        /* reserved but free, ready for reuse */
+    size_t bytes_cached; /* reserved but free, ready for reuse */
     uint64_t live_blocks, cached_blocks;
     uint64_t alloc_count;       /* requests served */
     uint64_t reuse_count;       /* requests served from the cache, without cudaMalloc */
