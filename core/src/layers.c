@@ -925,18 +925,22 @@ fail:
     return release_after_failure(L, rc);
 }
 
+/* Whether `saved` is one of these layers' forwards in flight, found by address before anything reads it: a handle a
+ * backward already consumed (freed) is refused, not read. */
+static bool in_flight(const moert_layers *m, const moert_saved *saved)
+{
+    for (int l = 0; saved && l < m->stack.num_layers; l++)
+        if (m->saved[l] == saved) return true;
+    return false;
+}
+
 MOERT_API moert_result moert_moe_backward(moert_layers *m, moert_saved *saved, const moert_tensor *dy, moert_tensor *dx,
                                           const moert_backward_options *opts, moert_stream stream)
 {
     const char *fn = "moert_moe_backward";
     moert_result rc = MOERT_OK;
     if (!m) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layers is NULL", fn);
-    /* the handle is found among these layers' forwards in flight before anything reads it: a handle a backward
-     * already consumed (freed) is refused, not read */
-    int found = -1;
-    for (int l = 0; saved && l < m->stack.num_layers && found < 0; l++)
-        if (m->saved[l] == saved) found = l;
-    if (found < 0)
+    if (!in_flight(m, saved))
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: saved is not a forward in flight of these layers", fn);
     if (saved->experts)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT,
@@ -1309,10 +1313,7 @@ MOERT_API moert_result moert_experts_backward(moert_layers *m, moert_saved *save
     const char *fn = "moert_experts_backward";
     moert_result rc = MOERT_OK;
     if (!m) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layers is NULL", fn);
-    int found = -1;
-    for (int l = 0; saved && l < m->stack.num_layers && found < 0; l++)
-        if (m->saved[l] == saved) found = l;
-    if (found < 0)
+    if (!in_flight(m, saved))
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: saved is not a forward in flight of these layers", fn);
     if (!saved->experts)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: saved is moert_moe_forward's: run moert_moe_backward", fn);

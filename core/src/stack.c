@@ -79,6 +79,21 @@ static moert_instance *slot_instance(moert_layer *L, moert_slot s)
 
 /* The shared expert of layer l: the precision plugin again, with the precision options, for one expert of width
  * $.model.shared_expert_ffn_hidden that every token goes to. */
+/* The host services of one plugin instance of layer L: named `who`, reading `sec`, over the whole group. */
+static moert_host_setup host_setup_of(const moert_stack_setup *setup, const moert_layer *L, const char *who,
+                                      moert_section *sec)
+{
+    return (moert_host_setup){.who = who,
+                              .options = sec,
+                              .comm = setup->comm,
+                              .rank = setup->rank,
+                              .world_size = setup->world,
+                              .device = L->info.device,
+                              .cuda_pool = setup->pool,
+                              .nccl = setup->nccl,
+                              .stream = setup->stream};
+}
+
 static moert_result shared_expert_init(moert_stack *s, const moert_stack_setup *setup, int l)
 {
     moert_result rc = MOERT_OK;
@@ -100,15 +115,7 @@ static moert_result shared_expert_init(moert_stack *s, const moert_stack_setup *
     moert_section_allow(sec, "plugin");
     snprintf(who, sizeof who, "precision \"%s\" (shared expert, layer %d, rank %d)", plugin->header->name, l,
              setup->rank);
-    moert_host_setup hs = {.who = who,
-                           .options = sec,
-                           .comm = setup->comm,
-                           .rank = setup->rank,
-                           .world_size = setup->world,
-                           .device = L->info.device,
-                           .cuda_pool = setup->pool,
-                           .nccl = setup->nccl,
-                           .stream = setup->stream};
+    moert_host_setup hs = host_setup_of(setup, L, who, sec);
     MOERT_CHECK(moert_host_create(&hs, &s->shared_hosts[l]));
     L->shared_precision.plugin = plugin;
     L->shared_precision.host = s->shared_hosts[l];
@@ -181,15 +188,7 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
             moert_section_allow(sec, "plugin");
             snprintf(who, sizeof who, "%s \"%s\" (layer %d, rank %d)", moert_kind_name(setup->plugins[k].kind),
                      setup->plugins[k].header->name, l, setup->rank);
-            moert_host_setup hs = {.who = who,
-                                   .options = sec,
-                                   .comm = setup->comm,
-                                   .rank = setup->rank,
-                                   .world_size = setup->world,
-                                   .device = L->info.device,
-                                   .cuda_pool = setup->pool,
-                                   .nccl = setup->nccl,
-                                   .stream = setup->stream};
+            moert_host_setup hs = host_setup_of(setup, L, who, sec);
             if (k == MOERT_SLOT_DISPATCHER) { /* the dispatcher works over the expert-parallel group alone */
                 hs.comm = s->group[MOERT_AXIS_EP];
                 hs.rank = s->coords.ep;
