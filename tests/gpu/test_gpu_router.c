@@ -1060,7 +1060,7 @@ int main(void)
          .steps = 2,
          .forwards_per_step = 1},
     };
-    /* Megatron's options of issue 31 on the CUDA path (capacity, padding, sinkhorn, input jitter, forced balance,
+    /* Megatron's router options on the CUDA path (capacity, padding, sinkhorn, input jitter, forced balance,
      * the compute dtype), each against the CPU path */
     const router_mode more_modes[] = {
         {.name = "capacity 0.5, drop probs, aux_loss",
