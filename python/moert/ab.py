@@ -212,15 +212,17 @@ def _split_result(result):
     return _as_loss(result), None
 
 
-def _run(prepare, run, steps, warmup, cuda):
-    """Runs both sides in ABBA order: prepare(step) (untimed, shared) then run[side](prepared, step) timed. Returns
-    per side the step times (ms), the losses and the first step's tensors."""
+def _run(prepare, run, steps, warmup, cuda, after=None):
+    """Runs both sides in ABBA order: prepare(step) (untimed, shared) then run[side](prepared, step) timed, then
+    after(side) untimed when given. Returns per side the step times (ms), the losses and the first step's tensors."""
     timer = _Timer(cuda)
     ms, losses, first = [[], []], [[], []], [None, None]
     for step in range(1, warmup + steps + 1):
         prepared = prepare(step) if prepare else None
         for side in step_order(step, 2):
             t, result = timer(run[side], prepared, step)
+            if after:
+                after(side)
             loss, tensors = _split_result(result)
             ms[side].append(t)
             losses[side].append(loss)
@@ -234,8 +236,14 @@ class ABResult:
     interval of B/A's median step time, the agreement, and the printed lines (`verdict`, `summary`, `timing`, as
     `moert ab` prints them). write_report(path) writes the JSON report and FILE.md."""
 
-    def __init__(self, kind, names, header, ms, losses, first, warmup, steps, rtol, rtol_source, device, seed):
+    def __init__(self, kind, names, header, ms, losses, first, warmup, steps, rtol, rtol_source, device, seed,
+                 figures=None):
         self.kind, self.names, self.header = kind, names, header
+        # moert's own figures beside the step ({name: (A's per step, B's per step)}, e.g. "layer" and each stage,
+        # as `moert ab` reports them; compare_layers reads them from the layers)
+        self.figures = figures or {}
+        self.figure_intervals = {name: ratio_interval(fa[warmup:], fb[warmup:], BOOTSTRAP_SEED, BOOTSTRAP_RESAMPLES,
+                                                      LEVEL) for name, (fa, fb) in self.figures.items()}
         self.a_ms, self.b_ms = ms
         self.a_losses, self.b_losses = losses
         self.warmup, self.steps = warmup, steps
@@ -248,6 +256,8 @@ class ABResult:
         self.summary = self._summary()
         self.timing = "timing (B/A, ABBA order, bootstrap over %d paired steps): step %s" % (
             self.interval.pairs, verdict_text(self.interval))
+        if "layer" in self.figure_intervals:
+            self.timing += "; layer fwd+bwd %s" % verdict_text(self.figure_intervals["layer"])
 
     @property
     def ratio(self):
@@ -320,14 +330,23 @@ class ABResult:
         """The JSON report as a dict, with `moert ab`'s keys where they apply."""
         iv = self.interval
         figures = {}
-        if not math.isnan(iv.ratio):
-            figures["step"] = {"ratio": _finite(iv.ratio), "ci_low": _finite(iv.low), "ci_high": _finite(iv.high),
-                               "pairs": iv.pairs, "verdict": verdict_text(iv)}
+        for name, fiv in [("step", iv)] + list(self.figure_intervals.items()):
+            if not math.isnan(fiv.ratio):
+                figures[name] = {"ratio": _finite(fiv.ratio), "ci_low": _finite(fiv.low),
+                                 "ci_high": _finite(fiv.high), "pairs": fiv.pairs, "verdict": verdict_text(fiv)}
         sides = {}
-        for key, name, ms, losses, spread in (("a", self.names[0], self.a_ms, self.a_losses, self.a_spread),
-                                              ("b", self.names[1], self.b_ms, self.b_losses, self.b_spread)):
-            sides[key] = {"name": name, "ms": {"step": {k: _finite(v) for k, v in spread.items()}},
-                          "completed_steps": len(ms), "steps": self._steps_json(ms, losses)}
+        for i, (key, name, ms, losses, spread) in enumerate((("a", self.names[0], self.a_ms, self.a_losses,
+                                                              self.a_spread),
+                                                             ("b", self.names[1], self.b_ms, self.b_losses,
+                                                              self.b_spread))):
+            side_ms = {"step": {k: _finite(v) for k, v in spread.items()}}
+            for fname, pair in self.figures.items():
+                side_ms[fname] = {k: _finite(v) for k, v in _spread(pair[i][self.warmup:]).items()}
+            steps_json = self._steps_json(ms, losses)
+            for j, st in enumerate(steps_json):
+                for fname, pair in self.figures.items():
+                    st[fname + "_ms"] = _finite(pair[i][j])
+            sides[key] = {"name": name, "ms": side_ms, "completed_steps": len(ms), "steps": steps_json}
         ag = json.loads(json.dumps(self.agreement, default=str))
         for k in ("loss_max_relative_difference",):
             ag[k] = _finite(ag[k])
@@ -352,11 +371,16 @@ class ABResult:
         lines = ["# moert ab", ""] + ["- %s" % h for h in self.header]
         lines += ["", "| figure | A median [p10-p90] | B median [p10-p90] | B/A |", "|---|---:|---:|---:|",
                   "| step (ms) | %s | %s | %s |" % (cell(self.a_spread), cell(self.b_spread),
-                                                   "%.3f" % (self.b_spread["median"] / a) if a > 0 else "-"),
-                  "", self.verdict, "", self.summary, "", "| figure | B/A | 95% CI | verdict |", "|---|---:|---|---|"]
-        iv = self.interval
-        if not (math.isnan(iv.ratio) or math.isnan(iv.low)):
-            lines.append("| step | %.3f | %.3f-%.3f | %s |" % (iv.ratio, iv.low, iv.high, verdict_text(iv)))
+                                                   "%.3f" % (self.b_spread["median"] / a) if a > 0 else "-")]
+        for name, (fa, fb) in self.figures.items():
+            sa, sb = _spread(fa[self.warmup:]), _spread(fb[self.warmup:])
+            ratio = "%.3f" % (sb["median"] / sa["median"]) if sa["median"] > 0 else "-"
+            lines.append("| %s (ms) | %s | %s | %s |" % (name, cell(sa), cell(sb), ratio))
+        lines += ["", self.verdict, "", self.summary, "", "| figure | B/A | 95% CI | verdict |", "|---|---:|---|---|"]
+        for name, fiv in [("step", self.interval)] + list(self.figure_intervals.items()):
+            if not (math.isnan(fiv.ratio) or math.isnan(fiv.low)):
+                lines.append("| %s | %.3f | %.3f-%.3f | %s |"
+                             % (name, fiv.ratio, fiv.low, fiv.high, verdict_text(fiv)))
         return "\n".join(lines) + "\n"
 
     def write_report(self, path):
@@ -441,6 +465,15 @@ def compare_layers(config_a, config_b, x_fn, *, steps=20, warmup=3, rtol=None, d
     def prepare(step):
         return x_fn(step).detach()
 
+    # moert's own figures of each step's forward and backward: every stage and their sum, "layer", named as moert ab
+    # names them
+    figs = ({}, {})
+
+    def record(side):
+        stages = layers[side].figures()["stage_ms"]
+        for name, value in list(stages.items()) + [("layer", sum(stages.values()))]:
+            figs[side].setdefault(name, []).append(value)
+
     def runner(moe):
         def run(x, step):
             moe.zero_grad(set_to_none=True)
@@ -457,7 +490,9 @@ def compare_layers(config_a, config_b, x_fn, *, steps=20, warmup=3, rtol=None, d
         return run
 
     cuda = a.device.type == "cuda"
-    ms, losses, first = _run(prepare, (runner(a), runner(b)), steps, warmup, cuda)
+    ms, losses, first = _run(prepare, (runner(a), runner(b)), steps, warmup, cuda, after=record)
+    order = ["layer"] + [n for n in figs[0] if n != "layer"]
+    figures = {n: (figs[0][n], figs[1][n]) for n in order if n in figs[1]}
     tol, source = _resolve_rtol(rtol, precisions)
     sections = []
     for key in ("router", "dispatcher", "precision", "memory_policy"):
@@ -474,4 +509,4 @@ def compare_layers(config_a, config_b, x_fn, *, steps=20, warmup=3, rtol=None, d
     header.append("%d warm-up step%s, then %d measured step%s, interleaved ABBA: A first on odd steps, B on even ones"
                   % (warmup, "" if warmup == 1 else "s", steps, "" if steps == 1 else "s"))
     return ABResult("compare_layers", names, header, ms, losses, first, warmup, steps, tol, source, str(a.device),
-                    init_seed)
+                    init_seed, figures)

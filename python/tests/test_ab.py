@@ -105,6 +105,18 @@ class IdenticalLayers(Case):
         for key in ("device", "seed", "warmup_steps", "measured_steps", "header", "a", "b", "b_over_a",
                     "b_over_a_intervals", "agreement", "verdict", "summary", "timing", "complete"):
             self.assertIn(key, rep)
+        # moert's own figures beside the step, named as `moert ab` names them: the layer and every stage
+        figs = rep["b_over_a_intervals"]["figures"]
+        for name in ("step", "layer", "router", "dispatch", "fc1", "combine", "backward"):
+            self.assertIn(name, figs)
+            self.assertIn(name, rep["a"]["ms"])
+        self.assertIn("; layer fwd+bwd ", r.timing)
+        self.assertIn("| layer (ms) |", table)
+        for side in ("a", "b"):  # the layer is the sum of its stages, step by step
+            for st in rep[side]["steps"]:
+                stages = sum(st[n + "_ms"] for n in ("router", "permute", "dispatch", "fc1", "act", "fc2", "combine",
+                                                     "backward"))
+                self.assertAlmostEqual(st["layer_ms"], stages, places=9)
         self.assertEqual((rep["warmup_steps"], rep["measured_steps"], rep["seed"]), (1, 5, 1))
         for side in ("a", "b"):
             st = rep[side]["steps"]
