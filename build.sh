@@ -18,7 +18,12 @@ pkg-config --exists jansson 2>/dev/null || need+=(libjansson-dev)
 command -v valgrind >/dev/null || need+=(valgrind)
 command -v make >/dev/null || need+=(make)
 # the tests include the PyTorch package's (python/tests): Debian's torch for the system python3
-if [ "${1:-build}" = test ] && ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then need+=(python3-torch); fi
+if [ "${1:-build}" = test ]; then
+  # the test suite's own needs: the PyTorch package's tests, the plots of moert ab and of a trace, the format check
+  /usr/bin/python3 -c 'import torch' 2>/dev/null || need+=(python3-torch)
+  /usr/bin/python3 -c 'import matplotlib' 2>/dev/null || need+=(python3-matplotlib)
+  command -v clang-format >/dev/null || need+=(clang-format)
+fi
 if [ ${#need[@]} -gt 0 ]; then
   echo "build.sh: installing ${need[*]}"
   sudo_cmd=""
