@@ -14,9 +14,8 @@
  * a < MOERT_STORE_SLOTS). */
 static moert_result host_failed(const moert_activation_store *S, moert_result rc, const char *what, int a)
 {
-    return moert_error(rc, "%s%s%s of layer %d (rank %d): %s", what, a < MOERT_STORE_SLOTS ? " " : "",
-                       a < MOERT_STORE_SLOTS ? moert_act_store_slot_name(a) : "", S->layer_index, S->host->rank,
-                       moert_host_take_error((moert_host *)S->host));
+    return moert_host_call_failed(S->host, rc, what, a < MOERT_STORE_SLOTS ? moert_act_store_slot_name(a) : NULL,
+                                  S->layer_index);
 }
 
 #define HOST_CALL(call, what, a)                                                                                       \

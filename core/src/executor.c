@@ -341,9 +341,8 @@ fail:
  * a < MOERT_ACT_COUNT). */
 static moert_result host_failed(const moert_layer *L, moert_result rc, const char *what, moert_activation a)
 {
-    return moert_error(rc, "%s%s%s of layer %d (rank %d): %s", what, a < MOERT_ACT_COUNT ? " " : "",
-                       a < MOERT_ACT_COUNT ? moert_activation_name(a) : "", L->info.layer_index, L->core_host->rank,
-                       moert_host_take_error((moert_host *)L->core_host));
+    return moert_host_call_failed(L->core_host, rc, what, a < MOERT_ACT_COUNT ? moert_activation_name(a) : NULL,
+                                  L->info.layer_index);
 }
 
 #define HOST_CALL(call, what, a)                                                                                       \

@@ -595,6 +595,13 @@ uint32_t moert_host_instance_flags(const moert_host *h, uint32_t header_flags)
     return impl->flags_set ? impl->flags : header_flags;
 }
 
+moert_result moert_host_call_failed(const moert_host *h, moert_result rc, const char *what, const char *activation,
+                                    int layer)
+{
+    return moert_error(rc, "%s%s%s of layer %d (rank %d): %s", what, activation ? " " : "",
+                       activation ? activation : "", layer, h->rank, moert_host_take_error((moert_host *)h));
+}
+
 /* The plugin's last message ("" if none), cleared for the next call; valid until the next take. */
 const char *moert_host_take_error(moert_host *h)
 {

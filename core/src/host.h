@@ -30,6 +30,10 @@ moert_result moert_host_create(const moert_host_setup *setup, moert_host **out);
 void moert_host_free(moert_host *h);
 /* The message a plugin set with host->set_error since the last call ("" if none); clears it. */
 const char *moert_host_take_error(moert_host *h);
+/* A failed call of the core's own host services (h) for layer `layer` as a core error: "what[ activation] of layer L
+ * (rank R): the service's message"; activation may be NULL. */
+moert_result moert_host_call_failed(const moert_host *h, moert_result rc, const char *what, const char *activation,
+                                    int layer);
 /* The instance's capability flags: what the plugin declared through host->set_flags, else header_flags. */
 uint32_t moert_host_instance_flags(const moert_host *h, uint32_t header_flags);
 /* Makes `stream` the one this instance's allocations and frees are ordered on (the pool hands a block freed on it at
