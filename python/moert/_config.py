@@ -38,18 +38,19 @@ class Config:
     def __init__(self, config, overrides=None):
         lib = _capi.lib()
         self._ptr = ctypes.c_void_p()
+        merged = False  # the overrides are in the text moert loads (else they are set one by one after it)
         if isinstance(config, Config):
             self.data = copy.deepcopy(config.data)
-            text, source = self._with_overrides(overrides), config.source
+            text, source, merged = self._with_overrides(overrides), config.source, True
         elif isinstance(config, dict):
             self.data = copy.deepcopy(config)
-            text, source = self._with_overrides(overrides), "<dict>"
+            text, source, merged = self._with_overrides(overrides), "<dict>", True
         elif isinstance(config, (str, bytes, os.PathLike)):
             s = config.decode() if isinstance(config, bytes) else config
             if isinstance(s, str) and s.lstrip().startswith("{"):
                 try:
                     self.data = json.loads(s)
-                    text = self._with_overrides(overrides)
+                    text, merged = self._with_overrides(overrides), True
                 except ValueError:
                     text = s  # moert's parser says where the text is broken
                 source = "<string>"
@@ -69,16 +70,13 @@ class Config:
         if text is not None:
             _capi.check(lib.moert_config_load_string(text.encode(), source.encode(), ctypes.byref(self._ptr)),
                         "moert_config_load_string")
-            if not hasattr(self, "data"):
-                self.data = json.loads(text)
         self.source = source
-        for key, value in (overrides or {}).items():
+        for key, value in ({} if merged else overrides or {}).items():
             self.set(key, value)
 
     def _with_overrides(self, overrides):
         """The JSON text of self.data with the overrides already in it: moert checks the config as a whole when it
-        loads it, so keys that must agree (the expert layout and $.parallel.ranks) are set together. They are set
-        again after loading, which checks each one as moert_config_set does."""
+        loads it, so keys that must agree (the expert layout and $.parallel.ranks) are set together."""
         for key, value in (overrides or {}).items():
             _set_dotted(self.data, key, json.loads(_json_value(value)))
         return json.dumps(self.data)
