@@ -14,8 +14,16 @@
  *                 the device, one launch; WGRAD into a bf16 gradient like the variants above
  *                 (FORWARD/DGRAD on the wgmma engine where the GPU has it)
  *   kernel_mma    FORWARD/DGRAD only: the kernel's mma.sync engine
- *   kernel_f32w   WGRAD only: the kernel accumulating into an fp32 gradient (the executor's setting)
+ *   kernel_f32w   WGRAD only: the kernel accumulating into an fp32 gradient (the executor's setting; on Hopper the
+ *                 wgmma engine)
+ *   kernel_f32w_ow  WGRAD only: the same overwriting the fp32 gradient (a step's first micro-batch)
+ *   loop_sS_f32w  WGRAD only: the cuBLASLt loop on S streams accumulating into an fp32 gradient (the plugin's
+ *                 "wgrad_gemm": "cublaslt")
+ *   copy          WGRAD only: a device-to-device copy of the fp32 gradient (reads and writes its bytes): the traffic
+ *                 floor of the WGRAD variants into fp32, see "of_floor" below
  *   dense         one GEMM of the whole [rows, k_in] x [k_in, n_out]
+ * For the fp32-gradient WGRAD variants "of_floor" is max(FLOPs at the dense GEMM's rate, the gradient's traffic at the
+ * copy's rate: written once when overwriting, read and written when accumulating) / their time: 1 is the floor.
  * "queries/it" is the cuBLASLt heuristic queries per measured iteration (0 once the buckets were seen). After the
  * timing, the outputs of loop_sS and graph_sS are compared bit for bit with loop's (WGRAD overwriting), and the kernel's
  * output with loop's within bf16 rounding (column "err": relative Frobenius; the run fails above 1e-2); skip with
@@ -90,16 +98,19 @@ static const bench_shape shapes[] = {
 /* One way of running the grouped GEMM. */
 typedef struct bench_variant {
     char name[24];
-    int streams;    /* moert_bf16_cuda_set_streams */
-    int vary;       /* new random counts every iteration */
-    int graphs;     /* moert_bf16_cuda_set_graphs */
-    int grouped;    /* MOERT_BF16_CUDA_GROUPED */
-    int dense;      /* one expert with all rows */
-    int kernel;     /* 1: bf16_device_gemm (bf16 gradient), 2: the same into an fp32 gradient, 3: its mma.sync engine */
+    int streams; /* moert_bf16_cuda_set_streams */
+    int vary;    /* new random counts every iteration */
+    int graphs;  /* moert_bf16_cuda_set_graphs */
+    int grouped; /* MOERT_BF16_CUDA_GROUPED */
+    int dense;   /* one expert with all rows */
+    int kernel; /* 1: bf16_device_gemm (bf16 gradient), 2: the same into an fp32 gradient, 3: its mma.sync engine, 4: as
+                   2, overwriting */
     int wgrad_only; /* 1: WGRAD only, -1: FORWARD and DGRAD only */
+    int f32w;       /* the cuBLASLt variants: WGRAD into the fp32 gradient */
+    int copy;       /* a device copy of the fp32 gradient instead of a GEMM */
 } bench_variant;
 
-#define MAX_VARIANTS 10
+#define MAX_VARIANTS 14
 #define MAX_EXPERTS  256
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
@@ -217,8 +228,9 @@ static double now_ms(void)
 typedef struct bench_result {
     char shape[48], pass[8], variant[24];
     double median_ms, tflops, ratio_to_dense, host_ms, queries_per_iter;
-    int same_bits;  /* -1: not checked; 0/1: output equal bit for bit to the 1-stream loop's */
-    double rel_err; /* kernel: relative Frobenius difference to the loop's output; -1: not checked */
+    double of_floor; /* fp32-gradient WGRAD: the floor's time / this time; -1: not one of them */
+    int same_bits;   /* -1: not checked; 0/1: output equal bit for bit to the 1-stream loop's */
+    double rel_err;  /* kernel: relative Frobenius difference to the loop's output; -1: not checked */
 } bench_result;
 
 static bench_result results[6 * 3 * MAX_VARIANTS];
@@ -246,6 +258,36 @@ static void result_of(moert_bf16_cuda *g, cudaStream_t stream, const bench_varia
     CK(cudaMemcpy(host, dst, bytes, cudaMemcpyDeviceToHost));
 }
 
+/* WGRAD overwriting an fp32 gradient: the kernel against the cuBLASLt loop (variant loop), relative Frobenius. */
+static double wgrad_f32_error(moert_bf16_cuda *g, cudaStream_t stream, const bench_variant *loop,
+                              moert_bf16_cuda_gemm gm, const int64_t *d_counts, int64_t rows, void *dw32, size_t elems)
+{
+    float *ref = malloc(elems * 4), *got = malloc(elems * 4);
+    if (!ref || !got) {
+        fprintf(stderr, "gemm_bench: out of host memory for the fp32 gradient check (%zu bytes)\n", elems * 8);
+        exit(1);
+    }
+    configure(g, loop);
+    gm.accumulate = 0;
+    gm.grad_weight = dw32, gm.output_fp32 = 1;
+    MOK(moert_bf16_cuda_grouped_gemm(g, stream, &gm));
+    CK(cudaStreamSynchronize(stream));
+    CK(cudaMemcpy(ref, dw32, elems * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemset(dw32, 0x7f, elems * 4)); /* anything the kernel fails to write shows */
+    const bf16_device_gemm_args ka = kernel_args(&gm, d_counts, rows, dw32, 1, BF16_DEVICE_GEMM_ENGINE_AUTO);
+    MOK(bf16_device_gemm(&bench_host, stream, &ka));
+    CK(cudaStreamSynchronize(stream));
+    CK(cudaMemcpy(got, dw32, elems * 4, cudaMemcpyDeviceToHost));
+    double num = 0, den = 0;
+    for (size_t i = 0; i < elems; i++) {
+        num += ((double)got[i] - ref[i]) * ((double)got[i] - ref[i]);
+        den += (double)ref[i] * ref[i];
+    }
+    free(ref);
+    free(got);
+    return den > 0 ? sqrt(num / den) : (num == 0 ? 0 : INFINITY);
+}
+
 int main(int argc, char **argv)
 {
     int count = 0;
@@ -264,25 +306,33 @@ int main(int argc, char **argv)
 
     bench_variant variants[MAX_VARIANTS];
     int nv = 0;
-    variants[nv++] = (bench_variant){"loop", 1, 0, 0, 0, 0, 0, 0};
-    bench_variant v_streams = {"", streams, 0, 0, 0, 0, 0, 0}, v_streams_vary = {"", streams, 1, 0, 0, 0, 0, 0};
-    bench_variant v_graph = {"", streams, 0, 1, 0, 0, 0, 0};
+    variants[nv++] = (bench_variant){"loop", 1, 0, 0, 0, 0, 0, 0, 0, 0};
+    bench_variant v_streams = {"", streams, 0, 0, 0, 0, 0, 0, 0, 0},
+                  v_streams_vary = {"", streams, 1, 0, 0, 0, 0, 0, 0, 0};
+    bench_variant v_graph = {"", streams, 0, 1, 0, 0, 0, 0, 0, 0};
     snprintf(v_streams.name, sizeof v_streams.name, "loop_s%d", streams);
     snprintf(v_streams_vary.name, sizeof v_streams_vary.name, "loop_s%d_vary", streams);
     snprintf(v_graph.name, sizeof v_graph.name, "graph_s%d", streams);
     const int i_streams = nv;
     variants[nv++] = v_streams;
-    variants[nv++] = (bench_variant){"loop_vary", 1, 1, 0, 0, 0, 0, 0};
+    variants[nv++] = (bench_variant){"loop_vary", 1, 1, 0, 0, 0, 0, 0, 0, 0};
     variants[nv++] = v_streams_vary;
     const int i_graph = nv;
     variants[nv++] = v_graph;
-    variants[nv++] = (bench_variant){"grouped", 1, 0, 0, 1, 0, 0, 0};
+    variants[nv++] = (bench_variant){"grouped", 1, 0, 0, 1, 0, 0, 0, 0, 0};
     const int i_kernel = nv;
-    variants[nv++] = (bench_variant){"kernel", 1, 0, 0, 0, 0, 1, 0};
-    variants[nv++] = (bench_variant){"kernel_mma", 1, 0, 0, 0, 0, 3, -1};
-    variants[nv++] = (bench_variant){"kernel_f32w", 1, 0, 0, 0, 0, 2, 1};
+    variants[nv++] = (bench_variant){"kernel", 1, 0, 0, 0, 0, 1, 0, 0, 0};
+    variants[nv++] = (bench_variant){"kernel_mma", 1, 0, 0, 0, 0, 3, -1, 0, 0};
+    variants[nv++] = (bench_variant){"kernel_f32w", 1, 0, 0, 0, 0, 2, 1, 0, 0};
+    variants[nv++] = (bench_variant){"kernel_f32w_ow", 1, 0, 0, 0, 0, 4, 1, 0, 0};
+    bench_variant v_streams_f32w = {"", streams, 0, 0, 0, 0, 0, 1, 1, 0};
+    snprintf(v_streams_f32w.name, sizeof v_streams_f32w.name, "loop_s%d_f32w", streams);
+    const int i_f32w_loop = nv;
+    variants[nv++] = v_streams_f32w;
+    const int i_copy = nv;
+    variants[nv++] = (bench_variant){"copy", 1, 0, 0, 0, 0, 0, 1, 0, 1};
     const int i_dense = nv;
-    variants[nv++] = (bench_variant){"dense", 1, 0, 0, 0, 1, 0, 0};
+    variants[nv++] = (bench_variant){"dense", 1, 0, 0, 0, 1, 0, 0, 0, 0};
 
     struct cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
@@ -312,9 +362,10 @@ int main(int argc, char **argv)
         CK(cudaMalloc(&dx, (size_t)(R * K) * 2));
         CK(cudaMalloc(&dw, (size_t)(E * K * N) * 2));
         CK(cudaMemset(dw, 0, (size_t)(E * K * N) * 2));
-        void *dw32 = NULL, *d_counts = NULL; /* the kernel's fp32 gradient and device counts */
+        void *dw32 = NULL, *dw32_copy = NULL, *d_counts = NULL; /* fp32 gradient, a copy's target, device counts */
         CK(cudaMalloc(&dw32, (size_t)(E * K * N) * 4));
         CK(cudaMemset(dw32, 0, (size_t)(E * K * N) * 4));
+        CK(cudaMalloc(&dw32_copy, (size_t)(E * K * N) * 4));
         CK(cudaMalloc(&d_counts, (size_t)E * sizeof(int64_t)));
         CK(cudaMemcpy(d_counts, counts, (size_t)E * sizeof(int64_t), cudaMemcpyHostToDevice));
         const double flops = 2.0 * (double)R * (double)K * (double)N;
@@ -347,13 +398,19 @@ int main(int argc, char **argv)
                     moert_bf16_cuda_plan_stats(g, &q0, NULL);
                     CK(cudaEventRecord(ev0, stream));
                     double h0 = now_ms();
-                    if (var->kernel) {
-                        const bf16_device_gemm_args ka =
-                            kernel_args(&gm, d_counts, R, var->kernel == 2 ? dw32 : dw, var->kernel == 2,
+                    if (var->copy) {
+                        CK(cudaMemcpyAsync(dw32_copy, dw32, (size_t)(E * K * N) * 4, cudaMemcpyDeviceToDevice, stream));
+                    } else if (var->kernel) {
+                        const int f32 = var->kernel == 2 || var->kernel == 4;
+                        bf16_device_gemm_args ka =
+                            kernel_args(&gm, d_counts, R, f32 ? dw32 : dw, f32,
                                         var->kernel == 3 ? BF16_DEVICE_GEMM_ENGINE_MMA : BF16_DEVICE_GEMM_ENGINE_AUTO);
+                        if (var->kernel == 4) ka.accumulate = 0;
                         MOK(bf16_device_gemm(&bench_host, stream, &ka));
                     } else {
-                        MOK(moert_bf16_cuda_grouped_gemm(g, stream, &gm));
+                        moert_bf16_cuda_gemm gv = gm;
+                        if (var->f32w) gv.grad_weight = dw32, gv.output_fp32 = 1;
+                        MOK(moert_bf16_cuda_grouped_gemm(g, stream, &gv));
                     }
                     double h1 = now_ms();
                     CK(cudaEventRecord(ev1, stream));
@@ -378,7 +435,7 @@ int main(int argc, char **argv)
 
             /* bit-for-bit: the S-stream loop and the graph replay against the 1-stream loop */
             int same_streams = -1, same_graph = -1;
-            double kernel_err = -1;
+            double kernel_err = -1, f32w_err = -1;
             if (check) {
                 const int64_t elems = pass == 0 ? R * N : pass == 1 ? R * K : E * K * N;
                 const size_t bytes = (size_t)elems * 2;
@@ -405,6 +462,9 @@ int main(int argc, char **argv)
                 kernel_err = rel_error_bf16(got, ref, elems);
                 free(ref);
                 free(got);
+                if (pass == MOERT_GEMM_WGRAD)
+                    f32w_err =
+                        wgrad_f32_error(g, stream, &variants[i_f32w_loop], gm, d_counts, R, dw32, (size_t)(E * K * N));
             }
 
             for (int v = 0; v < nv; v++) {
@@ -422,7 +482,13 @@ int main(int argc, char **argv)
                 r->host_ms = host_total[v] / repeats;
                 r->queries_per_iter = (double)queries[v] / repeats;
                 r->same_bits = v == i_streams ? same_streams : v == i_graph ? same_graph : -1;
-                r->rel_err = v == i_kernel ? kernel_err : -1;
+                r->rel_err = v == i_kernel ? kernel_err : variants[v].kernel == 4 ? f32w_err : -1;
+                /* the floor of the fp32-gradient WGRAD variants: the copy moves the gradient's bytes twice */
+                const int f32_wgrad = pass == MOERT_GEMM_WGRAD &&
+                                      (variants[v].kernel == 2 || variants[v].kernel == 4 || variants[v].f32w);
+                const double traffic_ms = median[i_copy] * (variants[v].kernel == 4 ? 0.5 : 1.0);
+                const double mma_ms = median[i_dense];
+                r->of_floor = f32_wgrad ? (mma_ms > traffic_ms ? mma_ms : traffic_ms) / median[v] : -1;
                 free(times[v]);
             }
         }
@@ -434,24 +500,27 @@ int main(int argc, char **argv)
         CK(cudaFree(dx));
         CK(cudaFree(dw));
         CK(cudaFree(dw32));
+        CK(cudaFree(dw32_copy));
         CK(cudaFree(d_counts));
     }
     moert_bf16_cuda_stats stats;
     moert_bf16_cuda_get_stats(g, &stats);
     moert_bf16_cuda_destroy(g);
 
-    printf("\n%-20s %-6s %-13s %10s %10s %10s %10s %10s %6s %9s\n", "shape", "pass", "variant", "median ms", "TFLOP/s",
-           "vs dense", "enqueue ms", "queries/it", "bits", "err");
+    printf("\n%-20s %-6s %-15s %10s %10s %10s %10s %10s %6s %9s %8s\n", "shape", "pass", "variant", "median ms",
+           "TFLOP/s", "vs dense", "enqueue ms", "queries/it", "bits", "err", "of floor");
     for (int i = 0; i < result_count; i++) {
         const bench_result *r = &results[i];
         char err[16] = "";
+        char floor_text[16] = "";
         if (r->rel_err >= 0) snprintf(err, sizeof err, "%.2e", r->rel_err);
-        printf("%-20s %-6s %-13s %10.3f %10.1f %9.2fx %10.3f %10.2f %6s %9s\n", r->shape, r->pass, r->variant,
+        if (r->of_floor >= 0) snprintf(floor_text, sizeof floor_text, "%.2f", r->of_floor);
+        printf("%-20s %-6s %-15s %10.3f %10.1f %9.2fx %10.3f %10.2f %6s %9s %8s\n", r->shape, r->pass, r->variant,
                r->median_ms, r->tflops, r->ratio_to_dense, r->host_ms, r->queries_per_iter,
                r->same_bits < 0 ? ""
                : r->same_bits   ? "same"
                                 : "DIFF",
-               err);
+               err, floor_text);
     }
     printf("cuBLASLt heuristic queries %lld, plan cache hits %lld, exact-shape fallbacks %lld; graphs: %lld replays, "
            "%lld updates, %lld instantiations\n",
@@ -488,21 +557,24 @@ int main(int argc, char **argv)
             "queries_per_iter: cuBLASLt heuristic queries per measured iteration; same_bits: output equal bit "
             "for bit to the 1-stream loop's (null: not checked); kernel: device-count grouped GEMM kernel (bf16 dW), "
             "kernel_mma: its mma.sync engine (fwd/dgrad; kernel runs wgmma there on sm_90); kernel_f32w: the kernel "
-            "accumulating into fp32 dW (wgrad only); rel_err: kernel vs loop output, "
+            "accumulating into fp32 dW (wgrad only), kernel_f32w_ow: overwriting it, loop_sN_f32w: the cuBLASLt loop "
+            "accumulating into fp32 dW, copy: a device copy of the fp32 dW; of_floor (fp32 wgrad): max(flops at the "
+            "dense rate, dW traffic at the copy rate) / time; rel_err: kernel vs loop output, "
             "relative Frobenius\",\n");
         fprintf(f, "  \"results\": [\n");
         for (int i = 0; i < result_count; i++) {
             const bench_result *r = &results[i];
             const bench_shape *s = NULL;
-            char err_json[24] = "null";
+            char err_json[24] = "null", floor_json[24] = "null";
             if (r->rel_err >= 0) snprintf(err_json, sizeof err_json, "%.3e", r->rel_err);
+            if (r->of_floor >= 0) snprintf(floor_json, sizeof floor_json, "%.4f", r->of_floor);
             for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++)
                 if (!strcmp(shapes[k].name, r->shape)) s = &shapes[k];
             fprintf(
                 f,
                 "    {\"name\": \"gemm %s %s %s\", \"value\": %.4f, \"unit\": \"TFLOP/s\", \"median_ms\": %.5f, "
                 "\"ratio_to_dense\": %.4f, \"enqueue_ms\": %.5f, \"queries_per_iter\": %.3f, \"same_bits\": %s, "
-                "\"rel_err\": %s, "
+                "\"rel_err\": %s, \"of_floor\": %s, "
                 "\"config\": {\"rows\": %lld, \"experts\": %lld, \"k_in\": %lld, \"n_out\": %lld, \"pass\": \"%s\", "
                 "\"variant\": \"%s\"}}%s\n",
                 r->shape, r->pass, r->variant, r->tflops, r->median_ms, r->ratio_to_dense, r->host_ms,
@@ -510,8 +582,8 @@ int main(int argc, char **argv)
                 r->same_bits < 0 ? "null"
                 : r->same_bits   ? "true"
                                  : "false",
-                err_json, (long long)s->rows, (long long)s->experts, (long long)s->k_in, (long long)s->n_out, r->pass,
-                r->variant, i + 1 < result_count ? "," : "");
+                err_json, floor_json, (long long)s->rows, (long long)s->experts, (long long)s->k_in,
+                (long long)s->n_out, r->pass, r->variant, i + 1 < result_count ? "," : "");
         }
         fprintf(f, "  ]\n}\n");
         fclose(f);

@@ -435,8 +435,10 @@ extern "C" moert_result bf16_device_gemm(const moert_host *host, cudaStream_t st
                           "device pointer",
                           pass, names[i], ptrs[i] ? "misaligned" : "NULL");
 
-    if (a->pass != MOERT_GEMM_WGRAD && a->engine != BF16_DEVICE_GEMM_ENGINE_MMA &&
+    const bool wgmma_pass = a->pass != MOERT_GEMM_WGRAD || !a->grad_weight_bf16; /* WGRAD: into fp32 only */
+    if (wgmma_pass && a->engine != BF16_DEVICE_GEMM_ENGINE_MMA &&
         (a->engine == BF16_DEVICE_GEMM_ENGINE_WGMMA || bf16_wgmma_available())) {
+        if (a->pass == MOERT_GEMM_WGRAD) return bf16_wgmma_gemm(host, stream, a);
         if (a->capacity == 0) return MOERT_OK; /* no rows at all */
         if (((a->capacity + BM - 1) / BM + a->num_experts) *
                 ((a->pass == MOERT_GEMM_DGRAD ? a->k_in : a->n_out) + 255) / 256 >

@@ -3,7 +3,7 @@
  * A bf16 grouped GEMM kernel that reads the per-expert row counts on the device: no host sync, no allocation,
  * capturable in a CUDA graph. Two engines: tensor cores through mma.sync m16n8k16 (bf16 operands, fp32 accumulation),
  * ldmatrix and a cp.async shared-memory pipeline (every pass, any sm_80+ GPU), and on Hopper a persistent wgmma kernel
- * fed by TMA for FORWARD and DGRAD (device_gemm_wgmma.h).
+ * fed by TMA for FORWARD, DGRAD and WGRAD into an fp32 gradient (device_gemm_wgmma.h).
  *
  * Layouts (row-major, contiguous, rows grouped by expert as in moert/precision.h; expert e owns counts[e]
  * consecutive rows starting after the rows of experts < e; rows past the sum are neither read nor written):
@@ -54,7 +54,7 @@ typedef struct bf16_device_gemm_args {
     int engine;              /* BF16_DEVICE_GEMM_ENGINE_*: which kernel runs FORWARD/DGRAD */
 } bf16_device_gemm_args;
 
-/* The kernels behind FORWARD and DGRAD (WGRAD always runs on mma.sync):
+/* The kernels behind FORWARD, DGRAD and WGRAD into fp32 (WGRAD into a bf16 gradient always runs on mma.sync):
  * AUTO: the wgmma engine (device_gemm_wgmma.h: TMA, wgmma m64n256k16, persistent) where the GPU has it (compute
  * capability 9.0), else mma.sync; MMA: always mma.sync; WGMMA: the wgmma engine or MOERT_ERR_UNSUPPORTED. */
 enum {

@@ -24,6 +24,7 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
+#include <limits.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -66,17 +67,17 @@ typedef struct wg_params {
 #define WG_DEVICE 1
 #endif
 
-/* d (+)= A (64 x 16, K-major, desc_a) * B (16 x 256, desc_b: N-major when N_MAJOR, else K-major); accumulate 0 ignores
- * d's old values. */
-template <int N_MAJOR>
+/* d (+)= A (64 x 16, desc_a: M-major when M_MAJOR, else K-major) * B (16 x 256, desc_b: N-major when N_MAJOR, else
+ * K-major); accumulate 0 ignores d's old values. */
+template <int M_MAJOR, int N_MAJOR>
 __device__ __forceinline__ void wgmma_m64n256k16(float *d, uint64_t desc_a, uint64_t desc_b, int accumulate)
 {
 #ifdef WG_DEVICE
     asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" WGMMA_REGS_128
-                 "}, %128, %129, p, 1, 1, 0, %131;\n}\n"
+                 "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
                  : WGMMA_OPERANDS_128(d)
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(N_MAJOR));
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(M_MAJOR), "n"(N_MAJOR));
 #endif
 }
 
@@ -211,7 +212,7 @@ __device__ __forceinline__ void wg_consume(const wg_params &p, const int64_t *ro
                 const uint64_t da = wgmma_desc_k_sw128(a) + 2 * k;
                 const uint64_t db =
                     N_MAJOR ? wgmma_desc_mn_sw128(b + k * 2048, WG_BOX_BYTES) : wgmma_desc_k_sw128(b) + 2 * k;
-                wgmma_m64n256k16<N_MAJOR>(acc, da, db, (kb | k) != 0);
+                wgmma_m64n256k16<0, N_MAJOR>(acc, da, db, (kb | k) != 0);
             }
             wgmma_commit();
             if (kb > 0) {
@@ -264,6 +265,192 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_kernel(const __grid_
 #endif
 }
 
+/* ---- WGRAD: dW[e] (+)= in[rows of e]^T @ d_out[rows of e] ----
+ *
+ * The output is the gradient [E][k_in][n_out] fp32, in tiles of 128 (k_in) x 256 (n_out) per expert; the reduction runs
+ * over the expert's rows, 64 at a time, so both operands are M/N-major in shared memory: A (128 columns of `in`, 64
+ * rows: two boxes, one per consumer) and B (256 columns of d_out, the same rows: four boxes), as TMA loads them. The
+ * rows past an expert's last (another expert's, padding, or past the buffers) are zeroed in shared memory before the
+ * expert's last k-block is multiplied. Epilogue: each consumer puts its 64 x 256 fp32 result through a swizzled
+ * staging area, 128 columns at a time, and TMA stores it (overwrite) or adds it (cp.reduce.async.bulk add: the
+ * gradient is read and written by the memory system, not by the SM) while the consumers go on to the next tile. */
+
+typedef struct wg_wgrad_params {
+    CUtensorMap map_in;   /* input [capacity][k_in], boxes of 64 x 64 rows */
+    CUtensorMap map_dout; /* grad_output [capacity][n_out], boxes of 64 x 64 rows */
+    CUtensorMap map_dw;   /* grad_weight fp32 [E][k_in][n_out], boxes of 32 x 64 rows x 1 */
+    const int64_t *counts;
+    int64_t capacity;
+    int num_experts, m_tiles, n_tiles, k_in, n_out, accumulate;
+} wg_wgrad_params;
+
+/* WGRAD's work unit u: expert e, k_in tile mt and n_out tile nt of its gradient (k_in tiles fastest). */
+__device__ __forceinline__ void wgrad_tile_at(const wg_wgrad_params &p, int u, int *e, int *mt, int *nt)
+{
+    const int per = p.m_tiles * p.n_tiles, r = u % per;
+    *e = u / per;
+    *mt = r % p.m_tiles;
+    *nt = r / p.m_tiles;
+}
+
+/* The producer thread: per unit and 64-row block of the expert, A's two boxes and B's four. */
+__device__ __forceinline__ void wgrad_produce(const wg_wgrad_params &p, const int64_t *row_start, int units,
+                                              uint8_t *a_stages, uint8_t *b_stages, uint64_t *full, uint64_t *empty)
+{
+    int s = 0;
+    uint32_t phase = 0, it = 0;
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+        int e, mt, nt;
+        wgrad_tile_at(p, u, &e, &mt, &nt);
+        const int64_t r0 = row_start[e];
+        const int k_blocks = (int)((row_start[e + 1] - r0 + WG_BK - 1) / WG_BK);
+        for (int kb = 0; kb < k_blocks; kb++, it++) {
+            if (it >= WG_STAGES) mbar_wait(&empty[s], phase ^ 1);
+            mbar_arrive_expect_tx(&full[s], WG_A_BYTES + WG_B_BYTES);
+            const int32_t row = (int32_t)(r0 + (int64_t)kb * WG_BK);
+            for (int j = 0; j < WG_BM / 64; j++)
+                tensor_load_2d(a_stages + s * WG_A_BYTES + j * WG_BOX_BYTES, &p.map_in, mt * WG_BM + j * 64, row,
+                               &full[s]);
+            for (int j = 0; j < WG_BN / 64; j++)
+                tensor_load_2d(b_stages + s * WG_B_BYTES + j * WG_BOX_BYTES, &p.map_dout, nt * WG_BN + j * 64, row,
+                               &full[s]);
+            if (++s == WG_STAGES) s = 0, phase ^= 1;
+        }
+    }
+}
+
+/* An expert's last, partial k-block: consumer c zeroes rows valid..63 of its A box and of B's boxes 2c and 2c + 1 (whole
+ * 128-byte rows, so the swizzle does not matter), then both consumers meet before either multiplies. */
+__device__ __forceinline__ void wgrad_zero_tail(uint8_t *a_box, uint8_t *b, int c, int valid)
+{
+    const int tid = threadIdx.x % 128, chunks = (64 - valid) * 8; /* 16-byte chunks per box */
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    uint8_t *boxes[3] = {a_box, b + (2 * c) * WG_BOX_BYTES, b + (2 * c + 1) * WG_BOX_BYTES};
+    for (int i = 0; i < 3; i++)
+        for (int q = tid; q < chunks; q += 128) *(uint4 *)(boxes[i] + valid * 128 + q * 16) = zero;
+    fence_async_shared();
+    named_barrier_sync(3, 256);
+}
+
+/* The epilogue of consumer c: its 64 rows (of k_in) by 256 columns in two halves of 128 columns, each through four
+ * swizzled 32 x 64 fp32 boxes, stored or added by TMA. ZERO stores zeros (acc is not read: a non-wgmma write of the
+ * accumulators would serialize the kernel's wgmma). */
+template <bool ZERO>
+__device__ __forceinline__ void wgrad_store(const wg_wgrad_params &p, int e, int mt, int nt, int c, const float *acc,
+                                            uint8_t *boxes)
+{
+    const int m0 = mt * WG_BM + c * 64;
+    if (m0 >= p.k_in) return;
+    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+    const int r = warp * 16 + lane / 4, col0 = 2 * (lane % 4);
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        if (tid == 0) bulk_wait_read(); /* the last stores have read the boxes */
+        named_barrier_sync(1 + c, 128);
+#pragma unroll
+        for (int jj = 0; jj < WG_BN / 16; jj++) {
+            const int j = half * (WG_BN / 16) + jj, col = col0 + 8 * jj; /* col: 0..127 within the half */
+            uint8_t *box = boxes + (col / 32) * WG_BOX_BYTES;
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+                *(float2 *)(box + sw128_offset(r + 8 * h, (col % 32) * 4)) =
+                    ZERO ? make_float2(0.0f, 0.0f) : make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        }
+        fence_async_shared();
+        named_barrier_sync(1 + c, 128);
+        if (tid == 0) {
+            for (int b = 0; b < 4; b++) {
+                const int n = nt * WG_BN + half * 128 + b * 32;
+                if (n >= p.n_out) break;
+                if (p.accumulate)
+                    tensor_reduce_add_3d(&p.map_dw, n, m0, e, boxes + b * WG_BOX_BYTES);
+                else
+                    tensor_store_3d(&p.map_dw, n, m0, e, boxes + b * WG_BOX_BYTES);
+            }
+            bulk_commit();
+        }
+    }
+}
+
+/* A WGRAD consumer warpgroup (c: k_in rows c * 64 .. c * 64 + 63 of each tile). */
+__device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const int64_t *row_start, int units,
+                                              uint8_t *a_stages, uint8_t *b_stages, uint8_t *staging, uint64_t *full,
+                                              uint64_t *empty, int c)
+{
+    int s = 0;
+    uint32_t phase = 0;
+    uint8_t *boxes = staging + c * (WG_STAGING_BYTES / 2);
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+        int e, mt, nt;
+        wgrad_tile_at(p, u, &e, &mt, &nt);
+        const int64_t rows = row_start[e + 1] - row_start[e];
+        const int k_blocks = (int)((rows + WG_BK - 1) / WG_BK);
+        float acc[128];
+        if (k_blocks == 0) { /* no rows: the gradient is unchanged, or zero when overwritten */
+            if (!p.accumulate) wgrad_store<true>(p, e, mt, nt, c, acc, boxes);
+            continue;
+        }
+        int prev = 0;
+        for (int kb = 0; kb < k_blocks; kb++) {
+            mbar_wait(&full[s], phase);
+            uint8_t *a = a_stages + s * WG_A_BYTES + c * WG_BOX_BYTES;
+            uint8_t *b = b_stages + s * WG_B_BYTES;
+            const int valid = (int)min((int64_t)WG_BK, rows - (int64_t)kb * WG_BK);
+            if (valid < WG_BK) wgrad_zero_tail(a, b, c, valid);
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < WG_BK / 16; k++)
+                wgmma_m64n256k16<1, 1>(acc, wgmma_desc_mn_sw128(a + k * 2048, WG_BOX_BYTES),
+                                       wgmma_desc_mn_sw128(b + k * 2048, WG_BOX_BYTES), (kb | k) != 0);
+            wgmma_commit();
+            if (kb > 0) {
+                wgmma_wait<1>();
+                wg_release(empty, prev);
+            }
+            prev = s;
+            if (++s == WG_STAGES) s = 0, phase ^= 1;
+        }
+        wgmma_wait<0>();
+        wg_release(empty, prev);
+        wgrad_store<false>(p, e, mt, nt, c, acc, boxes);
+    }
+    if (threadIdx.x % 128 == 0) bulk_wait_all();
+}
+
+__global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_wgrad_kernel(const __grid_constant__ wg_wgrad_params p)
+{
+#ifdef WG_DEVICE
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    uint8_t *a_stages = smem;
+    uint8_t *b_stages = a_stages + WG_STAGES * WG_A_BYTES;
+    uint8_t *staging = b_stages + WG_STAGES * WG_B_BYTES;
+    uint64_t *full = (uint64_t *)(staging + WG_STAGING_BYTES);
+    uint64_t *empty = full + WG_STAGES;
+    int64_t *row_start = (int64_t *)(empty + WG_STAGES);
+    int *tile_start = (int *)(row_start + p.num_experts + 1);
+
+    if (threadIdx.x < 32) expert_prefix(p.counts, p.num_experts, p.capacity, WG_BK, row_start, tile_start);
+    if (threadIdx.x == 32) {
+        for (int s = 0; s < WG_STAGES; s++) {
+            mbar_init_count(&full[s], 1);
+            mbar_init_count(&empty[s], 8);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+    const int units = p.num_experts * p.m_tiles * p.n_tiles;
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        warpgroup_registers_dec<40>();
+        if (threadIdx.x == 0) wgrad_produce(p, row_start, units, a_stages, b_stages, full, empty);
+    } else {
+        warpgroup_registers_inc<232>();
+        wgrad_consume(p, row_start, units, a_stages, b_stages, staging, full, empty, wg - 1);
+    }
+#endif
+}
+
 /* ---- host ---- */
 
 static PFN_cuTensorMapEncodeTiled_v12000 encode_fn;
@@ -293,6 +480,7 @@ extern "C" moert_result bf16_wgmma_prepare(const moert_host *host)
     const int bytes = (int)wg_smem_bytes(BF16_DEVICE_GEMM_MAX_EXPERTS);
     CUDA_CHECK(host, cudaFuncSetAttribute(bf16_wgmma_kernel<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     CUDA_CHECK(host, cudaFuncSetAttribute(bf16_wgmma_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    CUDA_CHECK(host, cudaFuncSetAttribute(bf16_wgmma_wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     CUDA_CHECK(host, cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev));
     ready[dev] = 1;
     return MOERT_OK;
@@ -308,18 +496,67 @@ static int prepared_device(void)
 
 extern "C" int bf16_wgmma_available(void) { return prepared_device() >= 0; }
 
-/* Encodes a bf16 tensor map of `rank` dims (innermost first) with 128-byte swizzle; names `what` on failure. */
-static moert_result encode_bf16_map(const moert_host *host, CUtensorMap *map, const char *what, const void *base,
-                                    int rank, const uint64_t *dims, const uint64_t *strides, const uint32_t *box)
+/* Encodes a tensor map of `rank` dims (innermost first) and element type `type` with 128-byte swizzle; names `what`
+ * on failure. */
+static moert_result encode_map(const moert_host *host, CUtensorMap *map, CUtensorMapDataType type, const char *what,
+                               const void *base, int rank, const uint64_t *dims, const uint64_t *strides,
+                               const uint32_t *box)
 {
     const cuuint32_t elem[3] = {1, 1, 1};
     CUresult r =
-        encode_fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, (void *)base, (const cuuint64_t *)dims,
-                  (const cuuint64_t *)strides, (const cuuint32_t *)box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+        encode_fn(map, type, (cuuint32_t)rank, (void *)base, (const cuuint64_t *)dims, (const cuuint64_t *)strides,
+                  (const cuuint32_t *)box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS)
         return report(host, MOERT_ERR_CUDA, "bf16 wgmma gemm: cuTensorMapEncodeTiled(%s, %llu x %llu) failed: error %d",
                       what, (unsigned long long)dims[rank - 1], (unsigned long long)dims[0], (int)r);
+    return MOERT_OK;
+}
+
+/* A bf16 tensor map (encode_map). */
+static moert_result encode_bf16_map(const moert_host *host, CUtensorMap *map, const char *what, const void *base,
+                                    int rank, const uint64_t *dims, const uint64_t *strides, const uint32_t *box)
+{
+    return encode_map(host, map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, what, base, rank, dims, strides, box);
+}
+
+/* WGRAD into an fp32 gradient, arguments checked by bf16_device_gemm. */
+static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, const bf16_device_gemm_args *a, int dev)
+{
+    const size_t grad_bytes = (size_t)(a->num_experts * a->k_in * a->n_out) * sizeof(float);
+    if (a->capacity == 0) { /* no rows at all: the gradient is unchanged, or zero */
+        if (!a->accumulate) CUDA_CHECK(host, cudaMemsetAsync(a->grad_weight, 0, grad_bytes, stream));
+        return MOERT_OK;
+    }
+    wg_wgrad_params p;
+    memset(&p, 0, sizeof p);
+    const uint32_t act_box[2] = {64, WG_BK};
+    const uint64_t in_dims[2] = {(uint64_t)a->k_in, (uint64_t)a->capacity}, in_strides[1] = {(uint64_t)a->k_in * 2};
+    MOK(encode_bf16_map(host, &p.map_in, "input", a->input, 2, in_dims, in_strides, act_box));
+    const uint64_t dout_dims[2] = {(uint64_t)a->n_out, (uint64_t)a->capacity};
+    const uint64_t dout_strides[1] = {(uint64_t)a->n_out * 2};
+    MOK(encode_bf16_map(host, &p.map_dout, "grad_output", a->grad_output, 2, dout_dims, dout_strides, act_box));
+    const uint64_t dw_dims[3] = {(uint64_t)a->n_out, (uint64_t)a->k_in, (uint64_t)a->num_experts};
+    const uint64_t dw_strides[2] = {(uint64_t)a->n_out * 4, (uint64_t)(a->k_in * a->n_out) * 4};
+    const uint32_t dw_box[3] = {32, 64, 1};
+    MOK(encode_map(host, &p.map_dw, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, "grad_weight", a->grad_weight, 3, dw_dims,
+                   dw_strides, dw_box));
+    p.counts = a->counts_device;
+    p.capacity = a->capacity;
+    p.num_experts = (int)a->num_experts;
+    p.m_tiles = (int)((a->k_in + WG_BM - 1) / WG_BM);
+    p.n_tiles = (int)((a->n_out + WG_BN - 1) / WG_BN);
+    p.k_in = (int)a->k_in;
+    p.n_out = (int)a->n_out;
+    p.accumulate = a->accumulate != 0;
+    const int64_t units = a->num_experts * p.m_tiles * p.n_tiles;
+    if (units > INT_MAX)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT,
+                      "bf16 device gemm WGRAD: %lld experts of %lld x %lld make more than 2^31 tiles",
+                      (long long)a->num_experts, (long long)a->k_in, (long long)a->n_out);
+    const unsigned grid = (unsigned)(units < sm_count[dev] ? units : sm_count[dev]);
+    bf16_wgmma_wgrad_kernel<<<grid, WG_THREADS, wg_smem_bytes(p.num_experts), stream>>>(p);
+    LAUNCH_CHECK(host, "bf16_wgmma_wgrad_kernel");
     return MOERT_OK;
 }
 
@@ -330,6 +567,7 @@ extern "C" moert_result bf16_wgmma_gemm(const moert_host *host, cudaStream_t str
         return report(host, MOERT_ERR_UNSUPPORTED,
                       "bf16 device gemm: the wgmma engine needs a compute capability 9.0 GPU "
                       "prepared with bf16_device_gemm_prepare");
+    if (a->pass == MOERT_GEMM_WGRAD) return wgmma_wgrad(host, stream, a, dev);
     const int dgrad = a->pass == MOERT_GEMM_DGRAD;
     const int64_t out_cols = dgrad ? a->k_in : a->n_out, depth = dgrad ? a->n_out : a->k_in;
     wg_params p;

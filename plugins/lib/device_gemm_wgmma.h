@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * The Hopper engine of the device-count bf16 grouped GEMM (device_gemm.h): FORWARD and DGRAD on a persistent
+ * The Hopper engine of the device-count bf16 grouped GEMM (device_gemm.h): FORWARD, DGRAD and WGRAD on a persistent
  * wgmma kernel fed by TMA (device_gemm_wgmma.cu). bf16_device_gemm picks it where the GPU has it (compute capability
- * 9.0) unless bf16_device_gemm_args.engine asks for mma.sync; WGRAD always runs on mma.sync.
+ * 9.0) unless bf16_device_gemm_args.engine asks for mma.sync; WGRAD into an fp32 gradient too (a bf16 gradient runs on
+ * mma.sync).
  */
 #ifndef MOERT_PRECISION_BF16_DEVICE_GEMM_WGMMA_H
 #define MOERT_PRECISION_BF16_DEVICE_GEMM_WGMMA_H
@@ -22,7 +23,7 @@ moert_result bf16_wgmma_prepare(const moert_host *host);
 /* Whether bf16_wgmma_prepare found the kernels usable on the current device. */
 int bf16_wgmma_available(void);
 
-/* Enqueues a FORWARD or DGRAD whose arguments bf16_device_gemm has checked (capacity > 0). Capturable. */
+/* Enqueues a FORWARD, DGRAD or WGRAD (fp32 gradient) whose arguments bf16_device_gemm has checked (capacity > 0). Capturable. */
 moert_result bf16_wgmma_gemm(const moert_host *host, cudaStream_t stream, const bf16_device_gemm_args *a);
 
 #ifdef __cplusplus

@@ -146,6 +146,28 @@ __device__ __forceinline__ void tensor_store_2d(const void *tensor_map, int32_t 
                  : "memory");
 }
 
+/* Shared -> global through a 3-D tensor map: the box at c0 (innermost), c1, c2 (clipped to the tensor), in the current
+ * bulk group of this thread. */
+__device__ __forceinline__ void tensor_store_3d(const void *tensor_map, int32_t c0, int32_t c1, int32_t c2,
+                                                const void *src_smem)
+{
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];" ::"l"(tensor_map),
+                 "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(src_smem))
+                 : "memory");
+}
+
+/* As tensor_store_3d, but adds the box into global memory (the addition is done by the memory system, element by
+ * element: an fp32 tensor map adds in fp32). */
+__device__ __forceinline__ void tensor_reduce_add_3d(const void *tensor_map, int32_t c0, int32_t c1, int32_t c2,
+                                                     const void *src_smem)
+{
+    asm volatile(
+        "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3}], [%4];" ::"l"(
+            tensor_map),
+        "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(src_smem))
+        : "memory");
+}
+
 /* Global -> shared copy of 4 bytes through cp.async (no register round trip: the thread does not wait for the
  * load); with valid 0 it writes zeros and reads nothing (src need not point anywhere then). */
 __device__ __forceinline__ void async_copy4(void *dst_smem, const void *src, bool valid)

@@ -43,10 +43,13 @@ typedef struct bf16_ctx {
     int gemm_streams; /* option: streams of the CUDA per-expert loop (1: the caller's only) */
     bool gemm_graphs; /* option: CUDA graph replay of repeated count vectors */
     int gemm_engine;  /* option "gemm": GEMM_AUTO, GEMM_CUBLASLT or GEMM_KERNEL */
+    int wgrad_engine; /* option "wgrad_gemm": GEMM_AUTO (as "gemm"), GEMM_CUBLASLT or GEMM_KERNEL */
 #ifdef MOERT_HAVE_CUDA
     bool use_kernel;                 /* the CUDA path runs device_gemm for every pass ("kernel" on a CUDA layer) */
     bool wgmma_fwd_dgrad;            /* "auto" on Hopper: FORWARD/DGRAD with device counts on device_gemm's wgmma
-                                         engine, WGRAD on cuBLASLt */
+                                         engine */
+    bool kernel_wgrad;               /* WGRAD into fp32 with device counts on device_gemm ("wgrad_gemm": "kernel", or
+                                         "auto" with "gemm": "auto" on Hopper), the other passes on cuBLASLt or wgmma */
     int64_t *zero_counts;            /* [E_local] zeros: what the argument checks see when counts are device-only */
     moert_bf16_cuda *gemm;           /* cuBLASLt handle, created on the layer's device (not in kernel mode) */
     void *workspace;                 /* its workspace, from the host's pool */
@@ -177,14 +180,24 @@ static moert_result cuda_init(bf16_ctx *c, int choice)
     rc = moert_bf16_cuda_create(h, c->workspace, workspace_bytes, MOERT_BF16_CUDA_EXPERT_LOOP, &c->gemm);
     if (rc == MOERT_OK) rc = moert_bf16_cuda_set_streams(c->gemm, c->gemm_streams);
     if (rc == MOERT_OK && c->gemm_graphs) rc = moert_bf16_cuda_set_graphs(c->gemm, 1);
-    /* "auto": FORWARD and DGRAD on the wgmma engine where the GPU has it and the sizes suit it */
+    /* "auto": every pass on the wgmma engine where the GPU has it and the sizes suit it; "wgrad_gemm": "kernel": WGRAD
+     * on device_gemm whatever the GPU */
     const int64_t E = c->layer.num_local_experts, H = c->layer.hidden, F = c->layer.ffn_hidden;
-    if (rc == MOERT_OK && c->gemm_engine == GEMM_AUTO && c->mode == BF16_MODE_BF16 && H % 8 == 0 && F % 8 == 0 &&
-        E >= 1 && E <= BF16_DEVICE_GEMM_MAX_EXPERTS) {
+    const bool sizes_suit =
+        c->mode == BF16_MODE_BF16 && H % 8 == 0 && F % 8 == 0 && E >= 1 && E <= BF16_DEVICE_GEMM_MAX_EXPERTS;
+    if (rc == MOERT_OK && c->wgrad_engine == GEMM_KERNEL && !sizes_suit)
+        rc = fail(c, MOERT_ERR_UNSUPPORTED,
+                  "$.precision.wgrad_gemm: \"kernel\" needs bf16 storage, hidden and ffn_hidden multiples of 8 and "
+                  "1 to %d local experts",
+                  BF16_DEVICE_GEMM_MAX_EXPERTS);
+    if (rc == MOERT_OK && sizes_suit && (c->gemm_engine == GEMM_AUTO || c->wgrad_engine == GEMM_KERNEL)) {
         c->zero_counts = calloc((size_t)E, sizeof(int64_t));
         if (!c->zero_counts) rc = fail(c, MOERT_ERR_OUT_OF_MEMORY, "out of memory for the precision state");
         if (rc == MOERT_OK) rc = bf16_device_gemm_prepare(h);
-        if (rc == MOERT_OK) c->wgmma_fwd_dgrad = bf16_wgmma_available() != 0;
+        const bool wgmma = rc == MOERT_OK && bf16_wgmma_available() != 0;
+        c->wgmma_fwd_dgrad = wgmma && c->gemm_engine == GEMM_AUTO;
+        c->kernel_wgrad =
+            c->wgrad_engine == GEMM_KERNEL || (wgmma && c->wgrad_engine == GEMM_AUTO && c->gemm_engine == GEMM_AUTO);
     }
     if (previous >= 0 && previous != id) (void)cudaSetDevice(previous);
     return rc;
@@ -233,9 +246,20 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
     rc = host->option_enum(host, "gemm", gemm_choices, 0,
                            "CUDA: the grouped GEMMs' engine: cublaslt (per-expert loop, host counts), kernel (bf16 "
                            "only: reads the counts on the device, no host sync, graph-capturable), or auto (bf16 on "
-                           "Hopper: forward and dgrad on moert's wgmma kernel, wgrad on cuBLASLt; else cublaslt)",
+                           "Hopper: every pass on moert's wgmma kernel; else cublaslt)",
                            &gemm_choice);
     if (rc != MOERT_OK) return rc;
+    int wgrad_choice = 0;
+    rc = host->option_enum(host, "wgrad_gemm", gemm_choices, 0,
+                           "CUDA: the engine of the weight-gradient GEMMs alone: auto (as \"gemm\"), cublaslt, or "
+                           "kernel (moert's grouped kernel into fp32 gradients)",
+                           &wgrad_choice);
+    if (rc != MOERT_OK) return rc;
+    if (gemm_choice == GEMM_KERNEL && wgrad_choice == GEMM_CUBLASLT) {
+        host->set_error(host, "$.precision.wgrad_gemm: \"cublaslt\" needs \"gemm\" \"auto\" or \"cublaslt\"; "
+                              "\"gemm\": \"kernel\" runs without cuBLASLt");
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
     bf16_ctx *c = calloc(1, sizeof *c);
     if (!c) {
         host->set_error(host, "out of memory for the precision state");
@@ -248,6 +272,7 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
     c->gemm_streams = (int)gemm_streams;
     c->gemm_graphs = gemm_graphs;
     c->gemm_engine = gemm_choice;
+    c->wgrad_engine = wgrad_choice;
 #ifdef MOERT_HAVE_CUDA
     if (c->on_cuda) {
         rc = cuda_init(c, choice);
@@ -487,12 +512,16 @@ typedef struct counts_fetch {
     bool on_device; /* device_gemm serves the call: it reads the counts itself */
 } counts_fetch;
 
-/* Whether "auto" runs this call on device_gemm's wgmma engine: FORWARD or DGRAD with the counts on the layer's GPU. */
+/* Whether this call runs on device_gemm outside kernel mode: FORWARD or DGRAD on the wgmma engine ("auto" on Hopper),
+ * WGRAD into an fp32 gradient (kernel_wgrad), with the counts on the layer's GPU. */
 static bool wgmma_serves(const bf16_ctx *c, const moert_grouped_gemm_args *args)
 {
     const moert_tensor *tpe = args->tokens_per_expert;
-    return c->wgmma_fwd_dgrad && args->pass != MOERT_GEMM_WGRAD && tpe && tpe->data &&
-           tpe->device.type == MOERT_DEVICE_CUDA && tpe->device.id == c->layer.device.id && tpe->dtype == MOERT_I64;
+    const bool pass_on_kernel = args->pass == MOERT_GEMM_WGRAD
+                                    ? c->kernel_wgrad && args->grad_weight && args->grad_weight->dtype == MOERT_F32
+                                    : c->wgmma_fwd_dgrad;
+    return pass_on_kernel && tpe && tpe->data && tpe->device.type == MOERT_DEVICE_CUDA &&
+           tpe->device.id == c->layer.device.id && tpe->dtype == MOERT_I64;
 }
 
 /* Counts that live only on the layer's GPU: copied down into pinned memory with a bounded wait for the stream. When
