@@ -48,8 +48,8 @@ typedef struct bf16_ctx {
     bool use_kernel;                 /* the CUDA path runs device_gemm for every pass ("kernel" on a CUDA layer) */
     bool wgmma_fwd_dgrad;            /* "auto" on Hopper: FORWARD/DGRAD with device counts on device_gemm's wgmma
                                          engine */
-    bool kernel_wgrad;               /* WGRAD into fp32 with device counts on device_gemm ("wgrad_gemm": "kernel", or
-                                         "auto" with "gemm": "auto" on Hopper), the other passes on cuBLASLt or wgmma */
+    bool kernel_wgrad;               /* "wgrad_gemm": "kernel": WGRAD into fp32 with device counts on device_gemm (its
+                                         wgmma engine on Hopper), the other passes as "gemm" says */
     int64_t *zero_counts;            /* [E_local] zeros: what the argument checks see when counts are device-only */
     moert_bf16_cuda *gemm;           /* cuBLASLt handle, created on the layer's device (not in kernel mode) */
     void *workspace;                 /* its workspace, from the host's pool */
@@ -180,8 +180,9 @@ static moert_result cuda_init(bf16_ctx *c, int choice)
     rc = moert_bf16_cuda_create(h, c->workspace, workspace_bytes, MOERT_BF16_CUDA_EXPERT_LOOP, &c->gemm);
     if (rc == MOERT_OK) rc = moert_bf16_cuda_set_streams(c->gemm, c->gemm_streams);
     if (rc == MOERT_OK && c->gemm_graphs) rc = moert_bf16_cuda_set_graphs(c->gemm, 1);
-    /* "auto": every pass on the wgmma engine where the GPU has it and the sizes suit it; "wgrad_gemm": "kernel": WGRAD
-     * on device_gemm whatever the GPU */
+    /* "auto": FORWARD and DGRAD on the wgmma engine where the GPU has it and the sizes suit it, WGRAD on cuBLASLt (at
+     * the presets' shapes the loop on 4 streams beats the kernel: docs/plugins/precision_bf16.md); "wgrad_gemm":
+     * "kernel": WGRAD on device_gemm whatever the GPU */
     const int64_t E = c->layer.num_local_experts, H = c->layer.hidden, F = c->layer.ffn_hidden;
     const bool sizes_suit =
         c->mode == BF16_MODE_BF16 && H % 8 == 0 && F % 8 == 0 && E >= 1 && E <= BF16_DEVICE_GEMM_MAX_EXPERTS;
@@ -194,10 +195,8 @@ static moert_result cuda_init(bf16_ctx *c, int choice)
         c->zero_counts = calloc((size_t)E, sizeof(int64_t));
         if (!c->zero_counts) rc = fail(c, MOERT_ERR_OUT_OF_MEMORY, "out of memory for the precision state");
         if (rc == MOERT_OK) rc = bf16_device_gemm_prepare(h);
-        const bool wgmma = rc == MOERT_OK && bf16_wgmma_available() != 0;
-        c->wgmma_fwd_dgrad = wgmma && c->gemm_engine == GEMM_AUTO;
-        c->kernel_wgrad =
-            c->wgrad_engine == GEMM_KERNEL || (wgmma && c->wgrad_engine == GEMM_AUTO && c->gemm_engine == GEMM_AUTO);
+        c->wgmma_fwd_dgrad = rc == MOERT_OK && bf16_wgmma_available() != 0 && c->gemm_engine == GEMM_AUTO;
+        c->kernel_wgrad = c->wgrad_engine == GEMM_KERNEL;
     }
     if (previous >= 0 && previous != id) (void)cudaSetDevice(previous);
     return rc;
@@ -246,13 +245,14 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
     rc = host->option_enum(host, "gemm", gemm_choices, 0,
                            "CUDA: the grouped GEMMs' engine: cublaslt (per-expert loop, host counts), kernel (bf16 "
                            "only: reads the counts on the device, no host sync, graph-capturable), or auto (bf16 on "
-                           "Hopper: every pass on moert's wgmma kernel; else cublaslt)",
+                           "Hopper: forward and dgrad on moert's wgmma kernel, wgrad on cuBLASLt; else cublaslt)",
                            &gemm_choice);
     if (rc != MOERT_OK) return rc;
     int wgrad_choice = 0;
     rc = host->option_enum(host, "wgrad_gemm", gemm_choices, 0,
-                           "CUDA: the engine of the weight-gradient GEMMs alone: auto (as \"gemm\"), cublaslt, or "
-                           "kernel (moert's grouped kernel into fp32 gradients)",
+                           "CUDA: the engine of the weight-gradient GEMMs alone: auto (as \"gemm\": cuBLASLt under "
+                           "auto), cublaslt, or kernel (moert's grouped kernel: counts read on the device, wgmma on "
+                           "Hopper into fp32 gradients)",
                            &wgrad_choice);
     if (rc != MOERT_OK) return rc;
     if (gemm_choice == GEMM_KERNEL && wgrad_choice == GEMM_CUBLASLT) {

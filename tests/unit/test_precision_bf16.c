@@ -387,6 +387,23 @@ static void check_errors(void)
     EXPECT_ERROR_CONTAINS("mode");
     EXPECT_ERROR_CONTAINS("bf16");
     test_instance_close(&ti);
+    EXPECT_EQ_INT(
+        test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, "{\"wgrad_gemm\": \"fast\"}", &layer, NULL, 0, 1),
+        MOERT_ERR_CONFIG);
+    EXPECT_ERROR_CONTAINS("wgrad_gemm");
+    EXPECT_ERROR_CONTAINS("kernel");
+    test_instance_close(&ti);
+    /* the kernel mode makes no cuBLASLt handle: WGRAD cannot be asked of cuBLASLt there */
+    EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN,
+                                     "{\"gemm\": \"kernel\", \"wgrad_gemm\": \"cublaslt\"}", &layer, NULL, 0, 1),
+                  MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT_ERROR_CONTAINS("$.precision.wgrad_gemm");
+    test_instance_close(&ti);
+    /* accepted choices open on the CPU, where they change nothing */
+    EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN,
+                                     "{\"gemm\": \"cublaslt\", \"wgrad_gemm\": \"kernel\"}", &layer, NULL, 0, 1),
+                  MOERT_OK);
+    test_instance_close(&ti);
 }
 
 int main(void)
