@@ -10,8 +10,8 @@
 # the step time adds the expert gradients' sum over EDP and the optimizer. Memory: rank 0's pool peak (in use) and
 # each GPU's largest memory.used seen by nvidia-smi during the run (context, NCCL and cached blocks included). SGD keeps
 # EP2 x EDP2's 128 local experts of deepseek-v3 (weights and gradients in fp32) within an H100's memory.
-# Writes OUT/folding-<NGPUS>gpu.json (command, machine, date, git revision, one row per run) and prints a table; each
-# run's log and report go to OUT too.
+# Writes OUT/folding-<NGPUS>gpu.json (command, machine: the GPUs' nvidia-smi name, date, git revision, one row per run)
+# and prints a table; each run's log, report and memory samples go to OUT too. Exits 1 when a run failed.
 #   usage: bench/folding_gpu.sh BUILD_DIR OUT_DIR [NGPUS]      (NGPUS: 4 or 2; default: 4 if 4 GPUs answer, else 2)
 set -u
 BUILD=$(realpath "${1:?usage: bench/folding_gpu.sh BUILD_DIR OUT_DIR [NGPUS]}")
@@ -25,7 +25,8 @@ case "$NGPUS" in 2 | 4) ;; *) echo "folding_gpu.sh: NGPUS is 2 or 4, not $NGPUS"
 [ "$gpus" -ge "$NGPUS" ] || { echo "folding_gpu.sh: $NGPUS GPUs wanted, $gpus answer" >&2; exit 77; }
 [ -x "$MOERT" ] || { echo "folding_gpu.sh: $MOERT is not built" >&2; exit 2; }
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-git=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+# a checkout without .git: MOERT_BENCH_GIT names the revision (docs/benchmarks.md, "Recording results")
+git=$(git rev-parse --short HEAD 2>/dev/null || echo "${MOERT_BENCH_GIT:-unknown}")
 command="bench/folding_gpu.sh $*"
 echo "MoE Parallel Folding: $NGPUS x $card, git $git"
 rm -f "$OUT/runs.jsonl"
