@@ -38,7 +38,7 @@ run() {
   rm -f "$report"
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 100 >"$smi" 2>/dev/null &
   local sampler=$!
-  timeout 600 "$MOERT" run "configs/$preset.json" --quiet --steps 20 --set parallel.device='"cuda"' \
+  timeout 240 "$MOERT" run "configs/$preset.json" --quiet --steps 20 --set parallel.device='"cuda"' \
     --set parallel.ranks="$NGPUS" --set parallel.expert_tensor_parallel="$etp" \
     --set parallel.expert_data_parallel="$edp" --set model.num_layers=1 --set model.num_experts="$experts" \
     --set 'train.optimizer="sgd"' --set 'dispatcher.plugin="alltoall"' --report "$report" >"$log" 2>&1

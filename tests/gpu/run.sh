@@ -39,7 +39,7 @@ done
 [ -x "$BUILD/tests/test_gpu_fp8_block_gemm" ] && run_test test_gpu_fp8_block_gemm "$BUILD/tests/test_gpu_fp8_block_gemm"
 # MoE Parallel Folding (ETP and EDP layouts on 2 or 4 GPUs; many NCCL communicators made and split: a longer limit)
 [ -x "$BUILD/tests/test_gpu_folding" ] &&
-  MOERT_GPU_TEST_TIMEOUT=${MOERT_GPU_TEST_TIMEOUT:-600} run_test test_gpu_folding "$BUILD/tests/test_gpu_folding"
+  MOERT_GPU_TEST_TIMEOUT=${MOERT_GPU_TEST_TIMEOUT:-480} run_test test_gpu_folding "$BUILD/tests/test_gpu_folding"
 if [ -x "$BUILD/tests/nccl_mp_driver" ]; then
   run_test nccl_multiprocess tests/gpu/test_nccl_multiprocess.sh "$BUILD/tests/nccl_mp_driver"
 fi
