@@ -7,7 +7,7 @@
  *   group) against the CPU run of one rank, within 2e-4 of the largest value (as test_gpu_layers_api); with the
  *   alltoall dispatcher, and on 4 GPUs with allgather, deepep and hybridep (an expert-parallel group of 2 of the 4);
  * - the same in bf16 (one layer: the same routing) against the GPU run of the same world with every rank an
- *   expert-parallel rank, within 3e-2;
+ *   expert-parallel rank, within 5e-2;
  * - a process per GPU, the NCCL communicator from a caller-distributed id (ETP and EDP layouts): each process's output
  *   and input gradient against the CPU;
  * - the trainer (moert_runtime): the loss, every rank's output and gradients after one step (the expert gradients
@@ -36,7 +36,7 @@ extern char **environ;
 #define TOTAL   512
 #define MAXW    8
 #define TOL     2e-4 /* fp32 against the CPU */
-#define TOL16   3e-2 /* bf16 against the GPU run without folding */
+#define TOL16   5e-2 /* bf16 against the GPU run without folding (the CPU: 9e-3 at ETP2) */
 #define TOL_RUN 2e-3 /* the trainer's losses */
 
 typedef struct layout {
@@ -51,7 +51,7 @@ static const layout layouts[] = {{1, 1, 2}, {2, 1, 1}, {1, 2, 2}, {2, 2, 1}};
 
 static const char *config_fmt =
     "{\"model\": {\"hidden\": 64, \"ffn_hidden\": 96, \"num_experts\": 8, \"topk\": 2, \"num_layers\": %d,"
-    " \"dtype\": \"%s\"}, \"parallel\": {\"ranks\": 1}, \"train\": {\"tokens_per_rank\": 512},"
+    " \"dtype\": \"%s\"}, \"parallel\": {\"ranks\": 1, \"timeout_s\": 30}, \"train\": {\"tokens_per_rank\": 512},"
     " \"router\": {\"score_function\": \"sigmoid\", \"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.01},"
     " \"dispatcher\": {\"plugin\": \"%s\"}}";
 
@@ -277,7 +277,8 @@ static int run_threads(layout lay, int layers, moert_device_type type, const moe
 {
     const int world = world_of(lay);
     moert_comm *comm = NULL;
-    if (world > 1 && moert_comm_create_threads(world, 60.0, &comm) != MOERT_OK) {
+    /* a rank that fails: its peers' waits end within 30 s */
+    if (world > 1 && moert_comm_create_threads(world, 30.0, &comm) != MOERT_OK) {
         fprintf(stderr, "threads communicator: %s\n", moert_last_error());
         return 1;
     }
@@ -423,7 +424,7 @@ static int process_rank(int rank, int world, int etp, int edp, const char *hex)
     rank_job ref;
     if (run_threads((layout){1, 1, 1}, 2, MOERT_DEVICE_CPU, cfg, x, r, &ref)) return 1;
     moert_comm *comm = NULL;
-    if (moert_comm_create_nccl(id, world, 60.0, &comm) != MOERT_OK) {
+    if (moert_comm_create_nccl(id, world, 30.0, &comm) != MOERT_OK) {
         fprintf(stderr, "rank %d: %s\n", rank, moert_last_error());
         return 1;
     }
@@ -493,7 +494,7 @@ static int run_processes(const char *self, layout lay)
 static const char *trainer_fmt =
     "{\"model\": {\"hidden\": 64, \"ffn_hidden\": 96, \"num_experts\": 8, \"topk\": 2, \"num_layers\": 2,"
     " \"dtype\": \"fp32\"}, \"parallel\": {\"ranks\": %d, \"device\": \"%s\", \"expert_tensor_parallel\": %d,"
-    " \"expert_data_parallel\": %d}, \"train\": {\"tokens_per_rank\": %d, \"seed\": 5, \"lr\": 0.01,"
+    " \"expert_data_parallel\": %d, \"timeout_s\": 30}, \"train\": {\"tokens_per_rank\": %d, \"seed\": 5, \"lr\": 0.01,"
     " \"optimizer\": \"sgd\"}, \"router\": {\"score_function\": \"sigmoid\", \"expert_bias\": true,"
     " \"bias_update_rate\": 0.01, \"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.01},"
     " \"dispatcher\": {\"plugin\": \"alltoall\"}}";
