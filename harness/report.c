@@ -146,6 +146,7 @@ moert_result moert_runtime_write_report(const moert_runtime *runtime, const char
     json_object_set_new(root, "median_ms", medians);
     json_object_set_new(root, "median_backward_parts_ms", part_medians);
     json_object_set_new(root, "activation_bytes_rank0", memory);
+    json_object_set_new(root, "device_pool_peak_bytes_rank0", json_integer(rt->device_peak_bytes)); /* 0 on the CPU */
     json_object_set_new(root, "layers", layers);
     json_object_set_new(root, "steps", steps);
     moert_result rc = moert_output_write(path, dump_json, root);

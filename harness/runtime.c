@@ -884,13 +884,9 @@ static moert_result rank_forward_backward(moert_rank *r, int64_t step)
         }
     /* the experts are replicated over the expert-data-parallel group (docs/parallel.md): their gradients are the sum
      * of every replica's share */
-    moert_comm_group *edp = r->stack.group[MOERT_AXIS_EDP];
-    for (int l = 0; l < nl && edp; l++)
-        for (int k = MOERT_PARAM_FC1; k <= MOERT_PARAM_FC2; k++) {
-            moert_tensor *g = &r->layers[l].params[k].grad;
-            MOERT_CHECK(
-                moert_comm_allreduce_sum(edp, r->stack.coords.edp, g->data, (size_t)moert_tensor_numel(g), g->dtype));
-        }
+    for (int l = 0; l < nl && r->stack.layout.edp > 1; l++)
+        for (int k = MOERT_PARAM_FC1; k <= MOERT_PARAM_FC2; k++)
+            MOERT_CHECK(moert_stack_group_sum(&r->stack, MOERT_AXIS_EDP, &r->layers[l].params[k].grad, r->stream));
     /* figures over all ranks (the router losses: the mean over ranks and micro-batches) */
     double sums[2] = {r->mse_sum, r->router_loss};
     MOERT_CHECK(allreduce(r, sums, 2, MOERT_F64));

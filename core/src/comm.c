@@ -523,9 +523,10 @@ moert_result moert_comm_exchange_pointers(moert_comm_group *g, int rank, void *l
 {
     if (g->parent)
         return moert_error(MOERT_ERR_UNSUPPORTED,
-                           "peer buffers need an expert-parallel group of every rank; this one "
+                           "peer buffers on CPU ranks need an expert-parallel group of every rank; this one "
                            "has %d of the %d ranks ($.parallel.expert_parallel): the NVLink dispatchers (deepep, "
-                           "hybridep) cannot run in a smaller group yet, use \"alltoall\" or \"allgather\" there",
+                           "hybridep) run in a smaller group on GPUs only (over its NCCL communicator), use "
+                           "\"alltoall\" or \"allgather\" here",
                            g->world, g->parent->world);
     if (g->has_table)
         return moert_error(MOERT_ERR_UNSUPPORTED, "peer buffers need ranks as threads of one process (the threads "

@@ -354,12 +354,14 @@ static moert_result host_failed(const moert_layer *L, moert_result rc, const cha
         }                                                                                                              \
     } while (0)
 
-/* ---- expert tensor parallelism (ETP > 1, host memory; docs/parallel.md) ----
+/* ---- expert tensor parallelism (ETP > 1; docs/parallel.md) ----
  *
  * The ETP ranks of a group hold the same experts, each a shard of their FFN width, and each has its own dispatched
  * rows. The experts compute on every ETP rank's rows: after the dispatch they are gathered over the group and grouped
  * by local expert (each expert's rows in ETP rank order); fc2's partial outputs, and in the backward the partial row
- * and prob gradients, are summed back over the group onto the rank that dispatched each row. */
+ * and prob gradients, are summed back over the group onto the rank that dispatched each row. The exchanges go through
+ * the group's services (L->etp_host): host memory over its view on the CPU, NCCL on the layer's stream on GPUs; the
+ * counts are exchanged on the host. */
 
 static bool etp_on(const moert_layer *L) { return L->etp_size > 1; }
 
@@ -374,13 +376,44 @@ static int64_t etp_rows_of(const moert_layer *L, int j)
     return rows;
 }
 
+/* A call of the ETP group's services as a core error naming what the executor was doing. */
+#define ETP_CALL(call, what)                                                                                           \
+    do {                                                                                                               \
+        rc = (call);                                                                                                   \
+        if (rc != MOERT_OK) {                                                                                          \
+            rc = moert_host_call_failed(L->etp_host, rc, what, NULL, L->info.layer_index);                             \
+            goto fail;                                                                                                 \
+        }                                                                                                              \
+    } while (0)
+
+/* The dispatcher's rows per local expert on the host (copied from the device when it gives them only there). */
+static moert_result etp_local_counts(moert_layer *L, int64_t *out)
+{
+    moert_result rc = MOERT_OK;
+    const moert_host *h = L->core_host;
+    const size_t bytes = (size_t)L->info.num_local_experts * sizeof(int64_t);
+    if (L->layout.tokens_per_expert_host) {
+        memcpy(out, L->layout.tokens_per_expert_host, bytes);
+        return MOERT_OK;
+    }
+    HOST_CALL(h->memcpy_async(h, out, moert_cpu(), L->layout.tokens_per_expert.data, L->layout.tokens_per_expert.device,
+                              bytes, L->stream),
+              "copying the rows per expert to the host", MOERT_ACT_COUNT);
+    HOST_CALL(h->stream_synchronize(h, L->stream), "copying the rows per expert to the host", MOERT_ACT_COUNT);
+fail:
+    return rc;
+}
+
 /* After prepare: every ETP rank's rows per local expert (an allgather over the group), their sums and the blocks'
- * offsets in both orders. */
+ * offsets in both orders; on GPUs the sums go to the device too, for the grouped GEMMs. */
 static moert_result etp_gather_counts(moert_layer *L)
 {
     moert_result rc = MOERT_OK;
     const int n = L->etp_size;
     const int64_t el = L->info.num_local_experts;
+    const moert_host *h = L->core_host;
+    const bool device = L->info.device.type != MOERT_DEVICE_CPU;
+    int64_t *mine = NULL;
     if (!L->etp_counts) {
         L->etp_counts = calloc((size_t)(n * el), sizeof *L->etp_counts);
         L->etp_rank_major = calloc((size_t)(n * el), sizeof *L->etp_rank_major);
@@ -391,10 +424,12 @@ static moert_result etp_gather_counts(moert_layer *L)
         MOERT_CHECK_ALLOC(L->etp_expert_major);
         MOERT_CHECK_ALLOC(L->expert_counts_host);
     }
-    /* the dispatcher's counts on the host (ETP runs on the CPU, where its tensor is host memory too) */
-    const int64_t *mine = L->layout.tokens_per_expert_host ? L->layout.tokens_per_expert_host
-                                                           : (const int64_t *)L->layout.tokens_per_expert.data;
-    MOERT_CHECK(moert_comm_allgather(L->etp_comm, L->etp_rank, mine, L->etp_counts, (size_t)el * sizeof(int64_t)));
+    if (device && !L->expert_counts.data) MOERT_CHECK(tensor_alloc(L, &L->expert_counts, MOERT_I64, 1, el, 0, 0));
+    mine = malloc((size_t)el * sizeof *mine);
+    MOERT_CHECK_ALLOC(mine);
+    MOERT_CHECK(etp_local_counts(L, mine));
+    ETP_CALL(L->etp_host->allgather(L->etp_host, mine, L->etp_counts, (size_t)el * sizeof(int64_t), moert_cpu(), NULL),
+             "gathering the rows per expert over the expert-tensor-parallel group");
     int64_t at = 0;
     for (int j = 0; j < n; j++)
         for (int64_t e = 0; e < el; e++) {
@@ -411,8 +446,14 @@ static moert_result etp_gather_counts(moert_layer *L)
         }
     }
     L->expert_rows = at;
-    L->expert_counts = moert_tensor_1d(L->expert_counts_host, L->info.device, MOERT_I64, el);
+    if (device) /* from pageable memory: the host buffer may change once the call returns */
+        HOST_CALL(h->memcpy_async(h, L->expert_counts.data, L->info.device, L->expert_counts_host, moert_cpu(),
+                                  (size_t)el * sizeof(int64_t), L->stream),
+                  "copying the experts' rows per expert to the device", MOERT_ACT_COUNT);
+    else
+        L->expert_counts = moert_tensor_1d(L->expert_counts_host, L->info.device, MOERT_I64, el);
 fail:
+    free(mine);
     return rc;
 }
 
@@ -420,6 +461,18 @@ fail:
 static size_t row_bytes_of(const moert_tensor *t)
 {
     return (t->ndim > 1 ? (size_t)t->shape[1] : 1) * moert_dtype_size(t->dtype);
+}
+
+/* Copies `rows` rows of `rb` bytes on the layer's device, in stream order. */
+static moert_result etp_copy_rows(moert_layer *L, void *dst, const void *src, int64_t rows, size_t rb)
+{
+    moert_result rc = MOERT_OK;
+    const moert_host *h = L->core_host;
+    if (rows <= 0) return MOERT_OK;
+    HOST_CALL(h->memcpy_async(h, dst, L->info.device, src, L->info.device, (size_t)rows * rb, L->stream),
+              "regrouping the expert-tensor-parallel rows", MOERT_ACT_COUNT);
+fail:
+    return rc;
 }
 
 /* gathered (the experts' rows, grouped by local expert) from every ETP rank's `local` (its dispatcher's rows): each
@@ -430,10 +483,11 @@ static moert_result etp_gather_rows(moert_layer *L, const moert_tensor *local, m
     const int n = L->etp_size, me = L->etp_rank;
     const int64_t el = L->info.num_local_experts;
     const size_t rb = row_bytes_of(local);
-    char *staging = malloc((size_t)L->expert_rows * rb + 1);
+    moert_tensor staging = {0};
     size_t *sizes = calloc(4 * (size_t)n, sizeof *sizes);
-    MOERT_CHECK_ALLOC(staging);
     MOERT_CHECK_ALLOC(sizes);
+    MOERT_CHECK(tensor_alloc(L, &staging, local->dtype, 1,
+                             L->expert_rows * (int64_t)(rb / moert_dtype_size(local->dtype)), 0, 0));
     size_t *sb = sizes, *so = sizes + n, *recv_b = sizes + 2 * n, *ro = sizes + 3 * n;
     for (int j = 0; j < n; j++) {
         sb[j] = (size_t)etp_rows_of(L, me) * rb;
@@ -441,17 +495,47 @@ static moert_result etp_gather_rows(moert_layer *L, const moert_tensor *local, m
         recv_b[j] = (size_t)etp_rows_of(L, j) * rb;
         ro[j] = (size_t)L->etp_rank_major[j * el] * rb;
     }
-    MOERT_CHECK(moert_comm_alltoallv(L->etp_comm, me, local->data, sb, so, staging, recv_b, ro));
+    ETP_CALL(
+        L->etp_host->alltoallv(L->etp_host, local->data, sb, so, staging.data, recv_b, ro, L->info.device, L->stream),
+        "gathering the rows over the expert-tensor-parallel group");
     for (int j = 0; j < n; j++)
         for (int64_t e = 0; e < el; e++) {
             const int64_t b = j * el + e;
-            if (L->etp_counts[b])
-                memcpy((char *)gathered->data + (size_t)L->etp_expert_major[b] * rb,
-                       staging + (size_t)L->etp_rank_major[b] * rb, (size_t)L->etp_counts[b] * rb);
+            MOERT_CHECK(etp_copy_rows(L, (char *)gathered->data + (size_t)L->etp_expert_major[b] * rb,
+                                      (char *)staging.data + (size_t)L->etp_rank_major[b] * rb, L->etp_counts[b], rb));
         }
 fail:
-    free(staging);
+    tensor_release(L, &staging);
     free(sizes);
+    return rc;
+}
+
+/* local = the sum of the n parts of `count` elements laid one after the other in `parts`, in part order: in double on
+ * the CPU, by element-wise adds on GPUs. */
+static moert_result etp_sum_parts(moert_layer *L, const void *parts, int n, int64_t count, moert_dtype dtype,
+                                  moert_tensor *local)
+{
+    moert_result rc = MOERT_OK;
+    if (count == 0) return MOERT_OK;
+    const size_t bytes = (size_t)count * moert_dtype_size(dtype);
+    moert_tensor out = moert_tensor_1d(local->data, local->device, dtype, count);
+    if (L->info.device.type == MOERT_DEVICE_CPU) {
+        const moert_tensor all = moert_tensor_1d((void *)parts, moert_cpu(), dtype, n * count);
+        for (int64_t i = 0; i < count; i++) {
+            double sum = 0.0;
+            for (int j = 0; j < n; j++) sum += moert_load(&all, j * count + i);
+            moert_store(&out, i, sum);
+        }
+        return MOERT_OK;
+    }
+    for (int j = 0; j < n; j++) {
+        const moert_tensor part = moert_tensor_1d((char *)parts + (size_t)j * bytes, local->device, dtype, count);
+        if (j == 0)
+            MOERT_CHECK(moert_copy(L->stream, &part, &out));
+        else
+            MOERT_CHECK(moert_add(L->stream, &out, &part, &out));
+    }
+fail:
     return rc;
 }
 
@@ -464,18 +548,17 @@ static moert_result etp_reduce_scatter_rows(moert_layer *L, const moert_tensor *
     const int64_t el = L->info.num_local_experts, mine = etp_rows_of(L, me);
     const size_t rb = row_bytes_of(gathered);
     const int64_t cols = (int64_t)(rb / moert_dtype_size(gathered->dtype));
-    char *send = malloc((size_t)L->expert_rows * rb + 1), *recv = malloc((size_t)(n * mine) * rb + 1);
+    moert_tensor send = {0}, recv = {0};
     size_t *sizes = calloc(4 * (size_t)n, sizeof *sizes);
-    MOERT_CHECK_ALLOC(send);
-    MOERT_CHECK_ALLOC(recv);
     MOERT_CHECK_ALLOC(sizes);
+    MOERT_CHECK(tensor_alloc(L, &send, gathered->dtype, 1, L->expert_rows * cols, 0, 0));
+    MOERT_CHECK(tensor_alloc(L, &recv, gathered->dtype, 1, n * mine * cols, 0, 0));
     for (int j = 0; j < n; j++) /* ranks one after the other, each rank's rows in its own order */
         for (int64_t e = 0; e < el; e++) {
             const int64_t b = j * el + e;
-            if (L->etp_counts[b])
-                memcpy(send + (size_t)L->etp_rank_major[b] * rb,
-                       (const char *)gathered->data + (size_t)L->etp_expert_major[b] * rb,
-                       (size_t)L->etp_counts[b] * rb);
+            MOERT_CHECK(etp_copy_rows(L, (char *)send.data + (size_t)L->etp_rank_major[b] * rb,
+                                      (const char *)gathered->data + (size_t)L->etp_expert_major[b] * rb,
+                                      L->etp_counts[b], rb));
         }
     size_t *sb = sizes, *so = sizes + n, *recv_b = sizes + 2 * n, *ro = sizes + 3 * n;
     for (int j = 0; j < n; j++) {
@@ -484,16 +567,12 @@ static moert_result etp_reduce_scatter_rows(moert_layer *L, const moert_tensor *
         recv_b[j] = (size_t)mine * rb;
         ro[j] = (size_t)(j * mine) * rb;
     }
-    MOERT_CHECK(moert_comm_alltoallv(L->etp_comm, me, send, sb, so, recv, recv_b, ro));
-    const moert_tensor parts = moert_tensor_1d(recv, moert_cpu(), gathered->dtype, n * mine * cols);
-    for (int64_t i = 0; i < mine * cols; i++) {
-        double sum = 0.0;
-        for (int j = 0; j < n; j++) sum += moert_load(&parts, j * mine * cols + i);
-        moert_store(local, i, sum);
-    }
+    ETP_CALL(L->etp_host->alltoallv(L->etp_host, send.data, sb, so, recv.data, recv_b, ro, L->info.device, L->stream),
+             "summing the partial rows over the expert-tensor-parallel group");
+    MOERT_CHECK(etp_sum_parts(L, recv.data, n, mine * cols, gathered->dtype, local));
 fail:
-    free(send);
-    free(recv);
+    tensor_release(L, &send);
+    tensor_release(L, &recv);
     free(sizes);
     return rc;
 }
@@ -551,6 +630,7 @@ void moert_layer_free(moert_layer *L)
         L->shared_stream = NULL;
         L->shared_fork_event = L->shared_join_event = NULL;
     }
+    if (L->info.device.type != MOERT_DEVICE_CPU) tensor_release(L, &L->expert_counts); /* the device copy (ETP) */
     free(L->etp_counts);
     free(L->etp_rank_major);
     free(L->etp_expert_major);
@@ -584,6 +664,10 @@ bool moert_layer_graph_capturable(const moert_layer *L, char *why, size_t why_si
         snprintf(why, why_size, "%s \"%s\" is not graph-capturable%s", moert_kind_name(inst[i]->plugin->kind),
                  inst[i]->plugin->header->name,
                  instance_flags(inst[i]) & MOERT_CAP_NEEDS_HOST_SYNC ? " (it synchronises the host)" : "");
+        return false;
+    }
+    if (etp_on(L)) {
+        snprintf(why, why_size, "expert tensor parallelism exchanges the rows per expert on the host");
         return false;
     }
     for (int a = 0; a < MOERT_STORE_SLOTS; a++) {

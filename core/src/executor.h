@@ -62,10 +62,11 @@ typedef struct moert_param {
 
 typedef struct moert_layer {
     moert_layer_info info; /* as the plugins see it: num_local_experts E/EP, ffn_hidden F/ETP (the shard) */
-    /* the rank's place in the MoE layers' grid (docs/parallel.md) and its expert-tensor-parallel group (ETP > 1: a
-     * host-memory communicator; the executor gathers the experts' rows over it) */
+    /* the rank's place in the MoE layers' grid (docs/parallel.md) and its expert-tensor-parallel group (ETP > 1: core
+     * services over the group, host memory through its view, device memory through its NCCL communicator; the executor
+     * gathers the experts' rows over it) */
     int ep_rank, ep_size, etp_rank, etp_size, edp_rank, edp_size;
-    moert_comm_group *etp_comm;
+    moert_host *etp_host;
     /* ETP > 1, from the last forward: rows per ETP rank and local expert ([etp_size x E_local]) as each rank's
      * dispatcher received them, their sums per local expert (host memory; `expert_counts` is the same as a tensor),
      * and the rows the experts compute on (their total) */
@@ -73,7 +74,7 @@ typedef struct moert_layer {
     int64_t *etp_rank_major, *etp_expert_major; /* [etp_size x E_local] each block's first row: ranks one after the
                                                    other (as exchanged), and grouped by local expert (as computed) */
     int64_t *expert_counts_host;
-    moert_tensor expert_counts;
+    moert_tensor expert_counts; /* on the device on GPUs (allocated once) */
     int64_t expert_rows;
     const moert_host *core_host; /* the rank's own services: allocation, streams */
     moert_stream stream;         /* the rank's compute stream (NULL on the CPU) */

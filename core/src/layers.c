@@ -332,7 +332,7 @@ static void launch_layout(const moert_launch *launch, int *etp, int *edp)
 }
 
 /* The expert layout against the world and the model: EP x ETP x EDP ranks, experts split over EP, their width over
- * ETP; ETP and EDP on CPU ranks only for now. */
+ * ETP. */
 static moert_result check_launch_layout(const moert_config *cfg, const moert_launch *launch)
 {
     const char *fn = "moert_layers_create";
@@ -368,12 +368,6 @@ static moert_result check_launch_layout(const moert_config *cfg, const moert_lau
                            "config error at $.model.ffn_hidden: %lld does not split over "
                            "launch->expert_tensor_parallel %d ranks",
                            (long long)cfg->model.ffn_hidden, etp);
-    if ((etp > 1 || edp > 1) && launch->device.type != MOERT_DEVICE_CPU)
-        return moert_error(MOERT_ERR_UNSUPPORTED,
-                           "%s: launch->expert_tensor_parallel %d and expert_data_parallel %d: "
-                           "expert tensor and expert data parallelism run on CPU ranks only for now (set both to 1 "
-                           "on GPUs)",
-                           fn, etp, edp);
     return MOERT_OK;
 }
 

@@ -7,6 +7,9 @@
 #include <string.h>
 
 #include "error.h"
+#ifdef MOERT_HAVE_CUDA
+#include "cuda/comm_nccl.h"
+#endif
 
 /* The layer description plugins of layer `layer` get: the experts of the rank's expert-parallel rank, each of the
  * width of its expert-tensor-parallel shard. */
@@ -29,8 +32,9 @@ static moert_layer_info layer_info_of(const moert_stack *s, const moert_stack_se
     return info;
 }
 
-/* The rank's place in the ETP x EP x EDP grid and its three groups (docs/parallel.md). The layout was checked against
- * the model by the config or moert_layers_create; ETP and EDP are refused on CUDA for now. */
+/* The rank's place in the ETP x EP x EDP grid and its three groups (docs/parallel.md): views of the world's host
+ * communicator and, on CUDA ranks, NCCL communicators split from the world's (every rank splits in the same order:
+ * ETP, EP, EDP). The layout was checked against the model by the config or moert_layers_create. */
 static moert_result expert_groups_init(moert_stack *s, const moert_stack_setup *setup)
 {
     moert_result rc = MOERT_OK;
@@ -41,12 +45,6 @@ static moert_result expert_groups_init(moert_stack *s, const moert_stack_setup *
                            "expert layout: expert tensor parallel %d x expert data "
                            "parallel %d does not divide the %d ranks",
                            etp, edp, setup->world);
-    if (setup->device.type == MOERT_DEVICE_CUDA && (etp > 1 || edp > 1))
-        return moert_error(MOERT_ERR_CONFIG,
-                           "config error at $.parallel.%s: got %d, but expert tensor and expert data "
-                           "parallelism ($.parallel.expert_tensor_parallel, $.parallel.expert_data_parallel) run on "
-                           "the CPU only for now; set both to 1 on CUDA",
-                           etp > 1 ? "expert_tensor_parallel" : "expert_data_parallel", etp > 1 ? etp : edp);
     s->layout = (moert_expert_layout){.etp = etp, .ep = setup->world / (etp * edp), .edp = edp};
     s->coords = moert_expert_coords_of(s->layout, setup->rank);
     members = malloc((size_t)setup->world * sizeof *members);
@@ -56,15 +54,59 @@ static moert_result expert_groups_init(moert_stack *s, const moert_stack_setup *
         if (size == 1) continue; /* this rank alone: no communicator */
         if (size == setup->world) {
             s->group[a] = setup->comm;
+            s->group_nccl[a] = setup->nccl;
             continue;
         }
         moert_expert_group_members(s->layout, setup->rank, (moert_expert_axis)a, members);
-        MOERT_CHECK(moert_comm_subgroup_create(setup->comm, setup->rank, members, size, &s->group[a]));
-        s->group_owned[a] = true;
+        if (setup->comm || !setup->nccl) {
+            MOERT_CHECK(moert_comm_subgroup_create(setup->comm, setup->rank, members, size, &s->group[a]));
+            s->group_owned[a] = true;
+        }
+#ifdef MOERT_HAVE_CUDA
+        if (setup->nccl) { /* the group's first world rank names it; ranks in it by their place on the axis */
+            const int key = a == MOERT_AXIS_ETP ? s->coords.etp : a == MOERT_AXIS_EP ? s->coords.ep : s->coords.edp;
+            MOERT_CHECK(moert_nccl_comm_split(setup->nccl, members[0], key, &s->group_nccl[a]));
+            s->group_nccl_owned[a] = true;
+        }
+#endif
     }
 fail:
     free(members);
     return rc;
+}
+
+/* Core services over each group of more than one rank: the executor's ETP exchanges, the trainer's EDP sums. */
+static moert_result group_hosts_init(moert_stack *s, const moert_stack_setup *setup)
+{
+    moert_result rc = MOERT_OK;
+    static const char *const names[3] = {"expert tensor parallel", "expert parallel", "expert data parallel"};
+    const int rank_on[3] = {s->coords.etp, s->coords.ep, s->coords.edp};
+    for (int a = 0; a < 3; a++) {
+        int size = moert_expert_axis_size(s->layout, (moert_expert_axis)a);
+        if (size == 1) continue;
+        char who[256];
+        snprintf(who, sizeof who, "core (rank %d, its %s group)", setup->rank, names[a]);
+        moert_host_setup hs = {.who = who,
+                               .comm = s->group[a],
+                               .rank = rank_on[a],
+                               .world_size = size,
+                               .device = setup->device,
+                               .cuda_pool = setup->pool,
+                               .nccl = s->group_nccl[a],
+                               .stream = setup->stream};
+        MOERT_CHECK(moert_host_create(&hs, &s->group_host[a]));
+    }
+fail:
+    return rc;
+}
+
+moert_result moert_stack_group_sum(moert_stack *s, moert_expert_axis a, moert_tensor *t, moert_stream stream)
+{
+    moert_host *h = s->group_host[a];
+    if (!h) return MOERT_OK;
+    moert_result rc = h->allreduce_sum(h, t->data, (size_t)moert_tensor_numel(t), t->dtype, t->device, stream);
+    if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(h));
+    return MOERT_OK;
 }
 
 static moert_instance *slot_instance(moert_layer *L, moert_slot s)
@@ -148,6 +190,7 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
                                    .nccl = setup->nccl,
                                    .stream = setup->stream};
     MOERT_CHECK(moert_host_create(&core_setup, &s->core_host));
+    MOERT_CHECK(group_hosts_init(s, setup));
 
     s->layers = calloc((size_t)nl, sizeof *s->layers);
     s->sections = calloc((size_t)nl * MOERT_SLOT_COUNT, sizeof *s->sections);
@@ -170,7 +213,7 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
         L->etp_size = s->layout.etp;
         L->edp_rank = s->coords.edp;
         L->edp_size = s->layout.edp;
-        L->etp_comm = s->group[MOERT_AXIS_ETP];
+        L->etp_host = s->group_host[MOERT_AXIS_ETP];
         L->core_host = s->core_host;
         L->stream = setup->stream;
         moert_act_store_init(&L->acts, s->core_host, setup->stream, L->info.device, l);
@@ -191,6 +234,7 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
             moert_host_setup hs = host_setup_of(setup, L, who, sec);
             if (k == MOERT_SLOT_DISPATCHER) { /* the dispatcher works over the expert-parallel group alone */
                 hs.comm = s->group[MOERT_AXIS_EP];
+                hs.nccl = s->layout.ep == setup->world ? setup->nccl : s->group_nccl[MOERT_AXIS_EP];
                 hs.rank = s->coords.ep;
                 hs.world_size = s->layout.ep;
             }
@@ -240,8 +284,13 @@ void moert_stack_finalize(moert_stack *s)
     if (s->core_host) moert_host_free(s->core_host);
     if (s->core_section) moert_section_free(s->core_section);
     if (s->empty_options) json_decref(s->empty_options);
-    for (int a = 0; a < 3; a++)
+    for (int a = 0; a < 3; a++) {
+        if (s->group_host[a]) moert_host_free(s->group_host[a]);
         if (s->group_owned[a]) moert_comm_group_free(s->group[a]);
+#ifdef MOERT_HAVE_CUDA
+        if (s->group_nccl_owned[a]) moert_nccl_comm_free(s->group_nccl[a]);
+#endif
+    }
     free(s->layers);
     free(s->hosts);
     free(s->sections);

@@ -17,7 +17,7 @@ typedef struct moert_stack_setup {
     int64_t max_tokens;     /* tokens per forward on this rank, an upper bound */
     moert_comm_group *comm; /* host-memory collectives of the world; NULL for a world of one or NCCL alone */
     /* the MoE layers' grid over the world (docs/parallel.md): expert tensor and expert data parallel sizes (0 or 1:
-     * none); expert parallel is world / (etp x edp). ETP or EDP > 1 runs on the CPU only for now. */
+     * none); expert parallel is world / (etp x edp) */
     int etp, edp;
     struct moert_cuda_pool *pool; /* CUDA ranks (NULL on the CPU) */
     struct moert_nccl_comm *nccl; /* CUDA ranks */
@@ -41,11 +41,19 @@ typedef struct moert_stack {
     moert_expert_coords coords;
     moert_comm_group *group[3]; /* [moert_expert_axis] */
     bool group_owned[3];
+    /* CUDA ranks: each group's NCCL communicator, the same way (split from the world's when smaller, owned) */
+    struct moert_nccl_comm *group_nccl[3];
+    bool group_nccl_owned[3];
+    /* each group of more than one rank: core services over it (collectives on host or device memory), else NULL */
+    moert_host *group_host[3];
 } moert_stack;
 
 /* Creates the rank's core services and one instance of every plugin per layer; on failure what was made is kept for
  * moert_stack_finalize. Parameters are not allocated here (moert_layer_init_params, or bound by the caller). */
 moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup);
+/* Sums t (a tensor on the rank's device, e.g. a gradient) over the rank's group along axis a, on `stream` (every member
+ * calls it at the same point); a group of one rank leaves it as it is. */
+moert_result moert_stack_group_sum(moert_stack *s, moert_expert_axis a, moert_tensor *t, moert_stream stream);
 /* Frees the layers (moert_layer_free), finalizes the plugin instances and frees the services. */
 void moert_stack_finalize(moert_stack *s);
 

@@ -248,7 +248,7 @@ class MoE(nn.Module):
     overrides: {dotted key: value} applied to the config. init_seed: moert's initial values (moert_layers_init_params:
     the same for any split over ranks); None keeps torch's zeros for the caller to fill.
 
-    Parallel folding (docs/parallel.md; CPU ranks for now): $.parallel.expert_tensor_parallel (ETP) and
+    Parallel folding (docs/parallel.md; CPU ranks and GPUs): $.parallel.expert_tensor_parallel (ETP) and
     $.parallel.expert_data_parallel (EDP) lay the MoE layer's own ETP x EP x EDP grid over the process group, in
     Megatron's order (rank = etp + ETP * (ep + EP * edp)). Each rank then holds num_local_experts = E/EP experts, each
     a shard of local_ffn_hidden = F/ETP columns of fc1's gate and up halves ([E_local, H, 2F/ETP], the shard's gate

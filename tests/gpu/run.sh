@@ -37,6 +37,9 @@ done
 [ -x "$BUILD/tests/test_gpu_hybridep" ] && run_test test_gpu_hybridep "$BUILD/tests/test_gpu_hybridep"
 [ -x "$BUILD/tests/test_gpu_device_gemm" ] && run_test test_gpu_device_gemm "$BUILD/tests/test_gpu_device_gemm"
 [ -x "$BUILD/tests/test_gpu_fp8_block_gemm" ] && run_test test_gpu_fp8_block_gemm "$BUILD/tests/test_gpu_fp8_block_gemm"
+# MoE Parallel Folding (ETP and EDP layouts on 2 or 4 GPUs; many NCCL communicators made and split: a longer limit)
+[ -x "$BUILD/tests/test_gpu_folding" ] &&
+  MOERT_GPU_TEST_TIMEOUT=${MOERT_GPU_TEST_TIMEOUT:-480} run_test test_gpu_folding "$BUILD/tests/test_gpu_folding"
 if [ -x "$BUILD/tests/nccl_mp_driver" ]; then
   run_test nccl_multiprocess tests/gpu/test_nccl_multiprocess.sh "$BUILD/tests/nccl_mp_driver"
 fi
@@ -57,6 +60,12 @@ for r in 1 2 4; do
   layer_run "cuda$r" cuda "$r"
   layer_run "cuda$r-m2" cuda "$r" --set train.micro_batches=2
 done
+# MoE Parallel Folding through `moert run`: half the ranks as expert data or expert tensor parallel replicas
+for r in 2 4; do
+  [ "$r" -le "$gpus" ] || continue
+  layer_run "cuda$r-edp2" cuda "$r" --set parallel.expert_data_parallel=2
+  layer_run "cuda$r-etp2" cuda "$r" --set parallel.expert_tensor_parallel=2
+done
 # a process per GPU, launched by torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); NCCL's id
 # goes over MOERT_BOOTSTRAP_PORT because torchrun's own store holds MASTER_PORT
 if command -v torchrun >/dev/null 2>&1 && [ "$gpus" -ge 4 ]; then
@@ -71,7 +80,8 @@ out = sys.argv[1]
 def losses(name):
     p = os.path.join(out, "layer-%s.json" % name)
     return [s["loss"] for s in json.load(open(p))["steps"]] if os.path.exists(p) else None
-for name in ("cuda1", "cuda2", "cuda4", "proc4", "cuda1-m2", "cuda2-m2", "cuda4-m2"):
+for name in ("cuda1", "cuda2", "cuda4", "proc4", "cuda1-m2", "cuda2-m2", "cuda4-m2", "cuda2-edp2", "cuda2-etp2",
+             "cuda4-edp2", "cuda4-etp2"):
     ref = losses("cpu4-m2" if name.endswith("-m2") else "cpu4")
     got = losses(name)
     if got is None:

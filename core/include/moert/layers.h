@@ -90,7 +90,7 @@ typedef struct moert_launch {
     /* API version 2: the MoE layers' own grid over the world (MoE Parallel Folding, docs/parallel.md), in Megatron's
      * expert rank order: rank = etp + ETP * (ep + EP * edp), EP = world_size / (ETP x EDP). 0 or 1: none. Each rank
      * holds E/EP experts, each a shard of F/ETP of their width; experts are replicated over the EDP ranks. The
-     * config's $.parallel.expert_* keys are ignored, as $.parallel.ranks is. ETP or EDP > 1: CPU ranks only for now. */
+     * config's $.parallel.expert_* keys are ignored, as $.parallel.ranks is. CPU and CUDA ranks alike. */
     int32_t expert_tensor_parallel;
     int32_t expert_data_parallel;
 } moert_launch;

@@ -750,6 +750,89 @@ fail:
     return rc;
 }
 
+/* ---- subgroups ---- */
+
+/* A nonblocking split runs in the background and writes the child's handle when it is done: waits for it (bounded by
+ * the parent's timeout; an error of the parent's fails at once). */
+static moert_result split_wait(moert_nccl_comm *parent, ncclComm_t *child)
+{
+    moert_result rc = MOERT_OK;
+    double deadline = now_seconds() + parent->timeout_s;
+    long pause_us = 20;
+    while (!__atomic_load_n(child, __ATOMIC_ACQUIRE)) {
+        ncclResult_t state = ncclSuccess;
+        ncclResult_t q = ncclCommGetAsyncError(parent->comm, &state);
+        if (q != ncclSuccess) return moert_nccl_fail("ncclCommGetAsyncError", q, parent->comm, __FILE__, __LINE__);
+        if (state != ncclSuccess && state != ncclInProgress) {
+            rc = moert_nccl_fail("ncclCommSplit", state, parent->comm, __FILE__, __LINE__);
+            abort_comm(parent, rc, moert_error_message());
+            return rc;
+        }
+        MOERT_CHECK(check_alive(parent, "ncclCommSplit"));
+        if (now_seconds() > deadline) return timeout_error(parent, "ncclCommSplit");
+        poll_pause(&pause_us);
+    }
+fail:
+    return rc;
+}
+
+moert_result moert_nccl_comm_split(moert_nccl_comm *parent, int color, int key, moert_nccl_comm **out)
+{
+    moert_result rc = MOERT_OK;
+    moert_nccl_comm *c = NULL;
+    int prev = -1, rank = -1, world = 0;
+    bool pending = false; /* the background split may still write the child's handle into c */
+    *out = NULL;
+    MOERT_CHECK(check_alive(parent, "ncclCommSplit"));
+    MOERT_CUDA_CHECK(cudaGetDevice(&prev));
+    MOERT_CUDA_CHECK(cudaSetDevice(parent->device));
+    MOERT_CHECK(new_comm(0, 1, parent->device, parent->timeout_s, parent->mode, &c));
+    c->group = parent->group;
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    config.commName = "moert-expert-group";
+    ncclResult_t r = ncclCommSplit(parent->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &c->comm, &config);
+    if (r != ncclSuccess && r != ncclInProgress) {
+        rc = moert_nccl_fail("ncclCommSplit", r, parent->comm, __FILE__, __LINE__);
+        goto fail;
+    }
+    pending = r == ncclInProgress;
+    /* the split runs on the parent's side and ends in the child: both settle */
+    MOERT_CHECK(nccl_settle(parent, r, "ncclCommSplit", __FILE__, __LINE__));
+    if (color < 0) { /* left out (NOCOLOR): no communicator */
+        free(c);
+        c = NULL;
+        goto exit;
+    }
+    MOERT_CHECK(split_wait(parent, &c->comm));
+    pending = false;
+    MOERT_CHECK(nccl_settle(c, r, "ncclCommSplit", __FILE__, __LINE__));
+    NCCL_COMM_CHECK(c, ncclCommUserRank(c->comm, &rank));
+    NCCL_COMM_CHECK(c, ncclCommCount(c->comm, &world));
+    c->rank = rank;
+    c->world = world;
+    MOERT_CHECK(create_internal_resources(c));
+    *out = c;
+    c = NULL;
+exit:
+fail:
+    if (c && pending) { /* never finished: left allocated, its handle may still arrive */
+        char saved[1024];
+        snprintf(saved, sizeof saved, "%s", moert_error_message());
+        moert_error(rc, "%s", saved);
+        moert_error_prefix("splitting NCCL communicator rank %d of %d (color %d)", parent->rank, parent->world, color);
+    } else if (c) {
+        char saved[1024];
+        snprintf(saved, sizeof saved, "%s", moert_error_message());
+        if (!c->aborted) abort_comm(c, rc, saved); /* thread mode: the other ranks' waits end now */
+        moert_nccl_comm_free(c);
+        moert_error(rc, "%s", saved);
+        moert_error_prefix("splitting NCCL communicator rank %d of %d (color %d)", parent->rank, parent->world, color);
+    }
+    if (prev >= 0 && prev != parent->device) (void)cudaSetDevice(prev);
+    return rc;
+}
+
 /* ---- teardown and accessors ---- */
 
 void moert_nccl_comm_free(moert_nccl_comm *c)

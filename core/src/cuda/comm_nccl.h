@@ -69,6 +69,14 @@ moert_result moert_nccl_unique_id_make(unsigned char *id, size_t bytes);
 moert_result moert_nccl_comm_init_id(const unsigned char *id, size_t id_bytes, int rank, int world, int device,
                                      double timeout_s, moert_nccl_comm **out);
 
+/* ---- subgroups (either mode) ---- */
+
+/* The communicator of the ranks of `parent` that pass the same color (ncclCommSplit), ranked by key (ties: by parent
+ * rank). Collective over parent: every rank calls it, in the same order as its other splits; a color of -1 leaves the
+ * rank out (*out NULL). The new communicator has the parent's mode, device and timeout, and in thread mode its group,
+ * so an abort of either is seen by both; free it (moert_nccl_comm_free) before the parent. */
+moert_result moert_nccl_comm_split(moert_nccl_comm *parent, int color, int key, moert_nccl_comm **out);
+
 /* ---- either mode ---- */
 
 /* Flushes and destroys the communicator (bounded; aborted if peers do not finish), closes IPC mappings. */
