@@ -25,8 +25,8 @@ case "$NGPUS" in 2 | 4) ;; *) echo "folding_gpu.sh: NGPUS is 2 or 4, not $NGPUS"
 [ "$gpus" -ge "$NGPUS" ] || { echo "folding_gpu.sh: $NGPUS GPUs wanted, $gpus answer" >&2; exit 77; }
 [ -x "$MOERT" ] || { echo "folding_gpu.sh: $MOERT is not built" >&2; exit 2; }
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-# a checkout without .git: MOERT_BENCH_GIT names the revision (docs/benchmarks.md, "Recording results")
-git=$(git rev-parse --short HEAD 2>/dev/null || echo "${MOERT_BENCH_GIT:-unknown}")
+# MOERT_BENCH_GIT names the revision where the checkout's .git is missing or stale (docs/benchmarks.md, "Recording results")
+git=${MOERT_BENCH_GIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 command="bench/folding_gpu.sh $*"
 echo "MoE Parallel Folding: $NGPUS x $card, git $git"
 rm -f "$OUT/runs.jsonl"
