@@ -76,13 +76,12 @@ static void *device_view(const void *p, int device, bool *on_device)
  * small copy the step waits on (the loss) would otherwise queue behind an offload's hundreds of MB. */
 #define SMALL_COPY_BYTES (256u << 10)
 
-__global__ void copy_bytes_kernel(size_t n, unsigned char *__restrict__ dst, const unsigned char *__restrict__ src)
+static __global__ void copy_bytes_kernel(size_t n, unsigned char *__restrict__ dst,
+                                         const unsigned char *__restrict__ src)
 {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         dst[i] = src[i];
 }
-
-static int grid_for(int64_t work_items);
 
 extern "C" moert_result trainer_cuda_copy(void *dst, const void *src, size_t bytes, moert_stream s)
 {
@@ -94,8 +93,9 @@ extern "C" moert_result trainer_cuda_copy(void *dst, const void *src, size_t byt
         void *d = device_view(dst, device, &dst_dev);
         const void *v = device_view(src, device, &src_dev);
         if (d && v && dst_dev != src_dev) {
-            copy_bytes_kernel<<<grid_for((int64_t)bytes), BLOCK_THREADS, 0, (cudaStream_t)s>>>(
-                bytes, (unsigned char *)d, (const unsigned char *)v);
+            const int blocks = (int)((bytes + BLOCK_THREADS - 1) / BLOCK_THREADS);
+            copy_bytes_kernel<<<blocks, BLOCK_THREADS, 0, (cudaStream_t)s>>>(bytes, (unsigned char *)d,
+                                                                             (const unsigned char *)v);
             cudaError_t err = cudaGetLastError();
             if (err != cudaSuccess) return cuda_failed("copy_bytes_kernel<<<>>>", err);
             return MOERT_OK;
@@ -117,6 +117,9 @@ extern "C" moert_result trainer_cuda_zero(void *ptr, size_t bytes, moert_stream 
     CUDA_CALL(cudaMemsetAsync(ptr, 0, bytes, (cudaStream_t)s));
     return MOERT_OK;
 }
+
+/* The kernels and their helpers have internal linkage: the core's kernels of the same names are linked beside them. */
+namespace {
 
 /* ---- element access ---- */
 
@@ -234,6 +237,8 @@ static moert_result axpby_y(cudaStream_t s, int64_t n, double a, const void *x, 
     }
 }
 
+} // namespace
+
 extern "C" moert_result trainer_cuda_axpby(moert_stream stream, int64_t n, double a, moert_dtype x_dtype, const void *x,
                                            double b, moert_dtype y_dtype, void *y)
 {
@@ -250,6 +255,8 @@ extern "C" moert_result trainer_cuda_axpby(moert_stream stream, int64_t n, doubl
                                     moert_dtype_name(x_dtype));
     }
 }
+
+namespace {
 
 /* ---- the squared error: a fixed grid of per-block partials, then one block over the partials ---- */
 
@@ -273,6 +280,8 @@ __global__ void sum_partials_kernel(int count, const float *__restrict__ partial
     float total = block_sum<float>(acc);
     if (threadIdx.x == 0) *result = total;
 }
+
+} // namespace
 
 extern "C" moert_result trainer_cuda_squared_error(moert_stream stream, moert_dtype dtype, int64_t n, const void *pred,
                                                    const void *target, double scale, moert_dtype grad_dtype, void *grad,
@@ -313,6 +322,8 @@ extern "C" moert_result trainer_cuda_squared_error(moert_stream stream, moert_dt
     return MOERT_OK;
 }
 
+namespace {
+
 /* ---- Adam ---- */
 
 template <typename TG>
@@ -333,6 +344,8 @@ __global__ void adam_kernel(int64_t n, float lr, float beta1, float one_minus_be
         param[i] = param[i] * decay_factor - lr * update;
     }
 }
+
+} // namespace
 
 extern "C" moert_result trainer_cuda_adam(moert_stream stream, int64_t n, int64_t step, double lr, double beta1,
                                           double beta2, double eps, double weight_decay, float *param,
