@@ -129,7 +129,6 @@ template <typename T, int N> struct alignas(sizeof(T) * N) vec_t {
 
 __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f32(double x) { return (float)x; }
 __device__ __forceinline__ double to_f64(float x) { return x; }
 __device__ __forceinline__ double to_f64(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ double to_f64(double x) { return x; }
@@ -137,7 +136,6 @@ __device__ __forceinline__ double to_f64(double x) { return x; }
 template <typename T> __device__ __forceinline__ T from_f32(float x);
 template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-template <> __device__ __forceinline__ double from_f32<double>(float x) { return x; }
 
 template <typename T> __device__ __forceinline__ T from_f64(double x);
 template <> __device__ __forceinline__ float from_f64<float>(double x) { return (float)x; }
