@@ -338,8 +338,8 @@ MOERT_API moert_result moert_layers_tokens_per_expert(moert_layers *layers, int 
  * The forwards and backwards of the layers can be captured into CUDA graphs and replayed: capture_begin, the calls
  * (forwards, or backwards), capture_end, then moert_graph_launch for each later micro-batch of the same shapes and
  * tensors. Run one micro-batch without capture first, so plugins set themselves up and the layers' memory pool holds
- * what the step needs. A replay skips the host: a forward's stats and the moert_saved handles are not made again, the
- * router losses of a replayed forward are those of the captured one. */
+ * what the step needs. A replay skips the host: it makes no stats and no moert_saved handles (a caller adding up the
+ * router losses takes, for a replayed forward, those of the last forward it ran on the host). */
 typedef struct moert_graph moert_graph;
 
 /* Whether every layer's forward and backward can be captured (CUDA layers whose plugins declare
