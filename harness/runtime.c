@@ -1,13 +1,11 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* moert's own trainer: runs one thread per rank, creates each rank's layers through the public API, and trains them
- * on the synthetic task with its own loss and optimizer (harness/optim.h). Part of the harness (harness/trainer.h),
- * not of libmoert: a client of moert/moert.h like any training framework (docs/api.md, "moert's own trainer"). */
+/* moert's own trainer: creates each rank's layers through the public API, one thread per rank (harness/ranks.h), and
+ * trains them on the synthetic task with its own loss and optimizer (harness/optim.h). Part of the harness
+ * (harness/trainer.h), not of libmoert: a client of moert/moert.h like any training framework (docs/api.md, "moert's
+ * own trainer"). */
 #include "runtime.h"
 
-#include <errno.h>
 #include <math.h>
-#include <pthread.h>
-#include <stdatomic.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,6 +13,7 @@
 #include <unistd.h>
 
 #include "optim.h"
+#include "ranks.h"
 #ifdef MOERT_HAVE_CUDA
 #include "cuda_ops.h"
 #endif
@@ -25,46 +24,6 @@
         rc = (call);                                                                                                   \
         if (rc != MOERT_OK) goto fail;                                                                                 \
     } while (0)
-
-/* One parameter of one layer: the value and gradient bound to the layers, and Adam's moments (NULL data with SGD or
- * where the config has no such parameter). */
-typedef struct trainer_param {
-    moert_tensor value, grad, m, v;
-} trainer_param;
-
-/* Everything one rank owns. */
-struct moert_rank {
-    moert_runtime *rt;
-    int rank;                                   /* in the world */
-    int device;                                 /* CUDA ordinal on this host */
-    moert_layers *layers;                       /* the rank's MoE layers */
-    moert_layers_info info;                     /* their sizes, device and stream */
-    trainer_param (*params)[MOERT_PARAM_COUNT]; /* [num_layers] */
-    moert_saved **saved;                        /* [num_layers] the forward in flight */
-    double *router_losses;                      /* [num_layers] of the last forward run on the host (a replay's too) */
-    moert_tensor *acts;                         /* [num_layers + 1] residual stream; acts[0] is the input */
-    moert_tensor grad_a, grad_b, target;        /* [T,H] on the device */
-    moert_tensor x_host, target_host;           /* [T,H] on the host, fp64 */
-    void *workspace;                            /* TRAINER_LOSS_WORKSPACE_BYTES on the device */
-    moert_stream stream;                        /* the layers' compute stream (NULL on the CPU) */
-    bool batch_loaded;                          /* train.data "repeat": the one batch is on the device */
-    /* per step (summed over its micro-batches) */
-    double mse_sum, router_loss;
-    int64_t *counts;       /* [num_layers * E] tokens per expert, pinned (all-reduced through the stream) */
-    int64_t *micro_counts; /* [num_layers * E], pinned: one micro-batch's */
-    double stage_seconds[MOERT_LAYER_STAGES]; /* summed over layers and micro-batches */
-    double backward_part_seconds[MOERT_LAYER_BACKWARD_PARTS];
-    float *loss_result; /* pinned: the loss sum comes back through it */
-    moert_trace trace;  /* the stage spans of this rank's streams, when the run is traced */
-    /* CUDA graphs ($.parallel.cuda_graph): the layers' forward and backward, captured once, then replayed; one pair
-     * per form: [0] a step's first micro-batch (its WGRADs overwrite the expert gradients), [1] the later ones */
-    moert_graph *graph_forward[2], *graph_backward[2];
-    int64_t eager_steps; /* forward+backward passes run without graphs */
-    /* outcome of the phase running on this rank */
-    moert_result rc;
-    int fail_order;
-    char error[2048];
-};
 
 static double now_seconds(void)
 {
@@ -96,190 +55,6 @@ static moert_result rank_sync(moert_rank *r)
     if (r->rt->device_type == MOERT_DEVICE_CUDA) return trainer_cuda_sync(r->stream);
 #endif
     (void)r;
-    return MOERT_OK;
-}
-
-/* ---- running a phase on every rank ---- */
-
-typedef moert_result (*rank_phase_fn)(moert_rank *r, void *arg);
-
-typedef struct phase_run phase_run;
-
-typedef struct phase_call {
-    moert_rank *r;
-    rank_phase_fn fn;
-    void *arg;
-    atomic_int *fail_counter;
-    phase_run *run; /* NULL when the caller's thread runs the only rank */
-} phase_call;
-
-/* One run_on_ranks call with rank threads: heap-allocated, so that a rank thread abandoned after a stall (it may
- * still wake up and finish) never touches freed memory; it is then left allocated on purpose. */
-struct phase_run {
-    pthread_mutex_t lock;
-    pthread_cond_t cond; /* on CLOCK_MONOTONIC */
-    int running;         /* rank threads not finished */
-    bool finished[64];
-    atomic_int fail_counter;
-    phase_call calls[64];
-    pthread_t threads[64];
-};
-
-/* Once a rank failed (a peer stalled past $.parallel.timeout_s, or any error), the other ranks get this long to
- * return before they are abandoned: between 1 and 5 s, timeout_s where it is shorter. */
-static double stall_grace_s(const moert_runtime *rt)
-{
-    double t = rt->set.timeout_s;
-    return t < 1.0 ? 1.0 : t > 5.0 ? 5.0 : t;
-}
-
-static void *phase_main(void *p)
-{
-    phase_call *c = p;
-    moert_rank *r = c->r;
-    moert_set_last_error(MOERT_OK, "%s", "");
-#ifdef MOERT_HAVE_CUDA
-    if (r->rt->device_type == MOERT_DEVICE_CUDA) {
-        r->rc = trainer_cuda_set_device(r->device);
-        if (r->rc == MOERT_OK) r->rc = c->fn(r, c->arg);
-    } else {
-        r->rc = c->fn(r, c->arg);
-    }
-#else
-    r->rc = c->fn(r, c->arg);
-#endif
-    if (r->rc != MOERT_OK) {
-        r->fail_order = atomic_fetch_add(c->fail_counter, 1);
-        snprintf(r->error, sizeof r->error, "%s", moert_last_error());
-        /* release peers waiting for this rank in a collective */
-        if (r->rt->comm) moert_comm_fail(r->rt->comm, r->rank, r->error);
-    }
-    if (c->run) {
-        pthread_mutex_lock(&c->run->lock);
-        c->run->finished[c - c->run->calls] = true;
-        c->run->running--;
-        pthread_cond_broadcast(&c->run->cond);
-        pthread_mutex_unlock(&c->run->lock);
-    }
-    return NULL;
-}
-
-/* The monotonic time `seconds` from now. */
-static struct timespec monotonic_after(double seconds)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    long long nanos = t.tv_nsec + (long long)(seconds * 1e9);
-    t.tv_sec += (time_t)(nanos / 1000000000LL);
-    t.tv_nsec = (long)(nanos % 1000000000LL);
-    return t;
-}
-
-/* Waits for the rank threads of run; once one failed, waits at most the stall grace more. Returns the number of
- * threads that did not finish (then left running, detached). The caller holds no lock. */
-static int wait_for_ranks(moert_runtime *rt, phase_run *run)
-{
-    bool failing = false;
-    struct timespec deadline = {0, 0};
-    pthread_mutex_lock(&run->lock);
-    while (run->running > 0) {
-        if (!failing && atomic_load(&run->fail_counter) > 0) {
-            failing = true;
-            deadline = monotonic_after(stall_grace_s(rt));
-        }
-        /* a rank failing does not signal the condition: look again every 100 ms */
-        struct timespec wake = monotonic_after(0.1);
-        if (failing &&
-            (deadline.tv_sec < wake.tv_sec || (deadline.tv_sec == wake.tv_sec && deadline.tv_nsec < wake.tv_nsec)))
-            wake = deadline;
-        int w = pthread_cond_timedwait(&run->cond, &run->lock, &wake);
-        if (failing && w == ETIMEDOUT && wake.tv_sec == deadline.tv_sec && wake.tv_nsec == deadline.tv_nsec) break;
-    }
-    int left = run->running;
-    pthread_mutex_unlock(&run->lock);
-    return left;
-}
-
-/* Runs fn on every rank, one thread each; the first rank to fail gives the error. A rank that has not returned
- * within the stall grace after another failed (a stalled rank its peers timed out on) is abandoned: the call returns
- * MOERT_ERR_TIMEOUT naming it, and the runtime can only be destroyed (which then frees nothing the rank may use). */
-static moert_result run_on_ranks(moert_runtime *rt, rank_phase_fn fn, void *arg)
-{
-    if (rt->abandoned_ranks > 0)
-        return moert_set_last_error(MOERT_ERR_TIMEOUT, "%d rank%s of this runtime stalled and %s abandoned: destroy it",
-                                    rt->abandoned_ranks, rt->abandoned_ranks == 1 ? "" : "s",
-                                    rt->abandoned_ranks == 1 ? "was" : "were");
-    for (int i = 0; i < rt->nlocal; i++) {
-        rt->ranks[i].rc = MOERT_OK;
-        rt->ranks[i].fail_order = -1;
-    }
-    if (rt->nlocal == 1) {
-        atomic_int fail_counter = 0;
-        phase_call call = {&rt->ranks[0], fn, arg, &fail_counter, NULL};
-        phase_main(&call);
-    } else {
-        phase_run *run = calloc(1, sizeof *run);
-        if (!run) return moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "run_on_ranks: out of memory");
-        pthread_mutex_init(&run->lock, NULL);
-        pthread_condattr_t attr;
-        pthread_condattr_init(&attr);
-        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
-        pthread_cond_init(&run->cond, &attr);
-        pthread_condattr_destroy(&attr);
-        for (int i = 0; i < rt->nlocal; i++)
-            run->calls[i] = (phase_call){&rt->ranks[i], fn, arg, &run->fail_counter, run};
-        int started = 0;
-        int err = 0;
-        pthread_mutex_lock(&run->lock);
-        while (started < rt->nlocal &&
-               (err = pthread_create(&run->threads[started], NULL, phase_main, &run->calls[started])) == 0) {
-            started++;
-            run->running++;
-        }
-        pthread_mutex_unlock(&run->lock);
-        char why[160] = "";
-        if (started < rt->nlocal) {
-            /* the ranks already started use run and the runtime: fail the group so that none waits for the
-             * missing rank in a collective, and wait for them before returning */
-            snprintf(why, sizeof why, "pthread_create for rank %d failed: %s", rt->ranks[started].rank, strerror(err));
-            if (rt->comm) moert_comm_fail(rt->comm, rt->ranks[started].rank, why);
-            atomic_fetch_add(&run->fail_counter, 1);
-        }
-        int left = wait_for_ranks(rt, run);
-        char stalled[256] = "";
-        for (int i = 0; i < started; i++) {
-            if (run->finished[i]) {
-                pthread_join(run->threads[i], NULL);
-            } else { /* stuck: left running, with run, the ranks and the runtime left allocated */
-                pthread_detach(run->threads[i]);
-                size_t used = strlen(stalled);
-                snprintf(stalled + used, sizeof stalled - used, "%s%d", used ? ", " : "", rt->ranks[i].rank);
-            }
-        }
-        if (left > 0) {
-            rt->abandoned_ranks = left;
-            char first[2400] = "";
-            for (int i = 0; i < rt->nlocal; i++)
-                if (rt->ranks[i].fail_order == 0 && run->finished[i])
-                    snprintf(first, sizeof first, "rank %d: %s", rt->ranks[i].rank, rt->ranks[i].error);
-            return moert_set_last_error(MOERT_ERR_TIMEOUT,
-                                        "%s%s%s %s still running %.1f s later and abandoned (stalled)",
-                                        first[0] ? first : why, first[0] || why[0] ? "; " : "",
-                                        left == 1 ? "rank" : "ranks", stalled, stall_grace_s(rt));
-        }
-        pthread_cond_destroy(&run->cond);
-        pthread_mutex_destroy(&run->lock);
-        free(run);
-        if (why[0]) return moert_set_last_error(MOERT_ERR_INTERNAL, "%s", why);
-    }
-    for (int i = 0; i < rt->nlocal; i++)
-        if (rt->ranks[i].fail_order == 0) {
-            /* a config error reads the same on every rank: no rank prefix */
-            if (rt->world == 1 || rt->ranks[i].rc == MOERT_ERR_CONFIG ||
-                strncmp(rt->ranks[i].error, "config error", 12) == 0)
-                return moert_set_last_error(rt->ranks[i].rc, "%s", rt->ranks[i].error);
-            return moert_set_last_error(rt->ranks[i].rc, "rank %d: %s", rt->ranks[i].rank, rt->ranks[i].error);
-        }
     return MOERT_OK;
 }
 
@@ -582,7 +357,7 @@ moert_result moert_runtime_create(const moert_config *cfg, moert_runtime **out)
         rt->ranks[0].rank = rt->env.rank;
         rt->ranks[0].device = rt->env.local_rank;
     }
-    CHECK(run_on_ranks(rt, rank_init, NULL));
+    CHECK(trainer_run_on_ranks(rt, rank_init, NULL));
     CHECK(describe_plugins(rt));
     *out = rt;
     return MOERT_OK;
@@ -603,7 +378,7 @@ void moert_runtime_destroy(moert_runtime *rt)
     if (rt->abandoned_ranks > 0) return;
     if (rt->ranks) {
         /* finalize on one thread per rank too: a plugin may tie resources to its rank's thread */
-        run_on_ranks(rt, rank_finalize, NULL);
+        trainer_run_on_ranks(rt, rank_finalize, NULL);
     }
     moert_comm_destroy(rt->comm);
     moert_teacher_free(rt->teacher);
@@ -671,7 +446,7 @@ static moert_result ensure_params(moert_runtime *rt)
     moert_result rc = moert_teacher_create(rt->set.hidden, (uint64_t)rt->set.seed + 7777, rt->set.teacher_scale,
                                            rt->set.input_shift, &rt->teacher);
     if (rc != MOERT_OK) return rc;
-    rc = run_on_ranks(rt, rank_prepare, NULL);
+    rc = trainer_run_on_ranks(rt, rank_prepare, NULL);
     if (rc == MOERT_OK) rt->params_ready = true;
     return rc;
 }
@@ -1128,7 +903,7 @@ moert_result moert_runtime_step(moert_runtime *rt, int64_t step, moert_step_reco
     if (rc != MOERT_OK) return rc;
     /* the record lives in the runtime: rank 0 fills it, and an abandoned rank 0 may still do so later */
     step_arg sa = {.step = step, .rec = &rt->step_record};
-    rc = run_on_ranks(rt, rank_train_step_phase, &sa);
+    rc = trainer_run_on_ranks(rt, rank_train_step_phase, &sa);
     if (rc != MOERT_OK) return rc;
     rc = collect_memory(rt);
     if (rc != MOERT_OK) return rc;
@@ -1211,7 +986,7 @@ moert_result moert_runtime_read_output(moert_runtime *rt, int64_t first, int64_t
     if (!rt->params_ready)
         return moert_set_last_error(MOERT_ERR_UNSUPPORTED, "the stack's output is readable after a step");
     read_arg a = {.layer = -1, .first = first, .count = count, .out = out};
-    return run_on_ranks(rt, rank_read, &a);
+    return trainer_run_on_ranks(rt, rank_read, &a);
 }
 
 moert_result moert_runtime_read_grad(moert_runtime *rt, int layer, moert_param_id which, int64_t first, int64_t count,
@@ -1221,7 +996,7 @@ moert_result moert_runtime_read_grad(moert_runtime *rt, int layer, moert_param_i
         return moert_set_last_error(MOERT_ERR_INVALID_ARGUMENT,
                                     "layer %d has no gradient of parameter %d (or no step ran)", layer, (int)which);
     read_arg a = {.layer = layer, .which = which, .first = first, .count = count, .out = out};
-    return run_on_ranks(rt, rank_read, &a);
+    return trainer_run_on_ranks(rt, rank_read, &a);
 }
 
 double moert_precision_agreement_rtol(const moert_plugin_header *precision)
@@ -1251,7 +1026,7 @@ moert_result moert_runtime_forward_backward(moert_runtime *rt, int64_t step, dou
 {
     moert_result rc = ensure_params(rt);
     if (rc != MOERT_OK) return rc;
-    rc = run_on_ranks(rt, rank_forward_backward_phase, &step);
+    rc = trainer_run_on_ranks(rt, rank_forward_backward_phase, &step);
     if (rc != MOERT_OK) return rc;
     moert_step_record rec;
     fill_record(rt, step, 0.0, &rec);
@@ -1308,7 +1083,7 @@ moert_result moert_runtime_train(moert_runtime *rt, const moert_train_options *o
     for (int i = 0; i < rt->nlocal; i++) rt->ranks[i].trace.count = 0;
     double t0 = now_seconds();
     rt->trace_origin = t0;
-    rc = run_on_ranks(rt, rank_train, &ta);
+    rc = trainer_run_on_ranks(rt, rank_train, &ta);
     rt->total_seconds = now_seconds() - t0;
     if (rc == MOERT_OK && trace_path) rc = write_trace(rt, trace_path);
     if (rc != MOERT_OK) return rc;

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The trainer's internals (harness/runtime.c): the layers of every rank this process hosts and the step loop, and
- * what tests reach into. A client of the public API alone (moert/moert.h): the layers, their memory pool, collectives
+/* The trainer's internals (harness/runtime.c, harness/ranks.c): the layers of every rank this process hosts and the
+ * step loop, and what tests reach into. A client of the public API alone (moert/moert.h): the layers, their memory pool, collectives
  * and CUDA graphs through moert_layers_*, the loss and optimizer its own (harness/optim.h). */
 #ifndef MOERT_HARNESS_RUNTIME_H
 #define MOERT_HARNESS_RUNTIME_H
@@ -81,6 +81,46 @@ struct moert_runtime {
     bool tracing;                  /* moert_train_options.trace_path: each rank records its stage spans */
     double trace_origin;           /* the run's start on the host clock, time 0 of the trace */
     char memory_line[512];         /* per rank, estimated before the plugins start (moert check prints it) */
+};
+
+/* One parameter of one layer: the value and gradient bound to the layers, and Adam's moments (NULL data with SGD or
+ * where the config has no such parameter). */
+typedef struct trainer_param {
+    moert_tensor value, grad, m, v;
+} trainer_param;
+
+/* Everything one rank owns. */
+struct moert_rank {
+    moert_runtime *rt;
+    int rank;                                   /* in the world */
+    int device;                                 /* CUDA ordinal on this host */
+    moert_layers *layers;                       /* the rank's MoE layers */
+    moert_layers_info info;                     /* their sizes, device and stream */
+    trainer_param (*params)[MOERT_PARAM_COUNT]; /* [num_layers] */
+    moert_saved **saved;                        /* [num_layers] the forward in flight */
+    double *router_losses;                      /* [num_layers] of the last forward run on the host (a replay's too) */
+    moert_tensor *acts;                         /* [num_layers + 1] residual stream; acts[0] is the input */
+    moert_tensor grad_a, grad_b, target;        /* [T,H] on the device */
+    moert_tensor x_host, target_host;           /* [T,H] on the host, fp64 */
+    void *workspace;                            /* TRAINER_LOSS_WORKSPACE_BYTES on the device */
+    moert_stream stream;                        /* the layers' compute stream (NULL on the CPU) */
+    bool batch_loaded;                          /* train.data "repeat": the one batch is on the device */
+    /* per step (summed over its micro-batches) */
+    double mse_sum, router_loss;
+    int64_t *counts;       /* [num_layers * E] tokens per expert, pinned (all-reduced through the stream) */
+    int64_t *micro_counts; /* [num_layers * E], pinned: one micro-batch's */
+    double stage_seconds[MOERT_LAYER_STAGES]; /* summed over layers and micro-batches */
+    double backward_part_seconds[MOERT_LAYER_BACKWARD_PARTS];
+    float *loss_result; /* pinned: the loss sum comes back through it */
+    moert_trace trace;  /* the stage spans of this rank's streams, when the run is traced */
+    /* CUDA graphs ($.parallel.cuda_graph): the layers' forward and backward, captured once, then replayed; one pair
+     * per form: [0] a step's first micro-batch (its WGRADs overwrite the expert gradients), [1] the later ones */
+    moert_graph *graph_forward[2], *graph_backward[2];
+    int64_t eager_steps; /* forward+backward passes run without graphs */
+    /* outcome of the phase running on this rank */
+    moert_result rc;
+    int fail_order;
+    char error[2048];
 };
 
 /* The relative tolerance a precision recipe declares for the agreement of two runs (moert_precision_v1's
