@@ -383,7 +383,7 @@ static moert_result check_launch_layout(const moert_config *cfg, const moert_lau
     const char *fn = "moert_layers_create";
     int etp = 1, edp = 1;
     launch_layout(launch, &etp, &edp);
-    if (launch->struct_size >= sizeof *launch &&
+    if (launch->struct_size >= offsetof(moert_launch, expert_data_parallel) + sizeof(int32_t) &&
         (launch->expert_tensor_parallel < 0 || launch->expert_data_parallel < 0))
         return moert_error(MOERT_ERR_INVALID_ARGUMENT,
                            "%s: launch->expert_tensor_parallel %d and "
