@@ -1,64 +1,29 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* moert's own trainer: loads the configured plugins, runs one thread per rank, and trains the layer stack on the
- * synthetic task. Part of the harness (harness/trainer.h), not of libmoert; the step loop still drives the core's
- * stack, executor and activation store directly (docs/api.md, "moert's own trainer", lists what it reaches). */
+/* moert's own trainer: creates each rank's layers through the public API, one thread per rank (harness/ranks.h), and
+ * trains them on the synthetic task with its own loss and optimizer (harness/optim.h). Part of the harness
+ * (harness/trainer.h), not of libmoert: a client of moert/moert.h like any training framework (docs/api.md, "moert's
+ * own trainer"). */
 #include "runtime.h"
 
-#include <errno.h>
 #include <math.h>
-#include <pthread.h>
-#include <stdatomic.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
 
-#include "error.h"
-#include "host.h"
-#include "log.h"
-#include "tensor_ops.h"
-#include "trace.h"
+#include "optim.h"
+#include "ranks.h"
 #ifdef MOERT_HAVE_CUDA
-#include "cuda/comm_nccl.h"
-#include "cuda/device.h"
-#include "cuda/pool.h"
+#include "cuda_ops.h"
 #endif
 
-/* Everything one rank owns. */
-struct moert_rank {
-    moert_runtime *rt;
-    int rank;                            /* in the expert-parallel group */
-    int device;                          /* CUDA ordinal on this host */
-    moert_stack stack;                   /* the layers, their plugin instances and services */
-    moert_host *core_host;               /* stack.core_host */
-    moert_layer *layers;                 /* stack.layers: [num_layers] */
-    moert_tensor *acts;                  /* [num_layers + 1] residual stream; acts[0] is the input */
-    moert_tensor grad_a, grad_b, target; /* [T,H] on the device */
-    moert_tensor x_host, target_host;    /* [T,H] on the host, fp64 */
-    void *workspace;                     /* MOERT_SQUARED_ERROR_WORKSPACE_BYTES on the device */
-    moert_stream stream;                 /* the rank's compute stream (NULL on the CPU) */
-    struct moert_cuda_pool *pool;        /* CUDA ranks */
-    struct moert_nccl_comm *nccl;        /* CUDA ranks */
-    bool batch_loaded;                   /* train.data "repeat": the one batch is on the device */
-    /* per step (summed over its micro-batches) */
-    double mse_sum, router_loss;
-    int64_t *counts;       /* [num_layers * E] tokens per expert, pinned (all-reduced through the stream) */
-    int64_t *micro_counts; /* [num_layers * E], pinned: one micro-batch's, copied into while copy
-                                            streams are busy */
-    double stage_seconds[MOERT_STAGE_COUNT]; /* summed over layers and micro-batches */
-    double backward_part_seconds[MOERT_BWD_PART_COUNT];
-    float *loss_result; /* pinned: the loss sum comes back through it */
-    moert_trace trace;  /* the stage spans of this rank's streams, when the run is traced */
-    /* CUDA graphs ($.parallel.cuda_graph): the stack's forward and backward, captured once, then replayed; one pair
-     * per form: [0] a step's first micro-batch (its WGRADs overwrite the expert gradients), [1] the later ones */
-    void *graph_forward[2], *graph_backward[2]; /* moert_cuda_graph */
-    int64_t eager_steps;                        /* forward+backward passes run without graphs */
-    /* outcome of the phase running on this rank */
-    moert_result rc;
-    int fail_order;
-    char error[2048];
-};
+/* Calls a function returning a moert_result; on failure keeps its message and jumps to fail with rc set. */
+#define CHECK(call)                                                                                                    \
+    do {                                                                                                               \
+        rc = (call);                                                                                                   \
+        if (rc != MOERT_OK) goto fail;                                                                                 \
+    } while (0)
 
 static double now_seconds(void)
 {
@@ -67,267 +32,164 @@ static double now_seconds(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* ---- running a phase on every rank ---- */
-
-typedef moert_result (*rank_phase_fn)(moert_rank *r, void *arg);
-
-typedef struct phase_run phase_run;
-
-typedef struct phase_call {
-    moert_rank *r;
-    rank_phase_fn fn;
-    void *arg;
-    atomic_int *fail_counter;
-    phase_run *run; /* NULL when the caller's thread runs the only rank */
-} phase_call;
-
-/* One run_on_ranks call with rank threads: heap-allocated, so that a rank thread abandoned after a stall (it may
- * still wake up and finish) never touches freed memory; it is then left allocated on purpose. */
-struct phase_run {
-    pthread_mutex_t lock;
-    pthread_cond_t cond; /* on CLOCK_MONOTONIC */
-    int running;         /* rank threads not finished */
-    bool finished[64];
-    atomic_int fail_counter;
-    phase_call calls[64];
-    pthread_t threads[64];
-};
-
-/* Once a rank failed (a peer stalled past $.parallel.timeout_s, or any error), the other ranks get this long to
- * return before they are abandoned: between 1 and 5 s, timeout_s where it is shorter. */
-static double stall_grace_s(const moert_runtime *rt)
+/* The pinned host memory of the rank's layers' device: page-locked on GPUs, plain on the CPU. */
+static moert_device pinned_device(const moert_rank *r)
 {
-    double t = rt->cfg->parallel.timeout_s;
-    return t < 1.0 ? 1.0 : t > 5.0 ? 5.0 : t;
+    return (moert_device){r->rt->device_type == MOERT_DEVICE_CUDA ? MOERT_DEVICE_CUDA_HOST : MOERT_DEVICE_CPU, 0};
 }
 
-static void *phase_main(void *p)
+/* bytes from src to dst (host or the rank's device), queued on the rank's stream (at once on the CPU). */
+static moert_result rank_copy(moert_rank *r, void *dst, const void *src, size_t bytes)
 {
-    phase_call *c = p;
-    moert_rank *r = c->r;
-    moert_error_clear();
 #ifdef MOERT_HAVE_CUDA
-    if (r->rt->device_type == MOERT_DEVICE_CUDA) {
-        r->rc = moert_cuda_set_device(r->device);
-        if (r->rc == MOERT_OK) r->rc = c->fn(r, c->arg);
-    } else {
-        r->rc = c->fn(r, c->arg);
-    }
-#else
-    r->rc = c->fn(r, c->arg);
+    if (r->rt->device_type == MOERT_DEVICE_CUDA) return trainer_cuda_copy(dst, src, bytes, r->stream);
 #endif
-    if (r->rc != MOERT_OK) {
-        r->fail_order = atomic_fetch_add(c->fail_counter, 1);
-        snprintf(r->error, sizeof r->error, "%s", moert_error_message());
-        /* release peers waiting for this rank in a collective */
-        if (r->rt->comm) moert_comm_abort(r->rt->comm, r->rank, r->error);
+    if (bytes) memmove(dst, src, bytes);
+    return MOERT_OK;
+}
+
+/* Waits for the rank's stream. */
+static moert_result rank_sync(moert_rank *r)
+{
 #ifdef MOERT_HAVE_CUDA
-        if (r->nccl) moert_nccl_comm_abort(r->nccl, r->error);
+    if (r->rt->device_type == MOERT_DEVICE_CUDA) return trainer_cuda_sync(r->stream);
 #endif
-    }
-    if (c->run) {
-        pthread_mutex_lock(&c->run->lock);
-        c->run->finished[c - c->run->calls] = true;
-        c->run->running--;
-        pthread_cond_broadcast(&c->run->cond);
-        pthread_mutex_unlock(&c->run->lock);
-    }
-    return NULL;
-}
-
-/* The monotonic time `seconds` from now. */
-static struct timespec monotonic_after(double seconds)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    long long nanos = t.tv_nsec + (long long)(seconds * 1e9);
-    t.tv_sec += (time_t)(nanos / 1000000000LL);
-    t.tv_nsec = (long)(nanos % 1000000000LL);
-    return t;
-}
-
-/* Waits for the rank threads of run; once one failed, waits at most the stall grace more. Returns the number of
- * threads that did not finish (then left running, detached). The caller holds no lock. */
-static int wait_for_ranks(moert_runtime *rt, phase_run *run)
-{
-    bool failing = false;
-    struct timespec deadline = {0, 0};
-    pthread_mutex_lock(&run->lock);
-    while (run->running > 0) {
-        if (!failing && atomic_load(&run->fail_counter) > 0) {
-            failing = true;
-            deadline = monotonic_after(stall_grace_s(rt));
-        }
-        /* a rank failing does not signal the condition: look again every 100 ms */
-        struct timespec wake = monotonic_after(0.1);
-        if (failing &&
-            (deadline.tv_sec < wake.tv_sec || (deadline.tv_sec == wake.tv_sec && deadline.tv_nsec < wake.tv_nsec)))
-            wake = deadline;
-        int w = pthread_cond_timedwait(&run->cond, &run->lock, &wake);
-        if (failing && w == ETIMEDOUT && wake.tv_sec == deadline.tv_sec && wake.tv_nsec == deadline.tv_nsec) break;
-    }
-    int left = run->running;
-    pthread_mutex_unlock(&run->lock);
-    return left;
-}
-
-/* Runs fn on every rank, one thread each; the first rank to fail gives the error. A rank that has not returned
- * within the stall grace after another failed (a stalled rank its peers timed out on) is abandoned: the call returns
- * MOERT_ERR_TIMEOUT naming it, and the runtime can only be destroyed (which then frees nothing the rank may use). */
-static moert_result run_on_ranks(moert_runtime *rt, rank_phase_fn fn, void *arg)
-{
-    if (rt->abandoned_ranks > 0)
-        return moert_error(MOERT_ERR_TIMEOUT, "%d rank%s of this runtime stalled and %s abandoned: destroy it",
-                           rt->abandoned_ranks, rt->abandoned_ranks == 1 ? "" : "s",
-                           rt->abandoned_ranks == 1 ? "was" : "were");
-    for (int i = 0; i < rt->nlocal; i++) {
-        rt->ranks[i].rc = MOERT_OK;
-        rt->ranks[i].fail_order = -1;
-    }
-    if (rt->nlocal == 1) {
-        atomic_int fail_counter = 0;
-        phase_call call = {&rt->ranks[0], fn, arg, &fail_counter, NULL};
-        phase_main(&call);
-    } else {
-        phase_run *run = calloc(1, sizeof *run);
-        if (!run) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "run_on_ranks: out of memory");
-        pthread_mutex_init(&run->lock, NULL);
-        pthread_condattr_t attr;
-        pthread_condattr_init(&attr);
-        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
-        pthread_cond_init(&run->cond, &attr);
-        pthread_condattr_destroy(&attr);
-        for (int i = 0; i < rt->nlocal; i++)
-            run->calls[i] = (phase_call){&rt->ranks[i], fn, arg, &run->fail_counter, run};
-        int started = 0;
-        int err = 0;
-        pthread_mutex_lock(&run->lock);
-        while (started < rt->nlocal &&
-               (err = pthread_create(&run->threads[started], NULL, phase_main, &run->calls[started])) == 0) {
-            started++;
-            run->running++;
-        }
-        pthread_mutex_unlock(&run->lock);
-        char why[160] = "";
-        if (started < rt->nlocal) {
-            /* the ranks already started use run and the runtime: fail the group so that none waits for the
-             * missing rank in a collective, and wait for them before returning */
-            snprintf(why, sizeof why, "pthread_create for rank %d failed: %s", rt->ranks[started].rank, strerror(err));
-            if (rt->comm) moert_comm_abort(rt->comm, rt->ranks[started].rank, why);
-            atomic_fetch_add(&run->fail_counter, 1);
-        }
-        int left = wait_for_ranks(rt, run);
-        char stalled[256] = "";
-        for (int i = 0; i < started; i++) {
-            if (run->finished[i]) {
-                pthread_join(run->threads[i], NULL);
-            } else { /* stuck: left running, with run, the ranks and the runtime left allocated */
-                pthread_detach(run->threads[i]);
-                size_t used = strlen(stalled);
-                snprintf(stalled + used, sizeof stalled - used, "%s%d", used ? ", " : "", rt->ranks[i].rank);
-            }
-        }
-        if (left > 0) {
-            rt->abandoned_ranks = left;
-            char first[2400] = "";
-            for (int i = 0; i < rt->nlocal; i++)
-                if (rt->ranks[i].fail_order == 0 && run->finished[i])
-                    snprintf(first, sizeof first, "rank %d: %s", rt->ranks[i].rank, rt->ranks[i].error);
-            return moert_error(MOERT_ERR_TIMEOUT, "%s%s%s %s still running %.1f s later and abandoned (stalled)",
-                               first[0] ? first : why, first[0] || why[0] ? "; " : "", left == 1 ? "rank" : "ranks",
-                               stalled, stall_grace_s(rt));
-        }
-        pthread_cond_destroy(&run->cond);
-        pthread_mutex_destroy(&run->lock);
-        free(run);
-        if (why[0]) return moert_error(MOERT_ERR_INTERNAL, "%s", why);
-    }
-    for (int i = 0; i < rt->nlocal; i++)
-        if (rt->ranks[i].fail_order == 0) {
-            /* a config error reads the same on every rank: no rank prefix */
-            if (rt->world == 1 || rt->ranks[i].rc == MOERT_ERR_CONFIG)
-                return moert_error(rt->ranks[i].rc, "%s", rt->ranks[i].error);
-            return moert_error(rt->ranks[i].rc, "rank %d: %s", rt->ranks[i].rank, rt->ranks[i].error);
-        }
+    (void)r;
     return MOERT_OK;
 }
 
 /* ---- creation ---- */
 
+/* The config's integer (or boolean) at key, which moert resolved (every key the trainer reads has a default). */
+static moert_result get_int(const moert_config *cfg, const char *key, int64_t *out)
+{
+    return moert_config_get_int(cfg, key, out);
+}
+
+/* Reads the trainer's settings from the config as moert resolved it. */
+static moert_result read_settings(const moert_config *cfg, trainer_settings *s)
+{
+    moert_result rc = MOERT_OK;
+    char text[64];
+    int64_t flag = 0;
+    memset(s, 0, sizeof *s);
+    CHECK(moert_config_get_string(cfg, "name", s->name, sizeof s->name));
+    CHECK(get_int(cfg, "model.num_layers", &s->num_layers));
+    CHECK(get_int(cfg, "model.hidden", &s->hidden));
+    CHECK(get_int(cfg, "model.ffn_hidden", &s->ffn_hidden));
+    CHECK(get_int(cfg, "model.num_experts", &s->num_experts));
+    CHECK(get_int(cfg, "model.topk", &s->topk));
+    CHECK(moert_config_get_string(cfg, "model.dtype", text, sizeof text));
+    s->dtype = MOERT_DTYPE_COUNT;
+    for (int d = 0; d < MOERT_DTYPE_COUNT; d++)
+        if (strcmp(text, moert_dtype_name((moert_dtype)d)) == 0) s->dtype = (moert_dtype)d;
+    if (s->dtype == MOERT_DTYPE_COUNT)
+        return moert_set_last_error(MOERT_ERR_CONFIG, "config error at $.model.dtype: \"%s\" is not a dtype", text);
+    CHECK(get_int(cfg, "model.shared_expert_ffn_hidden", &s->shared_expert_ffn_hidden));
+    CHECK(get_int(cfg, "model.shared_expert_gate", &flag));
+    s->shared_expert_gate = flag != 0;
+    CHECK(get_int(cfg, "parallel.ranks", &s->ranks));
+    CHECK(get_int(cfg, "parallel.expert_tensor_parallel", &s->expert_tensor_parallel));
+    CHECK(get_int(cfg, "parallel.expert_data_parallel", &s->expert_data_parallel));
+    CHECK(moert_config_get_string(cfg, "parallel.device", text, sizeof text));
+    s->device = strcmp(text, "cpu") == 0    ? TRAINER_DEVICE_CPU
+                : strcmp(text, "cuda") == 0 ? TRAINER_DEVICE_CUDA
+                                            : TRAINER_DEVICE_AUTO;
+    CHECK(moert_config_get_double(cfg, "parallel.timeout_s", &s->timeout_s));
+    CHECK(moert_config_get_string(cfg, "parallel.cuda_graph", text, sizeof text));
+    s->cuda_graph = strcmp(text, "off") == 0  ? TRAINER_GRAPH_OFF
+                    : strcmp(text, "on") == 0 ? TRAINER_GRAPH_ON
+                                              : TRAINER_GRAPH_AUTO;
+    CHECK(get_int(cfg, "train.steps", &s->steps));
+    CHECK(get_int(cfg, "train.tokens_per_rank", &s->tokens_per_rank));
+    CHECK(get_int(cfg, "train.micro_batches", &s->micro_batches));
+    CHECK(get_int(cfg, "train.seed", &s->seed));
+    CHECK(get_int(cfg, "train.log_every", &s->log_every));
+    CHECK(moert_config_get_double(cfg, "train.lr", &s->lr));
+    CHECK(moert_config_get_double(cfg, "train.weight_decay", &s->weight_decay));
+    CHECK(moert_config_get_double(cfg, "train.teacher_scale", &s->teacher_scale));
+    CHECK(moert_config_get_double(cfg, "train.input_shift", &s->input_shift));
+    CHECK(moert_config_get_string(cfg, "train.data", text, sizeof text));
+    s->repeat_batch = strcmp(text, "repeat") == 0;
+    CHECK(moert_config_get_string(cfg, "train.optimizer", text, sizeof text));
+    s->sgd = strcmp(text, "sgd") == 0;
+fail:
+    return rc;
+}
+
 /*
  * A launcher (torchrun, or srun with the variables exported) started one process per GPU when RANK and
  * WORLD_SIZE are set: this process is then one rank, on GPU LOCAL_RANK, and NCCL is bootstrapped from
- * MASTER_ADDR/MASTER_PORT (MOERT_BOOTSTRAP_PORT overrides the port). Without them, one process runs every rank
- * as a thread.
+ * MASTER_ADDR/MASTER_PORT (moert_comm_create_launcher). Without them, one process runs every rank as a thread.
  */
 static moert_result detect_processes(moert_runtime *rt)
 {
     if (!getenv("WORLD_SIZE") || !getenv("RANK")) return MOERT_OK;
 #ifdef MOERT_HAVE_CUDA
     moert_result rc = MOERT_OK;
-    rt->dist_env = calloc(1, sizeof *rt->dist_env);
-    MOERT_CHECK_ALLOC(rt->dist_env);
-    MOERT_CHECK(moert_dist_env_read(rt->dist_env));
-    if (rt->dist_env->world_size != rt->world)
-        return moert_error(MOERT_ERR_CONFIG,
-                           "config error at $.parallel.ranks: %d ranks, but the launcher started %d "
-                           "processes (WORLD_SIZE)",
-                           rt->world, rt->dist_env->world_size);
-    if (rt->cfg->parallel.device == 1)
-        return moert_error(MOERT_ERR_CONFIG,
-                           "config error at $.parallel.device: \"cpu\", but the launcher started a "
-                           "process per rank (RANK, WORLD_SIZE set); on the CPU run moert without a launcher (ranks "
-                           "as threads)");
+    rt->env.struct_size = sizeof rt->env;
+    CHECK(moert_comm_create_launcher(rt->set.timeout_s, &rt->env, &rt->comm));
+    if (rt->env.world_size != rt->world)
+        return moert_set_last_error(MOERT_ERR_CONFIG,
+                                    "config error at $.parallel.ranks: %d ranks, but the launcher started %d "
+                                    "processes (WORLD_SIZE)",
+                                    rt->world, rt->env.world_size);
+    if (rt->set.device == TRAINER_DEVICE_CPU)
+        return moert_set_last_error(MOERT_ERR_CONFIG,
+                                    "config error at $.parallel.device: \"cpu\", but the launcher started a "
+                                    "process per rank (RANK, WORLD_SIZE set); on the CPU run moert without a launcher "
+                                    "(ranks as threads)");
     rt->processes = true;
 fail:
     return rc;
 #else
-    return moert_error(MOERT_ERR_UNSUPPORTED,
-                       "launched as a process per rank (WORLD_SIZE=%s), but this build has "
-                       "no CUDA/NCCL; run moert without a launcher (ranks as threads)",
-                       getenv("WORLD_SIZE"));
+    return moert_set_last_error(MOERT_ERR_UNSUPPORTED,
+                                "launched as a process per rank (WORLD_SIZE=%s), but this build has "
+                                "no CUDA/NCCL; run moert without a launcher (ranks as threads)",
+                                getenv("WORLD_SIZE"));
 #endif
 }
 
 /* "auto": the GPUs when this build has CUDA and enough of them answer, else the CPU. */
 static moert_result choose_device(moert_runtime *rt)
 {
-    int want = rt->cfg->parallel.device; /* 0 auto, 1 cpu, 2 cuda */
+    trainer_device_choice want = rt->set.device;
     int gpus = 0;
 #ifdef MOERT_HAVE_CUDA
-    if (want != 1 && moert_cuda_device_count(&gpus) != MOERT_OK) gpus = 0;
+    char name[256];
+    if (want != TRAINER_DEVICE_CPU && trainer_cuda_device_count(&gpus) != MOERT_OK) gpus = 0;
     if (rt->processes) {
-        int device = rt->dist_env->local_rank;
-        moert_cuda_device_info info;
+        int device = rt->env.local_rank;
         if (gpus <= device)
-            return moert_error(MOERT_ERR_UNSUPPORTED, "rank %d: LOCAL_RANK %d but %d GPU%s answer on this host",
-                               rt->dist_env->rank, device, gpus, gpus == 1 ? "" : "s");
+            return moert_set_last_error(MOERT_ERR_UNSUPPORTED,
+                                        "rank %d: LOCAL_RANK %d but %d GPU%s answer on this host", rt->env.rank, device,
+                                        gpus, gpus == 1 ? "" : "s");
         rt->device_type = MOERT_DEVICE_CUDA;
-        if (moert_cuda_device_info_get(device, &info) != MOERT_OK) snprintf(info.name, sizeof info.name, "GPU");
-        snprintf(rt->device_name, sizeof rt->device_name, "cuda (%d x %s, a process per GPU)", rt->world, info.name);
+        if (trainer_cuda_device_name(device, name, sizeof name) != MOERT_OK) snprintf(name, sizeof name, "GPU");
+        snprintf(rt->device_name, sizeof rt->device_name, "cuda (%d x %s, a process per GPU)", rt->world, name);
         return MOERT_OK;
     }
 #endif
-    if (want == 2 && gpus == 0)
-        return moert_error(MOERT_ERR_UNSUPPORTED,
-                           "config error at $.parallel.device: \"cuda\" asked for, but %s; use \"cpu\" or \"auto\"",
+    if (want == TRAINER_DEVICE_CUDA && gpus == 0)
+        return moert_set_last_error(
+            MOERT_ERR_UNSUPPORTED,
+            "config error at $.parallel.device: \"cuda\" asked for, but %s; use \"cpu\" or \"auto\"",
 #ifdef MOERT_HAVE_CUDA
-                           "no GPU answers on this machine"
+            "no GPU answers on this machine"
 #else
-                           "this build has no CUDA (configure with -Dcuda=enabled)"
+            "this build has no CUDA (configure with -Dcuda=enabled)"
 #endif
         );
-    if (want == 2 && gpus < rt->world)
-        return moert_error(MOERT_ERR_CONFIG,
-                           "config error at $.parallel.ranks: %d ranks on \"cuda\" need %d GPUs, "
-                           "this machine has %d",
-                           rt->world, rt->world, gpus);
-    if (gpus >= rt->world && want != 1) {
+    if (want == TRAINER_DEVICE_CUDA && gpus < rt->world)
+        return moert_set_last_error(MOERT_ERR_CONFIG,
+                                    "config error at $.parallel.ranks: %d ranks on \"cuda\" need %d GPUs, "
+                                    "this machine has %d",
+                                    rt->world, rt->world, gpus);
+    if (gpus >= rt->world && want != TRAINER_DEVICE_CPU) {
         rt->device_type = MOERT_DEVICE_CUDA;
 #ifdef MOERT_HAVE_CUDA
-        moert_cuda_device_info info;
-        if (moert_cuda_device_info_get(0, &info) == MOERT_OK)
-            snprintf(rt->device_name, sizeof rt->device_name, "cuda (%d x %s, a thread per GPU)", rt->world, info.name);
+        if (trainer_cuda_device_name(0, name, sizeof name) == MOERT_OK)
+            snprintf(rt->device_name, sizeof rt->device_name, "cuda (%d x %s, a thread per GPU)", rt->world, name);
         else
 #endif
             snprintf(rt->device_name, sizeof rt->device_name, "cuda (%d GPUs, a thread per GPU)", rt->world);
@@ -339,119 +201,130 @@ static moert_result choose_device(moert_runtime *rt)
     return MOERT_OK;
 }
 
-/* Creates this rank's services and one instance of every plugin per layer. */
+/* Memory from the rank's layers (their pool on GPUs) into t, a [rows, cols] tensor of dtype on `device`. */
+static moert_result rank_alloc(moert_rank *r, moert_tensor *t, moert_device device, moert_dtype dtype, int64_t rows,
+                               int64_t cols)
+{
+    *t = moert_tensor_2d(NULL, device, dtype, rows, cols);
+    return moert_layers_alloc(r->layers, device, moert_tensor_bytes(t), &t->data);
+}
+
+/* Creates this rank's layers (one instance of every plugin per layer) and its step buffers. */
 static moert_result rank_init(moert_rank *r, void *arg)
 {
     (void)arg;
     moert_result rc = MOERT_OK;
     moert_runtime *rt = r->rt;
-    const moert_config *cfg = rt->cfg;
-    int nl = (int)cfg->model.num_layers;
+    const trainer_settings *set = &rt->set;
+    int nl = (int)set->num_layers;
     moert_device device = {rt->device_type, rt->device_type == MOERT_DEVICE_CUDA ? r->device : 0};
-
-#ifdef MOERT_HAVE_CUDA
-    if (rt->device_type == MOERT_DEVICE_CUDA) {
-        MOERT_CHECK(moert_cuda_pool_create(r->device, &r->pool));
-        /* the compute stream outranks the plugins' and the executor's side streams: a dispatcher's kernels there take
-         * SMs first when a side stream's GEMM runs beside them (docs/executor.md, "Backward overlap") */
-        MOERT_CHECK(moert_cuda_stream_create_high_priority(r->device, &r->stream));
-        if (rt->processes)
-            MOERT_CHECK(moert_nccl_comm_init_env(rt->dist_env, r->device, cfg->parallel.timeout_s, &r->nccl));
-        else
-            MOERT_CHECK(moert_nccl_comm_init_thread(rt->nccl_group, r->rank, r->device, &r->nccl));
-    }
-#endif
-    moert_stack_setup setup = {.cfg = cfg,
-                               .plugins = rt->plugins,
-                               .rank = r->rank,
-                               .world = rt->world,
-                               .device = device,
-                               .max_tokens = cfg->train.tokens_per_rank,
-                               .comm = rt->comm,
-                               .etp = (int)cfg->parallel.expert_tensor_parallel,
-                               .edp = (int)cfg->parallel.expert_data_parallel,
-                               .pool = r->pool,
-                               .nccl = r->nccl,
-                               .stream = r->stream};
-    rc = moert_stack_init(&r->stack, &setup);
-    r->core_host = r->stack.core_host;
-    r->layers = r->stack.layers;
-    if (rc != MOERT_OK) goto fail;
-    MOERT_CHECK(r->core_host->alloc(r->core_host, device, MOERT_SQUARED_ERROR_WORKSPACE_BYTES, &r->workspace));
+    moert_launch launch = {.struct_size = sizeof launch,
+                           .rank = r->rank,
+                           .world_size = rt->world,
+                           .device = device,
+                           .comm = rt->comm,
+                           .max_tokens = set->tokens_per_rank,
+                           .expert_tensor_parallel = (int32_t)set->expert_tensor_parallel,
+                           .expert_data_parallel = (int32_t)set->expert_data_parallel,
+                           .flags = MOERT_LAUNCH_RESIDUAL};
+    CHECK(moert_layers_create(rt->cfg, &launch, &r->layers));
+    r->info.struct_size = sizeof r->info;
+    CHECK(moert_layers_get_info(r->layers, &r->info));
+    /* the layers' own high-priority stream: the trainer's work queues there, ordered with theirs */
+    r->stream = r->info.stream;
+    void *work = NULL;
+    CHECK(moert_layers_alloc(r->layers, device, TRAINER_LOSS_WORKSPACE_BYTES, &work));
+    r->workspace = work;
     r->acts = calloc((size_t)nl + 1, sizeof *r->acts);
-    MOERT_CHECK_ALLOC(r->acts);
+    r->params = calloc((size_t)nl, sizeof *r->params);
+    r->saved = calloc((size_t)nl, sizeof *r->saved);
+    r->router_losses = calloc((size_t)nl, sizeof *r->router_losses);
+    if (!r->acts || !r->params || !r->saved || !r->router_losses)
+        return moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "the rank's buffers: out of memory");
     /* Pinned, so the small device-to-host copies of the step never wait behind an offload copy of
      * the copy engines as pageable copies do (the host thread would block and the GPU idle). */
-    const size_t counts_bytes = (size_t)nl * (size_t)cfg->model.num_experts * sizeof *r->counts;
+    const size_t counts_bytes = (size_t)nl * (size_t)set->num_experts * sizeof *r->counts;
     int64_t **counts[2] = {&r->counts, &r->micro_counts};
     for (int i = 0; i < 2; i++) {
-        MOERT_CHECK(r->core_host->alloc_pinned(r->core_host, counts_bytes, (void **)counts[i]) == MOERT_OK
-                        ? MOERT_OK
-                        : moert_error(MOERT_ERR_OUT_OF_MEMORY, "%s", moert_host_take_error(r->core_host)));
-        memset(*counts[i], 0, counts_bytes);
+        void *p = NULL;
+        CHECK(moert_layers_alloc(r->layers, pinned_device(r), counts_bytes, &p));
+        *counts[i] = p;
+        memset(p, 0, counts_bytes);
     }
-    MOERT_CHECK(r->core_host->alloc_pinned(r->core_host, sizeof *r->loss_result, (void **)&r->loss_result) == MOERT_OK
-                    ? MOERT_OK
-                    : moert_error(MOERT_ERR_OUT_OF_MEMORY, "%s", moert_host_take_error(r->core_host)));
-    /* offload copies start as soon as an activation is produced; $.parallel.offload_defer_start starts them after the
-     * next layer's forward instead (the last layer's at once): docs/executor.md, "Deferred start" */
-    const bool defer_start = cfg->parallel.offload_defer_start;
-    for (int l = 0; l < nl; l++) {
-        moert_layer *L = &r->layers[l];
-        L->acts.defer_release = true; /* released once their copies finish (rank_forward_backward) */
-        L->acts.defer_start = l + 1 < cfg->model.num_layers && defer_start;
-    }
-    return MOERT_OK;
+    void *loss = NULL;
+    CHECK(moert_layers_alloc(r->layers, pinned_device(r), sizeof *r->loss_result, &loss));
+    r->loss_result = loss;
 fail:
     return rc;
+}
+
+/* Gives a tensor's memory back to the rank's layers. */
+static void rank_free(moert_rank *r, moert_tensor *t)
+{
+    if (t->data) moert_layers_free(r->layers, t->device, t->data);
+    t->data = NULL;
 }
 
 static moert_result rank_finalize(moert_rank *r, void *arg)
 {
     (void)arg;
     moert_runtime *rt = r->rt;
-    int nl = (int)rt->cfg->model.num_layers;
-#ifdef MOERT_HAVE_CUDA
-    if (r->stream) moert_cuda_stream_synchronize(r->stream);
-    for (int form = 0; form < 2; form++) {
-        moert_cuda_graph_destroy(r->graph_forward[form]);
-        moert_cuda_graph_destroy(r->graph_backward[form]);
-        r->graph_forward[form] = r->graph_backward[form] = NULL;
-    }
-#endif
-    if (r->core_host) {
-        /* the device the rank's buffers were allocated on (the layers' info may not be filled when init failed) */
+    int nl = (int)rt->set.num_layers;
+    if (r->layers) {
+        if (rank_sync(r) != MOERT_OK) moert_set_last_error(MOERT_OK, "%s", "");
+        for (int form = 0; form < 2; form++) {
+            moert_graph_destroy(r->graph_forward[form]);
+            moert_graph_destroy(r->graph_backward[form]);
+            r->graph_forward[form] = r->graph_backward[form] = NULL;
+        }
+        for (int l = 0; r->saved && l < nl; l++) moert_saved_free(r->saved[l]);
+        /* the device the rank's buffers were allocated on */
         moert_device device = {rt->device_type, rt->device_type == MOERT_DEVICE_CUDA ? r->device : 0};
-        /* the layers (and their parameters) go first, while the services they free through still exist */
-        for (int l = 0; r->layers && l < nl; l++) moert_layer_free(&r->layers[l]);
-        for (int l = 0; r->acts && l <= nl; l++)
-            if (r->acts[l].data) r->core_host->free(r->core_host, r->acts[l].device, r->acts[l].data);
+        for (int l = 0; r->params && l < nl; l++)
+            for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
+                trainer_param *tp = &r->params[l][p];
+                moert_tensor *ts[4] = {&tp->value, &tp->grad, &tp->m, &tp->v};
+                for (int k = 0; k < 4; k++) rank_free(r, ts[k]);
+            }
+        for (int l = 0; r->acts && l <= nl; l++) rank_free(r, &r->acts[l]);
         moert_tensor *bufs[3] = {&r->grad_a, &r->grad_b, &r->target};
-        for (int i = 0; i < 3; i++)
-            if (bufs[i]->data) r->core_host->free(r->core_host, bufs[i]->device, bufs[i]->data);
-        if (r->workspace) r->core_host->free(r->core_host, device, r->workspace);
-        if (r->counts) r->core_host->free_pinned(r->core_host, r->counts);
-        if (r->micro_counts) r->core_host->free_pinned(r->core_host, r->micro_counts);
-        if (r->loss_result) r->core_host->free_pinned(r->core_host, r->loss_result);
+        for (int i = 0; i < 3; i++) rank_free(r, bufs[i]);
+        if (r->workspace) moert_layers_free(r->layers, device, r->workspace);
+        if (r->counts) moert_layers_free(r->layers, pinned_device(r), r->counts);
+        if (r->micro_counts) moert_layers_free(r->layers, pinned_device(r), r->micro_counts);
+        if (r->loss_result) moert_layers_free(r->layers, pinned_device(r), r->loss_result);
+        moert_layers_destroy(r->layers);
+        r->layers = NULL;
     }
+    r->workspace = NULL;
+    r->counts = r->micro_counts = NULL;
+    r->loss_result = NULL;
     free(r->x_host.data);
     free(r->target_host.data);
     moert_trace_clear(&r->trace);
-    moert_stack_finalize(&r->stack);
-    r->core_host = NULL;
-    r->layers = NULL;
-#ifdef MOERT_HAVE_CUDA
-    if (r->stream) moert_cuda_stream_synchronize(r->stream);
-    if (r->pool && moert_cuda_pool_reserve_release(r->pool) != MOERT_OK) moert_error_clear();
-    if (r->pool) moert_cuda_pool_destroy(r->pool);
-    if (r->stream) moert_cuda_stream_destroy(r->stream);
-    if (r->nccl) moert_nccl_comm_free(r->nccl);
-    r->pool = NULL;
-    r->stream = NULL;
-    r->nccl = NULL;
-#endif
     free(r->acts);
+    free(r->params);
+    free(r->saved);
+    free(r->router_losses);
+    r->acts = NULL;
+    r->params = NULL;
+    r->saved = NULL;
+    r->router_losses = NULL;
     return MOERT_OK;
+}
+
+/* Names, versions and files of the plugins rank 0's layers loaded, for reports. */
+static moert_result describe_plugins(moert_runtime *rt)
+{
+    static const moert_plugin_kind kinds[4] = {MOERT_KIND_ROUTER, MOERT_KIND_DISPATCHER, MOERT_KIND_PRECISION,
+                                               MOERT_KIND_MEMORY_POLICY};
+    moert_result rc = MOERT_OK;
+    for (int s = 0; s < 4; s++) {
+        rt->plugins[s].struct_size = sizeof rt->plugins[s];
+        CHECK(moert_layers_plugin(rt->ranks[0].layers, kinds[s], &rt->plugins[s]));
+    }
+fail:
+    return rc;
 }
 
 moert_result moert_runtime_create(const moert_config *cfg, moert_runtime **out)
@@ -459,51 +332,41 @@ moert_result moert_runtime_create(const moert_config *cfg, moert_runtime **out)
     moert_result rc = MOERT_OK;
     *out = NULL;
     moert_runtime *rt = calloc(1, sizeof *rt);
-    MOERT_CHECK_ALLOC(rt);
+    if (!rt) return moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "moert_runtime_create: out of memory");
     rt->cfg = cfg;
-    rt->world = (int)cfg->parallel.ranks;
-    MOERT_CHECK(detect_processes(rt));
-    MOERT_CHECK(choose_device(rt));
+    CHECK(read_settings(cfg, &rt->set));
+    rt->world = (int)rt->set.ranks;
+    CHECK(detect_processes(rt));
+    CHECK(choose_device(rt));
     /* refuse what cannot fit before any plugin starts or any rank allocates */
-    moert_memory_estimate_config(cfg, rt->world, rt->device_type, &rt->memory);
-    MOERT_CHECK(moert_memory_estimate_check(cfg, &rt->memory));
-    for (int s = 0; s < MOERT_SLOT_COUNT; s++) {
-        rc = moert_plugin_load(moert_slot_kind((moert_slot)s), cfg->plugin[s], &rt->plugins[s]);
-        if (rc != MOERT_OK) {
-            moert_error_prefix("config error at $.%s.plugin", moert_slot_key((moert_slot)s));
-            goto fail;
-        }
-    }
-    /* threads: a shared-memory group for host buffers and one NCCL group; processes: NCCL from the environment */
-    if (rt->world > 1 && !rt->processes)
-        MOERT_CHECK(moert_comm_group_create(rt->world, cfg->parallel.timeout_s, &rt->comm));
-#ifdef MOERT_HAVE_CUDA
-    if (rt->device_type == MOERT_DEVICE_CUDA && !rt->processes)
-        MOERT_CHECK(moert_nccl_group_create(rt->world, cfg->parallel.timeout_s, &rt->nccl_group));
-#endif
+    CHECK(moert_config_memory_estimate(cfg, rt->world, rt->device_type, rt->memory_line, sizeof rt->memory_line));
+    /* ranks as threads: one communicator shared by them (host memory, and NCCL on GPUs) */
+    if (rt->world > 1 && !rt->processes) CHECK(moert_comm_create_threads(rt->world, rt->set.timeout_s, &rt->comm));
     rt->nlocal = rt->processes ? 1 : rt->world;
     rt->ranks = calloc((size_t)rt->nlocal, sizeof *rt->ranks);
-    MOERT_CHECK_ALLOC(rt->ranks);
+    if (!rt->ranks) {
+        rc = moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "moert_runtime_create: out of memory");
+        goto fail;
+    }
     for (int i = 0; i < rt->nlocal; i++) {
         rt->ranks[i].rt = rt;
         rt->ranks[i].rank = i;
         rt->ranks[i].device = i;
     }
-#ifdef MOERT_HAVE_CUDA
     if (rt->processes) {
-        rt->ranks[0].rank = rt->dist_env->rank;
-        rt->ranks[0].device = rt->dist_env->local_rank;
+        rt->ranks[0].rank = rt->env.rank;
+        rt->ranks[0].device = rt->env.local_rank;
     }
-#endif
-    MOERT_CHECK(run_on_ranks(rt, rank_init, NULL));
+    CHECK(trainer_run_on_ranks(rt, rank_init, NULL));
+    CHECK(describe_plugins(rt));
     *out = rt;
     return MOERT_OK;
 fail:
     if (rt) {
         char saved[4096];
-        snprintf(saved, sizeof saved, "%s", moert_error_message());
+        snprintf(saved, sizeof saved, "%s", moert_last_error());
         moert_runtime_destroy(rt);
-        moert_error(rc, "%s", saved);
+        moert_set_last_error(rc, "%s", saved);
     }
     return rc;
 }
@@ -511,21 +374,15 @@ fail:
 void moert_runtime_destroy(moert_runtime *rt)
 {
     if (!rt) return;
-    /* a stalled rank left running may still use all of it (its rank, the group, the plugins): nothing is freed */
+    /* a stalled rank left running may still use all of it (its rank, the communicator, the layers): nothing is freed */
     if (rt->abandoned_ranks > 0) return;
     if (rt->ranks) {
         /* finalize on one thread per rank too: a plugin may tie resources to its rank's thread */
-        run_on_ranks(rt, rank_finalize, NULL);
+        trainer_run_on_ranks(rt, rank_finalize, NULL);
     }
-    if (rt->comm) moert_comm_group_free(rt->comm);
-#ifdef MOERT_HAVE_CUDA
-    if (rt->nccl_group) moert_nccl_group_free(rt->nccl_group);
-#endif
-    for (int s = 0; s < MOERT_SLOT_COUNT; s++)
-        if (rt->plugins[s].dl) moert_plugin_unload(&rt->plugins[s]);
+    moert_comm_destroy(rt->comm);
     moert_teacher_free(rt->teacher);
     free(rt->ranks);
-    free(rt->dist_env);
     free(rt->records);
     free(rt->final_counts);
     free(rt->final_bias);
@@ -535,33 +392,49 @@ void moert_runtime_destroy(moert_runtime *rt)
 
 /* ---- the training step ---- */
 
-static moert_result rank_alloc_tensor(moert_rank *r, moert_tensor *t, moert_dtype dtype, int64_t rows, int64_t cols)
-{
-    moert_device dev = r->layers[0].info.device;
-    *t = moert_tensor_2d(NULL, dev, dtype, rows, cols);
-    moert_result rc = r->core_host->alloc(r->core_host, dev, moert_tensor_bytes(t), &t->data);
-    if (rc != MOERT_OK) return moert_error(rc, "allocating activations: %s", moert_host_take_error(r->core_host));
-    return MOERT_OK;
-}
-
-/* Parameters, optimizer state and step buffers of one rank. */
+/* Parameters (bound to the layers, with moert's initial values), optimizer state and step buffers of one rank. */
 static moert_result rank_prepare(moert_rank *r, void *arg)
 {
     (void)arg;
     moert_result rc = MOERT_OK;
-    const moert_config *cfg = r->rt->cfg;
-    int64_t t = cfg->train.tokens_per_rank, h = cfg->model.hidden;
-    for (int l = 0; l < cfg->model.num_layers; l++)
-        MOERT_CHECK(moert_layer_init_params(&r->layers[l], (uint64_t)cfg->train.seed));
-    for (int l = 0; l <= cfg->model.num_layers; l++)
-        MOERT_CHECK(rank_alloc_tensor(r, &r->acts[l], cfg->model.dtype, t, h));
-    MOERT_CHECK(rank_alloc_tensor(r, &r->grad_a, cfg->model.dtype, t, h));
-    MOERT_CHECK(rank_alloc_tensor(r, &r->grad_b, cfg->model.dtype, t, h));
-    MOERT_CHECK(rank_alloc_tensor(r, &r->target, cfg->model.dtype, t, h));
+    const trainer_settings *set = &r->rt->set;
+    int64_t t = set->tokens_per_rank, h = set->hidden;
+    const moert_device dev = r->info.device;
+    for (int l = 0; l < set->num_layers; l++)
+        for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
+            moert_tensor desc;
+            if (moert_layers_param_desc(r->layers, l, (moert_param_id)p, &desc) == MOERT_ERR_UNSUPPORTED) {
+                moert_set_last_error(MOERT_OK, "%s", ""); /* the config has no such parameter */
+                continue;
+            }
+            trainer_param *tp = &r->params[l][p];
+            moert_tensor *ts[4] = {&tp->value, &tp->grad, &tp->m, &tp->v};
+            for (int k = 0; k < (set->sgd ? 2 : 4); k++) {
+                *ts[k] = desc;
+                ts[k]->device = dev;
+                CHECK(moert_layers_alloc(r->layers, dev, moert_tensor_bytes(&desc), &ts[k]->data));
+            }
+            /* Adam's moments start at zero */
+            for (int k = 2; k < (set->sgd ? 2 : 4); k++) {
+#ifdef MOERT_HAVE_CUDA
+                if (dev.type == MOERT_DEVICE_CUDA) {
+                    CHECK(trainer_cuda_zero(ts[k]->data, moert_tensor_bytes(ts[k]), r->stream));
+                    continue;
+                }
+#endif
+                memset(ts[k]->data, 0, moert_tensor_bytes(ts[k]));
+            }
+            CHECK(moert_layers_bind_param(r->layers, l, (moert_param_id)p, &tp->value, &tp->grad));
+        }
+    CHECK(moert_layers_init_params(r->layers, (uint64_t)set->seed, r->stream));
+    for (int l = 0; l <= set->num_layers; l++) CHECK(rank_alloc(r, &r->acts[l], dev, set->dtype, t, h));
+    CHECK(rank_alloc(r, &r->grad_a, dev, set->dtype, t, h));
+    CHECK(rank_alloc(r, &r->grad_b, dev, set->dtype, t, h));
+    CHECK(rank_alloc(r, &r->target, dev, set->dtype, t, h));
     r->x_host = moert_tensor_2d(calloc((size_t)(t * h), sizeof(double)), moert_cpu(), MOERT_F64, t, h);
     r->target_host = moert_tensor_2d(calloc((size_t)(t * h), sizeof(double)), moert_cpu(), MOERT_F64, t, h);
-    MOERT_CHECK_ALLOC(r->x_host.data);
-    MOERT_CHECK_ALLOC(r->target_host.data);
+    if (!r->x_host.data || !r->target_host.data)
+        return moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "the rank's batch: out of memory");
 fail:
     return rc;
 }
@@ -569,11 +442,11 @@ fail:
 static moert_result ensure_params(moert_runtime *rt)
 {
     if (rt->params_ready) return MOERT_OK;
-    /* what fits was checked by moert_runtime_create (core/src/memory_estimate.c) */
-    moert_result rc = moert_teacher_create(rt->cfg->model.hidden, (uint64_t)rt->cfg->train.seed + 7777,
-                                           rt->cfg->train.teacher_scale, rt->cfg->train.input_shift, &rt->teacher);
+    /* what fits was checked by moert_runtime_create (moert_config_memory_estimate) */
+    moert_result rc = moert_teacher_create(rt->set.hidden, (uint64_t)rt->set.seed + 7777, rt->set.teacher_scale,
+                                           rt->set.input_shift, &rt->teacher);
     if (rc != MOERT_OK) return rc;
-    rc = run_on_ranks(rt, rank_prepare, NULL);
+    rc = trainer_run_on_ranks(rt, rank_prepare, NULL);
     if (rc == MOERT_OK) rt->params_ready = true;
     return rc;
 }
@@ -583,17 +456,17 @@ static moert_result ensure_params(moert_runtime *rt)
  * tokens that one batch of micro_batches times as many tokens would (and with one micro-batch, batch s). */
 static moert_result load_batch(moert_rank *r, int64_t step, int64_t micro)
 {
-    const moert_config *cfg = r->rt->cfg;
-    int64_t batch = step * cfg->train.micro_batches + micro;
-    if (cfg->train.repeat_batch) {
+    const trainer_settings *set = &r->rt->set;
+    int64_t batch = step * set->micro_batches + micro;
+    if (set->repeat_batch) {
         if (r->batch_loaded) return MOERT_OK;
         batch = 1;
         r->batch_loaded = true;
     }
-    int64_t t = cfg->train.tokens_per_rank, h = cfg->model.hidden;
+    int64_t t = set->tokens_per_rank, h = set->hidden;
     uint64_t first =
         ((uint64_t)batch * (uint64_t)r->rt->world * (uint64_t)t + (uint64_t)r->rank * (uint64_t)t) * (uint64_t)h;
-    moert_teacher_sample_inputs(r->rt->teacher, &r->x_host, (uint64_t)cfg->train.seed, first);
+    moert_teacher_sample_inputs(r->rt->teacher, &r->x_host, (uint64_t)set->seed, first);
     moert_teacher_apply(r->rt->teacher, &r->x_host, &r->target_host);
     /* round through the storage dtype on the host, then copy */
     moert_result rc = MOERT_OK;
@@ -603,23 +476,26 @@ static moert_result load_batch(moert_rank *r, int64_t step, int64_t micro)
         moert_tensor staged = *dst[i];
         staged.device = moert_cpu();
         staged.data = malloc(moert_tensor_bytes(dst[i]));
-        if (!staged.data) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "staging the batch");
-        moert_copy(NULL, &src[i], &staged);
-        rc = r->core_host->memcpy_async(r->core_host, dst[i]->data, dst[i]->device, staged.data, staged.device,
-                                        moert_tensor_bytes(dst[i]), r->stream);
+        if (!staged.data) return moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "staging the batch");
+        for (int64_t k = 0; k < moert_tensor_numel(&staged); k++) moert_store(&staged, k, moert_load(&src[i], k));
+        rc = rank_copy(r, dst[i]->data, staged.data, moert_tensor_bytes(dst[i]));
         /* the staging buffer is pageable: the copy must be done before it is freed */
-        if (rc == MOERT_OK) rc = r->core_host->stream_synchronize(r->core_host, r->stream);
+        if (rc == MOERT_OK) rc = rank_sync(r);
         free(staged.data);
-        if (rc != MOERT_OK) return moert_error(rc, "copying the batch: %s", moert_host_take_error(r->core_host));
+        if (rc != MOERT_OK) {
+            char why[2048];
+            snprintf(why, sizeof why, "%s", moert_last_error());
+            return moert_set_last_error(rc, "copying the batch: %s", why);
+        }
     }
     return MOERT_OK;
 }
 
-static moert_result allreduce(moert_rank *r, void *buf, size_t count, moert_dtype dtype)
+/* buf (count elements of dtype, host memory) summed over every rank, in place. */
+static moert_result allreduce_host(moert_rank *r, void *buf, size_t count, moert_dtype dtype)
 {
-    moert_result rc = r->core_host->allreduce_sum(r->core_host, buf, count, dtype, moert_cpu(), NULL);
-    if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(r->core_host));
-    return MOERT_OK;
+    moert_tensor t = moert_tensor_1d(buf, moert_cpu(), dtype, (int64_t)count);
+    return moert_layers_allreduce_sum(r->layers, MOERT_GROUP_WORLD, &t, r->stream);
 }
 
 /* ---- CUDA graphs ($.parallel.cuda_graph, docs/executor.md "CUDA graphs") ---- */
@@ -635,13 +511,13 @@ static int graph_form(int64_t micro) { return micro == 0 ? 0 : 1; }
 static moert_result graph_plan_of(moert_rank *r, int form, graph_plan *plan)
 {
     moert_runtime *rt = r->rt;
-    int mode = rt->cfg->parallel.cuda_graph;
+    trainer_graph_mode mode = rt->set.cuda_graph;
     *plan = GRAPH_EAGER;
     if (r->graph_forward[form]) {
         *plan = GRAPH_REPLAY;
         return MOERT_OK;
     }
-    if (mode == MOERT_GRAPH_OFF || rt->graph_failed) {
+    if (mode == TRAINER_GRAPH_OFF || rt->graph_failed) {
         if (r->rank == 0 && !rt->graph_reason[0])
             snprintf(rt->graph_reason, sizeof rt->graph_reason, "$.parallel.cuda_graph is \"off\"");
         return MOERT_OK;
@@ -652,14 +528,14 @@ static moert_result graph_plan_of(moert_rank *r, int form, graph_plan *plan)
         snprintf(why, sizeof why, "the ranks run on the CPU");
         ok = false;
     }
-    for (int l = 0; ok && l < rt->cfg->model.num_layers; l++)
-        ok = moert_layer_graph_capturable(&r->layers[l], why, sizeof why);
+    if (ok) ok = moert_layers_graph_capturable(r->layers, why, sizeof why);
     if (!ok) {
-        if (mode == MOERT_GRAPH_ON)
-            return moert_error(MOERT_ERR_CONFIG,
-                               "config error at $.parallel.cuda_graph: \"on\" needs a layer step that "
-                               "can be captured in a CUDA graph, but %s (use \"auto\" to run without graphs then)",
-                               why);
+        if (mode == TRAINER_GRAPH_ON)
+            return moert_set_last_error(MOERT_ERR_CONFIG,
+                                        "config error at $.parallel.cuda_graph: \"on\" needs a layer step that "
+                                        "can be captured in a CUDA graph, but %s (use \"auto\" to run without graphs "
+                                        "then)",
+                                        why);
         if (r->rank == 0) snprintf(rt->graph_reason, sizeof rt->graph_reason, "%s", why);
         return MOERT_OK;
     }
@@ -668,100 +544,63 @@ static moert_result graph_plan_of(moert_rank *r, int form, graph_plan *plan)
     return MOERT_OK;
 }
 
-#ifdef MOERT_HAVE_CUDA
-/* Starts capturing the rank's stream into a graph, its allocations kept for the graph (the pool's reservation, which
- * the graphs of both forms share: they run one after the other on this stream). */
-static moert_result capture_begin(moert_rank *r, bool first)
+/* Ends a capture (also after a failure inside it, rc_inside) into *graph and launches it once. */
+static moert_result capture_end(moert_rank *r, moert_result rc_inside, const char *what, moert_graph **graph)
 {
-    moert_result rc = MOERT_OK;
-    if (first) MOERT_CHECK(moert_cuda_pool_reserve_resume(r->pool, r->stream));
-    MOERT_CHECK(moert_cuda_capture_begin(r->stream));
-    for (int l = 0; l < r->rt->cfg->model.num_layers; l++) r->layers[l].capturing = true;
-fail:
-    return rc;
-}
-
-/* Ends the capture (also after a failure inside it, rc_inside), instantiates it and launches it once. */
-static moert_result capture_end(moert_rank *r, moert_result rc_inside, const char *what, bool last, void **graph)
-{
-    moert_result rc = MOERT_OK;
-    for (int l = 0; l < r->rt->cfg->model.num_layers; l++) r->layers[l].capturing = false;
     char inside[1024] = "";
-    if (rc_inside != MOERT_OK) snprintf(inside, sizeof inside, "%s", moert_error_message());
-    rc = moert_cuda_capture_end(r->stream, what, (moert_cuda_graph *)graph);
-    if (last || rc != MOERT_OK || rc_inside != MOERT_OK) moert_cuda_pool_reserve_end(r->pool);
-    if (rc_inside != MOERT_OK)
-        return moert_error(rc_inside,
-                           "while capturing %s into a CUDA graph: %s (set $.parallel.cuda_graph to \"off\" "
-                           "to run it without graphs)",
-                           what, inside);
+    if (rc_inside != MOERT_OK) snprintf(inside, sizeof inside, "%s", moert_last_error());
+    moert_result rc = moert_layers_capture_end(r->layers, r->stream, what, graph);
+    if (rc_inside != MOERT_OK) {
+        moert_graph_destroy(*graph);
+        *graph = NULL;
+        return moert_set_last_error(rc_inside,
+                                    "while capturing %s into a CUDA graph: %s (set $.parallel.cuda_graph to \"off\" "
+                                    "to run it without graphs)",
+                                    what, inside);
+    }
     if (rc != MOERT_OK) return rc;
-    return moert_cuda_graph_launch(*graph, r->stream);
+    return moert_graph_launch(*graph, r->stream);
 }
-#endif
 
-/* Forward of the stack: eager, captured into r->graph_forward[form] (and run), or its replay. A step's first
- * micro-batch (form 0) zeroes the gradients first; the others add to them. */
+/* Forward of the layers on the residual stream: eager, captured into r->graph_forward[form] (and run), or its replay.
+ * Each layer's router losses are kept (a replay's are those of the last forward run on the host). */
 static moert_result stack_forward(moert_rank *r, graph_plan plan, int form)
 {
-    moert_result rc = MOERT_OK;
-    int nl = (int)r->rt->cfg->model.num_layers;
-    if (plan != GRAPH_EAGER) {
-        for (int l = 0; l < nl && form == 0; l++) MOERT_CHECK(moert_layer_zero_grad(&r->layers[l], true));
-#ifdef MOERT_HAVE_CUDA
-        if (plan == GRAPH_REPLAY) return moert_cuda_graph_launch(r->graph_forward[form], r->stream);
-        MOERT_CHECK(capture_begin(r, true));
-        moert_result inside = MOERT_OK;
-        for (int l = 0; l < nl && inside == MOERT_OK; l++)
-            inside = moert_layer_forward(&r->layers[l], &r->acts[l], &r->acts[l + 1]);
-        MOERT_CHECK(capture_end(r, inside, "the layers' forward", false, &r->graph_forward[form]));
-#endif
-        goto fail;
+    moert_result rc = MOERT_OK, inside = MOERT_OK;
+    int nl = (int)r->rt->set.num_layers;
+    if (plan == GRAPH_REPLAY) return moert_graph_launch(r->graph_forward[form], r->stream);
+    if (plan == GRAPH_CAPTURE) CHECK(moert_layers_capture_begin(r->layers, r->stream));
+    for (int l = 0; l < nl && inside == MOERT_OK; l++) {
+        moert_moe_stats stats = {.struct_size = sizeof stats};
+        inside = moert_moe_forward(r->layers, l, &r->acts[l], &r->acts[l + 1], r->stream, &r->saved[l], &stats);
+        if (inside == MOERT_OK) r->router_losses[l] = stats.router_loss;
     }
-    for (int l = 0; l < nl; l++) {
-        if (form == 0) MOERT_CHECK(moert_layer_zero_grad(&r->layers[l], true));
-        MOERT_CHECK(moert_layer_forward(&r->layers[l], &r->acts[l], &r->acts[l + 1]));
-        /* the layer below's offload copies start now that this layer's dispatcher has synced on its counts: a copy
-         * engine serves copies in issue order, so issued earlier they would have held that small copy back */
-        if (l > 0) MOERT_CHECK(moert_act_store_start_offloads(&r->layers[l - 1].acts));
-        /* offload copies of the layers below that have finished by now give their device buffers back; a copy
-         * still running keeps its buffer until a later boundary (or its reload), so the compute never waits */
-        for (int below = 0; below < l; below++) MOERT_CHECK(moert_act_store_release_finished(&r->layers[below].acts));
-    }
-    MOERT_CHECK(moert_act_store_start_offloads(&r->layers[nl - 1].acts));
+    if (plan == GRAPH_CAPTURE) return capture_end(r, inside, "the layers' forward", &r->graph_forward[form]);
+    rc = inside;
 fail:
     return rc;
 }
 
-/* Backward of the stack from r->grad_a, the same three ways; the router losses enter with loss_scale. */
+/* Backward of the layers from r->grad_a, the same three ways; the router losses enter with loss_scale. A step's first
+ * micro-batch (form 0) overwrites the gradients; the others add to them. */
 static moert_result stack_backward(moert_rank *r, graph_plan plan, int form, double loss_scale)
 {
     moert_result rc = MOERT_OK, inside = MOERT_OK;
-    int nl = (int)r->rt->cfg->model.num_layers;
+    int nl = (int)r->rt->set.num_layers;
     moert_tensor *d_y = &r->grad_a, *d_x = &r->grad_b;
-#ifdef MOERT_HAVE_CUDA
-    if (plan == GRAPH_REPLAY) {
-        /* the replayed WGRADs wrote the expert gradients: a later capture must add to them */
-        for (int l = 0; l < nl; l++) moert_layer_mark_grads_written(&r->layers[l]);
-        return moert_cuda_graph_launch(r->graph_backward[form], r->stream);
-    }
-    if (plan == GRAPH_CAPTURE) MOERT_CHECK(capture_begin(r, false));
-#endif
+    if (plan == GRAPH_REPLAY) return moert_graph_launch(r->graph_backward[form], r->stream);
+    if (plan == GRAPH_CAPTURE) CHECK(moert_layers_capture_begin(r->layers, r->stream));
+    const moert_backward_options opts = {
+        .struct_size = sizeof opts, .router_loss_scale = loss_scale, .accumulate = form != 0};
     for (int l = nl - 1; l >= 0 && inside == MOERT_OK; l--) {
-        if (plan == GRAPH_EAGER) {
-            /* the layer below's offloaded activations come back while this layer's backward runs */
-            for (int below = 0; below + 1 < l; below++)
-                MOERT_CHECK(moert_act_store_release_finished(&r->layers[below].acts));
-            if (l > 0) MOERT_CHECK(moert_act_store_prefetch(&r->layers[l - 1].acts));
-        }
-        inside = moert_layer_backward(&r->layers[l], d_y, d_x, loss_scale);
+        moert_saved *saved = r->saved[l];
+        r->saved[l] = NULL; /* consumed by the backward, whatever its outcome */
+        inside = moert_moe_backward(r->layers, saved, d_y, d_x, &opts, r->stream);
         moert_tensor *tmp = d_y;
         d_y = d_x;
         d_x = tmp;
     }
-#ifdef MOERT_HAVE_CUDA
-    if (plan == GRAPH_CAPTURE) return capture_end(r, inside, "the layers' backward", true, &r->graph_backward[form]);
-#endif
+    if (plan == GRAPH_CAPTURE) return capture_end(r, inside, "the layers' backward", &r->graph_backward[form]);
     rc = inside;
 fail:
     return rc;
@@ -773,10 +612,10 @@ static moert_result trace_micro_batch(moert_rank *r, int64_t step, int64_t micro
 {
     moert_result rc = MOERT_OK;
     const double base_us = 1e6 * (started - r->rt->trace_origin);
-    for (int l = 0; l < r->rt->cfg->model.num_layers; l++) {
-        moert_layer_span spans[MOERT_LAYER_MAX_SPANS];
+    for (int l = 0; l < r->rt->set.num_layers; l++) {
+        moert_span spans[MOERT_LAYERS_MAX_SPANS];
         int n = 0;
-        MOERT_CHECK(moert_layer_spans(&r->layers[l], &r->layers[0], spans, &n));
+        CHECK(moert_layers_spans(r->layers, l, 0, spans, MOERT_LAYERS_MAX_SPANS, &n));
         for (int i = 0; i < n; i++) {
             moert_trace_span span = {.name = spans[i].name,
                                      .stream = spans[i].stream,
@@ -786,7 +625,7 @@ static moert_result trace_micro_batch(moert_rank *r, int64_t step, int64_t micro
                                      .micro = micro,
                                      .start_us = base_us + 1e6 * spans[i].start_s,
                                      .dur_us = 1e6 * spans[i].dur_s};
-            MOERT_CHECK(moert_trace_add(&r->trace, &span));
+            CHECK(moert_trace_add(&r->trace, &span));
         }
     }
 fail:
@@ -794,41 +633,38 @@ fail:
 }
 
 /* One micro-batch's forward and backward on one rank: its squared error, router losses, tokens per expert and times
- * are added to the step's. The first micro-batch of a step zeroes the gradients; the others add to them. Each
+ * are added to the step's. The first micro-batch of a step overwrites the gradients; the others add to them. Each
  * micro-batch's losses enter as its share of the step's mean, so the gradients of a step are those of one batch of
  * all its tokens. */
 static moert_result micro_batch(moert_rank *r, int64_t step, int64_t micro)
 {
     moert_result rc = MOERT_OK;
     moert_runtime *rt = r->rt;
-    const moert_config *cfg = rt->cfg;
-    int nl = (int)cfg->model.num_layers;
-    int64_t e = cfg->model.num_experts;
-    const double micro_batches = (double)cfg->train.micro_batches;
-    double step_elems =
-        micro_batches * (double)rt->world * (double)cfg->train.tokens_per_rank * (double)cfg->model.hidden;
+    const trainer_settings *set = &rt->set;
+    int nl = (int)set->num_layers;
+    int64_t e = set->num_experts;
+    const double micro_batches = (double)set->micro_batches;
+    double step_elems = micro_batches * (double)rt->world * (double)set->tokens_per_rank * (double)set->hidden;
     graph_plan plan = GRAPH_EAGER;
     double t0 = now_seconds();
 
-    MOERT_CHECK(load_batch(r, step, micro));
+    CHECK(load_batch(r, step, micro));
     const int form = graph_form(micro);
-    MOERT_CHECK(graph_plan_of(r, form, &plan));
+    CHECK(graph_plan_of(r, form, &plan));
     rc = stack_forward(r, plan, form);
     if (rc != MOERT_OK) {
         if (plan == GRAPH_CAPTURE && r->rank == 0) rt->graph_failed = true;
         goto fail;
     }
-    for (int l = 0; l < nl; l++) r->router_loss += r->layers[l].losses.total;
-    MOERT_CHECK(r->core_host->stream_synchronize(r->core_host, r->stream) == MOERT_OK
-                    ? MOERT_OK
-                    : moert_error(MOERT_ERR_CUDA, "%s", moert_host_take_error(r->core_host)));
-    if (plan == GRAPH_EAGER)
-        for (int l = 0; l < nl; l++) MOERT_CHECK(moert_act_store_release_finished(&r->layers[l].acts));
+    for (int l = 0; l < nl; l++) r->router_loss += r->router_losses[l];
+    CHECK(rank_sync(r));
+    /* offload copies that finished during the forward give their device buffers back before the backward */
+    if (plan == GRAPH_EAGER) CHECK(moert_layers_release_offloaded(r->layers, r->stream));
     double mse_sum = 0.0;
-    MOERT_CHECK(moert_squared_error(r->stream, &r->acts[nl], &r->target, 1.0 / step_elems, r->workspace, r->loss_result,
-                                    &mse_sum, &r->grad_a));
+    CHECK(trainer_squared_error(r->stream, &r->acts[nl], &r->target, 1.0 / step_elems, r->workspace, r->loss_result,
+                                &mse_sum, &r->grad_a));
     r->mse_sum += mse_sum;
-    MOERT_CHECK(stack_backward(r, plan, form, 1.0 / (micro_batches * rt->world)));
+    CHECK(stack_backward(r, plan, form, 1.0 / (micro_batches * rt->world)));
     if (plan == GRAPH_EAGER) r->eager_steps++;
     if (r->rank == 0 && plan == GRAPH_CAPTURE) {
         rt->graph_captured_step = step;
@@ -838,83 +674,79 @@ static moert_result micro_batch(moert_rank *r, int64_t step, int64_t micro)
     /* tokens per expert for the report: the router's counts to the host, after the backward (a small copy issued
      * during the forward would wait on the copy engine behind the offload copies) */
     for (int l = 0; l < nl; l++) {
-        moert_tensor *c = &r->layers[l].tokens_per_expert;
-        rc = r->core_host->memcpy_async(r->core_host, r->micro_counts + (size_t)l * (size_t)e, moert_cpu(), c->data,
-                                        c->device, (size_t)e * sizeof(int64_t), r->stream);
-        if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(r->core_host));
+        moert_tensor c = moert_tensor_1d(r->micro_counts + (size_t)l * (size_t)e, pinned_device(r), MOERT_I64, e);
+        CHECK(moert_layers_tokens_per_expert(r->layers, l, &c, r->stream));
     }
     for (int l = 0; l < nl; l++) {
-        MOERT_CHECK(moert_layer_collect_times(&r->layers[l])); /* waits for the layer's backward */
-        for (int s = 0; s < MOERT_STAGE_COUNT; s++) r->stage_seconds[s] += r->layers[l].stage_seconds[s];
-        for (int p = 0; p < MOERT_BWD_PART_COUNT; p++)
-            r->backward_part_seconds[p] += r->layers[l].backward_part_seconds[p];
+        moert_layer_figures fig = {.struct_size = sizeof fig};
+        CHECK(moert_layers_figures(r->layers, l, &fig)); /* waits for the layer's backward */
+        for (int s = 0; s < MOERT_LAYER_STAGES; s++) r->stage_seconds[s] += 1e-3 * fig.stage_ms[s];
+        for (int p = 0; p < MOERT_LAYER_BACKWARD_PARTS; p++)
+            r->backward_part_seconds[p] += 1e-3 * fig.backward_part_ms[p];
     }
-    if (rt->tracing) MOERT_CHECK(trace_micro_batch(r, step, micro, t0));
-    MOERT_CHECK(r->core_host->stream_synchronize(r->core_host, r->stream) == MOERT_OK /* the counts have landed */
-                    ? MOERT_OK
-                    : moert_error(MOERT_ERR_CUDA, "%s", moert_host_take_error(r->core_host)));
+    if (rt->tracing) CHECK(trace_micro_batch(r, step, micro, t0));
+    CHECK(rank_sync(r)); /* the counts have landed */
     for (size_t i = 0; i < (size_t)nl * (size_t)e; i++) r->counts[i] += r->micro_counts[i];
 fail:
     return rc;
 }
 
-/* Forward and backward of the stack on one rank over the step's micro-batches; fills mse_sum, router_loss and
- * counts (over all ranks), the stage times (this rank's) and the gradients (the router's summed over ranks). */
+/* Forward and backward of the layers on one rank over the step's micro-batches; fills mse_sum, router_loss and
+ * counts (over all ranks), the stage times (this rank's) and the gradients (the replicated ones summed over ranks). */
 static moert_result rank_forward_backward(moert_rank *r, int64_t step)
 {
     moert_result rc = MOERT_OK;
-    const moert_config *cfg = r->rt->cfg;
-    int nl = (int)cfg->model.num_layers;
-    int64_t e = cfg->model.num_experts;
+    const trainer_settings *set = &r->rt->set;
+    int nl = (int)set->num_layers;
+    int64_t e = set->num_experts;
     r->mse_sum = r->router_loss = 0.0;
     memset(r->counts, 0, (size_t)nl * (size_t)e * sizeof *r->counts);
     memset(r->stage_seconds, 0, sizeof r->stage_seconds);
     memset(r->backward_part_seconds, 0, sizeof r->backward_part_seconds);
-    for (int64_t micro = 0; micro < cfg->train.micro_batches; micro++) MOERT_CHECK(micro_batch(r, step, micro));
+    for (int64_t micro = 0; micro < set->micro_batches; micro++) CHECK(micro_batch(r, step, micro));
     /* the router weight and the shared expert are replicated: their gradients are the sum of every rank's share */
     static const moert_param_id replicated[] = {MOERT_PARAM_ROUTER, MOERT_PARAM_SHARED_FC1, MOERT_PARAM_SHARED_FC2,
                                                 MOERT_PARAM_SHARED_GATE};
     for (int l = 0; l < nl && r->rt->world > 1; l++)
         for (size_t k = 0; k < sizeof replicated / sizeof replicated[0]; k++) {
-            if (!moert_layer_has_param(&r->layers[l], replicated[k])) continue;
-            moert_tensor *g = &r->layers[l].params[replicated[k]].grad;
-            rc = r->core_host->allreduce_sum(r->core_host, g->data, (size_t)moert_tensor_numel(g), g->dtype, g->device,
-                                             r->stream);
-            if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(r->core_host));
+            moert_tensor *g = &r->params[l][replicated[k]].grad;
+            if (g->data) CHECK(moert_layers_allreduce_sum(r->layers, MOERT_GROUP_WORLD, g, r->stream));
         }
     /* the experts are replicated over the expert-data-parallel group (docs/parallel.md): their gradients are the sum
      * of every replica's share */
-    for (int l = 0; l < nl && r->stack.layout.edp > 1; l++)
+    for (int l = 0; l < nl && r->info.edp_size > 1; l++)
         for (int k = MOERT_PARAM_FC1; k <= MOERT_PARAM_FC2; k++)
-            MOERT_CHECK(moert_stack_group_sum(&r->stack, MOERT_AXIS_EDP, &r->layers[l].params[k].grad, r->stream));
+            CHECK(moert_layers_allreduce_sum(r->layers, MOERT_GROUP_EDP, &r->params[l][k].grad, r->stream));
     /* figures over all ranks (the router losses: the mean over ranks and micro-batches) */
     double sums[2] = {r->mse_sum, r->router_loss};
-    MOERT_CHECK(allreduce(r, sums, 2, MOERT_F64));
+    CHECK(allreduce_host(r, sums, 2, MOERT_F64));
     r->mse_sum = sums[0];
-    r->router_loss = sums[1] / ((double)r->rt->world * (double)cfg->train.micro_batches);
-    MOERT_CHECK(allreduce(r, r->counts, (size_t)nl * (size_t)e, MOERT_I64));
+    r->router_loss = sums[1] / ((double)r->rt->world * (double)set->micro_batches);
+    CHECK(allreduce_host(r, r->counts, (size_t)nl * (size_t)e, MOERT_I64));
 fail:
     return rc;
 }
 
+/* The optimizer step of every parameter of the rank (Adam step number `step`, or SGD), then the layers' once-per-step
+ * hooks: the router's (e.g. the expert bias) and the precision's (weights changed). */
 static moert_result rank_optimizer_step(moert_rank *r, int64_t step)
 {
     moert_result rc = MOERT_OK;
-    const moert_config *cfg = r->rt->cfg;
-    for (int l = 0; l < cfg->model.num_layers; l++) {
-        moert_layer *L = &r->layers[l];
-        MOERT_CHECK(moert_layer_optimizer_step(L, &cfg->train, step));
-        const moert_router_v1 *router = (const moert_router_v1 *)L->router.plugin->header;
-        rc = router->end_step(L->router.ctx, L->stream);
-        if (rc != MOERT_OK)
-            return moert_error(rc, "router \"%s\" end_step failed (layer %d): %s", router->header.name, l,
-                               moert_host_take_error(L->router.host));
-        const moert_precision_v1 *prec = (const moert_precision_v1 *)L->precision.plugin->header;
-        rc = prec->end_step(L->precision.ctx, L->stream);
-        if (rc != MOERT_OK)
-            return moert_error(rc, "precision \"%s\" end_step failed (layer %d): %s", prec->header.name, l,
-                               moert_host_take_error(L->precision.host));
-    }
+    const trainer_settings *set = &r->rt->set;
+    const trainer_adam adam = {
+        .lr = set->lr, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = set->weight_decay, .step = step};
+    const trainer_sgd sgd = {.lr = set->lr, .weight_decay = set->weight_decay};
+    for (int l = 0; l < set->num_layers; l++)
+        for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
+            trainer_param *tp = &r->params[l][p];
+            if (!tp->value.data) continue;
+            if (set->sgd)
+                CHECK(trainer_sgd_update(r->stream, &sgd, &tp->value, &tp->grad));
+            else
+                CHECK(trainer_adam_update(r->stream, &adam, &tp->value, &tp->grad, &tp->m, &tp->v));
+        }
+    CHECK(moert_layers_update_expert_bias(r->layers, r->stream));
+    CHECK(moert_layers_weights_changed(r->layers, r->stream));
 fail:
     return rc;
 }
@@ -933,13 +765,13 @@ static double imbalance_of(const int64_t *counts, int64_t e)
 static void fill_record(moert_runtime *rt, int64_t step, double seconds, moert_step_record *rec)
 {
     moert_rank *r0 = &rt->ranks[0];
-    const moert_config *cfg = rt->cfg;
-    int nl = (int)cfg->model.num_layers;
-    int64_t e = cfg->model.num_experts;
+    const trainer_settings *set = &rt->set;
+    int nl = (int)set->num_layers;
+    int64_t e = set->num_experts;
     memset(rec, 0, sizeof *rec);
     rec->step = step;
-    rec->mse = r0->mse_sum / ((double)cfg->train.micro_batches * (double)rt->world *
-                              (double)cfg->train.tokens_per_rank * (double)cfg->model.hidden);
+    rec->mse = r0->mse_sum /
+               ((double)set->micro_batches * (double)rt->world * (double)set->tokens_per_rank * (double)set->hidden);
     rec->router_loss = r0->router_loss;
     rec->loss = rec->mse + rec->router_loss;
     for (int l = 0; l < nl; l++) {
@@ -957,62 +789,52 @@ typedef struct train_arg {
     FILE *progress;
 } train_arg;
 
-static void print_progress(moert_runtime *rt, const moert_step_record *rec, int64_t steps, FILE *f)
+static void print_progress(const moert_step_record *rec, int64_t steps, FILE *f)
 {
     fprintf(f, "step %*lld/%lld  loss %.6f (mse %.6f, router %.2e)  load max/mean %.3f (worst layer %.3f)  %.1f ms\n",
             (int)snprintf(NULL, 0, "%lld", (long long)steps), (long long)rec->step, (long long)steps, rec->loss,
             rec->mse, rec->router_loss, rec->imbalance, rec->imbalance_max, rec->seconds * 1e3);
     fflush(f);
-    (void)rt;
 }
 
 /* Copies the routers' expert biases ([layers, E]) to the host, or leaves *out NULL if the router keeps none. */
 static moert_result snapshot_bias(moert_runtime *rt, double **out)
 {
     moert_rank *r0 = &rt->ranks[0];
-    const moert_config *cfg = rt->cfg;
-    int64_t e = cfg->model.num_experts;
+    const trainer_settings *set = &rt->set;
+    int64_t e = set->num_experts;
     free(*out);
     *out = NULL;
-    for (int l = 0; l < cfg->model.num_layers; l++) {
-        moert_layer *L = &r0->layers[l];
-        const moert_router_v1 *router = (const moert_router_v1 *)L->router.plugin->header;
-        const moert_tensor *b = router->expert_bias ? router->expert_bias(L->router.ctx) : NULL;
-        if (!b) return MOERT_OK;
-        if (!*out) *out = calloc((size_t)(cfg->model.num_layers * e), sizeof(double));
-        if (!*out) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "bias snapshot");
-        moert_tensor host = *b;
-        host.device = moert_cpu();
-        host.data = malloc(moert_tensor_bytes(b));
-        if (!host.data) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "bias snapshot");
-        moert_result rc = r0->core_host->memcpy_async(r0->core_host, host.data, host.device, b->data, b->device,
-                                                      moert_tensor_bytes(b), r0->stream);
-        if (rc == MOERT_OK) rc = r0->core_host->stream_synchronize(r0->core_host, r0->stream);
-        for (int64_t i = 0; i < e && rc == MOERT_OK; i++) (*out)[l * e + i] = moert_load(&host, i);
-        free(host.data);
-        if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(r0->core_host));
+    if (r0->info.expert_bias_dtype == MOERT_DTYPE_COUNT) return MOERT_OK;
+    *out = calloc((size_t)(set->num_layers * e), sizeof(double));
+    if (!*out) return moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "bias snapshot");
+    for (int l = 0; l < set->num_layers; l++) {
+        moert_tensor dst = moert_tensor_1d(*out + (size_t)l * (size_t)e, moert_cpu(), MOERT_F64, e);
+        moert_result rc = moert_layers_get_expert_bias(r0->layers, l, &dst, r0->stream);
+        if (rc != MOERT_OK) return rc;
     }
     return MOERT_OK;
 }
 
-/* One training step on one rank: forward and backward, the optimizer, the plugins' end_step. Rank 0 fills
+/* One training step on one rank: forward and backward, the optimizer, the layers' end of step. Rank 0 fills
  * *rec (its wall time included); the step's gradients and output stay in place until the next step. */
 static moert_result rank_train_step(moert_rank *r, int64_t step, moert_step_record *rec)
 {
     moert_result rc = MOERT_OK;
     /* every rank starts the step together: the step's figures then leave out the skew the last step's optimizer left
      * (the stage a rank waits in for its peers would otherwise count it) */
-    if (r->core_host->barrier(r->core_host) != MOERT_OK)
-        return moert_error(MOERT_ERR_TIMEOUT, "the barrier at the start of step %lld: %s", (long long)step,
-                           moert_host_take_error(r->core_host));
+    if (moert_layers_barrier(r->layers) != MOERT_OK) {
+        char why[2048];
+        snprintf(why, sizeof why, "%s", moert_last_error());
+        return moert_set_last_error(MOERT_ERR_TIMEOUT, "the barrier at the start of step %lld: %s", (long long)step,
+                                    why);
+    }
     double t0 = now_seconds();
-    MOERT_CHECK(rank_forward_backward(r, step));
-    MOERT_CHECK(rank_optimizer_step(r, step));
+    CHECK(rank_forward_backward(r, step));
+    CHECK(rank_optimizer_step(r, step));
     /* the step ends when its optimizer has run: its time counts here, and another runtime stepped next (moert ab)
      * does not find its first stages sharing the GPU with this step's optimizer */
-    MOERT_CHECK(r->core_host->stream_synchronize(r->core_host, r->stream) == MOERT_OK
-                    ? MOERT_OK
-                    : moert_error(MOERT_ERR_CUDA, "%s", moert_host_take_error(r->core_host)));
+    CHECK(rank_sync(r));
     if (r->rank == 0) fill_record(r->rt, step, now_seconds() - t0, rec);
 fail:
     return rc;
@@ -1023,13 +845,13 @@ static moert_result rank_train(moert_rank *r, void *arg)
     moert_result rc = MOERT_OK;
     train_arg *ta = arg;
     moert_runtime *rt = r->rt;
-    int log_every = (int)(rt->cfg->train.log_every > 0 ? rt->cfg->train.log_every : 1);
+    int log_every = (int)(rt->set.log_every > 0 ? rt->set.log_every : 1);
     for (int64_t step = 1; step <= ta->steps; step++) {
-        MOERT_CHECK(rank_train_step(r, step, r->rank == 0 ? &rt->records[rt->record_count] : NULL));
+        CHECK(rank_train_step(r, step, r->rank == 0 ? &rt->records[rt->record_count] : NULL));
         if (r->rank == 0) {
             moert_step_record *rec = &rt->records[rt->record_count++];
             if (ta->progress && (step % log_every == 0 || step == 1 || step == ta->steps))
-                print_progress(rt, rec, ta->steps, ta->progress);
+                print_progress(rec, ta->steps, ta->progress);
         }
     }
 fail:
@@ -1047,76 +869,77 @@ static moert_result rank_train_step_phase(moert_rank *r, void *arg)
     return rank_train_step(r, sa->step, sa->rec);
 }
 
-/* Activation figures of the last step (rank 0, summed over layers) and, on GPUs, rank 0's pool peak. */
-static void collect_memory(moert_runtime *rt)
+/* Activation figures of the last step (rank 0, summed over layers) and, on GPUs, rank 0's pool peak and calls. */
+static moert_result collect_memory(moert_runtime *rt)
 {
-    int nl = (int)rt->cfg->model.num_layers;
+    moert_result rc = MOERT_OK;
+    int nl = (int)rt->set.num_layers;
     memset(rt->activation_bytes, 0, sizeof rt->activation_bytes);
     rt->kept_bytes = 0;
-    for (int l = 0; l < nl; l++) {
-        for (int a = 0; a < MOERT_ACT_COUNT; a++) rt->activation_bytes[a] += rt->ranks[0].layers[l].acts.saved_bytes[a];
-        rt->kept_bytes += rt->ranks[0].layers[l].acts.kept_bytes_peak;
-    }
     rt->device_peak_bytes = 0;
-#ifdef MOERT_HAVE_CUDA
-    if (rt->ranks[0].pool) {
-        moert_cuda_pool_stats stats;
-        moert_cuda_pool_get_stats(rt->ranks[0].pool, &stats);
-        rt->device_peak_bytes = (int64_t)stats.peak_bytes_in_use;
-        const int64_t calls = (int64_t)(stats.cuda_malloc_count + stats.cuda_free_count);
+    int64_t calls = 0;
+    for (int l = 0; l < nl; l++) {
+        moert_layer_figures fig = {.struct_size = sizeof fig};
+        CHECK(moert_layers_figures(rt->ranks[0].layers, l, &fig));
+        for (int a = 0; a < MOERT_LAYER_ACTIVATIONS; a++) rt->activation_bytes[a] += fig.saved_bytes[a];
+        rt->kept_bytes += fig.held_bytes;
+        rt->device_peak_bytes = fig.device_peak_bytes;
+        calls = fig.device_pool_calls;
+    }
+    if (rt->device_type == MOERT_DEVICE_CUDA) {
         rt->device_pool_calls = calls - rt->device_pool_calls_total;
         rt->device_pool_calls_total = calls;
     }
-#endif
+fail:
+    return rc;
 }
 
 moert_result moert_runtime_step(moert_runtime *rt, int64_t step, moert_step_record *record)
 {
     if (step < 1)
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_runtime_step: step %lld, expected >= 1", (long long)step);
+        return moert_set_last_error(MOERT_ERR_INVALID_ARGUMENT, "moert_runtime_step: step %lld, expected >= 1",
+                                    (long long)step);
     moert_result rc = ensure_params(rt);
     if (rc != MOERT_OK) return rc;
     /* the record lives in the runtime: rank 0 fills it, and an abandoned rank 0 may still do so later */
     step_arg sa = {.step = step, .rec = &rt->step_record};
-    rc = run_on_ranks(rt, rank_train_step_phase, &sa);
+    rc = trainer_run_on_ranks(rt, rank_train_step_phase, &sa);
     if (rc != MOERT_OK) return rc;
-    collect_memory(rt);
+    rc = collect_memory(rt);
+    if (rc != MOERT_OK) return rc;
     if (record) *record = rt->step_record;
     return MOERT_OK;
 }
 
 moert_result moert_runtime_output(const moert_runtime *rt, int64_t index, double *value)
 {
-    const moert_config *cfg = rt->cfg;
-    int64_t per_rank = cfg->train.tokens_per_rank * cfg->model.hidden;
+    const trainer_settings *set = &rt->set;
+    int64_t per_rank = set->tokens_per_rank * set->hidden;
     if (!rt->params_ready || rt->device_type != MOERT_DEVICE_CPU)
-        return moert_error(MOERT_ERR_UNSUPPORTED, "the stack's output is readable after a step of a CPU run");
+        return moert_set_last_error(MOERT_ERR_UNSUPPORTED, "the stack's output is readable after a step of a CPU run");
     if (index < 0 || index >= per_rank * rt->world)
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "output element %lld does not exist", (long long)index);
-    *value = moert_load(&rt->ranks[index / per_rank].acts[cfg->model.num_layers], index % per_rank);
+        return moert_set_last_error(MOERT_ERR_INVALID_ARGUMENT, "output element %lld does not exist", (long long)index);
+    *value = moert_load(&rt->ranks[index / per_rank].acts[set->num_layers], index % per_rank);
     return MOERT_OK;
 }
 
 int64_t moert_runtime_output_numel(const moert_runtime *rt)
 {
-    return (int64_t)rt->world * rt->cfg->train.tokens_per_rank * rt->cfg->model.hidden;
+    return (int64_t)rt->world * rt->set.tokens_per_rank * rt->set.hidden;
 }
 
 /* ---- bulk reads for comparing runs ---- */
 
 int moert_runtime_local_ranks(const moert_runtime *rt) { return rt->nlocal; }
 
-int64_t moert_runtime_local_output_numel(const moert_runtime *rt)
-{
-    return rt->cfg->train.tokens_per_rank * rt->cfg->model.hidden;
-}
+int64_t moert_runtime_local_output_numel(const moert_runtime *rt) { return rt->set.tokens_per_rank * rt->set.hidden; }
 
 int64_t moert_runtime_local_grad_numel(const moert_runtime *rt, int layer, moert_param_id which)
 {
-    if (!rt->params_ready || layer < 0 || layer >= rt->cfg->model.num_layers || (int)which < 0 ||
+    if (!rt->params_ready || layer < 0 || layer >= rt->set.num_layers || (int)which < 0 ||
         (int)which >= MOERT_PARAM_COUNT)
         return 0;
-    const moert_tensor *g = &rt->ranks[0].layers[layer].params[which].grad;
+    const moert_tensor *g = &rt->ranks[0].params[layer][which].grad;
     return g->data ? moert_tensor_numel(g) : 0;
 }
 
@@ -1132,24 +955,24 @@ typedef struct read_arg {
 static moert_result rank_read(moert_rank *r, void *arg)
 {
     const read_arg *a = arg;
-    const moert_config *cfg = r->rt->cfg;
-    const moert_tensor *t = a->layer < 0 ? &r->acts[cfg->model.num_layers] : &r->layers[a->layer].params[a->which].grad;
+    const moert_tensor *t = a->layer < 0 ? &r->acts[r->rt->set.num_layers] : &r->params[a->layer][a->which].grad;
     double *out = a->out + (size_t)(r - r->rt->ranks) * (size_t)a->count;
     if (a->first < 0 || a->count < 0 || a->first + a->count > moert_tensor_numel(t))
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "reading elements %lld..%lld of a tensor of %lld",
-                           (long long)a->first, (long long)(a->first + a->count), (long long)moert_tensor_numel(t));
+        return moert_set_last_error(MOERT_ERR_INVALID_ARGUMENT, "reading elements %lld..%lld of a tensor of %lld",
+                                    (long long)a->first, (long long)(a->first + a->count),
+                                    (long long)moert_tensor_numel(t));
     if (t->dtype != MOERT_F32 && t->dtype != MOERT_F64 && t->dtype != MOERT_BF16 && t->dtype != MOERT_F16)
-        return moert_error(MOERT_ERR_UNSUPPORTED, "reading a %s tensor as double", moert_dtype_name(t->dtype));
+        return moert_set_last_error(MOERT_ERR_UNSUPPORTED, "reading a %s tensor as double", moert_dtype_name(t->dtype));
     moert_result rc = MOERT_OK;
     const size_t esize = moert_dtype_size(t->dtype);
     moert_tensor host = moert_tensor_2d(malloc((size_t)a->count * esize + 1), moert_cpu(), t->dtype, 1, a->count);
-    MOERT_CHECK_ALLOC(host.data);
-    rc = r->core_host->memcpy_async(r->core_host, host.data, host.device,
-                                    (const char *)t->data + (size_t)a->first * esize, t->device,
-                                    (size_t)a->count * esize, r->stream);
-    if (rc == MOERT_OK) rc = r->core_host->stream_synchronize(r->core_host, r->stream);
+    if (!host.data) return moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "reading a tensor: out of memory");
+    rc = rank_copy(r, host.data, (const char *)t->data + (size_t)a->first * esize, (size_t)a->count * esize);
+    if (rc == MOERT_OK) rc = rank_sync(r);
     if (rc != MOERT_OK) {
-        rc = moert_error(rc, "copying a tensor to the host: %s", moert_host_take_error(r->core_host));
+        char why[2048];
+        snprintf(why, sizeof why, "%s", moert_last_error());
+        rc = moert_set_last_error(rc, "copying a tensor to the host: %s", why);
         goto fail;
     }
     for (int64_t i = 0; i < a->count; i++) out[i] = moert_load(&host, i);
@@ -1160,19 +983,20 @@ fail:
 
 moert_result moert_runtime_read_output(moert_runtime *rt, int64_t first, int64_t count, double *out)
 {
-    if (!rt->params_ready) return moert_error(MOERT_ERR_UNSUPPORTED, "the stack's output is readable after a step");
+    if (!rt->params_ready)
+        return moert_set_last_error(MOERT_ERR_UNSUPPORTED, "the stack's output is readable after a step");
     read_arg a = {.layer = -1, .first = first, .count = count, .out = out};
-    return run_on_ranks(rt, rank_read, &a);
+    return trainer_run_on_ranks(rt, rank_read, &a);
 }
 
 moert_result moert_runtime_read_grad(moert_runtime *rt, int layer, moert_param_id which, int64_t first, int64_t count,
                                      double *out)
 {
     if (moert_runtime_local_grad_numel(rt, layer, which) == 0)
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "layer %d has no gradient of parameter %d (or no step ran)",
-                           layer, (int)which);
+        return moert_set_last_error(MOERT_ERR_INVALID_ARGUMENT,
+                                    "layer %d has no gradient of parameter %d (or no step ran)", layer, (int)which);
     read_arg a = {.layer = layer, .which = which, .first = first, .count = count, .out = out};
-    return run_on_ranks(rt, rank_read, &a);
+    return trainer_run_on_ranks(rt, rank_read, &a);
 }
 
 double moert_precision_agreement_rtol(const moert_plugin_header *precision)
@@ -1186,7 +1010,9 @@ double moert_precision_agreement_rtol(const moert_plugin_header *precision)
 
 double moert_runtime_agreement_rtol(const moert_runtime *rt)
 {
-    return moert_precision_agreement_rtol(rt->plugins[MOERT_SLOT_PRECISION].header);
+    /* the loaded plugin's declaration (0 where its vtable predates the field or leaves it 0) */
+    const double rtol = rt->plugins[2].agreement_rtol;
+    return rtol > 0.0 && isfinite(rtol) ? rtol : MOERT_PRECISION_DEFAULT_AGREEMENT_RTOL;
 }
 
 static moert_result rank_forward_backward_phase(moert_rank *r, void *arg)
@@ -1200,7 +1026,7 @@ moert_result moert_runtime_forward_backward(moert_runtime *rt, int64_t step, dou
 {
     moert_result rc = ensure_params(rt);
     if (rc != MOERT_OK) return rc;
-    rc = run_on_ranks(rt, rank_forward_backward_phase, &step);
+    rc = trainer_run_on_ranks(rt, rank_forward_backward_phase, &step);
     if (rc != MOERT_OK) return rc;
     moert_step_record rec;
     fill_record(rt, step, 0.0, &rec);
@@ -1213,12 +1039,12 @@ moert_result moert_runtime_forward_backward(moert_runtime *rt, int64_t step, dou
 static moert_result write_trace(moert_runtime *rt, const char *path)
 {
     moert_trace *traces = calloc((size_t)rt->nlocal, sizeof *traces);
-    if (!traces) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "the trace");
+    if (!traces) return moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "the trace");
     for (int i = 0; i < rt->nlocal; i++) traces[i] = rt->ranks[i].trace;
     char ranked[4096];
     const int rank = rt->ranks[0].rank;
     if (rt->processes && rank != 0) snprintf(ranked, sizeof ranked, "%s.rank%d", path, rank);
-    moert_result rc = moert_trace_write(traces, rt->nlocal, rt->cfg->name, rt->processes && rank != 0 ? ranked : path);
+    moert_result rc = moert_trace_write(traces, rt->nlocal, rt->set.name, rt->processes && rank != 0 ? ranked : path);
     free(traces);
     return rc;
 }
@@ -1227,27 +1053,27 @@ moert_result moert_runtime_train(moert_runtime *rt, const moert_train_options *o
 {
     moert_result rc = ensure_params(rt);
     if (rc != MOERT_OK) return rc;
-    const moert_config *cfg = rt->cfg;
-    train_arg ta = {.steps = opts && opts->steps > 0 ? opts->steps : cfg->train.steps,
+    const trainer_settings *set = &rt->set;
+    train_arg ta = {.steps = opts && opts->steps > 0 ? opts->steps : set->steps,
                     .progress = opts ? opts->progress : NULL};
     free(rt->records);
     rt->records = calloc((size_t)(ta.steps > 0 ? ta.steps : 1), sizeof *rt->records);
     rt->record_count = 0;
-    if (!rt->records) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "step records");
+    if (!rt->records) return moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "step records");
     /* with a process per GPU, rank 0's process speaks for all */
     if (rt->ranks[0].rank != 0) ta.progress = NULL;
     char micro[64] = "";
-    if (cfg->train.micro_batches > 1)
-        snprintf(micro, sizeof micro, " x %lld micro-batches per step", (long long)cfg->train.micro_batches);
+    if (set->micro_batches > 1)
+        snprintf(micro, sizeof micro, " x %lld micro-batches per step", (long long)set->micro_batches);
     if (ta.progress)
         fprintf(ta.progress,
                 "moert %s: \"%s\" on %s; %lld layer%s, H=%lld F=%lld E=%lld K=%lld, %lld tokens per rank%s, "
                 "%s storage; router %s, dispatcher %s, precision %s, memory policy %s\n",
-                MOERT_VERSION_STRING, cfg->name, rt->device_name, (long long)cfg->model.num_layers,
-                cfg->model.num_layers > 1 ? "s" : "", (long long)cfg->model.hidden, (long long)cfg->model.ffn_hidden,
-                (long long)cfg->model.num_experts, (long long)cfg->model.topk, (long long)cfg->train.tokens_per_rank,
-                micro, moert_dtype_name(cfg->model.dtype), rt->plugins[0].header->name, rt->plugins[1].header->name,
-                rt->plugins[2].header->name, rt->plugins[3].header->name);
+                MOERT_VERSION_STRING, set->name, rt->device_name, (long long)set->num_layers,
+                set->num_layers > 1 ? "s" : "", (long long)set->hidden, (long long)set->ffn_hidden,
+                (long long)set->num_experts, (long long)set->topk, (long long)set->tokens_per_rank, micro,
+                moert_dtype_name(set->dtype), rt->plugins[0].name, rt->plugins[1].name, rt->plugins[2].name,
+                rt->plugins[3].name);
     rc = snapshot_bias(rt, &rt->bias_start);
     if (rc != MOERT_OK) return rc;
     const char *trace_path = opts && opts->struct_size >= offsetof(moert_train_options, trace_path) + sizeof(char *)
@@ -1257,18 +1083,19 @@ moert_result moert_runtime_train(moert_runtime *rt, const moert_train_options *o
     for (int i = 0; i < rt->nlocal; i++) rt->ranks[i].trace.count = 0;
     double t0 = now_seconds();
     rt->trace_origin = t0;
-    rc = run_on_ranks(rt, rank_train, &ta);
+    rc = trainer_run_on_ranks(rt, rank_train, &ta);
     rt->total_seconds = now_seconds() - t0;
     if (rc == MOERT_OK && trace_path) rc = write_trace(rt, trace_path);
     if (rc != MOERT_OK) return rc;
 
-    int nl = (int)cfg->model.num_layers;
-    int64_t e = cfg->model.num_experts;
+    int nl = (int)set->num_layers;
+    int64_t e = set->num_experts;
     free(rt->final_counts);
     rt->final_counts = malloc(sizeof(int64_t) * (size_t)(nl * e));
-    if (!rt->final_counts) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "report");
+    if (!rt->final_counts) return moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "report");
     memcpy(rt->final_counts, rt->ranks[0].counts, sizeof(int64_t) * (size_t)(nl * e));
-    collect_memory(rt);
+    rc = collect_memory(rt);
+    if (rc != MOERT_OK) return rc;
     rc = snapshot_bias(rt, &rt->final_bias);
     if (rc != MOERT_OK) return rc;
     if (ta.progress && rt->record_count > 0) {
@@ -1291,13 +1118,12 @@ void moert_runtime_graph_summary(const moert_runtime *rt, char *buf, size_t size
 {
     if (rt->graph_captured_step > 0)
         snprintf(buf, size, "captured at step %lld (forward and backward of %lld layer%s%s), replayed in %lld %s%s",
-                 (long long)rt->graph_captured_step, (long long)rt->cfg->model.num_layers,
-                 rt->cfg->model.num_layers > 1 ? "s" : "",
-                 rt->cfg->train.micro_batches > 1 ? "; a step's first micro-batch and the later ones" : "",
-                 (long long)rt->graph_replays, rt->cfg->train.micro_batches > 1 ? "micro-batch" : "step",
-                 rt->graph_replays == 1             ? ""
-                 : rt->cfg->train.micro_batches > 1 ? "es"
-                                                    : "s");
+                 (long long)rt->graph_captured_step, (long long)rt->set.num_layers, rt->set.num_layers > 1 ? "s" : "",
+                 rt->set.micro_batches > 1 ? "; a step's first micro-batch and the later ones" : "",
+                 (long long)rt->graph_replays, rt->set.micro_batches > 1 ? "micro-batch" : "step",
+                 rt->graph_replays == 1      ? ""
+                 : rt->set.micro_batches > 1 ? "es"
+                                             : "s");
     else if (rt->graph_reason[0])
         snprintf(buf, size, "not used: %s", rt->graph_reason);
     else
@@ -1308,7 +1134,7 @@ void moert_runtime_graph_summary(const moert_runtime *rt, char *buf, size_t size
 
 int64_t moert_runtime_param_numel(const moert_runtime *rt, moert_param_id which)
 {
-    const moert_model_config *m = &rt->cfg->model;
+    const trainer_settings *m = &rt->set;
     switch (which) {
     case MOERT_PARAM_ROUTER: return m->num_experts * m->hidden;
     case MOERT_PARAM_FC1: return m->num_experts * m->hidden * 2 * m->ffn_hidden;
@@ -1324,9 +1150,9 @@ int64_t moert_runtime_param_numel(const moert_runtime *rt, moert_param_id which)
  * in its shard ([El,H,2F/ETP] with the gate columns of its range, then the up columns; [El,F/ETP,H]). */
 static bool expert_element_local(const moert_rank *r, moert_param_id which, int64_t index, int64_t *local)
 {
-    const moert_layer *L = &r->layers[0];
-    const int64_t h = L->info.hidden, fl = L->info.ffn_hidden, f = fl * L->etp_size;
-    const int64_t first = L->info.first_local_expert, el = L->info.num_local_experts;
+    const moert_layers_info *L = &r->info;
+    const int64_t h = L->hidden, fl = L->local_ffn_hidden, f = fl * L->etp_size;
+    const int64_t first = L->first_local_expert, el = L->num_local_experts;
     const int64_t per_expert = h * f * (which == MOERT_PARAM_FC1 ? 2 : 1), e = index / per_expert - first;
     const int64_t rest = index % per_expert;
     if (e < 0 || e >= el) return false;
@@ -1347,13 +1173,14 @@ moert_result moert_runtime_param(moert_runtime *rt, int layer, moert_param_id wh
 {
     moert_result rc = ensure_params(rt);
     if (rc != MOERT_OK) return rc;
-    if (layer < 0 || layer >= rt->cfg->model.num_layers || index < 0 || index >= moert_runtime_param_numel(rt, which))
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "parameter %d[%lld] of layer %d does not exist", (int)which,
-                           (long long)index, layer);
+    if (layer < 0 || layer >= rt->set.num_layers || index < 0 || index >= moert_runtime_param_numel(rt, which))
+        return moert_set_last_error(MOERT_ERR_INVALID_ARGUMENT, "parameter %d[%lld] of layer %d does not exist",
+                                    (int)which, (long long)index, layer);
     if (rt->device_type != MOERT_DEVICE_CPU)
-        return moert_error(MOERT_ERR_UNSUPPORTED, "parameter access is for CPU runs");
+        return moert_set_last_error(MOERT_ERR_UNSUPPORTED, "parameter access is for CPU runs");
     for (int i = 0; i < rt->world; i++) {
-        moert_param *p = &rt->ranks[i].layers[layer].params[which];
+        trainer_param *p = &rt->ranks[i].params[layer][which];
+        if (!p->value.data) break; /* the config has no such parameter */
         int64_t local = index;
         /* the experts are split over EP and ETP ranks (replicated over EDP ranks); the rest is replicated */
         if ((which == MOERT_PARAM_FC1 || which == MOERT_PARAM_FC2) &&
@@ -1379,12 +1206,10 @@ void moert_runtime_summary(const moert_runtime *rt, moert_run_summary *out)
     out->world = rt->world;
     out->device_type = rt->device_type;
     out->device_name = rt->device_name;
-    for (int s = 0; s < MOERT_SLOT_COUNT; s++) {
-        const moert_plugin *p = &rt->plugins[s];
-        out->plugins[s] = (moert_run_plugin){.kind = moert_kind_name(p->kind),
-                                             .name = p->header->name,
-                                             .version = p->header->version ? p->header->version : "",
-                                             .path = p->path};
+    for (int s = 0; s < 4; s++) {
+        const moert_plugin_description *p = &rt->plugins[s];
+        out->plugins[s] =
+            (moert_run_plugin){.kind = p->kind_name, .name = p->name, .version = p->version, .path = p->path};
     }
     out->records = rt->records;
     out->record_count = rt->record_count;
@@ -1403,5 +1228,5 @@ void moert_runtime_summary(const moert_runtime *rt, moert_run_summary *out)
 
 void moert_runtime_memory_line(const moert_runtime *rt, char *buf, size_t size)
 {
-    moert_memory_estimate_line(&rt->memory, buf, size);
+    snprintf(buf, size, "%s", rt->memory_line);
 }

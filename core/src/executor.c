@@ -201,19 +201,6 @@ static void tensor_release(moert_layer *L, moert_tensor *t)
     t->data = NULL;
 }
 
-/* Adam's first and second moments of one parameter, zeroed (pool memory is not). */
-static moert_result alloc_adam_state(moert_layer *L, moert_param *pr)
-{
-    moert_result rc = MOERT_OK;
-    const moert_tensor *v = &pr->value;
-    MOERT_CHECK(tensor_alloc(L, &pr->m, v->dtype, v->ndim, v->shape[0], v->shape[1], v->ndim > 2 ? v->shape[2] : 0));
-    MOERT_CHECK(tensor_alloc(L, &pr->v, v->dtype, v->ndim, v->shape[0], v->shape[1], v->ndim > 2 ? v->shape[2] : 0));
-    MOERT_CHECK(moert_zero(L->stream, &pr->m));
-    MOERT_CHECK(moert_zero(L->stream, &pr->v));
-fail:
-    return rc;
-}
-
 /* Shapes of the parameters ([E,H], [El,H,2F], [El,F,H], the shared expert's [1,H,2Fs], [1,Fs,H], [1,H]; an absent
  * one has a 0 extent; F is the rank's shard of the experts' width, F/ETP), their initial standard deviations (of the
  * whole experts, the same for any split). */
@@ -330,7 +317,6 @@ moert_result moert_layer_init_params(moert_layer *L, uint64_t seed)
         }
         MOERT_CHECK(tensor_alloc(L, &pr->value, d.dtype, d.ndim, d.shape[0], d.shape[1], d.ndim > 2 ? d.shape[2] : 0));
         MOERT_CHECK(tensor_alloc(L, &pr->grad, d.dtype, d.ndim, d.shape[0], d.shape[1], d.ndim > 2 ? d.shape[2] : 0));
-        if (L->optimizer == MOERT_OPTIMIZER_ADAM) MOERT_CHECK(alloc_adam_state(L, pr));
     }
     MOERT_CHECK(moert_layer_fill_params(L, seed));
 fail:
@@ -641,8 +627,6 @@ void moert_layer_free(moert_layer *L)
     for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
         if (!L->params_borrowed) tensor_release(L, &L->params[p].value);
         if (!L->params_borrowed) tensor_release(L, &L->params[p].grad);
-        tensor_release(L, &L->params[p].m);
-        tensor_release(L, &L->params[p].v);
     }
 }
 
@@ -1350,26 +1334,6 @@ fail:
     tensor_release(L, &d_probs);
     tensor_release(L, &local_d_recv_x);
     tensor_release(L, &local_d_recv_probs);
-    return rc;
-}
-
-moert_result moert_layer_optimizer_step(moert_layer *L, const moert_train_config *t, int64_t step)
-{
-    moert_result rc = MOERT_OK;
-    moert_adam adam = {
-        .lr = t->lr, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = t->weight_decay, .step = step};
-    moert_sgd sgd = {.lr = t->lr, .weight_decay = t->weight_decay};
-    for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
-        moert_param *pr = &L->params[p];
-        if (!moert_layer_has_param(L, (moert_param_id)p)) continue;
-        if (t->optimizer == MOERT_OPTIMIZER_SGD) {
-            MOERT_CHECK(moert_sgd_update(L->stream, &sgd, &pr->value, &pr->grad));
-            continue;
-        }
-        if (!pr->m.data) MOERT_CHECK(alloc_adam_state(L, pr));
-        MOERT_CHECK(moert_adam_update(L->stream, &adam, &pr->value, &pr->grad, &pr->m, &pr->v));
-    }
-fail:
     return rc;
 }
 

@@ -55,9 +55,9 @@ typedef struct moert_instance {
     moert_host *host;
 } moert_instance;
 
-/* A parameter with its gradient and Adam moments (NULL data with SGD), on the layer's device. */
+/* A parameter with its gradient, on the layer's device (the optimizer and its state are the caller's). */
 typedef struct moert_param {
-    moert_tensor value, grad, m, v;
+    moert_tensor value, grad;
 } moert_param;
 
 typedef struct moert_layer {
@@ -83,7 +83,6 @@ typedef struct moert_layer {
         params[MOERT_PARAM_COUNT]; /* router [E,H], fc1 [El,H,2F], fc2 [El,F,H], the shared expert's (or empty) */
     moert_dtype param_dtype;       /* fp32, or fp64 in fp64 mode */
     int64_t seq_length;            /* tokens per sequence (batch-major), 0 = one sequence */
-    moert_optimizer optimizer;     /* set before moert_layer_init_params: m and v exist only for Adam */
     /* the embedding API: parameter values and gradients are the caller's tensors (never freed here), and forward
      * gives MoE(x) alone, without the residual x (backward then passes no d_y through to d_x) */
     bool params_borrowed;
@@ -161,8 +160,8 @@ moert_tensor moert_layer_param_desc(const moert_layer *L, moert_param_id which);
 /* Writes the initial parameter values (from the seed, the same for any rank split) into the layer's parameters,
  * allocated or bound by the caller. */
 moert_result moert_layer_fill_params(moert_layer *L, uint64_t seed);
-/* Allocates the parameters (values from the seed, the same for any rank split) and their state (Adam's m and v,
- * zeroed, when L->optimizer is Adam). */
+/* Allocates the parameters and their gradients (values from the seed, the same for any rank split): for tests that
+ * drive one layer. */
 moert_result moert_layer_init_params(moert_layer *L, uint64_t seed);
 void moert_layer_free(moert_layer *L);
 
@@ -212,9 +211,4 @@ moert_result moert_layer_experts_backward(moert_layer *L, const moert_tensor *d_
 moert_result moert_layer_zero_grad(moert_layer *L, bool allow_lazy);
 /* After a replayed CUDA graph's backward: its WGRADs wrote the expert gradients (what run_gemm notes when it runs). */
 void moert_layer_mark_grads_written(moert_layer *L);
-/* The optimizer step of this layer's parameters, with `t`'s optimizer, lr and weight decay: Adam (beta 0.9/0.999,
- * eps 1e-8, decoupled weight decay; step counts from 1; m and v are allocated at the first Adam step if the layer
- * has none) or plain SGD (param -= lr * (grad + weight_decay * param)). */
-moert_result moert_layer_optimizer_step(moert_layer *L, const moert_train_config *t, int64_t step);
-
 #endif

@@ -17,6 +17,7 @@
 #include "executor.h"
 #include "host.h"
 #include "loader.h"
+#include "memory_estimate.h"
 #include "stack.h"
 #include "tensor_ops.h"
 
@@ -61,8 +62,9 @@ struct moert_comm {
     unsigned char nccl_id[MOERT_NCCL_ID_BYTES];
     /* each rank's NCCL communicator, shared by every moert_layers of that rank on this communicator (made by the
      * first, freed by the last on its own thread); guarded by lock */
-    struct moert_nccl_comm **nccl; /* [world] */
-    int *nccl_users;               /* [world] */
+    struct moert_nccl_comm **nccl;   /* [world] */
+    int *nccl_users;                 /* [world] */
+    struct moert_dist_env *dist_env; /* moert_comm_create_launcher: the NCCL id comes over TCP from rank 0 */
 };
 
 static moert_result comm_new(comm_kind kind, int world_size, double timeout_s, moert_comm **out)
@@ -144,12 +146,52 @@ MOERT_API moert_result moert_comm_create_nccl(const unsigned char id[MOERT_NCCL_
 #endif
 }
 
+MOERT_API moert_result moert_comm_create_launcher(double timeout_s, moert_launcher_env *env, moert_comm **out)
+{
+    if (out) *out = NULL;
+    if (!env || !out || env->struct_size < sizeof *env)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                           "moert_comm_create_launcher: env or out is NULL, or env->struct_size is not %zu",
+                           sizeof *env);
+#ifdef MOERT_HAVE_CUDA
+    moert_result rc = MOERT_OK;
+    moert_dist_env *d = calloc(1, sizeof *d);
+    MOERT_CHECK_ALLOC(d);
+    MOERT_CHECK(moert_dist_env_read(d));
+    MOERT_CHECK(comm_new(COMM_NCCL_ID, d->world_size, timeout_s, out));
+    (*out)->dist_env = d;
+    env->rank = d->rank;
+    env->world_size = d->world_size;
+    env->local_rank = d->local_rank;
+    return MOERT_OK;
+fail:
+    free(d);
+    return rc;
+#else
+    (void)timeout_s;
+    return moert_error(MOERT_ERR_UNSUPPORTED, "moert_comm_create_launcher: this build of moert has no CUDA/NCCL");
+#endif
+}
+
+MOERT_API void moert_comm_fail(moert_comm *comm, int rank, const char *why)
+{
+    if (!comm || rank < 0 || rank >= comm->world) return;
+    if (comm->group && comm->world > 1) moert_comm_abort(comm->group, rank, why ? why : "failed");
+#ifdef MOERT_HAVE_CUDA
+    pthread_mutex_lock(&comm->lock);
+    struct moert_nccl_comm *nccl = comm->nccl[rank];
+    pthread_mutex_unlock(&comm->lock);
+    if (nccl) moert_nccl_comm_abort(nccl, why ? why : "failed");
+#endif
+}
+
 MOERT_API void moert_comm_destroy(moert_comm *comm)
 {
     if (!comm) return;
 #ifdef MOERT_HAVE_CUDA
     if (comm->nccl_group) moert_nccl_group_free(comm->nccl_group);
 #endif
+    free(comm->dist_env);
     if (comm->group) moert_comm_group_free(comm->group);
     pthread_mutex_destroy(&comm->lock);
     free(comm->nccl);
@@ -184,6 +226,8 @@ struct moert_layers {
     int etp, edp; /* the expert layout (docs/parallel.md) */
     moert_device device;
     int64_t max_tokens;
+    bool residual;       /* MOERT_LAUNCH_RESIDUAL */
+    bool graph_backward; /* a backward ran while capturing: the graph being captured writes the gradients */
     struct moert_cuda_pool *pool;
     struct moert_nccl_comm *nccl;
     moert_stream stream;                  /* CUDA: the layers' own compute stream */
@@ -261,6 +305,7 @@ static moert_result enter(moert_layers *m, moert_stream stream)
     moert_result rc = MOERT_OK;
     if (m->device.type != MOERT_DEVICE_CUDA) return MOERT_OK;
     MOERT_CHECK(moert_cuda_set_device(m->device.id));
+    if (stream == m->stream) return MOERT_OK; /* the caller works on the layers' own stream */
     MOERT_CHECK(moert_cuda_event_record(m->enter_event, stream));
     MOERT_CHECK(moert_cuda_stream_wait_event(m->stream, m->enter_event));
 fail:
@@ -277,7 +322,7 @@ static moert_result leave(moert_layers *m, moert_stream stream)
 {
 #ifdef MOERT_HAVE_CUDA
     moert_result rc = MOERT_OK;
-    if (m->device.type != MOERT_DEVICE_CUDA) return MOERT_OK;
+    if (m->device.type != MOERT_DEVICE_CUDA || stream == m->stream) return MOERT_OK;
     MOERT_CHECK(moert_cuda_event_record(m->leave_event, m->stream));
     MOERT_CHECK(moert_cuda_stream_wait_event(stream, m->leave_event));
 fail:
@@ -338,7 +383,7 @@ static moert_result check_launch_layout(const moert_config *cfg, const moert_lau
     const char *fn = "moert_layers_create";
     int etp = 1, edp = 1;
     launch_layout(launch, &etp, &edp);
-    if (launch->struct_size >= sizeof *launch &&
+    if (launch->struct_size >= offsetof(moert_launch, expert_data_parallel) + sizeof(int32_t) &&
         (launch->expert_tensor_parallel < 0 || launch->expert_data_parallel < 0))
         return moert_error(MOERT_ERR_INVALID_ARGUMENT,
                            "%s: launch->expert_tensor_parallel %d and "
@@ -459,7 +504,9 @@ static moert_result cuda_setup(moert_layers *m, double timeout_s)
     if (c->kind == COMM_THREADS && !c->nccl_group) rc = moert_nccl_group_create(c->world, timeout_s, &c->nccl_group);
     pthread_mutex_unlock(&c->lock);
     if (rc != MOERT_OK) return rc;
-    if (c->kind == COMM_NCCL_ID)
+    if (c->dist_env)
+        MOERT_CHECK(moert_nccl_comm_init_env(c->dist_env, dev, c->timeout_s, &m->nccl));
+    else if (c->kind == COMM_NCCL_ID)
         MOERT_CHECK(
             moert_nccl_comm_init_id(c->nccl_id, sizeof c->nccl_id, m->rank, m->world, dev, c->timeout_s, &m->nccl));
     else
@@ -515,6 +562,8 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
     m->rank = launch->rank;
     m->world = launch->world_size;
     launch_layout(launch, &m->etp, &m->edp);
+    m->residual = launch->struct_size >= offsetof(moert_launch, flags) + sizeof(uint32_t) &&
+                  (launch->flags & MOERT_LAUNCH_RESIDUAL);
     m->device = launch->device;
     if (m->device.type == MOERT_DEVICE_CPU) m->device.id = 0;
     m->max_tokens = launch->max_tokens > 0 ? launch->max_tokens : cfg->train.tokens_per_rank;
@@ -554,10 +603,13 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
     for (int l = 0; l < nl; l++) {
         moert_layer *L = &m->stack.layers[l];
         L->params_borrowed = true;
-        L->no_residual = true;
+        L->no_residual = !m->residual;
         /* offloaded activations give their device copies back at a later layer boundary, once the copy is done
          * (see forward and backward below), so the compute stream never waits for a D2H copy */
         L->acts.defer_release = true;
+        /* $.parallel.offload_defer_start: a layer's offload copies start at the next layer's forward (the last
+         * layer's at once), docs/executor.md "Deferred start" */
+        L->acts.defer_start = l + 1 < nl && m->cfg->parallel.offload_defer_start;
     }
     *out = m;
     return MOERT_OK;
@@ -645,7 +697,8 @@ MOERT_API moert_result moert_layers_get_info(const moert_layers *m, moert_layers
                               .etp_size = L->etp_size,
                               .edp_rank = L->edp_rank,
                               .edp_size = L->edp_size,
-                              .local_ffn_hidden = L->info.ffn_hidden};
+                              .local_ffn_hidden = L->info.ffn_hidden,
+                              .stream = m->stream};
     const moert_tensor *bias = ROUTER(L)->expert_bias ? ROUTER(L)->expert_bias(L->router.ctx) : NULL;
     if (bias) info.expert_bias_dtype = bias->dtype;
     memcpy(out, &info, size);
@@ -905,6 +958,9 @@ MOERT_API moert_result moert_moe_forward(moert_layers *m, int layer, const moert
         stats->dispatched_rows = moert_layer_used_rows(L);
     }
     if (!saved) MOERT_CHECK(moert_layer_release_saved(L));
+    /* the layer below's deferred offload copies start now that this layer's dispatcher has synced on its counts: a
+     * copy engine serves copies in issue order, so issued earlier they would have held that small copy back */
+    if (layer > 0) MOERT_CHECK(moert_act_store_start_offloads(&m->stack.layers[layer - 1].acts));
     /* offload copies of the layers below that have finished by now give their device buffers back */
     for (int below = 0; below < layer; below++)
         MOERT_CHECK(moert_act_store_release_finished(&m->stack.layers[below].acts));
@@ -960,6 +1016,7 @@ MOERT_API moert_result moert_moe_backward(moert_layers *m, moert_saved *saved, c
     if (layer > 0 && m->saved[layer - 1]) MOERT_CHECK(moert_act_store_prefetch(&m->stack.layers[layer - 1].acts));
     if (!accumulate) MOERT_CHECK(moert_layer_zero_grad(L, true));
     MOERT_CHECK(moert_layer_backward(L, dy, dx, scale));
+    if (L->capturing) m->graph_backward = true;
     MOERT_CHECK(leave(m, stream));
     return MOERT_OK;
 fail:
@@ -1002,6 +1059,7 @@ MOERT_API moert_result moert_layers_figures(moert_layers *m, int layer, moert_la
     moert_result rc = check_layer(m, layer, fn);
     if (rc != MOERT_OK) return rc;
     const size_t v2_size = offsetof(moert_layer_figures, shared_saved_bytes); /* before API version 3 */
+    const size_t v3_size = offsetof(moert_layer_figures, device_pool_calls);  /* before API version 6 */
     if (!out || out->struct_size < v2_size)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: out is NULL or its struct_size is not %zu", fn,
                            sizeof *out);
@@ -1010,22 +1068,25 @@ MOERT_API moert_result moert_layers_figures(moert_layers *m, int layer, moert_la
     for (int i = 0; i < MOERT_LAYER_STAGES && i < MOERT_STAGE_COUNT; i++) out->stage_ms[i] = 1e3 * L->stage_seconds[i];
     for (int i = 0; i < MOERT_LAYER_BACKWARD_PARTS && i < MOERT_BWD_PART_COUNT; i++)
         out->backward_part_ms[i] = 1e3 * L->backward_part_seconds[i];
-    out->held_bytes = 0;
     for (int a = 0; a < MOERT_LAYER_ACTIVATIONS && a < MOERT_ACT_COUNT; a++)
         out->saved_bytes[a] = L->acts.saved_bytes[a];
-    for (int a = 0; a < MOERT_STORE_SLOTS; a++) out->held_bytes += L->acts.held_bytes[a];
-    if (out->struct_size >= sizeof *out)
+    /* every slot's held bytes, and those of offloads cancelled at reload (their device copy was kept) */
+    out->held_bytes = L->acts.kept_bytes_peak;
+    if (out->struct_size >= v3_size)
         for (int a = 0; a < MOERT_LAYER_SHARED_ACTIVATIONS; a++)
             out->shared_saved_bytes[a] = L->acts.saved_bytes[MOERT_STORE_SHARED_FC1_OUT + a];
     out->recompute_saved_bytes = L->acts.recompute_saved_bytes;
     out->offload_saved_bytes = L->acts.offload_saved_bytes;
     out->pinned_bytes = L->acts.pinned_bytes;
     out->device_peak_bytes = 0;
+    if (out->struct_size >= sizeof *out) out->device_pool_calls = 0;
 #ifdef MOERT_HAVE_CUDA
     if (m->pool) {
         moert_cuda_pool_stats stats;
         moert_cuda_pool_get_stats(m->pool, &stats);
         out->device_peak_bytes = (int64_t)stats.peak_bytes_in_use;
+        if (out->struct_size >= sizeof *out)
+            out->device_pool_calls = (int64_t)(stats.cuda_malloc_count + stats.cuda_free_count);
     }
 #endif
 fail:
@@ -1337,4 +1398,267 @@ MOERT_API moert_result moert_experts_backward(moert_layers *m, moert_saved *save
     return MOERT_OK;
 fail:
     return release_after_failure(L, rc);
+}
+
+/* ---- around the layers: memory, collectives, offload boundaries, spans ---- */
+
+/* Whether `device` is one the layers allocate on: theirs, pinned host memory or the CPU. */
+static moert_result check_alloc_device(const moert_layers *m, moert_device device, const char *fn)
+{
+    char a[32], b[32];
+    if (device.type == MOERT_DEVICE_CPU || device.type == MOERT_DEVICE_CUDA_HOST) return MOERT_OK;
+    if (device.type == m->device.type && device.id == m->device.id) return MOERT_OK;
+    return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: device %s, expected the layers' (%s), cuda_host or cpu", fn,
+                       device_text(device, a, sizeof a), device_text(m->device, b, sizeof b));
+}
+
+MOERT_API moert_result moert_layers_alloc(moert_layers *m, moert_device device, size_t bytes, void **out)
+{
+    const char *fn = "moert_layers_alloc";
+    if (!m || !out) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layers or out is NULL", fn);
+    *out = NULL;
+    moert_result rc = check_alloc_device(m, device, fn);
+    if (rc != MOERT_OK) return rc;
+    const moert_host *h = m->stack.core_host;
+    rc = device.type == MOERT_DEVICE_CUDA_HOST ? h->alloc_pinned(h, bytes, out) : h->alloc(h, device, bytes, out);
+    if (rc != MOERT_OK) return moert_error(rc, "%s: %s", fn, moert_host_take_error(m->stack.core_host));
+    return MOERT_OK;
+}
+
+MOERT_API void moert_layers_free(moert_layers *m, moert_device device, void *ptr)
+{
+    if (!m || !ptr || check_alloc_device(m, device, "moert_layers_free") != MOERT_OK) return;
+    const moert_host *h = m->stack.core_host;
+    if (device.type == MOERT_DEVICE_CUDA_HOST)
+        h->free_pinned(h, ptr);
+    else
+        h->free(h, device, ptr);
+}
+
+MOERT_API moert_result moert_layers_allreduce_sum(moert_layers *m, moert_group group, moert_tensor *buf,
+                                                  moert_stream stream)
+{
+    const char *fn = "moert_layers_allreduce_sum";
+    moert_result rc = MOERT_OK;
+    if (!m || !buf) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layers or buf is NULL", fn);
+    if (buf->dtype != MOERT_F32 && buf->dtype != MOERT_F64 && buf->dtype != MOERT_I64)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: buf is %s, expected fp32, fp64 or int64", fn,
+                           moert_dtype_name(buf->dtype));
+    if (!moert_tensor_is_contiguous(buf) || (!buf->data && moert_tensor_numel(buf) > 0))
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: buf is not contiguous or has no data", fn);
+    const bool host = on_host(buf->device);
+    if (!host && (buf->device.type != m->device.type || buf->device.id != m->device.id))
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: buf is neither in host memory nor on the layers' device",
+                           fn);
+    const size_t count = (size_t)moert_tensor_numel(buf);
+    if (group == MOERT_GROUP_WORLD) {
+        const moert_host *h = m->stack.core_host;
+        if (m->world == 1) return MOERT_OK;
+        MOERT_CHECK(enter(m, stream));
+        rc = h->allreduce_sum(h, buf->data, count, buf->dtype, host ? moert_cpu() : buf->device, m->stream);
+        if (rc != MOERT_OK) return moert_error(rc, "%s: %s", fn, moert_host_take_error(m->stack.core_host));
+        MOERT_CHECK(leave(m, stream));
+        return MOERT_OK;
+    }
+    const moert_expert_axis axes[4] = {MOERT_AXIS_EP, MOERT_AXIS_EP, MOERT_AXIS_ETP, MOERT_AXIS_EDP};
+    if ((int)group < 0 || (int)group > 3)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: group %d, expected a moert_group", fn, (int)group);
+    const moert_expert_axis axis = axes[group];
+    if (!m->stack.group_host[axis]) return MOERT_OK; /* this rank alone */
+    /* the group's own core services: host memory, or the device through the group's NCCL communicator on GPUs */
+    moert_tensor t = *buf;
+    if (host) t.device = moert_cpu();
+    MOERT_CHECK(enter(m, stream));
+    MOERT_CHECK(moert_stack_group_sum(&m->stack, axis, &t, m->stream));
+    MOERT_CHECK(leave(m, stream));
+fail:
+    return rc;
+}
+
+MOERT_API moert_result moert_layers_barrier(moert_layers *m)
+{
+    if (!m) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_layers_barrier: layers is NULL");
+    const moert_host *h = m->stack.core_host;
+    if (h->barrier(h) != MOERT_OK)
+        return moert_error(MOERT_ERR_TIMEOUT, "moert_layers_barrier: %s", moert_host_take_error(m->stack.core_host));
+    return MOERT_OK;
+}
+
+MOERT_API moert_result moert_layers_release_offloaded(moert_layers *m, moert_stream stream)
+{
+    moert_result rc = MOERT_OK;
+    if (!m) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_layers_release_offloaded: layers is NULL");
+    MOERT_CHECK(enter(m, stream));
+    for (int l = 0; l < m->stack.num_layers; l++)
+        MOERT_CHECK(moert_act_store_release_finished(&m->stack.layers[l].acts));
+    MOERT_CHECK(leave(m, stream));
+fail:
+    return rc;
+}
+
+MOERT_API moert_result moert_layers_tokens_per_expert(moert_layers *m, int layer, moert_tensor *dst,
+                                                      moert_stream stream)
+{
+    const char *fn = "moert_layers_tokens_per_expert";
+    moert_result rc = check_layer(m, layer, fn);
+    if (rc != MOERT_OK) return rc;
+    moert_layer *L = &m->stack.layers[layer];
+    const int64_t shape[1] = {L->info.num_experts};
+    MOERT_CHECK(
+        check_tensor(fn, "dst", dst, MOERT_I64, dst && on_host(dst->device) ? dst->device : m->device, 1, shape));
+    if (!L->tokens_per_expert.data)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layer %d has not run a forward", fn, layer);
+    MOERT_CHECK(copy_out(m, &L->tokens_per_expert, dst, stream));
+fail:
+    return rc;
+}
+
+_Static_assert(MOERT_LAYERS_MAX_SPANS == MOERT_LAYER_MAX_SPANS, "public span count");
+
+MOERT_API moert_result moert_layers_spans(moert_layers *m, int layer, int origin, moert_span *out, int capacity,
+                                          int *count)
+{
+    const char *fn = "moert_layers_spans";
+    moert_result rc = check_layer(m, layer, fn);
+    if (rc == MOERT_OK) rc = check_layer(m, origin, fn);
+    if (rc != MOERT_OK) return rc;
+    if (!count || (!out && capacity > 0))
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: out or count is NULL", fn);
+    moert_layer *L = &m->stack.layers[layer];
+    moert_layer_span spans[MOERT_LAYER_MAX_SPANS];
+    int n = 0;
+    MOERT_CHECK(moert_layer_collect_times(L));
+    MOERT_CHECK(moert_layer_spans(L, &m->stack.layers[origin], spans, &n));
+    *count = n < capacity ? n : capacity;
+    for (int i = 0; i < *count; i++)
+        out[i] = (moert_span){
+            .name = spans[i].name, .stream = spans[i].stream, .start_s = spans[i].start_s, .dur_s = spans[i].dur_s};
+fail:
+    return rc;
+}
+
+/* ---- CUDA graphs ---- */
+
+struct moert_graph {
+    moert_layers *owner;
+    void *exec;        /* a cudaGraphExec_t */
+    bool writes_grads; /* it holds a backward: its WGRADs write the expert gradients */
+};
+
+MOERT_API bool moert_layers_graph_capturable(const moert_layers *m, char *why, size_t why_size)
+{
+    if (!m) {
+        if (why && why_size) snprintf(why, why_size, "no layers");
+        return false;
+    }
+    for (int l = 0; l < m->stack.num_layers; l++)
+        if (!moert_layer_graph_capturable(&m->stack.layers[l], why, why_size)) return false;
+    return true;
+}
+
+MOERT_API moert_result moert_layers_capture_begin(moert_layers *m, moert_stream stream)
+{
+    const char *fn = "moert_layers_capture_begin";
+    if (!m) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layers is NULL", fn);
+#ifdef MOERT_HAVE_CUDA
+    moert_result rc = MOERT_OK;
+    if (m->device.type != MOERT_DEVICE_CUDA)
+        return moert_error(MOERT_ERR_UNSUPPORTED, "%s: the layers run on the CPU", fn);
+    MOERT_CHECK(moert_cuda_set_device(m->device.id));
+    /* the layers allocate on their own stream: its blocks are kept for the graphs */
+    MOERT_CHECK(moert_cuda_pool_reserve_resume(m->pool, m->stream));
+    rc = moert_cuda_capture_begin(stream);
+    if (rc != MOERT_OK) {
+        moert_cuda_pool_reserve_end(m->pool);
+        goto fail;
+    }
+    m->graph_backward = false;
+    for (int l = 0; l < m->stack.num_layers; l++) m->stack.layers[l].capturing = true;
+fail:
+    return rc;
+#else
+    (void)stream;
+    return moert_error(MOERT_ERR_UNSUPPORTED, "%s: this build of moert has no CUDA", fn);
+#endif
+}
+
+MOERT_API moert_result moert_layers_capture_end(moert_layers *m, moert_stream stream, const char *what,
+                                                moert_graph **out)
+{
+    const char *fn = "moert_layers_capture_end";
+    if (!m || !out) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layers or out is NULL", fn);
+    *out = NULL;
+#ifdef MOERT_HAVE_CUDA
+    moert_result rc = MOERT_OK;
+    if (m->device.type != MOERT_DEVICE_CUDA)
+        return moert_error(MOERT_ERR_UNSUPPORTED, "%s: the layers run on the CPU", fn);
+    for (int l = 0; l < m->stack.num_layers; l++) m->stack.layers[l].capturing = false;
+    moert_cuda_graph exec = NULL;
+    rc = moert_cuda_capture_end(stream, what ? what : "the layers' work", &exec);
+    moert_cuda_pool_reserve_end(m->pool);
+    if (rc != MOERT_OK) return rc;
+    moert_graph *g = calloc(1, sizeof *g);
+    if (!g) {
+        moert_cuda_graph_destroy(exec);
+        return moert_error(MOERT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
+    }
+    *g = (moert_graph){.owner = m, .exec = exec, .writes_grads = m->graph_backward};
+    m->graph_backward = false;
+    *out = g;
+    return rc;
+#else
+    (void)stream;
+    (void)what;
+    return moert_error(MOERT_ERR_UNSUPPORTED, "%s: this build of moert has no CUDA", fn);
+#endif
+}
+
+MOERT_API moert_result moert_graph_launch(moert_graph *g, moert_stream stream)
+{
+    if (!g) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_graph_launch: graph is NULL");
+#ifdef MOERT_HAVE_CUDA
+    moert_layers *m = g->owner;
+    moert_result rc = moert_cuda_set_device(m->device.id);
+    if (rc != MOERT_OK) return rc;
+    /* the replayed WGRADs write the expert gradients: a later capture must add to them */
+    if (g->writes_grads)
+        for (int l = 0; l < m->stack.num_layers; l++) moert_layer_mark_grads_written(&m->stack.layers[l]);
+    return moert_cuda_graph_launch(g->exec, stream);
+#else
+    (void)stream;
+    return moert_error(MOERT_ERR_UNSUPPORTED, "moert_graph_launch: this build of moert has no CUDA");
+#endif
+}
+
+MOERT_API void moert_graph_destroy(moert_graph *g)
+{
+    if (!g) return;
+#ifdef MOERT_HAVE_CUDA
+    moert_cuda_graph_destroy(g->exec);
+#endif
+    free(g);
+}
+
+/* ---- plugins and memory ---- */
+
+MOERT_API moert_result moert_layers_plugin(const moert_layers *m, moert_plugin_kind kind, moert_plugin_description *out)
+{
+    const char *fn = "moert_layers_plugin";
+    if (!m || !out) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layers or out is NULL", fn);
+    for (int s = 0; s < MOERT_SLOT_COUNT; s++)
+        if (moert_slot_kind((moert_slot)s) == kind) return moert_plugin_description_of(&m->plugins[s], out);
+    return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: kind %d, expected a moert_plugin_kind", fn, (int)kind);
+}
+
+MOERT_API moert_result moert_config_memory_estimate(const moert_config *cfg, int world, moert_device_type device,
+                                                    char *buf, size_t size)
+{
+    if (!cfg || world < 1 || (device != MOERT_DEVICE_CPU && device != MOERT_DEVICE_CUDA))
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                           "moert_config_memory_estimate: cfg NULL, world %d or device type %d not cpu or cuda", world,
+                           (int)device);
+    moert_memory_estimate est;
+    moert_memory_estimate_config(cfg, world, device, &est);
+    if (buf && size) moert_memory_estimate_line(&est, buf, size);
+    return moert_memory_estimate_check(cfg, &est);
 }

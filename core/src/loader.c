@@ -662,29 +662,49 @@ int moert_plugin_scan(moert_plugin_visit_fn fn, void *user)
     return moert_plugin_list_files(scan_one, &c);
 }
 
+/* The size of moert_plugin_description before API version 6 (up to flags). */
+#define DESCRIPTION_V5_SIZE offsetof(moert_plugin_description, agreement_rtol)
+
+moert_result moert_plugin_description_of(const moert_plugin *p, moert_plugin_description *out)
+{
+    const size_t size = out->struct_size >= sizeof *out ? sizeof *out : DESCRIPTION_V5_SIZE;
+    if (out->struct_size < DESCRIPTION_V5_SIZE)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_plugin_describe: out->struct_size %u, expected %zu",
+                           out->struct_size, sizeof *out);
+    const moert_plugin_header *h = p->header;
+    moert_plugin_description d;
+    memset(&d, 0, sizeof d);
+    d.struct_size = (uint32_t)size;
+    d.kind = p->kind;
+    d.kind_name = moert_kind_name(p->kind);
+    snprintf(d.name, sizeof d.name, "%s", h->name);
+    snprintf(d.version, sizeof d.version, "%s", h->version ? h->version : "");
+    snprintf(d.description, sizeof d.description, "%s", h->description ? h->description : "");
+    snprintf(d.path, sizeof d.path, "%s", p->path);
+    d.devices = h->devices;
+    d.dtypes = h->dtypes;
+    d.flags = h->flags;
+    const size_t rtol_end = offsetof(moert_precision_v1, agreement_rtol) + sizeof(double);
+    if (h->kind == MOERT_KIND_PRECISION && h->struct_size >= rtol_end)
+        d.agreement_rtol = ((const moert_precision_v1 *)h)->agreement_rtol;
+    memcpy(out, &d, size);
+    return MOERT_OK;
+}
+
 MOERT_API moert_result moert_plugin_describe(moert_plugin_kind kind, const char *path, moert_plugin_description *out)
 {
     if (!path || !out) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_plugin_describe: path or out is NULL");
-    if (out->struct_size < sizeof *out)
+    if (out->struct_size < DESCRIPTION_V5_SIZE)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_plugin_describe: out->struct_size %u, expected %zu",
                            out->struct_size, sizeof *out);
     moert_plugin p;
     moert_result rc = moert_plugin_open_file(kind, path, &p);
     if (rc != MOERT_OK) return rc;
-    const moert_plugin_header *h = p.header;
-    memset(out, 0, sizeof *out);
-    out->struct_size = sizeof *out;
-    out->kind = p.kind;
-    out->kind_name = moert_kind_name(p.kind);
-    snprintf(out->name, sizeof out->name, "%s", h->name);
-    snprintf(out->version, sizeof out->version, "%s", h->version ? h->version : "");
-    snprintf(out->description, sizeof out->description, "%s", h->description ? h->description : "");
-    snprintf(out->path, sizeof out->path, "%s", path);
-    out->devices = h->devices;
-    out->dtypes = h->dtypes;
-    out->flags = h->flags;
+    rc = moert_plugin_description_of(&p, out);
+    /* the path as given */
+    if (rc == MOERT_OK) snprintf(out->path, sizeof out->path, "%s", path);
     moert_plugin_unload(&p);
-    return MOERT_OK;
+    return rc;
 }
 
 /* The config key of a kind's section, for the options' JSON paths. */

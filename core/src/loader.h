@@ -39,6 +39,10 @@ int moert_plugin_scan(moert_plugin_visit_fn fn, void *user);
 /* Opens and checks one file as a plugin of kind, labelled as `moert plugins` lists it (no init). */
 moert_result moert_plugin_open_file(moert_plugin_kind kind, const char *path, moert_plugin *out);
 
+/* What a loaded plugin's header declares, as moert_plugin_describe gives it (out->struct_size: the caller's, down to
+ * the size before agreement_rtol). */
+moert_result moert_plugin_description_of(const moert_plugin *p, moert_plugin_description *out);
+
 /* moert_plugin_guard_crashes, moert_plugin_list_files, moert_plugin_search_path, moert_plugin_describe and
  * moert_plugin_list_options are public (moert/moert.h). */
 

@@ -220,7 +220,6 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
         L->overlap_wgrad = cfg->parallel.overlap_wgrad;
         L->param_dtype = cfg->model.dtype == MOERT_F64 ? MOERT_F64 : MOERT_F32;
         L->seq_length = cfg->train.seq_length;
-        L->optimizer = cfg->train.optimizer;
         for (int k = 0; k < MOERT_SLOT_COUNT; k++) {
             const char *key = moert_slot_key((moert_slot)k);
             char path[64];

@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Element-wise work the executor does itself: SwiGLU, residual adds, the loss, the optimizer. */
+/* Element-wise work the executor does itself: SwiGLU, residual adds, the shared expert's gate, initial values. */
 #ifndef MOERT_CORE_TENSOR_OPS_H
 #define MOERT_CORE_TENSOR_OPS_H
 
@@ -28,27 +28,4 @@ moert_result moert_gate_backward(moert_stream s, const moert_tensor *x, const mo
 /* t[i] = std * normal(seed, stream, first + i) (random.h), on the tensor's device: parameter initialisation. */
 moert_result moert_fill_normal_on(moert_stream s, moert_tensor *t, uint64_t seed, uint64_t stream, uint64_t first,
                                   double std);
-/* Sum of (pred - target)^2 (in double on the CPU, fp32 on CUDA), and grad = scale * 2 * (pred - target).
- * workspace: MOERT_SQUARED_ERROR_WORKSPACE_BYTES on the tensors' device (unused on the CPU); pinned_result: a pinned
- * float the CUDA sum comes back through (NULL: a pageable one, whose copy may wait behind other copies). */
-#define MOERT_SQUARED_ERROR_WORKSPACE_BYTES 8192
-moert_result moert_squared_error(moert_stream s, const moert_tensor *pred, const moert_tensor *target, double scale,
-                                 void *workspace, float *pinned_result, double *sum, moert_tensor *grad);
-
-/* Adam (with decoupled weight decay) on one parameter tensor. step counts from 1. */
-typedef struct moert_adam {
-    double lr, beta1, beta2, eps, weight_decay;
-    int64_t step;
-} moert_adam;
-moert_result moert_adam_update(moert_stream s, const moert_adam *opt, moert_tensor *param, const moert_tensor *grad,
-                               moert_tensor *m, moert_tensor *v);
-
-/* Plain SGD with weight decay on one parameter tensor: param -= lr * (grad + weight_decay * param), in double on
- * the CPU (so with weight_decay 0 the result is exactly param - lr * grad, rounded to the storage dtype once) and
- * as one fused axpby in fp32 (fp64 for fp64 tensors) on CUDA. No optimizer state. */
-typedef struct moert_sgd {
-    double lr, weight_decay;
-} moert_sgd;
-moert_result moert_sgd_update(moert_stream s, const moert_sgd *opt, moert_tensor *param, const moert_tensor *grad);
-
 #endif

@@ -85,8 +85,7 @@ static void check_layer(const int act[MOERT_ACT_COUNT], bool prefetch, bool defe
     layer_harness hz;
     gpu_result later = {0};
     const char *differs = "";
-    moert_result rc = harness_open(&hz, (moert_device){MOERT_DEVICE_CUDA, 0}, GH, GF, GE, GK, GT, MOERT_BF16, json,
-                                   MOERT_OPTIMIZER_ADAM);
+    moert_result rc = harness_open(&hz, (moert_device){MOERT_DEVICE_CUDA, 0}, GH, GF, GE, GK, GT, MOERT_BF16, json);
     EXPECT_OK(rc);
     if (rc != MOERT_OK) goto exit;
     moert_layer *L = &hz.L;

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* GPU test of moert's CUDA kernels against plain CPU loops in double: the grouped expert GEMMs
- * (cuBLASLt loop and grouped mode), SwiGLU x prob, the element-wise helpers, the all-to-all dispatcher's
- * layout / permute / combine / regroup kernels and the router. Awkward sizes throughout: empty experts,
+ * (cuBLASLt loop and grouped mode), SwiGLU x prob, the element-wise helpers, the trainer's loss and Adam, the
+ * all-to-all dispatcher's layout / permute / combine / regroup kernels and the router. Awkward sizes throughout: empty experts,
  * one hot expert, rows and widths that are not multiples of 8, misaligned pointers. Outputs are poisoned
  * (NaN bytes) before each run so an unwritten element fails. Prints a table last. Exits 77 without a GPU. */
 #include "test_util.h"
@@ -23,6 +23,7 @@ int main(void)
 
 #include "cuda/device.h"
 #include "cuda/kernels.h"
+#include "cuda_ops.h" /* the trainer's loss and optimizer kernels (harness/) */
 #include "dispatch_alltoall_cuda.h"
 #include "error.h"
 #include "precision_bf16_cuda.h"
@@ -514,28 +515,27 @@ static void check_elementwise(void)
         free(got);
     }
 
-    /* sum of squares: value, and the same bits on a second run */
+    /* the trainer's squared error (harness/cuda_ops.cu): value, and the same bits on a second run */
     const int64_t sizes[] = {1, 1000, 3000017};
-    void *ws = dalloc(MOERT_CUDA_SUM_SQUARES_WORKSPACE_BYTES);
-    float *d_res = dalloc(2 * sizeof(float));
+    void *ws = dalloc(8192); /* TRAINER_LOSS_WORKSPACE_BYTES */
     for (size_t si = 0; si < 3; si++)
         for (int d = 0; d < 2; d++) {
             moert_dtype t = d ? MOERT_F32 : MOERT_BF16;
             int64_t m = sizes[si];
             double *x = random_values(m, t, 1.0), *y = random_values(m, t, 1.0);
             void *d_x = upload(x, m, t, 0), *d_y = upload(y, m, t, 0);
-            OK(moert_cuda_sum_squares(NULL, t, m, d_x, d_y, d_res, ws));
-            OK(moert_cuda_sum_squares(NULL, t, m, d_x, d_y, d_res + 1, ws));
-            float res[2];
-            CK(cudaMemcpy(res, d_res, sizeof res, cudaMemcpyDeviceToHost));
+            double sum[2];
+            OK(trainer_cuda_squared_error(NULL, t, m, d_x, d_y, 1.0, t, NULL, ws, NULL, &sum[0]));
+            OK(trainer_cuda_squared_error(NULL, t, m, d_x, d_y, 1.0, t, NULL, ws, NULL, &sum[1]));
+            float res[2] = {(float)sum[0], (float)sum[1]};
             double ref = 0;
             for (int64_t i = 0; i < m; i++) ref += (x[i] - y[i]) * (x[i] - y[i]);
             record("sum_squares (x-y)^2", fabs(res[0] - ref) / ref, 1e-5, "%s n %lld", moert_dtype_name(t),
                    (long long)m);
             record("sum_squares deterministic", memcmp(&res[0], &res[1], sizeof(float)) ? 1 : 0, 0, "%s n %lld",
                    moert_dtype_name(t), (long long)m);
-            OK(moert_cuda_sum_squares(NULL, t, m, d_x, NULL, d_res, ws));
-            CK(cudaMemcpy(res, d_res, sizeof(float), cudaMemcpyDeviceToHost));
+            OK(trainer_cuda_squared_error(NULL, t, m, d_x, NULL, 1.0, t, NULL, ws, NULL, &sum[0]));
+            res[0] = (float)sum[0];
             ref = 0;
             for (int64_t i = 0; i < m; i++) ref += x[i] * x[i];
             record("sum_squares x^2", fabs(res[0] - ref) / ref, 1e-5, "%s n %lld", moert_dtype_name(t), (long long)m);
@@ -545,12 +545,12 @@ static void check_elementwise(void)
             free(y);
         }
     CK(cudaFree(ws));
-    CK(cudaFree(d_res));
 
-    /* Adam: three steps against the formula in double */
+    /* the trainer's Adam: three steps against the formula in double */
     const int64_t np = 4099;
-    moert_cuda_adam_config cfg = {
-        .lr = 1e-2, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1, .grad_scale = 0.5};
+    const struct {
+        double lr, beta1, beta2, eps, weight_decay, grad_scale;
+    } cfg = {.lr = 1e-2, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1, .grad_scale = 1.0};
     for (int d = 0; d < 2; d++) {
         moert_dtype gt = d ? MOERT_F32 : MOERT_BF16;
         double *p = random_values(np, MOERT_F32, 1.0), *mref = calloc((size_t)np, sizeof(double));
@@ -560,7 +560,8 @@ static void check_elementwise(void)
         for (int step = 1; step <= 3; step++) {
             double *gr = random_values(np, gt, 1.0);
             void *d_g = upload(gr, np, gt, 0);
-            OK(moert_cuda_adam(NULL, np, step, &cfg, d_p, gt, d_g, d_m, d_v));
+            OK(trainer_cuda_adam(NULL, np, step, cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, d_p, gt, d_g,
+                                 d_m, d_v));
             for (int64_t i = 0; i < np; i++) {
                 double g = gr[i] * cfg.grad_scale;
                 mref[i] = cfg.beta1 * mref[i] + (1 - cfg.beta1) * g;

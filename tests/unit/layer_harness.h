@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* One MoE layer on one rank driven straight through the executor (no runtime), on the CPU or on a CUDA device:
- * for tests that read the layer's own state and figures (memory actions, pinned buffers, optimizer state).
+ * for tests that read the layer's own state and figures (memory actions, pinned buffers).
  * Header-only (static functions); include after test_util.h. */
 #ifndef MOERT_TEST_LAYER_HARNESS_H
 #define MOERT_TEST_LAYER_HARNESS_H
@@ -57,7 +57,7 @@ static moert_result harness_tensor(layer_harness *hz, moert_tensor *t, moert_dty
  * default plugins (router "topk", dispatcher "alltoall", precision "bf16"; memory policy "default" with
  * `memory_json` as its options) and `optimizer`. */
 static moert_result harness_open(layer_harness *hz, moert_device device, int64_t H, int64_t F, int64_t E, int64_t K,
-                                 int64_t T, moert_dtype dtype, const char *memory_json, moert_optimizer optimizer)
+                                 int64_t T, moert_dtype dtype, const char *memory_json)
 {
     moert_result rc = MOERT_OK;
     memset(hz, 0, sizeof *hz);
@@ -87,7 +87,6 @@ static moert_result harness_open(layer_harness *hz, moert_device device, int64_t
     L->stream = hz->stream;
     moert_act_store_init(&L->acts, hz->core_host, hz->stream, device, 0);
     L->param_dtype = MOERT_F32;
-    L->optimizer = optimizer;
     static const char *const specs[MOERT_SLOT_COUNT] = {"topk", "alltoall", "bf16", "default"};
     moert_instance *slots[MOERT_SLOT_COUNT] = {&L->router, &L->dispatcher, &L->precision, &L->memory};
     for (int s = 0; s < MOERT_SLOT_COUNT; s++) {

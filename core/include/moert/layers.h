@@ -24,8 +24,13 @@ extern "C" {
 /* Version of the embedding API below: 1 is the first. Appended functions and struct members raise it. 2: the expert
  * layout in moert_launch and moert_layers_info (MoE Parallel Folding, docs/parallel.md). 3: the shared expert's saved
  * activations in moert_layer_figures. 4: the experts alone (moert_experts_forward / _backward). 5: moert_random_normal,
- * and in moert.h moert_set_last_error, the config getters, plugin listing and the environment tables. */
-#define MOERT_API_VERSION 5
+ * and in moert.h moert_set_last_error, the config getters, plugin listing and the environment tables. 6: what a
+ * training loop around the layers needs (docs/api.md, "moert's own trainer"): moert_launch.flags (the residual),
+ * moert_layers_info.stream, moert_layer_figures.device_pool_calls, the launcher's communicator, moert_comm_fail,
+ * memory from the layers' pool, collectives over the layers' groups, the offload boundary, tokens per expert of the
+ * last forward, trace spans, CUDA graph capture, and in moert.h moert_config_memory_estimate and
+ * moert_plugin_description.agreement_rtol. */
+#define MOERT_API_VERSION 6
 MOERT_API int moert_api_version(void);
 
 typedef struct moert_config moert_config;
@@ -76,6 +81,22 @@ MOERT_API moert_result moert_comm_create_nccl(const unsigned char id[MOERT_NCCL_
 
 MOERT_API void moert_comm_destroy(moert_comm *comm);
 
+/* API version 6: NCCL, one process per GPU, bootstrapped from a launcher's environment (torchrun, or srun with the
+ * variables exported): RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (rank 0 serves the NCCL id to the
+ * others over TCP there). env gets what the launcher said; create the layers with env->rank and env->world_size on
+ * GPU env->local_rank. MOERT_ERR_CONFIG names a missing or malformed variable; builds without CUDA answer
+ * MOERT_ERR_UNSUPPORTED. */
+typedef struct moert_launcher_env {
+    uint32_t struct_size; /* sizeof(moert_launcher_env) */
+    int32_t rank, world_size, local_rank;
+} moert_launcher_env;
+MOERT_API moert_result moert_comm_create_launcher(double timeout_s, moert_launcher_env *env, moert_comm **out);
+
+/* API version 6: marks rank `rank`'s part of the communicator failed with `why`, so that its peers waiting in a
+ * collective (host or NCCL) return at once with an error instead of waiting out the timeout: for a rank that fails
+ * between collectives. Every later collective of the communicator fails. */
+MOERT_API void moert_comm_fail(moert_comm *comm, int rank, const char *why);
+
 /* ---- the layers of one rank ---- */
 
 /* Where and as what this process runs one rank. */
@@ -93,7 +114,13 @@ typedef struct moert_launch {
      * config's $.parallel.expert_* keys are ignored, as $.parallel.ranks is. CPU and CUDA ranks alike. */
     int32_t expert_tensor_parallel;
     int32_t expert_data_parallel;
+    /* API version 6: MOERT_LAUNCH_* bits (0: none). */
+    uint32_t flags;
 } moert_launch;
+
+/* The layers are residual blocks: moert_moe_forward gives y = x + MoE(x) (the shared expert's output added last), and
+ * moert_moe_backward dx = dy + the MoE branch's gradient, in one pass each (no add of the caller's). */
+#define MOERT_LAUNCH_RESIDUAL (1u << 0)
 
 typedef struct moert_layers moert_layers;
 
@@ -119,6 +146,9 @@ typedef struct moert_layers_info {
      * above is the model's F; the fc1 and fc2 shards are local_ffn_hidden = F / etp_size wide. */
     int32_t ep_rank, ep_size, etp_rank, etp_size, edp_rank, edp_size;
     int64_t local_ffn_hidden;
+    /* API version 6: the layers' own compute stream (a cudaStream_t of high priority; NULL on the CPU). Work the
+     * caller queues on it is ordered with moert's without the events a call on another stream costs. */
+    moert_stream stream;
 } moert_layers_info;
 MOERT_API moert_result moert_layers_get_info(const moert_layers *layers, moert_layers_info *out);
 
@@ -239,6 +269,9 @@ typedef struct moert_layer_figures {
     /* API version 3 (filled when struct_size covers it): the shared expert's saved activations, shared_fc1_out and
      * shared_act (0 without one). held_bytes, recompute_saved_bytes and offload_saved_bytes above count them too. */
     int64_t shared_saved_bytes[MOERT_LAYER_SHARED_ACTIVATIONS];
+    /* API version 6: CUDA: cudaMalloc and cudaFree calls of the layers' memory pool since the layers were made (0
+     * once the pool holds what a step needs); 0 on the CPU. */
+    int64_t device_pool_calls;
 } moert_layer_figures;
 
 /* Fills out for `layer` from its last forward and backward (waits for that work on GPUs). */
@@ -248,6 +281,83 @@ MOERT_API moert_result moert_layers_figures(moert_layers *layers, int layer, moe
 MOERT_API const char *moert_layer_stage_name(int stage);
 MOERT_API const char *moert_layer_backward_part_name(int part);
 MOERT_API const char *moert_layer_activation_name(int activation);
+
+/* API version 6: the spans of layer `layer`'s last forward and backward, for a trace: each forward stage and backward
+ * part on the stream it ran on ("compute", or "wgrad" for the weight-gradient GEMMs on their own stream), placed in
+ * seconds after the forward start of layer `origin` of the same micro-batch (the first layer, say). Waits for the
+ * layer's work. *count gets how many were written (at most capacity; MOERT_LAYERS_MAX_SPANS always suffice). */
+#define MOERT_LAYERS_MAX_SPANS (MOERT_LAYER_STAGES - 1 + MOERT_LAYER_BACKWARD_PARTS)
+typedef struct moert_span {
+    const char *name;   /* moert_layer_stage_name / moert_layer_backward_part_name (static) */
+    const char *stream; /* "compute" or "wgrad" (static) */
+    double start_s, dur_s;
+} moert_span;
+MOERT_API moert_result moert_layers_spans(moert_layers *layers, int layer, int origin, moert_span *out, int capacity,
+                                          int *count);
+
+/* ---- around the layers: memory, collectives, offload boundaries (API version 6) ----
+ *
+ * For a training loop that drives the layers of its rank and wants to share their memory pool, their communicator
+ * and their stream rather than bring its own (moert's own trainer does, docs/api.md).
+ */
+
+/* bytes of memory on `device`: the layers' device (from their memory pool on GPUs), MOERT_DEVICE_CUDA_HOST (pinned
+ * host memory) or the CPU. Free with moert_layers_free on the same device, before the layers are destroyed. */
+MOERT_API moert_result moert_layers_alloc(moert_layers *layers, moert_device device, size_t bytes, void **out);
+MOERT_API void moert_layers_free(moert_layers *layers, moert_device device, void *ptr);
+
+/* The groups of ranks a collective of the layers runs over: every rank, or the rank's group of one axis of the expert
+ * grid (docs/parallel.md). A group of this rank alone makes a collective return at once. */
+typedef enum moert_group {
+    MOERT_GROUP_WORLD = 0,
+    MOERT_GROUP_EP = 1,  /* the ranks sharing this rank's etp_rank and edp_rank */
+    MOERT_GROUP_ETP = 2, /* the ranks holding the other shards of this rank's experts */
+    MOERT_GROUP_EDP = 3  /* the replicas of this rank's experts: reduce fc1 and fc2 gradients over it */
+} moert_group;
+
+/* buf = its sum over the ranks of `group`, in place: fp32, fp64 or int64, contiguous, on the host (then done on return)
+ * or the layers' device (ordered on stream; NCCL on GPUs). Every rank of the layers calls it at the same point (the
+ * groups of an axis run together). On GPUs the expert groups run over their own NCCL communicators (split from the
+ * world's), so device memory works for every group. */
+MOERT_API moert_result moert_layers_allreduce_sum(moert_layers *layers, moert_group group, moert_tensor *buf,
+                                                  moert_stream stream);
+/* Returns when every rank of the layers has arrived (bounded by the communicator's timeout). */
+MOERT_API moert_result moert_layers_barrier(moert_layers *layers);
+
+/* A layer boundary of the offloaded activations: every layer's device copies whose copy to the host has finished are
+ * given back, without waiting for any copy still running. The forwards and backwards do this at each layer; call it
+ * where the caller waits anyway (after reading the loss, say) to free that memory before the backward starts. */
+MOERT_API moert_result moert_layers_release_offloaded(moert_layers *layers, moert_stream stream);
+
+/* Tokens this rank routed to each expert in layer `layer`'s last forward, replays of a CUDA graph included ([E] int64,
+ * over all experts), copied into dst (host or the layers' device), ordered on stream. */
+MOERT_API moert_result moert_layers_tokens_per_expert(moert_layers *layers, int layer, moert_tensor *dst,
+                                                      moert_stream stream);
+
+/* ---- CUDA graphs (API version 6) ----
+ *
+ * The forwards and backwards of the layers can be captured into CUDA graphs and replayed: capture_begin, the calls
+ * (forwards, or backwards), capture_end, then moert_graph_launch for each later micro-batch of the same shapes and
+ * tensors. Run one micro-batch without capture first, so plugins set themselves up and the layers' memory pool holds
+ * what the step needs. A replay skips the host: it makes no stats and no moert_saved handles (a caller adding up the
+ * router losses takes, for a replayed forward, those of the last forward it ran on the host). */
+typedef struct moert_graph moert_graph;
+
+/* Whether every layer's forward and backward can be captured (CUDA layers whose plugins declare
+ * MOERT_CAP_GRAPH_CAPTURABLE and whose last forward kept every activation on the device); when not, why. */
+MOERT_API bool moert_layers_graph_capturable(const moert_layers *layers, char *why, size_t why_size);
+/* Starts capturing `stream` (relaxed mode). Every block the layers allocate for their work from here on, and every
+ * block freed by it, stays the graphs' for as long as the layers live (one reservation shared by all their graphs:
+ * they run one after the other). */
+MOERT_API moert_result moert_layers_capture_begin(moert_layers *layers, moert_stream stream);
+/* Ends the capture started on stream (also after a failure inside it) and makes the graph; `what` names the captured
+ * work in messages. */
+MOERT_API moert_result moert_layers_capture_end(moert_layers *layers, moert_stream stream, const char *what,
+                                                moert_graph **out);
+/* Replays a graph on stream. A captured backward overwrites or adds to the gradients as it did when captured. */
+MOERT_API moert_result moert_graph_launch(moert_graph *graph, moert_stream stream);
+/* Frees a graph (its layers must still exist); NULL is ignored. */
+MOERT_API void moert_graph_destroy(moert_graph *graph);
 
 /* ---- the dispatcher alone: DeepEP-shaped dispatch and combine on the caller's tensors ----
  *

@@ -73,6 +73,9 @@ typedef struct moert_plugin_description {
     const char *kind_name; /* "router", "dispatcher", "precision", "memory_policy" (static storage) */
     char name[64], version[24], description[512], path[1024];
     uint32_t devices, dtypes, flags; /* the header's capability bits (MOERT_CAP_*) */
+    /* API version 6: a precision plugin's agreement_rtol (moert_precision_v1), 0 where it declares none or is of
+     * another kind. */
+    double agreement_rtol;
 } moert_plugin_description;
 /* Loads the file as a plugin of kind, checks its ABI, copies what its header declares, and unloads it; the plugin is
  * not started. Errors as for a config naming it (MOERT_ERR_ABI_MISMATCH, ...). */
@@ -95,6 +98,19 @@ MOERT_API moert_result moert_plugin_list_options(moert_plugin_kind kind, const c
  * prints to stderr which plugin, which call, layer and rank (then the signal takes its course; an exit becomes status
  * 1). Installs signal handlers and an atexit handler once; libraries embedding moert need not call it. */
 MOERT_API void moert_plugin_guard_crashes(void);
+
+/* API version 6: the plugins a moert_layers loaded, as moert_plugin_describe gives them (path: the file loaded). */
+MOERT_API moert_result moert_layers_plugin(const moert_layers *layers, moert_plugin_kind kind,
+                                           moert_plugin_description *out);
+
+/* ---- memory ---- */
+
+/* API version 6: what cfg needs in memory per rank on `world` ranks of device type `device` (MOERT_DEVICE_CPU or
+ * MOERT_DEVICE_CUDA), estimated without starting a plugin (docs/config.md, "Memory estimate"): one line into buf (by
+ * category, the total and the memory it is measured against). Returns MOERT_ERR_OUT_OF_MEMORY, the estimate in the
+ * message, when it does not fit (more than 90% of the CPU's memory, or one GPU's). */
+MOERT_API moert_result moert_config_memory_estimate(const moert_config *cfg, int world, moert_device_type device,
+                                                    char *buf, size_t size);
 
 /* ---- the environment variables moert reads ---- */
 

@@ -14,9 +14,8 @@ extern "C" {
 #include "random.h"
 }
 
-#define BLOCK_THREADS      256
-#define MAX_GRID_BLOCKS    4096
-#define SUM_SQUARES_BLOCKS 1024 /* fixed, so the reduction tree does not depend on the GPU */
+#define BLOCK_THREADS   256
+#define MAX_GRID_BLOCKS 4096
 
 /* Checks the launch just made; the message names the kernel, e.g. "swiglu_forward_kernel<<<>>> failed: ...". */
 #define LAUNCH_CHECK(name)                                                                                             \
@@ -387,111 +386,6 @@ extern "C" moert_result moert_cuda_convert(cudaStream_t stream, int64_t n, moert
                                            moert_dtype dst_dtype, void *dst)
 {
     return moert_cuda_axpby(stream, n, 1.0, src_dtype, src, 0.0, dst_dtype, dst);
-}
-
-/* ---- sum of squares: fixed grid, per-block partials, then one block over the partials ---- */
-
-template <typename T>
-__global__ void sum_squares_partial_kernel(int64_t n, const T *__restrict__ x, const T *__restrict__ y,
-                                           float *__restrict__ partials)
-{
-    float acc = 0.0f;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        float d = to_f32(x[i]) - (y ? to_f32(y[i]) : 0.0f);
-        acc += d * d;
-    }
-    float total = block_sum<float>(acc);
-    if (threadIdx.x == 0) partials[blockIdx.x] = total;
-}
-
-__global__ void sum_partials_kernel(int count, const float *__restrict__ partials, float *__restrict__ result)
-{
-    float acc = 0.0f;
-    for (int i = threadIdx.x; i < count; i += blockDim.x) acc += partials[i];
-    float total = block_sum<float>(acc);
-    if (threadIdx.x == 0) *result = total;
-}
-
-/* Deterministic sum of squared differences. */
-extern "C" moert_result moert_cuda_sum_squares(cudaStream_t stream, moert_dtype dtype, int64_t n, const void *x,
-                                               const void *y, float *result, void *workspace)
-{
-    if (n < 0) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "sum_squares: negative count %lld", (long long)n);
-    if (!result || !workspace)
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "sum_squares: result and workspace are required");
-    float *partials = (float *)workspace;
-    switch (dtype) {
-    case MOERT_F32:
-        sum_squares_partial_kernel<float>
-            <<<SUM_SQUARES_BLOCKS, BLOCK_THREADS, 0, stream>>>(n, (const float *)x, (const float *)y, partials);
-        break;
-    case MOERT_BF16:
-        sum_squares_partial_kernel<__nv_bfloat16><<<SUM_SQUARES_BLOCKS, BLOCK_THREADS, 0, stream>>>(
-            n, (const __nv_bfloat16 *)x, (const __nv_bfloat16 *)y, partials);
-        break;
-    default:
-        return moert_error(MOERT_ERR_UNSUPPORTED, "sum_squares on CUDA: dtype %s is not supported (fp32, bf16)",
-                           moert_dtype_name(dtype));
-    }
-    LAUNCH_CHECK("sum_squares_partial_kernel");
-    sum_partials_kernel<<<1, BLOCK_THREADS, 0, stream>>>(SUM_SQUARES_BLOCKS, partials, result);
-    LAUNCH_CHECK("sum_partials_kernel");
-    return MOERT_OK;
-}
-
-/* ---- Adam ---- */
-
-template <typename TG>
-__global__ void adam_kernel(int64_t n, float lr, float beta1, float one_minus_beta1, float beta2, float one_minus_beta2,
-                            float eps, float decay_factor, float grad_scale, float inv_bc1, float inv_sqrt_bc2,
-                            float *__restrict__ param, const TG *__restrict__ grad, float *__restrict__ m,
-                            float *__restrict__ v)
-{
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        float g = to_f32(grad[i]) * grad_scale;
-        /* 1 - beta comes from the host in double: 1.0f - 0.999f is off by 5e-5 relative */
-        float mi = beta1 * m[i] + one_minus_beta1 * g;
-        float vi = beta2 * v[i] + one_minus_beta2 * g * g;
-        m[i] = mi;
-        v[i] = vi;
-        /* m_hat / (sqrt(v_hat) + eps), with v_hat = v / bc2: sqrt(v_hat) = sqrt(v) / sqrt(bc2) */
-        float update = (mi * inv_bc1) / (sqrtf(vi) * inv_sqrt_bc2 + eps);
-        param[i] = param[i] * decay_factor - lr * update;
-    }
-}
-
-/* One Adam(W) step; see kernels.h for the formula. */
-extern "C" moert_result moert_cuda_adam(cudaStream_t stream, int64_t n, int64_t step, const moert_cuda_adam_config *cfg,
-                                        float *param, moert_dtype grad_dtype, const void *grad, float *m, float *v)
-{
-    if (n < 0 || step < 1 || !cfg)
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "adam: bad arguments (n %lld, step %lld, config %s)",
-                           (long long)n, (long long)step, cfg ? "given" : "NULL");
-    if (n == 0) return MOERT_OK;
-    const double bc1 = 1.0 - pow(cfg->beta1, (double)step);
-    const double bc2 = 1.0 - pow(cfg->beta2, (double)step);
-    const float inv_bc1 = (float)(1.0 / bc1), inv_sqrt_bc2 = (float)(1.0 / sqrt(bc2));
-    const float decay = (float)(1.0 - cfg->lr * cfg->weight_decay);
-    const float scale = cfg->grad_scale != 0.0 ? (float)cfg->grad_scale : 1.0f;
-    switch (grad_dtype) {
-    case MOERT_F32:
-        adam_kernel<float><<<grid_for(n), BLOCK_THREADS, 0, stream>>>(
-            n, (float)cfg->lr, (float)cfg->beta1, (float)(1.0 - cfg->beta1), (float)cfg->beta2,
-            (float)(1.0 - cfg->beta2), (float)cfg->eps, decay, scale, inv_bc1, inv_sqrt_bc2, param, (const float *)grad,
-            m, v);
-        break;
-    case MOERT_BF16:
-        adam_kernel<__nv_bfloat16><<<grid_for(n), BLOCK_THREADS, 0, stream>>>(
-            n, (float)cfg->lr, (float)cfg->beta1, (float)(1.0 - cfg->beta1), (float)cfg->beta2,
-            (float)(1.0 - cfg->beta2), (float)cfg->eps, decay, scale, inv_bc1, inv_sqrt_bc2, param,
-            (const __nv_bfloat16 *)grad, m, v);
-        break;
-    default:
-        return moert_error(MOERT_ERR_UNSUPPORTED, "adam on CUDA: gradient dtype %s is not supported (fp32, bf16)",
-                           moert_dtype_name(grad_dtype));
-    }
-    LAUNCH_CHECK("adam_kernel");
-    return MOERT_OK;
 }
 
 /* ---- the shared expert's gate: prob[t] = sigmoid(x[t] . g), and its backward ---- */

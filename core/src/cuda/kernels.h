@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * CUDA kernels of the core's MoE executor: SwiGLU with the routing prob fused (forward and backward) and
- * small element-wise helpers (fill, axpby, convert, sum of squares, Adam). Plain C interfaces; every call
+ * small element-wise helpers (fill, axpby, convert). Plain C interfaces; every call
  * is enqueued on the given stream and returns without waiting; errors set the core's message
  * (moert_error) naming the kernel or CUDA call and return MOERT_ERR_CUDA / MOERT_ERR_INVALID_ARGUMENT.
  * Pointers are device pointers; element counts are host integers; n == 0 enqueues nothing.
@@ -64,33 +64,6 @@ moert_result moert_cuda_axpy(cudaStream_t stream, int64_t n, double a, moert_dty
 /* dst[i] = src[i] converted (round to nearest even for bf16); fp32, bf16, fp64 either way. */
 moert_result moert_cuda_convert(cudaStream_t stream, int64_t n, moert_dtype src_dtype, const void *src,
                                 moert_dtype dst_dtype, void *dst);
-
-/* Bytes of device workspace moert_cuda_sum_squares needs. */
-#define MOERT_CUDA_SUM_SQUARES_WORKSPACE_BYTES ((size_t)(1024 * sizeof(float)))
-
-/*
- * *result = sum_i (x[i] - y[i])^2 (y NULL: sum_i x[i]^2), both of dtype (fp32 or bf16), accumulated in fp32
- * with a fixed reduction tree: the same inputs give the same bits on every run and every GPU.
- * result: one fp32 on the device. workspace: MOERT_CUDA_SUM_SQUARES_WORKSPACE_BYTES of device memory.
- */
-moert_result moert_cuda_sum_squares(cudaStream_t stream, moert_dtype dtype, int64_t n, const void *x, const void *y,
-                                    float *result, void *workspace);
-
-/* Adam / AdamW settings. */
-typedef struct moert_cuda_adam_config {
-    double lr, beta1, beta2, eps;
-    double weight_decay; /* decoupled (AdamW): param -= lr * weight_decay * param; 0 for plain Adam */
-    double grad_scale;   /* the gradient is multiplied by this first (e.g. 1/loss_scale); 0 is taken as 1 */
-} moert_cuda_adam_config;
-
-/*
- * One Adam step over n fp32 params, step counting from 1 (for the bias corrections 1 - beta^step):
- *   g = grad * grad_scale; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
- *   param = param * (1 - lr wd) - lr * (m / (1-b1^step)) / (sqrt(v / (1-b2^step)) + eps).
- * grad: fp32 or bf16; m, v: fp32 state, zero before the first step.
- */
-moert_result moert_cuda_adam(cudaStream_t stream, int64_t n, int64_t step, const moert_cuda_adam_config *cfg,
-                             float *param, moert_dtype grad_dtype, const void *grad, float *m, float *v);
 
 /* The shared expert's gate: prob[t] = sigmoid(x[t] . gate) for x [tokens, hidden] (fp32 or bf16), gate [hidden] fp32. */
 moert_result moert_cuda_gate_forward(cudaStream_t stream, moert_dtype dtype, int64_t tokens, int64_t hidden,
