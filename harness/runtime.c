@@ -17,6 +17,7 @@
 #include "error.h"
 #include "host.h"
 #include "log.h"
+#include "overlap.h"
 #include "tensor_ops.h"
 #include "trace.h"
 #ifdef MOERT_HAVE_CUDA
@@ -54,6 +55,11 @@ struct moert_rank {
      * per form: [0] a step's first micro-batch (its WGRADs overwrite the expert gradients), [1] the later ones */
     void *graph_forward[2], *graph_backward[2]; /* moert_cuda_graph */
     int64_t eager_steps;                        /* forward+backward passes run without graphs */
+    /* $.parallel.overlap_micro_batches (rank_forward_backward_overlapped): slot 1 of every layer and the input,
+     * residual stream and target of the micro-batch it holds (slot 0's are acts and target) */
+    moert_overlap overlap;
+    moert_tensor *acts1, target1;
+    bool batch_loaded1;
     /* outcome of the phase running on this rank */
     moert_result rc;
     int fail_order;
@@ -340,6 +346,11 @@ static moert_result choose_device(moert_runtime *rt)
 }
 
 /* Creates this rank's services and one instance of every plugin per layer. */
+/* $.parallel.overlap_micro_batches: slot 1 of the layers, its buffers, and the overlapped step (defined below) */
+static moert_result overlap_init(moert_rank *r, const moert_stack_setup *setup);
+static void overlap_finalize(moert_rank *r, moert_device device);
+static moert_result rank_forward_backward_overlapped(moert_rank *r, int64_t step);
+
 static moert_result rank_init(moert_rank *r, void *arg)
 {
     (void)arg;
@@ -401,6 +412,7 @@ static moert_result rank_init(moert_rank *r, void *arg)
         L->acts.defer_release = true; /* released once their copies finish (rank_forward_backward) */
         L->acts.defer_start = l + 1 < cfg->model.num_layers && defer_start;
     }
+    MOERT_CHECK(overlap_init(r, &setup));
     return MOERT_OK;
 fail:
     return rc;
@@ -422,6 +434,7 @@ static moert_result rank_finalize(moert_rank *r, void *arg)
     if (r->core_host) {
         /* the device the rank's buffers were allocated on (the layers' info may not be filled when init failed) */
         moert_device device = {rt->device_type, rt->device_type == MOERT_DEVICE_CUDA ? r->device : 0};
+        overlap_finalize(r, device);
         /* the layers (and their parameters) go first, while the services they free through still exist */
         for (int l = 0; r->layers && l < nl; l++) moert_layer_free(&r->layers[l]);
         for (int l = 0; r->acts && l <= nl; l++)
@@ -858,6 +871,207 @@ fail:
     return rc;
 }
 
+/* ---- micro-batch overlap ($.parallel.overlap_micro_batches, docs/executor.md "Micro-batch overlap") ---- */
+
+/* Slot 1 of every layer when the overlap is on for this run (memory and plugin instances are unchanged when off). */
+static moert_result overlap_init(moert_rank *r, const moert_stack_setup *setup)
+{
+    moert_result rc = MOERT_OK;
+    const moert_config *cfg = r->rt->cfg;
+    if (cfg->train.micro_batches < 2 ||
+        !moert_overlap_enabled(&cfg->parallel, r->rt->device_type, r->rt->world, cfg->train.micro_batches))
+        return MOERT_OK;
+    MOERT_CHECK(moert_overlap_init(&r->overlap, &r->stack, setup));
+    for (int l = 0; l < cfg->model.num_layers; l++) {
+        moert_layer *T = &r->overlap.twin.layers[l];
+        T->acts.defer_release = true;
+        T->acts.defer_start = r->layers[l].acts.defer_start;
+    }
+fail:
+    return rc;
+}
+
+static void overlap_finalize(moert_rank *r, moert_device device)
+{
+    for (int l = 0; r->acts1 && l <= r->rt->cfg->model.num_layers; l++)
+        if (r->acts1[l].data) r->core_host->free(r->core_host, device, r->acts1[l].data);
+    if (r->target1.data) r->core_host->free(r->core_host, device, r->target1.data);
+    free(r->acts1);
+    r->acts1 = NULL;
+    r->target1.data = NULL;
+    moert_overlap_finalize(&r->overlap);
+}
+
+/* Slot 1's input, residual stream and target, made at the first overlapped step. */
+static moert_result overlap_buffers(moert_rank *r)
+{
+    moert_result rc = MOERT_OK;
+    const moert_config *cfg = r->rt->cfg;
+    const int nl = (int)cfg->model.num_layers;
+    if (r->acts1) return MOERT_OK;
+    r->acts1 = calloc((size_t)nl + 1, sizeof *r->acts1);
+    MOERT_CHECK_ALLOC(r->acts1);
+    for (int l = 0; l <= nl; l++)
+        MOERT_CHECK(
+            rank_alloc_tensor(r, &r->acts1[l], cfg->model.dtype, cfg->train.tokens_per_rank, cfg->model.hidden));
+    MOERT_CHECK(rank_alloc_tensor(r, &r->target1, cfg->model.dtype, cfg->train.tokens_per_rank, cfg->model.hidden));
+fail:
+    return rc;
+}
+
+/* Micro-batch `micro`'s data into the buffers of `slot`. */
+static moert_result overlap_load(moert_rank *r, int slot, int64_t step, int64_t micro)
+{
+    if (slot == 0) return load_batch(r, step, micro);
+    moert_tensor *acts = r->acts, target = r->target;
+    bool loaded = r->batch_loaded;
+    r->acts = r->acts1;
+    r->target = r->target1;
+    r->batch_loaded = r->batch_loaded1;
+    moert_result rc = load_batch(r, step, micro);
+    r->batch_loaded1 = r->batch_loaded;
+    r->acts = acts;
+    r->target = target;
+    r->batch_loaded = loaded;
+    return rc;
+}
+
+/* The stage times and trace spans of the micro-batch whose forward and backward slot `slot`'s layers ran last. */
+static moert_result overlap_collect(moert_rank *r, int slot, int64_t step, int64_t micro, double started)
+{
+    moert_result rc = MOERT_OK;
+    const int nl = (int)r->rt->cfg->model.num_layers;
+    const double base_us = 1e6 * (started - r->rt->trace_origin);
+    moert_layer *origin = moert_overlap_layer(&r->overlap, 0, slot);
+    for (int l = 0; l < nl; l++) {
+        moert_layer *L = moert_overlap_layer(&r->overlap, l, slot);
+        MOERT_CHECK(moert_layer_collect_times(L));
+        for (int s = 0; s < MOERT_STAGE_COUNT; s++) r->stage_seconds[s] += L->stage_seconds[s];
+        for (int p = 0; p < MOERT_BWD_PART_COUNT; p++) r->backward_part_seconds[p] += L->backward_part_seconds[p];
+        if (!r->rt->tracing) continue;
+        moert_layer_span spans[MOERT_LAYER_MAX_SPANS];
+        int n = 0;
+        MOERT_CHECK(moert_layer_spans(L, origin, spans, &n));
+        for (int i = 0; i < n; i++) {
+            const bool compute = !strcmp(spans[i].stream, "compute");
+            moert_trace_span span = {.name = spans[i].name,
+                                     .stream = slot == 0 ? spans[i].stream
+                                               : compute ? "compute.1"
+                                                         : "wgrad.1",
+                                     .rank = r->rank,
+                                     .layer = l,
+                                     .step = step,
+                                     .micro = micro,
+                                     .start_us = base_us + 1e6 * spans[i].start_s,
+                                     .dur_us = 1e6 * spans[i].dur_s};
+            MOERT_CHECK(moert_trace_add(&r->trace, &span));
+        }
+    }
+fail:
+    return rc;
+}
+
+/* After micro-batch forward of layer l on `slot`: its router losses, its token counts (copied on the rank's stream,
+ * summed on the host after the next synchronisation), and the activation store's layer boundaries. */
+static moert_result overlap_after_forward(moert_rank *r, int slot, int l)
+{
+    moert_result rc = MOERT_OK;
+    const int nl = (int)r->rt->cfg->model.num_layers;
+    const int64_t e = r->rt->cfg->model.num_experts;
+    moert_layer *L = moert_overlap_layer(&r->overlap, l, slot);
+    r->router_loss += L->losses.total;
+    rc = r->core_host->memcpy_async(r->core_host, r->micro_counts + (size_t)l * (size_t)e, moert_cpu(),
+                                    L->tokens_per_expert.data, L->tokens_per_expert.device, (size_t)e * sizeof(int64_t),
+                                    r->stream);
+    if (rc != MOERT_OK) return moert_error(rc, "%s", moert_host_take_error(r->core_host));
+    if (l > 0) MOERT_CHECK(moert_act_store_start_offloads(&moert_overlap_layer(&r->overlap, l - 1, slot)->acts));
+    if (l == nl - 1) MOERT_CHECK(moert_act_store_start_offloads(&L->acts));
+    for (int below = 0; below < l; below++)
+        MOERT_CHECK(moert_act_store_release_finished(&moert_overlap_layer(&r->overlap, below, slot)->acts));
+fail:
+    return rc;
+}
+
+/* The step with micro-batch i+1's forward merged with micro-batch i's backward, layer by layer: F0 of every layer;
+ * then for i = 1 .. M-1 and k = 0 .. L-1, F_i(layer k) with B_{i-1}(layer L-1-k), and the loss of micro-batch i once
+ * its forward is done; then B_{M-1} of every layer. Micro-batch i holds slot i % 2 of every layer. The gradients
+ * accumulate in the order of the sequential schedule (one backward at a time, micro-batch by micro-batch), so the
+ * results are the same bit for bit. */
+static moert_result rank_forward_backward_overlapped(moert_rank *r, int64_t step)
+{
+    moert_result rc = MOERT_OK;
+    moert_runtime *rt = r->rt;
+    const moert_config *cfg = rt->cfg;
+    moert_overlap *o = &r->overlap;
+    const int nl = (int)cfg->model.num_layers;
+    const int64_t m = cfg->train.micro_batches, e = cfg->model.num_experts;
+    const double scale = 1.0 / ((double)m * rt->world);
+    const double step_elems =
+        (double)m * (double)rt->world * (double)cfg->train.tokens_per_rank * (double)cfg->model.hidden;
+    double started[2] = {0.0, 0.0};
+    moert_tensor *d_y = &r->grad_a, *d_x = &r->grad_b, *tmp = NULL;
+    MOERT_CHECK(overlap_buffers(r));
+    if (r->rank == 0 && !rt->graph_reason[0])
+        snprintf(rt->graph_reason, sizeof rt->graph_reason, "$.parallel.overlap_micro_batches is on");
+    for (int64_t i = 0; i < m; i++) {
+        const int slot = (int)(i % 2), prev = 1 - slot;
+        moert_tensor *acts = slot ? r->acts1 : r->acts;
+        started[slot] = now_seconds();
+        MOERT_CHECK(overlap_load(r, slot, step, i));
+        d_y = &r->grad_a;
+        d_x = &r->grad_b;
+        for (int k = 0; k < nl; k++) {
+            if (i == 0) {
+                MOERT_CHECK(moert_layer_zero_grad(&r->layers[k], true));
+                MOERT_CHECK(moert_overlap_forward(o, k, slot, &acts[k], &acts[k + 1]));
+            } else {
+                const int bl = nl - 1 - k;
+                if (bl > 0) MOERT_CHECK(moert_act_store_prefetch(&moert_overlap_layer(o, bl - 1, prev)->acts));
+                MOERT_CHECK(
+                    moert_overlap_forward_backward(o, k, slot, &acts[k], &acts[k + 1], bl, prev, d_y, d_x, scale));
+                tmp = d_y;
+                d_y = d_x;
+                d_x = tmp;
+            }
+            MOERT_CHECK(overlap_after_forward(r, slot, k));
+        }
+        /* micro-batch i's loss and output gradient (micro-batch i-1's backward is done: they share grad_a) */
+        MOERT_CHECK(r->core_host->stream_synchronize(r->core_host, r->stream) == MOERT_OK
+                        ? MOERT_OK
+                        : moert_error(MOERT_ERR_CUDA, "%s", moert_host_take_error(r->core_host)));
+        for (size_t c = 0; c < (size_t)nl * (size_t)e; c++) r->counts[c] += r->micro_counts[c];
+        double mse_sum = 0.0;
+        MOERT_CHECK(moert_squared_error(r->stream, &acts[nl], slot ? &r->target1 : &r->target, 1.0 / step_elems,
+                                        r->workspace, r->loss_result, &mse_sum, &r->grad_a));
+        r->mse_sum += mse_sum;
+        if (i > 0) MOERT_CHECK(overlap_collect(r, prev, step, i - 1, started[prev]));
+    }
+    const int last = (int)((m - 1) % 2);
+    d_y = &r->grad_a;
+    d_x = &r->grad_b;
+    for (int l = nl - 1; l >= 0; l--) {
+        if (l > 0) MOERT_CHECK(moert_act_store_prefetch(&moert_overlap_layer(o, l - 1, last)->acts));
+        MOERT_CHECK(moert_overlap_backward(o, l, last, d_y, d_x, scale));
+        tmp = d_y;
+        d_y = d_x;
+        d_x = tmp;
+    }
+    MOERT_CHECK(overlap_collect(r, last, step, m - 1, started[last]));
+    r->eager_steps++;
+fail:
+    return rc;
+}
+
+bool moert_runtime_overlap_set_interleave(moert_runtime *rt, bool interleave)
+{
+    bool made = rt->nlocal > 0;
+    for (int i = 0; i < rt->nlocal; i++) {
+        rt->ranks[i].overlap.interleave = interleave && rt->ranks[i].overlap.made;
+        made = made && rt->ranks[i].overlap.made;
+    }
+    return made;
+}
+
 /* Forward and backward of the stack on one rank over the step's micro-batches; fills mse_sum, router_loss and
  * counts (over all ranks), the stage times (this rank's) and the gradients (the router's summed over ranks). */
 static moert_result rank_forward_backward(moert_rank *r, int64_t step)
@@ -870,7 +1084,10 @@ static moert_result rank_forward_backward(moert_rank *r, int64_t step)
     memset(r->counts, 0, (size_t)nl * (size_t)e * sizeof *r->counts);
     memset(r->stage_seconds, 0, sizeof r->stage_seconds);
     memset(r->backward_part_seconds, 0, sizeof r->backward_part_seconds);
-    for (int64_t micro = 0; micro < cfg->train.micro_batches; micro++) MOERT_CHECK(micro_batch(r, step, micro));
+    if (r->overlap.made && cfg->train.micro_batches >= 2)
+        MOERT_CHECK(rank_forward_backward_overlapped(r, step));
+    else
+        for (int64_t micro = 0; micro < cfg->train.micro_batches; micro++) MOERT_CHECK(micro_batch(r, step, micro));
     /* the router weight and the shared expert are replicated: their gradients are the sum of every rank's share */
     static const moert_param_id replicated[] = {MOERT_PARAM_ROUTER, MOERT_PARAM_SHARED_FC1, MOERT_PARAM_SHARED_FC2,
                                                 MOERT_PARAM_SHARED_GATE};
@@ -918,6 +1135,11 @@ static moert_result rank_optimizer_step(moert_rank *r, int64_t step)
         if (rc != MOERT_OK)
             return moert_error(rc, "precision \"%s\" end_step failed (layer %d): %s", prec->header.name, l,
                                moert_host_take_error(L->precision.host));
+        /* slot 1's precision instance derived its own weight copies (its router shares slot 0's step state) */
+        moert_layer *T = r->overlap.made ? &r->overlap.twin.layers[l] : NULL;
+        if (T && (rc = prec->end_step(T->precision.ctx, T->stream)) != MOERT_OK)
+            return moert_error(rc, "precision \"%s\" end_step failed (layer %d, slot 1): %s", prec->header.name, l,
+                               moert_host_take_error(T->precision.host));
     }
 fail:
     return rc;

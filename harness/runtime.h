@@ -59,6 +59,11 @@ struct moert_runtime {
     moert_memory_estimate memory;  /* per rank, estimated before the plugins start (moert check prints it) */
 };
 
+/* Tests: whether the ranks hold slot 1 of their layers ($.parallel.overlap_micro_batches), and on the CPU, where a
+ * merged forward and backward runs one then the other, `interleave` issues their stages in turn as on CUDA (the
+ * same results; it runs the turn-taking in CI). */
+bool moert_runtime_overlap_set_interleave(moert_runtime *rt, bool interleave);
+
 /* The relative tolerance a precision recipe declares for the agreement of two runs (moert_precision_v1's
  * agreement_rtol), or MOERT_PRECISION_DEFAULT_AGREEMENT_RTOL where its vtable predates the field or leaves it 0. */
 double moert_precision_agreement_rtol(const moert_plugin_header *precision);
