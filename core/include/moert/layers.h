@@ -24,8 +24,9 @@ extern "C" {
 /* Version of the embedding API below: 1 is the first. Appended functions and struct members raise it. 2: the expert
  * layout in moert_launch and moert_layers_info (MoE Parallel Folding, docs/parallel.md). 3: the shared expert's saved
  * activations in moert_layer_figures. 4: the experts alone (moert_experts_forward / _backward). 5: moert_random_normal,
- * and in moert.h moert_set_last_error, the config getters, plugin listing and the environment tables. */
-#define MOERT_API_VERSION 5
+ * and in moert.h moert_set_last_error, the config getters, plugin listing and the environment tables. 6: two forwards
+ * in flight per layer with $.parallel.overlap_micro_batches, and moert_moe_forward_backward. */
+#define MOERT_API_VERSION 6
 MOERT_API int moert_api_version(void);
 
 typedef struct moert_config moert_config;
@@ -173,8 +174,10 @@ MOERT_API moert_result moert_layers_set_expert_bias(moert_layers *layers, int la
 /* ---- forward and backward ---- */
 
 /* One micro-batch's saved activations of one layer, from its forward to its backward. The memory policy decides
- * which of them stay on the device, are recomputed, or are offloaded. One is in flight per layer at a time (the
- * plugin ABI keeps one forward in flight per instance): forward again only after its backward or moert_saved_free. */
+ * which of them stay on the device, are recomputed, or are offloaded. The plugin ABI keeps one forward in flight per
+ * instance, so one is in flight per layer at a time: forward again only after its backward or moert_saved_free. With
+ * $.parallel.overlap_micro_batches on (auto: on CUDA with more than one rank) each layer has a second instance of every
+ * plugin (a second slot; parameters and gradients are shared), and two may be in flight per layer (API version 6). */
 typedef struct moert_saved moert_saved;
 
 /* What one forward produced besides y (host values, valid once moert_moe_forward returned). */
@@ -211,6 +214,22 @@ typedef struct moert_backward_options {
  * dx may not alias dy. Collective. opts NULL: router_loss_scale 1, accumulate true. */
 MOERT_API moert_result moert_moe_backward(moert_layers *layers, moert_saved *saved, const moert_tensor *dy,
                                           moert_tensor *dx, const moert_backward_options *opts, moert_stream stream);
+
+/*
+ * API version 6: the forward of one micro-batch on `layer` and the backward of another (bwd_saved, of any layer)
+ * together, as a 1F1B schedule merges them (Megatron's --overlap-moe-expert-parallel-comm). The results are those of
+ * moert_moe_forward(layer, x, y, saved, stats) followed by moert_moe_backward(bwd_saved, dy, dx, opts), bit for bit:
+ * the gradients accumulate in the same order. On CUDA, with $.parallel.overlap_micro_batches on, the two run on the
+ * layer slots' two streams, their stages issued in turn, so each one's all-to-all runs while the other computes, and
+ * the backward's weight gradients run after its dgrad path on its wgrad stream ($.parallel.overlap_wgrad), filling
+ * the gaps; both are ordered after `stream` on entry and `stream` waits for both on return. On the CPU, or without the
+ * second slot, they run one after the other. The forward takes a free slot of `layer` (the one the backward does not
+ * hold, when it can); saved must not be NULL. Collective. docs/api.md shows a 1F1B loop.
+ */
+MOERT_API moert_result moert_moe_forward_backward(moert_layers *layers, int layer, const moert_tensor *x,
+                                                  moert_tensor *y, moert_saved **saved, moert_moe_stats *stats,
+                                                  moert_saved *bwd_saved, const moert_tensor *dy, moert_tensor *dx,
+                                                  const moert_backward_options *opts, moert_stream stream);
 
 /* Tokens this rank routed to each expert in the forward that made saved ([E] int64, over all experts), copied into
  * dst (host or the layers' device), ordered on stream. */
