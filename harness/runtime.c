@@ -350,6 +350,7 @@ static moert_result choose_device(moert_runtime *rt)
 static moert_result overlap_init(moert_rank *r, const moert_stack_setup *setup);
 static void overlap_finalize(moert_rank *r, moert_device device);
 static moert_result rank_forward_backward_overlapped(moert_rank *r, int64_t step);
+static const moert_layer *overlap_last_layer(const moert_rank *r, int l);
 
 static moert_result rank_init(moert_rank *r, void *arg)
 {
@@ -902,6 +903,13 @@ static void overlap_finalize(moert_rank *r, moert_device device)
     moert_overlap_finalize(&r->overlap);
 }
 
+/* Layer l of the slot that ran a step's last micro-batch (slot 0 without the overlap): its figures are the step's. */
+static const moert_layer *overlap_last_layer(const moert_rank *r, int l)
+{
+    const int64_t m = r->rt->cfg->train.micro_batches;
+    return r->overlap.made && m >= 2 && (m - 1) % 2 == 1 ? &r->overlap.twin.layers[l] : &r->layers[l];
+}
+
 /* Slot 1's input, residual stream and target, made at the first overlapped step. */
 static moert_result overlap_buffers(moert_rank *r)
 {
@@ -1057,6 +1065,8 @@ static moert_result rank_forward_backward_overlapped(moert_rank *r, int64_t step
         d_x = tmp;
     }
     MOERT_CHECK(overlap_collect(r, last, step, m - 1, started[last]));
+    /* the stack's output is the last micro-batch's, where moert_runtime_read_output reads it */
+    if (last == 1) MOERT_CHECK(moert_copy(r->stream, &r->acts1[nl], &r->acts[nl]));
     r->eager_steps++;
 fail:
     return rc;
@@ -1280,8 +1290,9 @@ static void collect_memory(moert_runtime *rt)
     memset(rt->activation_bytes, 0, sizeof rt->activation_bytes);
     rt->kept_bytes = 0;
     for (int l = 0; l < nl; l++) {
-        for (int a = 0; a < MOERT_ACT_COUNT; a++) rt->activation_bytes[a] += rt->ranks[0].layers[l].acts.saved_bytes[a];
-        rt->kept_bytes += rt->ranks[0].layers[l].acts.kept_bytes_peak;
+        const moert_layer *L = overlap_last_layer(&rt->ranks[0], l);
+        for (int a = 0; a < MOERT_ACT_COUNT; a++) rt->activation_bytes[a] += L->acts.saved_bytes[a];
+        rt->kept_bytes += L->acts.kept_bytes_peak;
     }
     rt->device_peak_bytes = 0;
 #ifdef MOERT_HAVE_CUDA

@@ -9,6 +9,7 @@
 #include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "runtime.h"
@@ -93,6 +94,17 @@ static void compare(const scenario *sc, bool interleave)
         fprintf(stderr, "FAIL %s: loss %.17g / %.17g\n", what, la, lb);
         test_failures++;
     }
+    /* the stack's output of the last micro-batch, on every rank */
+    const int64_t n = moert_runtime_local_output_numel(seq) * moert_runtime_local_ranks(seq);
+    double *ya = calloc((size_t)n, sizeof(double)), *yb = calloc((size_t)n, sizeof(double));
+    EXPECT_OK(moert_runtime_read_output(seq, 0, moert_runtime_local_output_numel(seq), ya));
+    EXPECT_OK(moert_runtime_read_output(ovl, 0, moert_runtime_local_output_numel(ovl), yb));
+    if (memcmp(ya, yb, (size_t)n * sizeof(double))) {
+        fprintf(stderr, "FAIL %s: the outputs differ\n", what);
+        test_failures++;
+    }
+    free(ya);
+    free(yb);
     const int64_t bad = param_mismatches(seq, ovl, sc->layers);
     if (bad != 0) {
         fprintf(stderr, "FAIL %s: %lld parameter values or gradients differ\n", what, (long long)bad);
