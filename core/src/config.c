@@ -457,7 +457,7 @@ bool moert_overlap_enabled(const moert_parallel_config *p, moert_device_type dev
 {
     if (p->overlap_micro_batches == MOERT_OVERLAP_ON) return true;
     if (p->overlap_micro_batches == MOERT_OVERLAP_OFF) return false;
-    return device == MOERT_DEVICE_CUDA && world > 1 && (micro_batches < 0 || micro_batches >= 2);
+    return device == MOERT_DEVICE_CUDA && world > 1 && micro_batches >= 2;
 }
 
 const char *moert_cuda_graph_mode_name(int mode)

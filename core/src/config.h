@@ -61,7 +61,8 @@ typedef struct moert_parallel_config {
 } moert_parallel_config;
 
 /* Whether $.parallel.overlap_micro_batches is on for a run on `device` over `world` ranks with `micro_batches` per
- * step (auto: CUDA, world > 1 and at least two micro-batches; micro_batches < 0: not known, as in the embedding API). */
+ * step (auto: CUDA, world > 1 and at least two micro-batches; micro_batches < 0, not known as in the embedding API:
+ * auto is off there, so its layers keep one slot unless the config says "on"). */
 bool moert_overlap_enabled(const moert_parallel_config *p, moert_device_type device, int world, int64_t micro_batches);
 
 /* $.train.optimizer: Adam keeps two moment buffers per parameter; plain SGD keeps none. */

@@ -572,7 +572,7 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
          * (see forward and backward below), so the compute stream never waits for a D2H copy */
         L->acts.defer_release = true;
     }
-    /* a second slot of every layer, so that two micro-batches' forwards can be in flight (auto: on CUDA, > 1 rank) */
+    /* a second slot of every layer, so that two micro-batches' forwards can be in flight ("on"; auto is off here) */
     m->overlap.primary = &m->stack;
     if (moert_overlap_enabled(&m->cfg->parallel, m->device.type, m->world, -1)) {
         MOERT_CHECK(moert_overlap_init(&m->overlap, &m->stack, &setup));

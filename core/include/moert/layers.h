@@ -176,8 +176,9 @@ MOERT_API moert_result moert_layers_set_expert_bias(moert_layers *layers, int la
 /* One micro-batch's saved activations of one layer, from its forward to its backward. The memory policy decides
  * which of them stay on the device, are recomputed, or are offloaded. The plugin ABI keeps one forward in flight per
  * instance, so one is in flight per layer at a time: forward again only after its backward or moert_saved_free. With
- * $.parallel.overlap_micro_batches on (auto: on CUDA with more than one rank) each layer has a second instance of every
- * plugin (a second slot; parameters and gradients are shared), and two may be in flight per layer (API version 6). */
+ * $.parallel.overlap_micro_batches "on" ("auto" is off here: the layers do not know the micro-batches) each layer has a
+ * second instance of every plugin (a second slot; parameters and gradients are shared), and two may be in flight per
+ * layer (API version 6). */
 typedef struct moert_saved moert_saved;
 
 /* What one forward produced besides y (host values, valid once moert_moe_forward returned). */
