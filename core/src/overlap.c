@@ -220,26 +220,27 @@ static void *forward_half(void *arg)
     return NULL;
 }
 
-static moert_result run_interleaved(moert_overlap *o, moert_layer *F, const moert_tensor *x, moert_tensor *y,
-                                    moert_layer *B, const moert_tensor *d_y, moert_tensor *d_x, double loss_scale)
+static moert_result run_interleaved(moert_layer *F, const moert_tensor *x, moert_tensor *y, moert_layer *B,
+                                    const moert_tensor *d_y, moert_tensor *d_x, double loss_scale)
 {
     turns t = {.turn = 0};
     half fwd = {.t = &t, .me = 1, .L = F, .in = x, .out = y, .device = -1};
     half bwd = {.t = &t, .me = 0, .L = B, .in = d_y, .out = d_x, .loss_scale = loss_scale, .device = -1};
     pthread_t helper;
     if (F->info.device.type == MOERT_DEVICE_CUDA) fwd.device = F->info.device.id;
-    (void)o;
     pthread_mutex_init(&t.lock, NULL);
     pthread_cond_init(&t.changed, NULL);
+    F->yield = B->yield = yield_turn;
+    F->yield_ctx = &fwd;
+    B->yield_ctx = &bwd;
     if (pthread_create(&helper, NULL, forward_half, &fwd) != 0) { /* no thread: one after the other */
+        F->yield = B->yield = NULL;
+        F->yield_ctx = B->yield_ctx = NULL;
         pthread_mutex_destroy(&t.lock);
         pthread_cond_destroy(&t.changed);
         moert_result rc = moert_layer_forward(F, x, y);
         return rc != MOERT_OK ? rc : moert_layer_backward(B, d_y, d_x, loss_scale);
     }
-    F->yield = B->yield = yield_turn;
-    F->yield_ctx = &fwd;
-    B->yield_ctx = &bwd;
     bwd.rc = moert_layer_backward(B, d_y, d_x, loss_scale);
     if (bwd.rc != MOERT_OK) snprintf(bwd.error, sizeof bwd.error, "%s", moert_error_message());
     finish_turn(&bwd);
@@ -268,7 +269,7 @@ moert_result moert_overlap_forward_backward(moert_overlap *o, int fl, int fslot,
     if (twin) MOERT_CHECK(fork_twin(o));
     moert_layer *F = moert_overlap_layer(o, fl, fslot), *B = moert_overlap_layer(o, bl, bslot);
     if (o->interleave && fslot != bslot) {
-        rc = run_interleaved(o, F, x, y, B, d_y, d_x, loss_scale);
+        rc = run_interleaved(F, x, y, B, d_y, d_x, loss_scale);
     } else {
         rc = moert_layer_forward(F, x, y);
         if (rc == MOERT_OK) rc = moert_layer_backward(B, d_y, d_x, loss_scale);
