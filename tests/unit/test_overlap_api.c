@@ -3,7 +3,9 @@
  * k merged with micro-batch i's backward of layer L-1-k and two forwards in flight per layer
  * ($.parallel.overlap_micro_batches "on"), gives every output, input gradient and parameter gradient of the plain
  * forward-then-backward loop bit for bit, on 2 ranks as threads (EP2), fp64 and fp32, with the router's expert bias.
- * Also: without the second slot a third forward in flight is refused, and with it a third one too. */
+ * Once more with micro-batch 0 on slot 1 (a forward of every layer held on slot 0 meanwhile, in both loops): its backward
+ * writes the lazily zeroed gradients through slot 1's layers, whose zeroing state must be slot 0's. Also: a third
+ * forward of a layer holding two is refused. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,6 +37,9 @@ typedef struct rank_job {
     moert_comm *comm;
     moert_config *cfg[2]; /* off, on */
     moert_dtype dtype;
+    /* a forward of every layer before micro-batch 0's, freed after it: micro-batch 0 then holds slot 1, and the
+     * gradients' lazy zeroing (micro-batch 0's backward writes them) goes through slot 1's layers */
+    bool shift;
     run out[2];
     moert_result rc;
 } rank_job;
@@ -67,6 +72,7 @@ static moert_result one_run(rank_job *job, int merged)
     moert_launch launch = {
         .struct_size = sizeof launch, .rank = job->rank, .world_size = WORLD, .device = moert_cpu(), .comm = job->comm};
     moert_layers *m = NULL;
+    void *scratch = calloc(T * H, 8);
     void *value[LAYERS][MOERT_PARAM_COUNT] = {{0}}, *grad[LAYERS][MOERT_PARAM_COUNT] = {{0}};
     void *act[MICRO][LAYERS + 1], *d[MICRO][LAYERS + 1];
     moert_saved *saved[MICRO][LAYERS] = {{0}};
@@ -95,10 +101,16 @@ static moert_result one_run(rank_job *job, int merged)
     moert_backward_options first = {.struct_size = sizeof first, .router_loss_scale = 0.5, .accumulate = false};
     moert_backward_options later = first;
     later.accumulate = true;
+    moert_tensor sink = t2(scratch, dt);
+    moert_saved *shifted[LAYERS] = {0};
     if (!merged) {
         for (int i = 0; i < MICRO; i++) {
             for (int l = 0; l < LAYERS; l++) {
                 moert_tensor a = t2(act[i][l], dt), b = t2(act[i][l + 1], dt);
+                if (job->shift && i == 0) {
+                    MOERT_CHECK(moert_moe_forward(m, l, &a, &sink, NULL, &shifted[l], NULL));
+                    moert_saved_free(shifted[l]);
+                }
                 MOERT_CHECK(moert_moe_forward(m, l, &a, &b, NULL, &saved[i][l], NULL));
             }
             for (int l = LAYERS - 1; l >= 0; l--) {
@@ -109,8 +121,10 @@ static moert_result one_run(rank_job *job, int merged)
     } else {
         for (int l = 0; l < LAYERS; l++) {
             moert_tensor a = t2(act[0][l], dt), b = t2(act[0][l + 1], dt);
+            if (job->shift) MOERT_CHECK(moert_moe_forward(m, l, &a, &sink, NULL, &shifted[l], NULL));
             MOERT_CHECK(moert_moe_forward(m, l, &a, &b, NULL, &saved[0][l], NULL));
         }
+        for (int l = 0; l < LAYERS; l++) moert_saved_free(shifted[l]);
         /* a third forward of a layer holding two is refused */
         moert_saved *extra = NULL;
         moert_tensor a1 = t2(act[1][0], dt), b1 = t2(act[1][1], dt);
@@ -146,6 +160,7 @@ static moert_result one_run(rank_job *job, int merged)
         }
 fail:
     if (rc != MOERT_OK) fprintf(stderr, "rank %d: %s\n", job->rank, moert_last_error());
+    free(scratch);
     moert_layers_destroy(m);
     for (int l = 0; l < LAYERS; l++)
         for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
@@ -169,7 +184,7 @@ static void *rank_main(void *arg)
     return NULL;
 }
 
-static void compare(moert_dtype dtype)
+static void compare(moert_dtype dtype, bool shift)
 {
     char json[1024];
     const char *dname = dtype == MOERT_F64 ? "fp64" : "fp32";
@@ -181,6 +196,7 @@ static void compare(moert_dtype dtype)
         jobs[i].rank = i;
         jobs[i].comm = comm;
         jobs[i].dtype = dtype;
+        jobs[i].shift = shift;
         for (int k = 0; k < 2; k++) {
             snprintf(json, sizeof json, config_text, dname, k ? "on" : "off");
             EXPECT_OK(moert_config_load_string(json, "overlap-api", &jobs[i].cfg[k]));
@@ -211,7 +227,8 @@ static void compare(moert_dtype dtype)
 
 int main(void)
 {
-    compare(MOERT_F64);
-    compare(MOERT_F32);
+    compare(MOERT_F64, false);
+    compare(MOERT_F32, false);
+    compare(MOERT_F64, true);
     return test_finish("overlap_api");
 }
