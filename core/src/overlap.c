@@ -22,8 +22,6 @@ moert_result moert_overlap_init(moert_overlap *o, moert_stack *primary, const mo
     moert_result rc = MOERT_OK;
     memset(o, 0, sizeof *o);
     o->primary = primary;
-    o->stream_names[0] = "compute";
-    o->stream_names[1] = "compute.1";
     moert_stack_setup twin = *setup;
     twin.twin_of = primary;
 #ifdef MOERT_HAVE_CUDA

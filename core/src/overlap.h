@@ -13,10 +13,9 @@ typedef struct moert_overlap {
     moert_stack *primary; /* slot 0: the rank's stack (borrowed) */
     moert_stack twin;     /* slot 1: the same plugins again, their instances twins of slot 0's */
     bool made;
-    moert_stream stream;                           /* CUDA: slot 1's compute stream (NULL on the CPU) */
-    moert_event fork_event, join_event;            /* CUDA: slot 1's stream forks from and joins slot 0's */
-    bool interleave;                               /* issue the two halves of a merged call stage by stage (CUDA) */
-    const char *stream_names[MOERT_OVERLAP_SLOTS]; /* for the trace: "compute", "compute.1" */
+    moert_stream stream;                /* CUDA: slot 1's compute stream (NULL on the CPU) */
+    moert_event fork_event, join_event; /* CUDA: slot 1's stream forks from and joins slot 0's at every call */
+    bool interleave;                    /* issue the two halves of a merged call stage by stage (CUDA) */
 } moert_overlap;
 
 /* Makes slot 1 of every layer of `primary` (made from `setup`): one more instance of each plugin per layer, its own
