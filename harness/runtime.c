@@ -1145,12 +1145,9 @@ static moert_result rank_optimizer_step(moert_rank *r, int64_t step)
         if (rc != MOERT_OK)
             return moert_error(rc, "precision \"%s\" end_step failed (layer %d): %s", prec->header.name, l,
                                moert_host_take_error(L->precision.host));
-        /* slot 1's precision instance derived its own weight copies (its router shares slot 0's step state) */
-        moert_layer *T = r->overlap.made ? &r->overlap.twin.layers[l] : NULL;
-        if (T && (rc = prec->end_step(T->precision.ctx, T->stream)) != MOERT_OK)
-            return moert_error(rc, "precision \"%s\" end_step failed (layer %d, slot 1): %s", prec->header.name, l,
-                               moert_host_take_error(T->precision.host));
     }
+    /* slot 1's precision instances keep weight copies of their own (its router shares slot 0's step state) */
+    MOERT_CHECK(moert_overlap_precision_end_step(&r->overlap));
 fail:
     return rc;
 }

@@ -771,14 +771,9 @@ static moert_result end_step_all(moert_layers *m, moert_stream stream, bool rout
             rc = moert_layer_plugin_failed(L, inst, "end_step", rc);
             goto fail;
         }
-        /* slot 1's precision instance keeps weight copies of its own; its router shares slot 0's step state */
-        if (router || !m->overlap.made) continue;
-        L = &m->overlap.twin.layers[l];
-        if ((rc = PRECISION(L)->end_step(L->precision.ctx, m->stream)) != MOERT_OK) {
-            rc = moert_layer_plugin_failed(L, &L->precision, "end_step", rc);
-            goto fail;
-        }
     }
+    /* slot 1's precision instances keep weight copies of their own; its routers share slot 0's step state */
+    if (!router) MOERT_CHECK(moert_overlap_precision_end_step(&m->overlap));
     MOERT_CHECK(leave(m, stream));
 fail:
     return rc;

@@ -112,6 +112,23 @@ static moert_result join_twin(moert_overlap *o)
     return MOERT_OK;
 }
 
+moert_result moert_overlap_precision_end_step(moert_overlap *o)
+{
+    moert_result rc = MOERT_OK, rc_join = MOERT_OK;
+    if (!o->made) return MOERT_OK;
+    MOERT_CHECK(fork_twin(o));
+    for (int l = 0; l < o->twin.num_layers && rc == MOERT_OK; l++) {
+        moert_layer *T = &o->twin.layers[l];
+        const moert_precision_v1 *p = (const moert_precision_v1 *)T->precision.plugin->header;
+        if ((rc = p->end_step(T->precision.ctx, T->stream)) != MOERT_OK)
+            rc = moert_layer_plugin_failed(T, &T->precision, "end_step", rc);
+    }
+    rc_join = join_twin(o);
+    if (rc == MOERT_OK) rc = rc_join;
+fail:
+    return rc;
+}
+
 static moert_result check_slot(const moert_overlap *o, int l, int slot)
 {
     if (l < 0 || l >= o->primary->num_layers)

@@ -33,6 +33,10 @@ moert_result moert_overlap_forward(moert_overlap *o, int l, int slot, const moer
 moert_result moert_overlap_backward(moert_overlap *o, int l, int slot, const moert_tensor *d_y, moert_tensor *d_x,
                                     double loss_scale);
 
+/* After slot 0's precision instances' end_step (the weights changed): slot 1's, on slot 1's stream once slot 0's work
+ * so far is done (an FP8 recipe makes its weight copies again there, and its delayed scales are slot 0's). */
+moert_result moert_overlap_precision_end_step(moert_overlap *o);
+
 /* The forward of layer fl on slot fslot and the backward of layer bl on slot bslot (fslot != bslot when fl == bl)
  * together. On the CPU the forward runs, then the backward. On CUDA each runs on its slot's stream, both forked from
  * and joined into slot 0's, and their stages are issued in turn (backward combine / forward routing, backward dgrads /

@@ -20,6 +20,7 @@ typedef struct scenario {
     const char *dtype;
     const char *router;
     const char *memory;
+    const char *precision; /* NULL: bf16 */
 } scenario;
 
 static const char *config_text =
@@ -27,12 +28,13 @@ static const char *config_text =
     " \"dtype\": \"%s\"},"
     " \"parallel\": {\"ranks\": %d, \"overlap_micro_batches\": \"%s\"},"
     " \"train\": {\"tokens_per_rank\": 12, \"micro_batches\": %d, \"seed\": 5, \"lr\": 0.003, \"steps\": 2},"
-    " \"router\": %s, \"memory_policy\": %s}";
+    " \"router\": %s, \"memory_policy\": %s, \"precision\": %s}";
 
 static moert_runtime *make(const scenario *sc, const char *mode, moert_config **cfg)
 {
     char json[2048];
-    snprintf(json, sizeof json, config_text, sc->layers, sc->dtype, sc->ranks, mode, sc->micro, sc->router, sc->memory);
+    snprintf(json, sizeof json, config_text, sc->layers, sc->dtype, sc->ranks, mode, sc->micro, sc->router, sc->memory,
+             sc->precision ? sc->precision : "{\"plugin\": \"bf16\"}");
     moert_runtime *rt = NULL;
     *cfg = NULL;
     EXPECT_OK(moert_config_load_string(json, "overlap-test", cfg));
@@ -63,8 +65,9 @@ static void compare(const scenario *sc, bool interleave)
     moert_config *ca = NULL, *cb = NULL;
     moert_runtime *seq = make(sc, "off", &ca), *ovl = make(sc, "on", &cb);
     char what[512];
-    snprintf(what, sizeof what, "EP%d, %d layers, %d micro-batches, %s, router %s, memory %s, %s", sc->ranks,
-             sc->layers, sc->micro, sc->dtype, sc->router, sc->memory, interleave ? "interleaved" : "in order");
+    snprintf(what, sizeof what, "EP%d, %d layers, %d micro-batches, %s, router %s, memory %s, precision %s, %s",
+             sc->ranks, sc->layers, sc->micro, sc->dtype, sc->router, sc->memory,
+             sc->precision ? sc->precision : "bf16", interleave ? "interleaved" : "in order");
     if (!seq || !ovl) {
         test_failures++;
         goto done;
@@ -124,12 +127,15 @@ static const char *global_router = "{\"load_balancing\": \"global_aux_loss\", \"
 static const char *keep = "{}";
 static const char *recompute = "{\"dispatched_x\": \"recompute\", \"fc1_out\": \"recompute\","
                                " \"swiglu_out\": \"keep\"}";
+/* FP8 on the CPU path: the delayed recipe's amax histories are carried from step to step (the slots share them) */
+static const char *fp8_delayed = "{\"plugin\": \"fp8\", \"recipe\": \"delayed\", \"amax_history_len\": 4}";
+static const char *fp8_current = "{\"plugin\": \"fp8\", \"recipe\": \"current\"}";
 static const char *offload = "{\"dispatched_x\": \"offload\", \"fc1_out\": \"keep\", \"swiglu_out\": \"offload\"}";
 
 /* "auto" on the CPU and "off" make no second slot; "on" with one micro-batch runs the sequential step. */
 static void test_modes(void)
 {
-    scenario sc = {2, 2, 2, "fp64", bias_router, keep};
+    scenario sc = {2, 2, 2, "fp64", bias_router, keep, NULL};
     moert_config *c = NULL;
     moert_runtime *rt = make(&sc, "auto", &c);
     if (rt) EXPECT(!moert_runtime_overlap_set_interleave(rt, false));
@@ -147,11 +153,17 @@ static void test_modes(void)
 int main(void)
 {
     const scenario scenarios[] = {
-        {2, 2, 2, "fp64", bias_router, keep},      {2, 3, 3, "fp64", global_router, keep},
-        {4, 2, 4, "fp64", bias_router, keep},      {4, 3, 3, "fp32", bias_router, keep},
-        {2, 3, 4, "fp32", global_router, keep},    {2, 2, 3, "fp64", bias_router, recompute},
-        {2, 3, 2, "fp32", bias_router, offload},   {4, 3, 4, "fp64", global_router, offload},
-        {4, 2, 3, "fp32", bias_router, recompute},
+        {2, 2, 2, "fp64", bias_router, keep, NULL},
+        {2, 3, 3, "fp64", global_router, keep, NULL},
+        {4, 2, 4, "fp64", bias_router, keep, NULL},
+        {4, 3, 3, "fp32", bias_router, keep, NULL},
+        {2, 3, 4, "fp32", global_router, keep, NULL},
+        {2, 2, 3, "fp64", bias_router, recompute, NULL},
+        {2, 3, 2, "fp32", bias_router, offload, NULL},
+        {4, 3, 4, "fp64", global_router, offload, NULL},
+        {4, 2, 3, "fp32", bias_router, recompute, NULL},
+        {2, 2, 3, "fp32", bias_router, keep, fp8_delayed},
+        {2, 3, 2, "fp32", global_router, recompute, fp8_current},
     };
     for (size_t i = 0; i < sizeof scenarios / sizeof scenarios[0]; i++) {
         compare(&scenarios[i], false);
