@@ -345,13 +345,13 @@ static moert_result choose_device(moert_runtime *rt)
     return MOERT_OK;
 }
 
-/* Creates this rank's services and one instance of every plugin per layer. */
 /* $.parallel.overlap_micro_batches: slot 1 of the layers, its buffers, and the overlapped step (defined below) */
 static moert_result overlap_init(moert_rank *r, const moert_stack_setup *setup);
 static void overlap_finalize(moert_rank *r, moert_device device);
 static moert_result rank_forward_backward_overlapped(moert_rank *r, int64_t step);
 static const moert_layer *overlap_last_layer(const moert_rank *r, int l);
 
+/* Creates this rank's services and one instance of every plugin per layer. */
 static moert_result rank_init(moert_rank *r, void *arg)
 {
     (void)arg;
