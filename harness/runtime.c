@@ -226,8 +226,10 @@ static moert_result rank_init(moert_rank *r, void *arg)
                            .max_tokens = set->tokens_per_rank,
                            .expert_tensor_parallel = (int32_t)set->expert_tensor_parallel,
                            .expert_data_parallel = (int32_t)set->expert_data_parallel,
-                           .flags = MOERT_LAUNCH_RESIDUAL};
+                           .flags = MOERT_LAUNCH_RESIDUAL,
+                           .micro_batches = (int32_t)set->micro_batches};
     CHECK(moert_layers_create(rt->cfg, &launch, &r->layers));
+    r->overlap = moert_layers_overlap_interleave(r->layers, false);
     r->info.struct_size = sizeof r->info;
     CHECK(moert_layers_get_info(r->layers, &r->info));
     /* the layers' own high-priority stream: the trainer's work queues there, ordered with theirs */
@@ -238,8 +240,9 @@ static moert_result rank_init(moert_rank *r, void *arg)
     r->acts = calloc((size_t)nl + 1, sizeof *r->acts);
     r->params = calloc((size_t)nl, sizeof *r->params);
     r->saved = calloc((size_t)nl, sizeof *r->saved);
+    r->saved1 = calloc((size_t)nl, sizeof *r->saved1);
     r->router_losses = calloc((size_t)nl, sizeof *r->router_losses);
-    if (!r->acts || !r->params || !r->saved || !r->router_losses)
+    if (!r->acts || !r->params || !r->saved || !r->saved1 || !r->router_losses)
         return moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "the rank's buffers: out of memory");
     /* Pinned, so the small device-to-host copies of the step never wait behind an offload copy of
      * the copy engines as pageable copies do (the host thread would block and the GPU idle). */
@@ -278,6 +281,7 @@ static moert_result rank_finalize(moert_rank *r, void *arg)
             r->graph_forward[form] = r->graph_backward[form] = NULL;
         }
         for (int l = 0; r->saved && l < nl; l++) moert_saved_free(r->saved[l]);
+        for (int l = 0; r->saved1 && l < nl; l++) moert_saved_free(r->saved1[l]);
         /* the device the rank's buffers were allocated on */
         moert_device device = {rt->device_type, rt->device_type == MOERT_DEVICE_CUDA ? r->device : 0};
         for (int l = 0; r->params && l < nl; l++)
@@ -287,8 +291,9 @@ static moert_result rank_finalize(moert_rank *r, void *arg)
                 for (int k = 0; k < 4; k++) rank_free(r, ts[k]);
             }
         for (int l = 0; r->acts && l <= nl; l++) rank_free(r, &r->acts[l]);
-        moert_tensor *bufs[3] = {&r->grad_a, &r->grad_b, &r->target};
-        for (int i = 0; i < 3; i++) rank_free(r, bufs[i]);
+        for (int l = 0; r->acts1 && l <= nl; l++) rank_free(r, &r->acts1[l]);
+        moert_tensor *bufs[4] = {&r->grad_a, &r->grad_b, &r->target, &r->target1};
+        for (int i = 0; i < 4; i++) rank_free(r, bufs[i]);
         if (r->workspace) moert_layers_free(r->layers, device, r->workspace);
         if (r->counts) moert_layers_free(r->layers, pinned_device(r), r->counts);
         if (r->micro_counts) moert_layers_free(r->layers, pinned_device(r), r->micro_counts);
@@ -305,10 +310,12 @@ static moert_result rank_finalize(moert_rank *r, void *arg)
     free(r->acts);
     free(r->params);
     free(r->saved);
+    free(r->saved1);
+    free(r->acts1);
     free(r->router_losses);
-    r->acts = NULL;
+    r->acts = r->acts1 = NULL;
     r->params = NULL;
-    r->saved = NULL;
+    r->saved = r->saved1 = NULL;
     r->router_losses = NULL;
     return MOERT_OK;
 }
@@ -691,6 +698,146 @@ fail:
     return rc;
 }
 
+/* ---- micro-batch overlap ($.parallel.overlap_micro_batches, docs/executor.md "Micro-batch overlap") ---- */
+
+/* Odd micro-batches' input, residual stream and target, made at the first overlapped step. */
+static moert_result overlap_buffers(moert_rank *r)
+{
+    moert_result rc = MOERT_OK;
+    const trainer_settings *set = &r->rt->set;
+    const int nl = (int)set->num_layers;
+    if (r->acts1) return MOERT_OK;
+    r->acts1 = calloc((size_t)nl + 1, sizeof *r->acts1);
+    if (!r->acts1) return moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "the rank's buffers: out of memory");
+    for (int l = 0; l <= nl; l++)
+        CHECK(rank_alloc(r, &r->acts1[l], r->info.device, r->info.dtype, set->tokens_per_rank, set->hidden));
+    CHECK(rank_alloc(r, &r->target1, r->info.device, r->info.dtype, set->tokens_per_rank, set->hidden));
+fail:
+    return rc;
+}
+
+/* Micro-batch `micro`'s data into the buffers of parity `odd`. */
+static moert_result overlap_load(moert_rank *r, bool odd, int64_t step, int64_t micro)
+{
+    if (!odd) return load_batch(r, step, micro);
+    moert_tensor *acts = r->acts, target = r->target;
+    const bool loaded = r->batch_loaded;
+    r->acts = r->acts1, r->target = r->target1, r->batch_loaded = r->batch_loaded1;
+    moert_result rc = load_batch(r, step, micro);
+    r->batch_loaded1 = r->batch_loaded;
+    r->acts = acts, r->target = target, r->batch_loaded = loaded;
+    return rc;
+}
+
+/* After the forward of layer l of a micro-batch (alone or merged): its tokens per expert to the host (they land by
+ * the next synchronisation). */
+static moert_result overlap_after_forward(moert_rank *r, int l, const moert_moe_stats *stats)
+{
+    const int64_t e = r->rt->set.num_experts;
+    r->router_loss += stats->router_loss;
+    moert_tensor c = moert_tensor_1d(r->micro_counts + (size_t)l * (size_t)e, pinned_device(r), MOERT_I64, e);
+    return moert_layers_tokens_per_expert(r->layers, l, &c, r->stream);
+}
+
+/* The figures and trace spans of micro-batch `micro`, whose backward has just finished in every layer. */
+static moert_result overlap_collect(moert_rank *r, int64_t step, int64_t micro, double started)
+{
+    moert_result rc = MOERT_OK;
+    const int nl = (int)r->rt->set.num_layers;
+    for (int l = 0; l < nl; l++) {
+        moert_layer_figures fig = {.struct_size = sizeof fig};
+        CHECK(moert_layers_figures(r->layers, l, &fig));
+        for (int s = 0; s < MOERT_LAYER_STAGES; s++) r->stage_seconds[s] += 1e-3 * fig.stage_ms[s];
+        for (int p = 0; p < MOERT_LAYER_BACKWARD_PARTS; p++)
+            r->backward_part_seconds[p] += 1e-3 * fig.backward_part_ms[p];
+    }
+    if (r->rt->tracing) CHECK(trace_micro_batch(r, step, micro, started));
+fail:
+    return rc;
+}
+
+/* The step with micro-batch i's forward merged with micro-batch i-1's backward, layer by layer: F0 of every layer;
+ * then for i = 1 .. M-1 and k = 0 .. L-1, F_i(layer k) with B_{i-1}(layer L-1-k), and the loss of micro-batch i once
+ * its forward is done; then B_{M-1} of every layer. Even micro-batches use acts and saved, odd ones acts1 and saved1
+ * (the layers put them in their two slots). The gradients accumulate in the order of the sequential schedule, so the
+ * results are those of micro_batch() bit for bit. */
+static moert_result rank_forward_backward_overlapped(moert_rank *r, int64_t step)
+{
+    moert_result rc = MOERT_OK;
+    moert_runtime *rt = r->rt;
+    const trainer_settings *set = &rt->set;
+    const int nl = (int)set->num_layers;
+    const int64_t m = set->micro_batches, e = set->num_experts;
+    const double micro_batches = (double)m;
+    const double step_elems = micro_batches * (double)rt->world * (double)set->tokens_per_rank * (double)set->hidden;
+    double started[2] = {0.0, 0.0};
+    CHECK(overlap_buffers(r));
+    if (r->rank == 0 && !rt->graph_reason[0])
+        snprintf(rt->graph_reason, sizeof rt->graph_reason, "$.parallel.overlap_micro_batches is on");
+    for (int64_t i = 0; i < m; i++) {
+        const bool odd = i % 2 == 1;
+        moert_tensor *acts = odd ? r->acts1 : r->acts;
+        moert_saved **saved = odd ? r->saved1 : r->saved, **prev = odd ? r->saved : r->saved1;
+        started[odd] = now_seconds();
+        CHECK(overlap_load(r, odd, step, i));
+        moert_tensor *d_y = &r->grad_a, *d_x = &r->grad_b;
+        /* micro-batch i-1's backward: the step's first overwrites the gradients */
+        const moert_backward_options opts = {
+            .struct_size = sizeof opts, .router_loss_scale = 1.0 / (micro_batches * rt->world), .accumulate = i > 1};
+        for (int k = 0; k < nl; k++) {
+            moert_moe_stats stats = {.struct_size = sizeof stats};
+            if (i == 0) {
+                CHECK(moert_moe_forward(r->layers, k, &acts[k], &acts[k + 1], r->stream, &saved[k], &stats));
+            } else {
+                const int bl = nl - 1 - k;
+                moert_saved *b = prev[bl];
+                prev[bl] = NULL; /* consumed by the call, whatever its outcome */
+                CHECK(moert_moe_forward_backward(r->layers, k, &acts[k], &acts[k + 1], &saved[k], &stats, b, d_y, d_x,
+                                                 &opts, r->stream));
+                moert_tensor *tmp = d_y;
+                d_y = d_x;
+                d_x = tmp;
+            }
+            CHECK(overlap_after_forward(r, k, &stats));
+        }
+        /* micro-batch i's loss and output gradient (micro-batch i-1's backward is done: they share grad_a) */
+        CHECK(rank_sync(r));
+        for (size_t c = 0; c < (size_t)nl * (size_t)e; c++) r->counts[c] += r->micro_counts[c];
+        double mse_sum = 0.0;
+        CHECK(trainer_squared_error(r->stream, &acts[nl], odd ? &r->target1 : &r->target, 1.0 / step_elems,
+                                    r->workspace, r->loss_result, &mse_sum, &r->grad_a));
+        r->mse_sum += mse_sum;
+        if (i > 0) CHECK(overlap_collect(r, step, i - 1, started[!odd]));
+    }
+    const bool last_odd = (m - 1) % 2 == 1;
+    moert_saved **last = last_odd ? r->saved1 : r->saved;
+    moert_tensor *d_y = &r->grad_a, *d_x = &r->grad_b;
+    const moert_backward_options opts = {
+        .struct_size = sizeof opts, .router_loss_scale = 1.0 / (micro_batches * rt->world), .accumulate = m > 1};
+    for (int l = nl - 1; l >= 0; l--) {
+        moert_saved *b = last[l];
+        last[l] = NULL;
+        CHECK(moert_moe_backward(r->layers, b, d_y, d_x, &opts, r->stream));
+        moert_tensor *tmp = d_y;
+        d_y = d_x;
+        d_x = tmp;
+    }
+    CHECK(overlap_collect(r, step, m - 1, started[last_odd]));
+    /* the layers' output is the last micro-batch's, where moert_runtime_read_output reads it */
+    if (last_odd) CHECK(rank_copy(r, r->acts[nl].data, r->acts1[nl].data, moert_tensor_bytes(&r->acts[nl])));
+    r->eager_steps++;
+fail:
+    return rc;
+}
+
+bool moert_runtime_overlap_set_interleave(moert_runtime *rt, bool interleave)
+{
+    bool made = rt->nlocal > 0;
+    for (int i = 0; i < rt->nlocal; i++)
+        made = moert_layers_overlap_interleave(rt->ranks[i].layers, interleave) && made;
+    return made;
+}
+
 /* Forward and backward of the layers on one rank over the step's micro-batches; fills mse_sum, router_loss and
  * counts (over all ranks), the stage times (this rank's) and the gradients (the replicated ones summed over ranks). */
 static moert_result rank_forward_backward(moert_rank *r, int64_t step)
@@ -703,7 +850,10 @@ static moert_result rank_forward_backward(moert_rank *r, int64_t step)
     memset(r->counts, 0, (size_t)nl * (size_t)e * sizeof *r->counts);
     memset(r->stage_seconds, 0, sizeof r->stage_seconds);
     memset(r->backward_part_seconds, 0, sizeof r->backward_part_seconds);
-    for (int64_t micro = 0; micro < set->micro_batches; micro++) CHECK(micro_batch(r, step, micro));
+    if (r->overlap && set->micro_batches >= 2)
+        CHECK(rank_forward_backward_overlapped(r, step));
+    else
+        for (int64_t micro = 0; micro < set->micro_batches; micro++) CHECK(micro_batch(r, step, micro));
     /* the router weight and the shared expert are replicated: their gradients are the sum of every rank's share */
     static const moert_param_id replicated[] = {MOERT_PARAM_ROUTER, MOERT_PARAM_SHARED_FC1, MOERT_PARAM_SHARED_FC2,
                                                 MOERT_PARAM_SHARED_GATE};

@@ -117,11 +117,22 @@ struct moert_rank {
      * per form: [0] a step's first micro-batch (its WGRADs overwrite the expert gradients), [1] the later ones */
     moert_graph *graph_forward[2], *graph_backward[2];
     int64_t eager_steps; /* forward+backward passes run without graphs */
+    /* $.parallel.overlap_micro_batches: the layers hold a second slot, and the step merges micro-batch i's forward
+     * with micro-batch i-1's backward; odd micro-batches use these buffers and saved activations */
+    bool overlap;
+    moert_saved **saved1;         /* [num_layers] */
+    moert_tensor *acts1, target1; /* [num_layers + 1] and [T,H], made at the first overlapped step */
+    bool batch_loaded1;
     /* outcome of the phase running on this rank */
     moert_result rc;
     int fail_order;
     char error[2048];
 };
+
+/* Tests: whether the ranks hold slot 1 of their layers ($.parallel.overlap_micro_batches), and on the CPU, where a
+ * merged forward and backward runs one then the other, `interleave` issues their stages in turn as on CUDA (the
+ * same results; it runs the turn-taking in CI). */
+bool moert_runtime_overlap_set_interleave(moert_runtime *rt, bool interleave);
 
 /* The relative tolerance a precision recipe declares for the agreement of two runs (moert_precision_v1's
  * agreement_rtol), or MOERT_PRECISION_DEFAULT_AGREEMENT_RTOL where its vtable predates the field or leaves it 0. */

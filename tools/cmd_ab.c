@@ -139,7 +139,7 @@ typedef struct ab_config {
     } model;
     struct {
         int64_t ranks, overlap_wgrad;
-        char cuda_graph[16];
+        char cuda_graph[16], overlap_micro_batches[16];
     } parallel;
     struct {
         int64_t steps, tokens_per_rank, seq_length, micro_batches, seed, log_every;
@@ -190,6 +190,8 @@ static moert_result read_ab_config(const moert_config *cfg, ab_config *c)
     HARNESS_CHECK(moert_config_get_string(cfg, "model.dtype", c->model.dtype, sizeof c->model.dtype));
     HARNESS_CHECK(
         moert_config_get_string(cfg, "parallel.cuda_graph", c->parallel.cuda_graph, sizeof c->parallel.cuda_graph));
+    HARNESS_CHECK(moert_config_get_string(cfg, "parallel.overlap_micro_batches", c->parallel.overlap_micro_batches,
+                                          sizeof c->parallel.overlap_micro_batches));
     HARNESS_CHECK(moert_config_get_string(cfg, "train.data", c->train.data, sizeof c->train.data));
     snprintf(c->source, sizeof c->source, "%s", moert_config_source(cfg));
     for (int s = 0; s < AB_SLOTS; s++) {
@@ -715,6 +717,9 @@ static void build_header(const ab_side *a, const ab_side *b, int64_t warmup, int
     if (strcmp(ca->parallel.cuda_graph, cb->parallel.cuda_graph) != 0)
         header_add(h, "differs: parallel.cuda_graph: A \"%s\", B \"%s\"", ca->parallel.cuda_graph,
                    cb->parallel.cuda_graph);
+    if (strcmp(ca->parallel.overlap_micro_batches, cb->parallel.overlap_micro_batches) != 0)
+        header_add(h, "differs: parallel.overlap_micro_batches: A \"%s\", B \"%s\"", ca->parallel.overlap_micro_batches,
+                   cb->parallel.overlap_micro_batches);
     if (ca->parallel.overlap_wgrad != cb->parallel.overlap_wgrad)
         header_add(h, "differs: parallel.overlap_wgrad: A %s, B %s", ca->parallel.overlap_wgrad ? "true" : "false",
                    cb->parallel.overlap_wgrad ? "true" : "false");

@@ -19,6 +19,7 @@ typedef enum map_kind {
     MAP_FLOAT,   /* a number, into key */
     MAP_ENUM,    /* one of `choices`, written as the moert value at the same position of `values` */
     MAP_TRUE,    /* a switch (no value): key = true */
+    MAP_ON,      /* a switch (no value): key = "on" (an auto/off/on mode) */
     MAP_SPECIAL, /* handled in code: dispatcher, precision, recompute, tokens */
     MAP_IGNORE,  /* not about the MoE layer; `why` says so (takes a value unless `no_value`) */
     MAP_REFUSE   /* moert cannot do it yet: refused, `why` says what is missing */
@@ -76,6 +77,8 @@ static const flag_map flag_table[] = {
     {"--micro-batch-size", MAP_SPECIAL, NULL, NULL, NULL, 1, false, NULL},
     {"--moe-shared-expert-intermediate-size", MAP_SPECIAL, NULL, NULL, NULL, 0, false, NULL},
     {"--moe-shared-expert-overlap", MAP_TRUE, "parallel.shared_expert_overlap", NULL, NULL, 0, true, NULL},
+    {"--overlap-moe-expert-parallel-comm", MAP_ON, "parallel.overlap_micro_batches", NULL, NULL, 0, true, NULL},
+    {"--delay-wgrad-compute", MAP_TRUE, "parallel.overlap_wgrad", NULL, NULL, 0, true, NULL},
     {"--moe-pad-expert-input-to-capacity", MAP_SPECIAL, NULL, NULL, NULL, 0, true, NULL},
     {"--moe-input-jitter-eps", MAP_FLOAT, "router.input_jitter_eps", NULL, NULL, 0, false, NULL},
     {"--moe-router-force-load-balancing", MAP_TRUE, "router.force_load_balancing", NULL, NULL, 0, true, NULL},
@@ -187,6 +190,7 @@ static int apply_flag(import_state *st, const flag_map *f, const char *value)
             }
         return fail("%s: \"%s\" is not one of Megatron's values for it", f->flag, value);
     case MAP_TRUE: set_key(st->root, f->key, json_true()); return 0;
+    case MAP_ON: set_key(st->root, f->key, json_string("on")); return 0;
     case MAP_IGNORE: return 0;
     case MAP_REFUSE: return fail("%s: %s", f->flag, f->why);
     case MAP_SPECIAL: break;

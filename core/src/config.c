@@ -453,6 +453,13 @@ fail:
 
 static const char *const cuda_graph_modes[] = {"auto", "off", "on", NULL};
 
+bool moert_overlap_enabled(const moert_parallel_config *p, moert_device_type device, int world, int64_t micro_batches)
+{
+    if (p->overlap_micro_batches == MOERT_OVERLAP_ON) return true;
+    if (p->overlap_micro_batches == MOERT_OVERLAP_OFF) return false;
+    return device == MOERT_DEVICE_CUDA && world > 1 && micro_batches >= 2;
+}
+
 const char *moert_cuda_graph_mode_name(int mode)
 {
     return mode >= MOERT_GRAPH_AUTO && mode <= MOERT_GRAPH_ON ? cuda_graph_modes[mode] : "unknown";
@@ -539,6 +546,10 @@ static moert_result parse_parallel(moert_config *cfg, json_t *obj)
                                    "capture the layers' forward and backward in CUDA graphs and replay them: auto "
                                    "when every plugin can be captured, on requires it",
                                    &p->cuda_graph));
+    MOERT_CHECK(moert_section_enum(sec, "overlap_micro_batches", cuda_graph_modes, 0,
+                                   "merge micro-batch i+1's forward with micro-batch i's backward, layer by layer "
+                                   "(two plugin instances per layer); auto: on CUDA with > 1 rank and micro-batches",
+                                   &p->overlap_micro_batches));
     MOERT_CHECK(moert_section_bool(sec, "overlap_wgrad", true,
                                    "run the weight-gradient GEMMs on a second stream beside the backward's last "
                                    "all-to-all (dispatch_backward) and the router's backward",
@@ -900,12 +911,13 @@ static json_t *resolved_json(const moert_config *cfg)
                               moert_dtype_name(m->dtype), "shared_expert_ffn_hidden",
                               (json_int_t)m->shared_expert_ffn_hidden, "shared_expert_gate", m->shared_expert_gate);
     json_t *parallel =
-        json_pack("{s:I, s:I, s:I, s:I, s:s, s:f, s:s, s:b, s:b, s:b}", "ranks", (json_int_t)p->ranks,
+        json_pack("{s:I, s:I, s:I, s:I, s:s, s:f, s:s, s:b, s:b, s:b, s:s}", "ranks", (json_int_t)p->ranks,
                   "expert_parallel", (json_int_t)p->expert_parallel, "expert_tensor_parallel",
                   (json_int_t)p->expert_tensor_parallel, "expert_data_parallel", (json_int_t)p->expert_data_parallel,
                   "device", p->device >= 0 && p->device <= 2 ? devices[p->device] : "auto", "timeout_s", p->timeout_s,
                   "cuda_graph", moert_cuda_graph_mode_name(p->cuda_graph), "overlap_wgrad", p->overlap_wgrad,
-                  "shared_expert_overlap", p->shared_expert_overlap, "offload_defer_start", p->offload_defer_start);
+                  "shared_expert_overlap", p->shared_expert_overlap, "offload_defer_start", p->offload_defer_start,
+                  "overlap_micro_batches", moert_cuda_graph_mode_name(p->overlap_micro_batches));
     json_t *train = json_pack(
         "{s:I, s:I, s:I, s:I, s:I, s:I, s:f, s:f, s:f, s:f, s:s, s:s}", "steps", (json_int_t)t->steps,
         "tokens_per_rank", (json_int_t)t->tokens_per_rank, "micro_batches", (json_int_t)t->micro_batches, "seq_length",

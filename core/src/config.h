@@ -39,6 +39,13 @@ typedef enum moert_cuda_graph_mode {
 /* "auto", "off" or "on": the config's spelling of a mode. */
 const char *moert_cuda_graph_mode_name(int mode);
 
+/* $.parallel.overlap_micro_batches: the same three spellings as cuda_graph */
+typedef enum moert_overlap_mode {
+    MOERT_OVERLAP_AUTO = 0,
+    MOERT_OVERLAP_OFF = 1,
+    MOERT_OVERLAP_ON = 2
+} moert_overlap_mode;
+
 typedef struct moert_parallel_config {
     int64_t ranks; /* every rank: threads on the CPU, one per GPU on CUDA */
     /* the MoE layers' grid over the ranks (docs/parallel.md): expert_parallel x expert_tensor_parallel x
@@ -50,7 +57,13 @@ typedef struct moert_parallel_config {
     bool overlap_wgrad;         /* weight-gradient GEMMs on a second stream beside dispatch_backward */
     bool shared_expert_overlap; /* the shared expert on a second stream beside the routed experts (GPUs) */
     bool offload_defer_start;   /* an offloaded activation's copy starts after the next layer's forward */
+    int overlap_micro_batches;  /* moert_overlap_mode: micro-batch i+1's forward merged with i's backward */
 } moert_parallel_config;
+
+/* Whether $.parallel.overlap_micro_batches is on for a run on `device` over `world` ranks with `micro_batches` per
+ * step (auto: CUDA, world > 1 and at least two micro-batches; micro_batches < 0, not known as in the embedding API:
+ * auto is off there, so its layers keep one slot unless the config says "on"). */
+bool moert_overlap_enabled(const moert_parallel_config *p, moert_device_type device, int world, int64_t micro_batches);
 
 /* $.train.optimizer: Adam keeps two moment buffers per parameter; plain SGD keeps none. */
 typedef enum moert_optimizer { MOERT_OPTIMIZER_ADAM = 0, MOERT_OPTIMIZER_SGD = 1 } moert_optimizer;

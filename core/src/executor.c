@@ -65,6 +65,12 @@ static moert_result mark_on(moert_layer *L, int mark, moert_stream stream)
 
 static moert_result stage_mark(moert_layer *L, int mark) { return mark_on(L, mark, L->stream); }
 
+/* Lets the other half of a merged forward and backward issue its next stages (core/src/overlap.c). */
+static void yield_point(moert_layer *L)
+{
+    if (L->yield) L->yield(L->yield_ctx);
+}
+
 /* The begin and end of backward part p, on the stream it runs on. */
 static moert_result part_begin(moert_layer *L, moert_backward_part p, moert_stream stream)
 {
@@ -1110,12 +1116,14 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
                 DISPATCHER(L)->prepare(L->dispatcher.ctx, L->stream, &L->topk_idx, &L->layout));
     if (etp_on(L)) MOERT_CHECK(etp_gather_counts(L));
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_PERMUTE));
+    yield_point(L);
 
     MOERT_CHECK(alloc_activation(L, MOERT_ACT_DISPATCHED_X));
     MOERT_CHECK(tensor_alloc(L, &L->recv_probs, L->param_dtype, 1, expert_rows(L), 0, 0));
     MOERT_CHECK(run_dispatch(L));
     MOERT_CHECK(decide_action(L, MOERT_ACT_DISPATCHED_X));
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_DISPATCH));
+    yield_point(L);
 
     MOERT_CHECK(alloc_activation(L, MOERT_ACT_FC1_OUT));
     MOERT_CHECK(run_fc1(L));
@@ -1141,6 +1149,7 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
         if (rc != MOERT_OK) goto fail;
     }
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_FC2));
+    yield_point(L);
 
     if (!L->no_residual) MOERT_CHECK(tensor_alloc(L, &moe_out, in->dtype, 2, t, in->hidden, 0));
     moert_combine_args ca = {.struct_size = sizeof ca, .y_expert = &y_expert, .y = L->no_residual ? y : &moe_out};
@@ -1220,6 +1229,7 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
         if (rc != MOERT_OK) goto fail;
     }
     MOERT_CHECK(part_end(L, MOERT_BWD_COMBINE, L->stream));
+    yield_point(L);
 
     MOERT_CHECK(part_begin(L, MOERT_BWD_FC2_DGRAD, L->stream));
     MOERT_CHECK(tensor_alloc(L, &d_act, in->dtype, 2, rows, in->ffn_hidden, 0));
@@ -1265,6 +1275,7 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
                              moert_act_store_tensor(&L->acts, MOERT_ACT_DISPATCHED_X), &d_fc1));
         HOST_CALL(h->event_record(h, L->wgrad_join_event, side), "joining the wgrad stream", MOERT_ACT_COUNT);
     }
+    yield_point(L);
 
     MOERT_CHECK(part_begin(L, MOERT_BWD_DISPATCH, L->stream));
     /* the residual passes d_y straight through; the MoE branch adds to it */
@@ -1300,6 +1311,7 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
                                      .d_weight = &L->params[MOERT_PARAM_ROUTER].grad};
     PLUGIN_CALL(L->router, "backward", ROUTER(L)->backward(L->router.ctx, L->stream, &rb));
     MOERT_CHECK(part_end(L, MOERT_BWD_ROUTER, L->stream));
+    yield_point(L);
 
     if (overlap && side) {
         MOERT_CHECK(part_begin(L, MOERT_BWD_WGRAD_WAIT, L->stream));

@@ -139,6 +139,10 @@ typedef struct moert_layer {
      * offloaded as the memory policy answers, with their memory figures (activation_store.h) */
     moert_activation_store acts;
 
+    /* a merged forward and backward (core/src/overlap.c): called between stages, where the other half may issue */
+    void (*yield)(void *ctx);
+    void *yield_ctx;
+
     /* figures of the last step: stage boundaries are marked with the wall clock on the CPU and with CUDA
      * events on GPUs (read by moert_layer_collect_times once the step's work is done) */
     double mark_seconds[MOERT_LAYER_MARKS];

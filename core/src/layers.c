@@ -18,6 +18,7 @@
 #include "host.h"
 #include "loader.h"
 #include "memory_estimate.h"
+#include "overlap.h"
 #include "stack.h"
 #include "tensor_ops.h"
 
@@ -205,6 +206,7 @@ MOERT_API void moert_comm_destroy(moert_comm *comm)
 struct moert_saved {
     moert_layers *owner;
     int layer;
+    int slot; /* the layer's slot holding it: 0, or 1 with $.parallel.overlap_micro_batches (overlap.h) */
     int64_t tokens;
     bool experts; /* a moert_experts_forward's (tokens: its rows) */
 };
@@ -235,8 +237,13 @@ struct moert_layers {
     moert_stack stack;
     bool stack_made;
     bool (*bound)[MOERT_PARAM_COUNT]; /* [num_layers] */
-    moert_saved **saved;              /* [num_layers] the forward in flight */
-    moert_dispatch **dispatch;        /* [num_layers] the dispatch in flight */
+    moert_saved **saved;              /* [num_layers] the forward in flight (slot 0) */
+    /* $.parallel.overlap_micro_batches: slot 1 of every layer (a second forward in flight) and its forwards */
+    moert_overlap overlap;
+    moert_saved **saved1;         /* [num_layers] */
+    unsigned char *last_slot;     /* [num_layers] the slot of the layer's last forward (tokens per expert) */
+    unsigned char *last_bwd_slot; /* [num_layers] the slot of its last backward (figures, spans) */
+    moert_dispatch **dispatch;    /* [num_layers] the dispatch in flight */
 };
 
 static moert_result check_layer(const moert_layers *m, int layer, const char *fn)
@@ -596,9 +603,15 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
     int nl = m->stack.num_layers;
     m->bound = calloc((size_t)nl, sizeof *m->bound);
     m->saved = calloc((size_t)nl, sizeof *m->saved);
+    m->saved1 = calloc((size_t)nl, sizeof *m->saved1);
+    m->last_slot = calloc((size_t)nl, sizeof *m->last_slot);
+    m->last_bwd_slot = calloc((size_t)nl, sizeof *m->last_bwd_slot);
     m->dispatch = calloc((size_t)nl, sizeof *m->dispatch);
     MOERT_CHECK_ALLOC(m->bound);
     MOERT_CHECK_ALLOC(m->saved);
+    MOERT_CHECK_ALLOC(m->saved1);
+    MOERT_CHECK_ALLOC(m->last_slot);
+    MOERT_CHECK_ALLOC(m->last_bwd_slot);
     MOERT_CHECK_ALLOC(m->dispatch);
     for (int l = 0; l < nl; l++) {
         moert_layer *L = &m->stack.layers[l];
@@ -610,6 +623,18 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
         /* $.parallel.offload_defer_start: a layer's offload copies start at the next layer's forward (the last
          * layer's at once), docs/executor.md "Deferred start" */
         L->acts.defer_start = l + 1 < nl && m->cfg->parallel.offload_defer_start;
+    }
+    /* a second slot of every layer, so that two micro-batches' forwards can be in flight ("on"; "auto" where the
+     * launch says >= 2 micro-batches, as moert run decides) */
+    m->overlap.primary = &m->stack;
+    const int64_t micro_batches =
+        launch->struct_size >= offsetof(moert_launch, micro_batches) + sizeof(int32_t) ? launch->micro_batches : -1;
+    if (moert_overlap_enabled(&m->cfg->parallel, m->device.type, m->world, micro_batches)) {
+        MOERT_CHECK(moert_overlap_init(&m->overlap, &m->stack, &setup));
+        for (int l = 0; l < nl; l++) {
+            m->overlap.twin.layers[l].acts.defer_release = true;
+            m->overlap.twin.layers[l].acts.defer_start = m->stack.layers[l].acts.defer_start;
+        }
     }
     *out = m;
     return MOERT_OK;
@@ -639,10 +664,12 @@ MOERT_API void moert_layers_destroy(moert_layers *m)
     if (!m) return;
     int nl = m->stack.num_layers;
     for (int l = 0; m->saved && l < nl; l++) free(m->saved[l]);
+    for (int l = 0; m->saved1 && l < nl; l++) free(m->saved1[l]);
     for (int l = 0; m->dispatch && l < nl; l++) free(m->dispatch[l]);
 #ifdef MOERT_HAVE_CUDA
     if (m->stream) moert_cuda_stream_synchronize(m->stream);
 #endif
+    moert_overlap_finalize(&m->overlap);
     if (m->stack_made) moert_stack_finalize(&m->stack);
 #ifdef MOERT_HAVE_CUDA
     if (m->stream) moert_cuda_stream_synchronize(m->stream);
@@ -658,6 +685,9 @@ MOERT_API void moert_layers_destroy(moert_layers *m)
     moert_config_free(m->cfg);
     free(m->bound);
     free(m->saved);
+    free(m->saved1);
+    free(m->last_slot);
+    free(m->last_bwd_slot);
     free(m->dispatch);
     free(m);
 }
@@ -746,7 +776,7 @@ MOERT_API moert_result moert_layers_bind_param(moert_layers *m, int layer, moert
     moert_result rc = check_param(m, layer, which, fn);
     if (rc != MOERT_OK) return rc;
     moert_layer *L = &m->stack.layers[layer];
-    if (m->saved[layer] || m->dispatch[layer])
+    if (m->saved[layer] || m->saved1[layer] || m->dispatch[layer])
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layer %d has a forward in flight; bind after its backward",
                            fn, layer);
     moert_tensor d = moert_layer_param_desc(L, which);
@@ -803,6 +833,8 @@ static moert_result end_step_all(moert_layers *m, moert_stream stream, bool rout
             goto fail;
         }
     }
+    /* slot 1's precision instances keep weight copies of their own; its routers share slot 0's step state */
+    if (!router) MOERT_CHECK(moert_overlap_precision_end_step(&m->overlap));
     MOERT_CHECK(leave(m, stream));
 fail:
     return rc;
@@ -900,9 +932,15 @@ fail:
 /* ---- forward and backward ---- */
 
 /* No forward or dispatch of `layer` in flight, or an error saying which. */
+/* Where slot `slot` of `layer` keeps its forward in flight. */
+static moert_saved **saved_ref(const moert_layers *m, int layer, int slot)
+{
+    return slot == 0 ? &m->saved[layer] : &m->saved1[layer];
+}
+
 static moert_result check_idle(const moert_layers *m, int layer, const char *fn)
 {
-    if (m->saved[layer])
+    if (m->saved[layer] || m->saved1[layer])
         return moert_error(MOERT_ERR_INVALID_ARGUMENT,
                            "%s: layer %d holds the saved activations of a forward: run its "
                            "backward or moert_saved_free first (one micro-batch in flight per layer)",
@@ -924,16 +962,35 @@ static moert_result release_after_failure(moert_layer *L, moert_result rc)
     return moert_error(rc, "%s", message);
 }
 
-MOERT_API moert_result moert_moe_forward(moert_layers *m, int layer, const moert_tensor *x, moert_tensor *y,
-                                         moert_stream stream, moert_saved **saved, moert_moe_stats *stats)
+/* A free slot of `layer` for a forward, other than `avoid` when it can (-1: none); -1 and an error when none. */
+static int free_slot(const moert_layers *m, int layer, int avoid, const char *fn)
 {
-    const char *fn = "moert_moe_forward";
+    const int slots = m->overlap.made ? MOERT_OVERLAP_SLOTS : 1;
+    int found = -1;
+    for (int s = 0; s < slots; s++)
+        if (!*saved_ref(m, layer, s) && (found < 0 || found == avoid)) found = s;
+    if (found >= 0 && !m->dispatch[layer]) return found;
+    if (m->dispatch[layer])
+        moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layer %d has a dispatch in flight: moert_dispatch_free it first",
+                    fn, layer);
+    else
+        moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                    "%s: layer %d holds the saved activations of %d forward%s: run a backward or moert_saved_free "
+                    "first (%s)",
+                    fn, layer, slots, slots > 1 ? "s" : "",
+                    slots > 1 ? "two micro-batches in flight per layer"
+                              : "one micro-batch in flight per layer; $.parallel.overlap_micro_batches allows two");
+    return -1;
+}
+
+/* The checks of a forward's arguments. */
+static moert_result check_forward(moert_layers *m, int layer, const moert_tensor *x, const moert_tensor *y,
+                                  const moert_moe_stats *stats, const char *fn)
+{
     moert_result rc = check_layer(m, layer, fn);
     if (rc != MOERT_OK) return rc;
-    if (saved) *saved = NULL;
-    moert_layer *L = &m->stack.layers[layer];
+    const moert_layer *L = &m->stack.layers[layer];
     if ((rc = check_bound(m, layer, fn)) != MOERT_OK) return rc;
-    if ((rc = check_idle(m, layer, fn)) != MOERT_OK) return rc;
     const int64_t rows_max[2] = {-m->max_tokens, L->info.hidden};
     if ((rc = check_tensor(fn, "x", x, L->info.dtype, m->device, 2, rows_max)) != MOERT_OK) return rc;
     const int64_t same[2] = {x->shape[0], L->info.hidden};
@@ -942,31 +999,61 @@ MOERT_API moert_result moert_moe_forward(moert_layers *m, int layer, const moert
     if (stats && stats->struct_size < sizeof *stats)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: stats->struct_size %u, expected %zu", fn,
                            stats->struct_size, sizeof *stats);
+    return MOERT_OK;
+}
+
+static void fill_stats(const moert_layer *L, moert_moe_stats *stats)
+{
+    if (!stats) return;
+    stats->router_loss = L->losses.total;
+    stats->aux_loss = L->losses.aux_loss;
+    stats->z_loss = L->losses.z_loss;
+    stats->dispatched_rows = moert_layer_used_rows(L);
+}
+
+/* Offload copies of the layers below `layer` that have finished by now give their device buffers back. */
+static moert_result release_below(moert_layers *m, int layer)
+{
+    moert_result rc = MOERT_OK;
+    for (int below = 0; below < layer; below++) {
+        MOERT_CHECK(moert_act_store_release_finished(&m->stack.layers[below].acts));
+        if (m->overlap.made) MOERT_CHECK(moert_act_store_release_finished(&m->overlap.twin.layers[below].acts));
+    }
+fail:
+    return rc;
+}
+
+MOERT_API moert_result moert_moe_forward(moert_layers *m, int layer, const moert_tensor *x, moert_tensor *y,
+                                         moert_stream stream, moert_saved **saved, moert_moe_stats *stats)
+{
+    const char *fn = "moert_moe_forward";
+    if (saved) *saved = NULL;
+    moert_result rc = check_forward(m, layer, x, y, stats, fn);
+    if (rc != MOERT_OK) return rc;
+    const int slot = free_slot(m, layer, -1, fn);
+    if (slot < 0) return MOERT_ERR_INVALID_ARGUMENT;
+    moert_layer *L = moert_overlap_layer(&m->overlap, layer, slot);
     moert_saved *token = NULL;
     if (saved) {
         token = calloc(1, sizeof *token);
         if (!token) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
-        *token = (moert_saved){.owner = m, .layer = layer, .tokens = x->shape[0]};
+        *token = (moert_saved){.owner = m, .layer = layer, .slot = slot, .tokens = x->shape[0]};
     }
     MOERT_CHECK(enter(m, stream));
     L->inference = saved == NULL; /* no saved activations: no backward follows */
-    MOERT_CHECK(moert_layer_forward(L, x, y));
-    if (stats) {
-        stats->router_loss = L->losses.total;
-        stats->aux_loss = L->losses.aux_loss;
-        stats->z_loss = L->losses.z_loss;
-        stats->dispatched_rows = moert_layer_used_rows(L);
-    }
+    MOERT_CHECK(moert_overlap_forward(&m->overlap, layer, slot, x, y));
+    m->last_slot[layer] = (unsigned char)slot;
+    fill_stats(L, stats);
     if (!saved) MOERT_CHECK(moert_layer_release_saved(L));
-    /* the layer below's deferred offload copies start now that this layer's dispatcher has synced on its counts: a
-     * copy engine serves copies in issue order, so issued earlier they would have held that small copy back */
-    if (layer > 0) MOERT_CHECK(moert_act_store_start_offloads(&m->stack.layers[layer - 1].acts));
-    /* offload copies of the layers below that have finished by now give their device buffers back */
-    for (int below = 0; below < layer; below++)
-        MOERT_CHECK(moert_act_store_release_finished(&m->stack.layers[below].acts));
+    MOERT_CHECK(release_below(m, layer));
+    /* the layer below's deferred offload copies (this micro-batch's slot) start now that this layer's dispatcher has
+     * synced on its counts: a copy engine serves copies in issue order, so issued earlier they would have held that
+     * small copy back */
+    if (layer > 0)
+        MOERT_CHECK(moert_act_store_start_offloads(&moert_overlap_layer(&m->overlap, layer - 1, slot)->acts));
     MOERT_CHECK(leave(m, stream));
     if (saved) {
-        m->saved[layer] = token;
+        *saved_ref(m, layer, slot) = token;
         *saved = token;
     }
     return MOERT_OK;
@@ -980,14 +1067,15 @@ fail:
 static bool in_flight(const moert_layers *m, const moert_saved *saved)
 {
     for (int l = 0; saved && l < m->stack.num_layers; l++)
-        if (m->saved[l] == saved) return true;
+        if (m->saved[l] == saved || m->saved1[l] == saved) return true;
     return false;
 }
 
-MOERT_API moert_result moert_moe_backward(moert_layers *m, moert_saved *saved, const moert_tensor *dy, moert_tensor *dx,
-                                          const moert_backward_options *opts, moert_stream stream)
+/* The checks of a backward's arguments; *scale and *accumulate from opts. */
+static moert_result check_backward(moert_layers *m, const moert_saved *saved, const moert_tensor *dy,
+                                   const moert_tensor *dx, const moert_backward_options *opts, const char *fn,
+                                   double *scale, bool *accumulate)
 {
-    const char *fn = "moert_moe_backward";
     moert_result rc = MOERT_OK;
     if (!m) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layers is NULL", fn);
     if (!in_flight(m, saved))
@@ -998,24 +1086,46 @@ MOERT_API moert_result moert_moe_backward(moert_layers *m, moert_saved *saved, c
     if (opts && opts->struct_size < sizeof *opts)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: opts->struct_size %u, expected %zu", fn, opts->struct_size,
                            sizeof *opts);
-    double scale = opts ? opts->router_loss_scale : 1.0;
-    bool accumulate = opts ? opts->accumulate : true;
-    int layer = saved->layer;
-    moert_layer *L = &m->stack.layers[layer];
+    *scale = opts ? opts->router_loss_scale : 1.0;
+    *accumulate = opts ? opts->accumulate : true;
+    const moert_layer *L = &m->stack.layers[saved->layer];
     const int64_t shape[2] = {saved->tokens, L->info.hidden};
     if ((rc = check_tensor(fn, "dy", dy, L->info.dtype, m->device, 2, shape)) != MOERT_OK) return rc;
     if ((rc = check_tensor(fn, "dx", dx, L->info.dtype, m->device, 2, shape)) != MOERT_OK) return rc;
     if (dx->data == dy->data) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: dx may not be dy's memory", fn);
+    return MOERT_OK;
+}
+
+/* Before the backward of `layer` on `slot`: finished offload copies below give their buffers back, the layer below's
+ * offloaded activations (of the same slot) start coming back, and the gradients are zeroed unless accumulating. */
+static moert_result before_backward(moert_layers *m, int layer, int slot, bool accumulate)
+{
+    moert_result rc = MOERT_OK;
+    MOERT_CHECK(release_below(m, layer > 0 ? layer - 1 : 0));
+    if (layer > 0 && *saved_ref(m, layer - 1, slot))
+        MOERT_CHECK(moert_act_store_prefetch(&moert_overlap_layer(&m->overlap, layer - 1, slot)->acts));
+    if (!accumulate) MOERT_CHECK(moert_layer_zero_grad(&m->stack.layers[layer], true));
+fail:
+    return rc;
+}
+
+MOERT_API moert_result moert_moe_backward(moert_layers *m, moert_saved *saved, const moert_tensor *dy, moert_tensor *dx,
+                                          const moert_backward_options *opts, moert_stream stream)
+{
+    const char *fn = "moert_moe_backward";
+    double scale = 1.0;
+    bool accumulate = true;
+    moert_result rc = check_backward(m, saved, dy, dx, opts, fn, &scale, &accumulate);
+    if (rc != MOERT_OK) return rc;
+    const int layer = saved->layer, slot = saved->slot;
+    moert_layer *L = moert_overlap_layer(&m->overlap, layer, slot);
     /* the activations go with this call, whatever its outcome */
-    m->saved[layer] = NULL;
+    *saved_ref(m, layer, slot) = NULL;
     free(saved);
     MOERT_CHECK(enter(m, stream));
-    /* the layer below's offloaded activations come back while this layer's backward runs */
-    for (int below = 0; below + 1 < layer; below++)
-        MOERT_CHECK(moert_act_store_release_finished(&m->stack.layers[below].acts));
-    if (layer > 0 && m->saved[layer - 1]) MOERT_CHECK(moert_act_store_prefetch(&m->stack.layers[layer - 1].acts));
-    if (!accumulate) MOERT_CHECK(moert_layer_zero_grad(L, true));
-    MOERT_CHECK(moert_layer_backward(L, dy, dx, scale));
+    MOERT_CHECK(before_backward(m, layer, slot, accumulate));
+    MOERT_CHECK(moert_overlap_backward(&m->overlap, layer, slot, dy, dx, scale));
+    m->last_bwd_slot[layer] = (unsigned char)slot;
     if (L->capturing) m->graph_backward = true;
     MOERT_CHECK(leave(m, stream));
     return MOERT_OK;
@@ -1023,15 +1133,66 @@ fail:
     return release_after_failure(L, rc);
 }
 
+MOERT_API moert_result moert_moe_forward_backward(moert_layers *m, int layer, const moert_tensor *x, moert_tensor *y,
+                                                  moert_saved **saved, moert_moe_stats *stats, moert_saved *bwd_saved,
+                                                  const moert_tensor *dy, moert_tensor *dx,
+                                                  const moert_backward_options *opts, moert_stream stream)
+{
+    const char *fn = "moert_moe_forward_backward";
+    double scale = 1.0;
+    bool accumulate = true;
+    if (saved) *saved = NULL;
+    moert_result rc = check_backward(m, bwd_saved, dy, dx, opts, fn, &scale, &accumulate);
+    if (rc != MOERT_OK) return rc;
+    if ((rc = check_forward(m, layer, x, y, stats, fn)) != MOERT_OK) return rc;
+    if (!saved) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: saved is NULL (the forward is a training one)", fn);
+    const int bl = bwd_saved->layer, bslot = bwd_saved->slot;
+    /* a free slot of the forward's layer, the other slot than the backward's where it can (its own stream on CUDA) */
+    const int slot = free_slot(m, layer, bslot, fn);
+    if (slot < 0) return MOERT_ERR_INVALID_ARGUMENT;
+    moert_layer *F = moert_overlap_layer(&m->overlap, layer, slot), *B = moert_overlap_layer(&m->overlap, bl, bslot);
+    moert_saved *token = calloc(1, sizeof *token);
+    if (!token) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
+    *token = (moert_saved){.owner = m, .layer = layer, .slot = slot, .tokens = x->shape[0]};
+    *saved_ref(m, bl, bslot) = NULL;
+    free(bwd_saved);
+    MOERT_CHECK(enter(m, stream));
+    MOERT_CHECK(before_backward(m, bl, bslot, accumulate));
+    F->inference = false;
+    MOERT_CHECK(moert_overlap_forward_backward(&m->overlap, layer, slot, x, y, bl, bslot, dy, dx, scale));
+    m->last_slot[layer] = (unsigned char)slot;
+    m->last_bwd_slot[bl] = (unsigned char)bslot;
+    fill_stats(F, stats);
+    MOERT_CHECK(release_below(m, layer));
+    if (layer > 0)
+        MOERT_CHECK(moert_act_store_start_offloads(&moert_overlap_layer(&m->overlap, layer - 1, slot)->acts));
+    if (B->capturing) m->graph_backward = true;
+    MOERT_CHECK(leave(m, stream));
+    *saved_ref(m, layer, slot) = token;
+    *saved = token;
+    return MOERT_OK;
+fail:
+    free(token);
+    (void)moert_layer_release_saved(B);
+    return release_after_failure(F, rc);
+}
+
+MOERT_API bool moert_layers_overlap_interleave(moert_layers *m, bool interleave)
+{
+    if (!m) return false;
+    m->overlap.interleave = interleave && m->overlap.made;
+    return m->overlap.made;
+}
+
 MOERT_API moert_result moert_saved_tokens_per_expert(const moert_saved *saved, moert_tensor *dst, moert_stream stream)
 {
     const char *fn = "moert_saved_tokens_per_expert";
     moert_result rc = MOERT_OK;
-    if (!saved || !saved->owner || saved->owner->saved[saved->layer] != saved)
+    if (!saved || !saved->owner || !in_flight(saved->owner, saved))
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: saved is not a forward in flight", fn);
     if (saved->experts) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: saved is an experts forward's", fn);
     moert_layers *m = saved->owner;
-    moert_layer *L = &m->stack.layers[saved->layer];
+    moert_layer *L = moert_overlap_layer(&m->overlap, saved->layer, saved->slot);
     const int64_t shape[1] = {L->info.num_experts};
     MOERT_CHECK(
         check_tensor(fn, "dst", dst, MOERT_I64, dst && on_host(dst->device) ? dst->device : m->device, 1, shape));
@@ -1044,9 +1205,11 @@ MOERT_API void moert_saved_free(moert_saved *saved)
 {
     if (!saved) return;
     moert_layers *m = saved->owner;
-    if (m && saved->layer >= 0 && saved->layer < m->stack.num_layers && m->saved[saved->layer] == saved) {
-        m->saved[saved->layer] = NULL;
-        if (moert_layer_release_saved(&m->stack.layers[saved->layer]) != MOERT_OK) moert_error_clear();
+    if (m && saved->layer >= 0 && saved->layer < m->stack.num_layers && (saved->slot == 0 || saved->slot == 1) &&
+        *saved_ref(m, saved->layer, saved->slot) == saved) {
+        *saved_ref(m, saved->layer, saved->slot) = NULL;
+        if (moert_layer_release_saved(moert_overlap_layer(&m->overlap, saved->layer, saved->slot)) != MOERT_OK)
+            moert_error_clear();
     }
     free(saved);
 }
@@ -1063,7 +1226,8 @@ MOERT_API moert_result moert_layers_figures(moert_layers *m, int layer, moert_la
     if (!out || out->struct_size < v2_size)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: out is NULL or its struct_size is not %zu", fn,
                            sizeof *out);
-    moert_layer *L = &m->stack.layers[layer];
+    /* the slot whose backward ran last: with two slots, the micro-batch whose forward and backward are both done */
+    moert_layer *L = moert_overlap_layer(&m->overlap, layer, m->last_bwd_slot[layer]);
     MOERT_CHECK(moert_layer_collect_times(L));
     for (int i = 0; i < MOERT_LAYER_STAGES && i < MOERT_STAGE_COUNT; i++) out->stage_ms[i] = 1e3 * L->stage_seconds[i];
     for (int i = 0; i < MOERT_LAYER_BACKWARD_PARTS && i < MOERT_BWD_PART_COUNT; i++)
@@ -1502,7 +1666,7 @@ MOERT_API moert_result moert_layers_tokens_per_expert(moert_layers *m, int layer
     const char *fn = "moert_layers_tokens_per_expert";
     moert_result rc = check_layer(m, layer, fn);
     if (rc != MOERT_OK) return rc;
-    moert_layer *L = &m->stack.layers[layer];
+    moert_layer *L = moert_overlap_layer(&m->overlap, layer, m->last_slot[layer]);
     const int64_t shape[1] = {L->info.num_experts};
     MOERT_CHECK(
         check_tensor(fn, "dst", dst, MOERT_I64, dst && on_host(dst->device) ? dst->device : m->device, 1, shape));
@@ -1524,11 +1688,13 @@ MOERT_API moert_result moert_layers_spans(moert_layers *m, int layer, int origin
     if (rc != MOERT_OK) return rc;
     if (!count || (!out && capacity > 0))
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: out or count is NULL", fn);
-    moert_layer *L = &m->stack.layers[layer];
+    /* the slot whose backward of `layer` ran last: a micro-batch's forward and backward in one slot */
+    const int slot = m->last_bwd_slot[layer];
+    moert_layer *L = moert_overlap_layer(&m->overlap, layer, slot);
     moert_layer_span spans[MOERT_LAYER_MAX_SPANS];
     int n = 0;
     MOERT_CHECK(moert_layer_collect_times(L));
-    MOERT_CHECK(moert_layer_spans(L, &m->stack.layers[origin], spans, &n));
+    MOERT_CHECK(moert_layer_spans(L, moert_overlap_layer(&m->overlap, origin, slot), spans, &n));
     *count = n < capacity ? n : capacity;
     for (int i = 0; i < *count; i++)
         out[i] = (moert_span){

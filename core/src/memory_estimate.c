@@ -57,6 +57,14 @@ void moert_memory_estimate_config(const moert_config *cfg, int world, int device
      * and weights [E, 2H] in double precision */
     out->workspace =
         expert_rows * (3.0 * fl + h) * scratch + layers * (t * (4.0 * e + 2.0 * h) + 2.0 * e * h) * 8.0 + 8192.0;
+    /* $.parallel.overlap_micro_batches: two micro-batches in flight, and every layer's second slot (its own plugin
+     * instances, router state and dispatcher buffers) */
+    if (cfg->train.micro_batches >= 2 &&
+        moert_overlap_enabled(&cfg->parallel, (moert_device_type)device, world, cfg->train.micro_batches)) {
+        out->activations *= 2.0;
+        out->dispatcher *= 2.0;
+        out->workspace *= 2.0;
+    }
     out->per_rank =
         out->parameters + out->gradients + out->optimizer + out->activations + out->dispatcher + out->workspace;
     out->ranks_sharing = device == MOERT_DEVICE_CUDA ? 1 : world;

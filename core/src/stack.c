@@ -151,6 +151,7 @@ static moert_result shared_expert_init(moert_stack *s, const moert_stack_setup *
     info.first_local_expert = 0;
     info.topk = 1;
     info.ffn_hidden = L->shared_ffn;
+    if (setup->twin_of) info.twin = setup->twin_of->layers[l].shared_precision.ctx;
     moert_section *sec = moert_section_create(json_object_get(cfg->root, "precision"), "$.precision");
     MOERT_CHECK_ALLOC(sec);
     s->shared_sections[l] = sec;
@@ -174,12 +175,13 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
     char who[256];
 
     memset(s, 0, sizeof *s);
+    s->slot = setup->twin_of ? 1 : 0;
     MOERT_CHECK(expert_groups_init(s, setup));
     s->empty_options = json_object();
     MOERT_CHECK_ALLOC(s->empty_options);
     s->core_section = moert_section_create(s->empty_options, "$");
     MOERT_CHECK_ALLOC(s->core_section);
-    snprintf(who, sizeof who, "core (rank %d)", setup->rank);
+    snprintf(who, sizeof who, s->slot ? "core (rank %d, slot 1)" : "core (rank %d)", setup->rank);
     moert_host_setup core_setup = {.who = who,
                                    .options = s->core_section,
                                    .comm = setup->comm,
@@ -228,8 +230,8 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
             MOERT_CHECK_ALLOC(sec);
             s->sections[l * MOERT_SLOT_COUNT + k] = sec;
             moert_section_allow(sec, "plugin");
-            snprintf(who, sizeof who, "%s \"%s\" (layer %d, rank %d)", moert_kind_name(setup->plugins[k].kind),
-                     setup->plugins[k].header->name, l, setup->rank);
+            snprintf(who, sizeof who, "%s \"%s\" (layer %d, rank %d%s)", moert_kind_name(setup->plugins[k].kind),
+                     setup->plugins[k].header->name, l, setup->rank, s->slot ? ", slot 1" : "");
             moert_host_setup hs = host_setup_of(setup, L, who, sec);
             if (k == MOERT_SLOT_DISPATCHER) { /* the dispatcher works over the expert-parallel group alone */
                 hs.comm = s->group[MOERT_AXIS_EP];
@@ -241,7 +243,9 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
             moert_instance *inst = slot_instance(L, (moert_slot)k);
             inst->plugin = &setup->plugins[k];
             inst->host = s->hosts[l * MOERT_SLOT_COUNT + k];
-            MOERT_CHECK(moert_plugin_init(inst->plugin, &inst->ctx, inst->host, &L->info));
+            moert_layer_info info = L->info;
+            if (setup->twin_of) info.twin = slot_instance(&setup->twin_of->layers[l], (moert_slot)k)->ctx;
+            MOERT_CHECK(moert_plugin_init(inst->plugin, &inst->ctx, inst->host, &info));
             /* options are the same for every layer and rank: checking the first instance is enough */
             if (l == 0) MOERT_CHECK(moert_section_check_unknown(sec));
         }

@@ -22,9 +22,13 @@ typedef struct moert_stack_setup {
     struct moert_cuda_pool *pool; /* CUDA ranks (NULL on the CPU) */
     struct moert_nccl_comm *nccl; /* CUDA ranks */
     moert_stream stream;          /* CUDA ranks: the compute stream */
+    /* a second slot of every layer (core/src/overlap.h): the stack whose plugin instances this one's are twins of
+     * (moert_layer_info.twin); NULL for the first */
+    const struct moert_stack *twin_of;
 } moert_stack_setup;
 
 typedef struct moert_stack {
+    int slot; /* 0, or 1 for a second slot (twin_of) */
     int num_layers;
     json_t *empty_options;
     moert_section *core_section;

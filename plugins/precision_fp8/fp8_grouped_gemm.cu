@@ -420,7 +420,7 @@ done:
 extern "C" moert_result moert_fp8_cuda_end_step(moert_fp8_cuda *g, cudaStream_t stream)
 {
     const moert_host *host = g->host;
-    if (g->cfg.recipe == MOERT_FP8_CUDA_DELAYED && g->cfg.num_experts > 0) {
+    if (g->cfg.recipe == MOERT_FP8_CUDA_DELAYED && g->cfg.num_experts > 0 && g->delayed_owner == g) {
         const int64_t slots = 6 * g->cfg.num_experts;
         fp8_launch_end_step_kernel((unsigned)ceil_div(slots, 128), 128, stream, slots, g->cfg.num_experts,
                                    g->cfg.amax_history_len, (float *)g->history.p, (int32_t *)g->next.p,
@@ -452,7 +452,7 @@ extern "C" moert_result moert_fp8_cuda_delayed_scale(moert_fp8_cuda *g, cudaStre
         expert >= g->cfg.num_experts)
         return report(host, MOERT_ERR_INVALID_ARGUMENT, "fp8 cuda: no delayed slot (%d, %d, %lld)", (int)which, operand,
                       (long long)expert);
-    const float *src = (const float *)g->slot_scale.p + slot_base(g, which, operand) + expert;
+    const float *src = (const float *)g->delayed_owner->slot_scale.p + slot_base(g, which, operand) + expert;
     CUDA_CHECK(host, cudaMemcpyAsync(out, src, sizeof *out, cudaMemcpyDeviceToHost, stream));
     CUDA_CHECK(host, cudaStreamSynchronize(stream));
     return MOERT_OK;

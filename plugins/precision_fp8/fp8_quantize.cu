@@ -123,10 +123,10 @@ static moert_result quantize_activation_t(moert_fp8_cuda *g, cudaStream_t stream
     int *rec_seen = NULL;
     if (delayed) {
         const int64_t base = slot_base(g, gm->which, operand);
-        rec_amax = (uint32_t *)g->slot_amax.p + base;
-        rec_seen = (int *)g->slot_seen.p + base;
+        rec_amax = (uint32_t *)g->delayed_owner->slot_amax.p + base;
+        rec_seen = (int *)g->delayed_owner->slot_seen.p + base;
         fp8_launch_scales_kernel((unsigned)ceil_div(E, 128), 128, stream, E, NULL,
-                                 (const float *)g->slot_scale.p + base, fmax, 0, (float *)tg->scale->p,
+                                 (const float *)g->delayed_owner->slot_scale.p + base, fmax, 0, (float *)tg->scale->p,
                                  (float *)tg->inv->p);
         LAUNCH_CHECK(host, "scales_kernel");
     }
@@ -259,7 +259,7 @@ static moert_result weight_scales_t(moert_fp8_cuda *g, cudaStream_t stream, int 
         LAUNCH_CHECK(host, "amax_kernel");
     }
     const float *slot = g->cfg.recipe == MOERT_FP8_CUDA_DELAYED
-                            ? (const float *)g->slot_scale.p + slot_base(g, which, OP_WEIGHT)
+                            ? (const float *)g->delayed_owner->slot_scale.p + slot_base(g, which, OP_WEIGHT)
                             : NULL;
     if (E > 0) {
         fp8_launch_scales_kernel((unsigned)ceil_div(E, 128), 128, stream, E, (const uint32_t *)c->amax.p, slot, fmax,
@@ -393,8 +393,9 @@ moert_result fp8_cuda_note_weight(moert_fp8_cuda *g, cudaStream_t stream, int wh
         memset(&t, 0, sizeof t);
         t.count = (int32_t)count;
         for (int64_t j = 0; j < count; j++) t.expert[j] = g->active[first + j];
-        fp8_launch_note_kernel(1, TABLE_MAX, stream, t, (const uint32_t *)c->amax.p, (uint32_t *)g->slot_amax.p + base,
-                               (int *)g->slot_seen.p + base);
+        fp8_launch_note_kernel(1, TABLE_MAX, stream, t, (const uint32_t *)c->amax.p,
+                               (uint32_t *)g->delayed_owner->slot_amax.p + base,
+                               (int *)g->delayed_owner->slot_seen.p + base);
         LAUNCH_CHECK(g->host, "note_kernel");
     }
     return MOERT_OK;

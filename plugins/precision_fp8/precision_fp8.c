@@ -28,6 +28,7 @@ typedef struct fp8_ctx {
     moert_layer_info layer;
     fp8_settings settings;
     fp8_delayed_state delayed; /* delayed recipe on the CPU only (the CUDA path keeps its histories on the device) */
+    struct fp8_ctx *owner;     /* whose delayed state this instance uses: itself, or its slot-0 twin */
     fp8_scratch scratch;
     bool on_cuda;               /* the layer is on a CUDA device: the CUDA path serves it */
     int gemm_streams;           /* option: streams of the CUDA per-expert loop */
@@ -319,6 +320,8 @@ static moert_result fp8_init(void **out, const moert_host *host, const moert_lay
         return MOERT_ERR_OUT_OF_MEMORY;
     }
     c->host = host;
+    /* a second slot's instance (moert_layer_info.twin): the delayed recipe's histories are its slot-0 twin's */
+    c->owner = MOERT_LAYER_INFO_HAS_TWIN(layer) && layer->twin ? (struct fp8_ctx *)layer->twin : c;
     c->layer = *layer;
     c->settings = settings;
     c->on_cuda = layer->device.type == MOERT_DEVICE_CUDA;
@@ -340,6 +343,7 @@ static moert_result fp8_init(void **out, const moert_host *host, const moert_lay
             fp8_finalize(c);
             return rc;
         }
+        if (c->owner != c && c->owner->gemm && c->gemm) moert_fp8_cuda_share_delayed(c->gemm, c->owner->gemm);
     }
 #endif
     host->log(host, MOERT_LOG_DEBUG,
@@ -499,7 +503,7 @@ static moert_result fp8_grouped_gemm(void *ctx, moert_stream stream, const moert
     if (args->pass == MOERT_GEMM_WGRAD && !c->fp8_wgrad) /* the bf16 plugin's reference for the storage dtype */
         rc = bf16_cpu_grouped_gemm(args, &shape, bf16_mode_for_dtype(c->layer.dtype), &c->wgrad_scratch);
     else
-        rc = fp8_cpu_grouped_gemm(args, &shape, &c->settings, &c->delayed, &c->scratch);
+        rc = fp8_cpu_grouped_gemm(args, &shape, &c->settings, &c->owner->delayed, &c->scratch);
     if (rc != MOERT_OK) return fail(c, rc, "%s: out of memory for the GEMM's work buffers", call);
     return MOERT_OK;
 }
@@ -514,7 +518,7 @@ static moert_result fp8_end_step(void *ctx, moert_stream stream)
     if (c->on_cuda) return moert_fp8_cuda_end_step(c->gemm, (cudaStream_t)stream);
 #endif
     (void)stream;
-    if (c->settings.recipe == FP8_RECIPE_DELAYED) fp8_delayed_end_step(&c->delayed, &c->settings);
+    if (c->settings.recipe == FP8_RECIPE_DELAYED && c->owner == c) fp8_delayed_end_step(&c->delayed, &c->settings);
     return MOERT_OK;
 }
 

@@ -167,6 +167,7 @@ extern "C" moert_result moert_fp8_cuda_create(const moert_host *host, moert_devi
     moert_fp8_cuda *g = (moert_fp8_cuda *)calloc(1, sizeof *g);
     if (!g) return report(host, MOERT_ERR_OUT_OF_MEMORY, "fp8 cuda: out of host memory for the handle");
     g->host = host;
+    g->delayed_owner = g;
     g->block_tuning = moert_fp8_block_tuning_default();
     g->device = device;
     g->cfg = *cfg;
@@ -292,3 +293,8 @@ extern "C" void moert_fp8_cuda_get_stats(const moert_fp8_cuda *g, moert_fp8_cuda
 
 /* The last GEMM's quantized operands, for tests (see the header). */
 extern "C" void moert_fp8_cuda_last_operands(const moert_fp8_cuda *g, moert_fp8_cuda_operands *out) { *out = g->last; }
+
+extern "C" void moert_fp8_cuda_share_delayed(moert_fp8_cuda *g, moert_fp8_cuda *owner)
+{
+    g->delayed_owner = owner ? owner : g;
+}

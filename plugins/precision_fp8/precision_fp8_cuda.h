@@ -82,6 +82,9 @@ typedef struct moert_fp8_cuda moert_fp8_cuda;
 moert_result moert_fp8_cuda_create(const moert_host *host, moert_device device, const moert_fp8_cuda_config *cfg,
                                    moert_fp8_cuda **out);
 void moert_fp8_cuda_destroy(moert_fp8_cuda *g);
+/* A second slot's handle (moert_layer_info.twin): the delayed recipe's scales, step amaxes and histories are then
+ * owner's, so both slots record into and scale from the same ones; end_step updates them on owner only. */
+void moert_fp8_cuda_share_delayed(moert_fp8_cuda *g, moert_fp8_cuda *owner);
 
 /*
  * Asks cuBLASLt (its heuristic, no GPU work) for every matmul the recipe needs on a layer of these sizes (fc1 and

@@ -153,6 +153,8 @@ struct moert_fp8_cuda {
     weight_cache weights[2];
     /* delayed recipe (slots [which][operand][expert]) */
     dev_buf slot_scale, slot_amax, slot_seen, history, next, filled;
+    /* the handle whose delayed slots this one uses: itself, or its slot-0 twin's (moert_fp8_cuda_share_delayed) */
+    struct moert_fp8_cuda *delayed_owner;
     /* host scratch, [E] each */
     int64_t *row0, *rows16, *prow0, *a_off, *b_off, *a_soff, *b_soff;
     int32_t *active; /* non-empty experts */

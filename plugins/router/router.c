@@ -80,6 +80,10 @@ typedef struct router_ctx {
     /* global_aux_loss: all-reduced counts summed over the forwards since the last end_step */
     double *global_counts; /* [E] */
     int64_t global_forwards;
+
+    /* the instance whose step state (forward_calls, the bias and its counts, the global counts) this one uses: itself,
+     * or its slot-0 twin (moert_layer_info.twin) */
+    struct router_ctx *owner;
 } router_ctx;
 
 /* "cpu", "cuda:1", ... for messages. */
@@ -398,6 +402,7 @@ static moert_result router_init(void **ctx, const moert_host *host, const moert_
     }
     c->host = host;
     c->device = layer->device;
+    c->owner = MOERT_LAYER_INFO_HAS_TWIN(layer) && layer->twin ? (router_ctx *)layer->twin : c;
     c->hidden = layer->hidden;
     c->num_experts = layer->num_experts;
     c->topk = layer->topk;
@@ -420,7 +425,8 @@ static moert_result router_init(void **ctx, const moert_host *host, const moert_
                                  .jitter_eps = c->jitter_eps,
                                  .jitter_key = c->jitter_key,
                                  .force_balance = c->force_balance,
-                                 .random_logits_key = c->random_logits_key};
+                                 .random_logits_key = c->random_logits_key,
+                                 .twin = c->owner != c ? c->owner->gpu : NULL};
         rc = router_gpu_create(host, layer, &cfg, &c->gpu);
         if (rc != MOERT_OK) {
             free(c);
@@ -609,10 +615,11 @@ static moert_result compute_losses(router_ctx *c, int64_t T, int64_t seq_length,
             c->counts[E] = T;
             moert_result rc = h->allreduce_sum(h, c->counts, (size_t)(E + 1), MOERT_I64, moert_cpu(), NULL);
             if (rc != MOERT_OK) return rc;
-            c->global_forwards++;
+            router_ctx *o = c->owner;
+            o->global_forwards++;
             for (int64_t e = 0; e < E; e++) {
-                c->global_counts[e] += (double)c->counts[e];
-                c->aux_f[e] = c->global_counts[e] / (double)c->global_forwards;
+                o->global_counts[e] += (double)c->counts[e];
+                c->aux_f[e] = o->global_counts[e] / (double)o->global_forwards;
             }
             double total_tokens = (double)c->counts[E];
             if (total_tokens > 0) A = c->aux_loss_coeff * (double)E / ((double)K * total_tokens * total_tokens);
@@ -660,7 +667,7 @@ static moert_result router_forward(void *ctx, moert_stream stream, const moert_r
     }
     /* the noise of this forward (jitter, random logits) is that of call number `call`, on either path; an inference
      * forward draws no jitter */
-    const uint64_t call = c->forward_calls++;
+    const uint64_t call = c->owner->forward_calls++;
     c->fwd_call = call;
     const bool inference = a->struct_size >= offsetof(moert_router_forward_args, flags) + sizeof a->flags &&
                            (a->flags & MOERT_ROUTER_FORWARD_INFERENCE);
@@ -693,8 +700,8 @@ static moert_result router_forward(void *ctx, moert_stream stream, const moert_r
 
     router_scratch scratch = {c->route_scratch, c->bytes};
     if (T > 0) {
-        int64_t iters = router_cpu_route(&c->params, c->logits, c->use_expert_bias ? c->expert_bias : NULL, T, &scratch,
-                                         c->sel_idx, c->probs);
+        int64_t iters = router_cpu_route(&c->params, c->logits, c->use_expert_bias ? c->owner->expert_bias : NULL, T,
+                                         &scratch, c->sel_idx, c->probs);
         if (iters < 0) h->log(h, MOERT_LOG_WARN, "router '%s': sinkhorn did not converge", ROUTER_NAME);
     }
 
@@ -725,7 +732,7 @@ static moert_result router_forward(void *ctx, moert_stream stream, const moert_r
     for (int64_t e = 0; e < E; e++) tpe[e] = c->params.pad_to_capacity ? cap : kept_counts[e];
     /* the bias follows the tokens really routed, never the padding */
     if (c->use_expert_bias)
-        for (int64_t e = 0; e < E; e++) c->bias_counts[e] += kept_counts[e];
+        for (int64_t e = 0; e < E; e++) c->owner->bias_counts[e] += kept_counts[e];
 
     if ((rc = compute_losses(c, T, seq_length, a->losses)) != MOERT_OK) return rc;
 
@@ -802,6 +809,7 @@ static moert_result router_end_step(void *ctx, moert_stream stream)
     router_ctx *c = ctx;
     const moert_host *h = c->host;
     int64_t E = c->num_experts;
+    if (c->owner != c) return MOERT_OK; /* a twin: its slot-0 instance owns the step state */
 #ifdef MOERT_HAVE_CUDA
     if (c->gpu) return router_gpu_end_step(c->gpu, stream);
 #endif
@@ -833,6 +841,7 @@ static const moert_tensor *router_expert_bias(void *ctx)
 #ifdef MOERT_HAVE_CUDA
     if (c->gpu) return router_gpu_expert_bias(c->gpu);
 #endif
+    c = c->owner;
     return c->use_expert_bias ? &c->bias_tensor : NULL;
 }
 

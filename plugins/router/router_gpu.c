@@ -136,6 +136,9 @@ struct router_gpu {
     int64_t cap_tokens;
     int64_t *kept_host; /* pinned [E] */
 
+    /* the instance owning the step state (global_sum, global_forwards, bias, bias_counts): itself or its twin */
+    struct router_gpu *owner;
+
     /* sinkhorn: exp(logits) [T*E] fp64, d0 [T], d1 [E], the rounds taken */
     double *sk_c, *sk_d0, *sk_d1;
     int *sk_iters;
@@ -582,6 +585,7 @@ moert_result router_gpu_create(const moert_host *host, const moert_layer_info *l
     }
     g->host = host;
     g->cfg = *cfg;
+    g->owner = cfg->twin ? cfg->twin : g;
     g->device = layer->device;
     g->hidden = layer->hidden;
     g->num_experts = layer->num_experts;
@@ -731,10 +735,10 @@ static moert_result forward_aux(router_gpu *g, cudaStream_t stream, int64_t T, i
         GPU_TRY(moert_router_cuda_aux_counts(g->host, stream, &lp, g->logits, g->aux_counts));
         if (g->world_size > 1)
             GPU_TRY(g->host->allreduce_sum(g->host, g->aux_counts, (size_t)(E + 1), MOERT_I64, g->device, stream));
-        g->global_forwards++;
-        GPU_TRY(moert_router_cuda_aux_finish(g->host, stream, E, g->aux_counts, g->global_sum,
-                                             (double)g->global_forwards, g->cfg.aux_loss_coeff * (double)E / (double)K,
-                                             g->aux_f, g->aux_scale));
+        g->owner->global_forwards++;
+        GPU_TRY(moert_router_cuda_aux_finish(g->host, stream, E, g->aux_counts, g->owner->global_sum,
+                                             (double)g->owner->global_forwards,
+                                             g->cfg.aux_loss_coeff * (double)E / (double)K, g->aux_f, g->aux_scale));
     } else if (T > 0) {
         int64_t B = T / S;
         double A = g->cfg.aux_loss_coeff * (double)E / ((double)K * (double)S * (double)S * (double)B);
@@ -843,8 +847,8 @@ static moert_result forward_route(router_gpu *g, cudaStream_t stream, const moer
     }
     int64_t *tpe = a->tokens_per_expert->data;
     float *probs = (float *)a->topk_probs->data;
-    GPU_TRY(moert_router_cuda_forward_ext(h, stream, &rp, &ext, g->logits, g->cfg.use_expert_bias ? g->bias : NULL,
-                                          g->sel_idx, probs, tpe, NULL));
+    GPU_TRY(moert_router_cuda_forward_ext(
+        h, stream, &rp, &ext, g->logits, g->cfg.use_expert_bias ? g->owner->bias : NULL, g->sel_idx, probs, tpe, NULL));
     if (T == 0) return MOERT_OK;
     const int32_t *out = g->sel_idx;
     if (g->capacity) {
@@ -890,8 +894,8 @@ moert_result router_gpu_forward(router_gpu *g, moert_stream s, const moert_route
     GPU_TRY(forward_route(g, stream, a, T));
     /* the bias follows the copies really kept, never the padding */
     if (g->cfg.use_expert_bias)
-        GPU_TRY(
-            moert_router_cuda_add_counts(h, stream, E, g->capacity && T > 0 ? g->kept_counts : tpe, g->bias_counts));
+        GPU_TRY(moert_router_cuda_add_counts(h, stream, E, g->capacity && T > 0 ? g->kept_counts : tpe,
+                                             g->owner->bias_counts));
 
     /* losses */
     moert_router_losses *losses = a->losses;
@@ -1015,6 +1019,7 @@ moert_result router_gpu_end_step(router_gpu *g, moert_stream s)
     cudaStream_t stream = (cudaStream_t)s;
     const moert_host *h = g->host;
     int64_t E = g->num_experts;
+    if (g->owner != g) return MOERT_OK; /* a twin: the slot-0 instance owns the step state */
     if (g->cfg.use_expert_bias) {
         if (g->world_size > 1) GPU_TRY(h->allreduce_sum(h, g->bias_counts, (size_t)E, MOERT_I64, g->device, stream));
         GPU_TRY(moert_router_cuda_bias_update(h, stream, E, g->bias_counts, g->cfg.bias_update_rate, g->bias));
@@ -1024,4 +1029,7 @@ moert_result router_gpu_end_step(router_gpu *g, moert_stream s)
     return MOERT_OK;
 }
 
-const moert_tensor *router_gpu_expert_bias(router_gpu *g) { return g->cfg.use_expert_bias ? &g->bias_tensor : NULL; }
+const moert_tensor *router_gpu_expert_bias(router_gpu *g)
+{
+    return g->cfg.use_expert_bias ? &g->owner->bias_tensor : NULL;
+}

@@ -37,6 +37,8 @@ typedef struct router_gpu_config {
     uint64_t jitter_key;
     bool force_balance; /* force_load_balancing with the key of its random logits */
     uint64_t random_logits_key;
+    /* the slot-0 instance's state whose bias, bias counts and global counts this one uses (NULL: its own) */
+    struct router_gpu *twin;
 } router_gpu_config;
 
 /* Creates the CUDA state on layer->device: refuses (MOERT_ERR_UNSUPPORTED, naming the option) what runs on

@@ -154,6 +154,8 @@ _PROTOTYPES = {
     "moert_layers_set_expert_bias": (_R, [_P, ctypes.c_int, _T, _P]),
     "moert_moe_forward": (_R, [_P, ctypes.c_int, _T, _T, _P, _PP, ctypes.POINTER(MoeStats)]),
     "moert_moe_backward": (_R, [_P, _P, _T, _T, ctypes.POINTER(BackwardOptions), _P]),
+    "moert_moe_forward_backward": (_R, [_P, ctypes.c_int, _T, _T, _PP, ctypes.POINTER(MoeStats), _P, _T, _T,
+                                        ctypes.POINTER(BackwardOptions), _P]),
     "moert_saved_tokens_per_expert": (_R, [_P, _T, _P]),
     "moert_saved_free": (None, [_P]),
     "moert_layers_figures": (_R, [_P, ctypes.c_int, ctypes.POINTER(LayerFigures)]),
@@ -175,7 +177,8 @@ _PROTOTYPES = {
 
 # appended to the API after its first version: used where present
 _OPTIONAL = {"moert_layers_figures", "moert_layer_stage_name", "moert_layer_backward_part_name",
-             "moert_layer_activation_name", "moert_experts_forward", "moert_experts_backward"}
+             "moert_layer_activation_name", "moert_experts_forward", "moert_experts_backward",
+             "moert_moe_forward_backward"}
 
 
 def package_lib_dir():

@@ -45,6 +45,10 @@ expect_refused() {
 "$moert" config --from-megatron --args-file "$fx/deepseek-v3.args" --moe-shared-expert-overlap >"$tmp/overlap.json" ||
     fail "--moe-shared-expert-overlap refused"
 grep -q '"shared_expert_overlap": true' "$tmp/overlap.json" || fail "--moe-shared-expert-overlap not mapped"
+"$moert" config --from-megatron --args-file "$fx/deepseek-v3.args" --overlap-moe-expert-parallel-comm \
+    --delay-wgrad-compute >"$tmp/ep-overlap.json" || fail "--overlap-moe-expert-parallel-comm refused"
+grep -q '"overlap_micro_batches": "on"' "$tmp/ep-overlap.json" || fail "--overlap-moe-expert-parallel-comm not mapped"
+grep -q '"overlap_wgrad": true' "$tmp/ep-overlap.json" || fail "--delay-wgrad-compute not mapped"
 base=(--num-experts 8 --hidden-size 64 --moe-ffn-hidden-size 32 --moe-token-dispatcher-type alltoall)
 expect_refused unknown_moe "--moe-foo: an MoE flag moert does not know how to map" "${base[@]}" --moe-foo 1
 expect_refused unknown "--bar: not a flag moert knows" "${base[@]}" --bar

@@ -3,7 +3,7 @@
 # `moert run --trace FILE`: a Chrome trace of every rank's stage spans. Checks that it is valid JSON with, for each rank,
 # every forward stage and backward part of every layer in every micro-batch of every step, in order on the compute
 # stream (no two spans of one rank's compute stream overlap, each layer's stages follow each other), and that the
-# trace's path is checked before the run like --report's.
+# trace's path is checked before the run like --report's; and with micro-batch overlap, slot 1's streams.
 # Usage: test_trace.sh PATH/TO/moert
 set -u
 moert="$(cd "$(dirname "$1")" && pwd)/$(basename "$1")"
@@ -42,6 +42,31 @@ for (pid, tid), stream in names.items():  # one rank's compute stream runs one s
         for a, b in zip(es, es[1:]):
             assert a["ts"] + a["dur"] <= b["ts"] + 1.0, (a, b)
 print("trace ok: %d spans" % len(spans))
+PY
+# micro-batch overlap ($.parallel.overlap_micro_batches): slot 1's micro-batches on the streams "compute.1" (and
+# "wgrad.1"); every micro-batch's spans are there, and each compute stream runs one span at a time
+run traced_overlap 0 run c.json --trace to.json --quiet --set train.micro_batches=3 \
+    --set 'parallel.overlap_micro_batches="on"'
+python3 - "$tmp/to.json" <<'PY' || fail "overlap trace content"
+import collections, json, sys
+d = json.load(open(sys.argv[1]))
+spans = [e for e in d["traceEvents"] if e["ph"] == "X"]
+names = {(e["pid"], e["tid"]): e["args"]["name"] for e in d["traceEvents"] if e["name"] == "thread_name"}
+assert {"compute", "compute.1"} <= set(names.values()), names
+per = collections.defaultdict(list)
+for e in spans:
+    per[(e["pid"], e["args"]["step"], e["args"]["micro_batch"], e["args"]["layer"])].append(e)
+keys = {(r, s, m, l) for r in (0, 1) for s in (1, 2, 3) for m in (0, 1, 2) for l in (0, 1)}
+assert set(per) == keys, sorted(set(per) ^ keys)
+for k, es in per.items():
+    want = "compute.1" if k[2] % 2 else "compute"
+    assert {names[(e["pid"], e["tid"])] for e in es} <= {want, want.replace("compute", "wgrad")}, (k, want)
+for (pid, tid), stream in names.items():
+    es = sorted((e for e in spans if e["pid"] == pid and e["tid"] == tid), key=lambda e: e["ts"])
+    if stream.startswith("compute"):
+        for a, b in zip(es, es[1:]):
+            assert a["ts"] + a["dur"] <= b["ts"] + 1.0, (a, b)
+print("overlap trace ok: %d spans" % len(spans))
 PY
 # drawn without a browser (matplotlib, which CI installs)
 src="${MOERT_TEST_SOURCE_ROOT:-$(cd "$(dirname "$0")/../.." && pwd)}"

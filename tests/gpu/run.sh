@@ -30,7 +30,7 @@ run_test() {
   record "$name" "$status" "rc $rc, $((SECONDS - start)) s, log $name.log"
   [ $status = FAIL ] && tail -25 "$OUT/$name.log"
 }
-for t in test_gpu_layers_api test_kernels test_gpu_smoke test_gpu_router test_gpu_plugins test_gpu_memory test_fp8_convert test_gpu_deepep test_gpu_fp8 test_gpu_graph test_gpu_allgather test_gpu_hierarchical; do
+for t in test_gpu_layers_api test_kernels test_gpu_smoke test_gpu_router test_gpu_plugins test_gpu_memory test_fp8_convert test_gpu_deepep test_gpu_fp8 test_gpu_graph test_gpu_overlap test_gpu_allgather test_gpu_hierarchical; do
   [ -x "$BUILD/tests/$t" ] && run_test "$t" "$BUILD/tests/$t"
 done
 # the "hybridep" dispatcher's CUDA path against its CPU path

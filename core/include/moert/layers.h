@@ -28,7 +28,8 @@ extern "C" {
  * training loop around the layers needs (docs/api.md, "moert's own trainer"): moert_launch.flags (the residual),
  * moert_layers_info.stream, moert_layer_figures.device_pool_calls, the launcher's communicator, moert_comm_fail,
  * memory from the layers' pool, collectives over the layers' groups, the offload boundary, tokens per expert of the
- * last forward, trace spans, CUDA graph capture, and in moert.h moert_config_memory_estimate and
+ * last forward, trace spans, CUDA graph capture, two forwards in flight per layer with
+ * $.parallel.overlap_micro_batches and moert_moe_forward_backward, and in moert.h moert_config_memory_estimate and
  * moert_plugin_description.agreement_rtol. */
 #define MOERT_API_VERSION 6
 MOERT_API int moert_api_version(void);
@@ -116,6 +117,10 @@ typedef struct moert_launch {
     int32_t expert_data_parallel;
     /* API version 6: MOERT_LAUNCH_* bits (0: none). */
     uint32_t flags;
+    /* API version 6: the micro-batches the caller runs per optimizer step, when it knows them (0: unknown). With
+     * $.parallel.overlap_micro_batches "auto", the layers make the second slot of moert_moe_forward_backward when
+     * this is >= 2, the layers are on GPUs and the world has more than one rank, as moert run does. */
+    int32_t micro_batches;
 } moert_launch;
 
 /* The layers are residual blocks: moert_moe_forward gives y = x + MoE(x) (the shared expert's output added last), and
@@ -203,8 +208,11 @@ MOERT_API moert_result moert_layers_set_expert_bias(moert_layers *layers, int la
 /* ---- forward and backward ---- */
 
 /* One micro-batch's saved activations of one layer, from its forward to its backward. The memory policy decides
- * which of them stay on the device, are recomputed, or are offloaded. One is in flight per layer at a time (the
- * plugin ABI keeps one forward in flight per instance): forward again only after its backward or moert_saved_free. */
+ * which of them stay on the device, are recomputed, or are offloaded. The plugin ABI keeps one forward in flight per
+ * instance, so one is in flight per layer at a time: forward again only after its backward or moert_saved_free. With
+ * $.parallel.overlap_micro_batches "on" ("auto" is off here: the layers do not know the micro-batches) each layer has a
+ * second instance of every plugin (a second slot; parameters and gradients are shared), and two may be in flight per
+ * layer (API version 6). */
 typedef struct moert_saved moert_saved;
 
 /* What one forward produced besides y (host values, valid once moert_moe_forward returned). */
@@ -242,6 +250,27 @@ typedef struct moert_backward_options {
 MOERT_API moert_result moert_moe_backward(moert_layers *layers, moert_saved *saved, const moert_tensor *dy,
                                           moert_tensor *dx, const moert_backward_options *opts, moert_stream stream);
 
+/*
+ * API version 6: the forward of one micro-batch on `layer` and the backward of another (bwd_saved, of any layer)
+ * together, as a 1F1B schedule merges them (Megatron's --overlap-moe-expert-parallel-comm). The results are those of
+ * moert_moe_forward(layer, x, y, saved, stats) followed by moert_moe_backward(bwd_saved, dy, dx, opts), bit for bit:
+ * the gradients accumulate in the same order. On CUDA, with $.parallel.overlap_micro_batches on, the two run on the
+ * layer slots' two streams, their stages issued in turn, so each one's all-to-all runs while the other computes, and
+ * the backward's weight gradients run after its dgrad path on its wgrad stream ($.parallel.overlap_wgrad), filling
+ * the gaps; both are ordered after `stream` on entry and `stream` waits for both on return. On the CPU, or without the
+ * second slot, they run one after the other. The forward takes a free slot of `layer` (the one the backward does not
+ * hold, when it can); saved must not be NULL. Collective. docs/api.md shows a 1F1B loop.
+ */
+MOERT_API moert_result moert_moe_forward_backward(moert_layers *layers, int layer, const moert_tensor *x,
+                                                  moert_tensor *y, moert_saved **saved, moert_moe_stats *stats,
+                                                  moert_saved *bwd_saved, const moert_tensor *dy, moert_tensor *dx,
+                                                  const moert_backward_options *opts, moert_stream stream);
+
+/* API version 6: whether the layers hold a second slot per layer ($.parallel.overlap_micro_batches), and on the CPU,
+ * where moert_moe_forward_backward runs one half then the other, interleave true issues their stages in turn as on
+ * CUDA (tests: the results must not change). */
+MOERT_API bool moert_layers_overlap_interleave(moert_layers *layers, bool interleave);
+
 /* Tokens this rank routed to each expert in the forward that made saved ([E] int64, over all experts), copied into
  * dst (host or the layers' device), ordered on stream. */
 MOERT_API moert_result moert_saved_tokens_per_expert(const moert_saved *saved, moert_tensor *dst, moert_stream stream);
@@ -274,7 +303,7 @@ typedef struct moert_layer_figures {
     int64_t device_pool_calls;
 } moert_layer_figures;
 
-/* Fills out for `layer` from its last forward and backward (waits for that work on GPUs). */
+/* Fills out for `layer` from its last backward and the forward that made it (waits for that work on GPUs). */
 MOERT_API moert_result moert_layers_figures(moert_layers *layers, int layer, moert_layer_figures *out);
 /* Names of the stages, backward parts and activations above ("router", "fc2_wgrad", "fc1_out"); NULL out of range.
  * Activations MOERT_LAYER_ACTIVATIONS and the one after it are the shared expert's ("shared_fc1_out", "shared_act"). */

@@ -116,7 +116,16 @@ typedef struct moert_layer_info {
     int64_t max_tokens;  /* T: tokens per rank per step, an upper bound */
     moert_dtype dtype;   /* activation storage dtype */
     moert_device device; /* where this rank's tensors live */
+    /* appended (check struct_size): with $.parallel.overlap_micro_batches a layer has a second instance of each plugin
+     * (slot 1) so that two micro-batches' forwards can be in flight; `twin` is then the ctx of the slot-0 instance of
+     * the same plugin and layer (NULL for slot 0). Per-forward state stays per instance; state a forward carries over
+     * to later forwards of the step (token counts, an expert bias, a noise counter) should be the twin's, so both
+     * slots see the forwards in the order they ran. The core calls end_step on slot 0's router only. */
+    void *twin;
 } moert_layer_info;
+
+/* Whether a moert_layer_info has `twin` (an older core passes a shorter struct). */
+#define MOERT_LAYER_INFO_HAS_TWIN(info) ((info)->struct_size >= offsetof(moert_layer_info, twin) + sizeof(void *))
 
 typedef struct moert_host moert_host;
 

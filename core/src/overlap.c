@@ -1,0 +1,297 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Micro-batch overlap: slot 1 of every layer and the merged forward and backward (overlap.h). */
+#include "overlap.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "error.h"
+#include "host.h"
+#ifdef MOERT_HAVE_CUDA
+#include "cuda/device.h"
+#endif
+
+static moert_result host_error(const moert_host *h, moert_result rc, const char *what)
+{
+    return moert_error(rc, "micro-batch overlap: %s: %s", what, moert_host_take_error((moert_host *)h));
+}
+
+moert_result moert_overlap_init(moert_overlap *o, moert_stack *primary, const moert_stack_setup *setup)
+{
+    moert_result rc = MOERT_OK;
+    memset(o, 0, sizeof *o);
+    o->primary = primary;
+    moert_stack_setup twin = *setup;
+    twin.twin_of = primary;
+#ifdef MOERT_HAVE_CUDA
+    if (setup->device.type == MOERT_DEVICE_CUDA) {
+        const moert_host *h = primary->core_host;
+        /* as high a priority as the rank's compute stream: the two micro-batches' work is equal */
+        MOERT_CHECK(moert_cuda_stream_create_high_priority(setup->device.id, &o->stream));
+        if ((rc = h->event_create(h, &o->fork_event)) != MOERT_OK) {
+            rc = host_error(h, rc, "creating its events");
+            goto fail;
+        }
+        if ((rc = h->event_create(h, &o->join_event)) != MOERT_OK) {
+            rc = host_error(h, rc, "creating its events");
+            goto fail;
+        }
+        twin.stream = o->stream;
+        o->interleave = true;
+    }
+#endif
+    o->made = true;
+    MOERT_CHECK(moert_stack_init(&o->twin, &twin));
+fail:
+    return rc;
+}
+
+void moert_overlap_finalize(moert_overlap *o)
+{
+    if (!o->made) return;
+    const moert_host *h = o->primary->core_host;
+    /* the parameters are slot 0's: the twin's layers only borrowed them */
+    for (int l = 0; o->twin.layers && l < o->twin.num_layers; l++)
+        memset(o->twin.layers[l].params, 0, sizeof o->twin.layers[l].params);
+    moert_stack_finalize(&o->twin);
+    if (o->fork_event) h->event_destroy(h, o->fork_event);
+    if (o->join_event) h->event_destroy(h, o->join_event);
+#ifdef MOERT_HAVE_CUDA
+    if (o->stream) {
+        if (moert_cuda_stream_synchronize(o->stream) != MOERT_OK) moert_error_clear();
+        moert_cuda_stream_destroy(o->stream);
+    }
+#endif
+    memset(o, 0, sizeof *o);
+}
+
+moert_layer *moert_overlap_layer(moert_overlap *o, int l, int slot)
+{
+    moert_layer *P = &o->primary->layers[l];
+    if (slot == 0 || !o->made) return P;
+    moert_layer *T = &o->twin.layers[l];
+    memcpy(T->params, P->params, sizeof T->params);
+    T->params_borrowed = true;
+    T->no_residual = P->no_residual;
+    memcpy(T->grad_unwritten, P->grad_unwritten, sizeof T->grad_unwritten);
+    memcpy(T->shared_grad_unwritten, P->shared_grad_unwritten, sizeof T->shared_grad_unwritten);
+    return T;
+}
+
+/* After a backward on slot 1: its WGRADs' lazy zeroing state is slot 0's again. */
+static void sync_back(moert_overlap *o, int l, int slot)
+{
+    if (slot == 0 || !o->made) return;
+    moert_layer *P = &o->primary->layers[l], *T = &o->twin.layers[l];
+    memcpy(P->grad_unwritten, T->grad_unwritten, sizeof P->grad_unwritten);
+    memcpy(P->shared_grad_unwritten, T->shared_grad_unwritten, sizeof P->shared_grad_unwritten);
+}
+
+/* Slot 1's stream waits for slot 0's work so far (CUDA). */
+static moert_result fork_twin(moert_overlap *o)
+{
+    moert_result rc = MOERT_OK;
+    const moert_host *h = o->primary->core_host;
+    if (!o->stream) return MOERT_OK;
+    if ((rc = h->event_record(h, o->fork_event, o->primary->layers[0].stream)) != MOERT_OK ||
+        (rc = h->stream_wait_event(h, o->stream, o->fork_event)) != MOERT_OK)
+        return host_error(h, rc, "forking slot 1's stream");
+    return MOERT_OK;
+}
+
+/* Slot 0's stream waits for slot 1's work (CUDA). */
+static moert_result join_twin(moert_overlap *o)
+{
+    moert_result rc = MOERT_OK;
+    const moert_host *h = o->primary->core_host;
+    if (!o->stream) return MOERT_OK;
+    if ((rc = h->event_record(h, o->join_event, o->stream)) != MOERT_OK ||
+        (rc = h->stream_wait_event(h, o->primary->layers[0].stream, o->join_event)) != MOERT_OK)
+        return host_error(h, rc, "joining slot 1's stream");
+    return MOERT_OK;
+}
+
+moert_result moert_overlap_precision_end_step(moert_overlap *o)
+{
+    moert_result rc = MOERT_OK, rc_join = MOERT_OK;
+    if (!o->made) return MOERT_OK;
+    MOERT_CHECK(fork_twin(o));
+    for (int l = 0; l < o->twin.num_layers && rc == MOERT_OK; l++) {
+        moert_layer *T = &o->twin.layers[l];
+        const moert_precision_v1 *p = (const moert_precision_v1 *)T->precision.plugin->header;
+        if ((rc = p->end_step(T->precision.ctx, T->stream)) != MOERT_OK)
+            rc = moert_layer_plugin_failed(T, &T->precision, "end_step", rc);
+    }
+    rc_join = join_twin(o);
+    if (rc == MOERT_OK) rc = rc_join;
+fail:
+    return rc;
+}
+
+static moert_result check_slot(const moert_overlap *o, int l, int slot)
+{
+    if (l < 0 || l >= o->primary->num_layers)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "micro-batch overlap: layer %d, expected 0 .. %d", l,
+                           o->primary->num_layers - 1);
+    if (slot < 0 || slot >= MOERT_OVERLAP_SLOTS || (slot == 1 && !o->made))
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "micro-batch overlap: slot %d, expected 0%s", slot,
+                           o->made ? " or 1" : " (no second slot)");
+    return MOERT_OK;
+}
+
+moert_result moert_overlap_forward(moert_overlap *o, int l, int slot, const moert_tensor *x, moert_tensor *y)
+{
+    moert_result rc = MOERT_OK, rc_join = MOERT_OK;
+    MOERT_CHECK(check_slot(o, l, slot));
+    if (slot == 1) MOERT_CHECK(fork_twin(o));
+    rc = moert_layer_forward(moert_overlap_layer(o, l, slot), x, y);
+    if (slot == 1) rc_join = join_twin(o);
+    if (rc == MOERT_OK) rc = rc_join;
+fail:
+    return rc;
+}
+
+moert_result moert_overlap_backward(moert_overlap *o, int l, int slot, const moert_tensor *d_y, moert_tensor *d_x,
+                                    double loss_scale)
+{
+    moert_result rc = MOERT_OK, rc_join = MOERT_OK;
+    MOERT_CHECK(check_slot(o, l, slot));
+    if (slot == 1) MOERT_CHECK(fork_twin(o));
+    rc = moert_layer_backward(moert_overlap_layer(o, l, slot), d_y, d_x, loss_scale);
+    sync_back(o, l, slot);
+    if (slot == 1) rc_join = join_twin(o);
+    if (rc == MOERT_OK) rc = rc_join;
+fail:
+    return rc;
+}
+
+/* ---- the two halves of a merged call, issued in turn ----
+ *
+ * The backward runs on the calling thread and the forward on a helper thread, one at a time: each runs until its
+ * layer reaches a yield point (executor.c, between stages) and hands the turn to the other, so the host issues their
+ * stages alternately, in the same order on every rank (their collectives meet). A half that has finished no longer
+ * takes the turn. */
+
+typedef struct turns {
+    pthread_mutex_t lock;
+    pthread_cond_t changed;
+    int turn; /* 0: the backward, 1: the forward */
+    bool done[2];
+} turns;
+
+typedef struct half {
+    turns *t;
+    int me;
+    moert_layer *L;
+    const moert_tensor *in;
+    moert_tensor *out;
+    double loss_scale;
+    int device; /* CUDA ordinal the helper thread makes current, or -1 */
+    moert_result rc;
+    char error[1024];
+} half;
+
+static void wait_turn(turns *t, int me)
+{
+    while (t->turn != me) pthread_cond_wait(&t->changed, &t->lock);
+}
+
+static void yield_turn(void *ctx)
+{
+    half *hf = ctx;
+    turns *t = hf->t;
+    pthread_mutex_lock(&t->lock);
+    if (!t->done[1 - hf->me]) {
+        t->turn = 1 - hf->me;
+        pthread_cond_broadcast(&t->changed);
+        wait_turn(t, hf->me);
+    }
+    pthread_mutex_unlock(&t->lock);
+}
+
+static void finish_turn(half *hf)
+{
+    turns *t = hf->t;
+    pthread_mutex_lock(&t->lock);
+    t->done[hf->me] = true;
+    t->turn = 1 - hf->me;
+    pthread_cond_broadcast(&t->changed);
+    pthread_mutex_unlock(&t->lock);
+}
+
+static void *forward_half(void *arg)
+{
+    half *hf = arg;
+    pthread_mutex_lock(&hf->t->lock);
+    wait_turn(hf->t, hf->me);
+    pthread_mutex_unlock(&hf->t->lock);
+#ifdef MOERT_HAVE_CUDA
+    if (hf->device >= 0) hf->rc = moert_cuda_set_device(hf->device);
+#endif
+    if (hf->rc == MOERT_OK) hf->rc = moert_layer_forward(hf->L, hf->in, hf->out);
+    if (hf->rc != MOERT_OK) snprintf(hf->error, sizeof hf->error, "%s", moert_error_message());
+    finish_turn(hf);
+    return NULL;
+}
+
+static moert_result run_interleaved(moert_layer *F, const moert_tensor *x, moert_tensor *y, moert_layer *B,
+                                    const moert_tensor *d_y, moert_tensor *d_x, double loss_scale)
+{
+    turns t = {.turn = 0};
+    half fwd = {.t = &t, .me = 1, .L = F, .in = x, .out = y, .device = -1};
+    half bwd = {.t = &t, .me = 0, .L = B, .in = d_y, .out = d_x, .loss_scale = loss_scale, .device = -1};
+    pthread_t helper;
+    if (F->info.device.type == MOERT_DEVICE_CUDA) fwd.device = F->info.device.id;
+    pthread_mutex_init(&t.lock, NULL);
+    pthread_cond_init(&t.changed, NULL);
+    F->yield = B->yield = yield_turn;
+    F->yield_ctx = &fwd;
+    B->yield_ctx = &bwd;
+    if (pthread_create(&helper, NULL, forward_half, &fwd) != 0) { /* no thread: one after the other */
+        F->yield = B->yield = NULL;
+        F->yield_ctx = B->yield_ctx = NULL;
+        pthread_mutex_destroy(&t.lock);
+        pthread_cond_destroy(&t.changed);
+        moert_result rc = moert_layer_forward(F, x, y);
+        return rc != MOERT_OK ? rc : moert_layer_backward(B, d_y, d_x, loss_scale);
+    }
+    bwd.rc = moert_layer_backward(B, d_y, d_x, loss_scale);
+    if (bwd.rc != MOERT_OK) snprintf(bwd.error, sizeof bwd.error, "%s", moert_error_message());
+    finish_turn(&bwd);
+    pthread_join(helper, NULL);
+    F->yield = B->yield = NULL;
+    F->yield_ctx = B->yield_ctx = NULL;
+    pthread_mutex_destroy(&t.lock);
+    pthread_cond_destroy(&t.changed);
+    if (fwd.rc != MOERT_OK) return moert_error(fwd.rc, "%s", fwd.error);
+    if (bwd.rc != MOERT_OK) return moert_error(bwd.rc, "%s", bwd.error);
+    return MOERT_OK;
+}
+
+moert_result moert_overlap_forward_backward(moert_overlap *o, int fl, int fslot, const moert_tensor *x, moert_tensor *y,
+                                            int bl, int bslot, const moert_tensor *d_y, moert_tensor *d_x,
+                                            double loss_scale)
+{
+    moert_result rc = MOERT_OK, rc_join = MOERT_OK;
+    MOERT_CHECK(check_slot(o, fl, fslot));
+    MOERT_CHECK(check_slot(o, bl, bslot));
+    if (fl == bl && fslot == bslot)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                           "micro-batch overlap: the forward and the backward of layer %d on the same slot %d", fl,
+                           fslot);
+    const bool twin = fslot == 1 || bslot == 1;
+    if (twin) MOERT_CHECK(fork_twin(o));
+    moert_layer *F = moert_overlap_layer(o, fl, fslot), *B = moert_overlap_layer(o, bl, bslot);
+    if (o->interleave && fslot != bslot) {
+        rc = run_interleaved(F, x, y, B, d_y, d_x, loss_scale);
+    } else {
+        rc = moert_layer_forward(F, x, y);
+        if (rc == MOERT_OK) rc = moert_layer_backward(B, d_y, d_x, loss_scale);
+    }
+    sync_back(o, bl, bslot);
+    if (twin) rc_join = join_twin(o);
+    if (rc == MOERT_OK) rc = rc_join;
+fail:
+    return rc;
+}

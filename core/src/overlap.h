@@ -1,0 +1,49 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Micro-batch overlap ($.parallel.overlap_micro_batches): a second slot of every layer, so that two micro-batches'
+ * forwards can be in flight, and the merged call that runs the forward of one micro-batch and the backward of another
+ * together (docs/executor.md, "Micro-batch overlap"). */
+#ifndef MOERT_CORE_OVERLAP_H
+#define MOERT_CORE_OVERLAP_H
+
+#include "stack.h"
+
+#define MOERT_OVERLAP_SLOTS 2
+
+typedef struct moert_overlap {
+    moert_stack *primary; /* slot 0: the rank's stack (borrowed) */
+    moert_stack twin;     /* slot 1: the same plugins again, their instances twins of slot 0's */
+    bool made;
+    moert_stream stream;                /* CUDA: slot 1's compute stream (NULL on the CPU) */
+    moert_event fork_event, join_event; /* CUDA: slot 1's stream forks from and joins slot 0's at every call */
+    bool interleave;                    /* issue the two halves of a merged call stage by stage (CUDA) */
+} moert_overlap;
+
+/* Makes slot 1 of every layer of `primary` (made from `setup`): one more instance of each plugin per layer, its own
+ * core services and, on CUDA, its own compute stream; parameters and gradients stay slot 0's. Collective. */
+moert_result moert_overlap_init(moert_overlap *o, moert_stack *primary, const moert_stack_setup *setup);
+void moert_overlap_finalize(moert_overlap *o);
+
+/* Layer l of `slot` (0: the primary's). Slot 1's layer takes slot 0's parameters, gradients and the state of their
+ * lazy zeroing before it runs. */
+moert_layer *moert_overlap_layer(moert_overlap *o, int l, int slot);
+
+/* The forward or the backward of layer l on one slot (moert_layer_forward / _backward); on CUDA slot 1's stream forks
+ * from slot 0's before and slot 0's joins it after, so the work is ordered as if it ran on slot 0's stream. */
+moert_result moert_overlap_forward(moert_overlap *o, int l, int slot, const moert_tensor *x, moert_tensor *y);
+moert_result moert_overlap_backward(moert_overlap *o, int l, int slot, const moert_tensor *d_y, moert_tensor *d_x,
+                                    double loss_scale);
+
+/* After slot 0's precision instances' end_step (the weights changed): slot 1's, on slot 1's stream once slot 0's work
+ * so far is done (an FP8 recipe makes its weight copies again there, and its delayed scales are slot 0's). */
+moert_result moert_overlap_precision_end_step(moert_overlap *o);
+
+/* The forward of layer fl on slot fslot and the backward of layer bl on slot bslot (fslot != bslot when fl == bl)
+ * together. On the CPU the forward runs, then the backward. On CUDA each runs on its slot's stream, both forked from
+ * and joined into slot 0's, and their stages are issued in turn (backward combine / forward routing, backward dgrads /
+ * forward dispatch, backward dispatch / forward experts, backward wgrads / forward combine), so each one's
+ * all-to-all runs while the other computes. Results are those of the forward, then the backward. */
+moert_result moert_overlap_forward_backward(moert_overlap *o, int fl, int fslot, const moert_tensor *x, moert_tensor *y,
+                                            int bl, int bslot, const moert_tensor *d_y, moert_tensor *d_x,
+                                            double loss_scale);
+
+#endif
