@@ -629,7 +629,18 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
     m->overlap.primary = &m->stack;
     const int64_t micro_batches =
         launch->struct_size >= offsetof(moert_launch, micro_batches) + sizeof(int32_t) ? launch->micro_batches : -1;
-    if (moert_overlap_enabled(&m->cfg->parallel, m->device.type, m->world, micro_batches)) {
+    /* "on" with one micro-batch a step (as the launch says) would hold a slot that never runs */
+    const bool overlap = micro_batches != 1 && moert_overlap_enabled(m->cfg, m->device.type, m->world, micro_batches);
+    if (overlap && m->device.type == MOERT_DEVICE_CUDA && moert_overlap_peer_waiting_dispatcher(m->cfg)) {
+        rc = moert_error(MOERT_ERR_CONFIG,
+                         "config error at $.parallel.overlap_micro_batches: \"on\" cannot run with the dispatcher "
+                         "\"%s\" on GPUs: its kernels wait on their peers', and two micro-batches' kernels on two "
+                         "streams can stall each other across GPUs; use \"alltoall\", \"allgather\" or "
+                         "\"hierarchical\", or \"off\"",
+                         m->cfg->plugin[MOERT_SLOT_DISPATCHER]);
+        goto fail;
+    }
+    if (overlap) {
         MOERT_CHECK(moert_overlap_init(&m->overlap, &m->stack, &setup));
         for (int l = 0; l < nl; l++) {
             m->overlap.twin.layers[l].acts.defer_release = true;

@@ -60,7 +60,7 @@ void moert_memory_estimate_config(const moert_config *cfg, int world, int device
     /* $.parallel.overlap_micro_batches: two micro-batches in flight, and every layer's second slot (its own plugin
      * instances, router state and dispatcher buffers) */
     if (cfg->train.micro_batches >= 2 &&
-        moert_overlap_enabled(&cfg->parallel, (moert_device_type)device, world, cfg->train.micro_batches)) {
+        moert_overlap_enabled(cfg, (moert_device_type)device, world, cfg->train.micro_batches)) {
         out->activations *= 2.0;
         out->dispatcher *= 2.0;
         out->workspace *= 2.0;

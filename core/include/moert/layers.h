@@ -119,7 +119,8 @@ typedef struct moert_launch {
     uint32_t flags;
     /* API version 6: the micro-batches the caller runs per optimizer step, when it knows them (0: unknown). With
      * $.parallel.overlap_micro_batches "auto", the layers make the second slot of moert_moe_forward_backward when
-     * this is >= 2, the layers are on GPUs and the world has more than one rank, as moert run does. */
+     * this is >= 2, the layers are on GPUs and the world has more than one rank, as moert run does; "on" makes it
+     * unless this is 1. */
     int32_t micro_batches;
 } moert_launch;
 
