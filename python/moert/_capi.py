@@ -46,7 +46,8 @@ class Tensor(ctypes.Structure):
 class Launch(ctypes.Structure):
     _fields_ = [("struct_size", ctypes.c_uint32), ("rank", ctypes.c_int32), ("world_size", ctypes.c_int32),
                 ("device", Device), ("comm", ctypes.c_void_p), ("max_tokens", ctypes.c_int64),
-                ("expert_tensor_parallel", ctypes.c_int32), ("expert_data_parallel", ctypes.c_int32)]
+                ("expert_tensor_parallel", ctypes.c_int32), ("expert_data_parallel", ctypes.c_int32),
+                ("flags", ctypes.c_uint32), ("micro_batches", ctypes.c_int32)]  # API version 6
 
 
 class LayersInfo(ctypes.Structure):
@@ -57,7 +58,7 @@ class LayersInfo(ctypes.Structure):
                 ("param_dtype", ctypes.c_int), ("device", Device), ("expert_bias_dtype", ctypes.c_int),
                 ("ep_rank", ctypes.c_int32), ("ep_size", ctypes.c_int32), ("etp_rank", ctypes.c_int32),
                 ("etp_size", ctypes.c_int32), ("edp_rank", ctypes.c_int32), ("edp_size", ctypes.c_int32),
-                ("local_ffn_hidden", ctypes.c_int64)]
+                ("local_ffn_hidden", ctypes.c_int64), ("stream", ctypes.c_void_p)]  # stream: API version 6
 
 
 class MoeStats(ctypes.Structure):
