@@ -58,6 +58,8 @@ expect_refused pad_deepep "moert's deepep dispatcher does not pad" "${base[@]}" 
     --moe-pad-expert-input-to-capacity --moe-enable-deepep
 expect_refused router_dtype "--moe-router-dtype: \"bf16\" is not one of Megatron's values" "${base[@]}" \
     --moe-router-dtype bf16
+expect_refused overlap_flex "--overlap-moe-expert-parallel-comm with the flex dispatcher (deepep)" "${base[@]}" \
+    --moe-enable-deepep --overlap-moe-expert-parallel-comm
 # the router's Megatron options: jitter, fp64 compute, forced balancing, capacity with padding
 "$moert" config --from-megatron "${base[@]}" --moe-input-jitter-eps 0.01 --moe-router-dtype fp64 \
     --moe-router-force-load-balancing --moe-expert-capacity-factor 1.5 --moe-token-drop-policy position \
