@@ -461,14 +461,15 @@ static moert_result ensure_params(moert_runtime *rt)
 /* Micro-batch data: this rank's slice of the micro-batch's global tokens, and the teacher's targets. Micro-batch m
  * of step s is batch s * micro_batches + m of the data stream, so on one rank the micro-batches of a step hold the
  * tokens that one batch of micro_batches times as many tokens would (and with one micro-batch, batch s). */
-static moert_result load_batch(moert_rank *r, int64_t step, int64_t micro)
+static moert_result load_batch_into(moert_rank *r, int64_t step, int64_t micro, moert_tensor *x, moert_tensor *target,
+                                    bool *loaded)
 {
     const trainer_settings *set = &r->rt->set;
     int64_t batch = step * set->micro_batches + micro;
     if (set->repeat_batch) {
-        if (r->batch_loaded) return MOERT_OK;
+        if (*loaded) return MOERT_OK;
         batch = 1;
-        r->batch_loaded = true;
+        *loaded = true;
     }
     int64_t t = set->tokens_per_rank, h = set->hidden;
     uint64_t first =
@@ -478,7 +479,7 @@ static moert_result load_batch(moert_rank *r, int64_t step, int64_t micro)
     /* round through the storage dtype on the host, then copy */
     moert_result rc = MOERT_OK;
     moert_tensor src[2] = {r->x_host, r->target_host};
-    moert_tensor *dst[2] = {&r->acts[0], &r->target};
+    moert_tensor *dst[2] = {x, target};
     for (int i = 0; i < 2; i++) {
         moert_tensor staged = *dst[i];
         staged.device = moert_cpu();
@@ -496,6 +497,12 @@ static moert_result load_batch(moert_rank *r, int64_t step, int64_t micro)
         }
     }
     return MOERT_OK;
+}
+
+/* Micro-batch data into the rank's input and target (the even micro-batches' with micro-batch overlap). */
+static moert_result load_batch(moert_rank *r, int64_t step, int64_t micro)
+{
+    return load_batch_into(r, step, micro, &r->acts[0], &r->target, &r->batch_loaded);
 }
 
 /* buf (count elements of dtype, host memory) summed over every rank, in place. */
@@ -725,13 +732,7 @@ fail:
 static moert_result overlap_load(moert_rank *r, bool odd, int64_t step, int64_t micro)
 {
     if (!odd) return load_batch(r, step, micro);
-    moert_tensor *acts = r->acts, target = r->target;
-    const bool loaded = r->batch_loaded;
-    r->acts = r->acts1, r->target = r->target1, r->batch_loaded = r->batch_loaded1;
-    moert_result rc = load_batch(r, step, micro);
-    r->batch_loaded1 = r->batch_loaded;
-    r->acts = acts, r->target = target, r->batch_loaded = loaded;
-    return rc;
+    return load_batch_into(r, step, micro, &r->acts1[0], &r->target1, &r->batch_loaded1);
 }
 
 /* After the forward of layer l of a micro-batch (alone or merged): its tokens per expert to the host (they land by

@@ -48,8 +48,6 @@ typedef struct bf16_ctx {
     bool use_kernel;                 /* the CUDA path runs device_gemm for every pass ("kernel" on a CUDA layer) */
     bool wgmma_fwd_dgrad;            /* "auto" on Hopper: FORWARD/DGRAD with device counts on device_gemm's wgmma
                                          engine */
-    bool kernel_wgrad;               /* "wgrad_gemm": "kernel": WGRAD into fp32 with device counts on device_gemm (its
-                                         wgmma engine on Hopper), the other passes as "gemm" says */
     int64_t *zero_counts;            /* [E_local] zeros: what the argument checks see when counts are device-only */
     moert_bf16_cuda *gemm;           /* cuBLASLt handle, created on the layer's device (not in kernel mode) */
     void *workspace;                 /* its workspace, from the host's pool */
@@ -196,7 +194,6 @@ static moert_result cuda_init(bf16_ctx *c, int choice)
         if (!c->zero_counts) rc = fail(c, MOERT_ERR_OUT_OF_MEMORY, "out of memory for the precision state");
         if (rc == MOERT_OK) rc = bf16_device_gemm_prepare(h);
         c->wgmma_fwd_dgrad = rc == MOERT_OK && bf16_wgmma_available() != 0 && c->gemm_engine == GEMM_AUTO;
-        c->kernel_wgrad = c->wgrad_engine == GEMM_KERNEL;
     }
     if (previous >= 0 && previous != id) (void)cudaSetDevice(previous);
     return rc;
@@ -513,13 +510,13 @@ typedef struct counts_fetch {
 } counts_fetch;
 
 /* Whether this call runs on device_gemm outside kernel mode: FORWARD or DGRAD on the wgmma engine ("auto" on Hopper),
- * WGRAD into an fp32 gradient (kernel_wgrad), with the counts on the layer's GPU. */
+ * WGRAD into an fp32 gradient ("wgrad_gemm": "kernel"), with the counts on the layer's GPU. */
 static bool wgmma_serves(const bf16_ctx *c, const moert_grouped_gemm_args *args)
 {
     const moert_tensor *tpe = args->tokens_per_expert;
-    const bool pass_on_kernel = args->pass == MOERT_GEMM_WGRAD
-                                    ? c->kernel_wgrad && args->grad_weight && args->grad_weight->dtype == MOERT_F32
-                                    : c->wgmma_fwd_dgrad;
+    const bool pass_on_kernel = args->pass == MOERT_GEMM_WGRAD ? c->wgrad_engine == GEMM_KERNEL && args->grad_weight &&
+                                                                     args->grad_weight->dtype == MOERT_F32
+                                                               : c->wgmma_fwd_dgrad;
     return pass_on_kernel && tpe && tpe->data && tpe->device.type == MOERT_DEVICE_CUDA &&
            tpe->device.id == c->layer.device.id && tpe->dtype == MOERT_I64;
 }
