@@ -20,7 +20,10 @@
  * GB/s against 450 GB/s, NVLink4 per GPU and direction.
  *
  *   hybridep_bench [out.json]   environment: MOERT_BENCH_MACHINE, MOERT_BENCH_GIT, MOERT_BENCH_REPEATS (20),
- *                               MOERT_BENCH_ONLY=ll (only the low-latency lines: the floor, the sweep, the variants).
+ *                               MOERT_BENCH_ONLY=ll (only the low-latency lines: the floor, the sweep, the variants)
+ *                               or =normal (only deepep's two reference lines and hybridep's normal-mode lines),
+ *                               MOERT_BENCH_SMS (hybridep's normal-mode SM counts, "8,12,16"; at most 6),
+ *                               MOERT_BENCH_TOKENS (tokens per rank of the normal-mode and reference lines, 4096).
  *                               Progress goes to stdout line by line; every instance runs with timeout_ms 10000.
  */
 #include <cuda_runtime_api.h>
@@ -79,7 +82,7 @@ typedef struct variant {
     const char *plugin;
     char options[200];
     int64_t T;
-    bool normal;       /* a hybridep normal-mode line at T 4096 (compared) */
+    bool normal;       /* a hybridep normal-mode line at the normal-mode T (compared) */
     int ll_group;      /* a low-latency tuning variant: its row + 1, else 0 */
     bool back_to_back; /* timed in a stream of dispatch, combine, dispatch, ... after one barrier (steady state) */
     double dispatch_ms[MAX_REPEATS], combine_ms[MAX_REPEATS]; /* per repeat: the largest over ranks */
@@ -87,7 +90,8 @@ typedef struct variant {
     double dispatch_us, combine_us;                           /* medians */
 } variant;
 
-#define MAX_VARIANTS 80
+#define MAX_VARIANTS 96
+#define MAX_SMS_LIST 6
 #define LL_GROUPS    9
 static const char *const ll_groups[LL_GROUPS][2] = {
     /* name, options added to the low-latency ones */
@@ -384,62 +388,77 @@ int main(int argc, char **argv)
     B.K = 8;
     /* deepep first: every hybridep line then prints its percentage of deepep's whole call */
     const char *only = getenv("MOERT_BENCH_ONLY");
-    const bool ll_only = only && strcmp(only, "ll") == 0;
+    const bool ll_only = only && strcmp(only, "ll") == 0, normal_only = only && strcmp(only, "normal") == 0;
+    const char *tokens_env = getenv("MOERT_BENCH_TOKENS");
+    const int64_t T = tokens_env && atoll(tokens_env) > 0 ? atoll(tokens_env) : 4096; /* the normal-mode lines' T */
+    int sms[MAX_SMS_LIST] = {8, 12, 16}, nsms = 3;
+    const char *sms_env = getenv("MOERT_BENCH_SMS");
+    if (sms_env && *sms_env) {
+        char list[128];
+        snprintf(list, sizeof list, "%s", sms_env);
+        nsms = 0;
+        for (char *tok = strtok(list, ","); tok && nsms < MAX_SMS_LIST; tok = strtok(NULL, ","))
+            if (atoi(tok) > 0) sms[nsms++] = atoi(tok);
+    }
     B.ref = add("deepep 24 SMs (reference, whole call)", "deepep", "{\"timeout_ms\": 10000, \"num_sms\": 24}",
-                ll_only ? 128 : 4096, false);
+                ll_only ? 128 : T, false);
     B.ref_nvlink =
         add("deepep 24 SMs (NVLink phase only)", "deepep",
-            "{\"timeout_ms\": 10000, \"num_sms\": 24, \"bench_nvlink_only\": true}", ll_only ? 128 : 4096, false);
-    const int sms[3] = {8, 12, 16};
-    for (int i = 0; i < 3 && !ll_only; i++) {
+            "{\"timeout_ms\": 10000, \"num_sms\": 24, \"bench_nvlink_only\": true}", ll_only ? 128 : T, false);
+    for (int i = 0; i < nsms && !ll_only; i++) {
         char name[64], options[160];
         snprintf(name, sizeof name, "hybridep %d SMs (tma)", sms[i]);
         snprintf(options, sizeof options, "{\"timeout_ms\": 10000, \"num_sms\": %d, \"low_latency\": \"off\"}", sms[i]);
-        add(name, "hybridep", options, 4096, true);
+        add(name, "hybridep", options, T, true);
     }
-    for (int i = 0; i < 3 && !ll_only; i++) { /* the same with vector copies in the NVLink phase (copy "vector") */
+    for (int i = 0; i < nsms && !ll_only; i++) { /* the same with vector copies in the NVLink phase (copy "vector") */
         char name[64], options[160];
         snprintf(name, sizeof name, "hybridep %d SMs (vector)", sms[i]);
         snprintf(options, sizeof options,
                  "{\"timeout_ms\": 10000, \"num_sms\": %d, \"low_latency\": \"off\", \"copy\": \"vector\"}", sms[i]);
-        add(name, "hybridep", options, 4096, true);
+        add(name, "hybridep", options, T, true);
     }
-    /* the floor every timed call pays (launch, events, the ranks' skew after the barrier), then the low-latency mode:
-     * every SM at T 1..256, and a sweep of its block count (num_sms) at T 1 and 128: where the floor comes from */
-    add("floor: 16-byte memset timed alike", NULL, "", 1, false);
     const int64_t ll_tokens[4] = {1, 32, 128, 256};
-    for (int i = 0; i < 4; i++)
-        add("hybridep low-latency (every SM)", "hybridep", "{\"timeout_ms\": 10000}", ll_tokens[i], false);
-    const int ll_blocks[5] = {8, 16, 32, 64, 128};
-    for (int t = 0; t < 2; t++)
-        for (int i = 0; i < 5; i++) {
-            if (t == 0 && (i == 1 || i == 3)) continue; /* T 1: 8, 32, 128 blocks */
-            char name[64], options[160];
-            snprintf(name, sizeof name, "hybridep low-latency %d blocks", ll_blocks[i]);
-            snprintf(options, sizeof options, "{\"timeout_ms\": 10000, \"num_sms\": %d, \"low_latency\": \"on\"}",
-                     ll_blocks[i]);
-            add(name, "hybridep", options, t == 0 ? 1 : 128, false);
-        }
-    add("hybridep normal mode 16 SMs", "hybridep", "{\"timeout_ms\": 10000, \"low_latency\": \"off\"}", 128, false);
-    /* the same calls back to back (a decode-like loop's steady state), beside deepep's at T 128 */
-    for (int i = 0; i < 4; i++) {
-        B.v[add("hybridep low-latency back-to-back (every SM)", "hybridep", "{\"timeout_ms\": 10000}", ll_tokens[i],
-                false)]
-            .back_to_back = true;
-        B.v[add("hybridep low-latency back-to-back, ll_fence thread", "hybridep",
-                "{\"timeout_ms\": 10000, \"low_latency\": \"on\", \"ll_fence\": \"thread\"}", ll_tokens[i], false)]
-            .back_to_back = true;
-    }
-    B.v[add("deepep 24 SMs back-to-back", "deepep", "{\"timeout_ms\": 10000, \"num_sms\": 24}", 128, false)]
-        .back_to_back = true;
-    /* the low-latency tuning variants, each at T 1, 32, 128, 256 (the default again, in the same stretch of the run) */
-    for (int gi = 0; gi < LL_GROUPS; gi++)
+    if (!normal_only) { /* MOERT_BENCH_ONLY=normal: the normal-mode lines and their reference alone */
+        /* the floor every timed call pays (launch, events, the ranks' skew after the barrier), then the low-latency
+         * mode: every SM at T 1..256, and a sweep of its block count (num_sms) at T 1 and 128: where the floor comes
+         * from */
+        add("floor: 16-byte memset timed alike", NULL, "", 1, false);
+        for (int i = 0; i < 4; i++)
+            add("hybridep low-latency (every SM)", "hybridep", "{\"timeout_ms\": 10000}", ll_tokens[i], false);
+        const int ll_blocks[5] = {8, 16, 32, 64, 128};
+        for (int t = 0; t < 2; t++)
+            for (int i = 0; i < 5; i++) {
+                if (t == 0 && (i == 1 || i == 3)) continue; /* T 1: 8, 32, 128 blocks */
+                char name[64], options[160];
+                snprintf(name, sizeof name, "hybridep low-latency %d blocks", ll_blocks[i]);
+                snprintf(options, sizeof options, "{\"timeout_ms\": 10000, \"num_sms\": %d, \"low_latency\": \"on\"}",
+                         ll_blocks[i]);
+                add(name, "hybridep", options, t == 0 ? 1 : 128, false);
+            }
+        add("hybridep normal mode 16 SMs", "hybridep", "{\"timeout_ms\": 10000, \"low_latency\": \"off\"}", 128, false);
+        /* the same calls back to back (a decode-like loop's steady state), beside deepep's at T 128 */
         for (int i = 0; i < 4; i++) {
-            char name[80], options[200];
-            snprintf(name, sizeof name, "ll: %s", ll_groups[gi][0]);
-            snprintf(options, sizeof options, "{\"timeout_ms\": 10000, \"low_latency\": \"on\"%s}", ll_groups[gi][1]);
-            B.v[add(name, "hybridep", options, ll_tokens[i], false)].ll_group = gi + 1;
+            B.v[add("hybridep low-latency back-to-back (every SM)", "hybridep", "{\"timeout_ms\": 10000}", ll_tokens[i],
+                    false)]
+                .back_to_back = true;
+            B.v[add("hybridep low-latency back-to-back, ll_fence thread", "hybridep",
+                    "{\"timeout_ms\": 10000, \"low_latency\": \"on\", \"ll_fence\": \"thread\"}", ll_tokens[i], false)]
+                .back_to_back = true;
         }
+        B.v[add("deepep 24 SMs back-to-back", "deepep", "{\"timeout_ms\": 10000, \"num_sms\": 24}", 128, false)]
+            .back_to_back = true;
+        /* the low-latency tuning variants, each at T 1, 32, 128, 256 (the default again, in the same stretch of the
+         * run) */
+        for (int gi = 0; gi < LL_GROUPS; gi++)
+            for (int i = 0; i < 4; i++) {
+                char name[80], options[200];
+                snprintf(name, sizeof name, "ll: %s", ll_groups[gi][0]);
+                snprintf(options, sizeof options, "{\"timeout_ms\": 10000, \"low_latency\": \"on\"%s}",
+                         ll_groups[gi][1]);
+                B.v[add(name, "hybridep", options, ll_tokens[i], false)].ll_group = gi + 1;
+            }
+    }
     printf("hybridep_bench: EP%d, H %lld, top-%lld of %lld experts, bf16, %d repeats\n", B.gpus, (long long)B.H,
            (long long)B.K, (long long)B.E, B.repeats);
     pthread_barrier_init(&B.barrier, NULL, (unsigned)B.gpus);
@@ -466,20 +485,23 @@ int main(int argc, char **argv)
         else
             printf(" %10.0f%% %10.0f%%\n", pct_of_ref(v, true), pct_of_ref(v, false));
     }
-    for (int i = 0; i < B.nv; i++) {
-        const variant *v = &B.v[i];
-        if (!v->plugin || v->back_to_back || (strstr(v->name, "low-latency") && !v->ll_group))
-            printf("  %-36s T %4lld: dispatch %6.1f us, combine %6.1f us%s\n", v->name, (long long)v->T, v->dispatch_us,
-                   v->combine_us, v->T == 128 && strstr(v->name, "low-latency") ? "  (targets 40 / 50)" : "");
-    }
-    printf("\nlow-latency variants, dispatch / combine us (targets at T 128: 40 / 50)\n  %-40s", "variant");
-    for (int i = 0; i < 4; i++) printf("  T %-13lld", (long long)ll_tokens[i]);
-    printf("\n");
-    for (int gi = 0; gi < LL_GROUPS; gi++) {
-        printf("  %-40s", ll_groups[gi][0]);
-        for (int i = 0; i < B.nv; i++)
-            if (B.v[i].ll_group == gi + 1) printf("  %6.1f / %6.1f", B.v[i].dispatch_us, B.v[i].combine_us);
+    if (!normal_only) {
+        for (int i = 0; i < B.nv; i++) {
+            const variant *v = &B.v[i];
+            if (!v->plugin || v->back_to_back || (strstr(v->name, "low-latency") && !v->ll_group))
+                printf("  %-36s T %4lld: dispatch %6.1f us, combine %6.1f us%s\n", v->name, (long long)v->T,
+                       v->dispatch_us, v->combine_us,
+                       v->T == 128 && strstr(v->name, "low-latency") ? "  (targets 40 / 50)" : "");
+        }
+        printf("\nlow-latency variants, dispatch / combine us (targets at T 128: 40 / 50)\n  %-40s", "variant");
+        for (int i = 0; i < 4; i++) printf("  T %-13lld", (long long)ll_tokens[i]);
         printf("\n");
+        for (int gi = 0; gi < LL_GROUPS; gi++) {
+            printf("  %-40s", ll_groups[gi][0]);
+            for (int i = 0; i < B.nv; i++)
+                if (B.v[i].ll_group == gi + 1) printf("  %6.1f / %6.1f", B.v[i].dispatch_us, B.v[i].combine_us);
+            printf("\n");
+        }
     }
     if (B.nccl) moert_nccl_group_free(B.nccl);
     moert_comm_group_free(B.comm);
