@@ -24,10 +24,13 @@ die() { echo "deepep_peer_src.sh: $*" >&2; exit 1; }
 g() { git --git-dir="$MIRROR" "$@"; }
 head=$(g rev-parse --verify "HEAD^{commit}") || die "the mirror at $MIRROR has no HEAD commit"
 
-# v1_intranode COMMIT: true when COMMIT has v1's layout and its setup.py's no-NVSHMEM build
+# v1_intranode COMMIT: true when COMMIT has v1's layout and its setup.py's no-NVSHMEM build, and its deep_ep.cpp does
+# not call the low-latency mask kernel (internode_ll::update_mask_buffer, added with elastic EP in Sep 2025 outside the
+# DISABLE_NVSHMEM guards: a no-NVSHMEM build then compiles but its module fails to load on that undefined symbol)
 v1_intranode() {
   g cat-file -e "$1:deep_ep/buffer.py" 2>/dev/null && g cat-file -e "$1:csrc/deep_ep.cpp" 2>/dev/null &&
-    g show "$1:setup.py" 2>/dev/null | grep -q 'DISABLE_NVSHMEM'
+    g show "$1:setup.py" 2>/dev/null | grep -q 'DISABLE_NVSHMEM' &&
+    ! g show "$1:csrc/deep_ep.cpp" 2>/dev/null | grep -q 'internode_ll::update_mask_buffer'
 }
 
 if [ -n "$REF" ]; then

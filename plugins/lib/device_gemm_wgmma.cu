@@ -267,13 +267,35 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_kernel(const __grid_
 
 /* ---- WGRAD: dW[e] (+)= in[rows of e]^T @ d_out[rows of e] ----
  *
- * The output is the gradient [E][k_in][n_out] fp32, in tiles of 128 (k_in) x 256 (n_out) per expert; the reduction runs
+ * The output is the gradient [E][k_in][n_out] fp32 in tiles of 128 (k_in) x BN (n_out) per expert; the reduction runs
  * over the expert's rows, 64 at a time, so both operands are M/N-major in shared memory: A (128 columns of `in`, 64
- * rows: two boxes, one per consumer) and B (256 columns of d_out, the same rows: four boxes), as TMA loads them. The
- * rows past an expert's last (another expert's, padding, or past the buffers) are zeroed in shared memory before the
- * expert's last k-block is multiplied. Epilogue: each consumer puts its 64 x 256 fp32 result through a swizzled
- * staging area, 128 columns at a time, and TMA stores it (overwrite) or adds it (cp.reduce.async.bulk add: the
- * gradient is read and written by the memory system, not by the SM) while the consumers go on to the next tile. */
+ * rows: two boxes) and B (BN columns of d_out, the same rows: BN / 64 boxes), as TMA loads them. Two schedules:
+ * - Ping-pong (BN 128), for experts of few rows (~512: deepseek-v3, qwen3), where writing a tile's fp32 gradient takes
+ *   about as long as its MMA: each consumer warpgroup owns whole tiles (2 x m64n128 accumulators), the CTA's tiles
+ *   alternating between the two, so one multiplies while the other puts its finished tile out. The main loops take
+ *   turns (a named-barrier hand-off once a consumer has seen its tile's last stage arrive); besides keeping the tensor
+ *   cores on one tile at a time, this keeps the shared ring's parity waits sound: a consumer never waits on a stage
+ *   whose previous fill, for the other consumer, has not arrived yet.
+ * - Cooperative (BN 256), for experts of many rows (mixtral), where the MMA dominates and the wider tile halves the
+ *   operand traffic per flop: both consumers share each tile, 64 rows of k_in each (one m64n256 accumulator).
+ * The rows past an expert's last (another expert's, padding, or past the buffers) are zeroed in shared memory before
+ * the expert's last k-block is multiplied. Epilogue: a consumer's 64 x 256 fp32 result goes out in two 64 x 128 halves
+ * (ping-pong: its tile's two 64-row halves; cooperative: its rows' two 128-column halves), each through its swizzled
+ * staging area as four 32 x 64 boxes that TMA stores (overwrite) or adds (cp.reduce.async.bulk add: the gradient is
+ * read and written by the memory system, not by the SM) while the consumer goes on. */
+
+#define WGR_BM            128                /* k_in columns of a tile */
+#define WGR_A_BYTES       (2 * WG_BOX_BYTES) /* 16 KiB */
+#define WGR_STAGING_BYTES (4 * WG_BOX_BYTES) /* one consumer's 64 x 128 fp32 half: 32 KiB */
+#define WGR_PINGPONG_ROWS 2048               /* experts of fewer rows than this on average take the ping-pong */
+
+/* WGRAD's dynamic shared memory: alignment slack, `stages` stages of A and B (BN columns), the consumers' staging,
+ * barriers, the experts' prefix arrays. */
+static size_t wgrad_smem_bytes(int stages, int bn, int experts)
+{
+    return 1024 + (size_t)stages * (WGR_A_BYTES + bn / 64 * WG_BOX_BYTES) + 2 * WGR_STAGING_BYTES +
+           2 * stages * sizeof(uint64_t) + (size_t)(experts + 1) * (sizeof(int64_t) + sizeof(int));
+}
 
 typedef struct wg_wgrad_params {
     CUtensorMap map_in;   /* input [capacity][k_in], boxes of 64 x 64 rows */
@@ -284,6 +306,18 @@ typedef struct wg_wgrad_params {
     int num_experts, m_tiles, n_tiles, k_in, n_out, accumulate;
 } wg_wgrad_params;
 
+/* d (+)= A (64 x 16, M-major) * B (16 x 128, N-major); accumulate 0 ignores d's old values. */
+__device__ __forceinline__ void wgmma_m64n128k16_mn(float *d, uint64_t desc_a, uint64_t desc_b, int accumulate)
+{
+#ifdef WG_DEVICE
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" WGMMA_REGS_64
+                 "}, %64, %65, p, 1, 1, 1, 1;\n}\n"
+                 : WGMMA_OPERANDS_64(d)
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+#endif
+}
+
 /* WGRAD's work unit u: expert e, k_in tile mt and n_out tile nt of its gradient (k_in tiles fastest). */
 __device__ __forceinline__ void wgrad_tile_at(const wg_wgrad_params &p, int u, int *e, int *mt, int *nt)
 {
@@ -293,148 +327,189 @@ __device__ __forceinline__ void wgrad_tile_at(const wg_wgrad_params &p, int u, i
     *nt = r / p.m_tiles;
 }
 
-/* The producer thread: per unit and 64-row block of the expert, A's two boxes and B's four. */
-__device__ __forceinline__ void wgrad_produce(const wg_wgrad_params &p, const int64_t *row_start, int units,
-                                              uint8_t *a_stages, uint8_t *b_stages, uint64_t *full, uint64_t *empty)
+/* The k-blocks (64 rows each) of expert e. */
+__device__ __forceinline__ int wgrad_k_blocks(const int64_t *row_start, int e)
 {
+    return (int)((row_start[e + 1] - row_start[e] + WG_BK - 1) / WG_BK);
+}
+
+/* The producer thread: per unit and 64-row block of the expert, A's two boxes and B's BN / 64, into the ring. */
+template <int STAGES, int BN>
+__device__ __forceinline__ void wgrad_produce(const wg_wgrad_params &p, const int64_t *row_start, int units,
+                                              uint8_t *stages, uint64_t *full, uint64_t *empty)
+{
+    const int stage_bytes = WGR_A_BYTES + BN / 64 * WG_BOX_BYTES;
     int s = 0;
     uint32_t phase = 0, it = 0;
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
         int e, mt, nt;
         wgrad_tile_at(p, u, &e, &mt, &nt);
-        const int64_t r0 = row_start[e];
-        const int k_blocks = (int)((row_start[e + 1] - r0 + WG_BK - 1) / WG_BK);
+        const int k_blocks = wgrad_k_blocks(row_start, e);
         for (int kb = 0; kb < k_blocks; kb++, it++) {
-            if (it >= WG_STAGES) mbar_wait(&empty[s], phase ^ 1);
-            mbar_arrive_expect_tx(&full[s], WG_A_BYTES + WG_B_BYTES);
-            const int32_t row = (int32_t)(r0 + (int64_t)kb * WG_BK);
-            for (int j = 0; j < WG_BM / 64; j++)
-                tensor_load_2d(a_stages + s * WG_A_BYTES + j * WG_BOX_BYTES, &p.map_in, mt * WG_BM + j * 64, row,
-                               &full[s]);
-            for (int j = 0; j < WG_BN / 64; j++)
-                tensor_load_2d(b_stages + s * WG_B_BYTES + j * WG_BOX_BYTES, &p.map_dout, nt * WG_BN + j * 64, row,
-                               &full[s]);
-            if (++s == WG_STAGES) s = 0, phase ^= 1;
+            if (it >= STAGES) mbar_wait(&empty[s], phase ^ 1);
+            mbar_arrive_expect_tx(&full[s], stage_bytes);
+            const int32_t row = (int32_t)(row_start[e] + (int64_t)kb * WG_BK);
+            uint8_t *a = stages + s * stage_bytes, *b = a + WGR_A_BYTES;
+            for (int j = 0; j < 2; j++)
+                tensor_load_2d(a + j * WG_BOX_BYTES, &p.map_in, mt * WGR_BM + j * 64, row, &full[s]);
+            for (int j = 0; j < BN / 64; j++)
+                tensor_load_2d(b + j * WG_BOX_BYTES, &p.map_dout, nt * BN + j * 64, row, &full[s]);
+            if (++s == STAGES) s = 0, phase ^= 1;
         }
     }
 }
 
-/* An expert's last, partial k-block: consumer c zeroes rows valid..63 of its A box and of B's boxes 2c and 2c + 1 (whole
- * 128-byte rows, so the swizzle does not matter), then both consumers meet before either multiplies. */
-__device__ __forceinline__ void wgrad_zero_tail(uint8_t *a_box, uint8_t *b, int c, int valid)
+/* An expert's last, partial k-block: zeroes rows valid..63 of `boxes` boxes from `first` (whole 128-byte rows, so the
+ * swizzle does not matter), then the `threads` that multiply the stage meet at named barrier `id`. */
+__device__ __forceinline__ void wgrad_zero_tail(uint8_t *const *first, int boxes, int valid, uint32_t id,
+                                                uint32_t threads)
 {
     const int tid = threadIdx.x % 128, chunks = (64 - valid) * 8; /* 16-byte chunks per box */
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    uint8_t *boxes[3] = {a_box, b + (2 * c) * WG_BOX_BYTES, b + (2 * c + 1) * WG_BOX_BYTES};
-    for (int i = 0; i < 3; i++)
-        for (int q = tid; q < chunks; q += 128) *(uint4 *)(boxes[i] + valid * 128 + q * 16) = zero;
+    for (int i = 0; i < boxes; i++)
+        for (int q = tid; q < chunks; q += 128) *(uint4 *)(first[i] + valid * 128 + q * 16) = zero;
     fence_async_shared();
-    named_barrier_sync(3, 256);
+    named_barrier_sync(id, threads);
 }
 
-/* The epilogue of consumer c: its 64 rows (of k_in) by 256 columns in two halves of 128 columns, each through four
- * swizzled 32 x 64 fp32 boxes, stored or added by TMA. ZERO stores zeros (acc is not read: a non-wgmma write of the
- * accumulators would serialize the kernel's wgmma). */
+/* Puts out consumer c's 64 x 256 result (acc) in two halves of 64 x 128, the half h one at k_in row m0[h] and n_out
+ * column n0[h], each through four swizzled 32 x 64 boxes, stored or added by TMA. ZERO stores zeros (acc is not read:
+ * a non-wgmma write of the accumulators would serialize the kernel's wgmma). */
 template <bool ZERO>
-__device__ __forceinline__ void wgrad_store(const wg_wgrad_params &p, int e, int mt, int nt, int c, const float *acc,
-                                            uint8_t *boxes)
+__device__ __forceinline__ void wgrad_store(const wg_wgrad_params &p, int e, const int *m0, const int *n0, int c,
+                                            const float *acc, uint8_t *boxes)
 {
-    const int m0 = mt * WG_BM + c * 64;
-    if (m0 >= p.k_in) return;
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
     const int r = warp * 16 + lane / 4, col0 = 2 * (lane % 4);
 #pragma unroll
     for (int half = 0; half < 2; half++) {
+        if (m0[half] >= p.k_in || n0[half] >= p.n_out) continue;
         if (tid == 0) bulk_wait_read(); /* the last stores have read the boxes */
         named_barrier_sync(1 + c, 128);
+        const float *h = acc + 64 * half;
 #pragma unroll
-        for (int jj = 0; jj < WG_BN / 16; jj++) {
-            const int j = half * (WG_BN / 16) + jj, col = col0 + 8 * jj; /* col: 0..127 within the half */
+        for (int j = 0; j < 16; j++) {
+            const int col = col0 + 8 * j;
             uint8_t *box = boxes + (col / 32) * WG_BOX_BYTES;
 #pragma unroll
-            for (int h = 0; h < 2; h++)
-                *(float2 *)(box + sw128_offset(r + 8 * h, (col % 32) * 4)) =
-                    ZERO ? make_float2(0.0f, 0.0f) : make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            for (int q = 0; q < 2; q++)
+                *(float2 *)(box + sw128_offset(r + 8 * q, (col % 32) * 4)) =
+                    ZERO ? make_float2(0.0f, 0.0f) : make_float2(h[4 * j + 2 * q], h[4 * j + 2 * q + 1]);
         }
         fence_async_shared();
         named_barrier_sync(1 + c, 128);
         if (tid == 0) {
             for (int b = 0; b < 4; b++) {
-                const int n = nt * WG_BN + half * 128 + b * 32;
+                const int n = n0[half] + b * 32;
                 if (n >= p.n_out) break;
                 if (p.accumulate)
-                    tensor_reduce_add_3d(&p.map_dw, n, m0, e, boxes + b * WG_BOX_BYTES);
+                    tensor_reduce_add_3d(&p.map_dw, n, m0[half], e, boxes + b * WG_BOX_BYTES);
                 else
-                    tensor_store_3d(&p.map_dw, n, m0, e, boxes + b * WG_BOX_BYTES);
+                    tensor_store_3d(&p.map_dw, n, m0[half], e, boxes + b * WG_BOX_BYTES);
             }
             bulk_commit();
         }
     }
 }
 
-/* A WGRAD consumer warpgroup (c: k_in rows c * 64 .. c * 64 + 63 of each tile). */
+/* A WGRAD consumer warpgroup c. Ping-pong: the CTA's units 0, 2, 4, .. (c = 0) or 1, 3, 5, .. (c = 1), walking the
+ * other's units only to follow the ring. Cooperative: every unit, k_in rows c * 64 .. c * 64 + 63 of it. */
+template <int STAGES, bool PINGPONG>
 __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const int64_t *row_start, int units,
-                                              uint8_t *a_stages, uint8_t *b_stages, uint8_t *staging, uint64_t *full,
-                                              uint64_t *empty, int c)
+                                              uint8_t *stages, uint8_t *staging, uint64_t *full, uint64_t *empty, int c)
 {
+    constexpr int BN = PINGPONG ? 128 : 256;
+    const int stage_bytes = WGR_A_BYTES + BN / 64 * WG_BOX_BYTES;
     int s = 0;
     uint32_t phase = 0;
-    uint8_t *boxes = staging + c * (WG_STAGING_BYTES / 2);
-    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    uint8_t *boxes = staging + c * WGR_STAGING_BYTES;
+    int i = 0;
+    for (int u = blockIdx.x; u < units; u += gridDim.x, i++) {
         int e, mt, nt;
         wgrad_tile_at(p, u, &e, &mt, &nt);
+        const int k_blocks = wgrad_k_blocks(row_start, e);
+        if (PINGPONG && (i & 1) != c) { /* the other consumer's unit: skip its stages */
+            const int next = s + k_blocks;
+            phase ^= (uint32_t)(next / STAGES) & 1;
+            s = next % STAGES;
+            continue;
+        }
         const int64_t rows = row_start[e + 1] - row_start[e];
-        const int k_blocks = (int)((rows + WG_BK - 1) / WG_BK);
+        const bool hand_off = PINGPONG && u + gridDim.x < units; /* the other consumer has the CTA's next unit */
+        const int m0[2] = {mt * WGR_BM + (PINGPONG ? 0 : c * 64), mt * WGR_BM + (PINGPONG ? 64 : c * 64)};
+        const int n0[2] = {nt * BN, nt * BN + (PINGPONG ? 0 : 128)};
+        if (PINGPONG && i > 0) named_barrier_sync(3 + c, 256); /* our turn: the other has seen its stages arrive */
         float acc[128];
         if (k_blocks == 0) { /* no rows: the gradient is unchanged, or zero when overwritten */
-            if (!p.accumulate) wgrad_store<true>(p, e, mt, nt, c, acc, boxes);
+            if (hand_off) named_barrier_arrive(4 - c, 256);
+            if (!p.accumulate) wgrad_store<true>(p, e, m0, n0, c, acc, boxes);
             continue;
         }
         int prev = 0;
         for (int kb = 0; kb < k_blocks; kb++) {
             mbar_wait(&full[s], phase);
-            uint8_t *a = a_stages + s * WG_A_BYTES + c * WG_BOX_BYTES;
-            uint8_t *b = b_stages + s * WG_B_BYTES;
+            uint8_t *a = stages + s * stage_bytes, *b = a + WGR_A_BYTES;
             const int valid = (int)min((int64_t)WG_BK, rows - (int64_t)kb * WG_BK);
-            if (valid < WG_BK) wgrad_zero_tail(a, b, c, valid);
+            if (valid < WG_BK) {
+                if (PINGPONG) { /* the whole stage is this consumer's */
+                    uint8_t *const all[4] = {a, a + WG_BOX_BYTES, b, b + WG_BOX_BYTES};
+                    wgrad_zero_tail(all, 4, valid, 1 + c, 128);
+                } else { /* its A box and half of B's, then both consumers meet */
+                    uint8_t *const mine[3] = {a + c * WG_BOX_BYTES, b + 2 * c * WG_BOX_BYTES,
+                                              b + (2 * c + 1) * WG_BOX_BYTES};
+                    wgrad_zero_tail(mine, 3, valid, 5, 256);
+                }
+            }
             wgmma_fence();
 #pragma unroll
-            for (int k = 0; k < WG_BK / 16; k++)
-                wgmma_m64n256k16<1, 1>(acc, wgmma_desc_mn_sw128(a + k * 2048, WG_BOX_BYTES),
-                                       wgmma_desc_mn_sw128(b + k * 2048, WG_BOX_BYTES), (kb | k) != 0);
+            for (int k = 0; k < WG_BK / 16; k++) {
+                const uint64_t db = wgmma_desc_mn_sw128(b + k * 2048, WG_BOX_BYTES);
+                if (PINGPONG) {
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+                        wgmma_m64n128k16_mn(acc + 64 * h,
+                                            wgmma_desc_mn_sw128(a + h * WG_BOX_BYTES + k * 2048, WG_BOX_BYTES), db,
+                                            (kb | k) != 0);
+                } else {
+                    wgmma_m64n256k16<1, 1>(acc, wgmma_desc_mn_sw128(a + c * WG_BOX_BYTES + k * 2048, WG_BOX_BYTES), db,
+                                           (kb | k) != 0);
+                }
+            }
             wgmma_commit();
             if (kb > 0) {
                 wgmma_wait<1>();
                 wg_release(empty, prev);
             }
             prev = s;
-            if (++s == WG_STAGES) s = 0, phase ^= 1;
+            if (++s == STAGES) s = 0, phase ^= 1;
         }
+        if (hand_off) named_barrier_arrive(4 - c, 256); /* the other's turn */
         wgmma_wait<0>();
         wg_release(empty, prev);
-        wgrad_store<false>(p, e, mt, nt, c, acc, boxes);
+        wgrad_store<false>(p, e, m0, n0, c, acc, boxes);
     }
     if (threadIdx.x % 128 == 0) bulk_wait_all();
 }
 
+template <int STAGES, bool PINGPONG>
 __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_wgrad_kernel(const __grid_constant__ wg_wgrad_params p)
 {
 #ifdef WG_DEVICE
+    constexpr int BN = PINGPONG ? 128 : 256;
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
-    uint8_t *a_stages = smem;
-    uint8_t *b_stages = a_stages + WG_STAGES * WG_A_BYTES;
-    uint8_t *staging = b_stages + WG_STAGES * WG_B_BYTES;
-    uint64_t *full = (uint64_t *)(staging + WG_STAGING_BYTES);
-    uint64_t *empty = full + WG_STAGES;
-    int64_t *row_start = (int64_t *)(empty + WG_STAGES);
+    uint8_t *stages = smem;
+    uint8_t *staging = stages + STAGES * (WGR_A_BYTES + BN / 64 * WG_BOX_BYTES);
+    uint64_t *full = (uint64_t *)(staging + 2 * WGR_STAGING_BYTES);
+    uint64_t *empty = full + STAGES;
+    int64_t *row_start = (int64_t *)(empty + STAGES);
     int *tile_start = (int *)(row_start + p.num_experts + 1);
 
     if (threadIdx.x < 32) expert_prefix(p.counts, p.num_experts, p.capacity, WG_BK, row_start, tile_start);
     if (threadIdx.x == 32) {
-        for (int s = 0; s < WG_STAGES; s++) {
+        for (int s = 0; s < STAGES; s++) {
             mbar_init_count(&full[s], 1);
-            mbar_init_count(&empty[s], 8);
+            mbar_init_count(&empty[s], PINGPONG ? 4 : 8); /* the warps that multiply a stage */
         }
         mbar_init_fence();
     }
@@ -443,10 +518,10 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_wgrad_kernel(const _
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
         warpgroup_registers_dec<40>();
-        if (threadIdx.x == 0) wgrad_produce(p, row_start, units, a_stages, b_stages, full, empty);
+        if (threadIdx.x == 0) wgrad_produce<STAGES, BN>(p, row_start, units, stages, full, empty);
     } else {
         warpgroup_registers_inc<232>();
-        wgrad_consume(p, row_start, units, a_stages, b_stages, staging, full, empty, wg - 1);
+        wgrad_consume<STAGES, PINGPONG>(p, row_start, units, stages, staging, full, empty, wg - 1);
     }
 #endif
 }
@@ -456,6 +531,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_wgrad_kernel(const _
 static PFN_cuTensorMapEncodeTiled_v12000 encode_fn;
 static signed char ready[WG_MAX_DEVICES]; /* per device: 1 prepared, -1 not usable, 0 not asked */
 static int sm_count[WG_MAX_DEVICES];      /* per prepared device: the persistent grid */
+static int smem_optin[WG_MAX_DEVICES];    /* per prepared device: the most dynamic shared memory a block may take */
 
 extern "C" moert_result bf16_wgmma_prepare(const moert_host *host)
 {
@@ -480,7 +556,14 @@ extern "C" moert_result bf16_wgmma_prepare(const moert_host *host)
     const int bytes = (int)wg_smem_bytes(BF16_DEVICE_GEMM_MAX_EXPERTS);
     CUDA_CHECK(host, cudaFuncSetAttribute(bf16_wgmma_kernel<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     CUDA_CHECK(host, cudaFuncSetAttribute(bf16_wgmma_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    CUDA_CHECK(host, cudaFuncSetAttribute(bf16_wgmma_wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    CUDA_CHECK(host, cudaDeviceGetAttribute(&smem_optin[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    CUDA_CHECK(host,
+               cudaFuncSetAttribute(bf16_wgmma_wgrad_kernel<3, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)wgrad_smem_bytes(3, 256, BF16_DEVICE_GEMM_MAX_EXPERTS)));
+    CUDA_CHECK(host, cudaFuncSetAttribute(bf16_wgmma_wgrad_kernel<4, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          (int)wgrad_smem_bytes(4, 128, BF16_DEVICE_GEMM_MAX_EXPERTS)));
+    CUDA_CHECK(host, cudaFuncSetAttribute(bf16_wgmma_wgrad_kernel<5, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          smem_optin[dev]));
     CUDA_CHECK(host, cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev));
     ready[dev] = 1;
     return MOERT_OK;
@@ -544,8 +627,11 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
     p.counts = a->counts_device;
     p.capacity = a->capacity;
     p.num_experts = (int)a->num_experts;
-    p.m_tiles = (int)((a->k_in + WG_BM - 1) / WG_BM);
-    p.n_tiles = (int)((a->n_out + WG_BN - 1) / WG_BN);
+    /* the ping-pong where an expert has few rows on average (its fp32 writes take as long as its MMA) */
+    const bool pingpong = a->capacity < (int64_t)WGR_PINGPONG_ROWS * a->num_experts;
+    const int bn = pingpong ? 128 : 256;
+    p.m_tiles = (int)((a->k_in + WGR_BM - 1) / WGR_BM);
+    p.n_tiles = (int)((a->n_out + bn - 1) / bn);
     p.k_in = (int)a->k_in;
     p.n_out = (int)a->n_out;
     p.accumulate = a->accumulate != 0;
@@ -555,7 +641,14 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
                       "bf16 device gemm WGRAD: %lld experts of %lld x %lld make more than 2^31 tiles",
                       (long long)a->num_experts, (long long)a->k_in, (long long)a->n_out);
     const unsigned grid = (unsigned)(units < sm_count[dev] ? units : sm_count[dev]);
-    bf16_wgmma_wgrad_kernel<<<grid, WG_THREADS, wg_smem_bytes(p.num_experts), stream>>>(p);
+    /* the ping-pong takes five stages where the experts' prefix arrays leave room (up to ~160 experts), else four */
+    const size_t five = wgrad_smem_bytes(5, 128, p.num_experts);
+    if (!pingpong)
+        bf16_wgmma_wgrad_kernel<3, false><<<grid, WG_THREADS, wgrad_smem_bytes(3, 256, p.num_experts), stream>>>(p);
+    else if (five <= (size_t)smem_optin[dev])
+        bf16_wgmma_wgrad_kernel<5, true><<<grid, WG_THREADS, five, stream>>>(p);
+    else
+        bf16_wgmma_wgrad_kernel<4, true><<<grid, WG_THREADS, wgrad_smem_bytes(4, 128, p.num_experts), stream>>>(p);
     LAUNCH_CHECK(host, "bf16_wgmma_wgrad_kernel");
     return MOERT_OK;
 }

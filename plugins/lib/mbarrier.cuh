@@ -189,4 +189,11 @@ __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+/* Arrives at named barrier `id` without waiting: with `threads` counting both sides, the threads that bar.sync on it
+ * go on once the arriving ones have arrived (a one-way hand-off between warpgroups). */
+__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads)
+{
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 #endif

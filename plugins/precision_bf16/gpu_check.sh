@@ -16,7 +16,7 @@
 #   gemm_bench qwen3-30b, mixtral (~30 s each)  the same on the qwen3-30b-a3b (32 experts of ~512 rows) and
 #                                  mixtral-8x7b (2 experts of ~8192 rows) shapes
 #   ab_wgrad_<preset>     (~60 s each)  `moert ab` of one layer at the preset's per-GPU EP4 shape on this GPU (E/4
-#                                  experts): "wgrad_gemm": "cublaslt" (A) against the default (B: the kernel on Hopper)
+#                                  experts): "wgrad_gemm": "cublaslt" (A) against the default (B: "wgrad_gemm": "kernel")
 # Logs, the bench JSONs and a summary go into OUT. Exit status: the first failing step's (0: all passed).
 set -u
 B=${1:-${BUILD:-build}}
@@ -49,13 +49,13 @@ step gemm_bench_qwen3 60 env MOERT_BENCH_MACHINE="$machine" MOERT_BENCH_GIT="$gi
     MOERT_BENCH_REPEATS=10 "$B/bench/gemm_bench" "$OUT/gemm_bench_qwen3.json"
 step gemm_bench_mixtral 90 env MOERT_BENCH_MACHINE="$machine" MOERT_BENCH_GIT="$git_rev" MOERT_BENCH_ONLY=mixtral \
     MOERT_BENCH_REPEATS=10 "$B/bench/gemm_bench" "$OUT/gemm_bench_mixtral.json"
-# the layer: one preset at its per-GPU EP4 shape, wgrad on cuBLASLt (A) against the default (B)
+# the layer: one preset at its per-GPU EP4 shape, wgrad on cuBLASLt (A) against the kernel (B)
 for pe in deepseek-v3:64 qwen3-30b-a3b:32 mixtral-8x7b:2; do
     preset=${pe%%:*} experts=${pe##*:}
     step "ab_wgrad_$preset" 240 env -u MOERT_PLUGIN_PATH "$B/tools/moert" ab "configs/$preset.json" \
         "configs/$preset.json" --set 'parallel.device="cuda"' --set parallel.ranks=1 --set model.num_layers=1 \
         --set "model.num_experts=$experts" --set 'train.optimizer="sgd"' --warmup 3 --steps 12 \
-        --set-a 'precision={"plugin":"bf16","wgrad_gemm":"cublaslt"}' --set-b 'precision={"plugin":"bf16"}' \
+        --set-a 'precision={"plugin":"bf16","wgrad_gemm":"cublaslt"}' --set-b 'precision={"plugin":"bf16","wgrad_gemm":"kernel"}' \
         --report "$OUT/ab_wgrad_$preset.json"
 done
 {

@@ -5,7 +5,8 @@
  *   accumulating and overwriting (and into bf16), with empty experts, odd counts (1, 17, 129, ...), one hot expert,
  *   no rows at all and counts that sum past the capacity (the kernel drops the rows past it); K_in 64..256, N_out
  *   64..384 (multiples of 8, not of 128). Rows past the sum must stay as they were (their inputs are NaN: a read shows);
- *   WGRAD: an empty expert's slice zero (overwrite) or unchanged (accumulate), bit for bit.
+ *   WGRAD: an empty expert's slice zero (overwrite) or unchanged (accumulate), bit for bit. Two cases have >= 2048
+ *   rows an expert, so the wgmma WGRAD runs its cooperative schedule there and its ping-pong in the others.
  * - one big case (8 experts of ~512 rows, K 7168, N 4096) against the cuBLASLt path (precision_bf16_cuda.cu) on
  *   every element and against double-precision dot products on sampled elements.
  * - CUDA graph capture: FORWARD, DGRAD and WGRAD captured once, replayed with other counts written into the same
@@ -744,6 +745,9 @@ int main(void)
         {"E4 K72 N136 no rows", 4, 72, 136, {0, 0, 0, 0}, 0},
         {"E3 K64 N72 past capacity 200,100,7 cap 250", 3, 64, 72, {200, 100, 7}, 250},
         {"E16 K192 N64 odd", 16, 192, 64, {1, 3, 0, 5, 7, 9, 11, 13, 15, 17, 0, 19, 21, 23, 127, 129}, 0},
+        /* >= 2048 rows an expert on average: the wgmma WGRAD's cooperative schedule (fewer: its ping-pong) */
+        {"E2 K136 N200 many rows 3000,1500", 2, 136, 200, {3000, 1500}, 0},
+        {"E2 K64 N264 many rows 4100,0", 2, 64, 264, {4100, 0}, 0},
     };
     /* every case on mma.sync with both tile widths, and on the wgmma engine where the GPU has it (sm_90) */
     static const int configs[][2] = {
