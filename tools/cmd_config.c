@@ -292,14 +292,6 @@ static int finish(import_state *st)
     else
         return fail("--moe-token-dispatcher-type: \"%s\" is not one of Megatron's values%s", dtype, "");
     set_key(st->root, "dispatcher.plugin", json_string(plugin));
-    /* the micro-batch overlap runs over dispatchers whose transfers NCCL orders (docs/executor.md) */
-    json_t *parallel = json_object_get(st->root, "parallel");
-    json_t *overlap = parallel ? json_object_get(parallel, "overlap_micro_batches") : NULL;
-    if (overlap && json_is_string(overlap) && !strcmp(json_string_value(overlap), "on") &&
-        (!strcmp(plugin, "deepep") || !strcmp(plugin, "hybridep")))
-        return fail("--overlap-moe-expert-parallel-comm with the flex dispatcher (%s): moert overlaps micro-batches "
-                    "over alltoall or allgather only%s (use --moe-token-dispatcher-type alltoall, or drop the flag)",
-                    plugin, "");
     /* padding to capacity: the router reports every expert at capacity, the dispatcher fills the rows */
     if (st->pad_to_capacity) {
         json_t *factor = json_object_get(router, "capacity_factor");

@@ -453,21 +453,13 @@ fail:
 
 static const char *const cuda_graph_modes[] = {"auto", "off", "on", NULL};
 
-bool moert_overlap_peer_waiting_dispatcher(const moert_config *cfg)
-{
-    const char *name = cfg->plugin[MOERT_SLOT_DISPATCHER];
-    const char *base = strrchr(name, '/');
-    base = base ? base + 1 : name;
-    return strstr(base, "deepep") != NULL || strstr(base, "hybridep") != NULL;
-}
-
 bool moert_overlap_enabled(const moert_config *cfg, moert_device_type device, int world, int64_t micro_batches)
 {
     const moert_parallel_config *p = &cfg->parallel;
     if (p->overlap_micro_batches == MOERT_OVERLAP_ON) return true;
     if (p->overlap_micro_batches == MOERT_OVERLAP_OFF) return false;
-    return device == MOERT_DEVICE_CUDA && world > 1 && micro_batches >= 2 &&
-           !moert_overlap_peer_waiting_dispatcher(cfg);
+    /* graphs are not used with the overlap: $.parallel.cuda_graph "on" asks for them */
+    return device == MOERT_DEVICE_CUDA && world > 1 && micro_batches >= 2 && p->cuda_graph != MOERT_GRAPH_ON;
 }
 
 const char *moert_cuda_graph_mode_name(int mode)

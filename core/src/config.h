@@ -61,14 +61,9 @@ typedef struct moert_parallel_config {
 } moert_parallel_config;
 
 /* Whether $.parallel.overlap_micro_batches is on for a run on `device` over `world` ranks with `micro_batches` per
- * step (auto: CUDA, world > 1, at least two micro-batches and a dispatcher whose transfers NCCL orders; micro_batches
- * < 1, not known as in the embedding API without moert_launch.micro_batches: auto is off there). */
+ * step (auto: CUDA, world > 1, at least two micro-batches and $.parallel.cuda_graph not "on", any dispatcher;
+ * micro_batches < 1, not known as in the embedding API without moert_launch.micro_batches: auto is off there). */
 bool moert_overlap_enabled(const moert_config *cfg, moert_device_type device, int world, int64_t micro_batches);
-
-/* Whether the config's dispatcher is one whose kernels wait on their peers' (deepep, hybridep): two slots' kernels of
- * it on two streams may run in different orders on different GPUs, each waiting for a peer behind the other, so the
- * overlap refuses them. */
-bool moert_overlap_peer_waiting_dispatcher(const moert_config *cfg);
 
 /* $.train.optimizer: Adam keeps two moment buffers per parameter; plain SGD keeps none. */
 typedef enum moert_optimizer { MOERT_OPTIMIZER_ADAM = 0, MOERT_OPTIMIZER_SGD = 1 } moert_optimizer;

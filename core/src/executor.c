@@ -185,6 +185,77 @@ moert_result moert_layer_plugin_failed(const moert_layer *L, const moert_instanc
 #define PRECISION(L)  ((const moert_precision_v1 *)(L)->precision.plugin->header)
 #define MEMORY(L)     ((const moert_memory_policy_v1 *)(L)->memory.plugin->header)
 
+/* The dispatcher's five calls that take a stream, for call_dispatcher. */
+typedef enum dispatcher_call {
+    CALL_PREPARE, /* on L->topk_idx into L->layout (args unused) */
+    CALL_DISPATCH,
+    CALL_COMBINE,
+    CALL_COMBINE_BACKWARD,
+    CALL_DISPATCH_BACKWARD
+} dispatcher_call;
+
+/* Makes `waiter` wait for the work queued on `s` so far, through event e (CUDA: the overlap's fences around a
+ * dispatcher call). */
+static moert_result fence(const moert_layer *L, moert_event e, moert_stream s, moert_stream waiter, const char *what,
+                          const char *fn)
+{
+#ifdef MOERT_HAVE_CUDA
+    moert_result rc = moert_cuda_event_record(e, s);
+    if (rc == MOERT_OK) rc = moert_cuda_stream_wait_event(waiter, e);
+    if (rc != MOERT_OK)
+        moert_error_prefix("micro-batch overlap: %s the dispatcher's %s (layer %d, rank %d)", what, fn,
+                           L->info.layer_index, L->core_host->rank);
+    return rc;
+#else
+    (void)L;
+    (void)e;
+    (void)s;
+    (void)waiter;
+    (void)what;
+    (void)fn;
+    return MOERT_OK;
+#endif
+}
+
+/* Calls the dispatcher. Its stream is the layer's compute stream, or with micro-batch overlap on GPUs (L->comm) the
+ * rank's one communication stream, fenced with the compute stream on both sides: the call sees the slot's work so far
+ * and the slot's later work sees the call's, and the instance allocates on the communication stream meanwhile (its
+ * buffers are used there). Every dispatcher call of both slots then runs in the order the host issued them, which is
+ * the same on every rank, so kernels that spin until their peers' arrive (deepep, hybridep) cannot end up waiting on
+ * each other from two streams while a GEMM holds the rest of the GPU. Not while capturing a CUDA graph: the pool keeps
+ * only the compute stream's blocks for the graphs, so the calls stay there. */
+static moert_result call_dispatcher(moert_layer *L, dispatcher_call call, const void *args)
+{
+    static const char *const names[] = {"prepare", "dispatch", "combine", "combine_backward", "dispatch_backward"};
+    const moert_dispatcher_v1 *d = DISPATCHER(L);
+    void *ctx = L->dispatcher.ctx;
+    const moert_comm_stream *comm = L->capturing ? NULL : L->comm;
+    const moert_stream s = comm ? comm->stream : L->stream;
+    moert_stream before = NULL;
+    moert_result rc = MOERT_OK, rc_leave = MOERT_OK;
+    if (comm) {
+        MOERT_CHECK(fence(L, comm->enter, L->stream, s, "ordering the communication stream before", names[call]));
+        before = moert_host_use_stream(L->dispatcher.host, s);
+    }
+    switch (call) {
+    case CALL_PREPARE: rc = d->prepare(ctx, s, &L->topk_idx, &L->layout); break;
+    case CALL_DISPATCH: rc = d->dispatch(ctx, s, args); break;
+    case CALL_COMBINE: rc = d->combine(ctx, s, args); break;
+    case CALL_COMBINE_BACKWARD: rc = d->combine_backward(ctx, s, args); break;
+    case CALL_DISPATCH_BACKWARD: rc = d->dispatch_backward(ctx, s, args); break;
+    }
+    if (comm) {
+        moert_host_use_stream(L->dispatcher.host, before);
+        /* after a failure too: the compute stream stays ordered after whatever the call queued (the plugin's message
+         * is kept in its host until taken below) */
+        rc_leave = fence(L, comm->leave, s, L->stream, "ordering the compute stream after", names[call]);
+    }
+    if (rc != MOERT_OK) return moert_layer_plugin_failed(L, &L->dispatcher, names[call], rc);
+    rc = rc_leave;
+fail:
+    return rc;
+}
+
 /* A zeroed tensor on the layer's device. */
 static moert_result tensor_alloc(moert_layer *L, moert_tensor *t, moert_dtype dtype, int ndim, int64_t d0, int64_t d1,
                                  int64_t d2)
@@ -798,7 +869,7 @@ static moert_result run_dispatch(moert_layer *L)
         d.recv_x = &local_x;
         d.recv_probs = &local_probs;
     }
-    PLUGIN_CALL(L->dispatcher, "dispatch", DISPATCHER(L)->dispatch(L->dispatcher.ctx, L->stream, &d));
+    MOERT_CHECK(call_dispatcher(L, CALL_DISPATCH, &d));
     if (etp_on(L)) {
         MOERT_CHECK(etp_gather_rows(L, &local_x, recv_x));
         MOERT_CHECK(etp_gather_rows(L, &local_probs, &L->recv_probs));
@@ -1112,8 +1183,7 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
 
     memset(&L->layout, 0, sizeof L->layout);
     L->layout.struct_size = sizeof L->layout;
-    PLUGIN_CALL(L->dispatcher, "prepare",
-                DISPATCHER(L)->prepare(L->dispatcher.ctx, L->stream, &L->topk_idx, &L->layout));
+    MOERT_CHECK(call_dispatcher(L, CALL_PREPARE, NULL));
     if (etp_on(L)) MOERT_CHECK(etp_gather_counts(L));
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_PERMUTE));
     yield_point(L);
@@ -1153,7 +1223,7 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
 
     if (!L->no_residual) MOERT_CHECK(tensor_alloc(L, &moe_out, in->dtype, 2, t, in->hidden, 0));
     moert_combine_args ca = {.struct_size = sizeof ca, .y_expert = &y_expert, .y = L->no_residual ? y : &moe_out};
-    PLUGIN_CALL(L->dispatcher, "combine", DISPATCHER(L)->combine(L->dispatcher.ctx, L->stream, &ca));
+    MOERT_CHECK(call_dispatcher(L, CALL_COMBINE, &ca));
     if (!L->no_residual) MOERT_CHECK(moert_add(L->stream, x, &moe_out, y));
     if (L->shared_ffn > 0) MOERT_CHECK(shared_forward_finish(L, y));
     /* the compute stream waits here for D2H copies still running, unless the caller frees them later (counted in
@@ -1220,7 +1290,7 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
     MOERT_CHECK(part_begin(L, MOERT_BWD_COMBINE, L->stream));
     MOERT_CHECK(tensor_alloc(L, &d_y_expert, in->dtype, 2, cap, in->hidden, 0));
     moert_combine_backward_args cb = {.struct_size = sizeof cb, .d_y = d_y, .d_y_expert = &d_y_expert};
-    PLUGIN_CALL(L->dispatcher, "combine_backward", DISPATCHER(L)->combine_backward(L->dispatcher.ctx, L->stream, &cb));
+    MOERT_CHECK(call_dispatcher(L, CALL_COMBINE_BACKWARD, &cb));
     if (etp_on(L)) { /* every ETP rank's output gradients, on the experts' rows */
         moert_tensor local = d_y_expert;
         rc = tensor_alloc(L, &d_y_expert, in->dtype, 2, rows, in->hidden, 0);
@@ -1297,8 +1367,7 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
         db.d_recv_x = &local_d_recv_x;
         db.d_recv_probs = &local_d_recv_probs;
     }
-    PLUGIN_CALL(L->dispatcher, "dispatch_backward",
-                DISPATCHER(L)->dispatch_backward(L->dispatcher.ctx, L->stream, &db));
+    MOERT_CHECK(call_dispatcher(L, CALL_DISPATCH_BACKWARD, &db));
     MOERT_CHECK(part_end(L, MOERT_BWD_DISPATCH, L->stream));
 
     MOERT_CHECK(part_begin(L, MOERT_BWD_ROUTER, L->stream));

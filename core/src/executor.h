@@ -48,6 +48,14 @@ const char *moert_backward_part_name(moert_backward_part p);
  * end mark per backward part. */
 #define MOERT_LAYER_MARKS (MOERT_STAGE_COUNT + 2 + 2 * MOERT_BWD_PART_COUNT)
 
+/* Micro-batch overlap on GPUs (core/src/overlap.c): the rank's one communication stream, on which the dispatcher calls
+ * of both slots are issued, and one slot's pair of events fencing it with that slot's compute stream. */
+typedef struct moert_comm_stream {
+    moert_stream stream;
+    moert_event enter; /* recorded on the compute stream before a call; the communication stream waits for it */
+    moert_event leave; /* recorded on the communication stream after the call; the compute stream waits for it */
+} moert_comm_stream;
+
 /* One plugin instance of a layer: vtable, context and its host table. */
 typedef struct moert_instance {
     const moert_plugin *plugin;
@@ -138,6 +146,10 @@ typedef struct moert_layer {
     /* dispatched_x, fc1_out and swiglu_out (and the shared expert's two) from forward to backward: kept, dropped or
      * offloaded as the memory policy answers, with their memory figures (activation_store.h) */
     moert_activation_store acts;
+
+    /* micro-batch overlap on GPUs (core/src/overlap.c): the dispatcher's calls run on this communication stream,
+     * fenced with `stream`, except while capturing; NULL: on `stream` */
+    const moert_comm_stream *comm;
 
     /* a merged forward and backward (core/src/overlap.c): called between stages, where the other half may issue */
     void (*yield)(void *ctx);

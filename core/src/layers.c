@@ -631,15 +631,6 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
         launch->struct_size >= offsetof(moert_launch, micro_batches) + sizeof(int32_t) ? launch->micro_batches : -1;
     /* "on" with one micro-batch a step (as the launch says) would hold a slot that never runs */
     const bool overlap = micro_batches != 1 && moert_overlap_enabled(m->cfg, m->device.type, m->world, micro_batches);
-    if (overlap && m->device.type == MOERT_DEVICE_CUDA && moert_overlap_peer_waiting_dispatcher(m->cfg)) {
-        rc = moert_error(MOERT_ERR_CONFIG,
-                         "config error at $.parallel.overlap_micro_batches: \"on\" cannot run with the dispatcher "
-                         "\"%s\" on GPUs: its kernels wait on their peers', and two micro-batches' kernels on two "
-                         "streams can stall each other across GPUs; use \"alltoall\", \"allgather\" or "
-                         "\"hierarchical\", or \"off\"",
-                         m->cfg->plugin[MOERT_SLOT_DISPATCHER]);
-        goto fail;
-    }
     if (overlap) {
         MOERT_CHECK(moert_overlap_init(&m->overlap, &m->stack, &setup));
         for (int l = 0; l < nl; l++) {
@@ -994,6 +985,21 @@ static int free_slot(const moert_layers *m, int layer, int avoid, const char *fn
     return -1;
 }
 
+/* While the layers capture a CUDA graph only the first slot runs: the graphs keep the pool blocks of the layers' stream
+ * alone, and a captured first slot runs its dispatcher on that stream (call_dispatcher, core/src/executor.c); the
+ * second slot's work, on streams of its own, would be captured with blocks the pool hands out again. Refused before
+ * anything is queued, so the capture stays usable. */
+static moert_result check_capture_slot(const moert_layers *m, int slot, const char *fn)
+{
+    if (slot == 1 && m->stack.layers[0].capturing)
+        return moert_error(MOERT_ERR_UNSUPPORTED,
+                           "%s: the layer's second slot ($.parallel.overlap_micro_batches) while capturing a CUDA "
+                           "graph: capture only micro-batches that run in the first slot (one forward in flight per "
+                           "layer)",
+                           fn);
+    return MOERT_OK;
+}
+
 /* The checks of a forward's arguments. */
 static moert_result check_forward(moert_layers *m, int layer, const moert_tensor *x, const moert_tensor *y,
                                   const moert_moe_stats *stats, const char *fn)
@@ -1043,6 +1049,7 @@ MOERT_API moert_result moert_moe_forward(moert_layers *m, int layer, const moert
     if (rc != MOERT_OK) return rc;
     const int slot = free_slot(m, layer, -1, fn);
     if (slot < 0) return MOERT_ERR_INVALID_ARGUMENT;
+    if ((rc = check_capture_slot(m, slot, fn)) != MOERT_OK) return rc;
     moert_layer *L = moert_overlap_layer(&m->overlap, layer, slot);
     moert_saved *token = NULL;
     if (saved) {
@@ -1128,6 +1135,7 @@ MOERT_API moert_result moert_moe_backward(moert_layers *m, moert_saved *saved, c
     bool accumulate = true;
     moert_result rc = check_backward(m, saved, dy, dx, opts, fn, &scale, &accumulate);
     if (rc != MOERT_OK) return rc;
+    if ((rc = check_capture_slot(m, saved->slot, fn)) != MOERT_OK) return rc;
     const int layer = saved->layer, slot = saved->slot;
     moert_layer *L = moert_overlap_layer(&m->overlap, layer, slot);
     /* the activations go with this call, whatever its outcome */
@@ -1161,6 +1169,8 @@ MOERT_API moert_result moert_moe_forward_backward(moert_layers *m, int layer, co
     /* a free slot of the forward's layer, the other slot than the backward's where it can (its own stream on CUDA) */
     const int slot = free_slot(m, layer, bslot, fn);
     if (slot < 0) return MOERT_ERR_INVALID_ARGUMENT;
+    if ((rc = check_capture_slot(m, slot, fn)) != MOERT_OK || (rc = check_capture_slot(m, bslot, fn)) != MOERT_OK)
+        return rc;
     moert_layer *F = moert_overlap_layer(&m->overlap, layer, slot), *B = moert_overlap_layer(&m->overlap, bl, bslot);
     moert_saved *token = calloc(1, sizeof *token);
     if (!token) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);

@@ -10,12 +10,31 @@
 #include "host.h"
 #ifdef MOERT_HAVE_CUDA
 #include "cuda/device.h"
+#include "cuda/pool.h"
 #endif
 
 static moert_result host_error(const moert_host *h, moert_result rc, const char *what)
 {
     return moert_error(rc, "micro-batch overlap: %s: %s", what, moert_host_take_error((moert_host *)h));
 }
+
+#ifdef MOERT_HAVE_CUDA
+/* The communication stream and each slot's fence events (overlap.h), on `device`. */
+static moert_result comm_stream_create(moert_overlap *o, int device)
+{
+    moert_result rc = MOERT_OK;
+    /* high priority: a dispatcher's kernels take SMs first as they free up, as on the compute streams */
+    MOERT_CHECK(moert_cuda_stream_create_high_priority(device, &o->comm[0].stream));
+    o->comm[1].stream = o->comm[0].stream;
+    for (int slot = 0; slot < MOERT_OVERLAP_SLOTS; slot++) {
+        MOERT_CHECK(moert_cuda_event_create(device, false, &o->comm[slot].enter));
+        MOERT_CHECK(moert_cuda_event_create(device, false, &o->comm[slot].leave));
+    }
+fail:
+    if (rc != MOERT_OK) moert_error_prefix("micro-batch overlap: creating the communication stream");
+    return rc;
+}
+#endif
 
 moert_result moert_overlap_init(moert_overlap *o, moert_stack *primary, const moert_stack_setup *setup)
 {
@@ -27,6 +46,7 @@ moert_result moert_overlap_init(moert_overlap *o, moert_stack *primary, const mo
 #ifdef MOERT_HAVE_CUDA
     if (setup->device.type == MOERT_DEVICE_CUDA) {
         const moert_host *h = primary->core_host;
+        o->pool = setup->pool;
         /* as high a priority as the rank's compute stream: the two micro-batches' work is equal */
         MOERT_CHECK(moert_cuda_stream_create_high_priority(setup->device.id, &o->stream));
         if ((rc = h->event_create(h, &o->fork_event)) != MOERT_OK) {
@@ -37,30 +57,57 @@ moert_result moert_overlap_init(moert_overlap *o, moert_stack *primary, const mo
             rc = host_error(h, rc, "creating its events");
             goto fail;
         }
+        MOERT_CHECK(comm_stream_create(o, setup->device.id));
         twin.stream = o->stream;
         o->interleave = true;
     }
 #endif
     o->made = true;
     MOERT_CHECK(moert_stack_init(&o->twin, &twin));
+    /* both slots' dispatcher calls go to the communication stream (CUDA) */
+    for (int l = 0; o->comm[0].stream && l < primary->num_layers; l++) {
+        primary->layers[l].comm = &o->comm[0];
+        o->twin.layers[l].comm = &o->comm[1];
+    }
 fail:
     return rc;
 }
 
+#ifdef MOERT_HAVE_CUDA
+/* Waits for a stream's work, then destroys it; blocks the pool has cached as freed on it are reused only through
+ * their events from now on (a new stream may get the same handle). */
+static void stream_release(moert_overlap *o, moert_stream s)
+{
+    if (!s) return;
+    if (moert_cuda_stream_synchronize(s) != MOERT_OK) moert_error_clear();
+    if (o->pool) moert_cuda_pool_forget_stream(o->pool, s);
+    moert_cuda_stream_destroy(s);
+}
+#endif
+
 void moert_overlap_finalize(moert_overlap *o)
 {
-    if (!o->made) return;
+    if (!o->primary) return;
     const moert_host *h = o->primary->core_host;
-    /* the parameters are slot 0's: the twin's layers only borrowed them */
-    for (int l = 0; o->twin.layers && l < o->twin.num_layers; l++)
-        memset(o->twin.layers[l].params, 0, sizeof o->twin.layers[l].params);
-    moert_stack_finalize(&o->twin);
+#ifdef MOERT_HAVE_CUDA
+    /* the dispatchers' last work is done before any of their instances goes (slot 0's after this) */
+    if (o->comm[0].stream && moert_cuda_stream_synchronize(o->comm[0].stream) != MOERT_OK) moert_error_clear();
+#endif
+    for (int l = 0; o->primary->layers && l < o->primary->num_layers; l++) o->primary->layers[l].comm = NULL;
+    if (o->made) {
+        /* the parameters are slot 0's: the twin's layers only borrowed them */
+        for (int l = 0; o->twin.layers && l < o->twin.num_layers; l++)
+            memset(o->twin.layers[l].params, 0, sizeof o->twin.layers[l].params);
+        moert_stack_finalize(&o->twin);
+    }
     if (o->fork_event) h->event_destroy(h, o->fork_event);
     if (o->join_event) h->event_destroy(h, o->join_event);
 #ifdef MOERT_HAVE_CUDA
-    if (o->stream) {
-        if (moert_cuda_stream_synchronize(o->stream) != MOERT_OK) moert_error_clear();
-        moert_cuda_stream_destroy(o->stream);
+    stream_release(o, o->stream);
+    stream_release(o, o->comm[0].stream);
+    for (int slot = 0; slot < MOERT_OVERLAP_SLOTS; slot++) {
+        if (o->comm[slot].enter) moert_cuda_event_destroy(o->comm[slot].enter);
+        if (o->comm[slot].leave) moert_cuda_event_destroy(o->comm[slot].leave);
     }
 #endif
     memset(o, 0, sizeof *o);

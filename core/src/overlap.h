@@ -16,10 +16,16 @@ typedef struct moert_overlap {
     moert_stream stream;                /* CUDA: slot 1's compute stream (NULL on the CPU) */
     moert_event fork_event, join_event; /* CUDA: slot 1's stream forks from and joins slot 0's at every call */
     bool interleave;                    /* issue the two halves of a merged call stage by stage (CUDA) */
+    /* CUDA: the rank's one communication stream, on which every dispatcher call of both slots is issued in the order
+     * the host issues them (the same on every rank), with each slot's events fencing it with the slot's stream; every
+     * layer of slot s points at comm[s] (moert_layer.comm) */
+    moert_comm_stream comm[MOERT_OVERLAP_SLOTS];
+    struct moert_cuda_pool *pool; /* CUDA: the rank's pool (blocks freed on the streams above are forgotten) */
 } moert_overlap;
 
 /* Makes slot 1 of every layer of `primary` (made from `setup`): one more instance of each plugin per layer, its own
- * core services and, on CUDA, its own compute stream; parameters and gradients stay slot 0's. Collective. */
+ * core services and, on CUDA, its own compute stream and the communication stream both slots' dispatcher calls run
+ * on; parameters and gradients stay slot 0's. Collective. */
 moert_result moert_overlap_init(moert_overlap *o, moert_stack *primary, const moert_stack_setup *setup);
 void moert_overlap_finalize(moert_overlap *o);
 

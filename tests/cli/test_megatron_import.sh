@@ -3,7 +3,8 @@
 # `moert config --from-megatron`: each preset's Megatron flags (tests/fixtures/megatron/*.args) give the shipped preset
 # (deepseek-v3.args, with the shared expert: configs/deepseek-v3-shared.json; deepseek-v3-routed.args: deepseek-v3.json)
 # (model, router, dispatcher, precision, memory policy, EP size); flags moert cannot map are refused by name; FP8,
-# flex dispatchers and recompute map onto their moert keys.
+# flex dispatchers and recompute map onto their moert keys, and --overlap-moe-expert-parallel-comm onto the micro-batch
+# overlap with every dispatcher, the flex ones included.
 # Usage: test_megatron_import.sh PATH/TO/moert
 set -u
 moert="$1"
@@ -58,8 +59,19 @@ expect_refused pad_deepep "moert's deepep dispatcher does not pad" "${base[@]}" 
     --moe-pad-expert-input-to-capacity --moe-enable-deepep
 expect_refused router_dtype "--moe-router-dtype: \"bf16\" is not one of Megatron's values" "${base[@]}" \
     --moe-router-dtype bf16
-expect_refused overlap_flex "--overlap-moe-expert-parallel-comm with the flex dispatcher (deepep)" "${base[@]}" \
-    --moe-enable-deepep --overlap-moe-expert-parallel-comm
+# the micro-batch overlap runs with every dispatcher, the flex ones (deepep, hybridep) included
+for backend in deepep hybridep; do
+    "$moert" config --from-megatron --num-experts 8 --hidden-size 64 --moe-ffn-hidden-size 32 \
+        --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend "$backend" --overlap-moe-expert-parallel-comm \
+        >"$tmp/overlap-$backend.json" 2>&1 ||
+        fail "--overlap-moe-expert-parallel-comm with $backend refused: $(cat "$tmp/overlap-$backend.json")"
+    python3 - "$tmp/overlap-$backend.json" "$backend" <<'PY' || fail "--overlap-moe-expert-parallel-comm with $backend"
+import json, sys
+c = json.load(open(sys.argv[1]))
+assert c["dispatcher"] == {"plugin": sys.argv[2]}, c["dispatcher"]
+assert c["parallel"]["overlap_micro_batches"] == "on", c["parallel"]
+PY
+done
 # the router's Megatron options: jitter, fp64 compute, forced balancing, capacity with padding
 "$moert" config --from-megatron "${base[@]}" --moe-input-jitter-eps 0.01 --moe-router-dtype fp64 \
     --moe-router-force-load-balancing --moe-expert-capacity-factor 1.5 --moe-token-drop-policy position \

@@ -4,7 +4,8 @@
  * - the runtime with a capturable stack (router without a loss, dispatcher hybridep, precision bf16 with
  *   "gemm": "kernel"), 2 layers, fresh data every step: captured at step 2 and replayed after; every step's loss
  *   equals the eager run's ("off"); in normal and low-latency hybridep; and with 3 micro-batches per step (a
- *   step's first micro-batch and the later ones are two pairs of graphs);
+ *   step's first micro-batch and the later ones are two pairs of graphs; the micro-batch overlap off, as it runs
+ *   without graphs);
  * - "on" with a dispatcher that syncs the host (alltoall) fails naming it; "auto" runs it eagerly and says why.
  * Exits 77 without a GPU (and in builds without CUDA). */
 #include "test_util.h"
@@ -81,9 +82,11 @@ exit:
 
 /* ---- the runtime ---- */
 
+/* the micro-batch overlap, which "auto" turns on with several micro-batches and ranks, runs without graphs: off */
 static const char *graph_config =
     "{\"model\": {\"hidden\": 512, \"ffn_hidden\": 256, \"num_experts\": 16, \"topk\": 4, \"num_layers\": 2,"
-    " \"dtype\": \"bf16\"}, \"parallel\": {\"ranks\": %d, \"device\": \"cuda\", \"cuda_graph\": \"%s\"},"
+    " \"dtype\": \"bf16\"}, \"parallel\": {\"ranks\": %d, \"device\": \"cuda\", \"cuda_graph\": \"%s\","
+    " \"overlap_micro_batches\": \"off\"},"
     " \"train\": {\"tokens_per_rank\": %d, \"micro_batches\": %d, \"seed\": 11, \"lr\": 0.001},"
     " \"router\": {\"score_function\": \"sigmoid\", \"expert_bias\": true, \"bias_update_rate\": 0.01},"
     " \"dispatcher\": {\"plugin\": \"%s\"%s}, \"precision\": {\"plugin\": \"bf16\", \"gemm\": \"kernel\"}}";

@@ -4,6 +4,7 @@
  * - a process per GPU with a caller-distributed NCCL id (moert_nccl_unique_id in the parent, passed as hex on the
  *   command line; no port, no environment variable);
  * outputs, input gradients, expert gradients and the router gradient summed over ranks within fp32 tolerances.
+ * With micro-batch overlap on one GPU, a forward that needs the second slot while capturing a CUDA graph is refused.
  * Also times one deepseek-v3-shaped layer's forward+backward through the API (--bench, one GPU).
  *   usage: test_gpu_layers_api                 (the checks; exits 77 without a GPU)
  *          test_gpu_layers_api --rank R N HEX   (one process of the NCCL check)
@@ -426,6 +427,73 @@ static int bench(const char *path)
     return rc;
 }
 
+/* With micro-batch overlap ("on", 2 micro-batches a step) on GPU 0: while the layers capture a CUDA graph, a forward
+ * that needs the second slot (the first holds a forward) is refused before anything is queued; the capture still
+ * ends, and the first slot's backward runs after it. */
+static void capture_refuses_second_slot(void)
+{
+    static const char *json =
+        "{\"model\": {\"hidden\": 64, \"ffn_hidden\": 96, \"num_experts\": 8, \"topk\": 2, \"num_layers\": 1,"
+        " \"dtype\": \"fp32\"}, \"parallel\": {\"ranks\": 1, \"overlap_micro_batches\": \"on\"},"
+        " \"train\": {\"tokens_per_rank\": 64}}";
+    const moert_device dev = {MOERT_DEVICE_CUDA, 0};
+    const int64_t t = 64;
+    const size_t act = (size_t)(t * H) * sizeof(float);
+    moert_config *cfg = NULL;
+    moert_layers *m = NULL;
+    moert_graph *g = NULL;
+    moert_saved *s0 = NULL, *s1 = NULL;
+    void *value[MOERT_PARAM_COUNT] = {0}, *grad[MOERT_PARAM_COUNT] = {0};
+    static float host_x[64 * H];
+    uint64_t seed = 11;
+    for (int64_t i = 0; i < t * H; i++) host_x[i] = uniform(&seed);
+    cudaStream_t stream;
+    CK(cudaSetDevice(0));
+    CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    void *x = buffer(dev, act), *y = buffer(dev, act), *y1 = buffer(dev, act), *dx = buffer(dev, act);
+    from_host(dev, x, host_x, act);
+    EXPECT_OK(moert_config_load_string(json, "gpu-layers-api-capture", &cfg));
+    moert_launch launch = {.struct_size = sizeof launch, .rank = 0, .world_size = 1, .device = dev, .micro_batches = 2};
+    if (!cfg || moert_layers_create(cfg, &launch, &m) != MOERT_OK) {
+        fprintf(stderr, "capture with the second slot: %s\n", moert_last_error());
+        test_failures++;
+        goto done;
+    }
+    EXPECT(moert_layers_overlap_interleave(m, true)); /* the second slot is there */
+    for (int w = 0; w < MOERT_PARAM_COUNT; w++) {
+        moert_tensor v, gr;
+        if (moert_layers_param_desc(m, 0, (moert_param_id)w, &v) != MOERT_OK) continue;
+        gr = v;
+        v.data = value[w] = buffer(dev, moert_tensor_bytes(&v));
+        gr.data = grad[w] = buffer(dev, moert_tensor_bytes(&gr));
+        EXPECT_OK(moert_layers_bind_param(m, 0, (moert_param_id)w, &v, &gr));
+    }
+    EXPECT_OK(moert_layers_init_params(m, 7, stream));
+    moert_tensor tx = moert_tensor_2d(x, dev, MOERT_F32, t, H), ty = tx, ty1 = tx, tdx = tx;
+    ty.data = y, ty1.data = y1, tdx.data = dx;
+    EXPECT_OK(moert_moe_forward(m, 0, &tx, &ty, stream, &s0, NULL)); /* the first slot */
+    EXPECT_OK(moert_layers_capture_begin(m, stream));
+    const moert_result rc = moert_moe_forward(m, 0, &tx, &ty1, stream, &s1, NULL);
+    EXPECT_EQ_INT(rc, MOERT_ERR_UNSUPPORTED);
+    EXPECT(strstr(moert_last_error(), "second slot") != NULL);
+    printf("capture with micro-batch overlap: a forward in the second slot refused: %s\n", moert_last_error());
+    (void)moert_layers_capture_end(m, stream, "nothing (the refused forward)", &g); /* an empty capture */
+    moert_graph_destroy(g);
+    moert_backward_options o = {.struct_size = sizeof o, .router_loss_scale = 0.0, .accumulate = false};
+    if (s0) EXPECT_OK(moert_moe_backward(m, s0, &ty, &tdx, &o, stream));
+    CK(cudaStreamSynchronize(stream));
+done:
+    moert_layers_destroy(m);
+    moert_config_free(cfg);
+    for (int w = 0; w < MOERT_PARAM_COUNT; w++) {
+        if (value[w]) release(dev, value[w]);
+        if (grad[w]) release(dev, grad[w]);
+    }
+    void *bufs[4] = {x, y, y1, dx};
+    for (int i = 0; i < 4; i++) release(dev, bufs[i]);
+    cudaStreamDestroy(stream);
+}
+
 int main(int argc, char **argv)
 {
     if (argc == 5 && strcmp(argv[1], "--rank") == 0) return process_rank(atoi(argv[2]), atoi(argv[3]), argv[4]);
@@ -463,5 +531,6 @@ int main(int argc, char **argv)
         EXPECT(bad == 0);
     }
     moert_config_free(cfg);
+    capture_refuses_second_slot();
     return test_finish("gpu_layers_api");
 }

@@ -1,13 +1,18 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Micro-batch overlap ($.parallel.overlap_micro_batches) on the visible GPUs (1, 2 and 4 ranks as available): with
- * 4 micro-batches per step, "on" (slot 1's stream, the merged halves issued in turn) against "off" for 3 Adam steps
- * and one more forward and backward, with the dispatcher alltoall, fp32 and bf16, the
- * router's expert bias on, 3 layers; and the fp8 recipe with delayed scaling (its twins share the scales and amax
- * histories on the device). The check is bit-identity of every step's loss, the output and every gradient
- * of layer 0 and 2, unless two "off" runs already differ (a kernel summing with atomics in whatever order the blocks
- * come): then on vs off may differ by 4x that noise (at least 1e-5 of the largest value) and the log says so. Exits 77
- * without a GPU. "on" with hybridep (its kernels wait on their peers') is refused naming the option, and "auto" leaves
- * it off. */
+/* Micro-batch overlap ($.parallel.overlap_micro_batches) on the visible GPUs (1, 2 and 4 ranks as available): "on"
+ * (slot 1's stream, the merged halves issued in turn, both slots' dispatcher calls on the rank's one communication
+ * stream) against "off" for 3 Adam steps and one more forward and backward, the router's expert bias on, 3 layers:
+ * with 4 micro-batches per step, the dispatcher alltoall, fp32 and bf16, and the fp8 recipe with delayed scaling (its
+ * twins share the scales and amax histories on the device); on 2 and 4 GPUs the dispatchers whose kernels spin until
+ * their peers' arrive, deepep and hybridep, in bf16 with 4 micro-batches, and with the bf16 recipe's "gemm": "kernel"
+ * (a persistent GEMM holding the other SMs) and 3 micro-batches, where two slots' dispatcher kernels on two streams
+ * once stalled a step. The check is bit-identity of every step's loss, the output and every gradient of layer 0 and
+ * 2, unless two "off" runs already differ (a kernel summing with atomics in whatever order the blocks come): then on
+ * vs off may differ by 4x that noise (at least 1e-5 of the largest value) and the log says so. Also: "auto" makes the
+ * second slot with hybridep (4 micro-batches, more than one GPU). A stall ends with a message, never a hang: deepep's
+ * and hybridep's waits for a peer give up after 20 s (timeout_ms), a collective after 60 s ($.parallel.timeout_s),
+ * and each run after MOERT_GPU_OVERLAP_RUN_TIMEOUT seconds (default 120) ends the test, naming the run. Exits 77
+ * without a GPU. */
 #include "test_util.h"
 
 #ifndef MOERT_HAVE_CUDA
@@ -21,8 +26,10 @@ int main(void)
 #else
 
 #include <math.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cuda/device.h"
 #include "runtime.h"
@@ -36,32 +43,74 @@ typedef struct outcome {
 } outcome;
 
 static const char *bf16 = "{\"plugin\": \"bf16\"}";
+static const char *bf16_kernel = "{\"plugin\": \"bf16\", \"gemm\": \"kernel\"}";
 static const char *fp8_delayed = "{\"plugin\": \"fp8\", \"recipe\": \"delayed\", \"amax_history_len\": 4}";
 
 static const moert_param_id params[] = {MOERT_PARAM_ROUTER, MOERT_PARAM_FC1, MOERT_PARAM_FC2};
 
-static bool run(int ranks, const char *dispatcher, const char *dtype, const char *precision, const char *mode,
-                outcome *out)
+/* ---- the watchdog: a run that stalls ends the test with a message ---- */
+
+static char stalled_message[1024];
+static size_t stalled_length;
+
+/* SIGALRM: the armed run did not finish; what it prints was made when it was armed (async-signal-safe calls only). */
+static void on_alarm(int sig)
 {
-    char json[2048];
+    (void)sig;
+    ssize_t n = write(STDERR_FILENO, stalled_message, stalled_length);
+    (void)n;
+    _exit(1);
+}
+
+/* Arms the watchdog for one run, named in the message it prints. */
+static void watchdog_arm(const char *what)
+{
+    const char *env = getenv("MOERT_GPU_OVERLAP_RUN_TIMEOUT");
+    const int seconds = env && atoi(env) > 0 ? atoi(env) : 120;
+    snprintf(stalled_message, sizeof stalled_message,
+             "FAIL: gpu_overlap: %s did not finish within %d s (a stalled step; MOERT_GPU_OVERLAP_RUN_TIMEOUT)\n", what,
+             seconds);
+    stalled_length = strlen(stalled_message);
+    signal(SIGALRM, on_alarm);
+    alarm((unsigned)seconds);
+}
+
+static void watchdog_disarm(void) { alarm(0); }
+
+/* The dispatcher's section: deepep's and hybridep's waits for a peer end after 20 s with an error naming it. */
+static const char *dispatcher_section(const char *dispatcher, char *buf, size_t size)
+{
+    const bool peer_waiting = !strcmp(dispatcher, "deepep") || !strcmp(dispatcher, "hybridep");
+    snprintf(buf, size, "{\"plugin\": \"%s\"%s}", dispatcher, peer_waiting ? ", \"timeout_ms\": 20000" : "");
+    return buf;
+}
+
+static bool run(int ranks, const char *dispatcher, const char *dtype, const char *precision, int micro_batches,
+                const char *mode, outcome *out)
+{
+    char json[2048], section[256], what[512];
     snprintf(json, sizeof json,
              "{\"model\": {\"hidden\": 256, \"ffn_hidden\": 128, \"num_experts\": 8, \"topk\": 2, \"num_layers\": 3,"
              " \"dtype\": \"%s\"}, \"parallel\": {\"ranks\": %d, \"device\": \"cuda\", \"overlap_micro_batches\": "
-             "\"%s\"}, \"train\": {\"tokens_per_rank\": 256, \"micro_batches\": 4, \"steps\": %d, \"seed\": 9,"
-             " \"lr\": 0.001}, \"router\": {\"score_function\": \"sigmoid\", \"expert_bias\": true,"
-             " \"bias_update_rate\": 0.01}, \"dispatcher\": {\"plugin\": \"%s\"}, \"precision\": %s}",
-             dtype, ranks, mode, STEPS, dispatcher, precision);
+             "\"%s\", \"timeout_s\": 60}, \"train\": {\"tokens_per_rank\": 256, \"micro_batches\": %d, \"steps\": %d,"
+             " \"seed\": 9, \"lr\": 0.001}, \"router\": {\"score_function\": \"sigmoid\", \"expert_bias\": true,"
+             " \"bias_update_rate\": 0.01}, \"dispatcher\": %s, \"precision\": %s}",
+             dtype, ranks, mode, micro_batches, STEPS, dispatcher_section(dispatcher, section, sizeof section),
+             precision);
+    snprintf(what, sizeof what, "%d GPU(s), %s, %s, %s, %d micro-batches, overlap %s", ranks, dispatcher, dtype,
+             precision, micro_batches, mode);
     moert_config *cfg = NULL;
     moert_runtime *rt = NULL;
     bool ok = false;
     memset(out, 0, sizeof *out);
+    watchdog_arm(what);
     if (moert_config_load_string(json, "gpu-overlap", &cfg) != MOERT_OK || moert_runtime_create(cfg, &rt) != MOERT_OK) {
-        fprintf(stderr, "gpu_overlap: %s\n", moert_error_message());
+        fprintf(stderr, "gpu_overlap: %s: %s\n", what, moert_error_message());
         goto done;
     }
     const bool made = moert_runtime_overlap_set_interleave(rt, true);
     if (made != !strcmp(mode, "on")) {
-        fprintf(stderr, "gpu_overlap: mode %s, but the second slot is %s\n", mode, made ? "there" : "missing");
+        fprintf(stderr, "gpu_overlap: %s: the second slot is %s\n", what, made ? "there" : "missing");
         goto done;
     }
     moert_train_options opts = {.struct_size = sizeof opts};
@@ -90,10 +139,11 @@ static bool run(int ranks, const char *dispatcher, const char *dtype, const char
     ok = true;
     goto done;
 fail:
-    fprintf(stderr, "gpu_overlap: %s\n", moert_error_message());
+    fprintf(stderr, "gpu_overlap: %s: %s\n", what, moert_error_message());
 done:
     if (rt) moert_runtime_destroy(rt);
     moert_config_free(cfg);
+    watchdog_disarm();
     return ok;
 }
 
@@ -114,30 +164,33 @@ static double difference(const outcome *a, const outcome *b)
     return largest > 0 ? (diff > 0 ? diff / largest : 1e-300) : INFINITY;
 }
 
-static void check(int ranks, const char *dispatcher, const char *dtype, const char *precision)
+static void check(int ranks, const char *dispatcher, const char *dtype, const char *precision, int micro_batches)
 {
     outcome off = {0}, off2 = {0}, on = {0};
-    if (!run(ranks, dispatcher, dtype, precision, "off", &off) ||
-        !run(ranks, dispatcher, dtype, precision, "off", &off2) ||
-        !run(ranks, dispatcher, dtype, precision, "on", &on)) {
+    if (!run(ranks, dispatcher, dtype, precision, micro_batches, "off", &off) ||
+        !run(ranks, dispatcher, dtype, precision, micro_batches, "off", &off2) ||
+        !run(ranks, dispatcher, dtype, precision, micro_batches, "on", &on)) {
+        fprintf(stderr, "FAIL: %d GPU(s), %s, %s, %s, %d micro-batches: a run failed (above)\n", ranks, dispatcher,
+                dtype, precision, micro_batches);
         test_failures++;
         goto done;
     }
     const double noise = difference(&off, &off2), d = difference(&off, &on);
     if (noise == 0.0) {
-        printf("gpu_overlap: %d GPU(s), %s, %s, %s: on vs off %s (losses %.9g ... %.9g)\n", ranks, dispatcher, dtype,
-               precision, d == 0.0 ? "bit-identical" : "DIFFERENT", on.loss[0], on.loss[STEPS]);
+        printf("gpu_overlap: %d GPU(s), %s, %s, %s, %d micro-batches: on vs off %s (losses %.9g ... %.9g)\n", ranks,
+               dispatcher, dtype, precision, micro_batches, d == 0.0 ? "bit-identical" : "DIFFERENT", on.loss[0],
+               on.loss[STEPS]);
         if (d != 0.0) {
-            fprintf(stderr, "FAIL: %d GPU(s), %s, %s, %s: relative difference %.3g, off vs off 0\n", ranks, dispatcher,
-                    dtype, precision, d);
+            fprintf(stderr, "FAIL: %d GPU(s), %s, %s, %s, %d micro-batches: relative difference %.3g, off vs off 0\n",
+                    ranks, dispatcher, dtype, precision, micro_batches, d);
             test_failures++;
         }
     } else {
         /* the run-to-run noise of the kernels: on vs off may differ by as much (4x, or 1e-5 of the largest value) */
         const double tolerance = fmax(1e-5, 4.0 * noise);
-        printf("gpu_overlap: %d GPU(s), %s, %s, %s: off vs off differ by %.3g (atomics): on vs off %.3g, tolerance "
-               "%.3g\n",
-               ranks, dispatcher, dtype, precision, noise, d, tolerance);
+        printf("gpu_overlap: %d GPU(s), %s, %s, %s, %d micro-batches: off vs off differ by %.3g (atomics): on vs off "
+               "%.3g, tolerance %.3g\n",
+               ranks, dispatcher, dtype, precision, micro_batches, noise, d, tolerance);
         if (!(d <= tolerance)) test_failures++;
     }
 done:
@@ -146,33 +199,31 @@ done:
     free(on.values);
 }
 
-/* "on" with a dispatcher whose kernels wait on their peers' is refused at creation; "auto" runs without the slot. */
-static void refused_with_peer_waiting_dispatcher(int ranks)
+/* "auto" makes the second slot with hybridep (its kernels wait on their peers') on more than one GPU and >= 2
+ * micro-batches, as with any dispatcher. */
+static void auto_with_peer_waiting_dispatcher(int ranks)
 {
-    char json[1024];
-    for (int auto_mode = 0; auto_mode <= 1; auto_mode++) {
-        snprintf(json, sizeof json,
-                 "{\"model\": {\"hidden\": 256, \"ffn_hidden\": 128, \"num_experts\": 8, \"topk\": 2, "
-                 "\"num_layers\": 2, \"dtype\": \"bf16\"}, \"parallel\": {\"ranks\": %d, \"device\": \"cuda\", "
-                 "\"overlap_micro_batches\": \"%s\"}, \"train\": {\"tokens_per_rank\": 256, \"micro_batches\": 4}, "
-                 "\"dispatcher\": {\"plugin\": \"hybridep\"}}",
-                 ranks, auto_mode ? "auto" : "on");
-        moert_config *cfg = NULL;
-        moert_runtime *rt = NULL;
-        EXPECT_OK(moert_config_load_string(json, "gpu-overlap-refusal", &cfg));
-        const moert_result rc = moert_runtime_create(cfg, &rt);
-        if (auto_mode) {
-            EXPECT_OK(rc);
-            if (rt) EXPECT(!moert_runtime_overlap_set_interleave(rt, false));
-        } else {
-            EXPECT_EQ_INT(rc, MOERT_ERR_CONFIG);
-            EXPECT(strstr(moert_error_message(), "$.parallel.overlap_micro_batches") &&
-                   strstr(moert_error_message(), "hybridep"));
-            printf("gpu_overlap: %d GPU(s), hybridep \"on\" refused: %s\n", ranks, moert_error_message());
-        }
-        if (rt) moert_runtime_destroy(rt);
-        moert_config_free(cfg);
+    char json[1024], section[256];
+    snprintf(json, sizeof json,
+             "{\"model\": {\"hidden\": 256, \"ffn_hidden\": 128, \"num_experts\": 8, \"topk\": 2, "
+             "\"num_layers\": 2, \"dtype\": \"bf16\"}, \"parallel\": {\"ranks\": %d, \"device\": \"cuda\", "
+             "\"overlap_micro_batches\": \"auto\"}, \"train\": {\"tokens_per_rank\": 256, \"micro_batches\": 4}, "
+             "\"dispatcher\": %s}",
+             ranks, dispatcher_section("hybridep", section, sizeof section));
+    moert_config *cfg = NULL;
+    moert_runtime *rt = NULL;
+    watchdog_arm("hybridep with overlap auto (creating the runtime)");
+    EXPECT_OK(moert_config_load_string(json, "gpu-overlap-auto", &cfg));
+    if (cfg) EXPECT_OK(moert_runtime_create(cfg, &rt));
+    if (rt) {
+        const bool made = moert_runtime_overlap_set_interleave(rt, false);
+        EXPECT(made);
+        printf("gpu_overlap: %d GPU(s), hybridep, overlap auto with 4 micro-batches: second slot %s\n", ranks,
+               made ? "made" : "MISSING");
+        moert_runtime_destroy(rt);
     }
+    moert_config_free(cfg);
+    watchdog_disarm();
 }
 
 int main(void)
@@ -184,10 +235,16 @@ int main(void)
     }
     const int most = gpus >= 4 ? 4 : gpus >= 2 ? 2 : 1;
     for (int r = 1; r <= most; r *= 2) {
-        check(r, "alltoall", "fp32", bf16);
-        if (r > 1) refused_with_peer_waiting_dispatcher(r);
-        check(r, "alltoall", "bf16", bf16);
-        check(r, "alltoall", "bf16", fp8_delayed); /* the twins share the delayed scales and histories */
+        check(r, "alltoall", "fp32", bf16, 4);
+        check(r, "alltoall", "bf16", bf16, 4);
+        check(r, "alltoall", "bf16", fp8_delayed, 4); /* the twins share the delayed scales and histories */
+        if (r == 1) continue;
+        /* kernels that spin until their peers' arrive: both slots' dispatcher calls share the communication stream */
+        auto_with_peer_waiting_dispatcher(r);
+        check(r, "deepep", "bf16", bf16, 4);
+        check(r, "hybridep", "bf16", bf16, 4);
+        check(r, "deepep", "bf16", bf16_kernel, 3);
+        check(r, "hybridep", "bf16", bf16_kernel, 3); /* the case that stalled with two streams */
     }
     return test_finish("gpu_overlap");
 }

@@ -3,9 +3,9 @@
  * micro-batch i's backward gives the losses, every gradient and the parameters after Adam steps of the sequential
  * schedule bit for bit, with threads as ranks (EP2, EP4), 2 and 3 layers, 2 to 4 micro-batches, fp64 and fp32, the
  * router's expert bias, z-loss, global aux loss and input jitter (state carried from forward to forward, shared by
- * the two slots), and recomputed or offloaded activations; each with the merged halves run one after the other (the
- * CPU's way) and issued stage by stage in turn (CUDA's way). Also: "auto" keeps it off on the CPU, "off" makes no
- * second slot. */
+ * the two slots), and recomputed or offloaded activations, the dispatchers alltoall, deepep and hybridep (whose
+ * transfers wait on their peers'); each with the merged halves run one after the other (the CPU's way) and issued
+ * stage by stage in turn (CUDA's way). Also: "auto" keeps it off on the CPU, "off" makes no second slot. */
 #include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -20,7 +20,8 @@ typedef struct scenario {
     const char *dtype;
     const char *router;
     const char *memory;
-    const char *precision; /* NULL: bf16 */
+    const char *precision;  /* NULL: bf16 */
+    const char *dispatcher; /* NULL: alltoall */
 } scenario;
 
 static const char *config_text =
@@ -28,13 +29,13 @@ static const char *config_text =
     " \"dtype\": \"%s\"},"
     " \"parallel\": {\"ranks\": %d, \"overlap_micro_batches\": \"%s\"},"
     " \"train\": {\"tokens_per_rank\": 12, \"micro_batches\": %d, \"seed\": 5, \"lr\": 0.003, \"steps\": 2},"
-    " \"router\": %s, \"memory_policy\": %s, \"precision\": %s}";
+    " \"router\": %s, \"memory_policy\": %s, \"precision\": %s, \"dispatcher\": {\"plugin\": \"%s\"}}";
 
 static moert_runtime *make(const scenario *sc, const char *mode, moert_config **cfg)
 {
     char json[2048];
     snprintf(json, sizeof json, config_text, sc->layers, sc->dtype, sc->ranks, mode, sc->micro, sc->router, sc->memory,
-             sc->precision ? sc->precision : "{\"plugin\": \"bf16\"}");
+             sc->precision ? sc->precision : "{\"plugin\": \"bf16\"}", sc->dispatcher ? sc->dispatcher : "alltoall");
     moert_runtime *rt = NULL;
     *cfg = NULL;
     EXPECT_OK(moert_config_load_string(json, "overlap-test", cfg));
@@ -65,9 +66,10 @@ static void compare(const scenario *sc, bool interleave)
     moert_config *ca = NULL, *cb = NULL;
     moert_runtime *seq = make(sc, "off", &ca), *ovl = make(sc, "on", &cb);
     char what[512];
-    snprintf(what, sizeof what, "EP%d, %d layers, %d micro-batches, %s, router %s, memory %s, precision %s, %s",
+    snprintf(what, sizeof what, "EP%d, %d layers, %d micro-batches, %s, router %s, memory %s, precision %s, %s, %s",
              sc->ranks, sc->layers, sc->micro, sc->dtype, sc->router, sc->memory,
-             sc->precision ? sc->precision : "bf16", interleave ? "interleaved" : "in order");
+             sc->precision ? sc->precision : "bf16", sc->dispatcher ? sc->dispatcher : "alltoall",
+             interleave ? "interleaved" : "in order");
     if (!seq || !ovl) {
         test_failures++;
         goto done;
@@ -135,7 +137,7 @@ static const char *offload = "{\"dispatched_x\": \"offload\", \"fc1_out\": \"kee
 /* "auto" on the CPU and "off" make no second slot; "on" with one micro-batch runs the sequential step. */
 static void test_modes(void)
 {
-    scenario sc = {2, 2, 2, "fp64", bias_router, keep, NULL};
+    scenario sc = {2, 2, 2, "fp64", bias_router, keep, NULL, NULL};
     moert_config *c = NULL;
     moert_runtime *rt = make(&sc, "auto", &c);
     if (rt) EXPECT(!moert_runtime_overlap_set_interleave(rt, false));
@@ -153,17 +155,22 @@ static void test_modes(void)
 int main(void)
 {
     const scenario scenarios[] = {
-        {2, 2, 2, "fp64", bias_router, keep, NULL},
-        {2, 3, 3, "fp64", global_router, keep, NULL},
-        {4, 2, 4, "fp64", bias_router, keep, NULL},
-        {4, 3, 3, "fp32", bias_router, keep, NULL},
-        {2, 3, 4, "fp32", global_router, keep, NULL},
-        {2, 2, 3, "fp64", bias_router, recompute, NULL},
-        {2, 3, 2, "fp32", bias_router, offload, NULL},
-        {4, 3, 4, "fp64", global_router, offload, NULL},
-        {4, 2, 3, "fp32", bias_router, recompute, NULL},
-        {2, 2, 3, "fp32", bias_router, keep, fp8_delayed},
-        {2, 3, 2, "fp32", global_router, recompute, fp8_current},
+        {2, 2, 2, "fp64", bias_router, keep, NULL, NULL},
+        {2, 3, 3, "fp64", global_router, keep, NULL, NULL},
+        {4, 2, 4, "fp64", bias_router, keep, NULL, NULL},
+        {4, 3, 3, "fp32", bias_router, keep, NULL, NULL},
+        {2, 3, 4, "fp32", global_router, keep, NULL, NULL},
+        {2, 2, 3, "fp64", bias_router, recompute, NULL, NULL},
+        {2, 3, 2, "fp32", bias_router, offload, NULL, NULL},
+        {4, 3, 4, "fp64", global_router, offload, NULL, NULL},
+        {4, 2, 3, "fp32", bias_router, recompute, NULL, NULL},
+        {2, 2, 3, "fp32", bias_router, keep, fp8_delayed, NULL},
+        {2, 3, 2, "fp32", global_router, recompute, fp8_current, NULL},
+        /* dispatchers whose transfers wait on their peers' (on GPUs their calls of both slots share one stream) */
+        {2, 2, 3, "fp32", bias_router, keep, NULL, "deepep"},
+        {4, 3, 3, "fp64", global_router, recompute, NULL, "deepep"},
+        {2, 3, 3, "fp32", bias_router, offload, NULL, "hybridep"},
+        {4, 2, 4, "fp64", bias_router, keep, NULL, "hybridep"},
     };
     for (size_t i = 0; i < sizeof scenarios / sizeof scenarios[0]; i++) {
         compare(&scenarios[i], false);

@@ -119,8 +119,8 @@ typedef struct moert_launch {
     uint32_t flags;
     /* API version 6: the micro-batches the caller runs per optimizer step, when it knows them (0: unknown). With
      * $.parallel.overlap_micro_batches "auto", the layers make the second slot of moert_moe_forward_backward when
-     * this is >= 2, the layers are on GPUs and the world has more than one rank, as moert run does; "on" makes it
-     * unless this is 1. */
+     * this is >= 2, the layers are on GPUs, the world has more than one rank and $.parallel.cuda_graph is not "on",
+     * as moert run does; "on" makes it unless this is 1. */
     int32_t micro_batches;
 } moert_launch;
 
@@ -256,9 +256,10 @@ MOERT_API moert_result moert_moe_backward(moert_layers *layers, moert_saved *sav
  * together, as a 1F1B schedule merges them (Megatron's --overlap-moe-expert-parallel-comm). The results are those of
  * moert_moe_forward(layer, x, y, saved, stats) followed by moert_moe_backward(bwd_saved, dy, dx, opts), bit for bit:
  * the gradients accumulate in the same order. On CUDA, with $.parallel.overlap_micro_batches on, the two run on the
- * layer slots' two streams, their stages issued in turn, so each one's all-to-all runs while the other computes, and
- * the backward's weight gradients run after its dgrad path on its wgrad stream ($.parallel.overlap_wgrad), filling
- * the gaps; both are ordered after `stream` on entry and `stream` waits for both on return. On the CPU, or without the
+ * layer slots' two streams, their stages issued in turn, so each one's all-to-all runs while the other computes (both
+ * slots' dispatcher calls on the layers' one communication stream, in issue order: any dispatcher), and the
+ * backward's weight gradients run after its dgrad path on its wgrad stream ($.parallel.overlap_wgrad), filling the
+ * gaps; both are ordered after `stream` on entry and `stream` waits for both on return. On the CPU, or without the
  * second slot, they run one after the other. The forward takes a free slot of `layer` (the one the backward does not
  * hold, when it can); saved must not be NULL. Collective. docs/api.md shows a 1F1B loop.
  */
@@ -378,7 +379,8 @@ typedef struct moert_graph moert_graph;
 MOERT_API bool moert_layers_graph_capturable(const moert_layers *layers, char *why, size_t why_size);
 /* Starts capturing `stream` (relaxed mode). Every block the layers allocate for their work from here on, and every
  * block freed by it, stays the graphs' for as long as the layers live (one reservation shared by all their graphs:
- * they run one after the other). */
+ * they run one after the other). With $.parallel.overlap_micro_batches only the first slot is captured: a forward or
+ * backward that needs the second slot is refused (MOERT_ERR_UNSUPPORTED) until capture_end. */
 MOERT_API moert_result moert_layers_capture_begin(moert_layers *layers, moert_stream stream);
 /* Ends the capture started on stream (also after a failure inside it) and makes the graph; `what` names the captured
  * work in messages. */
