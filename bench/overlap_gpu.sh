@@ -2,19 +2,27 @@
 # SPDX-License-Identifier: Apache-2.0
 # Micro-batch overlap on GPUs (docs/executor.md, "Micro-batch overlap"): `moert ab` of $.parallel.overlap_micro_batches
 # "off" (A) against "on" (B), 4 micro-batches per step, 2 layers, EP = the GPUs used (all of them, at most 8), for
-# deepseek-v3 (32 experts per GPU: A and B live at once), qwen3-30b-a3b and mixtral-8x7b, each with the configs' own
-# dispatcher (alltoall) and train.optimizer "sgd"; where A and B do not fit together it runs again with --sequential.
-# Then one `moert run --trace` of the "on" side of each model (4 steps), for Perfetto or tools/trace_plot.py.
-#   usage: bench/overlap_gpu.sh BUILD_DIR OUT_DIR
+# deepseek-v3 (32 experts per GPU: A and B live at once), qwen3-30b-a3b and mixtral-8x7b (or the MODELs named), with
+# the configs' own dispatcher (alltoall) or DISPATCHER, and train.optimizer "sgd"; where A and B do not fit together it
+# runs again with --sequential. Then one `moert run --trace` of the "on" side of each model (4 steps), for Perfetto or
+# tools/trace_plot.py.
+#   usage: bench/overlap_gpu.sh BUILD_DIR OUT_DIR [DISPATCHER [MODEL...]]     (DISPATCHER "-": the configs' own)
+#   environment: OVERLAP_STEPS (20 measured steps per side), OVERLAP_TIMEOUT (600 s per run)
 # Writes OUT_DIR/overlap-MODEL.{json,md,log} (moert ab's report, table and log) and OUT_DIR/trace-overlap-MODEL.json;
 # prints the verdict lines. Exit status: 0 when every A/B ran and its outputs agree, 1 otherwise, 77 without a GPU.
 set -u
-if [ $# -ne 2 ]; then
-    echo "usage: $0 BUILD_DIR OUT_DIR" >&2
+if [ $# -lt 2 ]; then
+    echo "usage: $0 BUILD_DIR OUT_DIR [DISPATCHER [MODEL...]]" >&2
     exit 2
 fi
 BUILD=$(realpath "$1")
 OUT=$2
+DISPATCHER=${3:--}
+shift $(($# < 3 ? $# : 3))
+MODELS=("$@")
+[ ${#MODELS[@]} -eq 0 ] && MODELS=(deepseek-v3 qwen3-30b-a3b mixtral-8x7b)
+STEPS=${OVERLAP_STEPS:-20}
+LIMIT=${OVERLAP_TIMEOUT:-600}
 mkdir -p "$OUT"
 OUT=$(realpath "$OUT")
 cd "$(dirname "$0")/.." || exit 1
@@ -29,20 +37,21 @@ echo "overlap_gpu: $gpus GPU(s), EP$ranks; $(nvidia-smi --query-gpu=name,memory.
 
 common=(--set 'parallel.device="cuda"' --set "parallel.ranks=$ranks" --set model.num_layers=2
         --set train.micro_batches=4 --set 'train.optimizer="sgd"' --set train.log_every=5)
+[ "$DISPATCHER" != - ] && common+=(--set "dispatcher={\"plugin\":\"$DISPATCHER\"}")
 
-for model in deepseek-v3 qwen3-30b-a3b mixtral-8x7b; do
+for model in "${MODELS[@]}"; do
     shape=()
     [ "$model" = deepseek-v3 ] && shape=(--set "model.num_experts=$((ranks * 32))")
     args=("configs/$model.json" "configs/$model.json" "${common[@]}" "${shape[@]}"
           --set-a 'parallel.overlap_micro_batches="off"' --set-b 'parallel.overlap_micro_batches="on"'
-          --warmup 3 --steps 20)
+          --warmup 3 --steps "$STEPS")
     log="$OUT/overlap-$model.log"
     echo "== $model: moert ab ${args[*]}"
-    timeout 600 "$BUILD/tools/moert" ab "${args[@]}" --report "$OUT/overlap-$model.json" >"$log" 2>&1
+    timeout "$LIMIT" "$BUILD/tools/moert" ab "${args[@]}" --report "$OUT/overlap-$model.json" >"$log" 2>&1
     rc=$?
     if [ $rc -ne 0 ] && grep -qE "does not fit|out of memory|--sequential" "$log"; then
         echo "overlap_gpu: A and B of $model do not fit together: again with --sequential"
-        timeout 600 "$BUILD/tools/moert" ab "${args[@]}" --sequential --report "$OUT/overlap-$model.json" >"$log" 2>&1
+        timeout "$LIMIT" "$BUILD/tools/moert" ab "${args[@]}" --sequential --report "$OUT/overlap-$model.json" >"$log" 2>&1
         rc=$?
     fi
     grep -E "^moert ab|^  |^outputs agree|^summary|^cuda graph|^timing|moert ab: " "$log"
@@ -51,7 +60,7 @@ for model in deepseek-v3 qwen3-30b-a3b mixtral-8x7b; do
     grep -qE "^outputs agree: yes" "$log" || { echo "overlap_gpu: FAIL: $model's outputs do not agree"; status=1; }
 
     # a trace of the "on" side: slot 0's streams are "compute" and "wgrad", slot 1's "compute.1" and "wgrad.1"
-    timeout 600 "$BUILD/tools/moert" run "configs/$model.json" "${common[@]}" "${shape[@]}" --quiet \
+    timeout "$LIMIT" "$BUILD/tools/moert" run "configs/$model.json" "${common[@]}" "${shape[@]}" --quiet \
         --set 'parallel.overlap_micro_batches="on"' --steps 4 --trace "$OUT/trace-overlap-$model.json" \
         >"$OUT/trace-overlap-$model.log" 2>&1 || { echo "overlap_gpu: FAIL: the trace run of $model"; status=1; }
 done
