@@ -82,7 +82,7 @@ exit:
 
 /* ---- the runtime ---- */
 
-/* the micro-batch overlap, which "auto" turns on with several micro-batches and ranks, runs without graphs: off */
+/* the micro-batch overlap runs without graphs: off (as "auto" leaves it) */
 static const char *graph_config =
     "{\"model\": {\"hidden\": 512, \"ffn_hidden\": 256, \"num_experts\": 16, \"topk\": 4, \"num_layers\": 2,"
     " \"dtype\": \"bf16\"}, \"parallel\": {\"ranks\": %d, \"device\": \"cuda\", \"cuda_graph\": \"%s\","
