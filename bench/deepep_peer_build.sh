@@ -173,17 +173,11 @@ tar --sort=name --owner=0 --group=0 --numeric-owner -C "$STAGE" -cf - . | gzip -
 tgz_bytes=$(stat -c %s "$OUT/deepep-build.tgz")
 [ "$tgz_bytes" -lt $((16 * 1024 * 1024)) ] ||
   fail "deepep-build.tgz is $tgz_bytes bytes: over the 16 MiB that one file from the device machine may take back"
-cat >"$OUT/deepep-build.txt" <<EOF
-deepep_commit: $commit
-torch: $torch_version
-nvcc: $nvcc_version
-gcc: $gcc_version
-python: $python_version
-torch_cuda_arch_list: $TORCH_CUDA_ARCH_LIST
+{
+  cat "$STAGE/deepep_build_info.txt"
+  cat <<EOF
 max_jobs: $MAX_JOBS
-nvshmem: none (-DDISABLE_NVSHMEM; intranode kernels only)
 device_link: added (nvcc -dlink)
-build_seconds: $build_s
 extension: $(basename "$so"), $so_bytes bytes stripped ($so_bytes_before before strip --strip-debug)
 needed: $needed
 tgz_bytes: $tgz_bytes
@@ -191,5 +185,6 @@ tgz_sha256: $(sha256sum "$OUT/deepep-build.tgz" | cut -d' ' -f1)
 date: $(date -u +%Y-%m-%dT%H:%M:%SZ)
 machine: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 EOF
+} >"$OUT/deepep-build.txt"
 cat "$OUT/deepep-build.txt"
 echo "deepep_peer_build.sh: OK, $OUT/deepep-build.tgz"

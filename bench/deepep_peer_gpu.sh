@@ -140,22 +140,14 @@ def plus(*xs):
 
 # the DeepEP references of each side, strictest (smallest) first is not assumed: each is named
 refs = {
-    "dispatch bf16": [
+    **{"dispatch " + t: [
         ("DeepEP dispatch (cached handle: the copy kernel) + Megatron permute, one bracket",
-         get("deepep", "dispatch_cached+permute bf16")),
+         get("deepep", "dispatch_cached+permute " + t)),
         ("DeepEP layout + dispatch (notify, host wait, copy) + Megatron permute, one bracket",
-         get("deepep", "layout+dispatch+permute bf16")),
+         get("deepep", "layout+dispatch+permute " + t)),
         ("DeepEP dispatch (cached) + the row gather alone (a permute's floor), sum",
-         plus(get("deepep", "dispatch_cached bf16"), get("deepep", "permute_floor bf16"))),
-    ],
-    "dispatch fp8": [
-        ("DeepEP dispatch (cached handle: the copy kernel) + Megatron permute, one bracket",
-         get("deepep", "dispatch_cached+permute fp8")),
-        ("DeepEP layout + dispatch (notify, host wait, copy) + Megatron permute, one bracket",
-         get("deepep", "layout+dispatch+permute fp8")),
-        ("DeepEP dispatch (cached) + the row gather alone (a permute's floor), sum",
-         plus(get("deepep", "dispatch_cached fp8"), get("deepep", "permute_floor fp8"))),
-    ],
+         plus(get("deepep", "dispatch_cached " + t), get("deepep", "permute_floor " + t))),
+    ] for t in ("bf16", "fp8")},
     "combine bf16": [
         ("Megatron unpermute + DeepEP combine, one bracket", get("deepep", "unpermute+combine bf16")),
         ("DeepEP combine alone", get("deepep", "combine bf16")),
