@@ -52,6 +52,8 @@ typedef struct bf16_device_gemm_args {
     int tile_n;              /* mma.sync output tile width: 0 picks (256 where a FORWARD/DGRAD output has >= 1024
                                       columns, else 128; WGRAD 128), or 128 / 256 (tests, benchmarks) */
     int engine;              /* BF16_DEVICE_GEMM_ENGINE_*: which kernel runs FORWARD/DGRAD */
+    int max_sms;             /* wgmma engine: CTAs of its persistent grid at most (0: one per SM), so that kernels
+                                on another stream (a dispatcher's) find SMs free beside it */
 } bf16_device_gemm_args;
 
 /* The kernels behind FORWARD, DGRAD and WGRAD into fp32 (WGRAD into a bf16 gradient always runs on mma.sync):

@@ -579,6 +579,12 @@ static int prepared_device(void)
 
 extern "C" int bf16_wgmma_available(void) { return prepared_device() >= 0; }
 
+/* The CTAs of a persistent grid on device dev: one per SM, or max_sms where the caller leaves the rest free. */
+static int64_t persistent_sms(const bf16_device_gemm_args *a, int dev)
+{
+    return a->max_sms > 0 && a->max_sms < sm_count[dev] ? a->max_sms : sm_count[dev];
+}
+
 /* Encodes a tensor map of `rank` dims (innermost first) and element type `type` with 128-byte swizzle; names `what`
  * on failure. */
 static moert_result encode_map(const moert_host *host, CUtensorMap *map, CUtensorMapDataType type, const char *what,
@@ -640,7 +646,8 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
         return report(host, MOERT_ERR_INVALID_ARGUMENT,
                       "bf16 device gemm WGRAD: %lld experts of %lld x %lld make more than 2^31 tiles",
                       (long long)a->num_experts, (long long)a->k_in, (long long)a->n_out);
-    const unsigned grid = (unsigned)(units < sm_count[dev] ? units : sm_count[dev]);
+    const int64_t sms = persistent_sms(a, dev);
+    const unsigned grid = (unsigned)(units < sms ? units : sms);
     /* the ping-pong takes five stages where the experts' prefix arrays leave room (up to ~160 experts), else four */
     const size_t five = wgrad_smem_bytes(5, 128, p.num_experts);
     if (!pingpong)
@@ -685,7 +692,7 @@ extern "C" moert_result bf16_wgmma_gemm(const moert_host *host, cudaStream_t str
     p.k_blocks = (int)((depth + WG_BK - 1) / WG_BK);
     p.out_cols = (int)out_cols;
 
-    const int sms = sm_count[dev];
+    const int64_t sms = persistent_sms(a, dev);
     const int64_t bound = ((a->capacity + WG_BM - 1) / WG_BM + a->num_experts) * p.n_tiles; /* units at most */
     const unsigned grid = (unsigned)(bound < sms ? bound : sms);
     const size_t smem = wg_smem_bytes(p.num_experts);

@@ -261,6 +261,18 @@ extern "C" moert_result moert_bf16_cuda_set_mode(moert_bf16_cuda *g, moert_bf16_
     return MOERT_OK;
 }
 
+/* Sets the SM count every pass's matmul descriptor targets (0: the whole GPU). */
+extern "C" moert_result moert_bf16_cuda_set_sm_count(moert_bf16_cuda *g, int sms)
+{
+    const moert_host *host = g->host;
+    if (sms < 0) return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 cuda: %d SMs asked for, expected >= 0", sms);
+    const int32_t target = sms;
+    for (int p = 0; p < 3; p++)
+        CUBLAS_CHECK(host, cublasLtMatmulDescSetAttribute(g->desc[p], CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &target,
+                                                          sizeof target));
+    return MOERT_OK;
+}
+
 /* Sets the loop's stream count; creates the missing internal streams and events, grows an owned workspace. */
 extern "C" moert_result moert_bf16_cuda_set_streams(moert_bf16_cuda *g, int streams)
 {

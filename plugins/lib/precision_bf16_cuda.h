@@ -65,6 +65,12 @@ moert_result moert_bf16_cuda_set_mode(moert_bf16_cuda *g, moert_bf16_cuda_mode m
 moert_result moert_bf16_cuda_set_streams(moert_bf16_cuda *g, int streams);
 
 /*
+ * The SMs each cuBLASLt GEMM is planned for (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET): 0, the default, all of the GPU's;
+ * fewer leave SMs free for kernels on another stream. Call before the first GEMM (plans are kept per shape).
+ */
+moert_result moert_bf16_cuda_set_sm_count(moert_bf16_cuda *g, int sms);
+
+/*
  * CUDA graph replay of whole grouped GEMMs (0 off, the default; 1 on). When on, each call is captured into a graph
  * keyed by (pass, dtypes, sizes, mode, streams, the count vector); a later call with the same key and the same
  * pointers replays it with one cudaGraphLaunch, with the same key and other pointers it is captured again and the

@@ -41,6 +41,7 @@ typedef struct bf16_ctx {
     bf16_scratch scratch;
     bool on_cuda;     /* the layer is on a CUDA device: the CUDA path serves it */
     int gemm_streams; /* option: streams of the CUDA per-expert loop (1: the caller's only) */
+    int gemm_sms;     /* option: SMs the CUDA GEMMs may take (0: all) */
     bool gemm_graphs; /* option: CUDA graph replay of repeated count vectors */
     int gemm_engine;  /* option "gemm": GEMM_AUTO, GEMM_CUBLASLT or GEMM_KERNEL */
     int wgrad_engine; /* option "wgrad_gemm": GEMM_AUTO (as "gemm"), GEMM_CUBLASLT or GEMM_KERNEL */
@@ -177,6 +178,7 @@ static moert_result cuda_init(bf16_ctx *c, int choice)
     }
     rc = moert_bf16_cuda_create(h, c->workspace, workspace_bytes, MOERT_BF16_CUDA_EXPERT_LOOP, &c->gemm);
     if (rc == MOERT_OK) rc = moert_bf16_cuda_set_streams(c->gemm, c->gemm_streams);
+    if (rc == MOERT_OK && c->gemm_sms > 0) rc = moert_bf16_cuda_set_sm_count(c->gemm, c->gemm_sms);
     if (rc == MOERT_OK && c->gemm_graphs) rc = moert_bf16_cuda_set_graphs(c->gemm, 1);
     /* "auto": FORWARD and DGRAD on the wgmma engine where the GPU has it and the sizes suit it, WGRAD on cuBLASLt (at
      * the presets' shapes the loop on 4 streams beats the kernel: docs/plugins/precision_bf16.md); "wgrad_gemm":
@@ -232,6 +234,12 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
                           "each takes a 32 MiB cuBLASLt workspace",
                           &gemm_streams);
     if (rc != MOERT_OK) return rc;
+    int64_t gemm_sms = 0;
+    rc = host->option_int(host, "gemm_sms", 0, 0, 4096,
+                          "CUDA: the SMs the grouped GEMMs may take (0: all); fewer leave SMs free for kernels running "
+                          "beside them on another stream, such as a dispatcher's under the micro-batch overlap",
+                          &gemm_sms);
+    if (rc != MOERT_OK) return rc;
     bool gemm_graphs = false;
     rc = host->option_bool(host, "gemm_graphs", false,
                            "CUDA: replay a grouped GEMM from a CUDA graph when its count vector repeats "
@@ -267,6 +275,7 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
     c->mode = choice == 0 ? bf16_mode_for_dtype(layer->dtype) : (bf16_mode)(choice - 1); /* 0: auto */
     c->on_cuda = layer->device.type == MOERT_DEVICE_CUDA;
     c->gemm_streams = (int)gemm_streams;
+    c->gemm_sms = (int)gemm_sms;
     c->gemm_graphs = gemm_graphs;
     c->gemm_engine = gemm_choice;
     c->wgrad_engine = wgrad_choice;
@@ -463,6 +472,7 @@ static moert_result kernel_grouped_gemm(bf16_ctx *c, moert_stream stream, const 
     ka.capacity = acts[0]->shape[0];
     ka.k_in = shape->k_in;
     ka.n_out = shape->n_out;
+    ka.max_sms = c->gemm_sms;
     if (args->pass == MOERT_GEMM_WGRAD) {
         const moert_dtype gw = args->grad_weight->dtype;
         if (gw != MOERT_F32 && gw != MOERT_BF16)
