@@ -110,9 +110,6 @@ def check_supported(tc, whole_layer=False):
     """Refuses (ValueError, naming the option) what the dispatcher backend (or, with whole_layer, moert.torch.MoE in
     place of the MoELayer) cannot do for a Megatron TransformerConfig (or any object with its attribute names)."""
     bad = []
-    if _get(tc, "expert_tensor_parallel_size", 1) not in (1, None):
-        bad.append("expert_tensor_parallel_size %s (moert has no expert tensor parallelism: use 1)"
-                   % tc.expert_tensor_parallel_size)
     if _get(tc, "moe_shared_expert_overlap", False):
         bad.append("moe_shared_expert_overlap (the shared expert runs inside Megatron's own dispatcher; "
                    "leave it off: MoELayer then runs the shared expert itself)")
@@ -207,6 +204,9 @@ def moert_config_from_megatron(tc, base=None, seq_length=None):
         r["capacity_factor"] = float(cf)
         r["drop_policy"] = _get(tc, "moe_token_drop_policy", "probs")
     cfg["router"] = r
+    etp = int(_get(tc, "expert_tensor_parallel_size", 1) or 1)
+    if etp > 1:  # moert's grid orders the ranks as Megatron's expert grid does: ETP fastest, then EP, then EDP
+        cfg.setdefault("parallel", {})["expert_tensor_parallel"] = etp
     if kind == "seq_aux_loss" and seq_length:
         cfg.setdefault("train", {})["seq_length"] = int(seq_length)
     return cfg
@@ -319,14 +319,20 @@ class MoertDispatch:
     per layer. Independent of Megatron: MoertTokenDispatcher adds Megatron's MoETokenDispatcher base.
 
     config: the Megatron TransformerConfig (hidden_size, num_moe_experts, moe_router_topk, moe_ffn_hidden_size);
-    ep_group: the expert-parallel process group (None: one rank); moert_config: a moert config (path, JSON, dict,
+    ep_group: the expert-parallel process group (None: one rank); etp_group: the expert-tensor-parallel group (None:
+    one rank), as Megatron's alltoall dispatcher: after moert's dispatch over the EP group the rows are all-gathered
+    over it and regrouped by local expert, so that each of its ranks runs its shard of every local expert's width on
+    all of them, and before the combine the experts' partial outputs are summed and handed back (a reduce-scatter);
+    moert_config: a moert config (path, JSON, dict,
     moert.Config; None: alltoall) whose dispatcher section is used, its model section set from config; max_tokens:
     the most tokens a rank dispatches in one micro-batch (default: the config's train.tokens_per_rank where given,
     else the first micro-batch's, the largest over the group)."""
 
     def _moert_setup(self, num_local_experts, local_expert_indices, config, ep_group, moert_config=None,
-                     max_tokens=None, overrides=None):
+                     max_tokens=None, overrides=None, etp_group=None):
         self.num_local_experts = num_local_experts
+        self.moert_etp_group = etp_group if _group_size(etp_group) > 1 else None
+        self._etp = None
         self.local_expert_indices = list(local_expert_indices)
         self.config = config
         self.moert_ep_group = ep_group
@@ -392,7 +398,44 @@ class MoertDispatch:
         recv_x, recv_w, tpe, handle = d.dispatch(hidden_states.contiguous(), self._topk_idx, probs.contiguous())
         self._handle, self._tokens_per_expert, self._recv_rows = handle, tpe, recv_x.shape[0]
         self._topk_idx = None
+        if self.moert_etp_group is not None:
+            recv_x, recv_w = self._etp_gather(recv_x, recv_w)
         return recv_x, recv_w
+
+    def _etp_gather(self, x, w):
+        """The ETP group's rows of each local expert, expert by expert (each by the group's ranks in order), from every
+        rank's own (expert-grouped, zero-padded past them); their counts become the experts' tokens_per_expert."""
+        g = self.moert_etp_group
+        size, rank = torch.distributed.get_world_size(g), torch.distributed.get_rank(g)
+        tpe = self._tokens_per_expert.to(torch.int64)
+        counts = [torch.zeros_like(tpe) for _ in range(size)]
+        torch.distributed.all_gather(counts, tpe.to(_collective_device(g, x)), group=g)
+        counts = torch.stack([c.cpu() for c in counts])  # [etp, local experts]
+        rows = counts.sum(1)
+        pad = int(rows.max())
+        n = int(rows[rank])
+        starts = torch.cumsum(counts, 1) - counts  # where expert e's rows start in rank r's block
+        order = torch.cat([torch.zeros(0, dtype=torch.int64)] +
+                          [torch.arange(int(counts[r, e])) + r * pad + int(starts[r, e])
+                           for e in range(counts.shape[1]) for r in range(size)]).to(x.device)
+        self._etp = (order, pad, n)
+        self._tokens_per_expert = counts.sum(0).to(self._tokens_per_expert.device, self._tokens_per_expert.dtype)
+
+        def gathered(t):  # rank r's n_r rows at r * pad of the group's, then in the experts' order
+            t = t[:n]
+            if pad > n:
+                t = torch.cat([t, t.new_zeros(pad - n, *t.shape[1:])])
+            return _EtpAllGather.apply(t, g).index_select(0, order)
+        return gathered(x), gathered(w)
+
+    def _etp_scatter(self, y):
+        """The inverse of _etp_gather for the experts' outputs: each row put back in its rank's block, the group's
+        partial sums added, this rank's own rows returned."""
+        order, pad, n = self._etp
+        self._etp = None
+        size = torch.distributed.get_world_size(self.moert_etp_group)
+        blocks = y.new_zeros(size * pad, y.shape[1]).index_add(0, order, y)
+        return _EtpReduceScatter.apply(blocks, self.moert_etp_group)[:n]
 
     def dispatch_postprocess(self, hidden_states, probs):
         """Nothing to permute: moert's rows arrive grouped by local expert. Drops the zero padding past them; the
@@ -403,6 +446,8 @@ class MoertDispatch:
     def combine_preprocess(self, hidden_states):
         """Back to moert's row count (zero padding) and dtype."""
         d = self.moert_dispatcher
+        if self.moert_etp_group is not None:
+            hidden_states = self._etp_scatter(hidden_states)
         if hidden_states.dtype != d.dtype:
             hidden_states = hidden_states.to(d.dtype)
         pad = self._recv_rows - hidden_states.shape[0]
@@ -423,6 +468,68 @@ class MoertDispatch:
                                   "with moert's dispatcher; leave it off and MoELayer runs the shared expert")
 
 
+def _group_size(group):
+    """Ranks of a process group (None, or torch.distributed not started: 1)."""
+    if group is None or not torch.distributed.is_initialized():
+        return 1
+    return torch.distributed.get_world_size(group)
+
+
+def _collective_device(group, like):
+    """Where a collective's tensors of `group` live: the GPU under NCCL, else the CPU."""
+    return like.device if torch.distributed.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+class _EtpAllGather(torch.autograd.Function):
+    """[rows, C] of each rank of the group, equal sizes, stacked in rank order; backward: this rank's slice of the
+    group's summed gradient (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.group), None
+
+
+class _EtpReduceScatter(torch.autograd.Function):
+    """The group's [size * rows, C] summed, this rank's rows kept; backward: the gradients all-gathered."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.group), None
+
+
+def _all_gather(x, group):
+    """Every rank's [rows, ...] of the group (equal sizes), stacked in rank order."""
+    dev = _collective_device(group, x)
+    parts = [torch.empty_like(x, device=dev) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, x.detach().contiguous().to(dev), group=group)
+    return torch.cat(parts).to(x.device)
+
+
+def _reduce_scatter(x, group):
+    """Rank r's rows of the sum over the group of [size * rows, C] (all_reduce then the slice: gloo has no
+    reduce-scatter; NCCL takes reduce_scatter_tensor)."""
+    size, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    rows = x.shape[0] // size
+    dev = _collective_device(group, x)
+    if dev.type == "cuda" and hasattr(torch.distributed, "reduce_scatter_tensor"):
+        out = torch.empty(rows, *x.shape[1:], dtype=x.dtype, device=dev)
+        torch.distributed.reduce_scatter_tensor(out, x.contiguous(), group=group)
+        return out
+    total = x.detach().to(dev).clone()
+    torch.distributed.all_reduce(total, group=group)
+    return total[rank * rows:(rank + 1) * rows].to(x.device)
+
+
 _CLASS = None
 
 
@@ -438,12 +545,9 @@ def _token_dispatcher_class():
                 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
                 pg_collection = get_default_pg_collection()
             MoETokenDispatcher.__init__(self, config=config, pg_collection=pg_collection)
-            if self.tp_size > 1:
-                raise ValueError("moert.megatron: expert tensor parallelism (size %d) is not supported: use 1"
-                                 % self.tp_size)
             check_supported(config)
             self._moert_setup(num_local_experts, local_expert_indices, config, self.ep_group, moert_config,
-                              max_tokens, overrides)
+                              max_tokens, overrides, etp_group=self.tp_group if self.tp_size > 1 else None)
 
         _CLASS = type("MoertTokenDispatcher", (MoertDispatch, MoETokenDispatcher),
                       {"__init__": __init__, "__module__": __name__,

@@ -97,10 +97,15 @@ def _worker(rank, world, init_file, fn, args):
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world)
+    done = False
     try:
         fn(rank, world, *args)
+        done = True
     finally:
-        dist.barrier()
+        # a failed rank leaves at once: its exception ends the others (spawn stops them) rather than this barrier
+        # waiting for peers that wait in a collective for it
+        if done:
+            dist.barrier()
         dist.destroy_process_group()
 
 

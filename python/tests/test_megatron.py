@@ -168,8 +168,7 @@ class ConfigMapping(Case):
     def test_refusals(self):
         ok = dict(hidden_size=8, ffn_hidden_size=8, num_moe_experts=4, gated_linear_unit=True,
                   activation_func=F.silu, add_bias_linear=False)
-        for bad, what in ((dict(expert_tensor_parallel_size=2), "expert_tensor_parallel_size"),
-                          (dict(moe_shared_expert_overlap=True), "moe_shared_expert_overlap"),
+        for bad, what in ((dict(moe_shared_expert_overlap=True), "moe_shared_expert_overlap"),
                           (dict(moe_pad_expert_input_to_capacity=True), "moe_pad_expert_input_to_capacity"),
                           (dict(moe_router_padding_for_quantization=True), "padding_for_quantization"),
                           (dict(gated_linear_unit=False), "gated_linear_unit"),
@@ -184,6 +183,12 @@ class ConfigMapping(Case):
                 mm.moert_config_from_megatron(megatron_config(**kw))
         # the dispatcher backend alone does not care about the experts' form
         mm.check_supported(megatron_config(**dict(ok, gated_linear_unit=False, add_bias_linear=True)))
+        # expert tensor parallelism: the backend gathers over the ETP group; the config folds the experts' width
+        mm.check_supported(megatron_config(**dict(ok, expert_tensor_parallel_size=2)))
+        folded = mm.moert_config_from_megatron(megatron_config(**dict(ok, expert_tensor_parallel_size=2)),
+                                               base={"parallel": {"ranks": 4}})
+        self.assertEqual(folded["parallel"], {"ranks": 4, "expert_tensor_parallel": 2})
+        self.assertNotIn("parallel", mm.moert_config_from_megatron(megatron_config(**ok)))
         with self.assertRaisesRegex(ValueError, "moe_shared_expert_overlap"):
             mm.check_supported(megatron_config(**dict(ok, moe_shared_expert_overlap=True)))
 
@@ -343,18 +348,30 @@ def moert_experts_of(n, H, Fh, dtype, w1, w2, ep_size=1, **tc_fields):
     return mx
 
 
+def etp_shard(w1, w2, j, etp):
+    """Megatron's ETP shard j of an expert: fc1's rows of the gate's and the up's j-th slices, fc2's columns."""
+    F2 = w1.shape[0] // 2
+    Fl = F2 // etp
+    return (torch.cat([w1[j * Fl:(j + 1) * Fl], w1[F2 + j * Fl:F2 + (j + 1) * Fl]]),
+            w2[:, j * Fl:(j + 1) * Fl])
+
+
 def check_backend(tc, rank, world, group, dtype, tol, drop, tokens=(24, 16), step_count=2, max_tokens=None,
-                  moert_experts=False):
+                  moert_experts=False, etp=1, etp_group=None):
+    """world ranks as ETP x EP (rank = etp index + etp * ep index, Megatron's expert grid): group is the rank's EP
+    group, etp_group its ETP group; the experts are SequentialMLPs of the rank's ETP shard of each local expert."""
     E, K, H, Fh = 8, 3, 16, 12
     cfg = types.SimpleNamespace(hidden_size=H, num_moe_experts=E, moe_router_topk=K, moe_ffn_hidden_size=Fh,
                                 ffn_hidden_size=4 * Fh)
-    n = E // world
-    local = list(range(rank * n, (rank + 1) * n))
+    ep, j = rank // etp, rank % etp
+    n = E // (world // etp)
+    local = list(range(ep * n, (ep + 1) * n))
     d = mm.MoertDispatch()
     d._moert_setup(n, local, cfg, group, {"dispatcher": {"plugin": "alltoall"}, "parallel": {"device": "cpu"}},
-                   max_tokens=max_tokens)
+                   max_tokens=max_tokens, etp_group=etp_group)
     w1, w2 = expert_weights(E, H, Fh, seed=3, dtype=dtype)
-    experts = SequentialExperts(w1[local[0]:local[-1] + 1], w2[local[0]:local[-1] + 1])
+    shards = [etp_shard(w1[e], w2[e], j, etp) for e in local]
+    experts = SequentialExperts([s[0] for s in shards], [s[1] for s in shards])
     if moert_experts:  # moert's grouped GEMMs in the SequentialMLP's place: the same math, the same reference
         experts = moert_experts_of(n, H, Fh, dtype, w1[local[0]:local[-1] + 1], w2[local[0]:local[-1] + 1],
                                    ep_size=world)
@@ -388,8 +405,9 @@ def check_backend(tc, rank, world, group, dtype, tol, drop, tokens=(24, 16), ste
                 g2 = experts.weight2.grad.view(n, -1, H)[i].t()
             else:
                 g1, g2 = experts.w1[i].grad, experts.w2[i].grad
-            assert_close(tc, g1, rw1[e].grad, tol, what + " fc1 of expert %d" % e)
-            assert_close(tc, g2, rw2[e].grad, tol, what + " fc2 of expert %d" % e)
+            want1, want2 = etp_shard(rw1[e].grad, rw2[e].grad, j, etp)
+            assert_close(tc, g1, want1, tol, what + " fc1 of expert %d" % e)
+            assert_close(tc, g2, want2, tol, what + " fc2 of expert %d" % e)
     return d
 
 
@@ -405,6 +423,21 @@ def backend_worker(rank, world, dtype_name, drop, moert_experts=False):
     assert d.moert_dispatcher.world_size == world
     # the dispatcher was made for the largest first micro-batch of the group: 24 tokens
     assert d.moert_dispatcher.max_tokens == 24, d.moert_dispatcher.max_tokens
+
+
+def etp_backend_worker(rank, world, etp, dtype_name, drop):
+    """The backend under Megatron's expert tensor parallelism: world = ETP x EP ranks, each ETP group all-gathering
+    its rows after moert's dispatch over the EP group."""
+    import torch.distributed as dist
+    dtype = {"fp64": torch.float64, "fp32": torch.float32}[dtype_name]
+    ep_groups = [dist.new_group([j + etp * e for e in range(world // etp)]) for j in range(etp)]
+    etp_groups = [dist.new_group([j + etp * e for j in range(etp)]) for e in range(world // etp)]
+    # max_tokens: each EP group's ranks start with the same of the two token counts, and later take the other
+    d = check_backend(_Checks(), rank, world, ep_groups[rank % etp], dtype,
+                      1e-12 if dtype == torch.float64 else 2e-5, drop, max_tokens=24, etp=etp,
+                      etp_group=etp_groups[rank // etp])
+    assert d.moert_dispatcher.world_size == world // etp
+    assert d.moert_etp_group is etp_groups[rank // etp]
 
 
 class DispatcherBackend(Case):
@@ -462,6 +495,12 @@ class DispatcherBackend(Case):
     def test_two_ranks(self):
         run_distributed(2, backend_worker, "fp64", 0.2)
         run_distributed(2, backend_worker, "fp32", 0.0)
+
+    def test_expert_tensor_parallel(self):
+        """ETP2 x EP2 on 4 processes and ETP2 x EP1 on 2: each rank's output, input and router gradients equal the
+        dense MoE's, each expert shard's weight gradients that shard of the dense ones (every rank's tokens)."""
+        run_distributed(4, etp_backend_worker, 2, "fp64", 0.2)
+        run_distributed(2, etp_backend_worker, 2, "fp32", 0.0)
 
     def test_moert_experts(self):
         """The dispatcher backend with moert's experts (MoertExperts) in the SequentialMLP's place: the dense MoE's
