@@ -560,10 +560,8 @@ def _token_dispatcher_class():
 
 def check_experts_supported(tc):
     """Refuses (ValueError, naming the option) what moert's experts cannot compute for a Megatron TransformerConfig:
-    they are SwiGLU (gated_linear_unit, silu) without bias, one rank's whole width (no expert tensor parallelism)."""
+    they are SwiGLU (gated_linear_unit, silu) without bias."""
     bad = []
-    if _get(tc, "expert_tensor_parallel_size", 1) not in (1, None):
-        bad.append("expert_tensor_parallel_size %s (use 1)" % tc.expert_tensor_parallel_size)
     if not _get(tc, "gated_linear_unit", False):
         bad.append("gated_linear_unit False (moert's experts are SwiGLU)")
     act = getattr(tc, "activation_func", None)
@@ -589,15 +587,19 @@ class MoertExperts(torch.nn.Module):
     state dicts load; in moert's parameter dtype (fp32; fp64 for fp64 layers), flagged `allreduce` False under expert
     parallelism as Megatron flags its experts. The moert config (moert_config: a path, JSON, dict or moert.Config)
     gives the precision section (bf16, fp8 and their options); the sizes and dtype come from Megatron's config.
+    Under expert tensor parallelism (etp_size > 1) each expert is this rank's shard of the FFN width, F / etp_size
+    (fc1 its gate's and up's slices, fc2 the matching rows), as Megatron shards its experts; the outputs are partial
+    sums, which the dispatcher adds over the ETP group.
 
     Independent of Megatron (a plain torch Module, for the CPU tests); MoertGroupedMLP adds Megatron's MegatronModule
     base and GroupedMLP's constructor, (num_local_experts, config, submodules=None, pg_collection=None)."""
 
-    def __init__(self, num_local_experts, config, *, ep_size=1, moert_config=None, device=None, overrides=None):
+    def __init__(self, num_local_experts, config, *, ep_size=1, etp_size=1, moert_config=None, device=None,
+                 overrides=None):
         torch.nn.Module.__init__(self)
-        self._moert_setup(num_local_experts, config, ep_size, moert_config, device, overrides)
+        self._moert_setup(num_local_experts, config, ep_size, moert_config, device, overrides, etp_size)
 
-    def _moert_setup(self, num_local_experts, config, ep_size, moert_config, device, overrides):
+    def _moert_setup(self, num_local_experts, config, ep_size, moert_config, device, overrides, etp_size=1):
         import moert.torch as mt
         check_experts_supported(config)
         tc = config
@@ -605,6 +607,10 @@ class MoertExperts(torch.nn.Module):
         self.num_local_experts = int(num_local_experts)
         self.hidden = int(tc.hidden_size)
         ffn = int(_get(tc, "moe_ffn_hidden_size", None) or tc.ffn_hidden_size)
+        if etp_size < 1 or ffn % etp_size:
+            raise ValueError("moert.megatron: experts: an FFN width of %d does not split over %d expert tensor "
+                             "parallel ranks" % (ffn, etp_size))
+        ffn //= etp_size  # this rank's shard of each expert
         data = _load_config(moert_config)
         model = data.setdefault("model", {})
         model.update(hidden=self.hidden, ffn_hidden=ffn, num_experts=self.num_local_experts, dtype=_layer_dtype(tc))
@@ -618,7 +624,8 @@ class MoertExperts(torch.nn.Module):
         self.weight1 = torch.nn.Parameter(torch.empty(H, n * 2 * F, dtype=e.param_dtype, device=e.device))
         self.weight2 = torch.nn.Parameter(torch.empty(n * F, H, dtype=e.param_dtype, device=e.device))
         for w in (self.weight1, self.weight2):
-            setattr(w, "allreduce", not ep_size > 1)  # as Megatron's GroupedMLP: expert-parallel weights
+            # as Megatron's GroupedMLP: expert-parallel (or -sharded) weights are not all-reduced over data parallel
+            setattr(w, "allreduce", not (ep_size > 1 or etp_size > 1))
         init = getattr(tc, "init_method", None)
         out_init = getattr(tc, "output_layer_init_method", None) or init
         with torch.no_grad():
@@ -680,11 +687,8 @@ def _experts_class():
                 pg_collection = get_default_pg_collection()
             ep = getattr(pg_collection, "ep", None)
             tp = getattr(pg_collection, "expt_tp", None)
-            if tp is not None and tp.size() > 1:
-                raise ValueError("moert.megatron: expert tensor parallelism (size %d) is not supported: use 1"
-                                 % tp.size())
             self._moert_setup(num_local_experts, config, ep.size() if ep is not None else 1, moert_config, device,
-                              overrides)
+                              overrides, tp.size() if tp is not None else 1)
 
         _EXPERTS_CLASS = type("MoertGroupedMLP", (MoertExperts, MegatronModule),
                               {"__init__": __init__, "__module__": __name__,

@@ -336,11 +336,13 @@ def rank_data(rank, T, S, E, K, H, dtype, drop):
     return x, gy, logits, rm, pr
 
 
-def moert_experts_of(n, H, Fh, dtype, w1, w2, ep_size=1, **tc_fields):
-    """A MoertExperts (the experts adapter without Megatron) of n experts with Megatron-layout weights w1, w2."""
+def moert_experts_of(n, H, Fh, dtype, w1, w2, ep_size=1, etp_size=1, **tc_fields):
+    """A MoertExperts (the experts adapter without Megatron) of n experts with Megatron-layout weights w1, w2 (with
+    etp_size > 1: this rank's shards of experts of width Fh)."""
     tc = types.SimpleNamespace(hidden_size=H, moe_ffn_hidden_size=Fh, ffn_hidden_size=4 * Fh, gated_linear_unit=True,
                                activation_func=F.silu, add_bias_linear=False, params_dtype=dtype, **tc_fields)
-    mx = mm.MoertExperts(n, tc, ep_size=ep_size, moert_config={"parallel": {"device": "cpu"}}, device="cpu")
+    mx = mm.MoertExperts(n, tc, ep_size=ep_size, etp_size=etp_size, moert_config={"parallel": {"device": "cpu"}},
+                         device="cpu")
     fc1, fc2 = mm.expert_weights_to_moert(w1, w2)
     with torch.no_grad():
         mx.weight1.view(n, H, -1).copy_(fc1)
@@ -373,8 +375,8 @@ def check_backend(tc, rank, world, group, dtype, tol, drop, tokens=(24, 16), ste
     shards = [etp_shard(w1[e], w2[e], j, etp) for e in local]
     experts = SequentialExperts([s[0] for s in shards], [s[1] for s in shards])
     if moert_experts:  # moert's grouped GEMMs in the SequentialMLP's place: the same math, the same reference
-        experts = moert_experts_of(n, H, Fh, dtype, w1[local[0]:local[-1] + 1], w2[local[0]:local[-1] + 1],
-                                   ep_size=world)
+        experts = moert_experts_of(n, H, Fh, dtype, [s[0] for s in shards], [s[1] for s in shards],
+                                   ep_size=world // etp, etp_size=etp)
     for step in range(step_count):
         Ts = [tokens[(r + step) % len(tokens)] for r in range(world)]
         data = [rank_data(10 * step + r, Ts[r], 4, E, K, H, dtype, drop) for r in range(world)]
@@ -425,7 +427,7 @@ def backend_worker(rank, world, dtype_name, drop, moert_experts=False):
     assert d.moert_dispatcher.max_tokens == 24, d.moert_dispatcher.max_tokens
 
 
-def etp_backend_worker(rank, world, etp, dtype_name, drop):
+def etp_backend_worker(rank, world, etp, dtype_name, drop, moert_experts=False):
     """The backend under Megatron's expert tensor parallelism: world = ETP x EP ranks, each ETP group all-gathering
     its rows after moert's dispatch over the EP group."""
     import torch.distributed as dist
@@ -434,8 +436,8 @@ def etp_backend_worker(rank, world, etp, dtype_name, drop):
     etp_groups = [dist.new_group([j + etp * e for j in range(etp)]) for e in range(world // etp)]
     # max_tokens: each EP group's ranks start with the same of the two token counts, and later take the other
     d = check_backend(_Checks(), rank, world, ep_groups[rank % etp], dtype,
-                      1e-12 if dtype == torch.float64 else 2e-5, drop, max_tokens=24, etp=etp,
-                      etp_group=etp_groups[rank // etp])
+                      1e-12 if dtype == torch.float64 else 2e-5, drop, max_tokens=24, moert_experts=moert_experts,
+                      etp=etp, etp_group=etp_groups[rank // etp])
     assert d.moert_dispatcher.world_size == world // etp
     assert d.moert_etp_group is etp_groups[rank // etp]
 
@@ -501,6 +503,7 @@ class DispatcherBackend(Case):
         dense MoE's, each expert shard's weight gradients that shard of the dense ones (every rank's tokens)."""
         run_distributed(4, etp_backend_worker, 2, "fp64", 0.2)
         run_distributed(2, etp_backend_worker, 2, "fp32", 0.0)
+        run_distributed(4, etp_backend_worker, 2, "fp64", 0.2, True)  # moert's experts, each a width shard
 
     def test_moert_experts(self):
         """The dispatcher backend with moert's experts (MoertExperts) in the SequentialMLP's place: the dense MoE's
@@ -593,15 +596,23 @@ class ExpertsAdapter(Case):
         for change, needle in (({"gated_linear_unit": False}, "gated_linear_unit False"),
                                ({"activation_func": F.gelu}, "activation_func gelu"),
                                ({"add_bias_linear": True}, "add_bias_linear"),
-                               ({"expert_tensor_parallel_size": 2}, "expert_tensor_parallel_size 2"),
                                ({"moe_apply_probs_on_input": True}, "moe_apply_probs_on_input with moe_router_topk 2")):
             tc = types.SimpleNamespace(**dict(base, **change))
             with self.assertRaisesRegex(ValueError, needle):
                 mm.MoertExperts(2, tc, moert_config={"parallel": {"device": "cpu"}}, device="cpu")
         mm.check_experts_supported(types.SimpleNamespace(**base))
+        # an FFN width that does not split over the ETP ranks
+        with self.assertRaisesRegex(ValueError, "FFN width of 4 does not split over 3"):
+            mm.MoertExperts(2, types.SimpleNamespace(**base), etp_size=3, moert_config={"parallel": {"device": "cpu"}},
+                            device="cpu")
 
     def test_expert_parallel_flag(self):
         mx = moert_experts_of(2, 8, 4, torch.float64, *expert_weights(2, 8, 4, seed=1), ep_size=2)
+        self.assertFalse(mx.weight1.allreduce or mx.weight2.allreduce)
+        w1, w2 = expert_weights(2, 8, 4, seed=1)
+        shards = [etp_shard(a, b, 1, 2) for a, b in zip(w1, w2)]
+        mx = moert_experts_of(2, 8, 4, torch.float64, [s[0] for s in shards], [s[1] for s in shards], etp_size=2)
+        self.assertEqual((tuple(mx.weight1.shape), tuple(mx.weight2.shape)), ((8, 2 * 2 * 2), (2 * 2, 8)))
         self.assertFalse(mx.weight1.allreduce or mx.weight2.allreduce)
 
 
