@@ -425,7 +425,7 @@ class MoertDispatch:
             t = t[:n]
             if pad > n:
                 t = torch.cat([t, t.new_zeros(pad - n, *t.shape[1:])])
-            return _EtpAllGather.apply(t, g).index_select(0, order)
+            return _EtpExchange.apply(t, g, True).index_select(0, order)
         return gathered(x), gathered(w)
 
     def _etp_scatter(self, y):
@@ -435,7 +435,7 @@ class MoertDispatch:
         self._etp = None
         size = torch.distributed.get_world_size(self.moert_etp_group)
         blocks = y.new_zeros(size * pad, y.shape[1]).index_add(0, order, y)
-        return _EtpReduceScatter.apply(blocks, self.moert_etp_group)[:n]
+        return _EtpExchange.apply(blocks, self.moert_etp_group, False)[:n]
 
     def dispatch_postprocess(self, hidden_states, probs):
         """Nothing to permute: moert's rows arrive grouped by local expert. Drops the zero padding past them; the
@@ -480,31 +480,19 @@ def _collective_device(group, like):
     return like.device if torch.distributed.get_backend(group) == "nccl" else torch.device("cpu")
 
 
-class _EtpAllGather(torch.autograd.Function):
-    """[rows, C] of each rank of the group, equal sizes, stacked in rank order; backward: this rank's slice of the
-    group's summed gradient (a reduce-scatter)."""
+class _EtpExchange(torch.autograd.Function):
+    """gather True: [rows, C] of each rank of the group (equal sizes) stacked in rank order, whose backward is this
+    rank's slice of the group's summed gradient (a reduce-scatter); gather False: that reduce-scatter, whose backward
+    is the all-gather."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.group), None
-
-
-class _EtpReduceScatter(torch.autograd.Function):
-    """The group's [size * rows, C] summed, this rank's rows kept; backward: the gradients all-gathered."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter(x, group)
+    def forward(ctx, x, group, gather):
+        ctx.group, ctx.gather = group, gather
+        return (_all_gather if gather else _reduce_scatter)(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.group), None
+        return (_reduce_scatter if ctx.gather else _all_gather)(grad, ctx.group), None, None
 
 
 def _all_gather(x, group):
