@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "config.h"
@@ -433,9 +434,16 @@ static _Thread_local char current_call[1600];
 static struct sigaction previous_action[NSIG];
 static const int guarded_signals[] = {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT};
 
+static void exit_handler(void);
+
 /* Notes the plugin call starting on this thread, for the crash and exit reports. */
 static void call_begin(const moert_plugin *p, const char *call, const moert_host *host, const moert_layer_info *layer)
 {
+    /* Exit handlers run last-registered first. One more registration from each thread at its first plugin call puts
+     * exit_handler ahead of what libraries registered since start-up (the CUDA runtime's teardown, for one), so rank
+     * threads calling exit() together end the process here, before anything is torn down under the others. */
+    static _Thread_local bool exit_registered = false;
+    if (!exit_registered) exit_registered = atexit(exit_handler) == 0;
     char where[64] = "";
     if (layer && host) snprintf(where, sizeof where, " (layer %d, rank %d)", (int)layer->layer_index, (int)host->rank);
     snprintf(current_call, sizeof current_call, "moert: %s plugin \"%s\" (%s) %%s in %s%s", moert_kind_name(p->kind),
@@ -444,14 +452,19 @@ static void call_begin(const moert_plugin *p, const char *call, const moert_host
 
 static void call_end(void) { current_call[0] = '\0'; }
 
+/* Set once the first crash or exit message is out: a thread that lost the race to write it waits for it before it
+ * ends the process, or the process could end while the winner is still building its line. */
+static atomic_bool message_written;
+
 /* Writes the current call's message with `what` in place of its %s, in one write so that two threads crashing
- * together do not mix their lines, and only for the first crash or exit of the process (async-signal-safe). */
-static void write_call_message(const char *what)
+ * together do not mix their lines, and only for the first crash or exit of the process (async-signal-safe). Returns
+ * whether this thread wrote it. */
+static bool write_call_message(const char *what)
 {
     static atomic_flag reported = ATOMIC_FLAG_INIT;
     char line[sizeof current_call + 128];
     const char *m = current_call, *hole = strstr(m, "%s");
-    if (!hole || atomic_flag_test_and_set(&reported)) return;
+    if (!hole || atomic_flag_test_and_set(&reported)) return false;
     size_t n = 0, part = (size_t)(hole - m);
     memcpy(line + n, m, part);
     n += part;
@@ -465,6 +478,15 @@ static void write_call_message(const char *what)
     line[n++] = '\n';
     ssize_t ignored = write(2, line, n);
     (void)ignored;
+    atomic_store(&message_written, true);
+    return true;
+}
+
+/* Waits up to about a second for another thread's message to be written (async-signal-safe). */
+static void wait_for_message(void)
+{
+    const struct timespec tick = {0, 1000000};
+    for (int i = 0; i < 1000 && !atomic_load(&message_written); i++) nanosleep(&tick, NULL);
 }
 
 /* A fatal signal: name the plugin call it came from, then let the previous handler (or the default) take it. */
@@ -476,7 +498,7 @@ static void crash_handler(int sig)
                            : sig == SIGILL ? "crashed (SIGILL)"
                            : sig == SIGFPE ? "crashed (SIGFPE, arithmetic error)"
                                            : "aborted the process (SIGABRT)";
-        write_call_message(what);
+        if (!write_call_message(what)) wait_for_message();
         current_call[0] = '\0';
     }
     /* the faulting instruction runs again, or abort() raises again, into the previous disposition */
@@ -487,7 +509,7 @@ static void crash_handler(int sig)
 static void exit_handler(void)
 {
     if (!current_call[0]) return;
-    write_call_message("called exit() (a plugin must return an error instead)");
+    if (!write_call_message("called exit() (a plugin must return an error instead)")) wait_for_message();
     fflush(stdout);
     _exit(1);
 }
