@@ -118,9 +118,8 @@ typedef struct moert_launch {
     /* API version 6: MOERT_LAUNCH_* bits (0: none). */
     uint32_t flags;
     /* API version 6: the micro-batches the caller runs per optimizer step, when it knows them (0: unknown). With
-     * $.parallel.overlap_micro_batches "auto", the layers make the second slot of moert_moe_forward_backward when
-     * this is >= 2, the layers are on GPUs, the world has more than one rank and $.parallel.cuda_graph is not "on",
-     * as moert run does; "on" makes it unless this is 1. */
+     * $.parallel.overlap_micro_batches "on" the layers make the second slot of moert_moe_forward_backward unless this
+     * is 1; "auto" leaves the overlap off (docs/executor.md says why). */
     int32_t micro_batches;
 } moert_launch;
 
@@ -211,7 +210,7 @@ MOERT_API moert_result moert_layers_set_expert_bias(moert_layers *layers, int la
 /* One micro-batch's saved activations of one layer, from its forward to its backward. The memory policy decides
  * which of them stay on the device, are recomputed, or are offloaded. The plugin ABI keeps one forward in flight per
  * instance, so one is in flight per layer at a time: forward again only after its backward or moert_saved_free. With
- * $.parallel.overlap_micro_batches "on" ("auto" is off here: the layers do not know the micro-batches) each layer has a
+ * $.parallel.overlap_micro_batches "on" ("auto" leaves it off) each layer has a
  * second instance of every plugin (a second slot; parameters and gradients are shared), and two may be in flight per
  * layer (API version 6). */
 typedef struct moert_saved moert_saved;
