@@ -276,8 +276,9 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_kernel(const __grid_
  *   turns (a named-barrier hand-off once a consumer has seen its tile's last stage arrive); besides keeping the tensor
  *   cores on one tile at a time, this keeps the shared ring's parity waits sound: a consumer never waits on a stage
  *   whose previous fill, for the other consumer, has not arrived yet.
- * - Cooperative (BN 256), for experts of many rows (mixtral), where the MMA dominates and the wider tile halves the
- *   operand traffic per flop: both consumers share each tile, 64 rows of k_in each (one m64n256 accumulator).
+ * - Cooperative (BN 256), for experts of many rows (mixtral), where the MMA dominates and the wider tile loads a
+ *   quarter fewer operand bytes per flop: both consumers share each tile, 64 rows of k_in each (one m64n256
+ *   accumulator).
  * The rows past an expert's last (another expert's, padding, or past the buffers) are zeroed in shared memory before
  * the expert's last k-block is multiplied. Epilogue: a consumer's 64 x 256 fp32 result goes out in two 64 x 128 halves
  * (ping-pong: its tile's two 64-row halves; cooperative: its rows' two 128-column halves), each through its swizzled
