@@ -10,6 +10,7 @@ configs, expert weights). One line puts it into a built model:
 See docs/megatron.md. Megatron is imported only by what needs it (MoertTokenDispatcher, use_moert,
 patch_moe_layers): the conversions below need torch alone."""
 import json
+import math
 import os
 import types
 
@@ -113,13 +114,16 @@ def check_supported(tc, whole_layer=False):
     if _get(tc, "moe_shared_expert_overlap", False):
         bad.append("moe_shared_expert_overlap (the shared expert runs inside Megatron's own dispatcher; "
                    "leave it off: MoELayer then runs the shared expert itself)")
-    if _get(tc, "moe_pad_expert_input_to_capacity", False):
-        bad.append("moe_pad_expert_input_to_capacity (moert drops over capacity but does not pad)")
     if _get(tc, "moe_router_padding_for_quantization", False):
         bad.append("moe_router_padding_for_quantization (it adds routed copies past top-k)")
     if _get(tc, "moe_latent_size", None):
         bad.append("moe_latent_size")
+    if _get(tc, "moe_pad_expert_input_to_capacity", False) and _get(tc, "moe_expert_capacity_factor", None) is None:
+        bad.append("moe_pad_expert_input_to_capacity without moe_expert_capacity_factor (the capacity pads to)")
     if whole_layer:
+        if _get(tc, "moe_pad_expert_input_to_capacity", False):
+            bad.append("moe_pad_expert_input_to_capacity (moert's MoE layer drops over capacity but does not pad; "
+                       "the dispatcher backend does)")
         if not _get(tc, "gated_linear_unit", False):
             bad.append("gated_linear_unit False (moert's experts are SwiGLU)")
         act = getattr(tc, "activation_func", None)
@@ -333,6 +337,7 @@ class MoertDispatch:
         self.num_local_experts = num_local_experts
         self.moert_etp_group = etp_group if _group_size(etp_group) > 1 else None
         self._etp = None
+        self._padded_rows = None
         self.local_expert_indices = list(local_expert_indices)
         self.config = config
         self.moert_ep_group = ep_group
@@ -439,13 +444,44 @@ class MoertDispatch:
 
     def dispatch_postprocess(self, hidden_states, probs):
         """Nothing to permute: moert's rows arrive grouped by local expert. Drops the zero padding past them; the
-        probs go to the experts in the router's dtype, as Megatron's alltoall dispatcher gives them."""
+        probs go to the experts in the router's dtype, as Megatron's alltoall dispatcher gives them. With
+        moe_pad_expert_input_to_capacity, each local expert's rows are padded with zeros (and zero probs) to the
+        capacity times the EP and ETP sizes, as Megatron's drop-and-pad gives its experts."""
         n = int(self._tokens_per_expert.sum())
-        return hidden_states[:n], self._tokens_per_expert, probs[:n].to(self._probs_dtype)
+        x, tpe, p = hidden_states[:n], self._tokens_per_expert, probs[:n].to(self._probs_dtype)
+        if _get(self.config, "moe_pad_expert_input_to_capacity", False):
+            x, tpe, p = self._pad_to_capacity(x, tpe, p)
+        return x, tpe, p
+
+    def _pad_to_capacity(self, x, tpe, p):
+        """Each expert's block of rows padded to C = capacity x EP x ETP rows; remembers where the real rows went."""
+        tc = self.config
+        tokens = 1
+        for s in self.hidden_shape[:-1]:
+            tokens *= int(s)
+        topk, experts = int(tc.moe_router_topk), int(tc.num_moe_experts)
+        capacity = math.ceil(tokens * topk / experts * float(tc.moe_expert_capacity_factor))
+        etp = torch.distributed.get_world_size(self.moert_etp_group) if self.moert_etp_group is not None else 1
+        per_expert = capacity * self.moert_dispatcher.world_size * etp
+        counts = tpe.to(torch.int64).cpu()
+        if counts.numel() and int(counts.max()) > per_expert:
+            raise ValueError("moert.megatron: moe_pad_expert_input_to_capacity: a local expert got %d rows, more than "
+                             "its %d (capacity %d x EP x ETP): every rank must drop to the same capacity (the same "
+                             "token count and moe_expert_capacity_factor)" % (int(counts.max()), per_expert, capacity))
+        where = torch.cat([torch.zeros(0, dtype=torch.int64)] +
+                          [torch.arange(int(c)) + e * per_expert for e, c in enumerate(counts.tolist())]).to(x.device)
+        self._padded_rows = where
+        rows = per_expert * counts.numel()
+        x = x.new_zeros(rows, x.shape[1]).index_copy(0, where, x)
+        p = p.new_zeros(rows, *p.shape[1:]).index_copy(0, where, p)
+        return x, torch.full_like(tpe, per_expert), p
 
     def combine_preprocess(self, hidden_states):
         """Back to moert's row count (zero padding) and dtype."""
         d = self.moert_dispatcher
+        where, self._padded_rows = self._padded_rows, None
+        if where is not None:  # the experts' real rows, without the capacity padding
+            hidden_states = hidden_states.index_select(0, where)
         if self.moert_etp_group is not None:
             hidden_states = self._etp_scatter(hidden_states)
         if hidden_states.dtype != d.dtype:

@@ -7,6 +7,7 @@ SwiGLU MLP math; and MoertDispatch, the dispatcher backend's six steps in the or
 over a real moert.torch.Dispatcher with SequentialMLP-style experts, against the dense MoE on 1 and 2 CPU processes
 (gloo). Megatron's own MoELayer against the backend is bench/megatron_bench.py (GPUs; docs/megatron.md)."""
 import json
+import math
 import os
 import types
 import unittest
@@ -183,6 +184,11 @@ class ConfigMapping(Case):
                 mm.moert_config_from_megatron(megatron_config(**kw))
         # the dispatcher backend alone does not care about the experts' form
         mm.check_supported(megatron_config(**dict(ok, gated_linear_unit=False, add_bias_linear=True)))
+        # drop-and-pad: the backend pads to the capacity, which needs a capacity factor
+        mm.check_supported(megatron_config(**dict(ok, moe_pad_expert_input_to_capacity=True,
+                                                  moe_expert_capacity_factor=1.0)))
+        with self.assertRaisesRegex(ValueError, "without moe_expert_capacity_factor"):
+            mm.check_supported(megatron_config(**dict(ok, moe_pad_expert_input_to_capacity=True)))
         # expert tensor parallelism: the backend gathers over the ETP group; the config folds the experts' width
         mm.check_supported(megatron_config(**dict(ok, expert_tensor_parallel_size=2)))
         folded = mm.moert_config_from_megatron(megatron_config(**dict(ok, expert_tensor_parallel_size=2)),
@@ -358,13 +364,28 @@ def etp_shard(w1, w2, j, etp):
             w2[:, j * Fl:(j + 1) * Fl])
 
 
+class PaddedExperts(torch.nn.Module):
+    """The experts behind Megatron's drop-and-pad: asserts every local expert gets `rows` rows, then runs `inner`."""
+
+    def __init__(self, inner, rows):
+        super().__init__()
+        self.inner, self.rows = inner, rows
+
+    def forward(self, x, tokens_per_expert, probs):
+        assert tokens_per_expert.tolist() == [self.rows] * len(tokens_per_expert), tokens_per_expert.tolist()
+        assert x.shape[0] == self.rows * len(tokens_per_expert)
+        return self.inner(x, tokens_per_expert, probs)
+
+
 def check_backend(tc, rank, world, group, dtype, tol, drop, tokens=(24, 16), step_count=2, max_tokens=None,
-                  moert_experts=False, etp=1, etp_group=None):
+                  moert_experts=False, etp=1, etp_group=None, pad_factor=None):
     """world ranks as ETP x EP (rank = etp index + etp * ep index, Megatron's expert grid): group is the rank's EP
     group, etp_group its ETP group; the experts are SequentialMLPs of the rank's ETP shard of each local expert."""
     E, K, H, Fh = 8, 3, 16, 12
     cfg = types.SimpleNamespace(hidden_size=H, num_moe_experts=E, moe_router_topk=K, moe_ffn_hidden_size=Fh,
                                 ffn_hidden_size=4 * Fh)
+    if pad_factor:  # Megatron's drop-and-pad: the experts get capacity x EP x ETP rows each, zeros past the real ones
+        cfg.moe_pad_expert_input_to_capacity, cfg.moe_expert_capacity_factor = True, pad_factor
     ep, j = rank // etp, rank % etp
     n = E // (world // etp)
     local = list(range(ep * n, (ep + 1) * n))
@@ -384,7 +405,11 @@ def check_backend(tc, rank, world, group, dtype, tol, drop, tokens=(24, 16), ste
         xr = x.clone().requires_grad_()
         for p in experts.parameters():
             p.grad = None
-        y = layer_forward(d, experts, xr, rm, pr)
+        run = experts
+        if pad_factor:
+            capacity = math.ceil(Ts[rank] * K / E * pad_factor)
+            run = PaddedExperts(experts, capacity * (world // etp) * etp)
+        y = layer_forward(d, run, xr, rm, pr)
         tc.assertEqual(tuple(y.shape), tuple(x.shape))
         (y * gy).sum().backward()
         what = "rank %d/%d %s step %d" % (rank, world, dtype, step)
@@ -427,7 +452,15 @@ def backend_worker(rank, world, dtype_name, drop, moert_experts=False):
     assert d.moert_dispatcher.max_tokens == 24, d.moert_dispatcher.max_tokens
 
 
-def etp_backend_worker(rank, world, etp, dtype_name, drop, moert_experts=False):
+def pad_backend_worker(rank, world, dtype_name, drop):
+    """Drop-and-pad over two ranks: the experts get capacity x 2 rows each."""
+    import torch.distributed as dist
+    dtype = {"fp64": torch.float64, "fp32": torch.float32}[dtype_name]
+    check_backend(_Checks(), rank, world, dist.group.WORLD, dtype, 1e-12 if dtype == torch.float64 else 2e-5, drop,
+                  tokens=(24, 24), pad_factor=4.0)
+
+
+def etp_backend_worker(rank, world, etp, dtype_name, drop, moert_experts=False, pad_factor=None):
     """The backend under Megatron's expert tensor parallelism: world = ETP x EP ranks, each ETP group all-gathering
     its rows after moert's dispatch over the EP group."""
     import torch.distributed as dist
@@ -437,7 +470,7 @@ def etp_backend_worker(rank, world, etp, dtype_name, drop, moert_experts=False):
     # max_tokens: each EP group's ranks start with the same of the two token counts, and later take the other
     d = check_backend(_Checks(), rank, world, ep_groups[rank % etp], dtype,
                       1e-12 if dtype == torch.float64 else 2e-5, drop, max_tokens=24, moert_experts=moert_experts,
-                      etp=etp, etp_group=etp_groups[rank // etp])
+                      etp=etp, etp_group=etp_groups[rank // etp], pad_factor=pad_factor)
     assert d.moert_dispatcher.world_size == world // etp
     assert d.moert_etp_group is etp_groups[rank // etp]
 
@@ -504,6 +537,24 @@ class DispatcherBackend(Case):
         run_distributed(4, etp_backend_worker, 2, "fp64", 0.2)
         run_distributed(2, etp_backend_worker, 2, "fp32", 0.0)
         run_distributed(4, etp_backend_worker, 2, "fp64", 0.2, True)  # moert's experts, each a width shard
+
+    def test_pad_to_capacity(self):
+        """moe_pad_expert_input_to_capacity: every local expert gets capacity x EP x ETP rows (zeros and zero probs
+        past its own), the outputs and gradients still the dense MoE's; on one rank, two, and ETP2 x EP2 (same token
+        count on every rank, as Megatron's drop-and-pad assumes); more rows than the capacity is an error."""
+        for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-5)):
+            check_backend(self, 0, 1, None, dtype, tol, 0.25, tokens=(24, 16, 12), step_count=3, pad_factor=2.0)
+        run_distributed(2, pad_backend_worker, "fp64", 0.2)
+        run_distributed(4, etp_backend_worker, 2, "fp64", 0.2, False, 4.0)
+        E, K, H = 4, 2, 8
+        cfg = types.SimpleNamespace(hidden_size=H, num_moe_experts=E, moe_router_topk=K, moe_ffn_hidden_size=8,
+                                    moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=0.25)
+        d = mm.MoertDispatch()
+        d._moert_setup(E, list(range(E)), cfg, None, {"parallel": {"device": "cpu"}})
+        _, rm, pr = random_routing(16, E, K, seed=2)  # 8 copies an expert on average, capacity 2: not dropped to it
+        h, p = d.token_dispatch(*d.dispatch_preprocess(torch.randn(16, 1, H, dtype=torch.float64), rm, pr))
+        with self.assertRaisesRegex(ValueError, "more than its 2 \\(capacity 2"):
+            d.dispatch_postprocess(h, p)
 
     def test_moert_experts(self):
         """The dispatcher backend with moert's experts (MoertExperts) in the SequentialMLP's place: the dense MoE's
