@@ -453,13 +453,11 @@ fail:
 
 static const char *const cuda_graph_modes[] = {"auto", "off", "on", NULL};
 
-bool moert_overlap_enabled(const moert_config *cfg, moert_device_type device, int world, int64_t micro_batches)
+bool moert_overlap_enabled(const moert_config *cfg)
 {
-    const moert_parallel_config *p = &cfg->parallel;
     /* "auto" leaves it off: on every configuration measured on GPUs it was slower (the slots' persistent GEMMs take
      * every SM, so their kernels alternate rather than overlap; docs/executor.md) */
-    (void)device, (void)world, (void)micro_batches;
-    return p->overlap_micro_batches == MOERT_OVERLAP_ON;
+    return cfg->parallel.overlap_micro_batches == MOERT_OVERLAP_ON;
 }
 
 const char *moert_cuda_graph_mode_name(int mode)

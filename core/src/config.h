@@ -60,10 +60,8 @@ typedef struct moert_parallel_config {
     int overlap_micro_batches;  /* moert_overlap_mode: micro-batch i+1's forward merged with i's backward */
 } moert_parallel_config;
 
-/* Whether $.parallel.overlap_micro_batches is on for a run on `device` over `world` ranks with `micro_batches` per
- * step (auto: CUDA, world > 1, at least two micro-batches and $.parallel.cuda_graph not "on", any dispatcher;
- * micro_batches < 1, not known as in the embedding API without moert_launch.micro_batches: auto is off there). */
-bool moert_overlap_enabled(const moert_config *cfg, moert_device_type device, int world, int64_t micro_batches);
+/* Whether $.parallel.overlap_micro_batches turns the overlap on: "on" only ("auto" leaves it off). */
+bool moert_overlap_enabled(const moert_config *cfg);
 
 /* $.train.optimizer: Adam keeps two moment buffers per parameter; plain SGD keeps none. */
 typedef enum moert_optimizer { MOERT_OPTIMIZER_ADAM = 0, MOERT_OPTIMIZER_SGD = 1 } moert_optimizer;

@@ -624,13 +624,12 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
          * layer's at once), docs/executor.md "Deferred start" */
         L->acts.defer_start = l + 1 < nl && m->cfg->parallel.offload_defer_start;
     }
-    /* a second slot of every layer, so that two micro-batches' forwards can be in flight ("on"; "auto" where the
-     * launch says >= 2 micro-batches, as moert run decides) */
+    /* a second slot of every layer, so that two micro-batches' forwards can be in flight ("on") */
     m->overlap.primary = &m->stack;
     const int64_t micro_batches =
         launch->struct_size >= offsetof(moert_launch, micro_batches) + sizeof(int32_t) ? launch->micro_batches : -1;
     /* "on" with one micro-batch a step (as the launch says) would hold a slot that never runs */
-    const bool overlap = micro_batches != 1 && moert_overlap_enabled(m->cfg, m->device.type, m->world, micro_batches);
+    const bool overlap = micro_batches != 1 && moert_overlap_enabled(m->cfg);
     if (overlap) {
         MOERT_CHECK(moert_overlap_init(&m->overlap, &m->stack, &setup));
         for (int l = 0; l < nl; l++) {

@@ -435,15 +435,17 @@ static struct sigaction previous_action[NSIG];
 static const int guarded_signals[] = {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT};
 
 static void exit_handler(void);
+static atomic_bool guard_installed; /* moert_plugin_guard_crashes ran: plugin calls register exit_handler */
 
 /* Notes the plugin call starting on this thread, for the crash and exit reports. */
 static void call_begin(const moert_plugin *p, const char *call, const moert_host *host, const moert_layer_info *layer)
 {
-    /* Exit handlers run last-registered first. One more registration from each thread at its first plugin call puts
-     * exit_handler ahead of what libraries registered since start-up (the CUDA runtime's teardown, for one), so rank
-     * threads calling exit() together end the process here, before anything is torn down under the others. */
+    /* With the guard on, each thread registers exit_handler at its first plugin call: exit handlers run once each,
+     * last-registered first, on whichever exiting thread takes them, so rank threads calling exit() together each
+     * run one, ahead of what libraries registered since start-up (the CUDA runtime's teardown, for one), and end
+     * the process before anything is torn down under the others. */
     static _Thread_local bool exit_registered = false;
-    if (!exit_registered) exit_registered = atexit(exit_handler) == 0;
+    if (atomic_load(&guard_installed) && !exit_registered) exit_registered = atexit(exit_handler) == 0;
     char where[64] = "";
     if (layer && host) snprintf(where, sizeof where, " (layer %d, rank %d)", (int)layer->layer_index, (int)host->rank);
     snprintf(current_call, sizeof current_call, "moert: %s plugin \"%s\" (%s) %%s in %s%s", moert_kind_name(p->kind),
@@ -516,9 +518,7 @@ static void exit_handler(void)
 
 MOERT_API void moert_plugin_guard_crashes(void)
 {
-    static bool installed = false;
-    if (installed) return;
-    installed = true;
+    if (atomic_exchange(&guard_installed, true)) return;
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = crash_handler;
@@ -526,10 +526,6 @@ MOERT_API void moert_plugin_guard_crashes(void)
     sa.sa_flags = SA_NODEFER;
     for (size_t i = 0; i < sizeof guarded_signals / sizeof guarded_signals[0]; i++)
         sigaction(guarded_signals[i], &sa, &previous_action[guarded_signals[i]]);
-    /* rank threads may call exit() together: glibc runs each registered handler once, on whichever exiting thread
-     * takes it, and a thread that finds none left ends the process with its own status. One registration per
-     * possible rank thread (at most 64) and one for the main thread lets every exiting thread run the handler. */
-    for (int i = 0; i < 65; i++) atexit(exit_handler);
 }
 
 /* The layer a plugin instance is started for must have sizes inside the config's bounds (config.h), whoever built

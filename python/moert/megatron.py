@@ -412,10 +412,7 @@ class MoertDispatch:
         rank's own (expert-grouped, zero-padded past them); their counts become the experts' tokens_per_expert."""
         g = self.moert_etp_group
         size, rank = torch.distributed.get_world_size(g), torch.distributed.get_rank(g)
-        tpe = self._tokens_per_expert.to(torch.int64)
-        counts = [torch.zeros_like(tpe) for _ in range(size)]
-        torch.distributed.all_gather(counts, tpe.to(_collective_device(g, x)), group=g)
-        counts = torch.stack([c.cpu() for c in counts])  # [etp, local experts]
+        counts = _all_gather(self._tokens_per_expert.to(torch.int64), g).cpu().view(size, -1)  # [etp, local experts]
         rows = counts.sum(1)
         pad = int(rows.max())
         n = int(rows[rank])

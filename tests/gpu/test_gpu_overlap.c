@@ -201,7 +201,7 @@ done:
 
 /* "auto" makes no second slot, with hybridep on more than one GPU and >= 2 micro-batches as anywhere: the overlap
  * was slower on every configuration measured, so only "on" turns it on. */
-static void auto_with_peer_waiting_dispatcher(int ranks)
+static void auto_leaves_overlap_off(int ranks)
 {
     char json[1024], section[256];
     snprintf(json, sizeof json,
@@ -240,7 +240,7 @@ int main(void)
         check(r, "alltoall", "bf16", fp8_delayed, 4); /* the twins share the delayed scales and histories */
         if (r == 1) continue;
         /* kernels that spin until their peers' arrive: both slots' dispatcher calls share the communication stream */
-        auto_with_peer_waiting_dispatcher(r);
+        auto_leaves_overlap_off(r);
         check(r, "deepep", "bf16", bf16, 4);
         check(r, "hybridep", "bf16", bf16, 4);
         check(r, "deepep", "bf16", bf16_kernel, 3);

@@ -96,7 +96,8 @@ MOERT_API moert_result moert_plugin_list_options(moert_plugin_kind kind, const c
 
 /* For programs: when a plugin's init or finalize crashes (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT) or calls exit(),
  * prints to stderr which plugin, which call, layer and rank (then the signal takes its course; an exit becomes status
- * 1). Installs signal handlers and an atexit handler once; libraries embedding moert need not call it. */
+ * 1). Installs signal handlers once; after it, each thread registers an exit handler at its first plugin call.
+ * Libraries embedding moert need not call it. */
 MOERT_API void moert_plugin_guard_crashes(void);
 
 /* API version 6: the plugins a moert_layers loaded, as moert_plugin_describe gives them (path: the file loaded). */
