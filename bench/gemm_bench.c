@@ -17,6 +17,8 @@
  *   kernel_f32w   WGRAD only: the kernel accumulating into an fp32 gradient (the executor's setting; on Hopper the
  *                 wgmma engine)
  *   kernel_f32w_ow  WGRAD only: the same overwriting the fp32 gradient (a step's first micro-batch)
+ *   kernel_f32w_1cta, kernel_f32w_ow_1cta  WGRAD only: as the two above with every CTA single (on Hopper the ping-pong
+ *                 schedule otherwise runs in CTA pairs sharing the input tile by TMA multicast)
  *   loop_sS_f32w  WGRAD only: the cuBLASLt loop on S streams accumulating into an fp32 gradient (the plugin's
  *                 "wgrad_gemm": "cublaslt")
  *   copy          WGRAD only: a device-to-device copy of the fp32 gradient (reads and writes its bytes): the traffic
@@ -104,13 +106,13 @@ typedef struct bench_variant {
     int grouped; /* MOERT_BF16_CUDA_GROUPED */
     int dense;   /* one expert with all rows */
     int kernel; /* 1: bf16_device_gemm (bf16 gradient), 2: the same into an fp32 gradient, 3: its mma.sync engine, 4: as
-                   2, overwriting */
+                   2, overwriting; 5, 6: as 2 and 4 with single CTAs */
     int wgrad_only; /* 1: WGRAD only, -1: FORWARD and DGRAD only */
     int f32w;       /* the cuBLASLt variants: WGRAD into the fp32 gradient */
     int copy;       /* a device copy of the fp32 gradient instead of a GEMM */
 } bench_variant;
 
-#define MAX_VARIANTS 14
+#define MAX_VARIANTS 16
 #define MAX_EXPERTS  256
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
@@ -213,6 +215,10 @@ static bf16_device_gemm_args kernel_args(const moert_bf16_cuda_gemm *gm, const i
 }
 
 /* Whether variant v runs on pass `pass` (wgrad_only: 1 WGRAD only, -1 FORWARD/DGRAD only). */
+/* The kernel variants into an fp32 gradient, and those of them overwriting it. */
+static int kernel_f32(const bench_variant *v) { return v->kernel == 2 || v->kernel >= 4; }
+static int kernel_overwrites(const bench_variant *v) { return v->kernel == 4 || v->kernel == 6; }
+
 static int runs_on(const bench_variant *v, int pass)
 {
     return v->wgrad_only == 0 || (v->wgrad_only > 0) == (pass == MOERT_GEMM_WGRAD);
@@ -258,9 +264,11 @@ static void result_of(moert_bf16_cuda *g, cudaStream_t stream, const bench_varia
     CK(cudaMemcpy(host, dst, bytes, cudaMemcpyDeviceToHost));
 }
 
-/* WGRAD overwriting an fp32 gradient: the kernel against the cuBLASLt loop (variant loop), relative Frobenius. */
+/* WGRAD overwriting an fp32 gradient: the kernel (single_cta: every CTA single) against the cuBLASLt loop (variant
+ * loop), relative Frobenius. */
 static double wgrad_f32_error(moert_bf16_cuda *g, cudaStream_t stream, const bench_variant *loop,
-                              moert_bf16_cuda_gemm gm, const int64_t *d_counts, int64_t rows, void *dw32, size_t elems)
+                              moert_bf16_cuda_gemm gm, const int64_t *d_counts, int64_t rows, void *dw32, size_t elems,
+                              int single_cta)
 {
     float *ref = malloc(elems * 4), *got = malloc(elems * 4);
     if (!ref || !got) {
@@ -274,7 +282,8 @@ static double wgrad_f32_error(moert_bf16_cuda *g, cudaStream_t stream, const ben
     CK(cudaStreamSynchronize(stream));
     CK(cudaMemcpy(ref, dw32, elems * 4, cudaMemcpyDeviceToHost));
     CK(cudaMemset(dw32, 0x7f, elems * 4)); /* anything the kernel fails to write shows */
-    const bf16_device_gemm_args ka = kernel_args(&gm, d_counts, rows, dw32, 1, BF16_DEVICE_GEMM_ENGINE_AUTO);
+    bf16_device_gemm_args ka = kernel_args(&gm, d_counts, rows, dw32, 1, BF16_DEVICE_GEMM_ENGINE_AUTO);
+    ka.wgrad_single_cta = single_cta;
     MOK(bf16_device_gemm(&bench_host, stream, &ka));
     CK(cudaStreamSynchronize(stream));
     CK(cudaMemcpy(got, dw32, elems * 4, cudaMemcpyDeviceToHost));
@@ -325,6 +334,8 @@ int main(int argc, char **argv)
     variants[nv++] = (bench_variant){"kernel_mma", 1, 0, 0, 0, 0, 3, -1, 0, 0};
     variants[nv++] = (bench_variant){"kernel_f32w", 1, 0, 0, 0, 0, 2, 1, 0, 0};
     variants[nv++] = (bench_variant){"kernel_f32w_ow", 1, 0, 0, 0, 0, 4, 1, 0, 0};
+    variants[nv++] = (bench_variant){"kernel_f32w_1cta", 1, 0, 0, 0, 0, 5, 1, 0, 0};
+    variants[nv++] = (bench_variant){"kernel_f32w_ow_1cta", 1, 0, 0, 0, 0, 6, 1, 0, 0};
     bench_variant v_streams_f32w = {"", streams, 0, 0, 0, 0, 0, 1, 1, 0};
     snprintf(v_streams_f32w.name, sizeof v_streams_f32w.name, "loop_s%d_f32w", streams);
     const int i_f32w_loop = nv;
@@ -401,11 +412,12 @@ int main(int argc, char **argv)
                     if (var->copy) {
                         CK(cudaMemcpyAsync(dw32_copy, dw32, (size_t)(E * K * N) * 4, cudaMemcpyDeviceToDevice, stream));
                     } else if (var->kernel) {
-                        const int f32 = var->kernel == 2 || var->kernel == 4;
+                        const int f32 = kernel_f32(var);
                         bf16_device_gemm_args ka =
                             kernel_args(&gm, d_counts, R, f32 ? dw32 : dw, f32,
                                         var->kernel == 3 ? BF16_DEVICE_GEMM_ENGINE_MMA : BF16_DEVICE_GEMM_ENGINE_AUTO);
-                        if (var->kernel == 4) ka.accumulate = 0;
+                        if (kernel_overwrites(var)) ka.accumulate = 0;
+                        ka.wgrad_single_cta = var->kernel >= 5;
                         MOK(bf16_device_gemm(&bench_host, stream, &ka));
                     } else {
                         moert_bf16_cuda_gemm gv = gm;
@@ -435,7 +447,7 @@ int main(int argc, char **argv)
 
             /* bit-for-bit: the S-stream loop and the graph replay against the 1-stream loop */
             int same_streams = -1, same_graph = -1;
-            double kernel_err = -1, f32w_err = -1;
+            double kernel_err = -1, f32w_err = -1, f32w_1cta_err = -1;
             if (check) {
                 const int64_t elems = pass == 0 ? R * N : pass == 1 ? R * K : E * K * N;
                 const size_t bytes = (size_t)elems * 2;
@@ -462,9 +474,12 @@ int main(int argc, char **argv)
                 kernel_err = rel_error_bf16(got, ref, elems);
                 free(ref);
                 free(got);
-                if (pass == MOERT_GEMM_WGRAD)
-                    f32w_err =
-                        wgrad_f32_error(g, stream, &variants[i_f32w_loop], gm, d_counts, R, dw32, (size_t)(E * K * N));
+                if (pass == MOERT_GEMM_WGRAD) {
+                    const size_t dw_elems = (size_t)(E * K * N);
+                    f32w_err = wgrad_f32_error(g, stream, &variants[i_f32w_loop], gm, d_counts, R, dw32, dw_elems, 0);
+                    f32w_1cta_err =
+                        wgrad_f32_error(g, stream, &variants[i_f32w_loop], gm, d_counts, R, dw32, dw_elems, 1);
+                }
             }
 
             for (int v = 0; v < nv; v++) {
@@ -482,11 +497,13 @@ int main(int argc, char **argv)
                 r->host_ms = host_total[v] / repeats;
                 r->queries_per_iter = (double)queries[v] / repeats;
                 r->same_bits = v == i_streams ? same_streams : v == i_graph ? same_graph : -1;
-                r->rel_err = v == i_kernel ? kernel_err : variants[v].kernel == 4 ? f32w_err : -1;
+                r->rel_err = v == i_kernel                  ? kernel_err
+                             : variants[v].kernel == 4      ? f32w_err
+                             : variants[v].kernel == 6      ? f32w_1cta_err
+                                                            : -1;
                 /* the floor of the fp32-gradient WGRAD variants: the copy moves the gradient's bytes twice */
-                const int f32_wgrad = pass == MOERT_GEMM_WGRAD &&
-                                      (variants[v].kernel == 2 || variants[v].kernel == 4 || variants[v].f32w);
-                const double traffic_ms = median[i_copy] * (variants[v].kernel == 4 ? 0.5 : 1.0);
+                const int f32_wgrad = pass == MOERT_GEMM_WGRAD && (kernel_f32(&variants[v]) || variants[v].f32w);
+                const double traffic_ms = median[i_copy] * (kernel_overwrites(&variants[v]) ? 0.5 : 1.0);
                 const double mma_ms = median[i_dense];
                 r->of_floor = f32_wgrad ? (mma_ms > traffic_ms ? mma_ms : traffic_ms) / median[v] : -1;
                 free(times[v]);

@@ -38,6 +38,9 @@ typedef struct a2a_cuda_state {
     a2a_buffer upload;         /* int64 [El + world*El]: tokens_per_expert, then counts [source rank][local expert] */
     a2a_buffer grouped_src;    /* int32 [capacity]: staging row of each grouped row, -1 for padding */
     a2a_buffer staging_src;    /* int32 [num_recv]: grouped row of each staging row */
+    /* on one rank the exchange moves nothing, and each way is one pass over the rows through these: */
+    a2a_buffer direct_src;         /* int32 [capacity]: the copy (t*K+k) in each grouped row, -1 for padding */
+    a2a_buffer direct_row_of_copy; /* int32 [T*K]: the grouped row of copy t*K+k, -1 if dropped */
     int64_t *pinned_counts;    /* [E+1] pinned host: the counts, then the bad-id counter, copied down */
     int64_t *pinned_upload;    /* [El + world*El] pinned host: what `upload` gets */
     int32_t *pinned_maps;      /* pinned host, grown: host-built maps (with pad_to_capacity) */
@@ -157,7 +160,8 @@ static void cuda_finalize(alltoall_ctx *c)
     const moert_host *h = c->host;
     a2a_buffer *device_buffers[] = {&c->cu.expert_counts, &c->cu.expert_offsets, &c->cu.row_of_copy,
                                     &c->cu.copy_of_row,   &c->cu.layout_scratch, &c->cu.upload,
-                                    &c->cu.grouped_src,   &c->cu.staging_src};
+                                    &c->cu.grouped_src,   &c->cu.staging_src,    &c->cu.direct_src,
+                                    &c->cu.direct_row_of_copy};
     for (size_t i = 0; i < sizeof device_buffers / sizeof device_buffers[0]; i++) buffer_release(c, device_buffers[i]);
     if (c->cu.pinned_counts) h->free_pinned(h, c->cu.pinned_counts);
     if (c->cu.pinned_upload) h->free_pinned(h, c->cu.pinned_upload);
@@ -322,13 +326,8 @@ static moert_result cuda_count_local(alltoall_ctx *c, moert_stream stream, const
     return MOERT_OK;
 }
 
-/*
- * prepare()'s plan on CUDA, after the sizes: uploads tokens_per_expert and this rank's received counts
- * [source rank][local expert] (through pinned memory, no wait), then builds the maps between received
- * (staging) and grouped order: on the device with the regroup kernel, or on the host (a2a_plan_recv_order,
- * the CPU's own order) when padding puts gaps between the groups.
- */
-static moert_result cuda_plan(alltoall_ctx *c, moert_stream stream, int64_t group_rows)
+/* cuda_plan's maps between received (staging) and grouped order. */
+static moert_result cuda_plan_maps(alltoall_ctx *c, moert_stream stream, int64_t group_rows)
 {
     const moert_host *h = c->host;
     a2a_plan *p = &c->plan;
@@ -374,6 +373,37 @@ static moert_result cuda_plan(alltoall_ctx *c, moert_stream stream, int64_t grou
     if (rc == MOERT_OK)
         rc = h->memcpy_async(h, cu->staging_src.data, c->layer.device, staging_src, moert_cpu(),
                              (size_t)p->num_recv * sizeof(int32_t), stream);
+    return rc;
+}
+
+/* On one rank: the send-order and regroup maps composed (direct_src, direct_row_of_copy), so that a dispatch, a
+ * combine and their adjoints each move the rows once instead of three times (permute, exchange, regroup). */
+static moert_result cuda_plan_direct(alltoall_ctx *c, moert_stream stream)
+{
+    const a2a_plan *p = &c->plan;
+    a2a_cuda_state *cu = &c->cu;
+    const int64_t copies = p->num_tokens * c->layer.topk;
+    moert_result rc = buffer_reserve(c, &cu->direct_src, (size_t)p->capacity * sizeof(int32_t));
+    if (rc == MOERT_OK) rc = buffer_reserve(c, &cu->direct_row_of_copy, (size_t)copies * sizeof(int32_t));
+    if (rc == MOERT_OK)
+        rc = moert_a2a_cuda_compose_maps(c->host, (cudaStream_t)stream, p->capacity, cu->grouped_src.data,
+                                         cu->copy_of_row.data, cu->direct_src.data);
+    if (rc == MOERT_OK)
+        rc = moert_a2a_cuda_compose_maps(c->host, (cudaStream_t)stream, copies, cu->row_of_copy.data,
+                                         cu->staging_src.data, cu->direct_row_of_copy.data);
+    return rc;
+}
+
+/*
+ * prepare()'s plan on CUDA, after the sizes: uploads tokens_per_expert and this rank's received counts
+ * [source rank][local expert] (through pinned memory, no wait), then builds the maps between received
+ * (staging) and grouped order: on the device with the regroup kernel, or on the host (a2a_plan_recv_order,
+ * the CPU's own order) when padding puts gaps between the groups. On one rank, composes them with the send order.
+ */
+static moert_result cuda_plan(alltoall_ctx *c, moert_stream stream, int64_t group_rows)
+{
+    moert_result rc = cuda_plan_maps(c, stream, group_rows);
+    if (rc == MOERT_OK && c->world == 1) rc = cuda_plan_direct(c, stream);
     return rc;
 }
 #endif
@@ -483,8 +513,9 @@ static moert_result cuda_reserve_rows(alltoall_ctx *c, a2a_buffer *send, a2a_buf
 
 /*
  * Rows of `src` [T, width] to the grouped buffer `grouped` [>= capacity, width] on the ranks owning their
- * experts: permute into send order (copy_of_row), all-to-all, regroup (grouped_src; padding rows get 0).
- * divisor: K for token rows (copy c reads row c/K), 1 for per-copy values (the [T*K] probs).
+ * experts: permute into send order (copy_of_row), all-to-all, regroup (grouped_src; padding rows get 0); on one
+ * rank one gather through direct_src. divisor: K for token rows (copy c reads row c/K), 1 for per-copy values (the
+ * [T*K] probs).
  */
 static moert_result cuda_forward_rows(alltoall_ctx *c, moert_stream stream, moert_dtype dtype, int64_t width,
                                       int32_t divisor, const void *src, a2a_buffer *send, a2a_buffer *staging,
@@ -492,6 +523,9 @@ static moert_result cuda_forward_rows(alltoall_ctx *c, moert_stream stream, moer
 {
     const moert_host *h = c->host;
     const a2a_plan *p = &c->plan;
+    if (c->world == 1)
+        return moert_a2a_cuda_gather_rows(h, (cudaStream_t)stream, dtype, p->capacity, width, c->cu.direct_src.data,
+                                          divisor, NULL, src, grouped);
     const size_t row_bytes = (size_t)width * moert_dtype_size(dtype);
     moert_result rc = cuda_reserve_rows(c, send, staging, row_bytes);
     if (rc == MOERT_OK)
@@ -556,6 +590,9 @@ static moert_result cuda_combine(alltoall_ctx *c, moert_stream stream, const moe
     moert_result rc = cuda_check_dtypes(c, call, "y_expert", args->y_expert, "y", args->y);
     if (rc != MOERT_OK) return rc;
     const moert_dtype dtype = args->y_expert->dtype;
+    if (c->world == 1) /* straight from the grouped rows */
+        return moert_a2a_cuda_combine_rows(c->host, (cudaStream_t)stream, dtype, p->num_tokens, c->layer.topk, H,
+                                           c->cu.direct_row_of_copy.data, args->y_expert->data, args->y->data, 0);
     rc = cuda_backward_rows(c, stream, dtype, H, args->y_expert->data, &c->send_rows, &c->staging_rows);
     if (rc != MOERT_OK) return rc;
     return moert_a2a_cuda_combine_rows(c->host, (cudaStream_t)stream, dtype, p->num_tokens, c->layer.topk, H,
@@ -584,6 +621,14 @@ static moert_result cuda_dispatch_backward(alltoall_ctx *c, moert_stream stream,
         rc = cuda_check_dtypes(c, call, "d_recv_probs", args->d_recv_probs, "d_topk_probs", args->d_topk_probs);
     if (rc != MOERT_OK) return rc;
     const moert_dtype dtype = args->d_recv_x->dtype;
+    if (c->world == 1) { /* straight from the grouped rows */
+        rc = moert_a2a_cuda_combine_rows(c->host, (cudaStream_t)stream, dtype, p->num_tokens, K, H,
+                                         c->cu.direct_row_of_copy.data, args->d_recv_x->data, args->d_x->data, 1);
+        if (rc != MOERT_OK || !args->d_recv_probs) return rc;
+        return moert_a2a_cuda_gather_rows(c->host, (cudaStream_t)stream, args->d_recv_probs->dtype, p->num_tokens * K,
+                                          1, c->cu.direct_row_of_copy.data, 1, NULL, args->d_recv_probs->data,
+                                          args->d_topk_probs->data);
+    }
     rc = cuda_backward_rows(c, stream, dtype, H, args->d_recv_x->data, &c->send_rows, &c->staging_rows);
     if (rc == MOERT_OK)
         rc = moert_a2a_cuda_combine_rows(c->host, (cudaStream_t)stream, dtype, p->num_tokens, K, H,

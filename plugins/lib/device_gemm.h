@@ -54,6 +54,8 @@ typedef struct bf16_device_gemm_args {
     int engine;              /* BF16_DEVICE_GEMM_ENGINE_*: which kernel runs FORWARD/DGRAD */
     int max_sms;             /* wgmma engine: CTAs of its persistent grid at most (0: one per SM), so that kernels
                                 on another stream (a dispatcher's) find SMs free beside it */
+    int wgrad_single_cta;    /* wgmma WGRAD: 1 keeps every CTA single (tests, benchmarks); 0 runs its ping-pong in CTA
+                                pairs sharing the input tile by TMA multicast where the n_out tiles pair up */
 } bf16_device_gemm_args;
 
 /* The kernels behind FORWARD, DGRAD and WGRAD into fp32 (WGRAD into a bf16 gradient always runs on mma.sync):

@@ -279,6 +279,10 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_kernel(const __grid_
  * - Cooperative (BN 256), for experts of many rows (mixtral), where the MMA dominates and the wider tile loads a
  *   quarter fewer operand bytes per flop: both consumers share each tile, 64 rows of k_in each (one m64n256
  *   accumulator).
+ * The ping-pong runs in clusters of two CTAs where the n_out tiles pair up: the pair takes neighbouring n_out tiles of
+ * the same expert and k_in tile, so both multiply the same A; each CTA loads one of A's two boxes and TMA multicasts
+ * it into both (a quarter fewer operand bytes from L2 per flop, as the 128 x 256 tile, while keeping the ping-pong's
+ * overlap of the fp32 writes), and a consumer hands a stage back to both CTAs' producers.
  * The rows past an expert's last (another expert's, padding, or past the buffers) are zeroed in shared memory before
  * the expert's last k-block is multiplied. Epilogue: a consumer's 64 x 256 fp32 result goes out in two 64 x 128 halves
  * (ping-pong: its tile's two 64-row halves; cooperative: its rows' two 128-column halves), each through its swizzled
@@ -319,13 +323,21 @@ __device__ __forceinline__ void wgmma_m64n128k16_mn(float *d, uint64_t desc_a, u
 #endif
 }
 
-/* WGRAD's work unit u: expert e, k_in tile mt and n_out tile nt of its gradient (k_in tiles fastest). */
-__device__ __forceinline__ void wgrad_tile_at(const wg_wgrad_params &p, int u, int *e, int *mt, int *nt)
+/* WGRAD's work unit u of a cluster of CL CTAs: expert e, k_in tile mt and n_out tile nt of its gradient (k_in tiles
+ * fastest); the cluster's CTAs take neighbouring n_out tiles, CTA `rank` the rank-th. */
+template <int CL>
+__device__ __forceinline__ void wgrad_tile_at(const wg_wgrad_params &p, int u, int rank, int *e, int *mt, int *nt)
 {
-    const int per = p.m_tiles * p.n_tiles, r = u % per;
+    const int per = p.m_tiles * (p.n_tiles / CL), r = u % per;
     *e = u / per;
     *mt = r % p.m_tiles;
-    *nt = r / p.m_tiles;
+    *nt = r / p.m_tiles * CL + rank;
+}
+
+/* The work units of a cluster of CL CTAs (n_tiles is a multiple of CL). */
+template <int CL> __device__ __forceinline__ int wgrad_units(const wg_wgrad_params &p)
+{
+    return p.num_experts * p.m_tiles * (p.n_tiles / CL);
 }
 
 /* The k-blocks (64 rows each) of expert e. */
@@ -334,25 +346,31 @@ __device__ __forceinline__ int wgrad_k_blocks(const int64_t *row_start, int e)
     return (int)((row_start[e + 1] - row_start[e] + WG_BK - 1) / WG_BK);
 }
 
-/* The producer thread: per unit and 64-row block of the expert, A's two boxes and B's BN / 64, into the ring. */
-template <int STAGES, int BN>
-__device__ __forceinline__ void wgrad_produce(const wg_wgrad_params &p, const int64_t *row_start, int units,
+/* The producer thread: per unit and 64-row block of the expert, A's two boxes and B's BN / 64, into the ring. In a
+ * cluster of two, A's box `rank` is multicast to both CTAs (the peer loads the other), and a stage is free once both
+ * CTAs' consumers have handed it back. */
+template <int STAGES, int BN, int CL>
+__device__ __forceinline__ void wgrad_produce(const wg_wgrad_params &p, const int64_t *row_start, int rank,
                                               uint8_t *stages, uint64_t *full, uint64_t *empty)
 {
-    const int stage_bytes = WGR_A_BYTES + BN / 64 * WG_BOX_BYTES;
+    const int stage_bytes = WGR_A_BYTES + BN / 64 * WG_BOX_BYTES, units = wgrad_units<CL>(p);
     int s = 0;
     uint32_t phase = 0, it = 0;
-    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    for (int u = blockIdx.x / CL; u < units; u += gridDim.x / CL) {
         int e, mt, nt;
-        wgrad_tile_at(p, u, &e, &mt, &nt);
+        wgrad_tile_at<CL>(p, u, rank, &e, &mt, &nt);
         const int k_blocks = wgrad_k_blocks(row_start, e);
         for (int kb = 0; kb < k_blocks; kb++, it++) {
             if (it >= STAGES) mbar_wait(&empty[s], phase ^ 1);
             mbar_arrive_expect_tx(&full[s], stage_bytes);
             const int32_t row = (int32_t)(row_start[e] + (int64_t)kb * WG_BK);
             uint8_t *a = stages + s * stage_bytes, *b = a + WGR_A_BYTES;
-            for (int j = 0; j < 2; j++)
-                tensor_load_2d(a + j * WG_BOX_BYTES, &p.map_in, mt * WGR_BM + j * 64, row, &full[s]);
+            if (CL == 2)
+                tensor_load_2d_multicast(a + rank * WG_BOX_BYTES, &p.map_in, mt * WGR_BM + rank * 64, row, &full[s],
+                                         0x3);
+            else
+                for (int j = 0; j < 2; j++)
+                    tensor_load_2d(a + j * WG_BOX_BYTES, &p.map_in, mt * WGR_BM + j * 64, row, &full[s]);
             for (int j = 0; j < BN / 64; j++)
                 tensor_load_2d(b + j * WG_BOX_BYTES, &p.map_dout, nt * BN + j * 64, row, &full[s]);
             if (++s == STAGES) s = 0, phase ^= 1;
@@ -413,21 +431,30 @@ __device__ __forceinline__ void wgrad_store(const wg_wgrad_params &p, int e, con
     }
 }
 
+/* Hands stage s back: to this CTA's producer, and in a cluster of two to the peer's too (it multicast into it). */
+template <int CL> __device__ __forceinline__ void wgrad_release(uint64_t *empty, int s, int rank)
+{
+    if (CL == 2)
+        mbar_arrive_warp(&empty[s], true, (uint32_t)(rank ^ 1));
+    else
+        wg_release(empty, s);
+}
+
 /* A WGRAD consumer warpgroup c. Ping-pong: the CTA's units 0, 2, 4, .. (c = 0) or 1, 3, 5, .. (c = 1), walking the
  * other's units only to follow the ring. Cooperative: every unit, k_in rows c * 64 .. c * 64 + 63 of it. */
-template <int STAGES, bool PINGPONG>
-__device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const int64_t *row_start, int units,
+template <int STAGES, bool PINGPONG, int CL>
+__device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const int64_t *row_start, int rank,
                                               uint8_t *stages, uint8_t *staging, uint64_t *full, uint64_t *empty, int c)
 {
     constexpr int BN = PINGPONG ? 128 : 256;
-    const int stage_bytes = WGR_A_BYTES + BN / 64 * WG_BOX_BYTES;
+    const int stage_bytes = WGR_A_BYTES + BN / 64 * WG_BOX_BYTES, units = wgrad_units<CL>(p), stride = gridDim.x / CL;
     int s = 0;
     uint32_t phase = 0;
     uint8_t *boxes = staging + c * WGR_STAGING_BYTES;
     int i = 0;
-    for (int u = blockIdx.x; u < units; u += gridDim.x, i++) {
+    for (int u = blockIdx.x / CL; u < units; u += stride, i++) {
         int e, mt, nt;
-        wgrad_tile_at(p, u, &e, &mt, &nt);
+        wgrad_tile_at<CL>(p, u, rank, &e, &mt, &nt);
         const int k_blocks = wgrad_k_blocks(row_start, e);
         if (PINGPONG && (i & 1) != c) { /* the other consumer's unit: skip its stages */
             const int next = s + k_blocks;
@@ -436,7 +463,7 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
             continue;
         }
         const int64_t rows = row_start[e + 1] - row_start[e];
-        const bool hand_off = PINGPONG && u + gridDim.x < units; /* the other consumer has the CTA's next unit */
+        const bool hand_off = PINGPONG && u + stride < units; /* the other consumer has the CTA's next unit */
         const int m0[2] = {mt * WGR_BM + (PINGPONG ? 0 : c * 64), mt * WGR_BM + (PINGPONG ? 64 : c * 64)};
         const int n0[2] = {nt * BN, nt * BN + (PINGPONG ? 0 : 128)};
         if (PINGPONG && i > 0) named_barrier_sync(3 + c, 256); /* our turn: the other has seen its stages arrive */
@@ -479,20 +506,20 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
             wgmma_commit();
             if (kb > 0) {
                 wgmma_wait<1>();
-                wg_release(empty, prev);
+                wgrad_release<CL>(empty, prev, rank);
             }
             prev = s;
             if (++s == STAGES) s = 0, phase ^= 1;
         }
         if (hand_off) named_barrier_arrive(4 - c, 256); /* the other's turn */
         wgmma_wait<0>();
-        wg_release(empty, prev);
+        wgrad_release<CL>(empty, prev, rank);
         wgrad_store<false>(p, e, m0, n0, c, acc, boxes);
     }
     if (threadIdx.x % 128 == 0) bulk_wait_all();
 }
 
-template <int STAGES, bool PINGPONG>
+template <int STAGES, bool PINGPONG, int CL>
 __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_wgrad_kernel(const __grid_constant__ wg_wgrad_params p)
 {
 #ifdef WG_DEVICE
@@ -510,20 +537,23 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_wgrad_kernel(const _
     if (threadIdx.x == 32) {
         for (int s = 0; s < STAGES; s++) {
             mbar_init_count(&full[s], 1);
-            mbar_init_count(&empty[s], PINGPONG ? 4 : 8); /* the warps that multiply a stage */
+            mbar_init_count(&empty[s], (PINGPONG ? 4 : 8) * CL); /* the warps that multiply a stage, in each CTA */
         }
         mbar_init_fence();
     }
-    __syncthreads();
-    const int units = p.num_experts * p.m_tiles * p.n_tiles;
-    const int wg = threadIdx.x / 128;
+    if (CL > 1)
+        cluster_sync(); /* the peer's barriers exist before anything is multicast or arrives there */
+    else
+        __syncthreads();
+    const int wg = threadIdx.x / 128, rank = (int)(blockIdx.x % CL);
     if (wg == 0) {
         warpgroup_registers_dec<40>();
-        if (threadIdx.x == 0) wgrad_produce<STAGES, BN>(p, row_start, units, stages, full, empty);
+        if (threadIdx.x == 0) wgrad_produce<STAGES, BN, CL>(p, row_start, rank, stages, full, empty);
     } else {
         warpgroup_registers_inc<232>();
-        wgrad_consume<STAGES, PINGPONG>(p, row_start, units, stages, staging, full, empty, wg - 1);
+        wgrad_consume<STAGES, PINGPONG, CL>(p, row_start, rank, stages, staging, full, empty, wg - 1);
     }
+    if (CL > 1) cluster_sync(); /* no CTA leaves while its peer may still multicast or arrive into it */
 #endif
 }
 
@@ -533,6 +563,14 @@ static PFN_cuTensorMapEncodeTiled_v12000 encode_fn;
 static signed char ready[WG_MAX_DEVICES]; /* per device: 1 prepared, -1 not usable, 0 not asked */
 static int sm_count[WG_MAX_DEVICES];      /* per prepared device: the persistent grid */
 static int smem_optin[WG_MAX_DEVICES];    /* per prepared device: the most dynamic shared memory a block may take */
+static int wgrad_pairs[WG_MAX_DEVICES];   /* per prepared device: CTA pairs of the WGRAD ping-pong that fit at once */
+
+/* The ping-pong WGRAD kernel of `stages` stages, in clusters of `cl` CTAs. */
+static void (*wgrad_pingpong(int stages, int cl))(wg_wgrad_params)
+{
+    if (cl == 2) return stages == 5 ? bf16_wgmma_wgrad_kernel<5, true, 2> : bf16_wgmma_wgrad_kernel<4, true, 2>;
+    return stages == 5 ? bf16_wgmma_wgrad_kernel<5, true, 1> : bf16_wgmma_wgrad_kernel<4, true, 1>;
+}
 
 extern "C" moert_result bf16_wgmma_prepare(const moert_host *host)
 {
@@ -559,13 +597,28 @@ extern "C" moert_result bf16_wgmma_prepare(const moert_host *host)
     CUDA_CHECK(host, cudaFuncSetAttribute(bf16_wgmma_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     CUDA_CHECK(host, cudaDeviceGetAttribute(&smem_optin[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     CUDA_CHECK(host,
-               cudaFuncSetAttribute(bf16_wgmma_wgrad_kernel<3, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+               cudaFuncSetAttribute(bf16_wgmma_wgrad_kernel<3, false, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)wgrad_smem_bytes(3, 256, BF16_DEVICE_GEMM_MAX_EXPERTS)));
-    CUDA_CHECK(host, cudaFuncSetAttribute(bf16_wgmma_wgrad_kernel<4, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          (int)wgrad_smem_bytes(4, 128, BF16_DEVICE_GEMM_MAX_EXPERTS)));
-    CUDA_CHECK(host, cudaFuncSetAttribute(bf16_wgmma_wgrad_kernel<5, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          smem_optin[dev]));
+    for (int cl = 1; cl <= 2; cl++) {
+        CUDA_CHECK(host, cudaFuncSetAttribute(wgrad_pingpong(4, cl), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              (int)wgrad_smem_bytes(4, 128, BF16_DEVICE_GEMM_MAX_EXPERTS)));
+        CUDA_CHECK(host, cudaFuncSetAttribute(wgrad_pingpong(5, cl), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              smem_optin[dev]));
+    }
     CUDA_CHECK(host, cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev));
+    /* the pairs that fit at once (a GPC of an odd SM count leaves one SM without a partner) */
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+    cfg.gridDim = dim3((unsigned)(sm_count[dev] / 2 * 2));
+    cfg.blockDim = dim3(WG_THREADS);
+    cfg.dynamicSmemBytes = (size_t)smem_optin[dev];
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int pairs = 0;
+    CUDA_CHECK(host, cudaOccupancyMaxActiveClusters(&pairs, wgrad_pingpong(5, 2), &cfg));
+    wgrad_pairs[dev] = pairs < sm_count[dev] / 2 ? pairs : sm_count[dev] / 2;
     ready[dev] = 1;
     return MOERT_OK;
 }
@@ -648,16 +701,29 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
                       "bf16 device gemm WGRAD: %lld experts of %lld x %lld make more than 2^31 tiles",
                       (long long)a->num_experts, (long long)a->k_in, (long long)a->n_out);
     const int64_t sms = persistent_sms(a, dev);
-    const unsigned grid = (unsigned)(units < sms ? units : sms);
-    /* the ping-pong takes five stages where the experts' prefix arrays leave room (up to ~160 experts), else four */
-    const size_t five = wgrad_smem_bytes(5, 128, p.num_experts);
-    if (!pingpong)
-        bf16_wgmma_wgrad_kernel<3, false><<<grid, WG_THREADS, wgrad_smem_bytes(3, 256, p.num_experts), stream>>>(p);
-    else if (five <= (size_t)smem_optin[dev])
-        bf16_wgmma_wgrad_kernel<5, true><<<grid, WG_THREADS, five, stream>>>(p);
-    else
-        bf16_wgmma_wgrad_kernel<4, true><<<grid, WG_THREADS, wgrad_smem_bytes(4, 128, p.num_experts), stream>>>(p);
-    LAUNCH_CHECK(host, "bf16_wgmma_wgrad_kernel");
+    if (!pingpong) {
+        const unsigned grid = (unsigned)(units < sms ? units : sms);
+        bf16_wgmma_wgrad_kernel<3, false, 1><<<grid, WG_THREADS, wgrad_smem_bytes(3, 256, p.num_experts), stream>>>(p);
+        LAUNCH_CHECK(host, "bf16_wgmma_wgrad_kernel");
+        return MOERT_OK;
+    }
+    /* the ping-pong takes five stages where the experts' prefix arrays leave room (up to ~160 experts), else four; CTA
+     * pairs where the n_out tiles pair up and two SMs are granted */
+    const int stages = wgrad_smem_bytes(5, 128, p.num_experts) <= (size_t)smem_optin[dev] ? 5 : 4;
+    const int64_t pairs = sms / 2 < wgrad_pairs[dev] ? sms / 2 : wgrad_pairs[dev];
+    const int cl = !a->wgrad_single_cta && p.n_tiles % 2 == 0 && pairs > 0 ? 2 : 1;
+    const int64_t fit = cl == 2 ? pairs : sms, cl_units = units / cl;
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = (unsigned)cl, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+    cfg.gridDim = dim3((unsigned)((cl_units < fit ? cl_units : fit) * cl));
+    cfg.blockDim = dim3(WG_THREADS);
+    cfg.dynamicSmemBytes = wgrad_smem_bytes(stages, 128, p.num_experts);
+    cfg.stream = stream;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    CUDA_CHECK(host, cudaLaunchKernelEx(&cfg, wgrad_pingpong(stages, cl), p));
     return MOERT_OK;
 }
 

@@ -405,6 +405,31 @@ extern "C" moert_result moert_a2a_cuda_combine_rows(const moert_host *host, cuda
     }
 }
 
+/* ---- composed maps ---- */
+
+__global__ void compose_maps_kernel(int64_t n, const int32_t *__restrict__ outer, const int32_t *__restrict__ inner,
+                                    int32_t *__restrict__ out)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const int32_t o = outer[i];
+        out[i] = o < 0 ? -1 : inner[o];
+    }
+}
+
+extern "C" moert_result moert_a2a_cuda_compose_maps(const moert_host *host, cudaStream_t stream, int64_t n,
+                                                    const int32_t *outer, const int32_t *inner, int32_t *out)
+{
+    if (n < 0) return report(host, MOERT_ERR_INVALID_ARGUMENT, "alltoall cuda compose: %lld rows", (long long)n);
+    if (n == 0) return MOERT_OK;
+    if (!outer || !inner || !out)
+        return report(host, MOERT_ERR_INVALID_ARGUMENT, "alltoall cuda compose: outer, inner and out are required");
+    const int64_t blocks = (n + 255) / 256;
+    compose_maps_kernel<<<(int)(blocks < MAX_GRID_BLOCKS ? blocks : MAX_GRID_BLOCKS), 256, 0, stream>>>(n, outer, inner,
+                                                                                                         out);
+    LAUNCH_CHECK(host, "compose_maps_kernel");
+    return MOERT_OK;
+}
+
 /* ---- regroup maps ---- */
 
 #define REGROUP_THREADS 512

@@ -82,6 +82,13 @@ moert_result moert_a2a_cuda_combine_rows(const moert_host *host, cudaStream_t st
                                          void *out, int accumulate);
 
 /*
+ * out[i] = inner[outer[i]] for i < n, -1 where outer[i] is negative: two row maps made one, so that two gathers (or a
+ * gather and a combine) become one pass over the rows. Uses: a dispatch on one rank, where the exchange moves nothing.
+ */
+moert_result moert_a2a_cuda_compose_maps(const moert_host *host, cudaStream_t stream, int64_t n, const int32_t *outer,
+                                         const int32_t *inner, int32_t *out);
+
+/*
  * Maps between the received order, chunks [source rank s][local expert e] of counts[s*E_local + e] rows
  * (counts: device int64 [world][E_local]), and the expert order, chunks [e][s]:
  *   expert_major_src[j] = received row that goes to row j of the expert-ordered buffer (regroup: gather)

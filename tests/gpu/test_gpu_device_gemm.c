@@ -57,7 +57,7 @@ typedef struct row {
     int64_t diffs; /* values that must be bit-exact and are not (-1: not counted) */
 } row;
 
-static row table[256];
+static row table[512];
 static int table_len;
 
 /* Records one check: err <= tol and no differing values. */
@@ -230,8 +230,9 @@ static void *cpu_pass(const problem *p, int pass, bool overwrite, bool bf16_grad
     return out;
 }
 
-/* The output tile width and engine the kernel calls of the test ask for (0: the kernel picks). */
-static int tile_n, engine;
+/* The output tile width and engine the kernel calls of the test ask for (0: the kernel picks), and whether the wgmma
+ * WGRAD keeps its CTAs single (else its ping-pong runs in multicasting CTA pairs where the n_out tiles pair up). */
+static int tile_n, engine, single_cta;
 
 /* The kernel's arguments for one pass into device buffer d_out. */
 static bf16_device_gemm_args kernel_args(const problem *p, int pass, void *d_out, bool overwrite, bool bf16_grad)
@@ -254,6 +255,7 @@ static bf16_device_gemm_args kernel_args(const problem *p, int pass, void *d_out
     a.accumulate = !overwrite;
     a.tile_n = tile_n;
     a.engine = engine;
+    a.wgrad_single_cta = single_cta;
     return a;
 }
 
@@ -322,7 +324,7 @@ typedef struct small_case {
 /* The engine and tile width of the calls, as the table shows them. */
 static const char *engine_label(void)
 {
-    if (engine == BF16_DEVICE_GEMM_ENGINE_WGMMA) return "wgmma";
+    if (engine == BF16_DEVICE_GEMM_ENGINE_WGMMA) return single_cta ? "wgmma 1cta" : "wgmma";
     return tile_n == 128 ? "n128" : tile_n == 256 ? "n256" : "auto";
 }
 
@@ -745,20 +747,26 @@ int main(void)
         {"E4 K72 N136 no rows", 4, 72, 136, {0, 0, 0, 0}, 0},
         {"E3 K64 N72 past capacity 200,100,7 cap 250", 3, 64, 72, {200, 100, 7}, 250},
         {"E16 K192 N64 odd", 16, 192, 64, {1, 3, 0, 5, 7, 9, 11, 13, 15, 17, 0, 19, 21, 23, 127, 129}, 0},
+        /* even n_out tiles of 128: the wgmma WGRAD's CTA pairs (the cases above with N 136 and 200 too) */
+        {"E5 K136 N256 129,0,0,3,64", 5, 136, 256, {129, 0, 0, 3, 64}, 0},
+        {"E3 K320 N520 1,700,31", 3, 320, 520, {1, 700, 31}, 0},
         /* >= 2048 rows an expert on average: the wgmma WGRAD's cooperative schedule (fewer: its ping-pong) */
         {"E2 K136 N200 many rows 3000,1500", 2, 136, 200, {3000, 1500}, 0},
         {"E2 K64 N264 many rows 4100,0", 2, 64, 264, {4100, 0}, 0},
     };
-    /* every case on mma.sync with both tile widths, and on the wgmma engine where the GPU has it (sm_90) */
-    static const int configs[][2] = {
-        {128, BF16_DEVICE_GEMM_ENGINE_MMA}, {256, BF16_DEVICE_GEMM_ENGINE_MMA}, {0, BF16_DEVICE_GEMM_ENGINE_WGMMA}};
+    /* every case on mma.sync with both tile widths, and on the wgmma engine where the GPU has it (sm_90): its WGRAD
+     * in CTA pairs where it can, and single */
+    static const int configs[][3] = {{128, BF16_DEVICE_GEMM_ENGINE_MMA, 0},
+                                     {256, BF16_DEVICE_GEMM_ENGINE_MMA, 0},
+                                     {0, BF16_DEVICE_GEMM_ENGINE_WGMMA, 0},
+                                     {0, BF16_DEVICE_GEMM_ENGINE_WGMMA, 1}};
     const bool hopper = prop.major == 9 && prop.minor == 0;
     for (size_t c = 0; c < sizeof configs / sizeof configs[0]; c++) {
-        tile_n = configs[c][0], engine = configs[c][1];
+        tile_n = configs[c][0], engine = configs[c][1], single_cta = configs[c][2];
         if (engine == BF16_DEVICE_GEMM_ENGINE_WGMMA && !hopper) continue;
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_small(&cases[i], raw_stream, 100 + i);
     }
-    tile_n = 0, engine = BF16_DEVICE_GEMM_ENGINE_AUTO;
+    tile_n = 0, engine = BF16_DEVICE_GEMM_ENGINE_AUTO, single_cta = 0;
     run_bad_args(raw_stream);
     run_graph(raw_stream);
     run_big(raw_stream);
