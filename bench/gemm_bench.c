@@ -497,10 +497,10 @@ int main(int argc, char **argv)
                 r->host_ms = host_total[v] / repeats;
                 r->queries_per_iter = (double)queries[v] / repeats;
                 r->same_bits = v == i_streams ? same_streams : v == i_graph ? same_graph : -1;
-                r->rel_err = v == i_kernel                  ? kernel_err
-                             : variants[v].kernel == 4      ? f32w_err
-                             : variants[v].kernel == 6      ? f32w_1cta_err
-                                                            : -1;
+                r->rel_err = v == i_kernel             ? kernel_err
+                             : variants[v].kernel == 4 ? f32w_err
+                             : variants[v].kernel == 6 ? f32w_1cta_err
+                                                       : -1;
                 /* the floor of the fp32-gradient WGRAD variants: the copy moves the gradient's bytes twice */
                 const int f32_wgrad = pass == MOERT_GEMM_WGRAD && (kernel_f32(&variants[v]) || variants[v].f32w);
                 const double traffic_ms = median[i_copy] * (kernel_overwrites(&variants[v]) ? 0.5 : 1.0);

@@ -41,9 +41,9 @@ typedef struct a2a_cuda_state {
     /* on one rank the exchange moves nothing, and each way is one pass over the rows through these: */
     a2a_buffer direct_src;         /* int32 [capacity]: the copy (t*K+k) in each grouped row, -1 for padding */
     a2a_buffer direct_row_of_copy; /* int32 [T*K]: the grouped row of copy t*K+k, -1 if dropped */
-    int64_t *pinned_counts;    /* [E+1] pinned host: the counts, then the bad-id counter, copied down */
-    int64_t *pinned_upload;    /* [El + world*El] pinned host: what `upload` gets */
-    int32_t *pinned_maps;      /* pinned host, grown: host-built maps (with pad_to_capacity) */
+    int64_t *pinned_counts;        /* [E+1] pinned host: the counts, then the bad-id counter, copied down */
+    int64_t *pinned_upload;        /* [El + world*El] pinned host: what `upload` gets */
+    int32_t *pinned_maps;          /* pinned host, grown: host-built maps (with pad_to_capacity) */
     size_t pinned_maps_bytes;
     int64_t *recv_final_row; /* host [num_recv], grown: a2a_plan_recv_order's answer (with pad_to_capacity) */
     size_t recv_final_row_len;
@@ -158,10 +158,9 @@ static moert_result cuda_init(alltoall_ctx *c)
 static void cuda_finalize(alltoall_ctx *c)
 {
     const moert_host *h = c->host;
-    a2a_buffer *device_buffers[] = {&c->cu.expert_counts, &c->cu.expert_offsets, &c->cu.row_of_copy,
-                                    &c->cu.copy_of_row,   &c->cu.layout_scratch, &c->cu.upload,
-                                    &c->cu.grouped_src,   &c->cu.staging_src,    &c->cu.direct_src,
-                                    &c->cu.direct_row_of_copy};
+    a2a_buffer *device_buffers[] = {
+        &c->cu.expert_counts, &c->cu.expert_offsets, &c->cu.row_of_copy, &c->cu.copy_of_row, &c->cu.layout_scratch,
+        &c->cu.upload,        &c->cu.grouped_src,    &c->cu.staging_src, &c->cu.direct_src,  &c->cu.direct_row_of_copy};
     for (size_t i = 0; i < sizeof device_buffers / sizeof device_buffers[0]; i++) buffer_release(c, device_buffers[i]);
     if (c->cu.pinned_counts) h->free_pinned(h, c->cu.pinned_counts);
     if (c->cu.pinned_upload) h->free_pinned(h, c->cu.pinned_upload);

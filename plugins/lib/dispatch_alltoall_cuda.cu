@@ -425,7 +425,7 @@ extern "C" moert_result moert_a2a_cuda_compose_maps(const moert_host *host, cuda
         return report(host, MOERT_ERR_INVALID_ARGUMENT, "alltoall cuda compose: outer, inner and out are required");
     const int64_t blocks = (n + 255) / 256;
     compose_maps_kernel<<<(int)(blocks < MAX_GRID_BLOCKS ? blocks : MAX_GRID_BLOCKS), 256, 0, stream>>>(n, outer, inner,
-                                                                                                         out);
+                                                                                                        out);
     LAUNCH_CHECK(host, "compose_maps_kernel");
     return MOERT_OK;
 }
