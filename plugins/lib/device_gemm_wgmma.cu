@@ -284,7 +284,9 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_kernel(const __grid_
  * it into both (a quarter fewer operand bytes from L2 per flop, as the 128 x 256 tile, while keeping the ping-pong's
  * overlap of the fp32 writes), and a consumer hands a stage back to both CTAs' producers.
  * The rows past an expert's last (another expert's, padding, or past the buffers) are zeroed in shared memory before
- * the expert's last k-block is multiplied. Epilogue: a consumer's 64 x 256 fp32 result goes out in two 64 x 128 halves
+ * the expert's last k-block is multiplied. Epilogue: in the ping-pong the consumer's threads store (or load, add and
+ * store) its fp32 result straight from the registers, so the SM's one TMA unit keeps loading operands. Cooperative
+ * (and the ping-pong with wgrad_tma_store): a consumer's 64 x 256 fp32 result goes out in two 64 x 128 halves
  * (ping-pong: its tile's two 64-row halves; cooperative: its rows' two 128-column halves), each through its swizzled
  * staging area as four 32 x 64 boxes that TMA stores (overwrite) or adds (cp.reduce.async.bulk add: the gradient is
  * read and written by the memory system, not by the SM) while the consumer goes on. */
@@ -307,8 +309,10 @@ typedef struct wg_wgrad_params {
     CUtensorMap map_dout; /* grad_output [capacity][n_out], boxes of 64 x 64 rows */
     CUtensorMap map_dw;   /* grad_weight fp32 [E][k_in][n_out], boxes of 32 x 64 rows x 1 */
     const int64_t *counts;
+    float *dw; /* grad_weight, for the threads' own stores */
     int64_t capacity;
     int num_experts, m_tiles, n_tiles, k_in, n_out, accumulate;
+    int thread_store; /* the ping-pong: the consumer's threads store or add its tile (else TMA stores or adds) */
 } wg_wgrad_params;
 
 /* d (+)= A (64 x 16, M-major) * B (16 x 128, N-major); accumulate 0 ignores d's old values. */
@@ -440,6 +444,42 @@ template <int CL> __device__ __forceinline__ void wgrad_release(uint64_t *empty,
         wg_release(empty, s);
 }
 
+/* The ping-pong's epilogue by the consumer's own threads: its 2 x m64n128 result (acc) straight from the registers
+ * to the gradient, overwriting or adding (16 loads of the old values in flight per thread, then their stores), 8 rows
+ * x 32 bytes per warp and instruction (whole 32-byte sectors). The SM's TMA unit stays free for the operand loads,
+ * which queue behind a TMA store while the memory system drains it. ZERO stores zeros (overwriting only). */
+template <bool ZERO>
+__device__ __forceinline__ void wgrad_store_threads(const wg_wgrad_params &p, int e, const int *m0, int n0,
+                                                    const float *acc)
+{
+    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+    const int r = warp * 16 + lane / 4, col0 = 2 * (lane % 4);
+    float *slice = p.dw + (size_t)e * p.k_in * p.n_out;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            const int row = m0[half] + r + 8 * q;
+            if (row >= p.k_in) continue;
+            float *out = slice + (size_t)row * p.n_out;
+            float2 old[16];
+#pragma unroll
+            for (int j = 0; j < 16; j++) {
+                const int col = n0 + col0 + 8 * j;
+                old[j] = p.accumulate && col < p.n_out ? *(const float2 *)(out + col) : make_float2(0.0f, 0.0f);
+            }
+#pragma unroll
+            for (int j = 0; j < 16; j++) {
+                const int col = n0 + col0 + 8 * j;
+                const float *h = acc + 64 * half + 4 * j + 2 * q;
+                if (col < p.n_out)
+                    *(float2 *)(out + col) =
+                        ZERO ? make_float2(0.0f, 0.0f) : make_float2(old[j].x + h[0], old[j].y + h[1]);
+            }
+        }
+    }
+}
+
 /* A WGRAD consumer warpgroup c. Ping-pong: the CTA's units 0, 2, 4, .. (c = 0) or 1, 3, 5, .. (c = 1), walking the
  * other's units only to follow the ring. Cooperative: every unit, k_in rows c * 64 .. c * 64 + 63 of it. */
 template <int STAGES, bool PINGPONG, int CL>
@@ -470,7 +510,10 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
         float acc[128];
         if (k_blocks == 0) { /* no rows: the gradient is unchanged, or zero when overwritten */
             if (hand_off) named_barrier_arrive(4 - c, 256);
-            if (!p.accumulate) wgrad_store<true>(p, e, m0, n0, c, acc, boxes);
+            if (!p.accumulate && PINGPONG && p.thread_store)
+                wgrad_store_threads<true>(p, e, m0, n0[0], acc);
+            else if (!p.accumulate)
+                wgrad_store<true>(p, e, m0, n0, c, acc, boxes);
             continue;
         }
         int prev = 0;
@@ -514,7 +557,10 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
         if (hand_off) named_barrier_arrive(4 - c, 256); /* the other's turn */
         wgmma_wait<0>();
         wgrad_release<CL>(empty, prev, rank);
-        wgrad_store<false>(p, e, m0, n0, c, acc, boxes);
+        if (PINGPONG && p.thread_store)
+            wgrad_store_threads<false>(p, e, m0, n0[0], acc);
+        else
+            wgrad_store<false>(p, e, m0, n0, c, acc, boxes);
     }
     if (threadIdx.x % 128 == 0) bulk_wait_all();
 }
@@ -695,6 +741,8 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
     p.k_in = (int)a->k_in;
     p.n_out = (int)a->n_out;
     p.accumulate = a->accumulate != 0;
+    p.dw = (float *)a->grad_weight;
+    p.thread_store = !a->wgrad_tma_store;
     const int64_t units = a->num_experts * p.m_tiles * p.n_tiles;
     if (units > INT_MAX)
         return report(host, MOERT_ERR_INVALID_ARGUMENT,
