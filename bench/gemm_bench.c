@@ -17,8 +17,8 @@
  *   kernel_f32w   WGRAD only: the kernel accumulating into an fp32 gradient (the executor's setting; on Hopper the
  *                 wgmma engine)
  *   kernel_f32w_ow  WGRAD only: the same overwriting the fp32 gradient (a step's first micro-batch)
- *   kernel_f32w_tma, kernel_f32w_ow_tma  WGRAD only: as the two above with the tiles put out through TMA adds and
- *                 stores (on Hopper the ping-pong schedule's threads otherwise store them from their registers)
+ *   kernel_f32w_tma  WGRAD only: kernel_f32w adding through TMA's bulk reduction (on Hopper the ping-pong schedule's
+ *                 threads otherwise add the tiles from their registers)
  *   loop_sS_f32w  WGRAD only: the cuBLASLt loop on S streams accumulating into an fp32 gradient (the plugin's
  *                 "wgrad_gemm": "cublaslt")
  *   copy          WGRAD only: a device-to-device copy of the fp32 gradient (reads and writes its bytes): the traffic
@@ -106,7 +106,7 @@ typedef struct bench_variant {
     int grouped; /* MOERT_BF16_CUDA_GROUPED */
     int dense;   /* one expert with all rows */
     int kernel; /* 1: bf16_device_gemm (bf16 gradient), 2: the same into an fp32 gradient, 3: its mma.sync engine, 4: as
-                   2, overwriting; 5, 6: as 2 and 4 through TMA stores */
+                   2, overwriting; 5: as 2 adding through TMA */
     int wgrad_only; /* 1: WGRAD only, -1: FORWARD and DGRAD only */
     int f32w;       /* the cuBLASLt variants: WGRAD into the fp32 gradient */
     int copy;       /* a device copy of the fp32 gradient instead of a GEMM */
@@ -217,7 +217,7 @@ static bf16_device_gemm_args kernel_args(const moert_bf16_cuda_gemm *gm, const i
 /* Whether variant v runs on pass `pass` (wgrad_only: 1 WGRAD only, -1 FORWARD/DGRAD only). */
 /* The kernel variants into an fp32 gradient, and those of them overwriting it. */
 static int kernel_f32(const bench_variant *v) { return v->kernel == 2 || v->kernel >= 4; }
-static int kernel_overwrites(const bench_variant *v) { return v->kernel == 4 || v->kernel == 6; }
+static int kernel_overwrites(const bench_variant *v) { return v->kernel == 4; }
 
 static int runs_on(const bench_variant *v, int pass)
 {
@@ -264,11 +264,11 @@ static void result_of(moert_bf16_cuda *g, cudaStream_t stream, const bench_varia
     CK(cudaMemcpy(host, dst, bytes, cudaMemcpyDeviceToHost));
 }
 
-/* WGRAD overwriting an fp32 gradient: the kernel (tma_store: through TMA stores) against the cuBLASLt loop (variant
- * loop), relative Frobenius. */
+/* WGRAD into an fp32 gradient: the kernel overwriting (add < 0), or adding into zeros (add 0: the threads add, 1:
+ * TMA adds), against the cuBLASLt loop overwriting (variant loop), relative Frobenius. */
 static double wgrad_f32_error(moert_bf16_cuda *g, cudaStream_t stream, const bench_variant *loop,
                               moert_bf16_cuda_gemm gm, const int64_t *d_counts, int64_t rows, void *dw32, size_t elems,
-                              int tma_store)
+                              int add)
 {
     float *ref = malloc(elems * 4), *got = malloc(elems * 4);
     if (!ref || !got) {
@@ -281,9 +281,10 @@ static double wgrad_f32_error(moert_bf16_cuda *g, cudaStream_t stream, const ben
     MOK(moert_bf16_cuda_grouped_gemm(g, stream, &gm));
     CK(cudaStreamSynchronize(stream));
     CK(cudaMemcpy(ref, dw32, elems * 4, cudaMemcpyDeviceToHost));
-    CK(cudaMemset(dw32, 0x7f, elems * 4)); /* anything the kernel fails to write shows */
+    CK(cudaMemset(dw32, add < 0 ? 0x7f : 0, elems * 4)); /* anything the kernel fails to write shows */
     bf16_device_gemm_args ka = kernel_args(&gm, d_counts, rows, dw32, 1, BF16_DEVICE_GEMM_ENGINE_AUTO);
-    ka.wgrad_tma_store = tma_store;
+    ka.accumulate = add >= 0;
+    ka.wgrad_tma_add = add == 1;
     MOK(bf16_device_gemm(&bench_host, stream, &ka));
     CK(cudaStreamSynchronize(stream));
     CK(cudaMemcpy(got, dw32, elems * 4, cudaMemcpyDeviceToHost));
@@ -335,7 +336,6 @@ int main(int argc, char **argv)
     variants[nv++] = (bench_variant){"kernel_f32w", 1, 0, 0, 0, 0, 2, 1, 0, 0};
     variants[nv++] = (bench_variant){"kernel_f32w_ow", 1, 0, 0, 0, 0, 4, 1, 0, 0};
     variants[nv++] = (bench_variant){"kernel_f32w_tma", 1, 0, 0, 0, 0, 5, 1, 0, 0};
-    variants[nv++] = (bench_variant){"kernel_f32w_ow_tma", 1, 0, 0, 0, 0, 6, 1, 0, 0};
     bench_variant v_streams_f32w = {"", streams, 0, 0, 0, 0, 0, 1, 1, 0};
     snprintf(v_streams_f32w.name, sizeof v_streams_f32w.name, "loop_s%d_f32w", streams);
     const int i_f32w_loop = nv;
@@ -417,7 +417,7 @@ int main(int argc, char **argv)
                             kernel_args(&gm, d_counts, R, f32 ? dw32 : dw, f32,
                                         var->kernel == 3 ? BF16_DEVICE_GEMM_ENGINE_MMA : BF16_DEVICE_GEMM_ENGINE_AUTO);
                         if (kernel_overwrites(var)) ka.accumulate = 0;
-                        ka.wgrad_tma_store = var->kernel >= 5;
+                        ka.wgrad_tma_add = var->kernel == 5;
                         MOK(bf16_device_gemm(&bench_host, stream, &ka));
                     } else {
                         moert_bf16_cuda_gemm gv = gm;
@@ -447,7 +447,7 @@ int main(int argc, char **argv)
 
             /* bit-for-bit: the S-stream loop and the graph replay against the 1-stream loop */
             int same_streams = -1, same_graph = -1;
-            double kernel_err = -1, f32w_err = -1, f32w_tma_err = -1;
+            double kernel_err = -1, f32w_err = -1, f32w_add_err = -1, f32w_tma_err = -1;
             if (check) {
                 const int64_t elems = pass == 0 ? R * N : pass == 1 ? R * K : E * K * N;
                 const size_t bytes = (size_t)elems * 2;
@@ -476,9 +476,10 @@ int main(int argc, char **argv)
                 free(got);
                 if (pass == MOERT_GEMM_WGRAD) {
                     const size_t dw_elems = (size_t)(E * K * N);
-                    f32w_err = wgrad_f32_error(g, stream, &variants[i_f32w_loop], gm, d_counts, R, dw32, dw_elems, 0);
-                    f32w_tma_err =
-                        wgrad_f32_error(g, stream, &variants[i_f32w_loop], gm, d_counts, R, dw32, dw_elems, 1);
+                    const bench_variant *lt = &variants[i_f32w_loop];
+                    f32w_err = wgrad_f32_error(g, stream, lt, gm, d_counts, R, dw32, dw_elems, -1);
+                    f32w_add_err = wgrad_f32_error(g, stream, lt, gm, d_counts, R, dw32, dw_elems, 0);
+                    f32w_tma_err = wgrad_f32_error(g, stream, lt, gm, d_counts, R, dw32, dw_elems, 1);
                 }
             }
 
@@ -499,7 +500,8 @@ int main(int argc, char **argv)
                 r->same_bits = v == i_streams ? same_streams : v == i_graph ? same_graph : -1;
                 r->rel_err = v == i_kernel             ? kernel_err
                              : variants[v].kernel == 4 ? f32w_err
-                             : variants[v].kernel == 6 ? f32w_tma_err
+                             : variants[v].kernel == 2 ? f32w_add_err
+                             : variants[v].kernel == 5 ? f32w_tma_err
                                                        : -1;
                 /* the floor of the fp32-gradient WGRAD variants: the copy moves the gradient's bytes twice */
                 const int f32_wgrad = pass == MOERT_GEMM_WGRAD && (kernel_f32(&variants[v]) || variants[v].f32w);

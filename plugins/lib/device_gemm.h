@@ -56,9 +56,9 @@ typedef struct bf16_device_gemm_args {
                                 on another stream (a dispatcher's) find SMs free beside it */
     int wgrad_single_cta;    /* wgmma WGRAD: 1 keeps every CTA single (tests, benchmarks); 0 runs its ping-pong in CTA
                                 pairs sharing the input tile by TMA multicast where the n_out tiles pair up */
-    int wgrad_tma_store;     /* wgmma WGRAD ping-pong: 1 puts the tiles out through TMA stores and adds (tests,
-                                benchmarks); 0 lets the threads store or add them, keeping the TMA unit for the
-                                operand loads */
+    int wgrad_tma_add;       /* wgmma WGRAD ping-pong adding: 1 adds the tiles through TMA (cp.reduce.async.bulk;
+                                tests, benchmarks); 0 lets the threads add them (faster: the TMA unit stays on the
+                                operand loads). Overwriting always stores through TMA. */
 } bf16_device_gemm_args;
 
 /* The kernels behind FORWARD, DGRAD and WGRAD into fp32 (WGRAD into a bf16 gradient always runs on mma.sync):

@@ -284,9 +284,9 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_kernel(const __grid_
  * it into both (a quarter fewer operand bytes from L2 per flop, as the 128 x 256 tile, while keeping the ping-pong's
  * overlap of the fp32 writes), and a consumer hands a stage back to both CTAs' producers.
  * The rows past an expert's last (another expert's, padding, or past the buffers) are zeroed in shared memory before
- * the expert's last k-block is multiplied. Epilogue: in the ping-pong the consumer's threads store (or load, add and
- * store) its fp32 result straight from the registers, so the SM's one TMA unit keeps loading operands. Cooperative
- * (and the ping-pong with wgrad_tma_store): a consumer's 64 x 256 fp32 result goes out in two 64 x 128 halves
+ * the expert's last k-block is multiplied. Epilogue: adding in the ping-pong, the consumer's threads load, add and store
+ * its fp32 result straight from the registers, so the SM's one TMA unit keeps loading operands. Otherwise (and with
+ * wgrad_tma_add): a consumer's 64 x 256 fp32 result goes out in two 64 x 128 halves
  * (ping-pong: its tile's two 64-row halves; cooperative: its rows' two 128-column halves), each through its swizzled
  * staging area as four 32 x 64 boxes that TMA stores (overwrite) or adds (cp.reduce.async.bulk add: the gradient is
  * read and written by the memory system, not by the SM) while the consumer goes on. */
@@ -294,7 +294,6 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_kernel(const __grid_
 #define WGR_BM            128                /* k_in columns of a tile */
 #define WGR_A_BYTES       (2 * WG_BOX_BYTES) /* 16 KiB */
 #define WGR_STAGING_BYTES (4 * WG_BOX_BYTES) /* one consumer's 64 x 128 fp32 half: 32 KiB */
-#define WGR_PINGPONG_ROWS 2048               /* experts of fewer rows than this on average take the ping-pong */
 
 /* WGRAD's dynamic shared memory: alignment slack, `stages` stages of A and B (BN columns), the consumers' staging,
  * barriers, the experts' prefix arrays. */
@@ -309,10 +308,10 @@ typedef struct wg_wgrad_params {
     CUtensorMap map_dout; /* grad_output [capacity][n_out], boxes of 64 x 64 rows */
     CUtensorMap map_dw;   /* grad_weight fp32 [E][k_in][n_out], boxes of 32 x 64 rows x 1 */
     const int64_t *counts;
-    float *dw; /* grad_weight, for the threads' own stores */
+    float *dw; /* grad_weight, for the threads' own adds */
     int64_t capacity;
     int num_experts, m_tiles, n_tiles, k_in, n_out, accumulate;
-    int thread_store; /* the ping-pong: the consumer's threads store or add its tile (else TMA stores or adds) */
+    int thread_add; /* the ping-pong adding: the consumer's threads add its tile (else TMA adds) */
 } wg_wgrad_params;
 
 /* d (+)= A (64 x 16, M-major) * B (16 x 128, N-major); accumulate 0 ignores d's old values. */
@@ -444,13 +443,12 @@ template <int CL> __device__ __forceinline__ void wgrad_release(uint64_t *empty,
         wg_release(empty, s);
 }
 
-/* The ping-pong's epilogue by the consumer's own threads: its 2 x m64n128 result (acc) straight from the registers
- * to the gradient, overwriting or adding (16 loads of the old values in flight per thread, then their stores), 8 rows
- * x 32 bytes per warp and instruction (whole 32-byte sectors). The SM's TMA unit stays free for the operand loads,
- * which queue behind a TMA store while the memory system drains it. ZERO stores zeros (overwriting only). */
-template <bool ZERO>
-__device__ __forceinline__ void wgrad_store_threads(const wg_wgrad_params &p, int e, const int *m0, int n0,
-                                                    const float *acc)
+/* The ping-pong's add by the consumer's own threads: its 2 x m64n128 result (acc) added straight from the registers
+ * into the gradient, 16 loads of the old values in flight per thread, then their stores (8 rows x 32 bytes per warp
+ * and instruction: whole 32-byte sectors). Faster than TMA's reduce-add here: the SM's one TMA unit stays on the
+ * operand loads, which queue behind a bulk reduction while the memory system drains it (gemm_bench's _tma variant). */
+__device__ __forceinline__ void wgrad_add_threads(const wg_wgrad_params &p, int e, const int *m0, int n0,
+                                                  const float *acc)
 {
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
     const int r = warp * 16 + lane / 4, col0 = 2 * (lane % 4);
@@ -466,15 +464,13 @@ __device__ __forceinline__ void wgrad_store_threads(const wg_wgrad_params &p, in
 #pragma unroll
             for (int j = 0; j < 16; j++) {
                 const int col = n0 + col0 + 8 * j;
-                old[j] = p.accumulate && col < p.n_out ? *(const float2 *)(out + col) : make_float2(0.0f, 0.0f);
+                old[j] = col < p.n_out ? *(const float2 *)(out + col) : make_float2(0.0f, 0.0f);
             }
 #pragma unroll
             for (int j = 0; j < 16; j++) {
                 const int col = n0 + col0 + 8 * j;
                 const float *h = acc + 64 * half + 4 * j + 2 * q;
-                if (col < p.n_out)
-                    *(float2 *)(out + col) =
-                        ZERO ? make_float2(0.0f, 0.0f) : make_float2(old[j].x + h[0], old[j].y + h[1]);
+                if (col < p.n_out) *(float2 *)(out + col) = make_float2(old[j].x + h[0], old[j].y + h[1]);
             }
         }
     }
@@ -510,10 +506,7 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
         float acc[128];
         if (k_blocks == 0) { /* no rows: the gradient is unchanged, or zero when overwritten */
             if (hand_off) named_barrier_arrive(4 - c, 256);
-            if (!p.accumulate && PINGPONG && p.thread_store)
-                wgrad_store_threads<true>(p, e, m0, n0[0], acc);
-            else if (!p.accumulate)
-                wgrad_store<true>(p, e, m0, n0, c, acc, boxes);
+            if (!p.accumulate) wgrad_store<true>(p, e, m0, n0, c, acc, boxes);
             continue;
         }
         int prev = 0;
@@ -557,8 +550,8 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
         if (hand_off) named_barrier_arrive(4 - c, 256); /* the other's turn */
         wgmma_wait<0>();
         wgrad_release<CL>(empty, prev, rank);
-        if (PINGPONG && p.thread_store)
-            wgrad_store_threads<false>(p, e, m0, n0[0], acc);
+        if (PINGPONG && p.thread_add)
+            wgrad_add_threads(p, e, m0, n0[0], acc);
         else
             wgrad_store<false>(p, e, m0, n0, c, acc, boxes);
     }
@@ -734,7 +727,7 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
     p.capacity = a->capacity;
     p.num_experts = (int)a->num_experts;
     /* the ping-pong where an expert has few rows on average (its fp32 writes take as long as its MMA) */
-    const bool pingpong = a->capacity < (int64_t)WGR_PINGPONG_ROWS * a->num_experts;
+    const bool pingpong = a->capacity < (int64_t)BF16_WGMMA_PINGPONG_ROWS * a->num_experts;
     const int bn = pingpong ? 128 : 256;
     p.m_tiles = (int)((a->k_in + WGR_BM - 1) / WGR_BM);
     p.n_tiles = (int)((a->n_out + bn - 1) / bn);
@@ -742,7 +735,7 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
     p.n_out = (int)a->n_out;
     p.accumulate = a->accumulate != 0;
     p.dw = (float *)a->grad_weight;
-    p.thread_store = !a->wgrad_tma_store;
+    p.thread_add = p.accumulate && !a->wgrad_tma_add;
     const int64_t units = a->num_experts * p.m_tiles * p.n_tiles;
     if (units > INT_MAX)
         return report(host, MOERT_ERR_INVALID_ARGUMENT,

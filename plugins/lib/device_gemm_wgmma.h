@@ -20,6 +20,10 @@ extern "C" {
  * has them; a device without them is noted, not an error. Called by bf16_device_gemm_prepare. */
 moert_result bf16_wgmma_prepare(const moert_host *host);
 
+/* WGRAD's schedule: experts of fewer rows than this on average (capacity < this x experts) take the ping-pong (few
+ * rows: the fp32 gradient's writes weigh as much as the MMA), the others the cooperative one. */
+#define BF16_WGMMA_PINGPONG_ROWS 2048
+
 /* Whether bf16_wgmma_prepare found the kernels usable on the current device. */
 int bf16_wgmma_available(void);
 

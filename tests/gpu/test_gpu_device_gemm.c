@@ -232,8 +232,8 @@ static void *cpu_pass(const problem *p, int pass, bool overwrite, bool bf16_grad
 
 /* The output tile width and engine the kernel calls of the test ask for (0: the kernel picks), whether the wgmma
  * WGRAD keeps its CTAs single (else its ping-pong runs in multicasting CTA pairs where the n_out tiles pair up) and
- * puts its ping-pong tiles out through TMA (else the threads store them). */
-static int tile_n, engine, single_cta, tma_store;
+ * adds its ping-pong tiles through TMA (else the threads add them). */
+static int tile_n, engine, single_cta, tma_add;
 
 /* The kernel's arguments for one pass into device buffer d_out. */
 static bf16_device_gemm_args kernel_args(const problem *p, int pass, void *d_out, bool overwrite, bool bf16_grad)
@@ -257,7 +257,7 @@ static bf16_device_gemm_args kernel_args(const problem *p, int pass, void *d_out
     a.tile_n = tile_n;
     a.engine = engine;
     a.wgrad_single_cta = single_cta;
-    a.wgrad_tma_store = tma_store;
+    a.wgrad_tma_add = tma_add;
     return a;
 }
 
@@ -326,8 +326,7 @@ typedef struct small_case {
 /* The engine and tile width of the calls, as the table shows them. */
 static const char *engine_label(void)
 {
-    if (engine == BF16_DEVICE_GEMM_ENGINE_WGMMA)
-        return single_cta ? "wgmma 1cta tma" : tma_store ? "wgmma tma" : "wgmma";
+    if (engine == BF16_DEVICE_GEMM_ENGINE_WGMMA) return single_cta ? "wgmma 1cta tma" : tma_add ? "wgmma tma" : "wgmma";
     return tile_n == 128 ? "n128" : tile_n == 256 ? "n256" : "auto";
 }
 
@@ -758,7 +757,7 @@ int main(void)
         {"E2 K64 N264 many rows 4100,0", 2, 64, 264, {4100, 0}, 0},
     };
     /* every case on mma.sync with both tile widths, and on the wgmma engine where the GPU has it (sm_90): its WGRAD
-     * in CTA pairs where it can with the threads' stores, in pairs with TMA's, single with TMA's */
+     * in CTA pairs where it can with the threads' adds, in pairs with TMA's, single with TMA's */
     static const int configs[][4] = {{128, BF16_DEVICE_GEMM_ENGINE_MMA, 0, 0},
                                      {256, BF16_DEVICE_GEMM_ENGINE_MMA, 0, 0},
                                      {0, BF16_DEVICE_GEMM_ENGINE_WGMMA, 0, 0},
@@ -766,11 +765,11 @@ int main(void)
                                      {0, BF16_DEVICE_GEMM_ENGINE_WGMMA, 1, 1}};
     const bool hopper = prop.major == 9 && prop.minor == 0;
     for (size_t c = 0; c < sizeof configs / sizeof configs[0]; c++) {
-        tile_n = configs[c][0], engine = configs[c][1], single_cta = configs[c][2], tma_store = configs[c][3];
+        tile_n = configs[c][0], engine = configs[c][1], single_cta = configs[c][2], tma_add = configs[c][3];
         if (engine == BF16_DEVICE_GEMM_ENGINE_WGMMA && !hopper) continue;
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_small(&cases[i], raw_stream, 100 + i);
     }
-    tile_n = 0, engine = BF16_DEVICE_GEMM_ENGINE_AUTO, single_cta = 0, tma_store = 0;
+    tile_n = 0, engine = BF16_DEVICE_GEMM_ENGINE_AUTO, single_cta = 0, tma_add = 0;
     run_bad_args(raw_stream);
     run_graph(raw_stream);
     run_big(raw_stream);
