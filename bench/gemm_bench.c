@@ -19,6 +19,8 @@
  *   kernel_f32w_ow  WGRAD only: the same overwriting the fp32 gradient (a step's first micro-batch)
  *   kernel_f32w_tma  WGRAD only: kernel_f32w adding through TMA's bulk reduction (on Hopper the ping-pong schedule's
  *                 threads otherwise add the tiles from their registers)
+ *   kernel_f32w_l2n, kernel_f32w_ow_l2n  WGRAD only: as kernel_f32w and kernel_f32w_ow with the gradient's traffic at
+ *                 normal L2 priority (else evict-first)
  *   loop_sS_f32w  WGRAD only: the cuBLASLt loop on S streams accumulating into an fp32 gradient (the plugin's
  *                 "wgrad_gemm": "cublaslt")
  *   copy          WGRAD only: a device-to-device copy of the fp32 gradient (reads and writes its bytes): the traffic
@@ -106,7 +108,7 @@ typedef struct bench_variant {
     int grouped; /* MOERT_BF16_CUDA_GROUPED */
     int dense;   /* one expert with all rows */
     int kernel; /* 1: bf16_device_gemm (bf16 gradient), 2: the same into an fp32 gradient, 3: its mma.sync engine, 4: as
-                   2, overwriting; 5: as 2 adding through TMA */
+                   2, overwriting; 5: as 2 adding through TMA; 6, 7: as 2 and 4 at normal L2 priority */
     int wgrad_only; /* 1: WGRAD only, -1: FORWARD and DGRAD only */
     int f32w;       /* the cuBLASLt variants: WGRAD into the fp32 gradient */
     int copy;       /* a device copy of the fp32 gradient instead of a GEMM */
@@ -217,7 +219,7 @@ static bf16_device_gemm_args kernel_args(const moert_bf16_cuda_gemm *gm, const i
 /* Whether variant v runs on pass `pass` (wgrad_only: 1 WGRAD only, -1 FORWARD/DGRAD only). */
 /* The kernel variants into an fp32 gradient, and those of them overwriting it. */
 static int kernel_f32(const bench_variant *v) { return v->kernel == 2 || v->kernel >= 4; }
-static int kernel_overwrites(const bench_variant *v) { return v->kernel == 4; }
+static int kernel_overwrites(const bench_variant *v) { return v->kernel == 4 || v->kernel == 7; }
 
 static int runs_on(const bench_variant *v, int pass)
 {
@@ -336,6 +338,8 @@ int main(int argc, char **argv)
     variants[nv++] = (bench_variant){"kernel_f32w", 1, 0, 0, 0, 0, 2, 1, 0, 0};
     variants[nv++] = (bench_variant){"kernel_f32w_ow", 1, 0, 0, 0, 0, 4, 1, 0, 0};
     variants[nv++] = (bench_variant){"kernel_f32w_tma", 1, 0, 0, 0, 0, 5, 1, 0, 0};
+    variants[nv++] = (bench_variant){"kernel_f32w_l2n", 1, 0, 0, 0, 0, 6, 1, 0, 0};
+    variants[nv++] = (bench_variant){"kernel_f32w_ow_l2n", 1, 0, 0, 0, 0, 7, 1, 0, 0};
     bench_variant v_streams_f32w = {"", streams, 0, 0, 0, 0, 0, 1, 1, 0};
     snprintf(v_streams_f32w.name, sizeof v_streams_f32w.name, "loop_s%d_f32w", streams);
     const int i_f32w_loop = nv;
@@ -418,6 +422,7 @@ int main(int argc, char **argv)
                                         var->kernel == 3 ? BF16_DEVICE_GEMM_ENGINE_MMA : BF16_DEVICE_GEMM_ENGINE_AUTO);
                         if (kernel_overwrites(var)) ka.accumulate = 0;
                         ka.wgrad_tma_add = var->kernel == 5;
+                        ka.wgrad_l2_normal = var->kernel >= 6;
                         MOK(bf16_device_gemm(&bench_host, stream, &ka));
                     } else {
                         moert_bf16_cuda_gemm gv = gm;

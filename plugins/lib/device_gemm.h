@@ -59,6 +59,8 @@ typedef struct bf16_device_gemm_args {
     int wgrad_tma_add;       /* wgmma WGRAD ping-pong adding: 1 adds the tiles through TMA (cp.reduce.async.bulk;
                                 tests, benchmarks); 0 lets the threads add them (faster: the TMA unit stays on the
                                 operand loads). Overwriting always stores through TMA. */
+    int wgrad_l2_normal;     /* wgmma WGRAD: 1 writes the gradient at normal L2 priority (benchmarks); 0 evict-first,
+                                so that the operands, read again by other tiles, stay in L2 */
 } bf16_device_gemm_args;
 
 /* The kernels behind FORWARD, DGRAD and WGRAD into fp32 (WGRAD into a bf16 gradient always runs on mma.sync):

@@ -312,6 +312,7 @@ typedef struct wg_wgrad_params {
     int64_t capacity;
     int num_experts, m_tiles, n_tiles, k_in, n_out, accumulate;
     int thread_add; /* the ping-pong adding: the consumer's threads add its tile (else TMA adds) */
+    int l2_normal;  /* the gradient's traffic at normal L2 priority (else evict-first: the operands stay in L2) */
 } wg_wgrad_params;
 
 /* d (+)= A (64 x 16, M-major) * B (16 x 128, N-major); accumulate 0 ignores d's old values. */
@@ -421,13 +422,19 @@ __device__ __forceinline__ void wgrad_store(const wg_wgrad_params &p, int e, con
         fence_async_shared();
         named_barrier_sync(1 + c, 128);
         if (tid == 0) {
+            const uint64_t policy = l2_evict_first_policy();
             for (int b = 0; b < 4; b++) {
                 const int n = n0[half] + b * 32;
                 if (n >= p.n_out) break;
-                if (p.accumulate)
-                    tensor_reduce_add_3d(&p.map_dw, n, m0[half], e, boxes + b * WG_BOX_BYTES);
+                const uint8_t *box = boxes + b * WG_BOX_BYTES;
+                if (p.accumulate && p.l2_normal)
+                    tensor_reduce_add_3d(&p.map_dw, n, m0[half], e, box);
+                else if (p.accumulate)
+                    tensor_reduce_add_3d_hint(&p.map_dw, n, m0[half], e, box, policy);
+                else if (p.l2_normal)
+                    tensor_store_3d(&p.map_dw, n, m0[half], e, box);
                 else
-                    tensor_store_3d(&p.map_dw, n, m0[half], e, boxes + b * WG_BOX_BYTES);
+                    tensor_store_3d_hint(&p.map_dw, n, m0[half], e, box, policy);
             }
             bulk_commit();
         }
@@ -443,6 +450,28 @@ template <int CL> __device__ __forceinline__ void wgrad_release(uint64_t *empty,
         wg_release(empty, s);
 }
 
+/* Two floats from global memory where `valid` (else zeros), and their store where `valid`, with an L2 eviction policy
+ * (l2_evict_first_policy). Volatile asm keeps the order written: a run of loads stays in flight together instead of
+ * being sunk one by one to their uses. */
+__device__ __forceinline__ float2 load_f32x2(const float *p, bool valid, uint64_t policy)
+{
+    float2 v = make_float2(0.0f, 0.0f);
+    asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %3, 0;\n @q ld.global.L2::cache_hint.v2.f32 {%0, %1}, [%2], %4;\n}"
+                 : "+f"(v.x), "+f"(v.y)
+                 : "l"(p), "r"((int)valid), "l"(policy)
+                 : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void store_f32x2(float *p, float x, float y, bool valid, uint64_t policy)
+{
+    asm volatile(
+        "{\n .reg .pred q;\n setp.ne.b32 q, %3, 0;\n @q st.global.L2::cache_hint.v2.f32 [%0], {%1, %2}, %4;\n}" ::"l"(
+            p),
+        "f"(x), "f"(y), "r"((int)valid), "l"(policy)
+        : "memory");
+}
+
 /* The ping-pong's add by the consumer's own threads: its 2 x m64n128 result (acc) added straight from the registers
  * into the gradient, 16 loads of the old values in flight per thread, then their stores (8 rows x 32 bytes per warp
  * and instruction: whole 32-byte sectors). Faster than TMA's reduce-add here: the SM's one TMA unit stays on the
@@ -453,6 +482,8 @@ __device__ __forceinline__ void wgrad_add_threads(const wg_wgrad_params &p, int 
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
     const int r = warp * 16 + lane / 4, col0 = 2 * (lane % 4);
     float *slice = p.dw + (size_t)e * p.k_in * p.n_out;
+    uint64_t policy = l2_evict_first_policy();
+    if (p.l2_normal) asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
 #pragma unroll
     for (int half = 0; half < 2; half++) {
 #pragma unroll
@@ -462,15 +493,13 @@ __device__ __forceinline__ void wgrad_add_threads(const wg_wgrad_params &p, int 
             float *out = slice + (size_t)row * p.n_out;
             float2 old[16];
 #pragma unroll
-            for (int j = 0; j < 16; j++) {
-                const int col = n0 + col0 + 8 * j;
-                old[j] = col < p.n_out ? *(const float2 *)(out + col) : make_float2(0.0f, 0.0f);
-            }
+            for (int j = 0; j < 16; j++)
+                old[j] = load_f32x2(out + n0 + col0 + 8 * j, n0 + col0 + 8 * j < p.n_out, policy);
 #pragma unroll
             for (int j = 0; j < 16; j++) {
-                const int col = n0 + col0 + 8 * j;
                 const float *h = acc + 64 * half + 4 * j + 2 * q;
-                if (col < p.n_out) *(float2 *)(out + col) = make_float2(old[j].x + h[0], old[j].y + h[1]);
+                store_f32x2(out + n0 + col0 + 8 * j, old[j].x + h[0], old[j].y + h[1], n0 + col0 + 8 * j < p.n_out,
+                            policy);
             }
         }
     }
@@ -736,6 +765,7 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
     p.accumulate = a->accumulate != 0;
     p.dw = (float *)a->grad_weight;
     p.thread_add = p.accumulate && !a->wgrad_tma_add;
+    p.l2_normal = a->wgrad_l2_normal;
     const int64_t units = a->num_experts * p.m_tiles * p.n_tiles;
     if (units > INT_MAX)
         return report(host, MOERT_ERR_INVALID_ARGUMENT,

@@ -156,6 +156,36 @@ __device__ __forceinline__ void tensor_store_3d(const void *tensor_map, int32_t 
                  : "memory");
 }
 
+/* An L2 eviction policy for the cache_hint forms below: the lines they touch go first when L2 needs room (a stream
+ * written once, so that the data read again stays). */
+__device__ __forceinline__ uint64_t l2_evict_first_policy()
+{
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
+/* As tensor_store_3d, with an L2 eviction policy (l2_evict_first_policy). */
+__device__ __forceinline__ void tensor_store_3d_hint(const void *tensor_map, int32_t c0, int32_t c1, int32_t c2,
+                                                     const void *src_smem, uint64_t policy)
+{
+    asm volatile(
+        "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%1, %2, %3}], [%4], %5;" ::"l"(
+            tensor_map),
+        "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(src_smem)), "l"(policy)
+        : "memory");
+}
+
+/* As tensor_reduce_add_3d, with an L2 eviction policy (l2_evict_first_policy). */
+__device__ __forceinline__ void tensor_reduce_add_3d_hint(const void *tensor_map, int32_t c0, int32_t c1, int32_t c2,
+                                                          const void *src_smem, uint64_t policy)
+{
+    asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group.L2::cache_hint [%0, {%1, %2, "
+                 "%3}], [%4], %5;" ::"l"(tensor_map),
+                 "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(src_smem)), "l"(policy)
+                 : "memory");
+}
+
 /* As tensor_store_3d, but adds the box into global memory (the addition is done by the memory system, element by
  * element: an fp32 tensor map adds in fp32). */
 __device__ __forceinline__ void tensor_reduce_add_3d(const void *tensor_map, int32_t c0, int32_t c1, int32_t c2,
