@@ -21,6 +21,8 @@
  *                 threads otherwise add the tiles from their registers)
  *   kernel_f32w_l2n, kernel_f32w_ow_l2n  WGRAD only: as kernel_f32w and kernel_f32w_ow with the gradient's traffic at
  *                 normal L2 priority (else evict-first)
+ *   kernel_f32w_npf, kernel_f32w_tma_npf  WGRAD only: as kernel_f32w and kernel_f32w_tma without the prefetch of each
+ *                 tile's old gradient into L2
  *   loop_sS_f32w  WGRAD only: the cuBLASLt loop on S streams accumulating into an fp32 gradient (the plugin's
  *                 "wgrad_gemm": "cublaslt")
  *   copy          WGRAD only: a device-to-device copy of the fp32 gradient (reads and writes its bytes): the traffic
@@ -108,13 +110,14 @@ typedef struct bench_variant {
     int grouped; /* MOERT_BF16_CUDA_GROUPED */
     int dense;   /* one expert with all rows */
     int kernel; /* 1: bf16_device_gemm (bf16 gradient), 2: the same into an fp32 gradient, 3: its mma.sync engine, 4: as
-                   2, overwriting; 5: as 2 adding through TMA; 6, 7: as 2 and 4 at normal L2 priority */
+                   2, overwriting; 5: as 2 adding through TMA; 6, 7: as 2 and 4 at normal L2 priority; 8, 9: as 2 and 5 without the
+                   prefetch */
     int wgrad_only; /* 1: WGRAD only, -1: FORWARD and DGRAD only */
     int f32w;       /* the cuBLASLt variants: WGRAD into the fp32 gradient */
     int copy;       /* a device copy of the fp32 gradient instead of a GEMM */
 } bench_variant;
 
-#define MAX_VARIANTS 16
+#define MAX_VARIANTS 18
 #define MAX_EXPERTS  256
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
@@ -340,6 +343,8 @@ int main(int argc, char **argv)
     variants[nv++] = (bench_variant){"kernel_f32w_tma", 1, 0, 0, 0, 0, 5, 1, 0, 0};
     variants[nv++] = (bench_variant){"kernel_f32w_l2n", 1, 0, 0, 0, 0, 6, 1, 0, 0};
     variants[nv++] = (bench_variant){"kernel_f32w_ow_l2n", 1, 0, 0, 0, 0, 7, 1, 0, 0};
+    variants[nv++] = (bench_variant){"kernel_f32w_npf", 1, 0, 0, 0, 0, 8, 1, 0, 0};
+    variants[nv++] = (bench_variant){"kernel_f32w_tma_npf", 1, 0, 0, 0, 0, 9, 1, 0, 0};
     bench_variant v_streams_f32w = {"", streams, 0, 0, 0, 0, 0, 1, 1, 0};
     snprintf(v_streams_f32w.name, sizeof v_streams_f32w.name, "loop_s%d_f32w", streams);
     const int i_f32w_loop = nv;
@@ -421,8 +426,9 @@ int main(int argc, char **argv)
                             kernel_args(&gm, d_counts, R, f32 ? dw32 : dw, f32,
                                         var->kernel == 3 ? BF16_DEVICE_GEMM_ENGINE_MMA : BF16_DEVICE_GEMM_ENGINE_AUTO);
                         if (kernel_overwrites(var)) ka.accumulate = 0;
-                        ka.wgrad_tma_add = var->kernel == 5;
-                        ka.wgrad_l2_normal = var->kernel >= 6;
+                        ka.wgrad_tma_add = var->kernel == 5 || var->kernel == 9;
+                        ka.wgrad_l2_normal = var->kernel == 6 || var->kernel == 7;
+                        ka.wgrad_no_prefetch = var->kernel >= 8;
                         MOK(bf16_device_gemm(&bench_host, stream, &ka));
                     } else {
                         moert_bf16_cuda_gemm gv = gm;

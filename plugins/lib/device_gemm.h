@@ -61,6 +61,8 @@ typedef struct bf16_device_gemm_args {
                                 operand loads). Overwriting always stores through TMA. */
     int wgrad_l2_normal;     /* wgmma WGRAD: 1 writes the gradient at normal L2 priority (benchmarks); 0 evict-first,
                                 so that the operands, read again by other tiles, stay in L2 */
+    int wgrad_no_prefetch;   /* wgmma WGRAD adding: 1 leaves out the prefetch of each tile's old gradient into L2
+                                (benchmarks); 0 prefetches it as the tile's first operands load */
 } bf16_device_gemm_args;
 
 /* The kernels behind FORWARD, DGRAD and WGRAD into fp32 (WGRAD into a bf16 gradient always runs on mma.sync):

@@ -311,8 +311,9 @@ typedef struct wg_wgrad_params {
     float *dw; /* grad_weight, for the threads' own adds */
     int64_t capacity;
     int num_experts, m_tiles, n_tiles, k_in, n_out, accumulate;
-    int thread_add; /* the ping-pong adding: the consumer's threads add its tile (else TMA adds) */
-    int l2_normal;  /* the gradient's traffic at normal L2 priority (else evict-first: the operands stay in L2) */
+    int thread_add;   /* the ping-pong adding: the consumer's threads add its tile (else TMA adds) */
+    int l2_normal;    /* the gradient's traffic at normal L2 priority (else evict-first: the operands stay in L2) */
+    int prefetch_old; /* adding: the producer prefetches each tile's old gradient into L2 as it starts the tile */
 } wg_wgrad_params;
 
 /* d (+)= A (64 x 16, M-major) * B (16 x 128, N-major); accumulate 0 ignores d's old values. */
@@ -364,6 +365,11 @@ __device__ __forceinline__ void wgrad_produce(const wg_wgrad_params &p, const in
         int e, mt, nt;
         wgrad_tile_at<CL>(p, u, rank, &e, &mt, &nt);
         const int k_blocks = wgrad_k_blocks(row_start, e);
+        if (p.accumulate && p.prefetch_old) /* the old gradient of the tile into L2 while it is multiplied */
+            for (int rows = 0; rows < WGR_BM; rows += 64)
+                for (int cols = 0; cols < BN; cols += 32)
+                    if (mt * WGR_BM + rows < p.k_in && nt * BN + cols < p.n_out)
+                        tensor_prefetch_l2_3d(&p.map_dw, nt * BN + cols, mt * WGR_BM + rows, e);
         for (int kb = 0; kb < k_blocks; kb++, it++) {
             if (it >= STAGES) mbar_wait(&empty[s], phase ^ 1);
             mbar_arrive_expect_tx(&full[s], stage_bytes);
@@ -766,6 +772,7 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
     p.dw = (float *)a->grad_weight;
     p.thread_add = p.accumulate && !a->wgrad_tma_add;
     p.l2_normal = a->wgrad_l2_normal;
+    p.prefetch_old = !a->wgrad_no_prefetch;
     const int64_t units = a->num_experts * p.m_tiles * p.n_tiles;
     if (units > INT_MAX)
         return report(host, MOERT_ERR_INVALID_ARGUMENT,

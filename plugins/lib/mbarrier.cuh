@@ -156,6 +156,14 @@ __device__ __forceinline__ void tensor_store_3d(const void *tensor_map, int32_t 
                  : "memory");
 }
 
+/* Starts bringing the box at c0 (innermost), c1, c2 of a 3-D tensor map into L2 (a hint: nothing waits for it). */
+__device__ __forceinline__ void tensor_prefetch_l2_3d(const void *tensor_map, int32_t c0, int32_t c1, int32_t c2)
+{
+    asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];" ::"l"(tensor_map), "r"(c0),
+                 "r"(c1), "r"(c2)
+                 : "memory");
+}
+
 /* An L2 eviction policy for the cache_hint forms below: the lines they touch go first when L2 needs room (a stream
  * written once, so that the data read again stays). */
 __device__ __forceinline__ uint64_t l2_evict_first_policy()
