@@ -17,12 +17,8 @@
  *   kernel_f32w   WGRAD only: the kernel accumulating into an fp32 gradient (the executor's setting; on Hopper the
  *                 wgmma engine)
  *   kernel_f32w_ow  WGRAD only: the same overwriting the fp32 gradient (a step's first micro-batch)
- *   kernel_f32w_tma  WGRAD only: kernel_f32w adding through TMA's bulk reduction (on Hopper the ping-pong schedule's
- *                 threads otherwise add the tiles from their registers)
- *   kernel_f32w_l2n, kernel_f32w_ow_l2n  WGRAD only: as kernel_f32w and kernel_f32w_ow with the gradient's traffic at
- *                 normal L2 priority (else evict-first)
- *   kernel_f32w_npf, kernel_f32w_tma_npf  WGRAD only: as kernel_f32w and kernel_f32w_tma without the prefetch of each
- *                 tile's old gradient into L2
+ *   kernel_f32w_cl2, kernel_f32w_ow_cl2  WGRAD only: as the two above with clusters of at most 2 CTAs (on Hopper the
+ *                 ping-pong schedule otherwise runs 2 x 2 tiles in clusters of 4 where the tiles pair up both ways)
  *   loop_sS_f32w  WGRAD only: the cuBLASLt loop on S streams accumulating into an fp32 gradient (the plugin's
  *                 "wgrad_gemm": "cublaslt")
  *   copy          WGRAD only: a device-to-device copy of the fp32 gradient (reads and writes its bytes): the traffic
@@ -110,14 +106,13 @@ typedef struct bench_variant {
     int grouped; /* MOERT_BF16_CUDA_GROUPED */
     int dense;   /* one expert with all rows */
     int kernel; /* 1: bf16_device_gemm (bf16 gradient), 2: the same into an fp32 gradient, 3: its mma.sync engine, 4: as
-                   2, overwriting; 5: as 2 adding through TMA; 6, 7: as 2 and 4 at normal L2 priority; 8, 9: as 2 and 5 without the
-                   prefetch */
+                   2, overwriting; 5, 6: as 2 and 4 in clusters of at most 2 */
     int wgrad_only; /* 1: WGRAD only, -1: FORWARD and DGRAD only */
     int f32w;       /* the cuBLASLt variants: WGRAD into the fp32 gradient */
     int copy;       /* a device copy of the fp32 gradient instead of a GEMM */
 } bench_variant;
 
-#define MAX_VARIANTS 18
+#define MAX_VARIANTS 16
 #define MAX_EXPERTS  256
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
@@ -222,7 +217,7 @@ static bf16_device_gemm_args kernel_args(const moert_bf16_cuda_gemm *gm, const i
 /* Whether variant v runs on pass `pass` (wgrad_only: 1 WGRAD only, -1 FORWARD/DGRAD only). */
 /* The kernel variants into an fp32 gradient, and those of them overwriting it. */
 static int kernel_f32(const bench_variant *v) { return v->kernel == 2 || v->kernel >= 4; }
-static int kernel_overwrites(const bench_variant *v) { return v->kernel == 4 || v->kernel == 7; }
+static int kernel_overwrites(const bench_variant *v) { return v->kernel == 4 || v->kernel == 6; }
 
 static int runs_on(const bench_variant *v, int pass)
 {
@@ -269,11 +264,11 @@ static void result_of(moert_bf16_cuda *g, cudaStream_t stream, const bench_varia
     CK(cudaMemcpy(host, dst, bytes, cudaMemcpyDeviceToHost));
 }
 
-/* WGRAD into an fp32 gradient: the kernel overwriting (add < 0), or adding into zeros (add 0: the threads add, 1:
- * TMA adds), against the cuBLASLt loop overwriting (variant loop), relative Frobenius. */
+/* WGRAD into an fp32 gradient: the kernel in clusters of at most `cluster` CTAs (0: as it picks) overwriting, or with
+ * `add` adding into zeros, against the cuBLASLt loop overwriting (variant loop), relative Frobenius. */
 static double wgrad_f32_error(moert_bf16_cuda *g, cudaStream_t stream, const bench_variant *loop,
                               moert_bf16_cuda_gemm gm, const int64_t *d_counts, int64_t rows, void *dw32, size_t elems,
-                              int add)
+                              int cluster, int add)
 {
     float *ref = malloc(elems * 4), *got = malloc(elems * 4);
     if (!ref || !got) {
@@ -286,10 +281,10 @@ static double wgrad_f32_error(moert_bf16_cuda *g, cudaStream_t stream, const ben
     MOK(moert_bf16_cuda_grouped_gemm(g, stream, &gm));
     CK(cudaStreamSynchronize(stream));
     CK(cudaMemcpy(ref, dw32, elems * 4, cudaMemcpyDeviceToHost));
-    CK(cudaMemset(dw32, add < 0 ? 0x7f : 0, elems * 4)); /* anything the kernel fails to write shows */
+    CK(cudaMemset(dw32, add ? 0 : 0x7f, elems * 4)); /* anything the kernel fails to write shows */
     bf16_device_gemm_args ka = kernel_args(&gm, d_counts, rows, dw32, 1, BF16_DEVICE_GEMM_ENGINE_AUTO);
-    ka.accumulate = add >= 0;
-    ka.wgrad_tma_add = add == 1;
+    ka.accumulate = add;
+    ka.wgrad_cluster = cluster;
     MOK(bf16_device_gemm(&bench_host, stream, &ka));
     CK(cudaStreamSynchronize(stream));
     CK(cudaMemcpy(got, dw32, elems * 4, cudaMemcpyDeviceToHost));
@@ -340,11 +335,8 @@ int main(int argc, char **argv)
     variants[nv++] = (bench_variant){"kernel_mma", 1, 0, 0, 0, 0, 3, -1, 0, 0};
     variants[nv++] = (bench_variant){"kernel_f32w", 1, 0, 0, 0, 0, 2, 1, 0, 0};
     variants[nv++] = (bench_variant){"kernel_f32w_ow", 1, 0, 0, 0, 0, 4, 1, 0, 0};
-    variants[nv++] = (bench_variant){"kernel_f32w_tma", 1, 0, 0, 0, 0, 5, 1, 0, 0};
-    variants[nv++] = (bench_variant){"kernel_f32w_l2n", 1, 0, 0, 0, 0, 6, 1, 0, 0};
-    variants[nv++] = (bench_variant){"kernel_f32w_ow_l2n", 1, 0, 0, 0, 0, 7, 1, 0, 0};
-    variants[nv++] = (bench_variant){"kernel_f32w_npf", 1, 0, 0, 0, 0, 8, 1, 0, 0};
-    variants[nv++] = (bench_variant){"kernel_f32w_tma_npf", 1, 0, 0, 0, 0, 9, 1, 0, 0};
+    variants[nv++] = (bench_variant){"kernel_f32w_cl2", 1, 0, 0, 0, 0, 5, 1, 0, 0};
+    variants[nv++] = (bench_variant){"kernel_f32w_ow_cl2", 1, 0, 0, 0, 0, 6, 1, 0, 0};
     bench_variant v_streams_f32w = {"", streams, 0, 0, 0, 0, 0, 1, 1, 0};
     snprintf(v_streams_f32w.name, sizeof v_streams_f32w.name, "loop_s%d_f32w", streams);
     const int i_f32w_loop = nv;
@@ -426,9 +418,7 @@ int main(int argc, char **argv)
                             kernel_args(&gm, d_counts, R, f32 ? dw32 : dw, f32,
                                         var->kernel == 3 ? BF16_DEVICE_GEMM_ENGINE_MMA : BF16_DEVICE_GEMM_ENGINE_AUTO);
                         if (kernel_overwrites(var)) ka.accumulate = 0;
-                        ka.wgrad_tma_add = var->kernel == 5 || var->kernel == 9;
-                        ka.wgrad_l2_normal = var->kernel == 6 || var->kernel == 7;
-                        ka.wgrad_no_prefetch = var->kernel >= 8;
+                        ka.wgrad_cluster = var->kernel >= 5 ? 2 : 0;
                         MOK(bf16_device_gemm(&bench_host, stream, &ka));
                     } else {
                         moert_bf16_cuda_gemm gv = gm;
@@ -458,7 +448,7 @@ int main(int argc, char **argv)
 
             /* bit-for-bit: the S-stream loop and the graph replay against the 1-stream loop */
             int same_streams = -1, same_graph = -1;
-            double kernel_err = -1, f32w_err = -1, f32w_add_err = -1, f32w_tma_err = -1;
+            double kernel_err = -1, f32w_err = -1, f32w_add_err = -1, f32w_cl2_err = -1;
             if (check) {
                 const int64_t elems = pass == 0 ? R * N : pass == 1 ? R * K : E * K * N;
                 const size_t bytes = (size_t)elems * 2;
@@ -488,9 +478,9 @@ int main(int argc, char **argv)
                 if (pass == MOERT_GEMM_WGRAD) {
                     const size_t dw_elems = (size_t)(E * K * N);
                     const bench_variant *lt = &variants[i_f32w_loop];
-                    f32w_err = wgrad_f32_error(g, stream, lt, gm, d_counts, R, dw32, dw_elems, -1);
-                    f32w_add_err = wgrad_f32_error(g, stream, lt, gm, d_counts, R, dw32, dw_elems, 0);
-                    f32w_tma_err = wgrad_f32_error(g, stream, lt, gm, d_counts, R, dw32, dw_elems, 1);
+                    f32w_err = wgrad_f32_error(g, stream, lt, gm, d_counts, R, dw32, dw_elems, 0, 0);
+                    f32w_add_err = wgrad_f32_error(g, stream, lt, gm, d_counts, R, dw32, dw_elems, 0, 1);
+                    f32w_cl2_err = wgrad_f32_error(g, stream, lt, gm, d_counts, R, dw32, dw_elems, 2, 0);
                 }
             }
 
@@ -512,7 +502,7 @@ int main(int argc, char **argv)
                 r->rel_err = v == i_kernel             ? kernel_err
                              : variants[v].kernel == 4 ? f32w_err
                              : variants[v].kernel == 2 ? f32w_add_err
-                             : variants[v].kernel == 5 ? f32w_tma_err
+                             : variants[v].kernel == 6 ? f32w_cl2_err
                                                        : -1;
                 /* the floor of the fp32-gradient WGRAD variants: the copy moves the gradient's bytes twice */
                 const int f32_wgrad = pass == MOERT_GEMM_WGRAD && (kernel_f32(&variants[v]) || variants[v].f32w);

@@ -54,15 +54,9 @@ typedef struct bf16_device_gemm_args {
     int engine;              /* BF16_DEVICE_GEMM_ENGINE_*: which kernel runs FORWARD/DGRAD */
     int max_sms;             /* wgmma engine: CTAs of its persistent grid at most (0: one per SM), so that kernels
                                 on another stream (a dispatcher's) find SMs free beside it */
-    int wgrad_single_cta;    /* wgmma WGRAD: 1 keeps every CTA single (tests, benchmarks); 0 runs its ping-pong in CTA
-                                pairs sharing the input tile by TMA multicast where the n_out tiles pair up */
-    int wgrad_tma_add;       /* wgmma WGRAD ping-pong adding: 1 adds the tiles through TMA (cp.reduce.async.bulk;
-                                tests, benchmarks); 0 lets the threads add them (faster: the TMA unit stays on the
-                                operand loads). Overwriting always stores through TMA. */
-    int wgrad_l2_normal;     /* wgmma WGRAD: 1 writes the gradient at normal L2 priority (benchmarks); 0 evict-first,
-                                so that the operands, read again by other tiles, stay in L2 */
-    int wgrad_no_prefetch;   /* wgmma WGRAD adding: 1 leaves out the prefetch of each tile's old gradient into L2
-                                (benchmarks); 0 prefetches it as the tile's first operands load */
+    int wgrad_cluster; /* wgmma WGRAD ping-pong: the most CTAs of a cluster sharing operand tiles by TMA multicast,
+                                1, 2 (n_out tile pairs) or 4 (2 x 2 tiles; tests, benchmarks), or 0: 4 where the tiles
+                                pair up both ways, else 2 where the n_out tiles pair up, else 1 */
 } bf16_device_gemm_args;
 
 /* The kernels behind FORWARD, DGRAD and WGRAD into fp32 (WGRAD into a bf16 gradient always runs on mma.sync):

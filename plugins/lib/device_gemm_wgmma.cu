@@ -279,17 +279,17 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_kernel(const __grid_
  * - Cooperative (BN 256), for experts of many rows (mixtral), where the MMA dominates and the wider tile loads a
  *   quarter fewer operand bytes per flop: both consumers share each tile, 64 rows of k_in each (one m64n256
  *   accumulator).
- * The ping-pong runs in clusters of two CTAs where the n_out tiles pair up: the pair takes neighbouring n_out tiles of
- * the same expert and k_in tile, so both multiply the same A; each CTA loads one of A's two boxes and TMA multicasts
- * it into both (a quarter fewer operand bytes from L2 per flop, as the 128 x 256 tile, while keeping the ping-pong's
- * overlap of the fp32 writes), and a consumer hands a stage back to both CTAs' producers.
+ * The ping-pong runs in clusters: of four CTAs on a 2 x 2 block of tiles of one expert where both tile counts pair up,
+ * else of two on two neighbouring n_out tiles. CTAs on the same k_in tile multiply the same A, those on the same n_out
+ * tile the same B: each loads half of a shared operand and TMA multicasts it into both, so a CTA reads 128 KiB of
+ * operands from L2 per 128 x 128 tile and 512 rows instead of 256 KiB alone (192 KiB in a pair), while the ping-pong
+ * keeps overlapping the fp32 writes; a consumer hands a stage back to every CTA that wrote into it.
  * The rows past an expert's last (another expert's, padding, or past the buffers) are zeroed in shared memory before
- * the expert's last k-block is multiplied. Epilogue: adding in the ping-pong, the consumer's threads load, add and store
- * its fp32 result straight from the registers, so the SM's one TMA unit keeps loading operands. Otherwise (and with
- * wgrad_tma_add): a consumer's 64 x 256 fp32 result goes out in two 64 x 128 halves
+ * the expert's last k-block is multiplied. Epilogue: a consumer's 64 x 256 fp32 result goes out in two 64 x 128 halves
  * (ping-pong: its tile's two 64-row halves; cooperative: its rows' two 128-column halves), each through its swizzled
  * staging area as four 32 x 64 boxes that TMA stores (overwrite) or adds (cp.reduce.async.bulk add: the gradient is
- * read and written by the memory system, not by the SM) while the consumer goes on. */
+ * read and written by the memory system, not by the SM) while the consumer goes on, at L2's evict-first priority (the
+ * gradient is written once; the operands, read again by other tiles, stay: ~4% on deepseek-v3's fc1 on an H100). */
 
 #define WGR_BM            128                /* k_in columns of a tile */
 #define WGR_A_BYTES       (2 * WG_BOX_BYTES) /* 16 KiB */
@@ -308,12 +308,8 @@ typedef struct wg_wgrad_params {
     CUtensorMap map_dout; /* grad_output [capacity][n_out], boxes of 64 x 64 rows */
     CUtensorMap map_dw;   /* grad_weight fp32 [E][k_in][n_out], boxes of 32 x 64 rows x 1 */
     const int64_t *counts;
-    float *dw; /* grad_weight, for the threads' own adds */
     int64_t capacity;
     int num_experts, m_tiles, n_tiles, k_in, n_out, accumulate;
-    int thread_add;   /* the ping-pong adding: the consumer's threads add its tile (else TMA adds) */
-    int l2_normal;    /* the gradient's traffic at normal L2 priority (else evict-first: the operands stay in L2) */
-    int prefetch_old; /* adding: the producer prefetches each tile's old gradient into L2 as it starts the tile */
 } wg_wgrad_params;
 
 /* d (+)= A (64 x 16, M-major) * B (16 x 128, N-major); accumulate 0 ignores d's old values. */
@@ -328,21 +324,38 @@ __device__ __forceinline__ void wgmma_m64n128k16_mn(float *d, uint64_t desc_a, u
 #endif
 }
 
-/* WGRAD's work unit u of a cluster of CL CTAs: expert e, k_in tile mt and n_out tile nt of its gradient (k_in tiles
- * fastest); the cluster's CTAs take neighbouring n_out tiles, CTA `rank` the rank-th. */
+/* A cluster of CL CTAs takes CM x CN neighbouring tiles of one expert: CL 1 one tile, 2 two n_out tiles (1 x 2), 4 a
+ * 2 x 2 block; CTA `rank` takes k_in tile rank % CM and n_out tile rank / CM of the block. The CTAs of a block row
+ * multiply the same A (input columns), those of a block column the same B (grad_output columns). */
+template <int CL> struct wgrad_cluster {
+    static constexpr int CM = CL == 4 ? 2 : 1, CN = CL >= 2 ? 2 : 1;
+};
+
+/* WGRAD's work unit u of a cluster of CL CTAs: expert e, k_in tile mt and n_out tile nt of its gradient for CTA
+ * `rank` (blocks of k_in tiles fastest). */
 template <int CL>
 __device__ __forceinline__ void wgrad_tile_at(const wg_wgrad_params &p, int u, int rank, int *e, int *mt, int *nt)
 {
-    const int per = p.m_tiles * (p.n_tiles / CL), r = u % per;
+    constexpr int CM = wgrad_cluster<CL>::CM, CN = wgrad_cluster<CL>::CN;
+    const int mb = p.m_tiles / CM, per = mb * (p.n_tiles / CN), r = u % per;
     *e = u / per;
-    *mt = r % p.m_tiles;
-    *nt = r / p.m_tiles * CL + rank;
+    *mt = r % mb * CM + rank % CM;
+    *nt = r / mb * CN + rank / CM;
 }
 
-/* The work units of a cluster of CL CTAs (n_tiles is a multiple of CL). */
+/* The work units of a cluster of CL CTAs (m_tiles and n_tiles are multiples of CM and CN). */
 template <int CL> __device__ __forceinline__ int wgrad_units(const wg_wgrad_params &p)
 {
-    return p.num_experts * p.m_tiles * (p.n_tiles / CL);
+    return p.num_experts * (p.m_tiles / wgrad_cluster<CL>::CM) * (p.n_tiles / wgrad_cluster<CL>::CN);
+}
+
+/* The CTAs of the cluster (a mask of ranks) that write into CTA rank's stages: those sharing its A (its block row)
+ * and its B (its block column), itself included; each gets the stage back from rank's consumers. */
+template <int CL> __device__ __forceinline__ uint32_t wgrad_sharers(int rank)
+{
+    constexpr int CM = wgrad_cluster<CL>::CM;
+    const int rm = rank % CM, rn = rank / CM;
+    return (1u << rm) | (1u << (rm + CM)) | (1u << (CM * rn)) | (1u << (CM * rn + CM - 1));
 }
 
 /* The k-blocks (64 rows each) of expert e. */
@@ -352,8 +365,9 @@ __device__ __forceinline__ int wgrad_k_blocks(const int64_t *row_start, int e)
 }
 
 /* The producer thread: per unit and 64-row block of the expert, A's two boxes and B's BN / 64, into the ring. In a
- * cluster of two, A's box `rank` is multicast to both CTAs (the peer loads the other), and a stage is free once both
- * CTAs' consumers have handed it back. */
+ * cluster, an operand two CTAs share is loaded half by each and multicast to both (A's box rn to the CTAs of the
+ * block row, B's box rm to those of the block column), and a stage is free once every CTA writing into it has had it
+ * back from this CTA's consumers (empty counts their warps). */
 template <int STAGES, int BN, int CL>
 __device__ __forceinline__ void wgrad_produce(const wg_wgrad_params &p, const int64_t *row_start, int rank,
                                               uint8_t *stages, uint64_t *full, uint64_t *empty)
@@ -365,24 +379,25 @@ __device__ __forceinline__ void wgrad_produce(const wg_wgrad_params &p, const in
         int e, mt, nt;
         wgrad_tile_at<CL>(p, u, rank, &e, &mt, &nt);
         const int k_blocks = wgrad_k_blocks(row_start, e);
-        if (p.accumulate && p.prefetch_old) /* the old gradient of the tile into L2 while it is multiplied */
-            for (int rows = 0; rows < WGR_BM; rows += 64)
-                for (int cols = 0; cols < BN; cols += 32)
-                    if (mt * WGR_BM + rows < p.k_in && nt * BN + cols < p.n_out)
-                        tensor_prefetch_l2_3d(&p.map_dw, nt * BN + cols, mt * WGR_BM + rows, e);
         for (int kb = 0; kb < k_blocks; kb++, it++) {
             if (it >= STAGES) mbar_wait(&empty[s], phase ^ 1);
             mbar_arrive_expect_tx(&full[s], stage_bytes);
             const int32_t row = (int32_t)(row_start[e] + (int64_t)kb * WG_BK);
             uint8_t *a = stages + s * stage_bytes, *b = a + WGR_A_BYTES;
-            if (CL == 2)
-                tensor_load_2d_multicast(a + rank * WG_BOX_BYTES, &p.map_in, mt * WGR_BM + rank * 64, row, &full[s],
-                                         0x3);
+            constexpr int CM = wgrad_cluster<CL>::CM, CN = wgrad_cluster<CL>::CN;
+            const int rm = rank % CM, rn = rank / CM;
+            if (CN == 2) /* A's box rn, to the block row: ranks rm and rm + CM */
+                tensor_load_2d_multicast(a + rn * WG_BOX_BYTES, &p.map_in, mt * WGR_BM + rn * 64, row, &full[s],
+                                         (uint16_t)((1u << rm) | (1u << (rm + CM))));
             else
                 for (int j = 0; j < 2; j++)
                     tensor_load_2d(a + j * WG_BOX_BYTES, &p.map_in, mt * WGR_BM + j * 64, row, &full[s]);
-            for (int j = 0; j < BN / 64; j++)
-                tensor_load_2d(b + j * WG_BOX_BYTES, &p.map_dout, nt * BN + j * 64, row, &full[s]);
+            if (CM == 2) /* B's box rm, to the block column: ranks 2 rn and 2 rn + 1 */
+                tensor_load_2d_multicast(b + rm * WG_BOX_BYTES, &p.map_dout, nt * BN + rm * 64, row, &full[s],
+                                         (uint16_t)(3u << (2 * rn)));
+            else
+                for (int j = 0; j < BN / 64; j++)
+                    tensor_load_2d(b + j * WG_BOX_BYTES, &p.map_dout, nt * BN + j * 64, row, &full[s]);
             if (++s == STAGES) s = 0, phase ^= 1;
         }
     }
@@ -433,12 +448,8 @@ __device__ __forceinline__ void wgrad_store(const wg_wgrad_params &p, int e, con
                 const int n = n0[half] + b * 32;
                 if (n >= p.n_out) break;
                 const uint8_t *box = boxes + b * WG_BOX_BYTES;
-                if (p.accumulate && p.l2_normal)
-                    tensor_reduce_add_3d(&p.map_dw, n, m0[half], e, box);
-                else if (p.accumulate)
+                if (p.accumulate)
                     tensor_reduce_add_3d_hint(&p.map_dw, n, m0[half], e, box, policy);
-                else if (p.l2_normal)
-                    tensor_store_3d(&p.map_dw, n, m0[half], e, box);
                 else
                     tensor_store_3d_hint(&p.map_dw, n, m0[half], e, box, policy);
             }
@@ -447,68 +458,14 @@ __device__ __forceinline__ void wgrad_store(const wg_wgrad_params &p, int e, con
     }
 }
 
-/* Hands stage s back: to this CTA's producer, and in a cluster of two to the peer's too (it multicast into it). */
+/* Hands stage s back to the producers that write into it: this CTA's, and in a cluster those of the CTAs sharing an
+ * operand with it (wgrad_sharers). */
 template <int CL> __device__ __forceinline__ void wgrad_release(uint64_t *empty, int s, int rank)
 {
-    if (CL == 2)
-        mbar_arrive_warp(&empty[s], true, (uint32_t)(rank ^ 1));
+    if (CL > 1)
+        mbar_arrive_warp_ranks(&empty[s], wgrad_sharers<CL>(rank));
     else
         wg_release(empty, s);
-}
-
-/* Two floats from global memory where `valid` (else zeros), and their store where `valid`, with an L2 eviction policy
- * (l2_evict_first_policy). Volatile asm keeps the order written: a run of loads stays in flight together instead of
- * being sunk one by one to their uses. */
-__device__ __forceinline__ float2 load_f32x2(const float *p, bool valid, uint64_t policy)
-{
-    float2 v = make_float2(0.0f, 0.0f);
-    asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %3, 0;\n @q ld.global.L2::cache_hint.v2.f32 {%0, %1}, [%2], %4;\n}"
-                 : "+f"(v.x), "+f"(v.y)
-                 : "l"(p), "r"((int)valid), "l"(policy)
-                 : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void store_f32x2(float *p, float x, float y, bool valid, uint64_t policy)
-{
-    asm volatile(
-        "{\n .reg .pred q;\n setp.ne.b32 q, %3, 0;\n @q st.global.L2::cache_hint.v2.f32 [%0], {%1, %2}, %4;\n}" ::"l"(
-            p),
-        "f"(x), "f"(y), "r"((int)valid), "l"(policy)
-        : "memory");
-}
-
-/* The ping-pong's add by the consumer's own threads: its 2 x m64n128 result (acc) added straight from the registers
- * into the gradient, 16 loads of the old values in flight per thread, then their stores (8 rows x 32 bytes per warp
- * and instruction: whole 32-byte sectors). Faster than TMA's reduce-add here: the SM's one TMA unit stays on the
- * operand loads, which queue behind a bulk reduction while the memory system drains it (gemm_bench's _tma variant). */
-__device__ __forceinline__ void wgrad_add_threads(const wg_wgrad_params &p, int e, const int *m0, int n0,
-                                                  const float *acc)
-{
-    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-    const int r = warp * 16 + lane / 4, col0 = 2 * (lane % 4);
-    float *slice = p.dw + (size_t)e * p.k_in * p.n_out;
-    uint64_t policy = l2_evict_first_policy();
-    if (p.l2_normal) asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
-#pragma unroll
-    for (int half = 0; half < 2; half++) {
-#pragma unroll
-        for (int q = 0; q < 2; q++) {
-            const int row = m0[half] + r + 8 * q;
-            if (row >= p.k_in) continue;
-            float *out = slice + (size_t)row * p.n_out;
-            float2 old[16];
-#pragma unroll
-            for (int j = 0; j < 16; j++)
-                old[j] = load_f32x2(out + n0 + col0 + 8 * j, n0 + col0 + 8 * j < p.n_out, policy);
-#pragma unroll
-            for (int j = 0; j < 16; j++) {
-                const float *h = acc + 64 * half + 4 * j + 2 * q;
-                store_f32x2(out + n0 + col0 + 8 * j, old[j].x + h[0], old[j].y + h[1], n0 + col0 + 8 * j < p.n_out,
-                            policy);
-            }
-        }
-    }
 }
 
 /* A WGRAD consumer warpgroup c. Ping-pong: the CTA's units 0, 2, 4, .. (c = 0) or 1, 3, 5, .. (c = 1), walking the
@@ -585,10 +542,7 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
         if (hand_off) named_barrier_arrive(4 - c, 256); /* the other's turn */
         wgmma_wait<0>();
         wgrad_release<CL>(empty, prev, rank);
-        if (PINGPONG && p.thread_add)
-            wgrad_add_threads(p, e, m0, n0[0], acc);
-        else
-            wgrad_store<false>(p, e, m0, n0, c, acc, boxes);
+        wgrad_store<false>(p, e, m0, n0, c, acc, boxes);
     }
     if (threadIdx.x % 128 == 0) bulk_wait_all();
 }
@@ -611,7 +565,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_wgrad_kernel(const _
     if (threadIdx.x == 32) {
         for (int s = 0; s < STAGES; s++) {
             mbar_init_count(&full[s], 1);
-            mbar_init_count(&empty[s], (PINGPONG ? 4 : 8) * CL); /* the warps that multiply a stage, in each CTA */
+            /* the warps that multiply a stage, in each CTA writing into it */
+            mbar_init_count(&empty[s], (PINGPONG ? 4 : 8) * (CL > 1 ? __popc(wgrad_sharers<CL>(0)) : 1));
         }
         mbar_init_fence();
     }
@@ -637,11 +592,13 @@ static PFN_cuTensorMapEncodeTiled_v12000 encode_fn;
 static signed char ready[WG_MAX_DEVICES]; /* per device: 1 prepared, -1 not usable, 0 not asked */
 static int sm_count[WG_MAX_DEVICES];      /* per prepared device: the persistent grid */
 static int smem_optin[WG_MAX_DEVICES];    /* per prepared device: the most dynamic shared memory a block may take */
-static int wgrad_pairs[WG_MAX_DEVICES];   /* per prepared device: CTA pairs of the WGRAD ping-pong that fit at once */
+/* per prepared device: clusters of 2 and of 4 CTAs of the WGRAD ping-pong that fit at once */
+static int wgrad_clusters[WG_MAX_DEVICES][2];
 
 /* The ping-pong WGRAD kernel of `stages` stages, in clusters of `cl` CTAs. */
 static void (*wgrad_pingpong(int stages, int cl))(wg_wgrad_params)
 {
+    if (cl == 4) return stages == 5 ? bf16_wgmma_wgrad_kernel<5, true, 4> : bf16_wgmma_wgrad_kernel<4, true, 4>;
     if (cl == 2) return stages == 5 ? bf16_wgmma_wgrad_kernel<5, true, 2> : bf16_wgmma_wgrad_kernel<4, true, 2>;
     return stages == 5 ? bf16_wgmma_wgrad_kernel<5, true, 1> : bf16_wgmma_wgrad_kernel<4, true, 1>;
 }
@@ -673,26 +630,29 @@ extern "C" moert_result bf16_wgmma_prepare(const moert_host *host)
     CUDA_CHECK(host,
                cudaFuncSetAttribute(bf16_wgmma_wgrad_kernel<3, false, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)wgrad_smem_bytes(3, 256, BF16_DEVICE_GEMM_MAX_EXPERTS)));
-    for (int cl = 1; cl <= 2; cl++) {
+    for (int cl = 1; cl <= 4; cl *= 2) {
         CUDA_CHECK(host, cudaFuncSetAttribute(wgrad_pingpong(4, cl), cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               (int)wgrad_smem_bytes(4, 128, BF16_DEVICE_GEMM_MAX_EXPERTS)));
         CUDA_CHECK(host, cudaFuncSetAttribute(wgrad_pingpong(5, cl), cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               smem_optin[dev]));
     }
     CUDA_CHECK(host, cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev));
-    /* the pairs that fit at once (a GPC of an odd SM count leaves one SM without a partner) */
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr = {};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-    cfg.gridDim = dim3((unsigned)(sm_count[dev] / 2 * 2));
-    cfg.blockDim = dim3(WG_THREADS);
-    cfg.dynamicSmemBytes = (size_t)smem_optin[dev];
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    int pairs = 0;
-    CUDA_CHECK(host, cudaOccupancyMaxActiveClusters(&pairs, wgrad_pingpong(5, 2), &cfg));
-    wgrad_pairs[dev] = pairs < sm_count[dev] / 2 ? pairs : sm_count[dev] / 2;
+    /* the clusters that fit at once (a GPC whose SM count is not a multiple of the cluster leaves SMs out) */
+    for (int i = 0; i < 2; i++) {
+        const int cl = 2 << i;
+        cudaLaunchConfig_t cfg = {};
+        cudaLaunchAttribute attr = {};
+        attr.id = cudaLaunchAttributeClusterDimension;
+        attr.val.clusterDim.x = (unsigned)cl, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+        cfg.gridDim = dim3((unsigned)(sm_count[dev] / cl * cl));
+        cfg.blockDim = dim3(WG_THREADS);
+        cfg.dynamicSmemBytes = (size_t)smem_optin[dev];
+        cfg.attrs = &attr;
+        cfg.numAttrs = 1;
+        int fit = 0;
+        CUDA_CHECK(host, cudaOccupancyMaxActiveClusters(&fit, wgrad_pingpong(5, cl), &cfg));
+        wgrad_clusters[dev][i] = fit < sm_count[dev] / cl ? fit : sm_count[dev] / cl;
+    }
     ready[dev] = 1;
     return MOERT_OK;
 }
@@ -769,10 +729,6 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
     p.k_in = (int)a->k_in;
     p.n_out = (int)a->n_out;
     p.accumulate = a->accumulate != 0;
-    p.dw = (float *)a->grad_weight;
-    p.thread_add = p.accumulate && !a->wgrad_tma_add;
-    p.l2_normal = a->wgrad_l2_normal;
-    p.prefetch_old = !a->wgrad_no_prefetch;
     const int64_t units = a->num_experts * p.m_tiles * p.n_tiles;
     if (units > INT_MAX)
         return report(host, MOERT_ERR_INVALID_ARGUMENT,
@@ -785,12 +741,22 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
         LAUNCH_CHECK(host, "bf16_wgmma_wgrad_kernel");
         return MOERT_OK;
     }
-    /* the ping-pong takes five stages where the experts' prefix arrays leave room (up to ~160 experts), else four; CTA
-     * pairs where the n_out tiles pair up and two SMs are granted */
+    /* the ping-pong takes five stages where the experts' prefix arrays leave room (up to ~160 experts), else four; in
+     * clusters of 4 (2 x 2 tiles) where both tile counts pair up, else of 2 (n_out tiles), as far as wgrad_cluster
+     * allows and as many clusters fit in the SMs granted */
     const int stages = wgrad_smem_bytes(5, 128, p.num_experts) <= (size_t)smem_optin[dev] ? 5 : 4;
-    const int64_t pairs = sms / 2 < wgrad_pairs[dev] ? sms / 2 : wgrad_pairs[dev];
-    const int cl = !a->wgrad_single_cta && p.n_tiles % 2 == 0 && pairs > 0 ? 2 : 1;
-    const int64_t fit = cl == 2 ? pairs : sms, cl_units = units / cl;
+    const int most = a->wgrad_cluster > 0 ? a->wgrad_cluster : 4;
+    int cl = 1;
+    int64_t fit = sms;
+    for (int i = 1; i >= 0; i--) {
+        const int want = 2 << i;
+        const int64_t clusters = sms / want < wgrad_clusters[dev][i] ? sms / want : wgrad_clusters[dev][i];
+        if (want <= most && p.n_tiles % 2 == 0 && (want == 2 || p.m_tiles % 2 == 0) && clusters > 0) {
+            cl = want, fit = clusters;
+            break;
+        }
+    }
+    const int64_t cl_units = units / cl;
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr = {};
     attr.id = cudaLaunchAttributeClusterDimension;

@@ -126,6 +126,20 @@ __device__ __forceinline__ void mbar_arrive_warp(uint64_t *bar, bool to_peer, ui
                  : "memory");
 }
 
+/* One arrival per warp on the barrier at bar's offset in every CTA of the cluster named in `ranks` (a mask of up to 32
+ * ranks, this CTA's own included where set): lane r arrives at CTA r's (CTA-scope release, as mbar_arrive_cluster).
+ * Every lane executes it (predicated, as mbar_arrive_warp). */
+__device__ __forceinline__ void mbar_arrive_warp_ranks(uint64_t *bar, uint32_t ranks)
+{
+    __syncwarp();
+    const uint32_t lane = threadIdx.x % 32, mine = (ranks >> lane) & 1u, target = mine ? lane : 0;
+    asm volatile("{\n .reg .pred p;\n .reg .b32 remote;\n setp.ne.b32 p, %1, 0;\n"
+                 " mapa.shared::cluster.u32 remote, %0, %2;\n"
+                 " @p mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_addr(bar)),
+                 "r"(mine), "r"(target)
+                 : "memory");
+}
+
 /* As tensor_load_2d, but the tile lands at the same offset (and completes on the barrier at the same offset) in
  * every CTA of the cluster named by cta_mask. */
 __device__ __forceinline__ void tensor_load_2d_multicast(void *dst_smem, const void *tensor_map, int32_t c0, int32_t c1,
@@ -153,14 +167,6 @@ __device__ __forceinline__ void tensor_store_3d(const void *tensor_map, int32_t 
 {
     asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];" ::"l"(tensor_map),
                  "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(src_smem))
-                 : "memory");
-}
-
-/* Starts bringing the box at c0 (innermost), c1, c2 of a 3-D tensor map into L2 (a hint: nothing waits for it). */
-__device__ __forceinline__ void tensor_prefetch_l2_3d(const void *tensor_map, int32_t c0, int32_t c1, int32_t c2)
-{
-    asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];" ::"l"(tensor_map), "r"(c0),
-                 "r"(c1), "r"(c2)
                  : "memory");
 }
 

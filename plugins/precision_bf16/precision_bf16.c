@@ -519,24 +519,14 @@ typedef struct counts_fetch {
     bool on_device; /* device_gemm serves the call: it reads the counts itself */
 } counts_fetch;
 
-/* Whether a WGRAD into an fp32 gradient runs on device_gemm outside kernel mode: "wgrad_gemm": "kernel", or "auto"
- * on Hopper where it adds into the gradient at the ping-pong's shapes (experts of few rows), where the kernel beats
- * the cuBLASLt loop on every preset; overwriting (a step's first micro-batch) stays on cuBLASLt, faster on fc1's
- * shape (docs/plugins/precision_bf16.md). */
-static bool wgrad_on_kernel(const bf16_ctx *c, const moert_grouped_gemm_args *args)
-{
-    if (!args->grad_weight || args->grad_weight->dtype != MOERT_F32) return false;
-    if (c->wgrad_engine == GEMM_KERNEL) return true;
-    return c->wgrad_engine == GEMM_AUTO && c->wgmma_fwd_dgrad && !moert_gemm_overwrites_grad(args) && args->input &&
-           args->input->shape[0] < (int64_t)BF16_WGMMA_PINGPONG_ROWS * c->layer.num_local_experts;
-}
-
 /* Whether this call runs on device_gemm outside kernel mode: FORWARD or DGRAD on the wgmma engine ("auto" on Hopper),
- * WGRAD as wgrad_on_kernel says, with the counts on the layer's GPU. */
+ * WGRAD into an fp32 gradient ("wgrad_gemm": "kernel"), with the counts on the layer's GPU. */
 static bool wgmma_serves(const bf16_ctx *c, const moert_grouped_gemm_args *args)
 {
     const moert_tensor *tpe = args->tokens_per_expert;
-    const bool pass_on_kernel = args->pass == MOERT_GEMM_WGRAD ? wgrad_on_kernel(c, args) : c->wgmma_fwd_dgrad;
+    const bool pass_on_kernel = args->pass == MOERT_GEMM_WGRAD ? c->wgrad_engine == GEMM_KERNEL && args->grad_weight &&
+                                                                     args->grad_weight->dtype == MOERT_F32
+                                                               : c->wgmma_fwd_dgrad;
     return pass_on_kernel && tpe && tpe->data && tpe->device.type == MOERT_DEVICE_CUDA &&
            tpe->device.id == c->layer.device.id && tpe->dtype == MOERT_I64;
 }

@@ -230,10 +230,9 @@ static void *cpu_pass(const problem *p, int pass, bool overwrite, bool bf16_grad
     return out;
 }
 
-/* The output tile width and engine the kernel calls of the test ask for (0: the kernel picks), whether the wgmma
- * WGRAD keeps its CTAs single (else its ping-pong runs in multicasting CTA pairs where the n_out tiles pair up) and
- * adds its ping-pong tiles through TMA (else the threads add them). */
-static int tile_n, engine, single_cta, tma_add;
+/* The output tile width and engine the kernel calls of the test ask for (0: the kernel picks), and the largest
+ * cluster of the wgmma WGRAD's ping-pong (0: as it picks, 4 where the tiles pair up both ways). */
+static int tile_n, engine, cluster;
 
 /* The kernel's arguments for one pass into device buffer d_out. */
 static bf16_device_gemm_args kernel_args(const problem *p, int pass, void *d_out, bool overwrite, bool bf16_grad)
@@ -256,8 +255,7 @@ static bf16_device_gemm_args kernel_args(const problem *p, int pass, void *d_out
     a.accumulate = !overwrite;
     a.tile_n = tile_n;
     a.engine = engine;
-    a.wgrad_single_cta = single_cta;
-    a.wgrad_tma_add = tma_add;
+    a.wgrad_cluster = cluster;
     return a;
 }
 
@@ -326,7 +324,8 @@ typedef struct small_case {
 /* The engine and tile width of the calls, as the table shows them. */
 static const char *engine_label(void)
 {
-    if (engine == BF16_DEVICE_GEMM_ENGINE_WGMMA) return single_cta ? "wgmma 1cta tma" : tma_add ? "wgmma tma" : "wgmma";
+    if (engine == BF16_DEVICE_GEMM_ENGINE_WGMMA)
+        return cluster == 1 ? "wgmma cl1" : cluster == 2 ? "wgmma cl2" : "wgmma";
     return tile_n == 128 ? "n128" : tile_n == 256 ? "n256" : "auto";
 }
 
@@ -749,27 +748,29 @@ int main(void)
         {"E4 K72 N136 no rows", 4, 72, 136, {0, 0, 0, 0}, 0},
         {"E3 K64 N72 past capacity 200,100,7 cap 250", 3, 64, 72, {200, 100, 7}, 250},
         {"E16 K192 N64 odd", 16, 192, 64, {1, 3, 0, 5, 7, 9, 11, 13, 15, 17, 0, 19, 21, 23, 127, 129}, 0},
-        /* even n_out tiles of 128: the wgmma WGRAD's CTA pairs (the cases above with N 136 and 200 too) */
+        /* the wgmma WGRAD's clusters: k_in and n_out tiles of 128 pairing up both ways (2 x 2; above, K136 N200 and
+         * K256 N200 too), n_out tiles only (K72 N136 above, K320 N520 neither) */
         {"E5 K136 N256 129,0,0,3,64", 5, 136, 256, {129, 0, 0, 3, 64}, 0},
         {"E3 K320 N520 1,700,31", 3, 320, 520, {1, 700, 31}, 0},
+        {"E4 K256 N512 0,1,300,77", 4, 256, 512, {0, 1, 300, 77}, 0},
         /* >= 2048 rows an expert on average: the wgmma WGRAD's cooperative schedule (fewer: its ping-pong) */
         {"E2 K136 N200 many rows 3000,1500", 2, 136, 200, {3000, 1500}, 0},
         {"E2 K64 N264 many rows 4100,0", 2, 64, 264, {4100, 0}, 0},
     };
     /* every case on mma.sync with both tile widths, and on the wgmma engine where the GPU has it (sm_90): its WGRAD
-     * in CTA pairs where it can with the threads' adds, in pairs with TMA's, single with TMA's */
-    static const int configs[][4] = {{128, BF16_DEVICE_GEMM_ENGINE_MMA, 0, 0},
-                                     {256, BF16_DEVICE_GEMM_ENGINE_MMA, 0, 0},
-                                     {0, BF16_DEVICE_GEMM_ENGINE_WGMMA, 0, 0},
-                                     {0, BF16_DEVICE_GEMM_ENGINE_WGMMA, 0, 1},
-                                     {0, BF16_DEVICE_GEMM_ENGINE_WGMMA, 1, 1}};
+     * in its clusters of 4 where the tiles pair up both ways, of at most 2, and single */
+    static const int configs[][3] = {{128, BF16_DEVICE_GEMM_ENGINE_MMA, 0},
+                                     {256, BF16_DEVICE_GEMM_ENGINE_MMA, 0},
+                                     {0, BF16_DEVICE_GEMM_ENGINE_WGMMA, 0},
+                                     {0, BF16_DEVICE_GEMM_ENGINE_WGMMA, 2},
+                                     {0, BF16_DEVICE_GEMM_ENGINE_WGMMA, 1}};
     const bool hopper = prop.major == 9 && prop.minor == 0;
     for (size_t c = 0; c < sizeof configs / sizeof configs[0]; c++) {
-        tile_n = configs[c][0], engine = configs[c][1], single_cta = configs[c][2], tma_add = configs[c][3];
+        tile_n = configs[c][0], engine = configs[c][1], cluster = configs[c][2];
         if (engine == BF16_DEVICE_GEMM_ENGINE_WGMMA && !hopper) continue;
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_small(&cases[i], raw_stream, 100 + i);
     }
-    tile_n = 0, engine = BF16_DEVICE_GEMM_ENGINE_AUTO, single_cta = 0, tma_add = 0;
+    tile_n = 0, engine = BF16_DEVICE_GEMM_ENGINE_AUTO, cluster = 0;
     run_bad_args(raw_stream);
     run_graph(raw_stream);
     run_big(raw_stream);
