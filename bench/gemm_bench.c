@@ -17,8 +17,8 @@
  *   kernel_f32w   WGRAD only: the kernel accumulating into an fp32 gradient (the executor's setting; on Hopper the
  *                 wgmma engine)
  *   kernel_f32w_ow  WGRAD only: the same overwriting the fp32 gradient (a step's first micro-batch)
- *   kernel_f32w_cl2, kernel_f32w_ow_cl2  WGRAD only: as the two above with clusters of at most 2 CTAs (on Hopper the
- *                 ping-pong schedule otherwise runs 2 x 2 tiles in clusters of 4 where the tiles pair up both ways)
+ *   kernel_f32w_cl4, kernel_f32w_ow_cl4  WGRAD only: as the two above in clusters of 4 CTAs on 2 x 2 tiles (on Hopper
+ *                 the ping-pong schedule otherwise runs in pairs where 4-clusters would leave SMs idle)
  *   loop_sS_f32w  WGRAD only: the cuBLASLt loop on S streams accumulating into an fp32 gradient (the plugin's
  *                 "wgrad_gemm": "cublaslt")
  *   copy          WGRAD only: a device-to-device copy of the fp32 gradient (reads and writes its bytes): the traffic
@@ -106,7 +106,7 @@ typedef struct bench_variant {
     int grouped; /* MOERT_BF16_CUDA_GROUPED */
     int dense;   /* one expert with all rows */
     int kernel; /* 1: bf16_device_gemm (bf16 gradient), 2: the same into an fp32 gradient, 3: its mma.sync engine, 4: as
-                   2, overwriting; 5, 6: as 2 and 4 in clusters of at most 2 */
+                   2, overwriting; 5, 6: as 2 and 4 in clusters of 4 */
     int wgrad_only; /* 1: WGRAD only, -1: FORWARD and DGRAD only */
     int f32w;       /* the cuBLASLt variants: WGRAD into the fp32 gradient */
     int copy;       /* a device copy of the fp32 gradient instead of a GEMM */
@@ -264,7 +264,7 @@ static void result_of(moert_bf16_cuda *g, cudaStream_t stream, const bench_varia
     CK(cudaMemcpy(host, dst, bytes, cudaMemcpyDeviceToHost));
 }
 
-/* WGRAD into an fp32 gradient: the kernel in clusters of at most `cluster` CTAs (0: as it picks) overwriting, or with
+/* WGRAD into an fp32 gradient: the kernel in clusters of `cluster` CTAs (0: as it picks) overwriting, or with
  * `add` adding into zeros, against the cuBLASLt loop overwriting (variant loop), relative Frobenius. */
 static double wgrad_f32_error(moert_bf16_cuda *g, cudaStream_t stream, const bench_variant *loop,
                               moert_bf16_cuda_gemm gm, const int64_t *d_counts, int64_t rows, void *dw32, size_t elems,
@@ -335,8 +335,8 @@ int main(int argc, char **argv)
     variants[nv++] = (bench_variant){"kernel_mma", 1, 0, 0, 0, 0, 3, -1, 0, 0};
     variants[nv++] = (bench_variant){"kernel_f32w", 1, 0, 0, 0, 0, 2, 1, 0, 0};
     variants[nv++] = (bench_variant){"kernel_f32w_ow", 1, 0, 0, 0, 0, 4, 1, 0, 0};
-    variants[nv++] = (bench_variant){"kernel_f32w_cl2", 1, 0, 0, 0, 0, 5, 1, 0, 0};
-    variants[nv++] = (bench_variant){"kernel_f32w_ow_cl2", 1, 0, 0, 0, 0, 6, 1, 0, 0};
+    variants[nv++] = (bench_variant){"kernel_f32w_cl4", 1, 0, 0, 0, 0, 5, 1, 0, 0};
+    variants[nv++] = (bench_variant){"kernel_f32w_ow_cl4", 1, 0, 0, 0, 0, 6, 1, 0, 0};
     bench_variant v_streams_f32w = {"", streams, 0, 0, 0, 0, 0, 1, 1, 0};
     snprintf(v_streams_f32w.name, sizeof v_streams_f32w.name, "loop_s%d_f32w", streams);
     const int i_f32w_loop = nv;
@@ -418,7 +418,7 @@ int main(int argc, char **argv)
                             kernel_args(&gm, d_counts, R, f32 ? dw32 : dw, f32,
                                         var->kernel == 3 ? BF16_DEVICE_GEMM_ENGINE_MMA : BF16_DEVICE_GEMM_ENGINE_AUTO);
                         if (kernel_overwrites(var)) ka.accumulate = 0;
-                        ka.wgrad_cluster = var->kernel >= 5 ? 2 : 0;
+                        ka.wgrad_cluster = var->kernel >= 5 ? 4 : 0;
                         MOK(bf16_device_gemm(&bench_host, stream, &ka));
                     } else {
                         moert_bf16_cuda_gemm gv = gm;
@@ -448,7 +448,7 @@ int main(int argc, char **argv)
 
             /* bit-for-bit: the S-stream loop and the graph replay against the 1-stream loop */
             int same_streams = -1, same_graph = -1;
-            double kernel_err = -1, f32w_err = -1, f32w_add_err = -1, f32w_cl2_err = -1;
+            double kernel_err = -1, f32w_err = -1, f32w_add_err = -1, f32w_cl4_err = -1;
             if (check) {
                 const int64_t elems = pass == 0 ? R * N : pass == 1 ? R * K : E * K * N;
                 const size_t bytes = (size_t)elems * 2;
@@ -480,7 +480,7 @@ int main(int argc, char **argv)
                     const bench_variant *lt = &variants[i_f32w_loop];
                     f32w_err = wgrad_f32_error(g, stream, lt, gm, d_counts, R, dw32, dw_elems, 0, 0);
                     f32w_add_err = wgrad_f32_error(g, stream, lt, gm, d_counts, R, dw32, dw_elems, 0, 1);
-                    f32w_cl2_err = wgrad_f32_error(g, stream, lt, gm, d_counts, R, dw32, dw_elems, 2, 0);
+                    f32w_cl4_err = wgrad_f32_error(g, stream, lt, gm, d_counts, R, dw32, dw_elems, 4, 0);
                 }
             }
 
@@ -502,7 +502,7 @@ int main(int argc, char **argv)
                 r->rel_err = v == i_kernel             ? kernel_err
                              : variants[v].kernel == 4 ? f32w_err
                              : variants[v].kernel == 2 ? f32w_add_err
-                             : variants[v].kernel == 6 ? f32w_cl2_err
+                             : variants[v].kernel == 6 ? f32w_cl4_err
                                                        : -1;
                 /* the floor of the fp32-gradient WGRAD variants: the copy moves the gradient's bytes twice */
                 const int f32_wgrad = pass == MOERT_GEMM_WGRAD && (kernel_f32(&variants[v]) || variants[v].f32w);

@@ -54,9 +54,10 @@ typedef struct bf16_device_gemm_args {
     int engine;              /* BF16_DEVICE_GEMM_ENGINE_*: which kernel runs FORWARD/DGRAD */
     int max_sms;             /* wgmma engine: CTAs of its persistent grid at most (0: one per SM), so that kernels
                                 on another stream (a dispatcher's) find SMs free beside it */
-    int wgrad_cluster; /* wgmma WGRAD ping-pong: the most CTAs of a cluster sharing operand tiles by TMA multicast,
-                                1, 2 (n_out tile pairs) or 4 (2 x 2 tiles; tests, benchmarks), or 0: 4 where the tiles
-                                pair up both ways, else 2 where the n_out tiles pair up, else 1 */
+    int wgrad_cluster; /* wgmma WGRAD ping-pong: CTAs of a cluster sharing operand tiles by TMA multicast, 4 (2 x 2
+                                tiles), 2 (n_out tile pairs) or 1, each where the tile counts allow it, else the next
+                                smaller (tests, benchmarks); 0: 4 where quads keep as many SMs busy as pairs, else 2,
+                                else 1 */
 } bf16_device_gemm_args;
 
 /* The kernels behind FORWARD, DGRAD and WGRAD into fp32 (WGRAD into a bf16 gradient always runs on mma.sync):

@@ -742,20 +742,17 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
         return MOERT_OK;
     }
     /* the ping-pong takes five stages where the experts' prefix arrays leave room (up to ~160 experts), else four; in
-     * clusters of 4 (2 x 2 tiles) where both tile counts pair up, else of 2 (n_out tiles), as far as wgrad_cluster
-     * allows and as many clusters fit in the SMs granted */
+     * clusters of 4 (2 x 2 tiles, both tile counts even) or 2 (n_out tiles even), as many as fit in the SMs granted */
     const int stages = wgrad_smem_bytes(5, 128, p.num_experts) <= (size_t)smem_optin[dev] ? 5 : 4;
-    const int most = a->wgrad_cluster > 0 ? a->wgrad_cluster : 4;
-    int cl = 1;
-    int64_t fit = sms;
-    for (int i = 1; i >= 0; i--) {
-        const int want = 2 << i;
-        const int64_t clusters = sms / want < wgrad_clusters[dev][i] ? sms / want : wgrad_clusters[dev][i];
-        if (want <= most && p.n_tiles % 2 == 0 && (want == 2 || p.m_tiles % 2 == 0) && clusters > 0) {
-            cl = want, fit = clusters;
-            break;
-        }
-    }
+    int64_t fit4 = sms / 4 < wgrad_clusters[dev][1] ? sms / 4 : wgrad_clusters[dev][1];
+    int64_t fit2 = sms / 2 < wgrad_clusters[dev][0] ? sms / 2 : wgrad_clusters[dev][0];
+    if (p.n_tiles % 2 || p.m_tiles % 2) fit4 = 0;
+    if (p.n_tiles % 2) fit2 = 0;
+    /* auto: quads where they keep as many SMs busy as pairs (on an H100 30 quads fit against 66 pairs, and the quads'
+     * fifth fewer L2 reads do not make up for the SMs left out), else pairs, else single CTAs */
+    int cl = a->wgrad_cluster == 4 && fit4 > 0 ? 4 : a->wgrad_cluster >= 2 && fit2 > 0 ? 2 : 1;
+    if (a->wgrad_cluster == 0) cl = fit4 > 0 && fit4 * 4 >= fit2 * 2 ? 4 : fit2 > 0 ? 2 : 1;
+    const int64_t fit = cl == 4 ? fit4 : cl == 2 ? fit2 : sms;
     const int64_t cl_units = units / cl;
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr = {};

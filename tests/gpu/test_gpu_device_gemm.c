@@ -230,8 +230,8 @@ static void *cpu_pass(const problem *p, int pass, bool overwrite, bool bf16_grad
     return out;
 }
 
-/* The output tile width and engine the kernel calls of the test ask for (0: the kernel picks), and the largest
- * cluster of the wgmma WGRAD's ping-pong (0: as it picks, 4 where the tiles pair up both ways). */
+/* The output tile width and engine the kernel calls of the test ask for (0: the kernel picks), and the cluster of the
+ * wgmma WGRAD's ping-pong (0: as it picks; 4, 2, 1 where the tiles allow). */
 static int tile_n, engine, cluster;
 
 /* The kernel's arguments for one pass into device buffer d_out. */
@@ -325,7 +325,7 @@ typedef struct small_case {
 static const char *engine_label(void)
 {
     if (engine == BF16_DEVICE_GEMM_ENGINE_WGMMA)
-        return cluster == 1 ? "wgmma cl1" : cluster == 2 ? "wgmma cl2" : "wgmma";
+        return cluster == 1 ? "wgmma cl1" : cluster == 2 ? "wgmma cl2" : cluster == 4 ? "wgmma cl4" : "wgmma";
     return tile_n == 128 ? "n128" : tile_n == 256 ? "n256" : "auto";
 }
 
@@ -758,12 +758,10 @@ int main(void)
         {"E2 K64 N264 many rows 4100,0", 2, 64, 264, {4100, 0}, 0},
     };
     /* every case on mma.sync with both tile widths, and on the wgmma engine where the GPU has it (sm_90): its WGRAD
-     * in its clusters of 4 where the tiles pair up both ways, of at most 2, and single */
-    static const int configs[][3] = {{128, BF16_DEVICE_GEMM_ENGINE_MMA, 0},
-                                     {256, BF16_DEVICE_GEMM_ENGINE_MMA, 0},
-                                     {0, BF16_DEVICE_GEMM_ENGINE_WGMMA, 0},
-                                     {0, BF16_DEVICE_GEMM_ENGINE_WGMMA, 2},
-                                     {0, BF16_DEVICE_GEMM_ENGINE_WGMMA, 1}};
+     * as it picks, in clusters of 4 and of 2 where the tiles allow, and single */
+    static const int configs[][3] = {{128, BF16_DEVICE_GEMM_ENGINE_MMA, 0}, {256, BF16_DEVICE_GEMM_ENGINE_MMA, 0},
+                                     {0, BF16_DEVICE_GEMM_ENGINE_WGMMA, 0}, {0, BF16_DEVICE_GEMM_ENGINE_WGMMA, 4},
+                                     {0, BF16_DEVICE_GEMM_ENGINE_WGMMA, 2}, {0, BF16_DEVICE_GEMM_ENGINE_WGMMA, 1}};
     const bool hopper = prop.major == 9 && prop.minor == 0;
     for (size_t c = 0; c < sizeof configs / sizeof configs[0]; c++) {
         tile_n = configs[c][0], engine = configs[c][1], cluster = configs[c][2];
