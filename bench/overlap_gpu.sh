@@ -7,7 +7,9 @@
 # runs again with --sequential. Then one `moert run --trace` of the "on" side of each model (4 steps), for Perfetto or
 # tools/trace_plot.py.
 #   usage: bench/overlap_gpu.sh BUILD_DIR OUT_DIR [DISPATCHER [MODEL...]]     (DISPATCHER "-": the configs' own)
-#   environment: OVERLAP_STEPS (20 measured steps per side), OVERLAP_TIMEOUT (600 s per run)
+#   environment: OVERLAP_STEPS (20 measured steps per side), OVERLAP_TIMEOUT (600 s per run), OVERLAP_PRECISION (a
+#   precision section for both sides, e.g. '{"plugin":"fp8","recipe":"blockwise"}'; default: the configs'),
+#   OVERLAP_TRACE (0: no trace runs)
 # Writes OUT_DIR/overlap-MODEL.{json,md,log} (moert ab's report, table and log) and OUT_DIR/trace-overlap-MODEL.json;
 # prints the verdict lines. Exit status: 0 when every A/B ran and its outputs agree, 1 otherwise, 77 without a GPU.
 set -u
@@ -38,6 +40,7 @@ echo "overlap_gpu: $gpus GPU(s), EP$ranks; $(nvidia-smi --query-gpu=name,memory.
 common=(--set 'parallel.device="cuda"' --set "parallel.ranks=$ranks" --set model.num_layers=2
         --set train.micro_batches=4 --set 'train.optimizer="sgd"' --set train.log_every=5)
 [ "$DISPATCHER" != - ] && common+=(--set "dispatcher={\"plugin\":\"$DISPATCHER\"}")
+[ -n "${OVERLAP_PRECISION:-}" ] && common+=(--set "precision=$OVERLAP_PRECISION")
 
 for model in "${MODELS[@]}"; do
     shape=()
@@ -60,6 +63,7 @@ for model in "${MODELS[@]}"; do
     grep -qE "^outputs agree: yes" "$log" || { echo "overlap_gpu: FAIL: $model's outputs do not agree"; status=1; }
 
     # a trace of the "on" side: slot 0's streams are "compute" and "wgrad", slot 1's "compute.1" and "wgrad.1"
+    [ "${OVERLAP_TRACE:-1}" = 0 ] && continue
     timeout "$LIMIT" "$BUILD/tools/moert" run "configs/$model.json" "${common[@]}" "${shape[@]}" --quiet \
         --set 'parallel.overlap_micro_batches="on"' --steps 4 --trace "$OUT/trace-overlap-$model.json" \
         >"$OUT/trace-overlap-$model.log" 2>&1 || { echo "overlap_gpu: FAIL: the trace run of $model"; status=1; }
