@@ -300,7 +300,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_kernel(const __grid_
 static size_t wgrad_smem_bytes(int stages, int bn, int experts)
 {
     return 1024 + (size_t)stages * (WGR_A_BYTES + bn / 64 * WG_BOX_BYTES) + 2 * WGR_STAGING_BYTES +
-           2 * stages * sizeof(uint64_t) + (size_t)(experts + 1) * (sizeof(int64_t) + sizeof(int));
+           (2 * stages + 4) * sizeof(uint64_t) + (size_t)(experts + 1) * (sizeof(int64_t) + sizeof(int));
 }
 
 typedef struct wg_wgrad_params {
@@ -468,18 +468,132 @@ template <int CL> __device__ __forceinline__ void wgrad_release(uint64_t *empty,
         wg_release(empty, s);
 }
 
+/* The ping-pong's epilogue. Its output halves (64 k_in rows x 128 n_out columns of a tile) are numbered in the CTA's
+ * tile order over the halves that are written (wgrad_writes); half k goes through staging buffer k % 2, which both
+ * consumers share: consecutive tiles are the two consumers', so a buffer's previous use is the other consumer's,
+ * a whole main loop earlier, and a consumer never waits for its own stores to drain. One thread, the storer, issues
+ * every TMA transfer of the staging (so one bulk group tracks them all): per half it makes the buffer ready (once its
+ * previous store has been read out of it; adding, after loading the gradient's old values into it), and after the
+ * consumer has written the half there (adding: the old values plus its result), stores it. */
+
+/* Whether a half at k_in row m0 and n_out column n0 of expert e's tile is written: it lies in the gradient, and
+ * the expert has rows or the gradient is overwritten (zeroed). */
+__device__ __forceinline__ bool wgrad_writes(const wg_wgrad_params &p, const int64_t *row_start, int e, int m0, int n0)
+{
+    return m0 < p.k_in && n0 < p.n_out && (!p.accumulate || wgrad_k_blocks(row_start, e) > 0);
+}
+
+/* The boxes (32 n_out columns each) of a half at column n0 that lie in the gradient. */
+__device__ __forceinline__ int wgrad_half_boxes(const wg_wgrad_params &p, int n0)
+{
+    return min(4, (p.n_out - n0 + 31) / 32);
+}
+
+/* The storer's store of half k (at k_in row m0, n_out column n0 of expert e), once the consumer has staged it. */
+__device__ __forceinline__ void wgrad_store_half(const wg_wgrad_params &p, uint8_t *staging, uint64_t *staged, int k,
+                                                 int e, int m0, int n0, uint64_t policy)
+{
+    const int b = k & 1;
+    uint8_t *buf = staging + b * WGR_STAGING_BYTES;
+    mbar_wait(&staged[b], (uint32_t)(k >> 1) & 1);
+    for (int j = 0; j < wgrad_half_boxes(p, n0); j++)
+        tensor_store_3d_hint(&p.map_dw, n0 + 32 * j, m0, e, buf + j * WG_BOX_BYTES, policy);
+    bulk_commit();
+}
+
+/* The storer thread (warp 1 of the producer warpgroup): walks the CTA's tiles as the consumers do and moves every
+ * written half through its staging buffer: ready[b] when the consumer may write buffer b, staged[b] when it has. */
+template <int CL>
+__device__ __forceinline__ void wgrad_storer(const wg_wgrad_params &p, const int64_t *row_start, int rank,
+                                             uint8_t *staging, uint64_t *ready, uint64_t *staged)
+{
+    const int units = wgrad_units<CL>(p), stride = gridDim.x / CL;
+    const uint64_t policy = l2_evict_first_policy();
+    int k = 0, pending_e = 0, pending_m = 0, pending_n = -1; /* the half made ready and not yet stored */
+    for (int u = blockIdx.x / CL; u < units; u += stride) {
+        int e, mt, nt;
+        wgrad_tile_at<CL>(p, u, rank, &e, &mt, &nt);
+        for (int h = 0; h < 2; h++) {
+            const int m0 = mt * WGR_BM + 64 * h, n0 = nt * 128;
+            if (!wgrad_writes(p, row_start, e, m0, n0)) continue;
+            const int b = k & 1, boxes = wgrad_half_boxes(p, n0);
+            uint8_t *buf = staging + b * WGR_STAGING_BYTES;
+            bulk_wait_read(); /* the buffer's last store (half k - 2: all but the pending half are issued) is read */
+            if (p.accumulate) {
+                mbar_arrive_expect_tx(&ready[b], (uint32_t)boxes * WG_BOX_BYTES);
+                for (int j = 0; j < boxes; j++)
+                    tensor_load_3d(buf + j * WG_BOX_BYTES, &p.map_dw, n0 + 32 * j, m0, e, &ready[b]);
+            } else {
+                mbar_arrive(&ready[b]);
+            }
+            if (pending_n >= 0) wgrad_store_half(p, staging, staged, k - 1, pending_e, pending_m, pending_n, policy);
+            pending_e = e, pending_m = m0, pending_n = n0;
+            k++;
+        }
+    }
+    if (pending_n >= 0) wgrad_store_half(p, staging, staged, k - 1, pending_e, pending_m, pending_n, policy);
+    bulk_wait_all(); /* the buffers are read before the CTA's shared memory goes */
+}
+
+/* A ping-pong consumer's result (acc: two m64n128 accumulators) into its tile's written halves, numbered from *k on:
+ * waits for the buffer to be ready, writes the half in the swizzled layout TMA reads (adding the old values the
+ * storer loaded when adding; zeros for ZERO), and announces it. */
+template <bool ZERO>
+__device__ __forceinline__ void wgrad_stage(const wg_wgrad_params &p, const int64_t *row_start, int e, int mt, int nt,
+                                            const float *acc, uint8_t *staging, uint64_t *ready, uint64_t *staged,
+                                            int *k)
+{
+    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+    const int r = warp * 16 + lane / 4, col0 = 2 * (lane % 4);
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        if (!wgrad_writes(p, row_start, e, mt * WGR_BM + 64 * half, nt * 128)) continue;
+        const int b = *k & 1;
+        uint8_t *buf = staging + b * WGR_STAGING_BYTES;
+        mbar_wait(&ready[b], (uint32_t)(*k >> 1) & 1);
+        const float *h = acc + 64 * half;
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            const int col = col0 + 8 * j;
+            uint8_t *box = buf + (col / 32) * WG_BOX_BYTES;
+#pragma unroll
+            for (int q = 0; q < 2; q++) {
+                float2 *at = (float2 *)(box + sw128_offset(r + 8 * q, (col % 32) * 4));
+                float2 v = ZERO ? make_float2(0.0f, 0.0f) : make_float2(h[4 * j + 2 * q], h[4 * j + 2 * q + 1]);
+                if (!ZERO && p.accumulate) {
+                    const float2 old = *at;
+                    v.x += old.x, v.y += old.y;
+                }
+                *at = v;
+            }
+        }
+        fence_async_shared();
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&staged[b]);
+        ++*k;
+    }
+}
+
+/* The written halves of expert e's tile (mt, nt): what a consumer counts for the other consumer's tiles. */
+__device__ __forceinline__ int wgrad_halves(const wg_wgrad_params &p, const int64_t *row_start, int e, int mt, int nt)
+{
+    return (int)wgrad_writes(p, row_start, e, mt * WGR_BM, nt * 128) +
+           (int)wgrad_writes(p, row_start, e, mt * WGR_BM + 64, nt * 128);
+}
+
 /* A WGRAD consumer warpgroup c. Ping-pong: the CTA's units 0, 2, 4, .. (c = 0) or 1, 3, 5, .. (c = 1), walking the
  * other's units only to follow the ring. Cooperative: every unit, k_in rows c * 64 .. c * 64 + 63 of it. */
 template <int STAGES, bool PINGPONG, int CL>
 __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const int64_t *row_start, int rank,
-                                              uint8_t *stages, uint8_t *staging, uint64_t *full, uint64_t *empty, int c)
+                                              uint8_t *stages, uint8_t *staging, uint64_t *full, uint64_t *empty,
+                                              uint64_t *ready, uint64_t *staged, int c)
 {
     constexpr int BN = PINGPONG ? 128 : 256;
     const int stage_bytes = WGR_A_BYTES + BN / 64 * WG_BOX_BYTES, units = wgrad_units<CL>(p), stride = gridDim.x / CL;
     int s = 0;
     uint32_t phase = 0;
     uint8_t *boxes = staging + c * WGR_STAGING_BYTES;
-    int i = 0;
+    int i = 0, half = 0; /* half: the ping-pong's next written half (wgrad_storer) */
     for (int u = blockIdx.x / CL; u < units; u += stride, i++) {
         int e, mt, nt;
         wgrad_tile_at<CL>(p, u, rank, &e, &mt, &nt);
@@ -488,6 +602,7 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
             const int next = s + k_blocks;
             phase ^= (uint32_t)(next / STAGES) & 1;
             s = next % STAGES;
+            half += wgrad_halves(p, row_start, e, mt, nt);
             continue;
         }
         const int64_t rows = row_start[e + 1] - row_start[e];
@@ -498,7 +613,10 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
         float acc[128];
         if (k_blocks == 0) { /* no rows: the gradient is unchanged, or zero when overwritten */
             if (hand_off) named_barrier_arrive(4 - c, 256);
-            if (!p.accumulate) wgrad_store<true>(p, e, m0, n0, c, acc, boxes);
+            if (PINGPONG)
+                wgrad_stage<true>(p, row_start, e, mt, nt, acc, staging, ready, staged, &half);
+            else if (!p.accumulate)
+                wgrad_store<true>(p, e, m0, n0, c, acc, boxes);
             continue;
         }
         int prev = 0;
@@ -542,9 +660,12 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
         if (hand_off) named_barrier_arrive(4 - c, 256); /* the other's turn */
         wgmma_wait<0>();
         wgrad_release<CL>(empty, prev, rank);
-        wgrad_store<false>(p, e, m0, n0, c, acc, boxes);
+        if (PINGPONG)
+            wgrad_stage<false>(p, row_start, e, mt, nt, acc, staging, ready, staged, &half);
+        else
+            wgrad_store<false>(p, e, m0, n0, c, acc, boxes);
     }
-    if (threadIdx.x % 128 == 0) bulk_wait_all();
+    if (!PINGPONG && threadIdx.x % 128 == 0) bulk_wait_all();
 }
 
 template <int STAGES, bool PINGPONG, int CL>
@@ -558,7 +679,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_wgrad_kernel(const _
     uint8_t *staging = stages + STAGES * (WGR_A_BYTES + BN / 64 * WG_BOX_BYTES);
     uint64_t *full = (uint64_t *)(staging + 2 * WGR_STAGING_BYTES);
     uint64_t *empty = full + STAGES;
-    int64_t *row_start = (int64_t *)(empty + STAGES);
+    uint64_t *ready = empty + STAGES, *staged = ready + 2; /* the ping-pong's staging buffers (wgrad_storer) */
+    int64_t *row_start = (int64_t *)(staged + 2);
     int *tile_start = (int *)(row_start + p.num_experts + 1);
 
     if (threadIdx.x < 32) expert_prefix(p.counts, p.num_experts, p.capacity, WG_BK, row_start, tile_start);
@@ -567,6 +689,10 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_wgrad_kernel(const _
             mbar_init_count(&full[s], 1);
             /* the warps that multiply a stage, in each CTA writing into it */
             mbar_init_count(&empty[s], (PINGPONG ? 4 : 8) * (CL > 1 ? __popc(wgrad_sharers<CL>(0)) : 1));
+        }
+        for (int b = 0; b < 2; b++) {
+            mbar_init_count(&ready[b], 1);  /* the storer */
+            mbar_init_count(&staged[b], 4); /* the consumer's warps */
         }
         mbar_init_fence();
     }
@@ -578,9 +704,10 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_wgrad_kernel(const _
     if (wg == 0) {
         warpgroup_registers_dec<40>();
         if (threadIdx.x == 0) wgrad_produce<STAGES, BN, CL>(p, row_start, rank, stages, full, empty);
+        if (PINGPONG && threadIdx.x == 32) wgrad_storer<CL>(p, row_start, rank, staging, ready, staged);
     } else {
         warpgroup_registers_inc<232>();
-        wgrad_consume<STAGES, PINGPONG, CL>(p, row_start, rank, stages, staging, full, empty, wg - 1);
+        wgrad_consume<STAGES, PINGPONG, CL>(p, row_start, rank, stages, staging, full, empty, ready, staged, wg - 1);
     }
     if (CL > 1) cluster_sync(); /* no CTA leaves while its peer may still multicast or arrive into it */
 #endif
