@@ -574,6 +574,19 @@ __device__ __forceinline__ void wgrad_stage(const wg_wgrad_params &p, const int6
     }
 }
 
+/* wgrad_stage in the CTA's tile order: consumer c stages its i-th unit only after the other has staged unit i - 1
+ * (named barriers 6 and 7, as the main loops' turns). The buffers' barriers are waited by parity, so a consumer running
+ * ahead (through an expert's empty tiles, which need no MMA) could otherwise pass a wait two phases early. */
+template <bool ZERO>
+__device__ __forceinline__ void wgrad_stage_in_turn(const wg_wgrad_params &p, const int64_t *row_start, int e, int mt,
+                                                    int nt, const float *acc, uint8_t *staging, uint64_t *ready,
+                                                    uint64_t *staged, int *k, int c, int i, bool next)
+{
+    if (i > 0) named_barrier_sync(6 + c, 256);
+    wgrad_stage<ZERO>(p, row_start, e, mt, nt, acc, staging, ready, staged, k);
+    if (next) named_barrier_arrive(7 - c, 256);
+}
+
 /* The written halves of expert e's tile (mt, nt): what a consumer counts for the other consumer's tiles. */
 __device__ __forceinline__ int wgrad_halves(const wg_wgrad_params &p, const int64_t *row_start, int e, int mt, int nt)
 {
@@ -614,7 +627,7 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
         if (k_blocks == 0) { /* no rows: the gradient is unchanged, or zero when overwritten */
             if (hand_off) named_barrier_arrive(4 - c, 256);
             if (PINGPONG)
-                wgrad_stage<true>(p, row_start, e, mt, nt, acc, staging, ready, staged, &half);
+                wgrad_stage_in_turn<true>(p, row_start, e, mt, nt, acc, staging, ready, staged, &half, c, i, hand_off);
             else if (!p.accumulate)
                 wgrad_store<true>(p, e, m0, n0, c, acc, boxes);
             continue;
@@ -661,7 +674,7 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
         wgmma_wait<0>();
         wgrad_release<CL>(empty, prev, rank);
         if (PINGPONG)
-            wgrad_stage<false>(p, row_start, e, mt, nt, acc, staging, ready, staged, &half);
+            wgrad_stage_in_turn<false>(p, row_start, e, mt, nt, acc, staging, ready, staged, &half, c, i, hand_off);
         else
             wgrad_store<false>(p, e, m0, n0, c, acc, boxes);
     }
