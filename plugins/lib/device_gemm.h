@@ -56,8 +56,8 @@ typedef struct bf16_device_gemm_args {
                                 on another stream (a dispatcher's) find SMs free beside it */
     int wgrad_cluster; /* wgmma WGRAD ping-pong: CTAs of a cluster sharing operand tiles by TMA multicast, 4 (2 x 2
                                 tiles), 2 (n_out tile pairs) or 1, each where the tile counts allow it, else the next
-                                smaller (tests, benchmarks); 0: 4 where quads keep as many SMs busy as pairs, else 2,
-                                else 1 */
+                                smaller (tests, benchmarks); 0: adding 4, overwriting 4 where quads keep as many SMs
+                                busy as pairs, else 2, else 1 */
 } bf16_device_gemm_args;
 
 /* The kernels behind FORWARD, DGRAD and WGRAD into fp32 (WGRAD into a bf16 gradient always runs on mma.sync):
