@@ -18,7 +18,7 @@
  *                 wgmma engine)
  *   kernel_f32w_ow  WGRAD only: the same overwriting the fp32 gradient (a step's first micro-batch)
  *   kernel_f32w_cl4, kernel_f32w_ow_cl4  WGRAD only: as the two above in clusters of 4 CTAs on 2 x 2 tiles (on Hopper
- *                 the ping-pong schedule otherwise runs in pairs where 4-clusters would leave SMs idle)
+ *                 the ping-pong schedule otherwise runs quads when adding and pairs when overwriting)
  *   loop_sS_f32w  WGRAD only: the cuBLASLt loop on S streams accumulating into an fp32 gradient (the plugin's
  *                 "wgrad_gemm": "cublaslt")
  *   copy          WGRAD only: a device-to-device copy of the fp32 gradient (reads and writes its bytes): the traffic
