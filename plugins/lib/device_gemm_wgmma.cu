@@ -416,6 +416,29 @@ __device__ __forceinline__ void wgrad_zero_tail(uint8_t *const *first, int boxes
     named_barrier_sync(id, threads);
 }
 
+/* A consumer's 64 x 128 fp32 half (h: 64 of its accumulators, the m64n128 layout) into four swizzled 32 x 64 boxes as
+ * TMA reads them, added to the values there when `add`; zeros for ZERO (h is not read). */
+template <bool ZERO> __device__ __forceinline__ void wgrad_write_half(const float *h, uint8_t *boxes, bool add)
+{
+    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+    const int r = warp * 16 + lane / 4, col0 = 2 * (lane % 4);
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        const int col = col0 + 8 * j;
+        uint8_t *box = boxes + (col / 32) * WG_BOX_BYTES;
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            float2 *at = (float2 *)(box + sw128_offset(r + 8 * q, (col % 32) * 4));
+            float2 v = ZERO ? make_float2(0.0f, 0.0f) : make_float2(h[4 * j + 2 * q], h[4 * j + 2 * q + 1]);
+            if (!ZERO && add) {
+                const float2 old = *at;
+                v.x += old.x, v.y += old.y;
+            }
+            *at = v;
+        }
+    }
+}
+
 /* Puts out consumer c's 64 x 256 result (acc) in two halves of 64 x 128, the half h one at k_in row m0[h] and n_out
  * column n0[h], each through four swizzled 32 x 64 boxes, stored or added by TMA. ZERO stores zeros (acc is not read:
  * a non-wgmma write of the accumulators would serialize the kernel's wgmma). */
@@ -423,23 +446,13 @@ template <bool ZERO>
 __device__ __forceinline__ void wgrad_store(const wg_wgrad_params &p, int e, const int *m0, const int *n0, int c,
                                             const float *acc, uint8_t *boxes)
 {
-    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-    const int r = warp * 16 + lane / 4, col0 = 2 * (lane % 4);
+    const int tid = threadIdx.x % 128;
 #pragma unroll
     for (int half = 0; half < 2; half++) {
         if (m0[half] >= p.k_in || n0[half] >= p.n_out) continue;
         if (tid == 0) bulk_wait_read(); /* the last stores have read the boxes */
         named_barrier_sync(1 + c, 128);
-        const float *h = acc + 64 * half;
-#pragma unroll
-        for (int j = 0; j < 16; j++) {
-            const int col = col0 + 8 * j;
-            uint8_t *box = boxes + (col / 32) * WG_BOX_BYTES;
-#pragma unroll
-            for (int q = 0; q < 2; q++)
-                *(float2 *)(box + sw128_offset(r + 8 * q, (col % 32) * 4)) =
-                    ZERO ? make_float2(0.0f, 0.0f) : make_float2(h[4 * j + 2 * q], h[4 * j + 2 * q + 1]);
-        }
+        wgrad_write_half<ZERO>(acc + 64 * half, boxes, false);
         fence_async_shared();
         named_barrier_sync(1 + c, 128);
         if (tid == 0) {
@@ -543,30 +556,14 @@ __device__ __forceinline__ void wgrad_stage(const wg_wgrad_params &p, const int6
                                             const float *acc, uint8_t *staging, uint64_t *ready, uint64_t *staged,
                                             int *k)
 {
-    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-    const int r = warp * 16 + lane / 4, col0 = 2 * (lane % 4);
+    const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int half = 0; half < 2; half++) {
         if (!wgrad_writes(p, row_start, e, mt * WGR_BM + 64 * half, nt * 128)) continue;
         const int b = *k & 1;
         uint8_t *buf = staging + b * WGR_STAGING_BYTES;
         mbar_wait(&ready[b], (uint32_t)(*k >> 1) & 1);
-        const float *h = acc + 64 * half;
-#pragma unroll
-        for (int j = 0; j < 16; j++) {
-            const int col = col0 + 8 * j;
-            uint8_t *box = buf + (col / 32) * WG_BOX_BYTES;
-#pragma unroll
-            for (int q = 0; q < 2; q++) {
-                float2 *at = (float2 *)(box + sw128_offset(r + 8 * q, (col % 32) * 4));
-                float2 v = ZERO ? make_float2(0.0f, 0.0f) : make_float2(h[4 * j + 2 * q], h[4 * j + 2 * q + 1]);
-                if (!ZERO && p.accumulate) {
-                    const float2 old = *at;
-                    v.x += old.x, v.y += old.y;
-                }
-                *at = v;
-            }
-        }
+        wgrad_write_half<ZERO>(acc + 64 * half, buf, p.accumulate != 0);
         fence_async_shared();
         __syncwarp();
         if (lane == 0) mbar_arrive(&staged[b]);
