@@ -86,28 +86,35 @@ moert_result moert_arg_check_struct_size(const moert_host *h, const char *call, 
     return MOERT_ERR_INVALID_ARGUMENT;
 }
 
+moert_result moert_arg_check_layer_device(const moert_host *host, moert_device device, const char *what)
+{
+    char dev[32];
+    if (device.type != MOERT_DEVICE_CPU && device.type != MOERT_DEVICE_CUDA) {
+        host->set_error(host, "%s runs on the CPU or a CUDA device, not on %s", what,
+                        moert_arg_device_text(device, dev, sizeof dev));
+        return MOERT_ERR_UNSUPPORTED;
+    }
+#ifndef MOERT_HAVE_CUDA
+    if (device.type == MOERT_DEVICE_CUDA) {
+        host->set_error(host, "%s has only a CPU path in this build (built without CUDA); the layer is on %s", what,
+                        moert_arg_device_text(device, dev, sizeof dev));
+        return MOERT_ERR_UNSUPPORTED;
+    }
+#endif
+    return MOERT_OK;
+}
+
 moert_result moert_arg_check_dispatch_layer(const moert_host *host, const moert_layer_info *layer, const char *name,
                                             int max_ranks)
 {
-    char dev[32];
     if (!layer || layer->struct_size < sizeof *layer) {
         host->set_error(host, "layer info missing or too small");
         return MOERT_ERR_INVALID_ARGUMENT;
     }
-    if (layer->device.type != MOERT_DEVICE_CPU && layer->device.type != MOERT_DEVICE_CUDA) {
-        host->set_error(host, "the %s dispatcher runs on the CPU or a CUDA device, not on %s", name,
-                        moert_arg_device_text(layer->device, dev, sizeof dev));
-        return MOERT_ERR_UNSUPPORTED;
-    }
-#ifndef MOERT_HAVE_CUDA
-    if (layer->device.type == MOERT_DEVICE_CUDA) {
-        host->set_error(host,
-                        "the %s dispatcher has only a CPU path in this build (built without CUDA); the layer is "
-                        "on %s",
-                        name, moert_arg_device_text(layer->device, dev, sizeof dev));
-        return MOERT_ERR_UNSUPPORTED;
-    }
-#endif
+    char what[64];
+    snprintf(what, sizeof what, "the %s dispatcher", name);
+    moert_result rc = moert_arg_check_layer_device(host, layer->device, what);
+    if (rc != MOERT_OK) return rc;
     if (layer->num_experts <= 0 || layer->topk <= 0 || layer->hidden <= 0 || host->world_size <= 0) {
         host->set_error(host, "bad layer: num_experts %lld, topk %lld, hidden %lld, world_size %d",
                         (long long)layer->num_experts, (long long)layer->topk, (long long)layer->hidden,

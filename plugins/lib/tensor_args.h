@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Argument checks shared by the dispatcher plugins: one tensor argument, an args struct's size, and the text
- * of devices and shapes for messages. Compiled into each plugin (plugins do not link libmoert). */
+/* Argument checks shared by the dispatcher plugins (and the layer device check by the precision plugins): one tensor
+ * argument, an args struct's size, and the text of devices and shapes for messages. Compiled into each plugin
+ * (plugins do not link libmoert). */
 #ifndef MOERT_PLUGIN_TENSOR_ARGS_H
 #define MOERT_PLUGIN_TENSOR_ARGS_H
 
@@ -23,6 +24,13 @@ const char *moert_arg_shape_text(const moert_tensor *t, char *buf, size_t size);
 moert_result moert_arg_check_tensor(const moert_host *host, moert_device device, const char *call, const char *name,
                                     const moert_tensor *t, int ndim, int64_t rows, bool rows_at_least, int64_t cols,
                                     const char *rows_what, int need_dtype);
+
+/*
+ * Refuses a layer on a device the plugin has no path for: the CPU and CUDA devices are served, CUDA only in a build
+ * with CUDA (MOERT_HAVE_CUDA, set for the whole build). `what` names the plugin for the message, e.g. "the bf16
+ * precision plugin". Errors go to host->set_error.
+ */
+moert_result moert_arg_check_layer_device(const moert_host *host, moert_device device, const char *what);
 
 /*
  * The layer checks every dispatcher's init makes: layer info present; a CPU or CUDA device (CUDA only in a CUDA

@@ -14,6 +14,7 @@
 #include "../lib/grouped_gemm_args.h"
 #include "../lib/grouped_gemm_cpu.h"
 #include "../lib/plugin_report.h"
+#include "../lib/tensor_args.h"
 #ifdef MOERT_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
@@ -207,26 +208,13 @@ static moert_result cuda_init(bf16_ctx *c, int choice)
 static moert_result bf16_init(void **out, const moert_host *host, const moert_layer_info *layer)
 {
     *out = NULL;
-    char dev[32];
-    if (layer->device.type != MOERT_DEVICE_CPU && layer->device.type != MOERT_DEVICE_CUDA) {
-        host->set_error(host, "the bf16 precision plugin runs on cpu and cuda devices; the layer is on %s",
-                        device_name(layer->device, dev, sizeof dev));
-        return MOERT_ERR_UNSUPPORTED;
-    }
-#ifndef MOERT_HAVE_CUDA
-    if (layer->device.type == MOERT_DEVICE_CUDA) {
-        host->set_error(host,
-                        "the bf16 precision plugin has only a CPU path in this build (built without CUDA); the "
-                        "layer is on %s",
-                        device_name(layer->device, dev, sizeof dev));
-        return MOERT_ERR_UNSUPPORTED;
-    }
-#endif
+    moert_result rc = moert_arg_check_layer_device(host, layer->device, "the bf16 precision plugin");
+    if (rc != MOERT_OK) return rc;
     int choice = 0;
-    moert_result rc = host->option_enum(host, "mode", mode_choices, 0,
-                                        "GEMM arithmetic: bf16 operands with fp32 accumulation, fp32 or fp64; "
-                                        "auto follows the activation dtype",
-                                        &choice);
+    rc = host->option_enum(host, "mode", mode_choices, 0,
+                           "GEMM arithmetic: bf16 operands with fp32 accumulation, fp32 or fp64; "
+                           "auto follows the activation dtype",
+                           &choice);
     if (rc != MOERT_OK) return rc;
     int64_t gemm_streams = 4; /* at most 8: MOERT_BF16_CUDA_MAX_STREAMS (its header is in CUDA builds only) */
     rc = host->option_int(host, "gemm_streams", 4, 1, 8,
@@ -288,6 +276,7 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
         }
     }
 #endif
+    char dev[32];
     host->log(host, MOERT_LOG_DEBUG, "bf16 precision: mode %s (option \"%s\", activations %s, %s, gemm %s)",
               mode_names[c->mode], mode_choices[choice], moert_dtype_name(layer->dtype),
               device_name(layer->device, dev, sizeof dev), gemm_choices[gemm_choice]);

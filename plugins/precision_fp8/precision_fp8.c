@@ -13,6 +13,7 @@
 #include "precision_fp8_cpu.h"
 #include "fp8_block_tuning.h"
 #include "../lib/plugin_report.h"
+#include "../lib/tensor_args.h"
 #include "../lib/grouped_gemm_cpu.h"
 #ifdef MOERT_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -284,25 +285,12 @@ static moert_result cuda_init(fp8_ctx *c)
 static moert_result fp8_init(void **out, const moert_host *host, const moert_layer_info *layer)
 {
     *out = NULL;
-    char dev[32];
-    if (layer->device.type != MOERT_DEVICE_CPU && layer->device.type != MOERT_DEVICE_CUDA) {
-        host->set_error(host, "the fp8 precision plugin runs on cpu and cuda devices; the layer is on %s",
-                        device_name(layer->device, dev, sizeof dev));
-        return MOERT_ERR_UNSUPPORTED;
-    }
-#ifndef MOERT_HAVE_CUDA
-    if (layer->device.type == MOERT_DEVICE_CUDA) {
-        host->set_error(host,
-                        "the fp8 precision plugin has only a CPU path in this build (built without CUDA); the "
-                        "layer is on %s",
-                        device_name(layer->device, dev, sizeof dev));
-        return MOERT_ERR_UNSUPPORTED;
-    }
-#endif
+    moert_result rc = moert_arg_check_layer_device(host, layer->device, "the fp8 precision plugin");
+    if (rc != MOERT_OK) return rc;
     fp8_settings settings;
     int streams = 4, engine = GEMM_AUTO;
     bool fp8_wgrad = true;
-    moert_result rc = read_options(host, &settings, &streams, &engine, &fp8_wgrad);
+    rc = read_options(host, &settings, &streams, &engine, &fp8_wgrad);
     if (rc != MOERT_OK) return rc;
     moert_fp8_block_tuning block_tuning;
     rc = read_block_tuning(host, &block_tuning);
@@ -346,6 +334,7 @@ static moert_result fp8_init(void **out, const moert_host *host, const moert_lay
         if (c->owner != c && c->owner->gemm && c->gemm) moert_fp8_cuda_share_delayed(c->gemm, c->owner->gemm);
     }
 #endif
+    char dev[32];
     host->log(host, MOERT_LOG_DEBUG,
               "fp8 precision: recipe %s, format %s, power-of-2 scales %s, weight gradients %s (activations %s, %s)",
               recipe_choices[settings.recipe], settings.hybrid ? "hybrid" : "e4m3", settings.power_of_2 ? "on" : "off",

@@ -24,6 +24,27 @@ static moert_result instance_init(test_instance *ti, const moert_layer_info *lay
     return moert_section_check_unknown(ti->section);
 }
 
+void test_expect_device_refused(moert_plugin_kind kind, const char *spec, const moert_layer_info *layer,
+                                const char *what)
+{
+    char want[160];
+    test_instance ti;
+    moert_layer_info elsewhere = *layer;
+    elsewhere.device = (moert_device){MOERT_DEVICE_CUDA_HOST, 0};
+    EXPECT_EQ_INT(test_instance_open(&ti, kind, spec, "{}", &elsewhere, NULL, 0, 1), MOERT_ERR_UNSUPPORTED);
+    snprintf(want, sizeof want, "%s runs on the CPU or a CUDA device, not on cuda_host", what);
+    EXPECT_ERROR_CONTAINS(want);
+    test_instance_close(&ti);
+#ifndef MOERT_HAVE_CUDA
+    elsewhere.device = (moert_device){MOERT_DEVICE_CUDA, 1};
+    EXPECT_EQ_INT(test_instance_open(&ti, kind, spec, "{}", &elsewhere, NULL, 0, 1), MOERT_ERR_UNSUPPORTED);
+    snprintf(want, sizeof want, "%s has only a CPU path in this build (built without CUDA); the layer is on cuda:1",
+             what);
+    EXPECT_ERROR_CONTAINS(want);
+    test_instance_close(&ti);
+#endif
+}
+
 moert_result test_instance_open(test_instance *ti, moert_plugin_kind kind, const char *spec, const char *options_json,
                                 const moert_layer_info *layer, moert_comm_group *comm, int rank, int world)
 {

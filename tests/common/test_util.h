@@ -96,6 +96,11 @@ moert_result test_instance_open_metrics(test_instance *ti, moert_plugin_kind kin
                                         int rank, int world, struct moert_cuda_pool *pool, struct moert_nccl_comm *nccl,
                                         moert_stream stream, test_metric_fn metric, void *metric_user);
 void test_instance_close(test_instance *ti);
+/* Checks that plugin `spec` of `kind` refuses a layer on a device it has no path for, with MOERT_ERR_UNSUPPORTED and
+ * a message naming `what` (e.g. "the bf16 precision plugin") and the device: pinned host memory always, a CUDA
+ * device in a build without CUDA. `layer` is otherwise valid for the plugin. */
+void test_expect_device_refused(moert_plugin_kind kind, const char *spec, const moert_layer_info *layer,
+                                const char *what);
 
 /* Runs fn(rank, user) on `world` threads and waits for them. */
 void test_run_ranks(int world, void (*fn)(int rank, void *user), void *user);

@@ -415,6 +415,8 @@ static void check_errors(void)
     EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, "{\"gemm_sms\": 108}", &layer, NULL, 0, 1),
                   MOERT_OK);
     test_instance_close(&ti);
+    /* a layer on a device the plugin has no path for names the device (and, without CUDA, the build) */
+    test_expect_device_refused(MOERT_KIND_PRECISION, PLUGIN, &layer, "the bf16 precision plugin");
 }
 
 int main(void)

@@ -738,6 +738,8 @@ static void check_errors(void)
     EXPECT_EQ_INT(r, MOERT_ERR_UNSUPPORTED);
     EXPECT_ERROR_CONTAINS("cuda:0");
     test_instance_close(&ti);
+    /* a layer on a device the plugin has no path for names the device (and, without CUDA, the build) */
+    test_expect_device_refused(MOERT_KIND_PRECISION, PLUGIN, &layer, "the fp8 precision plugin");
 }
 
 int main(void)
