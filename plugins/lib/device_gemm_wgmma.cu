@@ -285,11 +285,11 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_kernel(const __grid_
  * operands from L2 per 128 x 128 tile and 512 rows instead of 256 KiB alone (192 KiB in a pair), while the ping-pong
  * keeps overlapping the fp32 writes; a consumer hands a stage back to every CTA that wrote into it.
  * The rows past an expert's last (another expert's, padding, or past the buffers) are zeroed in shared memory before
- * the expert's last k-block is multiplied. Epilogue: a consumer's 64 x 256 fp32 result goes out in two 64 x 128 halves
- * (ping-pong: its tile's two 64-row halves; cooperative: its rows' two 128-column halves), each through its swizzled
- * staging area as four 32 x 64 boxes that TMA stores (overwrite) or adds (cp.reduce.async.bulk add: the gradient is
- * read and written by the memory system, not by the SM) while the consumer goes on, at L2's evict-first priority (the
- * gradient is written once; the operands, read again by other tiles, stay: ~4% on deepseek-v3's fc1 on an H100). */
+ * the expert's last k-block is multiplied. Epilogue: the ping-pong's goes through the storer thread (see
+ * wgrad_storer); the cooperative consumer's 64 x 256 fp32 result goes out in its rows' two 128-column halves, each
+ * through its swizzled staging area as four 32 x 64 boxes that TMA stores (overwrite) or adds (cp.reduce.async.bulk
+ * add: the gradient is read and written by the memory system, not by the SM) while the consumer goes on. Both store at
+ * L2's evict-first priority: the gradient is written once, the operands, read again by other tiles, stay. */
 
 #define WGR_BM            128                /* k_in columns of a tile */
 #define WGR_A_BYTES       (2 * WG_BOX_BYTES) /* 16 KiB */
@@ -439,9 +439,9 @@ template <bool ZERO> __device__ __forceinline__ void wgrad_write_half(const floa
     }
 }
 
-/* Puts out consumer c's 64 x 256 result (acc) in two halves of 64 x 128, the half h one at k_in row m0[h] and n_out
- * column n0[h], each through four swizzled 32 x 64 boxes, stored or added by TMA. ZERO stores zeros (acc is not read:
- * a non-wgmma write of the accumulators would serialize the kernel's wgmma). */
+/* The cooperative epilogue: puts out consumer c's 64 x 256 result (acc) in two halves of 64 x 128, the half h one at
+ * k_in row m0[h] and n_out column n0[h], each through four swizzled 32 x 64 boxes, stored or added by TMA. ZERO stores
+ * zeros (acc is not read: a non-wgmma write of the accumulators would serialize the kernel's wgmma). */
 template <bool ZERO>
 __device__ __forceinline__ void wgrad_store(const wg_wgrad_params &p, int e, const int *m0, const int *n0, int c,
                                             const float *acc, uint8_t *boxes)
@@ -617,8 +617,8 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
         }
         const int64_t rows = row_start[e + 1] - row_start[e];
         const bool hand_off = PINGPONG && u + stride < units; /* the other consumer has the CTA's next unit */
-        const int m0[2] = {mt * WGR_BM + (PINGPONG ? 0 : c * 64), mt * WGR_BM + (PINGPONG ? 64 : c * 64)};
-        const int n0[2] = {nt * BN, nt * BN + (PINGPONG ? 0 : 128)};
+        /* the cooperative consumer's two halves: its 64 rows of k_in, the tile's two 128-column halves */
+        const int m0[2] = {mt * WGR_BM + c * 64, mt * WGR_BM + c * 64}, n0[2] = {nt * BN, nt * BN + 128};
         if (PINGPONG && i > 0) named_barrier_sync(3 + c, 256); /* our turn: the other has seen its stages arrive */
         float acc[128];
         if (k_blocks == 0) { /* no rows: the gradient is unchanged, or zero when overwritten */
@@ -732,6 +732,23 @@ static int smem_optin[WG_MAX_DEVICES];    /* per prepared device: the most dynam
 /* per prepared device: clusters of 2 and of 4 CTAs of the WGRAD ping-pong that fit at once */
 static int wgrad_clusters[WG_MAX_DEVICES][2];
 
+/* A launch of `grid` CTAs of WG_THREADS in clusters of `cl` with `smem` bytes of dynamic shared memory; attr holds the
+ * cluster attribute cfg points to. */
+static void cluster_launch(cudaLaunchConfig_t *cfg, cudaLaunchAttribute *attr, int64_t grid, int cl, size_t smem,
+                           cudaStream_t stream)
+{
+    *cfg = cudaLaunchConfig_t{};
+    *attr = cudaLaunchAttribute{};
+    attr->id = cudaLaunchAttributeClusterDimension;
+    attr->val.clusterDim.x = (unsigned)cl, attr->val.clusterDim.y = 1, attr->val.clusterDim.z = 1;
+    cfg->gridDim = dim3((unsigned)grid);
+    cfg->blockDim = dim3(WG_THREADS);
+    cfg->dynamicSmemBytes = smem;
+    cfg->stream = stream;
+    cfg->attrs = attr;
+    cfg->numAttrs = 1;
+}
+
 /* The ping-pong WGRAD kernel of `stages` stages, in clusters of `cl` CTAs. */
 static void (*wgrad_pingpong(int stages, int cl))(wg_wgrad_params)
 {
@@ -777,15 +794,9 @@ extern "C" moert_result bf16_wgmma_prepare(const moert_host *host)
     /* the clusters that fit at once (a GPC whose SM count is not a multiple of the cluster leaves SMs out) */
     for (int i = 0; i < 2; i++) {
         const int cl = 2 << i;
-        cudaLaunchConfig_t cfg = {};
-        cudaLaunchAttribute attr = {};
-        attr.id = cudaLaunchAttributeClusterDimension;
-        attr.val.clusterDim.x = (unsigned)cl, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-        cfg.gridDim = dim3((unsigned)(sm_count[dev] / cl * cl));
-        cfg.blockDim = dim3(WG_THREADS);
-        cfg.dynamicSmemBytes = (size_t)smem_optin[dev];
-        cfg.attrs = &attr;
-        cfg.numAttrs = 1;
+        cudaLaunchConfig_t cfg;
+        cudaLaunchAttribute attr;
+        cluster_launch(&cfg, &attr, sm_count[dev] / cl * cl, cl, (size_t)smem_optin[dev], 0);
         int fit = 0;
         CUDA_CHECK(host, cudaOccupancyMaxActiveClusters(&fit, wgrad_pingpong(5, cl), &cfg));
         wgrad_clusters[dev][i] = fit < sm_count[dev] / cl ? fit : sm_count[dev] / cl;
@@ -892,16 +903,10 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
     if (a->wgrad_cluster == 0) cl = fit4 > 0 && (p.accumulate || fit4 * 4 >= fit2 * 2) ? 4 : fit2 > 0 ? 2 : 1;
     const int64_t fit = cl == 4 ? fit4 : cl == 2 ? fit2 : sms;
     const int64_t cl_units = units / cl;
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr = {};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = (unsigned)cl, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-    cfg.gridDim = dim3((unsigned)((cl_units < fit ? cl_units : fit) * cl));
-    cfg.blockDim = dim3(WG_THREADS);
-    cfg.dynamicSmemBytes = wgrad_smem_bytes(stages, 128, p.num_experts);
-    cfg.stream = stream;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
+    cudaLaunchConfig_t cfg;
+    cudaLaunchAttribute attr;
+    cluster_launch(&cfg, &attr, (cl_units < fit ? cl_units : fit) * cl, cl,
+                   wgrad_smem_bytes(stages, 128, p.num_experts), stream);
     CUDA_CHECK(host, cudaLaunchKernelEx(&cfg, wgrad_pingpong(stages, cl), p));
     return MOERT_OK;
 }
