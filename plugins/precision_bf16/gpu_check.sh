@@ -64,7 +64,7 @@ done
     tail -n 45 "$OUT/test_gpu_device_gemm.log" | grep -E "  (ok|FAIL)$" | head -45
     for b in deepseek qwen3 mixtral; do
         echo "== gemm_bench $b"
-        grep -E "^device|^shape| (loop|loop_s4|graph_s4|kernel|kernel_f32w|kernel_f32w_ow|kernel_f32w_tma|loop_s4_f32w|copy|dense) |FAIL|WARNING" \
+        grep -E "^device|^shape| (loop|loop_s4|graph_s4|kernel|kernel_f32w|kernel_f32w_ow|kernel_f32w_cl4|kernel_f32w_ow_cl4|loop_s4_f32w|copy|dense) |FAIL|WARNING" \
             "$OUT/gemm_bench_$b.log" | head -60
     done
     for p in deepseek-v3 qwen3-30b-a3b mixtral-8x7b; do
