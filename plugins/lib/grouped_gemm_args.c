@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Argument checks shared by the precision plugins (see grouped_gemm_args.h). */
 #include "grouped_gemm_args.h"
+#include "tensor_args.h"
 
 #include <stdarg.h>
 #include <stdbool.h>
@@ -28,20 +29,8 @@ const char *moert_gemm_dims_text(int ndim, const int64_t *shape, char *buf, size
     return buf;
 }
 
-const char *moert_gemm_device_text(moert_device dev, char *buf, size_t size)
-{
-    if (dev.type == MOERT_DEVICE_CUDA)
-        snprintf(buf, size, "cuda:%d", (int)dev.id);
-    else
-        snprintf(buf, size, "%s",
-                 dev.type == MOERT_DEVICE_CPU         ? "cpu"
-                 : dev.type == MOERT_DEVICE_CUDA_HOST ? "cuda_host"
-                                                      : "unknown");
-    return buf;
-}
-
 #define dims_text   moert_gemm_dims_text
-#define device_name moert_gemm_device_text
+#define device_name moert_arg_device_text
 
 /* Whether a tensor's memory is the layer's device (the same CUDA ordinal on CUDA). */
 static bool on_layer_device(const gemm_check *c, moert_device d)

@@ -38,8 +38,7 @@ static inline int moert_gemm_overwrites_grad(const moert_grouped_gemm_args *args
            args->overwrite_grad_weight != 0;
 }
 
-/* "[12, 64]" and "cuda:1" for messages. */
+/* "[12, 64]" for messages (a device's text: moert_arg_device_text, tensor_args.h). */
 const char *moert_gemm_dims_text(int ndim, const int64_t *shape, char *buf, size_t size);
-const char *moert_gemm_device_text(moert_device dev, char *buf, size_t size);
 
 #endif

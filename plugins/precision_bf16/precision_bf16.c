@@ -66,7 +66,7 @@ static const char *const mode_names[] = {"bf16", "fp32", "fp64"}; /* by bf16_mod
 /* Sets the instance's error message and returns code, so checks can `return fail(...)`. */
 #define fail(c, ...) report((c)->host, __VA_ARGS__)
 
-#define device_name moert_gemm_device_text
+#define device_name moert_arg_device_text
 
 static void bf16_finalize(void *ctx);
 

@@ -53,7 +53,7 @@ enum { GEMM_AUTO = 0, GEMM_CUBLASLT = 1, GEMM_KERNEL = 2 };
 /* Sets the instance's error message and returns code, so checks can `return fail(...)`. */
 #define fail(c, ...) report((c)->host, __VA_ARGS__)
 
-#define device_name moert_gemm_device_text
+#define device_name moert_arg_device_text
 
 static void fp8_finalize(void *ctx);
 
