@@ -9,7 +9,8 @@
 #   usage: bench/overlap_gpu.sh BUILD_DIR OUT_DIR [DISPATCHER [MODEL...]]     (DISPATCHER "-": the configs' own)
 #   environment: OVERLAP_STEPS (20 measured steps per side), OVERLAP_TIMEOUT (600 s per run), OVERLAP_PRECISION (a
 #   precision section for both sides, e.g. '{"plugin":"fp8","recipe":"blockwise"}'; default: the configs'),
-#   OVERLAP_TRACE (0: no trace runs)
+#   OVERLAP_TRACE (0: no trace runs), OVERLAP_INPUT_SHIFT (train.input_shift, default 0: routing balanced from the
+#   first step, as the PyTorch peer's random inputs are; the configs' 0.5 sends rank 0 ~2x the mean rows at EP4)
 # Writes OUT_DIR/overlap-MODEL.{json,md,log} (moert ab's report, table and log) and OUT_DIR/trace-overlap-MODEL.json;
 # prints the verdict lines. Exit status: 0 when every A/B ran and its outputs agree, 1 otherwise, 77 without a GPU.
 set -u
@@ -38,7 +39,8 @@ status=0
 echo "overlap_gpu: $gpus GPU(s), EP$ranks; $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1)"
 
 common=(--set 'parallel.device="cuda"' --set "parallel.ranks=$ranks" --set model.num_layers=2
-        --set train.micro_batches=4 --set 'train.optimizer="sgd"' --set train.log_every=5)
+        --set train.micro_batches=4 --set 'train.optimizer="sgd"' --set train.log_every=5
+        --set "train.input_shift=${OVERLAP_INPUT_SHIFT:-0}")
 [ "$DISPATCHER" != - ] && common+=(--set "dispatcher={\"plugin\":\"$DISPATCHER\"}")
 [ -n "${OVERLAP_PRECISION:-}" ] && common+=(--set "precision=$OVERLAP_PRECISION")
 
