@@ -11,6 +11,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -85,12 +86,36 @@ static double now_seconds(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* Sleeps for *pause_us and doubles it up to 1 ms: cheap polling that reacts fast to quick completions. */
-static void poll_pause(long *pause_us)
+/* The pace of a host wait polling the device (a stream, an NCCL call in progress). The host usually waits on work it
+ * queued a layer or so ahead, and the device idles from the moment that work ends until the host wakes and queues
+ * more. So the first POLL_SPIN_S are polled back to back (yielding the core between queries), as a CUDA stream
+ * synchronize spins by default; then the pause grows from 10 us to POLL_PAUSE_MAX_US, and to 1 ms only after
+ * POLL_SLOW_AFTER_S, when a peer is late and the timeout matters more than the wake-up. A pause doubling up to 1 ms
+ * from the start woke a 2 ms wait up to 1 ms late, and the device idled that long at every host sync. */
+#define POLL_SPIN_S 0.005
+#define POLL_PAUSE_MAX_US 100L
+#define POLL_SLOW_AFTER_S 1.0
+
+typedef struct {
+    double start;
+    long pause_us;
+} poll_pace;
+
+static poll_pace poll_begin(void) { return (poll_pace){now_seconds(), 10}; }
+
+/* Waits before the next poll: a yield while spinning, else a pause that grows by half each time up to its cap. */
+static void poll_pause(poll_pace *p)
 {
-    struct timespec ts = {0, *pause_us * 1000L};
+    double waited = now_seconds() - p->start;
+    if (waited < POLL_SPIN_S) {
+        sched_yield();
+        return;
+    }
+    struct timespec ts = {0, p->pause_us * 1000L};
     nanosleep(&ts, NULL);
-    if (*pause_us < 1000) *pause_us *= 2;
+    long cap = waited < POLL_SLOW_AFTER_S ? POLL_PAUSE_MAX_US : 1000L;
+    p->pause_us += p->pause_us / 2;
+    if (p->pause_us > cap) p->pause_us = cap;
 }
 
 static double effective_timeout(double timeout_s) { return timeout_s > 0 ? timeout_s : MOERT_NCCL_DEFAULT_TIMEOUT_S; }
@@ -185,7 +210,7 @@ static moert_result nccl_settle(moert_nccl_comm *c, ncclResult_t r, const char *
     if (r == ncclSuccess) return MOERT_OK;
     if (r != ncclInProgress) return moert_nccl_fail(call, r, c->comm, file, line);
     double deadline = now_seconds() + c->timeout_s;
-    long pause_us = 20;
+    poll_pace pace = poll_begin();
     for (;;) {
         ncclResult_t state = ncclSuccess;
         ncclResult_t q = ncclCommGetAsyncError(c->comm, &state);
@@ -199,7 +224,7 @@ static moert_result nccl_settle(moert_nccl_comm *c, ncclResult_t r, const char *
         moert_result rc = check_alive(c, call);
         if (rc != MOERT_OK) return rc;
         if (now_seconds() > deadline) return timeout_error(c, call);
-        poll_pause(&pause_us);
+        poll_pause(&pace);
     }
 }
 
@@ -214,7 +239,7 @@ moert_result moert_nccl_stream_wait(moert_nccl_comm *c, moert_stream s, const ch
 {
     moert_result rc = MOERT_OK;
     double deadline = now_seconds() + c->timeout_s;
-    long pause_us = 10;
+    poll_pace pace = poll_begin();
     for (;;) {
         cudaError_t err = cudaStreamQuery((cudaStream_t)s);
         if (err == cudaSuccess) return MOERT_OK;
@@ -232,7 +257,7 @@ moert_result moert_nccl_stream_wait(moert_nccl_comm *c, moert_stream s, const ch
         }
         MOERT_CHECK(check_alive(c, what));
         if (now_seconds() > deadline) return timeout_error(c, what);
-        poll_pause(&pause_us);
+        poll_pause(&pace);
     }
 fail:
     return rc;
@@ -758,7 +783,7 @@ static moert_result split_wait(moert_nccl_comm *parent, ncclComm_t *child)
 {
     moert_result rc = MOERT_OK;
     double deadline = now_seconds() + parent->timeout_s;
-    long pause_us = 20;
+    poll_pace pace = poll_begin();
     while (!__atomic_load_n(child, __ATOMIC_ACQUIRE)) {
         ncclResult_t state = ncclSuccess;
         ncclResult_t q = ncclCommGetAsyncError(parent->comm, &state);
@@ -770,7 +795,7 @@ static moert_result split_wait(moert_nccl_comm *parent, ncclComm_t *child)
         }
         MOERT_CHECK(check_alive(parent, "ncclCommSplit"));
         if (now_seconds() > deadline) return timeout_error(parent, "ncclCommSplit");
-        poll_pause(&pause_us);
+        poll_pause(&pace);
     }
 fail:
     return rc;
