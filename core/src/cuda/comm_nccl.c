@@ -92,7 +92,7 @@ static double now_seconds(void)
  * synchronize spins by default; then the pause grows from 10 us to POLL_PAUSE_MAX_US, and to 1 ms only after
  * POLL_SLOW_AFTER_S, when a peer is late and the timeout matters more than the wake-up. A pause doubling up to 1 ms
  * from the start woke a 2 ms wait up to 1 ms late, and the device idled that long at every host sync. */
-#define POLL_SPIN_S 0.005
+#define POLL_SPIN_S       0.005
 #define POLL_PAUSE_MAX_US 100L
 #define POLL_SLOW_AFTER_S 1.0
 
