@@ -1200,7 +1200,8 @@ fail:
 MOERT_API bool moert_layers_overlap_interleave(moert_layers *m, bool interleave)
 {
     if (!m) return false;
-    m->overlap.interleave = interleave && m->overlap.made;
+    /* on CUDA the halves are always issued in turn (that is the overlap); the choice is the CPU's */
+    if (m->device.type != MOERT_DEVICE_CUDA) m->overlap.interleave = interleave && m->overlap.made;
     return m->overlap.made;
 }
 

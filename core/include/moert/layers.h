@@ -269,7 +269,7 @@ MOERT_API moert_result moert_moe_forward_backward(moert_layers *layers, int laye
 
 /* API version 6: whether the layers hold a second slot per layer ($.parallel.overlap_micro_batches), and on the CPU,
  * where moert_moe_forward_backward runs one half then the other, interleave true issues their stages in turn as on
- * CUDA (tests: the results must not change). */
+ * CUDA (tests: the results must not change). On CUDA the halves are always issued in turn, whatever interleave says. */
 MOERT_API bool moert_layers_overlap_interleave(moert_layers *layers, bool interleave);
 
 /* Tokens this rank routed to each expert in the forward that made saved ([E] int64, over all experts), copied into
