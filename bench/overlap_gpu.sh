@@ -9,8 +9,10 @@
 #   usage: bench/overlap_gpu.sh BUILD_DIR OUT_DIR [DISPATCHER [MODEL...]]     (DISPATCHER "-": the configs' own)
 #   environment: OVERLAP_STEPS (20 measured steps per side), OVERLAP_TIMEOUT (600 s per run), OVERLAP_PRECISION (a
 #   precision section for both sides, e.g. '{"plugin":"fp8","recipe":"blockwise"}'; default: the configs'),
-#   OVERLAP_TRACE (0: no trace runs), OVERLAP_INPUT_SHIFT (train.input_shift, default 0: routing balanced from the
-#   first step, as the PyTorch peer's random inputs are; the configs' 0.5 sends rank 0 ~2x the mean rows at EP4)
+#   OVERLAP_B_PRECISION (a precision section for B alone, e.g. '{"plugin":"bf16","gemm_sms":108}': the overlap with
+#   SMs left to the dispatcher against no overlap with all of them), OVERLAP_TRACE (0: no trace runs),
+#   OVERLAP_INPUT_SHIFT (train.input_shift, default 0: routing balanced from the first step, as the PyTorch peer's
+#   random inputs are; the configs' 0.5 routes unevenly: rank 0 of deepseek-v3 got 1.12x the mean rows at EP4)
 # Writes OUT_DIR/overlap-MODEL.{json,md,log} (moert ab's report, table and log) and OUT_DIR/trace-overlap-MODEL.json;
 # prints the verdict lines. Exit status: 0 when every A/B ran and its outputs agree, 1 otherwise, 77 without a GPU.
 set -u
@@ -50,6 +52,7 @@ for model in "${MODELS[@]}"; do
     args=("configs/$model.json" "configs/$model.json" "${common[@]}" "${shape[@]}"
           --set-a 'parallel.overlap_micro_batches="off"' --set-b 'parallel.overlap_micro_batches="on"'
           --warmup 3 --steps "$STEPS")
+    [ -n "${OVERLAP_B_PRECISION:-}" ] && args+=(--set-b "precision=$OVERLAP_B_PRECISION")
     log="$OUT/overlap-$model.log"
     echo "== $model: moert ab ${args[*]}"
     timeout "$LIMIT" "$BUILD/tools/moert" ab "${args[@]}" --report "$OUT/overlap-$model.json" >"$log" 2>&1
@@ -67,7 +70,8 @@ for model in "${MODELS[@]}"; do
     # a trace of the "on" side: slot 0's streams are "compute" and "wgrad", slot 1's "compute.1" and "wgrad.1"
     [ "${OVERLAP_TRACE:-1}" = 0 ] && continue
     timeout "$LIMIT" "$BUILD/tools/moert" run "configs/$model.json" "${common[@]}" "${shape[@]}" --quiet \
-        --set 'parallel.overlap_micro_batches="on"' --steps 4 --trace "$OUT/trace-overlap-$model.json" \
+        --set 'parallel.overlap_micro_batches="on"' ${OVERLAP_B_PRECISION:+--set "precision=$OVERLAP_B_PRECISION"} \
+        --steps 4 --trace "$OUT/trace-overlap-$model.json" \
         >"$OUT/trace-overlap-$model.log" 2>&1 || { echo "overlap_gpu: FAIL: the trace run of $model"; status=1; }
 done
 echo "overlap_gpu: reports and traces in $OUT; exit status $status"
