@@ -455,8 +455,8 @@ static const char *const cuda_graph_modes[] = {"auto", "off", "on", NULL};
 
 bool moert_overlap_enabled(const moert_config *cfg)
 {
-    /* "auto" leaves it off: on every configuration measured on GPUs it was slower (the slots' persistent GEMMs take
-     * every SM, so their kernels alternate rather than overlap; docs/executor.md) */
+    /* "auto" leaves it off: on every configuration measured on GPUs it was no faster (a dispatcher's kernels wait
+     * for the SMs the other half's persistent GEMMs hold; docs/executor.md) */
     return cfg->parallel.overlap_micro_batches == MOERT_OVERLAP_ON;
 }
 

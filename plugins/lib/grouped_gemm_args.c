@@ -29,8 +29,7 @@ const char *moert_gemm_dims_text(int ndim, const int64_t *shape, char *buf, size
     return buf;
 }
 
-#define dims_text   moert_gemm_dims_text
-#define device_name moert_arg_device_text
+#define dims_text moert_gemm_dims_text
 
 /* Whether a tensor's memory is the layer's device (the same CUDA ordinal on CUDA). */
 static bool on_layer_device(const gemm_check *c, moert_device d)
@@ -50,7 +49,8 @@ static moert_result check_tensor(const gemm_check *c, const char *call, const ch
     if (!t) return fail(c, MOERT_ERR_INVALID_ARGUMENT, "%s: %s is NULL", call, name);
     if (!on_layer_device(c, t->device))
         return fail(c, MOERT_ERR_UNSUPPORTED, "%s: %s is on %s, but the layer is on %s", call, name,
-                    device_name(t->device, a, sizeof a), device_name(c->layer->device, b, sizeof b));
+                    moert_arg_device_text(t->device, a, sizeof a),
+                    moert_arg_device_text(c->layer->device, b, sizeof b));
     if (t->dtype != MOERT_F32 && t->dtype != MOERT_F64 && t->dtype != MOERT_BF16 && t->dtype != MOERT_F16)
         return fail(c, MOERT_ERR_UNSUPPORTED, "%s: %s has dtype %s, expected fp32, fp64, bf16 or fp16", call, name,
                     moert_dtype_name(t->dtype));
@@ -94,7 +94,8 @@ static moert_result read_counts(const gemm_check *c, const char *call, const moe
         return fail(c, MOERT_ERR_UNSUPPORTED,
                     "%s: tokens_per_expert is on %s and tokens_per_expert_host is NULL; "
                     "the counts must be on the host or on the layer's device (%s)",
-                    call, device_name(t->device, a, sizeof a), device_name(c->layer->device, b, sizeof b));
+                    call, moert_arg_device_text(t->device, a, sizeof a),
+                    moert_arg_device_text(c->layer->device, b, sizeof b));
     } else {
         *counts = t->data;
     }

@@ -66,8 +66,6 @@ static const char *const mode_names[] = {"bf16", "fp32", "fp64"}; /* by bf16_mod
 /* Sets the instance's error message and returns code, so checks can `return fail(...)`. */
 #define fail(c, ...) report((c)->host, __VA_ARGS__)
 
-#define device_name moert_arg_device_text
-
 static void bf16_finalize(void *ctx);
 
 #ifdef MOERT_HAVE_CUDA
@@ -141,7 +139,7 @@ static moert_result cuda_init(bf16_ctx *c, int choice)
     const int id = (int)c->layer.device.id;
     const moert_dtype act = c->layer.dtype;
     char dev[32];
-    device_name(c->layer.device, dev, sizeof dev);
+    moert_arg_device_text(c->layer.device, dev, sizeof dev);
     if (c->mode == BF16_MODE_FP64 || act == MOERT_F64)
         return fail(c, MOERT_ERR_UNSUPPORTED,
                     "the bf16 precision plugin has no fp64 GEMMs on CUDA (layer on %s, "
@@ -279,7 +277,7 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
     char dev[32];
     host->log(host, MOERT_LOG_DEBUG, "bf16 precision: mode %s (option \"%s\", activations %s, %s, gemm %s)",
               mode_names[c->mode], mode_choices[choice], moert_dtype_name(layer->dtype),
-              device_name(layer->device, dev, sizeof dev), gemm_choices[gemm_choice]);
+              moert_arg_device_text(layer->device, dev, sizeof dev), gemm_choices[gemm_choice]);
     *out = c;
     return MOERT_OK;
 }
@@ -431,8 +429,8 @@ static moert_result kernel_grouped_gemm(bf16_ctx *c, moert_stream stream, const 
         return fail(c, MOERT_ERR_UNSUPPORTED,
                     "%s: \"gemm\": \"kernel\" reads the counts on the device: "
                     "tokens_per_expert must be int64 [%lld] on %s, it is %s",
-                    call, (long long)shape->num_experts, device_name(c->layer.device, a_dev, sizeof a_dev),
-                    !tpe || !tpe->data ? "missing" : device_name(tpe->device, b_dev, sizeof b_dev));
+                    call, (long long)shape->num_experts, moert_arg_device_text(c->layer.device, a_dev, sizeof a_dev),
+                    !tpe || !tpe->data ? "missing" : moert_arg_device_text(tpe->device, b_dev, sizeof b_dev));
     const moert_tensor *acts[2];
     const char *act_names[2];
     switch (args->pass) {

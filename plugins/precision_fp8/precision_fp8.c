@@ -53,8 +53,6 @@ enum { GEMM_AUTO = 0, GEMM_CUBLASLT = 1, GEMM_KERNEL = 2 };
 /* Sets the instance's error message and returns code, so checks can `return fail(...)`. */
 #define fail(c, ...) report((c)->host, __VA_ARGS__)
 
-#define device_name moert_arg_device_text
-
 static void fp8_finalize(void *ctx);
 
 /* Reads the options into s, *streams, *engine and *fp8_wgrad; "power_of_2_scales" defaults to true for blockwise,
@@ -185,7 +183,7 @@ static moert_result cuda_init(fp8_ctx *c)
     const moert_layer_info *l = &c->layer;
     const int id = (int)l->device.id;
     char dev[32];
-    device_name(l->device, dev, sizeof dev);
+    moert_arg_device_text(l->device, dev, sizeof dev);
     if (l->dtype != MOERT_BF16 && l->dtype != MOERT_F32)
         return fail(c, MOERT_ERR_UNSUPPORTED,
                     "the fp8 precision plugin on CUDA (%s) takes bf16 or fp32 activations, "
@@ -339,7 +337,7 @@ static moert_result fp8_init(void **out, const moert_host *host, const moert_lay
               "fp8 precision: recipe %s, format %s, power-of-2 scales %s, weight gradients %s (activations %s, %s)",
               recipe_choices[settings.recipe], settings.hybrid ? "hybrid" : "e4m3", settings.power_of_2 ? "on" : "off",
               fp8_wgrad ? "fp8" : "unquantized", moert_dtype_name(layer->dtype),
-              device_name(layer->device, dev, sizeof dev));
+              moert_arg_device_text(layer->device, dev, sizeof dev));
     *out = c;
     return MOERT_OK;
 }
