@@ -10,7 +10,9 @@
 #   environment: OVERLAP_STEPS (20 measured steps per side), OVERLAP_TIMEOUT (600 s per run), OVERLAP_PRECISION (a
 #   precision section for both sides, e.g. '{"plugin":"fp8","recipe":"blockwise"}'; default: the configs'),
 #   OVERLAP_B_PRECISION (a precision section for B alone, e.g. '{"plugin":"bf16","gemm_sms":108}': the overlap with
-#   SMs left to the dispatcher against no overlap with all of them), OVERLAP_TRACE (0: no trace runs),
+#   SMs left to the dispatcher against no overlap with all of them), OVERLAP_B_DISPATCHER (a dispatcher section for B
+#   alone, e.g. '{"plugin":"deepep","num_sms":24}': the dispatcher on few SMs beside the other half's GEMMs),
+#   OVERLAP_TRACE (0: no trace runs),
 #   OVERLAP_INPUT_SHIFT (train.input_shift, default 0: routing balanced from the first step, as the PyTorch peer's
 #   random inputs are; the configs' 0.5 routes unevenly: rank 0 of deepseek-v3 got 1.12x the mean rows at EP4)
 # Writes OUT_DIR/overlap-MODEL.{json,md,log} (moert ab's report, table and log) and OUT_DIR/trace-overlap-MODEL.json;
@@ -53,6 +55,7 @@ for model in "${MODELS[@]}"; do
           --set-a 'parallel.overlap_micro_batches="off"' --set-b 'parallel.overlap_micro_batches="on"'
           --warmup 3 --steps "$STEPS")
     [ -n "${OVERLAP_B_PRECISION:-}" ] && args+=(--set-b "precision=$OVERLAP_B_PRECISION")
+    [ -n "${OVERLAP_B_DISPATCHER:-}" ] && args+=(--set-b "dispatcher=$OVERLAP_B_DISPATCHER")
     log="$OUT/overlap-$model.log"
     echo "== $model: moert ab ${args[*]}"
     timeout "$LIMIT" "$BUILD/tools/moert" ab "${args[@]}" --report "$OUT/overlap-$model.json" >"$log" 2>&1
@@ -71,6 +74,7 @@ for model in "${MODELS[@]}"; do
     [ "${OVERLAP_TRACE:-1}" = 0 ] && continue
     timeout "$LIMIT" "$BUILD/tools/moert" run "configs/$model.json" "${common[@]}" "${shape[@]}" --quiet \
         --set 'parallel.overlap_micro_batches="on"' ${OVERLAP_B_PRECISION:+--set "precision=$OVERLAP_B_PRECISION"} \
+        ${OVERLAP_B_DISPATCHER:+--set "dispatcher=$OVERLAP_B_DISPATCHER"} \
         --steps 4 --trace "$OUT/trace-overlap-$model.json" \
         >"$OUT/trace-overlap-$model.log" 2>&1 || { echo "overlap_gpu: FAIL: the trace run of $model"; status=1; }
 done
