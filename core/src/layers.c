@@ -586,6 +586,10 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
     if (m->device.type == MOERT_DEVICE_CUDA) MOERT_CHECK(cuda_setup(m, m->cfg->parallel.timeout_s));
 #endif
     moert_comm_group *group = m->comm && m->comm->kind != COMM_NCCL_ID && m->world > 1 ? m->comm->group : NULL;
+    const int64_t micro_batches =
+        launch->struct_size >= offsetof(moert_launch, micro_batches) + sizeof(int32_t) ? launch->micro_batches : -1;
+    /* "on" with one micro-batch a step (as the launch says) would hold a slot that never runs */
+    const bool overlap = micro_batches != 1 && moert_overlap_enabled(m->cfg);
     moert_stack_setup setup = {.cfg = m->cfg,
                                .plugins = m->plugins,
                                .rank = m->rank,
@@ -597,7 +601,8 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
                                .edp = m->edp,
                                .pool = m->pool,
                                .nccl = m->nccl,
-                               .stream = m->stream};
+                               .stream = m->stream,
+                               .overlapped = overlap};
     m->stack_made = true;
     MOERT_CHECK(moert_stack_init(&m->stack, &setup));
     int nl = m->stack.num_layers;
@@ -626,10 +631,6 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
     }
     /* a second slot of every layer, so that two micro-batches' forwards can be in flight ("on") */
     m->overlap.primary = &m->stack;
-    const int64_t micro_batches =
-        launch->struct_size >= offsetof(moert_launch, micro_batches) + sizeof(int32_t) ? launch->micro_batches : -1;
-    /* "on" with one micro-batch a step (as the launch says) would hold a slot that never runs */
-    const bool overlap = micro_batches != 1 && moert_overlap_enabled(m->cfg);
     if (overlap) {
         MOERT_CHECK(moert_overlap_init(&m->overlap, &m->stack, &setup));
         for (int l = 0; l < nl; l++) {

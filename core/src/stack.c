@@ -28,7 +28,8 @@ static moert_layer_info layer_info_of(const moert_stack *s, const moert_stack_se
                              .first_local_expert = local * s->coords.ep,
                              .max_tokens = setup->max_tokens,
                              .dtype = m->dtype,
-                             .device = setup->device};
+                             .device = setup->device,
+                             .flags = setup->overlapped ? MOERT_LAYER_OVERLAPPED : 0u};
     return info;
 }
 

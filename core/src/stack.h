@@ -25,6 +25,8 @@ typedef struct moert_stack_setup {
     /* a second slot of every layer (core/src/overlap.h): the stack whose plugin instances this one's are twins of
      * (moert_layer_info.twin); NULL for the first */
     const struct moert_stack *twin_of;
+    /* the layers run with the micro-batch overlap (both slots): MOERT_LAYER_OVERLAPPED in their plugins' layer info */
+    bool overlapped;
 } moert_stack_setup;
 
 typedef struct moert_stack {

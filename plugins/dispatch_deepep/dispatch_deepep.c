@@ -48,9 +48,14 @@ typedef struct deepep_cuda_state {
 } deepep_cuda_state;
 #endif
 
+/* The NVLink phase's blocks under "num_sms" 0 when the layer runs beside another micro-batch's GEMMs: few, so the
+ * kernel finds free SMs (DeepEP's intranode kernels use 20 to 24); measured in docs/executor.md. */
+#define DEEPEP_OVERLAP_SMS 24
+
 typedef struct deepep_ctx {
     peer_dispatch core; /* first: the frame it shares with "hybridep" (host, layer, peer buffer, the step) */
     bool nvlink_only;   /* bench_nvlink_only: CUDA calls run only their NVLink phase */
+    bool overlapped;    /* MOERT_LAYER_OVERLAPPED: "num_sms" 0 takes DEEPEP_OVERLAP_SMS */
     char call_names[CALL_NAMES][24];
 
     deepep_plan plan;
@@ -131,8 +136,8 @@ static moert_result deepep_init(void **out, const moert_host *host, const moert_
     int dispatch_dtype = 0;
     rc = host->option_int(host, "num_sms", 0, 0, PEER_MAX_CHANNELS,
                           "SMs (thread blocks) of the NVLink phase of each call, every one sending; the local "
-                          "expansion and reductions around it use every SM; 0: every SM of the device (at most 132); "
-                          "the CPU path ignores it",
+                          "expansion and reductions around it use every SM; 0: every SM of the device (at most 132), "
+                          "or 24 with the micro-batch overlap; the CPU path ignores it",
                           &c->core.num_sms);
     if (rc == MOERT_OK) rc = peer_dispatch_read_timeout(&c->core);
     if (rc == MOERT_OK)
@@ -147,6 +152,7 @@ static moert_result deepep_init(void **out, const moert_host *host, const moert_
                                &c->nvlink_only);
     if (rc != MOERT_OK) goto fail;
     c->core.fp8 = dispatch_dtype == 1;
+    c->overlapped = MOERT_LAYER_INFO_HAS_FLAGS(layer) && (layer->flags & MOERT_LAYER_OVERLAPPED);
     c->core.channels = c->core.num_sms < 1 ? 1 : c->core.num_sms; /* 0 (every SM) is resolved by cuda_init() */
     if (c->core.fp8 && layer->hidden % PEER_FP8_BLOCK != 0) {
         host->set_error(host,
@@ -360,8 +366,10 @@ static moert_result cuda_init(deepep_ctx *c)
     rc = peer_dispatch_cuda_sm_count(&c->core, &cu->sms);
     if (rc != MOERT_OK) return rc;
     if (cu->sms < 1) cu->sms = 1;
-    if (c->core.num_sms == 0) /* every SM of the device, at most PEER_MAX_CHANNELS */
-        c->core.channels = cu->sms > PEER_MAX_CHANNELS ? PEER_MAX_CHANNELS : cu->sms;
+    if (c->core.num_sms == 0) { /* every SM of the device (at most PEER_MAX_CHANNELS), few beside the other half */
+        const int most = c->overlapped ? DEEPEP_OVERLAP_SMS : PEER_MAX_CHANNELS;
+        c->core.channels = cu->sms > most ? most : cu->sms;
+    }
     rc = array_reserve(c, &cu->status, 64, true);
     if (rc != MOERT_OK) return peer_dispatch_alloc_failed(&c->core, rc);
     rc = peer_dispatch_cuda_zero(h, cu->status.data, cu->status.bytes);

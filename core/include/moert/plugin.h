@@ -122,10 +122,19 @@ typedef struct moert_layer_info {
      * to later forwards of the step (token counts, an expert bias, a noise counter) should be the twin's, so both
      * slots see the forwards in the order they ran. The core calls end_step on slot 0's router only. */
     void *twin;
+    /* appended (check MOERT_LAYER_INFO_HAS_FLAGS): MOERT_LAYER_* bits, how the core runs this layer */
+    uint32_t flags;
 } moert_layer_info;
 
 /* Whether a moert_layer_info has `twin` (an older core passes a shorter struct). */
 #define MOERT_LAYER_INFO_HAS_TWIN(info) ((info)->struct_size >= offsetof(moert_layer_info, twin) + sizeof(void *))
+/* Whether a moert_layer_info has `flags`. */
+#define MOERT_LAYER_INFO_HAS_FLAGS(info) ((info)->struct_size >= offsetof(moert_layer_info, flags) + sizeof(uint32_t))
+
+/* The layer's calls run beside another micro-batch's work on other streams ($.parallel.overlap_micro_batches on, both
+ * slots): a dispatcher left to choose its SMs should take few, since a kernel waits for the SMs the other half's GEMMs
+ * hold. Set alike on every rank. */
+#define MOERT_LAYER_OVERLAPPED (1u << 0)
 
 typedef struct moert_host moert_host;
 
