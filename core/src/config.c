@@ -453,11 +453,14 @@ fail:
 
 static const char *const cuda_graph_modes[] = {"auto", "off", "on", NULL};
 
-bool moert_overlap_enabled(const moert_config *cfg)
+bool moert_overlap_enabled(const moert_config *cfg, int device, int64_t ep, int64_t etp)
 {
-    /* "auto" leaves it off: on every configuration measured on GPUs it was no faster (a dispatcher's kernels wait
-     * for the SMs the other half's persistent GEMMs hold; docs/executor.md) */
-    return cfg->parallel.overlap_micro_batches == MOERT_OVERLAP_ON;
+    const moert_parallel_config *p = &cfg->parallel;
+    if (p->overlap_micro_batches != MOERT_OVERLAP_AUTO) return p->overlap_micro_batches == MOERT_OVERLAP_ON;
+    /* "auto": where the overlap was measured faster on GPUs: deepep (which then takes few SMs) and narrow experts;
+     * with wider experts, or alltoall and hybridep, it was even or slower */
+    return device == MOERT_DEVICE_CUDA && ep > 1 && strcmp(cfg->plugin[MOERT_SLOT_DISPATCHER], "deepep") == 0 &&
+           cfg->model.ffn_hidden / (etp > 1 ? etp : 1) <= MOERT_OVERLAP_AUTO_MAX_FFN;
 }
 
 const char *moert_cuda_graph_mode_name(int mode)

@@ -60,8 +60,15 @@ typedef struct moert_parallel_config {
     int overlap_micro_batches;  /* moert_overlap_mode: micro-batch i+1's forward merged with i's backward */
 } moert_parallel_config;
 
-/* Whether $.parallel.overlap_micro_batches turns the overlap on: "on" only ("auto" leaves it off). */
-bool moert_overlap_enabled(const moert_config *cfg);
+/* Whether $.parallel.overlap_micro_batches turns the overlap on for layers on `device` (a moert_device_type) with `ep`
+ * expert-parallel and `etp` expert-tensor-parallel ranks: "on", or "auto" where it was measured faster
+ * (MOERT_OVERLAP_AUTO_MAX_FFN). */
+bool moert_overlap_enabled(const moert_config *cfg, int device, int64_t ep, int64_t etp);
+
+/* "auto" turns the overlap on for CUDA layers with the "deepep" dispatcher, EP > 1 and experts at most this wide
+ * (ffn_hidden / ETP): per routed row the GEMMs do 18 H F flops against 8 H bytes of all-to-all, so narrow experts
+ * leave the most communication to hide (docs/executor.md measures qwen3-30b-a3b, deepseek-v3 and mixtral-8x7b). */
+#define MOERT_OVERLAP_AUTO_MAX_FFN 1024
 
 /* $.train.optimizer: Adam keeps two moment buffers per parameter; plain SGD keeps none. */
 typedef enum moert_optimizer { MOERT_OPTIMIZER_ADAM = 0, MOERT_OPTIMIZER_SGD = 1 } moert_optimizer;

@@ -589,7 +589,8 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
     const int64_t micro_batches =
         launch->struct_size >= offsetof(moert_launch, micro_batches) + sizeof(int32_t) ? launch->micro_batches : -1;
     /* "on" with one micro-batch a step (as the launch says) would hold a slot that never runs */
-    const bool overlap = micro_batches != 1 && moert_overlap_enabled(m->cfg);
+    const bool overlap =
+        micro_batches != 1 && moert_overlap_enabled(m->cfg, m->device.type, m->world / (m->etp * m->edp), m->etp);
     moert_stack_setup setup = {.cfg = m->cfg,
                                .plugins = m->plugins,
                                .rank = m->rank,

@@ -43,7 +43,6 @@ typedef struct bf16_ctx {
     bool on_cuda;     /* the layer is on a CUDA device: the CUDA path serves it */
     int gemm_streams; /* option: streams of the CUDA per-expert loop (1: the caller's only) */
     int gemm_sms;     /* option: SMs the CUDA GEMMs may take (0: all) */
-    int wgrad_sms;    /* option: SMs moert's WGRAD kernel may take (0: as gemm_sms) */
     bool gemm_graphs; /* option: CUDA graph replay of repeated count vectors */
     int gemm_engine;  /* option "gemm": GEMM_AUTO, GEMM_CUBLASLT or GEMM_KERNEL */
     int wgrad_engine; /* option "wgrad_gemm": GEMM_AUTO (as "gemm"), GEMM_CUBLASLT or GEMM_KERNEL */
@@ -227,13 +226,6 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
                           "beside them on another stream, such as a dispatcher's under the micro-batch overlap",
                           &gemm_sms);
     if (rc != MOERT_OK) return rc;
-    int64_t wgrad_sms = 0;
-    rc =
-        host->option_int(host, "wgrad_sms", 0, 0, 4096,
-                         "CUDA: the SMs moert's WGRAD kernel may take (0: as gemm_sms); it runs on the weight-gradient "
-                         "stream beside the backward's all-to-all, which waits for the SMs it holds",
-                         &wgrad_sms);
-    if (rc != MOERT_OK) return rc;
     bool gemm_graphs = false;
     rc = host->option_bool(host, "gemm_graphs", false,
                            "CUDA: replay a grouped GEMM from a CUDA graph when its count vector repeats "
@@ -270,7 +262,6 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
     c->on_cuda = layer->device.type == MOERT_DEVICE_CUDA;
     c->gemm_streams = (int)gemm_streams;
     c->gemm_sms = (int)gemm_sms;
-    c->wgrad_sms = (int)wgrad_sms;
     c->gemm_graphs = gemm_graphs;
     c->gemm_engine = gemm_choice;
     c->wgrad_engine = wgrad_choice;
@@ -468,7 +459,7 @@ static moert_result kernel_grouped_gemm(bf16_ctx *c, moert_stream stream, const 
     ka.capacity = acts[0]->shape[0];
     ka.k_in = shape->k_in;
     ka.n_out = shape->n_out;
-    ka.max_sms = args->pass == MOERT_GEMM_WGRAD && c->wgrad_sms > 0 ? c->wgrad_sms : c->gemm_sms;
+    ka.max_sms = c->gemm_sms;
     if (args->pass == MOERT_GEMM_WGRAD) {
         const moert_dtype gw = args->grad_weight->dtype;
         if (gw != MOERT_F32 && gw != MOERT_BF16)
@@ -516,16 +507,13 @@ typedef struct counts_fetch {
 } counts_fetch;
 
 /* Whether this call runs on device_gemm outside kernel mode: FORWARD or DGRAD on the wgmma engine ("auto" on Hopper),
- * WGRAD into an fp32 gradient ("wgrad_gemm": "kernel", or fc2's under "auto" on Hopper, where the kernel is the faster:
- * docs/plugins/precision_bf16.md), with the counts on the layer's GPU. */
+ * WGRAD into an fp32 gradient ("wgrad_gemm": "kernel"), with the counts on the layer's GPU. */
 static bool wgmma_serves(const bf16_ctx *c, const moert_grouped_gemm_args *args)
 {
     const moert_tensor *tpe = args->tokens_per_expert;
-    const bool wgrad_on_kernel = c->wgrad_engine == GEMM_KERNEL ||
-                                 (c->wgrad_engine == GEMM_AUTO && c->wgmma_fwd_dgrad && args->which == MOERT_GEMM_FC2);
-    const bool pass_on_kernel = args->pass == MOERT_GEMM_WGRAD
-                                    ? wgrad_on_kernel && args->grad_weight && args->grad_weight->dtype == MOERT_F32
-                                    : c->wgmma_fwd_dgrad;
+    const bool pass_on_kernel = args->pass == MOERT_GEMM_WGRAD ? c->wgrad_engine == GEMM_KERNEL && args->grad_weight &&
+                                                                     args->grad_weight->dtype == MOERT_F32
+                                                               : c->wgmma_fwd_dgrad;
     return pass_on_kernel && tpe && tpe->data && tpe->device.type == MOERT_DEVICE_CUDA &&
            tpe->device.id == c->layer.device.id && tpe->dtype == MOERT_I64;
 }

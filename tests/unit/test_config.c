@@ -98,13 +98,25 @@ static void test_values(void)
     EXPECT(strcmp(cfg->plugin[MOERT_SLOT_DISPATCHER], "deepep") == 0);
     EXPECT(strcmp(cfg->plugin[MOERT_SLOT_PRECISION], "bf16") == 0);
     EXPECT(strcmp(cfg->plugin[MOERT_SLOT_MEMORY_POLICY], "lean") == 0);
-    /* overlap_micro_batches "auto" leaves the overlap off (slower wherever measured); "on" turns it on on any device,
-     * "off" never */
-    EXPECT(!moert_overlap_enabled(cfg));
+    /* overlap_micro_batches "auto" is on where it was measured faster: CUDA, EP > 1, deepep, ffn_hidden / ETP at most
+     * MOERT_OVERLAP_AUTO_MAX_FFN; "on" turns it on on any device, "off" never */
+    EXPECT_EQ_INT(cfg->parallel.overlap_micro_batches, MOERT_OVERLAP_AUTO);
+    EXPECT(moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 4, 1));
+    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CPU, 4, 1));
+    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 1, 1));
+    cfg->model.ffn_hidden = MOERT_OVERLAP_AUTO_MAX_FFN;
+    EXPECT(moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 2, 1));
+    cfg->model.ffn_hidden = 2 * MOERT_OVERLAP_AUTO_MAX_FFN; /* wide experts: off, unless ETP splits them */
+    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 2, 1));
+    EXPECT(moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 2, 2));
+    snprintf(cfg->plugin[MOERT_SLOT_DISPATCHER], sizeof cfg->plugin[MOERT_SLOT_DISPATCHER], "alltoall");
+    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 2, 2));
     cfg->parallel.overlap_micro_batches = MOERT_OVERLAP_ON;
-    EXPECT(moert_overlap_enabled(cfg));
+    EXPECT(moert_overlap_enabled(cfg, MOERT_DEVICE_CPU, 1, 1));
     cfg->parallel.overlap_micro_batches = MOERT_OVERLAP_OFF;
-    EXPECT(!moert_overlap_enabled(cfg));
+    snprintf(cfg->plugin[MOERT_SLOT_DISPATCHER], sizeof cfg->plugin[MOERT_SLOT_DISPATCHER], "deepep");
+    cfg->model.ffn_hidden = 48;
+    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 4, 1));
     moert_config_free(cfg);
 
     EXPECT_OK(moert_config_load_string("{\"model\": {\"dtype\": \"fp64\"}, \"parallel\": {\"device\": \"cpu\"}}",
