@@ -1,7 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-# What the CLI tests share, sourced after they set `moert` (the command), `tmp` (a scratch folder) and optionally
-# `run_dir` (the folder the command runs in; default: the test's own).
+# What the CLI tests share, sourced after they set `moert` (the command), `tmp` (a scratch folder, or cli_scratch
+# makes one) and optionally `run_dir` (the folder the command runs in; default: the test's own).
 failures=0
+
+# cli_scratch: makes $tmp, a scratch folder removed on exit, and runs the commands there (run_dir)
+cli_scratch() {
+    tmp="$(mktemp -d)"
+    trap 'rm -rf "$tmp"' EXIT
+    run_dir="$tmp"
+}
 
 fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
 

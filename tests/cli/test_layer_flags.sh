@@ -8,15 +8,14 @@ set -u
 moert="$(cd "$(dirname "$1")" && pwd)/$(basename "$1")"
 # the tests' fixture plugins: the build tree's moert does not search them by itself
 export MOERT_PLUGIN_PATH="$(cd "$(dirname "$moert")/.." && pwd)/tests/fixtures"
-tmp="$(mktemp -d)"
-trap 'rm -rf "$tmp"' EXIT
-run_dir="$tmp"
 . "$(dirname "$0")/cli_lib.sh"
+cli_scratch
 
+# two layers, two ranks, two micro-batches a step: the overlap has both slots to make
 cat >"$tmp/c.json" <<JSON
-{"model": {"hidden": 16, "ffn_hidden": 32, "num_experts": 4, "topk": 2, "num_layers": 2},
- "parallel": {"ranks": 2, "device": "cpu"}, "train": {"steps": 2, "tokens_per_rank": 32, "micro_batches": 2},
- "memory_policy": {"plugin": "fixture-misbehave"}}
+{"memory_policy": {"plugin": "fixture-misbehave"}, "parallel": {"ranks": 2, "device": "cpu"},
+ "model": {"hidden": 16, "ffn_hidden": 32, "num_experts": 4, "topk": 2, "num_layers": 2},
+ "train": {"steps": 2, "tokens_per_rank": 32, "micro_batches": 2}}
 JSON
 
 # flags NAME MODE EXPECT STATUS: a run with overlap_micro_batches MODE and the fixture expecting EXPECT
