@@ -54,8 +54,6 @@ typedef struct bf16_device_gemm_args {
     int engine;              /* BF16_DEVICE_GEMM_ENGINE_*: which kernel runs FORWARD/DGRAD */
     int max_sms;             /* wgmma engine: CTAs of its persistent grid at most (0: one per SM), so that kernels
                                 on another stream (a dispatcher's) find SMs free beside it */
-    int tile_grid;     /* wgmma FORWARD/DGRAD: 1 launches a CTA per output tile (an upper bound of them) instead of
-                                the persistent grid, so that kernels on another stream take SMs as tiles end */
     int wgrad_cluster; /* wgmma WGRAD ping-pong: CTAs of a cluster sharing operand tiles by TMA multicast, 4 (2 x 2
                                 tiles), 2 (n_out tile pairs) or 1, each where the tile counts allow it, else the next
                                 smaller (tests, benchmarks); 0: adding 4, overwriting 4 where quads keep as many SMs

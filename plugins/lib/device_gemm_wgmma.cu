@@ -943,10 +943,8 @@ extern "C" moert_result bf16_wgmma_gemm(const moert_host *host, cudaStream_t str
     p.k_blocks = (int)((depth + WG_BK - 1) / WG_BK);
     p.out_cols = (int)out_cols;
 
+    const int64_t sms = persistent_sms(a, dev);
     const int64_t bound = ((a->capacity + WG_BM - 1) / WG_BM + a->num_experts) * p.n_tiles; /* units at most */
-    /* persistent: at most one CTA per SM, each looping over tiles; tile_grid: a CTA per tile (those past the units the
-     * counts make end at once), which frees an SM at every tile's end for kernels on other streams */
-    const int64_t sms = a->tile_grid ? bound : persistent_sms(a, dev);
     const unsigned grid = (unsigned)(bound < sms ? bound : sms);
     const size_t smem = wg_smem_bytes(p.num_experts);
     if (dgrad)

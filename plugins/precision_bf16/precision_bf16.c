@@ -43,7 +43,6 @@ typedef struct bf16_ctx {
     bool on_cuda;     /* the layer is on a CUDA device: the CUDA path serves it */
     int gemm_streams; /* option: streams of the CUDA per-expert loop (1: the caller's only) */
     int gemm_sms;     /* option: SMs the CUDA GEMMs may take (0: all) */
-    bool tile_grid;   /* option "gemm_grid" "tiles": the wgmma FORWARD/DGRAD launch a CTA per tile */
     bool gemm_graphs; /* option: CUDA graph replay of repeated count vectors */
     int gemm_engine;  /* option "gemm": GEMM_AUTO, GEMM_CUBLASLT or GEMM_KERNEL */
     int wgrad_engine; /* option "wgrad_gemm": GEMM_AUTO (as "gemm"), GEMM_CUBLASLT or GEMM_KERNEL */
@@ -227,13 +226,6 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
                           "beside them on another stream, such as a dispatcher's under the micro-batch overlap",
                           &gemm_sms);
     if (rc != MOERT_OK) return rc;
-    static const char *const grid_choices[] = {"persistent", "tiles", NULL};
-    int grid_choice = 0;
-    rc = host->option_enum(host, "gemm_grid", grid_choices, 0,
-                           "CUDA, moert's wgmma FORWARD/DGRAD: a persistent grid (a CTA per SM, looping over tiles) or "
-                           "a CTA per tile, which frees SMs as tiles end for kernels beside it on another stream",
-                           &grid_choice);
-    if (rc != MOERT_OK) return rc;
     bool gemm_graphs = false;
     rc = host->option_bool(host, "gemm_graphs", false,
                            "CUDA: replay a grouped GEMM from a CUDA graph when its count vector repeats "
@@ -270,7 +262,6 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
     c->on_cuda = layer->device.type == MOERT_DEVICE_CUDA;
     c->gemm_streams = (int)gemm_streams;
     c->gemm_sms = (int)gemm_sms;
-    c->tile_grid = grid_choice == 1;
     c->gemm_graphs = gemm_graphs;
     c->gemm_engine = gemm_choice;
     c->wgrad_engine = wgrad_choice;
@@ -469,7 +460,6 @@ static moert_result kernel_grouped_gemm(bf16_ctx *c, moert_stream stream, const 
     ka.k_in = shape->k_in;
     ka.n_out = shape->n_out;
     ka.max_sms = c->gemm_sms;
-    ka.tile_grid = c->tile_grid;
     if (args->pass == MOERT_GEMM_WGRAD) {
         const moert_dtype gw = args->grad_weight->dtype;
         if (gw != MOERT_F32 && gw != MOERT_BF16)
