@@ -69,6 +69,8 @@ static const flag_map flag_table[] = {
     {"--moe-token-dispatcher-type", MAP_SPECIAL, NULL, NULL, NULL, 0, false, NULL},
     {"--moe-flex-dispatcher-backend", MAP_SPECIAL, NULL, NULL, NULL, 0, false, NULL},
     {"--moe-enable-deepep", MAP_SPECIAL, NULL, NULL, NULL, 0, true, NULL},
+    {"--moe-deepep-num-sms", MAP_SPECIAL, NULL, NULL, NULL, 1, false, NULL},
+    {"--moe-hybridep-num-sms", MAP_SPECIAL, NULL, NULL, NULL, 1, false, NULL},
     {"--fp8-format", MAP_SPECIAL, NULL, NULL, NULL, 0, false, NULL},
     {"--fp8-recipe", MAP_SPECIAL, NULL, NULL, NULL, 0, false, NULL},
     {"--recompute-modules", MAP_SPECIAL, NULL, NULL, NULL, 0, false, NULL},
@@ -122,6 +124,7 @@ typedef struct import_state {
     json_t *root;
     const char *dispatcher, *flex_backend, *fp8_format, *fp8_recipe, *recompute_modules, *granularity;
     long long seq_length, micro_batch, ffn_hidden, shared_ffn, etp;
+    long long deepep_sms, hybridep_sms; /* --moe-deepep-num-sms, --moe-hybridep-num-sms (0: not given) */
     bool bf16, deepep, moe_layer_recompute, pad_to_capacity;
     char modules[512]; /* --recompute-modules takes a list: its words, space-separated */
 } import_state;
@@ -226,6 +229,8 @@ static int apply_flag(import_state *st, const flag_map *f, const char *value)
                           : !strcmp(flag, "--micro-batch-size")            ? &st->micro_batch
                           : !strcmp(flag, "--ffn-hidden-size")             ? &st->ffn_hidden
                           : !strcmp(flag, "--expert-tensor-parallel-size") ? &st->etp
+                          : !strcmp(flag, "--moe-deepep-num-sms")          ? &st->deepep_sms
+                          : !strcmp(flag, "--moe-hybridep-num-sms")        ? &st->hybridep_sms
                                                                            : &st->shared_ffn;
         if (!parse_int(value, f->min, slot)) return fail("%s: \"%s\" is not an integer in range", flag, value);
     }
@@ -292,6 +297,12 @@ static int finish(import_state *st)
     else
         return fail("--moe-token-dispatcher-type: \"%s\" is not one of Megatron's values%s", dtype, "");
     set_key(st->root, "dispatcher.plugin", json_string(plugin));
+    /* the SMs of the flex backend that runs (Megatron, too, reads only that backend's flag); without one moert's
+     * default stays: deepep on every SM, 24 under the micro-batch overlap; hybridep on 16 */
+    const long long sms = !strcmp(plugin, "deepep")     ? st->deepep_sms
+                          : !strcmp(plugin, "hybridep") ? st->hybridep_sms
+                                                        : 0;
+    if (sms > 0) set_key(st->root, "dispatcher.num_sms", json_integer(sms));
     /* padding to capacity: the router reports every expert at capacity, the dispatcher fills the rows */
     if (st->pad_to_capacity) {
         json_t *factor = json_object_get(router, "capacity_factor");

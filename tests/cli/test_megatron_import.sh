@@ -72,6 +72,26 @@ assert c["dispatcher"] == {"plugin": sys.argv[2]}, c["dispatcher"]
 assert c["parallel"]["overlap_micro_batches"] == "on", c["parallel"]
 PY
 done
+# the flex backends' SM counts: the flag of the backend that runs becomes its num_sms, the other's is ignored (as
+# Megatron does)
+"$moert" config --from-megatron --num-experts 8 --hidden-size 64 --moe-ffn-hidden-size 32 \
+    --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep --moe-deepep-num-sms 20 \
+    --moe-hybridep-num-sms 32 >"$tmp/sms-deepep.json" 2>&1 || fail "deepep num_sms import: $(cat "$tmp/sms-deepep.json")"
+"$moert" config --from-megatron --num-experts 8 --hidden-size 64 --moe-ffn-hidden-size 32 \
+    --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep --moe-deepep-num-sms 20 \
+    --moe-hybridep-num-sms 32 >"$tmp/sms-hybridep.json" 2>&1 || fail "hybridep num_sms import: $(cat "$tmp/sms-hybridep.json")"
+"$moert" config --from-megatron --num-experts 8 --hidden-size 64 --moe-ffn-hidden-size 32 \
+    --moe-token-dispatcher-type alltoall --moe-deepep-num-sms 20 >"$tmp/sms-alltoall.json" 2>&1 ||
+    fail "alltoall with --moe-deepep-num-sms: $(cat "$tmp/sms-alltoall.json")"
+python3 - "$tmp/sms-deepep.json" "$tmp/sms-hybridep.json" "$tmp/sms-alltoall.json" <<'PY' || fail "num_sms mapping"
+import json, sys
+d, h, a = (json.load(open(p)) for p in sys.argv[1:4])
+assert d["dispatcher"] == {"plugin": "deepep", "num_sms": 20}, d["dispatcher"]
+assert h["dispatcher"] == {"plugin": "hybridep", "num_sms": 32}, h["dispatcher"]
+assert a["dispatcher"] == {"plugin": "alltoall"}, a["dispatcher"]
+PY
+expect_refused deepep_sms_zero "--moe-deepep-num-sms: \"0\" is not an integer in range" "${base[@]}" \
+    --moe-deepep-num-sms 0
 # the router's Megatron options: jitter, fp64 compute, forced balancing, capacity with padding
 "$moert" config --from-megatron "${base[@]}" --moe-input-jitter-eps 0.01 --moe-router-dtype fp64 \
     --moe-router-force-load-balancing --moe-expert-capacity-factor 1.5 --moe-token-drop-policy position \
