@@ -453,13 +453,15 @@ fail:
 
 static const char *const cuda_graph_modes[] = {"auto", "off", "on", NULL};
 
-bool moert_overlap_enabled(const moert_config *cfg, int device, int64_t ep, int64_t etp)
+bool moert_overlap_enabled(const moert_config *cfg, int device, int64_t ep, int64_t etp, int64_t micro_batches)
 {
     const moert_parallel_config *p = &cfg->parallel;
-    if (p->overlap_micro_batches != MOERT_OVERLAP_AUTO) return p->overlap_micro_batches == MOERT_OVERLAP_ON;
+    if (p->overlap_micro_batches != MOERT_OVERLAP_AUTO)
+        return p->overlap_micro_batches == MOERT_OVERLAP_ON && micro_batches != 1;
     /* "auto": where the overlap was measured faster on GPUs: deepep (which then takes few SMs) and narrow experts;
      * with wider experts, or alltoall and hybridep, it was even or slower */
-    return device == MOERT_DEVICE_CUDA && ep > 1 && strcmp(cfg->plugin[MOERT_SLOT_DISPATCHER], "deepep") == 0 &&
+    return micro_batches >= 2 && device == MOERT_DEVICE_CUDA && ep > 1 &&
+           strcmp(cfg->plugin[MOERT_SLOT_DISPATCHER], "deepep") == 0 &&
            cfg->model.ffn_hidden / (etp > 1 ? etp : 1) <= MOERT_OVERLAP_AUTO_MAX_FFN;
 }
 

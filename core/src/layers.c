@@ -588,9 +588,10 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
     moert_comm_group *group = m->comm && m->comm->kind != COMM_NCCL_ID && m->world > 1 ? m->comm->group : NULL;
     const int64_t micro_batches =
         launch->struct_size >= offsetof(moert_launch, micro_batches) + sizeof(int32_t) ? launch->micro_batches : -1;
-    /* "on" with one micro-batch a step (as the launch says) would hold a slot that never runs */
+    /* "on" with one micro-batch a step (as the launch says) would hold a slot that never runs; "auto" needs the
+     * caller to say it runs several */
     const bool overlap =
-        micro_batches != 1 && moert_overlap_enabled(m->cfg, m->device.type, m->world / (m->etp * m->edp), m->etp);
+        moert_overlap_enabled(m->cfg, m->device.type, m->world / (m->etp * m->edp), m->etp, micro_batches);
     moert_stack_setup setup = {.cfg = m->cfg,
                                .plugins = m->plugins,
                                .rank = m->rank,

@@ -59,7 +59,7 @@ void moert_memory_estimate_config(const moert_config *cfg, int world, int device
         expert_rows * (3.0 * fl + h) * scratch + layers * (t * (4.0 * e + 2.0 * h) + 2.0 * e * h) * 8.0 + 8192.0;
     /* $.parallel.overlap_micro_batches: two micro-batches in flight, and every layer's second slot (its own plugin
      * instances, router state and dispatcher buffers) */
-    if (cfg->train.micro_batches >= 2 && moert_overlap_enabled(cfg, device, ep, etp)) {
+    if (moert_overlap_enabled(cfg, device, ep, etp, cfg->train.micro_batches)) {
         out->activations *= 2.0;
         out->dispatcher *= 2.0;
         out->workspace *= 2.0;

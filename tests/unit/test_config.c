@@ -101,22 +101,27 @@ static void test_values(void)
     /* overlap_micro_batches "auto" is on where it was measured faster: CUDA, EP > 1, deepep, ffn_hidden / ETP at most
      * MOERT_OVERLAP_AUTO_MAX_FFN; "on" turns it on on any device, "off" never */
     EXPECT_EQ_INT(cfg->parallel.overlap_micro_batches, MOERT_OVERLAP_AUTO);
-    EXPECT(moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 4, 1));
-    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CPU, 4, 1));
-    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 1, 1));
+    EXPECT(moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 4, 1, 4));
+    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CPU, 4, 1, 4));
+    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 1, 1, 4));
+    /* a caller that does not say it runs several micro-batches a step (0: unknown, or 1) gets no second slot */
+    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 4, 1, 0));
+    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 4, 1, 1));
     cfg->model.ffn_hidden = MOERT_OVERLAP_AUTO_MAX_FFN;
-    EXPECT(moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 2, 1));
+    EXPECT(moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 2, 1, 4));
     cfg->model.ffn_hidden = 2 * MOERT_OVERLAP_AUTO_MAX_FFN; /* wide experts: off, unless ETP splits them */
-    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 2, 1));
-    EXPECT(moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 2, 2));
+    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 2, 1, 4));
+    EXPECT(moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 2, 2, 4));
     snprintf(cfg->plugin[MOERT_SLOT_DISPATCHER], sizeof cfg->plugin[MOERT_SLOT_DISPATCHER], "alltoall");
-    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 2, 2));
+    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 2, 2, 4));
     cfg->parallel.overlap_micro_batches = MOERT_OVERLAP_ON;
-    EXPECT(moert_overlap_enabled(cfg, MOERT_DEVICE_CPU, 1, 1));
+    EXPECT(moert_overlap_enabled(cfg, MOERT_DEVICE_CPU, 1, 1, 4));
+    EXPECT(moert_overlap_enabled(cfg, MOERT_DEVICE_CPU, 1, 1, 0));  /* "on" with micro-batches unknown: on */
+    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CPU, 1, 1, 1)); /* one a step: a second slot would never run */
     cfg->parallel.overlap_micro_batches = MOERT_OVERLAP_OFF;
     snprintf(cfg->plugin[MOERT_SLOT_DISPATCHER], sizeof cfg->plugin[MOERT_SLOT_DISPATCHER], "deepep");
     cfg->model.ffn_hidden = 48;
-    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 4, 1));
+    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 4, 1, 4));
     moert_config_free(cfg);
 
     EXPECT_OK(moert_config_load_string("{\"model\": {\"dtype\": \"fp64\"}, \"parallel\": {\"device\": \"cpu\"}}",

@@ -119,7 +119,7 @@ typedef struct moert_launch {
     uint32_t flags;
     /* API version 6: the micro-batches the caller runs per optimizer step, when it knows them (0: unknown). With
      * $.parallel.overlap_micro_batches "on" the layers make the second slot of moert_moe_forward_backward unless this
-     * is 1; "auto" leaves the overlap off (docs/executor.md says why). */
+     * is 1; "auto" makes it only where this is 2 or more and the overlap was measured faster (docs/executor.md). */
     int32_t micro_batches;
 } moert_launch;
 
@@ -210,7 +210,7 @@ MOERT_API moert_result moert_layers_set_expert_bias(moert_layers *layers, int la
 /* One micro-batch's saved activations of one layer, from its forward to its backward. The memory policy decides
  * which of them stay on the device, are recomputed, or are offloaded. The plugin ABI keeps one forward in flight per
  * instance, so one is in flight per layer at a time: forward again only after its backward or moert_saved_free. With
- * $.parallel.overlap_micro_batches "on" ("auto" leaves it off) each layer has a
+ * $.parallel.overlap_micro_batches "on" (or "auto" where it turns on, see moert_launch.micro_batches) each layer has a
  * second instance of every plugin (a second slot; parameters and gradients are shared), and two may be in flight per
  * layer (API version 6). */
 typedef struct moert_saved moert_saved;
