@@ -12,10 +12,12 @@
 #   OVERLAP_B_PRECISION (a precision section for B alone, e.g. '{"plugin":"bf16","gemm_sms":108}': the overlap with
 #   SMs left to the dispatcher against no overlap with all of them), OVERLAP_B_DISPATCHER (a dispatcher section for B
 #   alone, e.g. '{"plugin":"deepep","num_sms":24}': the dispatcher on few SMs beside the other half's GEMMs),
-#   OVERLAP_TRACE (0: no trace runs),
+#   OVERLAP_TRACE (0: no trace runs), OVERLAP_TORCH (1: after each model's A/B the PyTorch layer of its shape,
+#   bench/torch_baseline.py through torchrun, the peer in the same call; OVERLAP_MACHINE names the machine in its JSON),
 #   OVERLAP_INPUT_SHIFT (train.input_shift, default 0: routing balanced from the first step, as the PyTorch peer's
 #   random inputs are; the configs' 0.5 routes unevenly: rank 0 of deepseek-v3 got 1.12x the mean rows at EP4)
-# Writes OUT_DIR/overlap-MODEL.{json,md,log} (moert ab's report, table and log) and OUT_DIR/trace-overlap-MODEL.json;
+# Writes OUT_DIR/overlap-MODEL.{json,md,log} (moert ab's report, table and log), OUT_DIR/trace-overlap-MODEL.json and
+# with OVERLAP_TORCH OUT_DIR/torch-MODEL.{json,log};
 # prints the verdict lines. Exit status: 0 when every A/B ran and its outputs agree, 1 otherwise, 77 without a GPU.
 set -u
 if [ $# -lt 2 ]; then
@@ -41,6 +43,12 @@ while [ $((ranks * 2)) -le "$gpus" ] && [ $((ranks * 2)) -le 8 ]; do ranks=$((ra
 [ -x "$BUILD/tools/moert" ] || { echo "overlap_gpu: no $BUILD/tools/moert (build with -Dcuda=enabled)" >&2; exit 1; }
 status=0
 echo "overlap_gpu: $gpus GPU(s), EP$ranks; $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1)"
+git_rev=${MOERT_BENCH_GIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+machine=${OVERLAP_MACHINE:-$gpus GPU(s)}
+if [ "${OVERLAP_TORCH:-0}" = 1 ] && ! command -v torchrun >/dev/null; then
+    echo "overlap_gpu: OVERLAP_TORCH=1 needs torchrun on PATH (a Python with torch)" >&2
+    exit 1
+fi
 
 common=(--set 'parallel.device="cuda"' --set "parallel.ranks=$ranks" --set model.num_layers=2
         --set train.micro_batches=4 --set 'train.optimizer="sgd"' --set train.log_every=5
@@ -69,6 +77,16 @@ for model in "${MODELS[@]}"; do
     echo "(exit status $rc; log $log)"
     [ $rc -eq 0 ] || status=1
     grep -qE "^outputs agree: yes" "$log" || { echo "overlap_gpu: FAIL: $model's outputs do not agree"; status=1; }
+
+    # the PyTorch peer in the same call: one layer of the same shape (deepseek-v3: 32 experts a GPU, as above)
+    if [ "${OVERLAP_TORCH:-0}" = 1 ]; then
+        per_rank=0
+        [ "$model" = deepseek-v3 ] && per_rank=32
+        timeout "$LIMIT" torchrun --nproc-per-node "$ranks" bench/torch_baseline.py --preset "$model" \
+            --experts-per-rank "$per_rank" --out "$OUT/torch-$model.json" --git "$git_rev" --machine "$machine" \
+            >"$OUT/torch-$model.log" 2>&1 || { echo "overlap_gpu: FAIL: the PyTorch peer of $model"; status=1; }
+        grep -E "^$model " "$OUT/torch-$model.log" | head -1
+    fi
 
     # a trace of the "on" side: slot 0's streams are "compute" and "wgrad", slot 1's "compute.1" and "wgrad.1"
     [ "${OVERLAP_TRACE:-1}" = 0 ] && continue
