@@ -229,11 +229,11 @@ static moert_result rank_init(moert_rank *r, void *arg)
                            .flags = MOERT_LAUNCH_RESIDUAL,
                            .micro_batches = (int32_t)set->micro_batches};
     CHECK(moert_layers_create(rt->cfg, &launch, &r->layers));
-    /* whether the second slot is there; on the CPU the merged halves then run in order (on CUDA they always take
-     * turns: that is the overlap) */
-    r->overlap = moert_layers_overlap_interleave(r->layers, false);
     r->info.struct_size = sizeof r->info;
     CHECK(moert_layers_get_info(r->layers, &r->info));
+    /* whether the second slot is there; on the CPU the merged halves then run one after the other unless a test asks
+     * them to take turns (moert_runtime_overlap_set_interleave); on CUDA they always take turns: that is the overlap */
+    r->overlap = r->info.slots > 1;
     /* the layers' own high-priority stream: the trainer's work queues there, ordered with theirs */
     r->stream = r->info.stream;
     void *work = NULL;

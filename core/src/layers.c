@@ -732,7 +732,8 @@ MOERT_API moert_result moert_layers_get_info(const moert_layers *m, moert_layers
                               .edp_rank = L->edp_rank,
                               .edp_size = L->edp_size,
                               .local_ffn_hidden = L->info.ffn_hidden,
-                              .stream = m->stream};
+                              .stream = m->stream,
+                              .slots = m->overlap.made ? MOERT_OVERLAP_SLOTS : 1};
     const moert_tensor *bias = ROUTER(L)->expert_bias ? ROUTER(L)->expert_bias(L->router.ctx) : NULL;
     if (bias) info.expert_bias_dtype = bias->dtype;
     memcpy(out, &info, size);

@@ -219,7 +219,7 @@ static void test_gradients(void)
     moert_layers_info info = {0};
     EXPECT_OK(moert_layers_get_info(m, &info));
     EXPECT(info.num_layers == 2 && info.num_local_experts == E && info.max_tokens == 48 &&
-           info.param_dtype == MOERT_F64);
+           info.param_dtype == MOERT_F64 && info.slots == 1);
     double bias[E];
     moert_tensor tb = moert_tensor_1d(bias, moert_cpu(), MOERT_F64, E);
     EXPECT(moert_layers_get_expert_bias(m, 0, &tb, NULL) == MOERT_ERR_UNSUPPORTED);

@@ -80,6 +80,8 @@ static moert_result one_run(rank_job *job, int merged)
     if ((rc = moert_layers_create(job->cfg[merged], &launch, &m)) != MOERT_OK) return rc;
     moert_layers_info info = {.struct_size = sizeof info};
     moert_layers_get_info(m, &info);
+    /* API version 7: the merged run's layers hold the second slot, the sequential one's do not */
+    EXPECT_EQ_INT(info.slots, merged ? 2 : 1);
     for (int l = 0; l < LAYERS; l++)
         for (int p = 0; p < MOERT_PARAM_COUNT; p++) {
             moert_tensor desc;

@@ -31,7 +31,7 @@ extern "C" {
  * last forward, trace spans, CUDA graph capture, two forwards in flight per layer with
  * $.parallel.overlap_micro_batches and moert_moe_forward_backward, and in moert.h moert_config_memory_estimate and
  * moert_plugin_description.agreement_rtol. */
-#define MOERT_API_VERSION 6
+#define MOERT_API_VERSION 7
 MOERT_API int moert_api_version(void);
 
 typedef struct moert_config moert_config;
@@ -154,6 +154,9 @@ typedef struct moert_layers_info {
     /* API version 6: the layers' own compute stream (a cudaStream_t of high priority; NULL on the CPU). Work the
      * caller queues on it is ordered with moert's without the events a call on another stream costs. */
     moert_stream stream;
+    /* API version 7: the forwards each layer can hold in flight: 1, or 2 where $.parallel.overlap_micro_batches made
+     * the second slot (moert_moe_forward_backward then runs its halves beside each other on CUDA). */
+    int32_t slots;
 } moert_layers_info;
 MOERT_API moert_result moert_layers_get_info(const moert_layers *layers, moert_layers_info *out);
 
