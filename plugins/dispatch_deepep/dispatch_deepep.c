@@ -55,7 +55,6 @@ typedef struct deepep_cuda_state {
 typedef struct deepep_ctx {
     peer_dispatch core; /* first: the frame it shares with "hybridep" (host, layer, peer buffer, the step) */
     bool nvlink_only;   /* bench_nvlink_only: CUDA calls run only their NVLink phase */
-    bool overlapped;    /* MOERT_LAYER_OVERLAPPED: "num_sms" 0 takes DEEPEP_OVERLAP_SMS */
     char call_names[CALL_NAMES][24];
 
     deepep_plan plan;
@@ -152,7 +151,6 @@ static moert_result deepep_init(void **out, const moert_host *host, const moert_
                                &c->nvlink_only);
     if (rc != MOERT_OK) goto fail;
     c->core.fp8 = dispatch_dtype == 1;
-    c->overlapped = MOERT_LAYER_INFO_HAS_FLAGS(layer) && (layer->flags & MOERT_LAYER_OVERLAPPED);
     c->core.channels = c->core.num_sms < 1 ? 1 : c->core.num_sms; /* 0 (every SM) is resolved by cuda_init() */
     if (c->core.fp8 && layer->hidden % PEER_FP8_BLOCK != 0) {
         host->set_error(host,
@@ -367,7 +365,8 @@ static moert_result cuda_init(deepep_ctx *c)
     if (rc != MOERT_OK) return rc;
     if (cu->sms < 1) cu->sms = 1;
     if (c->core.num_sms == 0) { /* every SM of the device (at most PEER_MAX_CHANNELS), few beside the other half */
-        const int most = c->overlapped ? DEEPEP_OVERLAP_SMS : PEER_MAX_CHANNELS;
+        const int most =
+            MOERT_LAYER_INFO_FLAGS(&c->core.layer) & MOERT_LAYER_OVERLAPPED ? DEEPEP_OVERLAP_SMS : PEER_MAX_CHANNELS;
         c->core.channels = cu->sms > most ? most : cu->sms;
     }
     rc = array_reserve(c, &cu->status, 64, true);

@@ -128,8 +128,9 @@ typedef struct moert_layer_info {
 
 /* Whether a moert_layer_info has `twin` (an older core passes a shorter struct). */
 #define MOERT_LAYER_INFO_HAS_TWIN(info) ((info)->struct_size >= offsetof(moert_layer_info, twin) + sizeof(void *))
-/* Whether a moert_layer_info has `flags`. */
+/* Whether a moert_layer_info has `flags`, and its flags (0 from a core that passes none). */
 #define MOERT_LAYER_INFO_HAS_FLAGS(info) ((info)->struct_size >= offsetof(moert_layer_info, flags) + sizeof(uint32_t))
+#define MOERT_LAYER_INFO_FLAGS(info)     (MOERT_LAYER_INFO_HAS_FLAGS(info) ? (info)->flags : 0u)
 
 /* The layer's calls run beside another micro-batch's work on other streams ($.parallel.overlap_micro_batches on, both
  * slots): a dispatcher left to choose its SMs should take few, since a kernel waits for the SMs the other half's GEMMs
