@@ -19,6 +19,8 @@
  *   kernel_f32w_ow  WGRAD only: the same overwriting the fp32 gradient (a step's first micro-batch)
  *   kernel_f32w_cl4, kernel_f32w_ow_cl4  WGRAD only: as the two above in clusters of 4 CTAs on 2 x 2 tiles (on Hopper
  *                 the ping-pong schedule otherwise runs quads when adding and pairs when overwriting)
+ *   kernel_f32w_coopN, kernel_f32w_ow_coopN  WGRAD only, Hopper: the wgmma WGRAD's cooperative schedule (128 x 256
+ *                 tiles) in clusters of N = 1, 2 (k_in tile pairs), 4 (2 x 2 tiles), adding and overwriting
  *   loop_sS_f32w  WGRAD only: the cuBLASLt loop on S streams accumulating into an fp32 gradient (the plugin's
  *                 "wgrad_gemm": "cublaslt")
  *   copy          WGRAD only: a device-to-device copy of the fp32 gradient (reads and writes its bytes): the traffic
@@ -106,13 +108,15 @@ typedef struct bench_variant {
     int grouped; /* MOERT_BF16_CUDA_GROUPED */
     int dense;   /* one expert with all rows */
     int kernel; /* 1: bf16_device_gemm (bf16 gradient), 2: the same into an fp32 gradient, 3: its mma.sync engine, 4: as
-                   2, overwriting; 5, 6: as 2 and 4 in clusters of 4 */
+                   2, overwriting */
     int wgrad_only; /* 1: WGRAD only, -1: FORWARD and DGRAD only */
     int f32w;       /* the cuBLASLt variants: WGRAD into the fp32 gradient */
     int copy;       /* a device copy of the fp32 gradient instead of a GEMM */
+    int cluster;    /* kernel 2, 4: the wgmma WGRAD's cluster (0: as it picks) */
+    int schedule;   /* kernel 2, 4: the wgmma WGRAD's schedule (BF16_WGMMA_WGRAD_*) */
 } bench_variant;
 
-#define MAX_VARIANTS 16
+#define MAX_VARIANTS 24
 #define MAX_EXPERTS  256
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
@@ -216,8 +220,8 @@ static bf16_device_gemm_args kernel_args(const moert_bf16_cuda_gemm *gm, const i
 
 /* Whether variant v runs on pass `pass` (wgrad_only: 1 WGRAD only, -1 FORWARD/DGRAD only). */
 /* The kernel variants into an fp32 gradient, and those of them overwriting it. */
-static int kernel_f32(const bench_variant *v) { return v->kernel == 2 || v->kernel >= 4; }
-static int kernel_overwrites(const bench_variant *v) { return v->kernel == 4 || v->kernel == 6; }
+static int kernel_f32(const bench_variant *v) { return v->kernel == 2 || v->kernel == 4; }
+static int kernel_overwrites(const bench_variant *v) { return v->kernel == 4; }
 
 static int runs_on(const bench_variant *v, int pass)
 {
@@ -264,15 +268,13 @@ static void result_of(moert_bf16_cuda *g, cudaStream_t stream, const bench_varia
     CK(cudaMemcpy(host, dst, bytes, cudaMemcpyDeviceToHost));
 }
 
-/* WGRAD into an fp32 gradient: the kernel in clusters of `cluster` CTAs (0: as it picks) overwriting, or with
- * `add` adding into zeros, against the cuBLASLt loop overwriting (variant loop), relative Frobenius. */
-static double wgrad_f32_error(moert_bf16_cuda *g, cudaStream_t stream, const bench_variant *loop,
-                              moert_bf16_cuda_gemm gm, const int64_t *d_counts, int64_t rows, void *dw32, size_t elems,
-                              int cluster, int add)
+/* The cuBLASLt loop's WGRAD overwriting an fp32 gradient (variant loop), on the host: the reference of the kernel's. */
+static float *wgrad_f32_reference(moert_bf16_cuda *g, cudaStream_t stream, const bench_variant *loop,
+                                  moert_bf16_cuda_gemm gm, void *dw32, size_t elems)
 {
-    float *ref = malloc(elems * 4), *got = malloc(elems * 4);
-    if (!ref || !got) {
-        fprintf(stderr, "gemm_bench: out of host memory for the fp32 gradient check (%zu bytes)\n", elems * 8);
+    float *ref = malloc(elems * 4);
+    if (!ref) {
+        fprintf(stderr, "gemm_bench: out of host memory for the fp32 gradient check (%zu bytes)\n", elems * 4);
         exit(1);
     }
     configure(g, loop);
@@ -281,10 +283,21 @@ static double wgrad_f32_error(moert_bf16_cuda *g, cudaStream_t stream, const ben
     MOK(moert_bf16_cuda_grouped_gemm(g, stream, &gm));
     CK(cudaStreamSynchronize(stream));
     CK(cudaMemcpy(ref, dw32, elems * 4, cudaMemcpyDeviceToHost));
+    return ref;
+}
+
+/* WGRAD into an fp32 gradient on the kernel as variant v runs it (its cluster and schedule), overwriting, or adding
+ * into zeros, against ref (wgrad_f32_reference): relative Frobenius. got: host scratch of elems floats. */
+static double wgrad_f32_error(const bench_variant *v, cudaStream_t stream, const float *ref, float *got,
+                              const moert_bf16_cuda_gemm *gm, const int64_t *d_counts, int64_t rows, void *dw32,
+                              size_t elems)
+{
+    const int add = !kernel_overwrites(v);
     CK(cudaMemset(dw32, add ? 0 : 0x7f, elems * 4)); /* anything the kernel fails to write shows */
-    bf16_device_gemm_args ka = kernel_args(&gm, d_counts, rows, dw32, 1, BF16_DEVICE_GEMM_ENGINE_AUTO);
+    bf16_device_gemm_args ka = kernel_args(gm, d_counts, rows, dw32, 1, BF16_DEVICE_GEMM_ENGINE_AUTO);
     ka.accumulate = add;
-    ka.wgrad_cluster = cluster;
+    ka.wgrad_cluster = v->cluster;
+    ka.wgrad_schedule = v->schedule;
     MOK(bf16_device_gemm(&bench_host, stream, &ka));
     CK(cudaStreamSynchronize(stream));
     CK(cudaMemcpy(got, dw32, elems * 4, cudaMemcpyDeviceToHost));
@@ -293,8 +306,6 @@ static double wgrad_f32_error(moert_bf16_cuda *g, cudaStream_t stream, const ben
         num += ((double)got[i] - ref[i]) * ((double)got[i] - ref[i]);
         den += (double)ref[i] * ref[i];
     }
-    free(ref);
-    free(got);
     return den > 0 ? sqrt(num / den) : (num == 0 ? 0 : INFINITY);
 }
 
@@ -316,35 +327,41 @@ int main(int argc, char **argv)
 
     bench_variant variants[MAX_VARIANTS];
     int nv = 0;
-    variants[nv++] = (bench_variant){"loop", 1, 0, 0, 0, 0, 0, 0, 0, 0};
-    bench_variant v_streams = {"", streams, 0, 0, 0, 0, 0, 0, 0, 0},
-                  v_streams_vary = {"", streams, 1, 0, 0, 0, 0, 0, 0, 0};
-    bench_variant v_graph = {"", streams, 0, 1, 0, 0, 0, 0, 0, 0};
+    variants[nv++] = (bench_variant){"loop", 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    bench_variant v_streams = {"", streams, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+                  v_streams_vary = {"", streams, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    bench_variant v_graph = {"", streams, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0};
     snprintf(v_streams.name, sizeof v_streams.name, "loop_s%d", streams);
     snprintf(v_streams_vary.name, sizeof v_streams_vary.name, "loop_s%d_vary", streams);
     snprintf(v_graph.name, sizeof v_graph.name, "graph_s%d", streams);
     const int i_streams = nv;
     variants[nv++] = v_streams;
-    variants[nv++] = (bench_variant){"loop_vary", 1, 1, 0, 0, 0, 0, 0, 0, 0};
+    variants[nv++] = (bench_variant){"loop_vary", 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0};
     variants[nv++] = v_streams_vary;
     const int i_graph = nv;
     variants[nv++] = v_graph;
-    variants[nv++] = (bench_variant){"grouped", 1, 0, 0, 1, 0, 0, 0, 0, 0};
+    variants[nv++] = (bench_variant){"grouped", 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0};
     const int i_kernel = nv;
-    variants[nv++] = (bench_variant){"kernel", 1, 0, 0, 0, 0, 1, 0, 0, 0};
-    variants[nv++] = (bench_variant){"kernel_mma", 1, 0, 0, 0, 0, 3, -1, 0, 0};
-    variants[nv++] = (bench_variant){"kernel_f32w", 1, 0, 0, 0, 0, 2, 1, 0, 0};
-    variants[nv++] = (bench_variant){"kernel_f32w_ow", 1, 0, 0, 0, 0, 4, 1, 0, 0};
-    variants[nv++] = (bench_variant){"kernel_f32w_cl4", 1, 0, 0, 0, 0, 5, 1, 0, 0};
-    variants[nv++] = (bench_variant){"kernel_f32w_ow_cl4", 1, 0, 0, 0, 0, 6, 1, 0, 0};
-    bench_variant v_streams_f32w = {"", streams, 0, 0, 0, 0, 0, 1, 1, 0};
+    variants[nv++] = (bench_variant){"kernel", 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0};
+    variants[nv++] = (bench_variant){"kernel_mma", 1, 0, 0, 0, 0, 3, -1, 0, 0, 0, 0};
+    variants[nv++] = (bench_variant){"kernel_f32w", 1, 0, 0, 0, 0, 2, 1, 0, 0, 0, 0};
+    variants[nv++] = (bench_variant){"kernel_f32w_ow", 1, 0, 0, 0, 0, 4, 1, 0, 0, 0, 0};
+    variants[nv++] = (bench_variant){"kernel_f32w_cl4", 1, 0, 0, 0, 0, 2, 1, 0, 0, 4, 0};
+    variants[nv++] = (bench_variant){"kernel_f32w_ow_cl4", 1, 0, 0, 0, 0, 4, 1, 0, 0, 4, 0};
+    for (int cl = 1; cl <= 4; cl *= 2) /* the cooperative schedule */
+        for (int ow = 0; ow < 2; ow++) {
+            bench_variant v = {"", 1, 0, 0, 0, 0, ow ? 4 : 2, 1, 0, 0, cl, BF16_WGMMA_WGRAD_COOPERATIVE};
+            snprintf(v.name, sizeof v.name, "kernel_f32w%s_coop%d", ow ? "_ow" : "", cl);
+            variants[nv++] = v;
+        }
+    bench_variant v_streams_f32w = {"", streams, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0};
     snprintf(v_streams_f32w.name, sizeof v_streams_f32w.name, "loop_s%d_f32w", streams);
     const int i_f32w_loop = nv;
     variants[nv++] = v_streams_f32w;
     const int i_copy = nv;
-    variants[nv++] = (bench_variant){"copy", 1, 0, 0, 0, 0, 0, 1, 0, 1};
+    variants[nv++] = (bench_variant){"copy", 1, 0, 0, 0, 0, 0, 1, 0, 1, 0, 0};
     const int i_dense = nv;
-    variants[nv++] = (bench_variant){"dense", 1, 0, 0, 0, 1, 0, 0, 0, 0};
+    variants[nv++] = (bench_variant){"dense", 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0};
 
     struct cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
@@ -418,7 +435,8 @@ int main(int argc, char **argv)
                             kernel_args(&gm, d_counts, R, f32 ? dw32 : dw, f32,
                                         var->kernel == 3 ? BF16_DEVICE_GEMM_ENGINE_MMA : BF16_DEVICE_GEMM_ENGINE_AUTO);
                         if (kernel_overwrites(var)) ka.accumulate = 0;
-                        ka.wgrad_cluster = var->kernel >= 5 ? 4 : 0;
+                        ka.wgrad_cluster = var->cluster;
+                        ka.wgrad_schedule = var->schedule;
                         MOK(bf16_device_gemm(&bench_host, stream, &ka));
                     } else {
                         moert_bf16_cuda_gemm gv = gm;
@@ -448,7 +466,8 @@ int main(int argc, char **argv)
 
             /* bit-for-bit: the S-stream loop and the graph replay against the 1-stream loop */
             int same_streams = -1, same_graph = -1;
-            double kernel_err = -1, f32w_err = -1, f32w_add_err = -1, f32w_cl4_err = -1;
+            double kernel_err = -1, f32w_err[MAX_VARIANTS];
+            for (int v = 0; v < nv; v++) f32w_err[v] = -1;
             if (check) {
                 const int64_t elems = pass == 0 ? R * N : pass == 1 ? R * K : E * K * N;
                 const size_t bytes = (size_t)elems * 2;
@@ -477,10 +496,18 @@ int main(int argc, char **argv)
                 free(got);
                 if (pass == MOERT_GEMM_WGRAD) {
                     const size_t dw_elems = (size_t)(E * K * N);
-                    const bench_variant *lt = &variants[i_f32w_loop];
-                    f32w_err = wgrad_f32_error(g, stream, lt, gm, d_counts, R, dw32, dw_elems, 0, 0);
-                    f32w_add_err = wgrad_f32_error(g, stream, lt, gm, d_counts, R, dw32, dw_elems, 0, 1);
-                    f32w_cl4_err = wgrad_f32_error(g, stream, lt, gm, d_counts, R, dw32, dw_elems, 4, 0);
+                    float *ref32 = wgrad_f32_reference(g, stream, &variants[i_f32w_loop], gm, dw32, dw_elems);
+                    float *got32 = malloc(dw_elems * 4);
+                    if (!got32) {
+                        fprintf(stderr, "gemm_bench: out of host memory for the fp32 gradient check\n");
+                        return 1;
+                    }
+                    for (int v = 0; v < nv; v++)
+                        if (kernel_f32(&variants[v]))
+                            f32w_err[v] = wgrad_f32_error(&variants[v], stream, ref32, got32, &gm, d_counts, R, dw32,
+                                                          dw_elems);
+                    free(ref32);
+                    free(got32);
                 }
             }
 
@@ -499,11 +526,7 @@ int main(int argc, char **argv)
                 r->host_ms = host_total[v] / repeats;
                 r->queries_per_iter = (double)queries[v] / repeats;
                 r->same_bits = v == i_streams ? same_streams : v == i_graph ? same_graph : -1;
-                r->rel_err = v == i_kernel             ? kernel_err
-                             : variants[v].kernel == 4 ? f32w_err
-                             : variants[v].kernel == 2 ? f32w_add_err
-                             : variants[v].kernel == 6 ? f32w_cl4_err
-                                                       : -1;
+                r->rel_err = v == i_kernel ? kernel_err : f32w_err[v];
                 /* the floor of the fp32-gradient WGRAD variants: the copy moves the gradient's bytes twice */
                 const int f32_wgrad = pass == MOERT_GEMM_WGRAD && (kernel_f32(&variants[v]) || variants[v].f32w);
                 const double traffic_ms = median[i_copy] * (kernel_overwrites(&variants[v]) ? 0.5 : 1.0);

@@ -54,11 +54,23 @@ typedef struct bf16_device_gemm_args {
     int engine;              /* BF16_DEVICE_GEMM_ENGINE_*: which kernel runs FORWARD/DGRAD */
     int max_sms;             /* wgmma engine: CTAs of its persistent grid at most (0: one per SM), so that kernels
                                 on another stream (a dispatcher's) find SMs free beside it */
-    int wgrad_cluster; /* wgmma WGRAD ping-pong: CTAs of a cluster sharing operand tiles by TMA multicast, 4 (2 x 2
-                                tiles), 2 (n_out tile pairs) or 1, each where the tile counts allow it, else the next
-                                smaller (tests, benchmarks); 0: adding 4, overwriting 4 where quads keep as many SMs
-                                busy as pairs, else 2, else 1 */
+    int wgrad_cluster; /* wgmma WGRAD: CTAs of a cluster sharing operand tiles by TMA multicast, 4 (2 x 2 tiles), 2
+                                (ping-pong: n_out tile pairs; cooperative: k_in tile pairs) or 1, each where the tile
+                                counts allow it, else the next smaller (tests, benchmarks); 0: the ping-pong adding in
+                                4, overwriting in 4 where quads keep as many SMs busy as pairs, else 2, else 1; the
+                                cooperative schedule in 4, else 2, else 1 */
+    int wgrad_schedule; /* BF16_WGMMA_WGRAD_*: the wgmma WGRAD's schedule (tests, benchmarks); 0 picks by the rows an
+                           expert has on average */
 } bf16_device_gemm_args;
+
+/* The wgmma WGRAD's schedules (device_gemm_wgmma.cu): AUTO the ping-pong below BF16_WGMMA_PINGPONG_ROWS rows an expert
+ * on average, else the cooperative one; PINGPONG 128 x 128 tiles, one per consumer warpgroup; COOPERATIVE 128 x 256
+ * tiles, both consumer warpgroups on each. */
+enum {
+    BF16_WGMMA_WGRAD_AUTO = 0,
+    BF16_WGMMA_WGRAD_PINGPONG = 1,
+    BF16_WGMMA_WGRAD_COOPERATIVE = 2,
+};
 
 /* The kernels behind FORWARD, DGRAD and WGRAD into fp32 (WGRAD into a bf16 gradient always runs on mma.sync):
  * AUTO: the wgmma engine (device_gemm_wgmma.h: TMA, wgmma m64n256k16, persistent) where the GPU has it (compute

@@ -279,11 +279,13 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_kernel(const __grid_
  * - Cooperative (BN 256), for experts of many rows (mixtral), where the MMA dominates and the wider tile loads a
  *   quarter fewer operand bytes per flop: both consumers share each tile, 64 rows of k_in each (one m64n256
  *   accumulator).
- * The ping-pong runs in clusters: of four CTAs on a 2 x 2 block of tiles of one expert where both tile counts pair up,
- * else of two on two neighbouring n_out tiles. CTAs on the same k_in tile multiply the same A, those on the same n_out
- * tile the same B: each loads half of a shared operand and TMA multicasts it into both, so a CTA reads 128 KiB of
- * operands from L2 per 128 x 128 tile and 512 rows instead of 256 KiB alone (192 KiB in a pair), while the ping-pong
- * keeps overlapping the fp32 writes; a consumer hands a stage back to every CTA that wrote into it.
+ * Both run in clusters (wgrad_cluster): of four CTAs on a 2 x 2 block of tiles of one expert where both tile counts
+ * pair up, else of two on two neighbouring tiles (the ping-pong's along n_out, sharing A; the cooperative schedule's
+ * along k_in, sharing its larger B). CTAs on the same k_in tile multiply the same A, those on the same n_out tile the
+ * same B: each loads half of a shared operand and TMA multicasts it into both, so a ping-pong CTA reads 128 KiB of
+ * operands from L2 per 128 x 128 tile and 512 rows instead of 256 KiB alone (192 KiB in a pair), a cooperative one 96
+ * KiB per 128 x 128 of its tile in quads (128 KiB in a pair, 192 KiB alone); a consumer hands a stage back to every
+ * CTA that wrote into it.
  * The rows past an expert's last (another expert's, padding, or past the buffers) are zeroed in shared memory before
  * the expert's last k-block is multiplied. Epilogue: the ping-pong's goes through the storer thread (see
  * wgrad_storer); the cooperative consumer's 64 x 256 fp32 result goes out in its rows' two 128-column halves, each
@@ -324,19 +326,22 @@ __device__ __forceinline__ void wgmma_m64n128k16_mn(float *d, uint64_t desc_a, u
 #endif
 }
 
-/* A cluster of CL CTAs takes CM x CN neighbouring tiles of one expert: CL 1 one tile, 2 two n_out tiles (1 x 2), 4 a
- * 2 x 2 block; CTA `rank` takes k_in tile rank % CM and n_out tile rank / CM of the block. The CTAs of a block row
- * multiply the same A (input columns), those of a block column the same B (grad_output columns). */
-template <int CL> struct wgrad_cluster {
-    static constexpr int CM = CL == 4 ? 2 : 1, CN = CL >= 2 ? 2 : 1;
+/* A cluster of CL CTAs takes CM x CN neighbouring tiles of one expert, CTA `rank` k_in tile rank % CM and n_out tile
+ * rank / CM of the block: CL 1 one tile; CL 4 a 2 x 2 block; CL 2 two n_out tiles (1 x 2) in the ping-pong (BN 128,
+ * where A and B are the same size) and two k_in tiles (2 x 1) in the cooperative schedule (BN 256, where B, shared
+ * along k_in, is the larger operand). The CTAs of a block row multiply the same A (input columns), those of a block
+ * column the same B (grad_output columns). */
+template <int CL, int BN> struct wgrad_cluster {
+    static constexpr int CM = CL == 4 || (CL == 2 && BN == 256) ? 2 : 1;
+    static constexpr int CN = CL == 4 || (CL == 2 && BN == 128) ? 2 : 1;
 };
 
 /* WGRAD's work unit u of a cluster of CL CTAs: expert e, k_in tile mt and n_out tile nt of its gradient for CTA
  * `rank` (blocks of k_in tiles fastest). */
-template <int CL>
+template <int CL, int BN>
 __device__ __forceinline__ void wgrad_tile_at(const wg_wgrad_params &p, int u, int rank, int *e, int *mt, int *nt)
 {
-    constexpr int CM = wgrad_cluster<CL>::CM, CN = wgrad_cluster<CL>::CN;
+    constexpr int CM = wgrad_cluster<CL, BN>::CM, CN = wgrad_cluster<CL, BN>::CN;
     const int mb = p.m_tiles / CM, per = mb * (p.n_tiles / CN), r = u % per;
     *e = u / per;
     *mt = r % mb * CM + rank % CM;
@@ -344,18 +349,20 @@ __device__ __forceinline__ void wgrad_tile_at(const wg_wgrad_params &p, int u, i
 }
 
 /* The work units of a cluster of CL CTAs (m_tiles and n_tiles are multiples of CM and CN). */
-template <int CL> __device__ __forceinline__ int wgrad_units(const wg_wgrad_params &p)
+template <int CL, int BN> __device__ __forceinline__ int wgrad_units(const wg_wgrad_params &p)
 {
-    return p.num_experts * (p.m_tiles / wgrad_cluster<CL>::CM) * (p.n_tiles / wgrad_cluster<CL>::CN);
+    return p.num_experts * (p.m_tiles / wgrad_cluster<CL, BN>::CM) * (p.n_tiles / wgrad_cluster<CL, BN>::CN);
 }
 
 /* The CTAs of the cluster (a mask of ranks) that write into CTA rank's stages: those sharing its A (its block row)
  * and its B (its block column), itself included; each gets the stage back from rank's consumers. */
-template <int CL> __device__ __forceinline__ uint32_t wgrad_sharers(int rank)
+template <int CL, int BN> __device__ __forceinline__ uint32_t wgrad_sharers(int rank)
 {
-    constexpr int CM = wgrad_cluster<CL>::CM;
+    constexpr int CM = wgrad_cluster<CL, BN>::CM, CN = wgrad_cluster<CL, BN>::CN;
     const int rm = rank % CM, rn = rank / CM;
-    return (1u << rm) | (1u << (rm + CM)) | (1u << (CM * rn)) | (1u << (CM * rn + CM - 1));
+    const uint32_t row = CN == 2 ? (1u << rm) | (1u << (rm + CM)) : 1u << rank;
+    const uint32_t column = CM == 2 ? 3u << (CM * rn) : 1u << rank;
+    return row | column;
 }
 
 /* The k-blocks (64 rows each) of expert e. */
@@ -372,19 +379,19 @@ template <int STAGES, int BN, int CL>
 __device__ __forceinline__ void wgrad_produce(const wg_wgrad_params &p, const int64_t *row_start, int rank,
                                               uint8_t *stages, uint64_t *full, uint64_t *empty)
 {
-    const int stage_bytes = WGR_A_BYTES + BN / 64 * WG_BOX_BYTES, units = wgrad_units<CL>(p);
+    const int stage_bytes = WGR_A_BYTES + BN / 64 * WG_BOX_BYTES, units = wgrad_units<CL, BN>(p);
     int s = 0;
     uint32_t phase = 0, it = 0;
     for (int u = blockIdx.x / CL; u < units; u += gridDim.x / CL) {
         int e, mt, nt;
-        wgrad_tile_at<CL>(p, u, rank, &e, &mt, &nt);
+        wgrad_tile_at<CL, BN>(p, u, rank, &e, &mt, &nt);
         const int k_blocks = wgrad_k_blocks(row_start, e);
         for (int kb = 0; kb < k_blocks; kb++, it++) {
             if (it >= STAGES) mbar_wait(&empty[s], phase ^ 1);
             mbar_arrive_expect_tx(&full[s], stage_bytes);
             const int32_t row = (int32_t)(row_start[e] + (int64_t)kb * WG_BK);
             uint8_t *a = stages + s * stage_bytes, *b = a + WGR_A_BYTES;
-            constexpr int CM = wgrad_cluster<CL>::CM, CN = wgrad_cluster<CL>::CN;
+            constexpr int CM = wgrad_cluster<CL, BN>::CM, CN = wgrad_cluster<CL, BN>::CN;
             const int rm = rank % CM, rn = rank / CM;
             if (CN == 2) /* A's box rn, to the block row: ranks rm and rm + CM */
                 tensor_load_2d_multicast(a + rn * WG_BOX_BYTES, &p.map_in, mt * WGR_BM + rn * 64, row, &full[s],
@@ -392,9 +399,10 @@ __device__ __forceinline__ void wgrad_produce(const wg_wgrad_params &p, const in
             else
                 for (int j = 0; j < 2; j++)
                     tensor_load_2d(a + j * WG_BOX_BYTES, &p.map_in, mt * WGR_BM + j * 64, row, &full[s]);
-            if (CM == 2) /* B's box rm, to the block column: ranks 2 rn and 2 rn + 1 */
-                tensor_load_2d_multicast(b + rm * WG_BOX_BYTES, &p.map_dout, nt * BN + rm * 64, row, &full[s],
-                                         (uint16_t)(3u << (2 * rn)));
+            if (CM == 2) /* B's boxes of half rm, to the block column: ranks 2 rn and 2 rn + 1 */
+                for (int j = rm * BN / 128; j < (rm + 1) * BN / 128; j++)
+                    tensor_load_2d_multicast(b + j * WG_BOX_BYTES, &p.map_dout, nt * BN + j * 64, row, &full[s],
+                                             (uint16_t)(3u << (2 * rn)));
             else
                 for (int j = 0; j < BN / 64; j++)
                     tensor_load_2d(b + j * WG_BOX_BYTES, &p.map_dout, nt * BN + j * 64, row, &full[s]);
@@ -473,10 +481,10 @@ __device__ __forceinline__ void wgrad_store(const wg_wgrad_params &p, int e, con
 
 /* Hands stage s back to the producers that write into it: this CTA's, and in a cluster those of the CTAs sharing an
  * operand with it (wgrad_sharers). */
-template <int CL> __device__ __forceinline__ void wgrad_release(uint64_t *empty, int s, int rank)
+template <int CL, int BN> __device__ __forceinline__ void wgrad_release(uint64_t *empty, int s, int rank)
 {
     if (CL > 1)
-        mbar_arrive_warp_ranks(&empty[s], wgrad_sharers<CL>(rank));
+        mbar_arrive_warp_ranks(&empty[s], wgrad_sharers<CL, BN>(rank));
     else
         wg_release(empty, s);
 }
@@ -520,12 +528,12 @@ template <int CL>
 __device__ __forceinline__ void wgrad_storer(const wg_wgrad_params &p, const int64_t *row_start, int rank,
                                              uint8_t *staging, uint64_t *ready, uint64_t *staged)
 {
-    const int units = wgrad_units<CL>(p), stride = gridDim.x / CL;
+    const int units = wgrad_units<CL, 128>(p), stride = gridDim.x / CL;
     const uint64_t policy = l2_evict_first_policy();
     int k = 0, pending_e = 0, pending_m = 0, pending_n = -1; /* the half made ready and not yet stored */
     for (int u = blockIdx.x / CL; u < units; u += stride) {
         int e, mt, nt;
-        wgrad_tile_at<CL>(p, u, rank, &e, &mt, &nt);
+        wgrad_tile_at<CL, 128>(p, u, rank, &e, &mt, &nt);
         for (int h = 0; h < 2; h++) {
             const int m0 = mt * WGR_BM + 64 * h, n0 = nt * 128;
             if (!wgrad_writes(p, row_start, e, m0, n0)) continue;
@@ -599,14 +607,15 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
                                               uint64_t *ready, uint64_t *staged, int c)
 {
     constexpr int BN = PINGPONG ? 128 : 256;
-    const int stage_bytes = WGR_A_BYTES + BN / 64 * WG_BOX_BYTES, units = wgrad_units<CL>(p), stride = gridDim.x / CL;
+    const int stage_bytes = WGR_A_BYTES + BN / 64 * WG_BOX_BYTES, units = wgrad_units<CL, BN>(p);
+    const int stride = gridDim.x / CL;
     int s = 0;
     uint32_t phase = 0;
     uint8_t *boxes = staging + c * WGR_STAGING_BYTES;
     int i = 0, half = 0; /* half: the ping-pong's next written half (wgrad_storer) */
     for (int u = blockIdx.x / CL; u < units; u += stride, i++) {
         int e, mt, nt;
-        wgrad_tile_at<CL>(p, u, rank, &e, &mt, &nt);
+        wgrad_tile_at<CL, BN>(p, u, rank, &e, &mt, &nt);
         const int k_blocks = wgrad_k_blocks(row_start, e);
         if (PINGPONG && (i & 1) != c) { /* the other consumer's unit: skip its stages */
             const int next = s + k_blocks;
@@ -662,14 +671,14 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
             wgmma_commit();
             if (kb > 0) {
                 wgmma_wait<1>();
-                wgrad_release<CL>(empty, prev, rank);
+                wgrad_release<CL, BN>(empty, prev, rank);
             }
             prev = s;
             if (++s == STAGES) s = 0, phase ^= 1;
         }
         if (hand_off) named_barrier_arrive(4 - c, 256); /* the other's turn */
         wgmma_wait<0>();
-        wgrad_release<CL>(empty, prev, rank);
+        wgrad_release<CL, BN>(empty, prev, rank);
         if (PINGPONG)
             wgrad_stage_in_turn<false>(p, row_start, e, mt, nt, acc, staging, ready, staged, &half, c, i, hand_off);
         else
@@ -698,7 +707,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_wgrad_kernel(const _
         for (int s = 0; s < STAGES; s++) {
             mbar_init_count(&full[s], 1);
             /* the warps that multiply a stage, in each CTA writing into it */
-            mbar_init_count(&empty[s], (PINGPONG ? 4 : 8) * (CL > 1 ? __popc(wgrad_sharers<CL>(0)) : 1));
+            mbar_init_count(&empty[s], (PINGPONG ? 4 : 8) * (CL > 1 ? __popc(wgrad_sharers<CL, BN>(0)) : 1));
         }
         for (int b = 0; b < 2; b++) {
             mbar_init_count(&ready[b], 1);  /* the storer */
@@ -729,8 +738,9 @@ static PFN_cuTensorMapEncodeTiled_v12000 encode_fn;
 static signed char ready[WG_MAX_DEVICES]; /* per device: 1 prepared, -1 not usable, 0 not asked */
 static int sm_count[WG_MAX_DEVICES];      /* per prepared device: the persistent grid */
 static int smem_optin[WG_MAX_DEVICES];    /* per prepared device: the most dynamic shared memory a block may take */
-/* per prepared device: clusters of 2 and of 4 CTAs of the WGRAD ping-pong that fit at once */
-static int wgrad_clusters[WG_MAX_DEVICES][2];
+/* per prepared device: clusters of 2 and of 4 CTAs of the WGRAD ping-pong [0] and cooperative schedule [1] that fit
+ * at once */
+static int wgrad_clusters[WG_MAX_DEVICES][2][2];
 
 /* A launch of `grid` CTAs of WG_THREADS in clusters of `cl` with `smem` bytes of dynamic shared memory; attr holds the
  * cluster attribute cfg points to. */
@@ -757,6 +767,14 @@ static void (*wgrad_pingpong(int stages, int cl))(wg_wgrad_params)
     return stages == 5 ? bf16_wgmma_wgrad_kernel<5, true, 1> : bf16_wgmma_wgrad_kernel<4, true, 1>;
 }
 
+/* The cooperative WGRAD kernel in clusters of `cl` CTAs. */
+static void (*wgrad_cooperative(int cl))(wg_wgrad_params)
+{
+    return cl == 4 ? bf16_wgmma_wgrad_kernel<3, false, 4>
+           : cl == 2 ? bf16_wgmma_wgrad_kernel<3, false, 2>
+                     : bf16_wgmma_wgrad_kernel<3, false, 1>;
+}
+
 extern "C" moert_result bf16_wgmma_prepare(const moert_host *host)
 {
     int dev = 0, major = 0, minor = 0;
@@ -781,10 +799,9 @@ extern "C" moert_result bf16_wgmma_prepare(const moert_host *host)
     CUDA_CHECK(host, cudaFuncSetAttribute(bf16_wgmma_kernel<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     CUDA_CHECK(host, cudaFuncSetAttribute(bf16_wgmma_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     CUDA_CHECK(host, cudaDeviceGetAttribute(&smem_optin[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    CUDA_CHECK(host,
-               cudaFuncSetAttribute(bf16_wgmma_wgrad_kernel<3, false, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)wgrad_smem_bytes(3, 256, BF16_DEVICE_GEMM_MAX_EXPERTS)));
     for (int cl = 1; cl <= 4; cl *= 2) {
+        CUDA_CHECK(host, cudaFuncSetAttribute(wgrad_cooperative(cl), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              (int)wgrad_smem_bytes(3, 256, BF16_DEVICE_GEMM_MAX_EXPERTS)));
         CUDA_CHECK(host, cudaFuncSetAttribute(wgrad_pingpong(4, cl), cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               (int)wgrad_smem_bytes(4, 128, BF16_DEVICE_GEMM_MAX_EXPERTS)));
         CUDA_CHECK(host, cudaFuncSetAttribute(wgrad_pingpong(5, cl), cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -792,15 +809,18 @@ extern "C" moert_result bf16_wgmma_prepare(const moert_host *host)
     }
     CUDA_CHECK(host, cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev));
     /* the clusters that fit at once (a GPC whose SM count is not a multiple of the cluster leaves SMs out) */
-    for (int i = 0; i < 2; i++) {
-        const int cl = 2 << i;
-        cudaLaunchConfig_t cfg;
-        cudaLaunchAttribute attr;
-        cluster_launch(&cfg, &attr, sm_count[dev] / cl * cl, cl, (size_t)smem_optin[dev], 0);
-        int fit = 0;
-        CUDA_CHECK(host, cudaOccupancyMaxActiveClusters(&fit, wgrad_pingpong(5, cl), &cfg));
-        wgrad_clusters[dev][i] = fit < sm_count[dev] / cl ? fit : sm_count[dev] / cl;
-    }
+    for (int i = 0; i < 2; i++)
+        for (int coop = 0; coop < 2; coop++) {
+            const int cl = 2 << i;
+            const size_t smem = coop ? wgrad_smem_bytes(3, 256, BF16_DEVICE_GEMM_MAX_EXPERTS) : (size_t)smem_optin[dev];
+            cudaLaunchConfig_t cfg;
+            cudaLaunchAttribute attr;
+            cluster_launch(&cfg, &attr, sm_count[dev] / cl * cl, cl, smem, 0);
+            int fit = 0;
+            CUDA_CHECK(host, cudaOccupancyMaxActiveClusters(&fit, coop ? wgrad_cooperative(cl) : wgrad_pingpong(5, cl),
+                                                            &cfg));
+            wgrad_clusters[dev][coop][i] = fit < sm_count[dev] / cl ? fit : sm_count[dev] / cl;
+        }
     ready[dev] = 1;
     return MOERT_OK;
 }
@@ -870,7 +890,9 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
     p.capacity = a->capacity;
     p.num_experts = (int)a->num_experts;
     /* the ping-pong where an expert has few rows on average (its fp32 writes take as long as its MMA) */
-    const bool pingpong = a->capacity < (int64_t)BF16_WGMMA_PINGPONG_ROWS * a->num_experts;
+    const bool pingpong = a->wgrad_schedule == BF16_WGMMA_WGRAD_AUTO
+                              ? a->capacity < (int64_t)BF16_WGMMA_PINGPONG_ROWS * a->num_experts
+                              : a->wgrad_schedule == BF16_WGMMA_WGRAD_PINGPONG;
     const int bn = pingpong ? 128 : 256;
     p.m_tiles = (int)((a->k_in + WGR_BM - 1) / WGR_BM);
     p.n_tiles = (int)((a->n_out + bn - 1) / bn);
@@ -883,31 +905,30 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
                       "bf16 device gemm WGRAD: %lld experts of %lld x %lld make more than 2^31 tiles",
                       (long long)a->num_experts, (long long)a->k_in, (long long)a->n_out);
     const int64_t sms = persistent_sms(a, dev);
-    if (!pingpong) {
-        const unsigned grid = (unsigned)(units < sms ? units : sms);
-        bf16_wgmma_wgrad_kernel<3, false, 1><<<grid, WG_THREADS, wgrad_smem_bytes(3, 256, p.num_experts), stream>>>(p);
-        LAUNCH_CHECK(host, "bf16_wgmma_wgrad_kernel");
-        return MOERT_OK;
-    }
-    /* the ping-pong takes five stages where the experts' prefix arrays leave room (up to ~160 experts), else four; in
-     * clusters of 4 (2 x 2 tiles, both tile counts even) or 2 (n_out tiles even), as many as fit in the SMs granted */
-    const int stages = wgrad_smem_bytes(5, 128, p.num_experts) <= (size_t)smem_optin[dev] ? 5 : 4;
-    int64_t fit4 = sms / 4 < wgrad_clusters[dev][1] ? sms / 4 : wgrad_clusters[dev][1];
-    int64_t fit2 = sms / 2 < wgrad_clusters[dev][0] ? sms / 2 : wgrad_clusters[dev][0];
+    /* clusters of 4 (2 x 2 tiles, both tile counts even) or 2 (the ping-pong's n_out tiles, the cooperative schedule's
+     * k_in tiles even), as many as fit in the SMs granted */
+    const int (*fits)[2] = &wgrad_clusters[dev][pingpong ? 0 : 1];
+    int64_t fit4 = sms / 4 < (*fits)[1] ? sms / 4 : (*fits)[1];
+    int64_t fit2 = sms / 2 < (*fits)[0] ? sms / 2 : (*fits)[0];
     if (p.n_tiles % 2 || p.m_tiles % 2) fit4 = 0;
-    if (p.n_tiles % 2) fit2 = 0;
-    /* auto: adding, quads (a third fewer L2 reads: on an H100 faster on every preset shape though only 30 quads fit
-     * against 66 pairs); overwriting, quads only where they keep as many SMs busy as pairs (on an H100 pairs were
-     * faster on every preset shape); else pairs, else single CTAs */
+    if (pingpong ? p.n_tiles % 2 : p.m_tiles % 2) fit2 = 0;
     int cl = a->wgrad_cluster == 4 && fit4 > 0 ? 4 : a->wgrad_cluster >= 2 && fit2 > 0 ? 2 : 1;
-    if (a->wgrad_cluster == 0) cl = fit4 > 0 && (p.accumulate || fit4 * 4 >= fit2 * 2) ? 4 : fit2 > 0 ? 2 : 1;
+    /* auto: the ping-pong adding in quads (a third fewer L2 reads: on an H100 faster on every preset shape though only
+     * 30 quads fit against 66 pairs), overwriting in quads only where they keep as many SMs busy as pairs (on an H100
+     * pairs were faster on every preset shape), else pairs, else single CTAs; the cooperative schedule in quads, else
+     * pairs, else single */
+    if (a->wgrad_cluster == 0)
+        cl = fit4 > 0 && (!pingpong || p.accumulate || fit4 * 4 >= fit2 * 2) ? 4 : fit2 > 0 ? 2 : 1;
     const int64_t fit = cl == 4 ? fit4 : cl == 2 ? fit2 : sms;
     const int64_t cl_units = units / cl;
+    /* the ping-pong takes five stages where the experts' prefix arrays leave room (up to ~160 experts), else four; the
+     * cooperative schedule three */
+    const int stages = !pingpong ? 3 : wgrad_smem_bytes(5, 128, p.num_experts) <= (size_t)smem_optin[dev] ? 5 : 4;
     cudaLaunchConfig_t cfg;
     cudaLaunchAttribute attr;
-    cluster_launch(&cfg, &attr, (cl_units < fit ? cl_units : fit) * cl, cl,
-                   wgrad_smem_bytes(stages, 128, p.num_experts), stream);
-    CUDA_CHECK(host, cudaLaunchKernelEx(&cfg, wgrad_pingpong(stages, cl), p));
+    cluster_launch(&cfg, &attr, (cl_units < fit ? cl_units : fit) * cl, cl, wgrad_smem_bytes(stages, bn, p.num_experts),
+                   stream);
+    CUDA_CHECK(host, cudaLaunchKernelEx(&cfg, pingpong ? wgrad_pingpong(stages, cl) : wgrad_cooperative(cl), p));
     return MOERT_OK;
 }
 

@@ -46,6 +46,7 @@ typedef struct bf16_ctx {
     bool gemm_graphs; /* option: CUDA graph replay of repeated count vectors */
     int gemm_engine;  /* option "gemm": GEMM_AUTO, GEMM_CUBLASLT or GEMM_KERNEL */
     int wgrad_engine; /* option "wgrad_gemm": GEMM_AUTO (as "gemm"), GEMM_CUBLASLT or GEMM_KERNEL */
+    int wgrad_schedule; /* option "wgrad_schedule": by wgrad_schedules, as device_gemm.h's BF16_WGMMA_WGRAD_* */
 #ifdef MOERT_HAVE_CUDA
     bool use_kernel;                 /* the CUDA path runs device_gemm for every pass ("kernel" on a CUDA layer) */
     bool wgmma_fwd_dgrad;            /* "auto" on Hopper: FORWARD/DGRAD with device counts on device_gemm's wgmma
@@ -62,6 +63,7 @@ static const char *const mode_choices[] = {"auto", "bf16", "fp32", "fp64", NULL}
 static const char *const gemm_choices[] = {"auto", "cublaslt", "kernel", NULL};
 enum { GEMM_AUTO = 0, GEMM_CUBLASLT = 1, GEMM_KERNEL = 2 };       /* by gemm_choices */
 static const char *const mode_names[] = {"bf16", "fp32", "fp64"}; /* by bf16_mode */
+static const char *const wgrad_schedules[] = {"auto", "pingpong", "cooperative", NULL};
 
 /* Sets the instance's error message and returns code, so checks can `return fail(...)`. */
 #define fail(c, ...) report((c)->host, __VA_ARGS__)
@@ -246,6 +248,14 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
                            "Hopper into fp32 gradients)",
                            &wgrad_choice);
     if (rc != MOERT_OK) return rc;
+    int wgrad_schedule = 0;
+    rc = host->option_enum(host, "wgrad_schedule", wgrad_schedules, 0,
+                           "CUDA, Hopper, weight gradients on the kernel: the wgmma kernel's schedule, auto (pingpong "
+                           "below 2048 rows an expert on average, else cooperative), pingpong (128 x 128 tiles, one "
+                           "per consumer warpgroup, one multiplying while the other writes) or cooperative (128 x 256 "
+                           "tiles in CTA clusters sharing operands)",
+                           &wgrad_schedule);
+    if (rc != MOERT_OK) return rc;
     if (gemm_choice == GEMM_KERNEL && wgrad_choice == GEMM_CUBLASLT) {
         host->set_error(host, "$.precision.wgrad_gemm: \"cublaslt\" needs \"gemm\" \"auto\" or \"cublaslt\"; "
                               "\"gemm\": \"kernel\" runs without cuBLASLt");
@@ -265,6 +275,7 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
     c->gemm_graphs = gemm_graphs;
     c->gemm_engine = gemm_choice;
     c->wgrad_engine = wgrad_choice;
+    c->wgrad_schedule = wgrad_schedule;
 #ifdef MOERT_HAVE_CUDA
     if (c->on_cuda) {
         rc = cuda_init(c, choice);
@@ -472,6 +483,7 @@ static moert_result kernel_grouped_gemm(bf16_ctx *c, moert_stream stream, const 
         ka.grad_weight = args->grad_weight->data;
         ka.grad_weight_bf16 = gw == MOERT_BF16;
         ka.accumulate = !moert_gemm_overwrites_grad(args);
+        ka.wgrad_schedule = c->wgrad_schedule;
     } else {
         const moert_dtype wd = args->weight->dtype;
         if (wd == MOERT_BF16) {

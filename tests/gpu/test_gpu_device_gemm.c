@@ -230,9 +230,9 @@ static void *cpu_pass(const problem *p, int pass, bool overwrite, bool bf16_grad
     return out;
 }
 
-/* The output tile width and engine the kernel calls of the test ask for (0: the kernel picks), and the cluster of the
- * wgmma WGRAD's ping-pong (0: as it picks; 4, 2, 1 where the tiles allow). */
-static int tile_n, engine, cluster;
+/* The output tile width and engine the kernel calls of the test ask for (0: the kernel picks), and the cluster and
+ * schedule of the wgmma WGRAD (0: as it picks; clusters of 4, 2, 1 where the tiles allow). */
+static int tile_n, engine, cluster, schedule;
 
 /* The kernel's arguments for one pass into device buffer d_out. */
 static bf16_device_gemm_args kernel_args(const problem *p, int pass, void *d_out, bool overwrite, bool bf16_grad)
@@ -256,6 +256,7 @@ static bf16_device_gemm_args kernel_args(const problem *p, int pass, void *d_out
     a.tile_n = tile_n;
     a.engine = engine;
     a.wgrad_cluster = cluster;
+    a.wgrad_schedule = schedule;
     return a;
 }
 
@@ -324,8 +325,10 @@ typedef struct small_case {
 /* The engine and tile width of the calls, as the table shows them. */
 static const char *engine_label(void)
 {
+    static const char *const pingpong[] = {"wgmma", "wgmma cl1", "wgmma cl2", "wgmma", "wgmma cl4"};
+    static const char *const coop[] = {"wgmma coop", "wgmma coop cl1", "wgmma coop cl2", "wgmma coop", "wgmma coop cl4"};
     if (engine == BF16_DEVICE_GEMM_ENGINE_WGMMA)
-        return cluster == 1 ? "wgmma cl1" : cluster == 2 ? "wgmma cl2" : cluster == 4 ? "wgmma cl4" : "wgmma";
+        return (schedule == BF16_WGMMA_WGRAD_COOPERATIVE ? coop : pingpong)[cluster];
     return tile_n == 128 ? "n128" : tile_n == 256 ? "n256" : "auto";
 }
 
@@ -418,6 +421,15 @@ static void run_big(cudaStream_t stream)
         char what[80];
         snprintf(what, sizeof what, "big 8x[~512] K7168 N4096 %s vs cuBLASLt", pass_names[pass]);
         compare(what, &p, pass, true, false, got, want);
+        /* WGRAD's cooperative schedule in quads and pairs (auto takes the ping-pong at ~512 rows an expert) */
+        for (int cl = 4; pass == MOERT_GEMM_WGRAD && cl >= 2; cl /= 2) {
+            schedule = BF16_WGMMA_WGRAD_COOPERATIVE, cluster = cl;
+            void *coop = gpu_pass(&p, pass, true, false, stream);
+            schedule = 0, cluster = 0;
+            snprintf(what, sizeof what, "big 8x[~512] K7168 N4096 wgrad coop cl%d vs cuBLASLt", cl);
+            compare(what, &p, pass, true, false, coop, want);
+            free(coop);
+        }
         /* sampled elements against double dot products */
         double num = 0, den = 0;
         for (int s = 0; s < 256; s++) {
@@ -527,17 +539,19 @@ static void run_bad_args(cudaStream_t stream)
     struct {
         const char *what, *needle;
         int64_t K, N, E;
-        int misalign, tile;
-    } cases[] = {{"k_in 60", "multiples of 8", 60, 64, 2, 0, 0},
-                 {"n_out 100", "multiples of 8", 64, 100, 2, 0, 0},
-                 {"0 experts", "local experts", 64, 64, 0, 0, 0},
-                 {"misaligned input", "16-byte aligned", 64, 64, 2, 1, 0},
-                 {"tile_n 64", "tile_n", 64, 64, 2, 0, 64}};
+        int misalign, tile, schedule;
+    } cases[] = {{"k_in 60", "multiples of 8", 60, 64, 2, 0, 0, 0},
+                 {"n_out 100", "multiples of 8", 64, 100, 2, 0, 0, 0},
+                 {"0 experts", "local experts", 64, 64, 0, 0, 0, 0},
+                 {"misaligned input", "16-byte aligned", 64, 64, 2, 1, 0, 0},
+                 {"tile_n 64", "tile_n", 64, 64, 2, 0, 64, 0},
+                 {"wgrad_schedule 3", "wgrad_schedule 3, expected", 64, 64, 2, 0, 0, 3}};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         bf16_device_gemm_args a = kernel_args(&p, MOERT_GEMM_FORWARD, p.d_grad_output, false, false);
         a.k_in = cases[i].K, a.n_out = cases[i].N, a.num_experts = cases[i].E;
         if (cases[i].misalign) a.input = (const char *)p.d_input + 2;
         a.tile_n = cases[i].tile;
+        a.wgrad_schedule = cases[i].schedule;
         gpu_test_error[0] = 0;
         const moert_result r = bf16_device_gemm(&gpu_test_host, stream, &a);
         const bool ok = r == MOERT_ERR_INVALID_ARGUMENT && strstr(gpu_test_error, cases[i].needle);
@@ -758,17 +772,20 @@ int main(void)
         {"E2 K64 N264 many rows 4100,0", 2, 64, 264, {4100, 0}, 0},
     };
     /* every case on mma.sync with both tile widths, and on the wgmma engine where the GPU has it (sm_90): its WGRAD
-     * as it picks, in clusters of 4 and of 2 where the tiles allow, and single */
-    static const int configs[][3] = {{128, BF16_DEVICE_GEMM_ENGINE_MMA, 0}, {256, BF16_DEVICE_GEMM_ENGINE_MMA, 0},
-                                     {0, BF16_DEVICE_GEMM_ENGINE_WGMMA, 0}, {0, BF16_DEVICE_GEMM_ENGINE_WGMMA, 4},
-                                     {0, BF16_DEVICE_GEMM_ENGINE_WGMMA, 2}, {0, BF16_DEVICE_GEMM_ENGINE_WGMMA, 1}};
+     * as it picks, in clusters of 4 and of 2 where the tiles allow, and single; then each case's WGRAD on the
+     * cooperative schedule likewise (auto takes it only from 2048 rows an expert) */
+    enum { MMA = BF16_DEVICE_GEMM_ENGINE_MMA, WGMMA = BF16_DEVICE_GEMM_ENGINE_WGMMA };
+    enum { COOP = BF16_WGMMA_WGRAD_COOPERATIVE };
+    static const int configs[][4] = {{128, MMA, 0, 0},   {256, MMA, 0, 0},   {0, WGMMA, 0, 0},
+                                     {0, WGMMA, 4, 0},   {0, WGMMA, 2, 0},   {0, WGMMA, 1, 0},
+                                     {0, WGMMA, 4, COOP}, {0, WGMMA, 2, COOP}, {0, WGMMA, 1, COOP}};
     const bool hopper = prop.major == 9 && prop.minor == 0;
     for (size_t c = 0; c < sizeof configs / sizeof configs[0]; c++) {
-        tile_n = configs[c][0], engine = configs[c][1], cluster = configs[c][2];
+        tile_n = configs[c][0], engine = configs[c][1], cluster = configs[c][2], schedule = configs[c][3];
         if (engine == BF16_DEVICE_GEMM_ENGINE_WGMMA && !hopper) continue;
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_small(&cases[i], raw_stream, 100 + i);
     }
-    tile_n = 0, engine = BF16_DEVICE_GEMM_ENGINE_AUTO, cluster = 0;
+    tile_n = 0, engine = BF16_DEVICE_GEMM_ENGINE_AUTO, cluster = 0, schedule = 0;
     run_bad_args(raw_stream);
     run_graph(raw_stream);
     run_big(raw_stream);
