@@ -19,8 +19,8 @@
  *   kernel_f32w_ow  WGRAD only: the same overwriting the fp32 gradient (a step's first micro-batch)
  *   kernel_f32w_cl4, kernel_f32w_ow_cl4  WGRAD only: as the two above in clusters of 4 CTAs on 2 x 2 tiles (on Hopper
  *                 the ping-pong schedule otherwise runs quads when adding and pairs when overwriting)
- *   kernel_f32w_coopN, kernel_f32w_ow_coopN  WGRAD only, Hopper: the wgmma WGRAD's cooperative schedule (128 x 256
- *                 tiles) in clusters of N = 1, 2 (k_in tile pairs), 4 (2 x 2 tiles), adding and overwriting
+ *   kernel_f32w_coop, kernel_f32w_ow_coop  WGRAD only, Hopper: the wgmma WGRAD's cooperative schedule (128 x 256
+ *                 tiles; auto takes it from 2048 rows an expert), adding and overwriting
  *   loop_sS_f32w  WGRAD only: the cuBLASLt loop on S streams accumulating into an fp32 gradient (the plugin's
  *                 "wgrad_gemm": "cublaslt")
  *   copy          WGRAD only: a device-to-device copy of the fp32 gradient (reads and writes its bytes): the traffic
@@ -116,7 +116,7 @@ typedef struct bench_variant {
     int schedule;   /* kernel 2, 4: the wgmma WGRAD's schedule (BF16_WGMMA_WGRAD_*) */
 } bench_variant;
 
-#define MAX_VARIANTS 24
+#define MAX_VARIANTS 20
 #define MAX_EXPERTS  256
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
@@ -348,12 +348,8 @@ int main(int argc, char **argv)
     variants[nv++] = (bench_variant){"kernel_f32w_ow", 1, 0, 0, 0, 0, 4, 1, 0, 0, 0, 0};
     variants[nv++] = (bench_variant){"kernel_f32w_cl4", 1, 0, 0, 0, 0, 2, 1, 0, 0, 4, 0};
     variants[nv++] = (bench_variant){"kernel_f32w_ow_cl4", 1, 0, 0, 0, 0, 4, 1, 0, 0, 4, 0};
-    for (int cl = 1; cl <= 4; cl *= 2) /* the cooperative schedule */
-        for (int ow = 0; ow < 2; ow++) {
-            bench_variant v = {"", 1, 0, 0, 0, 0, ow ? 4 : 2, 1, 0, 0, cl, BF16_WGMMA_WGRAD_COOPERATIVE};
-            snprintf(v.name, sizeof v.name, "kernel_f32w%s_coop%d", ow ? "_ow" : "", cl);
-            variants[nv++] = v;
-        }
+    variants[nv++] = (bench_variant){"kernel_f32w_coop", 1, 0, 0, 0, 0, 2, 1, 0, 0, 0, BF16_WGMMA_WGRAD_COOPERATIVE};
+    variants[nv++] = (bench_variant){"kernel_f32w_ow_coop", 1, 0, 0, 0, 0, 4, 1, 0, 0, 0, BF16_WGMMA_WGRAD_COOPERATIVE};
     bench_variant v_streams_f32w = {"", streams, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0};
     snprintf(v_streams_f32w.name, sizeof v_streams_f32w.name, "loop_s%d_f32w", streams);
     const int i_f32w_loop = nv;
@@ -504,8 +500,8 @@ int main(int argc, char **argv)
                     }
                     for (int v = 0; v < nv; v++)
                         if (kernel_f32(&variants[v]))
-                            f32w_err[v] = wgrad_f32_error(&variants[v], stream, ref32, got32, &gm, d_counts, R, dw32,
-                                                          dw_elems);
+                            f32w_err[v] =
+                                wgrad_f32_error(&variants[v], stream, ref32, got32, &gm, d_counts, R, dw32, dw_elems);
                     free(ref32);
                     free(got32);
                 }

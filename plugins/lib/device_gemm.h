@@ -54,11 +54,10 @@ typedef struct bf16_device_gemm_args {
     int engine;              /* BF16_DEVICE_GEMM_ENGINE_*: which kernel runs FORWARD/DGRAD */
     int max_sms;             /* wgmma engine: CTAs of its persistent grid at most (0: one per SM), so that kernels
                                 on another stream (a dispatcher's) find SMs free beside it */
-    int wgrad_cluster; /* wgmma WGRAD: CTAs of a cluster sharing operand tiles by TMA multicast, 4 (2 x 2 tiles), 2
-                                (ping-pong: n_out tile pairs; cooperative: k_in tile pairs) or 1, each where the tile
-                                counts allow it, else the next smaller (tests, benchmarks); 0: the ping-pong adding in
-                                4, overwriting in 4 where quads keep as many SMs busy as pairs, else 2, else 1; the
-                                cooperative schedule in 4, else 2, else 1 */
+    int wgrad_cluster;  /* wgmma WGRAD ping-pong: CTAs of a cluster sharing operand tiles by TMA multicast, 4 (2 x 2
+                                tiles), 2 (n_out tile pairs) or 1, each where the tile counts allow it, else the next
+                                smaller (tests, benchmarks); 0: adding 4, overwriting 4 where quads keep as many SMs
+                                busy as pairs, else 2, else 1. The cooperative schedule runs single CTAs. */
     int wgrad_schedule; /* BF16_WGMMA_WGRAD_*: the wgmma WGRAD's schedule (tests, benchmarks); 0 picks by the rows an
                            expert has on average */
 } bf16_device_gemm_args;

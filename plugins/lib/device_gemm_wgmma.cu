@@ -279,13 +279,13 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_kernel(const __grid_
  * - Cooperative (BN 256), for experts of many rows (mixtral), where the MMA dominates and the wider tile loads a
  *   quarter fewer operand bytes per flop: both consumers share each tile, 64 rows of k_in each (one m64n256
  *   accumulator).
- * Both run in clusters (wgrad_cluster): of four CTAs on a 2 x 2 block of tiles of one expert where both tile counts
- * pair up, else of two on two neighbouring tiles (the ping-pong's along n_out, sharing A; the cooperative schedule's
- * along k_in, sharing its larger B). CTAs on the same k_in tile multiply the same A, those on the same n_out tile the
- * same B: each loads half of a shared operand and TMA multicasts it into both, so a ping-pong CTA reads 128 KiB of
- * operands from L2 per 128 x 128 tile and 512 rows instead of 256 KiB alone (192 KiB in a pair), a cooperative one 96
- * KiB per 128 x 128 of its tile in quads (128 KiB in a pair, 192 KiB alone); a consumer hands a stage back to every
- * CTA that wrote into it.
+ * The ping-pong runs in clusters (wgrad_cluster): of four CTAs on a 2 x 2 block of tiles of one expert where both tile
+ * counts pair up, else of two on two neighbouring n_out tiles. CTAs on the same k_in tile multiply the same A, those on
+ * the same n_out tile the same B: each loads half of a shared operand and TMA multicasts it into both, so a CTA reads
+ * 128 KiB of operands from L2 per 128 x 128 tile and 512 rows instead of 256 KiB alone (192 KiB in a pair), while the
+ * ping-pong keeps overlapping the fp32 writes; a consumer hands a stage back to every CTA that wrote into it. (The
+ * templates take the cooperative schedule's clusters too, pairs along k_in sharing B and quads; on an H100 they were
+ * no faster at any preset shape, so it runs single: bench/results/2026-11-27-wgrad-cooperative-clusters-*.)
  * The rows past an expert's last (another expert's, padding, or past the buffers) are zeroed in shared memory before
  * the expert's last k-block is multiplied. Epilogue: the ping-pong's goes through the storer thread (see
  * wgrad_storer); the cooperative consumer's 64 x 256 fp32 result goes out in its rows' two 128-column halves, each
@@ -738,9 +738,8 @@ static PFN_cuTensorMapEncodeTiled_v12000 encode_fn;
 static signed char ready[WG_MAX_DEVICES]; /* per device: 1 prepared, -1 not usable, 0 not asked */
 static int sm_count[WG_MAX_DEVICES];      /* per prepared device: the persistent grid */
 static int smem_optin[WG_MAX_DEVICES];    /* per prepared device: the most dynamic shared memory a block may take */
-/* per prepared device: clusters of 2 and of 4 CTAs of the WGRAD ping-pong [0] and cooperative schedule [1] that fit
- * at once */
-static int wgrad_clusters[WG_MAX_DEVICES][2][2];
+/* per prepared device: clusters of 2 and of 4 CTAs of the WGRAD ping-pong that fit at once */
+static int wgrad_clusters[WG_MAX_DEVICES][2];
 
 /* A launch of `grid` CTAs of WG_THREADS in clusters of `cl` with `smem` bytes of dynamic shared memory; attr holds the
  * cluster attribute cfg points to. */
@@ -767,14 +766,6 @@ static void (*wgrad_pingpong(int stages, int cl))(wg_wgrad_params)
     return stages == 5 ? bf16_wgmma_wgrad_kernel<5, true, 1> : bf16_wgmma_wgrad_kernel<4, true, 1>;
 }
 
-/* The cooperative WGRAD kernel in clusters of `cl` CTAs. */
-static void (*wgrad_cooperative(int cl))(wg_wgrad_params)
-{
-    return cl == 4 ? bf16_wgmma_wgrad_kernel<3, false, 4>
-           : cl == 2 ? bf16_wgmma_wgrad_kernel<3, false, 2>
-                     : bf16_wgmma_wgrad_kernel<3, false, 1>;
-}
-
 extern "C" moert_result bf16_wgmma_prepare(const moert_host *host)
 {
     int dev = 0, major = 0, minor = 0;
@@ -799,9 +790,10 @@ extern "C" moert_result bf16_wgmma_prepare(const moert_host *host)
     CUDA_CHECK(host, cudaFuncSetAttribute(bf16_wgmma_kernel<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     CUDA_CHECK(host, cudaFuncSetAttribute(bf16_wgmma_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     CUDA_CHECK(host, cudaDeviceGetAttribute(&smem_optin[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    CUDA_CHECK(host,
+               cudaFuncSetAttribute(bf16_wgmma_wgrad_kernel<3, false, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)wgrad_smem_bytes(3, 256, BF16_DEVICE_GEMM_MAX_EXPERTS)));
     for (int cl = 1; cl <= 4; cl *= 2) {
-        CUDA_CHECK(host, cudaFuncSetAttribute(wgrad_cooperative(cl), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              (int)wgrad_smem_bytes(3, 256, BF16_DEVICE_GEMM_MAX_EXPERTS)));
         CUDA_CHECK(host, cudaFuncSetAttribute(wgrad_pingpong(4, cl), cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               (int)wgrad_smem_bytes(4, 128, BF16_DEVICE_GEMM_MAX_EXPERTS)));
         CUDA_CHECK(host, cudaFuncSetAttribute(wgrad_pingpong(5, cl), cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -809,18 +801,15 @@ extern "C" moert_result bf16_wgmma_prepare(const moert_host *host)
     }
     CUDA_CHECK(host, cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev));
     /* the clusters that fit at once (a GPC whose SM count is not a multiple of the cluster leaves SMs out) */
-    for (int i = 0; i < 2; i++)
-        for (int coop = 0; coop < 2; coop++) {
-            const int cl = 2 << i;
-            const size_t smem = coop ? wgrad_smem_bytes(3, 256, BF16_DEVICE_GEMM_MAX_EXPERTS) : (size_t)smem_optin[dev];
-            cudaLaunchConfig_t cfg;
-            cudaLaunchAttribute attr;
-            cluster_launch(&cfg, &attr, sm_count[dev] / cl * cl, cl, smem, 0);
-            int fit = 0;
-            CUDA_CHECK(host, cudaOccupancyMaxActiveClusters(&fit, coop ? wgrad_cooperative(cl) : wgrad_pingpong(5, cl),
-                                                            &cfg));
-            wgrad_clusters[dev][coop][i] = fit < sm_count[dev] / cl ? fit : sm_count[dev] / cl;
-        }
+    for (int i = 0; i < 2; i++) {
+        const int cl = 2 << i;
+        cudaLaunchConfig_t cfg;
+        cudaLaunchAttribute attr;
+        cluster_launch(&cfg, &attr, sm_count[dev] / cl * cl, cl, (size_t)smem_optin[dev], 0);
+        int fit = 0;
+        CUDA_CHECK(host, cudaOccupancyMaxActiveClusters(&fit, wgrad_pingpong(5, cl), &cfg));
+        wgrad_clusters[dev][i] = fit < sm_count[dev] / cl ? fit : sm_count[dev] / cl;
+    }
     ready[dev] = 1;
     return MOERT_OK;
 }
@@ -905,20 +894,18 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
                       "bf16 device gemm WGRAD: %lld experts of %lld x %lld make more than 2^31 tiles",
                       (long long)a->num_experts, (long long)a->k_in, (long long)a->n_out);
     const int64_t sms = persistent_sms(a, dev);
-    /* clusters of 4 (2 x 2 tiles, both tile counts even) or 2 (the ping-pong's n_out tiles, the cooperative schedule's
-     * k_in tiles even), as many as fit in the SMs granted */
-    const int (*fits)[2] = &wgrad_clusters[dev][pingpong ? 0 : 1];
-    int64_t fit4 = sms / 4 < (*fits)[1] ? sms / 4 : (*fits)[1];
-    int64_t fit2 = sms / 2 < (*fits)[0] ? sms / 2 : (*fits)[0];
-    if (p.n_tiles % 2 || p.m_tiles % 2) fit4 = 0;
-    if (pingpong ? p.n_tiles % 2 : p.m_tiles % 2) fit2 = 0;
+    /* the ping-pong in clusters of 4 (2 x 2 tiles, both tile counts even) or 2 (n_out tiles even), as many as fit in
+     * the SMs granted; the cooperative schedule in single CTAs (in clusters sharing operands it was no faster on an
+     * H100, though they read up to 30% fewer bytes from L2) */
+    int64_t fit4 = sms / 4 < wgrad_clusters[dev][1] ? sms / 4 : wgrad_clusters[dev][1];
+    int64_t fit2 = sms / 2 < wgrad_clusters[dev][0] ? sms / 2 : wgrad_clusters[dev][0];
+    if (!pingpong || p.n_tiles % 2 || p.m_tiles % 2) fit4 = 0;
+    if (!pingpong || p.n_tiles % 2) fit2 = 0;
     int cl = a->wgrad_cluster == 4 && fit4 > 0 ? 4 : a->wgrad_cluster >= 2 && fit2 > 0 ? 2 : 1;
-    /* auto: the ping-pong adding in quads (a third fewer L2 reads: on an H100 faster on every preset shape though only
-     * 30 quads fit against 66 pairs), overwriting in quads only where they keep as many SMs busy as pairs (on an H100
-     * pairs were faster on every preset shape), else pairs, else single CTAs; the cooperative schedule in quads, else
-     * pairs, else single */
-    if (a->wgrad_cluster == 0)
-        cl = fit4 > 0 && (!pingpong || p.accumulate || fit4 * 4 >= fit2 * 2) ? 4 : fit2 > 0 ? 2 : 1;
+    /* auto: adding, quads (a third fewer L2 reads: on an H100 faster on every preset shape though only 30 quads fit
+     * against 66 pairs); overwriting, quads only where they keep as many SMs busy as pairs (on an H100 pairs were
+     * faster on every preset shape); else pairs, else single CTAs */
+    if (a->wgrad_cluster == 0) cl = fit4 > 0 && (p.accumulate || fit4 * 4 >= fit2 * 2) ? 4 : fit2 > 0 ? 2 : 1;
     const int64_t fit = cl == 4 ? fit4 : cl == 2 ? fit2 : sms;
     const int64_t cl_units = units / cl;
     /* the ping-pong takes five stages where the experts' prefix arrays leave room (up to ~160 experts), else four; the
@@ -928,7 +915,8 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
     cudaLaunchAttribute attr;
     cluster_launch(&cfg, &attr, (cl_units < fit ? cl_units : fit) * cl, cl, wgrad_smem_bytes(stages, bn, p.num_experts),
                    stream);
-    CUDA_CHECK(host, cudaLaunchKernelEx(&cfg, pingpong ? wgrad_pingpong(stages, cl) : wgrad_cooperative(cl), p));
+    CUDA_CHECK(host, cudaLaunchKernelEx(
+                         &cfg, pingpong ? wgrad_pingpong(stages, cl) : bf16_wgmma_wgrad_kernel<3, false, 1>, p));
     return MOERT_OK;
 }
 

@@ -40,12 +40,12 @@ typedef struct bf16_ctx {
     moert_layer_info layer;
     bf16_mode mode;
     bf16_scratch scratch;
-    bool on_cuda;     /* the layer is on a CUDA device: the CUDA path serves it */
-    int gemm_streams; /* option: streams of the CUDA per-expert loop (1: the caller's only) */
-    int gemm_sms;     /* option: SMs the CUDA GEMMs may take (0: all) */
-    bool gemm_graphs; /* option: CUDA graph replay of repeated count vectors */
-    int gemm_engine;  /* option "gemm": GEMM_AUTO, GEMM_CUBLASLT or GEMM_KERNEL */
-    int wgrad_engine; /* option "wgrad_gemm": GEMM_AUTO (as "gemm"), GEMM_CUBLASLT or GEMM_KERNEL */
+    bool on_cuda;       /* the layer is on a CUDA device: the CUDA path serves it */
+    int gemm_streams;   /* option: streams of the CUDA per-expert loop (1: the caller's only) */
+    int gemm_sms;       /* option: SMs the CUDA GEMMs may take (0: all) */
+    bool gemm_graphs;   /* option: CUDA graph replay of repeated count vectors */
+    int gemm_engine;    /* option "gemm": GEMM_AUTO, GEMM_CUBLASLT or GEMM_KERNEL */
+    int wgrad_engine;   /* option "wgrad_gemm": GEMM_AUTO (as "gemm"), GEMM_CUBLASLT or GEMM_KERNEL */
     int wgrad_schedule; /* option "wgrad_schedule": by wgrad_schedules, as device_gemm.h's BF16_WGMMA_WGRAD_* */
 #ifdef MOERT_HAVE_CUDA
     bool use_kernel;                 /* the CUDA path runs device_gemm for every pass ("kernel" on a CUDA layer) */

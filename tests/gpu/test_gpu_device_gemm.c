@@ -326,9 +326,8 @@ typedef struct small_case {
 static const char *engine_label(void)
 {
     static const char *const pingpong[] = {"wgmma", "wgmma cl1", "wgmma cl2", "wgmma", "wgmma cl4"};
-    static const char *const coop[] = {"wgmma coop", "wgmma coop cl1", "wgmma coop cl2", "wgmma coop", "wgmma coop cl4"};
     if (engine == BF16_DEVICE_GEMM_ENGINE_WGMMA)
-        return (schedule == BF16_WGMMA_WGRAD_COOPERATIVE ? coop : pingpong)[cluster];
+        return schedule == BF16_WGMMA_WGRAD_COOPERATIVE ? "wgmma coop" : pingpong[cluster];
     return tile_n == 128 ? "n128" : tile_n == 256 ? "n256" : "auto";
 }
 
@@ -421,13 +420,11 @@ static void run_big(cudaStream_t stream)
         char what[80];
         snprintf(what, sizeof what, "big 8x[~512] K7168 N4096 %s vs cuBLASLt", pass_names[pass]);
         compare(what, &p, pass, true, false, got, want);
-        /* WGRAD's cooperative schedule in quads and pairs (auto takes the ping-pong at ~512 rows an expert) */
-        for (int cl = 4; pass == MOERT_GEMM_WGRAD && cl >= 2; cl /= 2) {
-            schedule = BF16_WGMMA_WGRAD_COOPERATIVE, cluster = cl;
+        if (pass == MOERT_GEMM_WGRAD) { /* the cooperative schedule (auto takes the ping-pong at ~512 rows) */
+            schedule = BF16_WGMMA_WGRAD_COOPERATIVE;
             void *coop = gpu_pass(&p, pass, true, false, stream);
-            schedule = 0, cluster = 0;
-            snprintf(what, sizeof what, "big 8x[~512] K7168 N4096 wgrad coop cl%d vs cuBLASLt", cl);
-            compare(what, &p, pass, true, false, coop, want);
+            schedule = 0;
+            compare("big 8x[~512] K7168 N4096 wgrad coop vs cuBLASLt", &p, pass, true, false, coop, want);
             free(coop);
         }
         /* sampled elements against double dot products */
@@ -773,12 +770,11 @@ int main(void)
     };
     /* every case on mma.sync with both tile widths, and on the wgmma engine where the GPU has it (sm_90): its WGRAD
      * as it picks, in clusters of 4 and of 2 where the tiles allow, and single; then each case's WGRAD on the
-     * cooperative schedule likewise (auto takes it only from 2048 rows an expert) */
+     * cooperative schedule (auto takes it only from 2048 rows an expert) */
     enum { MMA = BF16_DEVICE_GEMM_ENGINE_MMA, WGMMA = BF16_DEVICE_GEMM_ENGINE_WGMMA };
     enum { COOP = BF16_WGMMA_WGRAD_COOPERATIVE };
-    static const int configs[][4] = {{128, MMA, 0, 0},   {256, MMA, 0, 0},   {0, WGMMA, 0, 0},
-                                     {0, WGMMA, 4, 0},   {0, WGMMA, 2, 0},   {0, WGMMA, 1, 0},
-                                     {0, WGMMA, 4, COOP}, {0, WGMMA, 2, COOP}, {0, WGMMA, 1, COOP}};
+    static const int configs[][4] = {{128, MMA, 0, 0}, {256, MMA, 0, 0}, {0, WGMMA, 0, 0},   {0, WGMMA, 4, 0},
+                                     {0, WGMMA, 2, 0}, {0, WGMMA, 1, 0}, {0, WGMMA, 0, COOP}};
     const bool hopper = prop.major == 9 && prop.minor == 0;
     for (size_t c = 0; c < sizeof configs / sizeof configs[0]; c++) {
         tile_n = configs[c][0], engine = configs[c][1], cluster = configs[c][2], schedule = configs[c][3];
