@@ -237,7 +237,7 @@ static moert_result allgather_init(void **out, const moert_host *host, const moe
         return MOERT_ERR_OUT_OF_MEMORY;
     }
     c->host = host;
-    c->layer = *layer;
+    moert_layer_info_copy(&c->layer, layer);
     c->world = host->world_size;
     c->rank = host->rank;
 

@@ -183,7 +183,7 @@ static moert_result alltoall_init(void **out, const moert_host *host, const moer
         return MOERT_ERR_OUT_OF_MEMORY;
     }
     c->host = host;
-    c->layer = *layer;
+    moert_layer_info_copy(&c->layer, layer);
     c->world = host->world_size;
     c->rank = host->rank;
 

@@ -264,7 +264,7 @@ static moert_result hier_init(void **out, const moert_host *host, const moert_la
         return MOERT_ERR_OUT_OF_MEMORY;
     }
     c->host = host;
-    c->layer = *layer;
+    moert_layer_info_copy(&c->layer, layer);
     c->world = host->world_size;
     c->rank = host->rank;
     c->ranks_per_node = ranks_per_node;

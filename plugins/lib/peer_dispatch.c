@@ -27,7 +27,7 @@ moert_result peer_dispatch_create(const moert_host *host, const moert_layer_info
         return MOERT_ERR_OUT_OF_MEMORY;
     }
     d->host = host;
-    d->layer = *layer;
+    moert_layer_info_copy(&d->layer, layer);
     d->name = name;
     d->world = host->world_size;
     d->rank = host->rank;

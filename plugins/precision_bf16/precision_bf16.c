@@ -267,7 +267,7 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
         return MOERT_ERR_OUT_OF_MEMORY;
     }
     c->host = host;
-    c->layer = *layer;
+    moert_layer_info_copy(&c->layer, layer);
     c->mode = choice == 0 ? bf16_mode_for_dtype(layer->dtype) : (bf16_mode)(choice - 1); /* 0: auto */
     c->on_cuda = layer->device.type == MOERT_DEVICE_CUDA;
     c->gemm_streams = (int)gemm_streams;

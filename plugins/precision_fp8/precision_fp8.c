@@ -308,7 +308,7 @@ static moert_result fp8_init(void **out, const moert_host *host, const moert_lay
     c->host = host;
     /* a second slot's instance (moert_layer_info.twin): the delayed recipe's histories are its slot-0 twin's */
     c->owner = MOERT_LAYER_INFO_HAS_TWIN(layer) && layer->twin ? (struct fp8_ctx *)layer->twin : c;
-    c->layer = *layer;
+    moert_layer_info_copy(&c->layer, layer);
     c->settings = settings;
     c->on_cuda = layer->device.type == MOERT_DEVICE_CUDA;
     c->gemm_streams = streams;

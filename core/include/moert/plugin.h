@@ -7,6 +7,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "moert/tensor.h"
 
@@ -131,6 +132,15 @@ typedef struct moert_layer_info {
 /* Whether a moert_layer_info has `flags`, and its flags (0 from a core that passes none). */
 #define MOERT_LAYER_INFO_HAS_FLAGS(info) ((info)->struct_size >= offsetof(moert_layer_info, flags) + sizeof(uint32_t))
 #define MOERT_LAYER_INFO_FLAGS(info)     (MOERT_LAYER_INFO_HAS_FLAGS(info) ? (info)->flags : 0u)
+
+/* Copies a layer info without reading past an older core's shorter struct: rest 0, struct_size the bytes copied. */
+static inline void moert_layer_info_copy(moert_layer_info *dst, const moert_layer_info *src)
+{
+    size_t copied = src->struct_size < sizeof *dst ? (size_t)src->struct_size : sizeof *dst;
+    memset(dst, 0, sizeof *dst);
+    memcpy(dst, src, copied);
+    dst->struct_size = (uint32_t)copied;
+}
 
 /* The layer's calls run beside another micro-batch's work on other streams ($.parallel.overlap_micro_batches on, both
  * slots): a dispatcher left to choose its SMs should take few, since a kernel waits for the SMs the other half's GEMMs
