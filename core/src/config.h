@@ -58,6 +58,9 @@ typedef struct moert_parallel_config {
     bool shared_expert_overlap; /* the shared expert on a second stream beside the routed experts (GPUs) */
     bool offload_defer_start;   /* an offloaded activation's copy starts after the next layer's forward */
     int overlap_micro_batches;  /* moert_overlap_mode: micro-batch i+1's forward merged with i's backward */
+    /* under the overlap on CUDA: SMs the other half's persistent GEMMs leave free while a dispatcher call runs
+     * (moert_layer_info.sm_yield); 0: the GEMMs keep every SM */
+    int64_t overlap_comm_sms;
 } moert_parallel_config;
 
 /* Whether $.parallel.overlap_micro_batches turns the overlap on for layers on `device` (a moert_device_type) with `ep`
@@ -70,6 +73,11 @@ bool moert_overlap_enabled(const moert_config *cfg, int device, int64_t ep, int6
  * (ffn_hidden / ETP): per routed row the GEMMs do 18 H F flops against 8 H bytes of all-to-all, so narrow experts
  * leave the most communication to hide (docs/executor.md measures qwen3-30b-a3b, deepseek-v3 and mixtral-8x7b). */
 #define MOERT_OVERLAP_AUTO_MAX_FFN 1024
+
+/* $.parallel.overlap_comm_sms: the default is deepep's SMs under the overlap (DEEPEP_OVERLAP_SMS); the bound is above
+ * any GPU's SM count. */
+#define MOERT_OVERLAP_COMM_SMS_DEFAULT 24
+#define MOERT_OVERLAP_COMM_SMS_MAX     1024
 
 /* $.train.optimizer: Adam keeps two moment buffers per parameter; plain SGD keeps none. */
 typedef enum moert_optimizer { MOERT_OPTIMIZER_ADAM = 0, MOERT_OPTIMIZER_SGD = 1 } moert_optimizer;

@@ -217,13 +217,37 @@ static moert_result fence(const moert_layer *L, moert_event e, moert_stream s, m
 #endif
 }
 
+/* Sets the SM-yield word on the communication stream ($.parallel.overlap_comm_sms, CUDA): to the SMs a dispatcher call
+ * needs before it (on), so that the other slot's persistent GEMMs leave them free, and back to 0 after it. */
+static moert_result sm_yield_set(const moert_layer *L, const moert_comm_stream *comm, bool on, const char *fn)
+{
+#ifdef MOERT_HAVE_CUDA
+    const int from = on ? MOERT_SM_YIELD_SMS : MOERT_SM_YIELD_ZERO;
+    moert_result rc = moert_cuda_write_word_async(&comm->sm_yield[MOERT_SM_YIELD_WORD], on ? comm->sm_yield_sms : 0,
+                                                  &comm->sm_yield[from], comm->stream);
+    if (rc != MOERT_OK)
+        moert_error_prefix("micro-batch overlap: %s the GEMMs' SM yield %s the dispatcher's %s (layer %d, rank %d)",
+                           on ? "setting" : "clearing", on ? "before" : "after", fn, L->info.layer_index,
+                           L->core_host->rank);
+    return rc;
+#else
+    (void)L;
+    (void)comm;
+    (void)on;
+    (void)fn;
+    return MOERT_OK;
+#endif
+}
+
 /* Calls the dispatcher. Its stream is the layer's compute stream, or with micro-batch overlap on GPUs (L->comm) the
  * rank's one communication stream, fenced with the compute stream on both sides: the call sees the slot's work so far
  * and the slot's later work sees the call's, and the instance allocates on the communication stream meanwhile (its
  * buffers are used there). Every dispatcher call of both slots then runs in the order the host issued them, which is
  * the same on every rank, so kernels that spin until their peers' arrive (deepep, hybridep) cannot end up waiting on
  * each other from two streams while a GEMM holds the rest of the GPU. Not while capturing a CUDA graph: the pool keeps
- * only the compute stream's blocks for the graphs, so the calls stay there. */
+ * only the compute stream's blocks for the graphs, so the calls stay there. With the SM-yield words (comm->sm_yield)
+ * the call is bracketed on the communication stream by setting the word the GEMMs read to $.parallel.overlap_comm_sms
+ * and back to 0, the latter after a failed call too, so the GEMMs never stay yielding. */
 static moert_result call_dispatcher(moert_layer *L, dispatcher_call call, const void *args)
 {
     static const char *const names[] = {"prepare", "dispatch", "combine", "combine_backward", "dispatch_backward"};
@@ -235,6 +259,7 @@ static moert_result call_dispatcher(moert_layer *L, dispatcher_call call, const 
     moert_result rc = MOERT_OK, rc_leave = MOERT_OK;
     if (comm) {
         MOERT_CHECK(fence(L, comm->enter, L->stream, s, "ordering the communication stream before", names[call]));
+        if (comm->sm_yield) MOERT_CHECK(sm_yield_set(L, comm, true, names[call]));
         before = moert_host_use_stream(L->dispatcher.host, s);
     }
     switch (call) {
@@ -246,9 +271,11 @@ static moert_result call_dispatcher(moert_layer *L, dispatcher_call call, const 
     }
     if (comm) {
         moert_host_use_stream(L->dispatcher.host, before);
-        /* after a failure too: the compute stream stays ordered after whatever the call queued (the plugin's message
-         * is kept in its host until taken below) */
-        rc_leave = fence(L, comm->leave, s, L->stream, "ordering the compute stream after", names[call]);
+        /* after a failure too: the GEMMs get their SMs back, and the compute stream stays ordered after whatever the
+         * call queued (the plugin's message is kept in its host until taken below) */
+        if (comm->sm_yield) rc_leave = sm_yield_set(L, comm, false, names[call]);
+        moert_result rc_fence = fence(L, comm->leave, s, L->stream, "ordering the compute stream after", names[call]);
+        if (rc_leave == MOERT_OK) rc_leave = rc_fence;
     }
     if (rc != MOERT_OK) return moert_layer_plugin_failed(L, &L->dispatcher, names[call], rc);
     rc = rc_leave;

@@ -54,7 +54,16 @@ typedef struct moert_comm_stream {
     moert_stream stream;
     moert_event enter; /* recorded on the compute stream before a call; the communication stream waits for it */
     moert_event leave; /* recorded on the communication stream after the call; the compute stream waits for it */
+    /* $.parallel.overlap_comm_sms > 0: the rank's SM-yield words in device memory (moert_cuda_sm_yield_create; owned
+     * by whoever made the stack): [MOERT_SM_YIELD_WORD] is what the GEMMs read (moert_layer_info.sm_yield), set to
+     * sm_yield_sms ([MOERT_SM_YIELD_SMS]) before each dispatcher call and to 0 ([MOERT_SM_YIELD_ZERO]) after it; NULL:
+     * not set */
+    int32_t *sm_yield;
+    int32_t sm_yield_sms;
 } moert_comm_stream;
+
+/* The three int32 of the SM-yield words: the word, 0 and $.parallel.overlap_comm_sms. */
+enum { MOERT_SM_YIELD_WORD = 0, MOERT_SM_YIELD_ZERO = 1, MOERT_SM_YIELD_SMS = 2 };
 
 /* One plugin instance of a layer: vtable, context and its host table. */
 typedef struct moert_instance {

@@ -234,6 +234,8 @@ struct moert_layers {
     struct moert_nccl_comm *nccl;
     moert_stream stream;                  /* CUDA: the layers' own compute stream */
     moert_event enter_event, leave_event; /* CUDA: ordering against the caller's stream */
+    /* CUDA under the overlap with $.parallel.overlap_comm_sms > 0: the SM-yield words (moert_comm_stream.sm_yield) */
+    int32_t *sm_yield;
     moert_stack stack;
     bool stack_made;
     bool (*bound)[MOERT_PARAM_COUNT]; /* [num_layers] */
@@ -592,6 +594,11 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
      * caller to say it runs several */
     const bool overlap =
         moert_overlap_enabled(m->cfg, m->device.type, m->world / (m->etp * m->edp), m->etp, micro_batches);
+#ifdef MOERT_HAVE_CUDA
+    /* the word the GEMMs read to leave SMs to the dispatcher calls beside them, one for both slots */
+    if (overlap && m->device.type == MOERT_DEVICE_CUDA && m->cfg->parallel.overlap_comm_sms > 0)
+        MOERT_CHECK(moert_cuda_sm_yield_create(m->device.id, (int32_t)m->cfg->parallel.overlap_comm_sms, &m->sm_yield));
+#endif
     moert_stack_setup setup = {.cfg = m->cfg,
                                .plugins = m->plugins,
                                .rank = m->rank,
@@ -604,7 +611,8 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
                                .pool = m->pool,
                                .nccl = m->nccl,
                                .stream = m->stream,
-                               .overlapped = overlap};
+                               .overlapped = overlap,
+                               .sm_yield = m->sm_yield};
     m->stack_made = true;
     MOERT_CHECK(moert_stack_init(&m->stack, &setup));
     int nl = m->stack.num_layers;
@@ -677,6 +685,8 @@ MOERT_API void moert_layers_destroy(moert_layers *m)
     if (m->stack_made) moert_stack_finalize(&m->stack);
 #ifdef MOERT_HAVE_CUDA
     if (m->stream) moert_cuda_stream_synchronize(m->stream);
+    /* every stream that ran a dispatcher call or a GEMM reading it is synchronized (the overlap's and the stack's) */
+    moert_cuda_sm_yield_free(m->sm_yield);
     if (m->enter_event) moert_cuda_event_destroy(m->enter_event);
     if (m->leave_event) moert_cuda_event_destroy(m->leave_event);
     if (m->pool && moert_cuda_pool_reserve_release(m->pool) != MOERT_OK) moert_error_clear();

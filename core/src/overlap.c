@@ -19,8 +19,9 @@ static moert_result host_error(const moert_host *h, moert_result rc, const char 
 }
 
 #ifdef MOERT_HAVE_CUDA
-/* The communication stream and each slot's fence events (overlap.h), on `device`. */
-static moert_result comm_stream_create(moert_overlap *o, int device)
+/* The communication stream and each slot's fence events (overlap.h), on `device`, with the rank's SM-yield words
+ * (NULL: none) and the SMs they leave. */
+static moert_result comm_stream_create(moert_overlap *o, int device, int32_t *sm_yield, int32_t sms)
 {
     moert_result rc = MOERT_OK;
     /* high priority: a dispatcher's kernels take SMs first as they free up, as on the compute streams */
@@ -29,6 +30,9 @@ static moert_result comm_stream_create(moert_overlap *o, int device)
     for (int slot = 0; slot < MOERT_OVERLAP_SLOTS; slot++) {
         MOERT_CHECK(moert_cuda_event_create(device, false, &o->comm[slot].enter));
         MOERT_CHECK(moert_cuda_event_create(device, false, &o->comm[slot].leave));
+        /* one word: both slots' calls are in order on the one stream */
+        o->comm[slot].sm_yield = sm_yield;
+        o->comm[slot].sm_yield_sms = sms;
     }
 fail:
     if (rc != MOERT_OK) moert_error_prefix("micro-batch overlap: creating the communication stream");
@@ -57,7 +61,8 @@ moert_result moert_overlap_init(moert_overlap *o, moert_stack *primary, const mo
             rc = host_error(h, rc, "creating its events");
             goto fail;
         }
-        MOERT_CHECK(comm_stream_create(o, setup->device.id));
+        MOERT_CHECK(comm_stream_create(o, setup->device.id, setup->overlapped ? setup->sm_yield : NULL,
+                                       (int32_t)setup->cfg->parallel.overlap_comm_sms));
         twin.stream = o->stream;
         o->interleave = true;
     }

@@ -29,7 +29,8 @@ static moert_layer_info layer_info_of(const moert_stack *s, const moert_stack_se
                              .max_tokens = setup->max_tokens,
                              .dtype = m->dtype,
                              .device = setup->device,
-                             .flags = setup->overlapped ? MOERT_LAYER_OVERLAPPED : 0u};
+                             .flags = setup->overlapped ? MOERT_LAYER_OVERLAPPED : 0u,
+                             .sm_yield = setup->overlapped ? setup->sm_yield : NULL};
     return info;
 }
 

@@ -27,6 +27,9 @@ typedef struct moert_stack_setup {
     const struct moert_stack *twin_of;
     /* the layers run with the micro-batch overlap (both slots): MOERT_LAYER_OVERLAPPED in their plugins' layer info */
     bool overlapped;
+    /* CUDA ranks under the overlap with $.parallel.overlap_comm_sms > 0: the rank's SM-yield words (moert_comm_stream;
+     * borrowed), whose first is every layer info's sm_yield in both slots; NULL otherwise */
+    int32_t *sm_yield;
 } moert_stack_setup;
 
 typedef struct moert_stack {

@@ -2,7 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # The layer info's flags reach every plugin instance: with $.parallel.overlap_micro_batches "on" both slots' instances
 # see MOERT_LAYER_OVERLAPPED, with "off" (and "auto" on the CPU) none does. The fixture-misbehave memory policy fails
-# its init, naming the layer, when the flag is not as its option "expect_overlapped" says.
+# its init, naming the layer, when the flag is not as its option "expect_overlapped" says. The layer info's sm_yield
+# (the SM-yield word of $.parallel.overlap_comm_sms) is CUDA's alone: NULL on the CPU, the overlap on or off
+# (option "expect_sm_yield").
 # Usage: test_layer_flags.sh PATH/TO/moert
 set -u
 moert="$(cd "$(dirname "$1")" && pwd)/$(basename "$1")"
@@ -31,6 +33,16 @@ flags on_no on no 1
 expect_match on_no err 'fixture-misbehave: layer 0 is overlapped \(layer info flags 0x1\), expected no'
 flags off_yes off yes 1
 expect_match off_yes err 'fixture-misbehave: layer 0 is not overlapped \(layer info flags 0x0\), expected yes'
+
+# yield_word NAME MODE EXPECT STATUS: the same for the layer info's sm_yield
+yield_word() {
+    run "$1" "$4" run c.json --quiet --set "parallel.overlap_micro_batches=\"$2\"" \
+        --set "memory_policy.expect_sm_yield=\"$3\"" --set parallel.overlap_comm_sms=24
+}
+yield_word yield_on_no on no 0
+yield_word yield_off_no off no 0
+yield_word yield_on_yes on yes 1
+expect_match yield_on_yes err 'fixture-misbehave: layer 0 has no sm_yield in its layer info, expected yes'
 
 if [ "$failures" -ne 0 ]; then
     echo "test_layer_flags: $failures check(s) failed" >&2

@@ -40,6 +40,7 @@ static void test_defaults(void)
     EXPECT_NEAR(cfg->parallel.timeout_s, 60.0, 0, 0);
     EXPECT_EQ_INT(cfg->parallel.cuda_graph, MOERT_GRAPH_AUTO);
     EXPECT_EQ_INT(cfg->parallel.overlap_micro_batches, MOERT_OVERLAP_AUTO);
+    EXPECT_EQ_INT(cfg->parallel.overlap_comm_sms, 24);
     EXPECT_EQ_INT(cfg->train.steps, 100);
     EXPECT_EQ_INT(cfg->train.tokens_per_rank, 256);
     EXPECT_EQ_INT(cfg->train.micro_batches, 1);
@@ -442,11 +443,51 @@ static void test_error_module(void)
     EXPECT(strncmp(moert_error_message(), "p: xxx", 6) == 0);
 }
 
+/* $.parallel.overlap_comm_sms: 24 by default (deepep's SMs under the overlap), 0 .. 1024, read back resolved. */
+static void test_overlap_comm_sms(void)
+{
+    moert_config *cfg = NULL;
+    int64_t v = -1;
+    EXPECT_OK(moert_config_load_string("{}", "t.json", &cfg));
+    if (cfg) {
+        EXPECT_EQ_INT(cfg->parallel.overlap_comm_sms, MOERT_OVERLAP_COMM_SMS_DEFAULT);
+        EXPECT_OK(moert_config_get_int(cfg, "parallel.overlap_comm_sms", &v));
+        EXPECT_EQ_INT(v, 24);
+    }
+    moert_config_free(cfg);
+    cfg = NULL;
+    EXPECT_OK(moert_config_load_string("{\"parallel\": {\"overlap_comm_sms\": 16}}", "t.json", &cfg));
+    if (cfg) {
+        EXPECT_EQ_INT(cfg->parallel.overlap_comm_sms, 16);
+        EXPECT_OK(moert_config_get_int(cfg, "parallel.overlap_comm_sms", &v));
+        EXPECT_EQ_INT(v, 16);
+    }
+    moert_config_free(cfg);
+    cfg = NULL;
+    /* 0: the GEMMs keep every SM; the bound 1024 is accepted */
+    EXPECT_OK(moert_config_load_string("{\"parallel\": {\"overlap_comm_sms\": 0}}", "t.json", &cfg));
+    if (cfg) EXPECT_EQ_INT(cfg->parallel.overlap_comm_sms, 0);
+    moert_config_free(cfg);
+    cfg = NULL;
+    EXPECT_OK(moert_config_load_string("{\"parallel\": {\"overlap_comm_sms\": 1024}}", "t.json", &cfg));
+    if (cfg) EXPECT_EQ_INT(cfg->parallel.overlap_comm_sms, 1024);
+    moert_config_free(cfg);
+    expect_config_error("{\"parallel\": {\"overlap_comm_sms\": 1025}}", MOERT_ERR_CONFIG,
+                        "config error at $.parallel.overlap_comm_sms: got 1025, expected an integer in [0, 1024]");
+    expect_config_error("{\"parallel\": {\"overlap_comm_sms\": -1}}", MOERT_ERR_CONFIG,
+                        "config error at $.parallel.overlap_comm_sms: got -1, expected an integer in [0, 1024]");
+    expect_config_error("{\"parallel\": {\"overlap_comm_sms\": \"24\"}}", MOERT_ERR_CONFIG,
+                        "config error at $.parallel.overlap_comm_sms: got \"24\", expected an integer in [0, 1024]");
+    expect_config_error("{\"parallel\": {\"overlap_comm_sms\": 2.5}}", MOERT_ERR_CONFIG,
+                        "config error at $.parallel.overlap_comm_sms: got 2.5, expected an integer in [0, 1024]");
+}
+
 int main(void)
 {
     test_defaults();
     test_values();
     test_errors();
+    test_overlap_comm_sms();
     test_files();
     test_set();
     test_sections();

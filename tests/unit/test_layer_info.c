@@ -9,8 +9,11 @@
 #define LAYER_INFO_BEFORE_TWIN offsetof(moert_layer_info, twin)
 /* The size of a core's layer info with `twin` but before `flags`. */
 #define LAYER_INFO_BEFORE_FLAGS offsetof(moert_layer_info, flags)
+/* The size of a core's layer info with `flags` but before `sm_yield`. */
+#define LAYER_INFO_BEFORE_SM_YIELD offsetof(moert_layer_info, sm_yield)
 
-static int twin_target; /* any address, to tell a copied twin from NULL */
+static int twin_target;         /* any address, to tell a copied twin from NULL */
+static int32_t sm_yield_target; /* likewise for sm_yield */
 
 /* A layer info with every field set to a value a zeroed or garbage copy would not have. */
 static moert_layer_info sample_layer(uint32_t struct_size)
@@ -31,6 +34,7 @@ static moert_layer_info sample_layer(uint32_t struct_size)
     info.device = moert_cpu();
     info.twin = &twin_target;
     info.flags = MOERT_LAYER_OVERLAPPED;
+    info.sm_yield = &sm_yield_target;
     return info;
 }
 
@@ -81,6 +85,7 @@ static void test_older_core_exact_allocation(void)
     EXPECT(copy.twin == NULL);
     EXPECT_EQ_INT(copy.flags, 0);
     EXPECT_EQ_INT(MOERT_LAYER_INFO_FLAGS(&copy), 0);
+    EXPECT(MOERT_LAYER_INFO_SM_YIELD(&copy) == NULL);
 }
 
 /* An older core's struct followed by other bytes (the caller's next data): those are not copied, even where reading
@@ -101,6 +106,7 @@ static void test_older_core_bytes_after_ignored(void)
     EXPECT(copy.twin == NULL);
     EXPECT_EQ_INT(copy.flags, 0);
     EXPECT_EQ_INT(MOERT_LAYER_INFO_FLAGS(&copy), 0);
+    EXPECT(MOERT_LAYER_INFO_SM_YIELD(&copy) == NULL);
 }
 
 /* A core with `twin` but without `flags`: the twin comes over, the flags read 0. */
@@ -122,9 +128,33 @@ static void test_core_with_twin_only(void)
     EXPECT(!MOERT_LAYER_INFO_HAS_FLAGS(&copy));
     EXPECT_EQ_INT(copy.flags, 0);
     EXPECT_EQ_INT(MOERT_LAYER_INFO_FLAGS(&copy), 0);
+    EXPECT(!MOERT_LAYER_INFO_HAS_SM_YIELD(&copy));
+    EXPECT(MOERT_LAYER_INFO_SM_YIELD(&copy) == NULL);
 }
 
-/* This build's full struct: every field comes over, twin and flags included. */
+/* A core with `flags` but without `sm_yield`: the flags come over, the SM-yield pointer reads NULL. */
+static void test_core_with_flags_only(void)
+{
+    const size_t flags_only_size = LAYER_INFO_BEFORE_SM_YIELD;
+    moert_layer_info full = sample_layer((uint32_t)flags_only_size);
+    void *flags_only = malloc(flags_only_size);
+    EXPECT(flags_only != NULL);
+    if (!flags_only) return;
+    memcpy(flags_only, &full, flags_only_size);
+
+    moert_layer_info copy = copy_into_garbage((const moert_layer_info *)flags_only);
+    free(flags_only);
+    EXPECT_EQ_INT(copy.struct_size, flags_only_size);
+    expect_base_fields(&copy);
+    EXPECT(copy.twin == &twin_target);
+    EXPECT(MOERT_LAYER_INFO_HAS_FLAGS(&copy));
+    EXPECT_EQ_INT(MOERT_LAYER_INFO_FLAGS(&copy), MOERT_LAYER_OVERLAPPED);
+    EXPECT(!MOERT_LAYER_INFO_HAS_SM_YIELD(&copy));
+    EXPECT(copy.sm_yield == NULL);
+    EXPECT(MOERT_LAYER_INFO_SM_YIELD(&copy) == NULL);
+}
+
+/* This build's full struct: every field comes over, twin, flags and sm_yield included. */
 static void test_full_size(void)
 {
     moert_layer_info *full = malloc(sizeof *full);
@@ -140,6 +170,8 @@ static void test_full_size(void)
     EXPECT(copy.twin == &twin_target);
     EXPECT(MOERT_LAYER_INFO_HAS_FLAGS(&copy));
     EXPECT_EQ_INT(MOERT_LAYER_INFO_FLAGS(&copy), MOERT_LAYER_OVERLAPPED);
+    EXPECT(MOERT_LAYER_INFO_HAS_SM_YIELD(&copy));
+    EXPECT(MOERT_LAYER_INFO_SM_YIELD(&copy) == &sm_yield_target);
 }
 
 /* A newer core's larger struct: only this build's fields are copied, and struct_size says this build's size. */
@@ -159,6 +191,7 @@ static void test_newer_core(void)
     expect_base_fields(&copy);
     EXPECT(copy.twin == &twin_target);
     EXPECT_EQ_INT(MOERT_LAYER_INFO_FLAGS(&copy), MOERT_LAYER_OVERLAPPED);
+    EXPECT(MOERT_LAYER_INFO_SM_YIELD(&copy) == &sm_yield_target);
 }
 
 int main(void)
@@ -166,6 +199,7 @@ int main(void)
     test_older_core_exact_allocation();
     test_older_core_bytes_after_ignored();
     test_core_with_twin_only();
+    test_core_with_flags_only();
     test_full_size();
     test_newer_core();
     return test_finish("test_layer_info");

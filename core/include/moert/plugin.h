@@ -125,6 +125,13 @@ typedef struct moert_layer_info {
     void *twin;
     /* appended (check MOERT_LAYER_INFO_HAS_FLAGS): MOERT_LAYER_* bits, how the core runs this layer */
     uint32_t flags;
+    /* appended (check MOERT_LAYER_INFO_HAS_SM_YIELD): a device pointer, set only on CUDA layers under the micro-batch
+     * overlap (MOERT_LAYER_OVERLAPPED) when $.parallel.overlap_comm_sms > 0, else NULL. The core writes it on its
+     * communication stream: the SMs a dispatcher call needs just before each call of either micro-batch, 0 just
+     * after. A plugin's persistent kernels read it (volatile) between work units, and their CTAs numbered
+     * >= gridDim.x - value stop taking units, so that the call's kernels find SMs; work already taken is finished,
+     * the rest goes to the other CTAs. */
+    const int32_t *sm_yield;
 } moert_layer_info;
 
 /* Whether a moert_layer_info has `twin` (an older core passes a shorter struct). */
@@ -132,6 +139,10 @@ typedef struct moert_layer_info {
 /* Whether a moert_layer_info has `flags`, and its flags (0 from a core that passes none). */
 #define MOERT_LAYER_INFO_HAS_FLAGS(info) ((info)->struct_size >= offsetof(moert_layer_info, flags) + sizeof(uint32_t))
 #define MOERT_LAYER_INFO_FLAGS(info)     (MOERT_LAYER_INFO_HAS_FLAGS(info) ? (info)->flags : 0u)
+/* Whether a moert_layer_info has `sm_yield`, and its pointer (NULL from a core that passes none). */
+#define MOERT_LAYER_INFO_HAS_SM_YIELD(info)                                                                            \
+    ((info)->struct_size >= offsetof(moert_layer_info, sm_yield) + sizeof(const int32_t *))
+#define MOERT_LAYER_INFO_SM_YIELD(info) (MOERT_LAYER_INFO_HAS_SM_YIELD(info) ? (info)->sm_yield : (const int32_t *)NULL)
 
 /* Copies a layer info without reading past an older core's shorter struct: rest 0, struct_size the bytes copied. */
 static inline void moert_layer_info_copy(moert_layer_info *dst, const moert_layer_info *src)

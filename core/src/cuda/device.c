@@ -2,6 +2,7 @@
 /* CUDA devices, streams, events, pinned memory and copies (see device.h). */
 #include "device.h"
 
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -346,6 +347,64 @@ moert_result moert_cuda_memset_async(void *dst, int value, size_t bytes, moert_s
     moert_result rc = MOERT_OK;
     if (bytes == 0) return MOERT_OK;
     MOERT_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, (cudaStream_t)s));
+fail:
+    return rc;
+}
+
+moert_result moert_cuda_sm_yield_create(int device, int32_t sms, int32_t **out)
+{
+    moert_result rc = MOERT_OK;
+    const int32_t init[3] = {0, 0, sms};
+    int32_t *words = NULL;
+    int prev = device;
+    *out = NULL;
+    MOERT_CHECK(enter_device(device, &prev));
+    MOERT_CUDA_CHECK(cudaMalloc((void **)&words, sizeof init));
+    MOERT_CUDA_CHECK(cudaMemcpy(words, init, sizeof init, cudaMemcpyHostToDevice));
+    *out = words;
+    words = NULL;
+fail:
+    if (words) (void)cudaFree(words);
+    restore_device(device, prev);
+    return rc;
+}
+
+void moert_cuda_sm_yield_free(int32_t *words)
+{
+    if (words) (void)cudaFree(words);
+}
+
+/* cuStreamWriteValue32, found through the runtime (no link against libcuda); NULL where the driver lacks it. */
+typedef int (*write_value32_fn)(cudaStream_t stream, unsigned long long addr, uint32_t value, unsigned int flags);
+static write_value32_fn write_value32;
+static pthread_once_t write_value32_once = PTHREAD_ONCE_INIT;
+
+static void load_write_value32(void)
+{
+    void *fn = NULL;
+    enum cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &fn, 12000, cudaEnableDefault, &status) ==
+            cudaSuccess &&
+        status == cudaDriverEntryPointSuccess)
+        write_value32 = (write_value32_fn)fn;
+    (void)cudaGetLastError();
+}
+
+#define CUDA_ERROR_NOT_SUPPORTED_CODE 801 /* CUDA_ERROR_NOT_SUPPORTED: stream memory operations off */
+
+moert_result moert_cuda_write_word_async(int32_t *dst, int32_t value, const int32_t *src, moert_stream s)
+{
+    moert_result rc = MOERT_OK;
+    pthread_once(&write_value32_once, load_write_value32);
+    if (write_value32) {
+        int err = write_value32((cudaStream_t)s, (unsigned long long)(uintptr_t)dst, (uint32_t)value, 0);
+        if (err == 0) return MOERT_OK;
+        if (err != CUDA_ERROR_NOT_SUPPORTED_CODE)
+            return moert_error(MOERT_ERR_CUDA, "cuStreamWriteValue32(s, %p, %d, 0) failed: CUresult %d", (void *)dst,
+                               (int)value, err);
+    }
+    /* no stream memory operations: a copy, which runs once an SM is free */
+    MOERT_CUDA_CHECK(cudaMemcpyAsync(dst, src, sizeof *dst, cudaMemcpyDeviceToDevice, (cudaStream_t)s));
 fail:
     return rc;
 }

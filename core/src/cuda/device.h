@@ -7,6 +7,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "moert/plugin.h"
 
@@ -72,6 +73,17 @@ void moert_cuda_host_free(void *ptr);
  * direction), queued on stream s; asynchronous only when the host side is pinned. */
 moert_result moert_cuda_memcpy_async(void *dst, const void *src, size_t bytes, moert_stream s);
 moert_result moert_cuda_memset_async(void *dst, int value, size_t bytes, moert_stream s);
+
+/* Micro-batch overlap ($.parallel.overlap_comm_sms): three int32 in device memory on `device`, {0, 0, sms}: the SM-yield
+ * word the GEMMs read (moert_layer_info.sm_yield), then its two values, copied from where the driver cannot write it
+ * (moert_cuda_write_word_async). Free with moert_cuda_sm_yield_free once no stream uses it. */
+moert_result moert_cuda_sm_yield_create(int device, int32_t sms, int32_t **out);
+void moert_cuda_sm_yield_free(int32_t *words);
+/* Writes `value` to the device word dst on s, in stream order, with a stream memory operation (cuStreamWriteValue32),
+ * which needs no SM: it lands while a persistent kernel holds every SM, where a 4-byte device-to-device cudaMemcpyAsync
+ * runs as a kernel and waits for one (seen on an H200). Where the driver has no stream memory operations it copies
+ * the word at src (device memory holding `value`) instead. */
+moert_result moert_cuda_write_word_async(int32_t *dst, int32_t value, const int32_t *src, moert_stream s);
 
 /* The device whose memory ptr is (device or managed memory), or -1 for host memory, pinned or not. */
 moert_result moert_cuda_pointer_device(const void *ptr, int *device_or_minus_one);
