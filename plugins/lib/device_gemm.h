@@ -60,6 +60,12 @@ typedef struct bf16_device_gemm_args {
                                 busy as pairs, else 2, else 1. The cooperative schedule runs single CTAs. */
     int wgrad_schedule; /* BF16_WGMMA_WGRAD_*: the wgmma WGRAD's schedule (tests, benchmarks); 0 picks by the rows an
                            expert has on average */
+    const int32_t *sm_yield; /* wgmma FORWARD/DGRAD: a device int32 read between work units (moert_layer_info's
+                                sm_yield); while it is N > 0 the CTAs numbered >= grid - N (all but CTA 0) stop taking
+                                units, leaving SMs to kernels beside the GEMM. NULL: every CTA works to the end */
+    int32_t *work_counter;   /* with sm_yield: two device int32, zero before the first launch, through which the CTAs
+                                take units; the kernel leaves them zero. One pair per stream: two GEMMs running at
+                                once must not share one */
 } bf16_device_gemm_args;
 
 /* The wgmma WGRAD's schedules (device_gemm_wgmma.cu): AUTO the ping-pong below BF16_WGMMA_PINGPONG_ROWS rows an expert

@@ -44,12 +44,14 @@
 #define WG_B_BYTES       (WG_BN * WG_BK * 2) /* 32 KiB */
 #define WG_STAGING_BYTES (WG_BM * WG_BN * 2) /* the bf16 output tile: 64 KiB */
 #define WG_MAX_DEVICES   64
+#define WG_UNIT_RING     8 /* the producer's work units, in shared memory, for the consumers (more than WG_STAGES) */
 
-/* Bytes of dynamic shared memory with E experts: alignment slack, stages, output staging, barriers, prefix arrays. */
+/* Bytes of dynamic shared memory with E experts: alignment slack, stages, output staging, barriers, the unit ring,
+ * prefix arrays. */
 static size_t wg_smem_bytes(int experts)
 {
     return 1024 + (size_t)WG_STAGES * (WG_A_BYTES + WG_B_BYTES) + WG_STAGING_BYTES + 2 * WG_STAGES * sizeof(uint64_t) +
-           (size_t)(experts + 1) * (sizeof(int64_t) + sizeof(int));
+           WG_UNIT_RING * sizeof(int) + (size_t)(experts + 1) * (sizeof(int64_t) + sizeof(int));
 }
 
 /* What one launch needs, by value (the tensor maps must live in parameter or constant memory). */
@@ -59,6 +61,8 @@ typedef struct wg_params {
     CUtensorMap map_d; /* C [capacity][out_cols], boxes of 64 x 64 rows */
     const int64_t *counts;
     __nv_bfloat16 *d;
+    int32_t *work_counter; /* NULL: each CTA takes units blockIdx.x, + gridDim.x, ..; else handed out (wg_next_unit) */
+    const int32_t *sm_yield; /* with work_counter: SMs to leave while it is > 0 (bf16_device_gemm_args), or NULL */
     int64_t capacity;
     int num_experts, n_tiles, k_blocks, out_cols;
 } wg_params;
@@ -114,19 +118,41 @@ __device__ __forceinline__ wg_tile wg_tile_at(const wg_params &p, const int64_t 
     return w;
 }
 
-/* The producer thread: per tile and k-block, waits for the stage to be free, announces its bytes and starts the TMA
- * loads of A's 128 rows and B's 256 columns. */
+/* The CTA's next work unit after `prev` (first: none yet); `units` or more: none left. Static: blockIdx.x, then every
+ * gridDim.x-th. Handed out (work_counter): the next unnumbered one, unless sm_yield asks for SMs and this CTA is among
+ * the last that many (CTA 0 never yields, so every unit is taken). */
+__device__ __forceinline__ int wg_next_unit(const wg_params &p, int units, int prev, bool first)
+{
+    if (!p.work_counter) return first ? (int)blockIdx.x : prev + (int)gridDim.x;
+    if (p.sm_yield) {
+        const int want = *(const volatile int32_t *)p.sm_yield;
+        if (want > 0 && (int)blockIdx.x > 0 && (int)blockIdx.x >= (int)gridDim.x - want) return units;
+    }
+    return atomicAdd(p.work_counter, 1);
+}
+
+/* The producer thread: per tile, its unit into the ring slot the consumers read with the tile's first stage, and per
+ * k-block, waits for the stage to be free, announces its bytes and starts the TMA loads of A's 128 rows and B's 256
+ * columns. With no unit left it puts -1 in the ring and completes the next stage's barrier without bytes, which ends
+ * the consumers; a handed-out schedule's last CTA to stop zeroes the counter for the next launch on its stream. */
 template <int N_MAJOR>
 __device__ __forceinline__ void wg_produce(const wg_params &p, const int64_t *row_start, const int *tile_start,
                                            int units, uint8_t *a_stages, uint8_t *b_stages, uint64_t *full,
-                                           uint64_t *empty)
+                                           uint64_t *empty, int *unit_ring)
 {
-    int s = 0;
+    int s = 0, u = 0;
     uint32_t phase = 0, it = 0;
-    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    for (int t = 0;; t++) {
+        u = wg_next_unit(p, units, u, t == 0);
+        if (it >= WG_STAGES) mbar_wait(&empty[s], phase ^ 1);
+        unit_ring[t % WG_UNIT_RING] = u < units ? u : -1;
+        if (u >= units) {
+            mbar_arrive(&full[s]);
+            break;
+        }
         const wg_tile w = wg_tile_at(p, row_start, tile_start, u);
         for (int kb = 0; kb < p.k_blocks; kb++, it++) {
-            if (it >= WG_STAGES) mbar_wait(&empty[s], phase ^ 1);
+            if (kb > 0 && it >= WG_STAGES) mbar_wait(&empty[s], phase ^ 1);
             mbar_arrive_expect_tx(&full[s], WG_A_BYTES + WG_B_BYTES);
             tensor_load_2d(a_stages + s * WG_A_BYTES, &p.map_a, kb * WG_BK, (int32_t)w.row0, &full[s]);
             uint8_t *b = b_stages + s * WG_B_BYTES;
@@ -138,6 +164,10 @@ __device__ __forceinline__ void wg_produce(const wg_params &p, const int64_t *ro
             }
             if (++s == WG_STAGES) s = 0, phase ^= 1;
         }
+    }
+    if (p.work_counter && atomicAdd(p.work_counter + 1, 1) == (int)gridDim.x - 1) {
+        p.work_counter[0] = 0; /* every CTA has stopped taking units */
+        p.work_counter[1] = 0;
     }
 }
 
@@ -192,13 +222,16 @@ __device__ __forceinline__ void wg_store(const wg_params &p, const wg_tile &w, i
 /* A consumer warpgroup (c: rows c * 64 .. c * 64 + 63 of each tile). */
 template <int N_MAJOR>
 __device__ __forceinline__ void wg_consume(const wg_params &p, const int64_t *row_start, const int *tile_start,
-                                           int units, const uint8_t *a_stages, const uint8_t *b_stages,
-                                           uint8_t *staging, uint64_t *full, uint64_t *empty, int c)
+                                           const uint8_t *a_stages, const uint8_t *b_stages, uint8_t *staging,
+                                           uint64_t *full, uint64_t *empty, const int *unit_ring, int c)
 {
     int s = 0;
     uint32_t phase = 0;
     uint8_t *boxes = staging + c * (WG_STAGING_BYTES / 2);
-    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    for (int t = 0;; t++) {
+        mbar_wait(&full[s], phase); /* the tile's first stage: its unit is in the ring (wg_produce) */
+        const int u = unit_ring[t % WG_UNIT_RING];
+        if (u < 0) break;
         const wg_tile w = wg_tile_at(p, row_start, tile_start, u);
         float acc[128];
         int prev = 0;
@@ -240,7 +273,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_kernel(const __grid_
     uint8_t *staging = b_stages + WG_STAGES * WG_B_BYTES;
     uint64_t *full = (uint64_t *)(staging + WG_STAGING_BYTES);
     uint64_t *empty = full + WG_STAGES;
-    int64_t *row_start = (int64_t *)(empty + WG_STAGES);
+    int *unit_ring = (int *)(empty + WG_STAGES);
+    int64_t *row_start = (int64_t *)(unit_ring + WG_UNIT_RING);
     int *tile_start = (int *)(row_start + p.num_experts + 1);
 
     if (threadIdx.x < 32) expert_prefix(p.counts, p.num_experts, p.capacity, WG_BM, row_start, tile_start);
@@ -257,10 +291,11 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_kernel(const __grid_
     if (wg == 0) {
         /* the consumers' increase, 256 x (232 - 168), must not exceed what this warpgroup gives back, 128 x (168 - 40) */
         warpgroup_registers_dec<40>();
-        if (threadIdx.x == 0) wg_produce<N_MAJOR>(p, row_start, tile_start, units, a_stages, b_stages, full, empty);
+        if (threadIdx.x == 0)
+            wg_produce<N_MAJOR>(p, row_start, tile_start, units, a_stages, b_stages, full, empty, unit_ring);
     } else {
         warpgroup_registers_inc<232>();
-        wg_consume<N_MAJOR>(p, row_start, tile_start, units, a_stages, b_stages, staging, full, empty, wg - 1);
+        wg_consume<N_MAJOR>(p, row_start, tile_start, a_stages, b_stages, staging, full, empty, unit_ring, wg - 1);
     }
 #endif
 }
@@ -946,6 +981,8 @@ extern "C" moert_result bf16_wgmma_gemm(const moert_host *host, cudaStream_t str
     MOK(encode_bf16_map(host, &p.map_d, dgrad ? "grad_input" : "output", d, 2, d_dims, d_strides, d_box));
     p.counts = a->counts_device;
     p.d = (__nv_bfloat16 *)d;
+    p.work_counter = a->sm_yield ? a->work_counter : NULL;
+    p.sm_yield = a->sm_yield;
     p.capacity = a->capacity;
     p.num_experts = (int)a->num_experts;
     p.n_tiles = (int)((out_cols + WG_BN - 1) / WG_BN);

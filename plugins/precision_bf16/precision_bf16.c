@@ -35,6 +35,8 @@ typedef struct bf16_weight_copy {
 } bf16_weight_copy;
 #endif
 
+#define BF16_YIELD_STREAMS 8 /* streams a layer's wgmma GEMMs hand units out on at once (sm_yield) */
+
 typedef struct bf16_ctx {
     const moert_host *host;
     moert_layer_info layer;
@@ -56,10 +58,13 @@ typedef struct bf16_ctx {
     void *workspace;                 /* its workspace, from the host's pool */
     bf16_weight_copy weight_copy[2]; /* by moert_gemm_weight (FC1, FC2) */
     int64_t *counts_host;            /* [E_local] pinned: device counts copied down when no host copy is given */
+    int32_t *yield_counters;         /* the layer's sm_yield: a device_gemm work counter pair per stream, or NULL */
+    moert_stream yield_streams[BF16_YIELD_STREAMS]; /* the stream each pair serves (NULL: free) */
 #endif
 } bf16_ctx;
 
 static const char *const mode_choices[] = {"auto", "bf16", "fp32", "fp64", NULL};
+
 static const char *const gemm_choices[] = {"auto", "cublaslt", "kernel", NULL};
 enum { GEMM_AUTO = 0, GEMM_CUBLASLT = 1, GEMM_KERNEL = 2 };       /* by gemm_choices */
 static const char *const mode_names[] = {"bf16", "fp32", "fp64"}; /* by bf16_mode */
@@ -67,6 +72,38 @@ static const char *const wgrad_schedules[] = {"auto", "pingpong", "cooperative",
 
 /* Sets the instance's error message and returns code, so checks can `return fail(...)`. */
 #define fail(c, ...) report((c)->host, __VA_ARGS__)
+
+#ifdef MOERT_HAVE_CUDA
+/* Where the layer has sm_yield (the micro-batch overlap, moert/plugin.h), the wgmma FORWARD/DGRAD hand their units out
+ * through a counter pair per stream and leave the SMs a dispatcher call asks for; called with the layer's device
+ * current. */
+static moert_result yield_init(bf16_ctx *c)
+{
+    if (!MOERT_LAYER_INFO_SM_YIELD(&c->layer)) return MOERT_OK;
+    const size_t bytes = 2 * BF16_YIELD_STREAMS * sizeof(int32_t);
+    moert_result rc = c->host->alloc(c->host, c->layer.device, bytes, (void **)&c->yield_counters);
+    if (rc != MOERT_OK) return rc;
+    const cudaError_t err = cudaMemset(c->yield_counters, 0, bytes);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        return fail(c, MOERT_ERR_CUDA, "cudaMemset(work counters, %zu bytes) failed: %s", bytes,
+                    cudaGetErrorString(err));
+    }
+    return MOERT_OK;
+}
+
+/* The work counter pair of `stream`, taken on its first use; NULL (the GEMM keeps every SM) without sm_yield, on the
+ * legacy default stream, or when every pair serves another stream. */
+static int32_t *yield_counter(bf16_ctx *c, moert_stream stream)
+{
+    if (!c->yield_counters || !stream) return NULL;
+    for (int i = 0; i < BF16_YIELD_STREAMS; i++) {
+        if (!c->yield_streams[i]) c->yield_streams[i] = stream;
+        if (c->yield_streams[i] == stream) return c->yield_counters + 2 * i;
+    }
+    return NULL;
+}
+#endif
 
 static void bf16_finalize(void *ctx);
 
@@ -118,6 +155,7 @@ static moert_result kernel_init(bf16_ctx *c, const char *dev)
         return fail(c, MOERT_ERR_CUDA, "cudaSetDevice(%d) failed: %s", id, cudaGetErrorString(err));
     }
     moert_result rc = bf16_device_gemm_prepare(h);
+    if (rc == MOERT_OK) rc = yield_init(c);
     if (previous >= 0 && previous != id) (void)cudaSetDevice(previous);
     if (rc != MOERT_OK) return rc;
     c->use_kernel = true;
@@ -197,6 +235,7 @@ static moert_result cuda_init(bf16_ctx *c, int choice)
         if (!c->zero_counts) rc = fail(c, MOERT_ERR_OUT_OF_MEMORY, "out of memory for the precision state");
         if (rc == MOERT_OK) rc = bf16_device_gemm_prepare(h);
         c->wgmma_fwd_dgrad = rc == MOERT_OK && bf16_wgmma_available() != 0 && c->gemm_engine == GEMM_AUTO;
+        if (rc == MOERT_OK && c->wgmma_fwd_dgrad) rc = yield_init(c);
     }
     if (previous >= 0 && previous != id) (void)cudaSetDevice(previous);
     return rc;
@@ -305,6 +344,7 @@ static void bf16_finalize(void *ctx)
         if (c->weight_copy[w].data) h->free(h, c->layer.device, c->weight_copy[w].data);
     if (c->workspace) h->free(h, c->layer.device, c->workspace);
     if (c->counts_host) h->free_pinned(h, c->counts_host);
+    if (c->yield_counters) h->free(h, c->layer.device, c->yield_counters);
     free(c->zero_counts);
 #endif
     bf16_scratch_free(&c->scratch);
@@ -504,6 +544,8 @@ static moert_result kernel_grouped_gemm(bf16_ctx *c, moert_stream stream, const 
             ka.grad_output = args->grad_output->data;
             ka.grad_input = args->grad_input->data;
         }
+        ka.work_counter = yield_counter(c, stream);
+        if (ka.work_counter) ka.sm_yield = MOERT_LAYER_INFO_SM_YIELD(&c->layer);
     }
     return bf16_device_gemm(c->host, (cudaStream_t)stream, &ka);
 }

@@ -457,6 +457,71 @@ static void run_big(cudaStream_t stream)
     problem_free(&p);
 }
 
+/* ---- handing units out (work_counter) and leaving SMs (sm_yield) ---- */
+
+/* FORWARD and DGRAD with the units handed out through a counter and sm_yield at 0 (every CTA works), at 100 (all but
+ * the first 32 CTAs of an H100's 132 stop at once) and at the whole grid (only CTA 0 works): bit for bit the static
+ * schedule's output, twice in a row on one counter, which each launch leaves zero. */
+static void run_yield(cudaStream_t stream)
+{
+    const int E = 8;
+    const int64_t K = 1024, N = 2048;
+    const int64_t counts[8] = {512, 509, 517, 0, 640, 383, 1, 512};
+    problem p;
+    problem_make(&p, E, K, N, counts, 0, 31);
+    int32_t *d_yield = NULL, *d_counter = NULL;
+    CK(cudaMalloc((void **)&d_yield, sizeof(int32_t)));
+    CK(cudaMalloc((void **)&d_counter, 2 * sizeof(int32_t)));
+    CK(cudaMemset(d_counter, 0, 2 * sizeof(int32_t)));
+    for (int pass = 0; pass < 2; pass++) {
+        moert_dtype dt;
+        const size_t bytes = (size_t)out_elems(&p, pass, false, &dt) * 2;
+        void *want = gpu_pass(&p, pass, true, false, stream);
+        static const int32_t yields[] = {0, 100, 1 << 20};
+        for (size_t y = 0; y < sizeof yields / sizeof yields[0]; y++) {
+            CK(cudaMemcpy(d_yield, &yields[y], sizeof(int32_t), cudaMemcpyHostToDevice));
+            int64_t diffs = 0;
+            for (int rep = 0; rep < 2; rep++) {
+                void *d_out = NULL;
+                CK(cudaMalloc(&d_out, bytes));
+                CK(cudaMemset(d_out, 0xFF, bytes));
+                bf16_device_gemm_args a = kernel_args(&p, pass, d_out, true, false);
+                a.engine = BF16_DEVICE_GEMM_ENGINE_WGMMA;
+                a.sm_yield = d_yield;
+                a.work_counter = d_counter;
+                if (bf16_device_gemm(&gpu_test_host, stream, &a) != MOERT_OK) {
+                    fprintf(stderr, "bf16_device_gemm with sm_yield: %s\n", gpu_test_error);
+                    test_failures++;
+                }
+                CK(cudaStreamSynchronize(stream));
+                void *got = xalloc(bytes);
+                from_device(got, d_out, bytes);
+                CK(cudaFree(d_out));
+                diffs += memcmp(got, want, bytes) != 0;
+                free(got);
+                int32_t counter[2] = {-1, -1};
+                CK(cudaMemcpy(counter, d_counter, sizeof counter, cudaMemcpyDeviceToHost));
+                diffs += counter[0] != 0 || counter[1] != 0;
+            }
+            char what[80];
+            snprintf(what, sizeof what, "units handed out, sm_yield %d, %s: as the static schedule", (int)yields[y],
+                     pass_names[pass]);
+            record(what, 0, 0, diffs);
+        }
+        free(want);
+    }
+    /* sm_yield without a counter is refused */
+    bf16_device_gemm_args a = kernel_args(&p, 0, p.d_grad_output, true, false);
+    a.sm_yield = d_yield;
+    gpu_test_error[0] = 0;
+    const bool refused = bf16_device_gemm(&gpu_test_host, stream, &a) == MOERT_ERR_INVALID_ARGUMENT &&
+                         strstr(gpu_test_error, "work_counter");
+    record("refused: sm_yield without work_counter", refused ? 0 : 1, 0, 0);
+    CK(cudaFree(d_yield));
+    CK(cudaFree(d_counter));
+    problem_free(&p);
+}
+
 /* ---- CUDA graph capture: the three passes captured once, replayed with other counts ---- */
 
 static void run_graph(cudaStream_t stream)
@@ -784,6 +849,7 @@ int main(void)
     tile_n = 0, engine = BF16_DEVICE_GEMM_ENGINE_AUTO, cluster = 0, schedule = 0;
     run_bad_args(raw_stream);
     run_graph(raw_stream);
+    if (hopper) run_yield(raw_stream);
     run_big(raw_stream);
     CK(cudaStreamDestroy(raw_stream));
 
