@@ -633,8 +633,9 @@ static moert_result trace_micro_batch(moert_rank *r, int64_t step, int64_t micro
         int n = 0;
         CHECK(moert_layers_spans(r->layers, l, 0, spans, MOERT_LAYERS_MAX_SPANS, &n));
         for (int i = 0; i < n; i++) {
-            /* with micro-batch overlap the odd micro-batches run in the layers' second slot, on its own streams */
-            const bool slot1 = r->overlap && micro % 2 == 1;
+            /* with micro-batch overlap the odd micro-batches run in the layers' second slot, on its own streams
+             * (the dispatcher's calls of both slots share the rank's one communication stream) */
+            const bool slot1 = r->overlap && micro % 2 == 1 && strcmp(spans[i].stream, "dispatcher") != 0;
             const char *stream = !slot1                                ? spans[i].stream
                                  : !strcmp(spans[i].stream, "compute") ? "compute.1"
                                                                        : "wgrad.1";

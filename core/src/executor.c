@@ -42,8 +42,18 @@ static double now_seconds(void)
 }
 
 /* Marks: 0 forward start, 1..7 after router, permute, dispatch, fc1, act, fc2, combine; 8 and 9 backward; then a
- * begin and an end per backward part. */
-enum { MARK_BACKWARD_START = MOERT_STAGE_COUNT, MARK_BACKWARD_END = MOERT_STAGE_COUNT + 1, MARK_FIRST_PART };
+ * begin and an end per backward part, then per dispatcher call (dispatcher_call). */
+enum {
+    MARK_BACKWARD_START = MOERT_STAGE_COUNT,
+    MARK_BACKWARD_END = MOERT_STAGE_COUNT + 1,
+    MARK_FIRST_PART,
+    MARK_FIRST_CALL = MARK_FIRST_PART + 2 * MOERT_BWD_PART_COUNT
+};
+
+/* The span names of the dispatcher's calls, by dispatcher_call. */
+static const char *const dispatcher_call_spans[MOERT_DISPATCHER_CALLS] = {
+    "dispatcher.prepare", "dispatcher.dispatch", "dispatcher.combine", "dispatcher.combine_backward",
+    "dispatcher.dispatch_backward"};
 
 /* Marks the time on `stream` (a CUDA event, or the wall clock on the CPU). */
 static moert_result mark_on(moert_layer *L, int mark, moert_stream stream)
@@ -132,6 +142,13 @@ moert_result moert_layer_spans(const moert_layer *L, const moert_layer *origin, 
                                  .dur_s = L->backward_part_seconds[p]};
         MOERT_CHECK(mark_offset(L, origin, MARK_FIRST_PART + 2 * p, &sp->start_s));
     }
+    for (int c = 0; c < MOERT_DISPATCHER_CALLS; c++) {
+        if (!L->dispatcher_call_ran[c]) continue;
+        moert_layer_span *sp = &out[n++];
+        *sp = (moert_layer_span){
+            .name = dispatcher_call_spans[c], .stream = "dispatcher", .dur_s = L->dispatcher_call_seconds[c]};
+        MOERT_CHECK(mark_offset(L, origin, MARK_FIRST_CALL + 2 * c, &sp->start_s));
+    }
 fail:
     *count = n;
     return rc;
@@ -151,6 +168,12 @@ moert_result moert_layer_collect_times(moert_layer *L)
         if (L->backward_part_ran[p])
             MOERT_CHECK(
                 mark_interval(L, MARK_FIRST_PART + 2 * p, MARK_FIRST_PART + 2 * p + 1, &L->backward_part_seconds[p]));
+    }
+    for (int c = 0; c < MOERT_DISPATCHER_CALLS; c++) {
+        L->dispatcher_call_seconds[c] = 0.0;
+        if (L->dispatcher_call_ran[c])
+            MOERT_CHECK(
+                mark_interval(L, MARK_FIRST_CALL + 2 * c, MARK_FIRST_CALL + 2 * c + 1, &L->dispatcher_call_seconds[c]));
     }
 fail:
     return rc;
@@ -262,6 +285,8 @@ static moert_result call_dispatcher(moert_layer *L, dispatcher_call call, const 
         if (comm->sm_yield) MOERT_CHECK(sm_yield_set(L, comm, true, names[call]));
         before = moert_host_use_stream(L->dispatcher.host, s);
     }
+    L->dispatcher_call_ran[call] = false;
+    MOERT_CHECK(mark_on(L, MARK_FIRST_CALL + 2 * call, s)); /* the call's own span, on its stream */
     switch (call) {
     case CALL_PREPARE: rc = d->prepare(ctx, s, &L->topk_idx, &L->layout); break;
     case CALL_DISPATCH: rc = d->dispatch(ctx, s, args); break;
@@ -269,12 +294,15 @@ static moert_result call_dispatcher(moert_layer *L, dispatcher_call call, const 
     case CALL_COMBINE_BACKWARD: rc = d->combine_backward(ctx, s, args); break;
     case CALL_DISPATCH_BACKWARD: rc = d->dispatch_backward(ctx, s, args); break;
     }
+    if (rc == MOERT_OK && (rc_leave = mark_on(L, MARK_FIRST_CALL + 2 * call + 1, s)) == MOERT_OK)
+        L->dispatcher_call_ran[call] = true;
     if (comm) {
         moert_host_use_stream(L->dispatcher.host, before);
         /* after a failure too: the GEMMs get their SMs back, and the compute stream stays ordered after whatever the
          * call queued (the plugin's message is kept in its host until taken below) */
-        if (comm->sm_yield) rc_leave = sm_yield_set(L, comm, false, names[call]);
+        moert_result rc_yield = comm->sm_yield ? sm_yield_set(L, comm, false, names[call]) : MOERT_OK;
         moert_result rc_fence = fence(L, comm->leave, s, L->stream, "ordering the compute stream after", names[call]);
+        if (rc_leave == MOERT_OK) rc_leave = rc_yield;
         if (rc_leave == MOERT_OK) rc_leave = rc_fence;
     }
     if (rc != MOERT_OK) return moert_layer_plugin_failed(L, &L->dispatcher, names[call], rc);
@@ -1190,6 +1218,7 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
     L->x = *x;
     moert_act_store_begin_forward(&L->acts);
     MOERT_CHECK(stage_mark(L, 0));
+    memset(L->dispatcher_call_ran, 0, sizeof L->dispatcher_call_ran);
     MOERT_CHECK(tensor_alloc(L, &L->topk_idx, MOERT_I32, 2, t, in->topk, 0));
     MOERT_CHECK(tensor_alloc(L, &L->topk_probs, L->param_dtype, 2, t, in->topk, 0));
     MOERT_CHECK(tensor_alloc(L, &L->tokens_per_expert, MOERT_I64, 1, in->num_experts, 0, 0));

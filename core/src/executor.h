@@ -46,7 +46,9 @@ const char *moert_backward_part_name(moert_backward_part p);
 
 /* Time marks of a layer: forward start, the end of each forward stage, backward start and end, then a begin and an
  * end mark per backward part. */
-#define MOERT_LAYER_MARKS (MOERT_STAGE_COUNT + 2 + 2 * MOERT_BWD_PART_COUNT)
+/* The dispatcher's calls that take a stream: prepare, dispatch, combine, combine_backward, dispatch_backward. */
+#define MOERT_DISPATCHER_CALLS 5
+#define MOERT_LAYER_MARKS      (MOERT_STAGE_COUNT + 2 + 2 * MOERT_BWD_PART_COUNT + 2 * MOERT_DISPATCHER_CALLS)
 
 /* Micro-batch overlap on GPUs (core/src/overlap.c): the rank's one communication stream, on which the dispatcher calls
  * of both slots are issued, and one slot's pair of events fencing it with that slot's compute stream. */
@@ -171,7 +173,9 @@ typedef struct moert_layer {
     double stage_seconds[MOERT_STAGE_COUNT];
     double backward_part_seconds[MOERT_BWD_PART_COUNT];
     bool backward_part_ran[MOERT_BWD_PART_COUNT];
-    bool backward_part_on_side[MOERT_BWD_PART_COUNT]; /* ran on wgrad_stream, not the compute stream */
+    bool backward_part_on_side[MOERT_BWD_PART_COUNT];       /* ran on wgrad_stream, not the compute stream */
+    double dispatcher_call_seconds[MOERT_DISPATCHER_CALLS]; /* each call's own time on the stream it ran on */
+    bool dispatcher_call_ran[MOERT_DISPATCHER_CALLS];       /* since the last forward started */
 } moert_layer;
 
 /* Turns a plugin's failure into a core error naming the plugin, the call, the layer and the rank. */
@@ -202,11 +206,12 @@ moert_result moert_layer_collect_times(moert_layer *L);
 /* One span of the layer's last forward or backward: a forward stage or a backward part, on the stream it ran on,
  * starting start_s seconds after the forward start of a chosen origin layer. */
 typedef struct moert_layer_span {
-    const char *name;   /* moert_stage_name / moert_backward_part_name */
-    const char *stream; /* "compute", or "wgrad" for the wgrad parts moved to the second stream (overlap_wgrad) */
+    const char *name;   /* moert_stage_name / moert_backward_part_name / "dispatcher.<call>" */
+    const char *stream; /* "compute", "wgrad" for the wgrad parts moved to the second stream (overlap_wgrad), or
+                           "dispatcher" for the dispatcher's calls themselves */
     double start_s, dur_s;
 } moert_layer_span;
-#define MOERT_LAYER_MAX_SPANS (MOERT_STAGE_COUNT - 1 + MOERT_BWD_PART_COUNT)
+#define MOERT_LAYER_MAX_SPANS (MOERT_STAGE_COUNT - 1 + MOERT_BWD_PART_COUNT + MOERT_DISPATCHER_CALLS)
 /* The spans of the last forward and backward (after moert_layer_collect_times), placed against the forward start of
  * `origin` (a layer of the same rank whose marks are of the same micro-batch, e.g. the first layer): for the trace. */
 moert_result moert_layer_spans(const moert_layer *L, const moert_layer *origin, moert_layer_span *out, int *count);

@@ -41,6 +41,16 @@ for (pid, tid), stream in names.items():  # one rank's compute stream runs one s
     if stream == "compute":
         for a, b in zip(es, es[1:]):
             assert a["ts"] + a["dur"] <= b["ts"] + 1.0, (a, b)
+# each dispatcher call's own span, on the "dispatcher" track, inside its stage's span on the compute stream
+inside = {"prepare": "permute", "dispatch": "dispatch", "combine": "combine", "combine_backward": "combine_bwd",
+          "dispatch_backward": "dispatch_bwd"}
+for k, es in per.items():
+    by = {e["name"].split(" ", 1)[1]: e for e in es}
+    for call, stage in inside.items():
+        c = by["dispatcher." + call]
+        assert names[(c["pid"], c["tid"])] == "dispatcher", (k, c)
+        s = by[stage]
+        assert s["ts"] - 1.0 <= c["ts"] and c["ts"] + c["dur"] <= s["ts"] + s["dur"] + 1.0, (k, call, c, s)
 print("trace ok: %d spans" % len(spans))
 PY
 # micro-batch overlap ($.parallel.overlap_micro_batches): slot 1's micro-batches on the streams "compute.1" (and
@@ -60,7 +70,8 @@ keys = {(r, s, m, l) for r in (0, 1) for s in (1, 2, 3) for m in (0, 1, 2) for l
 assert set(per) == keys, sorted(set(per) ^ keys)
 for k, es in per.items():
     want = "compute.1" if k[2] % 2 else "compute"
-    assert {names[(e["pid"], e["tid"])] for e in es} <= {want, want.replace("compute", "wgrad")}, (k, want)
+    assert {names[(e["pid"], e["tid"])] for e in es} <= {want, want.replace("compute", "wgrad"), "dispatcher"}, (k, want)
+    assert sum(e["name"].endswith(" dispatcher.dispatch") for e in es) == 1, k
 for (pid, tid), stream in names.items():
     es = sorted((e for e in spans if e["pid"] == pid and e["tid"] == tid), key=lambda e: e["ts"])
     if stream.startswith("compute"):

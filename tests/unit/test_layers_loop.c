@@ -114,7 +114,13 @@ static void test_residual_and_figures(void)
     int n = -1;
     EXPECT_OK(moert_layers_spans(a.m, 0, 0, spans, MOERT_LAYERS_MAX_SPANS, &n));
     EXPECT(n > 0);
-    for (int i = 0; i < n; i++) EXPECT(spans[i].name && spans[i].stream && spans[i].dur_s >= 0.0);
+    int dispatcher_calls = 0;
+    for (int i = 0; i < n; i++) {
+        EXPECT(spans[i].name && spans[i].stream && spans[i].dur_s >= 0.0);
+        if (!strcmp(spans[i].stream, "dispatcher")) dispatcher_calls += !strncmp(spans[i].name, "dispatcher.", 11);
+    }
+    EXPECT_EQ_INT(dispatcher_calls, MOERT_LAYER_DISPATCHER_CALLS); /* the five calls' own spans, last */
+    EXPECT(!strcmp(spans[n - 1].stream, "dispatcher"));
     EXPECT_OK(moert_layers_spans(a.m, 0, 0, spans, 2, &n));
     EXPECT_EQ_INT(n, 2);
     EXPECT_OK(moert_layers_release_offloaded(a.m, NULL));

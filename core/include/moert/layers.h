@@ -30,8 +30,9 @@ extern "C" {
  * memory from the layers' pool, collectives over the layers' groups, the offload boundary, tokens per expert of the
  * last forward, trace spans, CUDA graph capture, two forwards in flight per layer with
  * $.parallel.overlap_micro_batches and moert_moe_forward_backward, and in moert.h moert_config_memory_estimate and
- * moert_plugin_description.agreement_rtol. */
-#define MOERT_API_VERSION 7
+ * moert_plugin_description.agreement_rtol. 7: moert_layers_info.slots. 8: the dispatcher calls' own spans in
+ * moert_layers_spans (MOERT_LAYERS_MAX_SPANS grew by MOERT_LAYER_DISPATCHER_CALLS). */
+#define MOERT_API_VERSION 8
 MOERT_API int moert_api_version(void);
 
 typedef struct moert_config moert_config;
@@ -318,11 +319,17 @@ MOERT_API const char *moert_layer_activation_name(int activation);
 /* API version 6: the spans of layer `layer`'s last forward and backward, for a trace: each forward stage and backward
  * part on the stream it ran on ("compute", or "wgrad" for the weight-gradient GEMMs on their own stream), placed in
  * seconds after the forward start of layer `origin` of the same micro-batch (the first layer, say). Waits for the
- * layer's work. *count gets how many were written (at most capacity; MOERT_LAYERS_MAX_SPANS always suffice). */
-#define MOERT_LAYERS_MAX_SPANS (MOERT_LAYER_STAGES - 1 + MOERT_LAYER_BACKWARD_PARTS)
+ * layer's work. *count gets how many were written (at most capacity; MOERT_LAYERS_MAX_SPANS always suffice).
+ * API version 8: after those, each dispatcher call's own time ("dispatcher.prepare", "dispatcher.dispatch",
+ * "dispatcher.combine", "dispatcher.combine_backward", "dispatcher.dispatch_backward") on stream "dispatcher": on the
+ * communication stream under the micro-batch overlap (where a stage's span on "compute" also holds the wait for the
+ * other slot's calls queued before it), else inside its stage on the compute stream. A caller built against an
+ * older MOERT_LAYERS_MAX_SPANS passes that capacity and gets the spans it knew. */
+#define MOERT_LAYER_DISPATCHER_CALLS 5
+#define MOERT_LAYERS_MAX_SPANS       (MOERT_LAYER_STAGES - 1 + MOERT_LAYER_BACKWARD_PARTS + MOERT_LAYER_DISPATCHER_CALLS)
 typedef struct moert_span {
-    const char *name;   /* moert_layer_stage_name / moert_layer_backward_part_name (static) */
-    const char *stream; /* "compute" or "wgrad" (static) */
+    const char *name;   /* moert_layer_stage_name / moert_layer_backward_part_name / "dispatcher.<call>" (static) */
+    const char *stream; /* "compute", "wgrad" or "dispatcher" (static) */
     double start_s, dur_s;
 } moert_span;
 MOERT_API moert_result moert_layers_spans(moert_layers *layers, int layer, int origin, moert_span *out, int capacity,
