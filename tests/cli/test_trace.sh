@@ -79,8 +79,26 @@ for (pid, tid), stream in names.items():
             assert a["ts"] + a["dur"] <= b["ts"] + 1.0, (a, b)
 print("overlap trace ok: %d spans" % len(spans))
 PY
-# drawn without a browser (matplotlib, which CI installs)
+# summed up per rank and step (tools/trace_summary.py): every dispatcher call of every layer and micro-batch counted,
+# each call's own time within its stage's; a file that is no trace is refused with exit status 2
 src="${MOERT_TEST_SOURCE_ROOT:-$(cd "$(dirname "$0")/../.." && pwd)}"
+python3 "$src/tools/trace_summary.py" "$tmp/to.json" --json >"$tmp/sum.json" || fail "trace_summary: exit $?"
+python3 - "$tmp/sum.json" <<'PY' || fail "trace_summary content"
+import json, sys
+rows = json.load(open(sys.argv[1]))
+assert {(r["rank"], r["step"]) for r in rows} == {(r, s) for r in (0, 1) for s in (1, 2, 3)}, rows
+for r in rows:
+    assert 0 <= r["idle_ms"] <= r["span_ms"], r
+    assert set(r["dispatcher_calls"]) == {"prepare", "dispatch", "combine", "combine_backward", "dispatch_backward"}
+    for c, v in r["dispatcher_calls"].items():
+        assert v["count"] == 2 * 3 and 0 <= v["call_ms"] <= v["stage_ms"] + 1e-3, (c, v)
+print("trace summary ok")
+PY
+python3 "$src/tools/trace_summary.py" "$tmp/to.json" --ranks 1 | grep -q "dispatcher.dispatch " || fail "trace_summary text"
+echo '{"traceEvents": []}' >"$tmp/empty.json"
+python3 "$src/tools/trace_summary.py" "$tmp/empty.json" 2>"$tmp/sum.err"
+[ $? -eq 2 ] && grep -q "no spans" "$tmp/sum.err" || fail "trace_summary: an empty trace not refused"
+# drawn without a browser (matplotlib, which CI installs)
 py=${PYTHON:-python3}
 [ -z "${PYTHON:-}" ] && [ -x /usr/bin/python3 ] && py=/usr/bin/python3 # the distribution's, with its matplotlib
 if "$py" "$src/tools/trace_plot.py" "$tmp/t.json" "$tmp/t.png" --step 2 2>"$tmp/plot.err"; then

@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Sums up a `moert run --trace` file per rank and step, as text (or JSON): what overlaps, and where time goes.
+
+    python3 trace_summary.py TRACE.json [--ranks R] [--json]
+
+Per rank and step:
+  span      first span's start to last span's end (every stream): the layers' share of the step
+  idle      time within the span when no compute or wgrad stream runs a span (a wait such as wgrad_wait counts as
+            idle: the stream only waits there)
+  streams   each stream's busy time (the union of its spans)
+  dispatcher calls, summed over the step's layers and micro-batches: each call's own time (the "dispatcher" stream)
+            against its stage's span on the compute stream; the difference ("waited") is what the stage spent before
+            and after the call itself: under the micro-batch overlap, the other slot's dispatcher calls queued before
+            it on the communication stream, and the fences
+The step's loss, optimizer and next inputs are not layer spans: the gap between two steps' spans holds them.
+Exit status: 0; 2 bad arguments or trace.
+"""
+import argparse
+import collections
+import json
+import sys
+
+# each dispatcher call and the stage (forward) or backward part it runs in
+CALL_STAGE = {"prepare": "permute", "dispatch": "dispatch", "combine": "combine",
+              "combine_backward": "combine_bwd", "dispatch_backward": "dispatch_bwd"}
+
+
+def union_ms(intervals):
+    """The length in ms of the union of (start_us, end_us) intervals."""
+    total, cur = 0.0, None
+    for a, b in sorted(intervals):
+        if cur is None or a > cur[1]:
+            if cur is not None:
+                total += cur[1] - cur[0]
+            cur = [a, b]
+        else:
+            cur[1] = max(cur[1], b)
+    if cur is not None:
+        total += cur[1] - cur[0]
+    return total / 1e3
+
+
+def summarize(trace, ranks=None):
+    """A list of per rank and step summaries (dicts), in rank and step order."""
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and (ranks is None or e["pid"] < ranks)]
+    if not spans:
+        raise ValueError("the trace holds no spans")
+    groups = collections.defaultdict(list)
+    for e in spans:
+        groups[(e["pid"], e["args"]["step"])].append(e)
+    out = []
+    for (rank, step), es in sorted(groups.items()):
+        t0 = min(e["ts"] for e in es)
+        t1 = max(e["ts"] + e["dur"] for e in es)
+        by_stream = collections.defaultdict(list)
+        work = []
+        for e in es:
+            stream = names.get((e["pid"], e["tid"]), str(e["tid"]))
+            by_stream[stream].append((e["ts"], e["ts"] + e["dur"]))
+            if stream != "dispatcher" and not e["name"].endswith("_wait"):
+                work.append((e["ts"], e["ts"] + e["dur"]))
+        calls = collections.OrderedDict((c, {"call_ms": 0.0, "stage_ms": 0.0, "count": 0}) for c in CALL_STAGE)
+        stage_of = {}
+        for e in es:
+            stage_of[(e["args"]["layer"], e["args"]["micro_batch"], e["name"].split(" ", 1)[1])] = e
+        for (layer, micro, name), e in stage_of.items():
+            if not name.startswith("dispatcher."):
+                continue
+            call = name.split(".", 1)[1]
+            stage = stage_of.get((layer, micro, CALL_STAGE.get(call, "")))
+            if call not in calls or stage is None:
+                continue
+            calls[call]["call_ms"] += e["dur"] / 1e3
+            calls[call]["stage_ms"] += stage["dur"] / 1e3
+            calls[call]["count"] += 1
+        out.append({"rank": rank, "step": step, "span_ms": (t1 - t0) / 1e3,
+                    "idle_ms": (t1 - t0) / 1e3 - union_ms(work),
+                    "streams_ms": {s: union_ms(ivs) for s, ivs in sorted(by_stream.items())},
+                    "dispatcher_calls": {c: v for c, v in calls.items() if v["count"]}})
+    return out
+
+
+def main(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace")
+    ap.add_argument("--ranks", type=int, default=None, help="the first R ranks only")
+    ap.add_argument("--json", action="store_true", help="print the summaries as JSON")
+    a = ap.parse_args(argv)
+    try:
+        with open(a.trace, encoding="utf-8") as f:
+            rows = summarize(json.load(f), a.ranks)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print("trace_summary: %s: %s" % (a.trace, e), file=sys.stderr)
+        return 2
+    if a.json:
+        json.dump(rows, sys.stdout, indent=1)
+        print()
+        return 0
+    for r in rows:
+        streams = ", ".join("%s %.2f" % (s, ms) for s, ms in r["streams_ms"].items())
+        print("rank %d step %d: span %.2f ms, idle %.2f ms; busy: %s" % (r["rank"], r["step"], r["span_ms"],
+                                                                          r["idle_ms"], streams))
+        for c, v in r["dispatcher_calls"].items():
+            print("  dispatcher.%-17s x%-3d own %8.2f ms, its stage %8.2f ms, waited %8.2f ms" %
+                  (c, v["count"], v["call_ms"], v["stage_ms"], v["stage_ms"] - v["call_ms"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
