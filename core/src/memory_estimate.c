@@ -77,7 +77,7 @@ void moert_memory_estimate_capacity(int device, moert_memory_estimate *est)
         moert_cuda_device_info info;
         if (moert_cuda_device_info_get(0, &info) == MOERT_OK) {
             est->capacity = (double)info.total_bytes;
-            snprintf(est->memory_name, sizeof est->memory_name, "one GPU's memory (cuda:0, %s)", info.name);
+            snprintf(est->memory_name, sizeof est->memory_name, "one GPU's memory (cuda:0, %.96s)", info.name);
             return;
         }
     }

@@ -107,8 +107,11 @@ moert_result moert_arg_check_layer_device(const moert_host *host, moert_device d
 moert_result moert_arg_check_dispatch_layer(const moert_host *host, const moert_layer_info *layer, const char *name,
                                             int max_ranks)
 {
-    if (!layer || layer->struct_size < sizeof *layer) {
-        host->set_error(host, "layer info missing or too small");
+    /* an older core's shorter struct is fine: plugins copy it with moert_layer_info_copy */
+    if (!layer || layer->struct_size < MOERT_LAYER_INFO_BASE_SIZE) {
+        host->set_error(host, "the %s dispatcher: layer info %s (struct_size %u, expected at least %zu)", name,
+                        layer ? "too small" : "missing", layer ? (unsigned)layer->struct_size : 0u,
+                        (size_t)MOERT_LAYER_INFO_BASE_SIZE);
         return MOERT_ERR_INVALID_ARGUMENT;
     }
     char what[64];

@@ -969,7 +969,7 @@ static void check_router_case(const char *name, moert_router_cuda_params p, int 
         }
         for (int64_t e = 0; e < E; e++) l[t * E + e] = (double)(float)((l[t * E + e] - E / 2.0) * 3.0 / E);
     }
-    double bias[256];
+    double bias[256] = {0};
     for (int64_t e = 0; e < E; e++) bias[e] = with_bias ? (double)(float)(0.01 * uniform()) : 0.0;
     void *d_l = upload(l, T * E, MOERT_F32, 0), *d_bias = upload(bias, E, MOERT_F32, 0);
     int32_t *d_idx = dalloc((size_t)(T * K) * 4);

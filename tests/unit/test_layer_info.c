@@ -194,8 +194,43 @@ static void test_newer_core(void)
     EXPECT(MOERT_LAYER_INFO_SM_YIELD(&copy) == &sm_yield_target);
 }
 
+/* An older core's layer info, in a buffer of exactly its size, through a plugin's init: the alltoall dispatcher and
+ * the bf16 recipe take it (no read past its end under ASan); one shorter than the first layer info is refused by the
+ * dispatcher, naming both sizes. */
+static void test_plugins_take_older_core(void)
+{
+    const moert_layer_info full = test_layer(16, 32, 4, 2, 8, 1, 0, MOERT_F32);
+    moert_layer_info *older = malloc(MOERT_LAYER_INFO_BASE_SIZE);
+    EXPECT(older != NULL);
+    if (!older) return;
+    memcpy(older, &full, MOERT_LAYER_INFO_BASE_SIZE);
+    uint32_t size = (uint32_t)MOERT_LAYER_INFO_BASE_SIZE; /* struct_size, the first field (no whole-struct access) */
+    memcpy(older, &size, sizeof size);
+    static const struct {
+        moert_plugin_kind kind;
+        const char *spec;
+    } plugins[] = {{MOERT_KIND_DISPATCHER, "alltoall"}, {MOERT_KIND_PRECISION, "bf16"}};
+    for (size_t i = 0; i < sizeof plugins / sizeof plugins[0]; i++) {
+        test_instance ti;
+        const moert_result rc = test_instance_open(&ti, plugins[i].kind, plugins[i].spec, NULL, older, NULL, 0, 1);
+        if (rc != MOERT_OK)
+            fprintf(stderr, "%s with an older core's layer info: %s\n", plugins[i].spec, moert_error_message());
+        EXPECT_EQ_INT(rc, MOERT_OK);
+        test_instance_close(&ti);
+    }
+    size = (uint32_t)MOERT_LAYER_INFO_BASE_SIZE - 8;
+    memcpy(older, &size, sizeof size);
+    test_instance ti;
+    EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_DISPATCHER, "alltoall", NULL, older, NULL, 0, 1),
+                  MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT(strstr(moert_error_message(), "expected at least") != NULL);
+    test_instance_close(&ti);
+    free(older);
+}
+
 int main(void)
 {
+    test_plugins_take_older_core();
     test_older_core_exact_allocation();
     test_older_core_bytes_after_ignored();
     test_core_with_twin_only();

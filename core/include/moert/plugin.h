@@ -134,6 +134,8 @@ typedef struct moert_layer_info {
     const int32_t *sm_yield;
 } moert_layer_info;
 
+/* The size of moert_layer_info before `twin` was appended: the smallest a core passes. */
+#define MOERT_LAYER_INFO_BASE_SIZE offsetof(moert_layer_info, twin)
 /* Whether a moert_layer_info has `twin` (an older core passes a shorter struct). */
 #define MOERT_LAYER_INFO_HAS_TWIN(info) ((info)->struct_size >= offsetof(moert_layer_info, twin) + sizeof(void *))
 /* Whether a moert_layer_info has `flags`, and its flags (0 from a core that passes none). */

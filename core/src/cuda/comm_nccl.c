@@ -170,7 +170,9 @@ static void abort_comm(moert_nccl_comm *c, moert_result code, const char *why)
     }
     if (c->group && atomic_exchange(&c->group->aborted, 1) == 0) {
         pthread_mutex_lock(&c->group->mutex);
-        snprintf(c->group->abort_reason, sizeof c->group->abort_reason, "rank %d: %s", c->rank, why);
+        /* bounded so that the rank's prefix always fits */
+        snprintf(c->group->abort_reason, sizeof c->group->abort_reason, "rank %d: %.*s", c->rank,
+                 (int)sizeof c->group->abort_reason - 24, why);
         pthread_mutex_unlock(&c->group->mutex);
     }
 }
