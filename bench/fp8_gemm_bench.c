@@ -45,15 +45,7 @@
 #include "fp8_block_gemm.h"
 #include "precision_bf16_cuda.h"
 #include "precision_fp8_cuda.h"
-
-#define CK(call)                                                                                                       \
-    do {                                                                                                               \
-        cudaError_t e_ = (call);                                                                                       \
-        if (e_ != cudaSuccess) {                                                                                       \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));              \
-            exit(1);                                                                                                   \
-        }                                                                                                              \
-    } while (0)
+#include "bench_cuda_check.h"
 
 static char host_error[2048];
 

@@ -48,15 +48,7 @@
 
 #include "device_gemm.h"
 #include "precision_bf16_cuda.h"
-
-#define CK(call)                                                                                                       \
-    do {                                                                                                               \
-        cudaError_t e_ = (call);                                                                                       \
-        if (e_ != cudaSuccess) {                                                                                       \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));              \
-            exit(1);                                                                                                   \
-        }                                                                                                              \
-    } while (0)
+#include "bench_cuda_check.h"
 
 static char host_error[1024];
 

@@ -12,14 +12,7 @@
 #include <string.h>
 #include <time.h>
 
-#define CK(call)                                                                                                       \
-    do {                                                                                                               \
-        cudaError_t e_ = (call);                                                                                       \
-        if (e_ != cudaSuccess) {                                                                                       \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));              \
-            exit(1);                                                                                                   \
-        }                                                                                                              \
-    } while (0)
+#include "bench_cuda_check.h"
 
 /* Reads n 16-byte words `reps` times over, four loads in flight a thread; the xor keeps the loads alive. */
 __global__ void read_words(const uint4 *buf, size_t n, int reps, uint4 *sink)

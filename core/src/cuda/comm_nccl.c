@@ -996,13 +996,7 @@ static pthread_once_t address_range_once = PTHREAD_ONCE_INIT;
 /* Finds cuMemGetAddressRange through the runtime (no link against libcuda). */
 static void load_address_range(void)
 {
-    void *fn = NULL;
-    enum cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &status) ==
-            cudaSuccess &&
-        status == cudaDriverEntryPointSuccess)
-        address_range = (address_range_fn)fn;
-    (void)cudaGetLastError();
+    address_range = (address_range_fn)moert_cuda_driver_symbol("cuMemGetAddressRange");
 }
 
 /* The base and size of the cudaMalloc allocation that holds ptr (IPC handles name whole allocations). */

@@ -379,15 +379,20 @@ typedef int (*write_value32_fn)(cudaStream_t stream, unsigned long long addr, ui
 static write_value32_fn write_value32;
 static pthread_once_t write_value32_once = PTHREAD_ONCE_INIT;
 
-static void load_write_value32(void)
+void *moert_cuda_driver_symbol(const char *name)
 {
     void *fn = NULL;
     enum cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &fn, 12000, cudaEnableDefault, &status) ==
-            cudaSuccess &&
-        status == cudaDriverEntryPointSuccess)
-        write_value32 = (write_value32_fn)fn;
+    if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &status) != cudaSuccess ||
+        status != cudaDriverEntryPointSuccess)
+        fn = NULL;
     (void)cudaGetLastError();
+    return fn;
+}
+
+static void load_write_value32(void)
+{
+    write_value32 = (write_value32_fn)moert_cuda_driver_symbol("cuStreamWriteValue32");
 }
 
 #define CUDA_ERROR_NOT_SUPPORTED_CODE 801 /* CUDA_ERROR_NOT_SUPPORTED: stream memory operations off */

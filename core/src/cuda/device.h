@@ -74,6 +74,10 @@ void moert_cuda_host_free(void *ptr);
 moert_result moert_cuda_memcpy_async(void *dst, const void *src, size_t bytes, moert_stream s);
 moert_result moert_cuda_memset_async(void *dst, int value, size_t bytes, moert_stream s);
 
+/* A driver API function found through the runtime (CUDA 12.0's version of it; no link against libcuda), or NULL where
+ * the driver lacks it. */
+void *moert_cuda_driver_symbol(const char *name);
+
 /* Micro-batch overlap ($.parallel.overlap_comm_sms): three int32 in device memory on `device`, {0, 0, sms}: the SM-yield
  * word the GEMMs read (moert_layer_info.sm_yield), then its two values, copied from where the driver cannot write it
  * (moert_cuda_write_word_async). Free with moert_cuda_sm_yield_free once no stream uses it. */
