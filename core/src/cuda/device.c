@@ -9,6 +9,7 @@
 
 #include "cuda_check.h"
 #include "kernels.h"
+#include "log.h"
 
 /* Whether a cudaGetDeviceCount answer means "this machine has no usable GPU" rather than a fault. */
 static bool means_no_gpu(cudaError_t err)
@@ -393,6 +394,11 @@ void *moert_cuda_driver_symbol(const char *name)
 static void load_write_value32(void)
 {
     write_value32 = (write_value32_fn)moert_cuda_driver_symbol("cuStreamWriteValue32");
+    if (!write_value32)
+        moert_log(MOERT_LOG_WARN,
+                  "the CUDA driver has no cuStreamWriteValue32: the micro-batch overlap's SM-yield word "
+                  "is copied with cudaMemcpyAsync, which waits for an SM (the GEMMs then leave none "
+                  "in time)");
 }
 
 #define CUDA_ERROR_NOT_SUPPORTED_CODE 801 /* CUDA_ERROR_NOT_SUPPORTED: stream memory operations off */
