@@ -1289,6 +1289,8 @@ void moert_runtime_graph_summary(const moert_runtime *rt, char *buf, size_t size
         snprintf(buf, size, "not used: no step after the first (the capture follows one eager step)");
 }
 
+bool moert_runtime_overlapped(const moert_runtime *rt) { return rt->nlocal > 0 && rt->ranks && rt->ranks[0].overlap; }
+
 /* ---- parameter access for tests ---- */
 
 int64_t moert_runtime_param_numel(const moert_runtime *rt, moert_param_id which)

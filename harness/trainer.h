@@ -119,6 +119,9 @@ double moert_runtime_agreement_rtol(const moert_runtime *rt);
 /* One line on the run's use of CUDA graphs: the step captured and the replays, or why there were none. */
 void moert_runtime_graph_summary(const moert_runtime *rt, char *buf, size_t size);
 
+/* Whether the run's steps merge two micro-batches' halves ($.parallel.overlap_micro_batches took effect). */
+bool moert_runtime_overlapped(const moert_runtime *rt);
+
 /* A parameter element by its global index (router [E,H], fc1 [E,H,2F], fc2 [E,F,H] over all experts):
  * reads value and gradient (from the rank owning it), or writes value (on every rank holding it). CPU runs. */
 typedef enum moert_param_access { MOERT_PARAM_READ = 0, MOERT_PARAM_WRITE = 1 } moert_param_access;

@@ -230,6 +230,7 @@ typedef struct ab_run_facts {
     char graph[512];       /* moert_runtime_graph_summary: CUDA graphs captured and replayed, or why not */
     double agreement_rtol; /* what the precision recipe declares (moert_runtime_agreement_rtol) */
     char precision[64];    /* the precision plugin's name */
+    bool overlapped;       /* its steps merged two micro-batches' halves (moert_runtime_overlapped) */
 } ab_run_facts;
 
 typedef struct ab_side {
@@ -584,6 +585,14 @@ static void format_summary(const ab_side *a, const ab_side *b, const ab_side *ap
     if (a->facts.device_type == MOERT_DEVICE_CUDA) {
         size_t len = strlen(out);
         snprintf(out + len, size - len, "\ncuda graph: A %s; B %s", a->facts.graph, b->facts.graph);
+    }
+    if (a->facts.overlapped || b->facts.overlapped) {
+        size_t len = strlen(out);
+        snprintf(out + len, size - len,
+                 "\nmicro-batch overlap: A %s, B %s; with it on, a stage's figure (and layer fwd+bwd, their sum) holds "
+                 "what ran beside it from the other half, so the halves' figures overlap in time: compare the step "
+                 "(the layers' own span: moert run --trace, tools/trace_summary.py)",
+                 a->facts.overlapped ? "on" : "off", b->facts.overlapped ? "on" : "off");
     }
 }
 
@@ -999,6 +1008,7 @@ static void take_facts(ab_side *side)
     f->agreement_rtol = moert_runtime_agreement_rtol(side->rt);
     snprintf(f->precision, sizeof f->precision, "%.63s", rt->plugins[2].name); /* the precision plugin */
     moert_runtime_graph_summary(side->rt, f->graph, sizeof f->graph);
+    f->overlapped = moert_runtime_overlapped(side->rt);
 }
 
 /* Creates a side's runtime and notes what the report needs from it. */

@@ -119,6 +119,12 @@ expect_match both out '^outputs agree: yes'
 run micro2 0 ab "$tmp/keep.json" "$tmp/saver.json" --set train.micro_batches=2 --warmup 0 --steps 2
 expect_match micro2 out 'tokens per rank x 2 micro-batches per step \(times per step\)'
 expect_match micro2 out '^outputs agree: yes'
+grep -q '^micro-batch overlap:' "$tmp/micro2.out" && fail "micro2: an overlap note though neither side overlaps"
+# the micro-batch overlap on one side: the same losses, and a note that its stage figures overlap in time
+run mbo 0 ab "$tmp/keep.json" "$tmp/keep.json" --set train.micro_batches=2 --set-b 'parallel.overlap_micro_batches="on"' \
+    --warmup 0 --steps 2
+expect_match mbo out '^outputs agree: yes'
+expect_match mbo out '^micro-batch overlap: A off, B on; with it on, a stage.s figure .* compare the step'
 # a differing learning rate is allowed, said in the header, and the losses then differ
 run lr 0 ab "$tmp/keep.json" "$tmp/saver.json" --set-b train.lr=0.05 --warmup 1 --steps 3
 expect_line lr out "  differs: train.lr 0.01 in A, 0.05 in B"
