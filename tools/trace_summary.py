@@ -8,7 +8,16 @@ Per rank and step:
   span      first span's start to last span's end (every stream): the layers' share of the step
   idle      time within the span when no compute or wgrad stream runs a span (a wait such as wgrad_wait counts as
             idle: the stream only waits there)
+  communication alone
+            time a dispatcher call runs while no stream runs a computing span (any stage or backward part but the
+            dispatcher's own stages permute, dispatch, combine, combine_bwd, dispatch_bwd, whose spans hold the
+            wait for the call): the all-to-alls nothing hides
   streams   each stream's busy time (the union of its spans)
+  merged    with the micro-batch overlap (a "compute.1" stream) and M >= 2 micro-batches of L layers: the steady
+            state, from micro-batch 1's first forward (layer 0's router) to the start of the last micro-batch's
+            backward (layer L-1's combine_bwd), which holds micro-batches 1..M-1's forwards merged with 0..M-2's
+            backwards: per layer and micro-batch, that window / ((M-1) L). The first forward and the last backward run
+            alone before and after it
   dispatcher calls, summed over the step's layers and micro-batches: each call's own time (the "dispatcher" stream)
             against its stage's span on the compute stream; the difference ("waited") is what the stage spent before
             and after the call itself: under the micro-batch overlap, the other slot's dispatcher calls queued before
@@ -24,6 +33,7 @@ import sys
 # each dispatcher call and the stage (forward) or backward part it runs in
 CALL_STAGE = {"prepare": "permute", "dispatch": "dispatch", "combine": "combine",
               "combine_backward": "combine_bwd", "dispatch_backward": "dispatch_bwd"}
+COMM_STAGES = set(CALL_STAGE.values())
 
 
 def union_ms(intervals):
@@ -38,6 +48,30 @@ def union_ms(intervals):
             cur[1] = max(cur[1], b)
     if cur is not None:
         total += cur[1] - cur[0]
+    return total / 1e3
+
+
+def uncovered_ms(intervals, cover):
+    """The length in ms of the union of `intervals` outside the union of `cover` ((start_us, end_us) each)."""
+    def merged(iv):
+        out = []
+        for a, b in sorted(iv):
+            if out and a <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b])
+        return out
+    cover, total = merged(cover), 0.0
+    for a, b in merged(intervals):
+        cur = a
+        for c, d in cover:
+            if d <= cur or c >= b:
+                continue
+            total += max(0.0, c - cur)
+            cur = max(cur, d)
+            if cur >= b:
+                break
+        total += max(0.0, b - cur)
     return total / 1e3
 
 
@@ -56,12 +90,18 @@ def summarize(trace, ranks=None):
         t0 = min(e["ts"] for e in es)
         t1 = max(e["ts"] + e["dur"] for e in es)
         by_stream = collections.defaultdict(list)
-        work = []
+        work, compute, call_spans = [], [], []
         for e in es:
             stream = names.get((e["pid"], e["tid"]), str(e["tid"]))
-            by_stream[stream].append((e["ts"], e["ts"] + e["dur"]))
-            if stream != "dispatcher" and not e["name"].endswith("_wait"):
-                work.append((e["ts"], e["ts"] + e["dur"]))
+            iv = (e["ts"], e["ts"] + e["dur"])
+            by_stream[stream].append(iv)
+            stage = e["name"].split(" ", 1)[1]
+            if stream == "dispatcher":
+                call_spans.append(iv)
+            elif not stage.endswith("_wait"):
+                work.append(iv)
+                if stage not in COMM_STAGES:
+                    compute.append(iv)
         calls = collections.OrderedDict((c, {"call_ms": 0.0, "stage_ms": 0.0, "count": 0}) for c in CALL_STAGE)
         stage_of = {}
         for e in es:
@@ -76,8 +116,20 @@ def summarize(trace, ranks=None):
             calls[call]["call_ms"] += e["dur"] / 1e3
             calls[call]["stage_ms"] += stage["dur"] / 1e3
             calls[call]["count"] += 1
-        out.append({"rank": rank, "step": step, "span_ms": (t1 - t0) / 1e3,
+        merged = None
+        micro_batches = 1 + max(e["args"]["micro_batch"] for e in es)
+        layers = 1 + max(e["args"]["layer"] for e in es)
+        if "compute.1" in by_stream and micro_batches >= 2:
+            first = stage_of.get((0, 1, "router"))
+            last = stage_of.get((layers - 1, micro_batches - 1, "combine_bwd"))
+            if first and last and last["ts"] > first["ts"]:
+                window = (last["ts"] - first["ts"]) / 1e3
+                merged = {"window_ms": window, "per_layer_micro_batch_ms": window / ((micro_batches - 1) * layers),
+                          "first_forward_alone_ms": (first["ts"] - t0) / 1e3,
+                          "last_backward_alone_ms": (t1 - last["ts"]) / 1e3}
+        out.append({"rank": rank, "step": step, "span_ms": (t1 - t0) / 1e3, "merged": merged,
                     "idle_ms": (t1 - t0) / 1e3 - union_ms(work),
+                    "communication_alone_ms": uncovered_ms(call_spans, compute),
                     "streams_ms": {s: union_ms(ivs) for s, ivs in sorted(by_stream.items())},
                     "dispatcher_calls": {c: v for c, v in calls.items() if v["count"]}})
     return out
@@ -101,8 +153,13 @@ def main(argv):
         return 0
     for r in rows:
         streams = ", ".join("%s %.2f" % (s, ms) for s, ms in r["streams_ms"].items())
-        print("rank %d step %d: span %.2f ms, idle %.2f ms; busy: %s" % (r["rank"], r["step"], r["span_ms"],
-                                                                          r["idle_ms"], streams))
+        print("rank %d step %d: span %.2f ms, idle %.2f ms, communication alone %.2f ms; busy: %s" %
+              (r["rank"], r["step"], r["span_ms"], r["idle_ms"], r["communication_alone_ms"], streams))
+        if r["merged"]:
+            m = r["merged"]
+            print("  merged halves %.2f ms: %.2f ms per layer and micro-batch; first forward alone %.2f ms, last "
+                  "backward alone %.2f ms" % (m["window_ms"], m["per_layer_micro_batch_ms"],
+                                              m["first_forward_alone_ms"], m["last_backward_alone_ms"]))
         for c, v in r["dispatcher_calls"].items():
             print("  dispatcher.%-17s x%-3d own %8.2f ms, its stage %8.2f ms, waited %8.2f ms" %
                   (c, v["count"], v["call_ms"], v["stage_ms"], v["stage_ms"] - v["call_ms"]))

@@ -88,7 +88,11 @@ import json, sys
 rows = json.load(open(sys.argv[1]))
 assert {(r["rank"], r["step"]) for r in rows} == {(r, s) for r in (0, 1) for s in (1, 2, 3)}, rows
 for r in rows:
-    assert 0 <= r["idle_ms"] <= r["span_ms"], r
+    assert 0 <= r["idle_ms"] <= r["span_ms"] and 0 <= r["communication_alone_ms"] <= r["span_ms"], r
+    m = r["merged"]  # the overlap's merged halves: micro-batches 1..2's forwards with 0..1's backwards, 2 layers
+    assert m and 0 < m["window_ms"] < r["span_ms"], r
+    assert abs(m["per_layer_micro_batch_ms"] * 2 * 2 - m["window_ms"]) < 1e-9, m
+    assert m["first_forward_alone_ms"] > 0 and m["last_backward_alone_ms"] > 0, m
     assert set(r["dispatcher_calls"]) == {"prepare", "dispatch", "combine", "combine_backward", "dispatch_backward"}
     for c, v in r["dispatcher_calls"].items():
         assert v["count"] == 2 * 3 and 0 <= v["call_ms"] <= v["stage_ms"] + 1e-3, (c, v)
