@@ -303,6 +303,10 @@ static int finish(import_state *st)
                           : !strcmp(plugin, "hybridep") ? st->hybridep_sms
                                                         : 0;
     if (sms > 0) set_key(st->root, "dispatcher.num_sms", json_integer(sms));
+    /* under the micro-batch overlap the GEMMs leave the running backend's SMs to its calls (hybridep's default 16;
+     * deepep's default is $.parallel.overlap_comm_sms's, 24) */
+    const long long comm_sms = sms > 0 ? sms : !strcmp(plugin, "hybridep") ? 16 : 0;
+    if (comm_sms > 0) set_key(st->root, "parallel.overlap_comm_sms", json_integer(comm_sms));
     /* padding to capacity: the router reports every expert at capacity, the dispatcher fills the rows */
     if (st->pad_to_capacity) {
         json_t *factor = json_object_get(router, "capacity_factor");

@@ -89,7 +89,15 @@ d, h, a = (json.load(open(p)) for p in sys.argv[1:4])
 assert d["dispatcher"] == {"plugin": "deepep", "num_sms": 20}, d["dispatcher"]
 assert h["dispatcher"] == {"plugin": "hybridep", "num_sms": 32}, h["dispatcher"]
 assert a["dispatcher"] == {"plugin": "alltoall"}, a["dispatcher"]
+# the GEMMs leave the running backend's SMs to its calls under the overlap; alltoall keeps the default
+assert d["parallel"]["overlap_comm_sms"] == 20 and h["parallel"]["overlap_comm_sms"] == 32, (d["parallel"], h["parallel"])
+assert "overlap_comm_sms" not in a.get("parallel", {}), a.get("parallel")
 PY
+"$moert" config --from-megatron --num-experts 8 --hidden-size 64 --moe-ffn-hidden-size 32 \
+    --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep >"$tmp/sms-hybridep-default.json" 2>&1 ||
+    fail "hybridep import: $(cat "$tmp/sms-hybridep-default.json")"
+python3 -c 'import json, sys; p = json.load(open(sys.argv[1]))["parallel"]; assert p["overlap_comm_sms"] == 16, p' \
+    "$tmp/sms-hybridep-default.json" || fail "hybridep's default SMs not left to it under the overlap"
 expect_refused deepep_sms_zero "--moe-deepep-num-sms: \"0\" is not an integer in range" "${base[@]}" \
     --moe-deepep-num-sms 0
 # the router's Megatron options: jitter, fp64 compute, forced balancing, capacity with padding
