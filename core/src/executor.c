@@ -50,10 +50,12 @@ enum {
     MARK_FIRST_CALL = MARK_FIRST_PART + 2 * MOERT_BWD_PART_COUNT
 };
 
-/* The span names of the dispatcher's calls, by dispatcher_call. */
+/* The span names of the dispatcher's calls, by dispatcher_call; past the prefix, the call's name (call_name). */
+#define DISPATCHER_SPAN_PREFIX "dispatcher."
 static const char *const dispatcher_call_spans[MOERT_DISPATCHER_CALLS] = {
-    "dispatcher.prepare", "dispatcher.dispatch", "dispatcher.combine", "dispatcher.combine_backward",
-    "dispatcher.dispatch_backward"};
+    DISPATCHER_SPAN_PREFIX "prepare", DISPATCHER_SPAN_PREFIX "dispatch", DISPATCHER_SPAN_PREFIX "combine",
+    DISPATCHER_SPAN_PREFIX "combine_backward", DISPATCHER_SPAN_PREFIX "dispatch_backward"};
+#define call_name(call) (dispatcher_call_spans[call] + sizeof DISPATCHER_SPAN_PREFIX - 1)
 
 /* Marks the time on `stream` (a CUDA event, or the wall clock on the CPU). */
 static moert_result mark_on(moert_layer *L, int mark, moert_stream stream)
@@ -273,7 +275,6 @@ static moert_result sm_yield_set(const moert_layer *L, const moert_comm_stream *
  * and back to 0, the latter after a failed call too, so the GEMMs never stay yielding. */
 static moert_result call_dispatcher(moert_layer *L, dispatcher_call call, const void *args)
 {
-    static const char *const names[] = {"prepare", "dispatch", "combine", "combine_backward", "dispatch_backward"};
     const moert_dispatcher_v1 *d = DISPATCHER(L);
     void *ctx = L->dispatcher.ctx;
     const moert_comm_stream *comm = L->capturing ? NULL : L->comm;
@@ -281,8 +282,8 @@ static moert_result call_dispatcher(moert_layer *L, dispatcher_call call, const 
     moert_stream before = NULL;
     moert_result rc = MOERT_OK, rc_leave = MOERT_OK;
     if (comm) {
-        MOERT_CHECK(fence(L, comm->enter, L->stream, s, "ordering the communication stream before", names[call]));
-        if (comm->sm_yield) MOERT_CHECK(sm_yield_set(L, comm, true, names[call]));
+        MOERT_CHECK(fence(L, comm->enter, L->stream, s, "ordering the communication stream before", call_name(call)));
+        if (comm->sm_yield) MOERT_CHECK(sm_yield_set(L, comm, true, call_name(call)));
         before = moert_host_use_stream(L->dispatcher.host, s);
     }
     L->dispatcher_call_ran[call] = false;
@@ -300,12 +301,13 @@ static moert_result call_dispatcher(moert_layer *L, dispatcher_call call, const 
         moert_host_use_stream(L->dispatcher.host, before);
         /* after a failure too: the GEMMs get their SMs back, and the compute stream stays ordered after whatever the
          * call queued (the plugin's message is kept in its host until taken below) */
-        moert_result rc_yield = comm->sm_yield ? sm_yield_set(L, comm, false, names[call]) : MOERT_OK;
-        moert_result rc_fence = fence(L, comm->leave, s, L->stream, "ordering the compute stream after", names[call]);
+        moert_result rc_yield = comm->sm_yield ? sm_yield_set(L, comm, false, call_name(call)) : MOERT_OK;
+        moert_result rc_fence =
+            fence(L, comm->leave, s, L->stream, "ordering the compute stream after", call_name(call));
         if (rc_leave == MOERT_OK) rc_leave = rc_yield;
         if (rc_leave == MOERT_OK) rc_leave = rc_fence;
     }
-    if (rc != MOERT_OK) return moert_layer_plugin_failed(L, &L->dispatcher, names[call], rc);
+    if (rc != MOERT_OK) return moert_layer_plugin_failed(L, &L->dispatcher, call_name(call), rc);
     rc = rc_leave;
 fail:
     return rc;

@@ -61,8 +61,8 @@ moert_result moert_overlap_init(moert_overlap *o, moert_stack *primary, const mo
             rc = host_error(h, rc, "creating its events");
             goto fail;
         }
-        MOERT_CHECK(comm_stream_create(o, setup->device.id, setup->overlapped ? setup->sm_yield : NULL,
-                                       (int32_t)setup->cfg->parallel.overlap_comm_sms));
+        MOERT_CHECK(
+            comm_stream_create(o, setup->device.id, setup->sm_yield, (int32_t)setup->cfg->parallel.overlap_comm_sms));
         twin.stream = o->stream;
         o->interleave = true;
     }

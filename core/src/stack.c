@@ -30,7 +30,7 @@ static moert_layer_info layer_info_of(const moert_stack *s, const moert_stack_se
                              .dtype = m->dtype,
                              .device = setup->device,
                              .flags = setup->overlapped ? MOERT_LAYER_OVERLAPPED : 0u,
-                             .sm_yield = setup->overlapped ? setup->sm_yield : NULL};
+                             .sm_yield = setup->sm_yield};
     return info;
 }
 

@@ -319,8 +319,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_kernel(const __grid_
  * the same n_out tile the same B: each loads half of a shared operand and TMA multicasts it into both, so a CTA reads
  * 128 KiB of operands from L2 per 128 x 128 tile and 512 rows instead of 256 KiB alone (192 KiB in a pair), while the
  * ping-pong keeps overlapping the fp32 writes; a consumer hands a stage back to every CTA that wrote into it. (The
- * templates take the cooperative schedule's clusters too, pairs along k_in sharing B and quads; on an H100 they were
- * no faster at any preset shape, so it runs single: bench/results/2026-11-27-wgrad-cooperative-clusters-*.)
+ * cooperative schedule in clusters sharing operands, pairs along k_in sharing B and quads, was no faster at any preset
+ * shape on an H100, so it runs single: bench/results/2026-11-27-wgrad-cooperative-clusters-*.)
  * The rows past an expert's last (another expert's, padding, or past the buffers) are zeroed in shared memory before
  * the expert's last k-block is multiplied. Epilogue: the ping-pong's goes through the storer thread (see
  * wgrad_storer); the cooperative consumer's 64 x 256 fp32 result goes out in its rows' two 128-column halves, each
@@ -361,22 +361,20 @@ __device__ __forceinline__ void wgmma_m64n128k16_mn(float *d, uint64_t desc_a, u
 #endif
 }
 
-/* A cluster of CL CTAs takes CM x CN neighbouring tiles of one expert, CTA `rank` k_in tile rank % CM and n_out tile
- * rank / CM of the block: CL 1 one tile; CL 4 a 2 x 2 block; CL 2 two n_out tiles (1 x 2) in the ping-pong (BN 128,
- * where A and B are the same size) and two k_in tiles (2 x 1) in the cooperative schedule (BN 256, where B, shared
- * along k_in, is the larger operand). The CTAs of a block row multiply the same A (input columns), those of a block
- * column the same B (grad_output columns). */
-template <int CL, int BN> struct wgrad_cluster {
-    static constexpr int CM = CL == 4 || (CL == 2 && BN == 256) ? 2 : 1;
-    static constexpr int CN = CL == 4 || (CL == 2 && BN == 128) ? 2 : 1;
+/* A ping-pong cluster of CL CTAs takes CM x CN neighbouring tiles of one expert: CL 1 one tile, 2 two n_out tiles
+ * (1 x 2), 4 a 2 x 2 block; CTA `rank` takes k_in tile rank % CM and n_out tile rank / CM of the block. The CTAs of a
+ * block row multiply the same A (input columns), those of a block column the same B (grad_output columns). The
+ * cooperative schedule runs single CTAs (CL 1). */
+template <int CL> struct wgrad_cluster {
+    static constexpr int CM = CL == 4 ? 2 : 1, CN = CL >= 2 ? 2 : 1;
 };
 
 /* WGRAD's work unit u of a cluster of CL CTAs: expert e, k_in tile mt and n_out tile nt of its gradient for CTA
  * `rank` (blocks of k_in tiles fastest). */
-template <int CL, int BN>
+template <int CL>
 __device__ __forceinline__ void wgrad_tile_at(const wg_wgrad_params &p, int u, int rank, int *e, int *mt, int *nt)
 {
-    constexpr int CM = wgrad_cluster<CL, BN>::CM, CN = wgrad_cluster<CL, BN>::CN;
+    constexpr int CM = wgrad_cluster<CL>::CM, CN = wgrad_cluster<CL>::CN;
     const int mb = p.m_tiles / CM, per = mb * (p.n_tiles / CN), r = u % per;
     *e = u / per;
     *mt = r % mb * CM + rank % CM;
@@ -384,20 +382,18 @@ __device__ __forceinline__ void wgrad_tile_at(const wg_wgrad_params &p, int u, i
 }
 
 /* The work units of a cluster of CL CTAs (m_tiles and n_tiles are multiples of CM and CN). */
-template <int CL, int BN> __device__ __forceinline__ int wgrad_units(const wg_wgrad_params &p)
+template <int CL> __device__ __forceinline__ int wgrad_units(const wg_wgrad_params &p)
 {
-    return p.num_experts * (p.m_tiles / wgrad_cluster<CL, BN>::CM) * (p.n_tiles / wgrad_cluster<CL, BN>::CN);
+    return p.num_experts * (p.m_tiles / wgrad_cluster<CL>::CM) * (p.n_tiles / wgrad_cluster<CL>::CN);
 }
 
 /* The CTAs of the cluster (a mask of ranks) that write into CTA rank's stages: those sharing its A (its block row)
  * and its B (its block column), itself included; each gets the stage back from rank's consumers. */
-template <int CL, int BN> __device__ __forceinline__ uint32_t wgrad_sharers(int rank)
+template <int CL> __device__ __forceinline__ uint32_t wgrad_sharers(int rank)
 {
-    constexpr int CM = wgrad_cluster<CL, BN>::CM, CN = wgrad_cluster<CL, BN>::CN;
+    constexpr int CM = wgrad_cluster<CL>::CM;
     const int rm = rank % CM, rn = rank / CM;
-    const uint32_t row = CN == 2 ? (1u << rm) | (1u << (rm + CM)) : 1u << rank;
-    const uint32_t column = CM == 2 ? 3u << (CM * rn) : 1u << rank;
-    return row | column;
+    return (1u << rm) | (1u << (rm + CM)) | (1u << (CM * rn)) | (1u << (CM * rn + CM - 1));
 }
 
 /* The k-blocks (64 rows each) of expert e. */
@@ -414,19 +410,19 @@ template <int STAGES, int BN, int CL>
 __device__ __forceinline__ void wgrad_produce(const wg_wgrad_params &p, const int64_t *row_start, int rank,
                                               uint8_t *stages, uint64_t *full, uint64_t *empty)
 {
-    const int stage_bytes = WGR_A_BYTES + BN / 64 * WG_BOX_BYTES, units = wgrad_units<CL, BN>(p);
+    const int stage_bytes = WGR_A_BYTES + BN / 64 * WG_BOX_BYTES, units = wgrad_units<CL>(p);
     int s = 0;
     uint32_t phase = 0, it = 0;
     for (int u = blockIdx.x / CL; u < units; u += gridDim.x / CL) {
         int e, mt, nt;
-        wgrad_tile_at<CL, BN>(p, u, rank, &e, &mt, &nt);
+        wgrad_tile_at<CL>(p, u, rank, &e, &mt, &nt);
         const int k_blocks = wgrad_k_blocks(row_start, e);
         for (int kb = 0; kb < k_blocks; kb++, it++) {
             if (it >= STAGES) mbar_wait(&empty[s], phase ^ 1);
             mbar_arrive_expect_tx(&full[s], stage_bytes);
             const int32_t row = (int32_t)(row_start[e] + (int64_t)kb * WG_BK);
             uint8_t *a = stages + s * stage_bytes, *b = a + WGR_A_BYTES;
-            constexpr int CM = wgrad_cluster<CL, BN>::CM, CN = wgrad_cluster<CL, BN>::CN;
+            constexpr int CM = wgrad_cluster<CL>::CM, CN = wgrad_cluster<CL>::CN;
             const int rm = rank % CM, rn = rank / CM;
             if (CN == 2) /* A's box rn, to the block row: ranks rm and rm + CM */
                 tensor_load_2d_multicast(a + rn * WG_BOX_BYTES, &p.map_in, mt * WGR_BM + rn * 64, row, &full[s],
@@ -434,10 +430,9 @@ __device__ __forceinline__ void wgrad_produce(const wg_wgrad_params &p, const in
             else
                 for (int j = 0; j < 2; j++)
                     tensor_load_2d(a + j * WG_BOX_BYTES, &p.map_in, mt * WGR_BM + j * 64, row, &full[s]);
-            if (CM == 2) /* B's boxes of half rm, to the block column: ranks 2 rn and 2 rn + 1 */
-                for (int j = rm * BN / 128; j < (rm + 1) * BN / 128; j++)
-                    tensor_load_2d_multicast(b + j * WG_BOX_BYTES, &p.map_dout, nt * BN + j * 64, row, &full[s],
-                                             (uint16_t)(3u << (2 * rn)));
+            if (CM == 2) /* B's box rm, to the block column: ranks 2 rn and 2 rn + 1 */
+                tensor_load_2d_multicast(b + rm * WG_BOX_BYTES, &p.map_dout, nt * BN + rm * 64, row, &full[s],
+                                         (uint16_t)(3u << (2 * rn)));
             else
                 for (int j = 0; j < BN / 64; j++)
                     tensor_load_2d(b + j * WG_BOX_BYTES, &p.map_dout, nt * BN + j * 64, row, &full[s]);
@@ -516,10 +511,10 @@ __device__ __forceinline__ void wgrad_store(const wg_wgrad_params &p, int e, con
 
 /* Hands stage s back to the producers that write into it: this CTA's, and in a cluster those of the CTAs sharing an
  * operand with it (wgrad_sharers). */
-template <int CL, int BN> __device__ __forceinline__ void wgrad_release(uint64_t *empty, int s, int rank)
+template <int CL> __device__ __forceinline__ void wgrad_release(uint64_t *empty, int s, int rank)
 {
     if (CL > 1)
-        mbar_arrive_warp_ranks(&empty[s], wgrad_sharers<CL, BN>(rank));
+        mbar_arrive_warp_ranks(&empty[s], wgrad_sharers<CL>(rank));
     else
         wg_release(empty, s);
 }
@@ -563,12 +558,12 @@ template <int CL>
 __device__ __forceinline__ void wgrad_storer(const wg_wgrad_params &p, const int64_t *row_start, int rank,
                                              uint8_t *staging, uint64_t *ready, uint64_t *staged)
 {
-    const int units = wgrad_units<CL, 128>(p), stride = gridDim.x / CL;
+    const int units = wgrad_units<CL>(p), stride = gridDim.x / CL;
     const uint64_t policy = l2_evict_first_policy();
     int k = 0, pending_e = 0, pending_m = 0, pending_n = -1; /* the half made ready and not yet stored */
     for (int u = blockIdx.x / CL; u < units; u += stride) {
         int e, mt, nt;
-        wgrad_tile_at<CL, 128>(p, u, rank, &e, &mt, &nt);
+        wgrad_tile_at<CL>(p, u, rank, &e, &mt, &nt);
         for (int h = 0; h < 2; h++) {
             const int m0 = mt * WGR_BM + 64 * h, n0 = nt * 128;
             if (!wgrad_writes(p, row_start, e, m0, n0)) continue;
@@ -642,7 +637,7 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
                                               uint64_t *ready, uint64_t *staged, int c)
 {
     constexpr int BN = PINGPONG ? 128 : 256;
-    const int stage_bytes = WGR_A_BYTES + BN / 64 * WG_BOX_BYTES, units = wgrad_units<CL, BN>(p);
+    const int stage_bytes = WGR_A_BYTES + BN / 64 * WG_BOX_BYTES, units = wgrad_units<CL>(p);
     const int stride = gridDim.x / CL;
     int s = 0;
     uint32_t phase = 0;
@@ -650,7 +645,7 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
     int i = 0, half = 0; /* half: the ping-pong's next written half (wgrad_storer) */
     for (int u = blockIdx.x / CL; u < units; u += stride, i++) {
         int e, mt, nt;
-        wgrad_tile_at<CL, BN>(p, u, rank, &e, &mt, &nt);
+        wgrad_tile_at<CL>(p, u, rank, &e, &mt, &nt);
         const int k_blocks = wgrad_k_blocks(row_start, e);
         if (PINGPONG && (i & 1) != c) { /* the other consumer's unit: skip its stages */
             const int next = s + k_blocks;
@@ -706,14 +701,14 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
             wgmma_commit();
             if (kb > 0) {
                 wgmma_wait<1>();
-                wgrad_release<CL, BN>(empty, prev, rank);
+                wgrad_release<CL>(empty, prev, rank);
             }
             prev = s;
             if (++s == STAGES) s = 0, phase ^= 1;
         }
         if (hand_off) named_barrier_arrive(4 - c, 256); /* the other's turn */
         wgmma_wait<0>();
-        wgrad_release<CL, BN>(empty, prev, rank);
+        wgrad_release<CL>(empty, prev, rank);
         if (PINGPONG)
             wgrad_stage_in_turn<false>(p, row_start, e, mt, nt, acc, staging, ready, staged, &half, c, i, hand_off);
         else
@@ -742,7 +737,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_wgrad_kernel(const _
         for (int s = 0; s < STAGES; s++) {
             mbar_init_count(&full[s], 1);
             /* the warps that multiply a stage, in each CTA writing into it */
-            mbar_init_count(&empty[s], (PINGPONG ? 4 : 8) * (CL > 1 ? __popc(wgrad_sharers<CL, BN>(0)) : 1));
+            mbar_init_count(&empty[s], (PINGPONG ? 4 : 8) * (CL > 1 ? __popc(wgrad_sharers<CL>(0)) : 1));
         }
         for (int b = 0; b < 2; b++) {
             mbar_init_count(&ready[b], 1);  /* the storer */

@@ -64,7 +64,6 @@ typedef struct bf16_ctx {
 } bf16_ctx;
 
 static const char *const mode_choices[] = {"auto", "bf16", "fp32", "fp64", NULL};
-
 static const char *const gemm_choices[] = {"auto", "cublaslt", "kernel", NULL};
 enum { GEMM_AUTO = 0, GEMM_CUBLASLT = 1, GEMM_KERNEL = 2 };       /* by gemm_choices */
 static const char *const mode_names[] = {"bf16", "fp32", "fp64"}; /* by bf16_mode */
@@ -292,7 +291,7 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
                            "CUDA, Hopper, weight gradients on the kernel: the wgmma kernel's schedule, auto (pingpong "
                            "below 2048 rows an expert on average, else cooperative), pingpong (128 x 128 tiles, one "
                            "per consumer warpgroup, one multiplying while the other writes) or cooperative (128 x 256 "
-                           "tiles in CTA clusters sharing operands)",
+                           "tiles, both consumer warpgroups on each)",
                            &wgrad_schedule);
     if (rc != MOERT_OK) return rc;
     if (gemm_choice == GEMM_KERNEL && wgrad_choice == GEMM_CUBLASLT) {
