@@ -415,10 +415,6 @@ extern "C" moert_result bf16_device_gemm(const moert_host *host, cudaStream_t st
         return report(host, MOERT_ERR_INVALID_ARGUMENT,
                       "bf16 device gemm %s: wgrad_schedule %d, expected 0 (auto), 1 (ping-pong) or 2 (cooperative)",
                       pass, a->wgrad_schedule);
-    if (a->wgrad_tiles_per_cta < 0)
-        return report(host, MOERT_ERR_INVALID_ARGUMENT,
-                      "bf16 device gemm %s: wgrad_tiles_per_cta %d, expected 0 (a persistent grid) or more", pass,
-                      a->wgrad_tiles_per_cta);
     if (a->sm_yield && !a->work_counter)
         return report(host, MOERT_ERR_INVALID_ARGUMENT,
                       "bf16 device gemm %s: sm_yield needs work_counter (two device int32, zero, for the stream)",

@@ -60,10 +60,6 @@ typedef struct bf16_device_gemm_args {
                                 busy as pairs, else 2, else 1. The cooperative schedule runs single CTAs. */
     int wgrad_schedule; /* BF16_WGMMA_WGRAD_*: the wgmma WGRAD's schedule (tests, benchmarks); 0 picks by the rows an
                            expert has on average */
-    int wgrad_tiles_per_cta; /* wgmma WGRAD: 0, a persistent grid (at most one CTA per SM, each walking every grid-th
-                                tile); N > 0, a grid of tiles / N CTAs (N tiles each; in clusters, N of the cluster's
-                                tile groups), launched in waves, so that kernels of a higher-priority stream take SMs
-                                as CTAs end instead of waiting for the whole GEMM */
     const int32_t *sm_yield; /* wgmma FORWARD/DGRAD: a device int32 read between work units (moert_layer_info's
                                 sm_yield); while it is N > 0 the CTAs numbered >= grid - N (all but CTA 0) stop taking
                                 units, leaving SMs to kernels beside the GEMM. NULL: every CTA works to the end */

@@ -943,11 +943,8 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
     const int stages = !pingpong ? 3 : wgrad_smem_bytes(5, 128, p.num_experts) <= (size_t)smem_optin[dev] ? 5 : 4;
     cudaLaunchConfig_t cfg;
     cudaLaunchAttribute attr;
-    /* persistent: as many clusters as fit at once; in waves: tiles_per_cta of the units each, the clusters beyond
-     * those that fit waiting for SMs as any other kernel's blocks do */
-    const int64_t per = a->wgrad_tiles_per_cta;
-    const int64_t clusters = per > 0 ? (cl_units + per - 1) / per : cl_units < fit ? cl_units : fit;
-    cluster_launch(&cfg, &attr, clusters * cl, cl, wgrad_smem_bytes(stages, bn, p.num_experts), stream);
+    cluster_launch(&cfg, &attr, (cl_units < fit ? cl_units : fit) * cl, cl, wgrad_smem_bytes(stages, bn, p.num_experts),
+                   stream);
     CUDA_CHECK(host, cudaLaunchKernelEx(
                          &cfg, pingpong ? wgrad_pingpong(stages, cl) : bf16_wgmma_wgrad_kernel<3, false, 1>, p));
     return MOERT_OK;

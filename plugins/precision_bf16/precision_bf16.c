@@ -42,14 +42,13 @@ typedef struct bf16_ctx {
     moert_layer_info layer;
     bf16_mode mode;
     bf16_scratch scratch;
-    bool on_cuda;            /* the layer is on a CUDA device: the CUDA path serves it */
-    int gemm_streams;        /* option: streams of the CUDA per-expert loop (1: the caller's only) */
-    int gemm_sms;            /* option: SMs the CUDA GEMMs may take (0: all) */
-    bool gemm_graphs;        /* option: CUDA graph replay of repeated count vectors */
-    int gemm_engine;         /* option "gemm": GEMM_AUTO, GEMM_CUBLASLT or GEMM_KERNEL */
-    int wgrad_engine;        /* option "wgrad_gemm": GEMM_AUTO (as "gemm"), GEMM_CUBLASLT or GEMM_KERNEL */
-    int wgrad_schedule;      /* option "wgrad_schedule": by wgrad_schedules, as device_gemm.h's BF16_WGMMA_WGRAD_* */
-    int wgrad_tiles_per_cta; /* option: the wgmma WGRAD's grid (device_gemm.h), 0 persistent */
+    bool on_cuda;       /* the layer is on a CUDA device: the CUDA path serves it */
+    int gemm_streams;   /* option: streams of the CUDA per-expert loop (1: the caller's only) */
+    int gemm_sms;       /* option: SMs the CUDA GEMMs may take (0: all) */
+    bool gemm_graphs;   /* option: CUDA graph replay of repeated count vectors */
+    int gemm_engine;    /* option "gemm": GEMM_AUTO, GEMM_CUBLASLT or GEMM_KERNEL */
+    int wgrad_engine;   /* option "wgrad_gemm": GEMM_AUTO (as "gemm"), GEMM_CUBLASLT or GEMM_KERNEL */
+    int wgrad_schedule; /* option "wgrad_schedule": by wgrad_schedules, as device_gemm.h's BF16_WGMMA_WGRAD_* */
 #ifdef MOERT_HAVE_CUDA
     bool use_kernel;                 /* the CUDA path runs device_gemm for every pass ("kernel" on a CUDA layer) */
     bool wgmma_fwd_dgrad;            /* "auto" on Hopper: FORWARD/DGRAD with device counts on device_gemm's wgmma
@@ -295,14 +294,6 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
                            "tiles, both consumer warpgroups on each)",
                            &wgrad_schedule);
     if (rc != MOERT_OK) return rc;
-    int64_t wgrad_tiles_per_cta = 0;
-    rc = host->option_int(host, "wgrad_tiles_per_cta", 0, 0, 1 << 20,
-                          "CUDA, Hopper, weight gradients on the kernel: 0, a persistent grid (one CTA per SM walks "
-                          "its share of the tiles to the end); N, a grid of tiles / N CTAs of N tiles each, launched "
-                          "in waves, so that the backward's next kernels on the compute stream (higher priority) take "
-                          "SMs as CTAs end instead of waiting for the whole weight gradient",
-                          &wgrad_tiles_per_cta);
-    if (rc != MOERT_OK) return rc;
     if (gemm_choice == GEMM_KERNEL && wgrad_choice == GEMM_CUBLASLT) {
         host->set_error(host, "$.precision.wgrad_gemm: \"cublaslt\" needs \"gemm\" \"auto\" or \"cublaslt\"; "
                               "\"gemm\": \"kernel\" runs without cuBLASLt");
@@ -323,7 +314,6 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
     c->gemm_engine = gemm_choice;
     c->wgrad_engine = wgrad_choice;
     c->wgrad_schedule = wgrad_schedule;
-    c->wgrad_tiles_per_cta = (int)wgrad_tiles_per_cta;
 #ifdef MOERT_HAVE_CUDA
     if (c->on_cuda) {
         rc = cuda_init(c, choice);
@@ -533,7 +523,6 @@ static moert_result kernel_grouped_gemm(bf16_ctx *c, moert_stream stream, const 
         ka.grad_weight_bf16 = gw == MOERT_BF16;
         ka.accumulate = !moert_gemm_overwrites_grad(args);
         ka.wgrad_schedule = c->wgrad_schedule;
-        ka.wgrad_tiles_per_cta = c->wgrad_tiles_per_cta;
     } else {
         const moert_dtype wd = args->weight->dtype;
         if (wd == MOERT_BF16) {

@@ -232,7 +232,7 @@ static void *cpu_pass(const problem *p, int pass, bool overwrite, bool bf16_grad
 
 /* The output tile width and engine the kernel calls of the test ask for (0: the kernel picks), and the cluster and
  * schedule of the wgmma WGRAD (0: as it picks; clusters of 4, 2, 1 where the tiles allow). */
-static int tile_n, engine, cluster, schedule, tiles_per_cta;
+static int tile_n, engine, cluster, schedule;
 
 /* The kernel's arguments for one pass into device buffer d_out. */
 static bf16_device_gemm_args kernel_args(const problem *p, int pass, void *d_out, bool overwrite, bool bf16_grad)
@@ -257,7 +257,6 @@ static bf16_device_gemm_args kernel_args(const problem *p, int pass, void *d_out
     a.engine = engine;
     a.wgrad_cluster = cluster;
     a.wgrad_schedule = schedule;
-    a.wgrad_tiles_per_cta = tiles_per_cta;
     return a;
 }
 
@@ -327,13 +326,8 @@ typedef struct small_case {
 static const char *engine_label(void)
 {
     static const char *const pingpong[] = {"wgmma", "wgmma cl1", "wgmma cl2", "wgmma", "wgmma cl4"};
-    static char label[48];
-    if (engine == BF16_DEVICE_GEMM_ENGINE_WGMMA) {
-        const char *base = schedule == BF16_WGMMA_WGRAD_COOPERATIVE ? "wgmma coop" : pingpong[cluster];
-        if (!tiles_per_cta) return base;
-        snprintf(label, sizeof label, "%s t%d", base, tiles_per_cta); /* a grid of tiles_per_cta tiles a CTA */
-        return label;
-    }
+    if (engine == BF16_DEVICE_GEMM_ENGINE_WGMMA)
+        return schedule == BF16_WGMMA_WGRAD_COOPERATIVE ? "wgmma coop" : pingpong[cluster];
     return tile_n == 128 ? "n128" : tile_n == 256 ? "n256" : "auto";
 }
 
@@ -432,13 +426,6 @@ static void run_big(cudaStream_t stream)
             schedule = 0;
             compare("big 8x[~512] K7168 N4096 wgrad coop vs cuBLASLt", &p, pass, true, false, coop, want);
             free(coop);
-            /* in waves of 2 tiles a CTA (over 7000 CTAs): every tile is computed as in the persistent grid */
-            tiles_per_cta = 2;
-            void *waves = gpu_pass(&p, pass, true, false, stream);
-            tiles_per_cta = 0;
-            record("big wgrad, 2 tiles a CTA in waves: bit for bit the persistent grid's",
-                   memcmp(waves, got, bytes) != 0, 0, 0);
-            free(waves);
         }
         /* sampled elements against double dot products */
         double num = 0, den = 0;
@@ -614,21 +601,19 @@ static void run_bad_args(cudaStream_t stream)
     struct {
         const char *what, *needle;
         int64_t K, N, E;
-        int misalign, tile, schedule, tiles;
-    } cases[] = {{"k_in 60", "multiples of 8", 60, 64, 2, 0, 0, 0, 0},
-                 {"n_out 100", "multiples of 8", 64, 100, 2, 0, 0, 0, 0},
-                 {"0 experts", "local experts", 64, 64, 0, 0, 0, 0, 0},
-                 {"misaligned input", "16-byte aligned", 64, 64, 2, 1, 0, 0, 0},
-                 {"tile_n 64", "tile_n", 64, 64, 2, 0, 64, 0, 0},
-                 {"wgrad_schedule 3", "wgrad_schedule 3, expected", 64, 64, 2, 0, 0, 3, 0},
-                 {"wgrad_tiles_per_cta -1", "wgrad_tiles_per_cta -1, expected", 64, 64, 2, 0, 0, 0, -1}};
+        int misalign, tile, schedule;
+    } cases[] = {{"k_in 60", "multiples of 8", 60, 64, 2, 0, 0, 0},
+                 {"n_out 100", "multiples of 8", 64, 100, 2, 0, 0, 0},
+                 {"0 experts", "local experts", 64, 64, 0, 0, 0, 0},
+                 {"misaligned input", "16-byte aligned", 64, 64, 2, 1, 0, 0},
+                 {"tile_n 64", "tile_n", 64, 64, 2, 0, 64, 0},
+                 {"wgrad_schedule 3", "wgrad_schedule 3, expected", 64, 64, 2, 0, 0, 3}};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         bf16_device_gemm_args a = kernel_args(&p, MOERT_GEMM_FORWARD, p.d_grad_output, false, false);
         a.k_in = cases[i].K, a.n_out = cases[i].N, a.num_experts = cases[i].E;
         if (cases[i].misalign) a.input = (const char *)p.d_input + 2;
         a.tile_n = cases[i].tile;
         a.wgrad_schedule = cases[i].schedule;
-        a.wgrad_tiles_per_cta = cases[i].tiles;
         gpu_test_error[0] = 0;
         const moert_result r = bf16_device_gemm(&gpu_test_host, stream, &a);
         const bool ok = r == MOERT_ERR_INVALID_ARGUMENT && strstr(gpu_test_error, cases[i].needle);
@@ -853,18 +838,15 @@ int main(void)
      * cooperative schedule (auto takes it only from 2048 rows an expert) */
     enum { MMA = BF16_DEVICE_GEMM_ENGINE_MMA, WGMMA = BF16_DEVICE_GEMM_ENGINE_WGMMA };
     enum { COOP = BF16_WGMMA_WGRAD_COOPERATIVE };
-    static const int configs[][5] = {{128, MMA, 0, 0, 0},    {256, MMA, 0, 0, 0},   {0, WGMMA, 0, 0, 0},
-                                     {0, WGMMA, 4, 0, 0},    {0, WGMMA, 2, 0, 0},   {0, WGMMA, 1, 0, 0},
-                                     {0, WGMMA, 0, COOP, 0}, {0, WGMMA, 1, 0, 1},   {0, WGMMA, 0, 0, 3},
-                                     {0, WGMMA, 4, 0, 2},    {0, WGMMA, 0, COOP, 1}};
+    static const int configs[][4] = {{128, MMA, 0, 0}, {256, MMA, 0, 0}, {0, WGMMA, 0, 0},   {0, WGMMA, 4, 0},
+                                     {0, WGMMA, 2, 0}, {0, WGMMA, 1, 0}, {0, WGMMA, 0, COOP}};
     const bool hopper = prop.major == 9 && prop.minor == 0;
     for (size_t c = 0; c < sizeof configs / sizeof configs[0]; c++) {
         tile_n = configs[c][0], engine = configs[c][1], cluster = configs[c][2], schedule = configs[c][3];
-        tiles_per_cta = configs[c][4];
         if (engine == BF16_DEVICE_GEMM_ENGINE_WGMMA && !hopper) continue;
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_small(&cases[i], raw_stream, 100 + i);
     }
-    tile_n = 0, engine = BF16_DEVICE_GEMM_ENGINE_AUTO, cluster = 0, schedule = 0, tiles_per_cta = 0;
+    tile_n = 0, engine = BF16_DEVICE_GEMM_ENGINE_AUTO, cluster = 0, schedule = 0;
     run_bad_args(raw_stream);
     run_graph(raw_stream);
     if (hopper) run_yield(raw_stream);

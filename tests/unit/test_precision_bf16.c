@@ -415,19 +415,6 @@ static void check_errors(void)
     EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, "{\"gemm_sms\": 108}", &layer, NULL, 0, 1),
                   MOERT_OK);
     test_instance_close(&ti);
-    /* wgrad_tiles_per_cta: 0 (persistent) or a tile count; a negative, fractional or mistyped one names the key */
-    static const char *const bad_tiles[] = {"{\"wgrad_tiles_per_cta\": -1}", "{\"wgrad_tiles_per_cta\": \"4\"}",
-                                            "{\"wgrad_tiles_per_cta\": 2.5}", "{\"wgrad_tiles_per_cta\": 2000000}"};
-    for (size_t i = 0; i < sizeof bad_tiles / sizeof bad_tiles[0]; i++) {
-        EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, bad_tiles[i], &layer, NULL, 0, 1),
-                      MOERT_ERR_CONFIG);
-        EXPECT_ERROR_CONTAINS("wgrad_tiles_per_cta");
-        test_instance_close(&ti);
-    }
-    EXPECT_EQ_INT(
-        test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, "{\"wgrad_tiles_per_cta\": 4}", &layer, NULL, 0, 1),
-        MOERT_OK);
-    test_instance_close(&ti);
     /* a layer on a device the plugin has no path for names the device (and, without CUDA, the build) */
     test_expect_device_refused(MOERT_KIND_PRECISION, PLUGIN, &layer, "the bf16 precision plugin");
 }
