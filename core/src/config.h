@@ -61,6 +61,9 @@ typedef struct moert_parallel_config {
     /* under the overlap on CUDA: SMs the other half's persistent GEMMs leave free while a dispatcher call runs
      * (moert_layer_info.sm_yield); 0: the GEMMs keep every SM */
     int64_t overlap_comm_sms;
+    /* forwards each layer may hold in flight before their backwards (pipeline schedules): a plugin instance per slot
+     * and layer; at least 2 under the overlap */
+    int64_t forwards_in_flight;
 } moert_parallel_config;
 
 /* Whether $.parallel.overlap_micro_batches turns the overlap on for layers on `device` (a moert_device_type) with `ep`
@@ -78,6 +81,9 @@ bool moert_overlap_enabled(const moert_config *cfg, int device, int64_t ep, int6
  * any GPU's SM count. */
 #define MOERT_OVERLAP_COMM_SMS_DEFAULT 24
 #define MOERT_OVERLAP_COMM_SMS_MAX     1024
+
+/* $.parallel.forwards_in_flight: at most this many slots per layer (overlap.h). */
+#define MOERT_MAX_FORWARDS_IN_FLIGHT 8
 
 /* $.train.optimizer: Adam keeps two moment buffers per parameter; plain SGD keeps none. */
 typedef enum moert_optimizer { MOERT_OPTIMIZER_ADAM = 0, MOERT_OPTIMIZER_SGD = 1 } moert_optimizer;

@@ -206,7 +206,7 @@ MOERT_API void moert_comm_destroy(moert_comm *comm)
 struct moert_saved {
     moert_layers *owner;
     int layer;
-    int slot; /* the layer's slot holding it: 0, or 1 with $.parallel.overlap_micro_batches (overlap.h) */
+    int slot; /* the layer's slot holding it: 0 .. the slots made ($.parallel.forwards_in_flight, overlap.h) */
     int64_t tokens;
     bool experts; /* a moert_experts_forward's (tokens: its rows) */
 };
@@ -239,14 +239,28 @@ struct moert_layers {
     moert_stack stack;
     bool stack_made;
     bool (*bound)[MOERT_PARAM_COUNT]; /* [num_layers] */
-    moert_saved **saved;              /* [num_layers] the forward in flight (slot 0) */
-    /* $.parallel.overlap_micro_batches: slot 1 of every layer (a second forward in flight) and its forwards */
+    /* [num_layers x MOERT_OVERLAP_MAX_SLOTS] the forward in flight of each layer's slots (saved_ref) */
+    moert_saved **saved;
+    /* $.parallel.forwards_in_flight and overlap_micro_batches: the slots past the first of every layer */
     moert_overlap overlap;
-    moert_saved **saved1;         /* [num_layers] */
     unsigned char *last_slot;     /* [num_layers] the slot of the layer's last forward (tokens per expert) */
     unsigned char *last_bwd_slot; /* [num_layers] the slot of its last backward (figures, spans) */
     moert_dispatch **dispatch;    /* [num_layers] the dispatch in flight */
 };
+
+/* Where slot `slot` of `layer` keeps its forward in flight. */
+static moert_saved **saved_ref(const moert_layers *m, int layer, int slot)
+{
+    return &m->saved[(size_t)layer * MOERT_OVERLAP_MAX_SLOTS + (size_t)slot];
+}
+
+/* The forwards `layer` holds in flight, over its slots. */
+static int forwards_in_flight(const moert_layers *m, int layer)
+{
+    int n = 0;
+    for (int slot = 0; slot < MOERT_OVERLAP_MAX_SLOTS; slot++) n += *saved_ref(m, layer, slot) != NULL;
+    return n;
+}
 
 static moert_result check_layer(const moert_layers *m, int layer, const char *fn)
 {
@@ -617,14 +631,12 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
     MOERT_CHECK(moert_stack_init(&m->stack, &setup));
     int nl = m->stack.num_layers;
     m->bound = calloc((size_t)nl, sizeof *m->bound);
-    m->saved = calloc((size_t)nl, sizeof *m->saved);
-    m->saved1 = calloc((size_t)nl, sizeof *m->saved1);
+    m->saved = calloc((size_t)nl * MOERT_OVERLAP_MAX_SLOTS, sizeof *m->saved);
     m->last_slot = calloc((size_t)nl, sizeof *m->last_slot);
     m->last_bwd_slot = calloc((size_t)nl, sizeof *m->last_bwd_slot);
     m->dispatch = calloc((size_t)nl, sizeof *m->dispatch);
     MOERT_CHECK_ALLOC(m->bound);
     MOERT_CHECK_ALLOC(m->saved);
-    MOERT_CHECK_ALLOC(m->saved1);
     MOERT_CHECK_ALLOC(m->last_slot);
     MOERT_CHECK_ALLOC(m->last_bwd_slot);
     MOERT_CHECK_ALLOC(m->dispatch);
@@ -639,14 +651,19 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
          * layer's at once), docs/executor.md "Deferred start" */
         L->acts.defer_start = l + 1 < nl && m->cfg->parallel.offload_defer_start;
     }
-    /* a second slot of every layer, so that two micro-batches' forwards can be in flight ("on") */
+    /* more slots of every layer, so that several micro-batches' forwards can be in flight: as many as
+     * $.parallel.forwards_in_flight says, at least two under the overlap */
     m->overlap.primary = &m->stack;
-    if (overlap) {
-        MOERT_CHECK(moert_overlap_init(&m->overlap, &m->stack, &setup));
-        for (int l = 0; l < nl; l++) {
-            m->overlap.twin.layers[l].acts.defer_release = true;
-            m->overlap.twin.layers[l].acts.defer_start = m->stack.layers[l].acts.defer_start;
-        }
+    m->overlap.slots = 1;
+    int slots = (int)m->cfg->parallel.forwards_in_flight;
+    if (overlap && slots < 2) slots = 2;
+    if (slots > 1) {
+        MOERT_CHECK(moert_overlap_init(&m->overlap, &m->stack, &setup, slots, overlap));
+        for (int slot = 1; slot < slots; slot++)
+            for (int l = 0; l < nl; l++) {
+                m->overlap.twins[slot - 1].layers[l].acts.defer_release = true;
+                m->overlap.twins[slot - 1].layers[l].acts.defer_start = m->stack.layers[l].acts.defer_start;
+            }
     }
     *out = m;
     return MOERT_OK;
@@ -675,8 +692,7 @@ MOERT_API void moert_layers_destroy(moert_layers *m)
 {
     if (!m) return;
     int nl = m->stack.num_layers;
-    for (int l = 0; m->saved && l < nl; l++) free(m->saved[l]);
-    for (int l = 0; m->saved1 && l < nl; l++) free(m->saved1[l]);
+    for (int i = 0; m->saved && i < nl * MOERT_OVERLAP_MAX_SLOTS; i++) free(m->saved[i]);
     for (int l = 0; m->dispatch && l < nl; l++) free(m->dispatch[l]);
 #ifdef MOERT_HAVE_CUDA
     if (m->stream) moert_cuda_stream_synchronize(m->stream);
@@ -699,7 +715,6 @@ MOERT_API void moert_layers_destroy(moert_layers *m)
     moert_config_free(m->cfg);
     free(m->bound);
     free(m->saved);
-    free(m->saved1);
     free(m->last_slot);
     free(m->last_bwd_slot);
     free(m->dispatch);
@@ -743,7 +758,7 @@ MOERT_API moert_result moert_layers_get_info(const moert_layers *m, moert_layers
                               .edp_size = L->edp_size,
                               .local_ffn_hidden = L->info.ffn_hidden,
                               .stream = m->stream,
-                              .slots = m->overlap.made ? MOERT_OVERLAP_SLOTS : 1};
+                              .slots = m->overlap.slots > 1 ? m->overlap.slots : 1};
     const moert_tensor *bias = ROUTER(L)->expert_bias ? ROUTER(L)->expert_bias(L->router.ctx) : NULL;
     if (bias) info.expert_bias_dtype = bias->dtype;
     memcpy(out, &info, size);
@@ -791,9 +806,13 @@ MOERT_API moert_result moert_layers_bind_param(moert_layers *m, int layer, moert
     moert_result rc = check_param(m, layer, which, fn);
     if (rc != MOERT_OK) return rc;
     moert_layer *L = &m->stack.layers[layer];
-    if (m->saved[layer] || m->saved1[layer] || m->dispatch[layer])
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layer %d has a forward in flight; bind after its backward",
-                           fn, layer);
+    /* with forwards in flight only the gradient may change (each backward writes the one bound when it runs) */
+    const bool busy = forwards_in_flight(m, layer) || m->dispatch[layer];
+    if (busy && (!value || !m->bound[layer][which] || value->data != L->params[which].value.data))
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                           "%s: layer %d has a forward in flight: only the %s gradient can be rebound (with the same "
+                           "value tensor) until its backward",
+                           fn, layer, param_name(which));
     moert_tensor d = moert_layer_param_desc(L, which);
     char vname[64], gname[64];
     snprintf(vname, sizeof vname, "the %s value", param_name(which));
@@ -947,15 +966,9 @@ fail:
 /* ---- forward and backward ---- */
 
 /* No forward or dispatch of `layer` in flight, or an error saying which. */
-/* Where slot `slot` of `layer` keeps its forward in flight. */
-static moert_saved **saved_ref(const moert_layers *m, int layer, int slot)
-{
-    return slot == 0 ? &m->saved[layer] : &m->saved1[layer];
-}
-
 static moert_result check_idle(const moert_layers *m, int layer, const char *fn)
 {
-    if (m->saved[layer] || m->saved1[layer])
+    if (forwards_in_flight(m, layer))
         return moert_error(MOERT_ERR_INVALID_ARGUMENT,
                            "%s: layer %d holds the saved activations of a forward: run its "
                            "backward or moert_saved_free first (one micro-batch in flight per layer)",
@@ -980,7 +993,7 @@ static moert_result release_after_failure(moert_layer *L, moert_result rc)
 /* A free slot of `layer` for a forward, other than `avoid` when it can (-1: none); -1 and an error when none. */
 static int free_slot(const moert_layers *m, int layer, int avoid, const char *fn)
 {
-    const int slots = m->overlap.made ? MOERT_OVERLAP_SLOTS : 1;
+    const int slots = m->overlap.slots > 1 ? m->overlap.slots : 1;
     int found = -1;
     for (int s = 0; s < slots; s++)
         if (!*saved_ref(m, layer, s) && (found < 0 || found == avoid)) found = s;
@@ -991,10 +1004,8 @@ static int free_slot(const moert_layers *m, int layer, int avoid, const char *fn
     else
         moert_error(MOERT_ERR_INVALID_ARGUMENT,
                     "%s: layer %d holds the saved activations of %d forward%s: run a backward or moert_saved_free "
-                    "first (%s)",
-                    fn, layer, slots, slots > 1 ? "s" : "",
-                    slots > 1 ? "two micro-batches in flight per layer"
-                              : "one micro-batch in flight per layer; $.parallel.overlap_micro_batches allows two");
+                    "first (%d micro-batch%s in flight per layer; $.parallel.forwards_in_flight allows up to %d)",
+                    fn, layer, slots, slots > 1 ? "s" : "", slots, slots > 1 ? "es" : "", MOERT_OVERLAP_MAX_SLOTS);
     return -1;
 }
 
@@ -1004,12 +1015,12 @@ static int free_slot(const moert_layers *m, int layer, int avoid, const char *fn
  * anything is queued, so the capture stays usable. */
 static moert_result check_capture_slot(const moert_layers *m, int slot, const char *fn)
 {
-    if (slot == 1 && m->stack.layers[0].capturing)
+    if (slot > 0 && m->stack.layers[0].capturing)
         return moert_error(MOERT_ERR_UNSUPPORTED,
-                           "%s: the layer's second slot ($.parallel.overlap_micro_batches) while capturing a CUDA "
-                           "graph: capture only micro-batches that run in the first slot (one forward in flight per "
-                           "layer)",
-                           fn);
+                           "%s: the layer's slot %d ($.parallel.overlap_micro_batches, forwards_in_flight) while "
+                           "capturing a CUDA graph: capture only micro-batches that run in the first slot (one forward "
+                           "in flight per layer)",
+                           fn, slot);
     return MOERT_OK;
 }
 
@@ -1047,7 +1058,8 @@ static moert_result release_below(moert_layers *m, int layer)
     moert_result rc = MOERT_OK;
     for (int below = 0; below < layer; below++) {
         MOERT_CHECK(moert_act_store_release_finished(&m->stack.layers[below].acts));
-        if (m->overlap.made) MOERT_CHECK(moert_act_store_release_finished(&m->overlap.twin.layers[below].acts));
+        for (int slot = 1; slot < m->overlap.slots; slot++)
+            MOERT_CHECK(moert_act_store_release_finished(&m->overlap.twins[slot - 1].layers[below].acts));
     }
 fail:
     return rc;
@@ -1097,8 +1109,8 @@ fail:
  * backward already consumed (freed) is refused, not read. */
 static bool in_flight(const moert_layers *m, const moert_saved *saved)
 {
-    for (int l = 0; saved && l < m->stack.num_layers; l++)
-        if (m->saved[l] == saved || m->saved1[l] == saved) return true;
+    for (int i = 0; saved && i < m->stack.num_layers * MOERT_OVERLAP_MAX_SLOTS; i++)
+        if (m->saved[i] == saved) return true;
     return false;
 }
 
@@ -1215,8 +1227,8 @@ MOERT_API bool moert_layers_overlap_interleave(moert_layers *m, bool interleave)
 {
     if (!m) return false;
     /* on CUDA the halves are always issued in turn (that is the overlap); the choice is the CPU's */
-    if (m->device.type != MOERT_DEVICE_CUDA) m->overlap.interleave = interleave && m->overlap.made;
-    return m->overlap.made;
+    if (m->device.type != MOERT_DEVICE_CUDA) m->overlap.interleave = interleave && m->overlap.merge;
+    return m->overlap.merge;
 }
 
 MOERT_API moert_result moert_saved_tokens_per_expert(const moert_saved *saved, moert_tensor *dst, moert_stream stream)
@@ -1240,8 +1252,8 @@ MOERT_API void moert_saved_free(moert_saved *saved)
 {
     if (!saved) return;
     moert_layers *m = saved->owner;
-    if (m && saved->layer >= 0 && saved->layer < m->stack.num_layers && (saved->slot == 0 || saved->slot == 1) &&
-        *saved_ref(m, saved->layer, saved->slot) == saved) {
+    if (m && saved->layer >= 0 && saved->layer < m->stack.num_layers && saved->slot >= 0 &&
+        saved->slot < MOERT_OVERLAP_MAX_SLOTS && *saved_ref(m, saved->layer, saved->slot) == saved) {
         *saved_ref(m, saved->layer, saved->slot) = NULL;
         if (moert_layer_release_saved(moert_overlap_layer(&m->overlap, saved->layer, saved->slot)) != MOERT_OK)
             moert_error_clear();
@@ -1551,7 +1563,7 @@ MOERT_API moert_result moert_experts_forward(moert_layers *m, int layer, const m
     if (!saved) MOERT_CHECK(moert_layer_release_saved(L));
     MOERT_CHECK(leave(m, stream));
     if (saved) {
-        m->saved[layer] = token;
+        *saved_ref(m, layer, 0) = token;
         *saved = token;
     }
     return MOERT_OK;
@@ -1585,7 +1597,7 @@ MOERT_API moert_result moert_experts_backward(moert_layers *m, moert_saved *save
     if (d_probs && (rc = check_rows_tensor(fn, "d_probs", d_probs, L->param_dtype, m->device, 1, rows, 0)) != MOERT_OK)
         return rc;
     /* the activations go with this call, whatever its outcome */
-    m->saved[layer] = NULL;
+    *saved_ref(m, layer, 0) = NULL;
     free(saved);
     MOERT_CHECK(enter(m, stream));
     rc = moert_layer_experts_backward(L, dy_rows, dx_rows, d_probs, !accumulate);

@@ -26,11 +26,11 @@ static moert_result comm_stream_create(moert_overlap *o, int device, int32_t *sm
     moert_result rc = MOERT_OK;
     /* high priority: a dispatcher's kernels take SMs first as they free up, as on the compute streams */
     MOERT_CHECK(moert_cuda_stream_create_high_priority(device, &o->comm[0].stream));
-    o->comm[1].stream = o->comm[0].stream;
-    for (int slot = 0; slot < MOERT_OVERLAP_SLOTS; slot++) {
+    for (int slot = 0; slot < o->slots; slot++) {
+        o->comm[slot].stream = o->comm[0].stream;
         MOERT_CHECK(moert_cuda_event_create(device, false, &o->comm[slot].enter));
         MOERT_CHECK(moert_cuda_event_create(device, false, &o->comm[slot].leave));
-        /* one word: both slots' calls are in order on the one stream */
+        /* one word: every slot's calls are in order on the one stream */
         o->comm[slot].sm_yield = sm_yield;
         o->comm[slot].sm_yield_sms = sms;
     }
@@ -40,40 +40,61 @@ fail:
 }
 #endif
 
-moert_result moert_overlap_init(moert_overlap *o, moert_stack *primary, const moert_stack_setup *setup)
+/* The twin of slot `slot` (1 ..): its stack, and on CUDA its stream and events. Collective. */
+static moert_result twin_init(moert_overlap *o, int slot, const moert_stack_setup *setup)
+{
+    moert_result rc = MOERT_OK;
+    moert_stack_setup twin = *setup;
+    twin.twin_of = o->primary;
+    o->slots = slot + 1; /* finalize takes down what this began */
+#ifdef MOERT_HAVE_CUDA
+    if (setup->device.type == MOERT_DEVICE_CUDA) {
+        const moert_host *h = o->primary->core_host;
+        /* as high a priority as the rank's compute stream: the micro-batches' work is equal */
+        MOERT_CHECK(moert_cuda_stream_create_high_priority(setup->device.id, &o->streams[slot - 1]));
+        if ((rc = h->event_create(h, &o->fork_events[slot - 1])) != MOERT_OK ||
+            (rc = h->event_create(h, &o->join_events[slot - 1])) != MOERT_OK) {
+            rc = host_error(h, rc, "creating its events");
+            goto fail;
+        }
+        twin.stream = o->streams[slot - 1];
+    }
+#endif
+    MOERT_CHECK(moert_stack_init(&o->twins[slot - 1], &twin));
+fail:
+    return rc;
+}
+
+moert_result moert_overlap_init(moert_overlap *o, moert_stack *primary, const moert_stack_setup *setup, int slots,
+                                bool merge)
 {
     moert_result rc = MOERT_OK;
     memset(o, 0, sizeof *o);
     o->primary = primary;
-    moert_stack_setup twin = *setup;
-    twin.twin_of = primary;
+    o->slots = 1;
+    if (slots < 2 || slots > MOERT_OVERLAP_MAX_SLOTS)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "micro-batch slots: %d, expected 2 .. %d", slots,
+                           MOERT_OVERLAP_MAX_SLOTS);
+    o->made = true;
+    o->merge = merge;
 #ifdef MOERT_HAVE_CUDA
     if (setup->device.type == MOERT_DEVICE_CUDA) {
-        const moert_host *h = primary->core_host;
         o->pool = setup->pool;
-        /* as high a priority as the rank's compute stream: the two micro-batches' work is equal */
-        MOERT_CHECK(moert_cuda_stream_create_high_priority(setup->device.id, &o->stream));
-        if ((rc = h->event_create(h, &o->fork_event)) != MOERT_OK) {
-            rc = host_error(h, rc, "creating its events");
-            goto fail;
-        }
-        if ((rc = h->event_create(h, &o->join_event)) != MOERT_OK) {
-            rc = host_error(h, rc, "creating its events");
-            goto fail;
-        }
-        MOERT_CHECK(
-            comm_stream_create(o, setup->device.id, setup->sm_yield, (int32_t)setup->cfg->parallel.overlap_comm_sms));
-        twin.stream = o->stream;
         o->interleave = true;
     }
 #endif
-    o->made = true;
-    MOERT_CHECK(moert_stack_init(&o->twin, &twin));
-    /* both slots' dispatcher calls go to the communication stream (CUDA) */
-    for (int l = 0; o->comm[0].stream && l < primary->num_layers; l++) {
-        primary->layers[l].comm = &o->comm[0];
-        o->twin.layers[l].comm = &o->comm[1];
+    for (int slot = 1; slot < slots; slot++) MOERT_CHECK(twin_init(o, slot, setup));
+#ifdef MOERT_HAVE_CUDA
+    /* under the overlap every slot's dispatcher calls go to the communication stream */
+    if (merge && setup->device.type == MOERT_DEVICE_CUDA) {
+        MOERT_CHECK(
+            comm_stream_create(o, setup->device.id, setup->sm_yield, (int32_t)setup->cfg->parallel.overlap_comm_sms));
+        for (int l = 0; l < primary->num_layers; l++) {
+            primary->layers[l].comm = &o->comm[0];
+            for (int slot = 1; slot < o->slots; slot++) o->twins[slot - 1].layers[l].comm = &o->comm[slot];
+        }
     }
+#endif
 fail:
     return rc;
 }
@@ -99,18 +120,20 @@ void moert_overlap_finalize(moert_overlap *o)
     if (o->comm[0].stream && moert_cuda_stream_synchronize(o->comm[0].stream) != MOERT_OK) moert_error_clear();
 #endif
     for (int l = 0; o->primary->layers && l < o->primary->num_layers; l++) o->primary->layers[l].comm = NULL;
-    if (o->made) {
+    for (int slot = 1; o->made && slot < o->slots; slot++) {
+        moert_stack *T = &o->twins[slot - 1];
         /* the parameters are slot 0's: the twin's layers only borrowed them */
-        for (int l = 0; o->twin.layers && l < o->twin.num_layers; l++)
-            memset(o->twin.layers[l].params, 0, sizeof o->twin.layers[l].params);
-        moert_stack_finalize(&o->twin);
-    }
-    if (o->fork_event) h->event_destroy(h, o->fork_event);
-    if (o->join_event) h->event_destroy(h, o->join_event);
+        for (int l = 0; T->layers && l < T->num_layers; l++) memset(T->layers[l].params, 0, sizeof T->layers[l].params);
+        moert_stack_finalize(T);
+        if (o->fork_events[slot - 1]) h->event_destroy(h, o->fork_events[slot - 1]);
+        if (o->join_events[slot - 1]) h->event_destroy(h, o->join_events[slot - 1]);
 #ifdef MOERT_HAVE_CUDA
-    stream_release(o, o->stream);
+        stream_release(o, o->streams[slot - 1]);
+#endif
+    }
+#ifdef MOERT_HAVE_CUDA
     stream_release(o, o->comm[0].stream);
-    for (int slot = 0; slot < MOERT_OVERLAP_SLOTS; slot++) {
+    for (int slot = 0; slot < MOERT_OVERLAP_MAX_SLOTS; slot++) {
         if (o->comm[slot].enter) moert_cuda_event_destroy(o->comm[slot].enter);
         if (o->comm[slot].leave) moert_cuda_event_destroy(o->comm[slot].leave);
     }
@@ -121,8 +144,8 @@ void moert_overlap_finalize(moert_overlap *o)
 moert_layer *moert_overlap_layer(moert_overlap *o, int l, int slot)
 {
     moert_layer *P = &o->primary->layers[l];
-    if (slot == 0 || !o->made) return P;
-    moert_layer *T = &o->twin.layers[l];
+    if (slot == 0 || slot >= o->slots) return P;
+    moert_layer *T = &o->twins[slot - 1].layers[l];
     memcpy(T->params, P->params, sizeof T->params);
     T->params_borrowed = true;
     T->no_residual = P->no_residual;
@@ -131,52 +154,53 @@ moert_layer *moert_overlap_layer(moert_overlap *o, int l, int slot)
     return T;
 }
 
-/* After a backward on slot 1: its WGRADs' lazy zeroing state is slot 0's again. */
+/* After a backward on another slot than 0: its WGRADs' lazy zeroing state is slot 0's again. */
 static void sync_back(moert_overlap *o, int l, int slot)
 {
-    if (slot == 0 || !o->made) return;
-    moert_layer *P = &o->primary->layers[l], *T = &o->twin.layers[l];
+    if (slot == 0 || slot >= o->slots) return;
+    moert_layer *P = &o->primary->layers[l], *T = &o->twins[slot - 1].layers[l];
     memcpy(P->grad_unwritten, T->grad_unwritten, sizeof P->grad_unwritten);
     memcpy(P->shared_grad_unwritten, T->shared_grad_unwritten, sizeof P->shared_grad_unwritten);
 }
 
-/* Slot 1's stream waits for slot 0's work so far (CUDA). */
-static moert_result fork_twin(moert_overlap *o)
+/* Slot `slot`'s stream (1 ..) waits for slot 0's work so far (CUDA). */
+static moert_result fork_twin(moert_overlap *o, int slot)
 {
     moert_result rc = MOERT_OK;
     const moert_host *h = o->primary->core_host;
-    if (!o->stream) return MOERT_OK;
-    if ((rc = h->event_record(h, o->fork_event, o->primary->layers[0].stream)) != MOERT_OK ||
-        (rc = h->stream_wait_event(h, o->stream, o->fork_event)) != MOERT_OK)
-        return host_error(h, rc, "forking slot 1's stream");
+    if (slot == 0 || !o->streams[slot - 1]) return MOERT_OK;
+    if ((rc = h->event_record(h, o->fork_events[slot - 1], o->primary->layers[0].stream)) != MOERT_OK ||
+        (rc = h->stream_wait_event(h, o->streams[slot - 1], o->fork_events[slot - 1])) != MOERT_OK)
+        return host_error(h, rc, "forking a slot's stream");
     return MOERT_OK;
 }
 
-/* Slot 0's stream waits for slot 1's work (CUDA). */
-static moert_result join_twin(moert_overlap *o)
+/* Slot 0's stream waits for slot `slot`'s work (CUDA). */
+static moert_result join_twin(moert_overlap *o, int slot)
 {
     moert_result rc = MOERT_OK;
     const moert_host *h = o->primary->core_host;
-    if (!o->stream) return MOERT_OK;
-    if ((rc = h->event_record(h, o->join_event, o->stream)) != MOERT_OK ||
-        (rc = h->stream_wait_event(h, o->primary->layers[0].stream, o->join_event)) != MOERT_OK)
-        return host_error(h, rc, "joining slot 1's stream");
+    if (slot == 0 || !o->streams[slot - 1]) return MOERT_OK;
+    if ((rc = h->event_record(h, o->join_events[slot - 1], o->streams[slot - 1])) != MOERT_OK ||
+        (rc = h->stream_wait_event(h, o->primary->layers[0].stream, o->join_events[slot - 1])) != MOERT_OK)
+        return host_error(h, rc, "joining a slot's stream");
     return MOERT_OK;
 }
 
 moert_result moert_overlap_precision_end_step(moert_overlap *o)
 {
-    moert_result rc = MOERT_OK, rc_join = MOERT_OK;
-    if (!o->made) return MOERT_OK;
-    MOERT_CHECK(fork_twin(o));
-    for (int l = 0; l < o->twin.num_layers && rc == MOERT_OK; l++) {
-        moert_layer *T = &o->twin.layers[l];
-        const moert_precision_v1 *p = (const moert_precision_v1 *)T->precision.plugin->header;
-        if ((rc = p->end_step(T->precision.ctx, T->stream)) != MOERT_OK)
-            rc = moert_layer_plugin_failed(T, &T->precision, "end_step", rc);
+    moert_result rc = MOERT_OK;
+    for (int slot = 1; slot < o->slots && rc == MOERT_OK; slot++) {
+        MOERT_CHECK(fork_twin(o, slot));
+        for (int l = 0; l < o->twins[slot - 1].num_layers && rc == MOERT_OK; l++) {
+            moert_layer *T = &o->twins[slot - 1].layers[l];
+            const moert_precision_v1 *p = (const moert_precision_v1 *)T->precision.plugin->header;
+            if ((rc = p->end_step(T->precision.ctx, T->stream)) != MOERT_OK)
+                rc = moert_layer_plugin_failed(T, &T->precision, "end_step", rc);
+        }
+        const moert_result rc_join = join_twin(o, slot);
+        if (rc == MOERT_OK) rc = rc_join;
     }
-    rc_join = join_twin(o);
-    if (rc == MOERT_OK) rc = rc_join;
 fail:
     return rc;
 }
@@ -186,9 +210,9 @@ static moert_result check_slot(const moert_overlap *o, int l, int slot)
     if (l < 0 || l >= o->primary->num_layers)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "micro-batch overlap: layer %d, expected 0 .. %d", l,
                            o->primary->num_layers - 1);
-    if (slot < 0 || slot >= MOERT_OVERLAP_SLOTS || (slot == 1 && !o->made))
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "micro-batch overlap: slot %d, expected 0%s", slot,
-                           o->made ? " or 1" : " (no second slot)");
+    if (slot < 0 || slot >= o->slots)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "micro-batch slots: slot %d, expected 0 .. %d", slot,
+                           o->slots - 1);
     return MOERT_OK;
 }
 
@@ -196,9 +220,9 @@ moert_result moert_overlap_forward(moert_overlap *o, int l, int slot, const moer
 {
     moert_result rc = MOERT_OK, rc_join = MOERT_OK;
     MOERT_CHECK(check_slot(o, l, slot));
-    if (slot == 1) MOERT_CHECK(fork_twin(o));
+    MOERT_CHECK(fork_twin(o, slot));
     rc = moert_layer_forward(moert_overlap_layer(o, l, slot), x, y);
-    if (slot == 1) rc_join = join_twin(o);
+    rc_join = join_twin(o, slot);
     if (rc == MOERT_OK) rc = rc_join;
 fail:
     return rc;
@@ -209,10 +233,10 @@ moert_result moert_overlap_backward(moert_overlap *o, int l, int slot, const moe
 {
     moert_result rc = MOERT_OK, rc_join = MOERT_OK;
     MOERT_CHECK(check_slot(o, l, slot));
-    if (slot == 1) MOERT_CHECK(fork_twin(o));
+    MOERT_CHECK(fork_twin(o, slot));
     rc = moert_layer_backward(moert_overlap_layer(o, l, slot), d_y, d_x, loss_scale);
     sync_back(o, l, slot);
-    if (slot == 1) rc_join = join_twin(o);
+    rc_join = join_twin(o, slot);
     if (rc == MOERT_OK) rc = rc_join;
 fail:
     return rc;
@@ -332,17 +356,21 @@ moert_result moert_overlap_forward_backward(moert_overlap *o, int fl, int fslot,
         return moert_error(MOERT_ERR_INVALID_ARGUMENT,
                            "micro-batch overlap: the forward and the backward of layer %d on the same slot %d", fl,
                            fslot);
-    const bool twin = fslot == 1 || bslot == 1;
-    if (twin) MOERT_CHECK(fork_twin(o));
+    MOERT_CHECK(fork_twin(o, fslot));
+    if (bslot != fslot) MOERT_CHECK(fork_twin(o, bslot));
     moert_layer *F = moert_overlap_layer(o, fl, fslot), *B = moert_overlap_layer(o, bl, bslot);
-    if (o->interleave && fslot != bslot) {
+    if (o->interleave && o->merge && fslot != bslot) {
         rc = run_interleaved(F, x, y, B, d_y, d_x, loss_scale);
     } else {
         rc = moert_layer_forward(F, x, y);
         if (rc == MOERT_OK) rc = moert_layer_backward(B, d_y, d_x, loss_scale);
     }
     sync_back(o, bl, bslot);
-    if (twin) rc_join = join_twin(o);
+    rc_join = join_twin(o, fslot);
+    if (bslot != fslot) {
+        const moert_result rc_b = join_twin(o, bslot);
+        if (rc_join == MOERT_OK) rc_join = rc_b;
+    }
     if (rc == MOERT_OK) rc = rc_join;
 fail:
     return rc;

@@ -1,46 +1,54 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Micro-batch overlap ($.parallel.overlap_micro_batches): a second slot of every layer, so that two micro-batches'
- * forwards can be in flight, and the merged call that runs the forward of one micro-batch and the backward of another
- * together (docs/executor.md, "Micro-batch overlap"). */
+/* Slots of every layer ($.parallel.forwards_in_flight, at least two under $.parallel.overlap_micro_batches), so that
+ * several micro-batches' forwards can be in flight, and the merged call that runs the forward of one micro-batch and
+ * the backward of another together (docs/executor.md, "Micro-batch overlap"). */
 #ifndef MOERT_CORE_OVERLAP_H
 #define MOERT_CORE_OVERLAP_H
 
+#include "config.h"
 #include "stack.h"
 
-#define MOERT_OVERLAP_SLOTS 2
+/* Slots per layer at most: slot 0 is the rank's stack, each other one a twin ($.parallel.forwards_in_flight). */
+#define MOERT_OVERLAP_MAX_SLOTS MOERT_MAX_FORWARDS_IN_FLIGHT
 
 typedef struct moert_overlap {
     moert_stack *primary; /* slot 0: the rank's stack (borrowed) */
-    moert_stack twin;     /* slot 1: the same plugins again, their instances twins of slot 0's */
-    bool made;
-    moert_stream stream;                /* CUDA: slot 1's compute stream (NULL on the CPU) */
-    moert_event fork_event, join_event; /* CUDA: slot 1's stream forks from and joins slot 0's at every call */
-    bool interleave;                    /* issue the two halves of a merged call stage by stage (CUDA) */
-    /* CUDA: the rank's one communication stream, on which every dispatcher call of both slots is issued in the order
-     * the host issues them (the same on every rank), with each slot's events fencing it with the slot's stream; every
-     * layer of slot s points at comm[s] (moert_layer.comm) */
-    moert_comm_stream comm[MOERT_OVERLAP_SLOTS];
+    /* slots 1 .. slots - 1: the same plugins again, their instances twins of slot 0's */
+    moert_stack twins[MOERT_OVERLAP_MAX_SLOTS - 1];
+    int slots;  /* slots made (1: slot 0 alone) */
+    bool made;  /* slots > 1 */
+    bool merge; /* the micro-batch overlap: merged calls run their halves side by side (CUDA) */
+    /* CUDA: each twin's compute stream (NULL on the CPU), forked from and joined into slot 0's at every call */
+    moert_stream streams[MOERT_OVERLAP_MAX_SLOTS - 1];
+    moert_event fork_events[MOERT_OVERLAP_MAX_SLOTS - 1], join_events[MOERT_OVERLAP_MAX_SLOTS - 1];
+    bool interleave; /* issue the two halves of a merged call stage by stage (CUDA) */
+    /* CUDA, with the overlap: the rank's one communication stream, on which every dispatcher call of every slot is
+     * issued in the order the host issues them (the same on every rank), with each slot's events fencing it with the
+     * slot's stream; every layer of slot s points at comm[s] (moert_layer.comm) */
+    moert_comm_stream comm[MOERT_OVERLAP_MAX_SLOTS];
     struct moert_cuda_pool *pool; /* CUDA: the rank's pool (blocks freed on the streams above are forgotten) */
 } moert_overlap;
 
-/* Makes slot 1 of every layer of `primary` (made from `setup`): one more instance of each plugin per layer, its own
- * core services and, on CUDA, its own compute stream and the communication stream both slots' dispatcher calls run
- * on; parameters and gradients stay slot 0's. Collective. */
-moert_result moert_overlap_init(moert_overlap *o, moert_stack *primary, const moert_stack_setup *setup);
+/* Makes slots 1 .. slots - 1 of every layer of `primary` (made from `setup`): one more instance of each plugin per
+ * layer and slot, its own core services and, on CUDA, its own compute stream; parameters and gradients stay slot 0's.
+ * With `merge` (the micro-batch overlap, slots >= 2) every slot's dispatcher calls run on one communication stream
+ * (CUDA). Collective. */
+moert_result moert_overlap_init(moert_overlap *o, moert_stack *primary, const moert_stack_setup *setup, int slots,
+                                bool merge);
 void moert_overlap_finalize(moert_overlap *o);
 
-/* Layer l of `slot` (0: the primary's). Slot 1's layer takes slot 0's parameters, gradients and the state of their
- * lazy zeroing before it runs. */
+/* Layer l of `slot` (0: the primary's). Another slot's layer takes slot 0's parameters, gradients and the state of
+ * their lazy zeroing before it runs. */
 moert_layer *moert_overlap_layer(moert_overlap *o, int l, int slot);
 
-/* The forward or the backward of layer l on one slot (moert_layer_forward / _backward); on CUDA slot 1's stream forks
- * from slot 0's before and slot 0's joins it after, so the work is ordered as if it ran on slot 0's stream. */
+/* The forward or the backward of layer l on one slot (moert_layer_forward / _backward); on CUDA another slot's stream
+ * forks from slot 0's before and slot 0's joins it after, so the work is ordered as if it ran on slot 0's stream. */
 moert_result moert_overlap_forward(moert_overlap *o, int l, int slot, const moert_tensor *x, moert_tensor *y);
 moert_result moert_overlap_backward(moert_overlap *o, int l, int slot, const moert_tensor *d_y, moert_tensor *d_x,
                                     double loss_scale);
 
-/* After slot 0's precision instances' end_step (the weights changed): slot 1's, on slot 1's stream once slot 0's work
- * so far is done (an FP8 recipe makes its weight copies again there, and its delayed scales are slot 0's). */
+/* After slot 0's precision instances' end_step (the weights changed): every other slot's, on its stream once slot 0's
+ * work so far is done (an FP8 recipe makes its weight copies again there, and its delayed scales are slot 0's). */
 moert_result moert_overlap_precision_end_step(moert_overlap *o);
 
 /* The forward of layer fl on slot fslot and the backward of layer bl on slot bslot (fslot != bslot when fl == bl)

@@ -31,8 +31,9 @@ extern "C" {
  * last forward, trace spans, CUDA graph capture, two forwards in flight per layer with
  * $.parallel.overlap_micro_batches and moert_moe_forward_backward, and in moert.h moert_config_memory_estimate and
  * moert_plugin_description.agreement_rtol. 7: moert_layers_info.slots. 8: the dispatcher calls' own spans in
- * moert_layers_spans (MOERT_LAYERS_MAX_SPANS grew by MOERT_LAYER_DISPATCHER_CALLS). */
-#define MOERT_API_VERSION 8
+ * moert_layers_spans (MOERT_LAYERS_MAX_SPANS grew by MOERT_LAYER_DISPATCHER_CALLS). 9: up to
+ * $.parallel.forwards_in_flight forwards in flight per layer, and a gradient rebound while forwards are in flight. */
+#define MOERT_API_VERSION 9
 MOERT_API int moert_api_version(void);
 
 typedef struct moert_config moert_config;
@@ -155,8 +156,9 @@ typedef struct moert_layers_info {
     /* API version 6: the layers' own compute stream (a cudaStream_t of high priority; NULL on the CPU). Work the
      * caller queues on it is ordered with moert's without the events a call on another stream costs. */
     moert_stream stream;
-    /* API version 7: the forwards each layer can hold in flight: 1, or 2 where $.parallel.overlap_micro_batches made
-     * the second slot (moert_moe_forward_backward then runs its halves beside each other on CUDA). */
+    /* API version 7: the forwards each layer can hold in flight: $.parallel.forwards_in_flight (API version 9), at
+     * least 2 where $.parallel.overlap_micro_batches made the second slot (moert_moe_forward_backward then runs its
+     * halves beside each other on CUDA). */
     int32_t slots;
 } moert_layers_info;
 MOERT_API moert_result moert_layers_get_info(const moert_layers *layers, moert_layers_info *out);
@@ -180,8 +182,10 @@ MOERT_API moert_result moert_layers_param_desc(const moert_layers *layers, int l
                                                moert_tensor *desc);
 /* Binds the caller's value and gradient tensors of one parameter (contiguous, as param_desc says). moert reads value
  * and writes grad in backward; it never frees them. Rebind after the caller reallocates them. Every parameter of a
- * layer must be bound before its first forward, and binding is refused while the layer has a forward in flight: the
- * gradient a backward writes is the one bound before its forward. */
+ * layer must be bound before its first forward. While the layer has a forward in flight only the gradient may be
+ * rebound (value the same tensor; another value is refused): a backward writes the gradient bound when it is called,
+ * so a schedule holding several forwards ($.parallel.forwards_in_flight) may bind each micro-batch's own gradient
+ * before its backward. */
 MOERT_API moert_result moert_layers_bind_param(moert_layers *layers, int layer, moert_param_id which,
                                                const moert_tensor *value, const moert_tensor *grad);
 /* Writes moert's initial values into the bound parameters of every layer (normal, std 1/sqrt(H) for the router and fc1,
@@ -213,10 +217,11 @@ MOERT_API moert_result moert_layers_set_expert_bias(moert_layers *layers, int la
 
 /* One micro-batch's saved activations of one layer, from its forward to its backward. The memory policy decides
  * which of them stay on the device, are recomputed, or are offloaded. The plugin ABI keeps one forward in flight per
- * instance, so one is in flight per layer at a time: forward again only after its backward or moert_saved_free. With
- * $.parallel.overlap_micro_batches "on" (or "auto" where it turns on, see moert_launch.micro_batches) each layer has a
- * second instance of every plugin (a second slot; parameters and gradients are shared), and two may be in flight per
- * layer (API version 6). */
+ * instance, so a layer holds as many as it has slots: one by default (forward again only after its backward or
+ * moert_saved_free). $.parallel.forwards_in_flight N (API version 9; pipeline schedules whose warm-up runs several
+ * forwards of a layer before their backwards) makes N slots per layer, each with its own instance of every plugin
+ * (parameters and gradients are shared); with $.parallel.overlap_micro_batches "on" (or "auto" where it turns on, see
+ * moert_launch.micro_batches) there are at least two (API version 6). Backwards may run in any order. */
 typedef struct moert_saved moert_saved;
 
 /* What one forward produced besides y (host values, valid once moert_moe_forward returned). */
