@@ -103,7 +103,9 @@ static const flag_map flag_table[] = {
     {"--untie-embeddings-and-output-weights", MAP_IGNORE, NULL, NULL, NULL, 0, true, "embeddings"},
     {"--disable-bias-linear", MAP_IGNORE, NULL, NULL, NULL, 0, true, "moert's expert GEMMs have no bias"},
     {"--tensor-model-parallel-size", MAP_IGNORE, NULL, NULL, NULL, 0, false, "attention's parallelism"},
-    {"--pipeline-model-parallel-size", MAP_IGNORE, NULL, NULL, NULL, 0, false, "pipeline parallelism"},
+    {"--pipeline-model-parallel-size", MAP_SPECIAL, NULL, NULL, NULL, 1, false, NULL},
+    {"--virtual-pipeline-model-parallel-size", MAP_SPECIAL, NULL, NULL, NULL, 1, false, NULL},
+    {"--num-layers-per-virtual-pipeline-stage", MAP_SPECIAL, NULL, NULL, NULL, 1, false, NULL},
     {"--context-parallel-size", MAP_IGNORE, NULL, NULL, NULL, 0, false, "attention's parallelism"},
     {"--sequence-parallel", MAP_IGNORE, NULL, NULL, NULL, 0, true, "attention's parallelism"},
     {"--global-batch-size", MAP_IGNORE, NULL, NULL, NULL, 0, false, "the data loader's"},
@@ -125,6 +127,7 @@ typedef struct import_state {
     const char *dispatcher, *flex_backend, *fp8_format, *fp8_recipe, *recompute_modules, *granularity;
     long long seq_length, micro_batch, ffn_hidden, shared_ffn, etp;
     long long deepep_sms, hybridep_sms; /* --moe-deepep-num-sms, --moe-hybridep-num-sms (0: not given) */
+    long long pipeline, virtual_stages; /* --pipeline-model-parallel-size; the interleaved schedule's flags (0: none) */
     bool bf16, deepep, moe_layer_recompute, pad_to_capacity;
     char modules[512]; /* --recompute-modules takes a list: its words, space-separated */
 } import_state;
@@ -225,13 +228,17 @@ static int apply_flag(import_state *st, const flag_map *f, const char *value)
     } else if (!strcmp(flag, "--moe-pad-expert-input-to-capacity")) {
         st->pad_to_capacity = true;
     } else {
-        long long *slot = !strcmp(flag, "--seq-length")                    ? &st->seq_length
-                          : !strcmp(flag, "--micro-batch-size")            ? &st->micro_batch
-                          : !strcmp(flag, "--ffn-hidden-size")             ? &st->ffn_hidden
-                          : !strcmp(flag, "--expert-tensor-parallel-size") ? &st->etp
-                          : !strcmp(flag, "--moe-deepep-num-sms")          ? &st->deepep_sms
-                          : !strcmp(flag, "--moe-hybridep-num-sms")        ? &st->hybridep_sms
-                                                                           : &st->shared_ffn;
+        long long *slot = !strcmp(flag, "--seq-length")                     ? &st->seq_length
+                          : !strcmp(flag, "--micro-batch-size")             ? &st->micro_batch
+                          : !strcmp(flag, "--ffn-hidden-size")              ? &st->ffn_hidden
+                          : !strcmp(flag, "--expert-tensor-parallel-size")  ? &st->etp
+                          : !strcmp(flag, "--moe-deepep-num-sms")           ? &st->deepep_sms
+                          : !strcmp(flag, "--moe-hybridep-num-sms")         ? &st->hybridep_sms
+                          : !strcmp(flag, "--pipeline-model-parallel-size") ? &st->pipeline
+                          : !strcmp(flag, "--virtual-pipeline-model-parallel-size") ||
+                                  !strcmp(flag, "--num-layers-per-virtual-pipeline-stage")
+                              ? &st->virtual_stages
+                              : &st->shared_ffn;
         if (!parse_int(value, f->min, slot)) return fail("%s: \"%s\" is not an integer in range", flag, value);
     }
     return 0;
@@ -307,6 +314,16 @@ static int finish(import_state *st)
      * deepep's default is $.parallel.overlap_comm_sms's, 24) */
     const long long comm_sms = sms > 0 ? sms : !strcmp(plugin, "hybridep") ? 16 : 0;
     if (comm_sms > 0) set_key(st->root, "parallel.overlap_comm_sms", json_integer(comm_sms));
+    /* a pipeline's 1F1B warm-up holds one forward of the first stage's layers per stage, the interleaved schedule
+     * (virtual stages) up to twice that: the slots each layer needs */
+    const long long in_flight = st->pipeline > 1 && st->virtual_stages > 0 ? 2 * st->pipeline : st->pipeline;
+    if (in_flight > 32) { /* $.parallel.forwards_in_flight's bound */
+        char text[160];
+        snprintf(text, sizeof text, "--pipeline-model-parallel-size %lld%s holds %lld forwards of a layer in flight",
+                 st->pipeline, st->virtual_stages > 0 ? " (interleaved)" : "", in_flight);
+        return fail("%s; moert's $.parallel.forwards_in_flight allows up to 32%s", text, "");
+    }
+    if (in_flight > 1) set_key(st->root, "parallel.forwards_in_flight", json_integer(in_flight));
     /* padding to capacity: the router reports every expert at capacity, the dispatcher fills the rows */
     if (st->pad_to_capacity) {
         json_t *factor = json_object_get(router, "capacity_factor");

@@ -83,7 +83,7 @@ bool moert_overlap_enabled(const moert_config *cfg, int device, int64_t ep, int6
 #define MOERT_OVERLAP_COMM_SMS_MAX     1024
 
 /* $.parallel.forwards_in_flight: at most this many slots per layer (overlap.h). */
-#define MOERT_MAX_FORWARDS_IN_FLIGHT 8
+#define MOERT_MAX_FORWARDS_IN_FLIGHT 32
 
 /* $.train.optimizer: Adam keeps two moment buffers per parameter; plain SGD keeps none. */
 typedef enum moert_optimizer { MOERT_OPTIMIZER_ADAM = 0, MOERT_OPTIMIZER_SGD = 1 } moert_optimizer;

@@ -214,6 +214,7 @@ struct moert_saved {
 struct moert_dispatch {
     moert_layers *owner;
     int layer;
+    int slot; /* the layer's slot whose dispatcher instance holds it (as moert_saved.slot) */
     int64_t tokens;
     moert_tensor topk_idx; /* borrowed from prepare's caller */
     moert_dispatch_layout layout;
@@ -245,7 +246,7 @@ struct moert_layers {
     moert_overlap overlap;
     unsigned char *last_slot;     /* [num_layers] the slot of the layer's last forward (tokens per expert) */
     unsigned char *last_bwd_slot; /* [num_layers] the slot of its last backward (figures, spans) */
-    moert_dispatch **dispatch;    /* [num_layers] the dispatch in flight */
+    moert_dispatch **dispatch;    /* [num_layers x MOERT_OVERLAP_MAX_SLOTS] the dispatch in flight of each slot */
 };
 
 /* Where slot `slot` of `layer` keeps its forward in flight. */
@@ -254,11 +255,25 @@ static moert_saved **saved_ref(const moert_layers *m, int layer, int slot)
     return &m->saved[(size_t)layer * MOERT_OVERLAP_MAX_SLOTS + (size_t)slot];
 }
 
+/* Where slot `slot` of `layer` keeps its dispatch in flight (the dispatcher alone). */
+static moert_dispatch **dispatch_ref(const moert_layers *m, int layer, int slot)
+{
+    return &m->dispatch[(size_t)layer * MOERT_OVERLAP_MAX_SLOTS + (size_t)slot];
+}
+
 /* The forwards `layer` holds in flight, over its slots. */
 static int forwards_in_flight(const moert_layers *m, int layer)
 {
     int n = 0;
     for (int slot = 0; slot < MOERT_OVERLAP_MAX_SLOTS; slot++) n += *saved_ref(m, layer, slot) != NULL;
+    return n;
+}
+
+/* The dispatches `layer` holds in flight, over its slots. */
+static int dispatches_in_flight(const moert_layers *m, int layer)
+{
+    int n = 0;
+    for (int slot = 0; slot < MOERT_OVERLAP_MAX_SLOTS; slot++) n += *dispatch_ref(m, layer, slot) != NULL;
     return n;
 }
 
@@ -634,7 +649,7 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
     m->saved = calloc((size_t)nl * MOERT_OVERLAP_MAX_SLOTS, sizeof *m->saved);
     m->last_slot = calloc((size_t)nl, sizeof *m->last_slot);
     m->last_bwd_slot = calloc((size_t)nl, sizeof *m->last_bwd_slot);
-    m->dispatch = calloc((size_t)nl, sizeof *m->dispatch);
+    m->dispatch = calloc((size_t)nl * MOERT_OVERLAP_MAX_SLOTS, sizeof *m->dispatch);
     MOERT_CHECK_ALLOC(m->bound);
     MOERT_CHECK_ALLOC(m->saved);
     MOERT_CHECK_ALLOC(m->last_slot);
@@ -693,7 +708,7 @@ MOERT_API void moert_layers_destroy(moert_layers *m)
     if (!m) return;
     int nl = m->stack.num_layers;
     for (int i = 0; m->saved && i < nl * MOERT_OVERLAP_MAX_SLOTS; i++) free(m->saved[i]);
-    for (int l = 0; m->dispatch && l < nl; l++) free(m->dispatch[l]);
+    for (int i = 0; m->dispatch && i < nl * MOERT_OVERLAP_MAX_SLOTS; i++) free(m->dispatch[i]);
 #ifdef MOERT_HAVE_CUDA
     if (m->stream) moert_cuda_stream_synchronize(m->stream);
 #endif
@@ -807,7 +822,7 @@ MOERT_API moert_result moert_layers_bind_param(moert_layers *m, int layer, moert
     if (rc != MOERT_OK) return rc;
     moert_layer *L = &m->stack.layers[layer];
     /* with forwards in flight only the gradient may change (each backward writes the one bound when it runs) */
-    const bool busy = forwards_in_flight(m, layer) || m->dispatch[layer];
+    const bool busy = forwards_in_flight(m, layer) || dispatches_in_flight(m, layer);
     if (busy && (!value || !m->bound[layer][which] || value->data != L->params[which].value.data))
         return moert_error(MOERT_ERR_INVALID_ARGUMENT,
                            "%s: layer %d has a forward in flight: only the %s gradient can be rebound (with the same "
@@ -973,7 +988,7 @@ static moert_result check_idle(const moert_layers *m, int layer, const char *fn)
                            "%s: layer %d holds the saved activations of a forward: run its "
                            "backward or moert_saved_free first (one micro-batch in flight per layer)",
                            fn, layer);
-    if (m->dispatch[layer])
+    if (dispatches_in_flight(m, layer))
         return moert_error(MOERT_ERR_INVALID_ARGUMENT,
                            "%s: layer %d has a dispatch in flight: moert_dispatch_free it "
                            "first",
@@ -990,22 +1005,22 @@ static moert_result release_after_failure(moert_layer *L, moert_result rc)
     return moert_error(rc, "%s", message);
 }
 
-/* A free slot of `layer` for a forward, other than `avoid` when it can (-1: none); -1 and an error when none. */
+/* A free slot of `layer` for a forward or a dispatch (one holding neither), other than `avoid` when it can (-1: none);
+ * -1 and an error when none. */
 static int free_slot(const moert_layers *m, int layer, int avoid, const char *fn)
 {
     const int slots = m->overlap.slots > 1 ? m->overlap.slots : 1;
     int found = -1;
     for (int s = 0; s < slots; s++)
-        if (!*saved_ref(m, layer, s) && (found < 0 || found == avoid)) found = s;
-    if (found >= 0 && !m->dispatch[layer]) return found;
-    if (m->dispatch[layer])
-        moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layer %d has a dispatch in flight: moert_dispatch_free it first",
-                    fn, layer);
-    else
-        moert_error(MOERT_ERR_INVALID_ARGUMENT,
-                    "%s: layer %d holds the saved activations of %d forward%s: run a backward or moert_saved_free "
-                    "first (%d micro-batch%s in flight per layer; $.parallel.forwards_in_flight allows up to %d)",
-                    fn, layer, slots, slots > 1 ? "s" : "", slots, slots > 1 ? "es" : "", MOERT_OVERLAP_MAX_SLOTS);
+        if (!*saved_ref(m, layer, s) && !*dispatch_ref(m, layer, s) && (found < 0 || found == avoid)) found = s;
+    if (found >= 0) return found;
+    const int dispatches = dispatches_in_flight(m, layer);
+    moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                "%s: layer %d holds %d forward%s and %d dispatch%s in flight: run a backward, moert_saved_free or "
+                "moert_dispatch_free first (%d micro-batch%s in flight per layer; $.parallel.forwards_in_flight "
+                "allows up to %d)",
+                fn, layer, slots - dispatches, slots - dispatches == 1 ? "" : "s", dispatches,
+                dispatches == 1 ? "" : "es", slots, slots > 1 ? "es" : "", MOERT_OVERLAP_MAX_SLOTS);
     return -1;
 }
 
@@ -1322,9 +1337,33 @@ MOERT_API const char *moert_layer_activation_name(int activation)
 /* ---- the dispatcher alone ---- */
 
 /* The dispatch in flight that d names, or an error. */
+/* Whether `d` is a dispatch in flight of its layers, found by address before anything reads it. */
+static bool dispatch_in_flight(const moert_dispatch *d)
+{
+    if (!d || !d->owner) return false;
+    const moert_layers *m = d->owner;
+    for (int i = 0; i < m->stack.num_layers * MOERT_OVERLAP_MAX_SLOTS; i++)
+        if (m->dispatch[i] == d) return true;
+    return false;
+}
+
+/* Around a dispatcher call of d's slot: the layers' stream waits for the caller's, the slot's for the layers' (and
+ * back after the call), so the call is ordered as if on the caller's stream. */
+static moert_result dispatch_enter(const moert_dispatch *d, moert_stream stream)
+{
+    moert_result rc = enter(d->owner, stream);
+    return rc == MOERT_OK ? moert_overlap_fork(&d->owner->overlap, d->slot) : rc;
+}
+
+static moert_result dispatch_leave(const moert_dispatch *d, moert_stream stream)
+{
+    moert_result rc = moert_overlap_join(&d->owner->overlap, d->slot);
+    return rc == MOERT_OK ? leave(d->owner, stream) : rc;
+}
+
 static moert_result check_dispatch(const moert_dispatch *d, const char *fn, bool need_run)
 {
-    if (!d || !d->owner || d->layer < 0 || d->layer >= d->owner->stack.num_layers || d->owner->dispatch[d->layer] != d)
+    if (!dispatch_in_flight(d))
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: not a dispatch in flight (prepared and not freed)", fn);
     if (need_run && !d->ran)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: moert_dispatch_run has not run for this dispatch", fn);
@@ -1340,18 +1379,21 @@ MOERT_API moert_result moert_dispatch_prepare(moert_layers *m, int layer, const 
     if (rc != MOERT_OK) return rc;
     if (!out || !recv_rows) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: out or recv_rows is NULL", fn);
     *out = NULL;
-    moert_layer *L = &m->stack.layers[layer];
-    MOERT_CHECK(check_idle(m, layer, fn));
+    const int slot = free_slot(m, layer, -1, fn);
+    if (slot < 0) return MOERT_ERR_INVALID_ARGUMENT;
+    if ((rc = check_capture_slot(m, slot, fn)) != MOERT_OK) return rc;
+    moert_layer *L = moert_overlap_layer(&m->overlap, layer, slot);
     const int64_t shape[2] = {-m->max_tokens, L->info.topk};
     MOERT_CHECK(check_tensor(fn, "topk_idx", topk_idx, MOERT_I32, m->device, 2, shape));
     d = calloc(1, sizeof *d);
     MOERT_CHECK_ALLOC(d);
-    *d = (moert_dispatch){.owner = m, .layer = layer, .tokens = topk_idx->shape[0], .topk_idx = *topk_idx};
+    *d =
+        (moert_dispatch){.owner = m, .layer = layer, .slot = slot, .tokens = topk_idx->shape[0], .topk_idx = *topk_idx};
     d->layout.struct_size = sizeof d->layout;
-    MOERT_CHECK(enter(m, stream));
-    DISPATCHER_CALL("prepare", DISPATCHER(L)->prepare(L->dispatcher.ctx, m->stream, &d->topk_idx, &d->layout));
-    MOERT_CHECK(leave(m, stream));
-    m->dispatch[layer] = d;
+    MOERT_CHECK(dispatch_enter(d, stream));
+    DISPATCHER_CALL("prepare", DISPATCHER(L)->prepare(L->dispatcher.ctx, L->stream, &d->topk_idx, &d->layout));
+    MOERT_CHECK(dispatch_leave(d, stream));
+    *dispatch_ref(m, layer, slot) = d;
     *out = d;
     *recv_rows = d->layout.capacity;
     return MOERT_OK;
@@ -1398,18 +1440,17 @@ MOERT_API moert_result moert_dispatch_run(moert_dispatch *d, const moert_tensor 
     const char *fn = "moert_dispatch_run";
     moert_result rc = check_dispatch(d, fn, false);
     if (rc != MOERT_OK) return rc;
-    moert_layers *m = d->owner;
-    moert_layer *L = &m->stack.layers[d->layer];
+    moert_layer *L = moert_overlap_layer(&d->owner->overlap, d->layer, d->slot);
     MOERT_CHECK(check_rows(d, fn, "x", x, d->tokens));
     MOERT_CHECK(check_weights(d, fn, "topk_weights", topk_weights, true));
     MOERT_CHECK(check_rows(d, fn, "recv_x", recv_x, d->layout.capacity));
     MOERT_CHECK(check_weights(d, fn, "recv_weights", recv_weights, false));
-    MOERT_CHECK(enter(m, stream));
+    MOERT_CHECK(dispatch_enter(d, stream));
     moert_dispatch_args a = {
         .struct_size = sizeof a, .x = x, .topk_probs = topk_weights, .recv_x = recv_x, .recv_probs = recv_weights};
-    DISPATCHER_CALL("dispatch", DISPATCHER(L)->dispatch(L->dispatcher.ctx, m->stream, &a));
+    DISPATCHER_CALL("dispatch", DISPATCHER(L)->dispatch(L->dispatcher.ctx, L->stream, &a));
     d->ran = true;
-    MOERT_CHECK(leave(m, stream));
+    MOERT_CHECK(dispatch_leave(d, stream));
 fail:
     return rc;
 }
@@ -1421,20 +1462,19 @@ static moert_result combine_pass(moert_dispatch *d, bool backward, const char *i
     const char *fn = backward ? "moert_dispatch_combine_backward" : "moert_dispatch_combine";
     moert_result rc = check_dispatch(d, fn, true);
     if (rc != MOERT_OK) return rc;
-    moert_layers *m = d->owner;
-    moert_layer *L = &m->stack.layers[d->layer];
+    moert_layer *L = moert_overlap_layer(&d->owner->overlap, d->layer, d->slot);
     const int64_t rows = d->layout.capacity, tokens = d->tokens;
     MOERT_CHECK(check_rows(d, fn, in_name, in, backward ? tokens : rows));
     MOERT_CHECK(check_rows(d, fn, out_name, out, backward ? rows : tokens));
-    MOERT_CHECK(enter(m, stream));
+    MOERT_CHECK(dispatch_enter(d, stream));
     if (backward) {
         moert_combine_backward_args a = {.struct_size = sizeof a, .d_y = in, .d_y_expert = out};
-        DISPATCHER_CALL("combine_backward", DISPATCHER(L)->combine_backward(L->dispatcher.ctx, m->stream, &a));
+        DISPATCHER_CALL("combine_backward", DISPATCHER(L)->combine_backward(L->dispatcher.ctx, L->stream, &a));
     } else {
         moert_combine_args a = {.struct_size = sizeof a, .y_expert = in, .y = out};
-        DISPATCHER_CALL("combine", DISPATCHER(L)->combine(L->dispatcher.ctx, m->stream, &a));
+        DISPATCHER_CALL("combine", DISPATCHER(L)->combine(L->dispatcher.ctx, L->stream, &a));
     }
-    MOERT_CHECK(leave(m, stream));
+    MOERT_CHECK(dispatch_leave(d, stream));
 fail:
     return rc;
 }
@@ -1458,21 +1498,20 @@ MOERT_API moert_result moert_dispatch_backward(moert_dispatch *d, const moert_te
     const char *fn = "moert_dispatch_backward";
     moert_result rc = check_dispatch(d, fn, true);
     if (rc != MOERT_OK) return rc;
-    moert_layers *m = d->owner;
-    moert_layer *L = &m->stack.layers[d->layer];
+    moert_layer *L = moert_overlap_layer(&d->owner->overlap, d->layer, d->slot);
     MOERT_CHECK(check_rows(d, fn, "d_recv_x", d_recv_x, d->layout.capacity));
     MOERT_CHECK(check_weights(d, fn, "d_recv_weights", d_recv_weights, false));
     MOERT_CHECK(check_rows(d, fn, "dx", dx, d->tokens));
     MOERT_CHECK(check_weights(d, fn, "d_topk_weights", d_topk_weights, true));
-    MOERT_CHECK(enter(m, stream));
-    MOERT_CHECK(moert_zero(m->stream, dx)); /* the plugin adds the rows into it */
+    MOERT_CHECK(dispatch_enter(d, stream));
+    MOERT_CHECK(moert_zero(L->stream, dx)); /* the plugin adds the rows into it */
     moert_dispatch_backward_args a = {.struct_size = sizeof a,
                                       .d_recv_x = d_recv_x,
                                       .d_recv_probs = d_recv_weights,
                                       .d_x = dx,
                                       .d_topk_probs = d_topk_weights};
-    DISPATCHER_CALL("dispatch_backward", DISPATCHER(L)->dispatch_backward(L->dispatcher.ctx, m->stream, &a));
-    MOERT_CHECK(leave(m, stream));
+    DISPATCHER_CALL("dispatch_backward", DISPATCHER(L)->dispatch_backward(L->dispatcher.ctx, L->stream, &a));
+    MOERT_CHECK(dispatch_leave(d, stream));
 fail:
     return rc;
 }
@@ -1480,9 +1519,7 @@ fail:
 MOERT_API void moert_dispatch_free(moert_dispatch *d)
 {
     if (!d) return;
-    moert_layers *m = d->owner;
-    if (m && d->layer >= 0 && d->layer < m->stack.num_layers && m->dispatch[d->layer] == d)
-        m->dispatch[d->layer] = NULL;
+    if (dispatch_in_flight(d)) *dispatch_ref(d->owner, d->layer, d->slot) = NULL;
     free(d);
 }
 

@@ -57,13 +57,13 @@ void moert_memory_estimate_config(const moert_config *cfg, int world, int device
      * and weights [E, 2H] in double precision */
     out->workspace =
         expert_rows * (3.0 * fl + h) * scratch + layers * (t * (4.0 * e + 2.0 * h) + 2.0 * e * h) * 8.0 + 8192.0;
-    /* $.parallel.overlap_micro_batches: two micro-batches in flight, and every layer's second slot (its own plugin
-     * instances, router state and dispatcher buffers) */
-    if (moert_overlap_enabled(cfg, device, ep, etp, cfg->train.micro_batches)) {
-        out->activations *= 2.0;
-        out->dispatcher *= 2.0;
-        out->workspace *= 2.0;
-    }
+    /* $.parallel.forwards_in_flight (at least two under overlap_micro_batches): as many micro-batches in flight, and
+     * every layer's slots past the first (their own plugin instances, router state and dispatcher buffers) */
+    double slots = (double)cfg->parallel.forwards_in_flight;
+    if (slots < 2.0 && moert_overlap_enabled(cfg, device, ep, etp, cfg->train.micro_batches)) slots = 2.0;
+    out->activations *= slots;
+    out->dispatcher *= slots;
+    out->workspace *= slots;
     out->per_rank =
         out->parameters + out->gradients + out->optimizer + out->activations + out->dispatcher + out->workspace;
     out->ranks_sharing = device == MOERT_DEVICE_CUDA ? 1 : world;

@@ -46,6 +46,7 @@ static moert_result twin_init(moert_overlap *o, int slot, const moert_stack_setu
     moert_result rc = MOERT_OK;
     moert_stack_setup twin = *setup;
     twin.twin_of = o->primary;
+    twin.slot = slot;
     o->slots = slot + 1; /* finalize takes down what this began */
 #ifdef MOERT_HAVE_CUDA
     if (setup->device.type == MOERT_DEVICE_CUDA) {
@@ -185,6 +186,16 @@ static moert_result join_twin(moert_overlap *o, int slot)
         (rc = h->stream_wait_event(h, o->primary->layers[0].stream, o->join_events[slot - 1])) != MOERT_OK)
         return host_error(h, rc, "joining a slot's stream");
     return MOERT_OK;
+}
+
+moert_result moert_overlap_fork(moert_overlap *o, int slot)
+{
+    return slot > 0 && slot < o->slots ? fork_twin(o, slot) : MOERT_OK;
+}
+
+moert_result moert_overlap_join(moert_overlap *o, int slot)
+{
+    return slot > 0 && slot < o->slots ? join_twin(o, slot) : MOERT_OK;
 }
 
 moert_result moert_overlap_precision_end_step(moert_overlap *o)

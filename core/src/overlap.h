@@ -41,6 +41,11 @@ void moert_overlap_finalize(moert_overlap *o);
  * their lazy zeroing before it runs. */
 moert_layer *moert_overlap_layer(moert_overlap *o, int l, int slot);
 
+/* Slot `slot`'s stream waits for slot 0's work so far, and slot 0's for slot `slot`'s (CUDA; nothing for slot 0 or on
+ * the CPU): around a call on one slot's instances made outside moert_overlap_forward / _backward. */
+moert_result moert_overlap_fork(moert_overlap *o, int slot);
+moert_result moert_overlap_join(moert_overlap *o, int slot);
+
 /* The forward or the backward of layer l on one slot (moert_layer_forward / _backward); on CUDA another slot's stream
  * forks from slot 0's before and slot 0's joins it after, so the work is ordered as if it ran on slot 0's stream. */
 moert_result moert_overlap_forward(moert_overlap *o, int l, int slot, const moert_tensor *x, moert_tensor *y);

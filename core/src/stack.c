@@ -177,13 +177,16 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
     char who[256];
 
     memset(s, 0, sizeof *s);
-    s->slot = setup->twin_of ? 1 : 0;
+    s->slot = setup->twin_of ? (setup->slot > 0 ? setup->slot : 1) : 0;
     MOERT_CHECK(expert_groups_init(s, setup));
     s->empty_options = json_object();
     MOERT_CHECK_ALLOC(s->empty_options);
     s->core_section = moert_section_create(s->empty_options, "$");
     MOERT_CHECK_ALLOC(s->core_section);
-    snprintf(who, sizeof who, s->slot ? "core (rank %d, slot 1)" : "core (rank %d)", setup->rank);
+    if (s->slot)
+        snprintf(who, sizeof who, "core (rank %d, slot %d)", setup->rank, s->slot);
+    else
+        snprintf(who, sizeof who, "core (rank %d)", setup->rank);
     moert_host_setup core_setup = {.who = who,
                                    .options = s->core_section,
                                    .comm = setup->comm,
@@ -232,8 +235,10 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
             MOERT_CHECK_ALLOC(sec);
             s->sections[l * MOERT_SLOT_COUNT + k] = sec;
             moert_section_allow(sec, "plugin");
+            char slot_text[24] = "";
+            if (s->slot) snprintf(slot_text, sizeof slot_text, ", slot %d", s->slot);
             snprintf(who, sizeof who, "%s \"%s\" (layer %d, rank %d%s)", moert_kind_name(setup->plugins[k].kind),
-                     setup->plugins[k].header->name, l, setup->rank, s->slot ? ", slot 1" : "");
+                     setup->plugins[k].header->name, l, setup->rank, slot_text);
             moert_host_setup hs = host_setup_of(setup, L, who, sec);
             if (k == MOERT_SLOT_DISPATCHER) { /* the dispatcher works over the expert-parallel group alone */
                 hs.comm = s->group[MOERT_AXIS_EP];

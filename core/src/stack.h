@@ -25,6 +25,7 @@ typedef struct moert_stack_setup {
     /* a second slot of every layer (core/src/overlap.h): the stack whose plugin instances this one's are twins of
      * (moert_layer_info.twin); NULL for the first */
     const struct moert_stack *twin_of;
+    int slot; /* with twin_of: which slot of the layers this stack is (1 ..) */
     /* the layers run with the micro-batch overlap (both slots): MOERT_LAYER_OVERLAPPED in their plugins' layer info */
     bool overlapped;
     /* CUDA ranks under the overlap with $.parallel.overlap_comm_sms > 0: the rank's SM-yield words (moert_comm_stream;
@@ -33,7 +34,7 @@ typedef struct moert_stack_setup {
 } moert_stack_setup;
 
 typedef struct moert_stack {
-    int slot; /* 0, or 1 for a second slot (twin_of) */
+    int slot; /* 0, or the slot a twin (twin_of) is, 1 .. */
     int num_layers;
     json_t *empty_options;
     moert_section *core_section;

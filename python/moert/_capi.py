@@ -58,7 +58,8 @@ class LayersInfo(ctypes.Structure):
                 ("param_dtype", ctypes.c_int), ("device", Device), ("expert_bias_dtype", ctypes.c_int),
                 ("ep_rank", ctypes.c_int32), ("ep_size", ctypes.c_int32), ("etp_rank", ctypes.c_int32),
                 ("etp_size", ctypes.c_int32), ("edp_rank", ctypes.c_int32), ("edp_size", ctypes.c_int32),
-                ("local_ffn_hidden", ctypes.c_int64), ("stream", ctypes.c_void_p)]  # stream: API version 6
+                ("local_ffn_hidden", ctypes.c_int64), ("stream", ctypes.c_void_p),  # stream: API version 6
+                ("slots", ctypes.c_int32)]  # API version 7
 
 
 class MoeStats(ctypes.Structure):

@@ -107,6 +107,27 @@ def _layer_dtype(tc):
     return _MOERT_DTYPE.get(pd, "fp32")
 
 
+def forwards_in_flight(tc):
+    """The forwards each MoE layer holds before their backwards under tc's pipeline schedule: 1F1B's warm-up on the
+    first stage holds one per pipeline stage (pipeline_model_parallel_size), the interleaved schedule
+    (virtual_pipeline_model_parallel_size) up to twice that; moert's $.parallel.forwards_in_flight for it."""
+    pp = int(_get(tc, "pipeline_model_parallel_size", 1) or 1)
+    vpp = int(_get(tc, "virtual_pipeline_model_parallel_size", 1) or 1)
+    n = pp * 2 if pp > 1 and vpp > 1 else pp
+    if n > 32:
+        raise ValueError("moert.megatron: pipeline_model_parallel_size %d%s holds %d forwards of a layer in flight; "
+                         "moert's $.parallel.forwards_in_flight allows up to 32" % (pp, " (interleaved)" if vpp > 1
+                                                                                     else "", n))
+    return n
+
+
+def _set_forwards_in_flight(cfg, tc):
+    """Sets $.parallel.forwards_in_flight in a config dict from tc's pipeline, unless the config sets it."""
+    n = forwards_in_flight(tc)
+    if n > 1:
+        cfg.setdefault("parallel", {}).setdefault("forwards_in_flight", n)
+
+
 def check_supported(tc, whole_layer=False):
     """Refuses (ValueError, naming the option) what the dispatcher backend (or, with whole_layer, moert.torch.MoE in
     place of the MoELayer) cannot do for a Megatron TransformerConfig (or any object with its attribute names)."""
@@ -213,6 +234,7 @@ def moert_config_from_megatron(tc, base=None, seq_length=None):
         cfg.setdefault("parallel", {})["expert_tensor_parallel"] = etp
     if kind == "seq_aux_loss" and seq_length:
         cfg.setdefault("train", {})["seq_length"] = int(seq_length)
+    _set_forwards_in_flight(cfg, tc)
     return cfg
 
 
@@ -370,6 +392,7 @@ class MoertDispatch:
                      dtype=_MOERT_DTYPE[x.dtype])
         model.pop("shared_expert_ffn_hidden", None)
         model.pop("shared_expert_gate", None)
+        _set_forwards_in_flight(data, tc)  # a pipeline's warm-up holds several dispatches of the layer
         cfg = Config(data, self.moert_overrides)
         mx = max(int(self.moert_max_tokens or cfg.get("train.tokens_per_rank", 0) or 0), x.shape[0])
         g = self.moert_ep_group

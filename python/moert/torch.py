@@ -142,15 +142,29 @@ class _Layers:
         self.info = info
         self.dtype = _torch_dtype(info.dtype)
         self.param_dtype = _torch_dtype(info.param_dtype)
-        # one forward (or dispatch) in flight per layer: the object holding it
-        self.in_flight = None
+        # the forwards (or dispatches) in flight, oldest first: as many as the layer has slots
+        # ($.parallel.forwards_in_flight; API version 7 reports them)
+        self.slots = max(1, int(info.slots)) if _capi.lib().moert_api_version() >= 7 else 1
+        self.in_flight = []
 
-    def release_in_flight(self):
-        """Frees what the last forward or dispatch still holds (one is in flight per layer)."""
-        h = self.in_flight() if self.in_flight is not None else None
-        self.in_flight = None
-        if h is not None:
-            h._release(superseded=True)
+    def make_room(self):
+        """Before a forward or dispatch: with every slot holding one, frees the oldest (its backward then raises)."""
+        self.in_flight = [r for r in self.in_flight if r() is not None]
+        while len(self.in_flight) >= self.slots:
+            h = self.in_flight.pop(0)()
+            if h is not None:
+                h._release(superseded=True)
+
+    def hold(self, h):
+        self.in_flight.append(weakref.ref(h))
+
+    def drop(self, h):
+        self.in_flight = [r for r in self.in_flight if r() is not None and r() is not h]
+
+    def superseded_text(self, what):
+        return ("%s before this backward (moert keeps %d micro-batch%s in flight per layer, "
+                "$.parallel.forwards_in_flight: run each forward's backward before more forwards of that layer, or "
+                "raise it to the forwards your schedule holds)" % (what, self.slots, "es" if self.slots > 1 else ""))
 
     def param_desc(self, which, optional=False):
         d = _capi.Tensor()
@@ -188,14 +202,12 @@ class _Saved:
             raise RuntimeError("moert.torch.MoE: the layer was destroyed before this backward")
         if self.superseded:
             raise RuntimeError("moert.torch.MoE: this forward's saved activations were released because the layer "
-                               "ran another forward before this backward (moert keeps one micro-batch in flight "
-                               "per layer: run each forward's backward before the next forward of that layer)")
+                               + self.layers.superseded_text("ran more forwards"))
         if not self.ptr:
             raise RuntimeError("moert.torch.MoE: backward through the same forward twice "
                                "(its saved activations are consumed by the first)")
         p, self.ptr = self.ptr, ctypes.c_void_p()
-        if self.layers.in_flight is not None and self.layers.in_flight() is self:
-            self.layers.in_flight = None
+        self.layers.drop(self)
         return p
 
     def _release(self, superseded=False):
@@ -228,6 +240,11 @@ class _MoEFunction(torch.autograd.Function):
         saved_ptr = ctx.saved.take()
         ctx.saved = None
         grads, ctx.grads = ctx.grads, None
+        try:  # this forward's gradient buffers: with several forwards in flight a later one bound its own since
+            module._bind(grads=grads)
+        except BaseException:
+            _capi.lib().moert_saved_free(saved_ptr)
+            raise
         # moert_moe_backward consumes saved whatever it returns
         dx = module._run_backward(saved_ptr, x, dy, dloss)
         needs = ctx.needs_input_grad
@@ -408,7 +425,7 @@ class MoE(nn.Module):
 
     def _run_forward(self, x, values, saved, grads=None):
         L = self._layers
-        L.release_in_flight()
+        L.make_room()
         self._bind(values, grads)
         y = torch.empty_like(x)
         stats = _capi.MoeStats()
@@ -417,7 +434,7 @@ class MoE(nn.Module):
         _capi.check(_capi.lib().moert_moe_forward(L.ptr, 0, _ref(x), _ref(y), _stream(self.device), sp,
                                                   ctypes.byref(stats)), "moert_moe_forward")
         if saved is not None:
-            L.in_flight = weakref.ref(saved)
+            L.hold(saved)
             tpe = torch.empty(self.num_experts, dtype=torch.int64, device=self.device)  # overwritten by the copy
             _capi.check(_capi.lib().moert_saved_tokens_per_expert(saved.ptr, _ref(tpe), _stream(self.device)),
                         "moert_saved_tokens_per_expert")
@@ -534,23 +551,23 @@ class DispatchHandle:
 
     def get(self):
         if self.superseded:
-            raise RuntimeError("moert.torch.Dispatcher: this dispatch was released because the layer dispatched "
-                               "again before its combine/backward (one dispatch in flight per layer)")
+            raise RuntimeError("moert.torch.Dispatcher: this dispatch was released because the layer "
+                               + self.layers.superseded_text("dispatched again"))
         if not self.ptr:
             raise RuntimeError("moert.torch.Dispatcher: this dispatch is finished (its backward ran, or it was "
                                "combined without autograd)")
         return self.ptr
 
-    def _release(self, superseded=False):
+    def _release(self, superseded=False, finalizing=False):
         if self.ptr and self.layers.ptr and _capi._lib is not None:
             _capi._lib.moert_dispatch_free(self.ptr)
         self.ptr = ctypes.c_void_p()
         self.superseded = self.superseded or superseded
-        if self.layers.in_flight is not None and self.layers.in_flight() is self:
-            self.layers.in_flight = None
+        if not finalizing:  # the layers' list holds weak references: a dead one is skipped anyway
+            self.layers.drop(self)
 
     def __del__(self):
-        self._release()
+        self._release(finalizing=True)
 
 
 class _DispatchFunction(torch.autograd.Function):
@@ -648,13 +665,13 @@ class Dispatcher(nn.Module):
 
     def _prepare(self, idx, T, training):
         L = self._layers
-        L.release_in_flight()
+        L.make_room()
         h = DispatchHandle(self, T)
         h.training = training
         rows = ctypes.c_int64()
         _capi.check(_capi.lib().moert_dispatch_prepare(L.ptr, 0, _ref(idx), _stream(self.device), ctypes.byref(h.ptr),
                                                        ctypes.byref(rows)), "moert_dispatch_prepare")
-        L.in_flight = weakref.ref(h)
+        L.hold(h)
         h.recv_rows = rows.value
         h.idx = idx  # kept alive: moert may read it until the dispatch is freed
         tpe = torch.zeros(self.num_local_experts, dtype=torch.int64, device=self.device)
@@ -821,7 +838,7 @@ class Experts(nn.Module):
 
     def _run_forward(self, x, tpe, probs, weights, saved, grads):
         L = self._layers
-        L.release_in_flight()
+        L.make_room()
         lib = _capi.lib()
         for which, v, g in ((_capi.PARAM_FC1, weights[0], grads[0]), (_capi.PARAM_FC2, weights[1], grads[1])):
             _capi.check(lib.moert_layers_bind_param(L.ptr, 0, which, _ref(v), _ref(g)),
@@ -831,7 +848,7 @@ class Experts(nn.Module):
         _capi.check(lib.moert_experts_forward(L.ptr, 0, _ref(x), _ref(tpe), _ref(probs) if probs is not None else None,
                                               _ref(y), _stream(self.device), sp), "moert_experts_forward")
         if saved is not None:
-            L.in_flight = weakref.ref(saved)
+            L.hold(saved)
         return y
 
     def _run_backward(self, saved_ptr, x, dy, want_dprobs):

@@ -121,6 +121,31 @@ class DispatcherOneRank(Case):
                 y = disp.combine(run_experts(rx, rw, tpe, 0, 8), h)
             self.close(y, combined_reference(x, idx, w, 8), 1e-13, "no-grad combine")
 
+    def test_pipeline_order(self):
+        """$.parallel.forwards_in_flight 3: three dispatches in flight, their backwards in the order they come, give
+        each the combine and gradients of the reference; a fourth releases the oldest, whose backward then raises."""
+        cfg = config(dtype="fp64", tokens=40)
+        disp = moert.torch.Dispatcher(cfg, overrides={"parallel.forwards_in_flight": 3})
+        runs = []
+        for i in range(4):
+            x = torch.randn(40, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(60 + i))
+            idx, w = routing(40, 8, 2, 70 + i)
+            xr, wr = x.clone().requires_grad_(), w.to(disp.param_dtype).clone().requires_grad_()
+            rx, rw, tpe, h = disp.dispatch(xr, idx, wr)
+            y = disp.combine(run_experts(rx, rw, tpe, 0, 8), h)
+            runs.append((x, idx, w, xr, wr, y))
+        with self.assertRaises(RuntimeError) as cm:  # the fourth dispatch released the first
+            runs[0][5].sum().backward()
+        self.assertIn("3 micro-batches in flight per layer", str(cm.exception))
+        for x, idx, w, xr, wr, y in reversed(runs[1:]):
+            y.sum().backward()
+            xw, ww = x.clone().requires_grad_(), w.to(disp.param_dtype).clone().requires_grad_()
+            yw = combined_reference(xw, idx, ww, 8)
+            yw.sum().backward()
+            self.close(y, yw, 1e-13, "combine")
+            self.close(xr.grad, xw.grad, 1e-13, "dx")
+            self.close(wr.grad, ww.grad, 1e-13, "d topk_weights")
+
     def test_bad_input(self):
         cfg = config(dtype="fp32", tokens=40)
         disp = moert.torch.Dispatcher(cfg)

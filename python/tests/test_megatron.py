@@ -166,6 +166,24 @@ class ConfigMapping(Case):
         self.assertEqual((r["load_balancing"], r["aux_loss_coeff"]), ("aux_loss", 0.02))
         self.assertEqual(mm.moert_config_from_megatron(tc2)["model"]["dtype"], "fp32")
 
+    def test_pipeline_forwards_in_flight(self):
+        ok = dict(hidden_size=8, ffn_hidden_size=8, num_moe_experts=4, gated_linear_unit=True,
+                  activation_func=F.silu, add_bias_linear=False)
+        self.assertNotIn("parallel", mm.moert_config_from_megatron(megatron_config(**ok)))
+        # 1F1B's first stage holds one forward per pipeline stage, the interleaved schedule up to twice that
+        tc = megatron_config(pipeline_model_parallel_size=4, **ok)
+        self.assertEqual(mm.moert_config_from_megatron(tc)["parallel"], {"forwards_in_flight": 4})
+        tc.virtual_pipeline_model_parallel_size = 2
+        self.assertEqual(mm.forwards_in_flight(tc), 8)
+        # the config's own value stays
+        base = {"parallel": {"forwards_in_flight": 2}}
+        self.assertEqual(mm.moert_config_from_megatron(tc, base=base)["parallel"]["forwards_in_flight"], 2)
+        tc.pipeline_model_parallel_size = 17
+        with self.assertRaises(ValueError) as cm:
+            mm.moert_config_from_megatron(tc)
+        self.assertIn("forwards_in_flight allows up to 32", str(cm.exception))
+        moert.Config(mm.moert_config_from_megatron(megatron_config(pipeline_model_parallel_size=4, **ok)))
+
     def test_refusals(self):
         ok = dict(hidden_size=8, ffn_hidden_size=8, num_moe_experts=4, gated_linear_unit=True,
                   activation_func=F.silu, add_bias_linear=False)

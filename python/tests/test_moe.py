@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """moert.torch.MoE at one rank against the pure-PyTorch reference (moert.reference), fp32 and fp64: outputs,
 router losses, gradients (x, router weight, fc1, fc2, through the router loss too), the expert bias, the state_dict,
-bad input and the one-forward-in-flight rule."""
+bad input, the forwards in flight (one by default, a pipeline stage's several with $.parallel.forwards_in_flight)."""
 import unittest
 
 import torch
@@ -253,7 +253,45 @@ class BadInput(Case):
         y2.sum().backward()
         with self.assertRaises(RuntimeError) as cm:
             y1.sum().backward()
-        self.assertIn("one micro-batch in flight", str(cm.exception))
+        self.assertIn("1 micro-batch in flight per layer, $.parallel.forwards_in_flight", str(cm.exception))
+
+    def test_pipeline_order(self):
+        """$.parallel.forwards_in_flight 3: a pipeline stage's order (three forwards, then backwards and one more
+        forward interleaved) gives the outputs, input gradients and accumulated gradients of one forward and backward
+        after the other, bit for bit; a fourth forward in flight releases the oldest, whose backward then raises."""
+        cfg = config(dtype="fp64")
+        seq = moert.torch.MoE(cfg)
+        pipe = moert.torch.MoE(cfg, overrides={"parallel.forwards_in_flight": 3})
+        load_weights(pipe, (seq.router_weight.detach(), seq.fc1.detach(), seq.fc2.detach()))
+        self.assertEqual(pipe._layers.slots, 3)
+        data = [inputs(cfg, 20 + 3 * i, seed=40 + i) for i in range(4)]
+
+        def forward(m, i):
+            x = data[i][0].clone().requires_grad_()
+            y, rl = m(x)
+            return x, y, ((y * data[i][1]).sum() + 0.5 * rl)
+
+        def backward(run):
+            run[2].backward()
+            return run[1].detach(), run[0].grad
+
+        want = [backward(forward(seq, i)) for i in range(4)]
+        runs = [forward(pipe, i) for i in range(3)]
+        got = [backward(runs[0])]
+        runs.append(forward(pipe, 3))
+        got += [backward(runs[i]) for i in range(1, 4)]
+        for i in range(4):
+            self.assertTrue(torch.equal(got[i][0], want[i][0]), "y of micro-batch %d" % i)
+            self.assertTrue(torch.equal(got[i][1], want[i][1]), "dx of micro-batch %d" % i)
+        for n in ("router_weight", "fc1", "fc2"):
+            self.assertTrue(torch.equal(getattr(pipe, n).grad, getattr(seq, n).grad), "accumulated grad " + n)
+        # a fourth forward while three are in flight: the oldest is released
+        runs = [forward(pipe, i) for i in range(4)]
+        for i in (3, 2, 1):
+            runs[i][2].backward()
+        with self.assertRaises(RuntimeError) as cm:
+            runs[0][2].backward()
+        self.assertIn("3 micro-batches in flight per layer", str(cm.exception))
 
 
 class Configs(Case):

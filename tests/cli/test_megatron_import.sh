@@ -100,6 +100,18 @@ python3 -c 'import json, sys; p = json.load(open(sys.argv[1]))["parallel"]; asse
     "$tmp/sms-hybridep-default.json" || fail "hybridep's default SMs not left to it under the overlap"
 expect_refused deepep_sms_zero "--moe-deepep-num-sms: \"0\" is not an integer in range" "${base[@]}" \
     --moe-deepep-num-sms 0
+# pipeline parallelism: the forwards a layer holds in flight (one per stage, twice that interleaved), bounded
+"$moert" config --from-megatron "${base[@]}" --pipeline-model-parallel-size 4 >"$tmp/pp.json" 2>&1 ||
+    fail "pipeline import: $(cat "$tmp/pp.json")"
+"$moert" config --from-megatron "${base[@]}" --pipeline-model-parallel-size 4 \
+    --num-layers-per-virtual-pipeline-stage 2 >"$tmp/vpp.json" 2>&1 || fail "interleaved import: $(cat "$tmp/vpp.json")"
+python3 - "$tmp/pp.json" "$tmp/vpp.json" <<'PY' || fail "pipeline mapping"
+import json, sys
+pp, vpp = (json.load(open(p))["parallel"]["forwards_in_flight"] for p in sys.argv[1:3])
+assert (pp, vpp) == (4, 8), (pp, vpp)
+PY
+expect_refused pipeline_too_deep "holds 40 forwards of a layer in flight; moert's \$.parallel.forwards_in_flight allows up to 32" \
+    "${base[@]}" --pipeline-model-parallel-size 20 --virtual-pipeline-model-parallel-size 2
 # the router's Megatron options: jitter, fp64 compute, forced balancing, capacity with padding
 "$moert" config --from-megatron "${base[@]}" --moe-input-jitter-eps 0.01 --moe-router-dtype fp64 \
     --moe-router-force-load-balancing --moe-expert-capacity-factor 1.5 --moe-token-drop-policy position \

@@ -3,7 +3,9 @@
  * - ranks as threads, one GPU each, at EP1, EP2 and EP4 (as many as answer), on a stream the caller made;
  * - a process per GPU with a caller-distributed NCCL id (moert_nccl_unique_id in the parent, passed as hex on the
  *   command line; no port, no environment variable);
- * outputs, input gradients, expert gradients and the router gradient summed over ranks within fp32 tolerances.
+ * outputs, input gradients, expert gradients and the router gradient summed over ranks within fp32 tolerances;
+ * again with $.parallel.forwards_in_flight 3, the checked micro-batch on slot 2 (its own stream and plugin instances)
+ * while two others' forwards are held and their backwards write other gradient buffers.
  * With micro-batch overlap on one GPU, a forward that needs the second slot while capturing a CUDA graph is refused.
  * Also times one deepseek-v3-shaped layer's forward+backward through the API (--bench, one GPU).
  *   usage: test_gpu_layers_api                 (the checks; exits 77 without a GPU)
@@ -33,6 +35,12 @@ static const char *config_json =
     "{\"model\": {\"hidden\": 64, \"ffn_hidden\": 96, \"num_experts\": 8, \"topk\": 2, \"num_layers\": 2,"
     " \"dtype\": \"fp32\"}, \"parallel\": {\"ranks\": 1}, \"train\": {\"tokens_per_rank\": 512},"
     " \"router\": {\"score_function\": \"sigmoid\", \"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.01}}";
+/* the first with three forwards in flight per layer ($.parallel.forwards_in_flight) */
+static const char *pipeline_json =
+    "{\"model\": {\"hidden\": 64, \"ffn_hidden\": 96, \"num_experts\": 8, \"topk\": 2, \"num_layers\": 2,"
+    " \"dtype\": \"fp32\"}, \"parallel\": {\"ranks\": 1, \"forwards_in_flight\": 3},"
+    " \"train\": {\"tokens_per_rank\": 512},"
+    " \"router\": {\"score_function\": \"sigmoid\", \"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.01}}";
 /* the same with a gated shared expert */
 static const char *shared_json =
     "{\"model\": {\"hidden\": 64, \"ffn_hidden\": 96, \"num_experts\": 8, \"topk\": 2, \"num_layers\": 2,"
@@ -59,6 +67,9 @@ typedef struct rank_job {
     moert_comm *comm;
     const moert_config *cfg;
     const float *x, *r; /* global [TOTAL,H] */
+    /* two more micro-batches' forwards of both layers held on slots 0 and 1 while the checked one runs on slot 2,
+     * their backwards (into other gradient buffers) between its forward and its backward */
+    bool pipeline;
     rank_out out;
     moert_result rc;
     char error[2048];
@@ -111,6 +122,7 @@ static void *rank_main(void *arg)
     rank_job *j = arg;
     moert_layers *m = NULL, *m2 = NULL;
     void *value[2][MOERT_PARAM_COUNT] = {{0}}, *grad[2][MOERT_PARAM_COUNT] = {{0}};
+    void *other_grad[2][MOERT_PARAM_COUNT] = {{0}}, *hx = NULL, *hy = NULL, *hd = NULL; /* j->pipeline's */
     int64_t t = TOTAL / j->world, first = t * j->rank;
     size_t act = (size_t)(t * H) * sizeof(float);
     moert_stream stream = NULL;
@@ -141,10 +153,41 @@ static void *rank_main(void *arg)
     FAIL_RC(moert_layers_init_params(m, 7, stream));
     moert_tensor tx = moert_tensor_2d(x, j->device, MOERT_F32, t, H), th = tx, ty = tx, tr = tx, tdh = tx, tdx = tx;
     th.data = h, ty.data = y, tr.data = r, tdh.data = dh, tdx.data = dx;
-    moert_saved *s0 = NULL, *s1 = NULL;
+    moert_saved *s0 = NULL, *s1 = NULL, *held[2][2] = {{NULL}};
     moert_backward_options o = {.struct_size = sizeof o, .router_loss_scale = 0.0, .accumulate = false};
+    if (j->pipeline) hx = buffer(j->device, act), hy = buffer(j->device, act), hd = buffer(j->device, act);
+    moert_tensor thx = tx, thy = tx, thd = tx;
+    thx.data = hx, thy.data = hy, thd.data = hd;
+    for (int i = 0; j->pipeline && i < 2; i++) { /* held on slots 0 and 1, r as input; their results are not checked */
+        FAIL_RC(moert_moe_forward(m, 0, &tr, &thx, stream, &held[i][0], NULL));
+        FAIL_RC(moert_moe_forward(m, 1, &thx, &thy, stream, &held[i][1], NULL));
+    }
     FAIL_RC(moert_moe_forward(m, 0, &tx, &th, stream, &s0, NULL));
     FAIL_RC(moert_moe_forward(m, 1, &th, &ty, stream, &s1, NULL));
+    if (j->pipeline) { /* the held ones' backwards write other gradient buffers (the gradients alone rebound) */
+        for (int l = 0; l < 2; l++)
+            for (int w = 0; w < MOERT_PARAM_COUNT; w++) {
+                moert_tensor v, g;
+                if (moert_layers_param_desc(m, l, (moert_param_id)w, &v) != MOERT_OK) continue;
+                g = v;
+                v.data = value[l][w];
+                g.data = other_grad[l][w] = buffer(j->device, moert_tensor_bytes(&v));
+                FAIL_RC(moert_layers_bind_param(m, l, (moert_param_id)w, &v, &g));
+            }
+        for (int i = 0; i < 2; i++) {
+            FAIL_RC(moert_moe_backward(m, held[i][1], &tr, &thd, &o, stream));
+            FAIL_RC(moert_moe_backward(m, held[i][0], &thd, &thx, &o, stream));
+        }
+        for (int l = 0; l < 2; l++)
+            for (int w = 0; w < MOERT_PARAM_COUNT; w++) {
+                moert_tensor v, g;
+                if (moert_layers_param_desc(m, l, (moert_param_id)w, &v) != MOERT_OK) continue;
+                g = v;
+                v.data = value[l][w];
+                g.data = grad[l][w];
+                FAIL_RC(moert_layers_bind_param(m, l, (moert_param_id)w, &v, &g));
+            }
+    }
     FAIL_RC(moert_moe_backward(m, s1, &tr, &tdh, &o, stream));
     FAIL_RC(moert_moe_backward(m, s0, &tdh, &tdx, &o, stream));
     /* a second moert_layers of this rank on the same communicator shares its NCCL communicator */
@@ -180,8 +223,15 @@ static void *rank_main(void *arg)
             to_host(j->device, j->out.grad[l][w], grad[l][w], bytes);
         }
 done:
+    if (stream) CK(cudaStreamSynchronize((cudaStream_t)stream));
     moert_layers_destroy(m2);
     moert_layers_destroy(m);
+    for (int l = 0; l < 2; l++)
+        for (int w = 0; w < MOERT_PARAM_COUNT; w++)
+            if (other_grad[l][w]) release(j->device, other_grad[l][w]);
+    void *held_bufs[3] = {hx, hy, hd};
+    for (int i = 0; i < 3; i++)
+        if (held_bufs[i]) release(j->device, held_bufs[i]);
     for (int l = 0; l < 2; l++)
         for (int w = 0; w < MOERT_PARAM_COUNT; w++) {
             if (value[l][w]) release(j->device, value[l][w]);
@@ -195,7 +245,7 @@ done:
 
 /* Runs the stack over `world` ranks as threads on `type` devices; jobs gets each rank's results. */
 static int run_threads(int world, moert_device_type type, const moert_config *cfg, const float *x, const float *r,
-                       rank_job *jobs)
+                       bool pipeline, rank_job *jobs)
 {
     moert_comm *comm = NULL;
     if (world > 1 && moert_comm_create_threads(world, 60.0, &comm) != MOERT_OK) {
@@ -210,7 +260,8 @@ static int run_threads(int world, moert_device_type type, const moert_config *cf
                              .comm = comm,
                              .cfg = cfg,
                              .x = x,
-                             .r = r};
+                             .r = r,
+                             .pipeline = pipeline};
         pthread_create(&th[i], NULL, rank_main, &jobs[i]);
     }
     for (int i = 0; i < world; i++) pthread_join(th[i], NULL);
@@ -274,7 +325,7 @@ static int process_rank(int rank, int world, const char *hex)
     static float x[TOTAL * H], r[TOTAL * H];
     make_inputs(x, r);
     rank_job ref;
-    if (run_threads(1, MOERT_DEVICE_CPU, cfg, x, r, &ref)) return 1;
+    if (run_threads(1, MOERT_DEVICE_CPU, cfg, x, r, false, &ref)) return 1;
     moert_comm *comm = NULL;
     if (moert_comm_create_nccl(id, world, 60.0, &comm) != MOERT_OK) {
         fprintf(stderr, "rank %d: %s\n", rank, moert_last_error());
@@ -506,20 +557,24 @@ int main(int argc, char **argv)
     moert_config *cfg = NULL;
     static float x[TOTAL * H], r[TOTAL * H];
     make_inputs(x, r);
-    for (int c = 0; c < 2; c++) {
+    static const char *const variants[3] = {"", ", gated shared expert", ", on slot 2 of 3 forwards in flight"};
+    for (int c = 0; c < 3; c++) {
         moert_config *cc = NULL;
-        EXPECT_OK(moert_config_load_string(c == 0 ? config_json : shared_json, "gpu-layers-api", &cc));
+        EXPECT_OK(moert_config_load_string(c == 0   ? config_json
+                                           : c == 1 ? shared_json
+                                                    : pipeline_json,
+                                           "gpu-layers-api", &cc));
         if (!cc) continue;
         rank_job ref, jobs[4];
-        EXPECT(run_threads(1, MOERT_DEVICE_CPU, cc, x, r, &ref) == 0);
+        EXPECT(run_threads(1, MOERT_DEVICE_CPU, cc, x, r, false, &ref) == 0);
         for (int world = 1; world <= 4 && world <= gpus; world *= 2) {
-            if (run_threads(world, MOERT_DEVICE_CUDA, cc, x, r, jobs)) {
+            if (run_threads(world, MOERT_DEVICE_CUDA, cc, x, r, c == 2, jobs)) {
                 test_failures++;
                 continue;
             }
             double worst = compare(&ref, jobs, world);
             printf("threads, %d GPU%s%s: worst relative difference from the CPU %.2e\n", world, world > 1 ? "s" : "",
-                   c ? ", gated shared expert" : "", worst);
+                   variants[c], worst);
             EXPECT(worst < 2e-4);
         }
         moert_config_free(cc);

@@ -99,7 +99,7 @@ static void check_refusals(state *s)
     moert_saved *extra = NULL;
     moert_tensor a = t2(s->act[3][0]), b = t2(s->act[3][1]);
     EXPECT(moert_moe_forward(s->m, 0, &a, &b, NULL, &extra, NULL) == MOERT_ERR_INVALID_ARGUMENT);
-    EXPECT_ERROR_CONTAINS("3 micro-batches in flight per layer; $.parallel.forwards_in_flight allows up to 8");
+    EXPECT_ERROR_CONTAINS("3 micro-batches in flight per layer; $.parallel.forwards_in_flight allows up to 32");
     EXPECT(extra == NULL);
     moert_tensor desc;
     EXPECT_OK(moert_layers_param_desc(s->m, 0, MOERT_PARAM_FC1, &desc));

@@ -179,7 +179,7 @@ static void test_gradients(void)
     EXPECT_OK(moert_moe_forward(m, 0, &tx, &ty0, NULL, &s0, NULL));
     moert_saved *again = NULL;
     EXPECT(moert_moe_forward(m, 0, &tx, &ty0, NULL, &again, NULL) == MOERT_ERR_INVALID_ARGUMENT);
-    EXPECT_ERROR_CONTAINS("1 micro-batch in flight per layer; $.parallel.forwards_in_flight allows up to 8");
+    EXPECT_ERROR_CONTAINS("1 micro-batch in flight per layer; $.parallel.forwards_in_flight allows up to 32");
     moert_saved_free(s0);
     EXPECT_OK(moert_moe_forward(m, 0, &tx, &ty0, NULL, NULL, NULL));
     EXPECT(moert_moe_backward(m, s1, &tr, &td1, NULL, NULL) == MOERT_ERR_INVALID_ARGUMENT);

@@ -135,7 +135,7 @@ static moert_result one_run(rank_job *job, int merged)
         moert_saved *refused = NULL;
         EXPECT(moert_moe_forward(m, 0, &a2, &b2, NULL, &refused, NULL) == MOERT_ERR_INVALID_ARGUMENT);
         EXPECT(strstr(moert_last_error(),
-                      "2 micro-batches in flight per layer; $.parallel.forwards_in_flight allows up to 8") != NULL);
+                      "2 micro-batches in flight per layer; $.parallel.forwards_in_flight allows up to 32") != NULL);
         moert_saved_free(extra);
         for (int i = 1; i < MICRO; i++)
             for (int k = 0; k < LAYERS; k++) {
