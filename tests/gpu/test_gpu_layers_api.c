@@ -116,6 +116,22 @@ static void from_host(moert_device d, void *dst, const void *src, size_t bytes)
         }                                                                                                              \
     } while (0)
 
+/* Binds every parameter both layers have to value[l][w] and its gradient to grad[l][w]. */
+static moert_result bind_all(moert_layers *m, void *value[2][MOERT_PARAM_COUNT], void *grad[2][MOERT_PARAM_COUNT])
+{
+    for (int l = 0; l < 2; l++)
+        for (int w = 0; w < MOERT_PARAM_COUNT; w++) {
+            moert_tensor v, g;
+            if (moert_layers_param_desc(m, l, (moert_param_id)w, &v) != MOERT_OK) continue;
+            g = v;
+            v.data = value[l][w];
+            g.data = grad[l][w];
+            moert_result rc = moert_layers_bind_param(m, l, (moert_param_id)w, &v, &g);
+            if (rc != MOERT_OK) return rc;
+        }
+    return MOERT_OK;
+}
+
 /* One rank: bind device parameters, init, forward two layers, backward, bring the results to the host. */
 static void *rank_main(void *arg)
 {
@@ -166,41 +182,20 @@ static void *rank_main(void *arg)
     FAIL_RC(moert_moe_forward(m, 1, &th, &ty, stream, &s1, NULL));
     if (j->pipeline) { /* the held ones' backwards write other gradient buffers (the gradients alone rebound) */
         for (int l = 0; l < 2; l++)
-            for (int w = 0; w < MOERT_PARAM_COUNT; w++) {
-                moert_tensor v, g;
-                if (moert_layers_param_desc(m, l, (moert_param_id)w, &v) != MOERT_OK) continue;
-                g = v;
-                v.data = value[l][w];
-                g.data = other_grad[l][w] = buffer(j->device, moert_tensor_bytes(&v));
-                FAIL_RC(moert_layers_bind_param(m, l, (moert_param_id)w, &v, &g));
-            }
+            for (int w = 0; w < MOERT_PARAM_COUNT; w++)
+                if (grad[l][w]) other_grad[l][w] = buffer(j->device, (size_t)j->out.numel[w] * sizeof(float));
+        FAIL_RC(bind_all(m, value, other_grad));
         for (int i = 0; i < 2; i++) {
             FAIL_RC(moert_moe_backward(m, held[i][1], &tr, &thd, &o, stream));
             FAIL_RC(moert_moe_backward(m, held[i][0], &thd, &thx, &o, stream));
         }
-        for (int l = 0; l < 2; l++)
-            for (int w = 0; w < MOERT_PARAM_COUNT; w++) {
-                moert_tensor v, g;
-                if (moert_layers_param_desc(m, l, (moert_param_id)w, &v) != MOERT_OK) continue;
-                g = v;
-                v.data = value[l][w];
-                g.data = grad[l][w];
-                FAIL_RC(moert_layers_bind_param(m, l, (moert_param_id)w, &v, &g));
-            }
+        FAIL_RC(bind_all(m, value, grad));
     }
     FAIL_RC(moert_moe_backward(m, s1, &tr, &tdh, &o, stream));
     FAIL_RC(moert_moe_backward(m, s0, &tdh, &tdx, &o, stream));
     /* a second moert_layers of this rank on the same communicator shares its NCCL communicator */
     FAIL_RC(moert_layers_create(j->cfg, &launch, &m2));
-    for (int l = 0; l < 2; l++)
-        for (int w = 0; w < MOERT_PARAM_COUNT; w++) {
-            moert_tensor v, g;
-            if (moert_layers_param_desc(m2, l, (moert_param_id)w, &v) != MOERT_OK) continue;
-            g = v;
-            v.data = value[l][w];
-            g.data = grad[l][w];
-            FAIL_RC(moert_layers_bind_param(m2, l, (moert_param_id)w, &v, &g));
-        }
+    FAIL_RC(bind_all(m2, value, grad));
     void *h2 = buffer(j->device, act);
     moert_tensor th2 = tx;
     th2.data = h2;
