@@ -980,22 +980,6 @@ fail:
 
 /* ---- forward and backward ---- */
 
-/* No forward or dispatch of `layer` in flight, or an error saying which. */
-static moert_result check_idle(const moert_layers *m, int layer, const char *fn)
-{
-    if (forwards_in_flight(m, layer))
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT,
-                           "%s: layer %d holds the saved activations of a forward: run its "
-                           "backward or moert_saved_free first (one micro-batch in flight per layer)",
-                           fn, layer);
-    if (dispatches_in_flight(m, layer))
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT,
-                           "%s: layer %d has a dispatch in flight: moert_dispatch_free it "
-                           "first",
-                           fn, layer);
-    return MOERT_OK;
-}
-
 /* Drops what a failed forward or backward left saved, keeping the failure's message; returns rc. */
 static moert_result release_after_failure(moert_layer *L, moert_result rc)
 {
@@ -1562,9 +1546,11 @@ MOERT_API moert_result moert_experts_forward(moert_layers *m, int layer, const m
     moert_result rc = check_layer(m, layer, fn);
     if (rc != MOERT_OK) return rc;
     if (saved) *saved = NULL;
-    moert_layer *L = &m->stack.layers[layer];
     if ((rc = check_experts_bound(m, layer, fn)) != MOERT_OK) return rc;
-    if ((rc = check_idle(m, layer, fn)) != MOERT_OK) return rc;
+    const int slot = free_slot(m, layer, -1, fn);
+    if (slot < 0) return MOERT_ERR_INVALID_ARGUMENT;
+    if ((rc = check_capture_slot(m, slot, fn)) != MOERT_OK) return rc;
+    moert_layer *L = moert_overlap_layer(&m->overlap, layer, slot);
     if (L->etp_size > 1)
         return moert_error(MOERT_ERR_UNSUPPORTED,
                            "%s: the experts alone with expert tensor parallelism (ETP %d) are "
@@ -1589,18 +1575,20 @@ MOERT_API moert_result moert_experts_forward(moert_layers *m, int layer, const m
     if (saved) {
         token = calloc(1, sizeof *token);
         if (!token) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
-        *token = (moert_saved){.owner = m, .layer = layer, .tokens = rows, .experts = true};
+        *token = (moert_saved){.owner = m, .layer = layer, .slot = slot, .tokens = rows, .experts = true};
     }
     MOERT_CHECK(enter(m, stream));
+    MOERT_CHECK(moert_overlap_fork(&m->overlap, slot));
     rc = moert_layer_experts_forward(L, x_rows, tokens_per_expert, probs, y_rows);
     if (rc != MOERT_OK) {
         rc = prefixed_error(fn, rc);
         goto fail;
     }
     if (!saved) MOERT_CHECK(moert_layer_release_saved(L));
+    MOERT_CHECK(moert_overlap_join(&m->overlap, slot));
     MOERT_CHECK(leave(m, stream));
     if (saved) {
-        *saved_ref(m, layer, 0) = token;
+        *saved_ref(m, layer, slot) = token;
         *saved = token;
     }
     return MOERT_OK;
@@ -1624,8 +1612,8 @@ MOERT_API moert_result moert_experts_backward(moert_layers *m, moert_saved *save
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: opts->struct_size %u, expected %zu", fn, opts->struct_size,
                            sizeof *opts);
     bool accumulate = opts ? opts->accumulate : true;
-    int layer = saved->layer;
-    moert_layer *L = &m->stack.layers[layer];
+    const int layer = saved->layer, slot = saved->slot;
+    moert_layer *L = moert_overlap_layer(&m->overlap, layer, slot);
     const int64_t rows = saved->tokens, h = L->info.hidden;
     if ((rc = check_rows_tensor(fn, "dy_rows", dy_rows, L->info.dtype, m->device, 2, rows, h)) != MOERT_OK) return rc;
     if ((rc = check_rows_tensor(fn, "dx_rows", dx_rows, L->info.dtype, m->device, 2, rows, h)) != MOERT_OK) return rc;
@@ -1634,14 +1622,17 @@ MOERT_API moert_result moert_experts_backward(moert_layers *m, moert_saved *save
     if (d_probs && (rc = check_rows_tensor(fn, "d_probs", d_probs, L->param_dtype, m->device, 1, rows, 0)) != MOERT_OK)
         return rc;
     /* the activations go with this call, whatever its outcome */
-    *saved_ref(m, layer, 0) = NULL;
+    *saved_ref(m, layer, slot) = NULL;
     free(saved);
     MOERT_CHECK(enter(m, stream));
+    MOERT_CHECK(moert_overlap_fork(&m->overlap, slot));
     rc = moert_layer_experts_backward(L, dy_rows, dx_rows, d_probs, !accumulate);
+    moert_overlap_sync_back(&m->overlap, layer, slot);
     if (rc != MOERT_OK) {
         rc = prefixed_error(fn, rc);
         goto fail;
     }
+    MOERT_CHECK(moert_overlap_join(&m->overlap, slot));
     MOERT_CHECK(leave(m, stream));
     return MOERT_OK;
 fail:

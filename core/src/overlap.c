@@ -188,6 +188,8 @@ static moert_result join_twin(moert_overlap *o, int slot)
     return MOERT_OK;
 }
 
+void moert_overlap_sync_back(moert_overlap *o, int l, int slot) { sync_back(o, l, slot); }
+
 moert_result moert_overlap_fork(moert_overlap *o, int slot)
 {
     return slot > 0 && slot < o->slots ? fork_twin(o, slot) : MOERT_OK;

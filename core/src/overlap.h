@@ -45,6 +45,8 @@ moert_layer *moert_overlap_layer(moert_overlap *o, int l, int slot);
  * the CPU): around a call on one slot's instances made outside moert_overlap_forward / _backward. */
 moert_result moert_overlap_fork(moert_overlap *o, int slot);
 moert_result moert_overlap_join(moert_overlap *o, int slot);
+/* After such a call's backward on slot `slot` of layer l: the lazy zeroing state of the gradients is slot 0's again. */
+void moert_overlap_sync_back(moert_overlap *o, int l, int slot);
 
 /* The forward or the backward of layer l on one slot (moert_layer_forward / _backward); on CUDA another slot's stream
  * forks from slot 0's before and slot 0's joins it after, so the work is ordered as if it ran on slot 0's stream. */

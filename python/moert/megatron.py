@@ -658,6 +658,7 @@ class MoertExperts(torch.nn.Module):
         data = _load_config(moert_config)
         model = data.setdefault("model", {})
         model.update(hidden=self.hidden, ffn_hidden=ffn, num_experts=self.num_local_experts, dtype=_layer_dtype(tc))
+        _set_forwards_in_flight(data, tc)  # a pipeline's warm-up holds several forwards of the experts
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         # the engine holds no parameters (parameters=False) and is not a submodule: the weights are weight1/weight2

@@ -725,16 +725,23 @@ class _ExpertsFunction(torch.autograd.Function):
         y = module._run_forward(x, tokens_per_expert, probs, (fc1, fc2), saved, grads)
         ctx.module, ctx.saved, ctx.grads = module, saved, grads
         ctx.has_probs = probs is not None
-        ctx.save_for_backward(x)  # moert reads x again in the backward (fc1's weight gradient)
+        # moert reads x again in the backward (fc1's weight gradient); the weights are bound again with this
+        # forward's gradient buffers before it
+        ctx.save_for_backward(x, fc1, fc2)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         module = ctx.module
-        x, = ctx.saved_tensors
+        x, fc1, fc2 = ctx.saved_tensors
         saved_ptr = ctx.saved.take()
         ctx.saved = None
         grads, ctx.grads = ctx.grads, None
+        try:  # with several forwards in flight a later one bound its own gradient buffers since
+            module._bind_weights((fc1.detach(), fc2.detach()), grads)
+        except BaseException:
+            _capi.lib().moert_saved_free(saved_ptr)
+            raise
         needs = ctx.needs_input_grad
         dx, dprobs = module._run_backward(saved_ptr, x, dy, ctx.has_probs and needs[3])
         return (None, dx if needs[1] else None, None, dprobs, grads[0] if needs[4] else None,
@@ -753,8 +760,9 @@ class Experts(nn.Module):
     (fp32; fp64 for fp64 models). config: a moert config (path, JSON, dict or moert.Config) of which the model's
     hidden, ffn_hidden and dtype and the precision section are used; num_local_experts: the experts this module holds
     (default $.model.num_experts). No communication: the experts of one rank. parameters=False: no fc1/fc2 of its own
-    (the caller passes its weights to run(), as moert.megatron's experts module does). One forward in flight per
-    module: each forward's backward runs before the next forward. A forward after the weights changed (a new tensor,
+    (the caller passes its weights to run(), as moert.megatron's experts module does). Forwards in flight per
+    module: $.parallel.forwards_in_flight (1 by default: each forward's backward runs before the next forward; a
+    pipeline schedule's warm-up holds more), each backward writing its own forward's gradient buffers. A forward after the weights changed (a new tensor,
     or an in-place update such as an optimizer step: torch's version counter) tells the precision plugin first, so
     its cached weight copies (bf16 or fp8 on GPUs) are made again."""
 
@@ -771,7 +779,9 @@ class Experts(nn.Module):
         data = {"model": {"hidden": model.get("hidden", 64), "ffn_hidden": model.get("ffn_hidden", 128),
                           "num_experts": n, "topk": 1, "num_layers": 1, "dtype": model.get("dtype", "fp32")},
                 "precision": base.get("precision", {}) or {},
-                "parallel": {"device": base.get("parallel.device", "auto")}, "train": {"tokens_per_rank": 1}}
+                "parallel": {"device": base.get("parallel.device", "auto"),
+                             "forwards_in_flight": base.get("parallel.forwards_in_flight", 1) or 1},
+                "train": {"tokens_per_rank": 1}}
         self._layers = _Layers(data, _dist.ALONE, device, 1, None)
         info = self._layers.info
         self.hidden, self.ffn_hidden, self.num_local_experts = info.hidden, info.ffn_hidden, info.num_local_experts
@@ -840,9 +850,7 @@ class Experts(nn.Module):
         L = self._layers
         L.make_room()
         lib = _capi.lib()
-        for which, v, g in ((_capi.PARAM_FC1, weights[0], grads[0]), (_capi.PARAM_FC2, weights[1], grads[1])):
-            _capi.check(lib.moert_layers_bind_param(L.ptr, 0, which, _ref(v), _ref(g)),
-                        "moert_layers_bind_param(%s)" % _capi.PARAM_NAMES[which])
+        self._bind_weights(weights, grads)
         y = torch.empty_like(x)
         sp = ctypes.byref(saved.ptr) if saved is not None else None
         _capi.check(lib.moert_experts_forward(L.ptr, 0, _ref(x), _ref(tpe), _ref(probs) if probs is not None else None,
@@ -850,6 +858,11 @@ class Experts(nn.Module):
         if saved is not None:
             L.hold(saved)
         return y
+
+    def _bind_weights(self, weights, grads):
+        for which, v, g in ((_capi.PARAM_FC1, weights[0], grads[0]), (_capi.PARAM_FC2, weights[1], grads[1])):
+            _capi.check(_capi.lib().moert_layers_bind_param(self._layers.ptr, 0, which, _ref(v), _ref(g)),
+                        "moert_layers_bind_param(%s)" % _capi.PARAM_NAMES[which])
 
     def _run_backward(self, saved_ptr, x, dy, want_dprobs):
         try:

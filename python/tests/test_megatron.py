@@ -621,6 +621,37 @@ class ExpertsAdapter(Case):
                            else torch.zeros_like(seq.w2[i]), tol, what + " fc2 %d" % i)
             mx.backward_dw()  # Megatron's delayed wgrad hook: nothing to do
 
+    def test_pipeline_parallel(self):
+        """pipeline_model_parallel_size 3: three micro-batches' forwards in flight, their backwards in another order,
+        give each micro-batch's y and dx and the accumulated weight gradients of one after the other."""
+        n, H, Fh = 3, 8, 6
+        w1, w2 = expert_weights(n, H, Fh, seed=11)
+        seq = moert_experts_of(n, H, Fh, torch.float64, w1, w2)
+        pipe = moert_experts_of(n, H, Fh, torch.float64, w1, w2, pipeline_model_parallel_size=3)
+        self.assertEqual(pipe._moert_engine._layers.slots, 3)
+        g = torch.Generator().manual_seed(6)
+        tpe = torch.tensor([4, 1, 5])
+        data = [(torch.randn(10, H, generator=g, dtype=torch.float64), torch.rand(10, generator=g,
+                 dtype=torch.float64), torch.randn(10, H, generator=g, dtype=torch.float64)) for _ in range(3)]
+
+        def forward(m, i):
+            x = data[i][0].clone().requires_grad_()
+            return x, m(x, tpe, data[i][1])[0]
+
+        want = []
+        for i in range(3):
+            x, y = forward(seq, i)
+            (y * data[i][2]).sum().backward()
+            want.append((y.detach(), x.grad))
+        runs = [forward(pipe, i) for i in range(3)]
+        for i in (2, 0, 1):
+            (runs[i][1] * data[i][2]).sum().backward()
+        for i in range(3):
+            self.assertTrue(torch.equal(runs[i][1].detach(), want[i][0]), "y of micro-batch %d" % i)
+            self.assertTrue(torch.equal(runs[i][0].grad, want[i][1]), "dx of micro-batch %d" % i)
+        self.close(pipe.weight1.grad, seq.weight1.grad, 1e-13, "weight1 grad")
+        self.close(pipe.weight2.grad, seq.weight2.grad, 1e-13, "weight2 grad")
+
     def test_apply_probs_on_input(self):
         """moe_apply_probs_on_input (top-1): the probs scale the input, cast to its dtype, and count as 1 after."""
         n, H, Fh = 2, 8, 6

@@ -198,7 +198,7 @@ static void test_fp64(void)
     EXPECT_OK(moert_experts_forward(m, 1, &tx, &tc, &tp, &ty, NULL, &s));
     moert_saved *again = NULL;
     EXPECT(moert_experts_forward(m, 1, &tx, &tc, &tp, &ty, NULL, &again) == MOERT_ERR_INVALID_ARGUMENT);
-    EXPECT_ERROR_CONTAINS("one micro-batch in flight per layer");
+    EXPECT_ERROR_CONTAINS("1 micro-batch in flight per layer; $.parallel.forwards_in_flight allows up to 32");
     EXPECT(moert_moe_backward(m, s, &tr, &tdx, NULL, NULL) == MOERT_ERR_INVALID_ARGUMENT);
     EXPECT_ERROR_CONTAINS("run moert_experts_backward");
     moert_tensor wrong_rows = t2(dx, rows - 1, H);
