@@ -453,15 +453,16 @@ fail:
 
 static const char *const cuda_graph_modes[] = {"auto", "off", "on", NULL};
 
-bool moert_overlap_enabled(const moert_config *cfg, int device, int64_t ep, int64_t etp, int64_t micro_batches)
+bool moert_overlap_enabled(const moert_config *cfg, int device, int64_t ep, int64_t etp, int64_t micro_batches,
+                           uint32_t dispatcher_flags)
 {
     const moert_parallel_config *p = &cfg->parallel;
     if (p->overlap_micro_batches != MOERT_OVERLAP_AUTO)
         return p->overlap_micro_batches == MOERT_OVERLAP_ON && micro_batches != 1;
-    /* "auto": where the overlap was measured faster on GPUs: deepep (which then takes few SMs) and narrow experts;
-     * with wider experts, or alltoall and hybridep, it was even or slower */
-    return micro_batches >= 2 && device == MOERT_DEVICE_CUDA && ep > 1 &&
-           strcmp(cfg->plugin[MOERT_SLOT_DISPATCHER], "deepep") == 0 &&
+    /* "auto": where the overlap was measured faster on GPUs: a dispatcher that takes few SMs beside the other half
+     * (its header says MOERT_CAP_AUTO_OVERLAP: deepep) and narrow experts; with wider experts, or alltoall and
+     * hybridep, it was even or slower */
+    return micro_batches >= 2 && device == MOERT_DEVICE_CUDA && ep > 1 && (dispatcher_flags & MOERT_CAP_AUTO_OVERLAP) &&
            cfg->model.ffn_hidden / (etp > 1 ? etp : 1) <= MOERT_OVERLAP_AUTO_MAX_FFN;
 }
 

@@ -70,7 +70,8 @@ typedef struct moert_parallel_config {
  * expert-parallel and `etp` expert-tensor-parallel ranks, run with `micro_batches` a step (0 or less: unknown): "on"
  * unless micro_batches is 1; "auto" with 2 or more where it was measured faster (MOERT_OVERLAP_AUTO_MAX_FFN), so a
  * caller that never merges calls pays neither the second slot nor a dispatcher on few SMs. */
-bool moert_overlap_enabled(const moert_config *cfg, int device, int64_t ep, int64_t etp, int64_t micro_batches);
+bool moert_overlap_enabled(const moert_config *cfg, int device, int64_t ep, int64_t etp, int64_t micro_batches,
+                           uint32_t dispatcher_flags);
 
 /* "auto" turns the overlap on for CUDA layers with the "deepep" dispatcher, EP > 1 and experts at most this wide
  * (ffn_hidden / ETP): per routed row the GEMMs do 18 H F flops against 8 H bytes of all-to-all, so narrow experts

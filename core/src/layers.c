@@ -621,8 +621,8 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
         launch->struct_size >= offsetof(moert_launch, micro_batches) + sizeof(int32_t) ? launch->micro_batches : -1;
     /* "on" with one micro-batch a step (as the launch says) would hold a slot that never runs; "auto" needs the
      * caller to say it runs several */
-    const bool overlap =
-        moert_overlap_enabled(m->cfg, m->device.type, m->world / (m->etp * m->edp), m->etp, micro_batches);
+    const bool overlap = moert_overlap_enabled(m->cfg, m->device.type, m->world / (m->etp * m->edp), m->etp,
+                                               micro_batches, m->plugins[MOERT_SLOT_DISPATCHER].header->flags);
 #ifdef MOERT_HAVE_CUDA
     /* the word the GEMMs read to leave SMs to the dispatcher calls beside them, one for both slots */
     if (overlap && m->device.type == MOERT_DEVICE_CUDA && m->cfg->parallel.overlap_comm_sms > 0)

@@ -9,12 +9,27 @@
 #include <unistd.h>
 
 #include "error.h"
+#include "loader.h"
 #ifdef MOERT_HAVE_CUDA
 #include "cuda/device.h"
 #endif
 
 /* Only this share of a memory is planned for: the process, the plugins' code and the allocator need the rest. */
 #define MEMORY_USABLE_SHARE 0.9
+
+/* The configured dispatcher's header flags (what "auto" asks of it: MOERT_CAP_AUTO_OVERLAP), 0 where it cannot be
+ * loaded (creating the layers then says why). */
+static uint32_t dispatcher_flags(const moert_config *cfg)
+{
+    moert_plugin p;
+    if (moert_plugin_load(MOERT_KIND_DISPATCHER, cfg->plugin[MOERT_SLOT_DISPATCHER], &p) != MOERT_OK) {
+        moert_error_clear();
+        return 0;
+    }
+    const uint32_t flags = p.header->flags;
+    moert_plugin_unload(&p);
+    return flags;
+}
 
 void moert_memory_estimate_config(const moert_config *cfg, int world, int device, moert_memory_estimate *out)
 {
@@ -60,7 +75,8 @@ void moert_memory_estimate_config(const moert_config *cfg, int world, int device
     /* $.parallel.forwards_in_flight (at least two under overlap_micro_batches): as many micro-batches in flight, and
      * every layer's slots past the first (their own plugin instances, router state and dispatcher buffers) */
     double slots = (double)cfg->parallel.forwards_in_flight;
-    if (slots < 2.0 && moert_overlap_enabled(cfg, device, ep, etp, cfg->train.micro_batches)) slots = 2.0;
+    if (slots < 2.0 && moert_overlap_enabled(cfg, device, ep, etp, cfg->train.micro_batches, dispatcher_flags(cfg)))
+        slots = 2.0;
     out->activations *= slots;
     out->dispatcher *= slots;
     out->workspace *= slots;

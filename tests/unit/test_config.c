@@ -99,30 +99,31 @@ static void test_values(void)
     EXPECT(strcmp(cfg->plugin[MOERT_SLOT_DISPATCHER], "deepep") == 0);
     EXPECT(strcmp(cfg->plugin[MOERT_SLOT_PRECISION], "bf16") == 0);
     EXPECT(strcmp(cfg->plugin[MOERT_SLOT_MEMORY_POLICY], "lean") == 0);
-    /* overlap_micro_batches "auto" is on where it was measured faster: CUDA, EP > 1, deepep, ffn_hidden / ETP at most
-     * MOERT_OVERLAP_AUTO_MAX_FFN; "on" turns it on on any device, "off" never */
+    /* overlap_micro_batches "auto" is on where it was measured faster: CUDA, EP > 1, a dispatcher whose header says
+     * MOERT_CAP_AUTO_OVERLAP (deepep), ffn_hidden / ETP at most MOERT_OVERLAP_AUTO_MAX_FFN; "on" turns it on on any
+     * device, "off" never */
+    const uint32_t few = MOERT_CAP_AUTO_OVERLAP | MOERT_CAP_NEEDS_HOST_SYNC;
     EXPECT_EQ_INT(cfg->parallel.overlap_micro_batches, MOERT_OVERLAP_AUTO);
-    EXPECT(moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 4, 1, 4));
-    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CPU, 4, 1, 4));
-    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 1, 1, 4));
+    EXPECT(moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 4, 1, 4, few));
+    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CPU, 4, 1, 4, few));
+    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 1, 1, 4, few));
     /* a caller that does not say it runs several micro-batches a step (0: unknown, or 1) gets no second slot */
-    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 4, 1, 0));
-    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 4, 1, 1));
+    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 4, 1, 0, few));
+    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 4, 1, 1, few));
     cfg->model.ffn_hidden = MOERT_OVERLAP_AUTO_MAX_FFN;
-    EXPECT(moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 2, 1, 4));
+    EXPECT(moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 2, 1, 4, few));
     cfg->model.ffn_hidden = 2 * MOERT_OVERLAP_AUTO_MAX_FFN; /* wide experts: off, unless ETP splits them */
-    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 2, 1, 4));
-    EXPECT(moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 2, 2, 4));
-    snprintf(cfg->plugin[MOERT_SLOT_DISPATCHER], sizeof cfg->plugin[MOERT_SLOT_DISPATCHER], "alltoall");
-    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 2, 2, 4));
+    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 2, 1, 4, few));
+    EXPECT(moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 2, 2, 4, few));
+    /* a dispatcher without the flag (alltoall, hybridep, a vendor's that does not declare it): off */
+    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 2, 2, 4, MOERT_CAP_NEEDS_HOST_SYNC));
     cfg->parallel.overlap_micro_batches = MOERT_OVERLAP_ON;
-    EXPECT(moert_overlap_enabled(cfg, MOERT_DEVICE_CPU, 1, 1, 4));
-    EXPECT(moert_overlap_enabled(cfg, MOERT_DEVICE_CPU, 1, 1, 0));  /* "on" with micro-batches unknown: on */
-    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CPU, 1, 1, 1)); /* one a step: a second slot would never run */
+    EXPECT(moert_overlap_enabled(cfg, MOERT_DEVICE_CPU, 1, 1, 4, 0));
+    EXPECT(moert_overlap_enabled(cfg, MOERT_DEVICE_CPU, 1, 1, 0, 0));  /* "on" with micro-batches unknown: on */
+    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CPU, 1, 1, 1, 0)); /* one a step: a second slot would never run */
     cfg->parallel.overlap_micro_batches = MOERT_OVERLAP_OFF;
-    snprintf(cfg->plugin[MOERT_SLOT_DISPATCHER], sizeof cfg->plugin[MOERT_SLOT_DISPATCHER], "deepep");
     cfg->model.ffn_hidden = 48;
-    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 4, 1, 4));
+    EXPECT(!moert_overlap_enabled(cfg, MOERT_DEVICE_CUDA, 4, 1, 4, few));
     moert_config_free(cfg);
 
     EXPECT_OK(moert_config_load_string("{\"model\": {\"dtype\": \"fp64\"}, \"parallel\": {\"device\": \"cpu\"}}",

@@ -72,6 +72,9 @@ typedef enum moert_log_level {
 #define MOERT_CAP_GRAPH_CAPTURABLE (1u << 0)       /* no host sync, no allocation in a step */
 #define MOERT_CAP_NEEDS_HOST_SYNC  (1u << 1)       /* reads device data on the host in a step */
 #define MOERT_CAP_WGRAD_OVERWRITE  (1u << 2)       /* precision: honours overwrite_grad_weight */
+/* dispatcher: takes few SMs when its layer runs beside another micro-batch's work (MOERT_LAYER_OVERLAPPED), where the
+ * micro-batch overlap was measured faster: $.parallel.overlap_micro_batches "auto" may turn the overlap on for it */
+#define MOERT_CAP_AUTO_OVERLAP (1u << 3)
 
 /* The first member of every vtable. */
 typedef struct moert_plugin_header {
@@ -83,7 +86,8 @@ typedef struct moert_plugin_header {
     const char *description; /* one line */
     uint32_t devices;        /* MOERT_CAP_DEVICE bits */
     uint32_t dtypes;         /* MOERT_CAP_DTYPE bits */
-    uint32_t flags;          /* MOERT_CAP_GRAPH_CAPTURABLE, MOERT_CAP_NEEDS_HOST_SYNC, MOERT_CAP_WGRAD_OVERWRITE */
+    uint32_t
+        flags; /* MOERT_CAP_GRAPH_CAPTURABLE, MOERT_CAP_NEEDS_HOST_SYNC, MOERT_CAP_WGRAD_OVERWRITE, MOERT_CAP_AUTO_OVERLAP */
 } moert_plugin_header;
 
 /* Marks the one symbol a plugin exports (plugins build with -fvisibility=hidden). */
