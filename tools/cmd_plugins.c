@@ -53,18 +53,28 @@ static void dtype_names(uint32_t bits, char *buf, size_t size)
     if (!buf[0]) snprintf(buf, size, "-");
 }
 
-/* "graph,host_sync" from the flag bits. */
+/* "graph,host_sync,..." from the flag bits. */
 static void flag_names(uint32_t bits, char *buf, size_t size)
 {
-    snprintf(buf, size, "%s%s%s", (bits & MOERT_CAP_GRAPH_CAPTURABLE) ? "graph" : "",
-             (bits & MOERT_CAP_GRAPH_CAPTURABLE) && (bits & MOERT_CAP_NEEDS_HOST_SYNC) ? "," : "",
-             (bits & MOERT_CAP_NEEDS_HOST_SYNC) ? "host_sync" : "");
+    static const struct {
+        uint32_t bit;
+        const char *name;
+    } names[] = {{MOERT_CAP_GRAPH_CAPTURABLE, "graph"},
+                 {MOERT_CAP_NEEDS_HOST_SYNC, "host_sync"},
+                 {MOERT_CAP_WGRAD_OVERWRITE, "wgrad_overwrite"},
+                 {MOERT_CAP_AUTO_OVERLAP, "auto_overlap"}};
+    buf[0] = 0;
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        if (!(bits & names[i].bit)) continue;
+        size_t used = strlen(buf);
+        snprintf(buf + used, size - used, "%s%s", used ? "," : "", names[i].name);
+    }
     if (!buf[0]) snprintf(buf, size, "-");
 }
 
 /* One plugin file that loaded. */
 typedef struct plugin_row {
-    char kind[16], name[64], version[24], devices[64], dtypes[128], flags[32], path[1024];
+    char kind[16], name[64], version[24], devices[64], dtypes[128], flags[64], path[1024];
     bool shadowed;
     char *options_text; /* --options: what print_options wrote */
 } plugin_row;
