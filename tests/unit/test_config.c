@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include "error.h"
+#include "memory_estimate.h"
 #include "test_util.h"
 
 /* Loads text that must be refused with exactly `message`. */
@@ -483,9 +484,37 @@ static void test_overlap_comm_sms(void)
                         "config error at $.parallel.overlap_comm_sms: got 2.5, expected an integer in [0, 1024]");
 }
 
+/* $.parallel.forwards_in_flight: 1 .. 32, a mistyped or out-of-range value names the key; the memory estimate counts
+ * the activations, dispatcher buffers and workspace once per slot. */
+static void test_forwards_in_flight(void)
+{
+    moert_config *cfg = NULL;
+    EXPECT_OK(moert_config_load_string("{\"parallel\": {\"device\": \"cpu\"}}", "t.json", &cfg));
+    if (!cfg) return;
+    EXPECT_EQ_INT(cfg->parallel.forwards_in_flight, 1);
+    moert_memory_estimate one, three;
+    moert_memory_estimate_config(cfg, 2, MOERT_DEVICE_CPU, &one);
+    cfg->parallel.forwards_in_flight = 3;
+    moert_memory_estimate_config(cfg, 2, MOERT_DEVICE_CPU, &three);
+    EXPECT_NEAR(three.activations, 3 * one.activations, 0, 1e-12);
+    EXPECT_NEAR(three.dispatcher, 3 * one.dispatcher, 0, 1e-12);
+    EXPECT_NEAR(three.parameters, one.parameters, 0, 0); /* shared by the slots */
+    moert_config_free(cfg);
+    static const char *const bad[] = {"{\"parallel\": {\"forwards_in_flight\": 0}}",
+                                      "{\"parallel\": {\"forwards_in_flight\": 33}}",
+                                      "{\"parallel\": {\"forwards_in_flight\": \"2\"}}"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        cfg = NULL;
+        EXPECT_EQ_INT(moert_config_load_string(bad[i], "t.json", &cfg), MOERT_ERR_CONFIG);
+        EXPECT_ERROR_CONTAINS("$.parallel.forwards_in_flight");
+        moert_config_free(cfg);
+    }
+}
+
 int main(void)
 {
     test_defaults();
+    test_forwards_in_flight();
     test_values();
     test_errors();
     test_overlap_comm_sms();
