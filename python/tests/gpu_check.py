@@ -117,6 +117,44 @@ def nccl_worker(rank, world, init_file):
         dist.destroy_process_group()
 
 
+def pipeline_check(dev, dispatcher="alltoall"):
+    """$.parallel.forwards_in_flight 3 on a GPU: three forwards, then the backwards with one more forward between,
+    against one forward and backward after the other (every slot's own stream and plugin instances)."""
+    tc = TC()
+    cfg = config(dtype="fp32", tokens=64)
+    cfg["parallel"] = {"device": "cuda"}
+    cfg["dispatcher"] = {"plugin": dispatcher}
+    seq = moert.torch.MoE(cfg, device=dev)
+    pipe = moert.torch.MoE(cfg, device=dev, overrides={"parallel.forwards_in_flight": 3})
+    w = full_weights(cfg)
+    load_weights(seq, [t.to(dev) for t in w])
+    load_weights(pipe, [t.to(dev) for t in w])
+    data = [tuple(t.to(dev) for t in inputs(cfg, 64 - 4 * i, seed=300 + i)) for i in range(4)]
+
+    def forward(m, i):
+        x = data[i][0].clone().requires_grad_()
+        y, rl = m(x)
+        return x, y, (y * data[i][1]).sum() + 0.5 * rl
+
+    want = []
+    for i in range(4):
+        x, y, loss = forward(seq, i)
+        loss.backward()
+        want.append((y.detach(), x.grad))
+    runs = [forward(pipe, i) for i in range(3)]
+    runs[0][2].backward()
+    runs.append(forward(pipe, 3))
+    for i in (1, 3, 2):
+        runs[i][2].backward()
+    torch.cuda.synchronize()
+    for i in range(4):
+        what = "cuda pipeline order (%s) micro-batch %d" % (dispatcher, i)
+        tc.close(runs[i][1].detach(), want[i][0], 1e-5, what + " y")
+        tc.close(runs[i][0].grad, want[i][1], 1e-5, what + " dx")
+    for n in ("router_weight", "fc1", "fc2"):
+        tc.close(getattr(pipe, n).grad, getattr(seq, n).grad, 1e-5, "cuda pipeline order accumulated " + n)
+
+
 def main():
     print("torch", torch.__version__, "libmoert", moert.library_path(), "gpus", torch.cuda.device_count(), flush=True)
     dev = torch.device("cuda", 0)
@@ -124,6 +162,7 @@ def main():
     moe_check(dev, router=SIGMOID_BIAS)
     moe_check(dev, shared=24)
     dispatcher_check(dev)
+    pipeline_check(dev)
     # bad device
     m = moert.torch.MoE(config(), device=dev)
     try:

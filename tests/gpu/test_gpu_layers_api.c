@@ -5,7 +5,7 @@
  *   command line; no port, no environment variable);
  * outputs, input gradients, expert gradients and the router gradient summed over ranks within fp32 tolerances;
  * again with $.parallel.forwards_in_flight 3, the checked micro-batch on slot 2 (its own stream and plugin instances)
- * while two others' forwards are held and their backwards write other gradient buffers.
+ * while two others' forwards are held and their backwards write other gradient buffers, on alltoall and deepep.
  * With micro-batch overlap on one GPU, a forward that needs the second slot while capturing a CUDA graph is refused.
  * Also times one deepseek-v3-shaped layer's forward+backward through the API (--bench, one GPU).
  *   usage: test_gpu_layers_api                 (the checks; exits 77 without a GPU)
@@ -40,6 +40,12 @@ static const char *pipeline_json =
     "{\"model\": {\"hidden\": 64, \"ffn_hidden\": 96, \"num_experts\": 8, \"topk\": 2, \"num_layers\": 2,"
     " \"dtype\": \"fp32\"}, \"parallel\": {\"ranks\": 1, \"forwards_in_flight\": 3},"
     " \"train\": {\"tokens_per_rank\": 512},"
+    " \"router\": {\"score_function\": \"sigmoid\", \"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.01}}";
+/* the same on the deepep dispatcher (its NVLink buffers and peer protocol per slot) */
+static const char *pipeline_deepep_json =
+    "{\"model\": {\"hidden\": 64, \"ffn_hidden\": 96, \"num_experts\": 8, \"topk\": 2, \"num_layers\": 2,"
+    " \"dtype\": \"fp32\"}, \"parallel\": {\"ranks\": 1, \"forwards_in_flight\": 3},"
+    " \"dispatcher\": {\"plugin\": \"deepep\"}, \"train\": {\"tokens_per_rank\": 512},"
     " \"router\": {\"score_function\": \"sigmoid\", \"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.01}}";
 /* the same with a gated shared expert */
 static const char *shared_json =
@@ -554,18 +560,17 @@ int main(int argc, char **argv)
     moert_config *cfg = NULL;
     static float x[TOTAL * H], r[TOTAL * H];
     make_inputs(x, r);
-    static const char *const variants[3] = {"", ", gated shared expert", ", on slot 2 of 3 forwards in flight"};
-    for (int c = 0; c < 3; c++) {
+    static const char *const variants[4] = {"", ", gated shared expert", ", on slot 2 of 3 forwards in flight",
+                                            ", deepep, on slot 2 of 3 forwards in flight"};
+    const char *const configs[4] = {config_json, shared_json, pipeline_json, pipeline_deepep_json};
+    for (int c = 0; c < 4; c++) {
         moert_config *cc = NULL;
-        EXPECT_OK(moert_config_load_string(c == 0   ? config_json
-                                           : c == 1 ? shared_json
-                                                    : pipeline_json,
-                                           "gpu-layers-api", &cc));
+        EXPECT_OK(moert_config_load_string(configs[c], "gpu-layers-api", &cc));
         if (!cc) continue;
         rank_job ref, jobs[4];
         EXPECT(run_threads(1, MOERT_DEVICE_CPU, cc, x, r, false, &ref) == 0);
         for (int world = 1; world <= 4 && world <= gpus; world *= 2) {
-            if (run_threads(world, MOERT_DEVICE_CUDA, cc, x, r, c == 2, jobs)) {
+            if (run_threads(world, MOERT_DEVICE_CUDA, cc, x, r, c >= 2, jobs)) {
                 test_failures++;
                 continue;
             }
