@@ -57,8 +57,11 @@ typedef struct bf16_ctx {
     moert_bf16_cuda *gemm;           /* cuBLASLt handle, created on the layer's device (not in kernel mode) */
     void *workspace;                 /* its workspace, from the host's pool */
     bf16_weight_copy weight_copy[2]; /* by moert_gemm_weight (FC1, FC2) */
-    int64_t *counts_host;            /* [E_local] pinned: device counts copied down when no host copy is given */
-    int32_t *yield_counters;         /* the layer's sm_yield: a device_gemm work counter pair per stream, or NULL */
+    /* another slot's instance (moert_layer_info.twin): the slot-0 instance whose weight copies it reads while they are
+     * of the weight it is given, so the slots of a layer hold one copy (else itself) */
+    const struct bf16_ctx *owner;
+    int64_t *counts_host;    /* [E_local] pinned: device counts copied down when no host copy is given */
+    int32_t *yield_counters; /* the layer's sm_yield: a device_gemm work counter pair per stream, or NULL */
     moert_stream yield_streams[BF16_YIELD_STREAMS]; /* the stream each pair serves (NULL: free) */
 #endif
 } bf16_ctx;
@@ -134,7 +137,8 @@ static moert_result kernel_init(bf16_ctx *c, const char *dev)
     c->zero_counts = calloc((size_t)E, sizeof(int64_t));
     if (!c->zero_counts) return fail(c, MOERT_ERR_OUT_OF_MEMORY, "out of memory for the precision state");
     const int64_t numel[2] = {E * H * 2 * F, E * F * H}; /* FC1, FC2 */
-    for (int w = 0; w < 2; w++) {
+    /* another slot reads slot 0's copies (weight_copy_get); it makes its own only for a weight slot 0 has not seen */
+    for (int w = 0; c->owner == c && w < 2; w++) {
         const size_t bytes = (size_t)numel[w] * sizeof(uint16_t);
         moert_result rc = h->alloc(h, c->layer.device, bytes, &c->weight_copy[w].data);
         if (rc == MOERT_ERR_UNSUPPORTED)
@@ -315,6 +319,7 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
     c->wgrad_engine = wgrad_choice;
     c->wgrad_schedule = wgrad_schedule;
 #ifdef MOERT_HAVE_CUDA
+    c->owner = MOERT_LAYER_INFO_HAS_TWIN(layer) && layer->twin ? (const bf16_ctx *)layer->twin : c;
     if (c->on_cuda) {
         rc = cuda_init(c, choice);
         if (rc != MOERT_OK) {
@@ -362,6 +367,14 @@ static moert_result weight_copy_get(bf16_ctx *c, moert_stream stream, moert_gemm
     bf16_weight_copy *wc = &c->weight_copy[which];
     const int64_t n = moert_tensor_numel(weight);
     const size_t bytes = (size_t)n * sizeof(uint16_t);
+    /* another slot: slot 0's copy, made or remade (end_step) on slot 0's stream, which every call of this slot's
+     * stream follows (the core forks it from slot 0's); slot 0 remakes it only for another weight pointer, which the
+     * core does not accept while a forward of the layer is in flight, so not while this slot's calls run */
+    const bf16_weight_copy *shared = c->owner != c ? &c->owner->weight_copy[which] : NULL;
+    if (shared && shared->source == weight->data && shared->bytes >= bytes) {
+        *out = shared->data;
+        return MOERT_OK;
+    }
     if (wc->source == weight->data && wc->bytes >= bytes) {
         *out = wc->data;
         return MOERT_OK;
