@@ -365,6 +365,16 @@ moert_result fp8_cuda_weight_make(moert_fp8_cuda *g, cudaStream_t stream, int wh
 moert_result fp8_cuda_weight_get(moert_fp8_cuda *g, cudaStream_t stream, const moert_fp8_cuda_gemm *gm,
                                  weight_cache **out)
 {
+    const int fwd = gm->pass == MOERT_GEMM_FORWARD;
+    /* another slot: its slot-0 twin's copies where they hold this weight in this pass's layout (slot 0 makes or remakes
+     * them only in its own calls and at end_step, on its stream, which every call of this slot's follows; in a merged
+     * call the other half is slot 0's forward or backward, which touches the other layout or finds this one made) */
+    weight_cache *shared = g->weight_owner != g ? &g->weight_owner->weights[gm->which] : NULL;
+    if (shared && shared->source == gm->weight && shared->dtype == gm->weight_dtype && shared->k == gm->k_in &&
+        shared->n == gm->n_out && shared->scales_valid && (fwd ? shared->fwd_valid : shared->dgrad_valid)) {
+        *out = shared;
+        return MOERT_OK;
+    }
     weight_cache *c = &g->weights[gm->which];
     if (c->source != gm->weight || c->dtype != gm->weight_dtype || c->k != gm->k_in || c->n != gm->n_out) {
         c->source = gm->weight;
@@ -373,7 +383,6 @@ moert_result fp8_cuda_weight_get(moert_fp8_cuda *g, cudaStream_t stream, const m
         c->n = gm->n_out;
         c->scales_valid = c->fwd_valid = c->dgrad_valid = 0;
     }
-    const int fwd = gm->pass == MOERT_GEMM_FORWARD;
     moert_result rc = fp8_cuda_weight_make(g, stream, gm->which, c, fwd, !fwd);
     if (rc != MOERT_OK) {
         c->source = NULL;

@@ -329,7 +329,10 @@ static moert_result fp8_init(void **out, const moert_host *host, const moert_lay
             fp8_finalize(c);
             return rc;
         }
-        if (c->owner != c && c->owner->gemm && c->gemm) moert_fp8_cuda_share_delayed(c->gemm, c->owner->gemm);
+        if (c->owner != c && c->owner->gemm && c->gemm) {
+            moert_fp8_cuda_share_delayed(c->gemm, c->owner->gemm);
+            moert_fp8_cuda_share_weights(c->gemm, c->owner->gemm);
+        }
     }
 #endif
     char dev[32];

@@ -168,6 +168,7 @@ extern "C" moert_result moert_fp8_cuda_create(const moert_host *host, moert_devi
     if (!g) return report(host, MOERT_ERR_OUT_OF_MEMORY, "fp8 cuda: out of host memory for the handle");
     g->host = host;
     g->delayed_owner = g;
+    g->weight_owner = g;
     g->block_tuning = moert_fp8_block_tuning_default();
     g->device = device;
     g->cfg = *cfg;
@@ -297,4 +298,9 @@ extern "C" void moert_fp8_cuda_last_operands(const moert_fp8_cuda *g, moert_fp8_
 extern "C" void moert_fp8_cuda_share_delayed(moert_fp8_cuda *g, moert_fp8_cuda *owner)
 {
     g->delayed_owner = owner ? owner : g;
+}
+
+extern "C" void moert_fp8_cuda_share_weights(moert_fp8_cuda *g, moert_fp8_cuda *owner)
+{
+    g->weight_owner = owner ? owner : g;
 }

@@ -85,6 +85,10 @@ void moert_fp8_cuda_destroy(moert_fp8_cuda *g);
 /* A second slot's handle (moert_layer_info.twin): the delayed recipe's scales, step amaxes and histories are then
  * owner's, so both slots record into and scale from the same ones; end_step updates them on owner only. */
 void moert_fp8_cuda_share_delayed(moert_fp8_cuda *g, moert_fp8_cuda *owner);
+/* A second slot's handle: FORWARD and DGRAD read owner's FP8 weight copies while they are of the weight given and
+ * have the layout the pass needs (made or remade on owner's stream, which the core orders before this slot's
+ * calls), so the slots of a layer hold one set; else this handle makes its own. */
+void moert_fp8_cuda_share_weights(moert_fp8_cuda *g, moert_fp8_cuda *owner);
 
 /*
  * Asks cuBLASLt (its heuristic, no GPU work) for every matmul the recipe needs on a layer of these sizes (fc1 and

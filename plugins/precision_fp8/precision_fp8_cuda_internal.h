@@ -155,6 +155,9 @@ struct moert_fp8_cuda {
     dev_buf slot_scale, slot_amax, slot_seen, history, next, filled;
     /* the handle whose delayed slots this one uses: itself, or its slot-0 twin's (moert_fp8_cuda_share_delayed) */
     struct moert_fp8_cuda *delayed_owner;
+    /* the handle whose FP8 weight copies this one reads while they are of its weight and have the layout it needs:
+     * itself, or its slot-0 twin's (moert_fp8_cuda_share_weights) */
+    struct moert_fp8_cuda *weight_owner;
     /* host scratch, [E] each */
     int64_t *row0, *rows16, *prow0, *a_off, *b_off, *a_soff, *b_soff;
     int32_t *active; /* non-empty experts */
