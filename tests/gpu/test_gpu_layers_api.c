@@ -5,7 +5,8 @@
  *   command line; no port, no environment variable);
  * outputs, input gradients, expert gradients and the router gradient summed over ranks within fp32 tolerances;
  * again with $.parallel.forwards_in_flight 3, the checked micro-batch on slot 2 (its own stream and plugin instances)
- * while two others' forwards are held and their backwards write other gradient buffers, on alltoall and deepep.
+ * while two others' forwards are held and their backwards write other gradient buffers, on alltoall and deepep, and
+ * with the overlap on, the checked forward merged (moert_moe_forward_backward) with a held one's backward.
  * With micro-batch overlap on one GPU, a forward that needs the second slot while capturing a CUDA graph is refused.
  * Also times one deepseek-v3-shaped layer's forward+backward through the API (--bench, one GPU).
  *   usage: test_gpu_layers_api                 (the checks; exits 77 without a GPU)
@@ -47,6 +48,12 @@ static const char *pipeline_deepep_json =
     " \"dtype\": \"fp32\"}, \"parallel\": {\"ranks\": 1, \"forwards_in_flight\": 3},"
     " \"dispatcher\": {\"plugin\": \"deepep\"}, \"train\": {\"tokens_per_rank\": 512},"
     " \"router\": {\"score_function\": \"sigmoid\", \"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.01}}";
+/* the same with the micro-batch overlap on: merged calls on the third slot, every slot's calls on one stream */
+static const char *pipeline_merged_json =
+    "{\"model\": {\"hidden\": 64, \"ffn_hidden\": 96, \"num_experts\": 8, \"topk\": 2, \"num_layers\": 2,"
+    " \"dtype\": \"fp32\"}, \"parallel\": {\"ranks\": 1, \"forwards_in_flight\": 3, \"overlap_micro_batches\": \"on\"},"
+    " \"dispatcher\": {\"plugin\": \"deepep\"}, \"train\": {\"tokens_per_rank\": 512},"
+    " \"router\": {\"score_function\": \"sigmoid\", \"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.01}}";
 /* the same with a gated shared expert */
 static const char *shared_json =
     "{\"model\": {\"hidden\": 64, \"ffn_hidden\": 96, \"num_experts\": 8, \"topk\": 2, \"num_layers\": 2,"
@@ -76,6 +83,7 @@ typedef struct rank_job {
     /* two more micro-batches' forwards of both layers held on slots 0 and 1 while the checked one runs on slot 2,
      * their backwards (into other gradient buffers) between its forward and its backward */
     bool pipeline;
+    bool merged; /* with pipeline: the checked forward merged with a held one's backward (the overlap on) */
     rank_out out;
     moert_result rc;
     char error[2048];
@@ -184,14 +192,23 @@ static void *rank_main(void *arg)
         FAIL_RC(moert_moe_forward(m, 0, &tr, &thx, stream, &held[i][0], NULL));
         FAIL_RC(moert_moe_forward(m, 1, &thx, &thy, stream, &held[i][1], NULL));
     }
-    FAIL_RC(moert_moe_forward(m, 0, &tx, &th, stream, &s0, NULL));
-    FAIL_RC(moert_moe_forward(m, 1, &th, &ty, stream, &s1, NULL));
     if (j->pipeline) { /* the held ones' backwards write other gradient buffers (the gradients alone rebound) */
         for (int l = 0; l < 2; l++)
             for (int w = 0; w < MOERT_PARAM_COUNT; w++)
                 if (grad[l][w]) other_grad[l][w] = buffer(j->device, (size_t)j->out.numel[w] * sizeof(float));
         FAIL_RC(bind_all(m, value, other_grad));
+    }
+    if (j->merged) { /* the checked forward merged, layer by layer, with the first held one's backward */
+        FAIL_RC(moert_moe_forward_backward(m, 0, &tx, &th, &s0, NULL, held[0][1], &tr, &thd, &o, stream));
+        FAIL_RC(moert_moe_forward_backward(m, 1, &th, &ty, &s1, NULL, held[0][0], &thd, &thx, &o, stream));
+        held[0][0] = held[0][1] = NULL;
+    } else {
+        FAIL_RC(moert_moe_forward(m, 0, &tx, &th, stream, &s0, NULL));
+        FAIL_RC(moert_moe_forward(m, 1, &th, &ty, stream, &s1, NULL));
+    }
+    if (j->pipeline) {
         for (int i = 0; i < 2; i++) {
+            if (!held[i][1]) continue;
             FAIL_RC(moert_moe_backward(m, held[i][1], &tr, &thd, &o, stream));
             FAIL_RC(moert_moe_backward(m, held[i][0], &thd, &thx, &o, stream));
         }
@@ -246,7 +263,7 @@ done:
 
 /* Runs the stack over `world` ranks as threads on `type` devices; jobs gets each rank's results. */
 static int run_threads(int world, moert_device_type type, const moert_config *cfg, const float *x, const float *r,
-                       bool pipeline, rank_job *jobs)
+                       bool pipeline, bool merged, rank_job *jobs)
 {
     moert_comm *comm = NULL;
     if (world > 1 && moert_comm_create_threads(world, 60.0, &comm) != MOERT_OK) {
@@ -262,7 +279,8 @@ static int run_threads(int world, moert_device_type type, const moert_config *cf
                              .cfg = cfg,
                              .x = x,
                              .r = r,
-                             .pipeline = pipeline};
+                             .pipeline = pipeline,
+                             .merged = merged};
         pthread_create(&th[i], NULL, rank_main, &jobs[i]);
     }
     for (int i = 0; i < world; i++) pthread_join(th[i], NULL);
@@ -326,7 +344,7 @@ static int process_rank(int rank, int world, const char *hex)
     static float x[TOTAL * H], r[TOTAL * H];
     make_inputs(x, r);
     rank_job ref;
-    if (run_threads(1, MOERT_DEVICE_CPU, cfg, x, r, false, &ref)) return 1;
+    if (run_threads(1, MOERT_DEVICE_CPU, cfg, x, r, false, false, &ref)) return 1;
     moert_comm *comm = NULL;
     if (moert_comm_create_nccl(id, world, 60.0, &comm) != MOERT_OK) {
         fprintf(stderr, "rank %d: %s\n", rank, moert_last_error());
@@ -560,17 +578,19 @@ int main(int argc, char **argv)
     moert_config *cfg = NULL;
     static float x[TOTAL * H], r[TOTAL * H];
     make_inputs(x, r);
-    static const char *const variants[4] = {"", ", gated shared expert", ", on slot 2 of 3 forwards in flight",
-                                            ", deepep, on slot 2 of 3 forwards in flight"};
-    const char *const configs[4] = {config_json, shared_json, pipeline_json, pipeline_deepep_json};
-    for (int c = 0; c < 4; c++) {
+    static const char *const variants[5] = {"", ", gated shared expert", ", on slot 2 of 3 forwards in flight",
+                                            ", deepep, on slot 2 of 3 forwards in flight",
+                                            ", deepep, merged calls on slot 2 of 3 (overlap on)"};
+    const char *const configs[5] = {config_json, shared_json, pipeline_json, pipeline_deepep_json,
+                                    pipeline_merged_json};
+    for (int c = 0; c < 5; c++) {
         moert_config *cc = NULL;
         EXPECT_OK(moert_config_load_string(configs[c], "gpu-layers-api", &cc));
         if (!cc) continue;
         rank_job ref, jobs[4];
-        EXPECT(run_threads(1, MOERT_DEVICE_CPU, cc, x, r, false, &ref) == 0);
+        EXPECT(run_threads(1, MOERT_DEVICE_CPU, cc, x, r, false, false, &ref) == 0);
         for (int world = 1; world <= 4 && world <= gpus; world *= 2) {
-            if (run_threads(world, MOERT_DEVICE_CUDA, cc, x, r, c >= 2, jobs)) {
+            if (run_threads(world, MOERT_DEVICE_CUDA, cc, x, r, c >= 2, c == 4, jobs)) {
                 test_failures++;
                 continue;
             }
