@@ -516,6 +516,45 @@ class DispatcherBackend(Case):
         self.assertEqual(tuple(y.shape), (8, 1, H))
         self.close(y.reshape(8, H), x.reshape(8, H) * (pr.float().sum(1, keepdim=True)), 1e-6, "sum of probs x")
 
+    def test_pipeline_parallel(self):
+        """pipeline_model_parallel_size 3: the backend holds three micro-batches' dispatches (the config's
+        forwards_in_flight from the TransformerConfig); their backwards in another order give each micro-batch's
+        combine and its gradients for x and the router probs of one dispatch after the other."""
+        E, K, H = 4, 2, 8
+
+        def backend(pp):
+            cfg = types.SimpleNamespace(hidden_size=H, num_moe_experts=E, moe_router_topk=K, moe_ffn_hidden_size=8,
+                                        pipeline_model_parallel_size=pp)
+            d = mm.MoertDispatch()
+            d._moert_setup(E, list(range(E)), cfg, None, {"parallel": {"device": "cpu"}})
+            return d
+
+        def forward(d, i):
+            logits, rm, pr = random_routing(12 - i, E, K, seed=40 + i)  # the first the largest
+            x = torch.randn(12 - i, 1, H, dtype=torch.float64, generator=torch.Generator().manual_seed(50 + i))
+            x.requires_grad_()
+            h, p = d.dispatch_preprocess(x, rm, pr)
+            h, p = d.token_dispatch(h, p)
+            h, tpe, p = d.dispatch_postprocess(h, p)
+            scale = torch.arange(1, h.shape[0] + 1, dtype=h.dtype)[:, None]  # a per-row "expert"
+            y = d.combine_postprocess(d.token_combine(d.combine_preprocess(h * scale * p[:, None])))
+            return x, logits, y
+
+        seq, pipe = backend(1), backend(3)
+        want = []
+        for i in range(3):
+            x, logits, y = forward(seq, i)
+            (y * y).sum().backward()
+            want.append((y.detach(), x.grad, logits.grad))
+        runs = [forward(pipe, i) for i in range(3)]
+        self.assertEqual(pipe.moert_dispatcher._layers.slots, 3)
+        for i in (2, 0, 1):
+            (runs[i][2] * runs[i][2]).sum().backward()
+        for i in range(3):
+            self.assertTrue(torch.equal(runs[i][2].detach(), want[i][0]), "y of micro-batch %d" % i)
+            self.assertTrue(torch.equal(runs[i][0].grad, want[i][1]), "dx of micro-batch %d" % i)
+            self.assertTrue(torch.equal(runs[i][1].grad, want[i][2]), "d logits of micro-batch %d" % i)
+
     def test_preset_as_moert_config(self):
         """A preset with a gated shared expert as the backend's config: its model section is Megatron's (the shared
         expert stays Megatron's MoELayer's), its dispatcher section used."""
