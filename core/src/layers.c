@@ -277,6 +277,9 @@ static int dispatches_in_flight(const moert_layers *m, int layer)
     return n;
 }
 
+/* The slots of every layer (1 before moert_overlap_init or without more). */
+static int slot_count(const moert_layers *m) { return m->overlap.slots > 1 ? m->overlap.slots : 1; }
+
 static moert_result check_layer(const moert_layers *m, int layer, const char *fn)
 {
     if (!m) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: layers is NULL", fn);
@@ -370,6 +373,21 @@ fail:
     (void)stream;
     return MOERT_OK;
 #endif
+}
+
+/* Around a call on slot `slot`'s instances made outside moert_overlap_forward / _backward (the dispatcher or the
+ * experts alone): the layers' stream waits for the caller's, the slot's for the layers' (and back after the call),
+ * so the call is ordered as if on the caller's stream. */
+static moert_result slot_enter(moert_layers *m, int slot, moert_stream stream)
+{
+    moert_result rc = enter(m, stream);
+    return rc == MOERT_OK ? moert_overlap_fork(&m->overlap, slot) : rc;
+}
+
+static moert_result slot_leave(moert_layers *m, int slot, moert_stream stream)
+{
+    moert_result rc = moert_overlap_join(&m->overlap, slot);
+    return rc == MOERT_OK ? leave(m, stream) : rc;
 }
 
 /* Waits for the layers' stream (for copies into host memory the caller reads on return). */
@@ -773,7 +791,7 @@ MOERT_API moert_result moert_layers_get_info(const moert_layers *m, moert_layers
                               .edp_size = L->edp_size,
                               .local_ffn_hidden = L->info.ffn_hidden,
                               .stream = m->stream,
-                              .slots = m->overlap.slots > 1 ? m->overlap.slots : 1};
+                              .slots = slot_count(m)};
     const moert_tensor *bias = ROUTER(L)->expert_bias ? ROUTER(L)->expert_bias(L->router.ctx) : NULL;
     if (bias) info.expert_bias_dtype = bias->dtype;
     memcpy(out, &info, size);
@@ -993,7 +1011,7 @@ static moert_result release_after_failure(moert_layer *L, moert_result rc)
  * -1 and an error when none. */
 static int free_slot(const moert_layers *m, int layer, int avoid, const char *fn)
 {
-    const int slots = m->overlap.slots > 1 ? m->overlap.slots : 1;
+    const int slots = slot_count(m);
     int found = -1;
     for (int s = 0; s < slots; s++)
         if (!*saved_ref(m, layer, s) && !*dispatch_ref(m, layer, s) && (found < 0 || found == avoid)) found = s;
@@ -1331,20 +1349,6 @@ static bool dispatch_in_flight(const moert_dispatch *d)
     return false;
 }
 
-/* Around a dispatcher call of d's slot: the layers' stream waits for the caller's, the slot's for the layers' (and
- * back after the call), so the call is ordered as if on the caller's stream. */
-static moert_result dispatch_enter(const moert_dispatch *d, moert_stream stream)
-{
-    moert_result rc = enter(d->owner, stream);
-    return rc == MOERT_OK ? moert_overlap_fork(&d->owner->overlap, d->slot) : rc;
-}
-
-static moert_result dispatch_leave(const moert_dispatch *d, moert_stream stream)
-{
-    moert_result rc = moert_overlap_join(&d->owner->overlap, d->slot);
-    return rc == MOERT_OK ? leave(d->owner, stream) : rc;
-}
-
 static moert_result check_dispatch(const moert_dispatch *d, const char *fn, bool need_run)
 {
     if (!dispatch_in_flight(d))
@@ -1374,9 +1378,9 @@ MOERT_API moert_result moert_dispatch_prepare(moert_layers *m, int layer, const 
     *d =
         (moert_dispatch){.owner = m, .layer = layer, .slot = slot, .tokens = topk_idx->shape[0], .topk_idx = *topk_idx};
     d->layout.struct_size = sizeof d->layout;
-    MOERT_CHECK(dispatch_enter(d, stream));
+    MOERT_CHECK(slot_enter(d->owner, d->slot, stream));
     DISPATCHER_CALL("prepare", DISPATCHER(L)->prepare(L->dispatcher.ctx, L->stream, &d->topk_idx, &d->layout));
-    MOERT_CHECK(dispatch_leave(d, stream));
+    MOERT_CHECK(slot_leave(d->owner, d->slot, stream));
     *dispatch_ref(m, layer, slot) = d;
     *out = d;
     *recv_rows = d->layout.capacity;
@@ -1429,12 +1433,12 @@ MOERT_API moert_result moert_dispatch_run(moert_dispatch *d, const moert_tensor 
     MOERT_CHECK(check_weights(d, fn, "topk_weights", topk_weights, true));
     MOERT_CHECK(check_rows(d, fn, "recv_x", recv_x, d->layout.capacity));
     MOERT_CHECK(check_weights(d, fn, "recv_weights", recv_weights, false));
-    MOERT_CHECK(dispatch_enter(d, stream));
+    MOERT_CHECK(slot_enter(d->owner, d->slot, stream));
     moert_dispatch_args a = {
         .struct_size = sizeof a, .x = x, .topk_probs = topk_weights, .recv_x = recv_x, .recv_probs = recv_weights};
     DISPATCHER_CALL("dispatch", DISPATCHER(L)->dispatch(L->dispatcher.ctx, L->stream, &a));
     d->ran = true;
-    MOERT_CHECK(dispatch_leave(d, stream));
+    MOERT_CHECK(slot_leave(d->owner, d->slot, stream));
 fail:
     return rc;
 }
@@ -1450,7 +1454,7 @@ static moert_result combine_pass(moert_dispatch *d, bool backward, const char *i
     const int64_t rows = d->layout.capacity, tokens = d->tokens;
     MOERT_CHECK(check_rows(d, fn, in_name, in, backward ? tokens : rows));
     MOERT_CHECK(check_rows(d, fn, out_name, out, backward ? rows : tokens));
-    MOERT_CHECK(dispatch_enter(d, stream));
+    MOERT_CHECK(slot_enter(d->owner, d->slot, stream));
     if (backward) {
         moert_combine_backward_args a = {.struct_size = sizeof a, .d_y = in, .d_y_expert = out};
         DISPATCHER_CALL("combine_backward", DISPATCHER(L)->combine_backward(L->dispatcher.ctx, L->stream, &a));
@@ -1458,7 +1462,7 @@ static moert_result combine_pass(moert_dispatch *d, bool backward, const char *i
         moert_combine_args a = {.struct_size = sizeof a, .y_expert = in, .y = out};
         DISPATCHER_CALL("combine", DISPATCHER(L)->combine(L->dispatcher.ctx, L->stream, &a));
     }
-    MOERT_CHECK(dispatch_leave(d, stream));
+    MOERT_CHECK(slot_leave(d->owner, d->slot, stream));
 fail:
     return rc;
 }
@@ -1487,7 +1491,7 @@ MOERT_API moert_result moert_dispatch_backward(moert_dispatch *d, const moert_te
     MOERT_CHECK(check_weights(d, fn, "d_recv_weights", d_recv_weights, false));
     MOERT_CHECK(check_rows(d, fn, "dx", dx, d->tokens));
     MOERT_CHECK(check_weights(d, fn, "d_topk_weights", d_topk_weights, true));
-    MOERT_CHECK(dispatch_enter(d, stream));
+    MOERT_CHECK(slot_enter(d->owner, d->slot, stream));
     MOERT_CHECK(moert_zero(L->stream, dx)); /* the plugin adds the rows into it */
     moert_dispatch_backward_args a = {.struct_size = sizeof a,
                                       .d_recv_x = d_recv_x,
@@ -1495,7 +1499,7 @@ MOERT_API moert_result moert_dispatch_backward(moert_dispatch *d, const moert_te
                                       .d_x = dx,
                                       .d_topk_probs = d_topk_weights};
     DISPATCHER_CALL("dispatch_backward", DISPATCHER(L)->dispatch_backward(L->dispatcher.ctx, L->stream, &a));
-    MOERT_CHECK(dispatch_leave(d, stream));
+    MOERT_CHECK(slot_leave(d->owner, d->slot, stream));
 fail:
     return rc;
 }
@@ -1577,16 +1581,14 @@ MOERT_API moert_result moert_experts_forward(moert_layers *m, int layer, const m
         if (!token) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
         *token = (moert_saved){.owner = m, .layer = layer, .slot = slot, .tokens = rows, .experts = true};
     }
-    MOERT_CHECK(enter(m, stream));
-    MOERT_CHECK(moert_overlap_fork(&m->overlap, slot));
+    MOERT_CHECK(slot_enter(m, slot, stream));
     rc = moert_layer_experts_forward(L, x_rows, tokens_per_expert, probs, y_rows);
     if (rc != MOERT_OK) {
         rc = prefixed_error(fn, rc);
         goto fail;
     }
     if (!saved) MOERT_CHECK(moert_layer_release_saved(L));
-    MOERT_CHECK(moert_overlap_join(&m->overlap, slot));
-    MOERT_CHECK(leave(m, stream));
+    MOERT_CHECK(slot_leave(m, slot, stream));
     if (saved) {
         *saved_ref(m, layer, slot) = token;
         *saved = token;
@@ -1624,16 +1626,14 @@ MOERT_API moert_result moert_experts_backward(moert_layers *m, moert_saved *save
     /* the activations go with this call, whatever its outcome */
     *saved_ref(m, layer, slot) = NULL;
     free(saved);
-    MOERT_CHECK(enter(m, stream));
-    MOERT_CHECK(moert_overlap_fork(&m->overlap, slot));
+    MOERT_CHECK(slot_enter(m, slot, stream));
     rc = moert_layer_experts_backward(L, dy_rows, dx_rows, d_probs, !accumulate);
     moert_overlap_sync_back(&m->overlap, layer, slot);
     if (rc != MOERT_OK) {
         rc = prefixed_error(fn, rc);
         goto fail;
     }
-    MOERT_CHECK(moert_overlap_join(&m->overlap, slot));
-    MOERT_CHECK(leave(m, stream));
+    MOERT_CHECK(slot_leave(m, slot, stream));
     return MOERT_OK;
 fail:
     return release_after_failure(L, rc);

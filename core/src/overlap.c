@@ -76,7 +76,6 @@ moert_result moert_overlap_init(moert_overlap *o, moert_stack *primary, const mo
     if (slots < 2 || slots > MOERT_OVERLAP_MAX_SLOTS)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "micro-batch slots: %d, expected 2 .. %d", slots,
                            MOERT_OVERLAP_MAX_SLOTS);
-    o->made = true;
     o->merge = merge;
 #ifdef MOERT_HAVE_CUDA
     if (setup->device.type == MOERT_DEVICE_CUDA) {
@@ -121,7 +120,7 @@ void moert_overlap_finalize(moert_overlap *o)
     if (o->comm[0].stream && moert_cuda_stream_synchronize(o->comm[0].stream) != MOERT_OK) moert_error_clear();
 #endif
     for (int l = 0; o->primary->layers && l < o->primary->num_layers; l++) o->primary->layers[l].comm = NULL;
-    for (int slot = 1; o->made && slot < o->slots; slot++) {
+    for (int slot = 1; slot < o->slots; slot++) {
         moert_stack *T = &o->twins[slot - 1];
         /* the parameters are slot 0's: the twin's layers only borrowed them */
         for (int l = 0; T->layers && l < T->num_layers; l++) memset(T->layers[l].params, 0, sizeof T->layers[l].params);

@@ -16,7 +16,6 @@ typedef struct moert_overlap {
     /* slots 1 .. slots - 1: the same plugins again, their instances twins of slot 0's */
     moert_stack twins[MOERT_OVERLAP_MAX_SLOTS - 1];
     int slots;  /* slots made (1: slot 0 alone) */
-    bool made;  /* slots > 1 */
     bool merge; /* the micro-batch overlap: merged calls run their halves side by side (CUDA) */
     /* CUDA: each twin's compute stream (NULL on the CPU), forked from and joined into slot 0's at every call */
     moert_stream streams[MOERT_OVERLAP_MAX_SLOTS - 1];
