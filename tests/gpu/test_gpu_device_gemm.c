@@ -32,6 +32,7 @@ int main(void)
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <unistd.h>
 
 #include "cuda/device.h"
 #include "cuda/pool.h"
@@ -52,7 +53,7 @@ static const char *const pass_names[3] = {"forward", "dgrad", "wgrad"};
 /* ---- the result table ---- */
 
 typedef struct row {
-    char what[80];
+    char what[96];
     double err, tol;
     int64_t diffs; /* values that must be bit-exact and are not (-1: not counted) */
 } row;
@@ -460,8 +461,10 @@ static void run_big(cudaStream_t stream)
 /* ---- handing units out (work_counter) and leaving SMs (sm_yield) ---- */
 
 /* FORWARD and DGRAD with the units handed out through a counter and sm_yield at 0 (every CTA works), at 100 (all but
- * the first 32 CTAs of an H100's 132 stop at once) and at the whole grid (only CTA 0 works): bit for bit the static
- * schedule's output, twice in a row on one counter, which each launch leaves zero. */
+ * 32 of an H100's 132 stop at once), at the whole grid (only CTA 0 works), and set to 100 and back to 0 by copies on
+ * another stream while the GEMM runs (CTAs stop, and the second grid's take the SMs back): bit for bit the static
+ * schedule's output, with the second grid and without, in a row on one set of counters, which each launch leaves
+ * zero. */
 static void run_yield(cudaStream_t stream)
 {
     const int E = 8;
@@ -471,15 +474,23 @@ static void run_yield(cudaStream_t stream)
     problem_make(&p, E, K, N, counts, 0, 31);
     int32_t *d_yield = NULL, *d_counter = NULL;
     CK(cudaMalloc((void **)&d_yield, sizeof(int32_t)));
-    CK(cudaMalloc((void **)&d_counter, 2 * sizeof(int32_t)));
-    CK(cudaMemset(d_counter, 0, 2 * sizeof(int32_t)));
+    CK(cudaMalloc((void **)&d_counter, BF16_WORK_COUNTER_WORDS * sizeof(int32_t)));
+    CK(cudaMemset(d_counter, 0, BF16_WORK_COUNTER_WORDS * sizeof(int32_t)));
+    cudaStream_t side = NULL;
+    CK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    int32_t *h_words = NULL; /* pinned: 100 and 0, copied into the word while the GEMM runs */
+    CK(cudaMallocHost((void **)&h_words, 2 * sizeof(int32_t)));
+    h_words[0] = 100;
+    h_words[1] = 0;
     for (int pass = 0; pass < 2; pass++) {
         moert_dtype dt;
         const size_t bytes = (size_t)out_elems(&p, pass, false, &dt) * 2;
         void *want = gpu_pass(&p, pass, true, false, stream);
-        static const int32_t yields[] = {0, 100, 1 << 20};
+        static const int32_t yields[] = {0, 100, 1 << 20, -1}; /* -1: 100, then 0, while it runs */
         for (size_t y = 0; y < sizeof yields / sizeof yields[0]; y++) {
-            CK(cudaMemcpy(d_yield, &yields[y], sizeof(int32_t), cudaMemcpyHostToDevice));
+            const bool toggled = yields[y] < 0;
+            const int32_t word = toggled ? 0 : yields[y];
+            CK(cudaMemcpy(d_yield, &word, sizeof(int32_t), cudaMemcpyHostToDevice));
             int64_t diffs = 0;
             for (int rep = 0; rep < 2; rep++) {
                 void *d_out = NULL;
@@ -489,9 +500,16 @@ static void run_yield(cudaStream_t stream)
                 a.engine = BF16_DEVICE_GEMM_ENGINE_WGMMA;
                 a.sm_yield = d_yield;
                 a.work_counter = d_counter;
+                a.sm_refill = rep == 0; /* the second grid taking SMs back, then the persistent grid alone */
                 if (bf16_device_gemm(&gpu_test_host, stream, &a) != MOERT_OK) {
                     fprintf(stderr, "bf16_device_gemm with sm_yield: %s\n", gpu_test_error);
                     test_failures++;
+                }
+                if (toggled) {
+                    CK(cudaMemcpyAsync(d_yield, &h_words[0], sizeof(int32_t), cudaMemcpyHostToDevice, side));
+                    usleep(30);
+                    CK(cudaMemcpyAsync(d_yield, &h_words[1], sizeof(int32_t), cudaMemcpyHostToDevice, side));
+                    CK(cudaStreamSynchronize(side));
                 }
                 CK(cudaStreamSynchronize(stream));
                 void *got = xalloc(bytes);
@@ -499,13 +517,18 @@ static void run_yield(cudaStream_t stream)
                 CK(cudaFree(d_out));
                 diffs += memcmp(got, want, bytes) != 0;
                 free(got);
-                int32_t counter[2] = {-1, -1};
+                int32_t counter[BF16_WORK_COUNTER_WORDS];
                 CK(cudaMemcpy(counter, d_counter, sizeof counter, cudaMemcpyDeviceToHost));
-                diffs += counter[0] != 0 || counter[1] != 0;
+                for (int w = 0; w < BF16_WORK_COUNTER_WORDS; w++) diffs += counter[w] != 0;
             }
-            char what[80];
-            snprintf(what, sizeof what, "units handed out, sm_yield %d, %s: as the static schedule", (int)yields[y],
-                     pass_names[pass]);
+            char what[96];
+            if (toggled)
+                snprintf(what, sizeof what,
+                         "units handed out, sm_yield 100 then 0 meanwhile, %s: as the static schedule",
+                         pass_names[pass]);
+            else
+                snprintf(what, sizeof what, "units handed out, sm_yield %d, %s: as the static schedule", (int)yields[y],
+                         pass_names[pass]);
             record(what, 0, 0, diffs);
         }
         free(want);
@@ -519,6 +542,8 @@ static void run_yield(cudaStream_t stream)
     record("refused: sm_yield without work_counter", refused ? 0 : 1, 0, 0);
     CK(cudaFree(d_yield));
     CK(cudaFree(d_counter));
+    CK(cudaFreeHost(h_words));
+    CK(cudaStreamDestroy(side));
     problem_free(&p);
 }
 
