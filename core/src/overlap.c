@@ -24,8 +24,8 @@ static moert_result host_error(const moert_host *h, moert_result rc, const char 
 static moert_result comm_stream_create(moert_overlap *o, int device, int32_t *sm_yield, int32_t sms)
 {
     moert_result rc = MOERT_OK;
-    /* above the compute streams: a dispatcher's kernels take SMs first as they free up */
-    MOERT_CHECK(moert_cuda_stream_create_comm_priority(device, &o->comm[0].stream));
+    /* high priority: a dispatcher's kernels take SMs first as they free up, as on the compute streams */
+    MOERT_CHECK(moert_cuda_stream_create_high_priority(device, &o->comm[0].stream));
     for (int slot = 0; slot < o->slots; slot++) {
         o->comm[slot].stream = o->comm[0].stream;
         MOERT_CHECK(moert_cuda_event_create(device, false, &o->comm[slot].enter));

@@ -61,19 +61,12 @@ typedef struct bf16_device_gemm_args {
     int wgrad_schedule; /* BF16_WGMMA_WGRAD_*: the wgmma WGRAD's schedule (tests, benchmarks); 0 picks by the rows an
                            expert has on average */
     const int32_t *sm_yield; /* wgmma FORWARD/DGRAD: a device int32 read between work units (moert_layer_info's
-                                sm_yield); while it is N > 0 CTAs stop taking units (never CTA 0) until N fewer than
-                                the persistent grid work, leaving SMs to kernels beside the GEMM; with sm_refill a
-                                second grid's worth of CTAs waits to take SMs back once they are free again. NULL:
-                                every CTA works to the end */
-    int sm_refill;           /* with sm_yield: launch the second grid that takes SMs back (0: the persistent grid
-                                only, the SMs left stay with the kernels beside it until the GEMM ends) */
-    int32_t *work_counter;   /* with sm_yield: BF16_WORK_COUNTER_WORDS device int32, zero before the first launch,
-                                through which the CTAs take units; the kernel leaves them zero. One set per stream:
-                                two GEMMs running at once must not share one */
+                                sm_yield); while it is N > 0 the CTAs numbered >= grid - N (all but CTA 0) stop taking
+                                units, leaving SMs to kernels beside the GEMM. NULL: every CTA works to the end */
+    int32_t *work_counter;   /* with sm_yield: two device int32, zero before the first launch, through which the CTAs
+                                take units; the kernel leaves them zero. One pair per stream: two GEMMs running at
+                                once must not share one */
 } bf16_device_gemm_args;
-
-/* The device int32 of bf16_device_gemm_args.work_counter: units taken, CTAs stopped, CTAs working, and one spare. */
-#define BF16_WORK_COUNTER_WORDS 4
 
 /* The wgmma WGRAD's schedules (device_gemm_wgmma.cu): AUTO the ping-pong below BF16_WGMMA_PINGPONG_ROWS rows an expert
  * on average, else the cooperative one; PINGPONG 128 x 128 tiles, one per consumer warpgroup; COOPERATIVE 128 x 256

@@ -61,12 +61,10 @@ typedef struct wg_params {
     CUtensorMap map_d; /* C [capacity][out_cols], boxes of 64 x 64 rows */
     const int64_t *counts;
     __nv_bfloat16 *d;
-    int32_t *work_counter;   /* NULL: each CTA takes units blockIdx.x, + gridDim.x, ..; else handed out (wg_next_unit):
-                              units taken, CTAs stopped, CTAs working */
+    int32_t *work_counter; /* NULL: each CTA takes units blockIdx.x, + gridDim.x, ..; else handed out (wg_next_unit) */
     const int32_t *sm_yield; /* with work_counter: SMs to leave while it is > 0 (bf16_device_gemm_args), or NULL */
     int64_t capacity;
     int num_experts, n_tiles, k_blocks, out_cols;
-    int working_max; /* handed out: the CTAs that may work at once (the persistent grid), less what sm_yield asks */
 } wg_params;
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -121,27 +119,16 @@ __device__ __forceinline__ wg_tile wg_tile_at(const wg_params &p, const int64_t 
 }
 
 /* The CTA's next work unit after `prev` (first: none yet); `units` or more: none left. Static: blockIdx.x, then every
- * gridDim.x-th. Handed out (work_counter): the next unnumbered one, unless more CTAs are working than working_max less
- * what sm_yield asks for, in which case this one stops and leaves its SM (CTA 0 never does, so every unit is taken).
- * With sm_refill the handed-out grid is twice the persistent one: the CTAs past it wait for an SM, so once a dispatcher's kernel has
- * run on the SMs the GEMM left it, they take them back (the communication stream has the higher priority, so its
- * kernels get a freed SM first). */
+ * gridDim.x-th. Handed out (work_counter): the next unnumbered one, unless sm_yield asks for SMs and this CTA is among
+ * the last that many (CTA 0 never yields, so every unit is taken). */
 __device__ __forceinline__ int wg_next_unit(const wg_params &p, int units, int prev, bool first)
 {
     if (!p.work_counter) return first ? (int)blockIdx.x : prev + (int)gridDim.x;
-    int32_t *working = p.work_counter + 2;
-    if (first) atomicAdd(working, 1);
-    if (blockIdx.x > 0) {
-        const int want = p.sm_yield ? *(const volatile int32_t *)p.sm_yield : 0;
-        const int limit = max(1, p.working_max - max(want, 0));
-        if (*(volatile int32_t *)working > limit) {
-            if (atomicSub(working, 1) > limit) return units; /* one fewer at work, still at or over the limit */
-            atomicAdd(working, 1);
-        }
+    if (p.sm_yield) {
+        const int want = *(const volatile int32_t *)p.sm_yield;
+        if (want > 0 && (int)blockIdx.x > 0 && (int)blockIdx.x >= (int)gridDim.x - want) return units;
     }
-    const int u = atomicAdd(p.work_counter, 1);
-    if (u >= units) atomicSub(working, 1);
-    return u;
+    return atomicAdd(p.work_counter, 1);
 }
 
 /* The producer thread: per tile, its unit into the ring slot the consumers read with the tile's first stage, and per
@@ -181,7 +168,6 @@ __device__ __forceinline__ void wg_produce(const wg_params &p, const int64_t *ro
     if (p.work_counter && atomicAdd(p.work_counter + 1, 1) == (int)gridDim.x - 1) {
         p.work_counter[0] = 0; /* every CTA has stopped taking units */
         p.work_counter[1] = 0;
-        p.work_counter[2] = 0;
     }
 }
 
@@ -1000,10 +986,7 @@ extern "C" moert_result bf16_wgmma_gemm(const moert_host *host, cudaStream_t str
 
     const int64_t sms = persistent_sms(a, dev);
     const int64_t bound = ((a->capacity + WG_BM - 1) / WG_BM + a->num_experts) * p.n_tiles; /* units at most */
-    p.working_max = (int)sms;
-    /* handed out with sm_refill: the second half takes SMs back (wg_next_unit) */
-    const int64_t ctas = p.work_counter && a->sm_refill ? 2 * sms : sms;
-    const unsigned grid = (unsigned)(bound < ctas ? bound : ctas);
+    const unsigned grid = (unsigned)(bound < sms ? bound : sms);
     const size_t smem = wg_smem_bytes(p.num_experts);
     if (dgrad)
         bf16_wgmma_kernel<0><<<grid, WG_THREADS, smem, stream>>>(p);

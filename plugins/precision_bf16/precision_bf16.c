@@ -42,14 +42,13 @@ typedef struct bf16_ctx {
     moert_layer_info layer;
     bf16_mode mode;
     bf16_scratch scratch;
-    bool on_cuda;        /* the layer is on a CUDA device: the CUDA path serves it */
-    int gemm_streams;    /* option: streams of the CUDA per-expert loop (1: the caller's only) */
-    int gemm_sms;        /* option: SMs the CUDA GEMMs may take (0: all) */
-    bool gemm_graphs;    /* option: CUDA graph replay of repeated count vectors */
-    bool gemm_sm_refill; /* option: under sm_yield, a second grid takes back the SMs a dispatcher call had */
-    int gemm_engine;     /* option "gemm": GEMM_AUTO, GEMM_CUBLASLT or GEMM_KERNEL */
-    int wgrad_engine;    /* option "wgrad_gemm": GEMM_AUTO (as "gemm"), GEMM_CUBLASLT or GEMM_KERNEL */
-    int wgrad_schedule;  /* option "wgrad_schedule": by wgrad_schedules, as device_gemm.h's BF16_WGMMA_WGRAD_* */
+    bool on_cuda;       /* the layer is on a CUDA device: the CUDA path serves it */
+    int gemm_streams;   /* option: streams of the CUDA per-expert loop (1: the caller's only) */
+    int gemm_sms;       /* option: SMs the CUDA GEMMs may take (0: all) */
+    bool gemm_graphs;   /* option: CUDA graph replay of repeated count vectors */
+    int gemm_engine;    /* option "gemm": GEMM_AUTO, GEMM_CUBLASLT or GEMM_KERNEL */
+    int wgrad_engine;   /* option "wgrad_gemm": GEMM_AUTO (as "gemm"), GEMM_CUBLASLT or GEMM_KERNEL */
+    int wgrad_schedule; /* option "wgrad_schedule": by wgrad_schedules, as device_gemm.h's BF16_WGMMA_WGRAD_* */
 #ifdef MOERT_HAVE_CUDA
     bool use_kernel;                 /* the CUDA path runs device_gemm for every pass ("kernel" on a CUDA layer) */
     bool wgmma_fwd_dgrad;            /* "auto" on Hopper: FORWARD/DGRAD with device counts on device_gemm's wgmma
@@ -62,8 +61,8 @@ typedef struct bf16_ctx {
      * of the weight it is given, so the slots of a layer hold one copy (else itself) */
     const struct bf16_ctx *owner;
     int64_t *counts_host;    /* [E_local] pinned: device counts copied down when no host copy is given */
-    int32_t *yield_counters; /* the layer's sm_yield: device_gemm work counters per stream, or NULL */
-    moert_stream yield_streams[BF16_YIELD_STREAMS]; /* the stream each set serves (NULL: free) */
+    int32_t *yield_counters; /* the layer's sm_yield: a device_gemm work counter pair per stream, or NULL */
+    moert_stream yield_streams[BF16_YIELD_STREAMS]; /* the stream each pair serves (NULL: free) */
 #endif
 } bf16_ctx;
 
@@ -78,12 +77,12 @@ static const char *const wgrad_schedules[] = {"auto", "pingpong", "cooperative",
 
 #ifdef MOERT_HAVE_CUDA
 /* Where the layer has sm_yield (the micro-batch overlap, moert/plugin.h), the wgmma FORWARD/DGRAD hand their units out
- * through a set of work counters per stream and leave the SMs a dispatcher call asks for; called with the layer's device
+ * through a counter pair per stream and leave the SMs a dispatcher call asks for; called with the layer's device
  * current. */
 static moert_result yield_init(bf16_ctx *c)
 {
     if (!MOERT_LAYER_INFO_SM_YIELD(&c->layer)) return MOERT_OK;
-    const size_t bytes = (size_t)BF16_WORK_COUNTER_WORDS * BF16_YIELD_STREAMS * sizeof(int32_t);
+    const size_t bytes = 2 * BF16_YIELD_STREAMS * sizeof(int32_t);
     moert_result rc = c->host->alloc(c->host, c->layer.device, bytes, (void **)&c->yield_counters);
     if (rc != MOERT_OK) return rc;
     const cudaError_t err = cudaMemset(c->yield_counters, 0, bytes);
@@ -95,14 +94,14 @@ static moert_result yield_init(bf16_ctx *c)
     return MOERT_OK;
 }
 
-/* The work counters of `stream`, taken on its first use; NULL (the GEMM keeps every SM) without sm_yield, on the
- * legacy default stream, or when every set serves another stream. */
+/* The work counter pair of `stream`, taken on its first use; NULL (the GEMM keeps every SM) without sm_yield, on the
+ * legacy default stream, or when every pair serves another stream. */
 static int32_t *yield_counter(bf16_ctx *c, moert_stream stream)
 {
     if (!c->yield_counters || !stream) return NULL;
     for (int i = 0; i < BF16_YIELD_STREAMS; i++) {
         if (!c->yield_streams[i]) c->yield_streams[i] = stream;
-        if (c->yield_streams[i] == stream) return c->yield_counters + BF16_WORK_COUNTER_WORDS * i;
+        if (c->yield_streams[i] == stream) return c->yield_counters + 2 * i;
     }
     return NULL;
 }
@@ -271,13 +270,6 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
                           "beside them on another stream, such as a dispatcher's under the micro-batch overlap",
                           &gemm_sms);
     if (rc != MOERT_OK) return rc;
-    bool gemm_sm_refill = true;
-    rc = host->option_bool(host, "gemm_sm_refill", true,
-                           "CUDA, micro-batch overlap with parallel.overlap_comm_sms: the wgmma forward and dgrad "
-                           "launch a second grid's worth of CTAs that take back the SMs they left a dispatcher call "
-                           "once it ends (false: they run on the SMs left to them until they end)",
-                           &gemm_sm_refill);
-    if (rc != MOERT_OK) return rc;
     bool gemm_graphs = false;
     rc = host->option_bool(host, "gemm_graphs", false,
                            "CUDA: replay a grouped GEMM from a CUDA graph when its count vector repeats "
@@ -323,7 +315,6 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
     c->gemm_streams = (int)gemm_streams;
     c->gemm_sms = (int)gemm_sms;
     c->gemm_graphs = gemm_graphs;
-    c->gemm_sm_refill = gemm_sm_refill;
     c->gemm_engine = gemm_choice;
     c->wgrad_engine = wgrad_choice;
     c->wgrad_schedule = wgrad_schedule;
@@ -567,7 +558,6 @@ static moert_result kernel_grouped_gemm(bf16_ctx *c, moert_stream stream, const 
         }
         ka.work_counter = yield_counter(c, stream);
         if (ka.work_counter) ka.sm_yield = MOERT_LAYER_INFO_SM_YIELD(&c->layer);
-        ka.sm_refill = c->gemm_sm_refill;
     }
     return bf16_device_gemm(c->host, (cudaStream_t)stream, &ka);
 }

@@ -108,10 +108,7 @@ fail:
     return rc;
 }
 
-/* Stream priorities, lowest first: side work (wgrad, shared expert), compute, communication. */
-typedef enum { PRIORITY_LOW, PRIORITY_HIGH, PRIORITY_HIGHEST } stream_priority;
-
-static moert_result stream_create_at(int device, stream_priority priority, moert_stream *out)
+static moert_result stream_create_at(int device, bool high_priority, moert_stream *out)
 {
     moert_result rc = MOERT_OK;
     cudaStream_t s = NULL;
@@ -122,11 +119,7 @@ static moert_result stream_create_at(int device, stream_priority priority, moert
     cudaError_t err = cudaDeviceGetStreamPriorityRange(&least, &greatest);
     if (err == cudaSuccess) {
         call = "cudaStreamCreateWithPriority";
-        /* greater priorities are numerically lower; HIGH is one step below the greatest where the range allows */
-        int value = least;
-        if (priority == PRIORITY_HIGHEST) value = greatest;
-        if (priority == PRIORITY_HIGH) value = greatest < least ? greatest + 1 : greatest;
-        err = cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, value);
+        err = cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, high_priority ? greatest : least);
     }
     restore_device(device, prev);
     if (err != cudaSuccess) {
@@ -138,19 +131,11 @@ fail:
     return rc;
 }
 
-moert_result moert_cuda_stream_create(int device, moert_stream *out)
-{
-    return stream_create_at(device, PRIORITY_LOW, out);
-}
+moert_result moert_cuda_stream_create(int device, moert_stream *out) { return stream_create_at(device, false, out); }
 
 moert_result moert_cuda_stream_create_high_priority(int device, moert_stream *out)
 {
-    return stream_create_at(device, PRIORITY_HIGH, out);
-}
-
-moert_result moert_cuda_stream_create_comm_priority(int device, moert_stream *out)
-{
-    return stream_create_at(device, PRIORITY_HIGHEST, out);
+    return stream_create_at(device, true, out);
 }
 
 void moert_cuda_stream_destroy(moert_stream s)

@@ -37,11 +37,8 @@ moert_result moert_cuda_device_synchronize(int device);
 
 /* Streams: created non-blocking with respect to the legacy default stream, on `device`. */
 moert_result moert_cuda_stream_create(int device, moert_stream *out);
-/* A compute stream: its pending blocks are scheduled before those of plain streams (wgrad, shared expert). */
+/* A stream at the device's highest priority: its pending blocks are scheduled before other streams' ones. */
 moert_result moert_cuda_stream_create_high_priority(int device, moert_stream *out);
-/* The communication stream, at the device's highest priority: a dispatcher's pending blocks take a freed SM before a
- * compute stream's (the GEMMs' second grid waiting to take back the SMs they left it, device_gemm.h). */
-moert_result moert_cuda_stream_create_comm_priority(int device, moert_stream *out);
 void moert_cuda_stream_destroy(moert_stream s);
 moert_result moert_cuda_stream_synchronize(moert_stream s);
 /* *done = true when every piece of work queued on s so far has finished. */
