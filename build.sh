@@ -33,7 +33,15 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 if [ ! -f "$BUILD_DIR/build.ninja" ]; then
-  meson setup "$BUILD_DIR"
+  setup_args=()
+  # Meson before 1.4 asks nvcc for no dependency files, so a changed header would rebuild no .cu: CUDA goes through
+  # tools/nvcc-depfile, which writes them (docs/gpu.md)
+  if command -v nvcc >/dev/null && [ "$(printf '%s\n' "$(meson --version)" 1.4 | sort -V | head -1)" != 1.4 ]; then
+    mkdir -p "$BUILD_DIR"
+    printf "[binaries]\ncuda = '%s/tools/nvcc-depfile'\n" "$PWD" > "$BUILD_DIR/nvcc-depfile.ini"
+    setup_args+=(--native-file "$BUILD_DIR/nvcc-depfile.ini")
+  fi
+  meson setup "$BUILD_DIR" "${setup_args[@]}"
 fi
 # install: the prefix goes into the build (meson setup would keep an existing build's prefix without a word)
 if [ "${1:-build}" = install ]; then
