@@ -11,6 +11,7 @@
  *   every element and against double-precision dot products on sampled elements.
  * - CUDA graph capture: FORWARD, DGRAD and WGRAD captured once, replayed with other counts written into the same
  *   device buffer, each replay against the CPU.
+ * - the fp32 -> bf16 conversion of the weight copies on each of its paths, bit for bit against the host's rounding.
  * - the plugin with "gemm": "kernel" on a CUDA rank's host: flags (graph-capturable, no host sync), every pass with the
  *   counts on the device only against the CPU plugin, a grouped_gemm call captured into a graph, and refusals (fp32
  *   storage, sizes not multiples of 8, a bad value).
@@ -545,6 +546,64 @@ static void run_yield(cudaStream_t stream)
     problem_free(&p);
 }
 
+/* ---- fp32 -> bf16 (the bf16 copy of fp32 weights) ---- */
+
+/* moert_bf16_cuda_round_to_bf16 on each of its paths (eight elements a thread, four, one: by the count and the
+ * pointers' alignment) against the host's round-to-nearest-even, bit for bit: random bit patterns, exact ties, values
+ * rounding to infinity, subnormals; NaN stays NaN (its payload is not compared). */
+static void run_round_to_bf16(cudaStream_t stream)
+{
+    const int64_t max_n = 4100;
+    float *src = xalloc((size_t)max_n * sizeof(float));
+    uint64_t rng = 77;
+    for (int64_t i = 0; i < max_n; i++) {
+        uint32_t bits = (uint32_t)(test_uniform(&rng) * 4294967296.0);
+        if (i % 7 == 0) bits = (bits & 0xffff0000u) | 0x8000u; /* an exact tie */
+        if (i % 11 == 0) bits &= 0x807fffffu;                  /* subnormal */
+        if (i == 5) bits = 0x7f7fffffu;                        /* rounds to infinity */
+        if (i == 6) bits = 0x7fc00001u;                        /* NaN */
+        memcpy(&src[i], &bits, 4);
+    }
+    float *d_src = NULL;
+    uint16_t *d_dst = NULL;
+    CK(cudaMalloc((void **)&d_src, (size_t)max_n * sizeof(float)));
+    CK(cudaMalloc((void **)&d_dst, (size_t)(max_n + 8) * sizeof(uint16_t)));
+    CK(cudaMemcpy(d_src, src, (size_t)max_n * sizeof(float), cudaMemcpyHostToDevice));
+    /* n and the destination's offset in elements: 8 per thread (aligned), 4 (n % 8 == 4; then a destination 8 bytes
+     * off 16), 1 (odd n) */
+    static const struct {
+        int64_t n, dst_offset;
+        const char *path;
+    } cases[] = {{4096, 0, "8 a thread"},
+                 {4100, 0, "4 a thread"},
+                 {4096, 4, "4 a thread, dst 8 bytes off"},
+                 {4099, 0, "1 a thread"}};
+    uint16_t *got = xalloc((size_t)max_n * sizeof(uint16_t));
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const int64_t n = cases[c].n;
+        uint16_t *dst = d_dst + cases[c].dst_offset;
+        if (moert_bf16_cuda_round_to_bf16(&gpu_test_host, stream, n, d_src, dst) != MOERT_OK) {
+            fprintf(stderr, "round_to_bf16: %s\n", gpu_test_error);
+            test_failures++;
+        }
+        CK(cudaStreamSynchronize(stream));
+        CK(cudaMemcpy(got, dst, (size_t)n * sizeof(uint16_t), cudaMemcpyDeviceToHost));
+        int64_t diffs = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const uint16_t want = moert_bf16_from_float(src[i]);
+            const bool want_nan = (want & 0x7fffu) > 0x7f80u, got_nan = (got[i] & 0x7fffu) > 0x7f80u;
+            diffs += want_nan ? !got_nan : got[i] != want;
+        }
+        char what[96];
+        snprintf(what, sizeof what, "round_to_bf16 %lld values, %s: as the host's", (long long)n, cases[c].path);
+        record(what, 0, 0, diffs);
+    }
+    free(got);
+    free(src);
+    CK(cudaFree(d_src));
+    CK(cudaFree(d_dst));
+}
+
 /* ---- CUDA graph capture: the three passes captured once, replayed with other counts ---- */
 
 static void run_graph(cudaStream_t stream)
@@ -872,6 +931,7 @@ int main(void)
     tile_n = 0, engine = BF16_DEVICE_GEMM_ENGINE_AUTO, cluster = 0, schedule = 0;
     run_bad_args(raw_stream);
     run_graph(raw_stream);
+    run_round_to_bf16(raw_stream);
     if (hopper) run_yield(raw_stream);
     run_big(raw_stream);
     CK(cudaStreamDestroy(raw_stream));
