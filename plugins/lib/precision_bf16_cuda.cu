@@ -1099,24 +1099,6 @@ extern "C" moert_result moert_bf16_cuda_run(moert_bf16_cuda *g, cudaStream_t str
 #define CONVERT_THREADS    256
 #define CONVERT_MAX_BLOCKS 4096
 
-/* Eight elements per thread and step: two 16-byte loads in flight, one 16-byte store. With one load a thread the
- * conversion of a deepseek-v3 layer's fp32 expert weights ran at about half of an H200's copy rate. */
-__global__ void round_to_bf16_vec8_kernel(int64_t octets, const float4 *__restrict__ src, uint4 *__restrict__ dst)
-{
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < octets; i += (int64_t)gridDim.x * blockDim.x) {
-        const float4 a = src[2 * i], b = src[2 * i + 1];
-        union {
-            __nv_bfloat162 h[4];
-            uint4 u;
-        } out;
-        out.h[0] = __floats2bfloat162_rn(a.x, a.y);
-        out.h[1] = __floats2bfloat162_rn(a.z, a.w);
-        out.h[2] = __floats2bfloat162_rn(b.x, b.y);
-        out.h[3] = __floats2bfloat162_rn(b.z, b.w);
-        dst[i] = out.u;
-    }
-}
-
 /* Four elements per thread and step: one 16-byte load, one 8-byte store. */
 __global__ void round_to_bf16_vec4_kernel(int64_t quads, const float4 *__restrict__ src,
                                           __nv_bfloat162 *__restrict__ dst)
@@ -1143,24 +1125,19 @@ extern "C" moert_result moert_bf16_cuda_round_to_bf16(const moert_host *host, cu
         return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 cuda: round_to_bf16 of %lld elements", (long long)n);
     if (n == 0) return MOERT_OK;
     if (!src || !dst) return report(host, MOERT_ERR_INVALID_ARGUMENT, "bf16 cuda: round_to_bf16 needs src and dst");
-    const bool vec8 = n % 8 == 0 && (uintptr_t)src % 16 == 0 && (uintptr_t)dst % 16 == 0;
-    const bool vec4 = !vec8 && n % 4 == 0 && (uintptr_t)src % 16 == 0 && (uintptr_t)dst % 8 == 0;
-    const int64_t work = vec8 ? n / 8 : vec4 ? n / 4 : n;
+    const bool vec = n % 4 == 0 && (uintptr_t)src % 16 == 0 && (uintptr_t)dst % 8 == 0;
+    const int64_t work = vec ? n / 4 : n;
     int64_t blocks = (work + CONVERT_THREADS - 1) / CONVERT_THREADS;
     if (blocks > CONVERT_MAX_BLOCKS) blocks = CONVERT_MAX_BLOCKS;
-    const char *kernel = vec8   ? "round_to_bf16_vec8_kernel"
-                         : vec4 ? "round_to_bf16_vec4_kernel"
-                                : "round_to_bf16_kernel";
-    if (vec8)
-        round_to_bf16_vec8_kernel<<<(int)blocks, CONVERT_THREADS, 0, stream>>>(work, (const float4 *)src, (uint4 *)dst);
-    else if (vec4)
+    if (vec)
         round_to_bf16_vec4_kernel<<<(int)blocks, CONVERT_THREADS, 0, stream>>>(work, (const float4 *)src,
                                                                                (__nv_bfloat162 *)dst);
     else
         round_to_bf16_kernel<<<(int)blocks, CONVERT_THREADS, 0, stream>>>(n, src, (__nv_bfloat16 *)dst);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess)
-        return report(host, MOERT_ERR_CUDA, "launch of %s failed: %s (%s:%d)", kernel, cudaGetErrorString(err),
-                      __FILE__, __LINE__);
+        return report(host, MOERT_ERR_CUDA, "launch of %s failed: %s (%s:%d)",
+                      vec ? "round_to_bf16_vec4_kernel" : "round_to_bf16_kernel", cudaGetErrorString(err), __FILE__,
+                      __LINE__);
     return MOERT_OK;
 }
