@@ -413,16 +413,12 @@ static int grid_for_tokens(int64_t tokens)
     return (int)(blocks < 16384 ? (blocks > 0 ? blocks : 1) : 16384);
 }
 
-/* The grid of a kernel that counts the experts chosen into a block histogram (block_counts_*): each block takes
- * COUNTING_TOKENS_PER_WARP tokens a warp or more, so that the global adds (one per expert and block) stay few. Every
- * token's copies adding 1 to one of E int64 counters straight in global memory serialised in L2 (65536 adds onto 32
- * counters took ~50 us on an H200). */
+/* The grid of a kernel that counts the experts chosen into a block histogram (block_counts_*): blocks of
+ * COUNTING_TOKENS_PER_WARP tokens a warp, so that the global adds (one per expert and block) stay few. */
 #define COUNTING_TOKENS_PER_WARP 8
 static int grid_for_counting(int64_t tokens)
 {
-    int64_t per_block = (int64_t)WARPS_PER_BLOCK * COUNTING_TOKENS_PER_WARP;
-    int64_t blocks = (tokens + per_block - 1) / per_block;
-    return (int)(blocks < 16384 ? (blocks > 0 ? blocks : 1) : 16384);
+    return grid_for_tokens((tokens + COUNTING_TOKENS_PER_WARP - 1) / COUNTING_TOKENS_PER_WARP);
 }
 
 /* Scores, top-k, probs and counts, with the plugin path's extras; see router_cuda.h. */

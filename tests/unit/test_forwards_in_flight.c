@@ -7,7 +7,6 @@
  * forwards ahead, each next forward merged with the backward two micro-batches back (moert_moe_forward_backward on a
  * third slot). Also: a fourth forward of a layer holding three is refused, naming the option; rebinding a value while
  * forwards are in flight is refused; the layers report their slots. */
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -188,11 +187,11 @@ fail:
     return rc;
 }
 
-static void *rank_main(void *arg)
+/* Rank `rank` of test_run_ranks: its runs in order, stopping at the first failure. */
+static void rank_main(int rank, void *jobs)
 {
-    rank_job *job = arg;
+    rank_job *job = (rank_job *)jobs + rank;
     for (int k = 0; k < RUNS && job->rc == MOERT_OK; k++) job->rc = one_run(job, k);
-    return NULL;
 }
 
 int main(void)
@@ -209,9 +208,7 @@ int main(void)
             EXPECT_OK(moert_config_load_string(json, "forwards-in-flight", &jobs[r].cfg[k]));
         }
     }
-    pthread_t th[WORLD];
-    for (int r = 0; r < WORLD; r++) pthread_create(&th[r], NULL, rank_main, &jobs[r]);
-    for (int r = 0; r < WORLD; r++) pthread_join(th[r], NULL);
+    test_run_ranks(WORLD, rank_main, jobs);
     for (int r = 0; r < WORLD; r++) {
         EXPECT_OK(jobs[r].rc);
         for (int k = 1; k < RUNS && jobs[r].rc == MOERT_OK; k++) {
