@@ -45,6 +45,7 @@ typedef struct bf16_ctx {
     bool on_cuda;       /* the layer is on a CUDA device: the CUDA path serves it */
     int gemm_streams;   /* option: streams of the CUDA per-expert loop (1: the caller's only) */
     int gemm_sms;       /* option: SMs the CUDA GEMMs may take (0: all) */
+    int wgrad_sms;      /* option: SMs the WGRAD kernel may take (0: as gemm_sms) */
     bool gemm_graphs;   /* option: CUDA graph replay of repeated count vectors */
     int gemm_engine;    /* option "gemm": GEMM_AUTO, GEMM_CUBLASLT or GEMM_KERNEL */
     int wgrad_engine;   /* option "wgrad_gemm": GEMM_AUTO (as "gemm"), GEMM_CUBLASLT or GEMM_KERNEL */
@@ -270,6 +271,13 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
                           "beside them on another stream, such as a dispatcher's under the micro-batch overlap",
                           &gemm_sms);
     if (rc != MOERT_OK) return rc;
+    int64_t wgrad_sms = 0;
+    rc = host->option_int(host, "wgrad_sms", 0, 0, 4096,
+                          "CUDA, weight gradients on the kernel: the SMs its persistent grid may take (0: as "
+                          "gemm_sms); fewer leave SMs to the other half's GEMMs and the dispatcher under the "
+                          "micro-batch overlap, where the weight gradients fill the gaps",
+                          &wgrad_sms);
+    if (rc != MOERT_OK) return rc;
     bool gemm_graphs = false;
     rc = host->option_bool(host, "gemm_graphs", false,
                            "CUDA: replay a grouped GEMM from a CUDA graph when its count vector repeats "
@@ -314,6 +322,7 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
     c->on_cuda = layer->device.type == MOERT_DEVICE_CUDA;
     c->gemm_streams = (int)gemm_streams;
     c->gemm_sms = (int)gemm_sms;
+    c->wgrad_sms = (int)wgrad_sms;
     c->gemm_graphs = gemm_graphs;
     c->gemm_engine = gemm_choice;
     c->wgrad_engine = wgrad_choice;
@@ -536,6 +545,7 @@ static moert_result kernel_grouped_gemm(bf16_ctx *c, moert_stream stream, const 
         ka.grad_weight_bf16 = gw == MOERT_BF16;
         ka.accumulate = !moert_gemm_overwrites_grad(args);
         ka.wgrad_schedule = c->wgrad_schedule;
+        if (c->wgrad_sms > 0) ka.max_sms = c->wgrad_sms;
     } else {
         const moert_dtype wd = args->weight->dtype;
         if (wd == MOERT_BF16) {

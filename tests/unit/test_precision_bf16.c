@@ -404,15 +404,17 @@ static void check_errors(void)
                                      "{\"gemm\": \"cublaslt\", \"wgrad_gemm\": \"kernel\"}", &layer, NULL, 0, 1),
                   MOERT_OK);
     test_instance_close(&ti);
-    /* gemm_sms: an SM count, 0 (all) or more; a negative or mistyped one names the key */
-    static const char *const bad_sms[] = {"{\"gemm_sms\": -1}", "{\"gemm_sms\": \"108\"}", "{\"gemm_sms\": 1.5}"};
+    /* gemm_sms and wgrad_sms: an SM count, 0 (all) or more; a negative or mistyped one names the key */
+    static const char *const bad_sms[] = {"{\"gemm_sms\": -1}",  "{\"gemm_sms\": \"108\"}",  "{\"gemm_sms\": 1.5}",
+                                          "{\"wgrad_sms\": -1}", "{\"wgrad_sms\": \"108\"}", "{\"wgrad_sms\": 4097}"};
     for (size_t i = 0; i < sizeof bad_sms / sizeof bad_sms[0]; i++) {
         EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, bad_sms[i], &layer, NULL, 0, 1),
                       MOERT_ERR_CONFIG);
-        EXPECT_ERROR_CONTAINS("gemm_sms");
+        EXPECT_ERROR_CONTAINS(i < 3 ? "gemm_sms" : "wgrad_sms");
         test_instance_close(&ti);
     }
-    EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, "{\"gemm_sms\": 108}", &layer, NULL, 0, 1),
+    EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN, "{\"gemm_sms\": 108, \"wgrad_sms\": 100}",
+                                     &layer, NULL, 0, 1),
                   MOERT_OK);
     test_instance_close(&ti);
     /* a layer on a device the plugin has no path for names the device (and, without CUDA, the build) */
