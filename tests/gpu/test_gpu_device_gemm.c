@@ -12,6 +12,8 @@
  * - CUDA graph capture: FORWARD, DGRAD and WGRAD captured once, replayed with other counts written into the same
  *   device buffer, each replay against the CPU.
  * - the fp32 -> bf16 conversion of the weight copies on each of its paths, bit for bit against the host's rounding.
+ * - the wgmma engine's persistent grid capped at a few CTAs (max_sms), every pass and WGRAD schedule: bit for bit the
+ *   whole grid's output.
  * - the plugin with "gemm": "kernel" on a CUDA rank's host: flags (graph-capturable, no host sync), every pass with the
  *   counts on the device only against the CPU plugin, a grouped_gemm call captured into a graph, and refusals (fp32
  *   storage, sizes not multiples of 8, a bad value).
@@ -546,6 +548,53 @@ static void run_yield(cudaStream_t stream)
     problem_free(&p);
 }
 
+/* ---- a persistent grid of fewer CTAs (max_sms: "gemm_sms", "wgrad_sms") ---- */
+
+/* Every pass on the wgmma engine with its grid capped at 5 and at 24 CTAs (an odd count, not a whole number of the
+ * WGRAD's clusters, and the dispatcher's usual share), the WGRAD on each schedule and cluster size: bit for bit the
+ * output of the whole grid, since a tile is computed the same whichever CTA takes it. */
+static void run_grid_caps(cudaStream_t stream)
+{
+    const int E = 6;
+    const int64_t K = 512, N = 768;
+    const int64_t counts[6] = {512, 0, 333, 129, 700, 64};
+    problem p;
+    problem_make(&p, E, K, N, counts, 0, 47);
+    /* pass, overwrite, WGRAD cluster, WGRAD schedule */
+    static const int runs[][4] = {{0, 1, 0, 0}, {1, 1, 0, 0}, {2, 1, 0, 0}, {2, 0, 0, 0},
+                                  {2, 0, 4, 0}, {2, 1, 2, 0}, {2, 0, 1, 0}, {2, 1, 0, BF16_WGMMA_WGRAD_COOPERATIVE}};
+    for (size_t r = 0; r < sizeof runs / sizeof runs[0]; r++) {
+        const int pass = runs[r][0];
+        const bool overwrite = runs[r][1];
+        engine = BF16_DEVICE_GEMM_ENGINE_WGMMA, cluster = runs[r][2], schedule = runs[r][3];
+        moert_dtype dt;
+        const size_t bytes = (size_t)out_elems(&p, pass, false, &dt) * moert_dtype_size(dt);
+        void *want = gpu_pass(&p, pass, overwrite, false, stream);
+        static const int caps[] = {5, 24};
+        for (size_t c = 0; c < sizeof caps / sizeof caps[0]; c++) {
+            void *out = out_initial(&p, pass, false);
+            void *d_out = gpu_upload_new(out, bytes);
+            bf16_device_gemm_args a = kernel_args(&p, pass, d_out, overwrite, false);
+            a.max_sms = caps[c];
+            if (bf16_device_gemm(&gpu_test_host, stream, &a) != MOERT_OK) {
+                fprintf(stderr, "bf16_device_gemm with max_sms %d: %s\n", caps[c], gpu_test_error);
+                test_failures++;
+            }
+            CK(cudaStreamSynchronize(stream));
+            from_device(out, d_out, bytes);
+            CK(cudaFree(d_out));
+            char what[96];
+            snprintf(what, sizeof what, "%s grid of %d CTAs, %s%s: as the whole grid", engine_label(), caps[c],
+                     pass_names[pass], pass == 2 ? (overwrite ? " overwrite" : " accumulate") : "");
+            record(what, 0, 0, memcmp(out, want, bytes) != 0);
+            free(out);
+        }
+        free(want);
+    }
+    engine = BF16_DEVICE_GEMM_ENGINE_AUTO, cluster = 0, schedule = 0;
+    problem_free(&p);
+}
+
 /* ---- fp32 -> bf16 (the bf16 copy of fp32 weights) ---- */
 
 /* moert_bf16_cuda_round_to_bf16 on each of its paths (four elements a thread or one: by the count and the pointers'
@@ -933,6 +982,7 @@ int main(void)
     run_graph(raw_stream);
     run_round_to_bf16(raw_stream);
     if (hopper) run_yield(raw_stream);
+    if (hopper) run_grid_caps(raw_stream);
     run_big(raw_stream);
     CK(cudaStreamDestroy(raw_stream));
 
