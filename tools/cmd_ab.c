@@ -138,7 +138,7 @@ typedef struct ab_config {
         char dtype[16];
     } model;
     struct {
-        int64_t ranks, overlap_wgrad, overlap_comm_sms;
+        int64_t ranks, overlap_wgrad, defer_wgrad_join, overlap_comm_sms;
         char cuda_graph[16], overlap_micro_batches[16];
     } parallel;
     struct {
@@ -165,6 +165,7 @@ static moert_result read_ab_config(const moert_config *cfg, ab_config *c)
         {"model.num_layers", offsetof(ab_config, model.num_layers)},
         {"parallel.ranks", offsetof(ab_config, parallel.ranks)},
         {"parallel.overlap_wgrad", offsetof(ab_config, parallel.overlap_wgrad)},
+        {"parallel.defer_wgrad_join", offsetof(ab_config, parallel.defer_wgrad_join)},
         {"parallel.overlap_comm_sms", offsetof(ab_config, parallel.overlap_comm_sms)},
         {"train.steps", offsetof(ab_config, train.steps)},
         {"train.tokens_per_rank", offsetof(ab_config, train.tokens_per_rank)},
@@ -733,6 +734,9 @@ static void build_header(const ab_side *a, const ab_side *b, int64_t warmup, int
     if (ca->parallel.overlap_wgrad != cb->parallel.overlap_wgrad)
         header_add(h, "differs: parallel.overlap_wgrad: A %s, B %s", ca->parallel.overlap_wgrad ? "true" : "false",
                    cb->parallel.overlap_wgrad ? "true" : "false");
+    if (ca->parallel.defer_wgrad_join != cb->parallel.defer_wgrad_join)
+        header_add(h, "differs: parallel.defer_wgrad_join: A %s, B %s",
+                   ca->parallel.defer_wgrad_join ? "true" : "false", cb->parallel.defer_wgrad_join ? "true" : "false");
     if (ca->parallel.overlap_comm_sms != cb->parallel.overlap_comm_sms)
         header_add(h, "differs: parallel.overlap_comm_sms: A %lld, B %lld", (long long)ca->parallel.overlap_comm_sms,
                    (long long)cb->parallel.overlap_comm_sms);

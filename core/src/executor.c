@@ -733,11 +733,11 @@ void moert_layer_free(moert_layer *L)
     for (int m = 0; m < MOERT_LAYER_MARKS; m++)
         if (L->mark_events[m]) moert_cuda_event_destroy(L->mark_events[m]);
 #endif
-    if (L->wgrad_stream) {
+    if (L->wgrad_stream) { /* another slot's layer shares slot 0's stream: its own events only */
         if (h->stream_synchronize(h, L->wgrad_stream) != MOERT_OK) (void)moert_host_take_error((moert_host *)h);
         h->event_destroy(h, L->wgrad_fork_event);
         h->event_destroy(h, L->wgrad_join_event);
-        h->stream_destroy(h, L->wgrad_stream);
+        if (!L->wgrad_owner) h->stream_destroy(h, L->wgrad_stream);
         L->wgrad_stream = NULL;
         L->wgrad_fork_event = L->wgrad_join_event = NULL;
     }
@@ -1296,8 +1296,27 @@ fail:
 
 static moert_result ensure_wgrad_stream(moert_layer *L)
 {
-    return ensure_side_stream(L, &L->wgrad_stream, &L->wgrad_fork_event, &L->wgrad_join_event,
-                              "creating the wgrad stream and its events");
+    moert_layer *owner = L->wgrad_owner;
+    if (!owner)
+        return ensure_side_stream(L, &L->wgrad_stream, &L->wgrad_fork_event, &L->wgrad_join_event,
+                                  "creating the wgrad stream and its events");
+    /* another slot: slot 0's stream, events of its own */
+    moert_result rc = MOERT_OK;
+    const moert_host *h = L->core_host;
+    MOERT_CHECK(ensure_side_stream(owner, &owner->wgrad_stream, &owner->wgrad_fork_event, &owner->wgrad_join_event,
+                                   "creating the wgrad stream and its events"));
+    if (L->wgrad_stream || !owner->wgrad_stream) return MOERT_OK;
+    moert_event fork = NULL, join = NULL;
+    HOST_CALL(h->event_create(h, &fork), "creating the wgrad stream's events", MOERT_ACT_COUNT);
+    if ((rc = h->event_create(h, &join)) != MOERT_OK) {
+        h->event_destroy(h, fork);
+        HOST_CALL(rc, "creating the wgrad stream's events", MOERT_ACT_COUNT);
+    }
+    L->wgrad_fork_event = fork;
+    L->wgrad_join_event = join;
+    L->wgrad_stream = owner->wgrad_stream;
+fail:
+    return rc;
 }
 
 static moert_result wgrad_on(moert_layer *L, moert_stream stream, moert_backward_part p, moert_gemm_weight which,
@@ -1440,7 +1459,18 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
     MOERT_CHECK(part_end(L, MOERT_BWD_ROUTER, L->stream));
     yield_point(L);
 
-    if (overlap && side) {
+    if (overlap && side && L->defer_wgrad_join) {
+        /* the compute stream goes on: the wgrads' inputs go back to the pool on the wgrad stream, their last user,
+         * and whoever reads the gradients first waits for wgrad_join_event (moert_layer_join_wgrads) */
+        moert_host_use_stream((moert_host *)L->core_host, side);
+        tensor_release(L, &d_y_expert);
+        moert_act_store_done(&L->acts, MOERT_ACT_SWIGLU_OUT);
+        tensor_release(L, &d_fc1);
+        moert_act_store_done(&L->acts, MOERT_ACT_DISPATCHED_X);
+        moert_host_use_stream((moert_host *)L->core_host, L->stream);
+        forked = false;
+        L->wgrad_pending = true;
+    } else if (overlap && side) {
         MOERT_CHECK(part_begin(L, MOERT_BWD_WGRAD_WAIT, L->stream));
         forked = false;
         HOST_CALL(h->stream_wait_event(h, L->stream, L->wgrad_join_event), "joining the wgrad stream", MOERT_ACT_COUNT);
@@ -1473,6 +1503,18 @@ fail:
     tensor_release(L, &d_probs);
     tensor_release(L, &local_d_recv_x);
     tensor_release(L, &local_d_recv_probs);
+    return rc;
+}
+
+/* `stream` waits for the WGRADs a deferred backward of L left running (nothing when none is pending). */
+moert_result moert_layer_join_wgrads(moert_layer *L, moert_stream stream)
+{
+    moert_result rc = MOERT_OK;
+    const moert_host *h = L->core_host;
+    if (!L->wgrad_pending) return MOERT_OK;
+    HOST_CALL(h->stream_wait_event(h, stream, L->wgrad_join_event), "joining the wgrad stream", MOERT_ACT_COUNT);
+    L->wgrad_pending = false;
+fail:
     return rc;
 }
 

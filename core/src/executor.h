@@ -118,6 +118,14 @@ typedef struct moert_layer {
     bool overlap_wgrad;
     moert_stream wgrad_stream;
     moert_event wgrad_fork_event, wgrad_join_event;
+    /* another slot's layer (forwards_in_flight, the micro-batch overlap): slot 0's layer of the same index, whose
+     * wgrad stream it shares, so the slots' WGRADs into the same gradients run in the order they were issued */
+    struct moert_layer *wgrad_owner;
+    /* set around a merged call's backward: the compute stream does not wait for the WGRADs at the backward's end
+     * (their inputs go back to the pool on the wgrad stream); wgrad_pending until a compute stream has waited */
+    bool defer_wgrad_join_allowed; /* $.parallel.defer_wgrad_join */
+    bool defer_wgrad_join;
+    bool wgrad_pending;
 
     /* the shared expert ($.model.shared_expert_ffn_hidden > 0): a dense SwiGLU over every token added to the output,
      * its GEMMs through `shared_precision`, the precision plugin instantiated for one expert of width shared_ffn
@@ -198,6 +206,8 @@ void moert_layer_free(moert_layer *L);
 moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_tensor *y);
 /* From d_y computes d_x (overwritten) and adds parameter gradients; router losses enter with loss_scale. */
 moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert_tensor *d_x, double loss_scale);
+/* `stream` waits for the WGRADs a deferred backward of L left running (defer_wgrad_join); nothing when none is. */
+moert_result moert_layer_join_wgrads(moert_layer *L, moert_stream stream);
 /* Between forward and backward a layer's saved activations are in L->acts: its callers run the layer boundaries of the
  * store (moert_act_store_start_offloads, _release_finished, _prefetch; activation_store.h). */
 /* Fills stage_seconds and backward_part_seconds from the last forward and backward (waits for their work on GPUs). */

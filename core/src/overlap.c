@@ -240,6 +240,18 @@ fail:
     return rc;
 }
 
+/* Slot 0's stream waits for every WGRAD a merged call's backward left running, of every layer and slot, so that the
+ * gradients are whole on it after a plain backward. */
+static moert_result join_deferred_wgrads(moert_overlap *o)
+{
+    moert_result rc = MOERT_OK;
+    const moert_stream stream = o->primary->layers[0].stream;
+    for (int l = 0; l < o->primary->num_layers && rc == MOERT_OK; l++)
+        for (int slot = 0; slot < o->slots && rc == MOERT_OK; slot++)
+            rc = moert_layer_join_wgrads(slot == 0 ? &o->primary->layers[l] : &o->twins[slot - 1].layers[l], stream);
+    return rc;
+}
+
 moert_result moert_overlap_backward(moert_overlap *o, int l, int slot, const moert_tensor *d_y, moert_tensor *d_x,
                                     double loss_scale)
 {
@@ -249,6 +261,8 @@ moert_result moert_overlap_backward(moert_overlap *o, int l, int slot, const moe
     rc = moert_layer_backward(moert_overlap_layer(o, l, slot), d_y, d_x, loss_scale);
     sync_back(o, l, slot);
     rc_join = join_twin(o, slot);
+    if (rc == MOERT_OK) rc = rc_join;
+    rc_join = join_deferred_wgrads(o);
     if (rc == MOERT_OK) rc = rc_join;
 fail:
     return rc;
@@ -371,12 +385,14 @@ moert_result moert_overlap_forward_backward(moert_overlap *o, int fl, int fslot,
     MOERT_CHECK(fork_twin(o, fslot));
     if (bslot != fslot) MOERT_CHECK(fork_twin(o, bslot));
     moert_layer *F = moert_overlap_layer(o, fl, fslot), *B = moert_overlap_layer(o, bl, bslot);
+    B->defer_wgrad_join = B->defer_wgrad_join_allowed;
     if (o->interleave && o->merge && fslot != bslot) {
         rc = run_interleaved(F, x, y, B, d_y, d_x, loss_scale);
     } else {
         rc = moert_layer_forward(F, x, y);
         if (rc == MOERT_OK) rc = moert_layer_backward(B, d_y, d_x, loss_scale);
     }
+    B->defer_wgrad_join = false;
     sync_back(o, bl, bslot);
     rc_join = join_twin(o, fslot);
     if (bslot != fslot) {

@@ -6,7 +6,8 @@
  * twins share the scales and amax histories on the device); on 2 and 4 GPUs the dispatchers whose kernels spin until
  * their peers' arrive, deepep and hybridep, in bf16 with 4 micro-batches, and with the bf16 recipe's "gemm": "kernel"
  * (a persistent GEMM holding the other SMs) and 3 micro-batches, where two slots' dispatcher kernels on two streams
- * once stalled a step. The check is bit-identity of every step's loss, the output and every gradient of layer 0 and
+ * once stalled a step. Each "on" runs twice: as it is, and with $.parallel.defer_wgrad_join (a merged call's weight
+ * gradients left running past it, joined by the last plain backward). The check is bit-identity of every step's loss, the output and every gradient of layer 0 and
  * 2, unless two "off" runs already differ (a kernel summing with atomics in whatever order the blocks come): then on
  * vs off may differ by 4x that noise (at least 1e-5 of the largest value) and the log says so. Also: "auto" makes no
  * second slot (hybridep, 4 micro-batches, more than one GPU: the overlap is off unless asked for). A stall ends with a message, never a hang: deepep's
@@ -85,20 +86,21 @@ static const char *dispatcher_section(const char *dispatcher, char *buf, size_t 
     return buf;
 }
 
+/* One run; `deferred`: $.parallel.defer_wgrad_join (a merged call's WGRADs run on past it). */
 static bool run(int ranks, const char *dispatcher, const char *dtype, const char *precision, int micro_batches,
-                const char *mode, outcome *out)
+                const char *mode, bool deferred, outcome *out)
 {
     char json[2048], section[256], what[512];
     snprintf(json, sizeof json,
              "{\"model\": {\"hidden\": 256, \"ffn_hidden\": 128, \"num_experts\": 8, \"topk\": 2, \"num_layers\": 3,"
              " \"dtype\": \"%s\"}, \"parallel\": {\"ranks\": %d, \"device\": \"cuda\", \"overlap_micro_batches\": "
-             "\"%s\", \"timeout_s\": 60}, \"train\": {\"tokens_per_rank\": 256, \"micro_batches\": %d, \"steps\": %d,"
-             " \"seed\": 9, \"lr\": 0.001}, \"router\": {\"score_function\": \"sigmoid\", \"expert_bias\": true,"
-             " \"bias_update_rate\": 0.01}, \"dispatcher\": %s, \"precision\": %s}",
-             dtype, ranks, mode, micro_batches, STEPS, dispatcher_section(dispatcher, section, sizeof section),
-             precision);
-    snprintf(what, sizeof what, "%d GPU(s), %s, %s, %s, %d micro-batches, overlap %s", ranks, dispatcher, dtype,
-             precision, micro_batches, mode);
+             "\"%s\", \"defer_wgrad_join\": %s, \"timeout_s\": 60}, \"train\": {\"tokens_per_rank\": 256, "
+             "\"micro_batches\": %d, \"steps\": %d, \"seed\": 9, \"lr\": 0.001}, \"router\": {\"score_function\": "
+             "\"sigmoid\", \"expert_bias\": true, \"bias_update_rate\": 0.01}, \"dispatcher\": %s, \"precision\": %s}",
+             dtype, ranks, mode, deferred ? "true" : "false", micro_batches, STEPS,
+             dispatcher_section(dispatcher, section, sizeof section), precision);
+    snprintf(what, sizeof what, "%d GPU(s), %s, %s, %s, %d micro-batches, overlap %s%s", ranks, dispatcher, dtype,
+             precision, micro_batches, mode, deferred ? ", WGRAD joins deferred" : "");
     moert_config *cfg = NULL;
     moert_runtime *rt = NULL;
     bool ok = false;
@@ -164,17 +166,19 @@ static double difference(const outcome *a, const outcome *b)
     return largest > 0 ? (diff > 0 ? diff / largest : 1e-300) : INFINITY;
 }
 
-static void check(int ranks, const char *dispatcher, const char *dtype, const char *precision, int micro_batches)
+static void check_mode(int ranks, const char *dispatcher, const char *dtype, const char *precision, int micro_batches,
+                       bool deferred)
 {
     outcome off = {0}, off2 = {0}, on = {0};
-    if (!run(ranks, dispatcher, dtype, precision, micro_batches, "off", &off) ||
-        !run(ranks, dispatcher, dtype, precision, micro_batches, "off", &off2) ||
-        !run(ranks, dispatcher, dtype, precision, micro_batches, "on", &on)) {
+    if (!run(ranks, dispatcher, dtype, precision, micro_batches, "off", false, &off) ||
+        !run(ranks, dispatcher, dtype, precision, micro_batches, "off", false, &off2) ||
+        !run(ranks, dispatcher, dtype, precision, micro_batches, "on", deferred, &on)) {
         fprintf(stderr, "FAIL: %d GPU(s), %s, %s, %s, %d micro-batches: a run failed (above)\n", ranks, dispatcher,
                 dtype, precision, micro_batches);
         test_failures++;
         goto done;
     }
+    if (deferred) dtype = !strcmp(dtype, "bf16") ? "bf16 (WGRAD joins deferred)" : "fp32 (WGRAD joins deferred)";
     const double noise = difference(&off, &off2), d = difference(&off, &on);
     if (noise == 0.0) {
         printf("gpu_overlap: %d GPU(s), %s, %s, %s, %d micro-batches: on vs off %s (losses %.9g ... %.9g)\n", ranks,
@@ -197,6 +201,14 @@ done:
     free(off.values);
     free(off2.values);
     free(on.values);
+}
+
+/* "on" against "off", with each merged call's WGRADs joined at its backward's end and, where the overlap runs on
+ * GPUs, joined only by the next plain backward ($.parallel.defer_wgrad_join). */
+static void check(int ranks, const char *dispatcher, const char *dtype, const char *precision, int micro_batches)
+{
+    check_mode(ranks, dispatcher, dtype, precision, micro_batches, false);
+    check_mode(ranks, dispatcher, dtype, precision, micro_batches, true);
 }
 
 /* "auto" makes no second slot, with hybridep on more than one GPU and >= 2 micro-batches as anywhere: the overlap
