@@ -160,8 +160,13 @@ moert_result moert_layer_collect_times(moert_layer *L)
 {
     moert_result rc = MOERT_OK;
 #ifdef MOERT_HAVE_CUDA
-    if (L->info.device.type == MOERT_DEVICE_CUDA)
+    if (L->info.device.type == MOERT_DEVICE_CUDA) {
         MOERT_CHECK(moert_cuda_event_synchronize(L->mark_events[MARK_BACKWARD_END]));
+        /* parts on the wgrad stream may end after the backward ($.parallel.defer_wgrad_join) */
+        for (int p = 0; p < MOERT_BWD_PART_COUNT; p++)
+            if (L->backward_part_ran[p] && L->backward_part_on_side[p])
+                MOERT_CHECK(moert_cuda_event_synchronize(L->mark_events[MARK_FIRST_PART + 2 * p + 1]));
+    }
 #endif
     for (int s = 0; s < MOERT_STAGE_COUNT - 1; s++) MOERT_CHECK(mark_interval(L, s, s + 1, &L->stage_seconds[s]));
     MOERT_CHECK(mark_interval(L, MARK_BACKWARD_START, MARK_BACKWARD_END, &L->stage_seconds[MOERT_STAGE_BACKWARD]));
