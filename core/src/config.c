@@ -571,7 +571,7 @@ static moert_result parse_parallel(moert_config *cfg, json_t *obj)
                                    "all-to-all (dispatch_backward) and the router's backward",
                                    &p->overlap_wgrad));
     MOERT_CHECK(
-        moert_section_bool(sec, "defer_wgrad_join", false,
+        moert_section_bool(sec, "defer_wgrad_join", true,
                            "under the micro-batch overlap on GPUs: a merged call's weight-gradient GEMMs run on "
                            "past the call instead of the compute stream waiting for them at its backward's end; "
                            "the gradients are whole after the next backward that is not merged",

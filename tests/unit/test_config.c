@@ -42,6 +42,8 @@ static void test_defaults(void)
     EXPECT_EQ_INT(cfg->parallel.cuda_graph, MOERT_GRAPH_AUTO);
     EXPECT_EQ_INT(cfg->parallel.overlap_micro_batches, MOERT_OVERLAP_AUTO);
     EXPECT_EQ_INT(cfg->parallel.overlap_comm_sms, 24);
+    EXPECT(cfg->parallel.overlap_wgrad);
+    EXPECT(cfg->parallel.defer_wgrad_join);
     EXPECT_EQ_INT(cfg->train.steps, 100);
     EXPECT_EQ_INT(cfg->train.tokens_per_rank, 256);
     EXPECT_EQ_INT(cfg->train.micro_batches, 1);
@@ -208,6 +210,8 @@ static void test_errors(void)
                         "config error at $.parallel.overlap_micro_batches: got true, expected one of auto|off|on");
     expect_config_error("{\"parallel\": {\"overlap_micro_batches\": \"yes\"}}", MOERT_ERR_CONFIG,
                         "config error at $.parallel.overlap_micro_batches: got \"yes\", expected one of auto|off|on");
+    expect_config_error("{\"parallel\": {\"defer_wgrad_join\": \"yes\"}}", MOERT_ERR_CONFIG,
+                        "config error at $.parallel.defer_wgrad_join: got \"yes\", expected true or false");
     expect_config_error("{\"parallel\": {\"timeout_s\": 0}}", MOERT_ERR_CONFIG,
                         "config error at $.parallel.timeout_s: got 0, expected a number > 0");
     /* deadlines are computed from it: at most a day (1e19 s used to wrap the deadline and spin for ever) */
