@@ -297,23 +297,32 @@ static void compare(const char *what, const problem *p, int pass, bool overwrite
     record(what, err, dt == MOERT_BF16 ? TOL_BF16 : TOL, diffs);
 }
 
-/* Runs one pass on the kernel into a fresh device copy of the initial result; returns the result on the host. */
-static void *gpu_pass(const problem *p, int pass, bool overwrite, bool bf16_grad, cudaStream_t stream)
+/* Runs one pass on the kernel, its persistent grid at most max_sms CTAs (0: one per SM), into a fresh device copy of
+ * the initial result; returns the result on the host. */
+static void *gpu_pass_capped(const problem *p, int pass, bool overwrite, bool bf16_grad, int max_sms,
+                             cudaStream_t stream)
 {
     moert_dtype dt;
     const int64_t n = out_elems(p, pass, bf16_grad, &dt);
     const size_t bytes = (size_t)n * moert_dtype_size(dt);
     void *out = out_initial(p, pass, bf16_grad);
     void *d_out = gpu_upload_new(out, bytes);
-    const bf16_device_gemm_args a = kernel_args(p, pass, d_out, overwrite, bf16_grad);
+    bf16_device_gemm_args a = kernel_args(p, pass, d_out, overwrite, bf16_grad);
+    a.max_sms = max_sms;
     if (bf16_device_gemm(&gpu_test_host, stream, &a) != MOERT_OK) {
-        fprintf(stderr, "bf16_device_gemm %s failed: %s\n", pass_names[pass], gpu_test_error);
+        fprintf(stderr, "bf16_device_gemm %s (at most %d CTAs) failed: %s\n", pass_names[pass], max_sms,
+                gpu_test_error);
         test_failures++;
     }
     CK(cudaStreamSynchronize(stream));
     from_device(out, d_out, bytes);
     CK(cudaFree(d_out));
     return out;
+}
+
+static void *gpu_pass(const problem *p, int pass, bool overwrite, bool bf16_grad, cudaStream_t stream)
+{
+    return gpu_pass_capped(p, pass, overwrite, bf16_grad, 0, stream);
 }
 
 /* ---- the kernel against the CPU ---- */
@@ -572,17 +581,7 @@ static void run_grid_caps(cudaStream_t stream)
         void *want = gpu_pass(&p, pass, overwrite, false, stream);
         static const int caps[] = {5, 24};
         for (size_t c = 0; c < sizeof caps / sizeof caps[0]; c++) {
-            void *out = out_initial(&p, pass, false);
-            void *d_out = gpu_upload_new(out, bytes);
-            bf16_device_gemm_args a = kernel_args(&p, pass, d_out, overwrite, false);
-            a.max_sms = caps[c];
-            if (bf16_device_gemm(&gpu_test_host, stream, &a) != MOERT_OK) {
-                fprintf(stderr, "bf16_device_gemm with max_sms %d: %s\n", caps[c], gpu_test_error);
-                test_failures++;
-            }
-            CK(cudaStreamSynchronize(stream));
-            from_device(out, d_out, bytes);
-            CK(cudaFree(d_out));
+            void *out = gpu_pass_capped(&p, pass, overwrite, false, caps[c], stream);
             char what[96];
             snprintf(what, sizeof what, "%s grid of %d CTAs, %s%s: as the whole grid", engine_label(), caps[c],
                      pass_names[pass], pass == 2 ? (overwrite ? " overwrite" : " accumulate") : "");
