@@ -855,6 +855,10 @@ MOERT_API moert_result moert_layers_bind_param(moert_layers *m, int layer, moert
     if (value->data == grad->data)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: the %s value and gradient are the same memory", fn,
                            param_name(which));
+    /* a merged call's WGRADs may still write the gradient bound before ($.parallel.defer_wgrad_join): the caller may
+     * free it once it is rebound */
+    if (m->bound[layer][which] && L->params[which].grad.data != grad->data)
+        if ((rc = moert_overlap_wait_wgrads(&m->overlap, layer)) != MOERT_OK) return rc;
     L->params[which].value = *value;
     L->params[which].grad = *grad;
     m->bound[layer][which] = true;

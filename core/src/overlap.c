@@ -252,6 +252,20 @@ static moert_result join_deferred_wgrads(moert_overlap *o)
     return rc;
 }
 
+moert_result moert_overlap_wait_wgrads(moert_overlap *o, int l)
+{
+    moert_result rc = MOERT_OK;
+    for (int slot = 0; slot < o->slots && rc == MOERT_OK; slot++) {
+        moert_layer *L = slot == 0 ? &o->primary->layers[l] : &o->twins[slot - 1].layers[l];
+        if (!L->wgrad_pending) continue;
+#ifdef MOERT_HAVE_CUDA
+        rc = moert_cuda_event_synchronize(L->wgrad_join_event);
+#endif
+        if (rc == MOERT_OK) L->wgrad_pending = false;
+    }
+    return rc;
+}
+
 moert_result moert_overlap_backward(moert_overlap *o, int l, int slot, const moert_tensor *d_y, moert_tensor *d_x,
                                     double loss_scale)
 {

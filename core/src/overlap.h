@@ -46,6 +46,9 @@ moert_result moert_overlap_fork(moert_overlap *o, int slot);
 moert_result moert_overlap_join(moert_overlap *o, int slot);
 /* After such a call's backward on slot `slot` of layer l: the lazy zeroing state of the gradients is slot 0's again. */
 void moert_overlap_sync_back(moert_overlap *o, int l, int slot);
+/* Waits on the host for the WGRADs of layer l that merged calls left running ($.parallel.defer_wgrad_join), of every
+ * slot: before a gradient they write is rebound, and so may be freed. */
+moert_result moert_overlap_wait_wgrads(moert_overlap *o, int l);
 
 /* The forward or the backward of layer l on one slot (moert_layer_forward / _backward); on CUDA another slot's stream
  * forks from slot 0's before and slot 0's joins it after, so the work is ordered as if it ran on slot 0's stream. */
