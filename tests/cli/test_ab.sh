@@ -152,6 +152,11 @@ for side in "ab":
         assert sum(p.values()) <= st["stage_ms_rank0"]["backward"] * 1.0001, (p, st["stage_ms_rank0"])
 EOF
 
+# weight gradients past a merged call (GPUs only): the header names the key, the losses stay the same bit for bit
+run defer 0 ab "$tmp/keep.json" "$tmp/keep.json" --set-a parallel.defer_wgrad_join=false --warmup 1 --steps 2
+expect_line defer out "  differs: parallel.defer_wgrad_join: A false, B true"
+expect_match defer out '^outputs agree: yes \(max relative loss difference 0\.0e\+00 over 3 steps, identical;'
+
 # --sequential: A runs to the end and is freed before B starts; the same losses, all of A's progress lines first
 run seq 0 ab "$tmp/keep.json" "$tmp/saver.json" --sequential --warmup 1 --steps 3 --report "$tmp/seq.json"
 expect_line seq out "  1 warm-up step, then 3 measured steps, sequential: all of A, then all of B (--sequential)"
