@@ -24,6 +24,13 @@ bf16_mode bf16_mode_for_dtype(moert_dtype dtype)
     return dtype == MOERT_BF16 ? BF16_MODE_BF16 : dtype == MOERT_F64 ? BF16_MODE_FP64 : BF16_MODE_FP32;
 }
 
+bool bf16_scratch_reserve(bf16_scratch *scratch, size_t a_elems, size_t b_elems, size_t c_elems)
+{
+    return scratch_reserve(&scratch->a, &scratch->a_elems, a_elems) &&
+           scratch_reserve(&scratch->b, &scratch->b_elems, b_elems) &&
+           scratch_reserve(&scratch->c, &scratch->c_elems, c_elems);
+}
+
 void bf16_scratch_free(bf16_scratch *scratch)
 {
     free(scratch->a);
@@ -51,9 +58,7 @@ static void load_block_float(const moert_tensor *t, int64_t base, int64_t rows, 
         }
 }
 
-/* The same in double. */
-static void load_block_double(const moert_tensor *t, int64_t base, int64_t rows, int64_t cols, bool transpose,
-                              double *dst)
+void cpu_load_block_double(const moert_tensor *t, int64_t base, int64_t rows, int64_t cols, bool transpose, double *dst)
 {
     for (int64_t i = 0; i < rows; i++)
         for (int64_t j = 0; j < cols; j++)
@@ -75,9 +80,8 @@ static void matmul_float(const float *restrict a, const float *restrict b, int64
     }
 }
 
-/* c[m,n] = a[m,kk] @ b[kk,n] in double, summing over kk in order. */
-static void matmul_double(const double *restrict a, const double *restrict b, int64_t m, int64_t kk, int64_t n,
-                          double *restrict c)
+void cpu_matmul_double(const double *restrict a, const double *restrict b, int64_t m, int64_t kk, int64_t n,
+                       double *restrict c)
 {
     for (int64_t i = 0; i < m; i++) {
         double *restrict ci = c + i * n;
@@ -130,19 +134,16 @@ moert_result bf16_cpu_grouped_gemm(const moert_grouped_gemm_args *args, const bf
         size_t b_elems = (size_t)(args->pass == MOERT_GEMM_WGRAD ? m * N : K * N);
         size_t c_elems =
             (size_t)(args->pass == MOERT_GEMM_WGRAD ? K * N : m * (args->pass == MOERT_GEMM_DGRAD ? K : N));
-        if (!scratch_reserve(&scratch->a, &scratch->a_elems, a_elems) ||
-            !scratch_reserve(&scratch->b, &scratch->b_elems, b_elems) ||
-            !scratch_reserve(&scratch->c, &scratch->c_elems, c_elems))
-            return MOERT_ERR_OUT_OF_MEMORY;
+        if (!bf16_scratch_reserve(scratch, a_elems, b_elems, c_elems)) return MOERT_ERR_OUT_OF_MEMORY;
         float *af = (float *)scratch->a, *bf = (float *)scratch->b, *cf = (float *)scratch->c;
         double *ad = scratch->a, *bd = scratch->b, *cd = scratch->c;
 
         switch (args->pass) {
         case MOERT_GEMM_FORWARD: /* output = input @ W */
             if (wide) {
-                load_block_double(args->input, row0 * K, m, K, false, ad);
-                load_block_double(args->weight, w_base, K, N, false, bd);
-                matmul_double(ad, bd, m, K, N, cd);
+                cpu_load_block_double(args->input, row0 * K, m, K, false, ad);
+                cpu_load_block_double(args->weight, w_base, K, N, false, bd);
+                cpu_matmul_double(ad, bd, m, K, N, cd);
             } else {
                 load_block_float(args->input, row0 * K, m, K, false, to_bf16, af);
                 load_block_float(args->weight, w_base, K, N, false, to_bf16, bf);
@@ -152,9 +153,9 @@ moert_result bf16_cpu_grouped_gemm(const moert_grouped_gemm_args *args, const bf
             break;
         case MOERT_GEMM_DGRAD: /* grad_input = grad_output @ W^T */
             if (wide) {
-                load_block_double(args->grad_output, row0 * N, m, N, false, ad);
-                load_block_double(args->weight, w_base, K, N, true, bd);
-                matmul_double(ad, bd, m, N, K, cd);
+                cpu_load_block_double(args->grad_output, row0 * N, m, N, false, ad);
+                cpu_load_block_double(args->weight, w_base, K, N, true, bd);
+                cpu_matmul_double(ad, bd, m, N, K, cd);
             } else {
                 load_block_float(args->grad_output, row0 * N, m, N, false, to_bf16, af);
                 load_block_float(args->weight, w_base, K, N, true, to_bf16, bf);
@@ -164,9 +165,9 @@ moert_result bf16_cpu_grouped_gemm(const moert_grouped_gemm_args *args, const bf
             break;
         case MOERT_GEMM_WGRAD: /* grad_weight += input^T @ grad_output */
             if (wide) {
-                load_block_double(args->input, row0 * K, m, K, true, ad);
-                load_block_double(args->grad_output, row0 * N, m, N, false, bd);
-                matmul_double(ad, bd, K, m, N, cd);
+                cpu_load_block_double(args->input, row0 * K, m, K, true, ad);
+                cpu_load_block_double(args->grad_output, row0 * N, m, N, false, bd);
+                cpu_matmul_double(ad, bd, K, m, N, cd);
             } else {
                 load_block_float(args->input, row0 * K, m, K, true, to_bf16, af);
                 load_block_float(args->grad_output, row0 * N, m, N, false, to_bf16, bf);

@@ -3,6 +3,7 @@
 #ifndef MOERT_PRECISION_BF16_CPU_H
 #define MOERT_PRECISION_BF16_CPU_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -32,6 +33,16 @@ bf16_mode bf16_mode_for_dtype(moert_dtype dtype);
 moert_result bf16_cpu_grouped_gemm(const moert_grouped_gemm_args *args, const bf16_gemm_shape *shape, bf16_mode mode,
                                    bf16_scratch *scratch);
 
+/* Grows the three blocks to hold at least a_elems, b_elems and c_elems 8-byte elements; false when out of memory. */
+bool bf16_scratch_reserve(bf16_scratch *scratch, size_t a_elems, size_t b_elems, size_t c_elems);
 void bf16_scratch_free(bf16_scratch *scratch);
+
+/* Copies rows x cols of a row-major tensor (flat offset `base`) into dst as double, transposed when asked (the CPU
+ * references' operand blocks, of this recipe and of fp8's). */
+void cpu_load_block_double(const moert_tensor *t, int64_t base, int64_t rows, int64_t cols, bool transpose,
+                           double *dst);
+/* c[m,n] = a[m,kk] @ b[kk,n] in double, summing over kk in order. */
+void cpu_matmul_double(const double *restrict a, const double *restrict b, int64_t m, int64_t kk, int64_t n,
+                       double *restrict c);
 
 #endif

@@ -117,49 +117,7 @@ void fp8_delayed_end_step(fp8_delayed_state *d, const fp8_settings *s)
             }
 }
 
-/* Grows one scratch block to hold at least `elems` doubles. */
-static bool scratch_reserve(double **block, size_t *have, size_t elems)
-{
-    if (elems == 0) elems = 1;
-    if (*have >= elems) return true;
-    double *grown = realloc(*block, elems * sizeof(double));
-    if (!grown) return false;
-    *block = grown;
-    *have = elems;
-    return true;
-}
-
-void fp8_scratch_free(fp8_scratch *scratch)
-{
-    free(scratch->a);
-    free(scratch->b);
-    free(scratch->c);
-    scratch->a = scratch->b = scratch->c = NULL;
-    scratch->a_elems = scratch->b_elems = scratch->c_elems = 0;
-}
-
-/* Copies rows x cols of a row-major tensor (flat offset `base`) into dst as double, transposed when asked. */
-static void load_block(const moert_tensor *t, int64_t base, int64_t rows, int64_t cols, bool transpose, double *dst)
-{
-    for (int64_t i = 0; i < rows; i++)
-        for (int64_t j = 0; j < cols; j++)
-            dst[transpose ? j * rows + i : i * cols + j] = moert_load(t, base + i * cols + j);
-}
-
-/* c[m,n] = a[m,kk] @ b[kk,n] in double, summing over kk in order. */
-static void matmul_double(const double *restrict a, const double *restrict b, int64_t m, int64_t kk, int64_t n,
-                          double *restrict c)
-{
-    for (int64_t i = 0; i < m; i++) {
-        double *restrict ci = c + i * n;
-        for (int64_t j = 0; j < n; j++) ci[j] = 0.0;
-        for (int64_t p = 0; p < kk; p++) {
-            const double av = a[i * kk + p];
-            const double *restrict bp = b + p * n;
-            for (int64_t j = 0; j < n; j++) ci[j] += av * bp[j];
-        }
-    }
-}
+void fp8_scratch_free(fp8_scratch *scratch) { bf16_scratch_free(scratch); }
 
 /*
  * Quantizes one operand block of expert e in place per the recipe. The block is rows x cols with the GEMM's
@@ -226,35 +184,32 @@ moert_result fp8_cpu_grouped_gemm(const moert_grouped_gemm_args *args, const fp8
         size_t b_elems = (size_t)(args->pass == MOERT_GEMM_WGRAD ? m * N : K * N);
         size_t c_elems =
             (size_t)(args->pass == MOERT_GEMM_WGRAD ? K * N : m * (args->pass == MOERT_GEMM_DGRAD ? K : N));
-        if (!scratch_reserve(&scratch->a, &scratch->a_elems, a_elems) ||
-            !scratch_reserve(&scratch->b, &scratch->b_elems, b_elems) ||
-            !scratch_reserve(&scratch->c, &scratch->c_elems, c_elems))
-            return MOERT_ERR_OUT_OF_MEMORY;
+        if (!bf16_scratch_reserve(scratch, a_elems, b_elems, c_elems)) return MOERT_ERR_OUT_OF_MEMORY;
         double *a = scratch->a, *b = scratch->b, *c = scratch->c;
 
         switch (args->pass) {
         case MOERT_GEMM_FORWARD: /* output = input @ W */
-            load_block(args->input, row0 * K, m, K, false, a);
-            load_block(args->weight, w_base, K, N, false, b);
+            cpu_load_block_double(args->input, row0 * K, m, K, false, a);
+            cpu_load_block_double(args->weight, w_base, K, N, false, b);
             quantize_operand(a, m, K, false, FP8_OPERAND_INPUT, which, e, s, delayed);
             quantize_operand(b, K, N, true, FP8_OPERAND_WEIGHT, which, e, s, delayed);
-            matmul_double(a, b, m, K, N, c);
+            cpu_matmul_double(a, b, m, K, N, c);
             store_block(args->output, row0 * N, m, N, c, false);
             break;
         case MOERT_GEMM_DGRAD: /* grad_input = grad_output @ W^T */
-            load_block(args->grad_output, row0 * N, m, N, false, a);
-            load_block(args->weight, w_base, K, N, true, b);
+            cpu_load_block_double(args->grad_output, row0 * N, m, N, false, a);
+            cpu_load_block_double(args->weight, w_base, K, N, true, b);
             quantize_operand(a, m, N, false, FP8_OPERAND_GRAD, which, e, s, delayed);
             quantize_operand(b, N, K, true, FP8_OPERAND_WEIGHT, which, e, s, delayed);
-            matmul_double(a, b, m, N, K, c);
+            cpu_matmul_double(a, b, m, N, K, c);
             store_block(args->grad_input, row0 * K, m, K, c, false);
             break;
         case MOERT_GEMM_WGRAD: /* grad_weight += input^T @ grad_output (= when overwriting) */
-            load_block(args->input, row0 * K, m, K, true, a);
-            load_block(args->grad_output, row0 * N, m, N, false, b);
+            cpu_load_block_double(args->input, row0 * K, m, K, true, a);
+            cpu_load_block_double(args->grad_output, row0 * N, m, N, false, b);
             quantize_operand(a, K, m, false, FP8_OPERAND_INPUT, which, e, s, delayed);
             quantize_operand(b, m, N, true, FP8_OPERAND_GRAD, which, e, s, delayed);
-            matmul_double(a, b, K, m, N, c);
+            cpu_matmul_double(a, b, K, m, N, c);
             store_block(args->grad_weight, w_base, K, N, c, !overwrite);
             break;
         }

@@ -10,6 +10,7 @@
 
 #include "../lib/fp8_convert.h"
 #include "../lib/grouped_gemm_args.h"
+#include "../lib/grouped_gemm_cpu.h"
 #include "moert/precision.h"
 
 /* The option "recipe": how scales are chosen. */
@@ -56,11 +57,8 @@ typedef struct fp8_delayed_state {
     double *history_store; /* [2 * 3 * num_experts * history_len] */
 } fp8_delayed_state;
 
-/* Work buffers reused across calls (grown on demand). */
-typedef struct fp8_scratch {
-    double *a, *b, *c;
-    size_t a_elems, b_elems, c_elems;
-} fp8_scratch;
+/* Work buffers reused across calls (grown on demand): the CPU GEMM reference's (plugins/lib/grouped_gemm_cpu.h). */
+typedef bf16_scratch fp8_scratch;
 
 /* The shape of one grouped GEMM, checked by the caller (plugins/lib/grouped_gemm_args.h). */
 typedef moert_gemm_shape fp8_gemm_shape;
