@@ -731,12 +731,16 @@ static void build_header(const ab_side *a, const ab_side *b, int64_t warmup, int
     if (strcmp(ca->parallel.overlap_micro_batches, cb->parallel.overlap_micro_batches) != 0)
         header_add(h, "differs: parallel.overlap_micro_batches: A \"%s\", B \"%s\"", ca->parallel.overlap_micro_batches,
                    cb->parallel.overlap_micro_batches);
-    if (ca->parallel.overlap_wgrad != cb->parallel.overlap_wgrad)
-        header_add(h, "differs: parallel.overlap_wgrad: A %s, B %s", ca->parallel.overlap_wgrad ? "true" : "false",
-                   cb->parallel.overlap_wgrad ? "true" : "false");
-    if (ca->parallel.defer_wgrad_join != cb->parallel.defer_wgrad_join)
-        header_add(h, "differs: parallel.defer_wgrad_join: A %s, B %s",
-                   ca->parallel.defer_wgrad_join ? "true" : "false", cb->parallel.defer_wgrad_join ? "true" : "false");
+    /* the boolean parallel keys */
+    const struct {
+        const char *key;
+        int64_t a, b;
+    } flags[] = {{"overlap_wgrad", ca->parallel.overlap_wgrad, cb->parallel.overlap_wgrad},
+                 {"defer_wgrad_join", ca->parallel.defer_wgrad_join, cb->parallel.defer_wgrad_join}};
+    for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++)
+        if (flags[i].a != flags[i].b)
+            header_add(h, "differs: parallel.%s: A %s, B %s", flags[i].key, flags[i].a ? "true" : "false",
+                       flags[i].b ? "true" : "false");
     if (ca->parallel.overlap_comm_sms != cb->parallel.overlap_comm_sms)
         header_add(h, "differs: parallel.overlap_comm_sms: A %lld, B %lld", (long long)ca->parallel.overlap_comm_sms,
                    (long long)cb->parallel.overlap_comm_sms);

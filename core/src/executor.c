@@ -1464,15 +1464,12 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
     MOERT_CHECK(part_end(L, MOERT_BWD_ROUTER, L->stream));
     yield_point(L);
 
-    if (overlap && side && L->defer_wgrad_join) {
-        /* the compute stream goes on: the wgrads' inputs go back to the pool on the wgrad stream, their last user,
-         * and whoever reads the gradients first waits for wgrad_join_event (moert_layer_join_wgrads) */
+    /* in a merged call with defer_wgrad_join the compute stream goes on: the wgrads' inputs go back to the pool
+     * below on the wgrad stream, their last user, and whoever reads the gradients first waits for wgrad_join_event
+     * (moert_layer_join_wgrads) */
+    const bool defer = overlap && side && L->defer_wgrad_join && L->in_merged_call;
+    if (defer) {
         moert_host_use_stream((moert_host *)L->core_host, side);
-        tensor_release(L, &d_y_expert);
-        moert_act_store_done(&L->acts, MOERT_ACT_SWIGLU_OUT);
-        tensor_release(L, &d_fc1);
-        moert_act_store_done(&L->acts, MOERT_ACT_DISPATCHED_X);
-        moert_host_use_stream((moert_host *)L->core_host, L->stream);
         forked = false;
         L->wgrad_pending = true;
     } else if (overlap && side) {
@@ -1492,6 +1489,7 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
         tensor_release(L, &d_fc1);
         moert_act_store_done(&L->acts, MOERT_ACT_DISPATCHED_X);
     }
+    if (defer) moert_host_use_stream((moert_host *)L->core_host, L->stream);
     if (L->shared_ffn > 0) MOERT_CHECK(shared_backward_finish(L, d_x));
     MOERT_CHECK(zero_unwritten_grads(L));
     MOERT_CHECK(stage_mark(L, MARK_BACKWARD_END));

@@ -121,10 +121,11 @@ typedef struct moert_layer {
     /* another slot's layer (forwards_in_flight, the micro-batch overlap): slot 0's layer of the same index, whose
      * wgrad stream it shares, so the slots' WGRADs into the same gradients run in the order they were issued */
     struct moert_layer *wgrad_owner;
-    /* set around a merged call's backward: the compute stream does not wait for the WGRADs at the backward's end
-     * (their inputs go back to the pool on the wgrad stream); wgrad_pending until a compute stream has waited */
-    bool defer_wgrad_join_allowed; /* $.parallel.defer_wgrad_join */
+    /* $.parallel.defer_wgrad_join: in a merged call's backward (in_merged_call, set around it by the overlap) the
+     * compute stream does not wait for the WGRADs at the end (their inputs go back to the pool on the wgrad stream);
+     * wgrad_pending until a compute stream has waited for them */
     bool defer_wgrad_join;
+    bool in_merged_call;
     bool wgrad_pending;
 
     /* the shared expert ($.model.shared_expert_ffn_hidden > 0): a dense SwiGLU over every token added to the output,

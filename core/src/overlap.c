@@ -240,6 +240,12 @@ fail:
     return rc;
 }
 
+/* Slot `slot`'s layer l, without moert_overlap_layer's binding of slot 0's parameters. */
+static moert_layer *slot_layer(moert_overlap *o, int l, int slot)
+{
+    return slot == 0 ? &o->primary->layers[l] : &o->twins[slot - 1].layers[l];
+}
+
 /* Slot 0's stream waits for every WGRAD a merged call's backward left running, of every layer and slot, so that the
  * gradients are whole on it after a plain backward. */
 static moert_result join_deferred_wgrads(moert_overlap *o)
@@ -248,7 +254,7 @@ static moert_result join_deferred_wgrads(moert_overlap *o)
     const moert_stream stream = o->primary->layers[0].stream;
     for (int l = 0; l < o->primary->num_layers && rc == MOERT_OK; l++)
         for (int slot = 0; slot < o->slots && rc == MOERT_OK; slot++)
-            rc = moert_layer_join_wgrads(slot == 0 ? &o->primary->layers[l] : &o->twins[slot - 1].layers[l], stream);
+            rc = moert_layer_join_wgrads(slot_layer(o, l, slot), stream);
     return rc;
 }
 
@@ -256,7 +262,7 @@ moert_result moert_overlap_wait_wgrads(moert_overlap *o, int l)
 {
     moert_result rc = MOERT_OK;
     for (int slot = 0; slot < o->slots && rc == MOERT_OK; slot++) {
-        moert_layer *L = slot == 0 ? &o->primary->layers[l] : &o->twins[slot - 1].layers[l];
+        moert_layer *L = slot_layer(o, l, slot);
         if (!L->wgrad_pending) continue;
 #ifdef MOERT_HAVE_CUDA
         rc = moert_cuda_event_synchronize(L->wgrad_join_event);
@@ -399,14 +405,14 @@ moert_result moert_overlap_forward_backward(moert_overlap *o, int fl, int fslot,
     MOERT_CHECK(fork_twin(o, fslot));
     if (bslot != fslot) MOERT_CHECK(fork_twin(o, bslot));
     moert_layer *F = moert_overlap_layer(o, fl, fslot), *B = moert_overlap_layer(o, bl, bslot);
-    B->defer_wgrad_join = B->defer_wgrad_join_allowed;
+    B->in_merged_call = true;
     if (o->interleave && o->merge && fslot != bslot) {
         rc = run_interleaved(F, x, y, B, d_y, d_x, loss_scale);
     } else {
         rc = moert_layer_forward(F, x, y);
         if (rc == MOERT_OK) rc = moert_layer_backward(B, d_y, d_x, loss_scale);
     }
-    B->defer_wgrad_join = false;
+    B->in_merged_call = false;
     sync_back(o, bl, bslot);
     rc_join = join_twin(o, fslot);
     if (bslot != fslot) {

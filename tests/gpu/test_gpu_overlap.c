@@ -7,8 +7,8 @@
  * their peers' arrive, deepep and hybridep, in bf16 with 4 micro-batches, and with the bf16 recipe's "gemm": "kernel"
  * (a persistent GEMM holding the other SMs) and 3 micro-batches, where two slots' dispatcher kernels on two streams
  * once stalled a step. Each "on" runs twice: as it is, and with $.parallel.defer_wgrad_join (a merged call's weight
- * gradients left running past it, joined by the last plain backward). The check is bit-identity of every step's loss, the output and every gradient of layer 0 and
- * 2, unless two "off" runs already differ (a kernel summing with atomics in whatever order the blocks come): then on
+ * gradients left running past it, joined by the last plain backward). The check is bit-identity of every step's loss,
+ * the output and every gradient of layer 0 and 2, unless two "off" runs already differ (a kernel summing with atomics in whatever order the blocks come): then on
  * vs off may differ by 4x that noise (at least 1e-5 of the largest value) and the log says so. Also: "auto" makes no
  * second slot (hybridep, 4 micro-batches, more than one GPU: the overlap is off unless asked for). A stall ends with a message, never a hang: deepep's
  * and hybridep's waits for a peer give up after 20 s (timeout_ms), a collective after 60 s ($.parallel.timeout_s),
@@ -166,49 +166,52 @@ static double difference(const outcome *a, const outcome *b)
     return largest > 0 ? (diff > 0 ? diff / largest : 1e-300) : INFINITY;
 }
 
-static void check_mode(int ranks, const char *dispatcher, const char *dtype, const char *precision, int micro_batches,
-                       bool deferred)
+/* "on" against "off", each "on" run twice: each merged call's WGRADs joined at its backward's end, and joined only by
+ * the next plain backward ($.parallel.defer_wgrad_join); the two "off" runs measure the kernels' run-to-run noise. */
+static void check(int ranks, const char *dispatcher, const char *dtype, const char *precision, int micro_batches)
 {
-    outcome off = {0}, off2 = {0}, on = {0};
+    outcome off = {0}, off2 = {0};
     if (!run(ranks, dispatcher, dtype, precision, micro_batches, "off", false, &off) ||
-        !run(ranks, dispatcher, dtype, precision, micro_batches, "off", false, &off2) ||
-        !run(ranks, dispatcher, dtype, precision, micro_batches, "on", deferred, &on)) {
+        !run(ranks, dispatcher, dtype, precision, micro_batches, "off", false, &off2)) {
         fprintf(stderr, "FAIL: %d GPU(s), %s, %s, %s, %d micro-batches: a run failed (above)\n", ranks, dispatcher,
                 dtype, precision, micro_batches);
         test_failures++;
         goto done;
     }
-    if (deferred) dtype = !strcmp(dtype, "bf16") ? "bf16 (WGRAD joins deferred)" : "fp32 (WGRAD joins deferred)";
-    const double noise = difference(&off, &off2), d = difference(&off, &on);
-    if (noise == 0.0) {
-        printf("gpu_overlap: %d GPU(s), %s, %s, %s, %d micro-batches: on vs off %s (losses %.9g ... %.9g)\n", ranks,
-               dispatcher, dtype, precision, micro_batches, d == 0.0 ? "bit-identical" : "DIFFERENT", on.loss[0],
-               on.loss[STEPS]);
-        if (d != 0.0) {
-            fprintf(stderr, "FAIL: %d GPU(s), %s, %s, %s, %d micro-batches: relative difference %.3g, off vs off 0\n",
-                    ranks, dispatcher, dtype, precision, micro_batches, d);
+    const double noise = difference(&off, &off2);
+    for (int deferred = 0; deferred <= 1; deferred++) {
+        const char *joins = deferred ? ", WGRAD joins deferred" : "";
+        outcome on = {0};
+        if (!run(ranks, dispatcher, dtype, precision, micro_batches, "on", deferred, &on)) {
+            fprintf(stderr, "FAIL: %d GPU(s), %s, %s, %s, %d micro-batches%s: a run failed (above)\n", ranks,
+                    dispatcher, dtype, precision, micro_batches, joins);
             test_failures++;
+            continue;
         }
-    } else {
-        /* the run-to-run noise of the kernels: on vs off may differ by as much (4x, or 1e-5 of the largest value) */
-        const double tolerance = fmax(1e-5, 4.0 * noise);
-        printf("gpu_overlap: %d GPU(s), %s, %s, %s, %d micro-batches: off vs off differ by %.3g (atomics): on vs off "
-               "%.3g, tolerance %.3g\n",
-               ranks, dispatcher, dtype, precision, micro_batches, noise, d, tolerance);
-        if (!(d <= tolerance)) test_failures++;
+        const double d = difference(&off, &on);
+        if (noise == 0.0) {
+            printf("gpu_overlap: %d GPU(s), %s, %s, %s, %d micro-batches%s: on vs off %s (losses %.9g ... %.9g)\n",
+                   ranks, dispatcher, dtype, precision, micro_batches, joins, d == 0.0 ? "bit-identical" : "DIFFERENT",
+                   on.loss[0], on.loss[STEPS]);
+            if (d != 0.0) {
+                fprintf(stderr,
+                        "FAIL: %d GPU(s), %s, %s, %s, %d micro-batches%s: relative difference %.3g, off vs off 0\n",
+                        ranks, dispatcher, dtype, precision, micro_batches, joins, d);
+                test_failures++;
+            }
+        } else {
+            /* the run-to-run noise of the kernels: on vs off may differ by as much (4x, or 1e-5 of the largest) */
+            const double tolerance = fmax(1e-5, 4.0 * noise);
+            printf("gpu_overlap: %d GPU(s), %s, %s, %s, %d micro-batches%s: off vs off differ by %.3g (atomics): on "
+                   "vs off %.3g, tolerance %.3g\n",
+                   ranks, dispatcher, dtype, precision, micro_batches, joins, noise, d, tolerance);
+            if (!(d <= tolerance)) test_failures++;
+        }
+        free(on.values);
     }
 done:
     free(off.values);
     free(off2.values);
-    free(on.values);
-}
-
-/* "on" against "off", with each merged call's WGRADs joined at its backward's end and, where the overlap runs on
- * GPUs, joined only by the next plain backward ($.parallel.defer_wgrad_join). */
-static void check(int ranks, const char *dispatcher, const char *dtype, const char *precision, int micro_batches)
-{
-    check_mode(ranks, dispatcher, dtype, precision, micro_batches, false);
-    check_mode(ranks, dispatcher, dtype, precision, micro_batches, true);
 }
 
 /* "auto" makes no second slot, with hybridep on more than one GPU and >= 2 micro-batches as anywhere: the overlap
