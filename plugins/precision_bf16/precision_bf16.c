@@ -14,6 +14,7 @@
 #include "../lib/grouped_gemm_args.h"
 #include "../lib/grouped_gemm_cpu.h"
 #include "../lib/plugin_report.h"
+#include "../lib/sm_yield_counters.h"
 #include "../lib/tensor_args.h"
 #ifdef MOERT_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -35,7 +36,6 @@ typedef struct bf16_weight_copy {
 } bf16_weight_copy;
 #endif
 
-#define BF16_YIELD_STREAMS 8 /* streams a layer's wgmma GEMMs hand units out on at once (sm_yield) */
 
 typedef struct bf16_ctx {
     const moert_host *host;
@@ -62,8 +62,7 @@ typedef struct bf16_ctx {
      * of the weight it is given, so the slots of a layer hold one copy (else itself) */
     const struct bf16_ctx *owner;
     int64_t *counts_host;    /* [E_local] pinned: device counts copied down when no host copy is given */
-    int32_t *yield_counters; /* the layer's sm_yield: a device_gemm work counter pair per stream, or NULL */
-    moert_stream yield_streams[BF16_YIELD_STREAMS]; /* the stream each pair serves (NULL: free) */
+    moert_yield_counters yield; /* the layer's sm_yield: a device_gemm work counter pair per stream (or none) */
 #endif
 } bf16_ctx;
 
@@ -80,32 +79,7 @@ static const char *const wgrad_schedules[] = {"auto", "pingpong", "cooperative",
 /* Where the layer has sm_yield (the micro-batch overlap, moert/plugin.h), the wgmma FORWARD/DGRAD hand their units out
  * through a counter pair per stream and leave the SMs a dispatcher call asks for; called with the layer's device
  * current. */
-static moert_result yield_init(bf16_ctx *c)
-{
-    if (!MOERT_LAYER_INFO_SM_YIELD(&c->layer)) return MOERT_OK;
-    const size_t bytes = 2 * BF16_YIELD_STREAMS * sizeof(int32_t);
-    moert_result rc = c->host->alloc(c->host, c->layer.device, bytes, (void **)&c->yield_counters);
-    if (rc != MOERT_OK) return rc;
-    const cudaError_t err = cudaMemset(c->yield_counters, 0, bytes);
-    if (err != cudaSuccess) {
-        (void)cudaGetLastError();
-        return fail(c, MOERT_ERR_CUDA, "cudaMemset(work counters, %zu bytes) failed: %s", bytes,
-                    cudaGetErrorString(err));
-    }
-    return MOERT_OK;
-}
-
-/* The work counter pair of `stream`, taken on its first use; NULL (the GEMM keeps every SM) without sm_yield, on the
- * legacy default stream, or when every pair serves another stream. */
-static int32_t *yield_counter(bf16_ctx *c, moert_stream stream)
-{
-    if (!c->yield_counters || !stream) return NULL;
-    for (int i = 0; i < BF16_YIELD_STREAMS; i++) {
-        if (!c->yield_streams[i]) c->yield_streams[i] = stream;
-        if (c->yield_streams[i] == stream) return c->yield_counters + 2 * i;
-    }
-    return NULL;
-}
+static moert_result yield_init(bf16_ctx *c) { return moert_yield_counters_init(&c->yield, c->host, &c->layer); }
 #endif
 
 static void bf16_finalize(void *ctx);
@@ -357,7 +331,7 @@ static void bf16_finalize(void *ctx)
         if (c->weight_copy[w].data) h->free(h, c->layer.device, c->weight_copy[w].data);
     if (c->workspace) h->free(h, c->layer.device, c->workspace);
     if (c->counts_host) h->free_pinned(h, c->counts_host);
-    if (c->yield_counters) h->free(h, c->layer.device, c->yield_counters);
+    moert_yield_counters_free(&c->yield, h, &c->layer);
     free(c->zero_counts);
 #endif
     bf16_scratch_free(&c->scratch);
@@ -566,7 +540,7 @@ static moert_result kernel_grouped_gemm(bf16_ctx *c, moert_stream stream, const 
             ka.grad_output = args->grad_output->data;
             ka.grad_input = args->grad_input->data;
         }
-        ka.work_counter = yield_counter(c, stream);
+        ka.work_counter = moert_yield_counters_for(&c->yield, stream);
         if (ka.work_counter) ka.sm_yield = MOERT_LAYER_INFO_SM_YIELD(&c->layer);
     }
     return bf16_device_gemm(c->host, (cudaStream_t)stream, &ka);

@@ -50,6 +50,7 @@
 #define OUT_BOX_BYTES  8192 /* one staged output box: 64 rows of 128 bytes */
 #define MAX_OUT_SETS   2    /* staged output sets per consumer (one filled while the other is moved) */
 #define MAX_CLUSTER    2
+#define UNIT_RING      8 /* handed-out work units in flight between the walk's writer and its readers */
 
 #define WIDE_N (2 * TILE) /* the wide tile's columns (see consume_wide) */
 
@@ -74,7 +75,7 @@ __host__ __device__ static inline size_t set_bytes_of(int d_bf16, int tile_n)
 static inline size_t smem_bytes(int d_bf16, int tile_n, int stages, int sets)
 {
     return 1024 + (size_t)stages * stage_bytes(tile_n) + (size_t)sets * staging_bytes(d_bf16, tile_n) +
-           2 * 2 * MAX_OUT_SETS * 8;
+           2 * 2 * MAX_OUT_SETS * 8 + UNIT_RING * (2 * 8 + 4);
 }
 
 /* A group as the kernel reads it (the host's moert_fp8_block_group with its tiles counted). */
@@ -100,6 +101,9 @@ typedef struct kernel_args {
     int d_bf16, accumulate;
     int tile_n;    /* columns of an output tile: TILE, or WIDE_N for the wide forward form */
     int pair_rows; /* wide form in CTA pairs: pairs of row blocks share the B tile (see tile_at) */
+    int32_t *work_counter;   /* NULL: each cluster walks units blockIdx.x / cluster, + gridDim.x / cluster, ..; else
+                                two int32 through which rank 0's producer of A hands them out (walk_next) */
+    const int32_t *sm_yield; /* with work_counter: SMs to leave while it is > 0 (moert_fp8_block_gemm) */
 } kernel_args;
 
 struct moert_fp8_block_ctx {
@@ -254,24 +258,144 @@ __device__ __forceinline__ tile_pos tile_at(const kernel_args &args, int u, int 
     return p;
 }
 
-/* A CTA's walk over its work units (blockIdx.x / cluster, then every gridDim.x / cluster-th), with the group cursor
- * tile_at keeps. Every role of the CTA walks the same units in the same order. */
+/* The kernel's shared memory (dynamic, 1 KB aligned): the stage ring's A and B tiles, the consumers' output sets, the
+ * factors, the ring's and the epilogue's barriers, and the handed-out walk's unit ring (its barriers and slots). */
+typedef struct kernel_smem {
+    uint8_t *a_tiles, *b_tiles, *out_boxes;
+    float *a_factors, *b_factors;
+    uint64_t *full, *empty, *d_ready, *d_staged, *unit_full, *unit_empty;
+    int *unit_slot;
+} kernel_smem;
+
+__device__ __forceinline__ kernel_smem kernel_smem_of(const kernel_args &args)
+{
+    extern __shared__ uint8_t smem_raw[];
+    /* aligned to 1 KB by an offset into smem_raw (not through an integer), so the compiler keeps knowing that the
+     * pointers below are shared memory and reads the factors with shared-memory loads */
+    uint8_t *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    const int stages = args.stages;
+    kernel_smem m;
+    m.a_tiles = smem;
+    m.b_tiles = m.a_tiles + stages * TILE_BYTES;
+    m.out_boxes = m.b_tiles + (size_t)stages * TILE * args.tile_n; /* [2 consumers][out_sets][half a tile of D] */
+    m.a_factors = (float *)(m.out_boxes + args.out_sets * staging_bytes(args.d_bf16, args.tile_n)); /* [stages][128] */
+    m.b_factors = m.a_factors + stages * TILE; /* [stages][128] (per block: [0] only) */
+    m.full = (uint64_t *)(m.b_factors + stages * TILE);
+    m.empty = m.full + stages;
+    m.d_ready = m.empty + stages;              /* [2 consumers][MAX_OUT_SETS]: the set may be written */
+    m.d_staged = m.d_ready + 2 * MAX_OUT_SETS; /* [2 consumers][MAX_OUT_SETS]: the set holds the tile */
+    m.unit_full = m.d_staged + 2 * MAX_OUT_SETS; /* [UNIT_RING]: the slot holds the walk's next unit */
+    m.unit_empty = m.unit_full + UNIT_RING;      /* [UNIT_RING], in rank 0: every reader of the cluster has read it */
+    m.unit_slot = (int *)(m.unit_empty + UNIT_RING);
+    return m;
+}
+
+/* Who walks: produce_a (the handed-out walk's writer in rank 0, a reader elsewhere), one other thread (an epilogue
+ * warp's), or a whole warp (produce_b, each consumer warp). */
+enum walk_role { WALK_PRODUCE_A, WALK_THREAD, WALK_WARP };
+/* The readers' arrivals on a unit slot's unit_empty: per CTA the consumers' 8 warps, produce_b's warp and the two
+ * epilogue threads, and produce_a in every CTA but rank 0. */
+#define UNIT_READERS (CONSUMER_WARPS + 1 + 2)
+
+/* A CTA's walk over its work units, with the group cursor tile_at keeps. Every role of the cluster walks the same
+ * units in the same order. Static (no work_counter): units blockIdx.x / cluster, then every gridDim.x / cluster-th
+ * (next: the next one). Handed out: the t-th unit (next: t) is in unit slot t % UNIT_RING, which rank 0's producer of
+ * A fills in every CTA of the cluster (walk_next). Kept to four registers: the consumers have none to spare. */
 typedef struct tile_walk {
-    int u, group;
+    int next, group;
+    uint32_t ring; /* handed out: the unit ring's shared address (unit_full, then unit_empty, then the slots) */
+    int how;       /* handed out: WALK_WRITES (rank 0's producer of A), or WALK_WARP_READS where one lane of a warp
+                      reports its warp's read */
 } tile_walk;
 
-__device__ __forceinline__ tile_walk walk_begin(const kernel_args &args)
+#define WALK_WRITES     1
+#define WALK_WARP_READS 2
+
+__device__ __forceinline__ tile_walk walk_begin(const kernel_args &args, int rank, int role)
 {
-    tile_walk w = {(int)(blockIdx.x / args.cluster), 0};
+    tile_walk w = {(int)(blockIdx.x / args.cluster), 0, 0u, 0};
+    if (args.work_counter) {
+        w.next = 0;
+        w.ring = smem_addr(kernel_smem_of(args).unit_full);
+        w.how = role == WALK_PRODUCE_A && rank == 0 ? WALK_WRITES : role == WALK_WARP ? WALK_WARP_READS : 0;
+    }
     return w;
 }
 
-/* The walk's next tile into tp; false once the walk is done. */
+/* The handed-out walk's next unit for the cluster, taken by rank 0's producer of A: the next unnumbered one, or none
+ * (-1) once they are all taken or while sm_yield asks for SMs and this cluster is among the last that cover them
+ * (cluster 0 never yields, so every unit is taken). The last cluster to stop zeroes the counter pair for the next
+ * launch on its stream. */
+__device__ __forceinline__ int walk_take_unit(const kernel_args &args)
+{
+    const int clusters = (int)gridDim.x / args.cluster, me = (int)blockIdx.x / args.cluster;
+    int u = args.units;
+    const int want = args.sm_yield ? *(const volatile int32_t *)args.sm_yield : 0;
+    if (!(want > 0 && me > 0 && me >= clusters - (want + args.cluster - 1) / args.cluster))
+        u = atomicAdd(args.work_counter, 1);
+    if (u >= args.units && atomicAdd(args.work_counter + 1, 1) == clusters - 1) {
+        args.work_counter[0] = 0; /* every cluster has stopped taking units */
+        args.work_counter[1] = 0;
+    }
+    return u < args.units ? u : -1;
+}
+
+/* The walk's next tile into tp; false once the walk is done. Handed out, the writer waits until every reader of the
+ * cluster has read the slot's last unit (unit_empty, in rank 0), then stores the unit into the slot of each CTA and
+ * arrives on its unit_full (cluster-scope release); a reader waits on its own unit_full (cluster-scope acquire),
+ * reads the slot and arrives on rank 0's unit_empty: once per thread, or per warp for WALK_WARP_READS. */
 __device__ __forceinline__ bool walk_next(const kernel_args &args, int rank, tile_walk &w, tile_pos &tp)
 {
-    if (w.u >= args.units) return false;
-    tp = tile_at(args, w.u, rank, w.group);
-    w.u += gridDim.x / args.cluster;
+    int u;
+    if (!args.work_counter) {
+        if (w.next >= args.units) return false;
+        u = w.next;
+        w.next += gridDim.x / args.cluster;
+    } else {
+#ifdef FP8_BLOCK_DEVICE
+        const int slot = w.next % UNIT_RING;
+        const uint32_t parity = (uint32_t)(w.next / UNIT_RING) & 1;
+        const uint32_t full = w.ring + 8 * slot, empty = w.ring + 8 * (UNIT_RING + slot),
+                       cell = w.ring + 16 * UNIT_RING + 4 * slot;
+        if (w.how == WALK_WRITES) {
+            if (w.next >= UNIT_RING) {
+                uint32_t done = 0;
+                while (!done)
+                    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                                 " selp.u32 %0, 1, 0, p;\n}"
+                                 : "=r"(done)
+                                 : "r"(empty), "r"(parity ^ 1)
+                                 : "memory");
+            }
+            u = walk_take_unit(args);
+            for (int r = 0; r < args.cluster; r++)
+                asm volatile("{\n .reg .b32 c, b;\n mapa.shared::cluster.u32 c, %0, %2;\n"
+                             " mapa.shared::cluster.u32 b, %1, %2;\n st.shared::cluster.u32 [c], %3;\n"
+                             " mbarrier.arrive.release.cluster.shared::cluster.b64 _, [b];\n}" ::"r"(cell),
+                             "r"(full), "r"(r), "r"(u)
+                             : "memory");
+        } else {
+            uint32_t done = 0;
+            while (!done)
+                asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                             " selp.u32 %0, 1, 0, p;\n}"
+                             : "=r"(done)
+                             : "r"(full), "r"(parity)
+                             : "memory");
+            asm volatile("ld.shared.u32 %0, [%1];" : "=r"(u) : "r"(cell) : "memory");
+            if (w.how == WALK_WARP_READS) __syncwarp();
+            if (w.how != WALK_WARP_READS || threadIdx.x % 32 == 0)
+                asm volatile("{\n .reg .b32 b;\n mapa.shared::cluster.u32 b, %0, 0;\n"
+                             " mbarrier.arrive.release.cluster.shared::cluster.b64 _, [b];\n}" ::"r"(empty)
+                             : "memory");
+        }
+        w.next++;
+        if (u < 0) return false;
+#else
+        return false;
+#endif
+    }
+    tp = tile_at(args, u, rank, w.group);
     return true;
 }
 
@@ -320,7 +444,7 @@ __device__ __forceinline__ void epilogue_dma(const kernel_args &args, int rank, 
     pending_tile pending = {0, 0, 0, -1};
     int set = 0;
     uint32_t staged_phase = 0; /* bit per set */
-    tile_walk walk = walk_begin(args);
+    tile_walk walk = walk_begin(args, rank, WALK_THREAD);
     tile_pos tp;
     while (walk_next(args, rank, walk, tp)) {
         const group_dev &g = args.groups[tp.group];
@@ -418,7 +542,7 @@ __device__ __forceinline__ void produce_a(const kernel_args &args, uint8_t *a_ti
     const int cluster = args.cluster, stages = args.stages;
     int s = 0;
     uint32_t phase = 0, it = 0; /* k-blocks loaded so far (all tiles) */
-    tile_walk walk = walk_begin(args);
+    tile_walk walk = walk_begin(args, rank, WALK_PRODUCE_A);
     tile_pos tp;
     while (walk_next(args, rank, walk, tp)) {
         const group_dev &g = args.groups[tp.group];
@@ -454,7 +578,7 @@ __device__ __forceinline__ void produce_b(const kernel_args &args, uint8_t *b_ti
     const int lane = threadIdx.x % 32, stages = args.stages;
     int s = 0;
     uint32_t phase = 0, it = 0;
-    tile_walk walk = walk_begin(args);
+    tile_walk walk = walk_begin(args, rank, WALK_WARP);
     tile_pos tp;
     while (walk_next(args, rank, walk, tp)) {
         const group_dev &g = args.groups[tp.group];
@@ -630,7 +754,7 @@ consume(const kernel_args &args, int rank, const uint8_t *a_tiles, const uint8_t
     ring_pos ring = {0, 0};
     int set = 0;
     uint32_t ready_phase = 0; /* bit per set */
-    tile_walk walk = walk_begin(args);
+    tile_walk walk = walk_begin(args, rank, WALK_WARP);
     tile_pos tp;
     while (walk_next(args, rank, walk, tp)) {
         const group_dev &g = args.groups[tp.group];
@@ -699,7 +823,7 @@ __device__ __forceinline__ void consume_wide(const kernel_args &args, int rank, 
     ring_pos ring = {0, 0};
     int set = 0;
     uint32_t ready_phase = 0; /* bit per set */
-    tile_walk walk = walk_begin(args);
+    tile_walk walk = walk_begin(args, rank, WALK_WARP);
     tile_pos tp;
     while (walk_next(args, rank, walk, tp)) {
         const group_dev &g = args.groups[tp.group];
@@ -771,27 +895,19 @@ __device__ __forceinline__ void consumer(const kernel_args &args, int rank, cons
                                             ready, staged);
 }
 
-/* Persistent: each cluster takes work units blockIdx.x / cluster, + gridDim.x / cluster, ...; the stage ring runs
+/* Persistent: each cluster takes work units blockIdx.x / cluster, + gridDim.x / cluster, ..., or as they are handed
+ * out (kernel_args.work_counter, walk_next); the stage ring runs
  * on across tiles, so the producer loads the next tile's first k-blocks while the consumers finish this one. */
 template <int A_FMT, int B_FMT, int B_PER_ROW, int WIDE>
 __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel_args args)
 {
 #ifdef FP8_BLOCK_DEVICE
     constexpr int tile_n = WIDE ? WIDE_N : TILE;
-    extern __shared__ uint8_t smem_raw[];
-    /* aligned to 1 KB by an offset into smem_raw (not through an integer), so the compiler keeps knowing that the
-     * pointers below are shared memory and reads the factors with shared-memory loads */
-    uint8_t *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    const kernel_smem m = kernel_smem_of(args);
     const int stages = args.stages, cluster = args.cluster;
-    uint8_t *a_tiles = smem;
-    uint8_t *b_tiles = a_tiles + stages * TILE_BYTES;
-    uint8_t *out_boxes = b_tiles + (size_t)stages * TILE * tile_n; /* [2 consumers][out_sets][half a tile of D] */
-    float *a_factors = (float *)(out_boxes + args.out_sets * staging_bytes(args.d_bf16, tile_n)); /* [stages][128] */
-    float *b_factors = a_factors + stages * TILE; /* [stages][128] (per block: [0] only) */
-    uint64_t *full = (uint64_t *)(b_factors + stages * TILE);
-    uint64_t *empty = full + stages;
-    uint64_t *d_ready = empty + stages;              /* [2 consumers][MAX_OUT_SETS]: the set may be written */
-    uint64_t *d_staged = d_ready + 2 * MAX_OUT_SETS; /* [2 consumers][MAX_OUT_SETS]: the set holds the tile */
+    uint8_t *a_tiles = m.a_tiles, *b_tiles = m.b_tiles, *out_boxes = m.out_boxes;
+    float *a_factors = m.a_factors, *b_factors = m.b_factors;
+    uint64_t *full = m.full, *empty = m.empty, *d_ready = m.d_ready, *d_staged = m.d_staged;
     const int rank = (int)(blockIdx.x % cluster);
 
     if (threadIdx.x == 0) {
@@ -802,6 +918,10 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_kernel(const kernel
         for (int i = 0; i < 2 * MAX_OUT_SETS; i++) {
             mbar_init(&d_ready[i]);
             mbar_init_count(&d_staged[i], 4); /* the consumer's warps */
+        }
+        for (int i = 0; i < UNIT_RING; i++) { /* the handed-out walk (walk_next) */
+            mbar_init(&m.unit_full[i]);
+            mbar_init_count(&m.unit_empty[i], UNIT_READERS * cluster + cluster - 1);
         }
         mbar_init_fence();
     }
@@ -1206,6 +1326,8 @@ extern "C" moert_result moert_fp8_block_gemm_run(moert_fp8_block_ctx *ctx, cudaS
     args.accumulate = gm->accumulate != 0;
     args.tile_n = tile_n;
     args.pair_rows = pair_rows;
+    args.work_counter = gm->sm_yield ? gm->work_counter : NULL;
+    args.sm_yield = args.work_counter ? gm->sm_yield : NULL;
     ring_for(ctx, args.d_bf16, tile_n, &args.stages, &args.out_sets);
     args.pairs = ctx->pairs;
     const int64_t resident = cluster > 1 ? ctx->max_clusters : ctx->max_ctas;

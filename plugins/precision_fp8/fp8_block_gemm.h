@@ -61,6 +61,13 @@ typedef struct moert_fp8_block_gemm {
     int matrix_count;
     const moert_fp8_block_group *groups;
     int group_count;
+    /* Leaving SMs to a dispatcher (moert_layer_info's sm_yield, the micro-batch overlap): with both set, rank 0 of each
+     * cluster takes the work units one at a time from work_counter (two device int32, zero before the first launch on
+     * the stream; the launch's last cluster zeroes them again) and hands them to its cluster, and while *sm_yield is
+     * N > 0 the clusters covering the grid's last N SMs (never the first) take no more. A tile is computed the same
+     * whichever cluster takes it: the output is the same bit for bit. NULL: each cluster takes every grid-th unit. */
+    const int32_t *sm_yield;
+    int32_t *work_counter;
 } moert_fp8_block_gemm;
 
 typedef struct moert_fp8_block_ctx moert_fp8_block_ctx;

@@ -181,6 +181,8 @@ static moert_result block_gemm(moert_fp8_cuda *g, cudaStream_t stream, const moe
     call.matrix_count = matrix_count;
     call.groups = gr;
     call.group_count = (int)n_active;
+    call.sm_yield = gm->sm_yield;
+    call.work_counter = gm->work_counter;
     if (!wgrad) {
         const int64_t kk = fwd ? K : N, cols = fwd ? N : K; /* the reduction, the output's columns */
         const int64_t last = g->active[n_active - 1];

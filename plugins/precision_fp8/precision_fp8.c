@@ -20,6 +20,7 @@
 
 #include "../lib/plugin_cuda_check.h"
 #include "../lib/precision_bf16_cuda.h"
+#include "../lib/sm_yield_counters.h"
 
 #include "precision_fp8_cuda.h"
 #endif
@@ -41,6 +42,7 @@ typedef struct fp8_ctx {
     moert_fp8_cuda *gemm;        /* quantize kernels, FP8 weight copies, cuBLASLt handle */
     moert_bf16_cuda *wgrad_gemm; /* "fp8_wgrad": false on CUDA: the bf16 plugin's cuBLASLt loop */
     int64_t *counts_host;        /* [E_local] pinned: device counts copied down when no host copy is given */
+    moert_yield_counters yield;  /* the layer's sm_yield: the wgmma kernel's work counter pair per stream (or none) */
 #endif
 } fp8_ctx;
 
@@ -251,6 +253,9 @@ static moert_result cuda_init(fp8_ctx *c)
         rc = moert_fp8_cuda_set_block_kernel(c->gemm, 1);
     if (rc == MOERT_OK && s->recipe == FP8_RECIPE_BLOCKWISE && c->gemm_engine == GEMM_AUTO && hopper)
         rc = moert_fp8_cuda_set_block_kernel(c->gemm, 2);
+    /* where the layer has sm_yield (the micro-batch overlap), the kernel leaves SMs to a dispatcher call */
+    if (rc == MOERT_OK && s->recipe == FP8_RECIPE_BLOCKWISE && hopper && c->gemm_engine != GEMM_CUBLASLT)
+        rc = moert_yield_counters_init(&c->yield, h, l);
     if (rc == MOERT_OK && s->recipe == FP8_RECIPE_BLOCKWISE) {
         char how[384];
         moert_fp8_cuda_describe_block_kernel(c->gemm, how, sizeof how);
@@ -354,6 +359,7 @@ static void fp8_finalize(void *ctx)
     if (c->gemm) moert_fp8_cuda_destroy(c->gemm);
     if (c->wgrad_gemm) moert_bf16_cuda_destroy(c->wgrad_gemm);
     if (c->counts_host) c->host->free_pinned(c->host, c->counts_host);
+    moert_yield_counters_free(&c->yield, c->host, &c->layer);
 #endif
     fp8_delayed_free(&c->delayed);
     fp8_scratch_free(&c->scratch);
@@ -439,6 +445,8 @@ static moert_result cuda_grouped_gemm(fp8_ctx *c, moert_stream stream, const moe
     gm.capacity = acts[0]->shape[0]; /* the padded scratch buffers are sized once for it (blockwise) */
     gm.k_in = shape->k_in;
     gm.n_out = shape->n_out;
+    gm.work_counter = moert_yield_counters_for(&c->yield, stream);
+    gm.sm_yield = gm.work_counter ? MOERT_LAYER_INFO_SM_YIELD(&c->layer) : NULL;
     if (args->pass == MOERT_GEMM_WGRAD) {
         const moert_dtype gw = args->grad_weight->dtype;
         if (gw != MOERT_F32 && gw != MOERT_BF16)

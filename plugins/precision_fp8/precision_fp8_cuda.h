@@ -137,6 +137,8 @@ typedef struct moert_fp8_cuda_gemm {
     const void *input, *weight, *grad_output;
     void *output, *grad_input, *grad_weight;
     int overwrite_grad_weight; /* WGRAD: 1 writes grad_weight (beta 0; experts with no rows zeroed), 0 adds */
+    const int32_t *sm_yield;   /* the blockwise wgmma kernel: leave SMs to a dispatcher (moert_fp8_block_gemm), */
+    int32_t *work_counter;     /* through this counter pair of the stream; NULL: keep every SM */
 } moert_fp8_cuda_gemm;
 
 /* Enqueues the grouped GEMM on stream (WGRAD accumulates unless overwrite_grad_weight). Experts with no rows are

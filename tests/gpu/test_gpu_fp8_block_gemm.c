@@ -18,6 +18,9 @@
  *   then) and the register one, each with the forward form's bf16 D in 128 x 256 tiles (n 128, 192, 384, 640: a
  *   wide tile with one live column block or a partial second one; an odd number of wide tiles) and in 128 x 128.
  * - refusal of an output tile width other than 128 or 256.
+ * - every case again with the work units handed out (moert_fp8_block_gemm.sm_yield and work_counter, the micro-batch
+ *   overlap's way of leaving SMs to a dispatcher), the word in turn 0, 24 and past the grid (every cluster but the
+ *   first stops at once), twice on one counter pair: D the same bit for bit as the static schedule's.
  * Per output the error bound is 5e-4 of the sum of |terms| plus, for bf16, one bf16 rounding: Hopper's FP8 tensor
  * cores sum a k-block's products with about 14 bits (the reason the recipe promotes every 128 to fp32 registers);
  * the first H100 run measured up to 1.6e-4. A wrong factor, row or column is off by the order of the terms.
@@ -42,6 +45,10 @@ int main(void)
 
 #define MAXG   8
 #define POISON 12345.0f
+
+/* The handed-out schedule's device words: [0] sm_yield, [1..2] the work counter pair (zero between launches). */
+static int32_t *yield_words;
+static int yield_turn; /* which word the next case's handed-out runs set: 0, 24, past the grid */
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 static double uniform(void)
@@ -203,7 +210,8 @@ static void run_case(moert_fp8_block_ctx *ctx, const case_spec *cs)
                                             d_dev[g],
                                             ldd};
     }
-    moert_fp8_block_gemm gm = {cs->a_fmt, cs->b_fmt, cs->b_per_row, cs->d_bf16, cs->accumulate, dm, nmats, groups, G};
+    moert_fp8_block_gemm gm = {cs->a_fmt, cs->b_fmt, cs->b_per_row, cs->d_bf16, cs->accumulate, dm, nmats, groups, G,
+                               NULL, NULL};
     cudaStream_t stream;
     CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     const moert_result rc = moert_fp8_block_gemm_run(ctx, stream, &gm);
@@ -213,6 +221,55 @@ static void run_case(moert_fp8_block_ctx *ctx, const case_spec *cs)
     }
     CK(cudaStreamSynchronize(stream));
     CK(cudaGetLastError());
+    /* the handed-out schedule from the same D: the same bits (twice, so the counter pair's reset is used) */
+    const size_t d_es = cs->d_bf16 ? 2 : 4;
+    void *static_d[MAXG];
+    int64_t mismatched = 0;
+    for (int g = 0; g < G; g++) {
+        const size_t bytes = (size_t)((cs->m[g] + 2) * ldd) * d_es;
+        static_d[g] = malloc(bytes);
+        CK(cudaMemcpy(static_d[g], d_dev[g], bytes, cudaMemcpyDeviceToHost));
+    }
+    static const int32_t words[3] = {0, 24, 1 << 20};
+    const int32_t word = words[yield_turn++ % 3];
+    CK(cudaMemcpy(yield_words, &word, sizeof word, cudaMemcpyHostToDevice));
+    for (int run = 0; run < 2 && rc == MOERT_OK; run++) {
+        for (int g = 0; g < G; g++) {
+            const int64_t n_el = (cs->m[g] + 2) * ldd;
+            if (cs->d_bf16) {
+                uint16_t *h16 = (uint16_t *)calloc((size_t)n_el, 2);
+                for (int64_t i = 0; i < n_el; i++) h16[i] = float_to_bf16(d[g][i]);
+                CK(cudaMemcpy(d_dev[g], h16, (size_t)n_el * 2, cudaMemcpyHostToDevice));
+                free(h16);
+            } else {
+                CK(cudaMemcpy(d_dev[g], d[g], (size_t)n_el * 4, cudaMemcpyHostToDevice));
+            }
+        }
+        moert_fp8_block_gemm handed = gm;
+        handed.sm_yield = yield_words;
+        handed.work_counter = yield_words + 1;
+        if (moert_fp8_block_gemm_run(ctx, stream, &handed) != MOERT_OK) {
+            fprintf(stderr, "FAIL %s: handed-out run failed: %s\n", cs->name, gpu_test_error);
+            test_failures++;
+        }
+        CK(cudaStreamSynchronize(stream));
+        CK(cudaGetLastError());
+        for (int g = 0; g < G; g++) {
+            const size_t bytes = (size_t)((cs->m[g] + 2) * ldd) * d_es;
+            uint8_t *again = (uint8_t *)malloc(bytes);
+            CK(cudaMemcpy(again, d_dev[g], bytes, cudaMemcpyDeviceToHost));
+            mismatched += memcmp(again, static_d[g], bytes) != 0;
+            free(again);
+        }
+    }
+    int32_t counters[2] = {-1, -1};
+    CK(cudaMemcpy(counters, yield_words + 1, sizeof counters, cudaMemcpyDeviceToHost));
+    if (mismatched || counters[0] || counters[1]) {
+        fprintf(stderr, "FAIL %s: handed out (sm_yield %d): %lld groups differ from the static schedule, counters %d %d\n",
+                cs->name, word, (long long)mismatched, counters[0], counters[1]);
+        test_failures++;
+    }
+    for (int g = 0; g < G; g++) free(static_d[g]);
     double worst = 0;
     int64_t bad = 0, poisoned = 0, checked = 0;
     for (int g = 0; g < G; g++) {
@@ -252,8 +309,9 @@ static void run_case(moert_fp8_block_ctx *ctx, const case_spec *cs)
         }
         free(got);
     }
-    printf("%-44s %9lld checked  worst err/tol %8.3g  %lld wrong  %lld poison changed\n", cs->name, (long long)checked,
-           worst, (long long)bad, (long long)poisoned);
+    printf("%-44s %9lld checked  worst err/tol %8.3g  %lld wrong  %lld poison changed  handed out (yield %d) %s\n",
+           cs->name, (long long)checked, worst, (long long)bad, (long long)poisoned, word,
+           mismatched ? "DIFFERS" : "same bits");
     if (bad || poisoned || rc != MOERT_OK) test_failures++;
     for (int g = 0; g < G; g++) {
         free(sa[g]);
@@ -278,7 +336,7 @@ static void check_refusals(moert_fp8_block_ctx *ctx)
     CK(cudaMalloc(&buf, 1 << 16));
     moert_fp8_block_matrix mx = {buf, 128, 128, 128};
     moert_fp8_block_group g = {0, 0, 0, 0, 16, 16, 128, (const float *)buf, 16, (const float *)buf, 1, buf, 16};
-    moert_fp8_block_gemm gm = {1, 1, 0, 0, 0, &mx, 1, &g, 1};
+    moert_fp8_block_gemm gm = {1, 1, 0, 0, 0, &mx, 1, &g, 1, NULL, NULL};
     EXPECT(moert_fp8_block_gemm_run(ctx, 0, &gm) == MOERT_ERR_INVALID_ARGUMENT);
     EXPECT(strstr(gpu_test_error, "two E5M2") != NULL);
     gm.a_format = gm.b_format = 0;
@@ -307,6 +365,8 @@ int main(void)
         printf("gpu_fp8_block_gemm: GPU of compute capability %d.%d (needs 9.0), skipped\n", major, minor);
         return TEST_SKIP;
     }
+    CK(cudaMalloc((void **)&yield_words, 3 * sizeof(int32_t)));
+    CK(cudaMemset(yield_words, 0, 3 * sizeof(int32_t)));
     moert_fp8_block_ctx *ctx = NULL;
     if (moert_fp8_block_ctx_create(&gpu_test_host, &ctx) != MOERT_OK) {
         fprintf(stderr, "FAIL: context: %s\n", gpu_test_error);
@@ -364,6 +424,7 @@ int main(void)
     EXPECT(moert_fp8_block_ctx_configure(ctx, 2, 1) == MOERT_OK);
     check_refusals(ctx);
     moert_fp8_block_ctx_destroy(ctx);
+    CK(cudaFree(yield_words));
     printf("gpu_fp8_block_gemm: %s\n", test_failures ? "FAIL" : "PASS");
     return test_failures ? 1 : 0;
 }

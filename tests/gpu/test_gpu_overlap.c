@@ -4,7 +4,8 @@
  * stream) against "off" for 3 Adam steps and one more forward and backward, the router's expert bias on, 3 layers:
  * with 4 micro-batches per step, the dispatcher alltoall, fp32 and bf16, and the fp8 recipe with delayed scaling (its
  * twins share the scales and amax histories on the device); on 2 and 4 GPUs the dispatchers whose kernels spin until
- * their peers' arrive, deepep and hybridep, in bf16 with 4 micro-batches, and with the bf16 recipe's "gemm": "kernel"
+ * their peers' arrive, deepep and hybridep, in bf16 with 4 micro-batches (deepep also with the fp8 blockwise recipe,
+ * whose wgmma kernel then hands its units out and leaves SMs to deepep's calls), and with the bf16 recipe's "gemm": "kernel"
  * (a persistent GEMM holding the other SMs) and 3 micro-batches, where two slots' dispatcher kernels on two streams
  * once stalled a step. Each "on" runs twice: as it is, and with $.parallel.defer_wgrad_join (a merged call's weight
  * gradients left running past it, joined by the last plain backward). The check is bit-identity of every step's loss,
@@ -46,6 +47,7 @@ typedef struct outcome {
 static const char *bf16 = "{\"plugin\": \"bf16\"}";
 static const char *bf16_kernel = "{\"plugin\": \"bf16\", \"gemm\": \"kernel\"}";
 static const char *fp8_delayed = "{\"plugin\": \"fp8\", \"recipe\": \"delayed\", \"amax_history_len\": 4}";
+static const char *fp8_blockwise = "{\"plugin\": \"fp8\", \"recipe\": \"blockwise\"}";
 
 static const moert_param_id params[] = {MOERT_PARAM_ROUTER, MOERT_PARAM_FC1, MOERT_PARAM_FC2};
 
@@ -257,6 +259,7 @@ int main(void)
         /* kernels that spin until their peers' arrive: both slots' dispatcher calls share the communication stream */
         auto_leaves_overlap_off(r);
         check(r, "deepep", "bf16", bf16, 4);
+        check(r, "deepep", "bf16", fp8_blockwise, 4); /* its wgmma kernel hands units out, leaving SMs to deepep */
         check(r, "hybridep", "bf16", bf16, 4);
         check(r, "deepep", "bf16", bf16_kernel, 3);
         check(r, "hybridep", "bf16", bf16_kernel, 3); /* the case that stalled with two streams */
