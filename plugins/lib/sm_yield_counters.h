@@ -17,7 +17,7 @@
 #define MOERT_YIELD_STREAMS 8
 
 typedef struct moert_yield_counters {
-    int32_t *pairs;                             /* device: a pair per stream, zeroed; NULL without sm_yield */
+    int32_t *pairs;                            /* device: a pair per stream, zeroed; NULL without sm_yield */
     moert_stream streams[MOERT_YIELD_STREAMS]; /* the stream each pair serves (NULL: free) */
 } moert_yield_counters;
 

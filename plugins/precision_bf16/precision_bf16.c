@@ -36,7 +36,6 @@ typedef struct bf16_weight_copy {
 } bf16_weight_copy;
 #endif
 
-
 typedef struct bf16_ctx {
     const moert_host *host;
     moert_layer_info layer;
@@ -61,7 +60,7 @@ typedef struct bf16_ctx {
     /* another slot's instance (moert_layer_info.twin): the slot-0 instance whose weight copies it reads while they are
      * of the weight it is given, so the slots of a layer hold one copy (else itself) */
     const struct bf16_ctx *owner;
-    int64_t *counts_host;    /* [E_local] pinned: device counts copied down when no host copy is given */
+    int64_t *counts_host;       /* [E_local] pinned: device counts copied down when no host copy is given */
     moert_yield_counters yield; /* the layer's sm_yield: a device_gemm work counter pair per stream (or none) */
 #endif
 } bf16_ctx;

@@ -99,8 +99,8 @@ typedef struct kernel_args {
     int pairs;    /* forward form's main loop: 0 one k-block at a time, 1 in pairs, 2 in pairs, the second consumer
                      warpgroup one block out of step with the first */
     int d_bf16, accumulate;
-    int tile_n;    /* columns of an output tile: TILE, or WIDE_N for the wide forward form */
-    int pair_rows; /* wide form in CTA pairs: pairs of row blocks share the B tile (see tile_at) */
+    int tile_n;              /* columns of an output tile: TILE, or WIDE_N for the wide forward form */
+    int pair_rows;           /* wide form in CTA pairs: pairs of row blocks share the B tile (see tile_at) */
     int32_t *work_counter;   /* NULL: each cluster walks units blockIdx.x / cluster, + gridDim.x / cluster, ..; else
                                 two int32 through which rank 0's producer of A hands them out (walk_next) */
     const int32_t *sm_yield; /* with work_counter: SMs to leave while it is > 0 (moert_fp8_block_gemm) */
@@ -282,8 +282,8 @@ __device__ __forceinline__ kernel_smem kernel_smem_of(const kernel_args &args)
     m.b_factors = m.a_factors + stages * TILE; /* [stages][128] (per block: [0] only) */
     m.full = (uint64_t *)(m.b_factors + stages * TILE);
     m.empty = m.full + stages;
-    m.d_ready = m.empty + stages;              /* [2 consumers][MAX_OUT_SETS]: the set may be written */
-    m.d_staged = m.d_ready + 2 * MAX_OUT_SETS; /* [2 consumers][MAX_OUT_SETS]: the set holds the tile */
+    m.d_ready = m.empty + stages;                /* [2 consumers][MAX_OUT_SETS]: the set may be written */
+    m.d_staged = m.d_ready + 2 * MAX_OUT_SETS;   /* [2 consumers][MAX_OUT_SETS]: the set holds the tile */
     m.unit_full = m.d_staged + 2 * MAX_OUT_SETS; /* [UNIT_RING]: the slot holds the walk's next unit */
     m.unit_empty = m.unit_full + UNIT_RING;      /* [UNIT_RING], in rank 0: every reader of the cluster has read it */
     m.unit_slot = (int *)(m.unit_empty + UNIT_RING);
@@ -377,11 +377,12 @@ __device__ __forceinline__ bool walk_next(const kernel_args &args, int rank, til
         } else {
             uint32_t done = 0;
             while (!done)
-                asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-                             " selp.u32 %0, 1, 0, p;\n}"
-                             : "=r"(done)
-                             : "r"(full), "r"(parity)
-                             : "memory");
+                asm volatile(
+                    "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                    " selp.u32 %0, 1, 0, p;\n}"
+                    : "=r"(done)
+                    : "r"(full), "r"(parity)
+                    : "memory");
             asm volatile("ld.shared.u32 %0, [%1];" : "=r"(u) : "r"(cell) : "memory");
             if (w.how == WALK_WARP_READS) __syncwarp();
             if (w.how != WALK_WARP_READS || threadIdx.x % 32 == 0)

@@ -210,8 +210,8 @@ static void run_case(moert_fp8_block_ctx *ctx, const case_spec *cs)
                                             d_dev[g],
                                             ldd};
     }
-    moert_fp8_block_gemm gm = {cs->a_fmt, cs->b_fmt, cs->b_per_row, cs->d_bf16, cs->accumulate, dm, nmats, groups, G,
-                               NULL, NULL};
+    moert_fp8_block_gemm gm = {cs->a_fmt, cs->b_fmt, cs->b_per_row, cs->d_bf16, cs->accumulate, dm, nmats,
+                               groups,    G,         NULL,          NULL};
     cudaStream_t stream;
     CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     const moert_result rc = moert_fp8_block_gemm_run(ctx, stream, &gm);
@@ -265,7 +265,8 @@ static void run_case(moert_fp8_block_ctx *ctx, const case_spec *cs)
     int32_t counters[2] = {-1, -1};
     CK(cudaMemcpy(counters, yield_words + 1, sizeof counters, cudaMemcpyDeviceToHost));
     if (mismatched || counters[0] || counters[1]) {
-        fprintf(stderr, "FAIL %s: handed out (sm_yield %d): %lld groups differ from the static schedule, counters %d %d\n",
+        fprintf(stderr,
+                "FAIL %s: handed out (sm_yield %d): %lld groups differ from the static schedule, counters %d %d\n",
                 cs->name, word, (long long)mismatched, counters[0], counters[1]);
         test_failures++;
     }
