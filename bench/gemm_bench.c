@@ -92,8 +92,9 @@ static const bench_shape shapes[] = {
     {"qwen3-30b-a3b fc2", 16384, 32, 768, 2048},
     {"mixtral-8x7b fc1", 16384, 2, 4096, 28672},
     {"mixtral-8x7b fc2", 16384, 2, 14336, 4096},
-    /* deepseek-v3 as bench/overlap_gpu.sh runs it at EP4 (32 experts a GPU, ~1024 rows each), and every preset with
-     * two micro-batches' rows at once (x2: what one WGRAD over two micro-batches multiplies) */
+    /* deepseek-v3 as bench/overlap_gpu.sh runs it at EP4 (32 experts a GPU, ~1024 rows each), and it and qwen3-30b-a3b
+     * with two micro-batches' rows at once (x2: what one WGRAD over two micro-batches would multiply); a table of
+     * shapes, not code */
     {"deepseek-v3 e32 fc1", 32768, 32, 7168, 4096},
     {"deepseek-v3 e32 fc2", 32768, 32, 2048, 7168},
     {"deepseek-v3 e32x2 fc1", 65536, 32, 7168, 4096},
