@@ -87,24 +87,17 @@ template <typename A> __device__ A block_sum(A x)
 
 __device__ __forceinline__ float sigmoidf_(float a) { return 1.0f / (1.0f + expf(-a)); }
 
-/* One warp per row, ROWS_PER_BLOCK rows a block (grid-stride over the row groups), VEC elements per lane access: a
- * block a row left the rows of a small ffn (qwen3-30b-a3b's 768: 96 of 128 threads, one access each) waiting on
- * their few loads, about a quarter of the copy rate. */
-#define SWIGLU_ROWS_PER_BLOCK 8
-
+/* One block per row (grid-stride over rows), VEC elements per thread access. */
 template <typename T, int VEC>
 __global__ void swiglu_forward_kernel(int64_t rows, int64_t ffn, const T *__restrict__ in,
                                       const float *__restrict__ prob, T *__restrict__ out)
 {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    for (int64_t r = (int64_t)blockIdx.x * SWIGLU_ROWS_PER_BLOCK + warp; r < rows;
-         r += (int64_t)gridDim.x * SWIGLU_ROWS_PER_BLOCK) {
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         const float p = prob ? prob[r] : 1.0f;
         const T *a_row = in + r * 2 * ffn;
         const T *g_row = a_row + ffn;
         T *o_row = out + r * ffn;
-#pragma unroll 4
-        for (int64_t j = (int64_t)lane * VEC; j < ffn; j += 32 * VEC) {
+        for (int64_t j = (int64_t)threadIdx.x * VEC; j < ffn; j += (int64_t)blockDim.x * VEC) {
             vec_t<T, VEC> a = load_vec<T, VEC>(a_row + j), g = load_vec<T, VEC>(g_row + j), o;
 #pragma unroll
             for (int i = 0; i < VEC; i++) {
@@ -116,16 +109,12 @@ __global__ void swiglu_forward_kernel(int64_t rows, int64_t ffn, const T *__rest
     }
 }
 
-/* As the forward, one warp per row; the row's prob gradient is its lanes' partial sums added by shuffles in a fixed
- * order. */
 template <typename T, int VEC>
 __global__ void swiglu_backward_kernel(int64_t rows, int64_t ffn, const T *__restrict__ in,
                                        const float *__restrict__ prob, const T *__restrict__ d_out,
                                        T *__restrict__ d_in, float *__restrict__ d_prob)
 {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    for (int64_t r = (int64_t)blockIdx.x * SWIGLU_ROWS_PER_BLOCK + warp; r < rows;
-         r += (int64_t)gridDim.x * SWIGLU_ROWS_PER_BLOCK) {
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         const float p = prob ? prob[r] : 1.0f;
         const T *a_row = in + r * 2 * ffn;
         const T *g_row = a_row + ffn;
@@ -133,8 +122,7 @@ __global__ void swiglu_backward_kernel(int64_t rows, int64_t ffn, const T *__res
         T *da_row = d_in + r * 2 * ffn;
         T *dg_row = da_row + ffn;
         float prob_grad = 0.0f;
-#pragma unroll 4
-        for (int64_t j = (int64_t)lane * VEC; j < ffn; j += 32 * VEC) {
+        for (int64_t j = (int64_t)threadIdx.x * VEC; j < ffn; j += (int64_t)blockDim.x * VEC) {
             vec_t<T, VEC> a = load_vec<T, VEC>(a_row + j), g = load_vec<T, VEC>(g_row + j);
             vec_t<T, VEC> dout = load_vec<T, VEC>(do_row + j), da, dg;
 #pragma unroll
@@ -151,30 +139,25 @@ __global__ void swiglu_backward_kernel(int64_t rows, int64_t ffn, const T *__res
             store_vec<T, VEC>(dg_row + j, dg);
         }
         if (d_prob) {
-            for (int o = 16; o > 0; o >>= 1) prob_grad += __shfl_xor_sync(0xffffffffu, prob_grad, o);
-            if (lane == 0) d_prob[r] = prob_grad;
+            float total = block_sum<float>(prob_grad);
+            if (threadIdx.x == 0) d_prob[r] = total;
         }
     }
 }
 
-/* Grid size of the SwiGLU kernels: a block per SWIGLU_ROWS_PER_BLOCK rows, at most 65535 (grid-stride beyond). */
-static int swiglu_grid(int64_t rows)
-{
-    const int64_t blocks = (rows + SWIGLU_ROWS_PER_BLOCK - 1) / SWIGLU_ROWS_PER_BLOCK;
-    return (int)(blocks < 65535 ? blocks : 65535);
-}
+/* Grid size for one-block-per-row kernels. */
+static int row_grid(int64_t rows) { return (int)(rows < 65535 ? rows : 65535); }
 
 template <typename T>
 static moert_result swiglu_forward_typed(cudaStream_t s, int64_t rows, int64_t ffn, const void *in, const float *prob,
                                          void *out)
 {
     constexpr int VEC = 16 / sizeof(T);
-    constexpr int threads = 32 * SWIGLU_ROWS_PER_BLOCK;
     const bool vec_ok = ffn % VEC == 0 && aligned(in, 16) && aligned(out, 16);
     if (vec_ok)
-        swiglu_forward_kernel<T, VEC><<<swiglu_grid(rows), threads, 0, s>>>(rows, ffn, (const T *)in, prob, (T *)out);
+        swiglu_forward_kernel<T, VEC><<<row_grid(rows), 128, 0, s>>>(rows, ffn, (const T *)in, prob, (T *)out);
     else
-        swiglu_forward_kernel<T, 1><<<swiglu_grid(rows), threads, 0, s>>>(rows, ffn, (const T *)in, prob, (T *)out);
+        swiglu_forward_kernel<T, 1><<<row_grid(rows), 128, 0, s>>>(rows, ffn, (const T *)in, prob, (T *)out);
     LAUNCH_CHECK("swiglu_forward_kernel");
     return MOERT_OK;
 }
@@ -184,18 +167,18 @@ static moert_result swiglu_backward_typed(cudaStream_t s, int64_t rows, int64_t 
                                           const void *d_out, void *d_in, float *d_prob)
 {
     constexpr int VEC = 16 / sizeof(T);
-    constexpr int threads = 32 * SWIGLU_ROWS_PER_BLOCK;
     const bool vec_ok = ffn % VEC == 0 && aligned(in, 16) && aligned(d_out, 16) && aligned(d_in, 16);
     if (vec_ok)
         swiglu_backward_kernel<T, VEC>
-            <<<swiglu_grid(rows), threads, 0, s>>>(rows, ffn, (const T *)in, prob, (const T *)d_out, (T *)d_in, d_prob);
+            <<<row_grid(rows), 128, 0, s>>>(rows, ffn, (const T *)in, prob, (const T *)d_out, (T *)d_in, d_prob);
     else
         swiglu_backward_kernel<T, 1>
-            <<<swiglu_grid(rows), threads, 0, s>>>(rows, ffn, (const T *)in, prob, (const T *)d_out, (T *)d_in, d_prob);
+            <<<row_grid(rows), 128, 0, s>>>(rows, ffn, (const T *)in, prob, (const T *)d_out, (T *)d_in, d_prob);
     LAUNCH_CHECK("swiglu_backward_kernel");
     return MOERT_OK;
 }
 
+/* SwiGLU x prob forward: see kernels.h. */
 extern "C" moert_result moert_cuda_swiglu_forward(cudaStream_t stream, moert_dtype dtype, int64_t rows, int64_t ffn,
                                                   const void *in, const float *prob, void *out)
 {
