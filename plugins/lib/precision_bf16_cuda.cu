@@ -42,16 +42,8 @@
 #define GROUPED_CHUNK     256 /* experts per cublasGemmGroupedBatchedEx call (pointer kernel's by-value list) */
 #define GRAPH_CACHE_SLOTS 16  /* kept count vectors (and their executable graphs), least recently used out */
 
+#include "cublaslt_state.h"
 #include "plugin_cuda_check.h"
-
-/* Checked cuBLASLt / cuBLAS call. */
-#define CUBLAS_CHECK(host, call)                                                                                       \
-    do {                                                                                                               \
-        cublasStatus_t st_ = (call);                                                                                   \
-        if (st_ != CUBLAS_STATUS_SUCCESS)                                                                              \
-            return report((host), MOERT_ERR_CUDA, "%s failed: %s (%s:%d)", #call, cublasLtGetStatusString(st_),        \
-                          __FILE__, __LINE__);                                                                         \
-    } while (0)
 
 /* What a cached heuristic answer is valid for. The row-sized dimension (n for FORWARD and DGRAD, k for WGRAD)
  * holds the row bucket, or the exact row count in an exact-fallback entry. */
@@ -69,10 +61,7 @@ typedef struct plan_entry {
 } plan_entry;
 
 /* One matrix layout object and the sizes last written into it. */
-typedef struct layout_state {
-    cublasLtMatrixLayout_t layout;
-    int64_t rows, cols, ld;
-} layout_state;
+typedef moert_lt_layout layout_state; /* its type is set at creation and never changed (type -1 below) */
 
 /* A count vector seen before, and the executable graph of its call once it came a second time. */
 typedef struct graph_entry {
@@ -411,21 +400,7 @@ static void expert_problem_make(const moert_bf16_cuda_gemm *gm, int64_t e, int64
 /* Makes a layout describe rows x cols with leading dimension ld, writing only the attributes that differ. */
 static moert_result layout_fit(const moert_host *host, layout_state *s, int64_t rows, int64_t cols, int64_t ld)
 {
-    if (s->rows != rows) {
-        uint64_t v = (uint64_t)rows;
-        CUBLAS_CHECK(host, cublasLtMatrixLayoutSetAttribute(s->layout, CUBLASLT_MATRIX_LAYOUT_ROWS, &v, sizeof v));
-        s->rows = rows;
-    }
-    if (s->cols != cols) {
-        uint64_t v = (uint64_t)cols;
-        CUBLAS_CHECK(host, cublasLtMatrixLayoutSetAttribute(s->layout, CUBLASLT_MATRIX_LAYOUT_COLS, &v, sizeof v));
-        s->cols = cols;
-    }
-    if (s->ld != ld) {
-        CUBLAS_CHECK(host, cublasLtMatrixLayoutSetAttribute(s->layout, CUBLASLT_MATRIX_LAYOUT_LD, &ld, sizeof ld));
-        s->ld = ld;
-    }
-    return MOERT_OK;
+    return moert_lt_layout_fit(host, s, -1, rows, cols, ld);
 }
 
 /* The three layouts of one call: A, B and C (= D). */
@@ -445,22 +420,8 @@ static moert_result layouts_fit(const moert_host *host, const call_layouts *l, c
 /* Writes the minimum pointer alignments into the preference, the ones that changed only. */
 static moert_result pref_align_set(moert_bf16_cuda *g, const plan_key *key)
 {
-    const moert_host *host = g->host;
     const int32_t want[3] = {key->align_a, key->align_b, key->align_c};
-    static const cublasLtMatmulPreferenceAttributes_t attr[3] = {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                                                                 CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                                                                 CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES};
-    for (int i = 0; i < 3; i++) {
-        if (g->pref_align[i] == want[i]) continue;
-        g->pref_align[i] = 0;
-        uint32_t v = (uint32_t)want[i];
-        CUBLAS_CHECK(host, cublasLtMatmulPreferenceSetAttribute(g->pref, attr[i], &v, sizeof v));
-        if (i == 2)
-            CUBLAS_CHECK(host, cublasLtMatmulPreferenceSetAttribute(g->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                                                                    &v, sizeof v));
-        g->pref_align[i] = want[i];
-    }
-    return MOERT_OK;
+    return moert_lt_pref_align_set(g->host, g->pref, g->pref_align, want);
 }
 
 /*

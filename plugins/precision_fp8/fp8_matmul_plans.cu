@@ -78,26 +78,7 @@ static int64_t expert_rows(const expert_mm *p)
 static moert_result layout_fit(const moert_host *host, layout_state *s, cudaDataType_t type, int64_t rows, int64_t cols,
                                int64_t ld)
 {
-    if (s->type != (int32_t)type) {
-        int32_t v = (int32_t)type;
-        CUBLAS_CHECK(host, cublasLtMatrixLayoutSetAttribute(s->layout, CUBLASLT_MATRIX_LAYOUT_TYPE, &v, sizeof v));
-        s->type = v;
-    }
-    if (s->rows != rows) {
-        uint64_t v = (uint64_t)rows;
-        CUBLAS_CHECK(host, cublasLtMatrixLayoutSetAttribute(s->layout, CUBLASLT_MATRIX_LAYOUT_ROWS, &v, sizeof v));
-        s->rows = rows;
-    }
-    if (s->cols != cols) {
-        uint64_t v = (uint64_t)cols;
-        CUBLAS_CHECK(host, cublasLtMatrixLayoutSetAttribute(s->layout, CUBLASLT_MATRIX_LAYOUT_COLS, &v, sizeof v));
-        s->cols = cols;
-    }
-    if (s->ld != ld) {
-        CUBLAS_CHECK(host, cublasLtMatrixLayoutSetAttribute(s->layout, CUBLASLT_MATRIX_LAYOUT_LD, &ld, sizeof ld));
-        s->ld = ld;
-    }
-    return MOERT_OK;
+    return moert_lt_layout_fit(host, s, (int32_t)type, rows, cols, ld);
 }
 
 /* Fits the three layouts to p with the expert's row dimension set to rows (the bucket, or the real count). */
@@ -119,22 +100,8 @@ static moert_result layouts_fit(moert_fp8_cuda *g, const expert_mm *p, int64_t r
 /* Writes the minimum pointer alignments into the preference, the ones that changed only. */
 static moert_result pref_align_set(moert_fp8_cuda *g, const plan_key *key)
 {
-    const moert_host *host = g->host;
     const int32_t want[3] = {key->align_a, key->align_b, key->align_d};
-    static const cublasLtMatmulPreferenceAttributes_t attr[3] = {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                                                                 CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                                                                 CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES};
-    for (int i = 0; i < 3; i++) {
-        if (g->pref_align[i] == want[i]) continue;
-        g->pref_align[i] = 0;
-        uint32_t v = (uint32_t)want[i];
-        CUBLAS_CHECK(host, cublasLtMatmulPreferenceSetAttribute(g->pref, attr[i], &v, sizeof v));
-        if (i == 2)
-            CUBLAS_CHECK(host, cublasLtMatmulPreferenceSetAttribute(g->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                                                                    &v, sizeof v));
-        g->pref_align[i] = want[i];
-    }
-    return MOERT_OK;
+    return moert_lt_pref_align_set(g->host, g->pref, g->pref_align, want);
 }
 
 /* FNV-1a over a plan key. */

@@ -22,6 +22,7 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "../lib/cublaslt_state.h"
 #include "../lib/plugin_cuda_check.h"
 #include "fp8_block_gemm.h"
 
@@ -33,15 +34,6 @@
 #define MAX_DESCS   16
 #define E4M3_MAX    448.0f
 #define E5M2_MAX    57344.0f
-
-/* Checked cuBLASLt call. */
-#define CUBLAS_CHECK(host, call)                                                                                       \
-    do {                                                                                                               \
-        cublasStatus_t st_ = (call);                                                                                   \
-        if (st_ != CUBLAS_STATUS_SUCCESS)                                                                              \
-            return report((host), MOERT_ERR_CUDA, "%s failed: %s (%s:%d)", #call, cublasLtGetStatusString(st_),        \
-                          __FILE__, __LINE__);                                                                         \
-    } while (0)
 
 enum { OP_INPUT = 0, OP_WEIGHT = 1, OP_GRAD = 2 };
 enum { SCALE_TENSOR = 0, SCALE_ALONG_ROWS = 1, SCALE_TILE2D = 2 };
@@ -112,11 +104,7 @@ typedef struct desc_entry {
     cublasLtMatmulDesc_t desc;
 } desc_entry;
 
-typedef struct layout_state {
-    cublasLtMatrixLayout_t layout;
-    int32_t type;
-    int64_t rows, cols, ld;
-} layout_state;
+typedef moert_lt_layout layout_state;
 
 struct moert_fp8_cuda {
     const moert_host *host;
