@@ -18,7 +18,8 @@
 #   random inputs are; the configs' 0.5 routes unevenly: rank 0 of deepseek-v3 got 1.12x the mean rows at EP4)
 # Writes OUT_DIR/overlap-MODEL.{json,md,log} (moert ab's report, table and log), OUT_DIR/trace-overlap-MODEL.json and
 # with OVERLAP_TORCH OUT_DIR/torch-MODEL.{json,log};
-# prints the verdict lines. Exit status: 0 when every A/B ran and its outputs agree, 1 otherwise, 77 without a GPU.
+# prints the verdict lines and each trace's steady state (tools/trace_summary.py's last line). Exit status: 0 when
+# every A/B ran and its outputs agree, 1 otherwise, 77 without a GPU.
 set -u
 if [ $# -lt 2 ]; then
     echo "usage: $0 BUILD_DIR OUT_DIR [DISPATCHER [MODEL...]]" >&2
@@ -95,6 +96,9 @@ for model in "${MODELS[@]}"; do
         ${OVERLAP_B_DISPATCHER:+--set "dispatcher=$OVERLAP_B_DISPATCHER"} \
         --steps 4 --trace "$OUT/trace-overlap-$model.json" \
         >"$OUT/trace-overlap-$model.log" 2>&1 || { echo "overlap_gpu: FAIL: the trace run of $model"; status=1; }
+    # the figure the targets are set for: the merged halves per layer and micro-batch, every rank, steps 2-4
+    [ -s "$OUT/trace-overlap-$model.json" ] &&
+        echo "$model $(python3 tools/trace_summary.py "$OUT/trace-overlap-$model.json" | tail -1)"
 done
 echo "overlap_gpu: reports and traces in $OUT; exit status $status"
 exit $status

@@ -98,7 +98,17 @@ for r in rows:
         assert v["count"] == 2 * 3 and 0 <= v["call_ms"] <= v["stage_ms"] + 1e-3, (c, v)
 print("trace summary ok")
 PY
-python3 "$src/tools/trace_summary.py" "$tmp/to.json" --ranks 1 | grep -q "dispatcher.dispatch " || fail "trace_summary text"
+python3 "$src/tools/trace_summary.py" "$tmp/to.json" --ranks 1 >"$tmp/sum.txt" || fail "trace_summary text: exit $?"
+grep -q "dispatcher.dispatch " "$tmp/sum.txt" || fail "trace_summary text"
+# the last line: the range of the merged halves per layer and micro-batch over steps 2-3 of rank 0, as in the JSON
+python3 - "$tmp/sum.json" "$tmp/sum.txt" <<'PY' || fail "trace_summary steady state"
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1])) if r["rank"] == 0 and r["step"] >= 2]
+per = [r["merged"]["per_layer_micro_batch_ms"] for r in rows]
+want = "steady state: %.2f-%.2f ms per layer and micro-batch (merged halves, ranks 0, steps 2-3)" % (min(per), max(per))
+last = open(sys.argv[2]).read().splitlines()[-1]
+assert last == want, (last, want)
+PY
 echo '{"traceEvents": []}' >"$tmp/empty.json"
 python3 "$src/tools/trace_summary.py" "$tmp/empty.json" 2>"$tmp/sum.err"
 [ $? -eq 2 ] && grep -q "no spans" "$tmp/sum.err" || fail "trace_summary: an empty trace not refused"
