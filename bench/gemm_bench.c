@@ -85,22 +85,16 @@ typedef struct bench_shape {
     int64_t rows, experts, k_in, n_out;
 } bench_shape;
 
+/* The presets' per-GPU expert shapes at EP4 (deepseek-v3 at 64 experts a GPU, ~512 rows each); then deepseek-v3 as
+ * bench/overlap_gpu.sh runs it at EP4 (32 experts a GPU, ~1024 rows each, "e32"), and it and qwen3-30b-a3b with two
+ * micro-batches' rows at once ("x2": what one WGRAD over two micro-batches would multiply). */
 static const bench_shape shapes[] = {
-    {"deepseek-v3 fc1", 32768, 64, 7168, 4096},
-    {"deepseek-v3 fc2", 32768, 64, 2048, 7168},
-    {"qwen3-30b-a3b fc1", 16384, 32, 2048, 1536},
-    {"qwen3-30b-a3b fc2", 16384, 32, 768, 2048},
-    {"mixtral-8x7b fc1", 16384, 2, 4096, 28672},
-    {"mixtral-8x7b fc2", 16384, 2, 14336, 4096},
-    /* deepseek-v3 as bench/overlap_gpu.sh runs it at EP4 (32 experts a GPU, ~1024 rows each), and it and qwen3-30b-a3b
-     * with two micro-batches' rows at once (x2: what one WGRAD over two micro-batches would multiply); a table of
-     * shapes, not code */
-    {"deepseek-v3 e32 fc1", 32768, 32, 7168, 4096},
-    {"deepseek-v3 e32 fc2", 32768, 32, 2048, 7168},
-    {"deepseek-v3 e32x2 fc1", 65536, 32, 7168, 4096},
-    {"deepseek-v3 e32x2 fc2", 65536, 32, 2048, 7168},
-    {"qwen3-30b-a3b x2 fc1", 32768, 32, 2048, 1536},
-    {"qwen3-30b-a3b x2 fc2", 32768, 32, 768, 2048},
+    {"deepseek-v3 fc1", 32768, 64, 7168, 4096},       {"deepseek-v3 fc2", 32768, 64, 2048, 7168},
+    {"qwen3-30b-a3b fc1", 16384, 32, 2048, 1536},     {"qwen3-30b-a3b fc2", 16384, 32, 768, 2048},
+    {"mixtral-8x7b fc1", 16384, 2, 4096, 28672},      {"mixtral-8x7b fc2", 16384, 2, 14336, 4096},
+    {"deepseek-v3 e32 fc1", 32768, 32, 7168, 4096},   {"deepseek-v3 e32 fc2", 32768, 32, 2048, 7168},
+    {"deepseek-v3 e32x2 fc1", 65536, 32, 7168, 4096}, {"deepseek-v3 e32x2 fc2", 65536, 32, 2048, 7168},
+    {"qwen3-30b-a3b x2 fc1", 32768, 32, 2048, 1536},  {"qwen3-30b-a3b x2 fc2", 32768, 32, 768, 2048},
 };
 
 /* One way of running the grouped GEMM. */
