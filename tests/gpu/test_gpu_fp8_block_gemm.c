@@ -125,6 +125,24 @@ static void reference(const matrix_h *a, int64_t arow, const matrix_h *b, int64_
     *mag = m;
 }
 
+/* D's n values to the device, into *dev (allocated when NULL): as bf16 for d_bf16, d then rounded to what went. */
+static void d_upload(float *d, int64_t n, int d_bf16, void **dev)
+{
+    const size_t bytes = (size_t)n * (d_bf16 ? 2 : 4);
+    if (!*dev) CK(cudaMalloc(dev, bytes));
+    if (!d_bf16) {
+        CK(cudaMemcpy(*dev, d, bytes, cudaMemcpyHostToDevice));
+        return;
+    }
+    uint16_t *h16 = (uint16_t *)calloc((size_t)n, 2);
+    for (int64_t i = 0; i < n; i++) {
+        h16[i] = float_to_bf16(d[i]);
+        d[i] = bf16_to_float(h16[i]);
+    }
+    CK(cudaMemcpy(*dev, h16, bytes, cudaMemcpyHostToDevice));
+    free(h16);
+}
+
 static void run_case(moert_fp8_block_ctx *ctx, const case_spec *cs)
 {
     const int G = cs->groups;
@@ -185,17 +203,8 @@ static void run_case(moert_fp8_block_ctx *ctx, const case_spec *cs)
         const int64_t drows = m + 2; /* rows past m keep their poison */
         d[g] = (float *)calloc((size_t)(drows * ldd), 4);
         for (int64_t i = 0; i < drows * ldd; i++) d[g][i] = cs->accumulate ? (float)(uniform() * 2 - 1) : POISON;
-        if (cs->d_bf16) {
-            uint16_t *h16 = (uint16_t *)calloc((size_t)(drows * ldd), 2);
-            for (int64_t i = 0; i < drows * ldd; i++) {
-                h16[i] = float_to_bf16(d[g][i]);
-                d[g][i] = bf16_to_float(h16[i]);
-            }
-            d_dev[g] = gpu_upload_new(h16, (size_t)(drows * ldd) * 2);
-            free(h16);
-        } else {
-            d_dev[g] = gpu_upload_new(d[g], (size_t)(drows * ldd) * 4);
-        }
+        d_dev[g] = NULL;
+        d_upload(d[g], drows * ldd, cs->d_bf16, &d_dev[g]);
         groups[g] = (moert_fp8_block_group){amat[g],
                                             bmat[g],
                                             arow[g],
@@ -234,17 +243,7 @@ static void run_case(moert_fp8_block_ctx *ctx, const case_spec *cs)
     const int32_t word = words[yield_turn++ % 3];
     CK(cudaMemcpy(yield_words, &word, sizeof word, cudaMemcpyHostToDevice));
     for (int run = 0; run < 2 && rc == MOERT_OK; run++) {
-        for (int g = 0; g < G; g++) {
-            const int64_t n_el = (cs->m[g] + 2) * ldd;
-            if (cs->d_bf16) {
-                uint16_t *h16 = (uint16_t *)calloc((size_t)n_el, 2);
-                for (int64_t i = 0; i < n_el; i++) h16[i] = float_to_bf16(d[g][i]);
-                CK(cudaMemcpy(d_dev[g], h16, (size_t)n_el * 2, cudaMemcpyHostToDevice));
-                free(h16);
-            } else {
-                CK(cudaMemcpy(d_dev[g], d[g], (size_t)n_el * 4, cudaMemcpyHostToDevice));
-            }
-        }
+        for (int g = 0; g < G; g++) d_upload(d[g], (cs->m[g] + 2) * ldd, cs->d_bf16, &d_dev[g]);
         moert_fp8_block_gemm handed = gm;
         handed.sm_yield = yield_words;
         handed.work_counter = yield_words + 1;
