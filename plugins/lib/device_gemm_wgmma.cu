@@ -332,14 +332,11 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_kernel(const __grid_
 #define WGR_A_BYTES       (2 * WG_BOX_BYTES) /* 16 KiB */
 #define WGR_STAGING_BYTES (4 * WG_BOX_BYTES) /* one consumer's 64 x 128 fp32 half: 32 KiB */
 
-/* One operand box of a WGRAD k-block of `bk` rows: 64 columns of 128 bytes. */
-#define WGR_BOX_BYTES(bk) (128 * (bk))
-
-/* WGRAD's dynamic shared memory: alignment slack, `stages` stages of A and B (BN columns) of `bk` rows, the consumers'
- * staging (`staging` halves of 32 KiB), barriers, the experts' prefix arrays. */
-static size_t wgrad_smem_bytes(int stages, int bn, int bk, int staging, int experts)
+/* WGRAD's dynamic shared memory: alignment slack, `stages` stages of A and B (BN columns), the consumers' staging,
+ * barriers, the experts' prefix arrays. */
+static size_t wgrad_smem_bytes(int stages, int bn, int experts)
 {
-    return 1024 + (size_t)stages * (2 + bn / 64) * WGR_BOX_BYTES(bk) + (size_t)staging * WGR_STAGING_BYTES +
+    return 1024 + (size_t)stages * (WGR_A_BYTES + bn / 64 * WG_BOX_BYTES) + 2 * WGR_STAGING_BYTES +
            (2 * stages + 4) * sizeof(uint64_t) + (size_t)(experts + 1) * (sizeof(int64_t) + sizeof(int));
 }
 
@@ -399,59 +396,57 @@ template <int CL> __device__ __forceinline__ uint32_t wgrad_sharers(int rank)
     return (1u << rm) | (1u << (rm + CM)) | (1u << (CM * rn)) | (1u << (CM * rn + CM - 1));
 }
 
-/* The k-blocks (BK rows each) of expert e. */
-template <int BK = WG_BK> __device__ __forceinline__ int wgrad_k_blocks(const int64_t *row_start, int e)
+/* The k-blocks (64 rows each) of expert e. */
+__device__ __forceinline__ int wgrad_k_blocks(const int64_t *row_start, int e)
 {
-    return (int)((row_start[e + 1] - row_start[e] + BK - 1) / BK);
+    return (int)((row_start[e + 1] - row_start[e] + WG_BK - 1) / WG_BK);
 }
 
-/* The producer thread: per unit and BK-row block of the expert, A's two boxes and B's BN / 64, into the ring. In a
+/* The producer thread: per unit and 64-row block of the expert, A's two boxes and B's BN / 64, into the ring. In a
  * cluster, an operand two CTAs share is loaded half by each and multicast to both (A's box rn to the CTAs of the
- * block row, B's half rm to those of the block column), and a stage is free once every CTA writing into it has had
- * it back from this CTA's consumers (empty counts their warps). */
-template <int STAGES, int BN, int CL, int BK>
+ * block row, B's box rm to those of the block column), and a stage is free once every CTA writing into it has had it
+ * back from this CTA's consumers (empty counts their warps). */
+template <int STAGES, int BN, int CL>
 __device__ __forceinline__ void wgrad_produce(const wg_wgrad_params &p, const int64_t *row_start, int rank,
                                               uint8_t *stages, uint64_t *full, uint64_t *empty)
 {
-    constexpr int BOX = WGR_BOX_BYTES(BK);
-    const int stage_bytes = (2 + BN / 64) * BOX, units = wgrad_units<CL>(p);
+    const int stage_bytes = WGR_A_BYTES + BN / 64 * WG_BOX_BYTES, units = wgrad_units<CL>(p);
     int s = 0;
     uint32_t phase = 0, it = 0;
     for (int u = blockIdx.x / CL; u < units; u += gridDim.x / CL) {
         int e, mt, nt;
         wgrad_tile_at<CL>(p, u, rank, &e, &mt, &nt);
-        const int k_blocks = wgrad_k_blocks<BK>(row_start, e);
+        const int k_blocks = wgrad_k_blocks(row_start, e);
         for (int kb = 0; kb < k_blocks; kb++, it++) {
             if (it >= STAGES) mbar_wait(&empty[s], phase ^ 1);
             mbar_arrive_expect_tx(&full[s], stage_bytes);
-            const int32_t row = (int32_t)(row_start[e] + (int64_t)kb * BK);
-            uint8_t *a = stages + s * stage_bytes, *b = a + 2 * BOX;
+            const int32_t row = (int32_t)(row_start[e] + (int64_t)kb * WG_BK);
+            uint8_t *a = stages + s * stage_bytes, *b = a + WGR_A_BYTES;
             constexpr int CM = wgrad_cluster<CL>::CM, CN = wgrad_cluster<CL>::CN;
             const int rm = rank % CM, rn = rank / CM;
             if (CN == 2) /* A's box rn, to the block row: ranks rm and rm + CM */
-                tensor_load_2d_multicast(a + rn * BOX, &p.map_in, mt * WGR_BM + rn * 64, row, &full[s],
+                tensor_load_2d_multicast(a + rn * WG_BOX_BYTES, &p.map_in, mt * WGR_BM + rn * 64, row, &full[s],
                                          (uint16_t)((1u << rm) | (1u << (rm + CM))));
             else
-                for (int j = 0; j < 2; j++) tensor_load_2d(a + j * BOX, &p.map_in, mt * WGR_BM + j * 64, row, &full[s]);
-            if (CM == 2) /* B's boxes rm * BN / 128 .., to the block column: ranks 2 rn and 2 rn + 1 */
-                for (int j = rm * BN / 128; j < (rm + 1) * BN / 128; j++)
-                    tensor_load_2d_multicast(b + j * BOX, &p.map_dout, nt * BN + j * 64, row, &full[s],
-                                             (uint16_t)(3u << (2 * rn)));
+                for (int j = 0; j < 2; j++)
+                    tensor_load_2d(a + j * WG_BOX_BYTES, &p.map_in, mt * WGR_BM + j * 64, row, &full[s]);
+            if (CM == 2) /* B's box rm, to the block column: ranks 2 rn and 2 rn + 1 */
+                tensor_load_2d_multicast(b + rm * WG_BOX_BYTES, &p.map_dout, nt * BN + rm * 64, row, &full[s],
+                                         (uint16_t)(3u << (2 * rn)));
             else
                 for (int j = 0; j < BN / 64; j++)
-                    tensor_load_2d(b + j * BOX, &p.map_dout, nt * BN + j * 64, row, &full[s]);
+                    tensor_load_2d(b + j * WG_BOX_BYTES, &p.map_dout, nt * BN + j * 64, row, &full[s]);
             if (++s == STAGES) s = 0, phase ^= 1;
         }
     }
 }
 
-/* An expert's last, partial k-block of `bk` rows: zeroes rows valid..bk-1 of `boxes` boxes from `first` (whole
- * 128-byte rows, so the swizzle does not matter), then the `threads` that multiply the stage meet at named barrier
- * `id`. */
-__device__ __forceinline__ void wgrad_zero_tail(uint8_t *const *first, int boxes, int valid, int bk, uint32_t id,
+/* An expert's last, partial k-block: zeroes rows valid..63 of `boxes` boxes from `first` (whole 128-byte rows, so the
+ * swizzle does not matter), then the `threads` that multiply the stage meet at named barrier `id`. */
+__device__ __forceinline__ void wgrad_zero_tail(uint8_t *const *first, int boxes, int valid, uint32_t id,
                                                 uint32_t threads)
 {
-    const int tid = threadIdx.x % 128, chunks = (bk - valid) * 8; /* 16-byte chunks per box */
+    const int tid = threadIdx.x % 128, chunks = (64 - valid) * 8; /* 16-byte chunks per box */
     const uint4 zero = make_uint4(0, 0, 0, 0);
     for (int i = 0; i < boxes; i++)
         for (int q = tid; q < chunks; q += 128) *(uint4 *)(first[i] + valid * 128 + q * 16) = zero;
@@ -484,10 +479,8 @@ template <bool ZERO> __device__ __forceinline__ void wgrad_write_half(const floa
 
 /* The cooperative epilogue: puts out consumer c's 64 x 256 result (acc) in two halves of 64 x 128, the half h one at
  * k_in row m0[h] and n_out column n0[h], each through four swizzled 32 x 64 boxes, stored or added by TMA. ZERO stores
- * zeros (acc is not read: a non-wgmma write of the accumulators would serialize the kernel's wgmma). STAGED: each
- * half has its own staging (boxes + 32 KiB for the second), so only the previous tile's stores are waited for, once,
- * a whole main loop after they were issued; else both halves take turns through the same 32 KiB. */
-template <bool ZERO, bool STAGED>
+ * zeros (acc is not read: a non-wgmma write of the accumulators would serialize the kernel's wgmma). */
+template <bool ZERO>
 __device__ __forceinline__ void wgrad_store(const wg_wgrad_params &p, int e, const int *m0, const int *n0, int c,
                                             const float *acc, uint8_t *boxes)
 {
@@ -495,12 +488,9 @@ __device__ __forceinline__ void wgrad_store(const wg_wgrad_params &p, int e, con
 #pragma unroll
     for (int half = 0; half < 2; half++) {
         if (m0[half] >= p.k_in || n0[half] >= p.n_out) continue;
-        if (!STAGED || half == 0) {
-            if (tid == 0) bulk_wait_read(); /* the last stores have read the boxes */
-            named_barrier_sync(1 + c, 128);
-        }
-        uint8_t *buf = STAGED ? boxes + half * WGR_STAGING_BYTES : boxes;
-        wgrad_write_half<ZERO>(acc + 64 * half, buf, false);
+        if (tid == 0) bulk_wait_read(); /* the last stores have read the boxes */
+        named_barrier_sync(1 + c, 128);
+        wgrad_write_half<ZERO>(acc + 64 * half, boxes, false);
         fence_async_shared();
         named_barrier_sync(1 + c, 128);
         if (tid == 0) {
@@ -508,7 +498,7 @@ __device__ __forceinline__ void wgrad_store(const wg_wgrad_params &p, int e, con
             for (int b = 0; b < 4; b++) {
                 const int n = n0[half] + b * 32;
                 if (n >= p.n_out) break;
-                const uint8_t *box = buf + b * WG_BOX_BYTES;
+                const uint8_t *box = boxes + b * WG_BOX_BYTES;
                 if (p.accumulate)
                     tensor_reduce_add_3d_hint(&p.map_dw, n, m0[half], e, box, policy);
                 else
@@ -541,7 +531,7 @@ template <int CL> __device__ __forceinline__ void wgrad_release(uint64_t *empty,
  * the expert has rows or the gradient is overwritten (zeroed). */
 __device__ __forceinline__ bool wgrad_writes(const wg_wgrad_params &p, const int64_t *row_start, int e, int m0, int n0)
 {
-    return m0 < p.k_in && n0 < p.n_out && (!p.accumulate || wgrad_k_blocks<>(row_start, e) > 0);
+    return m0 < p.k_in && n0 < p.n_out && (!p.accumulate || wgrad_k_blocks(row_start, e) > 0);
 }
 
 /* The boxes (32 n_out columns each) of a half at column n0 that lie in the gradient. */
@@ -640,24 +630,23 @@ __device__ __forceinline__ int wgrad_halves(const wg_wgrad_params &p, const int6
 }
 
 /* A WGRAD consumer warpgroup c. Ping-pong: the CTA's units 0, 2, 4, .. (c = 0) or 1, 3, 5, .. (c = 1), walking the
- * other's units only to follow the ring. Cooperative: every unit, k_in rows c * 64 .. c * 64 + 63 of it (STAGED: its
- * whole 64 x 256 result staged at once, wgrad_store). */
-template <int STAGES, bool PINGPONG, int CL, int BK, bool STAGED>
+ * other's units only to follow the ring. Cooperative: every unit, k_in rows c * 64 .. c * 64 + 63 of it. */
+template <int STAGES, bool PINGPONG, int CL>
 __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const int64_t *row_start, int rank,
                                               uint8_t *stages, uint8_t *staging, uint64_t *full, uint64_t *empty,
                                               uint64_t *ready, uint64_t *staged, int c)
 {
-    constexpr int BN = PINGPONG ? 128 : 256, BOX = WGR_BOX_BYTES(BK);
-    const int stage_bytes = (2 + BN / 64) * BOX, units = wgrad_units<CL>(p);
+    constexpr int BN = PINGPONG ? 128 : 256;
+    const int stage_bytes = WGR_A_BYTES + BN / 64 * WG_BOX_BYTES, units = wgrad_units<CL>(p);
     const int stride = gridDim.x / CL;
     int s = 0;
     uint32_t phase = 0;
-    uint8_t *boxes = staging + c * (STAGED ? 2 : 1) * WGR_STAGING_BYTES;
+    uint8_t *boxes = staging + c * WGR_STAGING_BYTES;
     int i = 0, half = 0; /* half: the ping-pong's next written half (wgrad_storer) */
     for (int u = blockIdx.x / CL; u < units; u += stride, i++) {
         int e, mt, nt;
         wgrad_tile_at<CL>(p, u, rank, &e, &mt, &nt);
-        const int k_blocks = wgrad_k_blocks<BK>(row_start, e);
+        const int k_blocks = wgrad_k_blocks(row_start, e);
         if (PINGPONG && (i & 1) != c) { /* the other consumer's unit: skip its stages */
             const int next = s + k_blocks;
             phase ^= (uint32_t)(next / STAGES) & 1;
@@ -676,34 +665,37 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
             if (PINGPONG)
                 wgrad_stage_in_turn<true>(p, row_start, e, mt, nt, acc, staging, ready, staged, &half, c, i, hand_off);
             else if (!p.accumulate)
-                wgrad_store<true, STAGED>(p, e, m0, n0, c, acc, boxes);
+                wgrad_store<true>(p, e, m0, n0, c, acc, boxes);
             continue;
         }
         int prev = 0;
         for (int kb = 0; kb < k_blocks; kb++) {
             mbar_wait(&full[s], phase);
-            uint8_t *a = stages + s * stage_bytes, *b = a + 2 * BOX;
-            const int valid = (int)min((int64_t)BK, rows - (int64_t)kb * BK);
-            if (valid < BK) {
+            uint8_t *a = stages + s * stage_bytes, *b = a + WGR_A_BYTES;
+            const int valid = (int)min((int64_t)WG_BK, rows - (int64_t)kb * WG_BK);
+            if (valid < WG_BK) {
                 if (PINGPONG) { /* the whole stage is this consumer's */
-                    uint8_t *const all[4] = {a, a + BOX, b, b + BOX};
-                    wgrad_zero_tail(all, 4, valid, BK, 1 + c, 128);
+                    uint8_t *const all[4] = {a, a + WG_BOX_BYTES, b, b + WG_BOX_BYTES};
+                    wgrad_zero_tail(all, 4, valid, 1 + c, 128);
                 } else { /* its A box and half of B's, then both consumers meet */
-                    uint8_t *const mine[3] = {a + c * BOX, b + 2 * c * BOX, b + (2 * c + 1) * BOX};
-                    wgrad_zero_tail(mine, 3, valid, BK, 5, 256);
+                    uint8_t *const mine[3] = {a + c * WG_BOX_BYTES, b + 2 * c * WG_BOX_BYTES,
+                                              b + (2 * c + 1) * WG_BOX_BYTES};
+                    wgrad_zero_tail(mine, 3, valid, 5, 256);
                 }
             }
             wgmma_fence();
 #pragma unroll
-            for (int k = 0; k < BK / 16; k++) {
-                const uint64_t db = wgmma_desc_mn_sw128(b + k * 2048, BOX);
+            for (int k = 0; k < WG_BK / 16; k++) {
+                const uint64_t db = wgmma_desc_mn_sw128(b + k * 2048, WG_BOX_BYTES);
                 if (PINGPONG) {
 #pragma unroll
                     for (int h = 0; h < 2; h++)
-                        wgmma_m64n128k16_mn(acc + 64 * h, wgmma_desc_mn_sw128(a + h * BOX + k * 2048, BOX), db,
+                        wgmma_m64n128k16_mn(acc + 64 * h,
+                                            wgmma_desc_mn_sw128(a + h * WG_BOX_BYTES + k * 2048, WG_BOX_BYTES), db,
                                             (kb | k) != 0);
                 } else {
-                    wgmma_m64n256k16<1, 1>(acc, wgmma_desc_mn_sw128(a + c * BOX + k * 2048, BOX), db, (kb | k) != 0);
+                    wgmma_m64n256k16<1, 1>(acc, wgmma_desc_mn_sw128(a + c * WG_BOX_BYTES + k * 2048, WG_BOX_BYTES), db,
+                                           (kb | k) != 0);
                 }
             }
             wgmma_commit();
@@ -720,14 +712,12 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
         if (PINGPONG)
             wgrad_stage_in_turn<false>(p, row_start, e, mt, nt, acc, staging, ready, staged, &half, c, i, hand_off);
         else
-            wgrad_store<false, STAGED>(p, e, m0, n0, c, acc, boxes);
+            wgrad_store<false>(p, e, m0, n0, c, acc, boxes);
     }
     if (!PINGPONG && threadIdx.x % 128 == 0) bulk_wait_all();
 }
 
-/* The WGRAD kernel: STAGES stages of BK-row k-blocks, the ping-pong or the cooperative schedule (STAGED: each
- * consumer's whole result staged at once), in clusters of CL CTAs. */
-template <int STAGES, bool PINGPONG, int CL, int BK = WG_BK, bool STAGED = false>
+template <int STAGES, bool PINGPONG, int CL>
 __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_wgrad_kernel(const __grid_constant__ wg_wgrad_params p)
 {
 #ifdef WG_DEVICE
@@ -735,8 +725,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_wgrad_kernel(const _
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     uint8_t *stages = smem;
-    uint8_t *staging = stages + STAGES * (2 + BN / 64) * WGR_BOX_BYTES(BK);
-    uint64_t *full = (uint64_t *)(staging + (STAGED ? 4 : 2) * WGR_STAGING_BYTES);
+    uint8_t *staging = stages + STAGES * (WGR_A_BYTES + BN / 64 * WG_BOX_BYTES);
+    uint64_t *full = (uint64_t *)(staging + 2 * WGR_STAGING_BYTES);
     uint64_t *empty = full + STAGES;
     uint64_t *ready = empty + STAGES, *staged = ready + 2; /* the ping-pong's staging buffers (wgrad_storer) */
     int64_t *row_start = (int64_t *)(staged + 2);
@@ -762,12 +752,11 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_wgrad_kernel(const _
     const int wg = threadIdx.x / 128, rank = (int)(blockIdx.x % CL);
     if (wg == 0) {
         warpgroup_registers_dec<40>();
-        if (threadIdx.x == 0) wgrad_produce<STAGES, BN, CL, BK>(p, row_start, rank, stages, full, empty);
+        if (threadIdx.x == 0) wgrad_produce<STAGES, BN, CL>(p, row_start, rank, stages, full, empty);
         if (PINGPONG && threadIdx.x == 32) wgrad_storer<CL>(p, row_start, rank, staging, ready, staged);
     } else {
         warpgroup_registers_inc<232>();
-        wgrad_consume<STAGES, PINGPONG, CL, BK, STAGED>(p, row_start, rank, stages, staging, full, empty, ready, staged,
-                                                        wg - 1);
+        wgrad_consume<STAGES, PINGPONG, CL>(p, row_start, rank, stages, staging, full, empty, ready, staged, wg - 1);
     }
     if (CL > 1) cluster_sync(); /* no CTA leaves while its peer may still multicast or arrive into it */
 #endif
@@ -807,19 +796,6 @@ static void (*wgrad_pingpong(int stages, int cl))(wg_wgrad_params)
     return stages == 5 ? bf16_wgmma_wgrad_kernel<5, true, 1> : bf16_wgmma_wgrad_kernel<4, true, 1>;
 }
 
-/* The cooperative WGRAD kernel with each consumer's whole result staged, k-blocks of `bk` rows (64: two stages, 32:
- * four), in clusters of `cl` CTAs. */
-static void (*wgrad_staged(int bk, int cl))(wg_wgrad_params)
-{
-    if (bk == 32)
-        return cl == 4   ? bf16_wgmma_wgrad_kernel<4, false, 4, 32, true>
-               : cl == 2 ? bf16_wgmma_wgrad_kernel<4, false, 2, 32, true>
-                         : bf16_wgmma_wgrad_kernel<4, false, 1, 32, true>;
-    return cl == 4   ? bf16_wgmma_wgrad_kernel<2, false, 4, 64, true>
-           : cl == 2 ? bf16_wgmma_wgrad_kernel<2, false, 2, 64, true>
-                     : bf16_wgmma_wgrad_kernel<2, false, 1, 64, true>;
-}
-
 extern "C" moert_result bf16_wgmma_prepare(const moert_host *host)
 {
     int dev = 0, major = 0, minor = 0;
@@ -846,15 +822,12 @@ extern "C" moert_result bf16_wgmma_prepare(const moert_host *host)
     CUDA_CHECK(host, cudaDeviceGetAttribute(&smem_optin[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     CUDA_CHECK(host,
                cudaFuncSetAttribute(bf16_wgmma_wgrad_kernel<3, false, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)wgrad_smem_bytes(3, 256, WG_BK, 2, BF16_DEVICE_GEMM_MAX_EXPERTS)));
+                                    (int)wgrad_smem_bytes(3, 256, BF16_DEVICE_GEMM_MAX_EXPERTS)));
     for (int cl = 1; cl <= 4; cl *= 2) {
         CUDA_CHECK(host, cudaFuncSetAttribute(wgrad_pingpong(4, cl), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              (int)wgrad_smem_bytes(4, 128, WG_BK, 2, BF16_DEVICE_GEMM_MAX_EXPERTS)));
+                                              (int)wgrad_smem_bytes(4, 128, BF16_DEVICE_GEMM_MAX_EXPERTS)));
         CUDA_CHECK(host, cudaFuncSetAttribute(wgrad_pingpong(5, cl), cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               smem_optin[dev]));
-        for (int bk = 32; bk <= 64; bk *= 2)
-            CUDA_CHECK(host, cudaFuncSetAttribute(wgrad_staged(bk, cl), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                  smem_optin[dev]));
     }
     CUDA_CHECK(host, cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev));
     /* the clusters that fit at once (a GPC whose SM count is not a multiple of the cluster leaves SMs out) */
@@ -919,19 +892,9 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
         if (!a->accumulate) CUDA_CHECK(host, cudaMemsetAsync(a->grad_weight, 0, grad_bytes, stream));
         return MOERT_OK;
     }
-    /* the schedule: the ping-pong where an expert has few rows on average (its fp32 writes take as long as its MMA);
-     * the staged one where asked and the experts' prefix arrays leave it room, else the cooperative one */
-    const int sched = a->wgrad_schedule != BF16_WGMMA_WGRAD_AUTO                         ? a->wgrad_schedule
-                      : a->capacity < (int64_t)BF16_WGMMA_PINGPONG_ROWS * a->num_experts ? BF16_WGMMA_WGRAD_PINGPONG
-                                                                                         : BF16_WGMMA_WGRAD_COOPERATIVE;
-    const bool pingpong = sched == BF16_WGMMA_WGRAD_PINGPONG;
-    const int bn = pingpong ? 128 : 256, bk = sched == BF16_WGMMA_WGRAD_STAGED_BK32 ? 32 : WG_BK;
-    const int staged_stages = bk == 32 ? 4 : 2;
-    const bool staged = (sched == BF16_WGMMA_WGRAD_STAGED || sched == BF16_WGMMA_WGRAD_STAGED_BK32) &&
-                        wgrad_smem_bytes(staged_stages, bn, bk, 4, (int)a->num_experts) <= (size_t)smem_optin[dev];
     wg_wgrad_params p;
     memset(&p, 0, sizeof p);
-    const uint32_t act_box[2] = {64, (uint32_t)(staged ? bk : WG_BK)};
+    const uint32_t act_box[2] = {64, WG_BK};
     const uint64_t in_dims[2] = {(uint64_t)a->k_in, (uint64_t)a->capacity}, in_strides[1] = {(uint64_t)a->k_in * 2};
     MOK(encode_bf16_map(host, &p.map_in, "input", a->input, 2, in_dims, in_strides, act_box));
     const uint64_t dout_dims[2] = {(uint64_t)a->n_out, (uint64_t)a->capacity};
@@ -945,6 +908,11 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
     p.counts = a->counts_device;
     p.capacity = a->capacity;
     p.num_experts = (int)a->num_experts;
+    /* the ping-pong where an expert has few rows on average (its fp32 writes take as long as its MMA) */
+    const bool pingpong = a->wgrad_schedule == BF16_WGMMA_WGRAD_AUTO
+                              ? a->capacity < (int64_t)BF16_WGMMA_PINGPONG_ROWS * a->num_experts
+                              : a->wgrad_schedule == BF16_WGMMA_WGRAD_PINGPONG;
+    const int bn = pingpong ? 128 : 256;
     p.m_tiles = (int)((a->k_in + WGR_BM - 1) / WGR_BM);
     p.n_tiles = (int)((a->n_out + bn - 1) / bn);
     p.k_in = (int)a->k_in;
@@ -956,36 +924,29 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
                       "bf16 device gemm WGRAD: %lld experts of %lld x %lld make more than 2^31 tiles",
                       (long long)a->num_experts, (long long)a->k_in, (long long)a->n_out);
     const int64_t sms = persistent_sms(a, dev);
-    /* the ping-pong and the staged schedule in clusters of 4 (2 x 2 tiles, both tile counts even) or 2 (n_out tiles
-     * even), as many as fit in the SMs granted; the cooperative schedule in single CTAs (in clusters sharing operands
-     * it was no faster on an H100, though they read up to 30% fewer bytes from L2) */
-    const bool clusters = pingpong || staged;
+    /* the ping-pong in clusters of 4 (2 x 2 tiles, both tile counts even) or 2 (n_out tiles even), as many as fit in
+     * the SMs granted; the cooperative schedule in single CTAs (in clusters sharing operands it was no faster on an
+     * H100, though they read up to 30% fewer bytes from L2) */
     int64_t fit4 = sms / 4 < wgrad_clusters[dev][1] ? sms / 4 : wgrad_clusters[dev][1];
     int64_t fit2 = sms / 2 < wgrad_clusters[dev][0] ? sms / 2 : wgrad_clusters[dev][0];
-    if (!clusters || p.n_tiles % 2 || p.m_tiles % 2) fit4 = 0;
-    if (!clusters || p.n_tiles % 2) fit2 = 0;
+    if (!pingpong || p.n_tiles % 2 || p.m_tiles % 2) fit4 = 0;
+    if (!pingpong || p.n_tiles % 2) fit2 = 0;
     int cl = a->wgrad_cluster == 4 && fit4 > 0 ? 4 : a->wgrad_cluster >= 2 && fit2 > 0 ? 2 : 1;
     /* auto: adding, quads (a third fewer L2 reads: on an H100 faster on every preset shape though only 30 quads fit
      * against 66 pairs); overwriting, quads only where they keep as many SMs busy as pairs (on an H100 pairs were
-     * faster on every preset shape); else pairs, else single CTAs; the staged schedule quads */
-    if (a->wgrad_cluster == 0) cl = fit4 > 0 && (staged || p.accumulate || fit4 * 4 >= fit2 * 2) ? 4 : fit2 > 0 ? 2 : 1;
+     * faster on every preset shape); else pairs, else single CTAs */
+    if (a->wgrad_cluster == 0) cl = fit4 > 0 && (p.accumulate || fit4 * 4 >= fit2 * 2) ? 4 : fit2 > 0 ? 2 : 1;
     const int64_t fit = cl == 4 ? fit4 : cl == 2 ? fit2 : sms;
     const int64_t cl_units = units / cl;
     /* the ping-pong takes five stages where the experts' prefix arrays leave room (up to ~160 experts), else four; the
      * cooperative schedule three */
-    const int stages = staged                                                                         ? staged_stages
-                       : !pingpong                                                                    ? 3
-                       : wgrad_smem_bytes(5, 128, WG_BK, 2, p.num_experts) <= (size_t)smem_optin[dev] ? 5
-                                                                                                      : 4;
+    const int stages = !pingpong ? 3 : wgrad_smem_bytes(5, 128, p.num_experts) <= (size_t)smem_optin[dev] ? 5 : 4;
     cudaLaunchConfig_t cfg;
     cudaLaunchAttribute attr;
-    cluster_launch(&cfg, &attr, (cl_units < fit ? cl_units : fit) * cl, cl,
-                   wgrad_smem_bytes(stages, bn, staged ? bk : WG_BK, staged ? 4 : 2, p.num_experts), stream);
-    CUDA_CHECK(host, cudaLaunchKernelEx(&cfg,
-                                        staged     ? wgrad_staged(bk, cl)
-                                        : pingpong ? wgrad_pingpong(stages, cl)
-                                                   : bf16_wgmma_wgrad_kernel<3, false, 1>,
-                                        p));
+    cluster_launch(&cfg, &attr, (cl_units < fit ? cl_units : fit) * cl, cl, wgrad_smem_bytes(stages, bn, p.num_experts),
+                   stream);
+    CUDA_CHECK(host, cudaLaunchKernelEx(
+                         &cfg, pingpong ? wgrad_pingpong(stages, cl) : bf16_wgmma_wgrad_kernel<3, false, 1>, p));
     return MOERT_OK;
 }
 
