@@ -114,7 +114,7 @@ typedef struct bench_variant {
     int schedule;   /* kernel 2, 4: the wgmma WGRAD's schedule (BF16_WGMMA_WGRAD_*) */
 } bench_variant;
 
-#define MAX_VARIANTS 26
+#define MAX_VARIANTS 20
 #define MAX_EXPERTS  256
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
@@ -348,14 +348,6 @@ int main(int argc, char **argv)
     variants[nv++] = (bench_variant){"kernel_f32w_ow_cl4", 1, 0, 0, 0, 0, 4, 1, 0, 0, 4, 0};
     variants[nv++] = (bench_variant){"kernel_f32w_coop", 1, 0, 0, 0, 0, 2, 1, 0, 0, 0, BF16_WGMMA_WGRAD_COOPERATIVE};
     variants[nv++] = (bench_variant){"kernel_f32w_ow_coop", 1, 0, 0, 0, 0, 4, 1, 0, 0, 0, BF16_WGMMA_WGRAD_COOPERATIVE};
-    variants[nv++] = (bench_variant){"kernel_f32w_regs", 1, 0, 0, 0, 0, 2, 1, 0, 0, 0, BF16_WGMMA_WGRAD_PINGPONG_REGS};
-    variants[nv++] =
-        (bench_variant){"kernel_f32w_ow_regs", 1, 0, 0, 0, 0, 4, 1, 0, 0, 0, BF16_WGMMA_WGRAD_PINGPONG_REGS};
-    variants[nv++] = (bench_variant){"kernel_f32w_regs2", 1, 0, 0, 0, 0, 2, 1, 0, 0, 2, BF16_WGMMA_WGRAD_PINGPONG_REGS};
-    variants[nv++] =
-        (bench_variant){"kernel_f32w_ow_regs4", 1, 0, 0, 0, 0, 4, 1, 0, 0, 4, BF16_WGMMA_WGRAD_PINGPONG_REGS};
-    variants[nv++] =
-        (bench_variant){"kernel_f32w_regs6", 1, 0, 0, 0, 0, 2, 1, 0, 0, 0, BF16_WGMMA_WGRAD_PINGPONG_REGS6};
     bench_variant v_streams_f32w = {"", streams, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0};
     snprintf(v_streams_f32w.name, sizeof v_streams_f32w.name, "loop_s%d_f32w", streams);
     const int i_f32w_loop = nv;

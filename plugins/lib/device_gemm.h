@@ -75,8 +75,6 @@ enum {
     BF16_WGMMA_WGRAD_AUTO = 0,
     BF16_WGMMA_WGRAD_PINGPONG = 1,
     BF16_WGMMA_WGRAD_COOPERATIVE = 2,
-    BF16_WGMMA_WGRAD_PINGPONG_REGS = 3,
-    BF16_WGMMA_WGRAD_PINGPONG_REGS6 = 4,
 };
 
 /* The kernels behind FORWARD, DGRAD and WGRAD into fp32 (WGRAD into a bf16 gradient always runs on mma.sync):

@@ -332,11 +332,11 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_kernel(const __grid_
 #define WGR_A_BYTES       (2 * WG_BOX_BYTES) /* 16 KiB */
 #define WGR_STAGING_BYTES (4 * WG_BOX_BYTES) /* one consumer's 64 x 128 fp32 half: 32 KiB */
 
-/* WGRAD's dynamic shared memory: alignment slack, `stages` stages of A and B (BN columns), the consumers' staging
- * (none for the ping-pong storing from the registers), barriers, the experts' prefix arrays. */
-static size_t wgrad_smem_bytes(int stages, int bn, bool staging, int experts)
+/* WGRAD's dynamic shared memory: alignment slack, `stages` stages of A and B (BN columns), the consumers' staging,
+ * barriers, the experts' prefix arrays. */
+static size_t wgrad_smem_bytes(int stages, int bn, int experts)
 {
-    return 1024 + (size_t)stages * (WGR_A_BYTES + bn / 64 * WG_BOX_BYTES) + (staging ? 2 * WGR_STAGING_BYTES : 0) +
+    return 1024 + (size_t)stages * (WGR_A_BYTES + bn / 64 * WG_BOX_BYTES) + 2 * WGR_STAGING_BYTES +
            (2 * stages + 4) * sizeof(uint64_t) + (size_t)(experts + 1) * (sizeof(int64_t) + sizeof(int));
 }
 
@@ -345,7 +345,6 @@ typedef struct wg_wgrad_params {
     CUtensorMap map_dout; /* grad_output [capacity][n_out], boxes of 64 x 64 rows */
     CUtensorMap map_dw;   /* grad_weight fp32 [E][k_in][n_out], boxes of 32 x 64 rows x 1 */
     const int64_t *counts;
-    float *dw; /* grad_weight, for the ping-pong's stores from the registers (REGS) */
     int64_t capacity;
     int num_experts, m_tiles, n_tiles, k_in, n_out, accumulate;
 } wg_wgrad_params;
@@ -623,69 +622,6 @@ __device__ __forceinline__ void wgrad_stage_in_turn(const wg_wgrad_params &p, co
     if (next) named_barrier_arrive(7 - c, 256);
 }
 
-/* Two fp32 values to global memory (8-byte aligned), stored or added (red: the memory system reads and writes them,
- * the thread goes on), at L2 priority `policy`. */
-__device__ __forceinline__ void st_f32x2(float *at, float x, float y, uint64_t policy)
-{
-    asm volatile("st.global.L2::cache_hint.v2.f32 [%0], {%1, %2}, %3;" ::"l"(at), "f"(x), "f"(y), "l"(policy)
-                 : "memory");
-}
-__device__ __forceinline__ void red_add_f32x2(float *at, float x, float y, uint64_t policy)
-{
-    asm volatile("red.global.add.L2::cache_hint.v2.f32 [%0], {%1, %2}, %3;" ::"l"(at), "f"(x), "f"(y), "l"(policy)
-                 : "memory");
-}
-__device__ __forceinline__ void st_f32(float *at, float x, uint64_t policy)
-{
-    asm volatile("st.global.L2::cache_hint.f32 [%0], %1, %2;" ::"l"(at), "f"(x), "l"(policy) : "memory");
-}
-__device__ __forceinline__ void red_add_f32(float *at, float x, uint64_t policy)
-{
-    asm volatile("red.global.add.L2::cache_hint.f32 [%0], %1, %2;" ::"l"(at), "f"(x), "l"(policy) : "memory");
-}
-
-/* The ping-pong's epilogue from the registers (REGS): the consumer's 128 x 128 result (acc: two m64n128 accumulators)
- * of expert e's tile (mt, nt) stored into the gradient, or added to it by reductions, straight from its threads, at
- * L2's evict-first priority: no staging in shared memory, which then holds more operand stages. A warp's instruction
- * covers 8 rows x 32 bytes (whole sectors). ZERO stores zeros (overwriting only; acc is not read). */
-template <bool ZERO>
-__device__ __forceinline__ void wgrad_store_regs(const wg_wgrad_params &p, int e, int mt, int nt, const float *acc)
-{
-    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-    const int r = warp * 16 + lane / 4, col0 = nt * 128 + 2 * (lane % 4);
-    const bool add = !ZERO && p.accumulate, pairs = (p.n_out & 1) == 0; /* 8-byte aligned pairs */
-    const uint64_t policy = l2_evict_first_policy();
-    float *slice = p.dw + (size_t)e * p.k_in * p.n_out;
-#pragma unroll
-    for (int h = 0; h < 2; h++)
-#pragma unroll
-        for (int q = 0; q < 2; q++) {
-            const int row = mt * WGR_BM + 64 * h + r + 8 * q;
-            if (row >= p.k_in) continue;
-            float *out = slice + (size_t)row * p.n_out;
-#pragma unroll
-            for (int j = 0; j < 16; j++) {
-                const int col = col0 + 8 * j;
-                const float x = ZERO ? 0.0f : acc[64 * h + 4 * j + 2 * q],
-                            y = ZERO ? 0.0f : acc[64 * h + 4 * j + 2 * q + 1];
-                if (pairs && col + 1 < p.n_out) {
-                    if (add)
-                        red_add_f32x2(out + col, x, y, policy);
-                    else
-                        st_f32x2(out + col, x, y, policy);
-                } else {
-                    for (int k = 0; k < 2; k++)
-                        if (col + k < p.n_out) {
-                            if (add)
-                                red_add_f32(out + col + k, k ? y : x, policy);
-                            else
-                                st_f32(out + col + k, k ? y : x, policy);
-                        }
-                }
-            }
-        }
-}
-
 /* The written halves of expert e's tile (mt, nt): what a consumer counts for the other consumer's tiles. */
 __device__ __forceinline__ int wgrad_halves(const wg_wgrad_params &p, const int64_t *row_start, int e, int mt, int nt)
 {
@@ -695,7 +631,7 @@ __device__ __forceinline__ int wgrad_halves(const wg_wgrad_params &p, const int6
 
 /* A WGRAD consumer warpgroup c. Ping-pong: the CTA's units 0, 2, 4, .. (c = 0) or 1, 3, 5, .. (c = 1), walking the
  * other's units only to follow the ring. Cooperative: every unit, k_in rows c * 64 .. c * 64 + 63 of it. */
-template <int STAGES, bool PINGPONG, int CL, bool REGS>
+template <int STAGES, bool PINGPONG, int CL>
 __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const int64_t *row_start, int rank,
                                               uint8_t *stages, uint8_t *staging, uint64_t *full, uint64_t *empty,
                                               uint64_t *ready, uint64_t *staged, int c)
@@ -726,9 +662,7 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
         float acc[128];
         if (k_blocks == 0) { /* no rows: the gradient is unchanged, or zero when overwritten */
             if (hand_off) named_barrier_arrive(4 - c, 256);
-            if (REGS) {
-                if (!p.accumulate) wgrad_store_regs<true>(p, e, mt, nt, acc);
-            } else if (PINGPONG)
+            if (PINGPONG)
                 wgrad_stage_in_turn<true>(p, row_start, e, mt, nt, acc, staging, ready, staged, &half, c, i, hand_off);
             else if (!p.accumulate)
                 wgrad_store<true>(p, e, m0, n0, c, acc, boxes);
@@ -775,9 +709,7 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
         if (hand_off) named_barrier_arrive(4 - c, 256); /* the other's turn */
         wgmma_wait<0>();
         wgrad_release<CL>(empty, prev, rank);
-        if (REGS)
-            wgrad_store_regs<false>(p, e, mt, nt, acc);
-        else if (PINGPONG)
+        if (PINGPONG)
             wgrad_stage_in_turn<false>(p, row_start, e, mt, nt, acc, staging, ready, staged, &half, c, i, hand_off);
         else
             wgrad_store<false>(p, e, m0, n0, c, acc, boxes);
@@ -785,9 +717,7 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
     if (!PINGPONG && threadIdx.x % 128 == 0) bulk_wait_all();
 }
 
-/* The WGRAD kernel: STAGES operand stages, the ping-pong or the cooperative schedule, in clusters of CL CTAs; REGS
- * (ping-pong): the consumers store their results from the registers, with no staging and no storer. */
-template <int STAGES, bool PINGPONG, int CL, bool REGS = false>
+template <int STAGES, bool PINGPONG, int CL>
 __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_wgrad_kernel(const __grid_constant__ wg_wgrad_params p)
 {
 #ifdef WG_DEVICE
@@ -796,7 +726,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_wgrad_kernel(const _
     uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     uint8_t *stages = smem;
     uint8_t *staging = stages + STAGES * (WGR_A_BYTES + BN / 64 * WG_BOX_BYTES);
-    uint64_t *full = (uint64_t *)(staging + (REGS ? 0 : 2) * WGR_STAGING_BYTES);
+    uint64_t *full = (uint64_t *)(staging + 2 * WGR_STAGING_BYTES);
     uint64_t *empty = full + STAGES;
     uint64_t *ready = empty + STAGES, *staged = ready + 2; /* the ping-pong's staging buffers (wgrad_storer) */
     int64_t *row_start = (int64_t *)(staged + 2);
@@ -823,11 +753,10 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_wgrad_kernel(const _
     if (wg == 0) {
         warpgroup_registers_dec<40>();
         if (threadIdx.x == 0) wgrad_produce<STAGES, BN, CL>(p, row_start, rank, stages, full, empty);
-        if (PINGPONG && !REGS && threadIdx.x == 32) wgrad_storer<CL>(p, row_start, rank, staging, ready, staged);
+        if (PINGPONG && threadIdx.x == 32) wgrad_storer<CL>(p, row_start, rank, staging, ready, staged);
     } else {
         warpgroup_registers_inc<232>();
-        wgrad_consume<STAGES, PINGPONG, CL, REGS>(p, row_start, rank, stages, staging, full, empty, ready, staged,
-                                                  wg - 1);
+        wgrad_consume<STAGES, PINGPONG, CL>(p, row_start, rank, stages, staging, full, empty, ready, staged, wg - 1);
     }
     if (CL > 1) cluster_sync(); /* no CTA leaves while its peer may still multicast or arrive into it */
 #endif
@@ -867,16 +796,6 @@ static void (*wgrad_pingpong(int stages, int cl))(wg_wgrad_params)
     return stages == 5 ? bf16_wgmma_wgrad_kernel<5, true, 1> : bf16_wgmma_wgrad_kernel<4, true, 1>;
 }
 
-/* The ping-pong storing from the registers (REGS), `stages` (6 or 7) stages, in clusters of `cl` CTAs. */
-static void (*wgrad_pingpong_regs(int stages, int cl))(wg_wgrad_params)
-{
-    if (cl == 4)
-        return stages == 7 ? bf16_wgmma_wgrad_kernel<7, true, 4, true> : bf16_wgmma_wgrad_kernel<6, true, 4, true>;
-    if (cl == 2)
-        return stages == 7 ? bf16_wgmma_wgrad_kernel<7, true, 2, true> : bf16_wgmma_wgrad_kernel<6, true, 2, true>;
-    return stages == 7 ? bf16_wgmma_wgrad_kernel<7, true, 1, true> : bf16_wgmma_wgrad_kernel<6, true, 1, true>;
-}
-
 extern "C" moert_result bf16_wgmma_prepare(const moert_host *host)
 {
     int dev = 0, major = 0, minor = 0;
@@ -903,15 +822,12 @@ extern "C" moert_result bf16_wgmma_prepare(const moert_host *host)
     CUDA_CHECK(host, cudaDeviceGetAttribute(&smem_optin[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     CUDA_CHECK(host,
                cudaFuncSetAttribute(bf16_wgmma_wgrad_kernel<3, false, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)wgrad_smem_bytes(3, 256, true, BF16_DEVICE_GEMM_MAX_EXPERTS)));
+                                    (int)wgrad_smem_bytes(3, 256, BF16_DEVICE_GEMM_MAX_EXPERTS)));
     for (int cl = 1; cl <= 4; cl *= 2) {
         CUDA_CHECK(host, cudaFuncSetAttribute(wgrad_pingpong(4, cl), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              (int)wgrad_smem_bytes(4, 128, true, BF16_DEVICE_GEMM_MAX_EXPERTS)));
+                                              (int)wgrad_smem_bytes(4, 128, BF16_DEVICE_GEMM_MAX_EXPERTS)));
         CUDA_CHECK(host, cudaFuncSetAttribute(wgrad_pingpong(5, cl), cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               smem_optin[dev]));
-        for (int st = 6; st <= 7; st++)
-            CUDA_CHECK(host, cudaFuncSetAttribute(wgrad_pingpong_regs(st, cl),
-                                                  cudaFuncAttributeMaxDynamicSharedMemorySize, smem_optin[dev]));
     }
     CUDA_CHECK(host, cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev));
     /* the clusters that fit at once (a GPC whose SM count is not a multiple of the cluster leaves SMs out) */
@@ -990,15 +906,12 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
     MOK(encode_map(host, &p.map_dw, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, "grad_weight", a->grad_weight, 3, dw_dims,
                    dw_strides, dw_box));
     p.counts = a->counts_device;
-    p.dw = (float *)a->grad_weight;
     p.capacity = a->capacity;
     p.num_experts = (int)a->num_experts;
     /* the ping-pong where an expert has few rows on average (its fp32 writes take as long as its MMA) */
-    const bool regs =
-        a->wgrad_schedule == BF16_WGMMA_WGRAD_PINGPONG_REGS || a->wgrad_schedule == BF16_WGMMA_WGRAD_PINGPONG_REGS6;
     const bool pingpong = a->wgrad_schedule == BF16_WGMMA_WGRAD_AUTO
                               ? a->capacity < (int64_t)BF16_WGMMA_PINGPONG_ROWS * a->num_experts
-                              : a->wgrad_schedule == BF16_WGMMA_WGRAD_PINGPONG || regs;
+                              : a->wgrad_schedule == BF16_WGMMA_WGRAD_PINGPONG;
     const int bn = pingpong ? 128 : 256;
     p.m_tiles = (int)((a->k_in + WGR_BM - 1) / WGR_BM);
     p.n_tiles = (int)((a->n_out + bn - 1) / bn);
@@ -1027,21 +940,13 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
     const int64_t cl_units = units / cl;
     /* the ping-pong takes five stages where the experts' prefix arrays leave room (up to ~160 experts), else four; the
      * cooperative schedule three */
-    int stages = !pingpong ? 3 : wgrad_smem_bytes(5, 128, true, p.num_experts) <= (size_t)smem_optin[dev] ? 5 : 4;
-    if (regs) /* no staging: seven stages, or six where the prefix arrays leave no room */
-        stages = a->wgrad_schedule == BF16_WGMMA_WGRAD_PINGPONG_REGS &&
-                         wgrad_smem_bytes(7, 128, false, p.num_experts) <= (size_t)smem_optin[dev]
-                     ? 7
-                     : 6;
+    const int stages = !pingpong ? 3 : wgrad_smem_bytes(5, 128, p.num_experts) <= (size_t)smem_optin[dev] ? 5 : 4;
     cudaLaunchConfig_t cfg;
     cudaLaunchAttribute attr;
-    cluster_launch(&cfg, &attr, (cl_units < fit ? cl_units : fit) * cl, cl,
-                   wgrad_smem_bytes(stages, bn, !regs, p.num_experts), stream);
-    CUDA_CHECK(host, cudaLaunchKernelEx(&cfg,
-                                        regs       ? wgrad_pingpong_regs(stages, cl)
-                                        : pingpong ? wgrad_pingpong(stages, cl)
-                                                   : bf16_wgmma_wgrad_kernel<3, false, 1>,
-                                        p));
+    cluster_launch(&cfg, &attr, (cl_units < fit ? cl_units : fit) * cl, cl, wgrad_smem_bytes(stages, bn, p.num_experts),
+                   stream);
+    CUDA_CHECK(host, cudaLaunchKernelEx(
+                         &cfg, pingpong ? wgrad_pingpong(stages, cl) : bf16_wgmma_wgrad_kernel<3, false, 1>, p));
     return MOERT_OK;
 }
 
