@@ -77,6 +77,7 @@ __device__ bool block_wait(const deepep_cuda_call &k, bool arrivals)
     __shared__ int stalled;
     const int W = k.geo.world, C = k.channels;
     peer_header *h = peer_header_at(k.local);
+    const uint64_t started = k.wait_stats && blockIdx.x == 0 && threadIdx.x == 0 ? now_ns() : 0;
     if (threadIdx.x == 0) stalled = *(volatile int *)k.abort_flag;
     __syncthreads();
     for (int j = arrivals ? 1 : 0; j < W; j++) {
@@ -91,6 +92,12 @@ __device__ bool block_wait(const deepep_cuda_call &k, bool arrivals)
                 }
             }
         __syncthreads();
+    }
+    if (started) { /* option peer_wait_stats: block 0's wait, per call kind */
+        unsigned long long *words = k.wait_stats + DEEPEP_STAT_WORDS * k.call_id;
+        atomicAdd(&words[arrivals ? DEEPEP_STAT_ARRIVAL_NS : DEEPEP_STAT_RELEASE_NS],
+                  (unsigned long long)(now_ns() - started));
+        if (arrivals) atomicAdd(&words[DEEPEP_STAT_CALLS], 1ull);
     }
     return !stalled;
 }
@@ -672,6 +679,14 @@ __global__ void __launch_bounds__(LOCAL_THREADS)
 }
 
 /* ---- host side ---- */
+
+extern "C" moert_result deepep_cuda_read_stats(const moert_host *host, const unsigned long long *device_words,
+                                               unsigned long long *out, int words)
+{
+    CUDA_CHECK(host, cudaDeviceSynchronize());
+    CUDA_CHECK(host, cudaMemcpy(out, device_words, (size_t)words * sizeof *out, cudaMemcpyDeviceToHost));
+    return MOERT_OK;
+}
 
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 

@@ -49,7 +49,19 @@ typedef struct deepep_cuda_call {
     unsigned long long *error_word;      /* device: the first stall */
     int *abort_flag;                     /* device: set with the error word */
     unsigned *done_blocks;               /* device: blocks of a local kernel that finished (the last one releases) */
+    int call_id;                         /* PEER_CALL_* of this call */
+    unsigned long long *wait_stats;      /* device, option peer_wait_stats (else NULL): per PEER_CALL_*, DEEPEP_STAT_*
+                                          * words that block 0 of each kernel adds its peer waits into */
 } deepep_cuda_call;
+
+/* The words per call kind of deepep_cuda_call.wait_stats: ns block 0 of the local kernel (expansion, final sum) spun
+ * until every peer's rows of the call had arrived; ns block 0 of the NVLink phase spun until every peer had released
+ * the buffer from the previous call; the calls. */
+enum { DEEPEP_STAT_ARRIVAL_NS = 0, DEEPEP_STAT_RELEASE_NS = 1, DEEPEP_STAT_CALLS = 2, DEEPEP_STAT_WORDS = 3 };
+
+/* Copies `words` 64-bit words of wait_stats to the host once the device is idle (at finalize). */
+moert_result deepep_cuda_read_stats(const moert_host *host, const unsigned long long *device_words,
+                                    unsigned long long *out, int words);
 
 /* Bytes of the combine staging area for `rows` rows of this geometry. */
 size_t deepep_cuda_staging_bytes(const peer_geometry *geo, int64_t rows);

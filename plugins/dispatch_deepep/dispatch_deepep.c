@@ -42,7 +42,8 @@ typedef struct deepep_cuda_state {
     int sms;                /* SMs of the device: the local kernels' grid */
     deepep_array topk_idx;  /* int32 [T*K]: prepare()'s routing, kept for the step */
     deepep_array status;    /* device: unsigned long long error word, int abort flag (at 8), unsigned
-                                   * finished-block counter (at 16) */
+                                   * finished-block counter (at 16); at DEEPEP_STATS_OFFSET the kernels' wait
+                                   * statistics (option peer_wait_stats: DEEPEP_STAT_WORDS per PEER_CALL_*) */
     int64_t *pinned;        /* [E + W + 2]: counts, tokens_to, bad ids, error word */
     int64_t *pinned_upload; /* [El + E] */
 } deepep_cuda_state;
@@ -52,9 +53,14 @@ typedef struct deepep_cuda_state {
  * kernel finds free SMs (DeepEP's intranode kernels use 20 to 24); measured in docs/executor.md. */
 #define DEEPEP_OVERLAP_SMS 24
 
+/* Where the wait statistics start in the status array, and their words. */
+#define DEEPEP_STATS_OFFSET 64
+#define DEEPEP_STATS_WORDS  (DEEPEP_STAT_WORDS * (PEER_CALL_DISPATCH_BACKWARD + 1))
+
 typedef struct deepep_ctx {
     peer_dispatch core; /* first: the frame it shares with "hybridep" (host, layer, peer buffer, the step) */
     bool nvlink_only;   /* bench_nvlink_only: CUDA calls run only their NVLink phase */
+    bool wait_stats;    /* peer_wait_stats: the CUDA kernels sum their waits for peers, logged at finalize */
     char call_names[CALL_NAMES][24];
 
     deepep_plan plan;
@@ -149,6 +155,12 @@ static moert_result deepep_init(void **out, const moert_host *host, const moert_
                                "benchmark aid: CUDA calls run only their NVLink phase (rows cross, arrive and are "
                                "released; recv_x, y and the prob outputs are not written); never for a layer",
                                &c->nvlink_only);
+    if (rc == MOERT_OK)
+        rc = host->option_bool(host, "peer_wait_stats", false,
+                               "diagnostic: the CUDA kernels sum how long they spin waiting for their peers (block 0 "
+                               "of each kernel, per call kind) and each instance logs the sums at finalize (info "
+                               "level, MOERT_LOG=info); the CPU path ignores it",
+                               &c->wait_stats);
     if (rc != MOERT_OK) goto fail;
     c->core.fp8 = dispatch_dtype == 1;
     c->core.channels = c->core.num_sms < 1 ? 1 : c->core.num_sms; /* 0 (every SM) is resolved by cuda_init() */
@@ -369,7 +381,7 @@ static moert_result cuda_init(deepep_ctx *c)
             MOERT_LAYER_INFO_FLAGS(&c->core.layer) & MOERT_LAYER_OVERLAPPED ? DEEPEP_OVERLAP_SMS : PEER_MAX_CHANNELS;
         c->core.channels = cu->sms > most ? most : cu->sms;
     }
-    rc = array_reserve(c, &cu->status, 64, true);
+    rc = array_reserve(c, &cu->status, DEEPEP_STATS_OFFSET + DEEPEP_STATS_WORDS * sizeof(unsigned long long), true);
     if (rc != MOERT_OK) return peer_dispatch_alloc_failed(&c->core, rc);
     rc = peer_dispatch_cuda_zero(h, cu->status.data, cu->status.bytes);
     if (rc == MOERT_OK) rc = array_reserve(c, &cu->upload, (size_t)(El + E) * sizeof(int64_t), true);
@@ -378,9 +390,35 @@ static moert_result cuda_init(deepep_ctx *c)
     return rc;
 }
 
+/* Option peer_wait_stats: logs how long this instance's kernels spun waiting for their peers, per call kind. */
+static void cuda_log_wait_stats(deepep_ctx *c)
+{
+    const moert_host *h = c->core.host;
+    unsigned long long w[DEEPEP_STATS_WORDS];
+    if (deepep_cuda_read_stats(h, (const unsigned long long *)((char *)c->cu.status.data + DEEPEP_STATS_OFFSET), w,
+                               DEEPEP_STATS_WORDS) != MOERT_OK) {
+        h->log(h, MOERT_LOG_WARN, "peer_wait_stats: reading the kernels' sums failed");
+        return;
+    }
+    static const char *const names[] = {"prepare", "dispatch", "combine", "combine_backward", "dispatch_backward"};
+    char text[512];
+    int at = snprintf(text, sizeof text, "peer waits of layer %d (block 0 of each kernel):", c->core.layer.layer_index);
+    for (int id = PEER_CALL_DISPATCH; id <= PEER_CALL_DISPATCH_BACKWARD && at < (int)sizeof text; id++) {
+        const unsigned long long *k = w + DEEPEP_STAT_WORDS * id;
+        const unsigned long long calls = k[DEEPEP_STAT_CALLS];
+        if (!calls) continue;
+        at +=
+            snprintf(text + at, sizeof text - (size_t)at, " %s x%llu: rows %.3f ms (%.1f us a call), release %.3f ms;",
+                     names[id], calls, k[DEEPEP_STAT_ARRIVAL_NS] / 1e6, k[DEEPEP_STAT_ARRIVAL_NS] / 1e3 / (double)calls,
+                     k[DEEPEP_STAT_RELEASE_NS] / 1e6);
+    }
+    h->log(h, MOERT_LOG_INFO, "%s", text);
+}
+
 static void cuda_finalize(deepep_ctx *c)
 {
     deepep_cuda_state *cu = &c->cu;
+    if (c->wait_stats && cu->status.data) cuda_log_wait_stats(c);
     deepep_array *arrays[] = {&cu->expert_counts,  &cu->expert_offsets, &cu->row_of_copy, &cu->copy_of_row,
                               &cu->layout_scratch, &cu->excl,           &cu->tokens_to,   &cu->upload,
                               &cu->recv_meta,      &cu->staging,        &cu->status,      &cu->topk_idx};
@@ -536,6 +574,7 @@ static deepep_cuda_call cuda_call(deepep_ctx *c, int64_t seq)
     k.error_word = cu->status.data;
     k.abort_flag = (int *)((char *)cu->status.data + 8);
     k.done_blocks = (unsigned *)((char *)cu->status.data + 16);
+    if (c->wait_stats) k.wait_stats = (unsigned long long *)((char *)cu->status.data + DEEPEP_STATS_OFFSET);
     return k;
 }
 
@@ -545,8 +584,8 @@ static moert_result cuda_dispatch_like(peer_dispatch *d, moert_stream stream, co
                                        moert_tensor *out_probs)
 {
     deepep_ctx *c = (deepep_ctx *)d;
-    (void)call_id;
     deepep_cuda_call k = cuda_call(c, next_seq(c, call));
+    k.call_id = call_id;
     return deepep_cuda_dispatch(d->host, (cudaStream_t)stream, &k, x->dtype, fp8, x->data, probs ? probs->data : NULL,
                                 out->data, out_probs ? out_probs->data : NULL);
 }
@@ -557,8 +596,8 @@ static moert_result cuda_combine_like(peer_dispatch *d, moert_stream stream, con
                                       bool accumulate, moert_tensor *out_probs)
 {
     deepep_ctx *c = (deepep_ctx *)d;
-    (void)call_id;
     deepep_cuda_call k = cuda_call(c, next_seq(c, call));
+    k.call_id = call_id;
     return deepep_cuda_combine(d->host, (cudaStream_t)stream, &k, rows->dtype, rows->data,
                                row_probs ? row_probs->data : NULL, out->data, accumulate,
                                out_probs ? out_probs->data : NULL);

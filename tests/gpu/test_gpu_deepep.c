@@ -3,7 +3,8 @@
  * reference, on 1, 2 and 4 GPUs (as many as there are; a thread per GPU). Same routing and data on both paths:
  * uniform, one hot expert with the last rank's experts receiving nothing, a rank with no tokens, tokens with every
  * copy dropped, FP8 dispatch, an fp32 row of odd length, and the deepseek-v3 shape (H 7168, K 8, E 256) at 8 and 24
- * SMs. dispatch, combine_backward and d_topk_probs must match bit for bit; combine and dispatch_backward's d_x
+ * SMs, and once with the option peer_wait_stats (each CUDA instance must log its kernels' peer waits at finalize, two
+ * calls of each kind). dispatch, combine_backward and d_topk_probs must match bit for bit; combine and dispatch_backward's d_x
  * within fp32-accumulation tolerance (the bytes that differ are shown; the paths sum in the same order); rows past
  * the capacity untouched; a second identical step gives the same bits. With two GPUs or more, a rank that never
  * dispatches makes rank 0's next prepare() fail with MOERT_ERR_TIMEOUT naming it, within timeout_ms.
@@ -22,8 +23,10 @@ int main(void)
 
 #else
 
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <time.h>
 
 #include "gpu_dispatch_test_harness.h"
@@ -44,12 +47,41 @@ static const gpu_dispatch_case cases[] = {
     {"deepseek shape bf16 24 SMs", MOERT_BF16, 7168, 256, 8, 256, 0.0, 0.0, false, false, false, "{\"num_sms\": 24}"},
     {"deepseek shape fp8 8 SMs", MOERT_BF16, 7168, 256, 8, 256, 0.0, 0.05, false, false, false,
      "{\"num_sms\": 8, \"dispatch_dtype\": \"fp8\"}"},
+    {"uniform bf16 peer_wait_stats", MOERT_BF16, 256, 16, 4, 300, 0.10, 0.0, false, false, false,
+     "{\"peer_wait_stats\": true}"},
 };
 #define CASES      ((int)(sizeof cases / sizeof cases[0]))
 
 #define WORLDS 4 /* 1, 2, 4 and 8 GPUs, as many as the machine has */
 static gpu_dispatch_row table[WORLDS * CASES];
 static gpu_dispatch_stall_row stall_table[WORLDS];
+
+/* ---- the peer_wait_stats log lines (MOERT_LOG=info, through the log callback) ---- */
+
+static pthread_mutex_t stats_lock = PTHREAD_MUTEX_INITIALIZER;
+static int stats_lines, stats_bad;
+
+/* Counts the instances' peer-wait lines and checks each names two calls of every kind; passes warnings and errors
+ * on to stderr and drops the other info lines. */
+static void collect_log(void *user, moert_log_level level, const char *line)
+{
+    (void)user;
+    if (strstr(line, "peer waits of layer")) {
+        static const char *const want[] = {" dispatch x2: rows ", " combine x2: rows ", " combine_backward x2: rows ",
+                                           " dispatch_backward x2: rows "};
+        bool ok = true;
+        for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) ok = ok && strstr(line, want[i]) != NULL;
+        pthread_mutex_lock(&stats_lock);
+        stats_lines++;
+        if (!ok) {
+            stats_bad++;
+            fprintf(stderr, "peer_wait_stats: unexpected line: %s\n", line);
+        }
+        pthread_mutex_unlock(&stats_lock);
+    } else if (level <= MOERT_LOG_WARN) {
+        fprintf(stderr, "%s\n", line);
+    }
+}
 
 /* What each rank of a world gets: the world's rows in the tables. */
 typedef struct world_run {
@@ -144,6 +176,8 @@ static void rank_main(const gpu_test_rank_env *env, void *user)
 int main(void)
 {
     setvbuf(stdout, NULL, _IOLBF, 0); /* progress lines show where a hang or crash was */
+    setenv("MOERT_LOG", "info", 1);   /* the peer_wait_stats case's lines; collect_log drops the other info lines */
+    moert_set_log_callback(collect_log, NULL);
     int gpus = gpu_test_device_count("gpu_deepep");
     if (gpus == 0) return TEST_SKIP;
     moert_plugin keep;
@@ -156,7 +190,13 @@ int main(void)
         world_run w = {.world = worlds[i], .index = i};
         gpu_dispatch_rows_init(&table[i * CASES], worlds[i], cases, CASES);
         stall_table[i].world = worlds[i];
+        stats_lines = stats_bad = 0;
         gpu_test_run_world(w.world, TIMEOUT_S, rank_main, &w);
+        /* the peer_wait_stats case: one line per rank's CUDA instance, each with two calls of every kind */
+        printf("peer_wait_stats, world %d: %d line(s), %d unexpected\n", worlds[i], stats_lines, stats_bad);
+        if (stats_lines != worlds[i] || stats_bad)
+            gpu_test_failure("world %d: peer_wait_stats logged %d line(s) (%d unexpected), expected %d", worlds[i],
+                             stats_lines, stats_bad, worlds[i]);
     }
     gpu_dispatch_print_rows(&deepep, table, WORLDS * CASES);
     for (int i = 0; i < WORLDS; i++)
@@ -164,6 +204,7 @@ int main(void)
             printf("stall, world %d: %s after %.2f s: %s\n", stall_table[i].world, stall_table[i].ok ? "ok" : "FAIL",
                    stall_table[i].seconds, stall_table[i].message);
     moert_plugin_unload(&keep);
+    moert_set_log_callback(NULL, NULL);
     return test_finish("gpu_deepep");
 }
 

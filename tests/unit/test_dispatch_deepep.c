@@ -46,6 +46,7 @@ static void test_errors(void)
     static const char *const bad_options[][2] = {{"{\"num_sms\": -1}", "num_sms"},
                                                  {"{\"num_sms\": 133}", "num_sms"},
                                                  {"{\"bench_nvlink_only\": 2}", "bench_nvlink_only"},
+                                                 {"{\"peer_wait_stats\": \"yes\"}", "peer_wait_stats"},
                                                  {"{\"timeout_ms\": 0}", "timeout_ms"},
                                                  {"{\"dispatch_dtype\": \"fp9\"}", "dispatch_dtype"},
                                                  {"{\"dispatch_dtype\": \"fp8\"}", "needs hidden divisible by 128"}};
