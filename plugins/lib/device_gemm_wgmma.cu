@@ -347,6 +347,7 @@ typedef struct wg_wgrad_params {
     const int64_t *counts;
     int64_t capacity;
     int num_experts, m_tiles, n_tiles, k_in, n_out, accumulate;
+    int l2_hints; /* bf16_device_gemm_args.wgrad_l2_hints */
 } wg_wgrad_params;
 
 /* d (+)= A (64 x 16, M-major) * B (16 x 128, N-major); accumulate 0 ignores d's old values. */
@@ -411,6 +412,8 @@ __device__ __forceinline__ void wgrad_produce(const wg_wgrad_params &p, const in
                                               uint8_t *stages, uint64_t *full, uint64_t *empty)
 {
     const int stage_bytes = WGR_A_BYTES + BN / 64 * WG_BOX_BYTES, units = wgrad_units<CL>(p);
+    /* the operands, read again by the CTAs of other tiles: kept in L2 over the gradient's traffic (l2_hints 2) */
+    const uint64_t policy = p.l2_hints >= 2 ? l2_evict_last_policy() : l2_evict_normal_policy();
     int s = 0;
     uint32_t phase = 0, it = 0;
     for (int u = blockIdx.x / CL; u < units; u += gridDim.x / CL) {
@@ -425,17 +428,17 @@ __device__ __forceinline__ void wgrad_produce(const wg_wgrad_params &p, const in
             constexpr int CM = wgrad_cluster<CL>::CM, CN = wgrad_cluster<CL>::CN;
             const int rm = rank % CM, rn = rank / CM;
             if (CN == 2) /* A's box rn, to the block row: ranks rm and rm + CM */
-                tensor_load_2d_multicast(a + rn * WG_BOX_BYTES, &p.map_in, mt * WGR_BM + rn * 64, row, &full[s],
-                                         (uint16_t)((1u << rm) | (1u << (rm + CM))));
+                tensor_load_2d_multicast_hint(a + rn * WG_BOX_BYTES, &p.map_in, mt * WGR_BM + rn * 64, row, &full[s],
+                                              (uint16_t)((1u << rm) | (1u << (rm + CM))), policy);
             else
                 for (int j = 0; j < 2; j++)
-                    tensor_load_2d(a + j * WG_BOX_BYTES, &p.map_in, mt * WGR_BM + j * 64, row, &full[s]);
+                    tensor_load_2d_hint(a + j * WG_BOX_BYTES, &p.map_in, mt * WGR_BM + j * 64, row, &full[s], policy);
             if (CM == 2) /* B's box rm, to the block column: ranks 2 rn and 2 rn + 1 */
-                tensor_load_2d_multicast(b + rm * WG_BOX_BYTES, &p.map_dout, nt * BN + rm * 64, row, &full[s],
-                                         (uint16_t)(3u << (2 * rn)));
+                tensor_load_2d_multicast_hint(b + rm * WG_BOX_BYTES, &p.map_dout, nt * BN + rm * 64, row, &full[s],
+                                              (uint16_t)(3u << (2 * rn)), policy);
             else
                 for (int j = 0; j < BN / 64; j++)
-                    tensor_load_2d(b + j * WG_BOX_BYTES, &p.map_dout, nt * BN + j * 64, row, &full[s]);
+                    tensor_load_2d_hint(b + j * WG_BOX_BYTES, &p.map_dout, nt * BN + j * 64, row, &full[s], policy);
             if (++s == STAGES) s = 0, phase ^= 1;
         }
     }
@@ -572,8 +575,9 @@ __device__ __forceinline__ void wgrad_storer(const wg_wgrad_params &p, const int
             bulk_wait_read(); /* the buffer's last store (half k - 2: all but the pending half are issued) is read */
             if (p.accumulate) {
                 mbar_arrive_expect_tx(&ready[b], (uint32_t)boxes * WG_BOX_BYTES);
-                for (int j = 0; j < boxes; j++)
-                    tensor_load_3d(buf + j * WG_BOX_BYTES, &p.map_dw, n0 + 32 * j, m0, e, &ready[b]);
+                for (int j = 0; j < boxes; j++) /* read once: evict first (l2_hints 1 and up) */
+                    tensor_load_3d_hint(buf + j * WG_BOX_BYTES, &p.map_dw, n0 + 32 * j, m0, e, &ready[b],
+                                        p.l2_hints >= 1 ? policy : l2_evict_normal_policy());
             } else {
                 mbar_arrive(&ready[b]);
             }
@@ -918,6 +922,7 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
     p.k_in = (int)a->k_in;
     p.n_out = (int)a->n_out;
     p.accumulate = a->accumulate != 0;
+    p.l2_hints = a->wgrad_l2_hints;
     const int64_t units = a->num_experts * p.m_tiles * p.n_tiles;
     if (units > INT_MAX)
         return report(host, MOERT_ERR_INVALID_ARGUMENT,

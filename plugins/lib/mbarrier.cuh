@@ -179,6 +179,55 @@ __device__ __forceinline__ uint64_t l2_evict_first_policy()
     return policy;
 }
 
+/* The default L2 eviction policy, for the cache_hint forms where a caller picks per call. */
+__device__ __forceinline__ uint64_t l2_evict_normal_policy()
+{
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
+/* An L2 eviction policy whose lines stay while others can go: tiles read again by many CTAs. */
+__device__ __forceinline__ uint64_t l2_evict_last_policy()
+{
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
+/* As tensor_load_2d, with an L2 eviction policy. */
+__device__ __forceinline__ void tensor_load_2d_hint(void *dst_smem, const void *tensor_map, int32_t c0, int32_t c1,
+                                                    uint64_t *bar, uint64_t policy)
+{
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, "
+        "{%2, %3}], [%4], %5;" ::"r"(smem_addr(dst_smem)),
+        "l"(tensor_map), "r"(c0), "r"(c1), "r"(smem_addr(bar)), "l"(policy)
+        : "memory");
+}
+
+/* As tensor_load_2d_multicast, with an L2 eviction policy. */
+__device__ __forceinline__ void tensor_load_2d_multicast_hint(void *dst_smem, const void *tensor_map, int32_t c0,
+                                                              int32_t c1, uint64_t *bar, uint16_t cta_mask,
+                                                              uint64_t policy)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                 ".L2::cache_hint [%0], [%1, {%2, %3}], [%4], %5, %6;" ::"r"(smem_addr(dst_smem)),
+                 "l"(tensor_map), "r"(c0), "r"(c1), "r"(smem_addr(bar)), "h"(cta_mask), "l"(policy)
+                 : "memory");
+}
+
+/* As tensor_load_3d, with an L2 eviction policy. */
+__device__ __forceinline__ void tensor_load_3d_hint(void *dst_smem, const void *tensor_map, int32_t c0, int32_t c1,
+                                                    int32_t c2, uint64_t *bar, uint64_t policy)
+{
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, "
+        "{%2, %3, %4}], [%5], %6;" ::"r"(smem_addr(dst_smem)),
+        "l"(tensor_map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar)), "l"(policy)
+        : "memory");
+}
+
 /* As tensor_store_3d, with an L2 eviction policy (l2_evict_first_policy). */
 __device__ __forceinline__ void tensor_store_3d_hint(const void *tensor_map, int32_t c0, int32_t c1, int32_t c2,
                                                      const void *src_smem, uint64_t policy)
