@@ -112,10 +112,9 @@ typedef struct bench_variant {
     int copy;       /* a device copy of the fp32 gradient instead of a GEMM */
     int cluster;    /* kernel 2, 4: the wgmma WGRAD's cluster (0: as it picks) */
     int schedule;   /* kernel 2, 4: the wgmma WGRAD's schedule (BF16_WGMMA_WGRAD_*) */
-    int l2;         /* kernel 2, 4: bf16_device_gemm_args.wgrad_l2_hints */
 } bench_variant;
 
-#define MAX_VARIANTS 24
+#define MAX_VARIANTS 20
 #define MAX_EXPERTS  256
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
@@ -297,7 +296,6 @@ static double wgrad_f32_error(const bench_variant *v, cudaStream_t stream, const
     ka.accumulate = add;
     ka.wgrad_cluster = v->cluster;
     ka.wgrad_schedule = v->schedule;
-    ka.wgrad_l2_hints = v->l2;
     MOK(bf16_device_gemm(&bench_host, stream, &ka));
     CK(cudaStreamSynchronize(stream));
     CK(cudaMemcpy(got, dw32, elems * 4, cudaMemcpyDeviceToHost));
@@ -327,42 +325,37 @@ int main(int argc, char **argv)
 
     bench_variant variants[MAX_VARIANTS];
     int nv = 0;
-    variants[nv++] = (bench_variant){"loop", 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
-    bench_variant v_streams = {"", streams, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
-                  v_streams_vary = {"", streams, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
-    bench_variant v_graph = {"", streams, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    variants[nv++] = (bench_variant){"loop", 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    bench_variant v_streams = {"", streams, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+                  v_streams_vary = {"", streams, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    bench_variant v_graph = {"", streams, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0};
     snprintf(v_streams.name, sizeof v_streams.name, "loop_s%d", streams);
     snprintf(v_streams_vary.name, sizeof v_streams_vary.name, "loop_s%d_vary", streams);
     snprintf(v_graph.name, sizeof v_graph.name, "graph_s%d", streams);
     const int i_streams = nv;
     variants[nv++] = v_streams;
-    variants[nv++] = (bench_variant){"loop_vary", 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    variants[nv++] = (bench_variant){"loop_vary", 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0};
     variants[nv++] = v_streams_vary;
     const int i_graph = nv;
     variants[nv++] = v_graph;
-    variants[nv++] = (bench_variant){"grouped", 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0};
+    variants[nv++] = (bench_variant){"grouped", 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0};
     const int i_kernel = nv;
-    variants[nv++] = (bench_variant){"kernel", 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0};
-    variants[nv++] = (bench_variant){"kernel_mma", 1, 0, 0, 0, 0, 3, -1, 0, 0, 0, 0, 0};
-    variants[nv++] = (bench_variant){"kernel_f32w", 1, 0, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0};
-    variants[nv++] = (bench_variant){"kernel_f32w_ow", 1, 0, 0, 0, 0, 4, 1, 0, 0, 0, 0, 0};
-    variants[nv++] = (bench_variant){"kernel_f32w_cl4", 1, 0, 0, 0, 0, 2, 1, 0, 0, 4, 0, 0};
-    variants[nv++] = (bench_variant){"kernel_f32w_ow_cl4", 1, 0, 0, 0, 0, 4, 1, 0, 0, 4, 0, 0};
-    variants[nv++] = (bench_variant){"kernel_f32w_coop", 1, 0, 0, 0, 0, 2, 1, 0, 0, 0, BF16_WGMMA_WGRAD_COOPERATIVE, 0};
-    variants[nv++] =
-        (bench_variant){"kernel_f32w_ow_coop", 1, 0, 0, 0, 0, 4, 1, 0, 0, 0, BF16_WGMMA_WGRAD_COOPERATIVE, 0};
-    variants[nv++] = (bench_variant){"kernel_f32w_l2a", 1, 0, 0, 0, 0, 2, 1, 0, 0, 0, 0, 1};
-    variants[nv++] = (bench_variant){"kernel_f32w_l2b", 1, 0, 0, 0, 0, 2, 1, 0, 0, 0, 0, 2};
-    variants[nv++] = (bench_variant){"kernel_f32w_ow_l2b", 1, 0, 0, 0, 0, 4, 1, 0, 0, 0, 0, 2};
-    variants[nv++] = (bench_variant){"kernel_f32w_cl2_l2b", 1, 0, 0, 0, 0, 2, 1, 0, 0, 2, 0, 2};
-    bench_variant v_streams_f32w = {"", streams, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0};
+    variants[nv++] = (bench_variant){"kernel", 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0};
+    variants[nv++] = (bench_variant){"kernel_mma", 1, 0, 0, 0, 0, 3, -1, 0, 0, 0, 0};
+    variants[nv++] = (bench_variant){"kernel_f32w", 1, 0, 0, 0, 0, 2, 1, 0, 0, 0, 0};
+    variants[nv++] = (bench_variant){"kernel_f32w_ow", 1, 0, 0, 0, 0, 4, 1, 0, 0, 0, 0};
+    variants[nv++] = (bench_variant){"kernel_f32w_cl4", 1, 0, 0, 0, 0, 2, 1, 0, 0, 4, 0};
+    variants[nv++] = (bench_variant){"kernel_f32w_ow_cl4", 1, 0, 0, 0, 0, 4, 1, 0, 0, 4, 0};
+    variants[nv++] = (bench_variant){"kernel_f32w_coop", 1, 0, 0, 0, 0, 2, 1, 0, 0, 0, BF16_WGMMA_WGRAD_COOPERATIVE};
+    variants[nv++] = (bench_variant){"kernel_f32w_ow_coop", 1, 0, 0, 0, 0, 4, 1, 0, 0, 0, BF16_WGMMA_WGRAD_COOPERATIVE};
+    bench_variant v_streams_f32w = {"", streams, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0};
     snprintf(v_streams_f32w.name, sizeof v_streams_f32w.name, "loop_s%d_f32w", streams);
     const int i_f32w_loop = nv;
     variants[nv++] = v_streams_f32w;
     const int i_copy = nv;
-    variants[nv++] = (bench_variant){"copy", 1, 0, 0, 0, 0, 0, 1, 0, 1, 0, 0, 0};
+    variants[nv++] = (bench_variant){"copy", 1, 0, 0, 0, 0, 0, 1, 0, 1, 0, 0};
     const int i_dense = nv;
-    variants[nv++] = (bench_variant){"dense", 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0};
+    variants[nv++] = (bench_variant){"dense", 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0};
 
     struct cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
@@ -438,7 +431,6 @@ int main(int argc, char **argv)
                         if (kernel_overwrites(var)) ka.accumulate = 0;
                         ka.wgrad_cluster = var->cluster;
                         ka.wgrad_schedule = var->schedule;
-                        ka.wgrad_l2_hints = var->l2;
                         MOK(bf16_device_gemm(&bench_host, stream, &ka));
                     } else {
                         moert_bf16_cuda_gemm gv = gm;

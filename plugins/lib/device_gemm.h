@@ -60,8 +60,6 @@ typedef struct bf16_device_gemm_args {
                                 busy as pairs, else 2, else 1. The cooperative schedule runs single CTAs. */
     int wgrad_schedule; /* BF16_WGMMA_WGRAD_*: the wgmma WGRAD's schedule (tests, benchmarks); 0 picks by the rows an
                            expert has on average */
-    int wgrad_l2_hints; /* wgmma WGRAD, experiment: 0 no L2 hints on loads, 1 the ping-pong's loads of the old gradient
-                           evict first, 2 and the operands evict last */
     const int32_t *sm_yield; /* wgmma FORWARD/DGRAD: a device int32 read between work units (moert_layer_info's
                                 sm_yield); while it is N > 0 the CTAs numbered >= grid - N (all but CTA 0) stop taking
                                 units, leaving SMs to kernels beside the GEMM. NULL: every CTA works to the end */

@@ -347,7 +347,8 @@ typedef struct wg_wgrad_params {
     const int64_t *counts;
     int64_t capacity;
     int num_experts, m_tiles, n_tiles, k_in, n_out, accumulate;
-    int l2_hints; /* bf16_device_gemm_args.wgrad_l2_hints */
+    const uint8_t *in, *dout; /* the operands' bytes, for wgrad_demote */
+    int64_t l2_bytes;         /* the device's L2 */
 } wg_wgrad_params;
 
 /* d (+)= A (64 x 16, M-major) * B (16 x 128, N-major); accumulate 0 ignores d's old values. */
@@ -412,8 +413,8 @@ __device__ __forceinline__ void wgrad_produce(const wg_wgrad_params &p, const in
                                               uint8_t *stages, uint64_t *full, uint64_t *empty)
 {
     const int stage_bytes = WGR_A_BYTES + BN / 64 * WG_BOX_BYTES, units = wgrad_units<CL>(p);
-    /* the operands, read again by the CTAs of other tiles: kept in L2 over the gradient's traffic (l2_hints 2) */
-    const uint64_t policy = p.l2_hints >= 2 ? l2_evict_last_policy() : l2_evict_normal_policy();
+    /* the operands, read again by the CTAs of other tiles: kept in L2 over the gradient's traffic (wgrad_demote) */
+    const uint64_t policy = l2_evict_last_policy();
     int s = 0;
     uint32_t phase = 0, it = 0;
     for (int u = blockIdx.x / CL; u < units; u += gridDim.x / CL) {
@@ -575,9 +576,8 @@ __device__ __forceinline__ void wgrad_storer(const wg_wgrad_params &p, const int
             bulk_wait_read(); /* the buffer's last store (half k - 2: all but the pending half are issued) is read */
             if (p.accumulate) {
                 mbar_arrive_expect_tx(&ready[b], (uint32_t)boxes * WG_BOX_BYTES);
-                for (int j = 0; j < boxes; j++) /* read once: evict first (l2_hints 1 and up) */
-                    tensor_load_3d_hint(buf + j * WG_BOX_BYTES, &p.map_dw, n0 + 32 * j, m0, e, &ready[b],
-                                        p.l2_hints >= 1 ? policy : l2_evict_normal_policy());
+                for (int j = 0; j < boxes; j++) /* read once: evict first, as the stores */
+                    tensor_load_3d_hint(buf + j * WG_BOX_BYTES, &p.map_dw, n0 + 32 * j, m0, e, &ready[b], policy);
             } else {
                 mbar_arrive(&ready[b]);
             }
@@ -721,6 +721,24 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
     if (!PINGPONG && threadIdx.x % 128 == 0) bulk_wait_all();
 }
 
+/* The operands are loaded at L2's evict-last priority, so that the gradient's fp32 traffic (evict first) does not push
+ * them out while other tiles still read them. Lines at that priority outlive the kernel; so, at its end, each CTA hands
+ * its share of the rows of the last experts (the walk goes expert by expert), as many as twice the L2 holds, back to
+ * the normal priority, so that they do not crowd out the kernels after it. */
+__device__ __forceinline__ void wgrad_demote(const wg_wgrad_params &p, const int64_t *row_start)
+{
+    const int64_t row_bytes = 2 * ((int64_t)p.k_in + p.n_out);
+    int first = p.num_experts;
+    while (first > 0 && (row_start[p.num_experts] - row_start[first - 1]) * row_bytes <= 2 * p.l2_bytes) first--;
+    const int64_t r0 = row_start[first], rows = row_start[p.num_experts] - r0;
+    const int64_t in_lines = (rows * p.k_in * 2 + 127) / 128, lines = in_lines + (rows * p.n_out * 2 + 127) / 128;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < lines; i += (int64_t)gridDim.x * blockDim.x) {
+        const uint8_t *at =
+            i < in_lines ? p.in + r0 * p.k_in * 2 + i * 128 : p.dout + r0 * p.n_out * 2 + (i - in_lines) * 128;
+        asm volatile("applypriority.global.L2::evict_normal [%0], 128;" ::"l"(at) : "memory");
+    }
+}
+
 template <int STAGES, bool PINGPONG, int CL>
 __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_wgrad_kernel(const __grid_constant__ wg_wgrad_params p)
 {
@@ -762,6 +780,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_wgrad_kernel(const _
         warpgroup_registers_inc<232>();
         wgrad_consume<STAGES, PINGPONG, CL>(p, row_start, rank, stages, staging, full, empty, ready, staged, wg - 1);
     }
+    wgrad_demote(p, row_start);
     if (CL > 1) cluster_sync(); /* no CTA leaves while its peer may still multicast or arrive into it */
 #endif
 }
@@ -772,6 +791,7 @@ static PFN_cuTensorMapEncodeTiled_v12000 encode_fn;
 static signed char ready[WG_MAX_DEVICES]; /* per device: 1 prepared, -1 not usable, 0 not asked */
 static int sm_count[WG_MAX_DEVICES];      /* per prepared device: the persistent grid */
 static int smem_optin[WG_MAX_DEVICES];    /* per prepared device: the most dynamic shared memory a block may take */
+static int l2_size[WG_MAX_DEVICES];       /* per prepared device: its L2 in bytes */
 /* per prepared device: clusters of 2 and of 4 CTAs of the WGRAD ping-pong that fit at once */
 static int wgrad_clusters[WG_MAX_DEVICES][2];
 
@@ -834,6 +854,7 @@ extern "C" moert_result bf16_wgmma_prepare(const moert_host *host)
                                               smem_optin[dev]));
     }
     CUDA_CHECK(host, cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev));
+    CUDA_CHECK(host, cudaDeviceGetAttribute(&l2_size[dev], cudaDevAttrL2CacheSize, dev));
     /* the clusters that fit at once (a GPC whose SM count is not a multiple of the cluster leaves SMs out) */
     for (int i = 0; i < 2; i++) {
         const int cl = 2 << i;
@@ -922,7 +943,9 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
     p.k_in = (int)a->k_in;
     p.n_out = (int)a->n_out;
     p.accumulate = a->accumulate != 0;
-    p.l2_hints = a->wgrad_l2_hints;
+    p.in = (const uint8_t *)a->input;
+    p.dout = (const uint8_t *)a->grad_output;
+    p.l2_bytes = l2_size[dev];
     const int64_t units = a->num_experts * p.m_tiles * p.n_tiles;
     if (units > INT_MAX)
         return report(host, MOERT_ERR_INVALID_ARGUMENT,
