@@ -723,13 +723,13 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
 
 /* The operands are loaded at L2's evict-last priority, so that the gradient's fp32 traffic (evict first) does not push
  * them out while other tiles still read them. Lines at that priority outlive the kernel; so, at its end, the CTAs hand
- * the operands' last rows, as many as twice the L2 holds, back to the normal priority (the walk goes expert by expert
- * and each tile reads its expert's rows in order, so those are the lines loaded last), so that they do not crowd out
- * the kernels after it. */
+ * the operands' last rows, as many as the L2 holds, back to the normal priority (the walk goes expert by expert and
+ * each tile reads its expert's rows in order, so those are the lines loaded last), so that they do not crowd out the
+ * kernels after it. (Twice the L2 cost an H200 ~0.1 ms a launch: one applypriority per 128-byte line.) */
 __device__ __forceinline__ void wgrad_demote(const wg_wgrad_params &p, const int64_t *row_start)
 {
     const int64_t row_bytes = 2 * ((int64_t)p.k_in + p.n_out), end = row_start[p.num_experts];
-    const int64_t r0 = end - min(end, 2 * p.l2_bytes / row_bytes), rows = end - r0;
+    const int64_t r0 = end - min(end, p.l2_bytes / row_bytes), rows = end - r0;
     const int64_t in_lines = (rows * p.k_in * 2 + 127) / 128, lines = in_lines + (rows * p.n_out * 2 + 127) / 128;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < lines; i += (int64_t)gridDim.x * blockDim.x) {
         const uint8_t *at =
