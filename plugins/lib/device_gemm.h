@@ -94,7 +94,7 @@ moert_result bf16_device_gemm_prepare(const moert_host *host);
 
 /*
  * Checks the arguments (on the host: sizes, pointers, alignment; never the counts) and enqueues the GEMM on stream:
- * one kernel launch, nothing else. Capturable. Errors: MOERT_ERR_INVALID_ARGUMENT with a message naming what was
+ * one kernel launch (the wgmma WGRAD: two, the GEMM and its L2 demotion), nothing else. Capturable. Errors: MOERT_ERR_INVALID_ARGUMENT with a message naming what was
  * expected, MOERT_ERR_CUDA when the launch fails.
  */
 moert_result bf16_device_gemm(const moert_host *host, cudaStream_t stream, const bf16_device_gemm_args *a);

@@ -347,8 +347,6 @@ typedef struct wg_wgrad_params {
     const int64_t *counts;
     int64_t capacity;
     int num_experts, m_tiles, n_tiles, k_in, n_out, accumulate;
-    const uint8_t *in, *dout; /* the operands' bytes, for wgrad_demote */
-    int64_t l2_bytes;         /* the device's L2 */
 } wg_wgrad_params;
 
 /* d (+)= A (64 x 16, M-major) * B (16 x 128, N-major); accumulate 0 ignores d's old values. */
@@ -722,18 +720,27 @@ __device__ __forceinline__ void wgrad_consume(const wg_wgrad_params &p, const in
 }
 
 /* The operands are loaded at L2's evict-last priority, so that the gradient's fp32 traffic (evict first) does not push
- * them out while other tiles still read them. Lines at that priority outlive the kernel; so, at its end, the CTAs hand
- * the operands' last rows, as many as the L2 holds, back to the normal priority (the walk goes expert by expert and
- * each tile reads its expert's rows in order, so those are the lines loaded last), so that they do not crowd out the
- * kernels after it. (Twice the L2 cost an H200 ~0.1 ms a launch: one applypriority per 128-byte line.) */
-__device__ __forceinline__ void wgrad_demote(const wg_wgrad_params &p, const int64_t *row_start)
+ * them out while other tiles still read them. Lines at that priority outlive the kernel; so this kernel, launched
+ * after it on its stream, hands the operands' last rows, as many as the L2 holds (the walk goes expert by expert and
+ * each tile reads its expert's rows in order, so those are the lines loaded last), back to the normal priority, so
+ * that they do not crowd out the kernels after it. (Done by each WGRAD CTA as it ended, it cost an H200 3-5% on
+ * overwriting: the rows were demoted while other CTAs still read them.) */
+__global__ void __launch_bounds__(256)
+    bf16_wgmma_wgrad_demote_kernel(const int64_t *counts, int num_experts, int64_t capacity, const uint8_t *in,
+                                   const uint8_t *dout, int64_t k_in, int64_t n_out, int64_t l2_bytes)
 {
-    const int64_t row_bytes = 2 * ((int64_t)p.k_in + p.n_out), end = row_start[p.num_experts];
-    const int64_t r0 = end - min(end, p.l2_bytes / row_bytes), rows = end - r0;
-    const int64_t in_lines = (rows * p.k_in * 2 + 127) / 128, lines = in_lines + (rows * p.n_out * 2 + 127) / 128;
+    __shared__ int64_t end_row;
+    if (threadIdx.x < 32) { /* the rows the experts hold, clamped as expert_prefix does */
+        int64_t sum = 0;
+        for (int e = threadIdx.x; e < num_experts; e += 32) sum += min(max(counts[e], (int64_t)0), capacity);
+        sum = warp_inclusive_sum(sum);
+        if (threadIdx.x == 31) end_row = min(sum, capacity);
+    }
+    __syncthreads();
+    const int64_t end = end_row, r0 = end - min(end, l2_bytes / (2 * (k_in + n_out))), rows = end - r0;
+    const int64_t in_lines = (rows * k_in * 2 + 127) / 128, lines = in_lines + (rows * n_out * 2 + 127) / 128;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < lines; i += (int64_t)gridDim.x * blockDim.x) {
-        const uint8_t *at =
-            i < in_lines ? p.in + r0 * p.k_in * 2 + i * 128 : p.dout + r0 * p.n_out * 2 + (i - in_lines) * 128;
+        const uint8_t *at = i < in_lines ? in + r0 * k_in * 2 + i * 128 : dout + r0 * n_out * 2 + (i - in_lines) * 128;
         asm volatile("applypriority.global.L2::evict_normal [%0], 128;" ::"l"(at) : "memory");
     }
 }
@@ -779,7 +786,6 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_wgrad_kernel(const _
         warpgroup_registers_inc<232>();
         wgrad_consume<STAGES, PINGPONG, CL>(p, row_start, rank, stages, staging, full, empty, ready, staged, wg - 1);
     }
-    wgrad_demote(p, row_start);
     if (CL > 1) cluster_sync(); /* no CTA leaves while its peer may still multicast or arrive into it */
 #endif
 }
@@ -942,9 +948,6 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
     p.k_in = (int)a->k_in;
     p.n_out = (int)a->n_out;
     p.accumulate = a->accumulate != 0;
-    p.in = (const uint8_t *)a->input;
-    p.dout = (const uint8_t *)a->grad_output;
-    p.l2_bytes = l2_size[dev];
     const int64_t units = a->num_experts * p.m_tiles * p.n_tiles;
     if (units > INT_MAX)
         return report(host, MOERT_ERR_INVALID_ARGUMENT,
@@ -974,6 +977,10 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
                    stream);
     CUDA_CHECK(host, cudaLaunchKernelEx(
                          &cfg, pingpong ? wgrad_pingpong(stages, cl) : bf16_wgmma_wgrad_kernel<3, false, 1>, p));
+    bf16_wgmma_wgrad_demote_kernel<<<(unsigned)sms, 256, 0, stream>>>(
+        a->counts_device, p.num_experts, a->capacity, (const uint8_t *)a->input, (const uint8_t *)a->grad_output,
+        a->k_in, a->n_out, l2_size[dev]);
+    LAUNCH_CHECK(host, "bf16_wgmma_wgrad_demote_kernel");
     return MOERT_OK;
 }
 
