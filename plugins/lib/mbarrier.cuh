@@ -179,14 +179,6 @@ __device__ __forceinline__ uint64_t l2_evict_first_policy()
     return policy;
 }
 
-/* The default L2 eviction policy, for the cache_hint forms where a caller picks per call. */
-__device__ __forceinline__ uint64_t l2_evict_normal_policy()
-{
-    uint64_t policy;
-    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
-    return policy;
-}
-
 /* An L2 eviction policy whose lines stay while others can go: tiles read again by many CTAs. */
 __device__ __forceinline__ uint64_t l2_evict_last_policy()
 {
