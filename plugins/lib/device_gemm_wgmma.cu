@@ -411,7 +411,8 @@ __device__ __forceinline__ void wgrad_produce(const wg_wgrad_params &p, const in
                                               uint8_t *stages, uint64_t *full, uint64_t *empty)
 {
     const int stage_bytes = WGR_A_BYTES + BN / 64 * WG_BOX_BYTES, units = wgrad_units<CL>(p);
-    /* the operands, read again by the CTAs of other tiles: kept in L2 over the gradient's traffic (bf16_wgmma_wgrad_demote_kernel) */
+    /* the operands, which the CTAs of other tiles read again: kept in L2 over the gradient's traffic (see
+     * bf16_wgmma_wgrad_demote_kernel) */
     const uint64_t policy = l2_evict_last_policy();
     int s = 0;
     uint32_t phase = 0, it = 0;
