@@ -15,12 +15,7 @@
 
 /* Checked cuBLASLt / cuBLAS call: returns MOERT_ERR_CUDA naming the call. */
 #define CUBLAS_CHECK(host, call)                                                                                       \
-    do {                                                                                                               \
-        cublasStatus_t st_ = (call);                                                                                   \
-        if (st_ != CUBLAS_STATUS_SUCCESS)                                                                              \
-            return report((host), MOERT_ERR_CUDA, "%s failed: %s (%s:%d)", #call, cublasLtGetStatusString(st_),        \
-                          __FILE__, __LINE__);                                                                         \
-    } while (0)
+    REPORT_STATUS_CHECK(host, cublasStatus_t, CUBLAS_STATUS_SUCCESS, cublasLtGetStatusString, call, #call)
 
 /* A matrix layout and the attributes last written into it. */
 typedef struct moert_lt_layout {

@@ -9,13 +9,7 @@
 #include "plugin_report.h"
 
 /* Checked CUDA runtime call: on failure reports the call, the CUDA message and the line, and returns. */
-#define CUDA_CHECK(host, call)                                                                                         \
-    do {                                                                                                               \
-        cudaError_t err_ = (call);                                                                                     \
-        if (err_ != cudaSuccess)                                                                                       \
-            return report((host), MOERT_ERR_CUDA, "%s failed: %s (%s:%d)", #call, cudaGetErrorString(err_), __FILE__,  \
-                          __LINE__);                                                                                   \
-    } while (0)
+#define CUDA_CHECK(host, call) REPORT_STATUS_CHECK(host, cudaError_t, cudaSuccess, cudaGetErrorString, call, #call)
 
 /* Checks the kernel launch just made, naming the kernel. */
 #define LAUNCH_CHECK(host, name)                                                                                       \

@@ -24,4 +24,15 @@ static inline moert_result report(const moert_host *host, moert_result code, con
     return code;
 }
 
+/* A checked call of a GPU library whose calls return a status of type `type`, `ok` on success: on failure it reports
+ * the call's text, the library's message for the status (`describe`) and the line, and returns MOERT_ERR_CUDA. The
+ * CUDA and cuBLAS checks (CUDA_CHECK in plugin_cuda_check.h, CUBLAS_CHECK in cublaslt_state.h) are this with their
+ * types, each in its own header so that a CUDA-only file does not include cublasLt.h. */
+#define REPORT_STATUS_CHECK(host, type, ok, describe, call, text)                                                      \
+    do {                                                                                                               \
+        type st_ = (call);                                                                                             \
+        if (st_ != (ok))                                                                                               \
+            return report((host), MOERT_ERR_CUDA, "%s failed: %s (%s:%d)", text, describe(st_), __FILE__, __LINE__);   \
+    } while (0)
+
 #endif
