@@ -12,7 +12,9 @@
 #   OVERLAP_B_PRECISION (a precision section for B alone, e.g. '{"plugin":"bf16","gemm_sms":108}': the overlap with
 #   SMs left to the dispatcher against no overlap with all of them), OVERLAP_B_DISPATCHER (a dispatcher section for B
 #   alone, e.g. '{"plugin":"deepep","num_sms":24}': the dispatcher on few SMs beside the other half's GEMMs),
-#   OVERLAP_TRACE (0: no trace runs), OVERLAP_TORCH (1: after each model's A/B the PyTorch layer of its shape,
+#   OVERLAP_TRACE (0: no trace runs; "kernels": each trace with every CUDA kernel, `--trace-kernels`, and a trace of
+#   the "off" side as well, trace-overlap-off-MODEL.json, whose kernels' mean calls the summary sets beside the on
+#   side's: how much the halves slow each kernel), OVERLAP_TORCH (1: after each model's A/B the PyTorch layer of its shape,
 #   bench/torch_baseline.py through torchrun, the peer in the same call; OVERLAP_MACHINE names the machine in its JSON),
 #   OVERLAP_INPUT_SHIFT (train.input_shift, default 0: routing balanced from the first step, as the PyTorch peer's
 #   random inputs are; the configs' 0.5 routes unevenly: rank 0 of deepseek-v3 got 1.12x the mean rows at EP4)
@@ -91,14 +93,26 @@ for model in "${MODELS[@]}"; do
 
     # a trace of the "on" side: slot 0's streams are "compute" and "wgrad", slot 1's "compute.1" and "wgrad.1"
     [ "${OVERLAP_TRACE:-1}" = 0 ] && continue
+    kernels=()
+    [ "${OVERLAP_TRACE:-1}" = kernels ] && kernels=(--trace-kernels)
     timeout "$LIMIT" "$BUILD/tools/moert" run "configs/$model.json" "${common[@]}" "${shape[@]}" --quiet \
         --set 'parallel.overlap_micro_batches="on"' ${OVERLAP_B_PRECISION:+--set "precision=$OVERLAP_B_PRECISION"} \
         ${OVERLAP_B_DISPATCHER:+--set "dispatcher=$OVERLAP_B_DISPATCHER"} \
-        --steps 4 --trace "$OUT/trace-overlap-$model.json" \
+        --steps 4 --trace "$OUT/trace-overlap-$model.json" "${kernels[@]}" \
         >"$OUT/trace-overlap-$model.log" 2>&1 || { echo "overlap_gpu: FAIL: the trace run of $model"; status=1; }
     # the figure the targets are set for: the merged halves per layer and micro-batch, every rank, steps 2-4
     [ -s "$OUT/trace-overlap-$model.json" ] &&
         echo "$model $(python3 tools/trace_summary.py "$OUT/trace-overlap-$model.json" | tail -1)"
+    [ ${#kernels[@]} -eq 0 ] && continue
+    # the off side's kernels, and each kernel's mean call on the on side against the off side's (rank 0)
+    timeout "$LIMIT" "$BUILD/tools/moert" run "configs/$model.json" "${common[@]}" "${shape[@]}" --quiet \
+        --set 'parallel.overlap_micro_batches="off"' --steps 4 --trace "$OUT/trace-overlap-off-$model.json" \
+        "${kernels[@]}" >"$OUT/trace-overlap-off-$model.log" 2>&1 ||
+        { echo "overlap_gpu: FAIL: the off side's trace run of $model"; status=1; }
+    python3 tools/trace_summary.py "$OUT/trace-overlap-$model.json" --ranks 1 --kernels --top 20 \
+        --against "$OUT/trace-overlap-off-$model.json" >"$OUT/kernels-overlap-$model.txt" 2>&1 &&
+        sed -n '/^kernels, rank 0/,$p' "$OUT/kernels-overlap-$model.txt" ||
+        { echo "overlap_gpu: FAIL: the kernel summary of $model"; status=1; }
 done
 echo "overlap_gpu: reports and traces in $OUT; exit status $status"
 exit $status

@@ -12,6 +12,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "kernel_trace.h"
 #include "optim.h"
 #include "ranks.h"
 #ifdef MOERT_HAVE_CUDA
@@ -1193,6 +1194,35 @@ moert_result moert_runtime_forward_backward(moert_runtime *rt, int64_t step, dou
     return MOERT_OK;
 }
 
+/* Adds every kernel CUPTI recorded to the trace of the rank whose device ran it, on the run's clock. */
+static moert_result trace_kernels_of_ranks(moert_runtime *rt, moert_kernel_trace *kernels)
+{
+    moert_result rc = MOERT_OK;
+    const moert_kernel_record *k = NULL;
+    int64_t count = 0;
+    CHECK(moert_kernel_trace_stop(kernels, &k, &count));
+    for (int64_t i = 0; i < count; i++) {
+        for (int j = 0; j < rt->nlocal; j++) {
+            moert_rank *r = &rt->ranks[j];
+            if (r->device != k[i].device) continue;
+            moert_trace_span span = {.name = k[i].short_name,
+                                     .rank = r->rank,
+                                     .layer = -1,
+                                     .step = -1,
+                                     .micro = -1,
+                                     .start_us = 1e6 * (k[i].start_s - rt->trace_origin),
+                                     .dur_us = 1e6 * (k[i].end_s - k[i].start_s),
+                                     .kernel = k[i].name,
+                                     .cuda_stream = k[i].stream,
+                                     .grid = k[i].grid};
+            CHECK(moert_trace_add(&r->trace, &span));
+            break;
+        }
+    }
+fail:
+    return rc;
+}
+
 /* Writes the traces of the ranks this process hosts: all of them to `path` with ranks as threads; with a process per
  * GPU, rank 0's to `path` and rank N's to `path`.rankN. */
 static moert_result write_trace(moert_runtime *rt, const char *path)
@@ -1238,13 +1268,27 @@ moert_result moert_runtime_train(moert_runtime *rt, const moert_train_options *o
     const char *trace_path = opts && opts->struct_size >= offsetof(moert_train_options, trace_path) + sizeof(char *)
                                  ? opts->trace_path
                                  : NULL;
+    const bool trace_kernels =
+        opts && opts->struct_size >= offsetof(moert_train_options, trace_kernels) + sizeof(bool) && opts->trace_kernels;
+    if (trace_kernels && (!trace_path || rt->device_type != MOERT_DEVICE_CUDA))
+        return moert_set_last_error(MOERT_ERR_INVALID_ARGUMENT,
+                                    !trace_path ? "--trace-kernels adds CUDA kernels to a trace: it needs --trace FILE"
+                                                : "--trace-kernels records CUDA kernels, and this run is on the CPU "
+                                                  "($.parallel.device)");
     rt->tracing = trace_path != NULL;
     for (int i = 0; i < rt->nlocal; i++) rt->ranks[i].trace.count = 0;
+    moert_kernel_trace *kernels = NULL;
+    if (trace_kernels) {
+        rc = moert_kernel_trace_start(&kernels);
+        if (rc != MOERT_OK) return rc;
+    }
     double t0 = now_seconds();
     rt->trace_origin = t0;
     rc = trainer_run_on_ranks(rt, rank_train, &ta);
     rt->total_seconds = now_seconds() - t0;
+    if (rc == MOERT_OK && kernels) rc = trace_kernels_of_ranks(rt, kernels);
     if (rc == MOERT_OK && trace_path) rc = write_trace(rt, trace_path);
+    moert_kernel_trace_destroy(kernels); /* after writing: the spans point at its names */
     if (rc != MOERT_OK) return rc;
 
     int nl = (int)set->num_layers;

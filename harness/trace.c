@@ -30,13 +30,24 @@ void moert_trace_clear(moert_trace *t)
     memset(t, 0, sizeof *t);
 }
 
+enum { TRACE_MAX_STREAMS = 16, TRACE_MAX_CUDA_STREAMS = 64, TRACE_KERNEL_TID = 100 };
+
 /* The thread id of a stream within its rank's process: the order streams are first seen in. */
 static int stream_tid(const char **seen, int *nseen, const char *stream)
 {
     for (int i = 0; i < *nseen; i++)
         if (!strcmp(seen[i], stream)) return i;
-    if (*nseen < 16) seen[(*nseen)++] = stream;
+    if (*nseen < TRACE_MAX_STREAMS) seen[(*nseen)++] = stream;
     return *nseen - 1;
+}
+
+/* The thread id of a CUDA stream's kernels: after the stage spans' streams, in the order first seen. */
+static int cuda_stream_tid(uint32_t *seen, int *nseen, uint32_t stream)
+{
+    for (int i = 0; i < *nseen; i++)
+        if (seen[i] == stream) return TRACE_KERNEL_TID + i;
+    if (*nseen < TRACE_MAX_CUDA_STREAMS) seen[(*nseen)++] = stream;
+    return TRACE_KERNEL_TID + *nseen - 1;
 }
 
 /* A metadata event naming a process (a rank) or a thread (a stream). */
@@ -61,8 +72,9 @@ moert_result moert_trace_write(const moert_trace *traces, int count, const char 
     json_object_set_new(root, "displayTimeUnit", json_string("ms"));
     json_object_set_new(root, "otherData", json_pack("{s:s}", "run", label ? label : "moert"));
     for (int r = 0; r < count; r++) {
-        const char *streams[16];
-        int nstreams = 0;
+        const char *streams[TRACE_MAX_STREAMS];
+        uint32_t cuda_streams[TRACE_MAX_CUDA_STREAMS];
+        int nstreams = 0, ncuda = 0;
         const moert_trace *t = &traces[r];
         if (t->count == 0) continue;
         char rank_name[32];
@@ -70,15 +82,34 @@ moert_result moert_trace_write(const moert_trace *traces, int count, const char 
         json_array_append_new(events, name_event("process_name", t->spans[0].rank, 0, rank_name));
         for (int64_t i = 0; i < t->count; i++) {
             const moert_trace_span *s = &t->spans[i];
+            json_t *e = NULL;
+            if (s->layer < 0) { /* a kernel */
+                const int before = ncuda;
+                const int tid = cuda_stream_tid(cuda_streams, &ncuda, s->cuda_stream);
+                if (ncuda > before) {
+                    char thread[48];
+                    snprintf(thread, sizeof thread, "kernels, CUDA stream %u", s->cuda_stream);
+                    json_array_append_new(events, name_event("thread_name", s->rank, tid, thread));
+                }
+                e = json_pack("{s:s, s:s, s:s, s:i, s:i, s:f, s:f, s:{s:s, s:i, s:I}}", "name", s->name, "cat",
+                              "kernel", "ph", "X", "pid", s->rank, "tid", tid, "ts", s->start_us, "dur",
+                              s->dur_us > 0.0 ? s->dur_us : 0.0, "args", "kernel", s->kernel ? s->kernel : s->name,
+                              "grid", (int)s->grid, "cuda_stream", (json_int_t)s->cuda_stream);
+                if (!e || json_array_append_new(events, e) != 0) {
+                    rc = moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "building the trace");
+                    goto exit;
+                }
+                continue;
+            }
             int before = nstreams;
             int tid = stream_tid(streams, &nstreams, s->stream);
             if (nstreams > before) json_array_append_new(events, name_event("thread_name", s->rank, tid, s->stream));
             char name[96];
             snprintf(name, sizeof name, "L%d %s", s->layer, s->name);
-            json_t *e = json_pack("{s:s, s:s, s:s, s:i, s:i, s:f, s:f, s:{s:i, s:I, s:I}}", "name", name, "cat",
-                                  s->stream, "ph", "X", "pid", s->rank, "tid", tid, "ts", s->start_us, "dur",
-                                  s->dur_us > 0.0 ? s->dur_us : 0.0, "args", "layer", s->layer, "step",
-                                  (json_int_t)s->step, "micro_batch", (json_int_t)s->micro);
+            e = json_pack("{s:s, s:s, s:s, s:i, s:i, s:f, s:f, s:{s:i, s:I, s:I}}", "name", name, "cat", s->stream,
+                          "ph", "X", "pid", s->rank, "tid", tid, "ts", s->start_us, "dur",
+                          s->dur_us > 0.0 ? s->dur_us : 0.0, "args", "layer", s->layer, "step", (json_int_t)s->step,
+                          "micro_batch", (json_int_t)s->micro);
             if (!e || json_array_append_new(events, e) != 0) {
                 rc = moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "building the trace");
                 goto exit;

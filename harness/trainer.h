@@ -8,6 +8,7 @@
 #ifndef MOERT_HARNESS_TRAINER_H
 #define MOERT_HARNESS_TRAINER_H
 
+#include <stdbool.h>
 #include <stdio.h>
 
 #include "moert/moert.h"
@@ -26,6 +27,9 @@ typedef struct moert_train_options {
      * NULL. With ranks as threads one file holds every rank; with a process per GPU rank N (N > 0) writes
      * trace_path.rankN. */
     const char *trace_path;
+    /* with trace_path: every CUDA kernel the ranks ran as well, on its own stream's row (CUPTI; `moert run
+     * --trace-kernels`) */
+    bool trace_kernels;
 } moert_train_options;
 
 /* The first rank this process runs: 0 when one process runs every rank as a thread; RANK when a launcher

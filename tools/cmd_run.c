@@ -21,6 +21,8 @@ static void run_usage(FILE *f)
                "  --trace FILE      write a Chrome trace (Perfetto, chrome://tracing) of every rank's stage\n"
                "                    spans on its streams over the run (a process per GPU: rank N > 0 writes\n"
                "                    FILE.rankN)\n"
+               "  --trace-kernels   with --trace, every CUDA kernel too, on a row per CUDA stream (CUPTI,\n"
+               "                    opened at run time; GPU runs)\n"
                "  --quiet           no progress lines\n");
 }
 
@@ -29,6 +31,7 @@ int moert_cmd_run(int argc, char **argv)
     const char *config_path = NULL, *report_path = NULL, *trace_path = NULL;
     long long steps = 0;
     int quiet = 0, status = 1;
+    bool trace_kernels = false;
     const char *sets[MOERT_CLI_MAX_SETS];
     int nsets = 0;
     for (int i = 0; i < argc; i++) {
@@ -46,6 +49,8 @@ int moert_cmd_run(int argc, char **argv)
             report_path = argv[++i];
         } else if (!strcmp(argv[i], "--trace") && i + 1 < argc) {
             trace_path = argv[++i];
+        } else if (!strcmp(argv[i], "--trace-kernels")) {
+            trace_kernels = true;
         } else if (!strcmp(argv[i], "--set") && i + 1 < argc) {
             if (nsets == MOERT_CLI_MAX_SETS) {
                 fprintf(stderr, "moert run: at most %d --set options\n", MOERT_CLI_MAX_SETS);
@@ -67,6 +72,10 @@ int moert_cmd_run(int argc, char **argv)
     }
     if (!config_path) {
         run_usage(stderr);
+        return 2;
+    }
+    if (trace_kernels && !trace_path) {
+        fprintf(stderr, "moert run: --trace-kernels adds CUDA kernels to a trace: it needs --trace FILE\n");
         return 2;
     }
 
@@ -94,7 +103,8 @@ int moert_cmd_run(int argc, char **argv)
     moert_train_options opts = {.struct_size = sizeof opts,
                                 .progress = quiet || !root ? NULL : stdout,
                                 .steps = steps,
-                                .trace_path = trace_path};
+                                .trace_path = trace_path,
+                                .trace_kernels = trace_kernels};
     rc = moert_runtime_train(rt, &opts);
     if (rc != MOERT_OK) {
         fprintf(stderr, "moert run: %s\n", moert_last_error());

@@ -20,7 +20,8 @@ def spans_of(trace, step, ranks):
     """(lanes, spans): lanes as (rank, stream name) in order, spans as (lane index, start ms, dur ms, stage)."""
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
              if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    # the stage spans; kernels (`--trace-kernels`) are for Perfetto and tools/trace_summary.py --kernels
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") != "kernel"]
     if not spans:
         raise ValueError("the trace holds no spans")
     steps = sorted({e["args"]["step"] for e in spans})

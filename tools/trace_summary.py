@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Sums up a `moert run --trace` file per rank and step, as text (or JSON): what overlaps, and where time goes.
 
-    python3 trace_summary.py TRACE.json [--ranks R] [--json]
+    python3 trace_summary.py TRACE.json [--ranks R] [--json] [--kernels [--against OTHER.json] [--top N]]
 
 Per rank and step:
   span      first span's start to last span's end (every stream): the layers' share of the step
@@ -22,6 +22,12 @@ Per rank and step:
             against its stage's span on the compute stream; the difference ("waited") is what the stage spent before
             and after the call itself: under the micro-batch overlap, the other slot's dispatcher calls queued before
             it on the communication stream, and the fences
+With --kernels (a trace of `moert run --trace FILE --trace-kernels`), per rank over every step but the first, per step
+and within each step's window (the merged halves with the overlap, else the step's span):
+  kernels   how long the GPU ran no kernel, one, two, three or more at once; per kernel name (the function's own
+            name) its calls, time, the part of it no other kernel ran beside it ("alone") and its mean call, and with
+            --against OTHER.json that mean in the other trace and the ratio (e.g. the overlap on against off: how
+            much the halves slow each kernel); the pairs of kernels that ran together longest
 The step's loss, optimizer and next inputs are not layer spans: the gap between two steps' spans holds them.
 The text ends with the range of the merged halves per layer and micro-batch over every rank and step but the first
 (whose first forward includes the warm-up), the steady state the micro-batch overlap's targets are set for:
@@ -82,7 +88,8 @@ def summarize(trace, ranks=None):
     """A list of per rank and step summaries (dicts), in rank and step order."""
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
              if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and (ranks is None or e["pid"] < ranks)]
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") != "kernel"
+             and (ranks is None or e["pid"] < ranks)]
     if not spans:
         raise ValueError("the trace holds no spans")
     groups = collections.defaultdict(list)
@@ -130,12 +137,90 @@ def summarize(trace, ranks=None):
                 merged = {"window_ms": window, "per_layer_micro_batch_ms": window / ((micro_batches - 1) * layers),
                           "first_forward_alone_ms": (first["ts"] - t0) / 1e3,
                           "last_backward_alone_ms": (t1 - last["ts"]) / 1e3}
-        out.append({"rank": rank, "step": step, "span_ms": (t1 - t0) / 1e3, "merged": merged,
+        window = (first["ts"], last["ts"]) if merged else (t0, t1)
+        out.append({"rank": rank, "step": step, "span_ms": (t1 - t0) / 1e3, "merged": merged, "window_us": window,
                     "idle_ms": (t1 - t0) / 1e3 - union_ms(work),
                     "communication_alone_ms": uncovered_ms(call_spans, compute),
                     "streams_ms": {s: union_ms(ivs) for s, ivs in sorted(by_stream.items())},
                     "dispatcher_calls": {c: v for c, v in calls.items() if v["count"]}})
     return out
+
+
+def kernel_summary(trace, rows, top=12):
+    """The kernels of a `--trace-kernels` trace, per rank over every step but the first, within each step's window
+    (the merged halves where the micro-batch overlap ran, else the step's span), per step: how long the GPU ran no
+    kernel, one, two or more at once; per kernel name its calls, time and the part of it no other kernel ran beside
+    it; the pairs of kernel names that ran together longest. {rank: {...}}; {} where the trace has no kernels."""
+    kernels = collections.defaultdict(list)
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X" and e.get("cat") == "kernel":
+            kernels[e["pid"]].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    first = min((r["step"] for r in rows), default=None)
+    out = {}
+    for rank in sorted(kernels):
+        windows = [r["window_us"] for r in rows if r["rank"] == rank and r["step"] != first] or \
+                  [r["window_us"] for r in rows if r["rank"] == rank]
+        if not windows:
+            continue
+        level = collections.Counter()
+        per_name = collections.defaultdict(lambda: {"calls": 0, "ms": 0.0, "alone_ms": 0.0})
+        together = collections.Counter()
+        for lo, hi in windows:
+            inside = [k for k in kernels[rank] if lo <= k[0] < hi]
+            events = []
+            for i, (a, b, name) in enumerate(inside):
+                per_name[name]["calls"] += 1
+                per_name[name]["ms"] += (b - a) / 1e3
+                events += [(max(a, lo), 1, i), (min(b, hi), -1, i)]
+            events.sort(key=lambda x: (x[0], x[1]))
+            active, t = set(), lo
+            for x, d, i in events:
+                seg = (x - t) / 1e3
+                if seg > 0:
+                    level[min(len(active), 3)] += seg
+                    names = sorted({inside[j][2] for j in active})
+                    if len(active) == 1:
+                        per_name[names[0]]["alone_ms"] += seg
+                    for ai in range(len(names)):
+                        for bi in range(ai + 1, len(names)):
+                            together[(names[ai], names[bi])] += seg
+                t = max(t, x)
+                if d > 0:
+                    active.add(i)
+                else:
+                    active.discard(i)
+            level[min(len(active), 3)] += max(0.0, hi - t) / 1e3
+        n = len(windows)
+        names = sorted(per_name.items(), key=lambda kv: -kv[1]["ms"])
+        out[rank] = {
+            "steps": n, "window_ms": sum(hi - lo for lo, hi in windows) / 1e3 / n,
+            "running_ms": {str(k): level[k] / n for k in range(4)},
+            "kernels": [{"name": k, "calls": v["calls"] / n, "ms": v["ms"] / n, "alone_ms": v["alone_ms"] / n,
+                         "mean_us": 1e3 * v["ms"] / v["calls"]} for k, v in names],
+            "together": [{"names": list(k), "ms": v / n} for k, v in together.most_common(top)]}
+    return out
+
+
+def print_kernels(ks, top, against=None):
+    """The text of kernel_summary's figures; with `against` (another trace's), each name's mean call there too."""
+    other = {}
+    if against:
+        for r in against.values():
+            for k in r["kernels"]:
+                other.setdefault(k["name"], k["mean_us"])
+    for rank, r in ks.items():
+        lv = r["running_ms"]
+        print("kernels, rank %d, per step (%d steps; window %.2f ms): no kernel %.2f ms, one %.2f, two %.2f, three "
+              "or more %.2f" % (rank, r["steps"], r["window_ms"], lv["0"], lv["1"], lv["2"], lv["3"]))
+        head = "  %-44s %7s %9s %9s %9s" % ("kernel", "calls", "ms", "alone ms", "mean us")
+        print(head + ("  %9s %6s" % ("there us", "ratio") if against else ""))
+        for k in r["kernels"][:top]:
+            line = "  %-44s %7.1f %9.3f %9.3f %9.1f" % (k["name"][:44], k["calls"], k["ms"], k["alone_ms"], k["mean_us"])
+            if against and k["name"] in other:
+                line += "  %9.1f %6.3f" % (other[k["name"]], k["mean_us"] / other[k["name"]])
+            print(line)
+        for t in r["together"][:5]:
+            print("  together %.3f ms: %s + %s" % (t["ms"], t["names"][0][:40], t["names"][1][:40]))
 
 
 def steady_state(rows):
@@ -159,15 +244,30 @@ def main(argv):
     ap.add_argument("trace")
     ap.add_argument("--ranks", type=int, default=None, help="the first R ranks only")
     ap.add_argument("--json", action="store_true", help="print the summaries as JSON")
+    ap.add_argument("--kernels", action="store_true",
+                    help="the kernels of a `moert run --trace-kernels` trace too (after the steps)")
+    ap.add_argument("--against", metavar="TRACE", default=None,
+                    help="with --kernels: each kernel's mean call in another kernel trace too (e.g. the overlap off)")
+    ap.add_argument("--top", type=int, default=12, help="with --kernels: the kernels listed per rank")
     a = ap.parse_args(argv)
+    ks = against = None
     try:
         with open(a.trace, encoding="utf-8") as f:
-            rows = summarize(json.load(f), a.ranks)
+            trace = json.load(f)
+        rows = summarize(trace, a.ranks)
+        if a.kernels:
+            ks = kernel_summary(trace, rows, a.top)
+            if not ks:
+                raise ValueError("no kernels in the trace (`moert run --trace FILE --trace-kernels` records them)")
+            if a.against:
+                with open(a.against, encoding="utf-8") as f:
+                    other = json.load(f)
+                against = kernel_summary(other, summarize(other, a.ranks), a.top)
     except (OSError, ValueError, KeyError, TypeError) as e:
         print("trace_summary: %s: %s" % (a.trace, e), file=sys.stderr)
         return 2
     if a.json:
-        json.dump(rows, sys.stdout, indent=1)
+        json.dump({"steps": rows, "kernels": ks} if a.kernels else rows, sys.stdout, indent=1)
         print()
         return 0
     for r in rows:
@@ -182,6 +282,8 @@ def main(argv):
         for c, v in r["dispatcher_calls"].items():
             print("  dispatcher.%-17s x%-3d own %8.2f ms, its stage %8.2f ms, waited %8.2f ms" %
                   (c, v["count"], v["call_ms"], v["stage_ms"], v["stage_ms"] - v["call_ms"]))
+    if ks:
+        print_kernels(ks, a.top, against)
     steady = steady_state(rows)
     if steady:
         lo, hi, ranks, steps = steady

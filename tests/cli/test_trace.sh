@@ -109,6 +109,43 @@ want = "steady state: %.2f-%.2f ms per layer and micro-batch (merged halves, ran
 last = open(sys.argv[2]).read().splitlines()[-1]
 assert last == want, (last, want)
 PY
+# kernels (`--trace-kernels`, GPU runs): three synthetic kernels put into each step window of rank 0 of the overlap
+# trace, A [0, 100) us, B [50, 150) and C [300, 400), and a kernel outside every window; --kernels counts per step
+# (steps 2-3) A and B 50 us alone each and 50 us together, C 100 us alone; two at once 50 us, one 200 us
+python3 - "$tmp/to.json" "$tmp/sum.json" "$tmp/tk.json" <<'PY' || fail "kernel trace fixture"
+import json, sys
+d, rows = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+ev = d["traceEvents"]
+ev.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": 100, "args": {"name": "kernels, CUDA stream 7"}})
+def kernel(name, ts, dur):
+    ev.append({"name": name, "cat": "kernel", "ph": "X", "pid": 0, "tid": 100, "ts": ts, "dur": dur,
+               "args": {"kernel": "_Z1" + name, "grid": 132, "cuda_stream": 7}})
+for r in rows:
+    if r["rank"] == 0:
+        lo = r["window_us"][0]
+        kernel("A", lo, 100.0); kernel("B", lo + 50.0, 100.0); kernel("C", lo + 300.0, 100.0)
+kernel("late", max(r["window_us"][1] for r in rows) + 1e6, 5.0)
+json.dump(d, open(sys.argv[3], "w"))
+PY
+python3 "$src/tools/trace_summary.py" "$tmp/tk.json" --kernels --json >"$tmp/ks.json" || fail "trace_summary --kernels"
+python3 - "$tmp/ks.json" <<'PY' || fail "trace_summary --kernels content"
+import json, sys
+k = json.load(open(sys.argv[1]))["kernels"]["0"]
+near = lambda a, b: abs(a - b) < 1e-6
+assert k["steps"] == 2, k["steps"]
+by = {x["name"]: x for x in k["kernels"]}
+assert set(by) == {"A", "B", "C"}, sorted(by)
+for n, alone in (("A", 0.05), ("B", 0.05), ("C", 0.1)):
+    assert near(by[n]["calls"], 1) and near(by[n]["ms"], 0.1) and near(by[n]["alone_ms"], alone), by[n]
+assert near(k["running_ms"]["2"], 0.05) and near(k["running_ms"]["1"], 0.2), k["running_ms"]
+assert near(k["running_ms"]["0"] + 0.25, k["window_ms"]), k
+assert k["together"] == [{"names": ["A", "B"], "ms": k["together"][0]["ms"]}] and near(k["together"][0]["ms"], 0.05)
+PY
+python3 "$src/tools/trace_summary.py" "$tmp/tk.json" --kernels --against "$tmp/tk.json" >"$tmp/ks.txt" ||
+    fail "trace_summary --kernels --against"
+grep -qE "^  A +1\.0 +0\.100 +0\.050 +100\.0 +100\.0 +1\.000$" "$tmp/ks.txt" || fail "trace_summary --against: $(cat "$tmp/ks.txt")"
+python3 "$src/tools/trace_summary.py" "$tmp/to.json" --kernels 2>"$tmp/nok.err"
+[ $? -eq 2 ] && grep -q "no kernels in the trace" "$tmp/nok.err" || fail "trace_summary: --kernels without kernels"
 echo '{"traceEvents": []}' >"$tmp/empty.json"
 python3 "$src/tools/trace_summary.py" "$tmp/empty.json" 2>"$tmp/sum.err"
 [ $? -eq 2 ] && grep -q "no spans" "$tmp/sum.err" || fail "trace_summary: an empty trace not refused"
@@ -129,6 +166,12 @@ expect_match onto_config err "--trace c.json is the input c.json"
 cmp -s "$tmp/c.json" "$tmp/c.orig" || fail "onto_config: the config was changed"
 run same_file 1 run c.json --trace o.json --report o.json
 expect_match same_file err "--report and --trace name the same file"
+# --trace-kernels (CUPTI) adds the GPU's kernels to a trace: refused without --trace, and on a CPU run, before it runs
+run kernels_alone 2 run c.json --trace-kernels
+expect_match kernels_alone err "--trace-kernels adds CUDA kernels to a trace: it needs --trace FILE"
+run kernels_cpu 1 run c.json --trace k.json --trace-kernels
+expect_match kernels_cpu err "--trace-kernels records CUDA kernels, and this run is on the CPU"
+[ -e "$tmp/k.json" ] && fail "kernels_cpu: a trace was written"
 
 if [ "$failures" -ne 0 ]; then echo "test_trace: $failures check(s) failed" >&2; exit 1; fi
 echo "test_trace: all checks passed"

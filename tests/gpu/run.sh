@@ -44,6 +44,8 @@ done
 # MoE Parallel Folding (ETP and EDP layouts on 2 or 4 GPUs; many NCCL communicators made and split: a longer limit)
 [ -x "$BUILD/tests/test_gpu_folding" ] &&
   MOERT_GPU_TEST_TIMEOUT=${MOERT_GPU_TEST_TIMEOUT:-480} run_test test_gpu_folding "$BUILD/tests/test_gpu_folding"
+# the kernel trace (CUPTI) of a short run on up to 2 GPUs
+run_test trace_kernels tests/gpu/test_trace_kernels.sh "$BUILD" "$OUT"
 if [ -x "$BUILD/tests/nccl_mp_driver" ]; then
   run_test nccl_multiprocess tests/gpu/test_nccl_multiprocess.sh "$BUILD/tests/nccl_mp_driver"
 fi
