@@ -117,6 +117,8 @@ moert_result moert_kernel_trace_stop(moert_kernel_trace *kt, const moert_kernel_
 
 void moert_kernel_trace_destroy(moert_kernel_trace *kt) { (void)kt; }
 
+moert_kernel_trace *moert_kernel_trace_active(void) { return NULL; }
+
 #else
 
 enum { KERNEL_TRACE_BUFFER_BYTES = 8 << 20, KERNEL_TRACE_NAME_MAX = 160 };
@@ -291,6 +293,14 @@ static moert_result find_symbols(cupti_api *api)
             return moert_set_last_error(MOERT_ERR_NOT_FOUND, "--trace-kernels: libcupti has no %s", wanted[i].name);
     }
     return MOERT_OK;
+}
+
+moert_kernel_trace *moert_kernel_trace_active(void)
+{
+    pthread_mutex_lock(&active_lock);
+    moert_kernel_trace *kt = active_trace;
+    pthread_mutex_unlock(&active_lock);
+    return kt;
 }
 
 moert_result moert_kernel_trace_start(moert_kernel_trace **out)
