@@ -119,9 +119,15 @@ void moert_kernel_trace_destroy(moert_kernel_trace *kt) { (void)kt; }
 
 moert_kernel_trace *moert_kernel_trace_active(void) { return NULL; }
 
+moert_kernel_trace_stats moert_kernel_trace_stats_of(const moert_kernel_trace *kt)
+{
+    (void)kt;
+    return (moert_kernel_trace_stats){0};
+}
+
 #else
 
-enum { KERNEL_TRACE_BUFFER_BYTES = 8 << 20, KERNEL_TRACE_NAME_MAX = 160 };
+enum { KERNEL_TRACE_BUFFER_BYTES = 1 << 20, KERNEL_TRACE_SPARE_BUFFERS = 64, KERNEL_TRACE_NAME_MAX = 160 };
 
 /* The CUPTI functions used, looked up in the library opened. */
 typedef struct cupti_api {
@@ -134,6 +140,7 @@ typedef struct cupti_api {
     CUptiResult (*next_record)(uint8_t *, size_t, CUpti_Activity **);
     CUptiResult (*dropped)(CUcontext, uint32_t, size_t *);
     CUptiResult (*timestamp)(uint64_t *);
+    CUptiResult (*set_attribute)(CUpti_ActivityAttribute, size_t *, void *);
 } cupti_api;
 
 /* A kernel as CUPTI gave it, before its times are put on the host clock. */
@@ -158,6 +165,8 @@ struct moert_kernel_trace {
     int64_t count, capacity;
     size_t dropped;
     bool out_of_memory, other_kinds;
+    int64_t buffers;   /* handed back by CUPTI */
+    double callback_s; /* host time in the buffer callbacks */
     /* the two clocks read together at start and stop, to place CUPTI's times on the host's */
     double host_start_s, host_stop_s;
     uint64_t cupti_start_ns, cupti_stop_ns;
@@ -171,6 +180,9 @@ struct moert_kernel_trace {
 static void *cupti_library;
 static moert_kernel_trace *active_trace;
 static pthread_mutex_t active_lock = PTHREAD_MUTEX_INITIALIZER;
+/* Buffers CUPTI handed back, kept for its next requests: its pages are then already mapped (guarded by active_lock). */
+static uint8_t *spare_buffers[KERNEL_TRACE_SPARE_BUFFERS];
+static int spare_count;
 
 static double host_seconds(void)
 {
@@ -194,9 +206,19 @@ static double host_seconds(void)
 
 static void CUPTIAPI buffer_requested(uint8_t **buffer, size_t *size, size_t *max_records)
 {
-    *buffer = aligned_alloc(8, KERNEL_TRACE_BUFFER_BYTES);
+    const double t0 = host_seconds();
+    pthread_mutex_lock(&active_lock);
+    *buffer = spare_count > 0 ? spare_buffers[--spare_count] : NULL;
+    moert_kernel_trace *kt = active_trace;
+    pthread_mutex_unlock(&active_lock);
+    if (!*buffer) *buffer = aligned_alloc(8, KERNEL_TRACE_BUFFER_BYTES);
     *size = *buffer ? KERNEL_TRACE_BUFFER_BYTES : 0;
     *max_records = 0;
+    if (kt) {
+        pthread_mutex_lock(&kt->lock);
+        kt->callback_s += host_seconds() - t0;
+        pthread_mutex_unlock(&kt->lock);
+    }
 }
 
 static void keep_kernel(moert_kernel_trace *kt, const CUpti_ActivityKernel10 *k)
@@ -222,6 +244,7 @@ static void keep_kernel(moert_kernel_trace *kt, const CUpti_ActivityKernel10 *k)
 
 static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *buffer, size_t size, size_t valid)
 {
+    const double t0 = host_seconds();
     pthread_mutex_lock(&active_lock);
     moert_kernel_trace *kt = active_trace;
     if (kt) {
@@ -235,10 +258,15 @@ static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *b
         }
         size_t dropped = 0;
         if (kt->api.dropped && kt->api.dropped(ctx, stream, &dropped) == CUPTI_SUCCESS) kt->dropped += dropped;
+        kt->buffers++;
+        kt->callback_s += host_seconds() - t0;
         pthread_mutex_unlock(&kt->lock);
     }
+    if (spare_count < KERNEL_TRACE_SPARE_BUFFERS && size == KERNEL_TRACE_BUFFER_BYTES)
+        spare_buffers[spare_count++] = buffer;
+    else
+        free(buffer);
     pthread_mutex_unlock(&active_lock);
-    free(buffer);
 }
 
 /* Opens libcupti: the soname of moert's CUDA major first (the loader's path: LD_LIBRARY_PATH, ldconfig), then the
@@ -286,7 +314,8 @@ static moert_result find_symbols(cupti_api *api)
                   {(void **)&api->flush_all, "cuptiActivityFlushAll"},
                   {(void **)&api->next_record, "cuptiActivityGetNextRecord"},
                   {(void **)&api->dropped, "cuptiActivityGetNumDroppedRecords"},
-                  {(void **)&api->timestamp, "cuptiGetTimestamp"}};
+                  {(void **)&api->timestamp, "cuptiGetTimestamp"},
+                  {(void **)&api->set_attribute, "cuptiActivitySetAttribute"}};
     for (size_t i = 0; i < sizeof wanted / sizeof wanted[0]; i++) {
         *wanted[i].slot = dlsym(cupti_library, wanted[i].name);
         if (!*wanted[i].slot)
@@ -330,6 +359,12 @@ moert_result moert_kernel_trace_start(moert_kernel_trace **out)
     }
     active_trace = kt;
     pthread_mutex_unlock(&active_lock);
+    /* the kernels' records in page-locked host memory rather than on the device, so that CUPTI need not copy them
+     * back at a stream's synchronization (which made each such sync wait for the whole GPU) */
+    uint8_t host_pinned = 1;
+    size_t pinned_size = sizeof host_pinned;
+    CUPTI_CHECK(kt,
+                kt->api.set_attribute(CUPTI_ACTIVITY_ATTR_MEM_ALLOCATION_TYPE_HOST_PINNED, &pinned_size, &host_pinned));
     CUPTI_CHECK(kt, kt->api.register_callbacks(buffer_requested, buffer_completed));
     CUPTI_CHECK(kt, kt->api.enable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL));
     CUPTI_CHECK(kt, kt->api.timestamp(&kt->cupti_start_ns));
@@ -413,6 +448,11 @@ moert_result moert_kernel_trace_stop(moert_kernel_trace *kt, const moert_kernel_
     *count = kt->count;
 fail:
     return rc;
+}
+
+moert_kernel_trace_stats moert_kernel_trace_stats_of(const moert_kernel_trace *kt)
+{
+    return (moert_kernel_trace_stats){.kernels = kt->count, .buffers = kt->buffers, .callback_s = kt->callback_s};
 }
 
 void moert_kernel_trace_destroy(moert_kernel_trace *kt)

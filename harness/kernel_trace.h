@@ -23,6 +23,12 @@ typedef struct moert_kernel_record {
 
 typedef struct moert_kernel_trace moert_kernel_trace;
 
+/* What recording cost: the buffers CUPTI filled and handed back, and the host time spent in its buffer callbacks. */
+typedef struct moert_kernel_trace_stats {
+    int64_t kernels, buffers;
+    double callback_s;
+} moert_kernel_trace_stats;
+
 /* Opens libcupti (the paths tried are named if none loads; its major version must be the one moert was built with)
  * and starts recording every kernel of every device of this process. */
 moert_result moert_kernel_trace_start(moert_kernel_trace **out);
@@ -32,6 +38,8 @@ moert_kernel_trace *moert_kernel_trace_active(void);
 /* Stops recording once the GPUs have finished (the caller synchronizes first), and hands out the kernels in the
  * order CUPTI delivered them; they stay valid until moert_kernel_trace_destroy. Fails if CUPTI dropped records. */
 moert_result moert_kernel_trace_stop(moert_kernel_trace *kt, const moert_kernel_record **records, int64_t *count);
+/* The figures of a stopped trace. */
+moert_kernel_trace_stats moert_kernel_trace_stats_of(const moert_kernel_trace *kt);
 void moert_kernel_trace_destroy(moert_kernel_trace *kt);
 
 /* The function's own name within a CUPTI kernel name ("_ZN3moe4gemmIfEEvPf" -> "gemm", "nccl_x" -> itself), written

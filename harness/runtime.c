@@ -1226,7 +1226,7 @@ fail:
 
 /* Writes the traces of the ranks this process hosts: all of them to `path` with ranks as threads; with a process per
  * GPU, rank 0's to `path` and rank N's to `path`.rankN. */
-static moert_result write_trace(moert_runtime *rt, const char *path)
+static moert_result write_trace(moert_runtime *rt, const char *path, const char *note)
 {
     moert_trace *traces = calloc((size_t)rt->nlocal, sizeof *traces);
     if (!traces) return moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "the trace");
@@ -1234,7 +1234,8 @@ static moert_result write_trace(moert_runtime *rt, const char *path)
     char ranked[4096];
     const int rank = rt->ranks[0].rank;
     if (rt->processes && rank != 0) snprintf(ranked, sizeof ranked, "%s.rank%d", path, rank);
-    moert_result rc = moert_trace_write(traces, rt->nlocal, rt->set.name, rt->processes && rank != 0 ? ranked : path);
+    moert_result rc =
+        moert_trace_write(traces, rt->nlocal, rt->set.name, note, rt->processes && rank != 0 ? ranked : path);
     free(traces);
     return rc;
 }
@@ -1287,8 +1288,14 @@ moert_result moert_runtime_train(moert_runtime *rt, const moert_train_options *o
     rt->trace_origin = t0;
     rc = trainer_run_on_ranks(rt, rank_train, &ta);
     rt->total_seconds = now_seconds() - t0;
-    if (rc == MOERT_OK && kernels) rc = trace_kernels_of_ranks(rt, kernels);
-    if (rc == MOERT_OK && trace_path) rc = write_trace(rt, trace_path);
+    char note[160] = "";
+    if (rc == MOERT_OK && kernels) {
+        rc = trace_kernels_of_ranks(rt, kernels);
+        const moert_kernel_trace_stats ks = moert_kernel_trace_stats_of(kernels);
+        snprintf(note, sizeof note, "%lld kernels recorded by CUPTI in %lld buffers, %.1f ms in its buffer callbacks",
+                 (long long)ks.kernels, (long long)ks.buffers, 1e3 * ks.callback_s);
+    }
+    if (rc == MOERT_OK && trace_path) rc = write_trace(rt, trace_path, note[0] ? note : NULL);
     moert_kernel_trace_destroy(kernels); /* after writing: the spans point at its names */
     if (rc != MOERT_OK) return rc;
 

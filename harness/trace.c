@@ -59,7 +59,8 @@ static json_t *name_event(const char *kind, int pid, int tid, const char *name)
 
 static int dump_json(FILE *f, void *root) { return json_dumpf(root, f, JSON_COMPACT | JSON_REAL_PRECISION(10)); }
 
-moert_result moert_trace_write(const moert_trace *traces, int count, const char *label, const char *path)
+moert_result moert_trace_write(const moert_trace *traces, int count, const char *label, const char *note,
+                               const char *path)
 {
     moert_result rc = MOERT_OK;
     json_t *root = json_object(), *events = json_array();
@@ -71,6 +72,7 @@ moert_result moert_trace_write(const moert_trace *traces, int count, const char 
     json_object_set_new(root, "traceEvents", events);
     json_object_set_new(root, "displayTimeUnit", json_string("ms"));
     json_object_set_new(root, "otherData", json_pack("{s:s}", "run", label ? label : "moert"));
+    if (note) json_object_set_new(json_object_get(root, "otherData"), "note", json_string(note));
     for (int r = 0; r < count; r++) {
         const char *streams[TRACE_MAX_STREAMS];
         uint32_t cuda_streams[TRACE_MAX_CUDA_STREAMS];

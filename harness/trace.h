@@ -33,7 +33,8 @@ moert_result moert_trace_add(moert_trace *t, const moert_trace_span *span);
 void moert_trace_clear(moert_trace *t);
 
 /* Writes the spans of `count` ranks' traces to `path` (atomically), as Chrome trace "complete" events: one process
- * per rank, one thread per stream (the stage spans' streams first, then each CUDA stream's kernels). `label` names the run in the trace's metadata. */
-moert_result moert_trace_write(const moert_trace *traces, int count, const char *label, const char *path);
+ * per rank, one thread per stream (the stage spans' streams first, then each CUDA stream's kernels). `label` names the run in the trace's metadata, `note` (or NULL) adds a line to it. */
+moert_result moert_trace_write(const moert_trace *traces, int count, const char *label, const char *note,
+                               const char *path);
 
 #endif
