@@ -138,7 +138,7 @@ typedef struct ab_config {
         char dtype[16];
     } model;
     struct {
-        int64_t ranks, overlap_wgrad, defer_wgrad_join, overlap_comm_sms;
+        int64_t ranks, overlap_wgrad, defer_wgrad_join, overlap_dgrad_first, overlap_comm_sms;
         char cuda_graph[16], overlap_micro_batches[16];
     } parallel;
     struct {
@@ -166,6 +166,7 @@ static moert_result read_ab_config(const moert_config *cfg, ab_config *c)
         {"parallel.ranks", offsetof(ab_config, parallel.ranks)},
         {"parallel.overlap_wgrad", offsetof(ab_config, parallel.overlap_wgrad)},
         {"parallel.defer_wgrad_join", offsetof(ab_config, parallel.defer_wgrad_join)},
+        {"parallel.overlap_dgrad_first", offsetof(ab_config, parallel.overlap_dgrad_first)},
         {"parallel.overlap_comm_sms", offsetof(ab_config, parallel.overlap_comm_sms)},
         {"train.steps", offsetof(ab_config, train.steps)},
         {"train.tokens_per_rank", offsetof(ab_config, train.tokens_per_rank)},
@@ -736,7 +737,8 @@ static void build_header(const ab_side *a, const ab_side *b, int64_t warmup, int
         const char *key;
         int64_t a, b;
     } flags[] = {{"overlap_wgrad", ca->parallel.overlap_wgrad, cb->parallel.overlap_wgrad},
-                 {"defer_wgrad_join", ca->parallel.defer_wgrad_join, cb->parallel.defer_wgrad_join}};
+                 {"defer_wgrad_join", ca->parallel.defer_wgrad_join, cb->parallel.defer_wgrad_join},
+                 {"overlap_dgrad_first", ca->parallel.overlap_dgrad_first, cb->parallel.overlap_dgrad_first}};
     for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++)
         if (flags[i].a != flags[i].b)
             header_add(h, "differs: parallel.%s: A %s, B %s", flags[i].key, flags[i].a ? "true" : "false",

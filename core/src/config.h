@@ -56,6 +56,8 @@ typedef struct moert_parallel_config {
     int cuda_graph;             /* moert_cuda_graph_mode */
     bool overlap_wgrad;         /* weight-gradient GEMMs on a second stream beside dispatch_backward */
     bool defer_wgrad_join;      /* under the overlap: a merged call's WGRADs run on past it (docs/executor.md) */
+    bool overlap_dgrad_first;   /* under the overlap: a merged call's backward issues its expert GEMMs before the
+                                   forward's routing (docs/executor.md) */
     bool shared_expert_overlap; /* the shared expert on a second stream beside the routed experts (GPUs) */
     bool offload_defer_start;   /* an offloaded activation's copy starts after the next layer's forward */
     int overlap_micro_batches;  /* moert_overlap_mode: micro-batch i+1's forward merged with i's backward */

@@ -1381,7 +1381,7 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
         if (rc != MOERT_OK) goto fail;
     }
     MOERT_CHECK(part_end(L, MOERT_BWD_COMBINE, L->stream));
-    yield_point(L);
+    if (!(L->in_merged_call && L->overlap_dgrad_first)) yield_point(L);
 
     MOERT_CHECK(part_begin(L, MOERT_BWD_FC2_DGRAD, L->stream));
     MOERT_CHECK(tensor_alloc(L, &d_act, in->dtype, 2, rows, in->ffn_hidden, 0));

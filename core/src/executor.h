@@ -125,6 +125,9 @@ typedef struct moert_layer {
      * compute stream does not wait for the WGRADs at the end (their inputs go back to the pool on the wgrad stream);
      * wgrad_pending until a compute stream has waited for them */
     bool defer_wgrad_join;
+    /* $.parallel.overlap_dgrad_first: a merged call's backward does not hand the turn to the forward after combine_bwd,
+     * so its expert GEMMs are issued before the forward's routing and prepare wait on the host */
+    bool overlap_dgrad_first;
     bool in_merged_call;
     bool wgrad_pending;
 

@@ -5,7 +5,8 @@
  * router's expert bias, z-loss, global aux loss and input jitter (state carried from forward to forward, shared by
  * the two slots), and recomputed or offloaded activations, the dispatchers alltoall, deepep and hybridep (whose
  * transfers wait on their peers'); each with the merged halves run one after the other (the CPU's way) and issued
- * stage by stage in turn (CUDA's way). Also: "auto" keeps it off on the CPU, "off" makes no second slot. */
+ * stage by stage in turn (CUDA's way), also with the backward's expert GEMMs issued before the forward's routing
+ * ($.parallel.overlap_dgrad_first). Also: "auto" keeps it off on the CPU, "off" makes no second slot. */
 #include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -22,20 +23,22 @@ typedef struct scenario {
     const char *memory;
     const char *precision;  /* NULL: bf16 */
     const char *dispatcher; /* NULL: alltoall */
+    bool dgrad_first; /* $.parallel.overlap_dgrad_first (the turns of the merged halves issued in another order) */
 } scenario;
 
 static const char *config_text =
     "{\"model\": {\"hidden\": 16, \"ffn_hidden\": 12, \"num_experts\": 8, \"topk\": 2, \"num_layers\": %d,"
     " \"dtype\": \"%s\"},"
-    " \"parallel\": {\"ranks\": %d, \"overlap_micro_batches\": \"%s\"},"
+    " \"parallel\": {\"ranks\": %d, \"overlap_micro_batches\": \"%s\", \"overlap_dgrad_first\": %s},"
     " \"train\": {\"tokens_per_rank\": 12, \"micro_batches\": %d, \"seed\": 5, \"lr\": 0.003, \"steps\": 2},"
     " \"router\": %s, \"memory_policy\": %s, \"precision\": %s, \"dispatcher\": {\"plugin\": \"%s\"}}";
 
 static moert_runtime *make(const scenario *sc, const char *mode, moert_config **cfg)
 {
     char json[2048];
-    snprintf(json, sizeof json, config_text, sc->layers, sc->dtype, sc->ranks, mode, sc->micro, sc->router, sc->memory,
-             sc->precision ? sc->precision : "{\"plugin\": \"bf16\"}", sc->dispatcher ? sc->dispatcher : "alltoall");
+    snprintf(json, sizeof json, config_text, sc->layers, sc->dtype, sc->ranks, mode, sc->dgrad_first ? "true" : "false",
+             sc->micro, sc->router, sc->memory, sc->precision ? sc->precision : "{\"plugin\": \"bf16\"}",
+             sc->dispatcher ? sc->dispatcher : "alltoall");
     moert_runtime *rt = NULL;
     *cfg = NULL;
     EXPECT_OK(moert_config_load_string(json, "overlap-test", cfg));
@@ -66,10 +69,10 @@ static void compare(const scenario *sc, bool interleave)
     moert_config *ca = NULL, *cb = NULL;
     moert_runtime *seq = make(sc, "off", &ca), *ovl = make(sc, "on", &cb);
     char what[512];
-    snprintf(what, sizeof what, "EP%d, %d layers, %d micro-batches, %s, router %s, memory %s, precision %s, %s, %s",
+    snprintf(what, sizeof what, "EP%d, %d layers, %d micro-batches, %s, router %s, memory %s, precision %s, %s, %s%s",
              sc->ranks, sc->layers, sc->micro, sc->dtype, sc->router, sc->memory,
              sc->precision ? sc->precision : "bf16", sc->dispatcher ? sc->dispatcher : "alltoall",
-             interleave ? "interleaved" : "in order");
+             interleave ? "interleaved" : "in order", sc->dgrad_first ? ", dgrad first" : "");
     if (!seq || !ovl) {
         test_failures++;
         goto done;
@@ -137,7 +140,7 @@ static const char *offload = "{\"dispatched_x\": \"offload\", \"fc1_out\": \"kee
 /* "auto" on the CPU and "off" make no second slot; "on" with one micro-batch runs the sequential step. */
 static void test_modes(void)
 {
-    scenario sc = {2, 2, 2, "fp64", bias_router, keep, NULL, NULL};
+    scenario sc = {2, 2, 2, "fp64", bias_router, keep, NULL, NULL, false};
     moert_config *c = NULL;
     moert_runtime *rt = make(&sc, "auto", &c);
     if (rt) EXPECT(!moert_runtime_overlap_set_interleave(rt, false));
@@ -155,22 +158,26 @@ static void test_modes(void)
 int main(void)
 {
     const scenario scenarios[] = {
-        {2, 2, 2, "fp64", bias_router, keep, NULL, NULL},
-        {2, 3, 3, "fp64", global_router, keep, NULL, NULL},
-        {4, 2, 4, "fp64", bias_router, keep, NULL, NULL},
-        {4, 3, 3, "fp32", bias_router, keep, NULL, NULL},
-        {2, 3, 4, "fp32", global_router, keep, NULL, NULL},
-        {2, 2, 3, "fp64", bias_router, recompute, NULL, NULL},
-        {2, 3, 2, "fp32", bias_router, offload, NULL, NULL},
-        {4, 3, 4, "fp64", global_router, offload, NULL, NULL},
-        {4, 2, 3, "fp32", bias_router, recompute, NULL, NULL},
-        {2, 2, 3, "fp32", bias_router, keep, fp8_delayed, NULL},
-        {2, 3, 2, "fp32", global_router, recompute, fp8_current, NULL},
+        {2, 2, 2, "fp64", bias_router, keep, NULL, NULL, false},
+        {2, 3, 3, "fp64", global_router, keep, NULL, NULL, false},
+        {4, 2, 4, "fp64", bias_router, keep, NULL, NULL, false},
+        {4, 3, 3, "fp32", bias_router, keep, NULL, NULL, false},
+        {2, 3, 4, "fp32", global_router, keep, NULL, NULL, false},
+        {2, 2, 3, "fp64", bias_router, recompute, NULL, NULL, false},
+        {2, 3, 2, "fp32", bias_router, offload, NULL, NULL, false},
+        {4, 3, 4, "fp64", global_router, offload, NULL, NULL, false},
+        {4, 2, 3, "fp32", bias_router, recompute, NULL, NULL, false},
+        {2, 2, 3, "fp32", bias_router, keep, fp8_delayed, NULL, false},
+        {2, 3, 2, "fp32", global_router, recompute, fp8_current, NULL, false},
         /* dispatchers whose transfers wait on their peers' (on GPUs their calls of both slots share one stream) */
-        {2, 2, 3, "fp32", bias_router, keep, NULL, "deepep"},
-        {4, 3, 3, "fp64", global_router, recompute, NULL, "deepep"},
-        {2, 3, 3, "fp32", bias_router, offload, NULL, "hybridep"},
-        {4, 2, 4, "fp64", bias_router, keep, NULL, "hybridep"},
+        {2, 2, 3, "fp32", bias_router, keep, NULL, "deepep", false},
+        {4, 3, 3, "fp64", global_router, recompute, NULL, "deepep", false},
+        {2, 3, 3, "fp32", bias_router, offload, NULL, "hybridep", false},
+        {4, 2, 4, "fp64", bias_router, keep, NULL, "hybridep", false},
+        /* the backward's expert GEMMs issued before the forward's routing ($.parallel.overlap_dgrad_first) */
+        {2, 2, 3, "fp32", bias_router, keep, NULL, "deepep", true},
+        {4, 3, 4, "fp64", global_router, recompute, NULL, "alltoall", true},
+        {4, 2, 3, "fp32", bias_router, offload, NULL, "hybridep", true},
     };
     for (size_t i = 0; i < sizeof scenarios / sizeof scenarios[0]; i++) {
         compare(&scenarios[i], false);
