@@ -359,8 +359,7 @@ moert_result moert_kernel_trace_start(moert_kernel_trace **out)
     }
     active_trace = kt;
     pthread_mutex_unlock(&active_lock);
-    /* the kernels' records in page-locked host memory rather than on the device, so that CUPTI need not copy them
-     * back at a stream's synchronization (which made each such sync wait for the whole GPU) */
+    /* the kernels' records in page-locked host memory rather than on the device: CUPTI need not copy them back */
     uint8_t host_pinned = 1;
     size_t pinned_size = sizeof host_pinned;
     CUPTI_CHECK(kt,
