@@ -158,6 +158,16 @@ else
     fail "trace_plot: $(cat "$tmp/plot.err")"
 fi
 "$py" "$src/tools/trace_plot.py" "$tmp/t.json" "$tmp/t9.png" --step 9 2>"$tmp/plot9.err" && fail "trace_plot: step 9 drawn"
+# the kernels' lanes (the synthetic kernel trace above), zoomed; a window with nothing in it, and no kernels, refused
+"$py" "$src/tools/trace_plot.py" "$tmp/tk.json" "$tmp/tk.png" --step 2 --ranks 1 --kernels --window 0 1 \
+    2>"$tmp/plotk.err" || fail "trace_plot --kernels: $(cat "$tmp/plotk.err")"
+[ "$(head -c 4 "$tmp/tk.png" 2>/dev/null | od -An -c | tr -d ' ')" = "211PNG" ] || fail "trace_plot --kernels: not a PNG"
+"$py" "$src/tools/trace_plot.py" "$tmp/tk.json" "$tmp/tw.png" --step 2 --kernels --window 1e9 2e9 2>"$tmp/plotw.err" &&
+    fail "trace_plot: an empty window drawn"
+grep -q "nothing runs in --window" "$tmp/plotw.err" || fail "trace_plot: no message for an empty window"
+"$py" "$src/tools/trace_plot.py" "$tmp/t.json" "$tmp/tn.png" --step 2 --kernels 2>"$tmp/plotn.err" &&
+    fail "trace_plot: --kernels drawn without kernels"
+grep -q "no kernels in step 2" "$tmp/plotn.err" || fail "trace_plot: no message for --kernels without kernels"
 grep -q "step 9 is not in the trace" "$tmp/plot9.err" || fail "trace_plot: no message for a missing step"
 # the trace's path is checked before the run: never the config
 cp "$tmp/c.json" "$tmp/c.orig"
