@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Sums up a `moert run --trace` file per rank and step, as text (or JSON): what overlaps, and where time goes.
 
-    python3 trace_summary.py TRACE.json [--ranks R] [--json] [--kernels [--against OTHER.json] [--top N]]
+    python3 trace_summary.py TRACE.json [--ranks R] [--json] [--kernels [--against OTHER.json] [--top N]
+                             [--gaps [--min-gap US]]]
 
 Per rank and step:
   span      first span's start to last span's end (every stream): the layers' share of the step
@@ -28,6 +29,9 @@ and within each step's window (the merged halves with the overlap, else the step
             name) its calls, time, the part of it no other kernel ran beside it ("alone") and its mean call, and with
             --against OTHER.json that mean in the other trace and the ratio (e.g. the overlap on against off: how
             much the halves slow each kernel); the pairs of kernels that ran together longest
+  gaps      with --gaps: where the GPU ran no kernel, in gaps of --min-gap us (20) or more between one kernel's end
+            and the next one's start, grouped by the stages the compute streams ran at the gap's middle and the
+            kernels before and after it (where the host held the GPU up, e.g. a host synchronization)
 The step's loss, optimizer and next inputs are not layer spans: the gap between two steps' spans holds them.
 The text ends with the range of the merged halves per layer and micro-batch over every rank and step but the first
 (whose first forward includes the warm-up), the steady state the micro-batch overlap's targets are set for:
@@ -201,6 +205,60 @@ def kernel_summary(trace, rows, top=12):
     return out
 
 
+def gap_summary(trace, rows, min_us=20.0, top=12):
+    """Where the GPU ran no kernel, per rank over every step but the first, within each step's window: each gap of at
+    least min_us between one kernel's end and the next kernel's start, grouped by the compute streams' stages running
+    at its middle and the kernels before and after it, per step, longest total first. {rank: {...}}."""
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    kernels = collections.defaultdict(list)
+    stages = collections.defaultdict(list)
+    for e in trace["traceEvents"]:
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") == "kernel":
+            kernels[e["pid"]].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+        elif names.get((e["pid"], e["tid"]), "").startswith("compute"):
+            stages[e["pid"]].append((e["ts"], e["ts"] + e["dur"], e["name"].split(" ", 1)[1]))
+    first = min((r["step"] for r in rows), default=None)
+    out = {}
+    for rank in sorted(kernels):
+        windows = [r["window_us"] for r in rows if r["rank"] == rank and r["step"] != first] or \
+                  [r["window_us"] for r in rows if r["rank"] == rank]
+        if not windows:
+            continue
+        groups = collections.defaultdict(lambda: [0, 0.0])
+        total = 0.0
+        for lo, hi in windows:
+            inside = sorted(k for k in kernels[rank] if lo <= k[0] < hi)
+            end, before = None, None
+            for a, b, name in inside:
+                if end is not None and a - end >= min_us:
+                    mid = (a + end) / 2
+                    running = sorted({n for s0, s1, n in stages[rank] if s0 <= mid <= s1})
+                    key = (",".join(running) or "-", before, name)
+                    groups[key][0] += 1
+                    groups[key][1] += (a - end) / 1e3
+                    total += (a - end) / 1e3
+                if end is None or b > end:
+                    end, before = b, name
+        n = len(windows)
+        out[rank] = {"steps": n, "min_gap_us": min_us, "idle_ms": total / n,
+                     "gaps": [{"stages": k[0], "after": k[1], "before": k[2], "count": v[0] / n, "ms": v[1] / n}
+                              for k, v in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]]}
+    return out
+
+
+def print_gaps(gs):
+    """The text of gap_summary's figures."""
+    for rank, r in gs.items():
+        print("gaps, rank %d, per step (%d steps): %.2f ms with no kernel in gaps of %g us or more, where:" %
+              (rank, r["steps"], r["idle_ms"], r["min_gap_us"]))
+        for g in r["gaps"]:
+            print("  %7.3f ms x%-5.1f in %s: after %s, before %s" % (g["ms"], g["count"], g["stages"][:40],
+                                                                   g["after"][:32], g["before"][:32]))
+
+
 def print_kernels(ks, top, against=None):
     """The text of kernel_summary's figures; with `against` (another trace's), each name's mean call there too."""
     other = {}
@@ -249,8 +307,11 @@ def main(argv):
     ap.add_argument("--against", metavar="TRACE", default=None,
                     help="with --kernels: each kernel's mean call in another kernel trace too (e.g. the overlap off)")
     ap.add_argument("--top", type=int, default=12, help="with --kernels: the kernels listed per rank")
+    ap.add_argument("--gaps", action="store_true",
+                    help="with --kernels: where the GPU ran no kernel (gaps of --min-gap us or more), by stage")
+    ap.add_argument("--min-gap", type=float, default=20.0, help="with --gaps: the shortest gap counted, us (20)")
     a = ap.parse_args(argv)
-    ks = against = None
+    ks = against = gs = None
     try:
         with open(a.trace, encoding="utf-8") as f:
             trace = json.load(f)
@@ -259,6 +320,8 @@ def main(argv):
             ks = kernel_summary(trace, rows, a.top)
             if not ks:
                 raise ValueError("no kernels in the trace (`moert run --trace FILE --trace-kernels` records them)")
+            if a.gaps:
+                gs = gap_summary(trace, rows, a.min_gap, a.top)
             if a.against:
                 with open(a.against, encoding="utf-8") as f:
                     other = json.load(f)
@@ -267,7 +330,7 @@ def main(argv):
         print("trace_summary: %s: %s" % (a.trace, e), file=sys.stderr)
         return 2
     if a.json:
-        json.dump({"steps": rows, "kernels": ks} if a.kernels else rows, sys.stdout, indent=1)
+        json.dump({"steps": rows, "kernels": ks, "gaps": gs} if a.kernels else rows, sys.stdout, indent=1)
         print()
         return 0
     for r in rows:
@@ -284,6 +347,8 @@ def main(argv):
                   (c, v["count"], v["call_ms"], v["stage_ms"], v["stage_ms"] - v["call_ms"]))
     if ks:
         print_kernels(ks, a.top, against)
+    if gs:
+        print_gaps(gs)
     steady = steady_state(rows)
     if steady:
         lo, hi, ranks, steps = steady

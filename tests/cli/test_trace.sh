@@ -141,6 +141,19 @@ assert near(k["running_ms"]["2"], 0.05) and near(k["running_ms"]["1"], 0.2), k["
 assert near(k["running_ms"]["0"] + 0.25, k["window_ms"]), k
 assert k["together"] == [{"names": ["A", "B"], "ms": k["together"][0]["ms"]}] and near(k["together"][0]["ms"], 0.05)
 PY
+# --gaps: per step one gap with no kernel, B's end to C's start (150 us), found between B and C
+python3 "$src/tools/trace_summary.py" "$tmp/tk.json" --kernels --gaps --json >"$tmp/gs.json" || fail "trace_summary --gaps"
+python3 - "$tmp/gs.json" <<'PY' || fail "trace_summary --gaps content"
+import json, sys
+g = json.load(open(sys.argv[1]))["gaps"]["0"]
+assert g["steps"] == 2 and abs(g["idle_ms"] - 0.15) < 1e-6, g
+# grouped by the stage running at its middle, which differs from step to step
+assert all(x["after"] == "B" and x["before"] == "C" for x in g["gaps"]), g
+assert abs(sum(x["count"] for x in g["gaps"]) - 1) < 1e-9 and abs(sum(x["ms"] for x in g["gaps"]) - 0.15) < 1e-6, g
+PY
+python3 "$src/tools/trace_summary.py" "$tmp/tk.json" --kernels --gaps --min-gap 200 --json >"$tmp/gs2.json" &&
+    python3 -c "import json,sys; g=json.load(open(sys.argv[1]))['gaps']['0']; assert g['idle_ms'] == 0 and not g['gaps'], g" \
+        "$tmp/gs2.json" || fail "trace_summary --min-gap 200 counted a 150 us gap"
 python3 "$src/tools/trace_summary.py" "$tmp/tk.json" --kernels --against "$tmp/tk.json" >"$tmp/ks.txt" ||
     fail "trace_summary --kernels --against"
 grep -qE "^  A +1\.0 +0\.100 +0\.050 +100\.0 +100\.0 +1\.000$" "$tmp/ks.txt" || fail "trace_summary --against: $(cat "$tmp/ks.txt")"
