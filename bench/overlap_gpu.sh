@@ -109,7 +109,7 @@ for model in "${MODELS[@]}"; do
         --set 'parallel.overlap_micro_batches="off"' --steps 4 --trace "$OUT/trace-overlap-off-$model.json" \
         "${kernels[@]}" >"$OUT/trace-overlap-off-$model.log" 2>&1 ||
         { echo "overlap_gpu: FAIL: the off side's trace run of $model"; status=1; }
-    python3 tools/trace_summary.py "$OUT/trace-overlap-$model.json" --ranks 1 --kernels --top 20 \
+    python3 tools/trace_summary.py "$OUT/trace-overlap-$model.json" --ranks 1 --kernels --gaps --top 20 \
         --against "$OUT/trace-overlap-off-$model.json" >"$OUT/kernels-overlap-$model.txt" 2>&1 &&
         sed -n '/^kernels, rank 0/,$p' "$OUT/kernels-overlap-$model.txt" ||
         { echo "overlap_gpu: FAIL: the kernel summary of $model"; status=1; }
