@@ -150,27 +150,35 @@ def summarize(trace, ranks=None):
     return out
 
 
-def kernel_summary(trace, rows, top=12):
-    """The kernels of a `--trace-kernels` trace, per rank over every step but the first, within each step's window
-    (the merged halves where the micro-batch overlap ran, else the step's span), per step: how long the GPU ran no
-    kernel, one, two or more at once; per kernel name its calls, time and the part of it no other kernel ran beside
-    it; the pairs of kernel names that ran together longest. {rank: {...}}; {} where the trace has no kernels."""
+def kernels_and_windows(trace, rows):
+    """The kernels of each rank, as (start us, end us, name), and each rank's windows (start us, end us) of every
+    step but the first (every step where there is one), in rank order: [(rank, kernels, windows)]."""
     kernels = collections.defaultdict(list)
     for e in trace["traceEvents"]:
         if e.get("ph") == "X" and e.get("cat") == "kernel":
             kernels[e["pid"]].append((e["ts"], e["ts"] + e["dur"], e["name"]))
     first = min((r["step"] for r in rows), default=None)
-    out = {}
+    out = []
     for rank in sorted(kernels):
         windows = [r["window_us"] for r in rows if r["rank"] == rank and r["step"] != first] or \
                   [r["window_us"] for r in rows if r["rank"] == rank]
-        if not windows:
-            continue
+        if windows:
+            out.append((rank, kernels[rank], windows))
+    return out
+
+
+def kernel_summary(trace, rows, top=12):
+    """The kernels of a `--trace-kernels` trace, per rank over every step but the first, within each step's window
+    (the merged halves where the micro-batch overlap ran, else the step's span), per step: how long the GPU ran no
+    kernel, one, two or more at once; per kernel name its calls, time and the part of it no other kernel ran beside
+    it; the pairs of kernel names that ran together longest. {rank: {...}}; {} where the trace has no kernels."""
+    out = {}
+    for rank, kernels, windows in kernels_and_windows(trace, rows):
         level = collections.Counter()
         per_name = collections.defaultdict(lambda: {"calls": 0, "ms": 0.0, "alone_ms": 0.0})
         together = collections.Counter()
         for lo, hi in windows:
-            inside = [k for k in kernels[rank] if lo <= k[0] < hi]
+            inside = [k for k in kernels if lo <= k[0] < hi]
             events = []
             for i, (a, b, name) in enumerate(inside):
                 per_name[name]["calls"] += 1
@@ -211,26 +219,16 @@ def gap_summary(trace, rows, min_us=20.0, top=12):
     at its middle and the kernels before and after it, per step, longest total first. {rank: {...}}."""
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
              if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    kernels = collections.defaultdict(list)
     stages = collections.defaultdict(list)
     for e in trace["traceEvents"]:
-        if e.get("ph") != "X":
-            continue
-        if e.get("cat") == "kernel":
-            kernels[e["pid"]].append((e["ts"], e["ts"] + e["dur"], e["name"]))
-        elif names.get((e["pid"], e["tid"]), "").startswith("compute"):
+        if e.get("ph") == "X" and e.get("cat") != "kernel" and names.get((e["pid"], e["tid"]), "").startswith("compute"):
             stages[e["pid"]].append((e["ts"], e["ts"] + e["dur"], e["name"].split(" ", 1)[1]))
-    first = min((r["step"] for r in rows), default=None)
     out = {}
-    for rank in sorted(kernels):
-        windows = [r["window_us"] for r in rows if r["rank"] == rank and r["step"] != first] or \
-                  [r["window_us"] for r in rows if r["rank"] == rank]
-        if not windows:
-            continue
+    for rank, kernels, windows in kernels_and_windows(trace, rows):
         groups = collections.defaultdict(lambda: [0, 0.0])
         total = 0.0
         for lo, hi in windows:
-            inside = sorted(k for k in kernels[rank] if lo <= k[0] < hi)
+            inside = sorted(k for k in kernels if lo <= k[0] < hi)
             end, before = None, None
             for a, b, name in inside:
                 if end is not None and a - end >= min_us:
