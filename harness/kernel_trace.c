@@ -117,8 +117,6 @@ moert_result moert_kernel_trace_stop(moert_kernel_trace *kt, const moert_kernel_
 
 void moert_kernel_trace_destroy(moert_kernel_trace *kt) { (void)kt; }
 
-moert_kernel_trace *moert_kernel_trace_active(void) { return NULL; }
-
 moert_kernel_trace_stats moert_kernel_trace_stats_of(const moert_kernel_trace *kt)
 {
     (void)kt;
@@ -164,7 +162,7 @@ struct moert_kernel_trace {
     raw_kernel *raw;
     int64_t count, capacity;
     size_t dropped;
-    bool out_of_memory, other_kinds;
+    bool out_of_memory;
     int64_t buffers;   /* handed back by CUPTI */
     double callback_s; /* host time in the buffer callbacks */
     /* the two clocks read together at start and stop, to place CUPTI's times on the host's */
@@ -253,8 +251,6 @@ static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *b
         while (valid > 0 && kt->api.next_record(buffer, valid, &record) == CUPTI_SUCCESS) {
             if (record->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL || record->kind == CUPTI_ACTIVITY_KIND_KERNEL)
                 keep_kernel(kt, (const CUpti_ActivityKernel10 *)record);
-            else
-                kt->other_kinds = true;
         }
         size_t dropped = 0;
         if (kt->api.dropped && kt->api.dropped(ctx, stream, &dropped) == CUPTI_SUCCESS) kt->dropped += dropped;
@@ -322,14 +318,6 @@ static moert_result find_symbols(cupti_api *api)
             return moert_set_last_error(MOERT_ERR_NOT_FOUND, "--trace-kernels: libcupti has no %s", wanted[i].name);
     }
     return MOERT_OK;
-}
-
-moert_kernel_trace *moert_kernel_trace_active(void)
-{
-    pthread_mutex_lock(&active_lock);
-    moert_kernel_trace *kt = active_trace;
-    pthread_mutex_unlock(&active_lock);
-    return kt;
 }
 
 moert_result moert_kernel_trace_start(moert_kernel_trace **out)

@@ -32,9 +32,6 @@ typedef struct moert_kernel_trace_stats {
 /* Opens libcupti (the paths tried are named if none loads; its major version must be the one moert was built with)
  * and starts recording every kernel of every device of this process. */
 moert_result moert_kernel_trace_start(moert_kernel_trace **out);
-/* The trace this process runs now, or NULL: a program starts it before CUDA starts (CUPTI then sets up its buffers
- * with each context, off the critical path) and moert_runtime_train takes it over. */
-moert_kernel_trace *moert_kernel_trace_active(void);
 /* Stops recording once the GPUs have finished (the caller synchronizes first), and hands out the kernels in the
  * order CUPTI delivered them; they stay valid until moert_kernel_trace_destroy. Fails if CUPTI dropped records. */
 moert_result moert_kernel_trace_stop(moert_kernel_trace *kt, const moert_kernel_record **records, int64_t *count);

@@ -1202,7 +1202,6 @@ static moert_result trace_kernels_of_ranks(moert_runtime *rt, moert_kernel_trace
     int64_t count = 0;
     CHECK(moert_kernel_trace_stop(kernels, &k, &count));
     for (int64_t i = 0; i < count; i++) {
-        if (k[i].start_s < rt->trace_origin) continue; /* before the run: start-up, when the trace began first */
         for (int j = 0; j < rt->nlocal; j++) {
             moert_rank *r = &rt->ranks[j];
             if (r->device != k[i].device) continue;
@@ -1280,7 +1279,7 @@ moert_result moert_runtime_train(moert_runtime *rt, const moert_train_options *o
     rt->tracing = trace_path != NULL;
     for (int i = 0; i < rt->nlocal; i++) rt->ranks[i].trace.count = 0;
     moert_kernel_trace *kernels = NULL;
-    if (trace_kernels && !(kernels = moert_kernel_trace_active())) { /* else one started before CUDA: taken over */
+    if (trace_kernels) {
         rc = moert_kernel_trace_start(&kernels);
         if (rc != MOERT_OK) return rc;
     }

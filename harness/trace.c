@@ -97,21 +97,18 @@ moert_result moert_trace_write(const moert_trace *traces, int count, const char 
                               "kernel", "ph", "X", "pid", s->rank, "tid", tid, "ts", s->start_us, "dur",
                               s->dur_us > 0.0 ? s->dur_us : 0.0, "args", "kernel", s->kernel ? s->kernel : s->name,
                               "grid", (int)s->grid, "cuda_stream", (json_int_t)s->cuda_stream);
-                if (!e || json_array_append_new(events, e) != 0) {
-                    rc = moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "building the trace");
-                    goto exit;
-                }
-                continue;
+            } else { /* a stage or backward part */
+                int before = nstreams;
+                int tid = stream_tid(streams, &nstreams, s->stream);
+                if (nstreams > before)
+                    json_array_append_new(events, name_event("thread_name", s->rank, tid, s->stream));
+                char name[96];
+                snprintf(name, sizeof name, "L%d %s", s->layer, s->name);
+                e = json_pack("{s:s, s:s, s:s, s:i, s:i, s:f, s:f, s:{s:i, s:I, s:I}}", "name", name, "cat", s->stream,
+                              "ph", "X", "pid", s->rank, "tid", tid, "ts", s->start_us, "dur",
+                              s->dur_us > 0.0 ? s->dur_us : 0.0, "args", "layer", s->layer, "step", (json_int_t)s->step,
+                              "micro_batch", (json_int_t)s->micro);
             }
-            int before = nstreams;
-            int tid = stream_tid(streams, &nstreams, s->stream);
-            if (nstreams > before) json_array_append_new(events, name_event("thread_name", s->rank, tid, s->stream));
-            char name[96];
-            snprintf(name, sizeof name, "L%d %s", s->layer, s->name);
-            e = json_pack("{s:s, s:s, s:s, s:i, s:i, s:f, s:f, s:{s:i, s:I, s:I}}", "name", name, "cat", s->stream,
-                          "ph", "X", "pid", s->rank, "tid", tid, "ts", s->start_us, "dur",
-                          s->dur_us > 0.0 ? s->dur_us : 0.0, "args", "layer", s->layer, "step", (json_int_t)s->step,
-                          "micro_batch", (json_int_t)s->micro);
             if (!e || json_array_append_new(events, e) != 0) {
                 rc = moert_set_last_error(MOERT_ERR_OUT_OF_MEMORY, "building the trace");
                 goto exit;

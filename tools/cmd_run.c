@@ -7,7 +7,6 @@
 #include "cli_common.h"
 #include "moert/moert.h"
 #include "output.h"
-#include "kernel_trace.h"
 #include "trainer.h"
 
 static void run_usage(FILE *f)
@@ -93,10 +92,6 @@ int moert_cmd_run(int argc, char **argv)
         goto exit;
     }
     if (moert_cli_load_config("moert run", config_path, sets, nsets, &cfg) != MOERT_OK) goto exit;
-    /* the kernel trace starts before CUDA does, so that CUPTI sets up its buffers with each context; where it cannot
-     * start here, the run tries again and reports why (a CPU run, no CUPTI) */
-    moert_kernel_trace *early_trace = NULL;
-    if (trace_kernels && moert_kernel_trace_start(&early_trace) != MOERT_OK) early_trace = NULL;
     moert_result rc = moert_runtime_create(cfg, &rt);
     if (rc != MOERT_OK) {
         fprintf(stderr, "moert run: %s\n", moert_last_error());
@@ -126,7 +121,6 @@ int moert_cmd_run(int argc, char **argv)
     if (trace_path && root && !quiet) printf("trace written to %s (open it in https://ui.perfetto.dev)\n", trace_path);
     status = 0;
 exit:
-    moert_kernel_trace_destroy(moert_kernel_trace_active()); /* one the run did not take over (it failed first) */
     moert_runtime_destroy(rt);
     moert_config_free(cfg);
     return status;
