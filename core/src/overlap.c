@@ -4,6 +4,7 @@
 
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "error.h"
@@ -111,10 +112,14 @@ static void stream_release(moert_overlap *o, moert_stream s)
 }
 #endif
 
+static void helper_stop(struct moert_overlap_helper *hp);
+
 void moert_overlap_finalize(moert_overlap *o)
 {
     if (!o->primary) return;
     const moert_host *h = o->primary->core_host;
+    helper_stop(o->helper);
+    o->helper = NULL;
 #ifdef MOERT_HAVE_CUDA
     /* the dispatchers' last work is done before any of their instances goes (slot 0's after this) */
     if (o->comm[0].stream && moert_cuda_stream_synchronize(o->comm[0].stream) != MOERT_OK) moert_error_clear();
@@ -342,46 +347,123 @@ static void finish_turn(half *hf)
     pthread_mutex_unlock(&t->lock);
 }
 
-static void *forward_half(void *arg)
+/* The thread that issues the forward halves (moert_overlap.helper): it waits for a half, runs it, and says so. One
+ * thread for the rank's whole run, so that a merged call does not pay for a thread's start, its CUDA device and the
+ * libraries' per-thread setup (cuBLASLt's on its first GEMM) before its forward can issue its first stage. */
+typedef struct moert_overlap_helper {
+    pthread_t thread;
+    pthread_mutex_t lock;
+    pthread_cond_t changed;
+    half *job; /* the half to run; NULL once it has run */
+    bool stop;
+    int device; /* the CUDA device current on the thread; -1: none set yet */
+} moert_overlap_helper;
+
+static void run_forward_half(moert_overlap_helper *hp, half *hf)
 {
-    half *hf = arg;
     pthread_mutex_lock(&hf->t->lock);
     wait_turn(hf->t, hf->me);
     pthread_mutex_unlock(&hf->t->lock);
 #ifdef MOERT_HAVE_CUDA
-    if (hf->device >= 0) hf->rc = moert_cuda_set_device(hf->device);
+    if (hf->device >= 0 && hf->device != hp->device) {
+        hf->rc = moert_cuda_set_device(hf->device);
+        hp->device = hf->rc == MOERT_OK ? hf->device : -1;
+    }
 #endif
     if (hf->rc == MOERT_OK) hf->rc = moert_layer_forward(hf->L, hf->in, hf->out);
     if (hf->rc != MOERT_OK) snprintf(hf->error, sizeof hf->error, "%s", moert_error_message());
     finish_turn(hf);
+}
+
+static void *helper_main(void *arg)
+{
+    moert_overlap_helper *hp = arg;
+    pthread_mutex_lock(&hp->lock);
+    for (;;) {
+        while (!hp->job && !hp->stop) pthread_cond_wait(&hp->changed, &hp->lock);
+        if (!hp->job) break; /* stopped */
+        half *hf = hp->job;
+        pthread_mutex_unlock(&hp->lock);
+        run_forward_half(hp, hf);
+        pthread_mutex_lock(&hp->lock);
+        hp->job = NULL;
+        pthread_cond_broadcast(&hp->changed);
+    }
+    pthread_mutex_unlock(&hp->lock);
     return NULL;
 }
 
-static moert_result run_interleaved(moert_layer *F, const moert_tensor *x, moert_tensor *y, moert_layer *B,
-                                    const moert_tensor *d_y, moert_tensor *d_x, double loss_scale)
+/* The overlap's helper thread, started at its first use; NULL where no thread could be made. */
+static moert_overlap_helper *helper_of(moert_overlap *o)
 {
+    if (o->helper) return o->helper;
+    moert_overlap_helper *hp = calloc(1, sizeof *hp);
+    if (!hp) return NULL;
+    hp->device = -1;
+    pthread_mutex_init(&hp->lock, NULL);
+    pthread_cond_init(&hp->changed, NULL);
+    if (pthread_create(&hp->thread, NULL, helper_main, hp) != 0) {
+        pthread_mutex_destroy(&hp->lock);
+        pthread_cond_destroy(&hp->changed);
+        free(hp);
+        return NULL;
+    }
+    o->helper = hp;
+    return hp;
+}
+
+/* Hands the helper a half to run. */
+static void helper_post(moert_overlap_helper *hp, half *hf)
+{
+    pthread_mutex_lock(&hp->lock);
+    hp->job = hf;
+    pthread_cond_broadcast(&hp->changed);
+    pthread_mutex_unlock(&hp->lock);
+}
+
+/* Waits until the helper has run the half it was handed. */
+static void helper_wait(moert_overlap_helper *hp)
+{
+    pthread_mutex_lock(&hp->lock);
+    while (hp->job) pthread_cond_wait(&hp->changed, &hp->lock);
+    pthread_mutex_unlock(&hp->lock);
+}
+
+static void helper_stop(moert_overlap_helper *hp)
+{
+    if (!hp) return;
+    pthread_mutex_lock(&hp->lock);
+    hp->stop = true;
+    pthread_cond_broadcast(&hp->changed);
+    pthread_mutex_unlock(&hp->lock);
+    pthread_join(hp->thread, NULL);
+    pthread_mutex_destroy(&hp->lock);
+    pthread_cond_destroy(&hp->changed);
+    free(hp);
+}
+
+static moert_result run_interleaved(moert_overlap *o, moert_layer *F, const moert_tensor *x, moert_tensor *y,
+                                    moert_layer *B, const moert_tensor *d_y, moert_tensor *d_x, double loss_scale)
+{
+    moert_overlap_helper *hp = helper_of(o);
+    if (!hp) { /* no thread: one after the other */
+        moert_result rc = moert_layer_forward(F, x, y);
+        return rc != MOERT_OK ? rc : moert_layer_backward(B, d_y, d_x, loss_scale);
+    }
     turns t = {.turn = 0};
     half fwd = {.t = &t, .me = 1, .L = F, .in = x, .out = y, .device = -1};
     half bwd = {.t = &t, .me = 0, .L = B, .in = d_y, .out = d_x, .loss_scale = loss_scale, .device = -1};
-    pthread_t helper;
     if (F->info.device.type == MOERT_DEVICE_CUDA) fwd.device = F->info.device.id;
     pthread_mutex_init(&t.lock, NULL);
     pthread_cond_init(&t.changed, NULL);
     F->yield = B->yield = yield_turn;
     F->yield_ctx = &fwd;
     B->yield_ctx = &bwd;
-    if (pthread_create(&helper, NULL, forward_half, &fwd) != 0) { /* no thread: one after the other */
-        F->yield = B->yield = NULL;
-        F->yield_ctx = B->yield_ctx = NULL;
-        pthread_mutex_destroy(&t.lock);
-        pthread_cond_destroy(&t.changed);
-        moert_result rc = moert_layer_forward(F, x, y);
-        return rc != MOERT_OK ? rc : moert_layer_backward(B, d_y, d_x, loss_scale);
-    }
+    helper_post(hp, &fwd);
     bwd.rc = moert_layer_backward(B, d_y, d_x, loss_scale);
     if (bwd.rc != MOERT_OK) snprintf(bwd.error, sizeof bwd.error, "%s", moert_error_message());
     finish_turn(&bwd);
-    pthread_join(helper, NULL);
+    helper_wait(hp);
     F->yield = B->yield = NULL;
     F->yield_ctx = B->yield_ctx = NULL;
     pthread_mutex_destroy(&t.lock);
@@ -407,7 +489,7 @@ moert_result moert_overlap_forward_backward(moert_overlap *o, int fl, int fslot,
     moert_layer *F = moert_overlap_layer(o, fl, fslot), *B = moert_overlap_layer(o, bl, bslot);
     B->in_merged_call = true;
     if (o->interleave && o->merge && fslot != bslot) {
-        rc = run_interleaved(F, x, y, B, d_y, d_x, loss_scale);
+        rc = run_interleaved(o, F, x, y, B, d_y, d_x, loss_scale);
     } else {
         rc = moert_layer_forward(F, x, y);
         if (rc == MOERT_OK) rc = moert_layer_backward(B, d_y, d_x, loss_scale);

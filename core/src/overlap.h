@@ -26,6 +26,9 @@ typedef struct moert_overlap {
      * slot's stream; every layer of slot s points at comm[s] (moert_layer.comm) */
     moert_comm_stream comm[MOERT_OVERLAP_MAX_SLOTS];
     struct moert_cuda_pool *pool; /* CUDA: the rank's pool (blocks freed on the streams above are forgotten) */
+    /* the thread that issues the forward half of interleaved merged calls: made at the first such call and kept, so
+     * that no call pays for a new thread's start, CUDA device and libraries' per-thread setup */
+    struct moert_overlap_helper *helper;
 } moert_overlap;
 
 /* Makes slots 1 .. slots - 1 of every layer of `primary` (made from `setup`): one more instance of each plugin per
