@@ -1215,6 +1215,29 @@ fail:
     return rc;
 }
 
+/* The router's forward_losses, where its vtable has it (ABI 1.2); NULL else. */
+static moert_result (*router_forward_losses(const moert_layer *L))(void *, moert_router_losses *)
+{
+    const moert_router_v1 *r = ROUTER(L);
+    const size_t end = offsetof(moert_router_v1, forward_losses) + sizeof r->forward_losses;
+    return r->header.struct_size >= end ? r->forward_losses : NULL;
+}
+
+/* The losses of a forward whose router deferred them, once its stream has passed the routing (on CUDA the routing's
+ * end mark; by the forward's end the dispatcher's prepare has waited for it on the host already, so this costs no
+ * wait in practice). */
+static moert_result collect_router_losses(moert_layer *L)
+{
+    moert_result rc = MOERT_OK;
+#ifdef MOERT_HAVE_CUDA
+    if (L->info.device.type == MOERT_DEVICE_CUDA)
+        MOERT_CHECK(moert_cuda_event_synchronize(L->mark_events[1 + MOERT_STAGE_ROUTER]));
+#endif
+    PLUGIN_CALL(L->router, "forward_losses", router_forward_losses(L)(L->router.ctx, &L->losses));
+fail:
+    return rc;
+}
+
 moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_tensor *y)
 {
     moert_result rc = MOERT_OK;
@@ -1230,6 +1253,8 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
     MOERT_CHECK(tensor_alloc(L, &L->topk_probs, L->param_dtype, 2, t, in->topk, 0));
     MOERT_CHECK(tensor_alloc(L, &L->tokens_per_expert, MOERT_I64, 1, in->num_experts, 0, 0));
     memset(&L->losses, 0, sizeof L->losses);
+    /* not while capturing a CUDA graph: the wait for the losses would be captured */
+    const bool defer_losses = router_forward_losses(L) != NULL && !L->capturing;
     moert_router_forward_args ra = {.struct_size = sizeof ra,
                                     .x = x,
                                     .weight = &L->params[MOERT_PARAM_ROUTER].value,
@@ -1238,7 +1263,8 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
                                     .tokens_per_expert = &L->tokens_per_expert,
                                     .losses = &L->losses,
                                     .seq_length = L->seq_length,
-                                    .flags = L->inference ? MOERT_ROUTER_FORWARD_INFERENCE : 0u};
+                                    .flags = (L->inference ? MOERT_ROUTER_FORWARD_INFERENCE : 0u) |
+                                             (defer_losses ? MOERT_ROUTER_FORWARD_DEFER_LOSSES : 0u)};
     /* the shared expert needs only x: on its own stream it runs beside the routing, dispatch and experts */
     if (L->shared_ffn > 0) MOERT_CHECK(shared_forward_issue(L, x));
     PLUGIN_CALL(L->router, "forward", ROUTER(L)->forward(L->router.ctx, L->stream, &ra));
@@ -1293,6 +1319,7 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
      * the combine stage) */
     MOERT_CHECK(moert_act_store_end_forward(&L->acts));
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_COMBINE));
+    if (defer_losses) MOERT_CHECK(collect_router_losses(L));
 fail:
     tensor_release(L, &y_expert);
     tensor_release(L, &moe_out);

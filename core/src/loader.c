@@ -59,7 +59,7 @@ static const kind_info kinds[] = {
      "router",
      "router",
      MOERT_ROUTER_V1_SYMBOL,
-     sizeof(moert_router_v1),
+     MOERT_ROUTER_V1_BASE_SIZE,
      {MEMBER(moert_router_v1, init), MEMBER(moert_router_v1, finalize), MEMBER(moert_router_v1, forward),
       MEMBER(moert_router_v1, backward), MEMBER(moert_router_v1, end_step)}},
     {MOERT_KIND_DISPATCHER,

@@ -3,9 +3,11 @@
 #include "overlap.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "error.h"
 #include "host.h"
@@ -303,8 +305,11 @@ fail:
 typedef struct turns {
     pthread_mutex_t lock;
     pthread_cond_t changed;
-    int turn; /* 0: the backward, 1: the forward */
+    _Atomic int turn; /* 0: the backward, 1: the forward; written under lock, read while spinning */
     bool done[2];
+    /* how long a half that handed over the turn polls for it before it sleeps: on CUDA the GPU may idle while the
+     * other thread wakes from a sleep (tens of microseconds, the kernel trace's gaps before a stage of the other half) */
+    double spin_s;
 } turns;
 
 typedef struct half {
@@ -319,9 +324,26 @@ typedef struct half {
     char error[1024];
 } half;
 
-static void wait_turn(turns *t, int me)
+static double monotonic_seconds(void)
 {
-    while (t->turn != me) pthread_cond_wait(&t->changed, &t->lock);
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Returns once the turn is `me`'s: polls for up to t->spin_s, then sleeps on the condition. */
+static void await_turn(turns *t, int me)
+{
+    if (t->spin_s > 0.0) {
+        const double until = monotonic_seconds() + t->spin_s;
+        for (unsigned i = 0;; i++) {
+            if (atomic_load_explicit(&t->turn, memory_order_acquire) == me) return;
+            if (i % 64 == 63 && monotonic_seconds() > until) break;
+        }
+    }
+    pthread_mutex_lock(&t->lock);
+    while (atomic_load(&t->turn) != me) pthread_cond_wait(&t->changed, &t->lock);
+    pthread_mutex_unlock(&t->lock);
 }
 
 static void yield_turn(void *ctx)
@@ -329,12 +351,13 @@ static void yield_turn(void *ctx)
     half *hf = ctx;
     turns *t = hf->t;
     pthread_mutex_lock(&t->lock);
-    if (!t->done[1 - hf->me]) {
-        t->turn = 1 - hf->me;
+    const bool other_done = t->done[1 - hf->me];
+    if (!other_done) {
+        atomic_store(&t->turn, 1 - hf->me);
         pthread_cond_broadcast(&t->changed);
-        wait_turn(t, hf->me);
     }
     pthread_mutex_unlock(&t->lock);
+    if (!other_done) await_turn(t, hf->me);
 }
 
 static void finish_turn(half *hf)
@@ -342,7 +365,7 @@ static void finish_turn(half *hf)
     turns *t = hf->t;
     pthread_mutex_lock(&t->lock);
     t->done[hf->me] = true;
-    t->turn = 1 - hf->me;
+    atomic_store(&t->turn, 1 - hf->me);
     pthread_cond_broadcast(&t->changed);
     pthread_mutex_unlock(&t->lock);
 }
@@ -361,9 +384,7 @@ typedef struct moert_overlap_helper {
 
 static void run_forward_half(moert_overlap_helper *hp, half *hf)
 {
-    pthread_mutex_lock(&hf->t->lock);
-    wait_turn(hf->t, hf->me);
-    pthread_mutex_unlock(&hf->t->lock);
+    await_turn(hf->t, hf->me);
 #ifdef MOERT_HAVE_CUDA
     if (hf->device >= 0 && hf->device != hp->device) {
         hf->rc = moert_cuda_set_device(hf->device);
@@ -450,7 +471,9 @@ static moert_result run_interleaved(moert_overlap *o, moert_layer *F, const moer
         moert_result rc = moert_layer_forward(F, x, y);
         return rc != MOERT_OK ? rc : moert_layer_backward(B, d_y, d_x, loss_scale);
     }
-    turns t = {.turn = 0};
+    /* CUDA: poll for the turn for up to 1 ms (a stage's issue takes about that; a core per rank polls meanwhile); the
+     * CPU path polls briefly only, its ranks' threads share the cores */
+    turns t = {.turn = 0, .spin_s = F->info.device.type == MOERT_DEVICE_CUDA ? 1e-3 : 2e-6};
     half fwd = {.t = &t, .me = 1, .L = F, .in = x, .out = y, .device = -1};
     half bwd = {.t = &t, .me = 0, .L = B, .in = d_y, .out = d_x, .loss_scale = loss_scale, .device = -1};
     if (F->info.device.type == MOERT_DEVICE_CUDA) fwd.device = F->info.device.id;

@@ -67,6 +67,8 @@ typedef struct router_ctx {
 
     /* the last forward, for backward */
     bool have_forward;
+    bool losses_deferred;           /* it got MOERT_ROUTER_FORWARD_DEFER_LOSSES: forward_losses gives its losses */
+    moert_router_losses fwd_losses; /* the CPU path's losses of a deferring forward */
     int64_t fwd_tokens;
     bool fwd_aux;         /* a balancing loss contributed */
     int64_t fwd_aux_seq;  /* S of the balancing loss */
@@ -647,6 +649,7 @@ static moert_result router_forward(void *ctx, moert_stream stream, const moert_r
     int64_t H = c->hidden, E = c->num_experts, K = c->topk;
     moert_result rc;
     c->have_forward = false;
+    c->losses_deferred = false;
     if (!a || !a->x || !a->losses) {
         h->set_error(h, "router '%s' forward: args, x and losses are required", ROUTER_NAME);
         return MOERT_ERR_INVALID_ARGUMENT;
@@ -669,14 +672,17 @@ static moert_result router_forward(void *ctx, moert_stream stream, const moert_r
      * forward draws no jitter */
     const uint64_t call = c->owner->forward_calls++;
     c->fwd_call = call;
-    const bool inference = a->struct_size >= offsetof(moert_router_forward_args, flags) + sizeof a->flags &&
-                           (a->flags & MOERT_ROUTER_FORWARD_INFERENCE);
+    const uint32_t flags =
+        a->struct_size >= offsetof(moert_router_forward_args, flags) + sizeof a->flags ? a->flags : 0;
+    const bool inference = flags & MOERT_ROUTER_FORWARD_INFERENCE, defer = flags & MOERT_ROUTER_FORWARD_DEFER_LOSSES;
     c->fwd_jitter_eps = inference ? 0.0 : c->jitter_eps;
 #ifdef MOERT_HAVE_CUDA
     if (c->gpu) {
-        if ((rc = router_gpu_forward(c->gpu, stream, a, seq_length, call, c->fwd_jitter_eps)) != MOERT_OK) return rc;
+        if ((rc = router_gpu_forward(c->gpu, stream, a, seq_length, call, c->fwd_jitter_eps, defer)) != MOERT_OK)
+            return rc;
         c->fwd_tokens = T;
         c->have_forward = true;
+        c->losses_deferred = defer;
         return MOERT_OK;
     }
 #endif
@@ -734,11 +740,13 @@ static moert_result router_forward(void *ctx, moert_stream stream, const moert_r
     if (c->use_expert_bias)
         for (int64_t e = 0; e < E; e++) c->owner->bias_counts[e] += kept_counts[e];
 
-    if ((rc = compute_losses(c, T, seq_length, a->losses)) != MOERT_OK) return rc;
+    /* a deferring forward's losses wait in ctx for forward_losses, as the CUDA path's wait on the device */
+    moert_router_losses *losses = defer ? &c->fwd_losses : a->losses;
+    if ((rc = compute_losses(c, T, seq_length, losses)) != MOERT_OK) return rc;
 
     /* figures for the step report */
-    if (c->fwd_aux) report_metric(c, "router.aux_loss", a->losses->aux_loss, "");
-    if (c->z_loss_coeff > 0.0) report_metric(c, "router.z_loss", a->losses->z_loss, "");
+    if (c->fwd_aux) report_metric(c, "router.aux_loss", losses->aux_loss, "");
+    if (c->z_loss_coeff > 0.0) report_metric(c, "router.z_loss", losses->z_loss, "");
     if (c->params.capacity_factor > 0.0) report_metric(c, "router.dropped_copies", (double)dropped, "tokens");
     if (T > 0) {
         int64_t max_count = 0;
@@ -749,6 +757,30 @@ static moert_result router_forward(void *ctx, moert_stream stream, const moert_r
 
     c->fwd_tokens = T;
     c->have_forward = true;
+    c->losses_deferred = defer;
+    return MOERT_OK;
+}
+
+/* forward_losses: the losses of the last forward, which deferred them (its stream has passed it). */
+static moert_result router_forward_losses(void *ctx, moert_router_losses *losses)
+{
+    router_ctx *c = ctx;
+    if (!losses) {
+        c->host->set_error(c->host, "router '%s' forward_losses: losses is required", ROUTER_NAME);
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+    if (!c->have_forward || !c->losses_deferred) {
+        c->host->set_error(c->host,
+                           "router '%s' forward_losses: the last forward did not defer its losses (it got no "
+                           "MOERT_ROUTER_FORWARD_DEFER_LOSSES, or they were already taken)",
+                           ROUTER_NAME);
+        return MOERT_ERR_INVALID_ARGUMENT;
+    }
+    c->losses_deferred = false;
+#ifdef MOERT_HAVE_CUDA
+    if (c->gpu) return router_gpu_forward_losses(c->gpu, losses);
+#endif
+    *losses = c->fwd_losses;
     return MOERT_OK;
 }
 
@@ -872,4 +904,5 @@ MOERT_ROUTER_V1_EXPORT(topk_router_vtable) = {
     .backward = router_backward,
     .end_step = router_end_step,
     .expert_bias = router_expert_bias,
+    .forward_losses = router_forward_losses,
 };

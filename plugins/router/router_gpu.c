@@ -146,6 +146,7 @@ struct router_gpu {
 
     /* the last forward, for backward */
     bool fwd_aux;
+    int64_t loss_tokens; /* T of the last forward, whose losses finish_losses reads */
     int64_t fwd_aux_seq;
     double fwd_jitter_eps; /* the last forward's jitter (0 for an inference forward): its backward draws the same */
 };
@@ -756,31 +757,56 @@ static moert_result forward_aux(router_gpu *g, cudaStream_t stream, int64_t T, i
 }
 
 /* The loss values: computed on the device, copied to the host with the counts (the one host sync). */
-static moert_result forward_losses(router_gpu *g, cudaStream_t stream, int64_t T, const moert_tensor *counts,
-                                   moert_router_losses *losses)
+/* The host's figures of the last forward, whose loss values and kept counts are in the pinned buffers by now:
+ * losses (0 where off) and the step report's metrics. */
+static void finish_losses(router_gpu *g, moert_router_losses *losses)
 {
-    int64_t E = g->num_experts, K = g->topk;
+    const int64_t E = g->num_experts, K = g->topk, T = g->loss_tokens;
+    const bool z = g->z_on && T > 0;
+    losses->aux_loss = g->fwd_aux ? g->loss_host[0] : 0.0;
+    losses->z_loss = z ? g->cfg.z_loss_coeff * g->loss_host[1] / (double)T : 0.0;
+    losses->total = losses->aux_loss + losses->z_loss;
+    if (g->fwd_aux || z) {
+        int64_t max_count = 0, total = 0;
+        for (int64_t e = 0; e < E; e++) {
+            if (g->counts_host[e] > max_count) max_count = g->counts_host[e];
+            total += g->counts_host[e];
+        }
+        if (T > 0) report_metric(g, "router.max_load_ratio", (double)max_count / ((double)(T * K) / (double)E), "");
+        if (g->capacity) report_metric(g, "router.dropped_copies", (double)(T * K - total), "tokens");
+    }
+    if (g->fwd_aux) report_metric(g, "router.aux_loss", losses->aux_loss, "");
+    if (g->z_on) report_metric(g, "router.z_loss", losses->z_loss, "");
+}
+
+/* The loss values and the kept counts of T tokens to the pinned buffers; unless deferred, waits for them and fills
+ * losses. */
+static moert_result forward_losses(router_gpu *g, cudaStream_t stream, int64_t T, const moert_tensor *counts,
+                                   moert_router_losses *losses, bool defer)
+{
+    int64_t E = g->num_experts;
     const moert_host *h = g->host;
     bool z = g->z_on && T > 0;
-    if (!g->fwd_aux && !z) return MOERT_OK;
-    moert_router_cuda_loss_params lp = loss_params(g, T, g->fwd_aux ? g->fwd_aux_seq : T);
-    GPU_TRY(moert_router_cuda_loss_values(h, stream, &lp, g->logits, g->fwd_aux ? g->aux_f : NULL, g->aux_scale,
-                                          z ? 1 : 0, g->loss_workspace, g->loss_out));
-    moert_device pinned = {MOERT_DEVICE_CUDA_HOST, 0};
-    GPU_TRY(h->memcpy_async(h, g->loss_host, pinned, g->loss_out, g->device, 2 * sizeof(double), stream));
-    /* the copies really routed: with capacity (and padding) the kept counts, not tokens_per_expert */
-    const void *kept = g->capacity && T > 0 ? (const void *)g->kept_counts : counts->data;
-    GPU_TRY(h->memcpy_async(h, g->counts_host, pinned, kept, g->device, (size_t)E * sizeof(int64_t), stream));
-    GPU_TRY(h->stream_synchronize(h, stream));
-    if (g->fwd_aux) losses->aux_loss = g->loss_host[0];
-    if (z) losses->z_loss = g->cfg.z_loss_coeff * g->loss_host[1] / (double)T;
-    int64_t max_count = 0, total = 0;
-    for (int64_t e = 0; e < E; e++) {
-        if (g->counts_host[e] > max_count) max_count = g->counts_host[e];
-        total += g->counts_host[e];
+    g->loss_tokens = T;
+    if (g->fwd_aux || z) {
+        moert_router_cuda_loss_params lp = loss_params(g, T, g->fwd_aux ? g->fwd_aux_seq : T);
+        GPU_TRY(moert_router_cuda_loss_values(h, stream, &lp, g->logits, g->fwd_aux ? g->aux_f : NULL, g->aux_scale,
+                                              z ? 1 : 0, g->loss_workspace, g->loss_out));
+        moert_device pinned = {MOERT_DEVICE_CUDA_HOST, 0};
+        GPU_TRY(h->memcpy_async(h, g->loss_host, pinned, g->loss_out, g->device, 2 * sizeof(double), stream));
+        /* the copies really routed: with capacity (and padding) the kept counts, not tokens_per_expert */
+        const void *kept = g->capacity && T > 0 ? (const void *)g->kept_counts : counts->data;
+        GPU_TRY(h->memcpy_async(h, g->counts_host, pinned, kept, g->device, (size_t)E * sizeof(int64_t), stream));
+        if (defer) return MOERT_OK;
+        GPU_TRY(h->stream_synchronize(h, stream));
     }
-    if (T > 0) report_metric(g, "router.max_load_ratio", (double)max_count / ((double)(T * K) / (double)E), "");
-    if (g->capacity) report_metric(g, "router.dropped_copies", (double)(T * K - total), "tokens");
+    if (!defer) finish_losses(g, losses);
+    return MOERT_OK;
+}
+
+moert_result router_gpu_forward_losses(router_gpu *g, moert_router_losses *losses)
+{
+    finish_losses(g, losses);
     return MOERT_OK;
 }
 
@@ -867,7 +893,7 @@ static moert_result forward_route(router_gpu *g, cudaStream_t stream, const moer
 }
 
 moert_result router_gpu_forward(router_gpu *g, moert_stream s, const moert_router_forward_args *a, int64_t seq_length,
-                                uint64_t call, double jitter_eps)
+                                uint64_t call, double jitter_eps, bool defer_losses)
 {
     cudaStream_t stream = (cudaStream_t)s;
     const moert_host *h = g->host;
@@ -898,15 +924,8 @@ moert_result router_gpu_forward(router_gpu *g, moert_stream s, const moert_route
                                              g->owner->bias_counts));
 
     /* losses */
-    moert_router_losses *losses = a->losses;
-    losses->aux_loss = 0.0;
-    losses->z_loss = 0.0;
     if (g->aux_on) GPU_TRY(forward_aux(g, stream, T, seq_length));
-    GPU_TRY(forward_losses(g, stream, T, a->tokens_per_expert, losses));
-    losses->total = losses->aux_loss + losses->z_loss;
-    if (g->fwd_aux) report_metric(g, "router.aux_loss", losses->aux_loss, "");
-    if (g->z_on) report_metric(g, "router.z_loss", losses->z_loss, "");
-    return MOERT_OK;
+    return forward_losses(g, stream, T, a->tokens_per_expert, a->losses, defer_losses);
 }
 
 /* ---- backward ---- */

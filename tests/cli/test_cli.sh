@@ -16,7 +16,7 @@ run help 0 --help
 expect_line help out "usage: moert COMMAND [ARGS]"
 expect_match help out "^  check CONFIG"
 run version 0 --version
-expect_line version out "moert 0.1.0 (plugin ABI 1.1)"
+expect_line version out "moert 0.1.0 (plugin ABI 1.2)"
 run bogus 2 bogus
 expect_line bogus err 'moert: unknown command "bogus"'
 expect_line bogus err "usage: moert COMMAND [ARGS]"

@@ -30,7 +30,7 @@ static moert_plugin_kind kind_of_file(const char *file, const char **name)
 static size_t vtable_size(moert_plugin_kind kind)
 {
     switch (kind) {
-    case MOERT_KIND_ROUTER: return sizeof(moert_router_v1);
+    case MOERT_KIND_ROUTER: return MOERT_ROUTER_V1_BASE_SIZE; /* its required functions; forward_losses may be NULL */
     case MOERT_KIND_DISPATCHER: return sizeof(moert_dispatcher_v1);
     case MOERT_KIND_PRECISION: return MOERT_PRECISION_V1_BASE_SIZE; /* its functions; agreement_rtol follows */
     case MOERT_KIND_MEMORY_POLICY: return sizeof(moert_memory_policy_v1);

@@ -6,7 +6,7 @@
  * input jitter, force_load_balancing, compute_dtype fp32 and fp64), x in fp32 and bf16, several steps so the expert
  * bias moves; a padded capacity route captured in a CUDA graph. Checked per step: topk_idx equal (a mismatch is allowed only at a near tie of the CPU's
  * selection scores, |a - b| <= 1e-5, and counted), probs (fp32 x: within 1e-4; bf16 x: 2e-2 relative),
- * tokens_per_expert, the losses (1e-4 relative), d_x and d_weight after backward (1e-3 relative to the norm
+ * tokens_per_expert, the losses (1e-4 relative; every other forward defers them to forward_losses), d_x and d_weight after backward (1e-3 relative to the norm
  * of the CPU's increment), the expert bias after end_step; no new cudaMalloc in a steady-state step; the
  * options the CUDA path refuses and its messages. With two GPUs: the bias update all-reduces the counts of
  * both ranks and of every forward since the last end_step. Exits 77 without a GPU or without CUDA.
@@ -233,6 +233,10 @@ static moert_result run_gpu(test_instance *ti, const gpu_rank *g, const step_dat
     int64_t T = d->T, H = d->H, E = d->E, K = d->K;
     size_t es = moert_dtype_size(d->dtype);
     moert_device dev = {MOERT_DEVICE_CUDA, g->device};
+    /* every other forward defers its losses (MOERT_ROUTER_FORWARD_DEFER_LOSSES), as the layers do: both ways are
+     * checked against the CPU */
+    static unsigned forwards;
+    const bool defer = forwards++ % 2 == 1;
     device_step s;
     memset(&s, 0, sizeof s);
     s.x = device_copy(d->x, (size_t)(T * H) * es);
@@ -262,7 +266,8 @@ static moert_result run_gpu(test_instance *ti, const gpu_rank *g, const step_dat
                                     .topk_probs = &tprobs,
                                     .tokens_per_expert = &ttpe,
                                     .losses = &o->losses,
-                                    .seq_length = seq_length};
+                                    .seq_length = seq_length,
+                                    .flags = defer ? MOERT_ROUTER_FORWARD_DEFER_LOSSES : 0u};
     moert_result rc = vt->forward(ti->ctx, g->stream, &fa);
     if (rc != MOERT_OK) {
         device_step_free(&s);
@@ -286,6 +291,13 @@ static moert_result run_gpu(test_instance *ti, const gpu_rank *g, const step_dat
         }
     }
     CUDA_OK(cudaStreamSynchronize((cudaStream_t)g->stream));
+    if (defer) { /* the losses the forward left on the device, now that the stream has passed it */
+        rc = vt->forward_losses(ti->ctx, &o->losses);
+        if (rc != MOERT_OK) {
+            device_step_free(&s);
+            return moert_error(rc, "gpu forward_losses: %s", moert_host_take_error(ti->host));
+        }
+    }
     CUDA_OK(cudaMemcpy(o->idx, s.idx, (size_t)(T * K) * sizeof(int32_t), cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(o->probs, s.probs, (size_t)(T * K) * sizeof(float), cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(o->tpe, s.tpe, (size_t)E * sizeof(int64_t), cudaMemcpyDeviceToHost));

@@ -107,8 +107,8 @@ static void test_refusals(void)
     fixture_path("small-struct", path, sizeof path);
     snprintf(message, sizeof message,
              "router plugin \"fixture-small-struct\" (%s) has a %zu-byte vtable, smaller than the %zu bytes of "
-             "moert_router_v1 (ABI 1.1)",
-             path, sizeof(moert_plugin_header) + 2 * sizeof(void *), sizeof(moert_router_v1));
+             "moert_router_v1 (ABI 1.2)",
+             path, sizeof(moert_plugin_header) + 2 * sizeof(void *), (size_t)MOERT_ROUTER_V1_BASE_SIZE);
     expect_load_error("fixture-small-struct", MOERT_ERR_ABI_MISMATCH, message);
 
     /* a NULL member the core calls is refused by name, not met as a crash at the first step */

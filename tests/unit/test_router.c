@@ -386,6 +386,42 @@ static void sinkhorn_reference(const double *l, int T, int E, double *out)
         for (int e = 0; e < E; e++) out[t * E + e] = d1[e] * exp(l[t * E + e]) * d0[t];
 }
 
+/* MOERT_ROUTER_FORWARD_DEFER_LOSSES: the forward leaves losses unwritten, forward_losses gives the values a plain
+ * forward returns; it refuses a call with no deferring forward before it. */
+static void test_deferred_losses(void)
+{
+    router_case c;
+    route_out plain, deferred;
+    EXPECT_OK(open_router(&c, "{\"z_loss_coeff\": 0.001, \"load_balancing\": \"aux_loss\", \"aux_loss_coeff\": 0.01}",
+                          4, 2, NULL, 0, 1));
+    if (!c.vt) return;
+    EXPECT(c.vt->header.struct_size >= offsetof(moert_router_v1, forward_losses) + sizeof c.vt->forward_losses);
+    EXPECT(c.vt->forward_losses != NULL);
+    EXPECT_OK(route(&c, aux_logits, 3, 0, MOERT_F64, &plain));
+    moert_router_losses taken = {0};
+    EXPECT_EQ_INT(c.vt->forward_losses(c.ti.ctx, &taken), MOERT_ERR_INVALID_ARGUMENT);
+    const char *why = moert_host_take_error(c.ti.host);
+    if (!strstr(why, "did not defer its losses")) {
+        fprintf(stderr, "deferred losses: error \"%s\" lacks \"did not defer its losses\"\n", why);
+        test_failures++;
+    }
+    route_flags = MOERT_ROUTER_FORWARD_DEFER_LOSSES;
+    EXPECT_OK(route(&c, aux_logits, 3, 0, MOERT_F64, &deferred));
+    route_flags = 0;
+    EXPECT_NEAR(deferred.losses.total, 0.0, 0, 0); /* left as route() zeroed it */
+    EXPECT_NEAR(deferred.losses.aux_loss, 0.0, 0, 0);
+    EXPECT_OK(c.vt->forward_losses(c.ti.ctx, &taken));
+    EXPECT(plain.losses.aux_loss > 0.0 && plain.losses.z_loss > 0.0);
+    EXPECT_NEAR(taken.aux_loss, plain.losses.aux_loss, 0, 0);
+    EXPECT_NEAR(taken.z_loss, plain.losses.z_loss, 0, 0);
+    EXPECT_NEAR(taken.total, plain.losses.total, 0, 0);
+    expect_route("deferred losses", &deferred, plain.idx, plain.probs, 3 * 2, 0);
+    /* taken once */
+    EXPECT_EQ_INT(c.vt->forward_losses(c.ti.ctx, &taken), MOERT_ERR_INVALID_ARGUMENT);
+    moert_host_take_error(c.ti.host);
+    test_instance_close(&c.ti);
+}
+
 static void test_sinkhorn(void)
 {
     router_case c;
@@ -958,6 +994,7 @@ int main(void)
     test_aux_loss();
     test_seq_aux_loss();
     test_z_loss();
+    test_deferred_losses();
     test_sinkhorn();
     test_capacity();
     test_pad_to_capacity();

@@ -26,7 +26,7 @@ extern "C" {
 
 /* ABI version: major changes break plugins, minor ones only append. */
 #define MOERT_ABI_MAJOR                 1
-#define MOERT_ABI_MINOR                 1
+#define MOERT_ABI_MINOR                 2
 #define MOERT_ABI_VERSION(major, minor) ((uint32_t)(((uint32_t)(major) << 16) | ((uint32_t)(minor)&0xffffu)))
 #define MOERT_ABI_VERSION_MAJOR(v)      ((uint32_t)(v) >> 16)
 #define MOERT_ABI_VERSION_MINOR(v)      ((uint32_t)(v)&0xffffu)

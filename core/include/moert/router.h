@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Router plugin ABI v1: scores, top-k selection, balancing losses, and their backward. */
+/* Router plugin ABI v1 (1.2 appended forward_losses): scores, top-k selection, balancing losses, and their backward. */
 #ifndef MOERT_ROUTER_H
 #define MOERT_ROUTER_H
 
@@ -31,6 +31,11 @@ typedef struct moert_router_forward_args {
 
 /* An inference forward: no backward follows and training-only noise (input jitter) is off. */
 #define MOERT_ROUTER_FORWARD_INFERENCE (1u << 0)
+/* ABI 1.2, given only to a router whose vtable has forward_losses: the forward may leave *losses unwritten and not
+ * wait on the host for them (their values are on the device until the stream gets there); the caller calls
+ * forward_losses once its stream has passed the forward's work. So the host issues the next work (the dispatcher's
+ * prepare) while the routing still runs, instead of waiting in every forward. */
+#define MOERT_ROUTER_FORWARD_DEFER_LOSSES (1u << 1)
 
 typedef struct moert_router_backward_args {
     uint32_t struct_size;
@@ -55,7 +60,14 @@ typedef struct moert_router_v1 {
     moert_result (*end_step)(void *ctx, moert_stream stream);
     /* The expert bias ([E], fp32 or fp64) or NULL where the router keeps none; for reports and tests. */
     const moert_tensor *(*expert_bias)(void *ctx);
+    /* appended (ABI 1.2; read only where header.struct_size covers it, NULL allowed): the losses of the last forward,
+     * which got MOERT_ROUTER_FORWARD_DEFER_LOSSES, into *losses, and their figures reported; called once the stream
+     * has passed that forward's work (the caller waits for it first), before the next forward. */
+    moert_result (*forward_losses)(void *ctx, moert_router_losses *losses);
 } moert_router_v1;
+
+/* The smallest router vtable the core accepts: the v1 vtable before forward_losses was appended. */
+#define MOERT_ROUTER_V1_BASE_SIZE offsetof(moert_router_v1, forward_losses)
 
 /* The symbol a router plugin exports. */
 #define MOERT_ROUTER_V1_SYMBOL "moert_router_v1"
