@@ -51,16 +51,17 @@ typedef struct moert_parallel_config {
     /* the MoE layers' grid over the ranks (docs/parallel.md): expert_parallel x expert_tensor_parallel x
      * expert_data_parallel = ranks */
     int64_t expert_parallel, expert_tensor_parallel, expert_data_parallel;
-    int device;                 /* 0 auto, 1 cpu, 2 cuda */
-    double timeout_s;           /* a collective waits this long for a stalled peer */
-    int cuda_graph;             /* moert_cuda_graph_mode */
-    bool overlap_wgrad;         /* weight-gradient GEMMs on a second stream beside dispatch_backward */
-    bool defer_wgrad_join;      /* under the overlap: a merged call's WGRADs run on past it (docs/executor.md) */
-    bool overlap_dgrad_first;   /* under the overlap: a merged call's backward issues its expert GEMMs before the
+    int device;                        /* 0 auto, 1 cpu, 2 cuda */
+    double timeout_s;                  /* a collective waits this long for a stalled peer */
+    int cuda_graph;                    /* moert_cuda_graph_mode */
+    bool overlap_wgrad;                /* weight-gradient GEMMs on a second stream beside dispatch_backward */
+    bool defer_wgrad_join;             /* under the overlap: a merged call's WGRADs run on past it (docs/executor.md) */
+    bool overlap_dgrad_first;          /* under the overlap: a merged call's backward issues its expert GEMMs before the
                                    forward's routing (docs/executor.md) */
-    bool shared_expert_overlap; /* the shared expert on a second stream beside the routed experts (GPUs) */
-    bool offload_defer_start;   /* an offloaded activation's copy starts after the next layer's forward */
-    int overlap_micro_batches;  /* moert_overlap_mode: micro-batch i+1's forward merged with i's backward */
+    bool overlap_prepare_after_dgrads; /* under the overlap: ... before the forward's prepare, after its routing */
+    bool shared_expert_overlap;        /* the shared expert on a second stream beside the routed experts (GPUs) */
+    bool offload_defer_start;          /* an offloaded activation's copy starts after the next layer's forward */
+    int overlap_micro_batches;         /* moert_overlap_mode: micro-batch i+1's forward merged with i's backward */
     /* under the overlap on CUDA: SMs the other half's persistent GEMMs leave free while a dispatcher call runs
      * (moert_layer_info.sm_yield); 0: the GEMMs keep every SM */
     int64_t overlap_comm_sms;

@@ -1269,13 +1269,15 @@ moert_result moert_layer_forward(moert_layer *L, const moert_tensor *x, moert_te
     if (L->shared_ffn > 0) MOERT_CHECK(shared_forward_issue(L, x));
     PLUGIN_CALL(L->router, "forward", ROUTER(L)->forward(L->router.ctx, L->stream, &ra));
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_ROUTER));
+    /* the other half's expert GEMMs before the prepare's host wait, which then shares its turn with the dispatch */
+    if (L->overlap_prepare_after_dgrads) yield_point(L);
 
     memset(&L->layout, 0, sizeof L->layout);
     L->layout.struct_size = sizeof L->layout;
     MOERT_CHECK(call_dispatcher(L, CALL_PREPARE, NULL));
     if (etp_on(L)) MOERT_CHECK(etp_gather_counts(L));
     MOERT_CHECK(stage_mark(L, 1 + MOERT_STAGE_PERMUTE));
-    yield_point(L);
+    if (!L->overlap_prepare_after_dgrads) yield_point(L);
 
     MOERT_CHECK(alloc_activation(L, MOERT_ACT_DISPATCHED_X));
     MOERT_CHECK(tensor_alloc(L, &L->recv_probs, L->param_dtype, 1, expert_rows(L), 0, 0));

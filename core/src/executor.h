@@ -128,6 +128,9 @@ typedef struct moert_layer {
     /* $.parallel.overlap_dgrad_first: a merged call's backward does not hand the turn to the forward after combine_bwd,
      * so its expert GEMMs are issued before the forward's routing and prepare wait on the host */
     bool overlap_dgrad_first;
+    /* $.parallel.overlap_prepare_after_dgrads: a merged call's forward hands the turn over after its routing rather
+     * than after its prepare, so the backward's expert GEMMs are issued before the prepare's host wait */
+    bool overlap_prepare_after_dgrads;
     bool in_merged_call;
     bool wgrad_pending;
 

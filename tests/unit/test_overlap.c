@@ -6,7 +6,7 @@
  * the two slots), and recomputed or offloaded activations, the dispatchers alltoall, deepep and hybridep (whose
  * transfers wait on their peers'); each with the merged halves run one after the other (the CPU's way) and issued
  * stage by stage in turn (CUDA's way), also with the backward's expert GEMMs issued before the forward's routing
- * ($.parallel.overlap_dgrad_first). Also: "auto" keeps it off on the CPU, "off" makes no second slot. */
+ * ($.parallel.overlap_dgrad_first) or after its routing and before its prepare ($.parallel.overlap_prepare_after_dgrads). Also: "auto" keeps it off on the CPU, "off" makes no second slot. */
 #include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -24,12 +24,14 @@ typedef struct scenario {
     const char *precision;  /* NULL: bf16 */
     const char *dispatcher; /* NULL: alltoall */
     bool dgrad_first; /* $.parallel.overlap_dgrad_first (the turns of the merged halves issued in another order) */
+    bool prepare_after_dgrads; /* $.parallel.overlap_prepare_after_dgrads (another order again) */
 } scenario;
 
 static const char *config_text =
     "{\"model\": {\"hidden\": 16, \"ffn_hidden\": 12, \"num_experts\": 8, \"topk\": 2, \"num_layers\": %d,"
     " \"dtype\": \"%s\"},"
-    " \"parallel\": {\"ranks\": %d, \"overlap_micro_batches\": \"%s\", \"overlap_dgrad_first\": %s},"
+    " \"parallel\": {\"ranks\": %d, \"overlap_micro_batches\": \"%s\", \"overlap_dgrad_first\": %s,"
+    " \"overlap_prepare_after_dgrads\": %s},"
     " \"train\": {\"tokens_per_rank\": 12, \"micro_batches\": %d, \"seed\": 5, \"lr\": 0.003, \"steps\": 2},"
     " \"router\": %s, \"memory_policy\": %s, \"precision\": %s, \"dispatcher\": {\"plugin\": \"%s\"}}";
 
@@ -37,8 +39,8 @@ static moert_runtime *make(const scenario *sc, const char *mode, moert_config **
 {
     char json[2048];
     snprintf(json, sizeof json, config_text, sc->layers, sc->dtype, sc->ranks, mode, sc->dgrad_first ? "true" : "false",
-             sc->micro, sc->router, sc->memory, sc->precision ? sc->precision : "{\"plugin\": \"bf16\"}",
-             sc->dispatcher ? sc->dispatcher : "alltoall");
+             sc->prepare_after_dgrads ? "true" : "false", sc->micro, sc->router, sc->memory,
+             sc->precision ? sc->precision : "{\"plugin\": \"bf16\"}", sc->dispatcher ? sc->dispatcher : "alltoall");
     moert_runtime *rt = NULL;
     *cfg = NULL;
     EXPECT_OK(moert_config_load_string(json, "overlap-test", cfg));
@@ -140,7 +142,7 @@ static const char *offload = "{\"dispatched_x\": \"offload\", \"fc1_out\": \"kee
 /* "auto" on the CPU and "off" make no second slot; "on" with one micro-batch runs the sequential step. */
 static void test_modes(void)
 {
-    scenario sc = {2, 2, 2, "fp64", bias_router, keep, NULL, NULL, false};
+    scenario sc = {2, 2, 2, "fp64", bias_router, keep, NULL, NULL, false, false};
     moert_config *c = NULL;
     moert_runtime *rt = make(&sc, "auto", &c);
     if (rt) EXPECT(!moert_runtime_overlap_set_interleave(rt, false));
@@ -158,26 +160,31 @@ static void test_modes(void)
 int main(void)
 {
     const scenario scenarios[] = {
-        {2, 2, 2, "fp64", bias_router, keep, NULL, NULL, false},
-        {2, 3, 3, "fp64", global_router, keep, NULL, NULL, false},
-        {4, 2, 4, "fp64", bias_router, keep, NULL, NULL, false},
-        {4, 3, 3, "fp32", bias_router, keep, NULL, NULL, false},
-        {2, 3, 4, "fp32", global_router, keep, NULL, NULL, false},
-        {2, 2, 3, "fp64", bias_router, recompute, NULL, NULL, false},
-        {2, 3, 2, "fp32", bias_router, offload, NULL, NULL, false},
-        {4, 3, 4, "fp64", global_router, offload, NULL, NULL, false},
-        {4, 2, 3, "fp32", bias_router, recompute, NULL, NULL, false},
-        {2, 2, 3, "fp32", bias_router, keep, fp8_delayed, NULL, false},
-        {2, 3, 2, "fp32", global_router, recompute, fp8_current, NULL, false},
+        {2, 2, 2, "fp64", bias_router, keep, NULL, NULL, false, false},
+        {2, 3, 3, "fp64", global_router, keep, NULL, NULL, false, false},
+        {4, 2, 4, "fp64", bias_router, keep, NULL, NULL, false, false},
+        {4, 3, 3, "fp32", bias_router, keep, NULL, NULL, false, false},
+        {2, 3, 4, "fp32", global_router, keep, NULL, NULL, false, false},
+        {2, 2, 3, "fp64", bias_router, recompute, NULL, NULL, false, false},
+        {2, 3, 2, "fp32", bias_router, offload, NULL, NULL, false, false},
+        {4, 3, 4, "fp64", global_router, offload, NULL, NULL, false, false},
+        {4, 2, 3, "fp32", bias_router, recompute, NULL, NULL, false, false},
+        {2, 2, 3, "fp32", bias_router, keep, fp8_delayed, NULL, false, false},
+        {2, 3, 2, "fp32", global_router, recompute, fp8_current, NULL, false, false},
         /* dispatchers whose transfers wait on their peers' (on GPUs their calls of both slots share one stream) */
-        {2, 2, 3, "fp32", bias_router, keep, NULL, "deepep", false},
-        {4, 3, 3, "fp64", global_router, recompute, NULL, "deepep", false},
-        {2, 3, 3, "fp32", bias_router, offload, NULL, "hybridep", false},
-        {4, 2, 4, "fp64", bias_router, keep, NULL, "hybridep", false},
+        {2, 2, 3, "fp32", bias_router, keep, NULL, "deepep", false, false},
+        {4, 3, 3, "fp64", global_router, recompute, NULL, "deepep", false, false},
+        {2, 3, 3, "fp32", bias_router, offload, NULL, "hybridep", false, false},
+        {4, 2, 4, "fp64", bias_router, keep, NULL, "hybridep", false, false},
         /* the backward's expert GEMMs issued before the forward's routing ($.parallel.overlap_dgrad_first) */
-        {2, 2, 3, "fp32", bias_router, keep, NULL, "deepep", true},
-        {4, 3, 4, "fp64", global_router, recompute, NULL, "alltoall", true},
-        {4, 2, 3, "fp32", bias_router, offload, NULL, "hybridep", true},
+        {2, 2, 3, "fp32", bias_router, keep, NULL, "deepep", true, false},
+        {4, 3, 4, "fp64", global_router, recompute, NULL, "alltoall", true, false},
+        {4, 2, 3, "fp32", bias_router, offload, NULL, "hybridep", true, false},
+        /* the backward's expert GEMMs issued after the forward's routing, before its prepare
+         * ($.parallel.overlap_prepare_after_dgrads), alone and with the above */
+        {2, 3, 3, "fp32", bias_router, keep, NULL, "deepep", false, true},
+        {4, 2, 4, "fp64", global_router, recompute, NULL, "alltoall", false, true},
+        {2, 2, 3, "fp64", bias_router, offload, NULL, "hybridep", true, true},
     };
     for (size_t i = 0; i < sizeof scenarios / sizeof scenarios[0]; i++) {
         compare(&scenarios[i], false);
