@@ -639,6 +639,7 @@ static moert_result trace_micro_batch(moert_rank *r, int64_t step, int64_t micro
             const bool slot1 = r->overlap && micro % 2 == 1 && strcmp(spans[i].stream, "dispatcher") != 0;
             const char *stream = !slot1                                ? spans[i].stream
                                  : !strcmp(spans[i].stream, "compute") ? "compute.1"
+                                 : !strcmp(spans[i].stream, "host")    ? "host.1"
                                                                        : "wgrad.1";
             moert_trace_span span = {.name = spans[i].name,
                                      .stream = stream,

@@ -23,6 +23,9 @@ Per rank and step:
             against its stage's span on the compute stream; the difference ("waited") is what the stage spent before
             and after the call itself: under the micro-batch overlap, the other slot's dispatcher calls queued before
             it on the communication stream, and the fences
+  host      from the "host" spans (moert's own, API version 10): the time the host spent in the layers' calls (the
+            union of the spans of every slot's host rows), and in each dispatcher call, summed over layers and
+            micro-batches: where a call holds the host up (on GPUs a dispatcher that waits for its peers' counts)
 With --kernels (a trace of `moert run --trace FILE --trace-kernels`), per rank over every step but the first, per step
 and within each step's window (the merged halves with the overlap, else the step's span):
   kernels   how long the GPU ran no kernel, one, two, three or more at once; per kernel name (the function's own
@@ -97,8 +100,10 @@ def summarize(trace, ranks=None):
     if not spans:
         raise ValueError("the trace holds no spans")
     groups = collections.defaultdict(list)
+    host = collections.defaultdict(list)  # the host's spans: what the host did, not a stream's work
     for e in spans:
-        groups[(e["pid"], e["args"]["step"])].append(e)
+        on_host = names.get((e["pid"], e["tid"]), "").startswith("host")
+        (host if on_host else groups)[(e["pid"], e["args"]["step"])].append(e)
     out = []
     for (rank, step), es in sorted(groups.items()):
         t0 = min(e["ts"] for e in es)
@@ -146,8 +151,24 @@ def summarize(trace, ranks=None):
                     "idle_ms": (t1 - t0) / 1e3 - union_ms(work),
                     "communication_alone_ms": uncovered_ms(call_spans, compute),
                     "streams_ms": {s: union_ms(ivs) for s, ivs in sorted(by_stream.items())},
-                    "dispatcher_calls": {c: v for c, v in calls.items() if v["count"]}})
+                    "dispatcher_calls": {c: v for c, v in calls.items() if v["count"]},
+                    "host": host_figures(host.get((rank, step), []))})
     return out
+
+
+def host_figures(es):
+    """The host's figures of one rank and step from its "host" spans: the union of their time in ms, and per
+    dispatcher call the sum of its spans; None where the trace has no host spans (before API version 10)."""
+    if not es:
+        return None
+    calls = collections.OrderedDict()
+    for e in es:
+        stage = e["name"].split(" ", 1)[1]
+        if stage.startswith("dispatcher."):
+            call = stage.split(".", 1)[1]
+            calls[call] = calls.get(call, 0.0) + e["dur"] / 1e3
+    return {"in_layers_ms": union_ms([(e["ts"], e["ts"] + e["dur"]) for e in es]),
+            "dispatcher_calls_ms": {c: calls[c] for c in CALL_STAGE if c in calls}}
 
 
 def kernels_and_windows(trace, rows):
@@ -343,6 +364,10 @@ def main(argv):
         for c, v in r["dispatcher_calls"].items():
             print("  dispatcher.%-17s x%-3d own %8.2f ms, its stage %8.2f ms, waited %8.2f ms" %
                   (c, v["count"], v["call_ms"], v["stage_ms"], v["stage_ms"] - v["call_ms"]))
+        if r["host"]:
+            h = r["host"]
+            print("  host: in the layers %.2f ms; in dispatcher calls: %s" %
+                  (h["in_layers_ms"], ", ".join("%s %.2f" % kv for kv in h["dispatcher_calls_ms"].items()) or "-"))
     if ks:
         print_kernels(ks, a.top, against)
     if gs:

@@ -57,9 +57,11 @@ static const char *const dispatcher_call_spans[MOERT_DISPATCHER_CALLS] = {
     DISPATCHER_SPAN_PREFIX "combine_backward", DISPATCHER_SPAN_PREFIX "dispatch_backward"};
 #define call_name(call) (dispatcher_call_spans[call] + sizeof DISPATCHER_SPAN_PREFIX - 1)
 
-/* Marks the time on `stream` (a CUDA event, or the wall clock on the CPU). */
+/* Marks the time on `stream` (a CUDA event on GPUs), and on the host's clock where the host reaches the mark. */
 static moert_result mark_on(moert_layer *L, int mark, moert_stream stream)
 {
+    L->mark_seconds[mark] = now_seconds();
+    if (mark == 0) L->host_marks_valid = !L->capturing; /* a forward begins */
 #ifdef MOERT_HAVE_CUDA
     if (L->info.device.type == MOERT_DEVICE_CUDA) {
         if (!L->mark_events[mark]) {
@@ -71,7 +73,6 @@ static moert_result mark_on(moert_layer *L, int mark, moert_stream stream)
     }
 #endif
     (void)stream;
-    L->mark_seconds[mark] = now_seconds();
     return MOERT_OK;
 }
 
@@ -126,6 +127,34 @@ static moert_result mark_offset(const moert_layer *L, const moert_layer *origin,
     return MOERT_OK;
 }
 
+/* One host span from mark `from` to mark `to`, against origin's forward start on the host's clock. */
+static moert_layer_span host_span(const moert_layer *L, const moert_layer *origin, const char *name, int from, int to)
+{
+    return (moert_layer_span){.name = name,
+                              .stream = "host",
+                              .start_s = L->mark_seconds[from] - origin->mark_seconds[0],
+                              .dur_s = L->mark_seconds[to] - L->mark_seconds[from]};
+}
+
+/* The host's spans of the last forward and backward: how long the host took to issue each forward stage, backward
+ * part and dispatcher call, from reaching its begin mark to reaching its end mark (its waits on the host included).
+ * Returns how many it wrote (at most MOERT_LAYER_DEVICE_SPANS). */
+static int host_spans(const moert_layer *L, const moert_layer *origin, moert_layer_span *out)
+{
+    int n = 0;
+    for (int s = 0; s < MOERT_STAGE_COUNT - 1; s++)
+        out[n++] = host_span(L, origin, moert_stage_name((moert_stage)s), s, s + 1);
+    for (int p = 0; p < MOERT_BWD_PART_COUNT; p++)
+        if (L->backward_part_ran[p])
+            out[n++] = host_span(L, origin, moert_backward_part_name((moert_backward_part)p), MARK_FIRST_PART + 2 * p,
+                                 MARK_FIRST_PART + 2 * p + 1);
+    for (int c = 0; c < MOERT_DISPATCHER_CALLS; c++)
+        if (L->dispatcher_call_ran[c])
+            out[n++] =
+                host_span(L, origin, dispatcher_call_spans[c], MARK_FIRST_CALL + 2 * c, MARK_FIRST_CALL + 2 * c + 1);
+    return n;
+}
+
 moert_result moert_layer_spans(const moert_layer *L, const moert_layer *origin, moert_layer_span *out, int *count)
 {
     moert_result rc = MOERT_OK;
@@ -151,6 +180,7 @@ moert_result moert_layer_spans(const moert_layer *L, const moert_layer *origin, 
             .name = dispatcher_call_spans[c], .stream = "dispatcher", .dur_s = L->dispatcher_call_seconds[c]};
         MOERT_CHECK(mark_offset(L, origin, MARK_FIRST_CALL + 2 * c, &sp->start_s));
     }
+    if (L->host_marks_valid && origin->host_marks_valid) n += host_spans(L, origin, out + n);
 fail:
     *count = n;
     return rc;

@@ -181,10 +181,12 @@ typedef struct moert_layer {
     void (*yield)(void *ctx);
     void *yield_ctx;
 
-    /* figures of the last step: stage boundaries are marked with the wall clock on the CPU and with CUDA
-     * events on GPUs (read by moert_layer_collect_times once the step's work is done) */
+    /* figures of the last step: stage boundaries are marked with CUDA events on GPUs (read by
+     * moert_layer_collect_times once the step's work is done), and with the host's clock where the host reaches them
+     * (on the CPU the stages' times, on GPUs the time the host spent issuing each stage: the "host" spans) */
     double mark_seconds[MOERT_LAYER_MARKS];
     moert_event mark_events[MOERT_LAYER_MARKS];
+    bool host_marks_valid; /* mark_seconds are the last forward's and backward's (not a capture's, not replayed) */
     double stage_seconds[MOERT_STAGE_COUNT];
     double backward_part_seconds[MOERT_BWD_PART_COUNT];
     bool backward_part_ran[MOERT_BWD_PART_COUNT];
@@ -224,13 +226,17 @@ moert_result moert_layer_collect_times(moert_layer *L);
  * starting start_s seconds after the forward start of a chosen origin layer. */
 typedef struct moert_layer_span {
     const char *name;   /* moert_stage_name / moert_backward_part_name / "dispatcher.<call>" */
-    const char *stream; /* "compute", "wgrad" for the wgrad parts moved to the second stream (overlap_wgrad), or
-                           "dispatcher" for the dispatcher's calls themselves */
+    const char *stream; /* "compute", "wgrad" for the wgrad parts moved to the second stream (overlap_wgrad),
+                           "dispatcher" for the dispatcher's calls themselves, or "host" for the time the host spent
+                           issuing a stage, part or call (its waits included) */
     double start_s, dur_s;
 } moert_layer_span;
-#define MOERT_LAYER_MAX_SPANS (MOERT_STAGE_COUNT - 1 + MOERT_BWD_PART_COUNT + MOERT_DISPATCHER_CALLS)
+#define MOERT_LAYER_DEVICE_SPANS (MOERT_STAGE_COUNT - 1 + MOERT_BWD_PART_COUNT + MOERT_DISPATCHER_CALLS)
+#define MOERT_LAYER_MAX_SPANS    (2 * MOERT_LAYER_DEVICE_SPANS)
 /* The spans of the last forward and backward (after moert_layer_collect_times), placed against the forward start of
- * `origin` (a layer of the same rank whose marks are of the same micro-batch, e.g. the first layer): for the trace. */
+ * `origin` (a layer of the same rank whose marks are of the same micro-batch, e.g. the first layer): for the trace.
+ * After the streams' spans, the host's ("host"), placed against origin's forward start on the host's clock, where the
+ * host reached the marks of the last forward and backward (none after a CUDA graph's capture or replay). */
 moert_result moert_layer_spans(const moert_layer *L, const moert_layer *origin, moert_layer_span *out, int *count);
 /* Whether the layer's forward and backward can be captured in a CUDA graph and replayed: a CUDA layer whose four
  * plugin instances declare MOERT_CAP_GRAPH_CAPTURABLE (header flags, or host->set_flags) and whose last forward kept

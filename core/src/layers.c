@@ -1868,6 +1868,8 @@ MOERT_API moert_result moert_graph_launch(moert_graph *g, moert_stream stream)
     /* the replayed WGRADs write the expert gradients: a later capture must add to them */
     if (g->writes_grads)
         for (int l = 0; l < m->stack.num_layers; l++) moert_layer_mark_grads_written(&m->stack.layers[l]);
+    /* a replay runs no host code of the layers: they have no host spans until their next eager call */
+    for (int l = 0; l < m->stack.num_layers; l++) m->stack.layers[l].host_marks_valid = false;
     return moert_cuda_graph_launch(g->exec, stream);
 #else
     (void)stream;

@@ -29,10 +29,18 @@ for e in spans:
     per[(e["pid"], e["args"]["step"], e["args"]["micro_batch"], e["args"]["layer"])].append(e)
 keys = {(r, s, m, l) for r in (0, 1) for s in (1, 2, 3) for m in (0, 1) for l in (0, 1)}
 assert set(per) == keys, sorted(set(per) ^ keys)
+host = collections.defaultdict(list)  # the host's spans (API version 10), on their own row
+for k in list(per):
+    host[k] = [e for e in per[k] if names[(e["pid"], e["tid"])] == "host"]
+    per[k] = [e for e in per[k] if names[(e["pid"], e["tid"])] != "host"]
 for k, es in per.items():
     got = [e["name"].split(" ", 1)[1] for e in es]
     for n in stages + parts:
         assert n in got, (k, n, got)
+    # on the CPU the host runs the work: a host span per span of the streams, at the same time
+    hs = {(e["name"], round(e["ts"]), round(e["dur"])) for e in host[k]}
+    assert len(host[k]) == len(es), (k, len(host[k]), len(es))
+    assert hs == {(e["name"], round(e["ts"]), round(e["dur"])) for e in es}, (k, hs)
     fwd = [e for e in es if e["name"].split(" ", 1)[1] in stages]
     for a, b in zip(fwd, fwd[1:]):  # stages back to back
         assert abs(a["ts"] + a["dur"] - b["ts"]) < 1.0, (k, a, b)
@@ -70,8 +78,11 @@ keys = {(r, s, m, l) for r in (0, 1) for s in (1, 2, 3) for m in (0, 1, 2) for l
 assert set(per) == keys, sorted(set(per) ^ keys)
 for k, es in per.items():
     want = "compute.1" if k[2] % 2 else "compute"
-    assert {names[(e["pid"], e["tid"])] for e in es} <= {want, want.replace("compute", "wgrad"), "dispatcher"}, (k, want)
-    assert sum(e["name"].endswith(" dispatcher.dispatch") for e in es) == 1, k
+    assert {names[(e["pid"], e["tid"])] for e in es} <= {want, want.replace("compute", "wgrad"), "dispatcher",
+                                                         want.replace("compute", "host")}, (k, want)
+    assert any(names[(e["pid"], e["tid"])] == want.replace("compute", "host") for e in es), (k, "host spans")
+    assert sum(e["name"].endswith(" dispatcher.dispatch") and not names[(e["pid"], e["tid"])].startswith("host")
+               for e in es) == 1, k
 for (pid, tid), stream in names.items():
     es = sorted((e for e in spans if e["pid"] == pid and e["tid"] == tid), key=lambda e: e["ts"])
     if stream.startswith("compute"):
@@ -96,6 +107,12 @@ for r in rows:
     assert set(r["dispatcher_calls"]) == {"prepare", "dispatch", "combine", "combine_backward", "dispatch_backward"}
     for c, v in r["dispatcher_calls"].items():
         assert v["count"] == 2 * 3 and 0 <= v["call_ms"] <= v["stage_ms"] + 1e-3, (c, v)
+    h = r["host"]  # the host's spans, kept out of the streams' figures above
+    assert h and 0 < h["in_layers_ms"] <= r["span_ms"] + 1e-3, (r, h)
+    assert list(h["dispatcher_calls_ms"]) == list(r["dispatcher_calls"]), h
+    for c, ms in h["dispatcher_calls_ms"].items():  # on the CPU the host runs the call: its time is the call's
+        assert abs(ms - r["dispatcher_calls"][c]["call_ms"]) < 1e-2, (c, ms, r["dispatcher_calls"][c])
+    assert "host" not in r["streams_ms"] and "host.1" not in r["streams_ms"], r["streams_ms"]
 print("trace summary ok")
 PY
 python3 "$src/tools/trace_summary.py" "$tmp/to.json" --ranks 1 >"$tmp/sum.txt" || fail "trace_summary text: exit $?"

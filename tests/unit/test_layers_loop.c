@@ -119,8 +119,25 @@ static void test_residual_and_figures(void)
         EXPECT(spans[i].name && spans[i].stream && spans[i].dur_s >= 0.0);
         if (!strcmp(spans[i].stream, "dispatcher")) dispatcher_calls += !strncmp(spans[i].name, "dispatcher.", 11);
     }
-    EXPECT_EQ_INT(dispatcher_calls, MOERT_LAYER_DISPATCHER_CALLS); /* the five calls' own spans, last */
-    EXPECT(!strcmp(spans[n - 1].stream, "dispatcher"));
+    EXPECT_EQ_INT(dispatcher_calls, MOERT_LAYER_DISPATCHER_CALLS); /* the five calls' own spans */
+    /* then the host's (API version 10): one per span of the streams, in their order; on the CPU, where the host runs
+     * the work, at the same times */
+    EXPECT(n % 2 == 0);
+    const int device_spans = n / 2;
+    EXPECT(!strcmp(spans[device_spans - 1].stream, "dispatcher"));
+    for (int i = 0; i < device_spans; i++) {
+        const moert_span *d = &spans[i], *h = &spans[device_spans + i];
+        EXPECT(!strcmp(h->stream, "host"));
+        EXPECT(!strcmp(h->name, d->name));
+        EXPECT_NEAR(h->start_s, d->start_s, 0, 1e-12);
+        EXPECT_NEAR(h->dur_s, d->dur_s, 0, 1e-12);
+    }
+    /* a caller built before API version 10 passes the capacity it knew and gets the streams' spans first (then as
+     * many of the host's as fit) */
+    const int old_capacity = MOERT_LAYER_STAGES - 1 + MOERT_LAYER_BACKWARD_PARTS + MOERT_LAYER_DISPATCHER_CALLS;
+    EXPECT_OK(moert_layers_spans(a.m, 0, 0, spans, old_capacity, &n));
+    EXPECT_EQ_INT(n, old_capacity);
+    EXPECT(device_spans <= old_capacity && !strcmp(spans[device_spans - 1].stream, "dispatcher"));
     EXPECT_OK(moert_layers_spans(a.m, 0, 0, spans, 2, &n));
     EXPECT_EQ_INT(n, 2);
     EXPECT_OK(moert_layers_release_offloaded(a.m, NULL));

@@ -33,7 +33,7 @@ extern "C" {
  * moert_plugin_description.agreement_rtol. 7: moert_layers_info.slots. 8: the dispatcher calls' own spans in
  * moert_layers_spans (MOERT_LAYERS_MAX_SPANS grew by MOERT_LAYER_DISPATCHER_CALLS). 9: up to
  * $.parallel.forwards_in_flight forwards in flight per layer, and a gradient rebound while forwards are in flight. */
-#define MOERT_API_VERSION 9
+#define MOERT_API_VERSION 10
 MOERT_API int moert_api_version(void);
 
 typedef struct moert_config moert_config;
@@ -329,12 +329,18 @@ MOERT_API const char *moert_layer_activation_name(int activation);
  * "dispatcher.combine", "dispatcher.combine_backward", "dispatcher.dispatch_backward") on stream "dispatcher": on the
  * communication stream under the micro-batch overlap (where a stage's span on "compute" also holds the wait for the
  * other slot's calls queued before it), else inside its stage on the compute stream. A caller built against an
- * older MOERT_LAYERS_MAX_SPANS passes that capacity and gets the spans it knew. */
+ * older MOERT_LAYERS_MAX_SPANS passes that capacity and gets the spans it knew.
+ * API version 10: after those, the host's spans on stream "host": for each forward stage, backward part and
+ * dispatcher call, from the moment the host reached its start to the moment it reached its end, placed against
+ * `origin`'s forward start on the host's clock: how long the host took to issue it, its waits included (on the CPU,
+ * where the host runs the work, the same as the stages' spans). None after a CUDA graph's capture or replay. A caller
+ * built before passes its smaller capacity and gets the streams' spans first, then as many of the host's as fit. */
 #define MOERT_LAYER_DISPATCHER_CALLS 5
-#define MOERT_LAYERS_MAX_SPANS       (MOERT_LAYER_STAGES - 1 + MOERT_LAYER_BACKWARD_PARTS + MOERT_LAYER_DISPATCHER_CALLS)
+#define MOERT_LAYERS_MAX_SPANS                                                                                         \
+    (2 * (MOERT_LAYER_STAGES - 1 + MOERT_LAYER_BACKWARD_PARTS + MOERT_LAYER_DISPATCHER_CALLS))
 typedef struct moert_span {
     const char *name;   /* moert_layer_stage_name / moert_layer_backward_part_name / "dispatcher.<call>" (static) */
-    const char *stream; /* "compute", "wgrad" or "dispatcher" (static) */
+    const char *stream; /* "compute", "wgrad", "dispatcher" or "host" (static) */
     double start_s, dur_s;
 } moert_span;
 MOERT_API moert_result moert_layers_spans(moert_layers *layers, int layer, int origin, moert_span *out, int capacity,
