@@ -33,8 +33,9 @@ and within each step's window (the merged halves with the overlap, else the step
             --against OTHER.json that mean in the other trace and the ratio (e.g. the overlap on against off: how
             much the halves slow each kernel); the pairs of kernels that ran together longest
   gaps      with --gaps: where the GPU ran no kernel, in gaps of --min-gap us (20) or more between one kernel's end
-            and the next one's start, grouped by the stages the compute streams ran at the gap's middle and the
-            kernels before and after it (where the host held the GPU up, e.g. a host synchronization)
+            and the next one's start, grouped by the stages the compute streams ran at the gap's middle, what the
+            host was doing there (its innermost "host" span, e.g. dispatcher.prepare) and the kernels before and
+            after it (where the host held the GPU up, e.g. a host synchronization)
 The step's loss, optimizer and next inputs are not layer spans: the gap between two steps' spans holds them.
 The text ends with the range of the merged halves per layer and micro-batch over every rank and step but the first
 (whose first forward includes the warm-up), the steady state the micro-batch overlap's targets are set for:
@@ -240,10 +241,14 @@ def gap_summary(trace, rows, min_us=20.0, top=12):
     at its middle and the kernels before and after it, per step, longest total first. {rank: {...}}."""
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
              if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    stages = collections.defaultdict(list)
+    stages, host = collections.defaultdict(list), collections.defaultdict(list)
     for e in trace["traceEvents"]:
-        if e.get("ph") == "X" and e.get("cat") != "kernel" and names.get((e["pid"], e["tid"]), "").startswith("compute"):
-            stages[e["pid"]].append((e["ts"], e["ts"] + e["dur"], e["name"].split(" ", 1)[1]))
+        if e.get("ph") != "X" or e.get("cat") == "kernel":
+            continue
+        row = names.get((e["pid"], e["tid"]), "")
+        if row.startswith("compute") or row.startswith("host"):
+            (stages if row.startswith("compute") else host)[e["pid"]].append(
+                (e["ts"], e["ts"] + e["dur"], e["name"].split(" ", 1)[1]))
     out = {}
     for rank, kernels, windows in kernels_and_windows(trace, rows):
         groups = collections.defaultdict(lambda: [0, 0.0])
@@ -255,7 +260,9 @@ def gap_summary(trace, rows, min_us=20.0, top=12):
                 if end is not None and a - end >= min_us:
                     mid = (a + end) / 2
                     running = sorted({n for s0, s1, n in stages[rank] if s0 <= mid <= s1})
-                    key = (",".join(running) or "-", before, name)
+                    # what the host was doing: the innermost of its spans there (a dispatcher call in its stage)
+                    doing = min(((s1 - s0, n) for s0, s1, n in host[rank] if s0 <= mid <= s1), default=(0, "-"))[1]
+                    key = (",".join(running) or "-", doing, before, name)
                     groups[key][0] += 1
                     groups[key][1] += (a - end) / 1e3
                     total += (a - end) / 1e3
@@ -263,7 +270,8 @@ def gap_summary(trace, rows, min_us=20.0, top=12):
                     end, before = b, name
         n = len(windows)
         out[rank] = {"steps": n, "min_gap_us": min_us, "idle_ms": total / n,
-                     "gaps": [{"stages": k[0], "after": k[1], "before": k[2], "count": v[0] / n, "ms": v[1] / n}
+                     "gaps": [{"stages": k[0], "host": k[1], "after": k[2], "before": k[3], "count": v[0] / n,
+                               "ms": v[1] / n}
                               for k, v in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]]}
     return out
 
@@ -274,8 +282,9 @@ def print_gaps(gs):
         print("gaps, rank %d, per step (%d steps): %.2f ms with no kernel in gaps of %g us or more, where:" %
               (rank, r["steps"], r["idle_ms"], r["min_gap_us"]))
         for g in r["gaps"]:
-            print("  %7.3f ms x%-5.1f in %s: after %s, before %s" % (g["ms"], g["count"], g["stages"][:40],
-                                                                   g["after"][:32], g["before"][:32]))
+            print("  %7.3f ms x%-5.1f in %s: after %s, before %s%s" % (
+                g["ms"], g["count"], g["stages"][:40], g["after"][:32], g["before"][:32],
+                "; the host in %s" % g["host"] if g["host"] != "-" else ""))
 
 
 def print_kernels(ks, top, against=None):

@@ -160,13 +160,30 @@ assert k["together"] == [{"names": ["A", "B"], "ms": k["together"][0]["ms"]}] an
 PY
 # --gaps: per step one gap with no kernel, B's end to C's start (150 us), found between B and C
 python3 "$src/tools/trace_summary.py" "$tmp/tk.json" --kernels --gaps --json >"$tmp/gs.json" || fail "trace_summary --gaps"
-python3 - "$tmp/gs.json" <<'PY' || fail "trace_summary --gaps content"
+python3 - "$tmp/gs.json" "$tmp/tk.json" "$tmp/sum.json" <<'PY' || fail "trace_summary --gaps content"
 import json, sys
 g = json.load(open(sys.argv[1]))["gaps"]["0"]
 assert g["steps"] == 2 and abs(g["idle_ms"] - 0.15) < 1e-6, g
 # grouped by the stage running at its middle, which differs from step to step
 assert all(x["after"] == "B" and x["before"] == "C" for x in g["gaps"]), g
 assert abs(sum(x["count"] for x in g["gaps"]) - 1) < 1e-9 and abs(sum(x["ms"] for x in g["gaps"]) - 0.15) < 1e-6, g
+# and by what the host did at its middle: its shortest span there, found here from the trace's host rows
+d = json.load(open(sys.argv[2]))
+names = {(e["pid"], e["tid"]): e["args"]["name"] for e in d["traceEvents"] if e.get("name") == "thread_name"}
+host = [e for e in d["traceEvents"] if e.get("ph") == "X" and e["pid"] == 0
+        and names.get((0, e["tid"]), "").startswith("host")]
+rows = [r for r in json.load(open(sys.argv[3])) if r["rank"] == 0 and r["step"] >= 2]
+want = {}
+for r in rows:
+    mid = r["window_us"][0] + 225.0  # B ends at 150 us, C starts at 300
+    inner = min((e for e in host if e["ts"] <= mid <= e["ts"] + e["dur"]), key=lambda e: e["dur"], default=None)
+    doing = inner["name"].split(" ", 1)[1] if inner else "-"
+    want[doing] = want.get(doing, 0) + 0.5
+got = {}
+for x in g["gaps"]:
+    got[x["host"]] = got.get(x["host"], 0) + x["count"]
+assert got.keys() == want.keys() and all(abs(got[h] - want[h]) < 1e-9 for h in want), (g, want)
+assert any(x["host"] != "-" for x in g["gaps"]), g
 PY
 python3 "$src/tools/trace_summary.py" "$tmp/tk.json" --kernels --gaps --min-gap 200 --json >"$tmp/gs2.json" &&
     python3 -c "import json,sys; g=json.load(open(sys.argv[1]))['gaps']['0']; assert g['idle_ms'] == 0 and not g['gaps'], g" \
