@@ -19,8 +19,8 @@ static void run_usage(FILE *f)
                "  --set KEY=JSON    override any config value, e.g. --set model.num_layers=4 (repeatable)\n"
                "  --report FILE     write every figure of the run as JSON\n"
                "  --trace FILE      write a Chrome trace (Perfetto, chrome://tracing) of every rank's stage\n"
-               "                    spans on its streams over the run (a process per GPU: rank N > 0 writes\n"
-               "                    FILE.rankN)\n"
+               "                    spans on its streams, and the host's time issuing them, over the run (a\n"
+               "                    process per GPU: rank N > 0 writes FILE.rankN)\n"
                "  --trace-kernels   with --trace, every CUDA kernel too, on a row per CUDA stream (CUPTI,\n"
                "                    opened at run time; GPU runs)\n"
                "  --quiet           no progress lines\n");
