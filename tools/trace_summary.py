@@ -39,7 +39,7 @@ and within each step's window (the merged halves with the overlap, else the step
 The step's loss, optimizer and next inputs are not layer spans: the gap between two steps' spans holds them.
 The text ends with the range of the merged halves per layer and micro-batch over every rank and step but the first
 (whose first forward includes the warm-up), the steady state the micro-batch overlap's targets are set for:
-  steady state: 4.66-4.79 ms per layer and micro-batch (merged halves, ranks 0-3, steps 2-4)
+  steady state: 4.50-4.59 ms per layer and micro-batch (merged halves, ranks 0-3, steps 2-4)
 Exit status: 0; 2 bad arguments or trace.
 """
 import argparse
