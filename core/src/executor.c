@@ -34,7 +34,7 @@ const char *moert_backward_part_name(moert_backward_part p)
 static moert_result release_saved(moert_layer *L);
 static int64_t used_rows(const moert_layer *L);
 
-static double now_seconds(void)
+double moert_layer_now_seconds(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -60,7 +60,7 @@ static const char *const dispatcher_call_spans[MOERT_DISPATCHER_CALLS] = {
 /* Marks the time on `stream` (a CUDA event on GPUs), and on the host's clock where the host reaches the mark. */
 static moert_result mark_on(moert_layer *L, int mark, moert_stream stream)
 {
-    L->mark_seconds[mark] = now_seconds();
+    L->mark_seconds[mark] = moert_layer_now_seconds();
     if (mark == 0) L->host_marks_valid = !L->capturing; /* a forward begins */
 #ifdef MOERT_HAVE_CUDA
     if (L->info.device.type == MOERT_DEVICE_CUDA) {

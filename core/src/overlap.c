@@ -7,7 +7,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "error.h"
 #include "host.h"
@@ -319,26 +318,18 @@ typedef struct half {
     const moert_tensor *in;
     moert_tensor *out;
     double loss_scale;
-    int device; /* CUDA ordinal the helper thread makes current, or -1 */
     moert_result rc;
     char error[1024];
 } half;
-
-static double monotonic_seconds(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* Returns once the turn is `me`'s: polls for up to t->spin_s, then sleeps on the condition. */
 static void await_turn(turns *t, int me)
 {
     if (t->spin_s > 0.0) {
-        const double until = monotonic_seconds() + t->spin_s;
+        const double until = moert_layer_now_seconds() + t->spin_s;
         for (unsigned i = 0;; i++) {
             if (atomic_load_explicit(&t->turn, memory_order_acquire) == me) return;
-            if (i % 64 == 63 && monotonic_seconds() > until) break;
+            if (i % 64 == 63 && moert_layer_now_seconds() > until) break;
         }
     }
     pthread_mutex_lock(&t->lock);
@@ -386,9 +377,10 @@ static void run_forward_half(moert_overlap_helper *hp, half *hf)
 {
     await_turn(hf->t, hf->me);
 #ifdef MOERT_HAVE_CUDA
-    if (hf->device >= 0 && hf->device != hp->device) {
-        hf->rc = moert_cuda_set_device(hf->device);
-        hp->device = hf->rc == MOERT_OK ? hf->device : -1;
+    const moert_device dev = hf->L->info.device;
+    if (dev.type == MOERT_DEVICE_CUDA && dev.id != hp->device) {
+        hf->rc = moert_cuda_set_device(dev.id);
+        hp->device = hf->rc == MOERT_OK ? dev.id : -1;
     }
 #endif
     if (hf->rc == MOERT_OK) hf->rc = moert_layer_forward(hf->L, hf->in, hf->out);
@@ -474,9 +466,8 @@ static moert_result run_interleaved(moert_overlap *o, moert_layer *F, const moer
     /* CUDA: poll for the turn for up to 1 ms (a stage's issue takes about that; a core per rank polls meanwhile); the
      * CPU path polls briefly only, its ranks' threads share the cores */
     turns t = {.turn = 0, .spin_s = F->info.device.type == MOERT_DEVICE_CUDA ? 1e-3 : 2e-6};
-    half fwd = {.t = &t, .me = 1, .L = F, .in = x, .out = y, .device = -1};
-    half bwd = {.t = &t, .me = 0, .L = B, .in = d_y, .out = d_x, .loss_scale = loss_scale, .device = -1};
-    if (F->info.device.type == MOERT_DEVICE_CUDA) fwd.device = F->info.device.id;
+    half fwd = {.t = &t, .me = 1, .L = F, .in = x, .out = y};
+    half bwd = {.t = &t, .me = 0, .L = B, .in = d_y, .out = d_x, .loss_scale = loss_scale};
     pthread_mutex_init(&t.lock, NULL);
     pthread_cond_init(&t.changed, NULL);
     F->yield = B->yield = yield_turn;

@@ -756,7 +756,6 @@ static moert_result forward_aux(router_gpu *g, cudaStream_t stream, int64_t T, i
     return MOERT_OK;
 }
 
-/* The loss values: computed on the device, copied to the host with the counts (the one host sync). */
 /* The host's figures of the last forward, whose loss values and kept counts are in the pinned buffers by now:
  * losses (0 where off) and the step report's metrics. */
 static void finish_losses(router_gpu *g, moert_router_losses *losses)
