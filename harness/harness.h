@@ -6,7 +6,17 @@
 #ifndef MOERT_HARNESS_H
 #define MOERT_HARNESS_H
 
+#include <time.h>
+
 #include "moert/moert.h"
+
+/* The host's monotonic clock in seconds: the run's clock, on which the trace places stage spans and kernels alike. */
+static inline double harness_seconds(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 
 /* Calls a function returning moert_result; on failure keeps its message and jumps to fail with rc set. */
 #define HARNESS_CHECK(call)                                                                                            \

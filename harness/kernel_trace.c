@@ -182,13 +182,6 @@ static pthread_mutex_t active_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint8_t *spare_buffers[KERNEL_TRACE_SPARE_BUFFERS];
 static int spare_count;
 
-static double host_seconds(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* Calls a CUPTI function; on failure sets an error naming the call and CUPTI's message and jumps to fail. */
 #define CUPTI_CHECK(kt, call)                                                                                          \
     do {                                                                                                               \
@@ -204,7 +197,7 @@ static double host_seconds(void)
 
 static void CUPTIAPI buffer_requested(uint8_t **buffer, size_t *size, size_t *max_records)
 {
-    const double t0 = host_seconds();
+    const double t0 = harness_seconds();
     pthread_mutex_lock(&active_lock);
     *buffer = spare_count > 0 ? spare_buffers[--spare_count] : NULL;
     moert_kernel_trace *kt = active_trace;
@@ -214,7 +207,7 @@ static void CUPTIAPI buffer_requested(uint8_t **buffer, size_t *size, size_t *ma
     *max_records = 0;
     if (kt) {
         pthread_mutex_lock(&kt->lock);
-        kt->callback_s += host_seconds() - t0;
+        kt->callback_s += harness_seconds() - t0;
         pthread_mutex_unlock(&kt->lock);
     }
 }
@@ -242,7 +235,7 @@ static void keep_kernel(moert_kernel_trace *kt, const CUpti_ActivityKernel10 *k)
 
 static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *buffer, size_t size, size_t valid)
 {
-    const double t0 = host_seconds();
+    const double t0 = harness_seconds();
     pthread_mutex_lock(&active_lock);
     moert_kernel_trace *kt = active_trace;
     if (kt) {
@@ -255,7 +248,7 @@ static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *b
         size_t dropped = 0;
         if (kt->api.dropped && kt->api.dropped(ctx, stream, &dropped) == CUPTI_SUCCESS) kt->dropped += dropped;
         kt->buffers++;
-        kt->callback_s += host_seconds() - t0;
+        kt->callback_s += harness_seconds() - t0;
         pthread_mutex_unlock(&kt->lock);
     }
     if (spare_count < KERNEL_TRACE_SPARE_BUFFERS && size == KERNEL_TRACE_BUFFER_BYTES)
@@ -355,7 +348,7 @@ moert_result moert_kernel_trace_start(moert_kernel_trace **out)
     CUPTI_CHECK(kt, kt->api.register_callbacks(buffer_requested, buffer_completed));
     CUPTI_CHECK(kt, kt->api.enable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL));
     CUPTI_CHECK(kt, kt->api.timestamp(&kt->cupti_start_ns));
-    kt->host_start_s = host_seconds();
+    kt->host_start_s = harness_seconds();
     *out = kt;
     return MOERT_OK;
 fail:
@@ -396,7 +389,7 @@ moert_result moert_kernel_trace_stop(moert_kernel_trace *kt, const moert_kernel_
     CUPTI_CHECK(kt, kt->api.flush_all(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED));
     CUPTI_CHECK(kt, kt->api.disable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL));
     CUPTI_CHECK(kt, kt->api.timestamp(&kt->cupti_stop_ns));
-    kt->host_stop_s = host_seconds();
+    kt->host_stop_s = harness_seconds();
     pthread_mutex_lock(&active_lock);
     active_trace = NULL;
     pthread_mutex_unlock(&active_lock);

@@ -12,6 +12,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "harness.h"
 #include "kernel_trace.h"
 #include "optim.h"
 #include "ranks.h"
@@ -25,13 +26,6 @@
         rc = (call);                                                                                                   \
         if (rc != MOERT_OK) goto fail;                                                                                 \
     } while (0)
-
-static double now_seconds(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* The pinned host memory of the rank's layers' device: page-locked on GPUs, plain on the CPU. */
 static moert_device pinned_device(const moert_rank *r)
@@ -670,7 +664,7 @@ static moert_result micro_batch(moert_rank *r, int64_t step, int64_t micro)
     const double micro_batches = (double)set->micro_batches;
     double step_elems = micro_batches * (double)rt->world * (double)set->tokens_per_rank * (double)set->hidden;
     graph_plan plan = GRAPH_EAGER;
-    double t0 = now_seconds();
+    double t0 = harness_seconds();
 
     CHECK(load_batch(r, step, micro));
     const int form = graph_form(micro);
@@ -692,7 +686,7 @@ static moert_result micro_batch(moert_rank *r, int64_t step, int64_t micro)
     if (plan == GRAPH_EAGER) r->eager_steps++;
     if (r->rank == 0 && plan == GRAPH_CAPTURE) {
         rt->graph_captured_step = step;
-        rt->graph_capture_seconds = now_seconds() - t0;
+        rt->graph_capture_seconds = harness_seconds() - t0;
     }
     if (r->rank == 0 && plan == GRAPH_REPLAY) rt->graph_replays++;
     /* tokens per expert for the report: the router's counts to the host, after the backward (a small copy issued
@@ -789,7 +783,7 @@ static moert_result rank_forward_backward_overlapped(moert_rank *r, int64_t step
         const bool odd = i % 2 == 1;
         moert_tensor *acts = odd ? r->acts1 : r->acts;
         moert_saved **saved = odd ? r->saved1 : r->saved, **prev = odd ? r->saved : r->saved1;
-        started[odd] = now_seconds();
+        started[odd] = harness_seconds();
         CHECK(overlap_load(r, odd, step, i));
         moert_tensor *d_y = &r->grad_a, *d_x = &r->grad_b;
         /* micro-batch i-1's backward: the step's first overwrites the gradients */
@@ -990,13 +984,13 @@ static moert_result rank_train_step(moert_rank *r, int64_t step, moert_step_reco
         return moert_set_last_error(MOERT_ERR_TIMEOUT, "the barrier at the start of step %lld: %s", (long long)step,
                                     why);
     }
-    double t0 = now_seconds();
+    double t0 = harness_seconds();
     CHECK(rank_forward_backward(r, step));
     CHECK(rank_optimizer_step(r, step));
     /* the step ends when its optimizer has run: its time counts here, and another runtime stepped next (moert ab)
      * does not find its first stages sharing the GPU with this step's optimizer */
     CHECK(rank_sync(r));
-    if (r->rank == 0) fill_record(r->rt, step, now_seconds() - t0, rec);
+    if (r->rank == 0) fill_record(r->rt, step, harness_seconds() - t0, rec);
 fail:
     return rc;
 }
@@ -1284,10 +1278,10 @@ moert_result moert_runtime_train(moert_runtime *rt, const moert_train_options *o
         rc = moert_kernel_trace_start(&kernels);
         if (rc != MOERT_OK) return rc;
     }
-    double t0 = now_seconds();
+    double t0 = harness_seconds();
     rt->trace_origin = t0;
     rc = trainer_run_on_ranks(rt, rank_train, &ta);
-    rt->total_seconds = now_seconds() - t0;
+    rt->total_seconds = harness_seconds() - t0;
     char note[160] = "";
     if (rc == MOERT_OK && kernels) {
         rc = trace_kernels_of_ranks(rt, kernels);
