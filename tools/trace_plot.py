@@ -33,11 +33,16 @@ def kernel_kind(name):
     return KERNEL_KINDS[3]
 
 
+def thread_names(trace):
+    """{(pid, tid): row name} of a trace's rows (streams, the host, CUDA streams' kernels)."""
+    return {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+            if e.get("ph") == "M" and e.get("name") == "thread_name"}
+
+
 def kernels_of(trace, t0, t1, ranks):
     """(lanes, spans) of the kernels that start within [t0, t1) us: lanes (rank, row name), spans (lane, start us, dur
     us, kind)."""
-    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    names = thread_names(trace)
     chosen = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "kernel"
               and t0 <= e["ts"] < t1 and (ranks is None or e["pid"] < ranks)]
     lanes = sorted({(e["pid"], names.get((e["pid"], e["tid"]), str(e["tid"]))) for e in chosen},
@@ -50,8 +55,7 @@ def kernels_of(trace, t0, t1, ranks):
 def spans_of(trace, step, ranks, kernels=False):
     """(step, lanes, spans): lanes as (rank, stream name) in order, spans as (lane index, start ms, dur ms, stage or
     kernel kind); with `kernels` the kernels' lanes after the stages'."""
-    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    names = thread_names(trace)
     # the stage spans; kernels (`--trace-kernels`) are for Perfetto and tools/trace_summary.py --kernels
     spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") != "kernel"]
     if not spans:

@@ -92,10 +92,15 @@ def uncovered_ms(intervals, cover):
     return total / 1e3
 
 
+def thread_names(trace):
+    """{(pid, tid): row name} of a trace's rows (streams, the host, CUDA streams' kernels)."""
+    return {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+            if e.get("ph") == "M" and e.get("name") == "thread_name"}
+
+
 def summarize(trace, ranks=None):
     """A list of per rank and step summaries (dicts), in rank and step order."""
-    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    names = thread_names(trace)
     spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") != "kernel"
              and (ranks is None or e["pid"] < ranks)]
     if not spans:
@@ -239,8 +244,7 @@ def gap_summary(trace, rows, min_us=20.0, top=12):
     """Where the GPU ran no kernel, per rank over every step but the first, within each step's window: each gap of at
     least min_us between one kernel's end and the next kernel's start, grouped by the compute streams' stages running
     at its middle and the kernels before and after it, per step, longest total first. {rank: {...}}."""
-    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    names = thread_names(trace)
     stages, host = collections.defaultdict(list), collections.defaultdict(list)
     for e in trace["traceEvents"]:
         if e.get("ph") != "X" or e.get("cat") == "kernel":
