@@ -279,12 +279,13 @@ static moert_result fence(const moert_layer *L, moert_event e, moert_stream s, m
 
 /* Sets the SM-yield word on the communication stream ($.parallel.overlap_comm_sms, CUDA): to the SMs a dispatcher call
  * needs before it (on), so that the other slot's persistent GEMMs leave them free, and back to 0 after it. */
-static moert_result sm_yield_set(const moert_layer *L, const moert_comm_stream *comm, bool on, const char *fn)
+static moert_result sm_yield_set(const moert_layer *L, const moert_comm_stream *comm, moert_stream s, bool on,
+                                 const char *fn)
 {
 #ifdef MOERT_HAVE_CUDA
     const int from = on ? MOERT_SM_YIELD_SMS : MOERT_SM_YIELD_ZERO;
     moert_result rc = moert_cuda_write_word_async(&comm->sm_yield[MOERT_SM_YIELD_WORD], on ? comm->sm_yield_sms : 0,
-                                                  &comm->sm_yield[from], comm->stream);
+                                                  &comm->sm_yield[from], s);
     if (rc != MOERT_OK)
         moert_error_prefix("micro-batch overlap: %s the GEMMs' SM yield %s the dispatcher's %s (layer %d, rank %d)",
                            on ? "setting" : "clearing", on ? "before" : "after", fn, L->info.layer_index,
@@ -293,6 +294,7 @@ static moert_result sm_yield_set(const moert_layer *L, const moert_comm_stream *
 #else
     (void)L;
     (void)comm;
+    (void)s;
     (void)on;
     (void)fn;
     return MOERT_OK;
@@ -307,20 +309,28 @@ static moert_result sm_yield_set(const moert_layer *L, const moert_comm_stream *
  * each other from two streams while a GEMM holds the rest of the GPU. Not while capturing a CUDA graph: the pool keeps
  * only the compute stream's blocks for the graphs, so the calls stay there. With the SM-yield words (comm->sm_yield)
  * the call is bracketed on the communication stream by setting the word the GEMMs read to $.parallel.overlap_comm_sms
- * and back to 0, the latter after a failed call too, so the GEMMs never stay yielding. */
+ * and back to 0, the latter after a failed call too, so the GEMMs never stay yielding. With
+ * $.parallel.overlap_prepare_own_stream (the default) a dispatcher whose header declares MOERT_CAP_PREPARE_OWN_STREAM (its prepare() exchanges the counts through the host, with no peer-waiting
+ * kernel or collective on its stream) gets prepare() on the slot's compute stream instead, bracketed by the SM-yield
+ * words there: its counting kernels and its host wait then follow only the slot's own work, not the other slot's
+ * all-to-all queued before it on the communication stream (the dispatch after it, on the communication stream, is
+ * fenced after the compute stream's work as every call is). */
 static moert_result call_dispatcher(moert_layer *L, dispatcher_call call, const void *args)
 {
     const moert_dispatcher_v1 *d = DISPATCHER(L);
     void *ctx = L->dispatcher.ctx;
+    const moert_comm_stream *yield = L->capturing || !L->comm || !L->comm->sm_yield ? NULL : L->comm;
     const moert_comm_stream *comm = L->capturing ? NULL : L->comm;
+    if (call == CALL_PREPARE && L->overlap_prepare_own_stream && (d->header.flags & MOERT_CAP_PREPARE_OWN_STREAM))
+        comm = NULL;
     const moert_stream s = comm ? comm->stream : L->stream;
     moert_stream before = NULL;
     moert_result rc = MOERT_OK, rc_leave = MOERT_OK;
     if (comm) {
         MOERT_CHECK(fence(L, comm->enter, L->stream, s, "ordering the communication stream before", call_name(call)));
-        if (comm->sm_yield) MOERT_CHECK(sm_yield_set(L, comm, true, call_name(call)));
         before = moert_host_use_stream(L->dispatcher.host, s);
     }
+    if (yield) MOERT_CHECK(sm_yield_set(L, yield, s, true, call_name(call)));
     L->dispatcher_call_ran[call] = false;
     MOERT_CHECK(mark_on(L, MARK_FIRST_CALL + 2 * call, s)); /* the call's own span, on its stream */
     switch (call) {
@@ -332,14 +342,16 @@ static moert_result call_dispatcher(moert_layer *L, dispatcher_call call, const 
     }
     if (rc == MOERT_OK && (rc_leave = mark_on(L, MARK_FIRST_CALL + 2 * call + 1, s)) == MOERT_OK)
         L->dispatcher_call_ran[call] = true;
+    /* after a failure too: the GEMMs get their SMs back, and the compute stream stays ordered after whatever the call
+     * queued (the plugin's message is kept in its host until taken below) */
+    if (yield) {
+        moert_result rc_yield = sm_yield_set(L, yield, s, false, call_name(call));
+        if (rc_leave == MOERT_OK) rc_leave = rc_yield;
+    }
     if (comm) {
         moert_host_use_stream(L->dispatcher.host, before);
-        /* after a failure too: the GEMMs get their SMs back, and the compute stream stays ordered after whatever the
-         * call queued (the plugin's message is kept in its host until taken below) */
-        moert_result rc_yield = comm->sm_yield ? sm_yield_set(L, comm, false, call_name(call)) : MOERT_OK;
         moert_result rc_fence =
             fence(L, comm->leave, s, L->stream, "ordering the compute stream after", call_name(call));
-        if (rc_leave == MOERT_OK) rc_leave = rc_yield;
         if (rc_leave == MOERT_OK) rc_leave = rc_fence;
     }
     if (rc != MOERT_OK) return moert_layer_plugin_failed(L, &L->dispatcher, call_name(call), rc);

@@ -131,6 +131,9 @@ typedef struct moert_layer {
     /* $.parallel.overlap_prepare_after_dgrads: a merged call's forward hands the turn over after its routing rather
      * than after its prepare, so the backward's expert GEMMs are issued before the prepare's host wait */
     bool overlap_prepare_after_dgrads;
+    /* $.parallel.overlap_prepare_own_stream: prepare() of a dispatcher declaring MOERT_CAP_PREPARE_OWN_STREAM runs on
+     * the compute stream under the overlap (call_dispatcher) */
+    bool overlap_prepare_own_stream;
     bool in_merged_call;
     bool wgrad_pending;
 

@@ -229,6 +229,7 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
         L->defer_wgrad_join = cfg->parallel.defer_wgrad_join;
         L->overlap_dgrad_first = cfg->parallel.overlap_dgrad_first;
         L->overlap_prepare_after_dgrads = cfg->parallel.overlap_prepare_after_dgrads;
+        L->overlap_prepare_own_stream = cfg->parallel.overlap_prepare_own_stream;
         L->param_dtype = cfg->model.dtype == MOERT_F64 ? MOERT_F64 : MOERT_F32;
         L->seq_length = cfg->train.seq_length;
         for (int k = 0; k < MOERT_SLOT_COUNT; k++) {

@@ -621,8 +621,9 @@ MOERT_DISPATCHER_V1_EXPORT(deepep_vtable) = {
                            "each destination rank's peer buffer, expanded there by local expert; bf16 or fp8 dispatch",
             .devices = PEER_DISPATCH_DEVICES,
             .dtypes = PEER_DISPATCH_DTYPES,
-            /* on 24 SMs under the overlap (MOERT_LAYER_OVERLAPPED), where it was measured faster */
-            .flags = MOERT_CAP_NEEDS_HOST_SYNC | MOERT_CAP_AUTO_OVERLAP,
+            /* on 24 SMs under the overlap (MOERT_LAYER_OVERLAPPED), where it was measured faster; prepare() counts
+             * with local kernels and exchanges the counts through the host */
+            .flags = MOERT_CAP_NEEDS_HOST_SYNC | MOERT_CAP_AUTO_OVERLAP | MOERT_CAP_PREPARE_OWN_STREAM,
         },
     .init = deepep_init,
     .finalize = deepep_finalize,

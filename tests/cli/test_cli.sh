@@ -29,6 +29,9 @@ run plugins 0 plugins
 expect_match plugins out "^KIND +NAME +VERSION +DEVICES +DTYPES +FLAGS +PATH$"
 expect_match plugins out "^router +topk +[0-9.]+ +[a-z_,]*cpu.* /.*/libmoert-router-topk\.so$"
 expect_match plugins out "^dispatcher +alltoall +[0-9.]+ +[a-z_,]*cpu.* /.*/libmoert-dispatch-alltoall\.so$"
+# the header's flags by name: deepep's prepare may run on the compute stream under the overlap, alltoall's may not
+expect_match plugins out "^dispatcher +deepep +[0-9.]+ +[a-z_,]*cpu.* host_sync,auto_overlap,prepare_own_stream +/.*/libmoert-dispatch-deepep\.so$"
+expect_match plugins out "^dispatcher +alltoall +[0-9.]+ +[a-z_,]*cpu.* host_sync +/.*/libmoert-dispatch-alltoall\.so$"
 expect_match plugins out "^precision +bf16 +[0-9.]+ +[a-z_,]*cpu.* /.*/libmoert-precision-bf16\.so$"
 expect_match plugins out "^memory_policy +default +[0-9.]+ +[a-z_,]*cpu.* /.*/libmoert-memory-default\.so$"
 expect_match plugins out "fixture-bad-abi\.so was built for ABI 2\.0, this moert supports ABI 1\.x$"

@@ -57,8 +57,9 @@ static void check_header(const moert_plugin *p, moert_plugin_kind kind, const ch
     EXPECT(h->devices & MOERT_CAP_DEVICE(MOERT_DEVICE_CPU)); /* every plugin has the CPU reference path */
     EXPECT(h->dtypes != 0);
     EXPECT((h->flags & ~(MOERT_CAP_GRAPH_CAPTURABLE | MOERT_CAP_NEEDS_HOST_SYNC | MOERT_CAP_WGRAD_OVERWRITE |
-                         MOERT_CAP_AUTO_OVERLAP)) == 0);
-    EXPECT(!(h->flags & MOERT_CAP_AUTO_OVERLAP) || kind == MOERT_KIND_DISPATCHER); /* a dispatcher's claim */
+                         MOERT_CAP_AUTO_OVERLAP | MOERT_CAP_PREPARE_OWN_STREAM)) == 0);
+    /* dispatchers' claims */
+    EXPECT(!(h->flags & (MOERT_CAP_AUTO_OVERLAP | MOERT_CAP_PREPARE_OWN_STREAM)) || kind == MOERT_KIND_DISPATCHER);
     for (size_t off = sizeof(moert_plugin_header); off < vtable_size(kind); off += sizeof(void (*)(void))) {
         void (*fn)(void);
         memcpy(&fn, (const char *)h + off, sizeof fn);

@@ -75,6 +75,10 @@ typedef enum moert_log_level {
 /* dispatcher: takes few SMs when its layer runs beside another micro-batch's work (MOERT_LAYER_OVERLAPPED), where the
  * micro-batch overlap was measured faster: $.parallel.overlap_micro_batches "auto" may turn the overlap on for it */
 #define MOERT_CAP_AUTO_OVERLAP (1u << 3)
+/* dispatcher: prepare() launches no kernel that waits on a peer's and no collective on its stream (it exchanges the
+ * counts through the host's collectives), so under the micro-batch overlap the core may call it on the slot's compute
+ * stream rather than the communication stream, where it would wait behind the other slot's all-to-all */
+#define MOERT_CAP_PREPARE_OWN_STREAM (1u << 4)
 
 /* The first member of every vtable. */
 typedef struct moert_plugin_header {
@@ -86,8 +90,8 @@ typedef struct moert_plugin_header {
     const char *description; /* one line */
     uint32_t devices;        /* MOERT_CAP_DEVICE bits */
     uint32_t dtypes;         /* MOERT_CAP_DTYPE bits */
-    uint32_t
-        flags; /* MOERT_CAP_GRAPH_CAPTURABLE, MOERT_CAP_NEEDS_HOST_SYNC, MOERT_CAP_WGRAD_OVERWRITE, MOERT_CAP_AUTO_OVERLAP */
+    uint32_t flags;          /* MOERT_CAP_GRAPH_CAPTURABLE, MOERT_CAP_NEEDS_HOST_SYNC, MOERT_CAP_WGRAD_OVERWRITE,
+                                MOERT_CAP_AUTO_OVERLAP, MOERT_CAP_PREPARE_OWN_STREAM */
 } moert_plugin_header;
 
 /* Marks the one symbol a plugin exports (plugins build with -fvisibility=hidden). */
