@@ -582,7 +582,7 @@ static moert_result parse_parallel(moert_config *cfg, json_t *obj)
                                    "dispatcher prepare, which wait on the host, so the GPU has them to run meanwhile "
                                    "(results are the same either way)",
                                    &p->overlap_dgrad_first));
-    MOERT_CHECK(moert_section_bool(sec, "overlap_prepare_after_dgrads", false,
+    MOERT_CHECK(moert_section_bool(sec, "overlap_prepare_after_dgrads", true,
                                    "under the micro-batch overlap on GPUs: in a merged call the forward hands the turn "
                                    "to the backward after its routing, so the backward's expert GEMMs are issued "
                                    "before the forward's dispatcher prepare waits on the host for every rank's counts; "
