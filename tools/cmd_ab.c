@@ -139,7 +139,7 @@ typedef struct ab_config {
     } model;
     struct {
         int64_t ranks, overlap_wgrad, defer_wgrad_join, overlap_dgrad_first, overlap_prepare_after_dgrads,
-            overlap_prepare_own_stream, overlap_wgrads_after_turn, overlap_comm_sms;
+            overlap_prepare_own_stream, overlap_comm_sms;
         char cuda_graph[16], overlap_micro_batches[16];
     } parallel;
     struct {
@@ -170,7 +170,6 @@ static moert_result read_ab_config(const moert_config *cfg, ab_config *c)
         {"parallel.overlap_dgrad_first", offsetof(ab_config, parallel.overlap_dgrad_first)},
         {"parallel.overlap_prepare_after_dgrads", offsetof(ab_config, parallel.overlap_prepare_after_dgrads)},
         {"parallel.overlap_prepare_own_stream", offsetof(ab_config, parallel.overlap_prepare_own_stream)},
-        {"parallel.overlap_wgrads_after_turn", offsetof(ab_config, parallel.overlap_wgrads_after_turn)},
         {"parallel.overlap_comm_sms", offsetof(ab_config, parallel.overlap_comm_sms)},
         {"train.steps", offsetof(ab_config, train.steps)},
         {"train.tokens_per_rank", offsetof(ab_config, train.tokens_per_rank)},
@@ -740,15 +739,13 @@ static void build_header(const ab_side *a, const ab_side *b, int64_t warmup, int
     const struct {
         const char *key;
         int64_t a, b;
-    } flags[] = {
-        {"overlap_wgrad", ca->parallel.overlap_wgrad, cb->parallel.overlap_wgrad},
-        {"defer_wgrad_join", ca->parallel.defer_wgrad_join, cb->parallel.defer_wgrad_join},
-        {"overlap_dgrad_first", ca->parallel.overlap_dgrad_first, cb->parallel.overlap_dgrad_first},
-        {"overlap_prepare_after_dgrads", ca->parallel.overlap_prepare_after_dgrads,
-         cb->parallel.overlap_prepare_after_dgrads},
-        {"overlap_prepare_own_stream", ca->parallel.overlap_prepare_own_stream,
-         cb->parallel.overlap_prepare_own_stream},
-        {"overlap_wgrads_after_turn", ca->parallel.overlap_wgrads_after_turn, cb->parallel.overlap_wgrads_after_turn}};
+    } flags[] = {{"overlap_wgrad", ca->parallel.overlap_wgrad, cb->parallel.overlap_wgrad},
+                 {"defer_wgrad_join", ca->parallel.defer_wgrad_join, cb->parallel.defer_wgrad_join},
+                 {"overlap_dgrad_first", ca->parallel.overlap_dgrad_first, cb->parallel.overlap_dgrad_first},
+                 {"overlap_prepare_after_dgrads", ca->parallel.overlap_prepare_after_dgrads,
+                  cb->parallel.overlap_prepare_after_dgrads},
+                 {"overlap_prepare_own_stream", ca->parallel.overlap_prepare_own_stream,
+                  cb->parallel.overlap_prepare_own_stream}};
     for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++)
         if (flags[i].a != flags[i].b)
             header_add(h, "differs: parallel.%s: A %s, B %s", flags[i].key, flags[i].a ? "true" : "false",

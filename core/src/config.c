@@ -588,13 +588,6 @@ static moert_result parse_parallel(moert_config *cfg, json_t *obj)
                                    "before the forward's dispatcher prepare waits on the host for every rank's counts; "
                                    "the prepare and the dispatch follow in one turn (results are the same either way)",
                                    &p->overlap_prepare_after_dgrads));
-    MOERT_CHECK(moert_section_bool(sec, "overlap_wgrads_after_turn", false,
-                                   "under the micro-batch overlap on GPUs: in a merged call the backward queues its "
-                                   "weight-gradient GEMMs after it has handed the turn to the forward and issued its "
-                                   "dispatch_backward, rather than before handing the turn over, so the forward's next "
-                                   "stage is issued without waiting for the host to queue them (results are the same "
-                                   "either way)",
-                                   &p->overlap_wgrads_after_turn));
     MOERT_CHECK(moert_section_bool(sec, "overlap_prepare_own_stream", true,
                                    "under the micro-batch overlap on GPUs: a dispatcher whose prepare exchanges its "
                                    "counts through the host (its header declares MOERT_CAP_PREPARE_OWN_STREAM: "
@@ -958,18 +951,17 @@ static json_t *resolved_json(const moert_config *cfg)
                               (json_int_t)m->topk, "num_layers", (json_int_t)m->num_layers, "dtype",
                               moert_dtype_name(m->dtype), "shared_expert_ffn_hidden",
                               (json_int_t)m->shared_expert_ffn_hidden, "shared_expert_gate", m->shared_expert_gate);
-    json_t *parallel =
-        json_pack("{s:I, s:I, s:I, s:I, s:s, s:f, s:s, s:b, s:b, s:b, s:b, s:b, s:b, s:b, s:b, s:s, s:I, s:I}", "ranks",
-                  (json_int_t)p->ranks, "expert_parallel", (json_int_t)p->expert_parallel, "expert_tensor_parallel",
-                  (json_int_t)p->expert_tensor_parallel, "expert_data_parallel", (json_int_t)p->expert_data_parallel,
-                  "device", p->device >= 0 && p->device <= 2 ? devices[p->device] : "auto", "timeout_s", p->timeout_s,
-                  "cuda_graph", moert_cuda_graph_mode_name(p->cuda_graph), "overlap_wgrad", p->overlap_wgrad,
-                  "defer_wgrad_join", p->defer_wgrad_join, "overlap_dgrad_first", p->overlap_dgrad_first,
-                  "overlap_prepare_after_dgrads", p->overlap_prepare_after_dgrads, "overlap_prepare_own_stream",
-                  p->overlap_prepare_own_stream, "overlap_wgrads_after_turn", p->overlap_wgrads_after_turn,
-                  "shared_expert_overlap", p->shared_expert_overlap, "offload_defer_start", p->offload_defer_start,
-                  "overlap_micro_batches", moert_cuda_graph_mode_name(p->overlap_micro_batches), "overlap_comm_sms",
-                  (json_int_t)p->overlap_comm_sms, "forwards_in_flight", (json_int_t)p->forwards_in_flight);
+    json_t *parallel = json_pack(
+        "{s:I, s:I, s:I, s:I, s:s, s:f, s:s, s:b, s:b, s:b, s:b, s:b, s:b, s:b, s:s, s:I, s:I}", "ranks",
+        (json_int_t)p->ranks, "expert_parallel", (json_int_t)p->expert_parallel, "expert_tensor_parallel",
+        (json_int_t)p->expert_tensor_parallel, "expert_data_parallel", (json_int_t)p->expert_data_parallel, "device",
+        p->device >= 0 && p->device <= 2 ? devices[p->device] : "auto", "timeout_s", p->timeout_s, "cuda_graph",
+        moert_cuda_graph_mode_name(p->cuda_graph), "overlap_wgrad", p->overlap_wgrad, "defer_wgrad_join",
+        p->defer_wgrad_join, "overlap_dgrad_first", p->overlap_dgrad_first, "overlap_prepare_after_dgrads",
+        p->overlap_prepare_after_dgrads, "overlap_prepare_own_stream", p->overlap_prepare_own_stream,
+        "shared_expert_overlap", p->shared_expert_overlap, "offload_defer_start", p->offload_defer_start,
+        "overlap_micro_batches", moert_cuda_graph_mode_name(p->overlap_micro_batches), "overlap_comm_sms",
+        (json_int_t)p->overlap_comm_sms, "forwards_in_flight", (json_int_t)p->forwards_in_flight);
     json_t *train = json_pack(
         "{s:I, s:I, s:I, s:I, s:I, s:I, s:f, s:f, s:f, s:f, s:s, s:s}", "steps", (json_int_t)t->steps,
         "tokens_per_rank", (json_int_t)t->tokens_per_rank, "micro_batches", (json_int_t)t->micro_batches, "seq_length",

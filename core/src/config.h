@@ -60,7 +60,6 @@ typedef struct moert_parallel_config {
                                    forward's routing (docs/executor.md) */
     bool overlap_prepare_after_dgrads; /* under the overlap: ... before the forward's prepare, after its routing */
     bool overlap_prepare_own_stream;   /* under the overlap: a host-exchange prepare on the slot's compute stream */
-    bool overlap_wgrads_after_turn;    /* under the overlap: a merged call's WGRADs queued after the turn's hand-over */
     bool shared_expert_overlap;        /* the shared expert on a second stream beside the routed experts (GPUs) */
     bool offload_defer_start;          /* an offloaded activation's copy starts after the next layer's forward */
     int overlap_micro_batches;         /* moert_overlap_mode: micro-batch i+1's forward merged with i's backward */

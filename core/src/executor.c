@@ -1408,21 +1408,6 @@ fail:
     return rc;
 }
 
-/* Queues both WGRADs on the wgrad stream `side` (forked already) and records the join event after them. */
-static moert_result wgrads_issue(moert_layer *L, moert_stream side, const moert_tensor *d_y_expert,
-                                 const moert_tensor *d_fc1)
-{
-    moert_result rc = MOERT_OK;
-    const moert_host *h = L->core_host;
-    MOERT_CHECK(wgrad_on(L, side, MOERT_BWD_FC2_WGRAD, MOERT_GEMM_FC2,
-                         moert_act_store_tensor(&L->acts, MOERT_ACT_SWIGLU_OUT), d_y_expert));
-    MOERT_CHECK(wgrad_on(L, side, MOERT_BWD_FC1_WGRAD, MOERT_GEMM_FC1,
-                         moert_act_store_tensor(&L->acts, MOERT_ACT_DISPATCHED_X), d_fc1));
-    HOST_CALL(h->event_record(h, L->wgrad_join_event, side), "joining the wgrad stream", MOERT_ACT_COUNT);
-fail:
-    return rc;
-}
-
 /* The backward, in the forward's reverse: combine_backward, fc2 dgrad, SwiGLU backward, fc1 dgrad, dispatch_backward,
  * the router's backward. Each wgrad runs after its dgrad, or, with overlap_wgrad, both on the wgrad stream forked after
  * the fc1 dgrad, beside dispatch_backward and the router (docs/executor.md, "Backward overlap"). The tensors the
@@ -1441,7 +1426,6 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
     if (L->overlap_wgrad) MOERT_CHECK(ensure_wgrad_stream(L));
     const bool overlap = L->overlap_wgrad;
     moert_stream side = L->wgrad_stream; /* NULL on the CPU: the wgrads run in order after dispatch_backward */
-    const bool wgrads_after_turn = L->overlap_wgrads_after_turn && L->in_merged_call;
 
     /* reloads not yet issued by a prefetch start now (their buffers allocated on the compute stream, the shared
      * expert's too); each is waited for just before its first use below, or on the shared expert's stream */
@@ -1504,14 +1488,15 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
         moert_act_store_done(&L->acts, MOERT_ACT_DISPATCHED_X);
     } else if (side) {
         /* the wgrads are queued first, so a dispatcher that waits on the host cannot hold them back; the compute
-         * stream has the higher priority, so the dispatcher's kernels still take SMs first as they free up. In a
-         * merged call with $.parallel.overlap_wgrads_after_turn they are queued after the turn's hand-over and the
-         * dispatch_backward instead (below), the fork where it is: the host's time queueing them (a cuBLASLt call
-         * per expert) then no longer holds back the other half's next stage */
+         * stream has the higher priority, so the dispatcher's kernels still take SMs first as they free up */
         HOST_CALL(h->event_record(h, L->wgrad_fork_event, L->stream), "forking the wgrad stream", MOERT_ACT_COUNT);
         HOST_CALL(h->stream_wait_event(h, side, L->wgrad_fork_event), "forking the wgrad stream", MOERT_ACT_COUNT);
         forked = true;
-        if (!wgrads_after_turn) MOERT_CHECK(wgrads_issue(L, side, &d_y_expert, &d_fc1));
+        MOERT_CHECK(wgrad_on(L, side, MOERT_BWD_FC2_WGRAD, MOERT_GEMM_FC2,
+                             moert_act_store_tensor(&L->acts, MOERT_ACT_SWIGLU_OUT), &d_y_expert));
+        MOERT_CHECK(wgrad_on(L, side, MOERT_BWD_FC1_WGRAD, MOERT_GEMM_FC1,
+                             moert_act_store_tensor(&L->acts, MOERT_ACT_DISPATCHED_X), &d_fc1));
+        HOST_CALL(h->event_record(h, L->wgrad_join_event, side), "joining the wgrad stream", MOERT_ACT_COUNT);
     }
     yield_point(L);
 
@@ -1537,7 +1522,6 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
     }
     MOERT_CHECK(call_dispatcher(L, CALL_DISPATCH_BACKWARD, &db));
     MOERT_CHECK(part_end(L, MOERT_BWD_DISPATCH, L->stream));
-    if (forked && wgrads_after_turn) MOERT_CHECK(wgrads_issue(L, side, &d_y_expert, &d_fc1));
 
     MOERT_CHECK(part_begin(L, MOERT_BWD_ROUTER, L->stream));
     moert_router_backward_args rb = {.struct_size = sizeof rb,

@@ -134,9 +134,6 @@ typedef struct moert_layer {
     /* $.parallel.overlap_prepare_own_stream: prepare() of a dispatcher declaring MOERT_CAP_PREPARE_OWN_STREAM runs on
      * the compute stream under the overlap (call_dispatcher) */
     bool overlap_prepare_own_stream;
-    /* $.parallel.overlap_wgrads_after_turn: a merged call's backward queues its WGRADs after handing the turn over and
-     * issuing its dispatch_backward */
-    bool overlap_wgrads_after_turn;
     bool in_merged_call;
     bool wgrad_pending;
 

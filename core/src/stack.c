@@ -230,7 +230,6 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
         L->overlap_dgrad_first = cfg->parallel.overlap_dgrad_first;
         L->overlap_prepare_after_dgrads = cfg->parallel.overlap_prepare_after_dgrads;
         L->overlap_prepare_own_stream = cfg->parallel.overlap_prepare_own_stream;
-        L->overlap_wgrads_after_turn = cfg->parallel.overlap_wgrads_after_turn;
         L->param_dtype = cfg->model.dtype == MOERT_F64 ? MOERT_F64 : MOERT_F32;
         L->seq_length = cfg->train.seq_length;
         for (int k = 0; k < MOERT_SLOT_COUNT; k++) {

@@ -8,8 +8,7 @@
  * whose wgmma kernel then hands its units out and leaves SMs to deepep's calls), and with the bf16 recipe's "gemm": "kernel"
  * (a persistent GEMM holding the other SMs) and 3 micro-batches, where two slots' dispatcher kernels on two streams
  * once stalled a step. Each "on" runs twice: as it is, and with $.parallel.defer_wgrad_join (a merged call's weight
- * gradients left running past it, joined by the last plain backward) and overlap_wgrads_after_turn (queued after the
- * turn's hand-over and the dispatch_backward). The check is bit-identity of every step's loss,
+ * gradients left running past it, joined by the last plain backward). The check is bit-identity of every step's loss,
  * the output and every gradient of layer 0 and 2, unless two "off" runs already differ (a kernel summing with atomics in whatever order the blocks come): then on
  * vs off may differ by 4x that noise (at least 1e-5 of the largest value) and the log says so. Also: "auto" makes no
  * second slot (hybridep, 4 micro-batches, more than one GPU: the overlap is off unless asked for). A stall ends with a message, never a hang: deepep's
@@ -89,8 +88,7 @@ static const char *dispatcher_section(const char *dispatcher, char *buf, size_t 
     return buf;
 }
 
-/* One run; `deferred`: $.parallel.defer_wgrad_join (a merged call's WGRADs run on past it) and
- * $.parallel.overlap_wgrads_after_turn (they are queued after the turn's hand-over). */
+/* One run; `deferred`: $.parallel.defer_wgrad_join (a merged call's WGRADs run on past it). */
 static bool run(int ranks, const char *dispatcher, const char *dtype, const char *precision, int micro_batches,
                 const char *mode, bool deferred, outcome *out)
 {
@@ -98,14 +96,13 @@ static bool run(int ranks, const char *dispatcher, const char *dtype, const char
     snprintf(json, sizeof json,
              "{\"model\": {\"hidden\": 256, \"ffn_hidden\": 128, \"num_experts\": 8, \"topk\": 2, \"num_layers\": 3,"
              " \"dtype\": \"%s\"}, \"parallel\": {\"ranks\": %d, \"device\": \"cuda\", \"overlap_micro_batches\": "
-             "\"%s\", \"defer_wgrad_join\": %s, \"overlap_wgrads_after_turn\": %s, \"timeout_s\": 60}, "
-             "\"train\": {\"tokens_per_rank\": 256, "
+             "\"%s\", \"defer_wgrad_join\": %s, \"timeout_s\": 60}, \"train\": {\"tokens_per_rank\": 256, "
              "\"micro_batches\": %d, \"steps\": %d, \"seed\": 9, \"lr\": 0.001}, \"router\": {\"score_function\": "
              "\"sigmoid\", \"expert_bias\": true, \"bias_update_rate\": 0.01}, \"dispatcher\": %s, \"precision\": %s}",
-             dtype, ranks, mode, deferred ? "true" : "false", deferred ? "true" : "false", micro_batches, STEPS,
+             dtype, ranks, mode, deferred ? "true" : "false", micro_batches, STEPS,
              dispatcher_section(dispatcher, section, sizeof section), precision);
     snprintf(what, sizeof what, "%d GPU(s), %s, %s, %s, %d micro-batches, overlap %s%s", ranks, dispatcher, dtype,
-             precision, micro_batches, mode, deferred ? ", WGRAD joins deferred and queued after the turn" : "");
+             precision, micro_batches, mode, deferred ? ", WGRAD joins deferred" : "");
     moert_config *cfg = NULL;
     moert_runtime *rt = NULL;
     bool ok = false;
