@@ -277,7 +277,7 @@ static moert_result fence(const moert_layer *L, moert_event e, moert_stream s, m
 #endif
 }
 
-/* Sets the SM-yield word on the communication stream ($.parallel.overlap_comm_sms, CUDA): to the SMs a dispatcher call
+/* Sets the SM-yield word on stream s, the dispatcher call's ($.parallel.overlap_comm_sms, CUDA): to the SMs the call
  * needs before it (on), so that the other slot's persistent GEMMs leave them free, and back to 0 after it. */
 static moert_result sm_yield_set(const moert_layer *L, const moert_comm_stream *comm, moert_stream s, bool on,
                                  const char *fn)
@@ -310,11 +310,12 @@ static moert_result sm_yield_set(const moert_layer *L, const moert_comm_stream *
  * only the compute stream's blocks for the graphs, so the calls stay there. With the SM-yield words (comm->sm_yield)
  * the call is bracketed on the communication stream by setting the word the GEMMs read to $.parallel.overlap_comm_sms
  * and back to 0, the latter after a failed call too, so the GEMMs never stay yielding. With
- * $.parallel.overlap_prepare_own_stream (the default) a dispatcher whose header declares MOERT_CAP_PREPARE_OWN_STREAM (its prepare() exchanges the counts through the host, with no peer-waiting
- * kernel or collective on its stream) gets prepare() on the slot's compute stream instead, bracketed by the SM-yield
- * words there: its counting kernels and its host wait then follow only the slot's own work, not the other slot's
- * all-to-all queued before it on the communication stream (the dispatch after it, on the communication stream, is
- * fenced after the compute stream's work as every call is). */
+ * $.parallel.overlap_prepare_own_stream (the default) a dispatcher whose header declares MOERT_CAP_PREPARE_OWN_STREAM
+ * (its prepare() exchanges the counts through the host, with no peer-waiting kernel or collective on its stream) gets
+ * prepare() on the slot's compute stream instead, bracketed by the SM-yield words there: its counting kernels and its
+ * host wait then follow only the slot's own work, not the other slot's all-to-all queued before it on the
+ * communication stream (the dispatch after it, on the communication stream, is fenced after the compute stream's work
+ * as every call is). */
 static moert_result call_dispatcher(moert_layer *L, dispatcher_call call, const void *args)
 {
     const moert_dispatcher_v1 *d = DISPATCHER(L);
