@@ -2,8 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Sums up a `moert run --trace` file per rank and step, as text (or JSON): what overlaps, and where time goes.
 
-    python3 trace_summary.py TRACE.json [--ranks R] [--json] [--kernels [--against OTHER.json] [--top N]
-                             [--gaps [--min-gap US]]]
+    python3 trace_summary.py TRACE.json [--ranks R] [--json] [--host] [--kernels [--against OTHER.json]
+                             [--top N] [--gaps [--min-gap US]]]
 
 Per rank and step:
   span      first span's start to last span's end (every stream): the layers' share of the step
@@ -25,7 +25,9 @@ Per rank and step:
             it on the communication stream, and the fences
   host      from the "host" spans (moert's own, API version 10): the time the host spent in the layers' calls (the
             union of the spans of every slot's host rows), and in each dispatcher call, summed over layers and
-            micro-batches: where a call holds the host up (on GPUs a dispatcher that waits for its peers' counts)
+            micro-batches: where a call holds the host up (on GPUs a dispatcher that waits for its peers' counts);
+            with --host also per stage and backward part, summed over layers and micro-batches, the --top N longest
+            (on GPUs the time the host took to issue each, its waits included: e.g. a cuBLASLt loop's calls)
 With --kernels (a trace of `moert run --trace FILE --trace-kernels`), per rank over every step but the first, per step
 and within each step's window (the merged halves with the overlap, else the step's span):
   kernels   how long the GPU ran no kernel, one, two, three or more at once; per kernel name (the function's own
@@ -37,14 +39,16 @@ and within each step's window (the merged halves with the overlap, else the step
             host was doing there (its innermost "host" span, e.g. dispatcher.prepare) and the kernels before and
             after it (where the host held the GPU up, e.g. a host synchronization)
 The step's loss, optimizer and next inputs are not layer spans: the gap between two steps' spans holds them.
-The text ends with the range of the merged halves per layer and micro-batch over every rank and step but the first
-(whose first forward includes the warm-up), the steady state the micro-batch overlap's targets are set for:
-  steady state: 4.50-4.59 ms per layer and micro-batch (merged halves, ranks 0-3, steps 2-4)
+The text ends with the range and the median of the merged halves per layer and micro-batch over every rank and step
+but the first (whose first forward includes the warm-up), the steady state the micro-batch overlap's targets are set
+for:
+  steady state: 4.41-4.52 ms per layer and micro-batch, median 4.44 (merged halves, ranks 0-1, steps 2-4)
 Exit status: 0; 2 bad arguments or trace.
 """
 import argparse
 import collections
 import json
+import statistics
 import sys
 
 # each dispatcher call and the stage (forward) or backward part it runs in
@@ -163,18 +167,23 @@ def summarize(trace, ranks=None):
 
 
 def host_figures(es):
-    """The host's figures of one rank and step from its "host" spans: the union of their time in ms, and per
-    dispatcher call the sum of its spans; None where the trace has no host spans (before API version 10)."""
+    """The host's figures of one rank and step from its "host" spans: the union of their time in ms, per dispatcher
+    call the sum of its spans, and per stage or backward part (dispatcher calls included) the sum of its spans and
+    their count; None where the trace has no host spans (before API version 10)."""
     if not es:
         return None
     calls = collections.OrderedDict()
+    stages = collections.defaultdict(lambda: {"ms": 0.0, "count": 0})
     for e in es:
         stage = e["name"].split(" ", 1)[1]
+        stages[stage]["ms"] += e["dur"] / 1e3
+        stages[stage]["count"] += 1
         if stage.startswith("dispatcher."):
             call = stage.split(".", 1)[1]
             calls[call] = calls.get(call, 0.0) + e["dur"] / 1e3
     return {"in_layers_ms": union_ms([(e["ts"], e["ts"] + e["dur"]) for e in es]),
-            "dispatcher_calls_ms": {c: calls[c] for c in CALL_STAGE if c in calls}}
+            "dispatcher_calls_ms": {c: calls[c] for c in CALL_STAGE if c in calls},
+            "stages": dict(sorted(stages.items(), key=lambda kv: -kv[1]["ms"]))}
 
 
 def kernels_and_windows(trace, rows):
@@ -314,14 +323,15 @@ def print_kernels(ks, top, against=None):
 
 
 def steady_state(rows):
-    """The merged halves per layer and micro-batch over every rank and every step but the first: (min, max, ranks,
-    steps), or None without the overlap's merged halves."""
+    """The merged halves per layer and micro-batch over every rank and every step but the first: (min, max, median,
+    ranks, steps), or None without the overlap's merged halves."""
     first = min((r["step"] for r in rows), default=None)
     kept = [r for r in rows if r["merged"] and r["step"] != first]
     if not kept:
         return None
     per = [r["merged"]["per_layer_micro_batch_ms"] for r in kept]
-    return min(per), max(per), sorted({r["rank"] for r in kept}), sorted({r["step"] for r in kept})
+    return (min(per), max(per), statistics.median(per), sorted({r["rank"] for r in kept}),
+            sorted({r["step"] for r in kept}))
 
 
 def span_text(values):
@@ -334,11 +344,14 @@ def main(argv):
     ap.add_argument("trace")
     ap.add_argument("--ranks", type=int, default=None, help="the first R ranks only")
     ap.add_argument("--json", action="store_true", help="print the summaries as JSON")
+    ap.add_argument("--host", action="store_true",
+                    help="the host's time per stage and backward part too, the --top N longest per rank and step")
     ap.add_argument("--kernels", action="store_true",
                     help="the kernels of a `moert run --trace-kernels` trace too (after the steps)")
     ap.add_argument("--against", metavar="TRACE", default=None,
                     help="with --kernels: each kernel's mean call in another kernel trace too (e.g. the overlap off)")
-    ap.add_argument("--top", type=int, default=12, help="with --kernels: the kernels listed per rank")
+    ap.add_argument("--top", type=int, default=12,
+                    help="with --kernels: the kernels listed per rank; with --host: the stages listed per step")
     ap.add_argument("--gaps", action="store_true",
                     help="with --kernels: where the GPU ran no kernel (gaps of --min-gap us or more), by stage")
     ap.add_argument("--min-gap", type=float, default=20.0, help="with --gaps: the shortest gap counted, us (20)")
@@ -381,15 +394,18 @@ def main(argv):
             h = r["host"]
             print("  host: in the layers %.2f ms; in dispatcher calls: %s" %
                   (h["in_layers_ms"], ", ".join("%s %.2f" % kv for kv in h["dispatcher_calls_ms"].items()) or "-"))
+            if a.host:
+                print("  host per stage: %s" % ", ".join("%s %.2f ms x%d" % (st, v["ms"], v["count"])
+                                                         for st, v in list(h["stages"].items())[:a.top]))
     if ks:
         print_kernels(ks, a.top, against)
     if gs:
         print_gaps(gs)
     steady = steady_state(rows)
     if steady:
-        lo, hi, ranks, steps = steady
-        print("steady state: %.2f-%.2f ms per layer and micro-batch (merged halves, ranks %s, steps %s)" %
-              (lo, hi, span_text(ranks), span_text(steps)))
+        lo, hi, median, ranks, steps = steady
+        print("steady state: %.2f-%.2f ms per layer and micro-batch, median %.2f (merged halves, ranks %s, steps %s)" %
+              (lo, hi, median, span_text(ranks), span_text(steps)))
     return 0
 
 

@@ -115,14 +115,46 @@ for r in rows:
     assert "host" not in r["streams_ms"] and "host.1" not in r["streams_ms"], r["streams_ms"]
 print("trace summary ok")
 PY
+# the host's time per stage (--host): on the CPU the host runs each stage, so a stage's host time summed over layers
+# and micro-batches is the sum of its spans on the streams (and the dispatcher row), as read here from the trace
+python3 - "$tmp/sum.json" "$tmp/to.json" <<'PY' || fail "trace_summary host per stage"
+import collections, json, sys
+rows = json.load(open(sys.argv[1]))
+d = json.load(open(sys.argv[2]))
+names = {(e["pid"], e["tid"]): e["args"]["name"] for e in d["traceEvents"] if e.get("ph") == "M" and e.get("name") == "thread_name"}
+want = collections.defaultdict(float)
+for e in d["traceEvents"]:
+    if e.get("ph") == "X" and e.get("cat") != "kernel" and not names[(e["pid"], e["tid"])].startswith("host"):
+        want[(e["pid"], e["args"]["step"], e["name"].split(" ", 1)[1])] += e["dur"] / 1e3
+for r in rows:
+    st = r["host"]["stages"]
+    assert {"router", "fc1", "fc2_wgrad", "dispatcher.prepare"} <= set(st), st
+    ms = [v["ms"] for v in st.values()]
+    assert ms == sorted(ms, reverse=True), st  # longest first
+    for stage, v in st.items():
+        assert v["count"] > 0 and abs(v["ms"] - want[(r["rank"], r["step"], stage)]) < 1e-2, (r["rank"], stage, v)
+print("host per stage ok")
+PY
+python3 "$src/tools/trace_summary.py" "$tmp/to.json" --ranks 1 --host --top 3 >"$tmp/host.txt" ||
+    fail "trace_summary --host: exit $?"
+python3 - "$tmp/sum.json" "$tmp/host.txt" <<'PY' || fail "trace_summary --host text"
+import json, sys
+first = [r for r in json.load(open(sys.argv[1])) if r["rank"] == 0][0]
+top = list(first["host"]["stages"].items())[:3]
+want = "  host per stage: " + ", ".join("%s %.2f ms x%d" % (s, v["ms"], v["count"]) for s, v in top)
+lines = [l for l in open(sys.argv[2]).read().splitlines() if l.startswith("  host per stage: ")]
+assert len(lines) == 3 and lines[0] == want, (lines, want)  # one per step of rank 0, the 3 longest
+PY
 python3 "$src/tools/trace_summary.py" "$tmp/to.json" --ranks 1 >"$tmp/sum.txt" || fail "trace_summary text: exit $?"
 grep -q "dispatcher.dispatch " "$tmp/sum.txt" || fail "trace_summary text"
 # the last line: the range of the merged halves per layer and micro-batch over steps 2-3 of rank 0, as in the JSON
 python3 - "$tmp/sum.json" "$tmp/sum.txt" <<'PY' || fail "trace_summary steady state"
 import json, sys
 rows = [r for r in json.load(open(sys.argv[1])) if r["rank"] == 0 and r["step"] >= 2]
-per = [r["merged"]["per_layer_micro_batch_ms"] for r in rows]
-want = "steady state: %.2f-%.2f ms per layer and micro-batch (merged halves, ranks 0, steps 2-3)" % (min(per), max(per))
+per = sorted(r["merged"]["per_layer_micro_batch_ms"] for r in rows)
+median = per[len(per) // 2] if len(per) % 2 else (per[len(per) // 2 - 1] + per[len(per) // 2]) / 2
+want = ("steady state: %.2f-%.2f ms per layer and micro-batch, median %.2f (merged halves, ranks 0, steps 2-3)" %
+        (per[0], per[-1], median))
 last = open(sys.argv[2]).read().splitlines()[-1]
 assert last == want, (last, want)
 PY
