@@ -199,6 +199,87 @@ static void check_pool(void)
     moert_cuda_pool_destroy(pool);
 }
 
+/* Under memory pressure (cudaMalloc fails): a block freed on s1 while s1's work is still queued serves s2 behind a
+ * stream wait for that work, and a cached block of a larger class (at most twice the size) serves a smaller request,
+ * instead of the cache being released (which would wait on the host for all of it and cudaMalloc it again). The
+ * device is filled outside the pool first, then given back. */
+static void check_pool_pressure(void)
+{
+    moert_cuda_pool *pool = NULL;
+    moert_stream s1 = NULL, s2 = NULL;
+    moert_cuda_pool_stats st;
+    EXPECT_OK(moert_cuda_pool_create(0, &pool));
+    EXPECT_OK(moert_cuda_stream_create(0, &s1));
+    EXPECT_OK(moert_cuda_stream_create(0, &s2));
+    if (!pool || !s1 || !s2) return;
+    const size_t size = 8u << 20;
+    void *a = NULL, *b = NULL, *c = NULL, *fill[64];
+    int filled = 0;
+    EXPECT_OK(moert_cuda_pool_alloc(pool, size, s1, &a));
+    atomic_store(&gate_open, 0);
+    pthread_t watchdog;
+    pthread_create(&watchdog, NULL, gate_watchdog, NULL);
+    EXPECT(cudaLaunchHostFunc((cudaStream_t)s1, hold_stream, NULL) == cudaSuccess);
+    EXPECT_OK(moert_cuda_pool_free(pool, a, s1)); /* its event behind the held host function */
+    size_t free_bytes = 0, total_bytes = 0;
+    EXPECT(cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess);
+    for (size_t chunk = free_bytes; chunk >= (1u << 20) && filled < 64;) {
+        if (cudaMalloc(&fill[filled], chunk) == cudaSuccess)
+            filled++;
+        else
+            (void)cudaGetLastError(), chunk /= 2;
+    }
+    void *probe = NULL;
+    const bool full = cudaMalloc(&probe, size) != cudaSuccess;
+    (void)cudaGetLastError();
+    if (!full) (void)cudaFree(probe);
+    EXPECT(full);
+    moert_cuda_pool_get_stats(pool, &st);
+    const moert_cuda_pool_stats before = st;
+    EXPECT_OK(moert_cuda_pool_alloc(pool, size, s2, &b));
+    moert_cuda_pool_get_stats(pool, &st);
+    EXPECT(b == a); /* the pending block, not a released and re-made one */
+    EXPECT_EQ_INT(st.pressure_reuse_count, before.pressure_reuse_count + 1);
+    EXPECT_EQ_INT(st.oom_retry_count, before.oom_retry_count);
+    EXPECT_EQ_INT(st.cuda_free_count, before.cuda_free_count);
+    EXPECT_EQ_INT(st.bytes_reserved, before.bytes_reserved);
+    /* s2 now runs after s1's held work: an event recorded on s2 completes only once s1 is let go */
+    cudaEvent_t after = NULL;
+    EXPECT(cudaEventCreateWithFlags(&after, cudaEventDisableTiming) == cudaSuccess);
+    EXPECT(cudaEventRecord(after, (cudaStream_t)s2) == cudaSuccess);
+    usleep(20000);
+    EXPECT(cudaEventQuery(after) == cudaErrorNotReady);
+    (void)cudaGetLastError();
+    atomic_store(&gate_open, 1);
+    pthread_join(watchdog, NULL);
+    EXPECT_OK(moert_cuda_stream_synchronize(s2));
+    EXPECT(cudaEventQuery(after) == cudaSuccess);
+    (void)cudaEventDestroy(after);
+    /* a 5 MiB request, none of its class cached: the 8 MiB block serves it */
+    EXPECT_OK(moert_cuda_pool_free(pool, b, s2));
+    EXPECT_OK(moert_cuda_pool_alloc(pool, 5u << 20, s1, &c));
+    moert_cuda_pool_get_stats(pool, &st);
+    EXPECT(c == a);
+    EXPECT_EQ_INT(st.pressure_reuse_count, before.pressure_reuse_count + 2);
+    EXPECT_EQ_INT(st.bytes_in_use, size);
+    EXPECT_OK(moert_cuda_pool_free(pool, c, s1));
+    /* more than twice the size is not taken: a 3 MiB request releases the cache as before */
+    void *d = NULL;
+    moert_result rc = moert_cuda_pool_alloc(pool, 3u << 20, s1, &d);
+    moert_cuda_pool_get_stats(pool, &st);
+    EXPECT_EQ_INT(st.pressure_reuse_count, before.pressure_reuse_count + 2);
+    EXPECT_EQ_INT(st.oom_retry_count, before.oom_retry_count + 1);
+    EXPECT_OK(rc); /* the released 8 MiB make room */
+    if (rc == MOERT_OK) EXPECT_OK(moert_cuda_pool_free(pool, d, s1));
+    for (int i = 0; i < filled; i++) (void)cudaFree(fill[i]);
+    EXPECT(cudaGetLastError() == cudaSuccess);
+    moert_cuda_pool_forget_stream(pool, s1);
+    moert_cuda_pool_forget_stream(pool, s2);
+    moert_cuda_stream_destroy(s1);
+    moert_cuda_stream_destroy(s2);
+    moert_cuda_pool_destroy(pool);
+}
+
 /* ---- pinned memory and copies ---- */
 
 static void check_pinned_copies(void)
@@ -488,6 +569,7 @@ int main(void)
     check_devices(count);
     check_round_sizes();
     check_pool();
+    check_pool_pressure();
     check_pinned_copies();
     if (count >= 2)
         check_nccl_threads(count);

@@ -72,6 +72,15 @@ static bool size_class_of(size_t bytes, int *index, size_t *class_size)
     return true;
 }
 
+/* The size of class `index` (size_class_of's inverse). */
+static size_t class_size_at(int index)
+{
+    const int pow2_classes = POOL_POW2_MAX_SHIFT - POOL_MIN_SHIFT + 1;
+    if (index < pow2_classes) return (size_t)1 << (index + POOL_MIN_SHIFT);
+    const int k = index - pow2_classes;
+    return (size_t)(4 + k % 4) << (POOL_POW2_MAX_SHIFT + k / 4 - 2);
+}
+
 size_t moert_cuda_pool_round_size(size_t bytes)
 {
     int index;
@@ -155,6 +164,37 @@ static pool_block *take_cached(moert_cuda_pool *pool, int index, cudaStream_t st
         b->free_next = NULL;
     }
     return b;
+}
+
+/* Under memory pressure (cudaMalloc failed): a cached block for a request of class `index` on `stream` without
+ * releasing the cache, which would wait on the host for every cached block's work and leave the next steps to
+ * cudaMalloc it all again. First one of the class itself freed on another stream whose work is still pending,
+ * handed over behind a stream wait for it (cudaStreamWaitEvent: `stream` runs after that work, the host does not
+ * wait); then one of a larger class, at most twice the size: reusable at once (take_cached), else the same way.
+ * NULL while `stream` is capturing a graph (a wait on an event recorded outside the capture is not allowed there), or
+ * if no such block is cached. Caller holds the mutex and has the pool's device current. */
+static pool_block *take_under_pressure(moert_cuda_pool *pool, int index, size_t class_size, cudaStream_t stream)
+{
+    enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    for (int c = index; c < POOL_CLASS_COUNT && class_size_at(c) <= 2 * class_size; c++) {
+        pool_block *b = pool->free_lists[c];
+        if (!b) continue;
+        pool_block *ready = c > index ? take_cached(pool, c, stream) : NULL;
+        if (ready) return ready;
+        if (cudaStreamWaitEvent(stream, b->event, 0) != cudaSuccess) {
+            moert_log(MOERT_LOG_WARN, "CUDA pool on device %d: cudaStreamWaitEvent: %s", pool->device,
+                      cudaGetErrorString(cudaGetLastError()));
+            return NULL;
+        }
+        pool->free_lists[c] = b->free_next;
+        b->free_next = NULL;
+        return b;
+    }
+    return NULL;
 }
 
 /* Gives every cached block back to CUDA once its pending work is done. Caller holds the mutex and has the
@@ -255,6 +295,16 @@ moert_result moert_cuda_pool_alloc(moert_cuda_pool *pool, size_t bytes, moert_st
     cudaError_t err = cudaMalloc(&ptr, size);
     if (err == cudaErrorMemoryAllocation) {
         (void)cudaGetLastError();
+        b = take_under_pressure(pool, index, size, (cudaStream_t)stream);
+        if (b) {
+            if (recording) reserve_block(pool, b);
+            pool->stats.pressure_reuse_count++;
+            pool->stats.cached_blocks--;
+            pool->stats.bytes_cached -= b->size;
+            mark_live(pool, b, bytes);
+            *out = b->ptr;
+            goto exit;
+        }
         size_t released = release_cached(pool);
         pool->stats.oom_retry_count++;
         err = cudaMalloc(&ptr, size);

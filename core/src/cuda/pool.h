@@ -7,7 +7,9 @@
  *
  * Stream-ordered safety: a block is freed "on" the stream that last used it (work may still be queued there).
  * It is handed out again at once to a request on that same stream (stream order makes that safe); to a
- * request on another stream only once the event recorded at the free has completed. If several streams used
+ * request on another stream only once the event recorded at the free has completed, or, when cudaMalloc fails,
+ * behind a wait of the requesting stream for that event (and a larger cached block, up to twice the size, may serve
+ * then), before the cache is released. If several streams used
  * a block, make the freeing stream wait for the others first. Before destroying a stream that freed blocks,
  * call moert_cuda_pool_forget_stream (a new stream could otherwise get the same handle).
  *
@@ -38,6 +40,9 @@ typedef struct moert_cuda_pool_stats {
     uint64_t cuda_malloc_count; /* successful cudaMalloc calls */
     uint64_t cuda_free_count;   /* cudaFree calls (trim, out-of-memory retry, destroy) */
     uint64_t oom_retry_count;   /* cudaMalloc failures answered by releasing the cache and retrying */
+    /* cudaMalloc failures answered without releasing the cache: a cached block freed on another stream, behind a
+     * stream wait for its pending work, or of a larger class (at most twice the size) */
+    uint64_t pressure_reuse_count;
 } moert_cuda_pool_stats;
 
 moert_result moert_cuda_pool_create(int device, moert_cuda_pool **out);
