@@ -27,7 +27,9 @@ Per rank and step:
             union of the spans of every slot's host rows), and in each dispatcher call, summed over layers and
             micro-batches: where a call holds the host up (on GPUs a dispatcher that waits for its peers' counts);
             with --host also per stage and backward part, summed over layers and micro-batches, the --top N longest
-            (on GPUs the time the host took to issue each, its waits included: e.g. a cuBLASLt loop's calls)
+            (on GPUs the time the host took to issue each, its waits included: e.g. a cuBLASLt loop's calls), and
+            after the steps, per rank over every step but the first, each one's mean per call (one layer and
+            micro-batch)
 With --kernels (a trace of `moert run --trace FILE --trace-kernels`), per rank over every step but the first, per step
 and within each step's window (the merged halves with the overlap, else the step's span):
   kernels   how long the GPU ran no kernel, one, two, three or more at once; per kernel name (the function's own
@@ -334,6 +336,21 @@ def steady_state(rows):
             sorted({r["step"] for r in kept}))
 
 
+def host_means(rows):
+    """Per rank, over every step but the first: each stage's host time per call (a call: one layer and micro-batch),
+    longest first, as {rank: [(stage, mean ms, calls)]}; empty without host spans."""
+    first = min((r["step"] for r in rows), default=None)
+    sums = collections.defaultdict(lambda: collections.defaultdict(lambda: [0.0, 0]))
+    for r in rows:
+        if r["step"] == first or not r["host"]:
+            continue
+        for stage, v in r["host"]["stages"].items():
+            sums[r["rank"]][stage][0] += v["ms"]
+            sums[r["rank"]][stage][1] += v["count"]
+    return {rank: sorted(((st, ms / n, n) for st, (ms, n) in per.items()), key=lambda x: -x[1])
+            for rank, per in sorted(sums.items())}
+
+
 def span_text(values):
     """'0-3' for 0, 1, 2, 3; '2' for one value."""
     return "%d" % values[0] if len(values) == 1 else "%d-%d" % (values[0], values[-1])
@@ -397,6 +414,10 @@ def main(argv):
             if a.host:
                 print("  host per stage: %s" % ", ".join("%s %.2f ms x%d" % (st, v["ms"], v["count"])
                                                          for st, v in list(h["stages"].items())[:a.top]))
+    if a.host:
+        for rank, means in host_means(rows).items():
+            print("host per call, rank %d, every step but the first: %s" %
+                  (rank, ", ".join("%s %.3f ms x%d" % m for m in means[:a.top])))
     if ks:
         print_kernels(ks, a.top, against)
     if gs:

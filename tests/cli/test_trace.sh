@@ -144,6 +144,17 @@ top = list(first["host"]["stages"].items())[:3]
 want = "  host per stage: " + ", ".join("%s %.2f ms x%d" % (s, v["ms"], v["count"]) for s, v in top)
 lines = [l for l in open(sys.argv[2]).read().splitlines() if l.startswith("  host per stage: ")]
 assert len(lines) == 3 and lines[0] == want, (lines, want)  # one per step of rank 0, the 3 longest
+# after the steps: per call over steps 2-3, the longest first
+rows = [r for r in json.load(open(sys.argv[1])) if r["rank"] == 0 and r["step"] >= 2]
+means = {}
+for st in rows[0]["host"]["stages"]:
+    ms = sum(r["host"]["stages"][st]["ms"] for r in rows)
+    n = sum(r["host"]["stages"][st]["count"] for r in rows)
+    means[st] = (ms / n, n)
+top = sorted(means.items(), key=lambda kv: -kv[1][0])[:3]
+want = "host per call, rank 0, every step but the first: " + ", ".join("%s %.3f ms x%d" % (s, m, n) for s, (m, n) in top)
+last = [l for l in open(sys.argv[2]).read().splitlines() if l.startswith("host per call, rank 0")]
+assert last == [want], (last, want)
 PY
 python3 "$src/tools/trace_summary.py" "$tmp/to.json" --ranks 1 >"$tmp/sum.txt" || fail "trace_summary text: exit $?"
 grep -q "dispatcher.dispatch " "$tmp/sum.txt" || fail "trace_summary text"
