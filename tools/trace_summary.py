@@ -174,17 +174,14 @@ def host_figures(es):
     their count; None where the trace has no host spans (before API version 10)."""
     if not es:
         return None
-    calls = collections.OrderedDict()
     stages = collections.defaultdict(lambda: {"ms": 0.0, "count": 0})
     for e in es:
         stage = e["name"].split(" ", 1)[1]
         stages[stage]["ms"] += e["dur"] / 1e3
         stages[stage]["count"] += 1
-        if stage.startswith("dispatcher."):
-            call = stage.split(".", 1)[1]
-            calls[call] = calls.get(call, 0.0) + e["dur"] / 1e3
     return {"in_layers_ms": union_ms([(e["ts"], e["ts"] + e["dur"]) for e in es]),
-            "dispatcher_calls_ms": {c: calls[c] for c in CALL_STAGE if c in calls},
+            "dispatcher_calls_ms": {c: stages["dispatcher." + c]["ms"] for c in CALL_STAGE
+                                    if "dispatcher." + c in stages},
             "stages": dict(sorted(stages.items(), key=lambda kv: -kv[1]["ms"]))}
 
 

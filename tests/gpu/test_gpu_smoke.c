@@ -84,15 +84,30 @@ static void *gate_watchdog(void *user)
     return NULL;
 }
 
+/* A pool on device 0 and two streams for the pool checks; false (a check failed) if any is missing. */
+static bool pool_with_streams(moert_cuda_pool **pool, moert_stream *s1, moert_stream *s2)
+{
+    EXPECT_OK(moert_cuda_pool_create(0, pool));
+    EXPECT_OK(moert_cuda_stream_create(0, s1));
+    EXPECT_OK(moert_cuda_stream_create(0, s2));
+    return *pool && *s1 && *s2;
+}
+
+static void pool_with_streams_destroy(moert_cuda_pool *pool, moert_stream s1, moert_stream s2)
+{
+    moert_cuda_pool_forget_stream(pool, s1);
+    moert_cuda_pool_forget_stream(pool, s2);
+    moert_cuda_stream_destroy(s1);
+    moert_cuda_stream_destroy(s2);
+    moert_cuda_pool_destroy(pool);
+}
+
 static void check_pool(void)
 {
     moert_cuda_pool *pool = NULL;
     moert_stream s1 = NULL, s2 = NULL;
     moert_cuda_pool_stats st;
-    EXPECT_OK(moert_cuda_pool_create(0, &pool));
-    EXPECT_OK(moert_cuda_stream_create(0, &s1));
-    EXPECT_OK(moert_cuda_stream_create(0, &s2));
-    if (!pool || !s1 || !s2) return;
+    if (!pool_with_streams(&pool, &s1, &s2)) return;
 
     /* steady state: the same allocations every step make no cudaMalloc after the first step */
     const size_t sizes[] = {100, 1000, 5000, 1u << 20, (3u << 20) + 7, 12345678};
@@ -192,11 +207,7 @@ static void check_pool(void)
     EXPECT_EQ_INT(st.bytes_in_use, 4096);
     EXPECT_OK(moert_cuda_pool_free(pool, live, s1));
 
-    moert_cuda_pool_forget_stream(pool, s1);
-    moert_cuda_pool_forget_stream(pool, s2);
-    moert_cuda_stream_destroy(s1);
-    moert_cuda_stream_destroy(s2);
-    moert_cuda_pool_destroy(pool);
+    pool_with_streams_destroy(pool, s1, s2);
 }
 
 /* Under memory pressure (cudaMalloc fails): a block freed on s1 while s1's work is still queued serves s2 behind a
@@ -208,10 +219,7 @@ static void check_pool_pressure(void)
     moert_cuda_pool *pool = NULL;
     moert_stream s1 = NULL, s2 = NULL;
     moert_cuda_pool_stats st;
-    EXPECT_OK(moert_cuda_pool_create(0, &pool));
-    EXPECT_OK(moert_cuda_stream_create(0, &s1));
-    EXPECT_OK(moert_cuda_stream_create(0, &s2));
-    if (!pool || !s1 || !s2) return;
+    if (!pool_with_streams(&pool, &s1, &s2)) return;
     const size_t size = 8u << 20;
     void *a = NULL, *b = NULL, *c = NULL, *fill[64];
     int filled = 0;
@@ -273,11 +281,7 @@ static void check_pool_pressure(void)
     if (rc == MOERT_OK) EXPECT_OK(moert_cuda_pool_free(pool, d, s1));
     for (int i = 0; i < filled; i++) (void)cudaFree(fill[i]);
     EXPECT(cudaGetLastError() == cudaSuccess);
-    moert_cuda_pool_forget_stream(pool, s1);
-    moert_cuda_pool_forget_stream(pool, s2);
-    moert_cuda_stream_destroy(s1);
-    moert_cuda_stream_destroy(s2);
-    moert_cuda_pool_destroy(pool);
+    pool_with_streams_destroy(pool, s1, s2);
 }
 
 /* ---- pinned memory and copies ---- */

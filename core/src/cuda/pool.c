@@ -249,6 +249,15 @@ static void mark_live(moert_cuda_pool *pool, pool_block *b, size_t bytes)
         pool->stats.peak_bytes_reserved = pool->stats.bytes_reserved;
 }
 
+/* A cached block taken off a free list, live again for a request of `bytes`: its pointer. Caller holds the mutex. */
+static void *hand_out_cached(moert_cuda_pool *pool, pool_block *b, size_t bytes)
+{
+    pool->stats.cached_blocks--;
+    pool->stats.bytes_cached -= b->size;
+    mark_live(pool, b, bytes);
+    return b->ptr;
+}
+
 moert_result moert_cuda_pool_alloc(moert_cuda_pool *pool, size_t bytes, moert_stream stream, void **out)
 {
     moert_result rc = MOERT_OK;
@@ -272,20 +281,14 @@ moert_result moert_cuda_pool_alloc(moert_cuda_pool *pool, size_t bytes, moert_st
         pool->reserve_free[index] = b->free_next;
         b->free_next = NULL;
         pool->stats.reuse_count++;
-        pool->stats.cached_blocks--;
-        pool->stats.bytes_cached -= b->size;
-        mark_live(pool, b, bytes);
-        *out = b->ptr;
+        *out = hand_out_cached(pool, b, bytes);
         goto exit;
     }
     b = take_cached(pool, index, (cudaStream_t)stream);
     if (b) {
         if (recording) reserve_block(pool, b);
         pool->stats.reuse_count++;
-        pool->stats.cached_blocks--;
-        pool->stats.bytes_cached -= b->size;
-        mark_live(pool, b, bytes);
-        *out = b->ptr;
+        *out = hand_out_cached(pool, b, bytes);
         goto exit;
     }
 
@@ -299,10 +302,7 @@ moert_result moert_cuda_pool_alloc(moert_cuda_pool *pool, size_t bytes, moert_st
         if (b) {
             if (recording) reserve_block(pool, b);
             pool->stats.pressure_reuse_count++;
-            pool->stats.cached_blocks--;
-            pool->stats.bytes_cached -= b->size;
-            mark_live(pool, b, bytes);
-            *out = b->ptr;
+            *out = hand_out_cached(pool, b, bytes);
             goto exit;
         }
         size_t released = release_cached(pool);
