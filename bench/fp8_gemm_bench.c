@@ -46,6 +46,7 @@
 #include "precision_bf16_cuda.h"
 #include "precision_fp8_cuda.h"
 #include "bench_cuda_check.h"
+#include "bench_list.h"
 
 static char host_error[2048];
 
@@ -125,17 +126,6 @@ static int variant_applies(int v, int pass)
     return pass == MOERT_GEMM_WGRAD || (v != V_BF16_FIRST && v != V_FP8_BLOCK_FIRST);
 }
 
-/* Whether the comma-separated `list` (unset or empty: all) names `name`. */
-static int list_names(const char *list, const char *name)
-{
-    if (!list || !*list) return 1;
-    const size_t len = strlen(name);
-    for (const char *p = list; (p = strstr(p, name)) != NULL; p += len)
-        if ((p == list || p[-1] == ',') && (p[len] == ',' || p[len] == 0)) return 1;
-    return 0;
-}
-
-/* Whether MOERT_BENCH_VARIANTS (comma-separated names; unset: all) names variant v (quick tuning runs). */
 /* MOERT_BENCH_BLOCK ("tile_n=128,stages=3,...": the fp8 plugin's block_* options without their prefix) into t;
  * exits with status 2 naming a key or value it does not know, so a tuning run never measures the defaults by
  * mistake. */
@@ -169,7 +159,8 @@ static void block_tuning_from_env(moert_fp8_block_tuning *t)
     }
 }
 
-static int variant_selected(int v) { return list_names(getenv("MOERT_BENCH_VARIANTS"), variant_names[v]); }
+/* Whether MOERT_BENCH_VARIANTS (comma-separated names; unset: all) names variant v (quick tuning runs). */
+static int variant_selected(int v) { return bench_list_names(getenv("MOERT_BENCH_VARIANTS"), variant_names[v]); }
 
 static int variant_is_fp8(int v)
 {
@@ -517,7 +508,7 @@ int main(int argc, char **argv)
                                x, dy, w32, w16, y, dx,      bf16,   fp8};
         const double flops = 2.0 * (double)R * (double)K * (double)N;
         for (int pass = 0; pass < 3; pass++) {
-            if (!list_names(getenv("MOERT_BENCH_PASSES"), pass_names[pass])) { /* left out: no totals */
+            if (!bench_list_names(getenv("MOERT_BENCH_PASSES"), pass_names[pass])) { /* left out: no totals */
                 for (int i = 0; i < 4; i++) {
                     if (si < 2) sum_ms[si][i] = NAN;
                     if (pass != MOERT_GEMM_WGRAD) fwd_dgrad_ms[i] = NAN;

@@ -21,8 +21,6 @@
  *                 the ping-pong schedule otherwise runs quads when adding and pairs when overwriting)
  *   kernel_f32w_coop, kernel_f32w_ow_coop  WGRAD only, Hopper: the wgmma WGRAD's cooperative schedule (128 x 256
  *                 tiles; auto takes it from 2048 rows an expert), adding and overwriting
- *   kernel_f32w_panel, kernel_f32w_ow_panel  WGRAD only, Hopper: the wgmma WGRAD's panel schedule (each CTA keeps
- *                 an expert's 128 input columns in shared memory and streams only the output gradient)
  *   loop_sS_f32w  WGRAD only: the cuBLASLt loop on S streams accumulating into an fp32 gradient (the plugin's
  *                 "wgrad_gemm": "cublaslt")
  *   copy          WGRAD only: a device-to-device copy of the fp32 gradient (reads and writes its bytes): the traffic
@@ -53,6 +51,7 @@
 #include "device_gemm.h"
 #include "precision_bf16_cuda.h"
 #include "bench_cuda_check.h"
+#include "bench_list.h"
 
 static char host_error[1024];
 
@@ -118,7 +117,7 @@ typedef struct bench_variant {
     int schedule;   /* kernel 2, 4: the wgmma WGRAD's schedule (BF16_WGMMA_WGRAD_*) */
 } bench_variant;
 
-#define MAX_VARIANTS 24
+#define MAX_VARIANTS 20
 #define MAX_EXPERTS  256
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
@@ -225,26 +224,12 @@ static bf16_device_gemm_args kernel_args(const moert_bf16_cuda_gemm *gm, const i
 static int kernel_f32(const bench_variant *v) { return v->kernel == 2 || v->kernel == 4; }
 static int kernel_overwrites(const bench_variant *v) { return v->kernel == 4; }
 
-/* MOERT_BENCH_VARIANTS: a comma-separated list of the variants to run (all when unset). */
+/* MOERT_BENCH_VARIANTS: the variants to run, comma-separated (unset: all). */
 static const char *variant_filter;
-
-/* Whether variant v is named in the comma-separated list. */
-static int variant_listed(const char *list, const char *name)
-{
-    const size_t n = strlen(name);
-    for (const char *at = list; *at;) {
-        const char *end = strchr(at, ',');
-        const size_t len = end ? (size_t)(end - at) : strlen(at);
-        if (len == n && strncmp(at, name, n) == 0) return 1;
-        if (!end) break;
-        at = end + 1;
-    }
-    return 0;
-}
 
 static int runs_on(const bench_variant *v, int pass)
 {
-    if (variant_filter && !variant_listed(variant_filter, v->name)) return 0;
+    if (!bench_list_names(variant_filter, v->name)) return 0;
     return v->wgrad_only == 0 || (v->wgrad_only > 0) == (pass == MOERT_GEMM_WGRAD);
 }
 
@@ -371,8 +356,6 @@ int main(int argc, char **argv)
     variants[nv++] = (bench_variant){"kernel_f32w_ow_cl4", 1, 0, 0, 0, 0, 4, 1, 0, 0, 4, 0};
     variants[nv++] = (bench_variant){"kernel_f32w_coop", 1, 0, 0, 0, 0, 2, 1, 0, 0, 0, BF16_WGMMA_WGRAD_COOPERATIVE};
     variants[nv++] = (bench_variant){"kernel_f32w_ow_coop", 1, 0, 0, 0, 0, 4, 1, 0, 0, 0, BF16_WGMMA_WGRAD_COOPERATIVE};
-    variants[nv++] = (bench_variant){"kernel_f32w_panel", 1, 0, 0, 0, 0, 2, 1, 0, 0, 0, BF16_WGMMA_WGRAD_PANEL};
-    variants[nv++] = (bench_variant){"kernel_f32w_ow_panel", 1, 0, 0, 0, 0, 4, 1, 0, 0, 0, BF16_WGMMA_WGRAD_PANEL};
     bench_variant v_streams_f32w = {"", streams, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0};
     snprintf(v_streams_f32w.name, sizeof v_streams_f32w.name, "loop_s%d_f32w", streams);
     const int i_f32w_loop = nv;

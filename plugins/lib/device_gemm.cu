@@ -411,10 +411,9 @@ extern "C" moert_result bf16_device_gemm(const moert_host *host, cudaStream_t st
                       "bf16 device gemm %s: engine %d, expected 0 (auto), 1 (mma.sync) "
                       "or 2 (wgmma)",
                       pass, a->engine);
-    if (a->wgrad_schedule < BF16_WGMMA_WGRAD_AUTO || a->wgrad_schedule > BF16_WGMMA_WGRAD_PANEL)
+    if (a->wgrad_schedule < BF16_WGMMA_WGRAD_AUTO || a->wgrad_schedule > BF16_WGMMA_WGRAD_COOPERATIVE)
         return report(host, MOERT_ERR_INVALID_ARGUMENT,
-                      "bf16 device gemm %s: wgrad_schedule %d, expected 0 (auto), 1 (ping-pong), 2 (cooperative) or "
-                      "3 (panel)",
+                      "bf16 device gemm %s: wgrad_schedule %d, expected 0 (auto), 1 (ping-pong) or 2 (cooperative)",
                       pass, a->wgrad_schedule);
     if (a->sm_yield && !a->work_counter)
         return report(host, MOERT_ERR_INVALID_ARGUMENT,

@@ -70,14 +70,11 @@ typedef struct bf16_device_gemm_args {
 
 /* The wgmma WGRAD's schedules (device_gemm_wgmma.cu): AUTO the ping-pong below BF16_WGMMA_PINGPONG_ROWS rows an expert
  * on average, else the cooperative one; PINGPONG 128 x 128 tiles, one per consumer warpgroup; COOPERATIVE 128 x 256
- * tiles, both consumer warpgroups on each; PANEL 128 x 128 tiles as the ping-pong, a CTA keeping an expert's 128 input
- * columns (all its rows, up to ~600; past that streamed as the ping-pong does) in shared memory and walking every
- * n_out tile against them (n_out of one tile: the ping-pong). */
+ * tiles, both consumer warpgroups on each. */
 enum {
     BF16_WGMMA_WGRAD_AUTO = 0,
     BF16_WGMMA_WGRAD_PINGPONG = 1,
     BF16_WGMMA_WGRAD_COOPERATIVE = 2,
-    BF16_WGMMA_WGRAD_PANEL = 3,
 };
 
 /* The kernels behind FORWARD, DGRAD and WGRAD into fp32 (WGRAD into a bf16 gradient always runs on mma.sync):

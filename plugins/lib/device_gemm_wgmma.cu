@@ -791,234 +791,6 @@ __global__ void __launch_bounds__(WG_THREADS, 1) bf16_wgmma_wgrad_kernel(const _
 #endif
 }
 
-/* ---- WGRAD, panel schedule: the CTA keeps its A panel in shared memory and streams only B ----
- *
- * A work unit is expert e's k_in tile mt (128 columns of `in`) over all of the expert's rows: the panel, up to
- * `panel_blocks` k-blocks of 64 rows (two boxes each), loaded once; then the unit's n_out tiles, 128 columns each,
- * in order, each streaming only its B (128 columns of d_out, 64 rows a stage). So a tile reads 128 KiB of operands
- * from L2 at ~512 rows where the ping-pong pair reads 192 KiB. The two consumer warpgroups take the tiles in turn
- * (ping-pong, as above: named barriers 3/4 hand the main loop over, one m64n128 pair of accumulators each) and put
- * each finished tile out from their registers (no staging buffer fits beside the panel): stored, or added by the L2
- * (red.global.add) when accumulating. An expert of more rows than the panel holds streams A too, as the ping-pong
- * does, into the panel's first slots beside B's stages (a second pass over the gradient, for the rows the panel
- * could not hold, cost more than re-reading A). Warps 1-3 of the producer warpgroup zero the rows past the expert in
- * the panel's last, partial k-block; a consumer zeroes its streamed stages'. The panel goes back to the producer
- * once both consumers' last MMAs of the unit are done. n_tiles >= 2 (each consumer has a tile in every unit), checked
- * on the host. */
-
-#define WGP_STAGES      4                  /* B stages: 128 columns x 64 rows, 16 KiB each */
-#define WGP_BLOCK_BYTES (2 * WG_BOX_BYTES) /* one k-block of the panel or one B stage: 16 KiB */
-
-/* The panel schedule's dynamic shared memory with `panel_blocks` k-blocks of panel: alignment slack, the panel, the B
- * stages, barriers, the experts' prefix arrays. */
-static size_t wgrad_panel_smem_bytes(int panel_blocks, int experts)
-{
-    return 1024 + (size_t)(panel_blocks + WGP_STAGES) * WGP_BLOCK_BYTES + (2 * WGP_STAGES + 3) * sizeof(uint64_t) +
-           (size_t)(experts + 1) * (sizeof(int64_t) + sizeof(int));
-}
-
-/* The producer thread: per unit, the panel (once the consumers have handed the last one back; an expert past the
- * panel: nothing), then per n_out tile its B k-blocks (and A's, for an expert past the panel) into the ring. */
-__device__ __forceinline__ void wgrad_panel_produce(const wg_wgrad_params &p, const int64_t *row_start,
-                                                    int panel_blocks, uint8_t *panel, uint8_t *stages, uint64_t *full,
-                                                    uint64_t *empty, uint64_t *panel_full, uint64_t *panel_empty)
-{
-    const uint64_t policy = l2_evict_last_policy();
-    const int units = p.num_experts * p.m_tiles;
-    int s = 0, pc = 0;
-    uint32_t phase = 0, it = 0;
-    for (int u = blockIdx.x; u < units; u += gridDim.x, pc++) {
-        const int e = u / p.m_tiles, mt = u % p.m_tiles, k_blocks = wgrad_k_blocks(row_start, e);
-        const bool stream = k_blocks > panel_blocks;
-        if (pc > 0) mbar_wait(panel_empty, (uint32_t)(pc - 1) & 1);
-        if (!stream && k_blocks > 0) {
-            mbar_arrive_expect_tx(panel_full, (uint32_t)k_blocks * WGP_BLOCK_BYTES);
-            for (int kb = 0; kb < k_blocks; kb++)
-                for (int j = 0; j < 2; j++)
-                    tensor_load_2d_hint(panel + kb * WGP_BLOCK_BYTES + j * WG_BOX_BYTES, &p.map_in,
-                                        mt * WGR_BM + j * 64, (int32_t)(row_start[e] + (int64_t)kb * WG_BK), panel_full,
-                                        policy);
-        } else {
-            mbar_arrive(panel_full);
-        }
-        for (int nt = 0; nt < p.n_tiles; nt++)
-            for (int kb = 0; kb < k_blocks; kb++, it++) {
-                if (it >= WGP_STAGES) mbar_wait(&empty[s], phase ^ 1);
-                mbar_arrive_expect_tx(&full[s], (stream ? 2 : 1) * WGP_BLOCK_BYTES);
-                const int32_t row = (int32_t)(row_start[e] + (int64_t)kb * WG_BK);
-                uint8_t *b = stages + s * WGP_BLOCK_BYTES, *a = panel + s * WGP_BLOCK_BYTES;
-                for (int j = 0; j < 2; j++) {
-                    tensor_load_2d_hint(b + j * WG_BOX_BYTES, &p.map_dout, nt * 128 + j * 64, row, &full[s], policy);
-                    if (stream)
-                        tensor_load_2d_hint(a + j * WG_BOX_BYTES, &p.map_in, mt * WGR_BM + j * 64, row, &full[s],
-                                            policy);
-                }
-                if (++s == WGP_STAGES) s = 0, phase ^= 1;
-            }
-    }
-}
-
-/* Warps 1-3 of the producer warpgroup: per unit, once its panel has arrived, zero the rows past the expert in its
- * last k-block, then announce the panel ready (one arrival per warp). */
-__device__ __forceinline__ void wgrad_panel_prepare(const wg_wgrad_params &p, const int64_t *row_start,
-                                                    int panel_blocks, uint8_t *panel, uint64_t *panel_full,
-                                                    uint64_t *panel_ready)
-{
-    const int units = p.num_experts * p.m_tiles, tid = threadIdx.x - 32; /* 0 .. 95 */
-    int pc = 0;
-    for (int u = blockIdx.x; u < units; u += gridDim.x, pc++) {
-        const int e = u / p.m_tiles, k_blocks = wgrad_k_blocks(row_start, e);
-        const int valid = (int)(row_start[e + 1] - row_start[e] - (int64_t)(k_blocks - 1) * WG_BK);
-        mbar_wait(panel_full, (uint32_t)pc & 1);
-        if (k_blocks > 0 && k_blocks <= panel_blocks && valid < WG_BK) { /* whole 128-byte rows: swizzle-free */
-            uint8_t *last = panel + (k_blocks - 1) * WGP_BLOCK_BYTES;
-            const int chunks = (WG_BK - valid) * 8; /* 16-byte chunks per box */
-            for (int q = tid; q < 2 * chunks; q += 96)
-                *(uint4 *)(last + q / chunks * WG_BOX_BYTES + valid * 128 + q % chunks * 16) = make_uint4(0, 0, 0, 0);
-            fence_async_shared();
-        }
-        __syncwarp();
-        if (threadIdx.x % 32 == 0) mbar_arrive(panel_ready);
-    }
-}
-
-/* A consumer's tile (acc: two m64n128 accumulators, k_in rows m0 .. m0 + 127, n_out columns n0 .. n0 + 127 of
- * expert e) out from its registers: stored, or added by the L2 when accumulating; zeros for ZERO (acc is not read). */
-template <bool ZERO>
-__device__ __forceinline__ void wgrad_panel_put(const wg_wgrad_params &p, float *dw, int e, int m0, int n0,
-                                                const float *acc)
-{
-    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-    const int r = warp * 16 + lane / 4, col0 = 2 * (lane % 4);
-#pragma unroll
-    for (int h = 0; h < 2; h++)
-#pragma unroll
-        for (int q = 0; q < 2; q++) {
-            const int m = m0 + 64 * h + r + 8 * q;
-            if (m >= p.k_in) continue;
-            float *row = dw + ((int64_t)e * p.k_in + m) * p.n_out;
-#pragma unroll
-            for (int j = 0; j < 16; j++) {
-                const int n = n0 + col0 + 8 * j;
-                if (n >= p.n_out) continue;
-                const float x = ZERO ? 0.0f : acc[64 * h + 4 * j + 2 * q];
-                const float y = ZERO ? 0.0f : acc[64 * h + 4 * j + 2 * q + 1];
-                if (!ZERO && p.accumulate)
-                    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(row + n), "f"(x), "f"(y) : "memory");
-                else
-                    asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(row + n), "f"(x), "f"(y) : "memory");
-            }
-        }
-}
-
-/* A consumer warpgroup c of the panel schedule: the CTA's tiles 0, 2, 4, .. (c = 0) or 1, 3, 5, .. (c = 1), walking
- * the other's only to follow the ring. */
-__device__ __forceinline__ void wgrad_panel_consume(const wg_wgrad_params &p, const int64_t *row_start,
-                                                    int panel_blocks, uint8_t *panel, uint8_t *stages, uint64_t *full,
-                                                    uint64_t *empty, uint64_t *panel_ready, uint64_t *panel_empty,
-                                                    float *dw, int c)
-{
-    const int units = p.num_experts * p.m_tiles;
-    int s = 0, pc = 0, i = 0;
-    uint32_t phase = 0;
-    for (int u = blockIdx.x; u < units; u += gridDim.x, pc++) {
-        const int e = u / p.m_tiles, mt = u % p.m_tiles, k_blocks = wgrad_k_blocks(row_start, e);
-        const int64_t rows = row_start[e + 1] - row_start[e];
-        const bool stream = k_blocks > panel_blocks;
-        mbar_wait(panel_ready, (uint32_t)pc & 1);
-        for (int nt = 0; nt < p.n_tiles; nt++, i++) {
-            if ((i & 1) != c) { /* the other consumer's tile: skip its stages */
-                const int next = s + k_blocks;
-                phase ^= (uint32_t)(next / WGP_STAGES) & 1;
-                s = next % WGP_STAGES;
-                continue;
-            }
-            const bool mine_last = nt + 2 >= p.n_tiles; /* this consumer's last tile of the unit */
-            const bool hand_off = u + (int)gridDim.x < units || nt + 1 < p.n_tiles;
-            if (i > 0) named_barrier_sync(3 + c, 256); /* our turn */
-            float acc[128];
-            if (k_blocks == 0) { /* no rows: zeros when overwriting, nothing when adding */
-                if (hand_off) named_barrier_arrive(4 - c, 256);
-                if (mine_last) wg_release(panel_empty, 0);
-                if (!p.accumulate) wgrad_panel_put<true>(p, dw, e, mt * WGR_BM, nt * 128, acc);
-                continue;
-            }
-            int prev = 0;
-            for (int kb = 0; kb < k_blocks; kb++) {
-                mbar_wait(&full[s], phase);
-                uint8_t *a = panel + (stream ? s : kb) * WGP_BLOCK_BYTES, *b = stages + s * WGP_BLOCK_BYTES;
-                const int valid = (int)min((int64_t)WG_BK, rows - (int64_t)kb * WG_BK);
-                if (valid < WG_BK) { /* B's stage, and A's when streamed, are this consumer's alone */
-                    uint8_t *const mine[4] = {b, b + WG_BOX_BYTES, a, a + WG_BOX_BYTES};
-                    wgrad_zero_tail(mine, stream ? 4 : 2, valid, 1 + c, 128);
-                }
-                wgmma_fence();
-#pragma unroll
-                for (int k = 0; k < WG_BK / 16; k++) {
-                    const uint64_t db = wgmma_desc_mn_sw128(b + k * 2048, WG_BOX_BYTES);
-#pragma unroll
-                    for (int h = 0; h < 2; h++)
-                        wgmma_m64n128k16_mn(acc + 64 * h,
-                                            wgmma_desc_mn_sw128(a + h * WG_BOX_BYTES + k * 2048, WG_BOX_BYTES), db,
-                                            (kb | k) != 0);
-                }
-                wgmma_commit();
-                if (kb > 0) {
-                    wgmma_wait<1>();
-                    wg_release(empty, prev);
-                }
-                prev = s;
-                if (++s == WGP_STAGES) s = 0, phase ^= 1;
-            }
-            if (hand_off) named_barrier_arrive(4 - c, 256); /* the other's turn */
-            wgmma_wait<0>();
-            wg_release(empty, prev);
-            if (mine_last) wg_release(panel_empty, 0);
-            wgrad_panel_put<false>(p, dw, e, mt * WGR_BM, nt * 128, acc);
-        }
-    }
-}
-
-__global__ void __launch_bounds__(WG_THREADS, 1)
-    bf16_wgmma_wgrad_panel_kernel(const __grid_constant__ wg_wgrad_params p, float *dw, int panel_blocks)
-{
-#ifdef WG_DEVICE
-    extern __shared__ uint8_t smem_raw[];
-    uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
-    uint8_t *panel = smem, *stages = panel + panel_blocks * WGP_BLOCK_BYTES;
-    uint64_t *full = (uint64_t *)(stages + WGP_STAGES * WGP_BLOCK_BYTES);
-    uint64_t *empty = full + WGP_STAGES;
-    uint64_t *panel_full = empty + WGP_STAGES, *panel_ready = panel_full + 1, *panel_empty = panel_ready + 1;
-    int64_t *row_start = (int64_t *)(panel_empty + 1);
-    int *tile_start = (int *)(row_start + p.num_experts + 1);
-
-    if (threadIdx.x < 32) expert_prefix(p.counts, p.num_experts, p.capacity, WG_BK, row_start, tile_start);
-    if (threadIdx.x == 32) {
-        for (int s = 0; s < WGP_STAGES; s++) {
-            mbar_init_count(&full[s], 1);
-            mbar_init_count(&empty[s], 4); /* the warps of the consumer that multiplies it */
-        }
-        mbar_init_count(panel_full, 1);  /* the producer */
-        mbar_init_count(panel_ready, 3); /* the preparing warps */
-        mbar_init_count(panel_empty, 8); /* both consumers' warps */
-        mbar_init_fence();
-    }
-    __syncthreads();
-    const int wg = threadIdx.x / 128;
-    if (wg == 0) {
-        warpgroup_registers_dec<40>();
-        if (threadIdx.x == 0)
-            wgrad_panel_produce(p, row_start, panel_blocks, panel, stages, full, empty, panel_full, panel_empty);
-        else if (threadIdx.x >= 32)
-            wgrad_panel_prepare(p, row_start, panel_blocks, panel, panel_full, panel_ready);
-    } else {
-        warpgroup_registers_inc<232>();
-        wgrad_panel_consume(p, row_start, panel_blocks, panel, stages, full, empty, panel_ready, panel_empty, dw,
-                            wg - 1);
-    }
-#endif
-}
-
 /* ---- host ---- */
 
 static PFN_cuTensorMapEncodeTiled_v12000 encode_fn;
@@ -1087,8 +859,6 @@ extern "C" moert_result bf16_wgmma_prepare(const moert_host *host)
         CUDA_CHECK(host, cudaFuncSetAttribute(wgrad_pingpong(5, cl), cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               smem_optin[dev]));
     }
-    CUDA_CHECK(host, cudaFuncSetAttribute(bf16_wgmma_wgrad_panel_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          smem_optin[dev]));
     CUDA_CHECK(host, cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev));
     CUDA_CHECK(host, cudaDeviceGetAttribute(&l2_size[dev], cudaDevAttrL2CacheSize, dev));
     /* the clusters that fit at once (a GPC whose SM count is not a multiple of the cluster leaves SMs out) */
@@ -1169,40 +939,16 @@ static moert_result wgmma_wgrad(const moert_host *host, cudaStream_t stream, con
     p.counts = a->counts_device;
     p.capacity = a->capacity;
     p.num_experts = (int)a->num_experts;
-    p.m_tiles = (int)((a->k_in + WGR_BM - 1) / WGR_BM);
-    p.k_in = (int)a->k_in;
-    p.n_out = (int)a->n_out;
-    p.accumulate = a->accumulate != 0;
-    if (a->wgrad_schedule == BF16_WGMMA_WGRAD_PANEL) {
-        /* the panel schedule where each consumer has a tile in every unit (>= 2 n_out tiles) and the panel holds
-         * at least A's streamed stages; else the ping-pong */
-        const size_t fixed = wgrad_panel_smem_bytes(0, p.num_experts);
-        int panel_blocks = smem_optin[dev] > (int)fixed ? (int)((smem_optin[dev] - fixed) / WGP_BLOCK_BYTES) : 0;
-        if (panel_blocks > 32) panel_blocks = 32;
-        p.n_tiles = (int)((a->n_out + 127) / 128);
-        if (p.n_tiles >= 2 && panel_blocks >= WGP_STAGES) {
-            const int64_t units = a->num_experts * p.m_tiles, sms = persistent_sms(a, dev);
-            if (units > INT_MAX)
-                return report(host, MOERT_ERR_INVALID_ARGUMENT,
-                              "bf16 device gemm WGRAD: %lld experts of %lld k_in rows make more than 2^31 units",
-                              (long long)a->num_experts, (long long)a->k_in);
-            bf16_wgmma_wgrad_panel_kernel<<<(unsigned)(units < sms ? units : sms), WG_THREADS,
-                                            wgrad_panel_smem_bytes(panel_blocks, p.num_experts), stream>>>(
-                p, (float *)a->grad_weight, panel_blocks);
-            LAUNCH_CHECK(host, "bf16_wgmma_wgrad_panel_kernel");
-            bf16_wgmma_wgrad_demote_kernel<<<(unsigned)sms, 256, 0, stream>>>(
-                a->counts_device, p.num_experts, a->capacity, (const uint8_t *)a->input,
-                (const uint8_t *)a->grad_output, a->k_in, a->n_out, l2_size[dev]);
-            LAUNCH_CHECK(host, "bf16_wgmma_wgrad_demote_kernel");
-            return MOERT_OK;
-        }
-    }
     /* the ping-pong where an expert has few rows on average (its fp32 writes take as long as its MMA) */
     const bool pingpong = a->wgrad_schedule == BF16_WGMMA_WGRAD_AUTO
                               ? a->capacity < (int64_t)BF16_WGMMA_PINGPONG_ROWS * a->num_experts
-                              : a->wgrad_schedule != BF16_WGMMA_WGRAD_COOPERATIVE;
+                              : a->wgrad_schedule == BF16_WGMMA_WGRAD_PINGPONG;
     const int bn = pingpong ? 128 : 256;
+    p.m_tiles = (int)((a->k_in + WGR_BM - 1) / WGR_BM);
     p.n_tiles = (int)((a->n_out + bn - 1) / bn);
+    p.k_in = (int)a->k_in;
+    p.n_out = (int)a->n_out;
+    p.accumulate = a->accumulate != 0;
     const int64_t units = a->num_experts * p.m_tiles * p.n_tiles;
     if (units > INT_MAX)
         return report(host, MOERT_ERR_INVALID_ARGUMENT,

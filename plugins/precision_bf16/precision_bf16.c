@@ -69,7 +69,7 @@ static const char *const mode_choices[] = {"auto", "bf16", "fp32", "fp64", NULL}
 static const char *const gemm_choices[] = {"auto", "cublaslt", "kernel", NULL};
 enum { GEMM_AUTO = 0, GEMM_CUBLASLT = 1, GEMM_KERNEL = 2 };       /* by gemm_choices */
 static const char *const mode_names[] = {"bf16", "fp32", "fp64"}; /* by bf16_mode */
-static const char *const wgrad_schedules[] = {"auto", "pingpong", "cooperative", "panel", NULL};
+static const char *const wgrad_schedules[] = {"auto", "pingpong", "cooperative", NULL};
 
 /* Sets the instance's error message and returns code, so checks can `return fail(...)`. */
 #define fail(c, ...) report((c)->host, __VA_ARGS__)
@@ -275,9 +275,8 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
     rc = host->option_enum(host, "wgrad_schedule", wgrad_schedules, 0,
                            "CUDA, Hopper, weight gradients on the kernel: the wgmma kernel's schedule, auto (pingpong "
                            "below 2048 rows an expert on average, else cooperative), pingpong (128 x 128 tiles, one "
-                           "per consumer warpgroup, one multiplying while the other writes), cooperative (128 x 256 "
-                           "tiles, both consumer warpgroups on each) or panel (as pingpong, each CTA keeping an "
-                           "expert's 128 input columns in shared memory and streaming only the output gradient)",
+                           "per consumer warpgroup, one multiplying while the other writes) or cooperative (128 x 256 "
+                           "tiles, both consumer warpgroups on each)",
                            &wgrad_schedule);
     if (rc != MOERT_OK) return rc;
     if (gemm_choice == GEMM_KERNEL && wgrad_choice == GEMM_CUBLASLT) {
