@@ -3,7 +3,8 @@
  * owning whole tiles of an [E][k_in][n_out] fp32 gradient, multiplying operands that sit in shared memory from the
  * start (no loads in the loop) and storing each tile from its registers. Schedules: 128 x 128 tiles (two wgmma
  * m64n128k16 a k16 step) or 64 x 256 (one m64n256k16), the consumers taking turns at the tensor cores (named barriers
- * hand them over, as the ping-pong in device_gemm_wgmma.cu does) or running side by side. Modes: the MMA alone, the
+ * hand them over, as the ping-pong in device_gemm_wgmma.cu does; with 1, 3 or all of a tile's wgmma groups in flight)
+ * or running side by side. Modes: the MMA alone, the
  * stores alone, both. Beside them a cudaMemset of the gradient (its write rate). If "both" is near the larger of the
  * two alone, the stores hide behind the MMA; the MMA alone against a dense GEMM's rate is the schedule's ceiling.
  * Hopper (sm_90a) only.
@@ -60,8 +61,10 @@ __device__ __forceinline__ void wc_mma256(float *d, uint64_t desc_a, uint64_t de
 
 /* Consumer c's tiles (the CTA's 0, 2, .. or 1, 3, ..): per tile, k_blocks of MMA on the resident operands, then the
  * fp32 result stored from the registers (two floats a thread per row and 8 columns). N: the tile's n_out columns (128:
- * 128 k_in rows, two m64n128 accumulators; 256: 64 rows, one m64n256); TURN: the consumers take turns at the MMA. */
-template <int N, bool TURN> __device__ void wc_consume(const wc_params &p, const uint8_t *a, const uint8_t *b, int c)
+ * 128 k_in rows, two m64n128 accumulators; 256: 64 rows, one m64n256); TURN: the consumers take turns at the MMA;
+ * DEPTH: the groups kept in flight behind the last committed (0: all of the tile's). */
+template <int N, bool TURN, int DEPTH>
+__device__ void wc_consume(const wc_params &p, const uint8_t *a, const uint8_t *b, int c)
 {
     constexpr int BM = N == 128 ? 128 : 64;
     const int units = p.num_experts * p.m_tiles * p.n_tiles;
@@ -89,7 +92,8 @@ template <int N, bool TURN> __device__ void wc_consume(const wc_params &p, const
                     }
                 }
                 wgmma_commit();
-                wgmma_wait<1>();
+                if (DEPTH == 1) wgmma_wait<1>();
+                if (DEPTH == 3) wgmma_wait<3>();
             }
         }
         if (hand_off) named_barrier_arrive(4 - c, 256);
@@ -112,7 +116,8 @@ template <int N, bool TURN> __device__ void wc_consume(const wc_params &p, const
     }
 }
 
-template <int N, bool TURN> __global__ void __launch_bounds__(384, 1) wc_kernel(const __grid_constant__ wc_params p)
+template <int N, bool TURN, int DEPTH>
+__global__ void __launch_bounds__(384, 1) wc_kernel(const __grid_constant__ wc_params p)
 {
 #ifdef WC_DEVICE
     extern __shared__ uint8_t smem_raw[];
@@ -126,7 +131,7 @@ template <int N, bool TURN> __global__ void __launch_bounds__(384, 1) wc_kernel(
         warpgroup_registers_dec<40>();
     } else {
         warpgroup_registers_inc<232>();
-        wc_consume<N, TURN>(p, smem, smem + 2 * 8192, wg - 1);
+        wc_consume<N, TURN, DEPTH>(p, smem, smem + 2 * 8192, wg - 1);
     }
 #endif
 }
@@ -137,13 +142,18 @@ static int cmp_float(const void *x, const void *y)
     return (a > b) - (a < b);
 }
 
-/* The kernel of schedule `sched`: bit 0 the 64 x 256 tiles, bit 1 the consumers side by side. */
-static void (*wc_kernel_of(int sched))(wc_params)
-{
-    static void (*const k[4])(wc_params) = {wc_kernel<128, true>, wc_kernel<256, true>, wc_kernel<128, false>,
-                                            wc_kernel<256, false>};
-    return k[sched];
-}
+/* The schedules: the tile, whether the consumers take turns, and the wgmma groups a consumer keeps in flight behind
+ * the one it has just committed (1, as device_gemm_wgmma.cu's consumers, which then hand that stage back; 3; or all of
+ * a tile's, 0, waiting only at its end). */
+#define WC_SCHEDULES 6
+static const struct {
+    const char *name;
+    int wide;
+    void (*kernel)(wc_params);
+} wc_schedules[WC_SCHEDULES] = {
+    {"128x128 turns", 0, wc_kernel<128, true, 1>},    {"128x128 turns w3", 0, wc_kernel<128, true, 3>},
+    {"128x128 turns w*", 0, wc_kernel<128, true, 0>}, {"64x256 turns", 1, wc_kernel<256, true, 1>},
+    {"128x128 side", 0, wc_kernel<128, false, 1>},    {"64x256 side", 1, wc_kernel<256, false, 1>}};
 
 /* Median ms of `reps` runs of mode (0: cudaMemset of the gradient) after two warm-up runs. */
 static float median_ms(const wc_params *p, int sched, int mode, size_t bytes, int sms, int reps)
@@ -159,7 +169,7 @@ static float median_ms(const wc_params *p, int sched, int mode, size_t bytes, in
         if (mode == 0)
             CK(cudaMemsetAsync(p->dw, 0, bytes, 0));
         else
-            wc_kernel_of(sched)<<<sms, 384, 1024 + WC_SMEM>>>(q);
+            wc_schedules[sched].kernel<<<sms, 384, 1024 + WC_SMEM>>>(q);
         CK(cudaGetLastError());
         CK(cudaEventRecord(e1, 0));
         CK(cudaEventSynchronize(e1));
@@ -184,8 +194,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "wgrad_ceiling: MOERT_BENCH_ROWS %d, expected a positive multiple of 64\n", rows);
         return 2;
     }
-    for (int k = 0; k < 4; k++)
-        CK(cudaFuncSetAttribute(wc_kernel_of(k), cudaFuncAttributeMaxDynamicSharedMemorySize, 1024 + WC_SMEM));
+    for (int k = 0; k < WC_SCHEDULES; k++)
+        CK(cudaFuncSetAttribute(wc_schedules[k].kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 1024 + WC_SMEM));
     /* the deepseek-v3 and qwen3-30b-a3b WGRAD shapes of one EP4 rank */
     static const struct {
         const char *name;
@@ -204,16 +214,15 @@ int main(int argc, char **argv)
         fprintf(out,
                 "{\"machine\": \"%s\", \"git\": \"%s\", \"device\": \"%s\", \"rows_per_expert\": %d, \"results\": [",
                 machine ? machine : "", git ? git : "", prop.name, rows);
-    printf("%s, %d SMs, %d rows an expert\n%-18s %-14s %9s %9s %9s %9s %8s\n", prop.name, prop.multiProcessorCount,
+    printf("%s, %d SMs, %d rows an expert\n%-18s %-16s %9s %9s %9s %9s %8s\n", prop.name, prop.multiProcessorCount,
            rows, "shape", "schedule", "mma ms", "store ms", "both ms", "memset ms", "overlap");
-    static const char *const sched_names[4] = {"128x128 turns", "64x256 turns", "128x128 side", "64x256 side"};
     int first = 1;
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         const size_t bytes = (size_t)shapes[s].experts * shapes[s].k_in * shapes[s].n_out * sizeof(float);
         float *dw = NULL;
         CK(cudaMalloc((void **)&dw, bytes));
-        for (int sched = 0; sched < 4; sched++) {
-            const int wide = sched & 1;
+        for (int sched = 0; sched < WC_SCHEDULES; sched++) {
+            const int wide = wc_schedules[sched].wide;
             wc_params p;
             memset(&p, 0, sizeof p);
             p.dw = dw;
@@ -229,13 +238,14 @@ int main(int argc, char **argv)
             const float memset_ms = median_ms(&p, sched, 0, bytes, sms, 10);
             /* 1: both take the larger of the two alone (full overlap); 0: their sum */
             const double larger = mma > store ? mma : store, overlap = (mma + store - both) / (mma + store - larger);
-            printf("%-18s %-14s %9.3f %9.3f %9.3f %9.3f %8.2f\n", shapes[s].name, sched_names[sched], mma, store, both,
-                   memset_ms, overlap);
+            printf("%-18s %-16s %9.3f %9.3f %9.3f %9.3f %8.2f\n", shapes[s].name, wc_schedules[sched].name, mma, store,
+                   both, memset_ms, overlap);
             if (out)
                 fprintf(out,
                         "%s\n {\"shape\": \"%s\", \"schedule\": \"%s\", \"mma_ms\": %.4f, \"store_ms\": %.4f, "
                         "\"both_ms\": %.4f, \"memset_ms\": %.4f, \"overlap\": %.3f}",
-                        first ? "" : ",", shapes[s].name, sched_names[sched], mma, store, both, memset_ms, overlap);
+                        first ? "" : ",", shapes[s].name, wc_schedules[sched].name, mma, store, both, memset_ms,
+                        overlap);
             first = 0;
         }
         CK(cudaFree(dw));
