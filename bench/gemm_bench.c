@@ -36,8 +36,8 @@
  *   gemm_bench [out.json]      environment: MOERT_BENCH_MACHINE (e.g. nvidia-h100-x1), MOERT_BENCH_GIT,
  *                              MOERT_BENCH_REPEATS (default 20), MOERT_BENCH_ONLY (substring of a preset name),
  *                              MOERT_BENCH_STREAMS (default 4), MOERT_BENCH_CHECK (default 1),
- *                              MOERT_BENCH_VARIANTS (comma-separated variant names to run; "of_floor" needs copy
- *                              and dense among them; default all)
+ *                              MOERT_BENCH_VARIANTS (comma-separated variant names to run, default all;
+ *                              "of_floor" is given only with copy and dense among them)
  */
 #include <cuda_runtime_api.h>
 #include <math.h>
@@ -533,7 +533,10 @@ int main(int argc, char **argv)
                 const int f32_wgrad = pass == MOERT_GEMM_WGRAD && (kernel_f32(&variants[v]) || variants[v].f32w);
                 const double traffic_ms = median[i_copy] * (kernel_overwrites(&variants[v]) ? 0.5 : 1.0);
                 const double mma_ms = median[i_dense];
-                r->of_floor = f32_wgrad ? (mma_ms > traffic_ms ? mma_ms : traffic_ms) / median[v] : -1;
+                /* -1 as well where MOERT_BENCH_VARIANTS left copy or dense out */
+                r->of_floor = f32_wgrad && traffic_ms > 0 && mma_ms > 0
+                                  ? (mma_ms > traffic_ms ? mma_ms : traffic_ms) / median[v]
+                                  : -1;
                 free(times[v]);
             }
         }
