@@ -23,10 +23,6 @@
 #include "mbarrier.cuh"
 #include "wgmma.cuh"
 
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define WC_DEVICE 1
-#endif
-
 enum { MODE_MMA = 1, MODE_STORE = 2 };
 #define WC_SMEM (6 * 8192) /* A's two boxes and B's four */
 
@@ -34,30 +30,6 @@ typedef struct wc_params {
     float *dw;
     int num_experts, m_tiles, n_tiles, k_blocks, n_out, mode;
 } wc_params;
-
-/* d (+)= A (64 x 16, M-major) * B (16 x 128, N-major). */
-__device__ __forceinline__ void wc_mma128(float *d, uint64_t desc_a, uint64_t desc_b, int accumulate)
-{
-#ifdef WC_DEVICE
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" WGMMA_REGS_64
-                 "}, %64, %65, p, 1, 1, 1, 1;\n}\n"
-                 : WGMMA_OPERANDS_64(d)
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-#endif
-}
-
-/* d (+)= A (64 x 16, M-major) * B (16 x 256, N-major). */
-__device__ __forceinline__ void wc_mma256(float *d, uint64_t desc_a, uint64_t desc_b, int accumulate)
-{
-#ifdef WC_DEVICE
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" WGMMA_REGS_128
-                 "}, %128, %129, p, 1, 1, 1, 1;\n}\n"
-                 : WGMMA_OPERANDS_128(d)
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-#endif
-}
 
 /* Consumer c's tiles (the CTA's 0, 2, .. or 1, 3, ..): per tile, k_blocks of MMA on the resident operands, then the
  * fp32 result stored from the registers (two floats a thread per row and 8 columns). N: the tile's n_out columns (128:
@@ -85,10 +57,10 @@ __device__ void wc_consume(const wc_params &p, const uint8_t *a, const uint8_t *
                     if (N == 128) {
 #pragma unroll
                         for (int h = 0; h < 2; h++)
-                            wc_mma128(acc + 64 * h, wgmma_desc_mn_sw128(a + h * 8192 + k * 2048, 8192), db,
-                                      (kb | k) != 0);
+                            wgmma_m64n128k16_mn(acc + 64 * h, wgmma_desc_mn_sw128(a + h * 8192 + k * 2048, 8192), db,
+                                                (kb | k) != 0);
                     } else {
-                        wc_mma256(acc, wgmma_desc_mn_sw128(a + k * 2048, 8192), db, (kb | k) != 0);
+                        wgmma_m64n256k16<1, 1>(acc, wgmma_desc_mn_sw128(a + k * 2048, 8192), db, (kb | k) != 0);
                     }
                 }
                 wgmma_commit();
@@ -119,7 +91,7 @@ __device__ void wc_consume(const wc_params &p, const uint8_t *a, const uint8_t *
 template <int N, bool TURN, int DEPTH>
 __global__ void __launch_bounds__(384, 1) wc_kernel(const __grid_constant__ wc_params p)
 {
-#ifdef WC_DEVICE
+#ifdef WGMMA_DEVICE
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     /* A (two 64-column boxes) and B (up to four), 64 rows each: small bf16 values, their content immaterial */

@@ -71,20 +71,6 @@ typedef struct wg_params {
 #define WG_DEVICE 1
 #endif
 
-/* d (+)= A (64 x 16, desc_a: M-major when M_MAJOR, else K-major) * B (16 x 256, desc_b: N-major when N_MAJOR, else
- * K-major); accumulate 0 ignores d's old values. */
-template <int M_MAJOR, int N_MAJOR>
-__device__ __forceinline__ void wgmma_m64n256k16(float *d, uint64_t desc_a, uint64_t desc_b, int accumulate)
-{
-#ifdef WG_DEVICE
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" WGMMA_REGS_128
-                 "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
-                 : WGMMA_OPERANDS_128(d)
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(M_MAJOR), "n"(N_MAJOR));
-#endif
-}
-
 /* A CTA's output tile: expert e, row tile mt and column tile nt of it, its first row and how many rows it has. */
 typedef struct wg_tile {
     int e, mt, nt, rows;
@@ -348,18 +334,6 @@ typedef struct wg_wgrad_params {
     int64_t capacity;
     int num_experts, m_tiles, n_tiles, k_in, n_out, accumulate;
 } wg_wgrad_params;
-
-/* d (+)= A (64 x 16, M-major) * B (16 x 128, N-major); accumulate 0 ignores d's old values. */
-__device__ __forceinline__ void wgmma_m64n128k16_mn(float *d, uint64_t desc_a, uint64_t desc_b, int accumulate)
-{
-#ifdef WG_DEVICE
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" WGMMA_REGS_64
-                 "}, %64, %65, p, 1, 1, 1, 1;\n}\n"
-                 : WGMMA_OPERANDS_64(d)
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-#endif
-}
 
 /* A ping-pong cluster of CL CTAs takes CM x CN neighbouring tiles of one expert: CL 1 one tile, 2 two n_out tiles
  * (1 x 2), 4 a 2 x 2 block; CTA `rank` takes k_in tile rank % CM and n_out tile rank / CM of the block. The CTAs of a

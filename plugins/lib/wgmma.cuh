@@ -67,6 +67,36 @@ __device__ __forceinline__ int sw128_offset(int row, int byte)
     return row * 128 + ((((byte >> 4) ^ (row & 7))) << 4) + (byte & 15);
 }
 
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define WGMMA_DEVICE 1 /* the wgmma instructions exist (sm_90a); elsewhere the calls below compile to nothing */
+#endif
+
+/* d (+)= A (64 x 16, desc_a: M-major when M_MAJOR, else K-major) * B (16 x 256, desc_b: N-major when N_MAJOR, else
+ * K-major); accumulate 0 ignores d's old values. */
+template <int M_MAJOR, int N_MAJOR>
+__device__ __forceinline__ void wgmma_m64n256k16(float *d, uint64_t desc_a, uint64_t desc_b, int accumulate)
+{
+#ifdef WGMMA_DEVICE
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" WGMMA_REGS_128
+                 "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
+                 : WGMMA_OPERANDS_128(d)
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(M_MAJOR), "n"(N_MAJOR));
+#endif
+}
+
+/* d (+)= A (64 x 16, M-major) * B (16 x 128, N-major); accumulate 0 ignores d's old values. */
+__device__ __forceinline__ void wgmma_m64n128k16_mn(float *d, uint64_t desc_a, uint64_t desc_b, int accumulate)
+{
+#ifdef WGMMA_DEVICE
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" WGMMA_REGS_64
+                 "}, %64, %65, p, 1, 1, 1, 1;\n}\n"
+                 : WGMMA_OPERANDS_64(d)
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+#endif
+}
+
 /* Orders earlier register writes of the accumulators before the next wgmma reads them. */
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 /* Closes the group of wgmma issued since the last commit. */
