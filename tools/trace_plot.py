@@ -14,6 +14,8 @@ import argparse
 import json
 import sys
 
+from trace_summary import thread_names  # tools/, beside this script
+
 MISSING_MATPLOTLIB = 3
 FORWARD = ["router", "permute", "dispatch", "fc1", "act", "fc2", "combine"]
 
@@ -31,12 +33,6 @@ def kernel_kind(name):
     if "dispatch" in n or "combine" in n or "nccl" in n:
         return KERNEL_KINDS[2]
     return KERNEL_KINDS[3]
-
-
-def thread_names(trace):
-    """{(pid, tid): row name} of a trace's rows (streams, the host, CUDA streams' kernels)."""
-    return {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
-            if e.get("ph") == "M" and e.get("name") == "thread_name"}
 
 
 def kernels_of(trace, t0, t1, ranks):

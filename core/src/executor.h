@@ -222,6 +222,7 @@ moert_result moert_layer_backward(moert_layer *L, const moert_tensor *d_y, moert
 moert_result moert_layer_join_wgrads(moert_layer *L, moert_stream stream);
 /* Between forward and backward a layer's saved activations are in L->acts: its callers run the layer boundaries of the
  * store (moert_act_store_start_offloads, _release_finished, _prefetch; activation_store.h). */
+
 /* The host's monotonic clock in seconds: the layers' host marks, and the merged halves' polling for their turn. */
 double moert_layer_now_seconds(void);
 
