@@ -32,7 +32,9 @@ extern "C" {
  * $.parallel.overlap_micro_batches and moert_moe_forward_backward, and in moert.h moert_config_memory_estimate and
  * moert_plugin_description.agreement_rtol. 7: moert_layers_info.slots. 8: the dispatcher calls' own spans in
  * moert_layers_spans (MOERT_LAYERS_MAX_SPANS grew by MOERT_LAYER_DISPATCHER_CALLS). 9: up to
- * $.parallel.forwards_in_flight forwards in flight per layer, and a gradient rebound while forwards are in flight. */
+ * $.parallel.forwards_in_flight forwards in flight per layer, and a gradient rebound while forwards are in flight. 10:
+ * the host's spans (stream "host": how long the host took to issue each stage, backward part and dispatcher call) in
+ * moert_layers_spans, MOERT_LAYERS_MAX_SPANS doubled. */
 #define MOERT_API_VERSION 10
 MOERT_API int moert_api_version(void);
 
@@ -416,8 +418,8 @@ MOERT_API void moert_graph_destroy(moert_graph *graph);
  * For a framework that routes and runs its experts itself (e.g. a Megatron token-dispatcher backend): layer `layer`'s
  * dispatcher moves each token's top-k copies to the ranks owning their experts and back. The calls of one dispatch
  * come in this order: prepare (collective: counts are exchanged), run (collective), then combine, and for training
- * combine_backward and backward (collectives), then free. One dispatch is in flight per layer, and not beside a
- * moert_moe_forward of the same layer.
+ * combine_backward and backward (collectives), then free. A layer's dispatches and forwards in flight together take
+ * at most its slots ($.parallel.forwards_in_flight), each on a slot's own dispatcher instance.
  */
 typedef struct moert_dispatch moert_dispatch;
 
@@ -451,8 +453,9 @@ MOERT_API void moert_dispatch_free(moert_dispatch *d);
  *
  * For a framework that routes and dispatches itself and wants moert's experts (e.g. in place of Megatron's GroupedMLP):
  * layer `layer`'s local experts, fc1, SwiGLU times the routing prob and fc2, through the configured precision plugin,
- * on rows grouped by local expert. Only the layer's fc1 and fc2 need binding. A forward and its backward hold the
- * layer like moert_moe_forward (one in flight per layer, the same moert_saved; moert_saved_free drops it). Not with
+ * on rows grouped by local expert. Only the layer's fc1 and fc2 need binding. Forwards in flight per layer as for
+ * moert_moe_forward ($.parallel.forwards_in_flight, each on a slot of its own; the same moert_saved, which
+ * moert_saved_free drops). Not with
  * expert tensor parallelism (ETP > 1). The memory policy is not asked: fc1's output and the SwiGLU output are kept.
  */
 
