@@ -62,6 +62,46 @@ moert_result moert_output_check(const char *what, const char *path, const char *
     return MOERT_OK;
 }
 
+/* realpath of path's folder, then its last name, into buf; false where the folder cannot be resolved. */
+static bool resolved_name(const char *path, char *buf, size_t size)
+{
+    char folder[PATH_MAX], real[PATH_MAX];
+    folder_of(path, folder, sizeof folder);
+    if (!realpath(folder, real)) return false;
+    const char *slash = strrchr(path, '/');
+    int n = snprintf(buf, size, "%s/%s", real, slash ? slash + 1 : path);
+    return n >= 0 && (size_t)n < size;
+}
+
+bool moert_output_same_file(const char *a, const char *b)
+{
+    if (!a || !b) return false;
+    if (!strcmp(a, b)) return true;
+    struct stat sa, sb;
+    const bool ha = stat(a, &sa) == 0, hb = stat(b, &sb) == 0;
+    if (ha && hb) return sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+    char ra[PATH_MAX + NAME_MAX + 2], rb[PATH_MAX + NAME_MAX + 2];
+    return resolved_name(a, ra, sizeof ra) && resolved_name(b, rb, sizeof rb) && !strcmp(ra, rb);
+}
+
+moert_result moert_output_check_derived(const char *what, const char *path, const char *from, const char *marker,
+                                        const char *const *inputs, int ninputs)
+{
+    moert_result rc = moert_output_check(what, path, inputs, ninputs);
+    if (rc != MOERT_OK) return rc;
+    FILE *f = fopen(path, "r");
+    if (!f) return MOERT_OK; /* not there yet */
+    char head[257];
+    size_t n = fread(head, 1, sizeof head - 1, f);
+    fclose(f);
+    head[n] = '\0';
+    if (n > 0 && strstr(head, marker)) return MOERT_OK;
+    return moert_set_last_error(MOERT_ERR_IO,
+                                "%s %s (named after %s) exists and was not written by moert: move it away or choose "
+                                "another name",
+                                what, path, from);
+}
+
 /* The mode a new file gets: 0666 less the umask (read without changing it for good). */
 static mode_t new_file_mode(void)
 {

@@ -18,6 +18,8 @@
 
 #include <jansson.h>
 
+#include "output.h"
+
 extern char **environ;
 
 void moert_ab_plot_data_path(const char *png_path, char *out, size_t size)
@@ -54,10 +56,13 @@ static json_t *interval_json(const ab_interval *iv, const char *what)
     return o;
 }
 
-/* Writes the data file. Returns 0, or -1 with err set. */
+static int dump_plot_data(FILE *f, void *root) { return json_dumpf(root, f, JSON_INDENT(1) | JSON_REAL_PRECISION(9)); }
+
+/* Writes the data file (atomically, as every output). Returns 0, or -1 with err set. */
 static int write_data(const char *data_path, const moert_ab_plot_data *d, char *err, size_t err_size)
 {
     json_t *root = json_object(), *sides = json_array(), *differs = json_array();
+    json_object_set_new(root, "format", json_string("moert ab plot data")); /* first: MOERT_AB_PLOT_DATA_MARKER */
     char title[2600] = "moert ab";
     for (int i = 0; i < d->header_count && d->header; i++) {
         const char *line = d->header[i];
@@ -84,10 +89,10 @@ static int write_data(const char *data_path, const moert_ab_plot_data *d, char *
     json_object_set_new(root, "sides", sides);
     if (d->step_ratio) json_object_set_new(root, "step_ratio", interval_json(d->step_ratio, "B/A"));
     if (d->step_noise) json_object_set_new(root, "step_noise", interval_json(d->step_noise, "A'/A"));
-    int rc = json_dump_file(root, data_path, JSON_INDENT(1) | JSON_REAL_PRECISION(9));
+    moert_result rc = moert_output_write(data_path, dump_plot_data, root);
     json_decref(root);
-    if (rc != 0) {
-        snprintf(err, err_size, "cannot write the plot's data to %s: %s", data_path, strerror(errno));
+    if (rc != MOERT_OK) {
+        snprintf(err, err_size, "the plot's data: %s", moert_last_error());
         return -1;
     }
     return 0;

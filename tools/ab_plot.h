@@ -27,7 +27,9 @@ typedef struct moert_ab_plot_data {
  * matplotlib, the script) and where the data is. */
 int moert_ab_plot_png(const char *path, const moert_ab_plot_data *data, char *err, size_t err_size);
 
-/* The data file of a plot path: FILE.png -> FILE.plot.json, any other name gets ".plot.json" appended. */
+/* The data file of a plot path: FILE.png -> FILE.plot.json, any other name gets ".plot.json" appended. Its first
+ * member is MOERT_AB_PLOT_DATA_MARKER, by which moert ab knows a data file it wrote (and overwrites only those). */
+#define MOERT_AB_PLOT_DATA_MARKER "\"format\": \"moert ab plot data\""
 void moert_ab_plot_data_path(const char *png_path, char *out, size_t size);
 
 #endif

@@ -2,6 +2,7 @@
 /* `moert ab A.json B.json`: trains two configs of the same model side by side in one process, steps
  * interleaved A, B, A, B..., and compares step and stage times, activation memory and the losses. */
 #include <jansson.h>
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -846,9 +847,25 @@ static int check_outputs(const char *const configs[2], const char *report, const
         }
     }
     if (plot && moert_output_check("--plot", plot, inputs, report ? 4 : 2) != MOERT_OK) goto refused;
-    if (plot && report && (!strcmp(plot, report) || !strcmp(plot, md))) {
+    if (plot && report && (moert_output_same_file(plot, report) || moert_output_same_file(plot, md))) {
         fprintf(stderr, PROG ": --plot %s is also the report or its table\n", plot);
         return 1;
+    }
+    if (plot) {
+        /* the plot's data, named after it, lands on no input, output or file the user wrote */
+        char data[PATH_MAX + 16];
+        moert_ab_plot_data_path(plot, data, sizeof data);
+        const char *others[5] = {configs[0], configs[1], plot, report, md};
+        static const char *const roles[5] = {"config A", "config B", "--plot", "--report", "--report's table"};
+        for (int i = 0; i < (report ? 5 : 3); i++)
+            if (moert_output_same_file(data, others[i])) {
+                fprintf(stderr, PROG ": --plot %s: its data file %s would be %s, %s\n", plot, data, roles[i],
+                        others[i]);
+                return 1;
+            }
+        if (moert_output_check_derived("--plot's data", data, plot, MOERT_AB_PLOT_DATA_MARKER, others,
+                                       report ? 5 : 3) != MOERT_OK)
+            goto refused;
     }
     return 0;
 refused:

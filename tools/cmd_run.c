@@ -87,7 +87,7 @@ int moert_cmd_run(int argc, char **argv)
         fprintf(stderr, "moert run: %s\n", moert_last_error());
         goto exit;
     }
-    if (report_path && trace_path && !strcmp(report_path, trace_path)) {
+    if (report_path && trace_path && moert_output_same_file(report_path, trace_path)) {
         fprintf(stderr, "moert run: --report and --trace name the same file \"%s\"\n", trace_path);
         goto exit;
     }

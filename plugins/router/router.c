@@ -678,7 +678,8 @@ static moert_result router_forward(void *ctx, moert_stream stream, const moert_r
     c->fwd_jitter_eps = inference ? 0.0 : c->jitter_eps;
 #ifdef MOERT_HAVE_CUDA
     if (c->gpu) {
-        if ((rc = router_gpu_forward(c->gpu, stream, a, seq_length, call, c->fwd_jitter_eps, defer)) != MOERT_OK)
+        if ((rc = router_gpu_forward(c->gpu, stream, a, seq_length, call, c->fwd_jitter_eps, defer, !inference)) !=
+            MOERT_OK)
             return rc;
         c->fwd_tokens = T;
         c->have_forward = true;
@@ -736,8 +737,9 @@ static moert_result router_forward(void *ctx, moert_stream stream, const moert_r
     }
     /* pad_to_capacity: every expert gets `cap` rows, the kept copies and zero-weight padding */
     for (int64_t e = 0; e < E; e++) tpe[e] = c->params.pad_to_capacity ? cap : kept_counts[e];
-    /* the bias follows the tokens really routed, never the padding */
-    if (c->use_expert_bias)
+    /* the bias follows the tokens really routed by training forwards, never the padding nor an inference forward's
+     * (an evaluation between steps must not move the next update; Megatron counts only with grad enabled) */
+    if (c->use_expert_bias && !inference)
         for (int64_t e = 0; e < E; e++) c->owner->bias_counts[e] += kept_counts[e];
 
     /* a deferring forward's losses wait in ctx for forward_losses, as the CUDA path's wait on the device */

@@ -892,7 +892,7 @@ static moert_result forward_route(router_gpu *g, cudaStream_t stream, const moer
 }
 
 moert_result router_gpu_forward(router_gpu *g, moert_stream s, const moert_router_forward_args *a, int64_t seq_length,
-                                uint64_t call, double jitter_eps, bool defer_losses)
+                                uint64_t call, double jitter_eps, bool defer_losses, bool count_for_bias)
 {
     cudaStream_t stream = (cudaStream_t)s;
     const moert_host *h = g->host;
@@ -917,8 +917,8 @@ moert_result router_gpu_forward(router_gpu *g, moert_stream s, const moert_route
     /* logits in the compute dtype (jittered x, random logits), then the selection, probs and counts */
     if (T > 0) GPU_TRY(forward_logits(g, stream, a, T, call));
     GPU_TRY(forward_route(g, stream, a, T));
-    /* the bias follows the copies really kept, never the padding */
-    if (g->cfg.use_expert_bias)
+    /* the bias follows the copies really kept by training forwards, never the padding nor an inference forward's */
+    if (g->cfg.use_expert_bias && count_for_bias)
         GPU_TRY(moert_router_cuda_add_counts(h, stream, E, g->capacity && T > 0 ? g->kept_counts : tpe,
                                              g->owner->bias_counts));
 

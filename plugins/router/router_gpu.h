@@ -50,9 +50,11 @@ void router_gpu_destroy(router_gpu *g);
 /* Forward of T = x->shape[0] tokens; tensors already checked for device, shape and contiguity (not dtype). The input
  * jitter of this forward is jitter_eps (0 for an inference forward, which then multiplies x by exactly 1). With
  * defer_losses the loss values and counts are copied to the host without waiting, and a->losses is left unwritten:
- * router_gpu_forward_losses reads them once the stream has passed the forward. */
+ * router_gpu_forward_losses reads them once the stream has passed the forward. count_for_bias: the kept copies go
+ * into the expert bias's counts (training forwards; not an inference forward's). */
 moert_result router_gpu_forward(router_gpu *g, moert_stream stream, const moert_router_forward_args *a,
-                                int64_t seq_length, uint64_t call, double jitter_eps, bool defer_losses);
+                                int64_t seq_length, uint64_t call, double jitter_eps, bool defer_losses,
+                                bool count_for_bias);
 /* The losses of the last forward, which deferred them, and their figures reported (its stream has passed it). */
 moert_result router_gpu_forward_losses(router_gpu *g, moert_router_losses *losses);
 /* Backward of the last forward (of T tokens, noise call `call`); tensors checked as for forward. */

@@ -23,12 +23,23 @@ def _is_json(text):
 
 
 def _set_dotted(d, key, value):
+    """d[a][b].. = value for key "a.b..", making the missing sections; a section that is there but not an object is
+    left as it is (moert's check then names its JSON path) instead of being replaced by one."""
     parts = key.split(".")
     for p in parts[:-1]:
-        if not isinstance(d.get(p), dict):
+        if p not in d:
             d[p] = {}
+        if not isinstance(d[p], dict):
+            return
         d = d[p]
     d[parts[-1]] = value
+
+
+def _no_duplicate_keys(pairs):
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError("duplicate key")  # moert's own parser then names it, with its line and column
+    return dict(pairs)
 
 
 class Config:
@@ -58,12 +69,24 @@ class Config:
                 path = os.fspath(s)
                 if not os.path.exists(path):
                     raise FileNotFoundError("moert config: no such file: %s" % path)
-                # moert reads the file itself, so its errors name the file, line and column
-                _capi.check(lib.moert_config_load_file(path.encode(), ctypes.byref(self._ptr)),
-                            "moert_config_load_file")
-                with open(path) as f:
-                    self.data = json.load(f)
-                text, source = None, path
+                source, text = path, None
+                if overrides:
+                    # the overrides merged into the file's values and checked together, as for a dict (one at a time
+                    # a pair that must agree, such as the expert layout and $.parallel.ranks, would be refused
+                    # half-set)
+                    try:
+                        with open(path) as f:
+                            self.data = json.load(f, object_pairs_hook=_no_duplicate_keys)
+                        if isinstance(self.data, dict):
+                            text, merged = self._with_overrides(overrides), True
+                    except ValueError:
+                        pass  # moert's parser says where the file is broken
+                if text is None:
+                    # moert reads the file itself, so its errors name the file, line and column
+                    _capi.check(lib.moert_config_load_file(path.encode(), ctypes.byref(self._ptr)),
+                                "moert_config_load_file")
+                    with open(path) as f:
+                        self.data = json.load(f)
         else:
             raise TypeError("moert config: expected a path, a JSON string, a dict or a moert Config, got %s"
                             % type(config).__name__)

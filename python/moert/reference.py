@@ -186,7 +186,8 @@ class MoE(nn.Module):
         if self.shared_ffn:
             shared = (self.shared_fc1, self.shared_fc2, getattr(self, "shared_gate", None))
         y, loss, counts = moe(x, self.router_weight, self.fc1, self.fc2, self.opts, self.topk, self.expert_bias, shared)
-        self._counts += counts
+        if torch.is_grad_enabled():  # an evaluation forward does not move the expert bias (as Megatron)
+            self._counts += counts
         self.last_tokens_per_expert = counts
         return y, loss
 

@@ -124,6 +124,9 @@ class _Layers:
         launch.rank, launch.world_size = rank, world
         launch.device = _moert_device(self.device)
         launch.comm = self.comm.ptr if world > 1 else None
+        if max_tokens is not None and (isinstance(max_tokens, bool) or int(max_tokens) != max_tokens or max_tokens < 0):
+            raise ValueError("max_tokens: expected a whole number of tokens (0 or None: $.train.tokens_per_rank), "
+                             "got %r" % (max_tokens,))
         launch.max_tokens = int(max_tokens or 0)
         # the MoE layers' own grid over the group (parallel folding, docs/parallel.md): from the config's keys
         launch.expert_tensor_parallel = int(self.config.get("parallel.expert_tensor_parallel", 1))
@@ -147,9 +150,18 @@ class _Layers:
         self.slots = max(1, int(info.slots)) if _capi.lib().moert_api_version() >= 7 else 1
         self.in_flight = []
 
-    def make_room(self):
-        """Before a forward or dispatch: with every slot holding one, frees the oldest (its backward then raises)."""
+    def make_room(self, who, training=True):
+        """Before a forward or dispatch: with every slot holding one, a training call frees the oldest (its backward
+        then raises); an inference call (no backward follows) raises instead, so that an evaluation pass never
+        discards a training forward whose backward is still to come."""
         self.in_flight = [r for r in self.in_flight if r() is not None]
+        if not training and len(self.in_flight) >= self.slots:
+            n = len(self.in_flight)
+            raise RuntimeError(
+                "%s: an inference call (no backward follows: torch.no_grad() or nothing requires grad) needs a free "
+                "slot, and this layer holds %d training call%s whose backward has not run yet (%d in flight per "
+                "layer, $.parallel.forwards_in_flight): run %s backward first, or raise $.parallel.forwards_in_flight"
+                % (who, n, "" if n == 1 else "s", self.slots, "its" if n == 1 else "their"))
         while len(self.in_flight) >= self.slots:
             h = self.in_flight.pop(0)()
             if h is not None:
@@ -192,20 +204,22 @@ class _Layers:
 class _Saved:
     """A forward's moert_saved (consumed by its backward, freed if it never comes)."""
 
-    def __init__(self, layers):
+    def __init__(self, layers, who):
         self.layers = layers
+        self.who = who  # the module's name for messages: "moert.torch.MoE", "moert.torch.Experts"
         self.ptr = ctypes.c_void_p()
         self.superseded = False
 
     def take(self):
         if not self.layers.ptr:
-            raise RuntimeError("moert.torch.MoE: the layer was destroyed before this backward")
+            raise RuntimeError("%s: the layer was destroyed before this backward" % self.who)
         if self.superseded:
-            raise RuntimeError("moert.torch.MoE: this forward's saved activations were released because the layer "
+            raise RuntimeError("%s: this forward's saved activations were released because the layer " % self.who
                                + self.layers.superseded_text("ran more forwards"))
         if not self.ptr:
-            raise RuntimeError("moert.torch.MoE: backward through the same forward twice "
-                               "(its saved activations are consumed by the first)")
+            raise RuntimeError("%s: backward through the same forward twice (its saved activations are consumed by "
+                               "the first; for two losses, backward their sum once, or pass retain_graph=True and "
+                               "run a second forward)" % self.who)
         p, self.ptr = self.ptr, ctypes.c_void_p()
         self.layers.drop(self)
         return p
@@ -220,10 +234,27 @@ class _Saved:
         self._release()
 
 
+class _CModule(nn.Module):
+    """A module over moert's C layer, which is neither copied nor pickled: say so plainly (a copy would share, then
+    free twice, the C layer)."""
+
+    def _not_copied(self):
+        name = "moert.torch." + type(self).__name__
+        return TypeError("%s cannot be copied or pickled (copy.deepcopy, pickle, torch.save of the module): it holds "
+                         "moert's C layer. Save its state_dict() instead, and for a copy (an EMA, say) build a new "
+                         "%s from the same config and load_state_dict() into it" % (name, name))
+
+    def __getstate__(self):
+        raise self._not_copied()
+
+    def __deepcopy__(self, memo):
+        raise self._not_copied()
+
+
 class _MoEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, x, *params):
-        saved = _Saved(module._layers)
+        saved = _Saved(module._layers, "moert.torch.MoE")
         # moert binds while no forward is in flight: the gradient buffers this forward's backward overwrites
         grads = tuple(torch.empty_like(p) for p in params)
         y, loss = module._run_forward(x, params, saved, grads)
@@ -237,8 +268,7 @@ class _MoEFunction(torch.autograd.Function):
     def backward(ctx, dy, dloss):
         module = ctx.module
         x = ctx.saved_tensors[0]
-        saved_ptr = ctx.saved.take()
-        ctx.saved = None
+        saved_ptr = ctx.saved.take()  # a second backward through this forward raises there
         grads, ctx.grads = ctx.grads, None
         try:  # this forward's gradient buffers: with several forwards in flight a later one bound its own since
             module._bind(grads=grads)
@@ -251,7 +281,7 @@ class _MoEFunction(torch.autograd.Function):
         return (None, dx if needs[1] else None) + tuple(g if n else None for g, n in zip(grads, needs[2:]))
 
 
-class MoE(nn.Module):
+class MoE(_CModule):
     """A moert MoE feed-forward layer: forward(x [T, H]) -> (y [T, H], router_loss (0-dim)); y = MoE(x) without the
     residual. Parameters (this rank's): router_weight [E, H] (replicated over the expert-parallel group: reduce
     its gradient over ranks like any replicated parameter), fc1 [E_local, H, 2F] (gate and up halves of SwiGLU),
@@ -361,11 +391,22 @@ class MoE(nn.Module):
         self._bound = ptrs
 
     def _apply(self, fn, *args, **kwargs):
-        # .to() / .cuda() / .double() would move the tensors moert holds: rebind, or refuse a device moert
-        # was not created on (through the bind's checks)
+        # .to() / .cuda() / .double() would move the tensors moert holds: rebind, or refuse a device or dtype moert
+        # was not created on (through the bind's checks), leaving the module as it was
+        if getattr(self, "_layers", None) is None or getattr(self, "_bound", None) is None:
+            return super()._apply(fn, *args, **kwargs)
+        params = {n: (p, p.data, p.grad) for n, p in self._parameters.items() if p is not None}
+        buffers = dict(self._buffers)
         out = super()._apply(fn, *args, **kwargs)
-        if getattr(self, "_layers", None) is not None and getattr(self, "_bound", None) is not None:
+        try:
             self._bind()
+        except BaseException:
+            for n, (p, data, grad) in params.items():  # torch converts in place or makes new Parameters
+                p.data, p.grad = data, grad
+                self._parameters[n] = p
+            self._buffers.update(buffers)
+            self._bind()
+            raise
         return out
 
     def reset_parameters(self, seed=1):
@@ -425,7 +466,7 @@ class MoE(nn.Module):
 
     def _run_forward(self, x, values, saved, grads=None):
         L = self._layers
-        L.make_room()
+        L.make_room("moert.torch.MoE", training=saved is not None)
         self._bind(values, grads)
         y = torch.empty_like(x)
         stats = _capi.MoeStats()
@@ -618,7 +659,7 @@ class _CombineFunction(torch.autograd.Function):
         return dye, None
 
 
-class Dispatcher(nn.Module):
+class Dispatcher(_CModule):
     """DeepEP-shaped token dispatch over moert's dispatcher plugin (the config's "dispatcher" section).
 
         recv_x, recv_weights, tokens_per_expert, handle = disp.dispatch(x, topk_idx, topk_weights)
@@ -665,7 +706,7 @@ class Dispatcher(nn.Module):
 
     def _prepare(self, idx, T, training):
         L = self._layers
-        L.make_room()
+        L.make_room("moert.torch.Dispatcher", training=training)
         h = DispatchHandle(self, T)
         h.training = training
         rows = ctypes.c_int64()
@@ -719,7 +760,7 @@ class Dispatcher(nn.Module):
 class _ExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, x, tokens_per_expert, probs, fc1, fc2):
-        saved = _Saved(module._layers)
+        saved = _Saved(module._layers, "moert.torch.Experts")
         # fresh gradient buffers, bound before the forward: its backward overwrites them for autograd
         grads = (torch.empty_like(fc1), torch.empty_like(fc2))
         y = module._run_forward(x, tokens_per_expert, probs, (fc1, fc2), saved, grads)
@@ -734,8 +775,7 @@ class _ExpertsFunction(torch.autograd.Function):
     def backward(ctx, dy):
         module = ctx.module
         x, fc1, fc2 = ctx.saved_tensors
-        saved_ptr = ctx.saved.take()
-        ctx.saved = None
+        saved_ptr = ctx.saved.take()  # a second backward through this forward raises there
         grads, ctx.grads = ctx.grads, None
         try:  # with several forwards in flight a later one bound its own gradient buffers since
             module._bind_weights((fc1.detach(), fc2.detach()), grads)
@@ -748,7 +788,7 @@ class _ExpertsFunction(torch.autograd.Function):
                 grads[1] if needs[5] else None)
 
 
-class Experts(nn.Module):
+class Experts(_CModule):
     """moert's routed experts alone, on rows already dispatched and grouped by local expert (Megatron's GroupedMLP
     contract): forward(x [R, H], tokens_per_expert [E_local] int64, probs [R] or None) -> y [R, H], where each row r
     of expert e gets fc2_e(silu(a) * g * probs[r]) with [a | g] = x[r] fc1_e, through the config's precision plugin
@@ -828,6 +868,8 @@ class Experts(nn.Module):
             tpe = tpe.to(self.device)
         _check_tensor(tpe, "tokens_per_expert", shape=[self.num_local_experts])
         if probs is not None:
+            if not isinstance(probs, torch.Tensor):
+                raise TypeError("probs: expected a torch.Tensor or None, got %s" % type(probs).__name__)
             if probs.dim() == 2 and probs.shape[1] == 1:
                 probs = probs.reshape(-1)
             probs = probs.to(self.param_dtype).contiguous()
@@ -848,7 +890,7 @@ class Experts(nn.Module):
 
     def _run_forward(self, x, tpe, probs, weights, saved, grads):
         L = self._layers
-        L.make_room()
+        L.make_room("moert.torch.Experts", training=saved is not None)
         lib = _capi.lib()
         self._bind_weights(weights, grads)
         y = torch.empty_like(x)

@@ -168,14 +168,60 @@ class MoEAgainstReference(Case):
             yr, _ = ref(x)
         self.close(ya, yr, TOL["fp32"], "reference from the state_dict")
 
-    def test_same_init_for_any_split(self):
+    def test_init_follows_the_seed(self):
+        """The same seed gives the same values, another seed others (that they are the same for any split over ranks
+        is tests/unit/test_layers_api.c's, on moert_layers_init_params)."""
         cfg = config(dtype="fp64")
         a = moert.torch.MoE(cfg, init_seed=5)
         b = moert.torch.MoE(cfg, init_seed=5)
-        self.assertTrue(torch.equal(a.fc1, b.fc1))
+        c = moert.torch.MoE(cfg, init_seed=6)
+        for n in ("router_weight", "fc1", "fc2"):
+            self.assertTrue(torch.equal(getattr(a, n), getattr(b, n)), n)
+            self.assertFalse(torch.equal(getattr(a, n), getattr(c, n)), n)
         self.assertEqual(tuple(a.fc1.shape), (8, 16, 48))
         self.assertEqual(tuple(a.fc2.shape), (8, 24, 16))
         self.assertEqual(tuple(a.router_weight.shape), (8, 16))
+
+    def test_evaluation_does_not_move_the_expert_bias(self):
+        """Forwards under torch.no_grad() (an evaluation between steps) are not counted for the expert bias, in moert
+        as in the reference (and Megatron): the update after a training forward and an evaluation is the update
+        after the training forward alone."""
+        cfg = config(dtype="fp64", router=SIGMOID_BIAS)
+        x, gy = inputs(cfg, 40)
+        x_eval, _ = inputs(cfg, 40, seed=99)
+        want = moert.torch.MoE(cfg, init_seed=4)
+        forward_backward(want, x, gy, 1.0)
+        want.update_expert_bias()
+        self.assertGreater(want.expert_bias.abs().max().item(), 0.0)
+        got = moert.torch.MoE(cfg, init_seed=4)
+        ref = moert.reference.MoE(cfg)
+        load_weights(ref, (got.router_weight.detach(), got.fc1.detach(), got.fc2.detach()))
+        for m in (got, ref):
+            forward_backward(m, x, gy, 1.0)
+            with torch.no_grad():
+                for _ in range(3):
+                    m(x_eval)
+            m.update_expert_bias()
+        self.assertTrue(torch.equal(got.expert_bias, want.expert_bias))
+        self.assertTrue(torch.equal(ref.expert_bias.to(got.expert_bias.dtype), want.expert_bias))
+        # an evaluation alone moves nothing
+        fresh = moert.torch.MoE(cfg, init_seed=4)
+        with torch.no_grad():
+            fresh(x_eval)
+        fresh.update_expert_bias()
+        self.assertEqual(fresh.expert_bias.abs().max().item(), 0.0)
+
+    def test_not_copied(self):
+        import copy
+        import io
+        import pickle
+        m = moert.torch.MoE(config())
+        for copier in (copy.deepcopy, pickle.dumps, lambda m: torch.save(m, io.BytesIO())):
+            with self.assertRaises(TypeError) as cm:
+                copier(m)
+            self.assertIn("moert.torch.MoE cannot be copied", str(cm.exception))
+            self.assertIn("state_dict", str(cm.exception))
+        torch.save(m.state_dict(), io.BytesIO())  # the documented way
 
     def test_expert_parameter_names(self):
         model = torch.nn.Sequential(torch.nn.Linear(16, 16), moert.torch.MoE(config()))
@@ -255,6 +301,56 @@ class BadInput(Case):
             y1.sum().backward()
         self.assertIn("1 micro-batch in flight per layer, $.parallel.forwards_in_flight", str(cm.exception))
 
+    def test_backward_twice(self):
+        """Two backward calls through one forward (the router loss, then the task loss): a clear RuntimeError."""
+        m = moert.torch.MoE(self.cfg)
+        x = torch.randn(8, 16, requires_grad=True)
+        y, rl = m(x)
+        rl.backward(retain_graph=True)
+        with self.assertRaises(RuntimeError) as cm:
+            y.sum().backward()
+        self.assertIn("moert.torch.MoE: backward through the same forward twice", str(cm.exception))
+
+    def test_inference_keeps_a_training_forward(self):
+        """An inference forward while the layer's one slot holds a training forward raises, naming the way out,
+        instead of discarding the training forward; that forward's backward then runs as if nothing happened."""
+        cfg = config(dtype="fp64")
+        m = moert.torch.MoE(cfg)
+        ref = moert.torch.MoE(cfg)
+        x, gy = inputs(cfg, 12)
+        xa = x.clone().requires_grad_()
+        y, rl = m(xa)
+        with self.assertRaises(RuntimeError) as cm:
+            with torch.no_grad():
+                m(x)
+        self.assertIn("inference call", str(cm.exception))
+        self.assertIn("$.parallel.forwards_in_flight", str(cm.exception))
+        ((y * gy).sum() + rl).backward()
+        y_r, _, dx_r = forward_backward(ref, x, gy, 1.0)
+        self.assertTrue(torch.equal(y.detach(), y_r))
+        self.assertTrue(torch.equal(xa.grad, dx_r))
+        with torch.no_grad():  # with the slot free again it runs
+            self.assertTrue(torch.equal(m(x)[0], y_r))
+        # with a second slot the evaluation fits beside the training forward
+        two = moert.torch.MoE(cfg, overrides={"parallel.forwards_in_flight": 2})
+        y2, rl2 = two(x.clone().requires_grad_())
+        with torch.no_grad():
+            self.assertTrue(torch.equal(two(x)[0], y_r))
+        (y2.sum() + rl2).backward()
+
+    def test_refused_conversion_leaves_the_module(self):
+        """.double() on an fp32 layer is refused and the parameters stay fp32: the module still runs."""
+        m = moert.torch.MoE(self.cfg)
+        x = torch.randn(4, 16)
+        with torch.no_grad():
+            want, _ = m(x)
+        with self.assertRaises(TypeError) as cm:
+            m.double()
+        self.assertIn("router_weight", str(cm.exception))
+        self.assertEqual({p.dtype for p in m.parameters()}, {torch.float32})
+        with torch.no_grad():
+            self.assertTrue(torch.equal(m(x)[0], want))
+
     def test_pipeline_order(self):
         """$.parallel.forwards_in_flight 3: a pipeline stage's order (three forwards, then backwards and one more
         forward interleaved) gives the outputs, input gradients and accumulated gradients of one forward and backward
@@ -330,6 +426,38 @@ class Configs(Case):
         with self.assertRaises(TypeError):
             moert.torch.MoE(3)
         self.assertTrue(moert.version())
+        # a section that is not an object is refused, naming it, not replaced by the defaults
+        for bad in ({"model": None}, {"model": "big"}, {"parallel": 3}):
+            with self.assertRaises(moert.MoertError) as cm:
+                moert.torch.MoE(bad, device="cpu")
+            self.assertIn("$." + next(iter(bad)), str(cm.exception))
+        with self.assertRaises(ValueError) as cm:
+            moert.torch.MoE(config(), max_tokens=8.5)
+        self.assertIn("max_tokens", str(cm.exception))
+
+    def test_file_overrides_checked_together(self):
+        """Overrides of a config file are merged and checked as a whole, as for a dict: a pair that must agree (the
+        expert layout against $.parallel.ranks) is not refused half-set."""
+        import json
+        import os
+        import tempfile
+        cfg = config(dtype="fp64")
+        cfg["parallel"].update(ranks=2, expert_tensor_parallel=2)
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(cfg, f)
+        ov = {"parallel.expert_tensor_parallel": 1}
+        a = moert.torch.MoE(cfg, overrides=ov)
+        b = moert.torch.MoE(f.name, overrides=ov)
+        x, _ = inputs(cfg, 8)
+        with torch.no_grad():
+            self.assertTrue(torch.equal(a(x)[0], b(x)[0]))
+        # a broken file still gets moert's own message, with its line
+        with open(f.name, "w") as g:
+            g.write('{"model": {"hidden": 8,,}}')
+        with self.assertRaises(moert.MoertError) as cm:
+            moert.torch.MoE(f.name, overrides=ov)
+        self.assertIn(f.name + ":1:24: invalid JSON", str(cm.exception))
+        os.unlink(f.name)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,31 @@ run ab_onto_config 1 ab c.json c.json --steps 2 --report c.json
 expect_line ab_onto_config err "moert ab: --report c.json is the input c.json: refusing to overwrite an input"
 same "$tmp/c.json" "$tmp/c.orig" ab_onto_config
 
+# outputs that would land on each other however spelt are refused before anything runs
+run run_same_spelt 1 run c.json --steps 2 --report o1.json --trace ./o1.json
+expect_line run_same_spelt err 'moert run: --report and --trace name the same file "./o1.json"'
+[ -e "$tmp/o1.json" ] && fail "run_same_spelt: o1.json was written"
+run ab_plot_report 1 ab c.json c.json --steps 2 --warmup 0 --report o2.json --plot ./o2.json
+expect_line ab_plot_report err "moert ab: --plot ./o2.json is also the report or its table"
+[ -e "$tmp/o2.json" ] && fail "ab_plot_report: o2.json was written"
+# the plot's data file (FILE.png -> FILE.plot.json) is an output too: never an input, the report, a link, or a
+# file moert did not write
+cp "$tmp/c.json" "$tmp/in.plot.json"
+run ab_plot_data_input 1 ab in.plot.json in.plot.json --steps 2 --warmup 0 --plot in.png
+expect_line ab_plot_data_input err "moert ab: --plot in.png: its data file in.plot.json would be config A, in.plot.json"
+same "$tmp/in.plot.json" "$tmp/c.orig" ab_plot_data_input
+run ab_plot_data_report 1 ab c.json c.json --steps 2 --warmup 0 --report rp.plot.json --plot rp.png
+expect_line ab_plot_data_report err "moert ab: --plot rp.png: its data file rp.plot.json would be --report, rp.plot.json"
+ln -s target.json "$tmp/lp.plot.json"
+run ab_plot_data_link 1 ab c.json c.json --steps 2 --warmup 0 --plot lp.png
+expect_match ab_plot_data_link err "^moert ab: --plot's data lp.plot.json is a symbolic link"
+same "$tmp/target.json" "$tmp/target.orig" ab_plot_data_link
+echo '{"my": "data"}' >"$tmp/mine.plot.json"
+run ab_plot_data_mine 1 ab c.json c.json --steps 2 --warmup 0 --plot mine.png
+expect_line ab_plot_data_mine err "moert ab: --plot's data mine.plot.json (named after mine.png) exists and was not written by moert: move it away or choose another name"
+[ "$(cat "$tmp/mine.plot.json")" = '{"my": "data"}' ] || fail "ab_plot_data_mine: mine.plot.json was overwritten"
+[ -e "$tmp/mine.png" ] && fail "ab_plot_data_mine: a plot was drawn"
+
 # ab: a step of B fails at step 3 (decide is called 3 times a step: fail_after 6): the report holds what
 # both sides did, says it is incomplete, and the status is 1
 rm -f "$tmp/ab.md"

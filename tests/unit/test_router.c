@@ -187,6 +187,14 @@ static void test_sigmoid_bias(void)
     int32_t idx1[] = {0, 1, 0, 1};
     double probs1[] = {sigmoid(2) / s, sigmoid(1) / s, sigmoid(2) / s, sigmoid(1) / s};
     expect_route("sigmoid", &out, idx1, probs1, 4, 1e-14);
+    /* an inference forward (an evaluation between steps) is not counted: its tokens, all to experts 2 and 3, would
+     * turn the update below around */
+    double l_eval[] = {-1, 0, 2, 1, -1, 0, 2, 1, -1, 0, 2, 1};
+    route_flags = MOERT_ROUTER_FORWARD_INFERENCE;
+    EXPECT_OK(route(&c, l_eval, 3, 0, MOERT_F64, &out));
+    route_flags = 0;
+    int64_t eval_counts[] = {0, 0, 3, 3};
+    expect_counts("sigmoid inference", &out, eval_counts, 4);
 
     /* counts [2,2,0,0], mean 1: bias -= 0.5 for experts 0,1 and += 0.5 for experts 2,3 */
     EXPECT_OK(c.vt->end_step(c.ti.ctx, NULL));
