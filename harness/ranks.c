@@ -170,12 +170,16 @@ moert_result trainer_run_on_ranks(moert_runtime *rt, rank_phase_fn fn, void *arg
         }
         if (left > 0) {
             rt->abandoned_ranks = left;
-            char first[2400] = "";
+            /* the first rank's failure, where one failed, is the cause (out of memory, say) and gives the code: the
+             * others still running are its consequence; with none, the stall itself */
+            char first[MOERT_ERROR_MAX] = "";
+            moert_result code = MOERT_ERR_TIMEOUT;
             for (int i = 0; i < rt->nlocal; i++)
-                if (rt->ranks[i].fail_order == 0 && run->finished[i])
+                if (rt->ranks[i].fail_order == 0 && run->finished[i]) {
                     snprintf(first, sizeof first, "rank %d: %s", rt->ranks[i].rank, rt->ranks[i].error);
-            return moert_set_last_error(MOERT_ERR_TIMEOUT,
-                                        "%s%s%s %s still running %.1f s later and abandoned (stalled)",
+                    if (rt->ranks[i].rc != MOERT_OK) code = rt->ranks[i].rc;
+                }
+            return moert_set_last_error(code, "%s%s%s %s still running %.1f s later and abandoned (stalled)",
                                         first[0] ? first : why, first[0] || why[0] ? "; " : "",
                                         left == 1 ? "rank" : "ranks", stalled, stall_grace_s(rt));
         }

@@ -367,7 +367,7 @@ moert_result moert_runtime_create(const moert_config *cfg, moert_runtime **out)
     return MOERT_OK;
 fail:
     if (rt) {
-        char saved[4096];
+        char saved[MOERT_ERROR_MAX];
         snprintf(saved, sizeof saved, "%s", moert_last_error());
         moert_runtime_destroy(rt);
         moert_set_last_error(rc, "%s", saved);

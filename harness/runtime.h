@@ -126,7 +126,7 @@ struct moert_rank {
     /* outcome of the phase running on this rank */
     moert_result rc;
     int fail_order;
-    char error[2048];
+    char error[MOERT_ERROR_MAX];
 };
 
 /* Tests: whether the ranks hold slot 1 of their layers ($.parallel.overlap_micro_batches), and on the CPU, where a

@@ -9,6 +9,9 @@
 
 /* The most --set options one command line takes. */
 #define MOERT_CLI_MAX_SETS 64
+/* The most --steps (and --warmup) a command takes: $.train.steps' bound (core/src/config.h, MOERT_MAX_STEPS); the
+ * trainer keeps a record for every step. */
+#define MOERT_CLI_MAX_STEPS 100000000
 
 /* Loads path, then applies each "KEY=VALUE" of sets in order (VALUE is JSON; text that is not JSON is taken
  * as a string). On error prints "PROG: message" to stderr and returns the code; *out is NULL then. */

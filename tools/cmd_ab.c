@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* `moert ab A.json B.json`: trains two configs of the same model side by side in one process, steps
  * interleaved A, B, A, B..., and compares step and stage times, activation memory and the losses. */
+#include <errno.h>
 #include <jansson.h>
 #include <limits.h>
 #include <math.h>
@@ -1002,12 +1003,15 @@ typedef struct ab_set {
 } ab_set;
 
 /* Parses a count option's value; -1 when it is not an integer >= min. */
+/* --steps / --warmup: an integer from min to MOERT_CLI_MAX_STEPS (so that warm-up + steps never overflows), or -1. */
 static long long parse_count(const char *option, const char *text, long long min)
 {
     char *end = NULL;
+    errno = 0;
     long long v = strtoll(text, &end, 10);
-    if (!end || end == text || *end || v < min) {
-        fprintf(stderr, PROG ": %s expects an integer >= %lld, got \"%s\"\n", option, min, text);
+    if (!end || end == text || *end || errno == ERANGE || v < min || v > MOERT_CLI_MAX_STEPS) {
+        fprintf(stderr, PROG ": %s expects an integer from %lld to %d, got \"%s\"\n", option, min, MOERT_CLI_MAX_STEPS,
+                text);
         return -1;
     }
     return v;

@@ -6,8 +6,10 @@
  * refused by name because moert does not model it yet: never dropped silently. Megatron's defaults apply to the
  * flags left out, so the config means what the same command line means to Megatron.
  */
+#include <ctype.h>
 #include <errno.h>
 #include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -164,14 +166,30 @@ static bool parse_int(const char *text, long long min, long long *out)
     return true;
 }
 
+/* Any number strtod reads, inf and nan included (an overflow reads as inf): the caller refuses those by name. */
 static bool parse_float(const char *text, double *out)
 {
     char *end = NULL;
     errno = 0;
     double v = strtod(text, &end);
-    if (errno || end == text || *end || !(v >= 0)) return false;
+    if (end == text || *end || (errno && isfinite(v))) return false;
     *out = v;
     return true;
+}
+
+/* *out = a * b, or 1 after naming both factors when the product does not fit (flag values reach LLONG_MAX) */
+static int multiply(long long a, long long b, const char *what_a, const char *what_b, long long *out)
+{
+    if (__builtin_mul_overflow(a, b, out)) return fail("the product of %s and %s is too large", what_a, what_b);
+    return 0;
+}
+
+/* Whether a command-line word is a flag rather than a value: it starts with '-', unless it is a negative number
+ * ("-1", "-.5"), which argparse, too, reads as a value. */
+static bool is_flag(const char *arg)
+{
+    if (arg[0] != '-' || arg[1] == '\0') return false;
+    return !isdigit((unsigned char)arg[1]) && !(arg[1] == '.' && isdigit((unsigned char)arg[2]));
 }
 
 /* One flag and its value (NULL for a switch). Returns 0, or 1 after printing why. */
@@ -186,6 +204,9 @@ static int apply_flag(import_state *st, const flag_map *f, const char *value)
         return 0;
     case MAP_FLOAT:
         if (!parse_float(value, &x)) return fail("%s: \"%s\" is not a non-negative number", f->flag, value);
+        /* json_real refuses inf and nan: the key would be dropped without a word */
+        if (!isfinite(x)) return fail("%s: expected a finite number, got %s", f->flag, value);
+        if (x < 0) return fail("%s: \"%s\" is not a non-negative number", f->flag, value);
         set_key(st->root, f->key, json_real(x));
         return 0;
     case MAP_ENUM:
@@ -265,7 +286,10 @@ static int finish(import_state *st)
         long long ep_size = ep ? (long long)json_integer_value(ep) : 1;
         set_key(st->root, "parallel.expert_parallel", json_integer(ep_size));
         set_key(st->root, "parallel.expert_tensor_parallel", json_integer(st->etp));
-        set_key(st->root, "parallel.ranks", json_integer(ep_size * st->etp));
+        long long ranks = 0;
+        if (multiply(ep_size, st->etp, "--expert-model-parallel-size", "--expert-tensor-parallel-size", &ranks))
+            return 1;
+        set_key(st->root, "parallel.ranks", json_integer(ranks));
     }
 
     /* router: Megatron's balancing default is aux_loss with coefficient 0, which does nothing: none in moert */
@@ -316,7 +340,10 @@ static int finish(import_state *st)
     if (comm_sms > 0) set_key(st->root, "parallel.overlap_comm_sms", json_integer(comm_sms));
     /* a pipeline's 1F1B warm-up holds one forward of the first stage's layers per stage, the interleaved schedule
      * (virtual stages) up to twice that: the slots each layer needs */
-    const long long in_flight = st->pipeline > 1 && st->virtual_stages > 0 ? 2 * st->pipeline : st->pipeline;
+    long long in_flight = st->pipeline;
+    if (st->pipeline > 1 && st->virtual_stages > 0 &&
+        multiply(st->pipeline, 2, "--pipeline-model-parallel-size", "2 (the interleaved schedule)", &in_flight))
+        return 1;
     if (in_flight > 32) { /* $.parallel.forwards_in_flight's bound */
         char text[160];
         snprintf(text, sizeof text, "--pipeline-model-parallel-size %lld%s holds %lld forwards of a layer in flight",
@@ -378,8 +405,15 @@ static int finish(import_state *st)
         set_key(st->root, "memory_policy.dispatched_x", json_string("recompute"));
         set_key(st->root, "memory_policy.fc1_out", json_string("recompute"));
     }
-    if (st->seq_length && st->micro_batch)
-        set_key(st->root, "train.tokens_per_rank", json_integer(st->seq_length * st->micro_batch));
+    /* tokens per rank: Megatron has no default micro-batch size (validate_args asserts one is given), so one of the
+     * pair without the other is refused rather than dropped */
+    if (st->seq_length && !st->micro_batch) return fail("%s needs %s", "--seq-length", "--micro-batch-size");
+    if (st->micro_batch && !st->seq_length) return fail("%s needs %s", "--micro-batch-size", "--seq-length");
+    if (st->seq_length) {
+        long long tokens = 0;
+        if (multiply(st->seq_length, st->micro_batch, "--seq-length", "--micro-batch-size", &tokens)) return 1;
+        set_key(st->root, "train.tokens_per_rank", json_integer(tokens));
+    }
     return 0;
 }
 
@@ -455,18 +489,22 @@ int moert_cmd_config(int argc, char **argv)
                          : fail("%s: not a flag moert knows (only MoE and model flags are read)%s", flag, "");
             break;
         }
-        if (!f->no_value) {
-            if (eq)
-                value = eq + 1;
-            else if (i + 1 < nargs)
-                value = args[++i];
-            else
-                status = fail("%s needs a value%s", flag, "");
+        if (f->no_value) {
+            /* a switch takes no value, as with Megatron's argparse (store_true): --bf16=false is refused, not read
+             * as --bf16 */
+            if (eq) status = fail("%s is a switch and takes no value (got \"%s\")", flag, eq + 1);
+        } else if (eq) {
+            value = eq + 1;
+        } else if (i + 1 < nargs && !is_flag(args[i + 1])) {
+            value = args[++i];
+        } else {
+            /* the next word is a flag (--lr --bf16): not taken as the value, which would drop that flag */
+            status = fail("%s needs a value%s", flag, "");
         }
-        /* Megatron reads --recompute-modules as a list (nargs '*'): every word up to the next flag */
+        /* Megatron reads --recompute-modules as a list (nargs '+'): every word up to the next flag */
         if (status == 0 && !strcmp(flag, "--recompute-modules")) {
             snprintf(st.modules, sizeof st.modules, "%s", value);
-            for (; i + 1 < nargs && strncmp(args[i + 1], "--", 2); i++) {
+            for (; i + 1 < nargs && !is_flag(args[i + 1]); i++) {
                 size_t used = strlen(st.modules);
                 snprintf(st.modules + used, sizeof st.modules - used, " %s", args[i + 1]);
             }

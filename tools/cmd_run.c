@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* `moert run CONFIG`: trains the configured MoE layer stack and prints a line per step. */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,9 +41,11 @@ int moert_cmd_run(int argc, char **argv)
             return 0;
         } else if (!strcmp(argv[i], "--steps") && i + 1 < argc) {
             char *end = NULL;
+            errno = 0;
             steps = strtoll(argv[++i], &end, 10);
-            if (!end || *end || steps <= 0) {
-                fprintf(stderr, "moert run: --steps expects a positive integer, got \"%s\"\n", argv[i]);
+            if (!end || end == argv[i] || *end || errno == ERANGE || steps <= 0 || steps > MOERT_CLI_MAX_STEPS) {
+                fprintf(stderr, "moert run: --steps expects an integer from 1 to %d, got \"%s\"\n", MOERT_CLI_MAX_STEPS,
+                        argv[i]);
                 return 2;
             }
         } else if (!strcmp(argv[i], "--report") && i + 1 < argc) {

@@ -616,7 +616,7 @@ static moert_result parse_train(moert_config *cfg, json_t *obj)
     moert_result rc = MOERT_OK;
     moert_section *sec = moert_section_create(obj, "$.train");
     MOERT_CHECK_ALLOC(sec);
-    MOERT_CHECK(moert_section_int(sec, "steps", 100, 0, INT64_MAX, "optimizer steps", &t->steps));
+    MOERT_CHECK(moert_section_int(sec, "steps", 100, 0, MOERT_MAX_STEPS, "optimizer steps", &t->steps));
     MOERT_CHECK(moert_section_int(sec, "tokens_per_rank", 256, 1, MOERT_MAX_TOKENS_PER_RANK,
                                   "tokens per rank per micro-batch", &t->tokens_per_rank));
     MOERT_CHECK(moert_section_int(sec, "micro_batches", 1, 1, MOERT_MAX_MICRO_BATCHES,

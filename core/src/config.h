@@ -105,6 +105,7 @@ typedef enum moert_optimizer { MOERT_OPTIMIZER_ADAM = 0, MOERT_OPTIMIZER_SGD = 1
 #define MOERT_MAX_TOKENS_PER_RANK 16777216           /* $.train.tokens_per_rank and $.train.seq_length */
 #define MOERT_MAX_BUFFER_BYTES    ((int64_t)1 << 44) /* 16 TiB */
 #define MOERT_MAX_TIMEOUT_S       86400.0            /* $.parallel.timeout_s: a day */
+#define MOERT_MAX_STEPS           100000000 /* $.train.steps (the CLI's MOERT_CLI_MAX_STEPS): a record a step */
 
 typedef struct moert_train_config {
     int64_t steps, tokens_per_rank, seq_length, seed, log_every;

@@ -8,7 +8,7 @@
 
 #include "moert/moert.h"
 
-#define MOERT_ERROR_BUFFER_SIZE 4096
+#define MOERT_ERROR_BUFFER_SIZE MOERT_ERROR_MAX
 
 static _Thread_local char error_buffer[MOERT_ERROR_BUFFER_SIZE];
 

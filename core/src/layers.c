@@ -702,7 +702,7 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
     return MOERT_OK;
 fail:
     if (m) {
-        char saved[4096];
+        char saved[MOERT_ERROR_MAX];
         snprintf(saved, sizeof saved, "%s", moert_error_message());
         if (m->world > 1 && m->comm && m->comm->group) moert_comm_abort(m->comm->group, m->rank, saved);
 #ifdef MOERT_HAVE_CUDA
@@ -1005,7 +1005,7 @@ fail:
 /* Drops what a failed forward or backward left saved, keeping the failure's message; returns rc. */
 static moert_result release_after_failure(moert_layer *L, moert_result rc)
 {
-    char message[4096];
+    char message[MOERT_ERROR_MAX];
     snprintf(message, sizeof message, "%s", moert_error_message());
     (void)moert_layer_release_saved(L);
     return moert_error(rc, "%s", message);
@@ -1531,7 +1531,7 @@ static moert_result check_experts_bound(const moert_layers *m, int layer, const 
 /* The last error's message again, prefixed with the public function's name. */
 static moert_result prefixed_error(const char *fn, moert_result rc)
 {
-    char message[4096];
+    char message[MOERT_ERROR_MAX];
     snprintf(message, sizeof message, "%s", moert_error_message());
     return moert_error(rc, "%s: %s", fn, message);
 }

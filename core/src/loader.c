@@ -387,26 +387,39 @@ moert_result moert_plugin_load(moert_plugin_kind kind, const char *spec, moert_p
     snprintf(file, sizeof file, "libmoert-%s-%s.so", want->file_part, spec);
     dir_list dirs = {0};
     collect_search_dirs(&dirs);
-    char tried[3072] = "";
+    /* every path tried, in order, as far as the error message holds them; past that they are counted, so a long
+     * MOERT_PLUGIN_PATH never ends the message mid-path */
+    char tried[10240] = "";
+    int untold = 0;
     moert_result rc = MOERT_ERR_NOT_FOUND;
     bool found = false;
     for (int i = 0; i < dirs.count && !found; i++) {
-        char path[2048];
+        char path[2048], entry[2600];
         snprintf(path, sizeof path, "%s/%s", dirs.dirs[i], file);
-        if (tried[0]) append(tried, sizeof tried, ", ");
-        append(tried, sizeof tried, path);
-        if (access(path, F_OK) != 0) continue;
-        void *probe = dlopen(path, PLUGIN_DLOPEN_FLAGS);
-        if (!probe) { /* a file that exists but does not load: say why, and go on searching */
-            const char *why = dlerror();
-            append(tried, sizeof tried, " (exists but failed to load: ");
-            append(tried, sizeof tried, why ? why : "dlopen failed");
-            append(tried, sizeof tried, ")");
-            continue;
+        snprintf(entry, sizeof entry, "%s%s", tried[0] ? ", " : "", path);
+        if (access(path, F_OK) == 0) {
+            void *probe = dlopen(path, PLUGIN_DLOPEN_FLAGS);
+            if (!probe) { /* a file that exists but does not load: say why, and go on searching */
+                const char *why = dlerror();
+                append(entry, sizeof entry, " (exists but failed to load: ");
+                append(entry, sizeof entry, why ? why : "dlopen failed");
+                append(entry, sizeof entry, ")");
+            } else {
+                dlclose(probe);
+                found = true;
+                rc = open_checked(want, label, path, out);
+                break;
+            }
         }
-        dlclose(probe);
-        found = true;
-        rc = open_checked(want, label, path, out);
+        if (untold == 0 && strlen(tried) + strlen(entry) + 64 < sizeof tried)
+            append(tried, sizeof tried, entry);
+        else
+            untold++;
+    }
+    if (untold > 0) {
+        char more[64];
+        snprintf(more, sizeof more, " and %d more folder%s", untold, untold == 1 ? "" : "s");
+        append(tried, sizeof tried, more);
     }
     char known[1024] = "";
     if (!found) known_names(&dirs, want->file_part, known, sizeof known);

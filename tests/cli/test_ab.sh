@@ -230,7 +230,10 @@ fi
 run one_config 2 ab "$tmp/keep.json"
 expect_line one_config err "usage: moert ab CONFIG_A CONFIG_B [options]"
 run bad_steps 2 ab "$tmp/keep.json" "$tmp/saver.json" --steps 0
-expect_line bad_steps err 'moert ab: --steps expects an integer >= 1, got "0"'
+expect_line bad_steps err 'moert ab: --steps expects an integer from 1 to 100000000, got "0"'
+# counts past the bound (or past int64) are refused, not overflowed into an allocation
+run huge_warmup 2 ab "$tmp/keep.json" "$tmp/saver.json" --steps 2 --warmup 9223372036854775807
+expect_line huge_warmup err 'moert ab: --warmup expects an integer from 0 to 100000000, got "9223372036854775807"'
 run bad_set 1 ab "$tmp/keep.json" "$tmp/saver.json" --set-b model.topk=9
 expect_line bad_set err 'moert ab (B): --set model.topk=9: config error at $.model.topk: got 9, expected an integer in [1, 4]'
 

@@ -148,6 +148,11 @@ run size_ffn 1 run "$good" --steps 1 --set model.ffn_hidden=2305843009213693953
 expect_line size_ffn err "moert run: --set model.ffn_hidden=2305843009213693953: config error at \$.model.ffn_hidden: got 2305843009213693953, expected an integer in [1, 262144]"
 run size_hidden 1 run "$good" --steps 1 --set model.hidden=2305843009213693952
 expect_line size_hidden err "moert run: --set model.hidden=2305843009213693952: config error at \$.model.hidden: got 2305843009213693952, expected an integer in [1, 65536]"
+# steps: a record is kept for each, so their count is bounded (it failed as "step records" past the memory)
+run size_steps 1 check "$good" --set train.steps=1000000000000
+expect_line size_steps err "moert check: --set train.steps=1000000000000: config error at \$.train.steps: got 1000000000000, expected an integer in [0, 100000000]"
+run size_steps_flag 2 run "$good" --steps 99999999999999999999999
+expect_line size_steps_flag err 'moert run: --steps expects an integer from 1 to 100000000, got "99999999999999999999999"'
 run size_experts 1 check "$good" --set model.num_experts=268435456
 expect_line size_experts err "moert check: --set model.num_experts=268435456: config error at \$.model.num_experts: got 268435456, expected an integer in [1, 16384]"
 

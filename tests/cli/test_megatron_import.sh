@@ -143,6 +143,30 @@ expect_refused badint "--num-experts: \"eight\" is not a positive integer" --num
 expect_refused badenum "--moe-router-score-function: \"relu\" is not one of Megatron's values" "${base[@]}" \
     --moe-router-score-function relu
 expect_refused novalue "--moe-router-topk needs a value" "${base[@]}" --moe-router-topk
+# a flag that takes a value never swallows the next flag as it (the flag would be dropped); a negative number is a value
+expect_refused value_is_flag "--lr needs a value" "${base[@]}" --lr --bf16
+expect_refused value_is_switch "--recompute-granularity needs a value" "${base[@]}" --recompute-granularity \
+    --moe-layer-recompute
+"$moert" config --from-megatron "${base[@]}" --lr -1 --bf16 >"$tmp/negative.json" 2>&1 ||
+    fail "a negative value refused: $(cat "$tmp/negative.json")"
+grep -q '"dtype": "bf16"' "$tmp/negative.json" || fail "--bf16 after a negative value not mapped"
+# a switch takes no value, as with Megatron's argparse: --bf16=false is refused, not read as --bf16
+expect_refused switch_value "--bf16 is a switch and takes no value (got \"false\")" "${base[@]}" --bf16=false
+# inf and nan are refused by name (JSON has no such numbers: the key would be dropped)
+expect_refused aux_coeff_inf "--moe-aux-loss-coeff: expected a finite number, got inf" "${base[@]}" \
+    --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff inf
+expect_refused capacity_inf "--moe-expert-capacity-factor: expected a finite number, got inf" "${base[@]}" \
+    --moe-expert-capacity-factor inf
+# products of flag values that overflow are refused, naming the flags
+expect_refused etp_overflow "the product of --expert-model-parallel-size and --expert-tensor-parallel-size is too large" \
+    "${base[@]}" --expert-model-parallel-size 9223372036854775807 --expert-tensor-parallel-size 2
+expect_refused tokens_overflow "the product of --seq-length and --micro-batch-size is too large" "${base[@]}" \
+    --seq-length 4294967296 --micro-batch-size 4294967296
+expect_refused pipeline_overflow "the product of --pipeline-model-parallel-size and 2 (the interleaved schedule) is too large" \
+    "${base[@]}" --pipeline-model-parallel-size 4611686018427387904 --virtual-pipeline-model-parallel-size 2
+# tokens per rank need both flags (Megatron has no default micro-batch size): one alone is refused, not dropped
+expect_refused seq_without_micro_batch "--seq-length needs --micro-batch-size" "${base[@]}" --seq-length 4096
+expect_refused micro_batch_without_seq "--micro-batch-size needs --seq-length" "${base[@]}" --micro-batch-size 2
 
 # mappings that need more than one key
 "$moert" config --from-megatron "${base[@]}" --fp8-format e4m3 --fp8-recipe blockwise --recompute-granularity selective \

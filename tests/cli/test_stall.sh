@@ -37,6 +37,15 @@ stall() {
 stall stall_30s 30
 stall stall_forever -1
 
+# a rank that fails (rank 0) while another stalls (rank 2): the failure is the cause and gives the status (1, not
+# the stall's 3), and the message names both
+timeout 60 "$moert" run "$tmp/c.json" --quiet --set memory_policy.stall_s=30 --set memory_policy.fail_rank=0 \
+    --set memory_policy.fail_after=3 >"$tmp/fail_and_stall.out" 2>"$tmp/fail_and_stall.err"
+got=$?
+[ "$got" = 1 ] || fail "fail_and_stall: exit status $got, expected 1 (rank 0's failure)"
+grep -qE "^moert run: rank 0: .*fixture-misbehave: failing as asked after 3 calls.*; rank 2 still running [0-9.]+ s later and abandoned \(stalled\)$" "$tmp/fail_and_stall.err" ||
+    { fail "fail_and_stall: unexpected message"; sed 's/^/  | /' "$tmp/fail_and_stall.err" >&2; }
+
 if [ "$failures" -ne 0 ]; then
     echo "test_stall: $failures check(s) failed" >&2
     exit 1

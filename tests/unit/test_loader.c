@@ -156,6 +156,26 @@ static void test_not_found(void)
     EXPECT(strstr(moert_error_message(), "/nonexistent/a/libmoert-router-nope.so, "
                                          "/nonexistent/b/libmoert-router-nope.so, ") != NULL);
 
+    /* a search path longer than the message holds: the paths that fit, whole, then how many more, and the hint */
+    static char many[300 * 80];
+    many[0] = '\0';
+    for (int i = 0; i < 300; i++) {
+        size_t at = strlen(many);
+        snprintf(many + at, sizeof many - at, "%s/nonexistent/a-folder-name-long-enough-to-fill-the-message-%03d",
+                 i ? ":" : "", i);
+    }
+    setenv("MOERT_PLUGIN_PATH", many, 1);
+    moert_plugin q;
+    EXPECT_EQ_INT(moert_plugin_load(MOERT_KIND_ROUTER, "nope", &q), MOERT_ERR_NOT_FOUND);
+    const char *msg = moert_error_message();
+    EXPECT(strstr(msg, "fill-the-message-000/libmoert-router-nope.so, /nonexistent/") != NULL);
+    const char *more = strstr(msg, "/libmoert-router-nope.so and ");
+    EXPECT(more != NULL);
+    int untold = 0;
+    if (more) EXPECT(sscanf(more, "/libmoert-router-nope.so and %d more folders (set MOERT_PLUGIN_PATH", &untold) == 1);
+    EXPECT(untold > 0 && untold < 300 + 20);
+    EXPECT_ERROR_CONTAINS("(set MOERT_PLUGIN_PATH or give a path to the .so); router plugins found: \"topk\"");
+
     /* a file that exists but does not load is reported with dlopen's reason, and the search goes on */
     char dir[] = "/tmp/moert-test-loader-XXXXXX";
     EXPECT(mkdtemp(dir) != NULL);

@@ -21,8 +21,10 @@ extern "C" {
 
 MOERT_API const char *moert_version(void);
 
-/* The message of the last failed moert_ call on this thread ("" if none). */
+/* The message of the last failed moert_ call on this thread ("" if none), at most MOERT_ERROR_MAX bytes with its NUL
+ * (room for a plugin not found along a long search path: every path tried is named). */
 MOERT_API const char *moert_last_error(void);
+#define MOERT_ERROR_MAX 16384
 
 /* ---- configuration ---- */
 
