@@ -172,7 +172,7 @@ moert_result trainer_run_on_ranks(moert_runtime *rt, rank_phase_fn fn, void *arg
             rt->abandoned_ranks = left;
             /* the first rank's failure, where one failed, is the cause (out of memory, say) and gives the code: the
              * others still running are its consequence; with none, the stall itself */
-            char first[MOERT_ERROR_MAX] = "";
+            char first[MOERT_ERROR_MAX + 32] = "";
             moert_result code = MOERT_ERR_TIMEOUT;
             for (int i = 0; i < rt->nlocal; i++)
                 if (rt->ranks[i].fail_order == 0 && run->finished[i]) {

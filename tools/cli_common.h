@@ -9,6 +9,7 @@
 
 /* The most --set options one command line takes. */
 #define MOERT_CLI_MAX_SETS 64
+#define MOERT_CLI_MAX_KEY  256 /* the longest KEY of a --set KEY=VALUE */
 /* The most --steps (and --warmup) a command takes: $.train.steps' bound (core/src/config.h, MOERT_MAX_STEPS); the
  * trainer keeps a record for every step. */
 #define MOERT_CLI_MAX_STEPS 100000000
@@ -20,9 +21,6 @@ moert_result moert_cli_load_config(const char *prog, const char *path, const cha
 
 /* Prints "PROG: PATH: message" to stderr, leaving out PATH where the message starts with it (JSON syntax errors). */
 void moert_cli_print_error(const char *prog, const char *path, const char *message);
-
-/* Applies one "KEY=VALUE" override; prints "PROG: ..." on error. */
-moert_result moert_cli_apply_set(const char *prog, moert_config *cfg, const char *assignment);
 
 /* The exit status of a command whose work failed with rc: MOERT_CLI_EXIT_STALLED when a rank stalled (a collective
  * timed out, $.parallel.timeout_s), else 1. */

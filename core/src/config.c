@@ -892,21 +892,31 @@ static moert_result set_in_json(json_t *root, const char *dotted_key, json_t *va
     }
 }
 
-/* Replaces one value (JSON text; text that is not JSON is taken as a string) and parses the config again.
+/* Replaces n values (JSON text; text that is not JSON is taken as a string), in order, and parses the config once.
  * On error the config is left as it was. */
-moert_result moert_config_set(moert_config *cfg, const char *dotted_key, const char *json_value)
+moert_result moert_config_set_many(moert_config *cfg, int n, const char *const *dotted_keys,
+                                   const char *const *json_values)
 {
-    json_error_t jerr;
-    json_t *value = json_loads(json_value, JSON_DECODE_ANY, &jerr);
-    if (!value) value = json_string(json_value); /* --set router.plugin=deepep */
-    if (!value) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "config --set %s: value is not valid UTF-8", dotted_key);
+    if (!cfg || n < 0 || (n > 0 && (!dotted_keys || !json_values)))
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_config_set_many: a NULL config or list");
     json_t *copy = json_deep_copy(cfg->root);
-    if (!copy) {
+    if (!copy) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "config --set: out of memory");
+    moert_result rc = MOERT_OK;
+    for (int i = 0; i < n && rc == MOERT_OK; i++) {
+        if (!dotted_keys[i] || !json_values[i]) {
+            rc = moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_config_set_many: key or value %d is NULL", i);
+            break;
+        }
+        json_error_t jerr;
+        json_t *value = json_loads(json_values[i], JSON_DECODE_ANY, &jerr);
+        if (!value) value = json_string(json_values[i]); /* --set router.plugin=deepep */
+        if (!value) {
+            rc = moert_error(MOERT_ERR_INVALID_ARGUMENT, "config --set %s: value is not valid UTF-8", dotted_keys[i]);
+            break;
+        }
+        rc = set_in_json(copy, dotted_keys[i], value);
         json_decref(value);
-        return moert_error(MOERT_ERR_OUT_OF_MEMORY, "config --set: out of memory");
     }
-    moert_result rc = set_in_json(copy, dotted_key, value);
-    json_decref(value);
     if (rc != MOERT_OK) {
         json_decref(copy);
         return rc;
@@ -921,6 +931,12 @@ moert_result moert_config_set(moert_config *cfg, const char *dotted_key, const c
     json_decref(cfg->root);
     *cfg = trial;
     return MOERT_OK;
+}
+
+/* Replaces one value and parses the config again; on error the config is left as it was. */
+moert_result moert_config_set(moert_config *cfg, const char *dotted_key, const char *json_value)
+{
+    return moert_config_set_many(cfg, 1, &dotted_key, &json_value);
 }
 
 void moert_config_free(moert_config *cfg)

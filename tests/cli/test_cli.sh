@@ -148,6 +148,14 @@ run size_ffn 1 run "$good" --steps 1 --set model.ffn_hidden=2305843009213693953
 expect_line size_ffn err "moert run: --set model.ffn_hidden=2305843009213693953: config error at \$.model.ffn_hidden: got 2305843009213693953, expected an integer in [1, 262144]"
 run size_hidden 1 run "$good" --steps 1 --set model.hidden=2305843009213693952
 expect_line size_hidden err "moert run: --set model.hidden=2305843009213693952: config error at \$.model.hidden: got 2305843009213693952, expected an integer in [1, 65536]"
+# keys that must agree change together across --set options (one at a time the first is refused half-set); where
+# they cannot, the first refusal is reported
+sed 's/"ranks": 4,/"ranks": 4, "expert_parallel": 4,/' "$good" >"$tmp/ep4.json"
+run coupled_one 1 check "$tmp/ep4.json" --set parallel.ranks=8
+run coupled_sets 0 check "$tmp/ep4.json" --set parallel.ranks=8 --set parallel.expert_parallel=8
+expect_match coupled_sets out "ranks 8\)$"
+run coupled_sets_bad 1 check "$tmp/ep4.json" --set parallel.ranks=8 --set parallel.expert_parallel=3
+expect_match coupled_sets_bad err "^moert check: --set parallel.ranks=8: config error at \\\$.parallel.expert_parallel: "
 # steps: a record is kept for each, so their count is bounded (it failed as "step records" past the memory)
 run size_steps 1 check "$good" --set train.steps=1000000000000
 expect_line size_steps err "moert check: --set train.steps=1000000000000: config error at \$.train.steps: got 1000000000000, expected an integer in [0, 100000000]"

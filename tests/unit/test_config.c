@@ -306,6 +306,28 @@ static void test_set(void)
     EXPECT(strcmp(moert_error_message(), "config --set: key \"train..steps\" has an empty part") == 0);
     EXPECT_EQ_INT(cfg->train.steps, 10);
     moert_config_free(cfg);
+
+    /* moert_config_set_many: keys that must agree change together, where one at a time is refused half-set; a
+     * refused list leaves the config as it was */
+    cfg = NULL;
+    EXPECT_OK(moert_config_load_string("{\"model\": {\"num_experts\": 8}, \"parallel\": {\"ranks\": 4, "
+                                       "\"expert_parallel\": 4}}",
+                                       "t.json", &cfg));
+    if (!cfg) return;
+    EXPECT_EQ_INT(moert_config_set(cfg, "parallel.ranks", "8"), MOERT_ERR_CONFIG);
+    const char *keys[] = {"parallel.ranks", "parallel.expert_parallel", "train.steps"};
+    const char *values[] = {"8", "8", "7"};
+    EXPECT_OK(moert_config_set_many(cfg, 3, keys, values));
+    EXPECT_EQ_INT(cfg->parallel.ranks, 8);
+    EXPECT_EQ_INT(cfg->parallel.expert_parallel, 8);
+    EXPECT_EQ_INT(cfg->train.steps, 7);
+    const char *bad_values[] = {"2", "3", "9"};
+    EXPECT_EQ_INT(moert_config_set_many(cfg, 3, keys, bad_values), MOERT_ERR_CONFIG);
+    EXPECT_EQ_INT(cfg->parallel.ranks, 8);
+    EXPECT_EQ_INT(cfg->train.steps, 7);
+    EXPECT_EQ_INT(moert_config_set_many(cfg, 1, keys, NULL), MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT_OK(moert_config_set_many(cfg, 0, NULL, NULL));
+    moert_config_free(cfg);
 }
 
 /* Sections: typed accessors, allowed keys, describe mode, concise error text. */

@@ -34,8 +34,8 @@ extern "C" {
  * moert_layers_spans (MOERT_LAYERS_MAX_SPANS grew by MOERT_LAYER_DISPATCHER_CALLS). 9: up to
  * $.parallel.forwards_in_flight forwards in flight per layer, and a gradient rebound while forwards are in flight. 10:
  * the host's spans (stream "host": how long the host took to issue each stage, backward part and dispatcher call) in
- * moert_layers_spans, MOERT_LAYERS_MAX_SPANS doubled. */
-#define MOERT_API_VERSION 10
+ * moert_layers_spans, MOERT_LAYERS_MAX_SPANS doubled. 11: moert_config_set_many. */
+#define MOERT_API_VERSION 11
 MOERT_API int moert_api_version(void);
 
 typedef struct moert_config moert_config;

@@ -35,6 +35,11 @@ MOERT_API moert_result moert_config_load_file(const char *path, moert_config **o
 MOERT_API moert_result moert_config_load_string(const char *json_text, const char *source_name, moert_config **out);
 /* Replaces one value, e.g. ("train.steps", "10"); the value is JSON text. For command-line overrides. */
 MOERT_API moert_result moert_config_set(moert_config *cfg, const char *dotted_key, const char *json_value);
+/* Replaces n values in order and checks the config once (API version 11), so that keys which must agree (the expert
+ * layout and $.parallel.ranks) change together; one at a time the first would be refused half-set. On error the config
+ * is left as it was. */
+MOERT_API moert_result moert_config_set_many(moert_config *cfg, int n, const char *const *dotted_keys,
+                                             const char *const *json_values);
 MOERT_API void moert_config_free(moert_config *cfg);
 
 /* Sets the message moert_last_error() returns on this thread, and returns code: for code around moert (a trainer, a
