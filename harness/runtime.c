@@ -97,6 +97,15 @@ static moert_result read_settings(const moert_config *cfg, trainer_settings *s)
                                               : TRAINER_GRAPH_AUTO;
     CHECK(get_int(cfg, "train.steps", &s->steps));
     CHECK(get_int(cfg, "train.tokens_per_rank", &s->tokens_per_rank));
+    /* a micro-batch of this trainer holds whole sequences (a per-sequence aux loss needs them: refused here, at
+     * start-up, rather than by the router at the first forward) */
+    int64_t seq_length = 0;
+    CHECK(get_int(cfg, "train.seq_length", &seq_length));
+    if (seq_length > 0 && s->tokens_per_rank % seq_length != 0)
+        return moert_set_last_error(MOERT_ERR_CONFIG,
+                                    "config error at $.train.seq_length: got %lld, expected a divisor of "
+                                    "$.train.tokens_per_rank (%lld): a rank's micro-batch holds whole sequences",
+                                    (long long)seq_length, (long long)s->tokens_per_rank);
     CHECK(get_int(cfg, "train.micro_batches", &s->micro_batches));
     CHECK(get_int(cfg, "train.seed", &s->seed));
     CHECK(get_int(cfg, "train.log_every", &s->log_every));
@@ -331,6 +340,26 @@ fail:
     return rc;
 }
 
+/* Whether rank r's layer step can be captured in a CUDA graph; where not, why into why. */
+static bool graph_capturable(const moert_rank *r, char *why, size_t size)
+{
+    if (r->rt->device_type != MOERT_DEVICE_CUDA) {
+        snprintf(why, size, "the ranks run on the CPU");
+        return false;
+    }
+    return moert_layers_graph_capturable(r->layers, why, size);
+}
+
+/* $.parallel.cuda_graph "on" where the step cannot be captured: the config error, at start-up (moert check says it
+ * too) rather than at the first step. */
+static moert_result graph_on_refused(const char *why)
+{
+    return moert_set_last_error(MOERT_ERR_CONFIG,
+                                "config error at $.parallel.cuda_graph: \"on\" needs a layer step that can be captured "
+                                "in a CUDA graph, but %s (use \"auto\" to run without graphs then)",
+                                why);
+}
+
 moert_result moert_runtime_create(const moert_config *cfg, moert_runtime **out)
 {
     moert_result rc = MOERT_OK;
@@ -363,6 +392,10 @@ moert_result moert_runtime_create(const moert_config *cfg, moert_runtime **out)
     }
     CHECK(trainer_run_on_ranks(rt, rank_init, NULL));
     CHECK(describe_plugins(rt));
+    if (rt->set.cuda_graph == TRAINER_GRAPH_ON) {
+        char why[256] = "";
+        if (!graph_capturable(&rt->ranks[0], why, sizeof why)) CHECK(graph_on_refused(why));
+    }
     *out = rt;
     return MOERT_OK;
 fail:
@@ -534,19 +567,8 @@ static moert_result graph_plan_of(moert_rank *r, int form, graph_plan *plan)
         return MOERT_OK;
     }
     char why[256] = "";
-    bool ok = true;
-    if (rt->device_type != MOERT_DEVICE_CUDA) {
-        snprintf(why, sizeof why, "the ranks run on the CPU");
-        ok = false;
-    }
-    if (ok) ok = moert_layers_graph_capturable(r->layers, why, sizeof why);
-    if (!ok) {
-        if (mode == TRAINER_GRAPH_ON)
-            return moert_set_last_error(MOERT_ERR_CONFIG,
-                                        "config error at $.parallel.cuda_graph: \"on\" needs a layer step that "
-                                        "can be captured in a CUDA graph, but %s (use \"auto\" to run without graphs "
-                                        "then)",
-                                        why);
+    if (!graph_capturable(r, why, sizeof why)) {
+        if (mode == TRAINER_GRAPH_ON) return graph_on_refused(why);
         if (r->rank == 0) snprintf(rt->graph_reason, sizeof rt->graph_reason, "%s", why);
         return MOERT_OK;
     }

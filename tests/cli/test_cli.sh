@@ -156,6 +156,12 @@ run coupled_sets 0 check "$tmp/ep4.json" --set parallel.ranks=8 --set parallel.e
 expect_match coupled_sets out "ranks 8\)$"
 run coupled_sets_bad 1 check "$tmp/ep4.json" --set parallel.ranks=8 --set parallel.expert_parallel=3
 expect_match coupled_sets_bad err "^moert check: --set parallel.ranks=8: config error at \\\$.parallel.expert_parallel: "
+# refused by moert check as by moert run (they failed only at the first step): a sequence length that does not
+# divide a rank's tokens, CUDA graphs "on" with ranks on the CPU
+run check_seq_length 1 check "$good" --set train.seq_length=7
+expect_line check_seq_length err "moert check: $good: config error at \$.train.seq_length: got 7, expected a divisor of \$.train.tokens_per_rank (256): a rank's micro-batch holds whole sequences"
+run check_graph_cpu 1 check "$good" --set parallel.device=cpu --set parallel.cuda_graph=on
+expect_match check_graph_cpu err "config error at \\\$.parallel.cuda_graph: \"on\" needs a layer step that can be captured in a CUDA graph, but the ranks run on the CPU"
 # steps: a record is kept for each, so their count is bounded (it failed as "step records" past the memory)
 run size_steps 1 check "$good" --set train.steps=1000000000000
 expect_line size_steps err "moert check: --set train.steps=1000000000000: config error at \$.train.steps: got 1000000000000, expected an integer in [0, 100000000]"
