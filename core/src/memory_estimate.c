@@ -31,6 +31,17 @@ static uint32_t dispatcher_flags(const moert_config *cfg)
     return flags;
 }
 
+/* The rows padding adds where `section` (router or dispatcher) pads every expert to its capacity: its
+ * capacity_factor (each expert gets ceil(T*K/E * factor) rows, the padding zero-weight), else 1. */
+static double padding_factor(const moert_config *cfg, const char *section)
+{
+    const json_t *s = json_object_get(cfg->root, section);
+    const json_t *pad = json_object_get(s, "pad_to_capacity"), *factor = json_object_get(s, "capacity_factor");
+    if (!json_is_true(pad) || !json_is_number(factor)) return 1.0;
+    const double f = json_number_value(factor);
+    return f > 1.0 ? f : 1.0;
+}
+
 void moert_memory_estimate_config(const moert_config *cfg, int world, int device, moert_memory_estimate *out)
 {
     const moert_model_config *m = &cfg->model;
@@ -44,12 +55,16 @@ void moert_memory_estimate_config(const moert_config *cfg, int world, int device
     const int64_t edp = cfg->parallel.expert_data_parallel > 1 ? cfg->parallel.expert_data_parallel : 1;
     const int64_t ep = world / (etp * edp) > 0 ? world / (etp * edp) : 1;
     const double local_experts = (double)(m->num_experts / ep);
-    const double fl = f / (double)etp, expert_rows = t * k * (double)etp;
+    /* rows padded to the experts' capacity count as rows: pad_to_capacity with a capacity_factor of 1000 holds a
+     * thousand times the balanced rows */
+    const double router_pad = padding_factor(cfg, "router"), dispatcher_pad = padding_factor(cfg, "dispatcher");
+    const double pad = router_pad > dispatcher_pad ? router_pad : dispatcher_pad;
+    const double fl = f / (double)etp, expert_rows = t * k * (double)etp * pad;
     const double act = (double)moert_dtype_size(m->dtype);  /* activation storage */
     const double param = m->dtype == MOERT_F64 ? 8.0 : 4.0; /* parameters are fp32 (fp64 with fp64 storage) */
     /* the CPU paths compute in double precision scratch; the CUDA paths in the storage dtype (or fp32) */
     const double scratch = device == MOERT_DEVICE_CUDA ? 4.0 : 8.0;
-    const double rows = t * k; /* rows dispatched to a rank, balanced routing */
+    const double rows = t * k * pad; /* rows dispatched to a rank, balanced routing (and padding) */
 
     const double fs = (double)m->shared_expert_ffn_hidden; /* the shared expert's width, 0 without one */
     const double params_per_layer =

@@ -156,6 +156,10 @@ run coupled_sets 0 check "$tmp/ep4.json" --set parallel.ranks=8 --set parallel.e
 expect_match coupled_sets out "ranks 8\)$"
 run coupled_sets_bad 1 check "$tmp/ep4.json" --set parallel.ranks=8 --set parallel.expert_parallel=3
 expect_match coupled_sets_bad err "^moert check: --set parallel.ranks=8: config error at \\\$.parallel.expert_parallel: "
+# rows padded to the experts' capacity count in the memory estimate (they were left out: check said 36.7 MiB and the
+# run grew past the machine's memory)
+run check_padding 1 check "$good" --set parallel.device=cpu --set dispatcher.pad_to_capacity=true --set dispatcher.capacity_factor=100000
+expect_match check_padding err "config \"demo-cpu\" does not fit: it needs an estimated [0-9.]+ TiB"
 # refused by moert check as by moert run (they failed only at the first step): a sequence length that does not
 # divide a rank's tokens, CUDA graphs "on" with ranks on the CPU
 run check_seq_length 1 check "$good" --set train.seq_length=7
