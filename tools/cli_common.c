@@ -31,6 +31,13 @@ static moert_result split_set(const char *prog, const char *assignment, char *ke
     return MOERT_OK;
 }
 
+bool moert_cli_set_ok(const char *prog, const char *assignment)
+{
+    char key[MOERT_CLI_MAX_KEY];
+    const char *value = NULL;
+    return split_set(prog, assignment, key, &value) == MOERT_OK;
+}
+
 /* Applies the overrides in order, each checked as it comes (so that a bad one is named); where one is refused as a
  * config error, it and those after it are tried together, for keys that must change together (--set
  * parallel.ranks=8 --set parallel.expert_parallel=8), and the first refusal is reported if that fails too. */

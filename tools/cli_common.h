@@ -3,6 +3,7 @@
 #ifndef MOERT_CLI_COMMON_H
 #define MOERT_CLI_COMMON_H
 
+#include <stdbool.h>
 #include <stdio.h>
 
 #include "moert/moert.h"
@@ -18,6 +19,10 @@
  * as a string). On error prints "PROG: message" to stderr and returns the code; *out is NULL then. */
 moert_result moert_cli_load_config(const char *prog, const char *path, const char *const *sets, int nsets,
                                    moert_config **out);
+
+/* Whether assignment is a well-formed "KEY=VALUE" (checked while the command line is read, so that a malformed one is
+ * a usage error, exit status 2); prints why not. */
+bool moert_cli_set_ok(const char *prog, const char *assignment);
 
 /* Prints "PROG: PATH: message" to stderr, leaving out PATH where the message starts with it (JSON syntax errors). */
 void moert_cli_print_error(const char *prog, const char *path, const char *message);

@@ -1172,6 +1172,7 @@ int moert_cmd_ab(int argc, char **argv)
             }
             sets[nsets].side = !strcmp(arg, "--set") ? -1 : !strcmp(arg, "--set-a") ? 0 : 1;
             sets[nsets++].assignment = argv[++i];
+            if (!moert_cli_set_ok(PROG, argv[i])) return 2;
         } else if (!strcmp(arg, "--warmup") && has_value) {
             if ((warmup = parse_count(arg, argv[++i], 0)) < 0) return 2;
         } else if (!strcmp(arg, "--steps") && has_value) {

@@ -29,12 +29,14 @@ int moert_cmd_check(int argc, char **argv)
                 return 2;
             }
             sets[nsets++] = argv[++i];
+            if (!moert_cli_set_ok("moert check", sets[nsets - 1])) return 2;
         } else if (!strncmp(argv[i], "--set=", 6)) {
             if (nsets == MOERT_CLI_MAX_SETS) {
                 fprintf(stderr, "moert check: at most %d --set options\n", MOERT_CLI_MAX_SETS);
                 return 2;
             }
             sets[nsets++] = argv[i] + 6;
+            if (!moert_cli_set_ok("moert check", sets[nsets - 1])) return 2;
         } else if (argv[i][0] == '-') {
             fprintf(stderr, "moert check: unknown or incomplete option \"%s\"\n", argv[i]);
             check_usage(stderr);

@@ -60,6 +60,7 @@ int moert_cmd_run(int argc, char **argv)
                 return 2;
             }
             sets[nsets++] = argv[++i];
+            if (!moert_cli_set_ok("moert run", sets[nsets - 1])) return 2;
         } else if (!strcmp(argv[i], "--quiet")) {
             quiet = 1;
         } else if (argv[i][0] == '-') {

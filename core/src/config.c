@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "error.h"
 
@@ -823,6 +824,9 @@ moert_result moert_config_load_file(const char *path, moert_config **out)
 {
     json_error_t jerr;
     *out = NULL;
+    struct stat st;
+    if (stat(path, &st) == 0 && S_ISDIR(st.st_mode))
+        return moert_error(MOERT_ERR_IO, "%s: cannot open config: it is a folder, expected a JSON file", path);
     FILE *f = fopen(path, "rb");
     if (!f) return moert_error(MOERT_ERR_IO, "%s: cannot open config: %s", path, strerror(errno));
     json_t *root = json_loadf(f, JSON_REJECT_DUPLICATES, &jerr);
@@ -908,7 +912,11 @@ moert_result moert_config_set_many(moert_config *cfg, int n, const char *const *
             break;
         }
         json_error_t jerr;
-        json_t *value = json_loads(json_values[i], JSON_DECODE_ANY, &jerr);
+        json_t *value = json_loads(json_values[i], JSON_DECODE_ANY | JSON_REJECT_DUPLICATES, &jerr);
+        if (!value && strstr(jerr.text, "duplicate")) {
+            rc = moert_error(MOERT_ERR_CONFIG, "config --set %s: invalid JSON: %s", dotted_keys[i], jerr.text);
+            break;
+        }
         if (!value) value = json_string(json_values[i]); /* --set router.plugin=deepep */
         if (!value) {
             rc = moert_error(MOERT_ERR_INVALID_ARGUMENT, "config --set %s: value is not valid UTF-8", dotted_keys[i]);

@@ -81,7 +81,7 @@ run check_syntax 1 check "$tmp/syntax.json"
 expect_line check_syntax err "moert check: $tmp/syntax.json:2:26: invalid JSON: string or '}' expected near '}'"
 run check_set_bad 1 check "$good" --set model.topk=99
 expect_match check_set_bad err "^moert check: --set model.topk=99: config error at \\\$\.model\.topk: got 99, expected an integer in \[1, [0-9]+\]$"
-run check_set_form 1 check "$good" --set novalue
+run check_set_form 2 check "$good" --set novalue
 expect_line check_set_form err 'moert check: --set expects KEY=VALUE (e.g. train.steps=10), got "novalue"'
 echo '{"router": {"plugin": "nope"}}' >"$tmp/missing.json"
 run check_missing 1 check "$tmp/missing.json"
@@ -156,6 +156,16 @@ run coupled_sets 0 check "$tmp/ep4.json" --set parallel.ranks=8 --set parallel.e
 expect_match coupled_sets out "ranks 8\)$"
 run coupled_sets_bad 1 check "$tmp/ep4.json" --set parallel.ranks=8 --set parallel.expert_parallel=3
 expect_match coupled_sets_bad err "^moert check: --set parallel.ranks=8: config error at \\\$.parallel.expert_parallel: "
+# a folder given as the config; a --set value with a key twice (a file is refused for it too); a malformed --set is a
+# usage error (exit 2), in every command
+run check_folder 1 check "$tmp"
+expect_line check_folder err "moert check: $tmp: cannot open config: it is a folder, expected a JSON file"
+run set_duplicate 1 check "$good" --set 'router={"plugin":"topk","plugin":"x"}'
+expect_match set_duplicate err "^moert check: --set router=.*: config --set router: invalid JSON: duplicate object key"
+run set_malformed_run 2 run "$good" --set =5
+expect_line set_malformed_run err 'moert run: --set expects KEY=VALUE (e.g. train.steps=10), got "=5"'
+run set_malformed_check 2 check "$good" --set model.hidden
+run set_malformed_ab 2 ab "$good" "$good" --set-b nokey
 # rows padded to the experts' capacity count in the memory estimate (they were left out: check said 36.7 MiB and the
 # run grew past the machine's memory)
 run check_padding 1 check "$good" --set parallel.device=cpu --set dispatcher.pad_to_capacity=true --set dispatcher.capacity_factor=100000
