@@ -3,6 +3,7 @@
 Dispatcher (DeepEP-shaped dispatch and combine alone). Tensors pass zero-copy by data_ptr; work goes on torch's
 current CUDA stream on GPUs. See docs/python.md."""
 import ctypes
+import functools
 import weakref
 
 import torch
@@ -455,6 +456,8 @@ class MoE(_CModule):
 
     def forward(self, x):
         _check_tensor(x, "x", shape=[None, self.hidden], dtype=self.dtype, device=self.device)
+        if x.shape[0] == 0:
+            raise ValueError("x: no tokens (moert's layer takes 1 to max_tokens %d a forward)" % self.max_tokens)
         if x.shape[0] > self.max_tokens:
             raise ValueError("x: %d tokens, more than this layer's max_tokens %d (pass max_tokens= to MoE, or set "
                              "train.tokens_per_rank)" % (x.shape[0], self.max_tokens))
@@ -561,6 +564,9 @@ def attach_optimizer(optimizer, model):
         return optimizer.register_step_post_hook(lambda opt, args, kwargs: after_optimizer_step(model))
     step = optimizer.step
 
+    # functools.wraps keeps what an LR scheduler marked on the step it wrapped (_with_counter): without it the
+    # scheduler warns that optimizer.step() was overridden after it was made
+    @functools.wraps(step)
     def stepped(*args, **kwargs):
         out = step(*args, **kwargs)
         after_optimizer_step(model)

@@ -223,6 +223,26 @@ class MoEAgainstReference(Case):
             self.assertIn("state_dict", str(cm.exception))
         torch.save(m.state_dict(), io.BytesIO())  # the documented way
 
+    def test_optimizer_hook_beside_a_scheduler(self):
+        """attach_optimizer after an LR scheduler was made: the scheduler does not warn that optimizer.step() was
+        overridden (torch < 2.0 wraps the step), and the step still updates the bias."""
+        import warnings
+        cfg = config(dtype="fp32", router=SIGMOID_BIAS)
+        m = moert.torch.MoE(cfg)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+        h = moert.torch.attach_optimizer(opt, m)
+        x, gy = inputs(cfg, 40)
+        before = m.expert_bias.clone()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            forward_backward(m, x, gy, 1.0)
+            opt.step()
+            sched.step()
+        self.assertEqual([str(w.message) for w in caught if "overridden" in str(w.message)], [])
+        self.assertFalse(torch.equal(before, m.expert_bias))
+        h.remove()
+
     def test_expert_parameter_names(self):
         model = torch.nn.Sequential(torch.nn.Linear(16, 16), moert.torch.MoE(config()))
         self.assertEqual(moert.torch.expert_parameter_names(model), ["1.fc1", "1.fc2"])
@@ -258,6 +278,7 @@ class BadInput(Case):
         self.raises(TypeError, "x", torch.randn(4, 16, dtype=torch.float64))
 
     def test_shape(self):
+        self.raises(ValueError, "no tokens", torch.randn(0, 16))
         self.raises(ValueError, "x", torch.randn(4, 15))
         self.raises(ValueError, "x", torch.randn(4, 16, 1))
         self.raises(ValueError, "max_tokens", torch.randn(17, 16))
