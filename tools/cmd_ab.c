@@ -1055,7 +1055,8 @@ static moert_result create_side(ab_side *side, bool sequential)
     moert_result rc = moert_runtime_create(side->cfg, &side->rt);
     if (rc != MOERT_OK) {
         fprintf(stderr, PROG ": %s (%s): %s\n", side->tag, side->path, moert_last_error());
-        if (!sequential && strcmp(side->tag, "A") != 0)
+        /* the hint only where memory ran out: B then failed beside A */
+        if (!sequential && strcmp(side->tag, "A") != 0 && rc == MOERT_ERR_OUT_OF_MEMORY)
             fprintf(stderr, PROG ": if A and B do not fit in memory together, --sequential runs A to the end, "
                                  "frees it, then runs B\n");
         return rc;
