@@ -1,6 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* `moert env`: the environment variables moert reads (moert_env_table_entry), their values here and defaults, and
  * any MOERT_* variable set here that moert does not read (a retired knob says what replaced it). */
+#include <errno.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,6 +44,28 @@ static const char *retired_instead(const char *name)
     return NULL;
 }
 
+/* Whether value reads as the table's type says, where the type is one the table uses for checkable values: a choice
+ * ("error|warn|info|debug") or a range ("integer 1..65535"); any other type (a list of folders) takes any value. */
+static bool value_fits(const char *type, const char *value)
+{
+    long long low = 0, high = 0;
+    if (sscanf(type, "integer %lld..%lld", &low, &high) == 2) {
+        char *end = NULL;
+        errno = 0;
+        const long long v = strtoll(value, &end, 10);
+        return end != value && *end == '\0' && errno == 0 && v >= low && v <= high;
+    }
+    if (strchr(type, ' ') || !strchr(type, '|')) return true;
+    const size_t n = strlen(value);
+    for (const char *c = type; *c;) {
+        const char *bar = strchr(c, '|');
+        const size_t len = bar ? (size_t)(bar - c) : strlen(c);
+        if (len == n && strncmp(c, value, n) == 0) return true;
+        c += len + (bar ? 1 : 0);
+    }
+    return false;
+}
+
 int moert_cmd_env(int argc, char **argv)
 {
     for (int i = 0; i < argc; i++) {
@@ -61,7 +85,8 @@ int moert_cmd_env(int argc, char **argv)
         const char *value = getenv(var.name);
         char shown[512];
         if (value)
-            snprintf(shown, sizeof shown, "=%s", value);
+            snprintf(shown, sizeof shown, "=%s%s", value,
+                     value_fits(var.type, value) ? "" : "   (not a valid value: see the type below)");
         else
             snprintf(shown, sizeof shown, " unset (default: %s)", var.default_text);
         printf("  %s%s\n      %s; %s\n", var.name, shown, var.type, var.help);

@@ -50,6 +50,13 @@ expect_line env out "  MOERT_LOG=info"
 expect_line env out "  MOERT_BOOTSTRAP_PORT unset (default: MASTER_PORT)"
 expect_match env out "^  NCCL_NVLS_ENABLE"
 expect_line env out '  MOERT_FP8_BLOCK_TILE_N: no longer read; use the fp8 precision option "block_tile_n"'
+# a value that does not read as its type is flagged (a choice, a range); a good one is not
+MOERT_LOG=verbose MOERT_BOOTSTRAP_PORT=99999 MOERT_PLUGIN_PATH=/x run env_values 0 env
+expect_line env_values out "  MOERT_LOG=verbose   (not a valid value: see the type below)"
+expect_line env_values out "  MOERT_BOOTSTRAP_PORT=99999   (not a valid value: see the type below)"
+expect_line env_values out "  MOERT_PLUGIN_PATH=/x"
+MOERT_BOOTSTRAP_PORT=29500 run env_port_ok 0 env
+expect_line env_port_ok out "  MOERT_BOOTSTRAP_PORT=29500"
 run env_bad 2 env --bogus
 expect_line env_bad err 'moert env: unknown argument "--bogus"'
 MOERT_LOG=info MOERT_FP8_BLOCK_TILE_N=128 run env_logged 0 check "$src/configs/demo-cpu.json"
