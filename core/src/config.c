@@ -823,6 +823,7 @@ fail:
 moert_result moert_config_load_file(const char *path, moert_config **out)
 {
     json_error_t jerr;
+    if (!path || !out) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_config_load_file: path or out is NULL");
     *out = NULL;
     struct stat st;
     if (stat(path, &st) == 0 && S_ISDIR(st.st_mode))
@@ -852,6 +853,7 @@ moert_result moert_config_load_string(const char *json_text, const char *source_
 {
     json_error_t jerr;
     const char *source = source_name ? source_name : "<string>";
+    if (!out) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_config_load_string: out is NULL");
     *out = NULL;
     if (!json_text) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: no JSON text", source);
     json_t *root = json_loads(json_text, JSON_REJECT_DUPLICATES, &jerr);
@@ -1065,9 +1067,14 @@ MOERT_API moert_result moert_config_get_json(const moert_config *cfg, const char
     return rc;
 }
 
-/* A number or boolean of the resolved config as double and int64 (both exact where the value is an integer). */
-static moert_result config_get_number(const moert_config *cfg, const char *dotted_key, double *real, int64_t *integer)
+/* A number or boolean of the resolved config as double and int64 (both exact where the value is an integer); with
+ * want_integer a real that is not a whole number in int64's range is refused rather than cut. */
+static moert_result config_get_number(const moert_config *cfg, const char *dotted_key, bool want_integer, double *real,
+                                      int64_t *integer)
 {
+    if (!cfg || !dotted_key || !real || !integer)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "moert_config_get_%s: cfg, dotted_key or out is NULL",
+                           want_integer ? "int" : "double");
     json_t *root = NULL;
     json_t *v = config_lookup(cfg, dotted_key, &root);
     moert_result rc = MOERT_OK;
@@ -1078,7 +1085,11 @@ static moert_result config_get_number(const moert_config *cfg, const char *dotte
         *real = (double)*integer;
     } else if (json_is_real(v)) {
         *real = json_real_value(v);
-        *integer = (int64_t)*real;
+        /* 2^63 is the first double past int64 */
+        const bool whole = *real == floor(*real) && *real >= -9223372036854775808.0 && *real < 9223372036854775808.0;
+        *integer = whole ? (int64_t)*real : 0;
+        if (want_integer && !whole)
+            rc = moert_error(MOERT_ERR_CONFIG, "%s: $.%s is %.17g, not an integer", cfg->source, dotted_key, *real);
     } else if (json_is_boolean(v)) {
         *integer = json_is_true(v);
         *real = (double)*integer;
@@ -1092,13 +1103,16 @@ static moert_result config_get_number(const moert_config *cfg, const char *dotte
 MOERT_API moert_result moert_config_get_int(const moert_config *cfg, const char *dotted_key, int64_t *out)
 {
     double real = 0.0;
-    return config_get_number(cfg, dotted_key, &real, out);
+    int64_t value = 0;
+    moert_result rc = config_get_number(cfg, dotted_key, true, &real, out ? &value : NULL);
+    if (rc == MOERT_OK) *out = value;
+    return rc;
 }
 
 MOERT_API moert_result moert_config_get_double(const moert_config *cfg, const char *dotted_key, double *out)
 {
     int64_t integer = 0;
-    return config_get_number(cfg, dotted_key, out, &integer);
+    return config_get_number(cfg, dotted_key, false, out, &integer);
 }
 
 MOERT_API moert_result moert_config_get_string(const moert_config *cfg, const char *dotted_key, char *buf, size_t size)

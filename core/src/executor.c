@@ -1616,10 +1616,15 @@ static moert_result experts_set_counts(moert_layer *L, const moert_tensor *count
     memcpy(L->experts_counts_host_buf, counts->data, (size_t)el * sizeof(int64_t));
     int64_t sum = 0;
     for (int64_t e = 0; e < el; e++) {
-        if (L->experts_counts_host_buf[e] < 0)
+        const int64_t count = L->experts_counts_host_buf[e];
+        if (count < 0)
             return moert_error(MOERT_ERR_INVALID_ARGUMENT, "tokens_per_expert[%lld] is %lld, expected >= 0",
-                               (long long)e, (long long)L->experts_counts_host_buf[e]);
-        sum += L->experts_counts_host_buf[e];
+                               (long long)e, (long long)count);
+        if (count > INT64_MAX - sum) /* before adding: the sum never overflows */
+            return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                               "tokens_per_expert[%lld] is %lld: the counts sum past any number of rows", (long long)e,
+                               (long long)count);
+        sum += count;
     }
     if (sum > rows)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "tokens_per_expert sums to %lld, more than the %lld rows",

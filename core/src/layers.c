@@ -336,6 +336,23 @@ static moert_result check_tensor(const char *fn, const char *name, const moert_t
     return MOERT_OK;
 }
 
+/* Checks a caller's tensor of any shape: 0 to MOERT_MAX_DIMS dimensions, sizes >= 0, and a byte count that fits. */
+static moert_result check_any_shape(const char *fn, const char *name, const moert_tensor *t)
+{
+    if (t->ndim < 0 || t->ndim > MOERT_MAX_DIMS)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: %s has %d dimensions, expected 0 .. %d", fn, name, t->ndim,
+                           MOERT_MAX_DIMS);
+    int64_t bytes = (int64_t)moert_dtype_size(t->dtype);
+    for (int i = 0; i < t->ndim; i++) {
+        if (t->shape[i] < 0)
+            return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: %s has size %lld in dimension %d, expected >= 0", fn,
+                               name, (long long)t->shape[i], i);
+        if (__builtin_mul_overflow(bytes, t->shape[i], &bytes))
+            return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: %s is too large (its byte count overflows)", fn, name);
+    }
+    return MOERT_OK;
+}
+
 /* A copy to or from host memory the caller can touch: the host side is plain CPU memory. */
 static bool on_host(moert_device d) { return d.type == MOERT_DEVICE_CPU || d.type == MOERT_DEVICE_CUDA_HOST; }
 
@@ -1571,6 +1588,13 @@ MOERT_API moert_result moert_experts_forward(moert_layers *m, int layer, const m
         return rc;
     if (rows > 0 && x_rows->data == y_rows->data)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: y_rows may not be x_rows's memory", fn);
+    /* the rows' activations (x, fc1's output, SwiGLU's, in at most 8 bytes an element) must fit a device: the sizes
+     * made from rows then never overflow */
+    const int64_t row_bytes = 8 * (L->info.hidden + 3 * L->info.ffn_hidden);
+    if (rows > MOERT_MAX_BUFFER_BYTES / row_bytes)
+        return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                           "%s: x_rows has %lld rows, more than any device holds (at most %lld)", fn, (long long)rows,
+                           (long long)(MOERT_MAX_BUFFER_BYTES / row_bytes));
     const int64_t el[1] = {L->info.num_local_experts};
     if ((rc = check_tensor(
              fn, "tokens_per_expert", tokens_per_expert, MOERT_I64,
@@ -1687,6 +1711,7 @@ MOERT_API moert_result moert_layers_allreduce_sum(moert_layers *m, moert_group g
     if (buf->dtype != MOERT_F32 && buf->dtype != MOERT_F64 && buf->dtype != MOERT_I64)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: buf is %s, expected fp32, fp64 or int64", fn,
                            moert_dtype_name(buf->dtype));
+    MOERT_CHECK(check_any_shape(fn, "buf", buf));
     if (!moert_tensor_is_contiguous(buf) || (!buf->data && moert_tensor_numel(buf) > 0))
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: buf is not contiguous or has no data", fn);
     const bool host = on_host(buf->device);

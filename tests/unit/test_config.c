@@ -471,6 +471,32 @@ static void test_error_module(void)
     EXPECT(strncmp(moert_error_message(), "p: xxx", 6) == 0);
 }
 
+/* The getters and loaders: NULL arguments refused, a real read as an integer only where it is a whole number. */
+static void test_getters(void)
+{
+    moert_config *cfg = NULL;
+    EXPECT_EQ_INT(moert_config_load_string("{}", "t.json", NULL), MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ_INT(moert_config_load_file("x.json", NULL), MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ_INT(moert_config_load_file(NULL, &cfg), MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT_ERROR_CONTAINS("moert_config_load_file: path or out is NULL");
+    EXPECT_OK(moert_config_load_string(
+        "{\"train\": {\"lr\": 0.003, \"seed\": 7}, \"router\": {\"big\": 1e300, \"two\": 2.0}}", "t.json", &cfg));
+    if (!cfg) return;
+    int64_t v = -1;
+    double d = 0.0;
+    EXPECT_EQ_INT(moert_config_get_int(cfg, "train.seed", NULL), MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ_INT(moert_config_get_double(cfg, "train.lr", NULL), MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ_INT(moert_config_get_int(cfg, "train.lr", &v), MOERT_ERR_CONFIG);
+    EXPECT_ERROR_CONTAINS("t.json: $.train.lr is 0.0030000000000000001, not an integer");
+    EXPECT_EQ_INT(v, -1); /* left as it was */
+    EXPECT_EQ_INT(moert_config_get_int(cfg, "router.big", &v), MOERT_ERR_CONFIG);
+    EXPECT_OK(moert_config_get_int(cfg, "router.two", &v));
+    EXPECT_EQ_INT(v, 2);
+    EXPECT_OK(moert_config_get_double(cfg, "train.lr", &d));
+    EXPECT(d == 0.003);
+    moert_config_free(cfg);
+}
+
 /* $.parallel.overlap_comm_sms: 24 by default (deepep's SMs under the overlap), 0 .. 1024, read back resolved. */
 static void test_overlap_comm_sms(void)
 {
@@ -543,6 +569,7 @@ int main(void)
     test_forwards_in_flight();
     test_values();
     test_errors();
+    test_getters();
     test_overlap_comm_sms();
     test_files();
     test_set();

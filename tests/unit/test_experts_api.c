@@ -190,6 +190,15 @@ static void test_fp64(void)
     moert_tensor tmany = moert_tensor_1d(too_many, moert_cpu(), MOERT_I64, E);
     EXPECT(moert_experts_forward(m, 1, &tx, &tmany, &tp, &ty, NULL, NULL) == MOERT_ERR_INVALID_ARGUMENT);
     EXPECT_ERROR_CONTAINS("tokens_per_expert sums to 15, more than the 14 rows");
+    /* counts whose sum overflows int64, and more rows than any device holds: refused, never wrapped */
+    int64_t huge_counts[E] = {INT64_MAX, INT64_MAX, 2, 0};
+    moert_tensor thuge = moert_tensor_1d(huge_counts, moert_cpu(), MOERT_I64, E);
+    EXPECT(moert_experts_forward(m, 1, &tx, &thuge, &tp, &ty, NULL, NULL) == MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT_ERROR_CONTAINS("tokens_per_expert[1] is 9223372036854775807: the counts sum past any number of rows");
+    moert_tensor huge_x = tx, huge_y = ty;
+    huge_x.shape[0] = huge_y.shape[0] = (int64_t)1 << 62;
+    EXPECT(moert_experts_forward(m, 1, &huge_x, &tc, NULL, &huge_y, NULL, NULL) == MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT_ERROR_CONTAINS("x_rows has 4611686018427387904 rows, more than any device holds");
     EXPECT(moert_experts_forward(m, 0, &tx, &tc, &tp, &ty, NULL, NULL) == MOERT_ERR_INVALID_ARGUMENT);
     EXPECT_ERROR_CONTAINS("layer 0's fc1 is not bound");
     moert_tensor short_probs = moert_tensor_1d(probs, moert_cpu(), MOERT_F64, rows - 1);

@@ -209,6 +209,8 @@ typedef struct rank_run {
     const moert_config *cfg;
     bool fail_peer; /* rank 1 fails between collectives; rank 0's next collective must return */
     moert_result rc_world, rc_edp, rc_ep, rc_barrier, rc_after_fail;
+    moert_result rc_bad_ndim, rc_bad_size; /* refused before any collective: no rank waits for the other */
+    char bad_size_message[256];
     double world_sum[2], edp_sum, ep_sum;
     int64_t counts[3];
 } rank_run;
@@ -240,6 +242,13 @@ static void *rank_main(void *arg)
     r->world_sum[0] = r->rank + 1.0;
     r->world_sum[1] = 10.0 * r->rank;
     moert_tensor w = moert_tensor_1d(r->world_sum, moert_cpu(), MOERT_F64, 2);
+    moert_tensor bad = w;
+    bad.ndim = 200;
+    r->rc_bad_ndim = moert_layers_allreduce_sum(b.m, MOERT_GROUP_WORLD, &bad, NULL);
+    bad = w;
+    bad.shape[0] = -5;
+    r->rc_bad_size = moert_layers_allreduce_sum(b.m, MOERT_GROUP_WORLD, &bad, NULL);
+    snprintf(r->bad_size_message, sizeof r->bad_size_message, "%s", moert_last_error());
     r->rc_world = moert_layers_allreduce_sum(b.m, MOERT_GROUP_WORLD, &w, NULL);
     r->edp_sum = r->rank + 1.0;
     moert_tensor e = moert_tensor_1d(&r->edp_sum, moert_cpu(), MOERT_F64, 1);
@@ -282,6 +291,10 @@ static void test_collectives(void)
         EXPECT(runs[i].edp_sum == 3.0);
         EXPECT(runs[i].ep_sum == i + 1.0);
         for (int k = 0; k < 3; k++) EXPECT_EQ_INT(runs[i].counts[k], 100 + 2 * k);
+        EXPECT_EQ_INT(runs[i].rc_bad_ndim, MOERT_ERR_INVALID_ARGUMENT);
+        EXPECT_EQ_INT(runs[i].rc_bad_size, MOERT_ERR_INVALID_ARGUMENT);
+        EXPECT(strstr(runs[i].bad_size_message,
+                      "moert_layers_allreduce_sum: buf has size -5 in dimension 0, expected >= 0") != NULL);
     }
     /* a rank that fails between collectives releases its peer at once (not after the 5 s timeout) */
     run_two(cfg, true, runs);
