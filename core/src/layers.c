@@ -261,6 +261,61 @@ static moert_dispatch **dispatch_ref(const moert_layers *m, int layer, int slot)
     return &m->dispatch[(size_t)layer * MOERT_OVERLAP_MAX_SLOTS + (size_t)slot];
 }
 
+/* ---- live handles ----
+ * A moert_saved or moert_dispatch is live while a live moert_layers' table holds it. A caller may pass one that is
+ * not (consumed by its backward, freed, or freed with its layers: a garbage collector's order): it is found by address
+ * in these tables, never by reading it, so a stale handle is refused (or, to a free, ignored) instead of read. */
+static pthread_mutex_t live_lock = PTHREAD_MUTEX_INITIALIZER;
+static moert_layers **live_layers;
+static int live_count, live_capacity;
+
+static moert_result live_add(moert_layers *m)
+{
+    pthread_mutex_lock(&live_lock);
+    if (live_count == live_capacity) {
+        const int capacity = live_capacity ? 2 * live_capacity : 16;
+        moert_layers **grown = realloc(live_layers, (size_t)capacity * sizeof *grown);
+        if (!grown) {
+            pthread_mutex_unlock(&live_lock);
+            return moert_error(MOERT_ERR_OUT_OF_MEMORY, "moert_layers_create: out of memory");
+        }
+        live_layers = grown;
+        live_capacity = capacity;
+    }
+    live_layers[live_count++] = m;
+    pthread_mutex_unlock(&live_lock);
+    return MOERT_OK;
+}
+
+static void live_remove(const moert_layers *m)
+{
+    pthread_mutex_lock(&live_lock);
+    for (int i = 0; i < live_count; i++)
+        if (live_layers[i] == m) {
+            live_layers[i] = live_layers[--live_count];
+            break;
+        }
+    pthread_mutex_unlock(&live_lock);
+}
+
+/* The live layers whose saved (or, with dispatch, dispatch) table holds h, compared by address; NULL when none. */
+static moert_layers *live_owner(const void *h, bool dispatch)
+{
+    moert_layers *owner = NULL;
+    if (!h) return NULL;
+    pthread_mutex_lock(&live_lock);
+    for (int i = 0; i < live_count && !owner; i++) {
+        moert_layers *m = live_layers[i];
+        const int n = m->stack.num_layers * MOERT_OVERLAP_MAX_SLOTS;
+        for (int k = 0; k < n && !owner; k++)
+            if (dispatch ? (m->dispatch && (const void *)m->dispatch[k] == h)
+                         : (m->saved && (const void *)m->saved[k] == h))
+                owner = m;
+    }
+    pthread_mutex_unlock(&live_lock);
+    return owner;
+}
+
 /* The forwards `layer` holds in flight, over its slots. */
 static int forwards_in_flight(const moert_layers *m, int layer)
 {
@@ -715,6 +770,7 @@ MOERT_API moert_result moert_layers_create(const moert_config *cfg, const moert_
                 m->overlap.twins[slot - 1].layers[l].acts.defer_start = m->stack.layers[l].acts.defer_start;
             }
     }
+    MOERT_CHECK(live_add(m));
     *out = m;
     return MOERT_OK;
 fail:
@@ -741,6 +797,7 @@ fail:
 MOERT_API void moert_layers_destroy(moert_layers *m)
 {
     if (!m) return;
+    live_remove(m); /* its handles are stale from here: a later moert_saved_free of one is ignored */
     int nl = m->stack.num_layers;
     for (int i = 0; m->saved && i < nl * MOERT_OVERLAP_MAX_SLOTS; i++) free(m->saved[i]);
     for (int i = 0; m->dispatch && i < nl * MOERT_OVERLAP_MAX_SLOTS; i++) free(m->dispatch[i]);
@@ -1273,10 +1330,9 @@ MOERT_API moert_result moert_saved_tokens_per_expert(const moert_saved *saved, m
 {
     const char *fn = "moert_saved_tokens_per_expert";
     moert_result rc = MOERT_OK;
-    if (!saved || !saved->owner || !in_flight(saved->owner, saved))
-        return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: saved is not a forward in flight", fn);
+    moert_layers *m = live_owner(saved, false);
+    if (!m) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: saved is not a forward in flight", fn);
     if (saved->experts) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: saved is an experts forward's", fn);
-    moert_layers *m = saved->owner;
     moert_layer *L = moert_overlap_layer(&m->overlap, saved->layer, saved->slot);
     const int64_t shape[1] = {L->info.num_experts};
     MOERT_CHECK(
@@ -1288,14 +1344,11 @@ fail:
 
 MOERT_API void moert_saved_free(moert_saved *saved)
 {
-    if (!saved) return;
-    moert_layers *m = saved->owner;
-    if (m && saved->layer >= 0 && saved->layer < m->stack.num_layers && saved->slot >= 0 &&
-        saved->slot < MOERT_OVERLAP_MAX_SLOTS && *saved_ref(m, saved->layer, saved->slot) == saved) {
-        *saved_ref(m, saved->layer, saved->slot) = NULL;
-        if (moert_layer_release_saved(moert_overlap_layer(&m->overlap, saved->layer, saved->slot)) != MOERT_OK)
-            moert_error_clear();
-    }
+    moert_layers *m = live_owner(saved, false);
+    if (!m) return; /* NULL, or stale: consumed by its backward, freed already, or freed with its layers */
+    *saved_ref(m, saved->layer, saved->slot) = NULL;
+    if (moert_layer_release_saved(moert_overlap_layer(&m->overlap, saved->layer, saved->slot)) != MOERT_OK)
+        moert_error_clear();
     free(saved);
 }
 
@@ -1359,16 +1412,8 @@ MOERT_API const char *moert_layer_activation_name(int activation)
 
 /* ---- the dispatcher alone ---- */
 
-/* The dispatch in flight that d names, or an error. */
-/* Whether `d` is a dispatch in flight of its layers, found by address before anything reads it. */
-static bool dispatch_in_flight(const moert_dispatch *d)
-{
-    if (!d || !d->owner) return false;
-    const moert_layers *m = d->owner;
-    for (int i = 0; i < m->stack.num_layers * MOERT_OVERLAP_MAX_SLOTS; i++)
-        if (m->dispatch[i] == d) return true;
-    return false;
-}
+/* Whether `d` is a dispatch in flight of live layers, found by address before anything reads it. */
+static bool dispatch_in_flight(const moert_dispatch *d) { return live_owner(d, true) != NULL; }
 
 static moert_result check_dispatch(const moert_dispatch *d, const char *fn, bool need_run)
 {
@@ -1527,8 +1572,8 @@ fail:
 
 MOERT_API void moert_dispatch_free(moert_dispatch *d)
 {
-    if (!d) return;
-    if (dispatch_in_flight(d)) *dispatch_ref(d->owner, d->layer, d->slot) = NULL;
+    if (!dispatch_in_flight(d)) return; /* NULL, or stale: freed already, or with its layers */
+    *dispatch_ref(d->owner, d->layer, d->slot) = NULL;
     free(d);
 }
 

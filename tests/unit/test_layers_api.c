@@ -571,6 +571,10 @@ static void *dispatch_main(void *arg)
     moert_saved *s = NULL;
     EXPECT(moert_moe_forward(m, 0, &tx, &ty, NULL, &s, NULL) == MOERT_ERR_INVALID_ARGUMENT);
     moert_dispatch_free(d);
+    /* a freed dispatch is stale: the calls refuse it, a second free ignores it (ASan: nothing read or freed twice) */
+    EXPECT(moert_dispatch_run(d, &tx, &tw, &trx, &trw, NULL) == MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT_ERROR_CONTAINS("moert_dispatch_run: not a dispatch in flight (prepared and not freed)");
+    moert_dispatch_free(d);
     dr->rc = rc;
     free(rx), free(rw), free(dry), free(ones);
     moert_layers_destroy(m);
@@ -661,6 +665,49 @@ static void run_policy(const char *policy_json, double *y, double *dx, double *f
     fig->struct_size = sizeof *fig;
     EXPECT_OK(moert_layers_figures(m, 0, fig));
     moert_layers_destroy(m);
+    free_params(&p);
+}
+
+/* Stale saved handles: consumed by a backward, freed, or freed with their layers. The calls that take one refuse it
+ * without reading it, and moert_saved_free ignores it (a garbage collector's order); ASan sees no read or free of
+ * freed memory. */
+static void test_stale_handles(void)
+{
+    moert_config *cfg = NULL;
+    EXPECT_OK(moert_config_load_string(config_json, "layers-api-stale", &cfg));
+    moert_layers *m = NULL;
+    moert_launch launch = {.struct_size = sizeof launch, .rank = 0, .world_size = 1, .device = moert_cpu()};
+    EXPECT_OK(moert_layers_create(cfg, &launch, &m));
+    moert_config_free(cfg);
+    if (!m) return;
+    rank_params p = {0};
+    bind_all(m, &p);
+    EXPECT_OK(moert_layers_init_params(m, 3, NULL));
+    const int64_t t = 6;
+    uint64_t seed = 9;
+    double x[6 * H], y[6 * H], dy[6 * H], dx[6 * H];
+    int64_t counts[E];
+    for (int i = 0; i < t * H; i++) x[i] = uniform(&seed), dy[i] = uniform(&seed);
+    moert_tensor tx = t2(x, t, H), ty = t2(y, t, H), tdy = t2(dy, t, H), tdx = t2(dx, t, H);
+    moert_tensor tc = moert_tensor_1d(counts, moert_cpu(), MOERT_I64, E);
+    moert_saved *s = NULL;
+    EXPECT_OK(moert_moe_forward(m, 0, &tx, &ty, NULL, &s, NULL));
+    EXPECT_OK(moert_saved_tokens_per_expert(s, &tc, NULL));
+    EXPECT_OK(moert_moe_backward(m, s, &tdy, &tdx, NULL, NULL));
+    /* consumed by its backward */
+    EXPECT(moert_saved_tokens_per_expert(s, &tc, NULL) == MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT_ERROR_CONTAINS("moert_saved_tokens_per_expert: saved is not a forward in flight");
+    EXPECT(moert_moe_backward(m, s, &tdy, &tdx, NULL, NULL) == MOERT_ERR_INVALID_ARGUMENT);
+    moert_saved_free(s);
+    /* freed, then freed again */
+    EXPECT_OK(moert_moe_forward(m, 0, &tx, &ty, NULL, &s, NULL));
+    moert_saved_free(s);
+    moert_saved_free(s);
+    /* freed with its layers, then by the caller */
+    EXPECT_OK(moert_moe_forward(m, 0, &tx, &ty, NULL, &s, NULL));
+    moert_layers_destroy(m);
+    moert_saved_free(s);
+    moert_saved_free(NULL);
     free_params(&p);
 }
 
@@ -825,6 +872,7 @@ int main(void)
     test_launch_errors();
     test_dispatcher();
     test_memory_policies();
+    test_stale_handles();
     test_shared_memory_policies();
     test_expert_bias();
     return test_finish("layers_api");

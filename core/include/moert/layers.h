@@ -286,7 +286,10 @@ MOERT_API bool moert_layers_overlap_interleave(moert_layers *layers, bool interl
 /* Tokens this rank routed to each expert in the forward that made saved ([E] int64, over all experts), copied into
  * dst (host or the layers' device), ordered on stream. */
 MOERT_API moert_result moert_saved_tokens_per_expert(const moert_saved *saved, moert_tensor *dst, moert_stream stream);
-/* Drops a forward's saved activations without a backward. */
+/* Drops a forward's saved activations without a backward. A handle no longer in flight (consumed by its backward,
+ * freed already, or freed with its layers by moert_layers_destroy) is ignored, as is NULL: a garbage collector may
+ * free in any order. Handles are told apart by address, so one freed long ago whose address a new forward's handle
+ * took is that new handle. The calls that take a saved handle refuse one no longer in flight, naming it. */
 MOERT_API void moert_saved_free(moert_saved *saved);
 
 /* ---- figures of the last forward and backward of a layer ---- */
@@ -447,6 +450,8 @@ MOERT_API moert_result moert_dispatch_combine_backward(moert_dispatch *d, const 
 MOERT_API moert_result moert_dispatch_backward(moert_dispatch *d, const moert_tensor *d_recv_x,
                                                const moert_tensor *d_recv_weights, moert_tensor *dx,
                                                moert_tensor *d_topk_weights, moert_stream stream);
+/* Frees a dispatch; one freed already, or with its layers, is ignored (as moert_saved_free's), and the dispatch calls
+ * refuse it. */
 MOERT_API void moert_dispatch_free(moert_dispatch *d);
 
 /* ---- the experts alone: moert's grouped GEMMs on rows already dispatched (API version 4) ----
