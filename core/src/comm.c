@@ -33,6 +33,7 @@ typedef struct comm_slot {
     const size_t *send_bytes;
     const size_t *send_offsets;
     void *pointer;
+    const char *arrived_in; /* the collective this rank waits in at the barrier (its `what`) */
 } comm_slot;
 
 struct moert_comm_group {
@@ -374,9 +375,28 @@ moert_result moert_comm_barrier(moert_comm_group *g, int rank, const char *what)
     pthread_mutex_lock(&g->lock);
     if (g->failed) goto failed;
     unsigned long generation = g->generation;
+    if (g->present[rank]) { /* two threads calling as one rank: the count would complete with a rank missing */
+        char message[256];
+        snprintf(message, sizeof message,
+                 "%s: rank %d arrived twice (two threads with the same rank: each thread needs its own)", what, rank);
+        fail_group_locked(g, MOERT_ERR_INVALID_ARGUMENT, message);
+        goto failed;
+    }
     g->present[rank] = true;
+    g->slots[rank].arrived_in = what;
     g->arrived++;
     if (g->arrived == g->world) {
+        /* every rank must be in the same collective: one in another would read slots it never filled */
+        for (int r = 0; r < g->world; r++)
+            if (strcmp(g->slots[r].arrived_in, what) != 0) {
+                char message[512];
+                snprintf(message, sizeof message,
+                         "rank %d is in %s while rank %d is in %s: every rank must make the same collective calls in "
+                         "the same order",
+                         r, g->slots[r].arrived_in, rank, what);
+                fail_group_locked(g, MOERT_ERR_INVALID_ARGUMENT, message);
+                goto failed;
+            }
         g->arrived = 0;
         memset(g->present, 0, (size_t)g->world * sizeof *g->present);
         g->generation++;

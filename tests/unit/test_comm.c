@@ -282,6 +282,50 @@ static void test_mismatch(void)
     moert_comm_group_free(run.group);
 }
 
+typedef struct misuse_run {
+    moert_comm_group *group;
+    bool same_rank; /* both threads call as rank 0; else rank 0 is in an allgather and rank 1 in a barrier */
+    moert_result rc[2];
+    char message[2][512];
+} misuse_run;
+
+static void misuse_rank(int rank, void *user)
+{
+    misuse_run *run = user;
+    int64_t mine = rank, all[2] = {0, 0};
+    if (run->same_rank)
+        run->rc[rank] = moert_comm_barrier(run->group, 0, "barrier");
+    else if (rank == 0)
+        run->rc[rank] = moert_comm_allgather(run->group, 0, &mine, all, sizeof mine);
+    else
+        run->rc[rank] = moert_comm_barrier(run->group, 1, "barrier");
+    snprintf(run->message[rank], sizeof run->message[rank], "%s", moert_error_message());
+}
+
+/* Misuse of the threads communicator fails the group with a message, instead of a collective reading a slot that
+ * was never filled (it crashed): two threads as one rank, and ranks in different collectives. */
+static void test_misuse(void)
+{
+    misuse_run twice = {.same_rank = true};
+    EXPECT_OK(moert_comm_group_create(2, 10.0, &twice.group));
+    test_run_ranks(2, misuse_rank, &twice);
+    for (int r = 0; r < 2; r++) {
+        EXPECT_EQ_INT(twice.rc[r], MOERT_ERR_INVALID_ARGUMENT);
+        EXPECT(strstr(twice.message[r], "rank 0 arrived twice (two threads with the same rank") != NULL);
+    }
+    moert_comm_group_free(twice.group);
+    misuse_run other = {.same_rank = false};
+    EXPECT_OK(moert_comm_group_create(2, 10.0, &other.group));
+    test_run_ranks(2, misuse_rank, &other);
+    for (int r = 0; r < 2; r++) {
+        EXPECT_EQ_INT(other.rc[r], MOERT_ERR_INVALID_ARGUMENT);
+        EXPECT(strstr(other.message[r], " is in allgather while rank ") != NULL ||
+               strstr(other.message[r], " is in barrier while rank ") != NULL);
+        EXPECT(strstr(other.message[r], "every rank must make the same collective calls in the same order") != NULL);
+    }
+    moert_comm_group_free(other.group);
+}
+
 /* Timeouts beyond a day are refused (1e19 s wrapped the deadline: the first collective spun for ever). */
 static void test_timeout_bounds(void)
 {
@@ -296,6 +340,7 @@ static void test_timeout_bounds(void)
 int main(void)
 {
     test_timeout_bounds();
+    test_misuse();
     test_collectives();
     test_world_of_one();
     test_timeout();
