@@ -1837,6 +1837,7 @@ MOERT_API moert_result moert_layers_spans(moert_layers *m, int layer, int origin
     if (rc != MOERT_OK) return rc;
     if (!count || (!out && capacity > 0))
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: out or count is NULL", fn);
+    if (capacity < 0) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: capacity %d, expected >= 0", fn, capacity);
     /* the slot whose backward of `layer` ran last: a micro-batch's forward and backward in one slot */
     const int slot = m->last_bwd_slot[layer];
     moert_layer *L = moert_overlap_layer(&m->overlap, layer, slot);
@@ -1976,6 +1977,14 @@ MOERT_API moert_result moert_config_memory_estimate(const moert_config *cfg, int
                            (int)device);
     moert_memory_estimate est;
     moert_memory_estimate_config(cfg, world, device, &est);
-    if (buf && size) moert_memory_estimate_line(&est, buf, size);
+    if (buf && size) {
+        char line[1024];
+        moert_memory_estimate_line(&est, line, sizeof line);
+        if (strlen(line) + 1 > size) /* as the config getters: the buffer left as it was, never a cut line */
+            return moert_error(MOERT_ERR_INVALID_ARGUMENT,
+                               "moert_config_memory_estimate: buf has %zu bytes, the line needs %zu", size,
+                               strlen(line) + 1);
+        memcpy(buf, line, strlen(line) + 1);
+    }
     return moert_memory_estimate_check(cfg, &est);
 }

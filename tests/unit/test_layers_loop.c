@@ -189,6 +189,12 @@ static void test_services(void)
     char line[512] = "";
     EXPECT_OK(moert_config_memory_estimate(cfg, 2, MOERT_DEVICE_CPU, line, sizeof line));
     EXPECT(line[0] != '\0');
+    /* a buffer too small for the line: refused, saying how much it needs, and left as it was (it was cut) */
+    char small[4] = "abc";
+    EXPECT_EQ_INT(moert_config_memory_estimate(cfg, 2, MOERT_DEVICE_CPU, small, sizeof small),
+                  MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT_ERROR_CONTAINS("moert_config_memory_estimate: buf has 4 bytes, the line needs");
+    EXPECT(strcmp(small, "abc") == 0);
     EXPECT_OK(moert_config_set(cfg, "model.hidden", "65536"));
     EXPECT_OK(moert_config_set(cfg, "model.ffn_hidden", "262144"));
     EXPECT_EQ_INT(moert_config_memory_estimate(cfg, 1, MOERT_DEVICE_CPU, line, sizeof line), MOERT_ERR_OUT_OF_MEMORY);

@@ -115,8 +115,9 @@ MOERT_API moert_result moert_layers_plugin(const moert_layers *layers, moert_plu
 
 /* API version 6: what cfg needs in memory per rank on `world` ranks of device type `device` (MOERT_DEVICE_CPU or
  * MOERT_DEVICE_CUDA), estimated without starting a plugin (docs/config.md, "Memory estimate"): one line into buf (by
- * category, the total and the memory it is measured against). Returns MOERT_ERR_OUT_OF_MEMORY, the estimate in the
- * message, when it does not fit (more than 90% of the CPU's memory, or one GPU's). */
+ * category, the total and the memory it is measured against; MOERT_ERR_INVALID_ARGUMENT, buf untouched, when it does not
+ * hold the line: 512 bytes always do). Returns MOERT_ERR_OUT_OF_MEMORY, the estimate in the message, when it does not
+ * fit (more than 90% of the CPU's memory, or one GPU's). */
 MOERT_API moert_result moert_config_memory_estimate(const moert_config *cfg, int world, moert_device_type device,
                                                     char *buf, size_t size);
 
