@@ -408,6 +408,16 @@ static moert_result check_any_shape(const char *fn, const char *name, const moer
     return MOERT_OK;
 }
 
+/* Whether two contiguous tensors' bytes overlap (on the same device): an output over an input the layer keeps for its
+ * backward would corrupt it. */
+static bool memory_overlaps(const moert_tensor *a, const moert_tensor *b)
+{
+    if (a->device.type != b->device.type || a->device.id != b->device.id) return false;
+    const uintptr_t a0 = (uintptr_t)a->data, b0 = (uintptr_t)b->data;
+    const uintptr_t a1 = a0 + (uintptr_t)moert_tensor_bytes(a), b1 = b0 + (uintptr_t)moert_tensor_bytes(b);
+    return a0 < b1 && b0 < a1;
+}
+
 /* A copy to or from host memory the caller can touch: the host side is plain CPU memory. */
 static bool on_host(moert_device d) { return d.type == MOERT_DEVICE_CPU || d.type == MOERT_DEVICE_CUDA_HOST; }
 
@@ -1131,7 +1141,7 @@ static moert_result check_forward(moert_layers *m, int layer, const moert_tensor
     if ((rc = check_tensor(fn, "x", x, L->info.dtype, m->device, 2, rows_max)) != MOERT_OK) return rc;
     const int64_t same[2] = {x->shape[0], L->info.hidden};
     if ((rc = check_tensor(fn, "y", y, L->info.dtype, m->device, 2, same)) != MOERT_OK) return rc;
-    if (x->data == y->data) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: y may not be x's memory", fn);
+    if (memory_overlaps(x, y)) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: y may not be x's memory", fn);
     if (stats && stats->struct_size < sizeof *stats)
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: stats->struct_size %u, expected %zu", fn,
                            stats->struct_size, sizeof *stats);
@@ -1230,7 +1240,7 @@ static moert_result check_backward(moert_layers *m, const moert_saved *saved, co
     const int64_t shape[2] = {saved->tokens, L->info.hidden};
     if ((rc = check_tensor(fn, "dy", dy, L->info.dtype, m->device, 2, shape)) != MOERT_OK) return rc;
     if ((rc = check_tensor(fn, "dx", dx, L->info.dtype, m->device, 2, shape)) != MOERT_OK) return rc;
-    if (dx->data == dy->data) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: dx may not be dy's memory", fn);
+    if (memory_overlaps(dx, dy)) return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: dx may not be dy's memory", fn);
     return MOERT_OK;
 }
 
@@ -1631,7 +1641,7 @@ MOERT_API moert_result moert_experts_forward(moert_layers *m, int layer, const m
     const int64_t rows = x_rows->shape[0];
     if ((rc = check_rows_tensor(fn, "y_rows", y_rows, L->info.dtype, m->device, 2, rows, L->info.hidden)) != MOERT_OK)
         return rc;
-    if (rows > 0 && x_rows->data == y_rows->data)
+    if (rows > 0 && memory_overlaps(x_rows, y_rows))
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: y_rows may not be x_rows's memory", fn);
     /* the rows' activations (x, fc1's output, SwiGLU's, in at most 8 bytes an element) must fit a device: the sizes
      * made from rows then never overflow */
@@ -1692,7 +1702,7 @@ MOERT_API moert_result moert_experts_backward(moert_layers *m, moert_saved *save
     const int64_t rows = saved->tokens, h = L->info.hidden;
     if ((rc = check_rows_tensor(fn, "dy_rows", dy_rows, L->info.dtype, m->device, 2, rows, h)) != MOERT_OK) return rc;
     if ((rc = check_rows_tensor(fn, "dx_rows", dx_rows, L->info.dtype, m->device, 2, rows, h)) != MOERT_OK) return rc;
-    if (rows > 0 && dx_rows->data == dy_rows->data)
+    if (rows > 0 && memory_overlaps(dx_rows, dy_rows))
         return moert_error(MOERT_ERR_INVALID_ARGUMENT, "%s: dx_rows may not be dy_rows's memory", fn);
     if (d_probs && (rc = check_rows_tensor(fn, "d_probs", d_probs, L->param_dtype, m->device, 1, rows, 0)) != MOERT_OK)
         return rc;

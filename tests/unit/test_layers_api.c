@@ -691,6 +691,11 @@ static void test_stale_handles(void)
     moert_tensor tx = t2(x, t, H), ty = t2(y, t, H), tdy = t2(dy, t, H), tdx = t2(dx, t, H);
     moert_tensor tc = moert_tensor_1d(counts, moert_cpu(), MOERT_I64, E);
     moert_saved *s = NULL;
+    /* an output over part of its input (one row apart) is refused, not only the same pointer */
+    double xy[7 * H];
+    moert_tensor shifted_x = t2(xy, t, H), shifted_y = t2(xy + H, t, H);
+    EXPECT(moert_moe_forward(m, 0, &shifted_x, &shifted_y, NULL, &s, NULL) == MOERT_ERR_INVALID_ARGUMENT);
+    EXPECT_ERROR_CONTAINS("moert_moe_forward: y may not be x's memory");
     EXPECT_OK(moert_moe_forward(m, 0, &tx, &ty, NULL, &s, NULL));
     EXPECT_OK(moert_saved_tokens_per_expert(s, &tc, NULL));
     EXPECT_OK(moert_moe_backward(m, s, &tdy, &tdx, NULL, NULL));
