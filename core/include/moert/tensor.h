@@ -76,11 +76,13 @@ static inline const char *moert_dtype_name(moert_dtype t)
     return (t >= 0 && t < MOERT_DTYPE_COUNT) ? names[t] : "unknown";
 }
 
+/* Elements of t. Multiplied unsigned, so an absurd shape (refused by the size checks) wraps instead of being
+ * undefined behaviour. */
 static inline int64_t moert_tensor_numel(const moert_tensor *t)
 {
-    int64_t n = 1;
-    for (int i = 0; i < t->ndim; i++) n *= t->shape[i];
-    return n;
+    uint64_t n = 1;
+    for (int i = 0; i < t->ndim; i++) n *= (uint64_t)t->shape[i];
+    return (int64_t)n;
 }
 
 static inline size_t moert_tensor_bytes(const moert_tensor *t)
@@ -102,7 +104,8 @@ static inline moert_tensor moert_tensor_make(void *data, moert_device dev, moert
     for (int i = ndim - 1; i >= 0; i--) {
         t.shape[i] = shape[i];
         t.strides[i] = stride;
-        stride *= shape[i];
+        /* unsigned: an absurd shape wraps (moert_tensor_is_contiguous refuses it) instead of being undefined */
+        stride = (int64_t)((uint64_t)stride * (uint64_t)shape[i]);
     }
     return t;
 }
@@ -131,7 +134,7 @@ static inline bool moert_tensor_is_contiguous(const moert_tensor *t)
     int64_t stride = 1;
     for (int i = t->ndim - 1; i >= 0; i--) {
         if (t->shape[i] != 1 && t->strides[i] != stride) return false;
-        stride *= t->shape[i];
+        if (i > 0 && __builtin_mul_overflow(stride, t->shape[i], &stride)) return false; /* no such layout exists */
     }
     return true;
 }
