@@ -83,6 +83,10 @@ def _balancing(tc):
     kind = _get(tc, "moe_router_load_balancing_type", "aux_loss")
     coeff = _get(tc, "moe_aux_loss_coeff", 0.0)
     if isinstance(kind, (list, tuple)):
+        if "sinkhorn" in kind:
+            # Megatron routes by Sinkhorn only for the string "sinkhorn"; a list holding it routes by top-k
+            raise ValueError("moert.megatron: moe_router_load_balancing_type %s: Megatron routes a list holding "
+                             "\"sinkhorn\" by plain top-k; give \"sinkhorn\" alone for Sinkhorn routing" % list(kind))
         coeffs = list(coeff) if isinstance(coeff, (list, tuple)) else [coeff] * len(kind)
         live = [(k, c) for k, c in zip(kind, coeffs) if k not in ("none",) and (c or k == "sinkhorn")]
         if len(live) > 1:
@@ -128,6 +132,21 @@ def _set_forwards_in_flight(cfg, tc):
         cfg.setdefault("parallel", {}).setdefault("forwards_in_flight", n)
 
 
+def _swiglu_variants(tc):
+    """The SwiGLU variants of newer Megatron that moert's experts do not compute (plain silu(gate) * up, fc1's rows
+    [gate; up]): what tc sets of them, for a refusal."""
+    bad = []
+    if _get(tc, "glu_linear_offset", 0.0):
+        bad.append("glu_linear_offset %s (moert's SwiGLU has no offset)" % tc.glu_linear_offset)
+    if _get(tc, "activation_func_clamp_value", None) is not None:
+        bad.append("activation_func_clamp_value (moert's SwiGLU does not clamp)")
+    if _get(tc, "moe_mlp_glu_interleave_size", None):
+        bad.append("moe_mlp_glu_interleave_size (moert's fc1 is [gate; up], not interleaved)")
+    if _get(tc, "moe_shared_expert_glu_interleave_size", None):
+        bad.append("moe_shared_expert_glu_interleave_size")
+    return bad
+
+
 def check_supported(tc, whole_layer=False):
     """Refuses (ValueError, naming the option) what the dispatcher backend (or, with whole_layer, moert.torch.MoE in
     place of the MoELayer) cannot do for a Megatron TransformerConfig (or any object with its attribute names)."""
@@ -141,7 +160,22 @@ def check_supported(tc, whole_layer=False):
         bad.append("moe_latent_size")
     if _get(tc, "moe_pad_expert_input_to_capacity", False) and _get(tc, "moe_expert_capacity_factor", None) is None:
         bad.append("moe_pad_expert_input_to_capacity without moe_expert_capacity_factor (the capacity pads to)")
+    if _get(tc, "moe_expert_rank_capacity_factor", None) is not None:
+        bad.append("moe_expert_rank_capacity_factor (a per-rank budget moert's dispatchers do not drop to)")
+    if _get(tc, "overlap_moe_expert_parallel_comm", False) and not whole_layer:
+        bad.append("overlap_moe_expert_parallel_comm (Megatron's overlapped schedule drives its own dispatcher's "
+                   "communication; moert's layer overlaps the all-to-alls itself: moert_config_from_megatron and "
+                   "$.parallel.overlap_micro_batches)")
+    if _get(tc, "transformer_impl", None) == "inference_optimized":
+        bad.append("transformer_impl inference_optimized (its MoELayer puts its own dispatchers back every forward)")
+    for flag in ("moe_router_force_biased", "moe_enable_routing_replay"):
+        if _get(tc, flag, False):
+            bad.append(flag)
     if whole_layer:
+        bad += _swiglu_variants(tc)
+        if _get(tc, "moe_router_score_function", "softmax") not in ("softmax", "sigmoid"):
+            bad.append("moe_router_score_function %s (moert's router scores by softmax or sigmoid)"
+                       % tc.moe_router_score_function)
         if _get(tc, "moe_pad_expert_input_to_capacity", False):
             bad.append("moe_pad_expert_input_to_capacity (moert's MoE layer drops over capacity but does not pad; "
                        "the dispatcher backend does)")
@@ -205,8 +239,10 @@ def moert_config_from_megatron(tc, base=None, seq_length=None):
     if "gemm" in old:
         r["gemm"] = old["gemm"]
     r["score_function"] = _get(tc, "moe_router_score_function", "softmax")
-    if _get(tc, "moe_router_pre_softmax", False):
+    if _get(tc, "moe_router_pre_softmax", False) and r["score_function"] == "softmax":  # Megatron ignores it for sigmoid
         r["pre_softmax"] = True
+    if _get(tc, "moe_router_force_load_balancing", False):
+        r["force_load_balancing"] = True
     if _get(tc, "moe_router_num_groups", None):
         r["num_groups"] = int(tc.moe_router_num_groups)
         r["group_topk"] = int(_get(tc, "moe_router_group_topk", 0))
@@ -417,6 +453,10 @@ class MoertDispatch:
         x = hidden_states.reshape(-1, self.hidden_shape[-1])
         d = self._moert_dispatcher(x)
         self._probs_dtype = probs.dtype
+        if _get(self.config, "moe_pad_expert_input_to_capacity", False):
+            # Megatron's drop-and-pad map gives every expert its capacity of tokens, the padding ones at prob 0: moert
+            # takes the routed copies alone (nonzero probs) and pads each expert itself
+            routing_map = routing_map & (probs != 0)
         self._topk_idx, w = routing_map_to_topk(routing_map, probs, int(self.config.moe_router_topk), d.param_dtype)
         return x, w
 
@@ -618,6 +658,7 @@ def check_experts_supported(tc):
     if _get(tc, "moe_apply_probs_on_input", False) and int(_get(tc, "moe_router_topk", 1)) != 1:
         bad.append("moe_apply_probs_on_input with moe_router_topk %s (Megatron allows it with top-1 only)"
                    % tc.moe_router_topk)
+    bad += _swiglu_variants(tc)
     if bad:
         raise ValueError("moert.megatron: experts: not supported: " + "; ".join(bad))
 
@@ -668,9 +709,11 @@ class MoertExperts(torch.nn.Module):
         n, H, F = self.num_local_experts, self.hidden, ffn
         self.weight1 = torch.nn.Parameter(torch.empty(H, n * 2 * F, dtype=e.param_dtype, device=e.device))
         self.weight2 = torch.nn.Parameter(torch.empty(n * F, H, dtype=e.param_dtype, device=e.device))
+        tp = int(_get(tc, "tensor_model_parallel_size", 1) or 1)
         for w in (self.weight1, self.weight2):
-            # as Megatron's GroupedMLP: expert-parallel (or -sharded) weights are not all-reduced over data parallel
-            setattr(w, "allreduce", not (ep_size > 1 or etp_size > 1))
+            # as Megatron's experts: parameters of the expert grid (EP > 1, or ETP other than TP) are reduced over the
+            # expert-data-parallel group, not all-reduced over data parallel
+            setattr(w, "allreduce", not (ep_size > 1 or etp_size != tp))
         init = getattr(tc, "init_method", None)
         out_init = getattr(tc, "output_layer_init_method", None) or init
         with torch.no_grad():
@@ -725,8 +768,8 @@ def _experts_class():
         from megatron.core.transformer.module import MegatronModule
 
         def __init__(self, num_local_experts, config, submodules=None, pg_collection=None, *, moert_config=None,
-                     device=None, overrides=None):
-            MegatronModule.__init__(self, config=config)
+                     device=None, overrides=None, name=None):
+            MegatronModule.__init__(self, config=config)  # name: newer Megatron's builders pass it; unused
             if pg_collection is None:
                 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
                 pg_collection = get_default_pg_collection()

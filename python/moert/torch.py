@@ -153,10 +153,18 @@ class _Layers:
 
     def make_room(self, who, training=True):
         """Before a forward or dispatch: with every slot holding one, a training call frees the oldest (its backward
-        then raises); an inference call (no backward follows) raises instead, so that an evaluation pass never
-        discards a training forward whose backward is still to come."""
+        then raises); an inference call (no backward follows) frees the oldest inference one (a dispatch never
+        combined), and raises where every slot holds a training one, so that an evaluation pass never discards a
+        training forward whose backward is still to come."""
         self.in_flight = [r for r in self.in_flight if r() is not None]
         if not training and len(self.in_flight) >= self.slots:
+            spare = [r for r in self.in_flight if not getattr(r(), "training", True)]
+            if spare:
+                self.in_flight.remove(spare[0])
+                h = spare[0]()
+                if h is not None:
+                    h._release(superseded=True)
+                return
             n = len(self.in_flight)
             raise RuntimeError(
                 "%s: an inference call (no backward follows: torch.no_grad() or nothing requires grad) needs a free "

@@ -215,6 +215,31 @@ class ConfigMapping(Case):
         self.assertNotIn("parallel", mm.moert_config_from_megatron(megatron_config(**ok)))
         with self.assertRaisesRegex(ValueError, "moe_shared_expert_overlap"):
             mm.check_supported(megatron_config(**dict(ok, moe_shared_expert_overlap=True)))
+        # what newer Megatron has that moert does not do: refused by name, never dropped
+        for bad, what in ((dict(moe_expert_rank_capacity_factor=1.0), "moe_expert_rank_capacity_factor"),
+                          (dict(overlap_moe_expert_parallel_comm=True), "overlap_moe_expert_parallel_comm"),
+                          (dict(transformer_impl="inference_optimized"), "inference_optimized"),
+                          (dict(moe_router_force_biased=True), "moe_router_force_biased"),
+                          (dict(moe_enable_routing_replay=True), "moe_enable_routing_replay")):
+            with self.assertRaisesRegex(ValueError, what):
+                mm.check_supported(megatron_config(**dict(ok, **bad)))
+        for bad, what in ((dict(glu_linear_offset=1.0), "glu_linear_offset"),
+                          (dict(activation_func_clamp_value=7.0), "activation_func_clamp_value"),
+                          (dict(moe_mlp_glu_interleave_size=32), "moe_mlp_glu_interleave_size"),
+                          (dict(moe_router_score_function="sqrtsoftplus"), "moe_router_score_function sqrtsoftplus"),
+                          (dict(moe_router_load_balancing_type=["sinkhorn"]), "routes a list holding")):
+            with self.assertRaisesRegex(ValueError, what):
+                mm.moert_config_from_megatron(megatron_config(**dict(ok, **bad)))
+        with self.assertRaisesRegex(ValueError, "glu_linear_offset"):
+            mm.check_experts_supported(megatron_config(**dict(ok, glu_linear_offset=1.0)))
+        # the whole layer overlaps the all-to-alls itself: the flag is no refusal there
+        mm.moert_config_from_megatron(megatron_config(**dict(ok, overlap_moe_expert_parallel_comm=True)))
+        # Megatron ignores pre-softmax for sigmoid; force_load_balancing maps to the router's
+        r = mm.moert_config_from_megatron(megatron_config(**dict(ok, moe_router_score_function="sigmoid",
+                                                                 moe_router_pre_softmax=True,
+                                                                 moe_router_force_load_balancing=True)))["router"]
+        self.assertNotIn("pre_softmax", r)
+        self.assertTrue(r["force_load_balancing"])
 
 
 # ---- Megatron-shaped modules in plain torch (the layouts and math of megatron-core's local spec) ----
@@ -612,6 +637,20 @@ class DispatcherBackend(Case):
         h, p = d.token_dispatch(*d.dispatch_preprocess(torch.randn(16, 1, H, dtype=torch.float64), rm, pr))
         with self.assertRaisesRegex(ValueError, "more than its 2 \\(capacity 2"):
             d.dispatch_postprocess(h, p)
+        # Megatron's drop-and-pad map also marks padding copies (prob 0) so that every expert has its capacity: they
+        # are not routed copies (they sat at lower expert ids than the routed ones, which were lost)
+        cfg.moe_expert_capacity_factor = 4.0
+        d = mm.MoertDispatch()
+        d._moert_setup(E, list(range(E)), cfg, None, {"parallel": {"device": "cpu"}})
+        x = torch.randn(16, 1, H, dtype=torch.float64)
+        _, rm, pr = random_routing(16, E, K, seed=3)
+        padded = rm | (torch.arange(E).unsqueeze(0) < 2)  # experts 0 and 1 get every token, at prob 0 where unrouted
+        self.assertTrue(bool((padded & ~rm).any()))
+        want = d.dispatch_postprocess(*d.token_dispatch(*d.dispatch_preprocess(x, rm, pr.detach())))
+        got = d.dispatch_postprocess(*d.token_dispatch(*d.dispatch_preprocess(x, padded, pr.detach())))
+        for a, b in zip(want, got):
+            if isinstance(a, torch.Tensor):
+                self.assertTrue(torch.equal(a, b))
 
     def test_moert_experts(self):
         """The dispatcher backend with moert's experts (MoertExperts) in the SequentialMLP's place: the dense MoE's
@@ -752,6 +791,9 @@ class ExpertsAdapter(Case):
         shards = [etp_shard(a, b, 1, 2) for a, b in zip(w1, w2)]
         mx = moert_experts_of(2, 8, 4, torch.float64, [s[0] for s in shards], [s[1] for s in shards], etp_size=2)
         self.assertEqual((tuple(mx.weight1.shape), tuple(mx.weight2.shape)), ((8, 2 * 2 * 2), (2 * 2, 8)))
+        self.assertFalse(mx.weight1.allreduce or mx.weight2.allreduce)
+        # as newer Megatron: ETP other than TP makes them expert-grid parameters too (TP 2, ETP 1, EP 1)
+        mx = moert_experts_of(2, 8, 4, torch.float64, *expert_weights(2, 8, 4, seed=1), tensor_model_parallel_size=2)
         self.assertFalse(mx.weight1.allreduce or mx.weight2.allreduce)
 
 
