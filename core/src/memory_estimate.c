@@ -39,7 +39,8 @@ static double padding_factor(const moert_config *cfg, const char *section)
     const json_t *pad = json_object_get(s, "pad_to_capacity"), *factor = json_object_get(s, "capacity_factor");
     if (!json_is_true(pad) || !json_is_number(factor)) return 1.0;
     const double f = json_number_value(factor);
-    return f > 1.0 ? f : 1.0;
+    /* past the plugins' own bound (1e6) the plugin's range check, when it starts, names the key: not counted here */
+    return f > 1.0 && f <= 1e6 ? f : 1.0;
 }
 
 void moert_memory_estimate_config(const moert_config *cfg, int world, int device, moert_memory_estimate *out)

@@ -155,6 +155,10 @@ static moert_result deepep_init(void **out, const moert_host *host, const moert_
                                "benchmark aid: CUDA calls run only their NVLink phase (rows cross, arrive and are "
                                "released; recv_x, y and the prob outputs are not written); never for a layer",
                                &c->nvlink_only);
+    if (rc == MOERT_OK && c->nvlink_only)
+        host->log(host, MOERT_LOG_WARN,
+                  "bench_nvlink_only: the calls write no outputs (recv_x, y, the probs): a benchmark aid, never for a "
+                  "layer that trains");
     if (rc == MOERT_OK)
         rc = host->option_bool(host, "peer_wait_stats", false,
                                "diagnostic: the CUDA kernels sum how long they spin waiting for their peers (block 0 "

@@ -86,7 +86,9 @@ static moert_result read_options(const moert_host *host, fp8_settings *s, int *s
                            "delayed: the amax a scale is computed from: max over the history, or the most recent",
                            &amax_compute);
     if (rc != MOERT_OK) return rc;
-    rc = host->option_int(host, "margin", 0, 0, 64, "delayed: scale = fp8_max * 2^-margin / amax", &margin);
+    /* past 16, fp8_max * 2^-margin (448 * 2^-17 for E4M3) is under the format's smallest subnormal: every operand
+     * would quantize to 0 */
+    rc = host->option_int(host, "margin", 0, 0, 16, "delayed: scale = fp8_max * 2^-margin / amax", &margin);
     if (rc != MOERT_OK) return rc;
     int64_t gemm_streams = 4; /* at most 8: MOERT_FP8_CUDA_MAX_STREAMS (its header is in CUDA builds only) */
     rc = host->option_int(host, "gemm_streams", 4, 1, 8,

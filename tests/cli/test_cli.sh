@@ -177,6 +177,15 @@ run set_malformed_ab 2 ab "$good" "$good" --set-b nokey
 # run grew past the machine's memory)
 run check_padding 1 check "$good" --set parallel.device=cpu --set dispatcher.pad_to_capacity=true --set dispatcher.capacity_factor=100000
 expect_match check_padding err "config \"demo-cpu\" does not fit: it needs an estimated [0-9.]+ TiB"
+# options that would break a run silently: an fp8 margin that quantizes every operand to 0 is refused; deepep's
+# bench aid in a layer is warned about
+run fp8_margin 1 check "$good" --set 'precision={"plugin": "fp8", "recipe": "delayed", "margin": 20}'
+expect_match fp8_margin err "config error at \\\$.precision.margin: got 20, expected an integer in \\[0, 16\\]"
+run deepep_bench_aid 0 check "$good" --set dispatcher.plugin=deepep --set dispatcher.bench_nvlink_only=true
+expect_match deepep_bench_aid err "bench_nvlink_only: the calls write no outputs"
+# a capacity factor past the plugins' bound is their range error, not a memory estimate
+run padding_range 1 check "$good" --set router.pad_to_capacity=true --set router.capacity_factor=2e6
+expect_match padding_range err "capacity_factor: got 2000000"
 # refused by moert check as by moert run (they failed only at the first step): a sequence length that does not
 # divide a rank's tokens, CUDA graphs "on" with ranks on the CPU
 run check_seq_length 1 check "$good" --set train.seq_length=7
