@@ -282,38 +282,45 @@ static moert_result read_options(router_ctx *c, const moert_host *h, const moert
     /* combinations */
     int64_t E = c->num_experts, K = c->topk;
     if (pre_softmax && p->score_function != ROUTER_SCORE_SOFTMAX) {
-        h->set_error(h, "option pre_softmax: applies to score_function softmax only (score_function is sigmoid)");
+        h->set_error(
+            h,
+            "config error at $.router.pre_softmax: applies to score_function softmax only (score_function is sigmoid)");
         return MOERT_ERR_CONFIG;
     }
     if (c->use_expert_bias && p->score_function != ROUTER_SCORE_SIGMOID) {
-        h->set_error(h, "option expert_bias: needs score_function sigmoid (score_function is softmax)");
+        h->set_error(h,
+                     "config error at $.router.expert_bias: needs score_function sigmoid (score_function is softmax)");
         return MOERT_ERR_CONFIG;
     }
     if ((num_groups > 0) != (group_topk > 0)) {
-        h->set_error(h,
-                     "options num_groups and group_topk: set both for group-limited top-k, or neither "
-                     "(num_groups %lld, group_topk %lld)",
-                     (long long)num_groups, (long long)group_topk);
+        h->set_error(
+            h,
+            "config error at $.router.num_groups and $.router.group_topk: set both for group-limited top-k, or neither "
+            "(num_groups %lld, group_topk %lld)",
+            (long long)num_groups, (long long)group_topk);
         return MOERT_ERR_CONFIG;
     }
     if (num_groups > 0) {
         if (E % num_groups != 0) {
-            h->set_error(h, "option num_groups: %lld does not divide the %lld experts", (long long)num_groups,
-                         (long long)E);
+            h->set_error(h, "config error at $.router.num_groups: %lld does not divide the %lld experts",
+                         (long long)num_groups, (long long)E);
             return MOERT_ERR_CONFIG;
         }
         if (group_topk > num_groups) {
-            h->set_error(h, "option group_topk: %lld is more than num_groups %lld", (long long)group_topk,
-                         (long long)num_groups);
+            h->set_error(h, "config error at $.router.group_topk: %lld is more than num_groups %lld",
+                         (long long)group_topk, (long long)num_groups);
             return MOERT_ERR_CONFIG;
         }
         if (K % group_topk != 0) {
-            h->set_error(h, "option group_topk: %lld does not divide topk %lld", (long long)group_topk, (long long)K);
+            h->set_error(h, "config error at $.router.group_topk: %lld does not divide topk %lld",
+                         (long long)group_topk, (long long)K);
             return MOERT_ERR_CONFIG;
         }
         if (K / group_topk > E / num_groups) {
-            h->set_error(h, "option group_topk: topk/group_topk = %lld is more than the %lld experts of a group",
-                         (long long)(K / group_topk), (long long)(E / num_groups));
+            h->set_error(
+                h,
+                "config error at $.router.group_topk: topk/group_topk = %lld is more than the %lld experts of a group",
+                (long long)(K / group_topk), (long long)(E / num_groups));
             return MOERT_ERR_CONFIG;
         }
     }
@@ -330,27 +337,31 @@ static moert_result read_options(router_ctx *c, const moert_host *h, const moert
         else if (scaling != 1.0)
             clash = "scaling_factor";
         if (clash) {
-            h->set_error(h,
-                         "option load_balancing: sinkhorn does not combine with %s (sinkhorn picks its own "
-                         "activation: softmax for topk > 1, sigmoid for topk 1)",
-                         clash);
+            h->set_error(
+                h,
+                "config error at $.router.load_balancing: sinkhorn does not combine with %s (sinkhorn picks its own "
+                "activation: softmax for topk > 1, sigmoid for topk 1)",
+                clash);
             return MOERT_ERR_CONFIG;
         }
     }
     if (pad && !(capacity > 0.0)) {
-        h->set_error(h, "option pad_to_capacity: needs capacity_factor > 0 (the capacity every expert is padded to)");
+        h->set_error(h, "config error at $.router.pad_to_capacity: needs capacity_factor > 0 (the capacity every "
+                        "expert is padded to)");
         return MOERT_ERR_CONFIG;
     }
     if (c->gemm == 2 && c->jitter_eps > 0.0) { /* ROUTER_GEMM_BF16X3 */
-        h->set_error(h,
-                     "option gemm: \"bf16x3\" takes the bf16 activations as they are, but input_jitter_eps %g "
-                     "multiplies them by fp32 noise; use gemm \"auto\" or \"fp32\"",
-                     c->jitter_eps);
+        h->set_error(
+            h,
+            "config error at $.router.gemm: \"bf16x3\" takes the bf16 activations as they are, but input_jitter_eps %g "
+            "multiplies them by fp32 noise; use gemm \"auto\" or \"fp32\"",
+            c->jitter_eps);
         return MOERT_ERR_CONFIG;
     }
     if (c->compute_dtype == ROUTER_COMPUTE_FP64 && c->gemm != 0) {
         h->set_error(h,
-                     "option gemm: \"%s\" is an fp32 GEMM, but compute_dtype fp64 computes the logits in fp64; "
+                     "config error at $.router.gemm: \"%s\" is an fp32 GEMM, but compute_dtype fp64 computes the "
+                     "logits in fp64; "
                      "leave gemm \"auto\"",
                      gemm_choices[c->gemm]);
         return MOERT_ERR_CONFIG;
@@ -358,10 +369,11 @@ static moert_result read_options(router_ctx *c, const moert_host *h, const moert
     bool aux_kind = p->balancing == ROUTER_BALANCE_AUX_LOSS || p->balancing == ROUTER_BALANCE_SEQ_AUX_LOSS ||
                     p->balancing == ROUTER_BALANCE_GLOBAL_AUX_LOSS;
     if (c->aux_loss_coeff > 0.0 && !aux_kind) {
-        h->set_error(h,
-                     "option aux_loss_coeff: %g has no effect with load_balancing %s (choose aux_loss, "
-                     "seq_aux_loss or global_aux_loss)",
-                     c->aux_loss_coeff, balancing_choices[balancing]);
+        h->set_error(
+            h,
+            "config error at $.router.aux_loss_coeff: %g has no effect with load_balancing %s (choose aux_loss, "
+            "seq_aux_loss or global_aux_loss)",
+            c->aux_loss_coeff, balancing_choices[balancing]);
         return MOERT_ERR_CONFIG;
     }
     if (aux_kind && c->aux_loss_coeff == 0.0)

@@ -905,7 +905,7 @@ static void test_option_errors(void)
                       "num_groups: 3 does not divide the 8 experts");
     expect_init_error("{\"num_groups\": 4, \"group_topk\": 3}", 8, 4, MOERT_ERR_CONFIG,
                       "group_topk: 3 does not divide topk 4");
-    expect_init_error("{\"num_groups\": 4}", 8, 4, MOERT_ERR_CONFIG, "num_groups and group_topk");
+    expect_init_error("{\"num_groups\": 4}", 8, 4, MOERT_ERR_CONFIG, "$.router.num_groups and $.router.group_topk");
     expect_init_error("{\"num_groups\": 2, \"group_topk\": 3}", 8, 3, MOERT_ERR_CONFIG,
                       "group_topk: 3 is more than num_groups 2");
     expect_init_error("{\"num_groups\": 4, \"group_topk\": 1}", 8, 4, MOERT_ERR_CONFIG,
