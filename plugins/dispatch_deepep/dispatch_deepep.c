@@ -170,7 +170,7 @@ static moert_result deepep_init(void **out, const moert_host *host, const moert_
     c->core.channels = c->core.num_sms < 1 ? 1 : c->core.num_sms; /* 0 (every SM) is resolved by cuda_init() */
     if (c->core.fp8 && layer->hidden % PEER_FP8_BLOCK != 0) {
         host->set_error(host,
-                        "config error: dispatch_dtype \"fp8\" needs hidden divisible by %d (1x%d scale "
+                        "config error at $.dispatcher.dispatch_dtype: \"fp8\" needs hidden divisible by %d (1x%d scale "
                         "blocks); hidden is %lld",
                         PEER_FP8_BLOCK, PEER_FP8_BLOCK, (long long)layer->hidden);
         rc = MOERT_ERR_CONFIG;

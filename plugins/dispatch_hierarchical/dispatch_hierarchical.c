@@ -236,10 +236,11 @@ static moert_result check_ranks_per_node(const moert_host *host, int64_t ranks_p
     size_t at = 0;
     for (int d = 1; d <= world && at < sizeof divisors - 16; d++)
         if (world % d == 0) at += (size_t)snprintf(divisors + at, sizeof divisors - at, "%s%d", at ? ", " : "", d);
-    host->set_error(host,
-                    "config error: ranks_per_node %lld does not divide the expert-parallel world of %d ranks "
-                    "(every node has the same number of ranks); expected one of %s",
-                    (long long)ranks_per_node, world, divisors);
+    host->set_error(
+        host,
+        "config error at $.dispatcher.ranks_per_node: %lld does not divide the expert-parallel world of %d ranks "
+        "(every node has the same number of ranks); expected one of %s",
+        (long long)ranks_per_node, world, divisors);
     return MOERT_ERR_CONFIG;
 }
 

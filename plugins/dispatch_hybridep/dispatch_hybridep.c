@@ -126,7 +126,8 @@ static moert_result read_options(hybridep_ctx *c)
                               "low-latency CUDA kernels: threads per block, 512 or 1024 (16 or 32 warps)",
                               &c->ll_threads);
     if (rc == MOERT_OK && c->ll_threads != 512 && c->ll_threads != 1024) {
-        host->set_error(host, "option ll_threads: %lld, expected 512 or 1024", (long long)c->ll_threads);
+        host->set_error(host, "config error at $.dispatcher.ll_threads: got %lld, expected 512 or 1024",
+                        (long long)c->ll_threads);
         rc = MOERT_ERR_CONFIG;
     }
     if (rc == MOERT_OK)
@@ -134,7 +135,8 @@ static moert_result read_options(hybridep_ctx *c)
                               "low-latency CUDA kernels: bytes of a row piece (a warp's item), a multiple of 512",
                               &c->ll_piece);
     if (rc == MOERT_OK && c->ll_piece % 512 != 0) {
-        host->set_error(host, "option ll_piece: %lld, expected a multiple of 512", (long long)c->ll_piece);
+        host->set_error(host, "config error at $.dispatcher.ll_piece: got %lld, expected a multiple of 512",
+                        (long long)c->ll_piece);
         rc = MOERT_ERR_CONFIG;
     }
     if (rc == MOERT_OK)

@@ -280,9 +280,9 @@ static moert_result bf16_init(void **out, const moert_host *host, const moert_la
                            &wgrad_schedule);
     if (rc != MOERT_OK) return rc;
     if (gemm_choice == GEMM_KERNEL && wgrad_choice == GEMM_CUBLASLT) {
-        host->set_error(host, "$.precision.wgrad_gemm: \"cublaslt\" needs \"gemm\" \"auto\" or \"cublaslt\"; "
-                              "\"gemm\": \"kernel\" runs without cuBLASLt");
-        return MOERT_ERR_INVALID_ARGUMENT;
+        host->set_error(host, "config error at $.precision.wgrad_gemm: \"cublaslt\" needs \"gemm\" \"auto\" or "
+                              "\"cublaslt\"; \"gemm\": \"kernel\" runs without cuBLASLt");
+        return MOERT_ERR_CONFIG;
     }
     bf16_ctx *c = calloc(1, sizeof *c);
     if (!c) {

@@ -249,7 +249,9 @@ static void refuse_uneven_nodes(int rank, void *user)
                                          comm, rank, 4);
     const char *msg = moert_error_message(); /* init's message, prefixed by the loader */
     if (rc != MOERT_ERR_CONFIG ||
-        !strstr(msg, "ranks_per_node 3 does not divide the expert-parallel world of 4 ranks") ||
+        !strstr(
+            msg,
+            "config error at $.dispatcher.ranks_per_node: 3 does not divide the expert-parallel world of 4 ranks") ||
         !strstr(msg, "expected one of 1, 2, 4")) {
         fprintf(stderr, "ranks_per_node 3 at world 4 gave %s: %s\n", moert_result_name(rc), msg);
         test_failures++;

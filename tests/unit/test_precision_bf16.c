@@ -396,8 +396,8 @@ static void check_errors(void)
     /* the kernel mode makes no cuBLASLt handle: WGRAD cannot be asked of cuBLASLt there */
     EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN,
                                      "{\"gemm\": \"kernel\", \"wgrad_gemm\": \"cublaslt\"}", &layer, NULL, 0, 1),
-                  MOERT_ERR_INVALID_ARGUMENT);
-    EXPECT_ERROR_CONTAINS("$.precision.wgrad_gemm");
+                  MOERT_ERR_CONFIG);
+    EXPECT_ERROR_CONTAINS("config error at $.precision.wgrad_gemm");
     test_instance_close(&ti);
     /* accepted choices open on the CPU, where they change nothing */
     EXPECT_EQ_INT(test_instance_open(&ti, MOERT_KIND_PRECISION, PLUGIN,
