@@ -435,6 +435,7 @@ static int cuda_wait_released(void *local, int world, int channels, const int64_
 
 void peer_dispatch_buffer_release(peer_dispatch *d, int channels, const int64_t *device_seq)
 {
+    bool leave = false; /* a peer may still read the buffer: it stays allocated (leaked) rather than freed under it */
     if (d->buf && d->seq > 0 && d->broken == MOERT_OK) {
         int late = -1;
 #ifdef MOERT_HAVE_CUDA
@@ -443,13 +444,15 @@ void peer_dispatch_buffer_release(peer_dispatch *d, int channels, const int64_t 
         else
 #endif
             late = peer_cpu_wait_released(d->buf, d->world, d->seq, d->timeout_ms);
-        if (late >= 0)
+        if (late >= 0) {
             d->host->log(d->host, MOERT_LOG_WARN,
-                         "rank %d did not release this rank's rows of call %lld within %lld "
-                         "ms; freeing the buffer anyway",
-                         late, (long long)d->seq, (long long)d->timeout_ms);
+                         "rank %d did not release this rank's rows of call %lld within %lld ms; leaving the buffer "
+                         "allocated (%lld bytes), since that rank may still read it",
+                         late, (long long)d->seq, (long long)d->timeout_ms, (long long)d->buf_bytes);
+            leave = true;
+        }
     }
-    if (d->buf) d->host->free(d->host, d->layer.device, d->buf);
+    if (d->buf && !leave) d->host->free(d->host, d->layer.device, d->buf);
     d->buf = NULL;
     d->buf_bytes = 0;
 }
