@@ -298,6 +298,22 @@ static void live_remove(const moert_layers *m)
     pthread_mutex_unlock(&live_lock);
 }
 
+/* Every write to the tables of forwards and dispatches in flight goes through these, under live_lock, which
+ * live_owner holds while it looks a handle up in every live layers' tables from any thread. */
+static void set_saved(moert_layers *m, int layer, int slot, moert_saved *saved)
+{
+    pthread_mutex_lock(&live_lock);
+    *saved_ref(m, layer, slot) = saved;
+    pthread_mutex_unlock(&live_lock);
+}
+
+static void set_dispatch(moert_layers *m, int layer, int slot, moert_dispatch *d)
+{
+    pthread_mutex_lock(&live_lock);
+    *dispatch_ref(m, layer, slot) = d;
+    pthread_mutex_unlock(&live_lock);
+}
+
 /* The live layers whose saved (or, with dispatch, dispatch) table holds h, compared by address; NULL when none. */
 static moert_layers *live_owner(const void *h, bool dispatch)
 {
@@ -1201,7 +1217,7 @@ MOERT_API moert_result moert_moe_forward(moert_layers *m, int layer, const moert
         MOERT_CHECK(moert_act_store_start_offloads(&moert_overlap_layer(&m->overlap, layer - 1, slot)->acts));
     MOERT_CHECK(leave(m, stream));
     if (saved) {
-        *saved_ref(m, layer, slot) = token;
+        set_saved(m, layer, slot, token);
         *saved = token;
     }
     return MOERT_OK;
@@ -1269,7 +1285,7 @@ MOERT_API moert_result moert_moe_backward(moert_layers *m, moert_saved *saved, c
     const int layer = saved->layer, slot = saved->slot;
     moert_layer *L = moert_overlap_layer(&m->overlap, layer, slot);
     /* the activations go with this call, whatever its outcome */
-    *saved_ref(m, layer, slot) = NULL;
+    set_saved(m, layer, slot, NULL);
     free(saved);
     MOERT_CHECK(enter(m, stream));
     MOERT_CHECK(before_backward(m, layer, slot, accumulate));
@@ -1305,7 +1321,7 @@ MOERT_API moert_result moert_moe_forward_backward(moert_layers *m, int layer, co
     moert_saved *token = calloc(1, sizeof *token);
     if (!token) return moert_error(MOERT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
     *token = (moert_saved){.owner = m, .layer = layer, .slot = slot, .tokens = x->shape[0]};
-    *saved_ref(m, bl, bslot) = NULL;
+    set_saved(m, bl, bslot, NULL);
     free(bwd_saved);
     MOERT_CHECK(enter(m, stream));
     MOERT_CHECK(before_backward(m, bl, bslot, accumulate));
@@ -1319,7 +1335,7 @@ MOERT_API moert_result moert_moe_forward_backward(moert_layers *m, int layer, co
         MOERT_CHECK(moert_act_store_start_offloads(&moert_overlap_layer(&m->overlap, layer - 1, slot)->acts));
     if (B->capturing) m->graph_backward = true;
     MOERT_CHECK(leave(m, stream));
-    *saved_ref(m, layer, slot) = token;
+    set_saved(m, layer, slot, token);
     *saved = token;
     return MOERT_OK;
 fail:
@@ -1356,7 +1372,7 @@ MOERT_API void moert_saved_free(moert_saved *saved)
 {
     moert_layers *m = live_owner(saved, false);
     if (!m) return; /* NULL, or stale: consumed by its backward, freed already, or freed with its layers */
-    *saved_ref(m, saved->layer, saved->slot) = NULL;
+    set_saved(m, saved->layer, saved->slot, NULL);
     if (moert_layer_release_saved(moert_overlap_layer(&m->overlap, saved->layer, saved->slot)) != MOERT_OK)
         moert_error_clear();
     free(saved);
@@ -1457,7 +1473,7 @@ MOERT_API moert_result moert_dispatch_prepare(moert_layers *m, int layer, const 
     MOERT_CHECK(slot_enter(d->owner, d->slot, stream));
     DISPATCHER_CALL("prepare", DISPATCHER(L)->prepare(L->dispatcher.ctx, L->stream, &d->topk_idx, &d->layout));
     MOERT_CHECK(slot_leave(d->owner, d->slot, stream));
-    *dispatch_ref(m, layer, slot) = d;
+    set_dispatch(m, layer, slot, d);
     *out = d;
     *recv_rows = d->layout.capacity;
     return MOERT_OK;
@@ -1583,7 +1599,7 @@ fail:
 MOERT_API void moert_dispatch_free(moert_dispatch *d)
 {
     if (!dispatch_in_flight(d)) return; /* NULL, or stale: freed already, or with its layers */
-    *dispatch_ref(d->owner, d->layer, d->slot) = NULL;
+    set_dispatch(d->owner, d->layer, d->slot, NULL);
     free(d);
 }
 
@@ -1673,7 +1689,7 @@ MOERT_API moert_result moert_experts_forward(moert_layers *m, int layer, const m
     if (!saved) MOERT_CHECK(moert_layer_release_saved(L));
     MOERT_CHECK(slot_leave(m, slot, stream));
     if (saved) {
-        *saved_ref(m, layer, slot) = token;
+        set_saved(m, layer, slot, token);
         *saved = token;
     }
     return MOERT_OK;
@@ -1707,7 +1723,7 @@ MOERT_API moert_result moert_experts_backward(moert_layers *m, moert_saved *save
     if (d_probs && (rc = check_rows_tensor(fn, "d_probs", d_probs, L->param_dtype, m->device, 1, rows, 0)) != MOERT_OK)
         return rc;
     /* the activations go with this call, whatever its outcome */
-    *saved_ref(m, layer, slot) = NULL;
+    set_saved(m, layer, slot, NULL);
     free(saved);
     MOERT_CHECK(slot_enter(m, slot, stream));
     rc = moert_layer_experts_backward(L, dy_rows, dx_rows, d_probs, !accumulate);
