@@ -633,6 +633,22 @@ static void test_expert_bias(void)
 
 /* ---- memory policies through the API: the same numbers, fewer bytes held, and the figures say so ---- */
 
+/* The layers of config `json` on one rank, every parameter bound to p's buffers and set from seed 3; NULL on failure
+ * (counted). */
+static moert_layers *open_one_rank(const char *json, const char *name, rank_params *p)
+{
+    moert_config *cfg = NULL;
+    EXPECT_OK(moert_config_load_string(json, name, &cfg));
+    moert_layers *m = NULL;
+    moert_launch launch = {.struct_size = sizeof launch, .rank = 0, .world_size = 1, .device = moert_cpu()};
+    EXPECT_OK(moert_layers_create(cfg, &launch, &m));
+    moert_config_free(cfg);
+    if (!m) return NULL;
+    bind_all(m, p);
+    EXPECT_OK(moert_layers_init_params(m, 3, NULL));
+    return m;
+}
+
 /* Two layers forward and backward at EP1 with the memory policy of `policy_json` ("" for the default); fills y, dx and
  * the first layer's fc1 gradient, and that layer's figures. */
 static void run_policy(const char *policy_json, double *y, double *dx, double *fc1_grad, moert_layer_figures *fig)
@@ -640,16 +656,9 @@ static void run_policy(const char *policy_json, double *y, double *dx, double *f
     char json[2048];
     snprintf(json, sizeof json, "%.*s, \"memory_policy\": {%s}}", (int)strlen(config_json) - 1, config_json,
              policy_json);
-    moert_config *cfg = NULL;
-    EXPECT_OK(moert_config_load_string(json, "layers-api-policy", &cfg));
-    moert_layers *m = NULL;
-    moert_launch launch = {.struct_size = sizeof launch, .rank = 0, .world_size = 1, .device = moert_cpu()};
-    EXPECT_OK(moert_layers_create(cfg, &launch, &m));
-    moert_config_free(cfg);
-    if (!m) return;
     rank_params p = {0};
-    bind_all(m, &p);
-    EXPECT_OK(moert_layers_init_params(m, 3, NULL));
+    moert_layers *m = open_one_rank(json, "layers-api-policy", &p);
+    if (!m) return;
     const int64_t t = 20;
     uint64_t seed = 8;
     double x[20 * H], r[20 * H], h[20 * H], dh[20 * H];
@@ -673,16 +682,9 @@ static void run_policy(const char *policy_json, double *y, double *dx, double *f
  * freed memory. */
 static void test_stale_handles(void)
 {
-    moert_config *cfg = NULL;
-    EXPECT_OK(moert_config_load_string(config_json, "layers-api-stale", &cfg));
-    moert_layers *m = NULL;
-    moert_launch launch = {.struct_size = sizeof launch, .rank = 0, .world_size = 1, .device = moert_cpu()};
-    EXPECT_OK(moert_layers_create(cfg, &launch, &m));
-    moert_config_free(cfg);
-    if (!m) return;
     rank_params p = {0};
-    bind_all(m, &p);
-    EXPECT_OK(moert_layers_init_params(m, 3, NULL));
+    moert_layers *m = open_one_rank(config_json, "layers-api-stale", &p);
+    if (!m) return;
     const int64_t t = 6;
     uint64_t seed = 9;
     double x[6 * H], y[6 * H], dy[6 * H], dx[6 * H];
