@@ -111,13 +111,33 @@ def _layer_dtype(tc):
     return _MOERT_DTYPE.get(pd, "fp32")
 
 
+def _interleaved_in_flight(pp, vpp, group):
+    """The most forwards one model chunk holds before their backwards in Megatron's interleaved 1F1B on the first
+    pipeline stage (the longest warm-up): (pp - 1) * 2 + (vpp - 1) * group warm-up forwards, virtual micro-batch k on
+    chunk (k // group) % vpp forward and vpp - 1 - that backward, then one forward and one backward a step. Counted
+    by walking the schedule (enough micro-batches that the count no longer grows)."""
+    total = 8 * pp * vpp * group
+    warmup = (pp - 1) * 2 + (vpp - 1) * group
+    held = [0] * vpp
+    most = 0
+    for k in range(total):
+        held[(k // group) % vpp] += 1
+        most = max(most, max(held))
+        j = k - warmup  # the backward of the steady step that runs this forward
+        if j >= 0:
+            held[vpp - 1 - (j // group) % vpp] -= 1
+    return most
+
+
 def forwards_in_flight(tc):
     """The forwards each MoE layer holds before their backwards under tc's pipeline schedule: 1F1B's warm-up on the
-    first stage holds one per pipeline stage (pipeline_model_parallel_size), the interleaved schedule
-    (virtual_pipeline_model_parallel_size) up to twice that; moert's $.parallel.forwards_in_flight for it."""
+    first stage holds one per pipeline stage (pipeline_model_parallel_size); the interleaved schedule
+    (virtual_pipeline_model_parallel_size) as many as its warm-up puts on one model chunk (twice the stages with
+    Megatron's default microbatch_group_size_per_vp_stage); moert's $.parallel.forwards_in_flight for it."""
     pp = int(_get(tc, "pipeline_model_parallel_size", 1) or 1)
     vpp = int(_get(tc, "virtual_pipeline_model_parallel_size", 1) or 1)
-    n = pp * 2 if pp > 1 and vpp > 1 else pp
+    group = int(_get(tc, "microbatch_group_size_per_vp_stage", pp) or pp)
+    n = _interleaved_in_flight(pp, vpp, group) if pp > 1 and vpp > 1 else pp
     if n > 32:
         raise ValueError("moert.megatron: pipeline_model_parallel_size %d%s holds %d forwards of a layer in flight; "
                          "moert's $.parallel.forwards_in_flight allows up to 32" % (pp, " (interleaved)" if vpp > 1

@@ -175,6 +175,10 @@ class ConfigMapping(Case):
         self.assertEqual(mm.moert_config_from_megatron(tc)["parallel"], {"forwards_in_flight": 4})
         tc.virtual_pipeline_model_parallel_size = 2
         self.assertEqual(mm.forwards_in_flight(tc), 8)
+        # a larger micro-batch group puts more of the warm-up on one chunk (Megatron's schedule, walked)
+        tc.microbatch_group_size_per_vp_stage = 8
+        self.assertEqual(mm.forwards_in_flight(tc), 15)
+        tc.microbatch_group_size_per_vp_stage = None
         # the config's own value stays
         base = {"parallel": {"forwards_in_flight": 2}}
         self.assertEqual(mm.moert_config_from_megatron(tc, base=base)["parallel"]["forwards_in_flight"], 2)
