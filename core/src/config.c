@@ -915,7 +915,7 @@ moert_result moert_config_set_many(moert_config *cfg, int n, const char *const *
         }
         json_error_t jerr;
         json_t *value = json_loads(json_values[i], JSON_DECODE_ANY | JSON_REJECT_DUPLICATES, &jerr);
-        if (!value && strstr(jerr.text, "duplicate")) {
+        if (!value && json_error_code(&jerr) == json_error_duplicate_key) {
             rc = moert_error(MOERT_ERR_CONFIG, "config --set %s: invalid JSON: %s", dotted_keys[i], jerr.text);
             break;
         }

@@ -2006,11 +2006,11 @@ MOERT_API moert_result moert_config_memory_estimate(const moert_config *cfg, int
     if (buf && size) {
         char line[1024];
         moert_memory_estimate_line(&est, line, sizeof line);
-        if (strlen(line) + 1 > size) /* as the config getters: the buffer left as it was, never a cut line */
+        const size_t need = strlen(line) + 1;
+        if (need > size) /* as the config getters: the buffer left as it was, never a cut line */
             return moert_error(MOERT_ERR_INVALID_ARGUMENT,
-                               "moert_config_memory_estimate: buf has %zu bytes, the line needs %zu", size,
-                               strlen(line) + 1);
-        memcpy(buf, line, strlen(line) + 1);
+                               "moert_config_memory_estimate: buf has %zu bytes, the line needs %zu", size, need);
+        memcpy(buf, line, need);
     }
     return moert_memory_estimate_check(cfg, &est);
 }
