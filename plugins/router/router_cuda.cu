@@ -7,11 +7,14 @@
 #include <stdarg.h>
 #include <stdio.h>
 
-#define WARPS_PER_BLOCK 4
-#define SLOTS           (MOERT_ROUTER_CUDA_MAX_EXPERTS / 32)
-#define MAXK            MOERT_ROUTER_CUDA_MAX_TOPK
-#define FULL_MASK       0xffffffffu
-#define NORMALIZE_EPS   1e-20f
+#define LOSS_WARPS 16 /* the warps of a block of loss_values_kernel (a fixed grid of LOSS_BLOCKS blocks) */
+/* Kernels that take a warp per token run TOKEN_WARPS warps a block, one token a warp: a token's work is a chain of
+ * dependent warp reductions, so the more warps an SM holds the better (several tokens a warp measured slower on an
+ * H100; see docs/plugins/router.md). */
+#define TOKEN_WARPS   8
+#define MAXK          MOERT_ROUTER_CUDA_MAX_TOPK
+#define FULL_MASK     0xffffffffu
+#define NORMALIZE_EPS 1e-20f
 
 #include "../lib/plugin_cuda_check.h"
 
@@ -52,6 +55,94 @@ template <typename S> __device__ __forceinline__ void warp_best(S &v, int &i, S 
     }
 }
 
+/* The value of the slot that holds expert e in the lane that owns it, broadcast to the warp. */
+template <typename S, int NS> __device__ __forceinline__ S value_of_expert(const S (&v)[NS], int e)
+{
+    S mine = (S)0;
+    const int slot = e >= 0 ? (e >> 5) : 0;
+#pragma unroll
+    for (int j = 0; j < NS; j++)
+        if (j == slot) mine = v[j];
+    return __shfl_sync(FULL_MASK, mine, e >= 0 ? (e & 31) : 0);
+}
+
+/* A candidate of a float top-k as one 64-bit key, the larger the better: the value's bits in an order that compares
+ * as the values do (-0 as +0; NaN below every number), then the complement of the expert index, so that equal values
+ * go to the lower index as in better(). 0 is "none". */
+__device__ __forceinline__ unsigned long long candidate_key(float v, int e)
+{
+    uint32_t u = 0;
+    if (v == v) {
+        u = __float_as_uint(v == 0.0f ? 0.0f : v);
+        u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    }
+    return ((unsigned long long)u << 32) | (0xffffffffu - (uint32_t)e);
+}
+
+/* The warp's largest key, in every lane: the largest value part, then the largest index part among its lanes. */
+__device__ __forceinline__ unsigned long long warp_best_key(unsigned long long key)
+{
+    const uint32_t hi = (uint32_t)(key >> 32), lo = (uint32_t)key;
+    const uint32_t best_hi = __reduce_max_sync(FULL_MASK, hi);
+    const uint32_t best_lo = __reduce_max_sync(FULL_MASK, hi == best_hi ? lo : 0u);
+    return ((unsigned long long)best_hi << 32) | best_lo;
+}
+
+/* Top-k of one token over the lanes' allowed slots (bit j of `allowed`: slot j of this lane) of sel: K rounds of a
+ * warp-wide best, the higher value first, then the lower index. top_idx[k] gets the k-th expert (-1 where fewer are
+ * allowed), top_pay[k] pay at it; the same in every lane. fp32 compares one packed key a slot (two warp reductions a
+ * round); fp64 the (value, index, payload) triples. */
+template <typename S, int NS>
+__device__ __forceinline__ void topk_slots(int topk, int lane, unsigned allowed, const S (&sel)[NS], const S (&pay)[NS],
+                                           int (&top_idx)[MAXK], S (&top_pay)[MAXK])
+{
+    if constexpr (sizeof(S) == sizeof(float)) {
+        unsigned long long key[NS];
+#pragma unroll
+        for (int j = 0; j < NS; j++) key[j] = ((allowed >> j) & 1u) ? candidate_key(sel[j], j * 32 + lane) : 0ull;
+#pragma unroll
+        for (int k = 0; k < MAXK; k++) {
+            top_idx[k] = -1;
+            top_pay[k] = (S)0;
+            if (k >= topk) continue;
+            unsigned long long mine = 0ull;
+#pragma unroll
+            for (int j = 0; j < NS; j++) mine = key[j] > mine ? key[j] : mine;
+            const unsigned long long best = warp_best_key(mine);
+            const int bi = best != 0ull ? (int)(0xffffffffu - (uint32_t)best) : -1;
+            top_idx[k] = bi;
+            top_pay[k] = value_of_expert(pay, bi);
+#pragma unroll
+            for (int j = 0; j < NS; j++)
+                if (bi >= 0 && (bi & 31) == lane && (bi >> 5) == j) key[j] = 0ull;
+        }
+    } else {
+        unsigned taken = 0;
+#pragma unroll
+        for (int k = 0; k < MAXK; k++) {
+            top_idx[k] = -1;
+            top_pay[k] = (S)0;
+            if (k >= topk) continue;
+            S bv = (S)0, bp = (S)0;
+            int bi = -1;
+#pragma unroll
+            for (int j = 0; j < NS; j++) {
+                const int e = j * 32 + lane;
+                const bool open = ((allowed >> j) & 1u) && !((taken >> j) & 1u);
+                if (open && better(sel[j], e, bv, bi)) {
+                    bv = sel[j];
+                    bi = e;
+                    bp = pay[j];
+                }
+            }
+            warp_best(bv, bi, bp);
+            top_idx[k] = bi;
+            top_pay[k] = bp;
+            if (bi >= 0 && (bi & 31) == lane) taken |= 1u << (bi >> 5);
+        }
+    }
+}
+
 template <typename S> __device__ __forceinline__ S warp_max(S x)
 {
     for (int o = 16; o > 0; o >>= 1) x = s_max(x, __shfl_xor_sync(FULL_MASK, x, o));
@@ -65,44 +156,44 @@ template <typename S> __device__ __forceinline__ S warp_sum(S x)
 }
 
 /* Loads a token's logits into the lane's slots (-inf past E). */
-template <typename S> __device__ __forceinline__ void load_logits(const S *row, int experts, int lane, S (&l)[SLOTS])
+template <typename S, int NS>
+__device__ __forceinline__ void load_logits(const S *row, int experts, int lane, S (&l)[NS])
 {
 #pragma unroll
-    for (int j = 0; j < SLOTS; j++) {
+    for (int j = 0; j < NS; j++) {
         int e = j * 32 + lane;
         l[j] = e < experts ? row[e] : -INFINITY;
     }
 }
 
 /* Full softmax over the experts, in place (slots past E get 0). */
-template <typename S>
-__device__ __forceinline__ void softmax_slots(int experts, int lane, const S (&l)[SLOTS], S (&s)[SLOTS])
+template <typename S, int NS>
+__device__ __forceinline__ void softmax_slots(int experts, int lane, const S (&l)[NS], S (&s)[NS])
 {
     S m = -INFINITY;
 #pragma unroll
-    for (int j = 0; j < SLOTS; j++) m = s_max(m, l[j]);
+    for (int j = 0; j < NS; j++) m = s_max(m, l[j]);
     m = warp_max(m);
     S sum = (S)0;
 #pragma unroll
-    for (int j = 0; j < SLOTS; j++) {
+    for (int j = 0; j < NS; j++) {
         s[j] = (j * 32 + lane < experts) ? s_exp(l[j] - m) : (S)0;
         sum += s[j];
     }
     sum = warp_sum(sum);
     const S inv = (S)1 / sum;
 #pragma unroll
-    for (int j = 0; j < SLOTS; j++) s[j] *= inv;
+    for (int j = 0; j < NS; j++) s[j] *= inv;
 }
 
 template <typename S> __device__ __forceinline__ S sigmoid(S x) { return (S)1 / ((S)1 + s_exp(-x)); }
 
 /* Group-limited selection: the bit mask (bit j: slot j of this lane) of experts in the best Kg groups. */
-template <typename S>
-__device__ unsigned group_allowed_mask(const kernel_params &p, int lane, const S (&sel)[SLOTS], S *stage,
-                                       unsigned allowed)
+template <typename S, int NS>
+__device__ unsigned group_allowed_mask(const kernel_params &p, int lane, const S (&sel)[NS], S *stage, unsigned allowed)
 {
 #pragma unroll
-    for (int j = 0; j < SLOTS; j++) {
+    for (int j = 0; j < NS; j++) {
         int e = j * 32 + lane;
         if (e < p.experts) stage[e] = sel[j];
     }
@@ -142,7 +233,7 @@ __device__ unsigned group_allowed_mask(const kernel_params &p, int lane, const S
     }
     unsigned mask = 0;
 #pragma unroll
-    for (int j = 0; j < SLOTS; j++) {
+    for (int j = 0; j < NS; j++) {
         int e = j * 32 + lane;
         if (((allowed >> j) & 1u) && ((groups_kept >> (e / group_size)) & 1u)) mask |= 1u << j;
     }
@@ -167,30 +258,29 @@ __device__ __forceinline__ void block_counts_end(const unsigned *hist, int exper
         if (hist[e] != 0) atomicAdd(&counts[e], (unsigned long long)hist[e]);
 }
 
-template <typename S>
+template <typename S, int NS>
 __global__ void router_forward_kernel(const kernel_params p, const S *__restrict__ logits,
                                       const float *__restrict__ bias, int32_t *__restrict__ idx_out,
                                       float *__restrict__ probs_out, unsigned long long *__restrict__ counts,
                                       float *__restrict__ scores_out, const double *__restrict__ sinkhorn_d0,
                                       const double *__restrict__ sinkhorn_d1)
 {
-    __shared__ S stage[WARPS_PER_BLOCK][MOERT_ROUTER_CUDA_MAX_EXPERTS];
+    __shared__ S stage[TOKEN_WARPS][MOERT_ROUTER_CUDA_MAX_EXPERTS];
     __shared__ unsigned hist[MOERT_ROUTER_CUDA_MAX_EXPERTS];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     if (counts) block_counts_begin(hist, p.experts);
-    for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens;
-         t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
-        S l[SLOTS], s[SLOTS], sel[SLOTS];
+    for (int64_t t = (int64_t)blockIdx.x * warps + warp; t < p.tokens; t += (int64_t)gridDim.x * warps) {
+        S l[NS], s[NS], sel[NS];
         load_logits(logits + t * p.experts, p.experts, lane, l);
         if (p.score == MOERT_ROUTER_CUDA_SIGMOID) {
 #pragma unroll
-            for (int j = 0; j < SLOTS; j++) s[j] = (j * 32 + lane < p.experts) ? sigmoid(l[j]) : (S)0;
+            for (int j = 0; j < NS; j++) s[j] = (j * 32 + lane < p.experts) ? sigmoid(l[j]) : (S)0;
         } else {
             softmax_slots(p.experts, lane, l, s);
         }
         unsigned allowed = 0;
 #pragma unroll
-        for (int j = 0; j < SLOTS; j++) {
+        for (int j = 0; j < NS; j++) {
             int e = j * 32 + lane;
             if (e < p.experts) allowed |= 1u << j;
             if (sinkhorn_d1) /* sinkhorn: the balanced scores d1 * exp(l) * d0, formed in double as on the CPU */
@@ -205,32 +295,10 @@ __global__ void router_forward_kernel(const kernel_params p, const S *__restrict
         }
         if (p.groups > 1) allowed = group_allowed_mask(p, lane, sel, stage[warp], allowed);
 
-        /* top-k: K rounds of a warp-wide best over the lanes' allowed, untaken slots */
+        /* top-k over the allowed slots; the payloads are the logits (softmax post) or the scores */
         int top_idx[MAXK];
         S top_pay[MAXK];
-        unsigned taken = 0;
-#pragma unroll
-        for (int k = 0; k < MAXK; k++) {
-            top_idx[k] = -1;
-            top_pay[k] = (S)0;
-            if (k >= p.topk) continue;
-            S bv = (S)0, bp = (S)0;
-            int bi = -1;
-#pragma unroll
-            for (int j = 0; j < SLOTS; j++) {
-                const int e = j * 32 + lane;
-                const bool open = ((allowed >> j) & 1u) && !((taken >> j) & 1u);
-                if (open && better(sel[j], e, bv, bi)) {
-                    bv = sel[j];
-                    bi = e;
-                    bp = p.score == MOERT_ROUTER_CUDA_SOFTMAX_POST ? l[j] : s[j];
-                }
-            }
-            warp_best(bv, bi, bp);
-            top_idx[k] = bi;
-            top_pay[k] = bp;
-            if (bi >= 0 && (bi & 31) == lane) taken |= 1u << (bi >> 5);
-        }
+        topk_slots(p.topk, lane, allowed, sel, p.score == MOERT_ROUTER_CUDA_SOFTMAX_POST ? l : s, top_idx, top_pay);
 
         /* probs from the payloads: logits (softmax post) or scores */
         S prob[MAXK];
@@ -270,26 +338,14 @@ __global__ void router_forward_kernel(const kernel_params p, const S *__restrict
     if (counts) block_counts_end(hist, p.experts, counts);
 }
 
-/* The value of the slot that holds expert e in the lane that owns it, broadcast to the warp. */
-template <typename S> __device__ __forceinline__ S value_of_expert(const S (&v)[SLOTS], int e)
-{
-    S mine = (S)0;
-    const int slot = e >= 0 ? (e >> 5) : 0;
-#pragma unroll
-    for (int j = 0; j < SLOTS; j++)
-        if (j == slot) mine = v[j];
-    return __shfl_sync(FULL_MASK, mine, e >= 0 ? (e & 31) : 0);
-}
-
-template <typename S>
+template <typename S, int NS>
 __global__ void router_backward_kernel(const kernel_params p, const S *__restrict__ logits,
                                        const int32_t *__restrict__ idx_in, const float *__restrict__ d_probs,
                                        const int32_t *__restrict__ kept_idx, S *__restrict__ d_logits, int accumulate)
 {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens;
-         t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
-        S l[SLOTS], s[SLOTS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int64_t t = (int64_t)blockIdx.x * warps + warp; t < p.tokens; t += (int64_t)gridDim.x * warps) {
+        S l[NS], s[NS];
         load_logits(logits + t * p.experts, p.experts, lane, l);
         if (p.score == MOERT_ROUTER_CUDA_SOFTMAX_PRE) softmax_slots(p.experts, lane, l, s);
         int idx[MAXK];
@@ -350,7 +406,7 @@ __global__ void router_backward_kernel(const kernel_params p, const S *__restric
 #pragma unroll
         for (int k = 0; k < MAXK; k++) dq_dot_q += dq[k] * q[k];
 #pragma unroll
-        for (int j = 0; j < SLOTS; j++) {
+        for (int j = 0; j < NS; j++) {
             const int e = j * 32 + lane;
             if (e >= p.experts) continue;
             S ds = (S)0;
@@ -409,17 +465,28 @@ static moert_result check_params(const moert_host *host, const moert_router_cuda
 
 static int grid_for_tokens(int64_t tokens)
 {
-    int64_t blocks = (tokens + WARPS_PER_BLOCK - 1) / WARPS_PER_BLOCK;
+    int64_t blocks = (tokens + TOKEN_WARPS - 1) / TOKEN_WARPS;
     return (int)(blocks < 16384 ? (blocks > 0 ? blocks : 1) : 16384);
 }
 
-/* The grid of a kernel that counts the experts chosen into a block histogram (block_counts_*): blocks of
- * COUNTING_TOKENS_PER_WARP tokens a warp, so that the global adds (one per expert and block) stay few. */
-#define COUNTING_TOKENS_PER_WARP 8
-static int grid_for_counting(int64_t tokens)
-{
-    return grid_for_tokens((tokens + COUNTING_TOKENS_PER_WARP - 1) / COUNTING_TOKENS_PER_WARP);
-}
+/* Launches a kernel with the slots its experts need (a lane holds one expert of every 32 in a slot), so a layer of
+ * 128 experts runs 4 slots a lane rather than the 8 of the most experts. */
+#define LAUNCH_BY_SLOTS(kernel, S, experts, grid, threads, stream, ...)                                                \
+    do {                                                                                                               \
+        const int slots_ = ((experts) + 31) / 32;                                                                      \
+        if (slots_ <= 1)                                                                                               \
+            kernel<S, 1><<<(grid), (threads), 0, stream>>>(__VA_ARGS__);                                               \
+        else if (slots_ <= 2)                                                                                          \
+            kernel<S, 2><<<(grid), (threads), 0, stream>>>(__VA_ARGS__);                                               \
+        else if (slots_ <= 4)                                                                                          \
+            kernel<S, 4><<<(grid), (threads), 0, stream>>>(__VA_ARGS__);                                               \
+        else                                                                                                           \
+            kernel<S, MOERT_ROUTER_CUDA_MAX_EXPERTS / 32><<<(grid), (threads), 0, stream>>>(__VA_ARGS__);              \
+    } while (0)
+
+/* A kernel that takes a warp per token, over the tokens. */
+#define LAUNCH_TOKEN_KERNEL(kernel, S, experts, tokens, stream, ...)                                                   \
+    LAUNCH_BY_SLOTS(kernel, S, experts, grid_for_tokens(tokens), TOKEN_WARPS * 32, stream, __VA_ARGS__)
 
 /* Scores, top-k, probs and counts, with the plugin path's extras; see router_cuda.h. */
 extern "C" moert_result moert_router_cuda_forward_ext(const moert_host *host, cudaStream_t stream,
@@ -441,15 +508,12 @@ extern "C" moert_result moert_router_cuda_forward_ext(const moert_host *host, cu
     if ((d0 == NULL) != (d1 == NULL))
         return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda forward: sinkhorn needs both d0 and d1");
     const float *bias = kp.score == MOERT_ROUTER_CUDA_SIGMOID && !d1 ? expert_bias : NULL;
-    const int grid = tokens_per_expert ? grid_for_counting(kp.tokens) : grid_for_tokens(kp.tokens);
     if (ext && ext->logits_f64)
-        router_forward_kernel<double>
-            <<<grid, WARPS_PER_BLOCK * 32, 0, stream>>>(kp, (const double *)logits, bias, topk_idx, topk_probs,
-                                                        (unsigned long long *)tokens_per_expert, scores, d0, d1);
+        LAUNCH_TOKEN_KERNEL(router_forward_kernel, double, kp.experts, kp.tokens, stream, kp, (const double *)logits,
+                            bias, topk_idx, topk_probs, (unsigned long long *)tokens_per_expert, scores, d0, d1);
     else
-        router_forward_kernel<float>
-            <<<grid, WARPS_PER_BLOCK * 32, 0, stream>>>(kp, (const float *)logits, bias, topk_idx, topk_probs,
-                                                        (unsigned long long *)tokens_per_expert, scores, d0, d1);
+        LAUNCH_TOKEN_KERNEL(router_forward_kernel, float, kp.experts, kp.tokens, stream, kp, (const float *)logits,
+                            bias, topk_idx, topk_probs, (unsigned long long *)tokens_per_expert, scores, d0, d1);
     LAUNCH_CHECK(host, "router_forward_kernel");
     return MOERT_OK;
 }
@@ -480,11 +544,11 @@ extern "C" moert_result moert_router_cuda_backward_ext(const moert_host *host, c
                       "router cuda backward: logits, topk_idx, d_topk_probs and d_logits are required");
     const int32_t *kept = ext ? ext->kept_idx : NULL;
     if (ext && ext->logits_f64)
-        router_backward_kernel<double><<<grid_for_tokens(kp.tokens), WARPS_PER_BLOCK * 32, 0, stream>>>(
-            kp, (const double *)logits, topk_idx, d_topk_probs, kept, (double *)d_logits, accumulate);
+        LAUNCH_TOKEN_KERNEL(router_backward_kernel, double, kp.experts, kp.tokens, stream, kp, (const double *)logits,
+                            topk_idx, d_topk_probs, kept, (double *)d_logits, accumulate);
     else
-        router_backward_kernel<float><<<grid_for_tokens(kp.tokens), WARPS_PER_BLOCK * 32, 0, stream>>>(
-            kp, (const float *)logits, topk_idx, d_topk_probs, kept, (float *)d_logits, accumulate);
+        LAUNCH_TOKEN_KERNEL(router_backward_kernel, float, kp.experts, kp.tokens, stream, kp, (const float *)logits,
+                            topk_idx, d_topk_probs, kept, (float *)d_logits, accumulate);
     LAUNCH_CHECK(host, "router_backward_kernel");
     return MOERT_OK;
 }
@@ -598,9 +662,9 @@ __global__ void add_counts_kernel(int64_t n, const long long *__restrict__ src, 
 }
 
 /* The full score distribution P of one token in the lane's slots (0 past E). */
-template <typename S>
-__device__ __forceinline__ void aux_scores_slots(int sigmoid_scores, int experts, int lane, const S (&l)[SLOTS],
-                                                 S (&P)[SLOTS])
+template <typename S, int NS>
+__device__ __forceinline__ void aux_scores_slots(int sigmoid_scores, int experts, int lane, const S (&l)[NS],
+                                                 S (&P)[NS])
 {
     if (!sigmoid_scores) {
         softmax_slots(experts, lane, l, P);
@@ -608,25 +672,25 @@ __device__ __forceinline__ void aux_scores_slots(int sigmoid_scores, int experts
     }
     S sum = (S)0;
 #pragma unroll
-    for (int j = 0; j < SLOTS; j++) {
+    for (int j = 0; j < NS; j++) {
         P[j] = (j * 32 + lane < experts) ? sigmoid(l[j]) : (S)0;
         sum += P[j];
     }
     const S denom = warp_sum(sum) + NORMALIZE_EPS;
 #pragma unroll
-    for (int j = 0; j < SLOTS; j++) P[j] /= denom;
+    for (int j = 0; j < NS; j++) P[j] /= denom;
 }
 
 /* logsumexp of one token's logits, the same in every lane. */
-template <typename S> __device__ __forceinline__ S logsumexp_slots(int experts, int lane, const S (&l)[SLOTS])
+template <typename S, int NS> __device__ __forceinline__ S logsumexp_slots(int experts, int lane, const S (&l)[NS])
 {
     S m = -INFINITY;
 #pragma unroll
-    for (int j = 0; j < SLOTS; j++) m = s_max(m, l[j]);
+    for (int j = 0; j < NS; j++) m = s_max(m, l[j]);
     m = warp_max(m);
     S sum = (S)0;
 #pragma unroll
-    for (int j = 0; j < SLOTS; j++)
+    for (int j = 0; j < NS; j++)
         if (j * 32 + lane < experts) sum += s_exp(l[j] - m);
     return m + s_log(warp_sum(sum));
 }
@@ -642,38 +706,33 @@ typedef struct loss_kernel_params {
     int tokens, experts, topk, seq, sigmoid, f64;
 } loss_kernel_params;
 
-template <typename S>
+template <typename S, int NS>
 __global__ void aux_counts_kernel(const loss_kernel_params p, const S *__restrict__ logits,
                                   unsigned long long *__restrict__ counts, long long *__restrict__ total_slot)
 {
     __shared__ unsigned hist[MOERT_ROUTER_CUDA_MAX_EXPERTS];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const bool one_row = p.seq >= p.tokens; /* one row of counts: a block histogram (else rows x E, spread out) */
     if (blockIdx.x == 0 && threadIdx.x == 0) *total_slot = p.tokens;
     if (one_row) block_counts_begin(hist, p.experts);
-    for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens;
-         t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
-        S l[SLOTS];
+    for (int64_t t = (int64_t)blockIdx.x * warps + warp; t < p.tokens; t += (int64_t)gridDim.x * warps) {
+        S l[NS];
         load_logits(logits + t * p.experts, p.experts, lane, l);
-        unsigned taken = 0;
-        for (int k = 0; k < p.topk; k++) {
-            S bv = (S)0, unused = (S)0;
-            int bi = -1;
+        unsigned allowed = 0;
 #pragma unroll
-            for (int j = 0; j < SLOTS; j++) {
-                const int e = j * 32 + lane;
-                if (e < p.experts && !((taken >> j) & 1u) && better(l[j], e, bv, bi)) {
-                    bv = l[j];
-                    bi = e;
-                }
-            }
-            warp_best(bv, bi, unused);
-            if (bi >= 0 && (bi & 31) == lane) {
-                taken |= 1u << (bi >> 5);
+        for (int j = 0; j < NS; j++)
+            if (j * 32 + lane < p.experts) allowed |= 1u << j;
+        int top_idx[MAXK];
+        S unused[MAXK];
+        topk_slots(p.topk, lane, allowed, l, l, top_idx, unused);
+#pragma unroll
+        for (int k = 0; k < MAXK; k++) {
+            const int e = top_idx[k];
+            if (k < p.topk && lane == k && e >= 0) {
                 if (one_row)
-                    block_counts_add(hist, bi);
+                    block_counts_add(hist, e);
                 else
-                    atomicAdd(&counts[(t / p.seq) * p.experts + bi], 1ull);
+                    atomicAdd(&counts[(t / p.seq) * p.experts + e], 1ull);
             }
         }
     }
@@ -703,23 +762,22 @@ __global__ void aux_finish_kernel(int64_t n, const long long *__restrict__ count
 }
 
 /* Per-block partial sums of the aux and z terms over a fixed grid (LOSS_BLOCKS blocks). */
-template <typename S>
+template <typename S, int NS>
 __global__ void loss_values_kernel(const loss_kernel_params p, const S *__restrict__ logits,
                                    const double *__restrict__ f, int want_z, double *__restrict__ partials)
 {
-    __shared__ double block_aux[WARPS_PER_BLOCK], block_z[WARPS_PER_BLOCK];
+    __shared__ double block_aux[LOSS_WARPS], block_z[LOSS_WARPS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     double aux_acc = 0.0, z_acc = 0.0;
-    for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens;
-         t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
-        S l[SLOTS];
+    for (int64_t t = (int64_t)blockIdx.x * LOSS_WARPS + warp; t < p.tokens; t += (int64_t)gridDim.x * LOSS_WARPS) {
+        S l[NS];
         load_logits(logits + t * p.experts, p.experts, lane, l);
         if (f) {
-            S P[SLOTS];
+            S P[NS];
             aux_scores_slots(p.sigmoid, p.experts, lane, l, P);
             const double *ft = f + (t / p.seq) * p.experts;
 #pragma unroll
-            for (int j = 0; j < SLOTS; j++) {
+            for (int j = 0; j < NS; j++) {
                 const int e = j * 32 + lane;
                 if (e < p.experts) aux_acc += (double)P[j] * ft[e];
             }
@@ -738,7 +796,7 @@ __global__ void loss_values_kernel(const loss_kernel_params p, const S *__restri
     __syncthreads();
     if (threadIdx.x == 0) {
         double a = 0.0, z = 0.0;
-        for (int w = 0; w < WARPS_PER_BLOCK; w++) {
+        for (int w = 0; w < LOSS_WARPS; w++) {
             a += block_aux[w];
             z += block_z[w];
         }
@@ -750,55 +808,59 @@ __global__ void loss_values_kernel(const loss_kernel_params p, const S *__restri
 __global__ void loss_finish_kernel(const double *__restrict__ partials, const double *__restrict__ aux_scale,
                                    double *__restrict__ out)
 {
-    if (threadIdx.x != 0) return;
+    /* one warp: lane l sums blocks l, l + 32, ... in order, then a fixed tree over the lanes */
+    const int lane = threadIdx.x & 31;
     double a = 0.0, z = 0.0;
-    for (int b = 0; b < LOSS_BLOCKS; b++) {
+    for (int b = lane; b < LOSS_BLOCKS; b += 32) {
         a += partials[2 * b];
         z += partials[2 * b + 1];
     }
-    out[0] = aux_scale ? a * *aux_scale : 0.0;
-    out[1] = z;
+    a = warp_sum_double(a);
+    z = warp_sum_double(z);
+    if (lane == 0) {
+        out[0] = aux_scale ? a * *aux_scale : 0.0;
+        out[1] = z;
+    }
 }
 
-template <typename S>
+template <typename S, int NS>
 __global__ void loss_backward_kernel(const loss_kernel_params p, const S *__restrict__ logits,
                                      const double *__restrict__ f, const double *__restrict__ aux_scale,
                                      double aux_grad_scale, S z_grad, S *__restrict__ d_logits)
 {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const S aux_coeff = f ? (S)(aux_grad_scale * *aux_scale) : (S)0;
-    for (int64_t t = (int64_t)blockIdx.x * WARPS_PER_BLOCK + warp; t < p.tokens;
-         t += (int64_t)gridDim.x * WARPS_PER_BLOCK) {
-        S l[SLOTS], g[SLOTS];
+    for (int64_t t = (int64_t)blockIdx.x * warps + warp; t < p.tokens; t += (int64_t)gridDim.x * warps) {
+        S l[NS], g[NS];
         load_logits(logits + t * p.experts, p.experts, lane, l);
 #pragma unroll
-        for (int j = 0; j < SLOTS; j++) g[j] = (S)0;
+        for (int j = 0; j < NS; j++) g[j] = (S)0;
         if (f) {
             /* dP_e = scale * A * f_e; dot = sum_e dP_e P_e */
             const double *ft = f + (t / p.seq) * p.experts;
-            S dP[SLOTS], P[SLOTS], s[SLOTS], dot = (S)0, denom = (S)1;
+            S dP[NS], P[NS], s[NS], dot = (S)0, denom = (S)1;
             if (p.sigmoid) {
                 S sum = (S)0;
 #pragma unroll
-                for (int j = 0; j < SLOTS; j++) {
+                for (int j = 0; j < NS; j++) {
                     s[j] = (j * 32 + lane < p.experts) ? sigmoid(l[j]) : (S)0;
                     sum += s[j];
                 }
                 denom = warp_sum(sum) + NORMALIZE_EPS;
 #pragma unroll
-                for (int j = 0; j < SLOTS; j++) P[j] = s[j] / denom;
+                for (int j = 0; j < NS; j++) P[j] = s[j] / denom;
             } else {
                 softmax_slots(p.experts, lane, l, P);
             }
 #pragma unroll
-            for (int j = 0; j < SLOTS; j++) {
+            for (int j = 0; j < NS; j++) {
                 const int e = j * 32 + lane;
                 dP[j] = e < p.experts ? aux_coeff * (S)ft[e] : (S)0;
                 dot += dP[j] * P[j];
             }
             dot = warp_sum(dot);
 #pragma unroll
-            for (int j = 0; j < SLOTS; j++) {
+            for (int j = 0; j < NS; j++) {
                 if (p.sigmoid)
                     g[j] += (dP[j] - dot) / denom * s[j] * ((S)1 - s[j]);
                 else
@@ -808,21 +870,21 @@ __global__ void loss_backward_kernel(const loss_kernel_params p, const S *__rest
         if (z_grad != (S)0) {
             S m = -INFINITY;
 #pragma unroll
-            for (int j = 0; j < SLOTS; j++) m = s_max(m, l[j]);
+            for (int j = 0; j < NS; j++) m = s_max(m, l[j]);
             m = warp_max(m);
-            S ex[SLOTS], sum = (S)0;
+            S ex[NS], sum = (S)0;
 #pragma unroll
-            for (int j = 0; j < SLOTS; j++) {
+            for (int j = 0; j < NS; j++) {
                 ex[j] = (j * 32 + lane < p.experts) ? s_exp(l[j] - m) : (S)0;
                 sum += ex[j];
             }
             sum = warp_sum(sum);
             const S gz = z_grad * (m + s_log(sum));
 #pragma unroll
-            for (int j = 0; j < SLOTS; j++) g[j] += gz * ex[j] / sum;
+            for (int j = 0; j < NS; j++) g[j] += gz * ex[j] / sum;
         }
 #pragma unroll
-        for (int j = 0; j < SLOTS; j++) {
+        for (int j = 0; j < NS; j++) {
             const int e = j * 32 + lane;
             if (e < p.experts) d_logits[t * p.experts + e] += g[j];
         }
@@ -962,11 +1024,11 @@ extern "C" moert_result moert_router_cuda_aux_counts(const moert_host *host, cud
     const int64_t slots = rows * kp.experts;
     CUDA_CHECK(host, cudaMemsetAsync(counts, 0, (size_t)(slots + 1) * sizeof(int64_t), stream));
     if (kp.f64)
-        aux_counts_kernel<double><<<grid_for_counting(kp.tokens), WARPS_PER_BLOCK * 32, 0, stream>>>(
-            kp, (const double *)logits, (unsigned long long *)counts, (long long *)counts + slots);
+        LAUNCH_TOKEN_KERNEL(aux_counts_kernel, double, kp.experts, kp.tokens, stream, kp, (const double *)logits,
+                            (unsigned long long *)counts, (long long *)counts + slots);
     else
-        aux_counts_kernel<float><<<grid_for_counting(kp.tokens), WARPS_PER_BLOCK * 32, 0, stream>>>(
-            kp, (const float *)logits, (unsigned long long *)counts, (long long *)counts + slots);
+        LAUNCH_TOKEN_KERNEL(aux_counts_kernel, float, kp.experts, kp.tokens, stream, kp, (const float *)logits,
+                            (unsigned long long *)counts, (long long *)counts + slots);
     LAUNCH_CHECK(host, "aux_counts_kernel");
     return MOERT_OK;
 }
@@ -996,11 +1058,11 @@ extern "C" moert_result moert_router_cuda_loss_values(const moert_host *host, cu
     if (rc != MOERT_OK) return rc;
     if (f && !aux_scale) return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda loss values: f needs aux_scale");
     if (kp.f64)
-        loss_values_kernel<double>
-            <<<LOSS_BLOCKS, WARPS_PER_BLOCK * 32, 0, stream>>>(kp, (const double *)logits, f, want_z, workspace);
+        LAUNCH_BY_SLOTS(loss_values_kernel, double, kp.experts, LOSS_BLOCKS, LOSS_WARPS * 32, stream, kp,
+                        (const double *)logits, f, want_z, workspace);
     else
-        loss_values_kernel<float>
-            <<<LOSS_BLOCKS, WARPS_PER_BLOCK * 32, 0, stream>>>(kp, (const float *)logits, f, want_z, workspace);
+        LAUNCH_BY_SLOTS(loss_values_kernel, float, kp.experts, LOSS_BLOCKS, LOSS_WARPS * 32, stream, kp,
+                        (const float *)logits, f, want_z, workspace);
     LAUNCH_CHECK(host, "loss_values_kernel");
     loss_finish_kernel<<<1, 32, 0, stream>>>(workspace, f ? aux_scale : NULL, out);
     LAUNCH_CHECK(host, "loss_finish_kernel");
@@ -1020,11 +1082,11 @@ extern "C" moert_result moert_router_cuda_loss_backward(const moert_host *host, 
         return report(host, MOERT_ERR_INVALID_ARGUMENT, "router cuda loss backward: f needs aux_scale");
     if (kp.tokens == 0 || (!f && z_grad == 0.0)) return MOERT_OK;
     if (kp.f64)
-        loss_backward_kernel<double><<<grid_for_tokens(kp.tokens), WARPS_PER_BLOCK * 32, 0, stream>>>(
-            kp, (const double *)logits, f, aux_scale, aux_grad_scale, z_grad, (double *)d_logits);
+        LAUNCH_TOKEN_KERNEL(loss_backward_kernel, double, kp.experts, kp.tokens, stream, kp, (const double *)logits, f,
+                            aux_scale, aux_grad_scale, z_grad, (double *)d_logits);
     else
-        loss_backward_kernel<float><<<grid_for_tokens(kp.tokens), WARPS_PER_BLOCK * 32, 0, stream>>>(
-            kp, (const float *)logits, f, aux_scale, aux_grad_scale, (float)z_grad, (float *)d_logits);
+        LAUNCH_TOKEN_KERNEL(loss_backward_kernel, float, kp.experts, kp.tokens, stream, kp, (const float *)logits, f,
+                            aux_scale, aux_grad_scale, (float)z_grad, (float *)d_logits);
     LAUNCH_CHECK(host, "loss_backward_kernel");
     return MOERT_OK;
 }

@@ -954,12 +954,17 @@ static void router_cpu_probs_fixed(const moert_router_cuda_params *p, const doub
     for (int64_t k = 0; k < K; k++) probs[k] *= scale;
 }
 
-static void check_router_case(const char *name, moert_router_cuda_params p, int with_bias)
+/* ties: logits drawn from {-1, -0, +0, 0.5, 1}, so most top-k picks tie with another expert and go to the lower index
+ * (-0 and +0 compare equal); else spread out. Against a CPU route in double. */
+static void check_router_case(const char *name, moert_router_cuda_params p, int with_bias, int ties)
 {
     const int64_t T = p.tokens, E = p.num_experts, K = p.topk;
     /* logits: a random permutation of evenly spaced values per token, so no two are near each other */
     double *l = malloc((size_t)(T * E) * sizeof(double));
-    for (int64_t t = 0; t < T; t++) {
+    static const double tie_values[5] = {-1.0, -0.0, 0.0, 0.5, 1.0};
+    for (int64_t t = 0; t < T && ties; t++)
+        for (int64_t e = 0; e < E; e++) l[t * E + e] = tie_values[(int)((uniform() + 1) / 2 * 5.0) % 5];
+    for (int64_t t = 0; t < T && !ties; t++) {
         for (int64_t e = 0; e < E; e++) l[t * E + e] = (double)e;
         for (int64_t e = E - 1; e > 0; e--) {
             int64_t j = (int64_t)((uniform() + 1) / 2 * (double)(e + 1)) % (e + 1);
@@ -1053,15 +1058,15 @@ static void check_router(void)
 {
     moert_router_cuda_params mixtral = {
         .tokens = 77, .num_experts = 8, .topk = 2, .score = MOERT_ROUTER_CUDA_SOFTMAX_POST};
-    check_router_case("softmax post E8 K2", mixtral, 0);
+    check_router_case("softmax post E8 K2", mixtral, 0, 0);
     moert_router_cuda_params qwen = {
         .tokens = 300, .num_experts = 128, .topk = 8, .score = MOERT_ROUTER_CUDA_SOFTMAX_POST};
-    check_router_case("softmax post E128 K8", qwen, 0);
+    check_router_case("softmax post E128 K8", qwen, 0, 0);
     moert_router_cuda_params pre = {.tokens = 65, .num_experts = 40, .topk = 3, .score = MOERT_ROUTER_CUDA_SOFTMAX_PRE};
-    check_router_case("softmax pre E40 K3", pre, 0);
+    check_router_case("softmax pre E40 K3", pre, 0, 0);
     pre.normalize = 1;
     pre.scaling_factor = 1.5;
-    check_router_case("softmax pre norm x1.5 E40 K3", pre, 0);
+    check_router_case("softmax pre norm x1.5 E40 K3", pre, 0, 0);
     moert_router_cuda_params dsv3 = {.tokens = 129,
                                      .num_experts = 256,
                                      .topk = 8,
@@ -1070,16 +1075,26 @@ static void check_router(void)
                                      .group_topk = 4,
                                      .normalize = 1,
                                      .scaling_factor = 2.5};
-    check_router_case("sigmoid+bias G8/4 x2.5 E256 K8", dsv3, 1);
+    check_router_case("sigmoid+bias G8/4 x2.5 E256 K8", dsv3, 1, 0);
     moert_router_cuda_params sig = {.tokens = 50, .num_experts = 33, .topk = 1, .score = MOERT_ROUTER_CUDA_SIGMOID};
-    check_router_case("sigmoid E33 K1", sig, 0);
+    check_router_case("sigmoid E33 K1", sig, 0, 0);
     moert_router_cuda_params grp = {.tokens = 70,
                                     .num_experts = 96,
                                     .topk = 6,
                                     .score = MOERT_ROUTER_CUDA_SOFTMAX_POST,
                                     .num_groups = 12,
                                     .group_topk = 3};
-    check_router_case("softmax post G12/3 E96 K6", grp, 0);
+    check_router_case("softmax post G12/3 E96 K6", grp, 0, 0);
+    /* ties, at every slot count of the kernels (E <= 32, 64, 128, 256) */
+    check_router_case("ties softmax post E128 K8", qwen, 0, 1);
+    check_router_case("ties softmax pre norm E40 K3", pre, 0, 1);
+    check_router_case("ties sigmoid E33 K1", sig, 0, 1);
+    check_router_case("ties softmax post E8 K2", mixtral, 0, 1);
+    check_router_case("ties softmax post G12/3 E96 K6", grp, 0, 1);
+    /* grouped with sums of tied logits, exact in fp32 and fp64 alike (sums of sigmoids may tie in one and not the
+     * other) */
+    dsv3.score = MOERT_ROUTER_CUDA_SOFTMAX_POST;
+    check_router_case("ties softmax post G8/4 E256 K8", dsv3, 0, 1);
 
     moert_router_cuda_params bad = {.tokens = 4, .num_experts = 300, .topk = 2};
     host_error[0] = '\0';
