@@ -9,8 +9,8 @@
 
 #define LOSS_WARPS 16 /* the warps of a block of loss_values_kernel (a fixed grid of LOSS_BLOCKS blocks) */
 /* Kernels that take a warp per token run TOKEN_WARPS warps a block, one token a warp: a token's work is a chain of
- * dependent warp reductions, so the more warps an SM holds the better (several tokens a warp measured slower on an
- * H100; see docs/plugins/router.md). */
+ * dependent warp reductions, so the more tokens an SM has in flight the better (the layout before, 8 tokens a warp in
+ * blocks of 4 warps, kept too few; bench/router_bench, docs/plugins/router.md). */
 #define TOKEN_WARPS   8
 #define MAXK          MOERT_ROUTER_CUDA_MAX_TOPK
 #define FULL_MASK     0xffffffffu
