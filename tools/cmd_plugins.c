@@ -63,7 +63,8 @@ static void flag_names(uint32_t bits, char *buf, size_t size)
                  {MOERT_CAP_NEEDS_HOST_SYNC, "host_sync"},
                  {MOERT_CAP_WGRAD_OVERWRITE, "wgrad_overwrite"},
                  {MOERT_CAP_AUTO_OVERLAP, "auto_overlap"},
-                 {MOERT_CAP_PREPARE_OWN_STREAM, "prepare_own_stream"}};
+                 {MOERT_CAP_PREPARE_OWN_STREAM, "prepare_own_stream"},
+                 {MOERT_CAP_GATHERS_TOKENS, "gathers_tokens"}};
     buf[0] = 0;
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         if (!(bits & names[i].bit)) continue;

@@ -81,8 +81,13 @@ void moert_memory_estimate_config(const moert_config *cfg, int world, int device
                        (layers + 4.0) * t * h * act + 2.0 * t * h * 8.0;
     /* the shared expert: its fc1 and SwiGLU outputs [T, 3Fs] kept per layer, its output [T, H] until added */
     out->activations += layers * t * (3.0 * fs + h) * act;
-    /* per layer: the permuted rows sent, the rows received and their combine, in scratch precision */
-    out->dispatcher = layers * 2.0 * rows * h * scratch;
+    /* per layer: the permuted rows sent, the rows received and their combine, in scratch precision; a dispatcher that
+     * gathers every rank's tokens (MOERT_CAP_GATHERS_TOKENS: allgather) holds them, [EP x T, H] in the activation
+     * dtype, and two partial sums of that shape in scratch precision where that is more (fewer routed rows than
+     * gathered ones: a small top-k on many ranks) */
+    const uint32_t flags = dispatcher_flags(cfg);
+    const double routed_rows = 2.0 * rows * h * scratch, gathered = (double)ep * t * h * (act + 2.0 * scratch);
+    out->dispatcher = layers * ((flags & MOERT_CAP_GATHERS_TOKENS) && gathered > routed_rows ? gathered : routed_rows);
     /* one layer at a time: the backward's transients and the GEMMs' converted operands [rows, 3F + H] in scratch
      * precision; every layer: the router's scores and their gradients [T, 4E], its input and input gradient [T, 2H]
      * and weights [E, 2H] in double precision */
@@ -91,8 +96,7 @@ void moert_memory_estimate_config(const moert_config *cfg, int world, int device
     /* $.parallel.forwards_in_flight (at least two under overlap_micro_batches): as many micro-batches in flight, and
      * every layer's slots past the first (their own plugin instances, router state and dispatcher buffers) */
     double slots = (double)cfg->parallel.forwards_in_flight;
-    if (slots < 2.0 && moert_overlap_enabled(cfg, device, ep, etp, cfg->train.micro_batches, dispatcher_flags(cfg)))
-        slots = 2.0;
+    if (slots < 2.0 && moert_overlap_enabled(cfg, device, ep, etp, cfg->train.micro_batches, flags)) slots = 2.0;
     out->activations *= slots;
     out->dispatcher *= slots;
     out->workspace *= slots;

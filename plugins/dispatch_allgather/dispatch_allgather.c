@@ -703,7 +703,7 @@ MOERT_DISPATCHER_V1_EXPORT(allgather_vtable) = {
                            "permutation, reduce-scatter combine)",
             .devices = MOERT_DISPATCH_DEVICES,
             .dtypes = MOERT_DISPATCH_DTYPES,
-            .flags = MOERT_CAP_NEEDS_HOST_SYNC,
+            .flags = MOERT_CAP_NEEDS_HOST_SYNC | MOERT_CAP_GATHERS_TOKENS,
         },
     .init = allgather_init,
     .finalize = allgather_finalize,

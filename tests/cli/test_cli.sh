@@ -32,6 +32,8 @@ expect_match plugins out "^dispatcher +alltoall +[0-9.]+ +[a-z_,]*cpu.* /.*/libm
 # the header's flags by name: deepep's prepare may run on the compute stream under the overlap, alltoall's may not
 expect_match plugins out "^dispatcher +deepep +[0-9.]+ +[a-z_,]*cpu.* host_sync,auto_overlap,prepare_own_stream +/.*/libmoert-dispatch-deepep\.so$"
 expect_match plugins out "^dispatcher +alltoall +[0-9.]+ +[a-z_,]*cpu.* host_sync +/.*/libmoert-dispatch-alltoall\.so$"
+# allgather holds every rank's tokens, which the memory estimate counts
+expect_match plugins out "^dispatcher +allgather +[0-9.]+ +[a-z_,]*cpu.* host_sync,gathers_tokens +/.*/libmoert-dispatch-allgather\.so$"
 expect_match plugins out "^precision +bf16 +[0-9.]+ +[a-z_,]*cpu.* /.*/libmoert-precision-bf16\.so$"
 expect_match plugins out "^memory_policy +default +[0-9.]+ +[a-z_,]*cpu.* /.*/libmoert-memory-default\.so$"
 expect_match plugins out "fixture-bad-abi\.so was built for ABI 2\.0, this moert supports ABI 1\.x$"

@@ -57,9 +57,10 @@ static void check_header(const moert_plugin *p, moert_plugin_kind kind, const ch
     EXPECT(h->devices & MOERT_CAP_DEVICE(MOERT_DEVICE_CPU)); /* every plugin has the CPU reference path */
     EXPECT(h->dtypes != 0);
     EXPECT((h->flags & ~(MOERT_CAP_GRAPH_CAPTURABLE | MOERT_CAP_NEEDS_HOST_SYNC | MOERT_CAP_WGRAD_OVERWRITE |
-                         MOERT_CAP_AUTO_OVERLAP | MOERT_CAP_PREPARE_OWN_STREAM)) == 0);
+                         MOERT_CAP_AUTO_OVERLAP | MOERT_CAP_PREPARE_OWN_STREAM | MOERT_CAP_GATHERS_TOKENS)) == 0);
     /* dispatchers' claims */
-    EXPECT(!(h->flags & (MOERT_CAP_AUTO_OVERLAP | MOERT_CAP_PREPARE_OWN_STREAM)) || kind == MOERT_KIND_DISPATCHER);
+    EXPECT(!(h->flags & (MOERT_CAP_AUTO_OVERLAP | MOERT_CAP_PREPARE_OWN_STREAM | MOERT_CAP_GATHERS_TOKENS)) ||
+           kind == MOERT_KIND_DISPATCHER);
     for (size_t off = sizeof(moert_plugin_header); off < vtable_size(kind); off += sizeof(void (*)(void))) {
         void (*fn)(void);
         memcpy(&fn, (const char *)h + off, sizeof fn);

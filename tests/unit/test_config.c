@@ -563,10 +563,49 @@ static void test_forwards_in_flight(void)
     }
 }
 
+/* The memory estimate of a dispatcher that gathers every rank's tokens (MOERT_CAP_GATHERS_TOKENS: allgather): its
+ * [EP x T, H] rows in the activation dtype and two partial sums in scratch precision (fp64 on the CPU) per layer where
+ * they outweigh the routed rows counted for alltoall; with a top-k as large as the group, the routed rows. */
+static void test_gathering_dispatcher_estimate(void)
+{
+    const char *const text[2][2] = {{"{\"parallel\": {\"device\": \"cpu\"}, \"model\": {\"topk\": 2}}",
+                                     "{\"parallel\": {\"device\": \"cpu\"}, \"model\": {\"topk\": 2}, \"dispatcher\": "
+                                     "{\"plugin\": \"allgather\"}}"},
+                                    {"{\"parallel\": {\"device\": \"cpu\"}, \"model\": {\"topk\": 6}}",
+                                     "{\"parallel\": {\"device\": \"cpu\"}, \"model\": {\"topk\": 6}, \"dispatcher\": "
+                                     "{\"plugin\": \"allgather\"}}"}};
+    for (int k = 0; k < 2; k++) {
+        moert_config *a2a = NULL, *ag = NULL;
+        EXPECT_OK(moert_config_load_string(text[k][0], "t.json", &a2a));
+        EXPECT_OK(moert_config_load_string(text[k][1], "t.json", &ag));
+        if (!a2a || !ag) {
+            moert_config_free(a2a);
+            moert_config_free(ag);
+            return;
+        }
+        const int world = 4;
+        moert_memory_estimate e_a2a, e_ag;
+        moert_memory_estimate_config(a2a, world, MOERT_DEVICE_CPU, &e_a2a);
+        moert_memory_estimate_config(ag, world, MOERT_DEVICE_CPU, &e_ag);
+        const moert_model_config *m = &ag->model;
+        const double t = (double)ag->train.tokens_per_rank, h = (double)m->hidden, layers = (double)m->num_layers;
+        const double routed = layers * 2.0 * t * (double)m->topk * h * 8.0;
+        const double gathered = layers * world * t * h * ((double)moert_dtype_size(m->dtype) + 16.0);
+        EXPECT_NEAR(e_a2a.dispatcher, routed, 0, 1e-12);
+        EXPECT_NEAR(e_ag.dispatcher, gathered > routed ? gathered : routed, 0, 1e-12);
+        if (k == 0) EXPECT(e_ag.dispatcher > e_a2a.dispatcher);               /* top-2 of 4 ranks: the gathered rows */
+        if (k == 1) EXPECT_NEAR(e_ag.dispatcher, e_a2a.dispatcher, 0, 1e-12); /* top-6: the routed rows */
+        EXPECT_NEAR(e_ag.activations, e_a2a.activations, 0, 1e-12);
+        moert_config_free(a2a);
+        moert_config_free(ag);
+    }
+}
+
 int main(void)
 {
     test_defaults();
     test_forwards_in_flight();
+    test_gathering_dispatcher_estimate();
     test_values();
     test_errors();
     test_getters();

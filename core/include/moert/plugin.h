@@ -79,6 +79,10 @@ typedef enum moert_log_level {
  * counts through the host's collectives), so under the micro-batch overlap the core may call it on the slot's compute
  * stream rather than the communication stream, where it would wait behind the other slot's all-to-all */
 #define MOERT_CAP_PREPARE_OWN_STREAM (1u << 4)
+/* dispatcher: holds every rank's tokens of its expert-parallel group (Megatron's allgather dispatcher): the tokens
+ * gathered in the activation dtype and two partial sums of them in fp32 (fp64 on the CPU), which the core's memory
+ * estimate counts where they outweigh the routed rows it counts for any dispatcher */
+#define MOERT_CAP_GATHERS_TOKENS (1u << 5)
 
 /* The first member of every vtable. */
 typedef struct moert_plugin_header {
@@ -91,7 +95,7 @@ typedef struct moert_plugin_header {
     uint32_t devices;        /* MOERT_CAP_DEVICE bits */
     uint32_t dtypes;         /* MOERT_CAP_DTYPE bits */
     uint32_t flags;          /* MOERT_CAP_GRAPH_CAPTURABLE, MOERT_CAP_NEEDS_HOST_SYNC, MOERT_CAP_WGRAD_OVERWRITE,
-                                MOERT_CAP_AUTO_OVERLAP, MOERT_CAP_PREPARE_OWN_STREAM */
+                                MOERT_CAP_AUTO_OVERLAP, MOERT_CAP_PREPARE_OWN_STREAM, MOERT_CAP_GATHERS_TOKENS */
 } moert_plugin_header;
 
 /* Marks the one symbol a plugin exports (plugins build with -fvisibility=hidden). */
