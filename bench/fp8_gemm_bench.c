@@ -46,34 +46,8 @@
 #include "precision_bf16_cuda.h"
 #include "precision_fp8_cuda.h"
 #include "bench_cuda_check.h"
+#include "bench_host.h"
 #include "bench_list.h"
-
-static char host_error[2048];
-
-static void bench_log(const moert_host *h, moert_log_level level, const char *fmt, ...)
-{
-    (void)h, (void)level, (void)fmt;
-}
-
-static void bench_set_error(const moert_host *h, const char *fmt, ...)
-{
-    (void)h;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(host_error, sizeof host_error, fmt, ap);
-    va_end(ap);
-}
-
-static moert_host bench_host = {.struct_size = sizeof(moert_host), .log = bench_log, .set_error = bench_set_error};
-
-#define MOK(call)                                                                                                      \
-    do {                                                                                                               \
-        moert_result r_ = (call);                                                                                      \
-        if (r_ != MOERT_OK) {                                                                                          \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, host_error);                          \
-            exit(1);                                                                                                   \
-        }                                                                                                              \
-    } while (0)
 
 typedef struct bench_shape {
     const char *name;
@@ -325,7 +299,7 @@ typedef struct shape_run {
 
 /* Enqueues variant var's grouped GEMM of pass on stream: output into y[var] / dx[var] / grad_weight (WGRAD:
  * accumulated, or overwritten by the _first variants and when overwrite is set). quant_only: the FP8 quantization
- * alone. Returns the plugin's result (its message in host_error). */
+ * alone. Returns the plugin's result (its message in bench_host_error). */
 static moert_result launch(const shape_run *r, cudaStream_t stream, int var, int pass, void *grad_weight, int overwrite,
                            int quant_only)
 {
@@ -529,10 +503,11 @@ int main(int argc, char **argv)
                     const moert_result grc = launch(&run, stream, var, pass, dw, 0, quant_only);
                     if (grc != MOERT_OK && (variant_is_fp8(var) || var == V_BF16_WGMMA) && !quant_only) {
                         /* refused (e.g. no cuBLASLt matmul, no wgmma engine) */
-                        printf("skipped: %s %s %s: %s\n", s->name, pass_names[pass], variant_names[var], host_error);
+                        printf("skipped: %s %s %s: %s\n", s->name, pass_names[pass], variant_names[var],
+                               bench_host_error);
                         if (skipped_count < MAX_SKIPPED)
                             snprintf(skipped[skipped_count++], sizeof skipped[0], "%s %s %s: %.400s", s->name,
-                                     pass_names[pass], variant_names[var], host_error);
+                                     pass_names[pass], variant_names[var], bench_host_error);
                         refused[var] = 1;
                         CK(cudaStreamSynchronize(stream));
                         continue;

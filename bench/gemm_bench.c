@@ -51,36 +51,8 @@
 #include "device_gemm.h"
 #include "precision_bf16_cuda.h"
 #include "bench_cuda_check.h"
+#include "bench_host.h"
 #include "bench_list.h"
-
-static char host_error[1024];
-
-static void bench_log(const moert_host *h, moert_log_level level, const char *fmt, ...)
-{
-    (void)h;
-    (void)level;
-    (void)fmt;
-}
-
-static void bench_set_error(const moert_host *h, const char *fmt, ...)
-{
-    (void)h;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(host_error, sizeof host_error, fmt, ap);
-    va_end(ap);
-}
-
-static moert_host bench_host = {.struct_size = sizeof(moert_host), .log = bench_log, .set_error = bench_set_error};
-
-#define MOK(call)                                                                                                      \
-    do {                                                                                                               \
-        moert_result r_ = (call);                                                                                      \
-        if (r_ != MOERT_OK) {                                                                                          \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, host_error);                          \
-            exit(1);                                                                                                   \
-        }                                                                                                              \
-    } while (0)
 
 /* One expert GEMM shape of a preset (per rank). */
 typedef struct bench_shape {

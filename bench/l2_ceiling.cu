@@ -10,9 +10,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "bench_cuda_check.h"
+#include "bench_record.h"
 
 /* Reads n 16-byte words `reps` times over, four loads in flight a thread; the xor keeps the loads alive. */
 __global__ void read_words(const uint4 *buf, size_t n, int reps, uint4 *sink)
@@ -95,18 +95,9 @@ int main(int argc, char **argv)
         printf("%-18s %7.2f TB/s (%d blocks of 512 threads per SM)\n", runs[r].name, best[r], best_blocks[r]);
     }
     if (argc > 1) {
-        FILE *f = fopen(argv[1], "w");
-        if (!f) {
-            perror(argv[1]);
-            return 1;
-        }
-        char date[16];
-        const time_t now = time(NULL);
-        strftime(date, sizeof date, "%Y-%m-%d", gmtime(&now));
-        fprintf(f, "{\n \"command\": \"build-gpu/bench/l2_ceiling OUT.json\",\n \"machine\": \"%s\",\n \"gpus\": 1,\n",
-                getenv("MOERT_BENCH_MACHINE") ? getenv("MOERT_BENCH_MACHINE") : "unknown");
-        fprintf(f, " \"device\": \"%s\",\n \"git\": \"%s\",\n \"date\": \"%s\",\n \"results\": [\n", prop.name,
-                getenv("MOERT_BENCH_GIT") ? getenv("MOERT_BENCH_GIT") : "unknown", date);
+        FILE *f = bench_record_open(argv[1], "build-gpu/bench/l2_ceiling OUT.json", prop.name);
+        if (!f) return 1;
+        fprintf(f, " \"results\": [\n");
         for (int r = 0; r < nruns; r++)
             fprintf(f,
                     "  {\"name\": \"%s\", \"value\": %.3f, \"unit\": \"TB/s\", \"config\": {\"bytes\": %zu, "

@@ -12,38 +12,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "bench_cuda_check.h"
+#include "bench_host.h"
+#include "bench_record.h"
 #include "router_cuda.h"
-
-static void bench_log(const moert_host *h, moert_log_level level, const char *fmt, ...)
-{
-    (void)h, (void)level, (void)fmt;
-}
-
-static void bench_set_error(const moert_host *h, const char *fmt, ...)
-{
-    (void)h;
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "router_bench: ");
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n");
-    va_end(ap);
-}
-
-static const moert_host bench_host = {
-    .struct_size = sizeof(moert_host), .log = bench_log, .set_error = bench_set_error};
-
-/* A call that must succeed: the router functions report through bench_host, then the bench stops. */
-#define RK(call)                                                                                                       \
-    do {                                                                                                               \
-        if ((call) != MOERT_OK) {                                                                                      \
-            fprintf(stderr, "%s:%d: %s failed\n", __FILE__, __LINE__, #call);                                          \
-            exit(1);                                                                                                   \
-        }                                                                                                              \
-    } while (0)
 
 typedef struct shape {
     const char *name;
@@ -73,20 +46,20 @@ static void run_kernel(int kind, const shape *s, buffers *b, cudaStream_t st)
     const size_t n = (size_t)(p->tokens * p->num_experts);
     switch (kind) {
     case K_FORWARD:
-        RK(moert_router_cuda_forward(&bench_host, st, p, b->logits, s->with_bias ? b->bias : NULL, b->idx, b->probs,
-                                     b->counts, b->scores));
+        MOK(moert_router_cuda_forward(&bench_host, st, p, b->logits, s->with_bias ? b->bias : NULL, b->idx, b->probs,
+                                      b->counts, b->scores));
         break;
-    case K_AUX_COUNTS: RK(moert_router_cuda_aux_counts(&bench_host, st, &lp, b->logits, b->aux_counts)); break;
+    case K_AUX_COUNTS: MOK(moert_router_cuda_aux_counts(&bench_host, st, &lp, b->logits, b->aux_counts)); break;
     case K_LOSS_VALUES:
-        RK(moert_router_cuda_loss_values(&bench_host, st, &lp, b->logits, b->f, b->aux_scale, 1, b->workspace,
-                                         b->loss_out));
+        MOK(moert_router_cuda_loss_values(&bench_host, st, &lp, b->logits, b->f, b->aux_scale, 1, b->workspace,
+                                          b->loss_out));
         break;
     case K_LOSS_BACKWARD:
-        RK(moert_router_cuda_loss_backward(&bench_host, st, &lp, b->logits, b->f, b->aux_scale, 1e-3, 1e-6,
-                                           b->d_logits));
+        MOK(moert_router_cuda_loss_backward(&bench_host, st, &lp, b->logits, b->f, b->aux_scale, 1e-3, 1e-6,
+                                            b->d_logits));
         break;
     case K_BACKWARD:
-        RK(moert_router_cuda_backward(&bench_host, st, p, b->logits, b->idx, b->d_probs, b->d_logits, 0));
+        MOK(moert_router_cuda_backward(&bench_host, st, p, b->logits, b->idx, b->d_probs, b->d_logits, 0));
         break;
     default: CK(cudaMemcpyAsync(b->copy, b->logits, n * sizeof(float), cudaMemcpyDeviceToDevice, st)); break;
     }
@@ -212,19 +185,9 @@ int main(int argc, char **argv)
         CK(cudaFree(b.loss_out));
     }
     if (argc > 1) {
-        FILE *f = fopen(argv[1], "w");
-        if (!f) {
-            perror(argv[1]);
-            return 1;
-        }
-        char date[16];
-        const time_t now = time(NULL);
-        strftime(date, sizeof date, "%Y-%m-%d", gmtime(&now));
-        fprintf(f,
-                "{\n \"command\": \"build-gpu/bench/router_bench OUT.json\",\n \"machine\": \"%s\",\n \"gpus\": 1,\n",
-                getenv("MOERT_BENCH_MACHINE") ? getenv("MOERT_BENCH_MACHINE") : "unknown");
-        fprintf(f, " \"device\": \"%s\",\n \"git\": \"%s\",\n \"date\": \"%s\",\n \"unit\": \"us\",\n \"results\": [\n",
-                prop.name, getenv("MOERT_BENCH_GIT") ? getenv("MOERT_BENCH_GIT") : "unknown", date);
+        FILE *f = bench_record_open(argv[1], "build-gpu/bench/router_bench OUT.json", prop.name);
+        if (!f) return 1;
+        fprintf(f, " \"unit\": \"us\",\n \"results\": [\n");
         for (int si = 0; si < nshapes; si++) {
             fprintf(f, "  {\"shape\": \"%s\"", shapes[si].name);
             for (int k = 0; k < K_KINDS; k++) fprintf(f, ", \"%s\": %.2f", kernel_names[k], us[si][k]);
