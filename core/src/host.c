@@ -228,7 +228,7 @@ static void host_log(const moert_host *h, moert_log_level level, const char *fmt
 {
     va_list ap;
     va_start(ap, fmt);
-    moert_logv(level, impl_of(h)->who, fmt, ap);
+    moert_logv_instance(level, impl_of(h)->who, fmt, ap);
     va_end(ap);
 }
 

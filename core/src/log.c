@@ -6,6 +6,8 @@
 #include "moert/moert.h"
 
 #include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -87,6 +89,60 @@ static void emit(moert_log_level level, const char *who, const char *text)
         fprintf(stderr, "moert[%s] %s: %s\n", name, who, text);
     else
         fprintf(stderr, "moert[%s] core: %s\n", name, text);
+}
+
+/* The start-up lines of this thread's stack init: hashes of (plugin, level, text) already written. */
+#define STARTUP_SEEN_MAX 256
+typedef struct startup_seen {
+    bool active;
+    int count;
+    uint64_t hash[STARTUP_SEEN_MAX];
+} startup_seen;
+static _Thread_local startup_seen startup;
+
+void moert_log_startup_begin(void)
+{
+    startup.active = true;
+    startup.count = 0;
+}
+
+void moert_log_startup_end(void)
+{
+    startup.active = false;
+    startup.count = 0;
+}
+
+/* FNV-1a over n bytes, continuing from h. */
+static uint64_t fnv1a(uint64_t h, const void *data, size_t n)
+{
+    const unsigned char *p = data;
+    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ull;
+    return h;
+}
+
+void moert_logv_instance(moert_log_level level, const char *who, const char *fmt, va_list ap)
+{
+    const moert_log_level in_force = moert_log_level_current();
+    if (level > in_force) return;
+    char text[2048];
+    vsnprintf(text, sizeof text, fmt, ap);
+    size_t n = strlen(text);
+    while (n > 0 && text[n - 1] == '\n') text[--n] = '\0';
+    if (startup.active && (level == MOERT_LOG_WARN || level == MOERT_LOG_INFO) && in_force != MOERT_LOG_DEBUG) {
+        /* the plugin's kind and name: who up to its location, " (layer ..., rank ...)" */
+        const char *where = who ? strstr(who, " (") : NULL;
+        const size_t stem = who ? (where ? (size_t)(where - who) : strlen(who)) : 0;
+        uint64_t h = fnv1a(1469598103934665603ull, who ? who : "", stem);
+        h = fnv1a(h, &level, sizeof level);
+        h = fnv1a(h, text, n);
+        for (int i = 0; i < startup.count; i++)
+            if (startup.hash[i] == h) return; /* said by another layer of this rank already */
+        if (startup.count < STARTUP_SEEN_MAX) {
+            startup.hash[startup.count++] = h;
+            snprintf(text + n, sizeof text - n, " (not repeated for this rank's other layers)");
+        }
+    }
+    emit(level, who, text);
 }
 
 /* Core messages: who is "core". */

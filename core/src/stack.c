@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "error.h"
+#include "log.h"
 #ifdef MOERT_HAVE_CUDA
 #include "cuda/comm_nccl.h"
 #endif
@@ -211,6 +212,7 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
     MOERT_CHECK_ALLOC(s->shared_hosts);
     s->num_layers = nl;
 
+    moert_log_startup_begin(); /* a start-up warning said by every layer's plugin is written once for the rank */
     for (int l = 0; l < nl; l++) {
         moert_layer *L = &s->layers[l];
         L->info = layer_info_of(s, setup, l);
@@ -263,8 +265,8 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
         }
         if (cfg->model.shared_expert_ffn_hidden > 0) MOERT_CHECK(shared_expert_init(s, setup, l));
     }
-    return MOERT_OK;
 fail:
+    moert_log_startup_end();
     return rc;
 }
 
