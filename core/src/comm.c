@@ -55,6 +55,10 @@ struct moert_comm_group {
     int *members;     /* [world] */
     int member_index; /* this view's rank in the subgroup */
     int parent_rank;  /* and in the parent */
+    /* start-up log lines already written by the world's ranks (moert_comm_log_seen), under fold_lock */
+    pthread_mutex_t fold_lock;
+    int fold_count;
+    uint64_t fold[MOERT_COMM_LOG_FOLD_MAX];
 };
 
 /* A group of world ranks whose collectives wait at most timeout_s for a peer. */
@@ -79,6 +83,7 @@ moert_result moert_comm_group_create(int world, double timeout_s, moert_comm_gro
     g->world = world;
     g->timeout_s = timeout_s;
     pthread_mutex_init(&g->lock, NULL);
+    pthread_mutex_init(&g->fold_lock, NULL);
     pthread_condattr_t attr;
     pthread_condattr_init(&attr);
     pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
@@ -99,12 +104,31 @@ void moert_comm_group_free(moert_comm_group *g)
     }
     pthread_cond_destroy(&g->cond);
     pthread_mutex_destroy(&g->lock);
+    pthread_mutex_destroy(&g->fold_lock);
     free(g->present);
     free(g->slots);
     free(g);
 }
 
 int moert_comm_group_size(const moert_comm_group *g) { return g->world; }
+
+int moert_comm_group_local_ranks(const moert_comm_group *g)
+{
+    const moert_comm_group *root = g->parent ? g->parent : g;
+    return root->has_table ? 1 : root->world;
+}
+
+bool moert_comm_log_seen(void *group, uint64_t hash)
+{
+    moert_comm_group *g = group;
+    if (g->parent) g = g->parent; /* a subgroup's ranks fold with their world */
+    bool seen = false;
+    pthread_mutex_lock(&g->fold_lock);
+    for (int i = 0; i < g->fold_count && !seen; i++) seen = g->fold[i] == hash;
+    if (!seen && g->fold_count < MOERT_COMM_LOG_FOLD_MAX) g->fold[g->fold_count++] = hash;
+    pthread_mutex_unlock(&g->fold_lock);
+    return seen;
+}
 
 bool moert_comm_group_is_subgroup(const moert_comm_group *g) { return g->parent != NULL; }
 

@@ -16,6 +16,13 @@ moert_result moert_comm_group_create(int world, double timeout_s, moert_comm_gro
 moert_result moert_comm_group_create_table(int world, const moert_collectives *table, moert_comm_group **out);
 void moert_comm_group_free(moert_comm_group *g);
 int moert_comm_group_size(const moert_comm_group *g);
+/* The world's start-up log lines (moert_log_startup_begin's seen function; group is a moert_comm_group): whether a line
+ * of this hash was written already by one of the world's ranks, noting it if not. Shared by the ranks of one group and
+ * gone with it, so a later world in the same process writes its own. */
+#define MOERT_COMM_LOG_FOLD_MAX 256
+bool moert_comm_log_seen(void *group, uint64_t hash);
+/* The ranks of g's world that run in this process: its size for ranks as threads, 1 over the caller's collectives. */
+int moert_comm_group_local_ranks(const moert_comm_group *g);
 
 /* One rank's view of a subgroup of `parent` (the world): `members` lists the subgroup's ranks in the parent, in
  * subgroup rank order, and must hold parent_rank. A view belongs to that rank alone (every member makes its own); free it with

@@ -95,21 +95,40 @@ static void emit(moert_log_level level, const char *who, const char *text)
 #define STARTUP_SEEN_MAX 256
 typedef struct startup_seen {
     bool active;
+    moert_log_seen_fn seen; /* the world's set, or NULL: hash[] */
+    void *scope;
+    bool ranks; /* the scope holds several ranks of this process */
     int count;
     uint64_t hash[STARTUP_SEEN_MAX];
 } startup_seen;
 static _Thread_local startup_seen startup;
 
-void moert_log_startup_begin(void)
+void moert_log_startup_begin(moert_log_seen_fn seen, void *scope, bool ranks)
 {
     startup.active = true;
+    startup.seen = seen;
+    startup.scope = scope;
+    startup.ranks = seen && ranks;
     startup.count = 0;
 }
 
 void moert_log_startup_end(void)
 {
     startup.active = false;
+    startup.seen = NULL;
+    startup.scope = NULL;
+    startup.ranks = false;
     startup.count = 0;
+}
+
+/* Whether this start-up line was written already; notes it if not. */
+static bool startup_line_seen(uint64_t h)
+{
+    if (startup.seen) return startup.seen(startup.scope, h);
+    for (int i = 0; i < startup.count; i++)
+        if (startup.hash[i] == h) return true;
+    if (startup.count < STARTUP_SEEN_MAX) startup.hash[startup.count++] = h;
+    return false;
 }
 
 /* FNV-1a over n bytes, continuing from h. */
@@ -135,12 +154,8 @@ void moert_logv_instance(moert_log_level level, const char *who, const char *fmt
         uint64_t h = fnv1a(1469598103934665603ull, who ? who : "", stem);
         h = fnv1a(h, &level, sizeof level);
         h = fnv1a(h, text, n);
-        for (int i = 0; i < startup.count; i++)
-            if (startup.hash[i] == h) return; /* said by another layer of this rank already */
-        if (startup.count < STARTUP_SEEN_MAX) {
-            startup.hash[startup.count++] = h;
-            snprintf(text + n, sizeof text - n, " (not repeated for this rank's other layers)");
-        }
+        if (startup_line_seen(h)) return; /* said by another layer (or rank) already */
+        snprintf(text + n, sizeof text - n, " (not repeated for other layers%s)", startup.ranks ? " or ranks" : "");
     }
     emit(level, who, text);
 }

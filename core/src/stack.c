@@ -212,7 +212,9 @@ moert_result moert_stack_init(moert_stack *s, const moert_stack_setup *setup)
     MOERT_CHECK_ALLOC(s->shared_hosts);
     s->num_layers = nl;
 
-    moert_log_startup_begin(); /* a start-up warning said by every layer's plugin is written once for the rank */
+    /* a start-up warning said by every layer's plugin on every rank is written once for the world */
+    moert_log_startup_begin(setup->comm ? moert_comm_log_seen : NULL, setup->comm,
+                            setup->comm && moert_comm_group_local_ranks(setup->comm) > 1);
     for (int l = 0; l < nl; l++) {
         moert_layer *L = &s->layers[l];
         L->info = layer_info_of(s, setup, l);

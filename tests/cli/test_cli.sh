@@ -80,12 +80,18 @@ expect_match check_good out "^$good: ok \(router topk, dispatcher alltoall, prec
 expect_match check_good out "^memory \(estimate, balanced routing\): parameters [0-9.]+ [KMG]?i?B, gradients [0-9.]+ [KMG]?i?B, optimizer [0-9.]+ [KMG]?i?B, activations [0-9.]+ [KMG]?i?B, dispatcher buffers [0-9.]+ [KMG]?i?B, workspace [0-9.]+ [KMG]?i?B; [0-9.]+ [KMG]?i?B per rank x [0-9]+ ranks = [0-9.]+ [KMG]?i?B, of this machine's memory, shared by the [0-9]+ rank threads \([0-9.]+ GiB\)$"
 run check_set 0 check "$good" --set train.steps=3 --set model.num_layers=1
 expect_match check_set out "^$good: ok \(.*; layers 1, ranks [0-9]+\)$"
-# a start-up warning that every layer's plugin gives is written once per rank, with a note (4 layers x 2 ranks here)
+# a start-up warning that every layer's plugin gives on every rank is written once, with a note (4 layers x 2 ranks)
 run check_warn_once 0 check "$good" --set model.num_layers=4 --set parallel.ranks=2 \
     --set 'router.load_balancing="aux_loss"' --set router.aux_loss_coeff=0
 warned=$(grep -c 'load_balancing aux_loss with aux_loss_coeff 0: the loss is 0' "$tmp/check_warn_once.err")
-[ "$warned" = 2 ] || fail "check_warn_once: the warning was written $warned times, expected once per rank (2)"
-expect_match check_warn_once err "^moert\[warn\] router \"topk\" \(layer 0, rank [01]\): load_balancing aux_loss with aux_loss_coeff 0: the loss is 0 \(not repeated for this rank's other layers\)$"
+[ "$warned" = 1 ] || fail "check_warn_once: the warning was written $warned times, expected once"
+expect_match check_warn_once err "^moert\[warn\] router \"topk\" \(layer 0, rank [01]\): load_balancing aux_loss with aux_loss_coeff 0: the loss is 0 \(not repeated for other layers or ranks\)$"
+# one rank: the note names the layers alone
+run check_warn_once_rank 0 check "$good" --set model.num_layers=4 --set parallel.ranks=1 \
+    --set 'router.load_balancing="aux_loss"' --set router.aux_loss_coeff=0
+expect_match check_warn_once_rank err "^moert\[warn\] router \"topk\" \(layer 0, rank 0\): load_balancing aux_loss with aux_loss_coeff 0: the loss is 0 \(not repeated for other layers\)$"
+warned=$(grep -c 'aux_loss_coeff 0: the loss is 0' "$tmp/check_warn_once_rank.err")
+[ "$warned" = 1 ] || fail "check_warn_once_rank: the warning was written $warned times, expected once"
 
 # check: broken configs fail with the message and exit status 1
 echo '{"model": {"hiden": 32}}' >"$tmp/typo.json"
