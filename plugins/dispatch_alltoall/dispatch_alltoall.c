@@ -199,6 +199,9 @@ static moert_result alltoall_init(void **out, const moert_host *host, const moer
         free(c);
         return rc;
     }
+    if (!c->pad_to_capacity && c->capacity_factor != 1.0) /* set away from its default, and unused */
+        host->log(host, MOERT_LOG_WARN, "$.dispatcher.capacity_factor %g has no effect without pad_to_capacity",
+                  c->capacity_factor);
 
     const int64_t E = layer->num_experts, El = layer->num_local_experts, W = c->world;
     c->exchange_row = calloc((size_t)(E + 2), sizeof(int64_t));

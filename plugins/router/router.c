@@ -379,6 +379,18 @@ static moert_result read_options(router_ctx *c, const moert_host *h, const moert
     if (aux_kind && c->aux_loss_coeff == 0.0)
         h->log(h, MOERT_LOG_WARN, "load_balancing %s with aux_loss_coeff 0: the loss is 0",
                balancing_choices[balancing]);
+    /* options set away from their defaults that change nothing here: warned, not refused (Megatron ignores them) */
+    if (!c->use_expert_bias && c->bias_update_rate != 1e-3)
+        h->log(h, MOERT_LOG_WARN, "$.router.bias_update_rate %g has no effect without expert_bias",
+               c->bias_update_rate);
+    if (!(capacity > 0.0) && drop != 0)
+        h->log(h, MOERT_LOG_WARN, "$.router.drop_policy %s has no effect without capacity_factor > 0",
+               drop_choices[drop]);
+    if (seed != 42 && !(c->jitter_eps > 0.0) && !c->force_balance)
+        h->log(h, MOERT_LOG_WARN,
+               "$.router.seed %lld has no effect without input_jitter_eps > 0 or force_load_balancing (it seeds "
+               "their noise)",
+               (long long)seed);
     return MOERT_OK;
 }
 
