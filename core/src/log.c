@@ -61,13 +61,20 @@ moert_log_level moert_log_level_current(void)
 }
 
 /* Writes one line for `who` (may be NULL) if level is enabled; one fprintf so threads do not interleave. */
+/* The message as one line: formatted, trailing newlines dropped; returns its length. */
+static size_t format_line(char *text, size_t size, const char *fmt, va_list ap)
+{
+    vsnprintf(text, size, fmt, ap);
+    size_t n = strlen(text);
+    while (n > 0 && text[n - 1] == '\n') text[--n] = '\0';
+    return n;
+}
+
 void moert_logv(moert_log_level level, const char *who, const char *fmt, va_list ap)
 {
     if (level > moert_log_level_current()) return;
     char text[2048];
-    vsnprintf(text, sizeof text, fmt, ap);
-    size_t n = strlen(text);
-    while (n > 0 && text[n - 1] == '\n') text[--n] = '\0';
+    format_line(text, sizeof text, fmt, ap);
     emit(level, who, text);
 }
 
@@ -144,9 +151,7 @@ void moert_logv_instance(moert_log_level level, const char *who, const char *fmt
     const moert_log_level in_force = moert_log_level_current();
     if (level > in_force) return;
     char text[2048];
-    vsnprintf(text, sizeof text, fmt, ap);
-    size_t n = strlen(text);
-    while (n > 0 && text[n - 1] == '\n') text[--n] = '\0';
+    const size_t n = format_line(text, sizeof text, fmt, ap);
     if (startup.active && (level == MOERT_LOG_WARN || level == MOERT_LOG_INFO) && in_force != MOERT_LOG_DEBUG) {
         /* the plugin's kind and name: who up to its location, " (layer ..., rank ...)" */
         const char *where = who ? strstr(who, " (") : NULL;

@@ -50,6 +50,9 @@ typedef struct a2a_cuda_state {
 } a2a_cuda_state;
 #endif
 
+/* capacity_factor's default: with pad_to_capacity, each source rank's balanced share; set otherwise, it is warned about */
+#define DEFAULT_CAPACITY_FACTOR 1.0
+
 typedef struct alltoall_ctx {
     const moert_host *host;
     moert_layer_info layer;
@@ -192,14 +195,14 @@ static moert_result alltoall_init(void **out, const moert_host *host, const moer
                                         "(static shapes)",
                                         &c->pad_to_capacity);
     if (rc == MOERT_OK)
-        rc = host->option_float(host, "capacity_factor", 1.0, 1e-3, 1e3,
+        rc = host->option_float(host, "capacity_factor", DEFAULT_CAPACITY_FACTOR, 1e-3, 1e3,
                                 "capacity per expert and source rank, in units of T*K/E (with pad_to_capacity)",
                                 &c->capacity_factor);
     if (rc != MOERT_OK) {
         free(c);
         return rc;
     }
-    if (!c->pad_to_capacity && c->capacity_factor != 1.0) /* set away from its default, and unused */
+    if (!c->pad_to_capacity && c->capacity_factor != DEFAULT_CAPACITY_FACTOR) /* set, and unused */
         host->log(host, MOERT_LOG_WARN, "$.dispatcher.capacity_factor %g has no effect without pad_to_capacity",
                   c->capacity_factor);
 

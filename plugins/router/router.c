@@ -18,6 +18,9 @@
 #endif
 
 #define ROUTER_NAME "topk"
+/* defaults of the options whose setting is warned about where it changes nothing (read_options) */
+#define DEFAULT_BIAS_UPDATE_RATE 1e-3
+#define DEFAULT_SEED             42
 
 /* True when the host table is new enough to have `member` and it is set. */
 #define HOST_HAS(h, member)                                                                                            \
@@ -210,7 +213,7 @@ static moert_result read_options(router_ctx *c, const moert_host *h, const moert
                         "aux-loss-free balancing: a per-expert bias moves the selection (sigmoid only)",
                         &c->use_expert_bias);
     if (rc != MOERT_OK) return rc;
-    rc = h->option_float(h, "bias_update_rate", 1e-3, 0.0, 1.0,
+    rc = h->option_float(h, "bias_update_rate", DEFAULT_BIAS_UPDATE_RATE, 0.0, 1.0,
                          "expert_bias step: bias += rate * sign(mean count - count) at end_step", &c->bias_update_rate);
     if (rc != MOERT_OK) return rc;
     rc = h->option_enum(h, "load_balancing", balancing_choices, 0,
@@ -251,7 +254,7 @@ static moert_result read_options(router_ctx *c, const moert_host *h, const moert
                         &c->force_balance);
     if (rc != MOERT_OK) return rc;
     int64_t seed = 0;
-    rc = h->option_int(h, "seed", 42, 0, INT64_MAX,
+    rc = h->option_int(h, "seed", DEFAULT_SEED, 0, INT64_MAX,
                        "seed of input_jitter_eps's noise and force_load_balancing's logits (mixed with the layer "
                        "index and the rank)",
                        &seed);
@@ -380,13 +383,13 @@ static moert_result read_options(router_ctx *c, const moert_host *h, const moert
         h->log(h, MOERT_LOG_WARN, "load_balancing %s with aux_loss_coeff 0: the loss is 0",
                balancing_choices[balancing]);
     /* options set away from their defaults that change nothing here: warned, not refused (Megatron ignores them) */
-    if (!c->use_expert_bias && c->bias_update_rate != 1e-3)
+    if (!c->use_expert_bias && c->bias_update_rate != DEFAULT_BIAS_UPDATE_RATE)
         h->log(h, MOERT_LOG_WARN, "$.router.bias_update_rate %g has no effect without expert_bias",
                c->bias_update_rate);
     if (!(capacity > 0.0) && drop != 0)
         h->log(h, MOERT_LOG_WARN, "$.router.drop_policy %s has no effect without capacity_factor > 0",
                drop_choices[drop]);
-    if (seed != 42 && !(c->jitter_eps > 0.0) && !c->force_balance)
+    if (seed != DEFAULT_SEED && !(c->jitter_eps > 0.0) && !c->force_balance)
         h->log(h, MOERT_LOG_WARN,
                "$.router.seed %lld has no effect without input_jitter_eps > 0 or force_load_balancing (it seeds "
                "their noise)",

@@ -35,6 +35,12 @@ expect_line() {
 expect_match() {
     grep -qE -- "$3" "$tmp/$1.$2" || { fail "$1: $2 does not match: $3"; sed 's/^/  | /' "$tmp/$1.$2" >&2; }
 }
+# expect_count NAME FILE(out|err) FIXED_STRING COUNT: the lines holding FIXED_STRING are exactly COUNT
+expect_count() {
+    local got
+    got=$(grep -cF -- "$3" "$tmp/$1.$2")
+    [ "$got" = "$4" ] || { fail "$1: $2 has $got lines with \"$3\", expected $4"; sed 's/^/  | /' "$tmp/$1.$2" >&2; }
+}
 # expect_no_match NAME FILE(out|err) EXTENDED_REGEX
 expect_no_match() {
     if grep -qE -- "$3" "$tmp/$1.$2"; then fail "$1: $2 matches: $3"; sed 's/^/  | /' "$tmp/$1.$2" >&2; fi
